@@ -1,0 +1,3 @@
+from atomesh.cli import main
+
+main()

@@ -1,0 +1,115 @@
+"""Admission control: a bounded number of requests run, a bounded queue waits, a token bucket paces.
+
+A permit is held from admission until the request's last byte is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from atomesh.errors import ServiceUnavailable, TooManyRequests
+
+
+class TokenBucket:
+    """Refills `rate` tokens a second up to `capacity`; each admitted request takes one."""
+
+    def __init__(self, rate: float, capacity: float) -> None:
+        self.rate = rate
+        self.capacity = max(1.0, capacity)
+        self.tokens = self.capacity
+        self.stamp = time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+    def wait_time(self) -> float:
+        return max(0.0, (1.0 - self.tokens) / self.rate)
+
+
+class Admission:
+    """Concurrency limit + FIFO wait queue + optional token bucket; all bounded."""
+
+    def __init__(self, max_concurrent: int, queue_size: int, queue_timeout: float,
+                 rate: float | None) -> None:
+        self.limit = max_concurrent if max_concurrent > 0 else None
+        self.queue_size = queue_size
+        self.queue_timeout = queue_timeout
+        self.bucket = TokenBucket(rate, float(max_concurrent if max_concurrent > 0 else rate)) if rate else None
+        self.running = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    @asynccontextmanager
+    async def permit(self) -> AsyncIterator[None]:
+        await self._acquire()
+        try:
+            yield
+        finally:
+            self._release()
+
+    async def _acquire(self) -> None:
+        if not self._waiters and self._free_now():
+            self.running += 1
+            return
+        if len(self._waiters) >= self.queue_size:
+            raise TooManyRequests("the gateway is at capacity and its queue is full; retry later",
+                                  code="queue_full")
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        deadline = time.monotonic() + self.queue_timeout
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ServiceUnavailable(f"waited {self.queue_timeout:g}s in the admission queue",
+                                             code="queue_timeout")
+                # Wake on a released slot, or when the token bucket refills.
+                poll = remaining if self.bucket is None else min(remaining, max(self.bucket.wait_time(), 0.001))
+                try:
+                    await asyncio.wait_for(asyncio.shield(fut), poll)
+                except TimeoutError:
+                    pass
+                if self._waiters and self._waiters[0] is fut and self._free_now():
+                    self._waiters.popleft()
+                    self.running += 1
+                    self._wake_next()
+                    return
+                if fut.done():
+                    fut = self._rearm(fut)
+        except BaseException:
+            if fut in self._waiters:
+                self._waiters.remove(fut)
+            self._wake_next()
+            raise
+
+    def _rearm(self, old: asyncio.Future[None]) -> asyncio.Future[None]:
+        new: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        idx = self._waiters.index(old)
+        self._waiters[idx] = new
+        return new
+
+    def _free_now(self) -> bool:
+        if self.limit is not None and self.running >= self.limit:
+            return False
+        return self.bucket is None or self.bucket.take()
+
+    def _release(self) -> None:
+        self.running -= 1
+        self._wake_next()
+
+    def _wake_next(self) -> None:
+        if self._waiters and not self._waiters[0].done():
+            self._waiters[0].set_result(None)

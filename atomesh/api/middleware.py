@@ -1,0 +1,84 @@
+"""Cross-cutting HTTP concerns: request ids, the one error-to-response mapping, HTTP metrics."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+
+import structlog
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from atomesh.errors import GatewayError, UpstreamStatus, error_body
+from atomesh.metrics import Metrics
+
+log = structlog.get_logger("atomesh.api")
+
+REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
+
+# aiohttp's own HTTP errors, in OpenAI shape.
+_HTTP_TYPES = {
+    400: ("invalid_request_error", "bad_request"),
+    404: ("not_found_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "payload_too_large"),
+}
+
+
+def new_request_id() -> str:
+    return os.urandom(12).hex()
+
+
+def json_error(status: int, message: str, type_: str, code: str | int, request_id: str) -> web.Response:
+    return web.Response(body=error_body(message, type_, code), status=status,
+                        headers={"Content-Type": "application/json", "x-request-id": request_id})
+
+
+def render(err: GatewayError, request_id: str) -> web.Response:
+    """The one place a GatewayError becomes an HTTP response."""
+    if isinstance(err, UpstreamStatus):
+        # Pass the worker's own error through: it knows best what was wrong with the request.
+        if err.content_type == "application/json" and err.upstream_body:
+            return web.Response(body=err.upstream_body, status=err.status,
+                                headers={"Content-Type": "application/json", "x-request-id": request_id})
+        text = err.upstream_body[:500].decode("utf-8", "replace").strip()
+        message = f"worker answered {err.status}" + (f": {text}" if text else "")
+        return json_error(err.status, message, err.type, err.code, request_id)
+    return json_error(err.status, err.message, err.type, err.code, request_id)
+
+
+def make_middleware(request_id_headers: Sequence[str], metrics: Metrics, max_payload: int) -> web.Middleware:
+    headers = tuple(request_id_headers)
+
+    @web.middleware
+    async def gateway_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        rid = next((v for h in headers if (v := request.headers.get(h))), None) or new_request_id()
+        request[REQUEST_ID] = rid
+        endpoint = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+        metrics.http_requests.labels(request.method, endpoint).inc()
+        metrics.http_active.inc()
+        started = time.perf_counter()
+        try:
+            resp = await handler(request)
+        except GatewayError as e:
+            if e.status >= 500:
+                log.warning("request_failed", request_id=rid, status=e.status, code=e.code, error=e.message)
+            resp = render(e, rid)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            type_, code = _HTTP_TYPES.get(e.status, ("invalid_request_error", "http_error"))
+            message = e.text if e.status != 404 else f"no route for {request.method} {request.path}"
+            if e.status == 413:
+                message = f"request body is larger than the {max_payload} bytes allowed (--max-payload-size)"
+            resp = json_error(e.status, message or e.reason, type_, code, rid)
+        finally:
+            metrics.http_active.dec()
+        if not resp.prepared:
+            resp.headers.setdefault("x-request-id", rid)
+        metrics.http_responses.labels(endpoint, str(resp.status)).inc()
+        metrics.http_duration.labels(endpoint).observe(time.perf_counter() - started)
+        return resp
+
+    return gateway_middleware

@@ -1,0 +1,91 @@
+"""OpenAI-compatible inference routes and the model / server info routes."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from atomesh.api.middleware import REQUEST_ID
+from atomesh.gateway import GATEWAY
+from atomesh.errors import NoWorkerAvailable, ShuttingDown, UpstreamStatus
+from atomesh.request import ROUTING_KEY_HEADERS, RequestView, Route, parse_body, validate
+from atomesh.transport import Exchange
+
+
+def _inference(route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        gw = request.app[GATEWAY]
+        if gw.shutting_down:
+            raise ShuttingDown("the gateway is shutting down")
+        raw = await request.read()
+        body = parse_body(raw)
+        validate(route, body)
+        headers = request.headers
+        view = RequestView(
+            route=route, body=body, raw=raw, request_id=request[REQUEST_ID],
+            routing_key=next((v for h in ROUTING_KEY_HEADERS if (v := headers.get(h))), None),
+        )
+        gw.request_started()
+        try:
+            async with gw.admission.permit():
+                return await gw.router.serve(Exchange(request, view.request_id), view)
+        finally:
+            gw.request_finished()
+
+    return handler
+
+
+def json_response(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+async def models(request: web.Request) -> web.Response:
+    """The models the healthy workers serve, merged (decode workers in P/D mode)."""
+    gw = request.app[GATEWAY]
+    role = gw.roles[-1]
+    seen: dict[str, dict[str, Any]] = {}
+    for w in gw.registry.ready(role):
+        for m in w.models:
+            seen.setdefault(m, {"id": m, "object": "model", "owned_by": "atomesh", "root": m})
+    if not seen and not gw.registry.ready(role):
+        raise NoWorkerAvailable("no healthy worker is available to list models")
+    return json_response({"object": "list", "data": list(seen.values())})
+
+
+async def _from_any_worker(request: web.Request, path: str) -> web.Response:
+    gw = request.app[GATEWAY]
+    for w in gw.registry.ready(gw.roles[-1]):
+        status, body, ctype = await gw.upstream.call("GET", w.url + path, timeout=gw.config.health_check_timeout_secs)
+        if status >= 400:
+            raise UpstreamStatus(status, body, ctype)
+        return web.Response(body=body, status=status, content_type=ctype or "application/json")
+    raise NoWorkerAvailable("no healthy worker is available")
+
+
+async def model_info(request: web.Request) -> web.Response:
+    return await _from_any_worker(request, "/get_model_info")
+
+
+async def server_info(request: web.Request) -> web.Response:
+    """The gateway's own settings and state, with each worker's discovered server info."""
+    gw = request.app[GATEWAY]
+    cfg = gw.config
+    return json_response({
+        "gateway": "atomesh",
+        "mode": "pd" if cfg.pd_disaggregation else "regular",
+        "backend": cfg.backend.value,
+        "policy": {r.value: cfg.policy_for(r.value) for r in gw.roles},
+        "active_requests": gw.active_requests,
+        "workers": [{**w.describe(), "server_info": w.server_info} for w in gw.registry],
+    })
+
+
+def setup(app: web.Application) -> None:
+    for route in Route:
+        app.router.add_post(route.value, _inference(route))
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/get_model_info", model_info)
+    app.router.add_get("/get_server_info", server_info)

@@ -1,0 +1,29 @@
+"""Regular mode: the request goes to one worker as it came, and its answer back as it comes."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from atomesh.errors import UpstreamError
+from atomesh.placement import Plan, Single
+from atomesh.request import RequestView
+from atomesh.transport import ChunkHook, Exchange, Upstream, relay, upstream_headers
+
+
+class SingleBackend:
+    """Forwards the untouched body to the planned worker (the same for every engine family)."""
+
+    def __init__(self, upstream: Upstream, on_chunk: ChunkHook | None = None) -> None:
+        self.upstream = upstream
+        self.on_chunk = on_chunk
+
+    async def forward(self, exchange: Exchange, view: RequestView, plan: Plan) -> web.StreamResponse:
+        assert isinstance(plan, Single), "regular mode places single workers"
+        worker = plan.worker
+        try:
+            async with self.upstream.open("POST", worker.url + view.route, data=view.raw,
+                                          headers=upstream_headers(exchange)) as resp:
+                return await relay(exchange, resp, self.on_chunk)
+        except UpstreamError as e:
+            e.worker = worker
+            raise

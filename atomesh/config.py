@@ -1,0 +1,305 @@
+"""Every gateway setting, validated once at start-up.
+
+`GatewayConfig` is the single source of truth: the `atomesh launch` flags, the `--config FILE.yaml`
+keys and the configuration reference in docs/ are all derived from its fields. A field's flag is its
+name with dashes (`worker_urls` -> `--worker-urls`); extra spellings live in `FLAG_ALIASES`.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message is one line meant for the user."""
+
+
+class Backend(StrEnum):
+    SGLANG = "sglang"
+    VLLM = "vllm"
+    ATOM = "atom"
+
+
+class LogLevel(StrEnum):
+    DEBUG = "debug"
+    INFO = "info"
+    WARN = "warn"
+    ERROR = "error"
+
+
+# Policies are registered by name in atomesh.policies; the names are repeated here so that the
+# config can be validated without importing the policy implementations.
+POLICY_NAMES = ("random", "round_robin", "power_of_two", "least_load", "cache_aware", "prefix_hash")
+
+
+class PrefillSpec(BaseModel):
+    """One `--prefill URL [BOOTSTRAP_PORT|none]` entry."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    url: str
+    bootstrap_port: int | None = None
+
+
+def check_worker_url(url: str) -> str:
+    """Return the URL without a trailing slash, or raise ValueError saying what is wrong."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"worker URL {url!r} must start with http:// or https://")
+    if not parts.hostname:
+        raise ValueError(f"worker URL {url!r} has no host")
+    try:
+        parts.port  # noqa: B018 - raises on a malformed port
+    except ValueError as e:
+        raise ValueError(f"worker URL {url!r} has an invalid port") from e
+    if parts.query or parts.fragment:
+        raise ValueError(f"worker URL {url!r} must not carry a query or fragment")
+    return url.rstrip("/")
+
+
+PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegFloat = Annotated[float, Field(ge=0)]
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+DEFAULT_REQUEST_ID_HEADERS = ("x-request-id", "x-correlation-id", "x-trace-id", "request-id")
+DEFAULT_DURATION_BUCKETS = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+)
+
+
+class GatewayConfig(BaseModel):
+    """All settings of `atomesh launch`; defaults follow SMG / ATOMesh."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+    # --- server
+    host: str = Field("0.0.0.0", description="Address to listen on.")
+    port: Port = Field(30000, description="Port of the OpenAI-compatible service.")
+    worker_urls: list[str] = Field(default_factory=list, description="Regular-mode worker URLs.")
+    max_payload_size: int = Field(512 * 1024 * 1024, gt=0, description="Largest request body in bytes (413 above).")
+    request_timeout_secs: PositiveFloat = Field(1800, description="Upper bound on one upstream request.")
+    shutdown_grace_period_secs: NonNegFloat = Field(
+        180, description="On SIGTERM/SIGINT, how long in-flight requests may run before exit."
+    )
+    api_key: str | None = Field(None, description="Bearer key required on the admin API (and sent upstream).")
+    backend: Backend = Field(Backend.SGLANG, description="Engine family: sglang, vllm or atom (alias --runtime).")
+    config: Path | None = Field(None, description="YAML file with these settings (flags win over the file).")
+
+    # --- policy
+    policy: str = Field("cache_aware", description="Worker selection policy.")
+    prefill_policy: str | None = Field(None, description="Policy for the prefill pool (default: --policy).")
+    decode_policy: str | None = Field(None, description="Policy for the decode pool (default: --policy).")
+    cache_threshold: float = Field(
+        0.3, ge=0, le=1, description="cache_aware: minimum prefix match ratio to follow the cache."
+    )
+    balance_abs_threshold: int = Field(
+        64, ge=0, description="cache_aware: load gap (max - min) above which balancing wins."
+    )
+    balance_rel_threshold: float = Field(
+        1.5, ge=1, description="cache_aware: load ratio (max / min) above which balancing wins."
+    )
+    eviction_interval_secs: PositiveFloat = Field(120, description="cache_aware: how often the index is pruned.")
+    max_tree_size: int = Field(2**26, gt=0, description="cache_aware: hard bound on index entries.")
+    prefix_token_count: int = Field(256, gt=0, description="prefix_hash: tokens of the prompt hashed.")
+    dp_aware: bool = Field(False, description="Route to data-parallel ranks of each worker.")
+
+    # --- P/D
+    pd_disaggregation: bool = Field(False, description="Prefill/decode disaggregated mode.")
+    prefill: list[PrefillSpec] = Field(
+        default_factory=list, description="`URL [BOOTSTRAP_PORT|none]`, repeatable: a prefill worker."
+    )
+    decode: list[str] = Field(default_factory=list, description="`URL`, repeatable: a decode worker.")
+    worker_startup_timeout_secs: PositiveFloat = Field(
+        1800, description="How long start-up waits for command-line workers to become healthy."
+    )
+    worker_startup_check_interval: PositiveFloat = Field(30, description="Seconds between start-up probes.")
+
+    # --- logging
+    log_level: LogLevel = Field(LogLevel.INFO, description="debug, info, warn or error.")
+    log_dir: Path | None = Field(None, description="Also write logs to a rotating file in this folder.")
+    json_log: bool = Field(False, description="One JSON object per log line.")
+
+    # --- prometheus
+    prometheus_port: Port = Field(29000, description="Port of the /metrics server.")
+    prometheus_host: str = Field("0.0.0.0", description="Address of the /metrics server.")
+    prometheus_duration_buckets: list[PositiveFloat] = Field(
+        default_factory=lambda: list(DEFAULT_DURATION_BUCKETS), description="Latency histogram buckets (seconds)."
+    )
+
+    # --- requests
+    request_id_headers: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_REQUEST_ID_HEADERS),
+        description="Headers a request id is taken from, first match wins.",
+    )
+
+    # --- admission
+    max_concurrent_requests: int = Field(-1, ge=-1, description="Requests served at once (-1: unlimited).")
+    queue_size: int = Field(100, ge=0, description="Requests that may wait for a slot (429 beyond).")
+    queue_timeout_secs: PositiveFloat = Field(60, description="Longest wait for a slot (503 after).")
+    rate_limit_tokens_per_second: PositiveFloat | None = Field(
+        None, description="Token-bucket refill rate for admitted requests (burst = max-concurrent-requests)."
+    )
+
+    # --- retries
+    retry_max_retries: int = Field(5, ge=0, description="Retries after the first attempt.")
+    retry_initial_backoff_ms: int = Field(50, ge=0, description="First backoff.")
+    retry_max_backoff_ms: int = Field(30000, ge=0, description="Largest backoff.")
+    retry_backoff_multiplier: float = Field(1.5, ge=1, description="Backoff growth per retry.")
+    retry_jitter_factor: float = Field(0.2, ge=0, le=1, description="Random spread of each backoff (+-).")
+    disable_retries: bool = Field(False, description="Never retry.")
+
+    # --- circuit breaker
+    cb_failure_threshold: int = Field(10, ge=1, description="Consecutive failures that open the breaker.")
+    cb_success_threshold: int = Field(3, ge=1, description="Half-open successes that close it.")
+    cb_timeout_duration_secs: PositiveFloat = Field(60, description="Open time before a half-open probe.")
+    cb_window_duration_secs: PositiveFloat = Field(120, description="Window over which failures count.")
+    disable_circuit_breaker: bool = Field(False, description="No circuit breaker.")
+
+    # --- health
+    health_failure_threshold: int = Field(3, ge=1, description="Failed checks before a worker is unhealthy.")
+    health_success_threshold: int = Field(2, ge=1, description="Passed checks before it is healthy again.")
+    health_check_timeout_secs: PositiveFloat = Field(5, description="Timeout of one check.")
+    health_check_interval_secs: PositiveFloat = Field(60, description="Seconds between checks.")
+    health_check_endpoint: str = Field("/health", description="Path probed on each worker.")
+    disable_health_check: bool = Field(False, description="No periodic health checks.")
+
+    # --- TLS
+    tls_cert_path: Path | None = Field(None, description="Serve HTTPS with this certificate (with --tls-key-path).")
+    tls_key_path: Path | None = Field(None, description="Private key of --tls-cert-path.")
+
+    # --- Kubernetes discovery
+    service_discovery: bool = Field(False, description="Discover workers from Kubernetes pods.")
+    selector: list[str] = Field(default_factory=list, description="`k=v` pod labels of regular workers.")
+    prefill_selector: list[str] = Field(default_factory=list, description="`k=v` pod labels of prefill workers.")
+    decode_selector: list[str] = Field(default_factory=list, description="`k=v` pod labels of decode workers.")
+    service_discovery_port: Port = Field(80, description="Worker port on discovered pods.")
+    service_discovery_namespace: str | None = Field(None, description="Namespace watched (default: all).")
+
+    # ------------------------------------------------------------------ validation
+    @field_validator("worker_urls", "decode")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        return [check_worker_url(u) for u in urls]
+
+    @field_validator("prefill")
+    @classmethod
+    def _prefill_urls(cls, specs: list[PrefillSpec]) -> list[PrefillSpec]:
+        return [PrefillSpec(url=check_worker_url(s.url), bootstrap_port=s.bootstrap_port) for s in specs]
+
+    @field_validator("policy", "prefill_policy", "decode_policy")
+    @classmethod
+    def _policy(cls, name: str | None) -> str | None:
+        if name is not None and name not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+        return name
+
+    @field_validator("health_check_endpoint")
+    @classmethod
+    def _endpoint(cls, path: str) -> str:
+        if not path.startswith("/"):
+            raise ValueError(f"health check endpoint {path!r} must start with '/'")
+        return path
+
+    @field_validator("request_id_headers")
+    @classmethod
+    def _headers(cls, headers: list[str]) -> list[str]:
+        return [h.lower() for h in headers]
+
+    @field_validator("prometheus_duration_buckets")
+    @classmethod
+    def _buckets(cls, buckets: list[float]) -> list[float]:
+        if not buckets or sorted(set(buckets)) != buckets:
+            raise ValueError("buckets must be a non-empty, strictly increasing list")
+        return buckets
+
+    @model_validator(mode="after")
+    def _modes(self) -> GatewayConfig:
+        if not self.pd_disaggregation:
+            for flag, value in (("--prefill", self.prefill), ("--decode", self.decode),
+                                ("--prefill-policy", self.prefill_policy),
+                                ("--decode-policy", self.decode_policy)):
+                if value:
+                    raise ValueError(f"{flag} needs --pd-disaggregation")
+        elif self.worker_urls:
+            raise ValueError("--worker-urls is for regular mode; use --prefill and --decode with --pd-disaggregation")
+        if (self.tls_cert_path is None) != (self.tls_key_path is None):
+            raise ValueError("--tls-cert-path and --tls-key-path go together")
+        if self.retry_max_backoff_ms < self.retry_initial_backoff_ms:
+            raise ValueError("--retry-max-backoff-ms must be >= --retry-initial-backoff-ms")
+        return self
+
+    # ------------------------------------------------------------------ helpers
+    def policy_for(self, role: str) -> str:
+        """The policy name of one worker pool ("regular", "prefill" or "decode")."""
+        if role == "prefill" and self.prefill_policy:
+            return self.prefill_policy
+        if role == "decode" and self.decode_policy:
+            return self.decode_policy
+        return self.policy
+
+
+# Settings a user may give that are not built yet: naming one stops start-up with this reason.
+NOT_IMPLEMENTED: dict[str, str] = {
+    "dp_aware": "data-parallel-aware routing is not implemented yet",
+    "service_discovery": "Kubernetes service discovery is not implemented yet",
+    "selector": "Kubernetes service discovery is not implemented yet",
+    "prefill_selector": "Kubernetes service discovery is not implemented yet",
+    "decode_selector": "Kubernetes service discovery is not implemented yet",
+    "service_discovery_port": "Kubernetes service discovery is not implemented yet",
+    "service_discovery_namespace": "Kubernetes service discovery is not implemented yet",
+}
+
+# Extra flag spellings (ATOMesh / SMG compatibility).
+FLAG_ALIASES: dict[str, tuple[str, ...]] = {"backend": ("--runtime",)}
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _describe(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = first["loc"]
+    msg = str(first["msg"]).removeprefix("Value error, ")
+    if not loc:
+        return msg
+    name = str(loc[0])
+    where = flag_name(name) if name in GatewayConfig.model_fields else name
+    value = first.get("input")
+    shown = "" if isinstance(value, (dict, list)) or value is None else f" (got {value!r})"
+    return f"{where}: {msg}{shown}"
+
+
+def load_config(flags: dict[str, Any]) -> GatewayConfig:
+    """Build the config from a YAML file (if `config` is given) overlaid with explicit flags.
+
+    `flags` holds only the settings the user gave on the command line. Raises ConfigError with one
+    line naming the offending setting.
+    """
+    values: dict[str, Any] = {}
+    path = flags.get("config")
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as e:
+            raise ConfigError(f"--config: cannot read {path}: {e.strerror}") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config: {path} is not valid YAML: {e}") from e
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"--config: {path} must hold a mapping of settings")
+        values.update({str(k).replace("-", "_"): v for k, v in loaded.items()})
+    values.update(flags)
+    for name, reason in NOT_IMPLEMENTED.items():
+        if name in values and values[name] not in (None, False, [], GatewayConfig.model_fields[name].default):
+            raise ConfigError(f"{flag_name(name)}: {reason}")
+    try:
+        return GatewayConfig.model_validate(values)
+    except ValidationError as e:
+        raise ConfigError(_describe(e)) from None

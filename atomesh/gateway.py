@@ -1,0 +1,150 @@
+"""The running gateway: every component built from the config, with their start / stop order."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+from aiohttp import web
+
+from atomesh.admission import Admission
+from atomesh.backends import Backend
+from atomesh.backends.single import SingleBackend
+from atomesh.config import GatewayConfig
+from atomesh.metrics import Metrics
+from atomesh.placement import Placement
+from atomesh.policies import Policy, make_policy
+from atomesh.router import Router
+from atomesh.transport import Upstream
+from atomesh.workers.breaker import BreakerSettings, BreakerState
+from atomesh.workers.health import HealthChecker
+from atomesh.workers.lifecycle import Lifecycle
+from atomesh.workers.registry import WorkerRegistry
+from atomesh.workers.worker import Worker, WorkerRole, WorkerState
+
+log = structlog.get_logger("atomesh")
+
+_CB_VALUE = {BreakerState.CLOSED: 0, BreakerState.OPEN: 1, BreakerState.HALF_OPEN: 2}
+
+
+class StartupError(RuntimeError):
+    """The gateway cannot start; the message says why in one line."""
+
+
+class Gateway:
+    """Owns every component of a running gateway and their start / stop order."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.metrics = Metrics(config.prometheus_duration_buckets)
+        self.registry = WorkerRegistry()
+        self.upstream = Upstream(config.request_timeout_secs)
+        roles = (WorkerRole.PREFILL, WorkerRole.DECODE) if config.pd_disaggregation else (WorkerRole.REGULAR,)
+        policies: dict[WorkerRole, Policy] = {r: make_policy(config.policy_for(r.value), config) for r in roles}
+        self.placement = Placement(self.registry, policies, pd=config.pd_disaggregation)
+        self.backend = self._make_backend()
+        self.router = Router(config, self.placement, self.backend, self.metrics)
+        self.admission = Admission(config.max_concurrent_requests, config.queue_size, config.queue_timeout_secs,
+                                   config.rate_limit_tokens_per_second)
+        self.lifecycle = Lifecycle(
+            self.registry, self.upstream, backend=config.backend,
+            breaker=BreakerSettings(
+                failure_threshold=config.cb_failure_threshold, success_threshold=config.cb_success_threshold,
+                timeout_secs=config.cb_timeout_duration_secs, window_secs=config.cb_window_duration_secs,
+                enabled=not config.disable_circuit_breaker),
+            startup_timeout=config.worker_startup_timeout_secs,
+            check_interval=config.worker_startup_check_interval,
+            probe_timeout=config.health_check_timeout_secs,
+            health_endpoint=config.health_check_endpoint,
+            on_breaker=self._on_breaker,
+        )
+        self.health = HealthChecker(
+            self.registry, self.lifecycle.probe, interval=config.health_check_interval_secs,
+            failure_threshold=config.health_failure_threshold, success_threshold=config.health_success_threshold,
+            on_result=lambda w, ok: self.metrics.health_checks.labels(w.url, "success" if ok else "failure").inc(),
+        )
+        self.registry.subscribe(self._on_worker_state)
+        self.shutting_down = False
+        self.active_requests = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.started_at = time.time()
+
+    def _make_backend(self) -> Backend:
+        if self.config.pd_disaggregation:
+            raise StartupError("--pd-disaggregation is not implemented yet")
+        return SingleBackend(self.upstream)
+
+    @property
+    def roles(self) -> tuple[WorkerRole, ...]:
+        return tuple(self.placement.policies)
+
+    # ------------------------------------------------------------------ request accounting
+    def request_started(self) -> None:
+        self.active_requests += 1
+        self._idle.clear()
+
+    def request_finished(self) -> None:
+        self.active_requests -= 1
+        if self.active_requests == 0:
+            self._idle.set()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        await self.upstream.start()
+
+    async def add_startup_workers(self) -> None:
+        """Register the command-line workers and wait for them (up to the startup timeout)."""
+        cfg = self.config
+        workers: list[Worker] = [self.lifecycle.add(u, WorkerRole.REGULAR) for u in cfg.worker_urls]
+        workers += [self.lifecycle.add(p.url, WorkerRole.PREFILL, p.bootstrap_port) for p in cfg.prefill]
+        workers += [self.lifecycle.add(u, WorkerRole.DECODE) for u in cfg.decode]
+        if not workers:
+            return
+        log.info("waiting_for_workers", count=len(workers), timeout_secs=cfg.worker_startup_timeout_secs)
+        await asyncio.gather(*(self.lifecycle.wait_ready(w) for w in workers))
+        failed = [w for w in workers if w.state is WorkerState.FAILED]
+        for w in failed:
+            log.error("startup_worker_failed", worker=w.url, reason=w.error)
+        for role in self.roles:
+            if any(w.role is role for w in workers) and not self.registry.ready(role):
+                reasons = "; ".join(w.error or "" for w in failed if w.role is role)
+                raise StartupError(f"no {role.value} worker became healthy: {reasons}")
+
+    def start_background(self) -> None:
+        if not self.config.disable_health_check:
+            self.health.start()
+
+    async def drain_requests(self, grace: float) -> bool:
+        """Stop taking requests and wait for in-flight ones; True if all finished in time."""
+        self.shutting_down = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace)
+            return True
+        except TimeoutError:
+            return False
+
+    async def stop(self) -> None:
+        await self.health.stop()
+        await self.lifecycle.stop()
+        await self.upstream.stop()
+
+    # ------------------------------------------------------------------ observers
+    def _on_worker_state(self, worker: Worker, old: WorkerState | None, new: WorkerState) -> None:
+        m = self.metrics
+        role = worker.role.value
+        if old is not None:
+            m.pool_size.labels(role, old.value).dec()
+        if new is WorkerState.REMOVED:
+            m.forget_worker(worker.url, role)
+            return
+        m.pool_size.labels(role, new.value).inc()
+        m.worker_health.labels(worker.url, role).set(1 if new is WorkerState.READY else 0)
+
+    def _on_breaker(self, worker: Worker, old: BreakerState, new: BreakerState) -> None:
+        self.metrics.cb_state.labels(worker.url).set(_CB_VALUE[new])
+        self.metrics.cb_transitions.labels(worker.url, old.value, new.value).inc()
+
+
+GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)

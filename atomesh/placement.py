@@ -1,0 +1,110 @@
+"""THE placement core: every decision about where a request runs is made here.
+
+`Placement.place(view)` turns a RequestView into a Plan (one worker, or a prefill/decode pair
+chosen together) using the configured policy of each pool, and counts the load on the chosen
+workers from that moment until `release(plan)`, called after the last byte was sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from atomesh.errors import NoWorkerAvailable
+from atomesh.policies import Policy
+from atomesh.request import RequestView
+from atomesh.workers.registry import WorkerRegistry
+from atomesh.workers.worker import Worker, WorkerRole, WorkerState
+
+
+@dataclass(frozen=True, slots=True)
+class Single:
+    """Run the request on one worker."""
+
+    worker: Worker
+
+    @property
+    def workers(self) -> tuple[Worker, ...]:
+        return (self.worker,)
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    """Prefill on one worker, decode on another."""
+
+    prefill: Worker
+    decode: Worker
+
+    @property
+    def workers(self) -> tuple[Worker, ...]:
+        return (self.prefill, self.decode)
+
+
+Plan = Single | Pair
+
+
+class Placement:
+    """Chooses workers for requests; owns the per-pool policies and the in-flight load counts."""
+
+    def __init__(self, registry: WorkerRegistry, policies: dict[WorkerRole, Policy], *, pd: bool) -> None:
+        self.registry = registry
+        self.policies = policies
+        self.pd = pd
+        registry.subscribe(self._on_state)
+
+    def place(self, view: RequestView, exclude: Collection[Worker] = ()) -> Plan:
+        """Choose where `view` runs, avoiding `exclude` (earlier failed attempts) when possible."""
+        if self.pd:
+            prefill = self._choose(WorkerRole.PREFILL, view, exclude)
+            decode = self._choose(WorkerRole.DECODE, view, exclude)
+            plan: Plan = Pair(prefill, decode)
+        else:
+            plan = Single(self._choose(WorkerRole.REGULAR, view, exclude))
+        for w in plan.workers:
+            w.in_flight += 1
+        return plan
+
+    def release(self, plan: Plan) -> None:
+        """The request placed by `plan` has sent its last byte (or failed)."""
+        for w in plan.workers:
+            w.in_flight -= 1
+
+    def candidates(self, role: WorkerRole, view: RequestView, exclude: Collection[Worker] = ()) -> list[Worker]:
+        ready = self.registry.ready(role)
+        pool = [w for w in ready if w.breaker.allows()]
+        model = view.model
+        if model is not None:
+            serving = [w for w in pool if w.serves(model)]
+            # A fleet that does not advertise the requested name still serves it (one-model fleets).
+            if serving or not any(w.models for w in pool):
+                pool = serving or pool
+            else:
+                pool = serving
+        if exclude:
+            fresh = [w for w in pool if w not in exclude]
+            pool = fresh or pool
+        return pool
+
+    def _choose(self, role: WorkerRole, view: RequestView, exclude: Collection[Worker]) -> Worker:
+        pool = self.candidates(role, view, exclude)
+        if not pool:
+            raise NoWorkerAvailable(_no_worker_message(role, view, self.registry.ready(role)))
+        policy = self.policies[role]
+        worker = policy.select(pool, view) if len(pool) > 1 else pool[0]
+        policy.on_placed(worker, view)
+        return worker
+
+    def _on_state(self, worker: Worker, old: WorkerState | None, new: WorkerState) -> None:
+        if new is WorkerState.REMOVED:
+            policy = self.policies.get(worker.role)
+            if policy is not None:
+                policy.on_worker_removed(worker)
+
+
+def _no_worker_message(role: WorkerRole, view: RequestView, ready: Sequence[Worker]) -> str:
+    what = "worker" if role is WorkerRole.REGULAR else f"{role.value} worker"
+    if not ready:
+        return f"no healthy {what} is available"
+    if view.model is not None and not any(w.serves(view.model) for w in ready):
+        return f"no healthy {what} serves model {view.model!r}"
+    return f"every healthy {what} has its circuit breaker open"

@@ -1,0 +1,113 @@
+"""What the gateway knows about one inference request: parsed once, read by placement and backends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import orjson
+
+from atomesh.errors import BadRequest
+
+
+class Route(StrEnum):
+    COMPLETIONS = "/v1/completions"
+    CHAT = "/v1/chat/completions"
+    GENERATE = "/generate"
+
+
+# Headers that carry a sticky routing key (sessions, users), first match wins.
+ROUTING_KEY_HEADERS = ("x-session-id", "x-routing-key", "x-user-id")
+
+
+@dataclass(slots=True)
+class RequestView:
+    """A parsed inference request. `raw` is forwarded untouched unless a backend must rewrite it."""
+
+    route: Route
+    body: dict[str, Any]
+    raw: bytes
+    request_id: str
+    routing_key: str | None = None
+    _locality_text: str | None = field(default=None, repr=False)
+
+    @property
+    def model(self) -> str | None:
+        m = self.body.get("model")
+        return m if isinstance(m, str) else None
+
+    @property
+    def stream(self) -> bool:
+        return self.body.get("stream") is True
+
+    @property
+    def locality_text(self) -> str:
+        """The text whose prefix decides cache locality: the prompt, or the whole conversation."""
+        if self._locality_text is None:
+            self._locality_text = _locality_text(self.route, self.body)
+        return self._locality_text
+
+    @property
+    def input_length(self) -> int:
+        """Approximate prompt length in characters (token ids count one each)."""
+        ids = self.body.get("input_ids")
+        if isinstance(ids, list):
+            return len(ids)
+        return len(self.locality_text)
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """Decode a JSON object body or raise BadRequest (400) saying why."""
+    if not raw:
+        raise BadRequest("request body is empty; a JSON object is expected", code="invalid_json")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise BadRequest(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def validate(route: Route, body: dict[str, Any]) -> None:
+    """Refuse requests no worker could serve, before placing them."""
+    if route is Route.CHAT:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise BadRequest("'messages' must be a non-empty list", code="invalid_messages")
+    elif route is Route.COMPLETIONS:
+        if "prompt" not in body:
+            raise BadRequest("'prompt' is required", code="missing_prompt")
+    elif not any(k in body for k in ("text", "input_ids", "prompt")):
+        raise BadRequest("'text' or 'input_ids' is required", code="missing_input")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise BadRequest("'stream' must be a boolean", code="invalid_stream")
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # multi-part content: keep the text parts
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+def _locality_text(route: Route, body: dict[str, Any]) -> str:
+    if route is Route.CHAT:
+        parts = []
+        for m in body.get("messages") or ():
+            if isinstance(m, dict):
+                parts.append(f"<|{m.get('role', '')}|>{_content_text(m.get('content'))}")
+        return "".join(parts)
+    prompt = body.get("prompt", body.get("text"))
+    if isinstance(prompt, list):
+        if prompt and isinstance(prompt[0], str):
+            return prompt[0]
+        return " ".join(map(str, prompt[:4096]))
+    if isinstance(prompt, str):
+        return prompt
+    ids = body.get("input_ids")
+    if isinstance(ids, list):
+        return " ".join(map(str, ids[:4096]))
+    return ""

@@ -1,0 +1,254 @@
+"""A configurable OpenAI-compatible mock worker for tests and benchmarks.
+
+It answers `/v1/completions`, `/v1/chat/completions` and `/generate` (streamed or not) with fake
+tokens, identifies itself in the `x-mock-worker` header, records what it received, and can be made
+slow, failing, hanging or dying mid-stream, at start or at run time (`POST /_mock/config`).
+Run it in-process (`MockWorker(...).start()`) or as a process:
+`python -m atomesh.testing.mock_worker --port 8001 --name a`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+RECORD_LIMIT = 1000
+
+
+@dataclass(slots=True)
+class MockBehaviour:
+    """How the mock answers; every field can be changed at run time."""
+
+    latency_secs: float = 0.0  # before the response starts
+    stream_chunks: int = 4  # tokens in a streamed reply (and words in a non-streamed one)
+    chunk_interval_secs: float = 0.0
+    fail_status: int | None = None  # answer inference requests with this status
+    fail_times: int = -1  # how many requests fail_status applies to (-1: all)
+    hang: bool = False  # never answer inference requests
+    die_after_chunks: int | None = None  # close the connection after this many streamed chunks
+    drop_connection: bool = False  # close the connection without answering
+    health_status: int = 200
+    models: list[str] = field(default_factory=lambda: ["mock-model"])
+    kv_role: str | None = None  # reported by /kv_transfer_info
+
+
+class MockWorker:
+    """One mock worker server on a loopback port."""
+
+    def __init__(self, name: str = "mock", host: str = "127.0.0.1", port: int = 0,
+                 behaviour: MockBehaviour | None = None) -> None:
+        self.name = name
+        self.host = host
+        self.port = port
+        self.behaviour = behaviour or MockBehaviour()
+        self.received: deque[dict[str, Any]] = deque(maxlen=RECORD_LIMIT)
+        self.active = 0  # inference requests being answered now
+        self.cancelled = 0  # inference requests whose client went away before the end
+        self.served = 0
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
+            app.router.add_post(path, self._inference)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/health_generate", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/server_info", self._server_info)
+        app.router.add_get("/kv_transfer_info", self._kv_info)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/flush_cache", self._flush)
+        app.router.add_get("/_mock/requests", self._requests)
+        app.router.add_post("/_mock/config", self._config)
+        return app
+
+    async def start(self) -> MockWorker:
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+        await site.start()
+        if self.port == 0:
+            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # ------------------------------------------------------------------ handlers
+    def _headers(self) -> dict[str, str]:
+        return {"x-mock-worker": self.name}
+
+    async def _inference(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return web.json_response({"error": {"message": "bad json", "type": "invalid_request_error",
+                                                "code": 400}}, status=400, headers=self._headers())
+        self.received.append({"path": request.path, "body": body, "headers": {k.lower(): v for k, v in request.headers.items()},
+                              "at": time.time()})
+        b = self.behaviour
+        self.active += 1
+        finished = False
+        try:
+            if b.drop_connection:
+                assert request.transport is not None
+                request.transport.close()
+                finished = True
+                return web.Response(status=500)
+            if b.hang:
+                await asyncio.Event().wait()
+            if b.latency_secs:
+                await asyncio.sleep(b.latency_secs)
+            if b.fail_status is not None and b.fail_times != 0:
+                if b.fail_times > 0:
+                    b.fail_times -= 1
+                finished = True
+                return web.json_response(
+                    {"error": {"message": f"mock failure from {self.name}", "type": "server_error",
+                               "code": b.fail_status}}, status=b.fail_status, headers=self._headers())
+            resp = await (self._stream(request, body) if body.get("stream") else self._whole(request, body))
+            finished = True
+            self.served += 1
+            return resp
+        finally:
+            self.active -= 1
+            if not finished:
+                self.cancelled += 1
+
+    def _max_tokens(self, body: dict[str, Any]) -> int:
+        n = body.get("max_tokens", body.get("max_completion_tokens"))
+        if isinstance(body.get("sampling_params"), dict):
+            n = body["sampling_params"].get("max_new_tokens", n)
+        return min(int(n), self.behaviour.stream_chunks) if isinstance(n, int) else self.behaviour.stream_chunks
+
+    def _kv_params(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        params = body.get("kv_transfer_params")
+        if not isinstance(params, dict) or not params.get("do_remote_decode"):
+            return None
+        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [0, 1],
+                "remote_engine_id": f"{self.host}:1", "remote_host": self.host, "remote_port": 1,
+                "remote_handshake_port": 2, "tp_size": 1, "dp_rank": 0, "transfer_id": "mock",
+                "first_token_id": 7, "prefix_cache_hit_tokens": 0}
+
+    async def _whole(self, request: web.Request, body: dict[str, Any]) -> web.Response:
+        n = self._max_tokens(body)
+        text = " ".join(f"tok{i}" for i in range(n))
+        chat = request.path.endswith("chat/completions")
+        choice: dict[str, Any] = (
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+            if chat else {"index": 0, "text": text, "finish_reason": "length"}
+        )
+        out: dict[str, Any] = {
+            "id": f"cmpl-{self.name}", "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": body.get("model", "mock-model"), "choices": [choice],
+            "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n},
+        }
+        kv = self._kv_params(body)
+        if kv is not None:
+            out["kv_transfer_params"] = kv
+        return web.Response(body=orjson.dumps(out), content_type="application/json", headers=self._headers())
+
+    async def _stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        b = self.behaviour
+        n = self._max_tokens(body)
+        chat = request.path.endswith("chat/completions")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **self._headers()})
+        await resp.prepare(request)
+        for i in range(n):
+            if b.die_after_chunks is not None and i >= b.die_after_chunks:
+                assert request.transport is not None
+                request.transport.close()
+                return resp
+            delta: dict[str, Any] = {"content": f"tok{i} "} if chat else {}
+            choice: dict[str, Any] = ({"index": 0, "delta": delta, "finish_reason": None} if chat
+                                      else {"index": 0, "text": f"tok{i} ", "finish_reason": None})
+            if i == n - 1:
+                choice["finish_reason"] = "length"
+            event = {"id": f"cmpl-{self.name}", "object": "chat.completion.chunk" if chat else "text_completion",
+                     "model": body.get("model", "mock-model"), "choices": [choice]}
+            await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
+            if b.chunk_interval_secs:
+                await asyncio.sleep(b.chunk_interval_secs)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok" if self.behaviour.health_status == 200 else "bad"},
+                                 status=self.behaviour.health_status, headers=self._headers())
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": m, "object": "model", "owned_by": "mock"} for m in self.behaviour.models]})
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_id": self.behaviour.models[0] if self.behaviour.models else None,
+                                  "served_model_name": self.behaviour.models, "tp_size": 1, "dp_size": 1,
+                                  "mock": self.name})
+
+    async def _kv_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"tp_size": 1, "dp_size": 1, "kv_role": self.behaviour.kv_role,
+                                  "handshake_port": 6301})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = (f"# TYPE atom:requests_running gauge\natom:requests_running {self.active}\n"
+                f"# TYPE atom:requests_served_total counter\natom:requests_served_total {self.served}\n")
+        return web.Response(text=text, content_type="text/plain")
+
+    async def _flush(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _requests(self, request: web.Request) -> web.Response:
+        return web.Response(body=orjson.dumps(list(self.received)), content_type="application/json")
+
+    async def _config(self, request: web.Request) -> web.Response:
+        changes = orjson.loads(await request.read())
+        known = {f.name for f in fields(MockBehaviour)}
+        unknown = set(changes) - known
+        if unknown:
+            return web.json_response({"error": f"unknown settings {sorted(unknown)}"}, status=400)
+        for k, v in changes.items():
+            setattr(self.behaviour, k, v)
+        return web.json_response(asdict(self.behaviour))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="atomesh mock worker")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--name", default="mock")
+    parser.add_argument("--latency-secs", type=float, default=0.0)
+    parser.add_argument("--stream-chunks", type=int, default=4)
+    parser.add_argument("--chunk-interval-secs", type=float, default=0.0)
+    parser.add_argument("--kv-role", default=None)
+    args = parser.parse_args()
+    behaviour = MockBehaviour(latency_secs=args.latency_secs, stream_chunks=args.stream_chunks,
+                              chunk_interval_secs=args.chunk_interval_secs, kv_role=args.kv_role)
+    worker = MockWorker(args.name, args.host, args.port, behaviour)
+
+    async def run() -> None:
+        await worker.start()
+        print(f"mock worker {args.name} on {worker.url}", flush=True)
+        await asyncio.Event().wait()
+
+    import uvloop
+
+    uvloop.run(run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Worker lifecycle jobs: register (probe, discover, publish), drain and remove.
+
+Each registration or removal runs as a background job owned by `Lifecycle`, which cancels and
+awaits them all on `stop()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+
+from atomesh.config import Backend, check_worker_url
+from atomesh.errors import GatewayError
+from atomesh.transport import Upstream
+from atomesh.workers.breaker import BreakerSettings, BreakerState, CircuitBreaker
+from atomesh.workers.registry import WorkerRegistry
+from atomesh.workers.worker import Worker, WorkerRole, WorkerState
+
+log = structlog.get_logger("atomesh.workers")
+
+# Expected `kv_role` of each P/D role when the backend is atom (PROTOCOLS.md §3).
+_ATOM_KV_ROLE = {WorkerRole.PREFILL: "kv_producer", WorkerRole.DECODE: "kv_consumer"}
+
+
+class RegistrationFailed(Exception):
+    """A worker could not be registered; the message says why."""
+
+
+class Lifecycle:
+    """Adds workers (as jobs that answer at once), drains and removes them."""
+
+    def __init__(
+        self, registry: WorkerRegistry, upstream: Upstream, *, backend: Backend,
+        breaker: BreakerSettings, startup_timeout: float, check_interval: float, probe_timeout: float,
+        health_endpoint: str, on_breaker: Callable[[Worker, BreakerState, BreakerState], None] | None = None,
+    ) -> None:
+        self.registry = registry
+        self.upstream = upstream
+        self.backend = backend
+        self.breaker_settings = breaker
+        self.startup_timeout = startup_timeout
+        self.check_interval = check_interval
+        self.probe_timeout = probe_timeout
+        self.health_endpoint = health_endpoint
+        self.on_breaker = on_breaker
+        self._jobs: set[asyncio.Task[Any]] = set()
+        self._ready_events: dict[str, asyncio.Event] = {}
+
+    # ------------------------------------------------------------------ jobs
+    def _spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._jobs.add(task)
+        task.add_done_callback(self._jobs.discard)
+        return task
+
+    async def stop(self) -> None:
+        for task in list(self._jobs):
+            task.cancel()
+        await asyncio.gather(*self._jobs, return_exceptions=True)
+
+    # ------------------------------------------------------------------ add
+    def add(self, url: str, role: WorkerRole, bootstrap_port: int | None = None,
+            labels: dict[str, str] | None = None) -> Worker:
+        """Create a pending worker and start its registration job; raises ValueError on bad input."""
+        url = check_worker_url(url)
+        existing = self.registry.by_url(url)
+        if existing is not None:
+            if existing.state is not WorkerState.FAILED:
+                raise ValueError(f"worker {url} is already registered as {existing.id}")
+            self.registry.set_state(existing, WorkerState.REMOVED)
+        worker = Worker(url=url, role=role, bootstrap_port=bootstrap_port, labels=dict(labels or {}))
+        worker.breaker = CircuitBreaker(settings=self.breaker_settings, on_transition=self._breaker_hook(worker))
+        self.registry.add(worker)
+        self._ready_events[worker.id] = asyncio.Event()
+        self._spawn(self._register(worker), f"register {url}")
+        log.info("worker_added", worker=url, role=role.value, id=worker.id)
+        return worker
+
+    def _breaker_hook(self, worker: Worker) -> Callable[[BreakerState, BreakerState], None]:
+        def hook(old: BreakerState, new: BreakerState) -> None:
+            log.info("breaker_" + ("opened" if new is BreakerState.OPEN else new.value), worker=worker.url,
+                     previous=old.value)
+            if self.on_breaker is not None:
+                self.on_breaker(worker, old, new)
+        return hook
+
+    async def wait_ready(self, worker: Worker) -> None:
+        """Wait for a worker's registration job to end (ready or failed)."""
+        event = self._ready_events.get(worker.id)
+        if event is not None:
+            await event.wait()
+
+    async def _register(self, worker: Worker) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        try:
+            await self._wait_healthy(worker, deadline)
+            await self._discover(worker)
+            if worker.state is WorkerState.PENDING:
+                self.registry.set_state(worker, WorkerState.READY)
+                log.info("worker_registered", worker=worker.url, role=worker.role.value, models=list(worker.models))
+        except RegistrationFailed as e:
+            worker.error = str(e)
+            if worker.state is WorkerState.PENDING:
+                self.registry.set_state(worker, WorkerState.FAILED)
+            log.warning("worker_registration_failed", worker=worker.url, reason=str(e))
+        finally:
+            event = self._ready_events.pop(worker.id, None)
+            if event is not None:
+                event.set()
+
+    async def _wait_healthy(self, worker: Worker, deadline: float) -> None:
+        last = "no answer"
+        while worker.state is WorkerState.PENDING:
+            ok, last = await self.probe(worker)
+            if ok:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RegistrationFailed(
+                    f"{worker.url} did not become healthy within {self.startup_timeout:g}s ({last})")
+            await asyncio.sleep(min(self.check_interval, remaining))
+
+    async def probe(self, worker: Worker) -> tuple[bool, str]:
+        """One health check: (healthy, reason)."""
+        try:
+            status, _, _ = await self.upstream.call("GET", worker.url + self.health_endpoint,
+                                                    timeout=self.probe_timeout)
+        except GatewayError as e:
+            return False, e.message
+        return (200 <= status < 300), f"{self.health_endpoint} answered {status}"
+
+    async def _discover(self, worker: Worker) -> None:
+        timeout = self.probe_timeout
+        try:
+            models = await self.upstream.get_json(worker.url + "/v1/models", timeout)
+            worker.models = tuple(m["id"] for m in models.get("data", []) if isinstance(m, dict) and "id" in m)
+        except (GatewayError, AttributeError, TypeError):
+            worker.models = ()  # engines without /v1/models serve whatever they are asked
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                info = await self.upstream.get_json(worker.url + path, timeout)
+            except GatewayError:
+                continue
+            if isinstance(info, dict):
+                worker.server_info = info
+                break
+        if self.backend is Backend.ATOM and worker.role in _ATOM_KV_ROLE:
+            await self._check_kv_role(worker, _ATOM_KV_ROLE[worker.role])
+
+    async def _check_kv_role(self, worker: Worker, expected: str) -> None:
+        try:
+            info = await self.upstream.get_json(worker.url + "/kv_transfer_info", self.probe_timeout)
+        except GatewayError as e:
+            raise RegistrationFailed(f"{worker.url}/kv_transfer_info failed: {e.message}") from None
+        role = info.get("kv_role") if isinstance(info, dict) else None
+        if role != expected:
+            raise RegistrationFailed(
+                f"{worker.url} reports kv_role {role!r}; a {worker.role.value} worker must be {expected!r}")
+        worker.kv_transfer_info = info
+
+    # ------------------------------------------------------------------ drain and remove
+    def remove(self, worker: Worker, grace: float | None = None) -> asyncio.Task[Any]:
+        """Stop new traffic to the worker now; remove it once its in-flight requests finished."""
+        if worker.state in (WorkerState.FAILED, WorkerState.PENDING) and worker.in_flight == 0:
+            if worker.state is WorkerState.PENDING:
+                self.registry.set_state(worker, WorkerState.DRAINING)
+            self.registry.set_state(worker, WorkerState.REMOVED)
+            log.info("worker_removed", worker=worker.url)
+            done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return asyncio.ensure_future(done)
+        if worker.state is not WorkerState.DRAINING:
+            self.registry.set_state(worker, WorkerState.DRAINING)
+            log.info("worker_draining", worker=worker.url, in_flight=worker.in_flight)
+        return self._spawn(self._drain(worker, grace), f"drain {worker.url}")
+
+    async def _drain(self, worker: Worker, grace: float | None) -> None:
+        deadline = None if grace is None else time.monotonic() + grace
+        while worker.in_flight > 0 and (deadline is None or time.monotonic() < deadline):
+            await asyncio.sleep(0.05)
+        if worker.state is WorkerState.DRAINING:
+            self.registry.set_state(worker, WorkerState.REMOVED)
+            log.info("worker_removed", worker=worker.url, abandoned=worker.in_flight)

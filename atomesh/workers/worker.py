@@ -1,0 +1,108 @@
+"""A worker: one engine endpoint with a role, an explicit lifecycle state and live load counters."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+from urllib.parse import urlsplit
+
+from atomesh.workers.breaker import CircuitBreaker
+
+
+class WorkerRole(StrEnum):
+    REGULAR = "regular"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class WorkerState(StrEnum):
+    PENDING = "pending"  # registered, being probed / discovered
+    READY = "ready"  # takes traffic
+    UNHEALTHY = "unhealthy"  # failed health checks; no traffic until it recovers
+    DRAINING = "draining"  # removal asked: no new traffic, in-flight requests finish
+    REMOVED = "removed"  # gone from the registry
+    FAILED = "failed"  # registration did not succeed (kept for GET /workers/{id} to report)
+
+
+_TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
+    WorkerState.PENDING: frozenset({WorkerState.READY, WorkerState.FAILED, WorkerState.DRAINING}),
+    WorkerState.READY: frozenset({WorkerState.UNHEALTHY, WorkerState.DRAINING}),
+    WorkerState.UNHEALTHY: frozenset({WorkerState.READY, WorkerState.DRAINING}),
+    WorkerState.DRAINING: frozenset({WorkerState.REMOVED}),
+    WorkerState.FAILED: frozenset({WorkerState.REMOVED}),
+    WorkerState.REMOVED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A state change the lifecycle does not allow."""
+
+
+def check_transition(old: WorkerState, new: WorkerState) -> None:
+    """The one place that allows or refuses a worker state change."""
+    if new not in _TRANSITIONS[old]:
+        raise IllegalTransition(f"worker cannot go from {old} to {new}")
+
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False, slots=True)
+class Worker:
+    """Live record of one worker. Identity is the object; `id` is stable for its lifetime."""
+
+    url: str
+    role: WorkerRole = WorkerRole.REGULAR
+    bootstrap_port: int | None = None
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    id: str = field(default_factory=lambda: f"w{next(_ids)}")
+    state: WorkerState = WorkerState.PENDING
+    # Requests placed on this worker whose last byte has not been sent yet.
+    in_flight: int = 0
+    # Load the engine itself reports (queued + running requests), when polled.
+    engine_load: int | None = None
+    models: tuple[str, ...] = ()
+    server_info: dict[str, Any] = field(default_factory=dict)
+    kv_transfer_info: dict[str, Any] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    error: str | None = None
+    host: str = ""
+
+    def __post_init__(self) -> None:
+        self.host = urlsplit(self.url).hostname or ""
+
+    @property
+    def routable(self) -> bool:
+        return self.state is WorkerState.READY and self.breaker.allows()
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.state is WorkerState.READY
+
+    @property
+    def load(self) -> int:
+        """The load policies compare: our in-flight count, or the engine's when it reports more."""
+        if self.engine_load is not None and self.engine_load > self.in_flight:
+            return self.engine_load
+        return self.in_flight
+
+    def serves(self, model: str | None) -> bool:
+        return model is None or not self.models or model in self.models
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "url": self.url,
+            "worker_type": self.role.value,
+            "bootstrap_port": self.bootstrap_port,
+            "state": self.state.value,
+            "is_healthy": self.is_healthy,
+            "load": self.load,
+            "in_flight": self.in_flight,
+            "models": list(self.models),
+            "circuit_breaker": self.breaker.describe(),
+            "labels": self.labels,
+            "error": self.error,
+        }
