@@ -86,7 +86,7 @@ class GatewayConfig(BaseModel):
     shutdown_grace_period_secs: NonNegFloat = Field(
         180, description="On SIGTERM/SIGINT, how long in-flight requests may run before exit."
     )
-    api_key: str | None = Field(None, description="Bearer key required on the admin API (and sent upstream).")
+    api_key: str | None = Field(None, description="Bearer key the admin API (/workers, /flush_cache) requires.")
     backend: Backend = Field(Backend.SGLANG, description="Engine family: sglang, vllm or atom (alias --runtime).")
     config: Path | None = Field(None, description="YAML file with these settings (flags win over the file).")
 
