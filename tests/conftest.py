@@ -89,3 +89,53 @@ def base_url(server: GatewayServer) -> str:
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         yield session
+
+
+class WorkerProcess:
+    """A mock worker in its own process, for tests that kill or freeze it."""
+
+    def __init__(self, name: str, *args: str) -> None:
+        import subprocess
+        import sys
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "atomesh.testing.mock_worker", "--port", str(self.port), "--name", name, *args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    async def wait_up(self, timeout: float = 20) -> WorkerProcess:
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession() as s:
+            while True:
+                try:
+                    async with s.get(self.url + "/health") as r:
+                        if r.status == 200:
+                            return self
+                except aiohttp.ClientError:
+                    pass
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise AssertionError(f"mock worker on {self.url} did not start")
+                await asyncio.sleep(0.05)
+
+    def kill(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+async def worker_processes() -> AsyncIterator[Callable[..., Awaitable[WorkerProcess]]]:
+    started: list[WorkerProcess] = []
+
+    async def make(name: str, *args: str) -> WorkerProcess:
+        wp = WorkerProcess(name, *args)
+        started.append(wp)
+        return await wp.wait_up()
+
+    yield make
+    for wp in started:
+        wp.kill()
