@@ -1,0 +1,242 @@
+"""Command-line flags of ``python -m engine.openai_server`` (ATOM's names) and the settings they become.
+
+Every flag ATOM accepts that this engine does not implement is refused with a message naming it;
+none is silently ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# ATOM flags we know and do not implement: flag -> why.
+_REFUSED_FLAGS = {
+    "--method": "speculative decoding (--method mtp|eagle3|dspark) is not supported by this engine",
+    "--num-speculative-tokens": "speculative decoding is not supported by this engine",
+    "--draft-model": "speculative decoding is not supported by this engine",
+    "--port": "this engine has no internal engine port (ATOM's --port); use --server-port for HTTP",
+    "--enable-expert-parallel": "expert parallelism is not supported (dense models only)",
+    "--enable-dp-attention": "data-parallel attention is not supported",
+    "--enable_chunked_prefill": "chunked prefill is not implemented; prompts are prefilled whole",
+    "--cudagraph-capture-sizes": "CUDA graphs are not used by this engine (it always runs eagerly)",
+    "--level": "torch.compile levels are not used by this engine (it always runs eagerly)",
+    "--load_dummy": "dummy weights are not supported; use --model tiny-random[:SEED]",
+    "--hf-overrides": "--hf-overrides is not supported",
+    "--enable-tbo": "two-batch overlap is not supported",
+    "--long-prefill-token-threshold": "chunked prefill is not implemented",
+    "--index-cache-dtype": "the sparse-attention index cache is not implemented yet",
+    "--index_cache_dtype": "the sparse-attention index cache is not implemented yet",
+    "--chat-template": "--chat-template is not supported; the template comes from the model",
+}
+
+_PARALLEL_FLAGS = (
+    ("tensor_parallel_size", "--tensor-parallel-size/-tp"),
+    ("pipeline_parallel_size", "--pipeline-parallel-size/-pp"),
+    ("data_parallel_size", "--data-parallel-size/-dp"),
+    ("decode_context_parallel_size", "--decode-context-parallel-size/-dcp"),
+    ("prefill_context_parallel_size", "--prefill-context-parallel-size/-pcp"),
+)
+
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+_KV_CONFIG_KEYS = {"kv_connector", "kv_role", "handshake_port", "proxy_ip", "http_port", "protocol"}
+DEFAULT_HANDSHAKE_PORT = 6301
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferConfig:
+    """The parsed ``--kv-transfer-config`` JSON (ATOM's keys; ``proxy_ip`` accepted and ignored)."""
+
+    kv_role: str | None = None
+    kv_connector: str | None = None
+    handshake_port: int = DEFAULT_HANDSHAKE_PORT
+    http_port: int | None = None
+    protocol: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    """Every engine setting, validated once at start-up."""
+
+    model: str = "smollm2"
+    served_model_name: str | None = None
+    host: str = "0.0.0.0"
+    server_port: int = 8000
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_gb: float = 1.0
+    num_kvcache_blocks: int | None = None
+    max_model_len: int | None = None  # None: the model's context length
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_waiting_requests: int = 1024
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    kv_transfer: KVTransferConfig = KVTransferConfig()
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    torch_threads: int | None = None
+    log_level: str = "info"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; flag names follow ATOM's ``atom.entrypoints.openai_server``."""
+    p = argparse.ArgumentParser(
+        prog="python -m engine.openai_server",
+        description="ATOM-compatible OpenAI server of the atomesh engine (paged KV cache, continuous batching).",
+        allow_abbrev=False,
+    )
+    p.add_argument(
+        "--model",
+        default="smollm2",
+        help="GGUF file, safetensors folder, 'smollm2' (embedded SmolLM2-135M-Instruct) or 'tiny-random[:SEED]'",
+    )
+    p.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--server-port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="only 1 is supported")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="only 1 is supported")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="only 1 is supported")
+    p.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1, help="only 1 is supported")
+    p.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1, help="only 1 is supported")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, help="CUDA: share of GPU memory for weights + KV"
+    )
+    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="CPU: GiB of KV cache")
+    p.add_argument("--num-kvcache-blocks", type=int, default=None, help="exact KV block count (overrides sizing)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--max-num-seqs", type=int, default=512)
+    p.add_argument(
+        "--max-waiting-requests", type=int, default=1024, help="bound of the waiting queue; beyond it: 503"
+    )
+    p.add_argument(
+        "--kv_cache_dtype",
+        "--kv-cache-dtype",
+        dest="kv_cache_dtype",
+        choices=["auto", "bf16", "fp16", "fp32", "fp8"],
+        default="auto",
+        help="KV cache storage dtype; auto = the model dtype",
+    )
+    p.add_argument(
+        "--enable_prefix_caching",
+        "--enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+    )
+    p.add_argument("--kv-transfer-config", default="{}", help="KV transfer config as JSON")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    p.add_argument("--seed", type=int, default=0, help="seed of requests that bring none")
+    p.add_argument("--torch-threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+    p.add_argument("--enforce-eager", action="store_true", help="accepted: this engine always runs eagerly")
+    p.add_argument(
+        "--trust-remote-code", action="store_true", help="accepted: this engine never runs model code"
+    )
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> EngineArgs:
+    """Parse and validate; a bad or unsupported flag exits with status 2 and a message naming it."""
+    parser = build_parser()
+    argv = list(argv) if argv is not None else sys.argv[1:]
+    tokens = argv
+    for token in tokens:
+        flag = token.split("=", 1)[0]
+        if flag in _REFUSED_FLAGS:
+            parser.error(f"{flag}: {_REFUSED_FLAGS[flag]}")
+    ns = parser.parse_args(argv)
+    try:
+        return validate(ns)
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+
+
+def validate(ns: argparse.Namespace) -> EngineArgs:
+    """Turn parsed flags into EngineArgs, refusing values this engine cannot honour."""
+    for attr, name in _PARALLEL_FLAGS:
+        value = getattr(ns, attr)
+        if value != 1:
+            raise ValueError(f"{name} {value}: only 1 is supported (this engine runs on one device)")
+    if ns.block_size <= 0 or ns.block_size & (ns.block_size - 1):
+        raise ValueError(f"--block-size {ns.block_size}: must be a positive power of two")
+    if not 0.0 < ns.gpu_memory_utilization <= 1.0:
+        raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+    if ns.kv_cache_memory_gb <= 0:
+        raise ValueError("--kv-cache-memory-gb must be positive")
+    if ns.num_kvcache_blocks is not None and ns.num_kvcache_blocks <= 0:
+        raise ValueError("--num-kvcache-blocks must be positive")
+    for flag in ("max_num_batched_tokens", "max_num_seqs", "max_waiting_requests"):
+        if getattr(ns, flag) <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive")
+    if ns.max_model_len is not None and ns.max_model_len < 2:
+        raise ValueError("--max-model-len must be at least 2")
+    if not 1 <= ns.server_port <= 65535:
+        raise ValueError("--server-port must be a TCP port")
+    return EngineArgs(
+        model=ns.model,
+        served_model_name=ns.served_model_name,
+        host=ns.host,
+        server_port=ns.server_port,
+        tensor_parallel_size=ns.tensor_parallel_size,
+        data_parallel_size=ns.data_parallel_size,
+        block_size=ns.block_size,
+        gpu_memory_utilization=ns.gpu_memory_utilization,
+        kv_cache_memory_gb=ns.kv_cache_memory_gb,
+        num_kvcache_blocks=ns.num_kvcache_blocks,
+        max_model_len=ns.max_model_len,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        max_num_seqs=ns.max_num_seqs,
+        max_waiting_requests=ns.max_waiting_requests,
+        kv_cache_dtype=ns.kv_cache_dtype,
+        enable_prefix_caching=ns.enable_prefix_caching,
+        kv_transfer=parse_kv_transfer_config(ns.kv_transfer_config),
+        device=ns.device,
+        dtype=ns.dtype,
+        seed=ns.seed,
+        torch_threads=ns.torch_threads,
+        log_level=ns.log_level,
+    )
+
+
+def parse_kv_transfer_config(text: str) -> KVTransferConfig:
+    """Parse ``--kv-transfer-config``; refuse unknown keys and, for now, any transfer role."""
+    try:
+        raw: Any = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--kv-transfer-config is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError("--kv-transfer-config must be a JSON object")
+    unknown = sorted(set(raw) - _KV_CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"--kv-transfer-config: unsupported keys {unknown} (known: {sorted(_KV_CONFIG_KEYS)})")
+    role = raw.get("kv_role")
+    if role is not None and role not in KV_ROLES:
+        raise ValueError(f"--kv-transfer-config: kv_role {role!r} must be one of {list(KV_ROLES)}")
+    connector = raw.get("kv_connector")
+    if connector is not None and connector != "mooncake":
+        raise ValueError(f"--kv-transfer-config: kv_connector {connector!r} is not supported (only 'mooncake')")
+    port = raw.get("handshake_port", DEFAULT_HANDSHAKE_PORT)
+    if not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ValueError(f"--kv-transfer-config: handshake_port {port!r} must be a TCP port")
+    if role is not None:
+        raise ValueError(
+            f"--kv-transfer-config: kv_role {role!r} (Mooncake KV transfer) is not implemented yet in this engine"
+        )
+    return KVTransferConfig(
+        kv_role=role,
+        kv_connector=connector,
+        handshake_port=port,
+        http_port=raw.get("http_port"),
+        protocol=raw.get("protocol"),
+    )

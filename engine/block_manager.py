@@ -1,0 +1,216 @@
+"""Paged KV blocks: allocation, reference counts and prefix caching by hash chains over full blocks."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from engine.sequence import Sequence
+
+
+def block_hash(token_ids: list[int], prefix_hash: int | None) -> int:
+    """Hash of a full block that also covers every block before it (through ``prefix_hash``).
+
+    Two blocks share a hash only when their whole prefixes match, so one dict lookup per block
+    finds the longest cached prefix.
+    """
+    h = xxhash.xxh64()
+    if prefix_hash is not None:
+        h.update(prefix_hash.to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+class Block:
+    """One KV cache block: who uses it (``ref_count``) and, once full, which tokens it holds."""
+
+    __slots__ = ("block_id", "hash", "ref_count", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStats:
+    """A snapshot of pool usage and prefix-cache effectiveness (for /metrics)."""
+
+    total: int
+    free: int
+    cached: int  # blocks that carry a prefix hash (in use or reusable)
+    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_hits: int  # of those, tokens found cached
+
+    @property
+    def used(self) -> int:
+        return self.total - self.free
+
+    @property
+    def usage(self) -> float:
+        return self.used / self.total if self.total else 0.0
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+class BlockManager:
+    """Hands out KV blocks to sequences and keeps freed full blocks findable by their prefix hash.
+
+    Free blocks sit in LRU order: a freed block keeps its hash (its KV stays valid) until the pool
+    runs short and it is handed out again, at which point its hash entry is dropped. So the hash
+    index never holds more entries than there are blocks.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._hash_to_block: dict[int, int] = {}
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def stats(self) -> BlockStats:
+        return BlockStats(
+            total=len(self.blocks),
+            free=len(self._free),
+            cached=len(self._hash_to_block),
+            prefix_queries=self._prefix_queries,
+            prefix_hits=self._prefix_hits,
+        )
+
+    # -- prefix lookup ---------------------------------------------------------------------------
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding the longest cached prefix of ``seq``.
+
+        At least the last token is always left to compute: its logits start the generation.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        prefix: int | None = None
+        for i in range((len(seq) - 1) // self.block_size):
+            tokens = seq.block_tokens(i)
+            prefix = block_hash(tokens, prefix)
+            block_id = self._hash_to_block.get(prefix)
+            # Compare tokens too: a hash collision must never serve another prompt's KV.
+            if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
+                break
+            hits.append(block_id)
+        return hits
+
+    def cached_prefix_len(self, seq: Sequence) -> int:
+        """How many leading tokens of ``seq`` the prefix cache holds right now."""
+        return len(self._cached_prefix(seq)) * self.block_size
+
+    # -- allocation ------------------------------------------------------------------------------
+
+    def blocks_needed(self, seq: Sequence) -> int:
+        """Free blocks that allocating ``seq`` now would consume (cache hits in use cost nothing)."""
+        hits = self._cached_prefix(seq)
+        in_use = sum(1 for b in hits if self.blocks[b].ref_count > 0)
+        return seq.num_blocks - in_use
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self.blocks_needed(seq) <= len(self._free)
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give ``seq`` blocks for all its tokens, reusing cached prefix blocks; sets num_cached_tokens."""
+        if seq.block_table:
+            raise RuntimeError(f"sequence {seq.seq_id} already has blocks")
+        if not self.can_allocate(seq):
+            raise RuntimeError(f"not enough free KV blocks for sequence {seq.seq_id}")
+        hits = self._cached_prefix(seq)
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        prefix = self.blocks[hits[-1]].hash if hits else None
+        for i in range(len(hits), seq.num_blocks):
+            block = self._take_free()
+            seq.block_table.append(block.block_id)
+            tokens = seq.block_tokens(i)
+            if len(tokens) == self.block_size and self.enable_prefix_caching:
+                # Registered now, filled by the prefill step that runs before anyone can look it up.
+                prefix = self._register(block, tokens, prefix)
+            else:
+                prefix = None
+        seq.num_cached_tokens = len(hits) * self.block_size
+        self._prefix_queries += len(seq)
+        self._prefix_hits += seq.num_cached_tokens
+
+    def deallocate(self, seq: Sequence) -> None:
+        """Return ``seq``'s blocks; full ones stay findable by hash until the pool reuses them."""
+        # Reverse order: a prompt's first blocks are freed last, so they are evicted last.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+        seq.block_table.clear()
+        seq.num_cached_tokens = 0
+
+    def invalidate(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and forget their hashes: their KV may never have been written."""
+        for block_id in seq.block_table:
+            self._forget(self.blocks[block_id])
+        self.deallocate(seq)
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether the next decode step of ``seq`` (writing its last token's KV) has room."""
+        return len(seq.block_table) >= seq.num_blocks or len(self._free) > 0
+
+    def may_append(self, seq: Sequence) -> None:
+        """Before a decode step: add a block if the last token starts one; hash a block it fills."""
+        if len(seq.block_table) < seq.num_blocks:
+            seq.block_table.append(self._take_free().block_id)
+        if self.enable_prefix_caching and len(seq) % self.block_size == 0:
+            i = len(seq) // self.block_size - 1
+            prev = self.blocks[seq.block_table[i - 1]].hash if i > 0 else None
+            if i == 0 or prev is not None:
+                block = self.blocks[seq.block_table[i]]
+                if block.hash is None:
+                    self._register(block, seq.block_tokens(i), prev)
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _take_free(self) -> Block:
+        if not self._free:
+            raise RuntimeError("KV block pool exhausted")
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        self._forget(block)
+        block.ref_count = 1
+        return block
+
+    def _register(self, block: Block, tokens: list[int], prefix: int | None) -> int:
+        h = block_hash(tokens, prefix)
+        block.hash = h
+        block.token_ids = tuple(tokens)
+        self._hash_to_block[h] = block.block_id
+        return h
+
+    def _forget(self, block: Block) -> None:
+        if block.hash is not None and self._hash_to_block.get(block.hash) == block.block_id:
+            del self._hash_to_block[block.hash]
+        block.hash = None
+        block.token_ids = ()

@@ -1,0 +1,423 @@
+"""The engine: scheduler + block manager + model runner, driven synchronously or by an asyncio loop.
+
+``LLMEngine`` is the synchronous core (tests and the benchmark drive it step by step).
+``AsyncLLMEngine`` runs it for the HTTP server: scheduling and bookkeeping on the event loop, the
+model step in one worker thread (torch releases the GIL while it computes) so the loop stays
+responsive, and one queue per request through which text and token deltas stream back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from engine.args import EngineArgs
+from engine.block_manager import BlockManager, BlockStats
+from engine.errors import (
+    ContextLengthError,
+    EngineError,
+    EngineFailedError,
+    InvalidRequestError,
+    KVCacheTooSmallError,
+    OverloadedError,
+)
+from engine.model_runner import ModelRunner, StepInput, kv_cache_dtype
+from engine.models.loader import LoadedModel, load_model
+from engine.scheduler import QueueFullError, ScheduledBatch, Scheduler, SchedulerConfig
+from engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from engine.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """Counters and gauges for /metrics, read on the event loop."""
+
+    running: int
+    waiting: int
+    blocks: BlockStats
+    requests_finished: int
+    prompt_tokens: int
+    generation_tokens: int
+    preemptions: int
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks CUDA when torch sees a GPU, else the CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device (is this a CPU build of torch?)")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: float32 on CPU (exact, and fast enough for small models), bfloat16 on CUDA."""
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class LLMEngine:
+    """Owns one model and its KV cache; admits sequences and advances them one step at a time."""
+
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
+        self.args = args
+        loaded = loaded if loaded is not None else load_model(args.model)
+        self.model_id = loaded.model_id
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = loaded.tokenizer.eos_token_ids
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        max_pos = loaded.config.max_position_embeddings
+        self.max_model_len = args.max_model_len or max_pos
+        if self.max_model_len > max_pos:
+            raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's context length {max_pos}")
+        if args.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"--max-num-batched-tokens {args.max_num_batched_tokens} is below --max-model-len "
+                f"{self.max_model_len}: prompts are prefilled whole (no chunked prefill), so it must be at least that"
+            )
+        self.runner = ModelRunner(
+            loaded.config,
+            loaded.weights,
+            self.device,
+            self.dtype,
+            args.block_size,
+            kv_cache_dtype(args.kv_cache_dtype, self.dtype),
+            args.seed,
+        )
+        self.num_blocks = self._count_blocks()
+        self.runner.allocate_kv_cache(self.num_blocks)
+        self.block_manager = BlockManager(self.num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                max_waiting=args.max_waiting_requests,
+            ),
+            self.block_manager,
+        )
+        self._ids = itertools.count(1)
+        self._requests_finished = 0
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+
+    def _count_blocks(self) -> int:
+        if self.args.num_kvcache_blocks is not None:
+            return self.args.num_kvcache_blocks
+        if self.device.type == "cuda":
+            blocks = self.runner.profile_cuda_blocks(
+                self.args.gpu_memory_utilization, self.args.max_num_batched_tokens
+            )
+        else:
+            blocks = int(self.args.kv_cache_memory_gb * (1 << 30)) // self.runner.block_bytes()
+        if blocks < 1:
+            raise ValueError("no memory is left for the KV cache: raise the memory setting")
+        return blocks
+
+    # -- admission ---------------------------------------------------------------------------------
+
+    def check_request(self, num_prompt_tokens: int, params: SamplingParams, max_tokens_given: bool) -> SamplingParams:
+        """Refuse what can never run; resolve an absent max_tokens to what fits. Returns final params."""
+        if num_prompt_tokens == 0:
+            raise InvalidRequestError("the prompt is empty")
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise ContextLengthError(
+                f"the prompt has {num_prompt_tokens} tokens; this model's maximum context length is {limit} "
+                "tokens, including at least one generated token"
+            )
+        pool_tokens = self.num_blocks * self.args.block_size
+        if not max_tokens_given:
+            params = replace(params, max_tokens=min(limit, pool_tokens) - num_prompt_tokens)
+        total = num_prompt_tokens + params.max_tokens
+        if params.max_tokens < 1:
+            raise KVCacheTooSmallError(
+                f"the prompt ({num_prompt_tokens} tokens) fills the whole KV cache ({pool_tokens} tokens)"
+            )
+        if total > limit:
+            raise ContextLengthError(
+                f"this model's maximum context length is {limit} tokens; the request asks for {total} "
+                f"({num_prompt_tokens} in the prompt, {params.max_tokens} to generate)"
+            )
+        if total > pool_tokens:
+            raise KVCacheTooSmallError(
+                f"the request needs KV room for {total} tokens but the whole KV cache holds {pool_tokens} "
+                f"({self.num_blocks} blocks of {self.args.block_size}); it can never run here"
+            )
+        return params
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Queue a sequence; ``params`` must have passed check_request. Raises OverloadedError when full."""
+        seq = Sequence(next(self._ids), prompt_ids, params, self.args.block_size)
+        try:
+            self.scheduler.add(seq)
+        except QueueFullError as exc:
+            raise OverloadedError(str(exc)) from exc
+        self._prompt_tokens += len(prompt_ids)
+        return seq
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End ``seq`` now (stop string, client gone): its blocks are freed at once."""
+        if seq.status is not SequenceStatus.FINISHED:
+            self.scheduler.finish(seq, reason)
+            self._requests_finished += 1
+
+    # -- one step ----------------------------------------------------------------------------------
+
+    def schedule(self) -> tuple[ScheduledBatch, StepInput] | None:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return None
+        return batch, self.runner.prepare(batch.seqs, batch.is_prefill)
+
+    def execute(self, step: StepInput) -> list[int]:
+        """The model forward and sampling; the only part that may run off the event-loop thread."""
+        return self.runner.execute(step)
+
+    def postprocess(self, batch: ScheduledBatch, tokens: list[int]) -> None:
+        """Append sampled tokens and retire sequences that hit EOS, max_tokens or the context limit."""
+        for seq, token in zip(batch.seqs, tokens, strict=True):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.append_token(token)
+            self._generation_tokens += 1
+            reason = self.scheduler.check_stop(seq, self.eos_token_ids, self.max_model_len)
+            if reason is not None:
+                self.finish(seq, reason)
+
+    def fail_batch(self, batch: ScheduledBatch) -> None:
+        """After a failed step: end its sequences and forget the hashes of blocks never written."""
+        for seq in batch.seqs:
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.invalidate(seq)
+                self.finish(seq, FinishReason.ABORT)
+
+    def step(self) -> list[Sequence]:
+        """Run one scheduled step synchronously; returns the sequences it advanced."""
+        scheduled = self.schedule()
+        if scheduled is None:
+            return []
+        batch, step = scheduled
+        self.postprocess(batch, self.execute(step))
+        return batch.seqs
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Generate for every prompt with continuous batching; returns completion token ids in order."""
+        seqs = [self.add_request(p, self.check_request(len(p), params, True)) for p in prompts]
+        while any(s.status is not SequenceStatus.FINISHED for s in seqs):
+            if not self.step():
+                raise RuntimeError("the scheduler can make no progress")
+        return [s.completion_ids for s in seqs]
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            blocks=self.block_manager.stats(),
+            requests_finished=self._requests_finished,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+            preemptions=self.scheduler.num_preemptions,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one step adds to one request: a text delta, and on the last one why it ended."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    error: EngineError | None = None
+
+
+@dataclass(slots=True)
+class RequestState:
+    """The output side of one request: detokenizer, stop strings, the queue its handler reads."""
+
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    queue: asyncio.Queue[RequestOutput] = field(default_factory=asyncio.Queue)
+    text: str = ""  # all text decoded so far
+    emitted: int = 0  # how much of ``text`` was sent
+    tokens_sent: int = 0
+    done: bool = False
+
+
+@dataclass(slots=True)
+class RequestHandle:
+    """Returned by submit; pass it to AsyncLLMEngine.stream to read the outputs."""
+
+    seq_id: int
+    prompt_tokens: int
+
+
+class AsyncLLMEngine:
+    """Drives an LLMEngine from asyncio: one loop task, one model thread, one queue per request."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._states: dict[int, RequestState] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._run(), name="engine-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        for seq_id in list(self._states):
+            self.abort(seq_id)
+        self._executor.shutdown(wait=True)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, max_tokens_given: bool) -> RequestHandle:
+        """Validate and queue a request; raises an EngineError the HTTP layer renders."""
+        params = self.engine.check_request(len(prompt_ids), params, max_tokens_given)
+        seq = self.engine.add_request(prompt_ids, params)
+        self._states[seq.seq_id] = RequestState(seq, IncrementalDetokenizer(self.engine.tokenizer))
+        assert self._wake is not None, "AsyncLLMEngine.start() was not awaited"
+        self._wake.set()
+        return RequestHandle(seq.seq_id, len(prompt_ids))
+
+    async def stream(self, handle: RequestHandle) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until the last; leaving early (client gone) aborts it."""
+        state = self._states.get(handle.seq_id)
+        if state is None:
+            raise EngineFailedError("unknown request")
+        try:
+            while True:
+                out = await state.queue.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            self.abort(handle.seq_id)
+
+    def abort(self, seq_id: int) -> None:
+        """Forget a request and free its blocks now; a no-op when it already finished."""
+        state = self._states.pop(seq_id, None)
+        if state is not None:
+            self.engine.finish(state.seq, FinishReason.ABORT)
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            if self.engine.scheduler.is_idle():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            scheduled = self.engine.schedule()
+            if scheduled is None:
+                self._fail_waiting_head()
+                continue
+            batch, step = scheduled
+            try:
+                tokens = await loop.run_in_executor(self._executor, self.engine.execute, step)
+            except Exception as exc:
+                log.exception("model step failed")
+                self.engine.fail_batch(batch)
+                for seq in batch.seqs:
+                    self._fail(seq.seq_id, EngineFailedError(f"model step failed: {exc}"))
+                continue
+            self.engine.postprocess(batch, tokens)
+            for seq in batch.seqs:
+                state = self._states.get(seq.seq_id)
+                if state is not None:
+                    self._deliver(state)
+
+    def _fail_waiting_head(self) -> None:
+        # Admission guarantees a lone sequence fits, so this means blocks leaked: fail loudly
+        # instead of spinning.
+        seq = self.engine.scheduler.waiting[0]
+        log.error("sequence %d cannot be scheduled on an idle engine", seq.seq_id)
+        self.engine.finish(seq, FinishReason.ABORT)
+        self._fail(seq.seq_id, EngineFailedError("the request could not be scheduled"))
+
+    def _fail(self, seq_id: int, error: EngineError) -> None:
+        state = self._states.get(seq_id)
+        if state is None or state.done:
+            return
+        state.done = True
+        seq = state.seq
+        state.queue.put_nowait(
+            RequestOutput("", (), True, "abort", seq.num_prompt_tokens, seq.num_completion_tokens, 0, error)
+        )
+
+    def _deliver(self, state: RequestState) -> None:
+        seq = state.seq
+        if state.done:
+            return
+        ids = seq.completion_ids
+        new_ids = tuple(ids[state.tokens_sent :])
+        state.tokens_sent = len(ids)
+        state.text += state.detokenizer.step(ids)
+        stops = seq.params.stop
+        finished = seq.status is SequenceStatus.FINISHED
+        reason = seq.finish_reason.value if seq.finish_reason is not None else None
+        end = len(state.text)
+        if finished and seq.finish_reason is not FinishReason.ABORT:
+            state.text += state.detokenizer.flush(ids)
+            end = len(state.text)
+        if stops:
+            # Search only where a new match can start: the held-back tail plus the new text.
+            start = max(0, state.emitted - max(len(s) for s in stops) + 1)
+            hits = [i for i in (state.text.find(s, start) for s in stops) if i >= 0]
+            if hits:
+                end = min(hits)
+                state.text = state.text[:end]
+                self.engine.finish(seq, FinishReason.STOP)
+                finished, reason = True, FinishReason.STOP.value
+            elif not finished:
+                end -= _partial_stop_len(state.text, stops)
+        delta = state.text[state.emitted : end]
+        state.emitted = max(state.emitted, end)
+        if not delta and not new_ids and not finished:
+            return
+        if finished:
+            state.done = True
+        state.queue.put_nowait(
+            RequestOutput(
+                delta,
+                new_ids,
+                finished,
+                reason if finished else None,
+                seq.num_prompt_tokens,
+                seq.num_completion_tokens,
+                seq.prefix_hit_tokens,
+            )
+        )
+
+
+def _partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest tail of ``text`` that could still grow into a stop string."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:n]):
+                best = n
+                break
+    return best

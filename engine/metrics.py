@@ -1,0 +1,70 @@
+"""Prometheus metrics under ATOM's ``atom:*`` names, read from the engine at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.llm_engine import EngineStats
+
+
+class EngineCollector(Collector):
+    """Turns an EngineStats snapshot into gauges and counters on each scrape (nothing to keep in sync)."""
+
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+        self._stats = stats
+        self._model = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        b = s.blocks
+        gauges = (
+            ("atom:requests_running", "Sequences in the running batch", s.running),
+            ("atom:requests_waiting", "Sequences waiting for admission", s.waiting),
+            ("atom:kv_cache_blocks_used", "KV blocks in use or held", b.used),
+            ("atom:kv_cache_blocks_free", "KV blocks free (some still hold reusable prefixes)", b.free),
+            ("atom:kv_cache_blocks_total", "KV blocks in the pool", b.total),
+            ("atom:kv_cache_blocks_indexed", "KV blocks findable by prefix hash", b.cached),
+            ("atom:kv_cache_usage_ratio", "Share of KV blocks in use", b.usage),
+            ("atom:prefix_cache_hit_ratio", "Prompt tokens served by the prefix cache / looked up", b.hit_ratio),
+        )
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([self._model], float(value))
+            yield g
+        counters = (
+            ("atom:requests_finished", "Requests finished (any reason)", s.requests_finished),
+            ("atom:prompt_tokens", "Prompt tokens admitted", s.prompt_tokens),
+            ("atom:generation_tokens", "Tokens generated", s.generation_tokens),
+            ("atom:preemptions", "Sequences preempted for lack of KV blocks", s.preemptions),
+            ("atom:prefix_cache_wanted_tokens", "Prompt tokens looked up in the prefix cache", b.prefix_queries),
+            ("atom:prefix_cache_cached_tokens", "Prompt tokens found in the prefix cache", b.prefix_hits),
+        )
+        for name, doc, value in counters:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self._model], float(value))
+            yield c
+
+
+class ServerMetrics:
+    """The server's own registry (never the global one): engine gauges plus request latencies."""
+
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(stats, model_name))
+        buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+        self.ttft = Histogram(
+            "atom:time_to_first_token_seconds",
+            "Time from request arrival to its first token",
+            buckets=buckets,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "atom:e2e_request_latency_seconds",
+            "Time from request arrival to its last token",
+            buckets=buckets,
+            registry=self.registry,
+        )

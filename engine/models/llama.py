@@ -1,0 +1,202 @@
+"""The Llama family (Llama 2/3, SmolLM2, ...) over flattened token batches and a paged KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaConfig:
+    """Shape of a Llama model; field names follow Hugging Face's ``config.json``."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm computed in float32, as the reference implementation does."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Rotate the two halves of the last axis (the "NeoX" rotary layout Hugging Face uses)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with rotary positions, reading and writing the paged cache."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # Q, K and V in one matmul: one kernel launch instead of three.
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out)  # type: ignore[no-any-return]
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward block."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)  # type: ignore[no-any-return]
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm transformer block."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))  # type: ignore[no-any-return]
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama decoder: token ids of a flattened batch in, hidden states out; logits on demand."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        inv_freq = 1.0 / (
+            cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim)
+        )
+        freqs = torch.arange(cfg.max_position_embeddings, dtype=torch.int64).float()[:, None] * inv_freq[None]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("rope_cos", emb.cos(), persistent=False)
+        self.register_buffer("rope_sin", emb.sin(), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        # Rotary tables gathered once per step, shared by every layer; [n, 1, head_dim] broadcasts
+        # over heads.
+        cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)
+        sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.norm(x)  # type: ignore[no-any-return]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in float32 for the given hidden states ``[n, hidden]``."""
+        return self.lm_head(hidden).float()  # type: ignore[no-any-return]
+
+    def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
+        """Fill the model from Hugging Face Llama names (``model.layers.0.self_attn.q_proj.weight``...).
+
+        Q/K/V and gate/up are fused here. Missing or unexpected names are an error, never skipped.
+        """
+        remaining = dict(weights)
+
+        def take(name: str) -> torch.Tensor:
+            if name not in remaining:
+                raise ValueError(f"checkpoint lacks weight {name!r}")
+            return remaining.pop(name)
+
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
+            self.norm.weight.copy_(take("model.norm.weight"))
+            if self.config.tie_word_embeddings:
+                remaining.pop("lm_head.weight", None)
+            else:
+                self.lm_head.weight.copy_(take("lm_head.weight"))
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                attn = layer.self_attn
+                attn.qkv_proj.weight.copy_(
+                    torch.cat(
+                        [
+                            take(p + "self_attn.q_proj.weight"),
+                            take(p + "self_attn.k_proj.weight"),
+                            take(p + "self_attn.v_proj.weight"),
+                        ]
+                    )
+                )
+                attn.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
+                layer.mlp.gate_up_proj.weight.copy_(
+                    torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+                )
+                layer.mlp.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
+                layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
+                layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+        # Rotary inverse frequencies are recomputed, not loaded.
+        leftover = [k for k in remaining if not k.endswith("rotary_emb.inv_freq")]
+        if leftover:
+            raise ValueError(f"checkpoint has weights this model does not use: {sorted(leftover)[:5]}")

@@ -1,0 +1,126 @@
+"""One generation request as the scheduler sees it: tokens, KV blocks, sampling settings, state."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is in its life: waiting for KV blocks, running, or done."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    """Why a sequence stopped; the values are OpenAI's ``finish_reason`` strings."""
+
+    STOP = "stop"  # EOS token or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # client gone or engine error
+
+
+_ALLOWED = {
+    SequenceStatus.WAITING: {SequenceStatus.RUNNING, SequenceStatus.FINISHED},
+    SequenceStatus.RUNNING: {SequenceStatus.WAITING, SequenceStatus.FINISHED},
+    SequenceStatus.FINISHED: set(),
+}
+
+
+def check_transition(old: SequenceStatus, new: SequenceStatus) -> None:
+    """Refuse a status change the life cycle does not allow (running -> waiting is a preemption)."""
+    if new not in _ALLOWED[old]:
+        raise RuntimeError(f"sequence cannot go from {old.value} to {new.value}")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop; validated at the HTTP edge."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    max_tokens: int = 16
+    ignore_eos: bool = False
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+class Sequence:
+    """A prompt and its generated tokens, with the KV blocks that hold them.
+
+    ``block_table`` lists the cache block ids in token order; ``num_cached_tokens`` counts the leading
+    tokens whose KV is already in the cache (a prefix-cache hit, or filled by a KV transfer) and so
+    need no prefill compute.
+    """
+
+    __slots__ = (
+        "block_size",
+        "block_table",
+        "finish_reason",
+        "generator",
+        "num_cached_tokens",
+        "num_prompt_tokens",
+        "params",
+        "prefix_hit_tokens",
+        "seq_id",
+        "status",
+        "token_ids",
+    )
+
+    def __init__(self, seq_id: int, prompt_ids: list[int], params: SamplingParams, block_size: int) -> None:
+        if not prompt_ids:
+            raise ValueError("a sequence needs at least one prompt token")
+        self.seq_id = seq_id
+        self.token_ids = list(prompt_ids)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.num_cached_tokens = 0
+        self.prefix_hit_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        self.block_table: list[int] = []
+        self.block_size = block_size
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        # A per-request generator makes a seeded request reproducible whatever else is batched.
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def completion_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks needed to hold every token so far."""
+        return (len(self.token_ids) + self.block_size - 1) // self.block_size
+
+    def block_tokens(self, i: int) -> list[int]:
+        """The token ids that block ``i`` of this sequence holds (the last one may be partial)."""
+        return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
+
+    def set_status(self, new: SequenceStatus) -> None:
+        check_transition(self.status, new)
+        self.status = new
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

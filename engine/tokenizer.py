@@ -1,0 +1,237 @@
+"""Tokenizers (from GGUF metadata, tokenizer.json, or raw bytes), chat templates and streaming detokenization."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizerCore
+
+# GGUF token types (llama.cpp's LLAMA_TOKEN_TYPE_*).
+_GGUF_CONTROL = 3
+_GGUF_USER_DEFINED = 4
+
+# The pre-tokenizer split of GPT-2 style BPE vocabularies.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+_CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+class Tokenizer(Protocol):
+    """What the engine needs from a tokenizer."""
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str: ...
+
+
+class ChatTemplate:
+    """A Jinja chat template rendered in a sandbox, the way Hugging Face renders them."""
+
+    def __init__(self, source: str, bos_token: str, eos_token: str) -> None:
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        self._template = env.from_string(source)
+        self._bos = bos_token
+        self._eos = eos_token
+
+    def render(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt text for ``messages``, ending with the assistant's turn opener."""
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=True, bos_token=self._bos, eos_token=self._eos
+            )
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat template failed: {exc}") from exc
+
+
+def _raise_template_error(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizers`` BPE tokenizer plus its chat template."""
+
+    def __init__(
+        self,
+        core: HFTokenizerCore,
+        eos_token_ids: frozenset[int],
+        bos_token_id: int | None,
+        chat_template: ChatTemplate,
+    ) -> None:
+        self._core = core
+        self._eos = eos_token_ids
+        self.bos_token_id = bos_token_id
+        self._chat = chat_template
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._core.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._core.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._core.decode(list(ids), skip_special_tokens=True))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        return self._chat.render(messages)
+
+
+def tokenizer_from_gguf_fields(fields: dict[str, Any]) -> HFTokenizer:
+    """Build the tokenizer a GGUF file describes (``tokenizer.ggml.*``, ``tokenizer.chat_template``).
+
+    Only GPT-2 style byte-level BPE (``tokenizer.ggml.model == "gpt2"``) is supported: that is
+    what SmolLM2, Llama 3, Qwen and most recent Llama-family GGUFs use.
+    """
+    kind = fields.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' byte-level BPE)")
+    tokens: list[str] = fields["tokenizer.ggml.tokens"]
+    merges_raw: list[str] = fields["tokenizer.ggml.merges"]
+    token_types: list[int] = fields.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in merges_raw]
+    core = HFTokenizerCore(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    split = pre_tokenizers.Split(Regex(_GPT2_SPLIT), behavior="isolated")
+    parts: list[Any] = []
+    if fields.get("tokenizer.ggml.pre") in ("smollm", "llama-bpe", "llama3", "qwen2", "starcoder"):
+        # These vocabularies split numbers into single digits before byte-level BPE.
+        parts.append(pre_tokenizers.Digits(individual_digits=True))
+    parts += [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    core.pre_tokenizer = pre_tokenizers.Sequence(parts)
+    core.decoder = decoders.ByteLevel()
+    specials = [
+        AddedToken(tok, special=True, normalized=False)
+        for tok, kind_ in zip(tokens, token_types, strict=True)
+        if kind_ in (_GGUF_CONTROL, _GGUF_USER_DEFINED)
+    ]
+    core.add_special_tokens(specials)
+    eos_id = fields.get("tokenizer.ggml.eos_token_id")
+    bos_id = fields.get("tokenizer.ggml.bos_token_id")
+    eos: set[int] = set()
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
+        if fields.get(key) is not None:
+            eos.add(int(fields[key]))
+    template = fields.get("tokenizer.chat_template") or _CHATML_TEMPLATE
+    chat = ChatTemplate(
+        template,
+        bos_token=tokens[bos_id] if bos_id is not None else "",
+        eos_token=tokens[eos_id] if eos_id is not None else "",
+    )
+    return HFTokenizer(core, frozenset(eos), bos_id, chat)
+
+
+def tokenizer_from_folder(folder: Path, eos_from_config: list[int]) -> HFTokenizer:
+    """Load ``tokenizer.json`` (+ ``tokenizer_config.json`` for the chat template) from a model folder."""
+    tok_file = folder / "tokenizer.json"
+    if not tok_file.is_file():
+        raise ValueError(f"{folder} has no tokenizer.json")
+    core = HFTokenizerCore.from_file(str(tok_file))
+    cfg: dict[str, Any] = {}
+    if (folder / "tokenizer_config.json").is_file():
+        cfg = json.loads((folder / "tokenizer_config.json").read_text())
+
+    def token_text(value: Any) -> str:
+        if isinstance(value, dict):
+            return str(value.get("content", ""))
+        return str(value or "")
+
+    bos, eos = token_text(cfg.get("bos_token")), token_text(cfg.get("eos_token"))
+    eos_ids = set(eos_from_config)
+    if eos and core.token_to_id(eos) is not None:
+        eos_ids.add(int(core.token_to_id(eos)))
+    template = cfg.get("chat_template") or _CHATML_TEMPLATE
+    bos_id = core.token_to_id(bos) if bos else None
+    return HFTokenizer(core, frozenset(eos_ids), bos_id, ChatTemplate(str(template), bos, eos))
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte plus ChatML specials: the tokenizer of the tiny random test model."""
+
+    SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+    def __init__(self) -> None:
+        self._special_ids = {s: 256 + i for i, s in enumerate(self.SPECIALS)}
+        self._chat = ChatTemplate(_CHATML_TEMPLATE, bos_token="", eos_token="<|im_end|>")
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset({self._special_ids["<|endoftext|>"], self._special_ids["<|im_end|>"]})
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 + len(self.SPECIALS)
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        rest = text
+        while rest:
+            # Specials are matched atomically so a chat template's markers become single tokens.
+            hits = [(rest.find(s), s) for s in self.SPECIALS if s in rest]
+            if not hits:
+                ids += rest.encode("utf-8")
+                break
+            pos, special = min(hits)
+            ids += rest[:pos].encode("utf-8")
+            ids.append(self._special_ids[special])
+            rest = rest[pos + len(special) :]
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        return self._chat.render(messages)
+
+
+@dataclass(slots=True)
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas, never splitting a UTF-8 character.
+
+    Decodes a short window (``prefix_offset:``) each time instead of the whole sequence, so the cost
+    per token stays constant; a delta is released only once it no longer ends in U+FFFD (an
+    incomplete byte sequence).
+    """
+
+    tokenizer: Tokenizer
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    def step(self, ids: Sequence[int]) -> str:
+        """The text that the ids appended since the last call complete."""
+        prefix = self.tokenizer.decode(ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(ids)
+            return full[len(prefix) :]
+        return ""
+
+    def flush(self, ids: Sequence[int]) -> str:
+        """Whatever text is still held back (an incomplete character becomes U+FFFD)."""
+        prefix = self.tokenizer.decode(ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(ids)
+        return full[len(prefix) :] if len(full) > len(prefix) else ""
