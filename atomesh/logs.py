@@ -1,4 +1,10 @@
-"""structlog set-up: console or JSON lines, to stderr and optionally a rotating file."""
+"""structlog set-up: console or JSON lines, to stderr and optionally a rotating file.
+
+Every event about a request carries its `request_id`: the HTTP middleware binds it with
+`structlog.contextvars` for the time the request is served, and `merge_contextvars` adds it here.
+Records from other libraries (aiohttp, asyncio) go through the same renderer, so a `--json-log`
+file holds nothing but JSON objects, one a line.
+"""
 
 from __future__ import annotations
 
@@ -9,37 +15,55 @@ from pathlib import Path
 
 import structlog
 
-_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING, "error": logging.ERROR}
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING, "warning": logging.WARNING,
+           "error": logging.ERROR}
+LOG_FILE = "atomesh.log"
+_ROTATE_BYTES = 50 * 1024 * 1024
+_ROTATE_KEEP = 5
 
 
 def setup_logging(level: str = "info", json: bool = False, log_dir: Path | None = None) -> None:
-    """Route structlog through the stdlib root logger so every handler sees one rendered line."""
+    """Route structlog and stdlib logging through one renderer to stderr (and `log_dir`/atomesh.log)."""
+    lvl = _LEVELS[level]
+    shared: list[structlog.types.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_logger_name,
+        structlog.stdlib.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    renderer: structlog.types.Processor = (
+        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=shared,
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.format_exc_info if json else _keep,
+            renderer,
+        ],
+    )
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.handlers.RotatingFileHandler(
-            log_dir / "atomesh.log", maxBytes=50 * 1024 * 1024, backupCount=5))
+            log_dir / LOG_FILE, maxBytes=_ROTATE_BYTES, backupCount=_ROTATE_KEEP, encoding="utf-8"))
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
+        h.close()
     for h in handlers:
-        h.setFormatter(logging.Formatter("%(message)s"))
+        h.setFormatter(formatter)
         root.addHandler(h)
-    root.setLevel(_LEVELS[level])
+    root.setLevel(lvl)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    renderer: structlog.types.Processor = (
-        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
-    )
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.stdlib.add_logger_name,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        wrapper_class=structlog.make_filtering_bound_logger(lvl),
         logger_factory=structlog.stdlib.LoggerFactory(),
         cache_logger_on_first_use=True,
     )
+
+
+def _keep(logger: object, name: str, event: structlog.types.EventDict) -> structlog.types.EventDict:
+    # The console renderer prints tracebacks itself (readably); JSON needs them as a string field.
+    return event

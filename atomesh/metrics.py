@@ -1,66 +1,343 @@
-"""Prometheus metrics of the gateway (`mesh_*` names, as ATOMesh), in a registry the app owns."""
+"""Prometheus metrics of the gateway (`mesh_*` names, as ATOMesh), in a registry the app owns.
+
+Label names follow SMG / ATOMesh (`worker`, `worker_type`, `model`, `policy`, `endpoint`,
+`streaming`, `status_code`, ...). Every label value comes from a bounded set: worker URLs (series
+dropped when the worker is removed), routes, roles, statuses, error codes, and client-supplied model
+names capped at `max_model_labels` distinct values (then `other`). Nothing per request.
+
+`python -m atomesh.metrics` prints docs/metrics.md from the declarations below.
+"""
 
 from __future__ import annotations
 
+import re
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+# `*_created` series double the series count and no dashboard of ours reads them (SMG has none).
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+OTHER = "other"
+
+# Route path -> `endpoint` label, as SMG names its endpoints.
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/generate": "generate"}
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """One declared metric: what docs/metrics.md lists and the dashboard test checks against."""
+
+    name: str
+    kind: str  # counter | gauge | histogram
+    labels: tuple[str, ...]
+    help: str
+
+    @property
+    def series_names(self) -> tuple[str, ...]:
+        """The sample names Prometheus stores for this metric."""
+        if self.kind == "histogram":
+            return (self.name + "_bucket", self.name + "_sum", self.name + "_count")
+        return (self.name,)
 
 
 class Metrics:
-    """Every metric the gateway exports. Labels are bounded: workers, routes, roles, statuses."""
+    """Every metric the gateway exports, and small methods to record what the request path sees."""
 
-    def __init__(self, buckets: Sequence[float]) -> None:
+    def __init__(self, buckets: Sequence[float], *, max_model_labels: int = 64) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
+        self.specs: list[MetricSpec] = []
+        self.max_model_labels = max_model_labels
+        self._models: set[str] = set()
         b = tuple(buckets)
-        # --- HTTP layer
-        self.http_requests = Counter("mesh_http_requests_total", "HTTP requests received",
-                                     ["method", "endpoint"], registry=r)
-        self.http_responses = Counter("mesh_http_responses_total", "HTTP responses sent",
-                                      ["endpoint", "status_code"], registry=r)
-        self.http_duration = Histogram("mesh_http_request_duration_seconds", "HTTP request duration",
-                                       ["endpoint"], buckets=b, registry=r)
-        self.http_active = Gauge("mesh_http_connections_active", "Requests being served", registry=r)
-        self.rate_limited = Counter("mesh_http_rate_limit_total", "Requests refused or timed out by admission",
-                                    ["reason"], registry=r)
-        # --- router
-        self.router_requests = Counter("mesh_router_requests_total", "Inference requests routed",
-                                       ["endpoint", "model", "streaming"], registry=r)
-        self.router_duration = Histogram("mesh_router_request_duration_seconds", "Inference request duration",
-                                         ["endpoint", "streaming"], buckets=b, registry=r)
-        self.router_errors = Counter("mesh_router_request_errors_total", "Inference requests that failed",
-                                     ["endpoint", "error"], registry=r)
-        self.upstream_responses = Counter("mesh_router_upstream_responses_total", "Worker responses",
-                                          ["worker", "status_code"], registry=r)
+        c, g, h = self._counter, self._gauge, self._histogram
+        # --- HTTP layer (every route of the service port)
+        self.http_requests = c("mesh_http_requests_total", "HTTP requests received, by method and route.",
+                               ("method", "path"))
+        self.http_responses = c("mesh_http_responses_total", "HTTP responses sent, by route and status code.",
+                                ("path", "status_code"))
+        self.http_duration = h("mesh_http_request_duration_seconds",
+                               "Time from request received to handler returned (for streams: to the last byte).",
+                               ("method", "path"), b)
+        self.http_active = g("mesh_http_connections_active", "Requests being served now.", ())
+        self.rate_limit = c("mesh_http_rate_limit_total",
+                            "Admission decisions for inference requests: allowed, rejected (queue full) or "
+                            "timeout (waited too long in the queue).", ("result",))
+        # --- router (inference requests)
+        self.router_requests = c("mesh_router_requests_total", "Inference requests routed.",
+                                 ("endpoint", "model", "streaming", "backend_type"))
+        self.router_duration = h("mesh_router_request_duration_seconds",
+                                 "Inference request duration, placement to last byte, retries included.",
+                                 ("endpoint", "model", "streaming"), b)
+        self.router_errors = c("mesh_router_request_errors_total",
+                               "Inference requests that failed, by the gateway error code.",
+                               ("endpoint", "model", "error_type"))
+        self.upstream_responses = c("mesh_router_upstream_responses_total",
+                                    "HTTP answers received from workers, by status code.",
+                                    ("worker", "worker_type", "status_code"))
+        self.ttft = h("mesh_router_ttft_seconds",
+                      "Time to first token of streamed responses: request routed to the first event with "
+                      "non-empty content, measured at the gateway.", ("endpoint", "model"), b)
+        self.tpot = h("mesh_router_tpot_seconds",
+                      "Time per output token (mean inter-token latency) of one streamed response, after the "
+                      "first token.", ("endpoint", "model"), b)
+        self.generation_duration = h("mesh_router_generation_duration_seconds",
+                                     "Streamed responses: first content token to last event.",
+                                     ("endpoint", "model"), b)
+        self.tokens = c("mesh_router_tokens_total",
+                        "Tokens in answered requests: output from the engine's usage when given, else one per "
+                        "streamed content event; input from usage only.", ("endpoint", "model", "token_type"))
         # --- workers
-        self.pool_size = Gauge("mesh_worker_pool_size", "Workers per role and state",
-                               ["worker_type", "state"], registry=r)
-        self.worker_active = Gauge("mesh_worker_requests_active", "In-flight requests per worker",
-                                   ["worker", "worker_type"], registry=r)
-        self.worker_health = Gauge("mesh_worker_health", "1 if the worker is healthy",
-                                   ["worker", "worker_type"], registry=r)
-        self.health_checks = Counter("mesh_worker_health_checks_total", "Health checks", ["worker", "result"],
-                                     registry=r)
-        self.selections = Counter("mesh_worker_selection_total", "Placements per worker",
-                                  ["worker", "worker_type", "policy"], registry=r)
-        self.worker_errors = Counter("mesh_worker_errors_total", "Failed calls per worker", ["worker", "error"],
-                                     registry=r)
-        self.retries = Counter("mesh_worker_retries_total", "Retried attempts", ["endpoint"], registry=r)
-        self.retries_exhausted = Counter("mesh_worker_retries_exhausted_total", "Requests that ran out of retries",
-                                         ["endpoint"], registry=r)
-        self.cb_state = Gauge("mesh_worker_cb_state", "Breaker state (0 closed, 1 open, 2 half-open)",
-                              ["worker"], registry=r)
-        self.cb_transitions = Counter("mesh_worker_cb_transitions_total", "Breaker state changes",
-                                      ["worker", "from_state", "to_state"], registry=r)
-        self.cb_outcomes = Counter("mesh_worker_cb_outcomes_total", "Outcomes the breaker recorded",
-                                   ["worker", "outcome"], registry=r)
+        self.pool_size = g("mesh_worker_pool_size", "Workers per role and lifecycle state.",
+                           ("worker_type", "state"))
+        self.worker_active = g("mesh_worker_requests_active",
+                               "Requests placed on the worker whose last byte is not sent yet.",
+                               ("worker", "worker_type"))
+        self.worker_health = g("mesh_worker_health", "1 if the worker is ready (healthy), else 0.",
+                               ("worker", "worker_type"))
+        self.health_checks = c("mesh_worker_health_checks_total", "Health checks, by result (success, failure).",
+                               ("worker", "worker_type", "result"))
+        self.selections = c("mesh_worker_selection_total", "Times the policy placed a request on the worker.",
+                            ("worker", "worker_type", "policy"))
+        self.worker_errors = c("mesh_worker_errors_total",
+                               "Failed calls charged to the worker (transport errors and 5xx answers).",
+                               ("worker", "worker_type", "error_type"))
+        self.retries = c("mesh_worker_retries_total", "Attempts retried on another placement.",
+                         ("worker_type", "endpoint"))
+        self.retries_exhausted = c("mesh_worker_retries_exhausted_total",
+                                   "Requests that failed after using every allowed retry.",
+                                   ("worker_type", "endpoint"))
+        self.cb_state = g("mesh_worker_cb_state", "Circuit breaker state: 0 closed, 1 open, 2 half-open.",
+                          ("worker",))
+        self.cb_transitions = c("mesh_worker_cb_transitions_total", "Circuit breaker state changes.",
+                                ("worker", "from", "to"))
+        self.cb_outcomes = c("mesh_worker_cb_outcomes_total",
+                             "Request outcomes the circuit breaker recorded (success, failure).",
+                             ("worker", "outcome"))
+        # --- prefill / decode disaggregation (recorded by the P/D backends through observe_pd)
+        self.pd_prefill = h("mesh_pd_prefill_duration_seconds",
+                            "P/D: prefill leg, request sent to prefill answered.", ("runtime", "model"), b)
+        self.pd_handoff = h("mesh_pd_handoff_seconds",
+                            "P/D: prefill answered to decode request sent (the gateway's share of the KV "
+                            "hand-off).", ("runtime", "model"), b)
+        self.pd_decode = h("mesh_pd_decode_duration_seconds",
+                           "P/D: decode leg, decode request sent to its last byte relayed.", ("runtime", "model"), b)
+        self.pd_kv_failures = c("mesh_pd_kv_transfer_failures_total",
+                                "P/D: KV transfers that failed, as the engines reported them (or prefill answers "
+                                "without kv_transfer_params).", ("runtime", "reason"))
+        # --- cache-aware placement (recorded by the cache-aware policy)
+        self.cache_hits = c("mesh_cache_aware_hits_total",
+                            "Cache-aware placements that matched a prefix above the threshold.", ("worker_type",))
+        self.cache_misses = c("mesh_cache_aware_misses_total",
+                              "Cache-aware placements that fell back to load balancing.", ("worker_type",))
+        self.cache_index_entries = g("mesh_cache_aware_index_entries",
+                                     "Entries in the approximate prefix index (bounded by its budget).", ())
+        # --- engine metrics proxy (GET /engine_metrics)
+        self.engine_scrape_errors = c("mesh_engine_metrics_scrape_errors_total",
+                                      "Workers whose /metrics could not be read for /engine_metrics.", ("worker",))
 
-    def forget_worker(self, url: str, role: str) -> None:
-        """Drop a removed worker's series so label sets do not grow with churn."""
-        for metric, labels in ((self.worker_active, (url, role)), (self.worker_health, (url, role)),
-                               (self.cb_state, (url,))):
-            try:
+    # ------------------------------------------------------------------ declaration
+    def _counter(self, name: str, help_: str, labels: tuple[str, ...]) -> Counter:
+        self.specs.append(MetricSpec(name, "counter", labels, help_))
+        return Counter(name, help_, labels, registry=self.registry)
+
+    def _gauge(self, name: str, help_: str, labels: tuple[str, ...]) -> Gauge:
+        self.specs.append(MetricSpec(name, "gauge", labels, help_))
+        return Gauge(name, help_, labels, registry=self.registry)
+
+    def _histogram(self, name: str, help_: str, labels: tuple[str, ...], buckets: tuple[float, ...]) -> Histogram:
+        self.specs.append(MetricSpec(name, "histogram", labels, help_))
+        return Histogram(name, help_, labels, buckets=buckets, registry=self.registry)
+
+    def series_names(self) -> set[str]:
+        """Every sample name this registry can export."""
+        return {n for s in self.specs for n in s.series_names}
+
+    def render(self) -> web.Response:
+        """The text exposition of the registry, as an HTTP response."""
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # ------------------------------------------------------------------ bounded labels
+    def model_label(self, model: str | None) -> str:
+        """A client-supplied model name as a label: the first `max_model_labels` names, then `other`."""
+        if not model:
+            return ""
+        if model in self._models:
+            return model
+        if len(self._models) >= self.max_model_labels:
+            return OTHER
+        self._models.add(model)
+        return model
+
+    def forget_worker(self, url: str) -> None:
+        """Drop every series of a removed worker so label sets do not grow with churn."""
+        for metric in (self.worker_active, self.worker_health, self.health_checks, self.selections,
+                       self.worker_errors, self.upstream_responses, self.cb_state, self.cb_transitions,
+                       self.cb_outcomes, self.engine_scrape_errors):
+            # prometheus-client removes by full label tuple; the worker label is always first.
+            for labels in [k for k in _children(metric) if k and k[0] == url]:
                 metric.remove(*labels)
-            except KeyError:
-                pass
+
+    # ------------------------------------------------------------------ recording helpers
+    def meter(self, route: str, model: str | None, streaming: bool) -> RequestMeter:
+        """A per-request token meter; pass it as the relay's on_chunk hook, then `finish()` it."""
+        return RequestMeter(self, ENDPOINTS.get(route, route), self.model_label(model), streaming)
+
+    def observe_pd(self, runtime: str, model: str | None, *, prefill_secs: float | None = None,
+                   handoff_secs: float | None = None, decode_secs: float | None = None) -> None:
+        """Record the stages of one P/D request (any subset; call once per stage or once at the end)."""
+        label = self.model_label(model)
+        if prefill_secs is not None:
+            self.pd_prefill.labels(runtime, label).observe(prefill_secs)
+        if handoff_secs is not None:
+            self.pd_handoff.labels(runtime, label).observe(handoff_secs)
+        if decode_secs is not None:
+            self.pd_decode.labels(runtime, label).observe(decode_secs)
+
+    def pd_kv_transfer_failed(self, runtime: str, reason: str) -> None:
+        """Count one failed KV transfer; `reason` must come from a small fixed set (an error code)."""
+        self.pd_kv_failures.labels(runtime, reason).inc()
+
+    def cache_aware_lookup(self, hit: bool, worker_type: str = "regular") -> None:
+        """Count one cache-aware placement decision."""
+        (self.cache_hits if hit else self.cache_misses).labels(worker_type).inc()
+
+    def set_cache_index_entries(self, entries: int) -> None:
+        self.cache_index_entries.set(entries)
+
+
+def _children(metric: Any) -> list[tuple[str, ...]]:
+    # prometheus-client keeps labelled children in `_metrics` (label tuple -> child); no public API lists them.
+    with metric._lock:
+        return list(metric._metrics)
+
+
+# A streamed event carrying generated text: `"content": "x..."` (chat) or `"text": "x..."` (completions,
+# /generate). The negative look-ahead skips empty strings, e.g. the role-only first chat event.
+_CONTENT = re.compile(rb'"(?:content|text)"\s*:\s*"(?!")')
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_EVENT = b"data: "
+_DONE = b"data: [DONE]"
+
+
+class RequestMeter:
+    """Token timing of one response, read from the relayed bytes without decoding JSON.
+
+    Called with each SSE chunk (the relay's ChunkHook): counts `data: ` events, stamps the first one
+    with non-empty content (TTFT) and the last one, and takes `usage` token counts when the engine
+    sends them. `finish()` records everything once, when the request ends.
+    """
+
+    __slots__ = ("_done", "_m", "_tail", "endpoint", "events", "first_at", "last_at", "model", "started",
+                 "streaming", "usage_in", "usage_out")
+
+    def __init__(self, metrics: Metrics, endpoint: str, model: str, streaming: bool) -> None:
+        self._m = metrics
+        self.endpoint = endpoint
+        self.model = model
+        self.streaming = streaming
+        self.started = time.perf_counter()
+        self.first_at: float | None = None
+        self.last_at = 0.0
+        self.events = 0  # content-bearing events from the first token on
+        self.usage_out: int | None = None
+        self.usage_in: int | None = None
+        self._tail = b""  # end of the previous chunk, so an event marker split across chunks still counts
+        self._done = False
+
+    def __call__(self, chunk: bytes) -> None:
+        now = time.perf_counter()
+        data = self._tail + chunk if self._tail else chunk
+        self._tail = chunk[-(len(_EVENT) - 1):]
+        start = 0
+        if self.first_at is None:
+            found = _CONTENT.search(data)
+            if found is None:
+                return
+            self.first_at = now
+            start = max(0, data.rfind(_EVENT, 0, found.start()))
+        n = data.count(_EVENT, start) - data.count(_DONE, start)
+        if n > 0:
+            self.events += n
+            self.last_at = now
+        if b"_tokens" in data:
+            self._read_usage(data)
+
+    def _read_usage(self, data: bytes) -> None:
+        # The last count in the chunk wins: engines that stream usage send it cumulatively or at the end.
+        at = data.rfind(b'"completion_tokens"')
+        if at >= 0 and (out := _COMPLETION_TOKENS.match(data, at)) is not None:
+            self.usage_out = int(out.group(1))
+        at = data.rfind(b'"prompt_tokens"')
+        if at >= 0 and (inp := _PROMPT_TOKENS.match(data, at)) is not None:
+            self.usage_in = int(inp.group(1))
+
+    def finish(self, response: web.StreamResponse | None = None) -> None:
+        """Record the request's token metrics (once; later calls do nothing)."""
+        if self._done:
+            return
+        self._done = True
+        m = self._m
+        labels = (self.endpoint, self.model)
+        if not self.streaming:
+            body = response.body if isinstance(response, web.Response) else None
+            if isinstance(body, bytes) and response is not None and response.status < 300:
+                self._read_usage(body)
+        elif self.first_at is not None:
+            m.ttft.labels(*labels).observe(self.first_at - self.started)
+            m.generation_duration.labels(*labels).observe(self.last_at - self.first_at)
+        out = self.usage_out if self.usage_out is not None else (self.events if self.streaming else None)
+        if self.streaming and self.first_at is not None and out is not None and out > 1:
+            m.tpot.labels(*labels).observe((self.last_at - self.first_at) / (out - 1))
+        if out:
+            m.tokens.labels(self.endpoint, self.model, "output").inc(out)
+        if self.usage_in:
+            m.tokens.labels(self.endpoint, self.model, "input").inc(self.usage_in)
+
+
+def metrics_markdown(metrics: Metrics | None = None) -> str:
+    """docs/metrics.md, generated from the declarations (a test keeps the file in sync)."""
+    m = metrics or Metrics([1.0])
+    lines = [
+        "# Gateway metrics",
+        "",
+        "Generated by `python -m atomesh.metrics > docs/metrics.md` from `atomesh/metrics.py`; do not edit by hand.",
+        "",
+        "The gateway serves these on `--prometheus-host:--prometheus-port` at `/metrics` (default `0.0.0.0:29000`).",
+        "Every histogram uses the buckets of `--prometheus-duration-buckets` (seconds).",
+        "",
+        "Labels take values from bounded sets only: `worker` is a worker URL (its series are dropped when the",
+        "worker is removed), `worker_type` is `regular`, `prefill` or `decode`, `endpoint` is `completions`,",
+        "`chat` or `generate`, `model` is the requested model name (the first "
+        f"{m.max_model_labels} distinct names, then `other`),",
+        "`runtime` is the `--backend` (`atom`, `sglang`, `vllm`), `streaming` is `true` or `false`.",
+        "No label carries a request id, a prompt or anything else per request.",
+        "",
+        "Worker engines' own metrics are on the service port at `GET /engine_metrics`: every worker's",
+        "`/metrics` merged, each sample with a `worker_addr` label; a worker that cannot be read is listed in a",
+        "comment and as `mesh_engine_metrics_scrape_errors{worker_addr=...} 1` in that answer.",
+        "",
+        "| Metric | Type | Labels | Meaning |",
+        "|---|---|---|---|",
+    ]
+    for s in m.specs:
+        labels = ", ".join(f"`{x}`" for x in s.labels) or "-"
+        lines.append(f"| `{s.name}` | {s.kind} | {labels} | {s.help} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(metrics_markdown(), end="")

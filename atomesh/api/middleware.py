@@ -8,10 +8,10 @@ from collections.abc import Sequence
 
 import structlog
 from aiohttp import web
-from aiohttp.typedefs import Handler
+from aiohttp.typedefs import Handler, Middleware
 
 from atomesh.errors import GatewayError, UpstreamStatus, error_body
-from atomesh.metrics import Metrics
+from atomesh.metrics import ENDPOINTS, Metrics
 
 log = structlog.get_logger("atomesh.api")
 
@@ -48,22 +48,37 @@ def render(err: GatewayError, request_id: str) -> web.Response:
     return json_error(err.status, err.message, err.type, err.code, request_id)
 
 
-def make_middleware(request_id_headers: Sequence[str], metrics: Metrics, max_payload: int) -> web.Middleware:
+# Admission refusals, by error code -> `mesh_http_rate_limit_total{result}`.
+_ADMISSION_RESULTS = {"queue_full": "rejected", "rate_limited": "rejected", "queue_timeout": "timeout"}
+_METHODS = frozenset({"GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"})
+
+
+def make_middleware(request_id_headers: Sequence[str], metrics: Metrics, max_payload: int) -> Middleware:
     headers = tuple(request_id_headers)
 
     @web.middleware
     async def gateway_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         rid = next((v for h in headers if (v := request.headers.get(h))), None) or new_request_id()
         request[REQUEST_ID] = rid
-        endpoint = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
-        metrics.http_requests.labels(request.method, endpoint).inc()
+        with structlog.contextvars.bound_contextvars(request_id=rid):
+            return await _serve(request, handler, rid)
+
+    async def _serve(request: web.Request, handler: Handler, rid: str) -> web.StreamResponse:
+        # Labels are the route pattern (never the raw path, which may carry ids) and a known method.
+        resource = request.match_info.route.resource
+        path = resource.canonical if resource is not None else "unmatched"
+        method = request.method if request.method in _METHODS else "OTHER"
+        metrics.http_requests.labels(method, path).inc()
         metrics.http_active.inc()
         started = time.perf_counter()
+        inference = path in ENDPOINTS
+        admission = "allowed"
         try:
             resp = await handler(request)
         except GatewayError as e:
+            admission = _ADMISSION_RESULTS.get(e.code, admission)
             if e.status >= 500:
-                log.warning("request_failed", request_id=rid, status=e.status, code=e.code, error=e.message)
+                log.warning("request_failed", status=e.status, code=e.code, error=e.message)
             resp = render(e, rid)
         except web.HTTPException as e:
             if e.status < 400:
@@ -73,12 +88,18 @@ def make_middleware(request_id_headers: Sequence[str], metrics: Metrics, max_pay
             if e.status == 413:
                 message = f"request body is larger than the {max_payload} bytes allowed (--max-payload-size)"
             resp = json_error(e.status, message or e.reason, type_, code, rid)
+        except Exception:
+            # A bug, not a user error: log it with its traceback (and request id), answer a plain 500.
+            log.exception("request_crashed", method=request.method, path=path)
+            resp = json_error(500, "internal gateway error", "internal_error", "internal_error", rid)
         finally:
             metrics.http_active.dec()
         if not resp.prepared:
             resp.headers.setdefault("x-request-id", rid)
-        metrics.http_responses.labels(endpoint, str(resp.status)).inc()
-        metrics.http_duration.labels(endpoint).observe(time.perf_counter() - started)
+        if inference:
+            metrics.rate_limit.labels(admission).inc()
+        metrics.http_responses.labels(path, str(resp.status)).inc()
+        metrics.http_duration.labels(method, path).observe(time.perf_counter() - started)
         return resp
 
     return gateway_middleware
