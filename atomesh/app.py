@@ -9,7 +9,7 @@ import ssl
 import structlog
 from aiohttp import web
 
-from atomesh.api import admin, health, openai
+from atomesh.api import admin, health, observability, openai
 from atomesh.api.middleware import make_middleware
 from atomesh.config import GatewayConfig
 from atomesh.gateway import GATEWAY, Gateway, StartupError
@@ -28,17 +28,15 @@ def build_app(gateway: Gateway) -> web.Application:
     openai.setup(app)
     health.setup(app)
     admin.setup(app)
+    observability.setup(app)
     return app
 
 
 def build_metrics_app(gateway: Gateway) -> web.Application:
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
     async def metrics(_: web.Request) -> web.Response:
         for w in gateway.registry:
             gateway.metrics.worker_active.labels(w.url, w.role.value).set(w.in_flight)
-        return web.Response(body=generate_latest(gateway.metrics.registry),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return gateway.metrics.render()
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)

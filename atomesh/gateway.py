@@ -10,7 +10,11 @@ from aiohttp import web
 
 from atomesh.admission import Admission
 from atomesh.backends import Backend
+from atomesh.backends.atom import make_atom_backend
+from atomesh.backends.sglang import SglangBackend
 from atomesh.backends.single import SingleBackend
+from atomesh.backends.vllm import make_vllm_backend
+from atomesh.config import Backend as BackendName
 from atomesh.config import GatewayConfig
 from atomesh.metrics import Metrics
 from atomesh.placement import Placement
@@ -62,7 +66,8 @@ class Gateway:
         self.health = HealthChecker(
             self.registry, self.lifecycle.probe, interval=config.health_check_interval_secs,
             failure_threshold=config.health_failure_threshold, success_threshold=config.health_success_threshold,
-            on_result=lambda w, ok: self.metrics.health_checks.labels(w.url, "success" if ok else "failure").inc(),
+            on_result=lambda w, ok: self.metrics.health_checks.labels(
+                w.url, w.role.value, "success" if ok else "failure").inc(),
         )
         self.registry.subscribe(self._on_worker_state)
         self.shutting_down = False
@@ -72,9 +77,13 @@ class Gateway:
         self.started_at = time.time()
 
     def _make_backend(self) -> Backend:
-        if self.config.pd_disaggregation:
-            raise StartupError("--pd-disaggregation is not implemented yet")
-        return SingleBackend(self.upstream)
+        if not self.config.pd_disaggregation:
+            return SingleBackend(self.upstream)
+        if self.config.backend is BackendName.ATOM:
+            return make_atom_backend(self.upstream)
+        if self.config.backend is BackendName.VLLM:
+            return make_vllm_backend(self.upstream)
+        return SglangBackend(self.upstream)
 
     @property
     def roles(self) -> tuple[WorkerRole, ...]:
@@ -137,10 +146,12 @@ class Gateway:
         if old is not None:
             m.pool_size.labels(role, old.value).dec()
         if new is WorkerState.REMOVED:
-            m.forget_worker(worker.url, role)
+            m.forget_worker(worker.url)
             return
         m.pool_size.labels(role, new.value).inc()
         m.worker_health.labels(worker.url, role).set(1 if new is WorkerState.READY else 0)
+        if old is None:
+            m.cb_state.labels(worker.url).set(_CB_VALUE[worker.breaker.state])
 
     def _on_breaker(self, worker: Worker, old: BreakerState, new: BreakerState) -> None:
         self.metrics.cb_state.labels(worker.url).set(_CB_VALUE[new])

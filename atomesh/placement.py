@@ -55,6 +55,8 @@ class Placement:
     def place(self, view: RequestView, exclude: Collection[Worker] = ()) -> Plan:
         """Choose where `view` runs, avoiding `exclude` (earlier failed attempts) when possible."""
         if self.pd:
+            # Both pools are chosen before either is charged; each pool's policy sees its own loads,
+            # which count every pair placed on that worker until its last byte.
             prefill = self._choose(WorkerRole.PREFILL, view, exclude)
             decode = self._choose(WorkerRole.DECODE, view, exclude)
             plan: Plan = Pair(prefill, decode)
@@ -63,6 +65,15 @@ class Placement:
         for w in plan.workers:
             w.in_flight += 1
         return plan
+
+    def start(self) -> None:
+        """Start the policies' background tasks (cache-aware eviction)."""
+        for policy in self.policies.values():
+            policy.start()
+
+    async def stop(self) -> None:
+        for policy in self.policies.values():
+            await policy.stop()
 
     def release(self, plan: Plan) -> None:
         """The request placed by `plan` has sent its last byte (or failed)."""

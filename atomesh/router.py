@@ -11,7 +11,7 @@ from aiohttp import web
 from atomesh.backends import Backend
 from atomesh.config import GatewayConfig
 from atomesh.errors import UpstreamError, UpstreamStatus
-from atomesh.metrics import Metrics
+from atomesh.metrics import ENDPOINTS, Metrics
 from atomesh.placement import Placement, Plan
 from atomesh.request import RequestView
 from atomesh.transport import Exchange, backoff_delays, write_sse_error
@@ -31,23 +31,29 @@ class Router:
         self._backoff = (config.retry_initial_backoff_ms, config.retry_max_backoff_ms,
                          config.retry_backoff_multiplier, config.retry_jitter_factor)
         self._policy_names = {role: config.policy_for(role.value) for role in placement.policies}
+        self._backend_type = "pd" if placement.pd else "regular"
 
     async def serve(self, exchange: Exchange, view: RequestView) -> web.StreamResponse:
-        endpoint = view.route.value
+        m = self.metrics
+        meter = exchange.on_chunk = m.meter(view.route.value, view.model, view.stream)
         streaming = "true" if view.stream else "false"
-        self.metrics.router_requests.labels(endpoint, view.model or "", streaming).inc()
-        started = time.perf_counter()
+        m.router_requests.labels(meter.endpoint, meter.model, streaming, self._backend_type).inc()
+        response: web.StreamResponse | None = None
         try:
-            return await self._attempts(exchange, view)
+            response = await self._attempts(exchange, view)
+            return response
         except UpstreamError as e:
-            self.metrics.router_errors.labels(endpoint, e.code).inc()
+            m.router_errors.labels(meter.endpoint, meter.model, e.code).inc()
             raise
         finally:
-            self.metrics.router_duration.labels(endpoint, streaming).observe(time.perf_counter() - started)
+            meter.finish(response)
+            m.router_duration.labels(meter.endpoint, meter.model, streaming).observe(
+                time.perf_counter() - meter.started)
 
     async def _attempts(self, exchange: Exchange, view: RequestView) -> web.StreamResponse:
         tried: list[Worker] = []
         delays = backoff_delays(*self._backoff)
+        endpoint = ENDPOINTS.get(view.route.value, view.route.value)
         attempt = 0
         while True:
             plan = self.placement.place(view, exclude=tried)
@@ -62,19 +68,23 @@ class Router:
                     return exchange.stream
                 if not e.retryable or attempt >= self.max_retries:
                     if e.retryable and self.max_retries:
-                        self.metrics.retries_exhausted.labels(view.route.value).inc()
+                        self.metrics.retries_exhausted.labels(plan.workers[-1].role.value, endpoint).inc()
                     raise
-                tried.extend(w for w in plan.workers if w not in tried)
+                # Avoid the worker at fault next time (both legs when the fault is unknown).
+                at_fault = [e.worker] if isinstance(e.worker, Worker) else list(plan.workers)
+                tried.extend(w for w in at_fault if w not in tried)
                 log.debug("retrying", request_id=exchange.request_id, attempt=attempt + 1, error=e.message)
             else:
                 for w in plan.workers:
                     w.breaker.record(True)
                     self.metrics.cb_outcomes.labels(w.url, "success").inc()
+                last = plan.workers[-1]  # the worker whose answer the client got (decode in P/D)
+                self.metrics.upstream_responses.labels(last.url, last.role.value, str(response.status)).inc()
                 return response
             finally:
                 self.placement.release(plan)
             attempt += 1
-            self.metrics.retries.labels(view.route.value).inc()
+            self.metrics.retries.labels(plan.workers[-1].role.value, endpoint).inc()
             await asyncio.sleep(next(delays))
 
     def _count_selection(self, plan: Plan) -> None:
@@ -83,11 +93,14 @@ class Router:
 
     def _record_failure(self, e: UpstreamError, plan: Plan) -> None:
         """Charge the failure to the worker at fault (a 4xx answer is the client's fault, not the worker's)."""
-        if isinstance(e, UpstreamStatus) and e.status < 500:
-            return
         at_fault = e.worker if isinstance(e.worker, Worker) else None
+        if isinstance(e, UpstreamStatus):
+            answered = at_fault or plan.workers[-1]
+            self.metrics.upstream_responses.labels(answered.url, answered.role.value, str(e.status)).inc()
+            if e.status < 500:
+                return
         for w in plan.workers:
             if at_fault is None or w is at_fault:
                 w.breaker.record(False)
                 self.metrics.cb_outcomes.labels(w.url, "failure").inc()
-                self.metrics.worker_errors.labels(w.url, e.code).inc()
+                self.metrics.worker_errors.labels(w.url, w.role.value, e.code).inc()

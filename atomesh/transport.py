@@ -118,6 +118,8 @@ class Exchange:
     request_id: str
     # Set once the response headers went to the client: from then on nothing may be retried.
     stream: web.StreamResponse | None = None
+    # Sees every chunk relayed to this client (the router's token meter) unless relay() is given another.
+    on_chunk: ChunkHook | None = None
 
     @property
     def committed(self) -> bool:
@@ -148,6 +150,7 @@ async def relay(
     if resp.content_type != "text/event-stream":
         body = await resp.read()
         return web.Response(body=body, status=resp.status, headers=exchange.response_headers(resp.headers))
+    on_chunk = on_chunk or exchange.on_chunk
     out = web.StreamResponse(status=resp.status, headers=exchange.response_headers({**resp.headers, **SSE_HEADERS}))
     await out.prepare(exchange.request)
     exchange.stream = out

@@ -6,6 +6,10 @@ from collections.abc import Callable
 
 from atomesh.config import GatewayConfig
 from atomesh.policies.base import Policy
+from atomesh.policies.cache_aware import CacheAwarePolicy
+from atomesh.policies.least_load import LeastLoadPolicy
+from atomesh.policies.power_of_two import PowerOfTwoPolicy
+from atomesh.policies.prefix_hash import PrefixHashPolicy
 from atomesh.policies.random import RandomPolicy
 from atomesh.policies.round_robin import RoundRobinPolicy
 
@@ -14,6 +18,13 @@ PolicyFactory = Callable[[GatewayConfig], Policy]
 _FACTORIES: dict[str, PolicyFactory] = {
     "random": lambda cfg: RandomPolicy(),
     "round_robin": lambda cfg: RoundRobinPolicy(),
+    "power_of_two": lambda cfg: PowerOfTwoPolicy(),
+    "least_load": lambda cfg: LeastLoadPolicy(),
+    "cache_aware": lambda cfg: CacheAwarePolicy(
+        cache_threshold=cfg.cache_threshold, balance_abs_threshold=cfg.balance_abs_threshold,
+        balance_rel_threshold=cfg.balance_rel_threshold, eviction_interval_secs=cfg.eviction_interval_secs,
+        max_tree_size=cfg.max_tree_size),
+    "prefix_hash": lambda cfg: PrefixHashPolicy(prefix_token_count=cfg.prefix_token_count),
 }
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from atomesh.policies.base import Stateless
 from atomesh.request import RequestView
 from atomesh.workers.worker import Worker
 
 
-class RandomPolicy:
+class RandomPolicy(Stateless):
     name = "random"
 
     def __init__(self, rng: random.Random | None = None) -> None:
@@ -17,9 +18,3 @@ class RandomPolicy:
 
     def select(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
         return candidates[self._rng.randrange(len(candidates))]
-
-    def on_placed(self, worker: Worker, view: RequestView) -> None:
-        pass
-
-    def on_worker_removed(self, worker: Worker) -> None:
-        pass

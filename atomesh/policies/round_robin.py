@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from atomesh.policies.base import Stateless
 from atomesh.request import RequestView
 from atomesh.workers.worker import Worker
 
 
-class RoundRobinPolicy:
+class RoundRobinPolicy(Stateless):
     name = "round_robin"
 
     def __init__(self) -> None:
@@ -18,9 +19,3 @@ class RoundRobinPolicy:
         worker = candidates[self._next % len(candidates)]
         self._next = (self._next + 1) % (1 << 30)
         return worker
-
-    def on_placed(self, worker: Worker, view: RequestView) -> None:
-        pass
-
-    def on_worker_removed(self, worker: Worker) -> None:
-        pass

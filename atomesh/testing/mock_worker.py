@@ -37,6 +37,11 @@ class MockBehaviour:
     health_status: int = 200
     models: list[str] = field(default_factory=lambda: ["mock-model"])
     kv_role: str | None = None  # reported by /kv_transfer_info
+    # P/D protocol checked on every inference request: "atom", "sglang" or "vllm" (None: no checks),
+    # and this worker's side of it: "prefill" or "decode".
+    pd_backend: str | None = None
+    pd_role: str | None = None
+    omit_kv_params: bool = False  # a prefill that forgets kv_transfer_params (atom / vllm)
 
 
 class MockWorker:
@@ -101,6 +106,10 @@ class MockWorker:
         self.received.append({"path": request.path, "body": body, "headers": {k.lower(): v for k, v in request.headers.items()},
                               "at": time.time()})
         b = self.behaviour
+        problem = pd_protocol_problem(b.pd_backend, b.pd_role, body) if b.pd_backend else None
+        if problem is not None:
+            return web.json_response({"error": {"message": problem, "type": "invalid_request_error", "code": 400}},
+                                     status=400, headers=self._headers())
         self.active += 1
         finished = False
         try:
@@ -137,7 +146,7 @@ class MockWorker:
 
     def _kv_params(self, body: dict[str, Any]) -> dict[str, Any] | None:
         params = body.get("kv_transfer_params")
-        if not isinstance(params, dict) or not params.get("do_remote_decode"):
+        if not isinstance(params, dict) or not params.get("do_remote_decode") or self.behaviour.omit_kv_params:
             return None
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [0, 1],
                 "remote_engine_id": f"{self.host}:1", "remote_host": self.host, "remote_port": 1,
@@ -226,6 +235,42 @@ class MockWorker:
         return web.json_response(asdict(self.behaviour))
 
 
+_ATOM_DECODE_FIELDS = ("remote_block_ids", "remote_engine_id", "remote_host", "remote_handshake_port",
+                       "transfer_id", "first_token_id", "remote_dp_size", "remote_tp_size", "remote_dp_rank")
+_VLLM_DECODE_FIELDS = ("remote_block_ids", "remote_engine_id", "remote_host", "remote_port")
+_VLLM_PREFILL_NULLS = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port")
+
+
+def pd_protocol_problem(backend: str, role: str | None, body: dict[str, Any]) -> str | None:
+    """What a real engine of `backend` would refuse in this request, or None (PROTOCOLS.md §3)."""
+    if backend == "sglang":
+        for key in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
+            if key not in body:
+                return f"sglang {role} leg without {key}"
+        room = body["bootstrap_room"]
+        rooms = room if isinstance(room, list) else [room]
+        if not all(isinstance(r, int) and 0 <= r < 2**63 for r in rooms):
+            return "bootstrap_room must be a 63-bit integer"
+        return None
+    params = body.get("kv_transfer_params")
+    if not isinstance(params, dict):
+        return f"{backend} {role} leg without kv_transfer_params"
+    if role == "prefill":
+        if params.get("do_remote_decode") is not True or params.get("do_remote_prefill") is not False:
+            return "prefill leg must have do_remote_decode=true, do_remote_prefill=false"
+        if body.get("max_tokens") != 1 or body.get("stream") is not False or "stream_options" in body:
+            return "prefill leg must have max_tokens=1, stream=false and no stream_options"
+        if "max_completion_tokens" in body and body["max_completion_tokens"] != 1:
+            return "prefill leg must have max_completion_tokens=1"
+        if backend == "vllm" and any(k not in params or params[k] is not None for k in _VLLM_PREFILL_NULLS):
+            return "vllm prefill leg must carry null remote_* fields"
+        return None
+    if not params.get("do_remote_prefill"):
+        return "decode leg must carry the do_remote_prefill=true params prefill returned"
+    missing = [k for k in (_ATOM_DECODE_FIELDS if backend == "atom" else _VLLM_DECODE_FIELDS) if k not in params]
+    return f"decode leg kv_transfer_params lack {missing}" if missing else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="atomesh mock worker")
     parser.add_argument("--host", default="127.0.0.1")
@@ -235,9 +280,12 @@ def main() -> None:
     parser.add_argument("--stream-chunks", type=int, default=4)
     parser.add_argument("--chunk-interval-secs", type=float, default=0.0)
     parser.add_argument("--kv-role", default=None)
+    parser.add_argument("--pd-backend", choices=("atom", "sglang", "vllm"), default=None)
+    parser.add_argument("--pd-role", choices=("prefill", "decode"), default=None)
     args = parser.parse_args()
     behaviour = MockBehaviour(latency_secs=args.latency_secs, stream_chunks=args.stream_chunks,
-                              chunk_interval_secs=args.chunk_interval_secs, kv_role=args.kv_role)
+                              chunk_interval_secs=args.chunk_interval_secs, kv_role=args.kv_role,
+                              pd_backend=args.pd_backend, pd_role=args.pd_role)
     worker = MockWorker(args.name, args.host, args.port, behaviour)
 
     async def run() -> None:

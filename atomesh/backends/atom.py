@@ -1,0 +1,29 @@
+"""`--backend atom`: ATOM's relay. Prefill (one token, KV kept for transfer), then decode pulls the KV.
+
+Decode receives prefill's `kv_transfer_params` (block ids, engine id, handshake port, transfer id,
+first token) plus the prefill side's data/tensor-parallel shape, as ATOMesh sends it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from atomesh.backends.twostep import TwoStepBackend
+from atomesh.transport import ChunkHook, Upstream
+from atomesh.workers.worker import Worker
+
+PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+def decode_params(returned: dict[str, Any], prefill: Worker) -> dict[str, Any]:
+    info = prefill.kv_transfer_info
+    return {
+        **returned,
+        "remote_dp_size": info.get("dp_size", 1),
+        "remote_tp_size": info.get("tp_size", returned.get("tp_size", 1)),
+        "remote_dp_rank": returned.get("dp_rank", 0),
+    }
+
+
+def make_atom_backend(upstream: Upstream, on_chunk: ChunkHook | None = None) -> TwoStepBackend:
+    return TwoStepBackend(upstream, PREFILL_PARAMS, decode_params, on_chunk)

@@ -1,0 +1,79 @@
+"""Prefill first, then decode with what prefill returned: the shape shared by the atom and vllm backends."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from atomesh.errors import UpstreamError, UpstreamStatus
+from atomesh.placement import Pair, Plan
+from atomesh.request import RequestView
+from atomesh.transport import ChunkHook, Exchange, Upstream, relay, upstream_headers
+from atomesh.workers.worker import Worker
+
+# Builds the decode leg's kv_transfer_params from what prefill returned and the prefill worker.
+DecodeParams = Callable[[dict[str, Any], Worker], dict[str, Any]]
+
+
+def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> bytes:
+    """The client's request turned into a prefill-only request: one token, no streaming."""
+    out = dict(body)
+    out["kv_transfer_params"] = kv_params
+    out["stream"] = False
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out.pop("stream_options", None)
+    return orjson.dumps(out)
+
+
+class TwoStepBackend:
+    """Runs the prefill leg to completion, then the decode leg whose reply goes to the client."""
+
+    def __init__(self, upstream: Upstream, prefill_params: dict[str, Any], decode_params: DecodeParams,
+                 on_chunk: ChunkHook | None = None) -> None:
+        self.upstream = upstream
+        self.prefill_params = prefill_params
+        self.decode_params = decode_params
+        self.on_chunk = on_chunk
+
+    async def forward(self, exchange: Exchange, view: RequestView, plan: Plan) -> web.StreamResponse:
+        assert isinstance(plan, Pair), "P/D mode places prefill/decode pairs"
+        deadline = time.monotonic() + self.upstream.request_timeout
+        returned = await self._prefill(exchange, view, plan.prefill)
+        body = dict(view.body)
+        body["kv_transfer_params"] = self.decode_params(returned, plan.prefill)
+        remaining = max(0.001, deadline - time.monotonic())
+        try:
+            async with self.upstream.open("POST", plan.decode.url + view.route, data=orjson.dumps(body),
+                                          headers=upstream_headers(exchange), timeout=remaining) as resp:
+                return await relay(exchange, resp, self.on_chunk)
+        except UpstreamError as e:
+            e.worker = plan.decode
+            raise
+
+    async def _prefill(self, exchange: Exchange, view: RequestView, worker: Worker) -> dict[str, Any]:
+        """Run the prefill leg; return the kv_transfer_params it answered with."""
+        try:
+            status, raw, ctype = await self.upstream.call(
+                "POST", worker.url + view.route, data=prefill_body(view.body, self.prefill_params),
+                headers=upstream_headers(exchange))
+            if status >= 400:
+                raise UpstreamStatus(status, raw, ctype)
+            try:
+                answer = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                raise UpstreamError(f"prefill worker {worker.url} did not answer with JSON",
+                                    code="prefill_invalid_response") from None
+            params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+            if not isinstance(params, dict):
+                raise UpstreamError(f"prefill worker {worker.url} answered without kv_transfer_params",
+                                    code="prefill_missing_kv_transfer_params", retryable=False)
+            return params
+        except UpstreamError as e:
+            e.worker = worker
+            raise

@@ -1,0 +1,270 @@
+"""`cache_aware`: send a request where its prompt prefix was sent before, unless the fleet is imbalanced.
+
+Decision (SMG's cache-aware policy, PROTOCOLS.md §1):
+
+1. The candidates' loads are imbalanced when `max - min > --balance-abs-threshold` AND
+   `max > --balance-rel-threshold * min`: the least-loaded worker wins (shortest queue).
+2. Otherwise the longest indexed prefix of the request's locality text (a chat's whole conversation)
+   is looked up. If the matched share of the text is above `--cache-threshold`, the least-loaded
+   worker among those holding that prefix wins, unless it is itself overloaded against the fleet
+   mean (both thresholds, as SMG's per-request gate), in which case the request spills to the
+   least-loaded worker, which then becomes a second holder of the prefix.
+3. Below the threshold (a new prefix) the least-loaded worker wins, ties broken by the smallest share
+   of the index (the worker holding the least cached text).
+
+In every case the chosen worker is recorded as holding the whole text.
+
+The index (`PrefixIndex`) is not a character radix tree: the text is cut into fixed chunks of
+`chunk_chars` bytes (UTF-8), each chunk hashed with xxh3 seeded by its position and the hashes
+xor-accumulated, so hash i identifies the whole prefix up to chunk i (a chain). A dict maps each
+prefix hash to the few workers that hold it (most recent last), kept in LRU order with a hard entry
+budget shared by all workers: `--max-tree-size` counts characters, as SMG's tree does, so the budget
+is `max_tree_size // chunk_chars` entries. Cost per request: one pass of C-level hashing over the
+text, a binary search for the match (entries are touched deepest first, so the shallow, shared ones
+are evicted last and each chain stays a prefix-closed run), and one LRU touch per chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import operator
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from itertools import accumulate
+
+import structlog
+import xxhash
+
+from atomesh.request import RequestView
+from atomesh.workers.worker import Worker
+
+log = structlog.get_logger("atomesh.policies")
+
+DEFAULT_CHUNK_CHARS = 256
+MAX_HOLDERS = 4
+# The periodic sweep trims the index to this share of its budget, leaving headroom so that a burst of
+# new prompts between sweeps does not evict at the hard limit on every request.
+LOW_WATER = 0.9
+
+_xxh = xxhash.xxh3_64_intdigest
+Holders = tuple[Worker, ...]
+
+
+def chunk_hashes(text: str, chunk: int) -> tuple[list[int], int]:
+    """Chained prefix hashes of `text` cut into `chunk`-byte pieces (the last may be shorter), and its size."""
+    data = text.encode()
+    n = len(data)
+    if n == 0:
+        return [], 0
+    pieces = [data[i:i + chunk] for i in range(0, n, chunk)]
+    return list(accumulate(map(_xxh, pieces, range(len(pieces))), operator.xor)), n
+
+
+class PrefixIndex:
+    """Which workers were sent which prompt prefixes: chained chunk hashes -> holders, LRU, hard budget."""
+
+    def __init__(self, max_entries: int, chunk_chars: int = DEFAULT_CHUNK_CHARS,
+                 max_holders: int = MAX_HOLDERS) -> None:
+        if max_entries < 1 or chunk_chars < 1 or max_holders < 1:
+            raise ValueError("max_entries, chunk_chars and max_holders must be positive")
+        self.max_entries = max_entries
+        self.chunk_chars = chunk_chars
+        self.max_holders = max_holders
+        self._entries: OrderedDict[int, Holders] = OrderedDict()
+        self._share: dict[Worker, int] = {}  # entries each worker holds
+        self._single: dict[Worker, Holders] = {}  # one shared 1-tuple per worker
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def share(self, worker: Worker) -> int:
+        return self._share.get(worker, 0)
+
+    def hashes(self, text: str) -> tuple[list[int], int]:
+        return chunk_hashes(text, self.chunk_chars)
+
+    def holders(self, h: int) -> Holders:
+        return self._entries.get(h, ())
+
+    def match(self, hashes: Sequence[int], ok: Callable[[Holders], bool]) -> int:
+        """Number of leading chunks whose entry exists and passes `ok` (binary search on the chain)."""
+        get = self._entries.get
+        lo, hi = 0, len(hashes)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            v = get(hashes[mid - 1])
+            if v is not None and ok(v):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def matched_chars(self, depth: int, size: int) -> int:
+        return min(depth * self.chunk_chars, size)
+
+    def insert(self, hashes: Sequence[int], worker: Worker, held: int = 0) -> None:
+        """Record that `worker` now holds the whole chain; it is known to hold the first `held` entries."""
+        if len(hashes) > self.max_entries:  # a text larger than the whole budget keeps its head
+            hashes = hashes[: self.max_entries]
+            held = min(held, len(hashes))
+        entries = self._entries
+        get = entries.get
+        touch = entries.move_to_end
+        single = self._single.get(worker)
+        if single is None:
+            single = self._single[worker] = (worker,)
+        added = 0
+        # Deepest first, so that the shallow (shared) part of the chain ends most recently used.
+        for i in range(len(hashes) - 1, held - 1, -1):
+            h = hashes[i]
+            v = get(h)
+            if v is None:
+                entries[h] = single
+                added += 1
+                if len(entries) > self.max_entries:
+                    self._evict_one()
+            elif worker not in v:
+                if len(v) >= self.max_holders:
+                    dropped = v[0]
+                    self._share[dropped] -= 1
+                    v = v[1:]
+                entries[h] = (*v, worker)
+                added += 1
+                touch(h)
+            else:
+                touch(h)
+        if added:
+            self._share[worker] = self._share.get(worker, 0) + added
+        if held:
+            try:
+                deque(map(touch, reversed(hashes[:held])), maxlen=0)
+            except KeyError:
+                # An entry of the held run was evicted by this very insertion: re-record the run.
+                self.insert(hashes[:held], worker, 0)
+
+    def _evict_one(self) -> None:
+        _, v = self._entries.popitem(last=False)
+        for w in v:
+            self._share[w] -= 1
+        self.evictions += 1
+
+    def trim(self, target: int) -> int:
+        """Evict least recently used entries down to `target`; returns how many went."""
+        n = 0
+        while len(self._entries) > target:
+            self._evict_one()
+            n += 1
+        return n
+
+    def remove_worker(self, worker: Worker) -> int:
+        """Forget everything `worker` holds; returns the entries that went with it."""
+        if worker not in self._share:
+            return 0
+        entries = self._entries
+        gone = 0
+        for h, v in list(entries.items()):
+            if worker in v:
+                rest = tuple(w for w in v if w is not worker)
+                if rest:
+                    # Keep the entry's LRU position: assignment to an existing key does not move it.
+                    entries[h] = self._single.get(rest[0], rest) if len(rest) == 1 else rest
+                else:
+                    del entries[h]
+                    gone += 1
+        del self._share[worker]
+        self._single.pop(worker, None)
+        return gone
+
+
+class CacheAwarePolicy:
+    name = "cache_aware"
+
+    def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
+                 balance_rel_threshold: float = 1.5, eviction_interval_secs: float = 120,
+                 max_tree_size: int = 2**26, chunk_chars: int = DEFAULT_CHUNK_CHARS) -> None:
+        self.cache_threshold = cache_threshold
+        self.abs_threshold = balance_abs_threshold
+        self.rel_threshold = balance_rel_threshold
+        self.eviction_interval_secs = eviction_interval_secs
+        self.index = PrefixIndex(max(1, max_tree_size // chunk_chars), chunk_chars)
+        self.hits = 0  # requests sent to a worker that held their prefix
+        self.misses = 0
+        # select() hands its work to on_placed() for the same view: (view, worker, hashes, held).
+        self._pending: tuple[RequestView, Worker, list[int], int] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ decision
+    def select(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
+        hashes, size = self.index.hashes(view.locality_text)
+        loads = [w.load for w in candidates]
+        hi, lo = max(loads), min(loads)
+        if hi - lo > self.abs_threshold and hi > self.rel_threshold * lo:
+            worker = self._least_loaded(candidates)
+            self.misses += 1
+            self._pending = (view, worker, hashes, self._held(hashes, worker))
+            return worker
+        pool = set(candidates)
+        depth = self.index.match(hashes, lambda v: not pool.isdisjoint(v))
+        if depth and self.index.matched_chars(depth, size) > self.cache_threshold * size:
+            holders = [w for w in self.index.holders(hashes[depth - 1]) if w in pool]
+            # Least loaded holder; among equals the most recent one (holders are oldest first).
+            worker = min(reversed(holders), key=lambda w: w.load)
+            avg = sum(loads) / len(loads)
+            load = worker.load
+            if load > avg * self.rel_threshold and load > avg + self.abs_threshold:
+                worker = self._least_loaded(candidates)
+                self.misses += 1
+                self._pending = (view, worker, hashes, self._held(hashes, worker))
+                return worker
+            self.hits += 1
+            self._pending = (view, worker, hashes, depth)
+            return worker
+        worker = self._least_loaded(candidates)
+        self.misses += 1
+        self._pending = (view, worker, hashes, self._held(hashes, worker))
+        return worker
+
+    def on_placed(self, worker: Worker, view: RequestView) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] is view and pending[1] is worker:
+            _, _, hashes, held = pending
+        else:  # placement skipped select (a single candidate)
+            hashes, _ = self.index.hashes(view.locality_text)
+            held = self._held(hashes, worker)
+        self.index.insert(hashes, worker, held)
+
+    def on_worker_removed(self, worker: Worker) -> None:
+        gone = self.index.remove_worker(worker)
+        log.debug("cache_index_worker_removed", worker=worker.url, entries=gone)
+
+    def _held(self, hashes: Sequence[int], worker: Worker) -> int:
+        return self.index.match(hashes, lambda v: worker in v)
+
+    def _least_loaded(self, candidates: Sequence[Worker]) -> Worker:
+        share = self.index.share
+        return min(candidates, key=lambda w: (w.load, share(w)))
+
+    # ------------------------------------------------------------------ eviction task
+    def evict(self) -> int:
+        """One eviction pass: trim the index to its low-water mark."""
+        return self.index.trim(int(self.index.max_entries * LOW_WATER))
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._evict_loop(), name="cache-aware-eviction")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _evict_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.eviction_interval_secs)
+            gone = self.evict()
+            if gone:
+                log.debug("cache_index_evicted", entries=gone, size=len(self.index))

@@ -1,0 +1,98 @@
+"""`prefix_hash`: consistent hashing of a routing key or of the prompt's first tokens, with bounded load.
+
+The key is the request's routing key header (`x-session-id`, `x-routing-key`, `x-user-id`) when it
+has one, else the first `--prefix-token-count` tokens of the locality text, approximated as
+4 characters per token (as SMG does for text). The key is hashed (xxh3) onto a ring of virtual
+nodes (`VNODES` per worker); the first worker clockwise owns it. Adding or removing a worker moves
+only the keys of the arcs it gains or loses. As in SMG, a worker whose load is above
+`max(avg * load_factor, avg + abs_slack)` is passed over for the next distinct worker on the ring,
+and when every worker is above the bound the least loaded one is taken.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import xxhash
+
+from atomesh.policies.base import Stateless
+from atomesh.request import RequestView
+from atomesh.workers.worker import Worker
+
+CHARS_PER_TOKEN = 4
+VNODES = 160
+
+
+class HashRing:
+    """Virtual-node ring over a fixed worker set; placement of a key depends only on the URLs."""
+
+    def __init__(self, workers: Sequence[Worker], vnodes: int = VNODES) -> None:
+        points: list[tuple[int, int]] = []
+        for i, w in enumerate(workers):
+            for v in range(vnodes):
+                points.append((xxhash.xxh3_64_intdigest(f"{w.url}#{v}".encode()), i))
+        points.sort()
+        self.workers = tuple(workers)
+        self._keys = [p for p, _ in points]
+        self._owners = [i for _, i in points]
+
+    def walk(self, key_hash: int) -> list[Worker]:
+        """Distinct workers in ring order starting at the owner of `key_hash`."""
+        n = len(self._keys)
+        start = bisect.bisect_left(self._keys, key_hash) % n
+        seen: list[int] = []
+        for k in range(n):
+            owner = self._owners[(start + k) % n]
+            if owner not in seen:
+                seen.append(owner)
+                if len(seen) == len(self.workers):
+                    break
+        return [self.workers[i] for i in seen]
+
+    def owner(self, key_hash: int) -> Worker:
+        start = bisect.bisect_left(self._keys, key_hash) % len(self._keys)
+        return self.workers[self._owners[start]]
+
+
+class PrefixHashPolicy(Stateless):
+    name = "prefix_hash"
+
+    def __init__(self, prefix_token_count: int = 256, load_factor: float = 1.25, abs_slack: int = 10,
+                 vnodes: int = VNODES) -> None:
+        self.prefix_chars = prefix_token_count * CHARS_PER_TOKEN
+        self.load_factor = load_factor
+        self.abs_slack = abs_slack
+        self.vnodes = vnodes
+        self._ring: HashRing | None = None
+        self._ring_key: tuple[str, ...] = ()
+
+    def key_hash(self, view: RequestView) -> int:
+        key = view.routing_key
+        if key is not None:
+            return xxhash.xxh3_64_intdigest(b"key:" + key.encode())
+        return xxhash.xxh3_64_intdigest(view.locality_text[: self.prefix_chars].encode())
+
+    def ring(self, candidates: Sequence[Worker]) -> HashRing:
+        # The ring is rebuilt only when the candidate set changes (churn, health, exclusions).
+        key = tuple(sorted(w.url for w in candidates))
+        if self._ring is None or key != self._ring_key:
+            self._ring = HashRing(sorted(candidates, key=lambda w: w.url), self.vnodes)
+            self._ring_key = key
+        return self._ring
+
+    def select(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
+        ring = self.ring(candidates)
+        h = self.key_hash(view)
+        owner = ring.owner(h)
+        total = sum(w.load for w in candidates)
+        if total == 0:
+            return owner
+        avg = (total + 1) / len(candidates)
+        bound = max(avg * self.load_factor, avg + self.abs_slack)
+        if owner.load <= bound:
+            return owner
+        for w in ring.walk(h)[1:]:
+            if w.load <= bound:
+                return w
+        return min(candidates, key=lambda w: w.load)
