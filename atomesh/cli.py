@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import types
+from pathlib import Path
 import typing
 from collections.abc import Sequence
 from enum import Enum
@@ -64,6 +65,61 @@ def reference_markdown() -> str:
             meaning += f" **Refused: {NOT_IMPLEMENTED[name]}.**"
         lines.append(f"| {flags} | `{name}` | {shown} | {meaning} |")
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------- bench
+bench_app = typer.Typer(help="Benchmarks: serving load, placement quality, gateway overhead.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+def _csv_ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise typer.BadParameter("concurrencies must be >= 1")
+    return values
+
+
+@bench_app.command("serving")
+def bench_serving(
+    base_url: str = typer.Option("http://127.0.0.1:30000", help="Server to load (atomesh or any OpenAI server)."),
+    model: str | None = typer.Option(None, help="Model name sent with each request."),
+    dataset_name: str = typer.Option("random", help="Prompt source (random)."),
+    random_input_len: int = typer.Option(1024, min=1, help="Prompt length in words (~tokens)."),
+    random_output_len: int = typer.Option(128, min=1, help="Tokens generated per request."),
+    random_range_ratio: float = typer.Option(0.0, min=0.0, max=1.0, help="Lengths vary by +- this ratio."),
+    num_prompts: int = typer.Option(100, min=1, help="Requests per pass."),
+    max_concurrency: int = typer.Option(16, min=1, help="Requests in flight at most."),
+    sweep_concurrency: str | None = typer.Option(None, help="Comma list of concurrencies: one pass each."),
+    request_rate: float = typer.Option(float("inf"), min=0.0, help="Poisson arrivals per second (inf: at once)."),
+    ignore_eos: bool = typer.Option(False, help="Generate exactly the requested output length."),
+    percentile_metrics: str = typer.Option("ttft,tpot,itl", help="Of ttft,tpot,itl,e2el."),
+    metric_percentiles: str = typer.Option("99", help="Comma list of percentiles to report."),
+    num_workers: int = typer.Option(1, min=1, help="Workers (GPUs) behind the server, for per-worker throughput."),
+    seed: int = typer.Option(0, help="Prompt and arrival seed."),
+    save_result: Path | None = typer.Option(None, help="Write the results as JSON here."),
+    plot: Path | None = typer.Option(None, help="Draw throughput/worker vs tokens/s/user as PNG here."),
+) -> None:
+    """Load a server with random prompts and report throughput and latency percentiles."""
+    from atomesh.bench import serving
+
+    metrics = [m.strip() for m in percentile_metrics.split(",") if m.strip()]
+    unknown = set(metrics) - {"ttft", "tpot", "itl", "e2el"}
+    if unknown:
+        raise typer.BadParameter(f"unknown metrics {sorted(unknown)}", param_hint="--percentile-metrics")
+    try:
+        percentiles = [float(q) for q in metric_percentiles.split(",") if q.strip()]
+    except ValueError:
+        raise typer.BadParameter("expected numbers", param_hint="--metric-percentiles") from None
+    concurrencies = _csv_ints(sweep_concurrency) if sweep_concurrency else [max_concurrency]
+    try:
+        serving.run(base_url, model, dataset_name, random_input_len, random_output_len, random_range_ratio,
+                    num_prompts, concurrencies, request_rate, ignore_eos, metrics, percentiles, num_workers, seed,
+                    save_result, plot)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
 
 
 # ---------------------------------------------------------------------------- launch
