@@ -1,0 +1,110 @@
+"""Engine test fixtures: tiny random engines, the SmolLM2 model, in-process servers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+import aiohttp
+import pytest
+import torch
+from aiohttp import web
+
+from engine.args import EngineArgs
+from engine.llm_engine import LLMEngine
+from engine.models.loader import LoadedModel, load_model
+from engine.openai_server import create_app
+
+# Two cores: more threads than that only slows every test down.
+torch.set_num_threads(2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> LoadedModel:
+    return load_model("tiny-random:0")
+
+
+@pytest.fixture(scope="session")
+def smollm2_model() -> LoadedModel:
+    return load_model("smollm2")
+
+
+MakeEngine = Callable[..., LLMEngine]
+
+
+@pytest.fixture
+def make_engine(tiny_model: LoadedModel) -> MakeEngine:
+    """Factory: ``make_engine(num_kvcache_blocks=64, ...)`` builds a tiny engine on the CPU."""
+
+    def make(loaded: LoadedModel | None = None, **overrides: Any) -> LLMEngine:
+        args = EngineArgs(model="tiny-random", device="cpu", num_kvcache_blocks=256, max_model_len=1024)
+        args = replace(args, **overrides)
+        return LLMEngine(args, loaded=loaded or tiny_model)
+
+    return make
+
+
+class ServerHandle:
+    """A running in-process engine server and its base URL."""
+
+    def __init__(self, url: str, engine: LLMEngine) -> None:
+        self.url = url
+        self.engine = engine
+
+
+StartServer = Callable[..., Awaitable[ServerHandle]]
+
+
+@pytest.fixture
+async def start_server(make_engine: MakeEngine) -> AsyncIterator[StartServer]:
+    """Factory: ``await start_server(**engine_overrides)`` serves a tiny engine on a free loopback port."""
+    runners: list[web.AppRunner] = []
+
+    async def start(loaded: LoadedModel | None = None, **overrides: Any) -> ServerHandle:
+        port = _free_port()
+        engine = make_engine(loaded, server_port=port, host="127.0.0.1", **overrides)
+        app = create_app(engine, engine.args)
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+        return ServerHandle(f"http://127.0.0.1:{port}", engine)
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.fixture
+def free_port() -> Callable[[], int]:
+    return _free_port
+
+
+async def _wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+def wait_for() -> Callable[..., Awaitable[None]]:
+    """``await wait_for(predicate, timeout, what)``: poll with a deadline instead of sleeping."""
+    return _wait_for
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        yield session

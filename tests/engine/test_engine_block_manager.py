@@ -1,0 +1,161 @@
+"""Block manager: reference counts, hash-chain prefix reuse, freeing, bounded index, no leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.block_manager import BlockManager, block_hash
+from engine.sequence import SamplingParams, Sequence
+
+BS = 4
+
+
+def seq(seq_id: int, tokens: list[int]) -> Sequence:
+    return Sequence(seq_id, tokens, SamplingParams(), BS)
+
+
+def test_allocate_and_free_return_every_block() -> None:
+    bm = BlockManager(8, BS)
+    s = seq(1, list(range(10)))  # 3 blocks (4 + 4 + 2)
+    assert bm.can_allocate(s)
+    bm.allocate(s)
+    assert len(s.block_table) == 3 and bm.num_free_blocks == 5
+    assert all(bm.blocks[b].ref_count == 1 for b in s.block_table)
+    bm.deallocate(s)
+    assert bm.num_free_blocks == 8 and s.block_table == []
+
+
+def test_shared_prefix_reuses_blocks_and_counts_references() -> None:
+    bm = BlockManager(16, BS)
+    a = seq(1, list(range(12)) + [100])
+    b = seq(2, list(range(12)) + [200, 201])
+    bm.allocate(a)
+    bm.allocate(b)
+    # The three full blocks of the common 12-token prefix are shared.
+    assert a.block_table[:3] == b.block_table[:3]
+    assert b.num_cached_tokens == 12
+    assert all(bm.blocks[x].ref_count == 2 for x in a.block_table[:3])
+    assert a.block_table[3] != b.block_table[3]
+    bm.deallocate(a)
+    assert all(bm.blocks[x].ref_count == 1 for x in b.block_table[:3])
+    bm.deallocate(b)
+    assert bm.num_free_blocks == 16
+
+
+def test_freed_blocks_stay_cached_until_reused() -> None:
+    bm = BlockManager(16, BS)
+    a = seq(1, list(range(9)))
+    bm.allocate(a)
+    first = list(a.block_table)
+    bm.deallocate(a)
+    again = seq(2, list(range(9)))
+    bm.allocate(again)
+    assert again.block_table[:2] == first[:2]
+    assert again.num_cached_tokens == 8
+    assert bm.stats().prefix_hits == 8
+
+
+def test_last_token_is_never_served_from_cache() -> None:
+    # A prompt that is exactly cached still computes its last block: its logits start generation.
+    bm = BlockManager(16, BS)
+    a = seq(1, list(range(8)))
+    bm.allocate(a)
+    bm.deallocate(a)
+    b = seq(2, list(range(8)))
+    bm.allocate(b)
+    assert b.num_cached_tokens == 4
+
+
+def test_hash_chain_depends_on_the_whole_prefix() -> None:
+    assert block_hash([1, 2, 3, 4], None) != block_hash([1, 2, 3, 4], block_hash([9, 9, 9, 9], None))
+    bm = BlockManager(16, BS)
+    a = seq(1, [1, 2, 3, 4, 5, 6, 7, 8, 0])
+    b = seq(2, [9, 9, 9, 9, 5, 6, 7, 8, 0])  # same second block, different first
+    bm.allocate(a)
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0
+    assert set(a.block_table).isdisjoint(b.block_table)
+
+
+def test_prefix_caching_off_shares_nothing() -> None:
+    bm = BlockManager(16, BS, enable_prefix_caching=False)
+    a = seq(1, list(range(9)))
+    b = seq(2, list(range(9)))
+    bm.allocate(a)
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0 and set(a.block_table).isdisjoint(b.block_table)
+    assert bm.stats().cached == 0
+
+
+def test_can_allocate_counts_cached_blocks_in_use_as_free() -> None:
+    bm = BlockManager(4, BS)
+    a = seq(1, list(range(12)) + [1])  # 4 blocks: the whole pool
+    bm.allocate(a)
+    assert bm.num_free_blocks == 0
+    b = seq(2, list(range(12)) + [2])  # shares 3 blocks, needs 1 more
+    assert bm.blocks_needed(b) == 1
+    assert not bm.can_allocate(b)
+    with pytest.raises(RuntimeError):
+        bm.allocate(b)
+
+
+def test_append_adds_a_block_at_the_boundary_and_hashes_full_blocks() -> None:
+    bm = BlockManager(8, BS)
+    s = seq(1, [1, 2, 3, 4])
+    bm.allocate(s)
+    assert len(s.block_table) == 1
+    for t in (5, 6, 7, 8):
+        s.append_token(t)
+        assert bm.can_append(s)
+        bm.may_append(s)
+    assert len(s.block_table) == 2
+    # The second block, filled by decoding, is now findable by a new prompt.
+    bm.deallocate(s)
+    other = seq(2, [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    bm.allocate(other)
+    assert other.num_cached_tokens == 8
+
+
+def test_can_append_is_false_when_pool_is_exhausted() -> None:
+    bm = BlockManager(1, BS)
+    s = seq(1, [1, 2, 3, 4])
+    bm.allocate(s)
+    s.append_token(5)
+    assert not bm.can_append(s)
+
+
+def test_hash_index_is_bounded_by_the_pool() -> None:
+    bm = BlockManager(8, BS)
+    for i in range(200):
+        s = seq(i, [i * 100 + t for t in range(13)])  # 3 full blocks each, all distinct
+        bm.allocate(s)
+        bm.deallocate(s)
+        assert bm.stats().cached <= 8
+    assert bm.num_free_blocks == 8
+
+
+def test_lru_evicts_the_oldest_freed_blocks_first() -> None:
+    bm = BlockManager(4, BS)
+    old = seq(1, list(range(5)))  # one full (cached) block + one partial
+    bm.allocate(old)
+    bm.deallocate(old)
+    new = seq(2, list(range(100, 105)))
+    bm.allocate(new)
+    bm.deallocate(new)
+    filler = seq(3, list(range(200, 205)))  # takes two blocks: the least recently freed
+    bm.allocate(filler)
+    probe_new = seq(4, list(range(100, 105)))
+    probe_old = seq(5, list(range(5)))
+    assert bm.cached_prefix_len(probe_new) == 4
+    assert bm.cached_prefix_len(probe_old) == 0
+
+
+def test_invalidate_forgets_hashes() -> None:
+    bm = BlockManager(8, BS)
+    a = seq(1, list(range(9)))
+    bm.allocate(a)
+    bm.invalidate(a)
+    b = seq(2, list(range(9)))
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0
+    assert bm.num_free_blocks == 8 - 3
