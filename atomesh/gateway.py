@@ -24,6 +24,7 @@ from atomesh.transport import Upstream
 from atomesh.workers.breaker import BreakerSettings, BreakerState
 from atomesh.workers.health import HealthChecker
 from atomesh.workers.lifecycle import Lifecycle
+from atomesh.workers.load import LoadPoller
 from atomesh.workers.registry import WorkerRegistry
 from atomesh.workers.worker import Worker, WorkerRole, WorkerState
 
@@ -47,6 +48,9 @@ class Gateway:
         roles = (WorkerRole.PREFILL, WorkerRole.DECODE) if config.pd_disaggregation else (WorkerRole.REGULAR,)
         policies: dict[WorkerRole, Policy] = {r: make_policy(config.policy_for(r.value), config) for r in roles}
         self.placement = Placement(self.registry, policies, pd=config.pd_disaggregation)
+        # Engine-reported load only matters to policies that compare loads.
+        self.load_poller = (LoadPoller(self.registry) if any(p.name not in ("random", "round_robin")
+                                                             for p in policies.values()) else None)
         self.backend = self._make_backend()
         self.router = Router(config, self.placement, self.backend, self.metrics)
         self.admission = Admission(config.max_concurrent_requests, config.queue_size, config.queue_timeout_secs,
@@ -124,6 +128,9 @@ class Gateway:
     def start_background(self) -> None:
         if not self.config.disable_health_check:
             self.health.start()
+        self.placement.start()
+        if self.load_poller is not None:
+            self.load_poller.start()
 
     async def drain_requests(self, grace: float) -> bool:
         """Stop taking requests and wait for in-flight ones; True if all finished in time."""
@@ -136,6 +143,9 @@ class Gateway:
 
     async def stop(self) -> None:
         await self.health.stop()
+        await self.placement.stop()
+        if self.load_poller is not None:
+            await self.load_poller.stop()
         await self.lifecycle.stop()
         await self.upstream.stop()
 
