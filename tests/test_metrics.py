@@ -7,12 +7,12 @@ import re
 from pathlib import Path
 
 import aiohttp
+from conftest import MakeGateway, MakeWorkers, base_url
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from atomesh.app import GatewayServer
 from atomesh.metrics import Metrics, metrics_markdown
-from conftest import MakeGateway, MakeWorkers, base_url
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAT = {"model": "mock-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
@@ -96,7 +96,8 @@ async def test_traffic_shows_up_in_metrics(mock_workers: MakeWorkers, gateway: M
     for _ in range(2):
         async with http.post(base_url(gw) + "/v1/completions", json=COMPLETION) as r:
             assert r.status == 200
-    async with http.post(base_url(gw) + "/v1/completions", data=b"{not json", headers={"Content-Type": "application/json"}) as r:
+    async with http.post(base_url(gw) + "/v1/completions", data=b"{not json",
+                         headers={"Content-Type": "application/json"}) as r:
         assert r.status == 400
     text = await scrape(http, gw)
     assert value(text, "mesh_router_requests_total", endpoint="chat", streaming="true", model="mock-model") == 2
@@ -168,7 +169,7 @@ async def test_label_cardinality_is_bounded(mock_workers: MakeWorkers, gateway: 
     text = await scrape(http, gw)
     after = set(samples(text))
     assert after == before, sorted(after - before)
-    for name, labels in after:
+    for _, labels in after:
         for v in dict(labels).values():
             assert "req-" not in v and "distinct prompt" not in v
     models = {dict(ls).get("model") for (n, ls) in after if n == "mesh_router_requests_total"}

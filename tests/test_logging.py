@@ -1,0 +1,100 @@
+"""Logs of a real `atomesh launch` process: JSON lines, request ids, lifecycle events once each."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from conftest import MakeWorkers, free_port, wait_for
+
+COMPLETION = {"model": "mock-model", "prompt": "hello", "max_tokens": 2}
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+async def test_json_logs_carry_request_ids_and_lifecycle_events(mock_workers: MakeWorkers, tmp_path: Path) -> None:
+    stay, flaky, leaving = await mock_workers(3)
+    port, metrics_port = free_port(), free_port()
+    log_dir = tmp_path / "logs"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "atomesh", "launch", "--host", "127.0.0.1", "--port", str(port),
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+        "--worker-urls", stay.url, flaky.url, leaving.url, "--policy", "round_robin",
+        "--json-log", "--log-dir", str(log_dir), "--log-level", "debug",
+        "--health-check-interval-secs", "0.2", "--health-failure-threshold", "2", "--health-success-threshold", "1",
+        "--cb-failure-threshold", "2", "--cb-success-threshold", "1", "--cb-timeout-duration-secs", "0.3",
+        "--retry-initial-backoff-ms", "1", "--worker-startup-check-interval", "0.1",
+        "--shutdown-grace-period-secs", "2",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    log_file = log_dir / "atomesh.log"
+
+    def names() -> Counter[str]:
+        return Counter(e.get("event") for e in read_events(log_file))
+
+    try:
+        async def until(event: str, count: int = 1, timeout: float = 15) -> None:
+            await wait_for(lambda: names()[event] >= count or proc.returncode is not None, timeout, event)
+            assert proc.returncode is None, f"gateway exited: {(await proc.stderr.read()).decode()[-2000:]}"  # type: ignore[union-attr]
+
+        await until("gateway_ready")
+        base = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+            # A request that fails upstream: its warning line carries the request id.
+            flaky.behaviour.fail_status = 500
+            for i in range(30):
+                async with http.post(base + "/v1/completions", json=COMPLETION,
+                                     headers={"x-request-id": f"req-{i}"}) as r:
+                    await r.read()
+                if names()["breaker_opened"]:
+                    break
+            await until("breaker_opened")
+            flaky.behaviour.fail_status = None
+            # The flaky worker fails its health checks, then recovers.
+            flaky.behaviour.health_status = 503
+            await until("worker_unhealthy")
+            flaky.behaviour.health_status = 200
+            await until("worker_healthy")
+            # Half-open after the timeout; a success closes the breaker.
+            deadline = time.monotonic() + 10
+            while names()["breaker_closed"] == 0 and time.monotonic() < deadline:
+                async with http.post(base + "/v1/completions", json=COMPLETION) as r:
+                    await r.read()
+                await asyncio.sleep(0.05)
+            await until("breaker_closed")
+            # Drain and remove a worker through the admin API.
+            async with http.delete(base + "/workers/" + leaving.url.replace(":", "%3A").replace("/", "%2F")) as r:
+                assert r.status == 202, await r.text()
+            await until("worker_removed")
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 15)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+    events = read_events(log_file)  # every line parsed as one JSON object
+    assert events and all(isinstance(e, dict) and "timestamp" in e and "level" in e for e in events)
+    counts = Counter(e["event"] for e in events)
+    # Each lifecycle event happened once, and is logged exactly once.
+    for event in ("breaker_opened", "worker_unhealthy", "worker_healthy", "breaker_closed", "worker_draining",
+                  "worker_removed", "shutdown_started", "shutdown_complete"):
+        assert counts[event] == 1, (event, counts)
+    assert counts["worker_registered"] == 3
+    registered = {e["worker"] for e in events if e["event"] == "worker_registered"}
+    assert registered == {stay.url, flaky.url, leaving.url}
+    # Lines logged while serving a request carry its id.
+    failed = [e for e in events if e["event"] in ("request_failed", "retrying")]
+    assert failed and all(e.get("request_id", "").startswith("req-") for e in failed), failed
+    # Lifecycle lines from background tasks carry no stale request id.
+    assert all("request_id" not in e for e in events if e["event"] in ("worker_unhealthy", "worker_healthy"))
