@@ -1,0 +1,107 @@
+"""``python -m engine.openai_server`` as a real process: ATOM flags accepted, unsupported ones refused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+
+import pytest
+
+from engine.args import parse_args
+
+MODULE = [sys.executable, "-m", "engine.openai_server"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["-tp", "2"], "--tensor-parallel-size/-tp 2: only 1 is supported"),
+        (["--data-parallel-size", "2"], "only 1 is supported"),
+        (["--method", "eagle3"], "--method: speculative decoding"),
+        (["--port", "8006"], "use --server-port"),
+        (["--enable_chunked_prefill"], "chunked prefill is not implemented"),
+        (["--kv-transfer-config", '{"kv_role": "kv_producer"}'], "not implemented yet"),
+        (["--kv-transfer-config", '{"kv_role": "boss"}'], "kv_role 'boss' must be one of"),
+        (["--kv-transfer-config", "{nope"], "not valid JSON"),
+        (["--kv-transfer-config", '{"kv_buffer_size": 1}'], "unsupported keys ['kv_buffer_size']"),
+        (["--kv_cache_dtype", "int4"], "invalid choice: 'int4'"),
+        (["--block-size", "12"], "power of two"),
+        (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    ],
+)
+def test_bad_flags_exit_with_a_message(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_atom_command_line_parses() -> None:
+    args = parse_args(
+        [
+            "--model", "smollm2", "--server-port", "8010", "-tp", "1", "--block-size", "16",
+            "--gpu-memory-utilization", "0.8", "--max-model-len", "4096", "--max-num-batched-tokens", "8192",
+            "--max-num-seqs", "64", "--kv_cache_dtype", "bf16", "--no-enable_prefix_caching",
+            "--kv-transfer-config", '{"kv_connector": "mooncake", "handshake_port": 6302, "proxy_ip": "1.2.3.4"}',
+            "--enforce-eager", "--trust-remote-code",
+        ]
+    )  # fmt: skip
+    assert args.server_port == 8010 and args.max_model_len == 4096 and not args.enable_prefix_caching
+    assert args.kv_cache_dtype == "bf16" and args.kv_transfer.handshake_port == 6302
+    assert args.kv_transfer.kv_role is None
+
+
+@pytest.mark.timeout(60)
+def test_refusals_from_a_real_process() -> None:
+    for argv, message in (
+        (["-tp", "2"], "only 1 is supported"),
+        (["--model", "/no/such/model.gguf"], "cannot load model '/no/such/model.gguf'"),
+    ):
+        proc = subprocess.run([*MODULE, *argv], capture_output=True, text=True, timeout=50)
+        assert proc.returncode != 0
+        assert message in proc.stderr
+
+
+def _get(url: str) -> dict[str, object]:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return json.loads(resp.read())  # type: ignore[no-any-return]
+
+
+@pytest.mark.timeout(90)
+def test_server_process_serves_and_stops(free_port: Callable[[], int]) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [*MODULE, "--model", "tiny-random:3", "--host", "127.0.0.1", "--server-port", str(port),
+         "--num-kvcache-blocks", "64", "--max-model-len", "512", "--torch-threads", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            try:
+                if _get(f"http://127.0.0.1:{port}/health") == {"status": "ok"}:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.1)
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            data=json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            body = json.loads(resp.read())
+        assert body["object"] == "chat.completion"
+        assert body["usage"]["completion_tokens"] <= 5
+        assert _get(f"http://127.0.0.1:{port}/server_info")["model_id"] == "tiny-random:3"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
