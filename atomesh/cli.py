@@ -67,6 +67,39 @@ def reference_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---------------------------------------------------------------------------- up
+@app.command("up")
+def up(
+    model: str = typer.Option("smollm2", help="Engine model: smollm2 (embedded), a GGUF file, a safetensors "
+                                              "folder, or tiny-random[:SEED]."),
+    device: str = typer.Option("cpu", help="Engine device: cpu, cuda or auto."),
+    prefill: int = typer.Option(1, min=1, help="Prefill engines (P/D mode)."),
+    decode: int = typer.Option(1, min=1, help="Decode engines (P/D mode)."),
+    no_pd: bool = typer.Option(False, "--no-pd", help="Plain workers instead of prefill/decode."),
+    workers: int = typer.Option(2, min=1, help="Plain workers with --no-pd."),
+    host: str = typer.Option("127.0.0.1", help="Address every part listens on."),
+    port: int = typer.Option(30000, help="Gateway port."),
+    metrics_port: int = typer.Option(29000, help="Gateway metrics port."),
+    engine_port: int = typer.Option(8010, help="First engine HTTP port (one per engine from here)."),
+    handshake_port: int = typer.Option(6301, help="First KV handshake port (one per P/D engine)."),
+    policy: str = typer.Option("cache_aware", help="Gateway placement policy."),
+    kv_cache_memory_gb: float = typer.Option(1.0, help="KV cache per engine (GiB, CPU)."),
+    max_model_len: int = typer.Option(2048, help="Engine context limit."),
+    log_dir: Path = typer.Option(Path(".atomesh/logs"), help="Where each part's log goes."),
+    startup_timeout: float = typer.Option(600.0, help="Seconds each part may take to become ready."),
+) -> None:
+    """Start a local system: engines plus a gateway in front of them (P/D by default). Ctrl-C stops it."""
+    from atomesh.up import UpSettings, run_up
+
+    if device not in ("cpu", "cuda", "auto"):
+        raise typer.BadParameter("choose cpu, cuda or auto", param_hint="--device")
+    settings = UpSettings(model=model, device=device, prefill=prefill, decode=decode, workers=workers,
+                          pd=not no_pd, host=host, port=port, metrics_port=metrics_port, engine_port=engine_port,
+                          handshake_port=handshake_port, policy=policy, kv_cache_memory_gb=kv_cache_memory_gb,
+                          max_model_len=max_model_len, log_dir=log_dir, startup_timeout=startup_timeout)
+    raise typer.Exit(run_up(settings, say=lambda line: typer.echo(line)))
+
+
 # ---------------------------------------------------------------------------- bench
 bench_app = typer.Typer(help="Benchmarks: serving load, placement quality, gateway overhead.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")

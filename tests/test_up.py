@@ -1,0 +1,95 @@
+"""`atomesh up`: the whole system from one command, driven with the openai client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from conftest import free_port
+
+
+def _start_up(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], int]:
+    port = free_port()
+    args = [sys.executable, "-m", "atomesh", "up", "--model", "tiny-random", "--port", str(port),
+            "--metrics-port", str(free_port()), "--engine-port", str(free_port()),
+            "--log-dir", str(tmp_path / "logs"), "--startup-timeout", "120", *extra]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return proc, port
+
+
+def _wait_line(proc: subprocess.Popen[str], needle: str, timeout: float) -> str:
+    seen = []
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if needle in line:
+            return "".join(seen)
+    raise AssertionError(f"never saw {needle!r}; output:\n{''.join(seen)}")
+
+
+def _children_of(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+@pytest.mark.timeout(240)
+def test_up_serves_openai_clients_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+    proc, port = _start_up(tmp_path, "--no-pd", "--workers", "2", "--policy", "round_robin")
+    try:
+        out = _wait_line(proc, "Ctrl-C stops everything", 200)
+        assert "ready    gateway" in out and "curl http://127.0.0.1:" in out
+        children = _children_of(proc.pid)
+        assert len(children) == 3
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        c = client.completions.create(model="tiny-random", prompt="hello there", max_tokens=4, temperature=0)
+        assert c.usage is not None and c.usage.completion_tokens == 4
+        chunks = list(client.chat.completions.create(model="tiny-random", max_tokens=4, stream=True,
+                                                     messages=[{"role": "user", "content": "hi"}]))
+        assert len([ch for ch in chunks if ch.choices and ch.choices[0].delta.content]) >= 1
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, rest
+        assert "stopped" in rest
+        for pid in children:  # every child is gone
+            assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.timeout(60)
+def test_up_refuses_busy_ports_before_starting_anything(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "atomesh", "up", "--no-pd", "--model", "tiny-random",
+                               "--port", str(port), "--log-dir", str(tmp_path / "logs")],
+                              capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 1
+    assert f"gateway needs {port}" in proc.stdout and "ports already in use" in proc.stdout
+    assert "starting worker" not in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_up_reports_a_part_that_fails_to_start(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "atomesh", "up", "--no-pd", "--workers", "1",
+                           "--model", "/no/such/model.gguf", "--port", str(free_port()),
+                           "--metrics-port", str(free_port()), "--engine-port", str(free_port()),
+                           "--log-dir", str(tmp_path / "logs")], capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 1
+    assert "worker-0 exited" in proc.stdout and "worker-0.log" in proc.stdout
