@@ -13,6 +13,7 @@ from atomesh.api import admin, health, observability, openai
 from atomesh.api.middleware import make_middleware
 from atomesh.config import GatewayConfig
 from atomesh.gateway import GATEWAY, Gateway, StartupError
+from atomesh.policies.cache_aware import CacheAwarePolicy
 
 log = structlog.get_logger("atomesh")
 
@@ -34,8 +35,12 @@ def build_app(gateway: Gateway) -> web.Application:
 
 def build_metrics_app(gateway: Gateway) -> web.Application:
     async def metrics(_: web.Request) -> web.Response:
+        # Values the components keep themselves are copied in at scrape time, off the request path.
         for w in gateway.registry:
             gateway.metrics.worker_active.labels(w.url, w.role.value).set(w.in_flight)
+        for role, policy in gateway.placement.policies.items():
+            if isinstance(policy, CacheAwarePolicy):
+                gateway.metrics.sync_cache_aware(role.value, policy.hits, policy.misses, len(policy.index))
         return gateway.metrics.render()
 
     app = web.Application()

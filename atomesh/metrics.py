@@ -61,6 +61,7 @@ class Metrics:
         self.specs: list[MetricSpec] = []
         self.max_model_labels = max_model_labels
         self._models: set[str] = set()
+        self._cache_seen: dict[str, tuple[int, int]] = {}  # worker_type -> (hits, misses) already counted
         b = tuple(buckets)
         c, g, h = self._counter, self._gauge, self._histogram
         # --- HTTP layer (every route of the service port)
@@ -143,7 +144,8 @@ class Metrics:
         self.cache_misses = c("mesh_cache_aware_misses_total",
                               "Cache-aware placements that fell back to load balancing.", ("worker_type",))
         self.cache_index_entries = g("mesh_cache_aware_index_entries",
-                                     "Entries in the approximate prefix index (bounded by its budget).", ())
+                                     "Entries in the approximate prefix index of each pool (bounded by its budget).",
+                                     ("worker_type",))
         # --- engine metrics proxy (GET /engine_metrics)
         self.engine_scrape_errors = c("mesh_engine_metrics_scrape_errors_total",
                                       "Workers whose /metrics could not be read for /engine_metrics.", ("worker",))
@@ -214,8 +216,18 @@ class Metrics:
         """Count one cache-aware placement decision."""
         (self.cache_hits if hit else self.cache_misses).labels(worker_type).inc()
 
-    def set_cache_index_entries(self, entries: int) -> None:
-        self.cache_index_entries.set(entries)
+    def set_cache_index_entries(self, entries: int, worker_type: str = "regular") -> None:
+        self.cache_index_entries.labels(worker_type).set(entries)
+
+    def sync_cache_aware(self, worker_type: str, hits: int, misses: int, entries: int) -> None:
+        """Copy a cache-aware policy's own running totals (read at scrape time) into the metrics."""
+        last_hits, last_misses = self._cache_seen.get(worker_type, (0, 0))
+        if hits > last_hits:
+            self.cache_hits.labels(worker_type).inc(hits - last_hits)
+        if misses > last_misses:
+            self.cache_misses.labels(worker_type).inc(misses - last_misses)
+        self._cache_seen[worker_type] = (max(hits, last_hits), max(misses, last_misses))
+        self.cache_index_entries.labels(worker_type).set(entries)
 
 
 def _children(metric: Any) -> list[tuple[str, ...]]:

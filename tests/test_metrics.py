@@ -74,14 +74,20 @@ def test_pd_and_cache_aware_recorders() -> None:
     m.pd_kv_transfer_failed("atom", "transfer_timeout")
     m.cache_aware_lookup(True, "prefill")
     m.cache_aware_lookup(False, "prefill")
-    m.set_cache_index_entries(42)
+    m.set_cache_index_entries(42, "prefill")
+    m.sync_cache_aware("decode", hits=3, misses=1, entries=7)
+    m.sync_cache_aware("decode", hits=5, misses=1, entries=9)
     text = generate_latest(m.registry).decode()
     for name in ("mesh_pd_prefill_duration_seconds_count", "mesh_pd_handoff_seconds_count",
-                 "mesh_pd_decode_duration_seconds_count", "mesh_cache_aware_hits_total",
-                 "mesh_cache_aware_misses_total"):
+                 "mesh_pd_decode_duration_seconds_count"):
         assert value(text, name) == 1, name
     assert value(text, "mesh_pd_kv_transfer_failures_total", runtime="atom", reason="transfer_timeout") == 1
-    assert value(text, "mesh_cache_aware_index_entries") == 42
+    assert value(text, "mesh_cache_aware_index_entries", worker_type="prefill") == 42
+    assert value(text, "mesh_cache_aware_hits_total", worker_type="prefill") == 1
+    assert value(text, "mesh_cache_aware_misses_total", worker_type="prefill") == 1
+    assert value(text, "mesh_cache_aware_hits_total", worker_type="decode") == 5
+    assert value(text, "mesh_cache_aware_misses_total", worker_type="decode") == 1
+    assert value(text, "mesh_cache_aware_index_entries", worker_type="decode") == 9
 
 
 # ---------------------------------------------------------------------------- through a real gateway
@@ -276,3 +282,19 @@ async def test_engine_metrics_route(mock_workers: MakeWorkers, gateway: MakeGate
                    for (n, ls) in samples(text))
     gw_text = await scrape(http, gw)
     assert value(gw_text, "mesh_engine_metrics_scrape_errors_total", worker=workers[1].url) == 1
+
+
+async def test_cache_aware_policy_counts_show_up(mock_workers: MakeWorkers, gateway: MakeGateway,
+                                                 http: aiohttp.ClientSession) -> None:
+    workers = await mock_workers(2)
+    gw = await gateway(worker_urls=[w.url for w in workers], policy="cache_aware")
+    prompt = "a long shared system prompt that the cache-aware index should remember " * 8
+    for _ in range(3):
+        async with http.post(base_url(gw) + "/v1/completions", json={**COMPLETION, "prompt": prompt}) as r:
+            assert r.status == 200
+    text = await scrape(http, gw)
+    hits = value(text, "mesh_cache_aware_hits_total", worker_type="regular")
+    misses = value(text, "mesh_cache_aware_misses_total", worker_type="regular")
+    assert hits + misses == 3 and hits >= 1
+    assert value(text, "mesh_cache_aware_index_entries", worker_type="regular") > 0
+    assert value(await scrape(http, gw), "mesh_cache_aware_hits_total") == hits  # a second scrape adds nothing
