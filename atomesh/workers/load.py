@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable
-
 import aiohttp
 import structlog
 
@@ -21,19 +19,19 @@ from atomesh.workers.worker import Worker, WorkerRole
 
 log = structlog.get_logger("atomesh.load")
 
-# Gauge names whose sum is an engine's load (running + queued requests).
-LOAD_GAUGES = frozenset({
-    "atom:requests_running", "atom:requests_waiting",
-    "sglang:num_running_reqs", "sglang:num_queue_reqs",
-    "vllm:num_requests_running", "vllm:num_requests_waiting",
-})
+# Per engine family, the gauges whose sum is its load (running + queued requests). An engine that
+# exports several families (a compatibility shim) is read through the first one found.
+LOAD_GAUGES: tuple[tuple[str, str], ...] = (
+    ("atom:requests_running", "atom:requests_waiting"),
+    ("sglang:num_running_reqs", "sglang:num_queue_reqs"),
+    ("vllm:num_requests_running", "vllm:num_requests_waiting"),
+)
 
 
-def parse_load(text: str, names: Iterable[str] = LOAD_GAUGES) -> int | None:
-    """Sum the load gauges in a Prometheus text exposition (all label sets); None if none is there."""
-    wanted = frozenset(names)
-    total = 0.0
-    found = False
+def parse_load(text: str, families: tuple[tuple[str, str], ...] = LOAD_GAUGES) -> int | None:
+    """Sum one family's load gauges (over all label sets) in a Prometheus text exposition; None if absent."""
+    wanted = {name for family in families for name in family}
+    values: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
@@ -42,15 +40,18 @@ def parse_load(text: str, names: Iterable[str] = LOAD_GAUGES) -> int | None:
             i = line.find(sep)
             if 0 <= i < name_end:
                 name_end = i
-        if line[:name_end] not in wanted:
+        name = line[:name_end]
+        if name not in wanted:
             continue
         rest = line[line.rfind("}") + 1:] if line[name_end:name_end + 1] == "{" else line[name_end:]
         try:
-            total += float(rest.split()[0])  # `value [timestamp]`
+            values[name] = values.get(name, 0.0) + float(rest.split()[0])  # `value [timestamp]`
         except (ValueError, IndexError):
             continue
-        found = True
-    return int(total) if found else None
+    for family in families:
+        if any(n in values for n in family):
+            return int(sum(values.get(n, 0.0) for n in family))
+    return None
 
 
 class LoadPoller:
