@@ -98,3 +98,34 @@ async def test_json_logs_carry_request_ids_and_lifecycle_events(mock_workers: Ma
     assert failed and all(e.get("request_id", "").startswith("req-") for e in failed), failed
     # Lifecycle lines from background tasks carry no stale request id.
     assert all("request_id" not in e for e in events if e["event"] in ("worker_unhealthy", "worker_healthy"))
+
+
+def test_setup_logging_renders_every_record_and_filters_by_level(tmp_path: Path) -> None:
+    """Run in a fresh interpreter: structlog caches its configuration on first use."""
+    import subprocess
+
+    script = (
+        "import logging, sys, structlog; from pathlib import Path; from atomesh.logs import setup_logging\n"
+        "setup_logging(sys.argv[1], sys.argv[2] == 'json', Path(sys.argv[3]))\n"
+        "log = structlog.get_logger('t')\n"
+        "with structlog.contextvars.bound_contextvars(request_id='r-1'):\n"
+        "    log.warning('slow_worker', worker='http://w:1')\n"
+        "log.info('hidden_below_level')\n"
+        "logging.getLogger('aiohttp.server').error('library says %s', 'boom')\n"
+        "try:\n    1 / 0\nexcept ZeroDivisionError:\n    log.exception('crashed')\n"
+    )
+    for mode in ("json", "console"):
+        out = tmp_path / mode
+        run = subprocess.run([sys.executable, "-c", script, "warn", mode, str(out)], capture_output=True,
+                             text=True, timeout=30)
+        assert run.returncode == 0, run.stderr
+        text = (out / "atomesh.log").read_text()
+        assert "hidden_below_level" not in text
+        assert "slow_worker" in text and "boom" in text and "ZeroDivisionError" in text
+        assert "slow_worker" in run.stderr and "boom" in run.stderr  # stderr gets the same records
+        if mode == "json":
+            lines = [json.loads(line) for line in text.splitlines()]
+            assert [e["event"] for e in lines] == ["slow_worker", "library says boom", "crashed"]
+            assert lines[0]["request_id"] == "r-1" and lines[0]["level"] == "warning"
+            assert lines[1]["logger"] == "aiohttp.server" and lines[1]["level"] == "error"
+            assert "ZeroDivisionError" in lines[2]["exception"]

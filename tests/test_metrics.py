@@ -298,3 +298,20 @@ async def test_cache_aware_policy_counts_show_up(mock_workers: MakeWorkers, gate
     assert hits + misses == 3 and hits >= 1
     assert value(text, "mesh_cache_aware_index_entries", worker_type="regular") > 0
     assert value(await scrape(http, gw), "mesh_cache_aware_hits_total") == hits  # a second scrape adds nothing
+
+
+async def test_pd_stream_is_metered_on_the_decode_leg(mock_workers: MakeWorkers, gateway: MakeGateway,
+                                                      http: aiohttp.ClientSession) -> None:
+    [p] = await mock_workers(1, pd_backend="atom", pd_role="prefill", kv_role="kv_producer")
+    [d] = await mock_workers(1, pd_backend="atom", pd_role="decode", kv_role="kv_consumer", stream_chunks=4)
+    gw = await gateway(pd_disaggregation=True, backend="atom", prefill=[{"url": p.url}], decode=[d.url])
+    async with http.post(base_url(gw) + "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
+        assert r.status == 200
+        await r.read()
+    text = await scrape(http, gw)
+    assert value(text, "mesh_router_requests_total", backend_type="pd", endpoint="chat") == 1
+    assert value(text, "mesh_router_ttft_seconds_count", endpoint="chat") == 1
+    assert value(text, "mesh_router_tokens_total", token_type="output") >= 1
+    assert value(text, "mesh_worker_selection_total", worker=p.url, worker_type="prefill") == 1
+    assert value(text, "mesh_worker_selection_total", worker=d.url, worker_type="decode") == 1
+    assert value(text, "mesh_router_upstream_responses_total", worker=d.url, status_code="200") == 1
