@@ -155,6 +155,17 @@ def bench_serving(
         raise typer.BadParameter(str(e)) from None
 
 
+@bench_app.command(
+    "placement", add_help_option=False,
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def bench_placement(ctx: typer.Context) -> None:
+    """Placement: decision time, cache index memory, shared-prefix trace vs smg (`--help` lists options)."""
+    from atomesh.bench import placement
+
+    placement.main(list(ctx.args))
+
+
 # ---------------------------------------------------------------------------- launch
 def _strip_optional(annotation: Any) -> Any:
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
