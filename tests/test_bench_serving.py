@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from atomesh.bench.serving import Outcome, random_prompts, summarize
-from conftest import MakeGateway, MakeWorkers, base_url
+from gwtest import MakeGateway, MakeWorkers, base_url
 
 
 def test_random_prompts_respect_the_range() -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from atomesh.cli import normalize_argv
 from atomesh.config import ConfigError, GatewayConfig, load_config
-from conftest import free_port
+from gwtest import free_port
 
 ATOMESH = [sys.executable, "-m", "atomesh"]
 

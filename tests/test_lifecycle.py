@@ -14,7 +14,7 @@ import pytest
 from atomesh.transport import backoff_delays
 from atomesh.workers.breaker import BreakerSettings, BreakerState, CircuitBreaker
 from atomesh.workers.worker import IllegalTransition, WorkerState, check_transition
-from conftest import MakeGateway, MakeWorkers, base_url, wait_for
+from gwtest import MakeGateway, MakeWorkers, base_url, wait_for
 
 COMPLETION = {"model": "mock-model", "prompt": "hello", "max_tokens": 3}
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from conftest import MakeWorkers, free_port, wait_for
+from gwtest import MakeWorkers, free_port, wait_for
 
 COMPLETION = {"model": "mock-model", "prompt": "hello", "max_tokens": 2}
 

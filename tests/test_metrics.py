@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import aiohttp
-from conftest import MakeGateway, MakeWorkers, base_url
+from gwtest import MakeGateway, MakeWorkers, base_url
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import MakeGateway, MakeWorkers, base_url, free_port
+from gwtest import MakeGateway, MakeWorkers, base_url, free_port
 
 CHAT = {"model": "mock-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
 COMPLETION = {"model": "mock-model", "prompt": "hello", "max_tokens": 3}

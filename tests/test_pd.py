@@ -11,7 +11,7 @@ import pytest
 from atomesh.app import GatewayServer
 from atomesh.gateway import StartupError
 from atomesh.testing.mock_worker import MockWorker
-from conftest import MakeGateway, MakeWorkers, base_url, gateway_config, wait_for
+from gwtest import MakeGateway, MakeWorkers, base_url, gateway_config, wait_for
 
 COMPLETION = {"model": "mock-model", "prompt": "hello", "max_tokens": 3}
 CHAT = {"model": "mock-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,

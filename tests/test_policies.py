@@ -8,6 +8,7 @@ from collections import Counter
 
 import aiohttp
 import pytest
+from gwtest import MakeGateway, base_url, wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,7 +24,6 @@ from atomesh.testing.mock_engine import EngineSettings, MockEngine
 from atomesh.workers.load import LoadPoller, parse_load
 from atomesh.workers.registry import WorkerRegistry
 from atomesh.workers.worker import Worker, WorkerRole, WorkerState
-from conftest import MakeGateway, base_url, wait_for
 
 
 def workers(n: int) -> list[Worker]:

@@ -10,7 +10,7 @@ import openai
 import orjson
 import pytest
 
-from conftest import MakeGateway, MakeWorkers, base_url, wait_for
+from gwtest import MakeGateway, MakeWorkers, base_url, wait_for
 
 COMPLETION = {"model": "mock-model", "prompt": "hello", "max_tokens": 3}
 CHAT = {"model": "mock-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}

@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import free_port
+from gwtest import free_port
 
 
 def _start_up(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], int]:
