@@ -84,10 +84,10 @@ class Gateway:
         if not self.config.pd_disaggregation:
             return SingleBackend(self.upstream)
         if self.config.backend is BackendName.ATOM:
-            return make_atom_backend(self.upstream)
+            return make_atom_backend(self.upstream, self.metrics)
         if self.config.backend is BackendName.VLLM:
-            return make_vllm_backend(self.upstream)
-        return SglangBackend(self.upstream)
+            return make_vllm_backend(self.upstream, self.metrics)
+        return SglangBackend(self.upstream, self.metrics)
 
     @property
     def roles(self) -> tuple[WorkerRole, ...]:

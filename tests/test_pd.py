@@ -215,3 +215,20 @@ def test_prefill_and_decode_policies_apply_to_their_pools() -> None:
     cfg = gateway_config(pd_disaggregation=True, policy="random", prefill_policy="round_robin",
                          prefill=[{"url": "http://p:1"}], decode=["http://d:1", "http://d:2"])
     assert (cfg.policy_for("prefill"), cfg.policy_for("decode")) == ("round_robin", "random")
+
+
+async def test_pd_stage_metrics_and_kv_transfer_failures(mock_workers: MakeWorkers, gateway: MakeGateway,
+                                                         http: aiohttp.ClientSession) -> None:
+    gw, _, [d] = await pd_setup(mock_workers, gateway, "atom", disable_retries=True)
+    async with http.post(base_url(gw) + "/v1/completions", json={**COMPLETION, "stream": True}) as r:
+        await r.read()
+    d.behaviour.fail_status, d.behaviour.fail_code = 500, "kv_transfer_timeout"
+    async with http.post(base_url(gw) + "/v1/completions", json=COMPLETION) as r:
+        assert r.status == 500
+    metrics = gw.gateway.metrics.registry
+    assert metrics.get_sample_value("mesh_pd_prefill_duration_seconds_count",
+                                    {"runtime": "atom", "model": "mock-model"}) == 2
+    assert metrics.get_sample_value("mesh_pd_decode_duration_seconds_count",
+                                    {"runtime": "atom", "model": "mock-model"}) == 1
+    assert metrics.get_sample_value("mesh_pd_kv_transfer_failures_total",
+                                    {"runtime": "atom", "reason": "kv_transfer_timeout"}) == 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from atomesh.backends.twostep import TwoStepBackend
+from atomesh.metrics import Metrics
 from atomesh.transport import ChunkHook, Upstream
 from atomesh.workers.worker import Worker
 
@@ -25,5 +26,5 @@ def decode_params(returned: dict[str, Any], prefill: Worker) -> dict[str, Any]:
     }
 
 
-def make_atom_backend(upstream: Upstream, on_chunk: ChunkHook | None = None) -> TwoStepBackend:
-    return TwoStepBackend(upstream, PREFILL_PARAMS, decode_params, on_chunk)
+def make_atom_backend(upstream: Upstream, metrics: Metrics, on_chunk: ChunkHook | None = None) -> TwoStepBackend:
+    return TwoStepBackend("atom", upstream, metrics, PREFILL_PARAMS, decode_params, on_chunk)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from typing import Any
 
 import orjson
 from aiohttp import web
 
 from atomesh.errors import UpstreamError, UpstreamStatus
+from atomesh.metrics import Metrics
 from atomesh.placement import Pair, Plan
 from atomesh.request import RequestView, Route
 from atomesh.transport import ChunkHook, Exchange, Upstream, relay, upstream_headers
@@ -44,9 +46,10 @@ def new_room(rng: random.Random) -> int:
 class SglangBackend:
     """Sends both legs concurrently and cancels the survivor when one of them fails."""
 
-    def __init__(self, upstream: Upstream, on_chunk: ChunkHook | None = None,
+    def __init__(self, upstream: Upstream, metrics: Metrics, on_chunk: ChunkHook | None = None,
                  rng: random.Random | None = None) -> None:
         self.upstream = upstream
+        self.metrics = metrics
         self.on_chunk = on_chunk
         self.rng = rng or random.SystemRandom()
 
@@ -86,6 +89,7 @@ class SglangBackend:
             await asyncio.gather(prefill, decode, return_exceptions=True)
 
     async def _prefill(self, plan: Pair, view: RequestView, data: bytes, headers: dict[str, str]) -> None:
+        started = time.monotonic()
         try:
             async with self.upstream.open("POST", plan.prefill.url + view.route, data=data,
                                           headers=headers) as resp:
@@ -95,12 +99,16 @@ class SglangBackend:
         except UpstreamError as e:
             e.worker = plan.prefill
             raise
+        self.metrics.observe_pd("sglang", view.model, prefill_secs=time.monotonic() - started)
 
     async def _decode(self, exchange: Exchange, plan: Pair, view: RequestView, data: bytes,
                       headers: dict[str, str]) -> web.StreamResponse:
+        started = time.monotonic()
         try:
             async with self.upstream.open("POST", plan.decode.url + view.route, data=data, headers=headers) as resp:
-                return await relay(exchange, resp, self.on_chunk)
+                out = await relay(exchange, resp, self.on_chunk)
         except UpstreamError as e:
             e.worker = plan.decode
             raise
+        self.metrics.observe_pd("sglang", view.model, decode_secs=time.monotonic() - started)
+        return out

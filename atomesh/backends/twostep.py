@@ -10,6 +10,7 @@ import orjson
 from aiohttp import web
 
 from atomesh.errors import UpstreamError, UpstreamStatus
+from atomesh.metrics import Metrics
 from atomesh.placement import Pair, Plan
 from atomesh.request import RequestView
 from atomesh.transport import ChunkHook, Exchange, Upstream, relay, upstream_headers
@@ -31,30 +32,52 @@ def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> bytes:
     return orjson.dumps(out)
 
 
+def kv_failure_code(body: bytes) -> str | None:
+    """The engine's error code when a decode leg failed because its KV transfer did (codes `kv_transfer_*`)."""
+    try:
+        code = orjson.loads(body)["error"]["code"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return None
+    return code if isinstance(code, str) and code.startswith("kv_transfer") and len(code) <= 64 else None
+
+
 class TwoStepBackend:
     """Runs the prefill leg to completion, then the decode leg whose reply goes to the client."""
 
-    def __init__(self, upstream: Upstream, prefill_params: dict[str, Any], decode_params: DecodeParams,
-                 on_chunk: ChunkHook | None = None) -> None:
+    def __init__(self, runtime: str, upstream: Upstream, metrics: Metrics, prefill_params: dict[str, Any],
+                 decode_params: DecodeParams, on_chunk: ChunkHook | None = None) -> None:
+        self.runtime = runtime
         self.upstream = upstream
+        self.metrics = metrics
         self.prefill_params = prefill_params
         self.decode_params = decode_params
         self.on_chunk = on_chunk
 
     async def forward(self, exchange: Exchange, view: RequestView, plan: Plan) -> web.StreamResponse:
         assert isinstance(plan, Pair), "P/D mode places prefill/decode pairs"
-        deadline = time.monotonic() + self.upstream.request_timeout
+        started = time.monotonic()
+        deadline = started + self.upstream.request_timeout
         returned = await self._prefill(exchange, view, plan.prefill)
+        prefilled = time.monotonic()
+        self.metrics.observe_pd(self.runtime, view.model, prefill_secs=prefilled - started)
         body = dict(view.body)
         body["kv_transfer_params"] = self.decode_params(returned, plan.prefill)
         remaining = max(0.001, deadline - time.monotonic())
         try:
             async with self.upstream.open("POST", plan.decode.url + view.route, data=orjson.dumps(body),
                                           headers=upstream_headers(exchange), timeout=remaining) as resp:
-                return await relay(exchange, resp, self.on_chunk)
+                # Decode answers once it has the KV: the time to here is the hand-off.
+                self.metrics.observe_pd(self.runtime, view.model, handoff_secs=time.monotonic() - prefilled)
+                out = await relay(exchange, resp, self.on_chunk)
         except UpstreamError as e:
             e.worker = plan.decode
+            if isinstance(e, UpstreamStatus):
+                reason = kv_failure_code(e.upstream_body)
+                if reason is not None:
+                    self.metrics.pd_kv_transfer_failed(self.runtime, reason)
             raise
+        self.metrics.observe_pd(self.runtime, view.model, decode_secs=time.monotonic() - prefilled)
+        return out
 
     async def _prefill(self, exchange: Exchange, view: RequestView, worker: Worker) -> dict[str, Any]:
         """Run the prefill leg; return the kv_transfer_params it answered with."""

@@ -31,6 +31,7 @@ class MockBehaviour:
     chunk_interval_secs: float = 0.0
     fail_status: int | None = None  # answer inference requests with this status
     fail_times: int = -1  # how many requests fail_status applies to (-1: all)
+    fail_code: str | None = None  # the error code of a failure (default: the status)
     hang: bool = False  # never answer inference requests
     die_after_chunks: int | None = None  # close the connection after this many streamed chunks
     drop_connection: bool = False  # close the connection without answering
@@ -128,7 +129,7 @@ class MockWorker:
                 finished = True
                 return web.json_response(
                     {"error": {"message": f"mock failure from {self.name}", "type": "server_error",
-                               "code": b.fail_status}}, status=b.fail_status, headers=self._headers())
+                               "code": b.fail_code or b.fail_status}}, status=b.fail_status, headers=self._headers())
             resp = await (self._stream(request, body) if body.get("stream") else self._whole(request, body))
             finished = True
             self.served += 1
