@@ -52,7 +52,7 @@ def text(seed: int, n: int = 2000) -> str:
 
 # ---------------------------------------------------------------------------- simple policies
 def test_every_policy_name_is_built() -> None:
-    cfg = GatewayConfig()
+    cfg = GatewayConfig.model_validate({})
     assert cfg.policy == "cache_aware"
     for name in ("random", "round_robin", "power_of_two", "least_load", "cache_aware", "prefix_hash"):
         assert make_policy(name, cfg).name == name

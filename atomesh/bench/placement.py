@@ -68,7 +68,7 @@ def bench_decision(requests: int, workers: int = 16, prompt_kb: int = 32) -> Non
     rng = random.Random(0)
     shared = [words(rng, prompt_kb * 1024 * 3 // 4) for _ in range(64)]
     prompts = [rng.choice(shared) + words(rng, prompt_kb * 1024 // 4) for _ in range(min(requests, 512))]
-    cfg = GatewayConfig()
+    cfg = GatewayConfig.model_validate({})
     print(f"\n(a) decision time per request: {workers} workers, {prompt_kb} KB prompts "
           f"(64 shared {prompt_kb * 3 // 4} KB prefixes + unique tail), {requests} requests, 32 in flight")
     print(f"{'policy':<14}{'p50 us':>10}{'p99 us':>10}{'mean us':>10}")
@@ -100,7 +100,7 @@ def _rss() -> int:
 
 
 def bench_index_memory(prompts: int) -> None:
-    cfg = GatewayConfig()
+    cfg = GatewayConfig.model_validate({})
     policy = CacheAwarePolicy(max_tree_size=cfg.max_tree_size)
     ws = [Worker(f"http://10.0.0.{i}:8000") for i in range(16)]
     filler = words(random.Random(1), 1024)
@@ -251,7 +251,7 @@ async def bench_trace(engines: int, systems: int, users: int, turns: int, concur
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     engine_proc = _start([sys.executable, "-m", "atomesh.testing.mock_engine", "--ports", *map(str, ports),
                           "--cache-blocks", str(cache_blocks)], "engines")
-    cfg = GatewayConfig()
+    cfg = GatewayConfig.model_validate({})
     ca_flags = ["--cache-threshold", str(cfg.cache_threshold), "--balance-abs-threshold",
                 str(cfg.balance_abs_threshold), "--balance-rel-threshold", str(cfg.balance_rel_threshold),
                 "--eviction-interval-secs", str(int(cfg.eviction_interval_secs)),
