@@ -1,0 +1,144 @@
+"""Where KV blocks live in memory and how a block copy becomes a few large writes.
+
+A *region* is one contiguous registered buffer holding ``num_blocks`` equal units: block ``b`` of
+the region lives at ``base + b * unit_bytes``. The engine's KV cache is one K and one V region per
+layer; the sparse indexer-key cache adds one region per layer. Producer and consumer list their
+regions in the same order with the same ``unit_bytes``; only the bases and block counts differ.
+
+Copying block ids ``src[i] -> dst[i]`` in every region becomes one :class:`WriteOp` per run of
+consecutive ids on both sides (per region), then ops adjacent in memory on both sides are merged
+(e.g. K's last block and V's first). Mooncake moves one 64 MiB entry ~6x faster than 1024 4 KiB ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """One registered buffer of ``num_blocks`` units of ``unit_bytes``, block ``b`` at ``base + b * unit_bytes``."""
+
+    base: int
+    unit_bytes: int
+    num_blocks: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.unit_bytes * self.num_blocks
+
+    def to_wire(self) -> list[int]:
+        return [self.base, self.unit_bytes, self.num_blocks]
+
+    @classmethod
+    def from_wire(cls, raw: object) -> Region:
+        if not (isinstance(raw, list | tuple) and len(raw) == 3 and all(isinstance(x, int) for x in raw)):
+            raise ValueError(f"a region is [base, unit_bytes, num_blocks], got {raw!r}")
+        base, unit, n = raw
+        if base <= 0 or unit <= 0 or n <= 0:
+            raise ValueError(f"region fields must be positive, got {raw!r}")
+        return cls(base, unit, n)
+
+
+@dataclass(frozen=True, slots=True)
+class WriteOp:
+    """One Mooncake write entry: ``nbytes`` from local ``src`` to remote ``dst``."""
+
+    src: int
+    dst: int
+    nbytes: int
+
+
+def regions_from_kv_caches(
+    kv_caches: Sequence[torch.Tensor], indexer_caches: Sequence[torch.Tensor] = ()
+) -> list[Region]:
+    """Regions of the engine's caches: per layer K then V of a ``[2, num_blocks, ...]`` tensor, then indexer caches.
+
+    Indexer caches are ``[num_blocks, ...]`` tensors, one per (sparse) layer. Every tensor must be
+    contiguous, since a region is addressed by plain pointer arithmetic.
+    """
+    regions: list[Region] = []
+    for t in kv_caches:
+        if not t.is_contiguous() or t.dim() < 2 or t.shape[0] != 2:
+            raise ValueError(f"a KV cache must be a contiguous [2, num_blocks, ...] tensor, got {tuple(t.shape)}")
+        num_blocks = t.shape[1]
+        unit = t[0, 0].numel() * t.element_size()
+        regions.append(Region(t.data_ptr(), unit, num_blocks))
+        regions.append(Region(t.data_ptr() + unit * num_blocks, unit, num_blocks))
+    for t in indexer_caches:
+        if not t.is_contiguous() or t.dim() < 1:
+            raise ValueError(f"an indexer cache must be a contiguous [num_blocks, ...] tensor, got {tuple(t.shape)}")
+        regions.append(Region(t.data_ptr(), t[0].numel() * t.element_size(), t.shape[0]))
+    return regions
+
+
+def check_compatible(local: Sequence[Region], remote: Sequence[Region]) -> str | None:
+    """Why two region lists cannot exchange blocks (count or unit sizes differ), or None when they can."""
+    if len(local) != len(remote):
+        return f"region count differs: producer has {len(local)}, consumer {len(remote)}"
+    for i, (a, b) in enumerate(zip(local, remote, strict=True)):
+        if a.unit_bytes != b.unit_bytes:
+            return f"region {i}: unit_bytes differ (producer {a.unit_bytes}, consumer {b.unit_bytes})"
+    return None
+
+
+def block_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Runs ``(src_start, dst_start, length)`` of ids consecutive on both sides, in order."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"block lists differ in length: {len(src_ids)} vs {len(dst_ids)}")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
+
+
+def plan_writes(
+    src_regions: Sequence[Region], dst_regions: Sequence[Region], src_ids: Sequence[int], dst_ids: Sequence[int]
+) -> list[WriteOp]:
+    """The coalesced writes that copy block ``src_ids[i]`` to ``dst_ids[i]`` in every region.
+
+    Raises ValueError when the regions are incompatible or an id is outside a region.
+    """
+    why = check_compatible(src_regions, dst_regions)
+    if why:
+        raise ValueError(why)
+    for side, regions, ids in (("source", src_regions, src_ids), ("destination", dst_regions, dst_ids)):
+        limit = min((r.num_blocks for r in regions), default=0)
+        bad = [b for b in ids if not 0 <= b < limit]
+        if bad:
+            raise ValueError(f"{side} block ids out of range [0, {limit}): {bad[:8]}")
+    runs = block_runs(src_ids, dst_ids)
+    ops: list[WriteOp] = []
+    for src, dst in zip(src_regions, dst_regions, strict=True):
+        u = src.unit_bytes
+        ops.extend(WriteOp(src.base + s * u, dst.base + d * u, n * u) for s, d, n in runs)
+    return merge_adjacent(ops)
+
+
+def merge_adjacent(ops: Sequence[WriteOp]) -> list[WriteOp]:
+    """Merge ops that continue each other in memory on both sides (order-independent)."""
+    merged: list[WriteOp] = []
+    for op in sorted(ops, key=lambda o: o.src):
+        if merged:
+            last = merged[-1]
+            if op.src == last.src + last.nbytes and op.dst == last.dst + last.nbytes:
+                merged[-1] = WriteOp(last.src, last.dst, last.nbytes + op.nbytes)
+                continue
+        merged.append(op)
+    return merged
+
+
+def batches(ops: Sequence[WriteOp], max_entries: int) -> Iterator[Sequence[WriteOp]]:
+    """Consecutive slices of at most ``max_entries`` ops (Mooncake refuses >1024 queued per peer)."""
+    if max_entries <= 0:
+        raise ValueError("max_entries must be positive")
+    for i in range(0, len(ops), max_entries):
+        yield ops[i : i + max_entries]

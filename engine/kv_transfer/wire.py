@@ -1,0 +1,69 @@
+"""The handshake wire format: length-prefixed msgpack maps over one TCP connection per transfer.
+
+Every frame is a 4-byte big-endian length then a msgpack map carrying ``v`` (the version) and
+``type``. The consumer sends one ``write_request``; the producer answers with one ``write_done``
+(the write ran: ``status`` "ok" or "error") or one ``error`` (refused before writing), then closes.
+
+    write_request: transfer_id, rpc ("ip:port" of the consumer's agent), block_ids (destination),
+                   regions ([[base, unit_bytes, num_blocks], ...]), nonce
+    write_done:    transfer_id, nonce (echoed), status ("ok" | "error"), message, bytes
+    error:         transfer_id, code (a RefusalCode value), message
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from enum import StrEnum
+from typing import Any
+
+import msgpack
+
+VERSION = 1
+MAX_FRAME = 16 << 20  # block ids for a 128K-token prompt are ~100 KB; anything near this is garbage
+_LEN = struct.Struct(">I")
+
+
+class MessageType(StrEnum):
+    WRITE_REQUEST = "write_request"
+    WRITE_DONE = "write_done"
+    ERROR = "error"
+
+
+class RefusalCode(StrEnum):
+    """Why a producer refused a write request (the ``code`` of an ``error`` message)."""
+
+    BAD_REQUEST = "bad_request"
+    BAD_VERSION = "bad_version"
+    UNKNOWN_TRANSFER = "unknown_transfer"
+    TRANSFER_CONSUMED = "transfer_consumed"
+    REGION_MISMATCH = "region_mismatch"
+    BLOCK_MISMATCH = "block_mismatch"
+
+
+class WireError(Exception):
+    """A frame that cannot be read: truncated, oversized, not msgpack, or not a versioned map."""
+
+
+def encode(msg_type: MessageType, **fields: Any) -> bytes:
+    body: bytes = msgpack.packb({"v": VERSION, "type": str(msg_type), **fields})
+    return _LEN.pack(len(body)) + body
+
+
+async def send(writer: asyncio.StreamWriter, msg_type: MessageType, **fields: Any) -> None:
+    writer.write(encode(msg_type, **fields))
+    await writer.drain()
+
+
+async def recv(reader: asyncio.StreamReader) -> dict[str, Any]:
+    """Read one message; raises WireError on a malformed frame, IncompleteReadError on EOF."""
+    (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+    if n > MAX_FRAME:
+        raise WireError(f"frame of {n} bytes exceeds {MAX_FRAME}")
+    try:
+        msg = msgpack.unpackb(await reader.readexactly(n))
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise WireError(f"frame is not msgpack: {exc}") from exc
+    if not isinstance(msg, dict) or "type" not in msg or "v" not in msg:
+        raise WireError("frame is not a versioned message map")
+    return msg

@@ -1,0 +1,412 @@
+"""KV transfer: real Mooncake writes between two agents on loopback, the push handshake, and its faults.
+
+Both agents live in this process (two TransferEngine instances work side by side); the caches are
+CPU tensors shaped like the engine's: per layer ``[2, num_blocks, block_size, kv_heads, head_dim]``
+plus one ``[num_blocks, head_dim]`` indexer-key cache per layer. Every fault test checks that the
+release callback ran exactly once and that nothing stays pending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+
+# A dead Mooncake peer must fail fast (default 30 s; 5 s is Mooncake's minimum). Set before any agent starts.
+os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")
+
+pytest.importorskip("mooncake.engine")
+
+from engine.kv_transfer import (
+    KVConsumer,
+    KVProducer,
+    KVTransferBusyError,
+    KVTransferError,
+    KVTransferParams,
+    KVTransferParamsError,
+    MooncakeAgent,
+    Region,
+    ReleaseReason,
+    WriteOp,
+    plan_writes,
+    regions_from_kv_caches,
+    wire,
+)
+from engine.kv_transfer.layout import batches, block_runs, merge_adjacent
+
+LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 3, 4, 2, 8
+NUM_BLOCKS = 96
+MAX_BATCH = 32  # small, so that scattered block lists take several batches
+
+
+@dataclass
+class Side:
+    """One engine's caches, their regions and its agent."""
+
+    agent: MooncakeAgent
+    kv: list[torch.Tensor]
+    indexer: list[torch.Tensor]
+    regions: list[Region]
+
+    def block(self, region: int, block_id: int) -> bytes:
+        caches = [t for layer in self.kv for t in (layer[0], layer[1])] + self.indexer
+        return caches[region][block_id].numpy().tobytes()
+
+
+def _make_side(fill: bool, max_batch: int = MAX_BATCH) -> Side:
+    g = torch.Generator().manual_seed(1234)
+    shape = (2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    kv = [torch.randn(shape, generator=g) if fill else torch.zeros(shape) for _ in range(LAYERS)]
+    indexer = [torch.randn(NUM_BLOCKS, HEAD_DIM, generator=g) if fill else torch.zeros(NUM_BLOCKS, HEAD_DIM)]
+    indexer += [torch.randn(NUM_BLOCKS, HEAD_DIM, generator=g) if fill else torch.zeros(NUM_BLOCKS, HEAD_DIM)
+                for _ in range(LAYERS - 1)]  # fmt: skip
+    regions = regions_from_kv_caches(kv, indexer)
+    agent = MooncakeAgent("127.0.0.1", max_batch=max_batch)
+    agent.register(regions)
+    return Side(agent, kv, indexer, regions)
+
+
+@pytest.fixture(scope="module")
+def prefill() -> Iterator[Side]:
+    side = _make_side(fill=True)
+    yield side
+    side.agent.close()
+
+
+@pytest.fixture(scope="module")
+def decode() -> Iterator[Side]:
+    side = _make_side(fill=False)
+    yield side
+    side.agent.close()
+
+
+@pytest.fixture(autouse=True)
+def _clean_decode(decode: Side) -> None:
+    for t in decode.kv + decode.indexer:
+        t.zero_()
+
+
+@dataclass
+class Releases:
+    """Records every release callback, per transfer."""
+
+    calls: list[tuple[str, ReleaseReason]] = field(default_factory=list)
+
+    def callback(self, tag: str) -> Callable[[ReleaseReason], None]:
+        return lambda reason: self.calls.append((tag, reason))
+
+    def reasons(self, tag: str) -> list[ReleaseReason]:
+        return [r for t, r in self.calls if t == tag]
+
+
+@pytest.fixture
+async def producer(prefill: Side) -> AsyncIterator[KVProducer]:
+    p = KVProducer(prefill.agent, prefill.regions, host="127.0.0.1", handshake_port=0, bind_host="127.0.0.1",
+                   timeout_s=10.0)  # fmt: skip
+    await p.start()
+    yield p
+    await p.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _poll(cond: Callable[[], bool], deadline_s: float = 5.0) -> None:
+    end = time.monotonic() + deadline_s
+    while not cond():
+        assert time.monotonic() < end, "condition not met before the deadline"
+        await asyncio.sleep(0.01)
+
+
+def _assert_copied(prefill: Side, decode: Side, src: list[int], dst: list[int]) -> None:
+    for r in range(len(prefill.regions)):
+        for s, d in zip(src, dst, strict=True):
+            assert decode.block(r, d) == prefill.block(r, s), f"region {r}: block {s} -> {d} differs"
+    untouched = set(range(NUM_BLOCKS)) - set(dst)
+    zero = bytes(len(decode.block(0, 0)))
+    assert all(decode.block(0, b) == zero for b in untouched), "a block outside the destination was written"
+
+
+# -- layout: coalescing and batching -----------------------------------------------------------
+
+
+def test_block_runs_coalesce_ids_consecutive_on_both_sides() -> None:
+    assert block_runs([4, 5, 6, 9, 10], [0, 1, 2, 3, 4]) == [(4, 0, 3), (9, 3, 2)]
+    assert block_runs([1, 2, 3], [7, 9, 10]) == [(1, 7, 1), (2, 9, 2)]
+    assert block_runs([], []) == []
+    with pytest.raises(ValueError):
+        block_runs([1], [1, 2])
+
+
+def test_plan_writes_one_op_per_run_per_region_and_merges_neighbours() -> None:
+    src = [Region(1000, 10, 8), Region(5000, 4, 8)]
+    dst = [Region(20000, 10, 16), Region(90000, 4, 16)]
+    assert plan_writes(src, dst, [2, 3, 6], [0, 1, 5]) == [
+        WriteOp(1020, 20000, 20), WriteOp(1060, 20050, 10), WriteOp(5008, 90000, 8), WriteOp(5024, 90020, 4),
+    ]  # fmt: skip
+    # K and V of one layer sit back to back: all blocks of both become a single write.
+    k, v = Region(0x1000, 16, 4), Region(0x1000 + 64, 16, 4)
+    dk, dv = Region(0x9000, 16, 4), Region(0x9000 + 64, 16, 4)
+    assert plan_writes([k, v], [dk, dv], [0, 1, 2, 3], [0, 1, 2, 3]) == [WriteOp(0x1000, 0x9000, 128)]
+    with pytest.raises(ValueError, match="unit_bytes"):
+        plan_writes(src, [Region(1, 10, 8), Region(2, 8, 8)], [0], [0])
+    with pytest.raises(ValueError, match="region count"):
+        plan_writes(src, dst[:1], [0], [0])
+    with pytest.raises(ValueError, match="out of range"):
+        plan_writes(src, dst, [8], [0])
+    assert merge_adjacent([WriteOp(10, 110, 5), WriteOp(0, 100, 10)]) == [WriteOp(0, 100, 15)]
+    assert [len(b) for b in batches([WriteOp(i, i, 1) for i in range(5)], 2)] == [2, 2, 1]
+
+
+def test_regions_follow_the_engine_cache_layout(prefill: Side) -> None:
+    layer0 = prefill.kv[0]
+    unit = BLOCK_SIZE * KV_HEADS * HEAD_DIM * 4
+    assert prefill.regions[0] == Region(layer0.data_ptr(), unit, NUM_BLOCKS)
+    assert prefill.regions[1] == Region(layer0[1].data_ptr(), unit, NUM_BLOCKS)
+    assert prefill.regions[2 * LAYERS] == Region(prefill.indexer[0].data_ptr(), HEAD_DIM * 4, NUM_BLOCKS)
+    assert len(prefill.regions) == 3 * LAYERS
+
+
+# -- real transfers --------------------------------------------------------------------------
+
+CASES = {
+    "contiguous": (list(range(10, 30)), list(range(40, 60))),
+    "scattered": ([3, 17, 18, 19, 50, 2, 90, 91], [80, 5, 6, 7, 60, 61, 0, 33]),
+    # every block its own run: 9 regions x 64 blocks = 576 writes, 18 batches of 32
+    "many_batches": (list(range(0, NUM_BLOCKS, 2)) + list(range(1, 33, 2)), list(range(95, 31, -1))),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+async def test_pull_copies_kv_and_indexer_blocks_byte_for_byte(
+    case: str, prefill: Side, decode: Side, producer: KVProducer
+) -> None:
+    src, dst = CASES[case]
+    releases = Releases()
+    params = producer.offer(src, first_token_id=42, on_release=releases.callback("t"))
+    assert producer.pending_count == 1
+    wire_params = params.to_dict()
+    assert wire_params["do_remote_prefill"] is True and wire_params["remote_engine_id"] == prefill.agent.rpc_address
+    await KVConsumer(decode.agent, decode.regions, timeout_s=20).pull(wire_params, dst)
+    _assert_copied(prefill, decode, src, dst)
+    assert releases.reasons("t") == [ReleaseReason.WRITTEN]
+    assert producer.pending_count == 0
+    if case == "many_batches":
+        assert len(plan_writes(prefill.regions, decode.regions, src, dst)) > 4 * MAX_BATCH
+
+
+async def test_sixteen_concurrent_pulls_all_complete(prefill: Side, decode: Side, producer: KVProducer) -> None:
+    releases = Releases()
+    consumer = KVConsumer(decode.agent, decode.regions, timeout_s=30)
+    jobs = []
+    for i in range(16):
+        src, dst = [i * 5, i * 5 + 1, 95 - i], [i * 6, i * 6 + 1, i * 6 + 3]
+        jobs.append((src, dst, producer.offer(src, 1, releases.callback(str(i)))))
+    await asyncio.gather(*(consumer.pull(p, dst) for _, dst, p in jobs))
+    for i, (src, dst, _) in enumerate(jobs):
+        assert releases.reasons(str(i)) == [ReleaseReason.WRITTEN]
+        for r in range(len(prefill.regions)):
+            assert all(decode.block(r, d) == prefill.block(r, s) for s, d in zip(src, dst, strict=True))
+    assert producer.pending_count == 0
+
+
+# -- faults: each leaves nothing pending and releases exactly once ----------------------------
+
+
+async def test_decode_never_comes_blocks_released_after_timeout(prefill: Side, decode: Side) -> None:
+    producer = KVProducer(prefill.agent, prefill.regions, host="127.0.0.1", handshake_port=0, timeout_s=0.3)
+    await producer.start()
+    try:
+        releases = Releases()
+        params = producer.offer([1, 2, 3], 7, releases.callback("t"))
+        await _poll(lambda: bool(releases.calls))
+        assert releases.reasons("t") == [ReleaseReason.EXPIRED]
+        assert producer.pending_count == 0
+        with pytest.raises(KVTransferError) as err:  # a late decode is refused, not served stale blocks
+            await KVConsumer(decode.agent, decode.regions).pull(params, [4, 5, 6])
+        assert err.value.reason == "transfer_consumed"
+        assert releases.reasons("t") == [ReleaseReason.EXPIRED]
+    finally:
+        await producer.close()
+
+
+async def test_unknown_transfer_id_refused(prefill: Side, decode: Side, producer: KVProducer) -> None:
+    releases = Releases()
+    params = producer.offer([1, 2], 7, releases.callback("t")).to_dict()
+    params["transfer_id"] = uuid.uuid4().hex
+    with pytest.raises(KVTransferError, match="unknown transfer") as err:
+        await KVConsumer(decode.agent, decode.regions).pull(params, [1, 2])
+    assert err.value.reason == "unknown_transfer" and not err.value.dst_may_be_written
+    assert releases.calls == [] and producer.pending_count == 1  # the real transfer is untouched
+    await producer.close()
+    assert releases.reasons("t") == [ReleaseReason.CLOSED] and producer.pending_count == 0
+
+
+async def test_consumed_transfer_id_refused_the_second_time(decode: Side, producer: KVProducer) -> None:
+    releases = Releases()
+    params = producer.offer([8, 9], 7, releases.callback("t"))
+    consumer = KVConsumer(decode.agent, decode.regions)
+    await consumer.pull(params, [10, 11])
+    with pytest.raises(KVTransferError, match="already consumed") as err:
+        await consumer.pull(params, [12, 13])
+    assert err.value.reason == "transfer_consumed"
+    assert releases.reasons("t") == [ReleaseReason.WRITTEN] and producer.pending_count == 0
+
+
+async def test_producer_gone_fails_quickly(prefill: Side, decode: Side) -> None:
+    producer = KVProducer(prefill.agent, prefill.regions, host="127.0.0.1", handshake_port=0, bind_host="127.0.0.1")
+    await producer.start()
+    releases = Releases()
+    params = producer.offer([1, 2], 7, releases.callback("t"))
+    await producer.close()  # prefill dies after answering
+    assert releases.reasons("t") == [ReleaseReason.CLOSED] and producer.pending_count == 0
+    start = time.monotonic()
+    with pytest.raises(KVTransferError, match="unreachable") as err:
+        await KVConsumer(decode.agent, decode.regions, timeout_s=30).pull(params, [1, 2])
+    assert time.monotonic() - start < 2.0
+    assert err.value.reason == "unreachable" and not err.value.dst_may_be_written
+    assert all(decode.block(0, b) == bytes(len(decode.block(0, b))) for b in (1, 2))
+
+
+async def test_write_into_unregistered_memory_fails_and_releases(
+    prefill: Side, decode: Side, producer: KVProducer
+) -> None:
+    releases = Releases()
+    params = producer.offer([1, 2, 3], 7, releases.callback("t"))
+    # Same layout as decode's caches, but memory the decode agent never registered.
+    stray = [torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM) for _ in range(LAYERS)]
+    stray_idx = [torch.zeros(NUM_BLOCKS, HEAD_DIM) for _ in range(LAYERS)]
+    consumer = KVConsumer(decode.agent, regions_from_kv_caches(stray, stray_idx))
+    with pytest.raises(KVTransferError, match="failed") as err:
+        await consumer.pull(params, [1, 2, 3])
+    assert err.value.reason == "write_failed"
+    assert releases.reasons("t") == [ReleaseReason.WRITE_FAILED] and producer.pending_count == 0
+    # The agent recovers: the next transfer to the same peer succeeds.
+    params = producer.offer([4], 7, releases.callback("u"))
+    await KVConsumer(decode.agent, decode.regions).pull(params, [4])
+    _assert_copied(prefill, decode, [4], [4])
+
+
+class _StubAgent:
+    """An agent that announces an rpc address where no Mooncake engine listens (a dead decode peer)."""
+
+    def __init__(self, rpc_address: str) -> None:
+        self.rpc_address = rpc_address
+
+
+async def test_dead_decode_peer_write_fails_and_releases(decode: Side, producer: KVProducer) -> None:
+    releases = Releases()
+    params = producer.offer([1, 2], 7, releases.callback("t"))
+    consumer = KVConsumer(_StubAgent(f"127.0.0.1:{_free_port()}"), decode.regions, timeout_s=20)  # type: ignore[arg-type]
+    with pytest.raises(KVTransferError) as err:
+        await consumer.pull(params, [1, 2])
+    assert err.value.reason == "write_failed"
+    assert releases.reasons("t") == [ReleaseReason.WRITE_FAILED] and producer.pending_count == 0
+
+
+async def test_region_mismatch_refused_clearly(decode: Side, producer: KVProducer) -> None:
+    releases = Releases()
+    params = producer.offer([1], 7, releases.callback("t"))
+    with pytest.raises(KVTransferError, match="region count differs") as err:
+        await KVConsumer(decode.agent, decode.regions[:-1]).pull(params, [1])
+    assert err.value.reason == "region_mismatch"
+    params = producer.offer([1], 7, releases.callback("u"))
+    other_units = [Region(r.base, r.unit_bytes // 2, r.num_blocks * 2) for r in decode.regions]
+    with pytest.raises(KVTransferError, match="unit_bytes differ"):
+        await KVConsumer(decode.agent, other_units).pull(params, [1])
+    params = producer.offer([1], 7, releases.callback("v"))
+    with pytest.raises(KVTransferError, match="out of range") as err:
+        await KVConsumer(decode.agent, decode.regions).pull(params, [NUM_BLOCKS])
+    assert err.value.reason == "block_mismatch"
+    assert [r for _, r in releases.calls] == [ReleaseReason.REFUSED] * 3 and producer.pending_count == 0
+
+
+async def test_nonce_mismatch_rejected() -> None:
+    """A producer answering with someone else's nonce must not be trusted."""
+
+    async def liar(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        msg = await wire.recv(reader)
+        await wire.send(writer, wire.MessageType.WRITE_DONE, transfer_id=msg["transfer_id"], nonce="not-yours",
+                        status="ok", message="", bytes=0)  # fmt: skip
+        writer.close()
+
+    server = await asyncio.start_server(liar, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    params = KVTransferParams((1,), "127.0.0.1:1", "127.0.0.1", 1, port, "t1", 7)
+    try:
+        with pytest.raises(KVTransferError, match="mismatched nonce") as err:
+            await KVConsumer(_StubAgent("127.0.0.1:2"), [Region(1, 1, 4)]).pull(params, [0])  # type: ignore[arg-type]
+        assert err.value.reason == "nonce_mismatch" and err.value.dst_may_be_written
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_silent_producer_times_out() -> None:
+    async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # never answers
+        writer.close()
+
+    server = await asyncio.start_server(mute, "127.0.0.1", 0)
+    params = KVTransferParams((1,), "x:1", "127.0.0.1", 1, server.sockets[0].getsockname()[1], "t1", 7)
+    try:
+        with pytest.raises(KVTransferError, match="timed out") as err:
+            await KVConsumer(_StubAgent("127.0.0.1:2"), [Region(1, 1, 4)], timeout_s=0.3).pull(params, [0])  # type: ignore[arg-type]
+        assert err.value.reason == "timeout" and err.value.dst_may_be_written
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_bad_wire_version_and_garbage_refused(producer: KVProducer) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", producer.port)
+    writer.write(b"\x00\x00\x00\x04\xc1\xc1\xc1\xc1")  # not msgpack: dropped without a reply
+    assert await reader.read() == b""
+    writer.close()
+
+    body = msgpack.packb({"v": 99, "type": "write_request", "transfer_id": "x"})
+    reader, writer = await asyncio.open_connection("127.0.0.1", producer.port)
+    writer.write(len(body).to_bytes(4, "big") + body)
+    reply = await wire.recv(reader)
+    writer.close()
+    assert reply["type"] == "error" and reply["code"] == "bad_version"
+
+
+async def test_pending_transfers_are_bounded(prefill: Side) -> None:
+    producer = KVProducer(prefill.agent, prefill.regions, host="127.0.0.1", handshake_port=0, max_pending=2)
+    await producer.start()
+    releases = Releases()
+    producer.offer([1], 1, releases.callback("a"))
+    producer.offer([2], 1, releases.callback("b"))
+    with pytest.raises(KVTransferBusyError):
+        producer.offer([3], 1, releases.callback("c"))
+    await producer.close()
+    assert sorted(t for t, _ in releases.calls) == ["a", "b"] and producer.pending_count == 0
+
+
+def test_params_validation() -> None:
+    p = KVTransferParams((1, 2), "1.2.3.4:15000", "1.2.3.4", 15000, 6301, "abc", 5, prefix_cache_hit_tokens=16)
+    assert KVTransferParams.from_dict(p.to_dict()) == p
+    raw: dict[str, Any] = p.to_dict()
+    for key, value, match in [
+        ("remote_block_ids", [1, -2], "non-negative"),
+        ("remote_handshake_port", "6301", "must be int"),
+        ("tp_size", 2, "tp_size 2"),
+    ]:
+        with pytest.raises(KVTransferParamsError, match=match) as err:
+            KVTransferParams.from_dict({**raw, key: value})
+        assert err.value.status == 400
+    with pytest.raises(KVTransferParamsError, match="missing 'transfer_id'"):
+        KVTransferParams.from_dict({k: v for k, v in raw.items() if k != "transfer_id"})
