@@ -410,3 +410,11 @@ def test_params_validation() -> None:
         assert err.value.status == 400
     with pytest.raises(KVTransferParamsError, match="missing 'transfer_id'"):
         KVTransferParams.from_dict({k: v for k, v in raw.items() if k != "transfer_id"})
+
+
+def test_missing_mooncake_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # makes the import fail
+    with pytest.raises(KVTransferError, match="pip install mooncake-transfer-engine"):
+        MooncakeAgent("127.0.0.1")
