@@ -25,12 +25,13 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 
 install: $(STAMP)
 
-# Debian packages the engine (Mooncake needs libibverbs) and the metrics tests (a real
-# Prometheus server) use. Installed only when missing; needs root, as on CI.
+# Debian packages the engine (Mooncake needs libibverbs), the metrics tests (a real
+# Prometheus server) and `atomesh bench gateway` (wrk) use. Installed only when missing; needs root, as on CI.
 sysdeps:
 	@missing=""; \
 	ldconfig -p | grep -q 'libibverbs.so.1' || missing="$$missing libibverbs1"; \
 	command -v prometheus >/dev/null || missing="$$missing prometheus"; \
+	command -v wrk >/dev/null || missing="$$missing wrk"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \

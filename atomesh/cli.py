@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import sys
 import types
-from pathlib import Path
 import typing
 from collections.abc import Sequence
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 import click
@@ -164,6 +164,17 @@ def bench_placement(ctx: typer.Context) -> None:
     from atomesh.bench import placement
 
     placement.main(list(ctx.args))
+
+
+@bench_app.command(
+    "gateway", add_help_option=False,
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def bench_gateway(ctx: typer.Context) -> None:
+    """Gateway overhead side by side with smg: req/s, latency, CPU, streaming (`--help` lists options)."""
+    from atomesh.bench import gateway
+
+    gateway.main(list(ctx.args))
 
 
 # ---------------------------------------------------------------------------- launch
