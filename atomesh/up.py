@@ -53,7 +53,7 @@ class Part:
 
     def start(self, env: dict[str, str]) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child for its lifetime
+        log = open(self.log_path, "wb")
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, start_new_session=True, preexec_fn=_die_with_parent)
@@ -206,7 +206,8 @@ class System:
                     self.say(f"  ready    {p.name:<10} in {time.monotonic() - p.started_at:5.1f} s")
             if pending and time.monotonic() > deadline:
                 names = ", ".join(p.name for p in pending)
-                raise UpError(f"{names} not ready after {self.settings.startup_timeout:g} s; see {self.settings.log_dir}")
+                raise UpError(f"{names} not ready after {self.settings.startup_timeout:g} s; "
+                              f"see {self.settings.log_dir}")
             time.sleep(0.25)
 
     def watch(self, stop: Callable[[], bool]) -> None:

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from gwtest import MakeGateway, MakeWorkers, base_url
 
 from atomesh.bench.serving import Outcome, random_prompts, summarize
-from gwtest import MakeGateway, MakeWorkers, base_url
 
 
 def test_random_prompts_respect_the_range() -> None:

@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
-
-import json
 import urllib.error
 import urllib.request
+from pathlib import Path
+
 import pytest
+from gwtest import free_port
 
 from atomesh.cli import normalize_argv
 from atomesh.config import ConfigError, GatewayConfig, load_config
-from gwtest import free_port
 
 ATOMESH = [sys.executable, "-m", "atomesh"]
 

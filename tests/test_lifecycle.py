@@ -10,11 +10,11 @@ from urllib.parse import quote
 
 import aiohttp
 import pytest
+from gwtest import MakeGateway, MakeWorkers, base_url, wait_for
 
 from atomesh.transport import backoff_delays
 from atomesh.workers.breaker import BreakerSettings, BreakerState, CircuitBreaker
 from atomesh.workers.worker import IllegalTransition, WorkerState, check_transition
-from gwtest import MakeGateway, MakeWorkers, base_url, wait_for
 
 COMPLETION = {"model": "mock-model", "prompt": "hello", "max_tokens": 3}
 

@@ -7,11 +7,11 @@ from typing import Any
 
 import aiohttp
 import pytest
+from gwtest import MakeGateway, MakeWorkers, base_url, gateway_config, wait_for
 
 from atomesh.app import GatewayServer
 from atomesh.gateway import StartupError
 from atomesh.testing.mock_worker import MockWorker
-from gwtest import MakeGateway, MakeWorkers, base_url, gateway_config, wait_for
 
 COMPLETION = {"model": "mock-model", "prompt": "hello", "max_tokens": 3}
 CHAT = {"model": "mock-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
@@ -119,7 +119,7 @@ async def test_missing_kv_params_is_502_and_decode_is_never_called(
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_prefill_error_stops_the_decode_leg(backend: str, mock_workers: MakeWorkers, gateway: MakeGateway,
                                                   http: aiohttp.ClientSession) -> None:
-    gw, [p], [d] = await pd_setup(mock_workers, gateway, backend, prefill={"fail_status": 500},
+    gw, _, [d] = await pd_setup(mock_workers, gateway, backend, prefill={"fail_status": 500},
                                   decode={"latency_secs": 5}, disable_retries=True)
     async with http.post(base_url(gw) + "/v1/completions", json=COMPLETION) as r:
         assert r.status == 500

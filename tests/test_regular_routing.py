@@ -9,7 +9,6 @@ import aiohttp
 import openai
 import orjson
 import pytest
-
 from gwtest import MakeGateway, MakeWorkers, base_url, wait_for
 
 COMPLETION = {"model": "mock-model", "prompt": "hello", "max_tokens": 3}

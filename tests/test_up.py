@@ -12,7 +12,6 @@ from pathlib import Path
 
 import openai
 import pytest
-
 from gwtest import free_port
 
 

@@ -9,8 +9,8 @@ import orjson
 from aiohttp import web
 
 from atomesh.api.middleware import REQUEST_ID
-from atomesh.gateway import GATEWAY
 from atomesh.errors import NoWorkerAvailable, ShuttingDown, UpstreamStatus
+from atomesh.gateway import GATEWAY
 from atomesh.request import ROUTING_KEY_HEADERS, RequestView, Route, parse_body, validate
 from atomesh.transport import Exchange
 

@@ -31,7 +31,6 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
 
@@ -216,7 +215,7 @@ async def _replay(session: aiohttp.ClientSession, url: str, convs: list[list[str
 
 
 def _start(cmd: list[str], log_name: str) -> subprocess.Popen[bytes]:
-    log = open(f"/tmp/atomesh-bench-{log_name}.log", "wb")  # noqa: SIM115 - lives as long as the process
+    log = open(f"/tmp/atomesh-bench-{log_name}.log", "wb")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -314,7 +313,8 @@ def run_trace(args: argparse.Namespace) -> None:
           f"{args.users} users x {args.turns} turns = {args.users * args.turns} streamed chat requests, "
           f"{args.concurrency} concurrent clients, {args.engines} mock engines of {args.cache_blocks} blocks "
           "(16 tokens each) prefix cache")
-    print(f"{'system':<28}{'hit':>8}{'TTFT ms':>10}{'p99 ms':>10}{'max/min':>8}{'errors':>7}{'secs':>7}  requests/engine")
+    print(f"{'system':<28}{'hit':>8}{'TTFT ms':>10}{'p99 ms':>10}{'max/min':>8}{'errors':>7}{'secs':>7}"
+          "  requests/engine")
     results = asyncio.run(bench_trace(args.engines, args.systems, args.users, args.turns, args.concurrency,
                                       args.cache_blocks, args.system_chars, not args.no_external))
     ours = next((r for r in results if r.system == "atomesh cache_aware"), None)

@@ -104,8 +104,8 @@ class MockWorker:
         except orjson.JSONDecodeError:
             return web.json_response({"error": {"message": "bad json", "type": "invalid_request_error",
                                                 "code": 400}}, status=400, headers=self._headers())
-        self.received.append({"path": request.path, "body": body, "headers": {k.lower(): v for k, v in request.headers.items()},
-                              "at": time.time()})
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        self.received.append({"path": request.path, "body": body, "headers": headers, "at": time.time()})
         b = self.behaviour
         problem = pd_protocol_problem(b.pd_backend, b.pd_role, body) if b.pd_backend else None
         if problem is not None:
