@@ -34,7 +34,7 @@ Shutdown: ``await producer.close()`` (releases what is pending), then ``agent.cl
 from engine.kv_transfer.agent import TransferAgent
 from engine.kv_transfer.connector import KVConsumer, KVProducer, ReleaseReason
 from engine.kv_transfer.errors import KVTransferBusyError, KVTransferError, TransferEngineError
-from engine.kv_transfer.layout import Region, WriteOp, plan_writes, regions_from_kv_caches
+from engine.kv_transfer.layout import Region, WriteOp, block_region, plan_writes, regions_from_kv_caches
 from engine.kv_transfer.mooncake import MooncakeAgent
 from engine.kv_transfer.params import KVTransferParams, KVTransferParamsError
 
@@ -51,6 +51,7 @@ __all__ = [
     "TransferAgent",
     "TransferEngineError",
     "WriteOp",
+    "block_region",
     "plan_writes",
     "regions_from_kv_caches",
 ]

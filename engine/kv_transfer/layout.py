@@ -52,6 +52,13 @@ class WriteOp:
     nbytes: int
 
 
+def block_region(t: torch.Tensor) -> Region:
+    """The region of a contiguous ``[num_blocks, ...]`` tensor: an indexer cache, or a block-major KV cache."""
+    if not t.is_contiguous() or t.dim() < 1 or t.shape[0] == 0:
+        raise ValueError(f"a block region must be a contiguous [num_blocks, ...] tensor, got {tuple(t.shape)}")
+    return Region(t.data_ptr(), t[0].numel() * t.element_size(), t.shape[0])
+
+
 def regions_from_kv_caches(
     kv_caches: Sequence[torch.Tensor], indexer_caches: Sequence[torch.Tensor] = ()
 ) -> list[Region]:
@@ -64,14 +71,8 @@ def regions_from_kv_caches(
     for t in kv_caches:
         if not t.is_contiguous() or t.dim() < 2 or t.shape[0] != 2:
             raise ValueError(f"a KV cache must be a contiguous [2, num_blocks, ...] tensor, got {tuple(t.shape)}")
-        num_blocks = t.shape[1]
-        unit = t[0, 0].numel() * t.element_size()
-        regions.append(Region(t.data_ptr(), unit, num_blocks))
-        regions.append(Region(t.data_ptr() + unit * num_blocks, unit, num_blocks))
-    for t in indexer_caches:
-        if not t.is_contiguous() or t.dim() < 1:
-            raise ValueError(f"an indexer cache must be a contiguous [num_blocks, ...] tensor, got {tuple(t.shape)}")
-        regions.append(Region(t.data_ptr(), t[0].numel() * t.element_size(), t.shape[0]))
+        regions += [block_region(t[0]), block_region(t[1])]
+    regions += [block_region(t) for t in indexer_caches]
     return regions
 
 
