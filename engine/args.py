@@ -114,9 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--max-num-seqs", type=int, default=512)
-    p.add_argument(
-        "--max-waiting-requests", type=int, default=1024, help="bound of the waiting queue; beyond it: 503"
-    )
+    p.add_argument("--max-waiting-requests", type=int, default=1024, help="bound of the waiting queue; beyond it: 503")
     p.add_argument(
         "--kv_cache_dtype",
         "--kv-cache-dtype",
@@ -138,9 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of requests that bring none")
     p.add_argument("--torch-threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     p.add_argument("--enforce-eager", action="store_true", help="accepted: this engine always runs eagerly")
-    p.add_argument(
-        "--trust-remote-code", action="store_true", help="accepted: this engine never runs model code"
-    )
+    p.add_argument("--trust-remote-code", action="store_true", help="accepted: this engine never runs model code")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     return p
 

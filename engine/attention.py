@@ -31,12 +31,26 @@ class AttentionMetadata:
     cached_lens: list[int]
 
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    # Indexing kernels lack fp8 on CPU: move fp8 bytes as uint8 (a free reinterpretation).
+    return t.view(torch.uint8) if t.dtype in _FP8 else t
+
+
+def _cooked(t: torch.Tensor, cache_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    if cache_dtype in _FP8:
+        t = t.view(cache_dtype)
+    return t.to(dtype)
+
+
 def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write this step's keys and values ``[num_tokens, kv_heads, head_dim]`` into their slots."""
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
-    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    flat = _raw(kv_cache).view(2, num_blocks * block_size, kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, _raw(k.to(kv_cache.dtype)))
+    flat[1].index_copy_(0, slot_mapping, _raw(v.to(kv_cache.dtype)))
 
 
 def gather_kv(
@@ -45,9 +59,9 @@ def gather_kv(
     """Read the first ``length`` cached tokens of one sequence as ``[length, kv_heads, head_dim]``."""
     _, _, block_size, kv_heads, head_dim = kv_cache.shape
     num_blocks = (length + block_size - 1) // block_size
-    blocks = kv_cache[:, block_table[:num_blocks]]  # [2, n, block_size, kv_heads, head_dim]
-    kv = blocks.reshape(2, num_blocks * block_size, kv_heads, head_dim)[:, :length]
-    return kv[0].to(dtype), kv[1].to(dtype)
+    blocks = _raw(kv_cache)[:, block_table[:num_blocks]]  # [2, n, block_size, kv_heads, head_dim]
+    kv = _cooked(blocks, kv_cache.dtype, dtype).reshape(2, num_blocks * block_size, kv_heads, head_dim)
+    return kv[0, :length], kv[1, :length]
 
 
 def paged_attention(
@@ -108,8 +122,8 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
     _, _, block_size, kv_heads, head_dim = kv_cache.shape
     num_seqs, max_blocks = meta.block_tables.shape
     length = max_blocks * block_size
-    kv = kv_cache[:, meta.block_tables]  # [2, seqs, max_blocks, block_size, kv_heads, head_dim]
-    kv = kv.reshape(2, num_seqs, length, kv_heads, head_dim).transpose(2, 3).to(q.dtype)
+    kv = _raw(kv_cache)[:, meta.block_tables]  # [2, seqs, max_blocks, block_size, kv_heads, head_dim]
+    kv = _cooked(kv, kv_cache.dtype, q.dtype).reshape(2, num_seqs, length, kv_heads, head_dim).transpose(2, 3)
     mask = torch.arange(length, device=q.device)[None, :] < meta.context_lens[:, None]
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [seqs, heads, 1, head_dim]

@@ -116,9 +116,7 @@ class LLMEngine:
         if self.args.num_kvcache_blocks is not None:
             return self.args.num_kvcache_blocks
         if self.device.type == "cuda":
-            blocks = self.runner.profile_cuda_blocks(
-                self.args.gpu_memory_utilization, self.args.max_num_batched_tokens
-            )
+            blocks = self.runner.profile_cuda_blocks(self.args.gpu_memory_utilization, self.args.max_num_batched_tokens)
         else:
             blocks = int(self.args.kv_cache_memory_gb * (1 << 30)) // self.runner.block_bytes()
         if blocks < 1:

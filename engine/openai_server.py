@@ -207,7 +207,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body: CompletionBody = await _read_body(request, CompletionBody)
     _check_model(state, body.model)
     body.refuse_unsupported()
-    prompt = body.prompt
+    prompt: Any = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise InvalidRequestError("batched prompts are not supported; send one prompt per request")
@@ -215,7 +215,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if isinstance(prompt, str):
         ids = state.engine.engine.tokenizer.encode(prompt)
     else:
-        ids = [int(t) for t in prompt]  # type: ignore[union-attr]
+        ids = [int(t) for t in prompt]
         vocab = state.engine.engine.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
@@ -283,6 +283,7 @@ async def _collect(
             "usage": _usage(last),
         }
     )
+
 
 async def _timed(
     outputs: AsyncIterator[RequestOutput], metrics: ServerMetrics, arrived: float

@@ -112,7 +112,10 @@ def tokenizer_from_gguf_fields(fields: dict[str, Any]) -> HFTokenizer:
     merges_raw: list[str] = fields["tokenizer.ggml.merges"]
     token_types: list[int] = fields.get("tokenizer.ggml.token_type", [1] * len(tokens))
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in merges_raw]
+    merges: list[tuple[str, str]] = []
+    for m in merges_raw:
+        left, _, right = m.partition(" ")
+        merges.append((left, right))
     core = HFTokenizerCore(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     split = pre_tokenizers.Split(Regex(_GPT2_SPLIT), behavior="isolated")
     parts: list[Any] = []
@@ -132,8 +135,9 @@ def tokenizer_from_gguf_fields(fields: dict[str, Any]) -> HFTokenizer:
     bos_id = fields.get("tokenizer.ggml.bos_token_id")
     eos: set[int] = set()
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
-        if fields.get(key) is not None:
-            eos.add(int(fields[key]))
+        value = fields.get(key)
+        if value is not None:
+            eos.add(int(value))
     template = fields.get("tokenizer.chat_template") or _CHATML_TEMPLATE
     chat = ChatTemplate(
         template,
@@ -160,8 +164,9 @@ def tokenizer_from_folder(folder: Path, eos_from_config: list[int]) -> HFTokeniz
 
     bos, eos = token_text(cfg.get("bos_token")), token_text(cfg.get("eos_token"))
     eos_ids = set(eos_from_config)
-    if eos and core.token_to_id(eos) is not None:
-        eos_ids.add(int(core.token_to_id(eos)))
+    eos_id = core.token_to_id(eos) if eos else None
+    if eos_id is not None:
+        eos_ids.add(int(eos_id))
     template = cfg.get("chat_template") or _CHATML_TEMPLATE
     bos_id = core.token_to_id(bos) if bos else None
     return HFTokenizer(core, frozenset(eos_ids), bos_id, ChatTemplate(str(template), bos, eos))

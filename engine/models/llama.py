@@ -121,11 +121,15 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama decoder: token ids of a flattened batch in, hidden states out; logits on demand."""
 
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.decoder_layers = [DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)]
+        self.layers = nn.ModuleList(self.decoder_layers)  # registers them; decoder_layers is the typed view
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -150,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
         # over heads.
         cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(self.decoder_layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x)  # type: ignore[no-any-return]
 
@@ -177,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
                 remaining.pop("lm_head.weight", None)
             else:
                 self.lm_head.weight.copy_(take("lm_head.weight"))
-            for i, layer in enumerate(self.layers):
+            for i, layer in enumerate(self.decoder_layers):
                 p = f"model.layers.{i}."
                 attn = layer.self_attn
                 attn.qkv_proj.weight.copy_(

@@ -27,8 +27,8 @@ def test_allocate_and_free_return_every_block() -> None:
 
 def test_shared_prefix_reuses_blocks_and_counts_references() -> None:
     bm = BlockManager(16, BS)
-    a = seq(1, list(range(12)) + [100])
-    b = seq(2, list(range(12)) + [200, 201])
+    a = seq(1, [*list(range(12)), 100])
+    b = seq(2, [*list(range(12)), 200, 201])
     bm.allocate(a)
     bm.allocate(b)
     # The three full blocks of the common 12-token prefix are shared.
@@ -89,10 +89,10 @@ def test_prefix_caching_off_shares_nothing() -> None:
 
 def test_can_allocate_counts_cached_blocks_in_use_as_free() -> None:
     bm = BlockManager(4, BS)
-    a = seq(1, list(range(12)) + [1])  # 4 blocks: the whole pool
+    a = seq(1, [*list(range(12)), 1])  # 4 blocks: the whole pool
     bm.allocate(a)
     assert bm.num_free_blocks == 0
-    b = seq(2, list(range(12)) + [2])  # shares 3 blocks, needs 1 more
+    b = seq(2, [*list(range(12)), 2])  # shares 3 blocks, needs 1 more
     assert bm.blocks_needed(b) == 1
     assert not bm.can_allocate(b)
     with pytest.raises(RuntimeError):

@@ -96,9 +96,10 @@ def test_tokenizer_and_chat_template_match_transformers(smollm2_model: LoadedMod
 
 
 @pytest.mark.timeout(120)
-def test_bf16_kv_cache_and_prefix_cache_off_still_run(smollm2_model: LoadedModel) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8"])
+def test_smaller_kv_cache_dtypes_still_answer(smollm2_model: LoadedModel, kv_cache_dtype: str) -> None:
     args = EngineArgs(model="smollm2", device="cpu", num_kvcache_blocks=16, max_model_len=128)
-    engine = LLMEngine(replace(args, kv_cache_dtype="bf16", enable_prefix_caching=False), loaded=smollm2_model)
-    out = engine.generate([smollm2_model.tokenizer.encode("The capital of France is")], SamplingParams(
-        temperature=0.0, max_tokens=4, ignore_eos=True))
+    engine = LLMEngine(replace(args, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False), loaded=smollm2_model)
+    prompt = smollm2_model.tokenizer.encode("The capital of France is")
+    out = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert "Paris" in smollm2_model.tokenizer.decode(out[0])

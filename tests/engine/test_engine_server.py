@@ -191,9 +191,7 @@ async def test_full_waiting_queue_answers_503(
     assert (await first)[0] == 200 and (await second)[0] == 200
 
 
-async def test_client_disconnect_frees_blocks(
-    start_server: StartServer, wait_for: WaitFor
-) -> None:
+async def test_client_disconnect_frees_blocks(start_server: StartServer, wait_for: WaitFor) -> None:
     server = await start_server()
     engine = server.engine
     initial = engine.block_manager.num_free_blocks
@@ -231,7 +229,9 @@ async def test_info_endpoints_and_metrics(start_server: StartServer, http: aioht
         assert (await resp.json())["data"][0]["id"] == "tiny"
     prompt = "a shared prefix that is longer than one block of sixteen tokens, twice over"
     for _ in range(2):
-        status, _ = await post(http, server.url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 2})
+        status, _ = await post(
+            http, server.url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 2}
+        )
         assert status == 200
     async with http.get(server.url + "/metrics") as resp:
         assert resp.status == 200
@@ -257,9 +257,7 @@ async def test_info_endpoints_and_metrics(start_server: StartServer, http: aioht
 
 
 @pytest.mark.timeout(180)
-async def test_smollm2_chat_over_http(
-    start_server: StartServer, smollm2_model: LoadedModel
-) -> None:
+async def test_smollm2_chat_over_http(start_server: StartServer, smollm2_model: LoadedModel) -> None:
     server = await start_server(smollm2_model, model="smollm2", num_kvcache_blocks=64, max_model_len=512)
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     try:

@@ -370,6 +370,26 @@ async def test_silent_producer_times_out() -> None:
         await server.wait_closed()
 
 
+async def test_producer_dying_mid_transfer_is_a_clear_error() -> None:
+    """The producer reads the request, then its connection drops without a reply (prefill died)."""
+
+    async def dies(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await wire.recv(reader)
+        writer.transport.abort()
+
+    server = await asyncio.start_server(dies, "127.0.0.1", 0)
+    params = KVTransferParams((1,), "x:1", "127.0.0.1", 1, server.sockets[0].getsockname()[1], "t1", 7)
+    try:
+        start = time.monotonic()
+        with pytest.raises(KVTransferError, match="dropped transfer t1") as err:
+            await KVConsumer(_StubAgent("127.0.0.1:2"), [Region(1, 1, 4)]).pull(params, [0])  # type: ignore[arg-type]
+        assert err.value.reason == "connection_lost" and err.value.dst_may_be_written
+        assert time.monotonic() - start < 2.0
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 async def test_bad_wire_version_and_garbage_refused(producer: KVProducer) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", producer.port)
     writer.write(b"\x00\x00\x00\x04\xc1\xc1\xc1\xc1")  # not msgpack: dropped without a reply
