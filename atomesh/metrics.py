@@ -14,7 +14,7 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 from prometheus_client import (
@@ -31,6 +31,8 @@ from prometheus_client import (
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
 OTHER = "other"
+
+M = TypeVar("M", Counter, Gauge, Histogram)
 
 # Route path -> `endpoint` label, as SMG names its endpoints.
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/generate": "generate"}
@@ -62,6 +64,8 @@ class Metrics:
         self.max_model_labels = max_model_labels
         self._models: set[str] = set()
         self._cache_seen: dict[str, tuple[int, int]] = {}  # worker_type -> (hits, misses) already counted
+        # (metric, label values) -> labelled child; bounded like the label sets themselves.
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         b = tuple(buckets)
         c, g, h = self._counter, self._gauge, self._histogram
         # --- HTTP layer (every route of the service port)
@@ -183,8 +187,17 @@ class Metrics:
         self._models.add(model)
         return model
 
+    def child(self, metric: M, *labels: str) -> M:
+        """`metric.labels(*labels)`, cached: prometheus-client's `labels()` costs microseconds a call."""
+        key = (metric, labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
     def forget_worker(self, url: str) -> None:
         """Drop every series of a removed worker so label sets do not grow with churn."""
+        self._children.clear()  # cached children of removed series must not be written to again
         for metric in (self.worker_active, self.worker_health, self.health_checks, self.selections,
                        self.worker_errors, self.upstream_responses, self.cb_state, self.cb_transitions,
                        self.cb_outcomes, self.engine_scrape_errors):
@@ -202,11 +215,11 @@ class Metrics:
         """Record the stages of one P/D request (any subset; call once per stage or once at the end)."""
         label = self.model_label(model)
         if prefill_secs is not None:
-            self.pd_prefill.labels(runtime, label).observe(prefill_secs)
+            self.child(self.pd_prefill, runtime, label).observe(prefill_secs)
         if handoff_secs is not None:
-            self.pd_handoff.labels(runtime, label).observe(handoff_secs)
+            self.child(self.pd_handoff, runtime, label).observe(handoff_secs)
         if decode_secs is not None:
-            self.pd_decode.labels(runtime, label).observe(decode_secs)
+            self.child(self.pd_decode, runtime, label).observe(decode_secs)
 
     def pd_kv_transfer_failed(self, runtime: str, reason: str) -> None:
         """Count one failed KV transfer; `reason` must come from a small fixed set (an error code)."""
@@ -309,15 +322,15 @@ class RequestMeter:
             if isinstance(body, bytes) and response is not None and response.status < 300:
                 self._read_usage(body)
         elif self.first_at is not None:
-            m.ttft.labels(*labels).observe(self.first_at - self.started)
-            m.generation_duration.labels(*labels).observe(self.last_at - self.first_at)
+            m.child(m.ttft, *labels).observe(self.first_at - self.started)
+            m.child(m.generation_duration, *labels).observe(self.last_at - self.first_at)
         out = self.usage_out if self.usage_out is not None else (self.events if self.streaming else None)
         if self.streaming and self.first_at is not None and out is not None and out > 1:
-            m.tpot.labels(*labels).observe((self.last_at - self.first_at) / (out - 1))
+            m.child(m.tpot, *labels).observe((self.last_at - self.first_at) / (out - 1))
         if out:
-            m.tokens.labels(self.endpoint, self.model, "output").inc(out)
+            m.child(m.tokens, self.endpoint, self.model, "output").inc(out)
         if self.usage_in:
-            m.tokens.labels(self.endpoint, self.model, "input").inc(self.usage_in)
+            m.child(m.tokens, self.endpoint, self.model, "input").inc(self.usage_in)
 
 
 def metrics_markdown(metrics: Metrics | None = None) -> str:

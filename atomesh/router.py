@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 
 import structlog
 from aiohttp import web
@@ -37,22 +38,22 @@ class Router:
         m = self.metrics
         meter = exchange.on_chunk = m.meter(view.route.value, view.model, view.stream)
         streaming = "true" if view.stream else "false"
-        m.router_requests.labels(meter.endpoint, meter.model, streaming, self._backend_type).inc()
+        m.child(m.router_requests, meter.endpoint, meter.model, streaming, self._backend_type).inc()
         response: web.StreamResponse | None = None
         try:
             response = await self._attempts(exchange, view)
             return response
         except UpstreamError as e:
-            m.router_errors.labels(meter.endpoint, meter.model, e.code).inc()
+            m.child(m.router_errors, meter.endpoint, meter.model, e.code).inc()
             raise
         finally:
             meter.finish(response)
-            m.router_duration.labels(meter.endpoint, meter.model, streaming).observe(
+            m.child(m.router_duration, meter.endpoint, meter.model, streaming).observe(
                 time.perf_counter() - meter.started)
 
     async def _attempts(self, exchange: Exchange, view: RequestView) -> web.StreamResponse:
         tried: list[Worker] = []
-        delays = backoff_delays(*self._backoff)
+        delays: Iterator[float] | None = None  # made on the first retry: a fresh Random() seeds from urandom
         endpoint = ENDPOINTS.get(view.route.value, view.route.value)
         attempt = 0
         while True:
@@ -75,21 +76,25 @@ class Router:
                 tried.extend(w for w in at_fault if w not in tried)
                 log.debug("retrying", request_id=exchange.request_id, attempt=attempt + 1, error=e.message)
             else:
+                m = self.metrics
                 for w in plan.workers:
                     w.breaker.record(True)
-                    self.metrics.cb_outcomes.labels(w.url, "success").inc()
+                    m.child(m.cb_outcomes, w.url, "success").inc()
                 last = plan.workers[-1]  # the worker whose answer the client got (decode in P/D)
-                self.metrics.upstream_responses.labels(last.url, last.role.value, str(response.status)).inc()
+                m.child(m.upstream_responses, last.url, last.role.value, str(response.status)).inc()
                 return response
             finally:
                 self.placement.release(plan)
             attempt += 1
             self.metrics.retries.labels(plan.workers[-1].role.value, endpoint).inc()
+            if delays is None:
+                delays = backoff_delays(*self._backoff)
             await asyncio.sleep(next(delays))
 
     def _count_selection(self, plan: Plan) -> None:
+        m = self.metrics
         for w in plan.workers:
-            self.metrics.selections.labels(w.url, w.role.value, self._policy_names[w.role]).inc()
+            m.child(m.selections, w.url, w.role.value, self._policy_names[w.role]).inc()
 
     def _record_failure(self, e: UpstreamError, plan: Plan) -> None:
         """Charge the failure to the worker at fault (a 4xx answer is the client's fault, not the worker's)."""

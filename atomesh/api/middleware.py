@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import structlog
 from aiohttp import web
@@ -26,8 +27,11 @@ _HTTP_TYPES = {
 }
 
 
-def new_request_id() -> str:
-    return os.urandom(12).hex()
+def request_ids() -> Callable[[], str]:
+    """Cheap unique ids: a random per-process prefix and a counter (os.urandom per request is a syscall)."""
+    prefix = os.urandom(8).hex()
+    counter = itertools.count(1)
+    return lambda: f"{prefix}{next(counter):08x}"
 
 
 def json_error(status: int, message: str, type_: str, code: str | int, request_id: str) -> web.Response:
@@ -55,20 +59,28 @@ _METHODS = frozenset({"GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"
 
 def make_middleware(request_id_headers: Sequence[str], metrics: Metrics, max_payload: int) -> Middleware:
     headers = tuple(request_id_headers)
+    next_id = request_ids()
+    child = metrics.child
 
     @web.middleware
     async def gateway_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        rid = next((v for h in headers if (v := request.headers.get(h))), None) or new_request_id()
+        rid = None
+        for h in headers:
+            if rid := request.headers.get(h):
+                break
+        rid = rid or next_id()
         request[REQUEST_ID] = rid
-        with structlog.contextvars.bound_contextvars(request_id=rid):
-            return await _serve(request, handler, rid)
+        # aiohttp runs every request in a task of its own, with its own copy of the context: binding
+        # here cannot leak into another request, so there is nothing to unbind afterwards.
+        structlog.contextvars.bind_contextvars(request_id=rid)
+        return await _serve(request, handler, rid)
 
     async def _serve(request: web.Request, handler: Handler, rid: str) -> web.StreamResponse:
         # Labels are the route pattern (never the raw path, which may carry ids) and a known method.
         resource = request.match_info.route.resource
         path = resource.canonical if resource is not None else "unmatched"
         method = request.method if request.method in _METHODS else "OTHER"
-        metrics.http_requests.labels(method, path).inc()
+        child(metrics.http_requests, method, path).inc()
         metrics.http_active.inc()
         started = time.perf_counter()
         inference = path in ENDPOINTS
@@ -97,9 +109,9 @@ def make_middleware(request_id_headers: Sequence[str], metrics: Metrics, max_pay
         if not resp.prepared:
             resp.headers.setdefault("x-request-id", rid)
         if inference:
-            metrics.rate_limit.labels(admission).inc()
-        metrics.http_responses.labels(path, str(resp.status)).inc()
-        metrics.http_duration.labels(method, path).observe(time.perf_counter() - started)
+            child(metrics.rate_limit, admission).inc()
+        child(metrics.http_responses, path, str(resp.status)).inc()
+        child(metrics.http_duration, method, path).observe(time.perf_counter() - started)
         return resp
 
     return gateway_middleware
