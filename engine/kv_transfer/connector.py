@@ -30,7 +30,7 @@ from typing import Any
 from engine.kv_transfer import wire
 from engine.kv_transfer.agent import TransferAgent
 from engine.kv_transfer.errors import KVTransferBusyError, KVTransferError
-from engine.kv_transfer.layout import Region, check_compatible, plan_writes
+from engine.kv_transfer.layout import Region, WriteOp, check_compatible, plan_writes, spans
 from engine.kv_transfer.params import KVTransferParams
 from engine.kv_transfer.wire import MessageType, RefusalCode
 
@@ -110,6 +110,7 @@ class KVProducer:
         self._dp_rank = dp_rank
         self._pending: dict[str, PendingTransfer] = {}
         self._consumed: OrderedDict[str, None] = OrderedDict()  # recent ids, for a clear refusal
+        self._verified: OrderedDict[tuple[str, int, int], None] = OrderedDict()  # (peer, span) written once
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task[None]] = set()
         self._port = handshake_port
@@ -255,7 +256,7 @@ class KVProducer:
         nbytes = sum(op.nbytes for op in ops)
         reason = ReleaseReason.WRITE_FAILED
         try:
-            await self._agent.write(rpc, ops)
+            await self._write(rpc, dst_regions, ops)
             reason = ReleaseReason.WRITTEN
             return MessageType.WRITE_DONE, {
                 "transfer_id": tid,
@@ -275,6 +276,31 @@ class KVProducer:
             }
         finally:
             self._finish(pending, reason)
+
+    async def _write(self, peer: str, dst_regions: Sequence[Region], ops: Sequence[WriteOp]) -> None:
+        """Write ``ops``; the first write into each destination span not yet seen for ``peer`` goes alone.
+
+        A batch the peer rejects wedges Mooncake's lane to it for up to MC_TRANSFER_TIMEOUT, a single
+        rejected write does not: so a consumer announcing memory it did not register costs one
+        failed write, and batches only ever target memory that already took a write.
+        """
+        probes: dict[int, WriteOp] = {}  # op index -> op
+        new_spans = []
+        for start, end in spans(dst_regions):
+            key = (peer, start, end)
+            if key in self._verified:
+                continue
+            first = next((i for i, op in enumerate(ops) if start <= op.dst < end), None)
+            if first is not None:
+                probes[first] = ops[first]
+                new_spans.append(key)
+        for op in probes.values():
+            await self._agent.write(peer, [op])
+        for key in new_spans:
+            self._verified[key] = None
+        while len(self._verified) > 4096:
+            self._verified.popitem(last=False)
+        await self._agent.write(peer, [op for i, op in enumerate(ops) if i not in probes])
 
 
 class KVConsumer:

@@ -76,6 +76,22 @@ def regions_from_kv_caches(
     return regions
 
 
+def spans(regions: Sequence[Region]) -> list[tuple[int, int]]:
+    """Merged ``(start, end)`` address ranges of the regions: what an agent registers with Mooncake.
+
+    Touching or overlapping regions (K and V of one layer tensor) merge, since Mooncake refuses
+    overlapping registrations.
+    """
+    merged: list[tuple[int, int]] = []
+    for r in sorted(regions, key=lambda r: r.base):
+        end = r.base + r.nbytes
+        if merged and r.base <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((r.base, end))
+    return merged
+
+
 def check_compatible(local: Sequence[Region], remote: Sequence[Region]) -> str | None:
     """Why two region lists cannot exchange blocks (count or unit sizes differ), or None when they can."""
     if len(local) != len(remote):

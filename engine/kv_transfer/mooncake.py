@@ -14,6 +14,9 @@ Why it looks the way it does (measured on mooncake-transfer-engine 0.3.13, TCP o
   stays full for a moment afterwards: batches stay at ``max_batch`` (512) entries.
 - A write to an address outside the peer's registered memory fails with -1 at once; a dead peer
   fails at once on loopback (connection refused), else after ``MC_TRANSFER_TIMEOUT`` (>= 5 s).
+- A *batch* whose entries the peer rejects returns -1 at once but wedges that peer's lane while
+  the rest of the batch fails slowly (~0.3 s per entry: 128 rejected entries stall every write to
+  the peer for ~30 s). A rejected single write does not. Hence the connector's probes.
 - ``initialize_ext`` + ``allocate_managed_buffer`` segfault: not used.
 """
 
@@ -27,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.kv_transfer.errors import KVTransferError, TransferEngineError
-from engine.kv_transfer.layout import Region, WriteOp, batches
+from engine.kv_transfer.layout import Region, WriteOp, batches, spans
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +76,7 @@ class MooncakeAgent:
 
     def register(self, regions: Sequence[Region]) -> None:
         """Register each region's memory; regions that share one buffer are registered once."""
-        for base, end in _spans(regions):
+        for base, end in spans(regions):
             rc = self._engine.register_memory(base, end - base)
             if rc != 0:
                 raise TransferEngineError(f"register_memory(0x{base:x}, {end - base})", rc)
@@ -124,15 +127,3 @@ class MooncakeAgent:
             if ex is None:
                 ex = self._executors[peer] = ThreadPoolExecutor(1, thread_name_prefix=f"mooncake-{peer}")
             return ex
-
-
-def _spans(regions: Sequence[Region]) -> list[tuple[int, int]]:
-    """Merged ``(start, end)`` address spans of the regions (Mooncake refuses overlapping registrations)."""
-    spans: list[tuple[int, int]] = []
-    for r in sorted(regions, key=lambda r: r.base):
-        end = r.base + r.nbytes
-        if spans and r.base <= spans[-1][1]:
-            spans[-1] = (spans[-1][0], max(spans[-1][1], end))
-        else:
-            spans.append((r.base, end))
-    return spans
