@@ -314,6 +314,8 @@ class KVConsumer:
     async def pull(self, params: KVTransferParams | Mapping[str, Any], dst_block_ids: Sequence[int]) -> None:
         """Return once the producer wrote ``params.remote_block_ids`` into ``dst_block_ids`` (same order).
 
+        A destination id of ``layout.SKIP`` (-1) skips that block (decode already holds it).
+
         Raises KVTransferParamsError on bad params, KVTransferError on refusal, unreachable
         producer, timeout, failed write or a reply that does not match the request.
         """

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 import torch
 
 
+SKIP = -1  # a destination block id meaning "do not send this block"
+
+
 @dataclass(frozen=True, slots=True)
 class Region:
     """One registered buffer of ``num_blocks`` units of ``unit_bytes``, block ``b`` at ``base + b * unit_bytes``."""
@@ -122,11 +125,17 @@ def plan_writes(
 ) -> list[WriteOp]:
     """The coalesced writes that copy block ``src_ids[i]`` to ``dst_ids[i]`` in every region.
 
-    Raises ValueError when the regions are incompatible or an id is outside a region.
+    A destination id of ``SKIP`` (-1) leaves that block out: the consumer already holds it (e.g. a
+    prefix-cache hit on the decode side). Raises ValueError when the regions are incompatible, the
+    lists differ in length, or an id is outside a region.
     """
     why = check_compatible(src_regions, dst_regions)
     if why:
         raise ValueError(why)
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(dst_ids)} destination blocks for {len(src_ids)} source blocks")
+    pairs = [(s, d) for s, d in zip(src_ids, dst_ids, strict=True) if d != SKIP]
+    src_ids, dst_ids = [s for s, _ in pairs], [d for _, d in pairs]
     for side, regions, ids in (("source", src_regions, src_ids), ("destination", dst_regions, dst_ids)):
         limit = min((r.num_blocks for r in regions), default=0)
         bad = [b for b in ids if not 0 <= b < limit]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,13 +21,23 @@ from engine.models.loader import LoadedModel, load_model
 from engine.openai_server import create_app
 
 # Two cores: more threads than that only slows every test down.
-torch.set_num_threads(2)
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+# ENGINE_TEST_DEVICE=cuda runs the same tests on a GPU (float32 there too, so that batched vs
+# one-at-a-time and reference comparisons stay exact).
+DEVICE = os.environ.get("ENGINE_TEST_DEVICE", "cpu")
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def engine_device() -> str:
+    """The device the engine tests run on (``ENGINE_TEST_DEVICE``, default cpu)."""
+    return DEVICE
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +58,9 @@ def make_engine(tiny_model: LoadedModel) -> MakeEngine:
     """Factory: ``make_engine(num_kvcache_blocks=64, ...)`` builds a tiny engine on the CPU."""
 
     def make(loaded: LoadedModel | None = None, **overrides: Any) -> LLMEngine:
-        args = EngineArgs(model="tiny-random", device="cpu", num_kvcache_blocks=256, max_model_len=1024)
+        args = EngineArgs(
+            model="tiny-random", device=DEVICE, dtype="float32", num_kvcache_blocks=256, max_model_len=1024
+        )
         args = replace(args, **overrides)
         return LLMEngine(args, loaded=loaded or tiny_model)
 

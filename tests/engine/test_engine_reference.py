@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from dataclasses import replace
 
 import pytest
@@ -22,7 +23,7 @@ PROMPTS = [
 NEW_TOKENS = 20
 
 
-def hf_model(loaded: LoadedModel) -> torch.nn.Module:
+def hf_model(loaded: LoadedModel, device: str) -> torch.nn.Module:
     c = loaded.config
     cfg = transformers.LlamaConfig(
         vocab_size=c.vocab_size,
@@ -43,26 +44,30 @@ def hf_model(loaded: LoadedModel) -> torch.nn.Module:
     # Only the tied head may be absent from the checkpoint.
     assert set(result.missing_keys) <= {"lm_head.weight"} and not result.unexpected_keys
     model.tie_weights()
-    return model
+    return model.to(device)
 
 
 @pytest.mark.timeout(300)
-def test_greedy_matches_transformers_token_for_token(smollm2_model: LoadedModel) -> None:
+def test_greedy_matches_transformers_token_for_token(smollm2_model: LoadedModel, engine_device: str) -> None:
     tok = smollm2_model.tokenizer
     chat = tok.apply_chat_template([{"role": "user", "content": "Name three colors."}])
     prompts = [tok.encode(p) for p in [*PROMPTS, chat]]
 
-    reference = hf_model(smollm2_model)
+    reference = hf_model(smollm2_model, engine_device)
     expected = []
     with torch.inference_mode():
         for ids in prompts:
             out = reference.generate(
-                torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+                torch.tensor([ids], device=engine_device),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
             )
             expected.append(out[0, len(ids) :].tolist())
     del reference
 
-    args = EngineArgs(model="smollm2", device="cpu", num_kvcache_blocks=64, max_model_len=512)
+    args = EngineArgs(model="smollm2", device=engine_device, dtype="float32", num_kvcache_blocks=64, max_model_len=512)
     engine = LLMEngine(args, loaded=smollm2_model)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     # All prompts in one batch: also checks that batched decoding matches one-at-a-time reference.
@@ -97,9 +102,32 @@ def test_tokenizer_and_chat_template_match_transformers(smollm2_model: LoadedMod
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8"])
-def test_smaller_kv_cache_dtypes_still_answer(smollm2_model: LoadedModel, kv_cache_dtype: str) -> None:
-    args = EngineArgs(model="smollm2", device="cpu", num_kvcache_blocks=16, max_model_len=128)
+def test_smaller_kv_cache_dtypes_still_answer(
+    smollm2_model: LoadedModel, kv_cache_dtype: str, engine_device: str
+) -> None:
+    args = EngineArgs(model="smollm2", device=engine_device, num_kvcache_blocks=16, max_model_len=128)
     engine = LLMEngine(replace(args, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False), loaded=smollm2_model)
     prompt = smollm2_model.tokenizer.encode("The capital of France is")
     out = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert "Paris" in smollm2_model.tokenizer.decode(out[0])
+
+
+@pytest.mark.timeout(300)
+def test_cuda_pool_is_sized_from_gpu_memory_utilization(smollm2_model: LoadedModel, engine_device: str) -> None:
+    if engine_device != "cuda":
+        pytest.skip("CUDA only: on CPU the pool comes from --kv-cache-memory-gb")
+    total = torch.cuda.mem_get_info()[1]
+    small = LLMEngine(EngineArgs(model="smollm2", device="cuda", gpu_memory_utilization=0.2), loaded=smollm2_model)
+    blocks_small = small.num_blocks
+    kv_bytes = sum(t.numel() * t.element_size() for t in small.runner.kv_caches)
+    assert 0.05 * total < kv_bytes < 0.2 * total
+    del small
+    gc.collect()
+    torch.cuda.empty_cache()
+    big = LLMEngine(EngineArgs(model="smollm2", device="cuda", gpu_memory_utilization=0.4), loaded=smollm2_model)
+    assert big.num_blocks > 1.8 * blocks_small
+    out = big.generate(
+        [smollm2_model.tokenizer.encode("The capital of France is")],
+        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+    )
     assert "Paris" in smollm2_model.tokenizer.decode(out[0])

@@ -166,6 +166,10 @@ def test_plan_writes_one_op_per_run_per_region_and_merges_neighbours() -> None:
         plan_writes(src, dst[:1], [0], [0])
     with pytest.raises(ValueError, match="out of range"):
         plan_writes(src, dst, [8], [0])
+    with pytest.raises(ValueError, match="1 destination blocks for 2 source"):
+        plan_writes(src, dst, [0, 1], [0])
+    # -1 skips a block the consumer already holds; the rest still coalesce.
+    assert plan_writes(src[:1], dst[:1], [1, 2, 3, 4], [-1, 5, 6, -1]) == [WriteOp(1020, 20050, 20)]
     assert merge_adjacent([WriteOp(10, 110, 5), WriteOp(0, 100, 10)]) == [WriteOp(0, 100, 15)]
     assert [len(b) for b in batches([WriteOp(i, i, 1) for i in range(5)], 2)] == [2, 2, 1]
 
@@ -205,6 +209,14 @@ async def test_pull_copies_kv_and_indexer_blocks_byte_for_byte(
     assert producer.pending_count == 0
     if case == "many_batches":
         assert len(plan_writes(prefill.regions, decode.regions, src, dst)) > 4 * MAX_BATCH
+
+
+async def test_skipped_destination_blocks_are_left_alone(prefill: Side, decode: Side, producer: KVProducer) -> None:
+    releases = Releases()
+    params = producer.offer([5, 6, 7, 8], 7, releases.callback("t"))
+    await KVConsumer(decode.agent, decode.regions).pull(params, [-1, -1, 20, 21])  # a decode prefix hit
+    _assert_copied(prefill, decode, [7, 8], [20, 21])
+    assert releases.reasons("t") == [ReleaseReason.WRITTEN] and producer.pending_count == 0
 
 
 async def test_sixteen_concurrent_pulls_all_complete(prefill: Side, decode: Side, producer: KVProducer) -> None:
