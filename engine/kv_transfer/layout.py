@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 SKIP = -1  # a destination block id meaning "do not send this block"
 
 
