@@ -23,7 +23,7 @@ Decode (kv_consumer)::
 
     consumer = KVConsumer(agent, regions)
     params = KVTransferParams.from_dict(request.kv_transfer_params)   # 400 on bad params
-    allocate len(params.remote_block_ids) blocks -> dst_ids
+    allocate len(params.remote_block_ids) blocks -> dst_ids   # SKIP (-1) for blocks decode already holds
     try:
         await consumer.pull(params, dst_ids)          # KVTransferError: free dst_ids, fail the request
     ...then decode from params.first_token_id
@@ -34,11 +34,12 @@ Shutdown: ``await producer.close()`` (releases what is pending), then ``agent.cl
 from engine.kv_transfer.agent import TransferAgent
 from engine.kv_transfer.connector import KVConsumer, KVProducer, ReleaseReason
 from engine.kv_transfer.errors import KVTransferBusyError, KVTransferError, TransferEngineError
-from engine.kv_transfer.layout import Region, WriteOp, block_region, plan_writes, regions_from_kv_caches
+from engine.kv_transfer.layout import SKIP, Region, WriteOp, block_region, plan_writes, regions_from_kv_caches
 from engine.kv_transfer.mooncake import MooncakeAgent
 from engine.kv_transfer.params import KVTransferParams, KVTransferParamsError
 
 __all__ = [
+    "SKIP",
     "KVConsumer",
     "KVProducer",
     "KVTransferBusyError",
