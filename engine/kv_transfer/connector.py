@@ -17,6 +17,7 @@ second request for it is refused.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import secrets
@@ -147,7 +148,7 @@ class KVProducer:
         if len(self._pending) >= self.max_pending:
             raise KVTransferBusyError(f"{len(self._pending)} KV transfers already pending", reason="busy")
         tid = uuid.uuid4().hex
-        pending = PendingTransfer(tid, tuple(block_ids), on_release)
+        pending = PendingTransfer(tid, tuple(int(b) for b in block_ids), on_release)
         pending.timer = asyncio.get_running_loop().call_later(self.timeout_s, self._expire, tid)
         self._pending[tid] = pending
         rpc_port = int(self._agent.rpc_address.rsplit(":", 1)[1])
@@ -158,8 +159,8 @@ class KVProducer:
             remote_port=rpc_port,
             remote_handshake_port=self._port,
             transfer_id=tid,
-            first_token_id=first_token_id,
-            prefix_cache_hit_tokens=prefix_cache_hit_tokens,
+            first_token_id=int(first_token_id),
+            prefix_cache_hit_tokens=int(prefix_cache_hit_tokens),
             dp_rank=self._dp_rank,
         )
 
@@ -265,7 +266,7 @@ class KVProducer:
                 "message": "",
                 "bytes": nbytes,
             }
-        except KVTransferError as exc:
+        except Exception as exc:  # KVTransferError, or the agent closing under us: answer, never hang
             log.warning("kv_transfer_write_failed transfer_id=%s peer=%s error=%s", tid, rpc, exc)
             return MessageType.WRITE_DONE, {
                 "transfer_id": tid,
@@ -284,16 +285,19 @@ class KVProducer:
         rejected write does not: so a consumer announcing memory it did not register costs one
         failed write, and batches only ever target memory that already took a write.
         """
-        probes: dict[int, WriteOp] = {}  # op index -> op
-        new_spans = []
-        for start, end in spans(dst_regions):
-            key = (peer, start, end)
-            if key in self._verified:
-                continue
-            first = next((i for i, op in enumerate(ops) if start <= op.dst < end), None)
-            if first is not None:
-                probes[first] = ops[first]
-                new_spans.append(key)
+        span_list = spans(dst_regions)
+        starts = [start for start, _ in span_list]
+        todo = {i for i, (start, end) in enumerate(span_list) if (peer, start, end) not in self._verified}
+        probes: dict[int, WriteOp] = {}  # op index -> op: the first op into each unverified span
+        new_spans: list[tuple[str, int, int]] = []
+        for i, op in enumerate(ops):
+            if not todo:
+                break
+            k = bisect.bisect_right(starts, op.dst) - 1
+            if k in todo:
+                todo.discard(k)
+                probes[i] = op
+                new_spans.append((peer, *span_list[k]))
         for op in probes.values():
             await self._agent.write(peer, [op])
         for key in new_spans:
@@ -340,7 +344,7 @@ class KVConsumer:
                         MessageType.WRITE_REQUEST,
                         transfer_id=p.transfer_id,
                         rpc=self._agent.rpc_address,
-                        block_ids=list(dst_block_ids),
+                        block_ids=[int(b) for b in dst_block_ids],  # numpy ints do not pack
                         regions=[r.to_wire() for r in self._regions],
                         nonce=nonce,
                     )
