@@ -64,13 +64,19 @@ def make_caches(num_blocks: int, dtype: torch.dtype, block_major: bool = False) 
     return Caches(flat, regions_from_kv_caches(kv, idx))
 
 
+def fill(caches: Caches, seed: int = 0) -> None:
+    """Deterministic bytes, so that another process can rebuild what the producer holds."""
+    caches.flat.random_(0, 256, generator=torch.Generator().manual_seed(seed))
+
+
 def _producer_main(conn: Connection, num_blocks: int, dtype_name: str, block_major: bool) -> None:
+    """The prefill process: answers ``offer`` / ``raw`` / ``released`` / ``stop`` commands on ``conn``."""
     torch.set_num_threads(1)
     asyncio.run(_producer(conn, make_caches(num_blocks, DTYPES[dtype_name], block_major)))
 
 
 async def _producer(conn: Connection, caches: Caches) -> None:
-    caches.flat.random_(0, 255)
+    fill(caches)
     agent = MooncakeAgent("127.0.0.1")
     agent.register(caches.regions)
     producer = KVProducer(agent, caches.regions, host="127.0.0.1", handshake_port=0, bind_host="127.0.0.1")

@@ -453,3 +453,52 @@ def test_missing_mooncake_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # makes the import fail
     with pytest.raises(KVTransferError, match="pip install mooncake-transfer-engine"):
         MooncakeAgent("127.0.0.1")
+
+
+async def test_two_processes_and_prefill_killed_after_answering() -> None:
+    """A producer in its own process (SmolLM2-shaped caches); then it dies and decode fails fast."""
+    import multiprocessing as mp
+
+    from engine.kv_transfer import bench
+
+    num_blocks = 8
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=bench._producer_main, args=(child, num_blocks, "fp32", False), daemon=True)
+    proc.start()
+    loop = asyncio.get_running_loop()
+    try:
+        assert await asyncio.wait_for(loop.run_in_executor(None, parent.poll, 60), 61), "producer did not start"
+        parent.recv()
+        local = bench.make_caches(num_blocks, torch.float32)
+        agent = MooncakeAgent("127.0.0.1")
+        agent.register(local.regions)
+        try:
+            consumer = KVConsumer(agent, local.regions, timeout_s=20)
+            parent.send(("offer", [1, 2, 6]))
+            await consumer.pull(parent.recv(), [0, 1, 7])
+            expected = bench.make_caches(num_blocks, torch.float32)
+            bench.fill(expected)
+
+            def unit(caches: bench.Caches, region: int, block: int) -> torch.Tensor:
+                r = caches.regions[region]
+                offset = r.base - caches.flat.data_ptr() + block * r.unit_bytes
+                return caches.flat[offset : offset + r.unit_bytes]
+
+            for r in range(len(local.regions)):  # 30 layers x (K, V) + 30 indexer regions
+                for s, d in ((1, 0), (2, 1), (6, 7)):
+                    assert torch.equal(unit(local, r, d), unit(expected, r, s)), f"region {r} block {s}"
+            parent.send(("offer", [3]))
+            params = parent.recv()
+            proc.kill()
+            proc.join(10)
+            start = time.monotonic()
+            with pytest.raises(KVTransferError, match="unreachable"):
+                await consumer.pull(params, [3])
+            assert time.monotonic() - start < 2.0
+        finally:
+            agent.close()
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)
