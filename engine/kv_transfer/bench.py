@@ -1,6 +1,7 @@
 """KV transfer benchmark: bytes moved per request and GB/s, against Mooncake's raw throughput.
 
     python -m engine.kv_transfer.bench [--tokens 1024,4096,8192] [--dtype fp32|bf16] [--repeats 5]
+                                       [--cache-layout engine|merged-indexer|block-major]
 
 Two processes on loopback, as in a P/D pair: this one is decode (KVConsumer), a spawned child is
 prefill (KVProducer). Caches have SmolLM2-135M's shape: 30 layers, 3 KV heads, head_dim 64, block
@@ -12,9 +13,11 @@ count between the same two processes, reuses that memory. Each request is timed 
 before each request; ``ratio`` is the median over those back-to-back pairs of raw time / request
 time, which tolerates a noisy shared machine better than a ratio of medians.
 
-Layouts: ``contiguous`` (fresh pools: consecutive ids on both sides, one write per region),
+Block layouts: ``contiguous`` (fresh pools: consecutive ids on both sides, one write per region),
 ``fragmented`` (each side's ids in shuffled runs of 1..16 blocks: a pool after churn) and
 ``scattered`` (random ids on both sides: one write per block per region, the worst case).
+Cache layouts (``--cache-layout``): the engine's per-layer tensors (90 regions), the same with
+one indexer tensor for all layers (61 regions), or block-major (1 region); see ``make_caches``.
 Printed, never asserted.
 """
 
@@ -48,19 +51,30 @@ class Caches:
     regions: list[Region]
 
 
-def make_caches(num_blocks: int, dtype: torch.dtype, block_major: bool = False) -> Caches:
-    """The engine's layer-major caches, or (``block_major``) one region holding all layers of a block."""
+CACHE_LAYOUTS = ("engine", "merged-indexer", "block-major")
+
+
+def make_caches(num_blocks: int, dtype: torch.dtype, cache_layout: str = "engine") -> Caches:
+    """Caches in one of ``CACHE_LAYOUTS`` (the same bytes, cut into regions differently).
+
+    engine: per layer a ``[2, num_blocks, ...]`` K/V tensor and a ``[num_blocks, head_dim]`` indexer
+    tensor (90 regions); merged-indexer: the indexer keys of all layers in one
+    ``[num_blocks, layers, head_dim]`` tensor (61 regions); block-major: all of a block's bytes
+    contiguous (1 region).
+    """
     elem = torch.empty((), dtype=dtype).element_size()
     kv_numel = 2 * num_blocks * BLOCK_SIZE * KV_HEADS * HEAD_DIM
     idx_numel = num_blocks * HEAD_DIM
     flat = torch.zeros(LAYERS * (kv_numel + idx_numel) * elem, dtype=torch.uint8)
+    if cache_layout == "block-major":  # viewed as [num_blocks, everything]: one write per run
+        return Caches(flat, [Region(flat.data_ptr(), flat.numel() // num_blocks, num_blocks)])
     typed = flat.view(dtype)
     kv = [typed[i * kv_numel : (i + 1) * kv_numel].view(2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
           for i in range(LAYERS)]  # fmt: skip
     base = LAYERS * kv_numel
+    if cache_layout == "merged-indexer":
+        return Caches(flat, regions_from_kv_caches(kv, [typed[base:].view(num_blocks, LAYERS, HEAD_DIM)]))
     idx = [typed[base + i * idx_numel : base + (i + 1) * idx_numel].view(num_blocks, HEAD_DIM) for i in range(LAYERS)]
-    if block_major:  # the same bytes viewed as [num_blocks, everything]: one region, one write per run
-        return Caches(flat, [Region(flat.data_ptr(), flat.numel() // num_blocks, num_blocks)])
     return Caches(flat, regions_from_kv_caches(kv, idx))
 
 
@@ -69,10 +83,10 @@ def fill(caches: Caches, seed: int = 0) -> None:
     caches.flat.random_(0, 256, generator=torch.Generator().manual_seed(seed))
 
 
-def _producer_main(conn: Connection, num_blocks: int, dtype_name: str, block_major: bool) -> None:
+def _producer_main(conn: Connection, num_blocks: int, dtype_name: str, cache_layout: str) -> None:
     """The prefill process: answers ``offer`` / ``raw`` / ``released`` / ``stop`` commands on ``conn``."""
     torch.set_num_threads(1)
-    asyncio.run(_producer(conn, make_caches(num_blocks, DTYPES[dtype_name], block_major)))
+    asyncio.run(_producer(conn, make_caches(num_blocks, DTYPES[dtype_name], cache_layout)))
 
 
 async def _producer(conn: Connection, caches: Caches) -> None:
@@ -126,13 +140,13 @@ async def _run(args: argparse.Namespace) -> None:
     tokens = [int(t) for t in args.tokens.split(",")]
     num_blocks = max(tokens) // BLOCK_SIZE + 16  # a little headroom: contiguous ids do not cover a whole region
     dtype = DTYPES[args.dtype]
-    caches = make_caches(num_blocks, dtype, args.block_major)
+    caches = make_caches(num_blocks, dtype, args.cache_layout)
     agent = MooncakeAgent("127.0.0.1")
     agent.register(caches.regions)
     consumer = KVConsumer(agent, caches.regions, timeout_s=120)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_producer_main, args=(child, num_blocks, args.dtype, args.block_major), daemon=True)
+    proc = ctx.Process(target=_producer_main, args=(child, num_blocks, args.dtype, args.cache_layout), daemon=True)
     proc.start()
     loop = asyncio.get_running_loop()
 
@@ -146,7 +160,7 @@ async def _run(args: argparse.Namespace) -> None:
         unit_kv, unit_idx = BLOCK_SIZE * KV_HEADS * HEAD_DIM * elem, HEAD_DIM * elem
         print(f"SmolLM2 shape: {LAYERS} layers x (K, V) {KV_HEADS}x{HEAD_DIM} {args.dtype}, block {BLOCK_SIZE}; "
               f"indexer 1x{HEAD_DIM} per block per layer; units {unit_kv} B (KV), {unit_idx} B (indexer); "
-              f"{len(caches.regions)} region(s); median of {args.repeats}")  # fmt: skip
+              f"{args.cache_layout} layout, {len(caches.regions)} region(s); median of {args.repeats}")  # fmt: skip
         print(f"{'tokens':>6} {'layout':>10} {'KV MiB':>7} {'idx KiB':>7} {'writes':>6} "
               f"{'ms':>7} {'GB/s':>6} {'raw ms':>7} {'raw GB/s':>8} {'ratio':>6}")  # fmt: skip
         rng = random.Random(0)
@@ -183,7 +197,7 @@ def main() -> None:
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     p.add_argument("--layouts", default="contiguous,fragmented,scattered")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--block-major", action="store_true", help="one region, all layers of a block contiguous")
+    p.add_argument("--cache-layout", choices=CACHE_LAYOUTS, default="engine", help="how caches are cut into regions")
     torch.set_num_threads(1)
     asyncio.run(_run(p.parse_args()))
 

@@ -464,7 +464,7 @@ async def test_two_processes_and_prefill_killed_after_answering() -> None:
     num_blocks = 8
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=bench._producer_main, args=(child, num_blocks, "fp32", False), daemon=True)
+    proc = ctx.Process(target=bench._producer_main, args=(child, num_blocks, "fp32", "engine"), daemon=True)
     proc.start()
     loop = asyncio.get_running_loop()
     try:
