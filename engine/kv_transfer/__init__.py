@@ -25,7 +25,9 @@ Decode (kv_consumer)::
     params = KVTransferParams.from_dict(request.kv_transfer_params)   # 400 on bad params
     allocate len(params.remote_block_ids) blocks -> dst_ids   # SKIP (-1) for blocks decode already holds
     try:
-        await consumer.pull(params, dst_ids)          # KVTransferError: free dst_ids, fail the request
+        await consumer.pull(params, dst_ids)
+    except KVTransferError as err:                    # fail the request with err (502, OpenAI-shaped)
+        free dst_ids, after a grace period if err.dst_may_be_written (prefill may still be writing)
     ...then decode from params.first_token_id
 
 Shutdown: ``await producer.close()`` (releases what is pending), then ``agent.close()``.
