@@ -34,7 +34,7 @@ Shutdown: ``await producer.close()`` (releases what is pending), then ``agent.cl
 """
 
 from engine.kv_transfer.agent import TransferAgent
-from engine.kv_transfer.connector import KVConsumer, KVProducer, ReleaseReason
+from engine.kv_transfer.connector import KVConsumer, KVProducer, ProducerStats, ReleaseReason
 from engine.kv_transfer.errors import KVTransferBusyError, KVTransferError, TransferEngineError
 from engine.kv_transfer.layout import SKIP, Region, WriteOp, block_region, plan_writes, regions_from_kv_caches
 from engine.kv_transfer.mooncake import MooncakeAgent
@@ -49,6 +49,7 @@ __all__ = [
     "KVTransferParams",
     "KVTransferParamsError",
     "MooncakeAgent",
+    "ProducerStats",
     "Region",
     "ReleaseReason",
     "TransferAgent",

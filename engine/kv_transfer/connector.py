@@ -68,6 +68,15 @@ def transition(current: TransferState, new: TransferState) -> TransferState:
     return new
 
 
+@dataclass(frozen=True, slots=True)
+class ProducerStats:
+    """Counters since start, for /metrics: transfers ended per reason, and bytes written."""
+
+    pending: int
+    released: dict[ReleaseReason, int]
+    bytes_written: int
+
+
 @dataclass(slots=True)
 class PendingTransfer:
     """An offered transfer: the pinned source blocks and who to tell when they are free again."""
@@ -115,6 +124,8 @@ class KVProducer:
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task[None]] = set()
         self._port = handshake_port
+        self._released = dict.fromkeys(ReleaseReason, 0)
+        self._bytes_written = 0
 
     @property
     def port(self) -> int:
@@ -124,6 +135,9 @@ class KVProducer:
     @property
     def pending_count(self) -> int:
         return len(self._pending)
+
+    def stats(self) -> ProducerStats:
+        return ProducerStats(len(self._pending), dict(self._released), self._bytes_written)
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, self._bind_host, self._handshake_port)
@@ -144,7 +158,7 @@ class KVProducer:
         Raises KVTransferBusyError when ``max_pending`` transfers are already waiting.
         """
         if self._server is None:
-            raise KVTransferError("the KV producer is not started", reason="closed")
+            raise KVTransferError("the KV producer is not running", reason="closed")
         if len(self._pending) >= self.max_pending:
             raise KVTransferBusyError(f"{len(self._pending)} KV transfers already pending", reason="busy")
         tid = uuid.uuid4().hex
@@ -166,9 +180,10 @@ class KVProducer:
 
     async def close(self) -> None:
         """Stop serving, cancel requests in flight, and release every pending transfer (CLOSED)."""
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        server, self._server = self._server, None  # offer() refuses from now on
+        if server is not None:
+            server.close()
+            await server.wait_closed()
         for task in list(self._handlers):
             task.cancel()
         await asyncio.gather(*self._handlers, return_exceptions=True)
@@ -189,6 +204,7 @@ class KVProducer:
             pending.timer.cancel()
         del self._pending[pending.transfer_id]
         self._consumed[pending.transfer_id] = None
+        self._released[reason] += 1
         while len(self._consumed) > 4 * self.max_pending:
             self._consumed.popitem(last=False)
         try:
@@ -259,6 +275,7 @@ class KVProducer:
         try:
             await self._write(rpc, dst_regions, ops)
             reason = ReleaseReason.WRITTEN
+            self._bytes_written += nbytes
             return MessageType.WRITE_DONE, {
                 "transfer_id": tid,
                 "nonce": nonce,

@@ -207,6 +207,9 @@ async def test_pull_copies_kv_and_indexer_blocks_byte_for_byte(
     _assert_copied(prefill, decode, src, dst)
     assert releases.reasons("t") == [ReleaseReason.WRITTEN]
     assert producer.pending_count == 0
+    stats = producer.stats()
+    assert stats.released[ReleaseReason.WRITTEN] == 1 and stats.pending == 0
+    assert stats.bytes_written == len(src) * sum(r.unit_bytes for r in prefill.regions)
     if case == "many_batches":
         assert len(plan_writes(prefill.regions, decode.regions, src, dst)) > 4 * MAX_BATCH
 
@@ -346,6 +349,7 @@ async def test_region_mismatch_refused_clearly(decode: Side, producer: KVProduce
         await KVConsumer(decode.agent, decode.regions).pull(params, [NUM_BLOCKS])
     assert err.value.reason == "block_mismatch"
     assert [r for _, r in releases.calls] == [ReleaseReason.REFUSED] * 3 and producer.pending_count == 0
+    assert producer.stats().released[ReleaseReason.REFUSED] == 3 and producer.stats().bytes_written == 0
 
 
 async def test_nonce_mismatch_rejected() -> None:
@@ -429,6 +433,8 @@ async def test_pending_transfers_are_bounded(prefill: Side) -> None:
         producer.offer([3], 1, releases.callback("c"))
     await producer.close()
     assert sorted(t for t, _ in releases.calls) == ["a", "b"] and producer.pending_count == 0
+    with pytest.raises(KVTransferError, match="not running"):  # closed: no new offers
+        producer.offer([3], 1, releases.callback("d"))
 
 
 def test_params_validation() -> None:
