@@ -14,6 +14,16 @@ import torch
 import torch.nn.functional as F
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillGroup:
+    """Fresh sequences (nothing cached) of one length: their attention is one batched causal call."""
+
+    token_index: torch.Tensor  # [num_seqs * q_len] rows of the flattened batch, sequence-major
+    num_seqs: int
+    q_len: int
+    contiguous_start: int | None  # set when the rows are one contiguous run (no gather needed)
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     """What the attention of one forward step needs to know about the batch layout.
@@ -29,6 +39,43 @@ class AttentionMetadata:
     # Prefill only (python ints: used to slice, never sent to the device).
     query_lens: list[int]
     cached_lens: list[int]
+    prefill_groups: list[PrefillGroup]
+    cached_seqs: list[int]  # sequences with a cached prefix: attended one by one
+    decode_mask: torch.Tensor | None = None  # [num_seqs, 1, 1, max_blocks * block_size], built once a step
+
+
+def decode_mask(context_lens: torch.Tensor, length: int) -> torch.Tensor:
+    """Which of the ``length`` gathered slots each decoding sequence may see: ``[seqs, 1, 1, length]``."""
+    mask = torch.arange(length, device=context_lens.device)[None, :] < context_lens[:, None]
+    return mask[:, None, None, :]
+
+
+def plan_prefill(
+    query_lens: list[int], cached_lens: list[int], device: torch.device
+) -> tuple[list[PrefillGroup], list[int]]:
+    """Group fresh sequences by length so each group's attention runs as one batched call.
+
+    Done once per step (not per layer). Sequences with a cached prefix need their own mask over
+    the gathered context, so they stay separate.
+    """
+    by_len: dict[int, list[int]] = {}
+    cached: list[int] = []
+    starts: list[int] = []
+    offset = 0
+    for i, (q_len, c) in enumerate(zip(query_lens, cached_lens, strict=True)):
+        starts.append(offset)
+        offset += q_len
+        if c == 0:
+            by_len.setdefault(q_len, []).append(i)
+        else:
+            cached.append(i)
+    groups = []
+    for q_len, seqs in by_len.items():
+        first = starts[seqs[0]]
+        contiguous = all(starts[s] == first + k * q_len for k, s in enumerate(seqs))
+        index = torch.cat([torch.arange(starts[s], starts[s] + q_len) for s in seqs]).to(device)
+        groups.append(PrefillGroup(index, len(seqs), q_len, first if contiguous else None))
+    return groups, cached
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -93,28 +140,49 @@ def _prefill(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    # One SDPA call per sequence: per sequence, not per token, so the Python cost stays small.
-    outs = []
-    start = 0
-    for i, (q_len, cached) in enumerate(zip(meta.query_lens, meta.cached_lens, strict=True)):
-        qi = q[start : start + q_len].transpose(0, 1)  # [heads, q_len, head_dim]
-        if cached == 0:
-            # Nothing cached: the new keys are the whole context, no need to read the cache back.
-            ki = k[start : start + q_len].transpose(0, 1)
-            vi = v[start : start + q_len].transpose(0, 1)
-            oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+    out = torch.empty_like(q)
+    heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    for g in meta.prefill_groups:
+        # Nothing cached: the new keys are the whole context, no need to read the cache back.
+        if g.contiguous_start is not None:
+            rows = slice(g.contiguous_start, g.contiguous_start + g.num_seqs * g.q_len)
+            qg, kg, vg = q[rows], k[rows], v[rows]
         else:
+            qg, kg, vg = q[g.token_index], k[g.token_index], v[g.token_index]
+        og = F.scaled_dot_product_attention(
+            qg.view(g.num_seqs, g.q_len, heads, head_dim).transpose(1, 2),
+            kg.view(g.num_seqs, g.q_len, kv_heads, head_dim).transpose(1, 2),
+            vg.view(g.num_seqs, g.q_len, kv_heads, head_dim).transpose(1, 2),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
+        )
+        og = og.transpose(1, 2).reshape(-1, heads, head_dim)
+        if g.contiguous_start is not None:
+            out[rows] = og
+        else:
+            out.index_copy_(0, g.token_index, og)
+    if meta.cached_seqs:
+        starts = [0]
+        for q_len in meta.query_lens:
+            starts.append(starts[-1] + q_len)
+        for i in meta.cached_seqs:
+            q_len, cached, start = meta.query_lens[i], meta.cached_lens[i], starts[i]
             kc, vc = gather_kv(kv_cache, meta.block_tables[i], cached + q_len, q.dtype)
             # Query j sits at absolute position cached + j and may see keys 0..cached + j.
             kpos = torch.arange(cached + q_len, device=q.device)
             qpos = torch.arange(cached, cached + q_len, device=q.device)
             mask = kpos[None, :] <= qpos[:, None]
             oi = F.scaled_dot_product_attention(
-                qi, kc.transpose(0, 1), vc.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
+                q[start : start + q_len].transpose(0, 1),
+                kc.transpose(0, 1),
+                vc.transpose(0, 1),
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=True,
             )
-        outs.append(oi.transpose(0, 1))
-        start += q_len
-    return torch.cat(outs, dim=0)
+            out[start : start + q_len] = oi.transpose(0, 1)
+    return out
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -124,12 +192,14 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
     length = max_blocks * block_size
     kv = _raw(kv_cache)[:, meta.block_tables]  # [2, seqs, max_blocks, block_size, kv_heads, head_dim]
     kv = _cooked(kv, kv_cache.dtype, q.dtype).reshape(2, num_seqs, length, kv_heads, head_dim).transpose(2, 3)
-    mask = torch.arange(length, device=q.device)[None, :] < meta.context_lens[:, None]
+    mask = meta.decode_mask
+    if mask is None:
+        mask = decode_mask(meta.context_lens, length)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [seqs, heads, 1, head_dim]
         kv[0],
         kv[1],
-        attn_mask=mask[:, None, None, :],
+        attn_mask=mask,
         scale=scale,
         enable_gqa=True,
     )

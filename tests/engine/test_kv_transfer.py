@@ -334,6 +334,45 @@ async def test_dead_decode_peer_write_fails_and_releases(decode: Side, producer:
     assert releases.reasons("t") == [ReleaseReason.WRITE_FAILED] and producer.pending_count == 0
 
 
+class _SlowAgent:
+    """A TransferAgent that takes 0.1 s per batch and counts them (no Mooncake)."""
+
+    rpc_address = "127.0.0.1:1"
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def register(self, regions: object) -> None:
+        pass
+
+    async def write(self, peer: str, ops: object) -> None:
+        self.batches += 1
+        await asyncio.sleep(0.1)
+
+    def close(self) -> None:
+        pass
+
+
+async def test_producer_abandons_the_write_when_the_consumer_hangs_up() -> None:
+    """After decode gave up (timeout), prefill writes at most one more batch into its memory."""
+    regions = [Region(4096, 64, 64)]
+    agent = _SlowAgent()
+    producer = KVProducer(agent, regions, host="127.0.0.1", handshake_port=0, bind_host="127.0.0.1",
+                          batch_entries=2)  # fmt: skip
+    await producer.start()
+    try:
+        releases = Releases()
+        params = producer.offer(list(range(0, 64, 2)), 7, releases.callback("t"))  # 32 runs: 16+ batches
+        with pytest.raises(KVTransferError, match="timed out") as err:
+            await KVConsumer(agent, regions, timeout_s=0.25).pull(params, list(range(32)[::-1]))
+        assert err.value.dst_may_be_written
+        await _poll(lambda: bool(releases.calls))
+        assert releases.reasons("t") == [ReleaseReason.WRITE_FAILED] and producer.pending_count == 0
+        assert agent.batches <= 5, f"{agent.batches} batches written after the consumer left"
+    finally:
+        await producer.close()
+
+
 async def test_region_mismatch_refused_clearly(decode: Side, producer: KVProducer) -> None:
     releases = Releases()
     params = producer.offer([1], 7, releases.callback("t"))
