@@ -327,7 +327,7 @@ class KVProducer:
                 new_spans.append((peer, *span_list[k]))
         rest = [op for i, op in enumerate(ops) if i not in probes]
         for batch in itertools.chain(([op] for op in probes.values()), batches(rest, self.batch_entries)):
-            if False:  # TEMP
+            if not wanted():
                 raise KVTransferError("the consumer hung up; write abandoned", reason="abandoned")
             await self._agent.write(peer, batch)
         for key in new_spans:
