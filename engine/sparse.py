@@ -1,0 +1,118 @@
+"""Block-sparse decode attention in the manner of MiniMax Sparse Attention (MSA).
+
+Every KV block has an entry in an *indexer-key cache* paged with the same block ids: one key vector
+per KV head that summarises the block. At decode, each sequence's query scores its blocks through
+those indexer keys, and attends only to the `topk` best blocks plus the first block (attention
+sinks) and the most recent one (local context). With `topk` >= the number of blocks, every block is
+selected and the result is dense attention exactly.
+
+For a dense checkpoint (SmolLM2) the indexer keys are derived from the keys themselves, training
+free: the mean of the block's (post-RoPE) keys. A model with a trained indexer would write its own
+projection into the same cache through `IndexerKeys`; selection does not care where they come from.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class IndexerKeys(Protocol):
+    """Writes the indexer keys of the blocks a step touched (the seam for a trained indexer)."""
+
+    def update(self, indexer: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
+
+
+class MeanKeyIndexer:
+    """Training-free indexer keys: each block's mean key per KV head, over the slots filled so far."""
+
+    def update(self, indexer: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        block_size = kv_cache.shape[2]
+        blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+        offsets = slot_mapping - blocks * block_size
+        touched, inverse = torch.unique(blocks, return_inverse=True)
+        # Slots of a block fill in order, so the highest offset written says how much of it is valid.
+        filled = torch.zeros(touched.shape[0], dtype=torch.long, device=slot_mapping.device)
+        filled.scatter_reduce_(0, inverse, offsets + 1, reduce="amax")
+        keys = _raw(kv_cache)[0, touched]  # [n, block_size, kv_heads, head_dim]
+        keys = _cooked(keys, kv_cache.dtype).to(indexer.dtype)
+        valid = (torch.arange(block_size, device=keys.device)[None, :] < filled[:, None]).to(keys.dtype)
+        summed = (keys * valid[:, :, None, None]).sum(dim=1)
+        indexer[touched] = summed / filled[:, None, None].to(keys.dtype)
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    # CPU indexing kernels lack fp8: index the bytes, then reinterpret.
+    return t.view(torch.uint8) if t.dtype in _FP8 else t
+
+
+def _cooked(t: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    return t.view(cache_dtype) if cache_dtype in _FP8 else t
+
+
+def select_blocks(
+    q: torch.Tensor, indexer: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+    block_size: int, topk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose each sequence's blocks for one decode step.
+
+    q: [seqs, heads, head_dim]; indexer: [num_blocks, kv_heads, head_dim]; block_tables: [seqs, max_blocks].
+    Returns (selected block tables [seqs, n], valid token count of each [seqs]); blocks stay in
+    ascending position order, the most recent (partial) block last.
+    """
+    seqs, max_blocks = block_tables.shape
+    num_blocks = torch.div(context_lens + block_size - 1, block_size, rounding_mode="floor")
+    n = min(max_blocks, topk + 2)
+    heads, kv_heads = q.shape[1], indexer.shape[1]
+    group = heads // kv_heads
+    idx = indexer[block_tables]  # [seqs, max_blocks, kv_heads, head_dim]
+    qg = q.view(seqs, kv_heads, group, -1).to(idx.dtype)
+    # Score of a block: the query heads' affinity with its indexer keys, summed over heads.
+    scores = torch.einsum("skgd,sbkd->sb", qg, idx)
+    positions = torch.arange(max_blocks, device=q.device)[None, :]
+    last = (num_blocks - 1)[:, None]
+    scores = scores.masked_fill(positions >= last, float("-inf"))  # the last block and padding: chosen below
+    scores[:, 0] = float("inf")  # the first block is always kept
+    middle = min(max(n - 1, 0), max_blocks)
+    chosen = torch.topk(scores, k=middle, dim=1).indices if middle else positions[:, :0].expand(seqs, 0)
+    # Sequences with fewer blocks than slots pick padding (-inf) entries: replace them by the last block.
+    chosen = torch.where(chosen < last, chosen, last)
+    chosen = torch.cat([chosen, last], dim=1)
+    chosen, _ = torch.sort(chosen, dim=1)
+    # Duplicates (short sequences) point at the last block; keep one, mask the others out.
+    dup = torch.zeros_like(chosen, dtype=torch.bool)
+    dup[:, :-1] = chosen[:, :-1] == chosen[:, 1:]
+    selected = torch.gather(block_tables, 1, chosen)
+    last_len = context_lens - (num_blocks - 1) * block_size
+    lens = torch.where(dup, 0, block_size)
+    lens[:, -1] = last_len
+    return selected, lens
+
+
+def sparse_decode(
+    q: torch.Tensor, kv_cache: torch.Tensor, indexer: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, topk: int, dtype: torch.dtype,
+) -> torch.Tensor:
+    """Decode attention over the selected blocks only. q: [seqs, heads, head_dim] -> same shape."""
+    _, _, block_size, kv_heads, head_dim = kv_cache.shape
+    seqs, width = block_tables.shape
+    if topk + 2 >= width:
+        # Every block would be selected: this is dense attention, computed the dense way (bit-exact).
+        selected = block_tables
+        mask = torch.arange(width * block_size, device=q.device)[None, :] < context_lens[:, None]
+    else:
+        selected, lens = select_blocks(q, indexer, block_tables, context_lens, block_size, topk)
+        # A slot is visible if its block is kept and it is within that block's valid length.
+        offs = torch.arange(block_size, device=q.device)
+        mask = (offs[None, None, :] < lens[:, :, None]).reshape(seqs, -1)
+    n = selected.shape[1]
+    kv = _cooked(_raw(kv_cache)[:, selected], kv_cache.dtype)  # [2, seqs, n, block_size, kv_heads, head_dim]
+    kv = kv.to(dtype).reshape(2, seqs, n * block_size, kv_heads, head_dim).transpose(2, 3)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0], kv[1], attn_mask=mask[:, None, None, :],
+                                         scale=scale, enable_gqa=True)
+    return out.squeeze(2)
