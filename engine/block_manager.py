@@ -131,8 +131,12 @@ class BlockManager:
     def can_allocate(self, seq: Sequence) -> bool:
         return self.blocks_needed(seq) <= len(self._free)
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give ``seq`` blocks for all its tokens, reusing cached prefix blocks; sets num_cached_tokens."""
+    def allocate(self, seq: Sequence, register: bool = True) -> None:
+        """Give ``seq`` blocks for all its tokens, reusing cached prefix blocks; sets num_cached_tokens.
+
+        ``register=False`` leaves the new full blocks out of the prefix index: their KV will be
+        written from outside (a KV transfer) and must not be found before ``register_blocks``.
+        """
         if seq.block_table:
             raise RuntimeError(f"sequence {seq.seq_id} already has blocks")
         if not self.can_allocate(seq):
@@ -149,7 +153,7 @@ class BlockManager:
             block = self._take_free()
             seq.block_table.append(block.block_id)
             tokens = seq.block_tokens(i)
-            if len(tokens) == self.block_size and self.enable_prefix_caching:
+            if len(tokens) == self.block_size and self.enable_prefix_caching and register:
                 # Registered now, filled by the prefill step that runs before anyone can look it up.
                 prefix = self._register(block, tokens, prefix)
             else:
@@ -157,6 +161,17 @@ class BlockManager:
         seq.num_cached_tokens = len(hits) * self.block_size
         self._prefix_queries += len(seq)
         self._prefix_hits += seq.num_cached_tokens
+
+    def register_blocks(self, seq: Sequence) -> None:
+        """Make every full block of ``seq`` findable by prefix hash (after its KV was written)."""
+        if not self.enable_prefix_caching:
+            return
+        prefix: int | None = None
+        for i in range(len(seq) // self.block_size):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                self._register(block, seq.block_tokens(i), prefix)
+            prefix = block.hash
 
     def deallocate(self, seq: Sequence) -> None:
         """Return ``seq``'s blocks; full ones stay findable by hash until the pool reuses them."""

@@ -165,6 +165,46 @@ class LLMEngine:
         self._prompt_tokens += len(prompt_ids)
         return seq
 
+    # -- KV filled from outside (the decode side of prefill/decode disaggregation) -------------------
+
+    def reserve(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Allocate blocks for a prompt whose KV another engine computes; the sequence is not queued.
+
+        Blocks the local prefix cache already holds are shared, not rewritten: the first
+        ``seq.num_cached_tokens`` tokens need no transfer. Raises OverloadedError when the pool
+        has no room now. Follow with ``commit_prefilled`` once the KV is written, or ``release``.
+        """
+        seq = Sequence(next(self._ids), prompt_ids, params, self.args.block_size)
+        if not self.block_manager.can_allocate(seq):
+            raise OverloadedError("no free KV blocks for the transferred prompt right now")
+        self.block_manager.allocate(seq, register=False)
+        seq.prefix_hit_tokens = seq.num_cached_tokens
+        return seq
+
+    def commit_prefilled(self, seq: Sequence, first_token: int) -> None:
+        """The prompt's KV is in ``seq``'s blocks: continue from ``first_token`` as if prefilled here."""
+        self.block_manager.register_blocks(seq)
+        seq.num_cached_tokens = len(seq)
+        seq.append_token(first_token)
+        self._prompt_tokens += seq.num_prompt_tokens
+        self._generation_tokens += 1
+        reason = self.scheduler.check_stop(seq, self.eos_token_ids, self.max_model_len)
+        if reason is not None:
+            self.block_manager.deallocate(seq)
+            seq.finish_reason = reason
+            seq.set_status(SequenceStatus.FINISHED)
+            self._requests_finished += 1
+            return
+        try:
+            self.scheduler.add(seq)  # waits with its blocks; its next step computes one token
+        except QueueFullError as exc:
+            self.block_manager.deallocate(seq)
+            raise OverloadedError(str(exc)) from exc
+
+    def release(self, seq: Sequence) -> None:
+        """Give back a reservation whose KV never arrived (its new blocks were never indexed)."""
+        self.block_manager.deallocate(seq)
+
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End ``seq`` now (stop string, client gone): its blocks are freed at once."""
         if seq.status is not SequenceStatus.FINISHED:

@@ -73,12 +73,19 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         while self.waiting and len(self.running) + len(seqs) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            new_tokens = len(seq) - self.block_manager.cached_prefix_len(seq)
-            if new_tokens > budget or not self.block_manager.can_allocate(seq):
-                break
-            self.block_manager.allocate(seq)
-            if seq.num_completion_tokens == 0:
-                seq.prefix_hit_tokens = seq.num_cached_tokens
+            if seq.block_table:
+                # KV filled from outside (a KV transfer): only the uncached tail is computed.
+                new_tokens = len(seq) - seq.num_cached_tokens
+                if new_tokens > budget or not self.block_manager.can_append(seq):
+                    break
+                self.block_manager.may_append(seq)
+            else:
+                new_tokens = len(seq) - self.block_manager.cached_prefix_len(seq)
+                if new_tokens > budget or not self.block_manager.can_allocate(seq):
+                    break
+                self.block_manager.allocate(seq)
+                if seq.num_completion_tokens == 0:
+                    seq.prefix_hit_tokens = seq.num_cached_tokens
             budget -= new_tokens
             self.waiting.popleft()
             seq.set_status(SequenceStatus.RUNNING)

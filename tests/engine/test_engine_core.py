@@ -148,3 +148,28 @@ def test_waiting_queue_full_is_overloaded(make_engine: MakeEngine) -> None:
     engine.add_request([1, 2], GREEDY)
     with pytest.raises(OverloadedError):
         engine.add_request([1, 2], GREEDY)
+
+
+def test_kv_filled_from_outside_continues_like_a_colocated_run(make_engine: MakeEngine) -> None:
+    """The decode side of P/D: blocks reserved, KV copied in from another engine, decoding resumes."""
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prefill, decode = make_engine(block_size=8), make_engine(block_size=8)
+    prompt = prefill.tokenizer.encode("Disaggregated prefill, then decode elsewhere.")  # 46 tokens
+    expected = make_engine().generate([prompt], params)[0]
+
+    src = prefill.add_request(prompt, params)
+    prefill.step()  # prefill only: the prompt's KV is in src's blocks, the first token sampled
+    seq = decode.reserve(prompt, params)
+    assert decode.scheduler.is_idle() and len(seq.block_table) == len(src.block_table)
+    for layer_src, layer_dst in zip(prefill.runner.kv_caches, decode.runner.kv_caches, strict=True):
+        layer_dst[:, seq.block_table] = layer_src[:, src.block_table]  # what the transfer does
+    decode.commit_prefilled(seq, src.completion_ids[0])
+    while seq.status is not SequenceStatus.FINISHED:
+        decode.step()
+    assert seq.completion_ids == expected
+
+    # The transferred blocks are now in decode's prefix cache, and a reservation can be given back.
+    again = decode.reserve(prompt, params)
+    assert again.num_cached_tokens == 40
+    decode.release(again)
+    assert decode.block_manager.num_free_blocks == decode.num_blocks
