@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+
 import aiohttp
 import structlog
 
