@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import sys
 import time
 import uuid
@@ -461,10 +462,15 @@ async def serve(args: EngineArgs, engine: LLMEngine) -> None:
     site = web.TCPSite(runner, args.host, args.server_port)
     await site.start()
     log.info("serving %s on http://%s:%d", args.model, args.host, args.server_port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     try:
-        await asyncio.Event().wait()
+        await stop.wait()
     finally:
         await runner.cleanup()
+        log.info("stopped")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

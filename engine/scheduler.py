@@ -63,10 +63,9 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         """Pick the next step's batch; None when there is nothing to run."""
-        batch = self._schedule_prefill()
-        if batch is not None:
-            return batch
-        return self._schedule_decode()
+        batch = self._schedule_prefill() or self._schedule_decode()
+        # A decode pass that had to preempt every sequence freed room: re-admit at once.
+        return batch or self._schedule_prefill()
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         seqs: list[Sequence] = []

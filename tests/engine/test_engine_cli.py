@@ -102,6 +102,10 @@ def test_server_process_serves_and_stops(free_port: Callable[[], int]) -> None:
         assert body["object"] == "chat.completion"
         assert body["usage"]["completion_tokens"] <= 5
         assert _get(f"http://127.0.0.1:{port}/server_info")["model_id"] == "tiny-random:3"
+        proc.terminate()  # SIGTERM: a clean shutdown, exit status 0
+        assert proc.wait(timeout=20) == 0
+        assert proc.stderr is not None and "stopped" in proc.stderr.read()
     finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=20)

@@ -271,3 +271,26 @@ async def test_smollm2_chat_over_http(start_server: StartServer, smollm2_model: 
         await client.close()
     assert "Paris" in (chat.choices[0].message.content or "")
     assert chat.usage is not None and chat.usage.prompt_tokens > 20
+
+
+async def test_a_failed_step_fails_its_requests_only(
+    start_server: StartServer, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = await start_server()
+    runner = server.engine.runner
+    real = runner.execute
+    calls = {"n": 0}
+
+    def flaky(step: Any) -> list[int]:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected fault")
+        return real(step)
+
+    monkeypatch.setattr(runner, "execute", flaky)
+    body = {"prompt": "x", "max_tokens": 4, "temperature": 0}
+    status, err = await post(http, server.url + "/v1/completions", body)
+    assert status == 500 and err["error"]["code"] == "engine_error" and "injected fault" in err["error"]["message"]
+    status, ok = await post(http, server.url + "/v1/completions", body)
+    assert status == 200 and ok["usage"]["completion_tokens"] == 4
+    assert server.engine.block_manager.num_free_blocks == server.engine.num_blocks
