@@ -21,13 +21,11 @@ _REFUSED_FLAGS = {
     "--port": "this engine has no internal engine port (ATOM's --port); use --server-port for HTTP",
     "--enable-expert-parallel": "expert parallelism is not supported (dense models only)",
     "--enable-dp-attention": "data-parallel attention is not supported",
-    "--enable_chunked_prefill": "chunked prefill is not implemented; prompts are prefilled whole",
     "--cudagraph-capture-sizes": "CUDA graphs are not used by this engine (it always runs eagerly)",
     "--level": "torch.compile levels are not used by this engine (it always runs eagerly)",
     "--load_dummy": "dummy weights are not supported; use --model tiny-random[:SEED]",
     "--hf-overrides": "--hf-overrides is not supported",
     "--enable-tbo": "two-batch overlap is not supported",
-    "--long-prefill-token-threshold": "chunked prefill is not implemented",
     "--index-cache-dtype": "the sparse-attention index cache is not implemented yet",
     "--index_cache_dtype": "the sparse-attention index cache is not implemented yet",
     "--chat-template": "--chat-template is not supported; the template comes from the model",
@@ -75,6 +73,8 @@ class EngineArgs:
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
     max_waiting_requests: int = 1024
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     kv_transfer: KVTransferConfig = KVTransferConfig()
@@ -115,6 +115,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--max-waiting-requests", type=int, default=1024, help="bound of the waiting queue; beyond it: 503")
+    p.add_argument(
+        "--enable_chunked_prefill",
+        "--enable-chunked-prefill",
+        dest="enable_chunked_prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split prompts longer than the step's token budget over several steps",
+    )
+    p.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="at most this many prompt tokens of one request per step (0: only the budget limits)",
+    )
     p.add_argument(
         "--kv_cache_dtype",
         "--kv-cache-dtype",
@@ -172,6 +186,8 @@ def validate(ns: argparse.Namespace) -> EngineArgs:
         raise ValueError("--kv-cache-memory-gb must be positive")
     if ns.num_kvcache_blocks is not None and ns.num_kvcache_blocks <= 0:
         raise ValueError("--num-kvcache-blocks must be positive")
+    if ns.long_prefill_token_threshold < 0:
+        raise ValueError("--long-prefill-token-threshold must be >= 0")
     for flag in ("max_num_batched_tokens", "max_num_seqs", "max_waiting_requests"):
         if getattr(ns, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive")
@@ -194,6 +210,8 @@ def validate(ns: argparse.Namespace) -> EngineArgs:
         max_num_batched_tokens=ns.max_num_batched_tokens,
         max_num_seqs=ns.max_num_seqs,
         max_waiting_requests=ns.max_waiting_requests,
+        enable_chunked_prefill=ns.enable_chunked_prefill,
+        long_prefill_token_threshold=ns.long_prefill_token_threshold,
         kv_cache_dtype=ns.kv_cache_dtype,
         enable_prefix_caching=ns.enable_prefix_caching,
         kv_transfer=parse_kv_transfer_config(ns.kv_transfer_config),

@@ -131,11 +131,12 @@ class BlockManager:
     def can_allocate(self, seq: Sequence) -> bool:
         return self.blocks_needed(seq) <= len(self._free)
 
-    def allocate(self, seq: Sequence, register: bool = True) -> None:
+    def allocate(self, seq: Sequence) -> None:
         """Give ``seq`` blocks for all its tokens, reusing cached prefix blocks; sets num_cached_tokens.
 
-        ``register=False`` leaves the new full blocks out of the prefix index: their KV will be
-        written from outside (a KV transfer) and must not be found before ``register_blocks``.
+        New blocks enter the prefix index only through ``mark_computed``, once their KV is written
+        (by a step, a later prefill chunk, or a KV transfer), so a lookup never finds a block
+        whose KV is not there yet.
         """
         if seq.block_table:
             raise RuntimeError(f"sequence {seq.seq_id} already has blocks")
@@ -148,30 +149,26 @@ class BlockManager:
                 del self._free[block_id]
             block.ref_count += 1
             seq.block_table.append(block_id)
-        prefix = self.blocks[hits[-1]].hash if hits else None
-        for i in range(len(hits), seq.num_blocks):
-            block = self._take_free()
-            seq.block_table.append(block.block_id)
-            tokens = seq.block_tokens(i)
-            if len(tokens) == self.block_size and self.enable_prefix_caching and register:
-                # Registered now, filled by the prefill step that runs before anyone can look it up.
-                prefix = self._register(block, tokens, prefix)
-            else:
-                prefix = None
+        for _ in range(len(hits), seq.num_blocks):
+            seq.block_table.append(self._take_free().block_id)
         seq.num_cached_tokens = len(hits) * self.block_size
         self._prefix_queries += len(seq)
         self._prefix_hits += seq.num_cached_tokens
 
-    def register_blocks(self, seq: Sequence) -> None:
-        """Make every full block of ``seq`` findable by prefix hash (after its KV was written)."""
+    def mark_computed(self, seq: Sequence, num_tokens: int) -> None:
+        """Record that the KV of ``seq``'s first ``num_tokens`` tokens is written; index full blocks."""
+        first = seq.num_cached_tokens // self.block_size
+        seq.num_cached_tokens = num_tokens
         if not self.enable_prefix_caching:
             return
-        prefix: int | None = None
-        for i in range(len(seq) // self.block_size):
+        for i in range(first, num_tokens // self.block_size):
             block = self.blocks[seq.block_table[i]]
-            if block.hash is None:
-                self._register(block, seq.block_tokens(i), prefix)
-            prefix = block.hash
+            if block.hash is not None:
+                continue  # a prefix-cache hit: already indexed
+            prev = self.blocks[seq.block_table[i - 1]].hash if i > 0 else None
+            if i > 0 and prev is None:
+                return  # the chain is broken (e.g. an index entry was evicted): nothing later can hit
+            self._register(block, seq.block_tokens(i), prev)
 
     def deallocate(self, seq: Sequence) -> None:
         """Return ``seq``'s blocks; full ones stay findable by hash until the pool reuses them."""
@@ -195,16 +192,9 @@ class BlockManager:
         return len(seq.block_table) >= seq.num_blocks or len(self._free) > 0
 
     def may_append(self, seq: Sequence) -> None:
-        """Before a decode step: add a block if the last token starts one; hash a block it fills."""
+        """Before a step: add a block if the tokens to compute spill past the block table."""
         if len(seq.block_table) < seq.num_blocks:
             seq.block_table.append(self._take_free().block_id)
-        if self.enable_prefix_caching and len(seq) % self.block_size == 0:
-            i = len(seq) // self.block_size - 1
-            prev = self.blocks[seq.block_table[i - 1]].hash if i > 0 else None
-            if i == 0 or prev is not None:
-                block = self.blocks[seq.block_table[i]]
-                if block.hash is None:
-                    self._register(block, seq.block_tokens(i), prev)
 
     # -- internals -------------------------------------------------------------------------------
 

@@ -81,10 +81,11 @@ class LLMEngine:
         self.max_model_len = args.max_model_len or max_pos
         if self.max_model_len > max_pos:
             raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's context length {max_pos}")
-        if args.max_num_batched_tokens < self.max_model_len:
+        if not args.enable_chunked_prefill and args.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"--max-num-batched-tokens {args.max_num_batched_tokens} is below --max-model-len "
-                f"{self.max_model_len}: prompts are prefilled whole (no chunked prefill), so it must be at least that"
+                f"{self.max_model_len}: with --no-enable_chunked_prefill prompts are prefilled whole, "
+                "so it must be at least that"
             )
         self.runner = ModelRunner(
             loaded.config,
@@ -104,6 +105,8 @@ class LLMEngine:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 max_waiting=args.max_waiting_requests,
+                enable_chunked_prefill=args.enable_chunked_prefill,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
             ),
             self.block_manager,
         )
@@ -177,14 +180,13 @@ class LLMEngine:
         seq = Sequence(next(self._ids), prompt_ids, params, self.args.block_size)
         if not self.block_manager.can_allocate(seq):
             raise OverloadedError("no free KV blocks for the transferred prompt right now")
-        self.block_manager.allocate(seq, register=False)
+        self.block_manager.allocate(seq)
         seq.prefix_hit_tokens = seq.num_cached_tokens
         return seq
 
     def commit_prefilled(self, seq: Sequence, first_token: int) -> None:
         """The prompt's KV is in ``seq``'s blocks: continue from ``first_token`` as if prefilled here."""
-        self.block_manager.register_blocks(seq)
-        seq.num_cached_tokens = len(seq)
+        self.block_manager.mark_computed(seq, len(seq))
         seq.append_token(first_token)
         self._prompt_tokens += seq.num_prompt_tokens
         self._generation_tokens += 1
@@ -217,17 +219,27 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return None
-        return batch, self.runner.prepare(batch.seqs, batch.is_prefill)
+        return batch, self.runner.prepare(batch.seqs, batch.is_prefill, batch.num_new_tokens)
 
     def execute(self, step: StepInput) -> list[int]:
         """The model forward and sampling; the only part that may run off the event-loop thread."""
         return self.runner.execute(step)
 
     def postprocess(self, batch: ScheduledBatch, tokens: list[int]) -> None:
-        """Append sampled tokens and retire sequences that hit EOS, max_tokens or the context limit."""
-        for seq, token in zip(batch.seqs, tokens, strict=True):
-            if seq.status is not SequenceStatus.RUNNING:
+        """Record the step's KV, append sampled tokens, retire sequences that hit EOS or a limit.
+
+        ``tokens`` has one entry per sequence that reached its end this step (a prefill chunk
+        that stops short samples nothing).
+        """
+        sampled = iter(tokens)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            done = seq.num_cached_tokens + n == len(seq)
+            token = next(sampled) if done else None
+            if seq.status is SequenceStatus.FINISHED:
                 continue  # aborted while the step ran
+            self.block_manager.mark_computed(seq, seq.num_cached_tokens + n)
+            if token is None:
+                continue
             seq.append_token(token)
             self._generation_tokens += 1
             reason = self.scheduler.check_stop(seq, self.eos_token_ids, self.max_model_len)
@@ -235,11 +247,9 @@ class LLMEngine:
                 self.finish(seq, reason)
 
     def fail_batch(self, batch: ScheduledBatch) -> None:
-        """After a failed step: end its sequences and forget the hashes of blocks never written."""
+        """After a failed step: end its sequences (blocks the step meant to fill were never indexed)."""
         for seq in batch.seqs:
-            if seq.status is SequenceStatus.RUNNING:
-                self.block_manager.invalidate(seq)
-                self.finish(seq, FinishReason.ABORT)
+            self.finish(seq, FinishReason.ABORT)
 
     def step(self) -> list[Sequence]:
         """Run one scheduled step synchronously; returns the sequences it advanced."""

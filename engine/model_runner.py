@@ -120,7 +120,7 @@ class ModelRunner:
         self.allocate_kv_cache(blocks)
         seq = Sequence(0, [0] * tokens, SamplingParams(temperature=0.0, max_tokens=1), self.block_size)
         seq.block_table = list(range(blocks))
-        self.execute(self.prepare([seq], is_prefill=True))
+        self.execute(self.prepare([seq], True, [tokens]))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self.kv_caches = []
@@ -134,8 +134,12 @@ class ModelRunner:
 
     # -- one step -----------------------------------------------------------------------------------
 
-    def prepare(self, seqs: Seq[Sequence], is_prefill: bool) -> StepInput:
-        """Turn the scheduled sequences into the tensors of one step."""
+    def prepare(self, seqs: Seq[Sequence], is_prefill: bool, num_new_tokens: Seq[int]) -> StepInput:
+        """Turn the scheduled sequences into the tensors of one step.
+
+        Each sequence computes ``num_new_tokens`` tokens from its first uncached one; only those
+        that reach their last token get a logits row (and a sampled token).
+        """
         bs = self.block_size
         ids: list[int] = []
         positions: list[np.ndarray] = []
@@ -143,16 +147,22 @@ class ModelRunner:
         query_lens: list[int] = []
         cached_lens: list[int] = []
         context_lens: list[int] = []
-        for seq in seqs:
+        sampled: list[Sequence] = []
+        logits_rows: list[int] = []
+        for seq, n in zip(seqs, num_new_tokens, strict=True):
             start = seq.num_cached_tokens if is_prefill else len(seq) - 1
+            end = start + n
             table = np.asarray(seq.block_table, dtype=np.int64)
-            pos = np.arange(start, len(seq), dtype=np.int64)
-            ids.extend(seq.token_ids[start:])
+            pos = np.arange(start, end, dtype=np.int64)
+            ids.extend(seq.token_ids[start:end])
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
-            query_lens.append(len(seq) - start)
+            query_lens.append(n)
             cached_lens.append(start)
-            context_lens.append(len(seq))
+            context_lens.append(end)
+            if end == len(seq):
+                sampled.append(seq)
+                logits_rows.append(sum(query_lens) - 1)
         max_blocks = max(len(s.block_table) for s in seqs)
         tables = np.zeros((len(seqs), max_blocks), dtype=np.int64)
         for i, seq in enumerate(seqs):
@@ -175,15 +185,17 @@ class ModelRunner:
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
             meta=meta,
-            logits_indices=torch.tensor(np.cumsum(query_lens) - 1, dtype=torch.int64, device=dev),
-            params=tuple(s.params for s in seqs),
-            generators=tuple(s.generator for s in seqs),
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+            params=tuple(s.params for s in sampled),
+            generators=tuple(s.generator for s in sampled),
         )
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> list[int]:
-        """Run the forward pass and sample one token per sequence."""
+        """Run the forward pass and sample one token per sequence that reached its end."""
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        if not step.params:
+            return []
         logits = self.model.compute_logits(hidden[step.logits_indices])
         return self.sample(logits, step.params, step.generators)
 

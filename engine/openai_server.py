@@ -403,6 +403,7 @@ async def server_info(request: web.Request) -> web.Response:
             "num_kvcache_blocks": eng.num_blocks,
             "kv_cache_dtype": str(eng.runner.cache_dtype).removeprefix("torch."),
             "enable_prefix_caching": state.args.enable_prefix_caching,
+            "enable_chunked_prefill": state.args.enable_chunked_prefill,
             "device": str(eng.device),
             "dtype": str(eng.dtype).removeprefix("torch."),
         }

@@ -17,20 +17,25 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     max_waiting: int
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # >0: at most this many prompt tokens of one sequence per step
 
 
 @dataclass(frozen=True, slots=True)
 class ScheduledBatch:
-    """The sequences of one model step; all prefill or all decode."""
+    """The sequences of one model step (all prefill or all decode) and how many tokens each computes.
+
+    A prefill chunk that stops short of the sequence's end samples nothing; the sequence stays at
+    the head of the waiting queue and its next chunk follows in the next step.
+    """
 
     seqs: list[Sequence]
     is_prefill: bool
+    num_new_tokens: list[int]
 
     @property
     def num_tokens(self) -> int:
-        if self.is_prefill:
-            return sum(len(s) - s.num_cached_tokens for s in self.seqs)
-        return len(self.seqs)
+        return sum(self.num_new_tokens)
 
 
 class QueueFullError(RuntimeError):
@@ -68,31 +73,47 @@ class Scheduler:
         return batch or self._schedule_prefill()
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
+        cfg = self.config
         seqs: list[Sequence] = []
-        budget = self.config.max_num_batched_tokens
-        while self.waiting and len(self.running) + len(seqs) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        chunks: list[int] = []
+        budget = cfg.max_num_batched_tokens
+        # Sequences that already hold blocks (a prompt mid-chunk, KV filled by a transfer) go
+        # first: they need at most one more block, and the blocks they hold may be what the others
+        # are waiting for.
+        order = [s for s in self.waiting if s.block_table] + [s for s in self.waiting if not s.block_table]
+        for seq in order:
+            # Admitted sequences join ``running`` at once, so it alone counts the seats taken.
+            if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
+                break
             if seq.block_table:
-                # KV filled from outside (a KV transfer): only the uncached tail is computed.
-                new_tokens = len(seq) - seq.num_cached_tokens
-                if new_tokens > budget or not self.block_manager.can_append(seq):
+                # A prompt mid-way through chunked prefill, or KV filled from outside (a transfer):
+                # blocks are held, only the uncomputed tail remains.
+                if not self.block_manager.can_append(seq):
                     break
                 self.block_manager.may_append(seq)
             else:
-                new_tokens = len(seq) - self.block_manager.cached_prefix_len(seq)
-                if new_tokens > budget or not self.block_manager.can_allocate(seq):
+                if not cfg.enable_chunked_prefill and len(seq) - self.block_manager.cached_prefix_len(seq) > budget:
+                    break
+                if not self.block_manager.can_allocate(seq):
                     break
                 self.block_manager.allocate(seq)
                 if seq.num_completion_tokens == 0:
                     seq.prefix_hit_tokens = seq.num_cached_tokens
-            budget -= new_tokens
-            self.waiting.popleft()
-            seq.set_status(SequenceStatus.RUNNING)
+            remaining = len(seq) - seq.num_cached_tokens
+            chunk = min(remaining, budget)
+            if cfg.long_prefill_token_threshold > 0:
+                chunk = min(chunk, cfg.long_prefill_token_threshold)
+            budget -= chunk
             seqs.append(seq)
+            chunks.append(chunk)
+            if chunk < remaining:
+                break  # stays waiting, holding its blocks; its next chunk goes first next step
+            self.waiting.remove(seq)
+            seq.set_status(SequenceStatus.RUNNING)
+            self.running.append(seq)
         if not seqs:
             return None
-        self.running.extend(seqs)
-        return ScheduledBatch(seqs, is_prefill=True)
+        return ScheduledBatch(seqs, True, chunks)
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         seqs: list[Sequence] = []
@@ -110,7 +131,7 @@ class Scheduler:
                 seqs.append(seq)
         if not seqs:
             return None
-        return ScheduledBatch(seqs, is_prefill=False)
+        return ScheduledBatch(seqs, False, [1] * len(seqs))
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -14,11 +14,17 @@ def seq(seq_id: int, tokens: list[int]) -> Sequence:
     return Sequence(seq_id, tokens, SamplingParams(), BS)
 
 
+def prefill(bm: BlockManager, s: Sequence) -> None:
+    """What a prefill step does to the block manager: allocate, then record the KV as written."""
+    bm.allocate(s)
+    bm.mark_computed(s, len(s))
+
+
 def test_allocate_and_free_return_every_block() -> None:
     bm = BlockManager(8, BS)
     s = seq(1, list(range(10)))  # 3 blocks (4 + 4 + 2)
     assert bm.can_allocate(s)
-    bm.allocate(s)
+    prefill(bm, s)
     assert len(s.block_table) == 3 and bm.num_free_blocks == 5
     assert all(bm.blocks[b].ref_count == 1 for b in s.block_table)
     bm.deallocate(s)
@@ -29,7 +35,7 @@ def test_shared_prefix_reuses_blocks_and_counts_references() -> None:
     bm = BlockManager(16, BS)
     a = seq(1, [*list(range(12)), 100])
     b = seq(2, [*list(range(12)), 200, 201])
-    bm.allocate(a)
+    prefill(bm, a)
     bm.allocate(b)
     # The three full blocks of the common 12-token prefix are shared.
     assert a.block_table[:3] == b.block_table[:3]
@@ -45,7 +51,7 @@ def test_shared_prefix_reuses_blocks_and_counts_references() -> None:
 def test_freed_blocks_stay_cached_until_reused() -> None:
     bm = BlockManager(16, BS)
     a = seq(1, list(range(9)))
-    bm.allocate(a)
+    prefill(bm, a)
     first = list(a.block_table)
     bm.deallocate(a)
     again = seq(2, list(range(9)))
@@ -59,7 +65,7 @@ def test_last_token_is_never_served_from_cache() -> None:
     # A prompt that is exactly cached still computes its last block: its logits start generation.
     bm = BlockManager(16, BS)
     a = seq(1, list(range(8)))
-    bm.allocate(a)
+    prefill(bm, a)
     bm.deallocate(a)
     b = seq(2, list(range(8)))
     bm.allocate(b)
@@ -71,7 +77,7 @@ def test_hash_chain_depends_on_the_whole_prefix() -> None:
     bm = BlockManager(16, BS)
     a = seq(1, [1, 2, 3, 4, 5, 6, 7, 8, 0])
     b = seq(2, [9, 9, 9, 9, 5, 6, 7, 8, 0])  # same second block, different first
-    bm.allocate(a)
+    prefill(bm, a)
     bm.allocate(b)
     assert b.num_cached_tokens == 0
     assert set(a.block_table).isdisjoint(b.block_table)
@@ -81,7 +87,7 @@ def test_prefix_caching_off_shares_nothing() -> None:
     bm = BlockManager(16, BS, enable_prefix_caching=False)
     a = seq(1, list(range(9)))
     b = seq(2, list(range(9)))
-    bm.allocate(a)
+    prefill(bm, a)
     bm.allocate(b)
     assert b.num_cached_tokens == 0 and set(a.block_table).isdisjoint(b.block_table)
     assert bm.stats().cached == 0
@@ -90,7 +96,7 @@ def test_prefix_caching_off_shares_nothing() -> None:
 def test_can_allocate_counts_cached_blocks_in_use_as_free() -> None:
     bm = BlockManager(4, BS)
     a = seq(1, [*list(range(12)), 1])  # 4 blocks: the whole pool
-    bm.allocate(a)
+    prefill(bm, a)
     assert bm.num_free_blocks == 0
     b = seq(2, [*list(range(12)), 2])  # shares 3 blocks, needs 1 more
     assert bm.blocks_needed(b) == 1
@@ -102,12 +108,13 @@ def test_can_allocate_counts_cached_blocks_in_use_as_free() -> None:
 def test_append_adds_a_block_at_the_boundary_and_hashes_full_blocks() -> None:
     bm = BlockManager(8, BS)
     s = seq(1, [1, 2, 3, 4])
-    bm.allocate(s)
+    prefill(bm, s)
     assert len(s.block_table) == 1
     for t in (5, 6, 7, 8):
         s.append_token(t)
         assert bm.can_append(s)
         bm.may_append(s)
+        bm.mark_computed(s, len(s))  # the decode step wrote the token's KV
     assert len(s.block_table) == 2
     # The second block, filled by decoding, is now findable by a new prompt.
     bm.deallocate(s)
@@ -119,7 +126,7 @@ def test_append_adds_a_block_at_the_boundary_and_hashes_full_blocks() -> None:
 def test_can_append_is_false_when_pool_is_exhausted() -> None:
     bm = BlockManager(1, BS)
     s = seq(1, [1, 2, 3, 4])
-    bm.allocate(s)
+    prefill(bm, s)
     s.append_token(5)
     assert not bm.can_append(s)
 
@@ -128,7 +135,7 @@ def test_hash_index_is_bounded_by_the_pool() -> None:
     bm = BlockManager(8, BS)
     for i in range(200):
         s = seq(i, [i * 100 + t for t in range(13)])  # 3 full blocks each, all distinct
-        bm.allocate(s)
+        prefill(bm, s)
         bm.deallocate(s)
         assert bm.stats().cached <= 8
     assert bm.num_free_blocks == 8
@@ -137,13 +144,13 @@ def test_hash_index_is_bounded_by_the_pool() -> None:
 def test_lru_evicts_the_oldest_freed_blocks_first() -> None:
     bm = BlockManager(4, BS)
     old = seq(1, list(range(5)))  # one full (cached) block + one partial
-    bm.allocate(old)
+    prefill(bm, old)
     bm.deallocate(old)
     new = seq(2, list(range(100, 105)))
-    bm.allocate(new)
+    prefill(bm, new)
     bm.deallocate(new)
     filler = seq(3, list(range(200, 205)))  # takes two blocks: the least recently freed
-    bm.allocate(filler)
+    prefill(bm, filler)
     probe_new = seq(4, list(range(100, 105)))
     probe_old = seq(5, list(range(5)))
     assert bm.cached_prefix_len(probe_new) == 4
@@ -153,9 +160,21 @@ def test_lru_evicts_the_oldest_freed_blocks_first() -> None:
 def test_invalidate_forgets_hashes() -> None:
     bm = BlockManager(8, BS)
     a = seq(1, list(range(9)))
-    bm.allocate(a)
+    prefill(bm, a)
     bm.invalidate(a)
     b = seq(2, list(range(9)))
     bm.allocate(b)
     assert b.num_cached_tokens == 0
     assert bm.num_free_blocks == 8 - 3
+
+
+def test_blocks_are_indexed_only_once_computed() -> None:
+    bm = BlockManager(16, BS)
+    a = seq(1, list(range(13)))
+    bm.allocate(a)
+    probe = seq(2, list(range(13)))
+    assert bm.cached_prefix_len(probe) == 0  # allocated, KV not written yet: not findable
+    bm.mark_computed(a, 6)  # a chunk covering one full block and a half
+    assert bm.cached_prefix_len(probe) == 4
+    bm.mark_computed(a, 13)
+    assert bm.cached_prefix_len(probe) == 12

@@ -23,7 +23,7 @@ MODULE = [sys.executable, "-m", "engine.openai_server"]
         (["--data-parallel-size", "2"], "only 1 is supported"),
         (["--method", "eagle3"], "--method: speculative decoding"),
         (["--port", "8006"], "use --server-port"),
-        (["--enable_chunked_prefill"], "chunked prefill is not implemented"),
+        (["--long-prefill-token-threshold", "-1"], "must be >= 0"),
         (["--kv-transfer-config", '{"kv_role": "kv_producer"}'], "not implemented yet"),
         (["--kv-transfer-config", '{"kv_role": "boss"}'], "kv_role 'boss' must be one of"),
         (["--kv-transfer-config", "{nope"], "not valid JSON"),

@@ -79,6 +79,29 @@ def test_preemption_gives_the_same_tokens(make_engine: MakeEngine) -> None:
     assert tight.generate(prompts, params) == expected
     assert tight.stats().preemptions > 0
     assert tight.block_manager.num_free_blocks == 24
+    # The same with chunked prefill: a prompt holding blocks mid-chunk while others are preempted.
+    chunked = make_engine(num_kvcache_blocks=24, block_size=8, max_num_batched_tokens=16)
+    assert chunked.generate(prompts, params) == expected
+    assert chunked.stats().preemptions > 0
+    assert chunked.block_manager.num_free_blocks == 24
+
+
+def test_chunked_prefill_gives_the_same_tokens(make_engine: MakeEngine) -> None:
+    whole = make_engine(enable_prefix_caching=False)
+    prompts = encode(whole, PROMPTS)
+    greedy = whole.generate(prompts, GREEDY)
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=16, seed=5, ignore_eos=True)
+    sampled = whole.generate(prompts, seeded)
+    # A 16-token step budget and 8-token chunks: the long prompts take several steps.
+    chunked = make_engine(max_num_batched_tokens=16, long_prefill_token_threshold=8, block_size=8)
+    assert chunked.generate(prompts, GREEDY) == greedy
+    assert chunked.generate(prompts, seeded) == sampled
+    assert chunked.block_manager.num_free_blocks == chunked.num_blocks
+
+
+def test_without_chunking_the_budget_must_cover_the_context(make_engine: MakeEngine) -> None:
+    with pytest.raises(ValueError, match="no-enable_chunked_prefill"):
+        make_engine(max_num_batched_tokens=16, enable_chunked_prefill=False)
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(make_engine: MakeEngine) -> None:

@@ -11,9 +11,15 @@ from engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStat
 BS = 4
 
 
-def make(num_blocks: int = 64, max_num_seqs: int = 8, max_tokens: int = 64, max_waiting: int = 100) -> Scheduler:
+def make(
+    num_blocks: int = 64, max_num_seqs: int = 8, max_tokens: int = 64, max_waiting: int = 100, chunked: bool = True
+) -> Scheduler:
     cfg = SchedulerConfig(
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens, max_model_len=64, max_waiting=max_waiting
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_tokens,
+        max_model_len=64,
+        max_waiting=max_waiting,
+        enable_chunked_prefill=chunked,
     )
     return Scheduler(cfg, BlockManager(num_blocks, BS))
 
@@ -34,7 +40,7 @@ def test_prefill_first_then_decode() -> None:
     s.add(b)
     batch = s.schedule()
     assert batch is not None and batch.is_prefill and batch.seqs == [a, b]
-    assert batch.num_tokens == 11
+    assert batch.num_tokens == 11 and batch.num_new_tokens == [5, 6]
     decode_once(s, batch.seqs)
     batch = s.schedule()
     assert batch is not None and not batch.is_prefill and batch.seqs == [a, b]
@@ -55,8 +61,8 @@ def test_max_num_seqs_limits_the_batch() -> None:
     assert list(s.waiting) == [seqs[2]]
 
 
-def test_token_budget_limits_the_prefill() -> None:
-    s = make(max_tokens=10)
+def test_token_budget_limits_the_prefill_without_chunking() -> None:
+    s = make(max_tokens=10, chunked=False)
     a, b = seq(1, 6), seq(2, 6)
     s.add(a)
     s.add(b)
@@ -64,6 +70,24 @@ def test_token_budget_limits_the_prefill() -> None:
     assert batch is not None and batch.seqs == [a]
     batch = s.schedule()
     assert batch is not None and batch.is_prefill and batch.seqs == [b]
+
+
+def test_chunked_prefill_splits_a_prompt_over_steps() -> None:
+    s = make(max_tokens=10)
+    a, b = seq(1, 6), seq(2, 15)
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()
+    assert batch is not None and batch.seqs == [a, b] and batch.num_new_tokens == [6, 4]
+    assert list(s.running) == [a] and s.waiting[0] is b  # b continues next step
+    for x, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        s.block_manager.mark_computed(x, x.num_cached_tokens + n)
+    batch = s.schedule()
+    assert batch is not None and batch.is_prefill and batch.seqs == [b] and batch.num_new_tokens == [10]
+    s.block_manager.mark_computed(b, 14)
+    batch = s.schedule()
+    assert batch is not None and batch.seqs == [b] and batch.num_new_tokens == [1]
+    assert list(s.running) == [a, b] and not s.waiting
 
 
 def test_waiting_queue_is_bounded() -> None:
