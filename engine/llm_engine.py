@@ -385,17 +385,17 @@ class AsyncLLMEngine:
             batch, step = scheduled
             try:
                 tokens = await loop.run_in_executor(self._executor, self.engine.execute, step)
+                self.engine.postprocess(batch, tokens)
+                for seq in batch.seqs:
+                    state = self._states.get(seq.seq_id)
+                    if state is not None:
+                        self._deliver(state)
             except Exception as exc:
-                log.exception("model step failed")
+                # The step's requests fail; the loop, and every other request, carries on.
+                log.exception("engine step failed")
                 self.engine.fail_batch(batch)
                 for seq in batch.seqs:
                     self._fail(seq.seq_id, EngineFailedError(f"model step failed: {exc}"))
-                continue
-            self.engine.postprocess(batch, tokens)
-            for seq in batch.seqs:
-                state = self._states.get(seq.seq_id)
-                if state is not None:
-                    self._deliver(state)
 
     def _fail_waiting_head(self) -> None:
         # Admission guarantees a lone sequence fits, so this means blocks leaked: fail loudly
