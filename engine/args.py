@@ -26,8 +26,8 @@ _REFUSED_FLAGS = {
     "--load_dummy": "dummy weights are not supported; use --model tiny-random[:SEED]",
     "--hf-overrides": "--hf-overrides is not supported",
     "--enable-tbo": "two-batch overlap is not supported",
-    "--index-cache-dtype": "the sparse-attention index cache is not implemented yet",
-    "--index_cache_dtype": "the sparse-attention index cache is not implemented yet",
+    "--index-cache-dtype": "the sparse-attention indexer cache is kept in the model dtype; no other is built",
+    "--index_cache_dtype": "the sparse-attention indexer cache is kept in the model dtype; no other is built",
     "--chat-template": "--chat-template is not supported; the template comes from the model",
 }
 
@@ -78,6 +78,9 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     kv_transfer: KVTransferConfig = KVTransferConfig()
+    kv_transfer_timeout: float = 30.0
+    sparse_attention: bool = False
+    sparse_topk_blocks: int = 16
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 0
@@ -145,6 +148,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
     )
     p.add_argument("--kv-transfer-config", default="{}", help="KV transfer config as JSON")
+    p.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=30.0,
+        help="prefill side: seconds a finished prefill keeps its KV blocks for decode to pull",
+    )
+    p.add_argument(
+        "--sparse-attention",
+        choices=["off", "on"],
+        default="off",
+        help="MSA-style block-sparse decode: each step attends to the top-k blocks (by indexer key) "
+        "plus the first and the most recent",
+    )
+    p.add_argument(
+        "--sparse-topk-blocks", type=int, default=16, help="blocks chosen by the indexer per decode step"
+    )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     p.add_argument("--seed", type=int, default=0, help="seed of requests that bring none")
@@ -191,6 +210,10 @@ def validate(ns: argparse.Namespace) -> EngineArgs:
     for flag in ("max_num_batched_tokens", "max_num_seqs", "max_waiting_requests"):
         if getattr(ns, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive")
+    if ns.kv_transfer_timeout <= 0:
+        raise ValueError("--kv-transfer-timeout must be positive")
+    if ns.sparse_topk_blocks < 1:
+        raise ValueError("--sparse-topk-blocks must be >= 1")
     if ns.max_model_len is not None and ns.max_model_len < 2:
         raise ValueError("--max-model-len must be at least 2")
     if not 1 <= ns.server_port <= 65535:
@@ -215,6 +238,9 @@ def validate(ns: argparse.Namespace) -> EngineArgs:
         kv_cache_dtype=ns.kv_cache_dtype,
         enable_prefix_caching=ns.enable_prefix_caching,
         kv_transfer=parse_kv_transfer_config(ns.kv_transfer_config),
+        kv_transfer_timeout=ns.kv_transfer_timeout,
+        sparse_attention=ns.sparse_attention == "on",
+        sparse_topk_blocks=ns.sparse_topk_blocks,
         device=ns.device,
         dtype=ns.dtype,
         seed=ns.seed,
@@ -224,7 +250,7 @@ def validate(ns: argparse.Namespace) -> EngineArgs:
 
 
 def parse_kv_transfer_config(text: str) -> KVTransferConfig:
-    """Parse ``--kv-transfer-config``; refuse unknown keys and, for now, any transfer role."""
+    """Parse ``--kv-transfer-config``; refuse unknown keys and roles this engine does not play."""
     try:
         raw: Any = json.loads(text) if text.strip() else {}
     except json.JSONDecodeError as exc:
@@ -243,9 +269,9 @@ def parse_kv_transfer_config(text: str) -> KVTransferConfig:
     port = raw.get("handshake_port", DEFAULT_HANDSHAKE_PORT)
     if not isinstance(port, int) or not 1 <= port <= 65535:
         raise ValueError(f"--kv-transfer-config: handshake_port {port!r} must be a TCP port")
-    if role is not None:
+    if role == "kv_both":
         raise ValueError(
-            f"--kv-transfer-config: kv_role {role!r} (Mooncake KV transfer) is not implemented yet in this engine"
+            "--kv-transfer-config: kv_role 'kv_both' is not implemented yet; use kv_producer or kv_consumer"
         )
     return KVTransferConfig(
         kv_role=role,

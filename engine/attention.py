@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.sparse import MeanKeyIndexer, sparse_decode
+
 
 @dataclass(frozen=True, slots=True)
 class PrefillGroup:
@@ -42,6 +44,7 @@ class AttentionMetadata:
     prefill_groups: list[PrefillGroup]
     cached_seqs: list[int]  # sequences with a cached prefix: attended one by one
     decode_mask: torch.Tensor | None = None  # [num_seqs, 1, 1, max_blocks * block_size], built once a step
+    sparse_topk: int = 0  # decode attends to this many indexer-chosen blocks (+ first + last); 0: dense
 
 
 def decode_mask(context_lens: torch.Tensor, length: int) -> torch.Tensor:
@@ -79,6 +82,7 @@ def plan_prefill(
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_INDEXER = MeanKeyIndexer()  # stateless: the training-free indexer of dense checkpoints
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -118,6 +122,7 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    indexer: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store this step's K/V, then attend every query to its sequence's cached context.
 
@@ -125,6 +130,13 @@ def paged_attention(
     Returns ``[num_tokens, heads * head_dim]``.
     """
     store_kv(kv_cache, k, v, meta.slot_mapping)
+    if indexer is not None:
+        # Sparse attention: keep the indexer keys of the blocks this step wrote up to date.
+        _INDEXER.update(indexer, kv_cache, meta.slot_mapping)
+        if not meta.is_prefill and meta.sparse_topk:
+            out = sparse_decode(q, kv_cache, indexer, meta.block_tables, meta.context_lens, scale,
+                                meta.sparse_topk, q.dtype)
+            return out.reshape(q.shape[0], -1)
     if meta.is_prefill:
         out = _prefill(q, k, v, kv_cache, meta, scale)
     else:

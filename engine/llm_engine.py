@@ -95,6 +95,7 @@ class LLMEngine:
             args.block_size,
             kv_cache_dtype(args.kv_cache_dtype, self.dtype),
             args.seed,
+            sparse_topk=args.sparse_topk_blocks if args.sparse_attention else 0,
         )
         self.num_blocks = self._count_blocks()
         self.runner.allocate_kv_cache(self.num_blocks)
@@ -158,9 +159,14 @@ class LLMEngine:
             )
         return params
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        """Queue a sequence; ``params`` must have passed check_request. Raises OverloadedError when full."""
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, hold_kv: bool = False) -> Sequence:
+        """Queue a sequence; ``params`` must have passed check_request. Raises OverloadedError when full.
+
+        ``hold_kv``: keep the blocks when it finishes (a prefill whose KV another engine pulls);
+        ``release`` gives them back.
+        """
         seq = Sequence(next(self._ids), prompt_ids, params, self.args.block_size)
+        seq.hold_kv = hold_kv
         try:
             self.scheduler.add(seq)
         except QueueFullError as exc:
@@ -204,8 +210,9 @@ class LLMEngine:
             raise OverloadedError(str(exc)) from exc
 
     def release(self, seq: Sequence) -> None:
-        """Give back a reservation whose KV never arrived (its new blocks were never indexed)."""
-        self.block_manager.deallocate(seq)
+        """Give back a reservation whose KV never arrived, or the held blocks of a finished prefill."""
+        if seq.block_table:
+            self.block_manager.deallocate(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End ``seq`` now (stop string, client gone): its blocks are freed at once."""
@@ -313,6 +320,7 @@ class RequestHandle:
 
     seq_id: int
     prompt_tokens: int
+    seq: Sequence
 
 
 class AsyncLLMEngine:
@@ -341,14 +349,31 @@ class AsyncLLMEngine:
             self.abort(seq_id)
         self._executor.shutdown(wait=True)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, max_tokens_given: bool) -> RequestHandle:
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, max_tokens_given: bool, hold_kv: bool = False
+    ) -> RequestHandle:
         """Validate and queue a request; raises an EngineError the HTTP layer renders."""
         params = self.engine.check_request(len(prompt_ids), params, max_tokens_given)
-        seq = self.engine.add_request(prompt_ids, params)
+        seq = self.engine.add_request(prompt_ids, params, hold_kv)
         self._states[seq.seq_id] = RequestState(seq, IncrementalDetokenizer(self.engine.tokenizer))
         assert self._wake is not None, "AsyncLLMEngine.start() was not awaited"
         self._wake.set()
-        return RequestHandle(seq.seq_id, len(prompt_ids))
+        return RequestHandle(seq.seq_id, len(prompt_ids), seq)
+
+    def reserve(self, prompt_ids: list[int], params: SamplingParams, max_tokens_given: bool) -> Sequence:
+        """Validate a request whose prompt KV comes from another engine and reserve its blocks."""
+        params = self.engine.check_request(len(prompt_ids), params, max_tokens_given)
+        return self.engine.reserve(prompt_ids, params)
+
+    def submit_prefilled(self, seq: Sequence, first_token: int) -> RequestHandle:
+        """Continue a reserved sequence whose KV arrived, from ``first_token`` (already an output)."""
+        self.engine.commit_prefilled(seq, first_token)
+        state = RequestState(seq, IncrementalDetokenizer(self.engine.tokenizer))
+        self._states[seq.seq_id] = state
+        self._deliver(state)  # the first token goes out now, before any decode step
+        assert self._wake is not None, "AsyncLLMEngine.start() was not awaited"
+        self._wake.set()
+        return RequestHandle(seq.seq_id, seq.num_prompt_tokens, seq)
 
     async def stream(self, handle: RequestHandle) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until the last; leaving early (client gone) aborts it."""

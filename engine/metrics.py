@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.llm_engine import EngineStats
+
+if TYPE_CHECKING:
+    from engine.disagg import TransferStats
 
 
 class EngineCollector(Collector):
@@ -68,3 +72,38 @@ class ServerMetrics:
             buckets=buckets,
             registry=self.registry,
         )
+        self.kv_pull = Histogram(
+            "atom:kv_transfer_pull_seconds",
+            "Decode side: from request arrival until the prompt's KV had arrived from prefill",
+            buckets=buckets,
+            registry=self.registry,
+        )
+
+    def watch_transfers(self, stats: Callable[[], TransferStats]) -> None:
+        """Export the KV relay's counters (read at scrape time)."""
+        self.registry.register(TransferCollector(stats))
+
+
+class TransferCollector(Collector):
+    """KV relay counters: offered / pulled transfers, failures by reason, releases by reason."""
+
+    def __init__(self, stats: Callable[[], TransferStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        offered = CounterMetricFamily("atom:kv_transfer_offered", "Prefills whose KV was offered to a decode engine")
+        offered.add_metric([], float(s.offered))
+        pulled = CounterMetricFamily("atom:kv_transfer_pulled", "KV transfers this decode engine completed")
+        pulled.add_metric([], float(s.pulled))
+        seconds = CounterMetricFamily("atom:kv_transfer_pull_time_seconds", "Time spent pulling KV (sum)")
+        seconds.add_metric([], s.pull_seconds)
+        failures = CounterMetricFamily("atom:kv_transfer_failures", "Failed KV pulls by reason", labels=["reason"])
+        for reason, n in sorted(s.pull_failures.items()):
+            failures.add_metric([reason], float(n))
+        released = CounterMetricFamily(
+            "atom:kv_transfer_released", "Prefill blocks released by reason (written, expired, ...)", labels=["reason"]
+        )
+        for reason, n in sorted(s.released.items()):
+            released.add_metric([reason], float(n))
+        yield from (offered, pulled, seconds, failures, released)

@@ -59,8 +59,11 @@ class ModelRunner:
         block_size: int,
         cache_dtype: torch.dtype,
         seed: int,
+        sparse_topk: int = 0,
     ) -> None:
         self.config = model_config
+        # > 0: block-sparse decode over this many indexer-chosen blocks, with an indexer-key cache.
+        self.sparse_topk = sparse_topk
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -78,6 +81,8 @@ class ModelRunner:
         model.to(dtype)
         model.eval()
         self.kv_caches: list[torch.Tensor] = []
+        # One [num_blocks, kv_heads, head_dim] tensor per layer, paged with the KV cache's block ids.
+        self.indexer_caches: list[torch.Tensor] = []
         self._default_generator = torch.Generator().manual_seed(seed)
 
     def _init_rope(self) -> None:
@@ -93,14 +98,22 @@ class ModelRunner:
     # -- KV cache ----------------------------------------------------------------------------------
 
     def block_bytes(self) -> int:
-        """Bytes one KV block takes across all layers (K and V)."""
-        cfg = self.config
-        elem = torch.empty((), dtype=self.cache_dtype).element_size()
-        return 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+        """Bytes one KV block takes across all layers (K and V, and its indexer keys when sparse)."""
+        layers = self.config.num_hidden_layers
+        return layers * (2 * self.unit_bytes() + self.indexer_unit_bytes())
 
     def unit_bytes(self) -> int:
         """Bytes of one block within one layer's K (or V) region: the unit a KV transfer moves."""
-        return self.block_bytes() // (2 * self.config.num_hidden_layers)
+        cfg = self.config
+        elem = torch.empty((), dtype=self.cache_dtype).element_size()
+        return self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+    def indexer_unit_bytes(self) -> int:
+        """Bytes of one block's indexer keys in one layer (0 without sparse attention)."""
+        if not self.sparse_topk:
+            return 0
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.config.num_key_value_heads * self.config.head_dim * elem
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One ``[2, num_blocks, block_size, kv_heads, head_dim]`` tensor per layer (K at 0, V at 1)."""
@@ -109,6 +122,11 @@ class ModelRunner:
         self.kv_caches = [
             torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in range(cfg.num_hidden_layers)
         ]
+        if self.sparse_topk:
+            ishape = (num_blocks, cfg.num_key_value_heads, cfg.head_dim)
+            self.indexer_caches = [
+                torch.zeros(ishape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)
+            ]
 
     def profile_cuda_blocks(self, gpu_memory_utilization: float, max_tokens: int) -> int:
         """How many KV blocks fit on the GPU after weights and a worst-case step's activations."""
@@ -124,6 +142,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self.kv_caches = []
+        self.indexer_caches = []
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         cache_so_far = blocks * self.block_bytes()
@@ -180,6 +199,7 @@ class ModelRunner:
             prefill_groups=groups,
             cached_seqs=cached,
             decode_mask=None if is_prefill else decode_mask(context, max_blocks * bs),
+            sparse_topk=self.sparse_topk,
         )
         return StepInput(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
@@ -193,7 +213,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> list[int]:
         """Run the forward pass and sample one token per sequence that reached its end."""
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, self.indexer_caches or None)
         if not step.params:
             return []
         logits = self.model.compute_logits(hidden[step.logits_indices])

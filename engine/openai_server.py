@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.args import EngineArgs, parse_args
+from engine.disagg import Disaggregation
 from engine.errors import EngineError, InvalidRequestError, ModelNotFoundError
 from engine.llm_engine import AsyncLLMEngine, LLMEngine, RequestOutput
 from engine.metrics import ServerMetrics
@@ -87,8 +88,20 @@ class _SamplingBody(BaseModel):
         if self.data_parallel_rank not in (None, 0):
             raise InvalidRequestError(f"data_parallel_rank {self.data_parallel_rank}: this engine has dp_size 1")
         kv = self.kv_transfer_params or {}
-        if kv.get("do_remote_decode") or kv.get("do_remote_prefill"):
-            raise InvalidRequestError("kv_transfer_params: KV transfer is not configured on this engine")
+        if kv.get("do_remote_decode") and kv.get("do_remote_prefill"):
+            raise InvalidRequestError("kv_transfer_params: do_remote_decode and do_remote_prefill exclude each other")
+        if kv.get("do_remote_decode") and self.stream:
+            raise InvalidRequestError("kv_transfer_params: a prefill for remote decode must have stream=false")
+
+    @property
+    def kv_role_needed(self) -> str | None:
+        """The KV role this request needs of the engine: a remote-decode prefill or a remote-prefill decode."""
+        kv = self.kv_transfer_params or {}
+        if kv.get("do_remote_decode"):
+            return "kv_producer"
+        if kv.get("do_remote_prefill"):
+            return "kv_consumer"
+        return None
 
     def sampling_params(self) -> tuple[SamplingParams, bool]:
         """The engine's SamplingParams and whether the client set a token limit."""
@@ -152,6 +165,15 @@ class ServerState:
     args: EngineArgs
     served_model_name: str
     metrics: ServerMetrics
+    disagg: Disaggregation | None = None
+
+    def disagg_for(self, role: str) -> Disaggregation:
+        """This engine's KV relay, if it plays `role`; else a 400 naming what it is."""
+        if self.disagg is None or self.disagg.role != role:
+            have = self.disagg.role if self.disagg else "none"
+            raise InvalidRequestError(
+                f"kv_transfer_params need a {role} engine; this one's kv_role is {have} (--kv-transfer-config)")
+        return self.disagg
 
 
 STATE = web.AppKey("state", ServerState)
@@ -243,19 +265,40 @@ async def _generate(
 ) -> web.StreamResponse:
     arrived = time.monotonic()
     params, limit_given = body.sampling_params()
-    handle = state.engine.submit(ids, params, limit_given)  # raises before any byte is sent
+    role = body.kv_role_needed
+    disagg = state.disagg_for(role) if role is not None else None
+    if role == "kv_consumer":
+        assert disagg is not None
+        kv = disagg.parse(body.kv_transfer_params or {})
+        seq = state.engine.reserve(ids, params, limit_given)  # raises before any byte is sent
+        await disagg.pull(seq, kv)  # gives the blocks back itself if the transfer fails
+        state.metrics.kv_pull.observe(time.monotonic() - arrived)
+        handle = state.engine.submit_prefilled(seq, kv.first_token_id)
+    else:
+        handle = state.engine.submit(ids, params, limit_given, hold_kv=role == "kv_producer")
     request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     outputs = _timed(state.engine.stream(handle), state.metrics, arrived)
+    offered = False
     try:
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return await _stream(request, state, outputs, request_id, created, chat, include_usage)
-        return await _collect(state, outputs, request_id, created, chat)
+        resp = await _collect(state, outputs, request_id, created, chat)
+        if role == "kv_producer":
+            assert disagg is not None
+            seq = handle.seq
+            answer = orjson.loads(resp.body)  # type: ignore[arg-type]
+            answer["kv_transfer_params"] = disagg.offer(seq, lambda: state.engine.engine.release(seq))
+            offered = True
+            return _json(answer)
+        return resp
     finally:
         # Whatever ended the handler (done, client gone, write error), the request's blocks go now,
         # not when the generator above is garbage-collected.
         state.engine.abort(handle.seq_id)
+        if role == "kv_producer" and not offered:
+            state.engine.engine.release(handle.seq)  # held blocks nobody will pull
 
 
 async def _collect(
@@ -412,15 +455,18 @@ async def server_info(request: web.Request) -> web.Response:
 
 async def kv_transfer_info(request: web.Request) -> web.Response:
     """GET /kv_transfer_info: ATOM's shape; kv_role is null while no transfer is configured."""
-    args = request.app[STATE].args
-    return _json(
-        {
-            "tp_size": args.tensor_parallel_size,
-            "dp_size": args.data_parallel_size,
-            "kv_role": args.kv_transfer.kv_role,
-            "handshake_port": args.kv_transfer.handshake_port,
-        }
-    )
+    state = request.app[STATE]
+    args = state.args
+    info: dict[str, Any] = {
+        "tp_size": args.tensor_parallel_size,
+        "dp_size": args.data_parallel_size,
+        "kv_role": args.kv_transfer.kv_role,
+        "handshake_port": args.kv_transfer.handshake_port,
+        "sparse_attention": args.sparse_attention,
+    }
+    if state.disagg is not None:
+        info.update(state.disagg.info())
+    return _json(info)
 
 
 def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
@@ -428,12 +474,22 @@ def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
     served = args.served_model_name or args.model
     async_engine = AsyncLLMEngine(engine)
     app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024 * 1024)
-    app[STATE] = ServerState(async_engine, args, served, ServerMetrics(engine.stats, served))
+    disagg = (Disaggregation(engine, args.kv_transfer, args.host, args.kv_transfer_timeout)
+              if args.kv_transfer.kv_role else None)
+    server_metrics = ServerMetrics(engine.stats, served)
+    if disagg is not None:
+        server_metrics.watch_transfers(lambda: disagg.stats)
+    app[STATE] = ServerState(async_engine, args, served, server_metrics, disagg)
 
     async def engine_loop(app: web.Application) -> AsyncIterator[None]:
+        # The KV relay is up before the port opens: a router reads /kv_transfer_info at registration.
+        if disagg is not None:
+            await disagg.start()
         await async_engine.start()
         yield
         await async_engine.stop()
+        if disagg is not None:
+            await disagg.stop()
 
     app.cleanup_ctx.append(engine_loop)
     app.router.add_post("/v1/completions", completions)

@@ -148,7 +148,8 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
-        self.block_manager.deallocate(seq)
+        if not (seq.hold_kv and reason is not FinishReason.ABORT):
+            self.block_manager.deallocate(seq)  # held blocks go with LLMEngine.release
         seq.finish_reason = reason
         seq.set_status(SequenceStatus.FINISHED)
 

@@ -67,6 +67,7 @@ class Sequence:
         "block_table",
         "finish_reason",
         "generator",
+        "hold_kv",
         "num_cached_tokens",
         "num_prompt_tokens",
         "params",
@@ -89,6 +90,8 @@ class Sequence:
         self.params = params
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
+        # A prefill for another engine (kv_producer): its blocks outlive it until the KV was pulled.
+        self.hold_kv = False
         # A per-request generator makes a seeded request reproducible whatever else is batched.
         self.generator: torch.Generator | None = None
         if params.seed is not None:

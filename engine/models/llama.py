@@ -71,6 +71,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        indexer: torch.Tensor | None = None,
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -79,7 +80,7 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, indexer)
         return self.o_proj(out)  # type: ignore[no-any-return]
 
 
@@ -113,8 +114,9 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        indexer: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, indexer)
         return x + self.mlp(self.post_attention_layernorm(x))  # type: ignore[no-any-return]
 
 
@@ -148,14 +150,16 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        indexer_caches: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         # Rotary tables gathered once per step, shared by every layer; [n, 1, head_dim] broadcasts
         # over heads.
         cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
-        for layer, kv_cache in zip(self.decoder_layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
+        indexers: list[torch.Tensor | None] = list(indexer_caches) if indexer_caches else [None] * len(kv_caches)
+        for layer, kv_cache, indexer in zip(self.decoder_layers, kv_caches, indexers, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta, indexer)
         return self.norm(x)  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

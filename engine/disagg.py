@@ -1,0 +1,178 @@
+"""The engine's side of prefill/decode disaggregation (ATOM's relay, PROTOCOLS.md §3-4).
+
+A `kv_producer` (prefill) engine runs a request for one token, keeps its prompt's KV blocks pinned,
+and answers with `kv_transfer_params` saying where they are; the decode engine pushes nothing and
+asks, over the handshake port, for the blocks to be written into blocks it reserved. A `kv_consumer`
+(decode) engine reserves blocks for the prompt, pulls the KV (and the sparse indexer keys) through
+Mooncake, then continues from the first token as if it had prefilled the prompt itself.
+
+This module owns the Mooncake agent and the producer / consumer for the server; the transfer
+mechanics live in `engine.kv_transfer`, the bookkeeping of blocks in the LLMEngine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.args import KVTransferConfig
+from engine.errors import InvalidRequestError
+from engine.kv_transfer import (
+    SKIP,
+    KVConsumer,
+    KVProducer,
+    KVTransferError,
+    KVTransferParams,
+    MooncakeAgent,
+    ReleaseReason,
+    regions_from_kv_caches,
+)
+from engine.llm_engine import LLMEngine
+from engine.sequence import Sequence
+
+log = logging.getLogger("engine.disagg")
+
+PRODUCER, CONSUMER = "kv_producer", "kv_consumer"
+# How long decode keeps blocks out of use after a transfer that failed mid-write: the producer
+# may still be writing into them until its own write gives up (one batch, bounded by Mooncake).
+WRITE_GRACE_SECS = 30.0
+
+
+def advertised_host(bind_host: str) -> str:
+    """The address peers reach this engine at: the bind address, or this host's name's address."""
+    if bind_host not in ("0.0.0.0", "::", ""):
+        return bind_host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+@dataclass(slots=True)
+class TransferStats:
+    """Counters for /metrics."""
+
+    offered: int = 0
+    pulled: int = 0
+    pull_failures: dict[str, int] = field(default_factory=dict)
+    pull_seconds: float = 0.0
+    released: dict[str, int] = field(default_factory=dict)
+
+
+class Disaggregation:
+    """Owns the Mooncake agent and this engine's role in the KV relay."""
+
+    def __init__(self, engine: LLMEngine, config: KVTransferConfig, bind_host: str,
+                 transfer_timeout: float = 30.0) -> None:
+        if config.kv_role not in (PRODUCER, CONSUMER):
+            raise ValueError(f"kv_role {config.kv_role!r}: this engine is either kv_producer or kv_consumer")
+        self.engine = engine
+        self.config = config
+        self.role = config.kv_role
+        self.host = advertised_host(bind_host)
+        self.transfer_timeout = transfer_timeout
+        self.stats = TransferStats()
+        self.agent: MooncakeAgent | None = None
+        self.producer: KVProducer | None = None
+        self.consumer: KVConsumer | None = None
+        self._grace: set[asyncio.TimerHandle] = set()
+
+    async def start(self) -> None:
+        runner = self.engine.runner
+        regions = regions_from_kv_caches(runner.kv_caches, runner.indexer_caches)
+        self.agent = MooncakeAgent(self.host)
+        self.agent.register(regions)
+        if self.role == PRODUCER:
+            self.producer = KVProducer(self.agent, regions, host=self.host,
+                                       handshake_port=self.config.handshake_port or 0,
+                                       timeout_s=self.transfer_timeout)
+            await self.producer.start()
+        else:
+            self.consumer = KVConsumer(self.agent, regions)
+        log.info("kv transfer ready: role=%s engine=%s regions=%d", self.role, self.agent.rpc_address, len(regions))
+
+    async def stop(self) -> None:
+        if self.producer is not None:
+            await self.producer.close()  # releases whatever is still pending
+        for handle in list(self._grace):
+            handle.cancel()
+            handle._run()  # give the blocks back now: nothing writes into them once we are gone
+        self._grace.clear()
+        if self.agent is not None:
+            self.agent.close()
+
+    def info(self) -> dict[str, Any]:
+        return {"kv_role": self.role, "handshake_port": self.producer.port if self.producer else None,
+                "engine_id": self.agent.rpc_address if self.agent else None}
+
+    # -- prefill side --------------------------------------------------------------------------------
+
+    def offer(self, seq: Sequence, release: Callable[[], None]) -> dict[str, Any]:
+        """Pin a finished prefill's prompt blocks for decode to pull; returns its kv_transfer_params."""
+        if self.producer is None:
+            raise InvalidRequestError("this engine is not a kv_producer; it cannot serve do_remote_decode requests")
+        blocks = seq.block_table[: (seq.num_prompt_tokens + seq.block_size - 1) // seq.block_size]
+
+        def on_release(reason: ReleaseReason) -> None:
+            self.stats.released[reason.value] = self.stats.released.get(reason.value, 0) + 1
+            release()
+
+        params = self.producer.offer(blocks, seq.completion_ids[0], on_release,
+                                     prefix_cache_hit_tokens=seq.prefix_hit_tokens)
+        self.stats.offered += 1
+        return params.to_dict()
+
+    # -- decode side ---------------------------------------------------------------------------------
+
+    def parse(self, raw: dict[str, Any]) -> KVTransferParams:
+        if self.consumer is None:
+            raise InvalidRequestError("this engine is not a kv_consumer; it cannot serve do_remote_prefill requests")
+        return KVTransferParams.from_dict(raw)
+
+    async def pull(self, seq: Sequence, params: KVTransferParams) -> None:
+        """Fill `seq`'s reserved blocks with the prompt's KV from the producer; raises KVTransferError.
+
+        On failure the reservation is given back (after a grace period when the producer may still
+        be writing into it).
+        """
+        assert self.consumer is not None
+        bs = seq.block_size
+        needed = (seq.num_prompt_tokens + bs - 1) // bs
+        if len(params.remote_block_ids) != needed:
+            self.engine.release(seq)
+            raise InvalidRequestError(
+                f"kv_transfer_params carry {len(params.remote_block_ids)} blocks but this prompt needs {needed} "
+                "here: prefill and decode must run the same model and tokenizer")
+        have = seq.num_cached_tokens // bs  # leading blocks the local prefix cache already holds
+        dst = [SKIP if i < have else seq.block_table[i] for i in range(needed)]
+        started = time.monotonic()
+        try:
+            await self.consumer.pull(params, dst)
+        except BaseException as exc:
+            may_be_written = isinstance(exc, asyncio.CancelledError) or (
+                isinstance(exc, KVTransferError) and exc.dst_may_be_written)
+            if isinstance(exc, KVTransferError):
+                self.stats.pull_failures[exc.reason] = self.stats.pull_failures.get(exc.reason, 0) + 1
+            self._release_later(seq, WRITE_GRACE_SECS if may_be_written else 0.0)
+            raise
+        self.stats.pulled += 1
+        self.stats.pull_seconds += time.monotonic() - started
+
+    def _release_later(self, seq: Sequence, delay: float) -> None:
+        if delay <= 0:
+            self.engine.release(seq)
+            return
+        loop = asyncio.get_running_loop()
+        handle: asyncio.TimerHandle
+
+        def release() -> None:
+            self._grace.discard(handle)
+            self.engine.release(seq)
+
+        handle = loop.call_later(delay, release)
+        self._grace.add(handle)
