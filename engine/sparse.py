@@ -55,6 +55,16 @@ def _cooked(t: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     return t.view(cache_dtype) if cache_dtype in _FP8 else t
 
 
+def _rows(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``t[ids]`` for a contiguous ``t``, through ``F.embedding`` on a 2-D view of it.
+
+    Same values as advanced indexing, but on CPU with several threads ``aten::index`` /
+    ``index_select`` of these small gathers cost milliseconds (decode runs them once per layer per
+    step), while the embedding kernel costs tens of microseconds.
+    """
+    return F.embedding(ids, t.view(t.shape[0], -1)).view(*ids.shape, *t.shape[1:])
+
+
 def select_blocks(
     q: torch.Tensor, indexer: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
     block_size: int, topk: int,
@@ -70,10 +80,11 @@ def select_blocks(
     n = min(max_blocks, topk + 2)
     heads, kv_heads = q.shape[1], indexer.shape[1]
     group = heads // kv_heads
-    idx = indexer[block_tables]  # [seqs, max_blocks, kv_heads, head_dim]
-    qg = q.view(seqs, kv_heads, group, -1).to(idx.dtype)
-    # Score of a block: the query heads' affinity with its indexer keys, summed over heads.
-    scores = torch.einsum("skgd,sbkd->sb", qg, idx)
+    idx = _rows(indexer, block_tables).view(seqs, max_blocks, -1)  # [seqs, max_blocks, kv_heads * head_dim]
+    # Score of a block: the query heads' affinity with its indexer keys, summed over heads; the heads
+    # of a KV group share its indexer key, so their queries are summed first (one bmm, no einsum copies).
+    qs = q.view(seqs, kv_heads, group, -1).sum(dim=2).to(idx.dtype).reshape(seqs, -1, 1)
+    scores = torch.bmm(idx, qs).squeeze(2)
     positions = torch.arange(max_blocks, device=q.device)[None, :]
     last = (num_blocks - 1)[:, None]
     scores = scores.masked_fill(positions >= last, float("-inf"))  # the last block and padding: chosen below
@@ -111,7 +122,11 @@ def sparse_decode(
         offs = torch.arange(block_size, device=q.device)
         mask = (offs[None, None, :] < lens[:, :, None]).reshape(seqs, -1)
     n = selected.shape[1]
-    kv = _cooked(_raw(kv_cache)[:, selected], kv_cache.dtype)  # [2, seqs, n, block_size, kv_heads, head_dim]
+    num_blocks = kv_cache.shape[1]
+    # K and V of the selected blocks as rows of a [2 * num_blocks, ...] view: V of block b is row num_blocks + b.
+    rows = _raw(kv_cache).view(2 * num_blocks, block_size, kv_heads, head_dim)
+    kv = _cooked(_rows(rows, torch.stack([selected, selected + num_blocks])), kv_cache.dtype)
+    # kv: [2, seqs, n, block_size, kv_heads, head_dim]
     kv = kv.to(dtype).reshape(2, seqs, n * block_size, kv_heads, head_dim).transpose(2, 3)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0], kv[1], attn_mask=mask[:, None, None, :],
                                          scale=scale, enable_gqa=True)
