@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -112,6 +112,10 @@ class LLMEngine:
             self.block_manager,
         )
         self._ids = itertools.count(1)
+        # Sequences holding blocks outside the scheduler (reserved for, or pinned by, a KV transfer):
+        # their blocks come back by `release`, so an engine short of blocks waits for them.
+        self.held: set[int] = set()
+        self.on_blocks_freed: Callable[[], None] | None = None
         self._requests_finished = 0
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -188,10 +192,12 @@ class LLMEngine:
             raise OverloadedError("no free KV blocks for the transferred prompt right now")
         self.block_manager.allocate(seq)
         seq.prefix_hit_tokens = seq.num_cached_tokens
+        self.held.add(seq.seq_id)
         return seq
 
     def commit_prefilled(self, seq: Sequence, first_token: int) -> None:
         """The prompt's KV is in ``seq``'s blocks: continue from ``first_token`` as if prefilled here."""
+        self.held.discard(seq.seq_id)
         self.block_manager.mark_computed(seq, len(seq))
         seq.append_token(first_token)
         self._prompt_tokens += seq.num_prompt_tokens
@@ -211,14 +217,19 @@ class LLMEngine:
 
     def release(self, seq: Sequence) -> None:
         """Give back a reservation whose KV never arrived, or the held blocks of a finished prefill."""
+        self.held.discard(seq.seq_id)
         if seq.block_table:
             self.block_manager.deallocate(seq)
+            if self.on_blocks_freed is not None:
+                self.on_blocks_freed()
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End ``seq`` now (stop string, client gone): its blocks are freed at once."""
         if seq.status is not SequenceStatus.FINISHED:
             self.scheduler.finish(seq, reason)
             self._requests_finished += 1
+            if seq.hold_kv and seq.block_table:
+                self.held.add(seq.seq_id)  # pinned for a KV transfer until `release`
 
     # -- one step ----------------------------------------------------------------------------------
 
@@ -332,6 +343,11 @@ class AsyncLLMEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
+        engine.on_blocks_freed = self._wake_up
+
+    def _wake_up(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
 
     async def start(self) -> None:
         self._wake = asyncio.Event()
@@ -405,6 +421,11 @@ class AsyncLLMEngine:
                 continue
             scheduled = self.engine.schedule()
             if scheduled is None:
+                if self.engine.held:
+                    # Blocks pinned by KV transfers come back soon (or expire): wait, don't fail.
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
                 self._fail_waiting_head()
                 continue
             batch, step = scheduled

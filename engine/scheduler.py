@@ -85,9 +85,17 @@ class Scheduler:
             # Admitted sequences join ``running`` at once, so it alone counts the seats taken.
             if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
                 break
+            if seq.block_table and seq.num_completion_tokens and len(seq) - seq.num_cached_tokens == 1:
+                # KV filled from outside (a transfer) up to its first token: what is left is a
+                # decode step, so it joins the decoders (the same attention, sparse or dense, as
+                # if this engine had prefilled it).
+                self.waiting.remove(seq)
+                seq.set_status(SequenceStatus.RUNNING)
+                self.running.append(seq)
+                continue
             if seq.block_table:
-                # A prompt mid-way through chunked prefill, or KV filled from outside (a transfer):
-                # blocks are held, only the uncomputed tail remains.
+                # A prompt mid-way through chunked prefill: blocks are held, only the uncomputed
+                # tail remains.
                 if not self.block_manager.can_append(seq):
                     break
                 self.block_manager.may_append(seq)

@@ -24,7 +24,7 @@ MODULE = [sys.executable, "-m", "engine.openai_server"]
         (["--method", "eagle3"], "--method: speculative decoding"),
         (["--port", "8006"], "use --server-port"),
         (["--long-prefill-token-threshold", "-1"], "must be >= 0"),
-        (["--kv-transfer-config", '{"kv_role": "kv_producer"}'], "not implemented yet"),
+        (["--kv-transfer-config", '{"kv_role": "kv_both"}'], "not implemented yet"),
         (["--kv-transfer-config", '{"kv_role": "boss"}'], "kv_role 'boss' must be one of"),
         (["--kv-transfer-config", "{nope"], "not valid JSON"),
         (["--kv-transfer-config", '{"kv_buffer_size": 1}'], "unsupported keys ['kv_buffer_size']"),

@@ -224,7 +224,8 @@ async def test_info_endpoints_and_metrics(start_server: StartServer, http: aioht
     assert info["tp_size"] == 1 and info["dp_size"] == 1 and info["block_size"] == 16
     assert info["max_model_len"] == 1024 and info["num_kvcache_blocks"] == 256
     async with http.get(server.url + "/kv_transfer_info") as resp:
-        assert await resp.json() == {"tp_size": 1, "dp_size": 1, "kv_role": None, "handshake_port": 6301}
+        assert await resp.json() == {"tp_size": 1, "dp_size": 1, "kv_role": None, "handshake_port": 6301,
+                                     "sparse_attention": False}
     async with http.get(server.url + "/v1/models") as resp:
         assert (await resp.json())["data"][0]["id"] == "tiny"
     prompt = "a shared prefix that is longer than one block of sixteen tokens, twice over"
