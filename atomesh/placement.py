@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from atomesh.errors import NoWorkerAvailable
+from atomesh.errors import NotFound, NoWorkerAvailable
 from atomesh.policies import Policy
 from atomesh.request import RequestView
 from atomesh.workers.registry import WorkerRegistry
@@ -99,7 +99,12 @@ class Placement:
     def _choose(self, role: WorkerRole, view: RequestView, exclude: Collection[Worker]) -> Worker:
         pool = self.candidates(role, view, exclude)
         if not pool:
-            raise NoWorkerAvailable(_no_worker_message(role, view, self.registry.ready(role)))
+            ready = self.registry.ready(role)
+            if ready and view.model is not None and not any(w.serves(view.model) for w in ready):
+                served = sorted({m for w in ready for m in w.models})
+                raise NotFound(f"the model {view.model!r} does not exist; served: {', '.join(served)}",
+                               code="model_not_found")
+            raise NoWorkerAvailable(_no_worker_message(role, view, ready))
         policy = self.policies[role]
         worker = policy.select(pool, view) if len(pool) > 1 else pool[0]
         policy.on_placed(worker, view)

@@ -121,6 +121,11 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
+def served_name(model: str) -> str:
+    """The model name clients use: the embedded model's real name, else what was given."""
+    return "SmolLM2-135M-Instruct" if model in ("smollm2", "default") else model
+
+
 def plan_parts(s: UpSettings) -> list[Part]:
     """The processes to start, engines first, the gateway last."""
     py = sys.executable
@@ -130,7 +135,8 @@ def plan_parts(s: UpSettings) -> list[Part]:
     counts: dict[str, int] = {}
     for role in roles:
         i = counts[role] = counts.get(role, -1) + 1
-        argv = [py, "-m", "engine.openai_server", "--model", s.model, "--host", s.host,
+        argv = [py, "-m", "engine.openai_server", "--model", s.model, "--served-model-name", served_name(s.model),
+                "--host", s.host,
                 "--server-port", str(engine_port), "--device", s.device,
                 "--max-model-len", str(s.max_model_len), "--kv-cache-memory-gb", str(s.kv_cache_memory_gb),
                 *s.engine_args]
@@ -226,20 +232,21 @@ class System:
 
 def usage_text(s: UpSettings) -> str:
     base = f"http://{s.host}:{s.port}"
-    model = "SmolLM2-135M-Instruct" if s.model in ("smollm2", "default") else s.model
+    model = served_name(s.model)
     mode = f"P/D: {s.prefill} prefill + {s.decode} decode (atom backend, KV over Mooncake)" if s.pd \
         else f"{s.workers} regular workers"
     return f"""
 atomesh is up: {mode}
 
   curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Say hello"}}], "max_tokens": 32}}'
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}],
+         "max_tokens": 32, "temperature": 0}}'
 
   python - <<'EOF'
   from openai import OpenAI
   client = OpenAI(base_url="{base}/v1", api_key="unused")
-  for chunk in client.chat.completions.create(model="{model}", stream=True, max_tokens=32,
-                                              messages=[{{"role": "user", "content": "Say hello"}}]):
+  for chunk in client.chat.completions.create(model="{model}", stream=True, max_tokens=64, temperature=0,
+                                              messages=[{{"role": "user", "content": "Tell me about Paris."}}]):
       print(chunk.choices[0].delta.content or "", end="", flush=True)
   EOF
 

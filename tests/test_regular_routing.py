@@ -225,3 +225,14 @@ async def test_concurrent_requests_all_complete(mock_workers: MakeWorkers, gatew
     assert statuses == [200] * 60
     assert sum(w.served for w in workers) == 60
     assert all(w.in_flight == 0 for w in gw.gateway.registry)
+
+
+async def test_unknown_model_is_404(mock_workers: MakeWorkers, gateway: MakeGateway,
+                                    http: aiohttp.ClientSession) -> None:
+    [w] = await mock_workers(1)
+    gw = await gateway(worker_urls=[w.url])
+    async with http.post(base_url(gw) + "/v1/completions", json={**COMPLETION, "model": "gpt-99"}) as r:
+        assert r.status == 404
+        err = (await r.json())["error"]
+    assert err["code"] == "model_not_found" and "mock-model" in err["message"]
+    assert len(w.received) == 0

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -45,11 +47,14 @@ def _children_of(pid: int) -> list[int]:
 
 
 @pytest.mark.timeout(240)
-def test_up_serves_openai_clients_and_stops_on_ctrl_c(tmp_path: Path) -> None:
-    proc, port = _start_up(tmp_path, "--no-pd", "--workers", "2", "--policy", "round_robin")
+@pytest.mark.parametrize("mode", ["pd", "plain"])
+def test_up_serves_openai_clients_and_stops_on_ctrl_c(tmp_path: Path, mode: str) -> None:
+    extra = ["--handshake-port", str(free_port())] if mode == "pd" else ["--no-pd", "--workers", "2"]
+    proc, port = _start_up(tmp_path, *extra)
     try:
         out = _wait_line(proc, "Ctrl-C stops everything", 200)
         assert "ready    gateway" in out and "curl http://127.0.0.1:" in out
+        assert ("prefill-0" in out and "decode-0" in out) if mode == "pd" else "worker-1" in out
         children = _children_of(proc.pid)
         assert len(children) == 3
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
@@ -58,6 +63,10 @@ def test_up_serves_openai_clients_and_stops_on_ctrl_c(tmp_path: Path) -> None:
         chunks = list(client.chat.completions.create(model="tiny-random", max_tokens=4, stream=True,
                                                      messages=[{"role": "user", "content": "hi"}]))
         assert len([ch for ch in chunks if ch.choices and ch.choices[0].delta.content]) >= 1
+        if mode == "pd":  # the answers came through a KV transfer from prefill to decode
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/engine_metrics", timeout=10) as r:
+                pulled = re.findall(rb"atom:kv_transfer_pulled_total\{[^}]*\} (\S+)", r.read())
+            assert sum(float(x) for x in pulled) >= 2
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=30)
         assert proc.returncode == 0, rest

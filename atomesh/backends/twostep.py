@@ -66,8 +66,10 @@ class TwoStepBackend:
         try:
             async with self.upstream.open("POST", plan.decode.url + view.route, data=orjson.dumps(body),
                                           headers=upstream_headers(exchange), timeout=remaining) as resp:
-                # Decode answers once it has the KV: the time to here is the hand-off.
-                self.metrics.observe_pd(self.runtime, view.model, handoff_secs=time.monotonic() - prefilled)
+                if view.stream:
+                    # A streaming decode answers once it pulled the KV and ran its first step:
+                    # the time to here is the hand-off (a whole answer would include the decode).
+                    self.metrics.observe_pd(self.runtime, view.model, handoff_secs=time.monotonic() - prefilled)
                 out = await relay(exchange, resp, self.on_chunk)
         except UpstreamError as e:
             e.worker = plan.decode
