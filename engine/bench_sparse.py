@@ -127,7 +127,10 @@ def main() -> None:
     loaded = load_model(a.model)
     doc = document_ids(loaded.tokenizer)
     longest = max(a.lengths)
-    blocks_per = lambda n: (n + a.block_size - 1) // a.block_size  # noqa: E731
+
+    def blocks_per(tokens: int) -> int:
+        return int((tokens + a.block_size - 1) // a.block_size)
+
     # The prompts' blocks stay cached across runs: room for all of them plus every run's fresh blocks.
     runs = 1 + len(a.topk) * (2 if a.batch1_tokens else 1) + 1
     pool = a.batch * blocks_per(longest) + runs * a.batch * (blocks_per(a.new_tokens) + 2) + 64
