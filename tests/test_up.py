@@ -17,10 +17,23 @@ import pytest
 from gwtest import free_port
 
 
+def free_port_pair() -> int:
+    """A port p such that p and p + 1 are both free (atomesh up takes consecutive engine ports)."""
+    for _ in range(50):
+        p = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+        return p
+    raise AssertionError("no two consecutive free ports")
+
+
 def _start_up(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], int]:
     port = free_port()
     args = [sys.executable, "-m", "atomesh", "up", "--model", "tiny-random", "--port", str(port),
-            "--metrics-port", str(free_port()), "--engine-port", str(free_port()),
+            "--metrics-port", str(free_port()), "--engine-port", str(free_port_pair()),
             "--log-dir", str(tmp_path / "logs"), "--startup-timeout", "120", *extra]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -49,7 +62,7 @@ def _children_of(pid: int) -> list[int]:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["pd", "plain"])
 def test_up_serves_openai_clients_and_stops_on_ctrl_c(tmp_path: Path, mode: str) -> None:
-    extra = ["--handshake-port", str(free_port())] if mode == "pd" else ["--no-pd", "--workers", "2"]
+    extra = ["--handshake-port", str(free_port_pair())] if mode == "pd" else ["--no-pd", "--workers", "2"]
     proc, port = _start_up(tmp_path, *extra)
     try:
         out = _wait_line(proc, "Ctrl-C stops everything", 200)
