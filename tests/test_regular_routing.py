@@ -236,3 +236,23 @@ async def test_unknown_model_is_404(mock_workers: MakeWorkers, gateway: MakeGate
         err = (await r.json())["error"]
     assert err["code"] == "model_not_found" and "mock-model" in err["message"]
     assert len(w.received) == 0
+
+
+async def test_tls_serves_https(mock_workers: MakeWorkers, gateway: MakeGateway, tmp_path) -> None:
+    import ssl
+    import subprocess
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    [w] = await mock_workers(1)
+    gw = await gateway(worker_urls=[w.url], tls_cert_path=str(cert), tls_key_path=str(key))
+    ctx = ssl.create_default_context(cafile=str(cert))
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"https://127.0.0.1:{gw.config.port}/v1/completions", json=COMPLETION, ssl=ctx) as r:
+            assert r.status == 200
+            assert (await r.json())["choices"][0]["text"] == "tok0 tok1 tok2"
+        with pytest.raises(aiohttp.ClientError):  # plain HTTP is not served on a TLS port
+            async with s.post(base_url(gw) + "/v1/completions", json=COMPLETION) as r:
+                await r.read()
