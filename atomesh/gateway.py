@@ -49,7 +49,7 @@ class Gateway:
         policies: dict[WorkerRole, Policy] = {r: make_policy(config.policy_for(r.value), config) for r in roles}
         self.placement = Placement(self.registry, policies, pd=config.pd_disaggregation)
         # Engine-reported load only matters to policies that compare loads.
-        self.load_poller = (LoadPoller(self.registry) if any(p.name not in ("random", "round_robin")
+        self.load_poller = (LoadPoller(self.registry, self.upstream) if any(p.name not in ("random", "round_robin")
                                                              for p in policies.values()) else None)
         self.backend = self._make_backend()
         self.router = Router(config, self.placement, self.backend, self.metrics)

@@ -21,6 +21,7 @@ from atomesh.policies.power_of_two import PowerOfTwoPolicy
 from atomesh.policies.prefix_hash import PrefixHashPolicy
 from atomesh.request import RequestView, Route
 from atomesh.testing.mock_engine import EngineSettings, MockEngine
+from atomesh.transport import Upstream
 from atomesh.workers.load import LoadPoller, parse_load
 from atomesh.workers.registry import WorkerRegistry
 from atomesh.workers.worker import Worker, WorkerRole, WorkerState
@@ -278,13 +279,16 @@ async def test_load_poller_reads_engine_load() -> None:
         reg.add(w)
         reg.set_state(w, WorkerState.READY)
         engine.stats.running, engine.stats.waiting = 2, 3
-        poller = LoadPoller(reg, interval=0.05)
+        upstream = Upstream(request_timeout_secs=5)
+        await upstream.start()
+        poller = LoadPoller(reg, upstream, interval=0.05)
         poller.start()
         try:
             await wait_for(lambda: w.engine_load == 5, timeout=5, what="polled load")
             assert w.load == 5
         finally:
             await poller.stop()
+            await upstream.stop()
     finally:
         await engine.stop()
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-import aiohttp
 import structlog
 
+from atomesh.errors import GatewayError
+from atomesh.transport import Upstream
 from atomesh.workers.registry import WorkerRegistry
 from atomesh.workers.worker import Worker, WorkerRole
 
@@ -58,14 +59,14 @@ def parse_load(text: str, families: tuple[tuple[str, str], ...] = LOAD_GAUGES) -
 class LoadPoller:
     """Owns one task that polls every ready worker's engine load."""
 
-    def __init__(self, registry: WorkerRegistry, interval: float = 1.0, timeout: float = 0.5,
+    def __init__(self, registry: WorkerRegistry, upstream: Upstream, interval: float = 1.0, timeout: float = 0.5,
                  path: str = "/metrics") -> None:
         self.registry = registry
+        self.upstream = upstream
         self.interval = interval
         self.timeout = timeout
         self.path = path
         self._task: asyncio.Task[None] | None = None
-        self._session: aiohttp.ClientSession | None = None
 
     def start(self) -> None:
         if self._task is None:
@@ -77,22 +78,16 @@ class LoadPoller:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
 
     async def poll_once(self) -> None:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
         workers = [w for role in WorkerRole for w in self.registry.ready(role)]
         await asyncio.gather(*(self._poll(w) for w in workers))
 
     async def _poll(self, worker: Worker) -> None:
-        assert self._session is not None
         try:
-            async with self._session.get(worker.url + self.path) as resp:
-                text = await resp.text() if resp.status == 200 else ""
-        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+            status, body, _ = await self.upstream.call("GET", worker.url + self.path, timeout=self.timeout)
+            text = body.decode() if status == 200 else ""
+        except (GatewayError, UnicodeDecodeError):
             text = ""
         worker.engine_load = parse_load(text) if text else None
 
