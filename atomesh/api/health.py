@@ -7,7 +7,7 @@ import asyncio
 from aiohttp import web
 
 from atomesh.api.openai import json_response
-from atomesh.errors import GatewayError, NoWorkerAvailable, ShuttingDown, UpstreamStatus
+from atomesh.errors import NoWorkerAvailable, ShuttingDown, UpstreamStatus
 from atomesh.gateway import GATEWAY
 from atomesh.workers.worker import WorkerRole
 
@@ -44,10 +44,7 @@ async def health_generate(request: web.Request) -> web.Response:
             raise NoWorkerAvailable(f"no healthy {what} is available")
         checks.append(gw.upstream.call("GET", ready[0].url + "/health_generate",
                                        timeout=gw.config.health_check_timeout_secs))
-    try:
-        results = await asyncio.gather(*checks)
-    except GatewayError:
-        raise
+    results = await asyncio.gather(*checks)
     for status, body, ctype in results:
         if status >= 400:
             raise UpstreamStatus(status, body, ctype)

@@ -57,12 +57,13 @@ async def models(request: web.Request) -> web.Response:
 
 async def _from_any_worker(request: web.Request, path: str) -> web.Response:
     gw = request.app[GATEWAY]
-    for w in gw.registry.ready(gw.roles[-1]):
-        status, body, ctype = await gw.upstream.call("GET", w.url + path, timeout=gw.config.health_check_timeout_secs)
-        if status >= 400:
-            raise UpstreamStatus(status, body, ctype)
-        return web.Response(body=body, status=status, content_type=ctype or "application/json")
-    raise NoWorkerAvailable("no healthy worker is available")
+    ready = gw.registry.ready(gw.roles[-1])
+    if not ready:
+        raise NoWorkerAvailable("no healthy worker is available")
+    status, body, ctype = await gw.upstream.call("GET", ready[0].url + path, timeout=gw.config.health_check_timeout_secs)
+    if status >= 400:
+        raise UpstreamStatus(status, body, ctype)
+    return web.Response(body=body, status=status, content_type=ctype or "application/json")
 
 
 async def model_info(request: web.Request) -> web.Response:
