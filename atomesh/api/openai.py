@@ -60,7 +60,8 @@ async def _from_any_worker(request: web.Request, path: str) -> web.Response:
     ready = gw.registry.ready(gw.roles[-1])
     if not ready:
         raise NoWorkerAvailable("no healthy worker is available")
-    status, body, ctype = await gw.upstream.call("GET", ready[0].url + path, timeout=gw.config.health_check_timeout_secs)
+    timeout = gw.config.health_check_timeout_secs
+    status, body, ctype = await gw.upstream.call("GET", ready[0].url + path, timeout=timeout)
     if status >= 400:
         raise UpstreamStatus(status, body, ctype)
     return web.Response(body=body, status=status, content_type=ctype or "application/json")
