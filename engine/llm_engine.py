@@ -334,6 +334,9 @@ class RequestHandle:
     seq: Sequence
 
 
+RESERVE_POLL_SECS = 0.02
+
+
 class AsyncLLMEngine:
     """Drives an LLMEngine from asyncio: one loop task, one model thread, one queue per request."""
 
@@ -376,10 +379,24 @@ class AsyncLLMEngine:
         self._wake.set()
         return RequestHandle(seq.seq_id, len(prompt_ids), seq)
 
-    def reserve(self, prompt_ids: list[int], params: SamplingParams, max_tokens_given: bool) -> Sequence:
-        """Validate a request whose prompt KV comes from another engine and reserve its blocks."""
+    async def reserve(
+        self, prompt_ids: list[int], params: SamplingParams, max_tokens_given: bool, wait_secs: float = 30.0
+    ) -> Sequence:
+        """Validate a request whose prompt KV comes from another engine and reserve its blocks.
+
+        A pool that is full now frees blocks as running sequences finish: wait for room, at most
+        ``wait_secs``, before answering 503 (check_request already refused what could never fit).
+        """
         params = self.engine.check_request(len(prompt_ids), params, max_tokens_given)
-        return self.engine.reserve(prompt_ids, params)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_secs
+        while True:
+            try:
+                return self.engine.reserve(prompt_ids, params)
+            except OverloadedError:
+                if loop.time() >= deadline:
+                    raise
+            await asyncio.sleep(RESERVE_POLL_SECS)
 
     def submit_prefilled(self, seq: Sequence, first_token: int) -> RequestHandle:
         """Continue a reserved sequence whose KV arrived, from ``first_token`` (already an output)."""

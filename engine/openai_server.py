@@ -270,7 +270,7 @@ async def _generate(
     if role == "kv_consumer":
         assert disagg is not None
         kv = disagg.parse(body.kv_transfer_params or {})
-        seq = state.engine.reserve(ids, params, limit_given)  # raises before any byte is sent
+        seq = await state.engine.reserve(ids, params, limit_given)  # raises before any byte is sent
         await disagg.pull(seq, kv)  # gives the blocks back itself if the transfer fails
         state.metrics.kv_pull.observe(time.monotonic() - arrived)
         handle = state.engine.submit_prefilled(seq, kv.first_token_id)
