@@ -53,6 +53,22 @@ def advertised_host(bind_host: str) -> str:
         return "127.0.0.1"
 
 
+def check_transfer_support(engine: LLMEngine, role: str | None) -> None:
+    """Refuse, before serving, a KV relay this installation cannot do (raises ValueError)."""
+    if role is None or engine.device.type != "cuda":
+        return
+    from importlib import metadata
+
+    try:
+        metadata.distribution("mooncake-transfer-engine-non-cuda")
+    except metadata.PackageNotFoundError:
+        return
+    raise ValueError(
+        f"--kv-transfer-config kv_role {role!r} on CUDA needs the CUDA build of Mooncake "
+        "(pip install mooncake-transfer-engine); the installed mooncake-transfer-engine-non-cuda "
+        "moves host memory only")
+
+
 @dataclass(slots=True)
 class TransferStats:
     """Counters for /metrics."""

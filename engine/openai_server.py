@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.args import EngineArgs, parse_args
-from engine.disagg import Disaggregation
+from engine.disagg import Disaggregation, check_transfer_support
 from engine.errors import EngineError, InvalidRequestError, ModelNotFoundError
 from engine.llm_engine import AsyncLLMEngine, LLMEngine, RequestOutput
 from engine.metrics import ServerMetrics
@@ -539,6 +539,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     configure_torch(args)
     try:
         engine = LLMEngine(args)
+        check_transfer_support(engine, args.kv_transfer.kv_role)
     except ValueError as exc:  # a bad model path, a setting the model cannot honour
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc

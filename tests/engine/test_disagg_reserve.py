@@ -34,3 +34,17 @@ async def test_reservation_waits_for_blocks_then_gets_them(make_engine) -> None:
         assert engine.block_manager.num_free_blocks == engine.num_blocks
     finally:
         await async_engine.stop()
+
+
+def test_a_cuda_relay_with_the_cpu_mooncake_wheel_is_refused() -> None:
+    from types import SimpleNamespace
+
+    import torch
+
+    from engine.disagg import check_transfer_support
+
+    cuda_engine = SimpleNamespace(device=torch.device("cuda"))
+    with pytest.raises(ValueError, match="CUDA build of Mooncake"):
+        check_transfer_support(cuda_engine, "kv_consumer")  # type: ignore[arg-type]
+    check_transfer_support(cuda_engine, None)  # type: ignore[arg-type]  # no relay: nothing to check
+    check_transfer_support(SimpleNamespace(device=torch.device("cpu")), "kv_producer")  # type: ignore[arg-type]
