@@ -96,7 +96,8 @@ class Disaggregation:
         self.agent: MooncakeAgent | None = None
         self.producer: KVProducer | None = None
         self.consumer: KVConsumer | None = None
-        self._grace: set[asyncio.TimerHandle] = set()
+        # Reservations held back after a failed pull, until the producer can no longer write into them.
+        self._grace: dict[asyncio.TimerHandle, Sequence] = {}
 
     async def start(self) -> None:
         runner = self.engine.runner
@@ -115,9 +116,9 @@ class Disaggregation:
     async def stop(self) -> None:
         if self.producer is not None:
             await self.producer.close()  # releases whatever is still pending
-        for handle in list(self._grace):
+        for handle, seq in list(self._grace.items()):
             handle.cancel()
-            handle._run()  # give the blocks back now: nothing writes into them once we are gone
+            self.engine.release(seq)  # nothing writes into them once we are gone
         self._grace.clear()
         if self.agent is not None:
             self.agent.close()
@@ -187,8 +188,8 @@ class Disaggregation:
         handle: asyncio.TimerHandle
 
         def release() -> None:
-            self._grace.discard(handle)
+            self._grace.pop(handle, None)
             self.engine.release(seq)
 
         handle = loop.call_later(delay, release)
-        self._grace.add(handle)
+        self._grace[handle] = seq

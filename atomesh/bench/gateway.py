@@ -25,8 +25,6 @@ import http.client
 import json
 import os
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +33,8 @@ import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from atomesh.bench.procs import free_port, start, stop
 
 STREAM_CHUNKS = 256
 TOKENS = 16
@@ -102,26 +102,6 @@ class Results:
 
 
 # ---------------------------------------------------------------------------- processes
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
-    out = open(log, "wb")
-    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -265,7 +245,7 @@ def start_mocks(workdir: Path) -> tuple[Mocks, list[subprocess.Popen[bytes]]]:
                "--role", role, "--tokens", str(TOKENS), "--stream-chunks", str(STREAM_CHUNKS)]
         if role == "prefill":
             cmd += ["--bootstrap-port", str(bootstrap)]
-        procs.append(_start(cmd, workdir / f"mock-{name}.log"))
+        procs.append(start(cmd, workdir / f"mock-{name}.log"))
         urls.append(f"http://127.0.0.1:{port}")
     for u, body in zip(urls, (SMALL_BODY, SMALL_BODY, PREFILL_BODY, DECODE_BODY), strict=True):
         _wait_serving(u, body, None, 20)
@@ -313,7 +293,7 @@ def run(args: argparse.Namespace) -> Results:
                     run_system(system, mode, mocks, phases, args, workdir, results, rnd)
     finally:
         for p in mock_procs:
-            _stop(p)
+            stop(p)
     report(results, args, phases)
     if args.save:
         args.save.write_text(json.dumps({k: [asdict(s) for s in v] for k, v in results.samples.items()}, indent=1))
@@ -325,7 +305,7 @@ def run_system(system: str, mode: str, mocks: Mocks, phases: list[Phase], args: 
     port, mport = free_port(), free_port()
     extra = list(args.atomesh_args.split()) if args.atomesh_args else []
     cmd = gateway_command(system, mode, mocks, port, mport, args.policy, extra if system != "smg" else [])
-    proc = _start(cmd, workdir / f"{system}-{mode}-{rnd}.log")
+    proc = start(cmd, workdir / f"{system}-{mode}-{rnd}.log")
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_serving(url, SMALL_BODY, proc, 60)
@@ -344,7 +324,7 @@ def run_system(system: str, mode: str, mocks: Mocks, phases: list[Phase], args: 
     except RuntimeError as e:
         print(f"  {system} {mode}: skipped ({e}); log: {workdir / f'{system}-{mode}-{rnd}.log'}", flush=True)
     finally:
-        _stop(proc)
+        stop(proc)
 
 
 # ---------------------------------------------------------------------------- report

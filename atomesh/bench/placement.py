@@ -23,17 +23,16 @@ import gc
 import os
 import random
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 
+from atomesh.bench.procs import free_port, start, stop
 from atomesh.config import GatewayConfig
 from atomesh.placement import Placement, Plan
 from atomesh.policies import make_policy
@@ -126,11 +125,6 @@ def bench_index_memory(prompts: int) -> None:
 
 
 # ---------------------------------------------------------------------------- (c) trace
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 @dataclass
 class TraceResult:
@@ -214,19 +208,8 @@ async def _replay(session: aiohttp.ClientSession, url: str, convs: list[list[str
     return ttfts, errors
 
 
-def _start(cmd: list[str], log_name: str) -> subprocess.Popen[bytes]:
-    log = open(f"/tmp/atomesh-bench-{log_name}.log", "wb")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+def _log(name: str) -> Path:
+    return Path(f"/tmp/atomesh-bench-{name}.log")
 
 
 def _external_routers() -> list[tuple[str, list[str]]]:
@@ -248,8 +231,8 @@ async def bench_trace(engines: int, systems: int, users: int, turns: int, concur
                       system_chars: int, external: bool) -> list[TraceResult]:
     ports = [free_port() for _ in range(engines)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    engine_proc = _start([sys.executable, "-m", "atomesh.testing.mock_engine", "--ports", *map(str, ports),
-                          "--cache-blocks", str(cache_blocks)], "engines")
+    engine_proc = start([sys.executable, "-m", "atomesh.testing.mock_engine", "--ports", *map(str, ports),
+                          "--cache-blocks", str(cache_blocks)], _log("engines"))
     cfg = GatewayConfig.model_validate({})
     ca_flags = ["--cache-threshold", str(cfg.cache_threshold), "--balance-abs-threshold",
                 str(cfg.balance_abs_threshold), "--balance-rel-threshold", str(cfg.balance_rel_threshold),
@@ -274,8 +257,8 @@ async def bench_trace(engines: int, systems: int, users: int, turns: int, concur
                     async with session.post(u + "/_mock/reset") as r:
                         await r.read()
                 port, mport = free_port(), free_port()
-                proc = _start([*cmd, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(mport),
-                               "--log-level", "warn", "--worker-urls", *urls], label.replace(" ", "-"))
+                proc = start([*cmd, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(mport),
+                               "--log-level", "warn", "--worker-urls", *urls], _log(label.replace(" ", "-")))
                 gw = f"http://127.0.0.1:{port}"
                 try:
                     await _wait_http(session, gw + "/readiness" if label.startswith("atomesh") else gw + "/health",
@@ -294,7 +277,7 @@ async def bench_trace(engines: int, systems: int, users: int, turns: int, concur
                     print(f"{label}: skipped ({e})")
                     continue
                 finally:
-                    _stop(proc)
+                    stop(proc)
                 prompt = sum(s["prompt_tokens"] for s in stats)
                 cached = sum(s["cached_tokens"] for s in stats)
                 per = [s["requests"] for s in stats]
@@ -304,7 +287,7 @@ async def bench_trace(engines: int, systems: int, users: int, turns: int, concur
                 print(f"{res.system:<28}{res.hit_rate:>8.1%}{res.ttft_mean * 1e3:>10.1f}{res.ttft_p99 * 1e3:>10.1f}"
                       f"{res.load_ratio:>8.2f}{res.errors:>7}{res.seconds:>7.1f}  {per}", flush=True)
     finally:
-        _stop(engine_proc)
+        stop(engine_proc)
     return results
 
 

@@ -32,6 +32,8 @@ import orjson
 import xxhash
 from aiohttp import web
 
+from atomesh.testing.mock_worker import serve_app
+
 CHARS_PER_TOKEN = 4
 
 
@@ -161,12 +163,7 @@ class MockEngine:
         return app
 
     async def start(self) -> MockEngine:
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
-        await site.start()
-        if self.port == 0:
-            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._runner, self.port = await serve_app(self.app(), self.host, self.port)
         return self
 
     async def stop(self) -> None:

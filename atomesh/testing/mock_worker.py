@@ -45,6 +45,17 @@ class MockBehaviour:
     omit_kv_params: bool = False  # a prefill that forgets kv_transfer_params (atom / vllm)
 
 
+async def serve_app(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve `app` on host:port (0: a free port); returns the runner to clean up and the bound port."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    if port == 0:
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, port
+
+
 class MockWorker:
     """One mock worker server on a loopback port."""
 
@@ -80,12 +91,7 @@ class MockWorker:
         return app
 
     async def start(self) -> MockWorker:
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
-        await site.start()
-        if self.port == 0:
-            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._runner, self.port = await serve_app(self.app(), self.host, self.port)
         return self
 
     async def stop(self) -> None:

@@ -164,16 +164,17 @@ class Lifecycle:
         worker.kv_transfer_info = info
 
     # ------------------------------------------------------------------ drain and remove
-    def remove(self, worker: Worker, grace: float | None = None) -> asyncio.Task[Any]:
-        """Stop new traffic to the worker now; remove it once its in-flight requests finished."""
+    def remove(self, worker: Worker, grace: float | None = None) -> asyncio.Task[Any] | None:
+        """Stop new traffic to the worker now; remove it once its in-flight requests finished.
+
+        Returns the drain job, or None when the worker (never ready, nothing in flight) went at once.
+        """
         if worker.state in (WorkerState.FAILED, WorkerState.PENDING) and worker.in_flight == 0:
             if worker.state is WorkerState.PENDING:
                 self.registry.set_state(worker, WorkerState.DRAINING)
             self.registry.set_state(worker, WorkerState.REMOVED)
             log.info("worker_removed", worker=worker.url)
-            done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            done.set_result(None)
-            return asyncio.ensure_future(done)
+            return None
         if worker.state is not WorkerState.DRAINING:
             self.registry.set_state(worker, WorkerState.DRAINING)
             log.info("worker_draining", worker=worker.url, in_flight=worker.in_flight)
