@@ -1,4 +1,4 @@
-"""Serving: the aiohttp apps (service + metrics), TLS, signals and graceful shutdown."""
+"""Serving: the front door and the aiohttp apps (service + metrics), TLS, signals and graceful shutdown."""
 
 from __future__ import annotations
 
@@ -10,21 +10,20 @@ import structlog
 from aiohttp import web
 
 from atomesh.api import admin, health, observability, openai
-from atomesh.api.middleware import make_middleware
+from atomesh.api.middleware import HttpAccounting, make_middleware
 from atomesh.config import GatewayConfig
+from atomesh.frontdoor import FrontDoor
 from atomesh.gateway import GATEWAY, Gateway, StartupError
 from atomesh.policies.cache_aware import CacheAwarePolicy
 
 log = structlog.get_logger("atomesh")
 
 
-def build_app(gateway: Gateway) -> web.Application:
-    """The OpenAI-compatible service app (the metrics app is separate)."""
-    cfg = gateway.config
-    app = web.Application(
-        client_max_size=cfg.max_payload_size,
-        middlewares=[make_middleware(cfg.request_id_headers, gateway.metrics, cfg.max_payload_size)],
-    )
+def build_app(gateway: Gateway, accounting: HttpAccounting) -> web.Application:
+    """The OpenAI-compatible service app (the metrics app is separate): every route, for the
+    connections the front door hands over."""
+    app = web.Application(client_max_size=gateway.config.max_payload_size,
+                          middlewares=[make_middleware(accounting)])
     app[GATEWAY] = gateway
     openai.setup(app)
     health.setup(app)
@@ -65,8 +64,10 @@ class GatewayServer:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.gateway = Gateway(config)
-        self._runner = web.AppRunner(build_app(self.gateway), handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=1.0)
+        accounting = HttpAccounting(config.request_id_headers, self.gateway.metrics, config.max_payload_size)
+        self._runner = web.AppRunner(build_app(self.gateway, accounting), handler_cancellation=True,
+                                     access_log=None, shutdown_timeout=1.0)
+        self.door = FrontDoor(self.gateway, accounting, fallback=lambda: self._runner.server())  # type: ignore[misc]
         self._metrics_runner = web.AppRunner(build_metrics_app(self.gateway), access_log=None)
 
     async def listen(self) -> None:
@@ -76,8 +77,7 @@ class GatewayServer:
         await self._runner.setup()
         await self._metrics_runner.setup()
         try:
-            await web.TCPSite(self._runner, cfg.host, cfg.port, ssl_context=_ssl_context(cfg),
-                              reuse_address=True).start()
+            await self.door.start(cfg.host, cfg.port, _ssl_context(cfg))
             await web.TCPSite(self._metrics_runner, cfg.prometheus_host, cfg.prometheus_port,
                               reuse_address=True).start()
         except OSError as e:
@@ -102,6 +102,7 @@ class GatewayServer:
         await self.close()
 
     async def close(self) -> None:
+        await self.door.close()
         await self._runner.cleanup()
         await self._metrics_runner.cleanup()
         await self.gateway.stop()

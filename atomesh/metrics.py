@@ -310,7 +310,7 @@ class RequestMeter:
         if at >= 0 and (inp := _PROMPT_TOKENS.match(data, at)) is not None:
             self.usage_in = int(inp.group(1))
 
-    def finish(self, response: web.StreamResponse | None = None) -> None:
+    def finish(self, status: int | None = None, body: bytes | None = None) -> None:
         """Record the request's token metrics (once; later calls do nothing)."""
         if self._done:
             return
@@ -318,8 +318,7 @@ class RequestMeter:
         m = self._m
         labels = (self.endpoint, self.model)
         if not self.streaming:
-            body = response.body if isinstance(response, web.Response) else None
-            if isinstance(body, bytes) and response is not None and response.status < 300:
+            if body is not None and status is not None and status < 300:
                 self._read_usage(body)
         elif self.first_at is not None:
             m.child(m.ttft, *labels).observe(self.first_at - self.started)

@@ -7,7 +7,6 @@ import time
 from collections.abc import Iterator
 
 import structlog
-from aiohttp import web
 
 from atomesh.backends import Backend
 from atomesh.config import GatewayConfig
@@ -34,24 +33,22 @@ class Router:
         self._policy_names = {role: config.policy_for(role.value) for role in placement.policies}
         self._backend_type = "pd" if placement.pd else "regular"
 
-    async def serve(self, exchange: Exchange, view: RequestView) -> web.StreamResponse:
+    async def serve(self, exchange: Exchange, view: RequestView) -> None:
         m = self.metrics
         meter = exchange.on_chunk = m.meter(view.route.value, view.model, view.stream)
         streaming = "true" if view.stream else "false"
         m.child(m.router_requests, meter.endpoint, meter.model, streaming, self._backend_type).inc()
-        response: web.StreamResponse | None = None
         try:
-            response = await self._attempts(exchange, view)
-            return response
+            await self._attempts(exchange, view)
         except UpstreamError as e:
             m.child(m.router_errors, meter.endpoint, meter.model, e.code).inc()
             raise
         finally:
-            meter.finish(response)
+            meter.finish(exchange.status, exchange.body)
             m.child(m.router_duration, meter.endpoint, meter.model, streaming).observe(
                 time.perf_counter() - meter.started)
 
-    async def _attempts(self, exchange: Exchange, view: RequestView) -> web.StreamResponse:
+    async def _attempts(self, exchange: Exchange, view: RequestView) -> None:
         tried: list[Worker] = []
         delays: Iterator[float] | None = None  # made on the first retry: a fresh Random() seeds from urandom
         endpoint = ENDPOINTS.get(view.route.value, view.route.value)
@@ -60,13 +57,13 @@ class Router:
             plan = self.placement.place(view, exclude=tried)
             self._count_selection(plan)
             try:
-                response = await self.backend.forward(exchange, view, plan)
+                await self.backend.forward(exchange, view, plan)
             except UpstreamError as e:
                 self._record_failure(e, plan)
-                if exchange.stream is not None:
+                if exchange.committed:
                     # The client already has part of the answer: end it in-band, never retry.
-                    await write_sse_error(exchange.stream, e)
-                    return exchange.stream
+                    await write_sse_error(exchange, e)
+                    return
                 if not e.retryable or attempt >= self.max_retries:
                     if e.retryable and self.max_retries:
                         self.metrics.retries_exhausted.labels(plan.workers[-1].role.value, endpoint).inc()
@@ -81,8 +78,8 @@ class Router:
                     w.breaker.record(True)
                     m.child(m.cb_outcomes, w.url, "success").inc()
                 last = plan.workers[-1]  # the worker whose answer the client got (decode in P/D)
-                m.child(m.upstream_responses, last.url, last.role.value, str(response.status)).inc()
-                return response
+                m.child(m.upstream_responses, last.url, last.role.value, str(exchange.status)).inc()
+                return
             finally:
                 self.placement.release(plan)
             attempt += 1

@@ -1,91 +1,73 @@
-"""The one upstream transport: a pooled keep-alive HTTP client, the response relay and retry timing.
+"""The one upstream transport: the pooled keep-alive HTTP client, the response relay and retry timing.
 
 Every call the gateway makes to a worker goes through `Upstream`, so timeouts, connection reuse
-and the mapping of network failures to gateway errors are decided here once.
+and the mapping of network failures to gateway errors are decided here once. Every answer a client
+gets to an inference request goes through an `Exchange`, whichever door the request came in by.
 """
 
 from __future__ import annotations
 
-import asyncio
 import random
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from types import TracebackType
 from typing import Any
 
-import aiohttp
 import orjson
-from aiohttp import web
 
 from atomesh.errors import GatewayError, UpstreamError, UpstreamStatus, UpstreamTimeout, error_body
+from atomesh.httpclient import (
+    ClientPool,
+    ConnectFailed,
+    DeadlineExceeded,
+    Disconnected,
+    HTTPClientError,
+    ProtocolViolation,
+    Response,
+)
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
+def upstream_error(err: HTTPClientError, url: str) -> UpstreamError:
+    """The gateway error a client-side failure talking to `url` becomes."""
+    if isinstance(err, DeadlineExceeded):
+        return UpstreamTimeout(f"{url} did not answer in time: {err.message}")
+    if isinstance(err, ConnectFailed):
+        return UpstreamError(f"cannot connect to {url}: {err.message}")
+    if isinstance(err, Disconnected):
+        return UpstreamError(f"{url} closed the connection: {err.message}", code="upstream_disconnected")
+    if isinstance(err, ProtocolViolation):
+        return UpstreamError(f"{url} sent an invalid response: {err.message}", code="upstream_protocol_error")
+    return UpstreamError(f"{url}: {err.message}")
+
+
 class Upstream:
-    """A pooled aiohttp client shared by every route, backend and background task."""
+    """The pooled keep-alive client shared by every route, backend and background task."""
 
     def __init__(self, request_timeout_secs: float, connect_timeout_secs: float = 10.0) -> None:
         self.request_timeout = request_timeout_secs
         self.connect_timeout = connect_timeout_secs
-        self._session: aiohttp.ClientSession | None = None
+        self._pool: ClientPool | None = None
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(
-            limit=0,  # admission control bounds concurrency, not the pool
-            keepalive_timeout=60,
-            ttl_dns_cache=300,
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
-        )
+        # Admission control bounds concurrency; the pool only bounds what it keeps idle.
+        self._pool = ClientPool(connect_timeout=self.connect_timeout, keepalive_timeout=60.0)
 
     async def stop(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
 
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
+    def open(self, method: str, url: str, *, data: bytes | None = None,
+             headers: Mapping[str, str] | None = None, timeout: float | None = None) -> Opened:
+        """`async with upstream.open(...) as resp:` sends a request and yields the response with its
+        headers read; failures, inside the block too, become UpstreamError. The connection goes back
+        to the pool if the block read the whole body, and is closed otherwise."""
+        if self._pool is None:
             raise RuntimeError("Upstream used before start()")
-        return self._session
-
-    @asynccontextmanager
-    async def open(
-        self, method: str, url: str, *, data: bytes | None = None,
-        headers: Mapping[str, str] | None = None, timeout: float | None = None,
-    ) -> AsyncIterator[aiohttp.ClientResponse]:
-        """Send a request and yield the response with its headers read; map failures to errors.
-
-        The response is closed (not returned to the pool half-read) if the caller leaves early.
-        """
-        total = self.request_timeout if timeout is None else timeout
-        try:
-            async with asyncio.timeout(total):
-                resp = await self.session.request(method, url, data=data, headers=headers)
-                try:
-                    yield resp
-                except BaseException:
-                    resp.close()
-                    raise
-                else:
-                    resp.release()
-        except TimeoutError:
-            raise UpstreamTimeout(f"{url} did not answer within {total:g}s") from None
-        except aiohttp.ClientConnectorError as e:
-            raise UpstreamError(f"cannot connect to {url}: {e.strerror or e}") from None
-        except aiohttp.ServerDisconnectedError:
-            raise UpstreamError(f"{url} closed the connection", code="upstream_disconnected") from None
-        except (aiohttp.ClientPayloadError, aiohttp.ClientOSError) as e:
-            raise UpstreamError(f"{url} broke the connection: {e}", code="upstream_disconnected") from None
-        except aiohttp.ClientResponseError as e:
-            raise UpstreamError(f"{url} sent an invalid response: {e.message}",
-                                code="upstream_protocol_error") from None
+        return Opened(self._pool, method, url, data, headers,
+                      self.request_timeout if timeout is None else timeout)
 
     async def call(
         self, method: str, url: str, *, data: bytes | None = None,
@@ -106,24 +88,70 @@ class Upstream:
             raise UpstreamError(f"{url} did not return JSON", code="upstream_protocol_error") from None
 
 
+class Opened:
+    """One upstream request as an async context manager (a class: cheaper than a generator on the hot path)."""
+
+    __slots__ = ("_data", "_headers", "_method", "_pool", "_resp", "_timeout", "url")
+
+    def __init__(self, pool: ClientPool, method: str, url: str, data: bytes | None,
+                 headers: Mapping[str, str] | None, timeout: float) -> None:
+        self._pool = pool
+        self._method = method
+        self.url = url
+        self._data = data
+        self._headers = headers
+        self._timeout = timeout
+        self._resp: Response | None = None
+
+    async def __aenter__(self) -> Response:
+        try:
+            self._resp = await self._pool.request(self._method, self.url, headers=self._headers,
+                                                  body=self._data, timeout=self._timeout)
+        except HTTPClientError as e:
+            raise upstream_error(e, self.url) from None
+        return self._resp
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if self._resp is not None:
+            self._resp.release()  # back to the pool only if its body was read to the end
+        if isinstance(exc, HTTPClientError):
+            raise upstream_error(exc, self.url) from None
+
+
 # Called with each chunk relayed to the client (metrics read the stream without re-encoding it).
 ChunkHook = Callable[[bytes], None]
 
 
-@dataclass(slots=True)
 class Exchange:
-    """The client side of one request: where the response goes and whether it has started."""
+    """The client side of one inference request: where its answer goes, whichever server took it.
 
-    request: web.Request
-    request_id: str
-    # Set once the response headers went to the client: from then on nothing may be retried.
-    stream: web.StreamResponse | None = None
-    # Sees every chunk relayed to this client (the router's token meter) unless relay() is given another.
-    on_chunk: ChunkHook | None = None
+    A non-streamed answer goes out whole with `respond`; a stream with `start_stream`, `write`...,
+    `end`. Once a stream has started (`committed`), nothing may be retried.
+    """
 
-    @property
-    def committed(self) -> bool:
-        return self.stream is not None
+    __slots__ = ("body", "committed", "headers", "on_chunk", "request_id", "status")
+
+    def __init__(self, request_id: str, headers: Mapping[str, str]) -> None:
+        self.request_id = request_id
+        self.headers = headers  # the client's request headers (look up with lower-case names)
+        # Sees every chunk relayed to this client (the router's token meter) unless relay() is given another.
+        self.on_chunk: ChunkHook | None = None
+        self.status: int | None = None
+        self.body: bytes | None = None  # a whole (non-streamed) answer, kept for the token meter
+        self.committed = False
+
+    def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
+        raise NotImplementedError
+
+    async def start_stream(self, status: int, headers: Mapping[str, str]) -> None:
+        raise NotImplementedError
+
+    async def write(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    async def end(self) -> None:
+        raise NotImplementedError
 
     def response_headers(self, upstream: Mapping[str, str]) -> dict[str, str]:
         """The worker's response headers, less hop-by-hop ones, with our request id."""
@@ -132,45 +160,44 @@ class Exchange:
         return headers
 
 
-# Response headers that describe one hop, not the response (RFC 9110 §7.6.1), or that aiohttp sets.
+# Response headers that describe one hop, not the response (RFC 9110 §7.6.1), or that the server sets.
 _NOT_RELAYED = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server",
                           "proxy-authenticate", "trailer", "upgrade", "x-request-id"})
 
 
-async def relay(
-    exchange: Exchange, resp: aiohttp.ClientResponse, on_chunk: ChunkHook | None = None,
-) -> web.StreamResponse:
+async def relay(exchange: Exchange, resp: Response, on_chunk: ChunkHook | None = None) -> None:
     """Pass an upstream response to the client: whole if JSON, chunk by chunk if SSE.
 
     An error status raises UpstreamStatus (so the caller may retry); once streaming has started,
-    an upstream failure ends the stream with an SSE error event instead.
+    an upstream failure raises UpstreamError and the caller ends the stream with an SSE error event.
     """
     if resp.status >= 400:
         raise UpstreamStatus(resp.status, await resp.read(), resp.content_type)
     if resp.content_type != "text/event-stream":
         body = await resp.read()
-        return web.Response(body=body, status=resp.status, headers=exchange.response_headers(resp.headers))
+        exchange.respond(resp.status, exchange.response_headers(resp.headers), body)
+        return
     on_chunk = on_chunk or exchange.on_chunk
-    out = web.StreamResponse(status=resp.status, headers=exchange.response_headers({**resp.headers, **SSE_HEADERS}))
-    await out.prepare(exchange.request)
-    exchange.stream = out
+    headers = exchange.response_headers(resp.headers)
+    headers.update(SSE_HEADERS)
+    await exchange.start_stream(resp.status, headers)
     try:
-        async for chunk in resp.content.iter_any():
+        async for chunk in resp.chunks():
             if on_chunk is not None:
                 on_chunk(chunk)
-            await out.write(chunk)
-    except aiohttp.ClientError as e:
+            await exchange.write(chunk)
+    except DeadlineExceeded:
+        raise UpstreamTimeout("the worker's stream outlived the request timeout") from None
+    except HTTPClientError as e:
         # The worker died mid-stream; the caller ends the client's stream with an error event.
-        raise UpstreamError(f"worker stream broke: {e or type(e).__name__}",
-                            code="upstream_stream_broken") from None
-    await out.write_eof()
-    return out
+        raise UpstreamError(f"worker stream broke: {e.message}", code="upstream_stream_broken") from None
+    await exchange.end()
 
 
-async def write_sse_error(out: web.StreamResponse, err: GatewayError) -> None:
+async def write_sse_error(exchange: Exchange, err: GatewayError) -> None:
     try:
-        await out.write(b"data: " + error_body(err.message, err.type, err.code) + b"\n\ndata: [DONE]\n\n")
-        await out.write_eof()
+        await exchange.write(b"data: " + error_body(err.message, err.type, err.code) + b"\n\ndata: [DONE]\n\n")
+        await exchange.end()
     except (ConnectionError, RuntimeError):
         pass  # the client is gone too
 
@@ -178,7 +205,7 @@ async def write_sse_error(out: web.StreamResponse, err: GatewayError) -> None:
 def upstream_headers(exchange: Exchange) -> dict[str, str]:
     """Headers sent with a request to a worker: JSON, our request id, the caller's credentials."""
     headers = {"Content-Type": "application/json", "x-request-id": exchange.request_id}
-    auth = exchange.request.headers.get("Authorization")
+    auth = exchange.headers.get("authorization")
     if auth is not None:
         headers["Authorization"] = auth
     return headers

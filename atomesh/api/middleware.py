@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import structlog
 from aiohttp import web
@@ -39,17 +39,22 @@ def json_error(status: int, message: str, type_: str, code: str | int, request_i
                         headers={"Content-Type": "application/json", "x-request-id": request_id})
 
 
-def render(err: GatewayError, request_id: str) -> web.Response:
-    """The one place a GatewayError becomes an HTTP response."""
+def error_answer(err: GatewayError) -> tuple[int, bytes]:
+    """The one place a GatewayError becomes an answer: its status and OpenAI-shaped JSON body."""
     if isinstance(err, UpstreamStatus):
         # Pass the worker's own error through: it knows best what was wrong with the request.
         if err.content_type == "application/json" and err.upstream_body:
-            return web.Response(body=err.upstream_body, status=err.status,
-                                headers={"Content-Type": "application/json", "x-request-id": request_id})
+            return err.status, err.upstream_body
         text = err.upstream_body[:500].decode("utf-8", "replace").strip()
         message = f"worker answered {err.status}" + (f": {text}" if text else "")
-        return json_error(err.status, message, err.type, err.code, request_id)
-    return json_error(err.status, err.message, err.type, err.code, request_id)
+        return err.status, error_body(message, err.type, err.code)
+    return err.status, err.body()
+
+
+def render(err: GatewayError, request_id: str) -> web.Response:
+    status, body = error_answer(err)
+    return web.Response(body=body, status=status,
+                        headers={"Content-Type": "application/json", "x-request-id": request_id})
 
 
 # Admission refusals, by error code -> `mesh_http_rate_limit_total{result}`.
@@ -57,61 +62,88 @@ _ADMISSION_RESULTS = {"queue_full": "rejected", "rate_limited": "rejected", "que
 _METHODS = frozenset({"GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"})
 
 
-def make_middleware(request_id_headers: Sequence[str], metrics: Metrics, max_payload: int) -> Middleware:
-    headers = tuple(request_id_headers)
-    next_id = request_ids()
-    child = metrics.child
+class HttpAccounting:
+    """What every request does to the books, whichever server took it (aiohttp or the front door):
+    its request id, the `mesh_http_*` metrics, the error-to-response mapping and the failure log."""
+
+    def __init__(self, request_id_headers: Sequence[str], metrics: Metrics, max_payload: int) -> None:
+        self.id_headers = tuple(h.lower() for h in request_id_headers)
+        self.metrics = metrics
+        self.max_payload = max_payload
+        self.next_id = request_ids()
+
+    def request_id(self, headers: Mapping[str, str]) -> str:
+        """The caller's id from the configured headers (looked up lower-case), or a new one."""
+        for h in self.id_headers:
+            if rid := headers.get(h):
+                return rid
+        return self.next_id()
+
+    def begin(self, method: str, path: str) -> float:
+        # Labels are the route pattern (never the raw path, which may carry ids) and a known method.
+        m = self.metrics
+        m.child(m.http_requests, method if method in _METHODS else "OTHER", path).inc()
+        m.http_active.inc()
+        return time.perf_counter()
+
+    def end(self, method: str, path: str, status: int, started: float, admission: str | None) -> None:
+        """`admission` is the admission result of an inference request (None for other routes)."""
+        m = self.metrics
+        m.http_active.dec()
+        if admission is not None:
+            m.child(m.rate_limit, admission).inc()
+        m.child(m.http_responses, path, str(status)).inc()
+        m.child(m.http_duration, method if method in _METHODS else "OTHER", path).observe(
+            time.perf_counter() - started)
+
+    @staticmethod
+    def failed(err: GatewayError) -> str:
+        """Log a gateway-side failure; returns the admission result the error stands for."""
+        if err.status >= 500:
+            log.warning("request_failed", status=err.status, code=err.code, error=err.message)
+        return _ADMISSION_RESULTS.get(err.code, "allowed")
+
+
+def make_middleware(accounting: HttpAccounting) -> Middleware:
+    acc = accounting
 
     @web.middleware
     async def gateway_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        rid = None
-        for h in headers:
-            if rid := request.headers.get(h):
-                break
-        rid = rid or next_id()
+        rid = acc.request_id(request.headers)
         request[REQUEST_ID] = rid
         # aiohttp runs every request in a task of its own, with its own copy of the context: binding
         # here cannot leak into another request, so there is nothing to unbind afterwards.
         structlog.contextvars.bind_contextvars(request_id=rid)
-        return await _serve(request, handler, rid)
-
-    async def _serve(request: web.Request, handler: Handler, rid: str) -> web.StreamResponse:
-        # Labels are the route pattern (never the raw path, which may carry ids) and a known method.
         resource = request.match_info.route.resource
         path = resource.canonical if resource is not None else "unmatched"
-        method = request.method if request.method in _METHODS else "OTHER"
-        child(metrics.http_requests, method, path).inc()
-        metrics.http_active.inc()
-        started = time.perf_counter()
-        inference = path in ENDPOINTS
-        admission = "allowed"
+        method = request.method
+        started = acc.begin(method, path)
+        admission = "allowed" if path in ENDPOINTS else None
         try:
             resp = await handler(request)
         except GatewayError as e:
-            admission = _ADMISSION_RESULTS.get(e.code, admission)
-            if e.status >= 500:
-                log.warning("request_failed", status=e.status, code=e.code, error=e.message)
+            result = acc.failed(e)
+            admission = admission and result
             resp = render(e, rid)
         except web.HTTPException as e:
             if e.status < 400:
+                acc.metrics.http_active.dec()
                 raise
             type_, code = _HTTP_TYPES.get(e.status, ("invalid_request_error", "http_error"))
             message = e.text if e.status != 404 else f"no route for {request.method} {request.path}"
             if e.status == 413:
-                message = f"request body is larger than the {max_payload} bytes allowed (--max-payload-size)"
+                message = f"request body is larger than the {acc.max_payload} bytes allowed (--max-payload-size)"
             resp = json_error(e.status, message or e.reason, type_, code, rid)
         except Exception:
             # A bug, not a user error: log it with its traceback (and request id), answer a plain 500.
-            log.exception("request_crashed", method=request.method, path=path)
+            log.exception("request_crashed", method=method, path=path)
             resp = json_error(500, "internal gateway error", "internal_error", "internal_error", rid)
-        finally:
-            metrics.http_active.dec()
+        except BaseException:
+            acc.metrics.http_active.dec()  # cancelled: the client went away, there is no response
+            raise
         if not resp.prepared:
             resp.headers.setdefault("x-request-id", rid)
-        if inference:
-            child(metrics.rate_limit, admission).inc()
-        child(metrics.http_responses, path, str(resp.status)).inc()
-        child(metrics.http_duration, method, path).observe(time.perf_counter() - started)
+        acc.end(method, path, resp.status, started, admission)
         return resp
 
     return gateway_middleware

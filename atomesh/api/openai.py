@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import orjson
@@ -10,30 +10,65 @@ from aiohttp import web
 
 from atomesh.api.middleware import REQUEST_ID
 from atomesh.errors import NoWorkerAvailable, ShuttingDown, UpstreamStatus
-from atomesh.gateway import GATEWAY
+from atomesh.gateway import GATEWAY, Gateway
 from atomesh.request import ROUTING_KEY_HEADERS, RequestView, Route, parse_body, validate
 from atomesh.transport import Exchange
 
 
+async def serve_inference(gw: Gateway, route: Route, raw: bytes, exchange: Exchange) -> None:
+    """One inference request, whichever server took it: parse, validate, admit, route."""
+    if gw.shutting_down:
+        raise ShuttingDown("the gateway is shutting down")
+    body = parse_body(raw)
+    validate(route, body)
+    headers = exchange.headers
+    view = RequestView(
+        route=route, body=body, raw=raw, request_id=exchange.request_id,
+        routing_key=next((v for h in ROUTING_KEY_HEADERS if (v := headers.get(h))), None),
+    )
+    gw.request_started()
+    try:
+        async with gw.admission.permit():
+            await gw.router.serve(exchange, view)
+    finally:
+        gw.request_finished()
+
+
+class AiohttpExchange(Exchange):
+    """An Exchange answering through aiohttp (requests on connections the front door handed over)."""
+
+    __slots__ = ("request", "response")
+
+    def __init__(self, request: web.Request, request_id: str) -> None:
+        super().__init__(request_id, request.headers)
+        self.request = request
+        self.response: web.StreamResponse | None = None
+
+    def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
+        self.status, self.body = status, body
+        self.response = web.Response(body=body, status=status, headers=headers)
+
+    async def start_stream(self, status: int, headers: Mapping[str, str]) -> None:
+        self.status = status
+        self.response = web.StreamResponse(status=status, headers=headers)
+        await self.response.prepare(self.request)
+        self.committed = True
+
+    async def write(self, data: bytes) -> None:
+        assert self.response is not None
+        await self.response.write(data)
+
+    async def end(self) -> None:
+        assert self.response is not None
+        await self.response.write_eof()
+
+
 def _inference(route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def handler(request: web.Request) -> web.StreamResponse:
-        gw = request.app[GATEWAY]
-        if gw.shutting_down:
-            raise ShuttingDown("the gateway is shutting down")
-        raw = await request.read()
-        body = parse_body(raw)
-        validate(route, body)
-        headers = request.headers
-        view = RequestView(
-            route=route, body=body, raw=raw, request_id=request[REQUEST_ID],
-            routing_key=next((v for h in ROUTING_KEY_HEADERS if (v := headers.get(h))), None),
-        )
-        gw.request_started()
-        try:
-            async with gw.admission.permit():
-                return await gw.router.serve(Exchange(request, view.request_id), view)
-        finally:
-            gw.request_finished()
+        exchange = AiohttpExchange(request, request[REQUEST_ID])
+        await serve_inference(request.app[GATEWAY], route, await request.read(), exchange)
+        assert exchange.response is not None, "a served request has an answer"
+        return exchange.response
 
     return handler
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from aiohttp import web
-
 from atomesh.placement import Plan
 from atomesh.request import RequestView
 from atomesh.transport import Exchange
@@ -18,4 +16,4 @@ class Backend(Protocol):
     about retries. Must close every upstream leg it opened, on every path.
     """
 
-    async def forward(self, exchange: Exchange, view: RequestView, plan: Plan) -> web.StreamResponse: ...
+    async def forward(self, exchange: Exchange, view: RequestView, plan: Plan) -> None: ...

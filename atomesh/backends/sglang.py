@@ -12,7 +12,6 @@ import time
 from typing import Any
 
 import orjson
-from aiohttp import web
 
 from atomesh.errors import UpstreamError, UpstreamStatus
 from atomesh.metrics import Metrics
@@ -64,7 +63,7 @@ class SglangBackend:
                         bootstrap_room=[new_room(self.rng) for _ in range(n)])
         return orjson.dumps(body)
 
-    async def forward(self, exchange: Exchange, view: RequestView, plan: Plan) -> web.StreamResponse:
+    async def forward(self, exchange: Exchange, view: RequestView, plan: Plan) -> None:
         assert isinstance(plan, Pair), "P/D mode places prefill/decode pairs"
         data = self.bootstrap_body(view, plan)
         headers = upstream_headers(exchange)
@@ -76,12 +75,11 @@ class SglangBackend:
                 decode.cancel()
                 await asyncio.gather(decode, return_exceptions=True)
                 raise prefill.exception()  # type: ignore[misc]
-            response = await decode  # raises the decode leg's error, if any
+            await decode  # raises the decode leg's error, if any
             try:
                 await asyncio.wait_for(asyncio.shield(prefill), PREFILL_LINGER_SECS)
             except (TimeoutError, UpstreamError):
                 pass  # the client has its answer; a late prefill problem changes nothing for it
-            return response
         finally:
             for leg in (prefill, decode):
                 if not leg.done():
@@ -102,13 +100,12 @@ class SglangBackend:
         self.metrics.observe_pd("sglang", view.model, prefill_secs=time.monotonic() - started)
 
     async def _decode(self, exchange: Exchange, plan: Pair, view: RequestView, data: bytes,
-                      headers: dict[str, str]) -> web.StreamResponse:
+                      headers: dict[str, str]) -> None:
         started = time.monotonic()
         try:
             async with self.upstream.open("POST", plan.decode.url + view.route, data=data, headers=headers) as resp:
-                out = await relay(exchange, resp, self.on_chunk)
+                await relay(exchange, resp, self.on_chunk)
         except UpstreamError as e:
             e.worker = plan.decode
             raise
         self.metrics.observe_pd("sglang", view.model, decode_secs=time.monotonic() - started)
-        return out

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from aiohttp import web
-
 from atomesh.errors import UpstreamError
 from atomesh.placement import Plan, Single
 from atomesh.request import RequestView
@@ -17,13 +15,13 @@ class SingleBackend:
         self.upstream = upstream
         self.on_chunk = on_chunk
 
-    async def forward(self, exchange: Exchange, view: RequestView, plan: Plan) -> web.StreamResponse:
+    async def forward(self, exchange: Exchange, view: RequestView, plan: Plan) -> None:
         assert isinstance(plan, Single), "regular mode places single workers"
         worker = plan.worker
         try:
             async with self.upstream.open("POST", worker.url + view.route, data=view.raw,
                                           headers=upstream_headers(exchange)) as resp:
-                return await relay(exchange, resp, self.on_chunk)
+                await relay(exchange, resp, self.on_chunk)
         except UpstreamError as e:
             e.worker = worker
             raise

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import Any
 
 import orjson
-from aiohttp import web
 
 from atomesh.errors import UpstreamError, UpstreamStatus
 from atomesh.metrics import Metrics
@@ -53,7 +52,7 @@ class TwoStepBackend:
         self.decode_params = decode_params
         self.on_chunk = on_chunk
 
-    async def forward(self, exchange: Exchange, view: RequestView, plan: Plan) -> web.StreamResponse:
+    async def forward(self, exchange: Exchange, view: RequestView, plan: Plan) -> None:
         assert isinstance(plan, Pair), "P/D mode places prefill/decode pairs"
         started = time.monotonic()
         deadline = started + self.upstream.request_timeout
@@ -70,7 +69,7 @@ class TwoStepBackend:
                     # A streaming decode answers once it pulled the KV and ran its first step:
                     # the time to here is the hand-off (a whole answer would include the decode).
                     self.metrics.observe_pd(self.runtime, view.model, handoff_secs=time.monotonic() - prefilled)
-                out = await relay(exchange, resp, self.on_chunk)
+                await relay(exchange, resp, self.on_chunk)
         except UpstreamError as e:
             e.worker = plan.decode
             if isinstance(e, UpstreamStatus):
@@ -79,7 +78,6 @@ class TwoStepBackend:
                     self.metrics.pd_kv_transfer_failed(self.runtime, reason)
             raise
         self.metrics.observe_pd(self.runtime, view.model, decode_secs=time.monotonic() - prefilled)
-        return out
 
     async def _prefill(self, exchange: Exchange, view: RequestView, worker: Worker) -> dict[str, Any]:
         """Run the prefill leg; return the kv_transfer_params it answered with."""
