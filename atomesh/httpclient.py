@@ -1,0 +1,484 @@
+"""A lean asyncio HTTP/1.1 client with a keep-alive pool, for the gateway's calls to workers.
+
+aiohttp's client spends tens of microseconds of CPU per request on features the gateway never uses
+(cookies, redirects, tracing, middlewares, multi-layer stream readers). Here one `asyncio.Protocol`
+per connection feeds `httptools` directly, a request is one `transport.write`, a waiting coroutine
+awaits one bare Future, and a request's deadline is one `loop.call_at` timer that aborts the connection.
+
+State for the exchange in flight lives on the connection (`_Conn`): the parser's callbacks fill it and
+wake the waiter; `Response` is a thin handle over it that hands the connection back to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import socket
+import ssl
+from collections.abc import AsyncIterator, Mapping
+from urllib.parse import urlsplit
+
+from httptools import HttpParserError, HttpParserUpgrade, HttpResponseParser
+
+__all__ = ["ClientPool", "ConnectFailed", "DeadlineExceeded", "Disconnected", "HTTPClientError",
+           "ProtocolViolation", "Response"]
+
+# Buffered unread body above which the socket stops being read (the worker then waits on TCP).
+_HIGH_WATER = 1 << 20
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+_FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding"})
+_OWN_HEADERS = _FRAMING_HEADERS | {"host"}  # written by the client from the URL and body
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+_Key = tuple[str, str, int]  # (scheme, host, port): one idle list per key
+
+
+class HTTPClientError(Exception):
+    """Base of every failure this client reports; `message` says what happened."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class ConnectFailed(HTTPClientError):
+    """No connection could be opened (refused, unresolvable, unreachable, connect timeout, TLS)."""
+
+
+class Disconnected(HTTPClientError):
+    """The peer closed or reset the connection before the response was complete."""
+
+
+class ProtocolViolation(HTTPClientError):
+    """The peer sent something that is not valid HTTP/1.x."""
+
+
+class DeadlineExceeded(HTTPClientError):
+    """The request's timeout elapsed (while connecting, waiting for the head or reading the body)."""
+
+
+class _Conn(asyncio.Protocol):
+    """One connection, and the state of the exchange running on it (reset by `start`)."""
+
+    __slots__ = ("_loop", "_parser", "_paused", "_pool", "_waiter", "body_done", "buffered", "busy", "closed", "error",
+                 "got_data", "head_done", "headers", "idle_since", "interim", "is_head", "keep_alive", "key",
+                 "pieces", "pooled", "status", "transport")
+
+    def __init__(self, pool: ClientPool, key: _Key) -> None:
+        self._pool = pool
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self._loop = asyncio.get_running_loop()
+        self._parser = HttpResponseParser(self)
+        self._waiter: asyncio.Future[None] | None = None
+        self._paused = False
+        self.busy = self.closed = self.pooled = False
+        self.idle_since = 0.0
+        self._reset(False)
+
+    def _reset(self, is_head: bool) -> None:
+        self.is_head = is_head
+        self.head_done = self.body_done = self.got_data = self.keep_alive = self.interim = False
+        self.error: HTTPClientError | None = None
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.pieces: list[bytes] = []
+        self.buffered = 0
+
+    # --- driven by the pool and the response ---
+
+    def start(self, data: bytes, is_head: bool) -> None:
+        """Begin an exchange: reset its state and send the whole request at once."""
+        self._reset(is_head)
+        self.busy = True
+        assert self.transport is not None
+        self.transport.write(data)
+
+    def wait(self) -> asyncio.Future[None]:
+        """A future to await until the parser or the connection has news; callers re-check state after.
+
+        A plain future rather than a coroutine: one object less per wait on the hot path.
+        """
+        self._waiter = waiter = self._loop.create_future()
+        return waiter
+
+    def take(self) -> list[bytes]:
+        """All body pieces received so far; reading resumes if it was paused for them."""
+        pieces = self.pieces
+        self.pieces = []
+        self.buffered = 0
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        return pieces
+
+    def fail(self, exc: HTTPClientError) -> None:
+        """Record the exchange's first error and wake the waiter; the first cause wins."""
+        if self.error is None:
+            self.error = exc
+        self._wake()
+
+    def abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def expire(self, timeout: float) -> None:
+        """The request's deadline timer: abort unless the response is already complete."""
+        if self.busy and not self.body_done:
+            self.fail(DeadlineExceeded(f"no complete response within {timeout:g}s"))
+            self.abort()
+
+    def reusable(self) -> bool:
+        return self.body_done and self.keep_alive and self.error is None and not self.closed
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    # --- asyncio.Protocol ---
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio's classes
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._pool._conns.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.busy:  # bytes nobody asked for: the connection's framing can no longer be trusted
+            self.abort()
+            return
+        self.got_data = True
+        try:
+            self._parser.feed_data(data)
+        except (HttpParserError, HttpParserUpgrade) as e:
+            if not self.body_done:
+                self.fail(ProtocolViolation(f"invalid HTTP response: {e}"))
+            self.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._pool._forget(self)
+        if not self.busy or self.body_done:
+            return
+        if self.head_done and exc is None and _FRAMING_HEADERS.isdisjoint(self.headers):
+            self.body_done = True  # a body without length or chunking ends when the peer closes
+            self._wake()
+        elif exc is None:
+            self.fail(Disconnected("connection closed by peer"))
+        else:
+            self.fail(Disconnected(f"connection lost: {exc}"))
+
+    # --- httptools callbacks ---
+
+    def on_message_begin(self) -> None:
+        if self.body_done:  # a second response to one request: stop parsing, data_received closes
+            raise ProtocolViolation("more than one response to a request")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1")
+        old = self.headers.get(key)
+        self.headers[key] = text if old is None else old + ", " + text
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:  # interim (100 Continue, 103 Early Hints): wait for the real one
+            self.interim = True
+            self.headers = {}
+            return
+        self.status = status
+        self.head_done = True
+        if self.is_head:  # the parser would wait for a body that never comes: end here, never reuse
+            self.body_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.pieces.append(body)
+        self.buffered += len(body)
+        if self.buffered > _HIGH_WATER and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
+        if self.body_done:
+            return
+        self.body_done = True
+        self.keep_alive = self._parser.should_keep_alive()
+        self._wake()
+
+
+class Response:
+    """A response whose status and headers are in; the body is read with `read()` or `chunks()`."""
+
+    __slots__ = ("_conn", "_pool", "_timer", "content_type", "headers", "status")
+
+    def __init__(self, pool: ClientPool, conn: _Conn, timer: asyncio.TimerHandle) -> None:
+        self._pool = pool
+        self._conn: _Conn | None = conn
+        self._timer = timer
+        self.status = conn.status
+        self.headers = conn.headers
+        ctype = conn.headers.get("content-type")
+        self.content_type = "" if ctype is None else ctype.partition(";")[0].strip().lower()
+
+    def _open(self) -> _Conn:
+        if self._conn is None:
+            raise HTTPClientError("response already released")
+        return self._conn
+
+    async def read(self) -> bytes:
+        """The whole body, de-chunked; the connection then goes back to the pool if it can."""
+        conn = self._open()
+        got: list[bytes] = []
+        try:
+            while True:
+                if conn.pieces:
+                    got += conn.take()
+                if conn.body_done:
+                    break
+                if conn.error is not None:
+                    raise conn.error
+                await conn.wait()
+        except BaseException:
+            self.close()
+            raise
+        self.release()
+        return got[0] if len(got) == 1 else b"".join(got)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives: each item is everything received since the previous one.
+
+        The connection is released when the body ends; a caller that stops early must `close()`.
+        """
+        conn = self._open()
+        try:
+            while True:
+                if conn.pieces:
+                    pieces = conn.take()
+                    yield pieces[0] if len(pieces) == 1 else b"".join(pieces)
+                elif conn.body_done:
+                    break
+                elif conn.error is not None:
+                    raise conn.error
+                else:
+                    await conn.wait()
+        except BaseException:
+            self.close()
+            raise
+        self.release()
+
+    def release(self) -> None:
+        """Done with the response: pool the connection if the body is complete, else close it."""
+        conn = self._conn
+        if conn is not None:
+            self._conn = None
+            self._timer.cancel()
+            self._pool._release(conn)
+
+    def close(self) -> None:
+        """Abort: close the connection whatever its state."""
+        conn = self._conn
+        if conn is not None:
+            self._conn = None
+            self._timer.cancel()
+            conn.fail(HTTPClientError("response closed"))  # wakes a chunks() iterating in another task
+            conn.abort()
+
+
+class ClientPool:
+    """Keep-alive connections per (scheme, host, port), reused most-recent first."""
+
+    def __init__(self, *, connect_timeout: float = 10.0, keepalive_timeout: float = 60.0,
+                 max_idle_per_host: int = 256, ssl_context: ssl.SSLContext | None = None) -> None:
+        self._connect_timeout = connect_timeout
+        self._keepalive = keepalive_timeout
+        self._max_idle = max_idle_per_host
+        self._ssl = ssl_context
+        self._idle: dict[_Key, list[_Conn]] = {}
+        self._conns: set[_Conn] = set()  # every open connection, idle or busy, for close()
+        self._origins: dict[str, tuple[_Key, str]] = {}  # "http://host:port" -> (key, Host header)
+        self._sweeper: asyncio.Task[None] | None = None
+        self._closed = False
+
+    async def request(self, method: str, url: str, *, headers: Mapping[str, str] | None = None,
+                      body: bytes | None = None, timeout: float) -> Response:
+        """Send a request; return once the status line and headers are in.
+
+        `timeout` bounds the whole exchange, until the response is released or closed. A request that
+        finds a reused connection already closed by the peer (before any response byte) is sent again
+        once on a new connection: the keep-alive race every pooled client has.
+        """
+        if self._closed:
+            raise HTTPClientError("client closed")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        key, target, host = self._route(url)
+        data = _encode(method, target, host, headers, body)
+        conn = self._take_idle(key)
+        retry = conn is not None
+        if conn is None:
+            conn = await self._connect(key, deadline)
+        while True:
+            timer = loop.call_at(deadline, conn.expire, timeout)
+            try:
+                conn.start(data, method == "HEAD")
+                while not conn.head_done:
+                    if conn.error is not None:
+                        raise conn.error
+                    await conn.wait()
+            except Disconnected:
+                timer.cancel()
+                conn.abort()
+                if retry and not conn.got_data:
+                    retry = False
+                    conn = await self._connect(key, deadline)
+                    continue
+                raise
+            except BaseException:
+                timer.cancel()
+                conn.abort()
+                raise
+            return Response(self, conn, timer)
+
+    async def close(self) -> None:
+        """Close every connection; requests still running fail, later ones are refused."""
+        self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        self._idle.clear()
+        for conn in list(self._conns):
+            conn.pooled = False
+            conn.fail(HTTPClientError("client closed"))
+            conn.abort()
+        await asyncio.sleep(0)  # let the transports report connection_lost
+
+    # --- internals ---
+
+    def _route(self, url: str) -> tuple[_Key, str, str]:
+        """(pool key, request target, Host header) of `url`; origins are parsed once and cached."""
+        slash = url.find("/", url.find("://") + 3)
+        origin, target = (url, "/") if slash < 0 else (url[:slash], url[slash:])
+        cached = self._origins.get(origin)
+        if cached is None:
+            parts = urlsplit(origin)
+            port = _DEFAULT_PORTS.get(parts.scheme)
+            if port is None or not parts.hostname:
+                raise ValueError(f"not an http(s) URL: {url!r}")
+            cached = (parts.scheme, parts.hostname, parts.port or port), parts.netloc.rpartition("@")[2]
+            if len(self._origins) >= 1024:
+                self._origins.clear()
+            self._origins[origin] = cached
+        return cached[0], target, cached[1]
+
+    def _take_idle(self, key: _Key) -> _Conn | None:
+        idle = self._idle.get(key)
+        while idle:
+            conn = idle.pop()
+            conn.pooled = False
+            if not conn.closed:
+                return conn
+        return None
+
+    async def _connect(self, key: _Key, deadline: float) -> _Conn:
+        """A new connection, within the connect timeout and what is left of the request's deadline.
+
+        Connecting is the one step bounded by `wait_for`: it happens once per connection, not per request.
+        """
+        if self._closed:
+            raise HTTPClientError("client closed")
+        scheme, host, port = key
+        loop = asyncio.get_running_loop()
+        left = deadline - loop.time()
+        ctx = None
+        if scheme == "https":
+            ctx = self._ssl = self._ssl or ssl.create_default_context()
+        conn = _Conn(self, key)
+        try:
+            await asyncio.wait_for(loop.create_connection(lambda: conn, host, port, ssl=ctx),
+                                   min(self._connect_timeout, left))
+        except TimeoutError:
+            conn.abort()
+            if left <= self._connect_timeout:
+                raise DeadlineExceeded(f"deadline passed while connecting to {host}:{port}") from None
+            raise ConnectFailed(f"connect timed out after {self._connect_timeout:g}s") from None
+        except ssl.SSLError as e:
+            raise ConnectFailed(f"TLS handshake failed: {e.reason or e}") from None
+        except socket.gaierror as e:
+            raise ConnectFailed(f"cannot resolve {host}: {e.strerror}") from None
+        except OSError as e:
+            if isinstance(e, ConnectionRefusedError) or e.errno == errno.ECONNREFUSED:
+                raise ConnectFailed("connection refused") from None
+            raise ConnectFailed(e.strerror or str(e)) from None
+        except BaseException:
+            conn.abort()  # cancelled: a connection made in the meantime must not leak
+            raise
+        if self._closed:  # close() ran while we were connecting
+            conn.abort()
+            raise HTTPClientError("client closed")
+        return conn
+
+    def _release(self, conn: _Conn) -> None:
+        """Back to its idle list if it can carry another request, else closed."""
+        conn.busy = False
+        idle = self._idle.get(conn.key)
+        if idle is None:
+            idle = self._idle[conn.key] = []
+        if self._closed or not conn.reusable() or len(idle) >= self._max_idle:
+            conn.abort()
+            return
+        conn.take()  # drop what the caller left unread and resume reading if paused
+        conn.pooled = True
+        conn.idle_since = conn._loop.time()
+        idle.append(conn)
+        if self._sweeper is None:
+            self._sweeper = conn._loop.create_task(self._sweep())
+
+    def _forget(self, conn: _Conn) -> None:
+        """A connection closed: it leaves the open set and, if idle, its idle list."""
+        self._conns.discard(conn)
+        if conn.pooled:
+            conn.pooled = False
+            self._idle[conn.key].remove(conn)
+
+    async def _sweep(self) -> None:
+        """Close connections idle longer than keepalive_timeout; one task for the whole pool."""
+        interval = min(self._keepalive / 2, 5.0)
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(interval)
+            cutoff = loop.time() - self._keepalive
+            for idle in self._idle.values():
+                stale = 0  # idle lists are oldest first
+                while stale < len(idle) and idle[stale].idle_since <= cutoff:
+                    stale += 1
+                for conn in idle[:stale]:
+                    conn.pooled = False
+                    conn.abort()
+                del idle[:stale]
+
+
+def _encode(method: str, target: str, host: str, headers: Mapping[str, str] | None, body: bytes | None) -> bytes:
+    """The request as sent: head and body in one buffer, for a single write."""
+    lines = [method, " ", target, " HTTP/1.1\r\nHost: ", host, "\r\n"]
+    if headers:
+        for name, value in headers.items():
+            if "\r" in name or "\n" in name or "\r" in value or "\n" in value:
+                raise ValueError(f"CR or LF in request header {name!r}")
+            if name.lower() in _OWN_HEADERS:
+                raise ValueError(f"{name} is set by the client, not the caller")
+            lines += (name, ": ", value, "\r\n")
+    if body:
+        lines += ("Content-Length: ", str(len(body)), "\r\n\r\n")
+        return "".join(lines).encode("latin-1") + body
+    lines.append("Content-Length: 0\r\n\r\n" if body is not None or method in _BODY_METHODS else "\r\n")
+    return "".join(lines).encode("latin-1")
