@@ -12,27 +12,17 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Sequence
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from aiohttp import web
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    disable_created_metrics,
-    generate_latest,
-)
-
-# `*_created` series double the series count and no dashboard of ours reads them (SMG has none).
-disable_created_metrics()  # type: ignore[no-untyped-call]
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 OTHER = "other"
-
-M = TypeVar("M", Counter, Gauge, Histogram)
 
 # Route path -> `endpoint` label, as SMG names its endpoints.
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/generate": "generate"}
@@ -55,17 +45,152 @@ class MetricSpec:
         return (self.name,)
 
 
+class CounterValue:
+    """One labelled counter: a plain number, read at scrape time (no lock: one event-loop thread writes)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+class GaugeValue(CounterValue):
+    __slots__ = ()
+
+    def dec(self, amount: float = 1.0) -> None:
+        self.value -= amount
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+
+class HistogramValue:
+    """One labelled histogram: a count per bucket (upper bounds inclusive, +Inf last) and a sum."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+V = TypeVar("V")
+
+
+class Family(Generic[V]):
+    """A metric and its labelled values, kept as plain Python numbers on the request path.
+
+    prometheus-client's metric classes take a lock and validate labels on every update, which cost more
+    than the rest of a request's bookkeeping together; these values are turned into its exposition
+    format only when Prometheus scrapes (`collect`).
+    """
+
+    def __init__(self, spec: MetricSpec) -> None:
+        self.spec = spec
+        self.children: dict[tuple[str, ...], V] = {}
+
+    def labels(self, *values: str) -> V:
+        child = self.children.get(values)
+        if child is None:
+            if len(values) != len(self.spec.labels):
+                raise ValueError(f"{self.spec.name} takes labels {self.spec.labels}, got {values}")
+            child = self.children[values] = self._new()
+        return child
+
+    def remove(self, *values: str) -> None:
+        self.children.pop(values, None)
+
+    def _new(self) -> V:
+        raise NotImplementedError
+
+    def collect(self) -> Metric:
+        raise NotImplementedError
+
+
+class CounterFamily(Family[CounterValue]):
+    def _new(self) -> CounterValue:
+        return CounterValue()
+
+    def collect(self) -> Metric:
+        fam = CounterMetricFamily(self.spec.name, self.spec.help, labels=self.spec.labels)
+        for values, v in self.children.items():
+            fam.add_metric(list(values), v.value)
+        return fam
+
+
+class GaugeFamily(Family[GaugeValue]):
+    def _new(self) -> GaugeValue:
+        return GaugeValue()
+
+    # A label-less gauge is updated on the family itself.
+    def inc(self, amount: float = 1.0) -> None:
+        self.labels().inc(amount)
+
+    def dec(self, amount: float = 1.0) -> None:
+        self.labels().dec(amount)
+
+    def set(self, value: float) -> None:
+        self.labels().set(value)
+
+    def collect(self) -> Metric:
+        fam = GaugeMetricFamily(self.spec.name, self.spec.help, labels=self.spec.labels)
+        for values, v in self.children.items():
+            fam.add_metric(list(values), v.value)
+        return fam
+
+
+class HistogramFamily(Family[HistogramValue]):
+    def __init__(self, spec: MetricSpec, buckets: tuple[float, ...]) -> None:
+        super().__init__(spec)
+        self.buckets = tuple(sorted(buckets))
+        self._les = [floatToGoString(b) for b in self.buckets] + ["+Inf"]  # type: ignore[no-untyped-call]
+
+    def _new(self) -> HistogramValue:
+        return HistogramValue(self.buckets)
+
+    def collect(self) -> Metric:
+        fam = HistogramMetricFamily(self.spec.name, self.spec.help, labels=self.spec.labels)
+        for values, h in self.children.items():
+            running, cumulative = 0, []
+            for le, n in zip(self._les, h.counts, strict=True):
+                running += n
+                cumulative.append((le, float(running)))
+            fam.add_metric(list(values), cumulative, h.sum)
+        return fam
+
+
+F = TypeVar("F", bound=Family[Any])
+
+
+class _Collector:
+    """Hands every family to prometheus-client's registry at scrape time."""
+
+    def __init__(self, families: list[Family[Any]]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        for f in self.families:
+            yield f.collect()
+
+
 class Metrics:
     """Every metric the gateway exports, and small methods to record what the request path sees."""
 
     def __init__(self, buckets: Sequence[float], *, max_model_labels: int = 64) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = CollectorRegistry()
         self.specs: list[MetricSpec] = []
+        self.families: list[Family[Any]] = []
         self.max_model_labels = max_model_labels
         self._models: set[str] = set()
         self._cache_seen: dict[str, tuple[int, int]] = {}  # worker_type -> (hits, misses) already counted
-        # (metric, label values) -> labelled child; bounded like the label sets themselves.
-        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         b = tuple(buckets)
         c, g, h = self._counter, self._gauge, self._histogram
         # --- HTTP layer (every route of the service port)
@@ -153,19 +278,23 @@ class Metrics:
         # --- engine metrics proxy (GET /engine_metrics)
         self.engine_scrape_errors = c("mesh_engine_metrics_scrape_errors_total",
                                       "Workers whose /metrics could not be read for /engine_metrics.", ("worker",))
+        self.registry.register(_Collector(self.families))
 
     # ------------------------------------------------------------------ declaration
-    def _counter(self, name: str, help_: str, labels: tuple[str, ...]) -> Counter:
-        self.specs.append(MetricSpec(name, "counter", labels, help_))
-        return Counter(name, help_, labels, registry=self.registry)
+    def _declare(self, family: F) -> F:
+        self.specs.append(family.spec)
+        self.families.append(family)
+        return family
 
-    def _gauge(self, name: str, help_: str, labels: tuple[str, ...]) -> Gauge:
-        self.specs.append(MetricSpec(name, "gauge", labels, help_))
-        return Gauge(name, help_, labels, registry=self.registry)
+    def _counter(self, name: str, help_: str, labels: tuple[str, ...]) -> CounterFamily:
+        return self._declare(CounterFamily(MetricSpec(name, "counter", labels, help_)))
 
-    def _histogram(self, name: str, help_: str, labels: tuple[str, ...], buckets: tuple[float, ...]) -> Histogram:
-        self.specs.append(MetricSpec(name, "histogram", labels, help_))
-        return Histogram(name, help_, labels, buckets=buckets, registry=self.registry)
+    def _gauge(self, name: str, help_: str, labels: tuple[str, ...]) -> GaugeFamily:
+        return self._declare(GaugeFamily(MetricSpec(name, "gauge", labels, help_)))
+
+    def _histogram(self, name: str, help_: str, labels: tuple[str, ...],
+                   buckets: tuple[float, ...]) -> HistogramFamily:
+        return self._declare(HistogramFamily(MetricSpec(name, "histogram", labels, help_), buckets))
 
     def series_names(self) -> set[str]:
         """Every sample name this registry can export."""
@@ -187,23 +316,18 @@ class Metrics:
         self._models.add(model)
         return model
 
-    def child(self, metric: M, *labels: str) -> M:
-        """`metric.labels(*labels)`, cached: prometheus-client's `labels()` costs microseconds a call."""
-        key = (metric, labels)
-        found = self._children.get(key)
-        if found is None:
-            found = self._children[key] = metric.labels(*labels)
-        return found
+    @staticmethod
+    def child(family: Family[V], *labels: str) -> V:
+        """The labelled value of a metric (kept for readability at call sites: `m.child(m.x, a, b).inc()`)."""
+        return family.labels(*labels)
 
     def forget_worker(self, url: str) -> None:
         """Drop every series of a removed worker so label sets do not grow with churn."""
-        self._children.clear()  # cached children of removed series must not be written to again
-        for metric in (self.worker_active, self.worker_health, self.health_checks, self.selections,
+        for family in (self.worker_active, self.worker_health, self.health_checks, self.selections,
                        self.worker_errors, self.upstream_responses, self.cb_state, self.cb_transitions,
                        self.cb_outcomes, self.engine_scrape_errors):
-            # prometheus-client removes by full label tuple; the worker label is always first.
-            for labels in [k for k in _children(metric) if k and k[0] == url]:
-                metric.remove(*labels)
+            for labels in [k for k in family.children if k and k[0] == url]:  # the worker label is first
+                family.remove(*labels)
 
     # ------------------------------------------------------------------ recording helpers
     def meter(self, route: str, model: str | None, streaming: bool) -> RequestMeter:
@@ -241,12 +365,6 @@ class Metrics:
             self.cache_misses.labels(worker_type).inc(misses - last_misses)
         self._cache_seen[worker_type] = (max(hits, last_hits), max(misses, last_misses))
         self.cache_index_entries.labels(worker_type).set(entries)
-
-
-def _children(metric: Any) -> list[tuple[str, ...]]:
-    # prometheus-client keeps labelled children in `_metrics` (label tuple -> child); no public API lists them.
-    with metric._lock:
-        return list(metric._metrics)
 
 
 # A streamed event carrying generated text: `"content": "x..."` (chat) or `"text": "x..."` (completions,
