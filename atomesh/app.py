@@ -5,16 +5,17 @@ from __future__ import annotations
 import asyncio
 import signal
 import ssl
+from collections.abc import Callable
 
 import structlog
 from aiohttp import web
 
 from atomesh.api import admin, health, observability, openai
 from atomesh.api.middleware import HttpAccounting, make_middleware
+from atomesh.cluster import Cluster, Splice
 from atomesh.config import GatewayConfig
 from atomesh.frontdoor import FrontDoor
 from atomesh.gateway import GATEWAY, Gateway, StartupError
-from atomesh.policies.cache_aware import CacheAwarePolicy
 
 log = structlog.get_logger("atomesh")
 
@@ -32,15 +33,11 @@ def build_app(gateway: Gateway, accounting: HttpAccounting) -> web.Application:
     return app
 
 
-def build_metrics_app(gateway: Gateway) -> web.Application:
+def build_metrics_app(gateway: Gateway, cluster: Callable[[], Cluster | None]) -> web.Application:
     async def metrics(_: web.Request) -> web.Response:
-        # Values the components keep themselves are copied in at scrape time, off the request path.
-        for w in gateway.registry:
-            gateway.metrics.worker_active.labels(w.url, w.role.value).set(w.in_flight)
-        for role, policy in gateway.placement.policies.items():
-            if isinstance(policy, CacheAwarePolicy):
-                gateway.metrics.sync_cache_aware(role.value, policy.hits, policy.misses, len(policy.index))
-        return gateway.metrics.render()
+        gateway.sync_metrics()
+        others = cluster()
+        return gateway.metrics.render(await others.metrics() if others is not None else ())
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
@@ -59,16 +56,21 @@ def _ssl_context(cfg: GatewayConfig) -> ssl.SSLContext | None:
 
 
 class GatewayServer:
-    """The gateway with its two listening apps; `start()` returns once workers are registered."""
+    """The gateway with its front door and metrics port; `start()` returns once workers are registered.
+
+    With `--processes N` this is the leader process, and it starts the N-1 followers (atomesh.cluster).
+    """
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.gateway = Gateway(config)
+        self.cluster: Cluster | None = None
         accounting = HttpAccounting(config.request_id_headers, self.gateway.metrics, config.max_payload_size)
         self._runner = web.AppRunner(build_app(self.gateway, accounting), handler_cancellation=True,
                                      access_log=None, shutdown_timeout=1.0)
         self.door = FrontDoor(self.gateway, accounting, fallback=lambda: self._runner.server())  # type: ignore[misc]
-        self._metrics_runner = web.AppRunner(build_metrics_app(self.gateway), access_log=None)
+        self._metrics_runner = web.AppRunner(build_metrics_app(self.gateway, lambda: self.cluster),
+                                             access_log=None)
 
     async def listen(self) -> None:
         """Open both ports (readiness says 503 until workers are up)."""
@@ -76,20 +78,29 @@ class GatewayServer:
         await self.gateway.start()
         await self._runner.setup()
         await self._metrics_runner.setup()
+        shared = cfg.processes > 1
         try:
-            await self.door.start(cfg.host, cfg.port, _ssl_context(cfg))
+            await self.door.start(cfg.host, cfg.port, _ssl_context(cfg), reuse_port=shared)
+            if shared:
+                # The followers pass every request they do not serve themselves to this private port.
+                self.cluster = Cluster(cfg, self.gateway, await self.door.listen_private())
             await web.TCPSite(self._metrics_runner, cfg.prometheus_host, cfg.prometheus_port,
                               reuse_address=True).start()
         except OSError as e:
             raise StartupError(f"cannot listen: {e.strerror or e}") from None
         log.info("gateway_listening", host=cfg.host, port=cfg.port, metrics_port=cfg.prometheus_port,
                  mode="pd" if cfg.pd_disaggregation else "regular", backend=cfg.backend.value,
-                 policy=cfg.policy)
+                 policy=cfg.policy, processes=cfg.processes)
 
     async def start(self) -> None:
         await self.listen()
         await self.gateway.add_startup_workers()
         self.gateway.start_background()
+        if self.cluster is not None:
+            try:
+                await self.cluster.start()
+            except RuntimeError as e:
+                raise StartupError(str(e)) from None
         log.info("gateway_ready", workers=len(self.gateway.registry))
 
     async def shutdown(self) -> None:
@@ -97,16 +108,46 @@ class GatewayServer:
         gw = self.gateway
         grace = self.config.shutdown_grace_period_secs
         log.info("shutdown_started", in_flight=gw.active_requests, grace_secs=grace)
-        drained = await gw.drain_requests(grace)
+        if self.cluster is not None:
+            drained, _ = await asyncio.gather(gw.drain_requests(grace), self.cluster.stop(grace))
+        else:
+            drained = await gw.drain_requests(grace)
         log.info("shutdown_drained" if drained else "shutdown_grace_expired", in_flight=gw.active_requests)
         await self.close()
 
     async def close(self) -> None:
+        if self.cluster is not None:
+            await self.cluster.stop(0)
         await self.door.close()
         await self._runner.cleanup()
         await self._metrics_runner.cleanup()
         await self.gateway.stop()
         log.info("shutdown_complete")
+
+
+class FollowerServer:
+    """A follower process's server: the front door on the shared port; the rest goes to the leader."""
+
+    def __init__(self, config: GatewayConfig, leader_port: int) -> None:
+        self.config = config
+        self.gateway = Gateway(config)
+        accounting = HttpAccounting(config.request_id_headers, self.gateway.metrics, config.max_payload_size)
+        self.door = FrontDoor(self.gateway, accounting, fallback=lambda: Splice(leader_port))
+
+    async def listen(self) -> None:
+        cfg = self.config
+        await self.gateway.start()
+        await self.door.start(cfg.host, cfg.port, _ssl_context(cfg), reuse_port=True)
+        self.gateway.placement.start()
+
+    async def shutdown(self) -> None:
+        await self.gateway.drain_requests(self.config.shutdown_grace_period_secs)
+        await self.door.close()
+        await self.gateway.stop()
+
+
+def follower_server(config: GatewayConfig, leader_port: int) -> FollowerServer:
+    return FollowerServer(config, leader_port)
 
 
 async def serve(config: GatewayConfig) -> None:

@@ -314,14 +314,23 @@ class FrontDoor:
         self.max_payload = gateway.config.max_payload_size
         self.connections: set[FrontConnection] = set()
         self.loop = asyncio.get_event_loop()
-        self._server: asyncio.Server | None = None
+        self._servers: list[asyncio.Server] = []
         self._sweeper: asyncio.Task[None] | None = None
 
-    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None) -> None:
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None, *,
+                    reuse_port: bool = False) -> None:
+        """Listen; `reuse_port` lets other gateway processes listen on the same port (atomesh.cluster)."""
         self.loop = asyncio.get_running_loop()
-        self._server = await self.loop.create_server(
-            lambda: FrontConnection(self), host, port, ssl=ssl_context, reuse_address=True, backlog=1024)
+        self._servers.append(await self.loop.create_server(
+            lambda: FrontConnection(self), host, port, ssl=ssl_context, reuse_address=True,
+            reuse_port=reuse_port or None, backlog=1024))
         self._sweeper = self.loop.create_task(self._sweep())
+
+    async def listen_private(self) -> int:
+        """Also listen on a loopback port of the kernel's choosing (for follower processes); returns it."""
+        server = await self.loop.create_server(lambda: FrontConnection(self), "127.0.0.1", 0, backlog=1024)
+        self._servers.append(server)
+        return int(server.sockets[0].getsockname()[1])
 
     async def _sweep(self) -> None:
         while True:
@@ -332,8 +341,8 @@ class FrontDoor:
 
     async def close(self) -> None:
         """Stop listening; close every connection (in-flight requests were drained before, or are cut)."""
-        if self._server is not None:
-            self._server.close()
+        for server in self._servers:
+            server.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
         for conn in list(self.connections):

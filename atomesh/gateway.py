@@ -19,6 +19,7 @@ from atomesh.config import GatewayConfig
 from atomesh.metrics import Metrics
 from atomesh.placement import Placement
 from atomesh.policies import Policy, make_policy
+from atomesh.policies.cache_aware import CacheAwarePolicy
 from atomesh.router import Router
 from atomesh.transport import Upstream
 from atomesh.workers.breaker import BreakerSettings, BreakerState
@@ -53,8 +54,12 @@ class Gateway:
                                                              for p in policies.values()) else None)
         self.backend = self._make_backend()
         self.router = Router(config, self.placement, self.backend, self.metrics)
-        self.admission = Admission(config.max_concurrent_requests, config.queue_size, config.queue_timeout_secs,
-                                   config.rate_limit_tokens_per_second)
+        # With several processes each admits its share (the kernel spreads connections about evenly).
+        n = config.processes
+        rate = config.rate_limit_tokens_per_second
+        self.admission = Admission(
+            -(-config.max_concurrent_requests // n) if config.max_concurrent_requests > 0 else -1,
+            -(-config.queue_size // n), config.queue_timeout_secs, rate / n if rate else None)
         self.lifecycle = Lifecycle(
             self.registry, self.upstream, backend=config.backend,
             breaker=BreakerSettings(
@@ -92,6 +97,14 @@ class Gateway:
     @property
     def roles(self) -> tuple[WorkerRole, ...]:
         return tuple(self.placement.policies)
+
+    def sync_metrics(self) -> None:
+        """Copy in, at scrape time, the values components keep themselves (off the request path)."""
+        for w in self.registry:
+            self.metrics.worker_active.labels(w.url, w.role.value).set(w.in_flight)
+        for role, policy in self.placement.policies.items():
+            if isinstance(policy, CacheAwarePolicy):
+                self.metrics.sync_cache_aware(role.value, policy.hits, policy.misses, len(policy.index))
 
     # ------------------------------------------------------------------ request accounting
     def request_started(self) -> None:

@@ -22,8 +22,9 @@ _ROTATE_BYTES = 50 * 1024 * 1024
 _ROTATE_KEEP = 5
 
 
-def setup_logging(level: str = "info", json: bool = False, log_dir: Path | None = None) -> None:
-    """Route structlog and stdlib logging through one renderer to stderr (and `log_dir`/atomesh.log)."""
+def setup_logging(level: str = "info", json: bool = False, log_dir: Path | None = None,
+                  log_file: str = LOG_FILE) -> None:
+    """Route structlog and stdlib logging through one renderer to stderr (and `log_dir`/`log_file`)."""
     lvl = _LEVELS[level]
     shared: list[structlog.types.Processor] = [
         structlog.contextvars.merge_contextvars,
@@ -46,7 +47,7 @@ def setup_logging(level: str = "info", json: bool = False, log_dir: Path | None 
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.handlers.RotatingFileHandler(
-            log_dir / LOG_FILE, maxBytes=_ROTATE_BYTES, backupCount=_ROTATE_KEEP, encoding="utf-8"))
+            log_dir / log_file, maxBytes=_ROTATE_BYTES, backupCount=_ROTATE_KEEP, encoding="utf-8"))
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)

@@ -111,22 +111,42 @@ class Family(Generic[V]):
     def _new(self) -> V:
         raise NotImplementedError
 
-    def collect(self) -> Metric:
+    def export(self) -> dict[tuple[str, ...], Any]:
+        """The values, as plain data another process can add to its own (atomesh.cluster)."""
+        raise NotImplementedError
+
+    def merged(self, remote: Sequence[dict[tuple[str, ...], Any]]) -> dict[tuple[str, ...], Any]:
+        """This process's values plus other processes' exports, label set by label set."""
+        raise NotImplementedError
+
+    def collect(self, remote: Sequence[dict[tuple[str, ...], Any]] = ()) -> Metric:
         raise NotImplementedError
 
 
-class CounterFamily(Family[CounterValue]):
+class _Scalar(Family[V]):
+    def export(self) -> dict[tuple[str, ...], Any]:
+        return {k: v.value for k, v in self.children.items()}  # type: ignore[attr-defined]
+
+    def merged(self, remote: Sequence[dict[tuple[str, ...], Any]]) -> dict[tuple[str, ...], Any]:
+        out = self.export()
+        for values in remote:
+            for k, v in values.items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+
+class CounterFamily(_Scalar[CounterValue]):
     def _new(self) -> CounterValue:
         return CounterValue()
 
-    def collect(self) -> Metric:
+    def collect(self, remote: Sequence[dict[tuple[str, ...], Any]] = ()) -> Metric:
         fam = CounterMetricFamily(self.spec.name, self.spec.help, labels=self.spec.labels)
-        for values, v in self.children.items():
-            fam.add_metric(list(values), v.value)
+        for values, v in self.merged(remote).items():
+            fam.add_metric(list(values), v)
         return fam
 
 
-class GaugeFamily(Family[GaugeValue]):
+class GaugeFamily(_Scalar[GaugeValue]):
     def _new(self) -> GaugeValue:
         return GaugeValue()
 
@@ -140,10 +160,10 @@ class GaugeFamily(Family[GaugeValue]):
     def set(self, value: float) -> None:
         self.labels().set(value)
 
-    def collect(self) -> Metric:
+    def collect(self, remote: Sequence[dict[tuple[str, ...], Any]] = ()) -> Metric:
         fam = GaugeMetricFamily(self.spec.name, self.spec.help, labels=self.spec.labels)
-        for values, v in self.children.items():
-            fam.add_metric(list(values), v.value)
+        for values, v in self.merged(remote).items():
+            fam.add_metric(list(values), v)
         return fam
 
 
@@ -156,29 +176,56 @@ class HistogramFamily(Family[HistogramValue]):
     def _new(self) -> HistogramValue:
         return HistogramValue(self.buckets)
 
-    def collect(self) -> Metric:
+    def export(self) -> dict[tuple[str, ...], Any]:
+        return {k: (list(h.counts), h.sum) for k, h in self.children.items()}
+
+    def merged(self, remote: Sequence[dict[tuple[str, ...], Any]]) -> dict[tuple[str, ...], Any]:
+        out = self.export()
+        for values in remote:
+            for k, (counts, total) in values.items():
+                mine = out.get(k)
+                if mine is None:
+                    out[k] = (list(counts), total)
+                else:
+                    out[k] = ([a + b for a, b in zip(mine[0], counts, strict=True)], mine[1] + total)
+        return out
+
+    def collect(self, remote: Sequence[dict[tuple[str, ...], Any]] = ()) -> Metric:
         fam = HistogramMetricFamily(self.spec.name, self.spec.help, labels=self.spec.labels)
-        for values, h in self.children.items():
+        for values, (counts, total) in self.merged(remote).items():
             running, cumulative = 0, []
-            for le, n in zip(self._les, h.counts, strict=True):
+            for le, n in zip(self._les, counts, strict=True):
                 running += n
                 cumulative.append((le, float(running)))
-            fam.add_metric(list(values), cumulative, h.sum)
+            fam.add_metric(list(values), cumulative, total)
         return fam
 
 
 F = TypeVar("F", bound=Family[Any])
 
 
+# One process's request-path values: metric name -> label values -> value (atomesh.cluster).
+Export = dict[str, dict[tuple[str, ...], Any]]
+
+# Series that describe the worker registry, which the leader process owns: other processes mirror
+# the registry, and their copies of these are not added in.
+LEADER_ONLY = frozenset({
+    "mesh_worker_pool_size", "mesh_worker_health", "mesh_worker_health_checks_total", "mesh_worker_cb_state",
+    "mesh_worker_cb_transitions_total", "mesh_cache_aware_index_entries", "mesh_engine_metrics_scrape_errors_total",
+})
+
+
 class _Collector:
-    """Hands every family to prometheus-client's registry at scrape time."""
+    """Hands every family to prometheus-client's registry at scrape time, with other processes' values."""
 
     def __init__(self, families: list[Family[Any]]) -> None:
         self.families = families
+        self.remote: Sequence[Export] = ()
 
     def collect(self) -> Iterator[Metric]:
         for f in self.families:
-            yield f.collect()
+            name = f.spec.name
+            yield f.collect([r[name] for r in self.remote if name in r])
 
 
 class Metrics:
@@ -278,7 +325,8 @@ class Metrics:
         # --- engine metrics proxy (GET /engine_metrics)
         self.engine_scrape_errors = c("mesh_engine_metrics_scrape_errors_total",
                                       "Workers whose /metrics could not be read for /engine_metrics.", ("worker",))
-        self.registry.register(_Collector(self.families))
+        self._collector = _Collector(self.families)
+        self.registry.register(self._collector)
 
     # ------------------------------------------------------------------ declaration
     def _declare(self, family: F) -> F:
@@ -300,9 +348,18 @@ class Metrics:
         """Every sample name this registry can export."""
         return {n for s in self.specs for n in s.series_names}
 
-    def render(self) -> web.Response:
-        """The text exposition of the registry, as an HTTP response."""
-        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    def render(self, remote: Sequence[Export] = ()) -> web.Response:
+        """The text exposition of the registry, other processes' values added in, as an HTTP response."""
+        self._collector.remote = remote
+        try:
+            body = generate_latest(self.registry)
+        finally:
+            self._collector.remote = ()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def export(self) -> Export:
+        """This process's values of the request-path metrics, for the leader process to add in."""
+        return {f.spec.name: f.export() for f in self.families if f.spec.name not in LEADER_ONLY}
 
     # ------------------------------------------------------------------ bounded labels
     def model_label(self, model: str | None) -> str:

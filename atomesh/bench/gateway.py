@@ -232,8 +232,10 @@ def gateway_command(system: str, mode: str, mocks: Mocks, port: int, mport: int,
         smg = _smg()
         assert smg is not None
         return [*smg, *common, *workers]
-    backend = ["--backend", "sglang" if system == "atomesh-sglang" else "atom"] if mode == "pd" else []
-    return [sys.executable, "-m", "atomesh", "launch", *common, *workers, *backend, *extra]
+    base, _, processes = system.partition("-x")  # "atomesh-x2": atomesh with --processes 2
+    backend = ["--backend", "sglang" if base == "atomesh-sglang" else "atom"] if mode == "pd" else []
+    many = ["--processes", processes] if processes else []
+    return [sys.executable, "-m", "atomesh", "launch", *common, *workers, *backend, *many, *extra]
 
 
 def start_mocks(workdir: Path) -> tuple[Mocks, list[subprocess.Popen[bytes]]]:
@@ -253,11 +255,13 @@ def start_mocks(workdir: Path) -> tuple[Mocks, list[subprocess.Popen[bytes]]]:
 
 
 # ---------------------------------------------------------------------------- run
-def systems_for(mode: str, only: list[str] | None) -> list[str]:
-    names = ["atomesh", "smg"] if mode == "regular" else ["atomesh", "atomesh-sglang", "smg"]
-    if _smg() is None:
-        names.remove("smg")
-    return [n for n in names if not only or n in only]
+def systems_for(mode: str, only: list[str] | None, processes: list[int]) -> list[str]:
+    """The gateways measured: atomesh as one process and as `-xN` (`--processes N`), then SMG."""
+    bases = ["atomesh"] if mode == "regular" else ["atomesh", "atomesh-sglang"]
+    names = [b if n == 1 else f"{b}-x{n}" for b in bases for n in processes]
+    if _smg() is not None:
+        names.append("smg")
+    return [n for n in names if not only or n.partition("-x")[0] in only]
 
 
 def measure_direct(mocks: Mocks, seconds: int, workdir: Path, results: Results) -> None:
@@ -286,7 +290,7 @@ def run(args: argparse.Namespace) -> Results:
         for rnd in range(args.rounds):
             measure_direct(mocks, args.duration, workdir, results)
             for mode in args.modes:
-                order = systems_for(mode, args.only)
+                order = systems_for(mode, args.only, args.processes)
                 if rnd % 2:
                     order.reverse()
                 for system in order:
@@ -353,7 +357,7 @@ def report(results: Results, args: argparse.Namespace, phases: list[Phase]) -> N
     print(f"\nmedians of {args.rounds} round(s) x {args.duration}s per phase; load: wrk -t1 (one thread); "
           f"policy {args.policy}; 2 regular mocks / 1 prefill + 1 decode mock; ratios are atomesh / smg")
     for mode in args.modes:
-        systems = systems_for(mode, args.only)
+        systems = systems_for(mode, args.only, args.processes)
         peer = "smg" if "smg" in systems else None
         print("\n== regular mode" if mode == "regular" else
               "\n== (e) P/D mode (atomesh: ATOM relay, atomesh-sglang: SGLang dual dispatch; "
@@ -407,6 +411,8 @@ def parser() -> argparse.ArgumentParser:
                    help="gateways to measure (default: all; smg when installed)")
     p.add_argument("--phases", nargs="+", choices=[ph.name for ph in PHASES], default=None)
     p.add_argument("--policy", default="round_robin", help="placement policy of every gateway")
+    p.add_argument("--processes", type=int, nargs="+", default=[1, 2],
+                   help="atomesh process counts to measure (`atomesh-xN` runs `--processes N`)")
     p.add_argument("--atomesh-args", default="", help="extra `atomesh launch` flags, one string")
     p.add_argument("--save", type=Path, default=None, help="write every sample as JSON here")
     return p

@@ -81,6 +81,13 @@ class Lifecycle:
         log.info("worker_added", worker=url, role=role.value, id=worker.id)
         return worker
 
+    def mirror(self, url: str, role: WorkerRole, bootstrap_port: int | None) -> Worker:
+        """A worker another process registered and probes (atomesh.cluster): added as pending, no job."""
+        worker = Worker(url=url, role=role, bootstrap_port=bootstrap_port)
+        worker.breaker = CircuitBreaker(settings=self.breaker_settings, on_transition=self._breaker_hook(worker))
+        self.registry.add(worker)
+        return worker
+
     def _breaker_hook(self, worker: Worker) -> Callable[[BreakerState, BreakerState], None]:
         def hook(old: BreakerState, new: BreakerState) -> None:
             log.info("breaker_" + ("opened" if new is BreakerState.OPEN else new.value), worker=worker.url,
@@ -182,8 +189,8 @@ class Lifecycle:
 
     async def _drain(self, worker: Worker, grace: float | None) -> None:
         deadline = None if grace is None else time.monotonic() + grace
-        while worker.in_flight > 0 and (deadline is None or time.monotonic() < deadline):
+        while worker.in_flight + worker.remote_in_flight > 0 and (deadline is None or time.monotonic() < deadline):
             await asyncio.sleep(0.05)
         if worker.state is WorkerState.DRAINING:
             self.registry.set_state(worker, WorkerState.REMOVED)
-            log.info("worker_removed", worker=worker.url, abandoned=worker.in_flight)
+            log.info("worker_removed", worker=worker.url, abandoned=worker.in_flight + worker.remote_in_flight)

@@ -61,6 +61,8 @@ class Worker:
     state: WorkerState = WorkerState.PENDING
     # Requests placed on this worker whose last byte has not been sent yet.
     in_flight: int = 0
+    # Requests other gateway processes have on it (reported while it drains; see atomesh.cluster).
+    remote_in_flight: int = 0
     # Load the engine itself reports (queued + running requests), when polled.
     engine_load: int | None = None
     models: tuple[str, ...] = ()
