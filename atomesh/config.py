@@ -236,12 +236,6 @@ class GatewayConfig(BaseModel):
             raise ValueError("--worker-urls is for regular mode; use --prefill and --decode with --pd-disaggregation")
         if (self.tls_cert_path is None) != (self.tls_key_path is None):
             raise ValueError("--tls-cert-path and --tls-key-path go together")
-        if self.processes > 1:
-            roles = ("prefill", "decode") if self.pd_disaggregation else ("regular",)
-            if any(self.policy_for(r) == "cache_aware" for r in roles):
-                raise ValueError("--processes above 1 cannot be used with the cache_aware policy: its prefix "
-                                 "index learns from the traffic one process sees, and splitting the traffic "
-                                 "would split the index; use prefix_hash, or one process")
         if self.retry_max_backoff_ms < self.retry_initial_backoff_ms:
             raise ValueError("--retry-max-backoff-ms must be >= --retry-initial-backoff-ms")
         return self

@@ -240,7 +240,7 @@ class FrontConnection(asyncio.Protocol):
         rid = acc.request_id(headers)
         structlog.contextvars.bind_contextvars(request_id=rid)  # this task's own copy of the context
         exchange = FrontExchange(self, rid, headers)
-        path = route.value
+        path: str = route  # a StrEnum: its value
         started = acc.begin("POST", path)
         admission = "allowed"
         try:

@@ -30,16 +30,14 @@ class RequestView:
     raw: bytes
     request_id: str
     routing_key: str | None = None
+    model: str | None = field(init=False)  # the requested model name, if a string
+    stream: bool = field(init=False)
     _locality_text: str | None = field(default=None, repr=False)
 
-    @property
-    def model(self) -> str | None:
+    def __post_init__(self) -> None:
         m = self.body.get("model")
-        return m if isinstance(m, str) else None
-
-    @property
-    def stream(self) -> bool:
-        return self.body.get("stream") is True
+        self.model = m if isinstance(m, str) else None
+        self.stream = self.body.get("stream") is True
 
     @property
     def locality_text(self) -> str:

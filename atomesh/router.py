@@ -35,8 +35,9 @@ class Router:
 
     async def serve(self, exchange: Exchange, view: RequestView) -> None:
         m = self.metrics
-        meter = exchange.on_chunk = m.meter(view.route.value, view.model, view.stream)
-        streaming = "true" if view.stream else "false"
+        stream = view.stream
+        meter = exchange.on_chunk = m.meter(view.route, view.model, stream)
+        streaming = "true" if stream else "false"
         m.child(m.router_requests, meter.endpoint, meter.model, streaming, self._backend_type).inc()
         try:
             await self._attempts(exchange, view)
@@ -51,7 +52,6 @@ class Router:
     async def _attempts(self, exchange: Exchange, view: RequestView) -> None:
         tried: list[Worker] = []
         delays: Iterator[float] | None = None  # made on the first retry: a fresh Random() seeds from urandom
-        endpoint = ENDPOINTS.get(view.route.value, view.route.value)
         attempt = 0
         while True:
             plan = self.placement.place(view, exclude=tried)
@@ -64,6 +64,7 @@ class Router:
                     # The client already has part of the answer: end it in-band, never retry.
                     await write_sse_error(exchange, e)
                     return
+                endpoint = ENDPOINTS.get(view.route, view.route)
                 if not e.retryable or attempt >= self.max_retries:
                     if e.retryable and self.max_retries:
                         self.metrics.retries_exhausted.labels(plan.workers[-1].role.value, endpoint).inc()
@@ -78,7 +79,7 @@ class Router:
                     w.breaker.record(True)
                     m.child(m.cb_outcomes, w.url, "success").inc()
                 last = plan.workers[-1]  # the worker whose answer the client got (decode in P/D)
-                m.child(m.upstream_responses, last.url, last.role.value, str(exchange.status)).inc()
+                m.child(m.upstream_responses, last.url, last.role, str(exchange.status)).inc()
                 return
             finally:
                 self.placement.release(plan)
@@ -91,7 +92,7 @@ class Router:
     def _count_selection(self, plan: Plan) -> None:
         m = self.metrics
         for w in plan.workers:
-            m.child(m.selections, w.url, w.role.value, self._policy_names[w.role]).inc()
+            m.child(m.selections, w.url, w.role, self._policy_names[w.role]).inc()
 
     def _record_failure(self, e: UpstreamError, plan: Plan) -> None:
         """Charge the failure to the worker at fault (a 4xx answer is the client's fault, not the worker's)."""

@@ -154,8 +154,9 @@ class Exchange:
         raise NotImplementedError
 
     def response_headers(self, upstream: Mapping[str, str]) -> dict[str, str]:
-        """The worker's response headers, less hop-by-hop ones, with our request id."""
-        headers = {k: v for k, v in upstream.items() if k.lower() not in _NOT_RELAYED}
+        """The worker's response headers (names lower-case, as the client gives them), less hop-by-hop
+        ones, with our request id."""
+        headers = {k: v for k, v in upstream.items() if k not in _NOT_RELAYED}
         headers["x-request-id"] = self.request_id
         return headers
 

@@ -21,8 +21,6 @@ import pytest
 from gwtest import MakeWorkers, free_port, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
-from atomesh.config import GatewayConfig
-
 pytestmark = pytest.mark.timeout(120)
 
 COMPLETION = {"model": "mock-model", "prompt": "hello", "max_tokens": 3}
@@ -215,10 +213,29 @@ async def test_a_dead_follower_is_restarted_and_sigterm_stops_every_process(mock
     assert "shutdown_complete" in gw.log.read_text()
 
 
-def test_cache_aware_is_refused_with_several_processes() -> None:
-    with pytest.raises(ValueError, match="cache_aware"):
-        GatewayConfig.model_validate({"processes": 2, "policy": "cache_aware"})
-    assert GatewayConfig.model_validate({"processes": 2, "policy": "prefix_hash"}).processes == 2
+async def test_cache_aware_learns_from_every_process(mock_workers: MakeWorkers, launch: Launch) -> None:
+    workers = await mock_workers(4)
+    gw = await launch("--worker-urls", *(w.url for w in workers), "--policy", "cache_aware")
+    prefixes = [f"system prompt {i}: " + "you are a careful assistant. " * 40 for i in range(8)]
+    served: dict[int, list[str]] = {i: [] for i in range(len(prefixes))}
+    ids = []
+    async with fresh() as http:
+        for turn in range(6):
+            for i, prefix in enumerate(prefixes):
+                body = {"model": "mock-model", "prompt": prefix + f"question {turn}", "max_tokens": 2}
+                async with http.post(gw.url + "/v1/completions", json=body) as r:
+                    assert r.status == 200
+                    served[i].append(r.headers["x-mock-worker"])
+                    ids.append(r.headers["x-request-id"])
+                await asyncio.sleep(0.01)  # a placement reaches the other process's index in well under this
+    assert len(processes(ids)) == 2, "both processes placed requests"
+    # Each prefix stays on the worker that first got it, whichever process placed the later turns.
+    assert all(len(set(names)) == 1 for names in served.values()), served
+    assert len({names[0] for names in served.values()}) == 4, "new prefixes spread over the workers"
+    async with aiohttp.ClientSession() as http:
+        m = await gw.metrics(http)
+    assert total(m, "mesh_cache_aware_hits_total") == 8 * 5
+    assert total(m, "mesh_cache_aware_misses_total") == 8
 
 
 def test_metrics_of_processes_add_up() -> None:

@@ -22,10 +22,11 @@ async def serve_inference(gw: Gateway, route: Route, raw: bytes, exchange: Excha
     body = parse_body(raw)
     validate(route, body)
     headers = exchange.headers
-    view = RequestView(
-        route=route, body=body, raw=raw, request_id=exchange.request_id,
-        routing_key=next((v for h in ROUTING_KEY_HEADERS if (v := headers.get(h))), None),
-    )
+    key = None
+    for h in ROUTING_KEY_HEADERS:
+        if key := headers.get(h):
+            break
+    view = RequestView(route=route, body=body, raw=raw, request_id=exchange.request_id, routing_key=key or None)
     gw.request_started()
     try:
         async with gw.admission.permit():

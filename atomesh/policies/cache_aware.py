@@ -205,6 +205,8 @@ class CacheAwarePolicy:
         # select() hands its work to on_placed() for the same view: (view, worker, hashes, held).
         self._pending: tuple[RequestView, Worker, list[int], int] | None = None
         self._task: asyncio.Task[None] | None = None
+        # Called with every placement recorded here, for other gateway processes (atomesh.cluster).
+        self.publish: Callable[[Worker, list[int]], None] | None = None
 
     # ------------------------------------------------------------------ decision
     def select(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
@@ -245,6 +247,12 @@ class CacheAwarePolicy:
             hashes, _ = self.index.hashes(view.locality_text)
             held = self._held(hashes, worker)
         self.index.insert(hashes, worker, held)
+        if self.publish is not None:
+            self.publish(worker, hashes)
+
+    def record(self, worker: Worker, hashes: list[int]) -> None:
+        """A placement another gateway process made: `worker` now holds this prefix chain."""
+        self.index.insert(hashes, worker, self._held(hashes, worker))
 
     def on_worker_removed(self, worker: Worker) -> None:
         gone = self.index.remove_worker(worker)
