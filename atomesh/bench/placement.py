@@ -228,7 +228,7 @@ def _external_routers() -> list[tuple[str, list[str]]]:
 
 
 async def bench_trace(engines: int, systems: int, users: int, turns: int, concurrency: int, cache_blocks: int,
-                      system_chars: int, external: bool) -> list[TraceResult]:
+                      system_chars: int, external: bool, processes: int = 1) -> list[TraceResult]:
     ports = [free_port() for _ in range(engines)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     engine_proc = start([sys.executable, "-m", "atomesh.testing.mock_engine", "--ports", *map(str, ports),
@@ -242,6 +242,10 @@ async def bench_trace(engines: int, systems: int, users: int, turns: int, concur
     for name in POLICIES:
         systems_to_run.append((f"atomesh {name}", [sys.executable, "-m", "atomesh", "launch", "--policy", name,
                                                    *(ca_flags if name == "cache_aware" else [])]))
+    if processes > 1:  # the index replicated between gateway processes (atomesh.cluster)
+        systems_to_run.append((f"atomesh cache_aware x{processes}",
+                               [sys.executable, "-m", "atomesh", "launch", "--policy", "cache_aware", *ca_flags,
+                                "--processes", str(processes)]))
     if external:
         systems_to_run += [(n, [*cmd, "--policy", "cache_aware", *ca_flags]) for n, cmd in _external_routers()]
     convs = _conversations(systems, users, turns, system_chars)
@@ -299,7 +303,7 @@ def run_trace(args: argparse.Namespace) -> None:
     print(f"{'system':<28}{'hit':>8}{'TTFT ms':>10}{'p99 ms':>10}{'max/min':>8}{'errors':>7}{'secs':>7}"
           "  requests/engine")
     results = asyncio.run(bench_trace(args.engines, args.systems, args.users, args.turns, args.concurrency,
-                                      args.cache_blocks, args.system_chars, not args.no_external))
+                                      args.cache_blocks, args.system_chars, not args.no_external, args.processes))
     ours = next((r for r in results if r.system == "atomesh cache_aware"), None)
     for peer in results:
         if ours is not None and not peer.system.startswith("atomesh"):
@@ -322,6 +326,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-blocks", type=int, default=512)
     p.add_argument("--system-chars", type=int, default=2048)
     p.add_argument("--no-external", action="store_true", help="skip smg / sglang-router")
+    p.add_argument("--processes", type=int, default=1,
+                   help="also run atomesh cache_aware with --processes N (trace only)")
     return p
 
 
