@@ -344,12 +344,14 @@ async def _follow(config: GatewayConfig, index: int, private_port: int, conn: Co
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     gw = server.gateway
     synced = [0]  # the generation of the worker list applied last
+    has_workers = asyncio.Event()
 
     def on_message(message: Any) -> None:
         kind = message[0]
         if kind == "workers":
             mirror(gw, message[1])
             synced[0] = message[2]
+            has_workers.set()
             _send_draining(gw, channel, synced[0])  # the leader waits for this before removing a worker
         elif kind == "metrics?":
             gw.sync_metrics()
@@ -361,6 +363,14 @@ async def _follow(config: GatewayConfig, index: int, private_port: int, conn: Co
 
     channel = Channel(conn, on_message, stop.set)  # the leader gone: stop too
     placements = IndexSync(gw, channel.send)
+    # Listen only once the worker list is in (no 503 for want of it), unless told to stop first.
+    waits = [asyncio.ensure_future(has_workers.wait()), asyncio.ensure_future(stop.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+    if stop.is_set():
+        channel.close()
+        return
     await server.listen()
     channel.send(("ready",))
     reporter = asyncio.ensure_future(_report_draining(gw, channel, synced))

@@ -28,9 +28,9 @@ Launch = Callable[..., Any]
 
 
 class Gateway:
-    def __init__(self, proc: subprocess.Popen[bytes], port: int, mport: int, log: Path) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], port: int, mport: int, log: Path, scheme: str) -> None:
         self.proc, self.port, self.mport, self.log = proc, port, mport, log
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"{scheme}://127.0.0.1:{port}"
 
     def children(self) -> list[int]:
         """The follower processes (not multiprocessing's resource tracker)."""
@@ -60,7 +60,7 @@ def total(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: s
 async def launch(tmp_path: Path) -> AsyncIterator[Launch]:
     started: list[Gateway] = []
 
-    async def start(*args: str) -> Gateway:
+    async def start(*args: str, scheme: str = "http", ssl: Any = None) -> Gateway:
         port, mport = free_port(), free_port()
         log = tmp_path / f"gateway-{len(started)}.log"
         proc = subprocess.Popen(
@@ -68,13 +68,13 @@ async def launch(tmp_path: Path) -> AsyncIterator[Launch]:
              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(mport), "--processes", "2",
              "--worker-startup-check-interval", "0.2", "--policy", "round_robin", *args],
             stdout=log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        gw = Gateway(proc, port, mport, log)
+        gw = Gateway(proc, port, mport, log, scheme)
         started.append(gw)
         async with aiohttp.ClientSession() as http:
             for _ in range(300):
                 assert proc.poll() is None, log.read_text()
                 try:
-                    async with http.get(gw.url + "/readiness") as r:
+                    async with http.get(gw.url + "/readiness", ssl=ssl) as r:
                         if r.status == 200 and "processes_started" in log.read_text():
                             return gw
                 except aiohttp.ClientError:
@@ -256,3 +256,26 @@ def test_metrics_of_processes_add_up() -> None:
     assert total(samples, "mesh_router_request_duration_seconds_bucket", le="1.0") == 5
     assert total(samples, "mesh_router_request_duration_seconds_bucket", le="0.1") == 0
     assert total(samples, "mesh_worker_pool_size") == 2  # the leader's, not the sum
+
+
+async def test_tls_with_several_processes(mock_workers: MakeWorkers, launch: Launch, tmp_path: Path) -> None:
+    import ssl
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    [w] = await mock_workers(1)
+    gw = await launch("--worker-urls", w.url, "--tls-cert-path", str(cert), "--tls-key-path", str(key),
+                      scheme="https", ssl=ssl.create_default_context(cafile=str(cert)))
+    ctx = ssl.create_default_context(cafile=str(cert))
+    ids = []
+    async with fresh() as http:
+        for _ in range(24):
+            async with http.post(gw.url + "/v1/completions", json=COMPLETION, ssl=ctx) as r:
+                assert r.status == 200
+                ids.append(r.headers["x-request-id"])
+            # Other routes: served by the leader, spliced there by the follower when it took the connection.
+            async with http.get(gw.url + "/workers", ssl=ctx) as r:
+                assert r.status == 200 and (await r.json())["workers"][0]["url"] == w.url
+    assert len(processes(ids)) == 2
