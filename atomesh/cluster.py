@@ -336,7 +336,7 @@ def follower_main(config_data: dict[str, Any], index: int, private_port: int, co
 
 
 async def _follow(config: GatewayConfig, index: int, private_port: int, conn: Conn) -> None:
-    from atomesh.app import follower_server
+    from atomesh.app import follower_server, tune_gc
 
     server = follower_server(config, private_port)
     stop = asyncio.Event()
@@ -372,6 +372,7 @@ async def _follow(config: GatewayConfig, index: int, private_port: int, conn: Co
         channel.close()
         return
     await server.listen()
+    tune_gc()
     channel.send(("ready",))
     reporter = asyncio.ensure_future(_report_draining(gw, channel, synced))
     await stop.wait()
