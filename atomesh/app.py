@@ -6,7 +6,6 @@ import asyncio
 import gc
 import signal
 import ssl
-from collections.abc import Callable
 
 import structlog
 from aiohttp import web
@@ -34,11 +33,10 @@ def build_app(gateway: Gateway, accounting: HttpAccounting) -> web.Application:
     return app
 
 
-def build_metrics_app(gateway: Gateway, cluster: Callable[[], Cluster | None]) -> web.Application:
+def build_metrics_app(gateway: Gateway, cluster: Cluster | None) -> web.Application:
     async def metrics(_: web.Request) -> web.Response:
         gateway.sync_metrics()
-        others = cluster()
-        return gateway.metrics.render(await others.metrics() if others is not None else ())
+        return gateway.metrics.render(await cluster.metrics() if cluster is not None else ())
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
@@ -65,12 +63,13 @@ class GatewayServer:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.gateway = Gateway(config)
-        self.cluster: Cluster | None = None
+        self.cluster = Cluster(config, self.gateway) if config.processes > 1 else None
+        self._private_port = 0
         accounting = HttpAccounting(config.request_id_headers, self.gateway.metrics, config.max_payload_size)
         self._runner = web.AppRunner(build_app(self.gateway, accounting), handler_cancellation=True,
                                      access_log=None, shutdown_timeout=1.0)
         self.door = FrontDoor(self.gateway, accounting, fallback=lambda: self._runner.server())  # type: ignore[misc]
-        self._metrics_runner = web.AppRunner(build_metrics_app(self.gateway, lambda: self.cluster),
+        self._metrics_runner = web.AppRunner(build_metrics_app(self.gateway, self.cluster),
                                              access_log=None)
 
     async def listen(self) -> None:
@@ -79,12 +78,11 @@ class GatewayServer:
         await self.gateway.start()
         await self._runner.setup()
         await self._metrics_runner.setup()
-        shared = cfg.processes > 1
         try:
-            await self.door.start(cfg.host, cfg.port, _ssl_context(cfg), reuse_port=shared)
-            if shared:
+            await self.door.start(cfg.host, cfg.port, _ssl_context(cfg), reuse_port=self.cluster is not None)
+            if self.cluster is not None:
                 # The followers pass every request they do not serve themselves to this private port.
-                self.cluster = Cluster(cfg, self.gateway, await self.door.listen_private())
+                self._private_port = await self.door.listen_private()
             await web.TCPSite(self._metrics_runner, cfg.prometheus_host, cfg.prometheus_port,
                               reuse_address=True).start()
         except OSError as e:
@@ -99,7 +97,7 @@ class GatewayServer:
         self.gateway.start_background()
         if self.cluster is not None:
             try:
-                await self.cluster.start()
+                await self.cluster.start(self._private_port)
             except RuntimeError as e:
                 raise StartupError(str(e)) from None
         log.info("gateway_ready", workers=len(self.gateway.registry))
@@ -145,10 +143,6 @@ class FollowerServer:
         await self.gateway.drain_requests(self.config.shutdown_grace_period_secs)
         await self.door.close()
         await self.gateway.stop()
-
-
-def follower_server(config: GatewayConfig, leader_port: int) -> FollowerServer:
-    return FollowerServer(config, leader_port)
 
 
 async def serve(config: GatewayConfig) -> None:

@@ -145,10 +145,10 @@ class _Follower:
 class Cluster:
     """Starts the followers, keeps them in sync with the leader's registry, stops them."""
 
-    def __init__(self, config: GatewayConfig, gateway: Gateway, private_port: int) -> None:
+    def __init__(self, config: GatewayConfig, gateway: Gateway) -> None:
         self.config = config
         self.gateway = gateway
-        self.private_port = private_port
+        self.private_port = 0  # the leader's loopback port for what followers do not serve (start())
         self.followers = [_Follower(i) for i in range(1, config.processes)]
         self._ctx = multiprocessing.get_context("spawn")
         self._stopping = False
@@ -165,8 +165,9 @@ class Cluster:
             if f is not skip and f.channel is not None:
                 f.channel.send(message)
 
-    async def start(self, timeout: float = 60.0) -> None:
+    async def start(self, private_port: int, timeout: float = 60.0) -> None:
         """Start every follower and wait until each one listens."""
+        self.private_port = private_port
         for f in self.followers:
             self._spawn(f)
         try:
@@ -196,6 +197,7 @@ class Cluster:
         kind = message[0]
         if kind == "ready":
             f.ready.set()
+            log.info("process_ready", process=f.index, pid=f.process.pid if f.process is not None else None)
         elif kind == "metrics":
             waiter = f.metrics_waiters.pop(message[1], None)
             if waiter is not None and not waiter.done():
@@ -300,7 +302,9 @@ class Cluster:
 
     # ------------------------------------------------------------------ stop
     async def stop(self, grace: float) -> None:
-        """Ask every follower to drain and exit; kill those still running after `grace` (+5 s)."""
+        """Ask every follower to drain and exit; kill those still running after `grace` (+5 s). Once."""
+        if self._stopping:
+            return
         self._stopping = True
         for task in list(self._tasks):
             task.cancel()
@@ -336,9 +340,9 @@ def follower_main(config_data: dict[str, Any], index: int, private_port: int, co
 
 
 async def _follow(config: GatewayConfig, index: int, private_port: int, conn: Conn) -> None:
-    from atomesh.app import follower_server, tune_gc
+    from atomesh.app import FollowerServer, tune_gc
 
-    server = follower_server(config, private_port)
+    server = FollowerServer(config, private_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)

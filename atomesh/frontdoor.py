@@ -228,7 +228,7 @@ class FrontConnection(asyncio.Protocol):
         if length is None or not (length.isascii() and length.isdigit()) or len(length) > 12:
             return None
         size = int(length)
-        if size > self.door.max_payload:
+        if size > self.door.accounting.max_payload:
             return None  # aiohttp answers 413 with the usual message
         connection = headers.get("connection")
         keep_alive = connection is None or "close" not in connection.lower()
@@ -311,7 +311,6 @@ class FrontDoor:
         self.gateway = gateway
         self.accounting = accounting
         self.fallback = fallback  # makes aiohttp's protocol for a connection handed over
-        self.max_payload = gateway.config.max_payload_size
         self.connections: set[FrontConnection] = set()
         self.loop = asyncio.get_event_loop()
         self._servers: list[asyncio.Server] = []

@@ -124,6 +124,8 @@ class Family(Generic[V]):
 
 
 class _Scalar(Family[V]):
+    _exposed: type[CounterMetricFamily] | type[GaugeMetricFamily]
+
     def export(self) -> dict[tuple[str, ...], Any]:
         return {k: v.value for k, v in self.children.items()}  # type: ignore[attr-defined]
 
@@ -134,19 +136,23 @@ class _Scalar(Family[V]):
                 out[k] = out.get(k, 0.0) + v
         return out
 
-
-class CounterFamily(_Scalar[CounterValue]):
-    def _new(self) -> CounterValue:
-        return CounterValue()
-
     def collect(self, remote: Sequence[dict[tuple[str, ...], Any]] = ()) -> Metric:
-        fam = CounterMetricFamily(self.spec.name, self.spec.help, labels=self.spec.labels)
+        fam = self._exposed(self.spec.name, self.spec.help, labels=self.spec.labels)
         for values, v in self.merged(remote).items():
             fam.add_metric(list(values), v)
         return fam
 
 
+class CounterFamily(_Scalar[CounterValue]):
+    _exposed = CounterMetricFamily
+
+    def _new(self) -> CounterValue:
+        return CounterValue()
+
+
 class GaugeFamily(_Scalar[GaugeValue]):
+    _exposed = GaugeMetricFamily
+
     def _new(self) -> GaugeValue:
         return GaugeValue()
 
@@ -159,12 +165,6 @@ class GaugeFamily(_Scalar[GaugeValue]):
 
     def set(self, value: float) -> None:
         self.labels().set(value)
-
-    def collect(self, remote: Sequence[dict[tuple[str, ...], Any]] = ()) -> Metric:
-        fam = GaugeMetricFamily(self.spec.name, self.spec.help, labels=self.spec.labels)
-        for values, v in self.merged(remote).items():
-            fam.add_metric(list(values), v)
-        return fam
 
 
 class HistogramFamily(Family[HistogramValue]):

@@ -25,7 +25,6 @@ from atomesh.httpclient import (
     Response,
 )
 
-JSON_HEADERS = {"Content-Type": "application/json"}
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 

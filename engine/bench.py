@@ -101,7 +101,11 @@ def hf_reference(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) 
         tie_word_embeddings=c.tie_word_embeddings,
     )
     model: torch.nn.Module = transformers.LlamaForCausalLM(cfg)
-    model.load_state_dict(loaded.weights, strict=False)
+    result = model.load_state_dict(loaded.weights, strict=False)
+    # Only the tied head may be absent from the checkpoint; anything else means the weights do not fit.
+    if not set(result.missing_keys) <= {"lm_head.weight"} or result.unexpected_keys:
+        raise ValueError(f"weights do not fit transformers' Llama: missing {result.missing_keys}, "
+                         f"unexpected {result.unexpected_keys}")
     model.tie_weights()  # type: ignore[operator]
     return model.to(device=device, dtype=dtype).eval()
 

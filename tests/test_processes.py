@@ -202,8 +202,8 @@ async def test_a_dead_follower_is_restarted_and_sigterm_stops_every_process(mock
     os.kill(follower, signal.SIGKILL)
     await wait_for(lambda: len(gw.children()) == 1 and gw.children()[0] != follower, timeout=20,
                    what="a new follower")
-    await wait_for(lambda: gw.log.read_text().count("processes_started") >= 1, what="log")
-    await asyncio.sleep(2)  # the new follower listens once it has the worker list
+    # The new follower says it is ready once it listens with the worker list in.
+    await wait_for(lambda: gw.log.read_text().count("process_ready") == 2, timeout=20, what="restarted follower ready")
     ids = await completions(gw.url, 40)
     assert len(processes(ids)) == 2
     [new] = gw.children()

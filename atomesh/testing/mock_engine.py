@@ -32,7 +32,7 @@ import orjson
 import xxhash
 from aiohttp import web
 
-from atomesh.testing.mock_worker import serve_app
+from atomesh.testing.mock_worker import ServedApp
 
 CHARS_PER_TOKEN = 4
 
@@ -121,14 +121,13 @@ class PrefixCache:
         self._blocks.clear()
 
 
-class MockEngine:
+class MockEngine(ServedApp):
     """One mock engine server on a loopback port."""
 
     def __init__(self, name: str = "engine", host: str = "127.0.0.1", port: int = 0,
                  settings: EngineSettings | None = None) -> None:
+        super().__init__(host, port)
         self.name = name
-        self.host = host
-        self.port = port
         self.settings = settings or EngineSettings()
         s = self.settings
         self.cache = PrefixCache(s.cache_blocks, s.block_tokens * CHARS_PER_TOKEN)
@@ -136,11 +135,6 @@ class MockEngine:
         self.unknown_paths: Counter[str] = Counter()
         self._prefill_lane = asyncio.Lock()
         self._decoding = 0
-        self._runner: web.AppRunner | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 * 1024 * 1024)
@@ -161,15 +155,6 @@ class MockEngine:
         app.router.add_post("/_mock/reset", self._reset)
         app.router.add_route("*", "/{tail:.*}", self._unknown)
         return app
-
-    async def start(self) -> MockEngine:
-        self._runner, self.port = await serve_app(self.app(), self.host, self.port)
-        return self
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
 
     def reset(self) -> None:
         self.cache.clear()

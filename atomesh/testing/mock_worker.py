@@ -14,7 +14,7 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Self
 
 import orjson
 from aiohttp import web
@@ -45,35 +45,49 @@ class MockBehaviour:
     omit_kv_params: bool = False  # a prefill that forgets kv_transfer_params (atom / vllm)
 
 
-async def serve_app(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve `app` on host:port (0: a free port); returns the runner to clean up and the bound port."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
-    await site.start()
-    if port == 0:
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, port
+class ServedApp:
+    """An aiohttp app served on host:port (0: a free port), started and stopped by a test or benchmark."""
 
-
-class MockWorker:
-    """One mock worker server on a loopback port."""
-
-    def __init__(self, name: str = "mock", host: str = "127.0.0.1", port: int = 0,
-                 behaviour: MockBehaviour | None = None) -> None:
-        self.name = name
+    def __init__(self, host: str, port: int) -> None:
         self.host = host
         self.port = port
-        self.behaviour = behaviour or MockBehaviour()
-        self.received: deque[dict[str, Any]] = deque(maxlen=RECORD_LIMIT)
-        self.active = 0  # inference requests being answered now
-        self.cancelled = 0  # inference requests whose client went away before the end
-        self.served = 0
         self._runner: web.AppRunner | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    def app(self) -> web.Application:
+        raise NotImplementedError
+
+    async def start(self) -> Self:
+        runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
+        await site.start()
+        if self.port == 0:
+            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._runner = runner
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+class MockWorker(ServedApp):
+    """One mock worker server on a loopback port."""
+
+    def __init__(self, name: str = "mock", host: str = "127.0.0.1", port: int = 0,
+                 behaviour: MockBehaviour | None = None) -> None:
+        super().__init__(host, port)
+        self.name = name
+        self.behaviour = behaviour or MockBehaviour()
+        self.received: deque[dict[str, Any]] = deque(maxlen=RECORD_LIMIT)
+        self.active = 0  # inference requests being answered now
+        self.cancelled = 0  # inference requests whose client went away before the end
+        self.served = 0
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -89,15 +103,6 @@ class MockWorker:
         app.router.add_get("/_mock/requests", self._requests)
         app.router.add_post("/_mock/config", self._config)
         return app
-
-    async def start(self) -> MockWorker:
-        self._runner, self.port = await serve_app(self.app(), self.host, self.port)
-        return self
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
 
     # ------------------------------------------------------------------ handlers
     def _headers(self) -> dict[str, str]:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.args import EngineArgs
+from engine.bench import hf_reference
 from engine.llm_engine import LLMEngine
 from engine.models.loader import LoadedModel, smollm2_path
 from engine.sequence import SamplingParams
@@ -23,37 +24,14 @@ PROMPTS = [
 NEW_TOKENS = 20
 
 
-def hf_model(loaded: LoadedModel, device: str) -> torch.nn.Module:
-    c = loaded.config
-    cfg = transformers.LlamaConfig(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads,
-        head_dim=c.head_dim,
-        rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_theta,
-        max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=c.tie_word_embeddings,
-        torch_dtype=torch.float32,
-    )
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    result = model.load_state_dict(loaded.weights, strict=False)
-    # Only the tied head may be absent from the checkpoint.
-    assert set(result.missing_keys) <= {"lm_head.weight"} and not result.unexpected_keys
-    model.tie_weights()
-    return model.to(device)
-
-
 @pytest.mark.timeout(300)
 def test_greedy_matches_transformers_token_for_token(smollm2_model: LoadedModel, engine_device: str) -> None:
     tok = smollm2_model.tokenizer
     chat = tok.apply_chat_template([{"role": "user", "content": "Name three colors."}])
     prompts = [tok.encode(p) for p in [*PROMPTS, chat]]
 
-    reference = hf_model(smollm2_model, engine_device)
+    # Raises unless the weights load with only the tied head absent.
+    reference = hf_reference(smollm2_model, torch.device(engine_device), torch.float32)
     expected = []
     with torch.inference_mode():
         for ids in prompts:
