@@ -21,8 +21,7 @@ _REFUSED_FLAGS = {
     "--port": "this engine has no internal engine port (ATOM's --port); use --server-port for HTTP",
     "--enable-expert-parallel": "expert parallelism is not supported (dense models only)",
     "--enable-dp-attention": "data-parallel attention is not supported",
-    "--cudagraph-capture-sizes": "CUDA graphs are not used by this engine (it always runs eagerly)",
-    "--level": "torch.compile levels are not used by this engine (it always runs eagerly)",
+    "--level": "torch.compile levels are not used by this engine (CUDA graphs and Triton kernels instead)",
     "--load_dummy": "dummy weights are not supported; use --model tiny-random[:SEED]",
     "--hf-overrides": "--hf-overrides is not supported",
     "--enable-tbo": "two-batch overlap is not supported",
@@ -84,6 +83,9 @@ class EngineArgs:
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 0
+    enforce_eager: bool = False
+    cudagraph_capture_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, 16, ... up to max_num_seqs
+    kernels: str = "auto"
     torch_threads: int | None = None
     log_level: str = "info"
 
@@ -168,7 +170,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     p.add_argument("--seed", type=int, default=0, help="seed of requests that bring none")
     p.add_argument("--torch-threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
-    p.add_argument("--enforce-eager", action="store_true", help="accepted: this engine always runs eagerly")
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="CUDA: no CUDA graphs (decode steps launch kernel by kernel)"
+    )
+    p.add_argument(
+        "--cudagraph-capture-sizes",
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="CUDA: decode batch sizes to capture as graphs, as ATOM ('[1,2,4,8]') or vLLM (1 2 4 8) writes them "
+        "(default: 1 2 4 and every multiple of 8 up to --max-num-seqs, at most 512); larger batches run eagerly",
+    )
+    p.add_argument(
+        "--kernels",
+        choices=["auto", "triton", "torch"],
+        default="auto",
+        help="the model's ops: fused Triton kernels (auto on CUDA) or plain torch (the exact reference; auto on CPU)",
+    )
     p.add_argument("--trust-remote-code", action="store_true", help="accepted: this engine never runs model code")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     return p
@@ -218,6 +236,7 @@ def validate(ns: argparse.Namespace) -> EngineArgs:
         raise ValueError("--max-model-len must be at least 2")
     if not 1 <= ns.server_port <= 65535:
         raise ValueError("--server-port must be a TCP port")
+    sizes = parse_capture_sizes(ns.cudagraph_capture_sizes) if ns.cudagraph_capture_sizes is not None else None
     return EngineArgs(
         model=ns.model,
         served_model_name=ns.served_model_name,
@@ -244,9 +263,24 @@ def validate(ns: argparse.Namespace) -> EngineArgs:
         device=ns.device,
         dtype=ns.dtype,
         seed=ns.seed,
+        enforce_eager=ns.enforce_eager,
+        cudagraph_capture_sizes=sizes,
+        kernels=ns.kernels,
         torch_threads=ns.torch_threads,
         log_level=ns.log_level,
     )
+
+
+def parse_capture_sizes(values: Sequence[str]) -> tuple[int, ...]:
+    """``--cudagraph-capture-sizes``: ``[1,2,4]`` (ATOM), ``1 2 4`` (vLLM) or ``1,2,4``; sorted, unique."""
+    text = " ".join(values).strip().removeprefix("[").removesuffix("]")
+    try:
+        sizes = sorted({int(x) for x in text.replace(",", " ").split()})
+    except ValueError as exc:
+        raise ValueError(f"--cudagraph-capture-sizes: {' '.join(values)!r} is not a list of integers") from exc
+    if not sizes or sizes[0] < 1:
+        raise ValueError("--cudagraph-capture-sizes: give one or more positive batch sizes")
+    return tuple(sizes)
 
 
 def parse_kv_transfer_config(text: str) -> KVTransferConfig:

@@ -8,7 +8,7 @@ block ``b`` occupies ``unit_bytes`` at offset ``b * unit_bytes``; that is the la
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -30,21 +30,35 @@ class PrefillGroup:
 class AttentionMetadata:
     """What the attention of one forward step needs to know about the batch layout.
 
-    Tokens of all sequences are concatenated along one axis (no padding). ``slot_mapping[i]`` is
-    where token ``i``'s K/V are written (``block_id * block_size + offset``).
+    Tokens of all sequences are concatenated along one axis (no padding). The first
+    ``num_decodes`` sequences are decodes (one token each, so also the first ``num_decodes``
+    tokens); the rest compute prompt tokens (a whole prompt, a chunk of one, or the part after a
+    cached prefix). ``slot_mapping[i]`` is where token ``i``'s K/V are written
+    (``block_id * block_size + offset``).
     """
 
-    is_prefill: bool
-    slot_mapping: torch.Tensor  # [num_tokens] int64
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
-    context_lens: torch.Tensor  # [num_seqs] int64: tokens in the cache after this step
-    # Prefill only (python ints: used to slice, never sent to the device).
+    num_decodes: int
+    slot_mapping: torch.Tensor  # [num_tokens]
+    block_tables: torch.Tensor  # [num_seqs, max_blocks], padded
+    context_lens: torch.Tensor  # [num_seqs]: tokens in the cache after this step
+    # Host values (used to slice and size grids, never read from the device).
     query_lens: list[int]
     cached_lens: list[int]
-    prefill_groups: list[PrefillGroup]
-    cached_seqs: list[int]  # sequences with a cached prefix: attended one by one
-    decode_mask: torch.Tensor | None = None  # [num_seqs, 1, 1, max_blocks * block_size], built once a step
+    max_query_len: int
+    max_context: int
+    # Torch path, prompt part: fresh sequences grouped by length; sequences with a cached prefix.
+    prefill_groups: list[PrefillGroup] = field(default_factory=list)
+    cached_seqs: list[int] = field(default_factory=list)
+    decode_width: int = 0  # block-table columns the decodes use (the torch path gathers only those)
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, decode_width * block_size]
+    # Triton path: query rows of sequence s are query_start[s]:query_start[s + 1].
+    query_start: torch.Tensor | None = None
+    num_splits: int = 1  # decode programs per sequence (flash-decoding); 1 in steps with prompts
     sparse_topk: int = 0  # decode attends to this many indexer-chosen blocks (+ first + last); 0: dense
+
+    @property
+    def decode_only(self) -> bool:
+        return self.num_decodes == len(self.query_lens)
 
 
 def decode_mask(context_lens: torch.Tensor, length: int) -> torch.Tensor:
@@ -54,12 +68,12 @@ def decode_mask(context_lens: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def plan_prefill(
-    query_lens: list[int], cached_lens: list[int], device: torch.device
+    query_lens: list[int], cached_lens: list[int], device: torch.device, first: int = 0
 ) -> tuple[list[PrefillGroup], list[int]]:
-    """Group fresh sequences by length so each group's attention runs as one batched call.
+    """Group the prompt sequences (index ``first`` on) so each group's attention runs as one batched call.
 
-    Done once per step (not per layer). Sequences with a cached prefix need their own mask over
-    the gathered context, so they stay separate.
+    Done once per step (not per layer). Fresh sequences of one length share a call; sequences with
+    a cached prefix attend one by one over their gathered context.
     """
     by_len: dict[int, list[int]] = {}
     cached: list[int] = []
@@ -68,16 +82,18 @@ def plan_prefill(
     for i, (q_len, c) in enumerate(zip(query_lens, cached_lens, strict=True)):
         starts.append(offset)
         offset += q_len
+        if i < first:
+            continue
         if c == 0:
             by_len.setdefault(q_len, []).append(i)
         else:
             cached.append(i)
     groups = []
     for q_len, seqs in by_len.items():
-        first = starts[seqs[0]]
-        contiguous = all(starts[s] == first + k * q_len for k, s in enumerate(seqs))
+        start = starts[seqs[0]]
+        contiguous = all(starts[s] == start + k * q_len for k, s in enumerate(seqs))
         index = torch.cat([torch.arange(starts[s], starts[s] + q_len) for s in seqs]).to(device)
-        groups.append(PrefillGroup(index, len(seqs), q_len, first if contiguous else None))
+        groups.append(PrefillGroup(index, len(seqs), q_len, start if contiguous else None))
     return groups, cached
 
 
@@ -124,7 +140,7 @@ def paged_attention(
     scale: float,
     indexer: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Store this step's K/V, then attend every query to its sequence's cached context.
+    """Store this step's K/V, then attend every query to its sequence's cached context (plain torch).
 
     q: ``[num_tokens, heads, head_dim]``; k, v: ``[num_tokens, kv_heads, head_dim]``.
     Returns ``[num_tokens, heads * head_dim]``.
@@ -133,15 +149,21 @@ def paged_attention(
     if indexer is not None:
         # Sparse attention: keep the indexer keys of the blocks this step wrote up to date.
         _INDEXER.update(indexer, kv_cache, meta.slot_mapping)
-        if not meta.is_prefill and meta.sparse_topk:
-            out = sparse_decode(q, kv_cache, indexer, meta.block_tables, meta.context_lens, scale,
-                                meta.sparse_topk, q.dtype)
-            return out.reshape(q.shape[0], -1)
-    if meta.is_prefill:
-        out = _prefill(q, k, v, kv_cache, meta, scale)
-    else:
-        out = _decode(q, kv_cache, meta, scale)
-    return out.reshape(q.shape[0], -1)
+    n, nd = q.shape[0], meta.num_decodes
+    decoded: torch.Tensor | None = None
+    if nd:
+        tables = meta.block_tables[:nd, : meta.decode_width]
+        context = meta.context_lens[:nd]
+        if indexer is not None and meta.sparse_topk:
+            decoded = sparse_decode(q[:nd], kv_cache, indexer, tables, context, scale, meta.sparse_topk, q.dtype)
+        else:
+            decoded = _decode(q[:nd], kv_cache, tables, context, meta.decode_mask, scale)
+        if nd == n:
+            return decoded.reshape(n, -1)
+    out = _prefill(q, k, v, kv_cache, meta, scale)
+    if decoded is not None:
+        out[:nd] = decoded
+    return out.reshape(n, -1)
 
 
 def _prefill(
@@ -181,32 +203,31 @@ def _prefill(
         for i in meta.cached_seqs:
             q_len, cached, start = meta.query_lens[i], meta.cached_lens[i], starts[i]
             kc, vc = gather_kv(kv_cache, meta.block_tables[i], cached + q_len, q.dtype)
-            # Query j sits at absolute position cached + j and may see keys 0..cached + j.
-            kpos = torch.arange(cached + q_len, device=q.device)
-            qpos = torch.arange(cached, cached + q_len, device=q.device)
-            mask = kpos[None, :] <= qpos[:, None]
+            # Query j sits at absolute position cached + j. Padding the queries with `cached` zero
+            # rows in front makes that plain causal attention, which runs on the fused kernels; an
+            # explicit mask would fall to the slow math kernel. The padding rows are dropped.
+            qp = q.new_zeros(cached + q_len, heads, head_dim)
+            qp[cached:] = q[start : start + q_len]
             oi = F.scaled_dot_product_attention(
-                q[start : start + q_len].transpose(0, 1),
-                kc.transpose(0, 1),
-                vc.transpose(0, 1),
-                attn_mask=mask,
-                scale=scale,
-                enable_gqa=True,
-            )
-            out[start : start + q_len] = oi.transpose(0, 1)
+                qp.transpose(0, 1), kc.transpose(0, 1), vc.transpose(0, 1),
+                is_causal=True, scale=scale, enable_gqa=True,
+            )  # fmt: skip
+            out[start : start + q_len] = oi[:, cached:].transpose(0, 1)
     return out
 
 
-def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+    mask: torch.Tensor | None, scale: float,
+) -> torch.Tensor:  # fmt: skip
     # Batched: gather every sequence's blocks (padded to the longest table), mask the tail.
     _, _, block_size, kv_heads, head_dim = kv_cache.shape
-    num_seqs, max_blocks = meta.block_tables.shape
+    num_seqs, max_blocks = block_tables.shape
     length = max_blocks * block_size
-    kv = _raw(kv_cache)[:, meta.block_tables]  # [2, seqs, max_blocks, block_size, kv_heads, head_dim]
+    kv = _raw(kv_cache)[:, block_tables]  # [2, seqs, max_blocks, block_size, kv_heads, head_dim]
     kv = _cooked(kv, kv_cache.dtype, q.dtype).reshape(2, num_seqs, length, kv_heads, head_dim).transpose(2, 3)
-    mask = meta.decode_mask
     if mask is None:
-        mask = decode_mask(meta.context_lens, length)
+        mask = decode_mask(context_lens, length)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [seqs, heads, 1, head_dim]
         kv[0],

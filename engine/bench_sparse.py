@@ -88,12 +88,12 @@ def run(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, topk: int,
             if scheduled is None:
                 raise RuntimeError("the scheduler can make no progress (KV pool too small?)")
             batch, step = scheduled
-            runner.indexer_caches = indexer if batch.is_prefill or topk else []
+            runner.indexer_caches = indexer if not batch.decode_only or topk else []
             _sync(engine.device)
             start = time.perf_counter()
             tokens = engine.execute(step)
             _sync(engine.device)
-            if not batch.is_prefill:
+            if batch.decode_only:
                 decode_s += time.perf_counter() - start
                 decode_tokens += len(tokens)
             engine.postprocess(batch, tokens)

@@ -19,6 +19,7 @@ import torch
 
 from engine.args import EngineArgs
 from engine.block_manager import BlockManager, BlockStats
+from engine.cuda_graph import default_capture_sizes
 from engine.errors import (
     ContextLengthError,
     EngineError,
@@ -27,6 +28,7 @@ from engine.errors import (
     KVCacheTooSmallError,
     OverloadedError,
 )
+from engine.kernels import interpret_mode, triton_importable
 from engine.model_runner import ModelRunner, StepInput, kv_cache_dtype
 from engine.models.loader import LoadedModel, load_model
 from engine.scheduler import QueueFullError, ScheduledBatch, Scheduler, SchedulerConfig
@@ -58,6 +60,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def resolve_kernels(name: str, device: torch.device, cache_dtype: torch.dtype) -> str:
+    """``auto``: the Triton kernels on CUDA (torch's for an fp8 KV cache), plain torch on CPU."""
+    if name == "auto":
+        fp8 = cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        return "triton" if device.type == "cuda" and triton_importable() and not fp8 else "torch"
+    if name == "triton" and device.type != "cuda" and not interpret_mode():
+        raise ValueError("--kernels triton needs a CUDA device (or TRITON_INTERPRET=1, for tests)")
+    if name == "triton" and not triton_importable():
+        raise ValueError("--kernels triton: the triton package is not installed")
+    return name
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto``: float32 on CPU (exact, and fast enough for small models), bfloat16 on CUDA."""
     if name == "auto":
@@ -87,18 +101,27 @@ class LLMEngine:
                 f"{self.max_model_len}: with --no-enable_chunked_prefill prompts are prefilled whole, "
                 "so it must be at least that"
             )
+        cache_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)
+        self.kernels = resolve_kernels(args.kernels, self.device, cache_dtype)
         self.runner = ModelRunner(
             loaded.config,
             loaded.weights,
             self.device,
             self.dtype,
             args.block_size,
-            kv_cache_dtype(args.kv_cache_dtype, self.dtype),
+            cache_dtype,
             args.seed,
             sparse_topk=args.sparse_topk_blocks if args.sparse_attention else 0,
+            kernels=self.kernels,
+            max_model_len=self.max_model_len,
         )
         self.num_blocks = self._count_blocks()
-        self.runner.allocate_kv_cache(self.num_blocks)
+        sizes = self._capture_sizes()
+        self.runner.allocate_kv_cache(self.num_blocks, scratch=bool(sizes))
+        if sizes:
+            self.runner.capture_graphs(sizes)
+        log.info("engine: device=%s dtype=%s kernels=%s cuda_graphs=%s", self.device, str(self.dtype).removeprefix(
+            "torch."), self.kernels, f"{sizes[0]}..{sizes[-1]} ({len(sizes)} sizes)" if sizes else "off")  # fmt: skip
         self.block_manager = BlockManager(self.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -119,6 +142,13 @@ class LLMEngine:
         self._requests_finished = 0
         self._prompt_tokens = 0
         self._generation_tokens = 0
+
+    def _capture_sizes(self) -> list[int]:
+        """Decode batch sizes to capture as CUDA graphs; none on CPU, with --enforce-eager or torch kernels."""
+        if self.device.type != "cuda" or self.kernels != "triton" or self.args.enforce_eager:
+            return []
+        sizes = self.args.cudagraph_capture_sizes or default_capture_sizes(self.args.max_num_seqs)
+        return sorted(b for b in set(sizes) if b <= self.args.max_num_seqs) or [min(sizes)]
 
     def _count_blocks(self) -> int:
         if self.args.num_kvcache_blocks is not None:
@@ -237,7 +267,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return None
-        return batch, self.runner.prepare(batch.seqs, batch.is_prefill, batch.num_new_tokens)
+        return batch, self.runner.prepare(batch.seqs, batch.num_new_tokens, batch.num_decodes)
 
     def execute(self, step: StepInput) -> list[int]:
         """The model forward and sampling; the only part that may run off the event-loop thread."""

@@ -10,7 +10,10 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, decode_mask, plan_prefill
-from engine.models.llama import LlamaConfig, LlamaForCausalLM
+from engine.cuda_graph import DecodeGraphs
+from engine.kernels import decode_splits
+from engine.kernels.ops import TritonOps
+from engine.models.llama import LlamaConfig, LlamaForCausalLM, rope_tables
 from engine.sequence import SamplingParams, Sequence
 
 log = logging.getLogger(__name__)
@@ -18,18 +21,20 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class StepInput:
-    """A batch turned into tensors; built on the event-loop thread, consumed on the model thread.
+    """A batch turned into model inputs; built on the event-loop thread, consumed on the model thread.
 
     Holding only tensors and values (no live Sequence objects) lets a request be aborted while the
-    step runs without the step seeing its sequence change.
+    step runs without the step seeing its sequence change. A decode step that a captured CUDA graph
+    serves has its inputs staged in the graph's buffers instead (``graph_batch`` sequences).
     """
 
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor  # which hidden rows produce a next token (one per sequence)
+    input_ids: torch.Tensor | None
+    positions: torch.Tensor | None
+    meta: AttentionMetadata | None
+    logits_indices: torch.Tensor | None  # which hidden rows produce a next token (one per sequence)
     params: tuple[SamplingParams, ...]
     generators: tuple[torch.Generator | None, ...]
+    graph_batch: int = 0
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -60,8 +65,11 @@ class ModelRunner:
         cache_dtype: torch.dtype,
         seed: int,
         sparse_topk: int = 0,
+        kernels: str = "torch",
+        max_model_len: int = 0,
     ) -> None:
         self.config = model_config
+        self.max_model_len = max_model_len or model_config.max_position_embeddings
         # > 0: block-sparse decode over this many indexer-chosen blocks, with an indexer-key cache.
         self.sparse_topk = sparse_topk
         self.device = device
@@ -76,24 +84,22 @@ class ModelRunner:
             model.lm_head.weight = model.embed_tokens.weight  # to_empty unties shared parameters
         self.model = model
         # Buffers (rotary tables) are not in the checkpoint: rebuild them on the real device.
-        self._init_rope()
+        cos, sin = rope_tables(model_config)
+        model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
         model.load_hf_state_dict(weights)
         model.to(dtype)
         model.eval()
+        if kernels == "triton":
+            model.ops = TritonOps()
+        elif kernels != "torch":
+            raise ValueError(f"unknown kernels {kernels!r}")
+        self.kernels = kernels
         self.kv_caches: list[torch.Tensor] = []
         # One [num_blocks, kv_heads, head_dim] tensor per layer, paged with the KV cache's block ids.
         self.indexer_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
+        self.graphs: DecodeGraphs | None = None
         self._default_generator = torch.Generator().manual_seed(seed)
-
-    def _init_rope(self) -> None:
-        cfg = self.config
-        inv_freq = 1.0 / (
-            cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim)
-        )
-        freqs = torch.arange(cfg.max_position_embeddings, dtype=torch.int64).float()[:, None] * inv_freq[None]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.model.rope_cos = emb.cos().to(self.device)
-        self.model.rope_sin = emb.sin().to(self.device)
 
     # -- KV cache ----------------------------------------------------------------------------------
 
@@ -115,9 +121,15 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return self.config.num_key_value_heads * self.config.head_dim * elem
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One ``[2, num_blocks, block_size, kv_heads, head_dim]`` tensor per layer (K at 0, V at 1)."""
+    def allocate_kv_cache(self, num_blocks: int, scratch: bool = False) -> None:
+        """One ``[2, num_blocks, block_size, kv_heads, head_dim]`` tensor per layer (K at 0, V at 1).
+
+        ``scratch``: one more block after the pool (id ``num_blocks``, never handed out), where the
+        padding rows of a captured decode graph write.
+        """
         cfg = self.config
+        self.num_blocks = num_blocks
+        num_blocks += 1 if scratch else 0
         shape = (2, num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in range(cfg.num_hidden_layers)
@@ -138,7 +150,7 @@ class ModelRunner:
         self.allocate_kv_cache(blocks)
         seq = Sequence(0, [0] * tokens, SamplingParams(temperature=0.0, max_tokens=1), self.block_size)
         seq.block_table = list(range(blocks))
-        self.execute(self.prepare([seq], True, [tokens]))
+        self.execute(self.prepare([seq], [tokens], 0))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self.kv_caches = []
@@ -151,14 +163,31 @@ class ModelRunner:
         budget = int(total * gpu_memory_utilization) - others - (peak - cache_so_far)
         return max(budget // self.block_bytes(), 0)
 
+    # -- CUDA graphs ------------------------------------------------------------------------------
+
+    def capture_graphs(self, sizes: Seq[int]) -> None:
+        """Capture the decode step for each batch size in ``sizes`` (after allocate_kv_cache(scratch=True))."""
+        if self.kernels != "triton" or self.device.type != "cuda":
+            raise ValueError("CUDA graphs need the Triton kernels on a CUDA device")
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.indexer_caches, sorted(set(sizes)),
+                                   self.block_size, self.num_blocks, self.max_model_len, self.sparse_topk)
+        self.graphs.capture()
+
     # -- one step -----------------------------------------------------------------------------------
 
-    def prepare(self, seqs: Seq[Sequence], is_prefill: bool, num_new_tokens: Seq[int]) -> StepInput:
-        """Turn the scheduled sequences into the tensors of one step.
+    def prepare(self, seqs: Seq[Sequence], num_new_tokens: Seq[int], num_decodes: int) -> StepInput:
+        """Turn the scheduled sequences into the inputs of one step.
 
-        Each sequence computes ``num_new_tokens`` tokens from its first uncached one; only those
-        that reach their last token get a logits row (and a sampled token).
+        The first ``num_decodes`` sequences decode one token; the others compute ``num_new_tokens``
+        prompt tokens from their first uncached one, and only those that reach their last token get
+        a logits row (and a sampled token).
         """
+        graphs = self.graphs
+        if graphs is not None and num_decodes == len(seqs) and graphs.fits(len(seqs)) and (
+                not self.indexer_caches or self.sparse_topk == graphs.sparse_topk):  # fmt: skip
+            graphs.stage(seqs)
+            return StepInput(None, None, None, None, tuple(s.params for s in seqs),
+                             tuple(s.generator for s in seqs), graph_batch=len(seqs))  # fmt: skip
         bs = self.block_size
         ids: list[int] = []
         positions: list[np.ndarray] = []
@@ -169,7 +198,7 @@ class ModelRunner:
         sampled: list[Sequence] = []
         logits_rows: list[int] = []
         for seq, n in zip(seqs, num_new_tokens, strict=True):
-            start = seq.num_cached_tokens if is_prefill else len(seq) - 1
+            start = seq.num_cached_tokens
             end = start + n
             table = np.asarray(seq.block_table, dtype=np.int64)
             pos = np.arange(start, end, dtype=np.int64)
@@ -187,23 +216,35 @@ class ModelRunner:
         for i, seq in enumerate(seqs):
             tables[i, : len(seq.block_table)] = seq.block_table
         dev = self.device
-        groups, cached = plan_prefill(query_lens, cached_lens, dev) if is_prefill else ([], [])
-        context = torch.tensor(context_lens, dtype=torch.int64, device=dev)
+        # The Triton kernels take 32-bit indices; torch's indexing wants 64-bit ones.
+        idx = torch.int32 if self.kernels == "triton" else torch.int64
+        context = torch.tensor(context_lens, dtype=idx, device=dev)
+        decode_width = max((len(s.block_table) for s in seqs[:num_decodes]), default=0)
         meta = AttentionMetadata(
-            is_prefill=is_prefill,
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            block_tables=torch.from_numpy(tables).to(dev),
+            num_decodes=num_decodes,
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device=dev, dtype=idx),
+            block_tables=torch.from_numpy(tables).to(device=dev, dtype=idx),
             context_lens=context,
             query_lens=query_lens,
             cached_lens=cached_lens,
-            prefill_groups=groups,
-            cached_seqs=cached,
-            decode_mask=None if is_prefill else decode_mask(context, max_blocks * bs),
+            max_query_len=max(query_lens),
+            max_context=max(context_lens),
             sparse_topk=self.sparse_topk,
         )
+        if self.kernels == "triton":
+            starts = np.zeros(len(seqs) + 1, dtype=np.int32)
+            np.cumsum(query_lens, out=starts[1:])
+            meta.query_start = torch.from_numpy(starts).to(dev)
+            if num_decodes == len(seqs):
+                meta.num_splits = decode_splits(len(seqs), self.config.num_key_value_heads, meta.max_context, dev)
+        else:
+            meta.prefill_groups, meta.cached_seqs = plan_prefill(query_lens, cached_lens, dev, first=num_decodes)
+            meta.decode_width = decode_width
+            if num_decodes:
+                meta.decode_mask = decode_mask(context[:num_decodes], decode_width * bs)
         return StepInput(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.from_numpy(np.concatenate(positions)).to(dev),
+            positions=torch.from_numpy(np.concatenate(positions)).to(device=dev, dtype=idx),
             meta=meta,
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
             params=tuple(s.params for s in sampled),
@@ -213,6 +254,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> list[int]:
         """Run the forward pass and sample one token per sequence that reached its end."""
+        if step.graph_batch:
+            assert self.graphs is not None
+            logits, greedy = self.graphs.replay(step.graph_batch)
+            return self.sample(logits, step.params, step.generators, greedy)
+        assert step.input_ids is not None and step.positions is not None and step.meta is not None
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, self.indexer_caches or None)
         if not step.params:
             return []
@@ -224,9 +270,11 @@ class ModelRunner:
         logits: torch.Tensor,
         params: Seq[SamplingParams],
         generators: Seq[torch.Generator | None],
+        greedy: torch.Tensor | None = None,
     ) -> list[int]:
-        """Greedy rows by argmax in one op; sampled rows one by one with their own generator."""
-        tokens: list[int] = logits.argmax(dim=-1).tolist()
+        """Greedy rows by argmax in one op (or ``greedy``, already taken); sampled rows one by one with
+        their own generator."""
+        tokens: list[int] = (logits.argmax(dim=-1) if greedy is None else greedy).tolist()
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled:
             return tokens

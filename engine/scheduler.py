@@ -23,19 +23,25 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ScheduledBatch:
-    """The sequences of one model step (all prefill or all decode) and how many tokens each computes.
+    """The sequences of one model step and how many tokens each computes.
 
-    A prefill chunk that stops short of the sequence's end samples nothing; the sequence stays at
-    the head of the waiting queue and its next chunk follows in the next step.
+    The first ``num_decodes`` sequences decode one token each; the rest compute prompt tokens (a
+    whole prompt or a chunk of one). A prefill chunk that stops short of the sequence's end samples
+    nothing; the sequence stays at the head of the waiting queue and its next chunk follows in the
+    next step.
     """
 
     seqs: list[Sequence]
-    is_prefill: bool
     num_new_tokens: list[int]
+    num_decodes: int
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.num_decodes == len(self.seqs)
 
 
 class QueueFullError(RuntimeError):
@@ -45,10 +51,13 @@ class QueueFullError(RuntimeError):
 class Scheduler:
     """Owns the waiting and running queues and the block manager's decisions.
 
-    Prefill first: whenever waiting sequences fit (in seats, token budget and blocks) they are
-    prefilled together; otherwise every running sequence decodes one token. A decode step that runs
-    out of blocks preempts the most recently admitted sequences (their blocks are freed and they go
-    back to the head of the waiting queue, to be recomputed; the prefix cache usually makes that cheap).
+    With chunked prefill (the default) every step is mixed, as in vLLM: each running sequence
+    decodes one token, and waiting prompts fill what is left of the token budget, a long one in
+    chunks over several steps, so a long prompt never stalls the running streams. Without it, steps
+    are prefill first: whenever waiting prompts fit (in seats, token budget and blocks) they are
+    prefilled together, otherwise every running sequence decodes. A decode that runs out of blocks
+    preempts the most recently admitted sequences (their blocks are freed and they go back to the
+    head of the waiting queue, to be recomputed; the prefix cache usually makes that cheap).
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
@@ -68,31 +77,46 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         """Pick the next step's batch; None when there is nothing to run."""
-        batch = self._schedule_prefill() or self._schedule_decode()
+        self._admit_transferred()
+        if self.config.enable_chunked_prefill:
+            decodes = self._schedule_decode()
+            seqs, chunks = self._schedule_prefill(self.config.max_num_batched_tokens - len(decodes))
+            if not decodes and not seqs:
+                return None
+            return ScheduledBatch(decodes + seqs, [1] * len(decodes) + chunks, len(decodes))
+        seqs, chunks = self._schedule_prefill(self.config.max_num_batched_tokens)
+        if seqs:
+            return ScheduledBatch(seqs, chunks, 0)
+        decodes = self._schedule_decode()
+        if decodes:
+            return ScheduledBatch(decodes, [1] * len(decodes), len(decodes))
         # A decode pass that had to preempt every sequence freed room: re-admit at once.
-        return batch or self._schedule_prefill()
+        seqs, chunks = self._schedule_prefill(self.config.max_num_batched_tokens)
+        return ScheduledBatch(seqs, chunks, 0) if seqs else None
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
+    def _admit_transferred(self) -> None:
+        # KV filled from outside (a transfer) up to its first token: what is left is a decode step,
+        # so it joins the decoders (the same attention, sparse or dense, as if this engine had
+        # prefilled it).
+        for seq in [s for s in self.waiting if s.block_table and s.num_completion_tokens]:
+            if len(self.running) >= self.config.max_num_seqs:
+                return
+            if len(seq) - seq.num_cached_tokens == 1:
+                self.waiting.remove(seq)
+                seq.set_status(SequenceStatus.RUNNING)
+                self.running.append(seq)
+
+    def _schedule_prefill(self, budget: int) -> tuple[list[Sequence], list[int]]:
         cfg = self.config
         seqs: list[Sequence] = []
         chunks: list[int] = []
-        budget = cfg.max_num_batched_tokens
-        # Sequences that already hold blocks (a prompt mid-chunk, KV filled by a transfer) go
-        # first: they need at most one more block, and the blocks they hold may be what the others
-        # are waiting for.
+        # Sequences that already hold blocks (a prompt mid-chunk) go first: they need at most one
+        # more block, and the blocks they hold may be what the others are waiting for.
         order = [s for s in self.waiting if s.block_table] + [s for s in self.waiting if not s.block_table]
         for seq in order:
             # Admitted sequences join ``running`` at once, so it alone counts the seats taken.
             if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
                 break
-            if seq.block_table and seq.num_completion_tokens and len(seq) - seq.num_cached_tokens == 1:
-                # KV filled from outside (a transfer) up to its first token: what is left is a
-                # decode step, so it joins the decoders (the same attention, sparse or dense, as
-                # if this engine had prefilled it).
-                self.waiting.remove(seq)
-                seq.set_status(SequenceStatus.RUNNING)
-                self.running.append(seq)
-                continue
             if seq.block_table:
                 # A prompt mid-way through chunked prefill: blocks are held, only the uncomputed
                 # tail remains.
@@ -119,11 +143,9 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.set_status(SequenceStatus.RUNNING)
             self.running.append(seq)
-        if not seqs:
-            return None
-        return ScheduledBatch(seqs, True, chunks)
+        return seqs, chunks
 
-    def _schedule_decode(self) -> ScheduledBatch | None:
+    def _schedule_decode(self) -> list[Sequence]:
         seqs: list[Sequence] = []
         candidates = list(self.running)
         while candidates:
@@ -137,9 +159,7 @@ class Scheduler:
             else:
                 self.block_manager.may_append(seq)
                 seqs.append(seq)
-        if not seqs:
-            return None
-        return ScheduledBatch(seqs, False, [1] * len(seqs))
+        return seqs
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

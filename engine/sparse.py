@@ -30,6 +30,7 @@ class MeanKeyIndexer:
 
     def update(self, indexer: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         block_size = kv_cache.shape[2]
+        slot_mapping = slot_mapping.long()
         blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
         offsets = slot_mapping - blocks * block_size
         touched, inverse = torch.unique(blocks, return_inverse=True)
@@ -41,6 +42,20 @@ class MeanKeyIndexer:
         valid = (torch.arange(block_size, device=keys.device)[None, :] < filled[:, None]).to(keys.dtype)
         summed = (keys * valid[:, :, None, None]).sum(dim=1)
         indexer[touched] = summed / filled[:, None, None].to(keys.dtype)
+
+    def update_decode(self, indexer: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """``update`` for steps whose tokens each touch a different block (decodes): no data-dependent shapes.
+
+        Same values as ``update`` there, and capturable in a CUDA graph.
+        """
+        block_size = kv_cache.shape[2]
+        slots = slot_mapping.long()
+        blocks = torch.div(slots, block_size, rounding_mode="floor")
+        filled = slots - blocks * block_size + 1
+        keys = _cooked(_rows(_raw(kv_cache)[0], blocks), kv_cache.dtype).to(indexer.dtype)
+        valid = (torch.arange(block_size, device=keys.device)[None, :] < filled[:, None]).to(keys.dtype)
+        summed = (keys * valid[:, :, None, None]).sum(dim=1)
+        indexer[blocks] = summed / filled[:, None, None].to(keys.dtype)
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -103,6 +118,31 @@ def select_blocks(
     lens = torch.where(dup, 0, block_size)
     lens[:, -1] = last_len
     return selected, lens
+
+
+def select_blocks_paged(
+    q: torch.Tensor, indexer: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+    block_size: int, topk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks each decoding sequence attends to, as a block table a paged kernel reads in place.
+
+    Returns (tables ``[seqs, n]``, valid tokens of each row ``[seqs]``): a sequence with at most
+    ``n = topk + 2`` blocks keeps its own table and length (dense); a longer one gets its first
+    block, its ``topk`` best-scored and its last (partial) block in position order, so its row
+    holds ``n - 1`` full blocks and the last block's tokens. Same keys as ``sparse_decode``;
+    fixed shapes, so it can be captured in a CUDA graph.
+    """
+    _seqs, width = block_tables.shape
+    n = min(width, topk + 2)
+    if n == width:
+        return block_tables, context_lens
+    selected, _ = select_blocks(q, indexer, block_tables, context_lens, block_size, topk)
+    num_blocks = torch.div(context_lens + block_size - 1, block_size, rounding_mode="floor")
+    short = (num_blocks <= n)[:, None]
+    tables = torch.where(short, block_tables[:, :n], selected.to(block_tables.dtype))
+    last_len = context_lens - (num_blocks - 1) * block_size
+    lens = torch.where(short.squeeze(1), context_lens, (n - 1) * block_size + last_len)
+    return tables, lens
 
 
 def sparse_decode(

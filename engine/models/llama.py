@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import AttentionMetadata
+from engine.kernels.ops import ModelOps, TorchOps
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,25 +29,23 @@ class LlamaConfig:
     tie_word_embeddings: bool
 
 
+def rope_tables(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary cos and sin for every position, float32 ``[max_position_embeddings, head_dim]``."""
+    inv_freq = 1.0 / (
+        cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim)
+    )
+    freqs = torch.arange(cfg.max_position_embeddings, dtype=torch.int64).float()[:, None] * inv_freq[None]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm computed in float32, as the reference implementation does."""
+    """Root-mean-square layer norm (its weight); the computation is the ops' (float32 inside)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """Rotate the two halves of the last axis (the "NeoX" rotary layout Hugging Face uses)."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -66,39 +65,35 @@ class Attention(nn.Module):
 
     def forward(
         self,
+        ops: ModelOps,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: Any,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         indexer: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale, indexer)
+        out = ops.attention(
+            self.qkv_proj(x), rope, kv_cache, meta, indexer, self.num_heads, self.num_kv_heads, self.head_dim,
+            self.scale,
+        )  # fmt: skip
         return self.o_proj(out)  # type: ignore[no-any-return]
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward block."""
+    """SwiGLU feed-forward block; gate and up in one matmul."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)  # type: ignore[no-any-return]
+    def forward(self, ops: ModelOps, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))  # type: ignore[no-any-return]
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm transformer block."""
+    """One pre-norm transformer block. The residual stream is carried beside the hidden states so
+    that each residual add is fused into the norm that follows it."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -109,19 +104,32 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
+        ops: ModelOps,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: Any,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         indexer: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, indexer)
-        return x + self.mlp(self.post_attention_layernorm(x))  # type: ignore[no-any-return]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp output, residual stream before it)``: the next layer adds them."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual, h = x, ops.rms_norm(x, norm.weight, norm.eps)
+        else:
+            h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        h = self.self_attn(ops, h, rope, kv_cache, meta, indexer)
+        norm = self.post_attention_layernorm
+        h, residual = ops.add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp(ops, h), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama decoder: token ids of a flattened batch in, hidden states out; logits on demand."""
+    """Llama decoder: token ids of a flattened batch in, hidden states out; logits on demand.
+
+    ``ops`` computes norms, activation and attention: ``TorchOps`` (the reference, CPU) unless the
+    runner installs another.
+    """
 
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
@@ -129,6 +137,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.config = cfg
+        self.ops: ModelOps = TorchOps()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.decoder_layers = [DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)]
         self.layers = nn.ModuleList(self.decoder_layers)  # registers them; decoder_layers is the typed view
@@ -136,13 +145,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        inv_freq = 1.0 / (
-            cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim)
-        )
-        freqs = torch.arange(cfg.max_position_embeddings, dtype=torch.int64).float()[:, None] * inv_freq[None]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("rope_cos", emb.cos(), persistent=False)
-        self.register_buffer("rope_sin", emb.sin(), persistent=False)
+        cos, sin = rope_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(
         self,
@@ -152,15 +157,17 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         indexer_caches: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        ops = self.ops
         x = self.embed_tokens(input_ids)
-        # Rotary tables gathered once per step, shared by every layer; [n, 1, head_dim] broadcasts
-        # over heads.
-        cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)
-        sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
+        # Rotary context gathered once per step, shared by every layer.
+        rope = ops.rope(self.rope_cos, self.rope_sin, positions, x.dtype)
         indexers: list[torch.Tensor | None] = list(indexer_caches) if indexer_caches else [None] * len(kv_caches)
+        residual: torch.Tensor | None = None
         for layer, kv_cache, indexer in zip(self.decoder_layers, kv_caches, indexers, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta, indexer)
-        return self.norm(x)  # type: ignore[no-any-return]
+            x, residual = layer(ops, x, residual, rope, kv_cache, meta, indexer)
+        if residual is None:
+            return ops.rms_norm(x, self.norm.weight, self.norm.eps)
+        return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the given hidden states ``[n, hidden]``."""

@@ -28,14 +28,17 @@ def meta_for(lens: list[int], cached: list[int], tables: list[list[int]], prefil
     width = max(len(t) for t in tables)
     groups, cached_seqs = plan_prefill(q_lens, cached, torch.device("cpu")) if prefill else ([], [])
     return AttentionMetadata(
-        is_prefill=prefill,
+        num_decodes=0 if prefill else len(lens),
         slot_mapping=torch.tensor(slots),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
         context_lens=torch.tensor(lens),
         query_lens=q_lens,
-        cached_lens=cached,
+        cached_lens=[n - 1 for n in lens] if not prefill else cached,
+        max_query_len=max(q_lens),
+        max_context=max(lens),
         prefill_groups=groups,
         cached_seqs=cached_seqs,
+        decode_width=0 if prefill else width,
     )
 
 
@@ -71,3 +74,40 @@ def test_prefill_groups_cached_prefix_and_decode_match_dense() -> None:
     out = paged_attention(q, k, v, cache, meta, D**-0.5).view(-1, H, D)
     for i in range(3):
         torch.testing.assert_close(out[i], expected[i][-1])
+
+
+def test_a_mixed_step_attends_decodes_and_prompt_chunks_together() -> None:
+    # Sequence 0 decodes its 7th token; sequence 1 computes tokens 4..8 after a cached prefix of 4;
+    # sequence 2 is a fresh prompt of 3: one call, decodes first.
+    gen = torch.Generator().manual_seed(1)
+    lens = [7, 9, 3]
+    full = [(torch.randn(n, H, D, generator=gen), torch.randn(n, KVH, D, generator=gen),
+             torch.randn(n, KVH, D, generator=gen)) for n in lens]  # fmt: skip
+    expected = [dense(q, k, v) for q, k, v in full]
+    tables = [[3, 0], [5, 1, 7], [2]]
+    cache = torch.zeros(2, 8, BS, KVH, D)
+    # Earlier steps wrote sequence 0's first 6 tokens and sequence 1's first 4.
+    for i, n in ((0, 6), (1, 4)):
+        paged_attention(*(t[:n] for t in full[i]), cache, meta_for([n], [0], [tables[i]], prefill=True), D**-0.5)
+    starts, ends = [6, 4, 0], lens
+    q_lens = [e - s for s, e in zip(starts, ends, strict=True)]
+    slots = [tables[i][p // BS] * BS + p % BS for i in range(3) for p in range(starts[i], ends[i])]
+    groups, cached_seqs = plan_prefill(q_lens, starts, torch.device("cpu"), first=1)
+    meta = AttentionMetadata(
+        num_decodes=1,
+        slot_mapping=torch.tensor(slots),
+        block_tables=torch.tensor([t + [0] * (3 - len(t)) for t in tables]),
+        context_lens=torch.tensor(lens),
+        query_lens=q_lens,
+        cached_lens=starts,
+        max_query_len=max(q_lens),
+        max_context=max(lens),
+        prefill_groups=groups,
+        cached_seqs=cached_seqs,
+        decode_width=2,
+    )
+    q, k, v = (torch.cat([f[j][s:e] for f, s, e in zip(full, starts, ends, strict=True)]) for j in range(3))
+    out = paged_attention(q, k, v, cache, meta, D**-0.5).view(-1, H, D)
+    got = torch.split(out, q_lens)
+    for i in range(3):
+        torch.testing.assert_close(got[i], expected[i][starts[i] :])

@@ -1,4 +1,4 @@
-"""Scheduler: prefill first, seat and token budgets, preemption when blocks run out, bounded queue."""
+"""Scheduler: mixed steps (or prefill first without chunking), seat and token budgets, preemption, bounded queue."""
 
 from __future__ import annotations
 
@@ -33,22 +33,41 @@ def decode_once(s: Scheduler, batch_seqs: list[Sequence]) -> None:
         x.append_token(7)
 
 
-def test_prefill_first_then_decode() -> None:
-    s = make()
+def test_prefill_first_then_decode_without_chunking() -> None:
+    s = make(chunked=False)
     a, b = seq(1, 5), seq(2, 6)
     s.add(a)
     s.add(b)
     batch = s.schedule()
-    assert batch is not None and batch.is_prefill and batch.seqs == [a, b]
+    assert batch is not None and batch.num_decodes == 0 and batch.seqs == [a, b]
     assert batch.num_tokens == 11 and batch.num_new_tokens == [5, 6]
     decode_once(s, batch.seqs)
     batch = s.schedule()
-    assert batch is not None and not batch.is_prefill and batch.seqs == [a, b]
+    assert batch is not None and batch.decode_only and batch.seqs == [a, b]
     # A newcomer is prefilled before the running ones decode again.
     c = seq(3, 3)
     s.add(c)
     batch = s.schedule()
-    assert batch is not None and batch.is_prefill and batch.seqs == [c]
+    assert batch is not None and batch.num_decodes == 0 and batch.seqs == [c]
+
+
+def test_mixed_steps_decode_the_running_and_prefill_newcomers_together() -> None:
+    s = make(max_tokens=10)
+    a, b = seq(1, 5), seq(2, 4)
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()
+    assert batch is not None and batch.num_decodes == 0 and batch.num_new_tokens == [5, 4]
+    decode_once(s, batch.seqs)
+    for x in batch.seqs:
+        s.block_manager.mark_computed(x, len(x) - 1)
+    # A long newcomer: the running two decode and it takes the rest of the budget (a chunk).
+    c = seq(3, 20)
+    s.add(c)
+    batch = s.schedule()
+    assert batch is not None and batch.num_decodes == 2 and batch.seqs == [a, b, c]
+    assert batch.num_new_tokens == [1, 1, 8] and not batch.decode_only
+    assert s.waiting[0] is c and list(s.running) == [a, b]
 
 
 def test_max_num_seqs_limits_the_batch() -> None:
@@ -69,7 +88,7 @@ def test_token_budget_limits_the_prefill_without_chunking() -> None:
     batch = s.schedule()
     assert batch is not None and batch.seqs == [a]
     batch = s.schedule()
-    assert batch is not None and batch.is_prefill and batch.seqs == [b]
+    assert batch is not None and batch.num_decodes == 0 and batch.seqs == [b]
 
 
 def test_chunked_prefill_splits_a_prompt_over_steps() -> None:
@@ -83,10 +102,13 @@ def test_chunked_prefill_splits_a_prompt_over_steps() -> None:
     for x, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
         s.block_manager.mark_computed(x, x.num_cached_tokens + n)
     batch = s.schedule()
-    assert batch is not None and batch.is_prefill and batch.seqs == [b] and batch.num_new_tokens == [10]
-    s.block_manager.mark_computed(b, 14)
+    assert batch is not None and batch.seqs == [a, b] and batch.num_new_tokens == [1, 9]  # a decodes beside
+    assert batch.num_decodes == 1
+    decode_once(s, [a])
+    s.block_manager.mark_computed(a, len(a) - 1)
+    s.block_manager.mark_computed(b, 13)
     batch = s.schedule()
-    assert batch is not None and batch.seqs == [b] and batch.num_new_tokens == [1]
+    assert batch is not None and batch.seqs == [a, b] and batch.num_new_tokens == [1, 2]
     assert list(s.running) == [a, b] and not s.waiting
 
 
@@ -107,13 +129,13 @@ def test_preemption_frees_the_newest_and_requeues_it_first() -> None:
     assert batch is not None and batch.seqs == [a, b]
     decode_once(s, batch.seqs)  # both now need a third block
     batch = s.schedule()
-    assert batch is not None and not batch.is_prefill and batch.seqs == [a]
+    assert batch is not None and batch.decode_only and batch.seqs == [a]
     assert b.status is SequenceStatus.WAITING and b.block_table == [] and s.waiting[0] is b
     assert s.num_preemptions == 1
     # When a finishes, b comes back (prefilled again, prompt + generated token).
     s.finish(a, FinishReason.STOP)
     batch = s.schedule()
-    assert batch is not None and batch.is_prefill and batch.seqs == [b]
+    assert batch is not None and batch.num_decodes == 0 and batch.seqs == [b]
     assert len(b) == 9
 
 

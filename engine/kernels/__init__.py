@@ -1,0 +1,41 @@
+"""Fused GPU kernels (Triton) for the model's hot path, each beside the torch code it must equal.
+
+``engine.kernels.triton_ops`` holds the kernels; the plain-torch reference of each op lives with the
+model (``engine.models.llama`` and ``engine.attention``) and is what the CPU runs. Triton is only
+imported when a CUDA device asks for it, or when ``TRITON_INTERPRET=1`` runs the kernels on the CPU
+in tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+
+def triton_importable() -> bool:
+    """Whether the ``triton`` package is installed (it comes with CUDA builds of torch)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpret_mode() -> bool:
+    """``TRITON_INTERPRET=1``: kernels run on CPU tensors through Triton's interpreter (tests only)."""
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+# Keys per tile of the decode attention kernel; a split covers a multiple of it.
+DECODE_BLOCK_N = 64
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """How many programs share one sequence's context in a decode step: enough for two waves of the GPU."""
+    sms = _sm_count(device.index or 0) if device.type == "cuda" else 4
+    want = -(-2 * sms // max(num_seqs * num_kv_heads, 1))
+    return max(1, min(want, -(-max_context // DECODE_BLOCK_N)))

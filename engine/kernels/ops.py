@@ -1,0 +1,157 @@
+"""The decoder's per-layer operations behind one seam: plain torch (the reference) or Triton kernels.
+
+The model (``engine.models.llama``) calls these and nothing else for its norms, activation, rotary
+positions and attention, so one forward serves every device and step kind. ``TorchOps`` is the
+exact reference and what the CPU runs; ``TritonOps`` fuses each into one kernel launch (CUDA, or
+the CPU under ``TRITON_INTERPRET=1`` in tests) and never synchronises with the host, so a decode
+step made of it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionMetadata, paged_attention
+from engine.sparse import MeanKeyIndexer, select_blocks_paged
+
+_INDEXER = MeanKeyIndexer()  # stateless: the training-free indexer of dense checkpoints
+
+
+class ModelOps(Protocol):
+    """What a decoder layer needs computed; each call is one step's whole batch."""
+
+    def rope(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> Any:
+        """Per-step rotary context shared by every layer (built once a step)."""
+        ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``."""
+        ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def attention(
+        self, qkv: torch.Tensor, rope: Any, kv_cache: torch.Tensor, meta: AttentionMetadata,
+        indexer: torch.Tensor | None, heads: int, kv_heads: int, head_dim: int, scale: float,
+    ) -> torch.Tensor:  # fmt: skip
+        """Rotate Q/K of ``qkv``, store K/V, attend; returns ``[tokens, heads * head_dim]``."""
+        ...
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Rotate the two halves of the last axis (the "NeoX" rotary layout Hugging Face uses)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Root-mean-square norm computed in float32, as the reference implementation does."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+class TorchOps:
+    """The reference: plain torch, exact against transformers on CPU."""
+
+    def rope(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> Any:
+        # [n, 1, head_dim]: broadcasts over heads.
+        return cos[positions].to(dtype).unsqueeze(1), sin[positions].to(dtype).unsqueeze(1)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch_rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = residual + x
+        return torch_rms_norm(residual, weight, eps), residual
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def attention(
+        self, qkv: torch.Tensor, rope: Any, kv_cache: torch.Tensor, meta: AttentionMetadata,
+        indexer: torch.Tensor | None, heads: int, kv_heads: int, head_dim: int, scale: float,
+    ) -> torch.Tensor:  # fmt: skip
+        n = qkv.shape[0]
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q = q.view(n, heads, head_dim)
+        k = k.view(n, kv_heads, head_dim)
+        v = v.view(n, kv_heads, head_dim)
+        cos, sin = rope
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return paged_attention(q, k, v, kv_cache, meta, scale, indexer)
+
+
+class TritonOps:
+    """Fused Triton kernels: one launch per op, graph-capturable."""
+
+    def __init__(self) -> None:
+        from engine.kernels import triton_ops  # imported only where Triton is wanted
+
+        self._k = triton_ops
+
+    def rope(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> Any:
+        return cos, sin, positions  # the kernel reads the float32 tables at each token's position
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._k.rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._k.add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._k.silu_and_mul(x)
+
+    def attention(
+        self, qkv: torch.Tensor, rope: Any, kv_cache: torch.Tensor, meta: AttentionMetadata,
+        indexer: torch.Tensor | None, heads: int, kv_heads: int, head_dim: int, scale: float,
+    ) -> torch.Tensor:  # fmt: skip
+        cos, sin, positions = rope
+        assert meta.query_start is not None, "Triton attention needs query_start in the metadata"
+        q = self._k.rope_and_store(qkv, positions, cos, sin, kv_cache, meta.slot_mapping, heads, kv_heads, head_dim)
+        n = q.shape[0]
+        nd = meta.num_decodes
+        if indexer is not None:
+            if nd == n:
+                _INDEXER.update_decode(indexer, kv_cache, meta.slot_mapping)  # no data-dependent shapes
+            else:
+                _INDEXER.update(indexer, kv_cache, meta.slot_mapping)
+        if indexer is None or not meta.sparse_topk or nd == 0:
+            out = self._k.paged_attention(
+                q, kv_cache, meta.block_tables, meta.query_start, meta.context_lens, scale,
+                meta.max_query_len, meta.max_context, meta.num_splits,
+            )  # fmt: skip
+            return out.view(n, -1)
+        # Sparse decode: the decode rows attend over their indexer-chosen blocks, read in place.
+        block_size = kv_cache.shape[2]
+        tables, lens = select_blocks_paged(
+            q[:nd], indexer, meta.block_tables[:nd], meta.context_lens[:nd], block_size, meta.sparse_topk
+        )
+        width = tables.shape[1] * block_size
+        decoded = self._k.paged_attention(
+            q[:nd], kv_cache, tables, meta.query_start[: nd + 1], lens, scale, 1, min(width, meta.max_context),
+            meta.num_splits,
+        )  # fmt: skip
+        if nd == n:
+            return decoded.view(n, -1)
+        out = torch.empty_like(q)
+        out[:nd] = decoded
+        out[nd:] = self._k.paged_attention(
+            q, kv_cache, meta.block_tables, meta.query_start, meta.context_lens, scale,
+            meta.max_query_len, meta.max_context,
+        )[nd:]  # fmt: skip
+        return out.view(n, -1)

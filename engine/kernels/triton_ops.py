@@ -1,0 +1,304 @@
+"""Triton kernels of the decoder's hot path: fused norms, SwiGLU, RoPE + KV store, paged attention.
+
+Each kernel reproduces the rounding of the torch code it replaces (``engine.models.llama`` and
+``engine.attention``): intermediate results are rounded to the model dtype where torch rounds them,
+so greedy outputs agree token for token (tested against the torch path under ``TRITON_INTERPRET=1``
+on CPU, and on CUDA). None of them synchronises with the host or sizes anything from device data,
+so a decode step built from them can be captured in a CUDA graph.
+
+Paged attention is one kernel for every step kind: each program takes one sequence, one KV head
+and a tile of query rows (query tokens x the query heads sharing that KV head), and walks the
+sequence's KV through its block table with an online softmax, causal with the cached context as
+offset. A decode batch too small to fill the GPU splits each sequence's context over several
+programs (flash-decoding) and merges their partial results in a second kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels import DECODE_BLOCK_N, interpret_mode
+
+_INTERPRET = interpret_mode()
+
+# -- norms and activations ----------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        # residual + x, rounded to the model dtype as torch's add is.
+        r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
+        x = (r.to(tl.float32) + x.to(tl.float32)).to(r.dtype)
+        tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / n_cols
+    y = (xf * tl.rsqrt(var + eps)).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    out = (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype)
+    tl.store(out_ptr + row * n_cols + cols, out, mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * rmsnorm(x)`` over the last axis of a contiguous ``[rows, hidden]`` tensor."""
+    out = torch.empty_like(x)
+    n = x.shape[-1]
+    _rms_norm_kernel[(x.shape[0],)](x, x, weight, out, out, n, eps, HAS_RES=False, BLOCK=triton.next_power_of_2(n))
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[
+        torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(weight * rmsnorm(residual + x), residual + x)`` in one pass."""
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x)
+    n = x.shape[-1]
+    _rms_norm_kernel[(x.shape[0],)](
+        x.contiguous(), residual, weight, out, res_out, n, eps, HAS_RES=True, BLOCK=triton.next_power_of_2(n)
+    )
+    return out, res_out
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    g = tl.load(x_ptr + row * 2 * n + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * 2 * n + n + cols, mask=mask, other=0.0)
+    s = (g / (1.0 + tl.exp(-g))).to(u.dtype)
+    tl.store(out_ptr + row * n + cols, (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x = [gate | up]`` of shape ``[rows, 2 * n]``."""
+    rows, n = x.shape[0], x.shape[1] // 2
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(n))
+    _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](x, out, n, BLOCK=block)
+    return out
+
+
+# -- rotary positions + KV store ----------------------------------------------------------------
+
+
+@triton.jit
+def _rope(x, xr, sign, c, s, dt: tl.constexpr):
+    # x * cos + rotate_half(x) * sin with torch's three roundings to the model dtype.
+    a = (x.to(tl.float32) * c[None, :]).to(dt)
+    b = ((xr.to(tl.float32) * sign[None, :]) * s[None, :]).to(dt)
+    return (a.to(tl.float32) + b.to(tl.float32)).to(dt)
+
+
+@triton.jit
+def _rope_and_store_kernel(
+    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, kv_ptr, slot_ptr, v_offset,
+    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, KVHP: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    dt: tl.constexpr = q_ptr.dtype.element_ty
+    d = tl.arange(0, D)
+    rot = (d + D // 2) % D
+    sign = tl.where(d < D // 2, -1.0, 1.0)
+    # The tables are float32; torch casts them to the model dtype before multiplying.
+    c = tl.load(cos_ptr + pos * D + d).to(dt).to(tl.float32)
+    s = tl.load(sin_ptr + pos * D + d).to(dt).to(tl.float32)
+    row = qkv_ptr + t * (H + 2 * KVH) * D
+    h = tl.arange(0, HP)
+    hm = (h < H)[:, None]
+    q = tl.load(row + h[:, None] * D + d[None, :], mask=hm, other=0.0)
+    qr = tl.load(row + h[:, None] * D + rot[None, :], mask=hm, other=0.0)
+    tl.store(q_ptr + t * H * D + h[:, None] * D + d[None, :], _rope(q, qr, sign, c, s, dt), mask=hm)
+    kh = tl.arange(0, KVHP)
+    km = (kh < KVH)[:, None]
+    k = tl.load(row + H * D + kh[:, None] * D + d[None, :], mask=km, other=0.0)
+    kr = tl.load(row + H * D + kh[:, None] * D + rot[None, :], mask=km, other=0.0)
+    v = tl.load(row + (H + KVH) * D + kh[:, None] * D + d[None, :], mask=km, other=0.0)
+    cdt: tl.constexpr = kv_ptr.dtype.element_ty
+    dst = kv_ptr + slot * KVH * D + kh[:, None] * D + d[None, :]
+    tl.store(dst, _rope(k, kr, sign, c, s, dt).to(cdt), mask=km)
+    tl.store(dst + v_offset, v.to(cdt), mask=km)
+
+
+def rope_and_store(
+    qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+) -> torch.Tensor:  # fmt: skip
+    """Rotate Q and K of ``qkv [tokens, (H + 2 * KVH) * D]``; write K and V to their cache slots.
+
+    Returns the rotated queries ``[tokens, H, D]``. ``kv_cache`` is ``[2, blocks, block_size, KVH, D]``.
+    """
+    n = qkv.shape[0]
+    q = torch.empty((n, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    v_offset = kv_cache[0].numel()
+    _rope_and_store_kernel[(n,)](
+        qkv, positions, cos, sin, q, kv_cache, slot_mapping, v_offset,
+        H=num_heads, KVH=num_kv_heads, D=head_dim,
+        HP=triton.next_power_of_2(num_heads), KVHP=triton.next_power_of_2(num_kv_heads),
+    )  # fmt: skip
+    return q
+
+
+# -- paged attention ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _attend(
+    q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, scale, v_offset,
+    H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    # One tile of BLOCK_N keys, read through the block table, folded into the online softmax.
+    j = n0 + tl.arange(0, BLOCK_N)
+    jm = j < hi
+    blk = tl.load(table + j // BS, mask=jm, other=0).to(tl.int64)
+    off = blk * (BS * (H // GROUP) * D) + (j % BS) * ((H // GROUP) * D) + g * D
+    k = tl.load(kv_ptr + off[:, None] + d[None, :], mask=jm[:, None], other=0.0).to(q.dtype)
+    sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    sc = tl.where((j[None, :] <= qpos[:, None]) & jm[None, :], sc, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, 1))
+    p = tl.exp(sc - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(kv_ptr + v_offset + off[:, None] + d[None, :], mask=jm[:, None], other=0.0).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, kv_ptr, out_ptr, tables_ptr, qstart_ptr, ctx_ptr, part_acc_ptr, part_ml_ptr,
+    scale, v_offset, table_stride, split_size, num_splits,
+    H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_Q: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    s = tl.program_id(1)
+    g = tl.program_id(2)
+    if SPLIT:
+        mt = 0
+        sp = tl.program_id(0)
+    else:
+        mt = tl.program_id(0)
+        sp = 0
+    q0 = tl.load(qstart_ptr + s)
+    qlen = tl.load(qstart_ptr + s + 1) - q0
+    ctx = tl.load(ctx_ptr + s)
+    r = tl.arange(0, BLOCK_M)
+    tq = mt * TILE_Q + r // GROUP  # query token of each row, within the sequence
+    h = g * GROUP + r % GROUP  # query head of each row
+    valid = (r < TILE_Q * GROUP) & (tq < qlen)
+    qpos = ctx - qlen + tq  # absolute position: the cached context comes first
+    kv_end = tl.minimum(ctx, ctx - qlen + (mt + 1) * TILE_Q)
+    if SPLIT:
+        lo = sp * split_size
+        hi = tl.minimum(kv_end, lo + split_size)
+    else:
+        lo = 0
+        hi = kv_end
+    d = tl.arange(0, D)
+    q_rows = (q0 + tq).to(tl.int64) * (H * D) + h * D
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], -1e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    table = tables_ptr + s.to(tl.int64) * table_stride
+    if INTERPRET:
+        # Triton's interpreter cannot run a `for` over a loaded bound; a `while` is the same loop.
+        n0 = lo
+        while n0 < hi:
+            m_i, l_i, acc = _attend(q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, scale, v_offset,
+                                    H, GROUP, D, BS, BLOCK_N, PRECISION)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _attend(q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, scale, v_offset,
+                                    H, GROUP, D, BS, BLOCK_N, PRECISION)
+    if SPLIT:
+        part = (s * H + h).to(tl.int64) * num_splits + sp
+        tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=valid[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=valid)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=valid)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + q_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_acc_ptr, part_ml_ptr, out_ptr, ctx_ptr, split_size, num_splits,
+    H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.arange(0, SPLITS)
+    ctx = tl.load(ctx_ptr + s)
+    used = (i < num_splits) & (i * split_size < ctx)
+    part = (s * H + h).to(tl.int64) * num_splits + i
+    m = tl.load(part_ml_ptr + part * 2, mask=used, other=-1e30)
+    l_ = tl.load(part_ml_ptr + part * 2 + 1, mask=used, other=0.0)
+    top = tl.max(m, 0)
+    w = tl.where(used, tl.exp(m - top), 0.0)
+    d = tl.arange(0, D)
+    acc = tl.load(part_acc_ptr + part[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_ * w, 0)
+    tl.store(out_ptr + (s.to(tl.int64) * H + h) * D + d, out.to(out_ptr.dtype.element_ty))
+
+
+def paged_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, query_start: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, max_query_len: int, max_context: int, num_splits: int = 1,
+) -> torch.Tensor:  # fmt: skip
+    """Causal attention of ``q [tokens, H, D]`` over each sequence's cached context (this step's K/V included).
+
+    Sequence ``s`` owns query rows ``query_start[s]:query_start[s + 1]`` and ``context_lens[s]`` cached
+    tokens, the last of which are its queries' own. ``max_query_len`` and ``max_context`` bound them
+    (host values: they size the grid; in a captured graph, the capture's bounds). ``num_splits`` > 1
+    (decode only) splits each context over that many programs.
+    """
+    _, _, bs, kv_heads, d = kv_cache.shape
+    tokens, heads, _ = q.shape
+    group = heads // kv_heads
+    out = torch.empty_like(q)
+    seqs = block_tables.shape[0]
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    v_offset = kv_cache[0].numel()
+    if max_query_len == 1 and num_splits > 1:
+        block_m = max(16, triton.next_power_of_2(group))
+        split_size = triton.cdiv(triton.cdiv(max_context, num_splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
+        splits = triton.cdiv(max_context, split_size)
+        part_acc = torch.empty((seqs, heads, splits, d), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((seqs, heads, splits, 2), dtype=torch.float32, device=q.device)
+        _paged_attention_kernel[(splits, seqs, kv_heads)](
+            q, kv_cache, out, block_tables, query_start, context_lens, part_acc, part_ml,
+            scale, v_offset, block_tables.stride(0), split_size, splits,
+            H=heads, GROUP=group, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=DECODE_BLOCK_N, TILE_Q=1,
+            SPLIT=True, PRECISION=precision, INTERPRET=_INTERPRET,
+        )  # fmt: skip
+        _merge_splits_kernel[(seqs, heads)](
+            part_acc, part_ml, out, context_lens, split_size, splits,
+            H=heads, D=d, SPLITS=triton.next_power_of_2(splits),
+        )  # fmt: skip
+        return out
+    block_m = max(16, triton.next_power_of_2(group)) if max_query_len == 1 else max(64, triton.next_power_of_2(group))
+    tile_q = block_m // group
+    block_n = DECODE_BLOCK_N if max_query_len == 1 else 64
+    _paged_attention_kernel[(triton.cdiv(max_query_len, tile_q), seqs, kv_heads)](
+        q, kv_cache, out, block_tables, query_start, context_lens, out, out,
+        scale, v_offset, block_tables.stride(0), 0, 1,
+        H=heads, GROUP=group, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=tile_q,
+        SPLIT=False, PRECISION=precision, INTERPRET=_INTERPRET,
+    )  # fmt: skip
+    del tokens
+    return out
