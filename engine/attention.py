@@ -208,10 +208,11 @@ def _prefill(
             # explicit mask would fall to the slow math kernel. The padding rows are dropped.
             qp = q.new_zeros(cached + q_len, heads, head_dim)
             qp[cached:] = q[start : start + q_len]
+            # 4-D inputs: with 3-D ones the CPU takes the math kernel, ten times slower.
             oi = F.scaled_dot_product_attention(
-                qp.transpose(0, 1), kc.transpose(0, 1), vc.transpose(0, 1),
+                qp.transpose(0, 1)[None], kc.transpose(0, 1)[None], vc.transpose(0, 1)[None],
                 is_causal=True, scale=scale, enable_gqa=True,
-            )  # fmt: skip
+            )[0]  # fmt: skip
             out[start : start + q_len] = oi[:, cached:].transpose(0, 1)
     return out
 

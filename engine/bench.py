@@ -1,29 +1,43 @@
 """``python -m engine.bench``: prefill and decode throughput of the engine next to HF transformers.
 
-Both run the same dequantized weights in the same process, one after the other, at each batch
-size. Prefill tok/s = prompt tokens / time of the prefill step; decode tok/s = generated tokens /
-time of the decode steps. "HF 1-by-1" is the reference serving the same requests one after
-another (its batch-1 decode rate), which is what a server without continuous batching does.
-Printed, never asserted.
+Every implementation runs the same weights in the same process, one after the other, at each batch
+size: our engine (CUDA graphs + Triton kernels on a GPU unless ``--enforce-eager`` /
+``--kernels torch``), transformers eager with a ``DynamicCache`` (the reference of the tests), and
+on CUDA transformers with a static cache under ``torch.compile`` (``--compiled``: each mode is
+tried in turn and the first that runs is reported; one that fails is named with its error).
+Prefill tok/s = prompt tokens / time until every sequence has its first token; decode tok/s =
+generated tokens / time of the decode steps. On CUDA the decode rate is also given as a share of
+the HBM roofline (weights + the KV read per step at the datasheet's bandwidth). ``--prefix-row``
+adds the prefill time of one prompt with no prefix cache against a hit of one block (what every
+chat sharing a system prompt gets) and of half the prompt. ``--profile`` splits one batch-1 decode
+step into its host and GPU parts. ``--json`` writes every figure. Printed, never asserted.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
+import json
 import os
 import statistics
 import time
+import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
+from typing import Any
 
 import torch
 
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.models.loader import LoadedModel, load_model
-from engine.sequence import SamplingParams, SequenceStatus
+from engine.sequence import FinishReason, SamplingParams, SequenceStatus
+
+# H200 (SXM) HBM3e bandwidth by the datasheet; the roofline share is against it.
+HBM_BYTES_S = {"H200": 4.8e12, "H100": 3.35e12}
+COMPILE_MODES = ("reduce-overhead", "default", "max-autotune-no-cudagraphs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +64,8 @@ def bench_engine(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -
     seqs = [engine.add_request(p, params) for p in prompts]
     _sync(engine.device)
     t0 = time.perf_counter()
-    engine.step()  # the whole batch fits one prefill step
+    while any(s.num_completion_tokens == 0 for s in seqs):
+        engine.step()
     _sync(engine.device)
     t1 = time.perf_counter()
     while any(s.status is not SequenceStatus.FINISHED for s in seqs):
@@ -80,6 +95,32 @@ def bench_hf(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, 
         t2 = time.perf_counter()
     batch = len(prompts)
     return Result(batch * len(prompts[0]) / (t1 - t0), batch * (new_tokens - 1) / (t2 - t1))
+
+
+def bench_hf_compiled(
+    model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, device: torch.device, mode: str
+) -> Result:
+    """transformers' own static-cache generation with its decode step under ``torch.compile(mode)``."""
+    from transformers import CompileConfig
+
+    ids = torch.tensor(prompts, device=device)
+    common: dict[str, Any] = {
+        "do_sample": False, "cache_implementation": "static", "compile_config": CompileConfig(mode=mode),
+        "pad_token_id": 0, "min_new_tokens": None,
+    }  # fmt: skip
+
+    def timed(n: int) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=n, min_length=ids.shape[1] + n, **common)  # type: ignore[operator]
+        _sync(device)
+        return time.perf_counter() - t0
+
+    first = timed(1)
+    whole = timed(new_tokens)
+    batch = len(prompts)
+    return Result(batch * len(prompts[0]) / first, batch * (new_tokens - 1) / max(whole - first, 1e-9))
 
 
 def hf_reference(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -119,8 +160,92 @@ def median_of(runs: int, fn: Callable[[], Result]) -> Result:
     )
 
 
+def roofline_tok_s(loaded: LoadedModel, engine_dtype: torch.dtype, batch: int, context: int, device: str) -> float:
+    """Decode tok/s if a step only read the weights and the batch's KV once at full HBM bandwidth."""
+    bw = next((v for k, v in HBM_BYTES_S.items() if k in device), None)
+    if bw is None:
+        return 0.0
+    c = loaded.config
+    elem = torch.empty((), dtype=engine_dtype).element_size()
+    weights = sum(t.numel() for name, t in loaded.weights.items() if name != "lm_head.weight") * elem
+    if not c.tie_word_embeddings:
+        weights += c.vocab_size * c.hidden_size * elem
+    kv = batch * context * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * elem
+    return batch * bw / (weights + kv)
+
+
+def prefix_row(loaded: LoadedModel, args: EngineArgs, length: int) -> dict[str, float]:
+    """Prefill seconds of one ``length``-token prompt: no cache, a one-block hit, a half-prompt hit."""
+    vocab = loaded.config.vocab_size
+    base = _prompts(1, length, vocab, 4242)[0]
+    other = _prompts(1, length, vocab, 4343)[0]
+    out: dict[str, float] = {}
+    for name, shared, caching in (("no_cache", 0, False), ("one_block_hit", args.block_size, True),
+                                  ("half_hit", length // 2 // args.block_size * args.block_size, True)):  # fmt: skip
+        engine = LLMEngine(replace(args, enable_prefix_caching=caching), loaded=loaded)
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        prompt = base[:shared] + other[shared:]
+        engine.generate([other[:32]], params)  # warm-up (kernels compiled, nothing cached of `base`)
+        engine.generate([base], params)  # puts base's blocks in the prefix cache (when caching)
+        _sync(engine.device)
+        t0 = time.perf_counter()
+        engine.generate([prompt], params)
+        _sync(engine.device)
+        out[name] = time.perf_counter() - t0
+        del engine
+        gc.collect()
+    return out
+
+
+def profile_step(engine: LLMEngine, prompt_len: int, steps: int = 200) -> dict[str, float]:
+    """Mean microseconds per batch-1 decode step: scheduling + input staging, the model, bookkeeping."""
+    vocab = engine.model_config.vocab_size
+    steps = max(1, min(steps, engine.max_model_len - prompt_len - 2))
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    seq = engine.add_request(_prompts(1, prompt_len, vocab, 99)[0], params)
+    while seq.num_completion_tokens == 0:
+        engine.step()
+    host = model = post = gpu = 0.0
+    cuda = engine.device.type == "cuda"
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        scheduled = engine.schedule()
+        assert scheduled is not None
+        batch, step = scheduled
+        t1 = time.perf_counter()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        tokens = engine.execute(step)  # ends with the tokens on the host: a full sync
+        if cuda:
+            end.record()
+            end.synchronize()
+            gpu += start.elapsed_time(end) * 1e3
+        t2 = time.perf_counter()
+        engine.postprocess(batch, tokens)
+        t3 = time.perf_counter()
+        host, model, post = host + (t1 - t0) * 1e6, model + (t2 - t1) * 1e6, post + (t3 - t2) * 1e6
+    kernels: list[tuple[str, float]] = []
+    if cuda:
+        # Which kernels the step's GPU time goes to (graph replays are traced kernel by kernel).
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                scheduled = engine.schedule()
+                assert scheduled is not None
+                engine.postprocess(scheduled[0], engine.execute(scheduled[1]))
+        kernels = sorted(((e.key, e.device_time_total / 10) for e in prof.key_averages()), key=lambda kv: -kv[1])
+        print("GPU time per batch-1 decode step by kernel (us):")
+        for key, us in kernels[:25]:
+            print(f"  {us:9.1f}  {key[:110]}")
+    engine.finish(seq, FinishReason.ABORT)
+    return {"schedule_and_stage_us": host / steps, "execute_us": model / steps,
+            "execute_gpu_us": gpu / steps if cuda else 0.0, "postprocess_us": post / steps}  # fmt: skip
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
@@ -130,6 +255,14 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--no-reference", action="store_true", help="skip transformers")
+    p.add_argument("--compiled", action="store_true", help="CUDA: also transformers, static cache + torch.compile")
+    p.add_argument("--compile-modes", nargs="+", default=list(COMPILE_MODES), help="torch.compile modes to try")
+    p.add_argument("--enforce-eager", action="store_true", help="our engine without CUDA graphs")
+    p.add_argument("--kernels", choices=["auto", "triton", "torch"], default="auto")
+    p.add_argument("--prefix-row", type=int, default=0, metavar="TOKENS",
+                   help="also time the prefill of one TOKENS-long prompt with and without prefix-cache hits")
+    p.add_argument("--profile", action="store_true", help="split a batch-1 decode step into host and GPU time")
+    p.add_argument("--json", default=None, help="write every figure to this JSON file")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
 
@@ -143,41 +276,104 @@ def main() -> None:
         num_kvcache_blocks=(need + 15) // 16 + 8,
         max_model_len=a.prompt_len + a.new_tokens + 16,
         max_num_seqs=max_batch,
+        # Every batch's prompts in one prefill step, as the reference's static batch does.
+        max_num_batched_tokens=max(16384, max_batch * a.prompt_len),
         enable_prefix_caching=False,
+        enforce_eager=a.enforce_eager,
+        kernels=a.kernels,
     )
     engine = LLMEngine(args, loaded=loaded)
     device, dtype = engine.device, engine.dtype
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{a.threads} threads"
+    graphs = "cuda graphs" if engine.runner.graphs is not None else "eager"
     print(
-        f"model={engine.model_id} device={name} dtype={str(dtype).removeprefix('torch.')} "
-        f"prompt={a.prompt_len} new_tokens={a.new_tokens} runs={a.runs} (median)"
+        f"model={engine.model_id} device={name} dtype={str(dtype).removeprefix('torch.')} kernels={engine.kernels} "
+        f"({graphs}) prompt={a.prompt_len} new_tokens={a.new_tokens} runs={a.runs} (median)", flush=True
     )
     vocab = loaded.config.vocab_size
     ours: dict[int, Result] = {}
     for b in a.batch_sizes:
         prompts = _prompts(b, a.prompt_len, vocab, b)
         ours[b] = median_of(a.runs, partial(bench_engine, engine, prompts, a.new_tokens))
+        print(f"  engine batch {b}: {ours[b]}", flush=True)
+    profile = profile_step(engine, a.prompt_len) if a.profile else None
     del engine
     gc.collect()
     ref: dict[int, Result] = {}
+    compiled: dict[int, Result] = {}
+    compile_notes: dict[str, str] = {}
     if not a.no_reference:
         model = hf_reference(loaded, device, dtype)
         for b in a.batch_sizes:
             prompts = _prompts(b, a.prompt_len, vocab, b)
             ref[b] = median_of(a.runs, partial(bench_hf, model, prompts, a.new_tokens, device))
+            print(f"  transformers eager batch {b}: {ref[b]}", flush=True)
+        if a.compiled and device.type == "cuda":
+            for mode in a.compile_modes:
+                try:
+                    for b in a.batch_sizes:
+                        prompts = _prompts(b, a.prompt_len, vocab, b)
+                        compiled[b] = median_of(
+                            a.runs, partial(bench_hf_compiled, model, prompts, a.new_tokens, device, mode)
+                        )
+                        print(f"  transformers compiled ({mode}) batch {b}: {compiled[b]}", flush=True)
+                    compile_notes[mode] = "ran"
+                    break
+                except Exception as exc:  # a mode that does not run is reported, then the next is tried
+                    compile_notes[mode] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                    print(f"  transformers compiled ({mode}) failed:\n{traceback.format_exc(limit=3)}", flush=True)
+                    compiled.clear()
+                    torch._dynamo.reset()
+        del model
+        gc.collect()
+    context = a.prompt_len + a.new_tokens // 2  # the mean context of the decode steps
+    roof = {b: roofline_tok_s(loaded, dtype, b, context, name) for b in a.batch_sizes}
     print(
         f"{'batch':>5} | {'prefill tok/s':>13} {'HF':>9} {'ratio':>6} | {'decode tok/s':>12} {'HF':>9} {'ratio':>6}"
-        f" | {'HF 1-by-1':>9} {'ratio':>6}"
+        f" | {'compiled':>9} {'ratio':>6} | {'roofline':>8}"
     )
     for b in a.batch_sizes:
-        o, r, one = ours[b], ref.get(b), ref.get(1)
+        o, r, c = ours[b], ref.get(b), compiled.get(b)
         line = f"{b:>5} | {o.prefill_tok_s:>13.0f} "
         line += f"{r.prefill_tok_s:>9.0f} {o.prefill_tok_s / r.prefill_tok_s:>5.2f}x" if r else f"{'-':>9} {'-':>6}"
         line += f" | {o.decode_tok_s:>12.1f} "
         line += f"{r.decode_tok_s:>9.1f} {o.decode_tok_s / r.decode_tok_s:>5.2f}x" if r else f"{'-':>9} {'-':>6}"
-        # HF serving the same requests one after another decodes at its batch-1 rate.
-        line += f" | {one.decode_tok_s:>9.1f} {o.decode_tok_s / one.decode_tok_s:>5.2f}x" if one else ""
+        line += f" | {c.decode_tok_s:>9.1f} {o.decode_tok_s / c.decode_tok_s:>5.2f}x" if c else f" | {'-':>9} {'-':>6}"
+        line += f" | {100 * o.decode_tok_s / roof[b]:>7.1f}%" if roof[b] else f" | {'-':>8}"
         print(line)
+    prefix = None
+    if a.prefix_row:
+        blocks = (a.prefix_row + 64) // args.block_size * 4
+        prefix = prefix_row(loaded, replace(args, max_num_seqs=1, cudagraph_capture_sizes=(1,), num_kvcache_blocks=blocks,
+                                            max_model_len=a.prefix_row + 16), a.prefix_row)  # fmt: skip
+    if prefix:
+        print(f"prefill of one {a.prefix_row}-token prompt: " + ", ".join(f"{k} {v:.3f} s" for k, v in prefix.items()))
+    if profile:
+        print("batch-1 decode step: " + ", ".join(f"{k} {v:.0f}" for k, v in profile.items()))
+    if a.json:
+        report = {
+            "date": datetime.date.today().isoformat(),
+            "device": name,
+            "dtype": str(dtype).removeprefix("torch."),
+            "torch": torch.__version__,
+            "kernels": f"{args.kernels} -> {'graphs' if graphs == 'cuda graphs' else 'eager'}",
+            "prompt_len": a.prompt_len,
+            "new_tokens": a.new_tokens,
+            "batches": {
+                str(b): {
+                    "engine": asdict(ours[b]),
+                    "transformers_eager": asdict(ref[b]) if b in ref else None,
+                    "transformers_compiled": asdict(compiled[b]) if b in compiled else None,
+                    "decode_roofline_tok_s": roof[b],
+                }
+                for b in a.batch_sizes
+            },
+            "compile_modes": compile_notes,
+            "prefix_cache_prefill_s": prefix,
+            "batch1_step_profile_us": profile,
+        }
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,23 @@
+# Sourced at the start of every GPU-machine run (the machine starts bare and cannot reach a registry).
+#
+# Expects, carried from the developer's checkout (both git-ignored):
+#   .whl/          wheels of the Python packages the GPU image lacks, made with
+#                  `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux... -d .whl ...`
+#   .gpu/smollm2/  config + tokenizer of SmolLM2-135M (`python smollm2_shape.py meta .gpu/smollm2`)
+#                  and .gpu/smollm2_shape.py, which writes random bf16 weights of that shape there.
+set -euo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+if [ -d .gpu/smollm2 ] && [ ! -f .gpu/smollm2/model.safetensors ]; then
+  python3 .gpu/smollm2_shape.py weights .gpu/smollm2 >/dev/null
+fi
+MODEL=$PWD/.gpu/smollm2
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
