@@ -344,8 +344,9 @@ def main() -> None:
     prefix = None
     if a.prefix_row:
         blocks = (a.prefix_row + 64) // args.block_size * 4
-        prefix = prefix_row(loaded, replace(args, max_num_seqs=1, cudagraph_capture_sizes=(1,), num_kvcache_blocks=blocks,
-                                            max_model_len=a.prefix_row + 16), a.prefix_row)  # fmt: skip
+        one = replace(args, max_num_seqs=1, cudagraph_capture_sizes=(1,), num_kvcache_blocks=blocks,
+                      max_model_len=a.prefix_row + 16)  # fmt: skip
+        prefix = prefix_row(loaded, one, a.prefix_row)
     if prefix:
         print(f"prefill of one {a.prefix_row}-token prompt: " + ", ".join(f"{k} {v:.3f} s" for k, v in prefix.items()))
     if profile:
