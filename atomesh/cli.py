@@ -124,6 +124,9 @@ def bench_serving(
     random_output_len: int = typer.Option(128, min=1, help="Tokens generated per request."),
     random_range_ratio: float = typer.Option(0.0, min=0.0, max=1.0, help="Lengths vary by +- this ratio."),
     num_prompts: int = typer.Option(100, min=1, help="Requests per pass."),
+    prompts_per_concurrency: int = typer.Option(
+        0, min=0, help="With a sweep: each pass sends at least this many requests per unit of concurrency."
+    ),
     max_concurrency: int = typer.Option(16, min=1, help="Requests in flight at most."),
     sweep_concurrency: str | None = typer.Option(None, help="Comma list of concurrencies: one pass each."),
     request_rate: float = typer.Option(float("inf"), min=0.0, help="Poisson arrivals per second (inf: at once)."),
@@ -150,7 +153,7 @@ def bench_serving(
     try:
         serving.run(base_url, model, dataset_name, random_input_len, random_output_len, random_range_ratio,
                     num_prompts, concurrencies, request_rate, ignore_eos, metrics, percentiles, num_workers, seed,
-                    save_result, plot)
+                    save_result, plot, prompts_per_concurrency)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
 

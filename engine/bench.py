@@ -200,8 +200,8 @@ def prefix_row(loaded: LoadedModel, args: EngineArgs, length: int) -> dict[str, 
 def profile_step(engine: LLMEngine, prompt_len: int, steps: int = 200) -> dict[str, float]:
     """Mean microseconds per batch-1 decode step: scheduling + input staging, the model, bookkeeping."""
     vocab = engine.model_config.vocab_size
-    steps = max(1, min(steps, engine.max_model_len - prompt_len - 2))
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    steps = max(1, min(steps, engine.max_model_len - prompt_len - 14))
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 12, ignore_eos=True)  # 10 more for the trace
     seq = engine.add_request(_prompts(1, prompt_len, vocab, 99)[0], params)
     while seq.num_completion_tokens == 0:
         engine.step()

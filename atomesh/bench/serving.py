@@ -243,16 +243,18 @@ def plot_sweep(results: list[dict[str, Any]], num_workers: int, path: Path, titl
 
 def run(base_url: str, model: str | None, dataset_name: str, input_len: int, output_len: int, range_ratio: float,
         num_prompts: int, concurrencies: list[int], request_rate: float, ignore_eos: bool, metrics: list[str],
-        percentiles: list[float], num_workers: int, seed: int, save_result: Path | None, plot: Path | None) -> None:
+        percentiles: list[float], num_workers: int, seed: int, save_result: Path | None, plot: Path | None,
+        prompts_per_concurrency: int = 0) -> None:
     """Entry point of `atomesh bench serving` (the CLI parses and checks the flags)."""
     if dataset_name != "random":
         raise ValueError(f"--dataset-name {dataset_name!r} is not supported yet; use 'random'")
     results = []
     for c in concurrencies:
-        prompts = random_prompts(num_prompts, input_len, output_len, range_ratio, seed)
+        n = max(num_prompts, prompts_per_concurrency * c) if prompts_per_concurrency else num_prompts
+        prompts = random_prompts(n, input_len, output_len, range_ratio, seed)
         r = asyncio.run(run_pass(base_url, model, prompts, c, request_rate, ignore_eos, seed))
         r.update(base_url=base_url, model=model, random_input_len=input_len, random_output_len=output_len,
-                 num_prompts=num_prompts, request_rate=request_rate, num_workers=num_workers)
+                 num_prompts=n, request_rate=request_rate, num_workers=num_workers)
         print_summary(r, metrics, percentiles, num_workers)
         results.append(r)
     if save_result is not None:
