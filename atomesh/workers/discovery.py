@@ -156,14 +156,7 @@ def wanted_worker(pod: Pod, settings: DiscoverySettings) -> Wanted | None:
     if role is None or not pod.serving or pod.ip is None:
         return None
     host = f"[{pod.ip}]" if ":" in pod.ip else pod.ip
-    bootstrap = None
-    if role is WorkerRole.PREFILL:
-        raw = pod.annotations.get(settings.bootstrap_port_annotation)
-        if raw is not None:
-            bootstrap = int(raw) if raw.strip().isdigit() and 1 <= int(raw) <= 65535 else None
-            if bootstrap is None:
-                log.warning("bad_bootstrap_port_annotation", pod=f"{pod.namespace}/{pod.name}", value=raw,
-                            annotation=settings.bootstrap_port_annotation)
+    bootstrap = bootstrap_port(pod, settings) if role is WorkerRole.PREFILL else None
     model_id = None
     if settings.model_id_source is not None:
         kind, key = settings.model_id_source
@@ -171,6 +164,12 @@ def wanted_worker(pod: Pod, settings: DiscoverySettings) -> Wanted | None:
                     pod.labels.get(key) if kind == "label" else pod.annotations.get(key)) or None
     return Wanted(url=f"http://{host}:{settings.port}", role=role, bootstrap_port=bootstrap,
                   pod=f"{pod.namespace}/{pod.name}", uid=pod.uid, model_id=model_id)
+
+
+def bootstrap_port(pod: Pod, settings: DiscoverySettings) -> int | None:
+    """The port in the pod's bootstrap-port annotation, or None (absent or not a port)."""
+    raw = pod.annotations.get(settings.bootstrap_port_annotation, "").strip()
+    return int(raw) if raw.isdigit() and 1 <= int(raw) <= 65535 else None
 
 
 class KubernetesDiscovery:
@@ -186,7 +185,7 @@ class KubernetesDiscovery:
         self.lists = 0  # full lists done (the first one, then one per 410 Gone)
         self.errors = 0  # API errors met (each followed by a backoff)
         self._owned: dict[str, tuple[Worker, Wanted]] = {}  # url -> worker discovery added
-        self._noted: set[str] = set()  # "url taken" warnings already logged
+        self._noted: set[str] = set()  # keys of the warnings already logged
         self._kick = asyncio.Event()
         self._events = 0  # watch events since the last attempt began
         self._api: Any = None
@@ -224,6 +223,7 @@ class KubernetesDiscovery:
     # ------------------------------------------------------------------ list and watch
     async def _watch_forever(self) -> None:
         backoff = self.settings.initial_backoff_secs
+        gone = False  # the last attempt ended in 410 Gone
         while True:
             self._events = 0
             try:
@@ -232,19 +232,23 @@ class KubernetesDiscovery:
                     backoff = self.settings.initial_backoff_secs
                 if await self._watch():
                     backoff = self.settings.initial_backoff_secs
+                    gone = False
                     continue
                 error = "the watch ended at once without an event"
             except ApiError as e:
                 if e.status == 410:
                     log.info("discovery_relist", reason="resource version too old (410 Gone)")
                     self.resource_version = None
-                    continue
+                    if not gone or self._events:  # list again at once; a second 410 in a row backs off
+                        gone = True
+                        continue
                 error = str(e)
                 if e.status in (401, 403):
                     error += " (check the gateway's ServiceAccount and its Role: get, list and watch pods)"
             except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as e:
                 # ValueError: a line longer than the client's buffer
                 error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            gone = False
             self.errors += 1
             if self._events:
                 backoff = self.settings.initial_backoff_secs  # the watch worked for a while: a fresh failure
@@ -293,12 +297,14 @@ class KubernetesDiscovery:
             if token is None:
                 version = meta.get("resourceVersion")
                 break
+        if not version:
+            raise ApiError(0, "the pod list has no resourceVersion to watch from")
         self.pods = pods
-        self.resource_version = str(version) if version else None
+        self.resource_version = str(version)
         self.lists += 1
         log.info("discovery_listed", pods=len(pods), resource_version=self.resource_version)
         self.synced.set()
-        self.reconcile()
+        self._kick.set()
 
     async def _watch(self) -> bool:
         """Follow the pod events from the last resource version until the stream ends; True if it
@@ -346,7 +352,7 @@ class KubernetesDiscovery:
                     self.pods.pop(pod.uid, None)
                 else:
                     self.pods[pod.uid] = pod
-                self.reconcile()
+                self._kick.set()  # one reconcile for a burst of events
         # BOOKMARK events carry only the resource version to resume from.
         if version:
             self.resource_version = str(version)
@@ -357,8 +363,13 @@ class KubernetesDiscovery:
         wanted: dict[str, Wanted] = {}
         for pod in self.pods.values():
             w = wanted_worker(pod, self.settings)
-            if w is not None and w.url not in wanted:
-                wanted[w.url] = w
+            if w is None or w.url in wanted:
+                continue
+            wanted[w.url] = w
+            raw = pod.annotations.get(self.settings.bootstrap_port_annotation)
+            if w.role is WorkerRole.PREFILL and raw is not None and w.bootstrap_port is None:
+                self._note(f"bootstrap {pod.uid}", "discovery_bad_bootstrap_port", pod=w.pod, value=raw,
+                           annotation=self.settings.bootstrap_port_annotation)
         for url, (worker, was) in list(self._owned.items()):
             want = wanted.get(url)
             if worker.state is WorkerState.DRAINING:
@@ -374,16 +385,24 @@ class KubernetesDiscovery:
                 continue
             taken = self.registry.by_url(url)
             if taken is not None:
-                if url not in self._noted:
-                    self._noted.add(url)
-                    log.warning("discovery_url_taken", worker=url, pod=want.pod, source=taken.source.value)
+                self._note(url, "discovery_url_taken", worker=url, pod=want.pod, source=taken.source.value)
                 continue
             self._add(want)
 
+    def _note(self, key: str, event: str, **fields: Any) -> None:
+        """Log a warning once per key (reconcile runs on every event)."""
+        if key not in self._noted and len(self._noted) < 10_000:
+            self._noted.add(key)
+            log.warning(event, **fields)
+
     def _add(self, want: Wanted) -> None:
         log.info("discovery_worker_found", worker=want.url, pod=want.pod, role=want.role.value)
-        worker = self.lifecycle.add(want.url, want.role, want.bootstrap_port, source=WorkerSource.KUBERNETES,
-                                    pod=want.pod, model_id=want.model_id)
+        try:
+            worker = self.lifecycle.add(want.url, want.role, want.bootstrap_port, source=WorkerSource.KUBERNETES,
+                                        pod=want.pod, model_id=want.model_id)
+        except ValueError as e:
+            self._note(f"add {want.url}", "discovery_worker_refused", worker=want.url, pod=want.pod, error=str(e))
+            return
         self._owned[want.url] = (worker, want)
 
     def _on_worker_state(self, worker: Worker, old: WorkerState | None, new: WorkerState) -> None:
