@@ -5,6 +5,7 @@ Prometheus config and the monitors name what the manifests define)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -121,7 +122,7 @@ def test_gateway_image_install_works_in_a_plain_venv(tmp_path: Path) -> None:
     out = subprocess.run([python, "-c", check], capture_output=True, text=True, env=clean, timeout=60,
                          cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    requires = eval(out.stdout)  # a list literal printed above
+    requires = ast.literal_eval(out.stdout)
     core = [r for r in requires if "extra ==" not in r]
     assert core and not any(r.startswith("torch") for r in core)
     assert any(r.startswith("kubernetes_asyncio") and "extra == \"kubernetes\"" in r for r in requires)
