@@ -94,6 +94,7 @@ class GatewayServer:
     async def start(self) -> None:
         await self.listen()
         await self.gateway.add_startup_workers()
+        await self.gateway.start_discovery()
         self.gateway.start_background()
         if self.cluster is not None:
             try:

@@ -7,6 +7,7 @@ name with dashes (`worker_urls` -> `--worker-urls`); extra spellings live in `FL
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -24,6 +25,10 @@ class Backend(StrEnum):
     SGLANG = "sglang"
     VLLM = "vllm"
     ATOM = "atom"
+
+
+class DiscoveryProvider(StrEnum):
+    KUBERNETES = "kubernetes"
 
 
 class LogLevel(StrEnum):
@@ -60,6 +65,55 @@ def check_worker_url(url: str) -> str:
     if parts.query or parts.fragment:
         raise ValueError(f"worker URL {url!r} must not carry a query or fragment")
     return url.rstrip("/")
+
+
+# Kubernetes names: a label key is `[prefix/]name`, the prefix a DNS subdomain, the name up to 63
+# characters; a label value up to 63 characters (may be empty); a namespace a DNS label.
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+
+
+def check_label_key(key: str) -> None:
+    """Raise ValueError unless `key` is a valid Kubernetes label or annotation key."""
+    prefix, _, name = key.rpartition("/")
+    if (prefix and not _DNS_SUBDOMAIN.fullmatch(prefix)) or not _LABEL_NAME.fullmatch(name):
+        raise ValueError(f"{key!r} is not a valid Kubernetes label key")
+
+
+def parse_selector(items: list[str]) -> dict[str, str]:
+    """`["app=x", "role=prefill,tier=gpu"]` -> `{"app": "x", "role": "prefill", "tier": "gpu"}`.
+
+    Only equality is supported (as in SMG); raises ValueError on anything else."""
+    out: dict[str, str] = {}
+    for item in items:
+        for part in item.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            key, eq, value = part.partition("=")
+            key, value = key.strip(), value.strip()
+            if not eq or key.endswith("!") or value.startswith("="):
+                raise ValueError(f"selector {part!r} must be key=value")
+            check_label_key(key)
+            if not _LABEL_VALUE.fullmatch(value):
+                raise ValueError(f"selector {part!r}: {value!r} is not a valid label value")
+            if out.get(key, value) != value:
+                raise ValueError(f"selector gives {key!r} two values")
+            out[key] = value
+    return out
+
+
+def parse_model_id_source(source: str) -> tuple[str, str]:
+    """`namespace` -> ("namespace", ""); `label:KEY` / `annotation:KEY` -> ("label" | "annotation", KEY)."""
+    if source == "namespace":
+        return "namespace", ""
+    kind, sep, key = source.partition(":")
+    if sep and kind in ("label", "annotation") and key:
+        check_label_key(key)
+        return kind, key
+    raise ValueError(f"{source!r}: expected namespace, label:KEY or annotation:KEY")
 
 
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -180,12 +234,24 @@ class GatewayConfig(BaseModel):
     tls_key_path: Path | None = Field(None, description="Private key of --tls-cert-path.")
 
     # --- Kubernetes discovery
-    service_discovery: bool = Field(False, description="Discover workers from Kubernetes pods.")
-    selector: list[str] = Field(default_factory=list, description="`k=v` pod labels of regular workers.")
-    prefill_selector: list[str] = Field(default_factory=list, description="`k=v` pod labels of prefill workers.")
-    decode_selector: list[str] = Field(default_factory=list, description="`k=v` pod labels of decode workers.")
-    service_discovery_port: Port = Field(80, description="Worker port on discovered pods.")
-    service_discovery_namespace: str | None = Field(None, description="Namespace watched (default: all).")
+    service_discovery: bool = Field(
+        False, description="Discover workers from Kubernetes pods (Running, Ready, with an IP) by their labels.")
+    discovery_provider: DiscoveryProvider | None = Field(
+        None, description="Where discovery finds workers: kubernetes, the only provider "
+                          "(naming it turns discovery on, like --service-discovery).")
+    selector: list[str] = Field(
+        default_factory=list, description="`key=value` pod labels of regular workers (all must match; "
+                                          "repeat or comma-separate).")
+    prefill_selector: list[str] = Field(default_factory=list, description="`key=value` pod labels of prefill workers.")
+    decode_selector: list[str] = Field(default_factory=list, description="`key=value` pod labels of decode workers.")
+    service_discovery_port: Port = Field(80, description="Port of the engine on each discovered pod.")
+    service_discovery_namespace: str | None = Field(
+        None, description="Namespace whose pods are watched (default: every namespace, which needs a ClusterRole).")
+    bootstrap_port_annotation: str = Field(
+        "sglang.ai/bootstrap-port", description="Pod annotation holding a prefill pod's bootstrap port (P/D).")
+    model_id_from: str | None = Field(
+        None, description="Serve each discovered worker also under a model id from its pod: `namespace`, "
+                          "`label:KEY` or `annotation:KEY`.")
 
     # ------------------------------------------------------------------ validation
     @field_validator("worker_urls", "decode")
@@ -224,6 +290,59 @@ class GatewayConfig(BaseModel):
             raise ValueError("buckets must be a non-empty, strictly increasing list")
         return buckets
 
+    @field_validator("selector", "prefill_selector", "decode_selector")
+    @classmethod
+    def _selectors(cls, items: list[str]) -> list[str]:
+        return [f"{k}={v}" for k, v in parse_selector(items).items()]
+
+    @field_validator("service_discovery_namespace")
+    @classmethod
+    def _namespace(cls, ns: str | None) -> str | None:
+        if ns is not None and not _DNS_LABEL.fullmatch(ns):
+            raise ValueError(f"{ns!r} is not a Kubernetes namespace name")
+        return ns
+
+    @field_validator("bootstrap_port_annotation")
+    @classmethod
+    def _annotation(cls, key: str) -> str:
+        check_label_key(key)
+        return key
+
+    @field_validator("model_id_from")
+    @classmethod
+    def _model_id_from(cls, source: str | None) -> str | None:
+        if source is not None:
+            parse_model_id_source(source)
+        return source
+
+    @model_validator(mode="after")
+    def _discovery(self) -> GatewayConfig:
+        if self.discovery_provider is not None:
+            self.service_discovery = True
+        if not self.service_discovery:
+            for name in ("selector", "prefill_selector", "decode_selector", "service_discovery_namespace",
+                         "model_id_from", "service_discovery_port", "bootstrap_port_annotation"):
+                if getattr(self, name) != GatewayConfig.model_fields[name].get_default(call_default_factory=True):
+                    raise ValueError(f"{flag_name(name)} needs --service-discovery")
+            return self
+        if self.pd_disaggregation:
+            if self.selector:
+                raise ValueError("--selector is for regular mode; use --prefill-selector and --decode-selector "
+                                 "with --pd-disaggregation")
+            if not (self.prefill_selector or self.decode_selector):
+                raise ValueError("--service-discovery with --pd-disaggregation needs --prefill-selector "
+                                 "and/or --decode-selector")
+            if set(self.prefill_selector) == set(self.decode_selector):
+                raise ValueError("--prefill-selector and --decode-selector must differ")
+        else:
+            for flag, value in (("--prefill-selector", self.prefill_selector),
+                                ("--decode-selector", self.decode_selector)):
+                if value:
+                    raise ValueError(f"{flag} needs --pd-disaggregation")
+            if not self.selector:
+                raise ValueError("--service-discovery needs --selector (the labels of the worker pods)")
+        return self
+
     @model_validator(mode="after")
     def _modes(self) -> GatewayConfig:
         if not self.pd_disaggregation:
@@ -253,12 +372,6 @@ class GatewayConfig(BaseModel):
 # Settings a user may give that are not built yet: naming one stops start-up with this reason.
 NOT_IMPLEMENTED: dict[str, str] = {
     "dp_aware": "data-parallel-aware routing is not implemented yet",
-    "service_discovery": "Kubernetes service discovery is not implemented yet",
-    "selector": "Kubernetes service discovery is not implemented yet",
-    "prefill_selector": "Kubernetes service discovery is not implemented yet",
-    "decode_selector": "Kubernetes service discovery is not implemented yet",
-    "service_discovery_port": "Kubernetes service discovery is not implemented yet",
-    "service_discovery_namespace": "Kubernetes service discovery is not implemented yet",
 }
 
 # Extra flag spellings (ATOMesh / SMG compatibility).

@@ -23,11 +23,12 @@ from atomesh.policies.cache_aware import CacheAwarePolicy
 from atomesh.router import Router
 from atomesh.transport import Upstream
 from atomesh.workers.breaker import BreakerSettings, BreakerState
+from atomesh.workers.discovery import DiscoveryError, DiscoverySettings, KubernetesDiscovery
 from atomesh.workers.health import HealthChecker
 from atomesh.workers.lifecycle import Lifecycle
 from atomesh.workers.load import LoadPoller
 from atomesh.workers.registry import WorkerRegistry
-from atomesh.workers.worker import Worker, WorkerRole, WorkerState
+from atomesh.workers.worker import Worker, WorkerRole, WorkerSource, WorkerState
 
 log = structlog.get_logger("atomesh")
 
@@ -79,6 +80,8 @@ class Gateway:
                 w.url, w.role.value, "success" if ok else "failure").inc(),
         )
         self.registry.subscribe(self._on_worker_state)
+        self.discovery = (KubernetesDiscovery(DiscoverySettings.from_config(config), self.lifecycle, self.registry)
+                          if config.service_discovery else None)
         self.shutting_down = False
         self.active_requests = 0
         self._idle = asyncio.Event()
@@ -123,9 +126,10 @@ class Gateway:
     async def add_startup_workers(self) -> None:
         """Register the command-line workers and wait for them (up to the startup timeout)."""
         cfg = self.config
-        workers: list[Worker] = [self.lifecycle.add(u, WorkerRole.REGULAR) for u in cfg.worker_urls]
-        workers += [self.lifecycle.add(p.url, WorkerRole.PREFILL, p.bootstrap_port) for p in cfg.prefill]
-        workers += [self.lifecycle.add(u, WorkerRole.DECODE) for u in cfg.decode]
+        cli = WorkerSource.COMMAND_LINE
+        workers: list[Worker] = [self.lifecycle.add(u, WorkerRole.REGULAR, source=cli) for u in cfg.worker_urls]
+        workers += [self.lifecycle.add(p.url, WorkerRole.PREFILL, p.bootstrap_port, source=cli) for p in cfg.prefill]
+        workers += [self.lifecycle.add(u, WorkerRole.DECODE, source=cli) for u in cfg.decode]
         if not workers:
             return
         log.info("waiting_for_workers", count=len(workers), timeout_secs=cfg.worker_startup_timeout_secs)
@@ -137,6 +141,14 @@ class Gateway:
             if any(w.role is role for w in workers) and not self.registry.ready(role):
                 reasons = "; ".join(w.error or "" for w in failed if w.role is role)
                 raise StartupError(f"no {role.value} worker became healthy: {reasons}")
+
+    async def start_discovery(self) -> None:
+        """Start watching Kubernetes pods (--service-discovery); the workers come as pods turn ready."""
+        if self.discovery is not None:
+            try:
+                await self.discovery.start()
+            except DiscoveryError as e:
+                raise StartupError(str(e)) from None
 
     def start_background(self) -> None:
         if not self.config.disable_health_check:
@@ -155,6 +167,8 @@ class Gateway:
             return False
 
     async def stop(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
         await self.health.stop()
         await self.placement.stop()
         if self.load_poller is not None:

@@ -59,7 +59,7 @@ def test_flags_win_over_the_config_file(tmp_path: Path) -> None:
     ({"port": 70000}, "--port"),
     ({"tls_cert_path": "/x.pem"}, "--tls-key-path"),
     ({"dp_aware": True}, "not implemented yet"),
-    ({"service_discovery": True}, "not implemented yet"),
+    ({"service_discovery": True}, "--service-discovery needs --selector"),
     ({"bogus_setting": 1}, "bogus_setting"),
 ])
 def test_invalid_settings_are_refused_with_one_line(flags: dict, message: str) -> None:

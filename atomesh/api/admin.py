@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from atomesh.api.openai import json_response
 from atomesh.errors import BadRequest, Conflict, GatewayError, NotFound, Unauthorized
 from atomesh.gateway import GATEWAY, Gateway
-from atomesh.workers.worker import Worker, WorkerRole
+from atomesh.workers.worker import Worker, WorkerRole, WorkerSource, WorkerState
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -122,6 +122,9 @@ async def update_worker(request: web.Request) -> web.Response:
 async def delete_worker(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     worker = _find(gw, request)
+    if worker.source is WorkerSource.KUBERNETES and worker.state is not WorkerState.FAILED:
+        raise Conflict(f"worker {worker.id} is pod {worker.pod}, managed by Kubernetes discovery: scale, "
+                       "relabel or delete the pod instead", code="worker_discovered")
     gw.lifecycle.remove(worker)
     return json_response({"status": "accepted", "worker_id": worker.id, "url": worker.url,
                           "message": "draining; the worker is removed when its in-flight requests finish"},

@@ -18,7 +18,7 @@ from atomesh.errors import GatewayError
 from atomesh.transport import Upstream
 from atomesh.workers.breaker import BreakerSettings, BreakerState, CircuitBreaker
 from atomesh.workers.registry import WorkerRegistry
-from atomesh.workers.worker import Worker, WorkerRole, WorkerState
+from atomesh.workers.worker import Worker, WorkerRole, WorkerSource, WorkerState
 
 log = structlog.get_logger("atomesh.workers")
 
@@ -65,20 +65,24 @@ class Lifecycle:
 
     # ------------------------------------------------------------------ add
     def add(self, url: str, role: WorkerRole, bootstrap_port: int | None = None,
-            labels: dict[str, str] | None = None) -> Worker:
-        """Create a pending worker and start its registration job; raises ValueError on bad input."""
+            labels: dict[str, str] | None = None, *, source: WorkerSource = WorkerSource.API,
+            pod: str | None = None, model_id: str | None = None) -> Worker:
+        """Create a pending worker and start its registration job; raises ValueError on bad input.
+
+        `model_id`, when given, is served by the worker besides the models the engine reports."""
         url = check_worker_url(url)
         existing = self.registry.by_url(url)
         if existing is not None:
             if existing.state is not WorkerState.FAILED:
                 raise ValueError(f"worker {url} is already registered as {existing.id}")
             self.registry.set_state(existing, WorkerState.REMOVED)
-        worker = Worker(url=url, role=role, bootstrap_port=bootstrap_port, labels=dict(labels or {}))
+        worker = Worker(url=url, role=role, bootstrap_port=bootstrap_port, labels=dict(labels or {}),
+                        source=source, pod=pod)
         worker.breaker = CircuitBreaker(settings=self.breaker_settings, on_transition=self._breaker_hook(worker))
         self.registry.add(worker)
         self._ready_events[worker.id] = asyncio.Event()
-        self._spawn(self._register(worker), f"register {url}")
-        log.info("worker_added", worker=url, role=role.value, id=worker.id)
+        self._spawn(self._register(worker, model_id), f"register {url}")
+        log.info("worker_added", worker=url, role=role.value, id=worker.id, source=source.value)
         return worker
 
     def mirror(self, url: str, role: WorkerRole, bootstrap_port: int | None) -> Worker:
@@ -102,11 +106,13 @@ class Lifecycle:
         if event is not None:
             await event.wait()
 
-    async def _register(self, worker: Worker) -> None:
+    async def _register(self, worker: Worker, model_id: str | None = None) -> None:
         deadline = time.monotonic() + self.startup_timeout
         try:
             await self._wait_healthy(worker, deadline)
             await self._discover(worker)
+            if model_id is not None:
+                worker.models = (model_id, *(m for m in worker.models if m != model_id))
             if worker.state is WorkerState.PENDING:
                 self.registry.set_state(worker, WorkerState.READY)
                 log.info("worker_registered", worker=worker.url, role=worker.role.value, models=list(worker.models))

@@ -17,6 +17,14 @@ class WorkerRole(StrEnum):
     DECODE = "decode"
 
 
+class WorkerSource(StrEnum):
+    """Who added a worker: the command line, the admin API (POST /workers) or Kubernetes discovery."""
+
+    COMMAND_LINE = "command_line"
+    API = "api"
+    KUBERNETES = "kubernetes"
+
+
 class WorkerState(StrEnum):
     PENDING = "pending"  # registered, being probed / discovered
     READY = "ready"  # takes traffic
@@ -70,6 +78,9 @@ class Worker:
     kv_transfer_info: dict[str, Any] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
     error: str | None = None
+    source: WorkerSource = WorkerSource.API
+    # The pod behind a discovered worker ("namespace/name"), None for the others.
+    pod: str | None = None
     host: str = ""
 
     def __post_init__(self) -> None:
@@ -106,5 +117,7 @@ class Worker:
             "models": list(self.models),
             "circuit_breaker": self.breaker.describe(),
             "labels": self.labels,
+            "source": self.source.value,
+            "pod": self.pod,
             "error": self.error,
         }
