@@ -65,7 +65,8 @@ class GatewayServer:
         self.gateway = Gateway(config)
         self.cluster = Cluster(config, self.gateway) if config.processes > 1 else None
         self._private_port = 0
-        accounting = HttpAccounting(config.request_id_headers, self.gateway.metrics, config.max_payload_size)
+        accounting = HttpAccounting(config.request_id_headers, self.gateway.metrics, config.max_payload_size,
+                                    self.gateway.instance_id)
         self._runner = web.AppRunner(build_app(self.gateway, accounting), handler_cancellation=True,
                                      access_log=None, shutdown_timeout=1.0)
         self.door = FrontDoor(self.gateway, accounting, fallback=lambda: self._runner.server())  # type: ignore[misc]
@@ -127,10 +128,11 @@ class GatewayServer:
 class FollowerServer:
     """A follower process's server: the front door on the shared port; the rest goes to the leader."""
 
-    def __init__(self, config: GatewayConfig, leader_port: int) -> None:
+    def __init__(self, config: GatewayConfig, leader_port: int, instance_id: str) -> None:
         self.config = config
-        self.gateway = Gateway(config)
-        accounting = HttpAccounting(config.request_id_headers, self.gateway.metrics, config.max_payload_size)
+        self.gateway = Gateway(config, instance_id)
+        accounting = HttpAccounting(config.request_id_headers, self.gateway.metrics, config.max_payload_size,
+                                    self.gateway.instance_id)
         self.door = FrontDoor(self.gateway, accounting, fallback=lambda: Splice(leader_port))
 
     async def listen(self) -> None:

@@ -181,7 +181,8 @@ class Cluster:
         ours, theirs = self._ctx.Pipe()
         f.ready.clear()
         f.process = self._ctx.Process(target=follower_main, name=f"atomesh-{f.index}", daemon=True,
-                                      args=(self.config.model_dump(mode="json"), f.index, self.private_port, theirs))
+                                      args=(self.config.model_dump(mode="json"), f.index, self.private_port, theirs,
+                                            self.gateway.instance_id))
         f.process.start()
         theirs.close()
         f.channel = Channel(ours, lambda m: self._on_message(f, m), lambda: self._on_exit(f))
@@ -326,7 +327,8 @@ class Cluster:
 
 
 # ---------------------------------------------------------------------------------------- follower side
-def follower_main(config_data: dict[str, Any], index: int, private_port: int, conn: Conn) -> None:
+def follower_main(config_data: dict[str, Any], index: int, private_port: int, conn: Conn,
+                  instance_id: str) -> None:
     """Entry point of a follower process."""
     import uvloop
 
@@ -336,13 +338,13 @@ def follower_main(config_data: dict[str, Any], index: int, private_port: int, co
     setup_logging(config.log_level.value, config.json_log, config.log_dir, log_file=f"atomesh-{index}.log")
     structlog.contextvars.bind_contextvars(process=index)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the leader, which stops us in order
-    uvloop.run(_follow(config, index, private_port, conn))
+    uvloop.run(_follow(config, index, private_port, conn, instance_id))
 
 
-async def _follow(config: GatewayConfig, index: int, private_port: int, conn: Conn) -> None:
+async def _follow(config: GatewayConfig, index: int, private_port: int, conn: Conn, instance_id: str) -> None:
     from atomesh.app import FollowerServer, tune_gc
 
-    server = FollowerServer(config, private_port)
+    server = FollowerServer(config, private_port, instance_id)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -409,6 +411,7 @@ def mirror(gw: Gateway, workers: list[dict[str, Any]]) -> None:
             if w.state is not WorkerState.DRAINING:
                 registry.set_state(w, WorkerState.DRAINING)
             registry.set_state(w, WorkerState.REMOVED)  # requests still on it finish on the Worker object
+    gw.refresh_served_models()
 
 
 def _draining(gw: Gateway) -> dict[str, int]:

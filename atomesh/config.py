@@ -7,6 +7,7 @@ name with dashes (`worker_urls` -> `--worker-urls`); extra spellings live in `FL
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -46,19 +47,42 @@ class PrefillSpec(BaseModel):
     bootstrap_port: int | None = None
 
 
+MAX_WORKER_URL = 2048  # bytes; a worker URL is a metric label and a log field
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password in it replaced by `***` (for messages, logs and labels)."""
+    return _URL_PASSWORD.sub(r"\1***@", url)
+
+
+_URL_PASSWORD = re.compile(r"(://[^/@:\s]*:)[^/@\s]*@")
+
+
 def check_worker_url(url: str) -> str:
-    """Return the URL without a trailing slash, or raise ValueError saying what is wrong."""
-    parts = urlsplit(url)
+    """Return the URL without a trailing slash, or raise ValueError saying what is wrong (the message
+    never repeats a password the URL carries)."""
+    if len(url.encode("utf-8", "replace")) > MAX_WORKER_URL:
+        raise ValueError(f"worker URL is longer than {MAX_WORKER_URL} bytes")
+    shown = redact_url(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        raise ValueError(f"worker URL {shown!r} is not a valid URL") from None
     if parts.scheme not in ("http", "https"):
-        raise ValueError(f"worker URL {url!r} must start with http:// or https://")
+        raise ValueError(f"worker URL {shown!r} must start with http:// or https://")
     if not parts.hostname:
-        raise ValueError(f"worker URL {url!r} has no host")
+        raise ValueError(f"worker URL {shown!r} has no host")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(f"worker URL {shown!r} must not carry credentials (user:password@); the gateway "
+                         "forwards each client's Authorization header to the worker")
+    if any(c.isspace() or ord(c) < 0x21 or ord(c) == 0x7f for c in url):
+        raise ValueError(f"worker URL {shown!r} must not contain spaces or control characters")
     try:
         parts.port  # noqa: B018 - raises on a malformed port
     except ValueError as e:
-        raise ValueError(f"worker URL {url!r} has an invalid port") from e
+        raise ValueError(f"worker URL {shown!r} has an invalid port") from e
     if parts.query or parts.fragment:
-        raise ValueError(f"worker URL {url!r} must not carry a query or fragment")
+        raise ValueError(f"worker URL {shown!r} must not carry a query or fragment")
     return url.rstrip("/")
 
 
@@ -86,7 +110,12 @@ class GatewayConfig(BaseModel):
     shutdown_grace_period_secs: NonNegFloat = Field(
         180, description="On SIGTERM/SIGINT, how long in-flight requests may run before exit."
     )
-    api_key: str | None = Field(None, description="Bearer key the admin API (/workers, /flush_cache) requires.")
+    api_key: str | None = Field(
+        None, description="Bearer key every inference and admin route requires (as SMG); health, liveness, "
+                          "readiness and /v1/models stay open (docs/security.md).")
+    admin_api_key: str | None = Field(
+        None, description="Bearer key of the admin routes only (workers, loads, server info, engine metrics, "
+                          "cache flush); when set, --api-key no longer opens them.")
     backend: Backend = Field(Backend.SGLANG, description="Engine family: sglang, vllm or atom (alias --runtime).")
     config: Path | None = Field(None, description="YAML file with these settings (flags win over the file).")
 
