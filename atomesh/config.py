@@ -107,6 +107,13 @@ class GatewayConfig(BaseModel):
     worker_urls: list[str] = Field(default_factory=list, description="Regular-mode worker URLs.")
     max_payload_size: int = Field(512 * 1024 * 1024, gt=0, description="Largest request body in bytes (413 above).")
     request_timeout_secs: PositiveFloat = Field(1800, description="Upper bound on one upstream request.")
+    http_head_timeout_secs: PositiveFloat = Field(
+        10, description="A client connection must deliver each request head (the first from connecting, the "
+                        "next from its first byte) within this; 408 and close after.")
+    http_body_timeout_secs: PositiveFloat = Field(
+        30, description="Longest wait for the next piece of a request body; 408 and close after.")
+    http_keepalive_timeout_secs: PositiveFloat = Field(
+        75, description="An idle keep-alive client connection is closed after this.")
     shutdown_grace_period_secs: NonNegFloat = Field(
         180, description="On SIGTERM/SIGINT, how long in-flight requests may run before exit."
     )

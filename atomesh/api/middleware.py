@@ -101,6 +101,10 @@ class HttpAccounting:
         m.child(m.http_duration, method if method in _METHODS else "OTHER", path).observe(
             time.perf_counter() - started)
 
+    def refused(self, status: int) -> None:
+        """A request the front door answered itself, its head or body at fault (no route is known)."""
+        self.metrics.child(self.metrics.http_responses, "unmatched", str(status)).inc()
+
     @staticmethod
     def failed(err: GatewayError) -> str:
         """Log a gateway-side failure; returns the admission result the error stands for."""
