@@ -414,7 +414,7 @@ class FrontConnection(asyncio.Protocol):
         admission = "allowed"
         try:
             try:
-                await serve_inference(door.gateway, route, req.body, exchange)  # type: ignore[arg-type]
+                await serve_inference(door.gateway, route, req.body, exchange)
             except GatewayError as e:
                 admission = acc.failed(e)
                 self._answer_error(exchange, *error_answer(e))
@@ -510,7 +510,7 @@ class Relay:
         headers = {k: v for k, v in req.headers.items() if k not in _HOP_BY_HOP}
         body = req.body if req.body or req.method in (b"POST", b"PUT", b"PATCH") else None
         async with self.upstream.open(req.method.decode(), self.base + target.decode("latin-1"),
-                                      data=body, headers=headers, timeout=self.timeout) as resp:  # type: ignore[arg-type]
+                                      data=body, headers=headers, timeout=self.timeout) as resp:
             data = await resp.read()
             out = {k: v for k, v in resp.headers.items() if k not in _HOP_BY_HOP or k == "content-length"}
             return resp.status, out, data

@@ -23,7 +23,7 @@ class RequestView:
 
     route: Route
     body: dict[str, Any]
-    raw: bytes
+    raw: bytes | bytearray  # as received (a large body is the buffer it arrived in)
     request_id: str
     routing_key: str | None = None
     model: str | None = field(init=False)  # the requested model name, if a string

@@ -72,7 +72,7 @@ class Upstream:
             await self._pool.close()
             self._pool = None
 
-    def open(self, method: str, url: str, *, data: bytes | None = None,
+    def open(self, method: str, url: str, *, data: bytes | bytearray | None = None,
              headers: Mapping[str, str] | None = None, timeout: float | None = None) -> Opened:
         """`async with upstream.open(...) as resp:` sends a request and yields the response with its
         headers read; failures, inside the block too, become UpstreamError. The connection goes back
@@ -83,7 +83,7 @@ class Upstream:
                       self.request_timeout if timeout is None else timeout)
 
     async def call(
-        self, method: str, url: str, *, data: bytes | None = None,
+        self, method: str, url: str, *, data: bytes | bytearray | None = None,
         headers: Mapping[str, str] | None = None, timeout: float | None = None,
     ) -> tuple[int, bytes, str]:
         """A complete request: (status, body, content type)."""
@@ -106,7 +106,7 @@ class Opened:
 
     __slots__ = ("_data", "_headers", "_method", "_pool", "_resp", "_timeout", "url")
 
-    def __init__(self, pool: ClientPool, method: str, url: str, data: bytes | None,
+    def __init__(self, pool: ClientPool, method: str, url: str, data: bytes | bytearray | None,
                  headers: Mapping[str, str] | None, timeout: float) -> None:
         self._pool = pool
         self._method = method

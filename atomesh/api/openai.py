@@ -16,7 +16,7 @@ from atomesh.transport import HOP_HEADER, Exchange
 from atomesh.validation import parse_request
 
 
-async def serve_inference(gw: Gateway, route: Route, raw: bytes, exchange: Exchange) -> None:
+async def serve_inference(gw: Gateway, route: Route, raw: bytes | bytearray, exchange: Exchange) -> None:
     """One inference request, whichever server took it: parse, validate, admit, route."""
     headers = exchange.headers
     if headers.get(HOP_HEADER) == gw.instance_id:
