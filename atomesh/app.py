@@ -12,9 +12,9 @@ from aiohttp import web
 
 from atomesh.api import admin, health, observability, openai
 from atomesh.api.middleware import HttpAccounting, make_middleware
-from atomesh.cluster import Cluster, Splice
+from atomesh.cluster import Cluster
 from atomesh.config import GatewayConfig
-from atomesh.frontdoor import FrontDoor
+from atomesh.frontdoor import FrontDoor, Relay
 from atomesh.gateway import GATEWAY, Gateway, StartupError
 
 log = structlog.get_logger("atomesh")
@@ -54,37 +54,50 @@ def _ssl_context(cfg: GatewayConfig) -> ssl.SSLContext | None:
     return ctx
 
 
-class GatewayServer:
-    """The gateway with its front door and metrics port; `start()` returns once workers are registered.
+async def _private_site(runner: web.AppRunner) -> int:
+    """Serve an aiohttp app on a loopback port of the kernel's choosing (behind a front door); its port."""
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
 
-    With `--processes N` this is the leader process, and it starts the N-1 followers (atomesh.cluster).
+
+class GatewayServer:
+    """The gateway with its front doors (service and metrics ports); `start()` returns once workers are
+    registered.
+
+    Clients only ever talk to the front doors; the aiohttp applications behind them (every route that
+    is not inference, and /metrics) listen on private loopback ports. With `--processes N` this is the
+    leader process, and it starts the N-1 followers (atomesh.cluster), which pass those routes to its
+    private service port too.
     """
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.gateway = Gateway(config)
         self.cluster = Cluster(config, self.gateway) if config.processes > 1 else None
-        self._private_port = 0
-        accounting = HttpAccounting(config.request_id_headers, self.gateway.metrics, config.max_payload_size)
+        accounting = HttpAccounting(config.request_id_headers, self.gateway.metrics, config.max_payload_size,
+                                    self.gateway.instance_id)
         self._runner = web.AppRunner(build_app(self.gateway, accounting), handler_cancellation=True,
                                      access_log=None, shutdown_timeout=1.0)
-        self.door = FrontDoor(self.gateway, accounting, fallback=lambda: self._runner.server())  # type: ignore[misc]
-        self._metrics_runner = web.AppRunner(build_metrics_app(self.gateway, self.cluster),
-                                             access_log=None)
+        self.door = FrontDoor(self.gateway, accounting)
+        self._metrics_runner = web.AppRunner(build_metrics_app(self.gateway, self.cluster), access_log=None)
+        self.metrics_door = FrontDoor(self.gateway, accounting, hot=False)
+        self._private_port = 0
 
     async def listen(self) -> None:
         """Open both ports (readiness says 503 until workers are up)."""
         cfg = self.config
-        await self.gateway.start()
+        gw = self.gateway
+        await gw.start()
         await self._runner.setup()
         await self._metrics_runner.setup()
+        self._private_port = await _private_site(self._runner)
+        self.door.relay = Relay(gw.upstream, self._private_port, cfg.request_timeout_secs)
+        self.metrics_door.relay = Relay(gw.upstream, await _private_site(self._metrics_runner),
+                                        cfg.request_timeout_secs)
         try:
             await self.door.start(cfg.host, cfg.port, _ssl_context(cfg), reuse_port=self.cluster is not None)
-            if self.cluster is not None:
-                # The followers pass every request they do not serve themselves to this private port.
-                self._private_port = await self.door.listen_private()
-            await web.TCPSite(self._metrics_runner, cfg.prometheus_host, cfg.prometheus_port,
-                              reuse_address=True).start()
+            await self.metrics_door.start(cfg.prometheus_host, cfg.prometheus_port, None)
         except OSError as e:
             raise StartupError(f"cannot listen: {e.strerror or e}") from None
         log.info("gateway_listening", host=cfg.host, port=cfg.port, metrics_port=cfg.prometheus_port,
@@ -119,6 +132,7 @@ class GatewayServer:
         if self.cluster is not None:
             await self.cluster.stop(0)
         await self.door.close()
+        await self.metrics_door.close()
         await self._runner.cleanup()
         await self._metrics_runner.cleanup()
         await self.gateway.stop()
@@ -126,17 +140,21 @@ class GatewayServer:
 
 
 class FollowerServer:
-    """A follower process's server: the front door on the shared port; the rest goes to the leader."""
+    """A follower process's server: the front door on the shared port; every request it does not
+    serve itself goes to the leader's private service port."""
 
-    def __init__(self, config: GatewayConfig, leader_port: int) -> None:
+    def __init__(self, config: GatewayConfig, leader_port: int, instance_id: str) -> None:
         self.config = config
-        self.gateway = Gateway(config)
-        accounting = HttpAccounting(config.request_id_headers, self.gateway.metrics, config.max_payload_size)
-        self.door = FrontDoor(self.gateway, accounting, fallback=lambda: Splice(leader_port))
+        self.gateway = Gateway(config, instance_id)
+        accounting = HttpAccounting(config.request_id_headers, self.gateway.metrics, config.max_payload_size,
+                                    self.gateway.instance_id)
+        self.door = FrontDoor(self.gateway, accounting)
+        self.leader_port = leader_port
 
     async def listen(self) -> None:
         cfg = self.config
         await self.gateway.start()
+        self.door.relay = Relay(self.gateway.upstream, self.leader_port, cfg.request_timeout_secs)
         await self.door.start(cfg.host, cfg.port, _ssl_context(cfg), reuse_port=True)
         self.gateway.placement.start()
 

@@ -9,7 +9,7 @@ serves inference requests on its own core. State has one owner:
 - A **follower** mirrors that worker list into a registry of its own and runs the request path on
   it: front door, placement, router, backends, admission (each process gets 1/N of the admission
   limits). Every request that is not a plain inference request (admin, health, models, metrics...)
-  is passed byte for byte to the leader over a private loopback port, so there is one truth for
+  is read whole by its front door and passed to the leader's private loopback port, so there is one truth for
   workers and one answer for every other route.
 - **Metrics stay whole**: at scrape time the leader asks every follower for its request-path values
   and adds them to its own (gauges and counters summed, histograms bucket by bucket); series that
@@ -181,7 +181,8 @@ class Cluster:
         ours, theirs = self._ctx.Pipe()
         f.ready.clear()
         f.process = self._ctx.Process(target=follower_main, name=f"atomesh-{f.index}", daemon=True,
-                                      args=(self.config.model_dump(mode="json"), f.index, self.private_port, theirs))
+                                      args=(self.config.model_dump(mode="json"), f.index, self.private_port, theirs,
+                                            self.gateway.instance_id))
         f.process.start()
         theirs.close()
         f.channel = Channel(ours, lambda m: self._on_message(f, m), lambda: self._on_exit(f))
@@ -326,7 +327,8 @@ class Cluster:
 
 
 # ---------------------------------------------------------------------------------------- follower side
-def follower_main(config_data: dict[str, Any], index: int, private_port: int, conn: Conn) -> None:
+def follower_main(config_data: dict[str, Any], index: int, private_port: int, conn: Conn,
+                  instance_id: str) -> None:
     """Entry point of a follower process."""
     import uvloop
 
@@ -336,13 +338,13 @@ def follower_main(config_data: dict[str, Any], index: int, private_port: int, co
     setup_logging(config.log_level.value, config.json_log, config.log_dir, log_file=f"atomesh-{index}.log")
     structlog.contextvars.bind_contextvars(process=index)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the leader, which stops us in order
-    uvloop.run(_follow(config, index, private_port, conn))
+    uvloop.run(_follow(config, index, private_port, conn, instance_id))
 
 
-async def _follow(config: GatewayConfig, index: int, private_port: int, conn: Conn) -> None:
+async def _follow(config: GatewayConfig, index: int, private_port: int, conn: Conn, instance_id: str) -> None:
     from atomesh.app import FollowerServer, tune_gc
 
-    server = FollowerServer(config, private_port)
+    server = FollowerServer(config, private_port, instance_id)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -409,6 +411,7 @@ def mirror(gw: Gateway, workers: list[dict[str, Any]]) -> None:
             if w.state is not WorkerState.DRAINING:
                 registry.set_state(w, WorkerState.DRAINING)
             registry.set_state(w, WorkerState.REMOVED)  # requests still on it finish on the Worker object
+    gw.refresh_served_models()
 
 
 def _draining(gw: Gateway) -> dict[str, int]:
@@ -434,86 +437,3 @@ async def _report_draining(gw: Gateway, channel: Channel, synced: list[int]) -> 
         if draining != last:
             last = draining
             channel.send(("draining", draining, synced[0]))
-
-
-class Splice(asyncio.Protocol):
-    """A client connection a follower does not serve itself, passed byte for byte to the leader."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.client: asyncio.Transport | None = None
-        self.leader: asyncio.Transport | None = None
-        self.pending: list[bytes] = []
-        self._connecting: asyncio.Task[None] | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.client = transport  # type: ignore[assignment]
-        self._connecting = asyncio.ensure_future(self._connect())
-
-    async def _connect(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            transport, _ = await loop.create_connection(lambda: _LeaderSide(self), "127.0.0.1", self.port)
-        except OSError as e:
-            log.error("leader_unreachable", error=str(e))
-            if self.client is not None:
-                self.client.close()
-            return
-        self.leader = transport
-        if self.client is None:
-            transport.close()
-            return
-        for data in self.pending:
-            transport.write(data)
-        self.pending.clear()
-
-    def data_received(self, data: bytes) -> None:
-        if self.leader is not None:
-            self.leader.write(data)
-        else:
-            self.pending.append(data)
-
-    def eof_received(self) -> bool:
-        if self.leader is not None and self.leader.can_write_eof():
-            self.leader.write_eof()
-        return True
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.client = None
-        if self.leader is not None:
-            self.leader.close()
-
-    def pause_writing(self) -> None:  # the client reads slowly: stop reading the leader
-        if self.leader is not None:
-            self.leader.pause_reading()
-
-    def resume_writing(self) -> None:
-        if self.leader is not None:
-            self.leader.resume_reading()
-
-
-class _LeaderSide(asyncio.Protocol):
-    def __init__(self, splice: Splice) -> None:
-        self.splice = splice
-
-    def data_received(self, data: bytes) -> None:
-        if self.splice.client is not None:
-            self.splice.client.write(data)
-
-    def eof_received(self) -> bool:
-        client = self.splice.client
-        if client is not None and client.can_write_eof():
-            client.write_eof()
-        return True
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.splice.client is not None:
-            self.splice.client.close()
-
-    def pause_writing(self) -> None:  # the leader reads slowly: stop reading the client
-        if self.splice.client is not None:
-            self.splice.client.pause_reading()
-
-    def resume_writing(self) -> None:
-        if self.splice.client is not None:
-            self.splice.client.resume_reading()

@@ -51,19 +51,42 @@ class PrefillSpec(BaseModel):
     bootstrap_port: int | None = None
 
 
+MAX_WORKER_URL = 2048  # bytes; a worker URL is a metric label and a log field
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password in it replaced by `***` (for messages, logs and labels)."""
+    return _URL_PASSWORD.sub(r"\1***@", url)
+
+
+_URL_PASSWORD = re.compile(r"(://[^/@:\s]*:)[^/@\s]*@")
+
+
 def check_worker_url(url: str) -> str:
-    """Return the URL without a trailing slash, or raise ValueError saying what is wrong."""
-    parts = urlsplit(url)
+    """Return the URL without a trailing slash, or raise ValueError saying what is wrong (the message
+    never repeats a password the URL carries)."""
+    if len(url.encode("utf-8", "replace")) > MAX_WORKER_URL:
+        raise ValueError(f"worker URL is longer than {MAX_WORKER_URL} bytes")
+    shown = redact_url(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        raise ValueError(f"worker URL {shown!r} is not a valid URL") from None
     if parts.scheme not in ("http", "https"):
-        raise ValueError(f"worker URL {url!r} must start with http:// or https://")
+        raise ValueError(f"worker URL {shown!r} must start with http:// or https://")
     if not parts.hostname:
-        raise ValueError(f"worker URL {url!r} has no host")
+        raise ValueError(f"worker URL {shown!r} has no host")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(f"worker URL {shown!r} must not carry credentials (user:password@); the gateway "
+                         "forwards each client's Authorization header to the worker")
+    if any(c.isspace() or ord(c) < 0x21 or ord(c) == 0x7f for c in url):
+        raise ValueError(f"worker URL {shown!r} must not contain spaces or control characters")
     try:
         parts.port  # noqa: B018 - raises on a malformed port
     except ValueError as e:
-        raise ValueError(f"worker URL {url!r} has an invalid port") from e
+        raise ValueError(f"worker URL {shown!r} has an invalid port") from e
     if parts.query or parts.fragment:
-        raise ValueError(f"worker URL {url!r} must not carry a query or fragment")
+        raise ValueError(f"worker URL {shown!r} must not carry a query or fragment")
     return url.rstrip("/")
 
 
@@ -137,10 +160,22 @@ class GatewayConfig(BaseModel):
     worker_urls: list[str] = Field(default_factory=list, description="Regular-mode worker URLs.")
     max_payload_size: int = Field(512 * 1024 * 1024, gt=0, description="Largest request body in bytes (413 above).")
     request_timeout_secs: PositiveFloat = Field(1800, description="Upper bound on one upstream request.")
+    http_head_timeout_secs: PositiveFloat = Field(
+        10, description="A client connection must deliver each request head (the first from connecting, the "
+                        "next from its first byte) within this; 408 and close after.")
+    http_body_timeout_secs: PositiveFloat = Field(
+        30, description="Longest wait for the next piece of a request body; 408 and close after.")
+    http_keepalive_timeout_secs: PositiveFloat = Field(
+        75, description="An idle keep-alive client connection is closed after this.")
     shutdown_grace_period_secs: NonNegFloat = Field(
         180, description="On SIGTERM/SIGINT, how long in-flight requests may run before exit."
     )
-    api_key: str | None = Field(None, description="Bearer key the admin API (/workers, /flush_cache) requires.")
+    api_key: str | None = Field(
+        None, description="Bearer key every inference and admin route requires (as SMG); health, liveness, "
+                          "readiness and /v1/models stay open (docs/security.md).")
+    admin_api_key: str | None = Field(
+        None, description="Bearer key of the admin routes only (workers, loads, server info, engine metrics, "
+                          "cache flush); when set, --api-key no longer opens them.")
     backend: Backend = Field(Backend.SGLANG, description="Engine family: sglang, vllm or atom (alias --runtime).")
     config: Path | None = Field(None, description="YAML file with these settings (flags win over the file).")
 

@@ -70,6 +70,14 @@ class TooManyRequests(GatewayError):
     code = "rate_limited"
 
 
+class LoopDetected(GatewayError):
+    """A request the gateway itself sent came back to it (it is registered as its own worker)."""
+
+    status = 508
+    type = "invalid_request_error"
+    code = "loop_detected"
+
+
 class ServiceUnavailable(GatewayError):
     status = 503
     type = "service_unavailable"

@@ -1,32 +1,56 @@
-"""The gateway's HTTP/1.1 front door: inference requests on a purpose-built protocol, the rest on aiohttp.
+"""The gateway's HTTP/1.x server: every client connection of the service and metrics ports.
 
-Nearly all of a gateway's traffic is one shape: `POST` to an inference route, a JSON body with a
-`Content-Length`, keep-alive. The front door parses exactly that shape itself and answers it through
-a `FrontExchange` (one socket write for a whole answer, chunked framing for a stream), which costs a
-fraction of aiohttp's request and response machinery. Anything else that arrives on a connection
-(another route, a chunked or `Expect`-ing upload, HTTP/1.0, an oversized or malformed head) hands the
-connection to aiohttp's protocol, with every byte not yet consumed, and aiohttp serves it from then
-on: every other route, and every corner of HTTP, stays aiohttp's (docs/design.md).
+One pipeline for every connection, whoever answers its requests:
+
+- **Accepting** is the door's own loop over the listening sockets: out of file descriptors (EMFILE),
+  it stops accepting for a moment (connections wait in the kernel's backlog, none is reset) and
+  resumes by itself.
+- **Parsing** is llhttp (httptools), strict, under fixed limits: request line and each header field
+  at most 8,190 bytes (414 / 431), at most 100 headers and 64 KiB of head (431), a declared body
+  over `--max-payload-size` refused from its head (413), anything that is not HTTP/1.0 or 1.1 (binary
+  garbage, a TLS hello, HTTP/2, HTTP/0.9) answered 400 and closed.
+- **Time**: each connection is in one phase at a time, each with its deadline: a request head must
+  arrive within `--http-head-timeout-secs`, each piece of its body within `--http-body-timeout-secs`
+  (408 and close after either), an idle keep-alive connection is closed after
+  `--http-keepalive-timeout-secs`. One sweep per door enforces them.
+- **Answering**: inference requests (`POST` to an inference route) are served here, through a
+  `FrontExchange`: one socket write for a whole answer, chunked framing for a stream. Every other
+  request, complete and checked, is passed to the aiohttp application on a private loopback port
+  (the admin API, health, models, metrics), and its answer relayed.
+- **Bodies** are kept as they arrive: the bytes of one read when the body fits in it (the usual case),
+  else one buffer grown in place; never copied again on the way to a worker.
+- A client that half-closes after sending gets its answers; requests pipelined on one connection are
+  answered in order.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
+import errno
+import socket
 import ssl
 import time
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Mapping
 from email.utils import formatdate
+from enum import IntEnum
 from http import HTTPStatus
 from typing import TYPE_CHECKING
 
 import structlog
+from httptools import (
+    HttpParserCallbackError,
+    HttpParserError,
+    HttpParserUpgrade,
+    HttpRequestParser,
+    parse_url,
+)
 
 from atomesh.api.middleware import HttpAccounting, error_answer
 from atomesh.api.openai import serve_inference
 from atomesh.errors import GatewayError, error_body
 from atomesh.request import Route
-from atomesh.transport import Exchange
+from atomesh.transport import Exchange, Upstream
 
 if TYPE_CHECKING:
     from atomesh.gateway import Gateway
@@ -34,15 +58,23 @@ if TYPE_CHECKING:
 log = structlog.get_logger("atomesh.api")
 
 HOT_ROUTES: dict[bytes, Route] = {r.value.encode(): r for r in Route}
-MAX_HEAD = 64 * 1024  # a longer head goes to aiohttp, which refuses it properly
-MAX_BUFFERED = 1 << 20  # pipelined bytes held while a request is served; beyond this, reading pauses
-KEEPALIVE_SECS = 75.0  # an idle keep-alive connection is closed after this (aiohttp's default too)
-SWEEP_SECS = 5.0
+MAX_LINE = 8190  # request line (URL) bytes, as aiohttp's default
+MAX_FIELD = 8190  # bytes of one header name or value
+MAX_HEADERS = 100
+MAX_HEAD = 64 * 1024  # bytes of one request head
+MAX_BUFFERED = 1 << 20  # pipelined request bytes held while a request is served; beyond this, reading pauses
+MAX_QUEUED = 64  # pipelined requests held while one is served; beyond this, reading pauses
+LINGER_SECS = 1.0  # after an error answer, how long the client's further bytes are read and dropped
+ACCEPT_BATCH = 64  # connections accepted per readiness event of a listening socket
+ACCEPT_BACKOFF = (0.05, 1.0)  # first and longest pause of accepting when out of file descriptors
 
-# Control characters no header may carry; a bare CR or LF could split a header we echo back.
-_BAD_HEAD = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)|(?<!\r)\n")
+# Response headers of one hop, never relayed from the aiohttp application.
+_HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server",
+                         "te", "trailer", "upgrade", "proxy-connection", "expect", "host"})
 _STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n" for s in HTTPStatus}
 _JSON = "application/json"
+_ERROR_TYPES = {408: "timeout_error", 413: "invalid_request_error", 414: "invalid_request_error",
+                417: "invalid_request_error", 431: "invalid_request_error"}
 
 
 class _Clock:
@@ -59,12 +91,17 @@ class _Clock:
         return cls.value
 
 
-def response_head(status: int, headers: Mapping[str, str], length: int | None, keep_alive: bool) -> bytes:
-    """Status line and headers; `length` None means a chunked body."""
+def response_head(status: int, headers: Mapping[str, str], length: int | None, keep_alive: bool,
+                  chunked: bool = True) -> bytes:
+    """Status line and headers; `length` None means a streamed body (chunked unless told otherwise: then
+    it ends with the connection)."""
     parts = [_STATUS_LINES.get(status) or f"HTTP/1.1 {status} Unknown\r\n"]
     for k, v in headers.items():
         parts.append(f"{k}: {v}\r\n")
-    parts.append(f"Content-Length: {length}\r\n" if length is not None else "Transfer-Encoding: chunked\r\n")
+    if length is not None:
+        parts.append(f"Content-Length: {length}\r\n")
+    elif chunked:
+        parts.append("Transfer-Encoding: chunked\r\n")
     parts.append(f"Date: {_Clock.date()}\r\n")
     if not keep_alive:
         parts.append("Connection: close\r\n")
@@ -72,14 +109,30 @@ def response_head(status: int, headers: Mapping[str, str], length: int | None, k
     return "".join(parts).encode("latin-1", "replace")
 
 
+class Refused(Exception):
+    """A request the door answers itself with an error status, then closes the connection."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class Phase(IntEnum):
+    IDLE = 0  # between requests (keep-alive)
+    HEAD = 1  # a request head is arriving
+    BODY = 2  # a request body is arriving
+
+
 class FrontExchange(Exchange):
     """An Exchange writing straight to the client's connection."""
 
-    __slots__ = ("conn",)
+    __slots__ = ("conn", "framed")
 
-    def __init__(self, conn: FrontConnection, request_id: str, headers: Mapping[str, str]) -> None:
+    def __init__(self, conn: FrontConnection, request_id: str, headers: Mapping[str, str], framed: bool) -> None:
         super().__init__(request_id, headers)
         self.conn = conn
+        self.framed = framed  # chunked framing for streams (HTTP/1.1); HTTP/1.0 gets the raw bytes and a close
 
     def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
         self.status, self.body = status, body
@@ -88,37 +141,61 @@ class FrontExchange(Exchange):
     async def start_stream(self, status: int, headers: Mapping[str, str]) -> None:
         self.status = status
         self.committed = True
-        self.conn.send(response_head(status, headers, None, self.conn.keep_alive))
+        if not self.framed:
+            self.conn.keep_alive = False  # the end of the body is the end of the connection
+        self.conn.send(response_head(status, headers, None, self.conn.keep_alive, self.framed))
 
     async def write(self, data: bytes) -> None:
         if data:
             conn = self.conn
-            conn.send(b"%x\r\n%b\r\n" % (len(data), data))
+            conn.send(b"%x\r\n%b\r\n" % (len(data), data) if self.framed else data)
             if conn.write_paused:
                 await conn.drain()
 
     async def end(self) -> None:
-        self.conn.send(b"0\r\n\r\n")
+        if self.framed:
+            self.conn.send(b"0\r\n\r\n")
 
 
-# A parsed request head waiting for its body: route, headers, where the body starts and ends, keep-alive.
-_Head = tuple[Route, dict[str, str], int, int, bool]
+class _Request:
+    """A complete request read from a connection."""
+
+    __slots__ = ("body", "headers", "http10", "keep_alive", "method", "target")
+
+    def __init__(self, method: bytes, target: bytes, headers: dict[str, str], body: bytes | bytearray,
+                 keep_alive: bool, http10: bool) -> None:
+        self.method = method
+        self.target = target
+        self.headers = headers
+        self.body = body
+        self.keep_alive = keep_alive
+        self.http10 = http10
 
 
 class FrontConnection(asyncio.Protocol):
-    """One client connection, until it is closed or handed to aiohttp."""
+    """One client connection: its parser, its phase and deadline, the requests read and the one served."""
 
-    __slots__ = ("_drain", "buf", "door", "idle_since", "keep_alive", "pending", "reading_paused", "task",
-                 "transport", "write_paused")
+    __slots__ = ("_drain", "body", "deadline", "door", "eof", "head_bytes", "head_size", "headers", "keep_alive",
+                 "lingering", "parser", "phase", "queue", "queued_bytes", "reading_paused", "task", "transport", "url",
+                 "write_paused")
 
     def __init__(self, door: FrontDoor) -> None:
         self.door = door
         self.transport: asyncio.Transport | None = None
-        self.buf: bytes | bytearray = b""
-        self.pending: _Head | None = None
+        self.parser = HttpRequestParser(self)
+        self.phase = Phase.HEAD  # a new connection owes its first request head within the head timeout
+        self.deadline = door.loop.time() + door.head_timeout
+        self.url = b""
+        self.headers: dict[str, str] = {}
+        self.head_bytes = 0  # bytes received while a head was arriving (bounds what the parser buffers)
+        self.head_size = 0  # bytes of the current head's target and headers
+        self.body: bytes | bytearray = b""
+        self.queue: deque[_Request] = deque()
+        self.queued_bytes = 0
         self.task: asyncio.Task[None] | None = None
         self.keep_alive = True
-        self.idle_since = 0.0
+        self.eof = False
+        self.lingering = False  # refused: reading and discarding until closed
         self.reading_paused = False
         self.write_paused = False
         self._drain: asyncio.Future[None] | None = None
@@ -126,25 +203,56 @@ class FrontConnection(asyncio.Protocol):
     # ------------------------------------------------------------------ asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio's classes
-        self.idle_since = self.door.loop.time()
         self.door.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
-        if not self.buf:
-            self.buf = data
-        else:
-            if isinstance(self.buf, bytes):
-                self.buf = bytearray(self.buf)
-            self.buf += data
+        if self.lingering:
+            return
+        if self.phase is not Phase.BODY:
+            self.head_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except HttpParserCallbackError as e:
+            cause = e.__context__
+            if isinstance(cause, Refused):
+                self.refuse(cause.status, cause.message)
+            else:
+                raise
+            return
+        except HttpParserUpgrade:
+            # A protocol switch (WebSocket, h2c, CONNECT) is not offered: a request read whole is still
+            # answered, then the connection ends.
+            if self.queue:
+                self.queue[-1].keep_alive = False
+                self._stop_reading()
+            else:
+                self.refuse(400, "protocol upgrades and CONNECT are not supported")
+            return
+        except HttpParserError as e:
+            self.refuse(400, f"malformed HTTP/1.1 request: {e}")
+            return
+        if self.phase is Phase.HEAD and self.head_bytes > MAX_HEAD:
+            self.refuse(431, f"request head is larger than {MAX_HEAD} bytes")
+            return
         if self.task is None:
-            self._next()
-        elif len(self.buf) > MAX_BUFFERED and not self.reading_paused and self.transport is not None:
+            if self.queue:
+                self._next()
+        elif (self.queued_bytes > MAX_BUFFERED or len(self.queue) >= MAX_QUEUED) and not self.reading_paused:
             self.reading_paused = True
-            self.transport.pause_reading()
+            if self.transport is not None:
+                self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        """The client half-closed: answer what it sent whole, then close."""
+        self.eof = True
+        if self.lingering:
+            return False
+        return self.task is not None or bool(self.queue)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.door.connections.discard(self)
         self.transport = None
+        self.queue.clear()
         if self.task is not None:
             self.task.cancel()  # the client is gone: stop its request and close the upstream legs
         self._wake_writer()
@@ -155,6 +263,83 @@ class FrontConnection(asyncio.Protocol):
     def resume_writing(self) -> None:
         self.write_paused = False
         self._wake_writer()
+
+    # ------------------------------------------------------------------ parser callbacks
+    def on_message_begin(self) -> None:
+        if self.phase is Phase.IDLE:
+            self.phase = Phase.HEAD
+            self.deadline = self.door.loop.time() + self.door.head_timeout
+        self.url = b""
+        self.headers = {}
+        self.head_size = 0
+        self.body = b""
+
+    def on_url(self, piece: bytes) -> None:
+        url = self.url = self.url + piece if self.url else piece
+        self.head_size += len(piece)
+        if len(url) > MAX_LINE:
+            raise Refused(414, f"request target is longer than {MAX_LINE} bytes")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) > MAX_FIELD or len(value) > MAX_FIELD:
+            raise Refused(431, f"a request header is longer than {MAX_FIELD} bytes")
+        headers = self.headers
+        if len(headers) >= MAX_HEADERS:
+            raise Refused(431, f"a request carries more than {MAX_HEADERS} headers")
+        self.head_size += len(name) + len(value) + 4
+        if self.head_size > MAX_HEAD:
+            raise Refused(431, f"request head is larger than {MAX_HEAD} bytes")
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1")
+        if key in headers:
+            if key == "host":
+                raise Refused(400, "a request carries two Host headers")
+            headers[key] += ", " + text
+        else:
+            headers[key] = text
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        version = parser.get_http_version()
+        if version != "1.1" and version != "1.0":
+            raise Refused(400, f"HTTP/{version} is not served; use HTTP/1.1")
+        self.head_bytes = 0
+        headers = self.headers
+        length = headers.get("content-length")
+        door = self.door
+        if length is not None and int(length) > door.max_payload:
+            raise Refused(413, door.too_large)
+        if (length is not None and length != "0") or "transfer-encoding" in headers:
+            self.phase = Phase.BODY
+            self.deadline = door.loop.time() + door.body_timeout
+            expect = headers.get("expect")
+            if expect is not None:
+                if expect.lower() != "100-continue":
+                    raise Refused(417, f"Expect: {expect} is not supported")
+                if self.transport is not None:
+                    self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, piece: bytes) -> None:
+        body = self.body
+        if not body:
+            self.body = piece  # the whole body in one read: kept as it is
+        else:
+            if isinstance(body, bytes):
+                body = self.body = bytearray(body)
+            body += piece  # grows in place (large blocks are remapped, not copied)
+        if len(self.body) > self.door.max_payload:
+            raise Refused(413, self.door.too_large)
+        self.deadline = self.door.loop.time() + self.door.body_timeout
+
+    def on_message_complete(self) -> None:
+        parser = self.parser
+        req = _Request(parser.get_method(), self.url, self.headers, self.body, parser.should_keep_alive(),
+                       parser.get_http_version() == "1.0")
+        self.queue.append(req)
+        self.queued_bytes += len(req.body)
+        self.phase = Phase.IDLE
+        self.deadline = self.door.loop.time() + self.door.keepalive_timeout
+        self.body = b""
 
     # ------------------------------------------------------------------ writing
     def send(self, data: bytes) -> None:
@@ -172,80 +357,64 @@ class FrontConnection(asyncio.Protocol):
             self._drain.set_result(None)
         self._drain = None
 
+    def refuse(self, status: int, message: str) -> None:
+        """Answer an error the door found itself (the head or body at fault), then close."""
+        transport = self.transport
+        self.queue.clear()
+        if transport is None or self.task is not None:
+            # A request is being answered on this connection: its answer must not be cut in two.
+            self.keep_alive = False
+            self._stop_reading()
+            return
+        code = "request_timeout" if status == 408 else HTTPStatus(status).phrase.lower().replace(" ", "_")
+        body = error_body(message, _ERROR_TYPES.get(status, "invalid_request_error"), code)
+        headers = {"Content-Type": _JSON}
+        rid = self.headers.get("x-request-id")
+        if rid is not None:
+            headers["x-request-id"] = rid
+        transport.write(response_head(status, headers, len(body), False) + body)
+        self.door.accounting.refused(status)
+        # Close gently: stop writing, and read (discarding) what the client still sends for a moment,
+        # so that its further bytes do not make the kernel reset the connection before it has read this.
+        self.lingering = True
+        self.transport = None
+        self.door.connections.discard(self)
+        if transport.can_write_eof():
+            transport.write_eof()
+            self.door.loop.call_later(LINGER_SECS, transport.close)
+        else:
+            transport.close()
+
+    def _stop_reading(self) -> None:
+        if self.transport is not None and not self.reading_paused:
+            self.reading_paused = True
+            self.transport.pause_reading()
+
     # ------------------------------------------------------------------ requests
     def _next(self) -> None:
-        """Start the next complete request in the buffer, or hand the connection to aiohttp."""
-        buf = self.buf
-        head = self.pending
-        if head is None:
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(buf) > MAX_HEAD:
-                    self._hand_off()
-                return
-            head = self._parse(buf, end)
-            if head is None:
-                self._hand_off()
-                return
-            self.pending = head
-        route, headers, start, stop, keep_alive = head
-        if len(buf) < stop:
-            return
-        body = bytes(buf[start:stop])
-        self.buf = buf[stop:] if len(buf) > stop else b""
-        self.pending = None
-        self.keep_alive = keep_alive
-        self.task = self.door.loop.create_task(self._serve(route, headers, body))
+        req = self.queue.popleft()
+        self.queued_bytes -= len(req.body)
+        self.keep_alive = req.keep_alive
+        route = HOT_ROUTES.get(req.target) if req.method == b"POST" and self.door.hot else None
+        loop = self.door.loop
+        if route is not None:
+            self.task = loop.create_task(self._serve(route, req))
+        else:
+            self.task = loop.create_task(self._relay(req))
 
-    def _parse(self, buf: bytes | bytearray, end: int) -> _Head | None:
-        """The head of a plain inference request; None for anything the front door leaves to aiohttp."""
-        line_end = buf.find(b"\r\n")
-        parts = bytes(buf[:line_end]).split(b" ")
-        if len(parts) != 3 or parts[0] != b"POST" or parts[2] != b"HTTP/1.1":
-            return None
-        route = HOT_ROUTES.get(parts[1])
-        if route is None:
-            return None
-        block = bytes(buf[line_end + 2:end])
-        if _BAD_HEAD.search(block):
-            return None
-        headers: dict[str, str] = {}
-        for line in block.split(b"\r\n"):
-            name, sep, value = line.partition(b":")
-            if not sep or not name or b" " in name or b"\t" in name:
-                return None
-            key = name.decode("latin-1").lower()
-            text = value.strip(b" \t").decode("latin-1")
-            if key in headers:
-                if key == "content-length" or key == "host":
-                    return None
-                headers[key] += ", " + text
-            else:
-                headers[key] = text
-        if "transfer-encoding" in headers or "expect" in headers or "upgrade" in headers:
-            return None
-        length = headers.get("content-length")
-        if length is None or not (length.isascii() and length.isdigit()) or len(length) > 12:
-            return None
-        size = int(length)
-        if size > self.door.accounting.max_payload:
-            return None  # aiohttp answers 413 with the usual message
-        connection = headers.get("connection")
-        keep_alive = connection is None or "close" not in connection.lower()
-        return route, headers, end + 4, end + 4 + size, keep_alive
-
-    async def _serve(self, route: Route, headers: dict[str, str], body: bytes) -> None:
+    async def _serve(self, route: Route, req: _Request) -> None:
         door = self.door
         acc = door.accounting
+        headers = req.headers
         rid = acc.request_id(headers)
         structlog.contextvars.bind_contextvars(request_id=rid)  # this task's own copy of the context
-        exchange = FrontExchange(self, rid, headers)
+        exchange = FrontExchange(self, rid, headers, not req.http10)
         path: str = route  # a StrEnum: its value
         started = acc.begin("POST", path)
         admission = "allowed"
         try:
             try:
-                await serve_inference(door.gateway, route, body, exchange)
+                await serve_inference(door.gateway, route, req.body, exchange)
             except GatewayError as e:
                 admission = acc.failed(e)
                 self._answer_error(exchange, *error_answer(e))
@@ -258,6 +427,23 @@ class FrontConnection(asyncio.Protocol):
                 self._answer_error(exchange, 500, error_body("internal gateway error", "internal_error",
                                                              "internal_error"))
             acc.end("POST", path, exchange.status or 500, started, admission)
+        finally:
+            self._done()
+
+    async def _relay(self, req: _Request) -> None:
+        """Any other request: answered by the aiohttp application behind the door."""
+        try:
+            try:
+                status, headers, body = await self.door.relay_request(req)
+            except GatewayError as e:
+                status, body = error_answer(e)
+                headers = {"Content-Type": _JSON}
+            if req.method == b"HEAD":
+                self.send(response_head(status, headers, int(headers.pop("content-length", 0) or 0),
+                                        self.keep_alive))
+            else:
+                headers.pop("content-length", None)
+                self.send(response_head(status, headers, len(body), self.keep_alive) + body)
         finally:
             self._done()
 
@@ -275,75 +461,210 @@ class FrontConnection(asyncio.Protocol):
         if not self.keep_alive:
             transport.close()
             return
-        self.idle_since = self.door.loop.time()
+        if self.queue:
+            self._next()
+            return
+        if self.eof:
+            transport.close()  # the client half-closed and has every answer
+            return
+        loop = self.door.loop
+        # The deadline of the phase the parser is in starts now (it was on hold while serving).
+        door = self.door
+        self.deadline = loop.time() + (door.keepalive_timeout if self.phase is Phase.IDLE
+                                       else door.head_timeout if self.phase is Phase.HEAD else door.body_timeout)
         if self.reading_paused:
             self.reading_paused = False
             transport.resume_reading()
-        if self.buf:
-            self._next()
 
-    def _hand_off(self) -> None:
-        """From now on aiohttp serves this connection, starting with the bytes not consumed yet."""
-        transport = self.transport
-        if transport is None:
+    def expire(self, now: float) -> None:
+        """The sweep: end the connection if its phase's deadline passed (never while serving)."""
+        if self.task is not None or self.queue or self.transport is None or now < self.deadline:
             return
-        self.door.connections.discard(self)
-        self.transport = None
-        proto = self.door.fallback()
-        transport.set_protocol(proto)
-        proto.connection_made(transport)
-        if self.reading_paused:
-            transport.resume_reading()
-        data, self.buf = bytes(self.buf), b""
-        if data:
-            proto.data_received(data)
-
-    def close_if_idle(self, idle_before: float) -> None:
-        if self.task is None and self.transport is not None and self.idle_since < idle_before:
+        if self.phase is Phase.IDLE:
             self.transport.close()
+            self.transport = None
+            self.door.connections.discard(self)
+        elif self.phase is Phase.HEAD and self.head_bytes == 0 and not self.headers and not self.url:
+            self.transport.close()  # nothing of a request arrived: nobody to answer
+            self.transport = None
+            self.door.connections.discard(self)
+        else:
+            what = "request head" if self.phase is Phase.HEAD else "request body"
+            timeout = self.door.head_timeout if self.phase is Phase.HEAD else self.door.body_timeout
+            self.refuse(408, f"the {what} did not arrive within {timeout:g}s")
+
+
+class Relay:
+    """Passes a request the door does not serve itself to the aiohttp application on a loopback port."""
+
+    def __init__(self, upstream: Upstream, port: int, timeout: float) -> None:
+        self.upstream = upstream
+        self.base = f"http://127.0.0.1:{port}"
+        self.timeout = timeout
+
+    async def __call__(self, req: _Request) -> tuple[int, dict[str, str], bytes]:
+        target = req.target
+        if not target.startswith(b"/"):  # absolute form: keep the path and query
+            parts = parse_url(target)
+            target = (parts.path or b"/") + (b"?" + parts.query if parts.query else b"")
+        headers = {k: v for k, v in req.headers.items() if k not in _HOP_BY_HOP}
+        body = req.body if req.body or req.method in (b"POST", b"PUT", b"PATCH") else None
+        async with self.upstream.open(req.method.decode(), self.base + target.decode("latin-1"),
+                                      data=body, headers=headers, timeout=self.timeout) as resp:
+            data = await resp.read()
+            out = {k: v for k, v in resp.headers.items() if k not in _HOP_BY_HOP or k == "content-length"}
+            return resp.status, out, data
+
+
+class _Listener:
+    """One listening socket, accepted from the event loop; paused for a while when out of descriptors."""
+
+    def __init__(self, door: FrontDoor, sock: socket.socket, ssl_context: ssl.SSLContext | None) -> None:
+        self.door = door
+        self.sock = sock
+        self.ssl = ssl_context
+        self.delay = ACCEPT_BACKOFF[0]
+        self.paused: asyncio.TimerHandle | None = None
+        self.closed = False
+
+    def start(self) -> None:
+        self.paused = None
+        if not self.closed:
+            self.door.loop.add_reader(self.sock.fileno(), self._accept)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.paused is not None:
+            self.paused.cancel()
+        else:
+            self.door.loop.remove_reader(self.sock.fileno())
+        self.sock.close()
+
+    def _accept(self) -> None:
+        for _ in range(ACCEPT_BATCH):
+            try:
+                conn, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self._back_off(e)
+                    return
+                if e.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
+                    continue  # that client gave up already
+                raise
+            conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.door.adopt(conn, self.ssl)
+        self.delay = ACCEPT_BACKOFF[0]
+
+    def _back_off(self, err: OSError) -> None:
+        """Out of descriptors: leave new connections in the backlog until some are freed."""
+        loop = self.door.loop
+        loop.remove_reader(self.sock.fileno())
+        log.warning("accept_paused", reason=err.strerror, connections=len(self.door.connections),
+                    retry_in_secs=self.delay)
+        self.paused = loop.call_later(self.delay, self.start)
+        self.delay = min(self.delay * 2, ACCEPT_BACKOFF[1])
+
+
+def _bind(host: str, port: int, reuse_port: bool) -> list[socket.socket]:
+    """Listening sockets for every address `host` resolves to (as asyncio's create_server binds)."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    socks: list[socket.socket] = []
+    try:
+        for family, type_, proto, _, addr in dict.fromkeys(infos):
+            sock = socket.socket(family, type_, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(addr)
+            sock.listen(1024)
+            sock.setblocking(False)
+    except OSError:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
 
 
 class FrontDoor:
-    """The listening socket, its connections and their keep-alive sweep."""
+    """The listening sockets of one port, its connections and the sweep that times them out.
 
-    def __init__(self, gateway: Gateway, accounting: HttpAccounting,
-                 fallback: Callable[[], asyncio.Protocol]) -> None:
+    With a `gateway`, inference requests are served here; everything else goes to `relay`.
+    """
+
+    def __init__(self, gateway: Gateway, accounting: HttpAccounting, *, hot: bool = True) -> None:
+        cfg = gateway.config
         self.gateway = gateway
         self.accounting = accounting
-        self.fallback = fallback  # makes aiohttp's protocol for a connection handed over
+        self.hot = hot
+        self.max_payload = cfg.max_payload_size if hot else 1 << 20
+        self.too_large = f"request body is larger than the {self.max_payload} bytes allowed (--max-payload-size)"
+        self.head_timeout = cfg.http_head_timeout_secs
+        self.body_timeout = cfg.http_body_timeout_secs
+        self.keepalive_timeout = cfg.http_keepalive_timeout_secs
+        self.relay: Relay | None = None  # set before listening
         self.connections: set[FrontConnection] = set()
         self.loop = asyncio.get_event_loop()
-        self._servers: list[asyncio.Server] = []
+        self._listeners: list[_Listener] = []
         self._sweeper: asyncio.Task[None] | None = None
+        self._handshakes: set[asyncio.Task[None]] = set()
+        self.port = 0
 
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None, *,
                     reuse_port: bool = False) -> None:
         """Listen; `reuse_port` lets other gateway processes listen on the same port (atomesh.cluster)."""
         self.loop = asyncio.get_running_loop()
-        self._servers.append(await self.loop.create_server(
-            lambda: FrontConnection(self), host, port, ssl=ssl_context, reuse_address=True,
-            reuse_port=reuse_port or None, backlog=1024))
-        self._sweeper = self.loop.create_task(self._sweep())
+        for sock in _bind(host, port, reuse_port):
+            listener = _Listener(self, sock, ssl_context)
+            self._listeners.append(listener)
+            listener.start()
+        self.port = self._listeners[0].sock.getsockname()[1]
+        if self._sweeper is None:
+            self._sweeper = self.loop.create_task(self._sweep())
 
-    async def listen_private(self) -> int:
-        """Also listen on a loopback port of the kernel's choosing (for follower processes); returns it."""
-        server = await self.loop.create_server(lambda: FrontConnection(self), "127.0.0.1", 0, backlog=1024)
-        self._servers.append(server)
-        return int(server.sockets[0].getsockname()[1])
+    def adopt(self, conn: socket.socket, ssl_context: ssl.SSLContext | None) -> None:
+        """Serve an accepted socket (the TLS handshake, when any, is bounded by the head timeout)."""
+        task = self.loop.create_task(self._adopt(conn, ssl_context))
+        self._handshakes.add(task)
+        task.add_done_callback(self._handshakes.discard)
+
+    async def _adopt(self, conn: socket.socket, ssl_context: ssl.SSLContext | None) -> None:
+        try:
+            if ssl_context is None:
+                await self.loop.connect_accepted_socket(lambda: FrontConnection(self), conn)
+            else:
+                await self.loop.connect_accepted_socket(lambda: FrontConnection(self), conn, ssl=ssl_context,
+                                                        ssl_handshake_timeout=self.head_timeout)
+        except (OSError, ssl.SSLError, TimeoutError, ConnectionError):
+            conn.close()
+
+    async def relay_request(self, req: _Request) -> tuple[int, dict[str, str], bytes]:
+        assert self.relay is not None, "a relay is set before the door listens"
+        return await self.relay(req)
 
     async def _sweep(self) -> None:
+        period = min(1.0, self.head_timeout / 4, self.body_timeout / 4, self.keepalive_timeout / 4)
         while True:
-            await asyncio.sleep(SWEEP_SECS)
-            idle_before = self.loop.time() - KEEPALIVE_SECS
+            await asyncio.sleep(period)
+            now = self.loop.time()
             for conn in list(self.connections):
-                conn.close_if_idle(idle_before)
+                conn.expire(now)
 
     async def close(self) -> None:
         """Stop listening; close every connection (in-flight requests were drained before, or are cut)."""
-        for server in self._servers:
-            server.close()
+        for listener in self._listeners:
+            listener.close()
+        self._listeners.clear()
         if self._sweeper is not None:
             self._sweeper.cancel()
+            self._sweeper = None
+        for task in list(self._handshakes):
+            task.cancel()
         for conn in list(self.connections):
             if conn.task is not None:
                 conn.task.cancel()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import structlog
 from aiohttp import web
 
 from atomesh.admission import Admission
+from atomesh.auth import Keys
 from atomesh.backends import Backend
 from atomesh.backends.atom import make_atom_backend
 from atomesh.backends.sglang import SglangBackend
@@ -42,11 +44,15 @@ class StartupError(RuntimeError):
 class Gateway:
     """Owns every component of a running gateway and their start / stop order."""
 
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, instance_id: str | None = None) -> None:
         self.config = config
+        # Sent to workers with every call (HOP_HEADER): a request that comes back with it is a loop.
+        # Every process of one gateway shares it (atomesh.cluster passes it on).
+        self.instance_id = instance_id or os.urandom(12).hex()
+        self.keys = Keys(config.api_key, config.admin_api_key)
         self.metrics = Metrics(config.prometheus_duration_buckets)
         self.registry = WorkerRegistry()
-        self.upstream = Upstream(config.request_timeout_secs)
+        self.upstream = Upstream(config.request_timeout_secs, hop=self.instance_id)
         roles = (WorkerRole.PREFILL, WorkerRole.DECODE) if config.pd_disaggregation else (WorkerRole.REGULAR,)
         policies: dict[WorkerRole, Policy] = {r: make_policy(config.policy_for(r.value), config) for r in roles}
         self.placement = Placement(self.registry, policies, pd=config.pd_disaggregation)
@@ -177,9 +183,15 @@ class Gateway:
         await self.upstream.stop()
 
     # ------------------------------------------------------------------ observers
+    def refresh_served_models(self) -> None:
+        """The `model` label takes only names some registered worker serves (metrics.model_label)."""
+        self.metrics.set_served_models({m for w in self.registry for m in w.models})
+
     def _on_worker_state(self, worker: Worker, old: WorkerState | None, new: WorkerState) -> None:
         m = self.metrics
         role = worker.role.value
+        if new is WorkerState.READY or new is WorkerState.REMOVED:
+            self.refresh_served_models()
         if old is not None:
             m.pool_size.labels(role, old.value).dec()
         if new is WorkerState.REMOVED:

@@ -29,6 +29,7 @@ _DEFAULT_PORTS = {"http": 80, "https": 443}
 _FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding"})
 _OWN_HEADERS = _FRAMING_HEADERS | {"host"}  # written by the client from the URL and body
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+_SEPARATE_BODY = 64 * 1024  # a larger request body is written on its own, not joined to the head
 
 _Key = tuple[str, str, int]  # (scheme, host, port): one idle list per key
 
@@ -87,12 +88,15 @@ class _Conn(asyncio.Protocol):
 
     # --- driven by the pool and the response ---
 
-    def start(self, data: bytes, is_head: bool) -> None:
-        """Begin an exchange: reset its state and send the whole request at once."""
+    def start(self, data: bytes, tail: bytes | bytearray | None, is_head: bool) -> None:
+        """Begin an exchange: reset its state and send the request (a large body as a second write,
+        so that it is never copied into one buffer with the head)."""
         self._reset(is_head)
         self.busy = True
         assert self.transport is not None
         self.transport.write(data)
+        if tail is not None:
+            self.transport.write(tail)
 
     def wait(self) -> asyncio.Future[None]:
         """A future to await until the parser or the connection has news; callers re-check state after.
@@ -310,7 +314,7 @@ class ClientPool:
         self._closed = False
 
     async def request(self, method: str, url: str, *, headers: Mapping[str, str] | None = None,
-                      body: bytes | None = None, timeout: float) -> Response:
+                      body: bytes | bytearray | None = None, timeout: float) -> Response:
         """Send a request; return once the status line and headers are in.
 
         `timeout` bounds the whole exchange, until the response is released or closed. A request that
@@ -322,7 +326,7 @@ class ClientPool:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         key, target, host = self._route(url)
-        data = _encode(method, target, host, headers, body)
+        data, tail = _encode(method, target, host, headers, body)
         conn = self._take_idle(key)
         retry = conn is not None
         if conn is None:
@@ -330,7 +334,7 @@ class ClientPool:
         while True:
             timer = loop.call_at(deadline, conn.expire, timeout)
             try:
-                conn.start(data, method == "HEAD")
+                conn.start(data, tail, method == "HEAD")
                 while not conn.head_done:
                     if conn.error is not None:
                         raise conn.error
@@ -467,8 +471,10 @@ class ClientPool:
                 del idle[:stale]
 
 
-def _encode(method: str, target: str, host: str, headers: Mapping[str, str] | None, body: bytes | None) -> bytes:
-    """The request as sent: head and body in one buffer, for a single write."""
+def _encode(method: str, target: str, host: str, headers: Mapping[str, str] | None,
+            body: bytes | bytearray | None) -> tuple[bytes, bytes | bytearray | None]:
+    """The request as sent: head and body in one buffer, for a single write; a body over
+    `_SEPARATE_BODY` bytes apart (the second item), never copied."""
     lines = [method, " ", target, " HTTP/1.1\r\nHost: ", host, "\r\n"]
     if headers:
         for name, value in headers.items():
@@ -479,6 +485,8 @@ def _encode(method: str, target: str, host: str, headers: Mapping[str, str] | No
             lines += (name, ": ", value, "\r\n")
     if body:
         lines += ("Content-Length: ", str(len(body)), "\r\n\r\n")
-        return "".join(lines).encode("latin-1") + body
+        if len(body) > _SEPARATE_BODY:
+            return "".join(lines).encode("latin-1"), body
+        return "".join(lines).encode("latin-1") + body, None
     lines.append("Content-Length: 0\r\n\r\n" if body is not None or method in _BODY_METHODS else "\r\n")
-    return "".join(lines).encode("latin-1")
+    return "".join(lines).encode("latin-1"), None

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import logging
 import logging.handlers
+import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -32,8 +34,11 @@ def setup_logging(level: str = "info", json: bool = False, log_dir: Path | None 
         structlog.stdlib.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
+    # Tracebacks are rendered plainly: never with the frames' local variables, which hold headers,
+    # request bodies and keys.
     renderer: structlog.types.Processor = (
-        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
+        structlog.processors.JSONRenderer() if json
+        else structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback)
     )
     formatter = structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=shared,
@@ -41,6 +46,7 @@ def setup_logging(level: str = "info", json: bool = False, log_dir: Path | None 
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
             structlog.processors.format_exc_info if json else _keep,
             renderer,
+            _redact_line,
         ],
     )
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
@@ -63,6 +69,28 @@ def setup_logging(level: str = "info", json: bool = False, log_dir: Path | None 
         logger_factory=structlog.stdlib.LoggerFactory(),
         cache_logger_on_first_use=True,
     )
+
+
+# A secret a log line may carry however it got there (a header echoed in an error message, a dict repr
+# in a traceback, a URL with a password): the value after an Authorization / Cookie / API-key name, a
+# bearer or basic credential, the password of a URL.
+_SECRET_FIELD = re.compile(
+    r"(?i)((?:proxy-)?authorization|set-cookie|cookie|x-api-key|api[_-]?key)(\\?['\"]?\s*[:=]\s*(?-i:b)?\\?['\"]?)"
+    r"([^'\"\r\n\\]+)")
+_CREDENTIAL = re.compile(r"(?i)\b(bearer|basic)(\s+)[A-Za-z0-9._~+/=-]+")
+_URL_PASSWORD = re.compile(r"(://[^/@:\s'\"]*:)[^/@\s'\"]+@")
+
+
+def redact(text: str) -> str:
+    """`text` with every credential it carries replaced by `***`."""
+    text = _SECRET_FIELD.sub(r"\1\2***", text)
+    text = _CREDENTIAL.sub(r"\1\2***", text)
+    return _URL_PASSWORD.sub(r"\1***@", text)
+
+
+def _redact_line(logger: object, name: str, line: Any) -> Any:
+    # Runs on the rendered line (after the renderer): whatever the event or its traceback held.
+    return redact(line) if isinstance(line, str) else line
 
 
 def _keep(logger: object, name: str, event: structlog.types.EventDict) -> structlog.types.EventDict:

@@ -2,8 +2,8 @@
 
 Label names follow SMG / ATOMesh (`worker`, `worker_type`, `model`, `policy`, `endpoint`,
 `streaming`, `status_code`, ...). Every label value comes from a bounded set: worker URLs (series
-dropped when the worker is removed), routes, roles, statuses, error codes, and client-supplied model
-names capped at `max_model_labels` distinct values (then `other`). Nothing per request.
+dropped when the worker is removed; at most 2,048 bytes each), routes, roles, statuses, error codes, and
+model names the workers serve (a client-supplied name no worker serves is `unknown`). Nothing per request.
 
 `python -m atomesh.metrics` prints docs/metrics.md from the declarations below.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import time
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -22,7 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-OTHER = "other"
+UNKNOWN = "unknown"
+MAX_MODEL_LABEL = 256  # characters; a longer advertised name is labelled `unknown`
 
 # Route path -> `endpoint` label, as SMG names its endpoints.
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/generate": "generate"}
@@ -231,12 +232,11 @@ class _Collector:
 class Metrics:
     """Every metric the gateway exports, and small methods to record what the request path sees."""
 
-    def __init__(self, buckets: Sequence[float], *, max_model_labels: int = 64) -> None:
+    def __init__(self, buckets: Sequence[float]) -> None:
         self.registry = CollectorRegistry()
         self.specs: list[MetricSpec] = []
         self.families: list[Family[Any]] = []
-        self.max_model_labels = max_model_labels
-        self._models: set[str] = set()
+        self.served_models: frozenset[str] = frozenset()
         self._cache_seen: dict[str, tuple[int, int]] = {}  # worker_type -> (hits, misses) already counted
         b = tuple(buckets)
         c, g, h = self._counter, self._gauge, self._histogram
@@ -363,15 +363,15 @@ class Metrics:
 
     # ------------------------------------------------------------------ bounded labels
     def model_label(self, model: str | None) -> str:
-        """A client-supplied model name as a label: the first `max_model_labels` names, then `other`."""
+        """A client-supplied model name as a label: one of the names the workers serve, else `unknown`
+        (so a client cannot mint series); "" when the request names none."""
         if not model:
             return ""
-        if model in self._models:
-            return model
-        if len(self._models) >= self.max_model_labels:
-            return OTHER
-        self._models.add(model)
-        return model
+        return model if model in self.served_models else UNKNOWN
+
+    def set_served_models(self, names: Iterable[str]) -> None:
+        """The model names workers advertise (the only `model` label values besides `unknown`)."""
+        self.served_models = frozenset(n for n in names if 0 < len(n) <= MAX_MODEL_LABEL)
 
     @staticmethod
     def child(family: Family[V], *labels: str) -> V:
@@ -520,8 +520,8 @@ def metrics_markdown(metrics: Metrics | None = None) -> str:
         "",
         "Labels take values from bounded sets only: `worker` is a worker URL (its series are dropped when the",
         "worker is removed), `worker_type` is `regular`, `prefill` or `decode`, `endpoint` is `completions`,",
-        "`chat` or `generate`, `model` is the requested model name (the first "
-        f"{m.max_model_labels} distinct names, then `other`),",
+        "`chat` or `generate`, `model` is the requested model name when a registered worker serves a model of",
+        f"that name (up to {MAX_MODEL_LABEL} characters), else `unknown`,",
         "`runtime` is the `--backend` (`atom`, `sglang`, `vllm`), `streaming` is `true` or `false`.",
         "No label carries a request id, a prompt or anything else per request.",
         "",

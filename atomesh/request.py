@@ -6,10 +6,6 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-import orjson
-
-from atomesh.errors import BadRequest
-
 
 class Route(StrEnum):
     COMPLETIONS = "/v1/completions"
@@ -27,7 +23,7 @@ class RequestView:
 
     route: Route
     body: dict[str, Any]
-    raw: bytes
+    raw: bytes | bytearray  # as received (a large body is the buffer it arrived in)
     request_id: str
     routing_key: str | None = None
     model: str | None = field(init=False)  # the requested model name, if a string
@@ -53,34 +49,6 @@ class RequestView:
         if isinstance(ids, list):
             return len(ids)
         return len(self.locality_text)
-
-
-def parse_body(raw: bytes) -> dict[str, Any]:
-    """Decode a JSON object body or raise BadRequest (400) saying why."""
-    if not raw:
-        raise BadRequest("request body is empty; a JSON object is expected", code="invalid_json")
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise BadRequest(f"request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object", code="invalid_json")
-    return body
-
-
-def validate(route: Route, body: dict[str, Any]) -> None:
-    """Refuse requests no worker could serve, before placing them."""
-    if route is Route.CHAT:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise BadRequest("'messages' must be a non-empty list", code="invalid_messages")
-    elif route is Route.COMPLETIONS:
-        if "prompt" not in body:
-            raise BadRequest("'prompt' is required", code="missing_prompt")
-    elif not any(k in body for k in ("text", "input_ids", "prompt")):
-        raise BadRequest("'text' or 'input_ids' is required", code="missing_input")
-    if "stream" in body and not isinstance(body["stream"], bool):
-        raise BadRequest("'stream' must be a boolean", code="invalid_stream")
 
 
 def _content_text(content: Any) -> str:

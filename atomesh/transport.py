@@ -26,6 +26,9 @@ from atomesh.httpclient import (
 )
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+# Every call to a worker carries the gateway's instance id here; a request arriving with our own id
+# came back to us (the gateway registered as its own worker) and is refused (508).
+HOP_HEADER = "x-atomesh-gateway"
 
 
 def upstream_error(err: HTTPClientError, url: str) -> UpstreamError:
@@ -44,10 +47,21 @@ def upstream_error(err: HTTPClientError, url: str) -> UpstreamError:
 class Upstream:
     """The pooled keep-alive client shared by every route, backend and background task."""
 
-    def __init__(self, request_timeout_secs: float, connect_timeout_secs: float = 10.0) -> None:
+    def __init__(self, request_timeout_secs: float, connect_timeout_secs: float = 10.0, hop: str = "") -> None:
         self.request_timeout = request_timeout_secs
         self.connect_timeout = connect_timeout_secs
+        self.hop = hop
+        self._hop_headers = {HOP_HEADER: hop}  # what a call without headers of its own sends
         self._pool: ClientPool | None = None
+
+    def headers_for(self, exchange: Exchange) -> dict[str, str]:
+        """Headers of a request forwarded to a worker: JSON, our request id and hop mark, the caller's
+        credentials."""
+        headers = {"Content-Type": "application/json", "x-request-id": exchange.request_id, HOP_HEADER: self.hop}
+        auth = exchange.headers.get("authorization")
+        if auth is not None:
+            headers["Authorization"] = auth
+        return headers
 
     async def start(self) -> None:
         # Admission control bounds concurrency; the pool only bounds what it keeps idle.
@@ -58,18 +72,18 @@ class Upstream:
             await self._pool.close()
             self._pool = None
 
-    def open(self, method: str, url: str, *, data: bytes | None = None,
+    def open(self, method: str, url: str, *, data: bytes | bytearray | None = None,
              headers: Mapping[str, str] | None = None, timeout: float | None = None) -> Opened:
         """`async with upstream.open(...) as resp:` sends a request and yields the response with its
         headers read; failures, inside the block too, become UpstreamError. The connection goes back
         to the pool if the block read the whole body, and is closed otherwise."""
         if self._pool is None:
             raise RuntimeError("Upstream used before start()")
-        return Opened(self._pool, method, url, data, headers,
+        return Opened(self._pool, method, url, data, self._hop_headers if headers is None else headers,
                       self.request_timeout if timeout is None else timeout)
 
     async def call(
-        self, method: str, url: str, *, data: bytes | None = None,
+        self, method: str, url: str, *, data: bytes | bytearray | None = None,
         headers: Mapping[str, str] | None = None, timeout: float | None = None,
     ) -> tuple[int, bytes, str]:
         """A complete request: (status, body, content type)."""
@@ -92,7 +106,7 @@ class Opened:
 
     __slots__ = ("_data", "_headers", "_method", "_pool", "_resp", "_timeout", "url")
 
-    def __init__(self, pool: ClientPool, method: str, url: str, data: bytes | None,
+    def __init__(self, pool: ClientPool, method: str, url: str, data: bytes | bytearray | None,
                  headers: Mapping[str, str] | None, timeout: float) -> None:
         self._pool = pool
         self._method = method
@@ -200,15 +214,6 @@ async def write_sse_error(exchange: Exchange, err: GatewayError) -> None:
         await exchange.end()
     except (ConnectionError, RuntimeError):
         pass  # the client is gone too
-
-
-def upstream_headers(exchange: Exchange) -> dict[str, str]:
-    """Headers sent with a request to a worker: JSON, our request id, the caller's credentials."""
-    headers = {"Content-Type": "application/json", "x-request-id": exchange.request_id}
-    auth = exchange.headers.get("authorization")
-    if auth is not None:
-        headers["Authorization"] = auth
-    return headers
 
 
 def backoff_delays(initial_ms: int, max_ms: int, multiplier: float, jitter: float,

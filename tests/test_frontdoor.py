@@ -1,7 +1,7 @@
-"""The front door: plain inference requests on its own HTTP/1.1 protocol, everything else handed to aiohttp.
+"""The front door: every client connection; inference served itself, every other request relayed to aiohttp.
 
 Raw sockets on loopback, so the bytes on the wire are what is checked: framing, pipelining, keep-alive,
-the hand-off of a connection to aiohttp, and requests it must not try to parse itself.
+relayed routes on the same connection, and malformed requests refused rather than guessed.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import aiohttp
 import orjson
 import pytest
 from gwtest import MakeGateway, MakeWorkers, base_url, wait_for
-
-from atomesh import frontdoor
 
 BODY = orjson.dumps({"model": "mock-model", "prompt": "hello", "max_tokens": 3})
 
@@ -89,18 +87,24 @@ async def test_body_arriving_in_pieces_and_connection_close(mock_workers: MakeWo
 
 
 @pytest.mark.timeout(30)
-async def test_other_routes_hand_the_connection_to_aiohttp(mock_workers: MakeWorkers, gateway: MakeGateway) -> None:
+async def test_other_routes_are_relayed_on_the_same_connection(mock_workers: MakeWorkers,
+                                                               gateway: MakeGateway) -> None:
     [w] = await mock_workers(1)
     gw = await gateway(worker_urls=[w.url])
     reader, writer = await connect(base_url(gw))
     writer.write(post())  # front door
     assert (await read_response(reader))[0] == 200
-    writer.write(b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n")  # hands over to aiohttp...
+    writer.write(b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n")  # relayed to aiohttp...
     status, _, body = await read_response(reader)
     assert status == 200 and orjson.loads(body) == {"status": "ok"}
-    writer.write(post(extra="x-request-id: after-hand-off\r\n"))  # ...which serves inference from then on
+    writer.write(b"HEAD /health HTTP/1.1\r\nHost: gw\r\n\r\n")
+    status_line = await reader.readline()
+    assert b" 200 " in status_line
+    while await reader.readline() != b"\r\n":
+        pass
+    writer.write(post(extra="x-request-id: after-relay\r\n"))  # ...and the door still serves inference
     status, headers, body = await read_response(reader)
-    assert status == 200 and headers["x-request-id"] == "after-hand-off"
+    assert status == 200 and headers["x-request-id"] == "after-relay"
     assert orjson.loads(body)["choices"][0]["text"] == "tok0 tok1 tok2"
     stream = orjson.dumps({"model": "mock-model", "prompt": "hi", "max_tokens": 2, "stream": True})
     writer.write(post(body=stream))
@@ -111,13 +115,13 @@ async def test_other_routes_hand_the_connection_to_aiohttp(mock_workers: MakeWor
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("request_bytes", [
-    # A chunked upload, HTTP/1.0, and Expect: 100-continue: aiohttp serves them.
+    # A chunked upload, HTTP/1.0, and Expect: 100-continue.
     b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n"
     + b"%x\r\n%b\r\n0\r\n\r\n" % (len(BODY), BODY),
     post(version="HTTP/1.0"),
     post(extra="Expect: 100-continue\r\n"),
 ], ids=["chunked-upload", "http-1.0", "expect-continue"])
-async def test_uncommon_requests_are_served_by_aiohttp(mock_workers: MakeWorkers, gateway: MakeGateway,
+async def test_uncommon_requests_are_served(mock_workers: MakeWorkers, gateway: MakeGateway,
                                                        request_bytes: bytes) -> None:
     [w] = await mock_workers(1)
     gw = await gateway(worker_urls=[w.url])
@@ -173,12 +177,9 @@ async def test_errors_are_openai_shaped_and_too_large_is_413(mock_workers: MakeW
 
 
 @pytest.mark.timeout(30)
-async def test_idle_keep_alive_connections_are_closed(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(frontdoor, "KEEPALIVE_SECS", 0.3)
-    monkeypatch.setattr(frontdoor, "SWEEP_SECS", 0.1)
+async def test_idle_keep_alive_connections_are_closed(mock_workers: MakeWorkers, gateway: MakeGateway) -> None:
     [w] = await mock_workers(1)
-    gw = await gateway(worker_urls=[w.url])
+    gw = await gateway(worker_urls=[w.url], http_keepalive_timeout_secs=0.3)
     reader, writer = await connect(base_url(gw))
     writer.write(post())
     assert (await read_response(reader))[0] == 200

@@ -92,7 +92,7 @@ async def test_runtime_registration_and_admin_errors(mock_workers: MakeWorkers, 
     assert (await state(quote(b.url, safe="")))["id"] == wid
     seen = Counter()
     for _ in range(4):
-        async with http.post(url + "/v1/completions", json=COMPLETION) as r:
+        async with http.post(url + "/v1/completions", json=COMPLETION, headers=auth) as r:
             seen[r.headers["x-mock-worker"]] += 1
     assert seen == {"w0": 2, "w1": 2}
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import unquote
@@ -13,7 +12,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from atomesh.api.openai import json_response
-from atomesh.errors import BadRequest, Conflict, GatewayError, NotFound, Unauthorized
+from atomesh.errors import BadRequest, Conflict, GatewayError, NotFound
 from atomesh.gateway import GATEWAY, Gateway
 from atomesh.workers.worker import Worker, WorkerRole, WorkerSource, WorkerState
 
@@ -34,14 +33,10 @@ class UpdateWorker(BaseModel):
 
 
 def _protected(handler: Handler) -> Handler:
-    """Require `Authorization: Bearer <--api-key>` when an API key is configured."""
+    """Require the admin key (`--admin-api-key`, else `--api-key`) when one is configured."""
 
     async def wrapped(request: web.Request) -> web.StreamResponse:
-        key = request.app[GATEWAY].config.api_key
-        if key is not None:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                raise Unauthorized("the admin API needs 'Authorization: Bearer <api key>'")
+        request.app[GATEWAY].keys.check_admin(request.headers)
         return await handler(request)
 
     return wrapped
@@ -131,6 +126,7 @@ async def delete_worker(request: web.Request) -> web.Response:
                          status=202)
 
 
+@_protected
 async def get_loads(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     return json_response({"workers": [{"worker": w.url, "worker_type": w.role.value, "load": w.load,

@@ -11,8 +11,11 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from atomesh.errors import GatewayError, UpstreamStatus, error_body
+from atomesh.errors import GatewayError, LoopDetected, UpstreamStatus, error_body
 from atomesh.metrics import ENDPOINTS, Metrics
+from atomesh.transport import HOP_HEADER
+
+LOOP_MESSAGE = "this request came from this gateway: a worker URL points back at the gateway itself"
 
 log = structlog.get_logger("atomesh.api")
 
@@ -66,7 +69,9 @@ class HttpAccounting:
     """What every request does to the books, whichever server took it (aiohttp or the front door):
     its request id, the `mesh_http_*` metrics, the error-to-response mapping and the failure log."""
 
-    def __init__(self, request_id_headers: Sequence[str], metrics: Metrics, max_payload: int) -> None:
+    def __init__(self, request_id_headers: Sequence[str], metrics: Metrics, max_payload: int,
+                 instance_id: str = "") -> None:
+        self.instance_id = instance_id  # the gateway's hop mark (atomesh.transport.HOP_HEADER)
         self.id_headers = tuple(h.lower() for h in request_id_headers)
         self.metrics = metrics
         self.max_payload = max_payload
@@ -96,6 +101,10 @@ class HttpAccounting:
         m.child(m.http_duration, method if method in _METHODS else "OTHER", path).observe(
             time.perf_counter() - started)
 
+    def refused(self, status: int) -> None:
+        """A request the front door answered itself, its head or body at fault (no route is known)."""
+        self.metrics.child(self.metrics.http_responses, "unmatched", str(status)).inc()
+
     @staticmethod
     def failed(err: GatewayError) -> str:
         """Log a gateway-side failure; returns the admission result the error stands for."""
@@ -120,6 +129,8 @@ def make_middleware(accounting: HttpAccounting) -> Middleware:
         started = acc.begin(method, path)
         admission = "allowed" if path in ENDPOINTS else None
         try:
+            if request.headers.get(HOP_HEADER) == acc.instance_id:
+                raise LoopDetected(LOOP_MESSAGE)
             resp = await handler(request)
         except GatewayError as e:
             result = acc.failed(e)

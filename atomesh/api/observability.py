@@ -96,6 +96,7 @@ async def _scrape(gw: Gateway, worker: Worker, timeout: float) -> str:
 async def engine_metrics(request: web.Request) -> web.Response:
     """Scrape every worker concurrently within the health-check timeout; a dead worker is reported, not fatal."""
     gw = request.app[GATEWAY]
+    gw.keys.check_admin(request.headers)  # it names every worker
     workers = [w for w in gw.registry if w.state in _SCRAPED_STATES]
     timeout = gw.config.health_check_timeout_secs
     results = await asyncio.gather(*(_scrape(gw, w, timeout) for w in workers), return_exceptions=True)

@@ -8,20 +8,23 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from atomesh.api.middleware import REQUEST_ID
-from atomesh.errors import NoWorkerAvailable, ShuttingDown, UpstreamStatus
+from atomesh.api.middleware import LOOP_MESSAGE, REQUEST_ID
+from atomesh.errors import LoopDetected, NoWorkerAvailable, ShuttingDown, UpstreamStatus
 from atomesh.gateway import GATEWAY, Gateway
-from atomesh.request import ROUTING_KEY_HEADERS, RequestView, Route, parse_body, validate
-from atomesh.transport import Exchange
+from atomesh.request import ROUTING_KEY_HEADERS, RequestView, Route
+from atomesh.transport import HOP_HEADER, Exchange
+from atomesh.validation import parse_request
 
 
-async def serve_inference(gw: Gateway, route: Route, raw: bytes, exchange: Exchange) -> None:
+async def serve_inference(gw: Gateway, route: Route, raw: bytes | bytearray, exchange: Exchange) -> None:
     """One inference request, whichever server took it: parse, validate, admit, route."""
+    headers = exchange.headers
+    if headers.get(HOP_HEADER) == gw.instance_id:
+        raise LoopDetected(LOOP_MESSAGE)
+    gw.keys.check_inference(headers)
     if gw.shutting_down:
         raise ShuttingDown("the gateway is shutting down")
-    body = parse_body(raw)
-    validate(route, body)
-    headers = exchange.headers
+    body = parse_request(route, raw)
     key = None
     for h in ROUTING_KEY_HEADERS:
         if key := headers.get(h):
@@ -104,12 +107,14 @@ async def _from_any_worker(request: web.Request, path: str) -> web.Response:
 
 
 async def model_info(request: web.Request) -> web.Response:
+    request.app[GATEWAY].keys.check_inference(request.headers)
     return await _from_any_worker(request, "/get_model_info")
 
 
 async def server_info(request: web.Request) -> web.Response:
-    """The gateway's own settings and state, with each worker's discovered server info."""
+    """The gateway's own settings and state, with each worker's discovered server info (admin key)."""
     gw = request.app[GATEWAY]
+    gw.keys.check_admin(request.headers)
     cfg = gw.config
     return json_response({
         "gateway": "atomesh",

@@ -17,7 +17,7 @@ from atomesh.errors import UpstreamError, UpstreamStatus
 from atomesh.metrics import Metrics
 from atomesh.placement import Pair, Plan
 from atomesh.request import RequestView, Route
-from atomesh.transport import ChunkHook, Exchange, Upstream, relay, upstream_headers
+from atomesh.transport import ChunkHook, Exchange, Upstream, relay
 
 # How long a finished decode leg waits for its prefill leg's answer before dropping it.
 PREFILL_LINGER_SECS = 5.0
@@ -66,7 +66,7 @@ class SglangBackend:
     async def forward(self, exchange: Exchange, view: RequestView, plan: Plan) -> None:
         assert isinstance(plan, Pair), "P/D mode places prefill/decode pairs"
         data = self.bootstrap_body(view, plan)
-        headers = upstream_headers(exchange)
+        headers = self.upstream.headers_for(exchange)
         prefill = asyncio.ensure_future(self._prefill(plan, view, data, headers))
         decode = asyncio.ensure_future(self._decode(exchange, plan, view, data, headers))
         try:

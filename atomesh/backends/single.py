@@ -5,7 +5,7 @@ from __future__ import annotations
 from atomesh.errors import UpstreamError
 from atomesh.placement import Plan, Single
 from atomesh.request import RequestView
-from atomesh.transport import ChunkHook, Exchange, Upstream, relay, upstream_headers
+from atomesh.transport import ChunkHook, Exchange, Upstream, relay
 
 
 class SingleBackend:
@@ -20,7 +20,7 @@ class SingleBackend:
         worker = plan.worker
         try:
             async with self.upstream.open("POST", worker.url + view.route, data=view.raw,
-                                          headers=upstream_headers(exchange)) as resp:
+                                          headers=self.upstream.headers_for(exchange)) as resp:
                 await relay(exchange, resp, self.on_chunk)
         except UpstreamError as e:
             e.worker = worker

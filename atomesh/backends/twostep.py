@@ -12,7 +12,7 @@ from atomesh.errors import UpstreamError, UpstreamStatus
 from atomesh.metrics import Metrics
 from atomesh.placement import Pair, Plan
 from atomesh.request import RequestView
-from atomesh.transport import ChunkHook, Exchange, Upstream, relay, upstream_headers
+from atomesh.transport import ChunkHook, Exchange, Upstream, relay
 from atomesh.workers.worker import Worker
 
 # Builds the decode leg's kv_transfer_params from what prefill returned and the prefill worker.
@@ -64,7 +64,7 @@ class TwoStepBackend:
         remaining = max(0.001, deadline - time.monotonic())
         try:
             async with self.upstream.open("POST", plan.decode.url + view.route, data=orjson.dumps(body),
-                                          headers=upstream_headers(exchange), timeout=remaining) as resp:
+                                          headers=self.upstream.headers_for(exchange), timeout=remaining) as resp:
                 if view.stream:
                     # A streaming decode answers once it pulled the KV and ran its first step:
                     # the time to here is the hand-off (a whole answer would include the decode).
@@ -84,7 +84,7 @@ class TwoStepBackend:
         try:
             status, raw, ctype = await self.upstream.call(
                 "POST", worker.url + view.route, data=prefill_body(view.body, self.prefill_params),
-                headers=upstream_headers(exchange))
+                headers=self.upstream.headers_for(exchange))
             if status >= 400:
                 raise UpstreamStatus(status, raw, ctype)
             try:

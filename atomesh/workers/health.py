@@ -1,8 +1,14 @@
-"""Periodic health checks: a worker turns unhealthy after N failed checks and back after M passed."""
+"""Periodic health checks: a worker turns unhealthy after N failed checks and back after M passed.
+
+Each worker is probed by a task of its own, on its own schedule, each probe bounded by the probe
+timeout: a frozen worker's probes wait out their timeout without delaying anyone else's, so every
+worker's detection time is its own (interval x failure threshold, plus one timeout at most).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Awaitable, Callable
 
 import structlog
@@ -14,46 +20,79 @@ log = structlog.get_logger("atomesh.workers")
 
 Probe = Callable[[Worker], Awaitable[tuple[bool, str]]]
 ResultHook = Callable[[Worker, bool], None]
+# Called when a worker turns unhealthy (after the state change): requests on it can be re-placed.
+UnhealthyHook = Callable[[Worker], None]
+
+_PROBED = (WorkerState.READY, WorkerState.UNHEALTHY)
 
 
 class HealthChecker:
-    """Owns the health-check task; probes every ready or unhealthy worker each interval."""
+    """Owns one probing task per ready or unhealthy worker, started and stopped with its state."""
 
     def __init__(self, registry: WorkerRegistry, probe: Probe, *, interval: float, failure_threshold: int,
-                 success_threshold: int, on_result: ResultHook | None = None) -> None:
+                 success_threshold: int, on_result: ResultHook | None = None,
+                 on_unhealthy: UnhealthyHook | None = None) -> None:
         self.registry = registry
         self.probe = probe
         self.interval = interval
         self.failure_threshold = failure_threshold
         self.success_threshold = success_threshold
         self.on_result = on_result
+        self.on_unhealthy = on_unhealthy
         self._streaks: dict[str, int] = {}  # worker id -> +passes / -failures in a row
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # worker id -> its probing task
+        self._running = False
+        registry.subscribe(self._on_state)
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="health-checker")
+        self._running = True
+        for w in self.registry:
+            if w.state in _PROBED:
+                self._watch(w)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        self._running = False
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval)
-            await self.check_all()
+    def _on_state(self, worker: Worker, old: WorkerState | None, new: WorkerState) -> None:
+        if not self._running:
+            return
+        if new in _PROBED:
+            self._watch(worker)
+        else:
+            task = self._tasks.pop(worker.id, None)
+            if task is not None:
+                task.cancel()
+            self._streaks.pop(worker.id, None)
 
-    async def check_all(self) -> None:
-        workers = [w for w in self.registry if w.state in (WorkerState.READY, WorkerState.UNHEALTHY)]
-        results = await asyncio.gather(*(self.probe(w) for w in workers))
-        for worker, (ok, reason) in zip(workers, results, strict=True):
-            self.record(worker, ok, reason)
-        live = {w.id for w in self.registry}
-        for wid in [k for k in self._streaks if k not in live]:
-            del self._streaks[wid]
+    def _watch(self, worker: Worker) -> None:
+        if worker.id not in self._tasks:
+            self._tasks[worker.id] = asyncio.get_running_loop().create_task(
+                self._run(worker), name=f"health {worker.url}")
+
+    async def _run(self, worker: Worker) -> None:
+        loop = asyncio.get_running_loop()
+        # Start each worker at a random point of the interval, so probes do not come in waves.
+        next_at = loop.time() + self.interval * (0.5 + random.random() / 2)
+        try:
+            while worker.state in _PROBED:
+                await asyncio.sleep(max(0.0, next_at - loop.time()))
+                next_at = max(next_at + self.interval, loop.time())
+                if worker.state not in _PROBED:
+                    break
+                ok, reason = await self.probe(worker)
+                self.record(worker, ok, reason)
+        finally:
+            if self._tasks.get(worker.id) is asyncio.current_task():
+                del self._tasks[worker.id]
 
     def record(self, worker: Worker, ok: bool, reason: str = "") -> None:
+        if worker.state not in _PROBED:
+            return
         if self.on_result is not None:
             self.on_result(worker, ok)
         streak = self._streaks.get(worker.id, 0)
@@ -62,6 +101,8 @@ class HealthChecker:
         if worker.state is WorkerState.READY and -streak >= self.failure_threshold:
             self.registry.set_state(worker, WorkerState.UNHEALTHY)
             log.warning("worker_unhealthy", worker=worker.url, reason=reason, failures=-streak)
+            if self.on_unhealthy is not None:
+                self.on_unhealthy(worker)
         elif worker.state is WorkerState.UNHEALTHY and streak >= self.success_threshold:
             self.registry.set_state(worker, WorkerState.READY)
             log.info("worker_healthy", worker=worker.url, successes=streak)

@@ -14,7 +14,7 @@ from typing import Any
 import structlog
 
 from atomesh.config import Backend, check_worker_url
-from atomesh.errors import GatewayError
+from atomesh.errors import GatewayError, LoopDetected
 from atomesh.transport import Upstream
 from atomesh.workers.breaker import BreakerSettings, BreakerState, CircuitBreaker
 from atomesh.workers.registry import WorkerRegistry
@@ -24,6 +24,10 @@ log = structlog.get_logger("atomesh.workers")
 
 # Expected `kv_role` of each P/D role when the backend is atom (PROTOCOLS.md §3).
 _ATOM_KV_ROLE = {WorkerRole.PREFILL: "kv_producer", WorkerRole.DECODE: "kv_consumer"}
+
+
+# The probe's reason when the URL answered 508: it is this gateway (atomesh.transport.HOP_HEADER).
+SELF_LOOP = "it answered 508 loop detected: the URL points back at the gateway"
 
 
 class RegistrationFailed(Exception):
@@ -127,24 +131,30 @@ class Lifecycle:
                 event.set()
 
     async def _wait_healthy(self, worker: Worker, deadline: float) -> None:
-        last = "no answer"
         while worker.state is WorkerState.PENDING:
-            ok, last = await self.probe(worker)
+            remaining = deadline - time.monotonic()
+            ok, last = await self.probe(worker, min(self.probe_timeout, max(remaining, 0.001)))
             if ok:
+                worker.error = None
                 return
+            if last == SELF_LOOP:
+                raise RegistrationFailed(f"{worker.url} is this gateway itself ({SELF_LOOP})")
+            worker.error = f"not healthy yet: {last}"  # GET /workers/{id} shows why it is still pending
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RegistrationFailed(
                     f"{worker.url} did not become healthy within {self.startup_timeout:g}s ({last})")
             await asyncio.sleep(min(self.check_interval, remaining))
 
-    async def probe(self, worker: Worker) -> tuple[bool, str]:
-        """One health check: (healthy, reason)."""
+    async def probe(self, worker: Worker, timeout: float | None = None) -> tuple[bool, str]:
+        """One health check, bounded by the probe timeout: (healthy, reason)."""
         try:
             status, _, _ = await self.upstream.call("GET", worker.url + self.health_endpoint,
-                                                    timeout=self.probe_timeout)
+                                                    timeout=timeout or self.probe_timeout)
         except GatewayError as e:
             return False, e.message
+        if status == LoopDetected.status:
+            return False, SELF_LOOP
         return (200 <= status < 300), f"{self.health_endpoint} answered {status}"
 
     async def _discover(self, worker: Worker) -> None:
