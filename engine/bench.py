@@ -174,24 +174,30 @@ def roofline_tok_s(loaded: LoadedModel, engine_dtype: torch.dtype, batch: int, c
     return batch * bw / (weights + kv)
 
 
-def prefix_row(loaded: LoadedModel, args: EngineArgs, length: int) -> dict[str, float]:
-    """Prefill seconds of one ``length``-token prompt: no cache, a one-block hit, a half-prompt hit."""
+def prefix_row(loaded: LoadedModel, args: EngineArgs, length: int, runs: int = 3) -> dict[str, float]:
+    """Median prefill seconds of a ``length``-token prompt: no cache, a one-block hit, a half-prompt hit.
+
+    Each timed prompt shares its first tokens with a prompt served before it and has a suffix of
+    its own, so only the intended prefix can come from the cache.
+    """
     vocab = loaded.config.vocab_size
     base = _prompts(1, length, vocab, 4242)[0]
-    other = _prompts(1, length, vocab, 4343)[0]
     out: dict[str, float] = {}
     for name, shared, caching in (("no_cache", 0, False), ("one_block_hit", args.block_size, True),
                                   ("half_hit", length // 2 // args.block_size * args.block_size, True)):  # fmt: skip
         engine = LLMEngine(replace(args, enable_prefix_caching=caching), loaded=loaded)
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        prompt = base[:shared] + other[shared:]
-        engine.generate([other[:32]], params)  # warm-up (kernels compiled, nothing cached of `base`)
-        engine.generate([base], params)  # puts base's blocks in the prefix cache (when caching)
-        _sync(engine.device)
-        t0 = time.perf_counter()
-        engine.generate([prompt], params)
-        _sync(engine.device)
-        out[name] = time.perf_counter() - t0
+        engine.generate([base[:32]], params)  # warm-up: kernels compiled
+        engine.generate([base], params)  # base's blocks in the prefix cache (when caching)
+        times = []
+        for run in range(runs):
+            prompt = base[:shared] + _prompts(1, length - shared, vocab, 5000 + run)[0]
+            _sync(engine.device)
+            t0 = time.perf_counter()
+            engine.generate([prompt], params)
+            _sync(engine.device)
+            times.append(time.perf_counter() - t0)
+        out[name] = statistics.median(times)
         del engine
         gc.collect()
     return out
