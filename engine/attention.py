@@ -54,6 +54,8 @@ class AttentionMetadata:
     # Triton path: query rows of sequence s are query_start[s]:query_start[s + 1].
     query_start: torch.Tensor | None = None
     num_splits: int = 1  # decode programs per sequence (flash-decoding); 1 in steps with prompts
+    # (sequence, query tile) of each attention program, -1 for none: a captured mixed step's grid.
+    tile_map: tuple[torch.Tensor, torch.Tensor] | None = None
     sparse_topk: int = 0  # decode attends to this many indexer-chosen blocks (+ first + last); 0: dense
 
     @property

@@ -1,12 +1,22 @@
-"""CUDA graphs of the decode step: captured once per batch-size bucket, replayed every step.
+"""CUDA graphs of the model step: captured once per batch-size bucket at start-up, replayed every step.
 
-A decode step of a small model is a few hundred tiny kernels; launched one by one from Python the
-GPU waits on the host most of the time. Captured in a graph, the whole step (embedding, every
-layer, the head and the greedy argmax) is one launch. The graphs read their inputs from static
-buffers that ``stage`` fills: token ids, positions, KV slots, context lengths and block tables,
-laid out in one pinned host buffer so a step's inputs cross to the GPU in a single copy. A batch
-smaller than its bucket is padded with rows that read and write only the scratch block (the block
-after the pool), so padding never touches a sequence's KV.
+A step of a small model is a few hundred tiny kernels; launched one by one from Python the GPU
+waits on the host most of the time (20 ms a step for SmolLM2). Captured in a graph, the whole step
+(embedding, every layer, the head and the greedy argmax) is one launch. Two families share the
+work:
+
+- ``DecodeGraphs``: steps where every sequence decodes one token, one graph per batch size
+  (1, 2, 4, 8, 16, ...); attention splits each context over several programs (flash-decoding).
+- ``MixedGraphs``: steps with prompt tokens (a prefill, or prompt chunks mixed with decodes), one
+  graph per token count (16, 32, ... up to the step's token budget). Attention runs one program per
+  (sequence, query tile) through a map the host builds each step, so one graph serves any mix of
+  sequences that fits its token count.
+
+The graphs read their inputs from static buffers laid out in one pinned host buffer, so a step's
+inputs cross to the GPU in a single copy. A batch smaller than its bucket is padded with tokens
+that write only the scratch block (the block after the pool) and with sequences that own no query
+tokens, so padding never touches a sequence's KV. Without CUDA (the Triton interpreter in tests)
+the same buffers are used and the forward simply runs instead of a replay.
 """
 
 from __future__ import annotations
@@ -14,138 +24,287 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.kernels import decode_splits
+from engine.kernels import decode_splits, tile_capacity, tile_map
 from engine.models.llama import LlamaForCausalLM
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
+Outputs = tuple[torch.Tensor, torch.Tensor]  # (logits [rows, vocab] float32, greedy tokens [rows])
+
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, then every multiple of 8 up to ``max_num_seqs`` (at most 512), as vLLM does."""
+    """Decode batch sizes: 1, 2, 4, then every multiple of 8 up to ``max_num_seqs`` (at most 512), as vLLM."""
     top = min(max_num_seqs, 512)
     return [b for b in (1, 2, 4) if b <= top] + list(range(8, top + 1, 8))
 
 
-class DecodeGraphs:
-    """The captured decode graphs of one model runner and the static buffers they read."""
+def default_token_sizes(max_num_batched_tokens: int) -> list[int]:
+    """Token counts of the mixed-step graphs: powers of two from 16 up to the step's token budget."""
+    sizes = [t for t in (1 << i for i in range(4, 15)) if t < max_num_batched_tokens]
+    return [*sizes, min(max_num_batched_tokens, 16384)]
+
+
+class _Buffers:
+    """Named int32 regions of one pinned host buffer and its device mirror."""
+
+    def __init__(self, regions: dict[str, int], device: torch.device) -> None:
+        total = sum(regions.values())
+        self.host = torch.zeros(total, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.dev = torch.zeros(total, dtype=torch.int32, device=device)
+        self.offsets: dict[str, int] = {}
+        self.np: dict[str, np.ndarray] = {}
+        self.d: dict[str, torch.Tensor] = {}
+        offset = 0
+        host = self.host.numpy()
+        for name, size in regions.items():
+            self.offsets[name] = offset
+            self.np[name] = host[offset : offset + size]
+            self.d[name] = self.dev[offset : offset + size]
+            offset += size
+
+        self._copied: torch.cuda.Event | None = None
+
+    def upload(self, end: int) -> None:
+        """Copy the first ``end`` entries over (all a step wrote)."""
+        self.dev[:end].copy_(self.host[:end], non_blocking=True)
+        if self.dev.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def writable(self) -> None:
+        """Wait until the last upload has read the host buffer (a step that samples nothing never syncs)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+
+
+class _GraphSet:
+    """Graphs keyed by a size, captured largest first so the smaller ones reuse its memory pool."""
+
+    def __init__(self, sizes: list[int], capture: bool) -> None:
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"graph sizes must be positive, got {sizes}")
+        self.sizes = sizes
+        self.capture_graphs = capture  # False: no CUDA (tests under the Triton interpreter)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, Outputs] = {}
+        self._forwards: dict[int, Callable[[], Outputs]] = {}
+
+    def bucket(self, n: int) -> int:
+        return self.sizes[bisect.bisect_left(self.sizes, n)]
+
+    @torch.inference_mode()
+    def capture(self, forward: Callable[[int], Outputs], what: str) -> None:
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle() if self.capture_graphs else None
+        for size in reversed(self.sizes):
+            self._forwards[size] = lambda size=size: forward(size)  # type: ignore[misc]
+            if not self.capture_graphs:
+                continue
+            forward(size)  # warm-up: compiles the kernels, settles cuBLAS's workspaces
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._outputs[size] = forward(size)
+            self._graphs[size] = graph
+        if self.capture_graphs:
+            torch.cuda.synchronize()
+            log.info("captured %d %s CUDA graphs (%d..%d) in %.1f s", len(self.sizes), what, self.sizes[0],
+                     self.sizes[-1], time.perf_counter() - start)  # fmt: skip
+
+    def run(self, size: int) -> Outputs:
+        if not self.capture_graphs:
+            return self._forwards[size]()
+        self._graphs[size].replay()
+        return self._outputs[size]
+
+
+class DecodeGraphs(_GraphSet):
+    """The decode-step graphs of one model runner (every sequence computes one token)."""
 
     def __init__(
-        self,
-        model: LlamaForCausalLM,
-        kv_caches: list[torch.Tensor],
-        indexer_caches: list[torch.Tensor],
-        sizes: list[int],
-        block_size: int,
-        scratch_block: int,
-        max_model_len: int,
-        sparse_topk: int,
-    ) -> None:
-        if not sizes or sizes[0] < 1:
-            raise ValueError(f"capture sizes must be positive batch sizes, got {sizes}")
+        self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], indexer_caches: list[torch.Tensor],
+        sizes: list[int], block_size: int, scratch_block: int, max_model_len: int, sparse_topk: int,
+    ) -> None:  # fmt: skip
+        device = kv_caches[0].device
+        super().__init__(sizes, capture=device.type == "cuda")
         self.model = model
         self.kv_caches = kv_caches
         self.indexer_caches = indexer_caches
-        self.sizes = sizes
         self.block_size = block_size
         self.scratch_block = scratch_block
         self.max_model_len = max_model_len
         self.sparse_topk = sparse_topk if indexer_caches else 0
         top = sizes[-1]
         self.width = -(-max_model_len // block_size)  # block-table columns: room for the longest context
-        device = kv_caches[0].device
-        # One buffer, five regions: ids, positions, slots, context lengths (top each), then the tables.
-        n = 4 * top + top * self.width
-        self._host = torch.zeros(n, dtype=torch.int32, pin_memory=True)
-        self._dev = torch.zeros(n, dtype=torch.int32, device=device)
-        h = self._host.numpy()
-        self._ids, self._pos, self._slots, self._ctx = (h[i * top : (i + 1) * top] for i in range(4))
-        self._tables = h[4 * top :].reshape(top, self.width)
-        self._pad(0, top)
-        self._dev.copy_(self._host)
-        d = self._dev
-        self._d_ids, self._d_pos, self._d_slots, self._d_ctx = (d[i * top : (i + 1) * top] for i in range(4))
-        self._d_tables = d[4 * top :].view(top, self.width)
+        self.buf = _Buffers({"ids": top, "pos": top, "slots": top, "ctx": top, "tables": top * self.width}, device)
+        self._tables = self.buf.np["tables"].reshape(top, self.width)
+        self._d_tables = self.buf.d["tables"].view(top, self.width)
         self._d_query_start = torch.arange(top + 1, dtype=torch.int32, device=device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._staged = 0  # bucket of the staged step
+        self._pad(0, top)
+        self.buf.upload(self.buf.dev.numel())
+        self._staged = 0
 
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
 
     def _pad(self, start: int, end: int) -> None:
         # Padding rows: token 0 at position 0, written to and read from the scratch block.
-        self._ids[start:end] = 0
-        self._pos[start:end] = 0
-        self._slots[start:end] = self.scratch_block * self.block_size
-        self._ctx[start:end] = 1
+        b = self.buf.np
+        b["ids"][start:end] = 0
+        b["pos"][start:end] = 0
+        b["slots"][start:end] = self.scratch_block * self.block_size
+        b["ctx"][start:end] = 1
         self._tables[start:end, 0] = self.scratch_block
 
-    def _forward(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, batch: int) -> Outputs:
+        d = self.buf.d
         meta = AttentionMetadata(
             num_decodes=batch,
-            slot_mapping=self._d_slots[:batch],
+            slot_mapping=d["slots"][:batch],
             block_tables=self._d_tables[:batch],
-            context_lens=self._d_ctx[:batch],
+            context_lens=d["ctx"][:batch],
             query_lens=[1] * batch,
             cached_lens=[0] * batch,
             max_query_len=1,
             max_context=self.max_model_len,
             query_start=self._d_query_start[: batch + 1],
             num_splits=decode_splits(batch, self.model.config.num_key_value_heads, self.max_model_len,
-                                     self._dev.device),
+                                     self.buf.dev.device),
             sparse_topk=self.sparse_topk,
         )
-        hidden = self.model(self._d_ids[:batch], self._d_pos[:batch], self.kv_caches, meta,
-                            self.indexer_caches or None)  # fmt: skip
+        hidden = self.model(d["ids"][:batch], d["pos"][:batch], self.kv_caches, meta, self.indexer_caches or None)
         logits = self.model.compute_logits(hidden)
         return logits, logits.argmax(dim=-1)
 
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every bucket, largest first so that the smaller ones reuse its memory pool."""
-        start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        for batch in reversed(self.sizes):
-            self._forward(batch)  # warm-up: compiles the kernels, settles cuBLAS's workspaces
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._outputs[batch] = self._forward(batch)
-            self._graphs[batch] = graph
-        torch.cuda.synchronize()
-        log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s", len(self.sizes), self.sizes[0],
-                 self.sizes[-1], time.perf_counter() - start)  # fmt: skip
+    def capture_all(self) -> None:
+        self.capture(self._forward, "decode")
 
     def stage(self, seqs: Seq[Sequence]) -> None:
         """Write the decode inputs of ``seqs`` (at most the largest bucket) into the host buffer."""
+        self.buf.writable()
         n = len(seqs)
-        bucket = self.sizes[bisect.bisect_left(self.sizes, n)]
+        bucket = self.bucket(n)
         bs = self.block_size
+        b = self.buf.np
+        ids, pos_, slots, ctx = b["ids"], b["pos"], b["slots"], b["ctx"]
         for i, seq in enumerate(seqs):
             pos = len(seq) - 1
             table = seq.block_table
-            self._ids[i] = seq.token_ids[pos]
-            self._pos[i] = pos
-            self._slots[i] = table[pos // bs] * bs + pos % bs
-            self._ctx[i] = pos + 1
+            ids[i] = seq.token_ids[pos]
+            pos_[i] = pos
+            slots[i] = table[pos // bs] * bs + pos % bs
+            ctx[i] = pos + 1
             self._tables[i, : len(table)] = table
         self._pad(n, bucket)
         self._staged = bucket
 
-    def replay(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def replay(self, num_seqs: int) -> Outputs:
         """Copy the staged inputs over, run the bucket's graph; (logits, greedy tokens) of the real rows."""
         bucket = self._staged
-        top = self.sizes[-1]
-        used = 4 * top + bucket * self.width
-        self._dev[:used].copy_(self._host[:used], non_blocking=True)
-        self._graphs[bucket].replay()
-        logits, tokens = self._outputs[bucket]
+        self.buf.upload(self.buf.offsets["tables"] + bucket * self.width)
+        logits, tokens = self.run(bucket)
         return logits[:num_seqs], tokens[:num_seqs]
 
+
+class MixedGraphs(_GraphSet):
+    """Graphs of steps with prompt tokens, one per token count; attention through a per-step tile map."""
+
+    def __init__(
+        self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], sizes: list[int], max_seqs: int,
+        block_size: int, scratch_block: int, max_model_len: int,
+    ) -> None:  # fmt: skip
+        device = kv_caches[0].device
+        super().__init__(sizes, capture=device.type == "cuda")
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.max_model_len = max_model_len
+        cfg = model.config
+        self.group = cfg.num_attention_heads // cfg.num_key_value_heads
+        top = sizes[-1]
+        self.max_seqs = min(max_seqs, top)
+        self.width = -(-max_model_len // block_size)
+        s, tiles = self.max_seqs, tile_capacity(top, self.max_seqs, self.group)
+        self.buf = _Buffers({"ids": top, "pos": top, "slots": top, "qstart": s + 1, "ctx": s, "tile_seq": tiles,
+                             "tile_q": tiles, "rows": s, "tables": s * self.width}, device)  # fmt: skip
+        self._tables = self.buf.np["tables"].reshape(s, self.width)
+        self._d_tables = self.buf.d["tables"].view(s, self.width)
+        self.buf.np["slots"][:] = scratch_block * block_size
+        self.buf.np["ctx"][:] = 1
+        self.buf.np["tile_seq"][:] = -1
+        self.buf.upload(self.buf.dev.numel())
+        self._staged = 0
+        self._seqs = 0
+
+    def fits(self, num_tokens: int, num_seqs: int) -> bool:
+        return num_tokens <= self.sizes[-1] and num_seqs <= self.max_seqs
+
+    def _shape(self, size: int) -> tuple[int, int]:
+        seqs = min(self.max_seqs, size)
+        return seqs, tile_capacity(size, seqs, self.group)
+
+    def _forward(self, size: int) -> Outputs:
+        seqs, tiles = self._shape(size)
+        d = self.buf.d
+        meta = AttentionMetadata(
+            num_decodes=0,
+            slot_mapping=d["slots"][:size],
+            block_tables=self._d_tables[:seqs],
+            context_lens=d["ctx"][:seqs],
+            query_lens=[],
+            cached_lens=[],
+            max_query_len=size,
+            max_context=self.max_model_len,
+            query_start=d["qstart"][: seqs + 1],
+            tile_map=(d["tile_seq"][:tiles], d["tile_q"][:tiles]),
+        )
+        hidden = self.model(d["ids"][:size], d["pos"][:size], self.kv_caches, meta, None)
+        logits = self.model.compute_logits(hidden[d["rows"][:seqs].long()])
+        return logits, logits.argmax(dim=-1)
+
+    def capture_all(self) -> None:
+        self.capture(self._forward, "mixed-step")
+
+    def stage(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, query_lens: list[int],
+              context_lens: list[int], tables: list[list[int]], rows: list[int]) -> None:  # fmt: skip
+        """Write one step's inputs (at most the largest token count) into the host buffer."""
+        self.buf.writable()
+        n, seqs = len(ids), len(query_lens)
+        size = self.bucket(n)
+        bucket_seqs, tiles = self._shape(size)
+        b = self.buf.np
+        b["ids"][:n] = ids
+        b["pos"][:n] = positions
+        b["slots"][:n] = slots
+        b["ids"][n:size] = 0
+        b["pos"][n:size] = 0
+        b["slots"][n:size] = self.scratch_block * self.block_size
+        b["qstart"][0] = 0
+        np.cumsum(query_lens, out=b["qstart"][1 : seqs + 1])
+        b["qstart"][seqs + 1 : bucket_seqs + 1] = n  # padding sequences own no query tokens
+        b["ctx"][:seqs] = context_lens
+        tile_seq, tile_q = tile_map(query_lens, self.group, tiles)
+        b["tile_seq"][:tiles] = tile_seq
+        b["tile_q"][:tiles] = tile_q
+        b["rows"][: len(rows)] = rows
+        b["rows"][len(rows) : bucket_seqs] = 0
+        for i, table in enumerate(tables):
+            self._tables[i, : len(table)] = table
+        self._staged = size
+        self._seqs = seqs
+
+    def replay(self, num_rows: int) -> Outputs:
+        """Copy the staged inputs over, run the bucket's graph; (logits, greedy tokens) of the sampled rows."""
+        self.buf.upload(self.buf.offsets["tables"] + self._seqs * self.width)
+        logits, tokens = self.run(self._staged)
+        return logits[:num_rows], tokens[:num_rows]

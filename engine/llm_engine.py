@@ -19,7 +19,7 @@ import torch
 
 from engine.args import EngineArgs
 from engine.block_manager import BlockManager, BlockStats
-from engine.cuda_graph import default_capture_sizes
+from engine.cuda_graph import default_capture_sizes, default_token_sizes
 from engine.errors import (
     ContextLengthError,
     EngineError,
@@ -119,7 +119,9 @@ class LLMEngine:
         sizes = self._capture_sizes()
         self.runner.allocate_kv_cache(self.num_blocks, scratch=bool(sizes))
         if sizes:
-            self.runner.capture_graphs(sizes)
+            # Steps with prompt tokens too, unless sparse (its decode rows pick blocks per step: eager then).
+            tokens = [] if args.sparse_attention else default_token_sizes(args.max_num_batched_tokens)
+            self.runner.capture_graphs(sizes, tokens, args.max_num_seqs)
         log.info("engine: device=%s dtype=%s kernels=%s cuda_graphs=%s", self.device, str(self.dtype).removeprefix(
             "torch."), self.kernels, f"{sizes[0]}..{sizes[-1]} ({len(sizes)} sizes)" if sizes else "off")  # fmt: skip
         self.block_manager = BlockManager(self.num_blocks, args.block_size, args.enable_prefix_caching)
@@ -145,7 +147,8 @@ class LLMEngine:
 
     def _capture_sizes(self) -> list[int]:
         """Decode batch sizes to capture as CUDA graphs; none on CPU, with --enforce-eager or torch kernels."""
-        if self.device.type != "cuda" or self.kernels != "triton" or self.args.enforce_eager:
+        # (Without CUDA, only under the Triton interpreter in tests: the graphs' staged inputs then run eagerly.)
+        if self.kernels != "triton" or self.args.enforce_eager or (self.device.type != "cuda" and not interpret_mode()):
             return []
         sizes = self.args.cudagraph_capture_sizes or default_capture_sizes(self.args.max_num_seqs)
         return sorted(b for b in set(sizes) if b <= self.args.max_num_seqs) or [min(sizes)]

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, decode_mask, plan_prefill
-from engine.cuda_graph import DecodeGraphs
+from engine.cuda_graph import DecodeGraphs, MixedGraphs
 from engine.kernels import decode_splits
 from engine.kernels.ops import TritonOps
 from engine.models.llama import LlamaConfig, LlamaForCausalLM, rope_tables
@@ -25,7 +25,7 @@ class StepInput:
 
     Holding only tensors and values (no live Sequence objects) lets a request be aborted while the
     step runs without the step seeing its sequence change. A decode step that a captured CUDA graph
-    serves has its inputs staged in the graph's buffers instead (``graph_batch`` sequences).
+    serves has its inputs staged in that graph family's buffers instead (``graph``).
     """
 
     input_ids: torch.Tensor | None
@@ -34,7 +34,7 @@ class StepInput:
     logits_indices: torch.Tensor | None  # which hidden rows produce a next token (one per sequence)
     params: tuple[SamplingParams, ...]
     generators: tuple[torch.Generator | None, ...]
-    graph_batch: int = 0
+    graph: DecodeGraphs | MixedGraphs | None = None  # the graphs whose buffers hold the staged inputs
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -99,6 +99,7 @@ class ModelRunner:
         self.indexer_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
         self._default_generator = torch.Generator().manual_seed(seed)
 
     # -- KV cache ----------------------------------------------------------------------------------
@@ -165,13 +166,19 @@ class ModelRunner:
 
     # -- CUDA graphs ------------------------------------------------------------------------------
 
-    def capture_graphs(self, sizes: Seq[int]) -> None:
-        """Capture the decode step for each batch size in ``sizes`` (after allocate_kv_cache(scratch=True))."""
-        if self.kernels != "triton" or self.device.type != "cuda":
-            raise ValueError("CUDA graphs need the Triton kernels on a CUDA device")
+    def capture_graphs(self, sizes: Seq[int], token_sizes: Seq[int], max_num_seqs: int) -> None:
+        """Capture the decode step for each batch size in ``sizes`` and the steps with prompt tokens for each
+        token count in ``token_sizes`` (after allocate_kv_cache(scratch=True)). Without CUDA (the Triton
+        interpreter, in tests) the same staged inputs run eagerly."""
+        if self.kernels != "triton":
+            raise ValueError("CUDA graphs need the Triton kernels")
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.indexer_caches, sorted(set(sizes)),
                                    self.block_size, self.num_blocks, self.max_model_len, self.sparse_topk)
-        self.graphs.capture()
+        self.graphs.capture_all()
+        if token_sizes:
+            self.mixed_graphs = MixedGraphs(self.model, self.kv_caches, sorted(set(token_sizes)), max_num_seqs,
+                                            self.block_size, self.num_blocks, self.max_model_len)
+            self.mixed_graphs.capture_all()
 
     # -- one step -----------------------------------------------------------------------------------
 
@@ -187,7 +194,7 @@ class ModelRunner:
                 not self.indexer_caches or self.sparse_topk == graphs.sparse_topk):  # fmt: skip
             graphs.stage(seqs)
             return StepInput(None, None, None, None, tuple(s.params for s in seqs),
-                             tuple(s.generator for s in seqs), graph_batch=len(seqs))  # fmt: skip
+                             tuple(s.generator for s in seqs), graph=graphs)  # fmt: skip
         bs = self.block_size
         ids: list[int] = []
         positions: list[np.ndarray] = []
@@ -211,6 +218,12 @@ class ModelRunner:
             if end == len(seq):
                 sampled.append(seq)
                 logits_rows.append(sum(query_lens) - 1)
+        mixed = self.mixed_graphs
+        if mixed is not None and not self.indexer_caches and mixed.fits(len(ids), len(seqs)):
+            mixed.stage(np.asarray(ids, dtype=np.int32), np.concatenate(positions), np.concatenate(slots), query_lens,
+                        context_lens, [s.block_table for s in seqs], logits_rows)  # fmt: skip
+            return StepInput(None, None, None, None, tuple(s.params for s in sampled),
+                             tuple(s.generator for s in sampled), graph=mixed)  # fmt: skip
         max_blocks = max(len(s.block_table) for s in seqs)
         tables = np.zeros((len(seqs), max_blocks), dtype=np.int64)
         for i, seq in enumerate(seqs):
@@ -254,9 +267,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> list[int]:
         """Run the forward pass and sample one token per sequence that reached its end."""
-        if step.graph_batch:
-            assert self.graphs is not None
-            logits, greedy = self.graphs.replay(step.graph_batch)
+        if step.graph is not None:
+            logits, greedy = step.graph.replay(len(step.params))
             return self.sample(logits, step.params, step.generators, greedy)
         assert step.input_ids is not None and step.positions is not None and step.meta is not None
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, self.indexer_caches or None)

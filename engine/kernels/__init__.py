@@ -39,3 +39,33 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: to
     sms = _sm_count(device.index or 0) if device.type == "cuda" else 4
     want = -(-2 * sms // max(num_seqs * num_kv_heads, 1))
     return max(1, min(want, -(-max_context // DECODE_BLOCK_N)))
+
+
+def prefill_block_m(group: int) -> int:
+    """Rows of one attention program over prompt tokens: query tokens x the heads of one KV group."""
+    return max(64, 1 << (group - 1).bit_length())
+
+
+def tile_map(query_lens: list[int], group: int, capacity: int) -> tuple[list[int], list[int]]:
+    """(sequence, query tile) of each attention program for a batch, padded with -1 to ``capacity``.
+
+    A sequence of ``q`` query tokens needs ``ceil(q / tile)`` programs, ``tile`` being
+    ``prefill_block_m(group) // group`` tokens.
+    """
+    tile = prefill_block_m(group) // group
+    seqs: list[int] = []
+    tiles: list[int] = []
+    for s, q in enumerate(query_lens):
+        n = -(-q // tile)
+        seqs.extend([s] * n)
+        tiles.extend(range(n))
+    if len(seqs) > capacity:
+        raise ValueError(f"the batch needs {len(seqs)} attention programs, more than {capacity}")
+    pad = capacity - len(seqs)
+    return seqs + [-1] * pad, tiles + [0] * pad
+
+
+def tile_capacity(max_tokens: int, max_seqs: int, group: int) -> int:
+    """Programs enough for any batch of at most ``max_tokens`` tokens in ``max_seqs`` sequences."""
+    tile = prefill_block_m(group) // group
+    return -(-max_tokens // tile) + min(max_seqs, max_tokens)

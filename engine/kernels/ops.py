@@ -133,7 +133,7 @@ class TritonOps:
         if indexer is None or not meta.sparse_topk or nd == 0:
             out = self._k.paged_attention(
                 q, kv_cache, meta.block_tables, meta.query_start, meta.context_lens, scale,
-                meta.max_query_len, meta.max_context, meta.num_splits,
+                meta.max_query_len, meta.max_context, meta.num_splits, meta.tile_map,
             )  # fmt: skip
             return out.view(n, -1)
         # Sparse decode: the decode rows attend over their indexer-chosen blocks, read in place.

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import DECODE_BLOCK_N, interpret_mode
+from engine.kernels import DECODE_BLOCK_N, interpret_mode, prefill_block_m
 
 _INTERPRET = interpret_mode()
 
@@ -178,18 +178,27 @@ def _attend(
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, kv_ptr, out_ptr, tables_ptr, qstart_ptr, ctx_ptr, part_acc_ptr, part_ml_ptr,
+    q_ptr, kv_ptr, out_ptr, tables_ptr, qstart_ptr, ctx_ptr, part_acc_ptr, part_ml_ptr, tile_seq_ptr, tile_q_ptr,
     scale, v_offset, table_stride, split_size, num_splits,
     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_Q: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    SPLIT: tl.constexpr, TILED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    s = tl.program_id(1)
     g = tl.program_id(2)
+    ok = True
     if SPLIT:
+        s = tl.program_id(1)
         mt = 0
         sp = tl.program_id(0)
+    elif TILED:
+        # Program -> (sequence, query tile) through a map the host built; -1: a padding program.
+        seq = tl.load(tile_seq_ptr + tl.program_id(0))
+        ok = seq >= 0
+        s = tl.maximum(seq, 0)
+        mt = tl.load(tile_q_ptr + tl.program_id(0))
+        sp = 0
     else:
+        s = tl.program_id(1)
         mt = tl.program_id(0)
         sp = 0
     q0 = tl.load(qstart_ptr + s)
@@ -198,7 +207,7 @@ def _paged_attention_kernel(
     r = tl.arange(0, BLOCK_M)
     tq = mt * TILE_Q + r // GROUP  # query token of each row, within the sequence
     h = g * GROUP + r % GROUP  # query head of each row
-    valid = (r < TILE_Q * GROUP) & (tq < qlen)
+    valid = (r < TILE_Q * GROUP) & (tq < qlen) & ok
     qpos = ctx - qlen + tq  # absolute position: the cached context comes first
     kv_end = tl.minimum(ctx, ctx - qlen + (mt + 1) * TILE_Q)
     if SPLIT:
@@ -206,7 +215,7 @@ def _paged_attention_kernel(
         hi = tl.minimum(kv_end, lo + split_size)
     else:
         lo = 0
-        hi = kv_end
+        hi = tl.where(ok, kv_end, 0)
     d = tl.arange(0, D)
     q_rows = (q0 + tq).to(tl.int64) * (H * D) + h * D
     q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
@@ -259,13 +268,16 @@ def _merge_splits_kernel(
 def paged_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, query_start: torch.Tensor,
     context_lens: torch.Tensor, scale: float, max_query_len: int, max_context: int, num_splits: int = 1,
+    tile_map: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Causal attention of ``q [tokens, H, D]`` over each sequence's cached context (this step's K/V included).
 
     Sequence ``s`` owns query rows ``query_start[s]:query_start[s + 1]`` and ``context_lens[s]`` cached
     tokens, the last of which are its queries' own. ``max_query_len`` and ``max_context`` bound them
     (host values: they size the grid; in a captured graph, the capture's bounds). ``num_splits`` > 1
-    (decode only) splits each context over that many programs.
+    (decode only) splits each context over that many programs. ``tile_map`` (sequence, query tile)
+    per program, -1 for none, sizes the grid instead of the bounds (see ``engine.kernels.tile_map``):
+    a captured graph's grid then fits any batch of up to that many tiles.
     """
     _, _, bs, kv_heads, d = kv_cache.shape
     tokens, heads, _ = q.shape
@@ -281,24 +293,29 @@ def paged_attention(
         part_acc = torch.empty((seqs, heads, splits, d), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((seqs, heads, splits, 2), dtype=torch.float32, device=q.device)
         _paged_attention_kernel[(splits, seqs, kv_heads)](
-            q, kv_cache, out, block_tables, query_start, context_lens, part_acc, part_ml,
+            q, kv_cache, out, block_tables, query_start, context_lens, part_acc, part_ml, out, out,
             scale, v_offset, block_tables.stride(0), split_size, splits,
             H=heads, GROUP=group, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=DECODE_BLOCK_N, TILE_Q=1,
-            SPLIT=True, PRECISION=precision, INTERPRET=_INTERPRET,
+            SPLIT=True, TILED=False, PRECISION=precision, INTERPRET=_INTERPRET,
         )  # fmt: skip
         _merge_splits_kernel[(seqs, heads)](
             part_acc, part_ml, out, context_lens, split_size, splits,
             H=heads, D=d, SPLITS=triton.next_power_of_2(splits),
         )  # fmt: skip
         return out
-    block_m = max(16, triton.next_power_of_2(group)) if max_query_len == 1 else max(64, triton.next_power_of_2(group))
-    tile_q = block_m // group
-    block_n = DECODE_BLOCK_N if max_query_len == 1 else 64
-    _paged_attention_kernel[(triton.cdiv(max_query_len, tile_q), seqs, kv_heads)](
-        q, kv_cache, out, block_tables, query_start, context_lens, out, out,
+    if tile_map is not None:
+        block_m = prefill_block_m(group)
+        tile_seq, tile_idx = tile_map
+        grid: tuple[int, int, int] = (tile_seq.shape[0], 1, kv_heads)
+    else:
+        block_m = max(16, triton.next_power_of_2(group)) if max_query_len == 1 else prefill_block_m(group)
+        tile_seq = tile_idx = out
+        grid = (triton.cdiv(max_query_len, block_m // group), seqs, kv_heads)
+    _paged_attention_kernel[grid](
+        q, kv_cache, out, block_tables, query_start, context_lens, out, out, tile_seq, tile_idx,
         scale, v_offset, block_tables.stride(0), 0, 1,
-        H=heads, GROUP=group, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=tile_q,
-        SPLIT=False, PRECISION=precision, INTERPRET=_INTERPRET,
+        H=heads, GROUP=group, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=DECODE_BLOCK_N, TILE_Q=block_m // group,
+        SPLIT=False, TILED=tile_map is not None, PRECISION=precision, INTERPRET=_INTERPRET,
     )  # fmt: skip
     del tokens
     return out

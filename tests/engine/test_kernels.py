@@ -137,12 +137,15 @@ def test_indexer_decode_update_equals_the_general_one() -> None:
     torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-PROMPTS = [list(range(40, 75)), [7] * 3, list(range(50, 250)), [*list(range(40, 75)), 9, 8, 7]]
+# The fourth prompt shares the first's blocks: it runs the cached-prefix path. (Kept short: on CPU the
+# kernels run in Triton's interpreter.)
+PROMPTS = [list(range(40, 60)), [7] * 3, list(range(50, 90)), [*list(range(40, 60)), 9, 8, 7]]
 
 
 def _generate(make_engine: MakeEngine, loaded: LoadedModel | None = None, **kw: object) -> list[list[int]]:
-    engine = make_engine(loaded, **kw)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    # Few seats: a mixed-step graph pads its attention grid to one program per seat at least.
+    engine = make_engine(loaded, **{"max_num_seqs": 8, **kw})
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     return engine.generate(PROMPTS, params)
 
 
@@ -150,7 +153,7 @@ def _generate(make_engine: MakeEngine, loaded: LoadedModel | None = None, **kw: 
     "extra",
     [
         {},
-        {"max_num_batched_tokens": 64},  # chunked prompts mixed with decodes
+        {"max_num_batched_tokens": 24},  # chunked prompts mixed with decodes
         {"sparse_attention": True, "sparse_topk_blocks": 2, "block_size": 4},
     ],
     ids=["plain", "chunked", "sparse"],
@@ -158,10 +161,10 @@ def _generate(make_engine: MakeEngine, loaded: LoadedModel | None = None, **kw: 
 def test_an_engine_on_the_kernels_generates_what_the_torch_engine_does(make_engine: MakeEngine,
                                                                        extra: dict[str, object]) -> None:  # fmt: skip
     expected = _generate(make_engine, kernels="torch", **extra)
-    # The fourth prompt shares the first's blocks: it runs the cached-prefix path on both.
     assert _generate(make_engine, kernels="triton", enforce_eager=True, **extra) == expected
-    if DEVICE == "cuda":
-        assert _generate(make_engine, kernels="triton", **extra) == expected  # decode steps from CUDA graphs
+    # Through the graphs' static inputs: replayed CUDA graphs on a GPU; on CPU the interpreter runs the
+    # staged inputs eagerly, which checks the staging (padding, tile maps, logits rows) all the same.
+    assert _generate(make_engine, kernels="triton", **extra) == expected
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
