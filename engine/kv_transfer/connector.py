@@ -401,10 +401,12 @@ class KVProducer:
             gathering = asyncio.ensure_future(staging.run(staging.gather, chunks[0], local[0], ids))
             acked = 0
             for c, chunk in enumerate(chunks):
+                assert gathering is not None  # chunk c's gather, started in the previous round
                 await gathering
                 gathering = None
                 if c + 1 < len(chunks):  # its local slot's last write (chunk c - 1) has finished
-                    gathering = asyncio.ensure_future(staging.run(staging.gather, chunks[c + 1], local[(c + 1) % 2], ids))
+                    nxt = chunks[c + 1]
+                    gathering = asyncio.ensure_future(staging.run(staging.gather, nxt, local[(c + 1) % 2], ids))
                 while acked < c - 1:  # the consumer's slot c % 2 held chunk c - 2
                     await self._expect_ack(channel, tid, acked)
                     acked += 1
