@@ -39,7 +39,9 @@ _PARALLEL_FLAGS = (
 )
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-_KV_CONFIG_KEYS = {"kv_connector", "kv_role", "handshake_port", "proxy_ip", "http_port", "protocol"}
+_KV_CONFIG_KEYS = {"kv_connector", "kv_role", "handshake_port", "proxy_ip", "http_port", "protocol",
+                   "memory_backend", "staging_buffer_mb"}  # fmt: skip
+MEMORY_BACKENDS = ("auto", "direct", "staged")
 DEFAULT_HANDSHAKE_PORT = 6301
 
 
@@ -52,6 +54,9 @@ class KVTransferConfig:
     handshake_port: int = DEFAULT_HANDSHAKE_PORT
     http_port: int | None = None
     protocol: str | None = None
+    # Where the relay moves KV from (engine.kv_transfer.backend): auto, direct or staged.
+    memory_backend: str = "auto"
+    staging_buffer_mb: int = 128  # the staged backend's registered buffer, per engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,10 +312,18 @@ def parse_kv_transfer_config(text: str) -> KVTransferConfig:
         raise ValueError(
             "--kv-transfer-config: kv_role 'kv_both' is not implemented yet; use kv_producer or kv_consumer"
         )
+    backend = raw.get("memory_backend", "auto")
+    if backend not in MEMORY_BACKENDS:
+        raise ValueError(f"--kv-transfer-config: memory_backend {backend!r} must be one of {list(MEMORY_BACKENDS)}")
+    staging_mb = raw.get("staging_buffer_mb", 128)
+    if not isinstance(staging_mb, int) or isinstance(staging_mb, bool) or not 1 <= staging_mb <= 65536:
+        raise ValueError(f"--kv-transfer-config: staging_buffer_mb {staging_mb!r} must be an integer in 1..65536 (MiB)")
     return KVTransferConfig(
         kv_role=role,
         kv_connector=connector,
         handshake_port=port,
         http_port=raw.get("http_port"),
         protocol=raw.get("protocol"),
+        memory_backend=backend,
+        staging_buffer_mb=staging_mb,
     )

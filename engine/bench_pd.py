@@ -22,7 +22,13 @@ when sparse), from the model's shape; GB/s = bytes / transfer time.
 Raw: Mooncake's own throughput between two processes on the same loopback in the same run (this
 process and a spawned child, through ``engine.kv_transfer.bench``'s helpers): one contiguous write
 of the same byte count, timed inside the writer, ``--raw-repeats`` times right before each decode
-leg (median). ``vs raw`` = transfer GB/s / raw GB/s (target >= 70%). Printed, never asserted.
+leg (median). ``vs raw`` = transfer GB/s / raw GB/s (target >= 70%). Printed (and written as JSON
+with ``--json``), never asserted.
+
+On a GPU: ``--device cuda`` (both engines on the same GPU, each with ``--num-kvcache-blocks``
+blocks; bfloat16 caches unless ``--dtype``), ``--memory-backend`` chooses how the KV moves (auto:
+pinned host staging with the CPU-only Mooncake wheel). ``engine.bench_pd_gpu`` runs this and the
+transfer benchmark as one batch.
 """
 
 from __future__ import annotations
@@ -118,9 +124,9 @@ def metric(port: int, name: str) -> float:
 class Engine:
     """One ``engine.openai_server`` child process."""
 
-    def __init__(self, role: str, extra: list[str], log_dir: str) -> None:
+    def __init__(self, role: str, extra: list[str], log_dir: str, kv_config: dict[str, Any] | None = None) -> None:
         self.port = free_port()
-        config = {"kv_role": role, "kv_connector": "mooncake", "handshake_port": free_port()}
+        config = {"kv_role": role, "kv_connector": "mooncake", "handshake_port": free_port(), **(kv_config or {})}
         self.argv = [sys.executable, "-m", "engine.openai_server", "--host", HOST, "--server-port", str(self.port),
                      "--kv-transfer-config", json.dumps(config), "--no-enable_prefix_caching", *extra]  # fmt: skip
         self.log_path = os.path.join(log_dir, f"{role}-{self.port}.log")
@@ -194,6 +200,15 @@ class Row:
     decode_step_s: float
     raw_s: float
 
+    def to_dict(self) -> dict[str, Any]:
+        ttft = self.prefill_s + self.first_chunk_s
+        gbs, raw_gbs = self.nbytes / self.transfer_s / 1e9, self.nbytes / self.raw_s / 1e9
+        return {"mode": self.mode, "tokens": self.tokens, "blocks": self.blocks, "bytes": self.nbytes,
+                "ttft_ms": ttft * 1e3, "prefill_ms": self.prefill_s * 1e3, "transfer_ms": self.transfer_s * 1e3,
+                "decode_leg_rest_ms": (self.first_chunk_s - self.transfer_s) * 1e3,
+                "first_decode_step_ms": self.decode_step_s * 1e3, "transfer_share_of_ttft": self.transfer_s / ttft,
+                "gb_s": gbs, "raw_gb_s": raw_gbs, "vs_raw": gbs / raw_gbs}  # fmt: skip
+
     def cells(self) -> str:
         gbs, raw_gbs = self.nbytes / self.transfer_s / 1e9, self.nbytes / self.raw_s / 1e9
         ttft = self.prefill_s + self.first_chunk_s
@@ -211,8 +226,9 @@ HEADER = ("| mode | prompt tokens | blocks | MiB moved | TTFT ms | prefill ms | 
 def run_mode(mode: str, engine_args: list[str], prompts: dict[int, list[list[int]]], layer_bytes: tuple[int, int, int],
              raw: RawPeer, a: argparse.Namespace, log_dir: str) -> list[Row]:  # fmt: skip
     sparse = ["--sparse-attention", "on", "--sparse-topk-blocks", str(a.topk)] if mode == "sparse" else []
-    prefill = Engine("kv_producer", engine_args + sparse, log_dir)
-    decode = Engine("kv_consumer", engine_args + sparse, log_dir)
+    kv_config = {"memory_backend": a.memory_backend, "staging_buffer_mb": a.staging_mb}
+    prefill = Engine("kv_producer", engine_args + sparse, log_dir, kv_config)
+    decode = Engine("kv_consumer", engine_args + sparse, log_dir, kv_config)
     layers, unit, idx_unit = layer_bytes
     rows: list[Row] = []
     try:
@@ -262,7 +278,7 @@ def one_request(prefill: int, decode: int, ids: list[int], nbytes: int, raw: Raw
     return Row("", len(ids), 0, nbytes, prefill_s, transfer_s, first, second - first, raw_s)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m engine.bench_pd", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8000], help="prompt tokens")
@@ -273,23 +289,34 @@ def main() -> None:
     p.add_argument("--kv-cache-memory-gb", default="2")
     p.add_argument("--max-model-len", default="8192")
     p.add_argument("--engine-arg", action="append", default=[], help="extra flag for both engines (repeatable)")
-    a = p.parse_args()
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="the engines' device")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="the engines' dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--num-kvcache-blocks", type=int, default=None,
+                   help="KV blocks per engine (on CUDA, two engines share the GPU: set it)")
+    p.add_argument("--memory-backend", choices=["auto", "direct", "staged"], default="auto")
+    p.add_argument("--staging-mb", type=int, default=128, help="staging_buffer_mb of both engines")
+    p.add_argument("--json", default="", help="also write the rows to this JSON file")
+    a = p.parse_args(argv)
 
     loaded = load_model(a.model)
     cfg = loaded.config
     doc = document_ids(loaded.tokenizer)
     prompts = {n: build_prompts(loaded.tokenizer, doc, n, a.repeats) for n in a.lengths}
-    elem = 4  # the engines' cache dtype on CPU: float32 (the model dtype)
+    dtype = a.dtype if a.dtype != "auto" else ("float32" if a.device == "cpu" else "bfloat16")
+    elem = 4 if dtype == "float32" else 2  # the engines' cache dtype is the model dtype
     unit = 16 * cfg.num_key_value_heads * cfg.head_dim * elem
     idx_unit = cfg.num_key_value_heads * cfg.head_dim * elem
     layer_bytes = (cfg.num_hidden_layers, unit, idx_unit)
     del loaded
-    engine_args = ["--model", a.model, "--device", "cpu", "--kv-cache-memory-gb", a.kv_cache_memory_gb,
-                   "--max-model-len", a.max_model_len, *a.engine_arg]  # fmt: skip
+    engine_args = ["--model", a.model, "--device", a.device, "--dtype", dtype, "--kv-cache-memory-gb",
+                   a.kv_cache_memory_gb, "--max-model-len", a.max_model_len, *a.engine_arg]  # fmt: skip
+    if a.num_kvcache_blocks:
+        engine_args += ["--num-kvcache-blocks", str(a.num_kvcache_blocks)]
     most = cfg.num_hidden_layers * ((max(a.lengths) + 15) // 16) * (2 * unit + idx_unit)
     raw = RawPeer(most)
     print(f"model={a.model} ({cfg.num_hidden_layers} layers, {cfg.num_key_value_heads} KV heads x {cfg.head_dim}, "
-          f"float32 cache, block 16: {unit} B per block per layer for K and for V, indexer {idx_unit} B); "
+          f"{dtype} cache, block 16: {unit} B per block per layer for K and for V, indexer {idx_unit} B); "
           f"engines: {' '.join(engine_args)}; raw: median of {a.raw_repeats} writes per request",
           flush=True)  # fmt: skip
     rows: list[Row] = []
@@ -303,6 +330,10 @@ def main() -> None:
     print(HEADER)
     for row in rows:
         print(row.cells())
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"command": "python -m engine.bench_pd", "args": vars(a), "engine_args": engine_args,
+                       "rows": [r.to_dict() for r in rows]}, f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

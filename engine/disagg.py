@@ -6,8 +6,9 @@ asks, over the handshake port, for the blocks to be written into blocks it reser
 (decode) engine reserves blocks for the prompt, pulls the KV (and the sparse indexer keys) through
 Mooncake, then continues from the first token as if it had prefilled the prompt itself.
 
-This module owns the Mooncake agent and the producer / consumer for the server; the transfer
-mechanics live in `engine.kv_transfer`, the bookkeeping of blocks in the LLMEngine.
+This module owns the Mooncake agent, the memory backend (direct, or a staging buffer) and the
+producer / consumer for the server; the transfer mechanics live in `engine.kv_transfer`, the
+bookkeeping of blocks in the LLMEngine.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ from engine.kv_transfer import (
     KVTransferParams,
     MooncakeAgent,
     ReleaseReason,
-    regions_from_kv_caches,
 )
+from engine.kv_transfer.backend import MemoryBackend, choose_backend, installed_wheel, parse_backend
+from engine.kv_transfer.layout import region_views, view_region
+from engine.kv_transfer.staging import StagingBuffer
 from engine.llm_engine import LLMEngine
 from engine.sequence import Sequence
 
@@ -53,20 +56,23 @@ def advertised_host(bind_host: str) -> str:
         return "127.0.0.1"
 
 
-def check_transfer_support(engine: LLMEngine, role: str | None) -> None:
-    """Refuse, before serving, a KV relay this installation cannot do (raises ValueError)."""
-    if role is None or engine.device.type != "cuda":
-        return
-    from importlib import metadata
+def transfer_backend(engine: LLMEngine, config: KVTransferConfig) -> tuple[MemoryBackend, str] | None:
+    """The memory backend this engine's KV relay uses and why (None without a relay).
 
+    Raises ValueError, before serving, for a backend this installation cannot do (``direct`` on
+    CUDA with the CPU-only Mooncake wheel).
+    """
+    if config.kv_role is None:
+        return None
     try:
-        metadata.distribution("mooncake-transfer-engine-non-cuda")
-    except metadata.PackageNotFoundError:
-        return
-    raise ValueError(
-        f"--kv-transfer-config kv_role {role!r} on CUDA needs the CUDA build of Mooncake "
-        "(pip install mooncake-transfer-engine); the installed mooncake-transfer-engine-non-cuda "
-        "moves host memory only")
+        return choose_backend(parse_backend(config.memory_backend), engine.device.type, installed_wheel())
+    except ValueError as exc:
+        raise ValueError(f"--kv-transfer-config: {exc}") from None
+
+
+def check_transfer_support(engine: LLMEngine, config: KVTransferConfig) -> None:
+    """Refuse, before serving, a KV relay this installation cannot do (raises ValueError)."""
+    transfer_backend(engine, config)
 
 
 @dataclass(slots=True)
@@ -94,6 +100,8 @@ class Disaggregation:
         self.transfer_timeout = transfer_timeout
         self.stats = TransferStats()
         self.agent: MooncakeAgent | None = None
+        self.staging: StagingBuffer | None = None
+        self.backend: MemoryBackend | None = None
         self.producer: KVProducer | None = None
         self.consumer: KVConsumer | None = None
         # Reservations held back after a failed pull, until the producer can no longer write into them.
@@ -101,16 +109,27 @@ class Disaggregation:
 
     async def start(self) -> None:
         runner = self.engine.runner
-        regions = regions_from_kv_caches(runner.kv_caches, runner.indexer_caches)
+        chosen = transfer_backend(self.engine, self.config)
+        assert chosen is not None
+        self.backend, why = chosen
+        # Ids come from the engine's pool: the cache tensors may hold more blocks (scratch) than it hands out.
+        views = region_views(runner.kv_caches, runner.indexer_caches, num_blocks=self.engine.num_blocks)
+        regions = [view_region(v) for v in views]
+        if self.backend is MemoryBackend.STAGED:
+            self.staging = StagingBuffer(views, self.config.staging_buffer_mb << 20)
         self.agent = MooncakeAgent(self.host)
-        self.agent.register(regions)
+        self.agent.register(regions if self.staging is None else [self.staging.region])
         if self.role == PRODUCER:
             self.producer = KVProducer(self.agent, regions, host=self.host,
                                        handshake_port=self.config.handshake_port or 0,
-                                       timeout_s=self.transfer_timeout)
+                                       timeout_s=self.transfer_timeout, staging=self.staging)
             await self.producer.start()
         else:
-            self.consumer = KVConsumer(self.agent, regions)
+            self.consumer = KVConsumer(self.agent, regions, staging=self.staging, slot_grace_s=WRITE_GRACE_SECS)
+        staging = (f" ({self.staging.nbytes / 2**20:g} MiB in {self.staging.slots} slots of "
+                   f"{self.staging.slot_bytes / 2**20:g} MiB, {'pinned' if self.staging.host.is_pinned() else 'plain'} "
+                   "host memory)" if self.staging else "")  # fmt: skip
+        log.info("kv transfer memory backend: %s%s: %s", self.backend.value, staging, why)
         log.info("kv transfer ready: role=%s engine=%s regions=%d", self.role, self.agent.rpc_address, len(regions))
 
     async def stop(self) -> None:
@@ -122,10 +141,13 @@ class Disaggregation:
         self._grace.clear()
         if self.agent is not None:
             self.agent.close()
+        if self.staging is not None:
+            self.staging.close()
 
     def info(self) -> dict[str, Any]:
         return {"kv_role": self.role, "handshake_port": self.producer.port if self.producer else None,
-                "engine_id": self.agent.rpc_address if self.agent else None}
+                "engine_id": self.agent.rpc_address if self.agent else None,
+                "memory_backend": self.backend.value if self.backend else None}
 
     # -- prefill side --------------------------------------------------------------------------------
 

@@ -539,7 +539,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     configure_torch(args)
     try:
         engine = LLMEngine(args)
-        check_transfer_support(engine, args.kv_transfer.kv_role)
+        check_transfer_support(engine, args.kv_transfer)
     except ValueError as exc:  # a bad model path, a setting the model cannot honour
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc

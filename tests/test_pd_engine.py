@@ -1,6 +1,10 @@
 """P/D end to end with real engines: the gateway's atom relay, a prefill and a decode engine, a real
 Mooncake transfer on loopback; generations must equal a single colocated engine token for token.
-Plus the faults of the relay, each checked for leaked KV blocks."""
+Plus the faults of the relay, each checked for leaked KV blocks.
+
+The pairs use the staged memory backend (forced); one dense pair uses the direct one. On a GPU:
+ENGINE_TEST_DEVICE=cuda (and ENGINE_TEST_DTYPE, e.g. bfloat16, for the engines' --dtype); the
+direct pair is skipped there unless the CUDA build of Mooncake is installed."""
 
 from __future__ import annotations
 
@@ -20,8 +24,11 @@ import aiohttp
 import pytest
 from gwtest import MakeGateway, base_url, free_port
 
-ENGINE = [sys.executable, "-m", "engine.openai_server", "--model", "tiny-random", "--device", "cpu",
+DEVICE = os.environ.get("ENGINE_TEST_DEVICE", "cpu")
+ENGINE = [sys.executable, "-m", "engine.openai_server", "--model", "tiny-random", "--device", DEVICE,
           "--host", "127.0.0.1", "--num-kvcache-blocks", "512", "--torch-threads", "1"]
+if os.environ.get("ENGINE_TEST_DTYPE"):
+    ENGINE += ["--dtype", os.environ["ENGINE_TEST_DTYPE"]]
 PROMPTS = [
     "hello",
     "the quick brown fox jumps over the lazy dog " * 6,  # several KV blocks
@@ -32,13 +39,14 @@ PROMPTS = [
 class Engine:
     """One engine process on free loopback ports."""
 
-    def __init__(self, name: str, role: str | None, *extra: str) -> None:
+    def __init__(self, name: str, role: str | None, *extra: str, backend: str = "staged") -> None:
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [*ENGINE, "--server-port", str(self.port), *extra]
         if role is not None:
-            cfg = {"kv_role": role, "kv_connector": "mooncake", "handshake_port": free_port()}
+            cfg = {"kv_role": role, "kv_connector": "mooncake", "handshake_port": free_port(),
+                   "memory_backend": backend, "staging_buffer_mb": 1}  # the smallest: 4 slots of 256 KiB
             args += ["--kv-transfer-config", json.dumps(cfg)]
         self.log = open(f"/tmp/atomesh-test-{name}-{self.port}.log", "wb")
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
@@ -93,9 +101,16 @@ def wait_until(pred: Any, timeout: float = 20, what: str = "condition") -> None:
         time.sleep(0.1)
 
 
+def _direct_runs_here() -> bool:
+    """The direct backend on CUDA needs the CUDA build of Mooncake."""
+    from engine.kv_transfer.backend import MooncakeWheel, installed_wheel
+
+    return DEVICE != "cuda" or installed_wheel() is MooncakeWheel.CUDA
+
+
 @pytest.fixture(scope="module")
 def engines() -> Iterator[dict[str, Engine]]:
-    """Dense and sparse prefill / decode / colocated engines, started together."""
+    """Dense and sparse prefill / decode / colocated engines (staged), and a direct dense pair, started together."""
     sparse = ("--sparse-attention", "on", "--sparse-topk-blocks", "2")
     specs = {
         "prefill": ("kv_producer",),
@@ -106,6 +121,9 @@ def engines() -> Iterator[dict[str, Engine]]:
         "sparse-single": (None, *sparse),
     }
     started = {name: Engine(name, spec[0], *spec[1:]) for name, spec in specs.items()}
+    if _direct_runs_here():
+        started |= {name: Engine(name, role, backend="direct")
+                    for name, role in (("direct-prefill", "kv_producer"), ("direct-decode", "kv_consumer"))}
     try:
         for e in started.values():
             e.wait_up()
@@ -139,11 +157,16 @@ async def _complete(session: aiohttp.ClientSession, url: str, body: dict[str, An
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("kind", ["dense", "sparse"])
+@pytest.mark.parametrize("kind", ["dense", "sparse", "direct"])
 async def test_pd_generations_equal_a_colocated_engine(kind: str, engines: dict[str, Engine],
                                                        gateway: MakeGateway) -> None:
-    pre = "" if kind == "dense" else "sparse-"
-    p, d, single = engines[pre + "prefill"], engines[pre + "decode"], engines[pre + "single"]
+    if kind == "direct" and "direct-prefill" not in engines:
+        pytest.skip("the direct memory backend on CUDA needs the CUDA build of Mooncake")
+    pre = {"dense": "", "sparse": "sparse-", "direct": "direct-"}[kind]
+    p, d = engines[pre + "prefill"], engines[pre + "decode"]
+    single = engines["sparse-single" if kind == "sparse" else "single"]
+    info = json.loads(urllib.request.urlopen(d.url + "/kv_transfer_info", timeout=5).read())
+    assert info["memory_backend"] == ("direct" if kind == "direct" else "staged")
     gw = await gateway(pd_disaggregation=True, backend="atom", prefill=[{"url": p.url}], decode=[d.url],
                        request_timeout_secs=60)
     async with aiohttp.ClientSession() as s:
@@ -249,6 +272,17 @@ def test_prefill_dying_after_answering_fails_decode_clearly(engines: dict[str, E
     assert status == 502 and body["error"]["code"] == "kv_transfer_failed", body
     assert time.monotonic() - started < 15
     wait_until(lambda: d.blocks_used() == 0, what="decode's block pool to be idle")
+
+
+@pytest.mark.timeout(60)
+def test_a_memory_backend_mismatch_fails_cleanly(engines: dict[str, Engine]) -> None:
+    if "direct-prefill" not in engines:
+        pytest.skip("the direct memory backend on CUDA needs the CUDA build of Mooncake")
+    p, d = engines["prefill"], engines["direct-decode"]
+    status, body = _decode(d, _prefill(p))
+    assert status == 502 and body["error"]["code"] == "kv_transfer_failed", body
+    assert "memory_backend" in body["error"]["message"], body
+    wait_until(lambda: p.blocks_used() == 0 and d.blocks_used() == 0, what="both block pools to be idle")
 
 
 @pytest.mark.timeout(60)

@@ -1,30 +1,36 @@
 """KV transfer benchmark: bytes moved per request and GB/s, against Mooncake's raw throughput.
 
     python -m engine.kv_transfer.bench [--tokens 1024,4096,8192] [--dtype fp32|bf16] [--repeats 5]
-                                       [--cache-layout engine|merged-indexer|block-major]
+                                       [--backend staged|direct] [--staging-mb 128] [--device cpu|cuda]
+                                       [--cache-layout engine|merged-indexer|block-major] [--json PATH]
 
 Two processes on loopback, as in a P/D pair: this one is decode (KVConsumer), a spawned child is
 prefill (KVProducer). Caches have SmolLM2-135M's shape: 30 layers, 3 KV heads, head_dim 64, block
 size 16, per layer one ``[2, num_blocks, 16, 3, 64]`` K/V tensor plus one ``[num_blocks, 64]``
-indexer-key tensor (one head_dim vector per block per layer, the cache's dtype). All caches of a
-side are views of one flat buffer, so the raw peer, one contiguous Mooncake write of the same byte
-count between the same two processes, reuses that memory. Each request is timed from decode's side
-(handshake + writes + reply); the raw write is timed inside the producer (the write alone), right
-before each request; ``ratio`` is the median over those back-to-back pairs of raw time / request
-time, which tolerates a noisy shared machine better than a ratio of medians.
+indexer-key tensor (one head_dim vector per block per layer, the cache's dtype), on ``--device``.
+All caches of a side are views of one flat buffer. The raw peer is one contiguous Mooncake write
+of the same byte count between the same two processes: from the flat cache buffer on CPU, between
+pinned host buffers on CUDA (what the CPU-only wheel can move). Each request is timed from decode's
+side (handshake + gather + writes + scatter + reply); the raw write is timed inside the producer
+(the write alone), right before each request; ``ratio`` is the median over those back-to-back
+pairs of raw time / request time, which tolerates a noisy shared machine better than a ratio of
+medians.
 
-Block layouts: ``contiguous`` (fresh pools: consecutive ids on both sides, one write per region),
+Memory backends (``--backend``, see ``backend``): ``direct`` writes the caches in place, one entry
+per run of blocks per region; ``staged`` goes through each side's staging buffer of
+``--staging-mb`` MiB. Block layouts: ``contiguous`` (fresh pools: consecutive ids on both sides),
 ``fragmented`` (each side's ids in shuffled runs of 1..16 blocks: a pool after churn) and
-``scattered`` (random ids on both sides: one write per block per region, the worst case).
-Cache layouts (``--cache-layout``): the engine's per-layer tensors (90 regions), the same with
-one indexer tensor for all layers (61 regions), or block-major (1 region); see ``make_caches``.
-Printed, never asserted.
+``scattered`` (random ids on both sides, the worst case for direct). Cache layouts
+(``--cache-layout``): the engine's per-layer tensors (90 regions), the same with one indexer tensor
+for all layers (61 regions), or block-major (1 region); see ``make_caches``. Printed (and written
+as JSON with ``--json``), never asserted.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing as mp
 import random
 import statistics
@@ -35,9 +41,11 @@ from typing import Any
 
 import torch
 
+from engine.kv_transfer.backend import MemoryBackend, choose_backend, installed_wheel
 from engine.kv_transfer.connector import KVConsumer, KVProducer, ReleaseReason
-from engine.kv_transfer.layout import Region, WriteOp, plan_writes, regions_from_kv_caches
+from engine.kv_transfer.layout import Region, WriteOp, plan_writes, region_views, view_region
 from engine.kv_transfer.mooncake import MooncakeAgent
+from engine.kv_transfer.staging import DEFAULT_STAGING_MB, StagingBuffer, plan_chunks
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -45,16 +53,17 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 @dataclass
 class Caches:
-    """One side's KV and indexer caches, all views of ``flat``."""
+    """One side's KV and indexer caches, all views of ``flat``; ``views`` are the regions as uint8 rows."""
 
     flat: torch.Tensor
     regions: list[Region]
+    views: list[torch.Tensor]
 
 
 CACHE_LAYOUTS = ("engine", "merged-indexer", "block-major")
 
 
-def make_caches(num_blocks: int, dtype: torch.dtype, cache_layout: str = "engine") -> Caches:
+def make_caches(num_blocks: int, dtype: torch.dtype, cache_layout: str = "engine", device: str = "cpu") -> Caches:
     """Caches in one of ``CACHE_LAYOUTS`` (the same bytes, cut into regions differently).
 
     engine: per layer a ``[2, num_blocks, ...]`` K/V tensor and a ``[num_blocks, head_dim]`` indexer
@@ -65,39 +74,75 @@ def make_caches(num_blocks: int, dtype: torch.dtype, cache_layout: str = "engine
     elem = torch.empty((), dtype=dtype).element_size()
     kv_numel = 2 * num_blocks * BLOCK_SIZE * KV_HEADS * HEAD_DIM
     idx_numel = num_blocks * HEAD_DIM
-    flat = torch.zeros(LAYERS * (kv_numel + idx_numel) * elem, dtype=torch.uint8)
+    flat = torch.zeros(LAYERS * (kv_numel + idx_numel) * elem, dtype=torch.uint8, device=device)
     if cache_layout == "block-major":  # viewed as [num_blocks, everything]: one write per run
-        return Caches(flat, [Region(flat.data_ptr(), flat.numel() // num_blocks, num_blocks)])
+        views = [flat.view(num_blocks, -1)]
+        return Caches(flat, [view_region(views[0])], views)
     typed = flat.view(dtype)
     kv = [typed[i * kv_numel : (i + 1) * kv_numel].view(2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
           for i in range(LAYERS)]  # fmt: skip
     base = LAYERS * kv_numel
     if cache_layout == "merged-indexer":
-        return Caches(flat, regions_from_kv_caches(kv, [typed[base:].view(num_blocks, LAYERS, HEAD_DIM)]))
-    idx = [typed[base + i * idx_numel : base + (i + 1) * idx_numel].view(num_blocks, HEAD_DIM) for i in range(LAYERS)]
-    return Caches(flat, regions_from_kv_caches(kv, idx))
+        views = region_views(kv, [typed[base:].view(num_blocks, LAYERS, HEAD_DIM)])
+    else:
+        idx = [typed[base + i * idx_numel : base + (i + 1) * idx_numel].view(num_blocks, HEAD_DIM)
+               for i in range(LAYERS)]  # fmt: skip
+        views = region_views(kv, idx)
+    return Caches(flat, [view_region(v) for v in views], views)
 
 
 def fill(caches: Caches, seed: int = 0) -> None:
     """Deterministic bytes, so that another process can rebuild what the producer holds."""
-    caches.flat.random_(0, 256, generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed)
+    caches.flat.copy_(torch.randint(0, 256, caches.flat.shape, generator=g, dtype=torch.uint8))
 
 
-def _producer_main(conn: Connection, num_blocks: int, dtype_name: str, cache_layout: str) -> None:
+@dataclass
+class Side:
+    """One process's transfer set-up: its agent, staging buffer (staged) and raw-write buffer."""
+
+    agent: MooncakeAgent
+    staging: StagingBuffer | None
+    raw: torch.Tensor
+
+    def close(self) -> None:
+        self.agent.close()
+        if self.staging is not None:
+            self.staging.close()
+
+
+def open_side(caches: Caches, backend: str, staging_mb: int) -> Side:
+    """An agent with what ``backend`` needs registered, plus a host buffer for raw writes."""
+    device = caches.flat.device
+    choose_backend(MemoryBackend(backend), device.type, installed_wheel())  # refuses direct GPU memory without it
+    raw = caches.flat if device.type == "cpu" else torch.empty(caches.flat.numel(), dtype=torch.uint8, pin_memory=True)
+    staging = StagingBuffer(caches.views, staging_mb << 20) if backend == MemoryBackend.STAGED else None
+    agent = MooncakeAgent("127.0.0.1")
+    regions = [Region(raw.data_ptr(), raw.numel(), 1)]
+    regions += caches.regions if staging is None else [staging.region]
+    agent.register(regions)
+    return Side(agent, staging, raw)
+
+
+def _producer_main(
+    conn: Connection, num_blocks: int, dtype_name: str, cache_layout: str, backend: str = "direct",
+    staging_mb: int = DEFAULT_STAGING_MB, device: str = "cpu",
+) -> None:  # fmt: skip
     """The prefill process: answers ``offer`` / ``raw`` / ``released`` / ``stop`` commands on ``conn``."""
     torch.set_num_threads(1)
-    asyncio.run(_producer(conn, make_caches(num_blocks, DTYPES[dtype_name], cache_layout)))
+    caches = make_caches(num_blocks, DTYPES[dtype_name], cache_layout, device)
+    asyncio.run(_producer(conn, caches, backend, staging_mb))
 
 
-async def _producer(conn: Connection, caches: Caches) -> None:
+async def _producer(conn: Connection, caches: Caches, backend: str, staging_mb: int) -> None:
     fill(caches)
-    agent = MooncakeAgent("127.0.0.1")
-    agent.register(caches.regions)
-    producer = KVProducer(agent, caches.regions, host="127.0.0.1", handshake_port=0, bind_host="127.0.0.1")
+    side = open_side(caches, backend, staging_mb)
+    producer = KVProducer(side.agent, caches.regions, host="127.0.0.1", handshake_port=0, bind_host="127.0.0.1",
+                          staging=side.staging)  # fmt: skip
     await producer.start()
     loop = asyncio.get_running_loop()
     released: list[ReleaseReason] = []
-    conn.send((agent.rpc_address, producer.port))
+    conn.send((side.agent.rpc_address, producer.port))
     try:
         while True:
             cmd, *args = await loop.run_in_executor(None, conn.recv)
@@ -106,7 +151,7 @@ async def _producer(conn: Connection, caches: Caches) -> None:
             elif cmd == "raw":
                 peer, dst, nbytes = args
                 start = time.perf_counter()
-                await agent.write(peer, [WriteOp(caches.flat.data_ptr(), dst, nbytes)])
+                await side.agent.write(peer, [WriteOp(side.raw.data_ptr(), dst, nbytes)])
                 conn.send(time.perf_counter() - start)
             elif cmd == "released":
                 conn.send([str(r) for r in released])
@@ -114,7 +159,7 @@ async def _producer(conn: Connection, caches: Caches) -> None:
                 break
     finally:
         await producer.close()
-        agent.close()
+        side.close()
 
 
 def _block_ids(n: int, num_blocks: int, layout: str, rng: random.Random) -> tuple[list[int], list[int]]:
@@ -136,19 +181,20 @@ def _runs(n: int, num_blocks: int, rng: random.Random) -> list[int]:
     return [b for run in runs for b in run][:n]
 
 
-async def _run(args: argparse.Namespace) -> None:
+async def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
     tokens = [int(t) for t in args.tokens.split(",")]
     num_blocks = max(tokens) // BLOCK_SIZE + 16  # a little headroom: contiguous ids do not cover a whole region
     dtype = DTYPES[args.dtype]
-    caches = make_caches(num_blocks, dtype, args.cache_layout)
-    agent = MooncakeAgent("127.0.0.1")
-    agent.register(caches.regions)
-    consumer = KVConsumer(agent, caches.regions, timeout_s=120)
+    caches = make_caches(num_blocks, dtype, args.cache_layout, args.device)
+    side = open_side(caches, args.backend, args.staging_mb)
+    consumer = KVConsumer(side.agent, caches.regions, timeout_s=120, staging=side.staging)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_producer_main, args=(child, num_blocks, args.dtype, args.cache_layout), daemon=True)
+    proc = ctx.Process(target=_producer_main, daemon=True, args=(
+        child, num_blocks, args.dtype, args.cache_layout, args.backend, args.staging_mb, args.device))  # fmt: skip
     proc.start()
     loop = asyncio.get_running_loop()
+    results: list[dict[str, Any]] = []
 
     async def ask(*cmd: Any) -> Any:
         parent.send(cmd)
@@ -158,9 +204,11 @@ async def _run(args: argparse.Namespace) -> None:
         await loop.run_in_executor(None, parent.recv)  # the producer is up
         elem = torch.empty((), dtype=dtype).element_size()
         unit_kv, unit_idx = BLOCK_SIZE * KV_HEADS * HEAD_DIM * elem, HEAD_DIM * elem
+        staging = f", staging {side.staging.nbytes >> 20} MiB in {side.staging.slots} slots" if side.staging else ""
         print(f"SmolLM2 shape: {LAYERS} layers x (K, V) {KV_HEADS}x{HEAD_DIM} {args.dtype}, block {BLOCK_SIZE}; "
               f"indexer 1x{HEAD_DIM} per block per layer; units {unit_kv} B (KV), {unit_idx} B (indexer); "
-              f"{args.cache_layout} layout, {len(caches.regions)} region(s); median of {args.repeats}")  # fmt: skip
+              f"{args.cache_layout} layout, {len(caches.regions)} region(s); {args.device}; "
+              f"backend {args.backend}{staging}; median of {args.repeats}")  # fmt: skip
         print(f"{'tokens':>6} {'layout':>10} {'KV MiB':>7} {'idx KiB':>7} {'writes':>6} "
               f"{'ms':>7} {'GB/s':>6} {'raw ms':>7} {'raw GB/s':>8} {'ratio':>6}")  # fmt: skip
         rng = random.Random(0)
@@ -171,9 +219,12 @@ async def _run(args: argparse.Namespace) -> None:
             for layout in args.layouts.split(","):
                 pulls, raws, writes = [], [], 0
                 for _ in range(args.repeats):
-                    raws.append(await ask("raw", agent.rpc_address, caches.flat.data_ptr(), total))
+                    raws.append(await ask("raw", side.agent.rpc_address, side.raw.data_ptr(), total))
                     src, dst = _block_ids(n, num_blocks, layout, rng)
-                    writes = len(plan_writes(caches.regions, caches.regions, src, dst))
+                    if side.staging is None:
+                        writes = len(plan_writes(caches.regions, caches.regions, src, dst))
+                    else:
+                        writes = len(plan_chunks(side.staging.unit_bytes, n, side.staging.slot_bytes))
                     params = await ask("offer", src)
                     start = time.perf_counter()
                     await consumer.pull(params, dst)
@@ -182,24 +233,40 @@ async def _run(args: argparse.Namespace) -> None:
                 ratio = statistics.median(r / p for r, p in zip(raws, pulls, strict=True))  # back-to-back pairs
                 print(f"{t:>6} {layout:>10} {kv_bytes / 2**20:>7.1f} {idx_bytes / 2**10:>7.1f} {writes:>6} "
                       f"{pull * 1e3:>7.1f} {total / pull / 1e9:>6.2f} {raw * 1e3:>7.1f} {total / raw / 1e9:>8.2f} "
-                      f"{ratio:>6.0%}")  # fmt: skip
+                      f"{ratio:>6.0%}", flush=True)  # fmt: skip
+                results.append({
+                    "tokens": t, "layout": layout, "bytes": total, "writes": writes, "ms": pull * 1e3,
+                    "gb_s": total / pull / 1e9, "raw_ms": raw * 1e3, "raw_gb_s": total / raw / 1e9, "ratio": ratio,
+                    "backend": args.backend, "device": args.device, "dtype": args.dtype,
+                    "staging_mb": args.staging_mb if side.staging else None,
+                })  # fmt: skip
         released = await ask("released")
         print(f"producer releases: {len(released)}, all written: {set(released) == {'written'}}")
     finally:
         parent.send(("stop",))
         await loop.run_in_executor(None, proc.join, 30)
-        agent.close()
+        side.close()
+    return results
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--tokens", default="1024,4096,8192", help="prompt lengths, comma-separated")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     p.add_argument("--layouts", default="contiguous,fragmented,scattered")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--cache-layout", choices=CACHE_LAYOUTS, default="engine", help="how caches are cut into regions")
+    p.add_argument("--backend", choices=["staged", "direct"], default="staged", help="KV memory backend")
+    p.add_argument("--staging-mb", type=int, default=DEFAULT_STAGING_MB, help="staging buffer per side (staged)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the caches live")
+    p.add_argument("--json", default="", help="also write the rows to this JSON file")
+    args = p.parse_args(argv)
     torch.set_num_threads(1)
-    asyncio.run(_run(p.parse_args()))
+    results = asyncio.run(_run(args))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": "python -m engine.kv_transfer.bench", "args": vars(args), "rows": results}, f,
+                      indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -12,6 +12,12 @@ Every offered transfer ends exactly once, with ``on_release(reason)`` called on 
 WRITTEN, WRITE_FAILED, REFUSED (a request named it but did not match), EXPIRED (no decode came
 within ``timeout_s``) or CLOSED (the producer shut down). A transfer id is single-use; a
 second request for it is refused.
+
+Both sides use one memory backend (chosen at start, see ``backend``): *direct* (no staging
+buffer: prefill writes its cache blocks straight into decode's) or *staged* (a
+``StagingBuffer`` on each side: prefill gathers chunks into its buffer, writes them into the two
+slots decode leased, decode scatters each chunk and acknowledges it; see ``staging``). A request
+whose backend differs from the producer's is refused (``backend_mismatch``).
 """
 
 from __future__ import annotations
@@ -32,8 +38,9 @@ from typing import Any
 from engine.kv_transfer import wire
 from engine.kv_transfer.agent import TransferAgent
 from engine.kv_transfer.errors import KVTransferBusyError, KVTransferError
-from engine.kv_transfer.layout import Region, WriteOp, batches, check_compatible, plan_writes, spans
+from engine.kv_transfer.layout import SKIP, Region, WriteOp, batches, check_compatible, pair_blocks, plan_writes, spans
 from engine.kv_transfer.params import KVTransferParams
+from engine.kv_transfer.staging import SLOTS_PER_TRANSFER, StagingBuffer, check_chunk, plan_chunks
 from engine.kv_transfer.wire import MessageType, RefusalCode
 
 log = logging.getLogger(__name__)
@@ -89,6 +96,26 @@ class PendingTransfer:
     state: TransferState = field(default=TransferState.PENDING)
 
 
+class _Channel:
+    """The producer's end of one handshake connection (a staged transfer talks over it while writing)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, read_timeout: float) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.read_timeout = read_timeout
+
+    def wanted(self) -> bool:
+        """False once the consumer hung up (it gave up: timed out or was cancelled)."""
+        return not self.reader.at_eof()
+
+    async def send(self, msg_type: MessageType, **fields: Any) -> None:
+        await wire.send(self.writer, msg_type, **fields)
+
+    async def recv(self) -> dict[str, Any]:
+        async with asyncio.timeout(self.read_timeout):
+            return await wire.recv(self.reader)
+
+
 class KVProducer:
     """Prefill side: offers pinned blocks and writes them into a consumer's memory when asked.
 
@@ -110,8 +137,10 @@ class KVProducer:
         batch_entries: int = 512,
         request_read_timeout_s: float = 10.0,
         dp_rank: int = 0,
+        staging: StagingBuffer | None = None,
     ) -> None:
         self._agent = agent
+        self._staging = staging
         self._regions = tuple(regions)
         self._host = host
         self._handshake_port = handshake_port
@@ -138,6 +167,11 @@ class KVProducer:
     @property
     def pending_count(self) -> int:
         return len(self._pending)
+
+    @property
+    def backend(self) -> str:
+        """``"staged"`` with a staging buffer, else ``"direct"``."""
+        return "direct" if self._staging is None else "staged"
 
     def stats(self) -> ProducerStats:
         return ProducerStats(len(self._pending), dict(self._released), self._bytes_written)
@@ -222,7 +256,7 @@ class KVProducer:
         try:
             async with asyncio.timeout(self._read_timeout):
                 msg = await wire.recv(reader)
-            msg_type, fields = await self._handle(msg, wanted=lambda: not reader.at_eof())
+            msg_type, fields = await self._handle(msg, _Channel(reader, writer, self._read_timeout))
             await wire.send(writer, msg_type, **fields)
         except (wire.WireError, asyncio.IncompleteReadError, TimeoutError, ConnectionError) as exc:
             log.debug("kv_handshake_dropped error=%r", exc)
@@ -232,9 +266,7 @@ class KVProducer:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    async def _handle(
-        self, msg: dict[str, Any], wanted: Callable[[], bool] = lambda: True
-    ) -> tuple[MessageType, dict[str, Any]]:
+    async def _handle(self, msg: dict[str, Any], channel: _Channel) -> tuple[MessageType, dict[str, Any]]:
         tid = msg.get("transfer_id")
 
         def refuse(code: RefusalCode, message: str) -> tuple[MessageType, dict[str, Any]]:
@@ -253,6 +285,7 @@ class KVProducer:
             dst_regions = [Region.from_wire(r) for r in msg["regions"]]
             if not isinstance(tid, str) or not isinstance(rpc, str) or not isinstance(nonce, str):
                 raise TypeError("transfer_id, rpc and nonce must be strings")
+            remote_slots = _slots_from_wire(msg["staging"]) if msg.get("staging") is not None else None
         except (KeyError, TypeError, ValueError) as exc:
             return refuse(RefusalCode.BAD_REQUEST, f"malformed write_request: {exc!r}")
         pending = self._pending.get(tid)
@@ -263,22 +296,32 @@ class KVProducer:
         if pending.state is not TransferState.PENDING:
             return refuse(RefusalCode.TRANSFER_CONSUMED, f"transfer {tid} is already being written")
         # From here the request names a live transfer: whatever happens consumes it.
+        if (remote_slots is None) != (self._staging is None):
+            self._finish(pending, ReleaseReason.REFUSED)
+            theirs = "direct" if remote_slots is None else "staged"
+            return refuse(RefusalCode.BACKEND_MISMATCH,
+                          f"this producer's KV memory backend is {self.backend}, the consumer's is {theirs}: "
+                          "give both engines the same memory_backend")  # fmt: skip
         why = check_compatible(self._regions, dst_regions)
         if why:
             self._finish(pending, ReleaseReason.REFUSED)
             return refuse(RefusalCode.REGION_MISMATCH, why)
         try:
-            ops = plan_writes(self._regions, dst_regions, pending.block_ids, dst_ids)
+            src, dst = pair_blocks(self._regions, dst_regions, pending.block_ids, dst_ids)
+            ops = plan_writes(self._regions, dst_regions, src, dst) if remote_slots is None else []
         except ValueError as exc:
             self._finish(pending, ReleaseReason.REFUSED)
             return refuse(RefusalCode.BLOCK_MISMATCH, str(exc))
         pending.state = transition(pending.state, TransferState.WRITING)
         if pending.timer is not None:
             pending.timer.cancel()
-        nbytes = sum(op.nbytes for op in ops)
+        nbytes = len(src) * sum(r.unit_bytes for r in self._regions)
         reason = ReleaseReason.WRITE_FAILED
         try:
-            await self._write(rpc, dst_regions, ops, wanted)
+            if remote_slots is None:
+                await self._write(rpc, dst_regions, ops, channel.wanted)
+            else:
+                await self._write_staged(tid, rpc, remote_slots, src, channel)
             reason = ReleaseReason.WRITTEN
             self._bytes_written += nbytes
             return MessageType.WRITE_DONE, {
@@ -336,13 +379,102 @@ class KVProducer:
             self._verified.popitem(last=False)
 
 
-class KVConsumer:
-    """Decode side: asks a producer to push a request's blocks into this engine's regions."""
+    async def _write_staged(
+        self, tid: str, peer: str, remote_slots: Sequence[tuple[int, int]], src: Sequence[int], channel: _Channel
+    ) -> None:
+        """Move ``src`` blocks of every region through the staging buffers, chunk by chunk.
 
-    def __init__(self, agent: TransferAgent, regions: Sequence[Region], *, timeout_s: float = 60.0) -> None:
+        Gathers chunk ``c + 1`` into one local slot while Mooncake writes chunk ``c`` from the other
+        into the consumer's slot ``c % 2``; before reusing a consumer slot, waits for its ack (the
+        consumer scattered what it held). Once the consumer hung up the rest is abandoned.
+        """
+        staging = self._staging
+        assert staging is not None
+        chunk_bytes = min(staging.slot_bytes, *(size for _, size in remote_slots))
+        chunks = plan_chunks(staging.unit_bytes, len(src), chunk_bytes)
+        if not chunks:
+            return
+        local = await staging.pool.acquire(SLOTS_PER_TRANSFER)
+        gathering: asyncio.Future[Any] | None = None
+        try:
+            ids = await staging.run(staging.index, src)
+            gathering = asyncio.ensure_future(staging.run(staging.gather, chunks[0], local[0], ids))
+            acked = 0
+            for c, chunk in enumerate(chunks):
+                assert gathering is not None  # chunk c's gather, started in the previous round
+                await gathering
+                gathering = None
+                if c + 1 < len(chunks):  # its local slot's last write (chunk c - 1) has finished
+                    nxt = chunks[c + 1]
+                    gathering = asyncio.ensure_future(staging.run(staging.gather, nxt, local[(c + 1) % 2], ids))
+                while acked < c - 1:  # the consumer's slot c % 2 held chunk c - 2
+                    await self._expect_ack(channel, tid, acked)
+                    acked += 1
+                if not channel.wanted():
+                    raise KVTransferError("the consumer hung up; write abandoned", reason="abandoned")
+                slot = c % 2
+                await self._agent.write(peer, [WriteOp(staging.slot_address(local[slot]), remote_slots[slot][0],
+                                                       chunk.nbytes)])  # fmt: skip
+                await channel.send(MessageType.CHUNK, transfer_id=tid, seq=c, slot=slot,
+                                   pieces=[p.to_wire() for p in chunk.pieces])  # fmt: skip
+            while acked < len(chunks):
+                await self._expect_ack(channel, tid, acked)
+                acked += 1
+        finally:
+            if gathering is not None:  # never hand a slot back while a copy still fills it
+                await asyncio.wait([gathering])
+            staging.pool.release(local)
+
+    @staticmethod
+    async def _expect_ack(channel: _Channel, tid: str, seq: int) -> None:
+        try:
+            msg = await channel.recv()
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, wire.WireError) as exc:
+            raise KVTransferError(f"the consumer hung up before acknowledging chunk {seq}: {exc!r}",
+                                  reason="abandoned") from exc  # fmt: skip
+        if msg.get("type") != MessageType.CHUNK_ACK or msg.get("seq") != seq or msg.get("transfer_id") != tid:
+            raise KVTransferError(f"expected chunk_ack {seq} for {tid}, got {msg!r:.200}", reason="bad_reply")
+
+
+def _slots_from_wire(raw: object) -> list[tuple[int, int]]:
+    """A staged write request's two consumer slots, ``[[address, bytes], [address, bytes]]``."""
+    if not (isinstance(raw, list | tuple) and len(raw) == SLOTS_PER_TRANSFER):
+        raise ValueError(f"staging must list {SLOTS_PER_TRANSFER} slots, got {raw!r:.200}")
+    slots = []
+    for item in raw:
+        if not (isinstance(item, list | tuple) and len(item) == 2 and all(type(x) is int and x > 0 for x in item)):
+            raise ValueError(f"a staging slot is [address, bytes], got {item!r}")
+        slots.append((item[0], item[1]))
+    return slots
+
+
+class KVConsumer:
+    """Decode side: asks a producer to push a request's blocks into this engine's regions.
+
+    With a ``staging`` buffer (the staged backend) each pull leases two of its slots, the producer
+    writes chunks into them and this side scatters each chunk into ``dst_block_ids`` itself; a
+    failed pull then never leaves a late write in the destination blocks (only the slots are held
+    back for ``slot_grace_s``, when the producer may still be writing into them).
+    """
+
+    def __init__(
+        self,
+        agent: TransferAgent,
+        regions: Sequence[Region],
+        *,
+        timeout_s: float = 60.0,
+        staging: StagingBuffer | None = None,
+        slot_grace_s: float = 30.0,
+    ) -> None:
         self._agent = agent
         self._regions = tuple(regions)
         self.timeout_s = timeout_s
+        self._staging = staging
+        self.slot_grace_s = slot_grace_s
+
+    @property
+    def backend(self) -> str:
+        return "direct" if self._staging is None else "staged"
 
     async def pull(self, params: KVTransferParams | Mapping[str, Any], dst_block_ids: Sequence[int]) -> None:
         """Return once the producer wrote ``params.remote_block_ids`` into ``dst_block_ids`` (same order).
@@ -358,27 +490,36 @@ class KVConsumer:
                 f"{len(dst_block_ids)} destination blocks for {len(p.remote_block_ids)} remote blocks",
                 reason="block_mismatch",
             )
+        staged = self._staging is not None
         nonce = secrets.token_hex(16)
         sent = False
+        slots: list[int] = []
+        late_writes = True  # until the producer answered, it may still write into what we announced
         where = f"{p.remote_host}:{p.remote_handshake_port}"
         try:
             async with asyncio.timeout(self.timeout_s):
+                if self._staging is not None:
+                    slots = await self._staging.pool.acquire(SLOTS_PER_TRANSFER)
                 try:
                     reader, writer = await asyncio.open_connection(p.remote_host, p.remote_handshake_port)
                 except OSError as exc:
                     raise KVTransferError(f"KV producer {where} unreachable: {exc}", reason="unreachable") from exc
                 try:
-                    await wire.send(
-                        writer,
-                        MessageType.WRITE_REQUEST,
-                        transfer_id=p.transfer_id,
-                        rpc=self._agent.rpc_address,
-                        block_ids=[int(b) for b in dst_block_ids],  # numpy ints do not pack
-                        regions=[r.to_wire() for r in self._regions],
-                        nonce=nonce,
-                    )
+                    fields: dict[str, Any] = {
+                        "transfer_id": p.transfer_id,
+                        "rpc": self._agent.rpc_address,
+                        "block_ids": [int(b) for b in dst_block_ids],  # numpy ints do not pack
+                        "regions": [r.to_wire() for r in self._regions],
+                        "nonce": nonce,
+                    }
+                    if self._staging is not None:
+                        fields["staging"] = [[self._staging.slot_address(s), self._staging.slot_bytes] for s in slots]
+                    await wire.send(writer, MessageType.WRITE_REQUEST, **fields)
                     sent = True
                     reply = await wire.recv(reader)
+                    if self._staging is not None:
+                        reply = await self._receive_chunks(reply, reader, writer, p.transfer_id, slots, dst_block_ids)
+                    late_writes = False
                 finally:
                     writer.close()
                     with contextlib.suppress(Exception):
@@ -387,18 +528,60 @@ class KVConsumer:
             raise KVTransferError(
                 f"KV transfer {p.transfer_id} from {where} timed out after {self.timeout_s:g} s",
                 reason="timeout",
-                dst_may_be_written=sent,
+                dst_may_be_written=sent and not staged,
             ) from exc
         except (asyncio.IncompleteReadError, ConnectionError, wire.WireError) as exc:
             raise KVTransferError(
                 f"KV producer {where} dropped transfer {p.transfer_id}: {exc!r}",
                 reason="connection_lost",
-                dst_may_be_written=sent,
+                dst_may_be_written=sent and not staged,
             ) from exc
-        _check_reply(reply, p.transfer_id, nonce, where)
+        finally:
+            if self._staging is not None and slots:
+                self._staging.pool.release(slots, self.slot_grace_s if sent and late_writes else 0.0)
+        _check_reply(reply, p.transfer_id, nonce, where, dst_may_be_written=not staged)
+
+    async def _receive_chunks(
+        self,
+        msg: dict[str, Any],
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        tid: str,
+        slots: Sequence[int],
+        dst_block_ids: Sequence[int],
+    ) -> dict[str, Any]:
+        """Scatter each chunk the producer announces, acknowledge it; returns the producer's final message."""
+        staging = self._staging
+        assert staging is not None
+        dst = [int(b) for b in dst_block_ids if b != SKIP]
+        ids: Any = None
+        while msg.get("type") == MessageType.CHUNK:
+            seq, slot = msg.get("seq"), msg.get("slot")
+            try:
+                if msg.get("transfer_id") != tid or type(seq) is not int or slot not in (0, 1):
+                    raise ValueError(f"chunk header {seq!r}/{slot!r} for {msg.get('transfer_id')!r}")
+                chunk = check_chunk(msg.get("pieces"), staging.unit_bytes, len(dst), staging.slot_bytes)
+            except ValueError as exc:
+                raise KVTransferError(f"KV producer sent a bad chunk for {tid}: {exc}", reason="bad_reply") from exc
+            if ids is None:
+                ids = await _copy(staging, staging.index, dst)
+            await _copy(staging, staging.scatter, chunk, slots[slot], ids)
+            await wire.send(writer, MessageType.CHUNK_ACK, transfer_id=tid, seq=seq)
+            msg = await wire.recv(reader)
+        return msg
 
 
-def _check_reply(reply: dict[str, Any], tid: str, nonce: str, where: str) -> None:
+async def _copy(staging: StagingBuffer, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run a staging copy; if we are cancelled meanwhile, wait for it (it may be writing our blocks)."""
+    fut = asyncio.ensure_future(staging.run(fn, *args))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait([fut])
+        raise
+
+
+def _check_reply(reply: dict[str, Any], tid: str, nonce: str, where: str, *, dst_may_be_written: bool = True) -> None:
     kind = reply.get("type")
     if kind == MessageType.ERROR:
         code = str(reply.get("code", "error"))
@@ -407,13 +590,13 @@ def _check_reply(reply: dict[str, Any], tid: str, nonce: str, where: str) -> Non
         )
     if kind != MessageType.WRITE_DONE:
         raise KVTransferError(
-            f"KV producer {where} sent {kind!r} for transfer {tid}", reason="bad_reply", dst_may_be_written=True
-        )
+            f"KV producer {where} sent {kind!r} for transfer {tid}", reason="bad_reply",
+            dst_may_be_written=dst_may_be_written)
     if reply.get("nonce") != nonce or reply.get("transfer_id") != tid:
         raise KVTransferError(
             f"KV producer {where} answered transfer {tid} with a mismatched nonce or transfer id",
             reason="nonce_mismatch",
-            dst_may_be_written=True,
+            dst_may_be_written=dst_may_be_written,
         )
     if reply.get("status") != "ok":
         raise KVTransferError(

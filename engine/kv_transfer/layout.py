@@ -61,21 +61,43 @@ def block_region(t: torch.Tensor) -> Region:
     return Region(t.data_ptr(), t[0].numel() * t.element_size(), t.shape[0])
 
 
-def regions_from_kv_caches(
-    kv_caches: Sequence[torch.Tensor], indexer_caches: Sequence[torch.Tensor] = ()
-) -> list[Region]:
-    """Regions of the engine's caches: per layer K then V of a ``[2, num_blocks, ...]`` tensor, then indexer caches.
+def region_views(
+    kv_caches: Sequence[torch.Tensor], indexer_caches: Sequence[torch.Tensor] = (), num_blocks: int | None = None
+) -> list[torch.Tensor]:
+    """Each region of the engine's caches as a ``[num_blocks, unit_bytes]`` uint8 view (what staging copies).
 
-    Indexer caches are ``[num_blocks, ...]`` tensors, one per (sparse) layer. Every tensor must be
+    The order is per layer K then V of a ``[2, num_blocks, ...]`` tensor, then the indexer caches
+    (``[num_blocks, ...]``, one per sparse layer). ``num_blocks`` (the engine's pool size) trims
+    tensors that hold more blocks (a trailing scratch block is not the pool's). Every tensor must be
     contiguous, since a region is addressed by plain pointer arithmetic.
     """
-    regions: list[Region] = []
+    tensors: list[torch.Tensor] = []
     for t in kv_caches:
         if not t.is_contiguous() or t.dim() < 2 or t.shape[0] != 2:
             raise ValueError(f"a KV cache must be a contiguous [2, num_blocks, ...] tensor, got {tuple(t.shape)}")
-        regions += [block_region(t[0]), block_region(t[1])]
-    regions += [block_region(t) for t in indexer_caches]
-    return regions
+        tensors += [t[0], t[1]]
+    tensors += list(indexer_caches)
+    views: list[torch.Tensor] = []
+    for t in tensors:
+        if not t.is_contiguous() or t.dim() < 1 or t.shape[0] == 0:
+            raise ValueError(f"a block region must be a contiguous [num_blocks, ...] tensor, got {tuple(t.shape)}")
+        if num_blocks is not None and not 0 < num_blocks <= t.shape[0]:
+            raise ValueError(f"num_blocks {num_blocks} does not fit a cache of {t.shape[0]} blocks")
+        rows = t.reshape(t.shape[0], -1)[: num_blocks or t.shape[0]]
+        views.append(rows.view(torch.uint8))
+    return views
+
+
+def view_region(view: torch.Tensor) -> Region:
+    """The region of a ``[num_blocks, unit_bytes]`` uint8 view."""
+    return Region(view.data_ptr(), view.shape[1], view.shape[0])
+
+
+def regions_from_kv_caches(
+    kv_caches: Sequence[torch.Tensor], indexer_caches: Sequence[torch.Tensor] = (), num_blocks: int | None = None
+) -> list[Region]:
+    """Regions of the engine's caches: per layer K then V, then indexer caches (see ``region_views``)."""
+    return [view_region(v) for v in region_views(kv_caches, indexer_caches, num_blocks)]
 
 
 def spans(regions: Sequence[Region]) -> list[tuple[int, int]]:
@@ -119,6 +141,29 @@ def block_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int
     return runs
 
 
+def pair_blocks(
+    src_regions: Sequence[Region], dst_regions: Sequence[Region], src_ids: Sequence[int], dst_ids: Sequence[int]
+) -> tuple[list[int], list[int]]:
+    """The block pairs to copy, without the ``SKIP`` destinations, checked against both sides' regions.
+
+    Raises ValueError when the regions are incompatible, the lists differ in length, or an id is
+    outside a region.
+    """
+    why = check_compatible(src_regions, dst_regions)
+    if why:
+        raise ValueError(why)
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(dst_ids)} destination blocks for {len(src_ids)} source blocks")
+    pairs = [(int(s), int(d)) for s, d in zip(src_ids, dst_ids, strict=True) if d != SKIP]
+    src, dst = [s for s, _ in pairs], [d for _, d in pairs]
+    for side, regions, ids in (("source", src_regions, src), ("destination", dst_regions, dst)):
+        limit = min((r.num_blocks for r in regions), default=0)
+        bad = [b for b in ids if not 0 <= b < limit]
+        if bad:
+            raise ValueError(f"{side} block ids out of range [0, {limit}): {bad[:8]}")
+    return src, dst
+
+
 def plan_writes(
     src_regions: Sequence[Region], dst_regions: Sequence[Region], src_ids: Sequence[int], dst_ids: Sequence[int]
 ) -> list[WriteOp]:
@@ -128,18 +173,7 @@ def plan_writes(
     prefix-cache hit on the decode side). Raises ValueError when the regions are incompatible, the
     lists differ in length, or an id is outside a region.
     """
-    why = check_compatible(src_regions, dst_regions)
-    if why:
-        raise ValueError(why)
-    if len(src_ids) != len(dst_ids):
-        raise ValueError(f"{len(dst_ids)} destination blocks for {len(src_ids)} source blocks")
-    pairs = [(s, d) for s, d in zip(src_ids, dst_ids, strict=True) if d != SKIP]
-    src_ids, dst_ids = [s for s, _ in pairs], [d for _, d in pairs]
-    for side, regions, ids in (("source", src_regions, src_ids), ("destination", dst_regions, dst_ids)):
-        limit = min((r.num_blocks for r in regions), default=0)
-        bad = [b for b in ids if not 0 <= b < limit]
-        if bad:
-            raise ValueError(f"{side} block ids out of range [0, {limit}): {bad[:8]}")
+    src_ids, dst_ids = pair_blocks(src_regions, dst_regions, src_ids, dst_ids)
     runs = block_runs(src_ids, dst_ids)
     ops: list[WriteOp] = []
     for src, dst in zip(src_regions, dst_regions, strict=True):

@@ -5,7 +5,11 @@ Every frame is a 4-byte big-endian length then a msgpack map carrying ``v`` (the
 (the write ran: ``status`` "ok" or "error") or one ``error`` (refused before writing), then closes.
 
     write_request: transfer_id, rpc ("ip:port" of the consumer's agent), block_ids (destination),
-                   regions ([[base, unit_bytes, num_blocks], ...]), nonce
+                   regions ([[base, unit_bytes, num_blocks], ...]), nonce; staged consumers add
+                   staging ([[address, bytes], [address, bytes]]: the two slots it leased)
+    chunk:         (staged) seq, slot (0 or 1: which of the consumer's slots), pieces
+                   ([[region, first, count], ...]: pairs first..first+count of each region, end to end)
+    chunk_ack:     (staged, consumer -> producer) seq: scattered, the slot may take the next chunk
     write_done:    transfer_id, nonce (echoed), status ("ok" | "error"), message, bytes
     error:         transfer_id, code (a RefusalCode value), message
 """
@@ -28,6 +32,8 @@ class MessageType(StrEnum):
     WRITE_REQUEST = "write_request"
     WRITE_DONE = "write_done"
     ERROR = "error"
+    CHUNK = "chunk"
+    CHUNK_ACK = "chunk_ack"
 
 
 class RefusalCode(StrEnum):
@@ -39,6 +45,7 @@ class RefusalCode(StrEnum):
     TRANSFER_CONSUMED = "transfer_consumed"
     REGION_MISMATCH = "region_mismatch"
     BLOCK_MISMATCH = "block_mismatch"
+    BACKEND_MISMATCH = "backend_mismatch"
 
 
 class WireError(Exception):

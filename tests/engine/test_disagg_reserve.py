@@ -36,15 +36,50 @@ async def test_reservation_waits_for_blocks_then_gets_them(make_engine) -> None:
         await async_engine.stop()
 
 
-def test_a_cuda_relay_with_the_cpu_mooncake_wheel_is_refused() -> None:
+def test_a_cuda_relay_with_the_cpu_mooncake_wheel_goes_through_staging() -> None:
     from types import SimpleNamespace
 
     import torch
 
-    from engine.disagg import check_transfer_support
+    from engine.args import parse_kv_transfer_config
+    from engine.disagg import check_transfer_support, transfer_backend
+    from engine.kv_transfer.backend import MemoryBackend, MooncakeWheel, choose_backend
+
+    cuda, cpu = MemoryBackend.AUTO, "cpu"
+    assert choose_backend(cuda, "cuda", MooncakeWheel.NON_CUDA)[0] is MemoryBackend.STAGED
+    assert choose_backend(cuda, "cuda", MooncakeWheel.CUDA)[0] is MemoryBackend.DIRECT
+    assert choose_backend(cuda, cpu, MooncakeWheel.NON_CUDA)[0] is MemoryBackend.STAGED
+    assert choose_backend(MemoryBackend.DIRECT, cpu, MooncakeWheel.NON_CUDA)[0] is MemoryBackend.DIRECT
+    assert choose_backend(MemoryBackend.STAGED, "cuda", MooncakeWheel.CUDA)[0] is MemoryBackend.STAGED
+    with pytest.raises(ValueError, match="CUDA build of Mooncake"):
+        choose_backend(MemoryBackend.DIRECT, "cuda", MooncakeWheel.NON_CUDA)
 
     cuda_engine = SimpleNamespace(device=torch.device("cuda"))
+    consumer = parse_kv_transfer_config('{"kv_role": "kv_consumer"}')
+    check_transfer_support(cuda_engine, parse_kv_transfer_config("{}"))  # type: ignore[arg-type]  # no relay
+    check_transfer_support(SimpleNamespace(device=torch.device("cpu")), consumer)  # type: ignore[arg-type]
+    try:  # this machine's wheel decides what auto gives on CUDA
+        from importlib import metadata
+
+        metadata.distribution("mooncake-transfer-engine-non-cuda")
+    except metadata.PackageNotFoundError:
+        pytest.skip("the CPU-only Mooncake wheel is not installed")
+    chosen = transfer_backend(cuda_engine, consumer)  # type: ignore[arg-type]
+    assert chosen is not None and chosen[0] is MemoryBackend.STAGED and "pinned host staging" in chosen[1]
+    direct = parse_kv_transfer_config('{"kv_role": "kv_consumer", "memory_backend": "direct"}')
     with pytest.raises(ValueError, match="CUDA build of Mooncake"):
-        check_transfer_support(cuda_engine, "kv_consumer")  # type: ignore[arg-type]
-    check_transfer_support(cuda_engine, None)  # type: ignore[arg-type]  # no relay: nothing to check
-    check_transfer_support(SimpleNamespace(device=torch.device("cpu")), "kv_producer")  # type: ignore[arg-type]
+        check_transfer_support(cuda_engine, direct)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ('{"memory_backend": "gpu"}', "memory_backend 'gpu' must be one of"),
+    ('{"staging_buffer_mb": 0}', "staging_buffer_mb 0 must be an integer"),
+    ('{"staging_buffer_mb": "64"}', "staging_buffer_mb '64' must be an integer"),
+])  # fmt: skip
+def test_bad_memory_backend_settings_are_refused(text: str, match: str) -> None:
+    from engine.args import parse_kv_transfer_config
+
+    with pytest.raises(ValueError, match=match):
+        parse_kv_transfer_config(text)
+    cfg = parse_kv_transfer_config('{"kv_role": "kv_producer", "memory_backend": "staged", "staging_buffer_mb": 64}')
+    assert (cfg.memory_backend, cfg.staging_buffer_mb) == ("staged", 64)

@@ -41,7 +41,8 @@ from engine.kv_transfer import (
     regions_from_kv_caches,
     wire,
 )
-from engine.kv_transfer.layout import batches, block_runs, merge_adjacent
+from engine.kv_transfer.layout import batches, block_runs, merge_adjacent, region_views, view_region
+from engine.kv_transfer.staging import StagingBuffer, check_chunk, plan_chunks
 
 LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 3, 4, 2, 8
 NUM_BLOCKS = 96
@@ -547,3 +548,250 @@ async def test_two_processes_and_prefill_killed_after_answering() -> None:
         if proc.is_alive():
             proc.kill()
         proc.join(10)
+
+
+# -- the staged memory backend ---------------------------------------------------------------
+# Caches on the engine tests' device (ENGINE_TEST_DEVICE: cpu, or cuda with pinned host staging);
+# staging buffers of 4 slots of 4 KiB, so that a request takes many chunks.
+
+STAGING_BYTES = 4 * 4096
+
+
+@dataclass
+class StagedSide:
+    agent: MooncakeAgent
+    kv: list[torch.Tensor]
+    indexer: list[torch.Tensor]
+    regions: list[Region]
+    staging: StagingBuffer
+
+    def block(self, region: int, block_id: int) -> bytes:
+        caches = [t for layer in self.kv for t in (layer[0], layer[1])] + self.indexer
+        return caches[region][block_id].cpu().numpy().tobytes()
+
+
+def _make_staged(device: str, fill: bool, staging_bytes: int = STAGING_BYTES) -> StagedSide:
+    g = torch.Generator().manual_seed(99)
+    shape = (2, NUM_BLOCKS + 1, BLOCK_SIZE, KV_HEADS, HEAD_DIM)  # + a trailing scratch block outside the pool
+
+    def make(*s: int) -> torch.Tensor:
+        return (torch.randn(*s, generator=g) if fill else torch.zeros(*s)).to(device)
+
+    kv = [make(*shape) for _ in range(LAYERS)]
+    indexer = [make(NUM_BLOCKS + 1, KV_HEADS, HEAD_DIM) for _ in range(LAYERS)]
+    views = region_views(kv, indexer, num_blocks=NUM_BLOCKS)
+    staging = StagingBuffer(views, staging_bytes)
+    agent = MooncakeAgent("127.0.0.1", max_batch=MAX_BATCH)
+    agent.register([staging.region])
+    return StagedSide(agent, kv, indexer, [view_region(v) for v in views], staging)
+
+
+@pytest.fixture(scope="module")
+def staged_prefill(engine_device: str) -> Iterator[StagedSide]:
+    side = _make_staged(engine_device, fill=True)
+    yield side
+    side.agent.close()
+    side.staging.close()
+
+
+@pytest.fixture(scope="module")
+def staged_decode(engine_device: str) -> Iterator[StagedSide]:
+    side = _make_staged(engine_device, fill=False)
+    yield side
+    side.agent.close()
+    side.staging.close()
+
+
+@pytest.fixture
+async def staged_producer(staged_prefill: StagedSide, staged_decode: StagedSide) -> AsyncIterator[KVProducer]:
+    for t in staged_decode.kv + staged_decode.indexer:
+        t.zero_()
+    p = KVProducer(staged_prefill.agent, staged_prefill.regions, host="127.0.0.1", handshake_port=0,
+                   bind_host="127.0.0.1", timeout_s=10.0, staging=staged_prefill.staging)  # fmt: skip
+    await p.start()
+    yield p
+    await p.close()
+    assert staged_prefill.staging.pool.free == staged_prefill.staging.slots  # every lease returned
+
+
+def _assert_staged_copied(prefill: StagedSide, decode: StagedSide, src: list[int], dst: list[int]) -> None:
+    pairs = [(s, d) for s, d in zip(src, dst, strict=True) if d != -1]
+    for r in range(len(prefill.regions)):
+        for s, d in pairs:
+            assert decode.block(r, d) == prefill.block(r, s), f"region {r}: block {s} -> {d} differs"
+    untouched = set(range(NUM_BLOCKS + 1)) - {d for _, d in pairs}
+    zero = bytes(len(decode.block(0, 0)))
+    assert all(decode.block(0, b) == zero for b in untouched), "a block outside the destination was written"
+
+
+def test_plan_chunks_cut_regions_into_slots() -> None:
+    chunks = plan_chunks([100, 100, 10], 3, 250)
+    assert [[p.to_wire() for p in c.pieces] for c in chunks] == [
+        [[0, 0, 2]], [[0, 2, 1], [1, 0, 1]], [[1, 1, 2], [2, 0, 3]]]  # fmt: skip
+    assert [c.nbytes for c in chunks] == [200, 200, 230]
+    assert plan_chunks([100], 0, 250) == []
+    with pytest.raises(ValueError, match="smaller than one block unit"):
+        plan_chunks([300], 1, 250)
+    assert check_chunk([[1, 1, 2], [2, 0, 3]], [100, 100, 10], 3, 250).nbytes == 230
+    for bad, match in [([[3, 0, 1]], "outside"), ([[0, 2, 2]], "outside"), ([[0, 0, 3]], "exceeds"),
+                       ([], "non-empty"), ([[0, 0]], "region, first, count")]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            check_chunk(bad, [100, 100, 10], 3, 250)
+
+
+def test_staging_buffer_is_bounded_and_refuses_a_slot_smaller_than_a_block(engine_device: str) -> None:
+    views = region_views([torch.zeros(2, 8, 16, 2, 64, device=engine_device)])  # 8 KiB units
+    with pytest.raises(ValueError, match="smaller than one block unit"):
+        StagingBuffer(views, 4 * 4096)
+    staging = StagingBuffer(views, 4 * 8192 + 100)
+    try:
+        assert (staging.slots, staging.slot_bytes, staging.nbytes) == (4, 8192, 4 * 8192)
+        assert staging.host.is_pinned() == (engine_device == "cuda")
+        assert staging.region == Region(staging.host.data_ptr(), 8192, 4)
+    finally:
+        staging.close()
+
+
+STAGED_CASES = {
+    "contiguous": (list(range(10, 30)), list(range(40, 60))),
+    "scattered": ([3, 17, 18, 19, 50, 2, 90, 91], [80, 5, 6, 7, 60, 61, 0, 33]),
+    "many_chunks": (list(range(0, NUM_BLOCKS, 2)) + list(range(1, 33, 2)), list(range(95, 31, -1))),
+    "skipped": ([5, 6, 7, 8, 9], [-1, -1, 20, 22, 21]),
+}
+
+
+@pytest.mark.parametrize("case", list(STAGED_CASES))
+async def test_staged_pull_copies_kv_and_indexer_blocks_byte_for_byte(
+    case: str, staged_prefill: StagedSide, staged_decode: StagedSide, staged_producer: KVProducer
+) -> None:
+    src, dst = STAGED_CASES[case]
+    releases = Releases()
+    params = staged_producer.offer(src, 42, releases.callback("t"))
+    consumer = KVConsumer(staged_decode.agent, staged_decode.regions, timeout_s=30, staging=staged_decode.staging)
+    assert consumer.backend == staged_producer.backend == "staged"
+    await consumer.pull(params.to_dict(), dst)
+    _assert_staged_copied(staged_prefill, staged_decode, src, dst)
+    assert releases.reasons("t") == [ReleaseReason.WRITTEN] and staged_producer.pending_count == 0
+    moved = sum(1 for d in dst if d != -1)
+    assert staged_producer.stats().bytes_written == moved * sum(r.unit_bytes for r in staged_prefill.regions)
+    assert staged_decode.staging.pool.free == staged_decode.staging.slots
+    if case == "many_chunks":  # a request far larger than the staging buffer goes in many rounds
+        total = moved * sum(r.unit_bytes for r in staged_prefill.regions)
+        assert total > 5 * staged_decode.staging.nbytes
+
+
+async def test_sixteen_concurrent_staged_pulls_share_the_slots(
+    staged_prefill: StagedSide, staged_decode: StagedSide, staged_producer: KVProducer
+) -> None:
+    releases = Releases()
+    consumer = KVConsumer(staged_decode.agent, staged_decode.regions, timeout_s=60, staging=staged_decode.staging)
+    jobs = []
+    for i in range(16):
+        src, dst = [i * 5, i * 5 + 1, 95 - i], [i * 6, i * 6 + 1, i * 6 + 3]
+        jobs.append((src, dst, staged_producer.offer(src, 1, releases.callback(str(i)))))
+    await asyncio.gather(*(consumer.pull(p, dst) for _, dst, p in jobs))
+    for i, (src, dst, _) in enumerate(jobs):
+        assert releases.reasons(str(i)) == [ReleaseReason.WRITTEN]
+        for r in range(len(staged_prefill.regions)):
+            assert all(staged_decode.block(r, d) == staged_prefill.block(r, s) for s, d in zip(src, dst, strict=True))
+    assert staged_producer.pending_count == 0 and staged_decode.staging.pool.free == staged_decode.staging.slots
+
+
+async def test_memory_backend_mismatch_is_refused(
+    staged_decode: StagedSide, staged_producer: KVProducer, decode: Side, producer: KVProducer
+) -> None:
+    releases = Releases()
+    params = staged_producer.offer([1, 2], 7, releases.callback("staged"))
+    with pytest.raises(KVTransferError, match="memory backend is staged, the consumer's is direct") as err:
+        await KVConsumer(decode.agent, staged_decode.regions).pull(params, [1, 2])
+    assert err.value.reason == "backend_mismatch"
+    params = producer.offer([1, 2], 7, releases.callback("direct"))
+    with pytest.raises(KVTransferError, match="backend is direct, the consumer's is staged"):
+        await KVConsumer(staged_decode.agent, decode.regions, staging=staged_decode.staging).pull(params, [1, 2])
+    assert releases.reasons("staged") == releases.reasons("direct") == [ReleaseReason.REFUSED]
+    assert staged_producer.pending_count == producer.pending_count == 0
+    assert staged_decode.staging.pool.free == staged_decode.staging.slots  # refused before writing: no grace
+
+
+async def test_staged_decode_hanging_up_mid_transfer_leaves_its_blocks_and_both_pools_idle(engine_device: str) -> None:
+    """Decode times out while the (slow) producer is between chunks: prefill abandons after the
+    chunk in flight, decode's blocks get no late write (it scatters itself), its slots wait out the grace."""
+    prefill, decode = _make_staged(engine_device, True), _make_staged(engine_device, False)
+    agent = _SlowAgent()  # 0.1 s per write, moves nothing
+    producer = KVProducer(agent, prefill.regions, host="127.0.0.1", handshake_port=0, bind_host="127.0.0.1",
+                          staging=prefill.staging)  # fmt: skip
+    await producer.start()
+    try:
+        releases = Releases()
+        params = producer.offer(list(range(64)), 7, releases.callback("t"))  # ~40 chunks of 4 KiB
+        consumer = KVConsumer(agent, decode.regions, timeout_s=0.35, staging=decode.staging, slot_grace_s=0.3)
+        with pytest.raises(KVTransferError, match="timed out") as err:
+            await consumer.pull(params, list(range(64)))
+        assert not err.value.dst_may_be_written  # nothing lands in the blocks once pull returned
+        await _poll(lambda: bool(releases.calls))
+        assert releases.reasons("t") == [ReleaseReason.WRITE_FAILED] and producer.pending_count == 0
+        assert agent.batches <= 6, f"{agent.batches} chunks written after the consumer left"
+        assert decode.staging.pool.held_back == 2  # the producer might still be writing into them
+        await _poll(lambda: decode.staging.pool.free == decode.staging.slots, 5.0)
+        await _poll(lambda: prefill.staging.pool.free == prefill.staging.slots, 5.0)
+    finally:
+        await producer.close()
+        for side in (prefill, decode):
+            side.agent.close()
+            side.staging.close()
+
+
+async def test_staged_pull_from_a_dead_producer_fails_fast_and_frees_the_slots(
+    staged_prefill: StagedSide, staged_decode: StagedSide
+) -> None:
+    producer = KVProducer(staged_prefill.agent, staged_prefill.regions, host="127.0.0.1", handshake_port=0,
+                          bind_host="127.0.0.1", staging=staged_prefill.staging)  # fmt: skip
+    await producer.start()
+    releases = Releases()
+    params = producer.offer([1, 2], 7, releases.callback("t"))
+    await producer.close()
+    consumer = KVConsumer(staged_decode.agent, staged_decode.regions, timeout_s=30, staging=staged_decode.staging)
+    start = time.monotonic()
+    with pytest.raises(KVTransferError, match="unreachable"):
+        await consumer.pull(params, [1, 2])
+    assert time.monotonic() - start < 2.0 and releases.reasons("t") == [ReleaseReason.CLOSED]
+    assert staged_decode.staging.pool.free == staged_decode.staging.slots
+
+
+async def test_staged_two_processes_smollm2_shape() -> None:
+    """The staged backend between two processes (the benchmark's prefill child), all 90 regions compared."""
+    import multiprocessing as mp
+
+    from engine.kv_transfer import bench
+
+    num_blocks = 12
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=bench._producer_main, daemon=True,
+                       args=(child, num_blocks, "bf16", "engine", "staged", 1, "cpu"))  # fmt: skip
+    proc.start()
+    loop = asyncio.get_running_loop()
+    try:
+        assert await asyncio.wait_for(loop.run_in_executor(None, parent.poll, 60), 61), "producer did not start"
+        parent.recv()
+        local = bench.make_caches(num_blocks, torch.bfloat16)
+        side = bench.open_side(local, "staged", 1)  # 1 MiB: 4 slots of 256 KiB, the request takes 3 chunks
+        try:
+            consumer = KVConsumer(side.agent, local.regions, timeout_s=30, staging=side.staging)
+            src, dst = [1, 2, 6, 9, 10, 11, 0, 5, 3, 4], [0, 1, 7, 3, 2, 11, 10, 9, 8, 6]
+            parent.send(("offer", src))
+            await consumer.pull(parent.recv(), dst)
+            expected = bench.make_caches(num_blocks, torch.bfloat16)
+            bench.fill(expected)
+            for r in range(len(local.regions)):
+                for s, d in zip(src, dst, strict=True):
+                    assert torch.equal(local.views[r][d], expected.views[r][s]), f"region {r} block {s}"
+            parent.send(("released",))
+            assert parent.recv() == ["written"]
+        finally:
+            side.close()
+    finally:
+        parent.send(("stop",))
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
