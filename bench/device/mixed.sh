@@ -2,9 +2,11 @@
 # and TPOT/ITL under long prompts arriving while streams decode: mixed steps with a small and the default token
 # budget against prefill-first steps. `bash bench/device/mixed.sh` on the GPU machine; writes under $OUT.
 source bench/device/setup.sh
+if [ "${SKIP_EAGER:-}" != 1 ]; then
 timeout 150 python3 -m engine.bench --model "$MODEL" --device cuda --prompt-len 512 --new-tokens 128 \
   --batch-sizes 1 64 --runs 2 --no-reference --enforce-eager --prefix-row 3000 --json "$OUT/engine-bench-cuda-eager.json" \
   2>&1 | grep -v -i warn | tee "$OUT/engine-bench-cuda-eager.txt" | tail -8 || true
+fi
 wait_http() { for _ in $(seq "$2"); do curl -sf "$1" >/dev/null && return 0; sleep 1; done; echo "timeout $1"; return 1; }
 run_case() {  # NAME ENGINE-FLAGS...
   local name=$1; shift
