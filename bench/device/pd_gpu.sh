@@ -12,3 +12,5 @@ ENGINE_TEST_DEVICE=cuda ENGINE_TEST_DTYPE=bfloat16 timeout 120 python3 -m pytest
   tests/test_pd_engine.py 2>&1 | tee "$OUT/cuda-tests-pd-bf16.txt" | tail -4 || true
 SKIP_EAGER=1 bash bench/device/mixed.sh 2>&1 | grep -E "TPOT|ITL|TTFT|Output token" | grep -E "P99|Median|Output" || true
 mkdir -p "$OUT/pd" && timeout 220 python3 -m engine.bench_pd_gpu --model "$MODEL" --out "$OUT/pd" 2>&1 | tail -30 || true
+# Everything back as one archive (the machine returns at most 8 files).
+(cd "$OUT" && tar czf /tmp/results.tgz . && rm -rf ./* && mv /tmp/results.tgz .)
