@@ -9,7 +9,7 @@ set -euo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-if [ -d .whl ]; then
+if [ -d .whl ] && [ -z "${NO_WHEELS:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 else
@@ -19,5 +19,5 @@ if [ -d .gpu/smollm2 ] && [ ! -f .gpu/smollm2/model.safetensors ]; then
   python3 .gpu/smollm2_shape.py weights .gpu/smollm2 >/dev/null
 fi
 MODEL=$PWD/.gpu/smollm2
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+if command -v nvidia-smi >/dev/null; then nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; fi
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'

@@ -1,0 +1,63 @@
+# GPU run: the P/D experiment on one GPU. Three set-ups, each swept with `atomesh bench serving` at ISL/OSL
+# 1024/256 and 4096/512: (a) one colocated engine, straight; (b) the same engine behind atomesh; (c) 1 prefill +
+# 1 decode engine sharing the GPU behind `atomesh launch --pd-disaggregation --backend atom`, KV and indexer keys
+# over Mooncake (staged through pinned host memory: the CPU-only wheel). After each pass the engines' /metrics
+# give the TTFT split (prefill, KV pull). `bash bench/device/pd_serving.sh`; everything under $OUT as one archive.
+# DEVICE=cpu MODEL=tiny-random ISLS="64/16" CONCS="1 2" runs the same plumbing on a CPU.
+source bench/device/setup.sh
+if [ -d .deb ]; then
+  mkdir -p /tmp/ibv && for f in .deb/*.deb; do dpkg -x "$f" /tmp/ibv; done
+  export LD_LIBRARY_PATH=/tmp/ibv/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+fi
+DEVICE=${DEVICE:-cuda}
+MODEL=${MODEL_OVERRIDE:-$MODEL}
+ISLS=${ISLS:-"1024/256 4096/512"}
+CONCS=${CONCS:-"1 4 16 64"}
+BLOCKS=${BLOCKS:-40000}  # per engine: 14.7 GB of SmolLM2 KV, so two engines share one GPU
+R="$OUT/runs"; mkdir -p "$R"
+PIDS=()
+wait_http() { for _ in $(seq "$2"); do curl -sf "$1" >/dev/null && return 0; sleep 1; done; echo "timeout $1"; return 1; }
+engine() {  # NAME PORT EXTRA...
+  local name=$1 port=$2; shift 2
+  python3 -m engine.openai_server --model "$MODEL" --served-model-name m --device "$DEVICE" --host 127.0.0.1 \
+    --server-port "$port" --max-model-len "${MAXLEN:-5120}" --max-num-seqs 128 --num-kvcache-blocks "$BLOCKS" "$@" \
+    >"$R/$name.log" 2>&1 &
+  PIDS+=($!)
+}
+stop_all() { kill "${PIDS[@]}" 2>/dev/null || true; wait "${PIDS[@]}" 2>/dev/null || true; PIDS=(); }
+sweep() {  # SETUP URL [DECODE_METRICS_URL PREFILL_METRICS_URL]
+  for isl_osl in $ISLS; do
+    local isl=${isl_osl%/*} osl=${isl_osl#*/}
+    for c in $CONCS; do
+      local tag="$1-$isl-$osl-c$c"
+      if [ -n "${3:-}" ]; then curl -s "$3" >"$R/$tag.decode.before.prom"; curl -s "$4" >"$R/$tag.prefill.before.prom"; fi
+      timeout 60 python3 -m atomesh bench serving --base-url "$2" --model m --random-input-len "$isl" \
+        --random-output-len "$osl" --ignore-eos --num-prompts 4 --prompts-per-concurrency 2 --sweep-concurrency "$c" \
+        --save-result "$R/$tag.json" 2>&1 | grep -E "Output token throughput|Tokens/s per user|Median TTFT" \
+        | sed "s/^/$tag: /" || echo "$tag: failed"
+      if [ -n "${3:-}" ]; then curl -s "$3" >"$R/$tag.decode.after.prom"; curl -s "$4" >"$R/$tag.prefill.after.prom"; fi
+    done
+  done
+}
+# (a) + (b): one colocated engine, straight and behind atomesh.
+engine colocated 8010
+wait_http http://127.0.0.1:8010/health 240
+python3 -m atomesh launch --worker-urls http://127.0.0.1:8010 --host 127.0.0.1 --port 30000 \
+  --prometheus-port 29000 >"$R/gateway-colocated.log" 2>&1 &
+PIDS+=($!)
+wait_http http://127.0.0.1:30000/readiness 60
+sweep colocated http://127.0.0.1:8010
+sweep colocated-atomesh http://127.0.0.1:30000
+stop_all
+# (c): 1P1D through atomesh.
+engine prefill 8011 --kv-transfer-config '{"kv_role":"kv_producer","kv_connector":"mooncake","handshake_port":6301}'
+engine decode 8012 --kv-transfer-config '{"kv_role":"kv_consumer","kv_connector":"mooncake","handshake_port":6302}'
+wait_http http://127.0.0.1:8011/health 240 && wait_http http://127.0.0.1:8012/health 240
+python3 -m atomesh launch --pd-disaggregation --backend atom --prefill http://127.0.0.1:8011 none \
+  --decode http://127.0.0.1:8012 --host 127.0.0.1 --port 30001 --prometheus-port 29001 >"$R/gateway-pd.log" 2>&1 &
+PIDS+=($!)
+wait_http http://127.0.0.1:30001/readiness 60
+sweep pd-1p1d http://127.0.0.1:30001 http://127.0.0.1:8012/metrics http://127.0.0.1:8011/metrics
+grep -h -iE "memory backend|staged|error" "$R"/prefill.log "$R"/decode.log | head -8 || true
+stop_all
+(cd "$OUT" && tar czf /tmp/results.tgz . && rm -rf ./* && mv /tmp/results.tgz .)
