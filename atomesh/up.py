@@ -140,6 +140,9 @@ def plan_parts(s: UpSettings) -> list[Part]:
                 "--server-port", str(engine_port), "--device", s.device,
                 "--max-model-len", str(s.max_model_len), "--kv-cache-memory-gb", str(s.kv_cache_memory_gb),
                 *s.engine_args]
+        if s.device != "cpu":
+            # Engines sharing one GPU: each its share of it (the KV pool is what the share leaves).
+            argv += ["--gpu-memory-utilization", f"{0.85 / len(roles):.3f}"]
         extra = []
         if role != "worker":
             kv_role = "kv_producer" if role == "prefill" else "kv_consumer"

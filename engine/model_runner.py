@@ -18,6 +18,9 @@ from engine.sequence import SamplingParams, Sequence
 
 log = logging.getLogger(__name__)
 
+# GPU memory kept out of the KV pool beyond the measured peak: graph pools, allocator fragmentation.
+GRAPH_AND_SLACK_BYTES = 2 << 30
+
 
 @dataclass(frozen=True, slots=True)
 class StepInput:
@@ -159,10 +162,12 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         cache_so_far = blocks * self.block_bytes()
-        # Whatever other processes hold (total - free - ours) is outside our budget too.
-        others = total - free - torch.cuda.memory_reserved(self.device)
-        budget = int(total * gpu_memory_utilization) - others - (peak - cache_so_far)
-        return max(budget // self.block_bytes(), 0)
+        # This engine's share of the whole GPU (as vLLM's per-instance limit: engines sharing a GPU each
+        # take theirs), less what it needs besides the cache; never more than is free now, with room left
+        # for the CUDA graphs' pool and the allocator's slack.
+        ours = int(total * gpu_memory_utilization) - (peak - cache_so_far)
+        available = free - (peak - cache_so_far) - GRAPH_AND_SLACK_BYTES
+        return max(min(ours, available) // self.block_bytes(), 0)
 
     # -- CUDA graphs ------------------------------------------------------------------------------
 
