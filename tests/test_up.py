@@ -114,3 +114,19 @@ def test_up_reports_a_part_that_fails_to_start(tmp_path: Path) -> None:
                            "--log-dir", str(tmp_path / "logs")], capture_output=True, text=True, timeout=100)
     assert proc.returncode == 1
     assert "worker-0 exited" in proc.stdout and "worker-0.log" in proc.stdout
+
+
+@pytest.mark.timeout(10)
+def test_engines_sharing_a_gpu_each_get_their_share() -> None:
+    from atomesh.up import UpSettings, plan_parts
+
+    def shares(settings: UpSettings) -> list[str]:
+        out = []
+        for part in plan_parts(settings):
+            if "--gpu-memory-utilization" in part.argv:
+                out.append(part.argv[part.argv.index("--gpu-memory-utilization") + 1])
+        return out
+
+    assert shares(UpSettings(device="cuda", prefill=1, decode=1)) == ["0.425", "0.425"]
+    assert shares(UpSettings(device="cuda", pd=False, workers=4)) == ["0.212"] * 4
+    assert shares(UpSettings(device="cpu")) == []  # on CPU the pool comes from --kv-cache-memory-gb
