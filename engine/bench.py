@@ -178,29 +178,34 @@ def prefix_row(loaded: LoadedModel, args: EngineArgs, length: int, runs: int = 3
     """Median prefill seconds of a ``length``-token prompt: no cache, a one-block hit, a half-prompt hit.
 
     Each timed prompt shares its first tokens with a prompt served before it and has a suffix of
-    its own, so only the intended prefix can come from the cache.
+    its own, so only the intended prefix can come from the cache. The three cases take turns run by
+    run, so a machine whose load changes during the row slows them alike.
     """
     vocab = loaded.config.vocab_size
     base = _prompts(1, length, vocab, 4242)[0]
-    out: dict[str, float] = {}
-    for name, shared, caching in (("no_cache", 0, False), ("one_block_hit", args.block_size, True),
-                                  ("half_hit", length // 2 // args.block_size * args.block_size, True)):  # fmt: skip
-        engine = LLMEngine(replace(args, enable_prefix_caching=caching), loaded=loaded)
-        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    half = length // 2 // args.block_size * args.block_size
+    cases = {"no_cache": 0, "one_block_hit": args.block_size, "half_hit": half}
+    engines: dict[str, LLMEngine] = {}
+    for name, shared in cases.items():
+        engine = LLMEngine(replace(args, enable_prefix_caching=shared > 0), loaded=loaded)
         engine.generate([base[:32]], params)  # warm-up: kernels compiled
         engine.generate([base], params)  # base's blocks in the prefix cache (when caching)
-        times = []
-        for run in range(runs):
-            prompt = base[:shared] + _prompts(1, length - shared, vocab, 5000 + run)[0]
+        engines[name] = engine
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for run in range(runs):
+        suffix = _prompts(1, length, vocab, 5000 + run)[0]
+        for name, shared in cases.items():
+            engine = engines[name]
+            prompt = base[:shared] + suffix[: length - shared]
             _sync(engine.device)
             t0 = time.perf_counter()
             engine.generate([prompt], params)
             _sync(engine.device)
-            times.append(time.perf_counter() - t0)
-        out[name] = statistics.median(times)
-        del engine
-        gc.collect()
-    return out
+            times[name].append(time.perf_counter() - t0)
+    engines.clear()
+    gc.collect()
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def profile_step(engine: LLMEngine, prompt_len: int, steps: int = 200) -> dict[str, float]:
