@@ -42,15 +42,17 @@ def test_breaker_opens_half_opens_and_closes() -> None:
     b.record(True)  # a success resets the consecutive count
     b.record(False)
     b.record(False)
-    assert b.state is BreakerState.CLOSED and b.allows()
+    assert b.state is BreakerState.CLOSED and b.admit()
     b.record(False)
-    assert b.state is BreakerState.OPEN and not b.allows()
+    assert b.state is BreakerState.OPEN and b.is_open and not b.admit()
     now[0] = 10.5
-    assert b.allows() and b.state is BreakerState.HALF_OPEN
+    # The query changes nothing; admit() is what moves an expired open breaker to half-open.
+    assert not b.is_open and b.state is BreakerState.OPEN
+    assert b.admit() and b.state is BreakerState.HALF_OPEN
     b.record(False)  # any failure while half-open reopens
     assert b.state is BreakerState.OPEN
     now[0] = 21
-    assert b.allows()
+    assert b.admit()
     b.record(True)
     b.record(True)
     assert b.state is BreakerState.CLOSED
