@@ -1,5 +1,7 @@
-"""The import rule of docs/design.md, enforced: no import cycle among the modules of `atomesh` or `engine`,
-`engine` and `atomesh` never import each other, and nothing imports `atomesh.app` but `atomesh.cli`.
+"""The import rule of docs/design.md, enforced: no import cycle among the modules of `atomesh` or `engine`;
+`atomesh`'s modules import only from their own layer or the layers below (`LAYERS`, the picture in
+docs/design.md); `engine` and `atomesh` never import each other; nothing imports `atomesh.app` but
+`atomesh.cli`.
 
 The graph is read from the source with `ast`, so it sees every import statement wherever it is, inside
 functions too: an import deferred into a function body is still a dependency (it merely runs later),
@@ -20,6 +22,22 @@ pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("atomesh", "engine")
+
+# The gateway's layers, bottom first (docs/design.md draws them). A module belongs to the layer of the
+# longest name below that is the module itself or a package holding it.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("foundation", ("atomesh", "atomesh.config", "atomesh.errors", "atomesh.logs", "atomesh.metrics",
+                    "atomesh.request", "atomesh.validation", "atomesh.auth", "atomesh.admission", "atomesh.tasks",
+                    "atomesh.flow", "atomesh.testing")),
+    ("transport", ("atomesh.httpclient", "atomesh.transport")),
+    ("workers", ("atomesh.workers",)),
+    ("placement", ("atomesh.policies", "atomesh.placement")),
+    ("routing", ("atomesh.backends", "atomesh.router")),
+    ("composition", ("atomesh.gateway",)),
+    ("http", ("atomesh.api", "atomesh.frontdoor", "atomesh.service")),
+    ("processes", ("atomesh.cluster",)),
+    ("entry points", ("atomesh.app", "atomesh.cli", "atomesh.__main__", "atomesh.up", "atomesh.bench")),
+)
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -118,6 +136,27 @@ def test_cycles_count_deferred_imports_but_not_type_checking_ones(tmp_path: Path
     assert cycles(import_graph(("p",), tmp_path)) == [["p.a", "p.b", "p.c"]]
     (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n")
     assert cycles(import_graph(("p",), tmp_path)) == []
+
+
+def layer_of(module: str) -> int:
+    best, level = "", -1
+    for i, (_, names) in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > len(best):
+                best, level = name, i
+    return level
+
+
+def test_every_gateway_module_has_a_layer() -> None:
+    unplaced = sorted(m for m in import_graph(("atomesh",)) if layer_of(m) < 0)
+    assert not unplaced, f"add these modules to LAYERS (and the picture in docs/design.md): {unplaced}"
+
+
+def test_imports_point_down_the_layers() -> None:
+    upward = sorted(f"{m} ({LAYERS[layer_of(m)][0]}) -> {t} ({LAYERS[layer_of(t)][0]})"
+                    for m, targets in import_graph(("atomesh",)).items() for t in targets
+                    if layer_of(t) > layer_of(m))
+    assert not upward, "imports from a higher layer (see docs/design.md):\n" + "\n".join(upward)
 
 
 def test_engine_and_gateway_never_import_each_other() -> None:
