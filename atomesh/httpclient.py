@@ -113,7 +113,8 @@ class _Conn(FlowControl):
         pieces = self.pieces
         self.pieces = []
         self.buffered = 0
-        self.release_reading()
+        if self.reading_paused:
+            self.release_reading()
         return pieces
 
     def fail(self, exc: HTTPClientError) -> None:
@@ -205,7 +206,7 @@ class _Conn(FlowControl):
     def on_body(self, body: bytes) -> None:
         self.pieces.append(body)
         self.buffered += len(body)
-        if self.buffered > _HIGH_WATER:
+        if self.buffered > _HIGH_WATER and not self.reading_paused:
             self.hold_reading()
         self._wake()
 
@@ -312,6 +313,7 @@ class ClientPool:
         self._origins: dict[str, tuple[_Key, str]] = {}  # "http://host:port" -> (key, Host header)
         # Closes connections idle longer than keepalive_timeout; started with the first pooled connection.
         self._sweeper = PeriodicTask("client-pool-sweep", min(keepalive_timeout / 2, 5.0), self._sweep)
+        self._sweeping = False
         self._closed = False
 
     async def request(self, method: str, url: str, *, headers: Mapping[str, str] | None = None,
@@ -443,7 +445,8 @@ class ClientPool:
         conn.pooled = True
         conn.idle_since = conn._loop.time()
         idle.append(conn)
-        if not self._sweeper.running:
+        if not self._sweeping:
+            self._sweeping = True
             self._sweeper.start()
 
     def _forget(self, conn: _Conn) -> None:
