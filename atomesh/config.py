@@ -21,7 +21,9 @@ class ConfigError(ValueError):
     """A setting is invalid; the message is one line meant for the user."""
 
 
-class Backend(StrEnum):
+class BackendKind(StrEnum):
+    """The engine family behind the workers (`--backend`): how P/D requests are split between them."""
+
     SGLANG = "sglang"
     VLLM = "vllm"
     ATOM = "atom"
@@ -176,7 +178,8 @@ class GatewayConfig(BaseModel):
     admin_api_key: str | None = Field(
         None, description="Bearer key of the admin routes only (workers, loads, server info, engine metrics, "
                           "cache flush); when set, --api-key no longer opens them.")
-    backend: Backend = Field(Backend.SGLANG, description="Engine family: sglang, vllm or atom (alias --runtime).")
+    backend: BackendKind = Field(BackendKind.SGLANG,
+                                 description="Engine family: sglang, vllm or atom (alias --runtime).")
     config: Path | None = Field(None, description="YAML file with these settings (flags win over the file).")
 
     # --- policy

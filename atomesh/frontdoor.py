@@ -49,7 +49,9 @@ from httptools import (
 from atomesh.api.middleware import HttpAccounting, error_answer
 from atomesh.api.openai import serve_inference
 from atomesh.errors import GatewayError, error_body
+from atomesh.flow import FlowControl
 from atomesh.request import Route
+from atomesh.tasks import PeriodicTask
 from atomesh.transport import Exchange, Upstream
 
 if TYPE_CHECKING:
@@ -172,16 +174,15 @@ class _Request:
         self.http10 = http10
 
 
-class FrontConnection(asyncio.Protocol):
+class FrontConnection(FlowControl):
     """One client connection: its parser, its phase and deadline, the requests read and the one served."""
 
-    __slots__ = ("_drain", "body", "deadline", "door", "eof", "head_bytes", "head_size", "headers", "keep_alive",
-                 "lingering", "parser", "phase", "queue", "queued_bytes", "reading_paused", "task", "transport", "url",
-                 "write_paused")
+    __slots__ = ("body", "deadline", "door", "eof", "head_bytes", "head_size", "headers", "keep_alive",
+                 "lingering", "parser", "phase", "queue", "queued_bytes", "task", "url")
 
     def __init__(self, door: FrontDoor) -> None:
+        super().__init__()
         self.door = door
-        self.transport: asyncio.Transport | None = None
         self.parser = HttpRequestParser(self)
         self.phase = Phase.HEAD  # a new connection owes its first request head within the head timeout
         self.deadline = door.loop.time() + door.head_timeout
@@ -196,9 +197,6 @@ class FrontConnection(asyncio.Protocol):
         self.keep_alive = True
         self.eof = False
         self.lingering = False  # refused: reading and discarding until closed
-        self.reading_paused = False
-        self.write_paused = False
-        self._drain: asyncio.Future[None] | None = None
 
     # ------------------------------------------------------------------ asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -224,7 +222,7 @@ class FrontConnection(asyncio.Protocol):
             # answered, then the connection ends.
             if self.queue:
                 self.queue[-1].keep_alive = False
-                self._stop_reading()
+                self.hold_reading()
             else:
                 self.refuse(400, "protocol upgrades and CONNECT are not supported")
             return
@@ -237,10 +235,8 @@ class FrontConnection(asyncio.Protocol):
         if self.task is None:
             if self.queue:
                 self._next()
-        elif (self.queued_bytes > MAX_BUFFERED or len(self.queue) >= MAX_QUEUED) and not self.reading_paused:
-            self.reading_paused = True
-            if self.transport is not None:
-                self.transport.pause_reading()
+        elif self.queued_bytes > MAX_BUFFERED or len(self.queue) >= MAX_QUEUED:
+            self.hold_reading()
 
     def eof_received(self) -> bool:
         """The client half-closed: answer what it sent whole, then close."""
@@ -255,14 +251,7 @@ class FrontConnection(asyncio.Protocol):
         self.queue.clear()
         if self.task is not None:
             self.task.cancel()  # the client is gone: stop its request and close the upstream legs
-        self._wake_writer()
-
-    def pause_writing(self) -> None:
-        self.write_paused = True
-
-    def resume_writing(self) -> None:
-        self.write_paused = False
-        self._wake_writer()
+        self.connection_ended()
 
     # ------------------------------------------------------------------ parser callbacks
     def on_message_begin(self) -> None:
@@ -346,17 +335,6 @@ class FrontConnection(asyncio.Protocol):
         if self.transport is not None:  # else the client is gone and the request is being cancelled
             self.transport.write(data)
 
-    async def drain(self) -> None:
-        if self.transport is None:
-            raise ConnectionResetError("the client closed the connection")
-        self._drain = self.door.loop.create_future()
-        await self._drain
-
-    def _wake_writer(self) -> None:
-        if self._drain is not None and not self._drain.done():
-            self._drain.set_result(None)
-        self._drain = None
-
     def refuse(self, status: int, message: str) -> None:
         """Answer an error the door found itself (the head or body at fault), then close."""
         transport = self.transport
@@ -364,7 +342,7 @@ class FrontConnection(asyncio.Protocol):
         if transport is None or self.task is not None:
             # A request is being answered on this connection: its answer must not be cut in two.
             self.keep_alive = False
-            self._stop_reading()
+            self.hold_reading()
             return
         code = "request_timeout" if status == 408 else HTTPStatus(status).phrase.lower().replace(" ", "_")
         body = error_body(message, _ERROR_TYPES.get(status, "invalid_request_error"), code)
@@ -384,11 +362,6 @@ class FrontConnection(asyncio.Protocol):
             self.door.loop.call_later(LINGER_SECS, transport.close)
         else:
             transport.close()
-
-    def _stop_reading(self) -> None:
-        if self.transport is not None and not self.reading_paused:
-            self.reading_paused = True
-            self.transport.pause_reading()
 
     # ------------------------------------------------------------------ requests
     def _next(self) -> None:
@@ -472,9 +445,7 @@ class FrontConnection(asyncio.Protocol):
         door = self.door
         self.deadline = loop.time() + (door.keepalive_timeout if self.phase is Phase.IDLE
                                        else door.head_timeout if self.phase is Phase.HEAD else door.body_timeout)
-        if self.reading_paused:
-            self.reading_paused = False
-            transport.resume_reading()
+        self.release_reading()
 
     def expire(self, now: float) -> None:
         """The sweep: end the connection if its phase's deadline passed (never while serving)."""
@@ -611,7 +582,9 @@ class FrontDoor:
         self.connections: set[FrontConnection] = set()
         self.loop = asyncio.get_event_loop()
         self._listeners: list[_Listener] = []
-        self._sweeper: asyncio.Task[None] | None = None
+        self._sweeper = PeriodicTask(
+            "frontdoor-sweep", min(1.0, self.head_timeout / 4, self.body_timeout / 4, self.keepalive_timeout / 4),
+            self._sweep)
         self._handshakes: set[asyncio.Task[None]] = set()
         self.port = 0
 
@@ -624,8 +597,7 @@ class FrontDoor:
             self._listeners.append(listener)
             listener.start()
         self.port = self._listeners[0].sock.getsockname()[1]
-        if self._sweeper is None:
-            self._sweeper = self.loop.create_task(self._sweep())
+        self._sweeper.start()
 
     def adopt(self, conn: socket.socket, ssl_context: ssl.SSLContext | None) -> None:
         """Serve an accepted socket (the TLS handshake, when any, is bounded by the head timeout)."""
@@ -647,22 +619,17 @@ class FrontDoor:
         assert self.relay is not None, "a relay is set before the door listens"
         return await self.relay(req)
 
-    async def _sweep(self) -> None:
-        period = min(1.0, self.head_timeout / 4, self.body_timeout / 4, self.keepalive_timeout / 4)
-        while True:
-            await asyncio.sleep(period)
-            now = self.loop.time()
-            for conn in list(self.connections):
-                conn.expire(now)
+    def _sweep(self) -> None:
+        now = self.loop.time()
+        for conn in list(self.connections):
+            conn.expire(now)
 
     async def close(self) -> None:
         """Stop listening; close every connection (in-flight requests were drained before, or are cut)."""
         for listener in self._listeners:
             listener.close()
         self._listeners.clear()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            self._sweeper = None
+        await self._sweeper.stop()
         for task in list(self._handshakes):
             task.cancel()
         for conn in list(self.connections):

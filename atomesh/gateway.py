@@ -16,8 +16,7 @@ from atomesh.backends.atom import make_atom_backend
 from atomesh.backends.sglang import SglangBackend
 from atomesh.backends.single import SingleBackend
 from atomesh.backends.vllm import make_vllm_backend
-from atomesh.config import Backend as BackendName
-from atomesh.config import GatewayConfig
+from atomesh.config import BackendKind, GatewayConfig
 from atomesh.metrics import Metrics
 from atomesh.placement import Placement
 from atomesh.policies import Policy, make_policy
@@ -97,9 +96,9 @@ class Gateway:
     def _make_backend(self) -> Backend:
         if not self.config.pd_disaggregation:
             return SingleBackend(self.upstream)
-        if self.config.backend is BackendName.ATOM:
+        if self.config.backend is BackendKind.ATOM:
             return make_atom_backend(self.upstream, self.metrics)
-        if self.config.backend is BackendName.VLLM:
+        if self.config.backend is BackendKind.VLLM:
             return make_vllm_backend(self.upstream, self.metrics)
         return SglangBackend(self.upstream, self.metrics)
 

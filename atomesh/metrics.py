@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import time
+from abc import ABC, abstractmethod
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -86,12 +87,13 @@ class HistogramValue:
 V = TypeVar("V")
 
 
-class Family(Generic[V]):
+class Family(ABC, Generic[V]):
     """A metric and its labelled values, kept as plain Python numbers on the request path.
 
     prometheus-client's metric classes take a lock and validate labels on every update, which cost more
     than the rest of a request's bookkeeping together; these values are turned into its exposition
-    format only when Prometheus scrapes (`collect`).
+    format only when Prometheus scrapes (`collect`). Record with `family.labels(*values).inc()` (or
+    `.set()`, `.observe()`): the one spelling.
     """
 
     def __init__(self, spec: MetricSpec) -> None:
@@ -109,19 +111,21 @@ class Family(Generic[V]):
     def remove(self, *values: str) -> None:
         self.children.pop(values, None)
 
+    @abstractmethod
     def _new(self) -> V:
-        raise NotImplementedError
+        """A fresh value for a new label set."""
 
+    @abstractmethod
     def export(self) -> dict[tuple[str, ...], Any]:
         """The values, as plain data another process can add to its own (atomesh.cluster)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def merged(self, remote: Sequence[dict[tuple[str, ...], Any]]) -> dict[tuple[str, ...], Any]:
         """This process's values plus other processes' exports, label set by label set."""
-        raise NotImplementedError
 
+    @abstractmethod
     def collect(self, remote: Sequence[dict[tuple[str, ...], Any]] = ()) -> Metric:
-        raise NotImplementedError
+        """The prometheus-client metric family to expose, other processes' values added in."""
 
 
 class _Scalar(Family[V]):
@@ -373,11 +377,6 @@ class Metrics:
         """The model names workers advertise (the only `model` label values besides `unknown`)."""
         self.served_models = frozenset(n for n in names if 0 < len(n) <= MAX_MODEL_LABEL)
 
-    @staticmethod
-    def child(family: Family[V], *labels: str) -> V:
-        """The labelled value of a metric (kept for readability at call sites: `m.child(m.x, a, b).inc()`)."""
-        return family.labels(*labels)
-
     def forget_worker(self, url: str) -> None:
         """Drop every series of a removed worker so label sets do not grow with churn."""
         for family in (self.worker_active, self.worker_health, self.health_checks, self.selections,
@@ -396,11 +395,11 @@ class Metrics:
         """Record the stages of one P/D request (any subset; call once per stage or once at the end)."""
         label = self.model_label(model)
         if prefill_secs is not None:
-            self.child(self.pd_prefill, runtime, label).observe(prefill_secs)
+            self.pd_prefill.labels(runtime, label).observe(prefill_secs)
         if handoff_secs is not None:
-            self.child(self.pd_handoff, runtime, label).observe(handoff_secs)
+            self.pd_handoff.labels(runtime, label).observe(handoff_secs)
         if decode_secs is not None:
-            self.child(self.pd_decode, runtime, label).observe(decode_secs)
+            self.pd_decode.labels(runtime, label).observe(decode_secs)
 
     def pd_kv_transfer_failed(self, runtime: str, reason: str) -> None:
         """Count one failed KV transfer; `reason` must come from a small fixed set (an error code)."""
@@ -496,15 +495,15 @@ class RequestMeter:
             if body is not None and status is not None and status < 300:
                 self._read_usage(body)
         elif self.first_at is not None:
-            m.child(m.ttft, *labels).observe(self.first_at - self.started)
-            m.child(m.generation_duration, *labels).observe(self.last_at - self.first_at)
+            m.ttft.labels(*labels).observe(self.first_at - self.started)
+            m.generation_duration.labels(*labels).observe(self.last_at - self.first_at)
         out = self.usage_out if self.usage_out is not None else (self.events if self.streaming else None)
         if self.streaming and self.first_at is not None and out is not None and out > 1:
-            m.child(m.tpot, *labels).observe((self.last_at - self.first_at) / (out - 1))
+            m.tpot.labels(*labels).observe((self.last_at - self.first_at) / (out - 1))
         if out:
-            m.child(m.tokens, self.endpoint, self.model, "output").inc(out)
+            m.tokens.labels(self.endpoint, self.model, "output").inc(out)
         if self.usage_in:
-            m.child(m.tokens, self.endpoint, self.model, "input").inc(self.usage_in)
+            m.tokens.labels(self.endpoint, self.model, "input").inc(self.usage_in)
 
 
 def metrics_markdown(metrics: Metrics | None = None) -> str:

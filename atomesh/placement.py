@@ -79,10 +79,12 @@ class Placement:
         """The request placed by `plan` has sent its last byte (or failed)."""
         for w in plan.workers:
             w.in_flight -= 1
+            if w.on_release is not None:  # it drains: tell whoever waits
+                w.on_release(w)
 
     def candidates(self, role: WorkerRole, view: RequestView, exclude: Collection[Worker] = ()) -> list[Worker]:
         ready = self.registry.ready(role)
-        pool = [w for w in ready if w.breaker.allows()]
+        pool = [w for w in ready if w.breaker.admit()]
         model = view.model
         if model is not None:
             serving = [w for w in pool if w.serves(model)]

@@ -8,6 +8,7 @@ gets to an inference request goes through an `Exchange`, whichever door the requ
 from __future__ import annotations
 
 import random
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
@@ -136,7 +137,7 @@ class Opened:
 ChunkHook = Callable[[bytes], None]
 
 
-class Exchange:
+class Exchange(ABC):
     """The client side of one inference request: where its answer goes, whichever server took it.
 
     A non-streamed answer goes out whole with `respond`; a stream with `start_stream`, `write`...,
@@ -154,17 +155,21 @@ class Exchange:
         self.body: bytes | None = None  # a whole (non-streamed) answer, kept for the token meter
         self.committed = False
 
+    @abstractmethod
     def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
-        raise NotImplementedError
+        """Send a whole (non-streamed) answer; sets `status` and `body`."""
 
+    @abstractmethod
     async def start_stream(self, status: int, headers: Mapping[str, str]) -> None:
-        raise NotImplementedError
+        """Send a streamed answer's head; sets `status` and `committed`."""
 
+    @abstractmethod
     async def write(self, data: bytes) -> None:
-        raise NotImplementedError
+        """Send one piece of a started stream (waits while the client is slow to read)."""
 
+    @abstractmethod
     async def end(self) -> None:
-        raise NotImplementedError
+        """End a started stream."""
 
     def response_headers(self, upstream: Mapping[str, str]) -> dict[str, str]:
         """The worker's response headers (names lower-case, as the client gives them), less hop-by-hop

@@ -87,7 +87,7 @@ class HttpAccounting:
     def begin(self, method: str, path: str) -> float:
         # Labels are the route pattern (never the raw path, which may carry ids) and a known method.
         m = self.metrics
-        m.child(m.http_requests, method if method in _METHODS else "OTHER", path).inc()
+        m.http_requests.labels(method if method in _METHODS else "OTHER", path).inc()
         m.http_active.inc()
         return time.perf_counter()
 
@@ -96,14 +96,14 @@ class HttpAccounting:
         m = self.metrics
         m.http_active.dec()
         if admission is not None:
-            m.child(m.rate_limit, admission).inc()
-        m.child(m.http_responses, path, str(status)).inc()
-        m.child(m.http_duration, method if method in _METHODS else "OTHER", path).observe(
+            m.rate_limit.labels(admission).inc()
+        m.http_responses.labels(path, str(status)).inc()
+        m.http_duration.labels(method if method in _METHODS else "OTHER", path).observe(
             time.perf_counter() - started)
 
     def refused(self, status: int) -> None:
         """A request the front door answered itself, its head or body at fault (no route is known)."""
-        self.metrics.child(self.metrics.http_responses, "unmatched", str(status)).inc()
+        self.metrics.http_responses.labels("unmatched", str(status)).inc()
 
     @staticmethod
     def failed(err: GatewayError) -> str:

@@ -26,8 +26,6 @@ are evicted last and each chain stays a prefix-closed run), and one LRU touch pe
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import operator
 import struct
@@ -39,6 +37,7 @@ import structlog
 import xxhash
 
 from atomesh.request import RequestView
+from atomesh.tasks import PeriodicTask
 from atomesh.workers.worker import Worker
 
 log = structlog.get_logger("atomesh.policies")
@@ -204,7 +203,7 @@ class CacheAwarePolicy:
         self.misses = 0
         # select() hands its work to on_placed() for the same view: (view, worker, hashes, held).
         self._pending: tuple[RequestView, Worker, list[int], int] | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._eviction = PeriodicTask("cache-aware-eviction", eviction_interval_secs, self.evict)
         # Called with every placement recorded here, for other gateway processes (atomesh.cluster).
         self.publish: Callable[[Worker, list[int]], None] | None = None
 
@@ -268,22 +267,13 @@ class CacheAwarePolicy:
     # ------------------------------------------------------------------ eviction task
     def evict(self) -> int:
         """One eviction pass: trim the index to its low-water mark."""
-        return self.index.trim(int(self.index.max_entries * LOW_WATER))
+        gone = self.index.trim(int(self.index.max_entries * LOW_WATER))
+        if gone:
+            log.debug("cache_index_evicted", entries=gone, size=len(self.index))
+        return gone
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._evict_loop(), name="cache-aware-eviction")
+        self._eviction.start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    async def _evict_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.eviction_interval_secs)
-            gone = self.evict()
-            if gone:
-                log.debug("cache_index_evicted", entries=gone, size=len(self.index))
+        await self._eviction.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -71,6 +72,9 @@ class Worker:
     in_flight: int = 0
     # Requests other gateway processes have on it (reported while it drains; see atomesh.cluster).
     remote_in_flight: int = 0
+    # Set while the worker drains: called after a request on it ended (Placement.release) or the other
+    # processes' count changed, so that whoever waits for the drain wakes then instead of polling.
+    on_release: Callable[[Worker], None] | None = field(default=None, repr=False)
     # Load the engine itself reports (queued + running requests), when polled.
     engine_load: int | None = None
     models: tuple[str, ...] = ()
@@ -88,7 +92,8 @@ class Worker:
 
     @property
     def routable(self) -> bool:
-        return self.state is WorkerState.READY and self.breaker.allows()
+        """Ready, and its circuit breaker not refusing traffic (a pure query: changes nothing)."""
+        return self.state is WorkerState.READY and not self.breaker.is_open
 
     @property
     def is_healthy(self) -> bool:
