@@ -212,10 +212,17 @@ class GatewayConfig(BaseModel):
     log_level: LogLevel = Field(LogLevel.INFO, description="debug, info, warn or error.")
     log_dir: Path | None = Field(None, description="Also write logs to a rotating file in this folder.")
     json_log: bool = Field(False, description="One JSON object per log line.")
+    access_log_sample_rate: float = Field(
+        1.0, ge=0, le=1,
+        description="Share of successful requests written to the access log (one `request` event at info each: "
+                    "request id, method, path, status, worker, latency_ms, bytes); 4xx/5xx are always written; "
+                    "0 turns the access log off.")
 
     # --- prometheus
     prometheus_port: Port = Field(29000, description="Port of the /metrics server.")
-    prometheus_host: str = Field("0.0.0.0", description="Address of the /metrics server.")
+    prometheus_host: str | None = Field(
+        None, description="Address of the /metrics server (default: the address of --host, so a gateway on "
+                          "127.0.0.1 does not expose its metrics on every interface).")
     prometheus_duration_buckets: list[PositiveFloat] = Field(
         default_factory=lambda: list(DEFAULT_DURATION_BUCKETS), description="Latency histogram buckets (seconds)."
     )
@@ -395,6 +402,11 @@ class GatewayConfig(BaseModel):
         return self
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def metrics_host(self) -> str:
+        """Where /metrics listens: --prometheus-host, else --host's address."""
+        return self.prometheus_host if self.prometheus_host is not None else self.host
+
     def policy_for(self, role: str) -> str:
         """The policy name of one worker pool ("regular", "prefill" or "decode")."""
         if role == "prefill" and self.prefill_policy:

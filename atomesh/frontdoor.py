@@ -46,7 +46,7 @@ from httptools import (
     parse_url,
 )
 
-from atomesh.api.middleware import HttpAccounting, error_answer
+from atomesh.api.middleware import CLIENT_GONE, HttpAccounting, error_answer
 from atomesh.api.openai import serve_inference
 from atomesh.errors import GatewayError, error_body
 from atomesh.request import Route
@@ -136,6 +136,7 @@ class FrontExchange(Exchange):
 
     def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
         self.status, self.body = status, body
+        self.sent = len(body)
         self.conn.send(response_head(status, headers, len(body), self.conn.keep_alive) + body)
 
     async def start_stream(self, status: int, headers: Mapping[str, str]) -> None:
@@ -147,6 +148,7 @@ class FrontExchange(Exchange):
 
     async def write(self, data: bytes) -> None:
         if data:
+            self.sent += len(data)
             conn = self.conn
             conn.send(b"%x\r\n%b\r\n" % (len(data), data) if self.framed else data)
             if conn.write_paused:
@@ -373,7 +375,7 @@ class FrontConnection(asyncio.Protocol):
         if rid is not None:
             headers["x-request-id"] = rid
         transport.write(response_head(status, headers, len(body), False) + body)
-        self.door.accounting.refused(status)
+        self.door.accounting.refused(status, rid, self.url, len(body))
         # Close gently: stop writing, and read (discarding) what the client still sends for a moment,
         # so that its further bytes do not make the kernel reset the connection before it has read this.
         self.lingering = True
@@ -419,14 +421,16 @@ class FrontConnection(asyncio.Protocol):
                 admission = acc.failed(e)
                 self._answer_error(exchange, *error_answer(e))
             except asyncio.CancelledError:
-                acc.metrics.http_active.dec()  # the client went away: no response to count
+                # The client went away: what it got (a started stream's status, else 499) is still counted.
+                status = exchange.status if exchange.committed and exchange.status else CLIENT_GONE
+                acc.end("POST", path, status, started, None, rid, exchange.workers, exchange.sent)
                 raise
             except Exception:
                 # A bug, not a user error: log it with its traceback (and request id), answer a plain 500.
                 log.exception("request_crashed", method="POST", path=path)
                 self._answer_error(exchange, 500, error_body("internal gateway error", "internal_error",
                                                              "internal_error"))
-            acc.end("POST", path, exchange.status or 500, started, admission)
+            acc.end("POST", path, exchange.status or 500, started, admission, rid, exchange.workers, exchange.sent)
         finally:
             self._done()
 

@@ -11,6 +11,7 @@ class Route(StrEnum):
     COMPLETIONS = "/v1/completions"
     CHAT = "/v1/chat/completions"
     GENERATE = "/generate"
+    RESPONSES = "/v1/responses"  # OpenAI's Responses API: relayed in regular mode to workers that serve it
 
 
 # Headers that carry a sticky routing key (sessions, users), first match wins.
@@ -59,6 +60,19 @@ def _content_text(content: Any) -> str:
     return ""
 
 
+def _responses_text(body: dict[str, Any]) -> str:
+    """The instructions and input of a Responses API request (a string, or a list of message items)."""
+    parts = [body["instructions"]] if isinstance(body.get("instructions"), str) else []
+    items = body.get("input")
+    if isinstance(items, str):
+        parts.append(items)
+    elif isinstance(items, list):
+        for item in items[:4096]:
+            if isinstance(item, dict):
+                parts.append(f"<|{item.get('role', '')}|>{_content_text(item.get('content'))}")
+    return "".join(parts)
+
+
 def _locality_text(route: Route, body: dict[str, Any]) -> str:
     if route is Route.CHAT:
         parts = []
@@ -66,6 +80,8 @@ def _locality_text(route: Route, body: dict[str, Any]) -> str:
             if isinstance(m, dict):
                 parts.append(f"<|{m.get('role', '')}|>{_content_text(m.get('content'))}")
         return "".join(parts)
+    if route is Route.RESPONSES:
+        return _responses_text(body)
     prompt = body.get("prompt", body.get("text"))
     if isinstance(prompt, list):
         if prompt and isinstance(prompt[0], str):

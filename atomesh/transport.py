@@ -25,7 +25,8 @@ from atomesh.httpclient import (
     Response,
 )
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+# Lower-case, as the worker's headers are kept: each name is sent once, ours replacing the worker's.
+SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache"}
 # Every call to a worker carries the gateway's instance id here; a request arriving with our own id
 # came back to us (the gateway registered as its own worker) and is refused (508).
 HOP_HEADER = "x-atomesh-gateway"
@@ -143,7 +144,7 @@ class Exchange:
     `end`. Once a stream has started (`committed`), nothing may be retried.
     """
 
-    __slots__ = ("body", "committed", "headers", "on_chunk", "request_id", "status")
+    __slots__ = ("body", "committed", "headers", "on_chunk", "request_id", "sent", "status", "workers")
 
     def __init__(self, request_id: str, headers: Mapping[str, str]) -> None:
         self.request_id = request_id
@@ -153,6 +154,8 @@ class Exchange:
         self.status: int | None = None
         self.body: bytes | None = None  # a whole (non-streamed) answer, kept for the token meter
         self.committed = False
+        self.workers: tuple[str, ...] = ()  # the worker(s) of the last placement (for the access log)
+        self.sent = 0  # body bytes given to the client so far
 
     def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
         raise NotImplementedError

@@ -1,6 +1,6 @@
 """A configurable OpenAI-compatible mock worker for tests and benchmarks.
 
-It answers `/v1/completions`, `/v1/chat/completions` and `/generate` (streamed or not) with fake
+It answers `/v1/completions`, `/v1/chat/completions`, `/generate` and `/v1/responses` (streamed or not) with fake
 tokens, identifies itself in the `x-mock-worker` header, records what it received, and can be made
 slow, failing, hanging or dying mid-stream, at start or at run time (`POST /_mock/config`).
 Run it in-process (`MockWorker(...).start()`) or as a process:
@@ -43,6 +43,7 @@ class MockBehaviour:
     pd_backend: str | None = None
     pd_role: str | None = None
     omit_kv_params: bool = False  # a prefill that forgets kv_transfer_params (atom / vllm)
+    missing_routes: list[str] = field(default_factory=list)  # paths answered 404, as by an engine without them
 
 
 class ServedApp:
@@ -90,8 +91,16 @@ class MockWorker(ServedApp):
         self.served = 0
 
     def app(self) -> web.Application:
-        app = web.Application()
-        for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
+        @web.middleware
+        async def missing(request: web.Request, handler: Any) -> web.StreamResponse:
+            if request.path in self.behaviour.missing_routes:
+                return web.json_response({"error": {"message": "not found", "type": "not_found_error", "code": 404}},
+                                         status=404, headers=self._headers())
+            resp: web.StreamResponse = await handler(request)
+            return resp
+
+        app = web.Application(middlewares=[missing])
+        for path in ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/responses"):
             app.router.add_post(path, self._inference)
         app.router.add_get("/health", self._health)
         app.router.add_get("/health_generate", self._health)
