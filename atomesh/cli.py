@@ -21,6 +21,7 @@ import typer
 from click.core import ParameterSource
 
 from atomesh import __version__
+from atomesh.compat import peer_table_markdown, refused_flag
 from atomesh.config import FLAG_ALIASES, NOT_IMPLEMENTED, ConfigError, GatewayConfig, flag_name, load_config
 
 app = typer.Typer(help="atomesh: an LLM inference gateway with P/D disaggregation.", no_args_is_help=True,
@@ -64,7 +65,7 @@ def reference_markdown() -> str:
         if name in NOT_IMPLEMENTED:
             meaning += f" **Refused: {NOT_IMPLEMENTED[name]}.**"
         lines.append(f"| {flags} | `{name}` | {shown} | {meaning} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n" + peer_table_markdown()
 
 
 # ---------------------------------------------------------------------------- up
@@ -316,6 +317,10 @@ launch_command = click.Command(
 def launch(ctx: typer.Context) -> None:
     """Start the gateway (flags as SMG / ATOMesh; `atomesh launch --help` lists them)."""
     # The options are generated from GatewayConfig, so a plain click command parses them.
+    refusal = refused_flag(ctx.args)
+    if refusal is not None:
+        typer.echo(f"atomesh launch: error: {refusal}", err=True)
+        raise typer.Exit(2)
     launch_command.main(args=normalize_argv(ctx.args), prog_name="atomesh launch")
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from types import MappingProxyType
 from typing import Any
 
 
@@ -14,8 +16,9 @@ class Route(StrEnum):
     RESPONSES = "/v1/responses"  # OpenAI's Responses API: relayed in regular mode to workers that serve it
 
 
-# Headers that carry a sticky routing key (sessions, users), first match wins.
-ROUTING_KEY_HEADERS = ("x-session-id", "x-routing-key", "x-user-id")
+# Headers that carry a sticky routing key (sessions, users), first match wins (SMG's first).
+ROUTING_KEY_HEADERS = ("x-smg-routing-key", "x-session-id", "x-routing-key", "x-user-id")
+_NO_HEADERS: Mapping[str, str] = MappingProxyType({})
 
 
 @dataclass(slots=True)
@@ -27,6 +30,8 @@ class RequestView:
     raw: bytes | bytearray  # as received (a large body is the buffer it arrived in)
     request_id: str
     routing_key: str | None = None
+    # The client's request headers (lower-case names), for policies that read more of them.
+    headers: Mapping[str, str] = field(default_factory=lambda: _NO_HEADERS, repr=False)
     model: str | None = field(init=False)  # the requested model name, if a string
     stream: bool = field(init=False)
     _locality_text: str | None = field(default=None, repr=False)

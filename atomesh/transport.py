@@ -8,6 +8,7 @@ gets to an inference request goes through an `Exchange`, whichever door the requ
 from __future__ import annotations
 
 import random
+import ssl
 from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
@@ -48,7 +49,9 @@ def upstream_error(err: HTTPClientError, url: str) -> UpstreamError:
 class Upstream:
     """The pooled keep-alive client shared by every route, backend and background task."""
 
-    def __init__(self, request_timeout_secs: float, connect_timeout_secs: float = 10.0, hop: str = "") -> None:
+    def __init__(self, request_timeout_secs: float, connect_timeout_secs: float = 10.0, hop: str = "",
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        self.ssl_context = ssl_context  # for https:// workers (--ca-cert-paths, --client-cert-path)
         self.request_timeout = request_timeout_secs
         self.connect_timeout = connect_timeout_secs
         self.hop = hop
@@ -66,7 +69,8 @@ class Upstream:
 
     async def start(self) -> None:
         # Admission control bounds concurrency; the pool only bounds what it keeps idle.
-        self._pool = ClientPool(connect_timeout=self.connect_timeout, keepalive_timeout=60.0)
+        self._pool = ClientPool(connect_timeout=self.connect_timeout, keepalive_timeout=60.0,
+                                ssl_context=self.ssl_context)
 
     async def stop(self) -> None:
         if self._pool is not None:

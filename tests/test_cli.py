@@ -58,7 +58,10 @@ def test_flags_win_over_the_config_file(tmp_path: Path) -> None:
     ({"prefill": [{"url": "http://p:1"}]}, "--prefill needs --pd-disaggregation"),
     ({"port": 70000}, "--port"),
     ({"tls_cert_path": "/x.pem"}, "--tls-key-path"),
-    ({"dp_aware": True}, "not implemented yet"),
+    ({"dp_aware": True, "pd_disaggregation": True}, "regular mode only"),
+    ({"policy": "manual"}, "policy 'manual' is refused"),
+    ({"chat_template": "/x.jinja"}, "--chat-template needs --model-path or --tokenizer-path"),
+    ({"client_cert_path": "/c.pem"}, "--client-key-path"),
     ({"service_discovery": True}, "--service-discovery needs --selector"),
     ({"bogus_setting": 1}, "bogus_setting"),
 ])

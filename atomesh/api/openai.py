@@ -37,7 +37,8 @@ async def serve_inference(gw: Gateway, route: Route, raw: bytes | bytearray, exc
         for h in ROUTING_KEY_HEADERS:
             if key := headers.get(h):
                 break
-        view = RequestView(route=route, body=body, raw=raw, request_id=exchange.request_id, routing_key=key or None)
+        view = RequestView(route=route, body=body, raw=raw, request_id=exchange.request_id, routing_key=key or None,
+                           headers=headers)
         gw.request_started()
         try:
             async with gw.admission.permit():

@@ -43,7 +43,8 @@ class MockBehaviour:
     pd_backend: str | None = None
     pd_role: str | None = None
     omit_kv_params: bool = False  # a prefill that forgets kv_transfer_params (atom / vllm)
-    missing_routes: list[str] = field(default_factory=list)  # paths answered 404, as by an engine without them
+    missing_routes: list[str] = field(default_factory=list)  # paths answered 404, as by an engine lacking them
+    dp_size: int | None = 1  # reported in /server_info (None: not reported)
 
 
 class ServedApp:
@@ -226,9 +227,12 @@ class MockWorker(ServedApp):
             {"id": m, "object": "model", "owned_by": "mock"} for m in self.behaviour.models]})
 
     async def _server_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"model_id": self.behaviour.models[0] if self.behaviour.models else None,
-                                  "served_model_name": self.behaviour.models, "tp_size": 1, "dp_size": 1,
-                                  "mock": self.name})
+        info = {"model_id": self.behaviour.models[0] if self.behaviour.models else None,
+                "served_model_name": self.behaviour.models, "tp_size": 1, "dp_size": self.behaviour.dp_size,
+                "mock": self.name}
+        if self.behaviour.dp_size is None:
+            del info["dp_size"]
+        return web.json_response(info)
 
     async def _kv_info(self, request: web.Request) -> web.Response:
         return web.json_response({"tp_size": 1, "dp_size": 1, "kv_role": self.behaviour.kv_role,
