@@ -117,7 +117,7 @@ class Disaggregation:
         regions = [view_region(v) for v in views]
         if self.backend is MemoryBackend.STAGED:
             self.staging = StagingBuffer(views, self.config.staging_buffer_mb << 20)
-        self.agent = MooncakeAgent(self.host)
+        self.agent = MooncakeAgent(self.host, protocol=self.config.protocol)
         self.agent.register(regions if self.staging is None else [self.staging.region])
         if self.role == PRODUCER:
             self.producer = KVProducer(self.agent, regions, host=self.host,
