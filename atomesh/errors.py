@@ -131,5 +131,5 @@ class UpstreamStatus(UpstreamError):
         self.content_type = content_type
 
 
-# Upstream statuses worth another attempt (PROTOCOLS.md §1).
+# Upstream statuses worth another attempt (as SMG retries them; docs/workers.md).
 RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})

@@ -1,4 +1,4 @@
-"""The engine's side of prefill/decode disaggregation (ATOM's relay, PROTOCOLS.md §3-4).
+"""The engine's side of prefill/decode disaggregation (ATOM's relay; docs/pd.md, docs/kv_transfer.md).
 
 A `kv_producer` (prefill) engine runs a request for one token, keeps its prompt's KV blocks pinned,
 and answers with `kv_transfer_params` saying where they are; the decode engine pushes nothing and

@@ -1,6 +1,6 @@
 """`cache_aware`: send a request where its prompt prefix was sent before, unless the fleet is imbalanced.
 
-Decision (SMG's cache-aware policy, PROTOCOLS.md §1):
+Decision (SMG's cache-aware policy; docs/placement.md):
 
 1. The candidates' loads are imbalanced when `max - min > --balance-abs-threshold` AND
    `max > --balance-rel-threshold * min`: the least-loaded worker wins (shortest queue).

@@ -267,7 +267,7 @@ _VLLM_PREFILL_NULLS = ("remote_engine_id", "remote_block_ids", "remote_host", "r
 
 
 def pd_protocol_problem(backend: str, role: str | None, body: dict[str, Any]) -> str | None:
-    """What a real engine of `backend` would refuse in this request, or None (PROTOCOLS.md §3)."""
+    """What a real engine of `backend` would refuse in this request, or None (docs/pd.md)."""
     if backend == "sglang":
         for key in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
             if key not in body:

@@ -22,7 +22,7 @@ from atomesh.workers.worker import Worker, WorkerRole, WorkerSource, WorkerState
 
 log = structlog.get_logger("atomesh.workers")
 
-# Expected `kv_role` of each P/D role when the backend is atom (PROTOCOLS.md §3).
+# Expected `kv_role` of each P/D role when the backend is atom (docs/pd.md).
 _ATOM_KV_ROLE = {WorkerRole.PREFILL: "kv_producer", WorkerRole.DECODE: "kv_consumer"}
 
 

@@ -40,7 +40,7 @@ from engine.kv_transfer.layout import Region, WriteOp, batches, spans
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 512  # entries per batch_transfer_sync_write; Mooncake's per-peer queue holds 1024
-PROTOCOLS = ("tcp", "rdma")
+KV_PROTOCOLS = ("tcp", "rdma")
 RDMA_DEVICES = Path("/sys/class/infiniband")  # one entry per RDMA device the kernel knows
 
 
@@ -54,8 +54,8 @@ def has_rdma_device() -> bool:
 def choose_protocol(requested: str | None) -> str:
     """The protocol the transfer engine really uses: RDMA when asked for (or unset) and a device exists,
     else TCP. Mooncake would fall back by itself, after an error-level line about the missing device."""
-    if requested is not None and requested not in PROTOCOLS:
-        raise ValueError(f"protocol {requested!r} must be one of {list(PROTOCOLS)}")
+    if requested is not None and requested not in KV_PROTOCOLS:
+        raise ValueError(f"protocol {requested!r} must be one of {list(KV_PROTOCOLS)}")
     if requested == "tcp" or os.environ.get("MC_FORCE_TCP", "") not in ("", "0"):
         return "tcp"
     if has_rdma_device():
