@@ -56,8 +56,7 @@ PEER_FLAGS: tuple[PeerFlag, ...] = (
     _same("--request-timeout-secs"),
     _same("--shutdown-grace-period-secs"),
     _same("--request-id-headers"),
-    _refused("--cors-allowed-origins", SMG, "CORS headers are not built; serve browsers through a proxy that "
-                                            "adds them"),
+    _same("--cors-allowed-origins", SMG),
     # --- policy
     _same("--policy", note="random, round_robin, power_of_two, cache_aware, prefix_hash, consistent_hashing "
                            "(SMG), dp_sticky (ATOMesh), least_load; SMG's manual and bucket are refused"),

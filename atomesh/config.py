@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from atomesh.compat import REFUSED_FLAGS, REFUSED_KEYS
+from atomesh.cors import check_origin
 
 
 class ConfigError(ValueError):
@@ -268,6 +269,10 @@ class GatewayConfig(BaseModel):
         description="Headers a request id is taken from, first match wins.",
     )
 
+    cors_allowed_origins: list[str] = Field(
+        default_factory=list, description="Origins whose browsers may call the gateway (`*`: any): their answers "
+                                          "get CORS headers and their preflights a 204 (as SMG).")
+
     # --- processes
     processes: int = Field(
         1, ge=1, le=64,
@@ -359,6 +364,11 @@ class GatewayConfig(BaseModel):
         if not path.startswith("/"):
             raise ValueError(f"health check endpoint {path!r} must start with '/'")
         return path
+
+    @field_validator("cors_allowed_origins")
+    @classmethod
+    def _origins(cls, origins: list[str]) -> list[str]:
+        return [check_origin(o) for o in origins]
 
     @field_validator("request_id_headers")
     @classmethod

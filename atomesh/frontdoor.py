@@ -48,6 +48,7 @@ from httptools import (
 
 from atomesh.api.middleware import CLIENT_GONE, HttpAccounting, error_answer
 from atomesh.api.openai import serve_inference
+from atomesh.cors import Cors
 from atomesh.errors import GatewayError, error_body
 from atomesh.request import Route
 from atomesh.transport import Exchange, Upstream
@@ -73,6 +74,7 @@ _HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "conte
                          "te", "trailer", "upgrade", "proxy-connection", "expect", "host"})
 _STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n" for s in HTTPStatus}
 _JSON = "application/json"
+PREFLIGHT = "cors_preflight"  # the route label of CORS preflights the door answers itself
 _ERROR_TYPES = {408: "timeout_error", 413: "invalid_request_error", 414: "invalid_request_error",
                 417: "invalid_request_error", 431: "invalid_request_error"}
 
@@ -127,19 +129,25 @@ class Phase(IntEnum):
 class FrontExchange(Exchange):
     """An Exchange writing straight to the client's connection."""
 
-    __slots__ = ("conn", "framed")
+    __slots__ = ("conn", "cors", "framed")
 
     def __init__(self, conn: FrontConnection, request_id: str, headers: Mapping[str, str], framed: bool) -> None:
         super().__init__(request_id, headers)
         self.conn = conn
         self.framed = framed  # chunked framing for streams (HTTP/1.1); HTTP/1.0 gets the raw bytes and a close
+        cors = conn.door.cors
+        self.cors = cors.headers(headers) if cors is not None else None  # added to the answer (an allowed origin)
 
     def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
+        if self.cors:
+            headers = {**headers, **self.cors}
         self.status, self.body = status, body
         self.sent = len(body)
         self.conn.send(response_head(status, headers, len(body), self.conn.keep_alive) + body)
 
     async def start_stream(self, status: int, headers: Mapping[str, str]) -> None:
+        if self.cors:
+            headers = {**headers, **self.cors}
         self.status = status
         self.committed = True
         if not self.framed:
@@ -435,13 +443,26 @@ class FrontConnection(asyncio.Protocol):
             self._done()
 
     async def _relay(self, req: _Request) -> None:
-        """Any other request: answered by the aiohttp application behind the door."""
+        """Any other request: answered by the aiohttp application behind the door (a CORS preflight
+        here)."""
+        cors = self.door.cors
         try:
+            if cors is not None:
+                allowed = cors.preflight(req.method, req.headers)
+                if allowed is not None:
+                    acc = self.door.accounting
+                    started = acc.begin("OPTIONS", PREFLIGHT)
+                    self.send(response_head(204, allowed, 0, self.keep_alive))
+                    acc.end("OPTIONS", PREFLIGHT, 204, started, None, acc.request_id(req.headers),
+                            target=req.target.decode("latin-1").partition("?")[0][:512])
+                    return
             try:
                 status, headers, body = await self.door.relay_request(req)
             except GatewayError as e:
                 status, body = error_answer(e)
                 headers = {"Content-Type": _JSON}
+            if cors is not None:
+                headers.update(cors.headers(req.headers))
             if req.method == b"HEAD":
                 self.send(response_head(status, headers, int(headers.pop("content-length", 0) or 0),
                                         self.keep_alive))
@@ -612,6 +633,7 @@ class FrontDoor:
         self.body_timeout = cfg.http_body_timeout_secs
         self.keepalive_timeout = cfg.http_keepalive_timeout_secs
         self.relay: Relay | None = None  # set before listening
+        self.cors = Cors(cfg.cors_allowed_origins) if cfg.cors_allowed_origins and hot else None
         self.connections: set[FrontConnection] = set()
         self.loop = asyncio.get_event_loop()
         self._listeners: list[_Listener] = []
