@@ -126,7 +126,9 @@ class Placement:
                                code="model_not_found")
             raise NoWorkerAvailable(_no_worker_message(role, view, ready))
         policy = self.policies[role]
-        worker = policy.select(pool, view) if len(pool) > 1 else pool[0]
+        # One candidate is the answer, unless the policy may refuse it (a target header naming another).
+        single = len(pool) == 1 and not getattr(policy, "select_single", False)
+        worker = pool[0] if single else policy.select(pool, view)
         policy.on_placed(worker, view)
         return worker
 

@@ -134,6 +134,10 @@ async def test_consistent_hashing_keeps_keys_and_honours_target(mock_workers: Ma
     assert await served_by({"X-SMG-Target-Worker": workers[1].url}) == "w1"
     async with http.post(url, json=COMPLETION, headers={"X-SMG-Target-Worker": "9"}) as r:
         assert r.status == 503 and "X-SMG-Target-Worker" in (await r.json())["error"]["message"]
+    alone = await gateway(worker_urls=[workers[0].url], policy="consistent_hashing")
+    async with http.post(base_url(alone) + "/v1/completions", json=COMPLETION,
+                         headers={"X-SMG-Target-Worker": workers[1].url}) as r:
+        assert r.status == 503  # one routable worker, but not the one asked for
 
 
 async def test_dp_aware_sends_ranks_and_refuses_workers_without_them(

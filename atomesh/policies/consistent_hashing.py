@@ -34,6 +34,7 @@ IMPLICIT_KEY_HEADERS = ("authorization", "x-forwarded-for", "cookie")
 
 class ConsistentHashingPolicy(Stateless):
     name = "consistent_hashing"
+    select_single = True  # placement asks even with one candidate: X-SMG-Target-Worker may name another
 
     def __init__(self, vnodes: int = VNODES, rng: random.Random | None = None) -> None:
         self.vnodes = vnodes
