@@ -91,6 +91,17 @@ async def test_gateway_refusals_count_as_request_errors(mock_workers: MakeWorker
     assert not [k for k in text.splitlines() if 'model=""' in k], "a request without a model has model=\"none\""
 
 
+async def test_a_stream_broken_after_its_first_byte_counts_as_an_error(
+        mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession) -> None:
+    [w] = await mock_workers(1, stream_chunks=6, die_after_chunks=2)
+    gw = await gateway(worker_urls=[w.url])
+    async with http.post(base_url(gw) + "/v1/completions", json={**COMPLETION, "stream": True}) as r:
+        assert r.status == 200
+        assert b'"error"' in await r.read()  # ended in-band
+    text = await scrape(http, gw)
+    assert value(text, "mesh_router_request_errors_total", error_type="upstream_stream_broken") == 1
+
+
 async def test_disconnected_streams_are_counted_as_responses(mock_workers: MakeWorkers, gateway: MakeGateway,
                                                              http: aiohttp.ClientSession) -> None:
     [w] = await mock_workers(1, stream_chunks=50, chunk_interval_secs=0.05)
