@@ -41,9 +41,6 @@ class Router:
         m.router_requests.labels(meter.endpoint, meter.model, streaming, self._backend_type).inc()
         try:
             await self._attempts(exchange, view)
-        except UpstreamError as e:
-            m.router_errors.labels(meter.endpoint, meter.model, e.code).inc()
-            raise
         finally:
             meter.finish(exchange.status, exchange.body)
             m.router_duration.labels(meter.endpoint, meter.model, streaming).observe(
@@ -55,13 +52,16 @@ class Router:
         attempt = 0
         while True:
             plan = self.placement.place(view, exclude=tried)
+            exchange.workers = tuple(w.url for w in plan.workers)
             self._count_selection(plan)
             try:
                 await self.backend.forward(exchange, view, plan)
             except UpstreamError as e:
                 self._record_failure(e, plan)
                 if exchange.committed:
-                    # The client already has part of the answer: end it in-band, never retry.
+                    # The client already has part of the answer: end it in-band, never retry. The request
+                    # failed all the same (the errors counted by serve_inference are those raised).
+                    self.metrics.request_failed(view.route, view.model, e.code)
                     await write_sse_error(exchange, e)
                     return
                 endpoint = ENDPOINTS.get(view.route, view.route)

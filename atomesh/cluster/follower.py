@@ -42,7 +42,7 @@ class FollowerServer:
         self.config = config
         self.gateway = Gateway(config, instance_id)
         accounting = HttpAccounting(config.request_id_headers, self.gateway.metrics, config.max_payload_size,
-                                    self.gateway.instance_id)
+                                    self.gateway.instance_id, config.access_log_sample_rate)
         self.door = FrontDoor(self.gateway, accounting)
         self.leader_port = leader_port
 

@@ -27,6 +27,7 @@ class WorkerInfo:
     kv_transfer_info: dict[str, Any]
     server_info: dict[str, Any]
     engine_load: int | None
+    dp_size: int = 1  # --dp-aware: data-parallel ranks the worker reported at registration
 
 
 # ------------------------------------------------------------------ leader -> follower

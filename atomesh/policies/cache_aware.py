@@ -1,6 +1,6 @@
 """`cache_aware`: send a request where its prompt prefix was sent before, unless the fleet is imbalanced.
 
-Decision (SMG's cache-aware policy, PROTOCOLS.md §1):
+Decision (SMG's cache-aware policy; docs/placement.md):
 
 1. The candidates' loads are imbalanced when `max - min > --balance-abs-threshold` AND
    `max > --balance-rel-threshold * min`: the least-loaded worker wins (shortest queue).
@@ -242,9 +242,13 @@ class CacheAwarePolicy:
         pending, self._pending = self._pending, None
         if pending is not None and pending[0] is view and pending[1] is worker:
             _, _, hashes, held = pending
-        else:  # placement skipped select (a single candidate)
-            hashes, _ = self.index.hashes(view.locality_text)
+        else:  # placement skipped select (a single candidate): still a hit or a miss for the hit ratio
+            hashes, size = self.index.hashes(view.locality_text)
             held = self._held(hashes, worker)
+            if held and self.index.matched_chars(held, size) > self.cache_threshold * size:
+                self.hits += 1
+            else:
+                self.misses += 1
         self.index.insert(hashes, worker, held)
         if self.publish is not None:
             self.publish(worker, hashes)
