@@ -209,6 +209,10 @@ class Cluster:
         elif kind == "index":
             self.index.apply(message[1])
             self._broadcast(message, skip=f)
+        elif kind == "unreachable":
+            worker = self.gateway.registry.by_url(message[1])
+            if worker is not None:
+                self.gateway.mark_unreachable(worker)
 
     def _on_exit(self, f: _Follower) -> None:
         f.draining = {}
@@ -368,6 +372,12 @@ async def _follow(config: GatewayConfig, index: int, private_port: int, conn: Co
             stop.set()
 
     channel = Channel(conn, on_message, stop.set)  # the leader gone: stop too
+
+    def unreachable(worker: Worker) -> None:
+        gw.mark_unreachable(worker)  # out of this process's rotation now,
+        channel.send(("unreachable", worker.url))  # and of every process's once the leader, its owner, says so
+
+    gw.router.on_unreachable = unreachable
     placements = IndexSync(gw, channel.send)
     # Listen only once the worker list is in (no 503 for want of it), unless told to stop first.
     waits = [asyncio.ensure_future(has_workers.wait()), asyncio.ensure_future(stop.wait())]

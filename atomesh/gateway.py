@@ -86,7 +86,7 @@ class Gateway:
                 w.url, w.role.value, "success" if ok else "failure").inc(),
         )
         self.registry.subscribe(self._on_worker_state)
-        self.router.on_unreachable = self._on_unreachable
+        self.router.on_unreachable = self.mark_unreachable
         self.discovery = (KubernetesDiscovery(DiscoverySettings.from_config(config), self.lifecycle, self.registry)
                           if config.service_discovery else None)
         self.shutting_down = False
@@ -211,7 +211,7 @@ class Gateway:
         if new is BreakerState.OPEN:
             self.router.fail_over(worker, "cut off by its circuit breaker")
 
-    def _on_unreachable(self, worker: Worker) -> None:
+    def mark_unreachable(self, worker: Worker) -> None:
         """A worker refused a connection: out of rotation now, not after health checks or the breaker
         count it. Health checks bring it back (or, without them, the breaker's half-open probe)."""
         if worker.state is WorkerState.READY and not self.config.disable_health_check:
