@@ -157,6 +157,22 @@ def test_tracker_passes_only_whole_events_and_builds_the_continuation() -> None:
     assert b'"prompt_tokens":8' in out and b'"completion_tokens":3' in out and b'"total_tokens":11' in out
 
 
+def test_continuations_of_a_client_prefill_and_of_a_completion() -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure: "}],
+            "continue_final_message": True, "add_generation_prompt": False, "max_completion_tokens": 5}
+    t = StreamTracker(RequestView(route=Route.CHAT, body=chat, raw=b"", request_id="r"))
+    t.start_attempt()
+    t.feed(b'data: {"id":"a","choices":[{"index":0,"delta":{"content":"yes"}}]}\n\n')
+    cont = t.continuation().body
+    assert cont["messages"][-1]["content"] == "Sure: yes" and len(cont["messages"]) == 2  # appended, not added
+    assert cont["max_completion_tokens"] == 4
+    t = StreamTracker(RequestView(route=Route.COMPLETIONS, body={"prompt": ["Once"], "max_tokens": 2, "min_tokens": 2},
+                                  raw=b"", request_id="r"))
+    t.start_attempt()
+    t.feed(b'data: {"id":"a","choices":[{"index":0,"text":" upon"}]}\n\n')
+    assert t.continuation().body == {"prompt": "Once upon", "max_tokens": 1, "min_tokens": 1}
+
+
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
 async def test_stream_migrates_with_text_and_usage_intact(chat: bool, mock_workers: MakeWorkers,
                                                            gateway: MakeGateway) -> None:
