@@ -78,7 +78,7 @@ class StreamTracker:
     """
 
     __slots__ = ("_buf", "_ident", "attempt_tokens", "done", "errored", "finished", "migrations", "parts",
-                 "tokens", "tokens_before", "view")
+                 "probing", "tokens", "tokens_before", "usage_sent", "view")
 
     def __init__(self, view: RequestView) -> None:
         self.view = view  # the client's request, as it came
@@ -90,12 +90,22 @@ class StreamTracker:
         self.finished = False  # a finish_reason went out
         self.done = False  # `data: [DONE]` went out
         self.errored = False  # the worker sent an error event
+        self.usage_sent = False  # the final usage event went out
+        # The answer is complete but its usage event was lost with the worker: the current attempt only
+        # asks another worker for the prompt's token count (see usage_probe).
+        self.probing = False
         self._ident: dict[str, Any] = {}  # id, created, model, system_fingerprint of the first worker's events
         self._buf = bytearray()
 
     @property
     def text(self) -> str:
         return "".join(self.parts)
+
+    @property
+    def wants_usage(self) -> bool:
+        """The client asked for a final usage event and has not had it."""
+        options = self.view.body.get("stream_options")
+        return isinstance(options, dict) and options.get("include_usage") is True and not self.usage_sent
 
     @property
     def ended(self) -> bool:
@@ -149,6 +159,8 @@ class StreamTracker:
             return raw  # a comment or keep-alive: passed on as it came
         if not isinstance(obj, dict):
             return raw
+        if self.probing:
+            return self._probed(obj)
         if "error" in obj:
             self.errored = True
             return raw
@@ -165,6 +177,20 @@ class StreamTracker:
         if isinstance(usage, dict):
             obj["usage"] = self._usage(usage)
         return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+    def _probed(self, obj: dict[str, Any]) -> bytes:
+        """An event of the usage probe: only its usage goes out, counting none of its own tokens."""
+        usage = obj.get("usage")
+        if obj.get("choices") or not isinstance(usage, dict):
+            return b""
+        prompt = usage.get("prompt_tokens")
+        if not isinstance(prompt, int):
+            return b""
+        prompt = max(0, prompt - self.tokens_before)
+        self.usage_sent = True
+        counted = {**usage, "prompt_tokens": prompt, "completion_tokens": self.tokens,
+                   "total_tokens": prompt + self.tokens}
+        return b"data: " + orjson.dumps({**obj, **self._ident, "usage": counted}) + b"\n\n"
 
     def _track(self, obj: dict[str, Any]) -> bool:
         """Take the text, token count and end of one event; True if it carries anything for the client."""
@@ -186,6 +212,8 @@ class StreamTracker:
         usage = obj.get("usage")
         if isinstance(usage, dict):
             carries = True
+            if not choices:
+                self.usage_sent = True
             out = usage.get("completion_tokens")
             if isinstance(out, int) and choices:  # counts streamed with every event (continuous usage stats)
                 self.attempt_tokens = out
@@ -233,6 +261,19 @@ class StreamTracker:
             limit = body.get(key)
             if isinstance(limit, int) and not isinstance(limit, bool):
                 body[key] = max(0 if key == "min_tokens" else 1, limit - self.tokens)
+        return RequestView(route=view.route, body=body, raw=orjson.dumps(body), request_id=view.request_id,
+                           routing_key=view.routing_key)
+
+    def usage_probe(self) -> RequestView:
+        """The request that recovers the usage of an answer completed just before its worker died: the
+        continuation asked for one token, whose prompt count, less the tokens sent, is the original's."""
+        self.probing = True
+        view = self.continuation()
+        body = view.body
+        for key in ("max_tokens", "max_completion_tokens"):
+            body.pop(key, None)
+        body.pop("min_tokens", None)
+        body["max_tokens"] = 1
         return RequestView(route=view.route, body=body, raw=orjson.dumps(body), request_id=view.request_id,
                            routing_key=view.routing_key)
 

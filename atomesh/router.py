@@ -81,8 +81,8 @@ class Router:
             if ex.committed:
                 tracker = run.tracker
                 # Only the worker streaming the answer matters to a stream (in P/D, the decode worker).
-                if (tracker is None or tracker.ended or tracker.migrations >= self.migration_limit
-                        or worker is not run.plan.workers[-1]):
+                if (tracker is None or (tracker.ended and not tracker.probing) or worker is not run.plan.workers[-1]
+                        or (tracker.migrations >= self.migration_limit and not tracker.probing)):
                     continue
             elif ex.status is not None:
                 continue  # a whole answer is already on its way
@@ -172,7 +172,7 @@ class Router:
                     if moved is None:
                         return
                     assert tracker is not None
-                    current = tracker.continuation()
+                    current = tracker.usage_probe() if moved == "usage" else tracker.continuation()
                     if moved == "retry":
                         attempt += 1
                 else:
@@ -208,21 +208,30 @@ class Router:
 
     async def _after_break(self, exchange: Exchange, e: UpstreamError, tracker: StreamTracker | None,
                            refused: str | None, attempt: int) -> str | None:
-        """A started stream broke: "migrate" or "retry" (a continuation that failed before sending
-        anything) to go on elsewhere, or None once the client's stream has been ended."""
+        """A started stream broke: "migrate", "retry" (a continuation that failed before sending anything)
+        or "usage" (the answer is whole, its usage was lost) to go on elsewhere, or None once the client's
+        stream has been ended."""
         if tracker is None:
             err: UpstreamError = e
             if refused is not None:
                 err = MigrationRefused(f"{e.message}; the stream was not migrated: {refused}")
             await write_sse_error(exchange, err)
             return None
-        if tracker.ended:
-            # The answer was complete; only the worker's last bytes ([DONE], usage) were lost.
-            await _end_stream(exchange, b"" if tracker.done else b"data: [DONE]\n\n")
-            return None
         remaining = tracker.remaining()
-        if remaining is not None and remaining <= 0:
-            await _end_stream(exchange, tracker.closing_events() + b"data: [DONE]\n\n")
+        if tracker.ended or tracker.probing or (remaining is not None and remaining <= 0):
+            # The answer is complete (or its token limit reached): only its last events were lost.
+            if tracker.errored or tracker.done:
+                await _end_stream(exchange, b"")
+                return None
+            if not tracker.finished:
+                try:
+                    await exchange.write(tracker.closing_events())
+                except (ConnectionError, RuntimeError):
+                    return None  # the client is gone too
+            if tracker.wants_usage and not tracker.probing and tracker.migrations < self.migration_limit:
+                tracker.migrations += 1
+                return "usage"  # another worker tells the prompt's token count
+            await _end_stream(exchange, b"data: [DONE]\n\n")
             return None
         if tracker.migrations and tracker.attempt_tokens == 0 and not isinstance(e, WorkerLost):
             # A continuation that failed before its first token: an ordinary retry.

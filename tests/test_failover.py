@@ -197,6 +197,23 @@ async def test_stream_migrates_with_text_and_usage_intact(chat: bool, mock_worke
     assert sorted(asked) == [2, 5, 8]
 
 
+async def test_usage_lost_with_the_worker_is_recovered(mock_workers: MakeWorkers, gateway: MakeGateway) -> None:
+    # Each worker dies right after the last token, before its usage event.
+    workers = await mock_workers(2, stream_chunks=4, die_after_chunks=4)
+    gw = await gateway(worker_urls=[w.url for w in workers], migration_limit=1)
+    c = client(gw)
+    try:
+        text, chunks = await _stream_text(c, True, max_tokens=4, stream_options={"include_usage": True})
+    finally:
+        await c.close()
+    assert text == "tok0 tok1 tok2 tok3 "
+    usage = [ch.usage for ch in chunks if ch.usage is not None]
+    assert len(usage) == 1 and (usage[0].prompt_tokens, usage[0].completion_tokens) == (3, 4)
+    assert {ch.id for ch in chunks} == {chunks[0].id}
+    # The second worker was asked for one token: only its prompt count was used.
+    assert sorted(r["body"]["max_tokens"] for w in workers for r in w.received) == [1, 4]
+
+
 @pytest.mark.parametrize("limit", [0, 1])
 async def test_migration_limit_is_honoured(limit: int, mock_workers: MakeWorkers, gateway: MakeGateway) -> None:
     workers = await mock_workers(2, stream_chunks=8, die_after_chunks=3)

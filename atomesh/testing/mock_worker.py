@@ -226,6 +226,10 @@ class MockWorker(ServedApp):
             await resp.write(b"data: " + orjson.dumps({**ident, "choices": [choice]}) + b"\n\n")
             if b.chunk_interval_secs:
                 await asyncio.sleep(b.chunk_interval_secs)
+        if b.die_after_chunks is not None and 0 < len(words) == b.die_after_chunks:
+            assert request.transport is not None
+            request.transport.close()  # the whole answer went out, its usage and [DONE] do not
+            return resp
         if not words:  # nothing left to say: just the end
             end: dict[str, Any] = {"index": 0, "finish_reason": "length", **({"delta": {}} if chat else {"text": ""})}
             await resp.write(b"data: " + orjson.dumps({**ident, "choices": [end]}) + b"\n\n")
