@@ -184,7 +184,7 @@ class Router:
                     moved = "retry"
                 wait = not isinstance(e, WorkerLost)  # a worker declared dead: the next one need not wait
                 tried.extend(w for w in at_fault if w not in tried)
-                log.debug("placing_again", request_id=exchange.request_id, attempt=attempt, how=moved, error=e.message)
+                log.debug("retrying", request_id=exchange.request_id, attempt=attempt, how=moved, error=e.message)
             else:
                 self._untrack(run)
                 m = self.metrics
