@@ -278,12 +278,14 @@ def _events(raw: bytes) -> list[dict[str, Any]]:
     return out
 
 
-async def test_pd_stream_migrates_with_a_new_pair(mock_workers: MakeWorkers, gateway: MakeGateway) -> None:
-    [p] = await mock_workers(1, pd_backend="atom", pd_role="prefill", kv_role="kv_producer")
-    ds = await mock_workers(2, pd_backend="atom", pd_role="decode", kv_role="kv_consumer", stream_chunks=8,
+@pytest.mark.parametrize("backend", ["atom", "sglang", "vllm"])
+async def test_pd_stream_migrates_with_a_new_pair(backend: str, mock_workers: MakeWorkers,
+                                                  gateway: MakeGateway) -> None:
+    [p] = await mock_workers(1, pd_backend=backend, pd_role="prefill", kv_role="kv_producer")
+    ds = await mock_workers(2, pd_backend=backend, pd_role="decode", kv_role="kv_consumer", stream_chunks=8,
                             die_after_chunks=3)
-    gw = await gateway(pd_disaggregation=True, backend="atom", prefill=[{"url": p.url}], decode=[d.url for d in ds],
-                       migration_limit=3)
+    gw = await gateway(pd_disaggregation=True, backend=backend, prefill=[{"url": p.url, "bootstrap_port": 8998}],
+                       decode=[d.url for d in ds], migration_limit=3)
     c = client(gw)
     try:
         text, _ = await _stream_text(c, True, max_tokens=8)
