@@ -81,8 +81,11 @@ class Router:
             if ex.committed:
                 tracker = run.tracker
                 # Only the worker streaming the answer matters to a stream (in P/D, the decode worker).
-                if (tracker is None or (tracker.ended and not tracker.probing) or worker is not run.plan.workers[-1]
-                        or (tracker.migrations >= self.migration_limit and not tracker.probing)):
+                if tracker is None or worker is not run.plan.workers[-1]:
+                    continue
+                starting = tracker.migrations > 0 and tracker.attempt_tokens == 0  # a continuation, no token yet
+                if not tracker.probing and not starting and (
+                        tracker.ended or tracker.migrations >= self.migration_limit):
                     continue
             elif ex.status is not None:
                 continue  # a whole answer is already on its way
@@ -233,7 +236,7 @@ class Router:
                 return "usage"  # another worker tells the prompt's token count
             await _end_stream(exchange, b"data: [DONE]\n\n")
             return None
-        if tracker.migrations and tracker.attempt_tokens == 0 and not isinstance(e, WorkerLost):
+        if tracker.migrations and tracker.attempt_tokens == 0:
             # A continuation that failed before its first token: an ordinary retry.
             if e.retryable and attempt < self.max_retries:
                 return "retry"
