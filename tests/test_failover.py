@@ -295,3 +295,23 @@ async def test_pd_stream_migrates_with_a_new_pair(backend: str, mock_workers: Ma
     # Each continuation was prefilled again (the mocks refuse any leg their protocol does not allow).
     assert len(p.received) == 3
     assert p.received[-1]["body"]["continue_final_message"] is True
+
+
+async def test_continuation_stuck_on_a_worker_declared_dead_is_retried(
+        mock_workers: MakeWorkers, gateway: MakeGateway) -> None:
+    first, spare, stuck = await mock_workers(3, stream_chunks=8)
+    first.behaviour.die_after_chunks = 3
+    stuck.behaviour.hang = True  # round robin sends it the continuation, which then waits
+    gw = await gateway(worker_urls=[first.url, spare.url, stuck.url], migration_limit=1, request_timeout_secs=60,
+                       health_check_interval_secs=0.2, health_check_timeout_secs=0.3, health_failure_threshold=2)
+    c = client(gw)
+    try:
+        reading = asyncio.ensure_future(_stream_text(c, True, max_tokens=8))
+        await wait_for(lambda: stuck.active == 1, what="the continuation to reach the stuck worker")
+        stuck.behaviour.health_status = 503
+        text, _ = await asyncio.wait_for(reading, 15)
+    finally:
+        await c.close()
+    # The continuation had sent nothing: it was placed again (a retry), not refused for the migration limit.
+    assert text == WORDS
+    assert [len(w.received) for w in (first, spare, stuck)] == [1, 1, 1]
