@@ -152,6 +152,17 @@ class ChatBody(_SamplingBody):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    # vLLM's template switches: `continue_final_message` leaves the last message open for the model to
+    # continue (a gateway resuming a stream on another engine sends it with add_generation_prompt false).
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+
+    def template_switches(self) -> tuple[bool, bool]:
+        """(add_generation_prompt, continue_final_message); both true is refused, as vLLM does."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        add = self.add_generation_prompt if self.add_generation_prompt is not None else not self.continue_final_message
+        return add, self.continue_final_message
 
 
 class GenerateSampling(BaseModel):
@@ -309,8 +320,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     _check_model(state, body.model)
     body.refuse_unsupported()
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    add_generation_prompt, continue_final_message = body.template_switches()
     try:
-        text = state.engine.engine.tokenizer.apply_chat_template(messages)
+        text = state.engine.engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from exc
     ids = state.engine.engine.tokenizer.encode(text)
