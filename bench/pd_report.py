@@ -5,8 +5,9 @@
 
 RUNS_DIR holds ``SETUP-ISL-OSL-cN.json`` (``atomesh bench serving`` results) and, for P/D, the engines'
 ``/metrics`` before and after each pass, from which the mean TTFT is split into the prefill engine's part
-(queue + prefill, its own TTFT), the KV pull (the decode engine's pull time: waiting for a staging slot
-and the transfer) and the rest (the decode leg's first step, the relay through the gateway, HTTP).
+(its own TTFT: queue and prefill apart where it exports ``atom:request_queue_time_seconds``), the KV pull
+(the decode engine's pull time: waiting for a staging slot and the transfer) and the rest (the decode
+leg's first step, the relay through the gateway, HTTP).
 Output tok/s per GPU is the pass's output tok/s over the GPUs behind the server (``num_workers``).
 
 ``bench/device/pd_serving.sh`` (one GPU) names set-ups ``colocated``, ``colocated-atomesh``, ``pd-1p1d``;
@@ -33,8 +34,8 @@ LABELS_TWO = {"pd-1p1d": "1P1D (prefill GPU 0, decode GPU 1)",
               "colocated-round_robin": "2 colocated, round_robin"}  # fmt: skip
 TITLE_ONE = "SmolLM2-135M shape, bf16, one H200: colocated vs 1P1D (KV over Mooncake TCP)"
 TITLE_TWO = "SmolLM2-135M shape, bf16, two H200s: 2 colocated engines vs 1P1D (KV over Mooncake TCP)"
-SPLIT = ("prefill_engine", "kv_pull", "rest")
-SPLIT_LABELS = {"prefill_engine": "queue + prefill (prefill engine)", "kv_pull": "KV transfer (decode's pull)",
+SPLIT_LABELS = {"queue": "queue (prefill engine)", "prefill": "prefill",
+                "prefill_engine": "queue + prefill (prefill engine)", "kv_pull": "KV transfer (decode's pull)",
                 "rest": "first decode step + relay"}  # fmt: skip
 
 
@@ -76,6 +77,10 @@ def collect(runs: Path) -> list[dict[str, Any]]:
             pull = 1000 * _delta(runs, tag, "decode", "atom:kv_transfer_pull_seconds_sum") / max(pulls, 1)
             row["ttft_split_ms"] = {"prefill_engine": prefill, "kv_pull": pull,
                                     "rest": max(row["ttft_ms_mean"] - prefill - pull, 0.0)}  # fmt: skip
+            # Engines that export the queue time split the prefill engine's part into queue and prefill.
+            if queued := _delta(runs, tag, "prefill", "atom:request_queue_time_seconds_count"):
+                queue = 1000 * _delta(runs, tag, "prefill", "atom:request_queue_time_seconds_sum") / queued
+                row["ttft_split_ms"].update(queue=queue, prefill=max(prefill - queue, 0.0))
             row["kv_pull_share_of_ttft"] = pull / row["ttft_ms_mean"] if row["ttft_ms_mean"] else 0.0
         rows.append(row)
     return rows
@@ -162,8 +167,10 @@ def _split_bars(ax: Any, rows: list[dict[str, Any]], shape: tuple[int, int]) -> 
     """The P/D points' mean TTFT, stacked by part, one bar per concurrency and attention."""
     pts = [p for a in ("dense", "sparse") for p in _curve(rows, shape, "pd-1p1d", a) if "ttft_split_ms" in p]
     names = [f"c{p['concurrency']}\n{p['attention']}" for p in pts]
+    queue = bool(pts) and all("queue" in p["ttft_split_ms"] for p in pts)
+    parts = ("queue", "prefill", "kv_pull", "rest") if queue else ("prefill_engine", "kv_pull", "rest")
     bottom = [0.0] * len(pts)
-    for i, part in enumerate(SPLIT):
+    for i, part in enumerate(parts):
         heights = [p["ttft_split_ms"][part] for p in pts]
         ax.bar(names, heights, bottom=bottom, label=SPLIT_LABELS[part], color=f"C{i + 3}")
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
@@ -208,8 +215,11 @@ def main() -> None:
     plot(rows, a.png, a.title or (TITLE_TWO if two else TITLE_ONE), a.target_user_tps if two else None)
     for r in rows:
         split = r.get("ttft_split_ms")
-        extra = (f"  split: prefill {split['prefill_engine']:.1f} + kv pull {split['kv_pull']:.1f} + rest "
-                 f"{split['rest']:.1f} ms") if split else ""  # fmt: skip
+        extra = ""
+        if split:
+            head = (f"queue {split['queue']:.1f} + prefill {split['prefill']:.1f}" if "queue" in split
+                    else f"prefill {split['prefill_engine']:.1f}")  # fmt: skip
+            extra = f"  split: {head} + kv pull {split['kv_pull']:.1f} + rest {split['rest']:.1f} ms"
         setup = r["setup"] + (f"-{r['attention']}" if "attention" in r else "")
         print(
             f"{setup:>28} {r['isl']:>5}/{r['osl']:<4} c{r['concurrency']:<3} "

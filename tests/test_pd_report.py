@@ -30,9 +30,12 @@ def result(tmp: Path, tag: str, out_tps: float, tpot_ms: float, ttft_ms: float, 
     (tmp / f"{tag}.json").write_text(json.dumps(body))
 
 
-def prom(tmp: Path, tag: str, side: str, when: str, count: int, seconds: float) -> None:
+def prom(tmp: Path, tag: str, side: str, when: str, count: int, seconds: float, queued: float = 0.0) -> None:
     name = "atom:time_to_first_token_seconds" if side == "prefill" else "atom:kv_transfer_pull_seconds"
     text = f'# HELP x\n{name}_count{{model_name="m"}} {count}\n{name}_sum{{model_name="m"}} {seconds}\n'
+    if queued:  # the prefill engine's queue time, as many observations as its TTFT
+        q = "atom:request_queue_time_seconds"
+        text += f'{q}_count{{model_name="m"}} {count}\n{q}_sum{{model_name="m"}} {queued}\n'
     (tmp / f"{tag}.{side}.{when}.prom").write_text(text)
 
 
@@ -61,8 +64,8 @@ def test_two_gpu_report_divides_by_gpus_splits_ttft_and_judges_the_target(tmp_pa
     result(runs, "colocated-round_robin-dense-1024-256-c64", 9000, 30.0, 200.0, 2)
     result(runs, "colocated-cache_aware-sparse-1024-256-c16", 1300, 12.0, 30.0, 2)  # sparse: no 1P1D point
     for tag in ("pd-1p1d-dense-1024-256-c16", "pd-1p1d-dense-1024-256-c64"):
-        prom(runs, tag, "prefill", "before", 4, 0.1)
-        prom(runs, tag, "prefill", "after", 36, 0.42)  # 32 prefills, 10 ms each
+        prom(runs, tag, "prefill", "before", 4, 0.1, queued=0.01)
+        prom(runs, tag, "prefill", "after", 36, 0.42, queued=0.106)  # 32 prefills, 10 ms each, 3 ms of it queued
         prom(runs, tag, "decode", "before", 4, 0.2)
         prom(runs, tag, "decode", "after", 36, 0.84)  # 32 pulls, 20 ms each
     (runs / "meta-dense.json").write_text(json.dumps({"device": "2x test", "part": "dense"}))
@@ -73,6 +76,7 @@ def test_two_gpu_report_divides_by_gpus_splits_ttft_and_judges_the_target(tmp_pa
     assert pd16["tok_s_per_user"] == pytest.approx(100.0)
     split = pd16["ttft_split_ms"]
     assert (split["prefill_engine"], split["kv_pull"], split["rest"]) == pytest.approx((10.0, 20.0, 20.0))
+    assert (split["queue"], split["prefill"]) == pytest.approx((3.0, 7.0))
     dense, sparse = data["target"]
     assert dense["met"] is True and dense["pd"]["output_tok_s_per_gpu"] == 800.0
     assert dense["colocated"]["setup"] == "colocated-cache_aware" and dense["colocated"]["output_tok_s_per_gpu"] == 600
@@ -80,6 +84,7 @@ def test_two_gpu_report_divides_by_gpus_splits_ttft_and_judges_the_target(tmp_pa
     assert data["runs"] == [{"device": "2x test", "part": "dense"}]
     assert data["skipped"] == ["pd-1p1d-dense-4096-512-c256"]
     assert "target 1024/256 dense: at >= 60 tok/s/user: 1P1D 800 tok/s/GPU (c16) vs colocated 600" in stdout
+    assert "split: queue 3.0 + prefill 7.0 + kv pull 20.0 + rest 20.0 ms" in stdout
     assert "1.33x, MET" in stdout and "no pd point reaches it" in stdout
 
 
