@@ -187,9 +187,9 @@ def _runs_meta(runs: Path) -> dict[str, Any]:
     parts = [json.loads(p.read_text()) for p in sorted(runs.glob("meta-*.json"))]
     if parts:
         meta["runs"] = parts
-    skipped = runs / "skipped.txt"
-    if skipped.exists():
-        meta["skipped"] = skipped.read_text().split("\n")[:-1]
+    skipped = [line for p in sorted(runs.glob("skipped-*.txt")) for line in p.read_text().splitlines()]
+    if skipped:
+        meta["skipped"] = skipped
     return meta
 
 

@@ -69,7 +69,7 @@ def test_two_gpu_report_divides_by_gpus_splits_ttft_and_judges_the_target(tmp_pa
         prom(runs, tag, "decode", "before", 4, 0.2)
         prom(runs, tag, "decode", "after", 36, 0.84)  # 32 pulls, 20 ms each
     (runs / "meta-dense.json").write_text(json.dumps({"device": "2x test", "part": "dense"}))
-    (runs / "skipped.txt").write_text("pd-1p1d-dense-4096-512-c256\n")
+    (runs / "skipped-dense.txt").write_text("pd-1p1d-dense-4096-512-c256\n")
     data, stdout = report(runs, tmp_path)
     pd16 = next(p for p in data["points"] if p["setup"] == "pd-1p1d" and p["concurrency"] == 16)
     assert (pd16["attention"], pd16["gpus"], pd16["output_tok_s_per_gpu"]) == ("dense", 2, 800.0)

@@ -10,11 +10,16 @@
 # The whole sweep does not fit one 10-minute device command, so it runs as two:
 #   PART=dense bash bench/device/pd_two_gpu.sh      (the default)
 #   PART=sparse bash bench/device/pd_two_gpu.sh
-# Estimate from the one-GPU run (docs/results/pd-one-gpu-runs): per part ~1 min of start-up (wheels,
-# weights, two engine pairs capturing graphs), ~3 min for 1P1D (its KV pull caps it at ~9-16 requests/s,
-# so the 256-stream passes take ~30-60 s) and ~2 min for the two colocated gateways: ~6-7 min. BUDGET_S
-# (default 510) stops starting passes past that many seconds, so the archive is always written in time;
-# skipped passes are listed in runs/skipped.txt.
+# Estimate from the one-GPU run (docs/results/pd-one-gpu-runs): per part ~1.5 min of start-up (wheels,
+# weights, two engine pairs profiling memory and capturing graphs), ~3 min for 1P1D (its KV pull over
+# staged TCP caps it at ~9-16 requests/s, so the 128- and 256-stream passes take ~15-30 s each) and
+# ~2.5 min for the two colocated gateways: ~7 min. BUDGET_S (default 510) stops starting passes past
+# that many seconds, so the archive is always written within the 10-minute limit; skipped passes are
+# listed in runs/skipped-PART.txt.
+#
+# Knobs (environment): PART, DEVICE (cuda), GPUS ("0 1"), MODEL, ISLS, CONCS, PPC/MIN_PROMPTS/MAX_PROMPTS
+# (requests per pass: 2 per stream, 8..256), MAXSEQS (256), MAXLEN (5120), GPU_MEM (0.85) or BLOCKS (KV pool
+# per engine), KV_TIMEOUT (120 s), PASS_TIMEOUT (150 s), BUDGET_S (510 s).
 #
 # After each P/D pass the engines' /metrics before and after give the TTFT split (bench/pd_report.py).
 # Every pass gets its own prompt seed, so no pass finds an earlier pass's prompts in the prefix cache.
@@ -35,8 +40,9 @@ PART=${PART:-dense}
 GPUS=${GPUS-"0 1"}   # "": leave CUDA_VISIBLE_DEVICES alone (the CPU plumbing check)
 ISLS=${ISLS:-"1024/256 4096/512"}
 CONCS=${CONCS:-"1 2 4 8 16 32 64 128 256"}
-PPC=${PPC:-2}                  # requests per unit of concurrency in a pass
-MIN_PROMPTS=${MIN_PROMPTS:-8}  # and at least this many
+PPC=${PPC:-2}                  # requests per unit of concurrency in a pass,
+MIN_PROMPTS=${MIN_PROMPTS:-8}  # at least this many
+MAX_PROMPTS=${MAX_PROMPTS:-256}  # and at most this many (256 streams: one request each)
 MAXSEQS=${MAXSEQS:-256}
 PASS_TIMEOUT=${PASS_TIMEOUT:-150}
 BUDGET_S=${BUDGET_S:-510}
@@ -93,9 +99,10 @@ sweep() {  # SETUP URL [DECODE_METRICS_URL PREFILL_METRICS_URL]
       local tag="$1-$isl-$osl-c$c" rem
       rem=$(left)
       SEED=$((SEED + 1))
-      if [ "$rem" -lt 15 ]; then echo "$tag" >>"$R/skipped.txt"; echo "$tag: skipped (budget)"; continue; fi
+      if [ "$rem" -lt 15 ]; then echo "$tag" >>"$R/skipped-$PART.txt"; echo "$tag: skipped (budget)"; continue; fi
       if [ -n "${3:-}" ]; then curl -s "$3" >"$R/$tag.decode.before.prom"; curl -s "$4" >"$R/$tag.prefill.before.prom"; fi
       local n=$((PPC * c > MIN_PROMPTS ? PPC * c : MIN_PROMPTS))
+      n=$((n < MAX_PROMPTS ? n : MAX_PROMPTS))
       timeout $((rem < PASS_TIMEOUT ? rem : PASS_TIMEOUT)) python3 -m atomesh bench serving --base-url "$2" \
         --model m --random-input-len "$isl" --random-output-len "$osl" --ignore-eos --num-prompts "$n" \
         --sweep-concurrency "$c" --num-workers 2 --seed "$SEED" --save-result "$R/$tag.json" 2>&1 \
@@ -104,21 +111,23 @@ sweep() {  # SETUP URL [DECODE_METRICS_URL PREFILL_METRICS_URL]
     done
   done
 }
-python3 - "$R/meta-$PART.json" "$DEVICE" "$PART" "$ISLS" "$CONCS" "$PPC" "$MIN_PROMPTS" <<'EOF'
+python3 - "$R/meta-$PART.json" "$DEVICE" "$PART" "$ISLS" "$CONCS" "$PPC" "$MIN_PROMPTS" "$MAX_PROMPTS" <<'EOF'
 import datetime, json, subprocess, sys
-path, device, part, isls, concs, ppc, min_prompts = sys.argv[1:]
+path, device, part, isls, concs, ppc, min_prompts, max_prompts = sys.argv[1:]
 gpu = subprocess.run(["sh", "-c", "nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null"],
                      capture_output=True, text=True).stdout.split("\n")[0].strip()
 json.dump({"device": f"2x {gpu}" if gpu else device, "date": datetime.date.today().isoformat(), "part": part,
            "isl_osl": isls.split(), "concurrency": [int(c) for c in concs.split()],
-           "prompts": f"max({ppc} x concurrency, {min_prompts}) per pass, a fresh seed per pass"},
+           "prompts": f"{ppc} x concurrency per pass, at least {min_prompts}, at most {max_prompts}; "
+                      "a fresh seed per pass"},
           open(path, "w"), indent=1)
 EOF
 for mode in $MODES; do
   extra=()
   if [ "$mode" = sparse ]; then extra=(--sparse-attention on); fi
   # 1P1D first (its high-concurrency passes are the longest): prefill on GPU 0, decode on GPU 1.
-  engine "prefill-$mode" 0 8011 "${extra[@]}" \
+  # The prefill engine keeps finished KV for KV_TIMEOUT s: at 256 streams pulls queue for tens of seconds.
+  engine "prefill-$mode" 0 8011 "${extra[@]}" --kv-transfer-timeout "${KV_TIMEOUT:-120}" \
     --kv-transfer-config '{"kv_role":"kv_producer","kv_connector":"mooncake","handshake_port":6301}'
   engine "decode-$mode" 1 8012 "${extra[@]}" \
     --kv-transfer-config '{"kv_role":"kv_consumer","kv_connector":"mooncake","handshake_port":6302}'
@@ -130,7 +139,7 @@ for mode in $MODES; do
   grep -h -iE "memory backend|staged|error" "$R/prefill-$mode.log" "$R/decode-$mode.log" | head -8 || true
   stop_all
   # Two colocated engines, one per GPU, behind two gateways (cache_aware, round_robin) over the same pair.
-  if [ "$(left)" -lt 45 ]; then echo "colocated-$mode: not started (budget)" | tee -a "$R/skipped.txt"; continue; fi
+  if [ "$(left)" -lt 45 ]; then echo "colocated-$mode: not started (budget)" | tee -a "$R/skipped-$PART.txt"; continue; fi
   engine "colocated-a-$mode" 0 8010 "${extra[@]}"
   engine "colocated-b-$mode" 1 8020 "${extra[@]}"
   wait_http http://127.0.0.1:8010/health 300 || exit 1
