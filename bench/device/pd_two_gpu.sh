@@ -25,8 +25,12 @@
 # Every pass gets its own prompt seed, so no pass finds an earlier pass's prompts in the prefix cache.
 # Everything lands under $OUT as one archive (the device returns at most 8 files).
 #
+# .whl must hold Mooncake's CPU-only wheel (mooncake_transfer_engine_non_cuda-*-cp312-*.whl, ~44 MiB; with the
+# other wheels, .gpu and .deb the carry stays under 64 MiB); without it the script stops at once.
+#
 # Plumbing check on a CPU (no GPUs, no CUDA_VISIBLE_DEVICES):
-#   DEVICE=cpu GPUS="" MODEL=tiny-random ISLS="64/16" CONCS="1 2" PART=all OUT=/tmp/pd2 bash bench/device/pd_two_gpu.sh
+#   DEVICE=cpu GPUS="" MODEL=tiny-random MAXLEN=512 ISLS="64/16" CONCS="1 2" PART=all OUT=/tmp/pd2 \
+#     bash bench/device/pd_two_gpu.sh
 WANT_MODEL=${MODEL:-}
 source bench/device/setup.sh
 if [ -n "$WANT_MODEL" ]; then MODEL=$WANT_MODEL; fi
@@ -35,6 +39,7 @@ if [ -d .deb ]; then
   export LD_LIBRARY_PATH=/tmp/ibv/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 fi
 STARTED=$SECONDS
+python3 -c "import mooncake.engine" || { echo "Mooncake is not importable: put its wheel in .whl (see the header)" >&2; exit 3; }
 DEVICE=${DEVICE:-cuda}
 PART=${PART:-dense}
 GPUS=${GPUS-"0 1"}   # "": leave CUDA_VISIBLE_DEVICES alone (the CPU plumbing check)
