@@ -30,6 +30,7 @@ from engine.errors import EngineError, InvalidRequestError, ModelNotFoundError
 from engine.llm_engine import AsyncLLMEngine, LLMEngine, RequestOutput
 from engine.metrics import ServerMetrics
 from engine.sequence import SamplingParams
+from engine.sequence import Sequence as EngineSequence
 
 log = logging.getLogger("engine.server")
 
@@ -348,7 +349,7 @@ async def _generate(
         handle = state.engine.submit(ids, params, limit_given, hold_kv=role == "kv_producer")
     request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
-    outputs = _timed(state.engine.stream(handle), state.metrics, arrived)
+    outputs = _timed(state.engine.stream(handle), state.metrics, arrived, handle.seq)
     offered = False
     try:
         if body.stream:
@@ -444,12 +445,15 @@ async def _stream_native(
 
 
 async def _timed(
-    outputs: AsyncIterator[RequestOutput], metrics: ServerMetrics, arrived: float
+    outputs: AsyncIterator[RequestOutput], metrics: ServerMetrics, arrived: float, seq: EngineSequence
 ) -> AsyncIterator[RequestOutput]:
     first = True
     async for out in outputs:
         if first:
             metrics.ttft.observe(time.monotonic() - arrived)
+            # A sequence whose KV came from a transfer is never admitted for prefill: no queue time.
+            if seq.admitted_at is not None:
+                metrics.queue.observe(max(seq.admitted_at - arrived, 0.0))
             first = False
         if out.finished and out.error is None:
             metrics.e2e.observe(time.monotonic() - arrived)
