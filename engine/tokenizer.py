@@ -39,7 +39,14 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str: ...
+
+    def token_text(self, token_id: int) -> str: ...
+
+    def grammar_vocab(self, vocab_size: int) -> tuple[list[str] | list[bytes], bool]: ...
+
+    @property
+    def template_uses_tools(self) -> bool: ...
 
 
 class ChatTemplate:
@@ -51,15 +58,26 @@ class ChatTemplate:
         self._template = env.from_string(source)
         self._bos = bos_token
         self._eos = eos_token
+        self.uses_tools = "tools" in source
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text for ``messages``, ending with the assistant's turn opener."""
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               continue_final_message: bool = False, **kwargs: Any) -> str:  # fmt: skip
+        """The prompt text for ``messages``: ending with the assistant's turn opener (add_generation_prompt),
+        or with the final message left open for the model to continue (continue_final_message)."""
+        context = {**kwargs, "messages": messages, "add_generation_prompt": add_generation_prompt,
+                   "bos_token": self._bos, "eos_token": self._eos}  # fmt: skip
         try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=True, bos_token=self._bos, eos_token=self._eos
-            )
+            text = str(self._template.render(**context))
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from exc
+        if continue_final_message:
+            # As vLLM and transformers: cut the rendering right after the final message's content.
+            final = str(messages[-1].get("content") or "")
+            at = text.rfind(final) if final else -1
+            if at < 0:
+                raise ValueError("continue_final_message: the final message's content is not in the rendered prompt")
+            text = text[: at + len(final)]
+        return text
 
 
 def _raise_template_error(message: str) -> None:
@@ -95,8 +113,25 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._core.decode(list(ids), skip_special_tokens=True))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        return self._chat.render(messages)
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        return self._chat.render(messages, **kwargs)
+
+    @property
+    def template_uses_tools(self) -> bool:
+        return self._chat.uses_tools
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (special tokens too), for logprobs."""
+        return str(self._core.decode([token_id], skip_special_tokens=False))
+
+    def grammar_vocab(self, vocab_size: int) -> tuple[list[str], bool]:
+        """Every token id's byte-level string, special tokens as "" (how xgrammar recognises them)."""
+        added = {t.content for t in self._core.get_added_tokens_decoder().values()}
+        encoded = [""] * vocab_size
+        for token, i in self._core.get_vocab(with_added_tokens=True).items():
+            if i < vocab_size:
+                encoded[i] = "" if token in added else token
+        return encoded, True
 
 
 def tokenizer_from_gguf_fields(fields: dict[str, Any]) -> HFTokenizer:
@@ -207,8 +242,21 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        return self._chat.render(messages)
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        return self._chat.render(messages, **kwargs)
+
+    @property
+    def template_uses_tools(self) -> bool:
+        return False
+
+    def token_text(self, token_id: int) -> str:
+        if token_id >= 256:
+            return self.SPECIALS[token_id - 256] if token_id - 256 < len(self.SPECIALS) else ""
+        return bytes([token_id]).decode("utf-8", errors="replace")
+
+    def grammar_vocab(self, vocab_size: int) -> tuple[list[bytes], bool]:
+        """Raw bytes per token; the specials as empty (xgrammar's mark of a special token)."""
+        return [bytes([i]) if i < 256 else b"" for i in range(vocab_size)], False
 
 
 @dataclass(slots=True)
