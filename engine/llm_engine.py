@@ -140,6 +140,9 @@ class LLMEngine:
             self.block_manager,
         )
         self._ids = itertools.count(1)
+        # Siblings waiting for their parent's prefill (n > 1): they then share its prompt's blocks.
+        self._forks: dict[int, list[Sequence]] = {}
+        self._unstarted: set[int] = set()  # their ids
         # Sequences holding blocks outside the scheduler (reserved for, or pinned by, a KV transfer):
         # their blocks come back by `release`, so an engine short of blocks waits for them.
         self.held: set[int] = set()
@@ -223,6 +226,31 @@ class LLMEngine:
         self._prompt_tokens += len(prompt_ids)
         return seq
 
+    def add_fork(self, parent: Sequence, stream_index: int, grammar: Any = None) -> Sequence:
+        """One more sample of ``parent``'s request (n > 1), sharing its prompt's KV blocks.
+
+        The sibling waits until the parent's prefill has computed the prompt, then takes its full blocks
+        by reference (no copy) and computes only the prompt's last, partial block itself (the token
+        whose logits start its own generation).
+        """
+        if parent.num_completion_tokens or parent.status is SequenceStatus.FINISHED:
+            raise RuntimeError("a fork must be added before its parent generates")
+        child = Sequence(next(self._ids), parent.token_ids, parent.params, self.args.block_size)
+        child.grammar = grammar
+        child.stream_index = stream_index
+        self._forks.setdefault(parent.seq_id, []).append(child)
+        self._unstarted.add(child.seq_id)
+        return child
+
+    def _start_forks(self, parent: Sequence) -> None:
+        for child in self._forks.pop(parent.seq_id, []):
+            self._unstarted.discard(child.seq_id)
+            if child.status is SequenceStatus.FINISHED:
+                continue
+            self.block_manager.share(parent, child, (parent.num_prompt_tokens - 1) // self.args.block_size)
+            child.prefix_hit_tokens = parent.prefix_hit_tokens
+            self.scheduler.waiting.appendleft(child)  # holds blocks: goes first, as a prompt mid-prefill does
+
     # -- KV filled from outside (the decode side of prefill/decode disaggregation) -------------------
 
     def reserve(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -270,7 +298,14 @@ class LLMEngine:
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End ``seq`` now (stop string, client gone): its blocks are freed at once."""
-        if seq.status is not SequenceStatus.FINISHED:
+        for child in self._forks.pop(seq.seq_id, []) if reason is FinishReason.ABORT else []:
+            self.finish(child, reason)  # siblings that never started go with their parent
+        if seq.seq_id in self._unstarted:  # a sibling still waiting for its parent's prefill
+            self._unstarted.discard(seq.seq_id)
+            seq.finish_reason = reason
+            seq.set_status(SequenceStatus.FINISHED)
+            self._requests_finished += 1
+        elif seq.status is not SequenceStatus.FINISHED:
             self.scheduler.finish(seq, reason)
             self._requests_finished += 1
             if seq.hold_kv and seq.block_table:
@@ -311,6 +346,8 @@ class LLMEngine:
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> FinishReason | None:
         """Add a sampled token to ``seq`` (its logprob, its grammar's state); why it ends there, if it does."""
         seq.append_token(token)
+        if seq.num_completion_tokens == 1 and seq.seq_id in self._forks:
+            self._start_forks(seq)  # its prompt is computed: the siblings share it now
         if logprob is not None:
             seq.logprobs.append(logprob)
         if seq.grammar is not None and not seq.grammar.accept(token):
@@ -438,6 +475,12 @@ class AsyncLLMEngine:
         assert self._wake is not None, "AsyncLLMEngine.start() was not awaited"
         self._wake.set()
         return RequestHandle(seq.seq_id, len(prompt_ids), seq)
+
+    def submit_fork(self, parent: RequestHandle, stream_index: int, grammar: Any = None) -> RequestHandle:
+        """Another sample of ``parent``'s request (n > 1) that shares its prompt's KV blocks."""
+        seq = self.engine.add_fork(parent.seq, stream_index, grammar)
+        self._states[seq.seq_id] = RequestState(seq, IncrementalDetokenizer(self.engine.tokenizer))
+        return RequestHandle(seq.seq_id, parent.prompt_tokens, seq)
 
     async def reserve(
         self, prompt_ids: list[int], params: SamplingParams, max_tokens_given: bool, wait_secs: float = 30.0

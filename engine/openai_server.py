@@ -203,8 +203,11 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
         try:
             for i in range(n):
                 matcher = state.grammar_compiler().state_of(grammar) if grammar is not None else None
-                handles.append(state.engine.submit(ids, params, True, hold_kv=role == "kv_producer",
-                                                   grammar=matcher, stream_index=i))
+                if i == 0:
+                    handles.append(state.engine.submit(ids, params, True, hold_kv=role == "kv_producer",
+                                                       grammar=matcher))  # fmt: skip
+                else:  # the other samples share its prompt's KV blocks once computed
+                    handles.append(state.engine.submit_fork(handles[0], i, matcher))
         except BaseException:
             for h in handles:
                 state.engine.abort(h.seq_id)

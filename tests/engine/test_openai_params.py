@@ -25,6 +25,7 @@ from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.models.loader import LoadedModel
 from engine.openai_server import create_app
+from engine.sequence import SamplingParams, SequenceStatus
 from engine.tools import HermesParser
 
 DEVICE = os.environ.get("ENGINE_TEST_DEVICE", "cpu")
@@ -364,3 +365,22 @@ def test_echo(tiny: ThreadServer) -> None:
     echoed = client.completions.create(model="tiny-random", prompt="echo me", max_tokens=4, echo=True,
                                        **GREEDY).choices[0]  # fmt: skip
     assert echoed.text == "echo me" + plain.text
+
+
+def test_forked_samples_share_the_prompt_blocks(make_engine: Any) -> None:
+    engine = make_engine(num_kvcache_blocks=32, block_size=16)
+    prompt = list(range(1, 41))  # 40 tokens: two full blocks, one partial
+    params = SamplingParams(temperature=1.0, seed=9, max_tokens=5, ignore_eos=True)
+    parent = engine.add_request(prompt, engine.check_request(len(prompt), params, True))
+    forks = [engine.add_fork(parent, i) for i in (1, 2)]
+    engine.step()  # the parent's prefill; the forks join the waiting queue holding its full blocks
+    assert all(f.block_table == parent.block_table[:2] for f in forks)
+    assert engine.block_manager.num_free_blocks == 32 - 3
+    while any(s.status is not SequenceStatus.FINISHED for s in [parent, *forks]):
+        engine.step()
+    assert engine.block_manager.num_free_blocks == 32
+    # A fork draws what an independent sequence of the same stream draws.
+    alone = engine.add_request(prompt, engine.check_request(len(prompt), params, True), stream_index=2)
+    while alone.status is not SequenceStatus.FINISHED:
+        engine.step()
+    assert alone.completion_ids == forks[1].completion_ids != parent.completion_ids
