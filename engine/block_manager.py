@@ -102,8 +102,8 @@ class BlockManager:
 
         At least the last token is always left to compute: its logits start the generation.
         """
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []  # prompt_logprobs need the logits of every prompt token: computed, not cached
         hits: list[int] = []
         prefix: int | None = None
         for i in range((len(seq) - 1) // self.block_size):

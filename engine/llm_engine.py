@@ -249,6 +249,7 @@ class LLMEngine:
                 continue
             self.block_manager.share(parent, child, (parent.num_prompt_tokens - 1) // self.args.block_size)
             child.prefix_hit_tokens = parent.prefix_hit_tokens
+            child.prompt_logprobs = list(parent.prompt_logprobs)  # scored once, by the parent
             self.scheduler.waiting.appendleft(child)  # holds blocks: goes first, as a prompt mid-prefill does
 
     # -- KV filled from outside (the decode side of prefill/decode disaggregation) -------------------
@@ -331,6 +332,7 @@ class LLMEngine:
         """
         sampled = iter(zip(out.tokens, out.logprobs, strict=True))
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.prompt_logprobs += out.prompt_logprobs.get(seq.seq_id, ())
             done = seq.num_cached_tokens + n == len(seq)
             token, logprob = next(sampled) if done else (None, None)
             if seq.status is SequenceStatus.FINISHED:
@@ -402,6 +404,7 @@ class RequestOutput:
     error: EngineError | None = None
     logprobs: tuple[TokenLogprob, ...] = ()  # of ``token_ids``, when the request asked for them
     stop_reason: str | int | None = None  # the stop string or token id that ended it
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # on the first output, when the request asked for them
 
 
 @dataclass(slots=True)
@@ -415,6 +418,7 @@ class RequestState:
     emitted: int = 0  # how much of ``text`` was sent
     tokens_sent: int = 0
     logprobs_sent: int = 0
+    prompt_sent: bool = False
     done: bool = False
 
 
@@ -590,6 +594,7 @@ class AsyncLLMEngine:
         state.tokens_sent = len(ids)
         new_logprobs = tuple(seq.logprobs[state.logprobs_sent :])
         state.logprobs_sent = len(seq.logprobs)
+        prompt_logprobs = tuple(seq.prompt_logprobs) if not state.prompt_sent else ()
         if isinstance(seq.stop_reason, int):
             ids = ids[:-1]  # a stop token's own text is not part of the output (as vLLM)
         state.text += state.detokenizer.step(ids)
@@ -618,6 +623,7 @@ class AsyncLLMEngine:
         state.emitted = max(state.emitted, end)
         if not delta and not new_ids and not finished:
             return
+        state.prompt_sent = True
         if finished:
             state.done = True
         state.queue.put_nowait(
@@ -631,6 +637,7 @@ class AsyncLLMEngine:
                 seq.prefix_hit_tokens,
                 logprobs=new_logprobs,
                 stop_reason=seq.stop_reason if finished else None,
+                prompt_logprobs=prompt_logprobs,
             )
         )
 

@@ -14,8 +14,8 @@ from engine.cuda_graph import DecodeGraphs, MixedGraphs
 from engine.kernels import decode_splits
 from engine.kernels.ops import TritonOps
 from engine.models.llama import LlamaConfig, LlamaForCausalLM, rope_tables
-from engine.sampler import SampleOutput, Sampler, SampleRow, sample_row
-from engine.sequence import SamplingParams, Sequence
+from engine.sampler import SampleOutput, Sampler, SampleRow, sample_row, token_logprobs
+from engine.sequence import SamplingParams, Sequence, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,11 @@ class StepInput:
     graph: DecodeGraphs | MixedGraphs | None = None  # the graphs whose buffers hold the staged inputs
     bitmask: torch.Tensor | None = None  # structured-output token masks of ``bitmask_rows``
     bitmask_rows: tuple[int, ...] = ()
+    # prompt_logprobs: the hidden rows that score prompt tokens, those tokens, and per sequence
+    # (seq_id, how many of the rows, top k)
+    prompt_rows: torch.Tensor | None = None
+    prompt_targets: torch.Tensor | None = None
+    prompt_seqs: tuple[tuple[int, int, int], ...] = ()
 
 
 def sample_rows(seqs: Seq[Sequence], vocab_size: int) -> tuple[tuple[SampleRow, ...], torch.Tensor | None,
@@ -226,6 +231,9 @@ class ModelRunner:
         context_lens: list[int] = []
         sampled: list[Sequence] = []
         logits_rows: list[int] = []
+        prompt_rows: list[int] = []  # hidden rows whose logits score the next prompt token (prompt_logprobs)
+        prompt_targets: list[int] = []
+        prompt_seqs: list[tuple[int, int, int]] = []  # (seq_id, rows, top k)
         for seq, n in zip(seqs, num_new_tokens, strict=True):
             start = seq.num_cached_tokens
             end = start + n
@@ -237,11 +245,20 @@ class ModelRunner:
             query_lens.append(n)
             cached_lens.append(start)
             context_lens.append(end)
+            k = seq.params.prompt_logprobs
+            if k is not None:
+                # Positions p score token p + 1; those already scored (a preempted prompt) are skipped.
+                first, last = max(start, len(seq.prompt_logprobs)), min(end, seq.num_prompt_tokens - 1)
+                if last > first:
+                    base = sum(query_lens) - n - start
+                    prompt_rows += range(base + first, base + last)
+                    prompt_targets += seq.token_ids[first + 1 : last + 1]
+                    prompt_seqs.append((seq.seq_id, last - first, k))
             if end == len(seq):
                 sampled.append(seq)
                 logits_rows.append(sum(query_lens) - 1)
         mixed = self.mixed_graphs
-        if mixed is not None and not self.indexer_caches and mixed.fits(len(ids), len(seqs)):
+        if mixed is not None and not self.indexer_caches and not prompt_rows and mixed.fits(len(ids), len(seqs)):
             mixed.stage(np.asarray(ids, dtype=np.int32), np.concatenate(positions), np.concatenate(slots), query_lens,
                         context_lens, [s.block_table for s in seqs], logits_rows)  # fmt: skip
             rows, mask, masked = sample_rows(sampled, self.config.vocab_size)
@@ -286,6 +303,9 @@ class ModelRunner:
             rows=rows,
             bitmask=mask,
             bitmask_rows=masked,
+            prompt_rows=torch.tensor(prompt_rows, dtype=torch.int64, device=dev) if prompt_rows else None,
+            prompt_targets=torch.tensor(prompt_targets, dtype=torch.int64, device=dev) if prompt_rows else None,
+            prompt_seqs=tuple(prompt_seqs),
         )
 
     @torch.inference_mode()
@@ -296,7 +316,16 @@ class ModelRunner:
             return self.sampler.sample(logits, step.rows, greedy, step.bitmask, step.bitmask_rows)
         assert step.input_ids is not None and step.positions is not None and step.meta is not None
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, self.indexer_caches or None)
+        prompt: dict[int, list[TokenLogprob]] = {}
+        if step.prompt_rows is not None and step.prompt_targets is not None:
+            scores = token_logprobs(self.model.compute_logits(hidden[step.prompt_rows]).float(), step.prompt_targets,
+                                    [k for _, rows, k in step.prompt_seqs for _ in range(rows)])  # fmt: skip
+            at = 0
+            for seq_id, rows, _ in step.prompt_seqs:
+                prompt[seq_id] = scores[at : at + rows]
+                at += rows
         if not step.rows:
-            return SampleOutput([], [])
+            return SampleOutput([], [], prompt)
         logits = self.model.compute_logits(hidden[step.logits_indices])
-        return self.sampler.sample(logits, step.rows, None, step.bitmask, step.bitmask_rows)
+        out = self.sampler.sample(logits, step.rows, None, step.bitmask, step.bitmask_rows)
+        return SampleOutput(out.tokens, out.logprobs, prompt)

@@ -180,6 +180,12 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
             engine.check_request(len(ids), replace(params, max_tokens=decode_limit), True)  # refuse before prefill
     params = engine.check_request(len(ids), params, limit is not None)  # context length, ids: before anything runs
     show_logprobs = params.logprobs is not None
+    echo = isinstance(body, CompletionBody) and bool(body.echo)
+    if echo and params.logprobs is not None:  # echo with logprobs scores the prompt's tokens too (OpenAI)
+        params = replace(params, prompt_logprobs=max(params.prompt_logprobs or 0, params.logprobs))
+    if params.prompt_logprobs is not None and role is not None:
+        raise InvalidRequestError("prompt_logprobs (or echo with logprobs) is not supported with kv_transfer_params "
+                                  "(P/D): the prompt is scored on the prefill engine only")
     if _best_of(body) is not None and params.logprobs is None:
         params = replace(params, logprobs=0)  # best_of ranks its sequences by cumulative logprob
     spec = body.grammar()
@@ -218,10 +224,11 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
     choices = [Choice(i, tokenizer, chat is not None, show_logprobs,
                       chat.parser() if chat is not None and chat.parser is not None else None,
                       chat.named if chat is not None else False) for i in range(n)]  # fmt: skip
-    echo = isinstance(body, CompletionBody) and bool(body.echo)
-    if echo:
-        for c in choices:
+    for c in choices:
+        if echo:
             c.echo(ids)
+        if body.prompt_logprobs is not None:
+            c.want_prompt_logprobs(ids)
     offered = False
     try:
         outputs = _merged([_timed(state.engine.stream(h), state.metrics, arrived) for h in handles])
@@ -316,7 +323,10 @@ async def _collect(head: Head, outputs: AsyncIterator[tuple[int, RequestOutput]]
         choices = sorted(choices, key=lambda c: -c.cumulative_logprob)[:keep]
         for i, c in enumerate(choices):
             c.index = i
-    return head.body([c.final() for c in choices], _usage(list(last.values())))
+    answer = head.body([c.final() for c in choices], _usage(list(last.values())))
+    if head.chat and choices[0].show_prompt_logprobs:  # vLLM: at the top of a chat completion
+        answer["prompt_logprobs"] = choices[0].vllm_prompt_logprobs()
+    return answer
 
 
 async def _timed(

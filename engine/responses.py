@@ -65,14 +65,25 @@ class Choice:
         self.calls: list[ToolCall] = []
         self._offset = 0  # completions' text_offset: characters before the next token
         self._echo = ""
+        self._echo_ids: Sequence[int] = ()
+        self.prompt_ids: Sequence[int] = ()
+        self.prompt_logprobs: tuple[TokenLogprob, ...] = ()
+        self.show_prompt_logprobs = False  # vLLM's prompt_logprobs field
 
     def echo(self, prompt_ids: Sequence[int]) -> None:
-        """Completions with echo: the prompt's text comes first."""
+        """Completions with echo: the prompt's text (and, with logprobs, its tokens' logprobs) comes first."""
         self._echo = self.tokenizer.decode(prompt_ids)
+        self._echo_ids = prompt_ids
+
+    def want_prompt_logprobs(self, prompt_ids: Sequence[int]) -> None:
+        self.prompt_ids = prompt_ids
+        self.show_prompt_logprobs = True
 
     # -- accumulation ---------------------------------------------------------------------------------
 
     def add(self, out: RequestOutput) -> None:
+        if out.prompt_logprobs:
+            self.prompt_logprobs = out.prompt_logprobs
         self.text.append(out.text)
         self.token_logprobs.extend(out.logprobs)
         self.cumulative_logprob += sum(lp.logprob for lp in out.logprobs)
@@ -98,10 +109,24 @@ class Choice:
                 if self.logprobs else None  # fmt: skip
         else:
             choice["text"] = text
-            choice["logprobs"] = self._completion_logprobs(self.token_logprobs, self._echo) if self.logprobs else None
+            choice["logprobs"] = self._completion_logprobs(self.token_logprobs, True) if self.logprobs else None
+            if self.show_prompt_logprobs:
+                choice["prompt_logprobs"] = self.vllm_prompt_logprobs()
         choice["finish_reason"] = self._finish_reason()
         choice["stop_reason"] = self.stop_reason
         return choice
+
+    def vllm_prompt_logprobs(self) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs``: None for the first token, then per token {id: {logprob, rank, decoded_token}}
+        holding the prompt's own token and the top alternatives."""
+        out: list[dict[str, Any] | None] = [None]
+        for lp in self.prompt_logprobs:
+            entry = {str(t): {"logprob": v, "rank": i + 1, "decoded_token": self.tokenizer.token_text(t)}
+                     for i, (t, v) in enumerate(lp.top)}  # fmt: skip
+            entry[str(lp.token_id)] = {"logprob": lp.logprob, "rank": lp.rank,
+                                       "decoded_token": self.tokenizer.token_text(lp.token_id)}  # fmt: skip
+            out.append(entry)
+        return out
 
     def _finish_reason(self) -> str | None:
         if self.calls and not self.named_call and self.finish_reason == "stop":
@@ -121,6 +146,7 @@ class Choice:
         """A streamed chunk's choice for ``out`` (None when it adds nothing a client would see)."""
         self.add(out)
         text = out.text
+        echoed = bool(self._echo)
         if self._echo:
             text, self._echo = self._echo + text, ""
         calls: list[ToolCall] = []
@@ -143,7 +169,9 @@ class Choice:
                 if self.logprobs else None  # fmt: skip
         else:
             choice["text"] = text
-            choice["logprobs"] = self._completion_logprobs(out.logprobs, "") if self.logprobs else None
+            choice["logprobs"] = self._completion_logprobs(out.logprobs, echoed) if self.logprobs else None
+        if self.show_prompt_logprobs and out.prompt_logprobs:
+            choice["prompt_logprobs"] = self.vllm_prompt_logprobs()
         choice["finish_reason"] = self._finish_reason() if out.finished else None
         if out.finished:
             choice["stop_reason"] = self.stop_reason
@@ -157,20 +185,29 @@ class Choice:
                 "top_logprobs": [{"token": (t := self.tokenizer.token_text(tid)), "logprob": v,
                                   "bytes": list(t.encode())} for tid, v in lp.top]}  # fmt: skip
 
-    def _completion_logprobs(self, lps: Sequence[TokenLogprob], before: str) -> dict[str, Any]:
-        self._offset += len(before)
-        tokens, offsets = [], []
+    def _completion_logprobs(self, lps: Sequence[TokenLogprob], with_echo: bool) -> dict[str, Any]:
+        """OpenAI's completions logprobs; with echo, the prompt's tokens first (the first has no logprob)."""
+        tokens: list[str] = []
+        offsets: list[int] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        if with_echo and self._echo_ids:
+            scored = {i + 1: lp for i, lp in enumerate(self.prompt_logprobs)}
+            for i, token_id in enumerate(self._echo_ids):
+                lp = scored.get(i)
+                values.append(lp.logprob if lp is not None else None)
+                tops.append({self.tokenizer.token_text(t): v for t, v in lp.top} if lp is not None else None)
+                self._add_token(self.tokenizer.token_text(token_id), tokens, offsets)
         for lp in lps:
-            token = self.tokenizer.token_text(lp.token_id)
-            tokens.append(token)
-            offsets.append(self._offset)
-            self._offset += len(token)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{self.tokenizer.token_text(t): v for t, v in lp.top} for lp in lps],
-            "text_offset": offsets,
-        }
+            values.append(lp.logprob)
+            tops.append({self.tokenizer.token_text(t): v for t, v in lp.top})
+            self._add_token(self.tokenizer.token_text(lp.token_id), tokens, offsets)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    def _add_token(self, token: str, tokens: list[str], offsets: list[int]) -> None:
+        tokens.append(token)
+        offsets.append(self._offset)
+        self._offset += len(token)
 
 
 def _merge(a: ParsedDelta, b: ParsedDelta) -> ParsedDelta:

@@ -15,7 +15,7 @@ to carry around.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import xxhash
@@ -43,6 +43,7 @@ class SampleOutput:
 
     tokens: list[int]
     logprobs: list[TokenLogprob | None]
+    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # by seq_id
 
 
 def seed_key(seed: int, stream: int, step: int) -> int:

@@ -384,3 +384,27 @@ def test_forked_samples_share_the_prompt_blocks(make_engine: Any) -> None:
     while alone.status is not SequenceStatus.FINISHED:
         engine.step()
     assert alone.completion_ids == forks[1].completion_ids != parent.completion_ids
+
+
+def test_echo_with_logprobs_and_prompt_logprobs(tiny: ThreadServer) -> None:
+    client = tiny.client()
+    prompt = "score this prompt"
+    out = client.completions.create(model="tiny-random", prompt=prompt, max_tokens=3, echo=True, logprobs=2,
+                                    extra_body={"prompt_logprobs": 1, "ignore_eos": True}, temperature=0)
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert lp is not None and choice.text.startswith(prompt)
+    n = len(prompt)  # the tiny model's tokenizer: one token per byte
+    assert len(lp.tokens or []) == n + 3 and "".join(lp.tokens or []) == choice.text
+    assert (lp.token_logprobs or [])[0] is None and all(v is not None for v in (lp.token_logprobs or [])[1:])
+    vllm = choice.model_extra["prompt_logprobs"]
+    assert vllm[0] is None and len(vllm) == n
+    # vLLM's entry holds the prompt's own token: the same logprob as the echoed one.
+    for i in range(1, n):
+        own = vllm[i][str(ord(prompt[i]))]
+        assert own["logprob"] == pytest.approx((lp.token_logprobs or [])[i]) and own["decoded_token"] == prompt[i]
+    # The same numbers without the prefix cache's help (a second identical request) and streamed.
+    again = client.completions.create(model="tiny-random", prompt=prompt, max_tokens=3, echo=True, logprobs=2,
+                                      stream=True, temperature=0, extra_body={"ignore_eos": True})
+    flat = [v for c in again for ch in c.choices for v in ((ch.logprobs.token_logprobs or []) if ch.logprobs else [])]
+    assert flat == pytest.approx(lp.token_logprobs)
