@@ -156,7 +156,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             raise InvalidRequestError('tool_choice "auto" needs the engine started with --enable-auto-tool-choice '
                                       "and --tool-call-parser (as vLLM); or send tool_choice required, a named "
                                       "function, or none")
-        parsers = lambda: make_parser(parser_name)  # noqa: E731
+        parallel = body.parallel_tool_calls is not False
+        parsers = lambda: make_parser(parser_name, parallel)  # noqa: E731
     else:
         parsers = None
     named = isinstance(body.tool_choice, NamedToolChoice) and body.tools_forced()

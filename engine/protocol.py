@@ -454,7 +454,8 @@ class ChatBody(SamplingBody):
             from engine.tools import forced_call_schema
 
             named = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
-            return GrammarSpec("json_schema", _dumps(forced_call_schema(self.tools or [], named)))
+            parallel = self.parallel_tool_calls is not False
+            return GrammarSpec("json_schema", _dumps(forced_call_schema(self.tools or [], named, parallel)))
         return self.grammar_of_body()
 
 

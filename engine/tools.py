@@ -30,16 +30,20 @@ HERMES_SYSTEM = (
 )
 
 
-def forced_call_schema(tools: Sequence[Tool], named: str | None) -> dict[str, Any]:
+def forced_call_schema(tools: Sequence[Tool], named: str | None, parallel: bool = True) -> dict[str, Any]:
     """The JSON schema of the output when a call is forced: a named function's arguments, or (required)
-    a non-empty list of ``{"name", "parameters"}`` objects, one shape per tool (as vLLM does)."""
+    a non-empty list of ``{"name", "parameters"}`` objects, one shape per tool (as vLLM does); one call
+    at most without ``parallel``."""
     if named is not None:
         tool = next(t for t in tools if t.function.name == named)
         return tool.function.parameters or {"type": "object"}
     shapes = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
                                                 "parameters": t.function.parameters or {"type": "object"}},
                "required": ["name", "parameters"]} for t in tools]  # fmt: skip
-    return {"type": "array", "minItems": 1, "items": {"anyOf": shapes}}
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": shapes}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
 
 
 def tools_for_template(tools: Sequence[Tool]) -> list[dict[str, Any]]:
@@ -87,10 +91,11 @@ class HermesParser:
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def __init__(self) -> None:
+    def __init__(self, max_calls: int | None = None) -> None:
         self._buffer = ""
         self._in_call = False
         self.calls = 0
+        self.max_calls = max_calls  # parallel_tool_calls false: 1 (later calls are dropped, as vLLM)
 
     def feed(self, text: str) -> ParsedDelta:
         self._buffer += text
@@ -113,7 +118,8 @@ class HermesParser:
             self._buffer = self._buffer[end + len(self.CLOSE) :]
             self._in_call = False
             if call is not None:
-                out.calls.append(call)
+                if self.max_calls is None or self.calls <= self.max_calls:
+                    out.calls.append(call)
             else:  # not a call after all: give the text back as content
                 out.content += self.OPEN + self._buffer[:end] + self.CLOSE
 
@@ -123,7 +129,9 @@ class HermesParser:
         if self._in_call:
             self._in_call = False
             call = self._parse(rest)  # a call cut short by the token limit is kept if it parses
-            return ParsedDelta(calls=[call]) if call is not None else ParsedDelta(content=self.OPEN + rest)
+            if call is None:
+                return ParsedDelta(content=self.OPEN + rest)
+            return ParsedDelta(calls=[call] if self.max_calls is None or self.calls <= self.max_calls else [])
         return ParsedDelta(content=rest)
 
     def _parse(self, raw: str) -> ToolCall | None:
@@ -160,9 +168,9 @@ class ForcedParser:
         return ParsedDelta(calls=[ToolCall(c["name"], orjson.dumps(c["parameters"]).decode()) for c in obj])
 
 
-def make_parser(name: str) -> ToolParser:
+def make_parser(name: str, parallel: bool = True) -> ToolParser:
     if name == "hermes":
-        return HermesParser()
+        return HermesParser(None if parallel else 1)
     raise ValueError(f"--tool-call-parser {name!r}: one of {', '.join(TOOL_CALL_PARSERS)}")
 
 

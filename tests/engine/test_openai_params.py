@@ -332,6 +332,10 @@ def test_hermes_parser_streams_across_split_tags() -> None:
     end = parser.finish()
     assert content + end.content == "Sure.  and <tool_c"
     assert [(c.name, c.arguments) for c in calls] == [("f", '{"x":1}')]
+    # parallel_tool_calls false: the first call only.
+    single = HermesParser(max_calls=1)
+    two = single.feed(text[:65] + text[:65]).calls + single.finish().calls
+    assert [c.name for c in two] == ["f"]
 
 
 # -- n, best_of, echo -------------------------------------------------------------------------------------
@@ -408,3 +412,21 @@ def test_echo_with_logprobs_and_prompt_logprobs(tiny: ThreadServer) -> None:
                                       stream=True, temperature=0, extra_body={"ignore_eos": True})
     flat = [v for c in again for ch in c.choices for v in ((ch.logprobs.token_logprobs or []) if ch.logprobs else [])]
     assert flat == pytest.approx(lp.token_logprobs)
+
+
+def test_continue_final_message_and_add_generation_prompt(tiny: ThreadServer) -> None:
+    client = tiny.client()
+    tok = tiny.engine.tokenizer
+    messages: Any = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    cont = client.chat.completions.create(model="tiny-random", messages=messages, max_tokens=2, temperature=0,
+                                          extra_body={"continue_final_message": True,
+                                                      "add_generation_prompt": False})  # fmt: skip
+    # The final message is left open: the prompt ends with its text, no end-of-turn after it.
+    open_prompt = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nHel"
+    assert cont.usage is not None and cont.usage.prompt_tokens == len(tok.encode(open_prompt))
+    closed = client.chat.completions.create(model="tiny-random", messages=messages, max_tokens=2, temperature=0,
+                                            extra_body={"add_generation_prompt": False})  # fmt: skip
+    assert closed.usage is not None and closed.usage.prompt_tokens == len(tok.encode(open_prompt + "<|im_end|>\n"))
+    with pytest.raises(openai.BadRequestError, match="continue_final_message"):
+        client.chat.completions.create(model="tiny-random", messages=messages, max_tokens=2,
+                                       extra_body={"continue_final_message": True})  # fmt: skip
