@@ -51,8 +51,7 @@ def sample_rows(seqs: Seq[Sequence], vocab_size: int) -> tuple[tuple[SampleRow, 
                                                                tuple[int, ...]]:  # fmt: skip
     """How to sample the next token of each of ``seqs``, and their grammar masks (filled now, before the
     step, from each matcher's state)."""
-    rows = tuple(sample_row(s.params, s.stream_index, s.num_completion_tokens, s.completion_ids,
-                            s.token_ids[: s.num_prompt_tokens]) for s in seqs)  # fmt: skip
+    rows = tuple(sample_row(s) for s in seqs)
     constrained = tuple(i for i, s in enumerate(seqs) if s.grammar is not None)
     if not constrained:
         return rows, None, ()

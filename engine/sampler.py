@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
-from engine.sequence import SamplingParams, TokenLogprob
+from engine.sequence import SamplingParams, Sequence, TokenLogprob
 
 # What a -inf logprob (a token masked out) is reported as: JSON has no infinity; OpenAI and vLLM send this.
 MASKED_LOGPROB = -9999.0
@@ -52,14 +52,15 @@ def seed_key(seed: int, stream: int, step: int) -> int:
     return xxhash.xxh64_intdigest(raw) & ((1 << 63) - 1)
 
 
-def sample_row(seq_params: SamplingParams, stream: int, step: int, output_ids: list[int],
-               prompt_ids: list[int]) -> SampleRow:  # fmt: skip
-    """The SampleRow of a sequence about to draw its token ``step`` (0-based)."""
-    p = seq_params
-    key = seed_key(p.seed, stream, step) if p.seed is not None and not p.greedy else None
-    history = p.penalized or p.min_tokens > 0
-    return SampleRow(p, key, tuple(output_ids) if history else (),
-                     tuple(prompt_ids) if p.repetition_penalty != 1.0 else (), step)  # fmt: skip
+def sample_row(seq: Sequence) -> SampleRow:
+    """The SampleRow of a sequence about to draw its next token (the token history only when needed)."""
+    p = seq.params
+    step = seq.num_completion_tokens
+    key = seed_key(p.seed, seq.stream_index, step) if p.seed is not None and not p.greedy else None
+    if not (p.penalized or p.min_tokens > 0):
+        return SampleRow(p, key, num_output=step)
+    prompt = tuple(seq.token_ids[: seq.num_prompt_tokens]) if p.repetition_penalty != 1.0 else ()
+    return SampleRow(p, key, tuple(seq.token_ids[seq.num_prompt_tokens :]), prompt, step)
 
 
 class Sampler:
