@@ -68,7 +68,15 @@ class Sampler:
 
     def __init__(self, eos_token_ids: frozenset[int], seed: int) -> None:
         self.eos_token_ids = tuple(sorted(eos_token_ids))
-        self._default_generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        # Unseeded draws come from one generator per device, made on first use (no noise crosses PCIe).
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return gen
 
     @torch.inference_mode()
     def sample(
@@ -170,14 +178,16 @@ class Sampler:
             floor = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1) * probs.amax(-1, keepdim=True)
             probs = probs.masked_fill(probs < floor, 0.0)
         # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p, one RNG call per row.
-        noise = torch.empty(probs.shape, dtype=probs.dtype)  # generators live on the CPU
+        noise = torch.empty(probs.shape, dtype=probs.dtype, device=dev)
         unseeded = [i for i, r in enumerate(rows) if r.seed_key is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_(1.0, generator=self._default_generator)
+            noise[unseeded] = torch.empty(len(unseeded), vocab, device=dev).exponential_(
+                1.0, generator=self._generator(dev))
         for i, r in enumerate(rows):
-            if r.seed_key is not None:
-                noise[i].exponential_(1.0, generator=torch.Generator().manual_seed(r.seed_key))
-        return (probs / noise.to(dev)).argmax(dim=-1)
+            if r.seed_key is not None:  # on the CPU: the same draws whatever the device
+                row = torch.empty(vocab).exponential_(1.0, generator=torch.Generator().manual_seed(r.seed_key))
+                noise[i] = row.to(dev)
+        return (probs / noise).argmax(dim=-1)
 
 
 def token_logprobs(scaled: torch.Tensor, tokens: torch.Tensor, top: Seq[int]) -> list[TokenLogprob]:
