@@ -410,9 +410,11 @@ class ChatBody(SamplingBody):
     continue_final_message: bool = False  # vLLM: leave the final (assistant) message open, to be continued
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool | None = None  # vLLM: prepend the last message to the answer
+    best_of: int | None = None  # vLLM's chat accepted it once; only completions rank sequences here
 
     def check(self) -> None:
-        super().check()
+        if self.best_of not in (None, 1):
+            raise InvalidRequestError("best_of is only supported for completions by this engine")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs: true")
         if self.echo:
@@ -432,6 +434,7 @@ class ChatBody(SamplingBody):
         if self.tools_forced() and self.grammar_of_body() is not None:
             raise InvalidRequestError("tool_choice required / a named function cannot be combined with "
                                       "response_format or guided decoding")
+        super().check()  # last: it builds the grammar, which needs the tools checked
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

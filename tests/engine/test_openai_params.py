@@ -430,3 +430,30 @@ def test_continue_final_message_and_add_generation_prompt(tiny: ThreadServer) ->
     with pytest.raises(openai.BadRequestError, match="continue_final_message"):
         client.chat.completions.create(model="tiny-random", messages=messages, max_tokens=2,
                                        extra_body={"continue_final_message": True})  # fmt: skip
+
+
+@pytest.mark.parametrize(("extra", "names"), [
+    ({"logprobs": 1}, "logprobs"),  # chat's logprobs is a boolean
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"best_of": 2}, "best_of"),
+    ({"echo": True}, "echo"),
+    ({"n": 17}, "n"),
+    ({"stream": 1}, "stream"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "image_url"),
+])  # fmt: skip
+def test_chat_refusals_name_the_field(tiny: ThreadServer, extra: dict[str, Any], names: str) -> None:
+    import urllib.error
+    import urllib.request
+
+    body = {"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+    req = urllib.request.Request(tiny.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert err.value.code == 400
+    message = json.loads(err.value.read())["error"]["message"]
+    assert names in message, message
