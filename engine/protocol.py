@@ -31,7 +31,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,),
     "length_penalty": (1.0, 1),
     "allowed_token_ids": (),
-    "bad_words": ((),),
+    "bad_words": ([],),
     "truncate_prompt_tokens": (),
     "return_tokens_as_token_ids": (False,),
     "skip_special_tokens": (True,),
@@ -57,8 +57,6 @@ def _refuse_unsupported(data: dict[str, Any]) -> None:
     for name, accepted in UNSUPPORTED.items():
         value = data.get(name)
         if value is None or any(value == a and type(value) is type(a) for a in accepted):
-            continue
-        if isinstance(value, list) and not value and ((),) == accepted:
             continue
         raise InvalidRequestError(f"{name} is not supported by this engine (got {orjson.dumps(value).decode()[:80]})")
 
