@@ -457,3 +457,18 @@ def test_chat_refusals_name_the_field(tiny: ThreadServer, extra: dict[str, Any],
     assert err.value.code == 400
     message = json.loads(err.value.read())["error"]["message"]
     assert names in message, message
+
+
+def test_a_seeded_draw_does_not_depend_on_the_batch_path() -> None:
+    from engine.sampler import Sampler, SampleRow, seed_key
+
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(0))
+    sampler = Sampler(frozenset({0}), 0)
+    rows = [SampleRow(SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=s), seed_key(s, 0, 0)) for s in (1, 2)]
+    alone = sampler.sample(logits[:2], rows).tokens  # every row has a top-k: the top-k columns only
+    # Batched with a row without top-k, the same rows go through a full sort: the same draws.
+    other = SampleRow(SamplingParams(temperature=0.7, top_p=0.5, seed=3), seed_key(3, 0, 0))
+    assert sampler.sample(logits, [*rows, other]).tokens[:2] == alone
+    # top_k 1 is the argmax, whatever the temperature.
+    one = [SampleRow(SamplingParams(temperature=5.0, top_k=1, seed=s), seed_key(s, 0, 0)) for s in (1, 2)]
+    assert sampler.sample(logits[:2], one).tokens == logits[:2].argmax(-1).tolist()
