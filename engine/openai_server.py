@@ -1,8 +1,8 @@
 """``python -m engine.openai_server``: the ATOM-compatible OpenAI HTTP server of the engine.
 
-Endpoints: POST /v1/completions, /v1/chat/completions (SSE when ``stream``); GET /v1/models,
-/health, /metrics, /server_info, /kv_transfer_info. Errors are OpenAI-shaped, rendered in one
-middleware from the engine's error hierarchy.
+Endpoints: POST /v1/completions, /v1/chat/completions, /generate (SSE when ``stream``), /flush_cache;
+GET /v1/models, /health, /health_generate, /get_model_info, /metrics, /server_info, /kv_transfer_info.
+Errors are OpenAI-shaped, rendered in one middleware from the engine's error hierarchy.
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ import orjson
 import torch
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 
 from engine.args import EngineArgs, parse_args
 from engine.disagg import Disaggregation, check_transfer_support
 from engine.errors import EngineError, InvalidRequestError, ModelNotFoundError
 from engine.llm_engine import AsyncLLMEngine, LLMEngine, RequestOutput
 from engine.metrics import ServerMetrics
-from engine.protocol import ChatBody, CompletionBody, NamedToolChoice, SamplingBody, parse_body
+from engine.protocol import ChatBody, CompletionBody, GenerateBody, NamedToolChoice, SamplingBody, parse_body
 from engine.responses import ChatExtras, Choice, Head
 from engine.sequence import SamplingParams, TokenLogprob
 from engine.structured import GrammarCompiler
@@ -108,6 +109,34 @@ async def completions(request: web.Request) -> web.StreamResponse:
     _check_model(state, body.model)
     if body.echo and body.kv_role_needed is not None:
         raise InvalidRequestError("echo is not supported with kv_transfer_params (P/D)")
+    return await _generate(request, state, body, _prompt_ids(state, body), None)
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    """POST /generate: SGLang's native route, answered in its shape (`text`, `meta_info`)."""
+    state = request.app[STATE]
+    native = _parse_native(await request.read())
+    body = native.as_completion()
+    _check_model(state, body.model)
+    return await _generate(request, state, body, _prompt_ids(state, body), None, native=True)
+
+
+def _parse_native(raw: bytes) -> GenerateBody:
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequestError(f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise InvalidRequestError("the body must be a JSON object")
+    try:
+        return GenerateBody.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise InvalidRequestError(f"{where}: {first['msg']}") from exc
+
+
+def _prompt_ids(state: ServerState, body: CompletionBody) -> list[int]:
     prompt: Any = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -120,7 +149,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         vocab = state.engine.engine.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-    return await _generate(request, state, body, ids, None)
+    return ids
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -165,7 +194,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _generate(request: web.Request, state: ServerState, body: SamplingBody, ids: list[int],
-                    chat: ChatExtras | None) -> web.StreamResponse:  # fmt: skip
+                    chat: ChatExtras | None, native: bool = False) -> web.StreamResponse:  # fmt: skip
     """Validate everything against this model, then run the request's sequences and answer."""
     arrived = time.monotonic()
     engine = state.engine.engine
@@ -234,10 +263,15 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
     try:
         outputs = _merged([_timed(state.engine.stream(h), state.metrics, arrived) for h in handles])
         head = Head(request_id, created, state.served_model_name, chat is not None)
+        if native and body.stream:
+            return await _stream_native(request, outputs, request_id)
         if body.stream:
             include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
             return await _stream(request, head, outputs, choices, include_usage)
-        answer = await _collect(head, outputs, choices, _best_of(body))
+        if native:
+            answer = await _collect_native(outputs, request_id)
+        else:
+            answer = await _collect(head, outputs, choices, _best_of(body))
         if role == "kv_producer":
             assert disagg is not None
             seq = handles[0].seq
@@ -254,6 +288,47 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
             state.engine.abort(h.seq_id)
         if role == "kv_producer" and not offered:
             state.engine.engine.release(handles[0].seq)  # held blocks nobody will pull
+
+
+def _meta_info(request_id: str, out: RequestOutput) -> dict[str, Any]:
+    """SGLang's `meta_info` of a /generate answer."""
+    return {"id": request_id, "finish_reason": {"type": out.finish_reason} if out.finish_reason else None,
+            "prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+            "cached_tokens": out.cached_tokens}
+
+
+async def _collect_native(outputs: AsyncIterator[tuple[int, RequestOutput]], request_id: str) -> dict[str, Any]:
+    text: list[str] = []
+    last: RequestOutput | None = None
+    async for _, out in outputs:
+        if out.error is not None:
+            raise out.error
+        text.append(out.text)
+        last = out
+    assert last is not None
+    return {"text": "".join(text), "meta_info": _meta_info(request_id, last)}
+
+
+async def _stream_native(
+    request: web.Request, outputs: AsyncIterator[tuple[int, RequestOutput]], request_id: str
+) -> web.StreamResponse:
+    """SGLang's /generate stream: each event carries the whole text so far."""
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": request_id}
+    )
+    await resp.prepare(request)
+    text = ""
+    async for _, out in outputs:
+        if out.error is not None:
+            await resp.write(b"data: " + orjson.dumps(out.error.body()) + b"\n\n")
+            break
+        if not out.text and not out.finished:
+            continue
+        text += out.text
+        await resp.write(b"data: " + orjson.dumps({"text": text, "meta_info": _meta_info(request_id, out)}) + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
 
 
 def _best_of(body: SamplingBody) -> int | None:
@@ -436,6 +511,34 @@ async def server_info(request: web.Request) -> web.Response:
     )
 
 
+async def health_generate(request: web.Request) -> web.Response:
+    """GET /health_generate: generate one token, so a router knows the model really runs."""
+    state = request.app[STATE]
+    ids = state.engine.engine.tokenizer.encode("ping")[:8] or [0]
+    handle = state.engine.submit(ids, SamplingParams(temperature=0.0, max_tokens=1), True)
+    try:
+        async for out in state.engine.stream(handle):
+            if out.error is not None:
+                raise out.error
+    finally:
+        state.engine.abort(handle.seq_id)
+    return _json({"status": "ok"})
+
+
+async def get_model_info(request: web.Request) -> web.Response:
+    """GET /get_model_info: SGLang's shape."""
+    state = request.app[STATE]
+    return _json({"model_path": state.args.model, "tokenizer_path": state.args.model,
+                  "served_model_name": state.served_model_name, "is_generation": True,
+                  "max_model_len": state.engine.engine.max_model_len})
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    """POST /flush_cache: forget the prefix cache's free blocks (blocks in use keep theirs)."""
+    flushed = request.app[STATE].engine.engine.block_manager.flush()
+    return _json({"status": "ok", "flushed_blocks": flushed})
+
+
 async def kv_transfer_info(request: web.Request) -> web.Response:
     """GET /kv_transfer_info: ATOM's shape; kv_role is null while no transfer is configured."""
     state = request.app[STATE]
@@ -477,8 +580,12 @@ def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
     app.cleanup_ctx.append(engine_loop)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/generate", generate)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health_generate)
+    app.router.add_get("/get_model_info", get_model_info)
+    app.router.add_post("/flush_cache", flush_cache)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/server_info", server_info)
     app.router.add_get("/kv_transfer_info", kv_transfer_info)

@@ -460,6 +460,60 @@ class ChatBody(SamplingBody):
         return self.grammar_of_body()
 
 
+class GenerateSampling(BaseModel):
+    """SGLang's ``sampling_params`` of POST /generate (the fields this engine implements; others refused)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    max_new_tokens: Annotated[int, Field(ge=1)] | None = 128
+    min_new_tokens: Annotated[int, Field(ge=0)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Prob | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
+    ignore_eos: bool | None = None
+    seed: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+
+
+class GenerateBody(BaseModel):
+    """POST /generate (SGLang's native route): one prompt as ``text`` or ``input_ids``."""
+
+    model_config = STRICT
+
+    model: str | None = None
+    text: str | list[str] | None = None
+    input_ids: list[TokenId] | list[list[TokenId]] | None = None
+    sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
+    stream: bool | None = None
+    # A P/D prefill leg may also carry OpenAI's field (atomesh sets both).
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+    def as_completion(self) -> CompletionBody:
+        """The same request as a /v1/completions body (one path through the engine)."""
+        prompt: Any = self.text if self.text is not None else self.input_ids
+        if prompt is None:
+            raise InvalidRequestError("'text' or 'input_ids' is required")
+        sp = self.sampling_params
+        body = CompletionBody(
+            model=self.model, prompt=prompt, stream=self.stream, kv_transfer_params=self.kv_transfer_params,
+            max_tokens=self.max_tokens if self.max_tokens is not None else sp.max_new_tokens,
+            min_tokens=sp.min_new_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+            min_p=sp.min_p, presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty, stop=sp.stop, stop_token_ids=sp.stop_token_ids,
+            ignore_eos=sp.ignore_eos, seed=sp.seed,
+            guided_json=sp.json_schema, guided_regex=sp.regex)  # fmt: skip
+        body.check()
+        return body
+
+
 def parse_body(raw: bytes, model: type[SamplingBody]) -> Any:
     """Decode and validate a request body; raises InvalidRequestError naming the first field at fault."""
     try:

@@ -7,24 +7,31 @@ from collections.abc import Callable
 from atomesh.config import GatewayConfig
 from atomesh.policies.base import Policy
 from atomesh.policies.cache_aware import CacheAwarePolicy
+from atomesh.policies.consistent_hashing import ConsistentHashingPolicy
+from atomesh.policies.dp_sticky import DpStickyPolicy
 from atomesh.policies.least_load import LeastLoadPolicy
 from atomesh.policies.power_of_two import PowerOfTwoPolicy
 from atomesh.policies.prefix_hash import PrefixHashPolicy
 from atomesh.policies.random import RandomPolicy
 from atomesh.policies.round_robin import RoundRobinPolicy
+from atomesh.tokenizer import PromptTokens
 
-PolicyFactory = Callable[[GatewayConfig], Policy]
+# A factory gets the config and the gateway's tokenizer (None without --model-path / --tokenizer-path).
+PolicyFactory = Callable[[GatewayConfig, PromptTokens | None], Policy]
 
 _FACTORIES: dict[str, PolicyFactory] = {
-    "random": lambda cfg: RandomPolicy(),
-    "round_robin": lambda cfg: RoundRobinPolicy(),
-    "power_of_two": lambda cfg: PowerOfTwoPolicy(),
-    "least_load": lambda cfg: LeastLoadPolicy(),
-    "cache_aware": lambda cfg: CacheAwarePolicy(
+    "random": lambda cfg, tok: RandomPolicy(),
+    "round_robin": lambda cfg, tok: RoundRobinPolicy(),
+    "power_of_two": lambda cfg, tok: PowerOfTwoPolicy(),
+    "least_load": lambda cfg, tok: LeastLoadPolicy(),
+    "cache_aware": lambda cfg, tok: CacheAwarePolicy(
         cache_threshold=cfg.cache_threshold, balance_abs_threshold=cfg.balance_abs_threshold,
         balance_rel_threshold=cfg.balance_rel_threshold, eviction_interval_secs=cfg.eviction_interval_secs,
         max_tree_size=cfg.max_tree_size),
-    "prefix_hash": lambda cfg: PrefixHashPolicy(prefix_token_count=cfg.prefix_token_count),
+    "prefix_hash": lambda cfg, tok: PrefixHashPolicy(prefix_token_count=cfg.prefix_token_count,
+                                                     load_factor=cfg.prefix_hash_load_factor, tokens=tok),
+    "consistent_hashing": lambda cfg, tok: ConsistentHashingPolicy(),
+    "dp_sticky": lambda cfg, tok: DpStickyPolicy(),
 }
 
 
@@ -32,13 +39,13 @@ class PolicyNotAvailable(ValueError):
     """The policy name is valid but not built yet."""
 
 
-def make_policy(name: str, config: GatewayConfig) -> Policy:
+def make_policy(name: str, config: GatewayConfig, tokens: PromptTokens | None = None) -> Policy:
     try:
         factory = _FACTORIES[name]
     except KeyError:
         raise PolicyNotAvailable(f"--policy {name} is not implemented yet; available: "
                                  f"{', '.join(sorted(_FACTORIES))}") from None
-    return factory(config)
+    return factory(config, tokens)
 
 
 __all__ = ["Policy", "PolicyNotAvailable", "make_policy"]
