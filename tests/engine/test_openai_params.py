@@ -472,3 +472,25 @@ def test_a_seeded_draw_does_not_depend_on_the_batch_path() -> None:
     # top_k 1 is the argmax, whatever the temperature.
     one = [SampleRow(SamplingParams(temperature=5.0, top_k=1, seed=s), seed_key(s, 0, 0)) for s in (1, 2)]
     assert sampler.sample(logits[:2], one).tokens == logits[:2].argmax(-1).tolist()
+
+
+def test_generate_route_takes_the_same_sampling_features(tiny: ThreadServer) -> None:
+    import re
+    import urllib.error
+    import urllib.request
+
+    def post(body: dict[str, Any]) -> tuple[int, Any]:
+        req = urllib.request.Request(tiny.url + "/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    status, out = post({"text": "x", "sampling_params": {"regex": "[0-9]{4}", "max_new_tokens": 8, "seed": 2}})
+    assert status == 200 and re.fullmatch("[0-9]{4}", out["text"]), out
+    status, out = post({"text": "x", "sampling_params": {"max_new_tokens": True}})
+    assert status == 400 and "max_new_tokens" in out["error"]["message"]
+    status, out = post({"text": "x", "sampling_params": {"n": 2}})
+    assert status == 400 and "n" in out["error"]["message"]
