@@ -186,6 +186,17 @@ def bench_gateway(ctx: typer.Context) -> None:
     gateway.main(list(ctx.args))
 
 
+@bench_app.command(
+    "chaos", add_help_option=False,
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def bench_chaos(ctx: typer.Context) -> None:
+    """Workers killed and frozen under load, side by side with smg: lost requests, latency, detection."""
+    from atomesh.bench import chaos
+
+    chaos.main(list(ctx.args))
+
+
 # ---------------------------------------------------------------------------- launch
 def _strip_optional(annotation: Any) -> Any:
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:

@@ -301,6 +301,11 @@ class GatewayConfig(BaseModel):
     retry_backoff_multiplier: float = Field(1.5, ge=1, description="Backoff growth per retry.")
     retry_jitter_factor: float = Field(0.2, ge=0, le=1, description="Random spread of each backoff (+-).")
     disable_retries: bool = Field(False, description="Never retry.")
+    migration_limit: int = Field(
+        0, ge=0, le=100,
+        description="Times a stream that already sent tokens may move to another worker when its worker dies "
+                    "(as Dynamo's; 0: never). The new worker continues from the prompt plus the text sent "
+                    "(docs/workers.md#mid-stream-migration).")
 
     # --- circuit breaker
     cb_failure_threshold: int = Field(10, ge=1, description="Consecutive failures that open the breaker.")

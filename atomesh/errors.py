@@ -115,6 +115,10 @@ class UpstreamError(GatewayError):
         self.worker: Any = None
 
 
+class UpstreamUnreachable(UpstreamError):
+    """No connection could be made to the worker (refused, unroutable, connect timeout)."""
+
+
 class UpstreamTimeout(UpstreamError):
     status = 504
     code = "upstream_timeout"

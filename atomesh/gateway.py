@@ -95,6 +95,7 @@ class Gateway:
                 w.url, w.role.value, "success" if ok else "failure").inc(),
         )
         self.registry.subscribe(self._on_worker_state)
+        self.router.on_unreachable = self.mark_unreachable
         self.discovery = (KubernetesDiscovery(DiscoverySettings.from_config(config), self.lifecycle, self.registry)
                           if config.service_discovery else None)
         self.shutting_down = False
@@ -210,10 +211,23 @@ class Gateway:
         m.worker_health.labels(worker.url, role).set(1 if new is WorkerState.READY else 0)
         if old is None:
             m.cb_state.labels(worker.url).set(_CB_VALUE[worker.breaker.state])
+        if new is WorkerState.UNHEALTHY:
+            self.router.fail_over(worker, "declared unhealthy")
 
     def _on_breaker(self, worker: Worker, old: BreakerState, new: BreakerState) -> None:
         self.metrics.cb_state.labels(worker.url).set(_CB_VALUE[new])
         self.metrics.cb_transitions.labels(worker.url, old.value, new.value).inc()
+        if new is BreakerState.OPEN:
+            self.router.fail_over(worker, "cut off by its circuit breaker")
+
+    def mark_unreachable(self, worker: Worker) -> None:
+        """A worker refused a connection: out of rotation now, not after health checks or the breaker
+        count it. Health checks bring it back (or, without them, the breaker's half-open probe)."""
+        if worker.state is WorkerState.READY and not self.config.disable_health_check:
+            self.registry.set_state(worker, WorkerState.UNHEALTHY)
+            log.warning("worker_unreachable", worker=worker.url)
+        elif worker.state is WorkerState.READY:
+            worker.breaker.trip()
 
 
 def worker_ssl_context(config: GatewayConfig) -> ssl.SSLContext | None:

@@ -32,6 +32,7 @@ from engine.metrics import ServerMetrics
 from engine.protocol import ChatBody, CompletionBody, GenerateBody, NamedToolChoice, SamplingBody, parse_body
 from engine.responses import ChatExtras, Choice, Head
 from engine.sequence import SamplingParams, TokenLogprob
+from engine.sequence import Sequence as EngineSequence
 from engine.structured import GrammarCompiler
 from engine.tools import ForcedParser, ToolParser, hermes_system_prompt, make_parser, tools_for_template
 
@@ -170,9 +171,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 messages[0] = {**messages[0], "content": system + "\n\n" + messages[0]["content"]}
             else:
                 messages.insert(0, {"role": "system", "content": system})
+    add_generation_prompt, continue_final_message = body.template_switches()
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                             continue_final_message=body.continue_final_message, **kwargs)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, **kwargs)
     except (ValueError, TypeError) as exc:
         raise InvalidRequestError(str(exc)) from exc
     ids = tokenizer.encode(text)
@@ -261,7 +263,7 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
             c.want_prompt_logprobs(ids)
     offered = False
     try:
-        outputs = _merged([_timed(state.engine.stream(h), state.metrics, arrived) for h in handles])
+        outputs = _merged([_timed(state.engine.stream(h), state.metrics, arrived, h.seq) for h in handles])
         head = Head(request_id, created, state.served_model_name, chat is not None)
         if native and body.stream:
             return await _stream_native(request, outputs, request_id)
@@ -406,12 +408,15 @@ async def _collect(head: Head, outputs: AsyncIterator[tuple[int, RequestOutput]]
 
 
 async def _timed(
-    outputs: AsyncIterator[RequestOutput], metrics: ServerMetrics, arrived: float
+    outputs: AsyncIterator[RequestOutput], metrics: ServerMetrics, arrived: float, seq: EngineSequence
 ) -> AsyncIterator[RequestOutput]:
     first = True
     async for out in outputs:
         if first:
             metrics.ttft.observe(time.monotonic() - arrived)
+            # A sequence whose KV came from a transfer is never admitted for prefill: no queue time.
+            if seq.admitted_at is not None:
+                metrics.queue.observe(max(seq.admitted_at - arrived, 0.0))
             first = False
         if out.finished and out.error is None:
             metrics.e2e.observe(time.monotonic() - arrived)

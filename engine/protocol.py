@@ -404,8 +404,11 @@ class ChatBody(SamplingBody):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    add_generation_prompt: bool = True  # vLLM: end the prompt with the assistant's turn opener
-    continue_final_message: bool = False  # vLLM: leave the final (assistant) message open, to be continued
+    # vLLM's template switches: `continue_final_message` leaves the last message open for the model to
+    # continue (a gateway resuming a stream on another engine sends it with add_generation_prompt false);
+    # add_generation_prompt (the assistant's turn opener) defaults to the opposite.
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool | None = None  # vLLM: prepend the last message to the answer
     best_of: int | None = None  # vLLM's chat accepted it once; only completions rank sequences here
@@ -417,10 +420,7 @@ class ChatBody(SamplingBody):
             raise InvalidRequestError("top_logprobs requires logprobs: true")
         if self.echo:
             raise InvalidRequestError("echo is not supported for chat completions by this engine")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true")
-        if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise InvalidRequestError("continue_final_message needs the final message to be the assistant's")
+        self.template_switches()
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):
             raise InvalidRequestError("tools: function names must be unique")
@@ -433,6 +433,13 @@ class ChatBody(SamplingBody):
             raise InvalidRequestError("tool_choice required / a named function cannot be combined with "
                                       "response_format or guided decoding")
         super().check()  # last: it builds the grammar, which needs the tools checked
+
+    def template_switches(self) -> tuple[bool, bool]:
+        """(add_generation_prompt, continue_final_message); both true is refused, as vLLM does."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        add = self.add_generation_prompt if self.add_generation_prompt is not None else not self.continue_final_message
+        return add, self.continue_final_message
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -39,7 +39,10 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str: ...
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+        continue_final_message: bool = False, **kwargs: Any,
+    ) -> str: ...
 
     def token_text(self, token_id: int) -> str: ...
 
@@ -62,22 +65,33 @@ class ChatTemplate:
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                continue_final_message: bool = False, **kwargs: Any) -> str:  # fmt: skip
-        """The prompt text for ``messages``: ending with the assistant's turn opener (add_generation_prompt),
-        or with the final message left open for the model to continue (continue_final_message)."""
+        """The prompt text for ``messages``: ending with the assistant's turn opener, or, with
+        ``continue_final_message``, with the last message left open so the model continues it.
+        ``kwargs`` reach the template too (``tools``, a request's ``chat_template_kwargs``)."""
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
         context = {**kwargs, "messages": messages, "add_generation_prompt": add_generation_prompt,
                    "bos_token": self._bos, "eos_token": self._eos}  # fmt: skip
         try:
             text = str(self._template.render(**context))
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from exc
-        if continue_final_message:
-            # As vLLM and transformers: cut the rendering right after the final message's content.
-            final = str(messages[-1].get("content") or "")
-            at = text.rfind(final) if final else -1
-            if at < 0:
-                raise ValueError("continue_final_message: the final message's content is not in the rendered prompt")
-            text = text[: at + len(final)]
-        return text
+        return _open_final_message(text, messages) if continue_final_message else text
+
+
+def _open_final_message(rendered: str, messages: list[dict[str, Any]]) -> str:
+    """Cut the rendered chat right after the last message's text (its end-of-turn markers dropped),
+    the way Hugging Face's ``continue_final_message`` does."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message needs a final message with text to continue")
+    at = rendered.rfind(final.strip())
+    if at < 0:
+        raise ValueError("continue_final_message: the chat template does not show the final message as given")
+    kept = final.lstrip()
+    if rendered[at:at + len(kept)] == kept:
+        return rendered[:at + len(kept)]  # the template kept the message's trailing spaces
+    return rendered[:at + len(final.strip())]
 
 
 def _raise_template_error(message: str) -> None:
@@ -113,8 +127,11 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._core.decode(list(ids), skip_special_tokens=True))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
-        return self._chat.render(messages, **kwargs)
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+        continue_final_message: bool = False, **kwargs: Any,
+    ) -> str:
+        return self._chat.render(messages, add_generation_prompt, continue_final_message, **kwargs)
 
     @property
     def template_uses_tools(self) -> bool:
@@ -242,8 +259,11 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
-        return self._chat.render(messages, **kwargs)
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+        continue_final_message: bool = False, **kwargs: Any,
+    ) -> str:
+        return self._chat.render(messages, add_generation_prompt, continue_final_message, **kwargs)
 
     @property
     def template_uses_tools(self) -> bool:

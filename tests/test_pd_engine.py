@@ -380,3 +380,41 @@ async def test_pd_seeded_sampling_and_logprobs_equal_a_colocated_engine(engines:
             assert r.status == 400 and (await r.json())["error"]["code"] == "context_length_exceeded"
         assert p.blocks_used() == 0
     wait_until(lambda: p.blocks_used() == 0 and d.blocks_used() == 0, what="both block pools to be idle")
+
+
+@pytest.mark.timeout(180)
+async def test_a_decode_engine_killed_mid_stream_is_replaced_by_a_new_pair(engines: dict[str, Engine],
+                                                                           gateway: MakeGateway) -> None:
+    p, d, single = engines["prefill"], engines["decode"], engines["single"]
+    doomed = Engine("doomed-decode", "kv_consumer").wait_up()
+    try:
+        gw = await gateway(pd_disaggregation=True, backend="atom", prefill=[{"url": p.url}],
+                           decode=[doomed.url, d.url], request_timeout_secs=90, migration_limit=1)
+        body = _greedy(PROMPTS[0], max_tokens=400, stream=True, stream_options={"include_usage": True})
+        pulled = d.metric("atom:kv_transfer_pulled_total")
+        async with aiohttp.ClientSession() as s:
+            want, _ = await _complete(s, single.url, body)
+            pieces: list[str] = []
+            usage: dict[str, Any] | None = None
+            # Round robin gives the first pair the first decode worker: the one that dies.
+            async with s.post(base_url(gw) + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                async for line in r.content:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    assert "error" not in event, event
+                    if event["choices"]:
+                        pieces.append(event["choices"][0]["text"])
+                        if len(pieces) == 4:
+                            doomed.proc.kill()
+                    usage = event.get("usage") or usage
+        assert doomed.proc.poll() is not None
+        # Greedy, the text before the kill is the colocated engine's; the rest came from a new pair (the
+        # byte-level test model's text is not always valid UTF-8, so its continuation is checked for shape only).
+        assert want.startswith("".join(pieces[:4]))
+        assert usage is not None and usage["completion_tokens"] >= 400
+        assert d.metric("atom:kv_transfer_pulled_total") >= pulled + 1  # the surviving decode took over
+        wait_until(lambda: p.blocks_used() == 0 and d.blocks_used() == 0, what="both block pools to be idle")
+    finally:
+        doomed.stop()

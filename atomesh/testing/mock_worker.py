@@ -166,6 +166,24 @@ class MockWorker(ServedApp):
             n = body["sampling_params"].get("max_new_tokens", n)
         return min(int(n), self.behaviour.stream_chunks) if isinstance(n, int) else self.behaviour.stream_chunks
 
+    def _words(self, request: web.Request, body: dict[str, Any]) -> range:
+        """Which words `tok{i}` this answer holds. The answer to a prompt is `tok0 tok1 ...` up to
+        `stream_chunks` words; a request that continues one (chat with `continue_final_message`, or a
+        completion prompt ending in `tok0 tok1 ... tok{k-1} `) gets the words from `tok{k}` on, as an
+        engine continuing its own greedy output would."""
+        first = 0
+        if request.path.endswith("chat/completions"):
+            messages = body.get("messages") or []
+            if body.get("continue_final_message") and messages and isinstance(messages[-1], dict):
+                first = _words_done(str(messages[-1].get("content") or ""))
+        elif isinstance(body.get("prompt"), str):
+            prompt = body["prompt"]
+            at = prompt.find("tok0 ")
+            first = _words_done(prompt[at:]) if at >= 0 else 0
+        n = self._max_tokens(body) if first == 0 else body.get("max_tokens", body.get("max_completion_tokens"))
+        end = self.behaviour.stream_chunks if not isinstance(n, int) else min(self.behaviour.stream_chunks, first + n)
+        return range(first, max(first, end))
+
     def _kv_params(self, body: dict[str, Any]) -> dict[str, Any] | None:
         params = body.get("kv_transfer_params")
         if not isinstance(params, dict) or not params.get("do_remote_decode") or self.behaviour.omit_kv_params:
@@ -176,8 +194,8 @@ class MockWorker(ServedApp):
                 "first_token_id": 7, "prefix_cache_hit_tokens": 0}
 
     async def _whole(self, request: web.Request, body: dict[str, Any]) -> web.Response:
-        n = self._max_tokens(body)
-        text = " ".join(f"tok{i}" for i in range(n))
+        words = self._words(request, body)
+        text = " ".join(f"tok{i}" for i in words)
         chat = request.path.endswith("chat/completions")
         choice: dict[str, Any] = (
             {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
@@ -186,7 +204,7 @@ class MockWorker(ServedApp):
         out: dict[str, Any] = {
             "id": f"cmpl-{self.name}", "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": body.get("model", "mock-model"), "choices": [choice],
-            "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n},
+            "usage": _usage(words),
         }
         kv = self._kv_params(body)
         if kv is not None:
@@ -195,25 +213,39 @@ class MockWorker(ServedApp):
 
     async def _stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         b = self.behaviour
-        n = self._max_tokens(body)
+        words = self._words(request, body)
         chat = request.path.endswith("chat/completions")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **self._headers()})
         await resp.prepare(request)
-        for i in range(n):
-            if b.die_after_chunks is not None and i >= b.die_after_chunks:
+        ident = {"id": f"cmpl-{self.name}", "object": "chat.completion.chunk" if chat else "text_completion",
+                 "created": int(time.time()), "model": body.get("model", "mock-model")}
+        if chat:  # the role event engines send first
+            role = {**ident, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                          "finish_reason": None}]}
+            await resp.write(b"data: " + orjson.dumps(role) + b"\n\n")
+        for sent, i in enumerate(words):
+            if b.die_after_chunks is not None and sent >= b.die_after_chunks:
                 assert request.transport is not None
                 request.transport.close()
                 return resp
             delta: dict[str, Any] = {"content": f"tok{i} "} if chat else {}
             choice: dict[str, Any] = ({"index": 0, "delta": delta, "finish_reason": None} if chat
                                       else {"index": 0, "text": f"tok{i} ", "finish_reason": None})
-            if i == n - 1:
+            if i == words[-1]:
                 choice["finish_reason"] = "length"
-            event = {"id": f"cmpl-{self.name}", "object": "chat.completion.chunk" if chat else "text_completion",
-                     "model": body.get("model", "mock-model"), "choices": [choice]}
-            await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
+            await resp.write(b"data: " + orjson.dumps({**ident, "choices": [choice]}) + b"\n\n")
             if b.chunk_interval_secs:
                 await asyncio.sleep(b.chunk_interval_secs)
+        if b.die_after_chunks is not None and 0 < len(words) == b.die_after_chunks:
+            assert request.transport is not None
+            request.transport.close()  # the whole answer went out, its usage and [DONE] do not
+            return resp
+        if not words:  # nothing left to say: just the end
+            end: dict[str, Any] = {"index": 0, "finish_reason": "length", **({"delta": {}} if chat else {"text": ""})}
+            await resp.write(b"data: " + orjson.dumps({**ident, "choices": [end]}) + b"\n\n")
+        options = body.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage"):
+            await resp.write(b"data: " + orjson.dumps({**ident, "choices": [], "usage": _usage(words)}) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -258,6 +290,22 @@ class MockWorker(ServedApp):
         for k, v in changes.items():
             setattr(self.behaviour, k, v)
         return web.json_response(asdict(self.behaviour))
+
+
+def _words_done(text: str) -> int:
+    """How many words `tok0 tok1 ...` (in order, each followed by a space) `text` holds."""
+    k = 0
+    for word in text.split(" ")[:-1]:
+        if word != f"tok{k}":
+            break
+        k += 1
+    return k
+
+
+def _usage(words: range) -> dict[str, int]:
+    # The prompt is 3 tokens, plus one per word of a continued answer it carries.
+    prompt = 3 + words.start
+    return {"prompt_tokens": prompt, "completion_tokens": len(words), "total_tokens": prompt + len(words)}
 
 
 _ATOM_DECODE_FIELDS = ("remote_block_ids", "remote_engine_id", "remote_host", "remote_handshake_port",

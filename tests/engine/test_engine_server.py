@@ -265,11 +265,13 @@ async def test_info_endpoints_and_metrics(start_server: StartServer, http: aioht
         "atom:generation_tokens_total",
         "atom:prompt_tokens_total",
         "atom:time_to_first_token_seconds_count",
+        "atom:request_queue_time_seconds_count",
     ):
         assert name in values, name
     assert values["atom:prefix_cache_hit_ratio"] > 0
     assert values["atom:generation_tokens_total"] == 4
     assert values["atom:requests_finished_total"] == 2
+    assert values["atom:request_queue_time_seconds_count"] == 2  # both prompts were admitted here
 
 
 @pytest.mark.timeout(180)

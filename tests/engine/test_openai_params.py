@@ -429,7 +429,8 @@ def test_continue_final_message_and_add_generation_prompt(tiny: ThreadServer) ->
     assert closed.usage is not None and closed.usage.prompt_tokens == len(tok.encode(open_prompt + "<|im_end|>\n"))
     with pytest.raises(openai.BadRequestError, match="continue_final_message"):
         client.chat.completions.create(model="tiny-random", messages=messages, max_tokens=2,
-                                       extra_body={"continue_final_message": True})  # fmt: skip
+                                       extra_body={"continue_final_message": True,
+                                                   "add_generation_prompt": True})  # fmt: skip
 
 
 @pytest.mark.parametrize(("extra", "names"), [
