@@ -331,8 +331,10 @@ class LLMEngine:
         that stops short samples nothing).
         """
         sampled = iter(zip(out.tokens, out.logprobs, strict=True))
+        prompt_logprobs = out.prompt_logprobs
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            seq.prompt_logprobs += out.prompt_logprobs.get(seq.seq_id, ())
+            if prompt_logprobs:
+                seq.prompt_logprobs += prompt_logprobs.get(seq.seq_id, ())
             done = seq.num_cached_tokens + n == len(seq)
             token, logprob = next(sampled) if done else (None, None)
             if seq.status is SequenceStatus.FINISHED:

@@ -55,6 +55,11 @@ def seed_key(seed: int, stream: int, step: int) -> int:
 def sample_row(seq: Sequence) -> SampleRow:
     """The SampleRow of a sequence about to draw its next token (the token history only when needed)."""
     p = seq.params
+    if p.plain:  # the same row every step: made once per sequence
+        row = seq.plain_row
+        if row is None:
+            row = seq.plain_row = SampleRow(p)
+        return row  # type: ignore[no-any-return]
     step = seq.num_completion_tokens
     key = seed_key(p.seed, seq.stream_index, step) if p.seed is not None and not p.greedy else None
     if not (p.penalized or p.min_tokens > 0):
@@ -89,12 +94,12 @@ class Sampler:
     ) -> SampleOutput:
         """Tokens for ``logits [rows, vocab]``; ``greedy``: the argmax, already taken (a graph's);
         ``bitmask``: structured-output token masks (xgrammar's layout) for ``bitmask_rows``."""
+        if bitmask is None and all(r.params.plain for r in rows):
+            return SampleOutput((logits.argmax(dim=-1) if greedy is None else greedy).tolist(), [None] * len(rows))
         params = [r.params for r in rows]
         shaped = bitmask is not None or any(p.shapes_logits for p in params)
         want_logprobs = any(p.logprobs is not None for p in params)
         all_greedy = all(p.greedy for p in params)
-        if all_greedy and not shaped and not want_logprobs:
-            return SampleOutput((logits.argmax(dim=-1) if greedy is None else greedy).tolist(), [None] * len(rows))
         logits = logits.float()
         if shaped:
             logits = logits.clone()  # a graph's logits live in its static output buffer

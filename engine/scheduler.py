@@ -188,12 +188,13 @@ class Scheduler:
         """Whether ``seq``'s newest token ends it (EOS, a stop token, max_tokens, context limit)."""
         params = seq.params
         last = seq.last_token
-        if seq.num_completion_tokens > params.min_tokens:  # min_tokens holds back every stop
-            if last in params.stop_token_ids:
+        generated = seq.num_completion_tokens
+        if generated > params.min_tokens:  # min_tokens holds back every stop
+            if params.stop_token_ids and last in params.stop_token_ids:
                 seq.stop_reason = last
                 return FinishReason.STOP
             if not params.ignore_eos and last in eos_ids:
                 return FinishReason.STOP
-        if seq.num_completion_tokens >= seq.params.max_tokens or len(seq) >= max_model_len:
+        if generated >= params.max_tokens or len(seq) >= max_model_len:
             return FinishReason.LENGTH
         return None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -62,6 +62,13 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely
     prompt_logprobs: int | None = None  # the same for every prompt token but the first
+    # Derived once: greedy, nothing shaping the logits, no logprobs. A batch of such rows costs one
+    # argmax, and the per-step bookkeeping skips everything else (the decode hot path).
+    plain: bool = field(default=False, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        plain = self.greedy and not self.shapes_logits and self.logprobs is None and self.prompt_logprobs is None
+        object.__setattr__(self, "plain", plain)
 
     @property
     def greedy(self) -> bool:
@@ -108,6 +115,7 @@ class Sequence:
         "num_cached_tokens",
         "num_prompt_tokens",
         "params",
+        "plain_row",
         "prefix_hit_tokens",
         "prompt_logprobs",
         "seq_id",
@@ -141,6 +149,7 @@ class Sequence:
         self.logprobs: list[TokenLogprob] = []  # one per completion token, when params.logprobs is set
         self.prompt_logprobs: list[TokenLogprob] = []  # prompt tokens 1.., when params.prompt_logprobs is set
         self.cumulative_logprob = 0.0
+        self.plain_row: Any = None  # engine.sampler.SampleRow of a plain request, made once
         self.grammar: Any = None  # a structured-output matcher (engine.structured.GrammarState)
 
     def __len__(self) -> int:
