@@ -112,7 +112,9 @@ class _GraphSet:
             forward(size)  # warm-up: compiles the kernels, settles cuBLAS's workspaces
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: CUDA work of other threads (a server's other engines, a KV relay's copies)
+            # must not invalidate this thread's capture.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self._outputs[size] = forward(size)
             self._graphs[size] = graph
         if self.capture_graphs:
