@@ -22,6 +22,7 @@ the same buffers are used and the forward simply runs instead of a replay.
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -105,18 +106,28 @@ class _GraphSet:
     def capture(self, forward: Callable[[int], Outputs], what: str) -> None:
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle() if self.capture_graphs else None
-        for size in reversed(self.sizes):
-            self._forwards[size] = lambda size=size: forward(size)  # type: ignore[misc]
-            if not self.capture_graphs:
-                continue
-            forward(size)  # warm-up: compiles the kernels, settles cuBLAS's workspaces
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: CUDA work of other threads (a server's other engines, a KV relay's copies)
-            # must not invalidate this thread's capture.
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                self._outputs[size] = forward(size)
-            self._graphs[size] = graph
+        # A dead engine's graphs freed by the garbage collector mid-capture (cudaGraphExecDestroy while
+        # a stream captures) would invalidate the capture: collect now, and not again until done.
+        collecting = gc.isenabled()
+        if self.capture_graphs:
+            gc.collect()
+            gc.disable()
+        try:
+            for size in reversed(self.sizes):
+                self._forwards[size] = lambda size=size: forward(size)  # type: ignore[misc]
+                if not self.capture_graphs:
+                    continue
+                forward(size)  # warm-up: compiles the kernels, settles cuBLAS's workspaces
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: CUDA work of other threads (a server's other engines, a KV relay's copies)
+                # must not invalidate this thread's capture.
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    self._outputs[size] = forward(size)
+                self._graphs[size] = graph
+        finally:
+            if collecting:
+                gc.enable()
         if self.capture_graphs:
             torch.cuda.synchronize()
             log.info("captured %d %s CUDA graphs (%d..%d) in %.1f s", len(self.sizes), what, self.sizes[0],
