@@ -40,9 +40,22 @@ class LogLevel(StrEnum):
     ERROR = "error"
 
 
-# Policies are registered by name in atomesh.policies; the names are repeated here so that the
-# config can be validated without importing the policy implementations.
-POLICY_NAMES = ("random", "round_robin", "power_of_two", "least_load", "cache_aware", "prefix_hash")
+class PolicyName(StrEnum):
+    """A placement policy (`--policy`, `--prefill-policy`, `--decode-policy`).
+
+    The one list of names: config validation and the CLI help read it here, and `atomesh.policies`
+    maps every member to its factory (a test checks both ways).
+    """
+
+    RANDOM = "random"
+    ROUND_ROBIN = "round_robin"
+    POWER_OF_TWO = "power_of_two"
+    LEAST_LOAD = "least_load"
+    CACHE_AWARE = "cache_aware"
+    PREFIX_HASH = "prefix_hash"
+
+
+_POLICY_VALUES = tuple(p.value for p in PolicyName)
 
 
 class PrefillSpec(BaseModel):
@@ -183,9 +196,9 @@ class GatewayConfig(BaseModel):
     config: Path | None = Field(None, description="YAML file with these settings (flags win over the file).")
 
     # --- policy
-    policy: str = Field("cache_aware", description="Worker selection policy.")
-    prefill_policy: str | None = Field(None, description="Policy for the prefill pool (default: --policy).")
-    decode_policy: str | None = Field(None, description="Policy for the decode pool (default: --policy).")
+    policy: PolicyName = Field(PolicyName.CACHE_AWARE, description="Worker selection policy.")
+    prefill_policy: PolicyName | None = Field(None, description="Policy for the prefill pool (default: --policy).")
+    decode_policy: PolicyName | None = Field(None, description="Policy for the decode pool (default: --policy).")
     cache_threshold: float = Field(
         0.3, ge=0, le=1, description="cache_aware: minimum prefix match ratio to follow the cache."
     )
@@ -302,11 +315,11 @@ class GatewayConfig(BaseModel):
     def _prefill_urls(cls, specs: list[PrefillSpec]) -> list[PrefillSpec]:
         return [PrefillSpec(url=check_worker_url(s.url), bootstrap_port=s.bootstrap_port) for s in specs]
 
-    @field_validator("policy", "prefill_policy", "decode_policy")
+    @field_validator("policy", "prefill_policy", "decode_policy", mode="before")
     @classmethod
-    def _policy(cls, name: str | None) -> str | None:
-        if name is not None and name not in POLICY_NAMES:
-            raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+    def _policy(cls, name: Any) -> Any:
+        if name is not None and name not in _POLICY_VALUES:
+            raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(_POLICY_VALUES)}")
         return name
 
     @field_validator("health_check_endpoint")
@@ -398,7 +411,7 @@ class GatewayConfig(BaseModel):
         return self
 
     # ------------------------------------------------------------------ helpers
-    def policy_for(self, role: str) -> str:
+    def policy_for(self, role: str) -> PolicyName:
         """The policy name of one worker pool ("regular", "prefill" or "decode")."""
         if role == "prefill" and self.prefill_policy:
             return self.prefill_policy

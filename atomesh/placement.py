@@ -3,6 +3,10 @@
 `Placement.place(view)` turns a RequestView into a Plan (one worker, or a prefill/decode pair
 chosen together) using the configured policy of each pool, and counts the load on the chosen
 workers from that moment until `release(plan)`, called after the last byte was sent.
+
+Each pool's policy first only decides (`select` returns a `Decision`); the decisions are recorded
+(`Policy.record`: the cache-aware index, its replication) once every leg of the plan is chosen, so
+a plan that fails part way (no decode worker) leaves no trace in any policy.
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from atomesh.errors import NotFound, NoWorkerAvailable
-from atomesh.policies import Policy
+from atomesh.policies import Decision, Policy
+from atomesh.policies.base import ONLY_CANDIDATE
 from atomesh.request import RequestView
 from atomesh.workers.registry import WorkerRegistry
 from atomesh.workers.worker import Worker, WorkerRole, WorkerState
@@ -55,13 +60,18 @@ class Placement:
     def place(self, view: RequestView, exclude: Collection[Worker] = ()) -> Plan:
         """Choose where `view` runs, avoiding `exclude` (earlier failed attempts) when possible."""
         if self.pd:
-            # Both pools are chosen before either is charged; each pool's policy sees its own loads,
-            # which count every pair placed on that worker until its last byte.
-            prefill = self._choose(WorkerRole.PREFILL, view, exclude)
-            decode = self._choose(WorkerRole.DECODE, view, exclude)
-            plan: Plan = Pair(prefill, decode)
+            # Both pools are chosen before either is recorded or charged; each pool's policy sees its
+            # own loads, which count every pair placed on that worker until its last byte.
+            prefill = self._decide(WorkerRole.PREFILL, view, exclude)
+            decode = self._decide(WorkerRole.DECODE, view, exclude)
+            policies = self.policies
+            policies[WorkerRole.PREFILL].record(prefill, view)
+            policies[WorkerRole.DECODE].record(decode, view)
+            plan: Plan = Pair(prefill.worker, decode.worker)
         else:
-            plan = Single(self._choose(WorkerRole.REGULAR, view, exclude))
+            decision = self._decide(WorkerRole.REGULAR, view, exclude)
+            self.policies[WorkerRole.REGULAR].record(decision, view)
+            plan = Single(decision.worker)
         for w in plan.workers:
             w.in_flight += 1
         return plan
@@ -98,7 +108,7 @@ class Placement:
             pool = fresh or pool
         return pool
 
-    def _choose(self, role: WorkerRole, view: RequestView, exclude: Collection[Worker]) -> Worker:
+    def _decide(self, role: WorkerRole, view: RequestView, exclude: Collection[Worker]) -> Decision:
         pool = self.candidates(role, view, exclude)
         if not pool:
             ready = self.registry.ready(role)
@@ -107,10 +117,9 @@ class Placement:
                 raise NotFound(f"the model {view.model!r} does not exist; served: {', '.join(served)}",
                                code="model_not_found")
             raise NoWorkerAvailable(_no_worker_message(role, view, ready))
-        policy = self.policies[role]
-        worker = policy.select(pool, view) if len(pool) > 1 else pool[0]
-        policy.on_placed(worker, view)
-        return worker
+        if len(pool) == 1:
+            return Decision(pool[0], ONLY_CANDIDATE)
+        return self.policies[role].select(pool, view)
 
     def _on_state(self, worker: Worker, old: WorkerState | None, new: WorkerState) -> None:
         if new is WorkerState.REMOVED:

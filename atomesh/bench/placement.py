@@ -33,7 +33,7 @@ from pathlib import Path
 import aiohttp
 
 from atomesh.bench.procs import free_port, start, stop
-from atomesh.config import GatewayConfig
+from atomesh.config import GatewayConfig, PolicyName
 from atomesh.placement import Placement, Plan
 from atomesh.policies import make_policy
 from atomesh.policies.cache_aware import CacheAwarePolicy
@@ -41,7 +41,7 @@ from atomesh.request import RequestView, Route
 from atomesh.workers.registry import WorkerRegistry
 from atomesh.workers.worker import Worker, WorkerRole, WorkerState
 
-POLICIES = ("random", "round_robin", "power_of_two", "least_load", "prefix_hash", "cache_aware")
+POLICIES = tuple(PolicyName)
 WORDS = ("the quick brown fox jumps over lazy dogs while engines prefill long prompts and decode tokens "
          "system user assistant context window cache block prefix router gateway latency").split()
 
@@ -108,8 +108,7 @@ def bench_index_memory(prompts: int) -> None:
     peak = 0
     for i in range(prompts):
         view = RequestView(Route.COMPLETIONS, {"prompt": f"prompt {i} {filler}"}, b"", "r")
-        w = policy.select(ws, view)
-        policy.on_placed(w, view)
+        policy.record(policy.select(ws, view), view)
         if i % 65536 == 0:
             peak = max(peak, len(policy.index))
     peak = max(peak, len(policy.index))
