@@ -11,8 +11,11 @@ a plan that fails part way (no decode worker) leaves no trace in any policy.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+
+import structlog
 
 from atomesh.errors import NotFound, NoWorkerAvailable
 from atomesh.policies import Decision, Policy
@@ -20,6 +23,8 @@ from atomesh.policies.base import ONLY_CANDIDATE
 from atomesh.request import RequestView
 from atomesh.workers.registry import WorkerRegistry
 from atomesh.workers.worker import Worker, WorkerRole, WorkerState
+
+log = structlog.get_logger("atomesh.placement")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,26 +60,38 @@ class Placement:
         self.registry = registry
         self.policies = policies
         self.pd = pd
+        # Each leg's role and policy, looked up once (an Enum key hashes in Python, per request).
+        roles = (WorkerRole.PREFILL, WorkerRole.DECODE) if pd else (WorkerRole.REGULAR,)
+        self._legs = tuple((role, policies[role]) for role in roles)
+        # Decided once (logging is set up before the gateway is built, with the same level for the
+        # standard library, which stays at WARNING where nothing set it up: benchmarks, tests).
+        self._log_decisions = logging.getLogger().isEnabledFor(logging.DEBUG)
         registry.subscribe(self._on_state)
 
     def place(self, view: RequestView, exclude: Collection[Worker] = ()) -> Plan:
         """Choose where `view` runs, avoiding `exclude` (earlier failed attempts) when possible."""
         if self.pd:
-            # Both pools are chosen before either is recorded or charged; each pool's policy sees its
-            # own loads, which count every pair placed on that worker until its last byte.
-            prefill = self._decide(WorkerRole.PREFILL, view, exclude)
-            decode = self._decide(WorkerRole.DECODE, view, exclude)
-            policies = self.policies
-            policies[WorkerRole.PREFILL].record(prefill, view)
-            policies[WorkerRole.DECODE].record(decode, view)
-            plan: Plan = Pair(prefill.worker, decode.worker)
-        else:
-            decision = self._decide(WorkerRole.REGULAR, view, exclude)
-            self.policies[WorkerRole.REGULAR].record(decision, view)
-            plan = Single(decision.worker)
-        for w in plan.workers:
-            w.in_flight += 1
-        return plan
+            (prefill_role, prefill_policy), (decode_role, decode_policy) = self._legs
+            # Both legs are chosen before either is recorded or charged, so a plan that fails part way
+            # leaves no trace; each pool's policy sees its own loads, which count every pair placed on
+            # that worker until its last byte.
+            prefill = self._decide(prefill_role, prefill_policy, view, exclude)
+            decode = self._decide(decode_role, decode_policy, view, exclude)
+            prefill_policy.record(prefill, view)
+            decode_policy.record(decode, view)
+            if self._log_decisions:
+                log.debug("placed", request_id=view.request_id, prefill=prefill.worker.url,
+                          prefill_reason=prefill.reason, decode=decode.worker.url, decode_reason=decode.reason)
+            prefill.worker.in_flight += 1
+            decode.worker.in_flight += 1
+            return Pair(prefill.worker, decode.worker)
+        ((role, policy),) = self._legs
+        decision = self._decide(role, policy, view, exclude)
+        policy.record(decision, view)
+        if self._log_decisions:
+            log.debug("placed", request_id=view.request_id, worker=decision.worker.url, reason=decision.reason)
+        decision.worker.in_flight += 1
+        return Single(decision.worker)
 
     def start(self) -> None:
         """Start the policies' background tasks (cache-aware eviction)."""
@@ -108,7 +125,7 @@ class Placement:
             pool = fresh or pool
         return pool
 
-    def _decide(self, role: WorkerRole, view: RequestView, exclude: Collection[Worker]) -> Decision:
+    def _decide(self, role: WorkerRole, policy: Policy, view: RequestView, exclude: Collection[Worker]) -> Decision:
         pool = self.candidates(role, view, exclude)
         if not pool:
             ready = self.registry.ready(role)
@@ -119,7 +136,7 @@ class Placement:
             raise NoWorkerAvailable(_no_worker_message(role, view, ready))
         if len(pool) == 1:
             return Decision(pool[0], ONLY_CANDIDATE)
-        return self.policies[role].select(pool, view)
+        return policy.select(pool, view)
 
     def _on_state(self, worker: Worker, old: WorkerState | None, new: WorkerState) -> None:
         if new is WorkerState.REMOVED:
