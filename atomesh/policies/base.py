@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from atomesh.config import PolicyName
 from atomesh.request import RequestView
@@ -15,7 +15,14 @@ from atomesh.workers.worker import Worker
 ONLY_CANDIDATE = "only_candidate"
 
 
-@dataclass(frozen=True, slots=True)
+def slot_setter(cls: type, name: str) -> Callable[[Any, Any], None]:
+    """The setter of one slot of a frozen dataclass, for an `__init__` that runs on every placement:
+    the generated one goes through `object.__setattr__` per field, at twice the cost."""
+    setter: Callable[[Any, Any], None] = cls.__dict__[name].__set__
+    return setter
+
+
+@dataclass(frozen=True, slots=True, init=False)
 class Decision:
     """A policy's choice for one pool: the worker, and why (a short word for debug logs).
 
@@ -26,6 +33,13 @@ class Decision:
 
     worker: Worker
     reason: str
+
+    def __init__(self, worker: Worker, reason: str) -> None:
+        _set_worker(self, worker)  # made per placement: see slot_setter
+        _set_reason(self, reason)
+
+
+_set_worker, _set_reason = slot_setter(Decision, "worker"), slot_setter(Decision, "reason")
 
 
 class Policy(Protocol):

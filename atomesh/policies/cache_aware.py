@@ -40,7 +40,7 @@ import structlog
 import xxhash
 
 from atomesh.config import PolicyName
-from atomesh.policies.base import Decision, least_loaded
+from atomesh.policies.base import Decision, least_loaded, slot_setter
 from atomesh.request import RequestView
 from atomesh.tasks import PeriodicTask
 from atomesh.workers.worker import Worker
@@ -200,13 +200,23 @@ HOLDER_OVERLOADED = "holder_overloaded"
 NEW_PREFIX = "new_prefix"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class PrefixDecision(Decision):
     """A cache-aware choice and what recording it takes: the text's chained chunk hashes (not to be
     mutated) and how many leading entries the worker is known to hold already."""
 
     hashes: list[int]
     held: int
+
+    def __init__(self, worker: Worker, reason: str, hashes: list[int], held: int) -> None:
+        _set_worker(self, worker)  # as Decision.__init__ does, for the same reason
+        _set_reason(self, reason)
+        _set_hashes(self, hashes)
+        _set_held(self, held)
+
+
+_set_worker, _set_reason = slot_setter(Decision, "worker"), slot_setter(Decision, "reason")
+_set_hashes, _set_held = slot_setter(PrefixDecision, "hashes"), slot_setter(PrefixDecision, "held")
 
 
 class CacheAwarePolicy:
