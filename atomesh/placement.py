@@ -19,7 +19,7 @@ import structlog
 
 from atomesh.errors import NotFound, NoWorkerAvailable
 from atomesh.policies import Decision, Policy
-from atomesh.policies.base import ONLY_CANDIDATE
+from atomesh.policies.base import ONLY_CANDIDATE, slot_setter
 from atomesh.request import RequestView
 from atomesh.workers.registry import WorkerRegistry
 from atomesh.workers.worker import Worker, WorkerRole, WorkerState
@@ -38,17 +38,23 @@ class Single:
         return (self.worker,)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Pair:
     """Prefill on one worker, decode on another."""
 
     prefill: Worker
     decode: Worker
 
+    def __init__(self, prefill: Worker, decode: Worker) -> None:
+        _set_prefill(self, prefill)  # made per placement: see slot_setter
+        _set_decode(self, decode)
+
     @property
     def workers(self) -> tuple[Worker, ...]:
         return (self.prefill, self.decode)
 
+
+_set_prefill, _set_decode = slot_setter(Pair, "prefill"), slot_setter(Pair, "decode")
 
 Plan = Single | Pair
 
