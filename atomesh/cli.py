@@ -21,7 +21,15 @@ import typer
 from click.core import ParameterSource
 
 from atomesh import __version__
-from atomesh.config import FLAG_ALIASES, NOT_IMPLEMENTED, ConfigError, GatewayConfig, flag_name, load_config
+from atomesh.config import (
+    FLAG_ALIASES,
+    NOT_IMPLEMENTED,
+    ConfigError,
+    GatewayConfig,
+    PolicyName,
+    flag_name,
+    load_config,
+)
 
 app = typer.Typer(help="atomesh: an LLM inference gateway with P/D disaggregation.", no_args_is_help=True,
                   add_completion=False)
@@ -82,7 +90,7 @@ def up(
     metrics_port: int = typer.Option(29000, help="Gateway metrics port."),
     engine_port: int = typer.Option(8010, help="First engine HTTP port (one per engine from here)."),
     handshake_port: int = typer.Option(6301, help="First KV handshake port (one per P/D engine)."),
-    policy: str = typer.Option("cache_aware", help="Gateway placement policy."),
+    policy: PolicyName = typer.Option(PolicyName.CACHE_AWARE, help="Gateway placement policy."),
     kv_cache_memory_gb: float = typer.Option(1.0, help="KV cache per engine (GiB, CPU)."),
     max_model_len: int = typer.Option(2048, help="Engine context limit."),
     log_dir: Path = typer.Option(Path(".atomesh/logs"), help="Where each part's log goes."),
