@@ -20,7 +20,7 @@ from atomesh.config import GatewayConfig, PolicyName
 from atomesh.errors import NoWorkerAvailable
 from atomesh.gateway import Gateway
 from atomesh.placement import Pair, Placement
-from atomesh.policies import FACTORIES, make_policy
+from atomesh.policies import FACTORIES, least_loaded, make_policy
 from atomesh.policies.cache_aware import CacheAwarePolicy, PrefixIndex
 from atomesh.policies.least_load import LeastLoadPolicy
 from atomesh.policies.power_of_two import PowerOfTwoPolicy
@@ -67,6 +67,16 @@ def test_every_policy_name_has_a_factory_and_every_factory_a_name() -> None:
         assert GatewayConfig.model_validate({"policy": name.value}).policy is name
     help_text = CliRunner().invoke(launch_command, ["--help"]).output
     assert "--policy " + "|".join(PolicyName) in help_text  # the help lists every choice
+
+
+def test_least_loaded_breaks_ties_by_tiebreak_then_scan_order() -> None:
+    ws = workers(4)
+    ws[0].in_flight = ws[3].in_flight = 2
+    assert least_loaded(ws) is ws[1]  # ws[1], ws[2] tie at 0: the first scanned
+    assert least_loaded(ws, start=2) is ws[2]  # scan ws[2], ws[3], ws[0], ws[1]
+    assert least_loaded(ws, tiebreak=lambda w: -ws.index(w)) is ws[2]
+    ws[2].engine_load = 3  # the engine reports more than we sent: that counts
+    assert least_loaded(ws, start=2) is ws[1]
 
 
 def test_power_of_two_picks_the_lighter_of_two_and_spreads() -> None:
