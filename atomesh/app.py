@@ -36,7 +36,7 @@ class GatewayServer:
         self.gateway = Gateway(config)
         self.cluster = Cluster(config, self.gateway) if config.processes > 1 else None
         accounting = HttpAccounting(config.request_id_headers, self.gateway.metrics, config.max_payload_size,
-                                    self.gateway.instance_id)
+                                    self.gateway.instance_id, config.access_log_sample_rate)
         self._runner = web.AppRunner(build_app(self.gateway, accounting), handler_cancellation=True,
                                      access_log=None, shutdown_timeout=1.0)
         self.door = FrontDoor(self.gateway, accounting)
@@ -58,7 +58,7 @@ class GatewayServer:
                                         cfg.request_timeout_secs)
         try:
             await self.door.start(cfg.host, cfg.port, ssl_context(cfg), reuse_port=self.cluster is not None)
-            await self.metrics_door.start(cfg.prometheus_host, cfg.prometheus_port, None)
+            await self.metrics_door.start(cfg.metrics_host, cfg.prometheus_port, None)
         except OSError as e:
             raise StartupError(f"cannot listen: {e.strerror or e}") from None
         log.info("gateway_listening", host=cfg.host, port=cfg.port, metrics_port=cfg.prometheus_port,

@@ -46,8 +46,9 @@ from httptools import (
     parse_url,
 )
 
-from atomesh.api.middleware import HttpAccounting, error_answer
+from atomesh.api.middleware import CLIENT_GONE, HttpAccounting, error_answer
 from atomesh.api.openai import serve_inference
+from atomesh.cors import Cors
 from atomesh.errors import GatewayError, error_body
 from atomesh.flow import FlowControl
 from atomesh.request import Route
@@ -75,6 +76,7 @@ _HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "conte
                          "te", "trailer", "upgrade", "proxy-connection", "expect", "host"})
 _STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n" for s in HTTPStatus}
 _JSON = "application/json"
+PREFLIGHT = "cors_preflight"  # the route label of CORS preflights the door answers itself
 _ERROR_TYPES = {408: "timeout_error", 413: "invalid_request_error", 414: "invalid_request_error",
                 417: "invalid_request_error", 431: "invalid_request_error"}
 
@@ -129,18 +131,25 @@ class Phase(IntEnum):
 class FrontExchange(Exchange):
     """An Exchange writing straight to the client's connection."""
 
-    __slots__ = ("conn", "framed")
+    __slots__ = ("conn", "cors", "framed")
 
     def __init__(self, conn: FrontConnection, request_id: str, headers: Mapping[str, str], framed: bool) -> None:
         super().__init__(request_id, headers)
         self.conn = conn
         self.framed = framed  # chunked framing for streams (HTTP/1.1); HTTP/1.0 gets the raw bytes and a close
+        cors = conn.door.cors
+        self.cors = cors.headers(headers) if cors is not None else None  # added to the answer (an allowed origin)
 
     def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
+        if self.cors:
+            headers = {**headers, **self.cors}
         self.status, self.body = status, body
+        self.sent = len(body)
         self.conn.send(response_head(status, headers, len(body), self.conn.keep_alive) + body)
 
     async def start_stream(self, status: int, headers: Mapping[str, str]) -> None:
+        if self.cors:
+            headers = {**headers, **self.cors}
         self.status = status
         self.committed = True
         if not self.framed:
@@ -149,6 +158,7 @@ class FrontExchange(Exchange):
 
     async def write(self, data: bytes) -> None:
         if data:
+            self.sent += len(data)
             conn = self.conn
             conn.send(b"%x\r\n%b\r\n" % (len(data), data) if self.framed else data)
             if conn.write_paused:
@@ -351,7 +361,7 @@ class FrontConnection(FlowControl):
         if rid is not None:
             headers["x-request-id"] = rid
         transport.write(response_head(status, headers, len(body), False) + body)
-        self.door.accounting.refused(status)
+        self.door.accounting.refused(status, rid, self.url, len(body))
         # Close gently: stop writing, and read (discarding) what the client still sends for a moment,
         # so that its further bytes do not make the kernel reset the connection before it has read this.
         self.lingering = True
@@ -392,25 +402,40 @@ class FrontConnection(FlowControl):
                 admission = acc.failed(e)
                 self._answer_error(exchange, *error_answer(e))
             except asyncio.CancelledError:
-                acc.metrics.http_active.dec()  # the client went away: no response to count
+                # The client went away: what it got (a started stream's status, else 499) is still counted.
+                status = exchange.status if exchange.committed and exchange.status else CLIENT_GONE
+                acc.end("POST", path, status, started, None, rid, exchange.workers, exchange.sent)
                 raise
             except Exception:
                 # A bug, not a user error: log it with its traceback (and request id), answer a plain 500.
                 log.exception("request_crashed", method="POST", path=path)
                 self._answer_error(exchange, 500, error_body("internal gateway error", "internal_error",
                                                              "internal_error"))
-            acc.end("POST", path, exchange.status or 500, started, admission)
+            acc.end("POST", path, exchange.status or 500, started, admission, rid, exchange.workers, exchange.sent)
         finally:
             self._done()
 
     async def _relay(self, req: _Request) -> None:
-        """Any other request: answered by the aiohttp application behind the door."""
+        """Any other request: answered by the aiohttp application behind the door (a CORS preflight
+        here)."""
+        cors = self.door.cors
         try:
+            if cors is not None:
+                allowed = cors.preflight(req.method, req.headers)
+                if allowed is not None:
+                    acc = self.door.accounting
+                    started = acc.begin("OPTIONS", PREFLIGHT)
+                    self.send(response_head(204, allowed, 0, self.keep_alive))
+                    acc.end("OPTIONS", PREFLIGHT, 204, started, None, acc.request_id(req.headers),
+                            target=req.target.decode("latin-1").partition("?")[0][:512])
+                    return
             try:
                 status, headers, body = await self.door.relay_request(req)
             except GatewayError as e:
                 status, body = error_answer(e)
                 headers = {"Content-Type": _JSON}
+            if cors is not None:
+                headers.update(cors.headers(req.headers))
             if req.method == b"HEAD":
                 self.send(response_head(status, headers, int(headers.pop("content-length", 0) or 0),
                                         self.keep_alive))
@@ -579,6 +604,7 @@ class FrontDoor:
         self.body_timeout = cfg.http_body_timeout_secs
         self.keepalive_timeout = cfg.http_keepalive_timeout_secs
         self.relay: Relay | None = None  # set before listening
+        self.cors = Cors(cfg.cors_allowed_origins) if cfg.cors_allowed_origins and hot else None
         self.connections: set[FrontConnection] = set()
         self.loop = asyncio.get_event_loop()
         self._listeners: list[_Listener] = []

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 import time
 
 import structlog
 from aiohttp import web
 
-from atomesh.admission import Admission
+from atomesh.admission import Admission, host_concurrency_limit
 from atomesh.auth import Keys
 from atomesh.backends import Backend
 from atomesh.backends.atom import make_atom_backend
@@ -22,6 +23,7 @@ from atomesh.placement import Placement
 from atomesh.policies import Policy, make_policy
 from atomesh.policies.cache_aware import CacheAwarePolicy
 from atomesh.router import Router
+from atomesh.tokenizer import PromptTokens, TokenizerError, load_chat_template, load_tokenizer, tokenizer_file
 from atomesh.transport import Upstream
 from atomesh.workers.breaker import BreakerSettings, BreakerState
 from atomesh.workers.discovery import DiscoveryError, DiscoverySettings, KubernetesDiscovery
@@ -51,10 +53,13 @@ class Gateway:
         self.keys = Keys(config.api_key, config.admin_api_key)
         self.metrics = Metrics(config.prometheus_duration_buckets)
         self.registry = WorkerRegistry()
-        self.upstream = Upstream(config.request_timeout_secs, hop=self.instance_id)
+        self.upstream = Upstream(config.request_timeout_secs, hop=self.instance_id,
+                                 ssl_context=worker_ssl_context(config))
         roles = (WorkerRole.PREFILL, WorkerRole.DECODE) if config.pd_disaggregation else (WorkerRole.REGULAR,)
-        policies: dict[WorkerRole, Policy] = {r: make_policy(config.policy_for(r.value), config) for r in roles}
-        self.placement = Placement(self.registry, policies, pd=config.pd_disaggregation)
+        self.tokens = _prompt_tokens(config)
+        policies: dict[WorkerRole, Policy] = {r: make_policy(config.policy_for(r.value), config, self.tokens)
+                                              for r in roles}
+        self.placement = Placement(self.registry, policies, pd=config.pd_disaggregation, dp_ranks=config.dp_ranks)
         # Engine-reported load only matters to policies that compare loads.
         load_blind = (PolicyName.RANDOM, PolicyName.ROUND_ROBIN)
         self.load_poller = (LoadPoller(self.registry, self.upstream) if any(p.name not in load_blind
@@ -63,10 +68,14 @@ class Gateway:
         self.router = Router(config, self.placement, self.backend, self.metrics)
         # With several processes each admits its share (the kernel spreads connections about evenly).
         n = config.processes
-        rate = config.rate_limit_tokens_per_second
-        self.admission = Admission(
-            -(-config.max_concurrent_requests // n) if config.max_concurrent_requests > 0 else -1,
-            -(-config.queue_size // n), config.queue_timeout_secs, rate / n if rate else None)
+        rate = config.rate_limit_tokens_per_second  # None or 0: no token bucket
+        limit = config.max_concurrent_requests
+        # -1: derived from this process's own descriptor limit (each process has one); 0: no limit.
+        per_process = host_concurrency_limit() if limit == -1 else -(-limit // n) if limit > 0 else -1
+        # The bucket's burst is a limit the user set; a derived one is no burst to allow (one second's worth).
+        burst = float(per_process) if limit > 0 else (rate / n if rate else None)
+        self.admission = Admission(per_process, -(-config.queue_size // n), config.queue_timeout_secs,
+                                   rate / n if rate else None, burst)
         self.lifecycle = Lifecycle(
             self.registry, self.upstream, backend=config.backend,
             breaker=BreakerSettings(
@@ -78,6 +87,7 @@ class Gateway:
             probe_timeout=config.health_check_timeout_secs,
             health_endpoint=config.health_check_endpoint,
             on_breaker=self._on_breaker,
+            dp_aware=config.dp_ranks,
         )
         self.health = HealthChecker(
             self.registry, self.lifecycle.probe, interval=config.health_check_interval_secs,
@@ -86,6 +96,7 @@ class Gateway:
                 w.url, w.role.value, "success" if ok else "failure").inc(),
         )
         self.registry.subscribe(self._on_worker_state)
+        self.router.on_unreachable = self.mark_unreachable
         self.discovery = (KubernetesDiscovery(DiscoverySettings.from_config(config), self.lifecycle, self.registry)
                           if config.service_discovery else None)
         self.shutting_down = False
@@ -201,10 +212,52 @@ class Gateway:
         m.worker_health.labels(worker.url, role).set(1 if new is WorkerState.READY else 0)
         if old is None:
             m.cb_state.labels(worker.url).set(_CB_VALUE[worker.breaker.state])
+        if new is WorkerState.UNHEALTHY:
+            self.router.fail_over(worker, "declared unhealthy")
 
     def _on_breaker(self, worker: Worker, old: BreakerState, new: BreakerState) -> None:
         self.metrics.cb_state.labels(worker.url).set(_CB_VALUE[new])
         self.metrics.cb_transitions.labels(worker.url, old.value, new.value).inc()
+        if new is BreakerState.OPEN:
+            self.router.fail_over(worker, "cut off by its circuit breaker")
+
+    def mark_unreachable(self, worker: Worker) -> None:
+        """A worker refused a connection: out of rotation now, not after health checks or the breaker
+        count it. Health checks bring it back (or, without them, the breaker's half-open probe)."""
+        if worker.state is WorkerState.READY and not self.config.disable_health_check:
+            self.registry.set_state(worker, WorkerState.UNHEALTHY)
+            log.warning("worker_unreachable", worker=worker.url)
+        elif worker.state is WorkerState.READY:
+            worker.breaker.trip()
+
+
+def worker_ssl_context(config: GatewayConfig) -> ssl.SSLContext | None:
+    """TLS settings for https:// workers: extra CAs (--ca-cert-paths), a client certificate (mTLS)."""
+    if not config.ca_cert_paths and config.client_cert_path is None:
+        return None
+    ctx = ssl.create_default_context()
+    try:
+        for ca in config.ca_cert_paths:
+            ctx.load_verify_locations(cafile=str(ca))
+        if config.client_cert_path is not None and config.client_key_path is not None:
+            ctx.load_cert_chain(str(config.client_cert_path), str(config.client_key_path))
+    except (OSError, ssl.SSLError) as e:
+        raise StartupError(f"--ca-cert-paths/--client-cert-path: cannot load: {e}") from None
+    return ctx
+
+
+def _prompt_tokens(config: GatewayConfig) -> PromptTokens | None:
+    """The tokenizer and chat template of --model-path / --tokenizer-path / --chat-template, loaded once."""
+    if config.model_path is None and config.tokenizer_path is None:
+        return None
+    try:
+        tokenizer = load_tokenizer(config.model_path, config.tokenizer_path)
+        template = load_chat_template(config.chat_template, config.model_path, config.tokenizer_path)
+    except TokenizerError as e:
+        raise StartupError(str(e)) from None
+    log.info("tokenizer_loaded", path=str(tokenizer_file(config.model_path, config.tokenizer_path)),
+             vocab_size=tokenizer.get_vocab_size(), chat_template=template is not None)
+    return PromptTokens(tokenizer, template)
 
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)

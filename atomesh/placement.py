@@ -16,7 +16,9 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import structlog
+import xxhash
 
+from atomesh.config import PolicyName
 from atomesh.errors import NotFound, NoWorkerAvailable
 from atomesh.policies import Decision, Policy
 from atomesh.policies.base import ONLY_CANDIDATE, slot_setter
@@ -29,9 +31,10 @@ log = structlog.get_logger("atomesh.placement")
 
 @dataclass(frozen=True, slots=True)
 class Single:
-    """Run the request on one worker."""
+    """Run the request on one worker (on one of its data-parallel ranks with --dp-aware)."""
 
     worker: Worker
+    dp_rank: int | None = None
 
     @property
     def workers(self) -> tuple[Worker, ...]:
@@ -62,11 +65,13 @@ Plan = Single | Pair
 class Placement:
     """Chooses workers for requests; owns the per-pool policies and the in-flight load counts."""
 
-    def __init__(self, registry: WorkerRegistry, policies: dict[WorkerRole, Policy], *, pd: bool) -> None:
+    def __init__(self, registry: WorkerRegistry, policies: dict[WorkerRole, Policy], *, pd: bool,
+                 dp_ranks: bool = False) -> None:
         self.registry = registry
         self.policies = policies
         self.pd = pd
-        # Each leg's role and policy, looked up once (an Enum key hashes in Python, per request).
+        self.dp_ranks = dp_ranks  # regular mode: also choose a data-parallel rank of the worker
+        # Each leg's role and policy, looked up once rather than on every placement.
         roles = (WorkerRole.PREFILL, WorkerRole.DECODE) if pd else (WorkerRole.REGULAR,)
         self._legs = tuple((role, policies[role]) for role in roles)
         # Decided once (logging is set up before the gateway is built, with the same level for the
@@ -96,8 +101,20 @@ class Placement:
         policy.record(decision, view)
         if self._log_decisions:
             log.debug("placed", request_id=view.request_id, worker=decision.worker.url, reason=decision.reason)
-        decision.worker.in_flight += 1
-        return Single(decision.worker)
+        worker = decision.worker
+        worker.in_flight += 1
+        if self.dp_ranks:
+            rank = self._rank(worker, view)
+            worker.rank_in_flight[rank] += 1
+            return Single(worker, rank)
+        return Single(worker)
+
+    def _rank(self, worker: Worker, view: RequestView) -> int:
+        """dp_sticky keeps a routing key on one rank (its prefix cache); otherwise the least busy rank."""
+        loads = worker.rank_in_flight
+        if view.routing_key is not None and self.policies[worker.role].name is PolicyName.DP_STICKY:
+            return xxhash.xxh3_64_intdigest(view.routing_key.encode()) % len(loads)
+        return loads.index(min(loads))
 
     def start(self) -> None:
         """Start the policies' background tasks (cache-aware eviction)."""
@@ -110,6 +127,8 @@ class Placement:
 
     def release(self, plan: Plan) -> None:
         """The request placed by `plan` has sent its last byte (or failed)."""
+        if isinstance(plan, Single) and plan.dp_rank is not None:
+            plan.worker.rank_in_flight[plan.dp_rank] -= 1
         for w in plan.workers:
             w.in_flight -= 1
             if w.on_release is not None:  # it drains: tell whoever waits
@@ -140,7 +159,8 @@ class Placement:
                 raise NotFound(f"the model {view.model!r} does not exist; served: {', '.join(served)}",
                                code="model_not_found")
             raise NoWorkerAvailable(_no_worker_message(role, view, ready))
-        if len(pool) == 1:
+        # One candidate is the answer, unless the policy may refuse it (a target header naming another).
+        if len(pool) == 1 and not policy.select_single:
             return Decision(pool[0], ONLY_CANDIDATE)
         return policy.select(pool, view)
 

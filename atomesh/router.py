@@ -4,20 +4,45 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import structlog
 
 from atomesh.backends import Backend
 from atomesh.config import GatewayConfig
-from atomesh.errors import UpstreamError, UpstreamStatus
+from atomesh.errors import GatewayError, UpstreamError, UpstreamStatus, UpstreamUnreachable
 from atomesh.metrics import ENDPOINTS, Metrics
+from atomesh.migration import MigrationRefused, StreamTracker, refusal
 from atomesh.placement import Placement, Plan
 from atomesh.request import RequestView
 from atomesh.transport import Exchange, backoff_delays, write_sse_error
 from atomesh.workers.worker import Worker
 
 log = structlog.get_logger("atomesh.router")
+
+# Called with a worker that refused a connection: it is taken out of rotation at once.
+UnreachableHook = Callable[[Worker], None]
+
+
+class WorkerLost(UpstreamError):
+    """The attempt was taken off its worker because the worker was declared dead (health checks, breaker)."""
+
+    code = "worker_lost"
+
+
+class _Attempt:
+    """One placement of a request while it runs: what `fail_over` needs to take it off its worker."""
+
+    __slots__ = ("exchange", "lost", "plan", "reason", "task", "tracker")
+
+    def __init__(self, task: asyncio.Task[Any], exchange: Exchange, plan: Plan, tracker: StreamTracker | None) -> None:
+        self.task = task
+        self.exchange = exchange
+        self.plan = plan
+        self.tracker = tracker
+        self.lost: Worker | None = None  # the worker it was taken off
+        self.reason = ""
 
 
 class Router:
@@ -32,6 +57,60 @@ class Router:
                          config.retry_backoff_multiplier, config.retry_jitter_factor)
         self._policy_names = {role: config.policy_for(role.value) for role in placement.policies}
         self._backend_type = "pd" if placement.pd else "regular"
+        self.migration_limit = config.migration_limit
+        self.on_unreachable: UnreachableHook | None = None
+        # The attempts running on each worker, for fail_over (a worker is in here only while it has some).
+        self._running: dict[Worker, set[_Attempt]] = {}
+
+    def fail_over(self, worker: Worker, reason: str) -> int:
+        """Take the requests running on a worker declared dead off it, to be placed again at once.
+
+        Requests with no answer byte sent yet are retried elsewhere; streams already under way are
+        migrated when they may be (`--migration-limit`), and otherwise left to finish or fail on their own.
+        Returns how many were taken off.
+        """
+        runs = self._running.get(worker)
+        if not runs:
+            return 0
+        current = asyncio.current_task()
+        moved = 0
+        for run in list(runs):
+            if run.lost is not None or run.task is current or run.task.done():
+                continue
+            ex = run.exchange
+            if ex.committed:
+                tracker = run.tracker
+                # Only the worker streaming the answer matters to a stream (in P/D, the decode worker).
+                if tracker is None or worker is not run.plan.workers[-1]:
+                    continue
+                starting = tracker.migrations > 0 and tracker.attempt_tokens == 0  # a continuation, no token yet
+                if not tracker.probing and not starting and (
+                        tracker.ended or tracker.migrations >= self.migration_limit):
+                    continue
+            elif ex.status is not None:
+                continue  # a whole answer is already on its way
+            run.lost, run.reason = worker, reason
+            run.task.cancel()
+            moved += 1
+        if moved:
+            log.info("requests_failed_over", worker=worker.url, reason=reason, requests=moved)
+        return moved
+
+    def _track(self, run: _Attempt) -> None:
+        for w in run.plan.workers:
+            runs = self._running.get(w)
+            if runs is None:
+                self._running[w] = {run}
+            else:
+                runs.add(run)
+
+    def _untrack(self, run: _Attempt) -> None:
+        for w in run.plan.workers:
+            runs = self._running.get(w)
+            if runs is not None:
+                runs.discard(run)
+                if not runs:
+                    del self._running[w]
 
     async def serve(self, exchange: Exchange, view: RequestView) -> None:
         m = self.metrics
@@ -41,9 +120,6 @@ class Router:
         m.router_requests.labels(meter.endpoint, meter.model, streaming, self._backend_type).inc()
         try:
             await self._attempts(exchange, view)
-        except UpstreamError as e:
-            m.router_errors.labels(meter.endpoint, meter.model, e.code).inc()
-            raise
         finally:
             meter.finish(exchange.status, exchange.body)
             m.router_duration.labels(meter.endpoint, meter.model, streaming).observe(
@@ -53,27 +129,66 @@ class Router:
         tried: list[Worker] = []
         delays: Iterator[float] | None = None  # made on the first retry: a fresh Random() seeds from urandom
         attempt = 0
+        task = asyncio.current_task()
+        assert task is not None
+        tracker: StreamTracker | None = None
+        refused: str | None = None
+        if self.migration_limit and view.stream:
+            refused = refusal(view)
+            if refused is None:
+                tracker = exchange.stream_filter = StreamTracker(view)
+        current = view  # what the next attempt sends: the client's request, or a continuation of its stream
         while True:
-            plan = self.placement.place(view, exclude=tried)
-            self._count_selection(plan)
             try:
-                await self.backend.forward(exchange, view, plan)
-            except UpstreamError as e:
-                self._record_failure(e, plan)
-                if exchange.committed:
-                    # The client already has part of the answer: end it in-band, never retry.
-                    await write_sse_error(exchange, e)
-                    return
-                endpoint = ENDPOINTS.get(view.route, view.route)
-                if not e.retryable or attempt >= self.max_retries:
-                    if e.retryable and self.max_retries:
-                        self.metrics.retries_exhausted.labels(plan.workers[-1].role.value, endpoint).inc()
+                plan = self.placement.place(current, exclude=tried)
+            except GatewayError as e:
+                if not exchange.committed:
                     raise
+                self.metrics.request_failed(view.route, view.model, e.code)
+                await write_sse_error(exchange, e)  # a stream to continue, and nowhere to continue it
+                return
+            exchange.workers = tuple(w.url for w in plan.workers)
+            self._count_selection(plan)
+            run = _Attempt(task, exchange, plan, tracker)
+            if tracker is not None:
+                tracker.start_attempt()
+            self._track(run)
+            try:
+                try:
+                    await self.backend.forward(exchange, current, plan)
+                except asyncio.CancelledError:
+                    if run.lost is None or task.uncancel() > 0:
+                        raise  # the client went away (or the gateway stops): not ours to handle
+                    err = WorkerLost(f"{run.lost.url} was {run.reason}")
+                    err.worker = run.lost
+                    raise err from None
+            except UpstreamError as e:
+                self._untrack(run)
+                self._record_failure(e, plan)
+                endpoint = ENDPOINTS.get(view.route, view.route)
                 # Avoid the worker at fault next time (both legs when the fault is unknown).
                 at_fault = [e.worker] if isinstance(e.worker, Worker) else list(plan.workers)
+                if exchange.committed:
+                    # The client already has part of the answer: continue it elsewhere, or end it in-band.
+                    moved = await self._after_break(exchange, view, e, tracker, refused, attempt)
+                    if moved is None:
+                        return
+                    assert tracker is not None
+                    current = tracker.usage_probe() if moved == "usage" else tracker.continuation()
+                    if moved == "retry":
+                        attempt += 1
+                else:
+                    if not e.retryable or attempt >= self.max_retries:
+                        if e.retryable and self.max_retries:
+                            self.metrics.retries_exhausted.labels(plan.workers[-1].role.value, endpoint).inc()
+                        raise
+                    attempt += 1
+                    moved = "retry"
+                wait = not isinstance(e, WorkerLost)  # a worker declared dead: the next one need not wait
                 tried.extend(w for w in at_fault if w not in tried)
-                log.debug("retrying", request_id=exchange.request_id, attempt=attempt + 1, error=e.message)
+                log.debug("retrying", request_id=exchange.request_id, attempt=attempt, how=moved, error=e.message)
             else:
+                self._untrack(run)
                 m = self.metrics
                 for w in plan.workers:
                     w.breaker.record(True)
@@ -82,12 +197,65 @@ class Router:
                 m.upstream_responses.labels(last.url, last.role, str(exchange.status)).inc()
                 return
             finally:
+                self._untrack(run)
                 self.placement.release(plan)
-            attempt += 1
+            if moved != "retry":
+                continue  # a migration goes on at once: the client is waiting mid-answer
             self.metrics.retries.labels(plan.workers[-1].role.value, endpoint).inc()
+            if not wait:
+                continue
             if delays is None:
                 delays = backoff_delays(*self._backoff)
             await asyncio.sleep(next(delays))
+
+    async def _after_break(self, exchange: Exchange, view: RequestView, e: UpstreamError,
+                           tracker: StreamTracker | None, refused: str | None, attempt: int) -> str | None:
+        """A started stream broke: "migrate", "retry" (a continuation that failed before sending anything)
+        or "usage" (the answer is whole, its usage was lost) to go on elsewhere, or None once the client's
+        stream has been ended."""
+
+        async def fail(err: GatewayError) -> None:
+            # Ended in-band: the request failed all the same (serve_inference counts only those raised).
+            self.metrics.request_failed(view.route, view.model, err.code)
+            await write_sse_error(exchange, err)
+
+        if tracker is None:
+            err: UpstreamError = e
+            if refused is not None:
+                err = MigrationRefused(f"{e.message}; the stream was not migrated: {refused}")
+            await fail(err)
+            return None
+        remaining = tracker.remaining()
+        if tracker.ended or tracker.probing or (remaining is not None and remaining <= 0):
+            # The answer is complete (or its token limit reached): only its last events were lost.
+            if tracker.errored or tracker.done:
+                await _end_stream(exchange, b"")
+                return None
+            if not tracker.finished:
+                try:
+                    await exchange.write(tracker.closing_events())
+                except (ConnectionError, RuntimeError):
+                    return None  # the client is gone too
+            if tracker.wants_usage and not tracker.probing and tracker.migrations < self.migration_limit:
+                tracker.migrations += 1
+                return "usage"  # another worker tells the prompt's token count
+            await _end_stream(exchange, b"data: [DONE]\n\n")
+            return None
+        if tracker.migrations and tracker.attempt_tokens == 0:
+            # A continuation that failed before its first token: an ordinary retry.
+            if e.retryable and attempt < self.max_retries:
+                return "retry"
+            await fail(e)
+            return None
+        if tracker.migrations >= self.migration_limit:
+            await fail(MigrationRefused(
+                f"{e.message}; the stream was not migrated: --migration-limit {self.migration_limit} reached",
+                code="migration_limit_reached"))
+            return None
+        tracker.migrations += 1
+        log.debug("stream_migrating", request_id=exchange.request_id, migration=tracker.migrations,
+                  tokens=tracker.tokens, error=e.message)
+        return "migrate"
 
     def _count_selection(self, plan: Plan) -> None:
         m = self.metrics
@@ -97,6 +265,10 @@ class Router:
     def _record_failure(self, e: UpstreamError, plan: Plan) -> None:
         """Charge the failure to the worker at fault (a 4xx answer is the client's fault, not the worker's)."""
         at_fault = e.worker if isinstance(e.worker, Worker) else None
+        if isinstance(e, WorkerLost):
+            return  # already out of rotation; the failure that took it out was counted where it happened
+        if isinstance(e, UpstreamUnreachable) and at_fault is not None and self.on_unreachable is not None:
+            self.on_unreachable(at_fault)
         if isinstance(e, UpstreamStatus):
             answered = at_fault or plan.workers[-1]
             self.metrics.upstream_responses.labels(answered.url, answered.role.value, str(e.status)).inc()
@@ -107,3 +279,12 @@ class Router:
                 w.breaker.record(False)
                 self.metrics.cb_outcomes.labels(w.url, "failure").inc()
                 self.metrics.worker_errors.labels(w.url, w.role.value, e.code).inc()
+
+
+async def _end_stream(exchange: Exchange, tail: bytes) -> None:
+    try:
+        if tail:
+            await exchange.write(tail)
+        await exchange.end()
+    except (ConnectionError, RuntimeError):
+        pass  # the client is gone too

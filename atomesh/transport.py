@@ -8,14 +8,22 @@ gets to an inference request goes through an `Exchange`, whichever door the requ
 from __future__ import annotations
 
 import random
+import ssl
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
-from atomesh.errors import GatewayError, UpstreamError, UpstreamStatus, UpstreamTimeout, error_body
+from atomesh.errors import (
+    GatewayError,
+    UpstreamError,
+    UpstreamStatus,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+    error_body,
+)
 from atomesh.httpclient import (
     ClientPool,
     ConnectFailed,
@@ -26,7 +34,8 @@ from atomesh.httpclient import (
     Response,
 )
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+# Lower-case, as the worker's headers are kept: each name is sent once, ours replacing the worker's.
+SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache"}
 # Every call to a worker carries the gateway's instance id here; a request arriving with our own id
 # came back to us (the gateway registered as its own worker) and is refused (508).
 HOP_HEADER = "x-atomesh-gateway"
@@ -37,7 +46,7 @@ def upstream_error(err: HTTPClientError, url: str) -> UpstreamError:
     if isinstance(err, DeadlineExceeded):
         return UpstreamTimeout(f"{url} did not answer in time: {err.message}")
     if isinstance(err, ConnectFailed):
-        return UpstreamError(f"cannot connect to {url}: {err.message}")
+        return UpstreamUnreachable(f"cannot connect to {url}: {err.message}")
     if isinstance(err, Disconnected):
         return UpstreamError(f"{url} closed the connection: {err.message}", code="upstream_disconnected")
     if isinstance(err, ProtocolViolation):
@@ -48,7 +57,9 @@ def upstream_error(err: HTTPClientError, url: str) -> UpstreamError:
 class Upstream:
     """The pooled keep-alive client shared by every route, backend and background task."""
 
-    def __init__(self, request_timeout_secs: float, connect_timeout_secs: float = 10.0, hop: str = "") -> None:
+    def __init__(self, request_timeout_secs: float, connect_timeout_secs: float = 10.0, hop: str = "",
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        self.ssl_context = ssl_context  # for https:// workers (--ca-cert-paths, --client-cert-path)
         self.request_timeout = request_timeout_secs
         self.connect_timeout = connect_timeout_secs
         self.hop = hop
@@ -66,7 +77,8 @@ class Upstream:
 
     async def start(self) -> None:
         # Admission control bounds concurrency; the pool only bounds what it keeps idle.
-        self._pool = ClientPool(connect_timeout=self.connect_timeout, keepalive_timeout=60.0)
+        self._pool = ClientPool(connect_timeout=self.connect_timeout, keepalive_timeout=60.0,
+                                ssl_context=self.ssl_context)
 
     async def stop(self) -> None:
         if self._pool is not None:
@@ -137,6 +149,18 @@ class Opened:
 ChunkHook = Callable[[bytes], None]
 
 
+class StreamFilter(Protocol):
+    """Stands between a worker's stream and the client (mid-stream migration reads and rewrites it)."""
+
+    def feed(self, data: bytes) -> bytes:
+        """What the client gets of `data` (possibly nothing yet)."""
+        ...
+
+    def ended_stream(self) -> None:
+        """The worker's stream ended; raises UpstreamError if the answer had not."""
+        ...
+
+
 class Exchange(ABC):
     """The client side of one inference request: where its answer goes, whichever server took it.
 
@@ -144,7 +168,8 @@ class Exchange(ABC):
     `end`. Once a stream has started (`committed`), nothing may be retried.
     """
 
-    __slots__ = ("body", "committed", "headers", "on_chunk", "request_id", "status")
+    __slots__ = ("body", "committed", "headers", "on_chunk", "request_id", "sent", "status", "stream_filter",
+                 "workers")
 
     def __init__(self, request_id: str, headers: Mapping[str, str]) -> None:
         self.request_id = request_id
@@ -154,6 +179,10 @@ class Exchange(ABC):
         self.status: int | None = None
         self.body: bytes | None = None  # a whole (non-streamed) answer, kept for the token meter
         self.committed = False
+        self.workers: tuple[str, ...] = ()  # the worker(s) of the last placement (for the access log)
+        self.sent = 0  # body bytes given to the client so far
+        # Set by the router for a stream that may migrate: the stream then goes through it.
+        self.stream_filter: StreamFilter | None = None
 
     @abstractmethod
     def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
@@ -188,20 +217,31 @@ async def relay(exchange: Exchange, resp: Response, on_chunk: ChunkHook | None =
     """Pass an upstream response to the client: whole if JSON, chunk by chunk if SSE.
 
     An error status raises UpstreamStatus (so the caller may retry); once streaming has started,
-    an upstream failure raises UpstreamError and the caller ends the stream with an SSE error event.
+    an upstream failure raises UpstreamError and the caller ends the stream with an SSE error event
+    (or continues it elsewhere). A stream already started by an earlier worker (a migrated stream) is
+    continued, not started again.
     """
     if resp.status >= 400:
         raise UpstreamStatus(resp.status, await resp.read(), resp.content_type)
     if resp.content_type != "text/event-stream":
+        if exchange.committed:
+            raise UpstreamError("the worker answered a continued stream with a whole answer",
+                                code="upstream_protocol_error", retryable=False)
         body = await resp.read()
         exchange.respond(resp.status, exchange.response_headers(resp.headers), body)
         return
     on_chunk = on_chunk or exchange.on_chunk
-    headers = exchange.response_headers(resp.headers)
-    headers.update(SSE_HEADERS)
-    await exchange.start_stream(resp.status, headers)
+    filt = exchange.stream_filter
+    if not exchange.committed:
+        headers = exchange.response_headers(resp.headers)
+        headers.update(SSE_HEADERS)
+        await exchange.start_stream(resp.status, headers)
     try:
         async for chunk in resp.chunks():
+            if filt is not None:
+                chunk = filt.feed(chunk)
+                if not chunk:
+                    continue
             if on_chunk is not None:
                 on_chunk(chunk)
             await exchange.write(chunk)
@@ -210,6 +250,8 @@ async def relay(exchange: Exchange, resp: Response, on_chunk: ChunkHook | None =
     except HTTPClientError as e:
         # The worker died mid-stream; the caller ends the client's stream with an error event.
         raise UpstreamError(f"worker stream broke: {e.message}", code="upstream_stream_broken") from None
+    if filt is not None:
+        filt.ended_stream()
     await exchange.end()
 
 

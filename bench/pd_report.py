@@ -1,12 +1,20 @@
-"""Turn a ``bench/device/pd_serving.sh`` run into one JSON and one InferenceX-style chart.
+"""Turn a P/D experiment's runs into one JSON and one InferenceX-style chart.
 
     python bench/pd_report.py RUNS_DIR --json docs/results/pd-one-gpu.json --png docs/pd-one-gpu.png
+    python bench/pd_report.py RUNS_DIR --json docs/results/pd-two-gpu.json --png docs/pd-two-gpu.png
 
 RUNS_DIR holds ``SETUP-ISL-OSL-cN.json`` (``atomesh bench serving`` results) and, for P/D, the engines'
 ``/metrics`` before and after each pass, from which the mean TTFT is split into the prefill engine's part
-(queue + prefill, its own TTFT), the KV pull (the decode engine's pull time: waiting for a staging slot
-and the transfer) and the rest (the decode leg's first step, the relay through the gateway, HTTP).
-All set-ups ran on one GPU, so output tok/s per GPU is the output tok/s.
+(its own TTFT: queue and prefill apart where it exports ``atom:request_queue_time_seconds``), the KV pull
+(the decode engine's pull time: waiting for a staging slot and the transfer) and the rest (the decode
+leg's first step, the relay through the gateway, HTTP).
+Output tok/s per GPU is the pass's output tok/s over the GPUs behind the server (``num_workers``).
+
+``bench/device/pd_serving.sh`` (one GPU) names set-ups ``colocated``, ``colocated-atomesh``, ``pd-1p1d``;
+``bench/device/pd_two_gpu.sh`` (two GPUs) ends each name with ``-dense`` or ``-sparse``: such runs get
+the two-GPU chart (one curve per set-up and attention, the target line, the TTFT split of the P/D
+points) and a verdict on the target: at >= ``--target-user-tps`` tok/s per user, the best 1P1D tok/s
+per GPU against the best colocated one.
 """
 
 from __future__ import annotations
@@ -18,8 +26,17 @@ from pathlib import Path
 from typing import Any
 
 NAME = re.compile(r"^(?P<setup>.+)-(?P<isl>\d+)-(?P<osl>\d+)-c(?P<c>\d+)\.json$")
+ATTENTION = re.compile(r"^(?P<setup>.+)-(?P<attention>dense|sparse)$")
 LABELS = {"colocated": "1 engine (colocated), straight", "colocated-atomesh": "1 engine behind atomesh",
           "pd-1p1d": "1 prefill + 1 decode (P/D) behind atomesh"}  # fmt: skip
+LABELS_TWO = {"pd-1p1d": "1P1D (prefill GPU 0, decode GPU 1)",
+              "colocated-cache_aware": "2 colocated, cache_aware",
+              "colocated-round_robin": "2 colocated, round_robin"}  # fmt: skip
+TITLE_ONE = "SmolLM2-135M shape, bf16, one H200: colocated vs 1P1D (KV over Mooncake TCP)"
+TITLE_TWO = "SmolLM2-135M shape, bf16, two H200s: 2 colocated engines vs 1P1D (KV over Mooncake TCP)"
+SPLIT_LABELS = {"queue": "queue (prefill engine)", "prefill": "prefill",
+                "prefill_engine": "queue + prefill (prefill engine)", "kv_pull": "KV transfer (decode's pull)",
+                "rest": "first decode step + relay"}  # fmt: skip
 
 
 def _metric(path: Path, name: str) -> float:
@@ -41,13 +58,17 @@ def collect(runs: Path) -> list[dict[str, Any]]:
         if not m:
             continue
         r = json.loads(path.read_text())
-        row: dict[str, Any] = {
-            "setup": m["setup"], "isl": int(m["isl"]), "osl": int(m["osl"]), "concurrency": int(m["c"]),
-            "output_tok_s_per_gpu": r["output_throughput"],
+        gpus = int(r.get("num_workers", 1))
+        row: dict[str, Any] = {"setup": m["setup"]}
+        if a := ATTENTION.match(m["setup"]):
+            row.update(setup=a["setup"], attention=a["attention"], gpus=gpus)
+        row.update({
+            "isl": int(m["isl"]), "osl": int(m["osl"]), "concurrency": int(m["c"]),
+            "output_tok_s_per_gpu": r["output_throughput"] / gpus,
             "tok_s_per_user": 1000.0 / r["mean_tpot_ms"] if r.get("mean_tpot_ms") else 0.0,
             "ttft_ms_mean": r["mean_ttft_ms"], "ttft_ms_p50": r["p50_ttft_ms"], "ttft_ms_p99": r["p99_ttft_ms"],
             "tpot_ms_p99": r["p99_tpot_ms"], "completed": r["completed"], "failed": r["failed"],
-        }  # fmt: skip
+        })  # fmt: skip
         tag = path.stem
         if (runs / f"{tag}.decode.after.prom").exists():
             n = _delta(runs, tag, "prefill", "atom:time_to_first_token_seconds_count")
@@ -56,38 +77,120 @@ def collect(runs: Path) -> list[dict[str, Any]]:
             pull = 1000 * _delta(runs, tag, "decode", "atom:kv_transfer_pull_seconds_sum") / max(pulls, 1)
             row["ttft_split_ms"] = {"prefill_engine": prefill, "kv_pull": pull,
                                     "rest": max(row["ttft_ms_mean"] - prefill - pull, 0.0)}  # fmt: skip
+            # Engines that export the queue time split the prefill engine's part into queue and prefill.
+            if queued := _delta(runs, tag, "prefill", "atom:request_queue_time_seconds_count"):
+                queue = 1000 * _delta(runs, tag, "prefill", "atom:request_queue_time_seconds_sum") / queued
+                row["ttft_split_ms"].update(queue=queue, prefill=max(prefill - queue, 0.0))
             row["kv_pull_share_of_ttft"] = pull / row["ttft_ms_mean"] if row["ttft_ms_mean"] else 0.0
         rows.append(row)
     return rows
 
 
-def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+def _curve(rows: list[dict[str, Any]], shape: tuple[int, int], setup: str, attention: str | None) -> list[Any]:
+    return sorted((r for r in rows if r["setup"] == setup and (r["isl"], r["osl"]) == shape
+                   and r.get("attention") == attention), key=lambda r: r["concurrency"])  # fmt: skip
+
+
+def verdicts(rows: list[dict[str, Any]], target: float) -> list[dict[str, Any]]:
+    """Per shape and attention: at >= ``target`` tok/s per user, the best 1P1D and colocated tok/s per GPU."""
+    out = []
+    for isl, osl, attention in sorted({(r["isl"], r["osl"], r["attention"]) for r in rows if "attention" in r}):
+        best: dict[str, Any] = {}
+        for side in ("pd", "colocated"):
+            pts = [r for r in rows if (r["isl"], r["osl"], r.get("attention")) == (isl, osl, attention)
+                   and r["setup"].startswith("pd-" if side == "pd" else "colocated")
+                   and r["tok_s_per_user"] >= target and r["completed"] > 0]  # fmt: skip
+            top = max(pts, key=lambda r: r["output_tok_s_per_gpu"], default=None)
+            keep = ("setup", "concurrency", "output_tok_s_per_gpu", "tok_s_per_user")
+            best[side] = None if top is None else {k: top[k] for k in keep}
+        pd, colo = best["pd"], best["colocated"]
+        met = None if pd is None or colo is None else pd["output_tok_s_per_gpu"] >= colo["output_tok_s_per_gpu"]
+        out.append({"isl": isl, "osl": osl, "attention": attention, "target_tok_s_per_user": target,
+                    "pd": pd, "colocated": colo, "met": met})  # fmt: skip
+    return out
+
+
+def verdict_line(v: dict[str, Any]) -> str:
+    head = f"target {v['isl']}/{v['osl']} {v['attention']}: at >= {v['target_tok_s_per_user']:g} tok/s/user"
+    if v["met"] is None:
+        missing = " and ".join(k for k in ("pd", "colocated") if v[k] is None)
+        return f"{head}: no {missing} point reaches it, no verdict"
+    pd, colo = v["pd"], v["colocated"]
+    return (
+        f"{head}: 1P1D {pd['output_tok_s_per_gpu']:.0f} tok/s/GPU (c{pd['concurrency']}) vs colocated "
+        f"{colo['output_tok_s_per_gpu']:.0f} ({colo['setup']}, c{colo['concurrency']}): "
+        f"{pd['output_tok_s_per_gpu'] / colo['output_tok_s_per_gpu']:.2f}x, {'MET' if v['met'] else 'NOT MET'}"
+    )
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str, target: float | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    two = any("attention" in r for r in rows)
     shapes = sorted({(r["isl"], r["osl"]) for r in rows})
-    fig, axes = plt.subplots(1, len(shapes), figsize=(6.5 * len(shapes), 5), squeeze=False)
-    for ax, (isl, osl) in zip(axes[0], shapes, strict=True):
-        for setup, label in LABELS.items():
-            pts = sorted((r for r in rows if r["setup"] == setup and (r["isl"], r["osl"]) == (isl, osl)),
-                         key=lambda r: r["concurrency"])  # fmt: skip
+    curves = ([(s, a, f"{label}, {a}") for a in ("dense", "sparse") for s, label in LABELS_TWO.items()] if two
+              else [(s, None, label) for s, label in LABELS.items()])  # fmt: skip
+    nrows = 2 if two else 1
+    fig, axes = plt.subplots(nrows, len(shapes), figsize=(max(7 * len(shapes), 11), 5 * nrows), squeeze=False)
+    colors = {s: f"C{i}" for i, s in enumerate(list(LABELS_TWO) if two else list(LABELS))}
+    for ax, shape in zip(axes[0], shapes, strict=True):
+        for setup, attention, label in curves:
+            pts = _curve(rows, shape, setup, attention)
             if not pts:
                 continue
             xs = [p["tok_s_per_user"] for p in pts]
             ys = [p["output_tok_s_per_gpu"] for p in pts]
-            ax.plot(xs, ys, marker="o", label=label)
+            ax.plot(xs, ys, marker="o", label=label, color=colors[setup],
+                    linestyle="--" if attention == "sparse" else "-")  # fmt: skip
             for p, x, y in zip(pts, xs, ys, strict=True):
                 ax.annotate(f"c{p['concurrency']}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-        ax.set_title(f"ISL {isl} / OSL {osl}")
+        if target is not None:
+            ax.axvline(target, color="grey", linestyle=":", label=f"{target:g} tok/s/user")
+        ax.set_title(f"ISL {shape[0]} / OSL {shape[1]}")
         ax.set_xlabel("interactivity: output tok/s per user")
         ax.set_ylabel("output tok/s per GPU")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    if two:
+        for ax, shape in zip(axes[1], shapes, strict=True):
+            _split_bars(ax, rows, shape)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _split_bars(ax: Any, rows: list[dict[str, Any]], shape: tuple[int, int]) -> None:
+    """The P/D points' mean TTFT, stacked by part, one bar per concurrency and attention."""
+    pts = [p for a in ("dense", "sparse") for p in _curve(rows, shape, "pd-1p1d", a) if "ttft_split_ms" in p]
+    names = [f"c{p['concurrency']}\n{p['attention']}" for p in pts]
+    queue = bool(pts) and all("queue" in p["ttft_split_ms"] for p in pts)
+    parts = ("queue", "prefill", "kv_pull", "rest") if queue else ("prefill_engine", "kv_pull", "rest")
+    bottom = [0.0] * len(pts)
+    for i, part in enumerate(parts):
+        heights = [p["ttft_split_ms"][part] for p in pts]
+        ax.bar(names, heights, bottom=bottom, label=SPLIT_LABELS[part], color=f"C{i + 3}")
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    ax.set_title(f"1P1D mean TTFT split, ISL {shape[0]} / OSL {shape[1]}")
+    ax.set_ylabel("ms")
+    ax.tick_params(axis="x", labelsize=7)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+
+
+def _runs_meta(runs: Path) -> dict[str, Any]:
+    """What the device script left beside the results: its settings and the passes it skipped."""
+    meta: dict[str, Any] = {}
+    parts = [json.loads(p.read_text()) for p in sorted(runs.glob("meta-*.json"))]
+    if parts:
+        meta["runs"] = parts
+    skipped = [line for p in sorted(runs.glob("skipped-*.txt")) for line in p.read_text().splitlines()]
+    if skipped:
+        meta["skipped"] = skipped
+    return meta
 
 
 def main() -> None:
@@ -95,19 +198,36 @@ def main() -> None:
     p.add_argument("runs", type=Path)
     p.add_argument("--json", type=Path, required=True)
     p.add_argument("--png", type=Path, required=True)
-    p.add_argument("--title", default="SmolLM2-135M shape, bf16, one H200: colocated vs 1P1D (KV over Mooncake TCP)")
+    p.add_argument("--title", default=None, help="chart title (default: the one- or two-GPU experiment's)")
     p.add_argument("--meta", default="{}", help="JSON object merged into the report (device, date, command)")
+    p.add_argument("--target-user-tps", type=float, default=60.0,
+                   help="two-GPU runs: 1P1D and colocated are compared at and above this tok/s per user")  # fmt: skip
     a = p.parse_args()
     rows = collect(a.runs)
-    a.json.write_text(json.dumps({**json.loads(a.meta), "points": rows}, indent=1))
-    plot(rows, a.png, a.title)
+    if not rows:
+        p.error(f"no SETUP-ISL-OSL-cN.json results in {a.runs}")
+    two = any("attention" in r for r in rows)
+    report: dict[str, Any] = {**json.loads(a.meta), **_runs_meta(a.runs)}
+    checks = verdicts(rows, a.target_user_tps) if two else []
+    if two:
+        report["target"] = checks
+    a.json.write_text(json.dumps({**report, "points": rows}, indent=1))
+    plot(rows, a.png, a.title or (TITLE_TWO if two else TITLE_ONE), a.target_user_tps if two else None)
     for r in rows:
         split = r.get("ttft_split_ms")
-        extra = (f"  split: prefill {split['prefill_engine']:.1f} + kv pull {split['kv_pull']:.1f} + rest "
-                 f"{split['rest']:.1f} ms") if split else ""  # fmt: skip
-        print(f"{r['setup']:>18} {r['isl']:>5}/{r['osl']:<4} c{r['concurrency']:<3} "
-              f"{r['output_tok_s_per_gpu']:>8.0f} tok/s/GPU {r['tok_s_per_user']:>6.0f} tok/s/user "
-              f"TTFT mean {r['ttft_ms_mean']:>7.1f} ms{extra}")
+        extra = ""
+        if split:
+            head = (f"queue {split['queue']:.1f} + prefill {split['prefill']:.1f}" if "queue" in split
+                    else f"prefill {split['prefill_engine']:.1f}")  # fmt: skip
+            extra = f"  split: {head} + kv pull {split['kv_pull']:.1f} + rest {split['rest']:.1f} ms"
+        setup = r["setup"] + (f"-{r['attention']}" if "attention" in r else "")
+        print(
+            f"{setup:>28} {r['isl']:>5}/{r['osl']:<4} c{r['concurrency']:<3} "
+            f"{r['output_tok_s_per_gpu']:>8.0f} tok/s/GPU {r['tok_s_per_user']:>6.0f} tok/s/user "
+            f"TTFT mean {r['ttft_ms_mean']:>7.1f} ms{extra}"
+        )
+    for v in checks:
+        print(verdict_line(v))
 
 
 if __name__ == "__main__":

@@ -66,6 +66,12 @@ class ServerMetrics:
             buckets=buckets,
             registry=self.registry,
         )
+        self.queue = Histogram(
+            "atom:request_queue_time_seconds",
+            "Time from request arrival until the scheduler first admitted its prompt (prefilling engines)",
+            buckets=buckets,
+            registry=self.registry,
+        )
         self.e2e = Histogram(
             "atom:e2e_request_latency_seconds",
             "Time from request arrival to its last token",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -131,6 +132,8 @@ class Scheduler:
                 self.block_manager.allocate(seq)
                 if seq.num_completion_tokens == 0:
                     seq.prefix_hit_tokens = seq.num_cached_tokens
+                if seq.admitted_at is None:
+                    seq.admitted_at = time.monotonic()
             remaining = len(seq) - seq.num_cached_tokens
             chunk = min(remaining, budget)
             if cfg.long_prefill_token_threshold > 0:

@@ -63,6 +63,7 @@ class Sequence:
     """
 
     __slots__ = (
+        "admitted_at",
         "block_size",
         "block_table",
         "finish_reason",
@@ -85,6 +86,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0
         self.prefix_hit_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        self.admitted_at: float | None = None  # time.monotonic() when the scheduler first gave it blocks
         self.block_table: list[int] = []
         self.block_size = block_size
         self.params = params

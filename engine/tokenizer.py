@@ -39,7 +39,10 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str: ...
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> str: ...
 
 
 class ChatTemplate:
@@ -52,14 +55,36 @@ class ChatTemplate:
         self._bos = bos_token
         self._eos = eos_token
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text for ``messages``, ending with the assistant's turn opener."""
+    def render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, continue_final_message: bool = False
+    ) -> str:
+        """The prompt text for ``messages``: ending with the assistant's turn opener, or, with
+        ``continue_final_message``, with the last message left open so the model continues it."""
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
         try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=True, bos_token=self._bos, eos_token=self._eos
+            text = self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self._bos,
+                eos_token=self._eos
             )
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from exc
+        return _open_final_message(text, messages) if continue_final_message else text
+
+
+def _open_final_message(rendered: str, messages: list[dict[str, Any]]) -> str:
+    """Cut the rendered chat right after the last message's text (its end-of-turn markers dropped),
+    the way Hugging Face's ``continue_final_message`` does."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message needs a final message with text to continue")
+    at = rendered.rfind(final.strip())
+    if at < 0:
+        raise ValueError("continue_final_message: the chat template does not show the final message as given")
+    kept = final.lstrip()
+    if rendered[at:at + len(kept)] == kept:
+        return rendered[:at + len(kept)]  # the template kept the message's trailing spaces
+    return rendered[:at + len(final.strip())]
 
 
 def _raise_template_error(message: str) -> None:
@@ -95,8 +120,11 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._core.decode(list(ids), skip_special_tokens=True))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        return self._chat.render(messages)
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> str:
+        return self._chat.render(messages, add_generation_prompt, continue_final_message)
 
 
 def tokenizer_from_gguf_fields(fields: dict[str, Any]) -> HFTokenizer:
@@ -207,8 +235,11 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        return self._chat.render(messages)
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> str:
+        return self._chat.render(messages, add_generation_prompt, continue_final_message)
 
 
 @dataclass(slots=True)

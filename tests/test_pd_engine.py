@@ -24,6 +24,8 @@ import aiohttp
 import pytest
 from gwtest import MakeGateway, base_url, free_port
 
+pytest.importorskip("mooncake.engine", reason="P/D engines relay KV over Mooncake (make install puts it in)")
+
 DEVICE = os.environ.get("ENGINE_TEST_DEVICE", "cpu")
 ENGINE = [sys.executable, "-m", "engine.openai_server", "--model", "tiny-random", "--device", DEVICE,
           "--host", "127.0.0.1", "--num-kvcache-blocks", "512", "--torch-threads", "1"]
@@ -204,6 +206,27 @@ async def test_sixteen_concurrent_requests_complete(engines: dict[str, Engine], 
     wait_until(lambda: p.blocks_used() == 0 and d.blocks_used() == 0, what="both block pools to be idle")
 
 
+@pytest.mark.timeout(120)
+async def test_sglang_routes_through_the_pd_gateway(engines: dict[str, Engine], gateway: MakeGateway) -> None:
+    """/generate goes through the relay as the engine's native route; /health_generate and /get_model_info
+    are answered (the routes the gateway lists, none of them a 404 in the demo)."""
+    p, d, single = engines["prefill"], engines["decode"], engines["single"]
+    gw = await gateway(pd_disaggregation=True, backend="atom", prefill=[{"url": p.url}], decode=[d.url],
+                       request_timeout_secs=60)
+    body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+    async with aiohttp.ClientSession() as s:
+        answers = []
+        for url in (single.url, base_url(gw)):
+            async with s.post(url + "/generate", json=body) as r:
+                assert r.status == 200, await r.text()
+                answers.append((await r.json())["text"])
+        assert answers[0] == answers[1]
+        for path in ("/health_generate", "/get_model_info"):
+            async with s.get(base_url(gw) + path) as r:
+                assert r.status == 200, (path, await r.text())
+    wait_until(lambda: p.blocks_used() == 0 and d.blocks_used() == 0, what="both block pools to be idle")
+
+
 # ---------------------------------------------------------------------------- faults
 def _prefill(p: Engine, prompt: str = PROMPTS[1]) -> dict[str, Any]:
     status, body = post(p.url + "/v1/completions", _greedy(prompt, max_tokens=1, stream=False,
@@ -293,3 +316,41 @@ def test_engines_refuse_requests_for_the_other_role(engines: dict[str, Engine]) 
     status, body = post(engines["single"].url + "/v1/completions",
                         _greedy("x", kv_transfer_params={"do_remote_prefill": True}))
     assert status == 400 and "kv_consumer" in body["error"]["message"]
+
+
+@pytest.mark.timeout(180)
+async def test_a_decode_engine_killed_mid_stream_is_replaced_by_a_new_pair(engines: dict[str, Engine],
+                                                                           gateway: MakeGateway) -> None:
+    p, d, single = engines["prefill"], engines["decode"], engines["single"]
+    doomed = Engine("doomed-decode", "kv_consumer").wait_up()
+    try:
+        gw = await gateway(pd_disaggregation=True, backend="atom", prefill=[{"url": p.url}],
+                           decode=[doomed.url, d.url], request_timeout_secs=90, migration_limit=1)
+        body = _greedy(PROMPTS[0], max_tokens=400, stream=True, stream_options={"include_usage": True})
+        pulled = d.metric("atom:kv_transfer_pulled_total")
+        async with aiohttp.ClientSession() as s:
+            want, _ = await _complete(s, single.url, body)
+            pieces: list[str] = []
+            usage: dict[str, Any] | None = None
+            # Round robin gives the first pair the first decode worker: the one that dies.
+            async with s.post(base_url(gw) + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                async for line in r.content:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    assert "error" not in event, event
+                    if event["choices"]:
+                        pieces.append(event["choices"][0]["text"])
+                        if len(pieces) == 4:
+                            doomed.proc.kill()
+                    usage = event.get("usage") or usage
+        assert doomed.proc.poll() is not None
+        # Greedy, the text before the kill is the colocated engine's; the rest came from a new pair (the
+        # byte-level test model's text is not always valid UTF-8, so its continuation is checked for shape only).
+        assert want.startswith("".join(pieces[:4]))
+        assert usage is not None and usage["completion_tokens"] >= 400
+        assert d.metric("atom:kv_transfer_pulled_total") >= pulled + 1  # the surviving decode took over
+        wait_until(lambda: p.blocks_used() == 0 and d.blocks_used() == 0, what="both block pools to be idle")
+    finally:
+        doomed.stop()

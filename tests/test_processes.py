@@ -279,3 +279,20 @@ async def test_tls_with_several_processes(mock_workers: MakeWorkers, launch: Lau
             async with http.get(gw.url + "/workers", ssl=ctx) as r:
                 assert r.status == 200 and (await r.json())["workers"][0]["url"] == w.url
     assert len(processes(ids)) == 2
+
+
+async def test_a_worker_refusing_connections_is_out_of_every_process(mock_workers: MakeWorkers,
+                                                                     launch: Launch) -> None:
+    dead, alive = await mock_workers(2)
+    gw = await launch("--worker-urls", dead.url, alive.url, "--health-check-interval-secs", "60")
+    await dead.stop()
+    ids = await completions(gw.url, 40)
+    assert len(processes(ids)) == 2 and len(alive.received) == 40
+    async with aiohttp.ClientSession() as http:
+        async with http.get(gw.url + "/workers") as r:
+            states = {w["url"]: w["state"] for w in (await r.json())["workers"]}
+        assert states[dead.url] == "unhealthy"  # the leader's registry, though a follower may have met it first
+        m = await gw.metrics(http)
+    # Only the requests already on their way to it when it first refused paid a retry (without taking it out,
+    # every other request would: about 20).
+    assert total(m, "mesh_worker_retries_total") < 10

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import aiohttp
 
+from atomesh.bench import help_formatter
 from atomesh.bench.procs import free_port, start, stop
 from atomesh.config import GatewayConfig, PolicyName
 from atomesh.placement import Placement, Plan
@@ -41,7 +42,9 @@ from atomesh.request import RequestView, Route
 from atomesh.workers.registry import WorkerRegistry
 from atomesh.workers.worker import Worker, WorkerRole, WorkerState
 
-POLICIES = tuple(PolicyName)
+# The load-balancing policies (consistent_hashing and dp_sticky keep sessions, which this trace lacks).
+POLICIES = (PolicyName.RANDOM, PolicyName.ROUND_ROBIN, PolicyName.POWER_OF_TWO, PolicyName.LEAST_LOAD,
+            PolicyName.PREFIX_HASH, PolicyName.CACHE_AWARE)
 WORDS = ("the quick brown fox jumps over lazy dogs while engines prefill long prompts and decode tokens "
          "system user assistant context window cache block prefix router gateway latency").split()
 
@@ -312,7 +315,8 @@ def run_trace(args: argparse.Namespace) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="atomesh bench placement", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="atomesh bench placement", description=__doc__.split("\n")[0],
+                                formatter_class=help_formatter)
     p.add_argument("--only", choices=("decision", "memory", "trace"), action="append",
                    help="run only these parts (repeatable; default: all)")
     p.add_argument("--decision-requests", type=int, default=3000)

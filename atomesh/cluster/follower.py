@@ -25,6 +25,7 @@ from atomesh.cluster.messages import (
     Ready,
     Stop,
     SyncWorkers,
+    Unreachable,
 )
 from atomesh.cluster.mirror import mirror
 from atomesh.config import GatewayConfig
@@ -42,7 +43,7 @@ class FollowerServer:
         self.config = config
         self.gateway = Gateway(config, instance_id)
         accounting = HttpAccounting(config.request_id_headers, self.gateway.metrics, config.max_payload_size,
-                                    self.gateway.instance_id)
+                                    self.gateway.instance_id, config.access_log_sample_rate)
         self.door = FrontDoor(self.gateway, accounting)
         self.leader_port = leader_port
 
@@ -82,6 +83,11 @@ class Follower:
         self.channel = Channel(conn, self._on_message, self.stopping.set)  # the leader gone: stop too
         self.index = IndexSync(self.gw, self.channel.send)
         self.gw.registry.subscribe(self._on_worker_state)
+        self.gw.router.on_unreachable = self._unreachable
+
+    def _unreachable(self, worker: Worker) -> None:
+        self.gw.mark_unreachable(worker)  # out of this process's rotation now,
+        self.channel.send(Unreachable(worker.url))  # and of every process's once the leader, its owner, says so
 
     def _on_message(self, message: Message) -> None:
         match message:

@@ -24,6 +24,7 @@ from atomesh.cluster.messages import (
     Stop,
     SyncWorkers,
     ToFollower,
+    Unreachable,
 )
 from atomesh.cluster.mirror import mirrored_workers
 from atomesh.config import GatewayConfig
@@ -117,6 +118,10 @@ class Cluster:
             case DrainReport(in_flight, generation):
                 f.draining, f.synced = in_flight, generation
                 self._count_remote_in_flight()
+            case Unreachable(url):
+                worker = self.gateway.registry.by_url(url)
+                if worker is not None:
+                    self.gateway.mark_unreachable(worker)
             case IndexBatch():
                 self.index.apply(message)
                 self._broadcast(message, skip=f)

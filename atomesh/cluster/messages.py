@@ -27,6 +27,7 @@ class WorkerInfo:
     kv_transfer_info: dict[str, Any]
     server_info: dict[str, Any]
     engine_load: int | None
+    dp_size: int = 1  # --dp-aware: data-parallel ranks the worker reported at registration
 
 
 # ------------------------------------------------------------------ leader -> follower
@@ -71,6 +72,14 @@ class DrainReport:
     generation: int
 
 
+@dataclass(frozen=True, slots=True)
+class Unreachable:
+    """The follower met a worker that refuses connections: the leader, which owns worker state, takes it
+    out of rotation everywhere (health checks bring it back)."""
+
+    url: str
+
+
 # ------------------------------------------------------------------ both ways
 @dataclass(frozen=True, slots=True)
 class IndexBatch:
@@ -81,5 +90,5 @@ class IndexBatch:
 
 
 ToFollower = SyncWorkers | MetricsQuery | IndexBatch | Stop
-ToLeader = Ready | MetricsReply | DrainReport | IndexBatch
+ToLeader = Ready | MetricsReply | DrainReport | Unreachable | IndexBatch
 Message = ToFollower | ToLeader

@@ -11,24 +11,31 @@ from collections.abc import Callable
 from atomesh.config import GatewayConfig, PolicyName
 from atomesh.policies.base import Decision, Policy, least_loaded
 from atomesh.policies.cache_aware import CacheAwarePolicy
+from atomesh.policies.consistent_hashing import ConsistentHashingPolicy
+from atomesh.policies.dp_sticky import DpStickyPolicy
 from atomesh.policies.least_load import LeastLoadPolicy
 from atomesh.policies.power_of_two import PowerOfTwoPolicy
 from atomesh.policies.prefix_hash import PrefixHashPolicy
 from atomesh.policies.random import RandomPolicy
 from atomesh.policies.round_robin import RoundRobinPolicy
+from atomesh.tokenizer import PromptTokens
 
-PolicyFactory = Callable[[GatewayConfig], Policy]
+# A factory gets the config and the gateway's tokenizer (None without --model-path / --tokenizer-path).
+PolicyFactory = Callable[[GatewayConfig, PromptTokens | None], Policy]
 
 FACTORIES: dict[PolicyName, PolicyFactory] = {
-    PolicyName.RANDOM: lambda cfg: RandomPolicy(),
-    PolicyName.ROUND_ROBIN: lambda cfg: RoundRobinPolicy(),
-    PolicyName.POWER_OF_TWO: lambda cfg: PowerOfTwoPolicy(),
-    PolicyName.LEAST_LOAD: lambda cfg: LeastLoadPolicy(),
-    PolicyName.CACHE_AWARE: lambda cfg: CacheAwarePolicy(
+    PolicyName.RANDOM: lambda cfg, tok: RandomPolicy(),
+    PolicyName.ROUND_ROBIN: lambda cfg, tok: RoundRobinPolicy(),
+    PolicyName.POWER_OF_TWO: lambda cfg, tok: PowerOfTwoPolicy(),
+    PolicyName.LEAST_LOAD: lambda cfg, tok: LeastLoadPolicy(),
+    PolicyName.CACHE_AWARE: lambda cfg, tok: CacheAwarePolicy(
         cache_threshold=cfg.cache_threshold, balance_abs_threshold=cfg.balance_abs_threshold,
         balance_rel_threshold=cfg.balance_rel_threshold, eviction_interval_secs=cfg.eviction_interval_secs,
         max_tree_size=cfg.max_tree_size),
-    PolicyName.PREFIX_HASH: lambda cfg: PrefixHashPolicy(prefix_token_count=cfg.prefix_token_count),
+    PolicyName.PREFIX_HASH: lambda cfg, tok: PrefixHashPolicy(
+        prefix_token_count=cfg.prefix_token_count, load_factor=cfg.prefix_hash_load_factor, tokens=tok),
+    PolicyName.CONSISTENT_HASHING: lambda cfg, tok: ConsistentHashingPolicy(),
+    PolicyName.DP_STICKY: lambda cfg, tok: DpStickyPolicy(),
 }
 
 
@@ -36,13 +43,13 @@ class PolicyNotAvailable(ValueError):
     """The policy name has no factory (a name added to `PolicyName` without one)."""
 
 
-def make_policy(name: PolicyName, config: GatewayConfig) -> Policy:
+def make_policy(name: PolicyName, config: GatewayConfig, tokens: PromptTokens | None = None) -> Policy:
     try:
         factory = FACTORIES[name]
     except KeyError:
         raise PolicyNotAvailable(f"--policy {name} is not implemented yet; available: "
                                  f"{', '.join(sorted(FACTORIES))}") from None
-    return factory(config)
+    return factory(config, tokens)
 
 
 __all__ = ["FACTORIES", "Decision", "Policy", "PolicyName", "PolicyNotAvailable", "least_loaded", "make_policy"]

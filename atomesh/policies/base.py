@@ -46,14 +46,17 @@ class Policy(Protocol):
     """Chooses one worker among routable candidates for a request.
 
     `select` is called with two or more candidates (placement takes a lone candidate itself, as
-    `Decision(worker, ONLY_CANDIDATE)`) and changes no state that depends on the outcome.
-    `record` runs once the whole plan exists (in P/D: both legs chosen), with the decision `select`
-    returned or the lone-candidate one; a plan that could not be completed records nothing.
-    `on_worker_removed` runs when a worker leaves the registry. `start` / `stop` own any background
-    task (cache-aware eviction); stateless policies inherit no-ops from `Stateless`.
+    `Decision(worker, ONLY_CANDIDATE)`, unless `select_single` is true: a policy that may refuse
+    that candidate, as consistent_hashing does for a target header naming another) and records
+    nothing about the placement. `record` runs once the whole plan exists (in P/D: both legs
+    chosen), with the decision `select` returned or the lone-candidate one; a plan that could not be
+    completed records nothing. `on_worker_removed` runs when a worker leaves the registry.
+    `start` / `stop` own any background task (cache-aware eviction). Stateless policies inherit
+    `select_single = False` and no-op hooks from `Stateless`.
     """
 
     name: PolicyName
+    select_single: bool
 
     def select(self, candidates: Sequence[Worker], view: RequestView) -> Decision: ...
 
@@ -68,6 +71,8 @@ class Policy(Protocol):
 
 class Stateless:
     """No-op hooks for policies that keep no state from one placement to the next."""
+
+    select_single = False
 
     def record(self, decision: Decision, view: RequestView) -> None:
         pass

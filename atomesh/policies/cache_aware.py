@@ -1,6 +1,6 @@
 """`cache_aware`: send a request where its prompt prefix was sent before, unless the fleet is imbalanced.
 
-Decision (SMG's cache-aware policy, PROTOCOLS.md §1):
+Decision (SMG's cache-aware policy; docs/placement.md):
 
 1. The candidates' loads are imbalanced when `max - min > --balance-abs-threshold` AND
    `max > --balance-rel-threshold * min`: the least-loaded worker wins (shortest queue).
@@ -221,6 +221,7 @@ _set_hashes, _set_held = slot_setter(PrefixDecision, "hashes"), slot_setter(Pref
 
 class CacheAwarePolicy:
     name = PolicyName.CACHE_AWARE
+    select_single = False
 
     def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
                  balance_rel_threshold: float = 1.5, eviction_interval_secs: float = 120,
@@ -264,9 +265,13 @@ class CacheAwarePolicy:
                 self.hits += 1
             else:
                 self.misses += 1
-        else:  # the only candidate: placement did not ask select
-            hashes, _ = self.index.hashes(view.locality_text)
+        else:  # the only candidate, placement did not ask select: still a hit or a miss for the hit ratio
+            hashes, size = self.index.hashes(view.locality_text)
             held = self._held(hashes, worker)
+            if held and self.index.matched_chars(held, size) > self.cache_threshold * size:
+                self.hits += 1
+            else:
+                self.misses += 1
         self.index.insert(hashes, worker, held)
         if self.publish is not None:
             self.publish(worker, hashes)

@@ -1,6 +1,6 @@
 """A configurable OpenAI-compatible mock worker for tests and benchmarks.
 
-It answers `/v1/completions`, `/v1/chat/completions` and `/generate` (streamed or not) with fake
+It answers `/v1/completions`, `/v1/chat/completions`, `/generate` and `/v1/responses` (streamed or not) with fake
 tokens, identifies itself in the `x-mock-worker` header, records what it received, and can be made
 slow, failing, hanging or dying mid-stream, at start or at run time (`POST /_mock/config`).
 Run it in-process (`MockWorker(...).start()`) or as a process:
@@ -43,6 +43,8 @@ class MockBehaviour:
     pd_backend: str | None = None
     pd_role: str | None = None
     omit_kv_params: bool = False  # a prefill that forgets kv_transfer_params (atom / vllm)
+    missing_routes: list[str] = field(default_factory=list)  # paths answered 404, as by an engine lacking them
+    dp_size: int | None = 1  # reported in /server_info (None: not reported)
 
 
 class ServedApp:
@@ -90,8 +92,16 @@ class MockWorker(ServedApp):
         self.served = 0
 
     def app(self) -> web.Application:
-        app = web.Application()
-        for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
+        @web.middleware
+        async def missing(request: web.Request, handler: Any) -> web.StreamResponse:
+            if request.path in self.behaviour.missing_routes:
+                return web.json_response({"error": {"message": "not found", "type": "not_found_error", "code": 404}},
+                                         status=404, headers=self._headers())
+            resp: web.StreamResponse = await handler(request)
+            return resp
+
+        app = web.Application(middlewares=[missing])
+        for path in ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/responses"):
             app.router.add_post(path, self._inference)
         app.router.add_get("/health", self._health)
         app.router.add_get("/health_generate", self._health)
@@ -156,6 +166,24 @@ class MockWorker(ServedApp):
             n = body["sampling_params"].get("max_new_tokens", n)
         return min(int(n), self.behaviour.stream_chunks) if isinstance(n, int) else self.behaviour.stream_chunks
 
+    def _words(self, request: web.Request, body: dict[str, Any]) -> range:
+        """Which words `tok{i}` this answer holds. The answer to a prompt is `tok0 tok1 ...` up to
+        `stream_chunks` words; a request that continues one (chat with `continue_final_message`, or a
+        completion prompt ending in `tok0 tok1 ... tok{k-1} `) gets the words from `tok{k}` on, as an
+        engine continuing its own greedy output would."""
+        first = 0
+        if request.path.endswith("chat/completions"):
+            messages = body.get("messages") or []
+            if body.get("continue_final_message") and messages and isinstance(messages[-1], dict):
+                first = _words_done(str(messages[-1].get("content") or ""))
+        elif isinstance(body.get("prompt"), str):
+            prompt = body["prompt"]
+            at = prompt.find("tok0 ")
+            first = _words_done(prompt[at:]) if at >= 0 else 0
+        n = self._max_tokens(body) if first == 0 else body.get("max_tokens", body.get("max_completion_tokens"))
+        end = self.behaviour.stream_chunks if not isinstance(n, int) else min(self.behaviour.stream_chunks, first + n)
+        return range(first, max(first, end))
+
     def _kv_params(self, body: dict[str, Any]) -> dict[str, Any] | None:
         params = body.get("kv_transfer_params")
         if not isinstance(params, dict) or not params.get("do_remote_decode") or self.behaviour.omit_kv_params:
@@ -166,8 +194,8 @@ class MockWorker(ServedApp):
                 "first_token_id": 7, "prefix_cache_hit_tokens": 0}
 
     async def _whole(self, request: web.Request, body: dict[str, Any]) -> web.Response:
-        n = self._max_tokens(body)
-        text = " ".join(f"tok{i}" for i in range(n))
+        words = self._words(request, body)
+        text = " ".join(f"tok{i}" for i in words)
         chat = request.path.endswith("chat/completions")
         choice: dict[str, Any] = (
             {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
@@ -176,7 +204,7 @@ class MockWorker(ServedApp):
         out: dict[str, Any] = {
             "id": f"cmpl-{self.name}", "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": body.get("model", "mock-model"), "choices": [choice],
-            "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n},
+            "usage": _usage(words),
         }
         kv = self._kv_params(body)
         if kv is not None:
@@ -185,25 +213,39 @@ class MockWorker(ServedApp):
 
     async def _stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         b = self.behaviour
-        n = self._max_tokens(body)
+        words = self._words(request, body)
         chat = request.path.endswith("chat/completions")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **self._headers()})
         await resp.prepare(request)
-        for i in range(n):
-            if b.die_after_chunks is not None and i >= b.die_after_chunks:
+        ident = {"id": f"cmpl-{self.name}", "object": "chat.completion.chunk" if chat else "text_completion",
+                 "created": int(time.time()), "model": body.get("model", "mock-model")}
+        if chat:  # the role event engines send first
+            role = {**ident, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                          "finish_reason": None}]}
+            await resp.write(b"data: " + orjson.dumps(role) + b"\n\n")
+        for sent, i in enumerate(words):
+            if b.die_after_chunks is not None and sent >= b.die_after_chunks:
                 assert request.transport is not None
                 request.transport.close()
                 return resp
             delta: dict[str, Any] = {"content": f"tok{i} "} if chat else {}
             choice: dict[str, Any] = ({"index": 0, "delta": delta, "finish_reason": None} if chat
                                       else {"index": 0, "text": f"tok{i} ", "finish_reason": None})
-            if i == n - 1:
+            if i == words[-1]:
                 choice["finish_reason"] = "length"
-            event = {"id": f"cmpl-{self.name}", "object": "chat.completion.chunk" if chat else "text_completion",
-                     "model": body.get("model", "mock-model"), "choices": [choice]}
-            await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
+            await resp.write(b"data: " + orjson.dumps({**ident, "choices": [choice]}) + b"\n\n")
             if b.chunk_interval_secs:
                 await asyncio.sleep(b.chunk_interval_secs)
+        if b.die_after_chunks is not None and 0 < len(words) == b.die_after_chunks:
+            assert request.transport is not None
+            request.transport.close()  # the whole answer went out, its usage and [DONE] do not
+            return resp
+        if not words:  # nothing left to say: just the end
+            end: dict[str, Any] = {"index": 0, "finish_reason": "length", **({"delta": {}} if chat else {"text": ""})}
+            await resp.write(b"data: " + orjson.dumps({**ident, "choices": [end]}) + b"\n\n")
+        options = body.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage"):
+            await resp.write(b"data: " + orjson.dumps({**ident, "choices": [], "usage": _usage(words)}) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -217,9 +259,12 @@ class MockWorker(ServedApp):
             {"id": m, "object": "model", "owned_by": "mock"} for m in self.behaviour.models]})
 
     async def _server_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"model_id": self.behaviour.models[0] if self.behaviour.models else None,
-                                  "served_model_name": self.behaviour.models, "tp_size": 1, "dp_size": 1,
-                                  "mock": self.name})
+        info = {"model_id": self.behaviour.models[0] if self.behaviour.models else None,
+                "served_model_name": self.behaviour.models, "tp_size": 1, "dp_size": self.behaviour.dp_size,
+                "mock": self.name}
+        if self.behaviour.dp_size is None:
+            del info["dp_size"]
+        return web.json_response(info)
 
     async def _kv_info(self, request: web.Request) -> web.Response:
         return web.json_response({"tp_size": 1, "dp_size": 1, "kv_role": self.behaviour.kv_role,
@@ -247,6 +292,22 @@ class MockWorker(ServedApp):
         return web.json_response(asdict(self.behaviour))
 
 
+def _words_done(text: str) -> int:
+    """How many words `tok0 tok1 ...` (in order, each followed by a space) `text` holds."""
+    k = 0
+    for word in text.split(" ")[:-1]:
+        if word != f"tok{k}":
+            break
+        k += 1
+    return k
+
+
+def _usage(words: range) -> dict[str, int]:
+    # The prompt is 3 tokens, plus one per word of a continued answer it carries.
+    prompt = 3 + words.start
+    return {"prompt_tokens": prompt, "completion_tokens": len(words), "total_tokens": prompt + len(words)}
+
+
 _ATOM_DECODE_FIELDS = ("remote_block_ids", "remote_engine_id", "remote_host", "remote_handshake_port",
                        "transfer_id", "first_token_id", "remote_dp_size", "remote_tp_size", "remote_dp_rank")
 _VLLM_DECODE_FIELDS = ("remote_block_ids", "remote_engine_id", "remote_host", "remote_port")
@@ -254,7 +315,7 @@ _VLLM_PREFILL_NULLS = ("remote_engine_id", "remote_block_ids", "remote_host", "r
 
 
 def pd_protocol_problem(backend: str, role: str | None, body: dict[str, Any]) -> str | None:
-    """What a real engine of `backend` would refuse in this request, or None (PROTOCOLS.md §3)."""
+    """What a real engine of `backend` would refuse in this request, or None (docs/pd.md)."""
     if backend == "sglang":
         for key in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
             if key not in body:

@@ -70,6 +70,11 @@ class CircuitBreaker:
         else:
             self._failure()
 
+    def trip(self) -> None:
+        """Open now, whatever the count: the worker was seen to be down (it refused a connection)."""
+        if self.settings.enabled and self.state is not BreakerState.OPEN:
+            self._move(BreakerState.OPEN)
+
     def _success(self) -> None:
         if self.state is BreakerState.HALF_OPEN:
             self.successes += 1

@@ -63,6 +63,9 @@ class HealthChecker:
         if not self._running:
             return
         if new in _PROBED:
+            if new is WorkerState.UNHEALTHY:
+                # Taken out by other evidence (a refused connection) or by us: it must pass checks to return.
+                self._streaks[worker.id] = min(self._streaks.get(worker.id, 0), 0)
             self._watch(worker)
         else:
             task = self._tasks.pop(worker.id, None)

@@ -22,7 +22,7 @@ from atomesh.workers.worker import Worker, WorkerRole, WorkerSource, WorkerState
 
 log = structlog.get_logger("atomesh.workers")
 
-# Expected `kv_role` of each P/D role when the backend is atom (PROTOCOLS.md §3).
+# Expected `kv_role` of each P/D role when the backend is atom (docs/pd.md).
 _ATOM_KV_ROLE = {WorkerRole.PREFILL: "kv_producer", WorkerRole.DECODE: "kv_consumer"}
 
 
@@ -41,7 +41,9 @@ class Lifecycle:
         self, registry: WorkerRegistry, upstream: Upstream, *, backend: BackendKind,
         breaker: BreakerSettings, startup_timeout: float, check_interval: float, probe_timeout: float,
         health_endpoint: str, on_breaker: Callable[[Worker, BreakerState, BreakerState], None] | None = None,
+        dp_aware: bool = False,
     ) -> None:
+        self.dp_aware = dp_aware  # every worker must report its data-parallel size
         self.registry = registry
         self.upstream = upstream
         self.backend = backend
@@ -173,6 +175,9 @@ class Lifecycle:
             if isinstance(info, dict):
                 worker.server_info = info
                 break
+        if self.dp_aware:
+            worker.dp_size = _dp_size(worker)
+            worker.rank_in_flight = [0] * worker.dp_size
         if self.backend is BackendKind.ATOM and worker.role in _ATOM_KV_ROLE:
             await self._check_kv_role(worker, _ATOM_KV_ROLE[worker.role])
 
@@ -230,3 +235,18 @@ class Lifecycle:
         if self._drained.pop(worker.id, None) is not None:
             worker.on_release = None
             drained.set()  # another drain job of this worker (a second DELETE) wakes and finds it removed
+
+
+MAX_DP_SIZE = 1024
+
+
+def _dp_size(worker: Worker) -> int:
+    """The data-parallel size the engine reports in its server info, or RegistrationFailed saying why not."""
+    info = worker.server_info
+    size = info.get("dp_size", info.get("data_parallel_size"))
+    if not info or size is None:
+        raise RegistrationFailed(f"{worker.url} reports no dp_size in /server_info or /get_server_info: --dp-aware "
+                                 "needs engines that expose their data-parallel ranks (SGLang, ATOM, atomesh's engine)")
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_DP_SIZE:
+        raise RegistrationFailed(f"{worker.url} reports dp_size {size!r}; expected an integer in 1..{MAX_DP_SIZE}")
+    return size

@@ -86,6 +86,9 @@ class Worker:
     # The pod behind a discovered worker ("namespace/name"), None for the others.
     pod: str | None = None
     host: str = ""
+    # Data-parallel ranks (--dp-aware): how many the engine reports, and requests in flight on each.
+    dp_size: int = 1
+    rank_in_flight: list[int] = field(default_factory=lambda: [0])
 
     def __post_init__(self) -> None:
         self.host = urlsplit(self.url).hostname or ""
@@ -124,5 +127,6 @@ class Worker:
             "labels": self.labels,
             "source": self.source.value,
             "pod": self.pod,
+            "dp_size": self.dp_size,
             "error": self.error,
         }

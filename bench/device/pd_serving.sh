@@ -15,6 +15,10 @@ ISLS=${ISLS:-"1024/256 4096/512"}
 CONCS=${CONCS:-"1 4 16 64"}
 BLOCKS=${BLOCKS:-40000}  # per engine: 14.7 GB of SmolLM2 KV, so two engines share one GPU
 R="$OUT/runs"; mkdir -p "$R"
+# Every pass gets its own prompt seed, so no pass finds an earlier pass's prompts in the prefix cache
+# (with one seed, each pass's prompts began with the previous pass's, and the second set-up on the same
+# engine was served from its cache).
+SEED=${SEED:-1000}
 PIDS=()
 wait_http() { for _ in $(seq "$2"); do curl -sf "$1" >/dev/null && return 0; sleep 1; done; echo "timeout $1"; return 1; }
 engine() {  # NAME PORT EXTRA...
@@ -30,10 +34,11 @@ sweep() {  # SETUP URL [DECODE_METRICS_URL PREFILL_METRICS_URL]
     local isl=${isl_osl%/*} osl=${isl_osl#*/}
     for c in $CONCS; do
       local tag="$1-$isl-$osl-c$c"
+      SEED=$((SEED + 1))
       if [ -n "${3:-}" ]; then curl -s "$3" >"$R/$tag.decode.before.prom"; curl -s "$4" >"$R/$tag.prefill.before.prom"; fi
       timeout 60 python3 -m atomesh bench serving --base-url "$2" --model m --random-input-len "$isl" \
         --random-output-len "$osl" --ignore-eos --num-prompts 4 --prompts-per-concurrency 2 --sweep-concurrency "$c" \
-        --save-result "$R/$tag.json" 2>&1 | grep -E "Output token throughput|Tokens/s per user|Median TTFT" \
+        --seed "$SEED" --save-result "$R/$tag.json" 2>&1 | grep -E "Output token throughput|Tokens/s per user|Median TTFT" \
         | sed "s/^/$tag: /" || echo "$tag: failed"
       if [ -n "${3:-}" ]; then curl -s "$3" >"$R/$tag.decode.after.prom"; curl -s "$4" >"$R/$tag.prefill.after.prom"; fi
     done

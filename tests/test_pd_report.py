@@ -1,0 +1,99 @@
+"""bench/pd_report.py on small synthetic runs folders: the two-GPU chart, TTFT split and target verdict,
+and the one-GPU report as before."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+REPORT = ROOT / "bench" / "pd_report.py"
+pytestmark = pytest.mark.timeout(60)
+
+
+def result(tmp: Path, tag: str, out_tps: float, tpot_ms: float, ttft_ms: float, gpus: int) -> None:
+    body = {
+        "output_throughput": out_tps,
+        "mean_tpot_ms": tpot_ms,
+        "mean_ttft_ms": ttft_ms,
+        "p50_ttft_ms": ttft_ms,
+        "p99_ttft_ms": ttft_ms,
+        "p99_tpot_ms": tpot_ms,
+        "completed": 8,
+        "failed": 0,
+        "num_workers": gpus,
+    }
+    (tmp / f"{tag}.json").write_text(json.dumps(body))
+
+
+def prom(tmp: Path, tag: str, side: str, when: str, count: int, seconds: float, queued: float = 0.0) -> None:
+    name = "atom:time_to_first_token_seconds" if side == "prefill" else "atom:kv_transfer_pull_seconds"
+    text = f'# HELP x\n{name}_count{{model_name="m"}} {count}\n{name}_sum{{model_name="m"}} {seconds}\n'
+    if queued:  # the prefill engine's queue time, as many observations as its TTFT
+        q = "atom:request_queue_time_seconds"
+        text += f'{q}_count{{model_name="m"}} {count}\n{q}_sum{{model_name="m"}} {queued}\n'
+    (tmp / f"{tag}.{side}.{when}.prom").write_text(text)
+
+
+def report(runs: Path, out: Path, *args: str) -> tuple[dict, str]:
+    pytest.importorskip("matplotlib", reason="the chart needs matplotlib (the bench extra)")
+    png, js = out / "chart.png", out / "report.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPORT), str(runs), "--json", str(js), "--png", str(png), *args],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    return json.loads(js.read_text()), proc.stdout
+
+
+def test_two_gpu_report_divides_by_gpus_splits_ttft_and_judges_the_target(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    # 1P1D: at 100 tok/s/user (TPOT 10 ms) 1,600 tok/s over 2 GPUs; colocated there only 1,200.
+    result(runs, "pd-1p1d-dense-1024-256-c16", 1600, 10.0, 50.0, 2)
+    result(runs, "pd-1p1d-dense-1024-256-c64", 5000, 40.0, 400.0, 2)  # 25 tok/s/user: below the target
+    result(runs, "colocated-cache_aware-dense-1024-256-c16", 1200, 12.5, 30.0, 2)
+    result(runs, "colocated-round_robin-dense-1024-256-c16", 1100, 12.5, 30.0, 2)
+    result(runs, "colocated-round_robin-dense-1024-256-c64", 9000, 30.0, 200.0, 2)
+    result(runs, "colocated-cache_aware-sparse-1024-256-c16", 1300, 12.0, 30.0, 2)  # sparse: no 1P1D point
+    for tag in ("pd-1p1d-dense-1024-256-c16", "pd-1p1d-dense-1024-256-c64"):
+        prom(runs, tag, "prefill", "before", 4, 0.1, queued=0.01)
+        prom(runs, tag, "prefill", "after", 36, 0.42, queued=0.106)  # 32 prefills, 10 ms each, 3 ms of it queued
+        prom(runs, tag, "decode", "before", 4, 0.2)
+        prom(runs, tag, "decode", "after", 36, 0.84)  # 32 pulls, 20 ms each
+    (runs / "meta-dense.json").write_text(json.dumps({"device": "2x test", "part": "dense"}))
+    (runs / "skipped-dense.txt").write_text("pd-1p1d-dense-4096-512-c256\n")
+    data, stdout = report(runs, tmp_path)
+    pd16 = next(p for p in data["points"] if p["setup"] == "pd-1p1d" and p["concurrency"] == 16)
+    assert (pd16["attention"], pd16["gpus"], pd16["output_tok_s_per_gpu"]) == ("dense", 2, 800.0)
+    assert pd16["tok_s_per_user"] == pytest.approx(100.0)
+    split = pd16["ttft_split_ms"]
+    assert (split["prefill_engine"], split["kv_pull"], split["rest"]) == pytest.approx((10.0, 20.0, 20.0))
+    assert (split["queue"], split["prefill"]) == pytest.approx((3.0, 7.0))
+    dense, sparse = data["target"]
+    assert dense["met"] is True and dense["pd"]["output_tok_s_per_gpu"] == 800.0
+    assert dense["colocated"]["setup"] == "colocated-cache_aware" and dense["colocated"]["output_tok_s_per_gpu"] == 600
+    assert sparse["met"] is None and sparse["pd"] is None
+    assert data["runs"] == [{"device": "2x test", "part": "dense"}]
+    assert data["skipped"] == ["pd-1p1d-dense-4096-512-c256"]
+    assert "target 1024/256 dense: at >= 60 tok/s/user: 1P1D 800 tok/s/GPU (c16) vs colocated 600" in stdout
+    assert "split: queue 3.0 + prefill 7.0 + kv pull 20.0 + rest 20.0 ms" in stdout
+    assert "1.33x, MET" in stdout and "no pd point reaches it" in stdout
+
+
+def test_one_gpu_report_is_unchanged(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    result(runs, "colocated-1024-256-c1", 700, 1.4, 9.0, 1)
+    result(runs, "pd-1p1d-1024-256-c1", 750, 1.2, 30.0, 1)
+    data, stdout = report(runs, tmp_path, "--meta", '{"device": "one"}')
+    assert data["device"] == "one" and "target" not in data
+    assert [(p["setup"], p["output_tok_s_per_gpu"]) for p in data["points"]] == [("colocated", 700), ("pd-1p1d", 750)]
+    assert all("attention" not in p for p in data["points"]) and "target" not in stdout
