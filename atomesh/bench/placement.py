@@ -42,7 +42,7 @@ from atomesh.request import RequestView, Route
 from atomesh.workers.registry import WorkerRegistry
 from atomesh.workers.worker import Worker, WorkerRole, WorkerState
 
-# The load-balancing policies (consistent_hashing and dp_sticky keep sessions, which this trace lacks).
+# The load-balancing policies compared here (consistent_hashing and dp_sticky route by session, not load).
 POLICIES = (PolicyName.RANDOM, PolicyName.ROUND_ROBIN, PolicyName.POWER_OF_TWO, PolicyName.LEAST_LOAD,
             PolicyName.PREFIX_HASH, PolicyName.CACHE_AWARE)
 WORDS = ("the quick brown fox jumps over lazy dogs while engines prefill long prompts and decode tokens "
