@@ -29,12 +29,16 @@ from atomesh.workers.worker import Worker, WorkerRole, WorkerState
 log = structlog.get_logger("atomesh.placement")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Single:
     """Run the request on one worker (on one of its data-parallel ranks with --dp-aware)."""
 
     worker: Worker
     dp_rank: int | None = None
+
+    def __init__(self, worker: Worker, dp_rank: int | None = None) -> None:
+        _set_worker(self, worker)  # made per placement: see slot_setter
+        _set_dp_rank(self, dp_rank)
 
     @property
     def workers(self) -> tuple[Worker, ...]:
@@ -57,6 +61,7 @@ class Pair:
         return (self.prefill, self.decode)
 
 
+_set_worker, _set_dp_rank = slot_setter(Single, "worker"), slot_setter(Single, "dp_rank")
 _set_prefill, _set_decode = slot_setter(Pair, "prefill"), slot_setter(Pair, "decode")
 
 Plan = Single | Pair

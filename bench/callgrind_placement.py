@@ -33,7 +33,7 @@ def report(prefix: str, n: int) -> None:
 
 
 def main(n: int) -> None:
-    from atomesh.config import GatewayConfig, PolicyName
+    from atomesh.config import GatewayConfig
     from atomesh.placement import Placement, Plan
     from atomesh.policies import make_policy
     from atomesh.request import RequestView, Route
@@ -56,7 +56,9 @@ def main(n: int) -> None:
                 w = Worker(f"http://{role.value}-{i}:8000", role)
                 registry.add(w)
                 registry.set_state(w, WorkerState.READY)
-        return Placement(registry, {r: make_policy(PolicyName(names[k]), cfg) for k, r in enumerate(roles)}, pd=pd)
+        # Names as strings: this also runs on trees from before config.PolicyName (a StrEnum).
+        policies = {r: make_policy(names[k], cfg) for k, r in enumerate(roles)}  # type: ignore[arg-type]
+        return Placement(registry, policies, pd=pd)
 
     def run(placement: Placement) -> None:
         inflight: deque[Plan] = deque()
