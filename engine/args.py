@@ -93,6 +93,8 @@ class EngineArgs:
     kernels: str = "auto"
     torch_threads: int | None = None
     log_level: str = "info"
+    tool_call_parser: str | None = None  # how tool calls are read from free-form output (vLLM's flag)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser), as vLLM
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -194,6 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--trust-remote-code", action="store_true", help="accepted: this engine never runs model code")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    p.add_argument("--tool-call-parser", choices=["hermes"], default=None,
+                   help="how tool calls are parsed from the output of tool_choice auto (vLLM's flag): hermes reads "
+                   '<tool_call>{"name": ..., "arguments": ...}</tool_call>')  # fmt: skip
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="allow tool_choice auto (needs --tool-call-parser), as vLLM")  # fmt: skip
     return p
 
 
@@ -242,9 +249,13 @@ def validate(ns: argparse.Namespace) -> EngineArgs:
     if not 1 <= ns.server_port <= 65535:
         raise ValueError("--server-port must be a TCP port")
     sizes = parse_capture_sizes(ns.cudagraph_capture_sizes) if ns.cudagraph_capture_sizes is not None else None
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     return EngineArgs(
         model=ns.model,
         served_model_name=ns.served_model_name,
+        tool_call_parser=ns.tool_call_parser,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
         host=ns.host,
         server_port=ns.server_port,
         tensor_parallel_size=ns.tensor_parallel_size,

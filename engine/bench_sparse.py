@@ -95,7 +95,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, topk: int,
             _sync(engine.device)
             if batch.decode_only:
                 decode_s += time.perf_counter() - start
-                decode_tokens += len(tokens)
+                decode_tokens += len(tokens.tokens)
             engine.postprocess(batch, tokens)
     finally:
         runner.indexer_caches = indexer

@@ -102,8 +102,8 @@ class BlockManager:
 
         At least the last token is always left to compute: its logits start the generation.
         """
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []  # prompt_logprobs need the logits of every prompt token: computed, not cached
         hits: list[int] = []
         prefix: int | None = None
         for i in range((len(seq) - 1) // self.block_size):
@@ -169,6 +169,16 @@ class BlockManager:
             if i > 0 and prev is None:
                 return  # the chain is broken (e.g. an index entry was evicted): nothing later can hit
             self._register(block, seq.block_tokens(i), prev)
+
+    def share(self, parent: Sequence, child: Sequence, num_blocks: int) -> None:
+        """Give ``child`` the first ``num_blocks`` (full, computed) blocks of ``parent``: one more reference
+        each, no copy. The child computes what follows into blocks of its own."""
+        if child.block_table:
+            raise RuntimeError(f"sequence {child.seq_id} already has blocks")
+        for block_id in parent.block_table[:num_blocks]:
+            self.blocks[block_id].ref_count += 1
+            child.block_table.append(block_id)
+        child.num_cached_tokens = num_blocks * self.block_size
 
     def deallocate(self, seq: Sequence) -> None:
         """Return ``seq``'s blocks; full ones stay findable by hash until the pool reuses them."""

@@ -14,6 +14,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -31,8 +32,9 @@ from engine.errors import (
 from engine.kernels import interpret_mode, triton_importable
 from engine.model_runner import ModelRunner, StepInput, kv_cache_dtype
 from engine.models.loader import LoadedModel, load_model
+from engine.sampler import SampleOutput
 from engine.scheduler import QueueFullError, ScheduledBatch, Scheduler, SchedulerConfig
-from engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus, TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
@@ -114,6 +116,7 @@ class LLMEngine:
             sparse_topk=args.sparse_topk_blocks if args.sparse_attention else 0,
             kernels=self.kernels,
             max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids,
         )
         self.num_blocks = self._count_blocks()
         sizes = self._capture_sizes()
@@ -137,6 +140,9 @@ class LLMEngine:
             self.block_manager,
         )
         self._ids = itertools.count(1)
+        # Siblings waiting for their parent's prefill (n > 1): they then share its prompt's blocks.
+        self._forks: dict[int, list[Sequence]] = {}
+        self._unstarted: set[int] = set()  # their ids
         # Sequences holding blocks outside the scheduler (reserved for, or pinned by, a KV transfer):
         # their blocks come back by `release`, so an engine short of blocks waits for them.
         self.held: set[int] = set()
@@ -179,6 +185,12 @@ class LLMEngine:
         pool_tokens = self.num_blocks * self.args.block_size
         if not max_tokens_given:
             params = replace(params, max_tokens=min(limit, pool_tokens) - num_prompt_tokens)
+        if params.min_tokens > params.max_tokens:
+            raise InvalidRequestError(f"min_tokens ({params.min_tokens}) is above max_tokens ({params.max_tokens})")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in (*params.stop_token_ids, *(t for t, _ in params.logit_bias)) if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} (in stop_token_ids or logit_bias) is not in [0, {vocab})")
         total = num_prompt_tokens + params.max_tokens
         if params.max_tokens < 1:
             raise KVCacheTooSmallError(
@@ -196,7 +208,8 @@ class LLMEngine:
             )
         return params
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, hold_kv: bool = False) -> Sequence:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, hold_kv: bool = False,
+                    grammar: Any = None, stream_index: int = 0) -> Sequence:  # fmt: skip
         """Queue a sequence; ``params`` must have passed check_request. Raises OverloadedError when full.
 
         ``hold_kv``: keep the blocks when it finishes (a prefill whose KV another engine pulls);
@@ -204,12 +217,40 @@ class LLMEngine:
         """
         seq = Sequence(next(self._ids), prompt_ids, params, self.args.block_size)
         seq.hold_kv = hold_kv
+        seq.grammar = grammar
+        seq.stream_index = stream_index
         try:
             self.scheduler.add(seq)
         except QueueFullError as exc:
             raise OverloadedError(str(exc)) from exc
         self._prompt_tokens += len(prompt_ids)
         return seq
+
+    def add_fork(self, parent: Sequence, stream_index: int, grammar: Any = None) -> Sequence:
+        """One more sample of ``parent``'s request (n > 1), sharing its prompt's KV blocks.
+
+        The sibling waits until the parent's prefill has computed the prompt, then takes its full blocks
+        by reference (no copy) and computes only the prompt's last, partial block itself (the token
+        whose logits start its own generation).
+        """
+        if parent.num_completion_tokens or parent.status is SequenceStatus.FINISHED:
+            raise RuntimeError("a fork must be added before its parent generates")
+        child = Sequence(next(self._ids), parent.token_ids, parent.params, self.args.block_size)
+        child.grammar = grammar
+        child.stream_index = stream_index
+        self._forks.setdefault(parent.seq_id, []).append(child)
+        self._unstarted.add(child.seq_id)
+        return child
+
+    def _start_forks(self, parent: Sequence) -> None:
+        for child in self._forks.pop(parent.seq_id, []):
+            self._unstarted.discard(child.seq_id)
+            if child.status is SequenceStatus.FINISHED:
+                continue
+            self.block_manager.share(parent, child, (parent.num_prompt_tokens - 1) // self.args.block_size)
+            child.prefix_hit_tokens = parent.prefix_hit_tokens
+            child.prompt_logprobs = list(parent.prompt_logprobs)  # scored once, by the parent
+            self.scheduler.waiting.appendleft(child)  # holds blocks: goes first, as a prompt mid-prefill does
 
     # -- KV filled from outside (the decode side of prefill/decode disaggregation) -------------------
 
@@ -228,14 +269,14 @@ class LLMEngine:
         self.held.add(seq.seq_id)
         return seq
 
-    def commit_prefilled(self, seq: Sequence, first_token: int) -> None:
-        """The prompt's KV is in ``seq``'s blocks: continue from ``first_token`` as if prefilled here."""
+    def commit_prefilled(self, seq: Sequence, first_token: int, logprob: TokenLogprob | None = None) -> None:
+        """The prompt's KV is in ``seq``'s blocks: continue from ``first_token`` (and its logprob, computed
+        by the prefill engine) as if prefilled here."""
         self.held.discard(seq.seq_id)
         self.block_manager.mark_computed(seq, len(seq))
-        seq.append_token(first_token)
         self._prompt_tokens += seq.num_prompt_tokens
         self._generation_tokens += 1
-        reason = self.scheduler.check_stop(seq, self.eos_token_ids, self.max_model_len)
+        reason = self._append(seq, first_token, logprob)
         if reason is not None:
             self.block_manager.deallocate(seq)
             seq.finish_reason = reason
@@ -258,7 +299,14 @@ class LLMEngine:
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End ``seq`` now (stop string, client gone): its blocks are freed at once."""
-        if seq.status is not SequenceStatus.FINISHED:
+        for child in self._forks.pop(seq.seq_id, []) if reason is FinishReason.ABORT else []:
+            self.finish(child, reason)  # siblings that never started go with their parent
+        if seq.seq_id in self._unstarted:  # a sibling still waiting for its parent's prefill
+            self._unstarted.discard(seq.seq_id)
+            seq.finish_reason = reason
+            seq.set_status(SequenceStatus.FINISHED)
+            self._requests_finished += 1
+        elif seq.status is not SequenceStatus.FINISHED:
             self.scheduler.finish(seq, reason)
             self._requests_finished += 1
             if seq.hold_kv and seq.block_table:
@@ -272,30 +320,41 @@ class LLMEngine:
             return None
         return batch, self.runner.prepare(batch.seqs, batch.num_new_tokens, batch.num_decodes)
 
-    def execute(self, step: StepInput) -> list[int]:
+    def execute(self, step: StepInput) -> SampleOutput:
         """The model forward and sampling; the only part that may run off the event-loop thread."""
         return self.runner.execute(step)
 
-    def postprocess(self, batch: ScheduledBatch, tokens: list[int]) -> None:
+    def postprocess(self, batch: ScheduledBatch, out: SampleOutput) -> None:
         """Record the step's KV, append sampled tokens, retire sequences that hit EOS or a limit.
 
-        ``tokens`` has one entry per sequence that reached its end this step (a prefill chunk
+        ``out`` has one entry per sequence that reached its end this step (a prefill chunk
         that stops short samples nothing).
         """
-        sampled = iter(tokens)
+        sampled = iter(zip(out.tokens, out.logprobs, strict=True))
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.prompt_logprobs += out.prompt_logprobs.get(seq.seq_id, ())
             done = seq.num_cached_tokens + n == len(seq)
-            token = next(sampled) if done else None
+            token, logprob = next(sampled) if done else (None, None)
             if seq.status is SequenceStatus.FINISHED:
                 continue  # aborted while the step ran
             self.block_manager.mark_computed(seq, seq.num_cached_tokens + n)
             if token is None:
                 continue
-            seq.append_token(token)
             self._generation_tokens += 1
-            reason = self.scheduler.check_stop(seq, self.eos_token_ids, self.max_model_len)
+            reason = self._append(seq, token, logprob)
             if reason is not None:
                 self.finish(seq, reason)
+
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> FinishReason | None:
+        """Add a sampled token to ``seq`` (its logprob, its grammar's state); why it ends there, if it does."""
+        seq.append_token(token)
+        if seq.num_completion_tokens == 1 and seq.seq_id in self._forks:
+            self._start_forks(seq)  # its prompt is computed: the siblings share it now
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            return FinishReason.STOP  # the grammar is complete: nothing more may follow
+        return self.scheduler.check_stop(seq, self.eos_token_ids, self.max_model_len)
 
     def fail_batch(self, batch: ScheduledBatch) -> None:
         """After a failed step: end its sequences (blocks the step meant to fill were never indexed)."""
@@ -343,6 +402,9 @@ class RequestOutput:
     completion_tokens: int
     cached_tokens: int
     error: EngineError | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # of ``token_ids``, when the request asked for them
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # on the first output, when the request asked for them
 
 
 @dataclass(slots=True)
@@ -355,6 +417,8 @@ class RequestState:
     text: str = ""  # all text decoded so far
     emitted: int = 0  # how much of ``text`` was sent
     tokens_sent: int = 0
+    logprobs_sent: int = 0
+    prompt_sent: bool = False
     done: bool = False
 
 
@@ -402,15 +466,25 @@ class AsyncLLMEngine:
         self._executor.shutdown(wait=True)
 
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, max_tokens_given: bool, hold_kv: bool = False
-    ) -> RequestHandle:
-        """Validate and queue a request; raises an EngineError the HTTP layer renders."""
+        self, prompt_ids: list[int], params: SamplingParams, max_tokens_given: bool, hold_kv: bool = False,
+        grammar: Any = None, stream_index: int = 0,
+    ) -> RequestHandle:  # fmt: skip
+        """Validate and queue a request; raises an EngineError the HTTP layer renders.
+
+        ``grammar``: its structured-output matcher; ``stream_index``: which of a request's n samples
+        it is (a seeded request's samples draw from different random streams)."""
         params = self.engine.check_request(len(prompt_ids), params, max_tokens_given)
-        seq = self.engine.add_request(prompt_ids, params, hold_kv)
+        seq = self.engine.add_request(prompt_ids, params, hold_kv, grammar=grammar, stream_index=stream_index)
         self._states[seq.seq_id] = RequestState(seq, IncrementalDetokenizer(self.engine.tokenizer))
         assert self._wake is not None, "AsyncLLMEngine.start() was not awaited"
         self._wake.set()
         return RequestHandle(seq.seq_id, len(prompt_ids), seq)
+
+    def submit_fork(self, parent: RequestHandle, stream_index: int, grammar: Any = None) -> RequestHandle:
+        """Another sample of ``parent``'s request (n > 1) that shares its prompt's KV blocks."""
+        seq = self.engine.add_fork(parent.seq, stream_index, grammar)
+        self._states[seq.seq_id] = RequestState(seq, IncrementalDetokenizer(self.engine.tokenizer))
+        return RequestHandle(seq.seq_id, parent.prompt_tokens, seq)
 
     async def reserve(
         self, prompt_ids: list[int], params: SamplingParams, max_tokens_given: bool, wait_secs: float = 30.0
@@ -431,9 +505,9 @@ class AsyncLLMEngine:
                     raise
             await asyncio.sleep(RESERVE_POLL_SECS)
 
-    def submit_prefilled(self, seq: Sequence, first_token: int) -> RequestHandle:
+    def submit_prefilled(self, seq: Sequence, first_token: int, logprob: TokenLogprob | None = None) -> RequestHandle:
         """Continue a reserved sequence whose KV arrived, from ``first_token`` (already an output)."""
-        self.engine.commit_prefilled(seq, first_token)
+        self.engine.commit_prefilled(seq, first_token, logprob)
         state = RequestState(seq, IncrementalDetokenizer(self.engine.tokenizer))
         self._states[seq.seq_id] = state
         self._deliver(state)  # the first token goes out now, before any decode step
@@ -518,8 +592,14 @@ class AsyncLLMEngine:
         ids = seq.completion_ids
         new_ids = tuple(ids[state.tokens_sent :])
         state.tokens_sent = len(ids)
+        new_logprobs = tuple(seq.logprobs[state.logprobs_sent :])
+        state.logprobs_sent = len(seq.logprobs)
+        prompt_logprobs = tuple(seq.prompt_logprobs) if not state.prompt_sent else ()
+        if isinstance(seq.stop_reason, int):
+            ids = ids[:-1]  # a stop token's own text is not part of the output (as vLLM)
         state.text += state.detokenizer.step(ids)
-        stops = seq.params.stop
+        # min_tokens holds back stop strings too, until that many tokens are out.
+        stops = seq.params.stop if seq.num_completion_tokens > seq.params.min_tokens else ()
         finished = seq.status is SequenceStatus.FINISHED
         reason = seq.finish_reason.value if seq.finish_reason is not None else None
         end = len(state.text)
@@ -529,9 +609,11 @@ class AsyncLLMEngine:
         if stops:
             # Search only where a new match can start: the held-back tail plus the new text.
             start = max(0, state.emitted - max(len(s) for s in stops) + 1)
-            hits = [i for i in (state.text.find(s, start) for s in stops) if i >= 0]
+            hits = [(i, s) for i, s in ((state.text.find(s, start), s) for s in stops) if i >= 0]
             if hits:
-                end = min(hits)
+                end, seq.stop_reason = min(hits)
+                if seq.params.include_stop_str_in_output:
+                    end += len(seq.stop_reason)
                 state.text = state.text[:end]
                 self.engine.finish(seq, FinishReason.STOP)
                 finished, reason = True, FinishReason.STOP.value
@@ -541,6 +623,7 @@ class AsyncLLMEngine:
         state.emitted = max(state.emitted, end)
         if not delta and not new_ids and not finished:
             return
+        state.prompt_sent = True
         if finished:
             state.done = True
         state.queue.put_nowait(
@@ -552,6 +635,9 @@ class AsyncLLMEngine:
                 seq.num_prompt_tokens,
                 seq.num_completion_tokens,
                 seq.prefix_hit_tokens,
+                logprobs=new_logprobs,
+                stop_reason=seq.stop_reason if finished else None,
+                prompt_logprobs=prompt_logprobs,
             )
         )
 

@@ -14,7 +14,8 @@ from engine.cuda_graph import DecodeGraphs, MixedGraphs
 from engine.kernels import decode_splits
 from engine.kernels.ops import TritonOps
 from engine.models.llama import LlamaConfig, LlamaForCausalLM, rope_tables
-from engine.sequence import SamplingParams, Sequence
+from engine.sampler import SampleOutput, Sampler, SampleRow, sample_row, token_logprobs
+from engine.sequence import SamplingParams, Sequence, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +36,28 @@ class StepInput:
     positions: torch.Tensor | None
     meta: AttentionMetadata | None
     logits_indices: torch.Tensor | None  # which hidden rows produce a next token (one per sequence)
-    params: tuple[SamplingParams, ...]
-    generators: tuple[torch.Generator | None, ...]
+    rows: tuple[SampleRow, ...]  # how to sample each of those rows
     graph: DecodeGraphs | MixedGraphs | None = None  # the graphs whose buffers hold the staged inputs
+    bitmask: torch.Tensor | None = None  # structured-output token masks of ``bitmask_rows``
+    bitmask_rows: tuple[int, ...] = ()
+    # prompt_logprobs: the hidden rows that score prompt tokens, those tokens, and per sequence
+    # (seq_id, how many of the rows, top k)
+    prompt_rows: torch.Tensor | None = None
+    prompt_targets: torch.Tensor | None = None
+    prompt_seqs: tuple[tuple[int, int, int], ...] = ()
+
+
+def sample_rows(seqs: Seq[Sequence], vocab_size: int) -> tuple[tuple[SampleRow, ...], torch.Tensor | None,
+                                                               tuple[int, ...]]:  # fmt: skip
+    """How to sample the next token of each of ``seqs``, and their grammar masks (filled now, before the
+    step, from each matcher's state)."""
+    rows = tuple(sample_row(s) for s in seqs)
+    constrained = tuple(i for i, s in enumerate(seqs) if s.grammar is not None)
+    if not constrained:
+        return rows, None, ()
+    from engine.structured import fill_bitmasks
+
+    return rows, fill_bitmasks(len(seqs), vocab_size, [(i, seqs[i].grammar) for i in constrained]), constrained
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -70,6 +90,7 @@ class ModelRunner:
         sparse_topk: int = 0,
         kernels: str = "torch",
         max_model_len: int = 0,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.config = model_config
         self.max_model_len = max_model_len or model_config.max_position_embeddings
@@ -103,7 +124,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
-        self._default_generator = torch.Generator().manual_seed(seed)
+        self.sampler = Sampler(eos_token_ids, seed)
 
     # -- KV cache ----------------------------------------------------------------------------------
 
@@ -198,8 +219,8 @@ class ModelRunner:
         if graphs is not None and num_decodes == len(seqs) and graphs.fits(len(seqs)) and (
                 not self.indexer_caches or self.sparse_topk == graphs.sparse_topk):  # fmt: skip
             graphs.stage(seqs)
-            return StepInput(None, None, None, None, tuple(s.params for s in seqs),
-                             tuple(s.generator for s in seqs), graph=graphs)  # fmt: skip
+            rows, mask, masked = sample_rows(seqs, self.config.vocab_size)
+            return StepInput(None, None, None, None, rows, graph=graphs, bitmask=mask, bitmask_rows=masked)
         bs = self.block_size
         ids: list[int] = []
         positions: list[np.ndarray] = []
@@ -209,6 +230,9 @@ class ModelRunner:
         context_lens: list[int] = []
         sampled: list[Sequence] = []
         logits_rows: list[int] = []
+        prompt_rows: list[int] = []  # hidden rows whose logits score the next prompt token (prompt_logprobs)
+        prompt_targets: list[int] = []
+        prompt_seqs: list[tuple[int, int, int]] = []  # (seq_id, rows, top k)
         for seq, n in zip(seqs, num_new_tokens, strict=True):
             start = seq.num_cached_tokens
             end = start + n
@@ -220,15 +244,24 @@ class ModelRunner:
             query_lens.append(n)
             cached_lens.append(start)
             context_lens.append(end)
+            k = seq.params.prompt_logprobs
+            if k is not None:
+                # Positions p score token p + 1; those already scored (a preempted prompt) are skipped.
+                first, last = max(start, len(seq.prompt_logprobs)), min(end, seq.num_prompt_tokens - 1)
+                if last > first:
+                    base = sum(query_lens) - n - start
+                    prompt_rows += range(base + first, base + last)
+                    prompt_targets += seq.token_ids[first + 1 : last + 1]
+                    prompt_seqs.append((seq.seq_id, last - first, k))
             if end == len(seq):
                 sampled.append(seq)
                 logits_rows.append(sum(query_lens) - 1)
         mixed = self.mixed_graphs
-        if mixed is not None and not self.indexer_caches and mixed.fits(len(ids), len(seqs)):
+        if mixed is not None and not self.indexer_caches and not prompt_rows and mixed.fits(len(ids), len(seqs)):
             mixed.stage(np.asarray(ids, dtype=np.int32), np.concatenate(positions), np.concatenate(slots), query_lens,
                         context_lens, [s.block_table for s in seqs], logits_rows)  # fmt: skip
-            return StepInput(None, None, None, None, tuple(s.params for s in sampled),
-                             tuple(s.generator for s in sampled), graph=mixed)  # fmt: skip
+            rows, mask, masked = sample_rows(sampled, self.config.vocab_size)
+            return StepInput(None, None, None, None, rows, graph=mixed, bitmask=mask, bitmask_rows=masked)
         max_blocks = max(len(s.block_table) for s in seqs)
         tables = np.zeros((len(seqs), max_blocks), dtype=np.int64)
         for i, seq in enumerate(seqs):
@@ -260,61 +293,38 @@ class ModelRunner:
             meta.decode_width = decode_width
             if num_decodes:
                 meta.decode_mask = decode_mask(context[:num_decodes], decode_width * bs)
+        rows, mask, masked = sample_rows(sampled, self.config.vocab_size)
         return StepInput(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.from_numpy(np.concatenate(positions)).to(device=dev, dtype=idx),
             meta=meta,
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
-            params=tuple(s.params for s in sampled),
-            generators=tuple(s.generator for s in sampled),
+            rows=rows,
+            bitmask=mask,
+            bitmask_rows=masked,
+            prompt_rows=torch.tensor(prompt_rows, dtype=torch.int64, device=dev) if prompt_rows else None,
+            prompt_targets=torch.tensor(prompt_targets, dtype=torch.int64, device=dev) if prompt_rows else None,
+            prompt_seqs=tuple(prompt_seqs),
         )
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> list[int]:
+    def execute(self, step: StepInput) -> SampleOutput:
         """Run the forward pass and sample one token per sequence that reached its end."""
         if step.graph is not None:
-            logits, greedy = step.graph.replay(len(step.params))
-            return self.sample(logits, step.params, step.generators, greedy)
+            logits, greedy = step.graph.replay(len(step.rows))
+            return self.sampler.sample(logits, step.rows, greedy, step.bitmask, step.bitmask_rows)
         assert step.input_ids is not None and step.positions is not None and step.meta is not None
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, self.indexer_caches or None)
-        if not step.params:
-            return []
+        prompt: dict[int, list[TokenLogprob]] = {}
+        if step.prompt_rows is not None and step.prompt_targets is not None:
+            scores = token_logprobs(self.model.compute_logits(hidden[step.prompt_rows]).float(), step.prompt_targets,
+                                    [k for _, rows, k in step.prompt_seqs for _ in range(rows)])  # fmt: skip
+            at = 0
+            for seq_id, rows, _ in step.prompt_seqs:
+                prompt[seq_id] = scores[at : at + rows]
+                at += rows
+        if not step.rows:
+            return SampleOutput([], [], prompt)
         logits = self.model.compute_logits(hidden[step.logits_indices])
-        return self.sample(logits, step.params, step.generators)
-
-    def sample(
-        self,
-        logits: torch.Tensor,
-        params: Seq[SamplingParams],
-        generators: Seq[torch.Generator | None],
-        greedy: torch.Tensor | None = None,
-    ) -> list[int]:
-        """Greedy rows by argmax in one op (or ``greedy``, already taken); sampled rows one by one with
-        their own generator."""
-        tokens: list[int] = (logits.argmax(dim=-1) if greedy is None else greedy).tolist()
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if not sampled:
-            return tokens
-        rows = logits[sampled].cpu()  # generators live on the CPU
-        for row, i in zip(rows, sampled, strict=True):
-            gen = generators[i] or self._default_generator
-            tokens[i] = sample_row(row, params[i], gen)
-        return tokens
-
-
-def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Draw one token from ``logits [vocab]`` with temperature, top-k and top-p."""
-    scaled = logits / params.temperature
-    if 0 < params.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, params.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the tokens ranked above it already cover top_p.
-        drop = probs.cumsum(-1) - probs > params.top_p
-        scaled = scaled.scatter(0, order[drop], float("-inf"))
-    probs = scaled.softmax(-1)
-    # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p, one RNG call per row.
-    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return int((probs / noise).argmax())
+        out = self.sampler.sample(logits, step.rows, None, step.bitmask, step.bitmask_rows)
+        return SampleOutput(out.tokens, out.logprobs, prompt)

@@ -15,200 +15,30 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import orjson
 import torch
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from engine.args import EngineArgs, parse_args
 from engine.disagg import Disaggregation, check_transfer_support
 from engine.errors import EngineError, InvalidRequestError, ModelNotFoundError
 from engine.llm_engine import AsyncLLMEngine, LLMEngine, RequestOutput
 from engine.metrics import ServerMetrics
-from engine.sequence import SamplingParams
+from engine.protocol import ChatBody, CompletionBody, GenerateBody, NamedToolChoice, SamplingBody, parse_body
+from engine.responses import ChatExtras, Choice, Head
+from engine.sequence import SamplingParams, TokenLogprob
 from engine.sequence import Sequence as EngineSequence
+from engine.structured import GrammarCompiler
+from engine.tools import ForcedParser, ToolParser, hermes_system_prompt, make_parser, tools_for_template
 
 log = logging.getLogger("engine.server")
 
 MAX_STOP_STRINGS = 16
-
-
-# -- request bodies (pydantic at the edge only) ---------------------------------------------------
-
-
-class StreamOptions(BaseModel):
-    """OpenAI ``stream_options``."""
-
-    include_usage: bool = False
-
-
-class _SamplingBody(BaseModel):
-    """Fields common to completions and chat completions."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    ignore_eos: bool = False
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = 1
-    best_of: int | None = None
-    logprobs: Any = None
-    top_logprobs: int | None = None
-    echo: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    tools: list[Any] | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-    data_parallel_rank: int | None = None
-
-    def refuse_unsupported(self) -> None:
-        """Refuse, with a message naming it, every field we would otherwise have to ignore."""
-        if self.n != 1 or (self.best_of is not None and self.best_of != 1):
-            raise InvalidRequestError("only n=1 (and best_of=1) is supported")
-        if self.logprobs not in (None, False) or self.top_logprobs:
-            raise InvalidRequestError("logprobs are not supported by this engine")
-        if self.echo:
-            raise InvalidRequestError("echo is not supported by this engine")
-        if self.presence_penalty or self.frequency_penalty or self.logit_bias:
-            raise InvalidRequestError("presence_penalty, frequency_penalty and logit_bias are not supported")
-        if self.tools:
-            raise InvalidRequestError("tools are not supported by this engine")
-        if self.data_parallel_rank not in (None, 0):
-            raise InvalidRequestError(f"data_parallel_rank {self.data_parallel_rank}: this engine has dp_size 1")
-        kv = self.kv_transfer_params or {}
-        if kv.get("do_remote_decode") and kv.get("do_remote_prefill"):
-            raise InvalidRequestError("kv_transfer_params: do_remote_decode and do_remote_prefill exclude each other")
-        if kv.get("do_remote_decode") and self.stream:
-            raise InvalidRequestError("kv_transfer_params: a prefill for remote decode must have stream=false")
-
-    @property
-    def kv_role_needed(self) -> str | None:
-        """The KV role this request needs of the engine: a remote-decode prefill or a remote-prefill decode."""
-        kv = self.kv_transfer_params or {}
-        if kv.get("do_remote_decode"):
-            return "kv_producer"
-        if kv.get("do_remote_prefill"):
-            return "kv_consumer"
-        return None
-
-    def sampling_params(self) -> tuple[SamplingParams, bool]:
-        """The engine's SamplingParams and whether the client set a token limit."""
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-            raise InvalidRequestError(f"stop: at most {MAX_STOP_STRINGS} non-empty strings")
-        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        params = SamplingParams(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            max_tokens=limit if limit is not None else 1,
-            ignore_eos=self.ignore_eos,
-            seed=self.seed,
-            stop=tuple(stops),
-        )
-        return params, limit is not None
-
-
-class CompletionBody(_SamplingBody):
-    """POST /v1/completions."""
-
-    prompt: str | list[int] | list[str] | list[list[int]]
-
-
-class ChatMessage(BaseModel):
-    """One chat message; ``content`` may be a string or OpenAI text parts."""
-
-    model_config = ConfigDict(extra="allow")
-
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise InvalidRequestError(f"message content of type {part.get('type')!r} is not supported")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
-
-
-class ChatBody(_SamplingBody):
-    """POST /v1/chat/completions."""
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    # vLLM's template switches: `continue_final_message` leaves the last message open for the model to
-    # continue (a gateway resuming a stream on another engine sends it with add_generation_prompt false).
-    add_generation_prompt: bool | None = None
-    continue_final_message: bool = False
-
-    def template_switches(self) -> tuple[bool, bool]:
-        """(add_generation_prompt, continue_final_message); both true is refused, as vLLM does."""
-        if self.continue_final_message and self.add_generation_prompt:
-            raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-        add = self.add_generation_prompt if self.add_generation_prompt is not None else not self.continue_final_message
-        return add, self.continue_final_message
-
-
-class GenerateSampling(BaseModel):
-    """SGLang's ``sampling_params`` of POST /generate (the fields this engine implements)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_new_tokens: int | None = Field(default=128, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1)
-    stop: str | list[str] | None = None
-    ignore_eos: bool = False
-    seed: int | None = None
-
-
-class GenerateBody(BaseModel):
-    """POST /generate (SGLang's native route): one prompt as ``text`` or ``input_ids``."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
-    stream: bool = False
-    # A P/D prefill leg may also carry OpenAI's field (atomesh sets both).
-    max_tokens: int | None = Field(default=None, ge=1)
-    kv_transfer_params: dict[str, Any] | None = None
-
-    def as_completion(self) -> CompletionBody:
-        """The same request as a /v1/completions body (one path through the engine)."""
-        prompt: Any = self.text if self.text is not None else self.input_ids
-        if prompt is None:
-            raise InvalidRequestError("'text' or 'input_ids' is required")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise InvalidRequestError("batched prompts are not supported; send one prompt per request")
-            prompt = prompt[0]
-        sp = self.sampling_params
-        return CompletionBody(
-            model=self.model, prompt=prompt, stream=self.stream, kv_transfer_params=self.kv_transfer_params,
-            max_tokens=self.max_tokens if self.max_tokens is not None else sp.max_new_tokens,
-            temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, stop=sp.stop, ignore_eos=sp.ignore_eos,
-            seed=sp.seed)
 
 
 # -- the app ---------------------------------------------------------------------------------------
@@ -223,6 +53,14 @@ class ServerState:
     served_model_name: str
     metrics: ServerMetrics
     disagg: Disaggregation | None = None
+    _grammars: list[GrammarCompiler] = field(default_factory=list)  # built on first use (holds one)
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The structured-output compiler for this model's tokenizer (made at the first constrained request)."""
+        if not self._grammars:
+            eng = self.engine.engine
+            self._grammars.append(GrammarCompiler(eng.tokenizer, eng.model_config.vocab_size, eng.eos_token_ids))
+        return self._grammars[0]
 
     def disagg_for(self, role: str) -> Disaggregation:
         """This engine's KV relay, if it plays `role`; else a 400 naming what it is."""
@@ -260,22 +98,6 @@ def _json(body: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
 
-async def _read_body(request: web.Request, model: type[BaseModel]) -> Any:
-    raw = await request.read()
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequestError(f"the body is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise InvalidRequestError("the body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise InvalidRequestError(f"{where}: {first['msg']}") from exc
-
-
 def _check_model(state: ServerState, name: str | None) -> None:
     if name is not None and name not in (state.served_model_name, state.args.model):
         raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves {state.served_model_name!r}")
@@ -284,21 +106,38 @@ def _check_model(state: ServerState, name: str | None) -> None:
 async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions."""
     state = request.app[STATE]
-    body: CompletionBody = await _read_body(request, CompletionBody)
-    return await _generate(request, state, body, _prompt_ids(state, body), chat=False)
+    body: CompletionBody = parse_body(await request.read(), CompletionBody)
+    _check_model(state, body.model)
+    if body.echo and body.kv_role_needed is not None:
+        raise InvalidRequestError("echo is not supported with kv_transfer_params (P/D)")
+    return await _generate(request, state, body, _prompt_ids(state, body), None)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
     """POST /generate: SGLang's native route, answered in its shape (`text`, `meta_info`)."""
     state = request.app[STATE]
-    native: GenerateBody = await _read_body(request, GenerateBody)
+    native = _parse_native(await request.read())
     body = native.as_completion()
-    return await _generate(request, state, body, _prompt_ids(state, body), chat=False, native=True)
+    _check_model(state, body.model)
+    return await _generate(request, state, body, _prompt_ids(state, body), None, native=True)
+
+
+def _parse_native(raw: bytes) -> GenerateBody:
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequestError(f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise InvalidRequestError("the body must be a JSON object")
+    try:
+        return GenerateBody.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise InvalidRequestError(f"{where}: {first['msg']}") from exc
 
 
 def _prompt_ids(state: ServerState, body: CompletionBody) -> list[int]:
-    _check_model(state, body.model)
-    body.refuse_unsupported()
     prompt: Any = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -307,7 +146,7 @@ def _prompt_ids(state: ServerState, body: CompletionBody) -> list[int]:
     if isinstance(prompt, str):
         ids = state.engine.engine.tokenizer.encode(prompt)
     else:
-        ids = [int(t) for t in prompt]
+        ids = list(prompt)
         vocab = state.engine.engine.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
@@ -317,90 +156,140 @@ def _prompt_ids(state: ServerState, body: CompletionBody) -> list[int]:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
     state = request.app[STATE]
-    body: ChatBody = await _read_body(request, ChatBody)
+    body: ChatBody = parse_body(await request.read(), ChatBody)
     _check_model(state, body.model)
-    body.refuse_unsupported()
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    tokenizer = state.engine.engine.tokenizer
+    messages = [m.for_template() for m in body.messages]
+    tools = body.tools_active()
+    kwargs: dict[str, Any] = dict(body.chat_template_kwargs or {})
+    if tools:
+        if tokenizer.template_uses_tools:
+            kwargs["tools"] = tools_for_template(tools)
+        else:  # the model's template knows no tools: describe them in the system message (Hermes' format)
+            system = hermes_system_prompt(tools)
+            if messages[0]["role"] == "system":
+                messages[0] = {**messages[0], "content": system + "\n\n" + messages[0]["content"]}
+            else:
+                messages.insert(0, {"role": "system", "content": system})
     add_generation_prompt, continue_final_message = body.template_switches()
     try:
-        text = state.engine.engine.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
-    except ValueError as exc:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, **kwargs)
+    except (ValueError, TypeError) as exc:
         raise InvalidRequestError(str(exc)) from exc
-    ids = state.engine.engine.tokenizer.encode(text)
-    return await _generate(request, state, body, ids, chat=True)
+    ids = tokenizer.encode(text)
+    if body.tools_forced():
+        forced = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
+        parsers: Callable[[], ToolParser] | None = lambda: ForcedParser(forced)  # noqa: E731
+    elif tools:
+        parser_name = state.args.tool_call_parser
+        if parser_name is None or not state.args.enable_auto_tool_choice:
+            raise InvalidRequestError('tool_choice "auto" needs the engine started with --enable-auto-tool-choice '
+                                      "and --tool-call-parser (as vLLM); or send tool_choice required, a named "
+                                      "function, or none")
+        parallel = body.parallel_tool_calls is not False
+        parsers = lambda: make_parser(parser_name, parallel)  # noqa: E731
+    else:
+        parsers = None
+    named = isinstance(body.tool_choice, NamedToolChoice) and body.tools_forced()
+    return await _generate(request, state, body, ids, ChatExtras(parsers, named))
 
 
-async def _generate(
-    request: web.Request, state: ServerState, body: _SamplingBody, ids: list[int], chat: bool, native: bool = False
-) -> web.StreamResponse:
+async def _generate(request: web.Request, state: ServerState, body: SamplingBody, ids: list[int],
+                    chat: ChatExtras | None, native: bool = False) -> web.StreamResponse:  # fmt: skip
+    """Validate everything against this model, then run the request's sequences and answer."""
     arrived = time.monotonic()
-    params, limit_given = body.sampling_params()
+    engine = state.engine.engine
     role = body.kv_role_needed
     disagg = state.disagg_for(role) if role is not None else None
+    limit = body.token_limit()
+    params = body.sampling_params(limit or 1)
+    if role == "kv_producer":
+        # The gateway sends the prefill leg max_tokens 1: min_tokens only bans EOS for that first token here.
+        params = replace(params, min_tokens=min(params.min_tokens, 1))
+        decode_limit = (body.kv_transfer_params or {}).get("decode_max_tokens")
+        if isinstance(decode_limit, int) and not isinstance(decode_limit, bool):
+            engine.check_request(len(ids), replace(params, max_tokens=decode_limit), True)  # refuse before prefill
+    params = engine.check_request(len(ids), params, limit is not None)  # context length, ids: before anything runs
+    show_logprobs = params.logprobs is not None
+    echo = isinstance(body, CompletionBody) and bool(body.echo)
+    if echo and params.logprobs is not None:  # echo with logprobs scores the prompt's tokens too (OpenAI)
+        params = replace(params, prompt_logprobs=max(params.prompt_logprobs or 0, params.logprobs))
+    if params.prompt_logprobs is not None and role is not None:
+        raise InvalidRequestError("prompt_logprobs (or echo with logprobs) is not supported with kv_transfer_params "
+                                  "(P/D): the prompt is scored on the prefill engine only")
+    if _best_of(body) is not None and params.logprobs is None:
+        params = replace(params, logprobs=0)  # best_of ranks its sequences by cumulative logprob
+    spec = body.grammar()
+    grammar: Any = None
+    if spec is not None:  # compiled off the event loop (and cached): other requests keep streaming
+        compiler = state.grammar_compiler()
+        grammar = await asyncio.get_running_loop().run_in_executor(None, compiler.compile, spec)
+    n = body.num_sequences
     if role == "kv_consumer":
         assert disagg is not None
         kv = disagg.parse(body.kv_transfer_params or {})
-        seq = await state.engine.reserve(ids, params, limit_given)  # raises before any byte is sent
+        first_logprob = _first_logprob(body.kv_transfer_params or {}, params)
+        seq = await state.engine.reserve(ids, params, True)  # raises before any byte is sent
+        if grammar is not None:
+            seq.grammar = state.grammar_compiler().state_of(grammar)
         await disagg.pull(seq, kv)  # gives the blocks back itself if the transfer fails
         state.metrics.kv_pull.observe(time.monotonic() - arrived)
-        handle = state.engine.submit_prefilled(seq, kv.first_token_id)
+        handles = [state.engine.submit_prefilled(seq, kv.first_token_id, first_logprob)]
     else:
-        handle = state.engine.submit(ids, params, limit_given, hold_kv=role == "kv_producer")
+        handles = []
+        try:
+            for i in range(n):
+                matcher = state.grammar_compiler().state_of(grammar) if grammar is not None else None
+                if i == 0:
+                    handles.append(state.engine.submit(ids, params, True, hold_kv=role == "kv_producer",
+                                                       grammar=matcher))  # fmt: skip
+                else:  # the other samples share its prompt's KV blocks once computed
+                    handles.append(state.engine.submit_fork(handles[0], i, matcher))
+        except BaseException:
+            for h in handles:
+                state.engine.abort(h.seq_id)
+            raise
     request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
-    outputs = _timed(state.engine.stream(handle), state.metrics, arrived, handle.seq)
+    tokenizer = engine.tokenizer
+    choices = [Choice(i, tokenizer, chat is not None, show_logprobs,
+                      chat.parser() if chat is not None and chat.parser is not None else None,
+                      chat.named if chat is not None else False) for i in range(n)]  # fmt: skip
+    for c in choices:
+        if echo:
+            c.echo(ids)
+        if body.prompt_logprobs is not None:
+            c.want_prompt_logprobs(ids)
     offered = False
     try:
+        outputs = _merged([_timed(state.engine.stream(h), state.metrics, arrived, h.seq) for h in handles])
+        head = Head(request_id, created, state.served_model_name, chat is not None)
+        if native and body.stream:
+            return await _stream_native(request, outputs, request_id)
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            if native:
-                return await _stream_native(request, outputs, request_id)
-            return await _stream(request, state, outputs, request_id, created, chat, include_usage)
-        resp = await (_collect_native(outputs, request_id) if native
-                      else _collect(state, outputs, request_id, created, chat))
+            include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
+            return await _stream(request, head, outputs, choices, include_usage)
+        if native:
+            answer = await _collect_native(outputs, request_id)
+        else:
+            answer = await _collect(head, outputs, choices, _best_of(body))
         if role == "kv_producer":
             assert disagg is not None
-            seq = handle.seq
-            answer = orjson.loads(resp.body)  # type: ignore[arg-type]
-            answer["kv_transfer_params"] = disagg.offer(seq, lambda: state.engine.engine.release(seq))
+            seq = handles[0].seq
+            kv_params = disagg.offer(seq, lambda: state.engine.engine.release(seq))
+            if seq.logprobs:
+                kv_params["first_token_logprob"] = _logprob_dict(seq.logprobs[0])
+            answer["kv_transfer_params"] = kv_params
             offered = True
-            return _json(answer)
-        return resp
+        return _json(answer)
     finally:
         # Whatever ended the handler (done, client gone, write error), the request's blocks go now,
-        # not when the generator above is garbage-collected.
-        state.engine.abort(handle.seq_id)
+        # not when the generators above are garbage-collected.
+        for h in handles:
+            state.engine.abort(h.seq_id)
         if role == "kv_producer" and not offered:
-            state.engine.engine.release(handle.seq)  # held blocks nobody will pull
-
-
-async def _collect(
-    state: ServerState, outputs: AsyncIterator[RequestOutput], request_id: str, created: int, chat: bool
-) -> web.Response:
-    text: list[str] = []
-    last: RequestOutput | None = None
-    async for out in outputs:
-        if out.error is not None:
-            raise out.error
-        text.append(out.text)
-        last = out
-    assert last is not None
-    choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": "".join(text)}
-    else:
-        choice["text"] = "".join(text)
-    return _json(
-        {
-            "id": request_id,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": created,
-            "model": state.served_model_name,
-            "choices": [choice],
-            "usage": _usage(last),
-        }
-    )
+            state.engine.engine.release(handles[0].seq)  # held blocks nobody will pull
 
 
 def _meta_info(request_id: str, out: RequestOutput) -> dict[str, Any]:
@@ -410,20 +299,20 @@ def _meta_info(request_id: str, out: RequestOutput) -> dict[str, Any]:
             "cached_tokens": out.cached_tokens}
 
 
-async def _collect_native(outputs: AsyncIterator[RequestOutput], request_id: str) -> web.Response:
+async def _collect_native(outputs: AsyncIterator[tuple[int, RequestOutput]], request_id: str) -> dict[str, Any]:
     text: list[str] = []
     last: RequestOutput | None = None
-    async for out in outputs:
+    async for _, out in outputs:
         if out.error is not None:
             raise out.error
         text.append(out.text)
         last = out
     assert last is not None
-    return _json({"text": "".join(text), "meta_info": _meta_info(request_id, last)})
+    return {"text": "".join(text), "meta_info": _meta_info(request_id, last)}
 
 
 async def _stream_native(
-    request: web.Request, outputs: AsyncIterator[RequestOutput], request_id: str
+    request: web.Request, outputs: AsyncIterator[tuple[int, RequestOutput]], request_id: str
 ) -> web.StreamResponse:
     """SGLang's /generate stream: each event carries the whole text so far."""
     resp = web.StreamResponse(
@@ -431,7 +320,7 @@ async def _stream_native(
     )
     await resp.prepare(request)
     text = ""
-    async for out in outputs:
+    async for _, out in outputs:
         if out.error is not None:
             await resp.write(b"data: " + orjson.dumps(out.error.body()) + b"\n\n")
             break
@@ -442,6 +331,80 @@ async def _stream_native(
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
+
+
+def _best_of(body: SamplingBody) -> int | None:
+    """How many choices to answer with when more were generated (best_of): the n most likely."""
+    if isinstance(body, CompletionBody) and body.best_of is not None and body.best_of > (body.n or 1):
+        return body.n or 1
+    return None
+
+
+def _logprob_dict(lp: TokenLogprob) -> dict[str, Any]:
+    return {"token_id": lp.token_id, "logprob": lp.logprob, "rank": lp.rank, "top": [list(t) for t in lp.top]}
+
+
+def _first_logprob(kv: dict[str, Any], params: SamplingParams) -> TokenLogprob | None:
+    """The prefill engine's logprob of the first token, which the decode side reports as its own."""
+    if params.logprobs is None:
+        return None
+    raw = kv.get("first_token_logprob")
+    if not isinstance(raw, dict):
+        raise InvalidRequestError("logprobs in P/D need kv_transfer_params.first_token_logprob from the prefill "
+                                  "engine (was its request sent with logprobs?)")
+    try:
+        top = tuple((int(t), float(v)) for t, v in raw["top"])[: params.logprobs]
+        return TokenLogprob(int(raw["token_id"]), float(raw["logprob"]), int(raw["rank"]), top)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"kv_transfer_params.first_token_logprob: {exc}") from exc
+
+
+async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of several sequences as they come, each tagged with its choice index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        live = len(tasks)
+        while live:
+            i, got = await queue.get()
+            if got is None:
+                live -= 1
+                continue
+            yield i, got
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _collect(head: Head, outputs: AsyncIterator[tuple[int, RequestOutput]], choices: list[Choice],
+                   keep: int | None) -> dict[str, Any]:  # fmt: skip
+    last: dict[int, RequestOutput] = {}
+    async for i, out in outputs:
+        if out.error is not None:
+            raise out.error
+        choices[i].add(out)
+        last[i] = out
+    if keep is not None:  # best_of: the n choices of highest cumulative logprob, renumbered
+        choices = sorted(choices, key=lambda c: -c.cumulative_logprob)[:keep]
+        for i, c in enumerate(choices):
+            c.index = i
+    answer = head.body([c.final() for c in choices], _usage(list(last.values())))
+    if head.chat and choices[0].show_prompt_logprobs:  # vLLM: at the top of a chat completion
+        answer["prompt_logprobs"] = choices[0].vllm_prompt_logprobs()
+    return answer
 
 
 async def _timed(
@@ -460,64 +423,46 @@ async def _timed(
         yield out
 
 
-def _usage(out: RequestOutput) -> dict[str, Any]:
+def _usage(outs: list[RequestOutput]) -> dict[str, Any]:
+    """OpenAI's usage: the prompt once, the completion tokens of every sequence generated."""
+    prompt = outs[0].prompt_tokens if outs else 0
+    completion = sum(o.completion_tokens for o in outs)
     return {
-        "prompt_tokens": out.prompt_tokens,
-        "completion_tokens": out.completion_tokens,
-        "total_tokens": out.prompt_tokens + out.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": outs[0].cached_tokens if outs else 0},
     }
 
 
-async def _stream(
-    request: web.Request,
-    state: ServerState,
-    outputs: AsyncIterator[RequestOutput],
-    request_id: str,
-    created: int,
-    chat: bool,
-    include_usage: bool,
-) -> web.StreamResponse:
+async def _stream(request: web.Request, head: Head, outputs: AsyncIterator[tuple[int, RequestOutput]],
+                  choices: list[Choice], include_usage: bool) -> web.StreamResponse:  # fmt: skip
     resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": request_id}
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": head.request_id}
     )
     await resp.prepare(request)
-    obj = "chat.completion.chunk" if chat else "text_completion"
-
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-        payload: dict[str, Any] = {
-            "id": request_id,
-            "object": obj,
-            "created": created,
-            "model": state.served_model_name,
-            "choices": choices,
-        }
-        if usage is not None:
-            payload["usage"] = usage
-        return b"data: " + orjson.dumps(payload) + b"\n\n"
-
-    if chat:
-        await resp.write(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]))
-    last: RequestOutput | None = None
-    async for out in outputs:
-        last = out
+    # OpenAI sends "usage": null in every chunk until the usage chunk when usage was asked for.
+    no_usage: dict[str, Any] = {"usage": None} if include_usage else {}
+    for c in choices:
+        first = c.opening()
+        if first is not None:
+            await resp.write(head.chunk([first], **no_usage))
+    last: dict[int, RequestOutput] = {}
+    failed = False
+    async for i, out in outputs:
+        last[i] = out
         if out.error is not None:
             await resp.write(b"data: " + orjson.dumps(out.error.body()) + b"\n\n")
+            failed = True
             break
-        if not out.text and not out.finished:
-            continue
-        if chat:
-            delta = {"content": out.text} if out.text else {}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": out.finish_reason}
-        else:
-            choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
-        await resp.write(chunk([choice]))
-    if include_usage and last is not None and last.error is None:
-        await resp.write(chunk([], _usage(last)))
+        delta = choices[i].delta(out)
+        if delta is not None:
+            await resp.write(head.chunk([delta], **no_usage))
+    if include_usage and not failed and last:
+        await resp.write(head.chunk([], usage=_usage(list(last.values()))))
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
-
 
 async def models(request: web.Request) -> web.Response:
     """GET /v1/models."""
@@ -536,34 +481,6 @@ async def models(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     """GET /health: answers once the model is loaded (the server binds only after that)."""
     return _json({"status": "ok"})
-
-
-async def health_generate(request: web.Request) -> web.Response:
-    """GET /health_generate: generate one token, so a router knows the model really runs."""
-    state = request.app[STATE]
-    ids = state.engine.engine.tokenizer.encode("ping")[:8] or [0]
-    handle = state.engine.submit(ids, SamplingParams(temperature=0.0, max_tokens=1), True)
-    try:
-        async for out in state.engine.stream(handle):
-            if out.error is not None:
-                raise out.error
-    finally:
-        state.engine.abort(handle.seq_id)
-    return _json({"status": "ok"})
-
-
-async def get_model_info(request: web.Request) -> web.Response:
-    """GET /get_model_info: SGLang's shape."""
-    state = request.app[STATE]
-    return _json({"model_path": state.args.model, "tokenizer_path": state.args.model,
-                  "served_model_name": state.served_model_name, "is_generation": True,
-                  "max_model_len": state.engine.engine.max_model_len})
-
-
-async def flush_cache(request: web.Request) -> web.Response:
-    """POST /flush_cache: forget the prefix cache's free blocks (blocks in use keep theirs)."""
-    flushed = request.app[STATE].engine.engine.block_manager.flush()
-    return _json({"status": "ok", "flushed_blocks": flushed})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -597,6 +514,34 @@ async def server_info(request: web.Request) -> web.Response:
             "dtype": str(eng.dtype).removeprefix("torch."),
         }
     )
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """GET /health_generate: generate one token, so a router knows the model really runs."""
+    state = request.app[STATE]
+    ids = state.engine.engine.tokenizer.encode("ping")[:8] or [0]
+    handle = state.engine.submit(ids, SamplingParams(temperature=0.0, max_tokens=1), True)
+    try:
+        async for out in state.engine.stream(handle):
+            if out.error is not None:
+                raise out.error
+    finally:
+        state.engine.abort(handle.seq_id)
+    return _json({"status": "ok"})
+
+
+async def get_model_info(request: web.Request) -> web.Response:
+    """GET /get_model_info: SGLang's shape."""
+    state = request.app[STATE]
+    return _json({"model_path": state.args.model, "tokenizer_path": state.args.model,
+                  "served_model_name": state.served_model_name, "is_generation": True,
+                  "max_model_len": state.engine.engine.max_model_len})
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    """POST /flush_cache: forget the prefix cache's free blocks (blocks in use keep theirs)."""
+    flushed = request.app[STATE].engine.engine.block_manager.flush()
+    return _json({"status": "ok", "flushed_blocks": flushed})
 
 
 async def kv_transfer_info(request: web.Request) -> web.Response:
@@ -640,8 +585,8 @@ def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
     app.cleanup_ctx.append(engine_loop)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_get("/v1/models", models)
     app.router.add_post("/generate", generate)
+    app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health_generate)
     app.router.add_get("/get_model_info", get_model_info)

@@ -185,9 +185,15 @@ class Scheduler:
         seq.set_status(SequenceStatus.FINISHED)
 
     def check_stop(self, seq: Sequence, eos_ids: frozenset[int], max_model_len: int) -> FinishReason | None:
-        """Whether ``seq``'s newest token ends it (EOS, max_tokens, context limit)."""
-        if not seq.params.ignore_eos and seq.last_token in eos_ids:
-            return FinishReason.STOP
+        """Whether ``seq``'s newest token ends it (EOS, a stop token, max_tokens, context limit)."""
+        params = seq.params
+        last = seq.last_token
+        if seq.num_completion_tokens > params.min_tokens:  # min_tokens holds back every stop
+            if last in params.stop_token_ids:
+                seq.stop_reason = last
+                return FinishReason.STOP
+            if not params.ignore_eos and last in eos_ids:
+                return FinishReason.STOP
         if seq.num_completion_tokens >= seq.params.max_tokens or len(seq) >= max_model_len:
             return FinishReason.LENGTH
         return None

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-
-import torch
+from typing import Any
 
 
 class SequenceStatus(enum.Enum):
@@ -37,6 +36,11 @@ def check_transition(old: SequenceStatus, new: SequenceStatus) -> None:
         raise RuntimeError(f"sequence cannot go from {old.value} to {new.value}")
 
 
+# Below this temperature a request samples greedily (vLLM's threshold): dividing logits by a
+# temperature that small overflows them to inf and softmax to NaN.
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop; validated at the HTTP edge."""
@@ -44,14 +48,44 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: off
+    min_p: float = 0.0
     max_tokens: int = 16
+    min_tokens: int = 0  # no EOS, stop token or stop string before this many tokens
     ignore_eos: bool = False
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely
+    prompt_logprobs: int | None = None  # the same for every prompt token but the first
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the tokens so far change the logits (presence, frequency or repetition penalty)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether anything besides temperature / top-k / top-p / min-p touches this request's logits."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One sampled (or prompt) token's log-probability and the most likely alternatives at its place."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
 
 
 class Sequence:
@@ -66,15 +100,20 @@ class Sequence:
         "admitted_at",
         "block_size",
         "block_table",
+        "cumulative_logprob",
         "finish_reason",
-        "generator",
+        "grammar",
         "hold_kv",
+        "logprobs",
         "num_cached_tokens",
         "num_prompt_tokens",
         "params",
         "prefix_hit_tokens",
+        "prompt_logprobs",
         "seq_id",
         "status",
+        "stop_reason",
+        "stream_index",
         "token_ids",
     )
 
@@ -94,10 +133,15 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         # A prefill for another engine (kv_producer): its blocks outlive it until the KV was pulled.
         self.hold_kv = False
-        # A per-request generator makes a seeded request reproducible whatever else is batched.
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+        # What ended it besides EOS or the length: the stop string or stop token id (vLLM's stop_reason).
+        self.stop_reason: str | int | None = None
+        # Which random stream a seeded request draws from: (seed, stream_index, step) picks each draw,
+        # so one sample of n, a preempted sequence or a P/D decode continues the same stream.
+        self.stream_index = 0
+        self.logprobs: list[TokenLogprob] = []  # one per completion token, when params.logprobs is set
+        self.prompt_logprobs: list[TokenLogprob] = []  # prompt tokens 1.., when params.prompt_logprobs is set
+        self.cumulative_logprob = 0.0
+        self.grammar: Any = None  # a structured-output matcher (engine.structured.GrammarState)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -41,8 +41,15 @@ class Tokenizer(Protocol):
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
+        continue_final_message: bool = False, **kwargs: Any,
     ) -> str: ...
+
+    def token_text(self, token_id: int) -> str: ...
+
+    def grammar_vocab(self, vocab_size: int) -> tuple[list[str] | list[bytes], bool]: ...
+
+    @property
+    def template_uses_tools(self) -> bool: ...
 
 
 class ChatTemplate:
@@ -54,19 +61,19 @@ class ChatTemplate:
         self._template = env.from_string(source)
         self._bos = bos_token
         self._eos = eos_token
+        self.uses_tools = "tools" in source
 
-    def render(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, continue_final_message: bool = False
-    ) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               continue_final_message: bool = False, **kwargs: Any) -> str:  # fmt: skip
         """The prompt text for ``messages``: ending with the assistant's turn opener, or, with
-        ``continue_final_message``, with the last message left open so the model continues it."""
+        ``continue_final_message``, with the last message left open so the model continues it.
+        ``kwargs`` reach the template too (``tools``, a request's ``chat_template_kwargs``)."""
         if add_generation_prompt and continue_final_message:
             raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        context = {**kwargs, "messages": messages, "add_generation_prompt": add_generation_prompt,
+                   "bos_token": self._bos, "eos_token": self._eos}  # fmt: skip
         try:
-            text = self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self._bos,
-                eos_token=self._eos
-            )
+            text = str(self._template.render(**context))
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from exc
         return _open_final_message(text, messages) if continue_final_message else text
@@ -122,9 +129,26 @@ class HFTokenizer:
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
+        continue_final_message: bool = False, **kwargs: Any,
     ) -> str:
-        return self._chat.render(messages, add_generation_prompt, continue_final_message)
+        return self._chat.render(messages, add_generation_prompt, continue_final_message, **kwargs)
+
+    @property
+    def template_uses_tools(self) -> bool:
+        return self._chat.uses_tools
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (special tokens too), for logprobs."""
+        return str(self._core.decode([token_id], skip_special_tokens=False))
+
+    def grammar_vocab(self, vocab_size: int) -> tuple[list[str], bool]:
+        """Every token id's byte-level string, special tokens as "" (how xgrammar recognises them)."""
+        added = {t.content for t in self._core.get_added_tokens_decoder().values()}
+        encoded = [""] * vocab_size
+        for token, i in self._core.get_vocab(with_added_tokens=True).items():
+            if i < vocab_size:
+                encoded[i] = "" if token in added else token
+        return encoded, True
 
 
 def tokenizer_from_gguf_fields(fields: dict[str, Any]) -> HFTokenizer:
@@ -237,9 +261,22 @@ class ByteTokenizer:
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
+        continue_final_message: bool = False, **kwargs: Any,
     ) -> str:
-        return self._chat.render(messages, add_generation_prompt, continue_final_message)
+        return self._chat.render(messages, add_generation_prompt, continue_final_message, **kwargs)
+
+    @property
+    def template_uses_tools(self) -> bool:
+        return False
+
+    def token_text(self, token_id: int) -> str:
+        if token_id >= 256:
+            return self.SPECIALS[token_id - 256] if token_id - 256 < len(self.SPECIALS) else ""
+        return bytes([token_id]).decode("utf-8", errors="replace")
+
+    def grammar_vocab(self, vocab_size: int) -> tuple[list[bytes], bool]:
+        """Raw bytes per token; the specials as empty (xgrammar's mark of a special token)."""
+        return [bytes([i]) if i < 256 else b"" for i in range(vocab_size)], False
 
 
 @dataclass(slots=True)

@@ -318,6 +318,70 @@ def test_engines_refuse_requests_for_the_other_role(engines: dict[str, Engine]) 
     assert status == 400 and "kv_consumer" in body["error"]["message"]
 
 
+async def _answer(session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any]) -> Any:
+    """(text, logprobs, finish reasons) of an answer, streamed or not, in one comparable shape."""
+    async with session.post(url + path, json=body) as r:
+        assert r.status == 200, await r.text()
+        if not body.get("stream"):
+            data = await r.json()
+            events = [data]
+        else:
+            events = [json.loads(line[6:]) async for line in r.content if line.startswith(b"data: {")]
+    text, logprobs, reasons = [], [], []
+    for e in events:
+        assert "error" not in e, e
+        for c in e["choices"]:
+            text.append(c.get("text") or (c.get("message") or c.get("delta") or {}).get("content") or "")
+            lp = c.get("logprobs") or {}
+            logprobs += lp.get("token_logprobs") or [(t["logprob"], [x["logprob"] for x in t["top_logprobs"]])
+                                                     for t in lp.get("content") or []]  # fmt: skip
+            reasons.append(c.get("finish_reason"))
+    return "".join(text), logprobs, [r for r in reasons if r]
+
+
+def _numbers(value: Any) -> list[float]:
+    """Every number in a nest of lists and tuples, in order."""
+    if isinstance(value, list | tuple):
+        return [x for v in value for x in _numbers(v)]
+    return [value]
+
+
+@pytest.mark.timeout(180)
+async def test_pd_seeded_sampling_and_logprobs_equal_a_colocated_engine(engines: dict[str, Engine],
+                                                                        gateway: MakeGateway) -> None:
+    p, d, single = engines["prefill"], engines["decode"], engines["single"]
+    gw = await gateway(pd_disaggregation=True, backend="atom", prefill=[{"url": p.url}], decode=[d.url],
+                       request_timeout_secs=60)
+    regular = await gateway(worker_urls=[single.url], backend="atom")
+    sampled = {"model": "tiny-random", "max_tokens": 12, "temperature": 0.9, "top_p": 0.95, "seed": 11,
+               "frequency_penalty": 0.5, "ignore_eos": True}  # fmt: skip
+    cases = [
+        ("/v1/completions", {**sampled, "prompt": PROMPTS[1], "logprobs": 2}),
+        ("/v1/completions", {**sampled, "prompt": PROMPTS[0], "guided_regex": "[a-z]{3}-[0-9]{4}"}),
+        ("/v1/chat/completions", {**sampled, "messages": [{"role": "user", "content": PROMPTS[2]}],
+                                  "logprobs": True, "top_logprobs": 1}),
+    ]
+    async with aiohttp.ClientSession() as s:
+        for path, body in cases:
+            for stream in (False, True):
+                b = {**body, "stream": stream}
+                want = await _answer(s, single.url, path, b)
+                got = await _answer(s, base_url(gw), path, b)
+                # Relayed unchanged in regular mode too. (Texts are equal; logprobs to the last bits, which
+                # a prefix-cache hit may move.)
+                relayed = await _answer(s, base_url(regular), path, b)
+                for other in (got, relayed):
+                    assert (other[0], other[2]) == (want[0], want[2]), (path, stream)
+                    assert _numbers(other[1]) == pytest.approx(_numbers(want[1]), abs=1e-4), (path, stream)
+                assert got[0] and (got[1] or "guided_regex" in body)
+        # A request that cannot fit the context is refused before the prefill runs or pins anything.
+        async with s.post(base_url(gw) + "/v1/completions",
+                          json={**sampled, "prompt": PROMPTS[1], "max_tokens": 100_000}) as r:
+            assert r.status == 400 and (await r.json())["error"]["code"] == "context_length_exceeded"
+        assert p.blocks_used() == 0
+    wait_until(lambda: p.blocks_used() == 0 and d.blocks_used() == 0, what="both block pools to be idle")
+
+
 @pytest.mark.timeout(180)
 async def test_a_decode_engine_killed_mid_stream_is_replaced_by_a_new_pair(engines: dict[str, Engine],
                                                                            gateway: MakeGateway) -> None:

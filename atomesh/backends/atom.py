@@ -16,6 +16,16 @@ from atomesh.workers.worker import Worker
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
 
 
+def prefill_params(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg's kv_transfer_params; they carry the client's own token limit as
+    ``decode_max_tokens`` (the leg itself runs for one token), so that the prefill engine refuses a
+    request that cannot fit its context before it computes or pins anything."""
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        return {**PREFILL_PARAMS, "decode_max_tokens": limit}
+    return dict(PREFILL_PARAMS)
+
+
 def decode_params(returned: dict[str, Any], prefill: Worker) -> dict[str, Any]:
     info = prefill.kv_transfer_info
     return {
@@ -27,4 +37,4 @@ def decode_params(returned: dict[str, Any], prefill: Worker) -> dict[str, Any]:
 
 
 def make_atom_backend(upstream: Upstream, metrics: Metrics, on_chunk: ChunkHook | None = None) -> TwoStepBackend:
-    return TwoStepBackend("atom", upstream, metrics, PREFILL_PARAMS, decode_params, on_chunk)
+    return TwoStepBackend("atom", upstream, metrics, prefill_params, decode_params, on_chunk)

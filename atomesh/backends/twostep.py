@@ -17,6 +17,8 @@ from atomesh.workers.worker import Worker
 
 # Builds the decode leg's kv_transfer_params from what prefill returned and the prefill worker.
 DecodeParams = Callable[[dict[str, Any], Worker], dict[str, Any]]
+# Builds the prefill leg's kv_transfer_params from the client's body.
+PrefillParams = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> bytes:
@@ -46,7 +48,7 @@ def kv_failure_code(body: bytes) -> str | None:
 class TwoStepBackend:
     """Runs the prefill leg to completion, then the decode leg whose reply goes to the client."""
 
-    def __init__(self, runtime: str, upstream: Upstream, metrics: Metrics, prefill_params: dict[str, Any],
+    def __init__(self, runtime: str, upstream: Upstream, metrics: Metrics, prefill_params: PrefillParams,
                  decode_params: DecodeParams, on_chunk: ChunkHook | None = None) -> None:
         self.runtime = runtime
         self.upstream = upstream
@@ -86,7 +88,7 @@ class TwoStepBackend:
         """Run the prefill leg; return the kv_transfer_params it answered with."""
         try:
             status, raw, ctype = await self.upstream.call(
-                "POST", worker.url + view.route, data=prefill_body(view.body, self.prefill_params),
+                "POST", worker.url + view.route, data=prefill_body(view.body, self.prefill_params(view.body)),
                 headers=self.upstream.headers_for(exchange))
             if status >= 400:
                 raise UpstreamStatus(status, raw, ctype)

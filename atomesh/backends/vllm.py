@@ -23,4 +23,4 @@ def decode_params(returned: dict[str, Any], prefill: Worker) -> dict[str, Any]:
 
 
 def make_vllm_backend(upstream: Upstream, metrics: Metrics, on_chunk: ChunkHook | None = None) -> TwoStepBackend:
-    return TwoStepBackend("vllm", upstream, metrics, PREFILL_PARAMS, decode_params, on_chunk)
+    return TwoStepBackend("vllm", upstream, metrics, lambda body: dict(PREFILL_PARAMS), decode_params, on_chunk)

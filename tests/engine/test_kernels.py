@@ -175,3 +175,38 @@ def test_graph_replay_equals_eager_in_bfloat16(make_engine: MakeEngine) -> None:
     for extra in ({}, {"sparse_attention": True, "sparse_topk_blocks": 2, "block_size": 4}):
         eager = _generate(make_engine, kernels="triton", dtype="bfloat16", enforce_eager=True, **extra)
         assert _generate(make_engine, kernels="triton", dtype="bfloat16", **sizes, **extra) == eager
+
+
+def _generate_with_features(make_engine: MakeEngine, **kw: object) -> list[tuple[list[int], list[float]]]:
+    """Each prompt with other sampler features: seeded top-k/top-p with a penalty, logit_bias, min_tokens
+    and a stop token, a grammar; tokens and logprobs."""
+    from engine.protocol import GrammarSpec
+    from engine.structured import GrammarCompiler
+
+    engine = make_engine(None, **{"max_num_seqs": 8, **kw})
+    params = [
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3, frequency_penalty=0.5, max_tokens=6,
+                       ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.0, logit_bias=((65, 5.0),), presence_penalty=1.0, max_tokens=6,
+                       ignore_eos=True, logprobs=0),
+        SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=(7,), max_tokens=6, logprobs=1),
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1),
+    ]
+    compiler = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids)
+    grammar = compiler.state_of(compiler.compile(GrammarSpec("regex", "[a-c]{4}")))
+    seqs = [engine.add_request(p, engine.check_request(len(p), sp, True), grammar=grammar if i == 3 else None)
+            for i, (p, sp) in enumerate(zip(PROMPTS, params, strict=True))]
+    while any(s.status.value != "finished" for s in seqs):
+        engine.step()
+    return [(s.completion_ids, [lp.logprob for lp in s.logprobs]) for s in seqs]
+
+
+def test_sampler_features_on_the_kernels_and_graphs(make_engine: MakeEngine) -> None:
+    pytest.importorskip("xgrammar")
+    expected = _generate_with_features(make_engine, kernels="torch")
+    assert set(expected[3][0][:4]) <= set(b"abc") and all(t in (256, 258) for t in expected[3][0][4:])  # then EOS
+    for extra in ({"enforce_eager": True}, {}):  # eagerly, then through the graphs' staged inputs
+        got = _generate_with_features(make_engine, kernels="triton", **extra)
+        assert [g[0] for g in got] == [e[0] for e in expected]
+        for (_, lps), (_, want) in zip(got, expected, strict=True):
+            assert lps == pytest.approx(want, abs=1e-4)

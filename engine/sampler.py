@@ -1,0 +1,228 @@
+"""Sampling of one step's batch: logit shaping, temperature, top-k / top-p / min-p, draws and logprobs.
+
+Everything is vectorised over the batch: a step's rows share one pass per operation whatever mix of
+settings they carry, and a batch of plain greedy requests costs one argmax, as before. The sampler
+runs outside any captured CUDA graph (it reads the graph's logits) because its work depends on each
+request's settings.
+
+Seeded draws are counter-based: the noise of a draw comes from a generator seeded with
+(seed, stream, step), where step is how many tokens the sequence already generated. A sequence
+preempted and recomputed, one of n samples, or the decode side of a P/D pair (which holds the
+prefill's first token) therefore draws exactly what a colocated run draws, with no generator state
+to carry around.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+import xxhash
+
+from engine.sequence import SamplingParams, Sequence, TokenLogprob
+
+# What a -inf logprob (a token masked out) is reported as: JSON has no infinity; OpenAI and vLLM send this.
+MASKED_LOGPROB = -9999.0
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRow:
+    """What sampling one row needs besides its logits; built from the sequence before the step."""
+
+    params: SamplingParams
+    seed_key: int | None = None  # the draw's generator seed (seeded requests only)
+    output_ids: tuple[int, ...] = ()  # generated so far: penalties, min_tokens (only when needed)
+    prompt_ids: tuple[int, ...] = ()  # only for a repetition penalty
+    num_output: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SampleOutput:
+    """One token per row, and its logprobs where the request asked for them."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
+    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # by seq_id
+
+
+def seed_key(seed: int, stream: int, step: int) -> int:
+    """The generator seed of draw ``step`` of a seeded request's stream ``stream``."""
+    raw = (seed % (1 << 64)).to_bytes(8, "little") + stream.to_bytes(4, "little") + step.to_bytes(8, "little")
+    return xxhash.xxh64_intdigest(raw) & ((1 << 63) - 1)
+
+
+def sample_row(seq: Sequence) -> SampleRow:
+    """The SampleRow of a sequence about to draw its next token (the token history only when needed)."""
+    p = seq.params
+    step = seq.num_completion_tokens
+    key = seed_key(p.seed, seq.stream_index, step) if p.seed is not None and not p.greedy else None
+    if not (p.penalized or p.min_tokens > 0):
+        return SampleRow(p, key, num_output=step)
+    prompt = tuple(seq.token_ids[: seq.num_prompt_tokens]) if p.repetition_penalty != 1.0 else ()
+    return SampleRow(p, key, tuple(seq.token_ids[seq.num_prompt_tokens :]), prompt, step)
+
+
+class Sampler:
+    """Turns a step's logits into tokens for its rows (one per sequence that reached its end)."""
+
+    def __init__(self, eos_token_ids: frozenset[int], seed: int) -> None:
+        self.eos_token_ids = tuple(sorted(eos_token_ids))
+        self.seed = seed
+        # Unseeded draws come from one generator per device, made on first use (no noise crosses PCIe).
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return gen
+
+    @torch.inference_mode()
+    def sample(
+        self,
+        logits: torch.Tensor,
+        rows: Seq[SampleRow],
+        greedy: torch.Tensor | None = None,
+        bitmask: torch.Tensor | None = None,
+        bitmask_rows: Seq[int] = (),
+    ) -> SampleOutput:
+        """Tokens for ``logits [rows, vocab]``; ``greedy``: the argmax, already taken (a graph's);
+        ``bitmask``: structured-output token masks (xgrammar's layout) for ``bitmask_rows``."""
+        params = [r.params for r in rows]
+        shaped = bitmask is not None or any(p.shapes_logits for p in params)
+        want_logprobs = any(p.logprobs is not None for p in params)
+        all_greedy = all(p.greedy for p in params)
+        if all_greedy and not shaped and not want_logprobs:
+            return SampleOutput((logits.argmax(dim=-1) if greedy is None else greedy).tolist(), [None] * len(rows))
+        logits = logits.float()
+        if shaped:
+            logits = logits.clone()  # a graph's logits live in its static output buffer
+            self._shape(logits, rows, bitmask, bitmask_rows)
+        if all_greedy:
+            scaled = logits
+        else:
+            temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
+            scaled = logits / temps.unsqueeze(1)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if len(sampled) == len(rows):
+            tokens = self._draw(scaled, rows)
+        else:
+            tokens = scaled.argmax(dim=-1) if shaped or greedy is None else greedy.clone()
+            if sampled:
+                tokens[sampled] = self._draw(scaled[sampled], [rows[i] for i in sampled])
+        token_list: list[int] = tokens.tolist()
+        logprobs: list[TokenLogprob | None] = [None] * len(rows)
+        if want_logprobs:
+            wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+            logprobs_of = token_logprobs(scaled[wanted], tokens[wanted], [params[i].logprobs or 0 for i in wanted])
+            for i, lp in zip(wanted, logprobs_of, strict=True):
+                logprobs[i] = lp
+        return SampleOutput(token_list, logprobs)
+
+    def _shape(self, logits: torch.Tensor, rows: Seq[SampleRow], bitmask: torch.Tensor | None,
+               bitmask_rows: Seq[int]) -> None:  # fmt: skip
+        """Penalties, logit bias, min_tokens and grammar masks, in place, one pass each over the batch."""
+        dev = logits.device
+        batch, vocab = logits.shape
+        params = [r.params for r in rows]
+        if any(p.penalized for p in params):
+            r_idx = [i for i, r in enumerate(rows) for _ in r.output_ids]
+            t_idx = [t for r in rows for t in r.output_ids]
+            counts = torch.zeros(batch, vocab, device=dev)
+            if t_idx:
+                counts.index_put_((torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
+                                  torch.ones(len(t_idx), device=dev), accumulate=True)  # fmt: skip
+            freq = torch.tensor([p.frequency_penalty for p in params], device=dev).unsqueeze(1)
+            presence = torch.tensor([p.presence_penalty for p in params], device=dev).unsqueeze(1)
+            seen = counts > 0
+            logits -= freq * counts + presence * seen
+            if any(p.repetition_penalty != 1.0 for p in params):
+                # As vLLM (and the CTRL paper): tokens of the prompt or the output so far are made less
+                # likely by dividing a positive logit, multiplying a negative one.
+                pr_rows = [i for i, r in enumerate(rows) for _ in r.prompt_ids]
+                pr_toks = [t for r in rows for t in r.prompt_ids]
+                if pr_toks:
+                    seen[torch.tensor(pr_rows, device=dev), torch.tensor(pr_toks, device=dev)] = True
+                rep = torch.tensor([p.repetition_penalty for p in params], device=dev).unsqueeze(1)
+                penalized = torch.where(logits > 0, logits / rep, logits * rep)
+                logits.copy_(torch.where(seen, penalized, logits))
+        bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
+        if bias:
+            where = (torch.tensor([i for i, _, _ in bias], device=dev),
+                     torch.tensor([t for _, t, _ in bias], device=dev))  # fmt: skip
+            logits.index_put_(where, torch.tensor([b for _, _, b in bias], device=dev), accumulate=True)
+        banned = [(i, t) for i, r in enumerate(rows) if r.num_output < r.params.min_tokens
+                  for t in (*r.params.stop_token_ids, *(() if r.params.ignore_eos else self.eos_token_ids))]
+        if banned:
+            logits[[i for i, _ in banned], [t for _, t in banned]] = float("-inf")
+        if bitmask is not None:
+            from engine.structured import apply_bitmask
+
+            apply_bitmask(logits, bitmask, bitmask_rows)
+
+    def _draw(self, scaled: torch.Tensor, rows: Seq[SampleRow]) -> torch.Tensor:
+        """One token per row of ``scaled`` (logits already divided by the temperature)."""
+        dev = scaled.device
+        params = [r.params for r in rows]
+        vocab = scaled.shape[-1]
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
+        ids: torch.Tensor | None = None  # the vocabulary ids of the columns kept (top-k), else all
+        if max(top_k) < vocab:
+            # Every row has a top-k: work on the best max(k) columns only (a full sort costs 20x more).
+            scaled, ids = scaled.topk(max(top_k), dim=-1)
+        elif any(p.top_p < 1.0 for p in params):
+            scaled, ids = torch.sort(scaled, dim=-1, descending=True)
+        if ids is not None:  # columns sorted by logit: top-k and top-p are masks over ranks
+            ranks = torch.arange(scaled.shape[-1], device=dev).unsqueeze(0)
+            drop = ranks >= torch.tensor(top_k, device=dev).unsqueeze(1)
+            probs = scaled.masked_fill(drop, float("-inf")).softmax(-1)
+            # Drop a token when the tokens ranked above it already cover top_p.
+            drop |= probs.cumsum(-1) - probs > top_p
+            scaled = scaled.masked_fill(drop, float("-inf"))
+        probs = scaled.softmax(-1)
+        if any(p.min_p > 0 for p in params):
+            floor = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1) * probs.amax(-1, keepdim=True)
+            probs = probs.masked_fill(probs < floor, 0.0)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p. The noise is drawn per
+        # vocabulary id, so a draw does not depend on which columns were kept.
+        noise = self._noise(rows, vocab, dev)
+        if ids is None:
+            return (probs / noise).argmax(dim=-1)
+        choice = (probs / noise.gather(1, ids)).argmax(dim=-1, keepdim=True)
+        return ids.gather(1, choice).squeeze(1)
+
+    def _noise(self, rows: Seq[SampleRow], vocab: int, dev: torch.device) -> torch.Tensor:
+        """Exp(1) noise ``[rows, vocab]``: a seeded row's from its own counter-based generator."""
+        unseeded = [i for i, r in enumerate(rows) if r.seed_key is None]
+        if len(unseeded) == len(rows):
+            return torch.empty(len(rows), vocab, device=dev).exponential_(1.0, generator=self._generator(dev))
+        noise = torch.empty(len(rows), vocab, device=dev)
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), vocab, device=dev).exponential_(
+                1.0, generator=self._generator(dev))
+        for i, r in enumerate(rows):
+            if r.seed_key is not None:  # on the CPU: the same draws whatever the device
+                row = torch.empty(vocab).exponential_(1.0, generator=torch.Generator().manual_seed(r.seed_key))
+                noise[i] = row.to(dev)
+        return noise
+
+
+def token_logprobs(scaled: torch.Tensor, tokens: torch.Tensor, top: Seq[int]) -> list[TokenLogprob]:
+    """The log-softmax of ``scaled`` at ``tokens`` with each row's rank and ``top[i]`` best alternatives."""
+    lp = scaled.log_softmax(dim=-1)
+    chosen = lp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    ranks = (lp > chosen.unsqueeze(1)).sum(dim=-1) + 1
+    k = max(top, default=0)
+    best_lp, best_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], tokens[:0].unsqueeze(0).expand(len(tokens), 0))
+    out = []
+    for i, (c, r, tok) in enumerate(zip(chosen.tolist(), ranks.tolist(), tokens.tolist(), strict=True)):
+        pairs = tuple((t, _finite(v)) for t, v in zip(best_ids[i, : top[i]].tolist(), best_lp[i, : top[i]].tolist(),
+                                                       strict=True))  # fmt: skip
+        out.append(TokenLogprob(tok, _finite(c), r, pairs))
+    return out
+
+
+def _finite(value: float) -> float:
+    return value if value > MASKED_LOGPROB else MASKED_LOGPROB
