@@ -22,7 +22,15 @@ from click.core import ParameterSource
 
 from atomesh import __version__
 from atomesh.compat import peer_table_markdown, refused_flag
-from atomesh.config import FLAG_ALIASES, NOT_IMPLEMENTED, ConfigError, GatewayConfig, flag_name, load_config
+from atomesh.config import (
+    FLAG_ALIASES,
+    NOT_IMPLEMENTED,
+    ConfigError,
+    GatewayConfig,
+    PolicyName,
+    flag_name,
+    load_config,
+)
 
 # One help style for every command: click's plain layout (rich's boxes cut option names at 80 columns),
 # as wide as the terminal allows up to HELP_WIDTH. `bench placement` / `bench gateway` (argparse) match it.
@@ -87,7 +95,7 @@ def up(
     metrics_port: int = typer.Option(29000, help="Gateway metrics port."),
     engine_port: int = typer.Option(8010, help="First engine HTTP port (one per engine from here)."),
     handshake_port: int = typer.Option(6301, help="First KV handshake port (one per P/D engine)."),
-    policy: str = typer.Option("cache_aware", help="Gateway placement policy."),
+    policy: PolicyName = typer.Option(PolicyName.CACHE_AWARE, help="Gateway placement policy."),
     kv_cache_memory_gb: float = typer.Option(1.0, help="KV cache per engine (GiB, CPU)."),
     max_model_len: int = typer.Option(2048, help="Engine context limit."),
     log_dir: Path = typer.Option(Path(".atomesh/logs"), help="Where each part's log goes."),

@@ -43,10 +43,24 @@ class LogLevel(StrEnum):
     ERROR = "error"
 
 
-# Policies are registered by name in atomesh.policies; the names are repeated here so that the
-# config can be validated without importing the policy implementations.
-POLICY_NAMES = ("random", "round_robin", "power_of_two", "least_load", "cache_aware", "prefix_hash",
-                "consistent_hashing", "dp_sticky")
+class PolicyName(StrEnum):
+    """A placement policy (`--policy`, `--prefill-policy`, `--decode-policy`).
+
+    The one list of names: config validation and the CLI help read it here, and `atomesh.policies`
+    maps every member to its factory (a test checks both ways).
+    """
+
+    RANDOM = "random"
+    ROUND_ROBIN = "round_robin"
+    POWER_OF_TWO = "power_of_two"
+    LEAST_LOAD = "least_load"
+    CACHE_AWARE = "cache_aware"
+    PREFIX_HASH = "prefix_hash"
+    CONSISTENT_HASHING = "consistent_hashing"
+    DP_STICKY = "dp_sticky"
+
+
+_POLICY_VALUES = tuple(p.value for p in PolicyName)
 # Policies of SMG / ATOMesh that atomesh does not build, and why (named in the start-up error).
 REFUSED_POLICIES = {
     "manual": "SMG's manual policy (a per-key table with idle eviction) is not built; consistent_hashing keeps "
@@ -193,9 +207,9 @@ class GatewayConfig(BaseModel):
     config: Path | None = Field(None, description="YAML file with these settings (flags win over the file).")
 
     # --- policy
-    policy: str = Field("cache_aware", description="Worker selection policy.")
-    prefill_policy: str | None = Field(None, description="Policy for the prefill pool (default: --policy).")
-    decode_policy: str | None = Field(None, description="Policy for the decode pool (default: --policy).")
+    policy: PolicyName = Field(PolicyName.CACHE_AWARE, description="Worker selection policy.")
+    prefill_policy: PolicyName | None = Field(None, description="Policy for the prefill pool (default: --policy).")
+    decode_policy: PolicyName | None = Field(None, description="Policy for the decode pool (default: --policy).")
     cache_threshold: float = Field(
         0.3, ge=0, le=1, description="cache_aware: minimum prefix match ratio to follow the cache."
     )
@@ -357,13 +371,13 @@ class GatewayConfig(BaseModel):
     def _prefill_urls(cls, specs: list[PrefillSpec]) -> list[PrefillSpec]:
         return [PrefillSpec(url=check_worker_url(s.url), bootstrap_port=s.bootstrap_port) for s in specs]
 
-    @field_validator("policy", "prefill_policy", "decode_policy")
+    @field_validator("policy", "prefill_policy", "decode_policy", mode="before")
     @classmethod
-    def _policy(cls, name: str | None) -> str | None:
+    def _policy(cls, name: Any) -> Any:
         if name in REFUSED_POLICIES:
             raise ValueError(f"policy {name!r} is refused: {REFUSED_POLICIES[name]}")
-        if name is not None and name not in POLICY_NAMES:
-            raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+        if name is not None and name not in _POLICY_VALUES:
+            raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(_POLICY_VALUES)}")
         return name
 
     @field_validator("health_check_endpoint")
@@ -459,7 +473,7 @@ class GatewayConfig(BaseModel):
             raise ValueError("--retry-max-backoff-ms must be >= --retry-initial-backoff-ms")
         if (self.client_cert_path is None) != (self.client_key_path is None):
             raise ValueError("--client-cert-path and --client-key-path go together")
-        dp = self.dp_aware or "dp_sticky" in (self.policy, self.prefill_policy, self.decode_policy)
+        dp = self.dp_aware or PolicyName.DP_STICKY in (self.policy, self.prefill_policy, self.decode_policy)
         if dp and self.pd_disaggregation:
             raise ValueError("--dp-aware / --policy dp_sticky: data-parallel ranks are chosen in regular mode only; "
                              "with --pd-disaggregation the prefill and decode engines pick their own ranks")
@@ -471,14 +485,14 @@ class GatewayConfig(BaseModel):
     @property
     def dp_ranks(self) -> bool:
         """Whether the gateway chooses data-parallel ranks (--dp-aware, or the dp_sticky policy)."""
-        return self.dp_aware or self.policy == "dp_sticky"
+        return self.dp_aware or self.policy == PolicyName.DP_STICKY
 
     @property
     def metrics_host(self) -> str:
         """Where /metrics listens: --prometheus-host, else --host's address."""
         return self.prometheus_host if self.prometheus_host is not None else self.host
 
-    def policy_for(self, role: str) -> str:
+    def policy_for(self, role: str) -> PolicyName:
         """The policy name of one worker pool ("regular", "prefill" or "decode")."""
         if role == "prefill" and self.prefill_policy:
             return self.prefill_policy

@@ -17,7 +17,7 @@ from atomesh.backends.atom import make_atom_backend
 from atomesh.backends.sglang import SglangBackend
 from atomesh.backends.single import SingleBackend
 from atomesh.backends.vllm import make_vllm_backend
-from atomesh.config import BackendKind, GatewayConfig
+from atomesh.config import BackendKind, GatewayConfig, PolicyName
 from atomesh.metrics import Metrics
 from atomesh.placement import Placement
 from atomesh.policies import Policy, make_policy
@@ -61,8 +61,9 @@ class Gateway:
                                               for r in roles}
         self.placement = Placement(self.registry, policies, pd=config.pd_disaggregation, dp_ranks=config.dp_ranks)
         # Engine-reported load only matters to policies that compare loads.
-        self.load_poller = (LoadPoller(self.registry, self.upstream) if any(p.name not in ("random", "round_robin")
-                                                             for p in policies.values()) else None)
+        load_blind = (PolicyName.RANDOM, PolicyName.ROUND_ROBIN)
+        self.load_poller = (LoadPoller(self.registry, self.upstream) if any(p.name not in load_blind
+                                                                            for p in policies.values()) else None)
         self.backend = self._make_backend()
         self.router = Router(config, self.placement, self.backend, self.metrics)
         # With several processes each admits its share (the kernel spreads connections about evenly).

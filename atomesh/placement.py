@@ -3,45 +3,66 @@
 `Placement.place(view)` turns a RequestView into a Plan (one worker, or a prefill/decode pair
 chosen together) using the configured policy of each pool, and counts the load on the chosen
 workers from that moment until `release(plan)`, called after the last byte was sent.
+
+Each pool's policy first only decides (`select` returns a `Decision`); the decisions are recorded
+(`Policy.record`: the cache-aware index, its replication) once every leg of the plan is chosen, so
+a plan that fails part way (no decode worker) leaves no trace in any policy.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+import structlog
 import xxhash
 
+from atomesh.config import PolicyName
 from atomesh.errors import NotFound, NoWorkerAvailable
-from atomesh.policies import Policy
+from atomesh.policies import Decision, Policy
+from atomesh.policies.base import ONLY_CANDIDATE, slot_setter
 from atomesh.request import RequestView
 from atomesh.workers.registry import WorkerRegistry
 from atomesh.workers.worker import Worker, WorkerRole, WorkerState
 
+log = structlog.get_logger("atomesh.placement")
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(frozen=True, slots=True, init=False)
 class Single:
     """Run the request on one worker (on one of its data-parallel ranks with --dp-aware)."""
 
     worker: Worker
     dp_rank: int | None = None
 
+    def __init__(self, worker: Worker, dp_rank: int | None = None) -> None:
+        _set_worker(self, worker)  # made per placement: see slot_setter
+        _set_dp_rank(self, dp_rank)
+
     @property
     def workers(self) -> tuple[Worker, ...]:
         return (self.worker,)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Pair:
     """Prefill on one worker, decode on another."""
 
     prefill: Worker
     decode: Worker
 
+    def __init__(self, prefill: Worker, decode: Worker) -> None:
+        _set_prefill(self, prefill)  # made per placement: see slot_setter
+        _set_decode(self, decode)
+
     @property
     def workers(self) -> tuple[Worker, ...]:
         return (self.prefill, self.decode)
 
+
+_set_worker, _set_dp_rank = slot_setter(Single, "worker"), slot_setter(Single, "dp_rank")
+_set_prefill, _set_decode = slot_setter(Pair, "prefill"), slot_setter(Pair, "decode")
 
 Plan = Single | Pair
 
@@ -55,32 +76,48 @@ class Placement:
         self.policies = policies
         self.pd = pd
         self.dp_ranks = dp_ranks  # regular mode: also choose a data-parallel rank of the worker
+        # Each leg's role and policy, looked up once rather than on every placement.
+        roles = (WorkerRole.PREFILL, WorkerRole.DECODE) if pd else (WorkerRole.REGULAR,)
+        self._legs = tuple((role, policies[role]) for role in roles)
+        # Decided once (logging is set up before the gateway is built, with the same level for the
+        # standard library, which stays at WARNING where nothing set it up: benchmarks, tests).
+        self._log_decisions = logging.getLogger().isEnabledFor(logging.DEBUG)
         registry.subscribe(self._on_state)
 
     def place(self, view: RequestView, exclude: Collection[Worker] = ()) -> Plan:
         """Choose where `view` runs, avoiding `exclude` (earlier failed attempts) when possible."""
         if self.pd:
-            # Both pools are chosen before either is charged; each pool's policy sees its own loads,
-            # which count every pair placed on that worker until its last byte.
-            prefill = self._choose(WorkerRole.PREFILL, view, exclude)
-            decode = self._choose(WorkerRole.DECODE, view, exclude)
-            plan: Plan = Pair(prefill, decode)
-        else:
-            worker = self._choose(WorkerRole.REGULAR, view, exclude)
-            if self.dp_ranks:
-                rank = self._rank(worker, view)
-                worker.rank_in_flight[rank] += 1
-                plan = Single(worker, rank)
-            else:
-                plan = Single(worker)
-        for w in plan.workers:
-            w.in_flight += 1
-        return plan
+            (prefill_role, prefill_policy), (decode_role, decode_policy) = self._legs
+            # Both legs are chosen before either is recorded or charged, so a plan that fails part way
+            # leaves no trace; each pool's policy sees its own loads, which count every pair placed on
+            # that worker until its last byte.
+            prefill = self._decide(prefill_role, prefill_policy, view, exclude)
+            decode = self._decide(decode_role, decode_policy, view, exclude)
+            prefill_policy.record(prefill, view)
+            decode_policy.record(decode, view)
+            if self._log_decisions:
+                log.debug("placed", request_id=view.request_id, prefill=prefill.worker.url,
+                          prefill_reason=prefill.reason, decode=decode.worker.url, decode_reason=decode.reason)
+            prefill.worker.in_flight += 1
+            decode.worker.in_flight += 1
+            return Pair(prefill.worker, decode.worker)
+        ((role, policy),) = self._legs
+        decision = self._decide(role, policy, view, exclude)
+        policy.record(decision, view)
+        if self._log_decisions:
+            log.debug("placed", request_id=view.request_id, worker=decision.worker.url, reason=decision.reason)
+        worker = decision.worker
+        worker.in_flight += 1
+        if self.dp_ranks:
+            rank = self._rank(worker, view)
+            worker.rank_in_flight[rank] += 1
+            return Single(worker, rank)
+        return Single(worker)
 
     def _rank(self, worker: Worker, view: RequestView) -> int:
         """dp_sticky keeps a routing key on one rank (its prefix cache); otherwise the least busy rank."""
         loads = worker.rank_in_flight
-        if view.routing_key is not None and self.policies[worker.role].name == "dp_sticky":
+        if view.routing_key is not None and self.policies[worker.role].name is PolicyName.DP_STICKY:
             return xxhash.xxh3_64_intdigest(view.routing_key.encode()) % len(loads)
         return loads.index(min(loads))
 
@@ -118,7 +155,7 @@ class Placement:
             pool = fresh or pool
         return pool
 
-    def _choose(self, role: WorkerRole, view: RequestView, exclude: Collection[Worker]) -> Worker:
+    def _decide(self, role: WorkerRole, policy: Policy, view: RequestView, exclude: Collection[Worker]) -> Decision:
         pool = self.candidates(role, view, exclude)
         if not pool:
             ready = self.registry.ready(role)
@@ -127,12 +164,10 @@ class Placement:
                 raise NotFound(f"the model {view.model!r} does not exist; served: {', '.join(served)}",
                                code="model_not_found")
             raise NoWorkerAvailable(_no_worker_message(role, view, ready))
-        policy = self.policies[role]
         # One candidate is the answer, unless the policy may refuse it (a target header naming another).
-        single = len(pool) == 1 and not getattr(policy, "select_single", False)
-        worker = pool[0] if single else policy.select(pool, view)
-        policy.on_placed(worker, view)
-        return worker
+        if len(pool) == 1 and not policy.select_single:
+            return Decision(pool[0], ONLY_CANDIDATE)
+        return policy.select(pool, view)
 
     def _on_state(self, worker: Worker, old: WorkerState | None, new: WorkerState) -> None:
         if new is WorkerState.REMOVED:

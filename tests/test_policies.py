@@ -8,13 +8,19 @@ from collections import Counter
 
 import aiohttp
 import pytest
-from gwtest import MakeGateway, base_url, wait_for
+from click.testing import CliRunner
+from gwtest import MakeGateway, base_url, gateway_config, wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from atomesh.config import GatewayConfig
-from atomesh.placement import Placement
-from atomesh.policies import make_policy
+from atomesh.cli import launch_command
+from atomesh.cluster.index import IndexSync
+from atomesh.cluster.messages import IndexBatch
+from atomesh.config import GatewayConfig, PolicyName
+from atomesh.errors import NoWorkerAvailable
+from atomesh.gateway import Gateway
+from atomesh.placement import Pair, Placement
+from atomesh.policies import FACTORIES, least_loaded, make_policy
 from atomesh.policies.cache_aware import CacheAwarePolicy, PrefixIndex
 from atomesh.policies.least_load import LeastLoadPolicy
 from atomesh.policies.power_of_two import PowerOfTwoPolicy
@@ -41,9 +47,9 @@ def chat(*turns: str) -> RequestView:
 
 
 def place(policy: CacheAwarePolicy | PrefixHashPolicy, ws: list[Worker], view: RequestView) -> Worker:
-    w = policy.select(ws, view)
-    policy.on_placed(w, view)
-    return w
+    decision = policy.select(ws, view)
+    policy.record(decision, view)
+    return decision.worker
 
 
 def text(seed: int, n: int = 2000) -> str:
@@ -52,20 +58,34 @@ def text(seed: int, n: int = 2000) -> str:
 
 
 # ---------------------------------------------------------------------------- simple policies
-def test_every_policy_name_is_built() -> None:
+def test_every_policy_name_has_a_factory_and_every_factory_a_name() -> None:
     cfg = GatewayConfig.model_validate({})
-    assert cfg.policy == "cache_aware"
-    for name in ("random", "round_robin", "power_of_two", "least_load", "cache_aware", "prefix_hash"):
-        assert make_policy(name, cfg).name == name
+    assert cfg.policy is PolicyName.CACHE_AWARE
+    assert set(FACTORIES) == set(PolicyName)
+    for name in PolicyName:
+        assert make_policy(name, cfg).name is name
+        assert GatewayConfig.model_validate({"policy": name.value}).policy is name
+    help_text = CliRunner().invoke(launch_command, ["--help"]).output
+    assert "--policy " + "|".join(PolicyName) in help_text  # the help lists every choice
+
+
+def test_least_loaded_breaks_ties_by_tiebreak_then_scan_order() -> None:
+    ws = workers(4)
+    ws[0].in_flight = ws[3].in_flight = 2
+    assert least_loaded(ws) is ws[1]  # ws[1], ws[2] tie at 0: the first scanned
+    assert least_loaded(ws, start=2) is ws[2]  # scan ws[2], ws[3], ws[0], ws[1]
+    assert least_loaded(ws, tiebreak=lambda w: -ws.index(w)) is ws[2]
+    ws[2].engine_load = 3  # the engine reports more than we sent: that counts
+    assert least_loaded(ws, start=2) is ws[1]
 
 
 def test_power_of_two_picks_the_lighter_of_two_and_spreads() -> None:
     ws = workers(2)
     ws[0].in_flight = 5
     p = PowerOfTwoPolicy(random.Random(1))
-    assert all(p.select(ws, completion("x")) is ws[1] for _ in range(20))
+    assert all(p.select(ws, completion("x")).worker is ws[1] for _ in range(20))
     ws = workers(4)
-    seen = Counter(p.select(ws, completion("x")).url for _ in range(400))
+    seen = Counter(p.select(ws, completion("x")).worker.url for _ in range(400))
     assert len(seen) == 4 and min(seen.values()) > 60
 
 
@@ -74,9 +94,9 @@ def test_least_load_uses_engine_load_and_spreads_ties() -> None:
     ws[0].in_flight = 1
     ws[1].engine_load = 7  # the engine reports more than we sent
     p = LeastLoadPolicy()
-    assert p.select(ws, completion("x")) is ws[2]
+    assert p.select(ws, completion("x")).worker is ws[2]
     idle = workers(4)
-    assert {p.select(idle, completion("x")).url for _ in range(4)} == {w.url for w in idle}
+    assert {p.select(idle, completion("x")).worker.url for _ in range(4)} == {w.url for w in idle}
 
 
 # ---------------------------------------------------------------------------- prefix_hash
@@ -84,15 +104,15 @@ def test_prefix_hash_is_sticky_spread_and_stable_under_churn() -> None:
     ws = workers(8)
     p = PrefixHashPolicy(prefix_token_count=64)
     keys = [text(i, 600) for i in range(400)]
-    before = {k: p.select(ws, completion(k)).url for k in keys}
-    assert all(p.select(ws, completion(k)).url == before[k] for k in keys[:50])  # sticky
+    before = {k: p.select(ws, completion(k)).worker.url for k in keys}
+    assert all(p.select(ws, completion(k)).worker.url == before[k] for k in keys[:50])  # sticky
     counts = Counter(before.values())
     assert len(counts) == 8 and min(counts.values()) > 20  # spread
     # Only the prefix counts: a different tail keeps the worker.
-    assert p.select(ws, completion(keys[0][:256] + "different tail")).url == before[keys[0]]
+    assert p.select(ws, completion(keys[0][:256] + "different tail")).worker.url == before[keys[0]]
     # Removing one worker moves only its keys.
     gone = ws[3]
-    after = {k: p.select([w for w in ws if w is not gone], completion(k)).url for k in keys}
+    after = {k: p.select([w for w in ws if w is not gone], completion(k)).worker.url for k in keys}
     moved = [k for k in keys if after[k] != before[k]]
     assert moved and all(before[k] == gone.url for k in moved)
 
@@ -100,11 +120,11 @@ def test_prefix_hash_is_sticky_spread_and_stable_under_churn() -> None:
 def test_prefix_hash_routing_key_wins_and_overload_walks_the_ring() -> None:
     ws = workers(4)
     p = PrefixHashPolicy()
-    a = p.select(ws, completion("one prompt", key="session-1"))
-    assert p.select(ws, completion("another prompt", key="session-1")) is a
+    a = p.select(ws, completion("one prompt", key="session-1")).worker
+    assert p.select(ws, completion("another prompt", key="session-1")).worker is a
     a.in_flight = 50  # far above the bound: the next worker on the ring takes it
     b = p.select(ws, completion("one prompt", key="session-1"))
-    assert b is not a
+    assert b.worker is not a and b.reason == "ring_next"
 
 
 # ---------------------------------------------------------------------------- cache_aware
@@ -262,6 +282,39 @@ def test_placement_counts_load_from_placement_to_release_for_pairs() -> None:
     reg.set_state(pf, WorkerState.DRAINING)
     reg.set_state(pf, WorkerState.REMOVED)
     assert pol[WorkerRole.PREFILL].index.share(pf) == 0  # type: ignore[attr-defined]
+
+
+async def test_pd_plan_failing_on_decode_records_nothing_anywhere() -> None:
+    cfg = gateway_config(pd_disaggregation=True, policy="cache_aware", decode_policy="least_load")
+    gw = Gateway(cfg)
+    batches: list[IndexBatch] = []
+    sync = IndexSync(gw, batches.append)  # the replication to other gateway processes
+    prefill = [Worker(f"http://p:{i}", WorkerRole.PREFILL) for i in (1, 2)]
+    decode = Worker("http://d:1", WorkerRole.DECODE)
+    for w in (*prefill, decode):
+        gw.registry.add(w)
+    for w in prefill:
+        gw.registry.set_state(w, WorkerState.READY)
+    policy = gw.placement.policies[WorkerRole.PREFILL]
+    assert isinstance(policy, CacheAwarePolicy)
+    view = completion(text(7))
+    # First with two prefill candidates (select's decision), then with one (the lone candidate's).
+    for _ in range(2):
+        with pytest.raises(NoWorkerAvailable, match="decode"):
+            gw.placement.place(view)
+        assert len(policy.index) == 0 and policy.hits == policy.misses == 0
+        assert all(w.in_flight == 0 for w in (*prefill, decode))
+        await asyncio.sleep(0)  # a pending flush would run here
+        assert sync.outbox == [] and batches == []
+        gw.registry.set_state(prefill[1], WorkerState.DRAINING)
+    # With a decode worker the same request is recorded once, here and for the other processes.
+    gw.registry.set_state(decode, WorkerState.READY)
+    plan = gw.placement.place(view)
+    assert isinstance(plan, Pair) and plan.prefill is prefill[0]
+    assert policy.index.share(prefill[0]) > 0
+    await asyncio.sleep(0)
+    assert [[(r, url) for r, url, _ in b.placements] for b in batches] == [[("prefill", prefill[0].url)]]
+    gw.placement.release(plan)
 
 
 def test_parse_load_sums_running_and_waiting() -> None:

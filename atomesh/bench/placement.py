@@ -34,7 +34,7 @@ import aiohttp
 
 from atomesh.bench import help_formatter
 from atomesh.bench.procs import free_port, start, stop
-from atomesh.config import GatewayConfig
+from atomesh.config import GatewayConfig, PolicyName
 from atomesh.placement import Placement, Plan
 from atomesh.policies import make_policy
 from atomesh.policies.cache_aware import CacheAwarePolicy
@@ -42,7 +42,9 @@ from atomesh.request import RequestView, Route
 from atomesh.workers.registry import WorkerRegistry
 from atomesh.workers.worker import Worker, WorkerRole, WorkerState
 
-POLICIES = ("random", "round_robin", "power_of_two", "least_load", "prefix_hash", "cache_aware")
+# The load-balancing policies compared here (consistent_hashing and dp_sticky route by session, not load).
+POLICIES = (PolicyName.RANDOM, PolicyName.ROUND_ROBIN, PolicyName.POWER_OF_TWO, PolicyName.LEAST_LOAD,
+            PolicyName.PREFIX_HASH, PolicyName.CACHE_AWARE)
 WORDS = ("the quick brown fox jumps over lazy dogs while engines prefill long prompts and decode tokens "
          "system user assistant context window cache block prefix router gateway latency").split()
 
@@ -109,8 +111,7 @@ def bench_index_memory(prompts: int) -> None:
     peak = 0
     for i in range(prompts):
         view = RequestView(Route.COMPLETIONS, {"prompt": f"prompt {i} {filler}"}, b"", "r")
-        w = policy.select(ws, view)
-        policy.on_placed(w, view)
+        policy.record(policy.select(ws, view), view)
         if i % 65536 == 0:
             peak = max(peak, len(policy.index))
     peak = max(peak, len(policy.index))

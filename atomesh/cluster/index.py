@@ -42,4 +42,4 @@ class IndexSync:
             policy = self.policies.get(role)
             worker = self.gw.registry.by_url(url)
             if policy is not None and worker is not None and worker.state is not WorkerState.DRAINING:
-                policy.record(worker, hashes)
+                policy.record_remote(worker, hashes)

@@ -1,11 +1,15 @@
-"""Placement policies, selected by name (`--policy`, `--prefill-policy`, `--decode-policy`)."""
+"""Placement policies, selected by name (`--policy`, `--prefill-policy`, `--decode-policy`).
+
+The names are `config.PolicyName`; `FACTORIES` builds one policy per name from the config (a test
+checks that every name has a factory and every factory a name).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from atomesh.config import GatewayConfig
-from atomesh.policies.base import Policy
+from atomesh.config import GatewayConfig, PolicyName
+from atomesh.policies.base import Decision, Policy, least_loaded
 from atomesh.policies.cache_aware import CacheAwarePolicy
 from atomesh.policies.consistent_hashing import ConsistentHashingPolicy
 from atomesh.policies.dp_sticky import DpStickyPolicy
@@ -19,33 +23,33 @@ from atomesh.tokenizer import PromptTokens
 # A factory gets the config and the gateway's tokenizer (None without --model-path / --tokenizer-path).
 PolicyFactory = Callable[[GatewayConfig, PromptTokens | None], Policy]
 
-_FACTORIES: dict[str, PolicyFactory] = {
-    "random": lambda cfg, tok: RandomPolicy(),
-    "round_robin": lambda cfg, tok: RoundRobinPolicy(),
-    "power_of_two": lambda cfg, tok: PowerOfTwoPolicy(),
-    "least_load": lambda cfg, tok: LeastLoadPolicy(),
-    "cache_aware": lambda cfg, tok: CacheAwarePolicy(
+FACTORIES: dict[PolicyName, PolicyFactory] = {
+    PolicyName.RANDOM: lambda cfg, tok: RandomPolicy(),
+    PolicyName.ROUND_ROBIN: lambda cfg, tok: RoundRobinPolicy(),
+    PolicyName.POWER_OF_TWO: lambda cfg, tok: PowerOfTwoPolicy(),
+    PolicyName.LEAST_LOAD: lambda cfg, tok: LeastLoadPolicy(),
+    PolicyName.CACHE_AWARE: lambda cfg, tok: CacheAwarePolicy(
         cache_threshold=cfg.cache_threshold, balance_abs_threshold=cfg.balance_abs_threshold,
         balance_rel_threshold=cfg.balance_rel_threshold, eviction_interval_secs=cfg.eviction_interval_secs,
         max_tree_size=cfg.max_tree_size),
-    "prefix_hash": lambda cfg, tok: PrefixHashPolicy(prefix_token_count=cfg.prefix_token_count,
-                                                     load_factor=cfg.prefix_hash_load_factor, tokens=tok),
-    "consistent_hashing": lambda cfg, tok: ConsistentHashingPolicy(),
-    "dp_sticky": lambda cfg, tok: DpStickyPolicy(),
+    PolicyName.PREFIX_HASH: lambda cfg, tok: PrefixHashPolicy(
+        prefix_token_count=cfg.prefix_token_count, load_factor=cfg.prefix_hash_load_factor, tokens=tok),
+    PolicyName.CONSISTENT_HASHING: lambda cfg, tok: ConsistentHashingPolicy(),
+    PolicyName.DP_STICKY: lambda cfg, tok: DpStickyPolicy(),
 }
 
 
 class PolicyNotAvailable(ValueError):
-    """The policy name is valid but not built yet."""
+    """The policy name has no factory (a name added to `PolicyName` without one)."""
 
 
-def make_policy(name: str, config: GatewayConfig, tokens: PromptTokens | None = None) -> Policy:
+def make_policy(name: PolicyName, config: GatewayConfig, tokens: PromptTokens | None = None) -> Policy:
     try:
-        factory = _FACTORIES[name]
+        factory = FACTORIES[name]
     except KeyError:
         raise PolicyNotAvailable(f"--policy {name} is not implemented yet; available: "
-                                 f"{', '.join(sorted(_FACTORIES))}") from None
+                                 f"{', '.join(sorted(FACTORIES))}") from None
     return factory(config, tokens)
 
 
-__all__ = ["Policy", "PolicyNotAvailable", "make_policy"]
+__all__ = ["FACTORIES", "Decision", "Policy", "PolicyName", "PolicyNotAvailable", "least_loaded", "make_policy"]

@@ -1,30 +1,66 @@
-"""The one seam every placement policy implements."""
+"""The one seam every placement policy implements, the decision it returns, and the shared scorer."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
+from atomesh.config import PolicyName
 from atomesh.request import RequestView
 from atomesh.workers.worker import Worker
+
+# Why placement took the only candidate without asking the policy.
+ONLY_CANDIDATE = "only_candidate"
+
+
+def slot_setter(cls: type, name: str) -> Callable[[Any, Any], None]:
+    """The setter of one slot of a frozen dataclass, for an `__init__` that runs on every placement:
+    the generated one goes through `object.__setattr__` per field, at twice the cost."""
+    setter: Callable[[Any, Any], None] = cls.__dict__[name].__set__
+    return setter
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class Decision:
+    """A policy's choice for one pool: the worker, and why (a short word for debug logs).
+
+    A policy that records its placements subclasses this to carry what `select` computed and
+    `record` needs (the cache-aware prefix hashes), so nothing is computed twice and nothing passes
+    between the two calls but this value.
+    """
+
+    worker: Worker
+    reason: str
+
+    def __init__(self, worker: Worker, reason: str) -> None:
+        _set_worker(self, worker)  # made per placement: see slot_setter
+        _set_reason(self, reason)
+
+
+_set_worker, _set_reason = slot_setter(Decision, "worker"), slot_setter(Decision, "reason")
 
 
 class Policy(Protocol):
     """Chooses one worker among routable candidates for a request.
 
-    `select` is called with a non-empty candidate list. The hooks let stateful policies (cache-aware,
-    prefix-hash) keep their indexes in step with the traffic and the worker set: `on_placed` runs
-    after every placement (also when placement skipped `select` because one candidate was left),
-    `on_worker_removed` when a worker leaves the registry. `start` / `stop` own any background task
-    (cache-aware eviction); stateless policies make them no-ops. Placement takes a lone candidate
-    without asking, unless the policy has `select_single = True` (it may refuse that candidate).
+    `select` is called with two or more candidates (placement takes a lone candidate itself, as
+    `Decision(worker, ONLY_CANDIDATE)`, unless `select_single` is true: a policy that may refuse
+    that candidate, as consistent_hashing does for a target header naming another) and records
+    nothing about the placement. `record` runs once the whole plan exists (in P/D: both legs
+    chosen), with the decision `select` returned or the lone-candidate one; a plan that could not be
+    completed records nothing. `on_worker_removed` runs when a worker leaves the registry.
+    `start` / `stop` own any background task (cache-aware eviction). Stateless policies inherit
+    `select_single = False` and no-op hooks from `Stateless`.
     """
 
-    name: str
+    name: PolicyName
+    select_single: bool
 
-    def select(self, candidates: Sequence[Worker], view: RequestView) -> Worker: ...
+    def select(self, candidates: Sequence[Worker], view: RequestView) -> Decision: ...
 
-    def on_placed(self, worker: Worker, view: RequestView) -> None: ...
+    def record(self, decision: Decision, view: RequestView) -> None: ...
 
     def on_worker_removed(self, worker: Worker) -> None: ...
 
@@ -34,9 +70,11 @@ class Policy(Protocol):
 
 
 class Stateless:
-    """No-op hooks for policies that keep no state between requests."""
+    """No-op hooks for policies that keep no state from one placement to the next."""
 
-    def on_placed(self, worker: Worker, view: RequestView) -> None:
+    select_single = False
+
+    def record(self, decision: Decision, view: RequestView) -> None:
         pass
 
     def on_worker_removed(self, worker: Worker) -> None:
@@ -47,3 +85,21 @@ class Stateless:
 
     async def stop(self) -> None:
         pass
+
+
+_load = operator.attrgetter("load")
+
+
+def least_loaded(candidates: Sequence[Worker], start: int = 0,
+                 tiebreak: Callable[[Worker], int] | None = None) -> Worker:
+    """The worker with the lowest `load`, scanning from `candidates[start]` round to `start - 1`.
+
+    Ties go to `tiebreak`'s lowest value when given, then to the first in scan order: a policy
+    spreads ties over an idle fleet by rotating `start`, or prefers the most recent of a list by
+    passing it reversed.
+    """
+    if start:
+        candidates = [*candidates[start:], *candidates[:start]]
+    if tiebreak is None:
+        return min(candidates, key=_load)
+    return min(candidates, key=lambda w: (w.load, tiebreak(w)))

@@ -12,7 +12,9 @@ Decision (SMG's cache-aware policy; docs/placement.md):
 3. Below the threshold (a new prefix) the least-loaded worker wins, ties broken by the smallest share
    of the index (the worker holding the least cached text).
 
-In every case the chosen worker is recorded as holding the whole text.
+`select` only decides: it returns a `PrefixDecision` carrying the text's hashes, and `record`, which
+placement calls once the whole plan exists, records the chosen worker as holding the whole text
+(and counts the hit or miss). A P/D plan that fails on its decode leg therefore leaves no trace.
 
 The index (`PrefixIndex`) is not a character radix tree: the text is cut into fixed chunks of
 `chunk_chars` bytes (UTF-8), each chunk hashed with xxh3 seeded by its position and the hashes
@@ -31,11 +33,14 @@ import operator
 import struct
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from itertools import accumulate
 
 import structlog
 import xxhash
 
+from atomesh.config import PolicyName
+from atomesh.policies.base import Decision, least_loaded, slot_setter
 from atomesh.request import RequestView
 from atomesh.tasks import PeriodicTask
 from atomesh.workers.worker import Worker
@@ -188,8 +193,35 @@ class PrefixIndex:
         return gone
 
 
+# Why cache_aware chose a worker (`Decision.reason`); only PREFIX_HIT counts as a hit.
+IMBALANCED = "imbalanced"
+PREFIX_HIT = "prefix_hit"
+HOLDER_OVERLOADED = "holder_overloaded"
+NEW_PREFIX = "new_prefix"
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class PrefixDecision(Decision):
+    """A cache-aware choice and what recording it takes: the text's chained chunk hashes (not to be
+    mutated) and how many leading entries the worker is known to hold already."""
+
+    hashes: list[int]
+    held: int
+
+    def __init__(self, worker: Worker, reason: str, hashes: list[int], held: int) -> None:
+        _set_worker(self, worker)  # as Decision.__init__ does, for the same reason
+        _set_reason(self, reason)
+        _set_hashes(self, hashes)
+        _set_held(self, held)
+
+
+_set_worker, _set_reason = slot_setter(Decision, "worker"), slot_setter(Decision, "reason")
+_set_hashes, _set_held = slot_setter(PrefixDecision, "hashes"), slot_setter(PrefixDecision, "held")
+
+
 class CacheAwarePolicy:
-    name = "cache_aware"
+    name = PolicyName.CACHE_AWARE
+    select_single = False
 
     def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
                  balance_rel_threshold: float = 1.5, eviction_interval_secs: float = 120,
@@ -199,50 +231,41 @@ class CacheAwarePolicy:
         self.rel_threshold = balance_rel_threshold
         self.eviction_interval_secs = eviction_interval_secs
         self.index = PrefixIndex(max(1, max_tree_size // chunk_chars), chunk_chars)
-        self.hits = 0  # requests sent to a worker that held their prefix
+        self.hits = 0  # placements recorded on a worker that held their prefix
         self.misses = 0
-        # select() hands its work to on_placed() for the same view: (view, worker, hashes, held).
-        self._pending: tuple[RequestView, Worker, list[int], int] | None = None
         self._eviction = PeriodicTask("cache-aware-eviction", eviction_interval_secs, self.evict)
         # Called with every placement recorded here, for other gateway processes (atomesh.cluster).
         self.publish: Callable[[Worker, list[int]], None] | None = None
 
     # ------------------------------------------------------------------ decision
-    def select(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
+    def select(self, candidates: Sequence[Worker], view: RequestView) -> PrefixDecision:
         hashes, size = self.index.hashes(view.locality_text)
         loads = [w.load for w in candidates]
         hi, lo = max(loads), min(loads)
         if hi - lo > self.abs_threshold and hi > self.rel_threshold * lo:
-            worker = self._least_loaded(candidates)
-            self.misses += 1
-            self._pending = (view, worker, hashes, self._held(hashes, worker))
-            return worker
+            return self._least_loaded(candidates, hashes, IMBALANCED)
         pool = set(candidates)
         depth = self.index.match(hashes, lambda v: not pool.isdisjoint(v))
         if depth and self.index.matched_chars(depth, size) > self.cache_threshold * size:
             holders = [w for w in self.index.holders(hashes[depth - 1]) if w in pool]
-            # Least loaded holder; among equals the most recent one (holders are oldest first).
-            worker = min(reversed(holders), key=lambda w: w.load)
+            # Among equally loaded holders the most recent one (holders are oldest first).
+            worker = least_loaded(holders[::-1])
             avg = sum(loads) / len(loads)
             load = worker.load
             if load > avg * self.rel_threshold and load > avg + self.abs_threshold:
-                worker = self._least_loaded(candidates)
-                self.misses += 1
-                self._pending = (view, worker, hashes, self._held(hashes, worker))
-                return worker
-            self.hits += 1
-            self._pending = (view, worker, hashes, depth)
-            return worker
-        worker = self._least_loaded(candidates)
-        self.misses += 1
-        self._pending = (view, worker, hashes, self._held(hashes, worker))
-        return worker
+                return self._least_loaded(candidates, hashes, HOLDER_OVERLOADED)
+            return PrefixDecision(worker, PREFIX_HIT, hashes, depth)
+        return self._least_loaded(candidates, hashes, NEW_PREFIX)
 
-    def on_placed(self, worker: Worker, view: RequestView) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None and pending[0] is view and pending[1] is worker:
-            _, _, hashes, held = pending
-        else:  # placement skipped select (a single candidate): still a hit or a miss for the hit ratio
+    def record(self, decision: Decision, view: RequestView) -> None:
+        worker = decision.worker
+        if isinstance(decision, PrefixDecision):
+            hashes, held = decision.hashes, decision.held
+            if decision.reason == PREFIX_HIT:
+                self.hits += 1
+            else:
+                self.misses += 1
+        else:  # the only candidate, placement did not ask select: still a hit or a miss for the hit ratio
             hashes, size = self.index.hashes(view.locality_text)
             held = self._held(hashes, worker)
             if held and self.index.matched_chars(held, size) > self.cache_threshold * size:
@@ -253,7 +276,7 @@ class CacheAwarePolicy:
         if self.publish is not None:
             self.publish(worker, hashes)
 
-    def record(self, worker: Worker, hashes: list[int]) -> None:
+    def record_remote(self, worker: Worker, hashes: list[int]) -> None:
         """A placement another gateway process made: `worker` now holds this prefix chain."""
         self.index.insert(hashes, worker, self._held(hashes, worker))
 
@@ -264,9 +287,10 @@ class CacheAwarePolicy:
     def _held(self, hashes: Sequence[int], worker: Worker) -> int:
         return self.index.match(hashes, lambda v: worker in v)
 
-    def _least_loaded(self, candidates: Sequence[Worker]) -> Worker:
-        share = self.index.share
-        return min(candidates, key=lambda w: (w.load, share(w)))
+    def _least_loaded(self, candidates: Sequence[Worker], hashes: list[int], reason: str) -> PrefixDecision:
+        # Among equally loaded workers the one holding the least of the index.
+        worker = least_loaded(candidates, tiebreak=self.index.share)
+        return PrefixDecision(worker, reason, hashes, self._held(hashes, worker))
 
     # ------------------------------------------------------------------ eviction task
     def evict(self) -> int:

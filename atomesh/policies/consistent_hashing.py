@@ -22,8 +22,9 @@ from collections.abc import Sequence
 
 import xxhash
 
+from atomesh.config import PolicyName
 from atomesh.errors import NoWorkerAvailable
-from atomesh.policies.base import Stateless
+from atomesh.policies.base import Decision, Stateless
 from atomesh.policies.prefix_hash import VNODES, HashRing
 from atomesh.request import RequestView
 from atomesh.workers.worker import Worker
@@ -33,7 +34,7 @@ IMPLICIT_KEY_HEADERS = ("authorization", "x-forwarded-for", "cookie")
 
 
 class ConsistentHashingPolicy(Stateless):
-    name = "consistent_hashing"
+    name = PolicyName.CONSISTENT_HASHING
     select_single = True  # placement asks even with one candidate: X-SMG-Target-Worker may name another
 
     def __init__(self, vnodes: int = VNODES, rng: random.Random | None = None) -> None:
@@ -50,19 +51,21 @@ class ConsistentHashingPolicy(Stateless):
             self._ring_key = key
         return self._ring
 
-    def select(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
+    def select(self, candidates: Sequence[Worker], view: RequestView) -> Decision:
         headers = view.headers
         target = headers.get(TARGET_HEADER)
         if target is not None:
-            return _target(candidates, target.strip())
+            return Decision(_target(candidates, target.strip()), "target_header")
         key = view.routing_key
         if key is not None:
-            return self.ring(candidates).owner(xxhash.xxh3_64_intdigest(b"key:" + key.encode()))
+            return Decision(self.ring(candidates).owner(xxhash.xxh3_64_intdigest(b"key:" + key.encode())),
+                            "routing_key")
         for name in IMPLICIT_KEY_HEADERS:
             value = headers.get(name)
             if value:
-                return self.ring(candidates).owner(xxhash.xxh3_64_intdigest(b"client:" + value.encode()))
-        return candidates[self._rng.randrange(len(candidates))]
+                return Decision(self.ring(candidates).owner(xxhash.xxh3_64_intdigest(b"client:" + value.encode())),
+                                "client_header")
+        return Decision(candidates[self._rng.randrange(len(candidates))], "random")
 
 
 def _target(candidates: Sequence[Worker], target: str) -> Worker:

@@ -9,8 +9,9 @@ a routing key goes to the worker's least busy rank. The policy turns on data-par
 
 from __future__ import annotations
 
+from atomesh.config import PolicyName
 from atomesh.policies.consistent_hashing import ConsistentHashingPolicy
 
 
 class DpStickyPolicy(ConsistentHashingPolicy):
-    name = "dp_sticky"
+    name = PolicyName.DP_STICKY

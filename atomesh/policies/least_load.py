@@ -4,27 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from atomesh.policies.base import Stateless
+from atomesh.config import PolicyName
+from atomesh.policies.base import Decision, Stateless, least_loaded
 from atomesh.request import RequestView
 from atomesh.workers.worker import Worker
 
 
 class LeastLoadPolicy(Stateless):
-    name = "least_load"
+    name = PolicyName.LEAST_LOAD
 
     def __init__(self) -> None:
         self._turn = 0
 
-    def select(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
+    def select(self, candidates: Sequence[Worker], view: RequestView) -> Decision:
         # Scan from a rotating start so that ties (an idle fleet) are spread, not sent to the first worker.
-        n = len(candidates)
-        start = self._turn % n
+        start = self._turn % len(candidates)
         self._turn = (self._turn + 1) % (1 << 30)
-        best = candidates[start]
-        best_load = best.load
-        for k in range(1, n):
-            w = candidates[(start + k) % n]
-            load = w.load
-            if load < best_load:
-                best, best_load = w, load
-        return best
+        return Decision(least_loaded(candidates, start), "least_loaded")

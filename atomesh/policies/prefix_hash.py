@@ -18,7 +18,8 @@ from collections.abc import Sequence
 
 import xxhash
 
-from atomesh.policies.base import Stateless
+from atomesh.config import PolicyName
+from atomesh.policies.base import Decision, Stateless, least_loaded
 from atomesh.request import RequestView
 from atomesh.tokenizer import PromptTokens
 from atomesh.workers.worker import Worker
@@ -59,7 +60,7 @@ class HashRing:
 
 
 class PrefixHashPolicy(Stateless):
-    name = "prefix_hash"
+    name = PolicyName.PREFIX_HASH
 
     def __init__(self, prefix_token_count: int = 256, load_factor: float = 1.25, abs_slack: int = 10,
                  vnodes: int = VNODES, tokens: PromptTokens | None = None) -> None:
@@ -89,18 +90,18 @@ class PrefixHashPolicy(Stateless):
             self._ring_key = key
         return self._ring
 
-    def select(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
+    def select(self, candidates: Sequence[Worker], view: RequestView) -> Decision:
         ring = self.ring(candidates)
         h = self.key_hash(view)
         owner = ring.owner(h)
         total = sum(w.load for w in candidates)
         if total == 0:
-            return owner
+            return Decision(owner, "ring_owner")
         avg = (total + 1) / len(candidates)
         bound = max(avg * self.load_factor, avg + self.abs_slack)
         if owner.load <= bound:
-            return owner
+            return Decision(owner, "ring_owner")
         for w in ring.walk(h)[1:]:
             if w.load <= bound:
-                return w
-        return min(candidates, key=lambda w: w.load)
+                return Decision(w, "ring_next")
+        return Decision(least_loaded(candidates), "all_over_bound")

@@ -5,16 +5,17 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from atomesh.policies.base import Stateless
+from atomesh.config import PolicyName
+from atomesh.policies.base import Decision, Stateless
 from atomesh.request import RequestView
 from atomesh.workers.worker import Worker
 
 
 class RandomPolicy(Stateless):
-    name = "random"
+    name = PolicyName.RANDOM
 
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
-    def select(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
-        return candidates[self._rng.randrange(len(candidates))]
+    def select(self, candidates: Sequence[Worker], view: RequestView) -> Decision:
+        return Decision(candidates[self._rng.randrange(len(candidates))], "random")
