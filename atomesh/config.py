@@ -40,7 +40,7 @@ class LogLevel(StrEnum):
 
 # Policies are registered by name in atomesh.policies; the names are repeated here so that the
 # config can be validated without importing the policy implementations.
-POLICY_NAMES = ("random", "round_robin", "power_of_two", "least_load", "cache_aware", "prefix_hash")
+POLICY_NAMES = ("random", "round_robin", "power_of_two", "least_load", "cache_aware", "prefix_hash", "kv_aware")
 
 
 class PrefillSpec(BaseModel):
@@ -195,6 +195,15 @@ class GatewayConfig(BaseModel):
     eviction_interval_secs: PositiveFloat = Field(120, description="cache_aware: how often the index is pruned.")
     max_tree_size: int = Field(2**26, gt=0, description="cache_aware: hard bound on index entries.")
     prefix_token_count: int = Field(256, gt=0, description="prefix_hash: tokens of the prompt hashed.")
+    # --- kv_aware (docs/placement.md)
+    kv_events_endpoints: list[str] = Field(
+        default_factory=list, description="kv_aware: WORKER_URL=tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT] for a worker "
+        "whose KV events are not advertised in its /server_info.")
+    tokenizer_path: str | None = Field(
+        None, description="kv_aware: the model's tokenizer.json (or its folder, with tokenizer_config.json); "
+        "default: fetched from a worker's /tokenizer_info.")
+    kv_overlap_weight: float = Field(1.0, ge=0, description="kv_aware: weight of blocks to prefill against KV load.")
+    kv_temperature: float = Field(0.0, ge=0, description="kv_aware: 0 = lowest cost wins; above 0 = soft choice.")
     dp_aware: bool = Field(False, description="Route to data-parallel ranks of each worker.")
 
     # --- P/D
@@ -298,6 +307,23 @@ class GatewayConfig(BaseModel):
     @classmethod
     def _prefill_urls(cls, specs: list[PrefillSpec]) -> list[PrefillSpec]:
         return [PrefillSpec(url=check_worker_url(s.url), bootstrap_port=s.bootstrap_port) for s in specs]
+
+    @field_validator("kv_events_endpoints")
+    @classmethod
+    def _kv_endpoints(cls, items: list[str]) -> list[str]:
+        from atomesh.workers.kv_events import parse_endpoint_flags
+
+        parse_endpoint_flags(items)
+        return items
+
+    @field_validator("tokenizer_path")
+    @classmethod
+    def _tokenizer_path(cls, path: str | None) -> str | None:
+        if path is not None:
+            p = Path(path)
+            if not (p / "tokenizer.json" if p.is_dir() else p).is_file():
+                raise ValueError(f"--tokenizer-path {path}: no tokenizer.json there")
+        return path
 
     @field_validator("policy", "prefill_policy", "decode_policy")
     @classmethod

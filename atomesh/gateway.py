@@ -22,11 +22,13 @@ from atomesh.metrics import Metrics
 from atomesh.placement import Placement
 from atomesh.policies import Policy, make_policy
 from atomesh.policies.cache_aware import CacheAwarePolicy
+from atomesh.policies.kv_aware import KvAwarePolicy
 from atomesh.router import Router
 from atomesh.transport import Upstream
 from atomesh.workers.breaker import BreakerSettings, BreakerState
 from atomesh.workers.discovery import DiscoveryError, DiscoverySettings, KubernetesDiscovery
 from atomesh.workers.health import HealthChecker
+from atomesh.workers.kv_events import parse_endpoint_flags
 from atomesh.workers.lifecycle import Lifecycle
 from atomesh.workers.load import LoadPoller
 from atomesh.workers.registry import WorkerRegistry
@@ -54,7 +56,10 @@ class Gateway:
         self.registry = WorkerRegistry()
         self.upstream = Upstream(config.request_timeout_secs, hop=self.instance_id)
         roles = (WorkerRole.PREFILL, WorkerRole.DECODE) if config.pd_disaggregation else (WorkerRole.REGULAR,)
-        policies: dict[WorkerRole, Policy] = {r: make_policy(config.policy_for(r.value), config) for r in roles}
+        policies: dict[WorkerRole, Policy] = {r: make_policy(_pool_policy(config, r), config) for r in roles}
+        for role, policy in policies.items():
+            if isinstance(policy, KvAwarePolicy):  # follows the KV events of its pool's workers
+                policy.watch(self.registry, self.upstream, (role,), parse_endpoint_flags(config.kv_events_endpoints))
         self.placement = Placement(self.registry, policies, pd=config.pd_disaggregation)
         # Engine-reported load only matters to policies that compare loads.
         self.load_poller = (LoadPoller(self.registry, self.upstream) if any(p.name not in ("random", "round_robin")
@@ -112,6 +117,8 @@ class Gateway:
         for w in self.registry:
             self.metrics.worker_active.labels(w.url, w.role.value).set(w.in_flight)
         for role, policy in self.placement.policies.items():
+            if isinstance(policy, KvAwarePolicy):
+                policy = policy.fallback
             if isinstance(policy, CacheAwarePolicy):
                 self.metrics.sync_cache_aware(role.value, policy.hits, policy.misses, len(policy.index))
 
@@ -205,6 +212,12 @@ class Gateway:
     def _on_breaker(self, worker: Worker, old: BreakerState, new: BreakerState) -> None:
         self.metrics.cb_state.labels(worker.url).set(_CB_VALUE[new])
         self.metrics.cb_transitions.labels(worker.url, old.value, new.value).inc()
+
+
+def _pool_policy(config: GatewayConfig, role: WorkerRole) -> str:
+    """The policy of one pool. kv_aware places decode by load: decode receives its KV from prefill."""
+    name = config.policy_for(role.value)
+    return "least_load" if role is WorkerRole.DECODE and name == "kv_aware" else name
 
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)

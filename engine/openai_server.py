@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from engine.args import EngineArgs, parse_args
 from engine.disagg import Disaggregation, check_transfer_support
 from engine.errors import EngineError, InvalidRequestError, ModelNotFoundError
+from engine.kv_events import ZmqEventPublisher, advertised
 from engine.llm_engine import AsyncLLMEngine, LLMEngine, RequestOutput
 from engine.metrics import ServerMetrics
 from engine.sequence import SamplingParams
@@ -449,8 +450,15 @@ async def server_info(request: web.Request) -> web.Response:
             "enable_chunked_prefill": state.args.enable_chunked_prefill,
             "device": str(eng.device),
             "dtype": str(eng.dtype).removeprefix("torch."),
+            # vLLM's --kv-events-config as this engine publishes it (a "*" host means this worker's host).
+            "kv_events_config": advertised(state.args.kv_events) if state.args.kv_events.enabled else None,
         }
     )
+
+
+async def tokenizer_info(request: web.Request) -> web.Response:
+    """GET /tokenizer_info: the tokenizer and chat template, so a router can tokenize prompts exactly as here."""
+    return _json(request.app[STATE].engine.engine.tokenizer.describe())
 
 
 async def kv_transfer_info(request: web.Request) -> web.Response:
@@ -485,9 +493,16 @@ def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
         # The KV relay is up before the port opens: a router reads /kv_transfer_info at registration.
         if disagg is not None:
             await disagg.start()
+        publisher = ZmqEventPublisher(args.kv_events) if args.kv_events.enabled else None
+        if publisher is not None:
+            engine.kv_events_sink = publisher.publish
+            engine.flush_kv_events()  # AllBlocksCleared: this engine starts empty
         await async_engine.start()
         yield
         await async_engine.stop()
+        if publisher is not None:
+            engine.kv_events_sink = None
+            publisher.close()
         if disagg is not None:
             await disagg.stop()
 
@@ -499,6 +514,7 @@ def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/server_info", server_info)
     app.router.add_get("/kv_transfer_info", kv_transfer_info)
+    app.router.add_get("/tokenizer_info", tokenizer_info)
     return app
 
 

@@ -41,6 +41,8 @@ class Tokenizer(Protocol):
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str: ...
 
+    def describe(self) -> dict[str, Any]: ...
+
 
 class ChatTemplate:
     """A Jinja chat template rendered in a sandbox, the way Hugging Face renders them."""
@@ -49,8 +51,14 @@ class ChatTemplate:
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_template_error
         self._template = env.from_string(source)
+        self.source = source
         self._bos = bos_token
         self._eos = eos_token
+
+    def describe(self) -> dict[str, Any]:
+        """How this template renders, for a router that must produce the same prompt text."""
+        return {"chat_template": self.source, "bos_token": self._bos, "eos_token": self._eos,
+                "add_generation_prompt": True, "trim_blocks": True, "lstrip_blocks": True}  # fmt: skip
 
     def render(self, messages: list[dict[str, Any]]) -> str:
         """The prompt text for ``messages``, ending with the assistant's turn opener."""
@@ -97,6 +105,11 @@ class HFTokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         return self._chat.render(messages)
+
+    def describe(self) -> dict[str, Any]:
+        """GET /tokenizer_info: the whole tokenizer (tokenizer.json) and its chat template."""
+        return {"kind": "tokenizers", "tokenizer_json": self._core.to_str(), "add_special_tokens": False,
+                **self._chat.describe()}  # fmt: skip
 
 
 def tokenizer_from_gguf_fields(fields: dict[str, Any]) -> HFTokenizer:
@@ -209,6 +222,10 @@ class ByteTokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         return self._chat.render(messages)
+
+    def describe(self) -> dict[str, Any]:
+        """GET /tokenizer_info: one id per UTF-8 byte, these specials after 255, and the template."""
+        return {"kind": "bytes", "special_tokens": list(self.SPECIALS), **self._chat.describe()}
 
 
 @dataclass(slots=True)
