@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 import random
 from collections import deque
@@ -125,14 +126,13 @@ class KvAwarePolicy:
 
     # ------------------------------------------------------------------ decision
     def select(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
-        hub, tok = self.hub, self.tokenizer
-        followed = [w for w in candidates if hub.follows(w)] if hub is not None else []
+        tok, index = self.tokenizer, self.index
+        followed = [w for w in candidates if index.follows(w.url)]
         ids = tok.ids(view) if followed and tok is not None else None
         if ids is None:
             self._pending = None
             self.fallbacks += 1
             return self.fallback.select(candidates, view)
-        index = self.index
         keys_by_size: dict[int, list[int]] = {}
         overlap: dict[str, int] = {}
         total: dict[str, int] = {}
@@ -163,7 +163,7 @@ class KvAwarePolicy:
     def _active(self, w: Worker) -> float:
         recent = self._recent.get(w.url)
         mine = w.in_flight
-        active = float(sum(list(recent)[-mine:])) if recent and mine > 0 else 0.0
+        active = float(sum(itertools.islice(reversed(recent), mine))) if recent and mine > 0 else 0.0
         extra = w.load - mine
         if extra > 0:  # requests the engine runs for others (other gateways, direct clients)
             active += extra * self._mean_new
@@ -199,7 +199,7 @@ class KvAwarePolicy:
         if pending is None or pending[0] is not view:
             # cache_aware decided (or placement skipped select): keep its index warm, learn nothing here.
             self.fallback.on_placed(worker, view)
-            if pending is None and self.hub is not None and self.hub.follows(worker) and self.tokenizer is not None:
+            if pending is None and self.index.follows(worker.url) and self.tokenizer is not None:
                 ids = self.tokenizer.ids(view)
                 size = self.index.block_size(worker.url)
                 if ids is not None and size:
@@ -208,7 +208,9 @@ class KvAwarePolicy:
         _, keys_by_size, new = pending
         size = self.index.block_size(worker.url)
         if size is not None and size in keys_by_size:
-            self.index.predict(worker.url, keys_by_size[size])
+            keys = keys_by_size[size]
+            # Only what it does not hold yet: the held prefix is in the index already.
+            self.index.predict(worker.url, keys[len(keys) - new.get(worker.url, len(keys)):])
         else:  # a worker without events: keep cache_aware's index, which scores it, up to date
             self.fallback.on_placed(worker, view)
         blocks = new.get(worker.url, 0)

@@ -247,7 +247,7 @@ class KvEventHub:
             self._ctx = None
 
     def follows(self, worker: Worker) -> bool:
-        return worker.url in self._tasks and self.index.follows(worker.url)
+        return self.index.follows(worker.url)
 
     def _on_state(self, worker: Worker, old: WorkerState | None, new: WorkerState) -> None:
         if worker.role not in self.roles:
@@ -305,7 +305,7 @@ class KvEventHub:
             raise
         except Exception as e:  # a broken stream must not take the gateway down; the worker falls back
             log.warning("kv_events_stream_failed", worker=url, error=str(e))
-            self.index.cleared(url)
+            self.index.remove_worker(url)  # scored like a worker without events from now on
         finally:
             stats.ready.set()
             sub.close(linger=0)
