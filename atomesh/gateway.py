@@ -62,8 +62,10 @@ class Gateway:
                 policy.watch(self.registry, self.upstream, (role,), parse_endpoint_flags(config.kv_events_endpoints))
         self.placement = Placement(self.registry, policies, pd=config.pd_disaggregation)
         # Engine-reported load only matters to policies that compare loads.
-        self.load_poller = (LoadPoller(self.registry, self.upstream) if any(p.name not in ("random", "round_robin")
-                                                             for p in policies.values()) else None)
+        # kv_aware weighs cached blocks against load, so it wants the engines' queues fresher.
+        poll = 0.25 if any(isinstance(p, KvAwarePolicy) for p in policies.values()) else 1.0
+        self.load_poller = (LoadPoller(self.registry, self.upstream, interval=poll)
+                            if any(p.name not in ("random", "round_robin") for p in policies.values()) else None)
         self.backend = self._make_backend()
         self.router = Router(config, self.placement, self.backend, self.metrics)
         # With several processes each admits its share (the kernel spreads connections about evenly).

@@ -225,7 +225,8 @@ async def run_one(session: aiohttp.ClientSession, engines: list[str], policy: st
     for r in range(replicas):
         port, mport = free_port(), free_port()
         cmd = [sys.executable, "-m", "atomesh", "launch", "--policy", policy, "--host", "127.0.0.1", "--port",
-               str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(mport), "--log-level", "warn",
+               str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(mport), "--log-level",
+               args.gateway_log_level,
                "--worker-urls", *engines]
         procs.append(start(cmd, Path(f"/tmp/atomesh-bench-kv-{policy}-{r}.log")))
         gws.append(f"http://127.0.0.1:{port}")
@@ -422,6 +423,8 @@ def parser() -> argparse.ArgumentParser:
                    choices=["multi-turn", "shared-prefix"])
     p.add_argument("--only", nargs="+", default=["trace", "decision"], choices=["trace", "decision"])
     p.add_argument("--decision-requests", type=int, default=3000)
+    p.add_argument("--gateway-log-level", default="warn", choices=["debug", "info", "warn", "error"],
+                   help="debug: kv_aware logs each decision (logs in /tmp/atomesh-bench-kv-*.log)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     return p
 

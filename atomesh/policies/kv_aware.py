@@ -14,8 +14,8 @@ Per request, over the candidates that publish KV events (atomesh.workers.kv_even
 
    ``active_w`` is estimated from this gateway's in-flight requests on w (the new blocks each
    brought; a shared cached prefix counts once), plus, when the engine reports more requests
-   than this gateway has in flight, that many average requests.
-4. ``temperature`` 0: the lowest cost (ties: lower ``active_w``, then in turn). Above 0: a soft
+   than this gateway has in flight (other replicas, other clients), that many average prompts.
+4. ``temperature`` 0: the lowest cost (ties: lower ``active_w``, then at random). Above 0: a soft
    choice, probability ∝ exp(-cost' / temperature) with costs scaled to 0..1 (Dynamo's form).
 
 The chosen worker is predicted to hold the prompt's blocks for a couple of seconds, until its own
@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import math
 import random
 from collections import deque
@@ -47,6 +48,7 @@ from atomesh.workers.registry import WorkerRegistry
 from atomesh.workers.worker import Worker, WorkerRole, WorkerState
 
 log = structlog.get_logger("atomesh.policies")
+_stdlog = logging.getLogger("atomesh.policies")
 
 RECENT = 256  # per worker: new-block counts of the latest placements (estimates active KV)
 
@@ -67,9 +69,8 @@ class KvAwarePolicy:
         self.hub: KvEventHub | None = None
         self._upstream: Upstream | None = None
         self._rng = random.Random(seed)
-        self._turn = 0
         self._recent: dict[str, deque[int]] = {}
-        self._mean_new = 0.0
+        self._mean_blocks = 0.0  # moving average of prompt blocks
         # select() hands its work to on_placed() for the same view: (view, keys per block size, new blocks per worker)
         self._pending: tuple[RequestView, dict[int, list[int]], dict[str, int]] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -153,6 +154,10 @@ class KvAwarePolicy:
                 overlap[w.url] = int(n * held / size_chars) if size_chars else 0
                 total[w.url] = n
         worker = self._choose(candidates, overlap, total)
+        if _stdlog.isEnabledFor(logging.DEBUG):
+            log.debug("kv_aware_decision", chosen=worker.url, blocks=total[worker.url],
+                      overlap={w.url: overlap[w.url] for w in candidates},
+                      active={w.url: self._active(w) for w in candidates})
         new = {w.url: total[w.url] - overlap[w.url] for w in candidates}
         self._pending = (view, keys_by_size, new)
         self.decisions += 1
@@ -165,8 +170,8 @@ class KvAwarePolicy:
         mine = w.in_flight
         active = float(sum(itertools.islice(reversed(recent), mine))) if recent and mine > 0 else 0.0
         extra = w.load - mine
-        if extra > 0:  # requests the engine runs for others (other gateways, direct clients)
-            active += extra * self._mean_new
+        if extra > 0:  # requests the engine runs for others (other gateway replicas, direct clients):
+            active += extra * self._mean_blocks  # their cache state is unknown here, so count them whole
         return active
 
     def _choose(self, candidates: Sequence[Worker], overlap: dict[str, int], total: dict[str, int]) -> Worker:
@@ -185,14 +190,11 @@ class KvAwarePolicy:
             if span > 0:
                 weights = [math.exp(-((c - lo) / span) / self.temperature) for c in costs]
                 return self._rng.choices(list(candidates), weights)[0]
-        start = self._turn % n
-        self._turn = (self._turn + 1) % (1 << 30)
-        best = start
-        for k in range(1, n):
-            i = (start + k) % n
-            if (costs[i], actives[i]) < (costs[best], actives[best]):
-                best = i
-        return candidates[best]
+        # Ties (an idle fleet, a new prefix) are broken at random, not in turn: gateway replicas that
+        # each went round in the same order would all pick the same worker.
+        best = min(zip(costs, actives, strict=True))
+        tied = [i for i in range(n) if (costs[i], actives[i]) == best]
+        return candidates[tied[0] if len(tied) == 1 else self._rng.choice(tied)]
 
     def on_placed(self, worker: Worker, view: RequestView) -> None:
         pending, self._pending = self._pending, None
@@ -215,7 +217,7 @@ class KvAwarePolicy:
             self.fallback.on_placed(worker, view)
         blocks = new.get(worker.url, 0)
         self._recent.setdefault(worker.url, deque(maxlen=RECENT)).append(blocks)
-        self._mean_new += (blocks - self._mean_new) * 0.05
+        self._mean_blocks += (len(keys_by_size[next(iter(keys_by_size))]) - self._mean_blocks) * 0.05
 
     def on_worker_removed(self, worker: Worker) -> None:
         self._recent.pop(worker.url, None)
