@@ -385,3 +385,73 @@ def test_chain_keys_are_fast_enough_to_matter() -> None:
     """Not a speed check (benchmarks print those): keys for a long prompt are computed in one go."""
     toks = as_tokens(np.arange(8192) % 49152)
     assert len(chain_keys(toks, 16)) == 512
+
+
+# ---------------------------------------------------------------------------------------------- policy, config
+def _policy(**kw: Any) -> tuple[Any, list[Worker]]:
+    from atomesh.config import GatewayConfig
+    from atomesh.policies import make_policy
+    from atomesh.prompt_tokens import PromptTokenizer
+    from engine.tokenizer import ByteTokenizer
+
+    policy = make_policy("kv_aware", GatewayConfig.model_validate({"policy": "kv_aware", **kw}))
+    policy.tokenizer = PromptTokenizer.from_info(ByteTokenizer().describe())
+    ws = [Worker(url=f"http://10.0.0.{i}:8000") for i in range(3)]
+    for w in ws:
+        policy.index.add_worker(w.url, 4)
+    return policy, ws
+
+
+def _view(prompt: str) -> Any:
+    from atomesh.request import RequestView, Route
+
+    return RequestView(Route.COMPLETIONS, {"prompt": prompt}, b"", "r")
+
+
+def test_kv_aware_follows_the_holder_unless_it_is_loaded() -> None:
+    policy, ws = _policy()
+    prompt = "a long shared prefix " * 8
+    toks = list(prompt.encode())
+    policy.index.stored(ws[1].url, list(range(len(toks) // 4)), None, toks[: len(toks) // 4 * 4], 4)
+    assert policy.select(ws, _view(prompt + "tail")) is ws[1]
+    policy.on_placed(ws[1], _view(prompt))
+    ws[1].engine_load = 12  # busy with other replicas' requests: whole prompts each
+    policy._mean_blocks = 40.0
+    assert policy.select(ws, _view(prompt + "tail")) is not ws[1]
+
+
+def test_kv_aware_falls_back_without_events_or_tokenizer() -> None:
+    policy, ws = _policy()
+    for w in ws:
+        policy.index.remove_worker(w.url)
+    policy.select(ws, _view("hello"))
+    assert policy.fallbacks == 1 and policy.decisions == 0
+    policy, ws = _policy()
+    policy.tokenizer = None
+    policy.select(ws, _view("hello"))
+    assert policy.fallbacks == 1
+
+
+def test_kv_aware_soft_choice_spreads_by_cost() -> None:
+    policy, ws = _policy(kv_temperature=1.0)
+    policy._rng.seed(1)
+    prompt = "x" * 64
+    policy.index.stored(ws[0].url, list(range(16)), None, list(prompt.encode()), 4)
+    picks = [policy.select(ws, _view(prompt)) for _ in range(300)]
+    counts = [picks.count(w) for w in ws]
+    assert counts[0] > counts[1] > 0 and counts[2] > 0
+
+
+def test_kv_aware_flags_are_checked() -> None:
+    from pydantic import ValidationError
+
+    from atomesh.config import GatewayConfig
+    from atomesh.gateway import _pool_policy
+
+    with pytest.raises(ValidationError, match="WORKER_URL"):
+        GatewayConfig.model_validate({"policy": "kv_aware", "kv_events_endpoints": ["tcp://h:1"]})
+    with pytest.raises(ValidationError, match="tokenizer.json"):
+        GatewayConfig.model_validate({"policy": "kv_aware", "tokenizer_path": "/nonexistent"})
+    pd = GatewayConfig.model_validate({"policy": "kv_aware", "pd_disaggregation": True,
+                                       "prefill": [{"url": "http://p:1"}], "decode": ["http://d:1"]})
+    assert _pool_policy(pd, WorkerRole.PREFILL) == "kv_aware" and _pool_policy(pd, WorkerRole.DECODE) == "least_load"
