@@ -450,7 +450,7 @@ def test_kv_aware_flags_are_checked() -> None:
 
     with pytest.raises(ValidationError, match="WORKER_URL"):
         GatewayConfig.model_validate({"policy": "kv_aware", "kv_events_endpoints": ["tcp://h:1"]})
-    with pytest.raises(ValidationError, match="tokenizer.json"):
+    with pytest.raises(ValidationError, match=r"tokenizer\.json"):
         GatewayConfig.model_validate({"policy": "kv_aware", "tokenizer_path": "/nonexistent"})
     pd = GatewayConfig.model_validate({"policy": "kv_aware", "pd_disaggregation": True,
                                        "prefill": [{"url": "http://p:1"}], "decode": ["http://d:1"]})
