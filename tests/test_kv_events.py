@@ -415,7 +415,7 @@ def test_kv_aware_follows_the_holder_unless_it_is_loaded() -> None:
     policy.index.stored(ws[1].url, list(range(len(toks) // 4)), None, toks[: len(toks) // 4 * 4], 4)
     assert policy.select(ws, _view(prompt + "tail")) is ws[1]
     policy.on_placed(ws[1], _view(prompt))
-    ws[1].engine_load = 12  # busy with other replicas' requests: whole prompts each
+    ws[1].foreign_load = 12  # busy with other replicas' requests: whole prompts each
     policy._mean_blocks = 40.0
     assert policy.select(ws, _view(prompt + "tail")) is not ws[1]
 

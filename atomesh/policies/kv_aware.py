@@ -13,8 +13,8 @@ Per request, over the candidates that publish KV events (atomesh.workers.kv_even
        decode_blocks_w  = active_w + n - overlap_w    (KV blocks w holds for running requests after it)
 
    ``active_w`` is estimated from this gateway's in-flight requests on w (the new blocks each
-   brought; a shared cached prefix counts once), plus, when the engine reports more requests
-   than this gateway has in flight (other replicas, other clients), that many average prompts.
+   brought; a shared cached prefix counts once), plus the requests the engine reported at its last
+   load poll beyond this gateway's own (other replicas, other clients), as that many average prompts.
 4. ``temperature`` 0: the lowest cost (ties: lower ``active_w``, then at random). Above 0: a soft
    choice, probability ∝ exp(-cost' / temperature) with costs scaled to 0..1 (Dynamo's form).
 
@@ -169,7 +169,7 @@ class KvAwarePolicy:
         recent = self._recent.get(w.url)
         mine = w.in_flight
         active = float(sum(itertools.islice(reversed(recent), mine))) if recent and mine > 0 else 0.0
-        extra = w.load - mine
+        extra = w.foreign_load
         if extra > 0:  # requests the engine runs for others (other gateway replicas, direct clients):
             active += extra * self._mean_blocks  # their cache state is unknown here, so count them whole
         return active
