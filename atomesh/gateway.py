@@ -63,7 +63,7 @@ class Gateway:
         self.placement = Placement(self.registry, policies, pd=config.pd_disaggregation)
         # Engine-reported load only matters to policies that compare loads.
         # kv_aware weighs cached blocks against load, so it wants the engines' queues fresher.
-        poll = 0.25 if any(isinstance(p, KvAwarePolicy) for p in policies.values()) else 1.0
+        poll = 0.1 if any(isinstance(p, KvAwarePolicy) for p in policies.values()) else 1.0
         self.load_poller = (LoadPoller(self.registry, self.upstream, interval=poll)
                             if any(p.name not in ("random", "round_robin") for p in policies.values()) else None)
         self.backend = self._make_backend()

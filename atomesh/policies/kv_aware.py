@@ -71,6 +71,7 @@ class KvAwarePolicy:
         self._rng = random.Random(seed)
         self._recent: dict[str, deque[int]] = {}
         self._mean_blocks = 0.0  # moving average of prompt blocks
+        self._placed = 0
         # select() hands its work to on_placed() for the same view: (view, keys per block size, new blocks per worker)
         self._pending: tuple[RequestView, dict[int, list[int]], dict[str, int]] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -217,7 +218,10 @@ class KvAwarePolicy:
             self.fallback.on_placed(worker, view)
         blocks = new.get(worker.url, 0)
         self._recent.setdefault(worker.url, deque(maxlen=RECENT)).append(blocks)
-        self._mean_blocks += (len(keys_by_size[next(iter(keys_by_size))]) - self._mean_blocks) * 0.05
+        n = len(keys_by_size[next(iter(keys_by_size))])
+        # The first prompt sets the average (from 0 it would take dozens of requests to mean anything).
+        self._mean_blocks = n if self._placed == 0 else self._mean_blocks + (n - self._mean_blocks) * 0.05
+        self._placed += 1
 
     def on_worker_removed(self, worker: Worker) -> None:
         self._recent.pop(worker.url, None)
