@@ -211,7 +211,10 @@ class ZmqEventPublisher:
             log.warning("kv events queue full: batch %d dropped (subscribers will re-sync)", seq)
 
     def close(self) -> None:
-        self._queue.put(None)
+        try:
+            self._queue.put(None, timeout=2.0)
+        except queue.Full:
+            pass  # the thread is stuck or gone; the sockets close below all the same
         self._thread.join(timeout=2.0)
         self._pub.close(linger=0)
         if self._replay is not None:

@@ -305,7 +305,8 @@ class KvEventHub:
             raise
         except Exception as e:  # a broken stream must not take the gateway down; the worker falls back
             log.warning("kv_events_stream_failed", worker=url, error=str(e))
-            self.index.remove_worker(url)  # scored like a worker without events from now on
+            self.index.remove_worker(url)  # scored like a worker without events until it is ready again
+            self._tasks.pop(url, None)
         finally:
             stats.ready.set()
             sub.close(linger=0)
