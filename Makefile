@@ -1,4 +1,5 @@
-# Two commands: `make up` (the demo cluster) and `make test` (the whole suite).
+# Two commands: `make up` (the demo cluster; flags of `atomesh up` in ARGS, e.g. make up ARGS="--port 31000")
+# and `make test` (the whole suite).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,8 +9,9 @@ PIP := $(PY) -m pip
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+ARGS ?=
 
-.PHONY: up test install sysdeps lint clean
+.PHONY: up test install sysdeps engine-sysdeps lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,20 +27,33 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 
 install: $(STAMP)
 
-# Debian packages the engine (Mooncake needs libibverbs), the metrics tests (a real
-# Prometheus server) and `atomesh bench gateway` (wrk) use. Installed only when missing; needs root, as on CI.
+# Debian packages, installed only when missing (needs root, as on CI): the engine's (Mooncake needs
+# libibverbs) for `make up`; for `make test` also a real Prometheus server (the metrics tests) and wrk
+# (`atomesh bench gateway`).
+ENGINE_DEBS := libibverbs1
+TEST_DEBS := prometheus wrk
+
+engine-sysdeps:
+	@$(MAKE) -s _debs DEBS="$(ENGINE_DEBS)"
+
 sysdeps:
+	@$(MAKE) -s _debs DEBS="$(ENGINE_DEBS) $(TEST_DEBS)"
+
+_debs:
 	@missing=""; \
-	ldconfig -p | grep -q 'libibverbs.so.1' || missing="$$missing libibverbs1"; \
-	command -v prometheus >/dev/null || missing="$$missing prometheus"; \
-	command -v wrk >/dev/null || missing="$$missing wrk"; \
+	for deb in $(DEBS); do \
+	  case $$deb in \
+	    libibverbs1) ldconfig -p | grep -q 'libibverbs.so.1' || missing="$$missing $$deb";; \
+	    *) command -v $$deb >/dev/null || missing="$$missing $$deb";; \
+	  esac; \
+	done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	fi
 
-up: install sysdeps
-	$(VENV)/bin/atomesh up
+up: install engine-sysdeps
+	$(VENV)/bin/atomesh up $(ARGS)
 
 test: install sysdeps
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -6,11 +6,30 @@ A permit is held from admission until the request's last byte is sent.
 from __future__ import annotations
 
 import asyncio
+import resource
 import time
 from collections import deque
 from types import TracebackType
 
 from atomesh.errors import ServiceUnavailable, TooManyRequests
+
+# Descriptors kept aside from the derived limit (listening sockets, logs, health checks, the pool's idle ones).
+RESERVED_FDS = 256
+
+
+def host_concurrency_limit() -> int:
+    """`--max-concurrent-requests -1`: what this host can hold at once. Raises the soft open-file limit to
+    the hard one, then allows a third of it (each request holds a client connection and up to two worker
+    connections), less a reserve; at least 1."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass  # keep the soft limit the process was given
+    return max(1, (soft - RESERVED_FDS) // 3)
 
 
 class TokenBucket:
@@ -39,11 +58,13 @@ class Admission:
     """Concurrency limit + FIFO wait queue + optional token bucket; all bounded."""
 
     def __init__(self, max_concurrent: int, queue_size: int, queue_timeout: float,
-                 rate: float | None) -> None:
+                 rate: float | None, burst: float | None = None) -> None:
         self.limit = max_concurrent if max_concurrent > 0 else None
         self.queue_size = queue_size
         self.queue_timeout = queue_timeout
-        self.bucket = TokenBucket(rate, float(max_concurrent if max_concurrent > 0 else rate)) if rate else None
+        if burst is None:
+            burst = float(max_concurrent if max_concurrent > 0 else rate or 1)
+        self.bucket = TokenBucket(rate, burst) if rate else None
         self.running = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
 

@@ -21,10 +21,15 @@ import typer
 from click.core import ParameterSource
 
 from atomesh import __version__
+from atomesh.compat import peer_table_markdown, refused_flag
 from atomesh.config import FLAG_ALIASES, NOT_IMPLEMENTED, ConfigError, GatewayConfig, flag_name, load_config
 
+# One help style for every command: click's plain layout (rich's boxes cut option names at 80 columns),
+# as wide as the terminal allows up to HELP_WIDTH. `bench placement` / `bench gateway` (argparse) match it.
+HELP_WIDTH = 110
+_HELP = {"max_content_width": HELP_WIDTH, "help_option_names": ["-h", "--help"]}
 app = typer.Typer(help="atomesh: an LLM inference gateway with P/D disaggregation.", no_args_is_help=True,
-                  add_completion=False)
+                  add_completion=False, rich_markup_mode=None, context_settings=_HELP)
 
 
 @app.command()
@@ -64,7 +69,7 @@ def reference_markdown() -> str:
         if name in NOT_IMPLEMENTED:
             meaning += f" **Refused: {NOT_IMPLEMENTED[name]}.**"
         lines.append(f"| {flags} | `{name}` | {shown} | {meaning} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n" + peer_table_markdown()
 
 
 # ---------------------------------------------------------------------------- up
@@ -101,7 +106,8 @@ def up(
 
 
 # ---------------------------------------------------------------------------- bench
-bench_app = typer.Typer(help="Benchmarks: serving load, placement quality, gateway overhead.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks: serving load, placement quality, gateway overhead.", no_args_is_help=True,
+                        rich_markup_mode=None, context_settings=_HELP)
 app.add_typer(bench_app, name="bench")
 
 
@@ -316,7 +322,7 @@ def start_gateway(config: GatewayConfig) -> None:
 launch_command = click.Command(
     "launch", callback=_launch, params=list(_launch_options()),
     help="Start the gateway (flags as SMG / ATOMesh; see docs/configuration.md).",
-    context_settings={"max_content_width": 110},
+    context_settings=_HELP,
 )
 
 
@@ -327,6 +333,10 @@ launch_command = click.Command(
 def launch(ctx: typer.Context) -> None:
     """Start the gateway (flags as SMG / ATOMesh; `atomesh launch --help` lists them)."""
     # The options are generated from GatewayConfig, so a plain click command parses them.
+    refusal = refused_flag(ctx.args)
+    if refusal is not None:
+        typer.echo(f"atomesh launch: error: {refusal}", err=True)
+        raise typer.Exit(2)
     launch_command.main(args=normalize_argv(ctx.args), prog_name="atomesh launch")
 
 

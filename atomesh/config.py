@@ -16,12 +16,17 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from atomesh.compat import REFUSED_FLAGS, REFUSED_KEYS
+from atomesh.cors import check_origin
+
 
 class ConfigError(ValueError):
     """A setting is invalid; the message is one line meant for the user."""
 
 
-class Backend(StrEnum):
+class BackendKind(StrEnum):
+    """The engine family behind the workers (`--backend`): how P/D requests are split between them."""
+
     SGLANG = "sglang"
     VLLM = "vllm"
     ATOM = "atom"
@@ -40,7 +45,14 @@ class LogLevel(StrEnum):
 
 # Policies are registered by name in atomesh.policies; the names are repeated here so that the
 # config can be validated without importing the policy implementations.
-POLICY_NAMES = ("random", "round_robin", "power_of_two", "least_load", "cache_aware", "prefix_hash", "kv_aware")
+POLICY_NAMES = ("random", "round_robin", "power_of_two", "least_load", "cache_aware", "prefix_hash",
+                "consistent_hashing", "dp_sticky", "kv_aware")
+# Policies of SMG / ATOMesh that atomesh does not build, and why (named in the start-up error).
+REFUSED_POLICIES = {
+    "manual": "SMG's manual policy (a per-key table with idle eviction) is not built; consistent_hashing keeps "
+              "each X-SMG-Routing-Key / session on one worker without a table",
+    "bucket": "SMG's bucket policy (prefill pools by prompt length) is not built",
+}
 
 
 class PrefillSpec(BaseModel):
@@ -176,7 +188,8 @@ class GatewayConfig(BaseModel):
     admin_api_key: str | None = Field(
         None, description="Bearer key of the admin routes only (workers, loads, server info, engine metrics, "
                           "cache flush); when set, --api-key no longer opens them.")
-    backend: Backend = Field(Backend.SGLANG, description="Engine family: sglang, vllm or atom (alias --runtime).")
+    backend: BackendKind = Field(BackendKind.SGLANG,
+                                 description="Engine family: sglang, vllm or atom (alias --runtime).")
     config: Path | None = Field(None, description="YAML file with these settings (flags win over the file).")
 
     # --- policy
@@ -193,18 +206,42 @@ class GatewayConfig(BaseModel):
         1.5, ge=1, description="cache_aware: load ratio (max / min) above which balancing wins."
     )
     eviction_interval_secs: PositiveFloat = Field(120, description="cache_aware: how often the index is pruned.")
-    max_tree_size: int = Field(2**26, gt=0, description="cache_aware: hard bound on index entries.")
+    max_tree_size: int = Field(
+        2**26, gt=0, description="cache_aware: prompt characters the prefix index may remember per pool (it "
+                                 "keeps them as chunks; the hard bound of its memory).")
     prefix_token_count: int = Field(256, gt=0, description="prefix_hash: tokens of the prompt hashed.")
+    prefix_hash_load_factor: float = Field(
+        1.25, ge=1, description="prefix_hash: a worker above this multiple of the mean load (and 10 requests over "
+                                "it) is passed over for the next one on the ring.")
+    dp_aware: bool = Field(
+        False, description="Regular mode: also choose a data-parallel rank of the chosen worker (the least busy "
+                           "one) and send it as `data_parallel_rank`; every worker must report `dp_size` in its "
+                           "server info (docs/workers.md).")
+
     # --- kv_aware (docs/placement.md)
     kv_events_endpoints: list[str] = Field(
         default_factory=list, description="kv_aware: WORKER_URL=tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT] for a worker "
         "whose KV events are not advertised in its /server_info.")
-    tokenizer_path: str | None = Field(
-        None, description="kv_aware: the model's tokenizer.json (or its folder, with tokenizer_config.json); "
-        "default: fetched from a worker's /tokenizer_info.")
     kv_overlap_weight: float = Field(1.0, ge=0, description="kv_aware: weight of blocks to prefill against KV load.")
     kv_temperature: float = Field(0.0, ge=0, description="kv_aware: 0 = lowest cost wins; above 0 = soft choice.")
-    dp_aware: bool = Field(False, description="Route to data-parallel ranks of each worker.")
+
+    # --- tokenizer (ATOMesh / SMG)
+    model_path: str | None = Field(
+        None, description="Folder (or file) of the served model whose tokenizer the gateway loads at start "
+                          "(tokenizer.json, or the folder holding it); a Hugging Face model id is refused: "
+                          "nothing is downloaded.")
+    tokenizer_path: str | None = Field(
+        None, description="tokenizer.json file or folder holding one; wins over --model-path.")
+    chat_template: Path | None = Field(
+        None, description="Jinja chat template file, checked at start (with --model-path or --tokenizer-path).")
+
+    # --- TLS to workers
+    ca_cert_paths: list[Path] = Field(
+        default_factory=list, description="CA certificates (PEM) that https:// workers are verified against "
+                                          "(default: the system's).")
+    client_cert_path: Path | None = Field(
+        None, description="Client certificate (PEM) presented to https:// workers (mTLS; with --client-key-path).")
+    client_key_path: Path | None = Field(None, description="Private key of --client-cert-path.")
 
     # --- P/D
     pd_disaggregation: bool = Field(False, description="Prefill/decode disaggregated mode.")
@@ -221,10 +258,17 @@ class GatewayConfig(BaseModel):
     log_level: LogLevel = Field(LogLevel.INFO, description="debug, info, warn or error.")
     log_dir: Path | None = Field(None, description="Also write logs to a rotating file in this folder.")
     json_log: bool = Field(False, description="One JSON object per log line.")
+    access_log_sample_rate: float = Field(
+        1.0, ge=0, le=1,
+        description="Share of successful requests written to the access log (one `request` event at info each: "
+                    "request id, method, path, status, worker, latency_ms, bytes); 4xx/5xx are always written; "
+                    "0 turns the access log off.")
 
     # --- prometheus
     prometheus_port: Port = Field(29000, description="Port of the /metrics server.")
-    prometheus_host: str = Field("0.0.0.0", description="Address of the /metrics server.")
+    prometheus_host: str | None = Field(
+        None, description="Address of the /metrics server (default: the address of --host, so a gateway on "
+                          "127.0.0.1 does not expose its metrics on every interface).")
     prometheus_duration_buckets: list[PositiveFloat] = Field(
         default_factory=lambda: list(DEFAULT_DURATION_BUCKETS), description="Latency histogram buckets (seconds)."
     )
@@ -235,6 +279,10 @@ class GatewayConfig(BaseModel):
         description="Headers a request id is taken from, first match wins.",
     )
 
+    cors_allowed_origins: list[str] = Field(
+        default_factory=list, description="Origins whose browsers may call the gateway (`*`: any): their answers "
+                                          "get CORS headers and their preflights a 204 (as SMG).")
+
     # --- processes
     processes: int = Field(
         1, ge=1, le=64,
@@ -243,12 +291,15 @@ class GatewayConfig(BaseModel):
     )
 
     # --- admission
-    max_concurrent_requests: int = Field(-1, ge=-1, description="Requests served at once (-1: unlimited).")
+    max_concurrent_requests: int = Field(
+        -1, ge=-1, description="Requests served at once: -1 derives a limit from the host (a third of the open-"
+                               "file limit, raised to its hard limit, less 256: each request holds a client and "
+                               "one or two worker connections), 0 is no limit (as SMG).")
     queue_size: int = Field(100, ge=0, description="Requests that may wait for a slot (429 beyond).")
     queue_timeout_secs: PositiveFloat = Field(60, description="Longest wait for a slot (503 after).")
-    rate_limit_tokens_per_second: PositiveFloat | None = Field(
-        None, description="Token-bucket refill rate for admitted requests (burst = max-concurrent-requests)."
-    )
+    rate_limit_tokens_per_second: NonNegFloat | None = Field(
+        None, description="Token-bucket refill rate for admitted requests (burst = max-concurrent-requests); "
+                          "unset or 0: no token bucket.")
 
     # --- retries
     retry_max_retries: int = Field(5, ge=0, description="Retries after the first attempt.")
@@ -316,18 +367,11 @@ class GatewayConfig(BaseModel):
         parse_endpoint_flags(items)
         return items
 
-    @field_validator("tokenizer_path")
-    @classmethod
-    def _tokenizer_path(cls, path: str | None) -> str | None:
-        if path is not None:
-            p = Path(path)
-            if not (p / "tokenizer.json" if p.is_dir() else p).is_file():
-                raise ValueError(f"--tokenizer-path {path}: no tokenizer.json there")
-        return path
-
     @field_validator("policy", "prefill_policy", "decode_policy")
     @classmethod
     def _policy(cls, name: str | None) -> str | None:
+        if name in REFUSED_POLICIES:
+            raise ValueError(f"policy {name!r} is refused: {REFUSED_POLICIES[name]}")
         if name is not None and name not in POLICY_NAMES:
             raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
         return name
@@ -338,6 +382,11 @@ class GatewayConfig(BaseModel):
         if not path.startswith("/"):
             raise ValueError(f"health check endpoint {path!r} must start with '/'")
         return path
+
+    @field_validator("cors_allowed_origins")
+    @classmethod
+    def _origins(cls, origins: list[str]) -> list[str]:
+        return [check_origin(o) for o in origins]
 
     @field_validator("request_id_headers")
     @classmethod
@@ -418,9 +467,27 @@ class GatewayConfig(BaseModel):
             raise ValueError("--tls-cert-path and --tls-key-path go together")
         if self.retry_max_backoff_ms < self.retry_initial_backoff_ms:
             raise ValueError("--retry-max-backoff-ms must be >= --retry-initial-backoff-ms")
+        if (self.client_cert_path is None) != (self.client_key_path is None):
+            raise ValueError("--client-cert-path and --client-key-path go together")
+        dp = self.dp_aware or "dp_sticky" in (self.policy, self.prefill_policy, self.decode_policy)
+        if dp and self.pd_disaggregation:
+            raise ValueError("--dp-aware / --policy dp_sticky: data-parallel ranks are chosen in regular mode only; "
+                             "with --pd-disaggregation the prefill and decode engines pick their own ranks")
+        if self.chat_template is not None and self.model_path is None and self.tokenizer_path is None:
+            raise ValueError("--chat-template needs --model-path or --tokenizer-path")
         return self
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def dp_ranks(self) -> bool:
+        """Whether the gateway chooses data-parallel ranks (--dp-aware, or the dp_sticky policy)."""
+        return self.dp_aware or self.policy == "dp_sticky"
+
+    @property
+    def metrics_host(self) -> str:
+        """Where /metrics listens: --prometheus-host, else --host's address."""
+        return self.prometheus_host if self.prometheus_host is not None else self.host
+
     def policy_for(self, role: str) -> str:
         """The policy name of one worker pool ("regular", "prefill" or "decode")."""
         if role == "prefill" and self.prefill_policy:
@@ -431,12 +498,19 @@ class GatewayConfig(BaseModel):
 
 
 # Settings a user may give that are not built yet: naming one stops start-up with this reason.
-NOT_IMPLEMENTED: dict[str, str] = {
-    "dp_aware": "data-parallel-aware routing is not implemented yet",
-}
+NOT_IMPLEMENTED: dict[str, str] = {}
 
-# Extra flag spellings (ATOMesh / SMG compatibility).
-FLAG_ALIASES: dict[str, tuple[str, ...]] = {"backend": ("--runtime",)}
+# Extra flag spellings (ATOMesh / SMG compatibility); each is also a YAML key (without the dashes).
+FLAG_ALIASES: dict[str, tuple[str, ...]] = {
+    "backend": ("--runtime",),
+    "json_log": ("--log-json",),
+    "cache_threshold": ("--cache-match-threshold",),
+    "balance_abs_threshold": ("--spill-abs-threshold",),
+    "balance_rel_threshold": ("--spill-rel-threshold",),
+    "eviction_interval_secs": ("--eviction-interval",),
+}
+_ALIAS_KEYS = {a.removeprefix("--").replace("-", "_"): name for name, aliases in FLAG_ALIASES.items()
+               for a in aliases}
 
 
 def flag_name(field: str) -> str:
@@ -475,8 +549,14 @@ def load_config(flags: dict[str, Any]) -> GatewayConfig:
             loaded = {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"--config: {path} must hold a mapping of settings")
-        values.update({str(k).replace("-", "_"): v for k, v in loaded.items()})
+        for k, v in loaded.items():
+            key = str(k).replace("-", "_")
+            values[_ALIAS_KEYS.get(key, key)] = v
     values.update(flags)
+    for key in values:
+        if key in REFUSED_KEYS:
+            flag = REFUSED_KEYS[key]
+            raise ConfigError(f"{flag} is refused: {REFUSED_FLAGS[flag]}")
     for name, reason in NOT_IMPLEMENTED.items():
         if name in values and values[name] not in (None, False, [], GatewayConfig.model_fields[name].default):
             raise ConfigError(f"{flag_name(name)}: {reason}")

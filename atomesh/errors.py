@@ -70,6 +70,14 @@ class TooManyRequests(GatewayError):
     code = "rate_limited"
 
 
+class NotServed(GatewayError):
+    """A route the gateway knows but does not serve in this mode."""
+
+    status = 501
+    type = "invalid_request_error"
+    code = "route_not_served"
+
+
 class LoopDetected(GatewayError):
     """A request the gateway itself sent came back to it (it is registered as its own worker)."""
 
@@ -123,5 +131,5 @@ class UpstreamStatus(UpstreamError):
         self.content_type = content_type
 
 
-# Upstream statuses worth another attempt (PROTOCOLS.md §1).
+# Upstream statuses worth another attempt (as SMG retries them; docs/workers.md).
 RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})

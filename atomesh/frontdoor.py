@@ -46,10 +46,13 @@ from httptools import (
     parse_url,
 )
 
-from atomesh.api.middleware import HttpAccounting, error_answer
+from atomesh.api.middleware import CLIENT_GONE, HttpAccounting, error_answer
 from atomesh.api.openai import serve_inference
+from atomesh.cors import Cors
 from atomesh.errors import GatewayError, error_body
+from atomesh.flow import FlowControl
 from atomesh.request import Route
+from atomesh.tasks import PeriodicTask
 from atomesh.transport import Exchange, Upstream
 
 if TYPE_CHECKING:
@@ -73,6 +76,7 @@ _HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "conte
                          "te", "trailer", "upgrade", "proxy-connection", "expect", "host"})
 _STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n" for s in HTTPStatus}
 _JSON = "application/json"
+PREFLIGHT = "cors_preflight"  # the route label of CORS preflights the door answers itself
 _ERROR_TYPES = {408: "timeout_error", 413: "invalid_request_error", 414: "invalid_request_error",
                 417: "invalid_request_error", 431: "invalid_request_error"}
 
@@ -127,18 +131,25 @@ class Phase(IntEnum):
 class FrontExchange(Exchange):
     """An Exchange writing straight to the client's connection."""
 
-    __slots__ = ("conn", "framed")
+    __slots__ = ("conn", "cors", "framed")
 
     def __init__(self, conn: FrontConnection, request_id: str, headers: Mapping[str, str], framed: bool) -> None:
         super().__init__(request_id, headers)
         self.conn = conn
         self.framed = framed  # chunked framing for streams (HTTP/1.1); HTTP/1.0 gets the raw bytes and a close
+        cors = conn.door.cors
+        self.cors = cors.headers(headers) if cors is not None else None  # added to the answer (an allowed origin)
 
     def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
+        if self.cors:
+            headers = {**headers, **self.cors}
         self.status, self.body = status, body
+        self.sent = len(body)
         self.conn.send(response_head(status, headers, len(body), self.conn.keep_alive) + body)
 
     async def start_stream(self, status: int, headers: Mapping[str, str]) -> None:
+        if self.cors:
+            headers = {**headers, **self.cors}
         self.status = status
         self.committed = True
         if not self.framed:
@@ -147,6 +158,7 @@ class FrontExchange(Exchange):
 
     async def write(self, data: bytes) -> None:
         if data:
+            self.sent += len(data)
             conn = self.conn
             conn.send(b"%x\r\n%b\r\n" % (len(data), data) if self.framed else data)
             if conn.write_paused:
@@ -172,16 +184,15 @@ class _Request:
         self.http10 = http10
 
 
-class FrontConnection(asyncio.Protocol):
+class FrontConnection(FlowControl):
     """One client connection: its parser, its phase and deadline, the requests read and the one served."""
 
-    __slots__ = ("_drain", "body", "deadline", "door", "eof", "head_bytes", "head_size", "headers", "keep_alive",
-                 "lingering", "parser", "phase", "queue", "queued_bytes", "reading_paused", "task", "transport", "url",
-                 "write_paused")
+    __slots__ = ("body", "deadline", "door", "eof", "head_bytes", "head_size", "headers", "keep_alive",
+                 "lingering", "parser", "phase", "queue", "queued_bytes", "task", "url")
 
     def __init__(self, door: FrontDoor) -> None:
+        super().__init__()
         self.door = door
-        self.transport: asyncio.Transport | None = None
         self.parser = HttpRequestParser(self)
         self.phase = Phase.HEAD  # a new connection owes its first request head within the head timeout
         self.deadline = door.loop.time() + door.head_timeout
@@ -196,9 +207,6 @@ class FrontConnection(asyncio.Protocol):
         self.keep_alive = True
         self.eof = False
         self.lingering = False  # refused: reading and discarding until closed
-        self.reading_paused = False
-        self.write_paused = False
-        self._drain: asyncio.Future[None] | None = None
 
     # ------------------------------------------------------------------ asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -224,7 +232,7 @@ class FrontConnection(asyncio.Protocol):
             # answered, then the connection ends.
             if self.queue:
                 self.queue[-1].keep_alive = False
-                self._stop_reading()
+                self.hold_reading()
             else:
                 self.refuse(400, "protocol upgrades and CONNECT are not supported")
             return
@@ -237,10 +245,8 @@ class FrontConnection(asyncio.Protocol):
         if self.task is None:
             if self.queue:
                 self._next()
-        elif (self.queued_bytes > MAX_BUFFERED or len(self.queue) >= MAX_QUEUED) and not self.reading_paused:
-            self.reading_paused = True
-            if self.transport is not None:
-                self.transport.pause_reading()
+        elif self.queued_bytes > MAX_BUFFERED or len(self.queue) >= MAX_QUEUED:
+            self.hold_reading()
 
     def eof_received(self) -> bool:
         """The client half-closed: answer what it sent whole, then close."""
@@ -255,14 +261,7 @@ class FrontConnection(asyncio.Protocol):
         self.queue.clear()
         if self.task is not None:
             self.task.cancel()  # the client is gone: stop its request and close the upstream legs
-        self._wake_writer()
-
-    def pause_writing(self) -> None:
-        self.write_paused = True
-
-    def resume_writing(self) -> None:
-        self.write_paused = False
-        self._wake_writer()
+        self.connection_ended()
 
     # ------------------------------------------------------------------ parser callbacks
     def on_message_begin(self) -> None:
@@ -346,17 +345,6 @@ class FrontConnection(asyncio.Protocol):
         if self.transport is not None:  # else the client is gone and the request is being cancelled
             self.transport.write(data)
 
-    async def drain(self) -> None:
-        if self.transport is None:
-            raise ConnectionResetError("the client closed the connection")
-        self._drain = self.door.loop.create_future()
-        await self._drain
-
-    def _wake_writer(self) -> None:
-        if self._drain is not None and not self._drain.done():
-            self._drain.set_result(None)
-        self._drain = None
-
     def refuse(self, status: int, message: str) -> None:
         """Answer an error the door found itself (the head or body at fault), then close."""
         transport = self.transport
@@ -364,7 +352,7 @@ class FrontConnection(asyncio.Protocol):
         if transport is None or self.task is not None:
             # A request is being answered on this connection: its answer must not be cut in two.
             self.keep_alive = False
-            self._stop_reading()
+            self.hold_reading()
             return
         code = "request_timeout" if status == 408 else HTTPStatus(status).phrase.lower().replace(" ", "_")
         body = error_body(message, _ERROR_TYPES.get(status, "invalid_request_error"), code)
@@ -373,7 +361,7 @@ class FrontConnection(asyncio.Protocol):
         if rid is not None:
             headers["x-request-id"] = rid
         transport.write(response_head(status, headers, len(body), False) + body)
-        self.door.accounting.refused(status)
+        self.door.accounting.refused(status, rid, self.url, len(body))
         # Close gently: stop writing, and read (discarding) what the client still sends for a moment,
         # so that its further bytes do not make the kernel reset the connection before it has read this.
         self.lingering = True
@@ -384,11 +372,6 @@ class FrontConnection(asyncio.Protocol):
             self.door.loop.call_later(LINGER_SECS, transport.close)
         else:
             transport.close()
-
-    def _stop_reading(self) -> None:
-        if self.transport is not None and not self.reading_paused:
-            self.reading_paused = True
-            self.transport.pause_reading()
 
     # ------------------------------------------------------------------ requests
     def _next(self) -> None:
@@ -419,25 +402,40 @@ class FrontConnection(asyncio.Protocol):
                 admission = acc.failed(e)
                 self._answer_error(exchange, *error_answer(e))
             except asyncio.CancelledError:
-                acc.metrics.http_active.dec()  # the client went away: no response to count
+                # The client went away: what it got (a started stream's status, else 499) is still counted.
+                status = exchange.status if exchange.committed and exchange.status else CLIENT_GONE
+                acc.end("POST", path, status, started, None, rid, exchange.workers, exchange.sent)
                 raise
             except Exception:
                 # A bug, not a user error: log it with its traceback (and request id), answer a plain 500.
                 log.exception("request_crashed", method="POST", path=path)
                 self._answer_error(exchange, 500, error_body("internal gateway error", "internal_error",
                                                              "internal_error"))
-            acc.end("POST", path, exchange.status or 500, started, admission)
+            acc.end("POST", path, exchange.status or 500, started, admission, rid, exchange.workers, exchange.sent)
         finally:
             self._done()
 
     async def _relay(self, req: _Request) -> None:
-        """Any other request: answered by the aiohttp application behind the door."""
+        """Any other request: answered by the aiohttp application behind the door (a CORS preflight
+        here)."""
+        cors = self.door.cors
         try:
+            if cors is not None:
+                allowed = cors.preflight(req.method, req.headers)
+                if allowed is not None:
+                    acc = self.door.accounting
+                    started = acc.begin("OPTIONS", PREFLIGHT)
+                    self.send(response_head(204, allowed, 0, self.keep_alive))
+                    acc.end("OPTIONS", PREFLIGHT, 204, started, None, acc.request_id(req.headers),
+                            target=req.target.decode("latin-1").partition("?")[0][:512])
+                    return
             try:
                 status, headers, body = await self.door.relay_request(req)
             except GatewayError as e:
                 status, body = error_answer(e)
                 headers = {"Content-Type": _JSON}
+            if cors is not None:
+                headers.update(cors.headers(req.headers))
             if req.method == b"HEAD":
                 self.send(response_head(status, headers, int(headers.pop("content-length", 0) or 0),
                                         self.keep_alive))
@@ -472,9 +470,7 @@ class FrontConnection(asyncio.Protocol):
         door = self.door
         self.deadline = loop.time() + (door.keepalive_timeout if self.phase is Phase.IDLE
                                        else door.head_timeout if self.phase is Phase.HEAD else door.body_timeout)
-        if self.reading_paused:
-            self.reading_paused = False
-            transport.resume_reading()
+        self.release_reading()
 
     def expire(self, now: float) -> None:
         """The sweep: end the connection if its phase's deadline passed (never while serving)."""
@@ -608,10 +604,13 @@ class FrontDoor:
         self.body_timeout = cfg.http_body_timeout_secs
         self.keepalive_timeout = cfg.http_keepalive_timeout_secs
         self.relay: Relay | None = None  # set before listening
+        self.cors = Cors(cfg.cors_allowed_origins) if cfg.cors_allowed_origins and hot else None
         self.connections: set[FrontConnection] = set()
         self.loop = asyncio.get_event_loop()
         self._listeners: list[_Listener] = []
-        self._sweeper: asyncio.Task[None] | None = None
+        self._sweeper = PeriodicTask(
+            "frontdoor-sweep", min(1.0, self.head_timeout / 4, self.body_timeout / 4, self.keepalive_timeout / 4),
+            self._sweep)
         self._handshakes: set[asyncio.Task[None]] = set()
         self.port = 0
 
@@ -624,8 +623,7 @@ class FrontDoor:
             self._listeners.append(listener)
             listener.start()
         self.port = self._listeners[0].sock.getsockname()[1]
-        if self._sweeper is None:
-            self._sweeper = self.loop.create_task(self._sweep())
+        self._sweeper.start()
 
     def adopt(self, conn: socket.socket, ssl_context: ssl.SSLContext | None) -> None:
         """Serve an accepted socket (the TLS handshake, when any, is bounded by the head timeout)."""
@@ -647,22 +645,17 @@ class FrontDoor:
         assert self.relay is not None, "a relay is set before the door listens"
         return await self.relay(req)
 
-    async def _sweep(self) -> None:
-        period = min(1.0, self.head_timeout / 4, self.body_timeout / 4, self.keepalive_timeout / 4)
-        while True:
-            await asyncio.sleep(period)
-            now = self.loop.time()
-            for conn in list(self.connections):
-                conn.expire(now)
+    def _sweep(self) -> None:
+        now = self.loop.time()
+        for conn in list(self.connections):
+            conn.expire(now)
 
     async def close(self) -> None:
         """Stop listening; close every connection (in-flight requests were drained before, or are cut)."""
         for listener in self._listeners:
             listener.close()
         self._listeners.clear()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            self._sweeper = None
+        await self._sweeper.stop()
         for task in list(self._handshakes):
             task.cancel()
         for conn in list(self.connections):

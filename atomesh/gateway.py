@@ -4,26 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 import time
 
 import structlog
 from aiohttp import web
 
-from atomesh.admission import Admission
+from atomesh.admission import Admission, host_concurrency_limit
 from atomesh.auth import Keys
 from atomesh.backends import Backend
 from atomesh.backends.atom import make_atom_backend
 from atomesh.backends.sglang import SglangBackend
 from atomesh.backends.single import SingleBackend
 from atomesh.backends.vllm import make_vllm_backend
-from atomesh.config import Backend as BackendName
-from atomesh.config import GatewayConfig
+from atomesh.config import BackendKind, GatewayConfig
 from atomesh.metrics import Metrics
 from atomesh.placement import Placement
 from atomesh.policies import Policy, make_policy
 from atomesh.policies.cache_aware import CacheAwarePolicy
 from atomesh.policies.kv_aware import KvAwarePolicy
 from atomesh.router import Router
+from atomesh.tokenizer import PromptTokens, TokenizerError, load_chat_template, load_tokenizer, tokenizer_file
 from atomesh.transport import Upstream
 from atomesh.workers.breaker import BreakerSettings, BreakerState
 from atomesh.workers.discovery import DiscoveryError, DiscoverySettings, KubernetesDiscovery
@@ -54,13 +55,16 @@ class Gateway:
         self.keys = Keys(config.api_key, config.admin_api_key)
         self.metrics = Metrics(config.prometheus_duration_buckets)
         self.registry = WorkerRegistry()
-        self.upstream = Upstream(config.request_timeout_secs, hop=self.instance_id)
+        self.upstream = Upstream(config.request_timeout_secs, hop=self.instance_id,
+                                 ssl_context=worker_ssl_context(config))
         roles = (WorkerRole.PREFILL, WorkerRole.DECODE) if config.pd_disaggregation else (WorkerRole.REGULAR,)
-        policies: dict[WorkerRole, Policy] = {r: make_policy(_pool_policy(config, r), config) for r in roles}
+        self.tokens = _prompt_tokens(config)
+        policies: dict[WorkerRole, Policy] = {r: make_policy(_pool_policy(config, r), config, self.tokens)
+                                              for r in roles}
         for role, policy in policies.items():
             if isinstance(policy, KvAwarePolicy):  # follows the KV events of its pool's workers
                 policy.watch(self.registry, self.upstream, (role,), parse_endpoint_flags(config.kv_events_endpoints))
-        self.placement = Placement(self.registry, policies, pd=config.pd_disaggregation)
+        self.placement = Placement(self.registry, policies, pd=config.pd_disaggregation, dp_ranks=config.dp_ranks)
         # Engine-reported load only matters to policies that compare loads.
         # kv_aware weighs cached blocks against load, so it wants the engines' queues fresher.
         poll = 0.1 if any(isinstance(p, KvAwarePolicy) for p in policies.values()) else 1.0
@@ -70,10 +74,14 @@ class Gateway:
         self.router = Router(config, self.placement, self.backend, self.metrics)
         # With several processes each admits its share (the kernel spreads connections about evenly).
         n = config.processes
-        rate = config.rate_limit_tokens_per_second
-        self.admission = Admission(
-            -(-config.max_concurrent_requests // n) if config.max_concurrent_requests > 0 else -1,
-            -(-config.queue_size // n), config.queue_timeout_secs, rate / n if rate else None)
+        rate = config.rate_limit_tokens_per_second  # None or 0: no token bucket
+        limit = config.max_concurrent_requests
+        # -1: derived from this process's own descriptor limit (each process has one); 0: no limit.
+        per_process = host_concurrency_limit() if limit == -1 else -(-limit // n) if limit > 0 else -1
+        # The bucket's burst is a limit the user set; a derived one is no burst to allow (one second's worth).
+        burst = float(per_process) if limit > 0 else (rate / n if rate else None)
+        self.admission = Admission(per_process, -(-config.queue_size // n), config.queue_timeout_secs,
+                                   rate / n if rate else None, burst)
         self.lifecycle = Lifecycle(
             self.registry, self.upstream, backend=config.backend,
             breaker=BreakerSettings(
@@ -85,6 +93,7 @@ class Gateway:
             probe_timeout=config.health_check_timeout_secs,
             health_endpoint=config.health_check_endpoint,
             on_breaker=self._on_breaker,
+            dp_aware=config.dp_ranks,
         )
         self.health = HealthChecker(
             self.registry, self.lifecycle.probe, interval=config.health_check_interval_secs,
@@ -104,9 +113,9 @@ class Gateway:
     def _make_backend(self) -> Backend:
         if not self.config.pd_disaggregation:
             return SingleBackend(self.upstream)
-        if self.config.backend is BackendName.ATOM:
+        if self.config.backend is BackendKind.ATOM:
             return make_atom_backend(self.upstream, self.metrics)
-        if self.config.backend is BackendName.VLLM:
+        if self.config.backend is BackendKind.VLLM:
             return make_vllm_backend(self.upstream, self.metrics)
         return SglangBackend(self.upstream, self.metrics)
 
@@ -220,6 +229,35 @@ def _pool_policy(config: GatewayConfig, role: WorkerRole) -> str:
     """The policy of one pool. kv_aware places decode by load: decode receives its KV from prefill."""
     name = config.policy_for(role.value)
     return "least_load" if role is WorkerRole.DECODE and name == "kv_aware" else name
+
+
+def worker_ssl_context(config: GatewayConfig) -> ssl.SSLContext | None:
+    """TLS settings for https:// workers: extra CAs (--ca-cert-paths), a client certificate (mTLS)."""
+    if not config.ca_cert_paths and config.client_cert_path is None:
+        return None
+    ctx = ssl.create_default_context()
+    try:
+        for ca in config.ca_cert_paths:
+            ctx.load_verify_locations(cafile=str(ca))
+        if config.client_cert_path is not None and config.client_key_path is not None:
+            ctx.load_cert_chain(str(config.client_cert_path), str(config.client_key_path))
+    except (OSError, ssl.SSLError) as e:
+        raise StartupError(f"--ca-cert-paths/--client-cert-path: cannot load: {e}") from None
+    return ctx
+
+
+def _prompt_tokens(config: GatewayConfig) -> PromptTokens | None:
+    """The tokenizer and chat template of --model-path / --tokenizer-path / --chat-template, loaded once."""
+    if config.model_path is None and config.tokenizer_path is None:
+        return None
+    try:
+        tokenizer = load_tokenizer(config.model_path, config.tokenizer_path)
+        template = load_chat_template(config.chat_template, config.model_path, config.tokenizer_path)
+    except TokenizerError as e:
+        raise StartupError(str(e)) from None
+    log.info("tokenizer_loaded", path=str(tokenizer_file(config.model_path, config.tokenizer_path)),
+             vocab_size=tokenizer.get_vocab_size(), chat_template=template is not None)
+    return PromptTokens(tokenizer, template)
 
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)

@@ -20,6 +20,9 @@ from urllib.parse import urlsplit
 
 from httptools import HttpParserError, HttpParserUpgrade, HttpResponseParser
 
+from atomesh.flow import FlowControl
+from atomesh.tasks import PeriodicTask
+
 __all__ = ["ClientPool", "ConnectFailed", "DeadlineExceeded", "Disconnected", "HTTPClientError",
            "ProtocolViolation", "Response"]
 
@@ -58,21 +61,20 @@ class DeadlineExceeded(HTTPClientError):
     """The request's timeout elapsed (while connecting, waiting for the head or reading the body)."""
 
 
-class _Conn(asyncio.Protocol):
+class _Conn(FlowControl):
     """One connection, and the state of the exchange running on it (reset by `start`)."""
 
-    __slots__ = ("_loop", "_parser", "_paused", "_pool", "_waiter", "body_done", "buffered", "busy", "closed", "error",
+    __slots__ = ("_loop", "_parser", "_pool", "_waiter", "body_done", "buffered", "busy", "closed", "error",
                  "got_data", "head_done", "headers", "idle_since", "interim", "is_head", "keep_alive", "key",
-                 "pieces", "pooled", "status", "transport")
+                 "pieces", "pooled", "status")
 
     def __init__(self, pool: ClientPool, key: _Key) -> None:
+        super().__init__()
         self._pool = pool
         self.key = key
-        self.transport: asyncio.Transport | None = None
         self._loop = asyncio.get_running_loop()
         self._parser = HttpResponseParser(self)
         self._waiter: asyncio.Future[None] | None = None
-        self._paused = False
         self.busy = self.closed = self.pooled = False
         self.idle_since = 0.0
         self._reset(False)
@@ -111,9 +113,8 @@ class _Conn(asyncio.Protocol):
         pieces = self.pieces
         self.pieces = []
         self.buffered = 0
-        if self._paused and self.transport is not None:
-            self._paused = False
-            self.transport.resume_reading()
+        if self.reading_paused:
+            self.release_reading()
         return pieces
 
     def fail(self, exc: HTTPClientError) -> None:
@@ -166,6 +167,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.connection_ended()
         self._pool._forget(self)
         if not self.busy or self.body_done:
             return
@@ -204,9 +206,8 @@ class _Conn(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self.pieces.append(body)
         self.buffered += len(body)
-        if self.buffered > _HIGH_WATER and not self._paused and self.transport is not None:
-            self._paused = True
-            self.transport.pause_reading()
+        if self.buffered > _HIGH_WATER and not self.reading_paused:
+            self.hold_reading()
         self._wake()
 
     def on_message_complete(self) -> None:
@@ -310,7 +311,9 @@ class ClientPool:
         self._idle: dict[_Key, list[_Conn]] = {}
         self._conns: set[_Conn] = set()  # every open connection, idle or busy, for close()
         self._origins: dict[str, tuple[_Key, str]] = {}  # "http://host:port" -> (key, Host header)
-        self._sweeper: asyncio.Task[None] | None = None
+        # Closes connections idle longer than keepalive_timeout; started with the first pooled connection.
+        self._sweeper = PeriodicTask("client-pool-sweep", min(keepalive_timeout / 2, 5.0), self._sweep)
+        self._sweeping = False
         self._closed = False
 
     async def request(self, method: str, url: str, *, headers: Mapping[str, str] | None = None,
@@ -356,9 +359,7 @@ class ClientPool:
     async def close(self) -> None:
         """Close every connection; requests still running fail, later ones are refused."""
         self._closed = True
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            self._sweeper = None
+        await self._sweeper.stop()
         self._idle.clear()
         for conn in list(self._conns):
             conn.pooled = False
@@ -444,8 +445,9 @@ class ClientPool:
         conn.pooled = True
         conn.idle_since = conn._loop.time()
         idle.append(conn)
-        if self._sweeper is None:
-            self._sweeper = conn._loop.create_task(self._sweep())
+        if not self._sweeping:
+            self._sweeping = True
+            self._sweeper.start()
 
     def _forget(self, conn: _Conn) -> None:
         """A connection closed: it leaves the open set and, if idle, its idle list."""
@@ -454,21 +456,17 @@ class ClientPool:
             conn.pooled = False
             self._idle[conn.key].remove(conn)
 
-    async def _sweep(self) -> None:
-        """Close connections idle longer than keepalive_timeout; one task for the whole pool."""
-        interval = min(self._keepalive / 2, 5.0)
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(interval)
-            cutoff = loop.time() - self._keepalive
-            for idle in self._idle.values():
-                stale = 0  # idle lists are oldest first
-                while stale < len(idle) and idle[stale].idle_since <= cutoff:
-                    stale += 1
-                for conn in idle[:stale]:
-                    conn.pooled = False
-                    conn.abort()
-                del idle[:stale]
+    def _sweep(self) -> None:
+        """Close connections idle longer than keepalive_timeout."""
+        cutoff = asyncio.get_running_loop().time() - self._keepalive
+        for idle in self._idle.values():
+            stale = 0  # idle lists are oldest first
+            while stale < len(idle) and idle[stale].idle_since <= cutoff:
+                stale += 1
+            for conn in idle[:stale]:
+                conn.pooled = False
+                conn.abort()
+            del idle[:stale]
 
 
 def _encode(method: str, target: str, host: str, headers: Mapping[str, str] | None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import time
+from abc import ABC, abstractmethod
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -23,10 +24,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 UNKNOWN = "unknown"
+NO_MODEL = "none"  # the `model` label of a request that names no model (an empty label reads as absent)
 MAX_MODEL_LABEL = 256  # characters; a longer advertised name is labelled `unknown`
 
 # Route path -> `endpoint` label, as SMG names its endpoints.
-ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/generate": "generate"}
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/generate": "generate",
+             "/v1/responses": "responses"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,12 +89,13 @@ class HistogramValue:
 V = TypeVar("V")
 
 
-class Family(Generic[V]):
+class Family(ABC, Generic[V]):
     """A metric and its labelled values, kept as plain Python numbers on the request path.
 
     prometheus-client's metric classes take a lock and validate labels on every update, which cost more
     than the rest of a request's bookkeeping together; these values are turned into its exposition
-    format only when Prometheus scrapes (`collect`).
+    format only when Prometheus scrapes (`collect`). Record with `family.labels(*values).inc()` (or
+    `.set()`, `.observe()`): the one spelling.
     """
 
     def __init__(self, spec: MetricSpec) -> None:
@@ -109,19 +113,21 @@ class Family(Generic[V]):
     def remove(self, *values: str) -> None:
         self.children.pop(values, None)
 
+    @abstractmethod
     def _new(self) -> V:
-        raise NotImplementedError
+        """A fresh value for a new label set."""
 
+    @abstractmethod
     def export(self) -> dict[tuple[str, ...], Any]:
         """The values, as plain data another process can add to its own (atomesh.cluster)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def merged(self, remote: Sequence[dict[tuple[str, ...], Any]]) -> dict[tuple[str, ...], Any]:
         """This process's values plus other processes' exports, label set by label set."""
-        raise NotImplementedError
 
+    @abstractmethod
     def collect(self, remote: Sequence[dict[tuple[str, ...], Any]] = ()) -> Metric:
-        raise NotImplementedError
+        """The prometheus-client metric family to expose, other processes' values added in."""
 
 
 class _Scalar(Family[V]):
@@ -259,7 +265,9 @@ class Metrics:
                                  "Inference request duration, placement to last byte, retries included.",
                                  ("endpoint", "model", "streaming"), b)
         self.router_errors = c("mesh_router_request_errors_total",
-                               "Inference requests that failed, by the gateway error code.",
+                               "Inference requests that failed, by error code: the gateway's own refusals (invalid "
+                               "body 400, key 401, admission 429/503, no worker 503, unknown model 404) as well "
+                               "as worker errors and streams broken after their first byte.",
                                ("endpoint", "model", "error_type"))
         self.upstream_responses = c("mesh_router_upstream_responses_total",
                                     "HTTP answers received from workers, by status code.",
@@ -307,8 +315,9 @@ class Metrics:
         self.pd_prefill = h("mesh_pd_prefill_duration_seconds",
                             "P/D: prefill leg, request sent to prefill answered.", ("runtime", "model"), b)
         self.pd_handoff = h("mesh_pd_handoff_seconds",
-                            "P/D: prefill answered to decode request sent (the gateway's share of the KV "
-                            "hand-off).", ("runtime", "model"), b)
+                            "P/D, streamed requests of the atom and vllm backends only: prefill answered to the "
+                            "decode leg's response head (KV pulled, first step run); a whole answer would include "
+                            "the decode, and sglang sends both legs at once.", ("runtime", "model"), b)
         self.pd_decode = h("mesh_pd_decode_duration_seconds",
                            "P/D: decode leg, decode request sent to its last byte relayed.", ("runtime", "model"), b)
         self.pd_kv_failures = c("mesh_pd_kv_transfer_failures_total",
@@ -364,19 +373,14 @@ class Metrics:
     # ------------------------------------------------------------------ bounded labels
     def model_label(self, model: str | None) -> str:
         """A client-supplied model name as a label: one of the names the workers serve, else `unknown`
-        (so a client cannot mint series); "" when the request names none."""
+        (so a client cannot mint series); `none` when the request names none."""
         if not model:
-            return ""
+            return NO_MODEL
         return model if model in self.served_models else UNKNOWN
 
     def set_served_models(self, names: Iterable[str]) -> None:
         """The model names workers advertise (the only `model` label values besides `unknown`)."""
         self.served_models = frozenset(n for n in names if 0 < len(n) <= MAX_MODEL_LABEL)
-
-    @staticmethod
-    def child(family: Family[V], *labels: str) -> V:
-        """The labelled value of a metric (kept for readability at call sites: `m.child(m.x, a, b).inc()`)."""
-        return family.labels(*labels)
 
     def forget_worker(self, url: str) -> None:
         """Drop every series of a removed worker so label sets do not grow with churn."""
@@ -391,16 +395,20 @@ class Metrics:
         """A per-request token meter; pass it as the relay's on_chunk hook, then `finish()` it."""
         return RequestMeter(self, ENDPOINTS.get(route, route), self.model_label(model), streaming)
 
+    def request_failed(self, route: str, model: str | None, code: str) -> None:
+        """Count one failed inference request (`code`: a gateway error code, from a fixed set)."""
+        self.router_errors.labels(ENDPOINTS.get(route, route), self.model_label(model), code).inc()
+
     def observe_pd(self, runtime: str, model: str | None, *, prefill_secs: float | None = None,
                    handoff_secs: float | None = None, decode_secs: float | None = None) -> None:
         """Record the stages of one P/D request (any subset; call once per stage or once at the end)."""
         label = self.model_label(model)
         if prefill_secs is not None:
-            self.child(self.pd_prefill, runtime, label).observe(prefill_secs)
+            self.pd_prefill.labels(runtime, label).observe(prefill_secs)
         if handoff_secs is not None:
-            self.child(self.pd_handoff, runtime, label).observe(handoff_secs)
+            self.pd_handoff.labels(runtime, label).observe(handoff_secs)
         if decode_secs is not None:
-            self.child(self.pd_decode, runtime, label).observe(decode_secs)
+            self.pd_decode.labels(runtime, label).observe(decode_secs)
 
     def pd_kv_transfer_failed(self, runtime: str, reason: str) -> None:
         """Count one failed KV transfer; `reason` must come from a small fixed set (an error code)."""
@@ -496,15 +504,15 @@ class RequestMeter:
             if body is not None and status is not None and status < 300:
                 self._read_usage(body)
         elif self.first_at is not None:
-            m.child(m.ttft, *labels).observe(self.first_at - self.started)
-            m.child(m.generation_duration, *labels).observe(self.last_at - self.first_at)
+            m.ttft.labels(*labels).observe(self.first_at - self.started)
+            m.generation_duration.labels(*labels).observe(self.last_at - self.first_at)
         out = self.usage_out if self.usage_out is not None else (self.events if self.streaming else None)
         if self.streaming and self.first_at is not None and out is not None and out > 1:
-            m.child(m.tpot, *labels).observe((self.last_at - self.first_at) / (out - 1))
+            m.tpot.labels(*labels).observe((self.last_at - self.first_at) / (out - 1))
         if out:
-            m.child(m.tokens, self.endpoint, self.model, "output").inc(out)
+            m.tokens.labels(self.endpoint, self.model, "output").inc(out)
         if self.usage_in:
-            m.child(m.tokens, self.endpoint, self.model, "input").inc(self.usage_in)
+            m.tokens.labels(self.endpoint, self.model, "input").inc(self.usage_in)
 
 
 def metrics_markdown(metrics: Metrics | None = None) -> str:
@@ -515,13 +523,15 @@ def metrics_markdown(metrics: Metrics | None = None) -> str:
         "",
         "Generated by `python -m atomesh.metrics > docs/metrics.md` from `atomesh/metrics.py`; do not edit by hand.",
         "",
-        "The gateway serves these on `--prometheus-host:--prometheus-port` at `/metrics` (default `0.0.0.0:29000`).",
+        "The gateway serves these on `--prometheus-host:--prometheus-port` at `/metrics` (default: `--host`'s",
+        "address, port 29000).",
         "Every histogram uses the buckets of `--prometheus-duration-buckets` (seconds).",
         "",
         "Labels take values from bounded sets only: `worker` is a worker URL (its series are dropped when the",
         "worker is removed), `worker_type` is `regular`, `prefill` or `decode`, `endpoint` is `completions`,",
-        "`chat` or `generate`, `model` is the requested model name when a registered worker serves a model of",
-        f"that name (up to {MAX_MODEL_LABEL} characters), else `unknown`,",
+        "`chat`, `generate` or `responses`, `model` is the requested model name when a registered worker serves",
+        f"a model of that name (up to {MAX_MODEL_LABEL} characters), `none` when the request names no model, else",
+        "`unknown`,",
         "`runtime` is the `--backend` (`atom`, `sglang`, `vllm`), `streaming` is `true` or `false`.",
         "No label carries a request id, a prompt or anything else per request.",
         "",

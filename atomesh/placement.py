@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+import xxhash
+
 from atomesh.errors import NotFound, NoWorkerAvailable
 from atomesh.policies import Policy
 from atomesh.request import RequestView
@@ -19,9 +21,10 @@ from atomesh.workers.worker import Worker, WorkerRole, WorkerState
 
 @dataclass(frozen=True, slots=True)
 class Single:
-    """Run the request on one worker."""
+    """Run the request on one worker (on one of its data-parallel ranks with --dp-aware)."""
 
     worker: Worker
+    dp_rank: int | None = None
 
     @property
     def workers(self) -> tuple[Worker, ...]:
@@ -46,10 +49,12 @@ Plan = Single | Pair
 class Placement:
     """Chooses workers for requests; owns the per-pool policies and the in-flight load counts."""
 
-    def __init__(self, registry: WorkerRegistry, policies: dict[WorkerRole, Policy], *, pd: bool) -> None:
+    def __init__(self, registry: WorkerRegistry, policies: dict[WorkerRole, Policy], *, pd: bool,
+                 dp_ranks: bool = False) -> None:
         self.registry = registry
         self.policies = policies
         self.pd = pd
+        self.dp_ranks = dp_ranks  # regular mode: also choose a data-parallel rank of the worker
         registry.subscribe(self._on_state)
 
     def place(self, view: RequestView, exclude: Collection[Worker] = ()) -> Plan:
@@ -61,10 +66,23 @@ class Placement:
             decode = self._choose(WorkerRole.DECODE, view, exclude)
             plan: Plan = Pair(prefill, decode)
         else:
-            plan = Single(self._choose(WorkerRole.REGULAR, view, exclude))
+            worker = self._choose(WorkerRole.REGULAR, view, exclude)
+            if self.dp_ranks:
+                rank = self._rank(worker, view)
+                worker.rank_in_flight[rank] += 1
+                plan = Single(worker, rank)
+            else:
+                plan = Single(worker)
         for w in plan.workers:
             w.in_flight += 1
         return plan
+
+    def _rank(self, worker: Worker, view: RequestView) -> int:
+        """dp_sticky keeps a routing key on one rank (its prefix cache); otherwise the least busy rank."""
+        loads = worker.rank_in_flight
+        if view.routing_key is not None and self.policies[worker.role].name == "dp_sticky":
+            return xxhash.xxh3_64_intdigest(view.routing_key.encode()) % len(loads)
+        return loads.index(min(loads))
 
     def start(self) -> None:
         """Start the policies' background tasks (cache-aware eviction)."""
@@ -77,12 +95,16 @@ class Placement:
 
     def release(self, plan: Plan) -> None:
         """The request placed by `plan` has sent its last byte (or failed)."""
+        if isinstance(plan, Single) and plan.dp_rank is not None:
+            plan.worker.rank_in_flight[plan.dp_rank] -= 1
         for w in plan.workers:
             w.in_flight -= 1
+            if w.on_release is not None:  # it drains: tell whoever waits
+                w.on_release(w)
 
     def candidates(self, role: WorkerRole, view: RequestView, exclude: Collection[Worker] = ()) -> list[Worker]:
         ready = self.registry.ready(role)
-        pool = [w for w in ready if w.breaker.allows()]
+        pool = [w for w in ready if w.breaker.admit()]
         model = view.model
         if model is not None:
             serving = [w for w in pool if w.serves(model)]
@@ -106,7 +128,9 @@ class Placement:
                                code="model_not_found")
             raise NoWorkerAvailable(_no_worker_message(role, view, ready))
         policy = self.policies[role]
-        worker = policy.select(pool, view) if len(pool) > 1 else pool[0]
+        # One candidate is the answer, unless the policy may refuse it (a target header naming another).
+        single = len(pool) == 1 and not getattr(policy, "select_single", False)
+        worker = pool[0] if single else policy.select(pool, view)
         policy.on_placed(worker, view)
         return worker
 

@@ -85,8 +85,9 @@ class PromptTokenizer:
         raise TokenizerUnavailable(f"unknown tokenizer kind {kind!r} in /tokenizer_info")
 
     @classmethod
-    def from_path(cls, path: str) -> PromptTokenizer:
-        """`--tokenizer-path`: tokenizer.json, or a folder holding it (+ tokenizer_config.json)."""
+    def from_path(cls, path: str, template: str | None = None) -> PromptTokenizer:
+        """tokenizer.json, or a folder holding it (+ tokenizer_config.json); `template` overrides the chat
+        template found there."""
         p = Path(path)
         file = p / "tokenizer.json" if p.is_dir() else p
         if not file.is_file():
@@ -99,7 +100,7 @@ class PromptTokenizer:
         def text(v: Any) -> str:
             return str(v.get("content", "")) if isinstance(v, dict) else str(v or "")
 
-        return cls._from_core(_core_from_str(file.read_text()), str(cfg.get("chat_template") or _CHATML),
+        return cls._from_core(_core_from_str(file.read_text()), template or str(cfg.get("chat_template") or _CHATML),
                               text(cfg.get("bos_token")), text(cfg.get("eos_token")))
 
     @classmethod

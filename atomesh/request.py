@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from types import MappingProxyType
 from typing import Any
 
 
@@ -11,10 +13,12 @@ class Route(StrEnum):
     COMPLETIONS = "/v1/completions"
     CHAT = "/v1/chat/completions"
     GENERATE = "/generate"
+    RESPONSES = "/v1/responses"  # OpenAI's Responses API: relayed in regular mode to workers that serve it
 
 
-# Headers that carry a sticky routing key (sessions, users), first match wins.
-ROUTING_KEY_HEADERS = ("x-session-id", "x-routing-key", "x-user-id")
+# Headers that carry a sticky routing key (sessions, users), first match wins (SMG's first).
+ROUTING_KEY_HEADERS = ("x-smg-routing-key", "x-session-id", "x-routing-key", "x-user-id")
+_NO_HEADERS: Mapping[str, str] = MappingProxyType({})
 
 
 @dataclass(slots=True)
@@ -26,6 +30,8 @@ class RequestView:
     raw: bytes | bytearray  # as received (a large body is the buffer it arrived in)
     request_id: str
     routing_key: str | None = None
+    # The client's request headers (lower-case names), for policies that read more of them.
+    headers: Mapping[str, str] = field(default_factory=lambda: _NO_HEADERS, repr=False)
     model: str | None = field(init=False)  # the requested model name, if a string
     stream: bool = field(init=False)
     _locality_text: str | None = field(default=None, repr=False)
@@ -59,6 +65,19 @@ def _content_text(content: Any) -> str:
     return ""
 
 
+def _responses_text(body: dict[str, Any]) -> str:
+    """The instructions and input of a Responses API request (a string, or a list of message items)."""
+    parts = [body["instructions"]] if isinstance(body.get("instructions"), str) else []
+    items = body.get("input")
+    if isinstance(items, str):
+        parts.append(items)
+    elif isinstance(items, list):
+        for item in items[:4096]:
+            if isinstance(item, dict):
+                parts.append(f"<|{item.get('role', '')}|>{_content_text(item.get('content'))}")
+    return "".join(parts)
+
+
 def _locality_text(route: Route, body: dict[str, Any]) -> str:
     if route is Route.CHAT:
         parts = []
@@ -66,6 +85,8 @@ def _locality_text(route: Route, body: dict[str, Any]) -> str:
             if isinstance(m, dict):
                 parts.append(f"<|{m.get('role', '')}|>{_content_text(m.get('content'))}")
         return "".join(parts)
+    if route is Route.RESPONSES:
+        return _responses_text(body)
     prompt = body.get("prompt", body.get("text"))
     if isinstance(prompt, list):
         if prompt and isinstance(prompt[0], str):

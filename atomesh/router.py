@@ -38,15 +38,12 @@ class Router:
         stream = view.stream
         meter = exchange.on_chunk = m.meter(view.route, view.model, stream)
         streaming = "true" if stream else "false"
-        m.child(m.router_requests, meter.endpoint, meter.model, streaming, self._backend_type).inc()
+        m.router_requests.labels(meter.endpoint, meter.model, streaming, self._backend_type).inc()
         try:
             await self._attempts(exchange, view)
-        except UpstreamError as e:
-            m.child(m.router_errors, meter.endpoint, meter.model, e.code).inc()
-            raise
         finally:
             meter.finish(exchange.status, exchange.body)
-            m.child(m.router_duration, meter.endpoint, meter.model, streaming).observe(
+            m.router_duration.labels(meter.endpoint, meter.model, streaming).observe(
                 time.perf_counter() - meter.started)
 
     async def _attempts(self, exchange: Exchange, view: RequestView) -> None:
@@ -55,13 +52,16 @@ class Router:
         attempt = 0
         while True:
             plan = self.placement.place(view, exclude=tried)
+            exchange.workers = tuple(w.url for w in plan.workers)
             self._count_selection(plan)
             try:
                 await self.backend.forward(exchange, view, plan)
             except UpstreamError as e:
                 self._record_failure(e, plan)
                 if exchange.committed:
-                    # The client already has part of the answer: end it in-band, never retry.
+                    # The client already has part of the answer: end it in-band, never retry. The request
+                    # failed all the same (the errors counted by serve_inference are those raised).
+                    self.metrics.request_failed(view.route, view.model, e.code)
                     await write_sse_error(exchange, e)
                     return
                 endpoint = ENDPOINTS.get(view.route, view.route)
@@ -77,9 +77,9 @@ class Router:
                 m = self.metrics
                 for w in plan.workers:
                     w.breaker.record(True)
-                    m.child(m.cb_outcomes, w.url, "success").inc()
+                    m.cb_outcomes.labels(w.url, "success").inc()
                 last = plan.workers[-1]  # the worker whose answer the client got (decode in P/D)
-                m.child(m.upstream_responses, last.url, last.role, str(exchange.status)).inc()
+                m.upstream_responses.labels(last.url, last.role, str(exchange.status)).inc()
                 return
             finally:
                 self.placement.release(plan)
@@ -92,7 +92,7 @@ class Router:
     def _count_selection(self, plan: Plan) -> None:
         m = self.metrics
         for w in plan.workers:
-            m.child(m.selections, w.url, w.role, self._policy_names[w.role]).inc()
+            m.selections.labels(w.url, w.role, self._policy_names[w.role]).inc()
 
     def _record_failure(self, e: UpstreamError, plan: Plan) -> None:
         """Charge the failure to the worker at fault (a 4xx answer is the client's fault, not the worker's)."""

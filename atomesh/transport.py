@@ -8,6 +8,8 @@ gets to an inference request goes through an `Exchange`, whichever door the requ
 from __future__ import annotations
 
 import random
+import ssl
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
@@ -25,7 +27,8 @@ from atomesh.httpclient import (
     Response,
 )
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+# Lower-case, as the worker's headers are kept: each name is sent once, ours replacing the worker's.
+SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache"}
 # Every call to a worker carries the gateway's instance id here; a request arriving with our own id
 # came back to us (the gateway registered as its own worker) and is refused (508).
 HOP_HEADER = "x-atomesh-gateway"
@@ -47,7 +50,9 @@ def upstream_error(err: HTTPClientError, url: str) -> UpstreamError:
 class Upstream:
     """The pooled keep-alive client shared by every route, backend and background task."""
 
-    def __init__(self, request_timeout_secs: float, connect_timeout_secs: float = 10.0, hop: str = "") -> None:
+    def __init__(self, request_timeout_secs: float, connect_timeout_secs: float = 10.0, hop: str = "",
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        self.ssl_context = ssl_context  # for https:// workers (--ca-cert-paths, --client-cert-path)
         self.request_timeout = request_timeout_secs
         self.connect_timeout = connect_timeout_secs
         self.hop = hop
@@ -65,7 +70,8 @@ class Upstream:
 
     async def start(self) -> None:
         # Admission control bounds concurrency; the pool only bounds what it keeps idle.
-        self._pool = ClientPool(connect_timeout=self.connect_timeout, keepalive_timeout=60.0)
+        self._pool = ClientPool(connect_timeout=self.connect_timeout, keepalive_timeout=60.0,
+                                ssl_context=self.ssl_context)
 
     async def stop(self) -> None:
         if self._pool is not None:
@@ -136,14 +142,14 @@ class Opened:
 ChunkHook = Callable[[bytes], None]
 
 
-class Exchange:
+class Exchange(ABC):
     """The client side of one inference request: where its answer goes, whichever server took it.
 
     A non-streamed answer goes out whole with `respond`; a stream with `start_stream`, `write`...,
     `end`. Once a stream has started (`committed`), nothing may be retried.
     """
 
-    __slots__ = ("body", "committed", "headers", "on_chunk", "request_id", "status")
+    __slots__ = ("body", "committed", "headers", "on_chunk", "request_id", "sent", "status", "workers")
 
     def __init__(self, request_id: str, headers: Mapping[str, str]) -> None:
         self.request_id = request_id
@@ -153,18 +159,24 @@ class Exchange:
         self.status: int | None = None
         self.body: bytes | None = None  # a whole (non-streamed) answer, kept for the token meter
         self.committed = False
+        self.workers: tuple[str, ...] = ()  # the worker(s) of the last placement (for the access log)
+        self.sent = 0  # body bytes given to the client so far
 
+    @abstractmethod
     def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
-        raise NotImplementedError
+        """Send a whole (non-streamed) answer; sets `status` and `body`."""
 
+    @abstractmethod
     async def start_stream(self, status: int, headers: Mapping[str, str]) -> None:
-        raise NotImplementedError
+        """Send a streamed answer's head; sets `status` and `committed`."""
 
+    @abstractmethod
     async def write(self, data: bytes) -> None:
-        raise NotImplementedError
+        """Send one piece of a started stream (waits while the client is slow to read)."""
 
+    @abstractmethod
     async def end(self) -> None:
-        raise NotImplementedError
+        """End a started stream."""
 
     def response_headers(self, upstream: Mapping[str, str]) -> dict[str, str]:
         """The worker's response headers (names lower-case, as the client gives them), less hop-by-hop

@@ -233,8 +233,19 @@ class System:
             p.stop()
 
 
+def venv_command(name: str) -> str:
+    """How to run `name` from this interpreter's environment in another terminal, without activating it:
+    `.venv/bin/python` under the current folder, else the absolute path."""
+    path = Path(sys.executable).parent / name
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 def usage_text(s: UpSettings) -> str:
     base = f"http://{s.host}:{s.port}"
+    python, atomesh = venv_command("python"), venv_command("atomesh")
     model = served_name(s.model)
     mode = f"P/D: {s.prefill} prefill + {s.decode} decode (atom backend, KV over Mooncake)" if s.pd \
         else f"{s.workers} regular workers"
@@ -245,7 +256,7 @@ atomesh is up: {mode}
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}],
          "max_tokens": 32, "temperature": 0}}'
 
-  python - <<'EOF'
+  {python} - <<'EOF'
   from openai import OpenAI
   client = OpenAI(base_url="{base}/v1", api_key="unused")
   for chunk in client.chat.completions.create(model="{model}", stream=True, max_tokens=64, temperature=0,
@@ -256,7 +267,7 @@ atomesh is up: {mode}
   workers:  curl {base}/workers
   metrics:  http://{s.host}:{s.metrics_port}/metrics   (engines: {base}/engine_metrics)
   logs:     {s.log_dir}/
-  bench:    atomesh bench serving --base-url {base} --random-input-len 256 --random-output-len 64
+  bench:    {atomesh} bench serving --base-url {base} --random-input-len 256 --random-output-len 64
 
 Ctrl-C stops everything.
 """

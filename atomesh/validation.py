@@ -44,6 +44,7 @@ _SHAPES_OF = {
     "input_ids": "a list of token ids or a list of token-id lists",
     "stop": "a string or a list of strings",
     "content": "a string, a list of content parts or null",
+    "input": "a string or a list of input items",
 }
 
 
@@ -133,11 +134,28 @@ class Generate(TypedDict):
     return_logprob: NotRequired[bool | None]
 
 
+class Responses(TypedDict):
+    """OpenAI's Responses API request (the fields whose type or range the gateway can check)."""
+
+    __pydantic_config__ = _OPEN  # type: ignore[misc]
+    model: NotRequired[str | None]
+    input: Annotated[str | list[Any], _IN_ORDER]
+    instructions: NotRequired[str | None]
+    stream: NotRequired[bool | None]
+    max_output_tokens: NotRequired[PositiveInt | None]
+    temperature: NotRequired[Temperature | None]
+    top_p: NotRequired[Probability | None]
+    previous_response_id: NotRequired[str | None]
+    store: NotRequired[bool | None]
+    user: NotRequired[str | None]
+
+
 _ONE_PASS_MAX = 64 * 1024  # bytes of a body decoded and checked in one pass (pydantic copies its input)
 _SHAPES: dict[Route, TypeAdapter[Any]] = {
     Route.COMPLETIONS: TypeAdapter(Completion),
     Route.CHAT: TypeAdapter(Chat),
     Route.GENERATE: TypeAdapter(Generate),
+    Route.RESPONSES: TypeAdapter(Responses),
 }
 
 

@@ -325,6 +325,9 @@ def parse_kv_transfer_config(text: str) -> KVTransferConfig:
     backend = raw.get("memory_backend", "auto")
     if backend not in MEMORY_BACKENDS:
         raise ValueError(f"--kv-transfer-config: memory_backend {backend!r} must be one of {list(MEMORY_BACKENDS)}")
+    protocol = raw.get("protocol")
+    if protocol is not None and protocol not in ("tcp", "rdma"):
+        raise ValueError(f"--kv-transfer-config: protocol {protocol!r} must be tcp or rdma")
     staging_mb = raw.get("staging_buffer_mb", 128)
     if not isinstance(staging_mb, int) or isinstance(staging_mb, bool) or not 1 <= staging_mb <= 65536:
         raise ValueError(f"--kv-transfer-config: staging_buffer_mb {staging_mb!r} must be an integer in 1..65536 (MiB)")

@@ -204,7 +204,10 @@ def _prefill(
             starts.append(starts[-1] + q_len)
         for i in meta.cached_seqs:
             q_len, cached, start = meta.query_lens[i], meta.cached_lens[i], starts[i]
-            kc, vc = gather_kv(kv_cache, meta.block_tables[i], cached + q_len, q.dtype)
+            # Only the cached part is read back from the cache; this step's own keys are at hand.
+            kp, vp = gather_kv(kv_cache, meta.block_tables[i], cached, q.dtype)
+            kc = torch.cat([kp, k[start : start + q_len]])
+            vc = torch.cat([vp, v[start : start + q_len]])
             # Query j sits at absolute position cached + j. Padding the queries with `cached` zero
             # rows in front makes that plain causal attention, which runs on the fused kernels; an
             # explicit mask would fall to the slow math kernel. The padding rows are dropped.

@@ -175,32 +175,38 @@ def roofline_tok_s(loaded: LoadedModel, engine_dtype: torch.dtype, batch: int, c
 
 
 def prefix_row(loaded: LoadedModel, args: EngineArgs, length: int, runs: int = 3) -> dict[str, float]:
-    """Median prefill seconds of a ``length``-token prompt: no cache, a one-block hit, a half-prompt hit.
+    """Median prefill seconds of a ``length``-token prompt: caching off, a miss, a one-block hit, a half hit.
 
     Each timed prompt shares its first tokens with a prompt served before it and has a suffix of
-    its own, so only the intended prefix can come from the cache.
+    its own, so only the intended prefix can come from the cache. The three cases take turns run by
+    run, so a machine whose load changes during the row slows them alike.
     """
     vocab = loaded.config.vocab_size
     base = _prompts(1, length, vocab, 4242)[0]
-    out: dict[str, float] = {}
-    for name, shared, caching in (("no_cache", 0, False), ("one_block_hit", args.block_size, True),
-                                  ("half_hit", length // 2 // args.block_size * args.block_size, True)):  # fmt: skip
-        engine = LLMEngine(replace(args, enable_prefix_caching=caching), loaded=loaded)
-        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    half = length // 2 // args.block_size * args.block_size
+    # Shared leading tokens per case; -1: caching on, but the prompt shares nothing (a miss).
+    cases = {"no_cache": 0, "cache_miss": -1, "one_block_hit": args.block_size, "half_hit": half}
+    engines: dict[str, LLMEngine] = {}
+    for name, shared in cases.items():
+        engine = LLMEngine(replace(args, enable_prefix_caching=shared != 0), loaded=loaded)
         engine.generate([base[:32]], params)  # warm-up: kernels compiled
         engine.generate([base], params)  # base's blocks in the prefix cache (when caching)
-        times = []
-        for run in range(runs):
-            prompt = base[:shared] + _prompts(1, length - shared, vocab, 5000 + run)[0]
+        engines[name] = engine
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for run in range(runs):
+        suffix = _prompts(1, length, vocab, 5000 + run)[0]
+        for name, shared in cases.items():
+            engine = engines[name]
+            prompt = base[: max(shared, 0)] + suffix[: length - max(shared, 0)]
             _sync(engine.device)
             t0 = time.perf_counter()
             engine.generate([prompt], params)
             _sync(engine.device)
-            times.append(time.perf_counter() - t0)
-        out[name] = statistics.median(times)
-        del engine
-        gc.collect()
-    return out
+            times[name].append(time.perf_counter() - t0)
+    engines.clear()
+    gc.collect()
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def profile_step(engine: LLMEngine, prompt_len: int, steps: int = 200) -> dict[str, float]:
@@ -352,7 +358,7 @@ def main() -> None:
         blocks = (a.prefix_row + 64) // args.block_size * 4
         one = replace(args, max_num_seqs=1, cudagraph_capture_sizes=(1,), num_kvcache_blocks=blocks,
                       max_model_len=a.prefix_row + 16)  # fmt: skip
-        prefix = prefix_row(loaded, one, a.prefix_row)
+        prefix = prefix_row(loaded, one, a.prefix_row, runs=max(3, a.runs))
     if prefix:
         print(f"prefill of one {a.prefix_row}-token prompt: " + ", ".join(f"{k} {v:.3f} s" for k, v in prefix.items()))
     if profile:

@@ -194,6 +194,18 @@ class BlockManager:
             self._forget(self.blocks[block_id])
         self.deallocate(seq)
 
+    def flush(self) -> int:
+        """Forget the prefix hashes of every free block (SGLang's /flush_cache); returns how many.
+
+        Blocks in use keep theirs: the sequences holding them still read that KV."""
+        flushed = 0
+        for block_id in self._free:
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                self._forget(block)
+                flushed += 1
+        return flushed
+
     def can_append(self, seq: Sequence) -> bool:
         """Whether the next decode step of ``seq`` (writing its last token's KV) has room."""
         return len(seq.block_table) >= seq.num_blocks or len(self._free) > 0

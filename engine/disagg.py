@@ -1,4 +1,4 @@
-"""The engine's side of prefill/decode disaggregation (ATOM's relay, PROTOCOLS.md §3-4).
+"""The engine's side of prefill/decode disaggregation (ATOM's relay; docs/pd.md, docs/kv_transfer.md).
 
 A `kv_producer` (prefill) engine runs a request for one token, keeps its prompt's KV blocks pinned,
 and answers with `kv_transfer_params` saying where they are; the decode engine pushes nothing and
@@ -117,7 +117,7 @@ class Disaggregation:
         regions = [view_region(v) for v in views]
         if self.backend is MemoryBackend.STAGED:
             self.staging = StagingBuffer(views, self.config.staging_buffer_mb << 20)
-        self.agent = MooncakeAgent(self.host)
+        self.agent = MooncakeAgent(self.host, protocol=self.config.protocol)
         self.agent.register(regions if self.staging is None else [self.staging.region])
         if self.role == PRODUCER:
             self.producer = KVProducer(self.agent, regions, host=self.host,

@@ -1,8 +1,8 @@
 """``python -m engine.openai_server``: the ATOM-compatible OpenAI HTTP server of the engine.
 
-Endpoints: POST /v1/completions, /v1/chat/completions (SSE when ``stream``); GET /v1/models,
-/health, /metrics, /server_info, /kv_transfer_info. Errors are OpenAI-shaped, rendered in one
-middleware from the engine's error hierarchy.
+Endpoints: POST /v1/completions, /v1/chat/completions, /generate (SSE when ``stream``), /flush_cache;
+GET /v1/models, /health, /health_generate, /get_model_info, /metrics, /server_info, /kv_transfer_info.
+Errors are OpenAI-shaped, rendered in one middleware from the engine's error hierarchy.
 """
 
 from __future__ import annotations
@@ -155,6 +155,51 @@ class ChatBody(_SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
 
 
+class GenerateSampling(BaseModel):
+    """SGLang's ``sampling_params`` of POST /generate (the fields this engine implements)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int | None = Field(default=128, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1)
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+
+
+class GenerateBody(BaseModel):
+    """POST /generate (SGLang's native route): one prompt as ``text`` or ``input_ids``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
+    stream: bool = False
+    # A P/D prefill leg may also carry OpenAI's field (atomesh sets both).
+    max_tokens: int | None = Field(default=None, ge=1)
+    kv_transfer_params: dict[str, Any] | None = None
+
+    def as_completion(self) -> CompletionBody:
+        """The same request as a /v1/completions body (one path through the engine)."""
+        prompt: Any = self.text if self.text is not None else self.input_ids
+        if prompt is None:
+            raise InvalidRequestError("'text' or 'input_ids' is required")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise InvalidRequestError("batched prompts are not supported; send one prompt per request")
+            prompt = prompt[0]
+        sp = self.sampling_params
+        return CompletionBody(
+            model=self.model, prompt=prompt, stream=self.stream, kv_transfer_params=self.kv_transfer_params,
+            max_tokens=self.max_tokens if self.max_tokens is not None else sp.max_new_tokens,
+            temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, stop=sp.stop, ignore_eos=sp.ignore_eos,
+            seed=sp.seed)
+
+
 # -- the app ---------------------------------------------------------------------------------------
 
 
@@ -204,7 +249,7 @@ def _json(body: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
 
-async def _read_body(request: web.Request, model: type[_SamplingBody]) -> Any:
+async def _read_body(request: web.Request, model: type[BaseModel]) -> Any:
     raw = await request.read()
     try:
         data = orjson.loads(raw)
@@ -229,6 +274,18 @@ async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions."""
     state = request.app[STATE]
     body: CompletionBody = await _read_body(request, CompletionBody)
+    return await _generate(request, state, body, _prompt_ids(state, body), chat=False)
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    """POST /generate: SGLang's native route, answered in its shape (`text`, `meta_info`)."""
+    state = request.app[STATE]
+    native: GenerateBody = await _read_body(request, GenerateBody)
+    body = native.as_completion()
+    return await _generate(request, state, body, _prompt_ids(state, body), chat=False, native=True)
+
+
+def _prompt_ids(state: ServerState, body: CompletionBody) -> list[int]:
     _check_model(state, body.model)
     body.refuse_unsupported()
     prompt: Any = body.prompt
@@ -243,7 +300,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         vocab = state.engine.engine.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-    return await _generate(request, state, body, ids, chat=False)
+    return ids
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -262,7 +319,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _generate(
-    request: web.Request, state: ServerState, body: _SamplingBody, ids: list[int], chat: bool
+    request: web.Request, state: ServerState, body: _SamplingBody, ids: list[int], chat: bool, native: bool = False
 ) -> web.StreamResponse:
     arrived = time.monotonic()
     params, limit_given = body.sampling_params()
@@ -284,8 +341,11 @@ async def _generate(
     try:
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
+            if native:
+                return await _stream_native(request, outputs, request_id)
             return await _stream(request, state, outputs, request_id, created, chat, include_usage)
-        resp = await _collect(state, outputs, request_id, created, chat)
+        resp = await (_collect_native(outputs, request_id) if native
+                      else _collect(state, outputs, request_id, created, chat))
         if role == "kv_producer":
             assert disagg is not None
             seq = handle.seq
@@ -328,6 +388,47 @@ async def _collect(
             "usage": _usage(last),
         }
     )
+
+
+def _meta_info(request_id: str, out: RequestOutput) -> dict[str, Any]:
+    """SGLang's `meta_info` of a /generate answer."""
+    return {"id": request_id, "finish_reason": {"type": out.finish_reason} if out.finish_reason else None,
+            "prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+            "cached_tokens": out.cached_tokens}
+
+
+async def _collect_native(outputs: AsyncIterator[RequestOutput], request_id: str) -> web.Response:
+    text: list[str] = []
+    last: RequestOutput | None = None
+    async for out in outputs:
+        if out.error is not None:
+            raise out.error
+        text.append(out.text)
+        last = out
+    assert last is not None
+    return _json({"text": "".join(text), "meta_info": _meta_info(request_id, last)})
+
+
+async def _stream_native(
+    request: web.Request, outputs: AsyncIterator[RequestOutput], request_id: str
+) -> web.StreamResponse:
+    """SGLang's /generate stream: each event carries the whole text so far."""
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": request_id}
+    )
+    await resp.prepare(request)
+    text = ""
+    async for out in outputs:
+        if out.error is not None:
+            await resp.write(b"data: " + orjson.dumps(out.error.body()) + b"\n\n")
+            break
+        if not out.text and not out.finished:
+            continue
+        text += out.text
+        await resp.write(b"data: " + orjson.dumps({"text": text, "meta_info": _meta_info(request_id, out)}) + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
 
 
 async def _timed(
@@ -421,6 +522,34 @@ async def health(request: web.Request) -> web.Response:
     return _json({"status": "ok"})
 
 
+async def health_generate(request: web.Request) -> web.Response:
+    """GET /health_generate: generate one token, so a router knows the model really runs."""
+    state = request.app[STATE]
+    ids = state.engine.engine.tokenizer.encode("ping")[:8] or [0]
+    handle = state.engine.submit(ids, SamplingParams(temperature=0.0, max_tokens=1), True)
+    try:
+        async for out in state.engine.stream(handle):
+            if out.error is not None:
+                raise out.error
+    finally:
+        state.engine.abort(handle.seq_id)
+    return _json({"status": "ok"})
+
+
+async def get_model_info(request: web.Request) -> web.Response:
+    """GET /get_model_info: SGLang's shape."""
+    state = request.app[STATE]
+    return _json({"model_path": state.args.model, "tokenizer_path": state.args.model,
+                  "served_model_name": state.served_model_name, "is_generation": True,
+                  "max_model_len": state.engine.engine.max_model_len})
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    """POST /flush_cache: forget the prefix cache's free blocks (blocks in use keep theirs)."""
+    flushed = request.app[STATE].engine.engine.block_manager.flush()
+    return _json({"status": "ok", "flushed_blocks": flushed})
+
+
 async def metrics(request: web.Request) -> web.Response:
     """GET /metrics: Prometheus text from the server's own registry."""
     registry = request.app[STATE].metrics.registry
@@ -510,7 +639,11 @@ def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/generate", generate)
     app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health_generate)
+    app.router.add_get("/get_model_info", get_model_info)
+    app.router.add_post("/flush_cache", flush_cache)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/server_info", server_info)
     app.router.add_get("/kv_transfer_info", kv_transfer_info)

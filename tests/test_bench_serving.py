@@ -33,6 +33,7 @@ def test_summary_percentiles() -> None:
 @pytest.mark.timeout(120)
 async def test_bench_serving_sweep_through_the_gateway(mock_workers: MakeWorkers, gateway: MakeGateway,
                                                        tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the bench extra)")
     workers = await mock_workers(2, stream_chunks=8)
     gw = await gateway(worker_urls=[w.url for w in workers])
     result, plot = tmp_path / "r.json", tmp_path / "sweep.png"

@@ -58,7 +58,10 @@ def test_flags_win_over_the_config_file(tmp_path: Path) -> None:
     ({"prefill": [{"url": "http://p:1"}]}, "--prefill needs --pd-disaggregation"),
     ({"port": 70000}, "--port"),
     ({"tls_cert_path": "/x.pem"}, "--tls-key-path"),
-    ({"dp_aware": True}, "not implemented yet"),
+    ({"dp_aware": True, "pd_disaggregation": True}, "regular mode only"),
+    ({"policy": "manual"}, "policy 'manual' is refused"),
+    ({"chat_template": "/x.jinja"}, "--chat-template needs --model-path or --tokenizer-path"),
+    ({"client_cert_path": "/c.pem"}, "--client-key-path"),
     ({"service_discovery": True}, "--service-discovery needs --selector"),
     ({"bogus_setting": 1}, "bogus_setting"),
 ])
@@ -140,3 +143,14 @@ def test_configuration_reference_is_in_sync() -> None:
 
     doc = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
     assert doc.read_text() == reference_markdown(), "run: atomesh config-reference > docs/configuration.md"
+
+
+@pytest.mark.timeout(60)
+def test_help_shows_whole_option_names_on_an_80_column_terminal() -> None:
+    env = {**os.environ, "COLUMNS": "80"}
+    for args, names in ((["up"], ["--kv-cache-memory-gb", "--startup-timeout"]),
+                        (["bench", "serving"], ["--prompts-per-concurrency", "--percentile-metrics"]),
+                        (["launch"], ["--health-check-interval-secs", "--access-log-sample-rate"])):
+        out = subprocess.run([*ATOMESH, *args, "--help"], capture_output=True, text=True, timeout=30, env=env).stdout
+        assert "…" not in out and "╭" not in out, out[:400]  # one plain style, nothing cut
+        assert all(n in out for n in names), (args, out[:400])

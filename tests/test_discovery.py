@@ -257,7 +257,8 @@ async def test_namespace_scoping(kube: KubeApiServer, engines: Engines, gateway:
     kube.add_pod(NS, "mine", "127.0.0.51", ENGINE)
     kube.add_pod("other-team", "theirs", "127.0.0.52", ENGINE)
     gw = await gateway(**discovering(engines))
-    await wait_for(lambda: len(urls(gw)) == 1, what="own pod")
+    # The bookmark goes to open watches only: wait for the gateway's (a loaded machine opens it late).
+    await wait_for(lambda: len(urls(gw)) == 1 and len(kube._watches) == 1, what="own pod, watching")
     kube.add_pod("other-team", "theirs-2", "127.0.0.52", ENGINE)
     kube.add_pod(NS, "mine-2", "127.0.0.52", {"app": "web"})
     kube.bookmark()

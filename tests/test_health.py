@@ -9,9 +9,12 @@ import time
 
 import aiohttp
 import pytest
+import structlog
 from gwtest import MakeGateway, base_url, free_port, wait_for
 
-from atomesh.workers.worker import WorkerState
+from atomesh.workers.health import HealthChecker
+from atomesh.workers.registry import WorkerRegistry
+from atomesh.workers.worker import Worker, WorkerState
 
 
 @pytest.mark.timeout(60)
@@ -70,3 +73,25 @@ async def test_pending_worker_shows_why_and_fails_after_startup_timeout(gateway:
             await asyncio.sleep(0.05)
         assert state["state"] == "failed" and "did not become healthy within 1.5s" in state["error"], state
     silent.close()
+
+
+@pytest.mark.timeout(30)
+async def test_a_probe_that_raises_does_not_end_health_checking() -> None:
+    registry = WorkerRegistry()
+    worker = Worker(url="http://127.0.0.1:1")
+    registry.add(worker)
+    registry.set_state(worker, WorkerState.READY)
+    calls = []
+
+    async def probe(w: Worker) -> tuple[bool, str]:
+        calls.append(w)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in one round")
+        return False, "down"
+
+    checker = HealthChecker(registry, probe, interval=0.01, failure_threshold=2, success_threshold=1)
+    with structlog.testing.capture_logs() as logs:
+        checker.start()
+        await wait_for(lambda: worker.state is WorkerState.UNHEALTHY, what="the worker marked unhealthy")
+        await checker.stop()
+    assert any(e["event"] == "periodic_round_failed" and e["task"] == f"health {worker.url}" for e in logs)

@@ -450,8 +450,10 @@ def test_kv_aware_flags_are_checked() -> None:
 
     with pytest.raises(ValidationError, match="WORKER_URL"):
         GatewayConfig.model_validate({"policy": "kv_aware", "kv_events_endpoints": ["tcp://h:1"]})
-    with pytest.raises(ValidationError, match=r"tokenizer\.json"):
-        GatewayConfig.model_validate({"policy": "kv_aware", "tokenizer_path": "/nonexistent"})
+    from atomesh.policies import PolicyNotAvailable, make_policy
+
+    with pytest.raises(PolicyNotAvailable, match="--tokenizer-path"):
+        make_policy("kv_aware", GatewayConfig.model_validate({"policy": "kv_aware", "tokenizer_path": "/nonexistent"}))
     pd = GatewayConfig.model_validate({"policy": "kv_aware", "pd_disaggregation": True,
                                        "prefill": [{"url": "http://p:1"}], "decode": ["http://d:1"]})
     assert _pool_policy(pd, WorkerRole.PREFILL) == "kv_aware" and _pool_policy(pd, WorkerRole.DECODE) == "least_load"

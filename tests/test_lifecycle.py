@@ -12,9 +12,15 @@ import aiohttp
 import pytest
 from gwtest import MakeGateway, MakeWorkers, base_url, wait_for
 
-from atomesh.transport import backoff_delays
+from atomesh.config import BackendKind
+from atomesh.placement import Placement
+from atomesh.policies.round_robin import RoundRobinPolicy
+from atomesh.request import RequestView, Route
+from atomesh.transport import Upstream, backoff_delays
 from atomesh.workers.breaker import BreakerSettings, BreakerState, CircuitBreaker
-from atomesh.workers.worker import IllegalTransition, WorkerState, check_transition
+from atomesh.workers.lifecycle import Lifecycle
+from atomesh.workers.registry import WorkerRegistry
+from atomesh.workers.worker import IllegalTransition, Worker, WorkerRole, WorkerState, check_transition
 
 COMPLETION = {"model": "mock-model", "prompt": "hello", "max_tokens": 3}
 
@@ -42,15 +48,17 @@ def test_breaker_opens_half_opens_and_closes() -> None:
     b.record(True)  # a success resets the consecutive count
     b.record(False)
     b.record(False)
-    assert b.state is BreakerState.CLOSED and b.allows()
+    assert b.state is BreakerState.CLOSED and b.admit()
     b.record(False)
-    assert b.state is BreakerState.OPEN and not b.allows()
+    assert b.state is BreakerState.OPEN and b.is_open and not b.admit()
     now[0] = 10.5
-    assert b.allows() and b.state is BreakerState.HALF_OPEN
+    # The query changes nothing; admit() is what moves an expired open breaker to half-open.
+    assert not b.is_open and b.state is BreakerState.OPEN
+    assert b.admit() and b.state is BreakerState.HALF_OPEN
     b.record(False)  # any failure while half-open reopens
     assert b.state is BreakerState.OPEN
     now[0] = 21
-    assert b.allows()
+    assert b.admit()
     b.record(True)
     b.record(True)
     assert b.state is BreakerState.CLOSED
@@ -65,6 +73,39 @@ def test_backoff_grows_with_jitter_and_is_capped() -> None:
     assert 0.16 <= got[1] <= 0.24
     assert all(d <= 1.0 for d in got)
     assert got[-1] >= 0.8
+
+
+VIEW = RequestView(Route.COMPLETIONS, {"prompt": "hi"}, b"", "r")
+
+
+async def test_a_drain_ends_when_its_last_request_does_not_on_a_timer() -> None:
+    """The drain job wakes on the release of the worker's last request (and on other processes'
+    reports), so the worker is removed within a few event-loop turns, with no polling interval."""
+    registry = WorkerRegistry()
+    lifecycle = Lifecycle(registry, Upstream(5.0), backend=BackendKind.SGLANG, breaker=BreakerSettings(),
+                          startup_timeout=1, check_interval=1, probe_timeout=1, health_endpoint="/health")
+    placement = Placement(registry, {WorkerRole.REGULAR: RoundRobinPolicy()}, pd=False)
+    worker = Worker(url="http://127.0.0.1:1")
+    registry.add(worker)
+    registry.set_state(worker, WorkerState.READY)
+    first, second = placement.place(VIEW), placement.place(VIEW)
+    worker.remote_in_flight = 1  # another gateway process has one too
+    job = lifecycle.remove(worker, grace=None)
+    assert job is not None and worker.state is WorkerState.DRAINING
+    second_job = lifecycle.remove(worker, grace=None)  # a second DELETE waits on the same drain
+    for plan in (first, second):
+        placement.release(plan)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not job.done()
+    worker.remote_in_flight = 0
+    assert worker.on_release is not None
+    worker.on_release(worker)  # what atomesh.cluster.leader does when the last report comes in
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert job.done() and second_job is not None and second_job.done()
+    assert worker.state is WorkerState.REMOVED and worker.on_release is None
+    await lifecycle.stop()
 
 
 # ---------------------------------------------------------------------------- admin API

@@ -76,6 +76,10 @@ async def test_json_logs_carry_request_ids_and_lifecycle_events(mock_workers: Ma
             async with http.delete(base + "/workers/" + leaving.url.replace(":", "%3A").replace("/", "%2F")) as r:
                 assert r.status == 202, await r.text()
             await until("worker_removed")
+            # The access log never carries a credential, wherever the client put it.
+            async with http.get(base + "/v1/models?api_key=sekrit-query",
+                                headers={"Authorization": "Bearer sekrit-header", "x-request-id": "models-1"}) as r:
+                assert r.status == 200
         proc.send_signal(signal.SIGTERM)
         await asyncio.wait_for(proc.wait(), 15)
     finally:
@@ -96,6 +100,15 @@ async def test_json_logs_carry_request_ids_and_lifecycle_events(mock_workers: Ma
     # Lines logged while serving a request carry its id.
     failed = [e for e in events if e["event"] in ("request_failed", "retrying")]
     assert failed and all(e.get("request_id", "").startswith("req-") for e in failed), failed
+    # One access log line per request, with its id, route, status, worker and timing.
+    access = [e for e in events if e["event"] == "request"]
+    served = [e for e in access if e["request_id"].startswith("req-")]
+    assert served and all(e["method"] == "POST" and e["path"] == "/v1/completions" and e["latency_ms"] >= 0
+                          and e["worker"] in (stay.url, flaky.url, leaving.url) and e["bytes"] > 0
+                          for e in served), served[:3]
+    [models] = [e for e in access if e["request_id"] == "models-1"]
+    assert models["path"] == "/v1/models" and models["status"] == 200
+    assert "sekrit" not in log_file.read_text()
     # Lifecycle lines from background tasks carry no stale request id.
     assert all("request_id" not in e for e in events if e["event"] in ("worker_unhealthy", "worker_healthy"))
 
@@ -129,3 +142,22 @@ def test_setup_logging_renders_every_record_and_filters_by_level(tmp_path: Path)
             assert lines[0]["request_id"] == "r-1" and lines[0]["level"] == "warning"
             assert lines[1]["logger"] == "aiohttp.server" and lines[1]["level"] == "error"
             assert "ZeroDivisionError" in lines[2]["exception"]
+
+
+def test_access_log_sampling_and_off() -> None:
+    from structlog.testing import capture_logs
+
+    from atomesh.api.middleware import HttpAccounting
+    from atomesh.metrics import Metrics
+
+    def lines(rate: float, statuses: list[int]) -> list[dict[str, Any]]:
+        acc = HttpAccounting(["x-request-id"], Metrics([1.0]), 1024, access_log_sample_rate=rate)
+        with capture_logs() as logs:
+            for status in statuses:
+                acc.end("POST", "/v1/completions", status, acc.begin("POST", "/v1/completions"), None, "r")
+        return [e for e in logs if e["event"] == "request"]
+
+    assert len(lines(1.0, [200] * 10)) == 10
+    assert lines(0.0, [200, 500, 429]) == []  # off
+    sampled = lines(0.01, [200] * 200 + [503, 400])
+    assert [e["status"] for e in sampled][-2:] == [503, 400] and len(sampled) < 60  # errors always written

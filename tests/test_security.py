@@ -81,6 +81,11 @@ async def test_admin_key_closes_admin_and_leaves_inference_open(mock_workers: Ma
 BAD_REQUESTS = [
     ("/v1/completions", {"model": "mock-model", "prompt": "x", "max_tokens": "abc"}, "max_tokens"),
     ("/v1/completions", {"model": "mock-model", "prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"model": "mock-model", "prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+    ("/v1/completions", {"model": "mock-model", "prompt": "x", "max_tokens": True}, "max_tokens"),
+    ("/v1/chat/completions", {"model": "mock-model", "messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": -5}, "max_completion_tokens"),
+    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
     ("/v1/completions", {"model": "mock-model", "prompt": "x", "temperature": "hot"}, "temperature"),
     ("/v1/completions", {"model": "mock-model", "prompt": "x", "top_p": 1.5}, "top_p"),
     ("/v1/completions", {"model": "mock-model", "prompt": {"a": 1}}, "prompt"),

@@ -62,6 +62,8 @@ def _children_of(pid: int) -> list[int]:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["pd", "plain"])
 def test_up_serves_openai_clients_and_stops_on_ctrl_c(tmp_path: Path, mode: str) -> None:
+    if mode == "pd":
+        pytest.importorskip("mooncake.engine", reason="P/D engines relay KV over Mooncake (make install puts it in)")
     extra = ["--handshake-port", str(free_port_pair())] if mode == "pd" else ["--no-pd", "--workers", "2"]
     proc, port = _start_up(tmp_path, *extra)
     try:

@@ -148,8 +148,23 @@ async def flush_cache(request: web.Request) -> web.Response:
             return {"worker": w.url, "error": e.message}
 
     results = await asyncio.gather(*(one(w) for w in workers))
-    ok = all(r.get("status", 500) < 300 for r in results)
-    return json_response({"status": "ok" if ok else "partial", "workers": results}, status=200 if ok else 502)
+    flushed = [r for r in results if r.get("status", 500) < 300]
+    # A worker without the route (404 / 405 / 501) does not have a cache to flush: that is no failure.
+    unsupported = [r for r in results if r.get("status") in _NO_FLUSH_ROUTE]
+    failed = len(results) - len(flushed) - len(unsupported)
+    if failed:
+        status, http = ("partial" if flushed else "failed"), 502
+    elif results and not flushed:
+        status, http = "unsupported", 501
+    else:
+        status, http = "ok", 200
+    body: dict[str, Any] = {"status": status, "workers": results}
+    if status == "unsupported":
+        body["message"] = "no worker serves POST /flush_cache"
+    return json_response(body, status=http)
+
+
+_NO_FLUSH_ROUTE = frozenset({404, 405, 501})
 
 
 def setup(app: web.Application) -> None:

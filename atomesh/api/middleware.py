@@ -1,9 +1,10 @@
-"""Cross-cutting HTTP concerns: request ids, the one error-to-response mapping, HTTP metrics."""
+"""Cross-cutting HTTP concerns: request ids, the one error-to-response mapping, HTTP metrics, the access log."""
 
 from __future__ import annotations
 
 import itertools
 import os
+import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -18,6 +19,10 @@ from atomesh.transport import HOP_HEADER
 LOOP_MESSAGE = "this request came from this gateway: a worker URL points back at the gateway itself"
 
 log = structlog.get_logger("atomesh.api")
+access_log = structlog.get_logger("atomesh.access")
+
+# The status counted and logged for a request whose client went away before any answer (as nginx).
+CLIENT_GONE = 499
 
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
 
@@ -70,8 +75,10 @@ class HttpAccounting:
     its request id, the `mesh_http_*` metrics, the error-to-response mapping and the failure log."""
 
     def __init__(self, request_id_headers: Sequence[str], metrics: Metrics, max_payload: int,
-                 instance_id: str = "") -> None:
+                 instance_id: str = "", access_log_sample_rate: float = 1.0) -> None:
         self.instance_id = instance_id  # the gateway's hop mark (atomesh.transport.HOP_HEADER)
+        # Share of successful requests logged (errors always are, unless the access log is off: 0).
+        self.sample_rate = access_log_sample_rate
         self.id_headers = tuple(h.lower() for h in request_id_headers)
         self.metrics = metrics
         self.max_payload = max_payload
@@ -87,23 +94,33 @@ class HttpAccounting:
     def begin(self, method: str, path: str) -> float:
         # Labels are the route pattern (never the raw path, which may carry ids) and a known method.
         m = self.metrics
-        m.child(m.http_requests, method if method in _METHODS else "OTHER", path).inc()
+        m.http_requests.labels(method if method in _METHODS else "OTHER", path).inc()
         m.http_active.inc()
         return time.perf_counter()
 
-    def end(self, method: str, path: str, status: int, started: float, admission: str | None) -> None:
-        """`admission` is the admission result of an inference request (None for other routes)."""
+    def end(self, method: str, path: str, status: int, started: float, admission: str | None,
+            request_id: str = "", workers: Sequence[str] = (), sent: int = 0, target: str | None = None) -> None:
+        """One request answered (or abandoned by its client: `status` 499, or that of the stream it cut):
+        the metrics and the access log line. `admission` is the admission result of an inference
+        request (None for other routes); `target` the raw path, when it is not the route's own."""
         m = self.metrics
         m.http_active.dec()
         if admission is not None:
-            m.child(m.rate_limit, admission).inc()
-        m.child(m.http_responses, path, str(status)).inc()
-        m.child(m.http_duration, method if method in _METHODS else "OTHER", path).observe(
-            time.perf_counter() - started)
+            m.rate_limit.labels(admission).inc()
+        m.http_responses.labels(path, str(status)).inc()
+        elapsed = time.perf_counter() - started
+        m.http_duration.labels(method if method in _METHODS else "OTHER", path).observe(elapsed)
+        if self.sample_rate > 0 and (status >= 400 or self.sample_rate >= 1 or random.random() < self.sample_rate):
+            access_log.info("request", request_id=request_id, method=method, path=target or path, status=status,
+                            worker=",".join(workers) or None, latency_ms=round(elapsed * 1000, 3), bytes=sent)
 
-    def refused(self, status: int) -> None:
+    def refused(self, status: int, request_id: str | None = None, target: bytes = b"", sent: int = 0) -> None:
         """A request the front door answered itself, its head or body at fault (no route is known)."""
-        self.metrics.child(self.metrics.http_responses, "unmatched", str(status)).inc()
+        self.metrics.http_responses.labels("unmatched", str(status)).inc()
+        if self.sample_rate > 0:
+            access_log.info("request", request_id=request_id, method=None, status=status,
+                            path=_bare_path(target.decode("latin-1")) or None, worker=None, latency_ms=None,
+                            bytes=sent)
 
     @staticmethod
     def failed(err: GatewayError) -> str:
@@ -111,6 +128,11 @@ class HttpAccounting:
         if err.status >= 500:
             log.warning("request_failed", status=err.status, code=err.code, error=err.message)
         return _ADMISSION_RESULTS.get(err.code, "allowed")
+
+
+def _bare_path(target: str) -> str:
+    """A request target without its query (which may carry tokens), bounded for a log line."""
+    return target.partition("?")[0][:512]
 
 
 def make_middleware(accounting: HttpAccounting) -> Middleware:
@@ -150,11 +172,13 @@ def make_middleware(accounting: HttpAccounting) -> Middleware:
             log.exception("request_crashed", method=method, path=path)
             resp = json_error(500, "internal gateway error", "internal_error", "internal_error", rid)
         except BaseException:
-            acc.metrics.http_active.dec()  # cancelled: the client went away, there is no response
+            # Cancelled: the client went away before the answer was complete.
+            acc.end(method, path, CLIENT_GONE, started, None, rid, target=_bare_path(request.path))
             raise
         if not resp.prepared:
             resp.headers.setdefault("x-request-id", rid)
-        acc.end(method, path, resp.status, started, admission)
+        sent = resp.body_length if resp.prepared else (resp.content_length or 0)
+        acc.end(method, path, resp.status, started, admission, rid, target=_bare_path(request.path), sent=sent)
         return resp
 
     return gateway_middleware

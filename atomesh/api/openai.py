@@ -9,7 +9,7 @@ import orjson
 from aiohttp import web
 
 from atomesh.api.middleware import LOOP_MESSAGE, REQUEST_ID
-from atomesh.errors import LoopDetected, NoWorkerAvailable, ShuttingDown, UpstreamStatus
+from atomesh.errors import GatewayError, LoopDetected, NotServed, NoWorkerAvailable, ShuttingDown, UpstreamStatus
 from atomesh.gateway import GATEWAY, Gateway
 from atomesh.request import ROUTING_KEY_HEADERS, RequestView, Route
 from atomesh.transport import HOP_HEADER, Exchange
@@ -17,25 +17,38 @@ from atomesh.validation import parse_request
 
 
 async def serve_inference(gw: Gateway, route: Route, raw: bytes | bytearray, exchange: Exchange) -> None:
-    """One inference request, whichever server took it: parse, validate, admit, route."""
-    headers = exchange.headers
-    if headers.get(HOP_HEADER) == gw.instance_id:
-        raise LoopDetected(LOOP_MESSAGE)
-    gw.keys.check_inference(headers)
-    if gw.shutting_down:
-        raise ShuttingDown("the gateway is shutting down")
-    body = parse_request(route, raw)
-    key = None
-    for h in ROUTING_KEY_HEADERS:
-        if key := headers.get(h):
-            break
-    view = RequestView(route=route, body=body, raw=raw, request_id=exchange.request_id, routing_key=key or None)
-    gw.request_started()
+    """One inference request, whichever server took it: parse, validate, admit, route.
+
+    Every failure raised here, the gateway's own refusals included, counts in
+    `mesh_router_request_errors_total`."""
+    body: dict[str, Any] | None = None
     try:
-        async with gw.admission.permit():
-            await gw.router.serve(exchange, view)
-    finally:
-        gw.request_finished()
+        headers = exchange.headers
+        if headers.get(HOP_HEADER) == gw.instance_id:
+            raise LoopDetected(LOOP_MESSAGE)
+        gw.keys.check_inference(headers)
+        if gw.shutting_down:
+            raise ShuttingDown("the gateway is shutting down")
+        if route is Route.RESPONSES and gw.config.pd_disaggregation:
+            raise NotServed("POST /v1/responses is relayed in regular mode only: a Responses API request cannot "
+                            "be split into prefill and decode legs")
+        body = parse_request(route, raw)
+        key = None
+        for h in ROUTING_KEY_HEADERS:
+            if key := headers.get(h):
+                break
+        view = RequestView(route=route, body=body, raw=raw, request_id=exchange.request_id, routing_key=key or None,
+                           headers=headers)
+        gw.request_started()
+        try:
+            async with gw.admission.permit():
+                await gw.router.serve(exchange, view)
+        finally:
+            gw.request_finished()
+    except GatewayError as e:
+        model = body.get("model") if body is not None else None
+        gw.metrics.request_failed(route, model if isinstance(model, str) else None, e.code)
+        raise
 
 
 class AiohttpExchange(Exchange):
@@ -50,6 +63,7 @@ class AiohttpExchange(Exchange):
 
     def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
         self.status, self.body = status, body
+        self.sent = len(body)
         self.response = web.Response(body=body, status=status, headers=headers)
 
     async def start_stream(self, status: int, headers: Mapping[str, str]) -> None:
@@ -60,6 +74,7 @@ class AiohttpExchange(Exchange):
 
     async def write(self, data: bytes) -> None:
         assert self.response is not None
+        self.sent += len(data)
         await self.response.write(data)
 
     async def end(self) -> None:

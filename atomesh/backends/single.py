@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import orjson
+
 from atomesh.errors import UpstreamError
 from atomesh.placement import Plan, Single
 from atomesh.request import RequestView
@@ -18,8 +20,10 @@ class SingleBackend:
     async def forward(self, exchange: Exchange, view: RequestView, plan: Plan) -> None:
         assert isinstance(plan, Single), "regular mode places single workers"
         worker = plan.worker
+        # --dp-aware: the rank goes in the body (vLLM, SGLang and ATOM read `data_parallel_rank`).
+        data = view.raw if plan.dp_rank is None else orjson.dumps({**view.body, "data_parallel_rank": plan.dp_rank})
         try:
-            async with self.upstream.open("POST", worker.url + view.route, data=view.raw,
+            async with self.upstream.open("POST", worker.url + view.route, data=data,
                                           headers=self.upstream.headers_for(exchange)) as resp:
                 await relay(exchange, resp, self.on_chunk)
         except UpstreamError as e:

@@ -27,6 +27,9 @@ def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> bytes:
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
+    sampling = out.get("sampling_params")
+    if isinstance(sampling, dict):  # /generate: SGLang's spelling of the limit
+        out["sampling_params"] = {**sampling, "max_new_tokens": 1}
     out.pop("stream_options", None)
     return orjson.dumps(out)
 

@@ -34,6 +34,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from atomesh.bench import help_formatter
 from atomesh.bench.procs import free_port, start, stop
 
 STREAM_CHUNKS = 256
@@ -401,7 +402,8 @@ def report(results: Results, args: argparse.Namespace, phases: list[Phase]) -> N
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="atomesh bench gateway", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="atomesh bench gateway", description=__doc__.split("\n")[0],
+                                formatter_class=help_formatter)
     p.add_argument("--rounds", type=int, default=3, help="rounds; each alternates the order of the gateways")
     p.add_argument("--duration", type=int, default=3, help="seconds of load per phase (wrk -d)")
     p.add_argument("--warmup", type=int, default=1, help="seconds of load before measuring each gateway (0: none)")

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import aiohttp
 
+from atomesh.bench import help_formatter
 from atomesh.bench.procs import free_port, start, stop
 from atomesh.config import GatewayConfig
 from atomesh.placement import Placement, Plan
@@ -313,7 +314,8 @@ def run_trace(args: argparse.Namespace) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="atomesh bench placement", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="atomesh bench placement", description=__doc__.split("\n")[0],
+                                formatter_class=help_formatter)
     p.add_argument("--only", choices=("decision", "memory", "trace"), action="append",
                    help="run only these parts (repeatable; default: all)")
     p.add_argument("--decision-requests", type=int, default=3000)

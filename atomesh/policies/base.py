@@ -16,7 +16,8 @@ class Policy(Protocol):
     prefix-hash) keep their indexes in step with the traffic and the worker set: `on_placed` runs
     after every placement (also when placement skipped `select` because one candidate was left),
     `on_worker_removed` when a worker leaves the registry. `start` / `stop` own any background task
-    (cache-aware eviction); stateless policies make them no-ops.
+    (cache-aware eviction); stateless policies make them no-ops. Placement takes a lone candidate
+    without asking, unless the policy has `select_single = True` (it may refuse that candidate).
     """
 
     name: str

@@ -1,6 +1,6 @@
 """`cache_aware`: send a request where its prompt prefix was sent before, unless the fleet is imbalanced.
 
-Decision (SMG's cache-aware policy, PROTOCOLS.md §1):
+Decision (SMG's cache-aware policy; docs/placement.md):
 
 1. The candidates' loads are imbalanced when `max - min > --balance-abs-threshold` AND
    `max > --balance-rel-threshold * min`: the least-loaded worker wins (shortest queue).
@@ -26,8 +26,6 @@ are evicted last and each chain stays a prefix-closed run), and one LRU touch pe
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import operator
 import struct
@@ -39,6 +37,7 @@ import structlog
 import xxhash
 
 from atomesh.request import RequestView
+from atomesh.tasks import PeriodicTask
 from atomesh.workers.worker import Worker
 
 log = structlog.get_logger("atomesh.policies")
@@ -204,7 +203,7 @@ class CacheAwarePolicy:
         self.misses = 0
         # select() hands its work to on_placed() for the same view: (view, worker, hashes, held).
         self._pending: tuple[RequestView, Worker, list[int], int] | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._eviction = PeriodicTask("cache-aware-eviction", eviction_interval_secs, self.evict)
         # Called with every placement recorded here, for other gateway processes (atomesh.cluster).
         self.publish: Callable[[Worker, list[int]], None] | None = None
 
@@ -243,9 +242,13 @@ class CacheAwarePolicy:
         pending, self._pending = self._pending, None
         if pending is not None and pending[0] is view and pending[1] is worker:
             _, _, hashes, held = pending
-        else:  # placement skipped select (a single candidate)
-            hashes, _ = self.index.hashes(view.locality_text)
+        else:  # placement skipped select (a single candidate): still a hit or a miss for the hit ratio
+            hashes, size = self.index.hashes(view.locality_text)
             held = self._held(hashes, worker)
+            if held and self.index.matched_chars(held, size) > self.cache_threshold * size:
+                self.hits += 1
+            else:
+                self.misses += 1
         self.index.insert(hashes, worker, held)
         if self.publish is not None:
             self.publish(worker, hashes)
@@ -268,22 +271,13 @@ class CacheAwarePolicy:
     # ------------------------------------------------------------------ eviction task
     def evict(self) -> int:
         """One eviction pass: trim the index to its low-water mark."""
-        return self.index.trim(int(self.index.max_entries * LOW_WATER))
+        gone = self.index.trim(int(self.index.max_entries * LOW_WATER))
+        if gone:
+            log.debug("cache_index_evicted", entries=gone, size=len(self.index))
+        return gone
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._evict_loop(), name="cache-aware-eviction")
+        self._eviction.start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    async def _evict_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.eviction_interval_secs)
-            gone = self.evict()
-            if gone:
-                log.debug("cache_index_evicted", entries=gone, size=len(self.index))
+        await self._eviction.stop()

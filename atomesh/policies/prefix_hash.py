@@ -1,23 +1,26 @@
 """`prefix_hash`: consistent hashing of a routing key or of the prompt's first tokens, with bounded load.
 
-The key is the request's routing key header (`x-session-id`, `x-routing-key`, `x-user-id`) when it
-has one, else the first `--prefix-token-count` tokens of the locality text, approximated as
-4 characters per token (as SMG does for text). The key is hashed (xxh3) onto a ring of virtual
-nodes (`VNODES` per worker); the first worker clockwise owns it. Adding or removing a worker moves
-only the keys of the arcs it gains or loses. As in SMG, a worker whose load is above
-`max(avg * load_factor, avg + abs_slack)` is passed over for the next distinct worker on the ring,
-and when every worker is above the bound the least loaded one is taken.
+The key is the request's routing key header (`x-smg-routing-key`, `x-session-id`, `x-routing-key`,
+`x-user-id`) when it has one, else the first `--prefix-token-count` tokens of the prompt: real tokens
+when the gateway has a tokenizer (`--model-path` / `--tokenizer-path`, chat messages rendered with the
+chat template), else approximated as 4 characters per token (as SMG does for text). The key is
+hashed (xxh3) onto a ring of virtual nodes (`VNODES` per worker); the first worker clockwise owns
+it. Adding or removing a worker moves only the keys of the arcs it gains or loses. As in SMG, a
+worker whose load is above `max(avg * load_factor, avg + abs_slack)` is passed over for the next
+distinct worker on the ring, and when every worker is above the bound the least loaded one is taken.
 """
 
 from __future__ import annotations
 
 import bisect
+from array import array
 from collections.abc import Sequence
 
 import xxhash
 
 from atomesh.policies.base import Stateless
 from atomesh.request import RequestView
+from atomesh.tokenizer import PromptTokens
 from atomesh.workers.worker import Worker
 
 CHARS_PER_TOKEN = 4
@@ -59,8 +62,10 @@ class PrefixHashPolicy(Stateless):
     name = "prefix_hash"
 
     def __init__(self, prefix_token_count: int = 256, load_factor: float = 1.25, abs_slack: int = 10,
-                 vnodes: int = VNODES) -> None:
+                 vnodes: int = VNODES, tokens: PromptTokens | None = None) -> None:
+        self.prefix_tokens = prefix_token_count
         self.prefix_chars = prefix_token_count * CHARS_PER_TOKEN
+        self.tokens = tokens  # with --model-path / --tokenizer-path: real tokens instead of characters
         self.load_factor = load_factor
         self.abs_slack = abs_slack
         self.vnodes = vnodes
@@ -71,6 +76,9 @@ class PrefixHashPolicy(Stateless):
         key = view.routing_key
         if key is not None:
             return xxhash.xxh3_64_intdigest(b"key:" + key.encode())
+        if self.tokens is not None:
+            ids = self.tokens.first(view, self.prefix_tokens)
+            return xxhash.xxh3_64_intdigest(array("q", ids).tobytes())
         return xxhash.xxh3_64_intdigest(view.locality_text[: self.prefix_chars].encode())
 
     def ring(self, candidates: Sequence[Worker]) -> HashRing:

@@ -22,6 +22,8 @@ import os
 
 import orjson
 
+from atomesh.flow import FlowControl
+
 MODEL = "mock-model"
 INFERENCE = frozenset({b"/v1/completions", b"/v1/chat/completions", b"/generate"})
 _MAX_HEAD = 64 * 1024
@@ -104,45 +106,30 @@ def _bad(message: str) -> bytes:
     return _json("400 Bad Request", {"error": {"message": message, "type": "invalid_request_error", "code": 400}})
 
 
-class MockProtocol(asyncio.Protocol):
+class MockProtocol(FlowControl):
     """One client connection: parse requests off the buffer, answer from the canned set."""
 
-    __slots__ = (
-        "_buf",
-        "_canned",
-        "_closed",
-        "_loop",
-        "_paused",
-        "_pd",
-        "_resume",
-        "_role",
-        "_stream_at",
-        "_transport",
-    )
+    __slots__ = ("_buf", "_canned", "_closed", "_loop", "_pd", "_resume", "_role", "_stream_at")
 
     def __init__(self, canned: Canned, role: str) -> None:
+        super().__init__()
         self._canned = canned
         self._role = role
         self._pd = role in ("prefill", "decode")
         self._buf = b""
-        self._transport: asyncio.Transport | None = None
         self._loop = asyncio.get_running_loop()
         self._stream_at = -1  # index of the next SSE event to write; -1: not streaming
-        self._paused = False
-        self._resume = False
+        self._resume = False  # a stream waits for the transport to take more
         self._closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
+        self.transport = transport  # type: ignore[assignment]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
+        self.connection_ended()
 
-    def pause_writing(self) -> None:
-        self._paused = True
-
-    def resume_writing(self) -> None:
-        self._paused = False
+    def writing_resumed(self) -> None:
         if self._resume:
             self._resume = False
             self._loop.call_soon(self._next_event)
@@ -153,20 +140,20 @@ class MockProtocol(asyncio.Protocol):
             self._parse()
 
     def _parse(self) -> None:
-        assert self._transport is not None
+        assert self.transport is not None
         while self._buf and self._stream_at < 0:
             buf = self._buf
             end = buf.find(b"\r\n\r\n")
             if end < 0:
                 if len(buf) > _MAX_HEAD:
-                    self._transport.close()
+                    self.transport.close()
                 return
             head = buf[:end]
             line_end = head.find(b"\r\n")
             request_line = head[:line_end] if line_end >= 0 else head
             parts = request_line.split(b" ")
             if len(parts) != 3:
-                self._transport.close()
+                self.transport.close()
                 return
             method, target = parts[0], parts[1]
             length = 0
@@ -183,49 +170,49 @@ class MockProtocol(asyncio.Protocol):
             if method == b"POST" and path in INFERENCE:
                 self._inference(path, body)
             elif method == b"GET" or path == b"/flush_cache":
-                self._transport.write(self._canned.gets.get(path, self._canned.not_found))
+                self.transport.write(self._canned.gets.get(path, self._canned.not_found))
             else:
-                self._transport.write(self._canned.not_found)
+                self.transport.write(self._canned.not_found)
 
     def _inference(self, path: bytes, body: bytes) -> None:
-        assert self._transport is not None
+        assert self.transport is not None
         c = self._canned
         if self._pd:
             if b'"kv_transfer_params"' in body:  # ATOM's relay
                 if self._role == "prefill":
                     if b'"do_remote_decode":true' not in body or b'"stream":false' not in body:
-                        self._transport.write(_bad("prefill leg must have do_remote_decode=true, stream=false"))
+                        self.transport.write(_bad("prefill leg must have do_remote_decode=true, stream=false"))
                         return
-                    self._transport.write(c.prefill)
+                    self.transport.write(c.prefill)
                     return
                 if b'"do_remote_prefill":true' not in body:
-                    self._transport.write(_bad("decode leg without prefill's kv_transfer_params"))
+                    self.transport.write(_bad("decode leg without prefill's kv_transfer_params"))
                     return
             elif b'"bootstrap_room"' not in body:  # neither ATOM nor SGLang dual dispatch
-                self._transport.write(_bad(f"{self._role} leg without kv_transfer_params or bootstrap_room"))
+                self.transport.write(_bad(f"{self._role} leg without kv_transfer_params or bootstrap_room"))
                 return
         if b'"stream":true' in body or b'"stream": true' in body:
-            self._transport.write(c.stream_head)
+            self.transport.write(c.stream_head)
             self._stream_at = 0
             self._loop.call_soon(self._next_event)
             return
-        self._transport.write(c.chat if path == b"/v1/chat/completions" else c.completion)
+        self.transport.write(c.chat if path == b"/v1/chat/completions" else c.completion)
 
     def _next_event(self) -> None:
         """Write one SSE event, then give the loop to the other streams (one event per turn)."""
-        if self._closed or self._transport is None:
+        if self._closed or self.transport is None:
             return
-        if self._paused:
+        if self.write_paused:
             self._resume = True
             return
         events = self._canned.events
         i = self._stream_at
         if i < len(events):
-            self._transport.write(events[i])
+            self.transport.write(events[i])
             self._stream_at = i + 1
             self._loop.call_soon(self._next_event)
             return
-        self._transport.write(self._canned.stream_tail)
+        self.transport.write(self._canned.stream_tail)
         self._stream_at = -1
         if self._buf:
             self._parse()

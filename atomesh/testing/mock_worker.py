@@ -1,6 +1,6 @@
 """A configurable OpenAI-compatible mock worker for tests and benchmarks.
 
-It answers `/v1/completions`, `/v1/chat/completions` and `/generate` (streamed or not) with fake
+It answers `/v1/completions`, `/v1/chat/completions`, `/generate` and `/v1/responses` (streamed or not) with fake
 tokens, identifies itself in the `x-mock-worker` header, records what it received, and can be made
 slow, failing, hanging or dying mid-stream, at start or at run time (`POST /_mock/config`).
 Run it in-process (`MockWorker(...).start()`) or as a process:
@@ -43,6 +43,8 @@ class MockBehaviour:
     pd_backend: str | None = None
     pd_role: str | None = None
     omit_kv_params: bool = False  # a prefill that forgets kv_transfer_params (atom / vllm)
+    missing_routes: list[str] = field(default_factory=list)  # paths answered 404, as by an engine lacking them
+    dp_size: int | None = 1  # reported in /server_info (None: not reported)
 
 
 class ServedApp:
@@ -90,8 +92,16 @@ class MockWorker(ServedApp):
         self.served = 0
 
     def app(self) -> web.Application:
-        app = web.Application()
-        for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
+        @web.middleware
+        async def missing(request: web.Request, handler: Any) -> web.StreamResponse:
+            if request.path in self.behaviour.missing_routes:
+                return web.json_response({"error": {"message": "not found", "type": "not_found_error", "code": 404}},
+                                         status=404, headers=self._headers())
+            resp: web.StreamResponse = await handler(request)
+            return resp
+
+        app = web.Application(middlewares=[missing])
+        for path in ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/responses"):
             app.router.add_post(path, self._inference)
         app.router.add_get("/health", self._health)
         app.router.add_get("/health_generate", self._health)
@@ -217,9 +227,12 @@ class MockWorker(ServedApp):
             {"id": m, "object": "model", "owned_by": "mock"} for m in self.behaviour.models]})
 
     async def _server_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"model_id": self.behaviour.models[0] if self.behaviour.models else None,
-                                  "served_model_name": self.behaviour.models, "tp_size": 1, "dp_size": 1,
-                                  "mock": self.name})
+        info = {"model_id": self.behaviour.models[0] if self.behaviour.models else None,
+                "served_model_name": self.behaviour.models, "tp_size": 1, "dp_size": self.behaviour.dp_size,
+                "mock": self.name}
+        if self.behaviour.dp_size is None:
+            del info["dp_size"]
+        return web.json_response(info)
 
     async def _kv_info(self, request: web.Request) -> web.Response:
         return web.json_response({"tp_size": 1, "dp_size": 1, "kv_role": self.behaviour.kv_role,
@@ -254,7 +267,7 @@ _VLLM_PREFILL_NULLS = ("remote_engine_id", "remote_block_ids", "remote_host", "r
 
 
 def pd_protocol_problem(backend: str, role: str | None, body: dict[str, Any]) -> str | None:
-    """What a real engine of `backend` would refuse in this request, or None (PROTOCOLS.md §3)."""
+    """What a real engine of `backend` would refuse in this request, or None (docs/pd.md)."""
     if backend == "sglang":
         for key in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
             if key not in body:

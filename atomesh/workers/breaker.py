@@ -45,7 +45,15 @@ class CircuitBreaker:
     first_failure_at: float = 0.0
     opened_at: float = 0.0
 
-    def allows(self) -> bool:
+    @property
+    def is_open(self) -> bool:
+        """Refusing traffic now: open, and its timeout not over yet. A pure query (changes nothing)."""
+        return (self.settings.enabled and self.state is BreakerState.OPEN
+                and self.clock() - self.opened_at < self.settings.timeout_secs)
+
+    def admit(self) -> bool:
+        """Whether a request may go to the worker now. Changes state: an open breaker whose timeout is
+        over moves to half-open here, and the request admitted is its probe."""
         if not self.settings.enabled or self.state is BreakerState.CLOSED:
             return True
         if self.state is BreakerState.OPEN:

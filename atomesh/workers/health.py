@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
+from atomesh.tasks import PeriodicTask
 from atomesh.workers.registry import WorkerRegistry
 from atomesh.workers.worker import Worker, WorkerState
 
@@ -40,7 +41,8 @@ class HealthChecker:
         self.on_result = on_result
         self.on_unhealthy = on_unhealthy
         self._streaks: dict[str, int] = {}  # worker id -> +passes / -failures in a row
-        self._tasks: dict[str, asyncio.Task[None]] = {}  # worker id -> its probing task
+        self._tasks: dict[str, PeriodicTask] = {}  # worker id -> its probing task
+        self._ending: set[PeriodicTask] = set()  # cancelled with their worker's state, awaited by stop()
         self._running = False
         registry.subscribe(self._on_state)
 
@@ -52,11 +54,10 @@ class HealthChecker:
 
     async def stop(self) -> None:
         self._running = False
-        tasks = list(self._tasks.values())
+        tasks = [*self._tasks.values(), *self._ending]
         self._tasks.clear()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        self._ending.clear()
+        await asyncio.gather(*(t.stop() for t in tasks))
 
     def _on_state(self, worker: Worker, old: WorkerState | None, new: WorkerState) -> None:
         if not self._running:
@@ -66,29 +67,23 @@ class HealthChecker:
         else:
             task = self._tasks.pop(worker.id, None)
             if task is not None:
-                task.cancel()
+                task.cancel()  # a state callback cannot await: stop() does, if it has not ended by then
+                self._ending = {t for t in self._ending if t.running}
+                self._ending.add(task)
             self._streaks.pop(worker.id, None)
 
     def _watch(self, worker: Worker) -> None:
         if worker.id not in self._tasks:
-            self._tasks[worker.id] = asyncio.get_running_loop().create_task(
-                self._run(worker), name=f"health {worker.url}")
+            async def probe_once() -> None:
+                if worker.state in _PROBED:
+                    ok, reason = await self.probe(worker)
+                    self.record(worker, ok, reason)
 
-    async def _run(self, worker: Worker) -> None:
-        loop = asyncio.get_running_loop()
-        # Start each worker at a random point of the interval, so probes do not come in waves.
-        next_at = loop.time() + self.interval * (0.5 + random.random() / 2)
-        try:
-            while worker.state in _PROBED:
-                await asyncio.sleep(max(0.0, next_at - loop.time()))
-                next_at = max(next_at + self.interval, loop.time())
-                if worker.state not in _PROBED:
-                    break
-                ok, reason = await self.probe(worker)
-                self.record(worker, ok, reason)
-        finally:
-            if self._tasks.get(worker.id) is asyncio.current_task():
-                del self._tasks[worker.id]
+            # Start each worker at a random point of the interval, so probes do not come in waves.
+            task = PeriodicTask(f"health {worker.url}", self.interval, probe_once,
+                                first_delay=self.interval * (0.5 + random.random() / 2))
+            self._tasks[worker.id] = task
+            task.start()
 
     def record(self, worker: Worker, ok: bool, reason: str = "") -> None:
         if worker.state not in _PROBED:

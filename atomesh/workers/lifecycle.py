@@ -13,7 +13,7 @@ from typing import Any
 
 import structlog
 
-from atomesh.config import Backend, check_worker_url
+from atomesh.config import BackendKind, check_worker_url
 from atomesh.errors import GatewayError, LoopDetected
 from atomesh.transport import Upstream
 from atomesh.workers.breaker import BreakerSettings, BreakerState, CircuitBreaker
@@ -22,7 +22,7 @@ from atomesh.workers.worker import Worker, WorkerRole, WorkerSource, WorkerState
 
 log = structlog.get_logger("atomesh.workers")
 
-# Expected `kv_role` of each P/D role when the backend is atom (PROTOCOLS.md §3).
+# Expected `kv_role` of each P/D role when the backend is atom (docs/pd.md).
 _ATOM_KV_ROLE = {WorkerRole.PREFILL: "kv_producer", WorkerRole.DECODE: "kv_consumer"}
 
 
@@ -38,10 +38,12 @@ class Lifecycle:
     """Adds workers (as jobs that answer at once), drains and removes them."""
 
     def __init__(
-        self, registry: WorkerRegistry, upstream: Upstream, *, backend: Backend,
+        self, registry: WorkerRegistry, upstream: Upstream, *, backend: BackendKind,
         breaker: BreakerSettings, startup_timeout: float, check_interval: float, probe_timeout: float,
         health_endpoint: str, on_breaker: Callable[[Worker, BreakerState, BreakerState], None] | None = None,
+        dp_aware: bool = False,
     ) -> None:
+        self.dp_aware = dp_aware  # every worker must report its data-parallel size
         self.registry = registry
         self.upstream = upstream
         self.backend = backend
@@ -53,6 +55,7 @@ class Lifecycle:
         self.on_breaker = on_breaker
         self._jobs: set[asyncio.Task[Any]] = set()
         self._ready_events: dict[str, asyncio.Event] = {}
+        self._drained: dict[str, asyncio.Event] = {}  # draining worker id -> set once nothing is in flight
 
     # ------------------------------------------------------------------ jobs
     def _spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
@@ -172,7 +175,10 @@ class Lifecycle:
             if isinstance(info, dict):
                 worker.server_info = info
                 break
-        if self.backend is Backend.ATOM and worker.role in _ATOM_KV_ROLE:
+        if self.dp_aware:
+            worker.dp_size = _dp_size(worker)
+            worker.rank_in_flight = [0] * worker.dp_size
+        if self.backend is BackendKind.ATOM and worker.role in _ATOM_KV_ROLE:
             await self._check_kv_role(worker, _ATOM_KV_ROLE[worker.role])
 
     async def _check_kv_role(self, worker: Worker, expected: str) -> None:
@@ -203,10 +209,44 @@ class Lifecycle:
             log.info("worker_draining", worker=worker.url, in_flight=worker.in_flight)
         return self._spawn(self._drain(worker, grace), f"drain {worker.url}")
 
+    def _drained_event(self, worker: Worker) -> asyncio.Event:
+        """Set once no process has a request on `worker` (woken by Worker.on_release, never polled)."""
+        event = self._drained.get(worker.id)
+        if event is None:
+            event = self._drained[worker.id] = asyncio.Event()
+
+            def released(w: Worker) -> None:
+                if w.in_flight + w.remote_in_flight <= 0:
+                    event.set()
+
+            worker.on_release = released
+            released(worker)
+        return event
+
     async def _drain(self, worker: Worker, grace: float | None) -> None:
-        deadline = None if grace is None else time.monotonic() + grace
-        while worker.in_flight + worker.remote_in_flight > 0 and (deadline is None or time.monotonic() < deadline):
-            await asyncio.sleep(0.05)
+        drained = self._drained_event(worker)
+        try:
+            await asyncio.wait_for(drained.wait(), grace)
+        except TimeoutError:
+            pass
         if worker.state is WorkerState.DRAINING:
             self.registry.set_state(worker, WorkerState.REMOVED)
             log.info("worker_removed", worker=worker.url, abandoned=worker.in_flight + worker.remote_in_flight)
+        if self._drained.pop(worker.id, None) is not None:
+            worker.on_release = None
+            drained.set()  # another drain job of this worker (a second DELETE) wakes and finds it removed
+
+
+MAX_DP_SIZE = 1024
+
+
+def _dp_size(worker: Worker) -> int:
+    """The data-parallel size the engine reports in its server info, or RegistrationFailed saying why not."""
+    info = worker.server_info
+    size = info.get("dp_size", info.get("data_parallel_size"))
+    if not info or size is None:
+        raise RegistrationFailed(f"{worker.url} reports no dp_size in /server_info or /get_server_info: --dp-aware "
+                                 "needs engines that expose their data-parallel ranks (SGLang, ATOM, atomesh's engine)")
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_DP_SIZE:
+        raise RegistrationFailed(f"{worker.url} reports dp_size {size!r}; expected an integer in 1..{MAX_DP_SIZE}")
+    return size

@@ -10,11 +10,11 @@ exports none of those gauges, gets `engine_load = None`, so policies fall back t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import structlog
 
 from atomesh.errors import GatewayError
+from atomesh.tasks import PeriodicTask
 from atomesh.transport import Upstream
 from atomesh.workers.registry import WorkerRegistry
 from atomesh.workers.worker import Worker, WorkerRole
@@ -66,18 +66,13 @@ class LoadPoller:
         self.interval = interval
         self.timeout = timeout
         self.path = path
-        self._task: asyncio.Task[None] | None = None
+        self._task = PeriodicTask("load-poller", interval, self.poll_once, first_delay=0.0)
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="load-poller")
+        self._task.start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._task.stop()
 
     async def poll_once(self) -> None:
         workers = [w for role in WorkerRole for w in self.registry.ready(role)]
@@ -95,11 +90,3 @@ class LoadPoller:
         # ours are counted at their most during the scrape, so ours never pass for others.
         mine = max(mine, worker.in_flight)
         worker.foreign_load = max(0, worker.engine_load - mine) if worker.engine_load is not None else 0
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.poll_once()
-            except Exception as e:  # one bad round must not end polling
-                log.warning("load_poll_failed", error=str(e))
-            await asyncio.sleep(self.interval)

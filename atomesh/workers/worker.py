@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -71,6 +72,9 @@ class Worker:
     in_flight: int = 0
     # Requests other gateway processes have on it (reported while it drains; see atomesh.cluster).
     remote_in_flight: int = 0
+    # Set while the worker drains: called after a request on it ended (Placement.release) or the other
+    # processes' count changed, so that whoever waits for the drain wakes then instead of polling.
+    on_release: Callable[[Worker], None] | None = field(default=None, repr=False)
     # Load the engine itself reports (queued + running requests), when polled.
     engine_load: int | None = None
     # Of the engine's load at the last poll, the requests that were not this gateway's.
@@ -84,13 +88,17 @@ class Worker:
     # The pod behind a discovered worker ("namespace/name"), None for the others.
     pod: str | None = None
     host: str = ""
+    # Data-parallel ranks (--dp-aware): how many the engine reports, and requests in flight on each.
+    dp_size: int = 1
+    rank_in_flight: list[int] = field(default_factory=lambda: [0])
 
     def __post_init__(self) -> None:
         self.host = urlsplit(self.url).hostname or ""
 
     @property
     def routable(self) -> bool:
-        return self.state is WorkerState.READY and self.breaker.allows()
+        """Ready, and its circuit breaker not refusing traffic (a pure query: changes nothing)."""
+        return self.state is WorkerState.READY and not self.breaker.is_open
 
     @property
     def is_healthy(self) -> bool:
@@ -121,5 +129,6 @@ class Worker:
             "labels": self.labels,
             "source": self.source.value,
             "pod": self.pod,
+            "dp_size": self.dp_size,
             "error": self.error,
         }

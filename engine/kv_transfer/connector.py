@@ -1,4 +1,4 @@
-"""The push handshake of PROTOCOLS.md §4: KVProducer (prefill side) and KVConsumer (decode side).
+"""The push handshake (docs/kv_transfer.md): KVProducer (prefill side) and KVConsumer (decode side).
 
 Prefill computes a request's KV, then ``producer.offer(block_ids, first_token_id, on_release)``
 pins the blocks and returns the ``kv_transfer_params`` to put in the HTTP answer. Decode, given a

@@ -7,7 +7,8 @@ Why it looks the way it does (measured on mooncake-transfer-engine 0.3.13, TCP o
 
 - ``initialize(host, "P2PHANDSHAKE", protocol, device)`` takes positional arguments only; peers
   are addressed ``"ip:" + str(get_rpc_port())``. Protocol ``"rdma"`` falls back to TCP when no RDMA
-  device is found, so it is the default (``MC_FORCE_TCP=1`` forces TCP).
+  device is found, but logs an error on the way: :func:`choose_protocol` asks for TCP itself when the
+  host has no RDMA device (or ``MC_FORCE_TCP`` is set), so the log says what is really used.
 - The synchronous calls release the GIL but busy-wait: each peer gets one worker thread, so writes
   to one peer run one batch at a time and the event loop never blocks.
 - More than ~1024 entries queued to one peer fail with -1 ("queue-full"), and the peer's queue
@@ -24,9 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
+import tempfile
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from engine.kv_transfer.errors import KVTransferError, TransferEngineError
@@ -35,6 +40,29 @@ from engine.kv_transfer.layout import Region, WriteOp, batches, spans
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 512  # entries per batch_transfer_sync_write; Mooncake's per-peer queue holds 1024
+KV_PROTOCOLS = ("tcp", "rdma")
+RDMA_DEVICES = Path("/sys/class/infiniband")  # one entry per RDMA device the kernel knows
+
+
+def has_rdma_device() -> bool:
+    try:
+        return any(RDMA_DEVICES.iterdir())
+    except OSError:
+        return False
+
+
+def choose_protocol(requested: str | None) -> str:
+    """The protocol the transfer engine really uses: RDMA when asked for (or unset) and a device exists,
+    else TCP. Mooncake would fall back by itself, after an error-level line about the missing device."""
+    if requested is not None and requested not in KV_PROTOCOLS:
+        raise ValueError(f"protocol {requested!r} must be one of {list(KV_PROTOCOLS)}")
+    if requested == "tcp" or os.environ.get("MC_FORCE_TCP", "") not in ("", "0"):
+        return "tcp"
+    if has_rdma_device():
+        return "rdma"
+    if requested == "rdma":
+        log.warning("kv_transfer_protocol rdma was asked for but this host has no RDMA device: using tcp")
+    return "tcp"
 
 
 def _transfer_engine_class() -> Any:
@@ -49,18 +77,53 @@ def _transfer_engine_class() -> Any:
     return TransferEngine
 
 
+# Lines Mooncake writes while it starts that are no fault: its descriptor is looked up before it is
+# published, the topology scan reports the RDMA devices it did not find, the allocator notice.
+_EXPECTED_AT_START = ("Local segment descriptor not found", "No RDMA devices found", "Using default malloc/free",
+                      "Logging before InitGoogleLogging")
+_GLOG_LEVELS = {"I": logging.DEBUG, "W": logging.WARNING, "E": logging.ERROR, "F": logging.CRITICAL}
+
+
+def _initialize(engine: Any, host: str, protocol: str, device_name: str) -> int:
+    """`engine.initialize`, with what Mooncake prints meanwhile passed through our log at its real weight.
+
+    Mooncake logs (glog, straight to file descriptor 2) an error-level line on every start, and a
+    warning about missing RDMA devices even for TCP; those go to debug, anything else keeps its level."""
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as captured:
+        saved = os.dup(2)
+        os.dup2(captured.fileno(), 2)
+        try:
+            rc: int = engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        captured.seek(0)
+        lines = captured.read().decode("utf-8", "replace").splitlines()
+    for line in lines:
+        if not line.strip():
+            continue
+        level = _GLOG_LEVELS.get(line[:1], logging.INFO)
+        if any(s in line for s in _EXPECTED_AT_START):
+            level = logging.DEBUG
+        log.log(level, "mooncake: %s", line)
+    return rc
+
+
 class MooncakeAgent:
     """One Mooncake transfer engine on ``host``: registers regions and writes into peers' memory."""
 
     def __init__(
-        self, host: str = "127.0.0.1", *, protocol: str = "rdma", device_name: str = "", max_batch: int = MAX_BATCH
+        self, host: str = "127.0.0.1", *, protocol: str | None = None, device_name: str = "",
+        max_batch: int = MAX_BATCH,
     ) -> None:
         if not 0 < max_batch <= 1024:
             raise ValueError("max_batch must be in 1..1024 (Mooncake's per-peer queue limit)")
+        protocol = self.protocol = choose_protocol(protocol)
         self.host = host
         self.max_batch = max_batch
         self._engine = _transfer_engine_class()()
-        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
+        rc = _initialize(self._engine, host, protocol, device_name)
         if rc != 0:
             raise TransferEngineError(f"initialize({host!r}, P2PHANDSHAKE, {protocol!r})", rc)
         self._rpc_address = f"{host}:{self._engine.get_rpc_port()}"

@@ -109,3 +109,22 @@ def test_server_process_serves_and_stops(free_port: Callable[[], int]) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=20)
+
+
+def test_kv_transfer_protocol_is_what_the_host_can_do(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """No RDMA device: TCP is asked for outright (no error line from Mooncake, and the log says tcp)."""
+    from engine.args import parse_kv_transfer_config
+    from engine.kv_transfer import mooncake
+
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
+    monkeypatch.setattr(mooncake, "RDMA_DEVICES", tmp_path)
+    assert mooncake.choose_protocol(None) == "tcp" and mooncake.choose_protocol("rdma") == "tcp"
+    (tmp_path / "mlx5_0").mkdir()
+    assert mooncake.choose_protocol(None) == "rdma" and mooncake.choose_protocol("tcp") == "tcp"
+    monkeypatch.setenv("MC_FORCE_TCP", "1")
+    assert mooncake.choose_protocol("rdma") == "tcp"
+    with pytest.raises(ValueError, match="protocol 'ib'"):
+        mooncake.choose_protocol("ib")
+    with pytest.raises(ValueError, match="must be tcp or rdma"):
+        parse_kv_transfer_config('{"kv_role": "kv_producer", "protocol": "ib"}')
+    assert parse_kv_transfer_config('{"kv_role": "kv_producer", "protocol": "tcp"}').protocol == "tcp"

@@ -296,3 +296,34 @@ async def test_a_failed_step_fails_its_requests_only(
     status, ok = await post(http, server.url + "/v1/completions", body)
     assert status == 200 and ok["usage"]["completion_tokens"] == 4
     assert server.engine.block_manager.num_free_blocks == server.engine.num_blocks
+
+
+async def test_sglang_routes_generate_health_generate_model_info_flush(
+    start_server: StartServer, http: aiohttp.ClientSession
+) -> None:
+    """The routes a gateway lists besides OpenAI's: answered by the engine, not 404."""
+    server = await start_server(served_model_name="tiny")
+    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    status, out = await post(http, server.url + "/generate", body)
+    assert status == 200, out
+    assert isinstance(out["text"], str) and out["meta_info"]["completion_tokens"] == 4
+    assert out["meta_info"]["finish_reason"] == {"type": "length"} and out["meta_info"]["prompt_tokens"] == 5
+    events = await sse(http, server.url + "/generate", body)
+    assert events[-1] == "[DONE]" and events[-2]["text"] == out["text"]  # cumulative, as SGLang streams
+    status, out = await post(http, server.url + "/generate", {**body, "sampling_params": {"max_new_tokens": -1}})
+    assert status == 400 and "max_new_tokens" in out["error"]["message"]
+    status, out = await post(http, server.url + "/generate", {"sampling_params": {}})
+    assert status == 400 and "input_ids" in out["error"]["message"]
+    async with http.get(server.url + "/health_generate") as resp:
+        assert resp.status == 200 and await resp.json() == {"status": "ok"}
+    async with http.get(server.url + "/get_model_info") as resp:
+        info = await resp.json()
+        assert info["model_path"] == "tiny-random" and info["is_generation"] is True
+    blocks = server.engine.block_manager
+    prompt = "a shared prefix that is longer than one block of sixteen tokens, twice over"
+    status, _ = await post(http, server.url + "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+    assert status == 200 and blocks.stats().cached > 0
+    async with http.post(server.url + "/flush_cache") as resp:
+        flushed = await resp.json()
+        assert resp.status == 200 and flushed["flushed_blocks"] > 0
+    assert blocks.stats().cached == 0

@@ -1,0 +1,207 @@
+"""SMG and ATOMesh command lines: every peer flag is implemented with the peer's meaning or refused by name;
+the policies and settings those flags turn on (consistent_hashing, dp ranks, tokenizer, TLS to workers)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import aiohttp
+import pytest
+from gwtest import MakeGateway, MakeWorkers, base_url, gateway_config
+
+from atomesh.app import GatewayServer
+from atomesh.cli import launch_command, normalize_argv
+from atomesh.compat import PEER_FLAGS, REFUSED_FLAGS, Status, refused_flag
+from atomesh.config import ConfigError, load_config
+from atomesh.gateway import StartupError
+
+COMPLETION = {"model": "mock-model", "prompt": "hello", "max_tokens": 2}
+# ATOMesh's `mesh launch` flags (ROCm/ATOM atom/mesh/src/cliargs.rs).
+ATOMESH_FLAGS = (
+    "--host --port --worker-urls --policy --cache-threshold --balance-abs-threshold --balance-rel-threshold "
+    "--eviction-interval --max-tree-size --prefix-token-count --prefix-hash-load-factor --dp-aware "
+    "--pd-disaggregation --prefill --decode --prefill-policy --decode-policy --worker-startup-timeout-secs "
+    "--worker-startup-check-interval --log-dir --log-level --json-log --prometheus-port --prometheus-host "
+    "--prometheus-duration-buckets --request-id-headers --request-timeout-secs --shutdown-grace-period-secs "
+    "--max-payload-size --max-concurrent-requests --queue-size --queue-timeout-secs --rate-limit-tokens-per-second "
+    "--retry-max-retries --retry-initial-backoff-ms --retry-max-backoff-ms --retry-backoff-multiplier "
+    "--retry-jitter-factor --disable-retries --cb-failure-threshold --cb-success-threshold "
+    "--cb-timeout-duration-secs --cb-window-duration-secs --disable-circuit-breaker --health-failure-threshold "
+    "--health-success-threshold --health-check-timeout-secs --health-check-interval-secs --health-check-endpoint "
+    "--disable-health-check --model-path --tokenizer-path --chat-template --tokenizer-cache-enable-l0 "
+    "--tokenizer-cache-l0-max-entries --tokenizer-cache-enable-l1 --tokenizer-cache-l1-max-memory "
+    "--reasoning-parser --tool-call-parser --backend --runtime --api-key").split()
+# The spellings of SMG's Rust CLI that its Python launcher does not show.
+SMG_RUST_FLAGS = ("--log-json", "--cache-match-threshold", "--spill-abs-threshold", "--spill-rel-threshold")
+
+
+def launch_options() -> set[str]:
+    return {o for p in launch_command.params for o in p.opts}
+
+
+def test_every_peer_flag_is_listed_once() -> None:
+    counts = Counter(f.flag for f in PEER_FLAGS)
+    assert [f for f, n in counts.items() if n > 1] == []
+    listed = set(counts)
+    assert set(ATOMESH_FLAGS) <= listed, set(ATOMESH_FLAGS) - listed
+    assert set(SMG_RUST_FLAGS) <= listed
+
+
+@pytest.mark.skipif(shutil.which("smg") is None and not (Path(sys.executable).parent / "smg").exists(),
+                    reason="smg (the bench extra) is not installed")
+def test_every_flag_of_smg_launch_help_is_listed() -> None:
+    smg = shutil.which("smg") or str(Path(sys.executable).parent / "smg")
+    help_text = subprocess.run([smg, "launch", "--help"], capture_output=True, text=True, timeout=60).stdout
+    usage = help_text.split("\n\n", 1)[0]  # `usage: smg [-h] [--host HOST] ...`, every flag once, unwrapped
+    flags = set(re.findall(r"\[(--[a-z0-9][a-z0-9-]*)", usage))
+    assert len(flags) > 80, help_text[:500]
+    missing = flags - {f.flag for f in PEER_FLAGS}
+    assert not missing, f"smg launch flags with no status in atomesh/compat.py: {sorted(missing)}"
+
+
+def test_implemented_flags_parse_and_refused_ones_name_themselves() -> None:
+    options = launch_options()
+    for f in PEER_FLAGS:
+        if f.status is Status.REFUSED:
+            assert f.flag not in options
+            line = refused_flag([f.flag + "=1"])
+            assert line is not None and line.startswith(f.flag + " is refused: ") and f.note in line
+        else:
+            assert f.flag in options, f.flag
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_flag_stops_launch_with_its_name() -> None:
+    proc = subprocess.run([sys.executable, "-m", "atomesh", "launch", "--worker-urls", "http://127.0.0.1:1",
+                           "--tool-call-parser", "json"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--tool-call-parser is refused" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def parsed(*argv: str) -> dict[str, object]:
+    """The settings a command line gives, as `atomesh launch` reads them (no process started)."""
+    ctx = launch_command.make_context("atomesh launch", normalize_argv(list(argv)))
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in ctx.params.items()
+            if ctx.get_parameter_source(k).name == "COMMANDLINE"}
+
+
+def test_peer_command_lines_start() -> None:
+    urls = ["--worker-urls", "http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+    cfg = load_config(parsed(*urls, "--policy", "consistent_hashing", "--log-json", "--cache-match-threshold", "0.5",
+                             "--spill-abs-threshold", "8", "--spill-rel-threshold", "2", "--eviction-interval", "30",
+                             "--max-concurrent-requests", "-1", "--rate-limit-tokens-per-second", "0"))
+    assert (cfg.policy, cfg.json_log, cfg.cache_threshold, cfg.balance_abs_threshold) == (
+        "consistent_hashing", True, 0.5, 8)
+    assert (cfg.balance_rel_threshold, cfg.eviction_interval_secs) == (2, 30)
+    assert cfg.max_concurrent_requests == -1 and cfg.rate_limit_tokens_per_second == 0
+    assert load_config(parsed(*urls, "--policy", "dp_sticky")).dp_ranks
+    assert load_config(parsed(*urls, "--dp-aware", "--prefix-hash-load-factor", "1.5")).dp_ranks
+    with pytest.raises(ConfigError, match="--history-backend is refused"):
+        load_config({"history_backend": "memory"})  # a YAML key too
+
+
+async def test_max_concurrent_requests_minus_one_is_derived_from_the_host() -> None:
+    server = GatewayServer(gateway_config(max_concurrent_requests=-1))
+    assert server.gateway.admission.limit is not None and server.gateway.admission.limit >= 1
+    assert GatewayServer(gateway_config(max_concurrent_requests=0)).gateway.admission.limit is None
+    assert GatewayServer(gateway_config(rate_limit_tokens_per_second=0)).gateway.admission.bucket is None
+
+
+async def test_consistent_hashing_keeps_keys_and_honours_target(mock_workers: MakeWorkers, gateway: MakeGateway,
+                                                                http: aiohttp.ClientSession) -> None:
+    workers = await mock_workers(3)
+    gw = await gateway(worker_urls=[w.url for w in workers], policy="consistent_hashing")
+    url = base_url(gw) + "/v1/completions"
+
+    async def served_by(headers: dict[str, str]) -> str:
+        async with http.post(url, json=COMPLETION, headers=headers) as r:
+            assert r.status == 200, await r.text()
+            return r.headers["x-mock-worker"]
+
+    for key in ("alice", "bob", "carol", "dave"):
+        first = await served_by({"X-SMG-Routing-Key": key})
+        assert all([await served_by({"X-SMG-Routing-Key": key}) == first for _ in range(3)])
+    owners = {await served_by({"X-SMG-Routing-Key": f"user-{i}"}) for i in range(30)}
+    assert len(owners) > 1  # keys spread over the workers
+    # An implicit key: one client (its Authorization) keeps to one worker.
+    assert len({await served_by({"Authorization": "Bearer client-7"}) for _ in range(4)}) == 1
+    assert await served_by({"X-SMG-Target-Worker": "2"}) == "w2"
+    assert await served_by({"X-SMG-Target-Worker": workers[1].url}) == "w1"
+    async with http.post(url, json=COMPLETION, headers={"X-SMG-Target-Worker": "9"}) as r:
+        assert r.status == 503 and "X-SMG-Target-Worker" in (await r.json())["error"]["message"]
+    alone = await gateway(worker_urls=[workers[0].url], policy="consistent_hashing")
+    async with http.post(base_url(alone) + "/v1/completions", json=COMPLETION,
+                         headers={"X-SMG-Target-Worker": workers[1].url}) as r:
+        assert r.status == 503  # one routable worker, but not the one asked for
+
+
+async def test_dp_aware_sends_ranks_and_refuses_workers_without_them(
+        mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession) -> None:
+    [w] = await mock_workers(1, dp_size=4)
+    gw = await gateway(worker_urls=[w.url], dp_aware=True)
+    for _ in range(4):
+        async with http.post(base_url(gw) + "/v1/completions", json=COMPLETION) as r:
+            assert r.status == 200
+    assert [x["body"]["data_parallel_rank"] for x in w.received if x["path"] == "/v1/completions"] == [0, 0, 0, 0]
+    assert next(iter(gw.gateway.registry)).rank_in_flight == [0, 0, 0, 0]
+    # dp_sticky: one routing key, one rank.
+    sticky = await gateway(worker_urls=[w.url], policy="dp_sticky")
+    ranks = set()
+    for _ in range(3):
+        async with http.post(base_url(sticky) + "/v1/completions", json=COMPLETION,
+                             headers={"X-Session-Id": "conversation-1"}) as r:
+            assert r.status == 200
+        ranks.add(w.received[-1]["body"]["data_parallel_rank"])
+    assert len(ranks) == 1
+    [plain] = await mock_workers(1, dp_size=None)
+    with pytest.raises(StartupError, match="reports no dp_size"):
+        await gateway(worker_urls=[plain.url], dp_aware=True, worker_startup_timeout_secs=2)
+
+
+def write_tokenizer(folder: Path) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", "hello", "world", "shared", "prefix", "a", "b"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+async def test_tokenizer_flags_load_or_stop_start_up(tmp_path: Path, mock_workers: MakeWorkers,
+                                                     gateway: MakeGateway, http: aiohttp.ClientSession) -> None:
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    workers = await mock_workers(2)
+    model = write_tokenizer(tmp_path / "model")
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    gw = await gateway(worker_urls=[w.url for w in workers], policy="prefix_hash", model_path=str(model),
+                       chat_template=template)
+    assert gw.gateway.tokens is not None and gw.gateway.tokens.chat_template is not None
+    for _ in range(3):
+        async with http.post(base_url(gw) + "/v1/chat/completions", json={
+                "model": "mock-model", "max_tokens": 1, "messages": [{"role": "user", "content": "hello world"}]}) as r:
+            assert r.status == 200
+    assert sorted(len([x for x in w.received if x["path"] != "/health"]) for w in workers) == [0, 3]
+    for settings, needle in (({"model_path": "Qwen/Qwen3-8B"}, "not fetched"),
+                             ({"tokenizer_path": str(tmp_path)}, "holds no tokenizer.json"),
+                             ({"model_path": str(model), "chat_template": tmp_path / "none.jinja"}, "cannot read")):
+        with pytest.raises(StartupError, match=needle):
+            GatewayServer(gateway_config(worker_urls=[workers[0].url], **settings))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "tokenizer.json").write_text("{not json")
+    with pytest.raises(StartupError, match="tokenizers"):
+        GatewayServer(gateway_config(worker_urls=[workers[0].url], tokenizer_path=str(tmp_path / "bad")))
+
+
+async def test_worker_tls_settings_are_loaded_or_refused(tmp_path: Path) -> None:
+    with pytest.raises(StartupError, match="--ca-cert-paths"):
+        GatewayServer(gateway_config(ca_cert_paths=[tmp_path / "missing.pem"]))
+    assert REFUSED_FLAGS  # the table is not empty

@@ -1,0 +1,172 @@
+"""The import rule of docs/design.md, enforced: no import cycle among the modules of `atomesh` or `engine`;
+`atomesh`'s modules import only from their own layer or the layers below (`LAYERS`, the picture in
+docs/design.md); `engine` and `atomesh` never import each other; nothing imports `atomesh.app` but
+`atomesh.cli`.
+
+The graph is read from the source with `ast`, so it sees every import statement wherever it is, inside
+functions too: an import deferred into a function body is still a dependency (it merely runs later),
+and deferring one is how a cycle hides. Imports under `if TYPE_CHECKING:` are left out: they never
+run, and they are how a module names a type of a module above it without depending on it.
+An import of a package's own `__init__` from one of its submodules is not an edge (the package is
+being imported already); a package `__init__` that imports its submodules is.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("atomesh", "engine")
+
+# The gateway's layers, bottom first (docs/design.md draws them). A module belongs to the layer of the
+# longest name below that is the module itself or a package holding it.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("foundation", ("atomesh", "atomesh.config", "atomesh.errors", "atomesh.logs", "atomesh.metrics",
+                    "atomesh.request", "atomesh.validation", "atomesh.auth", "atomesh.admission", "atomesh.tasks",
+                    "atomesh.flow", "atomesh.testing")),
+    ("transport", ("atomesh.httpclient", "atomesh.transport")),
+    ("workers", ("atomesh.workers",)),
+    ("placement", ("atomesh.policies", "atomesh.placement")),
+    ("routing", ("atomesh.backends", "atomesh.router")),
+    ("composition", ("atomesh.gateway",)),
+    ("http", ("atomesh.api", "atomesh.frontdoor", "atomesh.service")),
+    ("processes", ("atomesh.cluster",)),
+    ("entry points", ("atomesh.app", "atomesh.cli", "atomesh.__main__", "atomesh.up", "atomesh.bench")),
+)
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """ids of the nodes inside `if TYPE_CHECKING:` blocks (their `else` branches do run)."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return skip
+
+
+def import_graph(packages: tuple[str, ...] = PACKAGES, root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the modules of `packages` it imports (at run time, anywhere in its file)."""
+    files = {module_name(f, root): f for pkg in packages for f in sorted((root / pkg).rglob("*.py"))}
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for mod, path in files.items():
+        tree = ast.parse(path.read_text(), str(path))
+        skip = _type_checking_only(tree)
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    up = parts[: len(parts) - (node.level - 1)]
+                    base = ".".join([*up, base] if base else up)
+                # `from pkg import name` imports pkg, and pkg.name when that is a module.
+                targets = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+            for target in targets:
+                while target and target not in files:
+                    target = target.rpartition(".")[0]
+                if target and target != mod and not mod.startswith(target + "."):
+                    graph[mod].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle() -> None:
+    found = cycles(import_graph())
+    assert not found, "import cycles (straighten the layering, see docs/design.md):\n" + "\n".join(
+        " <-> ".join(c) for c in found)
+
+
+def test_cycles_count_deferred_imports_but_not_type_checking_ones(tmp_path: Path) -> None:
+    pkg = tmp_path / "p"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from p import b\n")
+    (pkg / "b.py").write_text("def f():\n    from p.c import x\n")  # deferred: still an edge
+    (pkg / "c.py").write_text("from . import a\n")
+    (pkg / "d.py").write_text("import p.a\n")  # depends on the cycle, is not part of it
+    assert cycles(import_graph(("p",), tmp_path)) == [["p.a", "p.b", "p.c"]]
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n")
+    assert cycles(import_graph(("p",), tmp_path)) == []
+
+
+def layer_of(module: str) -> int:
+    best, level = "", -1
+    for i, (_, names) in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > len(best):
+                best, level = name, i
+    return level
+
+
+def test_every_gateway_module_has_a_layer() -> None:
+    unplaced = sorted(m for m in import_graph(("atomesh",)) if layer_of(m) < 0)
+    assert not unplaced, f"add these modules to LAYERS (and the picture in docs/design.md): {unplaced}"
+
+
+def test_imports_point_down_the_layers() -> None:
+    upward = sorted(f"{m} ({LAYERS[layer_of(m)][0]}) -> {t} ({LAYERS[layer_of(t)][0]})"
+                    for m, targets in import_graph(("atomesh",)).items() for t in targets
+                    if layer_of(t) > layer_of(m))
+    assert not upward, "imports from a higher layer (see docs/design.md):\n" + "\n".join(upward)
+
+
+def test_engine_and_gateway_never_import_each_other() -> None:
+    graph = import_graph()
+    crossing = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
+                      if m.split(".")[0] != t.split(".")[0])
+    assert not crossing, crossing
+
+
+def test_only_the_cli_imports_the_app() -> None:
+    graph = import_graph()
+    importers = sorted(m for m, targets in graph.items() if "atomesh.app" in targets)
+    assert importers == ["atomesh.cli"]
