@@ -66,6 +66,25 @@ class PrefillSpec(BaseModel):
 MAX_WORKER_URL = 2048  # bytes; a worker URL is a metric label and a log field
 
 
+_ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def parse_kv_events_endpoints(items: list[str]) -> dict[str, str]:
+    """`--kv-events-endpoints WORKER_URL=PUB[,REPLAY] ...` -> {worker url: "PUB[,REPLAY]"}; bad items raise."""
+    out: dict[str, str] = {}
+    for item in items:
+        url, sep, spec = item.partition("=")
+        url = url.strip().rstrip("/")
+        pub, _, replay = (p.strip() for p in spec.partition(","))
+        if not sep or not urlsplit(url).hostname or not pub:
+            raise ValueError(f"--kv-events-endpoints {item!r}: expected WORKER_URL=tcp://host:port[,tcp://host:port]")
+        for part in (pub, replay):
+            if part and not part.startswith(_ZMQ_SCHEMES):
+                raise ValueError(f"--kv-events-endpoints {item!r}: {part!r} must be a ZMQ address like tcp://host:5557")
+        out[url] = spec.strip()
+    return out
+
+
 def redact_url(url: str) -> str:
     """The URL with any password in it replaced by `***` (for messages, logs and labels)."""
     return _URL_PASSWORD.sub(r"\1***@", url)
@@ -362,9 +381,7 @@ class GatewayConfig(BaseModel):
     @field_validator("kv_events_endpoints")
     @classmethod
     def _kv_endpoints(cls, items: list[str]) -> list[str]:
-        from atomesh.workers.kv_events import parse_endpoint_flags
-
-        parse_endpoint_flags(items)
+        parse_kv_events_endpoints(items)
         return items
 
     @field_validator("policy", "prefill_policy", "decode_policy")

@@ -27,10 +27,10 @@ import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 import structlog
 
+from atomesh.config import parse_kv_events_endpoints
 from atomesh.kv_index import KvIndex
 from atomesh.workers.registry import WorkerRegistry
 from atomesh.workers.worker import Worker, WorkerRole, WorkerState
@@ -180,15 +180,7 @@ def endpoint_of(worker: Worker, configured: Mapping[str, str]) -> Endpoint | Non
 
 def parse_endpoint_flags(items: list[str]) -> dict[str, str]:
     """`--kv-events-endpoints WORKER_URL=PUB[,REPLAY] ...` -> {worker url: spec}; bad items raise."""
-    out: dict[str, str] = {}
-    for item in items:
-        url, sep, spec = item.partition("=")
-        url = url.strip().rstrip("/")
-        if not sep or not urlsplit(url).hostname or not spec.strip():
-            raise ValueError(f"--kv-events-endpoints {item!r}: expected WORKER_URL=tcp://host:port[,tcp://host:port]")
-        parse_endpoint_spec(spec, urlsplit(url).hostname or "")
-        out[url] = spec.strip()
-    return out
+    return parse_kv_events_endpoints(items)
 
 
 @dataclass(slots=True)
