@@ -184,6 +184,17 @@ def bench_placement(ctx: typer.Context) -> None:
 
 
 @bench_app.command(
+    "kv-placement", add_help_option=False,
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def bench_kv_placement(ctx: typer.Context) -> None:
+    """kv_aware vs cache_aware, prefix_hash, round_robin on real engines under eviction (`--help` lists options)."""
+    from atomesh.bench import kv_placement
+
+    kv_placement.main(list(ctx.args))
+
+
+@bench_app.command(
     "gateway", add_help_option=False,
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
 )

@@ -43,7 +43,8 @@ def _refused(flag: str, peers: str, why: str) -> PeerFlag:
     return PeerFlag(flag, peers, Status.REFUSED, why)
 
 
-_NO_TOKENIZING = "the gateway tokenizes only for prefix_hash keys, once per request, with no cache to tune"
+_NO_TOKENIZING = ("the gateway tokenizes only for prefix_hash keys and kv_aware (whose cache of encoded message "
+                  "pieces is fixed at 4,096 entries), with no cache to tune")
 _NO_HISTORY = ("atomesh stores no conversations: /v1/responses is relayed to the workers, which keep their own "
                "state")
 

@@ -55,6 +55,7 @@ class PolicyName(StrEnum):
     POWER_OF_TWO = "power_of_two"
     LEAST_LOAD = "least_load"
     CACHE_AWARE = "cache_aware"
+    KV_AWARE = "kv_aware"
     PREFIX_HASH = "prefix_hash"
     CONSISTENT_HASHING = "consistent_hashing"
     DP_STICKY = "dp_sticky"
@@ -78,6 +79,25 @@ class PrefillSpec(BaseModel):
 
 
 MAX_WORKER_URL = 2048  # bytes; a worker URL is a metric label and a log field
+
+
+_ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def parse_kv_events_endpoints(items: list[str]) -> dict[str, str]:
+    """`--kv-events-endpoints WORKER_URL=PUB[,REPLAY] ...` -> {worker url: "PUB[,REPLAY]"}; bad items raise."""
+    out: dict[str, str] = {}
+    for item in items:
+        url, sep, spec = item.partition("=")
+        url = url.strip().rstrip("/")
+        pub, _, replay = (p.strip() for p in spec.partition(","))
+        if not sep or not urlsplit(url).hostname or not pub:
+            raise ValueError(f"--kv-events-endpoints {item!r}: expected WORKER_URL=tcp://host:port[,tcp://host:port]")
+        for part in (pub, replay):
+            if part and not part.startswith(_ZMQ_SCHEMES):
+                raise ValueError(f"--kv-events-endpoints {item!r}: {part!r} must be a ZMQ address like tcp://host:5557")
+        out[url] = spec.strip()
+    return out
 
 
 def redact_url(url: str) -> str:
@@ -232,6 +252,13 @@ class GatewayConfig(BaseModel):
                            "one) and send it as `data_parallel_rank`; every worker must report `dp_size` in its "
                            "server info (docs/workers.md).")
 
+    # --- kv_aware (docs/placement.md)
+    kv_events_endpoints: list[str] = Field(
+        default_factory=list, description="kv_aware: WORKER_URL=tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT] for a worker "
+        "whose KV events are not advertised in its /server_info.")
+    kv_overlap_weight: float = Field(1.0, ge=0, description="kv_aware: weight of blocks to prefill against KV load.")
+    kv_temperature: float = Field(0.0, ge=0, description="kv_aware: 0 = lowest cost wins; above 0 = soft choice.")
+
     # --- tokenizer (ATOMesh / SMG)
     model_path: str | None = Field(
         None, description="Folder (or file) of the served model whose tokenizer the gateway loads at start "
@@ -370,6 +397,12 @@ class GatewayConfig(BaseModel):
     @classmethod
     def _prefill_urls(cls, specs: list[PrefillSpec]) -> list[PrefillSpec]:
         return [PrefillSpec(url=check_worker_url(s.url), bootstrap_port=s.bootstrap_port) for s in specs]
+
+    @field_validator("kv_events_endpoints")
+    @classmethod
+    def _kv_endpoints(cls, items: list[str]) -> list[str]:
+        parse_kv_events_endpoints(items)
+        return items
 
     @field_validator("policy", "prefill_policy", "decode_policy", mode="before")
     @classmethod

@@ -22,12 +22,14 @@ from atomesh.metrics import Metrics
 from atomesh.placement import Placement
 from atomesh.policies import Policy, make_policy
 from atomesh.policies.cache_aware import CacheAwarePolicy
+from atomesh.policies.kv_aware import KvAwarePolicy
 from atomesh.router import Router
 from atomesh.tokenizer import PromptTokens, TokenizerError, load_chat_template, load_tokenizer, tokenizer_file
 from atomesh.transport import Upstream
 from atomesh.workers.breaker import BreakerSettings, BreakerState
 from atomesh.workers.discovery import DiscoveryError, DiscoverySettings, KubernetesDiscovery
 from atomesh.workers.health import HealthChecker
+from atomesh.workers.kv_events import parse_endpoint_flags
 from atomesh.workers.lifecycle import Lifecycle
 from atomesh.workers.load import LoadPoller
 from atomesh.workers.registry import WorkerRegistry
@@ -57,13 +59,18 @@ class Gateway:
                                  ssl_context=worker_ssl_context(config))
         roles = (WorkerRole.PREFILL, WorkerRole.DECODE) if config.pd_disaggregation else (WorkerRole.REGULAR,)
         self.tokens = _prompt_tokens(config)
-        policies: dict[WorkerRole, Policy] = {r: make_policy(config.policy_for(r.value), config, self.tokens)
+        policies: dict[WorkerRole, Policy] = {r: make_policy(_pool_policy(config, r), config, self.tokens)
                                               for r in roles}
+        for role, policy in policies.items():
+            if isinstance(policy, KvAwarePolicy):  # follows the KV events of its pool's workers
+                policy.watch(self.registry, self.upstream, (role,), parse_endpoint_flags(config.kv_events_endpoints))
         self.placement = Placement(self.registry, policies, pd=config.pd_disaggregation, dp_ranks=config.dp_ranks)
         # Engine-reported load only matters to policies that compare loads.
+        # kv_aware weighs cached blocks against load, so it wants the engines' queues fresher.
+        poll = 0.1 if any(isinstance(p, KvAwarePolicy) for p in policies.values()) else 1.0
         load_blind = (PolicyName.RANDOM, PolicyName.ROUND_ROBIN)
-        self.load_poller = (LoadPoller(self.registry, self.upstream) if any(p.name not in load_blind
-                                                                            for p in policies.values()) else None)
+        self.load_poller = (LoadPoller(self.registry, self.upstream, interval=poll)
+                            if any(p.name not in load_blind for p in policies.values()) else None)
         self.backend = self._make_backend()
         self.router = Router(config, self.placement, self.backend, self.metrics)
         # With several processes each admits its share (the kernel spreads connections about evenly).
@@ -123,6 +130,8 @@ class Gateway:
         for w in self.registry:
             self.metrics.worker_active.labels(w.url, w.role.value).set(w.in_flight)
         for role, policy in self.placement.policies.items():
+            if isinstance(policy, KvAwarePolicy):
+                policy = policy.fallback
             if isinstance(policy, CacheAwarePolicy):
                 self.metrics.sync_cache_aware(role.value, policy.hits, policy.misses, len(policy.index))
 
@@ -229,6 +238,12 @@ class Gateway:
             log.warning("worker_unreachable", worker=worker.url)
         elif worker.state is WorkerState.READY:
             worker.breaker.trip()
+
+
+def _pool_policy(config: GatewayConfig, role: WorkerRole) -> PolicyName:
+    """The policy of one pool. kv_aware places decode by load: decode receives its KV from prefill."""
+    name = PolicyName(config.policy_for(role.value))
+    return PolicyName.LEAST_LOAD if role is WorkerRole.DECODE and name is PolicyName.KV_AWARE else name
 
 
 def worker_ssl_context(config: GatewayConfig) -> ssl.SSLContext | None:

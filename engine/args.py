@@ -10,8 +10,10 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from engine.kv_events import KVEventsConfig, parse_kv_events_config
 
 # ATOM flags we know and do not implement: flag -> why.
 _REFUSED_FLAGS = {
@@ -83,6 +85,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     kv_transfer: KVTransferConfig = KVTransferConfig()
     kv_transfer_timeout: float = 30.0
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     sparse_attention: bool = False
     sparse_topk_blocks: int = 16
     device: str = "auto"
@@ -162,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="prefill side: seconds a finished prefill keeps its KV blocks for decode to pull",
+    )
+    p.add_argument(
+        "--kv-events-config",
+        default="{}",
+        help="KV cache events as vLLM publishes them, JSON: {\"enable_kv_cache_events\": true, \"publisher\": "
+        "\"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv-events\"}",
     )
     p.add_argument(
         "--sparse-attention",
@@ -274,6 +283,7 @@ def validate(ns: argparse.Namespace) -> EngineArgs:
         enable_prefix_caching=ns.enable_prefix_caching,
         kv_transfer=parse_kv_transfer_config(ns.kv_transfer_config),
         kv_transfer_timeout=ns.kv_transfer_timeout,
+        kv_events=parse_kv_events_config(ns.kv_events_config),
         sparse_attention=ns.sparse_attention == "on",
         sparse_topk_blocks=ns.sparse_topk_blocks,
         device=ns.device,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from engine.kv_events import EventRecorder
 from engine.sequence import Sequence
 
 
@@ -77,6 +78,8 @@ class BlockManager:
         self._hash_to_block: dict[int, int] = {}
         self._prefix_queries = 0
         self._prefix_hits = 0
+        # Set when --kv-events-config publishes: blocks entering / leaving the hash index are reported.
+        self.events: EventRecorder | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -143,12 +146,16 @@ class BlockManager:
         if not self.can_allocate(seq):
             raise RuntimeError(f"not enough free KV blocks for sequence {seq.seq_id}")
         hits = self._cached_prefix(seq)
+        parent: int | None = None
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self._free[block_id]
             block.ref_count += 1
             seq.block_table.append(block_id)
+            if self.events is not None and block.hash is not None:
+                self.events.stored(block.hash, parent, block.token_ids)  # a reuse: subscribers see it is hot
+                parent = block.hash
         for _ in range(len(hits), seq.num_blocks):
             seq.block_table.append(self._take_free().block_id)
         seq.num_cached_tokens = len(hits) * self.block_size
@@ -234,10 +241,14 @@ class BlockManager:
         block.hash = h
         block.token_ids = tuple(tokens)
         self._hash_to_block[h] = block.block_id
+        if self.events is not None:
+            self.events.stored(h, prefix, block.token_ids)
         return h
 
     def _forget(self, block: Block) -> None:
         if block.hash is not None and self._hash_to_block.get(block.hash) == block.block_id:
             del self._hash_to_block[block.hash]
+            if self.events is not None:
+                self.events.removed(block.hash)
         block.hash = None
         block.token_ids = ()

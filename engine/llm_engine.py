@@ -30,6 +30,7 @@ from engine.errors import (
     OverloadedError,
 )
 from engine.kernels import interpret_mode, triton_importable
+from engine.kv_events import EventRecorder
 from engine.model_runner import ModelRunner, StepInput, kv_cache_dtype
 from engine.models.loader import LoadedModel, load_model
 from engine.sampler import SampleOutput
@@ -128,6 +129,11 @@ class LLMEngine:
         log.info("engine: device=%s dtype=%s kernels=%s cuda_graphs=%s", self.device, str(self.dtype).removeprefix(
             "torch."), self.kernels, f"{sizes[0]}..{sizes[-1]} ({len(sizes)} sizes)" if sizes else "off")  # fmt: skip
         self.block_manager = BlockManager(self.num_blocks, args.block_size, args.enable_prefix_caching)
+        # KV cache events (--kv-events-config): collected per step, handed to `kv_events_sink`.
+        self.kv_events_sink: Callable[[list[list[Any]]], None] | None = None
+        if args.kv_events.enabled:
+            self.block_manager.events = EventRecorder(args.block_size, "GPU" if self.device.type == "cuda" else None)
+            self.block_manager.events.cleared()  # a (re)started engine holds nothing
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
@@ -313,6 +319,14 @@ class LLMEngine:
                 self.held.add(seq.seq_id)  # pinned for a KV transfer until `release`
 
     # -- one step ----------------------------------------------------------------------------------
+
+    def flush_kv_events(self) -> None:
+        """Hand the events recorded since the last flush to the publisher, as one batch."""
+        recorder = self.block_manager.events
+        if recorder is not None and self.kv_events_sink is not None:
+            events = recorder.take()
+            if events:
+                self.kv_events_sink(events)
 
     def schedule(self) -> tuple[ScheduledBatch, StepInput] | None:
         batch = self.scheduler.schedule()
@@ -501,7 +515,9 @@ class AsyncLLMEngine:
         deadline = loop.time() + wait_secs
         while True:
             try:
-                return self.engine.reserve(prompt_ids, params)
+                seq = self.engine.reserve(prompt_ids, params)
+                self.engine.flush_kv_events()
+                return seq
             except OverloadedError:
                 if loop.time() >= deadline:
                     raise
@@ -510,6 +526,7 @@ class AsyncLLMEngine:
     def submit_prefilled(self, seq: Sequence, first_token: int, logprob: TokenLogprob | None = None) -> RequestHandle:
         """Continue a reserved sequence whose KV arrived, from ``first_token`` (already an output)."""
         self.engine.commit_prefilled(seq, first_token, logprob)
+        self.engine.flush_kv_events()  # the KV that arrived over the relay is now cached here
         state = RequestState(seq, IncrementalDetokenizer(self.engine.tokenizer))
         self._states[seq.seq_id] = state
         self._deliver(state)  # the first token goes out now, before any decode step
@@ -568,6 +585,7 @@ class AsyncLLMEngine:
                 self.engine.fail_batch(batch)
                 for seq in batch.seqs:
                     self._fail(seq.seq_id, EngineFailedError(f"model step failed: {exc}"))
+            self.engine.flush_kv_events()
 
     def _fail_waiting_head(self) -> None:
         # Admission guarantees a lone sequence fits, so this means blocks leaked: fail loudly

@@ -1,7 +1,8 @@
 """``python -m engine.openai_server``: the ATOM-compatible OpenAI HTTP server of the engine.
 
 Endpoints: POST /v1/completions, /v1/chat/completions, /generate (SSE when ``stream``), /flush_cache;
-GET /v1/models, /health, /health_generate, /get_model_info, /metrics, /server_info, /kv_transfer_info.
+GET /v1/models, /health, /health_generate, /get_model_info, /metrics, /server_info, /kv_transfer_info,
+/tokenizer_info.
 Errors are OpenAI-shaped, rendered in one middleware from the engine's error hierarchy.
 """
 
@@ -27,6 +28,7 @@ from pydantic import ValidationError
 from engine.args import EngineArgs, parse_args
 from engine.disagg import Disaggregation, check_transfer_support
 from engine.errors import EngineError, InvalidRequestError, ModelNotFoundError
+from engine.kv_events import ZmqEventPublisher, advertised
 from engine.llm_engine import AsyncLLMEngine, LLMEngine, RequestOutput
 from engine.metrics import ServerMetrics
 from engine.protocol import ChatBody, CompletionBody, GenerateBody, NamedToolChoice, SamplingBody, parse_body
@@ -512,6 +514,8 @@ async def server_info(request: web.Request) -> web.Response:
             "enable_chunked_prefill": state.args.enable_chunked_prefill,
             "device": str(eng.device),
             "dtype": str(eng.dtype).removeprefix("torch."),
+            # vLLM's --kv-events-config as this engine publishes it (a "*" host means this worker's host).
+            "kv_events_config": advertised(state.args.kv_events) if state.args.kv_events.enabled else None,
         }
     )
 
@@ -540,8 +544,13 @@ async def get_model_info(request: web.Request) -> web.Response:
 
 async def flush_cache(request: web.Request) -> web.Response:
     """POST /flush_cache: forget the prefix cache's free blocks (blocks in use keep theirs)."""
-    flushed = request.app[STATE].engine.engine.block_manager.flush()
+    engine = request.app[STATE].engine.engine
+    flushed = engine.block_manager.flush()
+    engine.flush_kv_events()  # subscribers learn the blocks are gone
     return _json({"status": "ok", "flushed_blocks": flushed})
+async def tokenizer_info(request: web.Request) -> web.Response:
+    """GET /tokenizer_info: the tokenizer and chat template, so a router can tokenize prompts exactly as here."""
+    return _json(request.app[STATE].engine.engine.tokenizer.describe())
 
 
 async def kv_transfer_info(request: web.Request) -> web.Response:
@@ -576,9 +585,16 @@ def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
         # The KV relay is up before the port opens: a router reads /kv_transfer_info at registration.
         if disagg is not None:
             await disagg.start()
+        publisher = ZmqEventPublisher(args.kv_events) if args.kv_events.enabled else None
+        if publisher is not None:
+            engine.kv_events_sink = publisher.publish
+            engine.flush_kv_events()  # AllBlocksCleared: this engine starts empty
         await async_engine.start()
         yield
         await async_engine.stop()
+        if publisher is not None:
+            engine.kv_events_sink = None
+            publisher.close()
         if disagg is not None:
             await disagg.stop()
 
@@ -594,6 +610,7 @@ def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/server_info", server_info)
     app.router.add_get("/kv_transfer_info", kv_transfer_info)
+    app.router.add_get("/tokenizer_info", tokenizer_info)
     return app
 
 

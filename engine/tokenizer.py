@@ -51,6 +51,8 @@ class Tokenizer(Protocol):
     @property
     def template_uses_tools(self) -> bool: ...
 
+    def describe(self) -> dict[str, Any]: ...
+
 
 class ChatTemplate:
     """A Jinja chat template rendered in a sandbox, the way Hugging Face renders them."""
@@ -59,9 +61,15 @@ class ChatTemplate:
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_template_error
         self._template = env.from_string(source)
+        self.source = source
         self._bos = bos_token
         self._eos = eos_token
         self.uses_tools = "tools" in source
+
+    def describe(self) -> dict[str, Any]:
+        """How this template renders, for a router that must produce the same prompt text."""
+        return {"chat_template": self.source, "bos_token": self._bos, "eos_token": self._eos,
+                "add_generation_prompt": True, "trim_blocks": True, "lstrip_blocks": True}  # fmt: skip
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                continue_final_message: bool = False, **kwargs: Any) -> str:  # fmt: skip
@@ -149,6 +157,11 @@ class HFTokenizer:
             if i < vocab_size:
                 encoded[i] = "" if token in added else token
         return encoded, True
+
+    def describe(self) -> dict[str, Any]:
+        """GET /tokenizer_info: the whole tokenizer (tokenizer.json) and its chat template."""
+        return {"kind": "tokenizers", "tokenizer_json": self._core.to_str(), "add_special_tokens": False,
+                **self._chat.describe()}  # fmt: skip
 
 
 def tokenizer_from_gguf_fields(fields: dict[str, Any]) -> HFTokenizer:
@@ -277,6 +290,10 @@ class ByteTokenizer:
     def grammar_vocab(self, vocab_size: int) -> tuple[list[bytes], bool]:
         """Raw bytes per token; the specials as empty (xgrammar's mark of a special token)."""
         return [bytes([i]) if i < 256 else b"" for i in range(vocab_size)], False
+
+    def describe(self) -> dict[str, Any]:
+        """GET /tokenizer_info: one id per UTF-8 byte, these specials after 255, and the template."""
+        return {"kind": "bytes", "special_tokens": list(self.SPECIALS), **self._chat.describe()}
 
 
 @dataclass(slots=True)

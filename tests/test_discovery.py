@@ -115,6 +115,8 @@ def test_pods_map_to_workers_by_labels_readiness_and_annotations() -> None:
     assert wanted_worker(pod(ENGINE, deletionTimestamp="2026-01-01T00:00:00Z"), regular) is None
     w6 = wanted_worker(pod(ENGINE, ip="fd00::5"), regular)
     assert w6 is not None and w6.url == "http://[fd00::5]:8000"
+    kv = wanted_worker(pod(ENGINE, annotations={"atomesh.io/kv-events-endpoint": "tcp://*:5557,tcp://*:5558"}), regular)
+    assert kv is not None and kv.kv_events == "tcp://*:5557,tcp://*:5558" and w.kv_events is None
 
     pd = DiscoverySettings(selector={}, prefill_selector={"app": "llm", "role": "prefill"},
                            decode_selector={"app": "llm", "role": "decode"}, pd=True, port=8010,

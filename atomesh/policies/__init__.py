@@ -13,25 +13,47 @@ from atomesh.policies.base import Decision, Policy, least_loaded
 from atomesh.policies.cache_aware import CacheAwarePolicy
 from atomesh.policies.consistent_hashing import ConsistentHashingPolicy
 from atomesh.policies.dp_sticky import DpStickyPolicy
+from atomesh.policies.kv_aware import KvAwarePolicy
 from atomesh.policies.least_load import LeastLoadPolicy
 from atomesh.policies.power_of_two import PowerOfTwoPolicy
 from atomesh.policies.prefix_hash import PrefixHashPolicy
 from atomesh.policies.random import RandomPolicy
 from atomesh.policies.round_robin import RoundRobinPolicy
-from atomesh.tokenizer import PromptTokens
+from atomesh.prompt_tokens import PromptTokenizer, TokenizerUnavailable
+from atomesh.tokenizer import PromptTokens, TokenizerError, tokenizer_file
 
 # A factory gets the config and the gateway's tokenizer (None without --model-path / --tokenizer-path).
 PolicyFactory = Callable[[GatewayConfig, PromptTokens | None], Policy]
+
+
+def _cache_aware(cfg: GatewayConfig) -> CacheAwarePolicy:
+    return CacheAwarePolicy(
+        cache_threshold=cfg.cache_threshold, balance_abs_threshold=cfg.balance_abs_threshold,
+        balance_rel_threshold=cfg.balance_rel_threshold, eviction_interval_secs=cfg.eviction_interval_secs,
+        max_tree_size=cfg.max_tree_size)
+
+
+def _kv_aware(cfg: GatewayConfig) -> KvAwarePolicy:
+    # kv_aware renders chats exactly as the engine does, with its own loader of the same files
+    # (--tokenizer-path / --model-path, --chat-template); without them the workers' /tokenizer_info.
+    tokenizer = None
+    if cfg.tokenizer_path or cfg.model_path:
+        try:
+            template = cfg.chat_template.expanduser().read_text(encoding="utf-8") if cfg.chat_template else None
+            tokenizer = PromptTokenizer.from_path(str(tokenizer_file(cfg.model_path, cfg.tokenizer_path)), template)
+        except (TokenizerUnavailable, TokenizerError, OSError, ValueError) as e:
+            raise PolicyNotAvailable(f"--policy kv_aware: {e}") from None
+    return KvAwarePolicy(_cache_aware(cfg), overlap_weight=cfg.kv_overlap_weight, temperature=cfg.kv_temperature,
+                         tokenizer=tokenizer)
+
 
 FACTORIES: dict[PolicyName, PolicyFactory] = {
     PolicyName.RANDOM: lambda cfg, tok: RandomPolicy(),
     PolicyName.ROUND_ROBIN: lambda cfg, tok: RoundRobinPolicy(),
     PolicyName.POWER_OF_TWO: lambda cfg, tok: PowerOfTwoPolicy(),
     PolicyName.LEAST_LOAD: lambda cfg, tok: LeastLoadPolicy(),
-    PolicyName.CACHE_AWARE: lambda cfg, tok: CacheAwarePolicy(
-        cache_threshold=cfg.cache_threshold, balance_abs_threshold=cfg.balance_abs_threshold,
-        balance_rel_threshold=cfg.balance_rel_threshold, eviction_interval_secs=cfg.eviction_interval_secs,
-        max_tree_size=cfg.max_tree_size),
+    PolicyName.CACHE_AWARE: lambda cfg, tok: _cache_aware(cfg),
+    PolicyName.KV_AWARE: lambda cfg, tok: _kv_aware(cfg),
     PolicyName.PREFIX_HASH: lambda cfg, tok: PrefixHashPolicy(
         prefix_token_count=cfg.prefix_token_count, load_factor=cfg.prefix_hash_load_factor, tokens=tok),
     PolicyName.CONSISTENT_HASHING: lambda cfg, tok: ConsistentHashingPolicy(),

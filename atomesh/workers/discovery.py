@@ -30,6 +30,7 @@ import orjson
 import structlog
 
 from atomesh.config import GatewayConfig, parse_model_id_source, parse_selector
+from atomesh.workers.kv_events import ENDPOINT_LABEL
 from atomesh.workers.lifecycle import Lifecycle
 from atomesh.workers.registry import WorkerRegistry
 from atomesh.workers.worker import Worker, WorkerRole, WorkerSource, WorkerState
@@ -148,6 +149,11 @@ class Wanted:
     pod: str  # namespace/name
     uid: str
     model_id: str | None
+    kv_events: str | None = None  # the pod's KV events endpoint (KV_EVENTS_ANNOTATION), for kv_aware
+
+
+# A pod that publishes KV cache events says where: "tcp://*:5557[,tcp://*:5558]" ("*": the pod's IP).
+KV_EVENTS_ANNOTATION = "atomesh.io/kv-events-endpoint"
 
 
 def wanted_worker(pod: Pod, settings: DiscoverySettings) -> Wanted | None:
@@ -163,7 +169,8 @@ def wanted_worker(pod: Pod, settings: DiscoverySettings) -> Wanted | None:
         model_id = (pod.namespace if kind == "namespace" else
                     pod.labels.get(key) if kind == "label" else pod.annotations.get(key)) or None
     return Wanted(url=f"http://{host}:{settings.port}", role=role, bootstrap_port=bootstrap,
-                  pod=f"{pod.namespace}/{pod.name}", uid=pod.uid, model_id=model_id)
+                  pod=f"{pod.namespace}/{pod.name}", uid=pod.uid, model_id=model_id,
+                  kv_events=pod.annotations.get(KV_EVENTS_ANNOTATION) or None)
 
 
 def bootstrap_port(pod: Pod, settings: DiscoverySettings) -> int | None:
@@ -399,7 +406,8 @@ class KubernetesDiscovery:
         log.info("discovery_worker_found", worker=want.url, pod=want.pod, role=want.role.value)
         try:
             worker = self.lifecycle.add(want.url, want.role, want.bootstrap_port, source=WorkerSource.KUBERNETES,
-                                        pod=want.pod, model_id=want.model_id)
+                                        pod=want.pod, model_id=want.model_id,
+                                        labels={ENDPOINT_LABEL: want.kv_events} if want.kv_events else None)
         except ValueError as e:
             self._note(f"add {want.url}", "discovery_worker_refused", worker=want.url, pod=want.pod, error=str(e))
             return

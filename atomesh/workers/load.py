@@ -79,9 +79,14 @@ class LoadPoller:
         await asyncio.gather(*(self._poll(w) for w in workers))
 
     async def _poll(self, worker: Worker) -> None:
+        mine = worker.in_flight
         try:
             status, body, _ = await self.upstream.call("GET", worker.url + self.path, timeout=self.timeout)
             text = body.decode() if status == 200 else ""
         except (GatewayError, UnicodeDecodeError):
             text = ""
         worker.engine_load = parse_load(text) if text else None
+        # What the engine runs beyond this gateway's own requests (other replicas, other clients):
+        # ours are counted at their most during the scrape, so ours never pass for others.
+        mine = max(mine, worker.in_flight)
+        worker.foreign_load = max(0, worker.engine_load - mine) if worker.engine_load is not None else 0

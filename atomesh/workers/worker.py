@@ -77,6 +77,8 @@ class Worker:
     on_release: Callable[[Worker], None] | None = field(default=None, repr=False)
     # Load the engine itself reports (queued + running requests), when polled.
     engine_load: int | None = None
+    # Of the engine's load at the last poll, the requests that were not this gateway's.
+    foreign_load: int = 0
     models: tuple[str, ...] = ()
     server_info: dict[str, Any] = field(default_factory=dict)
     kv_transfer_info: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,442 @@
+"""KV-aware placement on real engines: `python -m atomesh.bench.kv_placement` (or `atomesh bench kv-placement`).
+
+Starts N engine processes (`engine.openai_server`, SmolLM2 on CPU by default, small KV pools so that
+the prefix caches evict, KV events on) and, per policy, gateway processes in front of them. Two traces,
+replayed with streamed chat requests (max_tokens 1) by a fixed number of clients:
+
+- multi-turn: C conversations x T turns; each turn re-sends the whole conversation (a canned
+  assistant reply between user turns);
+- shared system prompt: R single-turn requests, each one of S long system prompts plus a short
+  unique question.
+
+With `--replicas 2` (the default) every policy runs as two independent gateway processes and the
+clients alternate between them per request, as behind a plain L4 load balancer: each cache_aware
+instance sees half of the traffic, while kv_aware instances both read the engines' own events.
+`--replicas 1` runs one gateway.
+
+Reported per policy: the engines' own prefix-cache hit rate (cached / looked-up prompt tokens, from
+their /metrics, deltas over the run), TTFT p50 / p99 as the client saw it, and load balance (max / min
+requests per engine, from the engines' counters). Each run salts its prompts so that no run reuses
+another's cache. Then (a): kv_aware's decision cost per request at 16 workers with 32 KB prompts,
+with tokenization measured on its own.
+
+It prints and writes JSON (`--json`); it never asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import random
+import re
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from atomesh.bench.procs import free_port, start, stop
+from atomesh.config import GatewayConfig, PolicyName
+from atomesh.kv_index import as_tokens, chain_keys
+from atomesh.placement import Placement, Plan
+from atomesh.policies import make_policy
+from atomesh.policies.kv_aware import KvAwarePolicy
+from atomesh.prompt_tokens import PromptTokenizer
+from atomesh.request import RequestView, Route
+from atomesh.workers.registry import WorkerRegistry
+from atomesh.workers.worker import Worker, WorkerRole, WorkerState
+
+POLICIES = ("kv_aware", "cache_aware", "prefix_hash", "round_robin")
+WORDS = ("the quick brown fox jumps over lazy dogs while engines prefill long prompts and decode tokens "
+         "system user assistant context window cache block prefix router gateway latency").split()
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------- traces
+Request = tuple[int, list[dict[str, str]]]  # (conversation, messages so far)
+
+
+def multi_turn(salt: str, conversations: int, turns: int, seed: int = 1) -> list[list[dict[str, str]]]:
+    """Per conversation, its user turns (the replay adds assistant replies between them)."""
+    rng = random.Random(seed)
+    out = []
+    for c in range(conversations):
+        msgs = [{"role": "system", "content": f"{salt} You are assistant {c}. Answer briefly."}]
+        msgs += [{"role": "user", "content": f"question {t} of chat {c}: " + words(rng, 45)} for t in range(turns)]
+        out.append(msgs)
+    return out
+
+
+def shared_prefix(salt: str, systems: int, requests: int, seed: int = 2) -> list[list[dict[str, str]]]:
+    rng = random.Random(seed)
+    prompts = [f"{salt} system prompt {s}: " + words(rng, 130) for s in range(systems)]
+    return [[{"role": "system", "content": prompts[rng.randrange(systems)]},
+             {"role": "user", "content": f"question {i}: " + words(rng, 25)}] for i in range(requests)]
+
+
+@dataclass(slots=True)
+class RunResult:
+    trace: str
+    policy: str
+    replicas: int
+    hit_rate: float
+    cached_tokens: int
+    prompt_tokens: int
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    load_ratio: float
+    requests_per_engine: list[int]
+    errors: int
+    seconds: float
+    gateway: dict[str, Any] = field(default_factory=dict)
+
+
+async def replay_multi_turn(session: aiohttp.ClientSession, gws: list[str], convs: list[list[dict[str, str]]],
+                            concurrency: int, model: str) -> tuple[list[float], int]:
+    """Clients take ready conversations in turn order; a conversation's next turn waits for its last."""
+    ready: asyncio.Queue[tuple[int, int, list[dict[str, str]]]] = asyncio.Queue()
+    for c, conv in enumerate(convs):
+        ready.put_nowait((c, 0, [conv[0]]))
+    remaining = sum(len(c) - 1 for c in convs)
+    ttfts: list[float] = []
+    errors = 0
+    sent = 0
+
+    async def client() -> None:
+        nonlocal remaining, errors, sent
+        while remaining > 0:
+            try:
+                c, t, msgs = await asyncio.wait_for(ready.get(), 0.05)
+            except TimeoutError:
+                continue
+            msgs = [*msgs, convs[c][1 + t]]
+            gw = gws[sent % len(gws)]
+            sent += 1
+            ttft = await one(session, gw, msgs, model)
+            if ttft is None:
+                errors += 1
+            else:
+                ttfts.append(ttft)
+            remaining -= 1
+            if t + 2 < len(convs[c]):
+                reply = {"role": "assistant", "content": f"Answer {t} for chat {c}: noted, continuing."}
+                ready.put_nowait((c, t + 1, [*msgs, reply]))
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return ttfts, errors
+
+
+async def replay_independent(session: aiohttp.ClientSession, gws: list[str], reqs: list[list[dict[str, str]]],
+                             concurrency: int, model: str) -> tuple[list[float], int]:
+    queue = list(reversed(list(enumerate(reqs))))
+    ttfts: list[float] = []
+    errors = 0
+
+    async def client() -> None:
+        nonlocal errors
+        while queue:
+            i, msgs = queue.pop()
+            ttft = await one(session, gws[i % len(gws)], msgs, model)
+            if ttft is None:
+                errors += 1
+            else:
+                ttfts.append(ttft)
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return ttfts, errors
+
+
+async def one(session: aiohttp.ClientSession, gw: str, msgs: list[dict[str, str]], model: str) -> float | None:
+    body = {"model": model, "messages": msgs, "max_tokens": 1, "stream": True}
+    t0 = time.perf_counter()
+    ttft = None
+    try:
+        async with session.post(gw + "/v1/chat/completions", json=body) as r:
+            if r.status != 200:
+                await r.read()
+                return None
+            async for line in r.content:
+                # The first chunk that carries text (an opening chunk with only the role does not count).
+                if ttft is None and line.startswith(b"data: {") and _has_content(line[6:]):
+                    ttft = time.perf_counter() - t0
+            if ttft is None:
+                ttft = time.perf_counter() - t0  # the token was empty text (e.g. EOS): the whole response
+    except aiohttp.ClientError:
+        return None
+    return ttft
+
+
+def _has_content(data: bytes) -> bool:
+    try:
+        choice = json.loads(data)["choices"][0]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return False
+    return bool((choice.get("delta") or {}).get("content"))
+
+
+# ---------------------------------------------------------------------------------------------- engines
+async def wait_http(session: aiohttp.ClientSession, url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
+                if r.status == 200:
+                    return
+        except (aiohttp.ClientError, TimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not come up in {timeout}s")
+        await asyncio.sleep(0.2)
+
+
+_COUNTERS = ("atom:prefix_cache_cached_tokens_total", "atom:prefix_cache_wanted_tokens_total",
+             "atom:requests_finished_total")
+
+
+async def engine_counters(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with session.get(url + "/metrics") as r:
+        text = await r.text()
+    out = {}
+    for name in _COUNTERS:
+        m = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+        out[name] = float(m.group(1)) if m else 0.0
+    return out
+
+
+async def run_one(session: aiohttp.ClientSession, engines: list[str], policy: str, trace: str, replicas: int,
+                  args: argparse.Namespace, model: str) -> RunResult:
+    salt = f"[{trace} {policy} x{replicas} {time.time_ns()}]"
+    procs = []
+    gws = []
+    for r in range(replicas):
+        port, mport = free_port(), free_port()
+        cmd = [sys.executable, "-m", "atomesh", "launch", "--policy", policy, "--host", "127.0.0.1", "--port",
+               str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(mport), "--log-level",
+               args.gateway_log_level,
+               "--worker-urls", *engines]
+        procs.append(start(cmd, Path(f"/tmp/atomesh-bench-kv-{policy}-{r}.log")))
+        gws.append(f"http://127.0.0.1:{port}")
+    try:
+        for gw in gws:
+            await wait_http(session, gw + "/readiness", 60)
+        if policy == "kv_aware":
+            await asyncio.sleep(2.0)  # the tokenizer download and the event subscriptions' catch-up
+        before = [await engine_counters(session, e) for e in engines]
+        t0 = time.perf_counter()
+        if trace == "multi-turn":
+            convs = multi_turn(salt, args.conversations, args.turns)
+            ttfts, errors = await replay_multi_turn(session, gws, convs, args.concurrency, model)
+        else:
+            reqs = shared_prefix(salt, args.systems, args.requests)
+            ttfts, errors = await replay_independent(session, gws, reqs, args.concurrency, model)
+        seconds = time.perf_counter() - t0
+        after = [await engine_counters(session, e) for e in engines]
+    finally:
+        for p in procs:
+            stop(p)
+    cached = sum(a[_COUNTERS[0]] - b[_COUNTERS[0]] for a, b in zip(after, before, strict=True))
+    wanted = sum(a[_COUNTERS[1]] - b[_COUNTERS[1]] for a, b in zip(after, before, strict=True))
+    per = [int(a[_COUNTERS[2]] - b[_COUNTERS[2]]) for a, b in zip(after, before, strict=True)]
+    return RunResult(trace, policy, replicas, cached / wanted if wanted else 0.0, int(cached), int(wanted),
+                     pct(ttfts, 0.5) * 1e3, pct(ttfts, 0.99) * 1e3, max(per) / max(1, min(per)), per, errors,
+                     seconds)
+
+
+def print_row(r: RunResult) -> None:
+    print(f"{r.trace:<14}{r.policy:<13}{r.replicas:>3}{r.hit_rate:>8.1%}{r.cached_tokens:>9}{r.prompt_tokens:>9}"
+          f"{r.ttft_p50_ms:>9.0f}{r.ttft_p99_ms:>9.0f}{r.load_ratio:>8.2f}{r.errors:>5}{r.seconds:>7.1f}  "
+          f"{r.requests_per_engine}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- decision cost
+def bench_decision(tokenizer: PromptTokenizer, requests: int, workers: int = 16, prompt_kb: int = 32,
+                   block_size: int = 16) -> dict[str, float]:
+    """kv_aware's placement decision with 32 requests in flight; tokenization timed on its own."""
+    rng = random.Random(0)
+    shared = [words(rng, prompt_kb * 1024 * 3 // 4 // 6) for _ in range(64)]
+    texts = [rng.choice(shared) + " " + words(rng, prompt_kb * 1024 // 4 // 6) for _ in range(min(requests, 256))]
+    # Tokenization, as the gateway does it per request: a 32 KB completion prompt (one piece, not cached
+    # unless repeated) and the same as chat (the 24 KB system message is a cached piece after first use).
+    t_plain, t_chat = [], []
+    for i, text in enumerate(texts[:64]):
+        t0 = time.perf_counter_ns()
+        tokenizer.ids(RequestView(Route.COMPLETIONS, {"prompt": text + f" {i}"}, b"", "r"))
+        t_plain.append((time.perf_counter_ns() - t0) / 1000)
+        sys_part, user_part = text[: len(text) * 3 // 4], text[len(text) * 3 // 4:]
+        chat = {"messages": [{"role": "system", "content": sys_part}, {"role": "user", "content": user_part}]}
+        t0 = time.perf_counter_ns()
+        tokenizer.ids(RequestView(Route.CHAT, chat, b"", "r"))
+        t_chat.append((time.perf_counter_ns() - t0) / 1000)
+    ids = [tokenizer.ids(RequestView(Route.COMPLETIONS, {"prompt": t}, b"", "r")) for t in texts]
+    registry = WorkerRegistry()
+    ws = []
+    for i in range(workers):
+        w = Worker(f"http://10.0.0.{i}:8000")
+        registry.add(w)
+        registry.set_state(w, WorkerState.READY)
+        ws.append(w)
+    cfg = GatewayConfig.model_validate({"policy": "kv_aware"})
+    policy = make_policy(PolicyName.KV_AWARE, cfg)
+    assert isinstance(policy, KvAwarePolicy)
+    pre = {id(t): a for t, a in zip(texts, ids, strict=True)}
+    views = [RequestView(Route.COMPLETIONS, {"prompt": t}, b"", "r") for t in texts]
+    by_view = {id(v): pre[id(t)] for v, t in zip(views, texts, strict=True)}
+
+    class Pretokenized(PromptTokenizer):
+        """The ids computed above: the decision measured without tokenization."""
+
+        def __init__(self) -> None:
+            pass
+
+        def ids(self, view: RequestView) -> Any:
+            return by_view[id(view)]
+
+    policy.tokenizer = Pretokenized()
+    # Each worker holds 8 of the 64 shared prefixes, as its events described them.
+    for wi, w in enumerate(ws):
+        policy.index.add_worker(w.url, block_size)
+        for j in range(8):
+            toks = tokenizer.ids(RequestView(Route.COMPLETIONS, {"prompt": shared[(wi * 8 + j) % 64]}, b"", "r"))
+            assert toks is not None
+            n = len(toks) // block_size
+            policy.index.stored(w.url, [(wi, j, k) for k in range(n)], None, toks[: n * block_size].tolist(),
+                                block_size)
+    placement = Placement(registry, {WorkerRole.REGULAR: policy}, pd=False)
+    inflight: list[Plan] = []
+    times: list[float] = []
+    keys_t: list[float] = []
+    gc.collect()
+    for k in range(requests):
+        view = views[k % len(views)]
+        t0 = time.perf_counter_ns()
+        plan = placement.place(view)
+        times.append((time.perf_counter_ns() - t0) / 1000)
+        inflight.append(plan)
+        if len(inflight) > 32:
+            placement.release(inflight.pop(0))
+        if k < 200:
+            t0 = time.perf_counter_ns()
+            chain_keys(as_tokens(by_view[id(view)]), block_size)
+            keys_t.append((time.perf_counter_ns() - t0) / 1000)
+    tokens = statistics.fmean(len(a) for a in ids if a is not None)
+    out = {"decision_p50_us": pct(times, 0.5), "decision_p99_us": pct(times, 0.99),
+           "decision_mean_us": statistics.fmean(times), "block_keys_p50_us": pct(keys_t, 0.5),
+           "tokenize_completion_p50_us": pct(t_plain, 0.5), "tokenize_chat_cached_system_p50_us": pct(t_chat, 0.5),
+           "prompt_tokens_mean": tokens, "hit_share": policy.hit_blocks / max(1, policy.prompt_blocks)}
+    print(f"\n(a) kv_aware decision per request: {workers} workers, {prompt_kb} KB prompts (~{tokens:.0f} tokens, "
+          f"{block_size}-token blocks; 64 shared 24 KB prefixes, each worker holding 8), {requests} requests, "
+          "32 in flight")
+    print(f"decision (ids given)   p50 {out['decision_p50_us']:.1f} us  p99 {out['decision_p99_us']:.1f} us  "
+          f"(block keys alone p50 {out['block_keys_p50_us']:.1f} us); placed blocks already held: "
+          f"{out['hit_share']:.0%}")
+    print(f"tokenization           32 KB completion p50 {out['tokenize_completion_p50_us']:.0f} us; "
+          f"32 KB chat with its 24 KB system message cached p50 {out['tokenize_chat_cached_system_p50_us']:.0f} us")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- main
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    ports = [free_port() for _ in range(args.engines)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    procs = []
+    for i, port in enumerate(ports):
+        events, replay = free_port(), free_port()
+        cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}",
+               "replay_endpoint": f"tcp://*:{replay}", "topic": "kv-events"}
+        cmd = [sys.executable, "-m", "engine.openai_server", "--model", args.model, "--host", "127.0.0.1",
+               "--server-port", str(port), "--num-kvcache-blocks", str(args.kv_blocks), "--block-size", "16",
+               "--max-model-len", "2048", "--max-num-seqs", "8", "--torch-threads", "1", "--device", "cpu",
+               "--kv-events-config", json.dumps(cfg)]
+        procs.append(start(cmd, Path(f"/tmp/atomesh-bench-kv-engine-{i}.log")))
+    results: list[RunResult] = []
+    out: dict[str, Any] = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "argv": sys.argv[1:],
+                           "settings": {k: v for k, v in vars(args).items() if k != "json"}}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+                                         connector=aiohttp.TCPConnector(limit=0)) as session:
+            for u in urls:
+                await wait_http(session, u + "/health", 300)
+            async with session.get(urls[0] + "/v1/models") as r:
+                model = (await r.json())["data"][0]["id"]
+            async with session.get(urls[0] + "/tokenizer_info") as r:
+                tokenizer = PromptTokenizer.from_info(await r.json())
+            if "trace" in args.only:
+                print(f"\n{args.engines} engines ({args.model}, CPU, {args.kv_blocks} KV blocks of 16 tokens each), "
+                      f"{args.concurrency} clients, max_tokens 1; multi-turn: {args.conversations} chats x "
+                      f"{args.turns} turns; shared: {args.requests} requests over {args.systems} system prompts")
+                print(f"{'trace':<14}{'policy':<13}{'gw':>3}{'hit':>8}{'cached':>9}{'prompt':>9}{'p50 ms':>9}"
+                      f"{'p99 ms':>9}{'max/min':>8}{'err':>5}{'secs':>7}  requests/engine")
+                for trace in args.traces:
+                    for replicas in args.replicas:
+                        for policy in args.policies:
+                            res = await run_one(session, urls, policy, trace, replicas, args, model)
+                            results.append(res)
+                            print_row(res)
+                for trace in args.traces:
+                    for replicas in args.replicas:
+                        ka = next((r for r in results if (r.trace, r.policy, r.replicas)
+                                   == (trace, "kv_aware", replicas)), None)
+                        ca = next((r for r in results if (r.trace, r.policy, r.replicas)
+                                   == (trace, "cache_aware", replicas)), None)
+                        if ka and ca:
+                            ratio = ka.hit_rate / max(ca.hit_rate, 1e-9)
+                            print(f"{trace}, {replicas} gateway(s): kv_aware hit rate x{ratio:.2f} "
+                                  f"of cache_aware ({ka.hit_rate:.1%} vs {ca.hit_rate:.1%}), load max/min "
+                                  f"{ka.load_ratio:.2f} vs {ca.load_ratio:.2f}, TTFT p50 {ka.ttft_p50_ms:.0f} vs "
+                                  f"{ca.ttft_p50_ms:.0f} ms")
+            out["runs"] = [asdict(r) for r in results]
+            if "decision" in args.only:
+                out["decision"] = bench_decision(tokenizer, args.decision_requests)
+    finally:
+        for proc in procs:
+            stop(proc)
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="atomesh bench kv-placement", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--engines", type=int, default=4)
+    p.add_argument("--kv-blocks", type=int, default=40, help="KV blocks per engine (16 tokens each)")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--conversations", type=int, default=16)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--systems", type=int, default=12)
+    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--replicas", type=int, nargs="+", default=[2])
+    p.add_argument("--policies", nargs="+", default=list(POLICIES))
+    p.add_argument("--traces", nargs="+", default=["multi-turn", "shared-prefix"],
+                   choices=["multi-turn", "shared-prefix"])
+    p.add_argument("--only", nargs="+", default=["trace", "decision"], choices=["trace", "decision"])
+    p.add_argument("--decision-requests", type=int, default=3000)
+    p.add_argument("--gateway-log-level", default="warn", choices=["debug", "info", "warn", "error"],
+                   help="debug: kv_aware logs each decision (logs in /tmp/atomesh-bench-kv-*.log)")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    out = asyncio.run(run(args))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+"""`kv_aware`: place a request where the engines report holding its prompt's KV, weighed against load.
+
+Per request, over the candidates that publish KV events (atomesh.workers.kv_events):
+
+1. The prompt's token ids, as the engine will see them (atomesh.prompt_tokens: the engine's
+   tokenizer and chat template), cut into the engine's blocks and keyed (atomesh.kv_index).
+2. ``overlap_w``: how many leading blocks worker w holds, from the global index built from the
+   engines' own events (so evictions, and blocks cached by traffic from other gateways, count).
+3. Dynamo's cost, lower wins::
+
+       cost_w = overlap_weight * prefill_blocks_w + decode_blocks_w
+       prefill_blocks_w = n - overlap_w               (blocks this request must compute on w)
+       decode_blocks_w  = active_w + n - overlap_w    (KV blocks w holds for running requests after it)
+
+   ``active_w`` is estimated from this gateway's in-flight requests on w (the new blocks each
+   brought; a shared cached prefix counts once), plus the requests the engine reported at its last
+   load poll beyond this gateway's own (other replicas, other clients), as that many average prompts.
+4. ``temperature`` 0: the lowest cost (ties: lower ``active_w``, then at random). Above 0: a soft
+   choice, probability ∝ exp(-cost' / temperature) with costs scaled to 0..1 (Dynamo's form).
+
+The chosen worker is predicted to hold the prompt's blocks for a couple of seconds, until its own
+events say so, so that a burst sharing a new prefix follows the first request instead of
+scattering. Workers without events are scored through cache_aware's approximate index
+(overlap = its matched share of the prompt); with no event-publishing candidate, or no tokenizer
+yet, the whole decision is cache_aware's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+import random
+from collections import deque
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from atomesh.config import PolicyName
+from atomesh.kv_index import KvIndex, chain_keys
+from atomesh.policies.base import Decision, slot_setter
+from atomesh.policies.cache_aware import CacheAwarePolicy
+from atomesh.prompt_tokens import PromptTokenizer, TokenizerUnavailable
+from atomesh.request import RequestView
+from atomesh.transport import Upstream
+from atomesh.workers.kv_events import KvEventHub
+from atomesh.workers.registry import WorkerRegistry
+from atomesh.workers.worker import Worker, WorkerRole, WorkerState
+
+log = structlog.get_logger("atomesh.policies")
+_stdlog = logging.getLogger("atomesh.policies")
+
+RECENT = 256  # per worker: new-block counts of the latest placements (estimates active KV)
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class KvDecision(Decision):
+    """A choice made from the engines' events: the prompt's block keys (per block size) and how many
+    blocks each candidate would have had to compute, for `record`."""
+
+    keys_by_size: dict[int, list[int]]
+    new: dict[str, int]
+
+    def __init__(self, worker: Worker, reason: str, keys_by_size: dict[int, list[int]], new: dict[str, int]) -> None:
+        Decision.__init__(self, worker, reason)
+        _set_keys(self, keys_by_size)  # made per placement: see slot_setter
+        _set_new(self, new)
+
+
+_set_keys, _set_new = slot_setter(KvDecision, "keys_by_size"), slot_setter(KvDecision, "new")
+
+
+class KvAwarePolicy:
+    """Cost = overlap_weight * blocks to prefill + KV load, from the engines' KV events."""
+
+    name = PolicyName.KV_AWARE
+    select_single = False
+
+    def __init__(self, fallback: CacheAwarePolicy, *, overlap_weight: float = 1.0, temperature: float = 0.0,
+                 tokenizer: PromptTokenizer | None = None, index: KvIndex | None = None,
+                 seed: int | None = None) -> None:
+        self.fallback = fallback
+        self.overlap_weight = overlap_weight
+        self.temperature = temperature
+        self.tokenizer = tokenizer
+        self.index = index or KvIndex()
+        self.hub: KvEventHub | None = None
+        self._upstream: Upstream | None = None
+        self._rng = random.Random(seed)
+        self._recent: dict[str, deque[int]] = {}
+        self._mean_blocks = 0.0  # moving average of prompt blocks
+        self._placed = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.decisions = 0  # decided from events
+        self.fallbacks = 0  # decided by cache_aware
+        self.hit_blocks = 0  # blocks of chosen workers' overlaps
+        self.prompt_blocks = 0
+
+    # ------------------------------------------------------------------ wiring
+    def watch(self, registry: WorkerRegistry, upstream: Upstream, roles: tuple[WorkerRole, ...],
+              endpoints: Mapping[str, str]) -> None:
+        """Follow the KV events of the workers in `roles` (the gateway calls this once)."""
+        self.hub = KvEventHub(self.index, registry, roles, endpoints)
+        self._upstream = upstream
+        registry.subscribe(self._on_state)
+
+    def _on_state(self, worker: Worker, old: WorkerState | None, new: WorkerState) -> None:
+        if (new is WorkerState.READY and self.tokenizer is None and self._upstream is not None
+                and self.hub is not None and worker.role in self.hub.roles and not self._tasks):
+            with contextlib.suppress(RuntimeError):  # no running loop: start() picks it up
+                t = asyncio.get_running_loop().create_task(self._fetch_tokenizer(worker), name="kv-aware-tokenizer")
+                self._tasks.add(t)
+                t.add_done_callback(self._tasks.discard)
+
+    async def _fetch_tokenizer(self, worker: Worker) -> None:
+        assert self._upstream is not None
+        try:
+            info = await self._upstream.get_json(worker.url + "/tokenizer_info", 10.0)
+            if isinstance(info, dict) and self.tokenizer is None:
+                self.tokenizer = await asyncio.to_thread(PromptTokenizer.from_info, info)
+                log.info("kv_aware_tokenizer_loaded", worker=worker.url, kind=info.get("kind"))
+        except (TokenizerUnavailable, KeyError, ValueError) as e:
+            log.warning("kv_aware_tokenizer_unavailable", worker=worker.url, error=str(e))
+        except Exception as e:  # the worker does not serve /tokenizer_info: cache_aware decides meanwhile
+            log.warning("kv_aware_tokenizer_unavailable", worker=worker.url, error=str(e))
+
+    def start(self) -> None:
+        self.fallback.start()
+        if self.hub is not None:
+            self.hub.start()
+            if self.tokenizer is None:
+                for w in self.hub.registry:
+                    if w.state is WorkerState.READY:
+                        self._on_state(w, None, WorkerState.READY)
+
+    async def stop(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        if self.hub is not None:
+            await self.hub.stop()
+        await self.fallback.stop()
+
+    # ------------------------------------------------------------------ decision
+    def select(self, candidates: Sequence[Worker], view: RequestView) -> Decision:
+        tok, index = self.tokenizer, self.index
+        followed = [w for w in candidates if index.follows(w.url)]
+        ids = tok.ids(view) if followed and tok is not None else None
+        if ids is None:
+            self.fallbacks += 1
+            return self.fallback.select(candidates, view)
+        keys_by_size: dict[int, list[int]] = {}
+        overlap: dict[str, int] = {}
+        total: dict[str, int] = {}
+        by_size: dict[int, list[Worker]] = {}
+        for w in followed:
+            by_size.setdefault(index.block_size(w.url) or 16, []).append(w)
+        for size, group in by_size.items():
+            keys = keys_by_size[size] = chain_keys(ids, size)
+            for w, o in zip(group, index.overlaps(keys, [index.bit(w.url) for w in group]), strict=True):
+                overlap[w.url] = o
+                total[w.url] = len(keys)
+        others = [w for w in candidates if w.url not in overlap]
+        if others:  # no events from these: cache_aware's approximate index stands in
+            hashes, size_chars = self.fallback.index.hashes(view.locality_text)
+            n = len(keys_by_size[next(iter(keys_by_size))])
+            for w in others:
+                held = self.fallback.index.matched_chars(self.fallback._held(hashes, w), size_chars) if hashes else 0
+                overlap[w.url] = int(n * held / size_chars) if size_chars else 0
+                total[w.url] = n
+        worker = self._choose(candidates, overlap, total)
+        if _stdlog.isEnabledFor(logging.DEBUG):
+            log.debug("kv_aware_decision", chosen=worker.url, blocks=total[worker.url],
+                      overlap={w.url: overlap[w.url] for w in candidates},
+                      active={w.url: self._active(w) for w in candidates})
+        new = {w.url: total[w.url] - overlap[w.url] for w in candidates}
+        self.decisions += 1
+        self.hit_blocks += overlap[worker.url]
+        self.prompt_blocks += total[worker.url]
+        return KvDecision(worker, "kv_overlap" if overlap[worker.url] else "kv_cost", keys_by_size, new)
+
+    def _active(self, w: Worker) -> float:
+        recent = self._recent.get(w.url)
+        mine = w.in_flight
+        active = float(sum(itertools.islice(reversed(recent), mine))) if recent and mine > 0 else 0.0
+        extra = w.foreign_load
+        if extra > 0:  # requests the engine runs for others (other gateway replicas, direct clients):
+            active += extra * self._mean_blocks  # their cache state is unknown here, so count them whole
+        return active
+
+    def _choose(self, candidates: Sequence[Worker], overlap: dict[str, int], total: dict[str, int]) -> Worker:
+        ow = self.overlap_weight
+        costs: list[float] = []
+        actives: list[float] = []
+        for w in candidates:
+            new = total[w.url] - overlap[w.url]
+            active = self._active(w)
+            costs.append(ow * new + active + new)
+            actives.append(active)
+        n = len(candidates)
+        if self.temperature > 0:
+            lo, hi = min(costs), max(costs)
+            span = hi - lo
+            if span > 0:
+                weights = [math.exp(-((c - lo) / span) / self.temperature) for c in costs]
+                return self._rng.choices(list(candidates), weights)[0]
+        # Ties (an idle fleet, a new prefix) are broken at random, not in turn: gateway replicas that
+        # each went round in the same order would all pick the same worker.
+        best = min(zip(costs, actives, strict=True))
+        tied = [i for i in range(n) if (costs[i], actives[i]) == best]
+        return candidates[tied[0] if len(tied) == 1 else self._rng.choice(tied)]
+
+    def record(self, decision: Decision, view: RequestView) -> None:
+        worker = decision.worker
+        if not isinstance(decision, KvDecision):
+            # cache_aware decided (or placement took a lone candidate): keep its index warm, and predict
+            # the blocks an event-publishing worker is about to hold.
+            self.fallback.record(decision, view)
+            if self.index.follows(worker.url) and self.tokenizer is not None:
+                ids = self.tokenizer.ids(view)
+                size = self.index.block_size(worker.url)
+                if ids is not None and size:
+                    self.index.predict(worker.url, chain_keys(ids, size))
+            return
+        keys_by_size, new = decision.keys_by_size, decision.new
+        size = self.index.block_size(worker.url)
+        if size is not None and size in keys_by_size:
+            keys = keys_by_size[size]
+            # Only what it does not hold yet: the held prefix is in the index already.
+            self.index.predict(worker.url, keys[len(keys) - new.get(worker.url, len(keys)):])
+        else:  # a worker without events: keep cache_aware's index, which scores it, up to date
+            self.fallback.record(Decision(worker, "kv_no_events"), view)
+        blocks = new.get(worker.url, 0)
+        self._recent.setdefault(worker.url, deque(maxlen=RECENT)).append(blocks)
+        n = len(keys_by_size[next(iter(keys_by_size))])
+        # The first prompt sets the average (from 0 it would take dozens of requests to mean anything).
+        self._mean_blocks = n if self._placed == 0 else self._mean_blocks + (n - self._mean_blocks) * 0.05
+        self._placed += 1
+
+    def on_worker_removed(self, worker: Worker) -> None:
+        self._recent.pop(worker.url, None)
+        self.fallback.on_worker_removed(worker)
+
+    # ------------------------------------------------------------------ metrics
+    @property
+    def followed(self) -> Collection[str]:
+        return self.hub.streams.keys() if self.hub is not None else ()
