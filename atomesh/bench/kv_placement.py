@@ -41,6 +41,7 @@ from typing import Any
 
 import aiohttp
 
+from atomesh.bench.placement import wait_http
 from atomesh.bench.procs import free_port, start, stop
 from atomesh.config import GatewayConfig, PolicyName
 from atomesh.kv_index import as_tokens, chain_keys
@@ -189,20 +190,6 @@ def _has_content(data: bytes) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- engines
-async def wait_http(session: aiohttp.ClientSession, url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
-                if r.status == 200:
-                    return
-        except (aiohttp.ClientError, TimeoutError):
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} did not come up in {timeout}s")
-        await asyncio.sleep(0.2)
-
-
 _COUNTERS = ("atom:prefix_cache_cached_tokens_total", "atom:prefix_cache_wanted_tokens_total",
              "atom:requests_finished_total")
 

@@ -140,7 +140,8 @@ class TraceResult:
     seconds: float
 
 
-async def _wait_http(session: aiohttp.ClientSession, url: str, timeout: float) -> None:
+async def wait_http(session: aiohttp.ClientSession, url: str, timeout: float) -> None:
+    """Poll `url` until it answers 200, or raise after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -257,7 +258,7 @@ async def bench_trace(engines: int, systems: int, users: int, turns: int, concur
     try:
         async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
             for u in urls:
-                await _wait_http(session, u + "/health", 30)
+                await wait_http(session, u + "/health", 30)
             for label, cmd in systems_to_run:
                 for u in urls:
                     async with session.post(u + "/_mock/reset") as r:
@@ -267,7 +268,7 @@ async def bench_trace(engines: int, systems: int, users: int, turns: int, concur
                                "--log-level", "warn", "--worker-urls", *urls], _log(label.replace(" ", "-")))
                 gw = f"http://127.0.0.1:{port}"
                 try:
-                    await _wait_http(session, gw + "/readiness" if label.startswith("atomesh") else gw + "/health",
+                    await wait_http(session, gw + "/readiness" if label.startswith("atomesh") else gw + "/health",
                                      60)
                     for u in urls:  # startup probes must not count
                         async with session.post(u + "/_mock/reset") as r:

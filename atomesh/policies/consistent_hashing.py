@@ -25,7 +25,7 @@ import xxhash
 from atomesh.config import PolicyName
 from atomesh.errors import NoWorkerAvailable
 from atomesh.policies.base import Decision, Stateless
-from atomesh.policies.prefix_hash import VNODES, HashRing
+from atomesh.policies.prefix_hash import VNODES, RingCache
 from atomesh.request import RequestView
 from atomesh.workers.worker import Worker
 
@@ -38,18 +38,8 @@ class ConsistentHashingPolicy(Stateless):
     select_single = True  # placement asks even with one candidate: X-SMG-Target-Worker may name another
 
     def __init__(self, vnodes: int = VNODES, rng: random.Random | None = None) -> None:
-        self.vnodes = vnodes
         self._rng = rng or random.Random()
-        self._ring: HashRing | None = None
-        self._ring_key: tuple[str, ...] = ()
-
-    def ring(self, candidates: Sequence[Worker]) -> HashRing:
-        # Rebuilt only when the routable set changes (churn, health, breakers, retries' exclusions).
-        key = tuple(sorted(w.url for w in candidates))
-        if self._ring is None or key != self._ring_key:
-            self._ring = HashRing(sorted(candidates, key=lambda w: w.url), self.vnodes)
-            self._ring_key = key
-        return self._ring
+        self.rings = RingCache(vnodes)
 
     def select(self, candidates: Sequence[Worker], view: RequestView) -> Decision:
         headers = view.headers
@@ -58,13 +48,13 @@ class ConsistentHashingPolicy(Stateless):
             return Decision(_target(candidates, target.strip()), "target_header")
         key = view.routing_key
         if key is not None:
-            return Decision(self.ring(candidates).owner(xxhash.xxh3_64_intdigest(b"key:" + key.encode())),
+            return Decision(self.rings.ring(candidates).owner(xxhash.xxh3_64_intdigest(b"key:" + key.encode())),
                             "routing_key")
         for name in IMPLICIT_KEY_HEADERS:
             value = headers.get(name)
             if value:
-                return Decision(self.ring(candidates).owner(xxhash.xxh3_64_intdigest(b"client:" + value.encode())),
-                                "client_header")
+                owner = self.rings.ring(candidates).owner(xxhash.xxh3_64_intdigest(b"client:" + value.encode()))
+                return Decision(owner, "client_header")
         return Decision(candidates[self._rng.randrange(len(candidates))], "random")
 
 

@@ -59,6 +59,23 @@ class HashRing:
         return self.workers[self._owners[start]]
 
 
+class RingCache:
+    """The ring of the current candidate set, rebuilt only when that set changes (churn, health,
+    breakers, retries' exclusions)."""
+
+    def __init__(self, vnodes: int = VNODES) -> None:
+        self.vnodes = vnodes
+        self._ring: HashRing | None = None
+        self._key: tuple[str, ...] = ()
+
+    def ring(self, candidates: Sequence[Worker]) -> HashRing:
+        key = tuple(sorted(w.url for w in candidates))
+        if self._ring is None or key != self._key:
+            self._ring = HashRing(sorted(candidates, key=lambda w: w.url), self.vnodes)
+            self._key = key
+        return self._ring
+
+
 class PrefixHashPolicy(Stateless):
     name = PolicyName.PREFIX_HASH
 
@@ -69,9 +86,7 @@ class PrefixHashPolicy(Stateless):
         self.tokens = tokens  # with --model-path / --tokenizer-path: real tokens instead of characters
         self.load_factor = load_factor
         self.abs_slack = abs_slack
-        self.vnodes = vnodes
-        self._ring: HashRing | None = None
-        self._ring_key: tuple[str, ...] = ()
+        self.rings = RingCache(vnodes)
 
     def key_hash(self, view: RequestView) -> int:
         key = view.routing_key
@@ -82,16 +97,8 @@ class PrefixHashPolicy(Stateless):
             return xxhash.xxh3_64_intdigest(array("q", ids).tobytes())
         return xxhash.xxh3_64_intdigest(view.locality_text[: self.prefix_chars].encode())
 
-    def ring(self, candidates: Sequence[Worker]) -> HashRing:
-        # The ring is rebuilt only when the candidate set changes (churn, health, exclusions).
-        key = tuple(sorted(w.url for w in candidates))
-        if self._ring is None or key != self._ring_key:
-            self._ring = HashRing(sorted(candidates, key=lambda w: w.url), self.vnodes)
-            self._ring_key = key
-        return self._ring
-
     def select(self, candidates: Sequence[Worker], view: RequestView) -> Decision:
-        ring = self.ring(candidates)
+        ring = self.rings.ring(candidates)
         h = self.key_hash(view)
         owner = ring.owner(h)
         total = sum(w.load for w in candidates)
