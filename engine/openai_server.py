@@ -26,10 +26,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from engine.args import EngineArgs, parse_args
+from engine.async_engine import AsyncLLMEngine, RequestOutput
 from engine.disagg import Disaggregation, check_transfer_support
 from engine.errors import EngineError, InvalidRequestError, ModelNotFoundError
 from engine.kv_events import ZmqEventPublisher, advertised
-from engine.llm_engine import AsyncLLMEngine, LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
 from engine.metrics import ServerMetrics
 from engine.protocol import ChatBody, CompletionBody, GenerateBody, NamedToolChoice, SamplingBody, parse_body
 from engine.responses import ChatExtras, Choice, Head
