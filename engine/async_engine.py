@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import EngineError, EngineFailedError, OverloadedError
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import EngineStats, LLMEngine
 from engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus, TokenLogprob
-from engine.tokenizer import IncrementalDetokenizer
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,20 @@ class RequestHandle:
     seq: Sequence
 
 
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the engine is, fixed once it is built (the server's /server_info, /v1/models and checks)."""
+
+    model_id: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    num_blocks: int
+    device: str
+    dtype: str  # "float32", "bfloat16", ...
+    kv_cache_dtype: str
+
+
 RESERVE_POLL_SECS = 0.02
 
 
@@ -77,6 +91,46 @@ class AsyncLLMEngine:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         engine.on_blocks_freed = self._wake_up
+        self.info = EngineInfo(
+            model_id=engine.model_id,
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.model_config.vocab_size,
+            eos_token_ids=engine.eos_token_ids,
+            num_blocks=engine.num_blocks,
+            device=str(engine.device),
+            dtype=str(engine.dtype).removeprefix("torch."),
+            kv_cache_dtype=str(engine.runner.cache_dtype).removeprefix("torch."),
+        )
+
+    # The server's view of the core: these, the request methods below, and nothing else.
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def stats(self) -> EngineStats:
+        """Counters and gauges for /metrics."""
+        return self.engine.stats()
+
+    def check_request(self, num_prompt_tokens: int, params: SamplingParams, max_tokens_given: bool) -> SamplingParams:
+        """Refuse (EngineError) a request this engine could not serve, before anything is scheduled."""
+        return self.engine.check_request(num_prompt_tokens, params, max_tokens_given)
+
+    def release(self, seq: Sequence) -> None:
+        """Free the KV blocks a finished prefill held for a transfer."""
+        self.engine.release(seq)
+
+    def flush_prefix_cache(self) -> int:
+        """Forget the prefix cache's free blocks (blocks in use keep theirs); returns how many."""
+        flushed = self.engine.block_manager.flush()
+        self.engine.flush_kv_events()  # subscribers learn the blocks are gone
+        return flushed
+
+    def publish_kv_events(self, sink: Callable[[list[list[Any]]], None] | None) -> None:
+        """Send KV cache events to ``sink`` from now on (None: stop); a new sink first learns the cache is empty."""
+        self.engine.kv_events_sink = sink
+        if sink is not None:
+            self.engine.flush_kv_events()  # AllBlocksCleared: this engine starts empty
 
     def _wake_up(self) -> None:
         if self._wake is not None:
