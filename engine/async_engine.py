@@ -252,7 +252,7 @@ class AsyncLLMEngine:
                         self._deliver(state)
             except Exception as exc:
                 # The step's requests fail; the loop, and every other request, carries on.
-                log.exception("engine step failed")
+                log.exception("engine_step_failed requests=%d", len(batch.seqs))
                 self.engine.fail_batch(batch)
                 for seq in batch.seqs:
                     self._fail(seq.seq_id, EngineFailedError(f"model step failed: {exc}"))
@@ -262,7 +262,7 @@ class AsyncLLMEngine:
         # Admission guarantees a lone sequence fits, so this means blocks leaked: fail loudly
         # instead of spinning.
         seq = self.engine.scheduler.waiting[0]
-        log.error("sequence %d cannot be scheduled on an idle engine", seq.seq_id)
+        log.error("sequence_unschedulable seq_id=%d reason=idle_engine", seq.seq_id)
         self.engine.finish(seq, FinishReason.ABORT)
         self._fail(seq.seq_id, EngineFailedError("the request could not be scheduled"))
 

@@ -119,8 +119,8 @@ class LLMEngine:
             # Steps with prompt tokens too, unless sparse (its decode rows pick blocks per step: eager then).
             tokens = [] if args.sparse_attention else default_token_sizes(args.max_num_batched_tokens)
             self.runner.capture_graphs(sizes, tokens, args.max_num_seqs)
-        log.info("engine: device=%s dtype=%s kernels=%s cuda_graphs=%s", self.device, str(self.dtype).removeprefix(
-            "torch."), self.kernels, f"{sizes[0]}..{sizes[-1]} ({len(sizes)} sizes)" if sizes else "off")  # fmt: skip
+        log.info("engine_built device=%s dtype=%s kernels=%s cuda_graphs=%s", self.device, str(self.dtype).removeprefix(
+            "torch."), self.kernels, f"{sizes[0]}..{sizes[-1]}/{len(sizes)}" if sizes else "off")  # fmt: skip
         self.block_manager = BlockManager(self.num_blocks, args.block_size, args.enable_prefix_caching)
         # KV cache events (--kv-events-config): collected per step, handed to `kv_events_sink`.
         self.kv_events_sink: Callable[[list[list[Any]]], None] | None = None

@@ -92,7 +92,7 @@ async def error_middleware(
         body = {"error": {"message": exc.reason, "type": "invalid_request_error", "code": str(exc.status)}}
         return _json(body, status=exc.status)
     except Exception as exc:  # the last resort: never a bare 500 page
-        log.exception("unhandled error")
+        log.exception("unhandled_error path=%s", request.path)
         body = {"error": {"message": f"internal error: {exc}", "type": "internal_server_error", "code": "500"}}
         return _json(body, status=500)
 
@@ -628,7 +628,7 @@ async def serve(args: EngineArgs, engine: LLMEngine) -> None:
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.server_port)
     await site.start()
-    log.info("serving %s on http://%s:%d", args.model, args.host, args.server_port)
+    log.info("server_listening model=%s url=http://%s:%d", args.model, args.host, args.server_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -637,7 +637,7 @@ async def serve(args: EngineArgs, engine: LLMEngine) -> None:
         await stop.wait()
     finally:
         await runner.cleanup()
-        log.info("stopped")
+        log.info("server_stopped")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -654,7 +654,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc
     log.info(
-        "engine ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
+        "engine_ready model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
         engine.model_id,
         engine.device,
         engine.dtype,
