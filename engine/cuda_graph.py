@@ -130,8 +130,8 @@ class _GraphSet:
                 gc.enable()
         if self.capture_graphs:
             torch.cuda.synchronize()
-            log.info("captured %d %s CUDA graphs (%d..%d) in %.1f s", len(self.sizes), what, self.sizes[0],
-                     self.sizes[-1], time.perf_counter() - start)  # fmt: skip
+            log.info("cuda_graphs_captured kind=%s count=%d sizes=%d..%d secs=%.1f", what, len(self.sizes),
+                     self.sizes[0], self.sizes[-1], time.perf_counter() - start)  # fmt: skip
 
     def run(self, size: int) -> Outputs:
         if not self.capture_graphs:

@@ -126,11 +126,13 @@ class Disaggregation:
             await self.producer.start()
         else:
             self.consumer = KVConsumer(self.agent, regions, staging=self.staging, slot_grace_s=WRITE_GRACE_SECS)
-        staging = (f" ({self.staging.nbytes / 2**20:g} MiB in {self.staging.slots} slots of "
-                   f"{self.staging.slot_bytes / 2**20:g} MiB, {'pinned' if self.staging.host.is_pinned() else 'plain'} "
-                   "host memory)" if self.staging else "")  # fmt: skip
-        log.info("kv transfer memory backend: %s%s: %s", self.backend.value, staging, why)
-        log.info("kv transfer ready: role=%s engine=%s regions=%d", self.role, self.agent.rpc_address, len(regions))
+        staging = ""
+        if self.staging:
+            host = "pinned" if self.staging.host.is_pinned() else "plain"
+            staging = (f" staging_mib={self.staging.nbytes / 2**20:g} slots={self.staging.slots}"
+                       f" slot_mib={self.staging.slot_bytes / 2**20:g} host={host}")  # fmt: skip
+        log.info("kv_transfer_memory_backend backend=%s%s reason=%r", self.backend.value, staging, why)
+        log.info("kv_transfer_ready role=%s engine=%s regions=%d", self.role, self.agent.rpc_address, len(regions))
 
     async def stop(self) -> None:
         if self.producer is not None:

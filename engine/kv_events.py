@@ -208,7 +208,7 @@ class ZmqEventPublisher:
             self._queue.put_nowait((seq, encode_batch(time.time(), events)))
         except queue.Full:
             self.dropped += 1
-            log.warning("kv events queue full: batch %d dropped (subscribers will re-sync)", seq)
+            log.warning("kv_events_dropped batch=%d reason=queue_full", seq)  # subscribers re-sync
 
     def close(self) -> None:
         try:
@@ -238,7 +238,7 @@ class ZmqEventPublisher:
     def _answer_replay(self) -> None:
         frames = self._replay.recv_multipart()
         if len(frames) != 3:
-            log.warning("kv events: malformed replay request (%d frames)", len(frames))
+            log.warning("kv_events_bad_replay_request frames=%d", len(frames))
             return
         client, _, start_bytes = frames
         start = int.from_bytes(start_bytes, "big")

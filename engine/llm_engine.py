@@ -1,19 +1,15 @@
-"""The engine: scheduler + block manager + model runner, driven synchronously or by an asyncio loop.
+"""The synchronous engine core: scheduler + block manager + model runner, one step at a time.
 
-``LLMEngine`` is the synchronous core (tests and the benchmark drive it step by step).
-``AsyncLLMEngine`` runs it for the HTTP server: scheduling and bookkeeping on the event loop, the
-model step in one worker thread (torch releases the GIL while it computes) so the loop stays
-responsive, and one queue per request through which text and token deltas stream back.
+``LLMEngine`` is what tests and the benchmark drive step by step; ``engine.async_engine`` runs it
+for the HTTP server and turns its tokens into text.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -23,8 +19,6 @@ from engine.block_manager import BlockManager, BlockStats
 from engine.cuda_graph import default_capture_sizes, default_token_sizes
 from engine.errors import (
     ContextLengthError,
-    EngineError,
-    EngineFailedError,
     InvalidRequestError,
     KVCacheTooSmallError,
     OverloadedError,
@@ -36,7 +30,6 @@ from engine.models.loader import LoadedModel, load_model
 from engine.sampler import SampleOutput
 from engine.scheduler import QueueFullError, ScheduledBatch, Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus, TokenLogprob
-from engine.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +119,8 @@ class LLMEngine:
             # Steps with prompt tokens too, unless sparse (its decode rows pick blocks per step: eager then).
             tokens = [] if args.sparse_attention else default_token_sizes(args.max_num_batched_tokens)
             self.runner.capture_graphs(sizes, tokens, args.max_num_seqs)
-        log.info("engine: device=%s dtype=%s kernels=%s cuda_graphs=%s", self.device, str(self.dtype).removeprefix(
-            "torch."), self.kernels, f"{sizes[0]}..{sizes[-1]} ({len(sizes)} sizes)" if sizes else "off")  # fmt: skip
+        log.info("engine_built device=%s dtype=%s kernels=%s cuda_graphs=%s", self.device, str(self.dtype).removeprefix(
+            "torch."), self.kernels, f"{sizes[0]}..{sizes[-1]}/{len(sizes)}" if sizes else "off")  # fmt: skip
         self.block_manager = BlockManager(self.num_blocks, args.block_size, args.enable_prefix_caching)
         # KV cache events (--kv-events-config): collected per step, handed to `kv_events_sink`.
         self.kv_events_sink: Callable[[list[list[Any]]], None] | None = None
@@ -404,270 +397,3 @@ class LLMEngine:
             generation_tokens=self._generation_tokens,
             preemptions=self.scheduler.num_preemptions,
         )
-
-
-@dataclass(frozen=True, slots=True)
-class RequestOutput:
-    """What one step adds to one request: a text delta, and on the last one why it ended."""
-
-    text: str
-    token_ids: tuple[int, ...]
-    finished: bool
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    error: EngineError | None = None
-    logprobs: tuple[TokenLogprob, ...] = ()  # of ``token_ids``, when the request asked for them
-    stop_reason: str | int | None = None  # the stop string or token id that ended it
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # on the first output, when the request asked for them
-
-
-@dataclass(slots=True)
-class RequestState:
-    """The output side of one request: detokenizer, stop strings, the queue its handler reads."""
-
-    seq: Sequence
-    detokenizer: IncrementalDetokenizer
-    queue: asyncio.Queue[RequestOutput] = field(default_factory=asyncio.Queue)
-    text: str = ""  # all text decoded so far
-    emitted: int = 0  # how much of ``text`` was sent
-    tokens_sent: int = 0
-    logprobs_sent: int = 0
-    prompt_sent: bool = False
-    done: bool = False
-
-
-@dataclass(slots=True)
-class RequestHandle:
-    """Returned by submit; pass it to AsyncLLMEngine.stream to read the outputs."""
-
-    seq_id: int
-    prompt_tokens: int
-    seq: Sequence
-
-
-RESERVE_POLL_SECS = 0.02
-
-
-class AsyncLLMEngine:
-    """Drives an LLMEngine from asyncio: one loop task, one model thread, one queue per request."""
-
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self._states: dict[int, RequestState] = {}
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
-        engine.on_blocks_freed = self._wake_up
-
-    def _wake_up(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
-
-    async def start(self) -> None:
-        self._wake = asyncio.Event()
-        self._task = asyncio.create_task(self._run(), name="engine-loop")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
-        for seq_id in list(self._states):
-            self.abort(seq_id)
-        self._executor.shutdown(wait=True)
-
-    def submit(
-        self, prompt_ids: list[int], params: SamplingParams, max_tokens_given: bool, hold_kv: bool = False,
-        grammar: Any = None, stream_index: int = 0,
-    ) -> RequestHandle:  # fmt: skip
-        """Validate and queue a request; raises an EngineError the HTTP layer renders.
-
-        ``grammar``: its structured-output matcher; ``stream_index``: which of a request's n samples
-        it is (a seeded request's samples draw from different random streams)."""
-        params = self.engine.check_request(len(prompt_ids), params, max_tokens_given)
-        seq = self.engine.add_request(prompt_ids, params, hold_kv, grammar=grammar, stream_index=stream_index)
-        self._states[seq.seq_id] = RequestState(seq, IncrementalDetokenizer(self.engine.tokenizer))
-        assert self._wake is not None, "AsyncLLMEngine.start() was not awaited"
-        self._wake.set()
-        return RequestHandle(seq.seq_id, len(prompt_ids), seq)
-
-    def submit_fork(self, parent: RequestHandle, stream_index: int, grammar: Any = None) -> RequestHandle:
-        """Another sample of ``parent``'s request (n > 1) that shares its prompt's KV blocks."""
-        seq = self.engine.add_fork(parent.seq, stream_index, grammar)
-        self._states[seq.seq_id] = RequestState(seq, IncrementalDetokenizer(self.engine.tokenizer))
-        return RequestHandle(seq.seq_id, parent.prompt_tokens, seq)
-
-    async def reserve(
-        self, prompt_ids: list[int], params: SamplingParams, max_tokens_given: bool, wait_secs: float = 30.0
-    ) -> Sequence:
-        """Validate a request whose prompt KV comes from another engine and reserve its blocks.
-
-        A pool that is full now frees blocks as running sequences finish: wait for room, at most
-        ``wait_secs``, before answering 503 (check_request already refused what could never fit).
-        """
-        params = self.engine.check_request(len(prompt_ids), params, max_tokens_given)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_secs
-        while True:
-            try:
-                seq = self.engine.reserve(prompt_ids, params)
-                self.engine.flush_kv_events()
-                return seq
-            except OverloadedError:
-                if loop.time() >= deadline:
-                    raise
-            await asyncio.sleep(RESERVE_POLL_SECS)
-
-    def submit_prefilled(self, seq: Sequence, first_token: int, logprob: TokenLogprob | None = None) -> RequestHandle:
-        """Continue a reserved sequence whose KV arrived, from ``first_token`` (already an output)."""
-        self.engine.commit_prefilled(seq, first_token, logprob)
-        self.engine.flush_kv_events()  # the KV that arrived over the relay is now cached here
-        state = RequestState(seq, IncrementalDetokenizer(self.engine.tokenizer))
-        self._states[seq.seq_id] = state
-        self._deliver(state)  # the first token goes out now, before any decode step
-        assert self._wake is not None, "AsyncLLMEngine.start() was not awaited"
-        self._wake.set()
-        return RequestHandle(seq.seq_id, seq.num_prompt_tokens, seq)
-
-    async def stream(self, handle: RequestHandle) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs until the last; leaving early (client gone) aborts it."""
-        state = self._states.get(handle.seq_id)
-        if state is None:
-            raise EngineFailedError("unknown request")
-        try:
-            while True:
-                out = await state.queue.get()
-                yield out
-                if out.finished:
-                    return
-        finally:
-            self.abort(handle.seq_id)
-
-    def abort(self, seq_id: int) -> None:
-        """Forget a request and free its blocks now; a no-op when it already finished."""
-        state = self._states.pop(seq_id, None)
-        if state is not None:
-            self.engine.finish(state.seq, FinishReason.ABORT)
-
-    async def _run(self) -> None:
-        assert self._wake is not None
-        loop = asyncio.get_running_loop()
-        while True:
-            if self.engine.scheduler.is_idle():
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            scheduled = self.engine.schedule()
-            if scheduled is None:
-                if self.engine.held:
-                    # Blocks pinned by KV transfers come back soon (or expire): wait, don't fail.
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                self._fail_waiting_head()
-                continue
-            batch, step = scheduled
-            try:
-                tokens = await loop.run_in_executor(self._executor, self.engine.execute, step)
-                self.engine.postprocess(batch, tokens)
-                for seq in batch.seqs:
-                    state = self._states.get(seq.seq_id)
-                    if state is not None:
-                        self._deliver(state)
-            except Exception as exc:
-                # The step's requests fail; the loop, and every other request, carries on.
-                log.exception("engine step failed")
-                self.engine.fail_batch(batch)
-                for seq in batch.seqs:
-                    self._fail(seq.seq_id, EngineFailedError(f"model step failed: {exc}"))
-            self.engine.flush_kv_events()
-
-    def _fail_waiting_head(self) -> None:
-        # Admission guarantees a lone sequence fits, so this means blocks leaked: fail loudly
-        # instead of spinning.
-        seq = self.engine.scheduler.waiting[0]
-        log.error("sequence %d cannot be scheduled on an idle engine", seq.seq_id)
-        self.engine.finish(seq, FinishReason.ABORT)
-        self._fail(seq.seq_id, EngineFailedError("the request could not be scheduled"))
-
-    def _fail(self, seq_id: int, error: EngineError) -> None:
-        state = self._states.get(seq_id)
-        if state is None or state.done:
-            return
-        state.done = True
-        seq = state.seq
-        state.queue.put_nowait(
-            RequestOutput("", (), True, "abort", seq.num_prompt_tokens, seq.num_completion_tokens, 0, error)
-        )
-
-    def _deliver(self, state: RequestState) -> None:
-        seq = state.seq
-        if state.done:
-            return
-        ids = seq.completion_ids
-        new_ids = tuple(ids[state.tokens_sent :])
-        state.tokens_sent = len(ids)
-        new_logprobs = tuple(seq.logprobs[state.logprobs_sent :])
-        state.logprobs_sent = len(seq.logprobs)
-        prompt_logprobs = tuple(seq.prompt_logprobs) if not state.prompt_sent else ()
-        if isinstance(seq.stop_reason, int):
-            ids = ids[:-1]  # a stop token's own text is not part of the output (as vLLM)
-        state.text += state.detokenizer.step(ids)
-        # min_tokens holds back stop strings too, until that many tokens are out.
-        stops = seq.params.stop if seq.num_completion_tokens > seq.params.min_tokens else ()
-        finished = seq.status is SequenceStatus.FINISHED
-        reason = seq.finish_reason.value if seq.finish_reason is not None else None
-        end = len(state.text)
-        if finished and seq.finish_reason is not FinishReason.ABORT:
-            state.text += state.detokenizer.flush(ids)
-            end = len(state.text)
-        if stops:
-            # Search only where a new match can start: the held-back tail plus the new text.
-            start = max(0, state.emitted - max(len(s) for s in stops) + 1)
-            hits = [(i, s) for i, s in ((state.text.find(s, start), s) for s in stops) if i >= 0]
-            if hits:
-                end, seq.stop_reason = min(hits)
-                if seq.params.include_stop_str_in_output:
-                    end += len(seq.stop_reason)
-                state.text = state.text[:end]
-                self.engine.finish(seq, FinishReason.STOP)
-                finished, reason = True, FinishReason.STOP.value
-            elif not finished:
-                end -= _partial_stop_len(state.text, stops)
-        delta = state.text[state.emitted : end]
-        state.emitted = max(state.emitted, end)
-        if not delta and not new_ids and not finished:
-            return
-        state.prompt_sent = True
-        if finished:
-            state.done = True
-        state.queue.put_nowait(
-            RequestOutput(
-                delta,
-                new_ids,
-                finished,
-                reason if finished else None,
-                seq.num_prompt_tokens,
-                seq.num_completion_tokens,
-                seq.prefix_hit_tokens,
-                logprobs=new_logprobs,
-                stop_reason=seq.stop_reason if finished else None,
-                prompt_logprobs=prompt_logprobs,
-            )
-        )
-
-
-def _partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest tail of ``text`` that could still grow into a stop string."""
-    best = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:n]):
-                best = n
-                break
-    return best

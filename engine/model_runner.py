@@ -13,7 +13,7 @@ from engine.attention import AttentionMetadata, decode_mask, plan_prefill
 from engine.cuda_graph import DecodeGraphs, MixedGraphs
 from engine.kernels import decode_splits
 from engine.kernels.ops import TritonOps
-from engine.models.llama import LlamaConfig, LlamaForCausalLM, rope_tables
+from engine.models.llama import LlamaConfig, LlamaForCausalLM
 from engine.sampler import SampleOutput, Sampler, SampleRow, sample_row, token_logprobs
 from engine.sequence import SamplingParams, Sequence, TokenLogprob
 
@@ -107,9 +107,7 @@ class ModelRunner:
         if model_config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight  # to_empty unties shared parameters
         self.model = model
-        # Buffers (rotary tables) are not in the checkpoint: rebuild them on the real device.
-        cos, sin = rope_tables(model_config)
-        model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+        model.init_rope(device)
         model.load_hf_state_dict(weights)
         model.to(dtype)
         model.eval()

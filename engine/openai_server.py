@@ -26,10 +26,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from engine.args import EngineArgs, parse_args
+from engine.async_engine import AsyncLLMEngine, RequestOutput
 from engine.disagg import Disaggregation, check_transfer_support
 from engine.errors import EngineError, InvalidRequestError, ModelNotFoundError
 from engine.kv_events import ZmqEventPublisher, advertised
-from engine.llm_engine import AsyncLLMEngine, LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
 from engine.metrics import ServerMetrics
 from engine.protocol import ChatBody, CompletionBody, GenerateBody, NamedToolChoice, SamplingBody, parse_body
 from engine.responses import ChatExtras, Choice, Head
@@ -60,8 +61,8 @@ class ServerState:
     def grammar_compiler(self) -> GrammarCompiler:
         """The structured-output compiler for this model's tokenizer (made at the first constrained request)."""
         if not self._grammars:
-            eng = self.engine.engine
-            self._grammars.append(GrammarCompiler(eng.tokenizer, eng.model_config.vocab_size, eng.eos_token_ids))
+            info = self.engine.info
+            self._grammars.append(GrammarCompiler(self.engine.tokenizer, info.vocab_size, info.eos_token_ids))
         return self._grammars[0]
 
     def disagg_for(self, role: str) -> Disaggregation:
@@ -91,7 +92,7 @@ async def error_middleware(
         body = {"error": {"message": exc.reason, "type": "invalid_request_error", "code": str(exc.status)}}
         return _json(body, status=exc.status)
     except Exception as exc:  # the last resort: never a bare 500 page
-        log.exception("unhandled error")
+        log.exception("unhandled_error path=%s", request.path)
         body = {"error": {"message": f"internal error: {exc}", "type": "internal_server_error", "code": "500"}}
         return _json(body, status=500)
 
@@ -146,10 +147,10 @@ def _prompt_ids(state: ServerState, body: CompletionBody) -> list[int]:
             raise InvalidRequestError("batched prompts are not supported; send one prompt per request")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        ids = state.engine.engine.tokenizer.encode(prompt)
+        ids = state.engine.tokenizer.encode(prompt)
     else:
         ids = list(prompt)
-        vocab = state.engine.engine.model_config.vocab_size
+        vocab = state.engine.info.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
     return ids
@@ -160,7 +161,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body: ChatBody = parse_body(await request.read(), ChatBody)
     _check_model(state, body.model)
-    tokenizer = state.engine.engine.tokenizer
+    tokenizer = state.engine.tokenizer
     messages = [m.for_template() for m in body.messages]
     tools = body.tools_active()
     kwargs: dict[str, Any] = dict(body.chat_template_kwargs or {})
@@ -201,7 +202,7 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
                     chat: ChatExtras | None, native: bool = False) -> web.StreamResponse:  # fmt: skip
     """Validate everything against this model, then run the request's sequences and answer."""
     arrived = time.monotonic()
-    engine = state.engine.engine
+    engine = state.engine
     role = body.kv_role_needed
     disagg = state.disagg_for(role) if role is not None else None
     limit = body.token_limit()
@@ -279,7 +280,7 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
         if role == "kv_producer":
             assert disagg is not None
             seq = handles[0].seq
-            kv_params = disagg.offer(seq, lambda: state.engine.engine.release(seq))
+            kv_params = disagg.offer(seq, lambda: state.engine.release(seq))
             if seq.logprobs:
                 kv_params["first_token_logprob"] = _logprob_dict(seq.logprobs[0])
             answer["kv_transfer_params"] = kv_params
@@ -291,7 +292,7 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
         for h in handles:
             state.engine.abort(h.seq_id)
         if role == "kv_producer" and not offered:
-            state.engine.engine.release(handles[0].seq)  # held blocks nobody will pull
+            state.engine.release(handles[0].seq)  # held blocks nobody will pull
 
 
 def _meta_info(request_id: str, out: RequestOutput) -> dict[str, Any]:
@@ -474,8 +475,8 @@ async def models(request: web.Request) -> web.Response:
         "object": "model",
         "created": 0,
         "owned_by": "atomesh",
-        "root": state.engine.engine.model_id,
-        "max_model_len": state.engine.engine.max_model_len,
+        "root": state.engine.info.model_id,
+        "max_model_len": state.engine.info.max_model_len,
     }
     return _json({"object": "list", "data": [card]})
 
@@ -496,7 +497,7 @@ async def metrics(request: web.Request) -> web.Response:
 async def server_info(request: web.Request) -> web.Response:
     """GET /server_info: what a router needs to know about this worker."""
     state = request.app[STATE]
-    eng = state.engine.engine
+    info = state.engine.info
     return _json(
         {
             "model_id": state.served_model_name,
@@ -505,15 +506,15 @@ async def server_info(request: web.Request) -> web.Response:
             "tp_size": state.args.tensor_parallel_size,
             "dp_size": state.args.data_parallel_size,
             "block_size": state.args.block_size,
-            "max_model_len": eng.max_model_len,
+            "max_model_len": info.max_model_len,
             "max_num_seqs": state.args.max_num_seqs,
             "max_num_batched_tokens": state.args.max_num_batched_tokens,
-            "num_kvcache_blocks": eng.num_blocks,
-            "kv_cache_dtype": str(eng.runner.cache_dtype).removeprefix("torch."),
+            "num_kvcache_blocks": info.num_blocks,
+            "kv_cache_dtype": info.kv_cache_dtype,
             "enable_prefix_caching": state.args.enable_prefix_caching,
             "enable_chunked_prefill": state.args.enable_chunked_prefill,
-            "device": str(eng.device),
-            "dtype": str(eng.dtype).removeprefix("torch."),
+            "device": info.device,
+            "dtype": info.dtype,
             # vLLM's --kv-events-config as this engine publishes it (a "*" host means this worker's host).
             "kv_events_config": advertised(state.args.kv_events) if state.args.kv_events.enabled else None,
         }
@@ -523,7 +524,7 @@ async def server_info(request: web.Request) -> web.Response:
 async def health_generate(request: web.Request) -> web.Response:
     """GET /health_generate: generate one token, so a router knows the model really runs."""
     state = request.app[STATE]
-    ids = state.engine.engine.tokenizer.encode("ping")[:8] or [0]
+    ids = state.engine.tokenizer.encode("ping")[:8] or [0]
     handle = state.engine.submit(ids, SamplingParams(temperature=0.0, max_tokens=1), True)
     try:
         async for out in state.engine.stream(handle):
@@ -539,18 +540,16 @@ async def get_model_info(request: web.Request) -> web.Response:
     state = request.app[STATE]
     return _json({"model_path": state.args.model, "tokenizer_path": state.args.model,
                   "served_model_name": state.served_model_name, "is_generation": True,
-                  "max_model_len": state.engine.engine.max_model_len})
+                  "max_model_len": state.engine.info.max_model_len})
 
 
 async def flush_cache(request: web.Request) -> web.Response:
     """POST /flush_cache: forget the prefix cache's free blocks (blocks in use keep theirs)."""
-    engine = request.app[STATE].engine.engine
-    flushed = engine.block_manager.flush()
-    engine.flush_kv_events()  # subscribers learn the blocks are gone
+    flushed = request.app[STATE].engine.flush_prefix_cache()
     return _json({"status": "ok", "flushed_blocks": flushed})
 async def tokenizer_info(request: web.Request) -> web.Response:
     """GET /tokenizer_info: the tokenizer and chat template, so a router can tokenize prompts exactly as here."""
-    return _json(request.app[STATE].engine.engine.tokenizer.describe())
+    return _json(request.app[STATE].engine.tokenizer.describe())
 
 
 async def kv_transfer_info(request: web.Request) -> web.Response:
@@ -576,7 +575,7 @@ def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024 * 1024)
     disagg = (Disaggregation(engine, args.kv_transfer, args.host, args.kv_transfer_timeout)
               if args.kv_transfer.kv_role else None)
-    server_metrics = ServerMetrics(engine.stats, served)
+    server_metrics = ServerMetrics(async_engine.stats, served)
     if disagg is not None:
         server_metrics.watch_transfers(lambda: disagg.stats)
     app[STATE] = ServerState(async_engine, args, served, server_metrics, disagg)
@@ -587,13 +586,12 @@ def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
             await disagg.start()
         publisher = ZmqEventPublisher(args.kv_events) if args.kv_events.enabled else None
         if publisher is not None:
-            engine.kv_events_sink = publisher.publish
-            engine.flush_kv_events()  # AllBlocksCleared: this engine starts empty
+            async_engine.publish_kv_events(publisher.publish)
         await async_engine.start()
         yield
         await async_engine.stop()
         if publisher is not None:
-            engine.kv_events_sink = None
+            async_engine.publish_kv_events(None)
             publisher.close()
         if disagg is not None:
             await disagg.stop()
@@ -630,7 +628,7 @@ async def serve(args: EngineArgs, engine: LLMEngine) -> None:
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.server_port)
     await site.start()
-    log.info("serving %s on http://%s:%d", args.model, args.host, args.server_port)
+    log.info("server_listening model=%s url=http://%s:%d", args.model, args.host, args.server_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -639,7 +637,7 @@ async def serve(args: EngineArgs, engine: LLMEngine) -> None:
         await stop.wait()
     finally:
         await runner.cleanup()
-        log.info("stopped")
+        log.info("server_stopped")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -656,7 +654,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc
     log.info(
-        "engine ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
+        "engine_ready model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
         engine.model_id,
         engine.device,
         engine.dtype,

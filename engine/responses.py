@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from engine.llm_engine import RequestOutput
+from engine.async_engine import RequestOutput
 from engine.sequence import TokenLogprob
 from engine.tokenizer import Tokenizer
 from engine.tools import ParsedDelta, ToolCall, ToolParser

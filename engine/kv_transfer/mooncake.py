@@ -61,7 +61,7 @@ def choose_protocol(requested: str | None) -> str:
     if has_rdma_device():
         return "rdma"
     if requested == "rdma":
-        log.warning("kv_transfer_protocol rdma was asked for but this host has no RDMA device: using tcp")
+        log.warning("kv_transfer_protocol_fallback asked=rdma using=tcp reason=no_rdma_device")
     return "tcp"
 
 

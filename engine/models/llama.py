@@ -29,14 +29,17 @@ class LlamaConfig:
     tie_word_embeddings: bool
 
 
-def rope_tables(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary cos and sin for every position, float32 ``[max_position_embeddings, head_dim]``."""
+def rope_tables(cfg: LlamaConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary cos and sin for every position, float32 ``[max_position_embeddings, head_dim]`` on ``device``.
+
+    Computed on the CPU and then moved, so the tables do not depend on the device's cos / sin.
+    """
     inv_freq = 1.0 / (
         cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim)
     )
     freqs = torch.arange(cfg.max_position_embeddings, dtype=torch.int64).float()[:, None] * inv_freq[None]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    return emb.cos().to(device), emb.sin().to(device)
 
 
 class RMSNorm(nn.Module):
@@ -128,7 +131,8 @@ class LlamaForCausalLM(nn.Module):
     """Llama decoder: token ids of a flattened batch in, hidden states out; logits on demand.
 
     ``ops`` computes norms, activation and attention: ``TorchOps`` (the reference, CPU) unless the
-    runner installs another.
+    runner installs another. The rotary tables are not weights: ``init_rope`` builds them once, on the
+    device the model was materialised on.
     """
 
     rope_cos: torch.Tensor
@@ -145,9 +149,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        cos, sin = rope_tables(cfg)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        # Registered empty so .to(dtype) converts them; init_rope fills them.
+        self.register_buffer("rope_cos", None, persistent=False)
+        self.register_buffer("rope_sin", None, persistent=False)
+
+    def init_rope(self, device: torch.device) -> None:
+        """Build the rotary tables on ``device`` (not in the checkpoint, and useless on the meta device)."""
+        self.rope_cos, self.rope_sin = rope_tables(self.config, device)
 
     def forward(
         self,

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
+from engine.async_engine import AsyncLLMEngine
 from engine.errors import OverloadedError
-from engine.llm_engine import AsyncLLMEngine
 from engine.sequence import SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
