@@ -23,7 +23,6 @@ import orjson
 import torch
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 
 from engine.args import EngineArgs, parse_args
 from engine.async_engine import AsyncLLMEngine, RequestOutput
@@ -32,7 +31,16 @@ from engine.errors import EngineError, InvalidRequestError, ModelNotFoundError
 from engine.kv_events import ZmqEventPublisher, advertised
 from engine.llm_engine import LLMEngine
 from engine.metrics import ServerMetrics
-from engine.protocol import ChatBody, CompletionBody, GenerateBody, NamedToolChoice, SamplingBody, parse_body
+from engine.protocol import (
+    ChatBody,
+    CompletionBody,
+    GenerateBody,
+    NamedToolChoice,
+    SamplingBody,
+    json_object,
+    parse_body,
+    validated,
+)
 from engine.responses import ChatExtras, Choice, Head
 from engine.sequence import SamplingParams, TokenLogprob
 from engine.sequence import Sequence as EngineSequence
@@ -119,25 +127,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def generate(request: web.Request) -> web.StreamResponse:
     """POST /generate: SGLang's native route, answered in its shape (`text`, `meta_info`)."""
     state = request.app[STATE]
-    native = _parse_native(await request.read())
+    native = validated(GenerateBody, json_object(await request.read()))
     body = native.as_completion()
     _check_model(state, body.model)
     return await _generate(request, state, body, _prompt_ids(state, body), None, native=True)
-
-
-def _parse_native(raw: bytes) -> GenerateBody:
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequestError(f"the body is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise InvalidRequestError("the body must be a JSON object")
-    try:
-        return GenerateBody.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise InvalidRequestError(f"{where}: {first['msg']}") from exc
 
 
 def _prompt_ids(state: ServerState, body: CompletionBody) -> list[int]:

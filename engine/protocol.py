@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -521,23 +521,37 @@ class GenerateBody(BaseModel):
         return body
 
 
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
 def parse_body(raw: bytes, model: type[SamplingBody]) -> Any:
     """Decode and validate a request body; raises InvalidRequestError naming the first field at fault."""
+    data = json_object(raw)
+    _refuse_unsupported(data)
+    body = validated(model, data)
+    body.check()
+    return body
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A request body's JSON object, or InvalidRequestError saying why not."""
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequestError(f"the body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise InvalidRequestError("the body must be a JSON object")
-    _refuse_unsupported(data)
+    return data
+
+
+def validated(model: type[_Model], data: dict[str, Any]) -> _Model:
+    """``data`` as ``model``, or InvalidRequestError naming the first field at fault."""
     try:
-        body = model.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
         where = ".".join(str(p) for p in first["loc"] if not _is_member_name(p)) or "body"
         raise InvalidRequestError(f"{where}: {first['msg']}") from exc
-    body.check()
-    return body
 
 
 def _is_member_name(part: Any) -> bool:
