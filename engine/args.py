@@ -7,12 +7,11 @@ none is silently ignored.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
+from engine.flags import json_object_flag
 from engine.kv_events import KVEventsConfig, parse_kv_events_config
 
 # ATOM flags we know and do not implement: flag -> why.
@@ -311,15 +310,7 @@ def parse_capture_sizes(values: Sequence[str]) -> tuple[int, ...]:
 
 def parse_kv_transfer_config(text: str) -> KVTransferConfig:
     """Parse ``--kv-transfer-config``; refuse unknown keys and roles this engine does not play."""
-    try:
-        raw: Any = json.loads(text) if text.strip() else {}
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--kv-transfer-config is not valid JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ValueError("--kv-transfer-config must be a JSON object")
-    unknown = sorted(set(raw) - _KV_CONFIG_KEYS)
-    if unknown:
-        raise ValueError(f"--kv-transfer-config: unsupported keys {unknown} (known: {sorted(_KV_CONFIG_KEYS)})")
+    raw = json_object_flag("--kv-transfer-config", text, _KV_CONFIG_KEYS)
     role = raw.get("kv_role")
     if role is not None and role not in KV_ROLES:
         raise ValueError(f"--kv-transfer-config: kv_role {role!r} must be one of {list(KV_ROLES)}")

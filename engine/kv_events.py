@@ -22,7 +22,6 @@ learns the hot blocks, and its view of recency follows the engine's.
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -31,6 +30,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from engine.flags import json_object_flag
 
 log = logging.getLogger("engine.kv_events")
 
@@ -59,15 +60,7 @@ class KVEventsConfig:
 
 def parse_kv_events_config(text: str) -> KVEventsConfig:
     """Parse ``--kv-events-config``; refuse unknown keys and publishers this engine does not have."""
-    try:
-        raw: Any = json.loads(text) if text.strip() else {}
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--kv-events-config is not valid JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ValueError("--kv-events-config must be a JSON object")
-    unknown = sorted(set(raw) - _CONFIG_KEYS)
-    if unknown:
-        raise ValueError(f"--kv-events-config: unsupported keys {unknown} (known: {sorted(_CONFIG_KEYS)})")
+    raw = json_object_flag("--kv-events-config", text, _CONFIG_KEYS)
     enabled = raw.get("enable_kv_cache_events", False)
     if not isinstance(enabled, bool):
         raise ValueError("--kv-events-config: enable_kv_cache_events must be true or false")

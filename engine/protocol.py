@@ -147,6 +147,13 @@ class GrammarSpec:
 Prob = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 TokenId = Annotated[int, Field(ge=0)]
+# Sampling fields the OpenAI bodies and /generate's sampling_params share.
+Temperature = Annotated[float, Field(ge=0.0, le=100.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+TopK = Annotated[int, Field(ge=-1)]
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=10.0)]
+StopStrings = str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)]
+StopTokenIds = Annotated[list[TokenId], Field(max_length=64)]
 
 
 class SamplingBody(BaseModel):
@@ -157,17 +164,17 @@ class SamplingBody(BaseModel):
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
     min_p: Prob | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     seed: Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)] | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
+    stop: StopStrings | None = None
+    stop_token_ids: StopTokenIds | None = None
     include_stop_str_in_output: bool | None = None
     ignore_eos: bool | None = None
     stream: bool | None = None
@@ -474,15 +481,15 @@ class GenerateSampling(BaseModel):
 
     max_new_tokens: Annotated[int, Field(ge=1)] | None = 128
     min_new_tokens: Annotated[int, Field(ge=0)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
     min_p: Prob | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    stop: StopStrings | None = None
+    stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool | None = None
     seed: int | None = None
     json_schema: str | None = None

@@ -106,7 +106,19 @@ def _raise_template_error(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-class HFTokenizer:
+class _Templated:
+    """The chat rendering every tokenizer here shares: its ChatTemplate."""
+
+    _chat: ChatTemplate
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+        continue_final_message: bool = False, **kwargs: Any,
+    ) -> str:
+        return self._chat.render(messages, add_generation_prompt, continue_final_message, **kwargs)
+
+
+class HFTokenizer(_Templated):
     """A Hugging Face ``tokenizers`` BPE tokenizer plus its chat template."""
 
     def __init__(
@@ -134,12 +146,6 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._core.decode(list(ids), skip_special_tokens=True))
-
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-        continue_final_message: bool = False, **kwargs: Any,
-    ) -> str:
-        return self._chat.render(messages, add_generation_prompt, continue_final_message, **kwargs)
 
     @property
     def template_uses_tools(self) -> bool:
@@ -237,7 +243,7 @@ def tokenizer_from_folder(folder: Path, eos_from_config: list[int]) -> HFTokeniz
     return HFTokenizer(core, frozenset(eos_ids), bos_id, ChatTemplate(str(template), bos, eos))
 
 
-class ByteTokenizer:
+class ByteTokenizer(_Templated):
     """One token per UTF-8 byte plus ChatML specials: the tokenizer of the tiny random test model."""
 
     SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -271,12 +277,6 @@ class ByteTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-        continue_final_message: bool = False, **kwargs: Any,
-    ) -> str:
-        return self._chat.render(messages, add_generation_prompt, continue_final_message, **kwargs)
 
     @property
     def template_uses_tools(self) -> bool:
