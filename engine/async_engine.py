@@ -243,6 +243,7 @@ class AsyncLLMEngine:
                 self._fail_waiting_head()
                 continue
             batch, step = scheduled
+            self.engine.flush_kv_events()  # the blocks this step writes, reported as it starts (see announce)
             try:
                 tokens = await loop.run_in_executor(self._executor, self.engine.execute, step)
                 self.engine.postprocess(batch, tokens)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,6 +80,12 @@ class BlockManager:
         self._prefix_hits = 0
         # Set when --kv-events-config publishes: blocks entering / leaving the hash index are reported.
         self.events: EventRecorder | None = None
+        # Blocks reported as stored when a step was scheduled to write them (`announce`), not yet indexed:
+        # block id -> the hash reported; how many pending blocks report each hash; hashes reported
+        # removed (evicted elsewhere) while still pending here, which `_register` reports again.
+        self._announced: dict[int, int] = {}
+        self._pending: Counter[int] = Counter()
+        self._voided: set[int] = set()
 
     @property
     def num_blocks(self) -> int:
@@ -177,6 +183,49 @@ class BlockManager:
                 return  # the chain is broken (e.g. an index entry was evicted): nothing later can hit
             self._register(block, seq.block_tokens(i), prev)
 
+    def announce(self, seq: Sequence, num_tokens: int) -> None:
+        """Report as stored the full blocks that the step about to run writes for ``seq`` (up to
+        ``num_tokens``), as vLLM's scheduler reports them when it schedules them: a router learns
+        where a prefix is going while it is being computed, not a step later.
+
+        Only the events go out early: the hash index still takes a block when its KV is written
+        (``mark_computed``). A block reported here that is never written (the request ended, the step
+        failed) is reported removed when it is freed, unless another block holds that prefix.
+        """
+        if self.events is None or not self.enable_prefix_caching:
+            return
+        first, end = seq.num_cached_tokens // self.block_size, num_tokens // self.block_size
+        if first >= end:
+            return  # no block fills up in this step (most decode steps)
+        prev: int | None = None
+        if first > 0:
+            before = self.blocks[seq.block_table[first - 1]]
+            prev = before.hash if before.hash is not None else self._announced.get(before.block_id)
+            if prev is None:
+                return  # the chain is broken: nothing after it can be found
+        for i in range(first, end):
+            block = self.blocks[seq.block_table[i]]
+            known = block.hash if block.hash is not None else self._announced.get(block.block_id)
+            if known is None:
+                tokens = seq.block_tokens(i)
+                known = block_hash(tokens, prev)
+                self._announced[block.block_id] = known
+                self._pending[known] += 1
+                self.events.stored(known, prev, tokens)
+            prev = known
+
+    def _settle(self, block: Block) -> int | None:
+        """Drop ``block``'s early report; the hash it reported if nothing reported it removed since."""
+        h = self._announced.pop(block.block_id, None)
+        if h is None:
+            return None
+        voided = h in self._voided
+        self._pending[h] -= 1
+        if self._pending[h] <= 0:
+            del self._pending[h]
+            self._voided.discard(h)
+        return None if voided else h
+
     def share(self, parent: Sequence, child: Sequence, num_blocks: int) -> None:
         """Give ``child`` the first ``num_blocks`` (full, computed) blocks of ``parent``: one more reference
         each, no copy. The child computes what follows into blocks of its own."""
@@ -194,6 +243,10 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
+                h = self._settle(block) if self._announced else None
+                if h is not None and h not in self._hash_to_block and h not in self._pending:
+                    assert self.events is not None
+                    self.events.removed(h)  # reported early, never written, and no other block holds it
                 self._free[block_id] = None
         seq.block_table.clear()
         seq.num_cached_tokens = 0
@@ -241,8 +294,8 @@ class BlockManager:
         block.hash = h
         block.token_ids = tuple(tokens)
         self._hash_to_block[h] = block.block_id
-        if self.events is not None:
-            self.events.stored(h, prefix, block.token_ids)
+        if self.events is not None and (not self._announced or self._settle(block) != h):
+            self.events.stored(h, prefix, block.token_ids)  # not reported when its step was scheduled
         return h
 
     def _forget(self, block: Block) -> None:
@@ -250,5 +303,7 @@ class BlockManager:
             del self._hash_to_block[block.hash]
             if self.events is not None:
                 self.events.removed(block.hash)
+                if block.hash in self._pending:
+                    self._voided.add(block.hash)  # a block still being written reports it stored again
         block.hash = None
         block.token_ids = ()

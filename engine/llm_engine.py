@@ -325,6 +325,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return None
+        if self.block_manager.events is not None:
+            for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+                self.block_manager.announce(seq, seq.num_cached_tokens + n)
         return batch, self.runner.prepare(batch.seqs, batch.num_new_tokens, batch.num_decodes)
 
     def execute(self, step: StepInput) -> SampleOutput:

@@ -197,6 +197,87 @@ def test_block_manager_events_follow_allocation_reuse_and_eviction() -> None:
                                                                                   SamplingParams(), 2)))]
 
 
+def test_blocks_are_reported_when_their_step_is_scheduled_and_withdrawn_if_never_written() -> None:
+    """`announce` reports a step's blocks before the step runs; the index ends up as the engine's
+    either way: written (no second report), abandoned (removed, unless another block holds the
+    prefix), or evicted elsewhere while still being written (reported again once written)."""
+    bm = BlockManager(num_blocks=8, block_size=2)
+    bm.events = EventRecorder(2, None)
+    idx = KvIndex()
+    idx.add_worker("e", 2)
+
+    def apply() -> list[Any]:
+        events = decode_batch(encode_batch(0.0, bm.events.take())).events  # type: ignore[union-attr]
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                idx.stored("e", ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size)
+            elif isinstance(ev, BlockRemoved):
+                idx.removed("e", ev.block_hashes)
+        return events
+
+    def held() -> set[object]:
+        return set(idx._workers["e"].blocks)
+
+    def truth() -> set[object]:  # what the engine holds, plus what it is writing (unless evicted meanwhile)
+        return set(bm._hash_to_block) | (set(bm._pending) - bm._voided)
+
+    # Scheduled, then written: the blocks are known from the start of the step, reported once.
+    a = Sequence(1, [1, 2, 3, 4, 5], SamplingParams(max_tokens=1), 2)
+    bm.allocate(a)
+    bm.announce(a, 5)
+    assert [type(e) for e in apply()] == [BlockStored] and len(held()) == 2
+    bm.mark_computed(a, 5)
+    assert apply() == [] and held() == truth()
+    bm.deallocate(a)
+    assert apply() == [] and held() == truth()
+
+    # Scheduled in two chunks, then aborted after the first: the unwritten block is withdrawn.
+    b = Sequence(2, [7, 7, 8, 8, 9], SamplingParams(max_tokens=1), 2)
+    bm.allocate(b)
+    bm.announce(b, 2)
+    bm.mark_computed(b, 2)
+    bm.announce(b, 4)
+    apply()
+    assert len(held()) == 4 and held() == truth()
+    bm.deallocate(b)
+    assert [type(e) for e in apply()] == [BlockRemoved] and held() == truth() and len(held()) == 3
+
+    # Two sequences computing the same new prefix: one abandons it, the other's report stands.
+    c, d = (Sequence(i, [3, 3, 4, 4, 1], SamplingParams(max_tokens=1), 2) for i in (3, 4))
+    for s in (c, d):
+        bm.allocate(s)
+        bm.announce(s, 5)
+    apply()
+    assert held() == truth()
+    bm.deallocate(c)
+    assert not any(isinstance(ev, BlockRemoved) for ev in apply()) and held() == truth()
+    bm.mark_computed(d, 5)
+    bm.deallocate(d)
+    apply()
+    assert held() == truth() == set(bm._hash_to_block)
+
+    # A prefix evicted while another sequence is still writing it: reported again once written.
+    g, h = (Sequence(i, [8, 8, 9, 9, 1], SamplingParams(max_tokens=1), 2) for i in (5, 6))
+    for s in (g, h):
+        bm.allocate(s)
+        bm.announce(s, 5)
+    bm.mark_computed(g, 5)
+    bm.deallocate(g)
+    apply()
+    assert held() == truth()
+    filler = Sequence(7, [6] * 9, SamplingParams(max_tokens=1), 2)
+    bm.allocate(filler)  # every free block, g's among them: its prefix leaves the hash index
+    apply()
+    assert bm._voided and held() == truth()
+    bm.mark_computed(h, 5)
+    apply()
+    assert held() == truth() == set(bm._hash_to_block)
+    bm.deallocate(h)
+    bm.deallocate(filler)
+    apply()
+    assert held() == truth() == set(bm._hash_to_block) and not bm._announced and not bm._voided
+
+
 # ---------------------------------------------------------------------------------------------- subscriber
 class Publisher:
     """The engine's real publisher on free loopback ports, plus a way to lose a message on the PUB socket."""
@@ -416,8 +497,8 @@ def test_kv_aware_follows_the_holder_unless_it_is_loaded() -> None:
     decision = policy.select(ws, _view(prompt + "tail"))
     assert decision.worker is ws[1]
     policy.record(decision, _view(prompt + "tail"))
-    ws[1].foreign_load = 12  # busy with other replicas' requests: whole prompts each
-    policy._mean_blocks = 40.0
+    ws[1].foreign_load = 12  # busy with other replicas' requests, each as our average placement's new blocks
+    policy._mean_new = 40.0
     assert policy.select(ws, _view(prompt + "tail")).worker is not ws[1]
 
 
@@ -441,6 +522,43 @@ def test_kv_aware_soft_choice_spreads_by_cost() -> None:
     picks = [policy.select(ws, _view(prompt)).worker for _ in range(300)]
     counts = [picks.count(w) for w in ws]
     assert counts[0] > counts[1] > 0 and counts[2] > 0
+
+
+def _store(policy: Any, worker: Worker, text: str) -> list[int]:
+    toks = list(text.encode())
+    n = len(toks) // 4
+    hashes = [hash((worker.url, text, i)) for i in range(n)]
+    policy.index.stored(worker.url, hashes, None, toks[: n * 4], 4)
+    return hashes
+
+
+def test_kv_aware_keeps_new_prefixes_off_workers_that_evict() -> None:
+    """Among workers that would compute the same blocks, one whose events show evictions (its working
+    set does not fit) gets no new prefix; a worker holding a longer prefix is still followed."""
+    policy, ws = _policy()
+    policy._mean_new = 4.0
+    for i in range(6):  # worker 0 stored a lot and had to evict most of it
+        hashes = _store(policy, ws[0], f"conversation {i} " * 12)
+        policy.index.removed(ws[0].url, hashes[: len(hashes) // 2])
+    picks = {policy.select(ws, _view(f"a new question {i} " * 4)).worker.url for i in range(20)}
+    assert picks == {ws[1].url, ws[2].url}  # the other two, at random between them
+    assert policy.index.evictions(ws[0].url) > 100 and policy.index.evictions(ws[1].url) == 0
+
+    long = "a long shared document " * 10
+    _store(policy, ws[0], long)
+    assert policy.select(ws, _view(long + "and a question")).worker is ws[0]
+
+
+def test_kv_aware_counts_replayed_evictions_at_their_age() -> None:
+    import time as _time
+
+    from atomesh.kv_index import EVICTION_HALF_LIFE
+
+    policy, ws = _policy()
+    old, live = _store(policy, ws[0], "x" * 400), _store(policy, ws[1], "y" * 40)
+    policy.index.removed(ws[0].url, old, at=_time.monotonic() - 10 * EVICTION_HALF_LIFE)  # replayed history
+    policy.index.removed(ws[1].url, live)
+    assert policy.index.evictions(ws[0].url) < 0.2 < 9 < policy.index.evictions(ws[1].url) <= 10
 
 
 def test_kv_aware_flags_are_checked() -> None:

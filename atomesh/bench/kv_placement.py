@@ -104,6 +104,7 @@ class RunResult:
     errors: int
     seconds: float
     gateway: dict[str, Any] = field(default_factory=dict)
+    round: int = 0
 
 
 async def replay_multi_turn(session: aiohttp.ClientSession, gws: list[str], convs: list[list[dict[str, str]]],
@@ -205,7 +206,7 @@ async def engine_counters(session: aiohttp.ClientSession, url: str) -> dict[str,
 
 
 async def run_one(session: aiohttp.ClientSession, engines: list[str], policy: str, trace: str, replicas: int,
-                  args: argparse.Namespace, model: str) -> RunResult:
+                  args: argparse.Namespace, model: str, rnd: int = 0) -> RunResult:
     salt = f"[{trace} {policy} x{replicas} {time.time_ns()}]"
     procs = []
     gws = []
@@ -215,7 +216,7 @@ async def run_one(session: aiohttp.ClientSession, engines: list[str], policy: st
                str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(mport), "--log-level",
                args.gateway_log_level,
                "--worker-urls", *engines]
-        procs.append(start(cmd, Path(f"/tmp/atomesh-bench-kv-{policy}-{r}.log")))
+        procs.append(start(cmd, Path(f"/tmp/atomesh-bench-kv-{trace}-{policy}-x{replicas}-{rnd}-{r}.log")))
         gws.append(f"http://127.0.0.1:{port}")
     try:
         for gw in gws:
@@ -240,13 +241,55 @@ async def run_one(session: aiohttp.ClientSession, engines: list[str], policy: st
     per = [int(a[_COUNTERS[2]] - b[_COUNTERS[2]]) for a, b in zip(after, before, strict=True)]
     return RunResult(trace, policy, replicas, cached / wanted if wanted else 0.0, int(cached), int(wanted),
                      pct(ttfts, 0.5) * 1e3, pct(ttfts, 0.99) * 1e3, max(per) / max(1, min(per)), per, errors,
-                     seconds)
+                     seconds, round=rnd)
 
 
 def print_row(r: RunResult) -> None:
     print(f"{r.trace:<14}{r.policy:<13}{r.replicas:>3}{r.hit_rate:>8.1%}{r.cached_tokens:>9}{r.prompt_tokens:>9}"
           f"{r.ttft_p50_ms:>9.0f}{r.ttft_p99_ms:>9.0f}{r.load_ratio:>8.2f}{r.errors:>5}{r.seconds:>7.1f}  "
           f"{r.requests_per_engine}", flush=True)
+
+
+def summarize(results: list[RunResult], traces: list[str], replicas: list[int],
+              policies: list[str]) -> list[dict[str, Any]]:
+    """Per trace, gateway count and policy: medians over the rounds; then kv_aware against cache_aware."""
+    rows: list[dict[str, Any]] = []
+    print(f"\nmedians over the rounds\n{'trace':<14}{'policy':<13}{'gw':>3}{'hit':>8}{'min':>8}{'max':>8}"
+          f"{'p50 ms':>9}{'p99 ms':>9}{'max/min':>8}{'runs':>6}")
+    for trace in traces:
+        for gw in replicas:
+            for policy in policies:
+                rs = [r for r in results if (r.trace, r.replicas, r.policy) == (trace, gw, policy)]
+                if not rs:
+                    continue
+                hits = [r.hit_rate for r in rs]
+                row = {"trace": trace, "replicas": gw, "policy": policy, "runs": len(rs),
+                       "hit_rate": statistics.median(hits), "hit_min": min(hits), "hit_max": max(hits),
+                       "ttft_p50_ms": statistics.median(r.ttft_p50_ms for r in rs),
+                       "ttft_p99_ms": statistics.median(r.ttft_p99_ms for r in rs),
+                       "load_ratio": statistics.median(r.load_ratio for r in rs)}
+                rows.append(row)
+                print(f"{trace:<14}{policy:<13}{gw:>3}{row['hit_rate']:>8.1%}{row['hit_min']:>8.1%}"
+                      f"{row['hit_max']:>8.1%}{row['ttft_p50_ms']:>9.0f}{row['ttft_p99_ms']:>9.0f}"
+                      f"{row['load_ratio']:>8.2f}{len(rs):>6}")
+    for trace in traces:
+        for gw in replicas:
+            ka = next((r for r in rows if (r["trace"], r["replicas"], r["policy"]) == (trace, gw, "kv_aware")), None)
+            ca = next((r for r in rows if (r["trace"], r["replicas"], r["policy"]) == (trace, gw, "cache_aware")),
+                      None)
+            if ka and ca:
+                cell = {(r.policy, r.round): r.hit_rate for r in results if (r.trace, r.replicas) == (trace, gw)}
+                per_round = [cell[("kv_aware", n)] / max(cell[("cache_aware", n)], 1e-9)
+                             for n in sorted({n for _, n in cell})
+                             if ("kv_aware", n) in cell and ("cache_aware", n) in cell]
+                ratio = ka["hit_rate"] / max(ca["hit_rate"], 1e-9)
+                ka["vs_cache_aware"] = ratio
+                ka["vs_cache_aware_per_round"] = per_round
+                print(f"{trace}, {gw} gateway(s): kv_aware hit rate x{ratio:.2f} of cache_aware (medians "
+                      f"{ka['hit_rate']:.1%} vs {ca['hit_rate']:.1%}; per round "
+                      f"{' '.join(f'x{x:.2f}' for x in per_round)}), load max/min {ka['load_ratio']:.2f} vs "
+                      f"{ca['load_ratio']:.2f}, TTFT p50 {ka['ttft_p50_ms']:.0f} vs {ca['ttft_p50_ms']:.0f} ms")
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------- decision cost
@@ -367,24 +410,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                       f"{args.turns} turns; shared: {args.requests} requests over {args.systems} system prompts")
                 print(f"{'trace':<14}{'policy':<13}{'gw':>3}{'hit':>8}{'cached':>9}{'prompt':>9}{'p50 ms':>9}"
                       f"{'p99 ms':>9}{'max/min':>8}{'err':>5}{'secs':>7}  requests/engine")
-                for trace in args.traces:
-                    for replicas in args.replicas:
-                        for policy in args.policies:
-                            res = await run_one(session, urls, policy, trace, replicas, args, model)
-                            results.append(res)
-                            print_row(res)
-                for trace in args.traces:
-                    for replicas in args.replicas:
-                        ka = next((r for r in results if (r.trace, r.policy, r.replicas)
-                                   == (trace, "kv_aware", replicas)), None)
-                        ca = next((r for r in results if (r.trace, r.policy, r.replicas)
-                                   == (trace, "cache_aware", replicas)), None)
-                        if ka and ca:
-                            ratio = ka.hit_rate / max(ca.hit_rate, 1e-9)
-                            print(f"{trace}, {replicas} gateway(s): kv_aware hit rate x{ratio:.2f} "
-                                  f"of cache_aware ({ka.hit_rate:.1%} vs {ca.hit_rate:.1%}), load max/min "
-                                  f"{ka.load_ratio:.2f} vs {ca.load_ratio:.2f}, TTFT p50 {ka.ttft_p50_ms:.0f} vs "
-                                  f"{ca.ttft_p50_ms:.0f} ms")
+                # Rounds of every cell, policies in turn within a round: drift on the machine and
+                # run-to-run variation (replicas racing each other) reach every policy alike.
+                for rnd in range(args.repeat):
+                    for trace in args.traces:
+                        for replicas in args.replicas:
+                            for policy in args.policies:
+                                res = await run_one(session, urls, policy, trace, replicas, args, model, rnd)
+                                results.append(res)
+                                print_row(res)
+                out["summary"] = summarize(results, args.traces, args.replicas, args.policies)
             out["runs"] = [asdict(r) for r in results]
             if "decision" in args.only:
                 out["decision"] = bench_decision(tokenizer, args.decision_requests)
@@ -405,13 +440,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", type=int, default=12)
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--replicas", type=int, nargs="+", default=[2])
+    p.add_argument("--repeat", type=int, default=3, help="rounds of every cell; the summary takes medians")
     p.add_argument("--policies", nargs="+", default=list(POLICIES))
     p.add_argument("--traces", nargs="+", default=["multi-turn", "shared-prefix"],
                    choices=["multi-turn", "shared-prefix"])
     p.add_argument("--only", nargs="+", default=["trace", "decision"], choices=["trace", "decision"])
     p.add_argument("--decision-requests", type=int, default=3000)
     p.add_argument("--gateway-log-level", default="warn", choices=["debug", "info", "warn", "error"],
-                   help="debug: kv_aware logs each decision (logs in /tmp/atomesh-bench-kv-*.log)")
+                   help="debug: kv_aware logs each decision (the gateways log to "
+                        "/tmp/atomesh-bench-kv-TRACE-POLICY-xREPLICAS-ROUND-N.log)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     return p
 

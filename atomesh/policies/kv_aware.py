@@ -14,9 +14,12 @@ Per request, over the candidates that publish KV events (atomesh.workers.kv_even
 
    ``active_w`` is estimated from this gateway's in-flight requests on w (the new blocks each
    brought; a shared cached prefix counts once), plus the requests the engine reported at its last
-   load poll beyond this gateway's own (other replicas, other clients), as that many average prompts.
-4. ``temperature`` 0: the lowest cost (ties: lower ``active_w``, then at random). Above 0: a soft
-   choice, probability ∝ exp(-cost' / temperature) with costs scaled to 0..1 (Dynamo's form).
+   load poll beyond this gateway's own (other replicas, other clients), each counted as the new
+   blocks of an average placement of this gateway's.
+4. ``temperature`` 0: the lowest cost; among the workers that would compute as many blocks as that
+   one, the lowest ``active_w`` + blocks evicted lately (the engines' events; 0 without eviction
+   pressure), within one average placement's blocks at random. Above 0: a soft choice, probability
+   ∝ exp(-cost' / temperature) with costs scaled to 0..1 (Dynamo's form).
 
 The chosen worker is predicted to hold the prompt's blocks for a couple of seconds, until its own
 events say so, so that a burst sharing a new prefix follows the first request instead of
@@ -92,6 +95,7 @@ class KvAwarePolicy:
         self._rng = random.Random(seed)
         self._recent: dict[str, deque[int]] = {}
         self._mean_blocks = 0.0  # moving average of prompt blocks
+        self._mean_new = 0.0  # moving average of the blocks a placement had to compute (not cached)
         self._placed = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self.decisions = 0  # decided from events
@@ -189,18 +193,22 @@ class KvAwarePolicy:
         active = float(sum(itertools.islice(reversed(recent), mine))) if recent and mine > 0 else 0.0
         extra = w.foreign_load
         if extra > 0:  # requests the engine runs for others (other gateway replicas, direct clients):
-            active += extra * self._mean_blocks  # their cache state is unknown here, so count them whole
+            # their prompts are unknown here, so each counts as the blocks an average placement of
+            # ours had to compute (other replicas place the same traffic the same way).
+            active += extra * self._mean_new
         return active
 
     def _choose(self, candidates: Sequence[Worker], overlap: dict[str, int], total: dict[str, int]) -> Worker:
         ow = self.overlap_weight
         costs: list[float] = []
         actives: list[float] = []
+        news: list[int] = []
         for w in candidates:
             new = total[w.url] - overlap[w.url]
             active = self._active(w)
             costs.append(ow * new + active + new)
             actives.append(active)
+            news.append(new)
         n = len(candidates)
         if self.temperature > 0:
             lo, hi = min(costs), max(costs)
@@ -208,11 +216,21 @@ class KvAwarePolicy:
             if span > 0:
                 weights = [math.exp(-((c - lo) / span) / self.temperature) for c in costs]
                 return self._rng.choices(list(candidates), weights)[0]
-        # Ties (an idle fleet, a new prefix) are broken at random, not in turn: gateway replicas that
-        # each went round in the same order would all pick the same worker.
-        best = min(zip(costs, actives, strict=True))
-        tied = [i for i in range(n) if (costs[i], actives[i]) == best]
-        return candidates[tied[0] if len(tied) == 1 else self._rng.choice(tied)]
+        # Among the workers that would compute as many blocks as the cheapest one (the same cache
+        # benefit; an idle fleet, a new prefix), the engines' own pressure decides too: blocks a worker
+        # evicted lately mean its working set does not fit, and a new prefix placed there pushes out KV
+        # that its next request needs. Every gateway replica reads the same events, so they all steer
+        # new prefixes off a thrashing worker; without evictions this is the cost's own order.
+        # Within one average placement of the lightest, at random: replicas deciding at the same moment
+        # should not all pick the same worker.
+        lowest = min(range(n), key=costs.__getitem__)
+        same = [i for i in range(n) if news[i] == news[lowest]]
+        if len(same) == 1:
+            return candidates[lowest]
+        weight = [actives[i] + self.index.evictions(candidates[i].url) for i in same]
+        floor = min(weight) + max(1.0, self._mean_new)
+        light = [i for i, x in zip(same, weight, strict=True) if x <= floor]
+        return candidates[light[0] if len(light) == 1 else self._rng.choice(light)]
 
     def record(self, decision: Decision, view: RequestView) -> None:
         worker = decision.worker
@@ -237,8 +255,12 @@ class KvAwarePolicy:
         blocks = new.get(worker.url, 0)
         self._recent.setdefault(worker.url, deque(maxlen=RECENT)).append(blocks)
         n = len(keys_by_size[next(iter(keys_by_size))])
-        # The first prompt sets the average (from 0 it would take dozens of requests to mean anything).
-        self._mean_blocks = n if self._placed == 0 else self._mean_blocks + (n - self._mean_blocks) * 0.05
+        # The first prompt sets the averages (from 0 they would take dozens of requests to mean anything).
+        if self._placed == 0:
+            self._mean_blocks, self._mean_new = float(n), float(blocks)
+        else:
+            self._mean_blocks += (n - self._mean_blocks) * 0.05
+            self._mean_new += (blocks - self._mean_new) * 0.05
         self._placed += 1
 
     def on_worker_removed(self, worker: Worker) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -376,11 +377,14 @@ class KvEventHub:
 
     def _apply(self, url: str, stats: FollowStats, seq: int, batch: EventBatch) -> None:
         index = self.index
+        # When the engine sent it, on this process's monotonic clock (a batch from the replay buffer
+        # may be minutes old; clocks of two hosts may disagree, so never in the future).
+        at = time.monotonic() - max(0.0, time.time() - batch.ts)
         for ev in batch.events:
             if isinstance(ev, BlockStored):
                 index.stored(url, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size)
             elif isinstance(ev, BlockRemoved):
-                index.removed(url, ev.block_hashes)
+                index.removed(url, ev.block_hashes, at)
             else:
                 index.cleared(url)
         stats.last_seq = seq
