@@ -15,10 +15,10 @@ Placements not yet confirmed by events are predicted (``predict``): a burst of r
 new prefix should follow the first one, not scatter before the engine reports the blocks. A
 prediction expires after ``predict_ttl`` seconds; by then the engine's events have taken over.
 
-``evictions`` is how many blocks a worker's events reported removed lately (an exponentially
-decayed count, ``EVICTION_HALF_LIFE``): 0 while its pool has room, high while its working set
-does not fit and its cache thrashes. Every gateway replica reads the same events, so they all see
-the same pressure (`kv_aware` keeps new prefixes off the workers under it).
+``demand`` is how many blocks a worker's events reported stored lately, new or reused (an
+exponentially decayed count, ``DEMAND_HALF_LIFE``, each event counted at its age): the KV traffic
+it is serving. Every gateway replica reads the same events, so they all see the same demand, which
+`kv_aware` uses to spread new prefixes when its cost ties.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import numpy.typing as npt
 U64 = np.uint64
 _RNG = np.random.Generator(np.random.PCG64(0x6B76_6964_7820))
 _MAX_BLOCK = 1024
-EVICTION_HALF_LIFE = 10.0  # seconds
+DEMAND_HALF_LIFE = 10.0  # seconds
 # Odd 64-bit multipliers, one per position in a block (block sizes up to _MAX_BLOCK tokens).
 _MULT = (_RNG.integers(0, 2**63, size=_MAX_BLOCK, dtype=np.uint64) * U64(2) + U64(1)).astype(np.uint64)
 _GOLDEN = U64(0x9E3779B97F4A7C15)
@@ -77,8 +77,8 @@ class _WorkerBlocks:
     bit: int
     block_size: int
     blocks: OrderedDict[object, tuple[int, int]] = field(default_factory=OrderedDict)
-    evicted: float = 0.0  # blocks reported removed, decayed (see EVICTION_HALF_LIFE) ...
-    evicted_at: float = 0.0  # ... as of this time.monotonic()
+    demand: float = 0.0  # blocks reported stored (new or reused), decayed (see DEMAND_HALF_LIFE) ...
+    demand_at: float = 0.0  # ... as of this time.monotonic()
 
 
 @dataclass(slots=True)
@@ -146,21 +146,24 @@ class KvIndex:
         wb = self._workers.get(worker)
         return len(wb.blocks) if wb is not None else 0
 
-    def evictions(self, worker: str, now: float | None = None) -> float:
-        """Blocks ``worker`` reported removed lately (decayed with EVICTION_HALF_LIFE); 0 if not followed."""
+    def demand(self, worker: str, now: float | None = None) -> float:
+        """Blocks ``worker`` reported stored lately, new or reused (decayed with DEMAND_HALF_LIFE); 0 if
+        not followed."""
         wb = self._workers.get(worker)
         if wb is None:
             return 0.0
         now = time.monotonic() if now is None else now
-        return wb.evicted * 0.5 ** ((now - wb.evicted_at) / EVICTION_HALF_LIFE)
+        return wb.demand * 0.5 ** ((now - wb.demand_at) / DEMAND_HALF_LIFE)
 
     def __len__(self) -> int:
         return len(self.holders)
 
     # ------------------------------------------------------------------ events
     def stored(self, worker: str, block_hashes: list[object], parent: object | None, token_ids: list[int],
-               block_size: int) -> None:
-        """A BlockStored event: ``block_hashes`` extend the chain after ``parent`` (None: a first block)."""
+               block_size: int, at: float | None = None) -> None:
+        """A BlockStored event: ``block_hashes`` extend the chain after ``parent`` (None: a first block).
+        ``at``: when the engine reported it (time.monotonic(); now if None): events replayed from an
+        engine's buffer count for ``demand`` at their age."""
         wb = self._workers.get(worker)
         if wb is None:
             return
@@ -187,29 +190,26 @@ class KvIndex:
             blocks[h] = (key, start_depth + i + 1)
             holders[key] = holders.get(key, 0) | bit
         self.stats.stored += n
+        now = time.monotonic()
+        age = max(0.0, now - at) if at is not None else 0.0
+        wb.demand = self.demand(worker, now) + n * 0.5 ** (age / DEMAND_HALF_LIFE)
+        wb.demand_at = now
         over = len(blocks) - self.max_blocks_per_worker
         for _ in range(max(0, over)):
             _, (key, _) = blocks.popitem(last=False)
             self._unhold(key, bit)
             self.stats.trimmed += 1
 
-    def removed(self, worker: str, block_hashes: list[object], at: float | None = None) -> None:
-        """A BlockRemoved event. ``at``: when the engine reported it (time.monotonic(); now if None): events
-        replayed from an engine's buffer count for ``evictions`` at their age."""
+    def removed(self, worker: str, block_hashes: list[object]) -> None:
+        """A BlockRemoved event."""
         wb = self._workers.get(worker)
         if wb is None:
             return
-        n = 0
         for h in block_hashes:
             entry = wb.blocks.pop(h, None)
             if entry is not None:
                 self._unhold(entry[0], wb.bit)
-                n += 1
-        self.stats.removed += n
-        now = time.monotonic()
-        age = max(0.0, now - at) if at is not None else 0.0
-        wb.evicted = self.evictions(worker, now) + n * 0.5 ** (age / EVICTION_HALF_LIFE)
-        wb.evicted_at = now
+                self.stats.removed += 1
 
     def cleared(self, worker: str) -> None:
         """AllBlocksCleared, or a re-sync: the worker holds nothing we know of."""

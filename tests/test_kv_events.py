@@ -524,41 +524,38 @@ def test_kv_aware_soft_choice_spreads_by_cost() -> None:
     assert counts[0] > counts[1] > 0 and counts[2] > 0
 
 
-def _store(policy: Any, worker: Worker, text: str) -> list[int]:
+def _store(policy: Any, worker: Worker, text: str, at: float | None = None) -> None:
     toks = list(text.encode())
     n = len(toks) // 4
-    hashes = [hash((worker.url, text, i)) for i in range(n)]
-    policy.index.stored(worker.url, hashes, None, toks[: n * 4], 4)
-    return hashes
+    policy.index.stored(worker.url, [hash((worker.url, text, i)) for i in range(n)], None, toks[: n * 4], 4, at)
 
 
-def test_kv_aware_keeps_new_prefixes_off_workers_that_evict() -> None:
-    """Among workers that would compute the same blocks, one whose events show evictions (its working
-    set does not fit) gets no new prefix; a worker holding a longer prefix is still followed."""
+def test_kv_aware_spreads_tied_new_prefixes_by_the_kv_traffic_the_events_show() -> None:
+    """When the cost ties (no worker holds the prompt, none is busier), the worker whose events show
+    much more KV traffic lately is passed over; the others share the new prefixes at random."""
     policy, ws = _policy()
-    policy._mean_new = 4.0
-    for i in range(6):  # worker 0 stored a lot and had to evict most of it
-        hashes = _store(policy, ws[0], f"conversation {i} " * 12)
-        policy.index.removed(ws[0].url, hashes[: len(hashes) // 2])
+    policy._mean_blocks = 20.0
+    for i in range(6):  # worker 0 stored a lot lately; worker 1 a little; worker 2 nothing
+        _store(policy, ws[0], f"conversation {i} " * 12)
+    _store(policy, ws[1], "one conversation " * 4)
     picks = {policy.select(ws, _view(f"a new question {i} " * 4)).worker.url for i in range(20)}
-    assert picks == {ws[1].url, ws[2].url}  # the other two, at random between them
-    assert policy.index.evictions(ws[0].url) > 100 and policy.index.evictions(ws[1].url) == 0
-
+    assert picks == {ws[1].url, ws[2].url}
+    assert policy.index.demand(ws[0].url) > policy.index.demand(ws[1].url) > policy.index.demand(ws[2].url) == 0
+    # Not a tie: a worker that holds the prompt's prefix is followed however busy its events say it is.
     long = "a long shared document " * 10
     _store(policy, ws[0], long)
     assert policy.select(ws, _view(long + "and a question")).worker is ws[0]
 
 
-def test_kv_aware_counts_replayed_evictions_at_their_age() -> None:
+def test_kv_aware_counts_replayed_events_at_their_age() -> None:
     import time as _time
 
-    from atomesh.kv_index import EVICTION_HALF_LIFE
+    from atomesh.kv_index import DEMAND_HALF_LIFE
 
     policy, ws = _policy()
-    old, live = _store(policy, ws[0], "x" * 400), _store(policy, ws[1], "y" * 40)
-    policy.index.removed(ws[0].url, old, at=_time.monotonic() - 10 * EVICTION_HALF_LIFE)  # replayed history
-    policy.index.removed(ws[1].url, live)
-    assert policy.index.evictions(ws[0].url) < 0.2 < 9 < policy.index.evictions(ws[1].url) <= 10
+    _store(policy, ws[0], "x" * 400, at=_time.monotonic() - 10 * DEMAND_HALF_LIFE)  # from the replay buffer
+    _store(policy, ws[1], "y" * 40)  # live
+    assert policy.index.demand(ws[0].url) < 0.2 < 9 < policy.index.demand(ws[1].url) <= 10
 
 
 def test_kv_aware_flags_are_checked() -> None:

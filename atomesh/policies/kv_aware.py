@@ -16,10 +16,9 @@ Per request, over the candidates that publish KV events (atomesh.workers.kv_even
    brought; a shared cached prefix counts once), plus the requests the engine reported at its last
    load poll beyond this gateway's own (other replicas, other clients), each counted as the new
    blocks of an average placement of this gateway's.
-4. ``temperature`` 0: the lowest cost; among the workers that would compute as many blocks as that
-   one, the lowest ``active_w`` + blocks evicted lately (the engines' events; 0 without eviction
-   pressure), within one average placement's blocks at random. Above 0: a soft choice, probability
-   ∝ exp(-cost' / temperature) with costs scaled to 0..1 (Dynamo's form).
+4. ``temperature`` 0: the lowest cost (ties: lower ``active_w``, then the workers whose events show
+   the least KV traffic lately, within one average prompt, at random). Above 0: a soft choice,
+   probability ∝ exp(-cost' / temperature) with costs scaled to 0..1 (Dynamo's form).
 
 The chosen worker is predicted to hold the prompt's blocks for a couple of seconds, until its own
 events say so, so that a burst sharing a new prefix follows the first request instead of
@@ -202,13 +201,11 @@ class KvAwarePolicy:
         ow = self.overlap_weight
         costs: list[float] = []
         actives: list[float] = []
-        news: list[int] = []
         for w in candidates:
             new = total[w.url] - overlap[w.url]
             active = self._active(w)
             costs.append(ow * new + active + new)
             actives.append(active)
-            news.append(new)
         n = len(candidates)
         if self.temperature > 0:
             lo, hi = min(costs), max(costs)
@@ -216,20 +213,17 @@ class KvAwarePolicy:
             if span > 0:
                 weights = [math.exp(-((c - lo) / span) / self.temperature) for c in costs]
                 return self._rng.choices(list(candidates), weights)[0]
-        # Among the workers that would compute as many blocks as the cheapest one (the same cache
-        # benefit; an idle fleet, a new prefix), the engines' own pressure decides too: blocks a worker
-        # evicted lately mean its working set does not fit, and a new prefix placed there pushes out KV
-        # that its next request needs. Every gateway replica reads the same events, so they all steer
-        # new prefixes off a thrashing worker; without evictions this is the cost's own order.
-        # Within one average placement of the lightest, at random: replicas deciding at the same moment
-        # should not all pick the same worker.
-        lowest = min(range(n), key=costs.__getitem__)
-        same = [i for i in range(n) if news[i] == news[lowest]]
-        if len(same) == 1:
-            return candidates[lowest]
-        weight = [actives[i] + self.index.evictions(candidates[i].url) for i in same]
-        floor = min(weight) + max(1.0, self._mean_new)
-        light = [i for i, x in zip(same, weight, strict=True) if x <= floor]
+        best = min(zip(costs, actives, strict=True))
+        tied = [i for i in range(n) if (costs[i], actives[i]) == best]
+        if len(tied) == 1:
+            return candidates[tied[0]]
+        # Ties (an idle fleet, a new prefix): the workers whose events show the least KV traffic lately
+        # (within one average prompt of the least), so that new prefixes spread by the KV they bring
+        # rather than by request counts; every gateway replica reads the same events. Among those, at
+        # random: replicas deciding at the same moment should not all pick the same worker.
+        demand = [self.index.demand(candidates[i].url) for i in tied]
+        floor = min(demand) + max(1.0, self._mean_blocks)
+        light = [i for i, d in zip(tied, demand, strict=True) if d <= floor]
         return candidates[light[0] if len(light) == 1 else self._rng.choice(light)]
 
     def record(self, decision: Decision, view: RequestView) -> None:

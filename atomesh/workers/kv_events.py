@@ -382,9 +382,9 @@ class KvEventHub:
         at = time.monotonic() - max(0.0, time.time() - batch.ts)
         for ev in batch.events:
             if isinstance(ev, BlockStored):
-                index.stored(url, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size)
+                index.stored(url, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, at)
             elif isinstance(ev, BlockRemoved):
-                index.removed(url, ev.block_hashes, at)
+                index.removed(url, ev.block_hashes)
             else:
                 index.cleared(url)
         stats.last_seq = seq
