@@ -16,8 +16,9 @@ new prefix should follow the first one, not scatter before the engine reports th
 prediction expires after ``predict_ttl`` seconds; by then the engine's events have taken over.
 
 ``demand`` is how many blocks a worker's events reported stored lately, new or reused (an
-exponentially decayed count, ``DEMAND_HALF_LIFE``, each event counted at its age): the KV traffic
-it is serving. Every gateway replica reads the same events, so they all see the same demand, which
+exponentially decayed count, ``DEMAND_HALF_LIFE``, of the events received live; batches replayed
+from an engine's buffer rebuild the index but say nothing of current traffic): the KV traffic it is
+serving. Every gateway replica reads the same events, so they all see the same demand, which
 `kv_aware` uses to spread new prefixes when its cost ties.
 """
 
@@ -160,10 +161,9 @@ class KvIndex:
 
     # ------------------------------------------------------------------ events
     def stored(self, worker: str, block_hashes: list[object], parent: object | None, token_ids: list[int],
-               block_size: int, at: float | None = None) -> None:
+               block_size: int, live: bool = True) -> None:
         """A BlockStored event: ``block_hashes`` extend the chain after ``parent`` (None: a first block).
-        ``at``: when the engine reported it (time.monotonic(); now if None): events replayed from an
-        engine's buffer count for ``demand`` at their age."""
+        ``live``: it arrived as it happened (counts for ``demand``), not from a replay buffer."""
         wb = self._workers.get(worker)
         if wb is None:
             return
@@ -190,10 +190,10 @@ class KvIndex:
             blocks[h] = (key, start_depth + i + 1)
             holders[key] = holders.get(key, 0) | bit
         self.stats.stored += n
-        now = time.monotonic()
-        age = max(0.0, now - at) if at is not None else 0.0
-        wb.demand = self.demand(worker, now) + n * 0.5 ** (age / DEMAND_HALF_LIFE)
-        wb.demand_at = now
+        if live:
+            now = time.monotonic()
+            wb.demand = self.demand(worker, now) + n
+            wb.demand_at = now
         over = len(blocks) - self.max_blocks_per_worker
         for _ in range(max(0, over)):
             _, (key, _) = blocks.popitem(last=False)

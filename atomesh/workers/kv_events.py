@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -304,8 +303,11 @@ class KvEventHub:
             stats.ready.set()
             sub.close(linger=0)
 
-    def _on_message(self, url: str, ep: Endpoint, stats: FollowStats, seq: int, payload: bytes) -> None:
-        """Apply an in-order message; leave gaps (seq > last + 1) to the caller."""
+    def _on_message(self, url: str, ep: Endpoint, stats: FollowStats, seq: int, payload: bytes,
+                    live: bool = True) -> None:
+        """Apply an in-order message; leave gaps (seq > last + 1) to the caller. ``live``: it came on the
+        stream, not from the replay socket (replayed batches rebuild the index but are no news of
+        current traffic)."""
         last = stats.last_seq
         if last is not None and seq > last + 1:
             return
@@ -322,7 +324,7 @@ class KvEventHub:
             stats.restarts += 1  # the engine restarted: its numbering starts again
             log.info("kv_events_publisher_restarted", worker=url, seq=seq, last=last)
             self.index.cleared(url)
-        self._apply(url, stats, seq, batch)
+        self._apply(url, stats, seq, batch, live)
 
     async def _fill_gap(self, url: str, ep: Endpoint, stats: FollowStats, seq: int, payload: bytes) -> None:
         stats.gaps += 1
@@ -369,20 +371,17 @@ class KvEventHub:
                 if stats.last_seq is not None and seq != stats.last_seq + 1:
                     continue  # not contiguous with what we have (duplicate or lost): skip
                 stats.replayed += 1
-                self._on_message(url, ep, stats, seq, frames[2])
+                self._on_message(url, ep, stats, seq, frames[2], live=False)
         except TimeoutError:
             log.info("kv_events_replay_timeout", worker=url, start=start)
         finally:
             dealer.close(linger=0)
 
-    def _apply(self, url: str, stats: FollowStats, seq: int, batch: EventBatch) -> None:
+    def _apply(self, url: str, stats: FollowStats, seq: int, batch: EventBatch, live: bool) -> None:
         index = self.index
-        # When the engine sent it, on this process's monotonic clock (a batch from the replay buffer
-        # may be minutes old; clocks of two hosts may disagree, so never in the future).
-        at = time.monotonic() - max(0.0, time.time() - batch.ts)
         for ev in batch.events:
             if isinstance(ev, BlockStored):
-                index.stored(url, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, at)
+                index.stored(url, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, live)
             elif isinstance(ev, BlockRemoved):
                 index.removed(url, ev.block_hashes)
             else:

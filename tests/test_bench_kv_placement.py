@@ -1,0 +1,32 @@
+"""`atomesh bench kv-placement`'s summary: medians over rounds, kv_aware against cache_aware per round."""
+
+from __future__ import annotations
+
+import pytest
+
+from atomesh.bench.kv_placement import RunResult, parser, summarize
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _run(policy: str, hit: float, rnd: int, gw: int = 2) -> RunResult:
+    return RunResult("multi-turn", policy, gw, hit, 0, 0, 500.0 + rnd, 900.0, 1.0 + rnd / 10, [12] * 4, 0, 7.0,
+                     round=rnd)
+
+
+def test_summary_takes_medians_and_pairs_rounds(capsys: pytest.CaptureFixture[str]) -> None:
+    runs = [_run("kv_aware", h, i) for i, h in enumerate((0.30, 0.36, 0.33))]
+    runs += [_run("cache_aware", h, i) for i, h in enumerate((0.25, 0.30, 0.20))]
+    rows = summarize(runs, ["multi-turn"], [1, 2], ["kv_aware", "cache_aware"])
+    kv, ca = rows
+    assert (kv["hit_rate"], kv["hit_min"], kv["hit_max"], kv["runs"]) == (0.33, 0.30, 0.36, 3)
+    assert ca["hit_rate"] == 0.25 and kv["load_ratio"] == pytest.approx(1.1) and kv["ttft_p50_ms"] == 501.0
+    assert kv["vs_cache_aware"] == pytest.approx(0.33 / 0.25)
+    assert kv["vs_cache_aware_per_round"] == pytest.approx([0.30 / 0.25, 0.36 / 0.30, 0.33 / 0.20])
+    out = capsys.readouterr().out
+    assert "kv_aware hit rate x1.32 of cache_aware" in out and "x1.20 x1.20 x1.65" in out
+
+
+def test_repeat_defaults_to_three_rounds() -> None:
+    assert parser().parse_args([]).repeat == 3
+    assert parser().parse_args(["--repeat", "7"]).repeat == 7
