@@ -24,6 +24,7 @@ serving. Every gateway replica reads the same events, so they all see the same d
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -154,7 +155,7 @@ class KvIndex:
         if wb is None:
             return 0.0
         now = time.monotonic() if now is None else now
-        return wb.demand * 0.5 ** ((now - wb.demand_at) / DEMAND_HALF_LIFE)
+        return wb.demand * math.pow(0.5, (now - wb.demand_at) / DEMAND_HALF_LIFE)
 
     def __len__(self) -> int:
         return len(self.holders)
