@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -12,14 +11,11 @@ import aiohttp
 import pytest
 
 from atomesh.app import GatewayServer
+from atomesh.bench import procs
 from atomesh.config import GatewayConfig
 from atomesh.testing.mock_worker import MockBehaviour, MockWorker
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+free_port = procs.free_port  # below the kernel's ephemeral range: see atomesh/bench/procs.py
 
 
 async def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:

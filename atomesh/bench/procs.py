@@ -3,14 +3,31 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
 from pathlib import Path
 
+# Listening ports come from below the kernel's ephemeral range (Linux: 32768-60999) and above
+# Mooncake's RPC ports (15000-17000). A port the kernel hands out for `bind(0)` is also one it may
+# give a moment later to an outgoing connection as its source port, and then the server meant to
+# start there cannot listen ("Address already in use"), which a loaded machine hit.
+_PORTS = range(20000, 32000)
+_rng = random.Random()
+
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port nothing listens on now, for a server about to be started."""
+    for _ in range(200):
+        port = _rng.randrange(_PORTS.start, _PORTS.stop)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range is crowded: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 

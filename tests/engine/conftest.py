@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
@@ -15,6 +14,7 @@ import aiohttp
 import pytest
 import torch
 from aiohttp import web
+from gwtest import free_port as _gw_free_port
 
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
@@ -30,9 +30,7 @@ DEVICE = os.environ.get("ENGINE_TEST_DEVICE", "cpu")
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return _gw_free_port()  # gwtest's: below the ephemeral range, so no outgoing connection takes it
 
 
 @pytest.fixture(scope="session")

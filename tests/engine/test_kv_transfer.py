@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -20,6 +19,7 @@ from typing import Any
 import msgpack
 import pytest
 import torch
+from gwtest import free_port
 
 # A dead Mooncake peer must fail fast (default 30 s; 5 s is Mooncake's minimum). Set before any agent starts.
 os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")
@@ -118,10 +118,7 @@ async def producer(prefill: Side) -> AsyncIterator[KVProducer]:
     await p.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+_free_port = free_port
 
 
 async def _poll(cond: Callable[[], bool], deadline_s: float = 5.0) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +19,7 @@ import openai
 import pytest
 import torch
 from aiohttp import web
+from gwtest import free_port
 
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
@@ -31,10 +31,7 @@ from engine.tools import HermesParser
 DEVICE = os.environ.get("ENGINE_TEST_DEVICE", "cpu")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+_free_port = free_port
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
