@@ -2,7 +2,8 @@
 
 ``--kv-events-config`` takes vLLM's JSON (``enable_kv_cache_events``, ``publisher``, ``endpoint``,
 ``replay_endpoint``, ``buffer_steps``, ``hwm``, ``max_queue_size``, ``topic``). Each engine step's
-events go out as one ZMQ PUB multipart message ``[topic, seq (8-byte big-endian), payload]``; the
+events go out as ZMQ PUB multipart messages ``[topic, seq (8-byte big-endian), payload]``, one as the
+step starts (the blocks it is about to write) and one once it has run; the
 payload is msgpack of vLLM's array-like structs (the layout of vLLM's
 ``examples/online_serving/kv_events_subscriber.py``):
 
@@ -124,7 +125,8 @@ class EventRecorder:
     """Collects the block manager's events between flushes, merging runs of one kind.
 
     The block manager calls ``stored`` / ``removed`` as blocks enter and leave its hash index;
-    the engine loop calls ``take`` once per step and publishes what it gets as one batch.
+    the engine loop calls ``take`` as a step starts (the blocks it is about to write) and once it has run,
+    and publishes what it gets each time as one batch.
     """
 
     def __init__(self, block_size: int, medium: str | None) -> None:
