@@ -258,6 +258,12 @@ class GatewayConfig(BaseModel):
         "whose KV events are not advertised in its /server_info.")
     kv_overlap_weight: float = Field(1.0, ge=0, description="kv_aware: weight of blocks to prefill against KV load.")
     kv_temperature: float = Field(0.0, ge=0, description="kv_aware: 0 = lowest cost wins; above 0 = soft choice.")
+    kv_sync_bind: str | None = Field(
+        None, description="kv_aware: ZMQ address (tcp://HOST:PORT) where this gateway publishes its in-flight "
+        "placements to its replicas (docs/placement.md).")
+    kv_sync_peers: list[str] = Field(
+        default_factory=list, description="kv_aware: the other gateway replicas' --kv-sync-bind addresses "
+        "(tcp://HOST:PORT ...), whose in-flight placements count as load here.")
 
     # --- tokenizer (ATOMesh / SMG)
     model_path: str | None = Field(
@@ -398,6 +404,21 @@ class GatewayConfig(BaseModel):
     def _prefill_urls(cls, specs: list[PrefillSpec]) -> list[PrefillSpec]:
         return [PrefillSpec(url=check_worker_url(s.url), bootstrap_port=s.bootstrap_port) for s in specs]
 
+    @field_validator("kv_sync_bind")
+    @classmethod
+    def _kv_sync_bind(cls, address: str | None) -> str | None:
+        if address is not None and not address.startswith("tcp://"):
+            raise ValueError(f"--kv-sync-bind {address!r} must be a ZMQ address tcp://HOST:PORT")
+        return address
+
+    @field_validator("kv_sync_peers")
+    @classmethod
+    def _kv_sync_peers(cls, items: list[str]) -> list[str]:
+        for a in items:
+            if not a.startswith("tcp://"):
+                raise ValueError(f"--kv-sync-peers {a!r} must be a ZMQ address tcp://HOST:PORT")
+        return items
+
     @field_validator("kv_events_endpoints")
     @classmethod
     def _kv_endpoints(cls, items: list[str]) -> list[str]:
@@ -512,6 +533,14 @@ class GatewayConfig(BaseModel):
                              "with --pd-disaggregation the prefill and decode engines pick their own ranks")
         if self.chat_template is not None and self.model_path is None and self.tokenizer_path is None:
             raise ValueError("--chat-template needs --model-path or --tokenizer-path")
+        if self.kv_sync_bind is not None or self.kv_sync_peers:
+            kv_pool = (self.policy_for("prefill") if self.pd_disaggregation else self.policy) == PolicyName.KV_AWARE
+            if not kv_pool:
+                raise ValueError("--kv-sync-bind / --kv-sync-peers share kv_aware's placements: they need --policy "
+                                 "kv_aware (or --prefill-policy kv_aware with --pd-disaggregation)")
+            if self.processes > 1:
+                raise ValueError("--kv-sync-bind / --kv-sync-peers work with one gateway process; with "
+                                 "--processes the processes already share their placements")
         return self
 
     # ------------------------------------------------------------------ helpers

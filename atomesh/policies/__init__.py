@@ -14,6 +14,7 @@ from atomesh.policies.cache_aware import CacheAwarePolicy
 from atomesh.policies.consistent_hashing import ConsistentHashingPolicy
 from atomesh.policies.dp_sticky import DpStickyPolicy
 from atomesh.policies.kv_aware import KvAwarePolicy
+from atomesh.policies.kv_sync import KvPeerSync
 from atomesh.policies.least_load import LeastLoadPolicy
 from atomesh.policies.power_of_two import PowerOfTwoPolicy
 from atomesh.policies.prefix_hash import PrefixHashPolicy
@@ -43,8 +44,9 @@ def _kv_aware(cfg: GatewayConfig) -> KvAwarePolicy:
             tokenizer = PromptTokenizer.from_path(str(tokenizer_file(cfg.model_path, cfg.tokenizer_path)), template)
         except (TokenizerUnavailable, TokenizerError, OSError, ValueError) as e:
             raise PolicyNotAvailable(f"--policy kv_aware: {e}") from None
+    sync = KvPeerSync(cfg.kv_sync_bind, cfg.kv_sync_peers) if cfg.kv_sync_bind or cfg.kv_sync_peers else None
     return KvAwarePolicy(_cache_aware(cfg), overlap_weight=cfg.kv_overlap_weight, temperature=cfg.kv_temperature,
-                         tokenizer=tokenizer)
+                         tokenizer=tokenizer, sync=sync)
 
 
 FACTORIES: dict[PolicyName, PolicyFactory] = {

@@ -45,6 +45,7 @@ from atomesh.config import PolicyName
 from atomesh.kv_index import KvIndex, chain_keys
 from atomesh.policies.base import Decision, slot_setter
 from atomesh.policies.cache_aware import CacheAwarePolicy
+from atomesh.policies.kv_sync import KvPeerSync, Snapshot
 from atomesh.prompt_tokens import PromptTokenizer, TokenizerUnavailable
 from atomesh.request import RequestView
 from atomesh.transport import Upstream
@@ -83,13 +84,16 @@ class KvAwarePolicy:
 
     def __init__(self, fallback: CacheAwarePolicy, *, overlap_weight: float = 1.0, temperature: float = 0.0,
                  tokenizer: PromptTokenizer | None = None, index: KvIndex | None = None,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, sync: KvPeerSync | None = None) -> None:
         self.fallback = fallback
         self.overlap_weight = overlap_weight
         self.temperature = temperature
         self.tokenizer = tokenizer
         self.index = index or KvIndex()
         self.hub: KvEventHub | None = None
+        self.sync = sync  # other gateway replicas' in-flight placements (--kv-sync-peers)
+        if sync is not None:
+            sync.attach(self._snapshot, self._peer_placed)
         self._upstream: Upstream | None = None
         self._rng = random.Random(seed)
         self._recent: dict[str, deque[int]] = {}
@@ -132,6 +136,8 @@ class KvAwarePolicy:
 
     def start(self) -> None:
         self.fallback.start()
+        if self.sync is not None:
+            self.sync.start()
         if self.hub is not None:
             self.hub.start()
             if self.tokenizer is None:
@@ -146,6 +152,8 @@ class KvAwarePolicy:
                 await t
         if self.hub is not None:
             await self.hub.stop()
+        if self.sync is not None:
+            await self.sync.stop()
         await self.fallback.stop()
 
     # ------------------------------------------------------------------ decision
@@ -186,11 +194,27 @@ class KvAwarePolicy:
         self.prompt_blocks += total[worker.url]
         return KvDecision(worker, "kv_overlap" if overlap[worker.url] else "kv_cost", keys_by_size, new)
 
-    def _active(self, w: Worker) -> float:
+    def _own(self, w: Worker) -> float:
+        """The new blocks this gateway's in-flight requests on ``w`` brought."""
         recent = self._recent.get(w.url)
         mine = w.in_flight
-        active = float(sum(itertools.islice(reversed(recent), mine))) if recent and mine > 0 else 0.0
+        return float(sum(itertools.islice(reversed(recent), mine))) if recent and mine > 0 else 0.0
+
+    def _snapshot(self) -> Snapshot:
+        if self.hub is None:
+            return {}
+        return {w.url: (w.in_flight, self._own(w)) for w in self.hub.registry if w.in_flight > 0}
+
+    def _peer_placed(self, url: str, keys: list[int]) -> None:
+        self.index.predict(url, keys)  # as our own placements: until the engine's events confirm them
+
+    def _active(self, w: Worker) -> float:
+        active = self._own(w)
         extra = w.foreign_load
+        if self.sync is not None:  # what the peer replicas said they have there, known exactly
+            requests, blocks = self.sync.peer_load(w.url)
+            active += blocks
+            extra = max(0, extra - requests)
         if extra > 0:  # requests the engine runs for others (other gateway replicas, direct clients):
             # their prompts are unknown here, so each counts as the blocks an average placement of
             # ours had to compute (other replicas place the same traffic the same way).
@@ -243,7 +267,8 @@ class KvAwarePolicy:
         if size is not None and size in keys_by_size:
             keys = keys_by_size[size]
             # Only what it does not hold yet: the held prefix is in the index already.
-            self.index.predict(worker.url, keys[len(keys) - new.get(worker.url, len(keys)):])
+            fresh = keys[len(keys) - new.get(worker.url, len(keys)):]
+            self.index.predict(worker.url, fresh)
         else:  # a worker without events: keep cache_aware's index, which scores it, up to date
             self.fallback.record(Decision(worker, "kv_no_events"), view)
         blocks = new.get(worker.url, 0)
@@ -256,6 +281,9 @@ class KvAwarePolicy:
             self._mean_blocks += (n - self._mean_blocks) * 0.05
             self._mean_new += (blocks - self._mean_new) * 0.05
         self._placed += 1
+        if self.sync is not None and size is not None and size in keys_by_size:
+            keys = keys_by_size[size]
+            self.sync.placed(worker.url, keys[len(keys) - blocks:] if blocks else [])
 
     def on_worker_removed(self, worker: Worker) -> None:
         self._recent.pop(worker.url, None)

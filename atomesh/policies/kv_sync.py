@@ -1,0 +1,167 @@
+"""kv_aware's gateway replicas tell each other what they place (`--kv-sync-bind`, `--kv-sync-peers`).
+
+Independent gateway replicas read the same KV events, but each sees the other's requests only once an
+engine reports them: at its next load poll (0.1 s) or when it schedules them. Replicas deciding at the
+same moment then pile new prefixes onto the same engines. Dynamo's router replicas share their
+active-block state for this reason; here each replica publishes, over ZMQ PUB, a snapshot of what it
+has in flight on each worker (requests and the new KV blocks they brought) and the blocks of its
+latest placement, and subscribes to its peers':
+
+- at every placement (so a peer knows within a network hop) and every ``interval`` seconds (so a
+  finished request stops counting), message ``[sender id, {worker url: [requests, blocks]},
+  worker url or nil, [block keys]]`` (msgpack);
+- a peer's snapshot older than ``stale_after`` seconds counts for nothing (a replica that died or was
+  cut off cannot hold load on workers for ever);
+- a placement's block keys become a short-lived prediction in this replica's index, as its own are.
+
+Nothing else is shared: each replica keeps its own index from the engines' events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgpack
+import structlog
+
+from atomesh.tasks import PeriodicTask
+
+log = structlog.get_logger("atomesh.kv_sync")
+
+Snapshot = dict[str, tuple[int, float]]  # worker url -> (requests in flight, new blocks they brought)
+MAX_KEYS = 65_536  # block keys accepted in one message (a 1M-token prompt of 16-token blocks)
+
+
+class KvPeerSync:
+    """One replica's side of the exchange: a PUB socket bound on ``bind``, a SUB socket to each peer."""
+
+    def __init__(self, bind: str | None, peers: list[str], *, interval: float = 0.05,
+                 stale_after: float = 1.0) -> None:
+        self.bind = bind
+        self.peers = list(peers)
+        self.stale_after = stale_after
+        self.id = os.urandom(8)
+        self._views: dict[bytes, tuple[float, Snapshot]] = {}
+        self._snapshot: Callable[[], Snapshot] = dict
+        self._on_keys: Callable[[str, list[int]], None] = lambda url, keys: None
+        self._pub: Any = None
+        self._sub: Any = None
+        self._ctx: Any = None
+        self._recv: asyncio.Task[None] | None = None
+        self._ticker = PeriodicTask("kv-sync", interval, self._tick)
+        self.sent = 0
+        self.received = 0
+        self.bad = 0
+
+    def attach(self, snapshot: Callable[[], Snapshot], on_keys: Callable[[str, list[int]], None]) -> None:
+        """What to publish (the policy's in-flight view) and what to do with a peer's placement keys."""
+        self._snapshot, self._on_keys = snapshot, on_keys
+
+    # ------------------------------------------------------------------ life cycle
+    def start(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self._ctx = zmq.asyncio.Context()
+        if self.bind is not None:
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.SNDHWM, 1000)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.bind(self.bind)
+        if self.peers:
+            self._sub = self._ctx.socket(zmq.SUB)
+            self._sub.setsockopt(zmq.RCVHWM, 1000)
+            self._sub.setsockopt(zmq.LINGER, 0)
+            self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+            for peer in self.peers:
+                self._sub.connect(peer)
+            self._recv = asyncio.get_running_loop().create_task(self._receive(), name="kv-sync-receive")
+        if self._pub is not None:
+            self._ticker.start()
+        log.info("kv_sync_started", bind=self.bind, peers=self.peers)
+
+    async def stop(self) -> None:
+        await self._ticker.stop()
+        if self._recv is not None:
+            self._recv.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._recv
+        for sock in (self._pub, self._sub):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+
+    # ------------------------------------------------------------------ sending
+    def placed(self, worker: str, keys: list[int]) -> None:
+        """This replica just placed a request on ``worker``: tell the peers at once, right after the
+        placement has counted it in flight (the policy records before placement charges the worker)."""
+        if self._pub is not None:
+            asyncio.get_running_loop().call_soon(self._send, worker, keys)
+
+    async def _tick(self) -> None:
+        self._send(None, [])
+
+    def _send(self, worker: str | None, keys: list[int]) -> None:
+        if self._pub is None:
+            return
+        import zmq
+
+        state = {url: [n, blocks] for url, (n, blocks) in self._snapshot().items()}
+        try:
+            self._pub.send(msgpack.packb([self.id, state, worker, keys[:MAX_KEYS]]), zmq.NOBLOCK)
+            self.sent += 1
+        except zmq.Again:  # no room: the next snapshot says the same, later
+            pass
+
+    # ------------------------------------------------------------------ receiving
+    async def _receive(self) -> None:
+        assert self._sub is not None
+        while True:
+            try:
+                payload = await self._sub.recv()
+                self.apply(payload)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a bad peer must not stop the others
+                self.bad += 1
+                log.warning("kv_sync_receive_failed", error=str(e))
+
+    def apply(self, payload: bytes, now: float | None = None) -> None:
+        """One peer message: keep its snapshot, predict its placement's keys."""
+        try:
+            sender, state, worker, keys = msgpack.unpackb(payload, raw=False)
+            snapshot = {str(url): (int(v[0]), float(v[1])) for url, v in state.items()}
+            keys = [int(k) for k in keys[:MAX_KEYS]]
+        except (msgpack.UnpackException, TypeError, ValueError, IndexError, AttributeError):
+            self.bad += 1
+            return
+        if not isinstance(sender, bytes) or sender == self.id:
+            return
+        self.received += 1
+        self._views[sender] = (time.monotonic() if now is None else now, snapshot)
+        if len(self._views) > 4 * max(1, len(self.peers)):  # replicas that restarted (new ids): oldest go
+            for old in sorted(self._views, key=lambda s: self._views[s][0])[: len(self._views) // 2]:
+                del self._views[old]
+        if isinstance(worker, str) and keys:
+            self._on_keys(worker, keys)
+
+    def peer_load(self, worker: str, now: float | None = None) -> tuple[int, float]:
+        """Requests the peers have in flight on ``worker``, and the new blocks those brought."""
+        now = time.monotonic() if now is None else now
+        requests, blocks = 0, 0.0
+        for at, snapshot in self._views.values():
+            if now - at <= self.stale_after:
+                n, b = snapshot.get(worker, (0, 0.0))
+                requests += n
+                blocks += b
+        return requests, blocks
+
+    @property
+    def views(self) -> Mapping[bytes, tuple[float, Snapshot]]:
+        return self._views
