@@ -14,7 +14,15 @@ from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from atomesh.compat import REFUSED_FLAGS, REFUSED_KEYS
 from atomesh.cors import check_origin
@@ -404,20 +412,15 @@ class GatewayConfig(BaseModel):
     def _prefill_urls(cls, specs: list[PrefillSpec]) -> list[PrefillSpec]:
         return [PrefillSpec(url=check_worker_url(s.url), bootstrap_port=s.bootstrap_port) for s in specs]
 
-    @field_validator("kv_sync_bind")
+    @field_validator("kv_sync_bind", "kv_sync_peers")
     @classmethod
-    def _kv_sync_bind(cls, address: str | None) -> str | None:
-        if address is not None and not address.startswith("tcp://"):
-            raise ValueError(f"--kv-sync-bind {address!r} must be a ZMQ address tcp://HOST:PORT")
-        return address
-
-    @field_validator("kv_sync_peers")
-    @classmethod
-    def _kv_sync_peers(cls, items: list[str]) -> list[str]:
-        for a in items:
-            if not a.startswith("tcp://"):
-                raise ValueError(f"--kv-sync-peers {a!r} must be a ZMQ address tcp://HOST:PORT")
-        return items
+    def _kv_sync_addresses(cls, value: str | list[str] | None, info: ValidationInfo) -> str | list[str] | None:
+        for address in [value] if isinstance(value, str) else value or []:
+            host, _, port = address.removeprefix("tcp://").rpartition(":")
+            if not address.startswith("tcp://") or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{flag_name(info.field_name or '')} {address!r} must be a ZMQ address "
+                                 "tcp://HOST:PORT")
+        return value
 
     @field_validator("kv_events_endpoints")
     @classmethod

@@ -156,14 +156,9 @@ StopStrings = str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)]
 StopTokenIds = Annotated[list[TokenId], Field(max_length=64)]
 
 
-class SamplingBody(BaseModel):
-    """Fields common to completions and chat completions (OpenAI's, plus vLLM's sampling extras)."""
+class SamplingKnobs(BaseModel):
+    """The sampling fields the OpenAI bodies and SGLang's ``sampling_params`` spell alike."""
 
-    model_config = STRICT
-
-    model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    min_tokens: Annotated[int, Field(ge=0)] | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None
@@ -171,6 +166,16 @@ class SamplingBody(BaseModel):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: RepetitionPenalty | None = None
+
+
+class SamplingBody(SamplingKnobs):
+    """Fields common to completions and chat completions (OpenAI's, plus vLLM's sampling extras)."""
+
+    model_config = STRICT
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     seed: Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)] | None = None
     stop: StopStrings | None = None
@@ -474,20 +479,13 @@ class ChatBody(SamplingBody):
         return self.grammar_of_body()
 
 
-class GenerateSampling(BaseModel):
+class GenerateSampling(SamplingKnobs):
     """SGLang's ``sampling_params`` of POST /generate (the fields this engine implements; others refused)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     max_new_tokens: Annotated[int, Field(ge=1)] | None = 128
     min_new_tokens: Annotated[int, Field(ge=0)] | None = None
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    top_k: TopK | None = None
-    min_p: Prob | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    repetition_penalty: RepetitionPenalty | None = None
     stop: StopStrings | None = None
     stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool | None = None

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import subprocess
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 import pytest
@@ -135,3 +138,45 @@ async def worker_processes() -> AsyncIterator[Callable[..., Awaitable[WorkerProc
     yield make
     for wp in started:
         wp.kill()
+
+
+class EngineProcess:
+    """An engine server (`python -m engine.openai_server ...`) in a process of its own, logging to /tmp."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(f"/tmp/atomesh-test-{name}-{self.port}.log", "wb")
+        self.proc = subprocess.Popen([*args, "--server-port", str(self.port)], stdout=self.log,
+                                     stderr=subprocess.STDOUT, env=env)
+
+    def wait_up(self, timeout: float = 90) -> Self:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"engine {self.name} exited; see {self.log.name}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"engine {self.name} did not start; see {self.log.name}")
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """The sum of a metric's samples whose labels contain `labels`, from the engine's /metrics."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        total = 0.0
+        for m in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.M):
+            if labels in (m.group(1) or ""):
+                total += float(m.group(2))
+        return total
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()

@@ -7,17 +7,14 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import re
-import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import pytest
-from gwtest import MakeGateway, base_url, free_port, wait_for
+from gwtest import EngineProcess, MakeGateway, base_url, free_port, wait_for
 
 from atomesh.policies.kv_aware import KvAwarePolicy
 from atomesh.prompt_tokens import PromptTokenizer
@@ -91,42 +88,17 @@ def test_gateway_tokenizes_chats_exactly_like_smollm2(tmp_path: Any) -> None:
         assert policy.tokenizer.ids(view(messages)).tolist() == engine_ids(tok, messages)  # type: ignore[union-attr]
 
 
-class Engine:
+class Engine(EngineProcess):
+    """An engine process publishing its KV events on free loopback ports."""
+
     def __init__(self, name: str) -> None:
-        self.port, self.events, self.replay = free_port(), free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.events, self.replay = free_port(), free_port()
         cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.events}",
                "replay_endpoint": f"tcp://*:{self.replay}", "topic": "kv-events"}
-        self.log = open(f"/tmp/atomesh-test-kv-{name}-{self.port}.log", "wb")
-        self.proc = subprocess.Popen([*ENGINE, "--server-port", str(self.port), "--kv-events-config", json.dumps(cfg)],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_up(self, timeout: float = 90) -> Engine:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"engine exited; see {self.log.name}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"engine did not start; see {self.log.name}")
+        super().__init__(f"kv-{name}", [*ENGINE, "--kv-events-config", json.dumps(cfg)])
 
     def cached_tokens(self) -> float:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
-            m = re.search(r"^atom:prefix_cache_cached_tokens(?:_total)?(?:\{[^}]*\})? (\S+)$", r.read().decode(), re.M)
-        return float(m.group(1)) if m else 0.0
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+        return self.metric("atom:prefix_cache_cached_tokens_total")
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
-import subprocess
 import sys
 import time
 import urllib.error
@@ -22,7 +20,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gwtest import MakeGateway, base_url, free_port
+from gwtest import EngineProcess, MakeGateway, base_url, free_port
 
 pytest.importorskip("mooncake.engine", reason="P/D engines relay KV over Mooncake (make install puts it in)")
 
@@ -38,53 +36,19 @@ PROMPTS = [
 ]
 
 
-class Engine:
-    """One engine process on free loopback ports."""
+class Engine(EngineProcess):
+    """One engine process on free loopback ports, a P/D role's KV transfer config when given one."""
 
     def __init__(self, name: str, role: str | None, *extra: str, backend: str = "staged") -> None:
-        self.name = name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        args = [*ENGINE, "--server-port", str(self.port), *extra]
+        args = [*ENGINE, *extra]
         if role is not None:
             cfg = {"kv_role": role, "kv_connector": "mooncake", "handshake_port": free_port(),
                    "memory_backend": backend, "staging_buffer_mb": 1}  # the smallest: 4 slots of 256 KiB
             args += ["--kv-transfer-config", json.dumps(cfg)]
-        self.log = open(f"/tmp/atomesh-test-{name}-{self.port}.log", "wb")
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "MC_TRANSFER_TIMEOUT": "5"})
-
-    def wait_up(self, timeout: float = 90) -> Engine:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"engine {self.name} exited; see {self.log.name}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"engine {self.name} did not start; see {self.log.name}")
-
-    def metric(self, name: str, labels: str = "") -> float:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
-            text = r.read().decode()
-        total = 0.0
-        for m in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.M):
-            if labels in (m.group(1) or ""):
-                total += float(m.group(2))
-        return total
+        super().__init__(name, args, env={**os.environ, "MC_TRANSFER_TIMEOUT": "5"})
 
     def blocks_used(self) -> float:
         return self.metric("atom:kv_cache_blocks_used")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
 
 
 def post(url: str, body: dict[str, Any], timeout: float = 60) -> tuple[int, dict[str, Any]]:

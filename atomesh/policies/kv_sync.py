@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -52,11 +52,11 @@ class KvPeerSync:
         self._pub: Any = None
         self._sub: Any = None
         self._ctx: Any = None
+        self._noblock = 0
+        self._full: type[Exception] = Exception  # zmq.Again once started (zmq is imported at start)
         self._recv: asyncio.Task[None] | None = None
         self._ticker = PeriodicTask("kv-sync", interval, self._tick)
-        self.sent = 0
-        self.received = 0
-        self.bad = 0
+        self.bad = 0  # peer messages that could not be read
 
     def attach(self, snapshot: Callable[[], Snapshot], on_keys: Callable[[str, list[int]], None]) -> None:
         """What to publish (the policy's in-flight view) and what to do with a peer's placement keys."""
@@ -68,6 +68,7 @@ class KvPeerSync:
         import zmq.asyncio
 
         self._ctx = zmq.asyncio.Context()
+        self._noblock, self._full = zmq.NOBLOCK, zmq.Again
         if self.bind is not None:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, 1000)
@@ -110,13 +111,10 @@ class KvPeerSync:
     def _send(self, worker: str | None, keys: list[int]) -> None:
         if self._pub is None:
             return
-        import zmq
-
         state = {url: [n, blocks] for url, (n, blocks) in self._snapshot().items()}
         try:
-            self._pub.send(msgpack.packb([self.id, state, worker, keys[:MAX_KEYS]]), zmq.NOBLOCK)
-            self.sent += 1
-        except zmq.Again:  # no room: the next snapshot says the same, later
+            self._pub.send(msgpack.packb([self.id, state, worker, keys[:MAX_KEYS]]), self._noblock)
+        except self._full:  # no room: the next snapshot says the same, later
             pass
 
     # ------------------------------------------------------------------ receiving
@@ -143,7 +141,6 @@ class KvPeerSync:
             return
         if not isinstance(sender, bytes) or sender == self.id:
             return
-        self.received += 1
         self._views[sender] = (time.monotonic() if now is None else now, snapshot)
         if len(self._views) > 4 * max(1, len(self.peers)):  # replicas that restarted (new ids): oldest go
             for old in sorted(self._views, key=lambda s: self._views[s][0])[: len(self._views) // 2]:
@@ -161,7 +158,3 @@ class KvPeerSync:
                 requests += n
                 blocks += b
         return requests, blocks
-
-    @property
-    def views(self) -> Mapping[bytes, tuple[float, Snapshot]]:
-        return self._views

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 import torch
 from aiohttp import web
-from gwtest import free_port as _gw_free_port
+from gwtest import free_port as _free_port  # below the ephemeral range: no outgoing connection takes it
 
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
@@ -27,10 +27,6 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 # ENGINE_TEST_DEVICE=cuda runs the same tests on a GPU (float32 there too, so that batched vs
 # one-at-a-time and reference comparisons stay exact).
 DEVICE = os.environ.get("ENGINE_TEST_DEVICE", "cpu")
-
-
-def _free_port() -> int:
-    return _gw_free_port()  # gwtest's: below the ephemeral range, so no outgoing connection takes it
 
 
 @pytest.fixture(scope="session")

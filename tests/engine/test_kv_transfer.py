@@ -118,9 +118,6 @@ async def producer(prefill: Side) -> AsyncIterator[KVProducer]:
     await p.close()
 
 
-_free_port = free_port
-
-
 async def _poll(cond: Callable[[], bool], deadline_s: float = 5.0) -> None:
     end = time.monotonic() + deadline_s
     while not cond():
@@ -325,7 +322,7 @@ class _StubAgent:
 async def test_dead_decode_peer_write_fails_and_releases(decode: Side, producer: KVProducer) -> None:
     releases = Releases()
     params = producer.offer([1, 2], 7, releases.callback("t"))
-    consumer = KVConsumer(_StubAgent(f"127.0.0.1:{_free_port()}"), decode.regions, timeout_s=20)  # type: ignore[arg-type]
+    consumer = KVConsumer(_StubAgent(f"127.0.0.1:{free_port()}"), decode.regions, timeout_s=20)  # type: ignore[arg-type]
     with pytest.raises(KVTransferError) as err:
         await consumer.pull(params, [1, 2])
     assert err.value.reason == "write_failed"

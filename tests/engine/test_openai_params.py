@@ -31,8 +31,6 @@ from engine.tools import HermesParser
 DEVICE = os.environ.get("ENGINE_TEST_DEVICE", "cpu")
 
 
-_free_port = free_port
-
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 
@@ -41,7 +39,7 @@ class ThreadServer:
     """An engine server on a free loopback port, run by its own event loop in a thread."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.engine = engine
         self.url = f"http://127.0.0.1:{self.port}"
         self._loop = asyncio.new_event_loop()
