@@ -69,7 +69,9 @@ class Gateway:
         # kv_aware weighs cached blocks against load, so it wants the engines' queues fresher.
         poll = 0.1 if any(isinstance(p, KvAwarePolicy) for p in policies.values()) else 1.0
         load_blind = (PolicyName.RANDOM, PolicyName.ROUND_ROBIN)
-        self.load_poller = (LoadPoller(self.registry, self.upstream, interval=poll)
+        synced = next((p for p in policies.values() if isinstance(p, KvAwarePolicy) and p.sync is not None), None)
+        self.load_poller = (LoadPoller(self.registry, self.upstream, interval=poll,
+                                       elsewhere=synced.peer_requests if synced is not None else None)
                             if any(p.name not in load_blind for p in policies.values()) else None)
         self.backend = self._make_backend()
         self.router = Router(config, self.placement, self.backend, self.metrics)

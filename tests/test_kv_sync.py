@@ -28,15 +28,16 @@ async def _pair(**kw: Any) -> tuple[KvPeerSync, KvPeerSync]:
 
 async def test_a_placement_reaches_the_peer_with_its_load_and_keys() -> None:
     a, b = await _pair(interval=0.05)
-    got: list[tuple[str, list[int]]] = []
+    got: list[tuple[str, list[int], tuple[int, float]]] = []
     load = {W: (2, 12.0)}
     a.attach(lambda: load, lambda url, keys: None)
-    b.attach(dict, lambda url, keys: got.append((url, keys)))
+    b.attach(dict, lambda url, keys: got.append((url, keys, b.peer_load(W))))
     try:
         # PUB/SUB drops what is sent before the subscription is up: the periodic snapshot gets through.
         await wait_for(lambda: b.peer_load(W) == (2, 12.0), what="a's snapshot at b")
-        a.placed(W, [7, 8, 9])
-        await wait_for(lambda: got == [(W, [7, 8, 9])], what="a's placement keys at b")
+        a.placed(W, [7, 8, 9], (3, 15.0))
+        # The placement's message counts it at once (the placement is charged after the policy records it).
+        await wait_for(lambda: got == [(W, [7, 8, 9], (3, 15.0))], what="a's placement keys and load at b")
         load.clear()  # a's requests finished: the next snapshot says so
         await wait_for(lambda: b.peer_load(W) == (0, 0.0), what="a's load gone at b")
         assert a.peer_load(W) == (0, 0.0)  # b has nothing in flight
@@ -59,8 +60,8 @@ def test_own_stale_and_malformed_messages_count_for_nothing() -> None:
 
 
 async def test_kv_aware_counts_the_peer_replicas_placements() -> None:
-    """Two kv_aware replicas: what one places (load and a new prefix's blocks) the other sees at once,
-    before any engine reports it."""
+    """Two kv_aware replicas: what one places (load and a new prefix's blocks) and when it finishes the
+    other sees at once, before any engine reports it."""
     from atomesh.policies import make_policy
     from atomesh.prompt_tokens import PromptTokenizer
     from atomesh.request import RequestView, Route
@@ -92,6 +93,11 @@ async def test_kv_aware_counts_the_peer_replicas_placements() -> None:
         assert a._own(decision.worker) > 0
         assert b._active(decision.worker) == pytest.approx(a._own(decision.worker))
         assert b.select(ws, view).worker is decision.worker  # b follows a's new prefix
+        # The request finishes: a tells b at once (its periodic snapshots stopped here, so nothing else can).
+        await a.sync._ticker.stop()
+        decision.worker.in_flight -= 1  # as Placement.release does before telling the policy
+        a.released(decision.worker)
+        await wait_for(lambda: b.sync.peer_load(decision.worker.url) == (0, 0.0), what="a's release at b")
     finally:
         for p in policies:
             await p.sync.stop()

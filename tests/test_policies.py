@@ -274,9 +274,14 @@ def test_placement_counts_load_from_placement_to_release_for_pairs() -> None:
     placement = Placement(reg, pol, pd=True)  # type: ignore[arg-type]
     plans = [placement.place(completion("hello")) for _ in range(3)]
     assert pf.load == 3 and dc.load == 3
+    told: list[tuple[str, int]] = []  # each leg's policy hears of the release, its count already lowered
+    for p in pol.values():
+        p.released = lambda w: told.append((w.url, w.in_flight))  # type: ignore[method-assign]
     for plan in plans:
         placement.release(plan)
     assert pf.load == 0 and dc.load == 0
+    assert told == [("http://p:1", 2), ("http://d:1", 2), ("http://p:1", 1), ("http://d:1", 1),
+                    ("http://p:1", 0), ("http://d:1", 0)]
     # A removed worker's index entries go with it.
     assert pol[WorkerRole.PREFILL].index.share(pf) > 0  # type: ignore[attr-defined]
     reg.set_state(pf, WorkerState.DRAINING)
@@ -334,12 +339,18 @@ async def test_load_poller_reads_engine_load() -> None:
         engine.stats.running, engine.stats.waiting = 2, 3
         upstream = Upstream(request_timeout_secs=5)
         await upstream.start()
-        poller = LoadPoller(reg, upstream, interval=0.05)
+        peers = {w.url: 0}
+        poller = LoadPoller(reg, upstream, interval=0.05, elsewhere=lambda worker: peers[worker.url])
         poller.start()
         try:
             await wait_for(lambda: w.engine_load == 5, timeout=5, what="polled load")
             assert w.load == 5
+            w.in_flight = 1
+            await wait_for(lambda: w.foreign_load == 4, timeout=5, what="our request left out")
+            peers[w.url] = 3  # requests synced gateway replicas said they have there are not foreign either
+            await wait_for(lambda: w.foreign_load == 1, timeout=5, what="the peers' requests left out")
         finally:
+            w.in_flight = 0
             await poller.stop()
             await upstream.stop()
     finally:

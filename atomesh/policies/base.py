@@ -50,7 +50,9 @@ class Policy(Protocol):
     that candidate, as consistent_hashing does for a target header naming another) and records
     nothing about the placement. `record` runs once the whole plan exists (in P/D: both legs
     chosen), with the decision `select` returned or the lone-candidate one; a plan that could not be
-    completed records nothing. `on_worker_removed` runs when a worker leaves the registry.
+    completed records nothing. `released` runs when a request placed on the worker has sent its
+    last byte (or failed), after the worker's in-flight count dropped. `on_worker_removed` runs when
+    a worker leaves the registry.
     `start` / `stop` own any background task (cache-aware eviction). Stateless policies inherit
     `select_single = False` and no-op hooks from `Stateless`.
     """
@@ -61,6 +63,8 @@ class Policy(Protocol):
     def select(self, candidates: Sequence[Worker], view: RequestView) -> Decision: ...
 
     def record(self, decision: Decision, view: RequestView) -> None: ...
+
+    def released(self, worker: Worker) -> None: ...
 
     def on_worker_removed(self, worker: Worker) -> None: ...
 
@@ -75,6 +79,9 @@ class Stateless:
     select_single = False
 
     def record(self, decision: Decision, view: RequestView) -> None:
+        pass
+
+    def released(self, worker: Worker) -> None:
         pass
 
     def on_worker_removed(self, worker: Worker) -> None:

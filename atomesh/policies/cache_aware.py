@@ -276,6 +276,9 @@ class CacheAwarePolicy:
         if self.publish is not None:
             self.publish(worker, hashes)
 
+    def released(self, worker: Worker) -> None:
+        pass
+
     def record_remote(self, worker: Worker, hashes: list[int]) -> None:
         """A placement another gateway process made: `worker` now holds this prefix chain."""
         self.index.insert(hashes, worker, self._held(hashes, worker))

@@ -159,6 +159,8 @@ class KvAwarePolicy:
     # ------------------------------------------------------------------ decision
     def select(self, candidates: Sequence[Worker], view: RequestView) -> Decision:
         tok, index = self.tokenizer, self.index
+        if self.sync is not None:
+            self.sync.poll()  # the peers' latest placements and releases
         followed = [w for w in candidates if index.follows(w.url)]
         ids = tok.ids(view) if followed and tok is not None else None
         if ids is None:
@@ -187,17 +189,21 @@ class KvAwarePolicy:
         if _stdlog.isEnabledFor(logging.DEBUG):
             log.debug("kv_aware_decision", chosen=worker.url, blocks=total[worker.url],
                       overlap={w.url: overlap[w.url] for w in candidates},
-                      active={w.url: self._active(w) for w in candidates})
+                      active={w.url: self._active(w) for w in candidates},
+                      own={w.url: w.in_flight for w in candidates},
+                      foreign={w.url: w.foreign_load for w in candidates},
+                      peers={w.url: self.sync.peer_load(w.url)[0] for w in candidates} if self.sync else None)
         new = {w.url: total[w.url] - overlap[w.url] for w in candidates}
         self.decisions += 1
         self.hit_blocks += overlap[worker.url]
         self.prompt_blocks += total[worker.url]
         return KvDecision(worker, "kv_overlap" if overlap[worker.url] else "kv_cost", keys_by_size, new)
 
-    def _own(self, w: Worker) -> float:
-        """The new blocks this gateway's in-flight requests on ``w`` brought."""
+    def _own(self, w: Worker, placing: int = 0) -> float:
+        """The new blocks this gateway's in-flight requests on ``w`` brought (``placing``: requests
+        recorded but not yet counted in flight)."""
         recent = self._recent.get(w.url)
-        mine = w.in_flight
+        mine = w.in_flight + placing
         return float(sum(itertools.islice(reversed(recent), mine))) if recent and mine > 0 else 0.0
 
     def _snapshot(self) -> Snapshot:
@@ -208,13 +214,19 @@ class KvAwarePolicy:
     def _peer_placed(self, url: str, keys: list[int]) -> None:
         self.index.predict(url, keys)  # as our own placements: until the engine's events confirm them
 
+    def peer_requests(self, w: Worker) -> int:
+        """Requests the peer replicas (--kv-sync-peers) said they have in flight on ``w``; the load
+        poller leaves them out of the engine's foreign load."""
+        if self.sync is None:
+            return 0
+        self.sync.poll()
+        return self.sync.peer_load(w.url)[0]
+
     def _active(self, w: Worker) -> float:
         active = self._own(w)
-        extra = w.foreign_load
+        extra = w.foreign_load  # beyond this gateway's requests and the peers' (see peer_requests)
         if self.sync is not None:  # what the peer replicas said they have there, known exactly
-            requests, blocks = self.sync.peer_load(w.url)
-            active += blocks
-            extra = max(0, extra - requests)
+            active += self.sync.peer_load(w.url)[1]
         if extra > 0:  # requests the engine runs for others (other gateway replicas, direct clients):
             # their prompts are unknown here, so each counts as the blocks an average placement of
             # ours had to compute (other replicas place the same traffic the same way).
@@ -283,7 +295,12 @@ class KvAwarePolicy:
         self._placed += 1
         if self.sync is not None and size is not None and size in keys_by_size:
             keys = keys_by_size[size]
-            self.sync.placed(worker.url, keys[len(keys) - blocks:] if blocks else [])
+            self.sync.placed(worker.url, keys[len(keys) - blocks:] if blocks else [],
+                             (worker.in_flight + 1, self._own(worker, placing=1)))
+
+    def released(self, worker: Worker) -> None:
+        if self.sync is not None:  # the peers stop counting it at once, not at the next tick
+            self.sync.changed()
 
     def on_worker_removed(self, worker: Worker) -> None:
         self._recent.pop(worker.url, None)

@@ -5,11 +5,12 @@ engine reports them: at its next load poll (0.1 s) or when it schedules them. Re
 same moment then pile new prefixes onto the same engines. Dynamo's router replicas share their
 active-block state for this reason; here each replica publishes, over ZMQ PUB, a snapshot of what it
 has in flight on each worker (requests and the new KV blocks they brought) and the blocks of its
-latest placement, and subscribes to its peers':
+latest placement, and subscribes to its peers', whose messages it reads as it decides (and every
+``interval``), so that one which arrived a moment before a decision counts in it:
 
-- at every placement (so a peer knows within a network hop) and every ``interval`` seconds (so a
-  finished request stops counting), message ``[sender id, {worker url: [requests, blocks]},
-  worker url or nil, [block keys]]`` (msgpack);
+- at every placement and every finished request (so a peer knows within a network hop), and every
+  ``interval`` seconds (a message lost to a full queue is made good), message
+  ``[sender id, {worker url: [requests, blocks]}, worker url or nil, [block keys]]`` (msgpack);
 - a peer's snapshot older than ``stale_after`` seconds counts for nothing (a replica that died or was
   cut off cannot hold load on workers for ever);
 - a placement's block keys become a short-lived prediction in this replica's index, as its own are.
@@ -19,8 +20,6 @@ Nothing else is shared: each replica keeps its own index from the engines' event
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ log = structlog.get_logger("atomesh.kv_sync")
 
 Snapshot = dict[str, tuple[int, float]]  # worker url -> (requests in flight, new blocks they brought)
 MAX_KEYS = 65_536  # block keys accepted in one message (a 1M-token prompt of 16-token blocks)
+MAX_DRAIN = 1_000  # messages read in one poll (the receive queue's bound)
 
 
 class KvPeerSync:
@@ -54,7 +54,6 @@ class KvPeerSync:
         self._ctx: Any = None
         self._noblock = 0
         self._full: type[Exception] = Exception  # zmq.Again once started (zmq is imported at start)
-        self._recv: asyncio.Task[None] | None = None
         self._ticker = PeriodicTask("kv-sync", interval, self._tick)
         self.bad = 0  # peer messages that could not be read
 
@@ -65,9 +64,8 @@ class KvPeerSync:
     # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
         import zmq
-        import zmq.asyncio
 
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         self._noblock, self._full = zmq.NOBLOCK, zmq.Again
         if self.bind is not None:
             self._pub = self._ctx.socket(zmq.PUB)
@@ -81,54 +79,60 @@ class KvPeerSync:
             self._sub.setsockopt(zmq.SUBSCRIBE, b"")
             for peer in self.peers:
                 self._sub.connect(peer)
-            self._recv = asyncio.get_running_loop().create_task(self._receive(), name="kv-sync-receive")
-        if self._pub is not None:
+        if self._pub is not None or self._sub is not None:
             self._ticker.start()
         log.info("kv_sync_started", bind=self.bind, peers=self.peers)
 
     async def stop(self) -> None:
         await self._ticker.stop()
-        if self._recv is not None:
-            self._recv.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._recv
         for sock in (self._pub, self._sub):
             if sock is not None:
                 sock.close(linger=0)
+        self._pub = self._sub = None
         if self._ctx is not None:
             self._ctx.term()
+            self._ctx = None
 
     # ------------------------------------------------------------------ sending
-    def placed(self, worker: str, keys: list[int]) -> None:
-        """This replica just placed a request on ``worker``: tell the peers at once, right after the
-        placement has counted it in flight (the policy records before placement charges the worker)."""
-        if self._pub is not None:
-            asyncio.get_running_loop().call_soon(self._send, worker, keys)
+    def placed(self, worker: str, keys: list[int], load: tuple[int, float]) -> None:
+        """This replica just placed a request on ``worker`` (``load``: what it has there counting this
+        one, which placement charges only after the policy recorded it): tell the peers now."""
+        self._send(worker, keys, load)
 
-    async def _tick(self) -> None:
+    def changed(self) -> None:
+        """A request of this replica's finished (its worker's in-flight count already lowered): tell
+        the peers now, as its client may be sending its next request to one of them."""
         self._send(None, [])
 
-    def _send(self, worker: str | None, keys: list[int]) -> None:
+    async def _tick(self) -> None:
+        self.poll()
+        self._send(None, [])
+
+    def _send(self, worker: str | None, keys: list[int], load: tuple[int, float] | None = None) -> None:
         if self._pub is None:
             return
         state = {url: [n, blocks] for url, (n, blocks) in self._snapshot().items()}
+        if worker is not None and load is not None:
+            state[worker] = [load[0], load[1]]
         try:
             self._pub.send(msgpack.packb([self.id, state, worker, keys[:MAX_KEYS]]), self._noblock)
         except self._full:  # no room: the next snapshot says the same, later
             pass
 
     # ------------------------------------------------------------------ receiving
-    async def _receive(self) -> None:
-        assert self._sub is not None
-        while True:
+    def poll(self) -> None:
+        """Read what the peers sent since the last call, without waiting. The policy calls this as it
+        decides (a message that arrived a moment before counts, whatever the event loop was doing),
+        the ticker every ``interval``."""
+        sub = self._sub
+        if sub is None:
+            return
+        for _ in range(MAX_DRAIN):
             try:
-                payload = await self._sub.recv()
-                self.apply(payload)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # a bad peer must not stop the others
-                self.bad += 1
-                log.warning("kv_sync_receive_failed", error=str(e))
+                payload = sub.recv(self._noblock)
+            except self._full:
+                return
+            self.apply(payload)
 
     def apply(self, payload: bytes, now: float | None = None) -> None:
         """One peer message: keep its snapshot, predict its placement's keys."""

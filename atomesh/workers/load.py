@@ -10,6 +10,7 @@ exports none of those gauges, gets `engine_load = None`, so policies fall back t
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import structlog
 
@@ -60,8 +61,11 @@ class LoadPoller:
     """Owns one task that polls every ready worker's engine load."""
 
     def __init__(self, registry: WorkerRegistry, upstream: Upstream, interval: float = 1.0, timeout: float = 0.5,
-                 path: str = "/metrics") -> None:
+                 path: str = "/metrics", elsewhere: Callable[[Worker], int] | None = None) -> None:
         self.registry = registry
+        # Requests on a worker that other gateway replicas said they have in flight (kv_aware's
+        # --kv-sync-peers): known exactly, so not "foreign" either.
+        self.elsewhere = elsewhere
         self.upstream = upstream
         self.interval = interval
         self.timeout = timeout
@@ -79,7 +83,9 @@ class LoadPoller:
         await asyncio.gather(*(self._poll(w) for w in workers))
 
     async def _poll(self, worker: Worker) -> None:
+        elsewhere = self.elsewhere
         mine = worker.in_flight
+        theirs = elsewhere(worker) if elsewhere is not None else 0
         try:
             status, body, _ = await self.upstream.call("GET", worker.url + self.path, timeout=self.timeout)
             text = body.decode() if status == 200 else ""
@@ -87,6 +93,9 @@ class LoadPoller:
             text = ""
         worker.engine_load = parse_load(text) if text else None
         # What the engine runs beyond this gateway's own requests (other replicas, other clients):
-        # ours are counted at their most during the scrape, so ours never pass for others.
+        # ours are counted at their most during the scrape, so ours never pass for others; so are
+        # those the synced replicas reported.
         mine = max(mine, worker.in_flight)
+        if elsewhere is not None:
+            mine += max(theirs, elsewhere(worker))
         worker.foreign_load = max(0, worker.engine_load - mine) if worker.engine_load is not None else 0
