@@ -15,11 +15,13 @@ Placements not yet confirmed by events are predicted (``predict``): a burst of r
 new prefix should follow the first one, not scatter before the engine reports the blocks. A
 prediction expires after ``predict_ttl`` seconds; by then the engine's events have taken over.
 
-``demand`` is how many blocks a worker's events reported stored lately, new or reused (an
-exponentially decayed count, ``DEMAND_HALF_LIFE``, of the events received live; batches replayed
-from an engine's buffer rebuild the index but say nothing of current traffic): the KV traffic it is
-serving. Every gateway replica reads the same events, so they all see the same demand, which
-`kv_aware` uses to spread new prefixes when its cost ties.
+``demand`` is how many blocks a worker was sent or reported stored lately: the new blocks of each
+prediction (a placement, this gateway's or a synced peer's, counts at once) and the blocks of each
+BlockStored event, new or reused (an exponentially decayed count, ``DEMAND_HALF_LIFE``, of the
+events received live; batches replayed from an engine's buffer rebuild the index but say nothing of
+current traffic): the KV traffic it is serving. Every gateway replica reads the same events, and
+synced replicas each other's placements, so they see about the same demand, which `kv_aware` uses
+to place new prompts and to break ties.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ class _WorkerBlocks:
     bit: int
     block_size: int
     blocks: OrderedDict[object, tuple[int, int]] = field(default_factory=OrderedDict)
-    demand: float = 0.0  # blocks reported stored (new or reused), decayed (see DEMAND_HALF_LIFE) ...
+    demand: float = 0.0  # blocks predicted or reported stored, decayed (see DEMAND_HALF_LIFE) ...
     demand_at: float = 0.0  # ... as of this time.monotonic()
 
 
@@ -149,8 +151,8 @@ class KvIndex:
         return len(wb.blocks) if wb is not None else 0
 
     def demand(self, worker: str, now: float | None = None) -> float:
-        """Blocks ``worker`` reported stored lately, new or reused (decayed with DEMAND_HALF_LIFE); 0 if
-        not followed."""
+        """Blocks ``worker`` was sent (predictions) or reported stored (new or reused) lately, decayed
+        with DEMAND_HALF_LIFE; 0 if not followed."""
         wb = self._workers.get(worker)
         if wb is None:
             return 0.0
@@ -220,13 +222,16 @@ class KvIndex:
 
     # ------------------------------------------------------------------ predictions
     def predict(self, worker: str, keys: list[int], now: float | None = None) -> None:
-        """``worker`` was just sent a prompt with these keys: count them as held until ``predict_ttl``."""
+        """``worker`` was just sent a prompt with these keys: count them as held until ``predict_ttl``,
+        and in its demand."""
         wb = self._workers.get(worker)
         if wb is None or not keys:
             return
         now = time.monotonic() if now is None else now
         self._expire(now)
         predicted, bit = self._predicted, wb.bit
+        wb.demand = self.demand(worker, now) + len(keys)
+        wb.demand_at = now
         for k in keys:
             predicted[k] = predicted.get(k, 0) | bit
         self._predictions.append((now + self.predict_ttl, bit, keys))

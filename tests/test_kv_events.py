@@ -530,21 +530,53 @@ def _store(policy: Any, worker: Worker, text: str, live: bool = True) -> None:
     policy.index.stored(worker.url, [hash((worker.url, text, i)) for i in range(n)], None, toks[: n * 4], 4, live)
 
 
-def test_kv_aware_spreads_tied_new_prefixes_by_the_kv_traffic_the_events_show() -> None:
-    """When the cost ties (no worker holds the prompt, none is busier), the worker whose events show
-    much more KV traffic lately is passed over; the others share the new prefixes at random."""
+def test_kv_aware_spreads_new_prefixes_by_the_kv_traffic_the_events_show() -> None:
+    """A prompt nobody holds goes where the KV traffic has been least lately: the worker whose events
+    show much more is passed over; the others (within one average placement's new blocks of the
+    least) share the new prefixes at random."""
     policy, ws = _policy()
-    policy._mean_blocks = 20.0
+    policy._mean_new = 20.0
     for i in range(6):  # worker 0 stored a lot lately; worker 1 a little; worker 2 nothing
         _store(policy, ws[0], f"conversation {i} " * 12)
     _store(policy, ws[1], "one conversation " * 4)
     picks = {policy.select(ws, _view(f"a new question {i} " * 4)).worker.url for i in range(20)}
     assert picks == {ws[1].url, ws[2].url}
     assert policy.index.demand(ws[0].url) > policy.index.demand(ws[1].url) > policy.index.demand(ws[2].url) == 0
-    # Not a tie: a worker that holds the prompt's prefix is followed however busy its events say it is.
+    # Not new: a worker that holds the prompt's prefix is followed however busy its events say it is.
     long = "a long shared document " * 10
     _store(policy, ws[0], long)
     assert policy.select(ws, _view(long + "and a question")).worker is ws[0]
+
+
+def test_kv_aware_a_common_preamble_does_not_make_a_prompt_old() -> None:
+    """Workers that hold the first block of a preamble every prompt starts with are no better place
+    for a new prompt than one that does not: an idle worker lacking it is not left out for good."""
+    policy, ws = _policy()
+    preamble = "<|sys|>"
+    for w in ws[:2]:  # two 4-byte blocks of a prompt of about forty
+        _store(policy, w, preamble + "x")
+    for w in ws:
+        w.in_flight = 0
+    prompt = preamble + "a brand new question nobody has asked before, long enough: " + "q" * 100
+    picks = {policy.select(ws, _view(prompt + str(i))).worker.url for i in range(12)}
+    assert ws[2].url in picks  # its demand is the least: the cost's two blocks of preamble did not decide
+    # Once a worker holds a real part of the prompt (cache_threshold, 0.3 of its blocks), the cost decides.
+    _store(policy, ws[0], prompt[:80])
+    assert policy.select(ws, _view(prompt + "!")).worker is ws[0]
+
+
+def test_kv_aware_placements_count_in_demand_at_once() -> None:
+    """A placement (this replica's, or a synced peer's) counts in the worker's traffic before its
+    events arrive, so new prompts go elsewhere once it is a placement's worth ahead."""
+    policy, ws = _policy()
+    first = _view("a first new prompt " * 4)
+    decision = policy.select(ws, first)
+    policy.record(decision, first)
+    busy = decision.worker
+    assert policy.index.demand(busy.url) == pytest.approx(decision.new[busy.url], rel=1e-3)
+    policy._peer_placed(busy.url, [1, 2, 3])  # a peer replica placed there too
+    picks = {policy.select(ws, _view(f"another new prompt {i} " * 4)).worker for i in range(12)}
+    assert busy not in picks
 
 
 def test_kv_aware_demand_counts_live_events_only() -> None:

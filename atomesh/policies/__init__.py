@@ -46,7 +46,7 @@ def _kv_aware(cfg: GatewayConfig) -> KvAwarePolicy:
             raise PolicyNotAvailable(f"--policy kv_aware: {e}") from None
     sync = KvPeerSync(cfg.kv_sync_bind, cfg.kv_sync_peers) if cfg.kv_sync_bind or cfg.kv_sync_peers else None
     return KvAwarePolicy(_cache_aware(cfg), overlap_weight=cfg.kv_overlap_weight, temperature=cfg.kv_temperature,
-                         tokenizer=tokenizer, sync=sync)
+                         new_threshold=cfg.cache_threshold, tokenizer=tokenizer, sync=sync)
 
 
 FACTORIES: dict[PolicyName, PolicyFactory] = {

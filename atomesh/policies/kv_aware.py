@@ -13,12 +13,16 @@ Per request, over the candidates that publish KV events (atomesh.workers.kv_even
        decode_blocks_w  = active_w + n - overlap_w    (KV blocks w holds for running requests after it)
 
    ``active_w`` is estimated from this gateway's in-flight requests on w (the new blocks each
-   brought; a shared cached prefix counts once), plus the requests the engine reported at its last
-   load poll beyond this gateway's own (other replicas, other clients), each counted as the new
-   blocks of an average placement of this gateway's.
-4. ``temperature`` 0: the lowest cost (ties: lower ``active_w``, then the workers whose events show
-   the least KV traffic lately, within one average prompt, at random). Above 0: a soft choice,
-   probability ∝ exp(-cost' / temperature) with costs scaled to 0..1 (Dynamo's form).
+   brought; a shared cached prefix counts once), what its peer replicas said they have there
+   (``--kv-sync-peers``), plus the requests the engine reported at its last load poll beyond all
+   of those (other clients), each counted as the new blocks of an average placement of this
+   gateway's.
+4. A new prompt (no candidate holds a real part of it: the overlaps differ by less than
+   ``new_threshold``, --cache-threshold, of its blocks) skips the cost: it goes where the KV traffic
+   has been least lately (``_place_new``), since where it goes decides where its follow-ups go.
+5. ``temperature`` 0: the lowest cost (ties: lower ``active_w``, then the least KV traffic lately,
+   then at random). Above 0: a soft choice, probability ∝ exp(-cost' / temperature) with costs
+   scaled to 0..1 (Dynamo's form).
 
 The chosen worker is predicted to hold the prompt's blocks for a couple of seconds, until its own
 events say so, so that a burst sharing a new prefix follows the first request instead of
@@ -83,10 +87,12 @@ class KvAwarePolicy:
     select_single = False
 
     def __init__(self, fallback: CacheAwarePolicy, *, overlap_weight: float = 1.0, temperature: float = 0.0,
+                 new_threshold: float = 0.3,
                  tokenizer: PromptTokenizer | None = None, index: KvIndex | None = None,
                  seed: int | None = None, sync: KvPeerSync | None = None) -> None:
         self.fallback = fallback
         self.overlap_weight = overlap_weight
+        self.new_threshold = new_threshold
         self.temperature = temperature
         self.tokenizer = tokenizer
         self.index = index or KvIndex()
@@ -249,18 +255,36 @@ class KvAwarePolicy:
             if span > 0:
                 weights = [math.exp(-((c - lo) / span) / self.temperature) for c in costs]
                 return self._rng.choices(list(candidates), weights)[0]
+        held = [overlap[w.url] for w in candidates]
+        if max(held) - min(held) < self.new_threshold * max(total[w.url] for w in candidates):
+            return candidates[self._place_new(candidates, actives)]
         best = min(zip(costs, actives, strict=True))
         tied = [i for i in range(n) if (costs[i], actives[i]) == best]
         if len(tied) == 1:
             return candidates[tied[0]]
-        # Ties (an idle fleet, a new prefix): the workers whose events show the least KV traffic lately
-        # (within one average prompt of the least), so that new prefixes spread by the KV they bring
-        # rather than by request counts; every gateway replica reads the same events. Among those, at
-        # random: replicas deciding at the same moment should not all pick the same worker.
+        # Equal costs: the least KV traffic lately, then at random (replicas deciding at the same
+        # moment should not all pick the same worker).
         demand = [self.index.demand(candidates[i].url) for i in tied]
-        floor = min(demand) + max(1.0, self._mean_blocks)
+        floor = min(demand) + 1.0
         light = [i for i, d in zip(tied, demand, strict=True) if d <= floor]
         return candidates[light[0] if len(light) == 1 else self._rng.choice(light)]
+
+    def _place_new(self, candidates: Sequence[Worker], actives: list[float]) -> int:
+        """A prompt no candidate holds a real part of (the overlaps differ by less than ``new_threshold``
+        of its blocks: a chat template's first blocks, held everywhere, tell the workers apart by
+        nothing). Where it goes decides where its follow-ups go, so it goes where the KV traffic has
+        been least lately (``KvIndex.demand``: blocks stored, from the engines' events and from
+        placements, this replica's and its peers'), within one average placement's new blocks of the
+        least; among those to the least in-flight work, then at random. Spread by traffic, not by the
+        moment's idleness: a worker that happens to be free when a conversation starts is not given
+        more conversations than the others (and, as every replica reads the same events and
+        placements, two replicas spread alike)."""
+        demand = [self.index.demand(w.url) for w in candidates]
+        floor = min(demand) + max(1.0, self._mean_new)
+        light = [i for i, d in enumerate(demand) if d <= floor]
+        least = min(actives[i] for i in light)
+        light = [i for i in light if actives[i] == least]
+        return light[0] if len(light) == 1 else self._rng.choice(light)
 
     def record(self, decision: Decision, view: RequestView) -> None:
         worker = decision.worker
