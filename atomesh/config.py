@@ -239,7 +239,8 @@ class GatewayConfig(BaseModel):
     prefill_policy: PolicyName | None = Field(None, description="Policy for the prefill pool (default: --policy).")
     decode_policy: PolicyName | None = Field(None, description="Policy for the decode pool (default: --policy).")
     cache_threshold: float = Field(
-        0.3, ge=0, le=1, description="cache_aware: minimum prefix match ratio to follow the cache."
+        0.3, ge=0, le=1, description="cache_aware: minimum prefix match ratio to follow the cache; kv_aware: "
+        "a prompt whose cached share differs by less than this between workers is new (placed by KV traffic)."
     )
     balance_abs_threshold: int = Field(
         64, ge=0, description="cache_aware: load gap (max - min) above which balancing wins."

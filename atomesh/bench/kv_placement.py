@@ -217,6 +217,8 @@ async def run_one(session: aiohttp.ClientSession, engines: list[str], policy: st
                str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(mport), "--log-level",
                args.gateway_log_level,
                "--worker-urls", *engines]
+        if policy == "kv_aware":
+            cmd += args.kv_args
         if policy == "kv_aware" and replicas > 1 and args.kv_sync:  # the replicas share their placements
             cmd += ["--kv-sync-bind", sync[r], "--kv-sync-peers", *(a for i, a in enumerate(sync) if i != r)]
         procs.append(start(cmd, Path(f"/tmp/atomesh-bench-kv-{trace}-{policy}-x{replicas}-{rnd}-{r}.log")))
@@ -446,6 +448,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=3, help="rounds of every cell; the summary takes medians")
     p.add_argument("--kv-sync", action=argparse.BooleanOptionalAction, default=True,
                    help="kv_aware replicas share their in-flight placements (--kv-sync-bind / --kv-sync-peers)")
+    p.add_argument("--kv-args", nargs="*", default=[], metavar="ARG",
+                   help="more `atomesh launch` flags for the kv_aware gateways (e.g. --kv-args=--kv-overlap-weight=2)")
     p.add_argument("--policies", nargs="+", default=list(POLICIES))
     p.add_argument("--traces", nargs="+", default=["multi-turn", "shared-prefix"],
                    choices=["multi-turn", "shared-prefix"])
