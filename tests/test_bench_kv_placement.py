@@ -30,3 +30,11 @@ def test_summary_takes_medians_and_pairs_rounds(capsys: pytest.CaptureFixture[st
 def test_repeat_defaults_to_three_rounds() -> None:
     assert parser().parse_args([]).repeat == 3
     assert parser().parse_args(["--repeat", "7"]).repeat == 7
+
+
+def test_free_ports_are_not_handed_out_twice() -> None:
+    """A run draws several ports before any of its servers binds one: no two draws may be equal."""
+    from atomesh.bench.procs import free_port
+
+    ports = [free_port() for _ in range(600)]
+    assert len(set(ports)) == len(ports)

@@ -7,6 +7,7 @@ import random
 import signal
 import socket
 import subprocess
+from collections import deque
 from pathlib import Path
 
 # Listening ports come from below the kernel's ephemeral range (Linux: 32768-60999) and above
@@ -15,17 +16,23 @@ from pathlib import Path
 # start there cannot listen ("Address already in use"), which a loaded machine hit.
 _PORTS = range(20000, 32000)
 _rng = random.Random()
+# Ports handed out lately: a run asks for several before its servers bind any of them, and two
+# equal draws would have the second server fail to listen.
+_given: deque[int] = deque(maxlen=1024)
 
 
 def free_port() -> int:
-    """A loopback port nothing listens on now, for a server about to be started."""
+    """A loopback port nothing listens on now, and not handed out lately, for a server about to be started."""
     for _ in range(200):
         port = _rng.randrange(_PORTS.start, _PORTS.stop)
+        if port in _given:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _given.append(port)
             return port
     with socket.socket() as s:  # the range is crowded: let the kernel choose
         s.bind(("127.0.0.1", 0))
