@@ -38,3 +38,46 @@ def test_free_ports_are_not_handed_out_twice() -> None:
 
     ports = [free_port() for _ in range(600)]
     assert len(set(ports)) == len(ports)
+
+
+async def test_multi_turn_replay_resumes_conversations_after_a_restart() -> None:
+    """The restart trace sends every first turn, then (after the gateways restart) the later turns of
+    each conversation with its earlier turns and replies, in another order than they started."""
+    from aiohttp import ClientSession, web
+
+    from atomesh.bench.kv_placement import multi_turn, replay_multi_turn
+    from atomesh.bench.procs import free_port
+
+    seen: list[list[dict[str, str]]] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        seen.append((await request.json())["messages"])
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices":[{"delta":{"content":"ok"}}]}\n\ndata: [DONE]\n\n')
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    convs = multi_turn("salt", 6, 3)
+    try:
+        async with ClientSession() as session:
+            gw = [f"http://127.0.0.1:{port}"]
+            ttfts, errors = await replay_multi_turn(session, gw, convs, 2, "m", stop=1)
+            assert (len(ttfts), errors) == (6, 0) and all(len(m) == 2 for m in seen)
+            first = [m[0]["content"] for m in seen]
+            seen.clear()
+            ttfts, errors = await replay_multi_turn(session, gw, convs, 2, "m", first=1)
+    finally:
+        await runner.cleanup()
+    assert (len(ttfts), errors) == (12, 0)
+    assert sorted(len(m) for m in seen) == [4] * 6 + [6] * 6  # system, user, reply, user (, reply, user)
+    second = [m[0]["content"] for m in seen if len(m) == 4]
+    assert sorted(second) == sorted(first) and second != first  # every conversation, in another order
+    for m in seen:
+        c = convs[[conv[0]["content"] for conv in convs].index(m[0]["content"])]
+        assert [x["content"] for x in m if x["role"] == "user"] == [u["content"] for u in c[1:len(m) // 2 + 1]]

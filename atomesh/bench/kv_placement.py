@@ -32,6 +32,7 @@ import json
 import random
 import re
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -107,13 +108,27 @@ class RunResult:
     round: int = 0
 
 
+def _reply(c: int, t: int) -> dict[str, str]:
+    return {"role": "assistant", "content": f"Answer {t} for chat {c}: noted, continuing."}
+
+
 async def replay_multi_turn(session: aiohttp.ClientSession, gws: list[str], convs: list[list[dict[str, str]]],
-                            concurrency: int, model: str) -> tuple[list[float], int]:
-    """Clients take ready conversations in turn order; a conversation's next turn waits for its last."""
+                            concurrency: int, model: str, first: int = 0,
+                            stop: int | None = None) -> tuple[list[float], int]:
+    """Clients take ready conversations in turn order; a conversation's next turn waits for its last.
+    Turns ``first`` to ``stop`` (exclusive) are sent; earlier ones are in the conversation already."""
     ready: asyncio.Queue[tuple[int, int, list[dict[str, str]]]] = asyncio.Queue()
-    for c, conv in enumerate(convs):
-        ready.put_nowait((c, 0, [conv[0]]))
-    remaining = sum(len(c) - 1 for c in convs)
+    turns = len(convs[0]) - 1 if stop is None else stop
+    order = list(range(len(convs)))
+    if first:  # conversations taken up again come back in their own order, not the one they started in
+        random.Random(first).shuffle(order)
+    for c in order:
+        conv = convs[c]
+        before = [conv[0]]
+        for t in range(first):
+            before += [conv[1 + t], _reply(c, t)]
+        ready.put_nowait((c, first, before))
+    remaining = len(convs) * (turns - first)
     ttfts: list[float] = []
     errors = 0
     sent = 0
@@ -134,9 +149,8 @@ async def replay_multi_turn(session: aiohttp.ClientSession, gws: list[str], conv
             else:
                 ttfts.append(ttft)
             remaining -= 1
-            if t + 2 < len(convs[c]):
-                reply = {"role": "assistant", "content": f"Answer {t} for chat {c}: noted, continuing."}
-                ready.put_nowait((c, t + 1, [*msgs, reply]))
+            if t + 1 < turns:
+                ready.put_nowait((c, t + 1, [*msgs, _reply(c, t)]))
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
     return ttfts, errors
@@ -208,6 +222,41 @@ async def engine_counters(session: aiohttp.ClientSession, url: str) -> dict[str,
 async def run_one(session: aiohttp.ClientSession, engines: list[str], policy: str, trace: str, replicas: int,
                   args: argparse.Namespace, model: str, rnd: int = 0) -> RunResult:
     salt = f"[{trace} {policy} x{replicas} {time.time_ns()}]"
+    procs, gws = _gateways(engines, policy, trace, replicas, args, rnd)
+    try:
+        await _ready(session, gws, policy)
+        before = [await engine_counters(session, e) for e in engines]
+        t0 = time.perf_counter()
+        if trace == "shared-prefix":
+            reqs = shared_prefix(salt, args.systems, args.requests)
+            ttfts, errors = await replay_independent(session, gws, reqs, args.concurrency, model)
+        else:
+            convs = multi_turn(salt, args.conversations, args.turns)
+            if trace == "restart":  # the gateways restart (a rolling update) after every first turn
+                ttfts, errors = await replay_multi_turn(session, gws, convs, args.concurrency, model, stop=1)
+                for p in procs:
+                    stop(p)
+                procs, gws = _gateways(engines, policy, trace, replicas, args, rnd, "b")
+                await _ready(session, gws, policy)
+                more, errs = await replay_multi_turn(session, gws, convs, args.concurrency, model, first=1)
+                ttfts, errors = ttfts + more, errors + errs
+            else:
+                ttfts, errors = await replay_multi_turn(session, gws, convs, args.concurrency, model)
+        seconds = time.perf_counter() - t0
+        after = [await engine_counters(session, e) for e in engines]
+    finally:
+        for p in procs:
+            stop(p)
+    cached = sum(a[_COUNTERS[0]] - b[_COUNTERS[0]] for a, b in zip(after, before, strict=True))
+    wanted = sum(a[_COUNTERS[1]] - b[_COUNTERS[1]] for a, b in zip(after, before, strict=True))
+    per = [int(a[_COUNTERS[2]] - b[_COUNTERS[2]]) for a, b in zip(after, before, strict=True)]
+    return RunResult(trace, policy, replicas, cached / wanted if wanted else 0.0, int(cached), int(wanted),
+                     pct(ttfts, 0.5) * 1e3, pct(ttfts, 0.99) * 1e3, max(per) / max(1, min(per)), per, errors,
+                     seconds, round=rnd)
+
+
+def _gateways(engines: list[str], policy: str, trace: str, replicas: int, args: argparse.Namespace, rnd: int,
+              tag: str = "") -> tuple[list[subprocess.Popen[bytes]], list[str]]:
     procs = []
     gws = []
     sync = [f"tcp://127.0.0.1:{free_port()}" for _ in range(replicas)]
@@ -221,32 +270,16 @@ async def run_one(session: aiohttp.ClientSession, engines: list[str], policy: st
             cmd += args.kv_args
         if policy == "kv_aware" and replicas > 1 and args.kv_sync:  # the replicas share their placements
             cmd += ["--kv-sync-bind", sync[r], "--kv-sync-peers", *(a for i, a in enumerate(sync) if i != r)]
-        procs.append(start(cmd, Path(f"/tmp/atomesh-bench-kv-{trace}-{policy}-x{replicas}-{rnd}-{r}.log")))
+        procs.append(start(cmd, Path(f"/tmp/atomesh-bench-kv-{trace}-{policy}-x{replicas}-{rnd}-{r}{tag}.log")))
         gws.append(f"http://127.0.0.1:{port}")
-    try:
-        for gw in gws:
-            await wait_http(session, gw + "/readiness", 60)
-        if policy == "kv_aware":
-            await asyncio.sleep(2.0)  # the tokenizer download and the event subscriptions' catch-up
-        before = [await engine_counters(session, e) for e in engines]
-        t0 = time.perf_counter()
-        if trace == "multi-turn":
-            convs = multi_turn(salt, args.conversations, args.turns)
-            ttfts, errors = await replay_multi_turn(session, gws, convs, args.concurrency, model)
-        else:
-            reqs = shared_prefix(salt, args.systems, args.requests)
-            ttfts, errors = await replay_independent(session, gws, reqs, args.concurrency, model)
-        seconds = time.perf_counter() - t0
-        after = [await engine_counters(session, e) for e in engines]
-    finally:
-        for p in procs:
-            stop(p)
-    cached = sum(a[_COUNTERS[0]] - b[_COUNTERS[0]] for a, b in zip(after, before, strict=True))
-    wanted = sum(a[_COUNTERS[1]] - b[_COUNTERS[1]] for a, b in zip(after, before, strict=True))
-    per = [int(a[_COUNTERS[2]] - b[_COUNTERS[2]]) for a, b in zip(after, before, strict=True)]
-    return RunResult(trace, policy, replicas, cached / wanted if wanted else 0.0, int(cached), int(wanted),
-                     pct(ttfts, 0.5) * 1e3, pct(ttfts, 0.99) * 1e3, max(per) / max(1, min(per)), per, errors,
-                     seconds, round=rnd)
+    return procs, gws
+
+
+async def _ready(session: aiohttp.ClientSession, gws: list[str], policy: str) -> None:
+    for gw in gws:
+        await wait_http(session, gw + "/readiness", 60)
+    if policy == "kv_aware":
+        await asyncio.sleep(2.0)  # the tokenizer download and the event subscriptions' catch-up
 
 
 def print_row(r: RunResult) -> None:
@@ -452,7 +485,8 @@ def parser() -> argparse.ArgumentParser:
                    help="more `atomesh launch` flags for the kv_aware gateways (e.g. --kv-args=--kv-overlap-weight=2)")
     p.add_argument("--policies", nargs="+", default=list(POLICIES))
     p.add_argument("--traces", nargs="+", default=["multi-turn", "shared-prefix"],
-                   choices=["multi-turn", "shared-prefix"])
+                   choices=["multi-turn", "shared-prefix", "restart"],
+                   help="restart: multi-turn with the gateways restarted after every first turn")
     p.add_argument("--only", nargs="+", default=["trace", "decision"], choices=["trace", "decision"])
     p.add_argument("--decision-requests", type=int, default=3000)
     p.add_argument("--gateway-log-level", default="warn", choices=["debug", "info", "warn", "error"],
