@@ -7,7 +7,9 @@ replayed with streamed chat requests (max_tokens 1) by a fixed number of clients
 - multi-turn: C conversations x T turns; each turn re-sends the whole conversation (a canned
   assistant reply between user turns);
 - shared system prompt: R single-turn requests, each one of S long system prompts plus a short
-  unique question.
+  unique question;
+- restart: the multi-turn trace with the gateways restarted (new processes) after every
+  conversation's first turn; the conversations then come back in another order.
 
 With `--replicas 2` (the default) every policy runs as two independent gateway processes and the
 clients alternate between them per request, as behind a plain L4 load balancer: each cache_aware
