@@ -136,9 +136,7 @@ class Placement:
             plan.worker.rank_in_flight[plan.dp_rank] -= 1
         for w in plan.workers:
             w.in_flight -= 1
-            policy = self.policies.get(w.role)
-            if policy is not None:
-                policy.released(w)
+            self.policies[w.role].released(w)
             if w.on_release is not None:  # it drains: tell whoever waits
                 w.on_release(w)
 

@@ -67,7 +67,7 @@ async def test_multi_turn_replay_resumes_conversations_after_a_restart() -> None
     try:
         async with ClientSession() as session:
             gw = [f"http://127.0.0.1:{port}"]
-            ttfts, errors = await replay_multi_turn(session, gw, convs, 2, "m", stop=1)
+            ttfts, errors = await replay_multi_turn(session, gw, convs, 2, "m", until=1)
             assert (len(ttfts), errors) == (6, 0) and all(len(m) == 2 for m in seen)
             first = [m[0]["content"] for m in seen]
             seen.clear()

@@ -116,11 +116,11 @@ def _reply(c: int, t: int) -> dict[str, str]:
 
 async def replay_multi_turn(session: aiohttp.ClientSession, gws: list[str], convs: list[list[dict[str, str]]],
                             concurrency: int, model: str, first: int = 0,
-                            stop: int | None = None) -> tuple[list[float], int]:
+                            until: int | None = None) -> tuple[list[float], int]:
     """Clients take ready conversations in turn order; a conversation's next turn waits for its last.
-    Turns ``first`` to ``stop`` (exclusive) are sent; earlier ones are in the conversation already."""
+    Turns ``first`` to ``until`` (exclusive) are sent; earlier ones are in the conversation already."""
     ready: asyncio.Queue[tuple[int, int, list[dict[str, str]]]] = asyncio.Queue()
-    turns = len(convs[0]) - 1 if stop is None else stop
+    turns = len(convs[0]) - 1 if until is None else until
     order = list(range(len(convs)))
     if first:  # conversations taken up again come back in their own order, not the one they started in
         random.Random(first).shuffle(order)
@@ -235,7 +235,7 @@ async def run_one(session: aiohttp.ClientSession, engines: list[str], policy: st
         else:
             convs = multi_turn(salt, args.conversations, args.turns)
             if trace == "restart":  # the gateways restart (a rolling update) after every first turn
-                ttfts, errors = await replay_multi_turn(session, gws, convs, args.concurrency, model, stop=1)
+                ttfts, errors = await replay_multi_turn(session, gws, convs, args.concurrency, model, until=1)
                 for p in procs:
                     stop(p)
                 procs, gws = _gateways(engines, policy, trace, replicas, args, rnd, "b")

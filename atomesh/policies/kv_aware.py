@@ -196,7 +196,7 @@ class KvAwarePolicy:
             log.debug("kv_aware_decision", chosen=worker.url, blocks=total[worker.url],
                       overlap={w.url: overlap[w.url] for w in candidates},
                       active={w.url: self._active(w) for w in candidates},
-                      own={w.url: w.in_flight for w in candidates},
+                      in_flight={w.url: w.in_flight for w in candidates},
                       foreign={w.url: w.foreign_load for w in candidates},
                       peers={w.url: self.sync.peer_load(w.url)[0] for w in candidates} if self.sync else None)
         new = {w.url: total[w.url] - overlap[w.url] for w in candidates}
@@ -223,10 +223,7 @@ class KvAwarePolicy:
     def peer_requests(self, w: Worker) -> int:
         """Requests the peer replicas (--kv-sync-peers) said they have in flight on ``w``; the load
         poller leaves them out of the engine's foreign load."""
-        if self.sync is None:
-            return 0
-        self.sync.poll()
-        return self.sync.peer_load(w.url)[0]
+        return self.sync.peer_load(w.url)[0] if self.sync is not None else 0
 
     def _active(self, w: Worker) -> float:
         active = self._own(w)
