@@ -46,6 +46,7 @@ class BlockStats:
     cached: int  # blocks that carry a prefix hash (in use or reusable)
     prefix_queries: int  # prompt tokens looked up in the prefix cache
     prefix_hits: int  # of those, tokens found cached
+    evicted: int = 0  # cached blocks whose KV was dropped to hand their memory to another sequence
 
     @property
     def used(self) -> int:
@@ -78,6 +79,7 @@ class BlockManager:
         self._hash_to_block: dict[int, int] = {}
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self._evicted = 0
         # Set when --kv-events-config publishes: blocks entering / leaving the hash index are reported.
         self.events: EventRecorder | None = None
         # Blocks reported as stored when a step was scheduled to write them (`announce`), not yet indexed:
@@ -102,6 +104,7 @@ class BlockManager:
             cached=len(self._hash_to_block),
             prefix_queries=self._prefix_queries,
             prefix_hits=self._prefix_hits,
+            evicted=self._evicted,
         )
 
     # -- prefix lookup ---------------------------------------------------------------------------
@@ -285,6 +288,8 @@ class BlockManager:
             raise RuntimeError("KV block pool exhausted")
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
+        if block.hash is not None and self._hash_to_block.get(block.hash) == block_id:
+            self._evicted += 1  # a reusable prefix lost: the pool ran short
         self._forget(block)
         block.ref_count = 1
         return block

@@ -46,6 +46,7 @@ class EngineCollector(Collector):
             ("atom:preemptions", "Sequences preempted for lack of KV blocks", s.preemptions),
             ("atom:prefix_cache_wanted_tokens", "Prompt tokens looked up in the prefix cache", b.prefix_queries),
             ("atom:prefix_cache_cached_tokens", "Prompt tokens found in the prefix cache", b.prefix_hits),
+            ("atom:prefix_cache_evicted_blocks", "Cached KV blocks dropped to reuse their memory", b.evicted),
         )
         for name, doc, value in counters:
             c = CounterMetricFamily(name, doc, labels=["model_name"])

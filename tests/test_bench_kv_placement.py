@@ -81,3 +81,22 @@ async def test_multi_turn_replay_resumes_conversations_after_a_restart() -> None
     for m in seen:
         c = convs[[conv[0]["content"] for conv in convs].index(m[0]["content"])]
         assert [x["content"] for x in m if x["role"] == "user"] == [u["content"] for u in c[1:len(m) // 2 + 1]]
+
+
+def test_summary_keeps_pool_sizes_apart(capsys: pytest.CaptureFixture[str]) -> None:
+    """A sweep (--kv-blocks 40 80): each pool size gets its own medians and its own ratio."""
+    runs = []
+    for pool, (kv, ca) in ((40, (0.32, 0.26)), (80, (0.50, 0.36))):
+        for policy, hit in (("kv_aware", kv), ("cache_aware", ca)):
+            r = _run(policy, hit, 0)
+            r.kv_blocks, r.evicted_blocks = pool, 300 if pool == 40 else 20
+            runs.append(r)
+    rows = summarize(runs, ["multi-turn"], [2], ["kv_aware", "cache_aware"])
+    assert [(r["kv_blocks"], r["policy"], r["hit_rate"], r["evicted_blocks"]) for r in rows] == [
+        (40, "kv_aware", 0.32, 300), (40, "cache_aware", 0.26, 300),
+        (80, "kv_aware", 0.50, 20), (80, "cache_aware", 0.36, 20)]
+    assert rows[0]["vs_cache_aware"] == pytest.approx(0.32 / 0.26)
+    assert rows[2]["vs_cache_aware"] == pytest.approx(0.5 / 0.36)
+    out = capsys.readouterr().out
+    assert "40 blocks, multi-turn, 2 gateway(s): kv_aware hit rate x1.23" in out
+    assert "80 blocks, multi-turn, 2 gateway(s): kv_aware hit rate x1.39" in out

@@ -174,8 +174,10 @@ def test_block_manager_events_follow_allocation_reuse_and_eviction() -> None:
     bm.events = EventRecorder(2, None)
     idx = KvIndex()
     idx.add_worker("e", 2)
+    removed = 0
 
     def run(prompt: list[int]) -> None:
+        nonlocal removed
         seq = Sequence(1, prompt, SamplingParams(max_tokens=1), 2)
         bm.allocate(seq)
         bm.mark_computed(seq, len(prompt))
@@ -185,12 +187,16 @@ def test_block_manager_events_follow_allocation_reuse_and_eviction() -> None:
                 idx.stored("e", ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size)
             elif isinstance(ev, BlockRemoved):
                 idx.removed("e", ev.block_hashes)
+                removed += len(ev.block_hashes)
         held = {h for h, b in bm._hash_to_block.items()}
         assert set(idx._workers["e"].blocks) == held
+        assert bm.stats().evicted == removed  # every removal here is an eviction (atom:prefix_cache_evicted_blocks)
 
     run([1, 2, 3, 4, 5, 6, 7])  # 3 full blocks
     run([1, 2, 3, 4, 9, 9, 9])  # reuses 2, stores 1
+    assert bm.stats().evicted == 0
     run([5, 5, 6, 6, 7, 7, 8])  # the pool of 6 must evict
+    assert bm.stats().evicted > 0
     run([1, 2, 3, 4, 5, 6, 7])
     keys = chain_keys(as_tokens([1, 2, 3, 4, 5, 6, 7]), 2)
     assert idx.overlaps(keys, [idx.bit("e")]) == [len(bm._cached_prefix(Sequence(9, [1, 2, 3, 4, 5, 6, 7],

@@ -17,10 +17,11 @@ instance sees half of the traffic, while kv_aware instances both read the engine
 `--replicas 1` runs one gateway.
 
 Reported per policy: the engines' own prefix-cache hit rate (cached / looked-up prompt tokens, from
-their /metrics, deltas over the run), TTFT p50 / p99 as the client saw it, and load balance (max / min
-requests per engine, from the engines' counters). Each run salts its prompts so that no run reuses
-another's cache. Then (a): kv_aware's decision cost per request at 16 workers with 32 KB prompts,
-with tokenization measured on its own.
+their /metrics, deltas over the run), TTFT p50 / p99 as the client saw it, load balance (max / min
+requests per engine, from the engines' counters) and the cached blocks the engines evicted (the
+pressure). `--kv-blocks` takes several pool sizes: a sweep, the engines restarted for each. Each
+run salts its prompts so that no run reuses another's cache. Then (a): kv_aware's decision cost per
+request at 16 workers with 32 KB prompts, with tokenization measured on its own.
 
 It prints and writes JSON (`--json`); it never asserts.
 """
@@ -108,6 +109,8 @@ class RunResult:
     seconds: float
     gateway: dict[str, Any] = field(default_factory=dict)
     round: int = 0
+    kv_blocks: int = 0  # per engine
+    evicted_blocks: int = 0  # cached blocks the engines dropped to reuse their memory, over the run
 
 
 def _reply(c: int, t: int) -> dict[str, str]:
@@ -208,7 +211,7 @@ def _has_content(data: bytes) -> bool:
 
 # ---------------------------------------------------------------------------------------------- engines
 _COUNTERS = ("atom:prefix_cache_cached_tokens_total", "atom:prefix_cache_wanted_tokens_total",
-             "atom:requests_finished_total")
+             "atom:requests_finished_total", "atom:prefix_cache_evicted_blocks_total")
 
 
 async def engine_counters(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
@@ -222,7 +225,7 @@ async def engine_counters(session: aiohttp.ClientSession, url: str) -> dict[str,
 
 
 async def run_one(session: aiohttp.ClientSession, engines: list[str], policy: str, trace: str, replicas: int,
-                  args: argparse.Namespace, model: str, rnd: int = 0) -> RunResult:
+                  args: argparse.Namespace, model: str, rnd: int = 0, kv_blocks: int = 0) -> RunResult:
     salt = f"[{trace} {policy} x{replicas} {time.time_ns()}]"
     procs, gws = _gateways(engines, policy, trace, replicas, args, rnd)
     try:
@@ -252,9 +255,10 @@ async def run_one(session: aiohttp.ClientSession, engines: list[str], policy: st
     cached = sum(a[_COUNTERS[0]] - b[_COUNTERS[0]] for a, b in zip(after, before, strict=True))
     wanted = sum(a[_COUNTERS[1]] - b[_COUNTERS[1]] for a, b in zip(after, before, strict=True))
     per = [int(a[_COUNTERS[2]] - b[_COUNTERS[2]]) for a, b in zip(after, before, strict=True)]
+    evicted = sum(a[_COUNTERS[3]] - b[_COUNTERS[3]] for a, b in zip(after, before, strict=True))
     return RunResult(trace, policy, replicas, cached / wanted if wanted else 0.0, int(cached), int(wanted),
                      pct(ttfts, 0.5) * 1e3, pct(ttfts, 0.99) * 1e3, max(per) / max(1, min(per)), per, errors,
-                     seconds, round=rnd)
+                     seconds, round=rnd, kv_blocks=kv_blocks, evicted_blocks=int(evicted))
 
 
 def _gateways(engines: list[str], policy: str, trace: str, replicas: int, args: argparse.Namespace, rnd: int,
@@ -284,51 +288,61 @@ async def _ready(session: aiohttp.ClientSession, gws: list[str], policy: str) ->
         await asyncio.sleep(2.0)  # the tokenizer download and the event subscriptions' catch-up
 
 
+HEADER = (f"{'trace':<14}{'policy':<13}{'gw':>3}{'hit':>8}{'cached':>9}{'prompt':>9}{'p50 ms':>9}{'p99 ms':>9}"
+          f"{'max/min':>8}{'evict':>7}{'err':>5}{'secs':>7}  requests/engine")
+
+
 def print_row(r: RunResult) -> None:
     print(f"{r.trace:<14}{r.policy:<13}{r.replicas:>3}{r.hit_rate:>8.1%}{r.cached_tokens:>9}{r.prompt_tokens:>9}"
-          f"{r.ttft_p50_ms:>9.0f}{r.ttft_p99_ms:>9.0f}{r.load_ratio:>8.2f}{r.errors:>5}{r.seconds:>7.1f}  "
-          f"{r.requests_per_engine}", flush=True)
+          f"{r.ttft_p50_ms:>9.0f}{r.ttft_p99_ms:>9.0f}{r.load_ratio:>8.2f}{r.evicted_blocks:>7}{r.errors:>5}"
+          f"{r.seconds:>7.1f}  {r.requests_per_engine}", flush=True)
 
 
 def summarize(results: list[RunResult], traces: list[str], replicas: list[int],
               policies: list[str]) -> list[dict[str, Any]]:
-    """Per trace, gateway count and policy: medians over the rounds; then kv_aware against cache_aware."""
+    """Per KV pool size, trace, gateway count and policy: medians over the rounds; then kv_aware
+    against cache_aware."""
     rows: list[dict[str, Any]] = []
-    print(f"\nmedians over the rounds\n{'trace':<14}{'policy':<13}{'gw':>3}{'hit':>8}{'min':>8}{'max':>8}"
-          f"{'p50 ms':>9}{'p99 ms':>9}{'max/min':>8}{'runs':>6}")
-    for trace in traces:
-        for gw in replicas:
-            for policy in policies:
-                rs = [r for r in results if (r.trace, r.replicas, r.policy) == (trace, gw, policy)]
-                if not rs:
-                    continue
-                hits = [r.hit_rate for r in rs]
-                row = {"trace": trace, "replicas": gw, "policy": policy, "runs": len(rs),
-                       "hit_rate": statistics.median(hits), "hit_min": min(hits), "hit_max": max(hits),
-                       "ttft_p50_ms": statistics.median(r.ttft_p50_ms for r in rs),
-                       "ttft_p99_ms": statistics.median(r.ttft_p99_ms for r in rs),
-                       "load_ratio": statistics.median(r.load_ratio for r in rs)}
-                rows.append(row)
-                print(f"{trace:<14}{policy:<13}{gw:>3}{row['hit_rate']:>8.1%}{row['hit_min']:>8.1%}"
-                      f"{row['hit_max']:>8.1%}{row['ttft_p50_ms']:>9.0f}{row['ttft_p99_ms']:>9.0f}"
-                      f"{row['load_ratio']:>8.2f}{len(rs):>6}")
-    for trace in traces:
-        for gw in replicas:
-            ka = next((r for r in rows if (r["trace"], r["replicas"], r["policy"]) == (trace, gw, "kv_aware")), None)
-            ca = next((r for r in rows if (r["trace"], r["replicas"], r["policy"]) == (trace, gw, "cache_aware")),
-                      None)
-            if ka and ca:
-                cell = {(r.policy, r.round): r.hit_rate for r in results if (r.trace, r.replicas) == (trace, gw)}
-                per_round = [cell[("kv_aware", n)] / max(cell[("cache_aware", n)], 1e-9)
-                             for n in sorted({n for _, n in cell})
-                             if ("kv_aware", n) in cell and ("cache_aware", n) in cell]
-                ratio = ka["hit_rate"] / max(ca["hit_rate"], 1e-9)
-                ka["vs_cache_aware"] = ratio
-                ka["vs_cache_aware_per_round"] = per_round
-                print(f"{trace}, {gw} gateway(s): kv_aware hit rate x{ratio:.2f} of cache_aware (medians "
-                      f"{ka['hit_rate']:.1%} vs {ca['hit_rate']:.1%}; per round "
-                      f"{' '.join(f'x{x:.2f}' for x in per_round)}), load max/min {ka['load_ratio']:.2f} vs "
-                      f"{ca['load_ratio']:.2f}, TTFT p50 {ka['ttft_p50_ms']:.0f} vs {ca['ttft_p50_ms']:.0f} ms")
+    pools = sorted({r.kv_blocks for r in results})
+    print(f"\nmedians over the rounds\n{'blocks':>6}  {'trace':<14}{'policy':<13}{'gw':>3}{'hit':>8}{'min':>8}"
+          f"{'max':>8}{'p50 ms':>9}{'p99 ms':>9}{'max/min':>8}{'evict':>7}{'runs':>6}")
+    for pool in pools:
+        for trace in traces:
+            for gw in replicas:
+                for policy in policies:
+                    rs = [r for r in results
+                          if (r.kv_blocks, r.trace, r.replicas, r.policy) == (pool, trace, gw, policy)]
+                    if not rs:
+                        continue
+                    hits = [r.hit_rate for r in rs]
+                    row = {"kv_blocks": pool, "trace": trace, "replicas": gw, "policy": policy, "runs": len(rs),
+                           "hit_rate": statistics.median(hits), "hit_min": min(hits), "hit_max": max(hits),
+                           "ttft_p50_ms": statistics.median(r.ttft_p50_ms for r in rs),
+                           "ttft_p99_ms": statistics.median(r.ttft_p99_ms for r in rs),
+                           "load_ratio": statistics.median(r.load_ratio for r in rs),
+                           "evicted_blocks": statistics.median(r.evicted_blocks for r in rs)}
+                    rows.append(row)
+                    print(f"{pool:>6}  {trace:<14}{policy:<13}{gw:>3}{row['hit_rate']:>8.1%}{row['hit_min']:>8.1%}"
+                          f"{row['hit_max']:>8.1%}{row['ttft_p50_ms']:>9.0f}{row['ttft_p99_ms']:>9.0f}"
+                          f"{row['load_ratio']:>8.2f}{row['evicted_blocks']:>7.0f}{len(rs):>6}")
+    for pool, trace, gw in ((p, t, g) for p in pools for t in traces for g in replicas):
+        key = (pool, trace, gw)
+        ka = next((r for r in rows if (r["kv_blocks"], r["trace"], r["replicas"], r["policy"]) == (*key, "kv_aware")),
+                  None)
+        ca = next((r for r in rows
+                   if (r["kv_blocks"], r["trace"], r["replicas"], r["policy"]) == (*key, "cache_aware")), None)
+        if ka and ca:
+            cell = {(r.policy, r.round): r.hit_rate for r in results if (r.kv_blocks, r.trace, r.replicas) == key}
+            per_round = [cell[("kv_aware", n)] / max(cell[("cache_aware", n)], 1e-9)
+                         for n in sorted({n for _, n in cell})
+                         if ("kv_aware", n) in cell and ("cache_aware", n) in cell]
+            ratio = ka["hit_rate"] / max(ca["hit_rate"], 1e-9)
+            ka["vs_cache_aware"] = ratio
+            ka["vs_cache_aware_per_round"] = per_round
+            print(f"{pool} blocks, {trace}, {gw} gateway(s): kv_aware hit rate x{ratio:.2f} of cache_aware (medians "
+                  f"{ka['hit_rate']:.1%} vs {ca['hit_rate']:.1%}; per round "
+                  f"{' '.join(f'x{x:.2f}' for x in per_round)}), load max/min {ka['load_ratio']:.2f} vs "
+                  f"{ca['load_ratio']:.2f}, TTFT p50 {ka['ttft_p50_ms']:.0f} vs {ca['ttft_p50_ms']:.0f} ms")
     return rows
 
 
@@ -419,53 +433,60 @@ def bench_decision(tokenizer: PromptTokenizer, requests: int, workers: int = 16,
 
 
 # ---------------------------------------------------------------------------------------------- main
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+def _engines(args: argparse.Namespace, kv_blocks: int) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
     ports = [free_port() for _ in range(args.engines)]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
     procs = []
     for i, port in enumerate(ports):
         events, replay = free_port(), free_port()
         cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}",
                "replay_endpoint": f"tcp://*:{replay}", "topic": "kv-events"}
         cmd = [sys.executable, "-m", "engine.openai_server", "--model", args.model, "--host", "127.0.0.1",
-               "--server-port", str(port), "--num-kvcache-blocks", str(args.kv_blocks), "--block-size", "16",
+               "--server-port", str(port), "--num-kvcache-blocks", str(kv_blocks), "--block-size", "16",
                "--max-model-len", "2048", "--max-num-seqs", "8", "--torch-threads", "1", "--device", "cpu",
                "--kv-events-config", json.dumps(cfg)]
         procs.append(start(cmd, Path(f"/tmp/atomesh-bench-kv-engine-{i}.log")))
+    return procs, [f"http://127.0.0.1:{p}" for p in ports]
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
     results: list[RunResult] = []
     out: dict[str, Any] = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "argv": sys.argv[1:],
                            "settings": {k: v for k, v in vars(args).items() if k != "json"}}
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
-                                         connector=aiohttp.TCPConnector(limit=0)) as session:
-            for u in urls:
-                await wait_http(session, u + "/health", 300)
-            async with session.get(urls[0] + "/v1/models") as r:
-                model = (await r.json())["data"][0]["id"]
-            async with session.get(urls[0] + "/tokenizer_info") as r:
-                tokenizer = PromptTokenizer.from_info(await r.json())
-            if "trace" in args.only:
-                print(f"\n{args.engines} engines ({args.model}, CPU, {args.kv_blocks} KV blocks of 16 tokens each), "
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        # One set of engines per pool size (--kv-blocks takes several: a sweep of eviction pressure).
+        for pool in args.kv_blocks if "trace" in args.only else args.kv_blocks[:1]:
+            procs, urls = _engines(args, pool)
+            try:
+                for u in urls:
+                    await wait_http(session, u + "/health", 300)
+                async with session.get(urls[0] + "/v1/models") as r:
+                    model = (await r.json())["data"][0]["id"]
+                if "decision" in args.only and "decision" not in out:
+                    async with session.get(urls[0] + "/tokenizer_info") as r:
+                        tokenizer = PromptTokenizer.from_info(await r.json())
+                    out["decision"] = bench_decision(tokenizer, args.decision_requests)
+                if "trace" not in args.only:
+                    continue
+                print(f"\n{args.engines} engines ({args.model}, CPU, {pool} KV blocks of 16 tokens each), "
                       f"{args.concurrency} clients, max_tokens 1; multi-turn: {args.conversations} chats x "
                       f"{args.turns} turns; shared: {args.requests} requests over {args.systems} system prompts")
-                print(f"{'trace':<14}{'policy':<13}{'gw':>3}{'hit':>8}{'cached':>9}{'prompt':>9}{'p50 ms':>9}"
-                      f"{'p99 ms':>9}{'max/min':>8}{'err':>5}{'secs':>7}  requests/engine")
+                print(HEADER)
                 # Rounds of every cell, policies in turn within a round: drift on the machine and
                 # run-to-run variation (replicas racing each other) reach every policy alike.
                 for rnd in range(args.repeat):
                     for trace in args.traces:
                         for replicas in args.replicas:
                             for policy in args.policies:
-                                res = await run_one(session, urls, policy, trace, replicas, args, model, rnd)
+                                res = await run_one(session, urls, policy, trace, replicas, args, model, rnd, pool)
                                 results.append(res)
                                 print_row(res)
-                out["summary"] = summarize(results, args.traces, args.replicas, args.policies)
-            out["runs"] = [asdict(r) for r in results]
-            if "decision" in args.only:
-                out["decision"] = bench_decision(tokenizer, args.decision_requests)
-    finally:
-        for proc in procs:
-            stop(proc)
+            finally:
+                for proc in procs:
+                    stop(proc)
+    if "trace" in args.only:
+        out["summary"] = summarize(results, args.traces, args.replicas, args.policies)
+    out["runs"] = [asdict(r) for r in results]
     return out
 
 
@@ -473,7 +494,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="atomesh bench kv-placement", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--engines", type=int, default=4)
-    p.add_argument("--kv-blocks", type=int, default=40, help="KV blocks per engine (16 tokens each)")
+    p.add_argument("--kv-blocks", type=int, nargs="+", default=[40],
+                   help="KV blocks per engine (16 tokens each); several: a sweep, the engines restarted per size")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--conversations", type=int, default=16)
     p.add_argument("--turns", type=int, default=3)
