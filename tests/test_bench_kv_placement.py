@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import pytest
 
 from atomesh.bench.kv_placement import RunResult, parser, summarize
@@ -40,15 +43,12 @@ def test_free_ports_are_not_handed_out_twice() -> None:
     assert len(set(ports)) == len(ports)
 
 
-async def test_multi_turn_replay_resumes_conversations_after_a_restart() -> None:
-    """The restart trace sends every first turn, then (after the gateways restart) the later turns of
-    each conversation with its earlier turns and replies, in another order than they started."""
-    from aiohttp import ClientSession, web
+@contextlib.asynccontextmanager
+async def _chat_server(seen: list[list[dict[str, str]]]) -> AsyncIterator[str]:
+    """A loopback chat endpoint that records each request's messages and streams one token."""
+    from aiohttp import web
 
-    from atomesh.bench.kv_placement import multi_turn, replay_multi_turn
     from atomesh.bench.procs import free_port
-
-    seen: list[list[dict[str, str]]] = []
 
     async def chat(request: web.Request) -> web.StreamResponse:
         seen.append((await request.json())["messages"])
@@ -63,17 +63,27 @@ async def test_multi_turn_replay_resumes_conversations_after_a_restart() -> None
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    convs = multi_turn("salt", 6, 3)
     try:
-        async with ClientSession() as session:
-            gw = [f"http://127.0.0.1:{port}"]
-            ttfts, errors = await replay_multi_turn(session, gw, convs, 2, "m", until=1)
-            assert (len(ttfts), errors) == (6, 0) and all(len(m) == 2 for m in seen)
-            first = [m[0]["content"] for m in seen]
-            seen.clear()
-            ttfts, errors = await replay_multi_turn(session, gw, convs, 2, "m", first=1)
+        yield f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
+
+
+async def test_multi_turn_replay_resumes_conversations_after_a_restart() -> None:
+    """The restart trace sends every first turn, then (after the gateways restart) the later turns of
+    each conversation with its earlier turns and replies, in another order than they started."""
+    from aiohttp import ClientSession
+
+    from atomesh.bench.kv_placement import multi_turn, replay_multi_turn
+
+    seen: list[list[dict[str, str]]] = []
+    convs = multi_turn("salt", 6, 3)
+    async with _chat_server(seen) as url, ClientSession() as session:
+        ttfts, errors = await replay_multi_turn(session, [url], convs, 2, "m", until=1)
+        assert (len(ttfts), errors) == (6, 0) and all(len(m) == 2 for m in seen)
+        first = [m[0]["content"] for m in seen]
+        seen.clear()
+        ttfts, errors = await replay_multi_turn(session, [url], convs, 2, "m", first=1)
     assert (len(ttfts), errors) == (12, 0)
     assert sorted(len(m) for m in seen) == [4] * 6 + [6] * 6  # system, user, reply, user (, reply, user)
     second = [m[0]["content"] for m in seen if len(m) == 4]
@@ -81,6 +91,25 @@ async def test_multi_turn_replay_resumes_conversations_after_a_restart() -> None
     for m in seen:
         c = convs[[conv[0]["content"] for conv in convs].index(m[0]["content"])]
         assert [x["content"] for x in m if x["role"] == "user"] == [u["content"] for u in c[1:len(m) // 2 + 1]]
+
+
+async def test_long_tail_replay_runs_each_conversation_to_its_own_length() -> None:
+    """Every fourth conversation of the long-tail trace runs 4x the turns; each is sent turn by turn
+    to its own end, a later turn only after the one before it."""
+    from aiohttp import ClientSession
+
+    from atomesh.bench.kv_placement import long_tail, replay_multi_turn
+
+    seen: list[list[dict[str, str]]] = []
+    convs = long_tail("salt", 8, 2)
+    assert sorted(len(c) - 1 for c in convs) == [2] * 6 + [8] * 2
+    assert [len(c) for c in long_tail("salt", 8, 2, seed=4)] != [len(c) for c in convs]  # drawn anew per round
+    async with _chat_server(seen) as url, ClientSession() as session:
+        ttfts, errors = await replay_multi_turn(session, [url], convs, 3, "m")
+    assert (len(ttfts), errors) == (2 * 8 + 6 * 2, 0)
+    for c, conv in enumerate(convs):
+        mine = [m for m in seen if m[0]["content"] == conv[0]["content"]]
+        assert [len(m) for m in mine] == [2 + 2 * t for t in range(len(conv) - 1)], c  # in turn order
 
 
 def test_summary_keeps_pool_sizes_apart(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,7 +1,7 @@
 """KV-aware placement on real engines: `python -m atomesh.bench.kv_placement` (or `atomesh bench kv-placement`).
 
 Starts N engine processes (`engine.openai_server`, SmolLM2 on CPU by default, small KV pools so that
-the prefix caches evict, KV events on) and, per policy, gateway processes in front of them. Two traces,
+the prefix caches evict, KV events on) and, per policy, gateway processes in front of them. Traces,
 replayed with streamed chat requests (max_tokens 1) by a fixed number of clients:
 
 - multi-turn: C conversations x T turns; each turn re-sends the whole conversation (a canned
@@ -9,7 +9,10 @@ replayed with streamed chat requests (max_tokens 1) by a fixed number of clients
 - shared system prompt: R single-turn requests, each one of S long system prompts plus a short
   unique question;
 - restart: the multi-turn trace with the gateways restarted (new processes) after every
-  conversation's first turn; the conversations then come back in another order.
+  conversation's first turn; the conversations then come back in another order;
+- long-tail: the multi-turn trace with a quarter of the conversations (drawn at random, anew each
+  round) 4x as long (turns), as chat lengths are in practice: where the long ones end up decides
+  how much KV each engine must hold.
 
 With `--replicas 2` (the default) every policy runs as two independent gateway processes and the
 clients alternate between them per request, as behind a plain L4 load balancer: each cache_aware
@@ -19,9 +22,10 @@ instance sees half of the traffic, while kv_aware instances both read the engine
 Reported per policy: the engines' own prefix-cache hit rate (cached / looked-up prompt tokens, from
 their /metrics, deltas over the run), TTFT p50 / p99 as the client saw it, load balance (max / min
 requests per engine, from the engines' counters) and the cached blocks the engines evicted (the
-pressure). `--kv-blocks` takes several pool sizes: a sweep, the engines restarted for each. Each
-run salts its prompts so that no run reuses another's cache. Then (a): kv_aware's decision cost per
-request at 16 workers with 32 KB prompts, with tokenization measured on its own.
+pressure; every run starts from flushed prefix caches). `--kv-blocks` takes several pool sizes: a
+sweep, the engines restarted for each. Each run salts its prompts too, so that no run could reuse
+another's cache. Then (a): kv_aware's decision cost per request at 16 workers with 32 KB prompts,
+with tokenization measured on its own.
 
 It prints and writes JSON (`--json`); it never asserts.
 """
@@ -86,6 +90,22 @@ def multi_turn(salt: str, conversations: int, turns: int, seed: int = 1) -> list
     return out
 
 
+def long_tail(salt: str, conversations: int, turns: int, seed: int = 3) -> list[list[dict[str, str]]]:
+    """The multi-turn trace with lengths as real chats have them, a few long and most short: a
+    quarter of the conversations, drawn at random (``seed``), run ``4 * turns`` turns, the others
+    ``turns``. Nothing tells the long ones apart when they start; where they end up decides how much
+    KV an engine must hold."""
+    rng = random.Random(seed)
+    long = set(rng.sample(range(conversations), max(1, conversations // 4)))
+    out = []
+    for c in range(conversations):
+        n = 4 * turns if c in long else turns
+        msgs = [{"role": "system", "content": f"{salt} You are assistant {c}. Answer briefly."}]
+        msgs += [{"role": "user", "content": f"question {t} of chat {c}: " + words(rng, 45)} for t in range(n)]
+        out.append(msgs)
+    return out
+
+
 def shared_prefix(salt: str, systems: int, requests: int, seed: int = 2) -> list[list[dict[str, str]]]:
     rng = random.Random(seed)
     prompts = [f"{salt} system prompt {s}: " + words(rng, 130) for s in range(systems)]
@@ -121,10 +141,11 @@ async def replay_multi_turn(session: aiohttp.ClientSession, gws: list[str], conv
                             concurrency: int, model: str, first: int = 0,
                             until: int | None = None) -> tuple[list[float], int]:
     """Clients take ready conversations in turn order; a conversation's next turn waits for its last.
-    Turns ``first`` to ``until`` (exclusive) are sent; earlier ones are in the conversation already."""
+    Turns ``first`` to ``until`` (exclusive; each conversation's own number of turns at most) are
+    sent; earlier ones are in the conversation already."""
     ready: asyncio.Queue[tuple[int, int, list[dict[str, str]]]] = asyncio.Queue()
-    turns = len(convs[0]) - 1 if until is None else until
-    order = list(range(len(convs)))
+    last = [len(conv) - 1 if until is None else min(until, len(conv) - 1) for conv in convs]
+    order = [c for c in range(len(convs)) if last[c] > first]
     if first:  # conversations taken up again come back in their own order, not the one they started in
         random.Random(first).shuffle(order)
     for c in order:
@@ -133,7 +154,7 @@ async def replay_multi_turn(session: aiohttp.ClientSession, gws: list[str], conv
         for t in range(first):
             before += [conv[1 + t], _reply(c, t)]
         ready.put_nowait((c, first, before))
-    remaining = len(convs) * (turns - first)
+    remaining = sum(last[c] - first for c in order)
     ttfts: list[float] = []
     errors = 0
     sent = 0
@@ -154,7 +175,7 @@ async def replay_multi_turn(session: aiohttp.ClientSession, gws: list[str], conv
             else:
                 ttfts.append(ttft)
             remaining -= 1
-            if t + 1 < turns:
+            if t + 1 < last[c]:
                 ready.put_nowait((c, t + 1, [*msgs, _reply(c, t)]))
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -227,6 +248,9 @@ async def engine_counters(session: aiohttp.ClientSession, url: str) -> dict[str,
 async def run_one(session: aiohttp.ClientSession, engines: list[str], policy: str, trace: str, replicas: int,
                   args: argparse.Namespace, model: str, rnd: int = 0, kv_blocks: int = 0) -> RunResult:
     salt = f"[{trace} {policy} x{replicas} {time.time_ns()}]"
+    for e in engines:  # every run starts from empty prefix caches: its evictions are its own
+        async with session.post(e + "/flush_cache") as r:
+            r.raise_for_status()
     procs, gws = _gateways(engines, policy, trace, replicas, args, rnd)
     try:
         await _ready(session, gws, policy)
@@ -236,7 +260,10 @@ async def run_one(session: aiohttp.ClientSession, engines: list[str], policy: st
             reqs = shared_prefix(salt, args.systems, args.requests)
             ttfts, errors = await replay_independent(session, gws, reqs, args.concurrency, model)
         else:
-            convs = multi_turn(salt, args.conversations, args.turns)
+            if trace == "long-tail":  # which conversations are long changes from round to round
+                convs = long_tail(salt, args.conversations, args.turns, seed=3 + rnd)
+            else:
+                convs = multi_turn(salt, args.conversations, args.turns)
             if trace == "restart":  # the gateways restart (a rolling update) after every first turn
                 ttfts, errors = await replay_multi_turn(session, gws, convs, args.concurrency, model, until=1)
                 for p in procs:
@@ -509,8 +536,9 @@ def parser() -> argparse.ArgumentParser:
                    help="more `atomesh launch` flags for the kv_aware gateways (e.g. --kv-args=--kv-overlap-weight=2)")
     p.add_argument("--policies", nargs="+", default=list(POLICIES))
     p.add_argument("--traces", nargs="+", default=["multi-turn", "shared-prefix"],
-                   choices=["multi-turn", "shared-prefix", "restart"],
-                   help="restart: multi-turn with the gateways restarted after every first turn")
+                   choices=["multi-turn", "shared-prefix", "restart", "long-tail"],
+                   help="restart: multi-turn with the gateways restarted after every first turn; long-tail: "
+                        "a quarter of the conversations (drawn anew each round) run 4x as many turns")
     p.add_argument("--only", nargs="+", default=["trace", "decision"], choices=["trace", "decision"])
     p.add_argument("--decision-requests", type=int, default=3000)
     p.add_argument("--gateway-log-level", default="warn", choices=["debug", "info", "warn", "error"],
