@@ -22,6 +22,11 @@ events received live; batches replayed from an engine's buffer rebuild the index
 current traffic): the KV traffic it is serving. Every gateway replica reads the same events, and
 synced replicas each other's placements, so they see about the same demand, which `kv_aware` uses
 to place new prompts and to break ties.
+
+``evictions`` is the same kind of count of the blocks a worker's live events reported removed: how
+hard its pool is pressed. The keys a worker lost lately are kept too (``lost``, a bounded set per
+worker, as ARC keeps ghost entries): a prompt whose next block its holder has just evicted is being
+thrashed there, and `kv_aware` may move it to a worker under less pressure.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ import numpy.typing as npt
 U64 = np.uint64
 _RNG = np.random.Generator(np.random.PCG64(0x6B76_6964_7820))
 _MAX_BLOCK = 1024
-DEMAND_HALF_LIFE = 10.0  # seconds
+DEMAND_HALF_LIFE = 10.0  # seconds (demand and evictions)
+LOST_PER_WORKER = 8192  # keys a worker evicted lately, kept to recognise a prompt it keeps losing
 # Odd 64-bit multipliers, one per position in a block (block sizes up to _MAX_BLOCK tokens).
 _MULT = (_RNG.integers(0, 2**63, size=_MAX_BLOCK, dtype=np.uint64) * U64(2) + U64(1)).astype(np.uint64)
 _GOLDEN = U64(0x9E3779B97F4A7C15)
@@ -83,6 +89,9 @@ class _WorkerBlocks:
     blocks: OrderedDict[object, tuple[int, int]] = field(default_factory=OrderedDict)
     demand: float = 0.0  # blocks predicted or reported stored, decayed (see DEMAND_HALF_LIFE) ...
     demand_at: float = 0.0  # ... as of this time.monotonic()
+    evicted: float = 0.0  # blocks reported removed by live events, decayed the same way ...
+    evicted_at: float = 0.0  # ... as of this time.monotonic()
+    lost: OrderedDict[int, None] = field(default_factory=OrderedDict)  # keys removed lately, oldest first
 
 
 @dataclass(slots=True)
@@ -159,6 +168,20 @@ class KvIndex:
         now = time.monotonic() if now is None else now
         return wb.demand * math.pow(0.5, (now - wb.demand_at) / DEMAND_HALF_LIFE)
 
+    def evictions(self, worker: str, now: float | None = None) -> float:
+        """Blocks ``worker``'s live events reported removed lately, decayed with DEMAND_HALF_LIFE."""
+        wb = self._workers.get(worker)
+        if wb is None:
+            return 0.0
+        now = time.monotonic() if now is None else now
+        return wb.evicted * math.pow(0.5, (now - wb.evicted_at) / DEMAND_HALF_LIFE)
+
+    def lost(self, worker: str, key: int) -> bool:
+        """Whether ``worker`` held the block named ``key`` and removed it lately (one of its last
+        LOST_PER_WORKER removals, not stored again since)."""
+        wb = self._workers.get(worker)
+        return wb is not None and key in wb.lost
+
     def __len__(self) -> int:
         return len(self.holders)
 
@@ -183,7 +206,10 @@ class KvIndex:
         n = min(len(block_hashes), len(token_ids) // block_size)
         keys = chain_keys(as_tokens(token_ids[: n * block_size]), block_size, start_key, start_depth)
         holders, bit, blocks = self.holders, wb.bit, wb.blocks
+        lost = wb.lost
         for i, (h, key) in enumerate(zip(block_hashes, keys, strict=False)):
+            if lost:
+                lost.pop(key, None)
             old = blocks.get(h)
             if old is not None:
                 blocks.move_to_end(h)
@@ -203,16 +229,26 @@ class KvIndex:
             self._unhold(key, bit)
             self.stats.trimmed += 1
 
-    def removed(self, worker: str, block_hashes: list[object]) -> None:
-        """A BlockRemoved event."""
+    def removed(self, worker: str, block_hashes: list[object], live: bool = True) -> None:
+        """A BlockRemoved event (``live``: as it happened, not from a replay buffer)."""
         wb = self._workers.get(worker)
         if wb is None:
             return
+        lost = wb.lost
+        n = 0
         for h in block_hashes:
             entry = wb.blocks.pop(h, None)
             if entry is not None:
                 self._unhold(entry[0], wb.bit)
-                self.stats.removed += 1
+                lost[entry[0]] = None
+                n += 1
+        self.stats.removed += n
+        for _ in range(len(lost) - LOST_PER_WORKER):
+            lost.popitem(last=False)
+        if live and n:
+            now = time.monotonic()
+            wb.evicted = self.evictions(worker, now) + n
+            wb.evicted_at = now
 
     def cleared(self, worker: str) -> None:
         """AllBlocksCleared, or a re-sync: the worker holds nothing we know of."""
@@ -304,3 +340,4 @@ class KvIndex:
         for key, _ in wb.blocks.values():
             self._unhold(key, wb.bit)
         wb.blocks.clear()
+        wb.lost.clear()  # a restarted engine or a re-sync: nothing was evicted

@@ -615,3 +615,64 @@ def test_kv_aware_flags_are_checked() -> None:
     pd = GatewayConfig.model_validate({"policy": "kv_aware", "pd_disaggregation": True,
                                        "prefill": [{"url": "http://p:1"}], "decode": ["http://d:1"]})
     assert _pool_policy(pd, WorkerRole.PREFILL) == "kv_aware" and _pool_policy(pd, WorkerRole.DECODE) == "least_load"
+
+
+def _evict_tail(policy: Any, worker: Worker, text: str, keep: int, live: bool = True) -> None:
+    """``worker``'s events report the blocks of ``text`` (stored by _store) after the first ``keep`` removed."""
+    n = len(text.encode()) // 4
+    policy.index.removed(worker.url, [hash((worker.url, text, i)) for i in range(keep, n)], live)
+
+
+def test_index_counts_live_evictions_and_remembers_lost_keys() -> None:
+    """Removals from live events count as evictions (decayed like demand); their keys are remembered
+    (bounded) until stored again; replays and a cleared worker count nothing."""
+    from atomesh.kv_index import DEMAND_HALF_LIFE, LOST_PER_WORKER, as_tokens, chain_keys
+
+    policy, ws = _policy()
+    text = "a conversation that grows " * 4  # 26 blocks of 4
+    keys = chain_keys(as_tokens(list(text.encode())), 4)
+    _store(policy, ws[0], text)
+    _evict_tail(policy, ws[0], text, 10)
+    index = policy.index
+    assert index.evictions(ws[0].url) == pytest.approx(len(keys) - 10, rel=1e-3)
+    assert index.lost(ws[0].url, keys[10]) and index.lost(ws[0].url, keys[-1]) and not index.lost(ws[0].url, keys[9])
+    assert index.evictions(ws[0].url, __import__("time").monotonic() + DEMAND_HALF_LIFE) == pytest.approx(8, rel=0.01)
+    _store(policy, ws[0], text)  # stored again: no longer lost
+    assert not index.lost(ws[0].url, keys[10])
+    _store(policy, ws[1], text)
+    _evict_tail(policy, ws[1], text, 0, live=False)  # from a replay buffer: no news of pressure
+    assert index.evictions(ws[1].url) == 0 and index.lost(ws[1].url, keys[0])
+    index.cleared(ws[1].url)  # a restarted engine: nothing it dropped is a loss
+    assert not index.lost(ws[1].url, keys[0])
+    for i in range(LOST_PER_WORKER // 100 + 2):  # bounded
+        _store(policy, ws[2], f"{i:04d}" * 100)
+        _evict_tail(policy, ws[2], f"{i:04d}" * 100, 0)
+    assert len(index._workers[ws[2].url].lost) == LOST_PER_WORKER
+
+
+def test_kv_aware_moves_a_prompt_its_holder_keeps_evicting() -> None:
+    """A conversation whose holder has just evicted the part after what it still holds, on a worker
+    evicting far faster than the others, goes to a calmer worker (as a new prompt would); under even
+    pressure, or when the holder lost nothing of it, it stays."""
+    policy, ws = _policy()
+    conv = "turn one of a long chat, " * 6  # 37 blocks
+    _store(policy, ws[0], conv)
+    _evict_tail(policy, ws[0], conv, 20)  # the holder lost the last 17 blocks of it ...
+    for i in range(3):  # ... and evicts a lot lately
+        _store(policy, ws[0], f"other chat {i} " * 10)
+        _evict_tail(policy, ws[0], f"other chat {i} " * 10, 0)
+    view = _view(conv + "turn two")
+    assert policy.select(ws, view).worker is not ws[0] and policy.reliefs == 1
+    # Even pressure: worker 1 evicts as much; staying wins (the cost decides, the holder has 20 blocks).
+    _store(policy, ws[1], "a busy chat " * 40)
+    _evict_tail(policy, ws[1], "a busy chat " * 40, 0)
+    _store(policy, ws[2], "a second busy chat " * 25)
+    _evict_tail(policy, ws[2], "a second busy chat " * 25, 0)
+    assert policy.select(ws, view).worker is ws[0] and policy.reliefs == 1
+    # The holder lost none of this prompt (it never held more): stays, however hard it evicts.
+    policy2, ws2 = _policy()
+    _store(policy2, ws2[0], conv[:80])
+    for i in range(3):
+        _store(policy2, ws2[0], f"other chat {i} " * 10)
+        _evict_tail(policy2, ws2[0], f"other chat {i} " * 10, 0)
+    assert policy2.select(ws2, view).worker is ws2[0] and policy2.reliefs == 0

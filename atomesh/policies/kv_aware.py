@@ -20,6 +20,10 @@ Per request, over the candidates that publish KV events (atomesh.workers.kv_even
 4. A new prompt (no candidate holds a real part of it: the overlaps differ by less than
    ``new_threshold``, --cache-threshold, of its blocks) skips the cost: it goes where the KV traffic
    has been least lately (``_place_new``), since where it goes decides where its follow-ups go.
+   So does a prompt its holder is thrashing (``_relief``): the holder has just evicted the block
+   after the part it still holds, and evicts blocks at least twice as fast lately as some other
+   candidate; it goes as a new prompt would, among those calmer workers. Left where it is, every
+   turn of a conversation would compute again what the last one lost.
 5. ``temperature`` 0: the lowest cost (ties: lower ``active_w``, then the least KV traffic lately,
    then at random). Above 0: a soft choice, probability ∝ exp(-cost' / temperature) with costs
    scaled to 0..1 (Dynamo's form).
@@ -61,6 +65,7 @@ log = structlog.get_logger("atomesh.policies")
 _stdlog = logging.getLogger("atomesh.policies")
 
 RECENT = 256  # per worker: new-block counts of the latest placements (estimates active KV)
+RELIEF = 0.5  # a thrashed prompt moves to workers evicting at most this share of what its holder evicts
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -109,6 +114,7 @@ class KvAwarePolicy:
         self._tasks: set[asyncio.Task[None]] = set()
         self.decisions = 0  # decided from events
         self.fallbacks = 0  # decided by cache_aware
+        self.reliefs = 0  # moved off a holder that was thrashing the prompt (_relief)
         self.hit_blocks = 0  # blocks of chosen workers' overlaps
         self.prompt_blocks = 0
 
@@ -191,9 +197,12 @@ class KvAwarePolicy:
                 held = self.fallback.index.matched_chars(self.fallback._held(hashes, w), size_chars) if hashes else 0
                 overlap[w.url] = int(n * held / size_chars) if size_chars else 0
                 total[w.url] = n
-        worker = self._choose(candidates, overlap, total)
+        relief = self._relief(followed, overlap, total, keys_by_size)
+        worker = self._choose(candidates, overlap, total, relief)
         if _stdlog.isEnabledFor(logging.DEBUG):
             log.debug("kv_aware_decision", chosen=worker.url, blocks=total[worker.url],
+                      relief=[w.url for w in relief] if relief else None,
+                      evictions={w.url: round(self.index.evictions(w.url)) for w in followed},
                       overlap={w.url: overlap[w.url] for w in candidates},
                       active={w.url: self._active(w) for w in candidates},
                       in_flight={w.url: w.in_flight for w in candidates},
@@ -236,7 +245,27 @@ class KvAwarePolicy:
             active += extra * self._mean_new
         return active
 
-    def _choose(self, candidates: Sequence[Worker], overlap: dict[str, int], total: dict[str, int]) -> Worker:
+    def _relief(self, followed: list[Worker], overlap: dict[str, int], total: dict[str, int],
+                keys_by_size: dict[int, list[int]]) -> list[Worker] | None:
+        """The workers to move the prompt to when its holder (the longest overlap) is thrashing it: the
+        holder removed the block after what it still holds lately, has evicted at least the prompt's
+        blocks lately, and some candidates evict at most RELIEF times as fast. None otherwise."""
+        index = self.index
+        holder = max(followed, key=lambda w: overlap[w.url])
+        o, n = overlap[holder.url], total[holder.url]
+        if o == 0 or o >= n:
+            return None
+        keys = keys_by_size[index.block_size(holder.url) or 16]
+        if not index.lost(holder.url, keys[o]):
+            return None
+        pressure = index.evictions(holder.url)
+        if pressure < n:
+            return None
+        calmer = [w for w in followed if index.evictions(w.url) <= RELIEF * pressure]
+        return calmer or None
+
+    def _choose(self, candidates: Sequence[Worker], overlap: dict[str, int], total: dict[str, int],
+                relief: list[Worker] | None = None) -> Worker:
         ow = self.overlap_weight
         costs: list[float] = []
         actives: list[float] = []
@@ -252,6 +281,10 @@ class KvAwarePolicy:
             if span > 0:
                 weights = [math.exp(-((c - lo) / span) / self.temperature) for c in costs]
                 return self._rng.choices(list(candidates), weights)[0]
+        if relief:  # its holder keeps losing it: placed as new, among the workers under less pressure
+            self.reliefs += 1
+            idx = [i for i, w in enumerate(candidates) if w in relief]
+            return candidates[idx[self._place_new([candidates[i] for i in idx], [actives[i] for i in idx])]]
         held = [overlap[w.url] for w in candidates]
         if max(held) - min(held) < self.new_threshold * max(total[w.url] for w in candidates):
             return candidates[self._place_new(candidates, actives)]

@@ -383,7 +383,7 @@ class KvEventHub:
             if isinstance(ev, BlockStored):
                 index.stored(url, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, live)
             elif isinstance(ev, BlockRemoved):
-                index.removed(url, ev.block_hashes)
+                index.removed(url, ev.block_hashes, live)
             else:
                 index.cleared(url)
         stats.last_seq = seq
