@@ -80,6 +80,18 @@ def chain_keys(tokens: Tokens, block_size: int, start_key: int = 0, start_depth:
     return out
 
 
+def _decayed(value: float, at: float, now: float | None = None) -> float:
+    """``value`` as of time.monotonic() ``at``, halved every DEMAND_HALF_LIFE seconds until ``now``."""
+    now = time.monotonic() if now is None else now
+    return value * math.pow(0.5, (now - at) / DEMAND_HALF_LIFE)
+
+
+def _add_decayed(value: float, at: float, n: float, now: float | None = None) -> tuple[float, float]:
+    """The decayed count ``value`` (as of ``at``) with ``n`` more now: the new (value, at)."""
+    now = time.monotonic() if now is None else now
+    return _decayed(value, at, now) + n, now
+
+
 @dataclass(slots=True)
 class _WorkerBlocks:
     """One worker's blocks as its events described them: engine hash -> (key, depth), oldest first."""
@@ -163,18 +175,12 @@ class KvIndex:
         """Blocks ``worker`` was sent (predictions) or reported stored (new or reused) lately, decayed
         with DEMAND_HALF_LIFE; 0 if not followed."""
         wb = self._workers.get(worker)
-        if wb is None:
-            return 0.0
-        now = time.monotonic() if now is None else now
-        return wb.demand * math.pow(0.5, (now - wb.demand_at) / DEMAND_HALF_LIFE)
+        return _decayed(wb.demand, wb.demand_at, now) if wb is not None else 0.0
 
     def evictions(self, worker: str, now: float | None = None) -> float:
         """Blocks ``worker``'s live events reported removed lately, decayed with DEMAND_HALF_LIFE."""
         wb = self._workers.get(worker)
-        if wb is None:
-            return 0.0
-        now = time.monotonic() if now is None else now
-        return wb.evicted * math.pow(0.5, (now - wb.evicted_at) / DEMAND_HALF_LIFE)
+        return _decayed(wb.evicted, wb.evicted_at, now) if wb is not None else 0.0
 
     def lost(self, worker: str, key: int) -> bool:
         """Whether ``worker`` held the block named ``key`` and removed it lately (one of its last
@@ -220,9 +226,7 @@ class KvIndex:
             holders[key] = holders.get(key, 0) | bit
         self.stats.stored += n
         if live:
-            now = time.monotonic()
-            wb.demand = self.demand(worker, now) + n
-            wb.demand_at = now
+            wb.demand, wb.demand_at = _add_decayed(wb.demand, wb.demand_at, n)
         over = len(blocks) - self.max_blocks_per_worker
         for _ in range(max(0, over)):
             _, (key, _) = blocks.popitem(last=False)
@@ -246,9 +250,7 @@ class KvIndex:
         for _ in range(len(lost) - LOST_PER_WORKER):
             lost.popitem(last=False)
         if live and n:
-            now = time.monotonic()
-            wb.evicted = self.evictions(worker, now) + n
-            wb.evicted_at = now
+            wb.evicted, wb.evicted_at = _add_decayed(wb.evicted, wb.evicted_at, n)
 
     def cleared(self, worker: str) -> None:
         """AllBlocksCleared, or a re-sync: the worker holds nothing we know of."""
@@ -266,8 +268,7 @@ class KvIndex:
         now = time.monotonic() if now is None else now
         self._expire(now)
         predicted, bit = self._predicted, wb.bit
-        wb.demand = self.demand(worker, now) + len(keys)
-        wb.demand_at = now
+        wb.demand, wb.demand_at = _add_decayed(wb.demand, wb.demand_at, len(keys), now)
         for k in keys:
             predicted[k] = predicted.get(k, 0) | bit
         self._predictions.append((now + self.predict_ttl, bit, keys))

@@ -288,9 +288,8 @@ class BlockManager:
             raise RuntimeError("KV block pool exhausted")
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
-        if block.hash is not None and self._hash_to_block.get(block.hash) == block_id:
+        if self._forget(block):
             self._evicted += 1  # a reusable prefix lost: the pool ran short
-        self._forget(block)
         block.ref_count = 1
         return block
 
@@ -303,8 +302,11 @@ class BlockManager:
             self.events.stored(h, prefix, block.token_ids)  # not reported when its step was scheduled
         return h
 
-    def _forget(self, block: Block) -> None:
+    def _forget(self, block: Block) -> bool:
+        """Drop ``block``'s prefix hash; whether the hash index lost an entry (the block was findable)."""
+        dropped = False
         if block.hash is not None and self._hash_to_block.get(block.hash) == block.block_id:
+            dropped = True
             del self._hash_to_block[block.hash]
             if self.events is not None:
                 self.events.removed(block.hash)
@@ -312,3 +314,4 @@ class BlockManager:
                     self._voided.add(block.hash)  # a block still being written reports it stored again
         block.hash = None
         block.token_ids = ()
+        return dropped

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import itertools
 import json
 import random
 import re
@@ -81,13 +82,7 @@ Request = tuple[int, list[dict[str, str]]]  # (conversation, messages so far)
 
 def multi_turn(salt: str, conversations: int, turns: int, seed: int = 1) -> list[list[dict[str, str]]]:
     """Per conversation, its user turns (the replay adds assistant replies between them)."""
-    rng = random.Random(seed)
-    out = []
-    for c in range(conversations):
-        msgs = [{"role": "system", "content": f"{salt} You are assistant {c}. Answer briefly."}]
-        msgs += [{"role": "user", "content": f"question {t} of chat {c}: " + words(rng, 45)} for t in range(turns)]
-        out.append(msgs)
-    return out
+    return _chats(salt, [turns] * conversations, random.Random(seed))
 
 
 def long_tail(salt: str, conversations: int, turns: int, seed: int = 3) -> list[list[dict[str, str]]]:
@@ -97,13 +92,14 @@ def long_tail(salt: str, conversations: int, turns: int, seed: int = 3) -> list[
     KV an engine must hold."""
     rng = random.Random(seed)
     long = set(rng.sample(range(conversations), max(1, conversations // 4)))
-    out = []
-    for c in range(conversations):
-        n = 4 * turns if c in long else turns
-        msgs = [{"role": "system", "content": f"{salt} You are assistant {c}. Answer briefly."}]
-        msgs += [{"role": "user", "content": f"question {t} of chat {c}: " + words(rng, 45)} for t in range(n)]
-        out.append(msgs)
-    return out
+    return _chats(salt, [4 * turns if c in long else turns for c in range(conversations)], rng)
+
+
+def _chats(salt: str, turns: list[int], rng: random.Random) -> list[list[dict[str, str]]]:
+    """Conversation c: a system message, then ``turns[c]`` user messages."""
+    return [[{"role": "system", "content": f"{salt} You are assistant {c}. Answer briefly."},
+             *({"role": "user", "content": f"question {t} of chat {c}: " + words(rng, 45)} for t in range(n))]
+            for c, n in enumerate(turns)]
 
 
 def shared_prefix(salt: str, systems: int, requests: int, seed: int = 2) -> list[list[dict[str, str]]]:
@@ -329,37 +325,31 @@ def summarize(results: list[RunResult], traces: list[str], replicas: list[int],
               policies: list[str]) -> list[dict[str, Any]]:
     """Per KV pool size, trace, gateway count and policy: medians over the rounds; then kv_aware
     against cache_aware."""
-    rows: list[dict[str, Any]] = []
+    rows: dict[tuple[int, str, int, str], dict[str, Any]] = {}
     pools = sorted({r.kv_blocks for r in results})
     print(f"\nmedians over the rounds\n{'blocks':>6}  {'trace':<14}{'policy':<13}{'gw':>3}{'hit':>8}{'min':>8}"
           f"{'max':>8}{'p50 ms':>9}{'p99 ms':>9}{'max/min':>8}{'evict':>7}{'runs':>6}")
-    for pool in pools:
-        for trace in traces:
-            for gw in replicas:
-                for policy in policies:
-                    rs = [r for r in results
-                          if (r.kv_blocks, r.trace, r.replicas, r.policy) == (pool, trace, gw, policy)]
-                    if not rs:
-                        continue
-                    hits = [r.hit_rate for r in rs]
-                    row = {"kv_blocks": pool, "trace": trace, "replicas": gw, "policy": policy, "runs": len(rs),
-                           "hit_rate": statistics.median(hits), "hit_min": min(hits), "hit_max": max(hits),
-                           "ttft_p50_ms": statistics.median(r.ttft_p50_ms for r in rs),
-                           "ttft_p99_ms": statistics.median(r.ttft_p99_ms for r in rs),
-                           "load_ratio": statistics.median(r.load_ratio for r in rs),
-                           "evicted_blocks": statistics.median(r.evicted_blocks for r in rs)}
-                    rows.append(row)
-                    print(f"{pool:>6}  {trace:<14}{policy:<13}{gw:>3}{row['hit_rate']:>8.1%}{row['hit_min']:>8.1%}"
-                          f"{row['hit_max']:>8.1%}{row['ttft_p50_ms']:>9.0f}{row['ttft_p99_ms']:>9.0f}"
-                          f"{row['load_ratio']:>8.2f}{row['evicted_blocks']:>7.0f}{len(rs):>6}")
-    for pool, trace, gw in ((p, t, g) for p in pools for t in traces for g in replicas):
-        key = (pool, trace, gw)
-        ka = next((r for r in rows if (r["kv_blocks"], r["trace"], r["replicas"], r["policy"]) == (*key, "kv_aware")),
-                  None)
-        ca = next((r for r in rows
-                   if (r["kv_blocks"], r["trace"], r["replicas"], r["policy"]) == (*key, "cache_aware")), None)
+    for key in itertools.product(pools, traces, replicas, policies):
+        rs = [r for r in results if (r.kv_blocks, r.trace, r.replicas, r.policy) == key]
+        if not rs:
+            continue
+        pool, trace, gw, policy = key
+        hits = [r.hit_rate for r in rs]
+        row = rows[key] = {
+            "kv_blocks": pool, "trace": trace, "replicas": gw, "policy": policy, "runs": len(rs),
+            "hit_rate": statistics.median(hits), "hit_min": min(hits), "hit_max": max(hits),
+            "ttft_p50_ms": statistics.median(r.ttft_p50_ms for r in rs),
+            "ttft_p99_ms": statistics.median(r.ttft_p99_ms for r in rs),
+            "load_ratio": statistics.median(r.load_ratio for r in rs),
+            "evicted_blocks": statistics.median(r.evicted_blocks for r in rs)}
+        print(f"{pool:>6}  {trace:<14}{policy:<13}{gw:>3}{row['hit_rate']:>8.1%}{row['hit_min']:>8.1%}"
+              f"{row['hit_max']:>8.1%}{row['ttft_p50_ms']:>9.0f}{row['ttft_p99_ms']:>9.0f}"
+              f"{row['load_ratio']:>8.2f}{row['evicted_blocks']:>7.0f}{len(rs):>6}")
+    for pool, trace, gw in itertools.product(pools, traces, replicas):
+        ka, ca = rows.get((pool, trace, gw, "kv_aware")), rows.get((pool, trace, gw, "cache_aware"))
         if ka and ca:
-            cell = {(r.policy, r.round): r.hit_rate for r in results if (r.kv_blocks, r.trace, r.replicas) == key}
+            cell = {(r.policy, r.round): r.hit_rate for r in results
+                    if (r.kv_blocks, r.trace, r.replicas) == (pool, trace, gw)}
             per_round = [cell[("kv_aware", n)] / max(cell[("cache_aware", n)], 1e-9)
                          for n in sorted({n for _, n in cell})
                          if ("kv_aware", n) in cell and ("cache_aware", n) in cell]
@@ -370,7 +360,7 @@ def summarize(results: list[RunResult], traces: list[str], replicas: list[int],
                   f"{ka['hit_rate']:.1%} vs {ca['hit_rate']:.1%}; per round "
                   f"{' '.join(f'x{x:.2f}' for x in per_round)}), load max/min {ka['load_ratio']:.2f} vs "
                   f"{ca['load_ratio']:.2f}, TTFT p50 {ka['ttft_p50_ms']:.0f} vs {ca['ttft_p50_ms']:.0f} ms")
-    return rows
+    return list(rows.values())
 
 
 # ---------------------------------------------------------------------------------------------- decision cost
