@@ -17,7 +17,7 @@ Per request, over the candidates that publish KV events (atomesh.workers.kv_even
    (``--kv-sync-peers``), plus the requests the engine reported at its last load poll beyond all
    of those (other clients), each counted as the new blocks of an average placement of this
    gateway's.
-4. A new prompt (no candidate holds a real part of it: the overlaps differ by less than
+4. At temperature 0, a new prompt (no candidate holds a real part of it: the overlaps differ by less than
    ``new_threshold``, --cache-threshold, of its blocks) skips the cost: it goes where the KV traffic
    has been least lately (``_place_new``), since where it goes decides where its follow-ups go.
    So does a prompt its holder is thrashing (``_relief``): the holder has just evicted the block
