@@ -8,6 +8,7 @@ replays are checked against eager steps too. Skipped when the triton package is 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ pytest.importorskip("triton")
 
 from engine.attention import gather_kv
 from engine.kernels import ops, triton_ops
-from engine.models.loader import LoadedModel
+from engine.models.loader import LoadedModel, load_model
 from engine.sequence import SamplingParams
 from engine.sparse import MeanKeyIndexer, select_blocks_paged, sparse_decode
 
@@ -165,6 +166,20 @@ def test_an_engine_on_the_kernels_generates_what_the_torch_engine_does(make_engi
     # Through the graphs' static inputs: replayed CUDA graphs on a GPU; on CPU the interpreter runs the
     # staged inputs eagerly, which checks the staging (padding, tile maps, logits rows) all the same.
     assert _generate(make_engine, kernels="triton", **extra) == expected
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral-window"])
+def test_family_variants_on_the_kernels(make_engine: MakeEngine, family: str, tmp_path: Path) -> None:
+    """Per-head Q/K norms (Qwen3) and sliding windows across blocks (Mistral): the
+    kernels generate what the torch reference does, eager and through the graphs' staged inputs."""
+    from tests.engine.test_model_families import checkpoint
+
+    checkpoint(family, tmp_path)
+    loaded = load_model(str(tmp_path))
+    kw: dict[str, object] = {"block_size": 4, "max_model_len": 256}
+    expected = _generate(make_engine, loaded, kernels="torch", **kw)
+    assert _generate(make_engine, loaded, kernels="triton", enforce_eager=True, **kw) == expected
+    assert _generate(make_engine, loaded, kernels="triton", **kw) == expected
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
