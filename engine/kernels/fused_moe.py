@@ -48,6 +48,7 @@ class MoeTiles:
     block_n: int
     block_k: int
     num_warps: int
+    num_stages: int = 3
 
 
 def moe_tiles(num_pairs: int, num_experts: int) -> MoeTiles:
@@ -216,7 +217,8 @@ def _grouped_gemm(
         num_pairs, w.stride(0), num_n, N=n, K=k,
         A_DIV=a_div, GATED=gated, ROUTED=routed,
         BLOCK_M=tiles.block_m, BLOCK_N=bn, BLOCK_K=bk,
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=tiles.num_warps,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
 
 
