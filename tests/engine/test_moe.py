@@ -175,15 +175,20 @@ def test_sparse_moe_on_triton_kernels_equals_torch() -> None:
         torch.testing.assert_close(moe(x), want, atol=1e-4, rtol=1e-4)
 
 
-def test_align_puts_each_pair_once_in_its_experts_padded_run() -> None:
+@pytest.mark.parametrize("one_program", [True, False], ids=["one-program", "atomics"])
+def test_align_puts_each_pair_once_in_its_experts_padded_run(
+    one_program: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytest.importorskip("triton")
-    from engine.kernels.fused_moe import align, padded_capacity
+    from engine.kernels import fused_moe
 
+    if not one_program:
+        monkeypatch.setattr(fused_moe, "ONE_PROGRAM_PAIRS", 0)  # the path of large batches
     ids = torch.tensor([[0, 3], [3, 1], [0, 3], [3, 5]], device=DEV)
     block_m = 16
-    al = align(ids, 6, block_m)
+    al = fused_moe.align(ids, 6, block_m)
     pairs = al.sorted_pairs.cpu()
-    assert pairs.shape == (padded_capacity(8, 6, block_m),)
+    assert pairs.shape == (fused_moe.padded_capacity(8, 6, block_m),)
     used = int(al.used)
     assert used == 4 * block_m  # experts 0, 1, 3, 5 each get one block
     flat = ids.flatten().cpu()
@@ -193,6 +198,23 @@ def test_align_puts_each_pair_once_in_its_experts_padded_run() -> None:
         run = pairs[b * block_m : (b + 1) * block_m]
         assert bool((flat[run[run < 8].long()] == expert).all())
     assert al.expert_ids[: used // block_m].tolist() == [0, 1, 3, 5]
+    if one_program:  # sorted, not raced for: each run in pair order
+        assert pairs[:used].tolist()[:2] == [0, 4] and pairs[3 * block_m : 3 * block_m + 1].tolist() == [7]
+
+
+def test_fused_moe_large_batch_path_with_prefill_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What thousands of tokens take on a GPU (atomics-based align, 64-row blocks), at a size the
+    # interpreter runs in a second; expert 0's run spans several blocks.
+    pytest.importorskip("triton")
+    from engine.kernels import fused_moe
+
+    monkeypatch.setattr(fused_moe, "ONE_PROGRAM_PAIRS", 0)
+    monkeypatch.setattr(fused_moe, "moe_tiles", lambda pairs, experts: fused_moe.MoeTiles(64, 32, 32, 4))
+    w13, w2 = _weights(E, H, INTER, torch.float32)
+    x = torch.randn(150, H, generator=_g(6)).to(DEV)
+    weights, ids = route(_routing(150, E, K, favour=0), K, True)
+    got = fused_moe.fused_moe(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got, experts_torch(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
 
 
 # -- CUDA: bfloat16 and graphs ------------------------------------------------------------------
