@@ -168,9 +168,9 @@ def test_an_engine_on_the_kernels_generates_what_the_torch_engine_does(make_engi
     assert _generate(make_engine, kernels="triton", **extra) == expected
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral-window"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral-window", "qwen3-moe"])
 def test_family_variants_on_the_kernels(make_engine: MakeEngine, family: str, tmp_path: Path) -> None:
-    """Per-head Q/K norms (Qwen3) and sliding windows across blocks (Mistral): the
+    """Per-head Q/K norms (Qwen3), sliding windows across blocks (Mistral), the fused MoE kernel: the
     kernels generate what the torch reference does, eager and through the graphs' staged inputs."""
     from tests.engine.test_model_families import checkpoint
 
