@@ -20,6 +20,7 @@ import datetime
 import gc
 import json
 import os
+import resource
 import statistics
 import time
 import traceback
@@ -138,10 +139,8 @@ def hf_reference(loaded: LoadedModel, device: torch.device, dtype: torch.dtype, 
             with torch.device(device):
                 built: torch.nn.Module = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
             return built.eval()
-        pretrained: torch.nn.Module = transformers.AutoModelForCausalLM.from_pretrained(
-            str(loaded.folder), dtype=dtype, device_map=device
-        )
-        return pretrained.eval()
+        pretrained: torch.nn.Module = transformers.AutoModelForCausalLM.from_pretrained(str(loaded.folder), dtype=dtype)
+        return pretrained.to(device).eval()
     c = loaded.config
     cfg = transformers.LlamaConfig(  # type: ignore[call-arg]
         vocab_size=c.vocab_size,
@@ -333,6 +332,9 @@ def main() -> None:
     started = time.perf_counter()
     engine = LLMEngine(args, loaded=loaded)
     load_s = time.perf_counter() - started
+    # Peak resident memory of the process so far: the weights' host side while they went to the device.
+    build_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"engine built in {load_s:.1f} s, peak host RSS {build_rss_gib:.2f} GiB", flush=True)
     device, dtype = engine.device, engine.dtype
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{a.threads} threads"
     graphs = "cuda graphs" if engine.runner.graphs is not None else "eager"
@@ -410,6 +412,7 @@ def main() -> None:
             "kernels": f"{args.kernels} -> {'graphs' if graphs == 'cuda graphs' else 'eager'}",
             "prompt_len": a.prompt_len,
             "engine_build_s": load_s,
+            "engine_build_peak_rss_gib": build_rss_gib,
             "load_format": a.load_format,
             "quantization": a.quantization,
             "kv_cache_dtype": a.kv_cache_dtype,
