@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -31,9 +32,10 @@ from engine.models.quant import (
     quantize_per_channel,
     quantize_per_token,
 )
-from tests.engine.conftest import DEVICE
 
 pytestmark = pytest.mark.timeout(60)
+# As in conftest.py, read here so that this file runs where the gateway's packages are not installed (a GPU box).
+DEVICE = os.environ.get("ENGINE_TEST_DEVICE", "cpu")
 
 # e4m3 keeps 3 mantissa bits: rounding to nearest is off by at most 2^-4 of a value, relative, for normal values;
 # below 2^-6 (of the scaled value) the spacing is 2^-9, so at most 2^-10 * scale absolute.
@@ -103,7 +105,7 @@ def test_dequantize_takes_per_tensor_and_per_channel_scales() -> None:
 # --- Fp8Linear on the CPU ---------------------------------------------------------------------------------------
 
 
-def test_fp8_linear_matches_a_float32_linear_within_3_7_percent() -> None:
+def test_fp8_linear_matches_a_float32_linear_within_4_5_percent() -> None:
     lin = nn.Linear(512, 256, bias=True)
     with torch.no_grad():
         lin.weight.copy_(torch.randn(256, 512, generator=_g(4)) / 512**0.5)
@@ -117,7 +119,7 @@ def test_fp8_linear_matches_a_float32_linear_within_3_7_percent() -> None:
     with torch.no_grad():
         y, ref = layer(x), lin(x)
     assert y.shape == (3, 11, 256) and y.dtype == torch.float32
-    # Weights and activations each lose ~2.6% (per channel, per token); together ~3.7% on Gaussian data.
+    # Weights and activations each lose ~2.6% (per channel, per token); together 3.67-3.78% over 20 Gaussian draws.
     assert _rel_err(y, ref) < 0.045
     # The CPU path is the reference computation, and that equals dequantize-then-matmul up to float32 rounding.
     x2 = x.reshape(-1, 512)
@@ -449,8 +451,10 @@ def _cuda_layer(in_features: int, out_features: int, bias: bool, dtype: torch.dt
     return layer.to(dtype)
 
 
-# bfloat16 output rounds once more (2^-9 relative) and cuBLASLt may sum in another order: tolerance in norm.
-_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 8e-3}
+# Relative error in norm. Hopper's FP8 tensor cores keep fewer bits than float32 while they accumulate (about 14,
+# DeepSeek-V3's report measured), so even float32 output differs from a float32 sum: 2e-5 to 9e-5 seen on an
+# H200. Half-precision output rounds once more (2^-11 / 2^-9 relative), in cuBLASLt's epilogue.
+_TOLERANCE = {torch.float32: 5e-4, torch.float16: 2e-3, torch.bfloat16: 8e-3}
 
 
 @cuda_only
