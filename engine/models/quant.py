@@ -13,6 +13,7 @@ On CUDA the matmul is ``torch._scaled_mm`` (cuBLASLt FP8 with row-wise scales); 
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -23,12 +24,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import triton_importable
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
 # Floor of a row's amax: an all-zero row gets a finite, nonzero scale (and quantizes to zeros).
 MIN_AMAX = 1e-12
 # cuBLASLt's FP8 matmul wants the reduction (in) and output (out) dims multiples of 16; any token count works.
 _SCALED_MM_ALIGN = 16
+# The widest rows the fused Triton quantization takes (engine.kernels.fp8_quant.MAX_COLS, not imported here
+# so that the CPU never imports triton).
+FUSED_QUANT_MAX_COLS = 32768
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,10 +42,10 @@ def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     No host sync and no data-dependent shape, so it can run inside a captured CUDA graph.
     """
-    x32 = x.float()
-    scale = x32.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
+    # abs and max are exact in any dtype; the quotient is a float32 division (a bf16 x promotes).
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=MIN_AMAX) / FP8_MAX
     # Clamped: x / scale may round past 448, and CUDA casts out-of-range values to NaN (e4m3fn has no inf).
-    return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    return torch.div(x, scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,6 +59,24 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations ``[tokens, in]`` to FP8 per token: ``(fp8 [tokens, in], float32 scale [tokens, 1])``."""
     return _quantize_rows(x)
+
+
+@functools.cache
+def _triton_per_token_quant() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """The fused Triton quantization of activations on CUDA, or None without triton (then torch's passes run)."""
+    if not triton_importable():
+        return None
+    from engine.kernels.fp8_quant import per_token_quant
+
+    return per_token_quant
+
+
+def _quantize_tokens_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_per_token`` on a GPU: the same bytes, in one Triton kernel where it can."""
+    fused = _triton_per_token_quant()
+    if fused is None or x.shape[1] > FUSED_QUANT_MAX_COLS:
+        return quantize_per_token(x)
+    return fused(x, FP8_DTYPE, FP8_MAX, MIN_AMAX)
 
 
 def dequantize(w_fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -213,7 +237,7 @@ class Fp8Linear(nn.Module):
             padded[:n, : self.in_features] = weight
             weight = padded
             w_scale = F.pad(w_scale, (0, pad_n), value=1.0)
-        xq, x_scale = quantize_per_token(x)
+        xq, x_scale = _quantize_tokens_cuda(x)
         bias = self.bias
         # cuBLASLt adds the bias in its epilogue, except for float32 output where _scaled_mm refuses a bias.
         fused_bias = None
