@@ -20,7 +20,9 @@ from engine.models.loader import tiny_config
 from engine.models.quant import (
     FP8_DTYPE,
     FP8_MAX,
+    INV_FP8_MAX,
     MIN_AMAX,
+    SMALL_BATCH_TOKENS,
     Fp8Linear,
     QuantSpec,
     WeightScheme,
@@ -112,6 +114,7 @@ def test_fp8_linear_matches_a_float32_linear_within_4_5_percent() -> None:
         lin.weight.copy_(torch.randn(256, 512, generator=_g(4)) / 512**0.5)
         lin.bias.copy_(torch.randn(256, generator=_g(5)) * 0.1)
     layer = _layer(512, 256, bias=True)
+    assert layer._unit_scale.item() == 1.0  # set again after to_empty, which leaves buffers uninitialised
     layer.load_rows(0, lin.weight.detach())
     with torch.no_grad():
         assert layer.bias is not None
@@ -137,7 +140,8 @@ def test_to_dtype_casts_the_bias_but_keeps_fp8_weights_and_float32_scales() -> N
     assert fp8.weight.dtype == FP8_DTYPE and fp8.weight_scale.dtype == torch.float32
     assert fp8.bias is not None and fp8.bias.dtype == torch.bfloat16
     assert torch.equal(_bits(fp8.weight), weight) and torch.equal(fp8.weight_scale, scale)
-    assert set(model.state_dict()) >= {"1.weight", "1.weight_scale", "1.bias"}
+    assert set(model.state_dict()) == {"0.weight", "0.bias", "1.weight", "1.weight_scale", "1.bias"}
+    assert fp8._unit_scale.dtype == torch.float32 and fp8._unit_scale.item() == 1.0
     y = model(torch.randn(4, 32, generator=_g(8)).bfloat16())
     assert y.dtype == torch.bfloat16 and torch.isfinite(y.float()).all()
 
@@ -466,7 +470,8 @@ def test_scaled_mm_matches_the_reference_on_the_gpu(
     dtype: torch.dtype, bias: bool, in_features: int, out_features: int
 ) -> None:
     layer = _cuda_layer(in_features, out_features, bias, dtype)
-    for tokens in (1, 7, 33):  # no padding of tokens: any count works
+    # Up to SMALL_BATCH_TOKENS: tensor-wise matmul + epilogue kernel; above: row-wise scales. Any count works.
+    for tokens in (1, 7, SMALL_BATCH_TOKENS, SMALL_BATCH_TOKENS + 1, 300):
         x = torch.randn(tokens, in_features, generator=_g(62)).to("cuda", dtype)
         with torch.no_grad():
             y = layer(x)
@@ -477,9 +482,10 @@ def test_scaled_mm_matches_the_reference_on_the_gpu(
 
 @cuda_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_scaled_mm_replays_in_a_captured_cuda_graph(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("tokens", [16, 128])  # both kernel paths
+def test_scaled_mm_replays_in_a_captured_cuda_graph(dtype: torch.dtype, tokens: int) -> None:
     layer = _cuda_layer(256, 384, True, dtype)
-    static_x = torch.zeros(16, 256, device="cuda", dtype=dtype)
+    static_x = torch.zeros(tokens, 256, device="cuda", dtype=dtype)
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     side.wait_stream(torch.cuda.current_stream())
     with torch.no_grad(), torch.cuda.stream(side):
@@ -489,7 +495,7 @@ def test_scaled_mm_replays_in_a_captured_cuda_graph(dtype: torch.dtype) -> None:
     with torch.no_grad(), torch.cuda.graph(graph):
         static_y = layer(static_x)
     for seed in (70, 71):
-        x = torch.randn(16, 256, generator=_g(seed)).to("cuda", dtype) * (seed - 69)
+        x = torch.randn(tokens, 256, generator=_g(seed)).to("cuda", dtype) * (seed - 69)
         static_x.copy_(x)
         graph.replay()
         with torch.no_grad():
@@ -503,7 +509,7 @@ def test_scaled_mm_replays_in_a_captured_cuda_graph(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_fused_activation_quantization_gives_torchs_bytes(dtype: torch.dtype) -> None:
     # (Not under TRITON_INTERPRET: Triton 3.6's interpreter rounds 125.2 to 64 in e4m3, dropping the carry.)
-    from engine.kernels.fp8_quant import per_token_quant
+    from engine.kernels.fp8 import per_token_quant
 
     for tokens, cols in ((1, 4096), (37, 300), (5, 14336)):
         x = torch.randn(tokens, cols, generator=_g(80)) * torch.logspace(-4, 4, tokens)[:, None]
@@ -511,6 +517,6 @@ def test_fused_activation_quantization_gives_torchs_bytes(dtype: torch.dtype) ->
         x = x.to("cuda", dtype)
         if tokens > 1:
             x[1] = 0.0  # an all-zero token
-        q, scale = per_token_quant(x, FP8_DTYPE, FP8_MAX, MIN_AMAX)
+        q, scale = per_token_quant(x, FP8_DTYPE, FP8_MAX, INV_FP8_MAX, MIN_AMAX)
         ref_q, ref_scale = quantize_per_token(x)
         assert torch.equal(_bits(q), _bits(ref_q)) and torch.equal(scale, ref_scale)
