@@ -466,7 +466,9 @@ def _check_fp8_args(field: str, args: Mapping[str, Any]) -> None:
         raise _refuse(f"{field}.symmetric", args.get("symmetric"), "only symmetric")
 
 
-class _HasLayers(Protocol):
+class HasNumLayers(Protocol):
+    """A model config, as far as kv_scales needs it (LlamaConfig and its successors)."""
+
     @property
     def num_hidden_layers(self) -> int: ...
 
@@ -486,7 +488,7 @@ def is_kv_scale_name(name: str) -> bool:
     return _KV_SCALE_NAME.fullmatch(name) is not None
 
 
-def kv_scales(config: _HasLayers, checkpoint: Mapping[str, torch.Tensor]) -> list[tuple[float, float]]:
+def kv_scales(config: HasNumLayers, checkpoint: Mapping[str, torch.Tensor]) -> list[tuple[float, float]]:
     """Per layer ``(k_scale, v_scale)`` for an FP8 KV cache: the checkpoint's, or 1.0 where it has none.
 
     Read from ``model.layers.N.self_attn.k_scale`` / ``v_scale`` (also ``self_attn.attn.k_scale``,
