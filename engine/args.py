@@ -92,6 +92,7 @@ class EngineArgs:
     enforce_eager: bool = False
     cudagraph_capture_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, 16, ... up to max_num_seqs
     kernels: str = "auto"
+    quantization: str | None = None  # "fp8": linear weights to FP8 at load (per channel), activations per token
     load_format: str = "auto"  # "dummy": random weights of the config's shape (speed runs without the checkpoint)
     torch_threads: int | None = None
     log_level: str = "info"
@@ -202,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="the model's ops: fused Triton kernels (auto on CUDA) or plain torch (the exact reference; auto on CPU)",
     )
+    p.add_argument("--quantization", "-q", choices=["fp8"], default=None,
+                   help="fp8: quantize the linear weights of a bf16/fp16 checkpoint to FP8 e4m3 at load (one scale per "
+                   "output channel; activations per token at run time: ATOM's online PTPC-FP8). FP8 checkpoints "
+                   "(quantization_config fp8 / compressed-tensors) load as FP8 without it")
     p.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default="auto",
                    help="dummy: random weights in the shape of the model's config.json, drawn on the device "
                    "(as vLLM's --load-format dummy; speed runs without the checkpoint, the text is noise)")
@@ -297,6 +302,7 @@ def validate(ns: argparse.Namespace) -> EngineArgs:
         cudagraph_capture_sizes=sizes,
         kernels=ns.kernels,
         load_format=ns.load_format,
+        quantization=ns.quantization,
         torch_threads=ns.torch_threads,
         log_level=ns.log_level,
     )

@@ -27,6 +27,7 @@ from engine.kernels import interpret_mode, triton_importable
 from engine.kv_events import EventRecorder
 from engine.model_runner import ModelRunner, StepInput, kv_cache_dtype
 from engine.models.loader import LoadedModel, load_model
+from engine.models.quant import parse_quantization
 from engine.models.rope import context_limit
 from engine.sampler import SampleOutput
 from engine.scheduler import QueueFullError, ScheduledBatch, Scheduler, SchedulerConfig
@@ -122,6 +123,7 @@ class LLMEngine:
             kernels=self.kernels,
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
+            quant=parse_quantization(loaded.hf_config, args.quantization),
         )
         self.num_blocks = self._count_blocks()
         sizes = self._capture_sizes()

@@ -16,6 +16,7 @@ from engine.kernels.ops import TritonOps
 from engine.models.config import ModelConfig
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.loader import WeightSource
+from engine.models.quant import Fp8Linear, QuantSpec
 from engine.sampler import SampleOutput, Sampler, SampleRow, sample_row, token_logprobs
 from engine.sequence import SamplingParams, Sequence, TokenLogprob
 
@@ -80,9 +81,18 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 def random_weights(model: DecoderForCausalLM, seed: int) -> None:
     """``--load-format dummy``: draw every weight on its device (norms 1, the rest N(0, 0.02), as transformers
     initialises): the real model's speed without its checkpoint (its text is noise)."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
+        fp8: set[str] = set()
+        for mname, module in model.named_modules():
+            if isinstance(module, Fp8Linear):  # drawn in bf16, then quantized as a checkpoint's would be
+                w = torch.empty(module.out_features, module.in_features, dtype=torch.bfloat16, device=device)
+                module.load_rows(0, w.normal_(0.0, 0.02, generator=gen))
+                fp8 |= {f"{mname}.weight", f"{mname}.weight_scale"}
         for name, p in model.named_parameters():
+            if name in fp8:
+                continue
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
@@ -105,6 +115,7 @@ class ModelRunner:
         kernels: str = "torch",
         max_model_len: int = 0,
         eos_token_ids: frozenset[int] = frozenset(),
+        quant: QuantSpec | None = None,
     ) -> None:
         self.config = model_config
         self.max_model_len = max_model_len or model_config.max_position_embeddings
@@ -117,7 +128,7 @@ class ModelRunner:
         if kernels not in ("torch", "triton"):
             raise ValueError(f"unknown kernels {kernels!r}")
         with torch.device("meta"):
-            model = DecoderForCausalLM(model_config)
+            model = DecoderForCausalLM(model_config, quant)
         # Built on the meta device (no throwaway random init), given the serving dtype there (free), then
         # materialised empty on the device and filled tensor by tensor: no copy of the model in another dtype.
         model = model.to(dtype).to_empty(device=device)

@@ -13,6 +13,7 @@ from torch import nn
 from engine.attention import AttentionMetadata
 from engine.kernels.ops import ModelOps, QKNorm, TorchOps
 from engine.models.config import ModelConfig
+from engine.models.quant import Fp8Linear, QuantSpec, WeightScheme, is_kv_scale_name
 from engine.models.rope import rope_tables
 
 Loader = Callable[[torch.Tensor], None]  # copies one checkpoint tensor into its place in the model
@@ -31,6 +32,56 @@ def rows_of(dest: torch.Tensor, start: int, name: str) -> Loader:
     return load
 
 
+class _Fp8Rows:
+    """Loads one Hub module into rows of an ``Fp8Linear``: its weight alone (quantized at load), or its FP8
+    weight with the checkpoint's scale, whichever of the two tensors comes first (each is held until the other)."""
+
+    def __init__(self, layer: Fp8Linear, start: int, quant: QuantSpec) -> None:
+        self.layer, self.start, self.quant = layer, start, quant
+        self.weight: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None
+
+    def take_weight(self, t: torch.Tensor) -> None:
+        self.weight = t
+        self._flush()
+
+    def take_scale(self, t: torch.Tensor) -> None:
+        self.scale = t
+        self._flush()
+
+    def _flush(self) -> None:
+        if self.weight is None or (self.quant.scale_name is not None and self.scale is None):
+            return
+        self.layer.load_rows(self.start, self.weight, self.scale, self.quant.block_size)
+        self.weight = self.scale = None
+
+
+def make_linear(in_features: int, out_features: int, bias: bool, quant: QuantSpec | None,
+                modules: list[str]) -> nn.Linear | Fp8Linear:  # fmt: skip
+    """The projection fused from Hub ``modules``: FP8 when the quantization takes them, else a plain linear."""
+    if quant is not None and quant.quantizes_fused(modules):
+        return Fp8Linear(in_features, out_features, bias)
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+def linear_loaders(linear: nn.Linear | Fp8Linear, parts: list[tuple[str, int]],
+                   quant: QuantSpec | None) -> dict[str, Loader]:  # fmt: skip
+    """Loaders of the Hub ``(module, first row)`` parts fused into ``linear`` (weights, biases, FP8 scales)."""
+    out: dict[str, Loader] = {}
+    for module, start in parts:
+        if isinstance(linear, Fp8Linear):
+            assert quant is not None
+            rows = _Fp8Rows(linear, start, quant)
+            out[module + ".weight"] = rows.take_weight
+            if quant.scale_name is not None:
+                out[f"{module}.{quant.scale_name}"] = rows.take_scale
+        else:
+            out[module + ".weight"] = rows_of(linear.weight, start, module + ".weight")
+        if linear.bias is not None:
+            out[module + ".bias"] = rows_of(linear.bias, start, module + ".bias")
+    return out
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm (its weight); the computation is the ops' (float32 inside)."""
 
@@ -47,15 +98,18 @@ class Attention(nn.Module):
     Q and K before rotating them; a sliding window (Mistral) limits how far back a token looks.
     """
 
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, quant: QuantSpec | None = None) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.quant = quant
+        p = f"model.layers.{layer}.self_attn."
+        self.qkv_proj = make_linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, quant,
+                                    [p + "q_proj", p + "k_proj", p + "v_proj"])  # fmt: skip
+        self.o_proj = make_linear(self.q_size, cfg.hidden_size, cfg.o_bias, quant, [p + "o_proj"])
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.window = cfg.window(layer)
@@ -81,15 +135,9 @@ class Attention(nn.Module):
 
     def loaders(self, p: str) -> dict[str, Loader]:
         """Hub names (prefix ``p``) -> where they go."""
-        out: dict[str, Loader] = {}
-        starts = {"q_proj": 0, "k_proj": self.q_size, "v_proj": self.q_size + self.kv_size}
-        for part, start in starts.items():
-            out[f"{p}{part}.weight"] = rows_of(self.qkv_proj.weight, start, f"{p}{part}.weight")
-            if self.qkv_proj.bias is not None:
-                out[f"{p}{part}.bias"] = rows_of(self.qkv_proj.bias, start, f"{p}{part}.bias")
-        out[p + "o_proj.weight"] = rows_of(self.o_proj.weight, 0, p + "o_proj.weight")
-        if self.o_proj.bias is not None:
-            out[p + "o_proj.bias"] = rows_of(self.o_proj.bias, 0, p + "o_proj.bias")
+        parts = [(p + "q_proj", 0), (p + "k_proj", self.q_size), (p + "v_proj", self.q_size + self.kv_size)]
+        out = linear_loaders(self.qkv_proj, parts, self.quant)
+        out |= linear_loaders(self.o_proj, [(p + "o_proj", 0)], self.quant)
         if self.q_norm is not None and self.k_norm is not None:
             out[p + "q_norm.weight"] = rows_of(self.q_norm.weight, 0, p + "q_norm.weight")
             out[p + "k_norm.weight"] = rows_of(self.k_norm.weight, 0, p + "k_norm.weight")
@@ -99,22 +147,23 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward block; gate and up in one matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, quant: QuantSpec | None = None,
+                 prefix: str = "") -> None:  # fmt: skip
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.quant = quant
+        self.gate_up_proj = make_linear(hidden_size, 2 * intermediate_size, False, quant,
+                                        [prefix + "gate_proj", prefix + "up_proj"])  # fmt: skip
+        self.down_proj = make_linear(intermediate_size, hidden_size, False, quant, [prefix + "down_proj"])
 
     def forward(self, ops: ModelOps, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))  # type: ignore[no-any-return]
 
     def loaders(self, p: str) -> dict[str, Loader]:
-        w = self.gate_up_proj.weight
-        return {
-            p + "gate_proj.weight": rows_of(w, 0, p + "gate_proj.weight"),
-            p + "up_proj.weight": rows_of(w, self.intermediate_size, p + "up_proj.weight"),
-            p + "down_proj.weight": rows_of(self.down_proj.weight, 0, p + "down_proj.weight"),
-        }
+        parts = [(p + "gate_proj", 0), (p + "up_proj", self.intermediate_size)]
+        return linear_loaders(self.gate_up_proj, parts, self.quant) | linear_loaders(
+            self.down_proj, [(p + "down_proj", 0)], self.quant
+        )
 
 
 class MoEMLP(nn.Module):
@@ -150,14 +199,17 @@ class DecoderLayer(nn.Module):
     """One pre-norm transformer block. The residual stream is carried beside the hidden states so
     that each residual add is fused into the norm that follows it."""
 
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, quant: QuantSpec | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, quant)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp: MLP | MoEMLP = MoEMLP(cfg) if cfg.is_moe(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
         # Where the Hub keeps this layer's MLP: Mixtral calls its MoE block block_sparse_moe.
         self.mlp_prefix = "block_sparse_moe." if cfg.architecture == "MixtralForCausalLM" else "mlp."
+        if cfg.is_moe(layer):
+            self.mlp: MLP | MoEMLP = MoEMLP(cfg)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, quant, f"model.layers.{layer}.{self.mlp_prefix}")
 
     def forward(
         self,
@@ -198,12 +250,15 @@ class DecoderForCausalLM(nn.Module):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, quant: QuantSpec | None = None) -> None:
         super().__init__()
+        if quant is not None and quant.scheme is not WeightScheme.ONLINE and cfg.num_experts:
+            raise ValueError(f"{cfg.architecture}: FP8 checkpoints of MoE models are not supported (the experts "
+                             "run in bf16 only; --quantization fp8 on a bf16 checkpoint quantizes the rest)")  # fmt: skip
         self.config = cfg
         self.ops: ModelOps = TorchOps()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.decoder_layers = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        self.decoder_layers = [DecoderLayer(cfg, i, quant) for i in range(cfg.num_hidden_layers)]
         self.layers = nn.ModuleList(self.decoder_layers)  # registers them; decoder_layers is the typed view
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -264,6 +319,9 @@ class DecoderForCausalLM(nn.Module):
         with torch.no_grad():
             for name, tensor in tensors:
                 load = loaders.get(name)
+                if load is None and is_kv_scale_name(name):
+                    raise ValueError(f"checkpoint carries calibrated FP8 KV cache scales ({name!r}); this engine "
+                                     "does not apply them (its FP8 KV cache uses a scale of 1.0)")  # fmt: skip
                 if load is None:
                     # Rotary frequencies are recomputed; a tied head may still be written out.
                     if not (name.endswith("rotary_emb.inv_freq")

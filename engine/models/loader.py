@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.models.config import ModelConfig, parse_hf_config
+from engine.models.config import ModelConfig, UnsupportedModelError, parse_hf_config
+from engine.models.quant import parse_quantization
 from engine.tokenizer import ByteTokenizer, Tokenizer, tokenizer_from_folder, tokenizer_from_gguf_fields
 
 SMOLLM2_NAMES = ("smollm2", "default", "SmolLM2-135M-Instruct")
@@ -256,11 +257,10 @@ def load_safetensors_folder(folder: Path, model_id: str) -> LoadedModel:
     """Read a Hugging Face checkpoint folder: config.json, *.safetensors (read later, lazily), tokenizer.json."""
     raw = json.loads((folder / "config.json").read_text())
     cfg = parse_hf_config(raw, where=str(folder))
-    quant = raw.get("quantization_config")
-    if quant is not None:
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        raise ValueError(f"{folder}: config.json quantization_config.quant_method={method!r} is not supported "
-                         "(FP8 checkpoints are not loaded yet)")  # fmt: skip
+    try:
+        parse_quantization(raw, None)  # refuses, naming the field, what the FP8 layers do not run
+    except ValueError as exc:
+        raise UnsupportedModelError(f"{folder}: config.json {exc}") from exc
     files = sorted(folder.glob("*.safetensors"))
     weights = safetensors_files(files) if files else _no_weights(folder)
     eos = raw.get("eos_token_id")
