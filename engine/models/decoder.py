@@ -253,8 +253,10 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, quant: QuantSpec | None = None) -> None:
         super().__init__()
         if quant is not None and quant.scheme is not WeightScheme.ONLINE and cfg.num_experts:
-            raise ValueError(f"{cfg.architecture}: FP8 checkpoints of MoE models are not supported (the experts "
-                             "run in bf16 only; --quantization fp8 on a bf16 checkpoint quantizes the rest)")  # fmt: skip
+            raise ValueError(
+                f"{cfg.architecture}: FP8 checkpoints of MoE models are not supported (the experts run in bf16 "
+                "only; --quantization fp8 on a bf16 checkpoint quantizes the rest)"
+            )
         self.config = cfg
         self.ops: ModelOps = TorchOps()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
