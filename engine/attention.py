@@ -165,6 +165,10 @@ def paged_attention(
     Returns ``[num_tokens, heads * head_dim]``.
     """
     store_kv(kv_cache, k, v, meta.slot_mapping)
+    if kv_cache.dtype in _FP8:
+        # Attend over this step's keys as the cache holds them, so that a prompt's KV read back from the cache
+        # (a prefix-cache hit, a later chunk, the Triton kernels) gives what its first computation gave.
+        k, v = k.to(kv_cache.dtype).to(k.dtype), v.to(kv_cache.dtype).to(v.dtype)
     if indexer is not None:
         # Sparse attention: keep the indexer keys of the blocks this step wrote up to date.
         _INDEXER.update(indexer, kv_cache, meta.slot_mapping)

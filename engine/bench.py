@@ -307,6 +307,8 @@ def main() -> None:
                    help="dummy: random weights of the folder's config.json (the engine's and transformers' own init)")
     p.add_argument("--quantization", choices=["fp8"], default=None, help="the engine's --quantization")
     p.add_argument("--kv-cache-dtype", default="auto", help="the engine's --kv-cache-dtype")
+    p.add_argument("--max-num-batched-tokens", type=int, default=0,
+                   help="the engine's step budget (default: every prompt of the largest batch in one step)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
 
@@ -321,7 +323,7 @@ def main() -> None:
         max_model_len=a.prompt_len + a.new_tokens + 16,
         max_num_seqs=max_batch,
         # Every batch's prompts in one prefill step, as the reference's static batch does.
-        max_num_batched_tokens=max(16384, max_batch * a.prompt_len),
+        max_num_batched_tokens=a.max_num_batched_tokens or max(16384, max_batch * a.prompt_len),
         enable_prefix_caching=False,
         enforce_eager=a.enforce_eager,
         kernels=a.kernels,

@@ -59,12 +59,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_kernels(name: str, device: torch.device, cache_dtype: torch.dtype, head_dim: int = 64) -> str:
-    """``auto``: the Triton kernels on CUDA (torch's for an fp8 KV cache or a head size that is not a power of
-    two, which the kernels do not tile), plain torch on CPU."""
+    """``auto``: the Triton kernels on CUDA (torch's for a head size that is not a power of two, which the
+    kernels do not tile), plain torch on CPU. An FP8 KV cache runs on both: stored and read with a unit scale."""
     pow2 = head_dim & (head_dim - 1) == 0
     if name == "auto":
-        fp8 = cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-        return "triton" if device.type == "cuda" and triton_importable() and not fp8 and pow2 else "torch"
+        return "triton" if device.type == "cuda" and triton_importable() and pow2 else "torch"
     if name == "triton" and not pow2:
         raise ValueError(f"--kernels triton: head_dim {head_dim} is not a power of two (use --kernels torch)")
     if name == "triton" and device.type != "cuda" and not interpret_mode():

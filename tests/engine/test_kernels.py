@@ -156,8 +156,12 @@ def _generate(make_engine: MakeEngine, loaded: LoadedModel | None = None, **kw: 
         {},
         {"max_num_batched_tokens": 24},  # chunked prompts mixed with decodes
         {"sparse_attention": True, "sparse_topk_blocks": 2, "block_size": 4},
+        # K/V stored as float8_e4m3fn (unit scale) and read back by the kernels. CUDA only: Triton 3.6's
+        # interpreter rounds float32 -> float8 wrongly where rounding carries into the exponent (1.96 -> 1.0).
+        pytest.param({"kv_cache_dtype": "fp8"}, marks=pytest.mark.skipif(
+            DEVICE != "cuda", reason="Triton's interpreter converts float32 to float8 wrongly; checked on CUDA")),
     ],
-    ids=["plain", "chunked", "sparse"],
+    ids=["plain", "chunked", "sparse", "fp8-kv"],
 )
 def test_an_engine_on_the_kernels_generates_what_the_torch_engine_does(make_engine: MakeEngine,
                                                                        extra: dict[str, object]) -> None:  # fmt: skip
