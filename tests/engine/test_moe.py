@@ -224,7 +224,7 @@ GH, GI, GE, GK = 512, 384, 16, 4  # larger than the CPU cases; INTER not a multi
 
 
 @cuda_only
-@pytest.mark.parametrize("tokens", [1, 7, 300, 2048])
+@pytest.mark.parametrize("tokens", [1, 7, 200, 300, 2048])  # 200 x 4: near the one-program align bound
 def test_fused_moe_bfloat16_on_cuda(tokens: int) -> None:
     from engine.kernels.fused_moe import fused_moe
 
