@@ -20,7 +20,7 @@ _REFUSED_FLAGS = {
     "--num-speculative-tokens": "speculative decoding is not supported by this engine",
     "--draft-model": "speculative decoding is not supported by this engine",
     "--port": "this engine has no internal engine port (ATOM's --port); use --server-port for HTTP",
-    "--enable-expert-parallel": "expert parallelism is not supported (dense models only)",
+    "--enable-expert-parallel": "expert parallelism is not supported (MoE experts run on one device)",
     "--enable-dp-attention": "data-parallel attention is not supported",
     "--level": "torch.compile levels are not used by this engine (CUDA graphs and Triton kernels instead)",
     "--hf-overrides": "--hf-overrides is not supported",
