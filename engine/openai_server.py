@@ -475,7 +475,11 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """GET /health: answers once the model is loaded (the server binds only after that)."""
+    """GET /health: ok once the model is loaded (the server binds only after that); 503 once the engine
+    died, so that a router takes this worker out."""
+    dead = request.app[STATE].engine.dead
+    if dead is not None:
+        return _json({"status": "dead", **dead.body()}, status=503)
     return _json({"status": "ok"})
 
 
@@ -626,11 +630,20 @@ async def serve(args: EngineArgs, engine: LLMEngine) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    async_engine = app[STATE].engine
+    if args.exit_on_engine_error:
+        async_engine.on_death(lambda _: stop.set())
     try:
         await stop.wait()
     finally:
         await runner.cleanup()
         log.info("server_stopped")
+    if async_engine.dead is not None and args.exit_on_engine_error:
+        raise EngineExit(async_engine.dead)
+
+
+class EngineExit(Exception):
+    """The engine died and --exit-on-engine-error asked the process to end (status 1)."""
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -656,13 +669,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         engine.max_model_len,
     )
     try:
-        import uvloop
-
-        uvloop.run(serve(args, engine))
-    except ImportError:
-        asyncio.run(serve(args, engine))
+        try:
+            import uvloop
+        except ImportError:
+            asyncio.run(serve(args, engine))
+        else:
+            uvloop.run(serve(args, engine))
     except KeyboardInterrupt:
         pass
+    except EngineExit as exc:
+        print(f"error: {exc} (--exit-on-engine-error)", file=sys.stderr)
+        raise SystemExit(1) from exc
 
 
 if __name__ == "__main__":
