@@ -170,9 +170,9 @@ class FrontExchange(Exchange):
 
 
 class _Request:
-    """A complete request read from a connection."""
+    """A complete request read from a connection; `refusal` set: answered with that error, then closed."""
 
-    __slots__ = ("body", "headers", "http10", "keep_alive", "method", "target")
+    __slots__ = ("body", "headers", "http10", "keep_alive", "method", "refusal", "target")
 
     def __init__(self, method: bytes, target: bytes, headers: dict[str, str], body: bytes | bytearray,
                  keep_alive: bool, http10: bool) -> None:
@@ -182,13 +182,14 @@ class _Request:
         self.body = body
         self.keep_alive = keep_alive
         self.http10 = http10
+        self.refusal: Refused | None = None
 
 
 class FrontConnection(FlowControl):
     """One client connection: its parser, its phase and deadline, the requests read and the one served."""
 
     __slots__ = ("body", "deadline", "door", "eof", "head_bytes", "head_size", "headers", "keep_alive",
-                 "lingering", "parser", "phase", "queue", "queued_bytes", "task", "url")
+                 "lingering", "parser", "phase", "queue", "queued_bytes", "task", "url", "url_open", "url_piece")
 
     def __init__(self, door: FrontDoor) -> None:
         super().__init__()
@@ -197,6 +198,8 @@ class FrontConnection(FlowControl):
         self.phase = Phase.HEAD  # a new connection owes its first request head within the head timeout
         self.deadline = door.loop.time() + door.head_timeout
         self.url = b""
+        self.url_piece = b""  # the target's bytes the current read delivered (HTTP/0.9 detection)
+        self.url_open = False  # the last read ended inside the target
         self.headers: dict[str, str] = {}
         self.head_bytes = 0  # bytes received while a head was arriving (bounds what the parser buffers)
         self.head_size = 0  # bytes of the current head's target and headers
@@ -218,6 +221,7 @@ class FrontConnection(FlowControl):
             return
         if self.phase is not Phase.BODY:
             self.head_bytes += len(data)
+        self.url_piece = b""
         try:
             self.parser.feed_data(data)
         except HttpParserCallbackError as e:
@@ -228,11 +232,19 @@ class FrontConnection(FlowControl):
                 raise
             return
         except HttpParserUpgrade:
-            # A protocol switch (WebSocket, h2c, CONNECT) is not offered: a request read whole is still
-            # answered, then the connection ends.
+            # A protocol switch (WebSocket, h2c) or CONNECT is not offered. The parser completed that
+            # request (the last queued): it is answered with an error in its turn, after the requests
+            # pipelined before it, and the connection ends there. Nothing after it is read.
+            self.hold_reading()
             if self.queue:
-                self.queue[-1].keep_alive = False
-                self.hold_reading()
+                req = self.queue[-1]
+                req.keep_alive = False
+                req.refusal = (Refused(501, "CONNECT is not supported: the gateway is not a proxy")
+                               if req.method == b"CONNECT" else
+                               Refused(400, "protocol upgrades (Upgrade: "
+                                            f"{req.headers.get('upgrade', '')[:64]}) are not supported"))
+                if self.task is None:
+                    self._next()
             else:
                 self.refuse(400, "protocol upgrades and CONNECT are not supported")
             return
@@ -242,6 +254,9 @@ class FrontConnection(FlowControl):
         if self.phase is Phase.HEAD and self.head_bytes > MAX_HEAD:
             self.refuse(431, f"request head is larger than {MAX_HEAD} bytes")
             return
+        if self.phase is Phase.HEAD and self.url and not self.headers and self._versionless_line(data):
+            self.refuse(400, "HTTP/0.9 is not served (the request line names no version); use HTTP/1.1")
+            return
         if self.task is None:
             if self.queue:
                 self._next()
@@ -249,11 +264,13 @@ class FrontConnection(FlowControl):
             self.hold_reading()
 
     def eof_received(self) -> bool:
-        """The client half-closed: answer what it sent whole, then close."""
+        """The client closed its side: it is gone, whatever it was waiting for (hyper's default, as SMG).
+
+        A client that merely half-closes cannot be told apart from one that closed and left, and
+        keeping a request running for a client that left burns a whole generation on a worker. So the
+        connection closes, which cancels the request being served (and its upstream legs)."""
         self.eof = True
-        if self.lingering:
-            return False
-        return self.task is not None or bool(self.queue)
+        return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.door.connections.discard(self)
@@ -274,6 +291,7 @@ class FrontConnection(FlowControl):
         self.body = b""
 
     def on_url(self, piece: bytes) -> None:
+        self.url_piece = piece
         url = self.url = self.url + piece if self.url else piece
         self.head_size += len(piece)
         if len(url) > MAX_LINE:
@@ -340,6 +358,21 @@ class FrontConnection(FlowControl):
         self.deadline = self.door.loop.time() + self.door.keepalive_timeout
         self.body = b""
 
+    def _versionless_line(self, data: bytes) -> bool:
+        """Whether the request line being read ended (CR or LF) right after its target: HTTP/0.9.
+
+        llhttp would wait for a blank line to call it 0.9 (and a client of 0.9 never sends one)."""
+        if self.parser.get_http_version() != "0.0":
+            return False  # "HTTP/x.y" was read
+        piece = self.url_piece
+        if piece:
+            end = data.rfind(piece) + len(piece)
+            self.url_open = end == len(data)
+            return data[end:end + 1] in (b"\r", b"\n")
+        ended = self.url_open and data[:1] in (b"\r", b"\n")
+        self.url_open = False
+        return ended
+
     # ------------------------------------------------------------------ writing
     def send(self, data: bytes) -> None:
         if self.transport is not None:  # else the client is gone and the request is being cancelled
@@ -377,6 +410,9 @@ class FrontConnection(FlowControl):
     def _next(self) -> None:
         req = self.queue.popleft()
         self.queued_bytes -= len(req.body)
+        if req.refusal is not None:
+            self.refuse(req.refusal.status, req.refusal.message)
+            return
         self.keep_alive = req.keep_alive
         route = HOT_ROUTES.get(req.target) if req.method == b"POST" and self.door.hot else None
         loop = self.door.loop
