@@ -69,3 +69,7 @@ class EngineDeadError(EngineError):
     status = 503
     type = "server_error"
     code = "engine_dead"
+
+
+class BindError(Exception):
+    """A port the engine was asked to listen on could not be bound; the message names address, port and use."""

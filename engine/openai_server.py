@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from engine.args import EngineArgs, parse_args
 from engine.async_engine import AsyncLLMEngine, RequestOutput
 from engine.disagg import Disaggregation, check_transfer_support
-from engine.errors import EngineError, InvalidRequestError, ModelNotFoundError
+from engine.errors import BindError, EngineError, InvalidRequestError, ModelNotFoundError
 from engine.kv_events import ZmqEventPublisher, advertised
 from engine.llm_engine import LLMEngine
 from engine.metrics import ServerMetrics
@@ -581,7 +581,7 @@ def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
         # The KV relay is up before the port opens: a router reads /kv_transfer_info at registration.
         if disagg is not None:
             await disagg.start()
-        publisher = ZmqEventPublisher(args.kv_events) if args.kv_events.enabled else None
+        publisher = ZmqEventPublisher(args.kv_events, args.host) if args.kv_events.enabled else None
         if publisher is not None:
             async_engine.publish_kv_events(publisher.publish)
         await async_engine.start()
@@ -622,9 +622,15 @@ async def serve(args: EngineArgs, engine: LLMEngine) -> None:
     # handler_cancellation: a client that disconnects cancels its handler, which aborts the request
     # and frees its KV blocks at once.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
+    await runner.setup()  # the KV relay's handshake and the KV event sockets bind here
     site = web.TCPSite(runner, args.host, args.server_port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise BindError(f"cannot listen on {args.host}:{args.server_port} (HTTP, --host/--server-port): "
+                        f"{reason}") from exc
     log.info("server_listening model=%s url=http://%s:%d", args.model, args.host, args.server_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -677,6 +683,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             uvloop.run(serve(args, engine))
     except KeyboardInterrupt:
         pass
+    except BindError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
     except EngineExit as exc:
         print(f"error: {exc} (--exit-on-engine-error)", file=sys.stderr)
         raise SystemExit(1) from exc

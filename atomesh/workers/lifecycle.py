@@ -134,6 +134,7 @@ class Lifecycle:
                 event.set()
 
     async def _wait_healthy(self, worker: Worker, deadline: float) -> None:
+        logged = ""  # the reason last logged: a wrong URL says why at once, and again only when that changes
         while worker.state is WorkerState.PENDING:
             remaining = deadline - time.monotonic()
             ok, last = await self.probe(worker, min(self.probe_timeout, max(remaining, 0.001)))
@@ -143,6 +144,10 @@ class Lifecycle:
             if last == SELF_LOOP:
                 raise RegistrationFailed(f"{worker.url} is this gateway itself ({SELF_LOOP})")
             worker.error = f"not healthy yet: {last}"  # GET /workers/{id} shows why it is still pending
+            if last != logged:
+                log.warning("worker_not_healthy_yet", worker=worker.url, reason=last,
+                            gives_up_in_secs=round(max(deadline - time.monotonic(), 0.0), 1))
+                logged = last
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RegistrationFailed(
