@@ -131,12 +131,13 @@ class Phase(IntEnum):
 class FrontExchange(Exchange):
     """An Exchange writing straight to the client's connection."""
 
-    __slots__ = ("conn", "cors", "framed")
+    __slots__ = ("conn", "cors", "framed", "sse")
 
     def __init__(self, conn: FrontConnection, request_id: str, headers: Mapping[str, str], framed: bool) -> None:
         super().__init__(request_id, headers)
         self.conn = conn
         self.framed = framed  # chunked framing for streams (HTTP/1.1); HTTP/1.0 gets the raw bytes and a close
+        self.sse = False  # the stream started is server-sent events (an error can be told in-band)
         cors = conn.door.cors
         self.cors = cors.headers(headers) if cors is not None else None  # added to the answer (an allowed origin)
 
@@ -152,6 +153,7 @@ class FrontExchange(Exchange):
             headers = {**headers, **self.cors}
         self.status = status
         self.committed = True
+        self.sse = any(k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in headers.items())
         if not self.framed:
             self.conn.keep_alive = False  # the end of the body is the end of the connection
         self.conn.send(response_head(status, headers, None, self.conn.keep_alive, self.framed))
@@ -167,6 +169,11 @@ class FrontExchange(Exchange):
     async def end(self) -> None:
         if self.framed:
             self.conn.send(b"0\r\n\r\n")
+
+    def cut(self, message: str) -> None:
+        """End a started event stream now with an error event and [DONE] (the gateway is stopping)."""
+        event = b"data: " + error_body(message, "server_error", "gateway_shutting_down") + b"\n\ndata: [DONE]\n\n"
+        self.conn.send(b"%x\r\n%b\r\n0\r\n\r\n" % (len(event), event) if self.framed else event)
 
 
 class _Request:
@@ -188,7 +195,7 @@ class _Request:
 class FrontConnection(FlowControl):
     """One client connection: its parser, its phase and deadline, the requests read and the one served."""
 
-    __slots__ = ("body", "deadline", "door", "eof", "head_bytes", "head_size", "headers", "keep_alive",
+    __slots__ = ("body", "cut", "deadline", "door", "eof", "head_bytes", "head_size", "headers", "keep_alive",
                  "lingering", "parser", "phase", "queue", "queued_bytes", "task", "url", "url_open", "url_piece")
 
     def __init__(self, door: FrontDoor) -> None:
@@ -207,6 +214,7 @@ class FrontConnection(FlowControl):
         self.queue: deque[_Request] = deque()
         self.queued_bytes = 0
         self.task: asyncio.Task[None] | None = None
+        self.cut: str | None = None  # why the request being served is cancelled by the gateway itself
         self.keep_alive = True
         self.eof = False
         self.lingering = False  # refused: reading and discarding until closed
@@ -438,6 +446,8 @@ class FrontConnection(FlowControl):
                 admission = acc.failed(e)
                 self._answer_error(exchange, *error_answer(e))
             except asyncio.CancelledError:
+                if self.cut is not None and exchange.committed and exchange.sse:
+                    exchange.cut(self.cut)  # stopped by the gateway: the client learns why, in-band
                 # The client went away: what it got (a started stream's status, else 499) is still counted.
                 status = exchange.status if exchange.committed and exchange.status else CLIENT_GONE
                 acc.end("POST", path, status, started, None, rid, exchange.workers, exchange.sent)
@@ -694,9 +704,15 @@ class FrontDoor:
         await self._sweeper.stop()
         for task in list(self._handshakes):
             task.cancel()
+        cut = []
         for conn in list(self.connections):
             if conn.task is not None:
+                conn.cut = "the gateway is shutting down: --shutdown-grace-period-secs ended before this stream did"
                 conn.task.cancel()
+                cut.append(conn.task)
+        if cut:  # each writes its stream's error event as it ends, before the connection closes
+            await asyncio.wait(cut, timeout=1.0)
+        for conn in list(self.connections):
             if conn.transport is not None:
                 conn.transport.close()
         await asyncio.sleep(0)
