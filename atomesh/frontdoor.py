@@ -164,7 +164,7 @@ class FrontExchange(Exchange):
             conn = self.conn
             conn.send(b"%x\r\n%b\r\n" % (len(data), data) if self.framed else data)
             if conn.write_paused:
-                await conn.drain()
+                await conn.drain_within(conn.door.body_timeout)
 
     async def end(self) -> None:
         if self.framed:
@@ -368,6 +368,16 @@ class FrontConnection(FlowControl):
         self.phase = Phase.IDLE
         self.deadline = self.door.loop.time() + self.door.keepalive_timeout
         self.body = b""
+
+    async def drain_within(self, timeout: float) -> None:
+        """`drain()`, but a client that takes nothing of its answer for `timeout` seconds is cut off: a
+        reader that stalls must not hold its request (and a worker's generation) with no deadline."""
+        try:
+            await asyncio.wait_for(self.drain(), timeout)
+        except TimeoutError:
+            if self.transport is not None:
+                self.transport.abort()  # connection_lost follows: the request is cancelled
+            raise ConnectionResetError(f"the client read nothing for {timeout:g}s") from None
 
     def _versionless_line(self, data: bytes) -> bool:
         """Whether the request line being read ended (CR or LF) right after its target: HTTP/0.9.

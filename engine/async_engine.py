@@ -328,13 +328,6 @@ class AsyncLLMEngine:
         """Call ``callback`` once if the engine dies (the server's /health and --exit-on-engine-error)."""
         self._death_callbacks.append(callback)
 
-    def kill(self, reason: str) -> None:
-        """Mark the engine dead from outside the loop (a KV agent that is gone): see ``_die``."""
-        if self._dead is None:
-            self._die("external", RuntimeError(reason))
-            if self._task is not None:
-                self._task.cancel()
-
     def _die(self, phase: str, cause: BaseException) -> None:
         """The engine can serve nothing more: every request gets an error, new ones are refused (503)."""
         self._dead = EngineDeadError(f"the engine failed and serves no more requests ({phase}): {cause}")

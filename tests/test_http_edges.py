@@ -7,6 +7,7 @@ to aiohttp) alike: one parser, one set of limits, one set of timeouts for every 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import orjson
@@ -210,3 +211,24 @@ async def test_request_targets_that_look_like_09_are_still_served(gw_url: str) -
     finally:
         writer.close()
     assert got.startswith(b"HTTP/1.1 200 ")
+
+
+async def test_a_client_that_stops_reading_its_stream_is_cut_off(mock_workers: MakeWorkers,
+                                                                  gateway: MakeGateway) -> None:
+    """Writing has a deadline too: a client that takes nothing of its answer for the body timeout is cut
+    off, and its request on the worker is cancelled (it no longer holds a generation forever)."""
+    [w] = await mock_workers(1, stream_chunks=1_000_000)
+    gw = await gateway(worker_urls=[w.url], http_body_timeout_secs=0.6)
+    host, port = base_url(gw).removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills at once
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    body = orjson.dumps({"model": "mock-model", "prompt": "hello", "max_tokens": 1_000_000, "stream": True})
+    await asyncio.get_running_loop().sock_sendall(sock, post(body=body))
+    try:
+        await wait_for(lambda: w.active == 1, 5, "the stream to start")
+        await wait_for(lambda: w.active == 0, 10, "the stalled stream to be cut off")
+        assert w.cancelled == 1
+    finally:
+        sock.close()
