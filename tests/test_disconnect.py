@@ -38,9 +38,12 @@ def engine() -> Iterator[EngineProcess]:
 def pd_pair() -> Iterator[tuple[EngineProcess, EngineProcess]]:
     if importlib.util.find_spec("mooncake") is None:
         pytest.skip("P/D engines relay KV over Mooncake (make install puts it in)")
-    pair = [EngineProcess(f"disconnect-{role}", [*ENGINE, "--kv-transfer-config", json.dumps(
+    # Prefill in small chunks (8 tokens a step), so that long prompts are still being prefilled when
+    # their clients leave.
+    pair = [EngineProcess(f"disconnect-{role}", [*ENGINE, *extra, "--kv-transfer-config", json.dumps(
         {"kv_role": role, "kv_connector": "mooncake", "handshake_port": free_port(), "memory_backend": "staged",
-         "staging_buffer_mb": 1})]) for role in ("kv_producer", "kv_consumer")]
+         "staging_buffer_mb": 1})]) for role, extra in (("kv_producer", ["--max-num-batched-tokens", "8"]),
+                                                         ("kv_consumer", []))]
     try:
         for proc in pair:
             proc.wait_up()
@@ -105,3 +108,27 @@ async def test_clients_that_leave_cancel_the_decode_leg_of_pd(pd_pair: tuple[Eng
     assert (running, waiting) == (0, 0), f"{running:g} of {CLIENTS} still decoding 1 s after their clients left"
     assert blocks == 0
     await wait_until(lambda: held(prefill) == (0, 0, 0), 5, "the prefill engine to hold nothing")
+
+
+async def test_clients_that_leave_cancel_the_prefill_leg_of_pd(pd_pair: tuple[EngineProcess, EngineProcess],
+                                                              gateway: MakeGateway) -> None:
+    prefill, decode = pd_pair
+    gw = await gateway(pd_disaggregation=True, backend="atom", prefill=[{"url": prefill.url}],
+                       decode=[decode.url], request_timeout_secs=120)
+    body = orjson.dumps({"model": "tiny-random", "prompt": "a" * 1500, "max_tokens": 4, "temperature": 0})
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+    host, port = base_url(gw).removeprefix("http://").split(":")
+    writers = []
+    for _ in range(CLIENTS):
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.write(request)
+        writers.append(writer)
+    await wait_until(lambda: sum(held(prefill)[:2]) == CLIENTS, 30, "every prompt to be prefilling")
+    for writer in writers:
+        writer.close()
+    await asyncio.sleep(1.0)
+    running, waiting, _ = held(prefill)
+    left = running + waiting
+    assert left == 0, f"{left:g} of {CLIENTS} still prefilling 1 s after their clients left"
+    assert held(decode)[:2] == (0, 0)
