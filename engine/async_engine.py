@@ -92,8 +92,8 @@ _FATAL_MARKERS = ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "device-side as
 def is_fatal(exc: BaseException) -> bool:
     """Whether ``exc`` leaves the engine unusable (the engine dies) rather than failing one step.
 
-    An EngineDeadError raised by a component (a KV agent that is gone), torch's AcceleratorError, or a
-    RuntimeError naming a device fault. Out of memory is not fatal: the step's requests fail, the
+    An EngineDeadError (what a component raises to say the engine cannot go on), torch's
+    AcceleratorError, or a RuntimeError naming a device fault. Out of memory is not fatal: the step's requests fail, the
     memory comes back.
     """
     if isinstance(exc, EngineDeadError):

@@ -61,7 +61,7 @@ class EngineFailedError(EngineError):
 
 
 class EngineDeadError(EngineError):
-    """The engine hit an error it cannot recover from (a CUDA fault, a dead KV agent): it serves nothing more.
+    """The engine hit an error it cannot recover from (a CUDA fault): it serves nothing more.
 
     503, so that a router takes this worker out and sends the request elsewhere.
     """

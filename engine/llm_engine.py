@@ -398,12 +398,9 @@ class LLMEngine:
             return FinishReason.STOP  # the grammar is complete: nothing more may follow
         return self.scheduler.check_stop(seq, self.eos_token_ids, self.max_model_len)
 
-    def fail_batch(self, batch: ScheduledBatch) -> None:
-        """After a failed step: end its sequences (blocks the step meant to fill were never indexed)."""
-        self.fail(batch.seqs)
-
     def fail(self, seqs: list[Sequence]) -> None:
-        """End ``seqs`` after a failed step and free their blocks (those that finished already keep theirs)."""
+        """After a failed step: end its sequences and free their blocks (blocks the step meant to fill were
+        never indexed; sequences that finished already keep theirs)."""
         for seq in seqs:
             self.finish(seq, FinishReason.ABORT)
 
