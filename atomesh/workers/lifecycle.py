@@ -91,7 +91,7 @@ class Lifecycle:
         self._ready_events[worker.id] = asyncio.Event()
         self._spawn(self._register(worker, model_id), f"register {url}")
         log.info("worker_added", worker=url, role=role.value, id=worker.id, source=source.value,
-                 own_api_key=api_key is not None)
+                 own_key=api_key is not None)  # (a field named *api_key would be redacted)
         return worker
 
     def mirror(self, url: str, role: WorkerRole, bootstrap_port: int | None, api_key: str | None = None) -> Worker:
