@@ -19,8 +19,10 @@ One pipeline for every connection, whoever answers its requests:
   (the admin API, health, models, metrics), and its answer relayed.
 - **Bodies** are kept as they arrive: the bytes of one read when the body fits in it (the usual case),
   else one buffer grown in place; never copied again on the way to a worker.
-- A client that half-closes after sending gets its answers; requests pipelined on one connection are
-  answered in order.
+- Requests pipelined on one connection are answered in order. A client that closes its side (or only
+  half-closes: the two cannot be told apart) is gone: its request is cancelled, upstream legs included.
+- CONNECT and protocol upgrades are answered at once (501 / 400) and the connection closed; a request
+  line without a version (HTTP/0.9) gets 400 as soon as the line ends.
 """
 
 from __future__ import annotations
@@ -195,7 +197,7 @@ class _Request:
 class FrontConnection(FlowControl):
     """One client connection: its parser, its phase and deadline, the requests read and the one served."""
 
-    __slots__ = ("body", "cut", "deadline", "door", "eof", "head_bytes", "head_size", "headers", "keep_alive",
+    __slots__ = ("body", "cut", "deadline", "door", "head_bytes", "head_size", "headers", "keep_alive",
                  "lingering", "parser", "phase", "queue", "queued_bytes", "task", "url", "url_open", "url_piece")
 
     def __init__(self, door: FrontDoor) -> None:
@@ -216,7 +218,6 @@ class FrontConnection(FlowControl):
         self.task: asyncio.Task[None] | None = None
         self.cut: str | None = None  # why the request being served is cancelled by the gateway itself
         self.keep_alive = True
-        self.eof = False
         self.lingering = False  # refused: reading and discarding until closed
 
     # ------------------------------------------------------------------ asyncio.Protocol
@@ -277,7 +278,6 @@ class FrontConnection(FlowControl):
         A client that merely half-closes cannot be told apart from one that closed and left, and
         keeping a request running for a client that left burns a whole generation on a worker. So the
         connection closes, which cancels the request being served (and its upstream legs)."""
-        self.eof = True
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -525,9 +525,6 @@ class FrontConnection(FlowControl):
             return
         if self.queue:
             self._next()
-            return
-        if self.eof:
-            transport.close()  # the client half-closed and has every answer
             return
         loop = self.door.loop
         # The deadline of the phase the parser is in starts now (it was on hold while serving).
