@@ -156,7 +156,7 @@ UPGRADES = [
 ]
 
 
-@pytest.mark.parametrize("data,want", zip(UPGRADES, [400, 400, 501], strict=True),
+@pytest.mark.parametrize("data,want", list(zip(UPGRADES, [400, 400, 501], strict=True)),
                          ids=["websocket", "h2c", "connect"])
 @pytest.mark.parametrize("port", ["service", "metrics"])
 async def test_upgrades_and_connect_are_answered_at_once_and_closed(mock_workers: MakeWorkers, gateway: MakeGateway,
