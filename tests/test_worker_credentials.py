@@ -118,8 +118,8 @@ async def test_discovered_pods_get_their_key_from_a_secret(mock_workers: MakeWor
         with structlog.testing.capture_logs() as logs:
             gw = await gateway(service_discovery=True, selector=["app=engine"], service_discovery_port=port,
                                service_discovery_namespace="llm", api_key=CLIENT_KEY)
-            ready = lambda: {w.url for w in gw.gateway.registry if w.is_healthy}  # noqa: E731
-            await wait_for(lambda: ready() == {keyed.url}, 10, "the keyed pod to be served")
+            await wait_for(lambda: {w.url for w in gw.gateway.registry if w.is_healthy} == {keyed.url}, 10,
+                           "the keyed pod to be served")
             await wait_for(lambda: any(e["event"] == "discovery_secret_unreadable" for e in logs), 10,
                            "the unreadable secret in the log")
         client = openai.AsyncOpenAI(base_url=base_url(gw) + "/v1", api_key=CLIENT_KEY, max_retries=0)
