@@ -82,9 +82,6 @@ class EngineInfo:
 
 
 RESERVE_POLL_SECS = 0.02
-# Steps failing one after another, none succeeding in between, after which the engine is declared dead
-# even though no single error said the device was gone.
-MAX_FAILED_STEPS = 8
 
 # Messages of errors after which the device (and so the engine) cannot be trusted: a CUDA fault
 # poisons the context, so every later step would fail too (vLLM's core treats them as fatal).
@@ -128,7 +125,6 @@ class AsyncLLMEngine:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._dead: EngineDeadError | None = None
-        self._failed_steps = 0  # steps failed since the last one that succeeded
         self._death_callbacks: list[Callable[[EngineDeadError], None]] = []
         engine.on_blocks_freed = self._wake_up
         self.info = EngineInfo(
@@ -313,22 +309,14 @@ class AsyncLLMEngine:
             phase = "event_flush"
             engine.flush_kv_events()
         except Exception as exc:
-            self._failed_steps += 1
             if is_fatal(exc):
                 raise _Fatal(phase, exc) from exc
             # The step's requests fail; the loop, and every other request, carries on.
             seqs = batch.seqs if batch is not None else engine.scheduled_seqs()
-            log.exception("engine_step_failed phase=%s requests=%d in_a_row=%d", phase, len(seqs),
-                          self._failed_steps)
+            log.exception("engine_step_failed phase=%s requests=%d", phase, len(seqs))
             engine.fail(list(seqs))
             for seq in seqs:
                 self._fail(seq.seq_id, EngineFailedError(f"model step failed ({phase}): {exc}"))
-            if self._failed_steps >= MAX_FAILED_STEPS:
-                # Whatever the error, an engine none of whose steps succeed any more is unusable.
-                raise _Fatal(phase, RuntimeError(f"{self._failed_steps} steps in a row failed, the last "
-                                                 f"with: {exc}")) from exc
-        else:
-            self._failed_steps = 0
         return True
 
     @property

@@ -144,27 +144,3 @@ async def test_exit_on_engine_error_ends_the_server(make_engine: Callable[..., L
             await asyncio.wait_for(server, 20)
     finally:
         server.cancel()
-
-
-async def test_an_engine_whose_every_step_fails_is_declared_dead(start_server: StartServer,
-                                                                 http: aiohttp.ClientSession,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """No error named a device fault, but none of its steps succeed any more: after MAX_FAILED_STEPS in a
-    row the engine is dead (503, /health 503) instead of failing every request forever as healthy."""
-    from engine.async_engine import MAX_FAILED_STEPS
-
-    server = await start_server()
-    engine: LLMEngine = server.engine
-
-    def broken(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("the KV agent is gone")
-
-    monkeypatch.setattr(engine.runner, "prepare", broken)
-    codes = []
-    for _ in range(MAX_FAILED_STEPS + 1):
-        status, err = await asyncio.wait_for(post(http, server.url + "/v1/completions", BODY), 20)
-        codes.append((status, err["error"]["code"]))
-    assert codes[: MAX_FAILED_STEPS - 1] == [(500, "engine_error")] * (MAX_FAILED_STEPS - 1)
-    assert codes[-1] == (503, "engine_dead")
-    async with http.get(server.url + "/health") as resp:
-        assert resp.status == 503
