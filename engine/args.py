@@ -98,6 +98,7 @@ class EngineArgs:
     log_level: str = "info"
     tool_call_parser: str | None = None  # how tool calls are read from free-form output (vLLM's flag)
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser), as vLLM
+    exit_on_engine_error: bool = False  # a dead engine ends the process (status 1) instead of answering 503
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     p.add_argument("--seed", type=int, default=0, help="seed of requests that bring none")
     p.add_argument("--torch-threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+    p.add_argument(
+        "--exit-on-engine-error", action="store_true",
+        help="exit with status 1 when the engine dies (a CUDA fault); without it the server stays up, "
+        "/health answers 503 and requests get 503 engine_dead",
+    )
     p.add_argument(
         "--enforce-eager", action="store_true", help="CUDA: no CUDA graphs (decode steps launch kernel by kernel)"
     )
@@ -299,6 +305,7 @@ def validate(ns: argparse.Namespace) -> EngineArgs:
         dtype=ns.dtype,
         seed=ns.seed,
         enforce_eager=ns.enforce_eager,
+        exit_on_engine_error=ns.exit_on_engine_error,
         cudagraph_capture_sizes=sizes,
         kernels=ns.kernels,
         load_format=ns.load_format,

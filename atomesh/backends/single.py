@@ -24,7 +24,7 @@ class SingleBackend:
         data = view.raw if plan.dp_rank is None else orjson.dumps({**view.body, "data_parallel_rank": plan.dp_rank})
         try:
             async with self.upstream.open("POST", worker.url + view.route, data=data,
-                                          headers=self.upstream.headers_for(exchange)) as resp:
+                                          headers=self.upstream.headers_for(exchange, worker)) as resp:
                 await relay(exchange, resp, self.on_chunk)
         except UpstreamError as e:
             e.worker = worker
