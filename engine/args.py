@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 from engine.flags import json_object_flag
 from engine.kv_events import KVEventsConfig, parse_kv_events_config
+from engine.spec_decode import SpeculativeConfig, parse_speculative_config, speculative_config
 
 # ATOM flags we know and do not implement: flag -> why.
 _REFUSED_FLAGS = {
-    "--method": "speculative decoding (--method mtp|eagle3|dspark) is not supported by this engine",
-    "--num-speculative-tokens": "speculative decoding is not supported by this engine",
-    "--draft-model": "speculative decoding is not supported by this engine",
+    "--draft-model": "a draft checkpoint (EAGLE-3 heads, draft models) is not supported yet: speculative decoding "
+    "here is prompt lookup (--method ngram, or --speculative-config '{\"method\": \"ngram\", ...}'), which needs none",
     "--port": "this engine has no internal engine port (ATOM's --port); use --server-port for HTTP",
     "--enable-expert-parallel": "expert parallelism is not supported (MoE experts run on one device)",
     "--enable-dp-attention": "data-parallel attention is not supported",
@@ -99,6 +99,7 @@ class EngineArgs:
     tool_call_parser: str | None = None  # how tool calls are read from free-form output (vLLM's flag)
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser), as vLLM
     exit_on_engine_error: bool = False  # a dead engine ends the process (status 1) instead of answering 503
+    speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -218,6 +219,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "(as vLLM's --load-format dummy; speed runs without the checkpoint, the text is noise)")
     p.add_argument("--load_dummy", dest="load_format", action="store_const", const="dummy",
                    help="ATOM's spelling of --load-format dummy")
+    p.add_argument("--speculative-config", default="{}",
+                   help='speculative decoding as vLLM configures it, JSON: {"method": "ngram", '
+                   '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} (prompt lookup '
+                   "over the prompt and the output so far; exact under greedy sampling)")  # fmt: skip
+    p.add_argument("--method", default=None,
+                   help="ATOM's spelling of the speculative method: ngram (mtp, eagle3 and dspark are refused: "
+                   "not built)")  # fmt: skip
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="ATOM's spelling: draft tokens per step (with --method)")  # fmt: skip
     p.add_argument("--trust-remote-code", action="store_true", help="accepted: this engine never runs model code")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.add_argument("--tool-call-parser", choices=["hermes"], default=None,
@@ -275,6 +285,13 @@ def validate(ns: argparse.Namespace) -> EngineArgs:
     sizes = parse_capture_sizes(ns.cudagraph_capture_sizes) if ns.cudagraph_capture_sizes is not None else None
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    speculative = parse_speculative_config(ns.speculative_config)
+    if ns.method is not None or ns.num_speculative_tokens is not None:
+        if speculative is not None:
+            raise ValueError("--method/--num-speculative-tokens and --speculative-config: give one of the two")
+        if ns.method is None:
+            raise ValueError("--num-speculative-tokens needs --method (ngram)")
+        speculative = speculative_config(ns.method, ns.num_speculative_tokens, flag="--method")
     return EngineArgs(
         model=ns.model,
         served_model_name=ns.served_model_name,
@@ -306,6 +323,7 @@ def validate(ns: argparse.Namespace) -> EngineArgs:
         seed=ns.seed,
         enforce_eager=ns.enforce_eager,
         exit_on_engine_error=ns.exit_on_engine_error,
+        speculative=speculative,
         cudagraph_capture_sizes=sizes,
         kernels=ns.kernels,
         load_format=ns.load_format,

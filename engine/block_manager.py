@@ -281,6 +281,29 @@ class BlockManager:
         if len(seq.block_table) < seq.num_blocks:
             seq.block_table.append(self._take_free().block_id)
 
+    def can_reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether blocks for ``num_tokens`` tokens of ``seq`` (a verify step's drafts past its end) are to be had."""
+        need = (num_tokens + self.block_size - 1) // self.block_size - len(seq.block_table)
+        return need <= len(self._free)
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> None:
+        """Before a verify step: blocks for ``num_tokens`` tokens (its last token and the drafts after it)."""
+        while len(seq.block_table) * self.block_size < num_tokens:
+            seq.block_table.append(self._take_free().block_id)
+
+    def trim(self, seq: Sequence) -> None:
+        """After a verify step: give back the blocks past ``seq``'s tokens (held for drafts that were rejected).
+
+        They were taken fresh for this step and never indexed, so they go to the front of the free list:
+        nothing worth keeping is in them."""
+        while len(seq.block_table) > seq.num_blocks:
+            block_id = seq.block_table.pop()
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                self._free.move_to_end(block_id, last=False)
+
     # -- internals -------------------------------------------------------------------------------
 
     def _take_free(self) -> Block:

@@ -32,6 +32,7 @@ from engine.models.rope import context_limit
 from engine.sampler import SampleOutput
 from engine.scheduler import QueueFullError, ScheduledBatch, Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus, TokenLogprob
+from engine.spec_decode import DraftProposer, NgramProposer
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,15 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     preemptions: int
+    # Speculative decoding (vLLM's spec_decode counters): verify rows, drafts they carried, drafts accepted.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_length(self) -> float:
+        """Tokens a verify row produced on average (accepted drafts + the target's own); 0 before any."""
+        return 1.0 + self.spec_accepted_tokens / self.spec_drafts if self.spec_drafts else 0.0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -149,6 +159,7 @@ class LLMEngine:
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
             ),
             self.block_manager,
+            self._proposer(),
         )
         self._ids = itertools.count(1)
         # Siblings waiting for their parent's prefill (n > 1): they then share its prompt's blocks.
@@ -161,6 +172,18 @@ class LLMEngine:
         self._requests_finished = 0
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self._spec_drafts = 0
+        self._spec_draft_tokens = 0
+        self._spec_accepted_tokens = 0
+
+    def _proposer(self) -> DraftProposer | None:
+        """The draft proposer of --speculative-config (None: no speculation)."""
+        spec = self.args.speculative
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        raise ValueError(f"speculative method {spec.method!r} is not implemented")
 
     def _capture_sizes(self) -> list[int]:
         """Decode batch sizes to capture as CUDA graphs; none on CPU, with --enforce-eager or torch kernels."""
@@ -344,7 +367,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is not None and self.block_manager.events is not None:
             for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-                self.block_manager.announce(seq, seq.num_cached_tokens + n)
+                # Drafts are not the sequence's tokens (yet): only blocks of its own tokens are announced.
+                self.block_manager.announce(seq, min(seq.num_cached_tokens + n, len(seq)))
         return batch
 
     def prepare(self, batch: ScheduledBatch) -> StepInput:
@@ -371,14 +395,20 @@ class LLMEngine:
         that stops short samples nothing).
         """
         sampled = iter(zip(out.tokens, out.logprobs, strict=True))
+        lists = iter(out.token_lists) if out.token_lists is not None else None
         prompt_logprobs = out.prompt_logprobs
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if prompt_logprobs:
                 seq.prompt_logprobs += prompt_logprobs.get(seq.seq_id, ())
-            done = seq.num_cached_tokens + n == len(seq)
+            drafts, seq.draft_tokens = seq.draft_tokens, []
+            done = seq.num_cached_tokens + n == len(seq) + len(drafts)
             token, logprob = next(sampled) if done else (None, None)
+            tokens = next(lists) if done and lists is not None else None
             if seq.status is SequenceStatus.FINISHED:
                 continue  # aborted while the step ran
+            if drafts and tokens is not None:
+                self._accept(seq, drafts, tokens)
+                continue
             self.block_manager.mark_computed(seq, seq.num_cached_tokens + n)
             if token is None:
                 continue
@@ -386,6 +416,23 @@ class LLMEngine:
             reason = self._append(seq, token, logprob)
             if reason is not None:
                 self.finish(seq, reason)
+
+    def _accept(self, seq: Sequence, drafts: list[int], tokens: list[int]) -> None:
+        """A verify row's outcome: its accepted drafts and the token after them join ``seq`` (each checked for
+        a stop, as if decoded one by one); the KV of the accepted ones is recorded, rejected drafts' blocks
+        go back (their KV is past the new end: the next step overwrites it)."""
+        self._spec_drafts += 1
+        self._spec_draft_tokens += len(drafts)
+        self._spec_accepted_tokens += len(tokens) - 1
+        computed = len(seq) + len(tokens) - 1  # the last token and the accepted drafts have KV now
+        for token in tokens:
+            self._generation_tokens += 1
+            reason = self._append(seq, token, None)
+            if reason is not None:
+                self.finish(seq, reason)
+                return
+        self.block_manager.mark_computed(seq, computed)
+        self.block_manager.trim(seq)
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> FinishReason | None:
         """Add a sampled token to ``seq`` (its logprob, its grammar's state); why it ends there, if it does."""
@@ -430,4 +477,7 @@ class LLMEngine:
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
             preemptions=self.scheduler.num_preemptions,
+            spec_drafts=self._spec_drafts,
+            spec_draft_tokens=self._spec_draft_tokens,
+            spec_accepted_tokens=self._spec_accepted_tokens,
         )

@@ -19,6 +19,7 @@ from engine.models.loader import WeightSource
 from engine.models.quant import Fp8Linear, QuantSpec
 from engine.sampler import SampleOutput, Sampler, SampleRow, sample_row, token_logprobs
 from engine.sequence import SamplingParams, Sequence, TokenLogprob
+from engine.spec_decode import accept_greedy, rejection_sample
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,9 @@ class StepInput:
     prompt_rows: torch.Tensor | None = None
     prompt_targets: torch.Tensor | None = None
     prompt_seqs: tuple[tuple[int, int, int], ...] = ()
+    # Speculative decoding: each row's drafts, when any row has some. A verify row has ``1 + len(drafts)``
+    # logits rows (its last token's and each draft's), in ``logits_indices`` order.
+    drafts: tuple[tuple[int, ...], ...] = ()
 
 
 def sample_rows(seqs: Seq[Sequence], vocab_size: int) -> tuple[tuple[SampleRow, ...], torch.Tensor | None,
@@ -262,12 +266,15 @@ class ModelRunner:
         prompt_rows: list[int] = []  # hidden rows whose logits score the next prompt token (prompt_logprobs)
         prompt_targets: list[int] = []
         prompt_seqs: list[tuple[int, int, int]] = []  # (seq_id, rows, top k)
+        drafts: list[tuple[int, ...]] = []  # per sampled sequence (verify rows: its drafts)
         for seq, n in zip(seqs, num_new_tokens, strict=True):
             start = seq.num_cached_tokens
             end = start + n
+            extra = seq.draft_tokens[: max(end - len(seq), 0)]  # a verify row: the drafts after its last token
             table = np.asarray(seq.block_table, dtype=np.int64)
             pos = np.arange(start, end, dtype=np.int64)
             ids.extend(seq.token_ids[start:end])
+            ids.extend(extra)
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
             query_lens.append(n)
@@ -282,11 +289,15 @@ class ModelRunner:
                     prompt_rows += range(base + first, base + last)
                     prompt_targets += seq.token_ids[first + 1 : last + 1]
                     prompt_seqs.append((seq.seq_id, last - first, k))
-            if end == len(seq):
+            if end == len(seq) + len(extra):
                 sampled.append(seq)
-                logits_rows.append(sum(query_lens) - 1)
+                total = sum(query_lens)
+                logits_rows.extend(range(total - 1 - len(extra), total))
+                drafts.append(tuple(extra))
+        verify = any(drafts)
         mixed = self.mixed_graphs
-        if mixed is not None and not self.indexer_caches and not prompt_rows and mixed.fits(len(ids), len(seqs)):
+        if (mixed is not None and not verify and not self.indexer_caches and not prompt_rows
+                and mixed.fits(len(ids), len(seqs))):  # fmt: skip
             mixed.stage(np.asarray(ids, dtype=np.int32), np.concatenate(positions), np.concatenate(slots), query_lens,
                         context_lens, [s.block_table for s in seqs], logits_rows)  # fmt: skip
             rows, mask, masked = sample_rows(sampled, self.config.vocab_size)
@@ -334,6 +345,7 @@ class ModelRunner:
             prompt_rows=torch.tensor(prompt_rows, dtype=torch.int64, device=dev) if prompt_rows else None,
             prompt_targets=torch.tensor(prompt_targets, dtype=torch.int64, device=dev) if prompt_rows else None,
             prompt_seqs=tuple(prompt_seqs),
+            drafts=tuple(drafts) if verify else (),
         )
 
     @torch.inference_mode()
@@ -355,5 +367,46 @@ class ModelRunner:
         if not step.rows:
             return SampleOutput([], [], prompt)
         logits = self.model.compute_logits(hidden[step.logits_indices])
+        if step.drafts:
+            return self._verify(logits, step, prompt)
         out = self.sampler.sample(logits, step.rows, None, step.bitmask, step.bitmask_rows)
         return SampleOutput(out.tokens, out.logprobs, prompt)
+
+    def _verify(self, logits: torch.Tensor, step: StepInput, prompt: dict[int, list[TokenLogprob]]) -> SampleOutput:
+        """A step with verify rows: the tokens each row produces (see engine.spec_decode).
+
+        Rows without drafts sample as in any step; greedy verify rows keep drafts that equal the target's
+        argmax; sampled ones go through the rejection sampler."""
+        rows, drafts = step.rows, step.drafts
+        ends = np.cumsum([1 + len(d) for d in drafts]) - 1
+        out: list[list[int]] = [[] for _ in rows]
+        logprobs: list[TokenLogprob | None] = [None] * len(rows)
+        normal = [i for i, d in enumerate(drafts) if not d]
+        if normal:
+            at = {row: j for j, row in enumerate(normal)}
+            masked = [i for i in step.bitmask_rows if i in at]
+            bitmask = step.bitmask[normal] if step.bitmask is not None else None
+            sampled = self.sampler.sample(logits[ends[normal].tolist()], [rows[i] for i in normal], None, bitmask,
+                                          [at[i] for i in masked])  # fmt: skip
+            for j, i in enumerate(normal):
+                out[i] = [sampled.tokens[j]]
+                logprobs[i] = sampled.logprobs[j]
+        greedy = [i for i, d in enumerate(drafts) if d and rows[i].params.greedy]
+        if greedy:
+            best = logits.argmax(dim=-1).tolist()
+            for i in greedy:
+                out[i] = accept_greedy(best[ends[i] - len(drafts[i]) : ends[i] + 1], drafts[i])
+        drawn = [i for i, d in enumerate(drafts) if d and not rows[i].params.greedy]
+        if drawn:
+            k = max(len(drafts[i]) for i in drawn)
+            # Each row's places padded to k + 1 by repeating its last (the padding is never reached).
+            index = [ends[i] - len(drafts[i]) + min(j, len(drafts[i])) for i in drawn for j in range(k + 1)]
+            params = [rows[i] for i in drawn for _ in range(k + 1)]
+            probs = self.sampler.target_probs(logits[index], params).view(len(drawn), k + 1, -1)
+            dev = logits.device
+            tokens = torch.tensor([[*drafts[i], *[0] * (k - len(drafts[i]))] for i in drawn], device=dev)
+            counts = torch.tensor([len(drafts[i]) for i in drawn], device=dev)
+            for i, toks in zip(drawn, rejection_sample(probs, tokens, counts, None, self.sampler.generator(dev)),
+                               strict=True):  # fmt: skip
+                out[i] = toks
+        return SampleOutput([t[0] for t in out], logprobs, prompt, out)

@@ -44,6 +44,9 @@ class SampleOutput:
     tokens: list[int]
     logprobs: list[TokenLogprob | None]
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # by seq_id
+    # A step with verify rows (speculative decoding): every token each row produces, in order (its first is
+    # ``tokens[i]``); None in any other step.
+    token_lists: list[list[int]] | None = None
 
 
 def seed_key(seed: int, stream: int, step: int) -> int:
@@ -76,6 +79,10 @@ class Sampler:
         self.seed = seed
         # Unseeded draws come from one generator per device, made on first use (no noise crosses PCIe).
         self._generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The generator of unseeded draws on ``device`` (the rejection sampler's too)."""
+        return self._generator(device)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
@@ -166,8 +173,30 @@ class Sampler:
 
             apply_bitmask(logits, bitmask, bitmask_rows)
 
+    def target_probs(self, logits: torch.Tensor, rows: Seq[SampleRow]) -> torch.Tensor:
+        """The distribution each row draws from ``[rows, vocab]``: temperature, top-k, top-p and min-p applied
+        (what the rejection sampler must keep). Rows are sampled ones (no greedy row) that shape no logits."""
+        temps = torch.tensor([r.params.temperature for r in rows], device=logits.device)
+        probs, ids = self._probs(logits.float() / temps.unsqueeze(1), rows)
+        probs = probs / probs.sum(dim=-1, keepdim=True)  # min-p leaves the kept mass below 1
+        if ids is None:
+            return probs
+        return torch.zeros_like(logits, dtype=probs.dtype).scatter_(1, ids, probs)
+
     def _draw(self, scaled: torch.Tensor, rows: Seq[SampleRow]) -> torch.Tensor:
         """One token per row of ``scaled`` (logits already divided by the temperature)."""
+        probs, ids = self._probs(scaled, rows)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p. The noise is drawn per
+        # vocabulary id, so a draw does not depend on which columns were kept.
+        noise = self._noise(rows, scaled.shape[-1], scaled.device)
+        if ids is None:
+            return (probs / noise).argmax(dim=-1)
+        choice = (probs / noise.gather(1, ids)).argmax(dim=-1, keepdim=True)
+        return ids.gather(1, choice).squeeze(1)
+
+    def _probs(self, scaled: torch.Tensor, rows: Seq[SampleRow]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's probabilities after top-k / top-p / min-p, and the vocabulary ids of the columns they
+        cover when top-k or top-p kept only some (sorted by logit); None: every column, in vocabulary order."""
         dev = scaled.device
         params = [r.params for r in rows]
         vocab = scaled.shape[-1]
@@ -190,13 +219,7 @@ class Sampler:
         if any(p.min_p > 0 for p in params):
             floor = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1) * probs.amax(-1, keepdim=True)
             probs = probs.masked_fill(probs < floor, 0.0)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p. The noise is drawn per
-        # vocabulary id, so a draw does not depend on which columns were kept.
-        noise = self._noise(rows, vocab, dev)
-        if ids is None:
-            return (probs / noise).argmax(dim=-1)
-        choice = (probs / noise.gather(1, ids)).argmax(dim=-1, keepdim=True)
-        return ids.gather(1, choice).squeeze(1)
+        return probs, ids
 
     def _noise(self, rows: Seq[SampleRow], vocab: int, dev: torch.device) -> torch.Tensor:
         """Exp(1) noise ``[rows, vocab]``: a seeded row's from its own counter-based generator."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.spec_decode import DraftProposer, can_speculate
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +27,9 @@ class SchedulerConfig:
 class ScheduledBatch:
     """The sequences of one model step and how many tokens each computes.
 
-    The first ``num_decodes`` sequences decode one token each; the rest compute prompt tokens (a
-    whole prompt or a chunk of one). A prefill chunk that stops short of the sequence's end samples
+    The first ``num_decodes`` sequences decode one token each; then come verify rows (speculative decoding:
+    a running sequence's last token and its ``draft_tokens``, ``1 + len(draft_tokens)`` tokens); the rest
+    compute prompt tokens (a whole prompt or a chunk of one). A prefill chunk that stops short of the sequence's end samples
     nothing; the sequence stays at the head of the waiting queue and its next chunk follows in the
     next step.
     """
@@ -61,9 +63,11 @@ class Scheduler:
     head of the waiting queue, to be recomputed; the prefix cache usually makes that cheap).
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 proposer: DraftProposer | None = None) -> None:  # fmt: skip
         self.config = config
         self.block_manager = block_manager
+        self.proposer = proposer  # speculative decoding: drafts for the running sequences
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -81,16 +85,18 @@ class Scheduler:
         self._admit_transferred()
         if self.config.enable_chunked_prefill:
             decodes = self._schedule_decode()
-            seqs, chunks = self._schedule_prefill(self.config.max_num_batched_tokens - len(decodes))
+            counts, plain = self._draft(decodes)
+            seqs, chunks = self._schedule_prefill(self.config.max_num_batched_tokens - sum(counts))
             if not decodes and not seqs:
                 return None
-            return ScheduledBatch(decodes + seqs, [1] * len(decodes) + chunks, len(decodes))
+            return ScheduledBatch(decodes + seqs, counts + chunks, plain)
         seqs, chunks = self._schedule_prefill(self.config.max_num_batched_tokens)
         if seqs:
             return ScheduledBatch(seqs, chunks, 0)
         decodes = self._schedule_decode()
         if decodes:
-            return ScheduledBatch(decodes, [1] * len(decodes), len(decodes))
+            counts, plain = self._draft(decodes)
+            return ScheduledBatch(decodes, counts, plain)
         # A decode pass that had to preempt every sequence freed room: re-admit at once.
         seqs, chunks = self._schedule_prefill(self.config.max_num_batched_tokens)
         return ScheduledBatch(seqs, chunks, 0) if seqs else None
@@ -164,7 +170,35 @@ class Scheduler:
                 seqs.append(seq)
         return seqs
 
+    def _draft(self, decodes: list[Sequence]) -> tuple[list[int], int]:
+        """Give the decoding sequences their drafts (speculative decoding), reordering ``decodes`` in place:
+        plain decodes first, verify rows after them. Returns the tokens each computes and how many are plain.
+
+        Drafts never preempt anyone: a sequence whose drafts find no free block decodes one token."""
+        if self.proposer is None:
+            return [1] * len(decodes), len(decodes)
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens - len(decodes)
+        plain: list[Sequence] = []
+        verify: list[Sequence] = []
+        for seq in decodes:
+            seq.draft_tokens = []
+            if budget > 0 and can_speculate(seq):
+                # The step adds len(drafts) + 1 tokens at most: within max_tokens and the context limit.
+                room = min(seq.params.max_tokens - seq.num_completion_tokens, cfg.max_model_len - len(seq)) - 1
+                drafts = self.proposer.propose(seq, min(room, budget)) if room > 0 else []
+                if drafts and self.block_manager.can_reserve(seq, len(seq) + len(drafts)):
+                    self.block_manager.reserve(seq, len(seq) + len(drafts))
+                    seq.draft_tokens = drafts
+                    budget -= len(drafts)
+                    verify.append(seq)
+                    continue
+            plain.append(seq)
+        decodes[:] = plain + verify
+        return [1] * len(plain) + [1 + len(s.draft_tokens) for s in verify], len(plain)
+
     def _preempt(self, seq: Sequence) -> None:
+        seq.draft_tokens = []
         self.running.remove(seq)
         self.block_manager.deallocate(seq)
         seq.set_status(SequenceStatus.WAITING)

@@ -108,6 +108,7 @@ class Sequence:
         "block_size",
         "block_table",
         "cumulative_logprob",
+        "draft_tokens",
         "finish_reason",
         "grammar",
         "hold_kv",
@@ -151,6 +152,9 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.plain_row: Any = None  # engine.sampler.SampleRow of a plain request, made once
         self.grammar: Any = None  # a structured-output matcher (engine.structured.GrammarState)
+        # Speculative decoding: the tokens proposed to follow this sequence, verified in the step being run
+        # (set when it is scheduled, cleared once the step's output is in).
+        self.draft_tokens: list[int] = []
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -21,7 +21,19 @@ MODULE = [sys.executable, "-m", "engine.openai_server"]
     [
         (["-tp", "2"], "--tensor-parallel-size/-tp 2: only 1 is supported"),
         (["--data-parallel-size", "2"], "only 1 is supported"),
-        (["--method", "eagle3"], "--method: speculative decoding"),
+        (["--method", "eagle3", "--num-speculative-tokens", "3"], "--method: method 'eagle3': EAGLE-3 draft heads"),
+        (["--method", "mtp", "--num-speculative-tokens", "1"], "multi-token-prediction (MTP) drafts are not"),
+        (["--method", "ngram"], "num_speculative_tokens None must be an integer"),
+        (["--num-speculative-tokens", "2"], "--num-speculative-tokens needs --method"),
+        (["--draft-model", "x"], "--draft-model: a draft checkpoint (EAGLE-3 heads, draft models) is not supported"),
+        (["--speculative-config", '{"method": "eagle3", "model": "h", "num_speculative_tokens": 3}'],
+         "'model' (a draft checkpoint) is not supported"),
+        (["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 3}'], "EAGLE-3 draft heads"),
+        (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'], "must be an integer in 1..16"),
+        (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
+          '"prompt_lookup_max": 2}'], "prompt_lookup_min 4 is above prompt_lookup_max 2"),
+        (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "acceptance": 1}'],
+         "unsupported keys ['acceptance']"),
         (["--port", "8006"], "use --server-port"),
         (["--long-prefill-token-threshold", "-1"], "must be >= 0"),
         (["--kv-transfer-config", '{"kv_role": "kv_both"}'], "not implemented yet"),
@@ -52,7 +64,21 @@ def test_atom_command_line_parses() -> None:
     )  # fmt: skip
     assert args.server_port == 8010 and args.max_model_len == 4096 and not args.enable_prefix_caching
     assert args.kv_cache_dtype == "bf16" and args.kv_transfer.handshake_port == 6302
-    assert args.kv_transfer.kv_role is None
+    assert args.kv_transfer.kv_role is None and args.speculative is None
+
+
+def test_speculative_flags_parse_in_both_spellings() -> None:
+    vllm = parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, '
+                       '"prompt_lookup_min": 2, "prompt_lookup_max": 5}'])  # fmt: skip
+    assert vllm.speculative is not None
+    assert (vllm.speculative.method, vllm.speculative.num_speculative_tokens) == ("ngram", 4)
+    assert (vllm.speculative.prompt_lookup_min, vllm.speculative.prompt_lookup_max) == (2, 5)
+    atom = parse_args(["--method", "ngram", "--num-speculative-tokens", "3"])
+    assert atom.speculative is not None and atom.speculative.num_speculative_tokens == 3
+    # vLLM's defaults: neither bound given: 5 and 5; one given: the other takes its value.
+    assert (atom.speculative.prompt_lookup_min, atom.speculative.prompt_lookup_max) == (5, 5)
+    one = parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'])
+    assert one.speculative is not None and one.speculative.prompt_lookup_min == 3
 
 
 @pytest.mark.timeout(60)
