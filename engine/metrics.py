@@ -34,6 +34,11 @@ class EngineCollector(Collector):
             ("atom:kv_cache_blocks_indexed", "KV blocks findable by prefix hash", b.cached),
             ("atom:kv_cache_usage_ratio", "Share of KV blocks in use", b.usage),
             ("atom:prefix_cache_hit_ratio", "Prompt tokens served by the prefix cache / looked up", b.hit_ratio),
+            (
+                "atom:spec_decode_mean_acceptance_length",
+                "Speculative decoding: tokens per verify row (accepted drafts + 1); 0 before any",
+                s.spec_acceptance_length,
+            ),
         )
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
@@ -47,6 +52,17 @@ class EngineCollector(Collector):
             ("atom:prefix_cache_wanted_tokens", "Prompt tokens looked up in the prefix cache", b.prefix_queries),
             ("atom:prefix_cache_cached_tokens", "Prompt tokens found in the prefix cache", b.prefix_hits),
             ("atom:prefix_cache_evicted_blocks", "Cached KV blocks dropped to reuse their memory", b.evicted),
+            (
+                "atom:spec_decode_num_drafts",
+                "Speculative decoding: verify rows (a sequence's drafts checked once)",
+                s.spec_drafts,
+            ),
+            ("atom:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed", s.spec_draft_tokens),
+            (
+                "atom:spec_decode_num_accepted_tokens",
+                "Speculative decoding: draft tokens accepted",
+                s.spec_accepted_tokens,
+            ),
         )
         for name, doc, value in counters:
             c = CounterMetricFamily(name, doc, labels=["model_name"])

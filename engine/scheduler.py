@@ -29,9 +29,9 @@ class ScheduledBatch:
 
     The first ``num_decodes`` sequences decode one token each; then come verify rows (speculative decoding:
     a running sequence's last token and its ``draft_tokens``, ``1 + len(draft_tokens)`` tokens); the rest
-    compute prompt tokens (a whole prompt or a chunk of one). A prefill chunk that stops short of the sequence's end samples
-    nothing; the sequence stays at the head of the waiting queue and its next chunk follows in the
-    next step.
+    compute prompt tokens (a whole prompt or a chunk of one). A prefill chunk that stops short of the
+    sequence's end samples nothing; the sequence stays at the head of the waiting queue and its next
+    chunk follows in the next step.
     """
 
     seqs: list[Sequence]

@@ -77,7 +77,8 @@ def test_speculative_flags_parse_in_both_spellings() -> None:
     assert atom.speculative is not None and atom.speculative.num_speculative_tokens == 3
     # vLLM's defaults: neither bound given: 5 and 5; one given: the other takes its value.
     assert (atom.speculative.prompt_lookup_min, atom.speculative.prompt_lookup_max) == (5, 5)
-    one = parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'])
+    one = parse_args(["--speculative-config",
+                      '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'])  # fmt: skip
     assert one.speculative is not None and one.speculative.prompt_lookup_min == 3
 
 
