@@ -1,0 +1,36 @@
+"""Verify rows on the Triton kernels: a speculating engine on the kernels generates what a plain torch engine
+does, eager and with the CUDA graphs on (plain decodes replay the graphs; verify rows run eagerly beside them).
+
+On CPU the kernels run under Triton's interpreter; with ``ENGINE_TEST_DEVICE=cuda`` compiled on the GPU (not
+run on a GPU yet). Skipped when the triton package is absent.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.engine.conftest import DEVICE, MakeEngine
+
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from engine.sequence import SamplingParams
+from engine.spec_decode import SpeculativeConfig
+
+pytestmark = pytest.mark.timeout(300)
+
+# Short, repetitive prompts: n-gram drafts find matches; the interpreter is slow.
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9] * 6, list(range(40, 52))]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_verify_rows_on_the_kernels_change_no_token(make_engine: MakeEngine, eager: bool) -> None:
+    expected = make_engine(kernels="torch", block_size=4, max_num_seqs=4).generate(PROMPTS, PARAMS)
+    spec = make_engine(kernels="triton", enforce_eager=eager, block_size=4, max_num_seqs=4,
+                       speculative=SpeculativeConfig("ngram", 3, 1, 2))  # fmt: skip
+    assert spec.generate(PROMPTS, PARAMS) == expected
+    assert spec.stats().spec_drafts > 0
