@@ -6,6 +6,12 @@ one, alternately, ``--repeats`` times; the best wall time of each counts (the ma
 generated tokens / second of the whole request (prefill included, the same prompt for both), the speed-up,
 the acceptance length (tokens per verify row) and whether the two outputs are the same token for token
 (they must be, under greedy). Printed, never asserted.
+
+``--verify-cost`` measures instead what a verify step costs against a plain decode step: batches of
+sequences holding ``--prompt-len`` tokens of context decode with k = 0 (plain) .. ``--max-k`` drafts each
+(drafts forced, whatever is accepted), and the mean step time of each k is printed with its ratio to k = 0,
+which is the acceptance length (tokens per verify row) that k drafts must reach to gain. Meant for the GPU on
+a real shape (``--model`` a folder, ``--load-format dummy``); on CPU it runs too.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.models.loader import load_model
-from engine.sequence import SamplingParams
+from engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 from engine.spec_decode import SpeculativeConfig
 
 PASSAGE = (
@@ -51,6 +57,59 @@ TASKS = {
 }
 
 
+class FixedDrafts:
+    """A proposer that always drafts ``k`` tokens (token 0): the cost of verifying, whatever is accepted."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def propose(self, seq: Sequence, max_drafts: int) -> list[int]:
+        return [0] * min(self.k, max_drafts)
+
+
+def _sync(engine: LLMEngine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+
+
+def verify_cost(a: argparse.Namespace) -> list[dict[str, float]]:
+    """Mean step time of batches whose rows verify k drafts each, k = 0 .. max_k, per batch size."""
+    args = EngineArgs(model=a.model, device=a.device, load_format=a.load_format, max_model_len=a.prompt_len + 512,
+                      max_num_seqs=max(a.batch_sizes), speculative=SpeculativeConfig("ngram", max(a.max_k, 1), 1, 1),
+                      enforce_eager=a.enforce_eager)  # fmt: skip
+    engine = LLMEngine(args)
+    rows: list[dict[str, float]] = []
+    gen = torch.Generator().manual_seed(0)
+    for batch in a.batch_sizes:
+        base = 0.0
+        for k in range(a.max_k + 1):
+            engine.scheduler.proposer = FixedDrafts(k) if k else None
+            params = SamplingParams(temperature=0.0, max_tokens=(a.steps + 2) * (k + 1) + 2, ignore_eos=True)
+            vocab = engine.model_config.vocab_size
+            prompts = torch.randint(vocab // 4, min(vocab, 20000), (batch, a.prompt_len), generator=gen).tolist()
+            seqs = [engine.add_request(p, params) for p in prompts]
+            while any(s.num_completion_tokens == 0 for s in seqs):  # prefill (and the first token)
+                engine.step()
+            for _ in range(2):  # warm-up of this shape
+                engine.step()
+            _sync(engine)
+            t0 = time.perf_counter()
+            for _ in range(a.steps):
+                engine.step()
+            _sync(engine)
+            step_s = (time.perf_counter() - t0) / a.steps
+            for s in seqs:
+                if s.status is not SequenceStatus.FINISHED:
+                    engine.finish(s, FinishReason.ABORT)
+            base = base or step_s
+            row = {"batch": batch, "k": k, "step_ms": step_s * 1e3, "ratio": step_s / base}
+            rows.append(row)
+            print(f"batch {batch:3d} k={k}: {row['step_ms']:8.2f} ms/step, x{row['ratio']:.2f} of a plain step: "
+                  f"gains when a verify row yields > {row['ratio']:.2f} tokens" if k else
+                  f"batch {batch:3d} plain: {row['step_ms']:8.2f} ms/step")  # fmt: skip
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m engine.bench_spec", description=__doc__)
     p.add_argument("--model", default="smollm2")
@@ -61,9 +120,24 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None, help="write the figures here")
+    p.add_argument("--verify-cost", action="store_true", help="time verify steps (k drafts) against plain steps")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--max-k", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.verify_cost:
+        cost = verify_cost(a)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                           "model": a.model, "device": a.device, "args": vars(a), "verify_cost": cost}, f, indent=1)
+        return
     loaded = load_model(a.model)
     base = EngineArgs(model=a.model, device="cpu", max_model_len=2048, num_kvcache_blocks=512)
     spec_cfg = SpeculativeConfig("ngram", a.num_speculative_tokens, a.prompt_lookup_min, a.prompt_lookup_max)
@@ -74,11 +148,16 @@ def main() -> None:
     for name, text in TASKS.items():
         prompt = plain.tokenizer.encode(plain.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
         best = {"plain": float("inf"), "ngram": float("inf")}
+        prefill = {"plain": float("inf"), "ngram": float("inf")}
         outs: dict[str, list[int]] = {}
         before = spec.stats()
         for _ in range(a.repeats):
             for label, engine in (("plain", plain), ("ngram", spec)):
                 engine.block_manager.flush()  # every run prefills its prompt: like for like
+                t0 = time.perf_counter()
+                engine.generate([prompt], replace(params, max_tokens=1))
+                prefill[label] = min(prefill[label], time.perf_counter() - t0)
+                engine.block_manager.flush()
                 t0 = time.perf_counter()
                 outs[label] = engine.generate([prompt], params)[0]
                 best[label] = min(best[label], time.perf_counter() - t0)
@@ -86,17 +165,22 @@ def main() -> None:
         rows = after.spec_drafts - before.spec_drafts
         accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
         tokens = len(outs["plain"])
+        decode = {label: (len(outs[label]) - 1) / (best[label] - prefill[label]) for label in best}
         row = {
             "task": name, "prompt_tokens": len(prompt), "generated_tokens": tokens,
             "plain_tok_s": tokens / best["plain"], "ngram_tok_s": len(outs["ngram"]) / best["ngram"],
             "speedup": (len(outs["ngram"]) / best["ngram"]) / (tokens / best["plain"]),
+            # Decode only: the tokens after the first over the time after the prefill (its best time).
+            "plain_decode_tok_s": decode["plain"], "ngram_decode_tok_s": decode["ngram"],
             "acceptance_length": 1 + accepted / rows if rows else 0.0,
             "identical": outs["plain"] == outs["ngram"],
         }  # fmt: skip
         results.append(row)
         print(f"{name:22s} prompt {len(prompt):4d} tok, {tokens:4d} generated: plain {row['plain_tok_s']:6.1f} tok/s, "
               f"ngram k={a.num_speculative_tokens} {row['ngram_tok_s']:6.1f} tok/s, x{row['speedup']:.2f}, "
-              f"acceptance length {row['acceptance_length']:.2f}, identical {row['identical']}")  # fmt: skip
+              f"acceptance length {row['acceptance_length']:.2f}, identical {row['identical']}; decode only: "
+              f"plain {decode['plain']:.1f}, ngram {decode['ngram']:.1f} tok/s, "
+              f"x{decode['ngram'] / decode['plain']:.2f}")  # fmt: skip
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
