@@ -296,12 +296,15 @@ class ModelRunner:
                 drafts.append(tuple(extra))
         verify = any(drafts)
         mixed = self.mixed_graphs
-        if (mixed is not None and not verify and not self.indexer_caches and not prompt_rows
-                and mixed.fits(len(ids), len(seqs))):  # fmt: skip
+        # Verify rows replay the graphs of steps with prompt tokens too: their 1 + k logits rows each fit in the
+        # graph's logits rows (one per seat) as long as there are no more of them than seats.
+        if (mixed is not None and not self.indexer_caches and not prompt_rows and mixed.fits(len(ids), len(seqs))
+                and len(logits_rows) <= mixed.max_seqs):  # fmt: skip
             mixed.stage(np.asarray(ids, dtype=np.int32), np.concatenate(positions), np.concatenate(slots), query_lens,
                         context_lens, [s.block_table for s in seqs], logits_rows)  # fmt: skip
             rows, mask, masked = sample_rows(sampled, self.config.vocab_size)
-            return StepInput(None, None, None, None, rows, graph=mixed, bitmask=mask, bitmask_rows=masked)
+            return StepInput(None, None, None, None, rows, graph=mixed, bitmask=mask, bitmask_rows=masked,
+                             drafts=tuple(drafts) if verify else ())  # fmt: skip
         max_blocks = max(len(s.block_table) for s in seqs)
         tables = np.zeros((len(seqs), max_blocks), dtype=np.int64)
         for i, seq in enumerate(seqs):
@@ -352,6 +355,9 @@ class ModelRunner:
     def execute(self, step: StepInput) -> SampleOutput:
         """Run the forward pass and sample one token per sequence that reached its end."""
         if step.graph is not None:
+            if step.drafts:  # a verify step: every logits row of its verify rows
+                logits, _ = step.graph.replay(sum(1 + len(d) for d in step.drafts))
+                return self._verify(logits, step, {})
             logits, greedy = step.graph.replay(len(step.rows))
             return self.sampler.sample(logits, step.rows, greedy, step.bitmask, step.bitmask_rows)
         assert step.input_ids is not None and step.positions is not None and step.meta is not None

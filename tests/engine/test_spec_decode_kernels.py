@@ -17,6 +17,9 @@ if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from typing import Any
+
+from engine.model_runner import StepInput
 from engine.sequence import SamplingParams
 from engine.spec_decode import SpeculativeConfig
 
@@ -29,8 +32,19 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
 def test_verify_rows_on_the_kernels_change_no_token(make_engine: MakeEngine, eager: bool) -> None:
-    expected = make_engine(kernels="torch", block_size=4, max_num_seqs=4).generate(PROMPTS, PARAMS)
-    spec = make_engine(kernels="triton", enforce_eager=eager, block_size=4, max_num_seqs=4,
+    # 12 seats: the verify rows' logits rows (up to 3 x 4) fit a mixed-step graph's.
+    expected = make_engine(kernels="torch", block_size=4, max_num_seqs=12).generate(PROMPTS, PARAMS)
+    spec = make_engine(kernels="triton", enforce_eager=eager, block_size=4, max_num_seqs=12,
                        speculative=SpeculativeConfig("ngram", 3, 1, 2))  # fmt: skip
+    prepare, graphed = spec.runner.prepare, []
+
+    def spy(*args: Any) -> StepInput:
+        step = prepare(*args)
+        graphed.append(bool(step.drafts) and step.graph is not None)
+        return step
+
+    spec.runner.prepare = spy  # type: ignore[method-assign]
     assert spec.generate(PROMPTS, PARAMS) == expected
     assert spec.stats().spec_drafts > 0
+    # With graphs on, verify steps replay the mixed-step graphs (on CPU: their staged inputs, run eagerly).
+    assert any(graphed) is not eager
