@@ -76,6 +76,10 @@ def window_decode_mask(context_lens: torch.Tensor, length: int, window: int) -> 
     return mask[:, None, None, :]
 
 
+# A query no more than 1/16 of its cached context attends with an explicit mask instead of padded queries.
+SHORT_QUERY_RATIO = 16
+
+
 def causal_window_mask(rows: int, cols: int, window: int, device: torch.device) -> torch.Tensor:
     """``[rows, cols]``: query i (at position ``cols - rows + i``) sees key j when j <= its position and
     j > its position - ``window``."""
@@ -236,6 +240,16 @@ def _prefill(
             kp, vp = gather_kv(kv_cache, meta.block_tables[i], cached, q.dtype)
             kc = torch.cat([kp, k[start : start + q_len]])
             vc = torch.cat([vp, v[start : start + q_len]])
+            if q_len * SHORT_QUERY_RATIO <= cached:
+                # A few queries over a long context (a speculative verify row, a short chunk): an explicit mask
+                # on the math kernel costs q_len x context, far less than padding the queries to the context.
+                mask = causal_window_mask(q_len, cached + q_len, window or cached + q_len + 1, q.device)
+                oi = F.scaled_dot_product_attention(
+                    q[start : start + q_len].transpose(0, 1)[None], kc.transpose(0, 1)[None],
+                    vc.transpose(0, 1)[None], attn_mask=mask, scale=scale, enable_gqa=True,
+                )[0]  # fmt: skip
+                out[start : start + q_len] = oi.transpose(0, 1)
+                continue
             # Query j sits at absolute position cached + j. Padding the queries with `cached` zero
             # rows in front makes that plain causal attention, which runs on the fused kernels; an
             # explicit mask would fall to the slow math kernel. The padding rows are dropped.
