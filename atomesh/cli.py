@@ -21,7 +21,7 @@ import typer
 from click.core import ParameterSource
 
 from atomesh import __version__
-from atomesh.compat import peer_table_markdown, refused_flag
+from atomesh.compat import FIXED_FLAGS, peer_table_markdown, refused_flag
 from atomesh.config import (
     FLAG_ALIASES,
     NOT_IMPLEMENTED,
@@ -356,7 +356,13 @@ def launch(ctx: typer.Context) -> None:
     if refusal is not None:
         typer.echo(f"atomesh launch: error: {refusal}", err=True)
         raise typer.Exit(2)
-    launch_command.main(args=normalize_argv(ctx.args), prog_name="atomesh launch")
+    launch_command.main(args=normalize_argv(drop_fixed_flags(ctx.args)), prog_name="atomesh launch")
+
+
+def drop_fixed_flags(argv: Sequence[str]) -> list[str]:
+    """The command line without the peers' switches that ask for what atomesh always does (docs/configuration.md
+    lists them as **fixed**)."""
+    return [a for a in argv if a not in FIXED_FLAGS]
 
 
 def main(argv: Sequence[str] | None = None) -> None:

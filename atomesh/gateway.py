@@ -17,7 +17,7 @@ from atomesh.backends.atom import make_atom_backend
 from atomesh.backends.sglang import SglangBackend
 from atomesh.backends.single import SingleBackend
 from atomesh.backends.vllm import make_vllm_backend
-from atomesh.config import BackendKind, GatewayConfig, PolicyName
+from atomesh.config import AssignmentMode, BackendKind, GatewayConfig, PolicyName, parse_model_aliases
 from atomesh.metrics import Metrics
 from atomesh.placement import Placement
 from atomesh.policies import Policy, make_policy
@@ -32,6 +32,7 @@ from atomesh.workers.health import HealthChecker
 from atomesh.workers.kv_events import parse_endpoint_flags
 from atomesh.workers.lifecycle import Lifecycle
 from atomesh.workers.load import LoadPoller
+from atomesh.workers.models import ModelNames
 from atomesh.workers.registry import WorkerRegistry
 from atomesh.workers.worker import Worker, WorkerRole, WorkerSource, WorkerState
 
@@ -56,7 +57,8 @@ class Gateway:
         self.metrics = Metrics(config.prometheus_duration_buckets)
         self.registry = WorkerRegistry()
         self.upstream = Upstream(config.request_timeout_secs, hop=self.instance_id,
-                                 ssl_context=worker_ssl_context(config))
+                                 ssl_context=worker_ssl_context(config),
+                                 pool_idle_timeout_secs=config.upstream_pool_idle_timeout_secs)
         roles = (WorkerRole.PREFILL, WorkerRole.DECODE) if config.pd_disaggregation else (WorkerRole.REGULAR,)
         self.tokens = _prompt_tokens(config)
         policies: dict[WorkerRole, Policy] = {r: make_policy(_pool_policy(config, r), config, self.tokens)
@@ -67,12 +69,15 @@ class Gateway:
         self.placement = Placement(self.registry, policies, pd=config.pd_disaggregation, dp_ranks=config.dp_ranks)
         # Engine-reported load only matters to policies that compare loads.
         # kv_aware weighs cached blocks against load, so it wants the engines' queues fresher.
-        poll = 0.1 if any(isinstance(p, KvAwarePolicy) for p in policies.values()) else 1.0
-        load_blind = (PolicyName.RANDOM, PolicyName.ROUND_ROBIN)
+        poll = config.load_monitor_interval or (
+            0.1 if any(isinstance(p, KvAwarePolicy) for p in policies.values()) else 1.0)
+        load_blind = (PolicyName.RANDOM, PolicyName.ROUND_ROBIN, PolicyName.PASSTHROUGH,
+                      *((PolicyName.MANUAL,) if config.assignment_mode is not AssignmentMode.MIN_LOAD else ()))
         synced = next((p for p in policies.values() if isinstance(p, KvAwarePolicy) and p.sync is not None), None)
         self.load_poller = (LoadPoller(self.registry, self.upstream, interval=poll,
                                        elsewhere=synced.peer_requests if synced is not None else None)
                             if any(p.name not in load_blind for p in policies.values()) else None)
+        self.models = ModelNames(self.registry, roles[-1], parse_model_aliases(config.model_alias))
         self.backend = self._make_backend()
         self.router = Router(config, self.placement, self.backend, self.metrics)
         # With several processes each admits its share (the kernel spreads connections about evenly).
@@ -93,6 +98,7 @@ class Gateway:
                 enabled=not config.disable_circuit_breaker),
             startup_timeout=config.worker_startup_timeout_secs,
             check_interval=config.worker_startup_check_interval,
+            startup_delay=config.worker_startup_delay,
             probe_timeout=config.health_check_timeout_secs,
             health_endpoint=config.health_check_endpoint,
             on_breaker=self._on_breaker,

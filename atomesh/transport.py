@@ -58,8 +58,9 @@ class Upstream:
     """The pooled keep-alive client shared by every route, backend and background task."""
 
     def __init__(self, request_timeout_secs: float, connect_timeout_secs: float = 10.0, hop: str = "",
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+                 ssl_context: ssl.SSLContext | None = None, pool_idle_timeout_secs: float = 60.0) -> None:
         self.ssl_context = ssl_context  # for https:// workers (--ca-cert-paths, --client-cert-path)
+        self.pool_idle_timeout = pool_idle_timeout_secs  # --upstream-pool-idle-timeout-secs
         self.request_timeout = request_timeout_secs
         self.connect_timeout = connect_timeout_secs
         self.hop = hop
@@ -77,7 +78,7 @@ class Upstream:
 
     async def start(self) -> None:
         # Admission control bounds concurrency; the pool only bounds what it keeps idle.
-        self._pool = ClientPool(connect_timeout=self.connect_timeout, keepalive_timeout=60.0,
+        self._pool = ClientPool(connect_timeout=self.connect_timeout, keepalive_timeout=self.pool_idle_timeout,
                                 ssl_context=self.ssl_context)
 
     async def stop(self) -> None:

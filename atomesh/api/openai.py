@@ -11,7 +11,7 @@ from aiohttp import web
 from atomesh.api.middleware import LOOP_MESSAGE, REQUEST_ID
 from atomesh.errors import GatewayError, LoopDetected, NotServed, NoWorkerAvailable, ShuttingDown, UpstreamStatus
 from atomesh.gateway import GATEWAY, Gateway
-from atomesh.request import ROUTING_KEY_HEADERS, RequestView, Route
+from atomesh.request import RequestView, Route
 from atomesh.transport import HOP_HEADER, Exchange
 from atomesh.validation import parse_request
 
@@ -33,8 +33,9 @@ async def serve_inference(gw: Gateway, route: Route, raw: bytes | bytearray, exc
             raise NotServed("POST /v1/responses is relayed in regular mode only: a Responses API request cannot "
                             "be split into prefill and decode legs")
         body = parse_request(route, raw)
+        raw = gw.models.resolve(route, body, raw)
         key = None
-        for h in ROUTING_KEY_HEADERS:
+        for h in gw.config.routing_key_headers:
             if key := headers.get(h):
                 break
         view = RequestView(route=route, body=body, raw=raw, request_id=exchange.request_id, routing_key=key or None,
@@ -100,10 +101,7 @@ async def models(request: web.Request) -> web.Response:
     """The models the healthy workers serve, merged (decode workers in P/D mode)."""
     gw = request.app[GATEWAY]
     role = gw.roles[-1]
-    seen: dict[str, dict[str, Any]] = {}
-    for w in gw.registry.ready(role):
-        for m in w.models:
-            seen.setdefault(m, {"id": m, "object": "model", "owned_by": "atomesh", "root": m})
+    seen = {m: {"id": m, "object": "model", "owned_by": "atomesh", "root": root} for m, root in gw.models.listed()}
     if not seen and not gw.registry.ready(role):
         raise NoWorkerAvailable("no healthy worker is available to list models")
     return json_response({"object": "list", "data": list(seen.values())})
