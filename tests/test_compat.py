@@ -323,3 +323,13 @@ def test_fixed_switches_are_accepted_and_refused_values_named() -> None:
     proc = subprocess.run([sys.executable, "-m", "atomesh", "launch", "--worker-urls", "http://127.0.0.1:1",
                            "--enable-mesh"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--enable-mesh is refused: SMG's HA mesh" in proc.stderr, proc.stderr
+
+
+def test_readme_claims_what_the_table_checks() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    claim = " ".join(readme.split("Command lines written for SGLang's router", 1)[1].split("```", 1)[0].split())
+    assert f"SMG {SMG_VERSION}, all 221 spellings" in claim and "docs/configuration.md#smg-and-atomesh-flags" in claim
+    _, spellings = smg_flags(smg_launch_help())
+    assert len(spellings) == 221 and spellings <= {f.flag for f in PEER_FLAGS}
+    table = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    assert all(f"| `{f.flag}` |" in table for f in PEER_FLAGS)
