@@ -31,6 +31,7 @@ from engine.errors import EngineError, InvalidRequestError, ModelNotFoundError
 from engine.kv_events import ZmqEventPublisher, advertised
 from engine.llm_engine import LLMEngine
 from engine.metrics import ServerMetrics
+from engine.models.loader import SMOLLM2_NAMES
 from engine.protocol import (
     ChatBody,
     CompletionBody,
@@ -563,7 +564,9 @@ async def kv_transfer_info(request: web.Request) -> web.Response:
 
 def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
     """The aiohttp application around an already-built engine; the engine loop lives in cleanup_ctx."""
-    served = args.served_model_name or args.model
+    # The embedded model answers to its real name, the one `atomesh up` and the docs send; `--model smollm2`
+    # is only how it is asked for (requests naming --model are still served).
+    served = args.served_model_name or (engine.model_id if args.model in SMOLLM2_NAMES else args.model)
     async_engine = AsyncLLMEngine(engine)
     app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024 * 1024)
     disagg = (Disaggregation(engine, args.kv_transfer, args.host, args.kv_transfer_timeout)
