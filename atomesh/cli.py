@@ -95,6 +95,8 @@ def up(
     metrics_port: int = typer.Option(29000, help="Gateway metrics port."),
     engine_port: int = typer.Option(8010, help="First engine HTTP port (one per engine from here)."),
     handshake_port: int = typer.Option(6301, help="First KV handshake port (one per P/D engine)."),
+    kv_events_port: int = typer.Option(5557, help="With --policy kv_aware: first port of the engines' KV event "
+                                                  "publishers (two per engine: events, replay)."),
     policy: PolicyName = typer.Option(PolicyName.CACHE_AWARE, help="Gateway placement policy."),
     kv_cache_memory_gb: float = typer.Option(1.0, help="KV cache per engine (GiB, CPU)."),
     max_model_len: int = typer.Option(2048, help="Engine context limit."),
@@ -108,8 +110,9 @@ def up(
         raise typer.BadParameter("choose cpu, cuda or auto", param_hint="--device")
     settings = UpSettings(model=model, device=device, prefill=prefill, decode=decode, workers=workers,
                           pd=not no_pd, host=host, port=port, metrics_port=metrics_port, engine_port=engine_port,
-                          handshake_port=handshake_port, policy=policy, kv_cache_memory_gb=kv_cache_memory_gb,
-                          max_model_len=max_model_len, log_dir=log_dir, startup_timeout=startup_timeout)
+                          handshake_port=handshake_port, kv_events_port=kv_events_port, policy=policy,
+                          kv_cache_memory_gb=kv_cache_memory_gb, max_model_len=max_model_len, log_dir=log_dir,
+                          startup_timeout=startup_timeout)
     raise typer.Exit(run_up(settings, say=lambda line: typer.echo(line)))
 
 
