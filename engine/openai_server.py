@@ -24,6 +24,7 @@ import torch
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from engine import tokenize_api
 from engine.args import EngineArgs, parse_args
 from engine.async_engine import AsyncLLMEngine, RequestOutput
 from engine.disagg import Disaggregation, check_transfer_support
@@ -605,6 +606,8 @@ def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
     app.router.add_get("/server_info", server_info)
     app.router.add_get("/kv_transfer_info", kv_transfer_info)
     app.router.add_get("/tokenizer_info", tokenizer_info)
+    tokenize_api.add_routes(app, engine.tokenizer, engine.max_model_len,
+                            lambda name: _check_model(app[STATE], name))
     return app
 
 
