@@ -11,7 +11,7 @@ from aiohttp import web
 from atomesh.api.middleware import LOOP_MESSAGE, REQUEST_ID
 from atomesh.errors import GatewayError, LoopDetected, NotServed, NoWorkerAvailable, ShuttingDown, UpstreamStatus
 from atomesh.gateway import GATEWAY, Gateway
-from atomesh.request import RequestView, Route
+from atomesh.request import REGULAR_ONLY, RequestView, Route
 from atomesh.transport import HOP_HEADER, Exchange
 from atomesh.validation import parse_request
 
@@ -29,9 +29,8 @@ async def serve_inference(gw: Gateway, route: Route, raw: bytes | bytearray, exc
         gw.keys.check_inference(headers)
         if gw.shutting_down:
             raise ShuttingDown("the gateway is shutting down")
-        if route is Route.RESPONSES and gw.config.pd_disaggregation:
-            raise NotServed("POST /v1/responses is relayed in regular mode only: a Responses API request cannot "
-                            "be split into prefill and decode legs")
+        if gw.config.pd_disaggregation and route in REGULAR_ONLY:
+            raise NotServed(f"POST {route.value} is relayed in regular mode only: {REGULAR_ONLY[route]}")
         body = parse_request(route, raw)
         raw = gw.models.resolve(route, body, raw)
         key = None

@@ -13,7 +13,7 @@ from atomesh.workers.registry import WorkerRegistry
 from atomesh.workers.worker import WorkerRole
 
 # Routes whose bodies name a model the OpenAI way (SGLang's /generate names none).
-_NAMED_ROUTES = frozenset((Route.COMPLETIONS, Route.CHAT, Route.RESPONSES))
+_NAMED_ROUTES = frozenset(r for r in Route if r is not Route.GENERATE)
 
 
 class ModelNames:
