@@ -121,8 +121,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body: CompletionBody = parse_body(await request.read(), CompletionBody)
     _check_model(state, body.model)
-    if body.echo and body.kv_role_needed is not None:
-        raise InvalidRequestError("echo is not supported with kv_transfer_params (P/D)")
+    if body.echo and body.kv_role_needed == "kv_producer":
+        raise InvalidRequestError("echo: a prefill for remote decode answers nothing but kv_transfer_params; the "
+                                  "decode engine echoes the prompt")
     return await _generate(request, state, body, _prompt_ids(state, body), None)
 
 
@@ -233,7 +234,12 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
             seq.grammar = state.grammar_compiler().state_of(grammar)
         await disagg.pull(seq, kv)  # gives the blocks back itself if the transfer fails
         state.metrics.kv_pull.observe(time.monotonic() - arrived)
-        handles = [state.engine.submit_prefilled(seq, kv.first_token_id, first_logprob)]
+        # n > 1 (or best_of): the other samples fork from the transferred prompt KV before the first
+        # sequence continues (it may finish at once and free it); each samples its own first token.
+        forks = [state.engine.fork_prefilled(
+            seq, i, state.grammar_compiler().state_of(grammar) if grammar is not None else None)
+            for i in range(1, n)]  # fmt: skip
+        handles = [state.engine.submit_prefilled(seq, kv.first_token_id, first_logprob), *forks]
     else:
         handles = []
         try:

@@ -217,8 +217,9 @@ class SamplingBody(SamplingKnobs):
             raise InvalidRequestError("kv_transfer_params: do_remote_decode and do_remote_prefill exclude each other")
         if kv.get("do_remote_decode") and self.stream:
             raise InvalidRequestError("kv_transfer_params: a prefill for remote decode must have stream=false")
-        if kv and self.num_sequences > 1:
-            raise InvalidRequestError("n (or best_of) > 1 is not supported with kv_transfer_params (P/D)")
+        if kv.get("do_remote_decode") and self.num_sequences > 1:
+            raise InvalidRequestError("kv_transfer_params: a prefill for remote decode computes one sequence (n=1, "
+                                      "no best_of); the decode engine forks the others from the transferred KV")
         self.grammar()  # refuses conflicting or malformed structured-output requests
 
     @property

@@ -33,6 +33,12 @@ def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> bytes:
     if isinstance(sampling, dict):  # /generate: SGLang's spelling of the limit
         out["sampling_params"] = {**sampling, "max_new_tokens": 1}
     out.pop("stream_options", None)
+    # One sequence is prefilled; the decode engine forks n / best_of samples from its KV and echoes the
+    # prompt itself. best_of ranks by cumulative logprob, so the first token's must come back.
+    if (out.get("best_of") or 1) > (out.get("n") or 1) and out.get("logprobs") is None:
+        out["logprobs"] = 0
+    for key in ("n", "best_of", "echo"):
+        out.pop(key, None)
     return orjson.dumps(out)
 
 
