@@ -282,6 +282,7 @@ class LLMEngine:
         child.stream_index = stream_index
         self.block_manager.share(parent, child, (parent.num_prompt_tokens - 1) // self.args.block_size)
         child.prefix_hit_tokens = parent.prefix_hit_tokens
+        child.prompt_logprobs = list(parent.prompt_logprobs)  # scored once, by the prefill engine
         self.scheduler.waiting.appendleft(child)  # holds blocks: goes first, as a prompt mid-prefill does
         return child
 

@@ -214,9 +214,6 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
     echo = isinstance(body, CompletionBody) and bool(body.echo)
     if echo and params.logprobs is not None:  # echo with logprobs scores the prompt's tokens too (OpenAI)
         params = replace(params, prompt_logprobs=max(params.prompt_logprobs or 0, params.logprobs))
-    if params.prompt_logprobs is not None and role is not None:
-        raise InvalidRequestError("prompt_logprobs (or echo with logprobs) is not supported with kv_transfer_params "
-                                  "(P/D): the prompt is scored on the prefill engine only")
     if _best_of(body) is not None and params.logprobs is None:
         params = replace(params, logprobs=0)  # best_of ranks its sequences by cumulative logprob
     spec = body.grammar()
@@ -229,7 +226,9 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
         assert disagg is not None
         kv = disagg.parse(body.kv_transfer_params or {})
         first_logprob = _first_logprob(body.kv_transfer_params or {}, params)
+        scored = _prompt_logprobs(body.kv_transfer_params or {}, params)
         seq = await state.engine.reserve(ids, params, True)  # raises before any byte is sent
+        seq.prompt_logprobs = scored  # the prefill engine scored the prompt; forks copy them
         if grammar is not None:
             seq.grammar = state.grammar_compiler().state_of(grammar)
         await disagg.pull(seq, kv)  # gives the blocks back itself if the transfer fails
@@ -284,6 +283,8 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
             kv_params = disagg.offer(seq, lambda: state.engine.release(seq))
             if seq.logprobs:
                 kv_params["first_token_logprob"] = _logprob_dict(seq.logprobs[0])
+            if params.prompt_logprobs is not None:  # the decode engine reports them as its own
+                kv_params["prompt_logprobs"] = [_logprob_dict(lp) for lp in seq.prompt_logprobs]
             answer["kv_transfer_params"] = kv_params
             offered = True
         return _json(answer)
@@ -346,6 +347,22 @@ def _best_of(body: SamplingBody) -> int | None:
 
 def _logprob_dict(lp: TokenLogprob) -> dict[str, Any]:
     return {"token_id": lp.token_id, "logprob": lp.logprob, "rank": lp.rank, "top": [list(t) for t in lp.top]}
+
+
+def _prompt_logprobs(kv: dict[str, Any], params: SamplingParams) -> list[TokenLogprob]:
+    """The prompt's scores the prefill engine computed (prompt_logprobs, or echo with logprobs, in P/D)."""
+    if params.prompt_logprobs is None:
+        return []
+    raw = kv.get("prompt_logprobs")
+    if not isinstance(raw, list):
+        raise InvalidRequestError("prompt_logprobs in P/D need kv_transfer_params.prompt_logprobs from the prefill "
+                                  "engine (was its request sent with prompt_logprobs?)")
+    try:
+        return [TokenLogprob(int(r["token_id"]), float(r["logprob"]), int(r["rank"]),
+                             tuple((int(t), float(v)) for t, v in r["top"])[: params.prompt_logprobs])
+                for r in raw]  # fmt: skip
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"kv_transfer_params.prompt_logprobs: {exc}") from exc
 
 
 def _first_logprob(kv: dict[str, Any], params: SamplingParams) -> TokenLogprob | None:

@@ -37,6 +37,10 @@ def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> bytes:
     # prompt itself. best_of ranks by cumulative logprob, so the first token's must come back.
     if (out.get("best_of") or 1) > (out.get("n") or 1) and out.get("logprobs") is None:
         out["logprobs"] = 0
+    # echo with logprobs scores the prompt: on the prefill engine, which passes the scores on.
+    logprobs = out.get("logprobs")
+    if out.get("echo") and isinstance(logprobs, int) and not isinstance(logprobs, bool):
+        out["prompt_logprobs"] = max(out.get("prompt_logprobs") or 0, logprobs)
     for key in ("n", "best_of", "echo"):
         out.pop(key, None)
     return orjson.dumps(out)
