@@ -59,10 +59,6 @@ _NO_MESH = ("SMG's HA mesh (routers gossiping workers and policy state) is not b
 _NO_EPD = "encode-prefill-decode (EPD) disaggregation is not built; P/D is (--pd-disaggregation)"
 _NO_TRACE = ("OpenTelemetry tracing is not built; the x-request-id header, sent on to every worker, and the access "
              "log tie a request's lines together")
-_NO_PRIORITY = ("the priority scheduler is not built: admission is one FIFO queue (--max-concurrent-requests, "
-                "--queue-size, --queue-timeout-secs)")
-_NO_TENANTS = ("tenants are not built: one --api-key (and --admin-api-key) authenticates clients, and the rate "
-               "limit (--rate-limit-tokens-per-second) is shared")
 _NO_OVERLOAD = ("no per-worker overload veto from engine queue or KV usage: the circuit breaker and health checks "
                 "take failing workers out, and load-aware policies (least_load, power_of_two, cache_aware) steer "
                 "around busy ones")
@@ -237,15 +233,21 @@ PEER_FLAGS: tuple[PeerFlag, ...] = (
     _same("--queue-timeout-secs"),
     _same("--rate-limit-tokens-per-second", note="0 or unset: no token bucket"),
     _refused("--max-background-responses", SMG, _NO_HISTORY),
-    _refused("--priority-scheduler-enabled", SMG, _NO_PRIORITY),
-    _refused("--priority-scheduler-default-max-class", SMG, _NO_PRIORITY),
-    _refused("--priority-scheduler-config", SMG, _NO_PRIORITY),
-    _refused("--priority-scheduler-tenant-metric-top-n", SMG, _NO_PRIORITY),
-    _refused("--tenant-rate-limit-enabled", SMG, _NO_TENANTS),
-    _refused("--tenant-rate-limit-config", SMG, _NO_TENANTS),
-    _refused("--tenant-api-key", SMG, _NO_TENANTS),
-    _refused("--trust-tenant-header", SMG, _NO_TENANTS),
-    _refused("--tenant-header-name", SMG, _NO_TENANTS),
+    _same("--priority-scheduler-enabled", SMG, "classes are served in order with aging; SMG's slot reservations "
+                                               "and preemption are not built (refused in the YAML)"),
+    _same("--priority-scheduler-default-max-class", SMG),
+    _same("--priority-scheduler-config", SMG, "classes: queue_size, queue_timeout_secs, "
+                                              "starvation_threshold_secs; tenant_policies: max_class"),
+    _refused("--priority-scheduler-tenant-metric-top-n", SMG, "per-tenant scheduler metrics are not built: there "
+                                                              "are no tenant labels to cap"),
+    _same("--tenant-rate-limit-enabled", SMG),
+    _same("--tenant-rate-limit-config", SMG, "default_policy and tenants; tokens are estimated at admission "
+                                             "(prompt characters / 4 + the output limit), not settled; "
+                                             "model_rules are refused"),
+    _same("--tenant-api-key", SMG, "no stored responses to scope: the key names the tenant for priority and rate "
+                                   "limits"),
+    _same("--trust-tenant-header", SMG),
+    _same("--tenant-header-name", SMG),
     _refused("--storage-context-headers", SMG, _NO_HISTORY),
     # --- retries, breaker, health
     _same("--retry-max-retries"),

@@ -27,6 +27,7 @@ from pydantic import (
 from atomesh.compat import FIXED_KEYS, REFUSED_FLAGS, REFUSED_KEYS
 from atomesh.cors import check_origin
 from atomesh.request import ROUTING_KEY_HEADERS
+from atomesh.tenancy import PriorityClass, load_rate_limits, load_scheduler, parse_tenant_api_keys
 
 
 class ConfigError(ValueError):
@@ -413,6 +414,29 @@ class GatewayConfig(BaseModel):
         None, description="Token-bucket refill rate for admitted requests (burst = max-concurrent-requests); "
                           "unset or 0: no token bucket.")
 
+    # --- priority and tenants (SMG's flags, docs/configuration.md)
+    priority_scheduler_enabled: bool = Field(
+        False, description="Admission serves waiting requests by class (X-SMG-Priority: system, interactive, "
+                           "default, bulk; clamped to the tenant's max class), then by the body's `priority` "
+                           "(lower first), then arrival; a waiter past its class's starvation threshold goes first.")
+    priority_scheduler_default_max_class: str = Field(
+        "default", description="Highest class of a tenant that --priority-scheduler-config does not list.")
+    priority_scheduler_config: Path | None = Field(
+        None, description="YAML: `classes` (queue_size, queue_timeout_secs, starvation_threshold_secs per class) "
+                          "and `tenant_policies` (TENANT_KEY: {max_class}), as SMG's.")
+    tenant_rate_limit_enabled: bool = Field(
+        False, description="Per-tenant requests and tokens per minute (--tenant-rate-limit-config); 429 beyond.")
+    tenant_rate_limit_config: Path | None = Field(
+        None, description="YAML: `default_policy` and `tenants` ({tenant_key, tokens_per_minute, "
+                          "requests_per_minute}), as SMG's; tokens are estimated at admission.")
+    tenant_api_key: list[str] = Field(
+        default_factory=list, description="`TENANT_ID:KEY`, repeatable: a key that also opens inference, as tenant "
+                                          "`auth:TENANT_ID`.")
+    trust_tenant_header: bool = Field(
+        False, description="Take a request's tenant from --tenant-header-name (`header:VALUE`) when it has no "
+                           "tenant key.")
+    tenant_header_name: str = Field("x-smg-tenant-id", description="The tenant header (--trust-tenant-header).")
+
     # --- retries
     retry_max_retries: int = Field(5, ge=0, description="Retries after the first attempt.")
     retry_initial_backoff_ms: int = Field(50, ge=0, description="First backoff.")
@@ -550,6 +574,29 @@ class GatewayConfig(BaseModel):
         if policy not in (None, "none"):
             raise ValueError(f"unknown rank mapping policy {policy!r}; ATOMesh's are none and idx2idx")
         return policy
+
+    @field_validator("priority_scheduler_default_max_class")
+    @classmethod
+    def _max_class(cls, name: str) -> str:
+        PriorityClass.named(name)
+        return name.strip().lower()
+
+    @field_validator("tenant_api_key")
+    @classmethod
+    def _tenant_keys(cls, items: list[str]) -> list[str]:
+        parse_tenant_api_keys(items)
+        return items
+
+    @model_validator(mode="after")
+    def _tenancy(self) -> GatewayConfig:
+        if self.tenant_rate_limit_enabled:
+            if self.tenant_rate_limit_config is None:
+                raise ValueError("--tenant-rate-limit-enabled needs --tenant-rate-limit-config")
+            load_rate_limits(self.tenant_rate_limit_config)
+        if self.priority_scheduler_enabled:
+            load_scheduler(self.priority_scheduler_config,
+                           PriorityClass.named(self.priority_scheduler_default_max_class))
+        return self
 
     @field_validator("health_check_endpoint")
     @classmethod

@@ -24,6 +24,14 @@ from atomesh.policies import Policy, make_policy
 from atomesh.policies.cache_aware import CacheAwarePolicy
 from atomesh.policies.kv_aware import KvAwarePolicy
 from atomesh.router import Router
+from atomesh.tenancy import (
+    PriorityClass,
+    TenantRateLimits,
+    Tenants,
+    load_rate_limits,
+    load_scheduler,
+    parse_tenant_api_keys,
+)
 from atomesh.tokenizer import PromptTokens, TokenizerError, load_chat_template, load_tokenizer, tokenizer_file
 from atomesh.transport import Upstream
 from atomesh.workers.breaker import BreakerSettings, BreakerState
@@ -88,8 +96,16 @@ class Gateway:
         per_process = host_concurrency_limit() if limit == -1 else -(-limit // n) if limit > 0 else -1
         # The bucket's burst is a limit the user set; a derived one is no burst to allow (one second's worth).
         burst = float(per_process) if limit > 0 else (rate / n if rate else None)
+        self.scheduler = (load_scheduler(config.priority_scheduler_config,
+                                         PriorityClass.named(config.priority_scheduler_default_max_class))
+                          if config.priority_scheduler_enabled else None)
         self.admission = Admission(per_process, -(-config.queue_size // n), config.queue_timeout_secs,
-                                   rate / n if rate else None, burst)
+                                   rate / n if rate else None, burst,
+                                   classes=self.scheduler.classes if self.scheduler is not None else None)
+        self.tenants = Tenants(parse_tenant_api_keys(config.tenant_api_key), config.trust_tenant_header,
+                               config.tenant_header_name)
+        self.rate_limits = (TenantRateLimits(load_rate_limits(config.tenant_rate_limit_config), share=1 / n)
+                            if config.tenant_rate_limit_enabled and config.tenant_rate_limit_config else None)
         self.lifecycle = Lifecycle(
             self.registry, self.upstream, backend=config.backend,
             breaker=BreakerSettings(

@@ -12,6 +12,7 @@ from atomesh.api.middleware import LOOP_MESSAGE, REQUEST_ID
 from atomesh.errors import GatewayError, LoopDetected, NotServed, NoWorkerAvailable, ShuttingDown, UpstreamStatus
 from atomesh.gateway import GATEWAY, Gateway
 from atomesh.request import REGULAR_ONLY, RequestView, Route
+from atomesh.tenancy import PRIORITY_HEADER, PriorityClass, estimated_tokens
 from atomesh.transport import HOP_HEADER, Exchange
 from atomesh.validation import parse_request
 
@@ -26,7 +27,9 @@ async def serve_inference(gw: Gateway, route: Route, raw: bytes | bytearray, exc
         headers = exchange.headers
         if headers.get(HOP_HEADER) == gw.instance_id:
             raise LoopDetected(LOOP_MESSAGE)
-        gw.keys.check_inference(headers)
+        tenant = gw.tenants.of(headers)
+        if not tenant.startswith("auth:"):  # a --tenant-api-key opens inference by itself
+            gw.keys.check_inference(headers)
         if gw.shutting_down:
             raise ShuttingDown("the gateway is shutting down")
         if gw.config.pd_disaggregation and route in REGULAR_ONLY:
@@ -39,9 +42,16 @@ async def serve_inference(gw: Gateway, route: Route, raw: bytes | bytearray, exc
                 break
         view = RequestView(route=route, body=body, raw=raw, request_id=exchange.request_id, routing_key=key or None,
                            headers=headers)
+        if gw.rate_limits is not None:
+            gw.rate_limits.take(tenant, estimated_tokens(body, len(view.locality_text)))
+        cls, priority = PriorityClass.DEFAULT, 0
+        if gw.scheduler is not None:
+            cls = gw.scheduler.class_of(tenant, headers.get(PRIORITY_HEADER))
+            p = body.get("priority")
+            priority = p if isinstance(p, int) and not isinstance(p, bool) else 0
         gw.request_started()
         try:
-            async with gw.admission.permit():
+            async with gw.admission.permit(cls, priority):
                 await gw.router.serve(exchange, view)
         finally:
             gw.request_finished()
