@@ -135,6 +135,7 @@ class LLMEngine:
                 max_waiting=args.max_waiting_requests,
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
+                priority=args.scheduling_policy == "priority",
             ),
             self.block_manager,
         )

@@ -203,6 +203,9 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
     disagg = state.disagg_for(role) if role is not None else None
     limit = body.token_limit()
     params = body.sampling_params(limit or 1)
+    if params.priority and state.args.scheduling_policy != "priority":
+        raise InvalidRequestError(f"priority {params.priority}: this engine schedules first come, first served; "
+                                  "start it with --scheduling-policy priority (as vLLM)")
     if role == "kv_producer":
         # The gateway sends the prefill leg max_tokens 1: min_tokens only bans EOS for that first token here.
         params = replace(params, min_tokens=min(params.min_tokens, 1))

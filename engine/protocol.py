@@ -193,7 +193,8 @@ class SamplingBody(SamplingKnobs):
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
     user: str | None = None  # OpenAI: for abuse monitoring; no effect on the output
-    priority: Annotated[int, Field(ge=0, le=0)] | None = None  # vLLM: only the default (FCFS) here
+    priority: Annotated[int, Field(ge=-(2**31), lt=2**31)] | None = None  # vLLM's: lower first (needs
+    # --scheduling-policy priority; any other value than 0 is refused under fcfs, as vLLM does)
     kv_transfer_params: dict[str, Any] | None = None
     data_parallel_rank: int | None = None
 
@@ -305,6 +306,7 @@ class SamplingBody(SamplingKnobs):
             logit_bias=tuple(bias),
             logprobs=self.top_logprobs_wanted(),
             prompt_logprobs=self.prompt_logprobs,
+            priority=self.priority or 0,
         )
 
 

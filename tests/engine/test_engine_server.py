@@ -369,3 +369,16 @@ async def test_tokenize_detokenize_and_refused_pooling_routes(start_server: Star
         status, err = await post(http, server.url + path, {"model": "tiny", "input": "x"})
         assert status == 400 and f"{path} is not served" in err["error"]["message"], err
         assert "causal language model" in err["error"]["message"]
+
+
+async def test_priority_needs_the_priority_scheduling_policy(start_server: StartServer,
+                                                             http: aiohttp.ClientSession) -> None:
+    fcfs = await start_server()
+    body = {"prompt": "Hello", "max_tokens": 2, "priority": 3}
+    status, err = await post(http, fcfs.url + "/v1/completions", body)
+    assert status == 400 and "--scheduling-policy priority" in err["error"]["message"]
+    status, _ = await post(http, fcfs.url + "/v1/completions", {**body, "priority": 0})
+    assert status == 200
+    prio = await start_server(scheduling_policy="priority")
+    status, _ = await post(http, prio.url + "/v1/completions", body)
+    assert status == 200
