@@ -66,6 +66,9 @@ class FifoQueue:
         self.timeout = timeout
         self._waiters: deque[asyncio.Future[None]] = deque()
 
+    def usable(self, cls: PriorityClass, limit: int, aged: bool = False) -> int:
+        return limit
+
     def __len__(self) -> int:
         return len(self._waiters)
 
@@ -104,11 +107,25 @@ class PriorityQueue:
     arrival; a waiter older than its class's starvation threshold goes first (oldest of those first).
     Each class has its own bound and timeout."""
 
-    def __init__(self, classes: Mapping[PriorityClass, ClassSettings]) -> None:
+    def __init__(self, classes: Mapping[PriorityClass, ClassSettings], limit: int | None) -> None:
         self.classes = classes
         self._tickets: list[_Ticket] = []
         self._seq = 0
         self.queued = dict.fromkeys(PriorityClass, 0)
+        # Slots each class may fill: all but those the classes above it reserve, leaving it one at least.
+        self._usable = {c: max(1, (limit or 0) - sum(classes[k].reserved(limit or 0) for k in PriorityClass if k > c))
+                        for c in PriorityClass}
+
+    def usable(self, cls: PriorityClass, limit: int, aged: bool = False) -> int:
+        """How many running requests still let a `cls` request in (an aged one: every slot)."""
+        return limit if aged else min(limit, self._usable[cls])
+
+    def head_ticket(self) -> _Ticket | None:
+        if not self._tickets:
+            return None
+        now = time.monotonic()
+        return min(self._tickets, key=lambda t: (0, t.seq, 0, 0) if now >= t.starve_at
+                   else (1, -t.cls, t.priority, t.seq))
 
     def __len__(self) -> int:
         return len(self._tickets)
@@ -125,11 +142,8 @@ class PriorityQueue:
         return settings.queue_timeout_secs
 
     def head(self) -> asyncio.Future[None] | None:
-        if not self._tickets:
-            return None
-        now = time.monotonic()
-        return min(self._tickets, key=lambda t: (0, t.seq, 0, 0) if now >= t.starve_at
-                   else (1, -t.cls, t.priority, t.seq)).fut
+        ticket = self.head_ticket()
+        return None if ticket is None else ticket.fut
 
     def remove(self, fut: asyncio.Future[None]) -> None:
         for i, t in enumerate(self._tickets):
@@ -158,8 +172,9 @@ class Admission:
             burst = float(max_concurrent if max_concurrent > 0 else rate or 1)
         self.bucket = TokenBucket(rate, burst) if rate else None
         self.running = 0
+        self.running_by_class = [0] * len(PriorityClass)  # reservations count the classes at or below
         self._queue: FifoQueue | PriorityQueue = (
-            FifoQueue(queue_size, queue_timeout) if classes is None else PriorityQueue(classes))
+            FifoQueue(queue_size, queue_timeout) if classes is None else PriorityQueue(classes, self.limit))
 
     @property
     def waiting(self) -> int:
@@ -171,14 +186,21 @@ class Admission:
 
     async def _acquire(self, cls: PriorityClass, priority: int) -> None:
         queue = self._queue
-        if not len(queue) and self._free_now():
-            self.running += 1
+        if not len(queue) and self._free_now(cls):
+            self._take(cls)
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         timeout = queue.push(fut, cls, priority)
         deadline = time.monotonic() + timeout
         try:
             while True:
+                # First at once: a waiter that went to the head of a priority queue on arriving takes
+                # a slot left free while the one it overtook was being woken.
+                if queue.head() is fut and self._free_now(cls, aged=self._aged(fut)):
+                    queue.remove(fut)
+                    self._take(cls)
+                    self._wake_next()
+                    return
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise ServiceUnavailable(f"waited {timeout:g}s in the admission queue", code="queue_timeout")
@@ -188,11 +210,6 @@ class Admission:
                     await asyncio.wait_for(asyncio.shield(fut), poll)
                 except TimeoutError:
                     pass
-                if queue.head() is fut and self._free_now():
-                    queue.remove(fut)
-                    self.running += 1
-                    self._wake_next()
-                    return
                 if fut.done():
                     new: asyncio.Future[None] = asyncio.get_running_loop().create_future()
                     queue.replace(fut, new)
@@ -202,13 +219,27 @@ class Admission:
             self._wake_next()
             raise
 
-    def _free_now(self) -> bool:
-        if self.limit is not None and self.running >= self.limit:
+    def _aged(self, fut: asyncio.Future[None]) -> bool:
+        queue = self._queue
+        if not isinstance(queue, PriorityQueue):
+            return False
+        ticket = queue.head_ticket()
+        return ticket is not None and ticket.fut is fut and time.monotonic() >= ticket.starve_at
+
+    def _free_now(self, cls: PriorityClass = PriorityClass.DEFAULT, aged: bool = False) -> bool:
+        limit = self.limit
+        if limit is not None and (self.running >= limit or (
+                sum(self.running_by_class[: cls + 1]) >= self._queue.usable(cls, limit, aged))):
             return False
         return self.bucket is None or self.bucket.take()
 
-    def _release(self) -> None:
+    def _take(self, cls: PriorityClass) -> None:
+        self.running += 1
+        self.running_by_class[cls] += 1
+
+    def _release(self, cls: PriorityClass) -> None:
         self.running -= 1
+        self.running_by_class[cls] -= 1
         self._wake_next()
 
     def _wake_next(self) -> None:
@@ -230,10 +261,10 @@ class Permit:
     async def __aenter__(self) -> None:
         a = self._admission
         if a.limit is None and a.bucket is None:
-            a.running += 1  # unlimited: nothing to wait for
+            a._take(self._cls)  # unlimited: nothing to wait for
             return
         await a._acquire(self._cls, self._priority)
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
-        self._admission._release()
+        self._admission._release(self._cls)

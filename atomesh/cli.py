@@ -209,6 +209,17 @@ def bench_gateway(ctx: typer.Context) -> None:
 
 
 @bench_app.command(
+    "priority", add_help_option=False,
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def bench_priority(ctx: typer.Context) -> None:
+    """Priority classes under 2x overload (vs FIFO) and tenant rate-limit shares (`--help` lists options)."""
+    from atomesh.bench import priority
+
+    priority.main(list(ctx.args))
+
+
+@bench_app.command(
     "chaos", add_help_option=False,
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
 )

@@ -233,11 +233,12 @@ PEER_FLAGS: tuple[PeerFlag, ...] = (
     _same("--queue-timeout-secs"),
     _same("--rate-limit-tokens-per-second", note="0 or unset: no token bucket"),
     _refused("--max-background-responses", SMG, _NO_HISTORY),
-    _same("--priority-scheduler-enabled", SMG, "classes are served in order with aging; SMG's slot reservations "
-                                               "and preemption are not built (refused in the YAML)"),
+    _same("--priority-scheduler-enabled", SMG, "classes served in order with aging and slot reservations; "
+                                               "preemption is not built (can_preempt refused in the YAML)"),
     _same("--priority-scheduler-default-max-class", SMG),
     _same("--priority-scheduler-config", SMG, "classes: queue_size, queue_timeout_secs, "
-                                              "starvation_threshold_secs; tenant_policies: max_class"),
+                                              "starvation_threshold_secs, reserved_floor, reserved_per_slot (none "
+                                              "by default); tenant_policies: max_class"),
     _refused("--priority-scheduler-tenant-metric-top-n", SMG, "per-tenant scheduler metrics are not built: there "
                                                               "are no tenant labels to cap"),
     _same("--tenant-rate-limit-enabled", SMG),

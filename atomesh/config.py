@@ -422,8 +422,9 @@ class GatewayConfig(BaseModel):
     priority_scheduler_default_max_class: str = Field(
         "default", description="Highest class of a tenant that --priority-scheduler-config does not list.")
     priority_scheduler_config: Path | None = Field(
-        None, description="YAML: `classes` (queue_size, queue_timeout_secs, starvation_threshold_secs per class) "
-                          "and `tenant_policies` (TENANT_KEY: {max_class}), as SMG's.")
+        None, description="YAML: `classes` (queue_size, queue_timeout_secs, starvation_threshold_secs, "
+                          "reserved_floor, reserved_per_slot per class) and `tenant_policies` (TENANT_KEY: "
+                          "{max_class}), as SMG's.")
     tenant_rate_limit_enabled: bool = Field(
         False, description="Per-tenant requests and tokens per minute (--tenant-rate-limit-config); 429 beyond.")
     tenant_rate_limit_config: Path | None = Field(

@@ -56,14 +56,21 @@ class PriorityClass(IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class ClassSettings:
-    """One class's queue: its bound, the longest wait, and the wait after which it goes first (aging)."""
+    """One class's queue: its bound, the longest wait, the wait after which it goes first (aging), and
+    the admission slots lower classes may not take (SMG's reservation: max(floor, share x slots))."""
 
     queue_size: int
     queue_timeout_secs: float
     starvation_threshold_secs: float
+    reserved_floor: int = 0
+    reserved_per_slot: float = 0.0
+
+    def reserved(self, slots: int) -> int:
+        return max(self.reserved_floor, math.ceil(self.reserved_per_slot * slots))
 
 
-# SMG's built-in defaults per class.
+# SMG's built-in queue defaults per class. No slot is reserved unless the file says so: SMG's default
+# floors (32 system, 128 interactive) would leave a gateway of a few hundred slots none for the others.
 DEFAULT_CLASSES: dict[PriorityClass, ClassSettings] = {
     PriorityClass.SYSTEM: ClassSettings(64, 30, 5),
     PriorityClass.INTERACTIVE: ClassSettings(256, 30, 5),
@@ -117,11 +124,11 @@ def load_scheduler(path: Path | None, default_max_class: PriorityClass) -> Sched
         cls = PriorityClass.named(str(name))
         if not isinstance(spec, dict):
             raise ValueError(f"{flag}: classes.{name} must be a mapping")
-        refused = set(spec) & {"reserved_floor", "reserved_per_slot", "can_preempt"}
-        if refused:
-            raise ValueError(f"{flag}: classes.{name}: {sorted(refused)} refused: slot reservations and preemption "
-                             "are not built (classes share the admission slots, served in class order)")
-        unknown = set(spec) - {"queue_size", "queue_timeout_secs", "starvation_threshold_secs"}
+        if "can_preempt" in spec:
+            raise ValueError(f"{flag}: classes.{name}: can_preempt refused: preemption is not built (a request "
+                             "admitted runs to its end)")
+        unknown = set(spec) - {"queue_size", "queue_timeout_secs", "starvation_threshold_secs", "reserved_floor",
+                               "reserved_per_slot"}
         if unknown:
             raise ValueError(f"{flag}: classes.{name}: unknown keys {sorted(unknown)}")
         base = classes[cls]
@@ -129,7 +136,9 @@ def load_scheduler(path: Path | None, default_max_class: PriorityClass) -> Sched
             int(_number(spec.get("queue_size", base.queue_size), f"classes.{name}.queue_size", positive=False)),
             _number(spec.get("queue_timeout_secs", base.queue_timeout_secs), f"classes.{name}.queue_timeout_secs"),
             _number(spec.get("starvation_threshold_secs", base.starvation_threshold_secs),
-                    f"classes.{name}.starvation_threshold_secs"))
+                    f"classes.{name}.starvation_threshold_secs"),
+            int(_number(spec.get("reserved_floor", 0), f"classes.{name}.reserved_floor", positive=False)),
+            _number(spec.get("reserved_per_slot", 0.0), f"classes.{name}.reserved_per_slot", positive=False))
     tenants: dict[str, PriorityClass] = {}
     for key, spec in (raw.get("tenant_policies") or {}).items():
         if not isinstance(spec, dict) or set(spec) != {"max_class"}:

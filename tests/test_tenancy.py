@@ -10,7 +10,9 @@ import aiohttp
 import pytest
 from gwtest import MakeGateway, MakeWorkers, base_url, wait_for
 
+from atomesh.admission import Admission
 from atomesh.config import ConfigError, load_config
+from atomesh.tenancy import DEFAULT_CLASSES, ClassSettings, PriorityClass
 
 COMPLETION = {"model": "mock-model", "prompt": "hello", "max_tokens": 2}
 
@@ -86,12 +88,28 @@ async def test_tenant_rate_limits_and_tenant_keys(tmp_path: Path, mock_workers: 
     assert await status(small, {**COMPLETION, "max_tokens": 60}) == (429, "tenant_rate_limited")
 
 
+async def test_reserved_slots_are_kept_for_the_higher_classes() -> None:
+    classes = {**DEFAULT_CLASSES, PriorityClass.INTERACTIVE: ClassSettings(256, 30, 5, reserved_per_slot=0.5)}
+    admission = Admission(2, 100, 60, None, classes=classes)
+    first = admission.permit(PriorityClass.BULK)
+    await first.__aenter__()
+    second = asyncio.ensure_future(admission.permit(PriorityClass.BULK).__aenter__())
+    await asyncio.sleep(0.05)
+    assert not second.done() and admission.running == 1  # the last slot is interactive's
+    high = admission.permit(PriorityClass.INTERACTIVE)
+    await asyncio.wait_for(high.__aenter__(), 1)
+    assert admission.running == 2
+    await first.__aexit__(None, None, None)
+    await asyncio.wait_for(second, 1)  # a bulk request gets the slot a bulk one freed
+    assert admission.running == 2
+
+
 def test_scheduler_and_rate_limit_files_are_checked_at_start(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("classes:\n  interactive: {can_preempt: true}\n")
     for settings, needle in (
             ({"tenant_rate_limit_enabled": True}, "needs --tenant-rate-limit-config"),
-            ({"priority_scheduler_enabled": True, "priority_scheduler_config": bad}, "preemption are not built"),
+            ({"priority_scheduler_enabled": True, "priority_scheduler_config": bad}, "preemption is not built"),
             ({"priority_scheduler_default_max_class": "urgent"}, "not a priority class"),
             ({"tenant_api_key": ["no-colon"]}, "TENANT_ID:KEY")):
         with pytest.raises(ConfigError, match=needle):
