@@ -114,3 +114,20 @@ def test_scheduler_and_rate_limit_files_are_checked_at_start(tmp_path: Path) -> 
             ({"tenant_api_key": ["no-colon"]}, "TENANT_ID:KEY")):
         with pytest.raises(ConfigError, match=needle):
             load_config(settings)
+
+
+@pytest.mark.timeout(110)
+def test_bench_priority_runs_and_reports_both_gateways(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "priority.json"
+    proc = subprocess.run([sys.executable, "-m", "atomesh", "bench", "priority", "--seconds", "1",
+                           "--tenant-seconds", "2", "--concurrency", "4", "--json", str(out)],
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert [c["gateway"] for c in report["classes"]] == ["atomesh-priority", "atomesh-fifo"]
+    assert [t["tenant"] for t in report["tenants"]] == ["heavy", "light"]
+    assert "atomesh-fifo" in proc.stdout and "within 10%" in proc.stdout
