@@ -23,7 +23,6 @@ _REFUSED_FLAGS = {
     "--enable-expert-parallel": "expert parallelism is not supported (dense models only)",
     "--enable-dp-attention": "data-parallel attention is not supported",
     "--level": "torch.compile levels are not used by this engine (CUDA graphs and Triton kernels instead)",
-    "--load_dummy": "dummy weights are not supported; use --model tiny-random[:SEED]",
     "--hf-overrides": "--hf-overrides is not supported",
     "--enable-tbo": "two-batch overlap is not supported",
     "--index-cache-dtype": "the sparse-attention indexer cache is kept in the model dtype; no other is built",
@@ -94,6 +93,8 @@ class EngineArgs:
     enforce_eager: bool = False
     cudagraph_capture_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, 16, ... up to max_num_seqs
     kernels: str = "auto"
+    quantization: str | None = None  # "fp8": linear weights to FP8 at load (per channel), activations per token
+    load_format: str = "auto"  # "dummy": random weights of the config's shape (speed runs without the checkpoint)
     torch_threads: int | None = None
     log_level: str = "info"
     tool_call_parser: str | None = None  # how tool calls are read from free-form output (vLLM's flag)
@@ -205,6 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="the model's ops: fused Triton kernels (auto on CUDA) or plain torch (the exact reference; auto on CPU)",
     )
+    p.add_argument("--quantization", "-q", choices=["fp8"], default=None,
+                   help="fp8: quantize the linear weights of a bf16/fp16 checkpoint to FP8 e4m3 at load (one scale per "
+                   "output channel; activations per token at run time: ATOM's online PTPC-FP8). FP8 checkpoints "
+                   "(quantization_config fp8 / compressed-tensors) load as FP8 without it")
+    p.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default="auto",
+                   help="dummy: random weights in the shape of the model's config.json, drawn on the device "
+                   "(as vLLM's --load-format dummy; speed runs without the checkpoint, the text is noise)")
+    p.add_argument("--load_dummy", dest="load_format", action="store_const", const="dummy",
+                   help="ATOM's spelling of --load-format dummy")
     p.add_argument("--trust-remote-code", action="store_true", help="accepted: this engine never runs model code")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.add_argument("--tool-call-parser", choices=["hermes"], default=None,
@@ -295,6 +305,8 @@ def validate(ns: argparse.Namespace) -> EngineArgs:
         enforce_eager=ns.enforce_eager,
         cudagraph_capture_sizes=sizes,
         kernels=ns.kernels,
+        load_format=ns.load_format,
+        quantization=ns.quantization,
         torch_threads=ns.torch_threads,
         log_level=ns.log_level,
     )

@@ -69,6 +69,21 @@ def decode_mask(context_lens: torch.Tensor, length: int) -> torch.Tensor:
     return mask[:, None, None, :]
 
 
+def window_decode_mask(context_lens: torch.Tensor, length: int, window: int) -> torch.Tensor:
+    """``decode_mask`` that also hides the slots more than ``window`` positions behind each sequence's last."""
+    slots = torch.arange(length, device=context_lens.device)[None, :]
+    mask = (slots < context_lens[:, None]) & (slots >= context_lens[:, None] - window)
+    return mask[:, None, None, :]
+
+
+def causal_window_mask(rows: int, cols: int, window: int, device: torch.device) -> torch.Tensor:
+    """``[rows, cols]``: query i (at position ``cols - rows + i``) sees key j when j <= its position and
+    j > its position - ``window``."""
+    pos = torch.arange(cols - rows, cols, device=device)[:, None]
+    j = torch.arange(cols, device=device)[None, :]
+    return (j <= pos) & (j > pos - window)
+
+
 def plan_prefill(
     query_lens: list[int], cached_lens: list[int], device: torch.device, first: int = 0
 ) -> tuple[list[PrefillGroup], list[int]]:
@@ -141,13 +156,19 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     indexer: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Store this step's K/V, then attend every query to its sequence's cached context (plain torch).
 
-    q: ``[num_tokens, heads, head_dim]``; k, v: ``[num_tokens, kv_heads, head_dim]``.
+    q: ``[num_tokens, heads, head_dim]``; k, v: ``[num_tokens, kv_heads, head_dim]``. ``window`` > 0: a
+    query at position i sees keys at positions j with i - window < j <= i (sliding-window attention).
     Returns ``[num_tokens, heads * head_dim]``.
     """
     store_kv(kv_cache, k, v, meta.slot_mapping)
+    if kv_cache.dtype in _FP8:
+        # Attend over this step's keys as the cache holds them, so that a prompt's KV read back from the cache
+        # (a prefix-cache hit, a later chunk, the Triton kernels) gives what its first computation gave.
+        k, v = k.to(kv_cache.dtype).to(k.dtype), v.to(kv_cache.dtype).to(v.dtype)
     if indexer is not None:
         # Sparse attention: keep the indexer keys of the blocks this step wrote up to date.
         _INDEXER.update(indexer, kv_cache, meta.slot_mapping)
@@ -159,10 +180,13 @@ def paged_attention(
         if indexer is not None and meta.sparse_topk:
             decoded = sparse_decode(q[:nd], kv_cache, indexer, tables, context, scale, meta.sparse_topk, q.dtype)
         else:
-            decoded = _decode(q[:nd], kv_cache, tables, context, meta.decode_mask, scale)
+            mask = meta.decode_mask
+            if window:
+                mask = window_decode_mask(context, tables.shape[1] * kv_cache.shape[2], window)
+            decoded = _decode(q[:nd], kv_cache, tables, context, mask, scale)
         if nd == n:
             return decoded.reshape(n, -1)
-    out = _prefill(q, k, v, kv_cache, meta, scale)
+    out = _prefill(q, k, v, kv_cache, meta, scale, window)
     if decoded is not None:
         out[:nd] = decoded
     return out.reshape(n, -1)
@@ -175,6 +199,7 @@ def _prefill(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     out = torch.empty_like(q)
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
@@ -185,11 +210,14 @@ def _prefill(
             qg, kg, vg = q[rows], k[rows], v[rows]
         else:
             qg, kg, vg = q[g.token_index], k[g.token_index], v[g.token_index]
+        # A window shorter than the prompt needs an explicit mask; otherwise causal is the same thing.
+        windowed = 0 < window < g.q_len
         og = F.scaled_dot_product_attention(
             qg.view(g.num_seqs, g.q_len, heads, head_dim).transpose(1, 2),
             kg.view(g.num_seqs, g.q_len, kv_heads, head_dim).transpose(1, 2),
             vg.view(g.num_seqs, g.q_len, kv_heads, head_dim).transpose(1, 2),
-            is_causal=True,
+            attn_mask=causal_window_mask(g.q_len, g.q_len, window, q.device) if windowed else None,
+            is_causal=not windowed,
             scale=scale,
             enable_gqa=True,
         )
@@ -214,9 +242,11 @@ def _prefill(
             qp = q.new_zeros(cached + q_len, heads, head_dim)
             qp[cached:] = q[start : start + q_len]
             # 4-D inputs: with 3-D ones the CPU takes the math kernel, ten times slower.
+            windowed = 0 < window < cached + q_len
+            mask = causal_window_mask(cached + q_len, cached + q_len, window, q.device) if windowed else None
             oi = F.scaled_dot_product_attention(
                 qp.transpose(0, 1)[None], kc.transpose(0, 1)[None], vc.transpose(0, 1)[None],
-                is_causal=True, scale=scale, enable_gqa=True,
+                attn_mask=mask, is_causal=not windowed, scale=scale, enable_gqa=True,
             )[0]  # fmt: skip
             out[start : start + q_len] = oi[:, cached:].transpose(0, 1)
     return out

@@ -20,6 +20,7 @@ import datetime
 import gc
 import json
 import os
+import resource
 import statistics
 import time
 import traceback
@@ -123,10 +124,23 @@ def bench_hf_compiled(
     return Result(batch * len(prompts[0]) / first, batch * (new_tokens - 1) / max(whole - first, 1e-9))
 
 
-def hf_reference(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """transformers' LlamaForCausalLM with the same weights (the reference of the tests)."""
+def hf_reference(loaded: LoadedModel, device: torch.device, dtype: torch.dtype, dummy: bool = False) -> torch.nn.Module:
+    """transformers' own model class with the same weights (the reference of the tests).
+
+    A checkpoint folder loads through ``AutoModelForCausalLM`` (every family); in-memory weights (GGUF,
+    tiny-random) fill a ``LlamaForCausalLM``. ``dummy``: transformers' own random init of the folder's config
+    (speed only, as the engine's ``--load-format dummy``), drawn on ``device``.
+    """
     import transformers
 
+    if loaded.folder is not None:
+        if dummy:
+            config = transformers.AutoConfig.from_pretrained(str(loaded.folder))
+            with torch.device(device):
+                built: torch.nn.Module = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+            return built.eval()
+        pretrained: torch.nn.Module = transformers.AutoModelForCausalLM.from_pretrained(str(loaded.folder), dtype=dtype)
+        return pretrained.to(device).eval()
     c = loaded.config
     cfg = transformers.LlamaConfig(  # type: ignore[call-arg]
         vocab_size=c.vocab_size,
@@ -142,7 +156,7 @@ def hf_reference(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) 
         tie_word_embeddings=c.tie_word_embeddings,
     )
     model: torch.nn.Module = transformers.LlamaForCausalLM(cfg)
-    result = model.load_state_dict(loaded.weights, strict=False)
+    result = model.load_state_dict(dict(loaded.weights()), strict=False)
     # Only the tied head may be absent from the checkpoint; anything else means the weights do not fit.
     if not set(result.missing_keys) <= {"lm_head.weight"} or result.unexpected_keys:
         raise ValueError(f"weights do not fit transformers' Llama: missing {result.missing_keys}, "
@@ -160,18 +174,32 @@ def median_of(runs: int, fn: Callable[[], Result]) -> Result:
     )
 
 
-def roofline_tok_s(loaded: LoadedModel, engine_dtype: torch.dtype, batch: int, context: int, device: str) -> float:
-    """Decode tok/s if a step only read the weights and the batch's KV once at full HBM bandwidth."""
+def step_weight_bytes(engine: LLMEngine, batch: int) -> float:
+    """Bytes of weights one decode step of ``batch`` sequences reads: every dense weight (the embedding rows
+    aside), and of each MoE layer only the experts its tokens touch, expected under uniform routing
+    (``E * (1 - (1 - k/E) ** batch)`` distinct experts of E when each token picks k)."""
+    model, c = engine.runner.model, engine.model_config
+    total: float = 0.0
+    for name, p in model.named_parameters():
+        if name == "embed_tokens.weight" and not c.tie_word_embeddings:
+            continue  # a step reads only its tokens' rows
+        size: float = p.numel() * p.element_size()
+        if name.endswith(("experts.w13", "experts.w2")) and c.num_experts:
+            e, k = c.num_experts, c.num_experts_per_tok
+            size *= (1 - (1 - k / e) ** batch)
+        total += size
+    return total
+
+
+def roofline_tok_s(engine: LLMEngine, batch: int, context: int, device: str) -> float:
+    """Decode tok/s if a step only read its weights and the batch's KV once at full HBM bandwidth."""
     bw = next((v for k, v in HBM_BYTES_S.items() if k in device), None)
     if bw is None:
         return 0.0
-    c = loaded.config
-    elem = torch.empty((), dtype=engine_dtype).element_size()
-    weights = sum(t.numel() for name, t in loaded.weights.items() if name != "lm_head.weight") * elem
-    if not c.tie_word_embeddings:
-        weights += c.vocab_size * c.hidden_size * elem
+    c = engine.model_config
+    elem = torch.empty((), dtype=engine.runner.cache_dtype).element_size()
     kv = batch * context * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * elem
-    return batch * bw / (weights + kv)
+    return batch * bw / (step_weight_bytes(engine, batch) + kv)
 
 
 def prefix_row(loaded: LoadedModel, args: EngineArgs, length: int, runs: int = 3) -> dict[str, float]:
@@ -275,6 +303,12 @@ def main() -> None:
                    help="also time the prefill of one TOKENS-long prompt with and without prefix-cache hits")
     p.add_argument("--profile", action="store_true", help="split a batch-1 decode step into host and GPU time")
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights of the folder's config.json (the engine's and transformers' own init)")
+    p.add_argument("--quantization", choices=["fp8"], default=None, help="the engine's --quantization")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the engine's --kv-cache-dtype")
+    p.add_argument("--max-num-batched-tokens", type=int, default=0,
+                   help="the engine's step budget (default: every prompt of the largest batch in one step)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
 
@@ -289,12 +323,20 @@ def main() -> None:
         max_model_len=a.prompt_len + a.new_tokens + 16,
         max_num_seqs=max_batch,
         # Every batch's prompts in one prefill step, as the reference's static batch does.
-        max_num_batched_tokens=max(16384, max_batch * a.prompt_len),
+        max_num_batched_tokens=a.max_num_batched_tokens or max(16384, max_batch * a.prompt_len),
         enable_prefix_caching=False,
         enforce_eager=a.enforce_eager,
         kernels=a.kernels,
+        load_format=a.load_format,
+        kv_cache_dtype=a.kv_cache_dtype,
+        **({"quantization": a.quantization} if a.quantization else {}),
     )
+    started = time.perf_counter()
     engine = LLMEngine(args, loaded=loaded)
+    load_s = time.perf_counter() - started
+    # Peak resident memory of the process so far: the weights' host side while they went to the device.
+    build_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"engine built in {load_s:.1f} s, peak host RSS {build_rss_gib:.2f} GiB", flush=True)
     device, dtype = engine.device, engine.dtype
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{a.threads} threads"
     graphs = "cuda graphs" if engine.runner.graphs is not None else "eager"
@@ -309,13 +351,15 @@ def main() -> None:
         ours[b] = median_of(a.runs, partial(bench_engine, engine, prompts, a.new_tokens))
         print(f"  engine batch {b}: {ours[b]}", flush=True)
     profile = profile_step(engine, a.prompt_len) if a.profile else None
+    context = a.prompt_len + a.new_tokens // 2  # the mean context of the decode steps
+    roof = {b: roofline_tok_s(engine, b, context, name) for b in a.batch_sizes}
     del engine
     gc.collect()
     ref: dict[int, Result] = {}
     compiled: dict[int, Result] = {}
     compile_notes: dict[str, str] = {}
     if not a.no_reference:
-        model = hf_reference(loaded, device, dtype)
+        model = hf_reference(loaded, device, dtype, dummy=a.load_format == "dummy")
         for b in a.batch_sizes:
             prompts = _prompts(b, a.prompt_len, vocab, b)
             ref[b] = median_of(a.runs, partial(bench_hf, model, prompts, a.new_tokens, device))
@@ -338,8 +382,6 @@ def main() -> None:
                     torch._dynamo.reset()
         del model
         gc.collect()
-    context = a.prompt_len + a.new_tokens // 2  # the mean context of the decode steps
-    roof = {b: roofline_tok_s(loaded, dtype, b, context, name) for b in a.batch_sizes}
     print(
         f"{'batch':>5} | {'prefill tok/s':>13} {'HF':>9} {'ratio':>6} | {'decode tok/s':>12} {'HF':>9} {'ratio':>6}"
         f" | {'compiled':>9} {'ratio':>6} | {'roofline':>8}"
@@ -371,6 +413,11 @@ def main() -> None:
             "torch": torch.__version__,
             "kernels": f"{args.kernels} -> {'graphs' if graphs == 'cuda graphs' else 'eager'}",
             "prompt_len": a.prompt_len,
+            "engine_build_s": load_s,
+            "engine_build_peak_rss_gib": build_rss_gib,
+            "load_format": a.load_format,
+            "quantization": a.quantization,
+            "kv_cache_dtype": a.kv_cache_dtype,
             "new_tokens": a.new_tokens,
             "batches": {
                 str(b): {

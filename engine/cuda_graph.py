@@ -33,7 +33,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.kernels import decode_splits, tile_capacity, tile_map
-from engine.models.llama import LlamaForCausalLM
+from engine.models.decoder import DecoderForCausalLM
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ class DecodeGraphs(_GraphSet):
     """The decode-step graphs of one model runner (every sequence computes one token)."""
 
     def __init__(
-        self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], indexer_caches: list[torch.Tensor],
+        self, model: DecoderForCausalLM, kv_caches: list[torch.Tensor], indexer_caches: list[torch.Tensor],
         sizes: list[int], block_size: int, scratch_block: int, max_model_len: int, sparse_topk: int,
     ) -> None:  # fmt: skip
         device = kv_caches[0].device
@@ -232,7 +232,7 @@ class MixedGraphs(_GraphSet):
     """Graphs of steps with prompt tokens, one per token count; attention through a per-step tile map."""
 
     def __init__(
-        self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], sizes: list[int], max_seqs: int,
+        self, model: DecoderForCausalLM, kv_caches: list[torch.Tensor], sizes: list[int], max_seqs: int,
         block_size: int, scratch_block: int, max_model_len: int,
     ) -> None:  # fmt: skip
         device = kv_caches[0].device

@@ -27,6 +27,8 @@ from engine.kernels import interpret_mode, triton_importable
 from engine.kv_events import EventRecorder
 from engine.model_runner import ModelRunner, StepInput, kv_cache_dtype
 from engine.models.loader import LoadedModel, load_model
+from engine.models.quant import parse_quantization
+from engine.models.rope import context_limit
 from engine.sampler import SampleOutput
 from engine.scheduler import QueueFullError, ScheduledBatch, Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus, TokenLogprob
@@ -56,11 +58,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_kernels(name: str, device: torch.device, cache_dtype: torch.dtype) -> str:
-    """``auto``: the Triton kernels on CUDA (torch's for an fp8 KV cache), plain torch on CPU."""
+def resolve_kernels(name: str, device: torch.device, cache_dtype: torch.dtype, head_dim: int = 64) -> str:
+    """``auto``: the Triton kernels on CUDA (torch's for a head size that is not a power of two, which the
+    kernels do not tile), plain torch on CPU. An FP8 KV cache runs on both: stored and read with a unit scale."""
+    pow2 = head_dim & (head_dim - 1) == 0
     if name == "auto":
-        fp8 = cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-        return "triton" if device.type == "cuda" and triton_importable() and not fp8 else "torch"
+        return "triton" if device.type == "cuda" and triton_importable() and pow2 else "torch"
+    if name == "triton" and not pow2:
+        raise ValueError(f"--kernels triton: head_dim {head_dim} is not a power of two (use --kernels torch)")
     if name == "triton" and device.type != "cuda" and not interpret_mode():
         raise ValueError("--kernels triton needs a CUDA device (or TRITON_INTERPRET=1, for tests)")
     if name == "triton" and not triton_importable():
@@ -68,10 +73,13 @@ def resolve_kernels(name: str, device: torch.device, cache_dtype: torch.dtype) -
     return name
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto``: float32 on CPU (exact, and fast enough for small models), bfloat16 on CUDA."""
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str = "") -> torch.dtype:
+    """``auto``: float32 on CPU (exact, and fast enough for small models); on CUDA the checkpoint's own
+    half-precision dtype (bfloat16 or float16), bfloat16 when it has none or is float32."""
     if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
+        if device.type == "cpu":
+            return torch.float32
+        return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
@@ -86,11 +94,14 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.tokenizer.eos_token_ids
         self.device = resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, self.device)
-        max_pos = loaded.config.max_position_embeddings
-        self.max_model_len = args.max_model_len or max_pos
+        self.dtype = resolve_dtype(args.dtype, self.device, loaded.config.dtype)
+        max_pos = context_limit(loaded.config)
+        self.max_model_len = args.max_model_len or loaded.config.max_position_embeddings
         if self.max_model_len > max_pos:
             raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's context length {max_pos}")
+        if args.sparse_attention and loaded.config.any_window:
+            raise ValueError("--sparse-attention with a sliding-window model (config.json sliding_window) is not "
+                             "supported: the block selection does not know the window")  # fmt: skip
         if not args.enable_chunked_prefill and args.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"--max-num-batched-tokens {args.max_num_batched_tokens} is below --max-model-len "
@@ -98,10 +109,10 @@ class LLMEngine:
                 "so it must be at least that"
             )
         cache_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)
-        self.kernels = resolve_kernels(args.kernels, self.device, cache_dtype)
+        self.kernels = resolve_kernels(args.kernels, self.device, cache_dtype, loaded.config.head_dim)
         self.runner = ModelRunner(
             loaded.config,
-            loaded.weights,
+            None if args.load_format == "dummy" else loaded.weights,
             self.device,
             self.dtype,
             args.block_size,
@@ -111,6 +122,7 @@ class LLMEngine:
             kernels=self.kernels,
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
+            quant=parse_quantization(loaded.hf_config, args.quantization),
         )
         self.num_blocks = self._count_blocks()
         sizes = self._capture_sizes()

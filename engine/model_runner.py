@@ -13,7 +13,10 @@ from engine.attention import AttentionMetadata, decode_mask, plan_prefill
 from engine.cuda_graph import DecodeGraphs, MixedGraphs
 from engine.kernels import decode_splits
 from engine.kernels.ops import TritonOps
-from engine.models.llama import LlamaConfig, LlamaForCausalLM
+from engine.models.config import ModelConfig
+from engine.models.decoder import DecoderForCausalLM
+from engine.models.loader import WeightSource
+from engine.models.quant import Fp8Linear, QuantSpec
 from engine.sampler import SampleOutput, Sampler, SampleRow, sample_row, token_logprobs
 from engine.sequence import SamplingParams, Sequence, TokenLogprob
 
@@ -75,13 +78,34 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     raise ValueError(f"unknown kv cache dtype {name!r}")
 
 
+def random_weights(model: DecoderForCausalLM, seed: int) -> None:
+    """``--load-format dummy``: draw every weight on its device (norms 1, the rest N(0, 0.02), as transformers
+    initialises): the real model's speed without its checkpoint (its text is noise)."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        fp8: set[str] = set()
+        for mname, module in model.named_modules():
+            if isinstance(module, Fp8Linear):  # drawn in bf16, then quantized as a checkpoint's would be
+                w = torch.empty(module.out_features, module.in_features, dtype=torch.bfloat16, device=device)
+                module.load_rows(0, w.normal_(0.0, 0.02, generator=gen))
+                fp8 |= {f"{mname}.weight", f"{mname}.weight_scale"}
+        for name, p in model.named_parameters():
+            if name in fp8:
+                continue
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
+
 class ModelRunner:
     """Weights, KV cache and the forward + sampling of one step, on CPU or one CUDA device."""
 
     def __init__(
         self,
-        model_config: LlamaConfig,
-        weights: dict[str, torch.Tensor],
+        model_config: ModelConfig,
+        weights: WeightSource | None,
         device: torch.device,
         dtype: torch.dtype,
         block_size: int,
@@ -91,6 +115,7 @@ class ModelRunner:
         kernels: str = "torch",
         max_model_len: int = 0,
         eos_token_ids: frozenset[int] = frozenset(),
+        quant: QuantSpec | None = None,
     ) -> None:
         self.config = model_config
         self.max_model_len = max_model_len or model_config.max_position_embeddings
@@ -100,21 +125,27 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.cache_dtype = cache_dtype
+        if kernels not in ("torch", "triton"):
+            raise ValueError(f"unknown kernels {kernels!r}")
         with torch.device("meta"):
-            model = LlamaForCausalLM(model_config)
-        # Built on the meta device (no throwaway random init), then materialised empty and loaded.
-        model = model.to_empty(device=device)
+            model = DecoderForCausalLM(model_config, quant)
+        # Built on the meta device (no throwaway random init), given the serving dtype there (free), then
+        # materialised empty on the device and filled tensor by tensor: no copy of the model in another dtype.
+        model = model.to(dtype).to_empty(device=device)
         if model_config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight  # to_empty unties shared parameters
         self.model = model
-        model.init_rope(device)
-        model.load_hf_state_dict(weights)
-        model.to(dtype)
+        model.init_rope(device, self.max_model_len)
+        if weights is None:
+            random_weights(model, seed)
+        else:
+            model.load_weights(weights())
         model.eval()
+        for module in model.modules():
+            if hasattr(module, "kernels"):
+                setattr(module, "kernels", kernels)  # noqa: B010 (the MoE blocks: fused kernel or torch reference)
         if kernels == "triton":
             model.ops = TritonOps()
-        elif kernels != "torch":
-            raise ValueError(f"unknown kernels {kernels!r}")
         self.kernels = kernels
         self.kv_caches: list[torch.Tensor] = []
         # One [num_blocks, kv_heads, head_dim] tensor per layer, paged with the KV cache's block ids.
@@ -168,7 +199,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         # A worst-case prefill against a throwaway cache measures the activations' peak.
-        tokens = min(max_tokens, self.config.max_position_embeddings)
+        tokens = min(max_tokens, self.max_model_len)
         blocks = (tokens + self.block_size - 1) // self.block_size
         self.allocate_kv_cache(blocks)
         seq = Sequence(0, [0] * tokens, SamplingParams(temperature=0.0, max_tokens=1), self.block_size)

@@ -1,7 +1,7 @@
 """Fused GPU kernels (Triton) for the model's hot path, each beside the torch code it must equal.
 
 ``engine.kernels.triton_ops`` holds the kernels; the plain-torch reference of each op lives with the
-model (``engine.models.llama`` and ``engine.attention``) and is what the CPU runs. Triton is only
+model (``engine.models.decoder`` and ``engine.attention``) and is what the CPU runs. Triton is only
 imported when a CUDA device asks for it, or when ``TRITON_INTERPRET=1`` runs the kernels on the CPU
 in tests.
 """

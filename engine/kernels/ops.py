@@ -1,6 +1,6 @@
 """The decoder's per-layer operations behind one seam: plain torch (the reference) or Triton kernels.
 
-The model (``engine.models.llama``) calls these and nothing else for its norms, activation, rotary
+The model (``engine.models.decoder``) calls these and nothing else for its norms, activation, rotary
 positions and attention, so one forward serves every device and step kind. ``TorchOps`` is the
 exact reference and what the CPU runs; ``TritonOps`` fuses each into one kernel launch (CUDA, or
 the CPU under ``TRITON_INTERPRET=1`` in tests) and never synchronises with the host, so a decode
@@ -9,6 +9,7 @@ step made of it can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -18,6 +19,15 @@ from engine.attention import AttentionMetadata, paged_attention
 from engine.sparse import MeanKeyIndexer, select_blocks_paged
 
 _INDEXER = MeanKeyIndexer()  # stateless: the training-free indexer of dense checkpoints
+
+
+@dataclass(frozen=True, slots=True)
+class QKNorm:
+    """Per-head RMSNorm of queries and keys before rotation (Qwen3): the two weights ``[head_dim]`` and eps."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
 
 
 class ModelOps(Protocol):
@@ -39,9 +49,11 @@ class ModelOps(Protocol):
 
     def attention(
         self, qkv: torch.Tensor, rope: Any, kv_cache: torch.Tensor, meta: AttentionMetadata,
-        indexer: torch.Tensor | None, heads: int, kv_heads: int, head_dim: int, scale: float,
+        indexer: torch.Tensor | None, heads: int, kv_heads: int, head_dim: int, scale: float, window: int = 0,
+        qk_norm: QKNorm | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """Rotate Q/K of ``qkv``, store K/V, attend; returns ``[tokens, heads * head_dim]``."""
+        """Normalise (``qk_norm``) and rotate Q/K of ``qkv``, store K/V, attend (to the last ``window``
+        positions when > 0); returns ``[tokens, heads * head_dim]``."""
         ...
 
 
@@ -81,17 +93,21 @@ class TorchOps:
 
     def attention(
         self, qkv: torch.Tensor, rope: Any, kv_cache: torch.Tensor, meta: AttentionMetadata,
-        indexer: torch.Tensor | None, heads: int, kv_heads: int, head_dim: int, scale: float,
+        indexer: torch.Tensor | None, heads: int, kv_heads: int, head_dim: int, scale: float, window: int = 0,
+        qk_norm: QKNorm | None = None,
     ) -> torch.Tensor:  # fmt: skip
         n = qkv.shape[0]
         q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         q = q.view(n, heads, head_dim)
         k = k.view(n, kv_heads, head_dim)
         v = v.view(n, kv_heads, head_dim)
+        if qk_norm is not None:
+            q = torch_rms_norm(q, qk_norm.q_weight, qk_norm.eps)
+            k = torch_rms_norm(k, qk_norm.k_weight, qk_norm.eps)
         cos, sin = rope
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        return paged_attention(q, k, v, kv_cache, meta, scale, indexer)
+        return paged_attention(q, k, v, kv_cache, meta, scale, indexer, window)
 
 
 class TritonOps:
@@ -118,11 +134,14 @@ class TritonOps:
 
     def attention(
         self, qkv: torch.Tensor, rope: Any, kv_cache: torch.Tensor, meta: AttentionMetadata,
-        indexer: torch.Tensor | None, heads: int, kv_heads: int, head_dim: int, scale: float,
+        indexer: torch.Tensor | None, heads: int, kv_heads: int, head_dim: int, scale: float, window: int = 0,
+        qk_norm: QKNorm | None = None,
     ) -> torch.Tensor:  # fmt: skip
         cos, sin, positions = rope
         assert meta.query_start is not None, "Triton attention needs query_start in the metadata"
-        q = self._k.rope_and_store(qkv, positions, cos, sin, kv_cache, meta.slot_mapping, heads, kv_heads, head_dim)
+        q = self._k.rope_and_store(
+            qkv, positions, cos, sin, kv_cache, meta.slot_mapping, heads, kv_heads, head_dim, qk_norm
+        )
         n = q.shape[0]
         nd = meta.num_decodes
         if indexer is not None:
@@ -133,7 +152,7 @@ class TritonOps:
         if indexer is None or not meta.sparse_topk or nd == 0:
             out = self._k.paged_attention(
                 q, kv_cache, meta.block_tables, meta.query_start, meta.context_lens, scale,
-                meta.max_query_len, meta.max_context, meta.num_splits, meta.tile_map,
+                meta.max_query_len, meta.max_context, meta.num_splits, meta.tile_map, window,
             )  # fmt: skip
             return out.view(n, -1)
         # Sparse decode: the decode rows attend over their indexer-chosen blocks, read in place.

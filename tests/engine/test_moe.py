@@ -1,0 +1,268 @@
+"""The sparse MoE block against transformers' Qwen3-MoE and Mixtral blocks, and the fused kernel against it.
+
+The block is built on the meta device and filled from what ``save_pretrained`` writes, as the
+loader will. On CPU the Triton kernels run under the interpreter (``TRITON_INTERPRET=1``, set
+before Triton is imported); with ``ENGINE_TEST_DEVICE=cuda`` they run compiled, in bfloat16 and
+inside a CUDA graph too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine.models.moe import HUB_EXPERT_PARTS, SparseMoE, experts_torch, route
+from tests.engine.conftest import DEVICE
+
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytestmark = pytest.mark.timeout(120)
+DEV = torch.device(DEVICE)
+H, INTER, E, K = 32, 16, 8, 2  # hidden, intermediate, experts, top_k
+TINY = {"hidden_size": H, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 8, "vocab_size": 64}  # fmt: skip
+
+
+def _g(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# -- the torch path against transformers --------------------------------------------------------
+
+# family -> (prefix of the block's tensors, per-expert part names, renormalize, float32 routing)
+FAMILIES = {
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), True, False),
+    "qwen3_moe_unnormalized": ("mlp", ("gate_proj", "up_proj", "down_proj"), False, False),
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"), True, True),
+}
+
+
+def _hf_model(family: str) -> Any:  # a transformers PreTrainedModel
+    transformers = pytest.importorskip("transformers")
+    if family == "mixtral":
+        cfg = transformers.MixtralConfig(intermediate_size=INTER, num_local_experts=E, num_experts_per_tok=K, **TINY)
+        model = transformers.MixtralForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen3MoeConfig(
+            moe_intermediate_size=INTER, intermediate_size=3 * INTER, num_experts=E, num_experts_per_tok=K,
+            norm_topk_prob=family == "qwen3_moe", **TINY,
+        )  # fmt: skip
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():  # the default init's router is too flat to pick distinct experts
+            p.normal_(0.0, 0.3)
+    model.set_experts_implementation("eager")  # the reference loop (ForCausalLM defaults to grouped_mm)
+    return model.eval()
+
+
+def _load_saved(family: str, model: Any, tmp_path: Path, dtype: torch.dtype) -> SparseMoE:
+    """Our block, built on the meta device and filled from the tensors ``save_pretrained`` wrote."""
+    from safetensors.torch import load_file
+
+    prefix, parts, renormalize, float32_routing = FAMILIES[family]
+    model.save_pretrained(tmp_path)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    block_prefix = f"model.layers.0.{prefix}."
+    names = sorted(n[len(block_prefix) :] for n in weights if n.startswith(block_prefix))
+    # The per-expert Hub names (not transformers' fused in-memory gate_up_proj): what the loader reads.
+    assert names == sorted(["gate.weight", *(f"experts.{e}.{p}.weight" for e in range(E) for p in parts)])
+    with torch.device("meta"):
+        moe = SparseMoE(H, INTER, E, K, renormalize, float32_routing=float32_routing)
+    moe = moe.to_empty(device=DEV).to(dtype)
+    with torch.no_grad():
+        moe.gate.weight.copy_(weights[block_prefix + "gate.weight"])
+    for name in names:
+        m = re.fullmatch(r"experts\.(\d+)\.(\w+)\.weight", name)
+        if m:
+            moe.load_expert(int(m[1]), HUB_EXPERT_PARTS[m[2]], weights[block_prefix + name])
+    return moe
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_torch_moe_equals_transformers_block(family: str, tmp_path: Path) -> None:
+    model = _hf_model(family)
+    ours = _load_saved(family, model, tmp_path, torch.float32)
+    block = model.model.layers[0].mlp
+    x = torch.randn(37, H, generator=_g(1))
+    with torch.no_grad():
+        want = block(x[None])[0]
+        got = ours(x.to(DEV)).cpu()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="bit-exactness is against transformers on the CPU")
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_torch_moe_rounds_as_transformers_in_bfloat16(family: str, tmp_path: Path) -> None:
+    # Same ops in the same order and dtypes: Qwen3's routing weights cast to bf16, Mixtral's kept in fp32.
+    model = _hf_model(family).to(torch.bfloat16)
+    ours = _load_saved(family, model, tmp_path, torch.bfloat16)
+    x = torch.randn(37, H, generator=_g(2)).to(torch.bfloat16)
+    with torch.no_grad():
+        want = model.model.layers[0].mlp(x[None])[0]
+        assert torch.equal(ours(x), want)
+
+
+def test_load_expert_refuses_wrong_parts_and_shapes() -> None:
+    moe = SparseMoE(H, INTER, E, K, True)
+    with pytest.raises(ValueError, match="unknown expert part 'gate_up'"):
+        moe.load_expert(0, "gate_up", torch.zeros(2 * INTER, H))
+    with pytest.raises(ValueError, match=r"expert 1 down: expected shape \(32, 16\), got \(16, 32\)"):
+        moe.load_expert(1, "down", torch.zeros(INTER, H))
+    with pytest.raises(ValueError, match="expert 8 out of range"):
+        moe.load_expert(E, "up", torch.zeros(INTER, H))
+    with pytest.raises(ValueError, match="unknown MoE kernels 'cuda'"):
+        moe.kernels = "cuda"
+
+
+# -- the fused kernel against the torch path ----------------------------------------------------
+
+
+def _weights(num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=_g(3)) * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=_g(4)) * inter**-0.5
+    return w13.to(DEV, dtype), w2.to(DEV, dtype)
+
+
+def _routing(tokens: int, num_experts: int, top_k: int, favour: int | None = None) -> torch.Tensor:
+    logits = torch.randn(tokens, num_experts, generator=_g(5))
+    if favour is not None:
+        logits[:, favour] += 10.0  # every token picks this expert: its run spans several row blocks
+    return logits.to(DEV)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "num_experts", "top_k", "favour", "float32_routing"),
+    [
+        (1, E, K, None, False),  # one decode token: two experts hit, six idle
+        (3, E, K, None, False),  # some experts get no token
+        (37, E, K, None, False),
+        (37, E, K, 0, True),  # expert 0 gets all 37 pairs; Mixtral's float32 weights
+        (5, E, 1, None, False),  # top_k = 1: no sum over slots
+        (20, 6, 3, None, False),  # experts not a power of two
+    ],
+)
+def test_fused_moe_equals_torch(tokens: int, num_experts: int, top_k: int, favour: int | None,
+                                float32_routing: bool) -> None:  # fmt: skip
+    pytest.importorskip("triton")
+    from engine.kernels.fused_moe import fused_moe
+
+    w13, w2 = _weights(num_experts, H, INTER, torch.float32)
+    x = torch.randn(tokens, H, generator=_g(6)).to(DEV)
+    weights, ids = route(_routing(tokens, num_experts, top_k, favour), top_k, True, float32_routing)
+    if tokens == 3:
+        assert len(set(ids.flatten().tolist())) < num_experts
+    got = fused_moe(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got, experts_torch(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_sparse_moe_on_triton_kernels_equals_torch() -> None:
+    pytest.importorskip("triton")
+    moe = SparseMoE(H, 24, E, K, True).to(DEV)  # intermediate 24: not a power of two (masked tiles)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=_g(7)) * 0.3)
+    x = torch.randn(9, H, generator=_g(8)).to(DEV)
+    with torch.no_grad():
+        want = moe(x)
+        moe.kernels = "triton"
+        torch.testing.assert_close(moe(x), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("one_program", [True, False], ids=["one-program", "atomics"])
+def test_align_puts_each_pair_once_in_its_experts_padded_run(
+    one_program: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("triton")
+    from engine.kernels import fused_moe
+
+    if not one_program:
+        monkeypatch.setattr(fused_moe, "ONE_PROGRAM_PAIRS", 0)  # the path of large batches
+    ids = torch.tensor([[0, 3], [3, 1], [0, 3], [3, 5]], device=DEV)
+    block_m = 16
+    al = fused_moe.align(ids, 6, block_m)
+    pairs = al.sorted_pairs.cpu()
+    assert pairs.shape == (fused_moe.padded_capacity(8, 6, block_m),)
+    used = int(al.used)
+    assert used == 4 * block_m  # experts 0, 1, 3, 5 each get one block
+    flat = ids.flatten().cpu()
+    assert sorted(pairs[pairs < 8].tolist()) == list(range(8))  # every pair exactly once
+    assert bool((pairs[used:] == 8).all())  # nothing past the used rows
+    for b, expert in enumerate(al.expert_ids[: used // block_m].tolist()):
+        run = pairs[b * block_m : (b + 1) * block_m]
+        assert bool((flat[run[run < 8].long()] == expert).all())
+    assert al.expert_ids[: used // block_m].tolist() == [0, 1, 3, 5]
+    if one_program:  # sorted, not raced for: each run in pair order
+        assert pairs[:used].tolist()[:2] == [0, 4] and pairs[3 * block_m : 3 * block_m + 1].tolist() == [7]
+
+
+def test_fused_moe_large_batch_path_with_prefill_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What thousands of tokens take on a GPU (atomics-based align, 64-row blocks), at a size the
+    # interpreter runs in a second; expert 0's run spans several blocks.
+    pytest.importorskip("triton")
+    from engine.kernels import fused_moe
+
+    monkeypatch.setattr(fused_moe, "ONE_PROGRAM_PAIRS", 0)
+    monkeypatch.setattr(fused_moe, "moe_tiles", lambda pairs, experts: fused_moe.MoeTiles(64, 32, 32, 4))
+    w13, w2 = _weights(E, H, INTER, torch.float32)
+    x = torch.randn(150, H, generator=_g(6)).to(DEV)
+    weights, ids = route(_routing(150, E, K, favour=0), K, True)
+    got = fused_moe.fused_moe(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got, experts_torch(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
+
+
+# -- CUDA: bfloat16 and graphs ------------------------------------------------------------------
+
+cuda_only = pytest.mark.skipif(DEVICE != "cuda", reason="compiled kernels and CUDA graphs need a GPU")
+GH, GI, GE, GK = 512, 384, 16, 4  # larger than the CPU cases; INTER not a multiple of the tiles
+
+
+@cuda_only
+@pytest.mark.parametrize("tokens", [1, 7, 300, 2048])
+def test_fused_moe_bfloat16_on_cuda(tokens: int) -> None:
+    from engine.kernels.fused_moe import fused_moe
+
+    w13, w2 = _weights(GE, GH, GI, torch.bfloat16)
+    x = torch.randn(tokens, GH, generator=_g(9)).to(DEV, torch.bfloat16)
+    weights, ids = route(_routing(tokens, GE, GK).to(torch.bfloat16), GK, True)
+    got = fused_moe(x, w13, w2, weights, ids).float()
+    want = experts_torch(x, w13, w2, weights, ids).float()
+    # bf16 keeps 8 bits: the two paths differ by accumulation order inside the GEMMs (then one bf16
+    # rounding of each intermediate) and by the sum over experts (float32 here, bf16 adds in torch).
+    # Outputs are O(1): an absolute error within a few bf16 ulps of 1.
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=2e-2)
+    assert (got - want).abs().mean().item() < 2e-3
+
+
+@cuda_only
+def test_fused_moe_replays_in_a_cuda_graph() -> None:
+    from engine.kernels.fused_moe import fused_moe
+
+    tokens = 16
+    w13, w2 = _weights(GE, GH, GI, torch.bfloat16)
+    x = torch.randn(tokens, GH, generator=_g(10)).to(DEV, torch.bfloat16)
+    weights, ids = route(_routing(tokens, GE, GK).to(torch.bfloat16), GK, True)
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused_moe(x, w13, w2, weights, ids)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, w13, w2, weights, ids)
+    # New inputs in the captured buffers, among them a routing that sends every token to expert 3.
+    for seed, favour in ((11, None), (12, 3)):
+        x.copy_(torch.randn(tokens, GH, generator=_g(seed)).to(DEV, torch.bfloat16))
+        w_new, ids_new = route(_routing(tokens, GE, GK, favour).to(torch.bfloat16), GK, True)
+        weights.copy_(w_new)
+        ids.copy_(ids_new)
+        graph.replay()
+        torch.cuda.synchronize()
+        # Each output row depends only on its own input rows: the replay equals an eager call exactly.
+        assert torch.equal(out, fused_moe(x, w13, w2, weights, ids))
