@@ -57,8 +57,6 @@ _NO_MEDIA = ("the gateway relays media in request bodies untouched; fetching and
 _NO_MESH = ("SMG's HA mesh (routers gossiping workers and policy state) is not built; gateway replicas share "
             "kv_aware placements with --kv-sync-bind / --kv-sync-peers, and --processes shares one port")
 _NO_EPD = "encode-prefill-decode (EPD) disaggregation is not built; P/D is (--pd-disaggregation)"
-_NO_TRACE = ("OpenTelemetry tracing is not built; the x-request-id header, sent on to every worker, and the access "
-             "log tie a request's lines together")
 _NO_OVERLOAD = ("no per-worker overload veto from engine queue or KV usage: the circuit breaker and health checks "
                 "take failing workers out, and load-aware policies (least_load, power_of_two, cache_aware) steer "
                 "around busy ones")
@@ -223,8 +221,9 @@ PEER_FLAGS: tuple[PeerFlag, ...] = (
     _same("--prometheus-port"),
     _same("--prometheus-host", note="default: --host's address (not every interface when --host is loopback)"),
     _same("--prometheus-duration-buckets"),
-    _refused("--enable-trace", SMG, _NO_TRACE),
-    _refused("--otlp-traces-endpoint", SMG, _NO_TRACE),
+    _same("--enable-trace", SMG, "spans per request, admission, attempt and upstream leg; W3C traceparent in "
+                                 "and out (the `tracing` extra: opentelemetry-sdk, its OTLP/gRPC exporter)"),
+    _same("--otlp-traces-endpoint", SMG, "OTLP/gRPC HOST:PORT, default localhost:4317"),
     _refused("--log-mm-timing", SMG, _NO_MEDIA),
     # --- admission
     _same("--max-concurrent-requests", note="-1 (default): a limit derived from the host's open-file limit; "

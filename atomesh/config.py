@@ -377,6 +377,14 @@ class GatewayConfig(BaseModel):
                     "request id, method, path, status, worker, latency_ms, bytes); 4xx/5xx are always written; "
                     "0 turns the access log off.")
 
+    # --- tracing
+    enable_trace: bool = Field(
+        False, description="OpenTelemetry spans of each request (admission, attempts, upstream legs) sent over "
+                           "OTLP/gRPC; the client's traceparent is their parent, workers get the leg's "
+                           "(docs/metrics.md#tracing; needs the `tracing` extra).")
+    otlp_traces_endpoint: str = Field("localhost:4317", description="OTLP/gRPC collector HOST:PORT "
+                                                                    "(--enable-trace).")
+
     # --- prometheus
     prometheus_port: Port = Field(29000, description="Port of the /metrics server.")
     prometheus_host: str | None = Field(

@@ -33,6 +33,7 @@ from atomesh.tenancy import (
     parse_tenant_api_keys,
 )
 from atomesh.tokenizer import PromptTokens, TokenizerError, load_chat_template, load_tokenizer, tokenizer_file
+from atomesh.tracing import Tracing
 from atomesh.transport import Upstream
 from atomesh.workers.breaker import BreakerSettings, BreakerState
 from atomesh.workers.discovery import DiscoveryError, DiscoverySettings, KubernetesDiscovery
@@ -64,9 +65,10 @@ class Gateway:
         self.keys = Keys(config.api_key, config.admin_api_key)
         self.metrics = Metrics(config.prometheus_duration_buckets)
         self.registry = WorkerRegistry()
+        self.tracing = Tracing(config.otlp_traces_endpoint if config.enable_trace else None)
         self.upstream = Upstream(config.request_timeout_secs, hop=self.instance_id,
                                  ssl_context=worker_ssl_context(config),
-                                 pool_idle_timeout_secs=config.upstream_pool_idle_timeout_secs)
+                                 pool_idle_timeout_secs=config.upstream_pool_idle_timeout_secs, tracing=self.tracing)
         roles = (WorkerRole.PREFILL, WorkerRole.DECODE) if config.pd_disaggregation else (WorkerRole.REGULAR,)
         self.tokens = _prompt_tokens(config)
         policies: dict[WorkerRole, Policy] = {r: make_policy(_pool_policy(config, r), config, self.tokens)
@@ -87,7 +89,7 @@ class Gateway:
                             if any(p.name not in load_blind for p in policies.values()) else None)
         self.models = ModelNames(self.registry, roles[-1], parse_model_aliases(config.model_alias))
         self.backend = self._make_backend()
-        self.router = Router(config, self.placement, self.backend, self.metrics)
+        self.router = Router(config, self.placement, self.backend, self.metrics, self.tracing)
         # With several processes each admits its share (the kernel spreads connections about evenly).
         n = config.processes
         rate = config.rate_limit_tokens_per_second  # None or 0: no token bucket
@@ -225,6 +227,7 @@ class Gateway:
             await self.load_poller.stop()
         await self.lifecycle.stop()
         await self.upstream.stop()
+        self.tracing.shutdown()
 
     # ------------------------------------------------------------------ observers
     def refresh_served_models(self) -> None:

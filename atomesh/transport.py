@@ -33,6 +33,7 @@ from atomesh.httpclient import (
     ProtocolViolation,
     Response,
 )
+from atomesh.tracing import Tracing
 
 # Lower-case, as the worker's headers are kept: each name is sent once, ours replacing the worker's.
 SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache"}
@@ -58,7 +59,9 @@ class Upstream:
     """The pooled keep-alive client shared by every route, backend and background task."""
 
     def __init__(self, request_timeout_secs: float, connect_timeout_secs: float = 10.0, hop: str = "",
-                 ssl_context: ssl.SSLContext | None = None, pool_idle_timeout_secs: float = 60.0) -> None:
+                 ssl_context: ssl.SSLContext | None = None, pool_idle_timeout_secs: float = 60.0,
+                 tracing: Tracing | None = None) -> None:
+        self.tracing = tracing if tracing is not None and tracing.on else None  # --enable-trace
         self.ssl_context = ssl_context  # for https:// workers (--ca-cert-paths, --client-cert-path)
         self.pool_idle_timeout = pool_idle_timeout_secs  # --upstream-pool-idle-timeout-secs
         self.request_timeout = request_timeout_secs
@@ -74,6 +77,8 @@ class Upstream:
         auth = exchange.headers.get("authorization")
         if auth is not None:
             headers["Authorization"] = auth
+        if self.tracing is not None:
+            self.tracing.inject(headers)  # the current leg's span: the worker's spans go under it
         return headers
 
     async def start(self) -> None:

@@ -48,6 +48,7 @@ from engine.sequence import SamplingParams, TokenLogprob
 from engine.sequence import Sequence as EngineSequence
 from engine.structured import GrammarCompiler
 from engine.tools import ForcedParser, ToolParser, hermes_system_prompt, make_parser, tools_for_template
+from engine.tracing import EngineTracing
 
 log = logging.getLogger("engine.server")
 
@@ -66,6 +67,7 @@ class ServerState:
     served_model_name: str
     metrics: ServerMetrics
     disagg: Disaggregation | None = None
+    tracing: EngineTracing | None = None  # --otlp-traces-endpoint
     _grammars: list[GrammarCompiler] = field(default_factory=list)  # built on first use (holds one)
 
     def grammar_compiler(self) -> GrammarCompiler:
@@ -235,7 +237,8 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
         if grammar is not None:
             seq.grammar = state.grammar_compiler().state_of(grammar)
         await disagg.pull(seq, kv)  # gives the blocks back itself if the transfer fails
-        state.metrics.kv_pull.observe(time.monotonic() - arrived)
+        pulled = time.monotonic()
+        state.metrics.kv_pull.observe(pulled - arrived)
         # n > 1 (or best_of): the other samples fork from the transferred prompt KV before the first
         # sequence continues (it may finish at once and free it); each samples its own first token.
         forks = [state.engine.fork_prefilled(
@@ -268,8 +271,10 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
         if body.prompt_logprobs is not None:
             c.want_prompt_logprobs(ids)
     offered = False
+    first_at: list[float] = []  # when the first token went out (tracing)
     try:
-        outputs = _merged([_timed(state.engine.stream(h), state.metrics, arrived, h.seq) for h in handles])
+        outputs = _merged([_timed(state.engine.stream(h), state.metrics, arrived, h.seq, first_at)
+                           for h in handles])
         head = Head(request_id, created, state.served_model_name, chat is not None)
         if native and body.stream:
             return await _stream_native(request, outputs, request_id)
@@ -298,6 +303,9 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
             state.engine.abort(h.seq_id)
         if role == "kv_producer" and not offered:
             state.engine.release(handles[0].seq)  # held blocks nobody will pull
+        if state.tracing is not None:
+            _trace(state.tracing, request, handles[0].seq, role, arrived, pulled if role == "kv_consumer" else None,
+                   first_at[0] if first_at else None, len(ids), n)
 
 
 def _meta_info(request_id: str, out: RequestOutput) -> dict[str, Any]:
@@ -431,12 +439,35 @@ async def _collect(head: Head, outputs: AsyncIterator[tuple[int, RequestOutput]]
     return answer
 
 
+def _trace(tracing: EngineTracing, request: web.Request, seq: EngineSequence, role: str | None, arrived: float,
+           pulled: float | None, first: float | None, prompt_tokens: int, n: int) -> None:
+    """The request's spans, from the times noted along the way."""
+    end = time.monotonic()
+    phases: list[tuple[str, float, float]] = []
+    if pulled is not None:
+        phases.append(("kv_transfer", arrived, pulled))
+    elif seq.admitted_at is not None:
+        phases.append(("queue", arrived, seq.admitted_at))
+        if first is not None:
+            phases.append(("prefill", seq.admitted_at, first))
+    if role != "kv_producer":
+        start = pulled if pulled is not None else first
+        if start is not None:
+            phases.append(("decode", start, end))
+    tracing.emit(request.headers, arrived, end, phases, {
+        "atomesh.kv_role": role or "colocated", "gen_ai.usage.input_tokens": prompt_tokens, "atomesh.n": n,
+        "http.route": request.path})
+
+
 async def _timed(
-    outputs: AsyncIterator[RequestOutput], metrics: ServerMetrics, arrived: float, seq: EngineSequence
+    outputs: AsyncIterator[RequestOutput], metrics: ServerMetrics, arrived: float, seq: EngineSequence,
+    first_at: list[float] | None = None,
 ) -> AsyncIterator[RequestOutput]:
     first = True
     async for out in outputs:
         if first:
+            if first_at is not None and not first_at:
+                first_at.append(time.monotonic())
             metrics.ttft.observe(time.monotonic() - arrived)
             # A sequence whose KV came from a transfer is never admitted for prefill: no queue time.
             if seq.admitted_at is not None:
@@ -601,7 +632,14 @@ def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
     server_metrics = ServerMetrics(async_engine.stats, served)
     if disagg is not None:
         server_metrics.watch_transfers(lambda: disagg.stats)
-    app[STATE] = ServerState(async_engine, args, served, server_metrics, disagg)
+    tracing = (EngineTracing(args.otlp_traces_endpoint, f"atomesh-engine-{args.kv_transfer.kv_role or 'colocated'}")
+               if args.otlp_traces_endpoint else None)
+    app[STATE] = ServerState(async_engine, args, served, server_metrics, disagg, tracing)
+    if tracing is not None:
+        async def flush_spans(app: web.Application) -> None:
+            tracing.shutdown()  # the spans still batched go out before exit
+
+        app.on_cleanup.append(flush_spans)
 
     async def engine_loop(app: web.Application) -> AsyncIterator[None]:
         # The KV relay is up before the port opens: a router reads /kv_transfer_info at registration.

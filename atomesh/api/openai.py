@@ -21,7 +21,27 @@ async def serve_inference(gw: Gateway, route: Route, raw: bytes | bytearray, exc
     """One inference request, whichever server took it: parse, validate, admit, route.
 
     Every failure raised here, the gateway's own refusals included, counts in
-    `mesh_router_request_errors_total`."""
+    `mesh_router_request_errors_total`. With --enable-trace, it runs in the request's server span."""
+    if not gw.tracing.on:
+        await _serve(gw, route, raw, exchange)
+        return
+    with gw.tracing.request(f"POST {route.value}", exchange.headers,
+                            {"http.route": route.value, "atomesh.request_id": exchange.request_id}) as span:
+        status = 0
+        try:
+            await _serve(gw, route, raw, exchange)
+            status = exchange.status or 0
+        except GatewayError as e:
+            status = e.status
+            span.set_attribute("error.type", e.code)
+            raise
+        finally:
+            span.set_attribute("http.response.status_code", status)
+            if exchange.workers:
+                span.set_attribute("atomesh.workers", list(exchange.workers))
+
+
+async def _serve(gw: Gateway, route: Route, raw: bytes | bytearray, exchange: Exchange) -> None:
     body: dict[str, Any] | None = None
     try:
         headers = exchange.headers
@@ -51,8 +71,17 @@ async def serve_inference(gw: Gateway, route: Route, raw: bytes | bytearray, exc
             priority = p if isinstance(p, int) and not isinstance(p, bool) else 0
         gw.request_started()
         try:
-            async with gw.admission.permit(cls, priority):
+            permit = gw.admission.permit(cls, priority)
+            if gw.tracing.on:
+                gw.tracing.current().set_attribute("gen_ai.request.model", view.model or "")
+                with gw.tracing.span("admission", {"atomesh.class": cls.name.lower(), "atomesh.tenant": tenant}):
+                    await permit.__aenter__()
+            else:
+                await permit.__aenter__()
+            try:
                 await gw.router.serve(exchange, view)
+            finally:
+                await permit.__aexit__(None, None, None)
         finally:
             gw.request_finished()
     except GatewayError as e:

@@ -71,12 +71,25 @@ class TwoStepBackend:
         assert isinstance(plan, Pair), "P/D mode places prefill/decode pairs"
         started = time.monotonic()
         deadline = started + self.upstream.request_timeout
-        returned = await self._prefill(exchange, view, plan.prefill)
+        tracing = self.upstream.tracing
+        if tracing is None:
+            returned = await self._prefill(exchange, view, plan.prefill)
+        else:
+            with tracing.span("prefill", {"server.address": plan.prefill.url, "atomesh.leg": "prefill"}, client=True):
+                returned = await self._prefill(exchange, view, plan.prefill)
         prefilled = time.monotonic()
         self.metrics.observe_pd(self.runtime, view.model, prefill_secs=prefilled - started)
         body = dict(view.body)
         body["kv_transfer_params"] = self.decode_params(returned, plan.prefill)
         remaining = max(0.001, deadline - time.monotonic())
+        if tracing is None:
+            await self._decode(exchange, view, plan, body, remaining, prefilled)
+            return
+        with tracing.span("decode", {"server.address": plan.decode.url, "atomesh.leg": "decode"}, client=True):
+            await self._decode(exchange, view, plan, body, remaining, prefilled)
+
+    async def _decode(self, exchange: Exchange, view: RequestView, plan: Pair, body: dict[str, Any],
+                      remaining: float, prefilled: float) -> None:
         try:
             async with self.upstream.open("POST", plan.decode.url + view.route, data=orjson.dumps(body),
                                           headers=self.upstream.headers_for(exchange), timeout=remaining) as resp:
