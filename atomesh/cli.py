@@ -220,6 +220,17 @@ def bench_priority(ctx: typer.Context) -> None:
 
 
 @bench_app.command(
+    "tracing", add_help_option=False,
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def bench_tracing(ctx: typer.Context) -> None:
+    """The gateway's CPU per request with --enable-trace against without (`--help` lists options)."""
+    from atomesh.bench import tracing
+
+    tracing.main(list(ctx.args))
+
+
+@bench_app.command(
     "chaos", add_help_option=False,
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
 )

@@ -381,7 +381,7 @@ class GatewayConfig(BaseModel):
     enable_trace: bool = Field(
         False, description="OpenTelemetry spans of each request (admission, attempts, upstream legs) sent over "
                            "OTLP/gRPC; the client's traceparent is their parent, workers get the leg's "
-                           "(docs/metrics.md#tracing; needs the `tracing` extra).")
+                           "(docs/deployment.md#tracing; needs the `tracing` extra).")
     otlp_traces_endpoint: str = Field("localhost:4317", description="OTLP/gRPC collector HOST:PORT "
                                                                     "(--enable-trace).")
 
