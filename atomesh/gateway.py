@@ -65,7 +65,10 @@ class Gateway:
         self.keys = Keys(config.api_key, config.admin_api_key)
         self.metrics = Metrics(config.prometheus_duration_buckets)
         self.registry = WorkerRegistry()
-        self.tracing = Tracing(config.otlp_traces_endpoint if config.enable_trace else None)
+        try:
+            self.tracing = Tracing(config.otlp_traces_endpoint if config.enable_trace else None)
+        except RuntimeError as e:  # the SDK is not installed
+            raise StartupError(str(e)) from None
         self.upstream = Upstream(config.request_timeout_secs, hop=self.instance_id,
                                  ssl_context=worker_ssl_context(config),
                                  pool_idle_timeout_secs=config.upstream_pool_idle_timeout_secs, tracing=self.tracing)
