@@ -90,7 +90,7 @@ PEER_FLAGS: tuple[PeerFlag, ...] = (
     _refused("--upstream-http2", SMG, "the gateway speaks HTTP/1.1 to workers (keep-alive pool); HTTP/2 is not "
                                       "built"),
     _refused("--health-check-port", SMG, "a separate probe listener is not built: /liveness, /readiness and "
-                                         "/health are answered on --port by the front door, ahead of admission"),
+                                         "/health are served on --port and never wait in the admission queue"),
     _alias("--header-read-timeout-secs", "--http-head-timeout-secs", SMG),
     _alias("--idle-connection-timeout-secs", "--http-keepalive-timeout-secs", SMG),
     _alias("--stream-body-stall-timeout-secs", "--http-body-timeout-secs", SMG),
