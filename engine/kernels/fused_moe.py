@@ -83,6 +83,20 @@ def padded_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
+def _store_block_experts(expert_ids_ptr, ends, valid, num_blocks, BLOCK_M: tl.constexpr, BB: tl.constexpr):
+    # Block b belongs to the expert whose run covers row b * BLOCK_M: the number of runs ending at
+    # or before it (``ends``: each expert's run end, ``valid``: which lanes are experts). Blocks
+    # past the used length get num_experts; their programs never read it.
+    # (A `while`: Triton's interpreter cannot run a `for` over a runtime bound.)
+    b0 = 0
+    while b0 < num_blocks:
+        b = b0 + tl.arange(0, BB)
+        before = (ends[None, :] <= (b * BLOCK_M)[:, None]) & valid[None, :]
+        tl.store(expert_ids_ptr + b, tl.sum(before.to(tl.int32), 1), mask=b < num_blocks)
+        b0 += BB
+
+
+@triton.jit
 def _count_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < num_pairs
@@ -102,15 +116,7 @@ def _layout_kernel(
     ends = tl.cumsum(padded, 0)
     tl.store(cursor_ptr + e, ends - padded, mask=em)  # each run's start: the next free row
     tl.store(used_ptr, tl.sum(padded, 0))
-    # Block b belongs to the expert whose run covers row b * BLOCK_M: the number of runs ending at
-    # or before it. Blocks past the used length get num_experts; their programs never read it.
-    # (A `while`: Triton's interpreter cannot run a `for` over a runtime bound.)
-    b0 = 0
-    while b0 < num_blocks:
-        b = b0 + tl.arange(0, BB)
-        before = (ends[None, :] <= (b * BLOCK_M)[:, None]) & em[None, :]
-        tl.store(expert_ids_ptr + b, tl.sum(before.to(tl.int32), 1), mask=b < num_blocks)
-        b0 += BB
+    _store_block_experts(expert_ids_ptr, ends, em, num_blocks, BLOCK_M, BB)
 
 
 @triton.jit
@@ -137,12 +143,7 @@ def _align_one_program_kernel(
     # The j-th pair in sorted order, of expert x, goes to row (run start - pairs before x) + j.
     tl.store(offset_ptr + x, ends - padded - (tl.cumsum(counts, 0) - counts), mask=xm)
     tl.store(used_ptr, tl.sum(padded, 0))
-    b0 = 0
-    while b0 < num_blocks:
-        b = b0 + tl.arange(0, BB)
-        before = (ends[None, :] <= (b * BLOCK_M)[:, None]) & xm[None, :]
-        tl.store(expert_ids_ptr + b, tl.sum(before.to(tl.int32), 1), mask=b < num_blocks)
-        b0 += BB
+    _store_block_experts(expert_ids_ptr, ends, xm, num_blocks, BLOCK_M, BB)
     r0 = 0
     while r0 < capacity:
         r = r0 + tl.arange(0, B)

@@ -178,8 +178,10 @@ class MoEMLP(nn.Module):
 
         self.num_experts = cfg.num_experts
         self.mixtral = cfg.architecture == "MixtralForCausalLM"
+        # Mixtral weighs each expert's output by a float32 routing weight; Qwen3-MoE rounds it to the model dtype.
         self.experts = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
-                                 cfg.num_experts_per_tok, cfg.norm_topk_prob)  # fmt: skip
+                                 cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                                 float32_routing=self.mixtral)  # fmt: skip
 
     def forward(self, ops: ModelOps, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x)  # type: ignore[no-any-return]

@@ -224,7 +224,7 @@ GH, GI, GE, GK = 512, 384, 16, 4  # larger than the CPU cases; INTER not a multi
 
 
 @cuda_only
-@pytest.mark.parametrize("tokens", [1, 7, 300, 2048])
+@pytest.mark.parametrize("tokens", [1, 7, 200, 300, 2048])  # 200 x 4: near the one-program align bound
 def test_fused_moe_bfloat16_on_cuda(tokens: int) -> None:
     from engine.kernels.fused_moe import fused_moe
 
@@ -241,10 +241,10 @@ def test_fused_moe_bfloat16_on_cuda(tokens: int) -> None:
 
 
 @cuda_only
-def test_fused_moe_replays_in_a_cuda_graph() -> None:
+@pytest.mark.parametrize("tokens", [16, 300])  # 64 pairs: the one-program align; 1200: the atomics one
+def test_fused_moe_replays_in_a_cuda_graph(tokens: int) -> None:
     from engine.kernels.fused_moe import fused_moe
 
-    tokens = 16
     w13, w2 = _weights(GE, GH, GI, torch.bfloat16)
     x = torch.randn(tokens, GH, generator=_g(10)).to(DEV, torch.bfloat16)
     weights, ids = route(_routing(tokens, GE, GK).to(torch.bfloat16), GK, True)
