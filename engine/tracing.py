@@ -35,12 +35,16 @@ class EngineTracing:
 
     def emit(self, headers: Mapping[str, str], start: float, end: float, phases: Sequence[Phase],
              attributes: Mapping[str, Any]) -> None:
-        """One request's spans, under the `traceparent` in `headers` (a root span without one)."""
+        """One request's spans, under the `traceparent` in `headers` (a root span without one; none when that
+        traceparent is not sampled)."""
         from opentelemetry import trace
         from opentelemetry.trace import SpanKind
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         parent = TraceContextTextMapPropagator().extract(headers)
+        caller = trace.get_current_span(parent).get_span_context()
+        if caller.is_valid and not caller.trace_flags.sampled:
+            return  # the caller's trace is not sampled: neither are its engine spans
         root = self._tracer.start_span("engine.request", context=parent, kind=SpanKind.SERVER,
                                        attributes=dict(attributes), start_time=self._ns(start))
         inside = trace.set_span_in_context(root)

@@ -73,7 +73,9 @@ async def _serve(gw: Gateway, route: Route, raw: bytes | bytearray, exchange: Ex
         try:
             permit = gw.admission.permit(cls, priority)
             if gw.tracing.on:
-                gw.tracing.current().set_attribute("gen_ai.request.model", view.model or "")
+                root = gw.tracing.current()
+                if root is not None:
+                    root.set_attribute("gen_ai.request.model", view.model or "")
                 with gw.tracing.span("admission", {"atomesh.class": cls.name.lower(), "atomesh.tenant": tenant}):
                     await permit.__aenter__()
             else:
