@@ -1,5 +1,6 @@
-"""The command-line flags of SMG (`smg launch`, SGLang Model Gateway 1.13 and its Rust CLI) and of
-ATOMesh (`mesh launch`, ROCm/ATOM `atom/mesh/src/cliargs.rs`), and what `atomesh launch` does with each.
+"""The command-line flags of SMG (`smg launch` of pip `smg==1.13.0`, every spelling its help lists) and of
+ATOMesh (`mesh launch`, ROCm/ATOM `atom/mesh/src/cliargs.rs` on main), and what `atomesh launch` does with
+each.
 
 Every peer flag is here: implemented with the peer's meaning (under the same name or an alias), or
 refused at start-up with a line that names it and says why. docs/configuration.md prints this table
@@ -303,8 +304,8 @@ PEER_FLAGS: tuple[PeerFlag, ...] = (
         "--oracle-pool-timeout-secs", "--postgres-db-url", "--postgres-pool-max", "--postgres-op-timeout-secs",
         "--redis-url", "--redis-pool-max", "--redis-retention-days", "--redis-op-timeout-secs")),
     # --- TLS
-    _same("--tls-cert-path", SMG),
-    _same("--tls-key-path", SMG),
+    _same("--tls-cert-path"),
+    _same("--tls-key-path"),
     _same("--ca-cert-paths", SMG),
     _same("--client-cert-path", SMG),
     _same("--client-key-path", SMG),

@@ -22,7 +22,7 @@ from atomesh.gateway import StartupError
 from atomesh.workers.worker import WorkerRole
 
 COMPLETION = {"model": "mock-model", "prompt": "hello", "max_tokens": 2}
-# ATOMesh's `mesh launch` flags (ROCm/ATOM atom/mesh/src/cliargs.rs).
+# ATOMesh's `mesh launch` flags (ROCm/ATOM atom/mesh/src/cliargs.rs on main, 2026-08-22).
 ATOMESH_FLAGS = (
     "--host --port --worker-urls --policy --cache-threshold --balance-abs-threshold --balance-rel-threshold "
     "--eviction-interval --max-tree-size --prefix-token-count --prefix-hash-load-factor --dp-aware "
@@ -36,7 +36,8 @@ ATOMESH_FLAGS = (
     "--health-success-threshold --health-check-timeout-secs --health-check-interval-secs --health-check-endpoint "
     "--disable-health-check --model-path --tokenizer-path --chat-template --tokenizer-cache-enable-l0 "
     "--tokenizer-cache-l0-max-entries --tokenizer-cache-enable-l1 --tokenizer-cache-l1-max-memory "
-    "--reasoning-parser --tool-call-parser --backend --runtime --api-key --atom-pd-rank-mapping-policy").split()
+    "--reasoning-parser --tool-call-parser --backend --runtime --api-key --atom-pd-rank-mapping-policy "
+    "--tls-cert-path --tls-key-path").split()
 # The spellings of SMG's Rust CLI that its Python launcher does not show.
 SMG_RUST_FLAGS = ("--log-json", "--cache-match-threshold", "--spill-abs-threshold", "--spill-rel-threshold")
 
