@@ -122,16 +122,15 @@ PEER_FLAGS: tuple[PeerFlag, ...] = (
     _same("--prefix-token-count"),
     _same("--prefix-hash-load-factor"),
     _same("--prefix-hash-balance-abs-threshold", SMG),
-    _same("--max-idle-secs", SMG, "the manual policy's key table"),
+    _same("--max-idle-secs", SMG, "the manual policy's key table and --routing-key-override's pins"),
     _alias("--sticky-key-idle-secs", "--max-idle-secs", SMG),
-    _same("--assignment-mode", SMG, "random, min_load, min_group; delegate (the routing-key override's) is "
-                                    "refused"),
+    _same("--assignment-mode", SMG, "manual's random, min_load, min_group; delegate is refused (with "
+                                    "--routing-key-override every policy's choice is pinned)"),
     _same("--routing-key-headers", SMG, "default x-smg-routing-key x-session-id x-routing-key x-user-id"),
-    _refused("--routing-key-override", SMG, "sticky sessions on any policy are not built; --policy manual (a key "
-                                            "table) or consistent_hashing (a hash ring) keep a routing key on one "
-                                            "worker"),
-    _refused("--sticky-sessions", SMG, "sticky sessions on any policy are not built; --policy manual or "
-                                       "consistent_hashing keep a routing key on one worker"),
+    _same("--routing-key-override", SMG, "a key's pin is what the policy chose (SMG's delegate); the request-id "
+                                         "lineage fallback is not built: a request without a routing key is placed "
+                                         "by the policy"),
+    _alias("--sticky-sessions", "--routing-key-override", SMG),
     _same("--dp-aware", note="regular mode; each worker must report its dp_size; refused with "
                              "--pd-disaggregation"),
     _refused("--dp-minimum-tokens-scheduler", SMG, "data-parallel ranks are chosen by in-flight requests "

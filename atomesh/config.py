@@ -89,8 +89,8 @@ REFUSED_POLICIES = {
 }
 # SMG's `--assignment-mode delegate` (route by the underlying policy, then pin the key) belongs to its
 # routing-key override, which is not built.
-REFUSED_ASSIGNMENT = {"delegate": "it belongs to SMG's --routing-key-override (sticky sessions on any policy), "
-                                  "which is not built; --policy manual pins keys by random, min_load or min_group"}
+REFUSED_ASSIGNMENT = {"delegate": "the manual policy pins new keys by random, min_load or min_group; "
+                                  "--routing-key-override pins a key to whatever any other policy chose"}
 REFUSED_BACKENDS = {
     "openai": "proxying to OpenAI's API is not built; workers are inference engines (sglang, vllm, atom)",
     "anthropic": "proxying to Anthropic's API is not built; workers are inference engines (sglang, vllm, atom)",
@@ -305,6 +305,10 @@ class GatewayConfig(BaseModel):
     assignment_mode: AssignmentMode = Field(
         AssignmentMode.RANDOM, description="manual: where a new routing key goes: random, min_load (fewest "
                                            "requests) or min_group (fewest routing keys).")
+    routing_key_override: bool = Field(
+        False, description="Sticky sessions on any policy: a routing key goes back to the worker it was placed on "
+                           "while that is routable; else the policy decides and the key is pinned to its choice "
+                           "(alias --sticky-sessions; keys idle --max-idle-secs are forgotten).")
     routing_key_headers: list[str] = Field(
         default_factory=lambda: list(ROUTING_KEY_HEADERS),
         description="Headers a request's routing key (session, user) is read from, first present wins; "
@@ -749,6 +753,7 @@ FLAG_ALIASES: dict[str, tuple[str, ...]] = {
     "eviction_interval_secs": ("--eviction-interval",),
     "model_path": ("--model",),
     "max_idle_secs": ("--sticky-key-idle-secs",),
+    "routing_key_override": ("--sticky-sessions",),
     "http_head_timeout_secs": ("--header-read-timeout-secs",),
     "http_body_timeout_secs": ("--stream-body-stall-timeout-secs",),
     "http_keepalive_timeout_secs": ("--idle-connection-timeout-secs",),

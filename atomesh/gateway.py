@@ -19,7 +19,7 @@ from atomesh.backends.single import SingleBackend
 from atomesh.backends.vllm import make_vllm_backend
 from atomesh.config import AssignmentMode, BackendKind, GatewayConfig, PolicyName, parse_model_aliases
 from atomesh.metrics import Metrics
-from atomesh.placement import Placement
+from atomesh.placement import Placement, StickyKeys
 from atomesh.policies import Policy, make_policy
 from atomesh.policies.cache_aware import CacheAwarePolicy
 from atomesh.policies.kv_aware import KvAwarePolicy
@@ -79,7 +79,9 @@ class Gateway:
         for role, policy in policies.items():
             if isinstance(policy, KvAwarePolicy):  # follows the KV events of its pool's workers
                 policy.watch(self.registry, self.upstream, (role,), parse_endpoint_flags(config.kv_events_endpoints))
-        self.placement = Placement(self.registry, policies, pd=config.pd_disaggregation, dp_ranks=config.dp_ranks)
+        sticky = StickyKeys(config.max_idle_secs) if config.routing_key_override else None
+        self.placement = Placement(self.registry, policies, pd=config.pd_disaggregation, dp_ranks=config.dp_ranks,
+                                   sticky=sticky)
         # Engine-reported load only matters to policies that compare loads.
         # kv_aware weighs cached blocks against load, so it wants the engines' queues fresher.
         poll = config.load_monitor_interval or (

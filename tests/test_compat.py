@@ -334,3 +334,26 @@ def test_readme_claims_what_the_table_checks() -> None:
     assert len(spellings) == 221 and spellings <= {f.flag for f in PEER_FLAGS}
     table = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
     assert all(f"| `{f.flag}` |" in table for f in PEER_FLAGS)
+
+
+async def test_routing_key_override_keeps_a_key_on_any_policy(mock_workers: MakeWorkers, gateway: MakeGateway,
+                                                              http: aiohttp.ClientSession) -> None:
+    workers = await mock_workers(3)
+    assert load_config(parsed("--worker-urls", workers[0].url, "--sticky-sessions")).routing_key_override
+    gw = await gateway(worker_urls=[w.url for w in workers], policy="round_robin", routing_key_override=True)
+    url = base_url(gw) + "/v1/completions"
+
+    async def served_by(headers: dict[str, str]) -> str:
+        async with http.post(url, json=COMPLETION, headers=headers) as r:
+            assert r.status == 200, await r.text()
+            return r.headers["x-mock-worker"]
+
+    for key in ("k1", "k2", "k3", "k4"):
+        first = await served_by({"X-SMG-Routing-Key": key})
+        assert {await served_by({"X-SMG-Routing-Key": key}) for _ in range(3)} == {first}
+    assert len({await served_by({}) for _ in range(3)}) == 3  # without a key: round robin
+    # A pinned worker that stops being routable: the policy places the key anew, and it stays there.
+    owner = await served_by({"X-SMG-Routing-Key": "k9"})
+    next(w for w in workers if w.name == owner).behaviour.fail_status = 500
+    moved = await served_by({"X-SMG-Routing-Key": "k9"})
+    assert moved != owner and await served_by({"X-SMG-Routing-Key": "k9"}) == moved
