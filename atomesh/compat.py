@@ -90,8 +90,8 @@ PEER_FLAGS: tuple[PeerFlag, ...] = (
     _same("--upstream-pool-idle-timeout-secs", SMG, "default 60 s (SMG: 3); 0 keeps idle connections"),
     _refused("--upstream-http2", SMG, "the gateway speaks HTTP/1.1 to workers (keep-alive pool); HTTP/2 is not "
                                       "built"),
-    _refused("--health-check-port", SMG, "a separate probe listener is not built: /liveness, /readiness and "
-                                         "/health are served on --port and never wait in the admission queue"),
+    _same("--health-check-port", SMG, "a listener of its own, in the same event loop (SMG: an isolated runtime); "
+                                      "the probes stay on --port too"),
     _alias("--header-read-timeout-secs", "--http-head-timeout-secs", SMG),
     _alias("--idle-connection-timeout-secs", "--http-keepalive-timeout-secs", SMG),
     _alias("--stream-body-stall-timeout-secs", "--http-body-timeout-secs", SMG),

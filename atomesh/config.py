@@ -391,6 +391,9 @@ class GatewayConfig(BaseModel):
 
     # --- prometheus
     prometheus_port: Port = Field(29000, description="Port of the /metrics server.")
+    health_check_port: Port | None = Field(
+        None, description="Also serve /liveness, /readiness, /health and /health_generate on this port (for "
+                          "probes; same address as --host, plain HTTP).")
     prometheus_host: str | None = Field(
         None, description="Address of the /metrics server (default: the address of --host, so a gateway on "
                           "127.0.0.1 does not expose its metrics on every interface).")

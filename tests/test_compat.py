@@ -12,7 +12,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from gwtest import MakeGateway, MakeWorkers, base_url, gateway_config, wait_for
+from gwtest import MakeGateway, MakeWorkers, base_url, free_port, gateway_config, wait_for
 
 from atomesh.app import GatewayServer
 from atomesh.cli import drop_fixed_flags, launch_command, normalize_argv
@@ -357,3 +357,17 @@ async def test_routing_key_override_keeps_a_key_on_any_policy(mock_workers: Make
     next(w for w in workers if w.name == owner).behaviour.fail_status = 500
     moved = await served_by({"X-SMG-Routing-Key": "k9"})
     assert moved != owner and await served_by({"X-SMG-Routing-Key": "k9"}) == moved
+
+
+async def test_health_check_port_serves_the_probes(mock_workers: MakeWorkers, gateway: MakeGateway,
+                                                   http: aiohttp.ClientSession) -> None:
+    [w] = await mock_workers(1)
+    probe_port = free_port()
+    gw = await gateway(worker_urls=[w.url], health_check_port=probe_port)
+    for path, want in (("/liveness", 200), ("/readiness", 200), ("/health", 200)):
+        async with http.get(f"http://127.0.0.1:{probe_port}{path}") as r:
+            assert r.status == want, path
+    async with http.post(f"http://127.0.0.1:{probe_port}/v1/completions", json=COMPLETION) as r:
+        assert r.status == 404  # only the probes live there
+    async with http.get(base_url(gw) + "/readiness") as r:
+        assert r.status == 200  # and they stay on the service port
