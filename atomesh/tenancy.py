@@ -171,7 +171,10 @@ def _rate_policy(spec: Any, what: str, keyed: bool) -> tuple[str | None, RatePol
     key = spec.get("tenant_key")
     if keyed != (key is not None):
         raise ValueError(f"{flag}: {what} {'needs' if keyed else 'must not set'} tenant_key")
-    if key is not None and not (key == ANONYMOUS or str(key).startswith(("auth:", "header:", "ip:"))):
+    if key is not None and str(key).startswith("ip:"):
+        raise ValueError(f"{flag}: tenant_key {key!r}: tenants by client address are not built (auth:<id>, "
+                         "header:<value> or anonymous)")
+    if key is not None and not (key == ANONYMOUS or str(key).startswith(("auth:", "header:"))):
         raise ValueError(f"{flag}: tenant_key {key!r} is not a tenant key (auth:<id>, header:<value> or anonymous)")
     return key, RatePolicy(_number(spec.get("tokens_per_minute"), f"{what}.tokens_per_minute"),
                            _number(spec.get("requests_per_minute"), f"{what}.requests_per_minute"))
