@@ -6,7 +6,9 @@ The top of the import graph: nothing imports this module but the command line (`
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+from collections.abc import Awaitable
 
 import structlog
 from aiohttp import web
@@ -63,15 +65,15 @@ class GatewayServer:
         self.door.relay = Relay(gw.upstream, self._private_port, cfg.request_timeout_secs)
         self.metrics_door.relay = Relay(gw.upstream, await private_site(self._metrics_runner),
                                         cfg.request_timeout_secs)
-        try:
-            await self.door.start(cfg.host, cfg.port, ssl_context(cfg), reuse_port=self.cluster is not None)
-            await self.metrics_door.start(cfg.metrics_host, cfg.prometheus_port, None)
-            if self._probe_runner is not None and self.probe_door is not None and cfg.health_check_port is not None:
-                self.probe_door.relay = Relay(gw.upstream, await private_site(self._probe_runner),
-                                              cfg.request_timeout_secs)
-                await self.probe_door.start(cfg.host, cfg.health_check_port, None)
-        except OSError as e:
-            raise StartupError(f"cannot listen: {e.strerror or e}") from None
+        await _listen(self.door.start(cfg.host, cfg.port, ssl_context(cfg), reuse_port=self.cluster is not None),
+                      cfg.host, cfg.port, "--host/--port")
+        await _listen(self.metrics_door.start(cfg.metrics_host, cfg.prometheus_port, None),
+                      cfg.metrics_host, cfg.prometheus_port, "--prometheus-host/--prometheus-port")
+        if self._probe_runner is not None and self.probe_door is not None and cfg.health_check_port is not None:
+            self.probe_door.relay = Relay(gw.upstream, await private_site(self._probe_runner),
+                                          cfg.request_timeout_secs)
+            await _listen(self.probe_door.start(cfg.host, cfg.health_check_port, None),
+                          cfg.host, cfg.health_check_port, "--health-check-port")
         log.info("gateway_listening", host=cfg.host, port=cfg.port, metrics_port=cfg.prometheus_port,
                  mode="pd" if cfg.pd_disaggregation else "regular", backend=cfg.backend.value,
                  policy=cfg.policy, processes=cfg.processes)
@@ -144,3 +146,12 @@ def run(config: GatewayConfig) -> None:
     import uvloop
 
     uvloop.run(serve(config))
+
+
+async def _listen(start: Awaitable[None], host: str, port: int, flags: str) -> None:
+    """Open a port; one that cannot be bound stops start-up with a message naming address, port and flags."""
+    try:
+        await start
+    except OSError as e:
+        reason = os.strerror(e.errno) if e.errno else str(e)
+        raise StartupError(f"cannot listen on {host}:{port} ({flags}): {reason}") from None

@@ -241,6 +241,28 @@ def bench_chaos(ctx: typer.Context) -> None:
     chaos.main(list(ctx.args))
 
 
+@bench_app.command(
+    "dropped-streams", add_help_option=False,
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def bench_dropped_streams(ctx: typer.Context) -> None:
+    """Gateway memory as clients drop their streams, side by side with smg: RSS every 10,000 drops, CPU."""
+    from atomesh.bench import dropped_streams
+
+    dropped_streams.main(list(ctx.args))
+
+
+@bench_app.command(
+    "probes", add_help_option=False,
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def bench_probes(ctx: typer.Context) -> None:
+    """Issue #31's operator and attacker probes side by side with smg: upgrades, CONNECT, floods, clients leaving."""
+    from atomesh.bench import probes
+
+    probes.main(list(ctx.args))
+
+
 # ---------------------------------------------------------------------------- launch
 def _strip_optional(annotation: Any) -> Any:
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:

@@ -309,8 +309,8 @@ PEER_FLAGS: tuple[PeerFlag, ...] = (
     _same("--client-cert-path", SMG),
     _same("--client-key-path", SMG),
     # --- authentication
-    _same("--api-key", note="clients must present it (Bearer); each request's Authorization goes on to the "
-                            "worker"),
+    _same("--api-key", note="clients must present it (Bearer); each request's Authorization goes on to a "
+                            "worker without a key of its own (POST /workers api_key)"),
     _refused("--control-plane-api-keys", SMG, "use --admin-api-key (one key for the admin routes)"),
     _refused("--control-plane-audit-enabled", SMG, "admin calls are in the access log; no separate audit log"),
     _refused("--jwt-issuer", SMG, "JWT/OIDC authentication is not built; use --api-key / --admin-api-key"),

@@ -166,8 +166,8 @@ def check_worker_url(url: str) -> str:
     if not parts.hostname:
         raise ValueError(f"worker URL {shown!r} has no host")
     if parts.username is not None or parts.password is not None:
-        raise ValueError(f"worker URL {shown!r} must not carry credentials (user:password@); the gateway "
-                         "forwards each client's Authorization header to the worker")
+        raise ValueError(f"worker URL {shown!r} must not carry credentials (user:password@); give the worker a "
+                         "key of its own with api_key (POST /workers), or let it take the client's Authorization")
     if any(c.isspace() or ord(c) < 0x21 or ord(c) == 0x7f for c in url):
         raise ValueError(f"worker URL {shown!r} must not contain spaces or control characters")
     try:

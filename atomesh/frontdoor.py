@@ -19,8 +19,10 @@ One pipeline for every connection, whoever answers its requests:
   (the admin API, health, models, metrics), and its answer relayed.
 - **Bodies** are kept as they arrive: the bytes of one read when the body fits in it (the usual case),
   else one buffer grown in place; never copied again on the way to a worker.
-- A client that half-closes after sending gets its answers; requests pipelined on one connection are
-  answered in order.
+- Requests pipelined on one connection are answered in order. A client that closes its side (or only
+  half-closes: the two cannot be told apart) is gone: its request is cancelled, upstream legs included.
+- CONNECT and protocol upgrades are answered at once (501 / 400) and the connection closed; a request
+  line without a version (HTTP/0.9) gets 400 as soon as the line ends.
 """
 
 from __future__ import annotations
@@ -131,12 +133,13 @@ class Phase(IntEnum):
 class FrontExchange(Exchange):
     """An Exchange writing straight to the client's connection."""
 
-    __slots__ = ("conn", "cors", "framed")
+    __slots__ = ("conn", "cors", "framed", "sse")
 
     def __init__(self, conn: FrontConnection, request_id: str, headers: Mapping[str, str], framed: bool) -> None:
         super().__init__(request_id, headers)
         self.conn = conn
         self.framed = framed  # chunked framing for streams (HTTP/1.1); HTTP/1.0 gets the raw bytes and a close
+        self.sse = False  # the stream started is server-sent events (an error can be told in-band)
         cors = conn.door.cors
         self.cors = cors.headers(headers) if cors is not None else None  # added to the answer (an allowed origin)
 
@@ -152,6 +155,7 @@ class FrontExchange(Exchange):
             headers = {**headers, **self.cors}
         self.status = status
         self.committed = True
+        self.sse = any(k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in headers.items())
         if not self.framed:
             self.conn.keep_alive = False  # the end of the body is the end of the connection
         self.conn.send(response_head(status, headers, None, self.conn.keep_alive, self.framed))
@@ -162,17 +166,22 @@ class FrontExchange(Exchange):
             conn = self.conn
             conn.send(b"%x\r\n%b\r\n" % (len(data), data) if self.framed else data)
             if conn.write_paused:
-                await conn.drain()
+                await conn.drain_within(conn.door.body_timeout)
 
     async def end(self) -> None:
         if self.framed:
             self.conn.send(b"0\r\n\r\n")
 
+    def cut(self, message: str) -> None:
+        """End a started event stream now with an error event and [DONE] (the gateway is stopping)."""
+        event = b"data: " + error_body(message, "server_error", "gateway_shutting_down") + b"\n\ndata: [DONE]\n\n"
+        self.conn.send(b"%x\r\n%b\r\n0\r\n\r\n" % (len(event), event) if self.framed else event)
+
 
 class _Request:
-    """A complete request read from a connection."""
+    """A complete request read from a connection; `refusal` set: answered with that error, then closed."""
 
-    __slots__ = ("body", "headers", "http10", "keep_alive", "method", "target")
+    __slots__ = ("body", "headers", "http10", "keep_alive", "method", "refusal", "target")
 
     def __init__(self, method: bytes, target: bytes, headers: dict[str, str], body: bytes | bytearray,
                  keep_alive: bool, http10: bool) -> None:
@@ -182,13 +191,14 @@ class _Request:
         self.body = body
         self.keep_alive = keep_alive
         self.http10 = http10
+        self.refusal: Refused | None = None
 
 
 class FrontConnection(FlowControl):
     """One client connection: its parser, its phase and deadline, the requests read and the one served."""
 
-    __slots__ = ("body", "deadline", "door", "eof", "head_bytes", "head_size", "headers", "keep_alive",
-                 "lingering", "parser", "phase", "queue", "queued_bytes", "task", "url")
+    __slots__ = ("body", "cut", "deadline", "door", "head_bytes", "head_size", "headers", "keep_alive",
+                 "lingering", "parser", "phase", "queue", "queued_bytes", "task", "url", "url_open", "url_piece")
 
     def __init__(self, door: FrontDoor) -> None:
         super().__init__()
@@ -197,6 +207,8 @@ class FrontConnection(FlowControl):
         self.phase = Phase.HEAD  # a new connection owes its first request head within the head timeout
         self.deadline = door.loop.time() + door.head_timeout
         self.url = b""
+        self.url_piece = b""  # the target's bytes the current read delivered (HTTP/0.9 detection)
+        self.url_open = False  # the last read ended inside the target
         self.headers: dict[str, str] = {}
         self.head_bytes = 0  # bytes received while a head was arriving (bounds what the parser buffers)
         self.head_size = 0  # bytes of the current head's target and headers
@@ -204,8 +216,8 @@ class FrontConnection(FlowControl):
         self.queue: deque[_Request] = deque()
         self.queued_bytes = 0
         self.task: asyncio.Task[None] | None = None
+        self.cut: str | None = None  # why the request being served is cancelled by the gateway itself
         self.keep_alive = True
-        self.eof = False
         self.lingering = False  # refused: reading and discarding until closed
 
     # ------------------------------------------------------------------ asyncio.Protocol
@@ -218,6 +230,7 @@ class FrontConnection(FlowControl):
             return
         if self.phase is not Phase.BODY:
             self.head_bytes += len(data)
+        self.url_piece = b""
         try:
             self.parser.feed_data(data)
         except HttpParserCallbackError as e:
@@ -228,11 +241,19 @@ class FrontConnection(FlowControl):
                 raise
             return
         except HttpParserUpgrade:
-            # A protocol switch (WebSocket, h2c, CONNECT) is not offered: a request read whole is still
-            # answered, then the connection ends.
+            # A protocol switch (WebSocket, h2c) or CONNECT is not offered. The parser completed that
+            # request (the last queued): it is answered with an error in its turn, after the requests
+            # pipelined before it, and the connection ends there. Nothing after it is read.
+            self.hold_reading()
             if self.queue:
-                self.queue[-1].keep_alive = False
-                self.hold_reading()
+                req = self.queue[-1]
+                req.keep_alive = False
+                req.refusal = (Refused(501, "CONNECT is not supported: the gateway is not a proxy")
+                               if req.method == b"CONNECT" else
+                               Refused(400, "protocol upgrades (Upgrade: "
+                                            f"{req.headers.get('upgrade', '')[:64]}) are not supported"))
+                if self.task is None:
+                    self._next()
             else:
                 self.refuse(400, "protocol upgrades and CONNECT are not supported")
             return
@@ -242,6 +263,9 @@ class FrontConnection(FlowControl):
         if self.phase is Phase.HEAD and self.head_bytes > MAX_HEAD:
             self.refuse(431, f"request head is larger than {MAX_HEAD} bytes")
             return
+        if self.phase is Phase.HEAD and self.url and not self.headers and self._versionless_line(data):
+            self.refuse(400, "HTTP/0.9 is not served (the request line names no version); use HTTP/1.1")
+            return
         if self.task is None:
             if self.queue:
                 self._next()
@@ -249,11 +273,12 @@ class FrontConnection(FlowControl):
             self.hold_reading()
 
     def eof_received(self) -> bool:
-        """The client half-closed: answer what it sent whole, then close."""
-        self.eof = True
-        if self.lingering:
-            return False
-        return self.task is not None or bool(self.queue)
+        """The client closed its side: it is gone, whatever it was waiting for (hyper's default, as SMG).
+
+        A client that merely half-closes cannot be told apart from one that closed and left, and
+        keeping a request running for a client that left burns a whole generation on a worker. So the
+        connection closes, which cancels the request being served (and its upstream legs)."""
+        return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.door.connections.discard(self)
@@ -262,6 +287,9 @@ class FrontConnection(FlowControl):
         if self.task is not None:
             self.task.cancel()  # the client is gone: stop its request and close the upstream legs
         self.connection_ended()
+        # The parser holds our callbacks and we hold it: a reference cycle that only the collector would
+        # free. Nothing is parsed after this, so the parser goes now (reference counting frees both).
+        del self.parser
 
     # ------------------------------------------------------------------ parser callbacks
     def on_message_begin(self) -> None:
@@ -274,6 +302,7 @@ class FrontConnection(FlowControl):
         self.body = b""
 
     def on_url(self, piece: bytes) -> None:
+        self.url_piece = piece
         url = self.url = self.url + piece if self.url else piece
         self.head_size += len(piece)
         if len(url) > MAX_LINE:
@@ -340,6 +369,31 @@ class FrontConnection(FlowControl):
         self.deadline = self.door.loop.time() + self.door.keepalive_timeout
         self.body = b""
 
+    async def drain_within(self, timeout: float) -> None:
+        """`drain()`, but a client that takes nothing of its answer for `timeout` seconds is cut off: a
+        reader that stalls must not hold its request (and a worker's generation) with no deadline."""
+        try:
+            await asyncio.wait_for(self.drain(), timeout)
+        except TimeoutError:
+            if self.transport is not None:
+                self.transport.abort()  # connection_lost follows: the request is cancelled
+            raise ConnectionResetError(f"the client read nothing for {timeout:g}s") from None
+
+    def _versionless_line(self, data: bytes) -> bool:
+        """Whether the request line being read ended (CR or LF) right after its target: HTTP/0.9.
+
+        llhttp would wait for a blank line to call it 0.9 (and a client of 0.9 never sends one)."""
+        if self.parser.get_http_version() != "0.0":
+            return False  # "HTTP/x.y" was read
+        piece = self.url_piece
+        if piece:
+            end = data.rfind(piece) + len(piece)
+            self.url_open = end == len(data)
+            return data[end:end + 1] in (b"\r", b"\n")
+        ended = self.url_open and data[:1] in (b"\r", b"\n")
+        self.url_open = False
+        return ended
+
     # ------------------------------------------------------------------ writing
     def send(self, data: bytes) -> None:
         if self.transport is not None:  # else the client is gone and the request is being cancelled
@@ -377,6 +431,9 @@ class FrontConnection(FlowControl):
     def _next(self) -> None:
         req = self.queue.popleft()
         self.queued_bytes -= len(req.body)
+        if req.refusal is not None:
+            self.refuse(req.refusal.status, req.refusal.message)
+            return
         self.keep_alive = req.keep_alive
         route = HOT_ROUTES.get(req.target) if req.method == b"POST" and self.door.hot else None
         loop = self.door.loop
@@ -402,10 +459,15 @@ class FrontConnection(FlowControl):
                 admission = acc.failed(e)
                 self._answer_error(exchange, *error_answer(e))
             except asyncio.CancelledError:
+                if self.cut is not None and exchange.committed and exchange.sse:
+                    exchange.cut(self.cut)  # stopped by the gateway: the client learns why, in-band
                 # The client went away: what it got (a started stream's status, else 499) is still counted.
                 status = exchange.status if exchange.committed and exchange.status else CLIENT_GONE
                 acc.end("POST", path, status, started, None, rid, exchange.workers, exchange.sent)
-                raise
+                # Not re-raised: a task that ends cancelled keeps the CancelledError, whose traceback holds
+                # every frame of the request, and those frames hold the task (router locals): a cycle per
+                # dropped request, left to the collector. Ending normally frees it all by reference counting.
+                return
             except Exception:
                 # A bug, not a user error: log it with its traceback (and request id), answer a plain 500.
                 log.exception("request_crashed", method="POST", path=path)
@@ -442,6 +504,8 @@ class FrontConnection(FlowControl):
             else:
                 headers.pop("content-length", None)
                 self.send(response_head(status, headers, len(body), self.keep_alive) + body)
+        except asyncio.CancelledError:
+            return  # the client is gone; not re-raised, for the reason given in _serve
         finally:
             self._done()
 
@@ -461,9 +525,6 @@ class FrontConnection(FlowControl):
             return
         if self.queue:
             self._next()
-            return
-        if self.eof:
-            transport.close()  # the client half-closed and has every answer
             return
         loop = self.door.loop
         # The deadline of the phase the parser is in starts now (it was on hold while serving).
@@ -658,9 +719,15 @@ class FrontDoor:
         await self._sweeper.stop()
         for task in list(self._handshakes):
             task.cancel()
+        cut = []
         for conn in list(self.connections):
             if conn.task is not None:
+                conn.cut = "the gateway is shutting down: --shutdown-grace-period-secs ended before this stream did"
                 conn.task.cancel()
+                cut.append(conn.task)
+        if cut:  # each writes its stream's error event as it ends, before the connection closes
+            await asyncio.wait(cut, timeout=1.0)
+        for conn in list(self.connections):
             if conn.transport is not None:
                 conn.transport.close()
         await asyncio.sleep(0)

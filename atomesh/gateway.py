@@ -267,7 +267,7 @@ class Gateway:
         count it. Health checks bring it back (or, without them, the breaker's half-open probe)."""
         if worker.state is WorkerState.READY and not self.config.disable_health_check:
             self.registry.set_state(worker, WorkerState.UNHEALTHY)
-            log.warning("worker_unreachable", worker=worker.url)
+            log.warning("worker_unreachable", worker=worker.url, reason="connection refused")
         elif worker.state is WorkerState.READY:
             worker.breaker.trip()
 

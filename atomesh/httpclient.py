@@ -169,6 +169,8 @@ class _Conn(FlowControl):
         self.closed = True
         self.connection_ended()
         self._pool._forget(self)
+        # The parser holds our callbacks and we hold it: break that cycle now that nothing more is parsed.
+        del self._parser
         if not self.busy or self.body_done:
             return
         if self.head_done and exc is None and _FRAMING_HEADERS.isdisjoint(self.headers):

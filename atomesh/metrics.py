@@ -306,6 +306,11 @@ class Metrics:
         self.retries_exhausted = c("mesh_worker_retries_exhausted_total",
                                    "Requests that failed after using every allowed retry.",
                                    ("worker_type", "endpoint"))
+        self.migrations = c("mesh_migrations_total",
+                            "Streams broken after their first byte, by what became of them (--migration-limit): "
+                            "migrated (continued on another worker), refused (the request cannot be continued), "
+                            "limit_reached, no_worker (nowhere to continue), failed (the continuation failed).",
+                            ("outcome",))
         self.cb_state = g("mesh_worker_cb_state", "Circuit breaker state: 0 closed, 1 open, 2 half-open.",
                           ("worker",))
         self.cb_transitions = c("mesh_worker_cb_transitions_total", "Circuit breaker state changes.",

@@ -141,15 +141,21 @@ class Router:
             if refused is None:
                 tracker = exchange.stream_filter = StreamTracker(view)
         current = view  # what the next attempt sends: the client's request, or a continuation of its stream
+        broken: Worker | None = None  # the worker whose stream is being migrated, until the next one is placed
         while True:
             try:
                 plan = self.placement.place(current, exclude=tried)
             except GatewayError as e:
                 if not exchange.committed:
                     raise
+                if broken is not None:
+                    self._migration("no_worker", exchange, broken, None, tracker, e.message)
                 self.metrics.request_failed(view.route, view.model, e.code)
                 await write_sse_error(exchange, e)  # a stream to continue, and nowhere to continue it
                 return
+            if broken is not None:
+                self._migration("migrated", exchange, broken, plan.workers[-1], tracker)
+                broken = None
             exchange.workers = tuple(w.url for w in plan.workers)
             self._count_selection(plan)
             run = _Attempt(task, exchange, plan, tracker)
@@ -182,9 +188,12 @@ class Router:
                 at_fault = [e.worker] if isinstance(e.worker, Worker) else list(plan.workers)
                 if exchange.committed:
                     # The client already has part of the answer: continue it elsewhere, or end it in-band.
-                    moved = await self._after_break(exchange, view, e, tracker, refused, attempt)
+                    moved = await self._after_break(exchange, view, e, tracker, refused, attempt,
+                                                    plan.workers[-1])
                     if moved is None:
                         return
+                    if moved == "migrate":
+                        broken = plan.workers[-1]
                     assert tracker is not None
                     current = tracker.usage_probe() if moved == "usage" else tracker.continuation()
                     if moved == "retry":
@@ -221,10 +230,11 @@ class Router:
             await asyncio.sleep(next(delays))
 
     async def _after_break(self, exchange: Exchange, view: RequestView, e: UpstreamError,
-                           tracker: StreamTracker | None, refused: str | None, attempt: int) -> str | None:
-        """A started stream broke: "migrate", "retry" (a continuation that failed before sending anything)
-        or "usage" (the answer is whole, its usage was lost) to go on elsewhere, or None once the client's
-        stream has been ended."""
+                           tracker: StreamTracker | None, refused: str | None, attempt: int,
+                           worker: Worker) -> str | None:
+        """A started stream broke on `worker`: "migrate", "retry" (a continuation that failed before sending
+        anything) or "usage" (the answer is whole, its usage was lost) to go on elsewhere, or None once the
+        client's stream has been ended."""
 
         async def fail(err: GatewayError) -> None:
             # Ended in-band: the request failed all the same (serve_inference counts only those raised).
@@ -235,6 +245,7 @@ class Router:
             err: UpstreamError = e
             if refused is not None:
                 err = MigrationRefused(f"{e.message}; the stream was not migrated: {refused}")
+                self._migration("refused", exchange, worker, None, None, refused)
             await fail(err)
             return None
         remaining = tracker.remaining()
@@ -257,9 +268,11 @@ class Router:
             # A continuation that failed before its first token: an ordinary retry.
             if e.retryable and attempt < self.max_retries:
                 return "retry"
+            self._migration("failed", exchange, worker, None, tracker, e.message)
             await fail(e)
             return None
         if tracker.migrations >= self.migration_limit:
+            self._migration("limit_reached", exchange, worker, None, tracker, e.message)
             await fail(MigrationRefused(
                 f"{e.message}; the stream was not migrated: --migration-limit {self.migration_limit} reached",
                 code="migration_limit_reached"))
@@ -268,6 +281,19 @@ class Router:
         log.debug("stream_migrating", request_id=exchange.request_id, migration=tracker.migrations,
                   tokens=tracker.tokens, error=e.message)
         return "migrate"
+
+    def _migration(self, outcome: str, exchange: Exchange, source: Worker, target: Worker | None,
+                   tracker: StreamTracker | None, why: str = "") -> None:
+        """Count what became of a broken stream and say so in the log: one line per break."""
+        self.metrics.migrations.labels(outcome).inc()
+        tokens = tracker.tokens if tracker is not None else None
+        if outcome == "migrated":
+            assert target is not None and tracker is not None
+            log.info("stream_migrated", request_id=exchange.request_id, from_worker=source.url,
+                     to_worker=target.url, tokens_so_far=tokens, migration=tracker.migrations)
+        else:
+            log.warning("stream_not_migrated", request_id=exchange.request_id, outcome=outcome,
+                        from_worker=source.url, tokens_so_far=tokens, reason=why)
 
     def _count_selection(self, plan: Plan) -> None:
         m = self.metrics

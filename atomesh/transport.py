@@ -55,6 +55,13 @@ def upstream_error(err: HTTPClientError, url: str) -> UpstreamError:
     return UpstreamError(f"{url}: {err.message}")
 
 
+class Credentialed(Protocol):
+    """A worker, as far as calling it goes: its own key, if it has one."""
+
+    @property
+    def api_key(self) -> str | None: ...
+
+
 class Upstream:
     """The pooled keep-alive client shared by every route, backend and background task."""
 
@@ -70,16 +77,25 @@ class Upstream:
         self._hop_headers = {HOP_HEADER: hop}  # what a call without headers of its own sends
         self._pool: ClientPool | None = None
 
-    def headers_for(self, exchange: Exchange) -> dict[str, str]:
-        """Headers of a request forwarded to a worker: JSON, our request id and hop mark, the caller's
-        credentials."""
+    def headers_for(self, exchange: Exchange, worker: Credentialed) -> dict[str, str]:
+        """Headers of a request forwarded to `worker`: JSON, our request id and hop mark, and credentials:
+        the worker's own key when it has one, else the client's Authorization as it came (as SMG does)."""
         headers = {"Content-Type": "application/json", "x-request-id": exchange.request_id, HOP_HEADER: self.hop}
-        auth = exchange.headers.get("authorization")
-        if auth is not None:
-            headers["Authorization"] = auth
+        if worker.api_key is not None:
+            headers["Authorization"] = "Bearer " + worker.api_key
+        else:
+            auth = exchange.headers.get("authorization")
+            if auth is not None:
+                headers["Authorization"] = auth
         if self.tracing is not None:
             self.tracing.inject(headers)  # the current leg's span: the worker's spans go under it
         return headers
+
+    def worker_headers(self, worker: Credentialed) -> Mapping[str, str]:
+        """Headers of the gateway's own calls to `worker` (health, discovery, load, metrics): its key if any."""
+        if worker.api_key is None:
+            return self._hop_headers
+        return {**self._hop_headers, "Authorization": "Bearer " + worker.api_key}
 
     async def start(self) -> None:
         # Admission control bounds concurrency; the pool only bounds what it keeps idle.

@@ -140,7 +140,8 @@ def plan_parts(s: UpSettings) -> list[Part]:
                 "--host", s.host,
                 "--server-port", str(engine_port), "--device", s.device,
                 "--max-model-len", str(s.max_model_len), "--kv-cache-memory-gb", str(s.kv_cache_memory_gb),
-                *s.engine_args]
+                # A dead engine (a CUDA fault) ends its process, so that `up` shows it and stops the rest.
+                "--exit-on-engine-error", *s.engine_args]
         if s.device != "cpu":
             # Engines sharing one GPU: each its share of it (the KV pool is what the share leaves).
             argv += ["--gpu-memory-utilization", f"{0.85 / len(roles):.3f}"]

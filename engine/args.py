@@ -20,7 +20,7 @@ _REFUSED_FLAGS = {
     "--num-speculative-tokens": "speculative decoding is not supported by this engine",
     "--draft-model": "speculative decoding is not supported by this engine",
     "--port": "this engine has no internal engine port (ATOM's --port); use --server-port for HTTP",
-    "--enable-expert-parallel": "expert parallelism is not supported (dense models only)",
+    "--enable-expert-parallel": "expert parallelism is not supported (MoE experts run on one device)",
     "--enable-dp-attention": "data-parallel attention is not supported",
     "--level": "torch.compile levels are not used by this engine (CUDA graphs and Triton kernels instead)",
     "--hf-overrides": "--hf-overrides is not supported",
@@ -100,6 +100,7 @@ class EngineArgs:
     log_level: str = "info"
     tool_call_parser: str | None = None  # how tool calls are read from free-form output (vLLM's flag)
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser), as vLLM
+    exit_on_engine_error: bool = False  # a dead engine ends the process (status 1) instead of answering 503
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     p.add_argument("--seed", type=int, default=0, help="seed of requests that bring none")
     p.add_argument("--torch-threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+    p.add_argument(
+        "--exit-on-engine-error", action="store_true",
+        help="exit with status 1 when the engine dies (a CUDA fault); without it the server stays up, "
+        "/health answers 503 and requests get 503 engine_dead",
+    )
     p.add_argument(
         "--enforce-eager", action="store_true", help="CUDA: no CUDA graphs (decode steps launch kernel by kernel)"
     )
@@ -308,6 +314,7 @@ def validate(ns: argparse.Namespace) -> EngineArgs:
         dtype=ns.dtype,
         seed=ns.seed,
         enforce_eager=ns.enforce_eager,
+        exit_on_engine_error=ns.exit_on_engine_error,
         cudagraph_capture_sizes=sizes,
         kernels=ns.kernels,
         load_format=ns.load_format,

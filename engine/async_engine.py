@@ -15,8 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import EngineError, EngineFailedError, OverloadedError
+import torch
+
+from engine.errors import EngineDeadError, EngineError, EngineFailedError, OverloadedError
 from engine.llm_engine import EngineStats, LLMEngine
+from engine.scheduler import ScheduledBatch
 from engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus, TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -80,6 +83,37 @@ class EngineInfo:
 
 RESERVE_POLL_SECS = 0.02
 
+# Messages of errors after which the device (and so the engine) cannot be trusted: a CUDA fault
+# poisons the context, so every later step would fail too (vLLM's core treats them as fatal).
+_FATAL_MARKERS = ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "device-side assert", "NCCL error",
+                  "HIP error", "illegal memory access")
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """Whether ``exc`` leaves the engine unusable (the engine dies) rather than failing one step.
+
+    An EngineDeadError (what a component raises to say the engine cannot go on), torch's
+    AcceleratorError, or a RuntimeError naming a device fault. Out of memory is not fatal: the step's requests fail, the
+    memory comes back.
+    """
+    if isinstance(exc, EngineDeadError):
+        return True
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    if isinstance(exc, torch.OutOfMemoryError):
+        return False
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _FATAL_MARKERS)
+
+
+class _Fatal(Exception):
+    """Carries a fatal error and the phase it happened in out of a step, to end the loop."""
+
+    def __init__(self, phase: str, cause: BaseException) -> None:
+        super().__init__(phase)
+        self.phase = phase
+        self.cause = cause
+
 
 class AsyncLLMEngine:
     """Drives an LLMEngine from asyncio: one loop task, one model thread, one queue per request."""
@@ -90,6 +124,8 @@ class AsyncLLMEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
+        self._dead: EngineDeadError | None = None
+        self._death_callbacks: list[Callable[[EngineDeadError], None]] = []
         engine.on_blocks_freed = self._wake_up
         self.info = EngineInfo(
             model_id=engine.model_id,
@@ -160,6 +196,7 @@ class AsyncLLMEngine:
 
         ``grammar``: its structured-output matcher; ``stream_index``: which of a request's n samples
         it is (a seeded request's samples draw from different random streams)."""
+        self._check_alive()
         params = self.engine.check_request(len(prompt_ids), params, max_tokens_given)
         seq = self.engine.add_request(prompt_ids, params, hold_kv, grammar=grammar, stream_index=stream_index)
         self._states[seq.seq_id] = RequestState(seq, IncrementalDetokenizer(self.engine.tokenizer))
@@ -181,6 +218,7 @@ class AsyncLLMEngine:
         A pool that is full now frees blocks as running sequences finish: wait for room, at most
         ``wait_secs``, before answering 503 (check_request already refused what could never fit).
         """
+        self._check_alive()
         params = self.engine.check_request(len(prompt_ids), params, max_tokens_given)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_secs
@@ -193,6 +231,7 @@ class AsyncLLMEngine:
                 if loop.time() >= deadline:
                     raise
             await asyncio.sleep(RESERVE_POLL_SECS)
+            self._check_alive()
 
     def fork_prefilled(self, seq: Sequence, stream_index: int, grammar: Any = None) -> RequestHandle:
         """Another sample (n > 1) of a reserved sequence whose prompt KV arrived; call before
@@ -203,6 +242,7 @@ class AsyncLLMEngine:
 
     def submit_prefilled(self, seq: Sequence, first_token: int, logprob: TokenLogprob | None = None) -> RequestHandle:
         """Continue a reserved sequence whose KV arrived, from ``first_token`` (already an output)."""
+        self._check_alive()
         self.engine.commit_prefilled(seq, first_token, logprob)
         self.engine.flush_kv_events()  # the KV that arrived over the relay is now cached here
         state = RequestState(seq, IncrementalDetokenizer(self.engine.tokenizer))
@@ -233,38 +273,81 @@ class AsyncLLMEngine:
             self.engine.finish(state.seq, FinishReason.ABORT)
 
     async def _run(self) -> None:
+        """The supervised loop: a failed step fails its own requests and the loop goes on; a fatal
+        error (see ``is_fatal``) marks the engine dead and ends it."""
         assert self._wake is not None
-        loop = asyncio.get_running_loop()
-        while True:
-            if self.engine.scheduler.is_idle():
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            scheduled = self.engine.schedule()
-            if scheduled is None:
-                if self.engine.held:
-                    # Blocks pinned by KV transfers come back soon (or expire): wait, don't fail.
+        try:
+            while True:
+                if self.engine.scheduler.is_idle():
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                self._fail_waiting_head()
-                continue
-            batch, step = scheduled
-            self.engine.flush_kv_events()  # the blocks this step writes, reported as it starts (see announce)
-            try:
-                tokens = await loop.run_in_executor(self._executor, self.engine.execute, step)
-                self.engine.postprocess(batch, tokens)
-                for seq in batch.seqs:
-                    state = self._states.get(seq.seq_id)
-                    if state is not None:
-                        self._deliver(state)
-            except Exception as exc:
-                # The step's requests fail; the loop, and every other request, carries on.
-                log.exception("engine_step_failed requests=%d", len(batch.seqs))
-                self.engine.fail_batch(batch)
-                for seq in batch.seqs:
-                    self._fail(seq.seq_id, EngineFailedError(f"model step failed: {exc}"))
-            self.engine.flush_kv_events()
+                if not await self._step():
+                    if self.engine.held:
+                        # Blocks pinned by KV transfers come back soon (or expire): wait, don't fail.
+                        self._wake.clear()
+                        await self._wake.wait()
+                        continue
+                    self._fail_waiting_head()
+        except _Fatal as fatal:
+            self._die(fatal.phase, fatal.cause)
+
+    async def _step(self) -> bool:
+        """One step, phase by phase; False when nothing could be scheduled. Raises only _Fatal."""
+        engine = self.engine
+        phase = "schedule"
+        batch: ScheduledBatch | None = None
+        try:
+            batch = engine.schedule_batch()
+            if batch is None:
+                return False
+            phase = "prepare"
+            step = engine.prepare(batch)
+            phase = "event_flush"
+            engine.flush_kv_events()  # the blocks this step writes, reported as it starts (see announce)
+            phase = "execute"
+            tokens = await asyncio.get_running_loop().run_in_executor(self._executor, engine.execute, step)
+            phase = "postprocess"
+            engine.postprocess(batch, tokens)
+            for seq in batch.seqs:
+                state = self._states.get(seq.seq_id)
+                if state is not None:
+                    self._deliver(state)
+            phase = "event_flush"
+            engine.flush_kv_events()
+        except Exception as exc:
+            if is_fatal(exc):
+                raise _Fatal(phase, exc) from exc
+            # The step's requests fail; the loop, and every other request, carries on.
+            seqs = batch.seqs if batch is not None else engine.scheduled_seqs()
+            log.exception("engine_step_failed phase=%s requests=%d", phase, len(seqs))
+            engine.fail(list(seqs))
+            for seq in seqs:
+                self._fail(seq.seq_id, EngineFailedError(f"model step failed ({phase}): {exc}"))
+        return True
+
+    @property
+    def dead(self) -> EngineDeadError | None:
+        """Why the engine stopped serving, once a fatal error ended its loop; None while it serves."""
+        return self._dead
+
+    def on_death(self, callback: Callable[[EngineDeadError], None]) -> None:
+        """Call ``callback`` once if the engine dies (the server's /health and --exit-on-engine-error)."""
+        self._death_callbacks.append(callback)
+
+    def _die(self, phase: str, cause: BaseException) -> None:
+        """The engine can serve nothing more: every request gets an error, new ones are refused (503)."""
+        self._dead = EngineDeadError(f"the engine failed and serves no more requests ({phase}): {cause}")
+        log.critical("engine_dead phase=%s requests=%d error=%s", phase, len(self._states), cause,
+                     exc_info=(type(cause), cause, cause.__traceback__))  # fmt: skip
+        for seq_id in list(self._states):
+            self._fail(seq_id, self._dead)
+        for callback in self._death_callbacks:
+            callback(self._dead)
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise self._dead
 
     def _fail_waiting_head(self) -> None:
         # Admission guarantees a lone sequence fits, so this means blocks leaked: fail loudly

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.args import KVTransferConfig
-from engine.errors import InvalidRequestError
+from engine.errors import BindError, InvalidRequestError
 from engine.kv_transfer import (
     SKIP,
     KVConsumer,
@@ -96,6 +97,7 @@ class Disaggregation:
         self.engine = engine
         self.config = config
         self.role = config.kv_role
+        self.bind_host = bind_host  # the handshake server listens here (the engine's --host), nowhere else
         self.host = advertised_host(bind_host)
         self.transfer_timeout = transfer_timeout
         self.stats = TransferStats()
@@ -121,9 +123,14 @@ class Disaggregation:
         self.agent.register(regions if self.staging is None else [self.staging.region])
         if self.role == PRODUCER:
             self.producer = KVProducer(self.agent, regions, host=self.host,
-                                       handshake_port=self.config.handshake_port or 0,
+                                       handshake_port=self.config.handshake_port or 0, bind_host=self.bind_host,
                                        timeout_s=self.transfer_timeout, staging=self.staging)
-            await self.producer.start()
+            try:
+                await self.producer.start()
+            except OSError as exc:
+                reason = os.strerror(exc.errno) if exc.errno else str(exc)
+                raise BindError(f"cannot listen on {self.bind_host}:{self.config.handshake_port} (KV handshake, "
+                                f"--kv-transfer-config handshake_port): {reason}") from exc
         else:
             self.consumer = KVConsumer(self.agent, regions, staging=self.staging, slot_grace_s=WRITE_GRACE_SECS)
         staging = ""

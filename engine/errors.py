@@ -58,3 +58,18 @@ class EngineFailedError(EngineError):
     status = 500
     type = "internal_server_error"
     code = "engine_error"
+
+
+class EngineDeadError(EngineError):
+    """The engine hit an error it cannot recover from (a CUDA fault): it serves nothing more.
+
+    503, so that a router takes this worker out and sends the request elsewhere.
+    """
+
+    status = 503
+    type = "server_error"
+    code = "engine_dead"
+
+
+class BindError(Exception):
+    """A port the engine was asked to listen on could not be bound; the message names address, port and use."""

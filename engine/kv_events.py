@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine.errors import BindError
 from engine.flags import json_object_flag
 
 log = logging.getLogger("engine.kv_events")
@@ -170,7 +171,8 @@ class ZmqEventPublisher:
     leaves a gap that subscribers see, and the replay buffer cannot fill it, so they re-sync.
     """
 
-    def __init__(self, config: KVEventsConfig) -> None:
+    def __init__(self, config: KVEventsConfig, bind_host: str = "*") -> None:
+        """``bind_host``: what a ``*`` in the endpoints binds to (the engine's --host)."""
         import zmq
 
         self.config = config
@@ -180,14 +182,14 @@ class ZmqEventPublisher:
         self._pub.setsockopt(zmq.LINGER, 0)
         # vLLM's rule: a wildcard or ipc/inproc address is bound, any other is connected to.
         if "*" in config.endpoint or "::" in config.endpoint or config.endpoint.startswith(("ipc://", "inproc://")):
-            self._pub.bind(config.endpoint)
+            _bind(self._pub, bind_address(config.endpoint, bind_host), "KV events endpoint")
         else:
             self._pub.connect(config.endpoint)
         self._replay: Any = None
         if config.replay_endpoint is not None:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.bind(config.replay_endpoint)
+            _bind(self._replay, bind_address(config.replay_endpoint, bind_host), "KV events replay_endpoint")
         self._topic = config.topic.encode()
         self._queue: queue.Queue[tuple[int, bytes] | None] = queue.Queue(maxsize=config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
@@ -241,6 +243,25 @@ class ZmqEventPublisher:
             if seq >= start:
                 self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
         self._replay.send_multipart((client, b"", END_SEQ, b""))
+
+
+def _bind(sock: Any, address: str, what: str) -> None:
+    """Bind a ZMQ socket; a failure names the address and its use (ZMQ's own message names neither)."""
+    import zmq
+
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as exc:
+        raise BindError(f"cannot listen on {address.removeprefix('tcp://')} ({what}, --kv-events-config): "
+                        f"{exc.strerror}") from exc
+
+
+def bind_address(endpoint: str, host: str) -> str:
+    """``endpoint`` with its ``*`` host replaced by ``host`` (the engine's --host), unless that is a wildcard
+    too: an engine asked to listen on one address listens on no other."""
+    if host in ("", "*", "0.0.0.0", "::") or not endpoint.startswith("tcp://*:"):
+        return endpoint
+    return f"tcp://{f'[{host}]' if ':' in host else host}:{endpoint.removeprefix('tcp://*:')}"
 
 
 def advertised(config: KVEventsConfig) -> dict[str, Any]:

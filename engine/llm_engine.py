@@ -353,13 +353,31 @@ class LLMEngine:
                 self.kv_events_sink(events)
 
     def schedule(self) -> tuple[ScheduledBatch, StepInput] | None:
-        batch = self.scheduler.schedule()
+        batch = self.schedule_batch()
         if batch is None:
             return None
-        if self.block_manager.events is not None:
+        return batch, self.prepare(batch)
+
+    def schedule_batch(self) -> ScheduledBatch | None:
+        """Pick the next step's sequences (blocks allocated, new blocks announced); None when idle."""
+        batch = self.scheduler.schedule()
+        if batch is not None and self.block_manager.events is not None:
             for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
                 self.block_manager.announce(seq, seq.num_cached_tokens + n)
-        return batch, self.runner.prepare(batch.seqs, batch.num_new_tokens, batch.num_decodes)
+        return batch
+
+    def prepare(self, batch: ScheduledBatch) -> StepInput:
+        """The model inputs of a scheduled batch (token ids, positions, slot mappings, graph staging)."""
+        return self.runner.prepare(batch.seqs, batch.num_new_tokens, batch.num_decodes)
+
+    def scheduled_seqs(self) -> list[Sequence]:
+        """Every sequence a failed ``schedule_batch`` may have touched: the running ones, the waiting ones
+        holding blocks (a prompt mid-chunk, one just allocated) and the next one it would admit (so that
+        a fault that recurs fails one request after another instead of spinning)."""
+        waiting = self.scheduler.waiting
+        holding = [s for s in waiting if s.block_table]
+        next_up = next((s for s in waiting if not s.block_table), None)
+        return [*self.scheduler.running, *holding, *([next_up] if next_up is not None else [])]
 
     def execute(self, step: StepInput) -> SampleOutput:
         """The model forward and sampling; the only part that may run off the event-loop thread."""
@@ -399,9 +417,10 @@ class LLMEngine:
             return FinishReason.STOP  # the grammar is complete: nothing more may follow
         return self.scheduler.check_stop(seq, self.eos_token_ids, self.max_model_len)
 
-    def fail_batch(self, batch: ScheduledBatch) -> None:
-        """After a failed step: end its sequences (blocks the step meant to fill were never indexed)."""
-        for seq in batch.seqs:
+    def fail(self, seqs: list[Sequence]) -> None:
+        """After a failed step: end its sequences and free their blocks (blocks the step meant to fill were
+        never indexed; sequences that finished already keep theirs)."""
+        for seq in seqs:
             self.finish(seq, FinishReason.ABORT)
 
     def step(self) -> list[Sequence]:

@@ -28,7 +28,7 @@ from engine import tokenize_api
 from engine.args import EngineArgs, parse_args
 from engine.async_engine import AsyncLLMEngine, RequestOutput
 from engine.disagg import Disaggregation, check_transfer_support
-from engine.errors import EngineError, InvalidRequestError, ModelNotFoundError
+from engine.errors import BindError, EngineError, InvalidRequestError, ModelNotFoundError
 from engine.kv_events import ZmqEventPublisher, advertised
 from engine.llm_engine import LLMEngine
 from engine.metrics import ServerMetrics
@@ -534,7 +534,11 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """GET /health: answers once the model is loaded (the server binds only after that)."""
+    """GET /health: ok once the model is loaded (the server binds only after that); 503 once the engine
+    died, so that a router takes this worker out."""
+    dead = request.app[STATE].engine.dead
+    if dead is not None:
+        return _json({"status": "dead", **dead.body()}, status=503)
     return _json({"status": "ok"})
 
 
@@ -645,7 +649,7 @@ def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
         # The KV relay is up before the port opens: a router reads /kv_transfer_info at registration.
         if disagg is not None:
             await disagg.start()
-        publisher = ZmqEventPublisher(args.kv_events) if args.kv_events.enabled else None
+        publisher = ZmqEventPublisher(args.kv_events, args.host) if args.kv_events.enabled else None
         if publisher is not None:
             async_engine.publish_kv_events(publisher.publish)
         await async_engine.start()
@@ -688,19 +692,34 @@ async def serve(args: EngineArgs, engine: LLMEngine) -> None:
     # handler_cancellation: a client that disconnects cancels its handler, which aborts the request
     # and frees its KV blocks at once.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
+    await runner.setup()  # the KV relay's handshake and the KV event sockets bind here
     site = web.TCPSite(runner, args.host, args.server_port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise BindError(f"cannot listen on {args.host}:{args.server_port} (HTTP, --host/--server-port): "
+                        f"{reason}") from exc
     log.info("server_listening model=%s url=http://%s:%d", args.model, args.host, args.server_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    async_engine = app[STATE].engine
+    if args.exit_on_engine_error:
+        async_engine.on_death(lambda _: stop.set())
     try:
         await stop.wait()
     finally:
         await runner.cleanup()
         log.info("server_stopped")
+    if async_engine.dead is not None and args.exit_on_engine_error:
+        raise EngineExit(async_engine.dead)
+
+
+class EngineExit(Exception):
+    """The engine died and --exit-on-engine-error asked the process to end (status 1)."""
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -726,13 +745,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         engine.max_model_len,
     )
     try:
-        import uvloop
-
-        uvloop.run(serve(args, engine))
-    except ImportError:
-        asyncio.run(serve(args, engine))
+        try:
+            import uvloop
+        except ImportError:
+            asyncio.run(serve(args, engine))
+        else:
+            uvloop.run(serve(args, engine))
     except KeyboardInterrupt:
         pass
+    except BindError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+    except EngineExit as exc:
+        print(f"error: {exc} (--exit-on-engine-error)", file=sys.stderr)
+        raise SystemExit(1) from exc
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ It speaks the parts of the API that list-then-watch clients use, the way the rea
   BOOKMARK events when asked, a pod that stops matching the selector sent as DELETED (and one that
   starts matching as ADDED), `timeoutSeconds`, and an ERROR event with a 410 Status for a version
   older than the compacted history;
+- `GET /api/v1/namespaces/{ns}/secrets/{name}` for the Secrets a test puts in `secrets`;
 - faults a test turns on: the next N requests answered 500, every open watch cut, the server
   stopped and started again on the same port (its state kept).
 """
@@ -67,6 +68,7 @@ class KubeApiServer:
         self.token = token
         self.port = 0
         self.pods: dict[tuple[str, str], Obj] = {}
+        self.secrets: dict[tuple[str, str], dict[str, str]] = {}  # (namespace, name) -> data (base64 values)
         self.rv = 1000
         self.history: list[tuple[int, str, Obj, Obj | None]] = []  # (rv, type, object, previous object)
         self.compacted = 0  # watches from a version below this get 410 Gone
@@ -88,6 +90,7 @@ class KubeApiServer:
         app = web.Application()
         app.router.add_get("/api/v1/pods", self._pods)
         app.router.add_get("/api/v1/namespaces/{namespace}/pods", self._pods)
+        app.router.add_get("/api/v1/namespaces/{namespace}/secrets/{name}", self._secret)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.2, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
@@ -195,6 +198,17 @@ class KubeApiServer:
         return None
 
     # ------------------------------------------------------------------ handler
+    async def _secret(self, request: web.Request) -> web.Response:
+        self.requests.append((request.path, dict(request.query)))
+        if request.headers.get("Authorization") != f"Bearer {self.token}":
+            return web.json_response(status(401, "Unauthorized", "Unauthorized"), status=401)
+        ns, name = request.match_info["namespace"], request.match_info["name"]
+        data = self.secrets.get((ns, name))
+        if data is None:
+            return web.json_response(status(404, "NotFound", f'secrets "{name}" not found'), status=404)
+        return web.json_response({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                                  "metadata": {"name": name, "namespace": ns}, "data": data})
+
     async def _pods(self, request: web.Request) -> web.StreamResponse:
         query = dict(request.query)
         self.requests.append((request.path, query))

@@ -1,4 +1,4 @@
-"""The HTTP pipeline at its edges, on raw sockets: limits, timeouts, non-HTTP bytes, half-close.
+"""The HTTP pipeline at its edges, on raw sockets: limits, timeouts, non-HTTP bytes, upgrades, closes.
 
 Every case runs against inference routes (served by the front door itself) and other routes (relayed
 to aiohttp) alike: one parser, one set of limits, one set of timeouts for every connection.
@@ -7,11 +7,12 @@ to aiohttp) alike: one parser, one set of limits, one set of timeouts for every 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import orjson
 import pytest
-from gwtest import MakeGateway, MakeWorkers, base_url
+from gwtest import MakeGateway, MakeWorkers, base_url, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -106,14 +107,22 @@ async def test_connections_are_timed_out_whoever_answers(gw_url: str) -> None:
     assert status == 200 and 0.5 < took < 3
 
 
-async def test_requests_before_a_half_close_are_answered(gw_url: str) -> None:
-    host, port = gw_url.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(post() + get() + post())
-    writer.write_eof()  # shutdown(SHUT_WR): the client sends nothing more but still reads
-    got = await asyncio.wait_for(reader.read(), 10)
-    writer.close()
-    assert got.count(b"HTTP/1.1 200 OK") == 3 and got.count(b"tok0 tok1 tok2") == 2
+async def test_a_client_that_closes_cancels_its_request(mock_workers: MakeWorkers, gateway: MakeGateway) -> None:
+    """A client's close is seen while its request is served (whole, no byte sent yet): the worker's request
+    is cancelled at once, as SMG (hyper) does; a half-close counts as leaving."""
+    [w] = await mock_workers(1, latency_secs=30)
+    gw = await gateway(worker_urls=[w.url])
+    host, port = base_url(gw).removeprefix("http://").split(":")
+    writers = []
+    for _ in range(5):
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.write(post())
+        writers.append(writer)
+    await wait_for(lambda: w.active == 5, 10, "the requests to reach the worker")
+    for writer in writers:
+        writer.close()  # FIN, no byte of the answer received
+    await wait_for(lambda: w.active == 0, 2, "the worker's requests to be cancelled")
+    assert w.cancelled == 5
 
 
 async def test_expect_continue_and_chunked_upload(gw_url: str) -> None:
@@ -137,3 +146,89 @@ async def test_http10_stream_ends_with_the_connection(gw_url: str) -> None:
     status, got, _ = await exchange(gw_url, data)
     head, body = got.split(b"\r\n\r\n", 1)
     assert status == 200 and b"chunked" not in head.lower() and body.rstrip().endswith(b"data: [DONE]")
+
+
+UPGRADES = [
+    get("Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        "Sec-WebSocket-Version: 13\r\n"),
+    post("Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA\r\n"),
+    b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n",
+]
+
+
+@pytest.mark.parametrize("data,want", list(zip(UPGRADES, [400, 400, 501], strict=True)),
+                         ids=["websocket", "h2c", "connect"])
+@pytest.mark.parametrize("port", ["service", "metrics"])
+async def test_upgrades_and_connect_are_answered_at_once_and_closed(mock_workers: MakeWorkers, gateway: MakeGateway,
+                                                                    data: bytes, want: int, port: str) -> None:
+    [w] = await mock_workers(1)
+    gw = await gateway(worker_urls=[w.url])
+    url = base_url(gw) if port == "service" else f"http://127.0.0.1:{gw.config.prometheus_port}"
+    status, got, took = await exchange(url, data, timeout=5)  # reads until the gateway closes
+    assert status == want and took < 1, got[:300]
+    assert b"Connection: close" in got
+    message = orjson.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+    assert ("CONNECT" in message) if want == 501 else ("upgrade" in message)
+    if port == "service":
+        assert not w.received  # never relayed to a worker
+
+
+async def test_an_upgrade_after_pipelined_requests_is_answered_in_turn(gw_url: str) -> None:
+    status, got, took = await exchange(gw_url, get() + post() + UPGRADES[0], timeout=5)
+    assert status == 200 and took < 1
+    assert got.count(b"HTTP/1.1 200 OK") == 2 and got.count(b"HTTP/1.1 400 Bad Request") == 1
+    assert got.rstrip().endswith(b"}")  # the 400 is the last answer, then the close
+
+
+@pytest.mark.parametrize("pieces", [[b"GET /health\r\n"], [b"GET /health\n"], [b"GET /heal", b"th\r\n"],
+                                    [b"GET /health", b"\r\n"]], ids=["crlf", "lf", "split-target", "split-eol"])
+async def test_http09_request_line_gets_400_at_once(gw_url: str, pieces: list[bytes]) -> None:
+    """A 0.9 client never sends a blank line: the versionless request line alone is refused."""
+    host, port = gw_url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    t0 = time.monotonic()
+    try:
+        for piece in pieces:
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        got = await asyncio.wait_for(reader.read(), 5)
+    finally:
+        writer.close()
+    assert got.startswith(b"HTTP/1.1 400 ") and b"HTTP/0.9" in got and time.monotonic() - t0 < 0.5
+
+
+async def test_request_targets_that_look_like_09_are_still_served(gw_url: str) -> None:
+    # A request line split right after its target, then its version: HTTP/1.1, served.
+    host, port = gw_url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        for piece in (b"GET /health", b" HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n"):
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        got = await asyncio.wait_for(reader.read(), 5)
+    finally:
+        writer.close()
+    assert got.startswith(b"HTTP/1.1 200 ")
+
+
+async def test_a_client_that_stops_reading_its_stream_is_cut_off(mock_workers: MakeWorkers,
+                                                                  gateway: MakeGateway) -> None:
+    """Writing has a deadline too: a client that takes nothing of its answer for the body timeout is cut
+    off, and its request on the worker is cancelled (it no longer holds a generation forever)."""
+    [w] = await mock_workers(1, stream_chunks=1_000_000)
+    gw = await gateway(worker_urls=[w.url], http_body_timeout_secs=0.6)
+    host, port = base_url(gw).removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills at once
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    body = orjson.dumps({"model": "mock-model", "prompt": "hello", "max_tokens": 1_000_000, "stream": True})
+    await asyncio.get_running_loop().sock_sendall(sock, post(body=body))
+    try:
+        await wait_for(lambda: w.active == 1, 5, "the stream to start")
+        await wait_for(lambda: w.active == 0, 10, "the stalled stream to be cut off")
+        assert w.cancelled == 1
+    finally:
+        sock.close()

@@ -9,6 +9,7 @@ from collections import Counter
 from urllib.parse import quote
 
 import aiohttp
+import openai
 import pytest
 from gwtest import MakeGateway, MakeWorkers, base_url, wait_for
 
@@ -308,6 +309,24 @@ async def test_graceful_shutdown_finishes_in_flight(mock_workers: MakeWorkers, g
     body = await stream.content.read()
     assert body.rstrip().endswith(b"data: [DONE]")
     await asyncio.wait_for(shutting, 10)
+
+
+async def test_a_stream_cut_at_the_end_of_the_grace_period_gets_an_error_event(
+        mock_workers: MakeWorkers, gateway: MakeGateway) -> None:
+    [a] = await mock_workers(1, stream_chunks=200, chunk_interval_secs=0.05)
+    gw = await gateway(worker_urls=[a.url], shutdown_grace_period_secs=0.3)
+    c = openai.AsyncOpenAI(base_url=base_url(gw) + "/v1", api_key="none", max_retries=0, timeout=20)
+    try:
+        stream = await c.completions.create(model="mock-model", prompt="hello", stream=True, max_tokens=200)
+        got = [await stream.__anext__()]  # under way
+        shutting = asyncio.ensure_future(gw.shutdown())
+        with pytest.raises(openai.APIError, match="shutting down"):
+            async for chunk in stream:
+                got.append(chunk)
+        await asyncio.wait_for(shutting, 10)
+    finally:
+        await c.close()
+    assert 1 <= len(got) < 200
 
 
 # ---------------------------------------------------------------------------- real processes

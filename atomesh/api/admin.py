@@ -25,6 +25,8 @@ class AddWorker(BaseModel):
     worker_type: WorkerRole = WorkerRole.REGULAR
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     labels: dict[str, str] = Field(default_factory=dict)
+    # The worker's own key (SMG's field): sent as its Bearer token instead of the client's Authorization.
+    api_key: str | None = Field(None, min_length=1, max_length=4096, pattern=r"^[\x21-\x7e]+$")
 
 
 class UpdateWorker(BaseModel):
@@ -78,7 +80,8 @@ async def add_worker(request: web.Request) -> web.Response:
     if gw.shutting_down:
         raise BadRequest("the gateway is shutting down", code="shutting_down")
     try:
-        worker = gw.lifecycle.add(spec.url, spec.worker_type, spec.bootstrap_port, spec.labels)
+        worker = gw.lifecycle.add(spec.url, spec.worker_type, spec.bootstrap_port, spec.labels,
+                                  api_key=spec.api_key)
     except ValueError as e:
         if "already registered" in str(e):
             raise Conflict(str(e), code="worker_exists") from None
@@ -142,6 +145,7 @@ async def flush_cache(request: web.Request) -> web.Response:
     async def one(w: Worker) -> dict[str, Any]:
         try:
             status, _, _ = await gw.upstream.call("POST", w.url + "/flush_cache",
+                                                  headers=gw.upstream.worker_headers(w),
                                                   timeout=gw.config.health_check_timeout_secs)
             return {"worker": w.url, "status": status}
         except GatewayError as e:

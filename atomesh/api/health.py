@@ -43,6 +43,7 @@ async def health_generate(request: web.Request) -> web.Response:
             what = "worker" if role is WorkerRole.REGULAR else f"{role.value} worker"
             raise NoWorkerAvailable(f"no healthy {what} is available")
         checks.append(gw.upstream.call("GET", ready[0].url + "/health_generate",
+                                       headers=gw.upstream.worker_headers(ready[0]),
                                        timeout=gw.config.health_check_timeout_secs))
     results = await asyncio.gather(*checks)
     for status, body, ctype in results:

@@ -87,7 +87,8 @@ def _one_line(text: str) -> str:
 
 
 async def _scrape(gw: Gateway, worker: Worker, timeout: float) -> str:
-    status, body, ctype = await gw.upstream.call("GET", worker.url + "/metrics", timeout=timeout)
+    status, body, ctype = await gw.upstream.call("GET", worker.url + "/metrics", timeout=timeout,
+                                                 headers=gw.upstream.worker_headers(worker))
     if status != 200:
         raise UpstreamStatus(status, body, ctype)
     return body.decode("utf-8", "replace")

@@ -153,7 +153,8 @@ async def _from_any_worker(request: web.Request, path: str) -> web.Response:
     if not ready:
         raise NoWorkerAvailable("no healthy worker is available")
     timeout = gw.config.health_check_timeout_secs
-    status, body, ctype = await gw.upstream.call("GET", ready[0].url + path, timeout=timeout)
+    status, body, ctype = await gw.upstream.call("GET", ready[0].url + path, timeout=timeout,
+                                                 headers=gw.upstream.worker_headers(ready[0]))
     if status >= 400:
         raise UpstreamStatus(status, body, ctype)
     return web.Response(body=body, status=status, content_type=ctype or "application/json")

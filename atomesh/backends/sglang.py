@@ -66,9 +66,10 @@ class SglangBackend:
     async def forward(self, exchange: Exchange, view: RequestView, plan: Plan) -> None:
         assert isinstance(plan, Pair), "P/D mode places prefill/decode pairs"
         data = self.bootstrap_body(view, plan)
-        headers = self.upstream.headers_for(exchange)
-        prefill = asyncio.ensure_future(self._prefill(plan, view, data, headers))
-        decode = asyncio.ensure_future(self._decode(exchange, plan, view, data, headers))
+        prefill = asyncio.ensure_future(self._prefill(plan, view, data,
+                                                      self.upstream.headers_for(exchange, plan.prefill)))
+        decode = asyncio.ensure_future(self._decode(exchange, plan, view, data,
+                                                    self.upstream.headers_for(exchange, plan.decode)))
         try:
             done, _ = await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
             if prefill in done and prefill.exception() is not None:

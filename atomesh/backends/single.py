@@ -26,12 +26,12 @@ class SingleBackend:
         try:
             if tracing is None:
                 async with self.upstream.open("POST", worker.url + view.route, data=data,
-                                              headers=self.upstream.headers_for(exchange)) as resp:
+                                              headers=self.upstream.headers_for(exchange, worker)) as resp:
                     await relay(exchange, resp, self.on_chunk)
                 return
             with tracing.span("upstream", {"server.address": worker.url, "atomesh.leg": "single"}, client=True):
                 async with self.upstream.open("POST", worker.url + view.route, data=data,
-                                              headers=self.upstream.headers_for(exchange)) as resp:
+                                              headers=self.upstream.headers_for(exchange, worker)) as resp:
                     await relay(exchange, resp, self.on_chunk)
         except UpstreamError as e:
             e.worker = worker

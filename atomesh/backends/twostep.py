@@ -92,7 +92,8 @@ class TwoStepBackend:
                       remaining: float, prefilled: float) -> None:
         try:
             async with self.upstream.open("POST", plan.decode.url + view.route, data=orjson.dumps(body),
-                                          headers=self.upstream.headers_for(exchange), timeout=remaining) as resp:
+                                          headers=self.upstream.headers_for(exchange, plan.decode),
+                                          timeout=remaining) as resp:
                 if view.stream:
                     # A streaming decode answers once it pulled the KV and ran its first step:
                     # the time to here is the hand-off (a whole answer would include the decode).
@@ -112,7 +113,7 @@ class TwoStepBackend:
         try:
             status, raw, ctype = await self.upstream.call(
                 "POST", worker.url + view.route, data=prefill_body(view.body, self.prefill_params(view.body)),
-                headers=self.upstream.headers_for(exchange))
+                headers=self.upstream.headers_for(exchange, worker))
             if status >= 400:
                 raise UpstreamStatus(status, raw, ctype)
             try:

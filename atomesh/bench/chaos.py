@@ -1,11 +1,13 @@
 """Workers dying and freezing under load, side by side with SMG: `atomesh bench chaos` (`--help` lists options).
 
-Each gateway in turn is put in front of fresh mock worker processes (`atomesh.testing.mock_worker`,
-streaming `--tokens` words at `--chunk-interval-secs`) and loaded by `--concurrency` clients for
-`--duration` seconds: every other request a streamed chat completion (with `include_usage`), the others
-whole completions, each answer checked word by word against the uninterrupted one. At `--kill-at`
-seconds one worker is killed (SIGKILL); at `--freeze-at` another is frozen (SIGSTOP), accepting
-connections and answering nothing. Both gateways get the same health-check, retry and timeout flags.
+Like with like first: atomesh without migration (`--migration-limit 0`, the `atomesh-no-migration` row),
+then SMG (which has no migration), then atomesh with `--migration-limit` (what migration adds). Each in
+turn is put in front of fresh mock worker processes (`atomesh.testing.mock_worker`, streaming `--tokens`
+words at `--chunk-interval-secs`) and loaded by `--concurrency` clients for `--duration` seconds: every
+other request a streamed chat completion (with `include_usage`), the others whole completions, each
+answer checked word by word against the uninterrupted one. At `--kill-at` seconds one worker is killed
+(SIGKILL); at `--freeze-at` another is frozen (SIGSTOP), accepting connections and answering nothing.
+Every gateway gets the same health-check, retry and timeout flags.
 
 Printed per gateway: requests, lost (an error status, an error event, a missing end, a wrong text; a
 wrong usage count is listed apart), latency p50 / p99 / max, how long the gateway took to show each
@@ -34,6 +36,8 @@ from atomesh.bench.gateway import _smg
 from atomesh.bench.procs import free_port, start, stop
 
 MODEL = "mock-model"
+NO_MIGRATION = "atomesh-no-migration"  # atomesh with --migration-limit 0: like for like with SMG
+SYSTEMS = (NO_MIGRATION, "smg", "atomesh")  # the order of the rows
 
 
 @dataclass(slots=True)
@@ -166,7 +170,8 @@ def gateway_command(system: str, port: int, mport: int, workers: list[str], args
         smg = _smg()
         assert smg is not None
         return [*smg, *common]
-    return [sys.executable, "-m", "atomesh", "launch", *common, "--migration-limit", str(args.migration_limit)]
+    limit = 0 if system == NO_MIGRATION else args.migration_limit
+    return [sys.executable, "-m", "atomesh", "launch", *common, "--migration-limit", str(limit)]
 
 
 def _wait_up(url: str, seconds: float) -> None:
@@ -260,7 +265,8 @@ def print_reports(reports: list[Report], args: argparse.Namespace) -> None:
           f"{args.concurrency} clients for {args.duration} s (half streamed chat, half whole completions); "
           f"worker 0 killed at {args.kill_at} s, worker 1 frozen at {args.freeze_at} s; health checks every "
           f"{args.health_interval_secs} s, timeout {args.health_timeout_secs} s, {args.health_failure_threshold} "
-          f"failures; request timeout {args.request_timeout_secs} s; atomesh --migration-limit {args.migration_limit}")
+          f"failures; request timeout {args.request_timeout_secs} s; {NO_MIGRATION}: --migration-limit 0 (like "
+          f"SMG, which has no migration); atomesh: --migration-limit {args.migration_limit}")
     print("| gateway | requests | lost | lost by reason | wrong usage | p50 s | p99 s | max s | max streamed s "
           "| max whole s | killed worker out after s | frozen worker out after s (detection) "
           "| max <= detection + 1 s |")
@@ -276,8 +282,8 @@ def print_reports(reports: list[Report], args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="atomesh bench chaos", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", nargs="+", choices=("atomesh", "smg"), default=None,
-                   help="gateways to run (default: atomesh, then smg when installed)")
+    p.add_argument("--only", nargs="+", choices=SYSTEMS, default=None,
+                   help=f"gateways to run (default: {', '.join(SYSTEMS)}; smg when installed)")
     p.add_argument("--workers", type=int, default=4, help="mock workers (>= 3: one killed, one frozen)")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--duration", type=float, default=15.0, help="seconds of load")
@@ -296,8 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.workers < 3:
         p.error("--workers must be at least 3")
-    systems = ["atomesh"] + (["smg"] if _smg() is not None else [])
-    systems = [s for s in systems if not args.only or s in args.only]
+    systems = [s for s in SYSTEMS if (s != "smg" or _smg() is not None) and (not args.only or s in args.only)]
     workdir = Path(tempfile.mkdtemp(prefix="atomesh-bench-chaos-"))
     print(f"logs in {workdir}", flush=True)
     reports = []

@@ -28,6 +28,7 @@ class WorkerInfo:
     server_info: dict[str, Any]
     engine_load: int | None
     dp_size: int = 1  # --dp-aware: data-parallel ranks the worker reported at registration
+    api_key: str | None = None  # the worker's own key (local IPC between the gateway's processes only)
 
 
 # ------------------------------------------------------------------ leader -> follower

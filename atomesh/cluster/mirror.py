@@ -13,7 +13,7 @@ MIRRORED = (WorkerState.READY, WorkerState.UNHEALTHY, WorkerState.DRAINING)
 def describe(w: Worker) -> WorkerInfo:
     return WorkerInfo(url=w.url, role=w.role.value, bootstrap_port=w.bootstrap_port, state=w.state.value,
                       models=w.models, kv_transfer_info=w.kv_transfer_info, server_info=w.server_info,
-                      engine_load=w.engine_load, dp_size=w.dp_size)
+                      engine_load=w.engine_load, dp_size=w.dp_size, api_key=w.api_key)
 
 
 def mirrored_workers(gw: Gateway) -> tuple[WorkerInfo, ...]:
@@ -30,7 +30,7 @@ def mirror(gw: Gateway, workers: tuple[WorkerInfo, ...]) -> None:
         state = WorkerState(d.state)
         w = registry.by_url(d.url)
         if w is None:
-            w = gw.lifecycle.mirror(d.url, WorkerRole(d.role), d.bootstrap_port)
+            w = gw.lifecycle.mirror(d.url, WorkerRole(d.role), d.bootstrap_port, d.api_key)
         w.models = tuple(d.models)
         w.kv_transfer_info = d.kv_transfer_info
         w.server_info = d.server_info

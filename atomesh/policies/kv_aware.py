@@ -137,7 +137,8 @@ class KvAwarePolicy:
     async def _fetch_tokenizer(self, worker: Worker) -> None:
         assert self._upstream is not None
         try:
-            info = await self._upstream.get_json(worker.url + "/tokenizer_info", 10.0)
+            info = await self._upstream.get_json(worker.url + "/tokenizer_info", 10.0,
+                                                 self._upstream.worker_headers(worker))
             if isinstance(info, dict) and self.tokenizer is None:
                 self.tokenizer = await asyncio.to_thread(PromptTokenizer.from_info, info)
                 log.info("kv_aware_tokenizer_loaded", worker=worker.url, kind=info.get("kind"))

@@ -45,6 +45,7 @@ class MockBehaviour:
     omit_kv_params: bool = False  # a prefill that forgets kv_transfer_params (atom / vllm)
     missing_routes: list[str] = field(default_factory=list)  # paths answered 404, as by an engine lacking them
     dp_size: int | None = 1  # reported in /server_info (None: not reported)
+    api_key: str | None = None  # every route but the mock's own answers 401 without `Bearer api_key`
 
 
 class ServedApp:
@@ -89,11 +90,18 @@ class MockWorker(ServedApp):
         self.received: deque[dict[str, Any]] = deque(maxlen=RECORD_LIMIT)
         self.active = 0  # inference requests being answered now
         self.cancelled = 0  # inference requests whose client went away before the end
+        self.authorizations: deque[tuple[str, str | None]] = deque(maxlen=RECORD_LIMIT)  # with api_key set
         self.served = 0
 
     def app(self) -> web.Application:
         @web.middleware
         async def missing(request: web.Request, handler: Any) -> web.StreamResponse:
+            key = self.behaviour.api_key
+            if key is not None and not request.path.startswith("/_mock/"):
+                self.authorizations.append((request.path, request.headers.get("Authorization")))
+                if request.headers.get("Authorization") != "Bearer " + key:
+                    return web.json_response({"error": {"message": "bad key", "type": "authentication_error",
+                                                        "code": 401}}, status=401, headers=self._headers())
             if request.path in self.behaviour.missing_routes:
                 return web.json_response({"error": {"message": "not found", "type": "not_found_error", "code": 404}},
                                          status=404, headers=self._headers())

@@ -17,6 +17,7 @@ or from KUBECONFIG / ~/.kube/config); the events are read as raw JSON.
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import random
 import time
@@ -150,10 +151,22 @@ class Wanted:
     uid: str
     model_id: str | None
     kv_events: str | None = None  # the pod's KV events endpoint (KV_EVENTS_ANNOTATION), for kv_aware
+    api_key_secret: SecretRef | None = None  # where the worker's own key is (API_KEY_SECRET_ANNOTATION)
 
 
 # A pod that publishes KV cache events says where: "tcp://*:5557[,tcp://*:5558]" ("*": the pod's IP).
 KV_EVENTS_ANNOTATION = "atomesh.io/kv-events-endpoint"
+# A pod whose engine wants a key of its own names the Secret holding it, "<secret>/<key>", in the pod's
+# namespace (the key itself is never put in an annotation: those are readable by anyone who can list pods).
+API_KEY_SECRET_ANNOTATION = "atomesh.io/api-key-secret"
+SecretRef = tuple[str, str, str]  # (namespace, secret name, key in its data)
+
+
+def secret_ref(pod: Pod) -> SecretRef | None:
+    """The pod's API_KEY_SECRET_ANNOTATION as (namespace, secret, key); None when absent or malformed."""
+    raw = pod.annotations.get(API_KEY_SECRET_ANNOTATION, "").strip()
+    name, _, key = raw.partition("/")
+    return (pod.namespace, name, key) if name and key and "/" not in key else None
 
 
 def wanted_worker(pod: Pod, settings: DiscoverySettings) -> Wanted | None:
@@ -170,7 +183,7 @@ def wanted_worker(pod: Pod, settings: DiscoverySettings) -> Wanted | None:
                     pod.labels.get(key) if kind == "label" else pod.annotations.get(key)) or None
     return Wanted(url=f"http://{host}:{settings.port}", role=role, bootstrap_port=bootstrap,
                   pod=f"{pod.namespace}/{pod.name}", uid=pod.uid, model_id=model_id,
-                  kv_events=pod.annotations.get(KV_EVENTS_ANNOTATION) or None)
+                  kv_events=pod.annotations.get(KV_EVENTS_ANNOTATION) or None, api_key_secret=secret_ref(pod))
 
 
 def bootstrap_port(pod: Pod, settings: DiscoverySettings) -> int | None:
@@ -198,6 +211,10 @@ class KubernetesDiscovery:
         self._api: Any = None
         self._client: Any = None
         self._tasks: list[asyncio.Task[None]] = []
+        # Workers' keys read from Secrets (None: could not be read, retried at the next resync), and reads
+        # under way.
+        self._keys: dict[SecretRef, str | None] = {}
+        self._reading: dict[SecretRef, asyncio.Task[None]] = {}
         registry.subscribe(self._on_worker_state)
 
     # ------------------------------------------------------------------ start / stop
@@ -215,10 +232,12 @@ class KubernetesDiscovery:
                        loop.create_task(self._resync_forever(), name="discovery-resync")]
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._reading.values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks = []
+        self._reading.clear()
         if self._client is not None:
             await self._client.close()
             self._client = None
@@ -367,6 +386,8 @@ class KubernetesDiscovery:
     # ------------------------------------------------------------------ reconcile
     def reconcile(self, retry_failed: bool = False) -> None:
         """Add, replace or drain discovered workers so that they match the serving pods."""
+        if retry_failed:  # Secrets that could not be read are read again
+            self._keys = {ref: key for ref, key in self._keys.items() if key is not None}
         wanted: dict[str, Wanted] = {}
         for pod in self.pods.values():
             w = wanted_worker(pod, self.settings)
@@ -403,15 +424,55 @@ class KubernetesDiscovery:
             log.warning(event, **fields)
 
     def _add(self, want: Wanted) -> None:
+        api_key = None
+        ref = want.api_key_secret
+        if ref is not None:
+            if ref not in self._keys:
+                if ref not in self._reading:  # read it, then reconcile again
+                    self._reading[ref] = asyncio.get_running_loop().create_task(
+                        self._read_secret(ref), name=f"discovery-secret {ref[0]}/{ref[1]}")
+                return
+            api_key = self._keys[ref]
+            if api_key is None:
+                return  # unreadable: warned once; a worker that wants a key is not added without it
         log.info("discovery_worker_found", worker=want.url, pod=want.pod, role=want.role.value)
         try:
             worker = self.lifecycle.add(want.url, want.role, want.bootstrap_port, source=WorkerSource.KUBERNETES,
-                                        pod=want.pod, model_id=want.model_id,
+                                        pod=want.pod, model_id=want.model_id, api_key=api_key,
                                         labels={ENDPOINT_LABEL: want.kv_events} if want.kv_events else None)
         except ValueError as e:
             self._note(f"add {want.url}", "discovery_worker_refused", worker=want.url, pod=want.pod, error=str(e))
             return
         self._owned[want.url] = (worker, want)
+
+    async def _read_secret(self, ref: SecretRef) -> None:
+        """Read a worker's key from its Secret (RBAC: get on secrets in the pods' namespaces)."""
+        namespace, name, key = ref
+        value: str | None = None
+        try:
+            resp = await self._api.read_namespaced_secret(name, namespace, _preload_content=False,
+                                                          _request_timeout=(10, 30))
+            try:
+                body = await resp.read()
+                if resp.status != 200:
+                    raise _status_error(resp.status, body)
+            finally:
+                resp.release()
+            data = orjson.loads(body).get("data") or {}
+            if key not in data:
+                raise ApiError(0, f"the secret has no key {key!r}")
+            value = base64.b64decode(data[key], validate=True).decode().strip() or None
+            if value is None:
+                raise ApiError(0, f"the secret's {key!r} is empty")
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # an API error, a malformed secret: said once, retried at the next resync
+            self._note(f"secret {namespace}/{name}/{key}", "discovery_secret_unreadable",
+                       secret=f"{namespace}/{name}", secret_key=key, error=str(e)[:300])
+        finally:
+            self._reading.pop(ref, None)
+        self._keys[ref] = value
+        self._kick.set()
 
     def _on_worker_state(self, worker: Worker, old: WorkerState | None, new: WorkerState) -> None:
         if new is WorkerState.REMOVED:

@@ -74,10 +74,11 @@ class Lifecycle:
     # ------------------------------------------------------------------ add
     def add(self, url: str, role: WorkerRole, bootstrap_port: int | None = None,
             labels: dict[str, str] | None = None, *, source: WorkerSource = WorkerSource.API,
-            pod: str | None = None, model_id: str | None = None) -> Worker:
+            pod: str | None = None, model_id: str | None = None, api_key: str | None = None) -> Worker:
         """Create a pending worker and start its registration job; raises ValueError on bad input.
 
-        `model_id`, when given, is served by the worker besides the models the engine reports."""
+        `model_id`, when given, is served by the worker besides the models the engine reports; `api_key`
+        is the worker's own key, sent on every call to it (inference, health checks, discovery)."""
         url = check_worker_url(url)
         existing = self.registry.by_url(url)
         if existing is not None:
@@ -85,17 +86,18 @@ class Lifecycle:
                 raise ValueError(f"worker {url} is already registered as {existing.id}")
             self.registry.set_state(existing, WorkerState.REMOVED)
         worker = Worker(url=url, role=role, bootstrap_port=bootstrap_port, labels=dict(labels or {}),
-                        source=source, pod=pod)
+                        source=source, pod=pod, api_key=api_key)
         worker.breaker = CircuitBreaker(settings=self.breaker_settings, on_transition=self._breaker_hook(worker))
         self.registry.add(worker)
         self._ready_events[worker.id] = asyncio.Event()
         self._spawn(self._register(worker, model_id), f"register {url}")
-        log.info("worker_added", worker=url, role=role.value, id=worker.id, source=source.value)
+        log.info("worker_added", worker=url, role=role.value, id=worker.id, source=source.value,
+                 own_key=api_key is not None)  # (a field named *api_key would be redacted)
         return worker
 
-    def mirror(self, url: str, role: WorkerRole, bootstrap_port: int | None) -> Worker:
+    def mirror(self, url: str, role: WorkerRole, bootstrap_port: int | None, api_key: str | None = None) -> Worker:
         """A worker another process registered and probes (atomesh.cluster): added as pending, no job."""
-        worker = Worker(url=url, role=role, bootstrap_port=bootstrap_port)
+        worker = Worker(url=url, role=role, bootstrap_port=bootstrap_port, api_key=api_key)
         worker.breaker = CircuitBreaker(settings=self.breaker_settings, on_transition=self._breaker_hook(worker))
         self.registry.add(worker)
         return worker
@@ -137,6 +139,7 @@ class Lifecycle:
                 event.set()
 
     async def _wait_healthy(self, worker: Worker, deadline: float) -> None:
+        logged = ""  # the reason last logged: a wrong URL says why at once, and again only when that changes
         while worker.state is WorkerState.PENDING:
             remaining = deadline - time.monotonic()
             ok, last = await self.probe(worker, min(self.probe_timeout, max(remaining, 0.001)))
@@ -146,6 +149,10 @@ class Lifecycle:
             if last == SELF_LOOP:
                 raise RegistrationFailed(f"{worker.url} is this gateway itself ({SELF_LOOP})")
             worker.error = f"not healthy yet: {last}"  # GET /workers/{id} shows why it is still pending
+            if last != logged:
+                log.warning("worker_not_healthy_yet", worker=worker.url, reason=last,
+                            gives_up_in_secs=round(max(deadline - time.monotonic(), 0.0), 1))
+                logged = last
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RegistrationFailed(
@@ -156,6 +163,7 @@ class Lifecycle:
         """One health check, bounded by the probe timeout: (healthy, reason)."""
         try:
             status, _, _ = await self.upstream.call("GET", worker.url + self.health_endpoint,
+                                                    headers=self.upstream.worker_headers(worker),
                                                     timeout=timeout or self.probe_timeout)
         except GatewayError as e:
             return False, e.message
@@ -165,14 +173,15 @@ class Lifecycle:
 
     async def _discover(self, worker: Worker) -> None:
         timeout = self.probe_timeout
+        headers = self.upstream.worker_headers(worker)
         try:
-            models = await self.upstream.get_json(worker.url + "/v1/models", timeout)
+            models = await self.upstream.get_json(worker.url + "/v1/models", timeout, headers)
             worker.models = tuple(m["id"] for m in models.get("data", []) if isinstance(m, dict) and "id" in m)
         except (GatewayError, AttributeError, TypeError):
             worker.models = ()  # engines without /v1/models serve whatever they are asked
         for path in ("/server_info", "/get_server_info"):
             try:
-                info = await self.upstream.get_json(worker.url + path, timeout)
+                info = await self.upstream.get_json(worker.url + path, timeout, headers)
             except GatewayError:
                 continue
             if isinstance(info, dict):
@@ -186,7 +195,8 @@ class Lifecycle:
 
     async def _check_kv_role(self, worker: Worker, expected: str) -> None:
         try:
-            info = await self.upstream.get_json(worker.url + "/kv_transfer_info", self.probe_timeout)
+            info = await self.upstream.get_json(worker.url + "/kv_transfer_info", self.probe_timeout,
+                                                self.upstream.worker_headers(worker))
         except GatewayError as e:
             raise RegistrationFailed(f"{worker.url}/kv_transfer_info failed: {e.message}") from None
         role = info.get("kv_role") if isinstance(info, dict) else None

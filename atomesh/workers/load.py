@@ -87,7 +87,8 @@ class LoadPoller:
         mine = worker.in_flight
         theirs = elsewhere(worker) if elsewhere is not None else 0
         try:
-            status, body, _ = await self.upstream.call("GET", worker.url + self.path, timeout=self.timeout)
+            status, body, _ = await self.upstream.call("GET", worker.url + self.path, timeout=self.timeout,
+                                                       headers=self.upstream.worker_headers(worker))
             text = body.decode() if status == 200 else ""
         except (GatewayError, UnicodeDecodeError):
             text = ""

@@ -91,6 +91,9 @@ class Worker:
     # Data-parallel ranks (--dp-aware): how many the engine reports, and requests in flight on each.
     dp_size: int = 1
     rank_in_flight: list[int] = field(default_factory=lambda: [0])
+    # The worker's own key (POST /workers api_key, a discovery secret): sent as its Bearer token on every
+    # call to it instead of the client's Authorization. Never shown (describe says only whether it has one).
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.host = urlsplit(self.url).hostname or ""
@@ -130,5 +133,6 @@ class Worker:
             "source": self.source.value,
             "pod": self.pod,
             "dp_size": self.dp_size,
+            "has_api_key": self.api_key is not None,
             "error": self.error,
         }

@@ -1,0 +1,88 @@
+"""Every listening socket of an engine started with ``--host 127.0.0.1`` is on 127.0.0.1 (the HTTP port, the
+KV events' PUB and replay sockets, the KV handshake), read from the kernel's own table of the process's
+sockets; and a port that is taken is named in the error."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from gwtest import EngineProcess, free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+ENGINE = [sys.executable, "-m", "engine.openai_server", "--model", "tiny-random", "--device", "cpu",
+          "--host", "127.0.0.1", "--num-kvcache-blocks", "64", "--torch-threads", "1"]
+WILDCARDS = {"0.0.0.0", "::"}
+
+
+def listening(pid: int) -> dict[int, str]:
+    """The TCP ports process ``pid`` listens on, and the address each is bound to."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    out: dict[int, str] = {}
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in open(f"/proc/{pid}/net/{table}").read().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            addr, port = fields[1].split(":")
+            raw = bytes.fromhex(addr)
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # little-endian words
+            out[int(port, 16)] = socket.inet_ntop(family, raw)
+    return out
+
+
+def test_no_wildcard_bind_under_host_127_0_0_1() -> None:
+    events, replay = free_port(), free_port()
+    config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{events}", "replay_endpoint": f"tcp://*:{replay}"}
+    engine = EngineProcess("binds", [*ENGINE, "--kv-events-config", json.dumps(config)])
+    try:
+        engine.wait_up()
+        ports = listening(engine.proc.pid)
+        assert ports == {engine.port: "127.0.0.1", events: "127.0.0.1", replay: "127.0.0.1"}, ports
+    finally:
+        engine.stop()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="needs Mooncake (make install)")
+def test_kv_handshake_binds_the_host_too() -> None:
+    handshake = free_port()
+    engine = EngineProcess("binds-pd", [*ENGINE, "--kv-transfer-config", json.dumps(
+        {"kv_role": "kv_producer", "kv_connector": "mooncake", "handshake_port": handshake,
+         "memory_backend": "staged", "staging_buffer_mb": 1})])
+    try:
+        engine.wait_up()
+        info = json.loads(urllib.request.urlopen(engine.url + "/kv_transfer_info", timeout=5).read())
+        rpc_port = int(info["engine_id"].rsplit(":", 1)[1])
+        ports = listening(engine.proc.pid)
+        assert ports[engine.port] == ports[handshake] == "127.0.0.1", ports
+        # Mooncake's own listeners (its RPC port and its handshake daemon) bind every interface: its
+        # Python API takes no bind address (docs/security.md says so). Nothing else may.
+        others = {p: a for p, a in ports.items() if p not in (engine.port, handshake, rpc_port)}
+        assert rpc_port in ports and len(others) <= 1, ports
+    finally:
+        engine.stop()
+
+
+def test_a_taken_port_is_named() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([*ENGINE, "--server-port", str(port)], capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 2
+    want = f"cannot listen on 127.0.0.1:{port} (HTTP, --host/--server-port): Address already in use"
+    assert want in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
