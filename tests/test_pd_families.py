@@ -18,9 +18,8 @@ from gwtest import EngineProcess, MakeGateway, base_url, free_port
 
 pytest.importorskip("mooncake.engine", reason="P/D engines relay KV over Mooncake (make install puts it in)")
 
-from tests.test_pd_engine import _complete as complete  # (text, completion tokens), streamed or not
-
 from tests.engine.test_model_families import checkpoint
+from tests.test_pd_engine import _complete as complete  # (text, completion tokens), streamed or not
 
 DEVICE = os.environ.get("ENGINE_TEST_DEVICE", "cpu")
 PROMPTS = [" ".join(f"t{(7 * i + 3) % 300}" for i in range(n)) for n in (3, 37)]  # one block, then several
