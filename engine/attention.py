@@ -243,10 +243,10 @@ def _prefill(
             if q_len * SHORT_QUERY_RATIO <= cached:
                 # A few queries over a long context (a speculative verify row, a short chunk): an explicit mask
                 # on the math kernel costs q_len x context, far less than padding the queries to the context.
-                mask = causal_window_mask(q_len, cached + q_len, window or cached + q_len + 1, q.device)
+                short = causal_window_mask(q_len, cached + q_len, window or cached + q_len + 1, q.device)
                 oi = F.scaled_dot_product_attention(
                     q[start : start + q_len].transpose(0, 1)[None], kc.transpose(0, 1)[None],
-                    vc.transpose(0, 1)[None], attn_mask=mask, scale=scale, enable_gqa=True,
+                    vc.transpose(0, 1)[None], attn_mask=short, scale=scale, enable_gqa=True,
                 )[0]  # fmt: skip
                 out[start : start + q_len] = oi.transpose(0, 1)
                 continue
