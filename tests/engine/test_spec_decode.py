@@ -228,3 +228,34 @@ def test_the_decode_side_of_pd_speculates_from_transferred_kv(make_engine: MakeE
     assert seq.completion_ids == expected
     assert decode.stats().spec_drafts > 0
     assert decode.block_manager.num_free_blocks == decode.num_blocks
+
+
+@pytest.mark.parametrize("window", [0, 24], ids=["full", "sliding-window"])
+def test_short_queries_over_a_long_cached_context_attend_as_one_prompt(window: int) -> None:
+    """The torch path's explicit-mask attention (a verify row, a short chunk: a few queries over a long cached
+    context) gives what attending the whole prompt at once gives."""
+    from engine.attention import AttentionMetadata, paged_attention, plan_prefill
+
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, bs, cached, q_len = 4, 2, 16, 4, 64, 3
+    total = cached + q_len
+    q = torch.randn(total, heads, dim, generator=gen)
+    k = torch.randn(total, kv_heads, dim, generator=gen)
+    v = torch.randn(total, kv_heads, dim, generator=gen)
+    table = torch.arange(total // bs + 1).flip(0)  # blocks out of order
+
+    def attend(start: int) -> torch.Tensor:
+        cache = torch.zeros(2, len(table), bs, kv_heads, dim)
+        pos = torch.arange(total)
+        slots = table[pos // bs] * bs + pos % bs
+        if start:  # the context is in the cache already
+            cache[0].view(-1, kv_heads, dim)[slots[:start]] = k[:start]
+            cache[1].view(-1, kv_heads, dim)[slots[:start]] = v[:start]
+        n = total - start
+        meta = AttentionMetadata(num_decodes=0, slot_mapping=slots[start:], block_tables=table[None],
+                                 context_lens=torch.tensor([total]), query_lens=[n], cached_lens=[start],
+                                 max_query_len=n, max_context=total)  # fmt: skip
+        meta.prefill_groups, meta.cached_seqs = plan_prefill([n], [start], torch.device("cpu"))
+        return paged_attention(q[start:], k[start:], v[start:], cache, meta, dim**-0.5, window=window)
+
+    torch.testing.assert_close(attend(cached), attend(0)[cached:], rtol=1e-5, atol=1e-5)
