@@ -51,8 +51,9 @@ def cheapest(items):
     return best
 '''
 TASKS = {
-    "summarise-and-quote": f"Here is a passage:\n\n{PASSAGE}\n\nRepeat the passage word for word, then summarise "
-    "it in one sentence.",
+    # (SmolLM2-135M asked to quote and summarise writes a one-line summary; asked to copy, it quotes and
+    # paraphrases at length: the task this stands for.)
+    "summarise-and-quote": f"{PASSAGE}\n\nCopy the text above exactly.",
     "code-edit": f"Rename the variable `total` to `amount` in this Python code and return the whole code:\n\n{CODE}",
 }
 
