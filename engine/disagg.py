@@ -35,7 +35,8 @@ from engine.kv_transfer import (
 )
 from engine.kv_transfer.backend import MemoryBackend, choose_backend, installed_wheel, parse_backend
 from engine.kv_transfer.layout import region_views, view_region
-from engine.kv_transfer.staging import StagingBuffer
+from engine.kv_transfer.staging import SLOTS_PER_TRANSFER, StagingBuffer
+from engine.kv_transfer.transport import HostFacts, TransportChoice, choose_transport
 from engine.llm_engine import LLMEngine
 from engine.sequence import Sequence
 
@@ -71,9 +72,20 @@ def transfer_backend(engine: LLMEngine, config: KVTransferConfig) -> tuple[Memor
         raise ValueError(f"--kv-transfer-config: {exc}") from None
 
 
+def transfer_transport(engine: LLMEngine, config: KVTransferConfig, backend: MemoryBackend) -> TransportChoice:
+    """The Mooncake transport this engine's relay uses and why; raises ValueError when it cannot work."""
+    gpu_direct = engine.device.type == "cuda" and backend is MemoryBackend.DIRECT
+    try:
+        return choose_transport(config.protocol, HostFacts.probe(gpu_direct=gpu_direct))
+    except ValueError as exc:
+        raise ValueError(f"--kv-transfer-config: {exc}") from None
+
+
 def check_transfer_support(engine: LLMEngine, config: KVTransferConfig) -> None:
     """Refuse, before serving, a KV relay this installation cannot do (raises ValueError)."""
-    transfer_backend(engine, config)
+    chosen = transfer_backend(engine, config)
+    if chosen is not None:
+        transfer_transport(engine, config, chosen[0])
 
 
 @dataclass(slots=True)
@@ -117,9 +129,13 @@ class Disaggregation:
         # Ids come from the engine's pool: the cache tensors may hold more blocks (scratch) than it hands out.
         views = region_views(runner.kv_caches, runner.indexer_caches, num_blocks=self.engine.num_blocks)
         regions = [view_region(v) for v in views]
-        if self.backend is MemoryBackend.STAGED:
-            self.staging = StagingBuffer(views, self.config.staging_buffer_mb << 20)
-        self.agent = MooncakeAgent(self.host, protocol=self.config.protocol)
+        transport = transfer_transport(self.engine, self.config, self.backend)
+        inflight = self.config.max_inflight_pulls
+        if self.backend is MemoryBackend.STAGED:  # two slots per transfer in flight: a pipeline two chunks deep
+            self.staging = StagingBuffer(views, self.config.staging_buffer_mb << 20,
+                                         slots=SLOTS_PER_TRANSFER * inflight)  # fmt: skip
+        log.info("kv_transfer_transport protocol=%s reason=%r", transport.protocol.value, transport.reason)
+        self.agent = MooncakeAgent(self.host, protocol=transport.protocol.value, lanes=self.config.write_lanes)
         self.agent.register(regions if self.staging is None else [self.staging.region])
         if self.role == PRODUCER:
             self.producer = KVProducer(self.agent, regions, host=self.host,
@@ -132,14 +148,16 @@ class Disaggregation:
                 raise BindError(f"cannot listen on {self.bind_host}:{self.config.handshake_port} (KV handshake, "
                                 f"--kv-transfer-config handshake_port): {reason}") from exc
         else:
-            self.consumer = KVConsumer(self.agent, regions, staging=self.staging, slot_grace_s=WRITE_GRACE_SECS)
+            self.consumer = KVConsumer(self.agent, regions, staging=self.staging, slot_grace_s=WRITE_GRACE_SECS,
+                                       max_inflight=inflight)  # fmt: skip
         staging = ""
         if self.staging:
             host = "pinned" if self.staging.host.is_pinned() else "plain"
             staging = (f" staging_mib={self.staging.nbytes / 2**20:g} slots={self.staging.slots}"
                        f" slot_mib={self.staging.slot_bytes / 2**20:g} host={host}")  # fmt: skip
         log.info("kv_transfer_memory_backend backend=%s%s reason=%r", self.backend.value, staging, why)
-        log.info("kv_transfer_ready role=%s engine=%s regions=%d", self.role, self.agent.rpc_address, len(regions))
+        log.info("kv_transfer_ready role=%s engine=%s regions=%d max_inflight_pulls=%d write_lanes=%d", self.role,
+                 self.agent.rpc_address, len(regions), inflight, self.config.write_lanes)
 
     async def stop(self) -> None:
         if self.producer is not None:
