@@ -187,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sparse-topk-blocks", type=int, default=16, help="blocks chosen by the indexer per decode step"
     )
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--device", type=parse_device, default="auto", metavar="{auto,cpu,cuda,cuda:N}",
+                   help="cuda:N runs on GPU N (one engine per GPU: N engines on N GPUs); cuda is cuda:0")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     p.add_argument("--seed", type=int, default=0, help="seed of requests that bring none")
     p.add_argument("--torch-threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
@@ -317,6 +318,14 @@ def validate(ns: argparse.Namespace) -> EngineArgs:
         torch_threads=ns.torch_threads,
         log_level=ns.log_level,
     )
+
+
+def parse_device(value: str) -> str:
+    """``--device``: auto, cpu, cuda or cuda:N (a GPU index); raises ValueError (argparse: a usage error)."""
+    kind, _, index = value.partition(":")
+    if value in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit()):
+        return value
+    raise argparse.ArgumentTypeError(f"invalid device {value!r}: choose auto, cpu, cuda or cuda:N (N a GPU index)")
 
 
 def parse_capture_sizes(values: Sequence[str]) -> tuple[int, ...]:

@@ -174,7 +174,11 @@ class Disaggregation:
     def info(self) -> dict[str, Any]:
         return {"kv_role": self.role, "handshake_port": self.producer.port if self.producer else None,
                 "engine_id": self.agent.rpc_address if self.agent else None,
-                "memory_backend": self.backend.value if self.backend else None}
+                "memory_backend": self.backend.value if self.backend else None,
+                "protocol": self.agent.protocol if self.agent else None,
+                "max_inflight_pulls": self.config.max_inflight_pulls,
+                "pulls_in_flight": self.consumer.in_flight if self.consumer else 0,
+                "pulls_waiting": self.consumer.waiting if self.consumer else 0}
 
     # -- prefill side --------------------------------------------------------------------------------
 
