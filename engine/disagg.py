@@ -97,6 +97,8 @@ class TransferStats:
     pull_failures: dict[str, int] = field(default_factory=dict)
     pull_seconds: float = 0.0
     released: dict[str, int] = field(default_factory=dict)
+    pulls_in_flight: int = 0  # gauges, refreshed by Disaggregation.snapshot
+    pulls_waiting: int = 0
 
 
 class Disaggregation:
@@ -170,6 +172,12 @@ class Disaggregation:
             self.agent.close()
         if self.staging is not None:
             self.staging.close()
+
+    def snapshot(self) -> TransferStats:
+        """The counters with the pull gauges as they are now (for /metrics)."""
+        if self.consumer is not None:
+            self.stats.pulls_in_flight, self.stats.pulls_waiting = self.consumer.in_flight, self.consumer.waiting
+        return self.stats
 
     def info(self) -> dict[str, Any]:
         return {"kv_role": self.role, "handshake_port": self.producer.port if self.producer else None,

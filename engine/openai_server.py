@@ -574,7 +574,7 @@ def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
               if args.kv_transfer.kv_role else None)
     server_metrics = ServerMetrics(async_engine.stats, served)
     if disagg is not None:
-        server_metrics.watch_transfers(lambda: disagg.stats)
+        server_metrics.watch_transfers(disagg.snapshot)
     app[STATE] = ServerState(async_engine, args, served, server_metrics, disagg)
 
     async def engine_loop(app: web.Application) -> AsyncIterator[None]:

@@ -291,6 +291,31 @@ async def test_several_pulls_in_flight_some_failing_leave_no_blocks(engines: dic
             assert status == 200, data
             assert (data["choices"][0]["text"], data["usage"]["completion_tokens"]) == want[i // 2]
     wait_until(lambda: p.blocks_used() == 0 and d.blocks_used() == 0, what="both block pools to be idle")
+    exported = urllib.request.urlopen(d.url + "/metrics", timeout=10).read().decode()
+    assert "atom:kv_transfer_pulls_in_flight 0.0" in exported and "atom:kv_transfer_pulls_waiting 0.0" in exported
+
+
+@pytest.mark.timeout(120)
+def test_prefill_and_decode_on_two_gpus_equal_a_colocated_engine(engines: dict[str, Engine]) -> None:
+    """CUDA with two GPUs or more: the prefill engine on cuda:0, the decode engine on cuda:1 (staged)."""
+    import torch
+
+    if DEVICE != "cuda" or torch.cuda.device_count() < 2:
+        pytest.skip("needs ENGINE_TEST_DEVICE=cuda and two GPUs")
+    p = Engine("gpu0-prefill", "kv_producer", "--device", "cuda:0")
+    d = Engine("gpu1-decode", "kv_consumer", "--device", "cuda:1")
+    try:
+        p.wait_up()
+        d.wait_up()
+        for prompt in PROMPTS:
+            status, want = post(engines["single"].url + "/v1/completions", _greedy(prompt))
+            assert status == 200, want
+            status, got = _decode(d, _prefill(p, prompt), prompt)
+            assert status == 200 and got["choices"][0]["text"] == want["choices"][0]["text"], got
+        wait_until(lambda: p.blocks_used() == 0 and d.blocks_used() == 0, what="both block pools to be idle")
+    finally:
+        p.stop()
+        d.stop()
 
 
 @pytest.mark.timeout(60)
