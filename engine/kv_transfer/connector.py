@@ -388,7 +388,6 @@ class KVProducer:
         while len(self._verified) > 4096:
             self._verified.popitem(last=False)
 
-
     async def _pipeline(self, peer: str, todo: Iterable[Sequence[WriteOp]], wanted: Callable[[], bool]) -> None:
         """Write the batches with up to ``pipeline_depth`` of them in flight (on the agent's lanes).
 
@@ -400,15 +399,13 @@ class KVProducer:
             for batch in todo:
                 while len(running) >= self.pipeline_depth:
                     done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                    for fut in done:
-                        fut.result()  # the first failure stops the rest
+                    _reap(done)  # the first failure stops the rest
                 if not wanted():
                     raise KVTransferError("the consumer hung up; write abandoned", reason="abandoned")
                 running.add(asyncio.ensure_future(self._agent.write(peer, batch)))
             while running:
                 done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                for fut in done:
-                    fut.result()
+                _reap(done)
         finally:
             if running:
                 await asyncio.wait(running)
@@ -471,6 +468,14 @@ class KVProducer:
                                   reason="abandoned") from exc  # fmt: skip
         if msg.get("type") != MessageType.CHUNK_ACK or msg.get("seq") != seq or msg.get("transfer_id") != tid:
             raise KVTransferError(f"expected chunk_ack {seq} for {tid}, got {msg!r:.200}", reason="bad_reply")
+
+
+def _reap(done: set[asyncio.Future[None]]) -> None:
+    """Raise the first failure among finished writes (every one's outcome retrieved, none left unseen)."""
+    errors = [fut.exception() for fut in done if not fut.cancelled()]
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
 
 
 def _slots_from_wire(raw: object) -> list[tuple[int, int]]:

@@ -61,7 +61,7 @@ def choose_protocol(requested: str | None) -> str:
     """The protocol the transfer engine really uses (see ``transport``): RDMA when asked for (or unset)
     and a device exists, else TCP; an intra-node one only when asked for and built in."""
     choice = choose_transport(requested, replace(HostFacts.probe(), rdma_device=has_rdma_device()))
-    if requested == "rdma" and choice.protocol is Transport.TCP:
+    if requested == "rdma" and choice.protocol is Transport.TCP and not choice.reason.startswith("MC_FORCE_TCP"):
         log.warning("kv_transfer_protocol_fallback asked=rdma using=tcp reason=no_rdma_device")
     return choice.protocol.value
 
