@@ -27,9 +27,6 @@ shape_dir() {  # SHAPE -> a random-weight checkpoint of that shape (bf16), token
   local dir=/tmp/shapes/$1
   if [ ! -f "$dir/config.json" ]; then
     python3 .gpu/model_shapes.py "$1" "$dir" --tokenizer .gpu/smollm2 >/dev/null
-    # The speed depends on the dims alone: Llama-3.1's rope scaling is dropped (issue #30: "the Llama-3-8B
-    # dims without rope scaling" until the engine serves it).
-    python3 -c 'import json, sys; p = sys.argv[1] + "/config.json"; c = json.load(open(p)); c.pop("rope_scaling", None); json.dump(c, open(p, "w"), indent=1)' "$dir"
   fi
   echo "$dir"
 }
