@@ -148,3 +148,25 @@ def test_a_relay_asking_for_an_intra_node_transport_it_lacks_is_refused_before_s
     cfg = parse_kv_transfer_config('{"kv_role": "kv_consumer", "protocol": "nvlink_intra"}')
     with pytest.raises(ValueError, match="--kv-transfer-config: protocol 'nvlink_intra' needs Mooncake built"):
         check_transfer_support(SimpleNamespace(device=torch.device("cpu")), cfg)  # type: ignore[arg-type]
+
+
+async def test_the_running_batch_keeps_decoding_while_pulls_are_pending_then_admits_them(make_engine) -> None:  # type: ignore[no-untyped-def]
+    """Reservations whose KV is still on its way (pulls in flight) do not stop the running batch: a
+    request decodes to its end meanwhile; each reservation, once its KV landed, joins and finishes."""
+    engine = make_engine(num_kvcache_blocks=64, block_size=16)
+    async_engine = AsyncLLMEngine(engine)
+    await async_engine.start()
+    try:
+        running = async_engine.submit(list(range(1, 40)), SamplingParams(temperature=0.0, max_tokens=24,
+                                                                         ignore_eos=True), True)  # fmt: skip
+        pending = [await async_engine.reserve(list(range(100 + i, 140 + i)), PARAMS, True) for i in range(3)]
+        outputs = [out async for out in async_engine.stream(running)]
+        assert outputs[-1].finished and outputs[-1].completion_tokens == 24  # never waited for the pulls
+        assert all(seq.seq_id in engine.held for seq in pending)
+        handles = [async_engine.submit_prefilled(seq, 7) for seq in pending]  # their KV has landed
+        for h in handles:
+            last = [out async for out in async_engine.stream(h)][-1]
+            assert last.finished and last.completion_tokens == PARAMS.max_tokens
+        assert not engine.held and engine.block_manager.num_free_blocks == engine.num_blocks
+    finally:
+        await async_engine.stop()
