@@ -48,6 +48,10 @@ PRODUCER, CONSUMER = "kv_producer", "kv_consumer"
 WRITE_GRACE_SECS = 30.0
 
 
+class RelayConfigError(ValueError):
+    """A ``--kv-transfer-config`` the engine's caches cannot honour, found as the relay starts."""
+
+
 def advertised_host(bind_host: str) -> str:
     """The address peers reach this engine at: the bind address, or this host's name's address."""
     if bind_host not in ("0.0.0.0", "::", ""):
@@ -134,8 +138,15 @@ class Disaggregation:
         transport = transfer_transport(self.engine, self.config, self.backend)
         inflight = self.config.max_inflight_pulls
         if self.backend is MemoryBackend.STAGED:  # two slots per transfer in flight: a pipeline two chunks deep
-            self.staging = StagingBuffer(views, self.config.staging_buffer_mb << 20,
-                                         slots=SLOTS_PER_TRANSFER * inflight)  # fmt: skip
+            try:
+                self.staging = StagingBuffer(views, self.config.staging_buffer_mb << 20,
+                                             slots=SLOTS_PER_TRANSFER * inflight)  # fmt: skip
+            except ValueError as exc:
+                mb = self.config.staging_buffer_mb
+                raise RelayConfigError(
+                    f"--kv-transfer-config: staging_buffer_mb {mb} is cut into {SLOTS_PER_TRANSFER} slots per "
+                    f"max_inflight_pulls ({inflight}): {exc}; raise staging_buffer_mb or lower max_inflight_pulls"
+                ) from None
         log.info("kv_transfer_transport protocol=%s reason=%r", transport.protocol.value, transport.reason)
         self.agent = MooncakeAgent(self.host, protocol=transport.protocol.value, lanes=self.config.write_lanes)
         self.agent.register(regions if self.staging is None else [self.staging.region])

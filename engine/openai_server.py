@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine.args import EngineArgs, parse_args
 from engine.async_engine import AsyncLLMEngine, RequestOutput
-from engine.disagg import Disaggregation, check_transfer_support
+from engine.disagg import Disaggregation, RelayConfigError, check_transfer_support
 from engine.errors import BindError, EngineError, InvalidRequestError, ModelNotFoundError
 from engine.kv_events import ZmqEventPublisher, advertised
 from engine.llm_engine import LLMEngine
@@ -683,7 +683,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             uvloop.run(serve(args, engine))
     except KeyboardInterrupt:
         pass
-    except BindError as exc:
+    except (BindError, RelayConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc
     except EngineExit as exc:

@@ -81,6 +81,11 @@ def test_refusals_from_a_real_process() -> None:
     for argv, message in (
         (["-tp", "2"], "only 1 is supported"),
         (["--model", "/no/such/model.gguf"], "cannot load model '/no/such/model.gguf'"),
+        # 1 MiB cut into 2 slots for each of 256 pulls in flight: slots smaller than one block.
+        (["--model", "tiny-random", "--device", "cpu", "--num-kvcache-blocks", "16", "--host", "127.0.0.1",
+          "--server-port", "1", "--kv-transfer-config",
+          '{"kv_role": "kv_consumer", "staging_buffer_mb": 1, "max_inflight_pulls": 256}'],
+         "staging_buffer_mb 1 is cut into 2 slots per max_inflight_pulls (256)"),
     ):
         proc = subprocess.run([*MODULE, *argv], capture_output=True, text=True, timeout=50)
         assert proc.returncode != 0
