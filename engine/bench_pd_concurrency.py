@@ -42,7 +42,8 @@ def relay(prefill: Engine, decode: Engine, ids: list[int]) -> float:
 
 def run_setting(a: argparse.Namespace, inflight: int, log_dir: str) -> dict[str, Any]:
     kv = {"memory_backend": a.memory_backend, "staging_buffer_mb": a.staging_mb, "max_inflight_pulls": inflight}
-    extra = ["--model", a.model, "--served-model-name", "m", "--device", "cpu", "--torch-threads", "1",
+    dtype = ["--dtype", "bfloat16"] if a.device == "cuda" else ["--torch-threads", "1"]
+    extra = ["--model", a.model, "--served-model-name", "m", "--device", a.device, *dtype,
              "--max-model-len", str(a.tokens + 64), "--num-kvcache-blocks", str((a.tokens // 16 + 8) * (a.n + 2))]
     prefill, decode = Engine("kv_producer", extra, log_dir, kv), Engine("kv_consumer", extra, log_dir, kv)
     try:
@@ -79,13 +80,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n", type=int, default=8, help="requests started at once")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--memory-backend", choices=["auto", "direct", "staged"], default="staged")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="both engines' device (one GPU: shared)")
     p.add_argument("--staging-mb", type=int, default=128)
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as log_dir:
-        print(f"{a.n} P/D requests at once, {a.tokens} prompt tokens each, {a.model}, {a.memory_backend}, "
-              f"median of {a.repeats}")
+        print(f"{a.n} P/D requests at once, {a.tokens} prompt tokens each, {a.model} on {a.device}, "
+              f"{a.memory_backend}, median of {a.repeats}")
         print(f"{'max_inflight_pulls':>18} {'wall ms':>8} {'mean TTFT ms':>12} {'mean pull ms':>12}")
         for inflight in (1, a.n):
             row = run_setting(a, inflight, log_dir)

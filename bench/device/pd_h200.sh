@@ -7,6 +7,7 @@
 #
 #   EXP=transfer bash bench/device/pd_h200.sh   # GB/s against the copy limits, 1K/4K/8K, contiguous + scattered
 #   EXP=share    bash bench/device/pd_h200.sh   # KV transfer share of TTFT at 4,096 tokens, concurrency 1
+#   EXP=concurrency bash bench/device/pd_h200.sh  # 32 P/D requests at once: max_inflight_pulls 1 vs 32
 #   EXP=serving SHAPE=smollm2-135m ISLS=1024/256 bash bench/device/pd_h200.sh   # P/D vs colocated, c = 1..64
 #
 # PROTOCOL forces the transport (tcp, rdma, nvlink_intra with a source build of Mooncake); unset, the engines
@@ -15,7 +16,7 @@
 # docs/results/pd-one-gpu.json rows).
 source bench/device/setup.sh
 source bench/device/mooncake_cuda.sh
-EXP=${EXP:?set EXP to transfer, share or serving}
+EXP=${EXP:?set EXP to transfer, share, concurrency or serving}
 BACKEND=${BACKEND:-direct}
 INFLIGHT=${INFLIGHT:-64}
 PROTO_ARG=() PROTO_KV=""
@@ -48,6 +49,10 @@ case "$EXP" in
         --modes dense --repeats 3 --num-kvcache-blocks 2048 --memory-backend "$BACKEND" --json "$OUT/pd-share-$shape.json" | tee "$OUT/pd-share-$shape.txt"
     done
     ;;
+  concurrency)  # 32 P/D requests at once through one engine pair: max_inflight_pulls 1 against 32
+    timeout 500 python3 -m engine.bench_pd_concurrency --model "$(shape_dir smollm2-135m)" --device cuda \
+      --tokens 4096 --n 32 --repeats 2 --memory-backend "$BACKEND" --json "$OUT/pd-concurrency-cuda.json"
+    ;;
   serving)
     SHAPE=${SHAPE:-smollm2-135m}
     export MODEL_OVERRIDE
@@ -56,5 +61,5 @@ case "$EXP" in
     export KVX="\"memory_backend\":\"$BACKEND\",\"max_inflight_pulls\":$INFLIGHT$PROTO_KV"
     bash bench/device/pd_serving.sh
     ;;
-  *) echo "EXP must be transfer, share or serving"; exit 2 ;;
+  *) echo "EXP must be transfer, share, concurrency or serving"; exit 2 ;;
 esac
