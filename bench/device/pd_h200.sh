@@ -43,9 +43,9 @@ case "$EXP" in
       --backend staged --json "$OUT/pd-transfer-concurrency-staged.json" | tee "$OUT/pd-transfer-concurrency.txt"
     ;;
   share)
-    for shape in smollm2-135m llama31-8b; do
+    for shape in ${SHAPES:-smollm2-135m llama31-8b}; do  # SHAPES=one of them when both do not fit 10 minutes
       dir=$(shape_dir "$shape")
-      timeout 280 python3 -m engine.bench_pd --model "$dir" --device cuda --dtype bfloat16 --lengths 4096 \
+      timeout 270 python3 -m engine.bench_pd --model "$dir" --device cuda --dtype bfloat16 --lengths 4096 \
         --modes dense --repeats 3 --num-kvcache-blocks 2048 --memory-backend "$BACKEND" --json "$OUT/pd-share-$shape.json" | tee "$OUT/pd-share-$shape.txt"
     done
     ;;
