@@ -158,3 +158,17 @@ def test_engines_go_one_per_gpu_prefill_and_decode_apart(monkeypatch: pytest.Mon
     assert visible_gpus() == 2  # the engines see them as cuda:0 and cuda:1
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert visible_gpus() == 0
+
+
+def test_up_with_kv_aware_starts_engines_that_publish_kv_events() -> None:
+    import json
+
+    from atomesh.up import UpSettings, plan_parts
+
+    for settings in (UpSettings(policy="kv_aware"), UpSettings(policy="kv_aware", pd=False, workers=2)):
+        engines = plan_parts(settings)[:-1]
+        configs = [json.loads(p.argv[p.argv.index("--kv-events-config") + 1]) for p in engines]
+        assert all(c["enable_kv_cache_events"] and c["publisher"] == "zmq" for c in configs)
+        ports = [port for p in engines for port in p.extra_ports]
+        assert len(ports) == len(set(ports))  # each publisher its own ports, checked free before start
+    assert all("--kv-events-config" not in p.argv for p in plan_parts(UpSettings(policy="cache_aware")))

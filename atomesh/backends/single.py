@@ -22,10 +22,17 @@ class SingleBackend:
         worker = plan.worker
         # --dp-aware: the rank goes in the body (vLLM, SGLang and ATOM read `data_parallel_rank`).
         data = view.raw if plan.dp_rank is None else orjson.dumps({**view.body, "data_parallel_rank": plan.dp_rank})
+        tracing = self.upstream.tracing
         try:
-            async with self.upstream.open("POST", worker.url + view.route, data=data,
-                                          headers=self.upstream.headers_for(exchange, worker)) as resp:
-                await relay(exchange, resp, self.on_chunk)
+            if tracing is None:
+                async with self.upstream.open("POST", worker.url + view.route, data=data,
+                                              headers=self.upstream.headers_for(exchange, worker)) as resp:
+                    await relay(exchange, resp, self.on_chunk)
+                return
+            with tracing.span("upstream", {"server.address": worker.url, "atomesh.leg": "single"}, client=True):
+                async with self.upstream.open("POST", worker.url + view.route, data=data,
+                                              headers=self.upstream.headers_for(exchange, worker)) as resp:
+                    await relay(exchange, resp, self.on_chunk)
         except UpstreamError as e:
             e.worker = worker
             raise
