@@ -635,11 +635,7 @@ def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
               if args.kv_transfer.kv_role else None)
     server_metrics = ServerMetrics(async_engine.stats, served)
     if disagg is not None:
-<<<<<<< HEAD
         server_metrics.watch_transfers(disagg.snapshot)
-    app[STATE] = ServerState(async_engine, args, served, server_metrics, disagg)
-=======
-        server_metrics.watch_transfers(lambda: disagg.stats)
     tracing = (EngineTracing(args.otlp_traces_endpoint, f"atomesh-engine-{args.kv_transfer.kv_role or 'colocated'}")
                if args.otlp_traces_endpoint else None)
     app[STATE] = ServerState(async_engine, args, served, server_metrics, disagg, tracing)
@@ -648,7 +644,6 @@ def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
             tracing.shutdown()  # the spans still batched go out before exit
 
         app.on_cleanup.append(flush_spans)
->>>>>>> main
 
     async def engine_loop(app: web.Application) -> AsyncIterator[None]:
         # The KV relay is up before the port opens: a router reads /kv_transfer_info at registration.
