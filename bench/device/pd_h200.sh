@@ -35,12 +35,12 @@ shape_dir() {  # SHAPE -> a random-weight checkpoint of that shape (bf16), token
 case "$EXP" in
   transfer)
     for layout_backend in "$BACKEND" staged; do
-      timeout 240 python3 -m engine.kv_transfer.bench --device cuda --dtype bf16 --backend "$layout_backend" \
-        --tokens 1024,4096,8192 --layouts contiguous,scattered --repeats 5 "${PROTO_ARG[@]}" \
+      timeout 180 python3 -m engine.kv_transfer.bench --device cuda --dtype bf16 --backend "$layout_backend" \
+        --tokens 1024,4096,8192 --layouts contiguous,scattered --repeats 3 "${PROTO_ARG[@]}" \
         --json "$OUT/pd-transfer-$layout_backend.json" | tee "$OUT/pd-transfer-$layout_backend.txt"
     done
-    timeout 200 python3 -m engine.kv_transfer.bench_concurrency --tokens 4096 --concurrency 1,8,32 \
-      --backend staged --json "$OUT/pd-transfer-concurrency-staged.json" | tee "$OUT/pd-transfer-concurrency.txt"
+    timeout 200 python3 -m engine.kv_transfer.bench_concurrency --device cuda --tokens 4096 --concurrency 1,8,32 \
+      --backend "$BACKEND" --json "$OUT/pd-transfer-concurrency-$BACKEND.json" | tee "$OUT/pd-transfer-concurrency.txt"
     ;;
   share)
     for shape in ${SHAPES:-smollm2-135m llama31-8b}; do  # SHAPES=one of them when both do not fit 10 minutes

@@ -41,13 +41,13 @@ async def _timed_pull(consumer: KVConsumer, params: dict[str, Any], dst: list[in
 async def _mode(args: argparse.Namespace, n: int, inflight: int) -> dict[str, Any]:
     blocks_per = args.tokens // BLOCK_SIZE
     num_blocks = blocks_per * n + 16
-    caches = make_caches(num_blocks, DTYPES[args.dtype], "engine", "cpu")
+    caches = make_caches(num_blocks, DTYPES[args.dtype], "engine", args.device)
     side = open_side(caches, args.backend, args.staging_mb, inflight, args.protocol)
     consumer = KVConsumer(side.agent, caches.regions, timeout_s=300, staging=side.staging, max_inflight=inflight)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_producer_main, daemon=True, args=(
-        child, num_blocks, args.dtype, "engine", args.backend, args.staging_mb, "cpu", inflight, args.protocol))
+        child, num_blocks, args.dtype, "engine", args.backend, args.staging_mb, args.device, inflight, args.protocol))
     proc.start()
     loop = asyncio.get_running_loop()
 
@@ -82,7 +82,7 @@ async def _mode(args: argparse.Namespace, n: int, inflight: int) -> dict[str, An
 
 async def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    print(f"{args.tokens} tokens per request, SmolLM2 shape {args.dtype}, backend {args.backend}, "
+    print(f"{args.tokens} tokens per request, SmolLM2 shape {args.dtype} on {args.device}, backend {args.backend}, "
           f"staging {args.staging_mb} MiB per side, median of {args.repeats}")
     print(f"{'N':>3} {'mode':>10} {'wall ms':>8} {'mean pull ms':>12} {'GB/s':>6}")
     for n in [int(c) for c in args.concurrency.split(",")]:
@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--backend", choices=["staged", "direct"], default="staged")
     p.add_argument("--staging-mb", type=int, default=128, help="staging buffer per side (staging_buffer_mb)")
     p.add_argument("--protocol", default=None)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both sides' caches live")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
