@@ -46,6 +46,10 @@ PRODUCER, CONSUMER = "kv_producer", "kv_consumer"
 # How long decode keeps blocks out of use after a transfer that failed mid-write: the producer
 # may still be writing into them until its own write gives up (one batch, bounded by Mooncake).
 WRITE_GRACE_SECS = 30.0
+# The KV agent writes to itself this often; this many failures in a row (each within the timeout) mean it is dead.
+AGENT_PROBE_SECS = 10.0
+AGENT_PROBE_TIMEOUT_SECS = 10.0
+AGENT_PROBE_FAILURES = 2
 
 
 class RelayConfigError(ValueError):
@@ -126,6 +130,10 @@ class Disaggregation:
         self.consumer: KVConsumer | None = None
         # Reservations held back after a failed pull, until the producer can no longer write into them.
         self._grace: dict[asyncio.TimerHandle, Sequence] = {}
+        # Told once when the KV agent stops working (the server marks the engine dead); see _watch_agent.
+        self.on_agent_dead: Callable[[BaseException], None] | None = None
+        self.probe_secs = AGENT_PROBE_SECS
+        self._watchdog: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         runner = self.engine.runner
@@ -171,8 +179,36 @@ class Disaggregation:
         log.info("kv_transfer_memory_backend backend=%s%s reason=%r", self.backend.value, staging, why)
         log.info("kv_transfer_ready role=%s engine=%s regions=%d max_inflight_pulls=%d write_lanes=%d", self.role,
                  self.agent.rpc_address, len(regions), inflight, self.config.write_lanes)
+        self._watchdog = asyncio.create_task(self._watch_agent(), name="kv-agent-watchdog")
+
+    async def _watch_agent(self) -> None:
+        """Probe the KV agent (a write to itself) every ``probe_secs``; after AGENT_PROBE_FAILURES failures in
+        a row it is dead: a P/D engine without its agent can serve nothing, so the engine is marked dead.
+
+        A failing peer never trips this: the probe touches only our own agent, its listener and transport.
+        """
+        agent = self.agent
+        assert agent is not None
+        loop = asyncio.get_running_loop()
+        failures = 0
+        while True:
+            await asyncio.sleep(self.probe_secs)
+            try:
+                await asyncio.wait_for(loop.run_in_executor(None, agent.probe), AGENT_PROBE_TIMEOUT_SECS)
+                failures = 0
+            except (KVTransferError, TimeoutError) as exc:
+                failures += 1
+                log.warning("kv_agent_probe_failed failures=%d error=%s", failures, exc)
+                if failures >= AGENT_PROBE_FAILURES:
+                    if self.on_agent_dead is not None:
+                        self.on_agent_dead(exc)
+                    return
 
     async def stop(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
+            self._watchdog = None
         if self.producer is not None:
             await self.producer.close()  # releases whatever is still pending
         for handle, seq in list(self._grace.items()):

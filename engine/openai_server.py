@@ -636,6 +636,7 @@ def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
     server_metrics = ServerMetrics(async_engine.stats, served)
     if disagg is not None:
         server_metrics.watch_transfers(disagg.snapshot)
+        disagg.on_agent_dead = lambda exc: async_engine.die("kv_agent", exc)
     tracing = (EngineTracing(args.otlp_traces_endpoint, f"atomesh-engine-{args.kv_transfer.kv_role or 'colocated'}")
                if args.otlp_traces_endpoint else None)
     app[STATE] = ServerState(async_engine, args, served, server_metrics, disagg, tracing)

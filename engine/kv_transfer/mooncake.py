@@ -29,6 +29,7 @@ Why it looks the way it does (measured on mooncake-transfer-engine 0.3.13, TCP o
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import sys
@@ -111,6 +112,9 @@ def _initialize(engine: Any, host: str, protocol: str, device_name: str) -> int:
     return rc
 
 
+PROBE_BYTES = 64  # the agent's self-probe buffer
+
+
 class MooncakeAgent:
     """One Mooncake transfer engine on ``host``: registers regions and writes into peers' memory."""
 
@@ -138,6 +142,9 @@ class MooncakeAgent:
         self._executors: dict[str, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
         self._closed = False
+        # A few bytes of our own, registered, that probe() writes to itself.
+        self._probe = ctypes.create_string_buffer(PROBE_BYTES)
+        self.register([Region(ctypes.addressof(self._probe), PROBE_BYTES, 1)])
         log.info("mooncake_agent_started rpc=%s protocol=%s lanes=%d", self._rpc_address, protocol, lanes)
 
     @property
@@ -176,6 +183,17 @@ class MooncakeAgent:
         if rc != 0:
             total = sum(o.nbytes for o in ops)
             raise TransferEngineError(f"write of {len(ops)} entries ({total} bytes) to {peer}", rc)
+
+    def probe(self) -> None:
+        """Write a few bytes of this agent's own buffer to itself, through its own RPC listener and transport.
+
+        Raises when the agent cannot move data at all: a failure on our side, never a peer's (blocking; for a
+        thread, never the event loop).
+        """
+        if self._closed:
+            raise KVTransferError("the Mooncake agent is closed", reason="closed")
+        base = ctypes.addressof(self._probe)
+        self.write_blocking(self._rpc_address, [WriteOp(base, base + PROBE_BYTES // 2, PROBE_BYTES // 2)])
 
     def close(self) -> None:
         """Stop the peer threads (after their current batch) and unregister all memory."""
