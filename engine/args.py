@@ -304,6 +304,10 @@ def validate(ns: argparse.Namespace) -> EngineArgs:
         if ns.method is None:
             raise ValueError("--num-speculative-tokens needs --method (ngram)")
         speculative = speculative_config(ns.method, ns.num_speculative_tokens, flag="--method")
+    if speculative is not None and ns.sparse_attention == "on":
+        raise ValueError("speculative decoding with --sparse-attention on is not supported: verify rows attend to "
+                         "their whole context while sparse decode attends to the chosen blocks, so greedy output "
+                         "would change")  # fmt: skip
     return EngineArgs(
         model=ns.model,
         served_model_name=ns.served_model_name,

@@ -32,6 +32,8 @@ MODULE = [sys.executable, "-m", "engine.openai_server"]
         (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'], "must be an integer in 1..16"),
         (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
           '"prompt_lookup_max": 2}'], "prompt_lookup_min 4 is above prompt_lookup_max 2"),
+        (["--method", "ngram", "--num-speculative-tokens", "2", "--sparse-attention", "on"],
+         "speculative decoding with --sparse-attention on is not supported"),
         (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "acceptance": 1}'],
          "unsupported keys ['acceptance']"),
         (["--port", "8006"], "use --server-port"),
