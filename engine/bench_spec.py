@@ -75,8 +75,11 @@ def _sync(engine: LLMEngine) -> None:
 
 def verify_cost(a: argparse.Namespace) -> list[dict[str, float]]:
     """Mean step time of batches whose rows verify k drafts each, k = 0 .. max_k, per batch size."""
+    # Seats for every logits row of the largest verify batch: a mixed-step graph has one logits row per seat, so
+    # verify steps replay graphs (unless --enforce-eager) as a serving engine with that many seats would.
     args = EngineArgs(model=a.model, device=a.device, load_format=a.load_format, max_model_len=a.prompt_len + 512,
-                      max_num_seqs=max(a.batch_sizes), speculative=SpeculativeConfig("ngram", max(a.max_k, 1), 1, 1),
+                      max_num_seqs=max(a.batch_sizes) * (a.max_k + 1),
+                      speculative=SpeculativeConfig("ngram", max(a.max_k, 1), 1, 1),
                       enforce_eager=a.enforce_eager)  # fmt: skip
     engine = LLMEngine(args)
     rows: list[dict[str, float]] = []
