@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 import pytest
@@ -259,3 +260,36 @@ def test_short_queries_over_a_long_cached_context_attend_as_one_prompt(window: i
         return paged_attention(q[start:], k[start:], v[start:], cache, meta, dim**-0.5, window=window)
 
     torch.testing.assert_close(attend(cached), attend(0)[cached:], rtol=1e-5, atol=1e-5)
+
+
+async def test_a_grammar_request_beside_verify_rows_keeps_its_mask(start_server: Callable[..., object],
+                                                                    http: aiohttp.ClientSession) -> None:  # fmt: skip
+    """Structured output never speculates; in a step with verify rows its mask still applies to its own row."""
+    import asyncio
+    import re
+
+    async def both(url: str) -> list[str]:
+        async def one(body: dict[str, object]) -> str:
+            async with http.post(url + "/v1/completions", json={"model": "tiny-random", "temperature": 0,
+                                                                **body}) as resp:  # fmt: skip
+                assert resp.status == 200
+                return str((await resp.json())["choices"][0]["text"])
+
+        return list(await asyncio.gather(
+            one({"prompt": TEXTS[2], "max_tokens": 200}),
+            one({"prompt": "x", "max_tokens": 40, "guided_regex": r"[0-9]{3}-[a-z]{20}"}),
+        ))  # fmt: skip
+
+    plain = await start_server()  # type: ignore[misc]
+    spec = await start_server(speculative=NGRAM)  # type: ignore[misc]
+    execute, mixed = spec.engine.runner.execute, []
+
+    def spy(step: Any) -> Any:
+        mixed.append(bool(step.drafts) and step.bitmask is not None)
+        return execute(step)
+
+    spec.engine.runner.execute = spy
+    got = await both(spec.url)
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{20}", got[1])
+    assert got == await both(plain.url)
+    assert any(mixed)  # a step had both a verify row and a masked row
