@@ -76,6 +76,26 @@ class Admission:
         """`async with admission.permit():` holds one slot for the body's duration."""
         return Permit(self)
 
+    def enter_now(self) -> bool:
+        """Take a slot if one is free now, nobody waiting before us (then `leave()` it); False: `enter()`.
+
+        The request path's way in: no context manager, no coroutine when a slot is free (the usual case)."""
+        if self.limit is None and self.bucket is None:
+            self.running += 1  # unlimited: nothing to wait for
+            return True
+        if not self._waiters and self._free_now():
+            self.running += 1
+            return True
+        return False
+
+    async def enter(self) -> None:
+        """Wait in the queue for a slot (then `leave()` it); raises when the queue is full or the wait too long."""
+        await self._acquire()
+
+    def leave(self) -> None:
+        """Give back a slot taken with `enter_now()` or `enter()`."""
+        self._release()
+
     async def _acquire(self) -> None:
         if not self._waiters and self._free_now():
             self.running += 1

@@ -259,6 +259,16 @@ class Response:
             raise HTTPClientError("response already released")
         return self._conn
 
+    def read_now(self) -> bytes | None:
+        """The whole body if it is all in already (then the connection goes back to the pool), else None:
+        `read()` it. A small answer usually arrives with its head: no coroutine to run for it."""
+        conn = self._conn
+        if conn is None or not conn.body_done or conn.error is not None:
+            return None
+        got = conn.take()
+        self.release()
+        return got[0] if len(got) == 1 else b"".join(got)
+
     async def read(self) -> bytes:
         """The whole body, de-chunked; the connection then goes back to the pool if it can."""
         conn = self._open()

@@ -101,6 +101,19 @@ class Upstream:
             await self._pool.close()
             self._pool = None
 
+    async def request(self, method: str, url: str, *, data: bytes | bytearray | None = None,
+                      headers: Mapping[str, str] | None = None) -> Response:
+        """Send a request (the request timeout bounds it whole); the caller must `release()` or `close()`
+        the response, and map HTTPClientError raised while reading it with `upstream_error`. The request
+        path's way to a worker: no context manager to enter and leave."""
+        if self._pool is None:
+            raise RuntimeError("Upstream used before start()")
+        try:
+            return await self._pool.request(method, url, headers=self._hop_headers if headers is None else headers,
+                                            body=data, timeout=self.request_timeout)
+        except HTTPClientError as e:
+            raise upstream_error(e, url) from None
+
     def open(self, method: str, url: str, *, data: bytes | bytearray | None = None,
              headers: Mapping[str, str] | None = None, timeout: float | None = None) -> Opened:
         """`async with upstream.open(...) as resp:` sends a request and yields the response with its
@@ -256,7 +269,9 @@ async def relay(exchange: Exchange, resp: Response, on_chunk: ChunkHook | None =
         if exchange.committed:
             raise UpstreamError("the worker answered a continued stream with a whole answer",
                                 code="upstream_protocol_error", retryable=False)
-        body = await resp.read()
+        body = resp.read_now()
+        if body is None:
+            body = await resp.read()
         exchange.respond(resp.status, exchange.response_headers(resp.headers), body)
         return
     on_chunk = on_chunk or exchange.on_chunk

@@ -41,8 +41,13 @@ async def serve_inference(gw: Gateway, route: Route, raw: bytes | bytearray, exc
                            headers=headers)
         gw.request_started()
         try:
-            async with gw.admission.permit():
+            admission = gw.admission
+            if not admission.enter_now():
+                await admission.enter()
+            try:
                 await gw.router.serve(exchange, view)
+            finally:
+                admission.leave()
         finally:
             gw.request_finished()
     except GatewayError as e:

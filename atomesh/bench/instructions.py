@@ -11,9 +11,9 @@ decode steps are spaced), then puts each gateway (atomesh, one process; SMG) in 
 phase is bracketed by `callgrind_control --dump` (counts since the previous dump; an idle gateway
 executes next to nothing between phases), and divided by its request count:
 
-- `small`: `--requests` small non-streamed completions, one after the other on one keep-alive
-  connection, at `warn`;
+- `small`: `--requests` small non-streamed completions from 16 keep-alive connections at once, at `warn`;
 - `small_info_log`: the same at `info` (the access log on: the default);
+- `small_c1`: the same at `info` from one connection, one request after the other;
 - `spaced_stream`: `--streams` streamed completions of 32 events 5 ms apart, two at a time, at `info`;
 - `spaced_stream_warn`: the same at `warn`.
 
@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,17 +51,20 @@ STREAM = json.dumps({"model": "mock-model", "prompt": PROMPT, "max_tokens": 32, 
 EVENTS = 32
 INTERVAL_MS = 5.0
 STREAM_CLIENTS = 2  # streams in flight: few enough that a gateway under valgrind keeps the 5 ms pace
+SMALL_CLIENTS = 16  # connections sending small requests at once
 SYSTEMS = ("atomesh", "smg")
 ATOMESH_PATH: str | None = None  # PYTHONPATH of the atomesh gateway (--atomesh-tree); None: this tree
 
 
 @dataclass(frozen=True, slots=True)
 class Load:
-    """One phase's traffic: `n` small requests on one connection, or `n` streams `STREAM_CLIENTS` at a time."""
+    """One phase's traffic: `n` small requests from `clients` connections, or `n` streams `STREAM_CLIENTS`
+    at a time."""
 
     key: str
     stream: bool
     n: int
+    clients: int = SMALL_CLIENTS
 
 
 def _post(port: int, body: str, timeout: float = 60.0) -> tuple[int, bytes]:
@@ -73,17 +77,35 @@ def _post(port: int, body: str, timeout: float = 60.0) -> tuple[int, bytes]:
         conn.close()
 
 
-def _small(port: int, n: int) -> None:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    try:
-        for _ in range(n):
-            conn.request("POST", "/v1/completions", body=SMALL, headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            data = resp.read()
-            if resp.status != 200:
-                raise RuntimeError(f"small request answered {resp.status}: {data[:200]!r}")
-    finally:
-        conn.close()
+def _small(port: int, n: int, clients: int = 1) -> None:
+    errors: list[str] = []
+
+    def client(count: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        try:
+            for _ in range(count):
+                conn.request("POST", "/v1/completions", body=SMALL, headers={"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                data = resp.read()
+                if resp.status != 200:
+                    errors.append(f"small request answered {resp.status}: {data[:200]!r}")
+                    return
+        except OSError as e:
+            errors.append(str(e))
+        finally:
+            conn.close()
+
+    _threads(client, n, clients)
+    if errors:
+        raise RuntimeError(errors[0])
+
+
+def _threads(client: Callable[[int], None], n: int, clients: int) -> None:
+    threads = [threading.Thread(target=client, args=(n // clients + (i < n % clients),)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def _streams(port: int, n: int) -> None:
@@ -105,18 +127,16 @@ def _streams(port: int, n: int) -> None:
         finally:
             conn.close()
 
-    threads = [threading.Thread(target=client, args=(n // STREAM_CLIENTS + (i < n % STREAM_CLIENTS),))
-               for i in range(STREAM_CLIENTS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _threads(client, n, STREAM_CLIENTS)
     if errors:
         raise RuntimeError(errors[0])
 
 
 def drive(port: int, load: Load) -> None:
-    (_streams if load.stream else _small)(port, load.n)
+    if load.stream:
+        _streams(port, load.n)
+    else:
+        _small(port, load.n, load.clients)
 
 
 def wait_serving(port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
@@ -183,7 +203,7 @@ def count(system: str, level: str, loads: list[Load], worker: str, workdir: Path
     proc = start(cmd, env_log, _env(system))
     try:
         wait_serving(port, proc, startup_timeout)
-        _small(port, warmup)
+        _small(port, warmup, SMALL_CLIENTS)
         _streams(port, STREAM_CLIENTS)
         time.sleep(0.5)
         _dump(proc.pid)
@@ -209,7 +229,7 @@ def native(system: str, level: str, loads: list[Load], worker: str, workdir: Pat
         _small(port, 200)
         for load in loads:
             n = load.n * (scale if not load.stream else max(1, scale // 4))
-            big = Load(load.key, load.stream, n)
+            big = Load(load.key, load.stream, n, load.clients)
             cpu0, t0 = tree_cpu(proc.pid), time.perf_counter()
             drive(port, big)
             t1 = time.perf_counter()
@@ -225,7 +245,7 @@ def native(system: str, level: str, loads: list[Load], worker: str, workdir: Pat
 def main(argv: list[str] | None = None) -> dict[str, object]:
     p = argparse.ArgumentParser(prog="python -m atomesh.bench.instructions", description=__doc__,
                                 formatter_class=help_formatter)
-    p.add_argument("--requests", type=int, default=400, help="small requests per phase under callgrind")
+    p.add_argument("--requests", type=int, default=800, help="small requests per phase under callgrind")
     p.add_argument("--streams", type=int, default=20, help="spaced streams per phase under callgrind")
     p.add_argument("--native-scale", type=int, default=10,
                    help="the native (CPU, req/s) phases run this many times the requests")
@@ -245,7 +265,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                   str(EVENTS), "--event-interval-ms", str(INTERVAL_MS)], workdir / "mock.log")
     worker = f"http://127.0.0.1:{mport}"
     levels = {"warn": [Load("small", False, args.requests), Load("spaced_stream_warn", True, args.streams)],
-              "info": [Load("small_info_log", False, args.requests), Load("spaced_stream", True, args.streams)]}
+              "info": [Load("small_info_log", False, args.requests), Load("small_c1", False, args.requests // 2, 1),
+                       Load("spaced_stream", True, args.streams)]}
     counts: dict[str, dict[str, float]] = {}
     cpu: dict[str, dict[str, dict[str, float]]] = {}
     try:
@@ -262,7 +283,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         stop(mock)
     print(f"\ninstructions per request (callgrind, user space; workdir {workdir})")
     print(f"{'phase':<22}" + "".join(f"{s:>14}" for s in args.only) + ("   atomesh/smg" if len(args.only) == 2 else ""))
-    order = ("small", "small_info_log", "spaced_stream", "spaced_stream_warn")
+    order = ("small", "small_info_log", "small_c1", "spaced_stream", "spaced_stream_warn")
     for key in order:
         row = counts.get(key, {})
         ratio = (f"{row['atomesh'] / row['smg']:>14.2f}x" if "atomesh" in row and row.get("smg") else "")
@@ -276,7 +297,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     doc: dict[str, object] = {k: counts[k] for k in order if k in counts}
     doc["ratios"] = {k: round(v["atomesh"] / v["smg"], 3) for k, v in counts.items() if "atomesh" in v and v.get("smg")}
     doc["native"] = cpu
-    doc["settings"] = {"requests": args.requests, "streams": args.streams, "stream_events": EVENTS,
+    doc["settings"] = {"requests": args.requests, "small_clients": SMALL_CLIENTS, "streams": args.streams,
+                       "stream_events": EVENTS,
                        "event_interval_ms": INTERVAL_MS, "stream_clients": STREAM_CLIENTS,
                        "date": time.strftime("%Y-%m-%d", time.gmtime()),
                        "command": "python -m atomesh.bench.instructions " + " ".join(argv or sys.argv[1:])}
