@@ -14,7 +14,7 @@ executes next to nothing between phases), and divided by its request count:
 - `small`: `--requests` small non-streamed completions from 16 keep-alive connections at once, at `warn`;
 - `small_info_log`: the same at `info` (the access log on: the default);
 - `small_c1`: the same at `info` from one connection, one request after the other;
-- `spaced_stream`: `--streams` streamed completions of 32 events 5 ms apart, two at a time, at `info`;
+- `spaced_stream`: `--streams` streamed completions of 32 events 5 ms apart, one after the other, at `info`;
 - `spaced_stream_warn`: the same at `warn`.
 
 Then each gateway runs natively (no valgrind) for the same phases: CPU seconds of its process tree
@@ -50,7 +50,9 @@ STREAM = json.dumps({"model": "mock-model", "prompt": PROMPT, "max_tokens": 32, 
                     separators=(",", ":"))
 EVENTS = 32
 INTERVAL_MS = 5.0
-STREAM_CLIENTS = 2  # streams in flight: few enough that a gateway under valgrind keeps the 5 ms pace
+# Streams in flight. One: a gateway under valgrind runs ~50x slower, and with more streams it would fall
+# behind the 5 ms pace and read several events at once, which makes a slower gateway look cheaper.
+STREAM_CLIENTS = 1
 SMALL_CLIENTS = 16  # connections sending small requests at once
 SYSTEMS = ("atomesh", "smg")
 ATOMESH_PATH: str | None = None  # PYTHONPATH of the atomesh gateway (--atomesh-tree); None: this tree
@@ -246,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     p = argparse.ArgumentParser(prog="python -m atomesh.bench.instructions", description=__doc__,
                                 formatter_class=help_formatter)
     p.add_argument("--requests", type=int, default=800, help="small requests per phase under callgrind")
-    p.add_argument("--streams", type=int, default=20, help="spaced streams per phase under callgrind")
+    p.add_argument("--streams", type=int, default=12, help="spaced streams per phase under callgrind")
     p.add_argument("--native-scale", type=int, default=10,
                    help="the native (CPU, req/s) phases run this many times the requests")
     p.add_argument("--only", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
