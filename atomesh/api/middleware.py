@@ -96,9 +96,7 @@ class HttpAccounting:
 
     def begin(self, method: str, path: str) -> float:
         # Labels are the route pattern (never the raw path, which may carry ids) and a known method.
-        m = self.metrics
-        m.http_requests.labels(method if method in _METHODS else "OTHER", path).inc()
-        m.http_active.inc()
+        self.metrics.http_received(method if method in _METHODS else "OTHER", path)
         return time.perf_counter()
 
     def end(self, method: str, path: str, status: int, started: float, admission: str | None,
@@ -106,13 +104,8 @@ class HttpAccounting:
         """One request answered (or abandoned by its client: `status` 499, or that of the stream it cut):
         the metrics and the access log line. `admission` is the admission result of an inference
         request (None for other routes); `target` the raw path, when it is not the route's own."""
-        m = self.metrics
-        m.http_active.dec()
-        if admission is not None:
-            m.rate_limit.labels(admission).inc()
-        m.http_responses.labels(path, str(status)).inc()
         elapsed = time.perf_counter() - started
-        m.http_duration.labels(method if method in _METHODS else "OTHER", path).observe(elapsed)
+        self.metrics.http_answered(method if method in _METHODS else "OTHER", path, status, admission, elapsed)
         if self.sample_rate > 0 and (status >= 400 or self.sample_rate >= 1 or random.random() < self.sample_rate):
             self.access_log.write(request_id, method, target or path, status, ",".join(workers) or None,
                                   round(elapsed * 1000, 3), sent)
