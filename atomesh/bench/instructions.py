@@ -171,6 +171,11 @@ def gateway_command(system: str, worker: str, port: int, mport: int, level: str)
     return [sys.executable, "-m", "atomesh", "launch", *common]
 
 
+def _cwd(system: str) -> Path | None:
+    # `python -m` looks in the working directory first: the tree's own, for the tree's code to run.
+    return Path(ATOMESH_PATH) if system == "atomesh" and ATOMESH_PATH else None
+
+
 def _env(system: str) -> dict[str, str]:
     # Set here, not with `env` in the command: valgrind follows no exec.
     env = {**os.environ, "PYTHONHASHSEED": "0"}
@@ -202,7 +207,7 @@ def count(system: str, level: str, loads: list[Load], worker: str, workdir: Path
     cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *gateway_command(
         system, worker, port, mport, level)]
     env_log = workdir / f"{system}-{level}-callgrind.log"
-    proc = start(cmd, env_log, _env(system))
+    proc = start(cmd, env_log, _env(system), _cwd(system))
     try:
         wait_serving(port, proc, startup_timeout)
         _small(port, warmup, SMALL_CLIENTS)
@@ -224,7 +229,7 @@ def native(system: str, level: str, loads: list[Load], worker: str, workdir: Pat
     """CPU seconds per request (process tree, /proc) and requests/s of each load, without valgrind."""
     port, mport = free_port(), free_port()
     proc = start(gateway_command(system, worker, port, mport, level), workdir / f"{system}-{level}-native.log",
-                 _env(system))
+                 _env(system), _cwd(system))
     result: dict[str, dict[str, float]] = {}
     try:
         wait_serving(port, proc, 60)
