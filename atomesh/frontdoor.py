@@ -174,7 +174,9 @@ class FrontExchange(Exchange):
         if data:
             self.sent += len(data)
             conn = self.conn
-            conn.send(b"%x\r\n%b\r\n" % (len(data), data) if self.framed else data)
+            transport = conn.transport  # conn.send, inlined: this runs once per streamed event
+            if transport is not None:  # else the client is gone and the request is being cancelled
+                transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.framed else data)
             return not conn.write_paused
         return True
 

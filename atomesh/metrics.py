@@ -537,7 +537,9 @@ class RequestMeter:
 
     def __call__(self, chunk: bytes) -> None:
         now = time.perf_counter()
-        data = self._tail + chunk if self._tail else chunk
+        # A marker split across chunks needs the previous chunk's end; a chunk that starts with one (an
+        # event per chunk, the usual case) cannot continue a split one.
+        data = self._tail + chunk if self._tail and not chunk.startswith(_EVENT) else chunk
         self._tail = chunk[-(len(_EVENT) - 1):]
         start = 0
         if self.first_at is None:

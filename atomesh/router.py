@@ -195,7 +195,6 @@ class Router:
                 tried.extend(w for w in at_fault if w not in tried)
                 log.debug("retrying", request_id=exchange.request_id, attempt=attempt, how=moved, error=e.message)
             else:
-                self._untrack(run)
                 m = self.metrics
                 workers = plan.workers
                 last = workers[-1]  # the worker whose answer the client got (decode in P/D)
