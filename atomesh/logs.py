@@ -130,8 +130,9 @@ _FLUSH_SECS = 0.05  # how long an access line may wait to be written
 _FLUSH_LINES = 512  # written at once past this many waiting lines
 # Access line fields, as `AccessLog.write` takes them (the order of the JSON keys too).
 _FIELDS = ("request_id", "method", "path", "status", "worker", "latency_ms", "bytes")
-_QUOTED = frozenset(" \t=\r\n\"'")  # a console value holding one of these is printed as repr()
-_Line = tuple[float, str | None, str | None, str | None, int, str | None, float | None, int]
+# A console value holding one of these is printed as repr() (a regex scans faster than a set of them).
+_QUOTED = re.compile("[ \t=\r\n\"']")
+_Line = tuple[int, str | None, str | None, str | None, int, str | None, float | None, int]  # time in ns first
 
 
 class _Stamps:
@@ -144,11 +145,8 @@ class _Stamps:
         self.second = -1
         self.prefix = ""
 
-    def __call__(self, t: float) -> str:
-        second = int(t)
-        micro = round((t - second) * 1_000_000)
-        if micro >= 1_000_000:
-            second, micro = second + 1, micro - 1_000_000
+    def __call__(self, ns: int) -> str:
+        second, micro = divmod(ns // 1000, 1_000_000)
         if second != self.second:
             self.second = second
             self.prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
@@ -158,7 +156,7 @@ class _Stamps:
 def _console_value(v: object) -> str:
     # structlog's ConsoleRenderer._repr, for the values an access line holds.
     if isinstance(v, str):
-        return repr(v) if not _QUOTED.isdisjoint(v) else v
+        return repr(v) if _QUOTED.search(v) else v
     return repr(v)
 
 
@@ -188,6 +186,9 @@ class AccessLog:
                 head = renderer(None, "info", {"timestamp": "\0", "level": "info", "event": "request",
                                                "logger": ACCESS_LOGGER})
                 self._head = head.partition("\0")[2] + " "
+        # A console line of the usual fields, ready for %: time, bytes, latency, method, path, id, status, worker.
+        self._line = ("%s" + self._head.replace("%", "%%") + "bytes=%r latency_ms=%r method=%s path=%s request_id=%s "
+                      "status=%r worker=%s")
         self.fast = fast
         self._pending: list[_Line] = []
         self._timer: asyncio.TimerHandle | None = None
@@ -203,7 +204,7 @@ class AccessLog:
         if not self.enabled:
             return
         pending = self._pending
-        pending.append((time.time(), request_id, method, path, status, worker, latency_ms, sent))
+        pending.append((time.time_ns(), request_id, method, path, status, worker, latency_ms, sent))
         if self._timer is None:
             try:
                 self._timer = asyncio.get_running_loop().call_later(_FLUSH_SECS, self.flush)
@@ -232,21 +233,20 @@ class AccessLog:
         self.flush()
 
     def _console_lines(self, lines: list[_Line], context: dict[str, Any]) -> list[str]:
-        head = self._head
         stamp_of = self._stamp
-        quoted = _QUOTED.isdisjoint
         out = []
         if not context:  # the usual case: the fields in sorted order, known in advance
+            line = self._line
+            quoted = _QUOTED.search
             for t, rid, method, path, status, worker, latency, sent in lines:
-                # Strings without a character to quote are printed as they are (no call for those).
-                out.append(
-                    f"{stamp_of(t)}{head}bytes={sent!r} latency_ms={latency!r} "
-                    f"method={method if method.__class__ is str and quoted(method) else _console_value(method)} "
-                    f"path={path if path.__class__ is str and quoted(path) else _console_value(path)} "
-                    f"request_id={rid if rid.__class__ is str and quoted(rid) else _console_value(rid)} "
-                    f"status={status!r} "
-                    f"worker={worker if worker.__class__ is str and quoted(worker) else _console_value(worker)}")
+                # None and strings without a character to quote read the same through %s as structlog's.
+                if quoted(f"{rid}{method}{path}{worker}") is None:
+                    out.append(line % (stamp_of(t), sent, latency, method, path, rid, status, worker))
+                else:
+                    out.append(line % (stamp_of(t), sent, latency, _console_value(method), _console_value(path),
+                                       _console_value(rid), status, _console_value(worker)))
             return out
+        head = self._head
         for t, *values in lines:
             stamp = stamp_of(t)
             fields = {**context, **dict(zip(_FIELDS, values, strict=True))}
