@@ -6,8 +6,8 @@ Records from other libraries (aiohttp, asyncio) go through the same renderer, so
 file holds nothing but JSON objects, one a line.
 
 The access log (one line per request at `info`) is the exception to the one path: `AccessLog` keeps
-each line's fields as a tuple on the request path and renders and writes them in batches, a few tens
-of milliseconds later, to the same handlers, in the same format (console or JSON, redacted). Through
+each line's fields as a tuple on the request path and renders and writes them in batches, up to 100
+milliseconds later, to the same handlers, in the same format (console or JSON, redacted). Through
 structlog and `logging` a line cost about as much as the rest of a small request.
 """
 
@@ -126,7 +126,7 @@ class _Formatter(structlog.stdlib.ProcessorFormatter):
 
 
 ACCESS_LOGGER = "atomesh.access"
-_FLUSH_SECS = 0.05  # how long an access line may wait to be written
+_FLUSH_SECS = 0.1  # how long an access line may wait to be written
 _FLUSH_LINES = 512  # written at once past this many waiting lines
 # Access line fields, as `AccessLog.write` takes them (the order of the JSON keys too).
 _FIELDS = ("request_id", "method", "path", "status", "worker", "latency_ms", "bytes")
