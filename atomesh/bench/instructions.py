@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         ratio = (f"{row['atomesh'] / row['smg']:>14.2f}x" if "atomesh" in row and row.get("smg") else "")
         print(f"{key:<22}" + "".join(f"{row.get(s, 0):>14,.0f}" for s in args.only) + ratio)
     if cpu:
-        print("\nnative: CPU us per request (process tree, /proc) and requests/s, one client (noisy)")
+        print("\nnative: CPU us per request (process tree, /proc, 10 ms ticks) and requests/s (noisy)")
         for key in order:
             measured = cpu.get(key, {})
             print(f"{key:<22}" + "".join(f"  {s}: {v['cpu_us_per_request']:>7.1f} us {v['requests_per_s']:>8.1f}/s"
