@@ -357,7 +357,8 @@ def _ratios(values: dict[str, float], peer: str | None) -> str:
 def report(results: Results, args: argparse.Namespace, phases: list[Phase]) -> None:
     names = [p.name for p in phases]
     print(f"\nmedians of {args.rounds} round(s) x {args.duration}s per phase; load: wrk -t1 (one thread); "
-          f"policy {args.policy}; {args.regular_workers} regular mock(s) / 1 prefill + 1 decode mock; ratios are atomesh / smg")
+          f"policy {args.policy}; {args.regular_workers} regular mock(s) / 1 prefill + 1 decode mock; "
+          "ratios are atomesh / smg")
     for mode in args.modes:
         systems = systems_for(mode, args.only, args.processes)
         peer = "smg" if "smg" in systems else None
