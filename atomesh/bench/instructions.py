@@ -31,6 +31,7 @@ import glob
 import http.client
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -268,6 +269,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     p.add_argument("--atomesh-tree", type=Path, default=None,
                    help="run atomesh from this source tree (e.g. a `git archive` of an older commit): an A/B")
     args = p.parse_args(argv)
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        raise SystemExit("valgrind (with callgrind_control) is not installed: apt-get install valgrind")
     if args.atomesh_tree is not None:
         global ATOMESH_PATH
         ATOMESH_PATH = str(args.atomesh_tree.resolve())
