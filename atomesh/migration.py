@@ -29,8 +29,8 @@ _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "st
 def refusal(view: RequestView) -> str | None:
     """Why a streamed request cannot be continued on another worker once it started, or None if it can."""
     body = view.body
-    if view.route is Route.GENERATE:
-        return "/generate streams are not migrated (only /v1/completions and /v1/chat/completions)"
+    if view.route is not Route.COMPLETIONS and view.route is not Route.CHAT:
+        return f"{view.route.value} streams are not migrated (only /v1/completions and /v1/chat/completions)"
     if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
         return "n > 1 (several choices)"
     if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") or body.get("prompt_logprobs"):

@@ -12,7 +12,8 @@ a plan that fails part way (no decode worker) leaves no trace in any policy.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Sequence
+import time
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -67,12 +68,44 @@ _set_prefill, _set_decode = slot_setter(Pair, "prefill"), slot_setter(Pair, "dec
 Plan = Single | Pair
 
 
+class StickyKeys:
+    """SMG's routing-key override (`--routing-key-override`, alias `--sticky-sessions`): on any policy, a
+    request whose routing key was placed before goes back to that worker while it is routable; otherwise
+    the policy decides and the key is pinned to its choice (SMG's `delegate` assignment). Keys unused
+    for `--max-idle-secs` are forgotten (checked at most once a minute, as placements happen)."""
+
+    def __init__(self, max_idle_secs: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_idle_secs = max_idle_secs
+        self._clock = clock
+        self._pins: dict[tuple[WorkerRole, str], tuple[str, float]] = {}  # (pool, key) -> (worker URL, last use)
+        self._swept = clock()
+
+    def find(self, role: WorkerRole, key: str, pool: Sequence[Worker]) -> Worker | None:
+        pin = self._pins.get((role, key))
+        if pin is None:
+            return None
+        return next((w for w in pool if w.url == pin[0]), None)
+
+    def pin(self, role: WorkerRole, key: str, worker: Worker) -> None:
+        now = self._clock()
+        self._pins[(role, key)] = (worker.url, now)
+        if now - self._swept > 60.0:
+            self._swept = now
+            cutoff = now - self.max_idle_secs
+            for k in [k for k, (_, used) in self._pins.items() if used < cutoff]:
+                del self._pins[k]
+
+    def __len__(self) -> int:
+        return len(self._pins)
+
+
 class Placement:
     """Chooses workers for requests; owns the per-pool policies and the in-flight load counts."""
 
     def __init__(self, registry: WorkerRegistry, policies: dict[WorkerRole, Policy], *, pd: bool,
-                 dp_ranks: bool = False) -> None:
+                 dp_ranks: bool = False, sticky: StickyKeys | None = None) -> None:
         self.registry = registry
+        self.sticky = sticky  # --routing-key-override
         self.policies = policies
         self.pd = pd
         self.dp_ranks = dp_ranks  # regular mode: also choose a data-parallel rank of the worker
@@ -95,6 +128,9 @@ class Placement:
             decode = self._decide(decode_role, decode_policy, view, exclude)
             prefill_policy.record(prefill, view)
             decode_policy.record(decode, view)
+            if self.sticky is not None and view.routing_key is not None:
+                self.sticky.pin(prefill_role, view.routing_key, prefill.worker)
+                self.sticky.pin(decode_role, view.routing_key, decode.worker)
             if self._log_decisions:
                 log.debug("placed", request_id=view.request_id, prefill=prefill.worker.url,
                           prefill_reason=prefill.reason, decode=decode.worker.url, decode_reason=decode.reason)
@@ -104,6 +140,8 @@ class Placement:
         ((role, policy),) = self._legs
         decision = self._decide(role, policy, view, exclude)
         policy.record(decision, view)
+        if self.sticky is not None and view.routing_key is not None:
+            self.sticky.pin(role, view.routing_key, decision.worker)
         if self._log_decisions:
             log.debug("placed", request_id=view.request_id, worker=decision.worker.url, reason=decision.reason)
         worker = decision.worker
@@ -165,6 +203,10 @@ class Placement:
                 raise NotFound(f"the model {view.model!r} does not exist; served: {', '.join(served)}",
                                code="model_not_found")
             raise NoWorkerAvailable(_no_worker_message(role, view, ready))
+        if self.sticky is not None and view.routing_key is not None:
+            pinned = self.sticky.find(role, view.routing_key, pool)
+            if pinned is not None:
+                return Decision(pinned, "sticky_key")
         # One candidate is the answer, unless the policy may refuse it (a target header naming another).
         if len(pool) == 1 and not policy.select_single:
             return Decision(pool[0], ONLY_CANDIDATE)

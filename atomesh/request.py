@@ -14,6 +14,27 @@ class Route(StrEnum):
     CHAT = "/v1/chat/completions"
     GENERATE = "/generate"
     RESPONSES = "/v1/responses"  # OpenAI's Responses API: relayed in regular mode to workers that serve it
+    # Relayed in regular mode to a worker serving the model, as the worker answers them (SMG's set).
+    MESSAGES = "/v1/messages"  # Anthropic's Messages API
+    EMBEDDINGS = "/v1/embeddings"
+    RERANK = "/v1/rerank"
+    RERANK_SGLANG = "/rerank"
+    SCORE = "/v1/score"
+    CLASSIFY = "/v1/classify"
+    TOKENIZE = "/v1/tokenize"
+    DETOKENIZE = "/v1/detokenize"
+
+
+# Routes relayed in regular mode only, and why P/D mode answers them 501.
+_NOT_SPLIT = ("a request that generates nothing has no decode phase to split off: run such models as regular "
+              "workers behind a gateway of their own")
+REGULAR_ONLY: dict[Route, str] = {
+    Route.RESPONSES: "a Responses API request cannot be split into prefill and decode legs",
+    Route.MESSAGES: "an Anthropic Messages request is not split into prefill and decode legs (send it to "
+                    "/v1/chat/completions)",
+    **{r: _NOT_SPLIT for r in (Route.EMBEDDINGS, Route.RERANK, Route.RERANK_SGLANG, Route.SCORE, Route.CLASSIFY,
+                               Route.TOKENIZE, Route.DETOKENIZE)},
+}
 
 
 # Headers that carry a sticky routing key (sessions, users), first match wins (SMG's first).
@@ -79,7 +100,7 @@ def _responses_text(body: dict[str, Any]) -> str:
 
 
 def _locality_text(route: Route, body: dict[str, Any]) -> str:
-    if route is Route.CHAT:
+    if route is Route.CHAT or route is Route.MESSAGES:
         parts = []
         for m in body.get("messages") or ():
             if isinstance(m, dict):
@@ -87,7 +108,7 @@ def _locality_text(route: Route, body: dict[str, Any]) -> str:
         return "".join(parts)
     if route is Route.RESPONSES:
         return _responses_text(body)
-    prompt = body.get("prompt", body.get("text"))
+    prompt = body.get("prompt", body.get("text", body.get("input", body.get("query"))))
     if isinstance(prompt, list):
         if prompt and isinstance(prompt[0], str):
             return prompt[0]

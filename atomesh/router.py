@@ -16,6 +16,7 @@ from atomesh.metrics import ENDPOINTS, Metrics
 from atomesh.migration import MigrationRefused, StreamTracker, refusal
 from atomesh.placement import Placement, Plan
 from atomesh.request import RequestView
+from atomesh.tracing import Tracing
 from atomesh.transport import Exchange, backoff_delays, write_sse_error
 from atomesh.workers.worker import Worker
 
@@ -48,8 +49,10 @@ class _Attempt:
 class Router:
     """Drives a RequestView through placement and a backend, with bounded retries."""
 
-    def __init__(self, config: GatewayConfig, placement: Placement, backend: Backend, metrics: Metrics) -> None:
+    def __init__(self, config: GatewayConfig, placement: Placement, backend: Backend, metrics: Metrics,
+                 tracing: Tracing | None = None) -> None:
         self.placement = placement
+        self.tracing = tracing if tracing is not None and tracing.on else None  # --enable-trace: a span per attempt
         self.backend = backend
         self.metrics = metrics
         self.max_retries = 0 if config.disable_retries else config.retry_max_retries
@@ -159,7 +162,16 @@ class Router:
             self._track(run)
             try:
                 try:
-                    await self.backend.forward(exchange, current, plan)
+                    if self.tracing is None:
+                        await self.backend.forward(exchange, current, plan)
+                    else:
+                        kind = "first" if not tried and current is view else "migration" if exchange.committed \
+                            else "retry"
+                        with self.tracing.span("attempt", {
+                                "atomesh.attempt": attempt, "atomesh.attempt.kind": kind,
+                                "atomesh.placement.policy": [str(self._policy_names[w.role]) for w in plan.workers],
+                                "atomesh.placement.workers": [w.url for w in plan.workers]}):
+                            await self.backend.forward(exchange, current, plan)
                 except asyncio.CancelledError:
                     if run.lost is None or task.uncancel() > 0:
                         raise  # the client went away (or the gateway stops): not ours to handle

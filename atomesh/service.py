@@ -35,6 +35,14 @@ def build_app(gateway: Gateway, accounting: HttpAccounting) -> web.Application:
     return app
 
 
+def build_probe_app(gateway: Gateway, accounting: HttpAccounting) -> web.Application:
+    """--health-check-port: the probe routes alone (/liveness, /readiness, /health, /health_generate)."""
+    app = web.Application(middlewares=[make_middleware(accounting)])
+    app[GATEWAY] = gateway
+    health.setup(app)
+    return app
+
+
 def build_metrics_app(gateway: Gateway, remote: RemoteMetrics | None) -> web.Application:
     """The metrics port's app: this process's values, plus `remote()`'s when there are other processes."""
     async def metrics(_: web.Request) -> web.Response:

@@ -33,6 +33,7 @@ from atomesh.httpclient import (
     ProtocolViolation,
     Response,
 )
+from atomesh.tracing import Tracing
 
 # Lower-case, as the worker's headers are kept: each name is sent once, ours replacing the worker's.
 SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache"}
@@ -65,8 +66,11 @@ class Upstream:
     """The pooled keep-alive client shared by every route, backend and background task."""
 
     def __init__(self, request_timeout_secs: float, connect_timeout_secs: float = 10.0, hop: str = "",
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+                 ssl_context: ssl.SSLContext | None = None, pool_idle_timeout_secs: float = 60.0,
+                 tracing: Tracing | None = None) -> None:
+        self.tracing = tracing if tracing is not None and tracing.on else None  # --enable-trace
         self.ssl_context = ssl_context  # for https:// workers (--ca-cert-paths, --client-cert-path)
+        self.pool_idle_timeout = pool_idle_timeout_secs  # --upstream-pool-idle-timeout-secs
         self.request_timeout = request_timeout_secs
         self.connect_timeout = connect_timeout_secs
         self.hop = hop
@@ -83,6 +87,8 @@ class Upstream:
             auth = exchange.headers.get("authorization")
             if auth is not None:
                 headers["Authorization"] = auth
+        if self.tracing is not None:
+            self.tracing.inject(headers)  # the current leg's span: the worker's spans go under it
         return headers
 
     def worker_headers(self, worker: Credentialed) -> Mapping[str, str]:
@@ -93,7 +99,7 @@ class Upstream:
 
     async def start(self) -> None:
         # Admission control bounds concurrency; the pool only bounds what it keeps idle.
-        self._pool = ClientPool(connect_timeout=self.connect_timeout, keepalive_timeout=60.0,
+        self._pool = ClientPool(connect_timeout=self.connect_timeout, keepalive_timeout=self.pool_idle_timeout,
                                 ssl_context=self.ssl_context)
 
     async def stop(self) -> None:

@@ -103,6 +103,7 @@ class UpSettings:
     metrics_port: int = 29000
     engine_port: int = 8010
     handshake_port: int = 6301
+    kv_events_port: int = 5557  # with --policy kv_aware: engine i publishes on this + 2i, replays on + 2i + 1
     policy: str = "cache_aware"
     kv_cache_memory_gb: float = 1.0
     max_model_len: int = 2048
@@ -145,6 +146,14 @@ def plan_parts(s: UpSettings) -> list[Part]:
             # Engines sharing one GPU: each its share of it (the KV pool is what the share leaves).
             argv += ["--gpu-memory-utilization", f"{0.85 / len(roles):.3f}"]
         extra = []
+        if s.policy == "kv_aware":
+            # kv_aware places by the engines' own KV events, which an engine publishes only when told to;
+            # the gateway finds the addresses in its /server_info (`*`: the worker's host).
+            pub = s.kv_events_port + 2 * len(parts)
+            argv += ["--kv-events-config", json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+                "replay_endpoint": f"tcp://*:{pub + 1}"})]
+            extra += [pub, pub + 1]
         if role != "worker":
             kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
             argv += ["--kv-transfer-config", json.dumps({"kv_role": kv_role, "kv_connector": "mooncake",

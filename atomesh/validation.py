@@ -150,6 +150,15 @@ class Responses(TypedDict):
     user: NotRequired[str | None]
 
 
+class Relayed(TypedDict):
+    """The routes relayed as the worker reads them (embeddings, rerank, score, classify, tokenize,
+    Anthropic messages): only the fields the gateway itself reads are checked."""
+
+    __pydantic_config__ = _OPEN  # type: ignore[misc]
+    model: NotRequired[str | None]
+    stream: NotRequired[bool | None]
+
+
 _ONE_PASS_MAX = 64 * 1024  # bytes of a body decoded and checked in one pass (pydantic copies its input)
 _SHAPES: dict[Route, TypeAdapter[Any]] = {
     Route.COMPLETIONS: TypeAdapter(Completion),
@@ -157,6 +166,7 @@ _SHAPES: dict[Route, TypeAdapter[Any]] = {
     Route.GENERATE: TypeAdapter(Generate),
     Route.RESPONSES: TypeAdapter(Responses),
 }
+_RELAYED: TypeAdapter[Any] = TypeAdapter(Relayed)
 
 
 def parse_request(route: Route, raw: bytes | bytearray) -> dict[str, Any]:
@@ -167,7 +177,7 @@ def parse_request(route: Route, raw: bytes | bytearray) -> dict[str, Any]:
     the received buffer, and the decoded objects are checked in place: the body's big strings then
     exist twice (received and decoded), never three or four times.
     """
-    shape = _SHAPES[route]
+    shape = _SHAPES.get(route, _RELAYED)
     try:
         if len(raw) <= _ONE_PASS_MAX:
             body: dict[str, Any] = shape.validate_json(raw)

@@ -77,6 +77,8 @@ class EngineArgs:
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
     max_waiting_requests: int = 1024
+    scheduling_policy: str = "fcfs"  # vLLM's: fcfs, or priority (the request's `priority`, lower first)
+    otlp_traces_endpoint: str | None = None  # vLLM's: OTLP/gRPC HOST:PORT for the engine's spans; None: off
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     kv_cache_dtype: str = "auto"
@@ -131,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--max-waiting-requests", type=int, default=1024, help="bound of the waiting queue; beyond it: 503")
+    p.add_argument("--otlp-traces-endpoint", default=None,
+                   help="OTLP/gRPC collector HOST:PORT: each request's spans (queue, prefill, KV transfer, decode) "
+                        "under the traceparent it came with (as vLLM)")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="waiting prompts in arrival order, or by the request's `priority` (lower first), as vLLM")
     p.add_argument(
         "--enable_chunked_prefill",
         "--enable-chunked-prefill",
@@ -292,6 +299,8 @@ def validate(ns: argparse.Namespace) -> EngineArgs:
         max_num_batched_tokens=ns.max_num_batched_tokens,
         max_num_seqs=ns.max_num_seqs,
         max_waiting_requests=ns.max_waiting_requests,
+        scheduling_policy=ns.scheduling_policy,
+        otlp_traces_endpoint=ns.otlp_traces_endpoint,
         enable_chunked_prefill=ns.enable_chunked_prefill,
         long_prefill_token_threshold=ns.long_prefill_token_threshold,
         kv_cache_dtype=ns.kv_cache_dtype,

@@ -233,6 +233,13 @@ class AsyncLLMEngine:
             await asyncio.sleep(RESERVE_POLL_SECS)
             self._check_alive()
 
+    def fork_prefilled(self, seq: Sequence, stream_index: int, grammar: Any = None) -> RequestHandle:
+        """Another sample (n > 1) of a reserved sequence whose prompt KV arrived; call before
+        ``submit_prefilled(seq, ...)``, which starts them all."""
+        child = self.engine.add_fork_prefilled(seq, stream_index, grammar)
+        self._states[child.seq_id] = RequestState(child, IncrementalDetokenizer(self.engine.tokenizer))
+        return RequestHandle(child.seq_id, seq.num_prompt_tokens, child)
+
     def submit_prefilled(self, seq: Sequence, first_token: int, logprob: TokenLogprob | None = None) -> RequestHandle:
         """Continue a reserved sequence whose KV arrived, from ``first_token`` (already an output)."""
         self._check_alive()

@@ -147,6 +147,7 @@ class LLMEngine:
                 max_waiting=args.max_waiting_requests,
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
+                priority=args.scheduling_policy == "priority",
             ),
             self.block_manager,
         )
@@ -279,6 +280,24 @@ class LLMEngine:
         seq.prefix_hit_tokens = seq.num_cached_tokens
         self.held.add(seq.seq_id)
         return seq
+
+    def add_fork_prefilled(self, parent: Sequence, stream_index: int, grammar: Any = None) -> Sequence:
+        """One more sample of a reserved sequence whose prompt KV another engine wrote (n > 1 in P/D).
+
+        As ``add_fork``: the child takes the parent's full prompt blocks by reference and computes the
+        last, partial one itself (its own first token comes from those logits). Called before
+        ``commit_prefilled``, while the parent holds its blocks for sure.
+        """
+        if parent.seq_id not in self.held:
+            raise RuntimeError("a prefilled fork must be added before its parent is committed")
+        child = Sequence(next(self._ids), parent.token_ids, parent.params, self.args.block_size)
+        child.grammar = grammar
+        child.stream_index = stream_index
+        self.block_manager.share(parent, child, (parent.num_prompt_tokens - 1) // self.args.block_size)
+        child.prefix_hit_tokens = parent.prefix_hit_tokens
+        child.prompt_logprobs = list(parent.prompt_logprobs)  # scored once, by the prefill engine
+        self.scheduler.waiting.appendleft(child)  # holds blocks: goes first, as a prompt mid-prefill does
+        return child
 
     def commit_prefilled(self, seq: Sequence, first_token: int, logprob: TokenLogprob | None = None) -> None:
         """The prompt's KV is in ``seq``'s blocks: continue from ``first_token`` (and its logprob, computed

@@ -24,6 +24,7 @@ import torch
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from engine import tokenize_api
 from engine.args import EngineArgs, parse_args
 from engine.async_engine import AsyncLLMEngine, RequestOutput
 from engine.disagg import Disaggregation, check_transfer_support
@@ -31,6 +32,7 @@ from engine.errors import BindError, EngineError, InvalidRequestError, ModelNotF
 from engine.kv_events import ZmqEventPublisher, advertised
 from engine.llm_engine import LLMEngine
 from engine.metrics import ServerMetrics
+from engine.models.loader import SMOLLM2_NAMES
 from engine.protocol import (
     ChatBody,
     CompletionBody,
@@ -46,6 +48,7 @@ from engine.sequence import SamplingParams, TokenLogprob
 from engine.sequence import Sequence as EngineSequence
 from engine.structured import GrammarCompiler
 from engine.tools import ForcedParser, ToolParser, hermes_system_prompt, make_parser, tools_for_template
+from engine.tracing import EngineTracing
 
 log = logging.getLogger("engine.server")
 
@@ -64,6 +67,7 @@ class ServerState:
     served_model_name: str
     metrics: ServerMetrics
     disagg: Disaggregation | None = None
+    tracing: EngineTracing | None = None  # --otlp-traces-endpoint
     _grammars: list[GrammarCompiler] = field(default_factory=list)  # built on first use (holds one)
 
     def grammar_compiler(self) -> GrammarCompiler:
@@ -119,8 +123,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body: CompletionBody = parse_body(await request.read(), CompletionBody)
     _check_model(state, body.model)
-    if body.echo and body.kv_role_needed is not None:
-        raise InvalidRequestError("echo is not supported with kv_transfer_params (P/D)")
+    if body.echo and body.kv_role_needed == "kv_producer":
+        raise InvalidRequestError("echo: a prefill for remote decode answers nothing but kv_transfer_params; the "
+                                  "decode engine echoes the prompt")
     return await _generate(request, state, body, _prompt_ids(state, body), None)
 
 
@@ -200,6 +205,9 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
     disagg = state.disagg_for(role) if role is not None else None
     limit = body.token_limit()
     params = body.sampling_params(limit or 1)
+    if params.priority and state.args.scheduling_policy != "priority":
+        raise InvalidRequestError(f"priority {params.priority}: this engine schedules first come, first served; "
+                                  "start it with --scheduling-policy priority (as vLLM)")
     if role == "kv_producer":
         # The gateway sends the prefill leg max_tokens 1: min_tokens only bans EOS for that first token here.
         params = replace(params, min_tokens=min(params.min_tokens, 1))
@@ -211,9 +219,6 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
     echo = isinstance(body, CompletionBody) and bool(body.echo)
     if echo and params.logprobs is not None:  # echo with logprobs scores the prompt's tokens too (OpenAI)
         params = replace(params, prompt_logprobs=max(params.prompt_logprobs or 0, params.logprobs))
-    if params.prompt_logprobs is not None and role is not None:
-        raise InvalidRequestError("prompt_logprobs (or echo with logprobs) is not supported with kv_transfer_params "
-                                  "(P/D): the prompt is scored on the prefill engine only")
     if _best_of(body) is not None and params.logprobs is None:
         params = replace(params, logprobs=0)  # best_of ranks its sequences by cumulative logprob
     spec = body.grammar()
@@ -226,12 +231,20 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
         assert disagg is not None
         kv = disagg.parse(body.kv_transfer_params or {})
         first_logprob = _first_logprob(body.kv_transfer_params or {}, params)
+        scored = _prompt_logprobs(body.kv_transfer_params or {}, params)
         seq = await state.engine.reserve(ids, params, True)  # raises before any byte is sent
+        seq.prompt_logprobs = scored  # the prefill engine scored the prompt; forks copy them
         if grammar is not None:
             seq.grammar = state.grammar_compiler().state_of(grammar)
         await disagg.pull(seq, kv)  # gives the blocks back itself if the transfer fails
-        state.metrics.kv_pull.observe(time.monotonic() - arrived)
-        handles = [state.engine.submit_prefilled(seq, kv.first_token_id, first_logprob)]
+        pulled = time.monotonic()
+        state.metrics.kv_pull.observe(pulled - arrived)
+        # n > 1 (or best_of): the other samples fork from the transferred prompt KV before the first
+        # sequence continues (it may finish at once and free it); each samples its own first token.
+        forks = [state.engine.fork_prefilled(
+            seq, i, state.grammar_compiler().state_of(grammar) if grammar is not None else None)
+            for i in range(1, n)]  # fmt: skip
+        handles = [state.engine.submit_prefilled(seq, kv.first_token_id, first_logprob), *forks]
     else:
         handles = []
         try:
@@ -258,8 +271,10 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
         if body.prompt_logprobs is not None:
             c.want_prompt_logprobs(ids)
     offered = False
+    first_at: list[float] = []  # when the first token went out (tracing)
     try:
-        outputs = _merged([_timed(state.engine.stream(h), state.metrics, arrived, h.seq) for h in handles])
+        outputs = _merged([_timed(state.engine.stream(h), state.metrics, arrived, h.seq, first_at)
+                           for h in handles])
         head = Head(request_id, created, state.served_model_name, chat is not None)
         if native and body.stream:
             return await _stream_native(request, outputs, request_id)
@@ -276,6 +291,8 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
             kv_params = disagg.offer(seq, lambda: state.engine.release(seq))
             if seq.logprobs:
                 kv_params["first_token_logprob"] = _logprob_dict(seq.logprobs[0])
+            if params.prompt_logprobs is not None:  # the decode engine reports them as its own
+                kv_params["prompt_logprobs"] = [_logprob_dict(lp) for lp in seq.prompt_logprobs]
             answer["kv_transfer_params"] = kv_params
             offered = True
         return _json(answer)
@@ -286,6 +303,9 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
             state.engine.abort(h.seq_id)
         if role == "kv_producer" and not offered:
             state.engine.release(handles[0].seq)  # held blocks nobody will pull
+        if state.tracing is not None:
+            _trace(state.tracing, request, handles[0].seq, role, arrived, pulled if role == "kv_consumer" else None,
+                   first_at[0] if first_at else None, len(ids), n)
 
 
 def _meta_info(request_id: str, out: RequestOutput) -> dict[str, Any]:
@@ -338,6 +358,22 @@ def _best_of(body: SamplingBody) -> int | None:
 
 def _logprob_dict(lp: TokenLogprob) -> dict[str, Any]:
     return {"token_id": lp.token_id, "logprob": lp.logprob, "rank": lp.rank, "top": [list(t) for t in lp.top]}
+
+
+def _prompt_logprobs(kv: dict[str, Any], params: SamplingParams) -> list[TokenLogprob]:
+    """The prompt's scores the prefill engine computed (prompt_logprobs, or echo with logprobs, in P/D)."""
+    if params.prompt_logprobs is None:
+        return []
+    raw = kv.get("prompt_logprobs")
+    if not isinstance(raw, list):
+        raise InvalidRequestError("prompt_logprobs in P/D need kv_transfer_params.prompt_logprobs from the prefill "
+                                  "engine (was its request sent with prompt_logprobs?)")
+    try:
+        return [TokenLogprob(int(r["token_id"]), float(r["logprob"]), int(r["rank"]),
+                             tuple((int(t), float(v)) for t, v in r["top"])[: params.prompt_logprobs])
+                for r in raw]  # fmt: skip
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"kv_transfer_params.prompt_logprobs: {exc}") from exc
 
 
 def _first_logprob(kv: dict[str, Any], params: SamplingParams) -> TokenLogprob | None:
@@ -403,12 +439,35 @@ async def _collect(head: Head, outputs: AsyncIterator[tuple[int, RequestOutput]]
     return answer
 
 
+def _trace(tracing: EngineTracing, request: web.Request, seq: EngineSequence, role: str | None, arrived: float,
+           pulled: float | None, first: float | None, prompt_tokens: int, n: int) -> None:
+    """The request's spans, from the times noted along the way."""
+    end = time.monotonic()
+    phases: list[tuple[str, float, float]] = []
+    if pulled is not None:
+        phases.append(("kv_transfer", arrived, pulled))
+    elif seq.admitted_at is not None:
+        phases.append(("queue", arrived, seq.admitted_at))
+        if first is not None:
+            phases.append(("prefill", seq.admitted_at, first))
+    if role != "kv_producer":
+        start = pulled if pulled is not None else first
+        if start is not None:
+            phases.append(("decode", start, end))
+    tracing.emit(request.headers, arrived, end, phases, {
+        "atomesh.kv_role": role or "colocated", "gen_ai.usage.input_tokens": prompt_tokens, "atomesh.n": n,
+        "http.route": request.path})
+
+
 async def _timed(
-    outputs: AsyncIterator[RequestOutput], metrics: ServerMetrics, arrived: float, seq: EngineSequence
+    outputs: AsyncIterator[RequestOutput], metrics: ServerMetrics, arrived: float, seq: EngineSequence,
+    first_at: list[float] | None = None,
 ) -> AsyncIterator[RequestOutput]:
     first = True
     async for out in outputs:
         if first:
+            if first_at is not None and not first_at:
+                first_at.append(time.monotonic())
             metrics.ttft.observe(time.monotonic() - arrived)
             # A sequence whose KV came from a transfer is never admitted for prefill: no queue time.
             if seq.admitted_at is not None:
@@ -567,7 +626,9 @@ async def kv_transfer_info(request: web.Request) -> web.Response:
 
 def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
     """The aiohttp application around an already-built engine; the engine loop lives in cleanup_ctx."""
-    served = args.served_model_name or args.model
+    # The embedded model answers to its real name, the one `atomesh up` and the docs send; `--model smollm2`
+    # is only how it is asked for (requests naming --model are still served).
+    served = args.served_model_name or (engine.model_id if args.model in SMOLLM2_NAMES else args.model)
     async_engine = AsyncLLMEngine(engine)
     app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024 * 1024)
     disagg = (Disaggregation(engine, args.kv_transfer, args.host, args.kv_transfer_timeout)
@@ -575,7 +636,14 @@ def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
     server_metrics = ServerMetrics(async_engine.stats, served)
     if disagg is not None:
         server_metrics.watch_transfers(lambda: disagg.stats)
-    app[STATE] = ServerState(async_engine, args, served, server_metrics, disagg)
+    tracing = (EngineTracing(args.otlp_traces_endpoint, f"atomesh-engine-{args.kv_transfer.kv_role or 'colocated'}")
+               if args.otlp_traces_endpoint else None)
+    app[STATE] = ServerState(async_engine, args, served, server_metrics, disagg, tracing)
+    if tracing is not None:
+        async def flush_spans(app: web.Application) -> None:
+            tracing.shutdown()  # the spans still batched go out before exit
+
+        app.on_cleanup.append(flush_spans)
 
     async def engine_loop(app: web.Application) -> AsyncIterator[None]:
         # The KV relay is up before the port opens: a router reads /kv_transfer_info at registration.
@@ -606,6 +674,8 @@ def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
     app.router.add_get("/server_info", server_info)
     app.router.add_get("/kv_transfer_info", kv_transfer_info)
     app.router.add_get("/tokenizer_info", tokenizer_info)
+    tokenize_api.add_routes(app, engine.tokenizer, engine.max_model_len,
+                            lambda name: _check_model(app[STATE], name))
     return app
 
 

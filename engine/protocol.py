@@ -193,7 +193,8 @@ class SamplingBody(SamplingKnobs):
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
     user: str | None = None  # OpenAI: for abuse monitoring; no effect on the output
-    priority: Annotated[int, Field(ge=0, le=0)] | None = None  # vLLM: only the default (FCFS) here
+    priority: Annotated[int, Field(ge=-(2**31), lt=2**31)] | None = None  # vLLM's: lower first (needs
+    # --scheduling-policy priority; any other value than 0 is refused under fcfs, as vLLM does)
     kv_transfer_params: dict[str, Any] | None = None
     data_parallel_rank: int | None = None
 
@@ -217,8 +218,9 @@ class SamplingBody(SamplingKnobs):
             raise InvalidRequestError("kv_transfer_params: do_remote_decode and do_remote_prefill exclude each other")
         if kv.get("do_remote_decode") and self.stream:
             raise InvalidRequestError("kv_transfer_params: a prefill for remote decode must have stream=false")
-        if kv and self.num_sequences > 1:
-            raise InvalidRequestError("n (or best_of) > 1 is not supported with kv_transfer_params (P/D)")
+        if kv.get("do_remote_decode") and self.num_sequences > 1:
+            raise InvalidRequestError("kv_transfer_params: a prefill for remote decode computes one sequence (n=1, "
+                                      "no best_of); the decode engine forks the others from the transferred KV")
         self.grammar()  # refuses conflicting or malformed structured-output requests
 
     @property
@@ -304,6 +306,7 @@ class SamplingBody(SamplingKnobs):
             logit_bias=tuple(bias),
             logprobs=self.top_logprobs_wanted(),
             prompt_logprobs=self.prompt_logprobs,
+            priority=self.priority or 0,
         )
 
 

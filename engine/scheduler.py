@@ -20,6 +20,7 @@ class SchedulerConfig:
     max_waiting: int
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # >0: at most this many prompt tokens of one sequence per step
+    priority: bool = False  # --scheduling-policy priority: new prompts by params.priority, then arrival
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +114,10 @@ class Scheduler:
         chunks: list[int] = []
         # Sequences that already hold blocks (a prompt mid-chunk) go first: they need at most one
         # more block, and the blocks they hold may be what the others are waiting for.
-        order = [s for s in self.waiting if s.block_table] + [s for s in self.waiting if not s.block_table]
+        fresh = [s for s in self.waiting if not s.block_table]
+        if self.config.priority:
+            fresh.sort(key=lambda s: s.params.priority)  # stable: arrival order within a priority
+        order = [s for s in self.waiting if s.block_table] + fresh
         for seq in order:
             # Admitted sequences join ``running`` at once, so it alone counts the seats taken.
             if budget <= 0 or len(self.running) >= cfg.max_num_seqs:

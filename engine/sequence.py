@@ -62,6 +62,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely
     prompt_logprobs: int | None = None  # the same for every prompt token but the first
+    priority: int = 0  # --scheduling-policy priority: lower is admitted first (vLLM's meaning)
     # Derived once: greedy, nothing shaping the logits, no logprobs. A batch of such rows costs one
     # argmax, and the per-step bookkeeping skips everything else (the decode hot path).
     plain: bool = field(default=False, init=False, repr=False, compare=False)

@@ -59,7 +59,7 @@ def test_flags_win_over_the_config_file(tmp_path: Path) -> None:
     ({"port": 70000}, "--port"),
     ({"tls_cert_path": "/x.pem"}, "--tls-key-path"),
     ({"dp_aware": True, "pd_disaggregation": True}, "regular mode only"),
-    ({"policy": "manual"}, "policy 'manual' is refused"),
+    ({"policy": "bucket"}, "policy 'bucket' is refused"),
     ({"chat_template": "/x.jinja"}, "--chat-template needs --model-path or --tokenizer-path"),
     ({"client_cert_path": "/c.pem"}, "--client-key-path"),
     ({"service_discovery": True}, "--service-discovery needs --selector"),

@@ -265,3 +265,14 @@ def test_prometheus_config_loads_in_promtool(tmp_path: Path) -> None:
     if "kubernetes_sd_configs not found" in out.stdout + out.stderr:
         pytest.skip("this promtool is built without Kubernetes service discovery")
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("overlay", list(OVERLAYS))
+def test_every_container_runs_the_image_tag_the_docs_build(overlay: str) -> None:
+    from atomesh import __version__
+
+    built = set(re.findall(r"-t (atomesh-\w+:[\w.]+) \.", (ROOT / "docs" / "deployment.md").read_text()))
+    images = {c["image"] for d in find(render(OVERLAYS[overlay]), "Deployment")
+              for c in d["spec"]["template"]["spec"]["containers"]}
+    assert images and all(i.endswith(":" + __version__) for i in images), images
+    assert images <= built, images - built

@@ -3,9 +3,17 @@ activated venv, nothing that overwrites tracked files, no links to files the rep
 
 from __future__ import annotations
 
+import json
 import re
+import shlex
 import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
+
+import pytest
+from gwtest import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -43,3 +51,59 @@ def test_quickstart_commands_run_without_an_activated_venv() -> None:
 
 def test_docs_do_not_call_exported_metrics_unexported() -> None:
     assert "not exported" not in (ROOT / "docs" / "placement.md").read_text()
+
+
+def documented_commands(doc: Path, heading: str) -> list[list[str]]:
+    """The commands of the first code block under `heading`: a line starting with `.venv/bin/` or `curl`
+    starts one, the others continue it (after a `\\`, or inside an open quote)."""
+    block = doc.read_text().split(heading + "\n", 1)[1].split("```\n", 1)[1].split("```", 1)[0]
+    commands: list[str] = []
+    for line in block.splitlines():
+        if line.startswith((".venv/bin/", "curl ")):
+            commands.append(line)
+        else:
+            commands[-1] += "\n" + line
+    return [shlex.split(c.replace("\\\n", " ")) for c in commands]
+
+
+@pytest.mark.timeout(110)
+def test_the_hand_started_pd_commands_serve_the_documented_request(tmp_path: Path) -> None:
+    """docs/pd.md's engines, gateway and curl, run as written but for the ports (and this venv's python)."""
+    pytest.importorskip("mooncake.engine", reason="P/D engines relay KV over Mooncake (make install puts it in)")
+    ports = {str(p): str(free_port()) for p in (8010, 8020, 6301, 6302, 30000, 29000)}
+    commands = [[re.sub(r"(?<!\d)(8010|8020|6301|6302|30000|29000)(?!\d)", lambda m: ports[m.group(1)], a)
+                 for a in argv] for argv in documented_commands(ROOT / "docs" / "pd.md", "### By hand")]
+    *servers, curl = commands
+    assert [c[0] for c in commands] == [".venv/bin/python", ".venv/bin/python", ".venv/bin/atomesh", "curl"]
+    procs = []
+    try:
+        for i, argv in enumerate(servers):
+            exe = [sys.executable] if argv[0].endswith("python") else [sys.executable, "-m", "atomesh"]
+            log = open(tmp_path / f"part-{i}.log", "wb")
+            procs.append((subprocess.Popen([*exe, *argv[1:]], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log))
+            if i < 2:
+                continue  # the engines load together; the gateway waits for them itself
+            url = f"http://127.0.0.1:{ports['30000']}/readiness"
+            deadline = time.monotonic() + 90
+            while not _answers(url):
+                for p, f in procs:
+                    assert p.poll() is None, f"{f.name} exited: {Path(f.name).read_text()[-2000:]}"
+                assert time.monotonic() < deadline, "the documented P/D system did not become ready"
+                time.sleep(0.5)
+        out = subprocess.run(curl, capture_output=True, text=True, timeout=60)
+        answer = json.loads(out.stdout)
+        assert answer["model"] == "SmolLM2-135M-Instruct", answer
+        assert answer["choices"][0]["message"]["content"].strip(), answer
+    finally:
+        for p, f in procs:
+            p.kill()
+            p.wait()
+            f.close()
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False

@@ -87,8 +87,9 @@ async def test_gateway_refusals_count_as_request_errors(mock_workers: MakeWorker
     errors = "mesh_router_request_errors_total"
     assert value(text, errors, endpoint="completions", error_type="invalid_value") == 1
     assert value(text, errors, error_type="model_not_found") == 1
-    assert value(text, errors, error_type="queue_full", model="none") == 1
-    assert not [k for k in text.splitlines() if 'model=""' in k], "a request without a model has model=\"none\""
+    # A request naming no model is the one model the workers serve, and counts under its name.
+    assert value(text, errors, error_type="queue_full", model="mock-model") == 1
+    assert not [k for k in text.splitlines() if 'model=""' in k], "no empty model label"
 
 
 async def test_a_stream_broken_after_its_first_byte_counts_as_an_error(
@@ -138,3 +139,36 @@ async def test_metrics_port_follows_host_unless_given(mock_workers: MakeWorkers,
     gw = await gateway(worker_urls=[w.url], prometheus_host=None, prometheus_port=free_port())
     [listener] = gw.metrics_door._listeners
     assert listener.sock.getsockname()[0] == "127.0.0.1"
+
+
+RELAYED = {"/v1/embeddings": {"input": "hi"}, "/v1/rerank": {"query": "q", "documents": ["a", "b"]},
+           "/rerank": {"query": "q", "documents": ["a"]}, "/v1/score": {"text_1": "a", "text_2": "b"},
+           "/v1/classify": {"input": ["a"]}, "/v1/tokenize": {"prompt": "hi"}, "/v1/detokenize": {"tokens": [1, 2]},
+           "/v1/messages": {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}}
+
+
+async def test_smg_relayed_routes_reach_the_worker_of_their_model(mock_workers: MakeWorkers, gateway: MakeGateway,
+                                                                  http: aiohttp.ClientSession) -> None:
+    a, b = await mock_workers(1, models=["model-a"]), await mock_workers(1, models=["model-b"])
+    gw = await gateway(worker_urls=[a[0].url, b[0].url])
+    for path, body in RELAYED.items():
+        async with http.post(base_url(gw) + path, json={**body, "model": "model-b"}) as r:
+            assert r.status == 200 and (await r.json())["model"] == "model-b", (path, await r.text())
+        assert b[0].received[-1]["path"] == path and b[0].received[-1]["body"] == {**body, "model": "model-b"}
+    assert not [x for x in a[0].received if x["path"] in RELAYED]
+    # Anthropic's Messages API streamed: its events arrive as the worker sent them.
+    async with http.post(base_url(gw) + "/v1/messages",
+                         json={**RELAYED["/v1/messages"], "model": "model-a", "stream": True}) as r:
+        text = await r.text()
+    assert r.status == 200 and text.count("event: ") == 3 and "event: message_stop" in text
+    metrics = await scrape(http, gw)
+    assert value(metrics, "mesh_router_requests_total", endpoint="messages", model="model-a", streaming="true") == 1
+    assert value(metrics, "mesh_router_requests_total", endpoint="rerank", model="model-b") == 2
+    # P/D mode: a 501 naming why.
+    [p] = await mock_workers(1, kv_role="kv_producer")
+    [d] = await mock_workers(1, kv_role="kv_consumer")
+    pd = await gateway(pd_disaggregation=True, backend="atom", prefill=[{"url": p.url}], decode=[d.url])
+    for path, body in RELAYED.items():
+        async with http.post(base_url(pd) + path, json={**body, "model": "mock-model"}) as r:
+            err = (await r.json())["error"]
+            assert r.status == 501 and f"POST {path} is relayed in regular mode only" in err["message"], err

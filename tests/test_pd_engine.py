@@ -382,3 +382,79 @@ async def test_a_decode_engine_killed_mid_stream_is_replaced_by_a_new_pair(engin
         wait_until(lambda: p.blocks_used() == 0 and d.blocks_used() == 0, what="both block pools to be idle")
     finally:
         doomed.stop()
+
+
+@pytest.mark.timeout(180)
+async def test_n_best_of_and_echo_work_in_pd_as_colocated(engines: dict[str, Engine], gateway: MakeGateway) -> None:
+    """One prefill; the decode engine forks the other samples from the transferred KV (each draws its own
+    first token), so the choices equal a colocated engine's, as what a user sends works in both modes."""
+    p, d, single = engines["prefill"], engines["decode"], engines["single"]
+    gw = await gateway(pd_disaggregation=True, backend="atom", prefill=[{"url": p.url}], decode=[d.url],
+                       request_timeout_secs=60)
+    sampled = {"model": "tiny-random", "max_tokens": 6, "temperature": 0.9, "seed": 5, "ignore_eos": True}
+    cases = [
+        ("/v1/completions", {**sampled, "prompt": PROMPTS[1], "n": 3}),
+        ("/v1/completions", {**sampled, "prompt": PROMPTS[2], "n": 2, "best_of": 4}),
+        ("/v1/completions", {**sampled, "prompt": PROMPTS[0], "echo": True}),
+        ("/v1/completions", {**sampled, "prompt": PROMPTS[0], "n": 2, "max_tokens": 1}),
+        ("/v1/chat/completions", {**sampled, "messages": [{"role": "user", "content": PROMPTS[1]}], "n": 2}),
+    ]
+    pulled = d.metric("atom:kv_transfer_pulled_total")
+    async with aiohttp.ClientSession() as s:
+        for path, body in cases:
+            answers = []
+            for url in (single.url, base_url(gw)):
+                async with s.post(url + path, json=body) as r:
+                    assert r.status == 200, (path, body, await r.text())
+                    answers.append(sorted(json.dumps(c.get("text", c.get("message")), sort_keys=True)
+                                          for c in (await r.json())["choices"]))
+            assert answers[0] == answers[1] and len(answers[0]) == body.get("n", 1), (path, body)
+        stream = {**cases[0][1], "stream": True}
+        texts: dict[int, str] = {}
+        async with s.post(base_url(gw) + "/v1/completions", json=stream) as r:
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    for c in json.loads(line[6:])["choices"]:
+                        texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+        assert sorted(texts) == [0, 1, 2] and all(texts.values())
+        # The prompt is scored on the prefill engine; the decode engine reports the scores as its own.
+        scored = [("/v1/completions", {**sampled, "prompt": PROMPTS[1], "echo": True, "logprobs": 2, "n": 2}),
+                  ("/v1/completions", {**sampled, "prompt": PROMPTS[2], "prompt_logprobs": 1}),
+                  ("/v1/chat/completions", {**sampled, "messages": [{"role": "user", "content": PROMPTS[0]}],
+                                            "prompt_logprobs": 2})]
+        for path, body in scored:
+            got = []
+            for url in (single.url, base_url(gw)):
+                async with s.post(url + path, json=body) as r:
+                    assert r.status == 200, (path, body, await r.text())
+                    got.append(await r.json())
+            want, pd = (_scores(g) for g in got)
+            assert pd[0] == want[0] and pd[1] == pytest.approx(want[1], abs=1e-4), (path, body)
+            assert len(want[1]) > 10
+    assert d.metric("atom:kv_transfer_pulled_total") - pulled == len(cases) + 4  # one prefill per request
+    wait_until(lambda: p.blocks_used() == 0 and d.blocks_used() == 0, what="both block pools to be idle")
+
+
+def _scores(answer: dict[str, Any]) -> tuple[list[str], list[float]]:
+    """An answer's texts and, in order, every number of its logprobs and prompt_logprobs (ids, ranks, scores)."""
+    texts: list[str] = []
+    numbers: list[float] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            for k in sorted(value):
+                walk(value[k])
+        elif isinstance(value, list | tuple):
+            for v in value:
+                walk(v)
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            numbers.append(value)
+        elif isinstance(value, str):
+            texts.append(value)
+
+    for c in sorted(answer["choices"], key=lambda c: c["index"]):
+        texts.append(json.dumps(c.get("text", c.get("message")), sort_keys=True))
+        walk(c.get("logprobs"))
+        walk(c.get("prompt_logprobs"))
+    walk(answer.get("prompt_logprobs"))
+    return texts, numbers

@@ -10,6 +10,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -18,6 +19,7 @@ from gwtest import EngineProcess, MakeGateway, base_url, free_port
 pytest.importorskip("mooncake.engine", reason="P/D engines relay KV over Mooncake (make install puts it in)")
 
 from tests.engine.test_model_families import checkpoint
+from tests.test_pd_engine import _complete as complete  # (text, completion tokens), streamed or not
 
 DEVICE = os.environ.get("ENGINE_TEST_DEVICE", "cpu")
 PROMPTS = [" ".join(f"t{(7 * i + 3) % 300}" for i in range(n)) for n in (3, 37)]  # one block, then several
@@ -34,23 +36,9 @@ def engine(name: str, folder: Path, role: str | None) -> EngineProcess:
     return EngineProcess(name, args, env={**os.environ, "MC_TRANSFER_TIMEOUT": "5"})
 
 
-async def completion(session: aiohttp.ClientSession, url: str, prompt: str, stream: bool) -> tuple[str, int]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    if stream:
-        body |= {"stream": True, "stream_options": {"include_usage": True}}
-    async with session.post(url + "/v1/completions", json=body) as r:
-        assert r.status == 200, await r.text()
-        if not stream:
-            data = await r.json()
-            return data["choices"][0]["text"], data["usage"]["completion_tokens"]
-        text, tokens = [], 0
-        async for line in r.content:
-            if line.startswith(b"data: {"):
-                event = json.loads(line[6:])
-                if event["choices"]:
-                    text.append(event["choices"][0]["text"])
-                tokens = (event.get("usage") or {}).get("completion_tokens", tokens)
-        return "".join(text), tokens
+def greedy(prompt: str, stream: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    return body | ({"stream": True, "stream_options": {"include_usage": True}} if stream else {})
 
 
 @pytest.mark.slow
@@ -69,8 +57,8 @@ async def test_pd_equals_colocated(family: str, tmp_path: Path, gateway: MakeGat
         async with aiohttp.ClientSession() as s:
             for prompt in PROMPTS:
                 for stream in (False, True):
-                    want = await completion(s, single.url, prompt, stream)
-                    assert await completion(s, base_url(gw), prompt, stream) == want, (prompt[:12], stream)
+                    want = await complete(s, single.url, greedy(prompt, stream))
+                    assert await complete(s, base_url(gw), greedy(prompt, stream)) == want, (prompt[:12], stream)
                     assert want[1] == 12
         assert d.metric("atom:kv_transfer_pulled_total") >= 4
         deadline = time.monotonic() + 20

@@ -132,3 +132,18 @@ def test_engines_sharing_a_gpu_each_get_their_share() -> None:
     assert shares(UpSettings(device="cuda", prefill=1, decode=1)) == ["0.425", "0.425"]
     assert shares(UpSettings(device="cuda", pd=False, workers=4)) == ["0.212"] * 4
     assert shares(UpSettings(device="cpu")) == []  # on CPU the pool comes from --kv-cache-memory-gb
+
+
+@pytest.mark.timeout(10)
+def test_up_with_kv_aware_starts_engines_that_publish_kv_events() -> None:
+    import json
+
+    from atomesh.up import UpSettings, plan_parts
+
+    for settings in (UpSettings(policy="kv_aware"), UpSettings(policy="kv_aware", pd=False, workers=2)):
+        engines = plan_parts(settings)[:-1]
+        configs = [json.loads(p.argv[p.argv.index("--kv-events-config") + 1]) for p in engines]
+        assert all(c["enable_kv_cache_events"] and c["publisher"] == "zmq" for c in configs)
+        ports = [port for p in engines for port in p.extra_ports]
+        assert len(ports) == len(set(ports))  # each publisher its own ports, checked free before start
+    assert all("--kv-events-config" not in p.argv for p in plan_parts(UpSettings(policy="cache_aware")))

@@ -11,7 +11,8 @@ from aiohttp import web
 from atomesh.api.middleware import LOOP_MESSAGE, REQUEST_ID
 from atomesh.errors import GatewayError, LoopDetected, NotServed, NoWorkerAvailable, ShuttingDown, UpstreamStatus
 from atomesh.gateway import GATEWAY, Gateway
-from atomesh.request import ROUTING_KEY_HEADERS, RequestView, Route
+from atomesh.request import REGULAR_ONLY, RequestView, Route
+from atomesh.tenancy import PRIORITY_HEADER, PriorityClass, estimated_tokens
 from atomesh.transport import HOP_HEADER, Exchange
 from atomesh.validation import parse_request
 
@@ -20,34 +21,69 @@ async def serve_inference(gw: Gateway, route: Route, raw: bytes | bytearray, exc
     """One inference request, whichever server took it: parse, validate, admit, route.
 
     Every failure raised here, the gateway's own refusals included, counts in
-    `mesh_router_request_errors_total`."""
+    `mesh_router_request_errors_total`. With --enable-trace, it runs in the request's server span."""
+    if not gw.tracing.on:
+        await _serve(gw, route, raw, exchange)
+        return
+    with gw.tracing.request(f"POST {route.value}", exchange.headers,
+                            {"http.route": route.value, "atomesh.request_id": exchange.request_id}) as span:
+        status = 0
+        try:
+            await _serve(gw, route, raw, exchange)
+            status = exchange.status or 0
+        except GatewayError as e:
+            status = e.status
+            span.set_attribute("error.type", e.code)
+            raise
+        finally:
+            span.set_attribute("http.response.status_code", status)
+            if exchange.workers:
+                span.set_attribute("atomesh.workers", list(exchange.workers))
+
+
+async def _serve(gw: Gateway, route: Route, raw: bytes | bytearray, exchange: Exchange) -> None:
     body: dict[str, Any] | None = None
     try:
         headers = exchange.headers
         if headers.get(HOP_HEADER) == gw.instance_id:
             raise LoopDetected(LOOP_MESSAGE)
-        gw.keys.check_inference(headers)
+        tenant = gw.tenants.of(headers)
+        if not tenant.startswith("auth:"):  # a --tenant-api-key opens inference by itself
+            gw.keys.check_inference(headers)
         if gw.shutting_down:
             raise ShuttingDown("the gateway is shutting down")
-        if route is Route.RESPONSES and gw.config.pd_disaggregation:
-            raise NotServed("POST /v1/responses is relayed in regular mode only: a Responses API request cannot "
-                            "be split into prefill and decode legs")
+        if gw.config.pd_disaggregation and route in REGULAR_ONLY:
+            raise NotServed(f"POST {route.value} is relayed in regular mode only: {REGULAR_ONLY[route]}")
         body = parse_request(route, raw)
+        raw = gw.models.resolve(route, body, raw)
         key = None
-        for h in ROUTING_KEY_HEADERS:
+        for h in gw.config.routing_key_headers:
             if key := headers.get(h):
                 break
         view = RequestView(route=route, body=body, raw=raw, request_id=exchange.request_id, routing_key=key or None,
                            headers=headers)
+        if gw.rate_limits is not None:
+            gw.rate_limits.take(tenant, estimated_tokens(body, len(view.locality_text)))
+        cls, priority = PriorityClass.DEFAULT, 0
+        if gw.scheduler is not None:
+            cls = gw.scheduler.class_of(tenant, headers.get(PRIORITY_HEADER))
+            p = body.get("priority")
+            priority = p if isinstance(p, int) and not isinstance(p, bool) else 0
         gw.request_started()
         try:
-            admission = gw.admission
-            if not admission.enter_now():
-                await admission.enter()
+            permit = gw.admission.permit(cls, priority)
+            if gw.tracing.on:
+                root = gw.tracing.current()
+                if root is not None:
+                    root.set_attribute("gen_ai.request.model", view.model or "")
+                with gw.tracing.span("admission", {"atomesh.class": cls.name.lower(), "atomesh.tenant": tenant}):
+                    await permit.__aenter__()
+            else:
+                await permit.__aenter__()
             try:
                 await gw.router.serve(exchange, view)
             finally:
-                admission.leave()
+                await permit.__aexit__(None, None, None)
         finally:
             gw.request_finished()
     except GatewayError as e:
@@ -105,10 +141,7 @@ async def models(request: web.Request) -> web.Response:
     """The models the healthy workers serve, merged (decode workers in P/D mode)."""
     gw = request.app[GATEWAY]
     role = gw.roles[-1]
-    seen: dict[str, dict[str, Any]] = {}
-    for w in gw.registry.ready(role):
-        for m in w.models:
-            seen.setdefault(m, {"id": m, "object": "model", "owned_by": "atomesh", "root": m})
+    seen = {m: {"id": m, "object": "model", "owned_by": "atomesh", "root": root} for m, root in gw.models.listed()}
     if not seen and not gw.registry.ready(role):
         raise NoWorkerAvailable("no healthy worker is available to list models")
     return json_response({"object": "list", "data": list(seen.values())})

@@ -33,6 +33,16 @@ def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> bytes:
     if isinstance(sampling, dict):  # /generate: SGLang's spelling of the limit
         out["sampling_params"] = {**sampling, "max_new_tokens": 1}
     out.pop("stream_options", None)
+    # One sequence is prefilled; the decode engine forks n / best_of samples from its KV and echoes the
+    # prompt itself. best_of ranks by cumulative logprob, so the first token's must come back.
+    if (out.get("best_of") or 1) > (out.get("n") or 1) and out.get("logprobs") is None:
+        out["logprobs"] = 0
+    # echo with logprobs scores the prompt: on the prefill engine, which passes the scores on.
+    logprobs = out.get("logprobs")
+    if out.get("echo") and isinstance(logprobs, int) and not isinstance(logprobs, bool):
+        out["prompt_logprobs"] = max(out.get("prompt_logprobs") or 0, logprobs)
+    for key in ("n", "best_of", "echo"):
+        out.pop(key, None)
     return orjson.dumps(out)
 
 
@@ -61,12 +71,25 @@ class TwoStepBackend:
         assert isinstance(plan, Pair), "P/D mode places prefill/decode pairs"
         started = time.monotonic()
         deadline = started + self.upstream.request_timeout
-        returned = await self._prefill(exchange, view, plan.prefill)
+        tracing = self.upstream.tracing
+        if tracing is None:
+            returned = await self._prefill(exchange, view, plan.prefill)
+        else:
+            with tracing.span("prefill", {"server.address": plan.prefill.url, "atomesh.leg": "prefill"}, client=True):
+                returned = await self._prefill(exchange, view, plan.prefill)
         prefilled = time.monotonic()
         self.metrics.observe_pd(self.runtime, view.model, prefill_secs=prefilled - started)
         body = dict(view.body)
         body["kv_transfer_params"] = self.decode_params(returned, plan.prefill)
         remaining = max(0.001, deadline - time.monotonic())
+        if tracing is None:
+            await self._decode(exchange, view, plan, body, remaining, prefilled)
+            return
+        with tracing.span("decode", {"server.address": plan.decode.url, "atomesh.leg": "decode"}, client=True):
+            await self._decode(exchange, view, plan, body, remaining, prefilled)
+
+    async def _decode(self, exchange: Exchange, view: RequestView, plan: Pair, body: dict[str, Any],
+                      remaining: float, prefilled: float) -> None:
         try:
             async with self.upstream.open("POST", plan.decode.url + view.route, data=orjson.dumps(body),
                                           headers=self.upstream.headers_for(exchange, plan.decode),

@@ -16,6 +16,8 @@ from atomesh.policies.dp_sticky import DpStickyPolicy
 from atomesh.policies.kv_aware import KvAwarePolicy
 from atomesh.policies.kv_sync import KvPeerSync
 from atomesh.policies.least_load import LeastLoadPolicy
+from atomesh.policies.manual import ManualPolicy
+from atomesh.policies.passthrough import PassthroughPolicy
 from atomesh.policies.power_of_two import PowerOfTwoPolicy
 from atomesh.policies.prefix_hash import PrefixHashPolicy
 from atomesh.policies.random import RandomPolicy
@@ -57,9 +59,13 @@ FACTORIES: dict[PolicyName, PolicyFactory] = {
     PolicyName.CACHE_AWARE: lambda cfg, tok: _cache_aware(cfg),
     PolicyName.KV_AWARE: lambda cfg, tok: _kv_aware(cfg),
     PolicyName.PREFIX_HASH: lambda cfg, tok: PrefixHashPolicy(
-        prefix_token_count=cfg.prefix_token_count, load_factor=cfg.prefix_hash_load_factor, tokens=tok),
+        prefix_token_count=cfg.prefix_token_count, load_factor=cfg.prefix_hash_load_factor,
+        abs_slack=cfg.prefix_hash_balance_abs_threshold, tokens=tok),
     PolicyName.CONSISTENT_HASHING: lambda cfg, tok: ConsistentHashingPolicy(),
     PolicyName.DP_STICKY: lambda cfg, tok: DpStickyPolicy(),
+    PolicyName.PASSTHROUGH: lambda cfg, tok: PassthroughPolicy(),
+    PolicyName.MANUAL: lambda cfg, tok: ManualPolicy(cfg.assignment_mode, cfg.max_idle_secs,
+                                                     cfg.eviction_interval_secs),
 }
 
 

@@ -111,6 +111,9 @@ class MockWorker(ServedApp):
         app = web.Application(middlewares=[missing])
         for path in ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/responses"):
             app.router.add_post(path, self._inference)
+        for path in ("/v1/messages", "/v1/embeddings", "/v1/rerank", "/rerank", "/v1/score", "/v1/classify",
+                     "/v1/tokenize", "/v1/detokenize"):
+            app.router.add_post(path, self._relayed)
         app.router.add_get("/health", self._health)
         app.router.add_get("/health_generate", self._health)
         app.router.add_get("/v1/models", self._models)
@@ -261,6 +264,24 @@ class MockWorker(ServedApp):
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok" if self.behaviour.health_status == 200 else "bad"},
                                  status=self.behaviour.health_status, headers=self._headers())
+
+    async def _relayed(self, request: web.Request) -> web.StreamResponse:
+        """The routes a gateway relays as they are: what was asked, echoed (Anthropic's events when streamed)."""
+        body = orjson.loads(await request.read() or b"{}")
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        self.received.append({"path": request.path, "body": body, "headers": headers, "at": time.time()})
+        echo = {"object": "mock." + request.path.rsplit("/", 1)[-1], "model": body.get("model")}
+        if body.get("stream") is not True:
+            return web.json_response(echo, headers=self._headers())
+        resp = web.StreamResponse(headers={**self._headers(), "Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for event, data in (("message_start", {"type": "message_start", "message": echo}),
+                            ("content_block_delta", {"type": "content_block_delta",
+                                                     "delta": {"type": "text_delta", "text": "hi"}}),
+                            ("message_stop", {"type": "message_stop"})):
+            await resp.write(b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n")
+        await resp.write_eof()
+        return resp
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [

@@ -41,9 +41,10 @@ class Lifecycle:
         self, registry: WorkerRegistry, upstream: Upstream, *, backend: BackendKind,
         breaker: BreakerSettings, startup_timeout: float, check_interval: float, probe_timeout: float,
         health_endpoint: str, on_breaker: Callable[[Worker, BreakerState, BreakerState], None] | None = None,
-        dp_aware: bool = False,
+        dp_aware: bool = False, startup_delay: float = 0.0,
     ) -> None:
         self.dp_aware = dp_aware  # every worker must report its data-parallel size
+        self.startup_delay = startup_delay  # --worker-startup-delay: before a new worker's first probe
         self.registry = registry
         self.upstream = upstream
         self.backend = backend
@@ -118,6 +119,8 @@ class Lifecycle:
     async def _register(self, worker: Worker, model_id: str | None = None) -> None:
         deadline = time.monotonic() + self.startup_timeout
         try:
+            if self.startup_delay:
+                await asyncio.sleep(min(self.startup_delay, self.startup_timeout))
             await self._wait_healthy(worker, deadline)
             await self._discover(worker)
             if model_id is not None:

@@ -166,3 +166,19 @@ def test_status_transitions_are_checked() -> None:
     a.set_status(SequenceStatus.FINISHED)
     with pytest.raises(RuntimeError):
         a.set_status(SequenceStatus.RUNNING)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_priority_policy_admits_lower_priority_values_first(policy: str) -> None:
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64, max_waiting=100,
+                          priority=policy == "priority")
+    s = Scheduler(cfg, BlockManager(64, BS))
+    seqs = [Sequence(i, [i * 1000 + t for t in range(5)], SamplingParams(max_tokens=100, priority=p), BS)
+            for i, p in ((1, 5), (2, 0), (3, -1), (4, 0))]
+    for x in seqs:
+        s.add(x)
+    batch = s.schedule()
+    assert batch is not None
+    admitted = [x.seq_id for x in batch.seqs]
+    # vLLM's --scheduling-policy priority: lower first, arrival order among equals.
+    assert admitted == ([3, 2] if policy == "priority" else [1, 2])

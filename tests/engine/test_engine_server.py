@@ -343,3 +343,42 @@ async def test_sglang_routes_generate_health_generate_model_info_flush(
         flushed = await resp.json()
         assert resp.status == 200 and flushed["flushed_blocks"] > 0
     assert blocks.stats().cached == 0
+
+
+async def test_tokenize_detokenize_and_refused_pooling_routes(start_server: StartServer,
+                                                              http: aiohttp.ClientSession) -> None:
+    server = await start_server(served_model_name="tiny")
+    status, body = await post(http, server.url + "/tokenize", {"model": "tiny", "prompt": "Hello world"})
+    assert status == 200 and body["count"] == len(body["tokens"]) > 0 and body["max_model_len"] == 1024
+    assert body["token_strs"] is None
+    ids = body["tokens"]
+    status, body = await post(http, server.url + "/v1/detokenize", {"tokens": ids})
+    assert status == 200 and body == {"prompt": "Hello world"}
+    # The ids the engine computes for a prompt: a completion's usage counts the same.
+    status, done = await post(http, server.url + "/v1/completions", {"prompt": "Hello world", "max_tokens": 1})
+    assert done["usage"]["prompt_tokens"] == len(ids)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    status, body = await post(http, server.url + "/v1/tokenize", chat)
+    status2, done = await post(http, server.url + "/v1/chat/completions", {**chat, "max_tokens": 1})
+    assert status == status2 == 200 and body["count"] == done["usage"]["prompt_tokens"]
+    for path, body_ in (("/tokenize", {"model": "other", "prompt": "x"}), ("/tokenize", {"prompt": 3}),
+                        ("/detokenize", {"tokens": [10**9]})):
+        status, err = await post(http, server.url + path, body_)
+        assert status in (400, 404) and err["error"]["message"], (path, err)
+    for path in ("/v1/embeddings", "/v1/rerank", "/rerank", "/v1/score", "/v1/classify"):
+        status, err = await post(http, server.url + path, {"model": "tiny", "input": "x"})
+        assert status == 400 and f"{path} is not served" in err["error"]["message"], err
+        assert "causal language model" in err["error"]["message"]
+
+
+async def test_priority_needs_the_priority_scheduling_policy(start_server: StartServer,
+                                                             http: aiohttp.ClientSession) -> None:
+    fcfs = await start_server()
+    body = {"prompt": "Hello", "max_tokens": 2, "priority": 3}
+    status, err = await post(http, fcfs.url + "/v1/completions", body)
+    assert status == 400 and "--scheduling-policy priority" in err["error"]["message"]
+    status, _ = await post(http, fcfs.url + "/v1/completions", {**body, "priority": 0})
+    assert status == 200
+    prio = await start_server(scheduling_policy="priority")
+    status, _ = await post(http, prio.url + "/v1/completions", body)
+    assert status == 200

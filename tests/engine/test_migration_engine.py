@@ -68,7 +68,8 @@ async def test_killed_engine_stream_continues_on_another_engine_unchanged(
     usage = None
     try:
         stream = await client.chat.completions.create(
-            model="smollm2", messages=MESSAGES, stream=True, temperature=0, max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
+            # The name the engines serve the embedded model under (`--model smollm2` asks for it).
+            model="SmolLM2-135M-Instruct", messages=MESSAGES, stream=True, temperature=0, max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:

@@ -1,0 +1,122 @@
+"""The gateway's CPU per request with `--enable-trace` against without it: `atomesh bench tracing`.
+
+One mock worker; a gateway process run twice over the same load (`--requests` completions,
+`--concurrency` at a time): without tracing, then with `--enable-trace` exporting to an OTLP/gRPC
+receiver in this process. The gateway's CPU time (user + system, from /proc) per request is compared;
+the target is at most 10% more with tracing. It prints (and writes `--json`); it never asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from atomesh.bench.procs import free_port, start, stop
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def receiver() -> tuple[Any, str, list[int]]:
+    """An OTLP/gRPC trace receiver counting the spans it is sent."""
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    count = [0]
+
+    class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request: Any, context: Any) -> Any:  # the gRPC method's name
+            count[0] += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Receiver(), server)  # type: ignore[no-untyped-call]
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    return server, f"127.0.0.1:{port}", count
+
+
+async def load(url: str, requests: int, concurrency: int) -> None:
+    body = {"model": "mock-model", "prompt": "hello", "max_tokens": 4}
+    todo = iter(range(requests))
+
+    async def client(s: aiohttp.ClientSession) -> None:
+        for _ in todo:
+            async with s.post(url, json=body) as r:
+                await r.read()
+
+    async with aiohttp.ClientSession() as s:
+        await asyncio.gather(*(client(s) for _ in range(concurrency)))
+
+
+async def ready(url: str) -> None:
+    async with aiohttp.ClientSession() as s:
+        for _ in range(600):
+            try:
+                async with s.get(url) as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"{url} did not become ready")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="atomesh bench tracing", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=3000)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    server, endpoint, spans = receiver()
+    results: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        mport = free_port()
+        mock = start([sys.executable, "-m", "atomesh.testing.mock_worker", "--port", str(mport)], Path(tmp) / "m.log")
+        try:
+            asyncio.run(ready(f"http://127.0.0.1:{mport}/health"))
+            for name, extra in (("off", []), ("on", ["--enable-trace", "--otlp-traces-endpoint", endpoint])):
+                port = free_port()
+                gw: subprocess.Popen[bytes] = start(
+                    [sys.executable, "-m", "atomesh", "launch", "--host", "127.0.0.1", "--port", str(port),
+                     "--prometheus-port", str(free_port()), "--worker-urls", f"http://127.0.0.1:{mport}",
+                     "--policy", "round_robin", "--log-level", "warn", "--access-log-sample-rate", "0", *extra],
+                    Path(tmp) / f"{name}.log")
+                try:
+                    url = f"http://127.0.0.1:{port}"
+                    asyncio.run(ready(url + "/readiness"))
+                    asyncio.run(load(url + "/v1/completions", 200, args.concurrency))  # warm up
+                    before = cpu_seconds(gw.pid)
+                    asyncio.run(load(url + "/v1/completions", args.requests, args.concurrency))
+                    results[name] = (cpu_seconds(gw.pid) - before) / args.requests
+                finally:
+                    stop(gw)
+        finally:
+            stop(mock)
+            time.sleep(0.5)
+            server.stop(0)
+    ratio = results["on"] / results["off"]
+    print(f"gateway CPU per request: tracing off {results['off'] * 1e6:.0f} us, on {results['on'] * 1e6:.0f} us "
+          f"({ratio:.2f}x; target <= 1.10x); spans received: {spans[0]}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({**{f"cpu_us_{k}": v * 1e6 for k, v in results.items()}, "ratio": ratio,
+                                         "spans": spans[0]}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
