@@ -50,6 +50,7 @@ class Part:
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     extra_ports: list[int] = field(default_factory=list)
+    device: str = ""  # an engine's --device (shown at start)
 
     def start(self, env: dict[str, str]) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -110,6 +111,48 @@ class UpSettings:
     log_dir: Path = Path(".atomesh/logs")
     startup_timeout: float = 600.0
     engine_args: tuple[str, ...] = ()
+    gpus: int | None = None  # GPUs to place engines on with device cuda; None: those visible (visible_gpus)
+
+
+GPU_MEMORY_SHARE = 0.85  # of each GPU, split between the engines placed on it
+
+
+def visible_gpus() -> int:
+    """GPUs the engines can see: CUDA_VISIBLE_DEVICES when set, else ``nvidia-smi -L``'s list (0 when neither)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return len([d for d in env.split(",") if d.strip() and d.strip() != "-1"])
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def place_on_gpus(roles: list[str], gpus: int) -> list[tuple[str, float]]:
+    """Each engine's ``--device`` and ``--gpu-memory-utilization``, in ``roles`` order.
+
+    One GPU (or none known): every engine on ``cuda``, each its share of the card. More: one engine
+    per GPU as far as they go; with P/D, prefill and decode engines on distinct GPUs (the GPUs split
+    between the two pools in proportion to their engines, at least one each), round robin within a
+    pool; engines that still share a GPU split it.
+    """
+    if gpus <= 1:
+        return [("cuda", round(GPU_MEMORY_SHARE / len(roles), 3))] * len(roles)
+    pd = "prefill" in roles and "decode" in roles
+    if pd:
+        n_prefill = roles.count("prefill")
+        k = min(gpus - 1, max(1, round(gpus * n_prefill / len(roles))))
+        pools = {"prefill": list(range(k)), "decode": list(range(k, gpus))}
+    else:
+        pools = {role: list(range(gpus)) for role in set(roles)}
+    seen: dict[str, int] = {}
+    chosen = []
+    for role in roles:
+        pool = pools[role]
+        i = seen[role] = seen.get(role, -1) + 1
+        chosen.append(pool[i % len(pool)])
+    return [(f"cuda:{g}", round(GPU_MEMORY_SHARE / chosen.count(g), 3)) for g in chosen]
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -134,17 +177,23 @@ def plan_parts(s: UpSettings) -> list[Part]:
     engine_port, handshake = s.engine_port, s.handshake_port
     roles = (["prefill"] * s.prefill + ["decode"] * s.decode) if s.pd else ["worker"] * s.workers
     counts: dict[str, int] = {}
-    for role in roles:
+    placed: list[tuple[str, float]] | None = None
+    if s.device == "cuda":
+        placed = place_on_gpus(roles, visible_gpus() if s.gpus is None else s.gpus)
+    for n, role in enumerate(roles):
         i = counts[role] = counts.get(role, -1) + 1
+        device = placed[n][0] if placed else s.device
         argv = [py, "-m", "engine.openai_server", "--model", s.model, "--served-model-name", served_name(s.model),
                 "--host", s.host,
-                "--server-port", str(engine_port), "--device", s.device,
+                "--server-port", str(engine_port), "--device", device,
                 "--max-model-len", str(s.max_model_len), "--kv-cache-memory-gb", str(s.kv_cache_memory_gb),
                 # A dead engine (a CUDA fault) ends its process, so that `up` shows it and stops the rest.
                 "--exit-on-engine-error", *s.engine_args]
-        if s.device != "cpu":
-            # Engines sharing one GPU: each its share of it (the KV pool is what the share leaves).
-            argv += ["--gpu-memory-utilization", f"{0.85 / len(roles):.3f}"]
+        if placed:
+            # Each engine its share of its GPU (the KV pool is what the share leaves).
+            argv += ["--gpu-memory-utilization", f"{placed[n][1]:.3f}"]
+        elif s.device != "cpu":  # auto: the engines decide the device; assume they share one
+            argv += ["--gpu-memory-utilization", f"{GPU_MEMORY_SHARE / len(roles):.3f}"]
         extra = []
         if s.policy == "kv_aware":
             # kv_aware places by the engines' own KV events, which an engine publishes only when told to;
@@ -161,7 +210,7 @@ def plan_parts(s: UpSettings) -> list[Part]:
             extra.append(handshake)
             handshake += 1
         parts.append(Part(f"{role}-{i}", argv, engine_port, f"http://{s.host}:{engine_port}/health",
-                          s.log_dir / f"{role}-{i}.log", extra_ports=extra))
+                          s.log_dir / f"{role}-{i}.log", extra_ports=extra, device=device))
         engine_port += 1
     urls = {p.name: f"http://{s.host}:{p.port}" for p in parts}
     gw = [py, "-m", "atomesh", "launch", "--host", s.host, "--port", str(s.port),
@@ -203,7 +252,8 @@ class System:
         engines, gateway = self.parts[:-1], self.parts[-1]
         for p in engines:  # engines load their models in parallel
             p.start(env)
-            self.say(f"  starting {p.name:<10} on :{p.port}  (log: {p.log_path})")
+            on = f" {p.device}" if p.device.startswith("cuda") else ""
+            self.say(f"  starting {p.name:<10} on :{p.port}{on}  (log: {p.log_path})")
         self._wait(engines)
         gateway.start(env)
         self.say(f"  starting {'gateway':<10} on :{gateway.port}  (log: {gateway.log_path})")

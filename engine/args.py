@@ -40,8 +40,9 @@ _PARALLEL_FLAGS = (
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 _KV_CONFIG_KEYS = {"kv_connector", "kv_role", "handshake_port", "proxy_ip", "http_port", "protocol",
-                   "memory_backend", "staging_buffer_mb"}  # fmt: skip
+                   "memory_backend", "staging_buffer_mb", "max_inflight_pulls", "write_lanes"}  # fmt: skip
 MEMORY_BACKENDS = ("auto", "direct", "staged")
+KV_PROTOCOLS = ("tcp", "rdma", "nvlink_intra", "nvlink")  # engine.kv_transfer.transport.Transport
 DEFAULT_HANDSHAKE_PORT = 6301
 
 
@@ -57,6 +58,9 @@ class KVTransferConfig:
     # Where the relay moves KV from (engine.kv_transfer.backend): auto, direct or staged.
     memory_backend: str = "auto"
     staging_buffer_mb: int = 128  # the staged backend's registered buffer, per engine
+    # Transfers in flight at once: decode's pulls (each holds two staging slots), prefill's staged writes.
+    max_inflight_pulls: int = 8
+    write_lanes: int = 2  # Mooncake writes in flight per peer (threads that busy-wait: not more than cores)
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sparse-topk-blocks", type=int, default=16, help="blocks chosen by the indexer per decode step"
     )
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--device", type=parse_device, default="auto", metavar="{auto,cpu,cuda,cuda:N}",
+                   help="cuda:N runs on GPU N (one engine per GPU: N engines on N GPUs); cuda is cuda:0")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     p.add_argument("--seed", type=int, default=0, help="seed of requests that bring none")
     p.add_argument("--torch-threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
@@ -324,6 +329,14 @@ def validate(ns: argparse.Namespace) -> EngineArgs:
     )
 
 
+def parse_device(value: str) -> str:
+    """``--device``: auto, cpu, cuda or cuda:N (a GPU index); raises ValueError (argparse: a usage error)."""
+    kind, _, index = value.partition(":")
+    if value in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit()):
+        return value
+    raise argparse.ArgumentTypeError(f"invalid device {value!r}: choose auto, cpu, cuda or cuda:N (N a GPU index)")
+
+
 def parse_capture_sizes(values: Sequence[str]) -> tuple[int, ...]:
     """``--cudagraph-capture-sizes``: ``[1,2,4]`` (ATOM), ``1 2 4`` (vLLM) or ``1,2,4``; sorted, unique."""
     text = " ".join(values).strip().removeprefix("[").removesuffix("]")
@@ -356,11 +369,13 @@ def parse_kv_transfer_config(text: str) -> KVTransferConfig:
     if backend not in MEMORY_BACKENDS:
         raise ValueError(f"--kv-transfer-config: memory_backend {backend!r} must be one of {list(MEMORY_BACKENDS)}")
     protocol = raw.get("protocol")
-    if protocol is not None and protocol not in ("tcp", "rdma"):
-        raise ValueError(f"--kv-transfer-config: protocol {protocol!r} must be tcp or rdma")
+    if protocol is not None and protocol not in KV_PROTOCOLS:
+        raise ValueError(f"--kv-transfer-config: protocol {protocol!r} must be one of {list(KV_PROTOCOLS)}")
     staging_mb = raw.get("staging_buffer_mb", 128)
     if not isinstance(staging_mb, int) or isinstance(staging_mb, bool) or not 1 <= staging_mb <= 65536:
         raise ValueError(f"--kv-transfer-config: staging_buffer_mb {staging_mb!r} must be an integer in 1..65536 (MiB)")
+    inflight = _int_in(raw, "max_inflight_pulls", 8, 1, 256)
+    lanes = _int_in(raw, "write_lanes", 2, 1, 64)
     return KVTransferConfig(
         kv_role=role,
         kv_connector=connector,
@@ -369,4 +384,13 @@ def parse_kv_transfer_config(text: str) -> KVTransferConfig:
         protocol=raw.get("protocol"),
         memory_backend=backend,
         staging_buffer_mb=staging_mb,
+        max_inflight_pulls=inflight,
+        write_lanes=lanes,
     )
+
+
+def _int_in(raw: dict[str, object], key: str, default: int, lo: int, hi: int) -> int:
+    value = raw.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise ValueError(f"--kv-transfer-config: {key} {value!r} must be an integer in {lo}..{hi}")
+    return value

@@ -277,7 +277,7 @@ class AsyncLLMEngine:
         error (see ``is_fatal``) marks the engine dead and ends it."""
         assert self._wake is not None
         try:
-            while True:
+            while self._dead is None:
                 if self.engine.scheduler.is_idle():
                     self._wake.clear()
                     await self._wake.wait()
@@ -334,6 +334,13 @@ class AsyncLLMEngine:
     def on_death(self, callback: Callable[[EngineDeadError], None]) -> None:
         """Call ``callback`` once if the engine dies (the server's /health and --exit-on-engine-error)."""
         self._death_callbacks.append(callback)
+
+    def die(self, phase: str, cause: BaseException) -> None:
+        """A component the engine cannot serve without has failed (``phase`` names it): the engine is dead."""
+        if self._dead is None:
+            self._die(phase, cause)
+            if self._wake is not None:
+                self._wake.set()  # the loop sees it and ends
 
     def _die(self, phase: str, cause: BaseException) -> None:
         """The engine can serve nothing more: every request gets an error, new ones are refused (503)."""

@@ -35,7 +35,8 @@ from engine.kv_transfer import (
 )
 from engine.kv_transfer.backend import MemoryBackend, choose_backend, installed_wheel, parse_backend
 from engine.kv_transfer.layout import region_views, view_region
-from engine.kv_transfer.staging import StagingBuffer
+from engine.kv_transfer.staging import SLOTS_PER_TRANSFER, StagingBuffer
+from engine.kv_transfer.transport import HostFacts, TransportChoice, choose_transport
 from engine.llm_engine import LLMEngine
 from engine.sequence import Sequence
 
@@ -45,6 +46,14 @@ PRODUCER, CONSUMER = "kv_producer", "kv_consumer"
 # How long decode keeps blocks out of use after a transfer that failed mid-write: the producer
 # may still be writing into them until its own write gives up (one batch, bounded by Mooncake).
 WRITE_GRACE_SECS = 30.0
+# The KV agent writes to itself this often; this many failures in a row (each within the timeout) mean it is dead.
+AGENT_PROBE_SECS = 10.0
+AGENT_PROBE_TIMEOUT_SECS = 10.0
+AGENT_PROBE_FAILURES = 2
+
+
+class RelayConfigError(ValueError):
+    """A ``--kv-transfer-config`` the engine's caches cannot honour, found as the relay starts."""
 
 
 def advertised_host(bind_host: str) -> str:
@@ -71,9 +80,20 @@ def transfer_backend(engine: LLMEngine, config: KVTransferConfig) -> tuple[Memor
         raise ValueError(f"--kv-transfer-config: {exc}") from None
 
 
+def transfer_transport(engine: LLMEngine, config: KVTransferConfig, backend: MemoryBackend) -> TransportChoice:
+    """The Mooncake transport this engine's relay uses and why; raises ValueError when it cannot work."""
+    gpu_direct = engine.device.type == "cuda" and backend is MemoryBackend.DIRECT
+    try:
+        return choose_transport(config.protocol, HostFacts.probe(gpu_direct=gpu_direct))
+    except ValueError as exc:
+        raise ValueError(f"--kv-transfer-config: {exc}") from None
+
+
 def check_transfer_support(engine: LLMEngine, config: KVTransferConfig) -> None:
     """Refuse, before serving, a KV relay this installation cannot do (raises ValueError)."""
-    transfer_backend(engine, config)
+    chosen = transfer_backend(engine, config)
+    if chosen is not None:
+        transfer_transport(engine, config, chosen[0])
 
 
 @dataclass(slots=True)
@@ -85,6 +105,8 @@ class TransferStats:
     pull_failures: dict[str, int] = field(default_factory=dict)
     pull_seconds: float = 0.0
     released: dict[str, int] = field(default_factory=dict)
+    pulls_in_flight: int = 0  # gauges, refreshed by Disaggregation.snapshot
+    pulls_waiting: int = 0
 
 
 class Disaggregation:
@@ -108,6 +130,10 @@ class Disaggregation:
         self.consumer: KVConsumer | None = None
         # Reservations held back after a failed pull, until the producer can no longer write into them.
         self._grace: dict[asyncio.TimerHandle, Sequence] = {}
+        # Told once when the KV agent stops working (the server marks the engine dead); see _watch_agent.
+        self.on_agent_dead: Callable[[BaseException], None] | None = None
+        self.probe_secs = AGENT_PROBE_SECS
+        self._watchdog: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         runner = self.engine.runner
@@ -117,9 +143,20 @@ class Disaggregation:
         # Ids come from the engine's pool: the cache tensors may hold more blocks (scratch) than it hands out.
         views = region_views(runner.kv_caches, runner.indexer_caches, num_blocks=self.engine.num_blocks)
         regions = [view_region(v) for v in views]
-        if self.backend is MemoryBackend.STAGED:
-            self.staging = StagingBuffer(views, self.config.staging_buffer_mb << 20)
-        self.agent = MooncakeAgent(self.host, protocol=self.config.protocol)
+        transport = transfer_transport(self.engine, self.config, self.backend)
+        inflight = self.config.max_inflight_pulls
+        if self.backend is MemoryBackend.STAGED:  # two slots per transfer in flight: a pipeline two chunks deep
+            try:
+                self.staging = StagingBuffer(views, self.config.staging_buffer_mb << 20,
+                                             slots=SLOTS_PER_TRANSFER * inflight)  # fmt: skip
+            except ValueError as exc:
+                mb = self.config.staging_buffer_mb
+                raise RelayConfigError(
+                    f"--kv-transfer-config: staging_buffer_mb {mb} is cut into {SLOTS_PER_TRANSFER} slots per "
+                    f"max_inflight_pulls ({inflight}): {exc}; raise staging_buffer_mb or lower max_inflight_pulls"
+                ) from None
+        log.info("kv_transfer_transport protocol=%s reason=%r", transport.protocol.value, transport.reason)
+        self.agent = MooncakeAgent(self.host, protocol=transport.protocol.value, lanes=self.config.write_lanes)
         self.agent.register(regions if self.staging is None else [self.staging.region])
         if self.role == PRODUCER:
             self.producer = KVProducer(self.agent, regions, host=self.host,
@@ -132,16 +169,46 @@ class Disaggregation:
                 raise BindError(f"cannot listen on {self.bind_host}:{self.config.handshake_port} (KV handshake, "
                                 f"--kv-transfer-config handshake_port): {reason}") from exc
         else:
-            self.consumer = KVConsumer(self.agent, regions, staging=self.staging, slot_grace_s=WRITE_GRACE_SECS)
+            self.consumer = KVConsumer(self.agent, regions, staging=self.staging, slot_grace_s=WRITE_GRACE_SECS,
+                                       max_inflight=inflight)  # fmt: skip
         staging = ""
         if self.staging:
             host = "pinned" if self.staging.host.is_pinned() else "plain"
             staging = (f" staging_mib={self.staging.nbytes / 2**20:g} slots={self.staging.slots}"
                        f" slot_mib={self.staging.slot_bytes / 2**20:g} host={host}")  # fmt: skip
         log.info("kv_transfer_memory_backend backend=%s%s reason=%r", self.backend.value, staging, why)
-        log.info("kv_transfer_ready role=%s engine=%s regions=%d", self.role, self.agent.rpc_address, len(regions))
+        log.info("kv_transfer_ready role=%s engine=%s regions=%d max_inflight_pulls=%d write_lanes=%d", self.role,
+                 self.agent.rpc_address, len(regions), inflight, self.config.write_lanes)
+        self._watchdog = asyncio.create_task(self._watch_agent(), name="kv-agent-watchdog")
+
+    async def _watch_agent(self) -> None:
+        """Probe the KV agent (a write to itself) every ``probe_secs``; after AGENT_PROBE_FAILURES failures in
+        a row it is dead: a P/D engine without its agent can serve nothing, so the engine is marked dead.
+
+        A failing peer never trips this: the probe touches only our own agent, its listener and transport.
+        """
+        agent = self.agent
+        assert agent is not None
+        loop = asyncio.get_running_loop()
+        failures = 0
+        while True:
+            await asyncio.sleep(self.probe_secs)
+            try:
+                await asyncio.wait_for(loop.run_in_executor(None, agent.probe), AGENT_PROBE_TIMEOUT_SECS)
+                failures = 0
+            except (KVTransferError, TimeoutError) as exc:
+                failures += 1
+                log.warning("kv_agent_probe_failed failures=%d error=%s", failures, exc)
+                if failures >= AGENT_PROBE_FAILURES:
+                    if self.on_agent_dead is not None:
+                        self.on_agent_dead(exc)
+                    return
 
     async def stop(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
+            self._watchdog = None
         if self.producer is not None:
             await self.producer.close()  # releases whatever is still pending
         for handle, seq in list(self._grace.items()):
@@ -153,10 +220,20 @@ class Disaggregation:
         if self.staging is not None:
             self.staging.close()
 
+    def snapshot(self) -> TransferStats:
+        """The counters with the pull gauges as they are now (for /metrics)."""
+        if self.consumer is not None:
+            self.stats.pulls_in_flight, self.stats.pulls_waiting = self.consumer.in_flight, self.consumer.waiting
+        return self.stats
+
     def info(self) -> dict[str, Any]:
         return {"kv_role": self.role, "handshake_port": self.producer.port if self.producer else None,
                 "engine_id": self.agent.rpc_address if self.agent else None,
-                "memory_backend": self.backend.value if self.backend else None}
+                "memory_backend": self.backend.value if self.backend else None,
+                "protocol": self.agent.protocol if self.agent else None,
+                "max_inflight_pulls": self.config.max_inflight_pulls,
+                "pulls_in_flight": self.consumer.in_flight if self.consumer else 0,
+                "pulls_waiting": self.consumer.waiting if self.consumer else 0}
 
     # -- prefill side --------------------------------------------------------------------------------
 

@@ -50,12 +50,19 @@ class EngineStats:
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` picks CUDA when torch sees a GPU, else the CPU."""
+    """``auto`` picks CUDA when torch sees a GPU, else the CPU; ``cuda:N`` becomes the current device."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: torch sees no CUDA device (is this a CPU build of torch?)")
-    return torch.device(name)
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: torch sees no CUDA device (is this a CPU build of torch?)")
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is not None:
+        if device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: torch sees {torch.cuda.device_count()} GPU(s) "
+                             "(CUDA_VISIBLE_DEVICES renumbers them from 0)")
+        # Kernels, graphs and streams made without a device go to the current one: make it this one.
+        torch.cuda.set_device(device)
+    return device
 
 
 def resolve_kernels(name: str, device: torch.device, cache_dtype: torch.dtype, head_dim: int = 64) -> str:

@@ -92,7 +92,7 @@ class ServerMetrics:
 
 
 class TransferCollector(Collector):
-    """KV relay counters: offered / pulled transfers, failures by reason, releases by reason."""
+    """KV relay counters: offered / pulled transfers, failures by reason, releases by reason; pulls in flight."""
 
     def __init__(self, stats: Callable[[], TransferStats]) -> None:
         self._stats = stats
@@ -113,4 +113,9 @@ class TransferCollector(Collector):
         )
         for reason, n in sorted(s.released.items()):
             released.add_metric([reason], float(n))
-        yield from (offered, pulled, seconds, failures, released)
+        in_flight = GaugeMetricFamily("atom:kv_transfer_pulls_in_flight",
+                                      "KV pulls talking to a producer now (at most max_inflight_pulls)")
+        in_flight.add_metric([], float(s.pulls_in_flight))
+        waiting = GaugeMetricFamily("atom:kv_transfer_pulls_waiting", "KV pulls waiting for a max_inflight_pulls place")
+        waiting.add_metric([], float(s.pulls_waiting))
+        yield from (offered, pulled, seconds, failures, released, in_flight, waiting)

@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from engine import tokenize_api
 from engine.args import EngineArgs, parse_args
 from engine.async_engine import AsyncLLMEngine, RequestOutput
-from engine.disagg import Disaggregation, check_transfer_support
+from engine.disagg import Disaggregation, RelayConfigError, check_transfer_support
 from engine.errors import BindError, EngineError, InvalidRequestError, ModelNotFoundError
 from engine.kv_events import ZmqEventPublisher, advertised
 from engine.llm_engine import LLMEngine
@@ -635,7 +635,8 @@ def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
               if args.kv_transfer.kv_role else None)
     server_metrics = ServerMetrics(async_engine.stats, served)
     if disagg is not None:
-        server_metrics.watch_transfers(lambda: disagg.stats)
+        server_metrics.watch_transfers(disagg.snapshot)
+        disagg.on_agent_dead = lambda exc: async_engine.die("kv_agent", exc)
     tracing = (EngineTracing(args.otlp_traces_endpoint, f"atomesh-engine-{args.kv_transfer.kv_role or 'colocated'}")
                if args.otlp_traces_endpoint else None)
     app[STATE] = ServerState(async_engine, args, served, server_metrics, disagg, tracing)
@@ -753,7 +754,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             uvloop.run(serve(args, engine))
     except KeyboardInterrupt:
         pass
-    except BindError as exc:
+    except (BindError, RelayConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc
     except EngineExit as exc:

@@ -261,6 +261,63 @@ def test_prefill_dying_after_answering_fails_decode_clearly(engines: dict[str, E
     wait_until(lambda: d.blocks_used() == 0, what="decode's block pool to be idle")
 
 
+@pytest.mark.timeout(120)
+async def test_several_pulls_in_flight_some_failing_leave_no_blocks(engines: dict[str, Engine]) -> None:
+    """Eight decode requests at once: four pull from a live prefill engine, four from one killed after it
+    answered. The four good ones equal the colocated engine, the others fail 502; every pool goes idle."""
+    p, d, single = engines["prefill"], engines["decode"], engines["single"]
+    doomed = Engine("doomed-prefill-2", "kv_producer").wait_up()
+    prompts = [f"pull {i} " + PROMPTS[i % 3] for i in range(8)]
+    try:
+        params = [_prefill(doomed if i % 2 else p, q) for i, q in enumerate(prompts)]
+    finally:
+        doomed.stop()
+    info = json.loads(urllib.request.urlopen(d.url + "/kv_transfer_info", timeout=10).read())
+    assert info["max_inflight_pulls"] == 8 and info["pulls_in_flight"] == 0
+    async with aiohttp.ClientSession() as s:
+        want = [await _complete(s, single.url, _greedy(q)) for q in prompts[::2]]
+
+        async def decode(i: int) -> tuple[int, Any]:
+            body = _greedy(prompts[i], kv_transfer_params=params[i])
+            async with s.post(d.url + "/v1/completions", json=body) as r:
+                data = await r.json()
+                return r.status, data
+
+        answers = await asyncio.gather(*(decode(i) for i in range(8)))
+    for i, (status, data) in enumerate(answers):
+        if i % 2:
+            assert status == 502 and data["error"]["code"] == "kv_transfer_failed", data
+        else:
+            assert status == 200, data
+            assert (data["choices"][0]["text"], data["usage"]["completion_tokens"]) == want[i // 2]
+    wait_until(lambda: p.blocks_used() == 0 and d.blocks_used() == 0, what="both block pools to be idle")
+    exported = urllib.request.urlopen(d.url + "/metrics", timeout=10).read().decode()
+    assert "atom:kv_transfer_pulls_in_flight 0.0" in exported and "atom:kv_transfer_pulls_waiting 0.0" in exported
+
+
+@pytest.mark.timeout(120)
+def test_prefill_and_decode_on_two_gpus_equal_a_colocated_engine(engines: dict[str, Engine]) -> None:
+    """CUDA with two GPUs or more: the prefill engine on cuda:0, the decode engine on cuda:1 (staged)."""
+    import torch
+
+    if DEVICE != "cuda" or torch.cuda.device_count() < 2:
+        pytest.skip("needs ENGINE_TEST_DEVICE=cuda and two GPUs")
+    p = Engine("gpu0-prefill", "kv_producer", "--device", "cuda:0")
+    d = Engine("gpu1-decode", "kv_consumer", "--device", "cuda:1")
+    try:
+        p.wait_up()
+        d.wait_up()
+        for prompt in PROMPTS:
+            status, want = post(engines["single"].url + "/v1/completions", _greedy(prompt))
+            assert status == 200, want
+            status, got = _decode(d, _prefill(p, prompt), prompt)
+            assert status == 200 and got["choices"][0]["text"] == want["choices"][0]["text"], got
+        wait_until(lambda: p.blocks_used() == 0 and d.blocks_used() == 0, what="both block pools to be idle")
+    finally:
+        p.stop()
+        d.stop()
+
+
 @pytest.mark.timeout(60)
 def test_a_memory_backend_mismatch_fails_cleanly(engines: dict[str, Engine]) -> None:
     if "direct-prefill" not in engines:

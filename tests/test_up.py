@@ -129,12 +129,37 @@ def test_engines_sharing_a_gpu_each_get_their_share() -> None:
                 out.append(part.argv[part.argv.index("--gpu-memory-utilization") + 1])
         return out
 
-    assert shares(UpSettings(device="cuda", prefill=1, decode=1)) == ["0.425", "0.425"]
-    assert shares(UpSettings(device="cuda", pd=False, workers=4)) == ["0.212"] * 4
+    assert shares(UpSettings(device="cuda", prefill=1, decode=1, gpus=1)) == ["0.425", "0.425"]
+    assert shares(UpSettings(device="cuda", pd=False, workers=4, gpus=1)) == ["0.212"] * 4
     assert shares(UpSettings(device="cpu")) == []  # on CPU the pool comes from --kv-cache-memory-gb
 
 
 @pytest.mark.timeout(10)
+def test_engines_go_one_per_gpu_prefill_and_decode_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    from atomesh.up import UpSettings, place_on_gpus, plan_parts, visible_gpus
+
+    def placement(settings: UpSettings) -> list[tuple[str, str, str]]:
+        return [(p.name, p.argv[p.argv.index("--device") + 1], p.argv[p.argv.index("--gpu-memory-utilization") + 1])
+                for p in plan_parts(settings)[:-1]]  # fmt: skip
+
+    assert placement(UpSettings(device="cuda", gpus=2)) == [
+        ("prefill-0", "cuda:0", "0.850"), ("decode-0", "cuda:1", "0.850")]  # fmt: skip
+    assert placement(UpSettings(device="cuda", prefill=2, decode=2, gpus=8)) == [
+        ("prefill-0", "cuda:0", "0.850"), ("prefill-1", "cuda:1", "0.850"),
+        ("decode-0", "cuda:4", "0.850"), ("decode-1", "cuda:5", "0.850")]  # fmt: skip
+    # More engines than GPUs: never prefill and decode on one GPU; engines sharing one split it.
+    assert placement(UpSettings(device="cuda", prefill=1, decode=3, gpus=2)) == [
+        ("prefill-0", "cuda:0", "0.850"), ("decode-0", "cuda:1", "0.283"), ("decode-1", "cuda:1", "0.283"),
+        ("decode-2", "cuda:1", "0.283")]  # fmt: skip
+    assert [d for d, _ in place_on_gpus(["prefill"] * 3 + ["decode"], 4)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert [d for d, _ in place_on_gpus(["worker"] * 3, 2)] == ["cuda:0", "cuda:1", "cuda:0"]
+    assert placement(UpSettings(device="cuda", gpus=1))[1][1] == "cuda"  # one GPU: shared, as before
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert visible_gpus() == 2  # the engines see them as cuda:0 and cuda:1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert visible_gpus() == 0
+
+
 def test_up_with_kv_aware_starts_engines_that_publish_kv_events() -> None:
     import json
 

@@ -55,8 +55,9 @@ sweep colocated http://127.0.0.1:8010
 sweep colocated-atomesh http://127.0.0.1:30000
 stop_all
 # (c): 1P1D through atomesh.
-engine prefill 8011 --kv-transfer-config '{"kv_role":"kv_producer","kv_connector":"mooncake","handshake_port":6301}'
-engine decode 8012 --kv-transfer-config '{"kv_role":"kv_consumer","kv_connector":"mooncake","handshake_port":6302}'
+# KVX: more --kv-transfer-config keys for both engines, e.g. KVX='"memory_backend":"direct","max_inflight_pulls":64'
+engine prefill 8011 --kv-transfer-config "{\"kv_role\":\"kv_producer\",\"kv_connector\":\"mooncake\",\"handshake_port\":6301${KVX:+,$KVX}}"
+engine decode 8012 --kv-transfer-config "{\"kv_role\":\"kv_consumer\",\"kv_connector\":\"mooncake\",\"handshake_port\":6302${KVX:+,$KVX}}"
 wait_http http://127.0.0.1:8011/health 240 && wait_http http://127.0.0.1:8012/health 240
 python3 -m atomesh launch --pd-disaggregation --backend atom --prefill http://127.0.0.1:8011 none \
   --decode http://127.0.0.1:8012 --host 127.0.0.1 --port 30001 --prometheus-port 29001 >"$R/gateway-pd.log" 2>&1 &

@@ -10,7 +10,10 @@ size 16, per layer one ``[2, num_blocks, 16, 3, 64]`` K/V tensor plus one ``[num
 indexer-key tensor (one head_dim vector per block per layer, the cache's dtype), on ``--device``.
 All caches of a side are views of one flat buffer. The raw peer is one contiguous Mooncake write
 of the same byte count between the same two processes: from the flat cache buffer on CPU, between
-pinned host buffers on CUDA (what the CPU-only wheel can move). Each request is timed from decode's
+pinned host buffers on CUDA (what the CPU-only wheel can move). On CUDA each row also carries the copy
+limits measured in the same run: a device-to-device copy of the same bytes in this process, and a copy
+from the producer's caches into a tensor of this process opened in the producer through CUDA IPC
+(``d2d_gb_s``, ``ipc_gb_s``). Each request is timed from decode's
 side (handshake + gather + writes + scatter + reply); the raw write is timed inside the producer
 (the write alone), right before each request; ``ratio`` is the median over those back-to-back
 pairs of raw time / request time, which tolerates a noisy shared machine better than a ratio of
@@ -45,7 +48,7 @@ from engine.kv_transfer.backend import MemoryBackend, choose_backend, installed_
 from engine.kv_transfer.connector import KVConsumer, KVProducer, ReleaseReason
 from engine.kv_transfer.layout import Region, WriteOp, plan_writes, region_views, view_region
 from engine.kv_transfer.mooncake import MooncakeAgent
-from engine.kv_transfer.staging import DEFAULT_STAGING_MB, StagingBuffer, plan_chunks
+from engine.kv_transfer.staging import DEFAULT_STAGING_MB, SLOTS_PER_TRANSFER, StagingBuffer, plan_chunks
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -111,13 +114,16 @@ class Side:
             self.staging.close()
 
 
-def open_side(caches: Caches, backend: str, staging_mb: int) -> Side:
-    """An agent with what ``backend`` needs registered, plus a host buffer for raw writes."""
+def open_side(caches: Caches, backend: str, staging_mb: int, inflight: int = 2, protocol: str | None = None) -> Side:
+    """An agent with what ``backend`` needs registered, plus a host buffer for raw writes.
+
+    ``inflight``: transfers the staging buffer serves at once (two slots each), as ``max_inflight_pulls``."""
     device = caches.flat.device
     choose_backend(MemoryBackend(backend), device.type, installed_wheel())  # refuses direct GPU memory without it
     raw = caches.flat if device.type == "cpu" else torch.empty(caches.flat.numel(), dtype=torch.uint8, pin_memory=True)
-    staging = StagingBuffer(caches.views, staging_mb << 20) if backend == MemoryBackend.STAGED else None
-    agent = MooncakeAgent("127.0.0.1")
+    staging = (StagingBuffer(caches.views, staging_mb << 20, slots=SLOTS_PER_TRANSFER * inflight)
+               if backend == MemoryBackend.STAGED else None)  # fmt: skip
+    agent = MooncakeAgent("127.0.0.1", protocol=protocol)
     regions = [Region(raw.data_ptr(), raw.numel(), 1)]
     regions += caches.regions if staging is None else [staging.region]
     agent.register(regions)
@@ -126,17 +132,18 @@ def open_side(caches: Caches, backend: str, staging_mb: int) -> Side:
 
 def _producer_main(
     conn: Connection, num_blocks: int, dtype_name: str, cache_layout: str, backend: str = "direct",
-    staging_mb: int = DEFAULT_STAGING_MB, device: str = "cpu",
+    staging_mb: int = DEFAULT_STAGING_MB, device: str = "cpu", inflight: int = 2, protocol: str | None = None,
 ) -> None:  # fmt: skip
-    """The prefill process: answers ``offer`` / ``raw`` / ``released`` / ``stop`` commands on ``conn``."""
+    """The prefill process: answers ``offer`` / ``raw`` / ``ipc_copy`` / ``released`` / ``stop`` on ``conn``."""
     torch.set_num_threads(1)
     caches = make_caches(num_blocks, DTYPES[dtype_name], cache_layout, device)
-    asyncio.run(_producer(conn, caches, backend, staging_mb))
+    asyncio.run(_producer(conn, caches, backend, staging_mb, inflight, protocol))
 
 
-async def _producer(conn: Connection, caches: Caches, backend: str, staging_mb: int) -> None:
+async def _producer(conn: Connection, caches: Caches, backend: str, staging_mb: int, inflight: int = 2,
+                    protocol: str | None = None) -> None:  # fmt: skip
     fill(caches)
-    side = open_side(caches, backend, staging_mb)
+    side = open_side(caches, backend, staging_mb, inflight, protocol)
     producer = KVProducer(side.agent, caches.regions, host="127.0.0.1", handshake_port=0, bind_host="127.0.0.1",
                           staging=side.staging)  # fmt: skip
     await producer.start()
@@ -153,6 +160,8 @@ async def _producer(conn: Connection, caches: Caches, backend: str, staging_mb: 
                 start = time.perf_counter()
                 await side.agent.write(peer, [WriteOp(side.raw.data_ptr(), dst, nbytes)])
                 conn.send(time.perf_counter() - start)
+            elif cmd == "ipc_copy":  # CUDA: the consumer's tensor, opened here through CUDA IPC
+                conn.send(_timed_copy(args[0], caches.flat, args[1], args[2]))
             elif cmd == "released":
                 conn.send([str(r) for r in released])
             else:
@@ -160,6 +169,18 @@ async def _producer(conn: Connection, caches: Caches, backend: str, staging_mb: 
     finally:
         await producer.close()
         side.close()
+
+
+def _timed_copy(dst: torch.Tensor, src: torch.Tensor, nbytes: int, repeats: int) -> float:
+    """Median seconds of one device copy of ``nbytes`` from ``src`` into ``dst`` (the copy limit)."""
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up (IPC mapping, clocks)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst[:nbytes].copy_(src.view(torch.uint8)[:nbytes])
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
 
 
 def _block_ids(n: int, num_blocks: int, layout: str, rng: random.Random) -> tuple[list[int], list[int]]:
@@ -186,12 +207,13 @@ async def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
     num_blocks = max(tokens) // BLOCK_SIZE + 16  # a little headroom: contiguous ids do not cover a whole region
     dtype = DTYPES[args.dtype]
     caches = make_caches(num_blocks, dtype, args.cache_layout, args.device)
-    side = open_side(caches, args.backend, args.staging_mb)
+    side = open_side(caches, args.backend, args.staging_mb, protocol=args.protocol)
     consumer = KVConsumer(side.agent, caches.regions, timeout_s=120, staging=side.staging)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_producer_main, daemon=True, args=(
-        child, num_blocks, args.dtype, args.cache_layout, args.backend, args.staging_mb, args.device))  # fmt: skip
+        child, num_blocks, args.dtype, args.cache_layout, args.backend, args.staging_mb, args.device, 2,
+        args.protocol))  # fmt: skip
     proc.start()
     loop = asyncio.get_running_loop()
     results: list[dict[str, Any]] = []
@@ -230,6 +252,7 @@ async def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     await consumer.pull(params, dst)
                     pulls.append(time.perf_counter() - start)
                 pull, raw = statistics.median(pulls), statistics.median(raws)
+                limits = await _copy_limits(args, caches, total, ask) if args.device == "cuda" else {}
                 ratio = statistics.median(r / p for r, p in zip(raws, pulls, strict=True))  # back-to-back pairs
                 print(f"{t:>6} {layout:>10} {kv_bytes / 2**20:>7.1f} {idx_bytes / 2**10:>7.1f} {writes:>6} "
                       f"{pull * 1e3:>7.1f} {total / pull / 1e9:>6.2f} {raw * 1e3:>7.1f} {total / raw / 1e9:>8.2f} "
@@ -239,7 +262,12 @@ async def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "gb_s": total / pull / 1e9, "raw_ms": raw * 1e3, "raw_gb_s": total / raw / 1e9, "ratio": ratio,
                     "backend": args.backend, "device": args.device, "dtype": args.dtype,
                     "staging_mb": args.staging_mb if side.staging else None,
+                    "protocol": side.agent.protocol, **limits,
                 })  # fmt: skip
+                if limits:
+                    print(f"{'':>6} {'':>10} copy limits: device-to-device {limits['d2d_gb_s']:.1f} GB/s, "
+                          f"IPC between the processes {limits['ipc_gb_s']:.1f} GB/s; the pull is "
+                          f"{total / pull / 1e9 / limits['ipc_gb_s']:.1%} of the IPC copy", flush=True)  # fmt: skip
         released = await ask("released")
         print(f"producer releases: {len(released)}, all written: {set(released) == {'written'}}")
     finally:
@@ -247,6 +275,15 @@ async def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
         await loop.run_in_executor(None, proc.join, 30)
         side.close()
     return results
+
+
+async def _copy_limits(args: argparse.Namespace, caches: Caches, nbytes: int, ask: Any) -> dict[str, float]:
+    """CUDA: what a plain copy of ``nbytes`` takes, in this process (device to device) and from the producer's
+    caches into a tensor of this process opened there through CUDA IPC (the limit of any GPU-to-GPU transport)."""
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=caches.flat.device)
+    d2d = _timed_copy(dst, caches.flat, nbytes, args.repeats)
+    ipc = float(await ask("ipc_copy", dst, nbytes, args.repeats))
+    return {"d2d_gb_s": nbytes / d2d / 1e9, "ipc_gb_s": nbytes / ipc / 1e9}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -259,6 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--backend", choices=["staged", "direct"], default="staged", help="KV memory backend")
     p.add_argument("--staging-mb", type=int, default=DEFAULT_STAGING_MB, help="staging buffer per side (staged)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the caches live")
+    p.add_argument("--protocol", default=None, help="Mooncake transport (default: chosen, see transport)")
     p.add_argument("--json", default="", help="also write the rows to this JSON file")
     args = p.parse_args(argv)
     torch.set_num_threads(1)

@@ -18,6 +18,12 @@ buffer: prefill writes its cache blocks straight into decode's) or *staged* (a
 ``StagingBuffer`` on each side: prefill gathers chunks into its buffer, writes them into the two
 slots decode leased, decode scatters each chunk and acknowledges it; see ``staging``). A request
 whose backend differs from the producer's is refused (``backend_mismatch``).
+
+Nothing is serialised across requests: every handshake connection is its own task on the
+producer, the consumer lets ``max_inflight`` pulls talk to producers at once (more wait their turn,
+within their timeout), the agent has several lanes per peer, a direct write keeps
+``pipeline_depth`` batches in flight and a staged one gathers, writes and scatters its chunks in a
+pipeline two slots deep.
 """
 
 from __future__ import annotations
@@ -25,12 +31,11 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
-import itertools
 import logging
 import secrets
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from typing import Any
@@ -138,9 +143,13 @@ class KVProducer:
         request_read_timeout_s: float = 10.0,
         dp_rank: int = 0,
         staging: StagingBuffer | None = None,
+        pipeline_depth: int = 2,
     ) -> None:
+        if pipeline_depth < 1:
+            raise ValueError("pipeline_depth must be >= 1")
         self._agent = agent
         self._staging = staging
+        self.pipeline_depth = pipeline_depth
         self._regions = tuple(regions)
         self._host = host
         self._handshake_port = handshake_port
@@ -369,15 +378,40 @@ class KVProducer:
                 probes[i] = op
                 new_spans.append((peer, *span_list[k]))
         rest = [op for i, op in enumerate(ops) if i not in probes]
-        for batch in itertools.chain(([op] for op in probes.values()), batches(rest, self.batch_entries)):
+        for probe in probes.values():
             if not wanted():
                 raise KVTransferError("the consumer hung up; write abandoned", reason="abandoned")
-            await self._agent.write(peer, batch)
+            await self._agent.write(peer, [probe])
+        await self._pipeline(peer, batches(rest, self.batch_entries), wanted)
         for key in new_spans:
             self._verified[key] = None
         while len(self._verified) > 4096:
             self._verified.popitem(last=False)
 
+    async def _pipeline(self, peer: str, todo: Iterable[Sequence[WriteOp]], wanted: Callable[[], bool]) -> None:
+        """Write the batches with up to ``pipeline_depth`` of them in flight (on the agent's lanes).
+
+        Returns (or raises the first failure) only once no write of this transfer is running: the
+        consumer is told the outcome only when nothing more can land in its blocks.
+        """
+        running: set[asyncio.Future[None]] = set()
+        try:
+            for batch in todo:
+                while len(running) >= self.pipeline_depth:
+                    done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                    _reap(done)  # the first failure stops the rest
+                if not wanted():
+                    raise KVTransferError("the consumer hung up; write abandoned", reason="abandoned")
+                running.add(asyncio.ensure_future(self._agent.write(peer, batch)))
+            while running:
+                done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                _reap(done)
+        finally:
+            if running:
+                await asyncio.wait(running)
+                for fut in running:  # retrieved: their errors are the first failure's consequences
+                    if not fut.cancelled():
+                        fut.exception()
 
     async def _write_staged(
         self, tid: str, peer: str, remote_slots: Sequence[tuple[int, int]], src: Sequence[int], channel: _Channel
@@ -436,6 +470,14 @@ class KVProducer:
             raise KVTransferError(f"expected chunk_ack {seq} for {tid}, got {msg!r:.200}", reason="bad_reply")
 
 
+def _reap(done: set[asyncio.Future[None]]) -> None:
+    """Raise the first failure among finished writes (every one's outcome retrieved, none left unseen)."""
+    errors = [fut.exception() for fut in done if not fut.cancelled()]
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+
+
 def _slots_from_wire(raw: object) -> list[tuple[int, int]]:
     """A staged write request's two consumer slots, ``[[address, bytes], [address, bytes]]``."""
     if not (isinstance(raw, list | tuple) and len(raw) == SLOTS_PER_TRANSFER):
@@ -465,12 +507,32 @@ class KVConsumer:
         timeout_s: float = 60.0,
         staging: StagingBuffer | None = None,
         slot_grace_s: float = 30.0,
+        max_inflight: int = 8,
     ) -> None:
+        if max_inflight < 1:
+            raise ValueError("max_inflight must be >= 1")
+        if staging is not None and staging.slots < SLOTS_PER_TRANSFER * max_inflight:
+            log.warning("kv_consumer_slots_short slots=%d max_inflight=%d: pulls will wait for staging slots",
+                        staging.slots, max_inflight)
         self._agent = agent
         self._regions = tuple(regions)
         self.timeout_s = timeout_s
         self._staging = staging
         self.slot_grace_s = slot_grace_s
+        self.max_inflight = max_inflight
+        self._gate = asyncio.Semaphore(max_inflight)
+        self._in_flight = 0
+        self._waiting = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Pulls talking to a producer now (at most ``max_inflight``)."""
+        return self._in_flight
+
+    @property
+    def waiting(self) -> int:
+        """Pulls waiting for one of the ``max_inflight`` places."""
+        return self._waiting
 
     @property
     def backend(self) -> str:
@@ -479,7 +541,8 @@ class KVConsumer:
     async def pull(self, params: KVTransferParams | Mapping[str, Any], dst_block_ids: Sequence[int]) -> None:
         """Return once the producer wrote ``params.remote_block_ids`` into ``dst_block_ids`` (same order).
 
-        A destination id of ``layout.SKIP`` (-1) skips that block (decode already holds it).
+        A destination id of ``layout.SKIP`` (-1) skips that block (decode already holds it). At most
+        ``max_inflight`` pulls run at once; the others wait, and the wait counts against ``timeout_s``.
 
         Raises KVTransferParamsError on bad params, KVTransferError on refusal, unreachable
         producer, timeout, failed write or a reply that does not match the request.
@@ -497,7 +560,7 @@ class KVConsumer:
         late_writes = True  # until the producer answered, it may still write into what we announced
         where = f"{p.remote_host}:{p.remote_handshake_port}"
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout(self.timeout_s), self._place():
                 if self._staging is not None:
                     slots = await self._staging.pool.acquire(SLOTS_PER_TRANSFER)
                 try:
@@ -540,6 +603,21 @@ class KVConsumer:
             if self._staging is not None and slots:
                 self._staging.pool.release(slots, self.slot_grace_s if sent and late_writes else 0.0)
         _check_reply(reply, p.transfer_id, nonce, where, dst_may_be_written=not staged)
+
+    @contextlib.asynccontextmanager
+    async def _place(self) -> AsyncIterator[None]:
+        """One of the ``max_inflight`` places (waiting counts against the pull's timeout)."""
+        self._waiting += 1
+        try:
+            await self._gate.acquire()
+        finally:
+            self._waiting -= 1
+        self._in_flight += 1
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+            self._gate.release()
 
     async def _receive_chunks(
         self,

@@ -7,12 +7,17 @@ Why it looks the way it does (measured on mooncake-transfer-engine 0.3.13, TCP o
 
 - ``initialize(host, "P2PHANDSHAKE", protocol, device)`` takes positional arguments only; peers
   are addressed ``"ip:" + str(get_rpc_port())``. Protocol ``"rdma"`` falls back to TCP when no RDMA
-  device is found, but logs an error on the way: :func:`choose_protocol` asks for TCP itself when the
-  host has no RDMA device (or ``MC_FORCE_TCP`` is set), so the log says what is really used.
-- The synchronous calls release the GIL but busy-wait: each peer gets one worker thread, so writes
-  to one peer run one batch at a time and the event loop never blocks.
+  device is found, but logs an error on the way: :func:`choose_protocol` (``transport``) asks for TCP
+  itself when the host has no RDMA device (or ``MC_FORCE_TCP`` is set), so the log says what is
+  really used.
+- The synchronous calls release the GIL but busy-wait: each peer gets ``lanes`` worker threads, so
+  up to ``lanes`` batches to one peer are in flight at once (several requests' transfers, or one
+  request's chunks) and the event loop never blocks. Busy-waiting threads compete for cores: on a
+  2-core machine 8 MiB writes gave 0.73 GB/s with one lane, 1.00 with two, 0.3 with four or eight;
+  hence ``lanes`` 2 by default (``write_lanes`` in ``--kv-transfer-config``).
 - More than ~1024 entries queued to one peer fail with -1 ("queue-full"), and the peer's queue
-  stays full for a moment afterwards: batches stay at ``max_batch`` (512) entries.
+  stays full for a moment afterwards: batches stay at ``max_batch`` (512, at most 1024 / lanes)
+  entries.
 - A write to an address outside the peer's registered memory fails with -1 at once; a dead peer
   fails at once on loopback (connection refused), else after ``MC_TRANSFER_TIMEOUT`` (>= 5 s).
 - A *batch* whose entries the peer rejects returns -1 at once but wedges that peer's lane while
@@ -24,6 +29,7 @@ Why it looks the way it does (measured on mooncake-transfer-engine 0.3.13, TCP o
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import sys
@@ -31,38 +37,34 @@ import tempfile
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
+from engine.kv_transfer import transport
 from engine.kv_transfer.errors import KVTransferError, TransferEngineError
 from engine.kv_transfer.layout import Region, WriteOp, batches, spans
+from engine.kv_transfer.transport import PROTOCOLS, HostFacts, Transport, choose_transport
 
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 512  # entries per batch_transfer_sync_write; Mooncake's per-peer queue holds 1024
-KV_PROTOCOLS = ("tcp", "rdma")
-RDMA_DEVICES = Path("/sys/class/infiniband")  # one entry per RDMA device the kernel knows
+QUEUE_ENTRIES = 1024  # Mooncake's per-peer queue: lanes x max_batch stays within it
+DEFAULT_LANES = 2  # writes in flight per peer; more busy-wait threads than cores slow every write down
+KV_PROTOCOLS = PROTOCOLS
+RDMA_DEVICES = transport.RDMA_DEVICES  # kept for callers that point it elsewhere (tests)
 
 
 def has_rdma_device() -> bool:
-    try:
-        return any(RDMA_DEVICES.iterdir())
-    except OSError:
-        return False
+    return transport.has_rdma_device(RDMA_DEVICES)
 
 
 def choose_protocol(requested: str | None) -> str:
-    """The protocol the transfer engine really uses: RDMA when asked for (or unset) and a device exists,
-    else TCP. Mooncake would fall back by itself, after an error-level line about the missing device."""
-    if requested is not None and requested not in KV_PROTOCOLS:
-        raise ValueError(f"protocol {requested!r} must be one of {list(KV_PROTOCOLS)}")
-    if requested == "tcp" or os.environ.get("MC_FORCE_TCP", "") not in ("", "0"):
-        return "tcp"
-    if has_rdma_device():
-        return "rdma"
-    if requested == "rdma":
+    """The protocol the transfer engine really uses (see ``transport``): RDMA when asked for (or unset)
+    and a device exists, else TCP; an intra-node one only when asked for and built in."""
+    choice = choose_transport(requested, replace(HostFacts.probe(), rdma_device=has_rdma_device()))
+    if requested == "rdma" and choice.protocol is Transport.TCP and not choice.reason.startswith("MC_FORCE_TCP"):
         log.warning("kv_transfer_protocol_fallback asked=rdma using=tcp reason=no_rdma_device")
-    return "tcp"
+    return choice.protocol.value
 
 
 def _transfer_engine_class() -> Any:
@@ -110,28 +112,40 @@ def _initialize(engine: Any, host: str, protocol: str, device_name: str) -> int:
     return rc
 
 
+PROBE_BYTES = 64  # the agent's self-probe buffer
+
+
 class MooncakeAgent:
     """One Mooncake transfer engine on ``host``: registers regions and writes into peers' memory."""
 
     def __init__(
         self, host: str = "127.0.0.1", *, protocol: str | None = None, device_name: str = "",
-        max_batch: int = MAX_BATCH,
+        max_batch: int = MAX_BATCH, lanes: int = DEFAULT_LANES,
     ) -> None:
-        if not 0 < max_batch <= 1024:
-            raise ValueError("max_batch must be in 1..1024 (Mooncake's per-peer queue limit)")
+        if not 0 < max_batch <= QUEUE_ENTRIES:
+            raise ValueError(f"max_batch must be in 1..{QUEUE_ENTRIES} (Mooncake's per-peer queue limit)")
+        if not 0 < lanes <= 64:
+            raise ValueError("lanes must be in 1..64")
         protocol = self.protocol = choose_protocol(protocol)
         self.host = host
-        self.max_batch = max_batch
+        self.lanes = lanes
+        self.max_batch = min(max_batch, QUEUE_ENTRIES // lanes)
         self._engine = _transfer_engine_class()()
         rc = _initialize(self._engine, host, protocol, device_name)
         if rc != 0:
+            if protocol in (Transport.NVLINK_INTRA, Transport.NVLINK):
+                raise KVTransferError(f"Mooncake could not start protocol {protocol!r} (rc={rc}): is it built with "
+                                      "that transport, and are the caches on a GPU?", reason="transfer_engine")
             raise TransferEngineError(f"initialize({host!r}, P2PHANDSHAKE, {protocol!r})", rc)
         self._rpc_address = f"{host}:{self._engine.get_rpc_port()}"
         self._registered: list[int] = []
         self._executors: dict[str, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
         self._closed = False
-        log.info("mooncake_agent_started rpc=%s protocol=%s", self._rpc_address, protocol)
+        # A few bytes of our own, registered, that probe() writes to itself.
+        self._probe = ctypes.create_string_buffer(PROBE_BYTES)
+        self.register([Region(ctypes.addressof(self._probe), PROBE_BYTES, 1)])
+        log.info("mooncake_agent_started rpc=%s protocol=%s lanes=%d", self._rpc_address, protocol, lanes)
 
     @property
     def rpc_address(self) -> str:
@@ -146,7 +160,8 @@ class MooncakeAgent:
             self._registered.append(base)
 
     async def write(self, peer: str, ops: Sequence[WriteOp]) -> None:
-        """Write ``ops`` into ``peer`` in batches of at most ``max_batch``, on the peer's own thread."""
+        """Write ``ops`` into ``peer`` in batches of at most ``max_batch``, one after another, on one of the
+        peer's lanes (other calls' batches run on the other lanes meanwhile)."""
         if self._closed:
             raise KVTransferError("the Mooncake agent is closed", reason="closed")
         executor = self._executor(peer)
@@ -169,6 +184,17 @@ class MooncakeAgent:
             total = sum(o.nbytes for o in ops)
             raise TransferEngineError(f"write of {len(ops)} entries ({total} bytes) to {peer}", rc)
 
+    def probe(self) -> None:
+        """Write a few bytes of this agent's own buffer to itself, through its own RPC listener and transport.
+
+        Raises when the agent cannot move data at all: a failure on our side, never a peer's (blocking; for a
+        thread, never the event loop).
+        """
+        if self._closed:
+            raise KVTransferError("the Mooncake agent is closed", reason="closed")
+        base = ctypes.addressof(self._probe)
+        self.write_blocking(self._rpc_address, [WriteOp(base, base + PROBE_BYTES // 2, PROBE_BYTES // 2)])
+
     def close(self) -> None:
         """Stop the peer threads (after their current batch) and unregister all memory."""
         with self._lock:
@@ -188,5 +214,5 @@ class MooncakeAgent:
         with self._lock:
             ex = self._executors.get(peer)
             if ex is None:
-                ex = self._executors[peer] = ThreadPoolExecutor(1, thread_name_prefix=f"mooncake-{peer}")
+                ex = self._executors[peer] = ThreadPoolExecutor(self.lanes, thread_name_prefix=f"mooncake-{peer}")
             return ex

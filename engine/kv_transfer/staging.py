@@ -38,7 +38,7 @@ from engine.kv_transfer.layout import Region
 
 log = logging.getLogger(__name__)
 
-SLOTS = 4  # slots per staging buffer: two concurrent transfers per side, each double-buffered
+SLOTS = 4  # default slots per staging buffer (engines use 2 x max_inflight_pulls): two transfers, double-buffered
 SLOTS_PER_TRANSFER = 2
 DEFAULT_STAGING_MB = 128
 _ALIGN = 4096

@@ -83,3 +83,90 @@ def test_bad_memory_backend_settings_are_refused(text: str, match: str) -> None:
         parse_kv_transfer_config(text)
     cfg = parse_kv_transfer_config('{"kv_role": "kv_producer", "memory_backend": "staged", "staging_buffer_mb": 64}')
     assert (cfg.memory_backend, cfg.staging_buffer_mb) == ("staged", 64)
+
+
+def test_concurrency_settings_are_read_and_bounded() -> None:
+    from engine.args import parse_kv_transfer_config
+
+    cfg = parse_kv_transfer_config('{"kv_role": "kv_consumer"}')
+    assert (cfg.max_inflight_pulls, cfg.write_lanes) == (8, 2)
+    cfg = parse_kv_transfer_config('{"kv_role": "kv_consumer", "max_inflight_pulls": 32, "write_lanes": 4}')
+    assert (cfg.max_inflight_pulls, cfg.write_lanes) == (32, 4)
+    for text, match in [('{"max_inflight_pulls": 0}', "max_inflight_pulls 0 must be an integer in 1..256"),
+                        ('{"max_inflight_pulls": true}', "max_inflight_pulls True"),
+                        ('{"write_lanes": 65}', "write_lanes 65 must be an integer in 1..64")]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            parse_kv_transfer_config(text)
+
+
+def test_the_transport_is_chosen_from_the_host_and_protocol_forces_one(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from engine.args import KV_PROTOCOLS, parse_kv_transfer_config
+    from engine.kv_transfer.backend import MooncakeWheel
+    from engine.kv_transfer.transport import PROTOCOLS, HostFacts, Transport, choose_transport
+
+    assert KV_PROTOCOLS == PROTOCOLS  # the flag accepts exactly what the chooser knows
+    wheel = MooncakeWheel.CUDA
+    tcp_host = HostFacts(rdma_device=False, force_tcp=False, wheel=wheel, gpu_direct=True)
+    hca_host = HostFacts(rdma_device=True, force_tcp=False, wheel=wheel, gpu_direct=True)
+    assert choose_transport(None, tcp_host).protocol is Transport.TCP
+    assert choose_transport(None, hca_host).protocol is Transport.RDMA
+    assert choose_transport("tcp", hca_host).protocol is Transport.TCP  # forced
+    fallback = choose_transport("rdma", tcp_host)
+    assert fallback.protocol is Transport.TCP and "no RDMA device" in fallback.reason
+    forced = HostFacts(rdma_device=True, force_tcp=True, wheel=wheel)
+    assert choose_transport("rdma", forced) == choose_transport(None, forced)
+    assert choose_transport(None, forced).reason == "MC_FORCE_TCP is set"
+    # Intra-node transports: never chosen by themselves; asked for, refused with a pip wheel (not built in)...
+    for proto, flag in (("nvlink_intra", "USE_INTRA_NODE_NVLINK"), ("nvlink", "USE_MNNVL")):
+        for pip_wheel in (MooncakeWheel.CUDA, MooncakeWheel.NON_CUDA):
+            with pytest.raises(ValueError, match=f"protocol '{proto}' needs Mooncake built from source with {flag}"):
+                choose_transport(proto, HostFacts(rdma_device=True, force_tcp=False, wheel=pip_wheel))
+    # ...taken with a source build when the KV is GPU memory written in place, refused otherwise.
+    source = HostFacts(rdma_device=False, force_tcp=True, wheel=MooncakeWheel.MISSING, gpu_direct=True)
+    assert choose_transport("nvlink_intra", source).protocol is Transport.NVLINK_INTRA
+    staged = HostFacts(rdma_device=False, force_tcp=False, wheel=MooncakeWheel.MISSING, gpu_direct=False)
+    with pytest.raises(ValueError, match="memory_backend 'direct'"):
+        choose_transport("nvlink_intra", staged)
+    with pytest.raises(ValueError, match=r"protocol 'ib' must be one of \['tcp', 'rdma', 'nvlink_intra', 'nvlink'\]"):
+        choose_transport("ib", tcp_host)
+    assert parse_kv_transfer_config('{"protocol": "nvlink_intra"}').protocol == "nvlink_intra"
+    (tmp_path / "mlx5_0").mkdir()
+    assert HostFacts.probe(devices=tmp_path).rdma_device and not HostFacts.probe(devices=tmp_path / "none").rdma_device
+
+
+def test_a_relay_asking_for_an_intra_node_transport_it_lacks_is_refused_before_serving() -> None:
+    from types import SimpleNamespace
+
+    import torch
+
+    from engine.args import parse_kv_transfer_config
+    from engine.disagg import check_transfer_support
+    from engine.kv_transfer.backend import MooncakeWheel, installed_wheel
+
+    if installed_wheel() is MooncakeWheel.MISSING:
+        pytest.skip("no Mooncake pip wheel installed")
+    cfg = parse_kv_transfer_config('{"kv_role": "kv_consumer", "protocol": "nvlink_intra"}')
+    with pytest.raises(ValueError, match="--kv-transfer-config: protocol 'nvlink_intra' needs Mooncake built"):
+        check_transfer_support(SimpleNamespace(device=torch.device("cpu")), cfg)  # type: ignore[arg-type]
+
+
+async def test_the_running_batch_keeps_decoding_while_pulls_are_pending_then_admits_them(make_engine) -> None:  # type: ignore[no-untyped-def]
+    """Reservations whose KV is still on its way (pulls in flight) do not stop the running batch: a
+    request decodes to its end meanwhile; each reservation, once its KV landed, joins and finishes."""
+    engine = make_engine(num_kvcache_blocks=64, block_size=16)
+    async_engine = AsyncLLMEngine(engine)
+    await async_engine.start()
+    try:
+        running = async_engine.submit(list(range(1, 40)), SamplingParams(temperature=0.0, max_tokens=24,
+                                                                         ignore_eos=True), True)  # fmt: skip
+        pending = [await async_engine.reserve(list(range(100 + i, 140 + i)), PARAMS, True) for i in range(3)]
+        outputs = [out async for out in async_engine.stream(running)]
+        assert outputs[-1].finished and outputs[-1].completion_tokens == 24  # never waited for the pulls
+        assert all(seq.seq_id in engine.held for seq in pending)
+        handles = [async_engine.submit_prefilled(seq, 7) for seq in pending]  # their KV has landed
+        for h in handles:
+            last = [out async for out in async_engine.stream(h)][-1]
+            assert last.finished and last.completion_tokens == PARAMS.max_tokens
+        assert not engine.held and engine.block_manager.num_free_blocks == engine.num_blocks
+    finally:
+        await async_engine.stop()

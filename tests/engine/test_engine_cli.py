@@ -31,6 +31,8 @@ MODULE = [sys.executable, "-m", "engine.openai_server"]
         (["--kv_cache_dtype", "int4"], "invalid choice: 'int4'"),
         (["--block-size", "12"], "power of two"),
         (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+        (["--device", "gpu"], "invalid device 'gpu': choose auto, cpu, cuda or cuda:N"),
+        (["--device", "cuda:x"], "invalid device 'cuda:x'"),
     ],
 )
 def test_bad_flags_exit_with_a_message(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -38,6 +40,25 @@ def test_bad_flags_exit_with_a_message(argv: list[str], message: str, capsys: py
         parse_args(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_device_index_is_accepted_and_checked_against_the_gpus_torch_sees() -> None:
+    from engine.llm_engine import resolve_device
+
+    assert [parse_args(["--device", d]).device for d in ("cpu", "cuda", "cuda:3")] == ["cpu", "cuda", "cuda:3"]
+    assert resolve_device("cpu").type == "cpu"
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--device cuda:1: torch sees no CUDA device"):
+            resolve_device("cuda:1")
+        return
+    count = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=f"torch sees {count} GPU"):
+        resolve_device(f"cuda:{count}")
+    last = resolve_device(f"cuda:{count - 1}")  # one engine per GPU: the last GPU becomes the current one
+    assert last.index == count - 1 and torch.cuda.current_device() == count - 1
+    torch.cuda.set_device(0)
 
 
 def test_atom_command_line_parses() -> None:
@@ -60,6 +81,11 @@ def test_refusals_from_a_real_process() -> None:
     for argv, message in (
         (["-tp", "2"], "only 1 is supported"),
         (["--model", "/no/such/model.gguf"], "cannot load model '/no/such/model.gguf'"),
+        # 1 MiB cut into 2 slots for each of 256 pulls in flight: slots smaller than one block.
+        (["--model", "tiny-random", "--device", "cpu", "--num-kvcache-blocks", "16", "--host", "127.0.0.1",
+          "--server-port", "1", "--kv-transfer-config",
+          '{"kv_role": "kv_consumer", "staging_buffer_mb": 1, "max_inflight_pulls": 256}'],
+         "staging_buffer_mb 1 is cut into 2 slots per max_inflight_pulls (256)"),
     ):
         proc = subprocess.run([*MODULE, *argv], capture_output=True, text=True, timeout=50)
         assert proc.returncode != 0
@@ -125,6 +151,6 @@ def test_kv_transfer_protocol_is_what_the_host_can_do(tmp_path, monkeypatch) -> 
     assert mooncake.choose_protocol("rdma") == "tcp"
     with pytest.raises(ValueError, match="protocol 'ib'"):
         mooncake.choose_protocol("ib")
-    with pytest.raises(ValueError, match="must be tcp or rdma"):
+    with pytest.raises(ValueError, match="protocol 'ib' must be one of"):
         parse_kv_transfer_config('{"kv_role": "kv_producer", "protocol": "ib"}')
     assert parse_kv_transfer_config('{"kv_role": "kv_producer", "protocol": "tcp"}').protocol == "tcp"

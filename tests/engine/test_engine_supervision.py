@@ -144,3 +144,47 @@ async def test_exit_on_engine_error_ends_the_server(make_engine: Callable[..., L
             await asyncio.wait_for(server, 20)
     finally:
         server.cancel()
+
+
+async def test_a_dead_kv_agent_kills_the_engine(start_server: StartServer, http: aiohttp.ClientSession,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The KV agent writes to itself every few seconds; a healthy one keeps the engine serving, one that can no
+    longer move data (twice in a row) leaves a P/D engine nothing to serve with: the engine is marked dead."""
+    from engine import disagg
+    from engine.args import KVTransferConfig
+    from engine.kv_transfer.errors import TransferEngineError
+    from engine.kv_transfer.mooncake import MooncakeAgent
+
+    monkeypatch.setattr(disagg, "AGENT_PROBE_SECS", 0.05)
+    probes = {"ok": 0}
+    real_probe = MooncakeAgent.probe
+
+    def counted(agent: MooncakeAgent) -> None:
+        real_probe(agent)  # a real write through the agent's own listener and transport
+        probes["ok"] += 1
+
+    monkeypatch.setattr(MooncakeAgent, "probe", counted)
+    config = KVTransferConfig(kv_role="kv_consumer", kv_connector="mooncake", handshake_port=0,
+                              memory_backend="staged", staging_buffer_mb=1)  # fmt: skip
+    server = await start_server(kv_transfer=config)
+    deadline = asyncio.get_running_loop().time() + 20
+    while probes["ok"] < 3:
+        assert asyncio.get_running_loop().time() < deadline, "the agent was never probed"
+        await asyncio.sleep(0.05)
+    async with http.get(server.url + "/health") as resp:
+        assert resp.status == 200
+
+    def dead(agent: MooncakeAgent) -> None:
+        raise TransferEngineError(f"write of 1 entries (32 bytes) to {agent.rpc_address}", -1)
+
+    monkeypatch.setattr(MooncakeAgent, "probe", dead)
+    while True:
+        async with http.get(server.url + "/health") as resp:
+            if resp.status == 503:
+                assert (await resp.json())["status"] == "dead"
+                break
+        assert asyncio.get_running_loop().time() < deadline + 20, "the engine never noticed its dead agent"
+        await asyncio.sleep(0.05)
+    status, err = await post(http, server.url + "/v1/completions", BODY)
+    assert status == 503 and err["error"]["code"] == "engine_dead"
+    assert "kv_agent" in err["error"]["message"]

@@ -564,7 +564,7 @@ class StagedSide:
         return caches[region][block_id].cpu().numpy().tobytes()
 
 
-def _make_staged(device: str, fill: bool, staging_bytes: int = STAGING_BYTES) -> StagedSide:
+def _make_staged(device: str, fill: bool, staging_bytes: int = STAGING_BYTES, slots: int = 4) -> StagedSide:
     g = torch.Generator().manual_seed(99)
     shape = (2, NUM_BLOCKS + 1, BLOCK_SIZE, KV_HEADS, HEAD_DIM)  # + a trailing scratch block outside the pool
 
@@ -574,7 +574,7 @@ def _make_staged(device: str, fill: bool, staging_bytes: int = STAGING_BYTES) ->
     kv = [make(*shape) for _ in range(LAYERS)]
     indexer = [make(NUM_BLOCKS + 1, KV_HEADS, HEAD_DIM) for _ in range(LAYERS)]
     views = region_views(kv, indexer, num_blocks=NUM_BLOCKS)
-    staging = StagingBuffer(views, staging_bytes)
+    staging = StagingBuffer(views, staging_bytes, slots=slots)
     agent = MooncakeAgent("127.0.0.1", max_batch=MAX_BATCH)
     agent.register([staging.region])
     return StagedSide(agent, kv, indexer, [view_region(v) for v in views], staging)
@@ -789,3 +789,187 @@ async def test_staged_two_processes_smollm2_shape() -> None:
         proc.join(10)
         if proc.is_alive():
             proc.kill()
+
+
+# -- concurrency: many pulls in flight, each pipelined; failures with several in flight ---------
+
+
+class _CountingAgent:
+    """A TransferAgent whose writes take ``delay`` s, move nothing, and record how many ran at once.
+
+    ``fail_on`` (a destination address) makes the write containing it fail; ``running`` says how
+    many writes are running now (a reply sent while one still runs would be a late write)."""
+
+    rpc_address = "127.0.0.1:1"
+
+    def __init__(self, delay: float = 0.05, fail_on: int | None = None) -> None:
+        self.delay, self.fail_on = delay, fail_on
+        self.running = self.peak = self.writes = 0
+
+    def register(self, regions: object) -> None:
+        pass
+
+    async def write(self, peer: str, ops: list[WriteOp]) -> None:
+        self.running += 1
+        self.writes += 1
+        self.peak = max(self.peak, self.running)
+        try:
+            await asyncio.sleep(self.delay)
+            if self.fail_on is not None and any(op.dst == self.fail_on for op in ops):
+                raise KVTransferError("injected write failure", reason="transfer_engine")
+        finally:
+            self.running -= 1
+
+    def close(self) -> None:
+        pass
+
+
+async def test_pulls_in_flight_are_bounded_by_max_inflight_and_all_complete() -> None:
+    regions = [Region(4096, 64, 64)]
+    agent = _CountingAgent(delay=0.1)
+    producer = KVProducer(agent, regions, host="127.0.0.1", handshake_port=0, bind_host="127.0.0.1",
+                          pipeline_depth=1)  # one write per transfer at a time: writes in flight == pulls
+    await producer.start()
+    try:
+        releases = Releases()
+        consumer = KVConsumer(agent, regions, timeout_s=30, max_inflight=3)  # type: ignore[arg-type]
+        jobs = [producer.offer([i], 1, releases.callback(str(i))) for i in range(9)]
+        pulls = [asyncio.ensure_future(consumer.pull(p, [20 + i])) for i, p in enumerate(jobs)]
+        await _poll(lambda: consumer.in_flight == 3)
+        assert consumer.waiting == 6  # the rest wait their turn
+        await asyncio.gather(*pulls)
+        assert agent.peak == 3, f"{agent.peak} writes ran at once, max_inflight is 3"
+        assert all(releases.reasons(str(i)) == [ReleaseReason.WRITTEN] for i in range(9))
+        assert producer.pending_count == 0 and consumer.in_flight == consumer.waiting == 0
+    finally:
+        await producer.close()
+
+
+async def test_concurrent_pulls_overlap_instead_of_queueing(prefill: Side, decode: Side) -> None:
+    """Eight pulls of a slow (0.1 s per write) producer take about one pull's time, not eight."""
+    agent = _CountingAgent(delay=0.1)
+    producer = KVProducer(agent, prefill.regions, host="127.0.0.1", handshake_port=0, bind_host="127.0.0.1")
+    await producer.start()
+    try:
+        consumer = KVConsumer(agent, decode.regions, timeout_s=30, max_inflight=8)  # type: ignore[arg-type]
+        jobs = [producer.offer([i], 1, lambda reason: None) for i in range(8)]
+        await asyncio.gather(*(consumer.pull(p, [40 + i]) for i, p in enumerate(jobs)))
+        assert agent.peak >= 8, f"at most {agent.peak} writes overlapped"
+    finally:
+        await producer.close()
+
+
+async def test_a_direct_write_keeps_pipeline_depth_batches_in_flight_and_answers_after_the_last() -> None:
+    regions = [Region(4096, 64, 64)]
+    src, dst = list(range(0, 64, 2)), list(range(32))[::-1]  # 32 runs: one probe, then 16 batches of 2 entries
+    agent = _CountingAgent(delay=0.05)
+    producer = KVProducer(agent, regions, host="127.0.0.1", handshake_port=0, bind_host="127.0.0.1",
+                          batch_entries=2, pipeline_depth=3)  # fmt: skip
+    await producer.start()
+    try:
+        releases = Releases()
+        await KVConsumer(agent, regions, timeout_s=30).pull(producer.offer(src, 7, releases.callback("ok")), dst)
+        assert agent.peak == 3 and releases.reasons("ok") == [ReleaseReason.WRITTEN]
+        # A batch in the middle fails: the reply (an error) comes only once no other batch still runs.
+        agent.fail_on = 4096 + 20 * 64  # destination block 20
+        before = agent.writes
+        seen_running: list[int] = []
+        consumer = KVConsumer(agent, regions, timeout_s=30)  # type: ignore[arg-type]
+        params = producer.offer(src, 7, lambda reason: seen_running.append(agent.running))
+        with pytest.raises(KVTransferError, match="injected write failure") as err:
+            await consumer.pull(params, dst)
+        assert err.value.reason == "write_failed"
+        assert seen_running == [0], "the transfer was released while a write of it still ran"
+        assert agent.writes - before < 17  # stopped early, not written to the end
+        assert producer.pending_count == 0
+    finally:
+        await producer.close()
+
+
+async def test_several_direct_pulls_failing_in_flight_release_each_once(prefill: Side, decode: Side,
+                                                                        producer: KVProducer) -> None:
+    """Good pulls and pulls to a dead decode peer, all in flight together: each ends once, none pends."""
+    releases = Releases()
+    good = KVConsumer(decode.agent, decode.regions, timeout_s=30, max_inflight=4)
+    dead = KVConsumer(_StubAgent(f"127.0.0.1:{free_port()}"), decode.regions, timeout_s=20,  # type: ignore[arg-type]
+                      max_inflight=4)  # fmt: skip
+    jobs = []
+    for i in range(8):
+        src, dst = [i * 3, i * 3 + 1], [50 + i * 2, 51 + i * 2]
+        jobs.append((i % 2 == 0, src, dst, producer.offer(src, 1, releases.callback(str(i)))))
+    results = await asyncio.gather(*((good if ok else dead).pull(p, dst) for ok, _, dst, p in jobs),
+                                   return_exceptions=True)  # fmt: skip
+    for i, ((ok, src, dst, _), result) in enumerate(zip(jobs, results, strict=True)):
+        if ok:
+            assert result is None and releases.reasons(str(i)) == [ReleaseReason.WRITTEN]
+            for r in range(len(prefill.regions)):
+                assert all(decode.block(r, d) == prefill.block(r, s) for s, d in zip(src, dst, strict=True))
+        else:
+            assert isinstance(result, KVTransferError) and result.reason == "write_failed", result
+            assert releases.reasons(str(i)) == [ReleaseReason.WRITE_FAILED]
+    assert producer.pending_count == 0 and good.in_flight == dead.in_flight == 0
+
+
+async def test_several_staged_pulls_timing_out_at_once_free_every_slot(engine_device: str) -> None:
+    """Four staged pulls in flight against a slow producer all time out: each transfer ends once
+    (write_failed), both sides' slots come back (decode's after the grace), nothing stays pending."""
+    prefill = _make_staged(engine_device, True, staging_bytes=8 * 4096, slots=8)
+    decode = _make_staged(engine_device, False, staging_bytes=8 * 4096, slots=8)
+    agent = _SlowAgent()  # 0.1 s per write
+    producer = KVProducer(agent, prefill.regions, host="127.0.0.1", handshake_port=0, bind_host="127.0.0.1",
+                          staging=prefill.staging)  # fmt: skip
+    await producer.start()
+    try:
+        releases = Releases()
+        consumer = KVConsumer(agent, decode.regions, timeout_s=0.4, staging=decode.staging,  # type: ignore[arg-type]
+                              slot_grace_s=0.3, max_inflight=4)  # fmt: skip
+        jobs = [producer.offer(list(range(i * 16, i * 16 + 16)), 7, releases.callback(str(i))) for i in range(4)]
+        results = await asyncio.gather(*(consumer.pull(p, list(range(i * 16, i * 16 + 16)))
+                                         for i, p in enumerate(jobs)), return_exceptions=True)  # fmt: skip
+        assert all(isinstance(r, KVTransferError) and "timed out" in str(r) for r in results), results
+        await _poll(lambda: len(releases.calls) == 4)
+        assert all(releases.reasons(str(i)) == [ReleaseReason.WRITE_FAILED] for i in range(4))
+        assert producer.pending_count == 0
+        await _poll(lambda: decode.staging.pool.free == decode.staging.slots, 5.0)
+        await _poll(lambda: prefill.staging.pool.free == prefill.staging.slots, 5.0)
+    finally:
+        await producer.close()
+        for side in (prefill, decode):
+            side.agent.close()
+            side.staging.close()
+
+
+async def test_eight_staged_pulls_in_flight_copy_byte_for_byte(engine_device: str) -> None:
+    """Real Mooncake, staged, 8 pulls at once through 16 slots on each side (two agent lanes)."""
+    prefill = _make_staged(engine_device, True, staging_bytes=16 * 4096, slots=16)
+    decode = _make_staged(engine_device, False, staging_bytes=16 * 4096, slots=16)
+    producer = KVProducer(prefill.agent, prefill.regions, host="127.0.0.1", handshake_port=0, bind_host="127.0.0.1",
+                          staging=prefill.staging)  # fmt: skip
+    await producer.start()
+    try:
+        releases = Releases()
+        consumer = KVConsumer(decode.agent, decode.regions, timeout_s=60, staging=decode.staging, max_inflight=8)
+        jobs = []
+        for i in range(8):
+            src, dst = list(range(i * 12, i * 12 + 12)), [95 - i * 12 - k for k in range(12)]
+            jobs.append((src, dst, producer.offer(src, 1, releases.callback(str(i)))))
+        await asyncio.gather(*(consumer.pull(p, dst) for _, dst, p in jobs))
+        assert all(releases.reasons(str(i)) == [ReleaseReason.WRITTEN] for i in range(8))
+        _assert_staged_copied(prefill, decode, [s for src, _, _ in jobs for s in src],
+                              [d for _, dst, _ in jobs for d in dst])  # fmt: skip
+        assert decode.staging.pool.free == decode.staging.slots and prefill.staging.pool.free == prefill.staging.slots
+    finally:
+        await producer.close()
+        for side in (prefill, decode):
+            side.agent.close()
+            side.staging.close()
+
+
+def test_agent_lanes_keep_every_batch_within_mooncakes_queue() -> None:
+    agent = MooncakeAgent("127.0.0.1", lanes=4)
+    try:
+        assert (agent.lanes, agent.max_batch) == (4, 256)  # 4 lanes x 256 entries = Mooncake's 1024
+    finally:
+        agent.close()
+    with pytest.raises(ValueError, match="lanes"):
+        MooncakeAgent("127.0.0.1", lanes=0)
