@@ -20,8 +20,12 @@ executes next to nothing between phases), and divided by its request count:
 Then each gateway runs natively (no valgrind) for the same phases: CPU seconds of its process tree
 from /proc per request and requests/s, printed and written beside the counts (noisy here; the counts
 are the measure). Gateways alternate their order between the two log levels. It prints and writes
-JSON; it never asserts. User-space instructions only: callgrind does not see the kernel (socket
-writes cost the same syscalls for both gateways).
+JSON; it never asserts.
+
+SMG's counts with 16 connections move between runs (its idle tokio workers spin for as long as
+valgrind's one-at-a-time scheduling lets them): `--only smg smg-1w` adds SMG with one worker thread,
+whose counts hold. docs/performance.md has the figures. User-space instructions only: callgrind does
+not see the kernel (socket writes cost the same syscalls for both gateways).
 """
 
 from __future__ import annotations
