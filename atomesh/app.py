@@ -18,6 +18,7 @@ from atomesh.cluster.leader import Cluster
 from atomesh.config import GatewayConfig
 from atomesh.frontdoor import FrontDoor, Relay
 from atomesh.gateway import Gateway, StartupError
+from atomesh.logs import AccessLog
 from atomesh.service import build_app, build_metrics_app, build_probe_app, private_site, ssl_context, tune_gc
 
 log = structlog.get_logger("atomesh")
@@ -37,8 +38,9 @@ class GatewayServer:
         self.config = config
         self.gateway = Gateway(config)
         self.cluster = Cluster(config, self.gateway) if config.processes > 1 else None
-        accounting = HttpAccounting(config.request_id_headers, self.gateway.metrics, config.max_payload_size,
-                                    self.gateway.instance_id, config.access_log_sample_rate)
+        accounting = self.accounting = HttpAccounting(
+            config.request_id_headers, self.gateway.metrics, config.max_payload_size, self.gateway.instance_id,
+            config.access_log_sample_rate, AccessLog())
         self._runner = web.AppRunner(build_app(self.gateway, accounting), handler_cancellation=True,
                                      access_log=None, shutdown_timeout=1.0)
         self.door = FrontDoor(self.gateway, accounting)
@@ -113,6 +115,7 @@ class GatewayServer:
         await self._runner.cleanup()
         await self._metrics_runner.cleanup()
         await self.gateway.stop()
+        self.accounting.close()
         log.info("shutdown_complete")
 
 

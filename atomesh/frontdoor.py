@@ -168,6 +168,23 @@ class FrontExchange(Exchange):
             if conn.write_paused:
                 await conn.drain_within(conn.door.body_timeout)
 
+    direct = True
+
+    def push(self, data: bytes) -> bool:
+        if data:
+            self.sent += len(data)
+            conn = self.conn
+            transport = conn.transport  # conn.send, inlined: this runs once per streamed event
+            if transport is not None:  # else the client is gone and the request is being cancelled
+                transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.framed else data)
+            return not conn.write_paused
+        return True
+
+    async def writable(self) -> None:
+        conn = self.conn
+        if conn.write_paused:
+            await conn.drain_within(conn.door.body_timeout)
+
     async def end(self) -> None:
         if self.framed:
             self.conn.send(b"0\r\n\r\n")

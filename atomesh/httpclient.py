@@ -7,6 +7,9 @@ awaits one bare Future, and a request's deadline is one `loop.call_at` timer tha
 
 State for the exchange in flight lives on the connection (`_Conn`): the parser's callbacks fill it and
 wake the waiter; `Response` is a thin handle over it that hands the connection back to the pool.
+A streamed body can also be handed on from the parser's own callback (`Response.pipe`): each piece
+goes to its consumer as it is parsed, and the waiting coroutine wakes once, at the end, instead of
+once per piece through every coroutine awaiting it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import asyncio
 import errno
 import socket
 import ssl
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from urllib.parse import urlsplit
 
 from httptools import HttpParserError, HttpParserUpgrade, HttpResponseParser
@@ -35,6 +38,8 @@ _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _SEPARATE_BODY = 64 * 1024  # a larger request body is written on its own, not joined to the head
 
 _Key = tuple[str, str, int]  # (scheme, host, port): one idle list per key
+# Takes one piece of a piped body; False when its consumer can take no more for now (see Response.pipe).
+Sink = Callable[[bytes], bool]
 
 
 class HTTPClientError(Exception):
@@ -66,7 +71,7 @@ class _Conn(FlowControl):
 
     __slots__ = ("_loop", "_parser", "_pool", "_waiter", "body_done", "buffered", "busy", "closed", "error",
                  "got_data", "head_done", "headers", "idle_since", "interim", "is_head", "keep_alive", "key",
-                 "pieces", "pooled", "status")
+                 "pieces", "pooled", "sink", "sink_error", "status")
 
     def __init__(self, pool: ClientPool, key: _Key) -> None:
         super().__init__()
@@ -87,6 +92,8 @@ class _Conn(FlowControl):
         self.headers: dict[str, str] = {}
         self.pieces: list[bytes] = []
         self.buffered = 0
+        self.sink: Sink | None = None  # set while Response.pipe waits: body pieces go there, not to `pieces`
+        self.sink_error: Exception | None = None  # what the sink raised, for the coroutine to raise
 
     # --- driven by the pool and the response ---
 
@@ -206,6 +213,16 @@ class _Conn(FlowControl):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        sink = self.sink
+        if sink is not None:
+            try:
+                if sink(body):
+                    return  # handed on; the waiting coroutine sleeps on
+            except Exception as e:  # the consumer's failure: raised by the coroutine that set the sink
+                self.sink_error = e
+            self.sink = None  # the consumer is paused (or failed): later pieces wait in `pieces`
+            self._wake()
+            return
         self.pieces.append(body)
         self.buffered += len(body)
         if self.buffered > _HIGH_WATER and not self.reading_paused:
@@ -241,6 +258,16 @@ class Response:
         if self._conn is None:
             raise HTTPClientError("response already released")
         return self._conn
+
+    def read_now(self) -> bytes | None:
+        """The whole body if it is all in already (then the connection goes back to the pool), else None:
+        `read()` it. A small answer usually arrives with its head: no coroutine to run for it."""
+        conn = self._conn
+        if conn is None or not conn.body_done or conn.error is not None:
+            return None
+        got = conn.take()
+        self.release()
+        return got[0] if len(got) == 1 else b"".join(got)
 
     async def read(self) -> bytes:
         """The whole body, de-chunked; the connection then goes back to the pool if it can."""
@@ -278,6 +305,45 @@ class Response:
                     raise conn.error
                 else:
                     await conn.wait()
+        except BaseException:
+            self.close()
+            raise
+        self.release()
+
+    async def pipe(self, sink: Sink, writable: Callable[[], Awaitable[None]]) -> None:
+        """Hand the body to `sink` piece by piece, from the connection's own parser callback; return when it
+        has all been handed on (the connection then goes back to the pool) or raise the failure.
+
+        `sink` returns False when its consumer can take no more for now: `writable()` is awaited before the
+        next piece, which waits in the connection's buffer meanwhile (reading pauses past the high-water
+        mark). An exception raised by `sink` is raised here. Like `chunks()`, a caller that stops early
+        (cancelled) leaves the connection closed.
+        """
+        conn = self._open()
+        try:
+            ready = True
+            while True:
+                if not ready:
+                    await writable()
+                    ready = True
+                if conn.pieces:
+                    pieces = conn.take()
+                    ready = sink(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+                    continue
+                if conn.body_done:
+                    break
+                if conn.error is not None:
+                    raise conn.error
+                conn.sink = sink
+                try:
+                    await conn.wait()
+                finally:
+                    ready = conn.sink is not None  # detached by on_body: the consumer paused or failed
+                    conn.sink = None
+                err = conn.sink_error
+                if err is not None:
+                    conn.sink_error = None
+                    raise err
         except BaseException:
             self.close()
             raise

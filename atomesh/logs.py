@@ -4,14 +4,21 @@ Every event about a request carries its `request_id`: the HTTP middleware binds 
 `structlog.contextvars` for the time the request is served, and `merge_contextvars` adds it here.
 Records from other libraries (aiohttp, asyncio) go through the same renderer, so a `--json-log`
 file holds nothing but JSON objects, one a line.
+
+The access log (one line per request at `info`) is the exception to the one path: `AccessLog` keeps
+each line's fields as a tuple on the request path and renders and writes them in batches, up to 100
+milliseconds later, to the same handlers, in the same format (console or JSON, redacted). Through
+structlog and `logging` a line cost about as much as the rest of a small request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import logging.handlers
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +48,8 @@ def setup_logging(level: str = "info", json: bool = False, log_dir: Path | None 
         structlog.processors.JSONRenderer(serializer=_json_dumps) if json
         else structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback)
     )
-    formatter = structlog.stdlib.ProcessorFormatter(
+    formatter = _Formatter(
+        renderer,
         foreign_pre_chain=shared,
         processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
@@ -103,6 +111,165 @@ def redact(text: str) -> str:
 def _redact_line(logger: object, name: str, line: Any) -> Any:
     # Runs on the rendered line (after the renderer): whatever the event or its traceback held.
     return redact(line) if isinstance(line, str) else line
+
+
+class _Formatter(structlog.stdlib.ProcessorFormatter):
+    """structlog's formatter, which also passes on lines `AccessLog` rendered itself."""
+
+    def __init__(self, renderer: structlog.types.Processor, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.renderer = renderer  # for AccessLog, which renders its lines in the same format
+
+    def format(self, record: logging.LogRecord) -> str:
+        rendered = record.__dict__.get("rendered")
+        return rendered if rendered is not None else super().format(record)
+
+
+ACCESS_LOGGER = "atomesh.access"
+_FLUSH_SECS = 0.1  # how long an access line may wait to be written
+_FLUSH_LINES = 512  # written at once past this many waiting lines
+# Access line fields, as `AccessLog.write` takes them (the order of the JSON keys too).
+_FIELDS = ("request_id", "method", "path", "status", "worker", "latency_ms", "bytes")
+# A console value holding one of these is printed as repr() (a regex scans faster than a set of them).
+_QUOTED = re.compile("[ \t=\r\n\"']")
+_Line = tuple[int, str | None, str | None, str | None, int, str | None, float | None, int]  # time in ns first
+
+
+class _Stamps:
+    """Times as structlog's `TimeStamper(fmt="iso", utc=True)` writes them, the date and time of day
+    formatted once a second (datetime's isoformat costs more than the rest of an access line)."""
+
+    __slots__ = ("prefix", "second")
+
+    def __init__(self) -> None:
+        self.second = -1
+        self.prefix = ""
+
+    def __call__(self, ns: int) -> str:
+        second, micro = divmod(ns // 1000, 1_000_000)
+        if second != self.second:
+            self.second = second
+            self.prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        return f"{self.prefix}.{micro:06d}Z" if micro else self.prefix + "Z"  # as isoformat: no zero fraction
+
+
+def _console_value(v: object) -> str:
+    # structlog's ConsoleRenderer._repr, for the values an access line holds.
+    if isinstance(v, str):
+        return repr(v) if _QUOTED.search(v) else v
+    return repr(v)
+
+
+class AccessLog:
+    """The access log: one line per request, rendered and written off the request path, in batches.
+
+    `write` keeps the line's fields and the time; within `_FLUSH_SECS` (or `_FLUSH_LINES` lines) every
+    waiting line is rendered as structlog would have (`setup_logging`'s renderer, the bound context
+    variables, redaction) and handed to the logging handlers as one record: one write per handler.
+    Not `batched`, or where logging was not set up by `setup_logging` (tests capturing structlog events),
+    each line goes through structlog at once, as any other event. `close()` writes what is waiting.
+    """
+
+    def __init__(self, batched: bool = True) -> None:
+        self._log = structlog.get_logger(ACCESS_LOGGER)
+        self._logger = logging.getLogger(ACCESS_LOGGER)
+        handlers = logging.getLogger().handlers
+        formatters = [h.formatter for h in handlers]
+        fast = batched and bool(handlers) and all(isinstance(f, _Formatter) for f in formatters)
+        self.enabled = self._logger.isEnabledFor(logging.INFO)
+        self._json = False
+        self._head = ""  # console: what follows the timestamp (level, event, logger)
+        if fast:
+            renderer = formatters[0].renderer  # type: ignore[union-attr]
+            self._json = isinstance(renderer, structlog.processors.JSONRenderer)
+            if not self._json:
+                head = renderer(None, "info", {"timestamp": "\0", "level": "info", "event": "request",
+                                               "logger": ACCESS_LOGGER})
+                self._head = head.partition("\0")[2] + " "
+        # A console line of the usual fields, ready for %: time, bytes, latency, method, path, id, status, worker.
+        self._line = ("%s" + self._head.replace("%", "%%") + "bytes=%r latency_ms=%r method=%s path=%s request_id=%s "
+                      "status=%r worker=%s")
+        self.fast = fast
+        self._pending: list[_Line] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._stamp = _Stamps()
+        # One record carries each batch to the handlers (set up once: a LogRecord costs more to make
+        # than a line to render); they write `rendered` as it is.
+        self._record = logging.LogRecord(ACCESS_LOGGER, logging.INFO, __file__, 0, "request", None, None)
+
+    def write(self, request_id: str | None, method: str | None, path: str | None, status: int,
+              worker: str | None, latency_ms: float | None, sent: int) -> None:
+        """One request's line (an info event `request` with these fields)."""
+        if not self.fast:
+            self._log.info("request", request_id=request_id, method=method, path=path, status=status, worker=worker,
+                           latency_ms=latency_ms, bytes=sent)
+            return
+        if not self.enabled:
+            return
+        pending = self._pending
+        pending.append((time.time_ns(), request_id, method, path, status, worker, latency_ms, sent))
+        if self._timer is None:
+            try:
+                self._timer = asyncio.get_running_loop().call_later(_FLUSH_SECS, self.flush)
+            except RuntimeError:  # no event loop: written now
+                self.flush()
+        elif len(pending) >= _FLUSH_LINES:
+            self.flush()
+
+    def flush(self) -> None:
+        """Render and write every waiting line."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        lines, self._pending = self._pending, []
+        if not lines:
+            return
+        context = structlog.contextvars.get_contextvars()
+        context.pop("request_id", None)
+        text = redact("\n".join(self._json_lines(lines, context) if self._json
+                                else self._console_lines(lines, context)))
+        record = self._record
+        record.rendered = text
+        for handler in logging.getLogger().handlers:  # where a record of atomesh.access goes (it has none of its own)
+            handler.handle(record)
+
+    def close(self) -> None:
+        self.flush()
+
+    def _console_lines(self, lines: list[_Line], context: dict[str, Any]) -> list[str]:
+        stamp_of = self._stamp
+        out = []
+        if not context:  # the usual case: the fields in sorted order, known in advance
+            line = self._line
+            quoted = _QUOTED.search
+            for t, rid, method, path, status, worker, latency, sent in lines:
+                # None and strings without a character to quote read the same through %s as structlog's.
+                if quoted(f"{rid}{method}{path}{worker}") is None:
+                    out.append(line % (stamp_of(t), sent, latency, method, path, rid, status, worker))
+                else:
+                    out.append(line % (stamp_of(t), sent, latency, _console_value(method), _console_value(path),
+                                       _console_value(rid), status, _console_value(worker)))
+            return out
+        head = self._head
+        for t, *values in lines:
+            stamp = stamp_of(t)
+            fields = {**context, **dict(zip(_FIELDS, values, strict=True))}
+            out.append(stamp + head + " ".join(f"{k}={_console_value(fields[k])}" for k in sorted(fields)))
+        return out
+
+    def _json_lines(self, lines: list[_Line], context: dict[str, Any]) -> list[str]:
+        stamp_of = self._stamp
+        out = []
+        for t, *values in lines:
+            doc: dict[str, Any] = dict(zip(_FIELDS, values, strict=True))
+            doc["event"] = "request"
+            for k, v in context.items():  # as structlog's merge_contextvars: the event's own fields win
+                doc.setdefault(k, v)
+            doc["logger"] = ACCESS_LOGGER
+            doc["level"] = "info"
+            doc["timestamp"] = stamp_of(t)
+            out.append(_json_dumps(doc))
+        return out
 
 
 def _json_dumps(obj: Any, **_: Any) -> str:

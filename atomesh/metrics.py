@@ -343,6 +343,16 @@ class Metrics:
                                       "Workers whose /metrics could not be read for /engine_metrics.", ("worker",))
         self._collector = _Collector(self.families)
         self.registry.register(self._collector)
+        # The values one request updates, looked up once per distinct label set (all bounded, see the
+        # module docstring) instead of one `labels()` call per metric per request. The worker-labelled
+        # ones are dropped with the worker's series (forget_worker).
+        self._active = self.http_active.labels()
+        self._received: dict[tuple[str, str], CounterValue] = {}
+        self._answered: dict[tuple[str, str, int, str | None],
+                             tuple[CounterValue, HistogramValue, CounterValue | None]] = {}
+        self._routed: dict[tuple[str, str, str, str], tuple[CounterValue, HistogramValue]] = {}
+        self._picked: dict[tuple[str, str, str], CounterValue] = {}
+        self._served: dict[tuple[str, str, int | None], tuple[CounterValue, CounterValue]] = {}
 
     # ------------------------------------------------------------------ declaration
     def _declare(self, family: F) -> F:
@@ -391,11 +401,65 @@ class Metrics:
 
     def forget_worker(self, url: str) -> None:
         """Drop every series of a removed worker so label sets do not grow with churn."""
+        self._picked.clear()
+        self._served.clear()
         for family in (self.worker_active, self.worker_health, self.health_checks, self.selections,
                        self.worker_errors, self.upstream_responses, self.cb_state, self.cb_transitions,
                        self.cb_outcomes, self.engine_scrape_errors):
             for labels in [k for k in family.children if k and k[0] == url]:  # the worker label is first
                 family.remove(*labels)
+
+    # ------------------------------------------------------------------ the request path
+    def http_received(self, method: str, path: str) -> None:
+        """One HTTP request in: `mesh_http_requests_total` and the active gauge."""
+        counter = self._received.get((method, path))
+        if counter is None:
+            counter = self._received[(method, path)] = self.http_requests.labels(method, path)
+        counter.value += 1
+        self._active.value += 1
+
+    def http_answered(self, method: str, path: str, status: int, admission: str | None, seconds: float) -> None:
+        """One HTTP request answered: its response, duration and admission result, one fewer active."""
+        key = (method, path, status, admission)
+        values = self._answered.get(key)
+        if values is None:
+            values = self._answered[key] = (
+                self.http_responses.labels(path, str(status)), self.http_duration.labels(method, path),
+                None if admission is None else self.rate_limit.labels(admission))
+        responses, duration, admitted = values
+        responses.value += 1
+        duration.observe(seconds)
+        if admitted is not None:
+            admitted.value += 1
+        self._active.value -= 1
+
+    def routed(self, endpoint: str, model: str, streaming: str, backend: str) -> HistogramValue:
+        """One inference request routed (`mesh_router_requests_total`); returns its duration histogram."""
+        key = (endpoint, model, streaming, backend)
+        values = self._routed.get(key)
+        if values is None:
+            values = self._routed[key] = (self.router_requests.labels(*key),
+                                          self.router_duration.labels(endpoint, model, streaming))
+        values[0].value += 1
+        return values[1]
+
+    def picked(self, worker: str, role: str, policy: str) -> None:
+        """The policy placed a request on `worker` (`mesh_worker_selection_total`)."""
+        key = (worker, role, policy)
+        counter = self._picked.get(key)
+        if counter is None:
+            counter = self._picked[key] = self.selections.labels(*key)
+        counter.value += 1
+
+    def worker_served(self, worker: str, role: str, status: int | None) -> None:
+        """`worker` answered the client (`mesh_router_upstream_responses_total`), a breaker success."""
+        key = (worker, role, status)
+        values = self._served.get(key)
+        if values is None:
+            values = self._served[key] = (self.upstream_responses.labels(worker, role, str(status)),
+                                          self.cb_outcomes.labels(worker, "success"))
+        values[0].value += 1
+        values[1].value += 1
 
     # ------------------------------------------------------------------ recording helpers
     def meter(self, route: str, model: str | None, streaming: bool) -> RequestMeter:
@@ -475,7 +539,9 @@ class RequestMeter:
 
     def __call__(self, chunk: bytes) -> None:
         now = time.perf_counter()
-        data = self._tail + chunk if self._tail else chunk
+        # A marker split across chunks needs the previous chunk's end; a chunk that starts with one (an
+        # event per chunk, the usual case) cannot continue a split one.
+        data = self._tail + chunk if self._tail and not chunk.startswith(_EVENT) else chunk
         self._tail = chunk[-(len(_EVENT) - 1):]
         start = 0
         if self.first_at is None:

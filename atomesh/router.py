@@ -119,14 +119,12 @@ class Router:
         m = self.metrics
         stream = view.stream
         meter = exchange.on_chunk = m.meter(view.route, view.model, stream)
-        streaming = "true" if stream else "false"
-        m.router_requests.labels(meter.endpoint, meter.model, streaming, self._backend_type).inc()
+        duration = m.routed(meter.endpoint, meter.model, "true" if stream else "false", self._backend_type)
         try:
             await self._attempts(exchange, view)
         finally:
             meter.finish(exchange.status, exchange.body)
-            m.router_duration.labels(meter.endpoint, meter.model, streaming).observe(
-                time.perf_counter() - meter.started)
+            duration.observe(time.perf_counter() - meter.started)
 
     async def _attempts(self, exchange: Exchange, view: RequestView) -> None:
         tried: list[Worker] = []
@@ -209,13 +207,14 @@ class Router:
                 tried.extend(w for w in at_fault if w not in tried)
                 log.debug("retrying", request_id=exchange.request_id, attempt=attempt, how=moved, error=e.message)
             else:
-                self._untrack(run)
                 m = self.metrics
-                for w in plan.workers:
+                workers = plan.workers
+                last = workers[-1]  # the worker whose answer the client got (decode in P/D)
+                for w in workers:
                     w.breaker.record(True)
-                    m.cb_outcomes.labels(w.url, "success").inc()
-                last = plan.workers[-1]  # the worker whose answer the client got (decode in P/D)
-                m.upstream_responses.labels(last.url, last.role, str(exchange.status)).inc()
+                    if w is not last:
+                        m.cb_outcomes.labels(w.url, "success").inc()
+                m.worker_served(last.url, last.role, exchange.status)
                 return
             finally:
                 self._untrack(run)
@@ -298,7 +297,7 @@ class Router:
     def _count_selection(self, plan: Plan) -> None:
         m = self.metrics
         for w in plan.workers:
-            m.selections.labels(w.url, w.role, self._policy_names[w.role]).inc()
+            m.picked(w.url, w.role, self._policy_names[w.role])
 
     def _record_failure(self, e: UpstreamError, plan: Plan) -> None:
         """Charge the failure to the worker at fault (a 4xx answer is the client's fault, not the worker's)."""

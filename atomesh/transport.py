@@ -107,6 +107,19 @@ class Upstream:
             await self._pool.close()
             self._pool = None
 
+    async def request(self, method: str, url: str, *, data: bytes | bytearray | None = None,
+                      headers: Mapping[str, str] | None = None) -> Response:
+        """Send a request (the request timeout bounds it whole); the caller must `release()` or `close()`
+        the response, and map HTTPClientError raised while reading it with `upstream_error`. The request
+        path's way to a worker: no context manager to enter and leave."""
+        if self._pool is None:
+            raise RuntimeError("Upstream used before start()")
+        try:
+            return await self._pool.request(method, url, headers=self._hop_headers if headers is None else headers,
+                                            body=data, timeout=self.request_timeout)
+        except HTTPClientError as e:
+            raise upstream_error(e, url) from None
+
     def open(self, method: str, url: str, *, data: bytes | bytearray | None = None,
              headers: Mapping[str, str] | None = None, timeout: float | None = None) -> Opened:
         """`async with upstream.open(...) as resp:` sends a request and yields the response with its
@@ -193,6 +206,10 @@ class Exchange(ABC):
     __slots__ = ("body", "committed", "headers", "on_chunk", "request_id", "sent", "status", "stream_filter",
                  "workers")
 
+    # Whether `push` and `writable` are implemented: a stream is then relayed from the worker connection's
+    # callbacks (no coroutine resumed per event), else through `write`.
+    direct = False
+
     def __init__(self, request_id: str, headers: Mapping[str, str]) -> None:
         self.request_id = request_id
         self.headers = headers  # the client's request headers (look up with lower-case names)
@@ -222,6 +239,15 @@ class Exchange(ABC):
     async def end(self) -> None:
         """End a started stream."""
 
+    def push(self, data: bytes) -> bool:
+        """Send one piece of a started stream from a callback, without waiting (exchanges with `direct` set);
+        False when the client is slow to read: await `writable()` before pushing more."""
+        raise NotImplementedError(f"{type(self).__name__} is not direct: relay() writes to it with write()")
+
+    async def writable(self) -> None:
+        """Return once the client takes more of the stream (exchanges with `direct` set)."""
+        raise NotImplementedError(f"{type(self).__name__} is not direct: relay() writes to it with write()")
+
     def response_headers(self, upstream: Mapping[str, str]) -> dict[str, str]:
         """The worker's response headers (names lower-case, as the client gives them), less hop-by-hop
         ones, with our request id."""
@@ -249,7 +275,9 @@ async def relay(exchange: Exchange, resp: Response, on_chunk: ChunkHook | None =
         if exchange.committed:
             raise UpstreamError("the worker answered a continued stream with a whole answer",
                                 code="upstream_protocol_error", retryable=False)
-        body = await resp.read()
+        body = resp.read_now()
+        if body is None:
+            body = await resp.read()
         exchange.respond(resp.status, exchange.response_headers(resp.headers), body)
         return
     on_chunk = on_chunk or exchange.on_chunk
@@ -259,14 +287,17 @@ async def relay(exchange: Exchange, resp: Response, on_chunk: ChunkHook | None =
         headers.update(SSE_HEADERS)
         await exchange.start_stream(resp.status, headers)
     try:
-        async for chunk in resp.chunks():
-            if filt is not None:
-                chunk = filt.feed(chunk)
-                if not chunk:
-                    continue
-            if on_chunk is not None:
-                on_chunk(chunk)
-            await exchange.write(chunk)
+        if exchange.direct:
+            await resp.pipe(_sink(exchange, filt, on_chunk), exchange.writable)
+        else:
+            async for chunk in resp.chunks():
+                if filt is not None:
+                    chunk = filt.feed(chunk)
+                    if not chunk:
+                        continue
+                if on_chunk is not None:
+                    on_chunk(chunk)
+                await exchange.write(chunk)
     except DeadlineExceeded:
         raise UpstreamTimeout("the worker's stream outlived the request timeout") from None
     except HTTPClientError as e:
@@ -275,6 +306,25 @@ async def relay(exchange: Exchange, resp: Response, on_chunk: ChunkHook | None =
     if filt is not None:
         filt.ended_stream()
     await exchange.end()
+
+
+def _sink(exchange: Exchange, filt: StreamFilter | None, on_chunk: ChunkHook | None) -> Callable[[bytes], bool]:
+    """What a worker's stream goes through on its way to a direct exchange, called from the worker
+    connection's parser callback: the filter, the meter, the client's socket."""
+    push = exchange.push
+    if filt is None and on_chunk is None:
+        return push
+
+    def sink(chunk: bytes) -> bool:
+        if filt is not None:
+            chunk = filt.feed(chunk)
+            if not chunk:
+                return True
+        if on_chunk is not None:
+            on_chunk(chunk)
+        return push(chunk)
+
+    return sink
 
 
 async def write_sse_error(exchange: Exchange, err: GatewayError) -> None:

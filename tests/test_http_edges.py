@@ -232,3 +232,44 @@ async def test_a_client_that_stops_reading_its_stream_is_cut_off(mock_workers: M
         assert w.cancelled == 1
     finally:
         sock.close()
+
+
+async def test_a_slow_reader_gets_its_whole_stream_in_order(mock_workers: MakeWorkers, gateway: MakeGateway) -> None:
+    """A client that reads slowly makes the gateway pause (its send buffer fills, the worker's stream waits
+    in the gateway's buffer and then on TCP) and resume: every event arrives once, in order."""
+    n = 8_000
+    [w] = await mock_workers(1, stream_chunks=n)
+    gw = await gateway(worker_urls=[w.url])
+    host, port = base_url(gw).removeprefix("http://").split(":")
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await loop.sock_connect(sock, (host, int(port)))
+    body = orjson.dumps({"model": "mock-model", "prompt": "hello", "max_tokens": n, "stream": True})
+    await loop.sock_sendall(sock, post(body=body, extra="Connection: close\r\n"))
+    got = bytearray()
+    try:
+        while True:
+            piece = await asyncio.wait_for(loop.sock_recv(sock, 2048), 20)
+            if not piece:
+                break
+            got += piece
+            if len(got) < 150_000:
+                await asyncio.sleep(0.001)  # slow at first: the gateway's writes pause several times
+    finally:
+        sock.close()
+    head, _, chunked = bytes(got).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ") and b"transfer-encoding: chunked" in head.lower()
+    text = bytearray()
+    while True:  # de-chunk
+        size_line, _, rest = chunked.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            break
+        text += rest[:size]
+        chunked = rest[size + 2:]
+    words = [orjson.loads(e[6:])["choices"][0]["text"] for e in bytes(text).split(b"\n\n")
+             if e.startswith(b"data: {")]
+    assert words == [f"tok{i} " for i in range(n)]
+    assert text.endswith(b"data: [DONE]\n\n")

@@ -189,6 +189,53 @@ async def test_chunked_body_arrives_in_pieces() -> None:
 
 
 @on_both_loops
+async def test_piped_body_pauses_resumes_and_fails_as_its_sink_says() -> None:
+    """`Response.pipe` hands pieces to the sink from the parser's callback, in order; a sink that says
+    False is waited for (`writable`) before the next piece; a sink that raises ends the pipe with that
+    error and the connection is not reused."""
+    pieces = [b"data: %d\n\n" % i for i in range(6)]
+
+    async def answer(req: Req) -> bool:
+        req.writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for piece in pieces:
+            req.writer.write(chunk(piece))
+            await req.writer.drain()
+            await asyncio.sleep(0.02)
+        req.writer.write(b"0\r\n\r\n")
+        return True
+
+    async with Server(answer) as server:
+        pool = ClientPool()
+        got: list[bytes] = []
+        waits = 0
+
+        def slow_sink(data: bytes) -> bool:
+            got.append(data)
+            return len(got) % 2 == 0  # every other piece: "no more for now"
+
+        async def writable() -> None:
+            nonlocal waits
+            waits += 1
+            await asyncio.sleep(0.05)  # the next pieces wait in the connection's buffer meanwhile
+
+        resp = await pool.request("POST", server.url(), body=b"{}", timeout=5)
+        await resp.pipe(slow_sink, writable)
+        assert b"".join(got) == b"".join(pieces) and waits >= 2
+        assert idle_count(pool) == 1  # whole: back to the pool
+
+        def failing_sink(data: bytes) -> bool:
+            if data.startswith(b"data: 2"):
+                raise ValueError("the consumer broke")
+            return True
+
+        resp = await pool.request("POST", server.url(), body=b"{}", timeout=5)
+        with pytest.raises(ValueError, match="the consumer broke"):
+            await resp.pipe(failing_sink, writable)
+        assert idle_count(pool) == 0  # cut short: closed, not pooled
+        await pool.close()
+
+
+@on_both_loops
 async def test_body_read_until_close() -> None:
     async with Server(fixed(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nall of it", keep=False)) as server:
         pool = ClientPool()

@@ -164,3 +164,52 @@ def test_access_log_sampling_and_off() -> None:
     assert lines(0.0, [200, 500, 429]) == []  # off
     sampled = lines(0.01, [200] * 200 + [503, 400])
     assert [e["status"] for e in sampled][-2:] == [503, 400] and len(sampled) < 60  # errors always written
+
+
+def test_batched_access_lines_read_as_structlog_renders_them(tmp_path: Path) -> None:
+    """The access log is rendered off the request path, by its own code: each line, console or JSON, with
+    or without context variables bound, reads as structlog renders the same event (the time aside), is
+    redacted the same way, and is written within a moment when an event loop runs."""
+    import subprocess
+
+    script = (
+        "import asyncio, sys, structlog; from pathlib import Path; from atomesh.logs import AccessLog, setup_logging\n"
+        "setup_logging('info', sys.argv[1] == 'json', Path(sys.argv[2]))\n"
+        "rows = [('r-1', 'POST', '/v1/completions', 200, 'http://w:1', 1.5, 291),\n"
+        "        (None, None, '/x', 408, None, None, 0),\n"
+        "        ('id with space', 'GET', \"/p'q=1\", 499, 'http://a:1,http://b:2', 0.0, 3),\n"
+        "        ('Bearer sk-secret', 'POST', '/v1/chat/completions', 200, 'http://u:pw@w:1', 12.25, 7)]\n"
+        "names = ('request_id', 'method', 'path', 'status', 'worker', 'latency_ms', 'bytes')\n"
+        "slow = structlog.get_logger('atomesh.access')\n"
+        "fast = AccessLog()\n"
+        "assert fast.fast\n"
+        "async def main() -> None:\n"
+        "    for context in ({}, {'process': 3}):\n"
+        "        structlog.contextvars.clear_contextvars()\n"
+        "        structlog.contextvars.bind_contextvars(**context)\n"
+        "        for r in rows:\n"
+        "            slow.info('request', **dict(zip(names, r)))\n"
+        "        for r in rows:\n"
+        "            fast.write(*r)\n"
+        "        await asyncio.sleep(0.3)  # written by the loop, not by flush()\n"
+        "asyncio.run(main())\n"
+    )
+    for mode in ("json", "console"):
+        out = tmp_path / mode
+        run = subprocess.run([sys.executable, "-c", script, mode, str(out)], capture_output=True, text=True,
+                             timeout=30)
+        assert run.returncode == 0, run.stderr
+        lines = (out / "atomesh.log").read_text().splitlines()
+        assert len(lines) == 16, lines
+        assert "sk-secret" not in "".join(lines) and ":pw@" not in "".join(lines)
+        for k in (0, 8):
+            slow_lines, fast_lines = lines[k:k + 4], lines[k + 4:k + 8]
+            if mode == "json":
+                for s, f in zip(slow_lines, fast_lines, strict=True):
+                    sd, fd = json.loads(s), json.loads(f)
+                    assert sd.pop("timestamp")[:10] == fd.pop("timestamp")[:10]
+                    assert list(sd.items()) == list(fd.items())
+            else:
+                assert [s.split(" ", 1)[1] for s in slow_lines] == [f.split(" ", 1)[1] for f in fast_lines]
+                days = [(s[:10], f[:10]) for s, f in zip(slow_lines, fast_lines, strict=True)]
+                assert all(a == b for a, b in days)

@@ -13,13 +13,13 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from atomesh.errors import GatewayError, LoopDetected, UpstreamStatus, error_body
+from atomesh.logs import AccessLog
 from atomesh.metrics import ENDPOINTS, Metrics
 from atomesh.transport import HOP_HEADER
 
 LOOP_MESSAGE = "this request came from this gateway: a worker URL points back at the gateway itself"
 
 log = structlog.get_logger("atomesh.api")
-access_log = structlog.get_logger("atomesh.access")
 
 # The status counted and logged for a request whose client went away before any answer (as nginx).
 CLIENT_GONE = 499
@@ -75,7 +75,8 @@ class HttpAccounting:
     its request id, the `mesh_http_*` metrics, the error-to-response mapping and the failure log."""
 
     def __init__(self, request_id_headers: Sequence[str], metrics: Metrics, max_payload: int,
-                 instance_id: str = "", access_log_sample_rate: float = 1.0) -> None:
+                 instance_id: str = "", access_log_sample_rate: float = 1.0,
+                 access_log: AccessLog | None = None) -> None:
         self.instance_id = instance_id  # the gateway's hop mark (atomesh.transport.HOP_HEADER)
         # Share of successful requests logged (errors always are, unless the access log is off: 0).
         self.sample_rate = access_log_sample_rate
@@ -83,6 +84,8 @@ class HttpAccounting:
         self.metrics = metrics
         self.max_payload = max_payload
         self.next_id = request_ids()
+        # Batched (written off the request path) where the server passes one; else each line at once.
+        self.access_log = access_log if access_log is not None else AccessLog(batched=False)
 
     def request_id(self, headers: Mapping[str, str]) -> str:
         """The caller's id from the configured headers (looked up lower-case), or a new one."""
@@ -93,9 +96,7 @@ class HttpAccounting:
 
     def begin(self, method: str, path: str) -> float:
         # Labels are the route pattern (never the raw path, which may carry ids) and a known method.
-        m = self.metrics
-        m.http_requests.labels(method if method in _METHODS else "OTHER", path).inc()
-        m.http_active.inc()
+        self.metrics.http_received(method if method in _METHODS else "OTHER", path)
         return time.perf_counter()
 
     def end(self, method: str, path: str, status: int, started: float, admission: str | None,
@@ -103,24 +104,22 @@ class HttpAccounting:
         """One request answered (or abandoned by its client: `status` 499, or that of the stream it cut):
         the metrics and the access log line. `admission` is the admission result of an inference
         request (None for other routes); `target` the raw path, when it is not the route's own."""
-        m = self.metrics
-        m.http_active.dec()
-        if admission is not None:
-            m.rate_limit.labels(admission).inc()
-        m.http_responses.labels(path, str(status)).inc()
         elapsed = time.perf_counter() - started
-        m.http_duration.labels(method if method in _METHODS else "OTHER", path).observe(elapsed)
+        self.metrics.http_answered(method if method in _METHODS else "OTHER", path, status, admission, elapsed)
         if self.sample_rate > 0 and (status >= 400 or self.sample_rate >= 1 or random.random() < self.sample_rate):
-            access_log.info("request", request_id=request_id, method=method, path=target or path, status=status,
-                            worker=",".join(workers) or None, latency_ms=round(elapsed * 1000, 3), bytes=sent)
+            self.access_log.write(request_id, method, target or path, status, ",".join(workers) or None,
+                                  round(elapsed * 1000, 3), sent)
 
     def refused(self, status: int, request_id: str | None = None, target: bytes = b"", sent: int = 0) -> None:
         """A request the front door answered itself, its head or body at fault (no route is known)."""
         self.metrics.http_responses.labels("unmatched", str(status)).inc()
         if self.sample_rate > 0:
-            access_log.info("request", request_id=request_id, method=None, status=status,
-                            path=_bare_path(target.decode("latin-1")) or None, worker=None, latency_ms=None,
-                            bytes=sent)
+            self.access_log.write(request_id, None, _bare_path(target.decode("latin-1")) or None, status, None, None,
+                                  sent)
+
+    def close(self) -> None:
+        """Write the access log lines still waiting."""
+        self.access_log.close()
 
     @staticmethod
     def failed(err: GatewayError) -> str:

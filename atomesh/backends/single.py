@@ -5,9 +5,10 @@ from __future__ import annotations
 import orjson
 
 from atomesh.errors import UpstreamError
+from atomesh.httpclient import HTTPClientError
 from atomesh.placement import Plan, Single
 from atomesh.request import RequestView
-from atomesh.transport import ChunkHook, Exchange, Upstream, relay
+from atomesh.transport import ChunkHook, Exchange, Upstream, relay, upstream_error
 
 
 class SingleBackend:
@@ -22,15 +23,21 @@ class SingleBackend:
         worker = plan.worker
         # --dp-aware: the rank goes in the body (vLLM, SGLang and ATOM read `data_parallel_rank`).
         data = view.raw if plan.dp_rank is None else orjson.dumps({**view.body, "data_parallel_rank": plan.dp_rank})
+        url = worker.url + view.route
         tracing = self.upstream.tracing
         try:
             if tracing is None:
-                async with self.upstream.open("POST", worker.url + view.route, data=data,
-                                              headers=self.upstream.headers_for(exchange, worker)) as resp:
+                resp = await self.upstream.request("POST", url, data=data,
+                                                   headers=self.upstream.headers_for(exchange, worker))
+                try:
                     await relay(exchange, resp, self.on_chunk)
+                except HTTPClientError as e:
+                    raise upstream_error(e, url) from None
+                finally:
+                    resp.release()  # back to the pool only if its body was read to the end
                 return
             with tracing.span("upstream", {"server.address": worker.url, "atomesh.leg": "single"}, client=True):
-                async with self.upstream.open("POST", worker.url + view.route, data=data,
+                async with self.upstream.open("POST", url, data=data,
                                               headers=self.upstream.headers_for(exchange, worker)) as resp:
                     await relay(exchange, resp, self.on_chunk)
         except UpstreamError as e:

@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from atomesh.bench import help_formatter
@@ -285,6 +285,7 @@ def run(args: argparse.Namespace) -> Results:
     results = Results()
     phases = [p for p in PHASES if not args.phases or p.name in args.phases]
     mocks, mock_procs = start_mocks(workdir)
+    mocks = replace(mocks, regular=mocks.regular[:args.regular_workers])
     print(f"mock workers: regular {' '.join(mocks.regular)}, prefill {mocks.prefill} (bootstrap "
           f"{mocks.bootstrap_port}), decode {mocks.decode}; logs in {workdir}", flush=True)
     try:
@@ -356,7 +357,8 @@ def _ratios(values: dict[str, float], peer: str | None) -> str:
 def report(results: Results, args: argparse.Namespace, phases: list[Phase]) -> None:
     names = [p.name for p in phases]
     print(f"\nmedians of {args.rounds} round(s) x {args.duration}s per phase; load: wrk -t1 (one thread); "
-          f"policy {args.policy}; 2 regular mocks / 1 prefill + 1 decode mock; ratios are atomesh / smg")
+          f"policy {args.policy}; {args.regular_workers} regular mock(s) / 1 prefill + 1 decode mock; "
+          "ratios are atomesh / smg")
     for mode in args.modes:
         systems = systems_for(mode, args.only, args.processes)
         peer = "smg" if "smg" in systems else None
@@ -416,6 +418,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--processes", type=int, nargs="+", default=[1, 2],
                    help="atomesh process counts to measure (`atomesh-xN` runs `--processes N`)")
     p.add_argument("--atomesh-args", default="", help="extra `atomesh launch` flags, one string")
+    p.add_argument("--regular-workers", type=int, choices=(1, 2), default=2,
+                   help="regular mock workers behind each gateway in regular mode")
     p.add_argument("--save", type=Path, default=None, help="write every sample as JSON here")
     return p
 

@@ -39,10 +39,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
-    """Start `cmd` in its own process group, stdout and stderr to `log`."""
+def start(cmd: list[str], log: Path, env: dict[str, str] | None = None,
+          cwd: Path | None = None) -> subprocess.Popen[bytes]:
+    """Start `cmd` in its own process group, stdout and stderr to `log` (with `env` and in `cwd`, else ours)."""
     with open(log, "wb") as out:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+                                cwd=cwd)
 
 
 def stop(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:

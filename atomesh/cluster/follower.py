@@ -31,6 +31,7 @@ from atomesh.cluster.mirror import mirror
 from atomesh.config import GatewayConfig
 from atomesh.frontdoor import FrontDoor, Relay
 from atomesh.gateway import Gateway
+from atomesh.logs import AccessLog
 from atomesh.service import ssl_context, tune_gc
 from atomesh.workers.worker import Worker, WorkerState
 
@@ -42,8 +43,9 @@ class FollowerServer:
     def __init__(self, config: GatewayConfig, leader_port: int, instance_id: str) -> None:
         self.config = config
         self.gateway = Gateway(config, instance_id)
-        accounting = HttpAccounting(config.request_id_headers, self.gateway.metrics, config.max_payload_size,
-                                    self.gateway.instance_id, config.access_log_sample_rate)
+        accounting = self.accounting = HttpAccounting(
+            config.request_id_headers, self.gateway.metrics, config.max_payload_size, self.gateway.instance_id,
+            config.access_log_sample_rate, AccessLog())
         self.door = FrontDoor(self.gateway, accounting)
         self.leader_port = leader_port
 
@@ -58,6 +60,7 @@ class FollowerServer:
         await self.gateway.drain_requests(self.config.shutdown_grace_period_secs)
         await self.door.close()
         await self.gateway.stop()
+        self.accounting.close()
 
 
 def draining_in_flight(gw: Gateway) -> dict[str, int]:

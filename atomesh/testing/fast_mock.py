@@ -5,6 +5,8 @@ routes (`/v1/completions`, `/v1/chat/completions`, `/generate`) with canned answ
 uvloop `asyncio.Protocol` HTTP/1.1 server (keep-alive, Content-Length request bodies): a small JSON
 completion, or with `"stream": true` an SSE stream of `--stream-chunks` events written one event per
 event-loop turn (streams interleave, as a batching engine's do), chunked, then `data: [DONE]`.
+`--event-interval-ms N` spaces a stream's events N ms apart instead, as an engine's decode steps are
+(a gateway then relays each event on its own wake-up, not in bursts).
 
 P/D: a `prefill` or `decode` worker speaks both protocols the benchmark needs and refuses (400) a leg
 that follows neither: ATOM's relay (`kv_transfer_params`; a prefill leg with `do_remote_decode` gets
@@ -109,10 +111,11 @@ def _bad(message: str) -> bytes:
 class MockProtocol(FlowControl):
     """One client connection: parse requests off the buffer, answer from the canned set."""
 
-    __slots__ = ("_buf", "_canned", "_closed", "_loop", "_pd", "_resume", "_role", "_stream_at")
+    __slots__ = ("_buf", "_canned", "_closed", "_interval", "_loop", "_pd", "_resume", "_role", "_stream_at")
 
-    def __init__(self, canned: Canned, role: str) -> None:
+    def __init__(self, canned: Canned, role: str, interval: float = 0.0) -> None:
         super().__init__()
+        self._interval = interval  # seconds between a stream's events; 0: one event per loop turn
         self._canned = canned
         self._role = role
         self._pd = role in ("prefill", "decode")
@@ -194,9 +197,15 @@ class MockProtocol(FlowControl):
         if b'"stream":true' in body or b'"stream": true' in body:
             self.transport.write(c.stream_head)
             self._stream_at = 0
-            self._loop.call_soon(self._next_event)
+            self._schedule()
             return
         self.transport.write(c.chat if path == b"/v1/chat/completions" else c.completion)
+
+    def _schedule(self) -> None:
+        if self._interval:
+            self._loop.call_later(self._interval, self._next_event)
+        else:
+            self._loop.call_soon(self._next_event)
 
     def _next_event(self) -> None:
         """Write one SSE event, then give the loop to the other streams (one event per turn)."""
@@ -210,7 +219,7 @@ class MockProtocol(FlowControl):
         if i < len(events):
             self.transport.write(events[i])
             self._stream_at = i + 1
-            self._loop.call_soon(self._next_event)
+            self._schedule()
             return
         self.transport.write(self._canned.stream_tail)
         self._stream_at = -1
@@ -218,9 +227,9 @@ class MockProtocol(FlowControl):
             self._parse()
 
 
-async def serve(host: str, port: int, canned: Canned, role: str) -> None:
+async def serve(host: str, port: int, canned: Canned, role: str, interval: float = 0.0) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: MockProtocol(canned, role), host, port, reuse_address=True,
+    server = await loop.create_server(lambda: MockProtocol(canned, role, interval), host, port, reuse_address=True,
                                       backlog=4096)
     print(f"fast mock {role} on http://{host}:{port} (pid {os.getpid()})", flush=True)
     async with server:
@@ -236,11 +245,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=16, help="tokens in a non-streamed answer")
     p.add_argument("--stream-chunks", type=int, default=256, help="SSE events in a streamed answer")
     p.add_argument("--bootstrap-port", type=int, default=None)
+    p.add_argument("--event-interval-ms", type=float, default=0.0,
+                   help="ms between a stream's events (default 0: one event per event-loop turn)")
     args = p.parse_args(argv)
     canned = Canned(args.name, args.role, args.tokens, args.stream_chunks, args.bootstrap_port)
     import uvloop
 
-    uvloop.run(serve(args.host, args.port, canned, args.role))
+    uvloop.run(serve(args.host, args.port, canned, args.role, args.event_interval_ms / 1000))
 
 
 if __name__ == "__main__":
