@@ -33,7 +33,7 @@ import aiohttp
 import orjson
 
 from atomesh.bench.gateway import _smg
-from atomesh.bench.procs import free_port, start, stop
+from atomesh.bench.procs import free_port, start, stop, wait_serving
 
 MODEL = "mock-model"
 NO_MIGRATION = "atomesh-no-migration"  # atomesh with --migration-limit 0: like for like with SMG
@@ -174,24 +174,6 @@ def gateway_command(system: str, port: int, mport: int, workers: list[str], args
     return [sys.executable, "-m", "atomesh", "launch", *common, "--migration-limit", str(limit)]
 
 
-def _wait_up(url: str, seconds: float) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + seconds
-    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
-    while time.monotonic() < deadline:
-        try:
-            req = urllib.request.Request(url + "/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"{url} did not start serving")
-
-
 def run_system(system: str, args: argparse.Namespace, workdir: Path) -> Report:
     mocks: list[subprocess.Popen[bytes]] = []
     urls = []
@@ -207,9 +189,9 @@ def run_system(system: str, args: argparse.Namespace, workdir: Path) -> Report:
     gw = None
     try:
         for u in urls:
-            _wait_up(u, 20)
+            wait_serving(u, MODEL, 20)
         gw = start(gateway_command(system, gw_port, gw_mport, urls, args), workdir / f"{system}-gateway.log")
-        _wait_up(gw_url, 60)
+        wait_serving(gw_url, MODEL, 60)
         outcomes, killed_out, frozen_out = asyncio.run(_chaos(gw_url, urls, mocks, args))
     finally:
         if len(mocks) > 1 and mocks[1].poll() is None:

@@ -22,14 +22,13 @@ import os
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import orjson
 
 from atomesh.bench.gateway import _smg
-from atomesh.bench.procs import free_port, start, stop
+from atomesh.bench.procs import free_port, start, stop, wait_serving
 
 SYSTEMS = ("atomesh", "atomesh-default-gc", "smg")
 # `atomesh launch` with the collector left as Python sets it: tune_gc replaced before the app imports it.
@@ -76,22 +75,6 @@ def gateway_command(system: str, port: int, mport: int, worker: str) -> list[str
     if system == "atomesh-default-gc":
         return [sys.executable, "-c", _DEFAULT_GC, "launch", *common]
     return [sys.executable, "-m", "atomesh", "launch", *common]
-
-
-def _wait_up(url: str, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    body = json.dumps({"model": "mock-model", "prompt": "hi", "max_tokens": 1}).encode()
-    while time.monotonic() < deadline:
-        try:
-            req = urllib.request.Request(url + "/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"{url} did not start serving")
 
 
 async def drop_streams(port: int, pid: int, args: argparse.Namespace, report: Report) -> None:
@@ -143,10 +126,10 @@ def run_system(system: str, args: argparse.Namespace, workdir: Path) -> Report:
     gw = None
     report = Report(system)
     try:
-        _wait_up(f"http://127.0.0.1:{mock_port}", 20)
+        wait_serving(f"http://127.0.0.1:{mock_port}", "mock-model", 20)
         gw = start(gateway_command(system, port, mport, f"http://127.0.0.1:{mock_port}"),
                    workdir / f"{system}-gateway.log")
-        _wait_up(f"http://127.0.0.1:{port}", 60)
+        wait_serving(f"http://127.0.0.1:{port}", "mock-model", 60)
         cpu0, t0 = cpu_secs(gw.pid), time.monotonic()
         asyncio.run(drop_streams(port, gw.pid, args, report))
         report.seconds = round(time.monotonic() - t0, 1)

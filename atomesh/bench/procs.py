@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
 import socket
 import subprocess
+import time
+import urllib.request
 from collections import deque
 from pathlib import Path
 
@@ -56,3 +59,20 @@ def stop(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def wait_serving(url: str, model: str, seconds: float) -> None:
+    """Wait until ``url`` answers a one-token completion for ``model``; exits the benchmark when it never does."""
+    deadline = time.monotonic() + seconds
+    body = json.dumps({"model": model, "prompt": "hi", "max_tokens": 1}).encode()
+    while time.monotonic() < deadline:
+        try:
+            req = urllib.request.Request(url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"{url} did not start serving")
