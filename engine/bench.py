@@ -329,7 +329,7 @@ def main() -> None:
         kernels=a.kernels,
         load_format=a.load_format,
         kv_cache_dtype=a.kv_cache_dtype,
-        **({"quantization": a.quantization} if a.quantization else {}),
+        quantization=a.quantization,
     )
     started = time.perf_counter()
     engine = LLMEngine(args, loaded=loaded)

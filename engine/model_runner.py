@@ -16,6 +16,7 @@ from engine.kernels.ops import TritonOps
 from engine.models.config import ModelConfig
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.loader import WeightSource
+from engine.models.moe import SparseMoE
 from engine.models.quant import Fp8Linear, QuantSpec
 from engine.sampler import SampleOutput, Sampler, SampleRow, sample_row, token_logprobs
 from engine.sequence import SamplingParams, Sequence, TokenLogprob
@@ -146,8 +147,8 @@ class ModelRunner:
             model.load_weights(weights())
         model.eval()
         for module in model.modules():
-            if hasattr(module, "kernels"):
-                setattr(module, "kernels", kernels)  # noqa: B010 (the MoE blocks: fused kernel or torch reference)
+            if isinstance(module, SparseMoE):
+                module.kernels = kernels  # the fused MoE kernel with the Triton ops, the torch reference otherwise
         if kernels == "triton":
             model.ops = TritonOps()
         self.kernels = kernels

@@ -23,8 +23,11 @@ def rows_of(dest: torch.Tensor, start: int, name: str) -> Loader:
     """A loader writing a checkpoint tensor into rows ``start:`` of ``dest`` (fused projections share a tensor)."""
 
     def load(t: torch.Tensor) -> None:
-        view = dest.narrow(0, start, t.shape[0]) if dest.dim() else dest
-        if t.shape != view.shape or start + t.shape[0] > dest.shape[0]:
+        if t.dim() == 0 or start + t.shape[0] > dest.shape[0]:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, which does not fit rows "
+                             f"{start}: of {tuple(dest.shape)}")  # fmt: skip
+        view = dest.narrow(0, start, t.shape[0])
+        if t.shape != view.shape:
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, the model expects "
                              f"{tuple(view.shape)}")  # fmt: skip
         view.copy_(t)  # converts dtype and device in one pass; no full-size temporary
