@@ -8,6 +8,7 @@ repeated form by `normalize_argv` before parsing.
 
 from __future__ import annotations
 
+import importlib
 import sys
 import types
 import typing
@@ -175,92 +176,35 @@ def bench_serving(
         raise typer.BadParameter(str(e)) from None
 
 
-@bench_app.command(
-    "placement", add_help_option=False,
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-)
-def bench_placement(ctx: typer.Context) -> None:
-    """Placement: decision time, cache index memory, shared-prefix trace vs smg (`--help` lists options)."""
-    from atomesh.bench import placement
-
-    placement.main(list(ctx.args))
-
-
-@bench_app.command(
-    "kv-placement", add_help_option=False,
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-)
-def bench_kv_placement(ctx: typer.Context) -> None:
-    """kv_aware vs cache_aware, prefix_hash, round_robin on real engines under eviction (`--help` lists options)."""
-    from atomesh.bench import kv_placement
-
-    kv_placement.main(list(ctx.args))
+# Benchmarks with their own argparse options: `atomesh bench NAME ...` hands every argument to
+# atomesh.bench.MODULE.main (its `--help` lists them). name -> (module, one-line description).
+_PASSTHROUGH_BENCHES = {
+    "placement": ("placement", "Placement: decision time, cache index memory, shared-prefix trace vs smg."),
+    "kv-placement": ("kv_placement",
+                     "kv_aware vs cache_aware, prefix_hash, round_robin on real engines under eviction."),
+    "gateway": ("gateway", "Gateway overhead side by side with smg: req/s, latency, CPU, streaming."),
+    "priority": ("priority", "Priority classes under 2x overload (vs FIFO) and tenant rate-limit shares."),
+    "tracing": ("tracing", "The gateway's CPU per request with --enable-trace against without."),
+    "chaos": ("chaos", "Workers killed and frozen under load, side by side with smg: lost requests, latency, "
+                       "detection."),
+    "dropped-streams": ("dropped_streams", "Gateway memory as clients drop their streams, side by side with smg: "
+                                           "RSS every 10,000 drops, CPU."),
+    "probes": ("probes", "Operator and attacker probes side by side with smg: upgrades, CONNECT, floods, clients "
+                         "leaving."),
+}
 
 
-@bench_app.command(
-    "gateway", add_help_option=False,
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-)
-def bench_gateway(ctx: typer.Context) -> None:
-    """Gateway overhead side by side with smg: req/s, latency, CPU, streaming (`--help` lists options)."""
-    from atomesh.bench import gateway
+def _add_passthrough_bench(name: str, module: str, doc: str) -> None:
+    def run(ctx: typer.Context) -> None:
+        importlib.import_module(f"atomesh.bench.{module}").main(list(ctx.args))
 
-    gateway.main(list(ctx.args))
+    run.__doc__ = f"{doc} (`--help` lists options)"
+    bench_app.command(name, add_help_option=False,
+                      context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(run)  # fmt: skip
 
 
-@bench_app.command(
-    "priority", add_help_option=False,
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-)
-def bench_priority(ctx: typer.Context) -> None:
-    """Priority classes under 2x overload (vs FIFO) and tenant rate-limit shares (`--help` lists options)."""
-    from atomesh.bench import priority
-
-    priority.main(list(ctx.args))
-
-
-@bench_app.command(
-    "tracing", add_help_option=False,
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-)
-def bench_tracing(ctx: typer.Context) -> None:
-    """The gateway's CPU per request with --enable-trace against without (`--help` lists options)."""
-    from atomesh.bench import tracing
-
-    tracing.main(list(ctx.args))
-
-
-@bench_app.command(
-    "chaos", add_help_option=False,
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-)
-def bench_chaos(ctx: typer.Context) -> None:
-    """Workers killed and frozen under load, side by side with smg: lost requests, latency, detection."""
-    from atomesh.bench import chaos
-
-    chaos.main(list(ctx.args))
-
-
-@bench_app.command(
-    "dropped-streams", add_help_option=False,
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-)
-def bench_dropped_streams(ctx: typer.Context) -> None:
-    """Gateway memory as clients drop their streams, side by side with smg: RSS every 10,000 drops, CPU."""
-    from atomesh.bench import dropped_streams
-
-    dropped_streams.main(list(ctx.args))
-
-
-@bench_app.command(
-    "probes", add_help_option=False,
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-)
-def bench_probes(ctx: typer.Context) -> None:
-    """Issue #31's operator and attacker probes side by side with smg: upgrades, CONNECT, floods, clients leaving."""
-    from atomesh.bench import probes
-
-    probes.main(list(ctx.args))
+for _name, (_module, _doc) in _PASSTHROUGH_BENCHES.items():
+    _add_passthrough_bench(_name, _module, _doc)
 
 
 # ---------------------------------------------------------------------------- launch
