@@ -212,6 +212,7 @@ def _paged_attention_kernel(
     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_Q: tl.constexpr,
     SPLIT: tl.constexpr, TILED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    FP16_DOT: tl.constexpr,
 ):  # fmt: skip
     g = tl.program_id(2)
     ok = True
@@ -251,6 +252,9 @@ def _paged_attention_kernel(
     d = tl.arange(0, D)
     q_rows = (q0 + tq).to(tl.int64) * (H * D) + h * D
     q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    if FP16_DOT:
+        # An FP8 cache widens to fp16 natively (e4m3 -> bf16 does not): keys, values, Q and P go through fp16.
+        q = q.to(tl.float16)
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -300,7 +304,8 @@ def _merge_splits_kernel(
 def paged_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, query_start: torch.Tensor,
     context_lens: torch.Tensor, scale: float, max_query_len: int, max_context: int, num_splits: int = 1,
-    tile_map: tuple[torch.Tensor, torch.Tensor] | None = None, window: int = 0,
+    tile_map: tuple[torch.Tensor, torch.Tensor] | None = None, window: int = 0, block_n: int = 0,
+    num_warps: int = 4, num_stages: int = 3,
 ) -> torch.Tensor:  # fmt: skip
     """Causal attention of ``q [tokens, H, D]`` over each sequence's cached context (this step's K/V included).
 
@@ -317,18 +322,22 @@ def paged_attention(
     out = torch.empty_like(q)
     seqs = block_tables.shape[0]
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    fp16_dot = kv_cache.element_size() == 1 and q.dtype != torch.float32
+    # An FP8 cache moves half the bytes per key: a decode tile of twice the keys keeps as many bytes in flight.
+    block_n = block_n or (2 * DECODE_BLOCK_N if fp16_dot and max_query_len == 1 else DECODE_BLOCK_N)
     v_offset = kv_cache[0].numel()
     if max_query_len == 1 and num_splits > 1:
         block_m = max(16, triton.next_power_of_2(group))
-        split_size = triton.cdiv(triton.cdiv(max_context, num_splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
+        split_size = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
         splits = triton.cdiv(max_context, split_size)
         part_acc = torch.empty((seqs, heads, splits, d), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((seqs, heads, splits, 2), dtype=torch.float32, device=q.device)
         _paged_attention_kernel[(splits, seqs, kv_heads)](
             q, kv_cache, out, block_tables, query_start, context_lens, part_acc, part_ml, out, out,
             scale, v_offset, block_tables.stride(0), split_size, splits, window,
-            H=heads, GROUP=group, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=DECODE_BLOCK_N, TILE_Q=1,
-            SPLIT=True, TILED=False, PRECISION=precision, INTERPRET=_INTERPRET,
+            H=heads, GROUP=group, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=1,
+            SPLIT=True, TILED=False, PRECISION=precision, INTERPRET=_INTERPRET, FP16_DOT=fp16_dot,
+            num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
         _merge_splits_kernel[(seqs, heads)](
             part_acc, part_ml, out, context_lens, split_size, splits,
@@ -346,8 +355,9 @@ def paged_attention(
     _paged_attention_kernel[grid](
         q, kv_cache, out, block_tables, query_start, context_lens, out, out, tile_seq, tile_idx,
         scale, v_offset, block_tables.stride(0), 0, 1, window,
-        H=heads, GROUP=group, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=DECODE_BLOCK_N, TILE_Q=block_m // group,
-        SPLIT=False, TILED=tile_map is not None, PRECISION=precision, INTERPRET=_INTERPRET,
+        H=heads, GROUP=group, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=block_m // group,
+        SPLIT=False, TILED=tile_map is not None, PRECISION=precision, INTERPRET=_INTERPRET, FP16_DOT=fp16_dot,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     del tokens
     return out

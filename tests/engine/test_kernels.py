@@ -48,6 +48,29 @@ def test_norms_and_swiglu_match_torch() -> None:
     torch.testing.assert_close(triton_ops.silu_and_mul(gu), ref.silu_and_mul(gu))
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+def test_skinny_matmuls_match_linear(tokens: int) -> None:
+    from engine.kernels.gemv import GemvConfig, gemv
+    from engine.models.quant import quantize_per_channel
+
+    # Compiled on CUDA in bf16 (the interpreter has no bf16 matmul); fp16 under the interpreter. Shapes not
+    # multiples of the tile: masked edges.
+    dt = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    cfg = GemvConfig(16, 64, 4, 2)
+    x = torch.randn(tokens, 200, generator=_g(1)).to(DEV, dt)
+    w = (torch.randn(72, 200, generator=_g(2)) * 0.1).to(DEV, dt)
+    b = torch.randn(72, generator=_g(3)).to(DEV, dt)
+    torch.testing.assert_close(gemv(x, w, bias=b, config=cfg), F.linear(x, w, b), rtol=2e-2, atol=2e-2)
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    torch.testing.assert_close(gemv(x, w, swiglu=True, config=cfg), F.silu(gate) * up, rtol=2e-2, atol=2e-2)
+    # FP8 weights with per-channel scales: equal to the dequantized weight's matmul (activations unquantized).
+    q, scale = quantize_per_channel(w.float())
+    ref = F.linear(x.float(), q.float() * scale[:, None])
+    torch.testing.assert_close(gemv(x, q, scale, config=cfg).float(), ref, rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="at most 16 tokens"):
+        gemv(torch.zeros(17, 200, dtype=dt, device=DEV), w)
+
+
 def test_rope_and_store_writes_rotated_keys_and_values_to_their_slots() -> None:
     n = 7
     qkv = torch.randn(n, (H + 2 * KVH) * D, generator=_g()).to(DEV)

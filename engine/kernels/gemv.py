@@ -1,0 +1,124 @@
+"""Skinny matmuls of decode steps: ``y = x @ W.T`` for a handful of tokens, weight-bandwidth bound.
+
+At batch 1-16 a decode step's linear layers read every weight once and do almost no arithmetic, so their
+speed is the speed the weight streams from HBM. One program owns ``BLOCK_N`` output channels and walks the
+reduction in ``BLOCK_K`` slices, ``x`` padded to 16 rows for the tensor cores. Weights may be bf16/fp16, or
+FP8 e4m3 with one float32 scale per output channel: the FP8 bytes are widened to fp16 in registers (a native
+conversion on Hopper) and the activations stay in 16 bits, so an FP8 layer streams half the bytes without
+quantizing the activations (the weight-only FP8 path of small batches; large batches keep the FP8 x FP8
+``_scaled_mm``).
+
+``SWIGLU`` fuses the gated activation of a fused gate/up projection: the program reads the gate rows
+``n`` and the up rows ``n + N`` and writes ``silu(gate) * up`` with the roundings of the unfused ops
+(each matmul output, and the activation, rounded to the model dtype as torch does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Tokens up to which a linear layer takes this path (decode steps; verify steps of short drafts).
+MAX_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Chosen on an H200 (bench/device/gemv_tune.sh); keyed by nothing but the weight's dtype width: the sweep found
+# the same tile best for every decode shape of the 8B models within 2%.
+_CONFIG = {2: GemvConfig(32, 256, 4, 4), 1: GemvConfig(32, 512, 4, 4)}
+
+
+def config_for(weight: torch.Tensor) -> GemvConfig:
+    return _CONFIG[weight.element_size()]
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, stride_x, stride_w, stride_out, K: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, FP16_DOT: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        k_ok = k < K
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if FP16_DOT:
+            x = x.to(tl.float16)
+            w = w.to(tl.float16)
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        if SWIGLU:
+            u = tl.load(w_rows + N * stride_w + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if FP16_DOT:
+                u = u.to(tl.float16)
+            acc_up += tl.dot(x, tl.trans(u), input_precision=PRECISION)
+    dt = out_ptr.dtype.element_ty
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
+        if SWIGLU:
+            acc_up = acc_up * tl.load(scale_ptr + N + rn, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if SWIGLU:
+        gate = acc.to(dt).to(tl.float32)
+        act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32)
+        acc = act * acc_up.to(dt).to(tl.float32)
+    out = out_ptr + rm[:, None].to(tl.int64) * stride_out + rn[None, :]
+    tl.store(out, acc.to(dt), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    swiglu: bool = False,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K].T`` (times ``scale [N]`` per channel, plus ``bias``) for ``M <= 16``.
+
+    With ``swiglu`` the weight is a fused ``[2N', K]`` gate/up projection and the result ``silu(gate) * up``
+    ``[M, N']``. Output in ``x``'s dtype.
+    """
+    m, k = x.shape
+    if m > MAX_TOKENS:
+        raise ValueError(f"gemv takes at most {MAX_TOKENS} tokens, got {m}")
+    if weight.shape[1] != k:
+        raise ValueError(f"gemv: x has {k} columns, the weight {weight.shape[1]}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    cfg = config or config_for(weight)
+    fp8 = weight.element_size() == 1
+    fp16_dot = fp8 or x.dtype == torch.float16
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
+        m, n, x.stride(0), weight.stride(0), out.stride(0), k,
+        HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, SWIGLU=swiglu, FP16_DOT=fp16_dot,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
