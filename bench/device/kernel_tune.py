@@ -14,6 +14,7 @@ import argparse
 import itertools
 import json
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -61,13 +62,13 @@ def tune_gemv(out: dict) -> None:
         for m in (1, 4, 16):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             row: dict = {}
-            t = graph_time(lambda: F.linear(x, w))
+            t = graph_time(partial(F.linear, x, w))
             row["cublas_bf16_us"] = t * 1e6
             row["cublas_bf16_pct_hbm"] = 100 * n * k * 2 / t / HBM
             if name == "gate_up":
-                t = graph_time(lambda: silu_and_mul(F.linear(x, w)))
+                t = graph_time(lambda x=x, w=w: silu_and_mul(F.linear(x, w)))
                 row["cublas_bf16_plus_silu_us"] = t * 1e6
-            t = graph_time(lambda: fp8(x))
+            t = graph_time(partial(fp8, x))
             row["scaled_mm_fp8_us"] = t * 1e6
             for wdt, weight, scale in (("bf16", w, None), ("fp8", fp8.weight, fp8.weight_scale)):
                 ref = F.linear(x, w).float()
@@ -80,7 +81,7 @@ def tune_gemv(out: dict) -> None:
                         err = (y.float() - ref).abs().max().item() / ref.abs().max().item()
                         if err > 0.05:
                             raise RuntimeError(f"wrong result (relative error {err:.3f})")
-                        t = graph_time(lambda cfg=cfg: gemv(x, weight, scale, config=cfg), reps=10, rounds=3)
+                        t = graph_time(partial(gemv, x, weight, scale, config=cfg), reps=10, rounds=3)
                     except Exception as e:  # a tile that does not compile (shared memory) is skipped
                         row.setdefault("failed", []).append(f"{wdt} {cfg}: {type(e).__name__} {str(e)[:80]}")
                         continue
@@ -90,7 +91,7 @@ def tune_gemv(out: dict) -> None:
                 row[f"gemv_{wdt}_cfg"] = str(cfg)
                 row[f"gemv_{wdt}_pct_hbm"] = 100 * n * k * weight.element_size() / t / HBM
                 if name == "gate_up" and cfg is not None:
-                    t = graph_time(lambda: gemv(x, weight, scale, swiglu=True, config=cfg))
+                    t = graph_time(partial(gemv, x, weight, scale, swiglu=True, config=cfg))
                     row[f"gemv_{wdt}_swiglu_us"] = t * 1e6
             row.pop("failed", None) if len(row.get("failed", [])) < 5 else None
             print(name, m, {k2: (round(v, 1) if isinstance(v, float) else v) for k2, v in row.items()
@@ -137,16 +138,56 @@ def tune_attention(out: dict) -> None:
     out["attention_b256_ctx2048"] = res
 
 
+def tune_prefetch(out: dict) -> None:
+    """The second round: slices prefetched by hand against the pipeliner, at 1 token; FP8 attention split wider."""
+    dev = torch.device("cuda")
+    for name in ("qkv", "o", "gate_up", "down"):
+        n, k = SHAPES[name]
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        fp8 = Fp8Linear(k, n).to(dev)
+        fp8.load_rows(0, w)
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        row: dict = {"cublas_bf16_us": graph_time(partial(F.linear, x, w)) * 1e6,
+                     "scaled_mm_fp8_us": graph_time(partial(fp8, x)) * 1e6}  # fmt: skip
+        for wdt, weight, scale in (("bf16", w, None), ("fp8", fp8.weight, fp8.weight_scale)):
+            for bn, bk, st, pf in itertools.product((32, 64), (512, 1024), (1, 3), (False, True)):
+                cfg = GemvConfig(bn, bk, 4, st, pf)
+                try:
+                    t = graph_time(partial(gemv, x, weight, scale, swiglu=name == "gate_up", config=cfg), 10, 3)
+                except Exception:
+                    continue
+                row[f"{wdt} {bn}x{bk} s{st}{' pf' if pf else ''}"] = round(t * 1e6, 2)
+        best = {wdt: min((v, kk) for kk, v in row.items() if kk.startswith(wdt)) for wdt in ("bf16", "fp8")}
+        print(name, {kk: round(v, 1) for kk, v in row.items() if "_" in kk}, "best", best, flush=True)
+        out.setdefault("prefetch", {})[name] = row
+    seqs, ctx, heads, kvh, d, bs = 256, 2048, 32, 8, 128, 16
+    num_blocks = seqs * ctx // bs + 1
+    tables = torch.randperm(num_blocks - 1, device=dev, dtype=torch.int32).view(seqs, -1)
+    qstart = torch.arange(seqs + 1, device=dev, dtype=torch.int32)
+    lens = torch.full((seqs,), ctx, device=dev, dtype=torch.int32)
+    q = torch.randn(seqs, heads, d, device=dev, dtype=torch.bfloat16)
+    cache = torch.randn(2, num_blocks, bs, kvh, d, device=dev, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+    res = {}
+    for splits, bn, warps in itertools.product((1, 2, 4, 8), (64, 128), (4, 8)):
+        t = graph_time(partial(paged_attention, q, cache, tables, qstart, lens, d**-0.5, 1, ctx, splits,
+                               block_n=bn, num_warps=warps), 5, 3)  # fmt: skip
+        res[f"splits={splits} block_n={bn} warps={warps}"] = round(t * 1e6, 1)
+    print("attention fp8", sorted(res.items(), key=lambda p: p[1])[:5], flush=True)
+    out["attention_fp8_splits"] = res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", required=True)
-    ap.add_argument("--only", choices=("gemv", "attention"), default=None)
+    ap.add_argument("--only", choices=("gemv", "attention", "prefetch"), default=None)
     a = ap.parse_args()
     out: dict = {"device": torch.cuda.get_device_name()}
     if a.only in (None, "attention"):
         tune_attention(out)
     if a.only in (None, "gemv"):
         tune_gemv(out)
+    if a.only == "prefetch":
+        tune_prefetch(out)
     with open(a.json, "w") as f:
         json.dump(out, f, indent=1)
 

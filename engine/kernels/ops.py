@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.sparse import MeanKeyIndexer, select_blocks_paged
@@ -46,6 +47,14 @@ class ModelOps(Protocol):
         ...
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``layer(x)`` for a linear layer of the model (``nn.Linear``, ``Fp8Linear`` or a parallel one)."""
+        ...
+
+    def swiglu_linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of a fused gate/up projection ``layer``."""
+        ...
 
     def attention(
         self, qkv: torch.Tensor, rope: Any, kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -91,6 +100,12 @@ class TorchOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return layer(x)  # type: ignore[no-any-return]
+
+    def swiglu_linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.silu_and_mul(layer(x))
+
     def attention(
         self, qkv: torch.Tensor, rope: Any, kv_cache: torch.Tensor, meta: AttentionMetadata,
         indexer: torch.Tensor | None, heads: int, kv_heads: int, head_dim: int, scale: float, window: int = 0,
@@ -114,9 +129,12 @@ class TritonOps:
     """Fused Triton kernels: one launch per op, graph-capturable."""
 
     def __init__(self) -> None:
-        from engine.kernels import triton_ops  # imported only where Triton is wanted
+        from engine.kernels import gemv, triton_ops  # imported only where Triton is wanted
+        from engine.models.quant import Fp8Linear
 
         self._k = triton_ops
+        self._gemv = gemv
+        self._skinny_types: tuple[type[nn.Module], ...] = (nn.Linear, Fp8Linear)
 
     def rope(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> Any:
         return cos, sin, positions  # the kernel reads the float32 tables at each token's position
@@ -131,6 +149,21 @@ class TritonOps:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self._k.silu_and_mul(x)
+
+    def _skinny(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        # Plain and FP8 layers of a few tokens take the skinny kernel; parallel layers (subclasses with their own
+        # collectives) and bigger batches their own forward (cuBLAS / _scaled_mm).
+        return type(layer) in self._skinny_types and 0 < x.shape[0] <= self._gemv.MAX_TOKENS and x.dim() == 2
+
+    def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self._skinny(layer, x):
+            return self._gemv.gemv(x, layer.weight, getattr(layer, "weight_scale", None), layer.bias)
+        return layer(x)  # type: ignore[no-any-return]
+
+    def swiglu_linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self._skinny(layer, x) and layer.bias is None:
+            return self._gemv.gemv(x, layer.weight, getattr(layer, "weight_scale", None), swiglu=True)
+        return self._k.silu_and_mul(layer(x))
 
     def attention(
         self, qkv: torch.Tensor, rope: Any, kv_cache: torch.Tensor, meta: AttentionMetadata,

@@ -131,10 +131,10 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         out = ops.attention(
-            self.qkv_proj(x), rope, kv_cache, meta, indexer, self.num_heads, self.num_kv_heads, self.head_dim,
-            self.scale, self.window, qk_norm,
+            ops.linear(self.qkv_proj, x), rope, kv_cache, meta, indexer, self.num_heads, self.num_kv_heads,
+            self.head_dim, self.scale, self.window, qk_norm,
         )  # fmt: skip
-        return self.o_proj(out)  # type: ignore[no-any-return]
+        return ops.linear(self.o_proj, out)
 
     def loaders(self, p: str) -> dict[str, Loader]:
         """Hub names (prefix ``p``) -> where they go."""
@@ -160,7 +160,7 @@ class MLP(nn.Module):
         self.down_proj = make_linear(intermediate_size, hidden_size, False, quant, [prefix + "down_proj"])
 
     def forward(self, ops: ModelOps, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))  # type: ignore[no-any-return]
+        return ops.linear(self.down_proj, ops.swiglu_linear(self.gate_up_proj, x))
 
     def loaders(self, p: str) -> dict[str, Loader]:
         parts = [(p + "gate_proj", 0), (p + "up_proj", self.intermediate_size)]
@@ -300,7 +300,7 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the given hidden states ``[n, hidden]``."""
-        return self.lm_head(hidden).float()  # type: ignore[no-any-return]
+        return self.ops.linear(self.lm_head, hidden).float()
 
     def weight_loaders(self) -> dict[str, Loader]:
         """Every Hub tensor name the model needs -> the loader that puts it in place."""
