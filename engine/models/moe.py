@@ -122,11 +122,12 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [tokens, hidden]`` -> ``[tokens, hidden]``."""
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.float32_routing)
         if self._kernels == "triton":
-            from engine.kernels.fused_moe import fused_moe  # imported only where Triton is wanted
+            from engine.kernels import fused_moe as k  # imported only where Triton is wanted
 
-            return fused_moe(x, self.w13, self.w2, weights, ids)
+            weights, ids = k.route(self.gate(x), self.top_k, self.renormalize, self.float32_routing)
+            return k.fused_moe(x, self.w13, self.w2, weights, ids)
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.float32_routing)
         return experts_torch(x, self.w13, self.w2, weights, ids)
 
     def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> None:

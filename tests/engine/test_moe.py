@@ -162,17 +162,32 @@ def test_fused_moe_equals_torch(tokens: int, num_experts: int, top_k: int, favou
     torch.testing.assert_close(got, experts_torch(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize(("experts", "top_k", "renormalize", "keep_float32"),
+                         [(128, 8, True, False), (60, 6, False, False), (8, 2, True, True)])  # fmt: skip
+def test_route_kernel_equals_torch_route(experts: int, top_k: int, renormalize: bool, keep_float32: bool) -> None:
+    pytest.importorskip("triton")
+    from engine.kernels import fused_moe
+
+    logits = torch.randn(7, experts, generator=_g(11)).to(DEV)
+    weights, ids = fused_moe.route(logits, top_k, renormalize, keep_float32)
+    want_w, want_ids = route(logits, top_k, renormalize, keep_float32)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-6)
+
+
 def test_sparse_moe_on_triton_kernels_equals_torch() -> None:
     pytest.importorskip("triton")
     moe = SparseMoE(H, 24, E, K, True).to(DEV)  # intermediate 24: not a power of two (masked tiles)
     with torch.no_grad():
         for p in moe.parameters():
             p.copy_(torch.randn(p.shape, generator=_g(7)) * 0.3)
-    x = torch.randn(9, H, generator=_g(8)).to(DEV)
-    with torch.no_grad():
-        want = moe(x)
-        moe.kernels = "triton"
-        torch.testing.assert_close(moe(x), want, atol=1e-4, rtol=1e-4)
+    for tokens in (9, 2):  # the sorted path and the small-batch one
+        x = torch.randn(tokens, H, generator=_g(8)).to(DEV)
+        with torch.no_grad():
+            moe.kernels = "torch"
+            want = moe(x)
+            moe.kernels = "triton"
+            torch.testing.assert_close(moe(x), want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("one_program", [True, False], ids=["one-program", "atomics"])
@@ -241,7 +256,7 @@ def test_fused_moe_bfloat16_on_cuda(tokens: int) -> None:
 
 
 @cuda_only
-@pytest.mark.parametrize("tokens", [16, 300])  # 64 pairs: the one-program align; 1200: the atomics one
+@pytest.mark.parametrize("tokens", [2, 16, 300])  # 64 pairs: the one-program align; 1200: the atomics one
 def test_fused_moe_replays_in_a_cuda_graph(tokens: int) -> None:
     from engine.kernels.fused_moe import fused_moe
 
