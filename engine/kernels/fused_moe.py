@@ -25,11 +25,7 @@ so it never synchronises with the host and runs inside a captured CUDA graph.
    epilogue, one output row per pair; then a sum over each token's ``top_k`` rows (float32).
    Programs whose block lies past the used length (read from the device) exit at once.
 
-A batch of at most ``SMALL_TOKENS`` tokens (decode at batch 1-4) skips the alignment: each of the
-``tokens * top_k`` pairs is its own row, so one kernel computes every pair's ``silu(gate) * up`` straight from
-its expert's rows, and a second one each token's output, looping over its ``top_k`` experts with their routing
-weights (no per-pair output rows, no separate sum). Two launches instead of four, and no program reads a padding
-row. ``route`` does the router's softmax, top-k and renormalisation in one launch too.
+``route`` does the router's softmax, top-k and renormalisation in one launch (torch takes five).
 
 Roundings follow the torch reference: each projection is rounded to the model dtype before the
 activation, the product and the routing weight, as torch does between its ops. Only the sum over
@@ -282,88 +278,6 @@ def _grouped_gemm(
     )  # fmt: skip
 
 
-# Tokens up to which fused_moe takes the two-launch path of small batches (every pair its own row).
-SMALL_TOKENS = 4
-
-
-@triton.jit
-def _small_up_kernel(
-    x_ptr, w_ptr, ids_ptr, h_ptr, w_stride_e, TOP_K: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    # h[pair, n] = silu(x[token] . gate_e[n]) * (x[token] . up_e[n]) for one pair and BLOCK_N columns.
-    pair = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < N
-    dt: tl.constexpr = h_ptr.dtype.element_ty
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * K
-    w_rows = w_ptr + expert * w_stride_e + n.to(tl.int64)[:, None] * K
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_N], tl.float32)
-    kk = tl.arange(0, BLOCK_K)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + kk
-        km = k < K
-        x = tl.load(x_row + k, mask=km, other=0.0).to(tl.float32)[None, :]
-        g = tl.load(w_rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
-        u = tl.load(w_rows + N * K + k[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(g * x, axis=1)
-        acc_up += tl.sum(u * x, axis=1)
-    g = acc.to(dt).to(tl.float32)
-    a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    tl.store(h_ptr + pair.to(tl.int64) * N + n, (a * acc_up.to(dt).to(tl.float32)).to(dt), mask=nm)
-
-
-@triton.jit
-def _small_down_kernel(
-    h_ptr, w_ptr, ids_ptr, route_w_ptr, out_ptr, w_stride_e, TOP_K: tl.constexpr, N: tl.constexpr,
-    K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    # out[token, n] = sum over the token's pairs of weight * (h[pair] . down_e[n]), each term rounded as torch's.
-    token = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < N
-    dt: tl.constexpr = out_ptr.dtype.element_ty
-    kk = tl.arange(0, BLOCK_K)
-    total = tl.zeros([BLOCK_N], tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair = token * TOP_K + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        h_row = h_ptr + pair.to(tl.int64) * K
-        w_rows = w_ptr + expert * w_stride_e + n.to(tl.int64)[:, None] * K
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + kk
-            km = k < K
-            h = tl.load(h_row + k, mask=km, other=0.0).to(tl.float32)[None, :]
-            w = tl.load(w_rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w * h, axis=1)
-        rw = tl.load(route_w_ptr + pair)
-        total += (acc.to(dt).to(tl.float32) * rw.to(tl.float32)).to(rw.dtype).to(dt).to(tl.float32)
-    tl.store(out_ptr + token.to(tl.int64) * N + n, total.to(dt), mask=nm)
-
-
-def _fused_moe_small(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, route_w: torch.Tensor, ids: torch.Tensor
-) -> torch.Tensor:
-    tokens, hidden = x.shape
-    top_k = ids.shape[1]
-    inter = w13.shape[1] // 2
-    h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
-    bn, bk = 32, 256
-    _small_up_kernel[(tokens * top_k, triton.cdiv(inter, bn))](
-        x, w13, ids, h, w13.stride(0), TOP_K=top_k, N=inter, K=hidden, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
-    )  # fmt: skip
-    out = torch.empty_like(x)
-    bn = 16
-    _small_down_kernel[(tokens, triton.cdiv(hidden, bn))](
-        h, w2, ids, route_w, out, w2.stride(0), TOP_K=top_k, N=hidden, K=inter, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=4,
-    )  # fmt: skip
-    return out
-
-
 @triton.jit
 def _route_kernel(
     logits_ptr, weights_ptr, ids_ptr, E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
@@ -430,8 +344,6 @@ def fused_moe(
     w13 = w13.contiguous()
     w2 = w2.contiguous()
     route_w = topk_weights.contiguous()
-    if tokens <= SMALL_TOKENS:
-        return _fused_moe_small(x, w13, w2, route_w, topk_ids.contiguous())
     tiles = moe_tiles(num_pairs, num_experts)
     al = align(topk_ids.contiguous(), num_experts, tiles.block_m)
     h = torch.empty((num_pairs, two_i // 2), dtype=x.dtype, device=x.device)
