@@ -55,12 +55,14 @@ _debs:
 up: install engine-sysdeps
 	$(VENV)/bin/atomesh up $(ARGS)
 
-test: install sysdeps
+# The suite starts with the lint: style and both strict type checks must pass before any test runs.
+test: install sysdeps lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check atomesh engine tests
+	$(VENV)/bin/ruff check atomesh engine tests bench
 	$(VENV)/bin/mypy atomesh
+	$(VENV)/bin/mypy engine
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -137,7 +137,7 @@ def hf_reference(loaded: LoadedModel, device: torch.device, dtype: torch.dtype, 
         if dummy:
             config = transformers.AutoConfig.from_pretrained(str(loaded.folder))
             with torch.device(device):
-                built: torch.nn.Module = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+                built: torch.nn.Module = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
             return built.eval()
         pretrained: torch.nn.Module = transformers.AutoModelForCausalLM.from_pretrained(str(loaded.folder), dtype=dtype)
         return pretrained.to(device).eval()
@@ -254,7 +254,8 @@ def profile_step(engine: LLMEngine, prompt_len: int, steps: int = 200) -> dict[s
         batch, step = scheduled
         t1 = time.perf_counter()
         if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start.record()
         tokens = engine.execute(step)  # ends with the tokens on the host: a full sync
         if cuda:

@@ -77,7 +77,7 @@ class _Buffers:
         """Copy the first ``end`` entries over (all a step wrote)."""
         self.dev[:end].copy_(self.host[:end], non_blocking=True)
         if self.dev.is_cuda:
-            self._copied = torch.cuda.Event()
+            self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
             self._copied.record()
 
     def writable(self) -> None:

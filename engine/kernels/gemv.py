@@ -13,6 +13,9 @@ quantizing the activations (the weight-only FP8 path of small batches; large bat
 (each matmul output, and the activation, rounded to the model dtype as torch does).
 """
 
+# Triton kernels take pointers and constexprs, which have no Python types; the host code is typed.
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -10,13 +10,14 @@ step made of it can be captured in a CUDA graph.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.models.quant import Fp8Linear
 from engine.sparse import MeanKeyIndexer, select_blocks_paged
 
 _INDEXER = MeanKeyIndexer()  # stateless: the training-free indexer of dense checkpoints
@@ -112,7 +113,7 @@ class TorchOps:
         qk_norm: QKNorm | None = None,
     ) -> torch.Tensor:  # fmt: skip
         n = qkv.shape[0]
-        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q, k, v = torch.split(qkv, [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         q = q.view(n, heads, head_dim)
         k = k.view(n, kv_heads, head_dim)
         v = v.view(n, kv_heads, head_dim)
@@ -125,12 +126,17 @@ class TorchOps:
         return paged_attention(q, k, v, kv_cache, meta, scale, indexer, window)
 
 
+def _weights(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A plain or FP8 linear layer's ``(weight, per-channel scale or None, bias or None)``."""
+    scale = layer.weight_scale if isinstance(layer, Fp8Linear) else None
+    return cast(torch.Tensor, layer.weight), scale, cast(torch.Tensor | None, layer.bias)
+
+
 class TritonOps:
     """Fused Triton kernels: one launch per op, graph-capturable."""
 
     def __init__(self) -> None:
         from engine.kernels import gemv, triton_ops  # imported only where Triton is wanted
-        from engine.models.quant import Fp8Linear
 
         self._k = triton_ops
         self._gemv = gemv
@@ -157,12 +163,13 @@ class TritonOps:
 
     def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self._skinny(layer, x):
-            return self._gemv.gemv(x, layer.weight, getattr(layer, "weight_scale", None), layer.bias)
+            return self._gemv.gemv(x, *_weights(layer))
         return layer(x)  # type: ignore[no-any-return]
 
     def swiglu_linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self._skinny(layer, x) and layer.bias is None:
-            return self._gemv.gemv(x, layer.weight, getattr(layer, "weight_scale", None), swiglu=True)
+            weight, scale, _ = _weights(layer)
+            return self._gemv.gemv(x, weight, scale, swiglu=True)
         return self._k.silu_and_mul(layer(x))
 
     def attention(
