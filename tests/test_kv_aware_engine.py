@@ -16,8 +16,8 @@ import aiohttp
 import pytest
 from gwtest import EngineProcess, MakeGateway, base_url, free_port, wait_for
 
+from atomesh.kv.tokens import PromptTokenizer
 from atomesh.policies.kv_aware import KvAwarePolicy
-from atomesh.prompt_tokens import PromptTokenizer
 from atomesh.request import RequestView, Route
 from atomesh.workers.worker import WorkerRole
 

@@ -1,4 +1,4 @@
-"""kv_aware's replicas sharing their in-flight placements (atomesh/policies/kv_sync.py), over real ZMQ sockets."""
+"""kv_aware's replicas sharing their in-flight placements (atomesh/kv/sync.py), over real ZMQ sockets."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from gwtest import free_port, wait_for
 from pydantic import ValidationError
 
 from atomesh.config import GatewayConfig
-from atomesh.policies.kv_sync import KvPeerSync
+from atomesh.kv.sync import KvPeerSync
 from atomesh.workers.worker import Worker
 
 pytestmark = pytest.mark.timeout(30)
@@ -48,22 +48,23 @@ async def test_a_placement_reaches_the_peer_with_its_load_and_keys() -> None:
 
 def test_own_stale_and_malformed_messages_count_for_nothing() -> None:
     s = KvPeerSync(None, ["tcp://127.0.0.1:1"], stale_after=1.0)
-    s.apply(msgpack.packb([s.id, {W: [5, 50.0]}, None, []]), now=100.0)  # its own, looped back
+    s.receive(msgpack.packb([s.id, {W: [5, 50.0]}, None, []]), now=100.0)  # its own, looped back
     assert s.peer_load(W, now=100.0) == (0, 0.0)
-    s.apply(msgpack.packb([b"peer-one", {W: [1, 6.0]}, None, []]), now=100.0)
-    s.apply(msgpack.packb([b"peer-two", {W: [2, 9.0]}, None, []]), now=100.5)
+    s.receive(msgpack.packb([b"peer-one", {W: [1, 6.0]}, None, []]), now=100.0)
+    s.receive(msgpack.packb([b"peer-two", {W: [2, 9.0]}, None, []]), now=100.5)
     assert s.peer_load(W, now=100.9) == (3, 15.0)
     assert s.peer_load(W, now=101.2) == (2, 9.0)  # peer-one went quiet: its load stops counting
     for bad in (b"\xc1", msgpack.packb([1, 2]), msgpack.packb([b"x", {W: ["many", 1]}, None, []])):
-        s.apply(bad, now=101.0)
+        s.receive(bad, now=101.0)
     assert s.bad == 3 and s.peer_load(W, now=101.2) == (2, 9.0)
 
 
 async def test_kv_aware_counts_the_peer_replicas_placements() -> None:
     """Two kv_aware replicas: what one places (load and a new prefix's blocks) and when it finishes the
     other sees at once, before any engine reports it."""
-    from atomesh.policies import make_policy
-    from atomesh.prompt_tokens import PromptTokenizer
+    from atomesh.kv.events import KvEventHub
+    from atomesh.kv.tokens import PromptTokenizer
+    from atomesh.policies import Given, make_policy
     from atomesh.request import RequestView, Route
     from atomesh.workers.registry import WorkerRegistry
     from engine.tokenizer import ByteTokenizer
@@ -79,7 +80,7 @@ async def test_kv_aware_counts_the_peer_replicas_placements() -> None:
         for w in ws:
             registry.add(w)
             p.index.add_worker(w.url, 4)
-        p.watch(registry, None, (ws[0].role,), {})  # type: ignore[arg-type]
+        p.attach(Given(ws[0].role, registry, KvEventHub(p.index, registry, (ws[0].role,))))
         p.sync.start()
         policies.append(p)
     a, b = policies
@@ -90,8 +91,8 @@ async def test_kv_aware_counts_the_peer_replicas_placements() -> None:
         a.record(decision, view)
         decision.worker.in_flight += 1  # as Placement.place does right after recording
         await wait_for(lambda: b.sync.peer_load(decision.worker.url)[0] == 1, what="a's placement at b")
-        assert a._own(decision.worker) > 0
-        assert b._active(decision.worker) == pytest.approx(a._own(decision.worker))
+        assert a.load.own(decision.worker) > 0
+        assert b.load.active(decision.worker) == pytest.approx(a.load.own(decision.worker))
         assert b.select(ws, view).worker is decision.worker  # b follows a's new prefix
         # The request finishes: a tells b at once (its periodic snapshots stopped here, so nothing else can).
         await a.sync._ticker.stop()

@@ -53,11 +53,11 @@ import aiohttp
 from atomesh.bench.placement import wait_http
 from atomesh.bench.procs import free_port, start, stop
 from atomesh.config import GatewayConfig, PolicyName
-from atomesh.kv_index import as_tokens, chain_keys
+from atomesh.kv.index import as_tokens, chain_keys
+from atomesh.kv.tokens import PromptTokenizer
 from atomesh.placement import Placement, Plan
 from atomesh.policies import make_policy
 from atomesh.policies.kv_aware import KvAwarePolicy
-from atomesh.prompt_tokens import PromptTokenizer
 from atomesh.request import RequestView, Route
 from atomesh.workers.registry import WorkerRegistry
 from atomesh.workers.worker import Worker, WorkerRole, WorkerState

@@ -1,13 +1,18 @@
-"""The engine's token ids for a request, computed in the gateway (for KV-aware placement).
+"""The engine's token ids for a request, computed in the gateway: the one tokenizer stack of placement.
 
-The ids must be exactly the engine's, or block keys stop matching at the first differing token:
+kv_aware keys the prompt's KV blocks by them and prefix_hash hashes the first `--prefix-token-count` of
+them. The ids must be exactly the engine's, or block keys stop matching at the first differing token:
 the same tokenizer, the same chat template rendered the same way (Jinja sandbox, `trim_blocks`,
 `lstrip_blocks`, `add_generation_prompt`, the engine's BOS / EOS strings), the same special-token
 handling (the engine encodes the rendered text without adding specials). Two sources:
 
-- `--tokenizer-path`: a `tokenizer.json` file, or a folder with `tokenizer.json` (and
-  `tokenizer_config.json` for the chat template and BOS / EOS, as Hugging Face lays them out);
-- a worker's `GET /tokenizer_info` (the atomesh engine serves its tokenizer and template there).
+- `--tokenizer-path` (else `--model-path`): a `tokenizer.json` file, or a folder with `tokenizer.json`
+  (and `tokenizer_config.json` for the chat template and BOS / EOS, as Hugging Face lays them out);
+  `--chat-template` overrides the template found there. Loaded once at start-up
+  (`load_prompt_tokenizer`); a path that does not hold a usable tokenizer stops start-up with one line
+  saying why. Nothing is downloaded: a Hugging Face model id that is not a local path is refused.
+- a worker's `GET /tokenizer_info` (the atomesh engine serves its tokenizer and template there;
+  kv_aware asks for it when no path is given).
 
 Rendered text is cut before every special token and each piece is encoded on its own, through a
 bounded LRU cache: special tokens split the text inside the tokenizer anyway, so the ids are
@@ -25,8 +30,12 @@ from typing import Any
 
 import numpy as np
 
-from atomesh.kv_index import Tokens
+from atomesh.kv.index import Tokens
 from atomesh.request import RequestView, Route
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+MAX_PREFIX_CHARS = 64 * 1024  # characters of a prompt tokenized to find its first tokens (`first`)
 
 _CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
@@ -36,8 +45,8 @@ MAX_PIECE_CACHE = 4096
 MIN_CACHED_PIECE = 64  # characters; shorter pieces are cheaper to encode than to look up and keep
 
 
-class TokenizerUnavailable(RuntimeError):
-    """The gateway cannot tokenize like the engine (no tokenizer configured or served)."""
+class TokenizerError(ValueError):
+    """The gateway cannot tokenize like the engine: the message names the flag (or the source) and why."""
 
 
 class PromptTokenizer:
@@ -51,12 +60,16 @@ class PromptTokenizer:
         self._encode = encode
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
-        self._template = env.from_string(template)
+        try:
+            self._template = env.from_string(template)
+        except jinja2.TemplateError as e:
+            raise ValueError(str(e)) from None
         self._bos, self._eos = bos_token, eos_token
         self._split = (re.compile("(?=" + "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True))
                                   + ")") if specials else None)  # fmt: skip
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
         self.vocab_size = vocab_size
+        self.template_found = True  # False: none configured or found, ChatML stands in
         self.encoded_pieces = 0
         self.cached_pieces = 0
 
@@ -82,26 +95,43 @@ class PromptTokenizer:
                 return out
 
             return cls(encode, specials, template, bos, eos, 256 + len(specials))
-        raise TokenizerUnavailable(f"unknown tokenizer kind {kind!r} in /tokenizer_info")
+        raise TokenizerError(f"unknown tokenizer kind {kind!r} in /tokenizer_info")
 
     @classmethod
-    def from_path(cls, path: str, template: str | None = None) -> PromptTokenizer:
-        """tokenizer.json, or a folder holding it (+ tokenizer_config.json); `template` overrides the chat
-        template found there."""
-        p = Path(path)
-        file = p / "tokenizer.json" if p.is_dir() else p
-        if not file.is_file():
-            raise TokenizerUnavailable(f"--tokenizer-path {path}: no tokenizer.json there")
-        cfg: dict[str, Any] = {}
-        cfg_file = file.parent / "tokenizer_config.json"
-        if cfg_file.is_file():
-            cfg = json.loads(cfg_file.read_text())
+    def from_files(cls, model_path: str | None, tokenizer_path: str | None,
+                   chat_template: Path | None = None) -> PromptTokenizer:
+        """From `--tokenizer-path` (else `--model-path`) and `--chat-template`; TokenizerError names the flag."""
+        file = tokenizer_file(model_path, tokenizer_path)
+        config: dict[str, Any] = {}
+        config_file = file.parent / TOKENIZER_CONFIG
+        if config_file.is_file():
+            try:
+                loaded = json.loads(config_file.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                loaded = None
+            config = loaded if isinstance(loaded, dict) else {}
+        if chat_template is not None:
+            try:
+                template = chat_template.expanduser().read_text(encoding="utf-8")
+            except OSError as e:
+                raise TokenizerError(f"--chat-template {str(chat_template)!r}: cannot read it: {e.strerror}") from None
+        else:  # a list of named templates (some Hugging Face configs) is not one the engine renders
+            found = config.get("chat_template")
+            template = found if isinstance(found, str) else _CHATML
 
         def text(v: Any) -> str:
             return str(v.get("content", "")) if isinstance(v, dict) else str(v or "")
 
-        return cls._from_core(_core_from_str(file.read_text()), template or str(cfg.get("chat_template") or _CHATML),
-                              text(cfg.get("bos_token")), text(cfg.get("eos_token")))
+        core = _core_from_str(file.read_text(encoding="utf-8"), str(file))
+        try:
+            tokens = cls._from_core(core, template, text(config.get("bos_token")), text(config.get("eos_token")))
+        except TokenizerError:
+            raise
+        except ValueError as e:  # the template does not compile
+            where = f"--chat-template {str(chat_template)!r}" if chat_template is not None else str(config_file)
+            raise TokenizerError(f"{where}: not a valid Jinja template: {e}") from None
+        tokens.template_found = template is not _CHATML
+        return tokens
 
     @classmethod
     def _from_core(cls, core: Any, template: str, bos: str, eos: str) -> PromptTokenizer:
@@ -180,6 +210,39 @@ class PromptTokenizer:
         return None
 
 
+    def first(self, view: RequestView, n: int) -> list[int]:
+        """The first `n` prompt tokens (prefix_hash's key): given ids as they are, else the head of the
+        rendered prompt (at most MAX_PREFIX_CHARS of it is encoded)."""
+        body = view.body
+        given = body.get("input_ids") if view.route is Route.GENERATE else body.get("prompt")
+        if isinstance(given, list) and given and isinstance(given[0], int):
+            return [int(t) for t in given[:n]]
+        text = view.locality_text
+        messages = body.get("messages")
+        if view.route is Route.CHAT and isinstance(messages, list) and all(isinstance(m, dict) for m in messages):
+            try:
+                text = self.render([{"role": m.get("role"), "content": _content(m.get("content"))} for m in messages])
+            except ValueError:  # a template that fails on this conversation: the engine will say so
+                pass
+        return self.encode(text[: max(MAX_PREFIX_CHARS, n * 8)])[:n]
+
+
+def tokenizer_file(model_path: str | None, tokenizer_path: str | None) -> Path:
+    """The tokenizer.json that `--tokenizer-path` (else `--model-path`) names: the file, or one in the folder."""
+    flag, given = ("--tokenizer-path", tokenizer_path) if tokenizer_path else ("--model-path", model_path)
+    if not given:
+        raise TokenizerError("--model-path or --tokenizer-path is needed to load a tokenizer")
+    path = Path(given).expanduser()
+    if not path.exists():
+        raise TokenizerError(f"{flag} {given!r}: no such file or folder (a Hugging Face model id is not fetched: "
+                             f"download the model and give its folder)")
+    if path.is_dir():
+        path = path / TOKENIZER_FILE
+        if not path.is_file():
+            raise TokenizerError(f"{flag} {given!r}: the folder holds no {TOKENIZER_FILE}")
+    return path
+
+
 def _content(content: Any) -> str:
     if isinstance(content, str):
         return content
@@ -188,12 +251,16 @@ def _content(content: Any) -> str:
     return ""
 
 
-def _core_from_str(text: str) -> Any:
+def _core_from_str(text: str, where: str = "/tokenizer_info") -> Any:
     try:
         from tokenizers import Tokenizer
-    except ImportError as exc:  # pragma: no cover - a base dependency
-        raise TokenizerUnavailable("the 'tokenizers' package is needed for --policy kv_aware") from exc
-    return Tokenizer.from_str(text)
+    except ImportError:
+        raise TokenizerError("tokenizing in the gateway needs the `tokenizers` package "
+                             "(pip install tokenizers, or atomesh[engine])") from None
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as e:  # the library raises plain Exceptions for unreadable files
+        raise TokenizerError(f"{where} is not a tokenizer.json the `tokenizers` library can load: {e}") from None
 
 
 def _raise(message: str) -> None:
