@@ -114,3 +114,55 @@ async def test_kv_aware_counts_the_peer_replicas_placements() -> None:
 def test_sync_flags_are_checked(settings: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         GatewayConfig.model_validate(settings)
+
+
+async def test_the_gateways_processes_share_kv_aware_placements() -> None:
+    """--processes N: each process's kv_aware placements (in-flight load, a new prefix's blocks) reach the
+    others through the cluster's replication (atomesh.cluster.index, the batches pickled as the pipe does),
+    so a process follows a prefix another just placed and the load poller counts the other's requests
+    as this gateway's, not as foreign load."""
+    import pickle
+
+    from gwtest import gateway_config
+
+    from atomesh.cluster.index import IndexSync
+    from atomesh.gateway import Gateway
+    from atomesh.kv.tokens import PromptTokenizer
+    from atomesh.policies.kv_aware import KvAwarePolicy
+    from atomesh.request import RequestView, Route
+    from atomesh.workers.worker import WorkerRole, WorkerState
+    from engine.tokenizer import ByteTokenizer
+
+    urls = [f"http://10.0.0.{i}:8000" for i in range(3)]
+    gws = [Gateway(gateway_config(worker_urls=urls, policy="kv_aware", processes=2)) for _ in range(2)]
+    syncs: list[IndexSync] = []
+    for gw in gws:
+        policy = gw.placement.policies[WorkerRole.REGULAR]
+        assert isinstance(policy, KvAwarePolicy)
+        policy.tokenizer = PromptTokenizer.from_info(ByteTokenizer().describe())
+        for url in urls:  # as the leader's worker list makes them, each publishing KV events
+            gw.registry.set_state(gw.lifecycle.mirror(url, WorkerRole.REGULAR, None, None), WorkerState.READY)
+            policy.index.add_worker(url, 4)
+    for gw, other in ((gws[0], 1), (gws[1], 0)):  # each process's batches, through the pipe, to the other
+        syncs.append(IndexSync(gw, lambda batch, o=other: syncs[o].apply(pickle.loads(pickle.dumps(batch)))))
+    a, b = (gw.placement.policies[WorkerRole.REGULAR] for gw in gws)
+    assert isinstance(a, KvAwarePolicy) and isinstance(b, KvAwarePolicy)
+    for p in (a, b):
+        p.sync.start()
+    view = RequestView(Route.COMPLETIONS, {"prompt": "a brand new shared document " * 8}, b"", "r")
+    try:
+        plan = gws[0].placement.place(view)
+        placed = plan.workers[0]
+        await wait_for(lambda: b.sync.peer_load(placed.url)[0] == 1, what="the placement at the other process")
+        there = gws[1].registry.by_url(placed.url)
+        assert there is not None and there.in_flight == 0
+        assert b.load.active(there) == pytest.approx(a.load.own(placed)) and b.load.active(there) > 0
+        assert gws[1].load_poller is not None and gws[1].load_poller.elsewhere is not None
+        assert gws[1].load_poller.elsewhere(there) == 1  # not foreign: the other process's request
+        assert gws[1].placement.place(view).workers[0] is there  # b follows a's new prefix (predicted keys)
+        gws[0].placement.release(plan)
+        await wait_for(lambda: b.sync.peer_load(placed.url) == (0, 0.0), what="the release at the other process")
+        assert syncs[0].replicas.keys() == {"regular/kv_placements", "regular/prefix_index"}
+    finally:
+        for p in (a, b):
+            await p.sync.stop()
