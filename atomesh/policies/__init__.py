@@ -47,8 +47,9 @@ def _tokens(cfg: GatewayConfig, tokens: PromptTokenizer | None) -> PromptTokeniz
         raise PolicyNotAvailable(str(e)) from None
 
 
-def _kv_aware(cfg: GatewayConfig, tokens: PromptTokenizer | None) -> KvAwarePolicy:
-    # Without --tokenizer-path / --model-path it asks a worker for its /tokenizer_info.
+def make_kv_aware(cfg: GatewayConfig, tokens: PromptTokenizer | None = None) -> KvAwarePolicy:
+    """kv_aware from the config, typed as itself (benchmarks read its parts). Without a tokenizer
+    (given, or named by --tokenizer-path / --model-path) it asks a worker for its /tokenizer_info."""
     sync = KvPeerSync(cfg.kv_sync_bind, cfg.kv_sync_peers) if cfg.kv_sync_bind or cfg.kv_sync_peers else None
     return KvAwarePolicy(_cache_aware(cfg), overlap_weight=cfg.kv_overlap_weight, temperature=cfg.kv_temperature,
                          new_threshold=cfg.cache_threshold, tokenizer=_tokens(cfg, tokens), sync=sync)
@@ -60,7 +61,7 @@ FACTORIES: dict[PolicyName, PolicyFactory] = {
     PolicyName.POWER_OF_TWO: lambda cfg, tok: PowerOfTwoPolicy(),
     PolicyName.LEAST_LOAD: lambda cfg, tok: LeastLoadPolicy(),
     PolicyName.CACHE_AWARE: lambda cfg, tok: _cache_aware(cfg),
-    PolicyName.KV_AWARE: _kv_aware,
+    PolicyName.KV_AWARE: make_kv_aware,
     PolicyName.PREFIX_HASH: lambda cfg, tok: PrefixHashPolicy(
         prefix_token_count=cfg.prefix_token_count, load_factor=cfg.prefix_hash_load_factor,
         abs_slack=cfg.prefix_hash_balance_abs_threshold, tokens=_tokens(cfg, tok)),
@@ -86,4 +87,4 @@ def make_policy(name: PolicyName, config: GatewayConfig, tokens: PromptTokenizer
 
 
 __all__ = ["FACTORIES", "CacheStats", "Decision", "Given", "Loads", "Needs", "Policy", "PolicyName",
-           "PolicyNotAvailable", "Replica", "least_loaded", "make_policy"]
+           "PolicyNotAvailable", "Replica", "least_loaded", "make_kv_aware", "make_policy"]

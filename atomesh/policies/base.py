@@ -104,8 +104,9 @@ class Policy(Protocol):
 
     `select` is called with two or more candidates (placement takes a lone candidate itself, as
     `Decision(worker, ONLY_CANDIDATE)`, unless `select_single` is true: a policy that may refuse
-    that candidate, as consistent_hashing does for a target header naming another) and records
-    nothing about the placement. `record` runs once the whole plan exists (in P/D: both legs
+    that candidate, as consistent_hashing does for a target header naming another, or whose
+    `record` needs what its own decision carries, as kv_aware's block keys) and records nothing
+    about the placement. `record` runs once the whole plan exists (in P/D: both legs
     chosen), with the decision `select` returned or the lone-candidate one; a plan that could not be
     completed records nothing. `released` runs when a request placed on the worker has sent its
     last byte (or failed), after the worker's in-flight count dropped. `on_worker_removed` runs when
