@@ -122,11 +122,13 @@ class PromptTokenizer:
         def text(v: Any) -> str:
             return str(v.get("content", "")) if isinstance(v, dict) else str(v or "")
 
-        core = _core_from_str(file.read_text(encoding="utf-8"), str(file))
+        try:
+            source = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"{file}: cannot read it: {e}") from None
+        core = _core_from_str(source, str(file))
         try:
             tokens = cls._from_core(core, template, text(config.get("bos_token")), text(config.get("eos_token")))
-        except TokenizerError:
-            raise
         except ValueError as e:  # the template does not compile
             where = f"--chat-template {str(chat_template)!r}" if chat_template is not None else str(config_file)
             raise TokenizerError(f"{where}: not a valid Jinja template: {e}") from None
