@@ -166,3 +166,26 @@ async def test_the_gateways_processes_share_kv_aware_placements() -> None:
     finally:
         for p in (a, b):
             await p.sync.stop()
+
+
+async def test_between_processes_an_idle_process_says_so_once() -> None:
+    """Over the gateway's pipes (nothing is lost) a process repeats its snapshot every tick only while it
+    has requests in flight; once idle it says so once and then keeps quiet."""
+    sent: list[bytes] = []
+    snapshot: dict[str, tuple[int, float]] = {}
+    s = KvPeerSync(None, [], interval=0.02)
+    s.attach(lambda: dict(snapshot), lambda url, keys: None)
+    s.connect(sent.append)
+    s.start()
+    try:
+        await asyncio.sleep(0.2)
+        assert sent == []  # idle from the start: nothing to say
+        snapshot[W] = (1, 4.0)
+        await wait_for(lambda: len(sent) >= 3, what="ticks while busy")
+        snapshot.clear()
+        await wait_for(lambda: msgpack.unpackb(sent[-1])[1] == {}, what="the idle snapshot")
+        count = len(sent)
+        await asyncio.sleep(0.2)
+        assert len(sent) == count
+    finally:
+        await s.stop()

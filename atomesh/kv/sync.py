@@ -65,6 +65,7 @@ class KvPeerSync:
         self._full: type[Exception] = Exception  # zmq.Again once started (zmq is imported at start)
         self._ticker = PeriodicTask("kv-sync", interval, self._tick)
         self._local: Callable[[Any], None] | None = None  # to the gateway's other processes
+        self._local_busy = False  # the last message to them had something in flight
         self._started = False
         self.bad = 0  # peer messages that could not be read
 
@@ -139,17 +140,21 @@ class KvPeerSync:
 
     async def _tick(self) -> None:
         self.poll()
-        self._send(None, [])
+        self._send(None, [], periodic=True)
 
-    def _send(self, worker: str | None, keys: list[int], load: tuple[int, float] | None = None) -> None:
+    def _send(self, worker: str | None, keys: list[int], load: tuple[int, float] | None = None,
+              periodic: bool = False) -> None:
         if self._pub is None and self._local is None:
             return
         state = {url: [n, blocks] for url, (n, blocks) in self._snapshot().items()}
         if worker is not None and load is not None:
             state[worker] = [load[0], load[1]]
         payload = msgpack.packb([self.id, state, worker, keys[:MAX_KEYS]])
-        if self._local is not None:
+        # The pipes lose nothing: an idle process that said so once need not repeat it every tick
+        # (its view at the others goes stale, which counts as the nothing it has).
+        if self._local is not None and (state or not periodic or self._local_busy):
             self._local(payload)
+            self._local_busy = bool(state)
         if self._pub is None:
             return
         try:
