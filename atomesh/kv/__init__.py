@@ -2,7 +2,8 @@
 
 - `events`: subscriptions to the engines' KV events (vLLM's ZMQ format), one task per worker;
 - `index`: the global index those events build (block-chain key -> workers holding it);
-- `tokens`: the engine's token ids for a request, computed in the gateway (prefix_hash uses it too);
+- `tokens`: the engine's token ids for a request, computed in the gateway (prefix_hash uses it too),
+  and the fetch of a worker's tokenizer when none is configured;
 - `sync`: what gateway replicas (`--kv-sync-*`) and a gateway's processes (`--processes`) tell each
   other of their in-flight placements;
 - `scoring`: the decision's scorers (overlap, load), rules (new prompt, relief) and picker.

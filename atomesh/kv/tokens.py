@@ -21,6 +21,8 @@ identical, and a conversation's earlier messages (or a shared system prompt) are
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import re
 from collections import OrderedDict
@@ -29,9 +31,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import structlog
 
 from atomesh.kv.index import Tokens
 from atomesh.request import RequestView, Route
+from atomesh.transport import Upstream
+from atomesh.workers.registry import WorkerRegistry
+from atomesh.workers.worker import Worker, WorkerRole, WorkerState
+
+log = structlog.get_logger("atomesh.policies")
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -227,6 +235,53 @@ class PromptTokenizer:
             except ValueError:  # a template that fails on this conversation: the engine will say so
                 pass
         return self.encode(text[: max(MAX_PREFIX_CHARS, n * 8)])[:n]
+
+
+class TokenizerFetch:
+    """Asks the first ready worker of `roles` for its `/tokenizer_info` (when no tokenizer was
+    configured) and hands the result to `loaded`; one request at a time, the next ready worker after a
+    failure. Owns that one task."""
+
+    def __init__(self, upstream: Upstream, registry: WorkerRegistry, roles: tuple[WorkerRole, ...],
+                 loaded: Callable[[PromptTokenizer], None], wanted: Callable[[], bool]) -> None:
+        self.upstream = upstream
+        self.registry = registry
+        self.roles = roles
+        self._loaded = loaded
+        self._wanted = wanted  # False once a tokenizer is there (configured, fetched, or set by a test)
+        self._task: asyncio.Task[None] | None = None
+        registry.subscribe(self._on_state)
+
+    def start(self) -> None:
+        """Ask one of the workers that are ready already (those that turn ready later are asked then)."""
+        for w in self.registry:
+            if w.state is WorkerState.READY:
+                self._on_state(w, None, WorkerState.READY)
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _on_state(self, worker: Worker, old: WorkerState | None, new: WorkerState) -> None:
+        if (new is WorkerState.READY and worker.role in self.roles and self._wanted()
+                and (self._task is None or self._task.done())):
+            with contextlib.suppress(RuntimeError):  # no running loop: start() asks later
+                self._task = asyncio.get_running_loop().create_task(self._fetch(worker), name="tokenizer-fetch")
+
+    async def _fetch(self, worker: Worker) -> None:
+        try:
+            info = await self.upstream.get_json(worker.url + "/tokenizer_info", 10.0,
+                                                self.upstream.worker_headers(worker))
+            if isinstance(info, dict) and self._wanted():
+                tokenizer = await asyncio.to_thread(PromptTokenizer.from_info, info)
+                if self._wanted():
+                    self._loaded(tokenizer)
+                    log.info("kv_aware_tokenizer_loaded", worker=worker.url, kind=info.get("kind"))
+        except Exception as e:  # the worker does not serve /tokenizer_info, or not one we read: ask another later
+            log.warning("kv_aware_tokenizer_unavailable", worker=worker.url, error=str(e))
 
 
 def tokenizer_file(model_path: str | None, tokenizer_path: str | None) -> Path:

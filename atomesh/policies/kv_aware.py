@@ -40,8 +40,6 @@ it (a sticky routing key) is recorded in cache_aware's index only, until the eng
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -53,15 +51,14 @@ from atomesh.config import PolicyName
 from atomesh.kv.index import KvIndex
 from atomesh.kv.scoring import LoadEstimate, Picker, is_new, overlaps, relief
 from atomesh.kv.sync import KvPeerSync, Snapshot
-from atomesh.kv.tokens import PromptTokenizer, TokenizerError
+from atomesh.kv.tokens import PromptTokenizer, TokenizerFetch
 from atomesh.policies.base import CacheStats, Decision, Given, Loads, Needs, Replica, slot_setter
 from atomesh.policies.cache_aware import CacheAwarePolicy
 from atomesh.request import RequestView
-from atomesh.workers.worker import Worker, WorkerState
+from atomesh.workers.worker import Worker
 
 if TYPE_CHECKING:
     from atomesh.kv.events import KvEventHub
-    from atomesh.transport import Upstream
 
 log = structlog.get_logger("atomesh.policies")
 _stdlog = logging.getLogger("atomesh.policies")
@@ -106,8 +103,7 @@ class KvAwarePolicy:
         self.sync.attach(self._snapshot, self._peer_placed)
         self.load = LoadEstimate(self.sync)
         self.picker = Picker(self.index, temperature, seed)
-        self._upstream: Upstream | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.fetch: TokenizerFetch | None = None  # asks a worker for its tokenizer when none was configured
         self.decisions = 0  # decided from events
         self.fallbacks = 0  # decided by cache_aware
         self.reliefs = 0  # moved off a holder that was thrashing the prompt (relief)
@@ -121,8 +117,12 @@ class KvAwarePolicy:
         if given.hub is not None:
             self.hub = given.hub
             self.index = self.picker.index = given.hub.index
-        self._upstream = given.upstream
-        given.registry.subscribe(self._on_state)
+        if given.hub is not None and given.upstream is not None:
+            self.fetch = TokenizerFetch(given.upstream, given.registry, given.hub.roles, self._tokenizer_fetched,
+                                        lambda: self.tokenizer is None)
+
+    def _tokenizer_fetched(self, tokenizer: PromptTokenizer) -> None:
+        self.tokenizer = tokenizer
 
     def elsewhere(self, worker: Worker) -> int:
         """Requests the peer replicas and the gateway's other processes said they have in flight on
@@ -137,42 +137,17 @@ class KvAwarePolicy:
     def export(self) -> CacheStats:
         return self.fallback.export()
 
-    def _on_state(self, worker: Worker, old: WorkerState | None, new: WorkerState) -> None:
-        if (new is WorkerState.READY and self.tokenizer is None and self._upstream is not None
-                and self.hub is not None and worker.role in self.hub.roles and not self._tasks):
-            with contextlib.suppress(RuntimeError):  # no running loop: start() picks it up
-                t = asyncio.get_running_loop().create_task(self._fetch_tokenizer(worker), name="kv-aware-tokenizer")
-                self._tasks.add(t)
-                t.add_done_callback(self._tasks.discard)
-
-    async def _fetch_tokenizer(self, worker: Worker) -> None:
-        assert self._upstream is not None
-        try:
-            info = await self._upstream.get_json(worker.url + "/tokenizer_info", 10.0,
-                                                 self._upstream.worker_headers(worker))
-            if isinstance(info, dict) and self.tokenizer is None:
-                self.tokenizer = await asyncio.to_thread(PromptTokenizer.from_info, info)
-                log.info("kv_aware_tokenizer_loaded", worker=worker.url, kind=info.get("kind"))
-        except (TokenizerError, KeyError, ValueError) as e:
-            log.warning("kv_aware_tokenizer_unavailable", worker=worker.url, error=str(e))
-        except Exception as e:  # the worker does not serve /tokenizer_info: cache_aware decides meanwhile
-            log.warning("kv_aware_tokenizer_unavailable", worker=worker.url, error=str(e))
-
     def start(self) -> None:
         self.fallback.start()
         self.sync.start()
         if self.hub is not None:
             self.hub.start()
-            if self.tokenizer is None:
-                for w in self.hub.registry:
-                    if w.state is WorkerState.READY:
-                        self._on_state(w, None, WorkerState.READY)
+        if self.fetch is not None:
+            self.fetch.start()
 
     async def stop(self) -> None:
-        for t in list(self._tasks):
-            t.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        if self.fetch is not None:
+            await self.fetch.stop()
         if self.hub is not None:
             await self.hub.stop()
         await self.sync.stop()
