@@ -41,7 +41,7 @@ it (a sticky routing key) is recorded in cache_aware's index only, until the eng
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -255,8 +255,3 @@ class KvAwarePolicy:
     def on_worker_removed(self, worker: Worker) -> None:
         self.load.forget(worker)
         self.fallback.on_worker_removed(worker)
-
-    # ------------------------------------------------------------------ metrics
-    @property
-    def followed(self) -> Collection[str]:
-        return self.hub.streams.keys() if self.hub is not None else ()
