@@ -184,3 +184,22 @@ def test_only_the_cli_imports_the_app() -> None:
     graph = import_graph()
     importers = sorted(m for m, targets in graph.items() if "atomesh.app" in targets)
     assert importers == ["atomesh.cli"]
+
+
+def test_nothing_outside_the_policies_asks_which_policy_it_holds() -> None:
+    """A policy declares what it needs (`Policy.needs`, `attach`, `replicas`, `export`, `elsewhere`); the
+    gateway, the cluster and everything else wire it through those, never by testing its class."""
+    folder = ROOT / "atomesh" / "policies"
+    classes = {node.name for f in folder.glob("*.py") for node in ast.walk(ast.parse(f.read_text()))
+               if isinstance(node, ast.ClassDef)}
+    found = []
+    for path in sorted((ROOT / "atomesh").rglob("*.py")):
+        if folder in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance":
+                names = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)} | {
+                    n.attr for n in ast.walk(node.args[1]) if isinstance(n, ast.Attribute)}
+                if names & classes:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert classes and not found, "\n".join(found)

@@ -34,7 +34,7 @@ events say so, so that a burst sharing a new prefix follows the first request in
 scattering. Workers without events are scored through cache_aware's approximate index
 (overlap = its matched share of the prompt); with no event-publishing candidate, or no tokenizer
 yet, the whole decision is cache_aware's. `record` reads only what `select` decided (`KvDecision`),
-so kv_aware decides even for a lone candidate (`select_single`): a placement placement made without
+so kv_aware decides even for a lone candidate (`select_single`): a placement made without
 it (a sticky routing key) is recorded in cache_aware's index only, until the engine's events say.
 """
 
