@@ -719,8 +719,9 @@ class GatewayConfig(BaseModel):
                 raise ValueError("--kv-sync-bind / --kv-sync-peers share kv_aware's placements: they need --policy "
                                  "kv_aware (or --prefill-policy kv_aware with --pd-disaggregation)")
             if self.processes > 1:
-                raise ValueError("--kv-sync-bind / --kv-sync-peers work with one gateway process; with "
-                                 "--processes the processes already share their placements")
+                raise ValueError("--kv-sync-bind / --kv-sync-peers work with one gateway process (every process "
+                                 "would bind the same address); with --processes the processes share their "
+                                 "kv_aware placements with each other, not with other replicas")
         return self
 
     # ------------------------------------------------------------------ helpers

@@ -17,12 +17,13 @@ from atomesh.backends.atom import make_atom_backend
 from atomesh.backends.sglang import SglangBackend
 from atomesh.backends.single import SingleBackend
 from atomesh.backends.vllm import make_vllm_backend
-from atomesh.config import AssignmentMode, BackendKind, GatewayConfig, PolicyName, parse_model_aliases
+from atomesh.config import BackendKind, GatewayConfig, PolicyName, parse_model_aliases
+from atomesh.kv.events import KvEventHub, parse_endpoint_flags
+from atomesh.kv.index import KvIndex
+from atomesh.kv.tokens import PromptTokenizer, TokenizerError
 from atomesh.metrics import Metrics
 from atomesh.placement import Placement, StickyKeys
-from atomesh.policies import Policy, make_policy
-from atomesh.policies.cache_aware import CacheAwarePolicy
-from atomesh.policies.kv_aware import KvAwarePolicy
+from atomesh.policies import Given, Loads, Policy, make_policy
 from atomesh.router import Router
 from atomesh.tenancy import (
     PriorityClass,
@@ -32,13 +33,11 @@ from atomesh.tenancy import (
     load_scheduler,
     parse_tenant_api_keys,
 )
-from atomesh.tokenizer import PromptTokens, TokenizerError, load_chat_template, load_tokenizer, tokenizer_file
 from atomesh.tracing import Tracing
 from atomesh.transport import Upstream
 from atomesh.workers.breaker import BreakerSettings, BreakerState
 from atomesh.workers.discovery import DiscoveryError, DiscoverySettings, KubernetesDiscovery
 from atomesh.workers.health import HealthChecker
-from atomesh.workers.kv_events import parse_endpoint_flags
 from atomesh.workers.lifecycle import Lifecycle
 from atomesh.workers.load import LoadPoller
 from atomesh.workers.models import ModelNames
@@ -76,22 +75,20 @@ class Gateway:
         self.tokens = _prompt_tokens(config)
         policies: dict[WorkerRole, Policy] = {r: make_policy(_pool_policy(config, r), config, self.tokens)
                                               for r in roles}
-        for role, policy in policies.items():
-            if isinstance(policy, KvAwarePolicy):  # follows the KV events of its pool's workers
-                policy.watch(self.registry, self.upstream, (role,), parse_endpoint_flags(config.kv_events_endpoints))
+        for role, policy in policies.items():  # each gets what it declared it needs
+            needs = policy.needs
+            hub = (KvEventHub(KvIndex(), self.registry, (role,), parse_endpoint_flags(config.kv_events_endpoints))
+                   if needs.kv_events else None)
+            policy.attach(Given(role, self.registry, hub, self.upstream if needs.upstream else None))
         sticky = StickyKeys(config.max_idle_secs) if config.routing_key_override else None
         self.placement = Placement(self.registry, policies, pd=config.pd_disaggregation, dp_ranks=config.dp_ranks,
                                    sticky=sticky)
-        # Engine-reported load only matters to policies that compare loads.
-        # kv_aware weighs cached blocks against load, so it wants the engines' queues fresher.
-        poll = config.load_monitor_interval or (
-            0.1 if any(isinstance(p, KvAwarePolicy) for p in policies.values()) else 1.0)
-        load_blind = (PolicyName.RANDOM, PolicyName.ROUND_ROBIN, PolicyName.PASSTHROUGH,
-                      *((PolicyName.MANUAL,) if config.assignment_mode is not AssignmentMode.MIN_LOAD else ()))
-        synced = next((p for p in policies.values() if isinstance(p, KvAwarePolicy) and p.sync is not None), None)
-        self.load_poller = (LoadPoller(self.registry, self.upstream, interval=poll,
-                                       elsewhere=synced.peer_requests if synced is not None else None)
-                            if any(p.name not in load_blind for p in policies.values()) else None)
+        # Engine-reported load only matters to policies that read it, polled as often as the most eager wants.
+        wanted = [p.needs.loads.value for p in policies.values() if p.needs.loads is not Loads.UNUSED]
+        self.load_poller = (LoadPoller(self.registry, self.upstream,
+                                       interval=config.load_monitor_interval or min(wanted),
+                                       elsewhere=lambda w: policies[w.role].elsewhere(w) if w.role in policies else 0)
+                            if wanted else None)
         self.models = ModelNames(self.registry, roles[-1], parse_model_aliases(config.model_alias))
         self.backend = self._make_backend()
         self.router = Router(config, self.placement, self.backend, self.metrics, self.tracing)
@@ -161,10 +158,9 @@ class Gateway:
         for w in self.registry:
             self.metrics.worker_active.labels(w.url, w.role.value).set(w.in_flight)
         for role, policy in self.placement.policies.items():
-            if isinstance(policy, KvAwarePolicy):
-                policy = policy.fallback
-            if isinstance(policy, CacheAwarePolicy):
-                self.metrics.sync_cache_aware(role.value, policy.hits, policy.misses, len(policy.index))
+            stats = policy.export()
+            if stats is not None:
+                self.metrics.sync_cache_aware(role.value, stats.hits, stats.misses, stats.entries)
 
     # ------------------------------------------------------------------ request accounting
     def request_started(self) -> None:
@@ -293,18 +289,17 @@ def worker_ssl_context(config: GatewayConfig) -> ssl.SSLContext | None:
     return ctx
 
 
-def _prompt_tokens(config: GatewayConfig) -> PromptTokens | None:
+def _prompt_tokens(config: GatewayConfig) -> PromptTokenizer | None:
     """The tokenizer and chat template of --model-path / --tokenizer-path / --chat-template, loaded once."""
     if config.model_path is None and config.tokenizer_path is None:
         return None
     try:
-        tokenizer = load_tokenizer(config.model_path, config.tokenizer_path)
-        template = load_chat_template(config.chat_template, config.model_path, config.tokenizer_path)
+        tokens = PromptTokenizer.from_files(config.model_path, config.tokenizer_path, config.chat_template)
     except TokenizerError as e:
         raise StartupError(str(e)) from None
-    log.info("tokenizer_loaded", path=str(tokenizer_file(config.model_path, config.tokenizer_path)),
-             vocab_size=tokenizer.get_vocab_size(), chat_template=template is not None)
-    return PromptTokens(tokenizer, template)
+    log.info("tokenizer_loaded", path=config.tokenizer_path or config.model_path, vocab_size=tokens.vocab_size,
+             chat_template=config.chat_template is not None or tokens.template_found)
+    return tokens
 
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)

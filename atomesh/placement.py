@@ -207,7 +207,8 @@ class Placement:
             pinned = self.sticky.find(role, view.routing_key, pool)
             if pinned is not None:
                 return Decision(pinned, "sticky_key")
-        # One candidate is the answer, unless the policy may refuse it (a target header naming another).
+        # One candidate is the answer, unless the policy may refuse it (a target header naming another)
+        # or records from its own decision (kv_aware).
         if len(pool) == 1 and not policy.select_single:
             return Decision(pool[0], ONLY_CANDIDATE)
         return policy.select(pool, view)

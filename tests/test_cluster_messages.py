@@ -30,7 +30,8 @@ INFO = WorkerInfo(url="http://127.0.0.1:1", role="regular", bootstrap_port=None,
 
 @pytest.mark.parametrize("message", [
     SyncWorkers((INFO,), 7), MetricsQuery(1), Stop(), Ready(), MetricsReply(1, {"mesh_x": {("a",): 1.0}}),
-    DrainReport({"http://127.0.0.1:1": 2}, 7), IndexBatch((("regular", "http://127.0.0.1:1", [1, 2]),)),
+    DrainReport({"http://127.0.0.1:1": 2}, 7),
+    IndexBatch((("regular/prefix_index", ("http://127.0.0.1:1", [1, 2])), ("regular/kv_placements", b"\x94"))),
 ])
 def test_messages_survive_the_pipe(message: object) -> None:
     assert pickle.loads(pickle.dumps(message)) == message
@@ -38,12 +39,13 @@ def test_messages_survive_the_pipe(message: object) -> None:
 
 async def test_a_follower_registry_mirrors_the_leader_list() -> None:
     leader, follower = Gateway(gateway_config()), Gateway(gateway_config())
-    w = Worker(url="http://127.0.0.1:1", models=("m",))
+    w = Worker(url="http://127.0.0.1:1", models=("m",), engine_load=5, foreign_load=2)
     leader.registry.add(w)
     assert mirrored_workers(leader) == ()  # pending workers take no traffic anywhere
     leader.registry.set_state(w, WorkerState.READY)
     mirror(follower, mirrored_workers(leader))
     copy = follower.registry.by_url(w.url)
     assert copy is not None and copy.state is WorkerState.READY and describe(copy) == describe(w)
+    assert (copy.engine_load, copy.foreign_load) == (5, 2)  # kv_aware's followers weigh the foreign load
     mirror(follower, ())  # gone from the leader: drained, then removed
     assert follower.registry.by_url(w.url) is None and copy.state is WorkerState.REMOVED

@@ -216,7 +216,7 @@ async def test_tokenizer_flags_load_or_stop_start_up(tmp_path: Path, mock_worker
     template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
     gw = await gateway(worker_urls=[w.url for w in workers], policy="prefix_hash", model_path=str(model),
                        chat_template=template)
-    assert gw.gateway.tokens is not None and gw.gateway.tokens.chat_template is not None
+    assert gw.gateway.tokens is not None and gw.gateway.tokens.template_found
     for _ in range(3):
         async with http.post(base_url(gw) + "/v1/chat/completions", json={
                 "model": "mock-model", "max_tokens": 1, "messages": [{"role": "user", "content": "hello world"}]}) as r:

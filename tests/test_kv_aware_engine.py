@@ -16,8 +16,8 @@ import aiohttp
 import pytest
 from gwtest import EngineProcess, MakeGateway, base_url, free_port, wait_for
 
+from atomesh.kv.tokens import PromptTokenizer
 from atomesh.policies.kv_aware import KvAwarePolicy
-from atomesh.prompt_tokens import PromptTokenizer
 from atomesh.request import RequestView, Route
 from atomesh.workers.worker import WorkerRole
 
@@ -145,3 +145,62 @@ async def test_follow_up_turn_lands_where_its_kv_is(engines: list[Engine], gatew
             assert gained[holder] >= 3 * 16, (holder, gained)
             assert gained[1 - holder] == 0, (holder, gained)
     assert policy.decisions >= 3 and policy.hit_blocks >= 9
+
+
+@pytest.mark.timeout(180)
+async def test_follow_ups_land_where_their_kv_is_whichever_process_places_them(engines: list[Engine],
+                                                                              tmp_path: Any) -> None:
+    """`--processes 2`: both processes follow the engines' events and fetch the tokenizer themselves
+    (a follower from the worker list the leader sends), so a follow-up lands on its KV's holder
+    whichever process the kernel gave its connection to."""
+    import os
+    import subprocess
+
+    port, mport = free_port(), free_port()
+    log = tmp_path / "gateway.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "atomesh", "launch", "--host", "127.0.0.1", "--port", str(port),
+         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(mport), "--processes", "2",
+         "--worker-startup-check-interval", "0.2", "--policy", "kv_aware", "--worker-urls", *(e.url for e in engines)],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    gw = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            async def ready() -> bool:
+                try:
+                    async with s.get(gw + "/readiness") as r:
+                        return r.status == 200 and "processes_started" in log.read_text()
+                except aiohttp.ClientError:
+                    return False
+
+            deadline = time.monotonic() + 60
+            while not await ready():
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(2.0)  # every process's subscriptions caught up, its tokenizer fetched
+            served_by: set[str] = set()
+            # A fresh connection per request: the kernel spreads them over the processes.
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                             timeout=aiohttp.ClientTimeout(total=60)) as fresh:
+                for i in range(12):  # all 12 on one process: 1 in 2,048
+                    holder = i % 2
+                    topic = f"conversation {i} {time.monotonic()} " + "about paged attention " * 12
+                    turn = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": topic}]
+                    await chat(s, engines[holder].url, turn)  # as another gateway would
+                    await asyncio.sleep(0.5)  # its events reach both processes
+                    before = [e.cached_tokens() for e in engines]
+                    follow_up = [*turn, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and?"}]
+                    async with fresh.post(gw + "/v1/chat/completions", json={
+                            "model": "tiny-random", "messages": follow_up, "max_tokens": 1}) as r:
+                        assert r.status == 200, await r.text()
+                        served_by.add(r.headers["x-request-id"][:16])
+                    gained = [a - b for a, b in zip([e.cached_tokens() for e in engines], before, strict=True)]
+                    assert gained[holder] >= 3 * 16 and gained[1 - holder] == 0, (i, holder, gained)
+            assert len(served_by) == 2, "both processes placed follow-ups"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

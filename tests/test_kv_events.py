@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 from gwtest import free_port, wait_for
 
-from atomesh.kv_index import KvIndex, as_tokens, chain_keys
-from atomesh.workers.kv_events import (
+from atomesh.kv.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -24,6 +23,7 @@ from atomesh.workers.kv_events import (
     endpoint_of,
     parse_endpoint_flags,
 )
+from atomesh.kv.index import KvIndex, as_tokens, chain_keys
 from atomesh.workers.registry import WorkerRegistry
 from atomesh.workers.worker import Worker, WorkerRole, WorkerState
 from engine.block_manager import BlockManager
@@ -479,8 +479,8 @@ def test_chain_keys_are_fast_enough_to_matter() -> None:
 # ---------------------------------------------------------------------------------------------- policy, config
 def _policy(**kw: Any) -> tuple[Any, list[Worker]]:
     from atomesh.config import GatewayConfig
+    from atomesh.kv.tokens import PromptTokenizer
     from atomesh.policies import make_policy
-    from atomesh.prompt_tokens import PromptTokenizer
     from engine.tokenizer import ByteTokenizer
 
     policy = make_policy("kv_aware", GatewayConfig.model_validate({"policy": "kv_aware", **kw}))
@@ -506,7 +506,7 @@ def test_kv_aware_follows_the_holder_unless_it_is_loaded() -> None:
     assert decision.worker is ws[1]
     policy.record(decision, _view(prompt + "tail"))
     ws[1].foreign_load = 12  # busy with other replicas' requests, each as our average placement's new blocks
-    policy._mean_new = 40.0
+    policy.load.mean_new = 40.0
     assert policy.select(ws, _view(prompt + "tail")).worker is not ws[1]
 
 
@@ -524,7 +524,7 @@ def test_kv_aware_falls_back_without_events_or_tokenizer() -> None:
 
 def test_kv_aware_soft_choice_spreads_by_cost() -> None:
     policy, ws = _policy(kv_temperature=1.0)
-    policy._rng.seed(1)
+    policy.picker._rng.seed(1)
     prompt = "x" * 64
     policy.index.stored(ws[0].url, list(range(16)), None, list(prompt.encode()), 4)
     picks = [policy.select(ws, _view(prompt)).worker for _ in range(300)]
@@ -543,7 +543,7 @@ def test_kv_aware_spreads_new_prefixes_by_the_kv_traffic_the_events_show() -> No
     show much more is passed over; the others (within one average placement's new blocks of the
     least) share the new prefixes at random."""
     policy, ws = _policy()
-    policy._mean_new = 20.0
+    policy.load.mean_new = 20.0
     for i in range(6):  # worker 0 stored a lot lately; worker 1 a little; worker 2 nothing
         _store(policy, ws[0], f"conversation {i} " * 12)
     _store(policy, ws[1], "one conversation " * 4)
@@ -590,7 +590,7 @@ def test_kv_aware_placements_count_in_demand_at_once() -> None:
 def test_kv_aware_demand_counts_live_events_only() -> None:
     """Replayed batches rebuild the index but are no news of current traffic (nor do they depend on
     the engine's and the gateway's clocks agreeing)."""
-    from atomesh.kv_index import DEMAND_HALF_LIFE, as_tokens, chain_keys
+    from atomesh.kv.index import DEMAND_HALF_LIFE, as_tokens, chain_keys
 
     policy, ws = _policy()
     _store(policy, ws[0], "x" * 400, live=False)  # from the replay buffer
@@ -628,7 +628,7 @@ def _evict_tail(policy: Any, worker: Worker, text: str, keep: int, live: bool = 
 def test_index_counts_live_evictions_and_remembers_lost_keys() -> None:
     """Removals from live events count as evictions (decayed like demand); their keys are remembered
     (bounded) until stored again; replays and a cleared worker count nothing."""
-    from atomesh.kv_index import DEMAND_HALF_LIFE, LOST_PER_WORKER, as_tokens, chain_keys
+    from atomesh.kv.index import DEMAND_HALF_LIFE, LOST_PER_WORKER, as_tokens, chain_keys
 
     policy, ws = _policy()
     text = "a conversation that grows " * 4  # 26 blocks of 4

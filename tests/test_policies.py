@@ -318,7 +318,8 @@ async def test_pd_plan_failing_on_decode_records_nothing_anywhere() -> None:
     assert isinstance(plan, Pair) and plan.prefill is prefill[0]
     assert policy.index.share(prefill[0]) > 0
     await asyncio.sleep(0)
-    assert [[(r, url) for r, url, _ in b.placements] for b in batches] == [[("prefill", prefill[0].url)]]
+    assert [[(key, url) for key, (url, _) in b.placements] for b in batches] == [[("prefill/prefix_index",
+                                                                                 prefill[0].url)]]
     gw.placement.release(plan)
 
 

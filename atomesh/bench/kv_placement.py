@@ -52,12 +52,11 @@ import aiohttp
 
 from atomesh.bench.placement import wait_http
 from atomesh.bench.procs import free_port, start, stop
-from atomesh.config import GatewayConfig, PolicyName
-from atomesh.kv_index import as_tokens, chain_keys
+from atomesh.config import GatewayConfig
+from atomesh.kv.index import as_tokens, chain_keys
+from atomesh.kv.tokens import PromptTokenizer
 from atomesh.placement import Placement, Plan
-from atomesh.policies import make_policy
-from atomesh.policies.kv_aware import KvAwarePolicy
-from atomesh.prompt_tokens import PromptTokenizer
+from atomesh.policies import make_kv_aware
 from atomesh.request import RequestView, Route
 from atomesh.workers.registry import WorkerRegistry
 from atomesh.workers.worker import Worker, WorkerRole, WorkerState
@@ -391,8 +390,7 @@ def bench_decision(tokenizer: PromptTokenizer, requests: int, workers: int = 16,
         registry.set_state(w, WorkerState.READY)
         ws.append(w)
     cfg = GatewayConfig.model_validate({"policy": "kv_aware"})
-    policy = make_policy(PolicyName.KV_AWARE, cfg)
-    assert isinstance(policy, KvAwarePolicy)
+    policy = make_kv_aware(cfg)
     pre = {id(t): a for t, a in zip(texts, ids, strict=True)}
     views = [RequestView(Route.COMPLETIONS, {"prompt": t}, b"", "r") for t in texts]
     by_view = {id(v): pre[id(t)] for v, t in zip(views, texts, strict=True)}

@@ -20,14 +20,16 @@ serves inference requests on its own core. State has one owner:
   the traffic (engine-reported loads reach every process); prefix_hash is the same function in every
   process. cache_aware keeps one index per process and every process sends the placements it records
   to the others (batched once per event-loop turn, through the leader), so each index learns from all
-  the traffic, a few hundred microseconds late at most.
+  the traffic, a few hundred microseconds late at most. kv_aware's processes each follow the engines'
+  KV events and send each other what they have in flight and the blocks they just placed, as its
+  replicas do over `--kv-sync-*`. Which state a policy shares it says itself (`Policy.replicas`).
 
 Modules, by role (each imports only those above it in this list, and none imports the package itself):
 
 - `messages`: what the processes say to each other, one frozen dataclass per message;
 - `channel`: one end of a pipe, read from the event loop;
 - `mirror`: the leader's worker list as messages, and a follower's registry made to match it;
-- `index`: cache-aware placements replicated between processes;
+- `index`: policy state replicated between processes (`Policy.replicas`);
 - `follower`: a follower process (its server, its side of the pipe, its entry point);
 - `leader`: the leader's supervision of its followers (spawn, restart, sync, metrics, drains, stop).
 """

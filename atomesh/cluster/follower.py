@@ -1,8 +1,8 @@
 """A follower process: the request path on a mirror of the leader's workers.
 
 It serves inference on the shared port and passes every other request to the leader's private
-port; it mirrors the worker list the leader sends, answers metric queries, replicates cache-aware
-placements and reports its requests on draining workers whenever they change.
+port; it mirrors the worker list the leader sends, answers metric queries, replicates policy state
+(cache_aware, kv_aware) and reports its requests on draining workers whenever they change.
 """
 
 from __future__ import annotations

@@ -10,9 +10,10 @@ from typing import Any
 
 from atomesh.metrics import Export
 
-# One cache-aware placement to replicate: (worker role, worker URL, the prompt's chained prefix hashes).
-# A tuple, not a class: one is made per placement on the request path.
-PlacementRecord = tuple[str, str, list[int]]
+# One policy record to replicate: ("worker role/replica name", the record, a plain value the policy
+# made: cache_aware's (worker URL, prefix hashes), kv_aware's msgpack bytes). A tuple, not a class:
+# one is made per placement on the request path.
+PlacementRecord = tuple[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,7 @@ class WorkerInfo:
     kv_transfer_info: dict[str, Any]
     server_info: dict[str, Any]
     engine_load: int | None
+    foreign_load: int = 0  # of engine_load, requests of no process of this gateway (kv_aware weighs them)
     dp_size: int = 1  # --dp-aware: data-parallel ranks the worker reported at registration
     api_key: str | None = None  # the worker's own key (local IPC between the gateway's processes only)
 
@@ -84,8 +86,8 @@ class Unreachable:
 # ------------------------------------------------------------------ both ways
 @dataclass(frozen=True, slots=True)
 class IndexBatch:
-    """Cache-aware placements one process recorded, for the others to record too (the leader
-    records them and passes them on to every other follower)."""
+    """Policy records one process made (`Policy.replicas`), for the others to apply too (the leader
+    applies them and passes them on to every other follower)."""
 
     placements: tuple[PlacementRecord, ...]
 

@@ -13,7 +13,7 @@ MIRRORED = (WorkerState.READY, WorkerState.UNHEALTHY, WorkerState.DRAINING)
 def describe(w: Worker) -> WorkerInfo:
     return WorkerInfo(url=w.url, role=w.role.value, bootstrap_port=w.bootstrap_port, state=w.state.value,
                       models=w.models, kv_transfer_info=w.kv_transfer_info, server_info=w.server_info,
-                      engine_load=w.engine_load, dp_size=w.dp_size, api_key=w.api_key)
+                      engine_load=w.engine_load, foreign_load=w.foreign_load, dp_size=w.dp_size, api_key=w.api_key)
 
 
 def mirrored_workers(gw: Gateway) -> tuple[WorkerInfo, ...]:
@@ -35,6 +35,7 @@ def mirror(gw: Gateway, workers: tuple[WorkerInfo, ...]) -> None:
         w.kv_transfer_info = d.kv_transfer_info
         w.server_info = d.server_info
         w.engine_load = d.engine_load
+        w.foreign_load = d.foreign_load
         if w.dp_size != d.dp_size:  # --dp-aware: the ranks the leader read at registration
             w.dp_size = d.dp_size
             w.rank_in_flight = [0] * w.dp_size

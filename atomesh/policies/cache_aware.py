@@ -32,18 +32,22 @@ import functools
 import operator
 import struct
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import xxhash
 
 from atomesh.config import PolicyName
-from atomesh.policies.base import Decision, least_loaded, slot_setter
+from atomesh.policies.base import CacheStats, Decision, Given, Needs, Replica, least_loaded, slot_setter
 from atomesh.request import RequestView
 from atomesh.tasks import PeriodicTask
-from atomesh.workers.worker import Worker
+from atomesh.workers.worker import Worker, WorkerState
+
+if TYPE_CHECKING:
+    from atomesh.workers.registry import WorkerRegistry
 
 log = structlog.get_logger("atomesh.policies")
 
@@ -222,6 +226,7 @@ _set_hashes, _set_held = slot_setter(PrefixDecision, "hashes"), slot_setter(Pref
 class CacheAwarePolicy:
     name = PolicyName.CACHE_AWARE
     select_single = False
+    needs = Needs()
 
     def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
                  balance_rel_threshold: float = 1.5, eviction_interval_secs: float = 120,
@@ -234,8 +239,32 @@ class CacheAwarePolicy:
         self.hits = 0  # placements recorded on a worker that held their prefix
         self.misses = 0
         self._eviction = PeriodicTask("cache-aware-eviction", eviction_interval_secs, self.evict)
-        # Called with every placement recorded here, for other gateway processes (atomesh.cluster).
-        self.publish: Callable[[Worker, list[int]], None] | None = None
+        # Called with every placement recorded here, for the gateway's other processes (`replicas`).
+        self._publish: Callable[[Any], None] | None = None
+
+    # ------------------------------------------------------------------ what the gateway gives and reads
+    def attach(self, given: Given) -> None:
+        pass
+
+    def elsewhere(self, worker: Worker) -> int:
+        return 0
+
+    def replicas(self) -> Mapping[str, Replica]:
+        """The index: every process records the placements of the others too."""
+        return {"prefix_index": self}
+
+    def connect(self, publish: Callable[[Any], None]) -> None:
+        self._publish = publish
+
+    def apply(self, record: Any, registry: WorkerRegistry) -> None:
+        """Another process's placement `(worker url, the prompt's chained prefix hashes)`."""
+        url, hashes = record
+        worker = registry.by_url(url)
+        if worker is not None and worker.state is not WorkerState.DRAINING:
+            self.index.insert(hashes, worker, self.held(hashes, worker))
+
+    def export(self) -> CacheStats:
+        return CacheStats(self.hits, self.misses, len(self.index))
 
     # ------------------------------------------------------------------ decision
     def select(self, candidates: Sequence[Worker], view: RequestView) -> PrefixDecision:
@@ -267,33 +296,30 @@ class CacheAwarePolicy:
                 self.misses += 1
         else:  # the only candidate, placement did not ask select: still a hit or a miss for the hit ratio
             hashes, size = self.index.hashes(view.locality_text)
-            held = self._held(hashes, worker)
+            held = self.held(hashes, worker)
             if held and self.index.matched_chars(held, size) > self.cache_threshold * size:
                 self.hits += 1
             else:
                 self.misses += 1
         self.index.insert(hashes, worker, held)
-        if self.publish is not None:
-            self.publish(worker, hashes)
+        if self._publish is not None:
+            self._publish((worker.url, hashes))
 
     def released(self, worker: Worker) -> None:
         pass
-
-    def record_remote(self, worker: Worker, hashes: list[int]) -> None:
-        """A placement another gateway process made: `worker` now holds this prefix chain."""
-        self.index.insert(hashes, worker, self._held(hashes, worker))
 
     def on_worker_removed(self, worker: Worker) -> None:
         gone = self.index.remove_worker(worker)
         log.debug("cache_index_worker_removed", worker=worker.url, entries=gone)
 
-    def _held(self, hashes: Sequence[int], worker: Worker) -> int:
+    def held(self, hashes: Sequence[int], worker: Worker) -> int:
+        """How many leading entries of the chain `hashes` the index says `worker` holds."""
         return self.index.match(hashes, lambda v: worker in v)
 
     def _least_loaded(self, candidates: Sequence[Worker], hashes: list[int], reason: str) -> PrefixDecision:
         # Among equally loaded workers the one holding the least of the index.
         worker = least_loaded(candidates, tiebreak=self.index.share)
-        return PrefixDecision(worker, reason, hashes, self._held(hashes, worker))
+        return PrefixDecision(worker, reason, hashes, self.held(hashes, worker))
 
     # ------------------------------------------------------------------ eviction task
     def evict(self) -> int:

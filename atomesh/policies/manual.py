@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from atomesh.config import AssignmentMode, PolicyName
-from atomesh.policies.base import Decision, least_loaded, slot_setter
+from atomesh.policies.base import CacheStats, Decision, Given, Loads, Needs, Replica, least_loaded, slot_setter
 from atomesh.request import RequestView
 from atomesh.tasks import PeriodicTask
 from atomesh.workers.worker import Worker
@@ -58,6 +58,20 @@ class ManualPolicy:
         self.pins: dict[str, _Pin] = {}
         self._keys_held: dict[str, int] = {}  # worker URL -> keys whose latest worker it is (min_group)
         self._eviction = PeriodicTask("manual-eviction", eviction_interval_secs, self.evict)
+        # Only min_load compares loads.
+        self.needs = Needs(loads=Loads.POLLED if assignment is AssignmentMode.MIN_LOAD else Loads.UNUSED)
+
+    def attach(self, given: Given) -> None:
+        pass
+
+    def elsewhere(self, worker: Worker) -> int:
+        return 0
+
+    def replicas(self) -> Mapping[str, Replica]:
+        return {}
+
+    def export(self) -> CacheStats | None:
+        return None
 
     def select(self, candidates: Sequence[Worker], view: RequestView) -> Decision:
         key = view.routing_key

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import structlog
 
 from atomesh.config import PolicyName
-from atomesh.policies.base import Decision, Stateless
+from atomesh.policies.base import Decision, Loads, Needs, Stateless
 from atomesh.request import RequestView
 from atomesh.workers.worker import Worker
 
@@ -19,6 +19,7 @@ log = structlog.get_logger("atomesh.policies")
 
 
 class PassthroughPolicy(Stateless):
+    needs = Needs(loads=Loads.UNUSED)
     name = PolicyName.PASSTHROUGH
 
     def __init__(self) -> None:

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 import xxhash
 
 from atomesh.config import PolicyName
+from atomesh.kv.tokens import PromptTokenizer
 from atomesh.policies.base import Decision, Stateless, least_loaded
 from atomesh.request import RequestView
-from atomesh.tokenizer import PromptTokens
 from atomesh.workers.worker import Worker
 
 CHARS_PER_TOKEN = 4
@@ -80,7 +80,7 @@ class PrefixHashPolicy(Stateless):
     name = PolicyName.PREFIX_HASH
 
     def __init__(self, prefix_token_count: int = 256, load_factor: float = 1.25, abs_slack: int = 10,
-                 vnodes: int = VNODES, tokens: PromptTokens | None = None) -> None:
+                 vnodes: int = VNODES, tokens: PromptTokenizer | None = None) -> None:
         self.prefix_tokens = prefix_token_count
         self.prefix_chars = prefix_token_count * CHARS_PER_TOKEN
         self.tokens = tokens  # with --model-path / --tokenizer-path: real tokens instead of characters

@@ -6,12 +6,13 @@ import random
 from collections.abc import Sequence
 
 from atomesh.config import PolicyName
-from atomesh.policies.base import Decision, Stateless
+from atomesh.policies.base import Decision, Loads, Needs, Stateless
 from atomesh.request import RequestView
 from atomesh.workers.worker import Worker
 
 
 class RandomPolicy(Stateless):
+    needs = Needs(loads=Loads.UNUSED)
     name = PolicyName.RANDOM
 
     def __init__(self, rng: random.Random | None = None) -> None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from atomesh.config import PolicyName
-from atomesh.policies.base import Decision, Stateless
+from atomesh.policies.base import Decision, Loads, Needs, Stateless
 from atomesh.request import RequestView
 from atomesh.workers.worker import Worker
 
 
 class RoundRobinPolicy(Stateless):
+    needs = Needs(loads=Loads.UNUSED)
     name = PolicyName.ROUND_ROBIN
 
     def __init__(self) -> None:

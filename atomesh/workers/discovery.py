@@ -31,10 +31,9 @@ import orjson
 import structlog
 
 from atomesh.config import GatewayConfig, parse_model_id_source, parse_selector
-from atomesh.workers.kv_events import ENDPOINT_LABEL
 from atomesh.workers.lifecycle import Lifecycle
 from atomesh.workers.registry import WorkerRegistry
-from atomesh.workers.worker import Worker, WorkerRole, WorkerSource, WorkerState
+from atomesh.workers.worker import KV_EVENTS_LABEL, Worker, WorkerRole, WorkerSource, WorkerState
 
 log = structlog.get_logger("atomesh.discovery")
 
@@ -439,7 +438,7 @@ class KubernetesDiscovery:
         try:
             worker = self.lifecycle.add(want.url, want.role, want.bootstrap_port, source=WorkerSource.KUBERNETES,
                                         pod=want.pod, model_id=want.model_id, api_key=api_key,
-                                        labels={ENDPOINT_LABEL: want.kv_events} if want.kv_events else None)
+                                        labels={KV_EVENTS_LABEL: want.kv_events} if want.kv_events else None)
         except ValueError as e:
             self._note(f"add {want.url}", "discovery_worker_refused", worker=want.url, pod=want.pod, error=str(e))
             return

@@ -63,8 +63,8 @@ class LoadPoller:
     def __init__(self, registry: WorkerRegistry, upstream: Upstream, interval: float = 1.0, timeout: float = 0.5,
                  path: str = "/metrics", elsewhere: Callable[[Worker], int] | None = None) -> None:
         self.registry = registry
-        # Requests on a worker that other gateway replicas said they have in flight (kv_aware's
-        # --kv-sync-peers): known exactly, so not "foreign" either.
+        # Requests on a worker that other gateway replicas or this gateway's other processes said they
+        # have in flight (the pool's policy knows: Policy.elsewhere): known exactly, so not "foreign" either.
         self.elsewhere = elsewhere
         self.upstream = upstream
         self.interval = interval

@@ -58,6 +58,10 @@ def check_transition(old: WorkerState, new: WorkerState) -> None:
 _ids = itertools.count(1)
 
 
+# The label naming where a worker publishes its KV events (atomesh.kv.events reads it; discovery sets it).
+KV_EVENTS_LABEL = "kv_events_endpoint"
+
+
 @dataclass(eq=False, slots=True)
 class Worker:
     """Live record of one worker. Identity is the object; `id` is stable for its lifetime."""

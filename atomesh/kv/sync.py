@@ -1,4 +1,5 @@
-"""kv_aware's gateway replicas tell each other what they place (`--kv-sync-bind`, `--kv-sync-peers`).
+"""kv_aware's gateway replicas (`--kv-sync-bind`, `--kv-sync-peers`), and a gateway's processes
+(`--processes N`), tell each other what they place.
 
 Independent gateway replicas read the same KV events, but each sees the other's requests only once an
 engine reports them: at its next load poll (0.1 s) or when it schedules them. Replicas deciding at the
@@ -16,6 +17,10 @@ latest placement, and subscribes to its peers', whose messages it reads as it de
 - a placement's block keys become a short-lived prediction in this replica's index, as its own are.
 
 Nothing else is shared: each replica keeps its own index from the engines' events.
+
+The processes of one gateway exchange the same messages over the gateway's own pipes instead of ZMQ
+(`connect` / `apply`, the `Replica` seam of atomesh.policies.base: the cluster passes them through the
+leader), at the same moments; a replica can do both.
 """
 
 from __future__ import annotations
@@ -23,12 +28,15 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import structlog
 
 from atomesh.tasks import PeriodicTask
+
+if TYPE_CHECKING:
+    from atomesh.workers.registry import WorkerRegistry
 
 log = structlog.get_logger("atomesh.kv_sync")
 
@@ -38,7 +46,8 @@ MAX_DRAIN = 1_000  # messages read in one poll (the receive queue's bound)
 
 
 class KvPeerSync:
-    """One replica's side of the exchange: a PUB socket bound on ``bind``, a SUB socket to each peer."""
+    """One replica's side of the exchange: a PUB socket bound on ``bind``, a SUB socket to each peer, and
+    the gateway's other processes once `connect`ed. With none of these it sends and counts nothing."""
 
     def __init__(self, bind: str | None, peers: list[str], *, interval: float = 0.05,
                  stale_after: float = 1.0) -> None:
@@ -55,14 +64,38 @@ class KvPeerSync:
         self._noblock = 0
         self._full: type[Exception] = Exception  # zmq.Again once started (zmq is imported at start)
         self._ticker = PeriodicTask("kv-sync", interval, self._tick)
+        self._local: Callable[[Any], None] | None = None  # to the gateway's other processes
+        self._local_busy = False  # the last message to them had something in flight
+        self._started = False
         self.bad = 0  # peer messages that could not be read
+
+    @property
+    def active(self) -> bool:
+        """Whether there is anyone to exchange with (peers configured, or the gateway's other processes)."""
+        return self.bind is not None or bool(self.peers) or self._local is not None
 
     def attach(self, snapshot: Callable[[], Snapshot], on_keys: Callable[[str, list[int]], None]) -> None:
         """What to publish (the policy's in-flight view) and what to do with a peer's placement keys."""
         self._snapshot, self._on_keys = snapshot, on_keys
 
+    # ------------------------------------------------------------------ the gateway's processes (Replica)
+    def connect(self, publish: Callable[[Any], None]) -> None:
+        """Send every message to the gateway's other processes too, through ``publish``."""
+        self._local = publish
+        if self._started and not self._ticker.running:
+            self._ticker.start()
+
+    def apply(self, record: Any, registry: WorkerRegistry) -> None:
+        """A message another process of this gateway sent."""
+        self.receive(record)
+
     # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
+        self._started = True
+        if self.bind is None and not self.peers:
+            if self._local is not None:
+                self._ticker.start()
+            return
         import zmq
 
         self._ctx = zmq.Context()
@@ -79,11 +112,12 @@ class KvPeerSync:
             self._sub.setsockopt(zmq.SUBSCRIBE, b"")
             for peer in self.peers:
                 self._sub.connect(peer)
-        if self._pub is not None or self._sub is not None:
+        if self._pub is not None or self._sub is not None or self._local is not None:
             self._ticker.start()
         log.info("kv_sync_started", bind=self.bind, peers=self.peers)
 
     async def stop(self) -> None:
+        self._started = False
         await self._ticker.stop()
         for sock in (self._pub, self._sub):
             if sock is not None:
@@ -106,16 +140,25 @@ class KvPeerSync:
 
     async def _tick(self) -> None:
         self.poll()
-        self._send(None, [])
+        self._send(None, [], periodic=True)
 
-    def _send(self, worker: str | None, keys: list[int], load: tuple[int, float] | None = None) -> None:
-        if self._pub is None:
+    def _send(self, worker: str | None, keys: list[int], load: tuple[int, float] | None = None,
+              periodic: bool = False) -> None:
+        if self._pub is None and self._local is None:
             return
         state = {url: [n, blocks] for url, (n, blocks) in self._snapshot().items()}
         if worker is not None and load is not None:
             state[worker] = [load[0], load[1]]
+        payload = msgpack.packb([self.id, state, worker, keys[:MAX_KEYS]])
+        # The pipes lose nothing: an idle process that said so once need not repeat it every tick
+        # (its view at the others goes stale, which counts as the nothing it has).
+        if self._local is not None and (state or not periodic or self._local_busy):
+            self._local(payload)
+            self._local_busy = bool(state)
+        if self._pub is None:
+            return
         try:
-            self._pub.send(msgpack.packb([self.id, state, worker, keys[:MAX_KEYS]]), self._noblock)
+            self._pub.send(payload, self._noblock)
         except self._full:  # no room: the next snapshot says the same, later
             pass
 
@@ -132,9 +175,9 @@ class KvPeerSync:
                 payload = sub.recv(self._noblock)
             except self._full:
                 return
-            self.apply(payload)
+            self.receive(payload)
 
-    def apply(self, payload: bytes, now: float | None = None) -> None:
+    def receive(self, payload: bytes, now: float | None = None) -> None:
         """One peer message: keep its snapshot, predict its placement's keys."""
         try:
             sender, state, worker, keys = msgpack.unpackb(payload, raw=False)
@@ -146,7 +189,7 @@ class KvPeerSync:
         if not isinstance(sender, bytes) or sender == self.id:
             return
         self._views[sender] = (time.monotonic() if now is None else now, snapshot)
-        if len(self._views) > 4 * max(1, len(self.peers)):  # replicas that restarted (new ids): oldest go
+        if len(self._views) > 4 * max(16, len(self.peers)):  # senders that restarted (new ids): oldest go
             for old in sorted(self._views, key=lambda s: self._views[s][0])[: len(self._views) // 2]:
                 del self._views[old]
         if isinstance(worker, str) and keys:

@@ -31,13 +31,13 @@ from typing import Any
 import structlog
 
 from atomesh.config import parse_kv_events_endpoints
-from atomesh.kv_index import KvIndex
+from atomesh.kv.index import KvIndex
 from atomesh.workers.registry import WorkerRegistry
-from atomesh.workers.worker import Worker, WorkerRole, WorkerState
+from atomesh.workers.worker import KV_EVENTS_LABEL, Worker, WorkerRole, WorkerState
 
 log = structlog.get_logger("atomesh.kv_events")
 
-ENDPOINT_LABEL = "kv_events_endpoint"
+ENDPOINT_LABEL = KV_EVENTS_LABEL
 END_SEQ = -1
 
 
