@@ -26,13 +26,13 @@ from engine.errors import (
 from engine.kernels import interpret_mode, triton_importable
 from engine.kv_events import EventRecorder
 from engine.model_runner import ModelRunner, StepInput, kv_cache_dtype
+from engine.models.eagle3 import load_eagle3
 from engine.models.loader import LoadedModel, load_model
 from engine.models.quant import parse_quantization
 from engine.models.rope import context_limit
 from engine.sampler import SampleOutput
 from engine.scheduler import QueueFullError, ScheduledBatch, Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus, TokenLogprob
-from engine.models.eagle3 import load_eagle3
 from engine.spec_decode import DraftProposer, EagleDrafter, EagleProposer, NgramProposer, build_drafter
 
 log = logging.getLogger(__name__)

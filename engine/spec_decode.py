@@ -232,7 +232,8 @@ class EagleRows:
 
 
 def attention_meta(query_lens: list[int], cached_lens: list[int], slots: np.ndarray, tables: Seq[list[int]],
-                   block_size: int, triton: bool, kv_heads: int, device: torch.device) -> AttentionMetadata:  # fmt: skip
+                   block_size: int, triton: bool, kv_heads: int,
+                   device: torch.device) -> AttentionMetadata:  # fmt: skip
     """Metadata of a step that reads and writes the paged cache: every sequence decodes (one query each) or
     every one computes a chunk after its cached context."""
     n = len(query_lens)
@@ -302,7 +303,8 @@ class EagleDrafter:
         return self.head.greedy_tokens(normed)
 
     def _run(self, ids: torch.Tensor, positions: np.ndarray, hidden: torch.Tensor, query_lens: list[int],
-             cached_lens: list[int], slots: np.ndarray, tables: Seq[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+             cached_lens: list[int], slots: np.ndarray,
+             tables: Seq[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         assert self.kv_cache is not None, "the head's KV cache is not allocated"
         layer = self.head.config.layer
         meta = attention_meta(query_lens, cached_lens, slots, tables, self.block_size, self.triton,

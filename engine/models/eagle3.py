@@ -118,6 +118,7 @@ class Eagle3Draft(nn.Module):
 
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
+    d2t: torch.Tensor
 
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()
@@ -203,9 +204,10 @@ class Eagle3Draft(nn.Module):
                 seen.add(name)
             if "embed_tokens.weight" not in seen:
                 if target_embedding.shape != self.embed_tokens.weight.shape:
-                    raise ValueError(f"EAGLE-3 head has no embed_tokens and the target's {tuple(target_embedding.shape)}"
-                                     f" does not fit its {tuple(self.embed_tokens.weight.shape)}")  # fmt: skip
-                self.embed_tokens.weight = target_embedding  # type: ignore[assignment]  # shared, not copied
+                    raise ValueError(f"EAGLE-3 head has no embed_tokens and the target's embedding "
+                                     f"{tuple(target_embedding.shape)} does not fit its "
+                                     f"{tuple(self.embed_tokens.weight.shape)}")  # fmt: skip
+                self.embed_tokens.weight = target_embedding  # shared, not copied
                 self.shares_embedding = True
                 seen.add("embed_tokens.weight")
             if "d2t" not in seen:

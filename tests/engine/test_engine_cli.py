@@ -105,10 +105,12 @@ def test_speculative_flags_parse_in_both_spellings() -> None:
     assert atom.speculative is not None and atom.speculative.num_speculative_tokens == 3
     # vLLM's defaults: neither bound given: 5 and 5; one given: the other takes its value.
     assert (atom.speculative.prompt_lookup_min, atom.speculative.prompt_lookup_max) == (5, 5)
-    eagle = parse_args(["--speculative-config", '{"method": "eagle3", "model": "/heads/h", "num_speculative_tokens": 3}'])
+    eagle = parse_args(["--speculative-config",
+                        '{"method": "eagle3", "model": "/heads/h", "num_speculative_tokens": 3}'])  # fmt: skip
     atom_eagle = parse_args(["--method", "eagle3", "--draft-model", "/heads/h", "--num-speculative-tokens", "3"])
     assert eagle.speculative == atom_eagle.speculative
-    assert eagle.speculative is not None and (eagle.speculative.method, eagle.speculative.model) == ("eagle3", "/heads/h")
+    assert eagle.speculative is not None
+    assert (eagle.speculative.method, eagle.speculative.model) == ("eagle3", "/heads/h")
     one = parse_args(["--speculative-config",
                       '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'])  # fmt: skip
     assert one.speculative is not None and one.speculative.prompt_lookup_min == 3
