@@ -221,3 +221,50 @@ class Eagle3Draft(nn.Module):
         missing = sorted(loaders.keys() - seen)
         if missing:
             raise ValueError(f"EAGLE-3 head lacks weights: {missing[:5]}")
+
+
+def write_random_head(folder: Path, target: ModelConfig, draft_vocab: int, seed: int = 0,
+                      dtype: torch.dtype = torch.float32, own_embedding: bool = False,
+                      **config: Any) -> Path:  # fmt: skip
+    """A random EAGLE-3 head for ``target`` in the published layout (config.json + model.safetensors), the first
+    ``draft_vocab`` ids drawn from the target's vocabulary (``d2t``); tests and benchmarks (its drafts are noise).
+    ``config`` adds or overrides config.json fields."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    h, v, i = target.hidden_size, target.vocab_size, target.intermediate_size
+    q, kv = target.num_attention_heads * target.head_dim, target.num_key_value_heads * target.head_dim
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * 0.1).to(dtype)
+
+    def norm() -> torch.Tensor:
+        return (1 + torch.randn(h, generator=gen) * 0.1).to(dtype)
+
+    kept = torch.randperm(v, generator=gen)[:draft_vocab].sort().values
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[kept] = True
+    p = "midlayer."
+    weights = {
+        "fc.weight": rand(h, 3 * h), "norm.weight": norm(), "lm_head.weight": rand(draft_vocab, h),
+        "d2t": kept - torch.arange(draft_vocab), "t2d": t2d,
+        p + "input_layernorm.weight": norm(), p + "hidden_norm.weight": norm(),
+        p + "post_attention_layernorm.weight": norm(),
+        p + "self_attn.q_proj.weight": rand(q, 2 * h), p + "self_attn.k_proj.weight": rand(kv, 2 * h),
+        p + "self_attn.v_proj.weight": rand(kv, 2 * h), p + "self_attn.o_proj.weight": rand(h, q),
+        p + "mlp.gate_proj.weight": rand(i, h), p + "mlp.up_proj.weight": rand(i, h),
+        p + "mlp.down_proj.weight": rand(h, i),
+    }  # fmt: skip
+    if own_embedding:
+        weights["embed_tokens.weight"] = rand(v, h)
+    save_file(weights, str(folder / "model.safetensors"))
+    raw = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h, "intermediate_size": i,
+        "num_attention_heads": target.num_attention_heads, "num_key_value_heads": target.num_key_value_heads,
+        "head_dim": target.head_dim, "num_hidden_layers": 1, "rms_norm_eps": target.rms_norm_eps, "vocab_size": v,
+        "draft_vocab_size": draft_vocab, "max_position_embeddings": target.max_position_embeddings,
+        "rope_theta": target.rope_theta, "torch_dtype": str(dtype).removeprefix("torch."), **config,
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(raw))
+    return folder

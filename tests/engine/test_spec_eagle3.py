@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from engine.llm_engine import LLMEngine
 from engine.models.config import ModelConfig, UnsupportedModelError
-from engine.models.eagle3 import default_aux_layers, load_eagle3, parse_eagle3_config
+from engine.models.eagle3 import default_aux_layers, load_eagle3, parse_eagle3_config, write_random_head
 from engine.sequence import SamplingParams, SequenceStatus
 from engine.spec_decode import SpeculativeConfig, attention_meta
 
@@ -42,40 +42,9 @@ AUX = [0, 1, 1]  # the tiny target has two layers (the default picks 2, L // 2 a
 
 def write_head(folder: Path, cfg: ModelConfig, draft_vocab: int = 64, seed: int = 1, own_embedding: bool = False,
                **config: Any) -> Path:  # fmt: skip
-    """A random EAGLE-3 head for ``cfg``'s target, in the layout the published heads use."""
-    folder.mkdir(parents=True, exist_ok=True)
-    h, v, i = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * 0.1
-
-    kept = torch.randperm(v, generator=gen)[:draft_vocab].sort().values  # the draft vocabulary's target ids
-    t2d = torch.zeros(v, dtype=torch.bool)
-    t2d[kept] = True
-    weights = {
-        "fc.weight": rand(h, 3 * h), "norm.weight": 1 + rand(h), "lm_head.weight": rand(draft_vocab, h),
-        "d2t": kept - torch.arange(draft_vocab), "t2d": t2d,
-        "midlayer.input_layernorm.weight": 1 + rand(h), "midlayer.hidden_norm.weight": 1 + rand(h),
-        "midlayer.post_attention_layernorm.weight": 1 + rand(h),
-        "midlayer.self_attn.q_proj.weight": rand(q, 2 * h), "midlayer.self_attn.k_proj.weight": rand(kv, 2 * h),
-        "midlayer.self_attn.v_proj.weight": rand(kv, 2 * h), "midlayer.self_attn.o_proj.weight": rand(h, q),
-        "midlayer.mlp.gate_proj.weight": rand(i, h), "midlayer.mlp.up_proj.weight": rand(i, h),
-        "midlayer.mlp.down_proj.weight": rand(h, i),
-    }  # fmt: skip
-    if own_embedding:
-        weights["embed_tokens.weight"] = rand(v, h)
-    save_file(weights, str(folder / "model.safetensors"))
-    raw = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h, "intermediate_size": i,
-        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim, "num_hidden_layers": 1, "rms_norm_eps": cfg.rms_norm_eps, "vocab_size": v,
-        "draft_vocab_size": draft_vocab, "max_position_embeddings": 2048, "rope_theta": cfg.rope_theta,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": AUX}, **config,
-    }  # fmt: skip
-    (folder / "config.json").write_text(json.dumps(raw))
-    return folder
+    """A random EAGLE-3 head for ``cfg``'s target, in the layout the published heads use, reading layers ``AUX``."""
+    return write_random_head(folder, cfg, draft_vocab, seed, own_embedding=own_embedding,
+                             **{"eagle_config": {"eagle_aux_hidden_state_layer_ids": AUX}, **config})  # fmt: skip
 
 
 @pytest.fixture
