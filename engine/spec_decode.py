@@ -381,7 +381,8 @@ class EagleDrafter:
             if last_rows:
                 last = torch.tensor(last_rows, dtype=torch.int64, device=self.device)
                 firsts = self.pick(normed[last], sampled_ids, rows.positions[at[last_rows]].tolist()).tolist()
-                state = {sid: (int(t), prenorm[r]) for sid, t, r in zip(sampled_ids, firsts, last_rows, strict=True)}
+                kept = prenorm[last]  # a copy: the pass's other rows are not held until the next step
+                state = {sid: (int(t), kept[j]) for j, (sid, t) in enumerate(zip(sampled_ids, firsts, strict=True))}
         self.state = state
 
 
