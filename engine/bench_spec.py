@@ -13,6 +13,11 @@ sequences holding ``--prompt-len`` tokens of context decode with k = 0 (plain) .
 which is the acceptance length (tokens per verify row) that k drafts must reach to gain. Meant for the GPU on
 a real shape (``--model`` a folder, ``--load-format dummy``); on CPU it runs too.
 
+``--ceiling`` adds, per task, what no draft-length policy over the same lookup could beat: the verify cost of
+k = 0 .. ``--num-speculative-tokens`` drafts is measured in the same run (batch 1, the task's context), and a
+dynamic programme over the plain output picks, at every step, the best number of the lookup's drafts to verify
+(knowing which would stand); the resulting speed-up bounds any adaptive draft length.
+
 ``--eagle HEAD`` times EAGLE-3 steps the same way: a plain engine (CUDA graphs unless ``--enforce-eager``) and,
 for each k = 1 .. ``--max-k``, an engine whose head drafts k tokens a step; per batch size the mean step time, the
 tokens a step produced and tok/s, with the ratio of step times (the acceptance length the head must reach to
@@ -38,7 +43,7 @@ from engine.llm_engine import LLMEngine
 from engine.models.eagle3 import write_random_head
 from engine.models.loader import load_model
 from engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
-from engine.spec_decode import SpeculativeConfig
+from engine.spec_decode import SpeculativeConfig, ngram_drafts
 
 PASSAGE = (
     "The paged KV cache splits each sequence's keys and values into fixed-size blocks. A block table maps a "
@@ -76,6 +81,38 @@ class FixedDrafts:
 
     def propose(self, seq: Sequence, max_drafts: int) -> list[int]:
         return [0] * min(self.k, max_drafts)
+
+
+def draft_length_ceiling(prompt: list[int], completion: list[int], cost: list[float], lookup_min: int,
+                         lookup_max: int) -> float:  # fmt: skip
+    """The best decode speed-up over plain decoding of prompt-lookup drafts of any length up to ``len(cost) - 1``
+    chosen with hindsight at every step (``cost[k]``: a step verifying k drafts, in plain steps). The first token
+    comes from the prefill: decode steps produce the rest."""
+    n = len(completion)
+    best = [0.0] * (n + 1)
+    for i in range(n - 1, 0, -1):
+        drafts = ngram_drafts([*prompt, *completion[:i]], len(cost) - 1, lookup_min, lookup_max)
+        stand = 0
+        while stand < len(drafts) and i + stand < n and drafts[stand] == completion[i + stand]:
+            stand += 1
+        best[i] = min(cost[k] + best[min(n, i + min(k, stand) + 1)] for k in range(len(drafts) + 1))
+    return (n - 1) / best[1] if n > 1 else 1.0
+
+
+def _step_cost(engine: LLMEngine, prompt: list[int], k: int, steps: int) -> float:
+    """Seconds of a batch-1 step that verifies ``k`` forced drafts (0: a plain decode step) after ``prompt``."""
+    engine.scheduler.proposer = FixedDrafts(k) if k else None
+    seq = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=(steps + 3) * (k + 1) + 2,
+                                                    ignore_eos=True))  # fmt: skip
+    while seq.num_completion_tokens == 0:
+        engine.step()
+    engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = (time.perf_counter() - t0) / steps
+    engine.finish(seq, FinishReason.ABORT)
+    return elapsed
 
 
 def _sync(engine: LLMEngine) -> None:
@@ -203,6 +240,7 @@ def main() -> None:
     p.add_argument("--max-k", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--ceiling", action="store_true", help="also the best any draft-length policy could do")
     p.add_argument("--eagle", default=None, help="time EAGLE-3 steps with this head folder ('random': a random head)")
     p.add_argument("--draft-vocab", type=int, default=32000, help="draft vocabulary of a random head")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -247,6 +285,14 @@ def main() -> None:
                 outs[label] = engine.generate([prompt], params)[0]
                 best[label] = min(best[label], time.perf_counter() - t0)
         after = spec.stats()
+        if a.ceiling:
+            proposer = spec.scheduler.proposer
+            # Interleaved, twice, best of each: the shared machine's load moves between measurements.
+            times = [min(_step_cost(spec, prompt, k, a.steps) for _ in range(2))
+                     for k in range(a.num_speculative_tokens + 1)]  # fmt: skip
+            spec.scheduler.proposer = proposer
+            ratios = [t / times[0] for t in times]
+            ceiling = draft_length_ceiling(prompt, outs["plain"], ratios, a.prompt_lookup_min, a.prompt_lookup_max)
         rows = after.spec_drafts - before.spec_drafts
         accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
         tokens = len(outs["plain"])
@@ -260,6 +306,10 @@ def main() -> None:
             "acceptance_length": 1 + accepted / rows if rows else 0.0,
             "identical": outs["plain"] == outs["ngram"],
         }  # fmt: skip
+        if a.ceiling:
+            row |= {"verify_cost": ratios, "draft_length_ceiling": ceiling}
+            print(f"{name:22s} verify cost of k = 0..{a.num_speculative_tokens} drafts (plain steps): "
+                  f"{', '.join(f'{c:.2f}' for c in ratios)}; best any draft-length policy could do: x{ceiling:.2f}")
         results.append(row)
         print(f"{name:22s} prompt {len(prompt):4d} tok, {tokens:4d} generated: plain {row['plain_tok_s']:6.1f} tok/s, "
               f"ngram k={a.num_speculative_tokens} {row['ngram_tok_s']:6.1f} tok/s, x{row['speedup']:.2f}, "
