@@ -225,6 +225,8 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device)
         self.kv_caches = []
         self.indexer_caches = []
+        if self.drafter is not None:
+            self.drafter.kv_cache = None
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         cache_so_far = blocks * self.block_bytes()
