@@ -17,8 +17,6 @@ from engine.spec_decode import SpeculativeConfig, parse_speculative_config, spec
 
 # ATOM flags we know and do not implement: flag -> why.
 _REFUSED_FLAGS = {
-    "--draft-model": "a draft checkpoint (EAGLE-3 heads, draft models) is not supported yet: speculative decoding "
-    "here is prompt lookup (--method ngram, or --speculative-config '{\"method\": \"ngram\", ...}'), which needs none",
     "--port": "this engine has no internal engine port (ATOM's --port); use --server-port for HTTP",
     "--enable-expert-parallel": "expert parallelism is not supported (MoE experts run on one device)",
     "--enable-dp-attention": "data-parallel attention is not supported",
@@ -234,10 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", default="{}",
                    help='speculative decoding as vLLM configures it, JSON: {"method": "ngram", '
                    '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} (prompt lookup '
-                   "over the prompt and the output so far; exact under greedy sampling)")  # fmt: skip
+                   'over the prompt and the output so far) or {"method": "eagle3", "model": HEAD_FOLDER, '
+                   '"num_speculative_tokens": 3} (an EAGLE-3 draft head); exact under greedy sampling')  # fmt: skip
     p.add_argument("--method", default=None,
-                   help="ATOM's spelling of the speculative method: ngram (mtp, eagle3 and dspark are refused: "
+                   help="ATOM's spelling of the speculative method: ngram or eagle3 (mtp and dspark are refused: "
                    "not built)")  # fmt: skip
+    p.add_argument("--draft-model", default=None,
+                   help="ATOM's spelling of the EAGLE-3 head's folder (with --method eagle3)")  # fmt: skip
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="ATOM's spelling: draft tokens per step (with --method)")  # fmt: skip
     p.add_argument("--trust-remote-code", action="store_true", help="accepted: this engine never runs model code")
@@ -298,12 +299,13 @@ def validate(ns: argparse.Namespace) -> EngineArgs:
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     speculative = parse_speculative_config(ns.speculative_config)
-    if ns.method is not None or ns.num_speculative_tokens is not None:
+    if ns.method is not None or ns.num_speculative_tokens is not None or ns.draft_model is not None:
         if speculative is not None:
-            raise ValueError("--method/--num-speculative-tokens and --speculative-config: give one of the two")
+            raise ValueError("--method/--num-speculative-tokens/--draft-model and --speculative-config: give one of "
+                             "the two spellings")  # fmt: skip
         if ns.method is None:
-            raise ValueError("--num-speculative-tokens needs --method (ngram)")
-        speculative = speculative_config(ns.method, ns.num_speculative_tokens, flag="--method")
+            raise ValueError("--num-speculative-tokens and --draft-model need --method (ngram or eagle3)")
+        speculative = speculative_config(ns.method, ns.num_speculative_tokens, flag="--method", model=ns.draft_model)
     if speculative is not None and ns.sparse_attention == "on":
         raise ValueError("speculative decoding with --sparse-attention on is not supported: verify rows attend to "
                          "their whole context while sparse decode attends to the chosen blocks, so greedy output "

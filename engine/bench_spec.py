@@ -12,23 +12,43 @@ sequences holding ``--prompt-len`` tokens of context decode with k = 0 (plain) .
 (drafts forced, whatever is accepted), and the mean step time of each k is printed with its ratio to k = 0,
 which is the acceptance length (tokens per verify row) that k drafts must reach to gain. Meant for the GPU on
 a real shape (``--model`` a folder, ``--load-format dummy``); on CPU it runs too.
+
+``--clock cpu`` times with the process's CPU time instead of the wall clock: on a machine shared with other
+work, waits for a core inflate wall times by whatever the neighbours do; CPU time counts only this process's
+own work (run it with ``--threads 1``).
+
+``--ceiling`` adds, per task, what no draft-length policy over the same lookup could beat: the verify cost of
+k = 0 .. ``--num-speculative-tokens`` drafts is measured in the same run (batch 1, the task's context), and a
+dynamic programme over the plain output picks, at every step, the best number of the lookup's drafts to verify
+(knowing which would stand); the resulting speed-up bounds any adaptive draft length.
+
+``--eagle HEAD`` times EAGLE-3 steps the same way: a plain engine (CUDA graphs unless ``--enforce-eager``) and,
+for each k = 1 .. ``--max-k``, an engine whose head drafts k tokens a step; per batch size the mean step time, the
+tokens a step produced and tok/s, with the ratio of step times (the acceptance length the head must reach to
+gain). ``HEAD`` is a head's folder, or ``random`` for a random head of the target's shape (``--draft-vocab``
+ids; its drafts are noise, so it measures the cost of drafting and verifying, not a trained head's gain).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
+from engine.models.eagle3 import write_random_head
 from engine.models.loader import load_model
 from engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
-from engine.spec_decode import SpeculativeConfig
+from engine.spec_decode import SpeculativeConfig, ngram_drafts
 
 PASSAGE = (
     "The paged KV cache splits each sequence's keys and values into fixed-size blocks. A block table maps a "
@@ -66,6 +86,38 @@ class FixedDrafts:
 
     def propose(self, seq: Sequence, max_drafts: int) -> list[int]:
         return [0] * min(self.k, max_drafts)
+
+
+def draft_length_ceiling(prompt: list[int], completion: list[int], cost: list[float], lookup_min: int,
+                         lookup_max: int) -> float:  # fmt: skip
+    """The best decode speed-up over plain decoding of prompt-lookup drafts of any length up to ``len(cost) - 1``
+    chosen with hindsight at every step (``cost[k]``: a step verifying k drafts, in plain steps). The first token
+    comes from the prefill: decode steps produce the rest."""
+    n = len(completion)
+    best = [0.0] * (n + 1)
+    for i in range(n - 1, 0, -1):
+        drafts = ngram_drafts([*prompt, *completion[:i]], len(cost) - 1, lookup_min, lookup_max)
+        stand = 0
+        while stand < len(drafts) and i + stand < n and drafts[stand] == completion[i + stand]:
+            stand += 1
+        best[i] = min(cost[k] + best[min(n, i + min(k, stand) + 1)] for k in range(len(drafts) + 1))
+    return (n - 1) / best[1] if n > 1 else 1.0
+
+
+def _step_cost(engine: LLMEngine, prompt: list[int], k: int, steps: int, clock: Callable[[], float]) -> float:
+    """Seconds of a batch-1 step that verifies ``k`` forced drafts (0: a plain decode step) after ``prompt``."""
+    engine.scheduler.proposer = FixedDrafts(k) if k else None
+    seq = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=(steps + 3) * (k + 1) + 2,
+                                                    ignore_eos=True))  # fmt: skip
+    while seq.num_completion_tokens == 0:
+        engine.step()
+    engine.step()
+    t0 = clock()
+    for _ in range(steps):
+        engine.step()
+    elapsed = (clock() - t0) / steps
+    engine.finish(seq, FinishReason.ABORT)
+    return elapsed
 
 
 def _sync(engine: LLMEngine) -> None:
@@ -114,6 +166,67 @@ def verify_cost(a: argparse.Namespace) -> list[dict[str, float]]:
     return rows
 
 
+def _decode_steps(engine: LLMEngine, batch: int, a: argparse.Namespace, gen: torch.Generator) -> dict[str, float]:
+    """Mean step time, tokens per sequence per step and tok/s of ``batch`` sequences decoding from ``--prompt-len``
+    random tokens."""
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=(a.steps + 4) * (a.max_k + 1) + 2, ignore_eos=True)
+    prompts = torch.randint(vocab // 4, min(vocab, 20000), (batch, a.prompt_len), generator=gen).tolist()
+    seqs = [engine.add_request(p, params) for p in prompts]
+    while any(s.num_completion_tokens == 0 for s in seqs):
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    _sync(engine)
+    before = sum(s.num_completion_tokens for s in seqs)
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        engine.step()
+    _sync(engine)
+    step_s = (time.perf_counter() - t0) / a.steps
+    tokens = (sum(s.num_completion_tokens for s in seqs) - before) / a.steps
+    for s in seqs:
+        if s.status is not SequenceStatus.FINISHED:
+            engine.finish(s, FinishReason.ABORT)
+    return {"step_ms": step_s * 1e3, "tokens_per_seq_step": tokens / batch, "tok_s": tokens / step_s}
+
+
+def eagle_cost(a: argparse.Namespace) -> list[dict[str, float | str]]:
+    """Plain decode steps against EAGLE-3 steps with k = 1 .. max_k drafts, per batch size."""
+    head = a.eagle
+    scratch = None
+    if head == "random":
+        scratch = tempfile.TemporaryDirectory(prefix="eagle3-head-")
+        target = load_model(a.model).config
+        dtype = torch.float32 if a.device == "cpu" else torch.bfloat16
+        head = str(write_random_head(Path(scratch.name), target, min(a.draft_vocab, target.vocab_size), dtype=dtype))
+    base = EngineArgs(model=a.model, device=a.device, load_format=a.load_format, max_model_len=a.prompt_len + 1024,
+                      max_num_seqs=max(a.batch_sizes), enforce_eager=a.enforce_eager,
+                      gpu_memory_utilization=a.gpu_memory_utilization)  # fmt: skip
+    rows: list[dict[str, float | str]] = []
+    plain: dict[int, float] = {}
+    gen = torch.Generator().manual_seed(0)
+    for k in range(a.max_k + 1):
+        spec = SpeculativeConfig("eagle3", k, model=head) if k else None
+        engine = LLMEngine(replace(base, speculative=spec))
+        for batch in a.batch_sizes:
+            r = _decode_steps(engine, batch, a, gen)
+            plain.setdefault(batch, r["step_ms"])
+            ratio = r["step_ms"] / plain[batch]
+            rows.append({"method": "eagle3" if k else "plain", "k": k, "batch": batch, **r, "ratio": ratio})
+            print(f"batch {batch:3d} {'eagle3 k=' + str(k) if k else 'plain':10s}: {r['step_ms']:8.2f} ms/step, "
+                  f"{r['tokens_per_seq_step']:.2f} tokens per sequence and step, {r['tok_s']:8.1f} tok/s"
+                  + (f", x{ratio:.2f} of a plain step: gains when a step yields > {ratio:.2f} tokens per sequence"
+                     if k else ""))  # fmt: skip
+        del engine
+        gc.collect()
+        if a.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    if scratch is not None:
+        scratch.cleanup()
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m engine.bench_spec", description=__doc__)
     p.add_argument("--model", default="smollm2")
@@ -132,9 +245,21 @@ def main() -> None:
     p.add_argument("--max-k", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="time with the wall clock or CPU time")
+    p.add_argument("--ceiling", action="store_true", help="also the best any draft-length policy could do")
+    p.add_argument("--eagle", default=None, help="time EAGLE-3 steps with this head folder ('random': a random head)")
+    p.add_argument("--draft-vocab", type=int, default=32000, help="draft vocabulary of a random head")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.eagle:
+        eagle_rows = eagle_cost(a)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                           "model": a.model, "device": a.device, "args": vars(a), "eagle3": eagle_rows}, f, indent=1)
+        return
     if a.verify_cost:
         cost = verify_cost(a)
         if a.json:
@@ -149,6 +274,7 @@ def main() -> None:
     spec = LLMEngine(replace(base, speculative=spec_cfg), loaded=loaded)
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens)
     results = []
+    clock = time.process_time if a.clock == "cpu" else time.perf_counter
     for name, text in TASKS.items():
         prompt = plain.tokenizer.encode(plain.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
         best = {"plain": float("inf"), "ngram": float("inf")}
@@ -158,14 +284,22 @@ def main() -> None:
         for _ in range(a.repeats):
             for label, engine in (("plain", plain), ("ngram", spec)):
                 engine.block_manager.flush()  # every run prefills its prompt: like for like
-                t0 = time.perf_counter()
+                t0 = clock()
                 engine.generate([prompt], replace(params, max_tokens=1))
-                prefill[label] = min(prefill[label], time.perf_counter() - t0)
+                prefill[label] = min(prefill[label], clock() - t0)
                 engine.block_manager.flush()
-                t0 = time.perf_counter()
+                t0 = clock()
                 outs[label] = engine.generate([prompt], params)[0]
-                best[label] = min(best[label], time.perf_counter() - t0)
+                best[label] = min(best[label], clock() - t0)
         after = spec.stats()
+        if a.ceiling:
+            proposer = spec.scheduler.proposer
+            # Interleaved, twice, best of each: the shared machine's load moves between measurements.
+            times = [min(_step_cost(spec, prompt, k, a.steps, clock) for _ in range(2))
+                     for k in range(a.num_speculative_tokens + 1)]  # fmt: skip
+            spec.scheduler.proposer = proposer
+            ratios = [t / times[0] for t in times]
+            ceiling = draft_length_ceiling(prompt, outs["plain"], ratios, a.prompt_lookup_min, a.prompt_lookup_max)
         rows = after.spec_drafts - before.spec_drafts
         accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
         tokens = len(outs["plain"])
@@ -179,6 +313,10 @@ def main() -> None:
             "acceptance_length": 1 + accepted / rows if rows else 0.0,
             "identical": outs["plain"] == outs["ngram"],
         }  # fmt: skip
+        if a.ceiling:
+            row |= {"verify_cost": ratios, "draft_length_ceiling": ceiling}
+            print(f"{name:22s} verify cost of k = 0..{a.num_speculative_tokens} drafts (plain steps): "
+                  f"{', '.join(f'{c:.2f}' for c in ratios)}; best any draft-length policy could do: x{ceiling:.2f}")
         results.append(row)
         print(f"{name:22s} prompt {len(prompt):4d} tok, {tokens:4d} generated: plain {row['plain_tok_s']:6.1f} tok/s, "
               f"ngram k={a.num_speculative_tokens} {row['ngram_tok_s']:6.1f} tok/s, x{row['speedup']:.2f}, "

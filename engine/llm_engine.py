@@ -26,13 +26,14 @@ from engine.errors import (
 from engine.kernels import interpret_mode, triton_importable
 from engine.kv_events import EventRecorder
 from engine.model_runner import ModelRunner, StepInput, kv_cache_dtype
+from engine.models.eagle3 import load_eagle3
 from engine.models.loader import LoadedModel, load_model
 from engine.models.quant import parse_quantization
 from engine.models.rope import context_limit
 from engine.sampler import SampleOutput
 from engine.scheduler import QueueFullError, ScheduledBatch, Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus, TokenLogprob
-from engine.spec_decode import DraftProposer, NgramProposer
+from engine.spec_decode import DraftProposer, EagleDrafter, EagleProposer, NgramProposer, build_drafter
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             quant=parse_quantization(loaded.hf_config, args.quantization),
         )
+        self.drafter = self._drafter(loaded)
         self.num_blocks = self._count_blocks()
         sizes = self._capture_sizes()
         self.runner.allocate_kv_cache(self.num_blocks, scratch=bool(sizes))
@@ -191,7 +193,24 @@ class LLMEngine:
             return None
         if spec.method == "ngram":
             return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if spec.method == "eagle3" and self.drafter is not None:
+            return EagleProposer(self.drafter, spec.num_speculative_tokens)
         raise ValueError(f"speculative method {spec.method!r} is not implemented")
+
+    def _drafter(self, loaded: LoadedModel) -> EagleDrafter | None:
+        """The EAGLE-3 head of --speculative-config method eagle3, attached to the runner (None otherwise)."""
+        spec = self.args.speculative
+        if spec is None or spec.method != "eagle3":
+            return None
+        assert spec.model is not None
+        if self.args.kv_transfer.kv_role == "kv_consumer":
+            raise ValueError("EAGLE-3 drafts on a kv_consumer are not supported: the head needs the target's hidden "
+                             "states over the prompt, which stay on the prefill engine (method 'ngram' works there)")
+        drafter = build_drafter(load_eagle3(spec.model, loaded.config), self.runner.model.embed_tokens.weight,
+                                self.device, self.dtype, self.args.block_size, self.kernels == "triton",
+                                self.max_model_len)  # fmt: skip
+        self.runner.attach_drafter(drafter)
+        return drafter
 
     def _capture_sizes(self) -> list[int]:
         """Decode batch sizes to capture as CUDA graphs; none on CPU, with --enforce-eager or torch kernels."""

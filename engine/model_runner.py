@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -20,7 +20,7 @@ from engine.models.moe import SparseMoE
 from engine.models.quant import Fp8Linear, QuantSpec
 from engine.sampler import SampleOutput, Sampler, SampleRow, sample_row, token_logprobs
 from engine.sequence import SamplingParams, Sequence, TokenLogprob
-from engine.spec_decode import accept_greedy, rejection_sample
+from engine.spec_decode import EagleDrafter, EagleRows, accept_greedy, can_speculate, rejection_sample
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ class StepInput:
     # Speculative decoding: each row's drafts, when any row has some. A verify row has ``1 + len(drafts)``
     # logits rows (its last token's and each draft's), in ``logits_indices`` order.
     drafts: tuple[tuple[int, ...], ...] = ()
+    eagle: EagleRows | None = None  # an EAGLE-3 head drafts for (and learns from) this step's sequences
 
 
 def sample_rows(seqs: Seq[Sequence], vocab_size: int) -> tuple[tuple[SampleRow, ...], torch.Tensor | None,
@@ -159,13 +160,21 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
         self.sampler = Sampler(eos_token_ids, seed)
+        self.drafter: EagleDrafter | None = None
+
+    def attach_drafter(self, drafter: EagleDrafter) -> None:
+        """Speculate with an EAGLE-3 head (before the KV cache is allocated): the target hands it its hidden
+        states at the layers the head reads; steps with sequences that speculate run eagerly."""
+        self.drafter = drafter
+        self.model.aux_layers = frozenset(drafter.head.config.aux_layer_ids)
 
     # -- KV cache ----------------------------------------------------------------------------------
 
     def block_bytes(self) -> int:
         """Bytes one KV block takes across all layers (K and V, and its indexer keys when sparse)."""
         layers = self.config.num_hidden_layers
-        return layers * (2 * self.unit_bytes() + self.indexer_unit_bytes())
+        draft = 2 * self.drafter.unit_bytes(self.cache_dtype) if self.drafter is not None else 0
+        return layers * (2 * self.unit_bytes() + self.indexer_unit_bytes()) + draft
 
     def unit_bytes(self) -> int:
         """Bytes of one block within one layer's K (or V) region: the unit a KV transfer moves."""
@@ -193,6 +202,8 @@ class ModelRunner:
         self.kv_caches = [
             torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in range(cfg.num_hidden_layers)
         ]
+        if self.drafter is not None:
+            self.drafter.allocate(num_blocks, self.cache_dtype)
         if self.sparse_topk:
             ishape = (num_blocks, cfg.num_key_value_heads, cfg.head_dim)
             self.indexer_caches = [
@@ -214,6 +225,8 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device)
         self.kv_caches = []
         self.indexer_caches = []
+        if self.drafter is not None:
+            self.drafter.kv_cache = None
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         cache_so_far = blocks * self.block_bytes()
@@ -249,7 +262,9 @@ class ModelRunner:
         prompt tokens from their first uncached one, and only those that reach their last token get
         a logits row (and a sampled token).
         """
-        graphs = self.graphs
+        # An EAGLE-3 step reads the target's hidden states, which the captured graphs do not hand out: eager.
+        eagle = self.drafter is not None and any(can_speculate(s) for s in seqs)
+        graphs = None if eagle else self.graphs
         if graphs is not None and num_decodes == len(seqs) and graphs.fits(len(seqs)) and (
                 not self.indexer_caches or self.sparse_topk == graphs.sparse_topk):  # fmt: skip
             graphs.stage(seqs)
@@ -268,6 +283,8 @@ class ModelRunner:
         prompt_targets: list[int] = []
         prompt_seqs: list[tuple[int, int, int]] = []  # (seq_id, rows, top k)
         drafts: list[tuple[int, ...]] = []  # per sampled sequence (verify rows: its drafts)
+        sampled_at: list[int] = []  # per sequence: its sampled row, -1 for none
+        next_token: list[int] = []  # per sequence: the token after its chunk, -1 past its end
         for seq, n in zip(seqs, num_new_tokens, strict=True):
             start = seq.num_cached_tokens
             end = start + n
@@ -290,13 +307,15 @@ class ModelRunner:
                     prompt_rows += range(base + first, base + last)
                     prompt_targets += seq.token_ids[first + 1 : last + 1]
                     prompt_seqs.append((seq.seq_id, last - first, k))
+            next_token.append(seq.token_ids[end] if end < len(seq) else -1)
+            sampled_at.append(len(sampled) if end == len(seq) + len(extra) else -1)
             if end == len(seq) + len(extra):
                 sampled.append(seq)
                 total = sum(query_lens)
                 logits_rows.extend(range(total - 1 - len(extra), total))
                 drafts.append(tuple(extra))
         verify = any(drafts)
-        mixed = self.mixed_graphs
+        mixed = None if eagle else self.mixed_graphs
         # Verify rows replay the graphs of steps with prompt tokens too: their 1 + k logits rows each fit in the
         # graph's logits rows (one per seat) as long as there are no more of them than seats.
         if (mixed is not None and not self.indexer_caches and not prompt_rows and mixed.fits(len(ids), len(seqs))
@@ -338,6 +357,17 @@ class ModelRunner:
             if num_decodes:
                 meta.decode_mask = decode_mask(context[:num_decodes], decode_width * bs)
         rows, mask, masked = sample_rows(sampled, self.config.vocab_size)
+        eagle_rows = None
+        if eagle:
+            starts = np.zeros(len(seqs), dtype=np.int64)
+            np.cumsum(query_lens[:-1], out=starts[1:])
+            eagle_rows = EagleRows(
+                seq_ids=tuple(s.seq_id for s in seqs), starts=tuple(starts.tolist()), lens=tuple(query_lens),
+                ids=np.asarray(ids, dtype=np.int64), positions=np.concatenate(positions), slots=np.concatenate(slots),
+                tables=tuple(list(s.block_table) for s in seqs), speculate=tuple(can_speculate(s) for s in seqs),
+                sampled=tuple(sampled_at), next_token=tuple(next_token),
+                num_drafts=tuple(len(s.draft_tokens) for s in seqs),
+            )  # fmt: skip
         return StepInput(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.from_numpy(np.concatenate(positions)).to(device=dev, dtype=idx),
@@ -350,6 +380,7 @@ class ModelRunner:
             prompt_targets=torch.tensor(prompt_targets, dtype=torch.int64, device=dev) if prompt_rows else None,
             prompt_seqs=tuple(prompt_seqs),
             drafts=tuple(drafts) if verify else (),
+            eagle=eagle_rows,
         )
 
     @torch.inference_mode()
@@ -362,7 +393,12 @@ class ModelRunner:
             logits, greedy = step.graph.replay(len(step.rows))
             return self.sampler.sample(logits, step.rows, greedy, step.bitmask, step.bitmask_rows)
         assert step.input_ids is not None and step.positions is not None and step.meta is not None
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, self.indexer_caches or None)
+        aux: dict[int, torch.Tensor] | None = None
+        if step.eagle is not None:
+            step = self._draft(step)
+            aux = {}
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, self.indexer_caches or None,
+                            aux)  # fmt: skip
         prompt: dict[int, list[TokenLogprob]] = {}
         if step.prompt_rows is not None and step.prompt_targets is not None:
             scores = token_logprobs(self.model.compute_logits(hidden[step.prompt_rows]).float(), step.prompt_targets,
@@ -372,12 +408,33 @@ class ModelRunner:
                 prompt[seq_id] = scores[at : at + rows]
                 at += rows
         if not step.rows:
-            return SampleOutput([], [], prompt)
-        logits = self.model.compute_logits(hidden[step.logits_indices])
-        if step.drafts:
-            return self._verify(logits, step, prompt)
-        out = self.sampler.sample(logits, step.rows, None, step.bitmask, step.bitmask_rows)
-        return SampleOutput(out.tokens, out.logprobs, prompt)
+            out = SampleOutput([], [], prompt)
+        elif step.drafts:
+            out = self._verify(self.model.compute_logits(hidden[step.logits_indices]), step, prompt)
+        else:
+            logits = self.model.compute_logits(hidden[step.logits_indices])
+            sampled = self.sampler.sample(logits, step.rows, None, step.bitmask, step.bitmask_rows)
+            out = SampleOutput(sampled.tokens, sampled.logprobs, prompt)
+        if aux is not None and self.drafter is not None and step.eagle is not None:
+            produced = out.token_lists if out.token_lists is not None else [[t] for t in out.tokens]
+            fused = torch.cat([aux[i] for i in self.drafter.head.config.aux_layer_ids], dim=-1)
+            self.drafter.catch_up(step.eagle, fused, produced)
+        return out
+
+    def _draft(self, step: StepInput) -> StepInput:
+        """An EAGLE-3 step: the head proposes the drafts the scheduler made room for; they replace the
+        placeholders in the step's inputs."""
+        assert self.drafter is not None and step.eagle is not None and step.input_ids is not None
+        rows = step.eagle
+        drafted = self.drafter.draft(rows)
+        at = [rows.starts[i] + 1 + j for i, d in enumerate(drafted) for j in range(len(d))]
+        if not at:
+            return step
+        values = [t for d in drafted for t in d]
+        dev = step.input_ids.device
+        step.input_ids[torch.tensor(at, device=dev)] = torch.tensor(values, dtype=step.input_ids.dtype, device=dev)
+        by_row = [tuple(drafted[i]) for i in range(len(drafted)) if rows.sampled[i] >= 0]
+        return replace(step, drafts=tuple(by_row))
 
     def _verify(self, logits: torch.Tensor, step: StepInput, prompt: dict[int, list[TokenLogprob]]) -> SampleOutput:
         """A step with verify rows: the tokens each row produces (see engine.spec_decode).

@@ -273,6 +273,8 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("rope_cos", None, persistent=False)
         self.register_buffer("rope_sin", None, persistent=False)
+        # EAGLE-3 drafts: the layers whose entering residual stream ``forward`` hands out when asked (``aux``).
+        self.aux_layers: frozenset[int] = frozenset()
 
     def init_rope(self, device: torch.device, max_len: int) -> None:
         """Build float32 rotary tables for ``max_len`` positions on ``device`` (not in the checkpoint)."""
@@ -285,14 +287,19 @@ class DecoderForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         indexer_caches: list[torch.Tensor] | None = None,
+        aux: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """Hidden states after the final norm; ``aux``, when given, receives the residual stream entering each
+        of ``aux_layers`` (by layer), which an EAGLE-3 draft head reads."""
         ops = self.ops
         x = self.embed_tokens(input_ids)
         # Rotary context gathered once per step, shared by every layer.
         rope = ops.rope(self.rope_cos, self.rope_sin, positions, x.dtype)
         indexers: list[torch.Tensor | None] = list(indexer_caches) if indexer_caches else [None] * len(kv_caches)
         residual: torch.Tensor | None = None
-        for layer, kv_cache, indexer in zip(self.decoder_layers, kv_caches, indexers, strict=True):
+        for i, (layer, kv_cache, indexer) in enumerate(zip(self.decoder_layers, kv_caches, indexers, strict=True)):
+            if aux is not None and i in self.aux_layers:
+                aux[i] = x if residual is None else x + residual
             x, residual = layer(ops, x, residual, rope, kv_cache, meta, indexer)
         if residual is None:
             return ops.rms_norm(x, self.norm.weight, self.norm.eps)

@@ -21,14 +21,19 @@ MODULE = [sys.executable, "-m", "engine.openai_server"]
     [
         (["-tp", "2"], "--tensor-parallel-size/-tp 2: only 1 is supported"),
         (["--data-parallel-size", "2"], "only 1 is supported"),
-        (["--method", "eagle3", "--num-speculative-tokens", "3"], "--method: method 'eagle3': EAGLE-3 draft heads"),
+        (["--method", "eagle3", "--num-speculative-tokens", "3"], "--method: method 'eagle3' needs the draft head's"),
         (["--method", "mtp", "--num-speculative-tokens", "1"], "multi-token-prediction (MTP) drafts are not"),
         (["--method", "ngram"], "num_speculative_tokens None must be an integer"),
-        (["--num-speculative-tokens", "2"], "--num-speculative-tokens needs --method"),
-        (["--draft-model", "x"], "--draft-model: a draft checkpoint (EAGLE-3 heads, draft models) is not supported"),
-        (["--speculative-config", '{"method": "eagle3", "model": "h", "num_speculative_tokens": 3}'],
-         "'model' (a draft checkpoint) is not supported"),
-        (["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 3}'], "EAGLE-3 draft heads"),
+        (["--num-speculative-tokens", "2"], "--num-speculative-tokens and --draft-model need --method"),
+        (["--draft-model", "x"], "--num-speculative-tokens and --draft-model need --method"),
+        (["--method", "ngram", "--num-speculative-tokens", "2", "--draft-model", "x"],
+         "method 'ngram' drafts from the text itself and takes no draft model"),
+        (["--speculative-config", '{"method": "eagle3", "model": "h", "num_speculative_tokens": 3, '
+          '"prompt_lookup_max": 3}'], "prompt_lookup_min/max are settings of method 'ngram', not of 'eagle3'"),
+        (["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 3}'],
+         "method 'eagle3' needs the draft head's folder"),
+        (["--speculative-config", '{"method": "eagle", "model": "h", "num_speculative_tokens": 3}'],
+         "EAGLE (1/2) draft heads are not implemented"),
         (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'], "must be an integer in 1..16"),
         (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
           '"prompt_lookup_max": 2}'], "prompt_lookup_min 4 is above prompt_lookup_max 2"),
@@ -100,6 +105,12 @@ def test_speculative_flags_parse_in_both_spellings() -> None:
     assert atom.speculative is not None and atom.speculative.num_speculative_tokens == 3
     # vLLM's defaults: neither bound given: 5 and 5; one given: the other takes its value.
     assert (atom.speculative.prompt_lookup_min, atom.speculative.prompt_lookup_max) == (5, 5)
+    eagle = parse_args(["--speculative-config",
+                        '{"method": "eagle3", "model": "/heads/h", "num_speculative_tokens": 3}'])  # fmt: skip
+    atom_eagle = parse_args(["--method", "eagle3", "--draft-model", "/heads/h", "--num-speculative-tokens", "3"])
+    assert eagle.speculative == atom_eagle.speculative
+    assert eagle.speculative is not None
+    assert (eagle.speculative.method, eagle.speculative.model) == ("eagle3", "/heads/h")
     one = parse_args(["--speculative-config",
                       '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'])  # fmt: skip
     assert one.speculative is not None and one.speculative.prompt_lookup_min == 3

@@ -48,3 +48,17 @@ def test_verify_rows_on_the_kernels_change_no_token(make_engine: MakeEngine, eag
     assert spec.stats().spec_drafts > 0
     # With graphs on, verify steps replay the mixed-step graphs (on CPU: their staged inputs, run eagerly).
     assert any(graphed) is not eager
+
+
+def test_an_eagle3_head_on_the_kernels_changes_no_token(make_engine: MakeEngine, tmp_path: Any) -> None:
+    """The head's passes (its drafts, one query each, and its catch-up chunks) on the Triton kernels, graphs on:
+    steps with speculating sequences run eagerly (the graphs do not hand out the target's hidden states)."""
+    from tests.engine.test_spec_eagle3 import write_head
+
+    expected = make_engine(kernels="torch", block_size=4, max_num_seqs=12).generate(PROMPTS, PARAMS)
+    head = write_head(tmp_path / "head", make_engine().model_config)
+    spec = make_engine(kernels="triton", block_size=4, max_num_seqs=12,
+                       speculative=SpeculativeConfig("eagle3", 3, model=str(head)))  # fmt: skip
+    assert spec.generate(PROMPTS, PARAMS) == expected
+    s = spec.stats()
+    assert s.spec_drafts > 0 and s.spec_draft_tokens > s.spec_drafts
