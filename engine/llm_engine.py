@@ -31,6 +31,7 @@ from engine.models.loader import LoadedModel, load_model
 from engine.models.quant import parse_quantization
 from engine.models.rope import context_limit
 from engine.parallel.group import SINGLE, TensorParallel
+from engine.parallel.layers import check_shardable
 from engine.parallel.ranks import RankWorkers
 from engine.sampler import SampleOutput
 from engine.scheduler import QueueFullError, ScheduledBatch, Scheduler, SchedulerConfig
@@ -196,6 +197,9 @@ class LLMEngine:
         self.ranks: RankWorkers | None = None
         tp = SINGLE
         if args.tensor_parallel_size > 1:
+            check_shardable(loaded.config, args.tensor_parallel_size, args.enable_expert_parallel)  # before spawning
+            if args.enable_expert_parallel and not loaded.config.num_experts:
+                raise ValueError(f"--enable-expert-parallel: {loaded.config.architecture} has no experts")
             self.ranks = RankWorkers(args, self.device)
             tp = self.ranks.tp
         try:

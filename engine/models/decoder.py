@@ -287,7 +287,7 @@ class DecoderForCausalLM(nn.Module):
         if quant is not None and quant.scheme is not WeightScheme.ONLINE and tp.size > 1:
             raise ValueError("FP8 checkpoints with --tensor-parallel-size > 1 are not supported (their scales are "
                              "not split between ranks); --quantization fp8 on a bf16 checkpoint is")  # fmt: skip
-        check_shardable(cfg, tp)
+        check_shardable(cfg, tp.size, tp.expert_parallel)
         self.config = cfg
         self.tp = tp
         self.ops: ModelOps = TorchOps()
@@ -314,6 +314,8 @@ class DecoderForCausalLM(nn.Module):
         indexer_caches: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         ops = self.ops
+        if self.tp.size > 1 and meta.sparse_topk:
+            meta.score_reduce = self.tp.all_reduce  # the block choice sums every rank's heads (engine.sparse)
         x = self.embed_tokens(input_ids)
         # Rotary context gathered once per step, shared by every layer.
         rope = ops.rope(self.rope_cos, self.rope_sin, positions, x.dtype)

@@ -54,18 +54,19 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(x)
 
 
-def check_shardable(cfg: ModelConfig, tp: TensorParallel) -> None:
-    """Refuse, naming the field, a model whose heads or MLP widths ``--tensor-parallel-size`` does not divide."""
+def check_shardable(cfg: ModelConfig, size: int, expert_parallel: bool) -> None:
+    """Refuse, naming the field, a model whose heads or MLP widths (or expert count, with ``expert_parallel``)
+    ``--tensor-parallel-size`` (``size``) does not divide."""
     fields = [("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", cfg.num_key_value_heads)]
     if any(not cfg.is_moe(i) for i in range(cfg.num_hidden_layers)):
         fields.append(("intermediate_size", cfg.intermediate_size))
     if cfg.num_experts:
-        fields.append(("num_experts", cfg.num_experts) if tp.expert_parallel
+        fields.append(("num_experts", cfg.num_experts) if expert_parallel
                       else ("moe_intermediate_size", cfg.moe_intermediate_size))  # fmt: skip
     for name, value in fields:
-        if value % tp.size:
+        if value % size:
             why = " (KV heads are not replicated between ranks)" if name == "num_key_value_heads" else ""
-            raise ValueError(f"--tensor-parallel-size {tp.size} does not divide config.json {name}={value}{why}")
+            raise ValueError(f"--tensor-parallel-size {size} does not divide config.json {name}={value}{why}")
 
 
 def _narrow(t: torch.Tensor, dim: int, tp: TensorParallel, name: str) -> torch.Tensor:
