@@ -134,7 +134,7 @@ def build_runner(args: EngineArgs, loaded: LoadedModel, device: torch.device, dt
     runner.allocate_kv_cache(num_blocks, scratch=bool(sizes))
     if tp.size > 1 and device.type == "cpu":
         for t in (*runner.kv_caches, *runner.indexer_caches):
-            t.share_memory_()  # rank 0 maps every rank's cache (the KV relay moves them all); before any capture
+            t.share_memory_()  # type: ignore[no-untyped-call]  # rank 0 maps every rank's cache (the KV relay moves them all); before any capture
     if sizes:
         # Steps with prompt tokens too, unless sparse (its decode rows pick blocks per step: eager then).
         tokens = [] if args.sparse_attention else default_token_sizes(args.max_num_batched_tokens)
