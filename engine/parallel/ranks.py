@@ -41,7 +41,9 @@ class SeqState:
     """What ``ModelRunner.prepare`` reads of one scheduled sequence, sent to the other ranks."""
 
     seq_id: int
-    token_ids: list[int]
+    # The tokens from the first uncached one on: all that prepare reads (a decode sends one token, not the whole
+    # context). The cached ones before them are zeros on the other ranks; only rank 0's sampler would read them.
+    tokens: list[int]
     num_prompt_tokens: int
     num_cached_tokens: int
     block_table: list[int]
@@ -52,14 +54,14 @@ class SeqState:
 
     @classmethod
     def of(cls, seq: Sequence) -> SeqState:
-        return cls(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, seq.num_cached_tokens,
+        return cls(seq.seq_id, seq.token_ids[seq.num_cached_tokens :], seq.num_prompt_tokens, seq.num_cached_tokens,
                    list(seq.block_table), list(seq.draft_tokens), len(seq.prompt_logprobs), seq.params,
                    seq.stream_index)  # fmt: skip
 
     def sequence(self, block_size: int) -> Sequence:
         """A sequence equal to the scheduled one in everything ``prepare`` reads (no grammar: rank 0 samples)."""
-        seq = Sequence(self.seq_id, self.token_ids[: self.num_prompt_tokens], self.params, block_size)
-        seq.token_ids = list(self.token_ids)
+        seq = Sequence(self.seq_id, [0] * self.num_prompt_tokens, self.params, block_size)
+        seq.token_ids = [0] * self.num_cached_tokens + self.tokens
         seq.num_cached_tokens = self.num_cached_tokens
         seq.block_table = list(self.block_table)
         seq.draft_tokens = list(self.draft_tokens)

@@ -1,4 +1,4 @@
-"""Tensor and expert parallelism on CPU (gloo): an engine with ``--tensor-parallel-size 2`` (rank 1 in its own
+"""Tensor and expert parallelism on CPU (gloo; NCCL with ENGINE_TEST_DEVICE=cuda on two GPUs): an engine with ``--tensor-parallel-size 2`` (rank 1 in its own
 process) generates the same greedy tokens, with logprobs within 1e-4, as the same engine on one rank (fp32), for a
 dense (Qwen3) and an MoE (Qwen3-MoE) tiny checkpoint written with transformers' own classes; the MoE one also with
 ``--enable-expert-parallel``, and with sparse attention. A prompt served again from the prefix cache gives the same
@@ -16,6 +16,7 @@ import pytest
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams, Sequence
+from tests.engine.conftest import DEVICE
 from tests.engine.test_model_families import PROMPTS, checkpoint
 
 pytest.importorskip("transformers")
@@ -32,8 +33,10 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 
 
 def engine_args(folder: Path, **extra: Any) -> EngineArgs:
-    return replace(EngineArgs(model=str(folder), device="cpu", num_kvcache_blocks=64, block_size=4,
-                              max_model_len=256, torch_threads=1), **extra)  # fmt: skip
+    # On CUDA (ENGINE_TEST_DEVICE=cuda, bench/device/tp_two_gpu.sh): NCCL, the Triton kernels and CUDA graphs that
+    # capture the collectives; still fp32.
+    return replace(EngineArgs(model=str(folder), device=DEVICE, dtype="float32", num_kvcache_blocks=64, block_size=4,
+                              max_model_len=256, max_num_seqs=8, torch_threads=1), **extra)  # fmt: skip
 
 
 def generate(engine: LLMEngine, prompts: list[list[int]]) -> list[Sequence]:
