@@ -1,8 +1,9 @@
-"""Tensor and expert parallelism on CPU (gloo; NCCL with ENGINE_TEST_DEVICE=cuda on two GPUs): an engine with ``--tensor-parallel-size 2`` (rank 1 in its own
-process) generates the same greedy tokens, with logprobs within 1e-4, as the same engine on one rank (fp32), for a
-dense (Qwen3) and an MoE (Qwen3-MoE) tiny checkpoint written with transformers' own classes; the MoE one also with
-``--enable-expert-parallel``, and with sparse attention. A prompt served again from the prefix cache gives the same
-answer. Each parallel engine starts its ranks once for the module."""
+"""Tensor and expert parallelism on CPU (gloo; NCCL with ENGINE_TEST_DEVICE=cuda on two GPUs): an engine with
+``--tensor-parallel-size 2`` (rank 1 in its own process) generates the same greedy tokens, with logprobs within
+1e-4, as the same engine on one rank (fp32), for a dense (Qwen3) and an MoE (Qwen3-MoE) tiny checkpoint written with
+transformers' own classes; the MoE one also with ``--enable-expert-parallel``, and with sparse attention. A prompt
+served again from the prefix cache gives the same answer. Each parallel engine starts its ranks once for the
+module."""
 
 from __future__ import annotations
 
