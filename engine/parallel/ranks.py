@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 JOIN_SECS = 10.0  # how long closing waits for a rank to exit before it is terminated
+MAX_STAGED = 4  # prepared steps remembered until executed (the loop runs one at a time; the rest were abandoned)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +129,8 @@ class RankWorkers:
 
     def stage(self, step: object, seqs: Seq[Sequence], num_new_tokens: Seq[int], num_decodes: int) -> None:
         """Remember what ``step`` was prepared from (on the event-loop thread, while the sequences are as scheduled)."""
+        while len(self._orders) >= MAX_STAGED:  # a step prepared but never executed (its step failed in between)
+            del self._orders[next(iter(self._orders))]
         self._orders[id(step)] = StepOrder(tuple(SeqState.of(s) for s in seqs), tuple(num_new_tokens), num_decodes)
 
     def launch(self, step: object) -> None:
