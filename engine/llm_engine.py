@@ -142,6 +142,12 @@ def build_runner(args: EngineArgs, loaded: LoadedModel, device: torch.device, dt
     return runner, num_blocks, sizes
 
 
+def build_rank_runner(args: EngineArgs, device: torch.device, tp: TensorParallel) -> ModelRunner:
+    """The runner of a tensor-parallel rank other than 0, in its own process: it loads --model itself."""
+    loaded = load_model(args.model)
+    return build_runner(args, loaded, device, resolve_dtype(args.dtype, device, loaded.config.dtype), tp)[0]
+
+
 def capture_sizes(args: EngineArgs, runner: ModelRunner) -> list[int]:
     """Decode batch sizes to capture as CUDA graphs; none on CPU, with --enforce-eager or torch kernels."""
     # (Without CUDA, only under the Triton interpreter in tests: the graphs' staged inputs then run eagerly.)
@@ -200,7 +206,7 @@ class LLMEngine:
             check_shardable(loaded.config, args.tensor_parallel_size, args.enable_expert_parallel)  # before spawning
             if args.enable_expert_parallel and not loaded.config.num_experts:
                 raise ValueError(f"--enable-expert-parallel: {loaded.config.architecture} has no experts")
-            self.ranks = RankWorkers(args, self.device)
+            self.ranks = RankWorkers(args, self.device, build_rank_runner)
             tp = self.ranks.tp
         try:
             self.runner, self.num_blocks, sizes = build_runner(args, loaded, self.device, self.dtype, tp)

@@ -17,6 +17,7 @@ import logging
 import multiprocessing
 import os
 import tempfile
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -30,6 +31,11 @@ from engine.sequence import SamplingParams, Sequence
 
 if TYPE_CHECKING:
     from engine.args import EngineArgs
+    from engine.model_runner import ModelRunner
+
+# Builds the runner of one rank other than 0 on its device (engine.llm_engine.build_rank_runner): handed in, so that
+# this module does not import the engine that starts it.
+RankBuilder = Callable[["EngineArgs", torch.device, TensorParallel], "ModelRunner"]
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +96,7 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 class RankWorkers:
     """Rank 0's side: starts ranks 1..N-1, joins their group, sends them each step, stops them."""
 
-    def __init__(self, args: EngineArgs, device: torch.device) -> None:
+    def __init__(self, args: EngineArgs, device: torch.device, build: RankBuilder) -> None:
         size = args.tensor_parallel_size
         if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
             raise ValueError(f"--tensor-parallel-size {size} from {device}: torch sees {torch.cuda.device_count()} "
@@ -103,7 +109,7 @@ class RankWorkers:
         self._procs: list[Any] = []
         for rank in range(1, size):
             ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=rank_main, args=(args, rank, self._store, theirs),
+            proc = ctx.Process(target=rank_main, args=(args, device, rank, self._store, theirs, build),
                                name=f"engine-tp-rank{rank}", daemon=True)  # fmt: skip
             proc.start()
             theirs.close()
@@ -162,24 +168,20 @@ class RankWorkers:
             os.unlink(self._store)
 
 
-def rank_main(args: EngineArgs, rank: int, store: str, conn: Connection) -> None:
-    """A rank other than 0: build this rank's slice beside rank 0, then run the steps it sends until told to stop
-    (``None``) or until rank 0 is gone (the pipe closes)."""
-    from engine.llm_engine import build_runner, resolve_device, resolve_dtype
-    from engine.models.loader import load_model
-
+def rank_main(args: EngineArgs, device0: torch.device, rank: int, store: str, conn: Connection,
+              build: RankBuilder) -> None:  # fmt: skip
+    """A rank other than 0: build this rank's slice beside rank 0 (whose device is ``device0``), then run the steps
+    it sends until told to stop (``None``) or until rank 0 is gone (the pipe closes)."""
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: "
                         "%(message)s")  # fmt: skip
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     try:
-        device = rank_device(resolve_device(args.device), rank)
+        device = rank_device(device0, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         tp = join_group(rank, args.tensor_parallel_size, store, device, args.enable_expert_parallel)
-        loaded = load_model(args.model)
-        dtype = resolve_dtype(args.dtype, device, loaded.config.dtype)
-        runner, _, _ = build_runner(args, loaded, device, dtype, tp)
+        runner = build(args, device, tp)
         conn.send((runner.kv_caches, runner.indexer_caches))
     except Exception as exc:
         log.exception("tensor-parallel rank %d failed to start", rank)
