@@ -198,7 +198,8 @@ def roofline_tok_s(engine: LLMEngine, batch: int, context: int, device: str) -> 
         return 0.0
     c = engine.model_config
     elem = torch.empty((), dtype=engine.runner.cache_dtype).element_size()
-    kv = batch * context * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * elem
+    # Per rank (with -tp N, rank 0's weights and KV heads: the ranks read theirs at the same time).
+    kv = batch * context * c.num_hidden_layers * 2 * engine.runner.kv_heads * c.head_dim * elem
     return batch * bw / (step_weight_bytes(engine, batch) + kv)
 
 
