@@ -1,9 +1,9 @@
 """Tensor and expert parallelism on CPU (gloo; NCCL with ENGINE_TEST_DEVICE=cuda on two GPUs): an engine with
 ``--tensor-parallel-size 2`` (rank 1 in its own process) generates the same greedy tokens, with logprobs within
-1e-4, as the same engine on one rank (fp32), for a dense (Qwen3) and an MoE (Qwen3-MoE) tiny checkpoint written with
-transformers' own classes; the MoE one also with ``--enable-expert-parallel``, and with sparse attention. A prompt
-served again from the prefix cache gives the same answer. Each parallel engine starts its ranks once for the
-module."""
+1e-4, as the same engine on one rank (fp32), for a dense (Qwen3, its vocabulary of 321 not divisible by 2) and an
+MoE (Qwen3-MoE) tiny checkpoint written with transformers' own classes; the MoE one also with
+``--enable-expert-parallel``, and with sparse attention. A prompt served again from the prefix cache gives the
+same answer. Each parallel engine starts its ranks once for the module."""
 
 from __future__ import annotations
 
@@ -13,24 +13,34 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams, Sequence
 from tests.engine.conftest import DEVICE
-from tests.engine.test_model_families import PROMPTS, checkpoint
+from tests.engine.test_model_families import COMMON, FAMILIES, PROMPTS, checkpoint, write_tokenizer
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 TOLERANCE = 1e-4
 NEW_TOKENS = 12
 # name -> (family, settings of both engines, settings of the parallel one)
 CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
-    "dense-tp2": ("qwen3", {}, dict(tensor_parallel_size=2)),
+    "dense-tp2": ("qwen3-odd-vocab", {}, dict(tensor_parallel_size=2)),
     "moe-tp2-sparse": ("qwen3-moe", dict(sparse_attention=True, sparse_topk_blocks=2),
                        dict(tensor_parallel_size=2)),
     "moe-ep2": ("qwen3-moe", {}, dict(tensor_parallel_size=2, enable_expert_parallel=True)),
 }  # fmt: skip
+
+
+def odd_vocab_checkpoint(folder: Path) -> None:
+    """A Qwen3 checkpoint whose vocabulary (321) two ranks do not split evenly: the last rank's slice is padded."""
+    config_cls, model_cls, extra = FAMILIES["qwen3"]
+    torch.manual_seed(1234)
+    config = getattr(transformers, config_cls)(**{**COMMON, "vocab_size": 321}, **extra)
+    getattr(transformers, model_cls)(config).float().eval().save_pretrained(str(folder))
+    write_tokenizer(folder)
 
 
 def engine_args(folder: Path, **extra: Any) -> EngineArgs:
@@ -58,7 +68,10 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     """(one-rank engine, parallel engine) of a case; the parallel one's ranks start once per case."""
     family, common, parallel = CASES[request.param]
     folder = tmp_path_factory.mktemp(family)
-    checkpoint(family, folder)
+    if family == "qwen3-odd-vocab":
+        odd_vocab_checkpoint(folder)
+    else:
+        checkpoint(family, folder)
     single = LLMEngine(engine_args(folder, **common))
     many = LLMEngine(engine_args(folder, **common, **parallel))
     yield single, many
