@@ -10,6 +10,7 @@ captures like any other kernel (NCCL) when every rank captures the same graph at
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
@@ -82,6 +83,9 @@ def join_group(rank: int, size: int, store_file: str, device: torch.device, expe
     Blocks until every rank has joined. NCCL for CUDA devices, gloo for the CPU.
     """
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "gloo":
+        # The ranks of one engine share a host: gloo over loopback, whatever the host name resolves to.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, init_method=f"file://{store_file}", rank=rank, world_size=size,
                             timeout=COLLECTIVE_TIMEOUT, **kwargs)  # type: ignore[arg-type]  # fmt: skip
