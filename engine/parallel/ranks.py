@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.multiprocessing  # registers the tensor reductions: tensors cross the pipes as shared memory / IPC
 
-from engine.parallel.group import TensorParallel, join_group, leave_group
+from engine.parallel.group import COLLECTIVE_TIMEOUT, TensorParallel, join_group, leave_group
 from engine.sequence import SamplingParams, Sequence
 
 if TYPE_CHECKING:
@@ -128,6 +128,9 @@ class RankWorkers:
     def collect_caches(self) -> None:
         """Receive every other rank's KV and indexer-key caches (after they allocated them)."""
         for rank, conn in enumerate(self._conns, start=1):
+            if not conn.poll(COLLECTIVE_TIMEOUT.total_seconds()):
+                raise RuntimeError(f"tensor-parallel rank {rank} did not hand over its KV cache in "
+                                   f"{COLLECTIVE_TIMEOUT}")  # fmt: skip
             msg = conn.recv()
             if isinstance(msg, str):
                 raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {msg}")
