@@ -18,8 +18,8 @@ from engine.spec_decode import SpeculativeConfig, parse_speculative_config, spec
 # ATOM flags we know and do not implement: flag -> why.
 _REFUSED_FLAGS = {
     "--port": "this engine has no internal engine port (ATOM's --port); use --server-port for HTTP",
-    "--enable-expert-parallel": "expert parallelism is not supported (MoE experts run on one device)",
-    "--enable-dp-attention": "data-parallel attention is not supported",
+    "--enable-dp-attention": "data-parallel attention is not built: every rank attends over every token (tensor "
+    "parallel), see --data-parallel-size",
     "--level": "torch.compile levels are not used by this engine (CUDA graphs and Triton kernels instead)",
     "--hf-overrides": "--hf-overrides is not supported",
     "--enable-tbo": "two-batch overlap is not supported",
@@ -28,10 +28,14 @@ _REFUSED_FLAGS = {
     "--chat-template": "--chat-template is not supported; the template comes from the model",
 }
 
+# Why -dp > 1 is refused (docs/engine.md says more).
+DP_REFUSAL = ("data parallelism (ATOM's DP attention) is not built: each data-parallel rank would need its own "
+              "scheduler and KV pool and the gateway its data_parallel_rank; run one engine per GPU group instead, "
+              "and for MoE use -tp N --enable-expert-parallel (every rank attends over every token, so expert "
+              "dispatch needs no all-to-all)")  # fmt: skip
+
 _PARALLEL_FLAGS = (
-    ("tensor_parallel_size", "--tensor-parallel-size/-tp"),
     ("pipeline_parallel_size", "--pipeline-parallel-size/-pp"),
-    ("data_parallel_size", "--data-parallel-size/-dp"),
     ("decode_context_parallel_size", "--decode-context-parallel-size/-dcp"),
     ("prefill_context_parallel_size", "--prefill-context-parallel-size/-pcp"),
 )
@@ -69,7 +73,8 @@ class EngineArgs:
     served_model_name: str | None = None
     host: str = "0.0.0.0"
     server_port: int = 8000
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # ranks (processes, GPUs) the model is split across; rank 0 serves HTTP
+    enable_expert_parallel: bool = False  # MoE: whole experts per rank instead of every expert split
     data_parallel_size: int = 1
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
@@ -121,9 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--server-port", type=int, default=8000, help="HTTP port")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="only 1 is supported")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model across this many ranks (one process and GPU each; gloo on CPU): "
+                   "attention and MLP column/row-parallel, vocabulary-parallel embedding and LM head")  # fmt: skip
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models with -tp N: each rank holds num_experts/N whole experts instead of a slice of "
+                   "every expert")  # fmt: skip
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="only 1 is supported")
-    p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="only 1 is supported")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="only 1 is supported (DP attention is not built)")  # fmt: skip
     p.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1, help="only 1 is supported")
     p.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1, help="only 1 is supported")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
@@ -274,6 +285,13 @@ def validate(ns: argparse.Namespace) -> EngineArgs:
         value = getattr(ns, attr)
         if value != 1:
             raise ValueError(f"{name} {value}: only 1 is supported (this engine runs on one device)")
+    if ns.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size/-tp {ns.tensor_parallel_size}: must be at least 1")
+    if ns.data_parallel_size != 1:
+        raise ValueError(f"--data-parallel-size/-dp {ns.data_parallel_size}: {DP_REFUSAL}")
+    if ns.enable_expert_parallel and ns.tensor_parallel_size == 1:
+        raise ValueError("--enable-expert-parallel needs --tensor-parallel-size > 1 (experts are split across "
+                         "the tensor-parallel ranks)")  # fmt: skip
     if ns.block_size <= 0 or ns.block_size & (ns.block_size - 1):
         raise ValueError(f"--block-size {ns.block_size}: must be a positive power of two")
     if not 0.0 < ns.gpu_memory_utilization <= 1.0:
@@ -318,6 +336,7 @@ def validate(ns: argparse.Namespace) -> EngineArgs:
         host=ns.host,
         server_port=ns.server_port,
         tensor_parallel_size=ns.tensor_parallel_size,
+        enable_expert_parallel=ns.enable_expert_parallel,
         data_parallel_size=ns.data_parallel_size,
         block_size=ns.block_size,
         gpu_memory_utilization=ns.gpu_memory_utilization,

@@ -8,6 +8,7 @@ block ``b`` occupies ``unit_bytes`` at offset ``b * unit_bytes``; that is the la
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +58,9 @@ class AttentionMetadata:
     # (sequence, query tile) of each attention program, -1 for none: a captured mixed step's grid.
     tile_map: tuple[torch.Tensor, torch.Tensor] | None = None
     sparse_topk: int = 0  # decode attends to this many indexer-chosen blocks (+ first + last); 0: dense
+    # Tensor parallel: sums the block scores of this rank's KV heads with the other ranks' (the model sets it),
+    # so that every rank picks the blocks that all heads together choose.
+    score_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -182,7 +186,8 @@ def paged_attention(
         tables = meta.block_tables[:nd, : meta.decode_width]
         context = meta.context_lens[:nd]
         if indexer is not None and meta.sparse_topk:
-            decoded = sparse_decode(q[:nd], kv_cache, indexer, tables, context, scale, meta.sparse_topk, q.dtype)
+            decoded = sparse_decode(q[:nd], kv_cache, indexer, tables, context, scale, meta.sparse_topk, q.dtype,
+                                    meta.score_reduce)  # fmt: skip
         else:
             mask = meta.decode_mask
             if window:

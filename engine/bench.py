@@ -198,7 +198,8 @@ def roofline_tok_s(engine: LLMEngine, batch: int, context: int, device: str) -> 
         return 0.0
     c = engine.model_config
     elem = torch.empty((), dtype=engine.runner.cache_dtype).element_size()
-    kv = batch * context * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * elem
+    # Per rank (with -tp N, rank 0's weights and KV heads: the ranks read theirs at the same time).
+    kv = batch * context * c.num_hidden_layers * 2 * engine.runner.kv_heads * c.head_dim * elem
     return batch * bw / (step_weight_bytes(engine, batch) + kv)
 
 
@@ -285,6 +286,21 @@ def profile_step(engine: LLMEngine, prompt_len: int, steps: int = 200) -> dict[s
             "execute_gpu_us": gpu / steps if cuda else 0.0, "postprocess_us": post / steps}  # fmt: skip
 
 
+def tp_peer(args: EngineArgs, loaded: LoadedModel, a: argparse.Namespace) -> dict[int, Result]:
+    """The same engine on one rank, timed on the same prompts: the peer of a tensor-parallel run."""
+    engine = LLMEngine(replace(args, tensor_parallel_size=1, enable_expert_parallel=False), loaded=loaded)
+    out: dict[int, Result] = {}
+    for b in a.batch_sizes:
+        out[b] = median_of(a.runs, partial(bench_engine, engine, _prompts(b, a.prompt_len, loaded.config.vocab_size, b),
+                                           a.new_tokens))  # fmt: skip
+        print(f"  engine tp1 batch {b}: {out[b]}", flush=True)
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2")
@@ -310,7 +326,12 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default="auto", help="the engine's --kv-cache-dtype")
     p.add_argument("--max-num-batched-tokens", type=int, default=0,
                    help="the engine's step budget (default: every prompt of the largest batch in one step)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="our engine on this many ranks (GPUs); above 1 the same engine on one rank is timed too, as "
+                   "the peer of the ratio column")  # fmt: skip
+    p.add_argument("--enable-expert-parallel", action="store_true", help="the engine's --enable-expert-parallel")
     a = p.parse_args()
+    tp = a.tensor_parallel_size
     torch.set_num_threads(a.threads)
 
     loaded = load_model(a.model)
@@ -331,9 +352,11 @@ def main() -> None:
         load_format=a.load_format,
         kv_cache_dtype=a.kv_cache_dtype,
         quantization=a.quantization,
+        tensor_parallel_size=tp,
+        enable_expert_parallel=a.enable_expert_parallel,
     )
     started = time.perf_counter()
-    engine = LLMEngine(args, loaded=loaded)
+    engine = LLMEngine(args, loaded=loaded if tp == 1 else None)  # every rank loads --model itself
     load_s = time.perf_counter() - started
     # Peak resident memory of the process so far: the weights' host side while they went to the device.
     build_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -343,7 +366,8 @@ def main() -> None:
     graphs = "cuda graphs" if engine.runner.graphs is not None else "eager"
     print(
         f"model={engine.model_id} device={name} dtype={str(dtype).removeprefix('torch.')} kernels={engine.kernels} "
-        f"({graphs}) prompt={a.prompt_len} new_tokens={a.new_tokens} runs={a.runs} (median)", flush=True
+        f"({graphs}) prompt={a.prompt_len} new_tokens={a.new_tokens} runs={a.runs} (median) tp={tp}"
+        f"{' ep' if a.enable_expert_parallel else ''}", flush=True
     )
     vocab = loaded.config.vocab_size
     ours: dict[int, Result] = {}
@@ -354,8 +378,10 @@ def main() -> None:
     profile = profile_step(engine, a.prompt_len) if a.profile else None
     context = a.prompt_len + a.new_tokens // 2  # the mean context of the decode steps
     roof = {b: roofline_tok_s(engine, b, context, name) for b in a.batch_sizes}
+    engine.close()
     del engine
     gc.collect()
+    one_rank = tp_peer(args, loaded, a) if tp > 1 else {}
     ref: dict[int, Result] = {}
     compiled: dict[int, Result] = {}
     compile_notes: dict[str, str] = {}
@@ -396,6 +422,15 @@ def main() -> None:
         line += f" | {c.decode_tok_s:>9.1f} {o.decode_tok_s / c.decode_tok_s:>5.2f}x" if c else f" | {'-':>9} {'-':>6}"
         line += f" | {100 * o.decode_tok_s / roof[b]:>7.1f}%" if roof[b] else f" | {'-':>8}"
         print(line)
+    if one_rank:
+        ours_tp = f"tp{tp}"
+        print(f"{'batch':>5} | {ours_tp + ' decode':>12} {'tp1':>9} {'ratio':>6} | {ours_tp + ' prefill':>13} "
+              f"{'tp1':>9} {'ratio':>6}")  # fmt: skip
+        for b in a.batch_sizes:
+            o, r = ours[b], one_rank[b]
+            print(f"{b:>5} | {o.decode_tok_s:>12.1f} {r.decode_tok_s:>9.1f} {o.decode_tok_s / r.decode_tok_s:>5.2f}x"
+                  f" | {o.prefill_tok_s:>13.0f} {r.prefill_tok_s:>9.0f}"
+                  f" {o.prefill_tok_s / r.prefill_tok_s:>5.2f}x")  # fmt: skip
     prefix = None
     if a.prefix_row:
         blocks = (a.prefix_row + 64) // args.block_size * 4
@@ -430,6 +465,9 @@ def main() -> None:
                 for b in a.batch_sizes
             },
             "compile_modes": compile_notes,
+            "tensor_parallel_size": tp,
+            "expert_parallel": a.enable_expert_parallel,
+            "tp1_peer": {str(b): asdict(r) for b, r in one_rank.items()},
             "prefix_cache_prefill_s": prefix,
             "batch1_step_profile_us": profile,
         }

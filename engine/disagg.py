@@ -136,12 +136,13 @@ class Disaggregation:
         self._watchdog: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        runner = self.engine.runner
         chosen = transfer_backend(self.engine, self.config)
         assert chosen is not None
         self.backend, why = chosen
         # Ids come from the engine's pool: the cache tensors may hold more blocks (scratch) than it hands out.
-        views = region_views(runner.kv_caches, runner.indexer_caches, num_blocks=self.engine.num_blocks)
+        # Every tensor-parallel rank's caches, rank after rank (rank 0 maps them all): the peer's rank r pairs
+        # with ours.
+        views = region_views(*self.engine.transfer_caches(), num_blocks=self.engine.num_blocks)
         regions = [view_region(v) for v in views]
         transport = transfer_transport(self.engine, self.config, self.backend)
         inflight = self.config.max_inflight_pulls
@@ -161,7 +162,8 @@ class Disaggregation:
         if self.role == PRODUCER:
             self.producer = KVProducer(self.agent, regions, host=self.host,
                                        handshake_port=self.config.handshake_port or 0, bind_host=self.bind_host,
-                                       timeout_s=self.transfer_timeout, staging=self.staging)
+                                       timeout_s=self.transfer_timeout, staging=self.staging,
+                                       tp_size=self.engine.args.tensor_parallel_size)
             try:
                 await self.producer.start()
             except OSError as exc:
@@ -170,7 +172,8 @@ class Disaggregation:
                                 f"--kv-transfer-config handshake_port): {reason}") from exc
         else:
             self.consumer = KVConsumer(self.agent, regions, staging=self.staging, slot_grace_s=WRITE_GRACE_SECS,
-                                       max_inflight=inflight)  # fmt: skip
+                                       max_inflight=inflight,
+                                       tp_size=self.engine.args.tensor_parallel_size)  # fmt: skip
         staging = ""
         if self.staging:
             host = "pinned" if self.staging.host.is_pinned() else "plain"

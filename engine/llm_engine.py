@@ -19,6 +19,7 @@ from engine.block_manager import BlockManager, BlockStats
 from engine.cuda_graph import default_capture_sizes, default_token_sizes
 from engine.errors import (
     ContextLengthError,
+    EngineDeadError,
     InvalidRequestError,
     KVCacheTooSmallError,
     OverloadedError,
@@ -30,10 +31,13 @@ from engine.models.eagle3 import load_eagle3
 from engine.models.loader import LoadedModel, load_model
 from engine.models.quant import parse_quantization
 from engine.models.rope import context_limit
+from engine.parallel.group import SINGLE, TensorParallel
+from engine.parallel.layers import check_shardable
+from engine.parallel.ranks import RankWorkers
 from engine.sampler import SampleOutput
 from engine.scheduler import QueueFullError, ScheduledBatch, Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus, TokenLogprob
-from engine.spec_decode import DraftProposer, EagleDrafter, EagleProposer, NgramProposer, build_drafter
+from engine.spec_decode import DraftProposer, EagleProposer, NgramProposer, build_drafter
 
 log = logging.getLogger(__name__)
 
@@ -101,11 +105,101 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str = "") -
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def build_runner(args: EngineArgs, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
+                 tp: TensorParallel = SINGLE) -> tuple[ModelRunner, int, list[int]]:  # fmt: skip
+    """One rank's model runner, its KV cache allocated and its CUDA graphs captured; with the pool's block count
+    (the same on every rank: the smallest any rank can hold) and the captured decode batch sizes.
+
+    Every rank of a tensor-parallel engine runs this at the same time: the CUDA memory profile, the block
+    count and the graph captures meet in collectives."""
+    cache_dtype = kv_cache_dtype(args.kv_cache_dtype, dtype)
+    kernels = resolve_kernels(args.kernels, device, cache_dtype, loaded.config.head_dim)
+    max_model_len = args.max_model_len or loaded.config.max_position_embeddings
+    runner = ModelRunner(
+        loaded.config,
+        None if args.load_format == "dummy" else loaded.weights,
+        device,
+        dtype,
+        args.block_size,
+        cache_dtype,
+        args.seed,
+        sparse_topk=args.sparse_topk_blocks if args.sparse_attention else 0,
+        kernels=kernels,
+        max_model_len=max_model_len,
+        eos_token_ids=loaded.tokenizer.eos_token_ids,
+        quant=parse_quantization(loaded.hf_config, args.quantization),
+        tp=tp,
+    )
+    spec = args.speculative
+    if spec is not None and spec.method == "eagle3":
+        attach_eagle3(args, loaded, runner, dtype, max_model_len, tp)
+    num_blocks = tp.min_int(count_blocks(args, runner), device)
+    sizes = capture_sizes(args, runner)
+    runner.allocate_kv_cache(num_blocks, scratch=bool(sizes))
+    if tp.size > 1 and device.type == "cpu":
+        for t in (*runner.kv_caches, *runner.indexer_caches):
+            t.share_memory_()  # type: ignore[no-untyped-call]  # rank 0 maps every rank's cache (the KV relay moves them all); before any capture
+    if sizes:
+        # Steps with prompt tokens too, unless sparse (its decode rows pick blocks per step: eager then).
+        tokens = [] if args.sparse_attention else default_token_sizes(args.max_num_batched_tokens)
+        runner.capture_graphs(sizes, tokens, args.max_num_seqs)
+    return runner, num_blocks, sizes
+
+
+def attach_eagle3(args: EngineArgs, loaded: LoadedModel, runner: ModelRunner, dtype: torch.dtype,
+                  max_model_len: int, tp: TensorParallel) -> None:  # fmt: skip
+    """Attach the EAGLE-3 head of --speculative-config method eagle3 to ``runner`` (before its KV cache exists:
+    the pool holds the head's one-layer cache too)."""
+    spec = args.speculative
+    assert spec is not None and spec.model is not None
+    if args.kv_transfer.kv_role == "kv_consumer":
+        raise ValueError("EAGLE-3 drafts on a kv_consumer are not supported: the head needs the target's hidden "
+                         "states over the prompt, which stay on the prefill engine (method 'ngram' works there)")
+    if tp.size > 1:
+        raise ValueError("EAGLE-3 drafts with --tensor-parallel-size > 1 are not supported: the head is not split "
+                         "between ranks (method 'ngram' works there)")  # fmt: skip
+    drafter = build_drafter(load_eagle3(spec.model, loaded.config), runner.model.embed_tokens.weight,
+                            runner.device, dtype, args.block_size, runner.kernels == "triton",
+                            max_model_len)  # fmt: skip
+    runner.attach_drafter(drafter)
+
+
+def build_rank_runner(args: EngineArgs, device: torch.device, tp: TensorParallel) -> ModelRunner:
+    """The runner of a tensor-parallel rank other than 0, in its own process: it loads --model itself."""
+    loaded = load_model(args.model)
+    return build_runner(args, loaded, device, resolve_dtype(args.dtype, device, loaded.config.dtype), tp)[0]
+
+
+def capture_sizes(args: EngineArgs, runner: ModelRunner) -> list[int]:
+    """Decode batch sizes to capture as CUDA graphs; none on CPU, with --enforce-eager or torch kernels."""
+    # (Without CUDA, only under the Triton interpreter in tests: the graphs' staged inputs then run eagerly.)
+    if runner.kernels != "triton" or args.enforce_eager or (runner.device.type != "cuda" and not interpret_mode()):
+        return []
+    sizes = args.cudagraph_capture_sizes or default_capture_sizes(args.max_num_seqs)
+    return sorted(b for b in set(sizes) if b <= args.max_num_seqs) or [min(sizes)]
+
+
+def count_blocks(args: EngineArgs, runner: ModelRunner) -> int:
+    """KV blocks for the pool: --num-kvcache-blocks, else what the GPU (or --kv-cache-memory-gb) holds."""
+    if args.num_kvcache_blocks is not None:
+        return args.num_kvcache_blocks
+    if runner.device.type == "cuda":
+        blocks = runner.profile_cuda_blocks(args.gpu_memory_utilization, args.max_num_batched_tokens)
+    else:
+        blocks = int(args.kv_cache_memory_gb * (1 << 30)) // runner.block_bytes()
+    if blocks < 1:
+        raise ValueError("no memory is left for the KV cache: raise the memory setting")
+    return blocks
+
+
 class LLMEngine:
     """Owns one model and its KV cache; admits sequences and advances them one step at a time."""
 
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
         self.args = args
+        if loaded is not None and args.tensor_parallel_size > 1:
+            raise ValueError("--tensor-parallel-size > 1: every rank loads --model itself; a model handed to the "
+                             "engine in memory cannot be shared with the other ranks")  # fmt: skip
         loaded = loaded if loaded is not None else load_model(args.model)
         self.model_id = loaded.model_id
         self.model_config = loaded.config
@@ -126,32 +220,29 @@ class LLMEngine:
                 f"{self.max_model_len}: with --no-enable_chunked_prefill prompts are prefilled whole, "
                 "so it must be at least that"
             )
-        cache_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)
-        self.kernels = resolve_kernels(args.kernels, self.device, cache_dtype, loaded.config.head_dim)
-        self.runner = ModelRunner(
-            loaded.config,
-            None if args.load_format == "dummy" else loaded.weights,
-            self.device,
-            self.dtype,
-            args.block_size,
-            cache_dtype,
-            args.seed,
-            sparse_topk=args.sparse_topk_blocks if args.sparse_attention else 0,
-            kernels=self.kernels,
-            max_model_len=self.max_model_len,
-            eos_token_ids=self.eos_token_ids,
-            quant=parse_quantization(loaded.hf_config, args.quantization),
-        )
-        self.drafter = self._drafter(loaded)
-        self.num_blocks = self._count_blocks()
-        sizes = self._capture_sizes()
-        self.runner.allocate_kv_cache(self.num_blocks, scratch=bool(sizes))
-        if sizes:
-            # Steps with prompt tokens too, unless sparse (its decode rows pick blocks per step: eager then).
-            tokens = [] if args.sparse_attention else default_token_sizes(args.max_num_batched_tokens)
-            self.runner.capture_graphs(sizes, tokens, args.max_num_seqs)
-        log.info("engine_built device=%s dtype=%s kernels=%s cuda_graphs=%s", self.device, str(self.dtype).removeprefix(
-            "torch."), self.kernels, f"{sizes[0]}..{sizes[-1]}/{len(sizes)}" if sizes else "off")  # fmt: skip
+        # --tensor-parallel-size N: ranks 1..N-1 start now, in their own processes, and build their slices
+        # alongside this one (every collective of the build is met by all ranks).
+        self.ranks: RankWorkers | None = None
+        tp = SINGLE
+        if args.tensor_parallel_size > 1:
+            check_shardable(loaded.config, args.tensor_parallel_size, args.enable_expert_parallel)  # before spawning
+            if args.enable_expert_parallel and not loaded.config.num_experts:
+                raise ValueError(f"--enable-expert-parallel: {loaded.config.architecture} has no experts")
+            self.ranks = RankWorkers(args, self.device, build_rank_runner)
+            tp = self.ranks.tp
+        try:
+            self.runner, self.num_blocks, sizes = build_runner(args, loaded, self.device, self.dtype, tp)
+            if self.ranks is not None:
+                self.ranks.collect_caches()
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close()
+            raise
+        self.kernels = self.runner.kernels
+        self.drafter = self.runner.drafter
+        log.info("engine_built device=%s dtype=%s kernels=%s cuda_graphs=%s tp=%d", self.device, str(self.dtype)
+                 .removeprefix("torch."), self.kernels, f"{sizes[0]}..{sizes[-1]}/{len(sizes)}" if sizes else "off",
+                 tp.size)  # fmt: skip
         self.block_manager = BlockManager(self.num_blocks, args.block_size, args.enable_prefix_caching)
         # KV cache events (--kv-events-config): collected per step, handed to `kv_events_sink`.
         self.kv_events_sink: Callable[[list[list[Any]]], None] | None = None
@@ -196,40 +287,6 @@ class LLMEngine:
         if spec.method == "eagle3" and self.drafter is not None:
             return EagleProposer(self.drafter, spec.num_speculative_tokens)
         raise ValueError(f"speculative method {spec.method!r} is not implemented")
-
-    def _drafter(self, loaded: LoadedModel) -> EagleDrafter | None:
-        """The EAGLE-3 head of --speculative-config method eagle3, attached to the runner (None otherwise)."""
-        spec = self.args.speculative
-        if spec is None or spec.method != "eagle3":
-            return None
-        assert spec.model is not None
-        if self.args.kv_transfer.kv_role == "kv_consumer":
-            raise ValueError("EAGLE-3 drafts on a kv_consumer are not supported: the head needs the target's hidden "
-                             "states over the prompt, which stay on the prefill engine (method 'ngram' works there)")
-        drafter = build_drafter(load_eagle3(spec.model, loaded.config), self.runner.model.embed_tokens.weight,
-                                self.device, self.dtype, self.args.block_size, self.kernels == "triton",
-                                self.max_model_len)  # fmt: skip
-        self.runner.attach_drafter(drafter)
-        return drafter
-
-    def _capture_sizes(self) -> list[int]:
-        """Decode batch sizes to capture as CUDA graphs; none on CPU, with --enforce-eager or torch kernels."""
-        # (Without CUDA, only under the Triton interpreter in tests: the graphs' staged inputs then run eagerly.)
-        if self.kernels != "triton" or self.args.enforce_eager or (self.device.type != "cuda" and not interpret_mode()):
-            return []
-        sizes = self.args.cudagraph_capture_sizes or default_capture_sizes(self.args.max_num_seqs)
-        return sorted(b for b in set(sizes) if b <= self.args.max_num_seqs) or [min(sizes)]
-
-    def _count_blocks(self) -> int:
-        if self.args.num_kvcache_blocks is not None:
-            return self.args.num_kvcache_blocks
-        if self.device.type == "cuda":
-            blocks = self.runner.profile_cuda_blocks(self.args.gpu_memory_utilization, self.args.max_num_batched_tokens)
-        else:
-            blocks = int(self.args.kv_cache_memory_gb * (1 << 30)) // self.runner.block_bytes()
-        if blocks < 1:
-            raise ValueError("no memory is left for the KV cache: raise the memory setting")
-        return blocks
 
     # -- admission ---------------------------------------------------------------------------------
 
@@ -418,7 +475,10 @@ class LLMEngine:
 
     def prepare(self, batch: ScheduledBatch) -> StepInput:
         """The model inputs of a scheduled batch (token ids, positions, slot mappings, graph staging)."""
-        return self.runner.prepare(batch.seqs, batch.num_new_tokens, batch.num_decodes)
+        step = self.runner.prepare(batch.seqs, batch.num_new_tokens, batch.num_decodes)
+        if self.ranks is not None:
+            self.ranks.stage(step, batch.seqs, batch.num_new_tokens, batch.num_decodes)
+        return step
 
     def scheduled_seqs(self) -> list[Sequence]:
         """Every sequence a failed ``schedule_batch`` may have touched: the running ones, the waiting ones
@@ -431,7 +491,32 @@ class LLMEngine:
 
     def execute(self, step: StepInput) -> SampleOutput:
         """The model forward and sampling; the only part that may run off the event-loop thread."""
-        return self.runner.execute(step)
+        if self.ranks is None:
+            return self.runner.execute(step)
+        try:
+            self.ranks.launch(step)  # the other ranks prepare the same step and run it beside this one
+            return self.runner.execute(step)
+        except Exception as exc:
+            # A step that failed on one rank leaves the ranks out of step (a collective half met): no later
+            # step can be trusted, so the engine stops serving.
+            raise EngineDeadError(f"tensor-parallel step failed: {exc}") from exc
+
+    def transfer_caches(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every rank's KV caches and indexer-key caches, rank after rank: what the KV relay registers and moves
+        (a decode rank's slice is pulled from the prefill rank of the same index)."""
+        if self.ranks is None:
+            return self.runner.kv_caches, self.runner.indexer_caches
+        kv, idx = list(self.runner.kv_caches), list(self.runner.indexer_caches)
+        for rank_kv, rank_idx in self.ranks.caches:
+            kv += rank_kv
+            idx += rank_idx
+        return kv, idx
+
+    def close(self) -> None:
+        """Stop the other ranks' processes (tensor parallel); nothing to do with one rank."""
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
 
     def postprocess(self, batch: ScheduledBatch, out: SampleOutput) -> None:
         """Record the step's KV, append sampled tokens, retire sequences that hit EOS or a limit.

@@ -18,6 +18,7 @@ from engine.models.decoder import DecoderForCausalLM
 from engine.models.loader import WeightSource
 from engine.models.moe import SparseMoE
 from engine.models.quant import Fp8Linear, QuantSpec
+from engine.parallel.group import SINGLE, TensorParallel
 from engine.sampler import SampleOutput, Sampler, SampleRow, sample_row, token_logprobs
 from engine.sequence import SamplingParams, Sequence, TokenLogprob
 from engine.spec_decode import EagleDrafter, EagleRows, accept_greedy, can_speculate, rejection_sample
@@ -122,8 +123,11 @@ class ModelRunner:
         max_model_len: int = 0,
         eos_token_ids: frozenset[int] = frozenset(),
         quant: QuantSpec | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         self.config = model_config
+        self.tp = tp
+        self.kv_heads = model_config.num_key_value_heads // tp.size  # this rank's KV heads (all of them at tp 1)
         self.max_model_len = max_model_len or model_config.max_position_embeddings
         # > 0: block-sparse decode over this many indexer-chosen blocks, with an indexer-key cache.
         self.sparse_topk = sparse_topk
@@ -134,7 +138,7 @@ class ModelRunner:
         if kernels not in ("torch", "triton"):
             raise ValueError(f"unknown kernels {kernels!r}")
         with torch.device("meta"):
-            model = DecoderForCausalLM(model_config, quant)
+            model = DecoderForCausalLM(model_config, quant, tp)
         # Built on the meta device (no throwaway random init), given the serving dtype there (free), then
         # materialised empty on the device and filled tensor by tensor: no copy of the model in another dtype.
         model = model.to(dtype).to_empty(device=device)
@@ -180,14 +184,14 @@ class ModelRunner:
         """Bytes of one block within one layer's K (or V) region: the unit a KV transfer moves."""
         cfg = self.config
         elem = torch.empty((), dtype=self.cache_dtype).element_size()
-        return self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+        return self.block_size * self.kv_heads * cfg.head_dim * elem
 
     def indexer_unit_bytes(self) -> int:
         """Bytes of one block's indexer keys in one layer (0 without sparse attention)."""
         if not self.sparse_topk:
             return 0
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.config.num_key_value_heads * self.config.head_dim * elem
+        return self.kv_heads * self.config.head_dim * elem
 
     def allocate_kv_cache(self, num_blocks: int, scratch: bool = False) -> None:
         """One ``[2, num_blocks, block_size, kv_heads, head_dim]`` tensor per layer (K at 0, V at 1).
@@ -198,14 +202,14 @@ class ModelRunner:
         cfg = self.config
         self.num_blocks = num_blocks
         num_blocks += 1 if scratch else 0
-        shape = (2, num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (2, num_blocks, self.block_size, self.kv_heads, cfg.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in range(cfg.num_hidden_layers)
         ]
         if self.drafter is not None:
             self.drafter.allocate(num_blocks, self.cache_dtype)
         if self.sparse_topk:
-            ishape = (num_blocks, cfg.num_key_value_heads, cfg.head_dim)
+            ishape = (num_blocks, self.kv_heads, cfg.head_dim)
             self.indexer_caches = [
                 torch.zeros(ishape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)
             ]
@@ -350,7 +354,7 @@ class ModelRunner:
             np.cumsum(query_lens, out=starts[1:])
             meta.query_start = torch.from_numpy(starts).to(dev)
             if num_decodes == len(seqs):
-                meta.num_splits = decode_splits(len(seqs), self.config.num_key_value_heads, meta.max_context, dev)
+                meta.num_splits = decode_splits(len(seqs), self.kv_heads, meta.max_context, dev)
         else:
             meta.prefill_groups, meta.cached_seqs = plan_prefill(query_lens, cached_lens, dev, first=num_decodes)
             meta.decode_width = decode_width

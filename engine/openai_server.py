@@ -760,6 +760,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except EngineExit as exc:
         print(f"error: {exc} (--exit-on-engine-error)", file=sys.stderr)
         raise SystemExit(1) from exc
+    finally:
+        engine.close()  # the other tensor-parallel ranks' processes
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ projection into the same cache through `IndexerKeys`; selection does not care wh
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -82,13 +83,14 @@ def _rows(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def select_blocks(
     q: torch.Tensor, indexer: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-    block_size: int, topk: int,
+    block_size: int, topk: int, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose each sequence's blocks for one decode step.
 
     q: [seqs, heads, head_dim]; indexer: [num_blocks, kv_heads, head_dim]; block_tables: [seqs, max_blocks].
     Returns (selected block tables [seqs, n], valid token count of each [seqs]); blocks stay in
-    ascending position order, the most recent (partial) block last.
+    ascending position order, the most recent (partial) block last. ``reduce`` (tensor parallel) adds the
+    other ranks' scores, whose KV heads this rank does not hold.
     """
     seqs, max_blocks = block_tables.shape
     num_blocks = torch.div(context_lens + block_size - 1, block_size, rounding_mode="floor")
@@ -100,6 +102,8 @@ def select_blocks(
     # of a KV group share its indexer key, so their queries are summed first (one bmm, no einsum copies).
     qs = q.view(seqs, kv_heads, group, -1).sum(dim=2).to(idx.dtype).reshape(seqs, -1, 1)
     scores = torch.bmm(idx, qs).squeeze(2)
+    if reduce is not None:
+        scores = reduce(scores)
     positions = torch.arange(max_blocks, device=q.device)[None, :]
     last = (num_blocks - 1)[:, None]
     scores = scores.masked_fill(positions >= last, float("-inf"))  # the last block and padding: chosen below
@@ -122,7 +126,7 @@ def select_blocks(
 
 def select_blocks_paged(
     q: torch.Tensor, indexer: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-    block_size: int, topk: int,
+    block_size: int, topk: int, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The blocks each decoding sequence attends to, as a block table a paged kernel reads in place.
 
@@ -136,7 +140,7 @@ def select_blocks_paged(
     n = min(width, topk + 2)
     if n == width:
         return block_tables, context_lens
-    selected, _ = select_blocks(q, indexer, block_tables, context_lens, block_size, topk)
+    selected, _ = select_blocks(q, indexer, block_tables, context_lens, block_size, topk, reduce)
     num_blocks = torch.div(context_lens + block_size - 1, block_size, rounding_mode="floor")
     short = (num_blocks <= n)[:, None]
     tables = torch.where(short, block_tables[:, :n], selected.to(block_tables.dtype))
@@ -148,6 +152,7 @@ def select_blocks_paged(
 def sparse_decode(
     q: torch.Tensor, kv_cache: torch.Tensor, indexer: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, topk: int, dtype: torch.dtype,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Decode attention over the selected blocks only. q: [seqs, heads, head_dim] -> same shape."""
     _, _, block_size, kv_heads, head_dim = kv_cache.shape
@@ -157,7 +162,7 @@ def sparse_decode(
         selected = block_tables
         mask = torch.arange(width * block_size, device=q.device)[None, :] < context_lens[:, None]
     else:
-        selected, lens = select_blocks(q, indexer, block_tables, context_lens, block_size, topk)
+        selected, lens = select_blocks(q, indexer, block_tables, context_lens, block_size, topk, reduce)
         # A slot is visible if its block is kept and it is within that block's valid length.
         offs = torch.arange(block_size, device=q.device)
         mask = (offs[None, None, :] < lens[:, :, None]).reshape(seqs, -1)

@@ -44,7 +44,7 @@ from engine.kv_transfer import wire
 from engine.kv_transfer.agent import TransferAgent
 from engine.kv_transfer.errors import KVTransferBusyError, KVTransferError
 from engine.kv_transfer.layout import SKIP, Region, WriteOp, batches, check_compatible, pair_blocks, plan_writes, spans
-from engine.kv_transfer.params import KVTransferParams
+from engine.kv_transfer.params import KVTransferParams, KVTransferParamsError
 from engine.kv_transfer.staging import SLOTS_PER_TRANSFER, StagingBuffer, check_chunk, plan_chunks
 from engine.kv_transfer.wire import MessageType, RefusalCode
 
@@ -144,9 +144,11 @@ class KVProducer:
         dp_rank: int = 0,
         staging: StagingBuffer | None = None,
         pipeline_depth: int = 2,
+        tp_size: int = 1,
     ) -> None:
         if pipeline_depth < 1:
             raise ValueError("pipeline_depth must be >= 1")
+        self.tp_size = tp_size  # told to the consumer in the params: its regions are this many ranks' slices
         self._agent = agent
         self._staging = staging
         self.pipeline_depth = pipeline_depth
@@ -221,6 +223,7 @@ class KVProducer:
             transfer_id=tid,
             first_token_id=int(first_token_id),
             prefix_cache_hit_tokens=int(prefix_cache_hit_tokens),
+            tp_size=self.tp_size,
             dp_rank=self._dp_rank,
         )
 
@@ -508,7 +511,9 @@ class KVConsumer:
         staging: StagingBuffer | None = None,
         slot_grace_s: float = 30.0,
         max_inflight: int = 8,
+        tp_size: int = 1,
     ) -> None:
+        self.tp_size = tp_size  # this engine's tensor-parallel size; a producer's must equal it
         if max_inflight < 1:
             raise ValueError("max_inflight must be >= 1")
         if staging is not None and staging.slots < SLOTS_PER_TRANSFER * max_inflight:
@@ -548,6 +553,14 @@ class KVConsumer:
         producer, timeout, failed write or a reply that does not match the request.
         """
         p = params if isinstance(params, KVTransferParams) else KVTransferParams.from_dict(params)
+        if p.tp_size != self.tp_size:
+            # Rank r's regions hold KV heads [r * H / tp, (r + 1) * H / tp): only equal sizes pair rank to rank.
+            raise KVTransferParamsError(
+                f"kv_transfer_params: the prefill engine runs tensor-parallel size {p.tp_size}, this decode engine "
+                f"{self.tp_size}; unequal tensor parallelism between prefill and decode is not supported (each "
+                "decode rank takes its KV heads from the prefill rank of the same index)",
+                reason="tp_mismatch",
+            )
         if len(dst_block_ids) != len(p.remote_block_ids):
             raise KVTransferError(
                 f"{len(dst_block_ids)} destination blocks for {len(p.remote_block_ids)} remote blocks",

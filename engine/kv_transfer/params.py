@@ -29,7 +29,7 @@ class KVTransferParams:
     transfer_id: str
     first_token_id: int
     prefix_cache_hit_tokens: int = 0
-    tp_size: int = 1
+    tp_size: int = 1  # the prefill engine's tensor-parallel size: its KV regions are this many ranks' slices
     dp_rank: int = 0
     do_remote_prefill: bool = True
     do_remote_decode: bool = False
@@ -64,11 +64,9 @@ class KVTransferParams:
             raise KVTransferParamsError(f"kv_transfer_params: missing {exc.args[0]!r}", reason="bad_params") from exc
         except (TypeError, ValueError) as exc:
             raise KVTransferParamsError(f"kv_transfer_params: {exc}", reason="bad_params") from exc
-        if params.tp_size != 1:
-            raise KVTransferParamsError(
-                f"kv_transfer_params: tp_size {params.tp_size} is not supported (this engine runs tp 1)",
-                reason="bad_params",
-            )
+        if params.tp_size < 1:
+            raise KVTransferParamsError(f"kv_transfer_params: tp_size {params.tp_size} must be >= 1",
+                                        reason="bad_params")  # fmt: skip
         return params
 
 

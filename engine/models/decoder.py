@@ -15,6 +15,8 @@ from engine.kernels.ops import ModelOps, QKNorm, TorchOps
 from engine.models.config import ModelConfig
 from engine.models.quant import Fp8Linear, QuantSpec, WeightScheme, is_kv_scale_name
 from engine.models.rope import rope_tables
+from engine.parallel.group import SINGLE, TensorParallel
+from engine.parallel.layers import VocabParallelEmbedding, check_shardable, shard_loaders, vocab_rows
 
 Loader = Callable[[torch.Tensor], None]  # copies one checkpoint tensor into its place in the model
 
@@ -85,6 +87,10 @@ def linear_loaders(linear: nn.Linear | Fp8Linear, parts: list[tuple[str, int]],
     return out
 
 
+def _drop(t: torch.Tensor) -> None:
+    """The loader of a checkpoint tensor another rank holds."""
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm (its weight); the computation is the ops' (float32 inside)."""
 
@@ -101,10 +107,13 @@ class Attention(nn.Module):
     Q and K before rotating them; a sliding window (Mistral) limits how far back a token looks.
     """
 
-    def __init__(self, cfg: ModelConfig, layer: int, quant: QuantSpec | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, quant: QuantSpec | None = None,
+                 tp: TensorParallel = SINGLE) -> None:  # fmt: skip
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        # This rank's heads: Q/K/V column-split by head, O row-split (its partial sums all-reduced).
+        self.num_heads = cfg.num_attention_heads // tp.size
+        self.num_kv_heads = cfg.num_key_value_heads // tp.size
+        self.tp = tp
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -134,7 +143,7 @@ class Attention(nn.Module):
             ops.linear(self.qkv_proj, x), rope, kv_cache, meta, indexer, self.num_heads, self.num_kv_heads,
             self.head_dim, self.scale, self.window, qk_norm,
         )  # fmt: skip
-        return ops.linear(self.o_proj, out)
+        return self.tp.all_reduce(ops.linear(self.o_proj, out))
 
     def loaders(self, p: str) -> dict[str, Loader]:
         """Hub names (prefix ``p``) -> where they go."""
@@ -151,16 +160,18 @@ class MLP(nn.Module):
     """SwiGLU feed-forward block; gate and up in one matmul."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, quant: QuantSpec | None = None,
-                 prefix: str = "") -> None:  # fmt: skip
+                 prefix: str = "", tp: TensorParallel = SINGLE) -> None:  # fmt: skip
         super().__init__()
-        self.intermediate_size = intermediate_size
+        self.intermediate_size = intermediate_size // tp.size  # gate/up column-split, down row-split
+        intermediate_size = self.intermediate_size
+        self.tp = tp
         self.quant = quant
         self.gate_up_proj = make_linear(hidden_size, 2 * intermediate_size, False, quant,
                                         [prefix + "gate_proj", prefix + "up_proj"])  # fmt: skip
         self.down_proj = make_linear(intermediate_size, hidden_size, False, quant, [prefix + "down_proj"])
 
     def forward(self, ops: ModelOps, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(self.down_proj, ops.swiglu_linear(self.gate_up_proj, x))
+        return self.tp.all_reduce(ops.linear(self.down_proj, ops.swiglu_linear(self.gate_up_proj, x)))
 
     def loaders(self, p: str) -> dict[str, Loader]:
         parts = [(p + "gate_proj", 0), (p + "up_proj", self.intermediate_size)]
@@ -175,28 +186,37 @@ class MoEMLP(nn.Module):
     # Hub names of each expert's three projections: Qwen3-MoE's, then Mixtral's (w1 gate, w3 up, w2 down).
     PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         from engine.models.moe import SparseMoE
 
         self.num_experts = cfg.num_experts
         self.mixtral = cfg.architecture == "MixtralForCausalLM"
+        self.tp = tp
+        # Tensor parallel: every expert split like a dense MLP. Expert parallel: whole experts, this rank's
+        # contiguous share [first_expert, first_expert + local); every rank routes every token (see docs/design.md).
+        ep = tp.size if tp.expert_parallel else 1
+        self.local_experts = cfg.num_experts // ep
+        self.first_expert = tp.rank * self.local_experts if tp.expert_parallel else 0
         # Mixtral weighs each expert's output by a float32 routing weight; Qwen3-MoE rounds it to the model dtype.
-        self.experts = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
-                                 cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                                 float32_routing=self.mixtral)  # fmt: skip
+        self.experts = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size * ep // tp.size, self.local_experts,
+                                 cfg.num_experts_per_tok, cfg.norm_topk_prob, float32_routing=self.mixtral,
+                                 total_experts=cfg.num_experts, first_expert=self.first_expert)  # fmt: skip
 
     def forward(self, ops: ModelOps, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x)  # type: ignore[no-any-return]
+        return self.tp.all_reduce(self.experts(x))
 
     def loaders(self, p: str) -> dict[str, Loader]:
         moe = self.experts
         out: dict[str, Loader] = {p + "gate.weight": rows_of(moe.gate.weight, 0, p + "gate.weight")}
         names = ("w1", "w3", "w2") if self.mixtral else ("gate_proj", "up_proj", "down_proj")
         for e in range(self.num_experts):
+            local = e - self.first_expert
             for hub in names:
                 name = f"{p}experts.{e}.{hub}.weight"
-                out[name] = partial(moe.load_expert, e, self.PARTS[hub])
+                # Another rank's expert (expert parallel): read and dropped.
+                out[name] = (partial(moe.load_expert, local, self.PARTS[hub]) if 0 <= local < self.local_experts
+                             else _drop)  # fmt: skip
         return out
 
 
@@ -204,17 +224,19 @@ class DecoderLayer(nn.Module):
     """One pre-norm transformer block. The residual stream is carried beside the hidden states so
     that each residual add is fused into the norm that follows it."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, quant: QuantSpec | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, quant: QuantSpec | None = None,
+                 tp: TensorParallel = SINGLE) -> None:  # fmt: skip
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer, quant)
+        self.self_attn = Attention(cfg, layer, quant, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Where the Hub keeps this layer's MLP: Mixtral calls its MoE block block_sparse_moe.
         self.mlp_prefix = "block_sparse_moe." if cfg.architecture == "MixtralForCausalLM" else "mlp."
         if cfg.is_moe(layer):
-            self.mlp: MLP | MoEMLP = MoEMLP(cfg)
+            self.mlp: MLP | MoEMLP = MoEMLP(cfg, tp)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, quant, f"model.layers.{layer}.{self.mlp_prefix}")
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, quant, f"model.layers.{layer}.{self.mlp_prefix}",
+                           tp)  # fmt: skip
 
     def forward(
         self,
@@ -255,20 +277,25 @@ class DecoderForCausalLM(nn.Module):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
 
-    def __init__(self, cfg: ModelConfig, quant: QuantSpec | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, quant: QuantSpec | None = None, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         if quant is not None and quant.scheme is not WeightScheme.ONLINE and cfg.num_experts:
             raise ValueError(
                 f"{cfg.architecture}: FP8 checkpoints of MoE models are not supported (the experts run in bf16 "
                 "only; --quantization fp8 on a bf16 checkpoint quantizes the rest)"
             )
+        if quant is not None and quant.scheme is not WeightScheme.ONLINE and tp.size > 1:
+            raise ValueError("FP8 checkpoints with --tensor-parallel-size > 1 are not supported (their scales are "
+                             "not split between ranks); --quantization fp8 on a bf16 checkpoint is")  # fmt: skip
+        check_shardable(cfg, tp.size, tp.expert_parallel)
         self.config = cfg
+        self.tp = tp
         self.ops: ModelOps = TorchOps()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.decoder_layers = [DecoderLayer(cfg, i, quant) for i in range(cfg.num_hidden_layers)]
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.decoder_layers = [DecoderLayer(cfg, i, quant, tp) for i in range(cfg.num_hidden_layers)]
         self.layers = nn.ModuleList(self.decoder_layers)  # registers them; decoder_layers is the typed view
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab_rows(cfg.vocab_size, tp), bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("rope_cos", None, persistent=False)
@@ -292,6 +319,8 @@ class DecoderForCausalLM(nn.Module):
         """Hidden states after the final norm; ``aux``, when given, receives the residual stream entering each
         of ``aux_layers`` (by layer), which an EAGLE-3 draft head reads."""
         ops = self.ops
+        if self.tp.size > 1 and meta.sparse_topk:
+            meta.score_reduce = self.tp.all_reduce  # the block choice sums every rank's heads (engine.sparse)
         x = self.embed_tokens(input_ids)
         # Rotary context gathered once per step, shared by every layer.
         rope = ops.rope(self.rope_cos, self.rope_sin, positions, x.dtype)
@@ -307,7 +336,8 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the given hidden states ``[n, hidden]``."""
-        return self.ops.linear(self.lm_head, hidden).float()
+        logits = self.tp.all_gather_last(self.ops.linear(self.lm_head, hidden))  # the ranks' vocabulary slices
+        return logits[..., : self.config.vocab_size].float()
 
     def weight_loaders(self) -> dict[str, Loader]:
         """Every Hub tensor name the model needs -> the loader that puts it in place."""
@@ -327,7 +357,7 @@ class DecoderForCausalLM(nn.Module):
         Q/K/V and gate/up are fused on the way, each tensor copied straight into its rows in the model's
         dtype and device. Missing or unexpected names are an error, never skipped.
         """
-        loaders = self.weight_loaders()
+        loaders = shard_loaders(self.weight_loaders(), self.tp)
         seen: set[str] = set()
         unexpected: list[str] = []
         with torch.no_grad():

@@ -54,18 +54,23 @@ def route(
 
 
 def experts_torch(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    first_expert: int = 0,
 ) -> torch.Tensor:
     """The reference expert computation: ``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``.
 
     Experts in ascending id, each over the tokens that picked it, accumulated into an output of
     ``x``'s dtype: transformers' eager loop, so its roundings (and fp32 results) are the same.
     Synchronises with the host (which experts were hit): the CPU path, not for CUDA graphs.
+    ``w13``/``w2`` may hold a contiguous share of the experts from ``first_expert`` (expert parallel):
+    the (token, expert) pairs of the others are left out.
     """
     out = torch.zeros_like(x)
     num_experts = w13.shape[0]
     with torch.no_grad():
-        hit_mask = F.one_hot(ids, num_classes=num_experts).permute(2, 1, 0)  # [E, top_k, tokens]
+        local = ids - first_expert
+        local = torch.where((local >= 0) & (local < num_experts), local, num_experts)  # others: one extra class
+        hit_mask = F.one_hot(local, num_classes=num_experts + 1).permute(2, 1, 0)[:num_experts]  # [E, top_k, tokens]
         hit = torch.greater(hit_mask.sum(dim=(-1, -2)), 0).nonzero()
     for e in hit[:, 0].tolist():
         slot, tok = torch.where(hit_mask[e])
@@ -73,6 +78,17 @@ def experts_torch(
         h = F.linear(F.silu(gate) * up, w2[e]) * weights[tok, slot, None]
         out.index_add_(0, tok, h.to(out.dtype))
     return out
+
+
+def local_pairs(
+    weights: torch.Tensor, ids: torch.Tensor, first: int, count: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing for a block holding experts ``first .. first + count - 1`` only (expert parallel), without a host
+    sync (the fused kernel's path, graph-capturable): ids made local, another rank's pairs weighted 0 on local
+    expert 0. Their compute is spent and adds exact zeros; the torch path skips them instead."""
+    local = ids - first
+    mine = (local >= 0) & (local < count)
+    return weights * mine, torch.where(mine, local, 0)
 
 
 class SparseMoE(nn.Module):
@@ -93,10 +109,18 @@ class SparseMoE(nn.Module):
         *,
         float32_routing: bool = False,
         kernels: str = "torch",
+        total_experts: int = 0,
+        first_expert: int = 0,
     ) -> None:
         super().__init__()
-        if not 0 < top_k <= num_experts:
-            raise ValueError(f"top_k must be in 1..{num_experts} (the number of experts), not {top_k}")
+        # Expert parallel: this block holds experts [first_expert, first_expert + num_experts) of total_experts.
+        total_experts = total_experts or num_experts
+        if not 0 < top_k <= total_experts:
+            raise ValueError(f"top_k must be in 1..{total_experts} (the number of experts), not {top_k}")
+        if not 0 <= first_expert <= total_experts - num_experts:
+            raise ValueError(f"experts {first_expert}..{first_expert + num_experts - 1} are not among {total_experts}")
+        self.total_experts = total_experts
+        self.first_expert = first_expert
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.num_experts = num_experts
@@ -105,7 +129,7 @@ class SparseMoE(nn.Module):
         # Mixtral keeps its routing weights in float32 (see ``route``); Qwen3-MoE does not.
         self.float32_routing = float32_routing
         self.kernels = kernels
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.gate = nn.Linear(hidden_size, total_experts, bias=False)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
@@ -126,9 +150,11 @@ class SparseMoE(nn.Module):
             from engine.kernels import fused_moe as k  # imported only where Triton is wanted
 
             weights, ids = k.route(self.gate(x), self.top_k, self.renormalize, self.float32_routing)
+            if self.num_experts != self.total_experts:
+                weights, ids = local_pairs(weights, ids, self.first_expert, self.num_experts)
             return k.fused_moe(x, self.w13, self.w2, weights, ids)
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.float32_routing)
-        return experts_torch(x, self.w13, self.w2, weights, ids)
+        return experts_torch(x, self.w13, self.w2, weights, ids, self.first_expert)
 
     def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> None:
         """Copy one checkpoint tensor of expert ``expert`` into its slice of ``w13`` / ``w2``.

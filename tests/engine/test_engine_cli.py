@@ -19,8 +19,11 @@ MODULE = [sys.executable, "-m", "engine.openai_server"]
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["-tp", "2"], "--tensor-parallel-size/-tp 2: only 1 is supported"),
-        (["--data-parallel-size", "2"], "only 1 is supported"),
+        (["-tp", "0"], "--tensor-parallel-size/-tp 0: must be at least 1"),
+        (["--data-parallel-size", "2"], "--data-parallel-size/-dp 2: data parallelism (ATOM's DP attention) is not "
+                                        "built"),
+        (["--enable-expert-parallel"], "--enable-expert-parallel needs --tensor-parallel-size > 1"),
+        (["-pp", "2"], "--pipeline-parallel-size/-pp 2: only 1 is supported"),
         (["--method", "eagle3", "--num-speculative-tokens", "3"], "--method: method 'eagle3' needs the draft head's"),
         (["--method", "mtp", "--num-speculative-tokens", "1"], "multi-token-prediction (MTP) drafts are not"),
         (["--method", "ngram"], "num_speculative_tokens None must be an integer"),
@@ -119,7 +122,7 @@ def test_speculative_flags_parse_in_both_spellings() -> None:
 @pytest.mark.timeout(60)
 def test_refusals_from_a_real_process() -> None:
     for argv, message in (
-        (["-tp", "2"], "only 1 is supported"),
+        (["-dp", "2"], "DP attention"),
         (["--model", "/no/such/model.gguf"], "cannot load model '/no/such/model.gguf'"),
         # 1 MiB cut into 2 slots for each of 256 pulls in flight: slots smaller than one block.
         (["--model", "tiny-random", "--device", "cpu", "--num-kvcache-blocks", "16", "--host", "127.0.0.1",

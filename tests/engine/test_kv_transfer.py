@@ -478,7 +478,7 @@ def test_params_validation() -> None:
     for key, value, match in [
         ("remote_block_ids", [1, -2], "non-negative"),
         ("remote_handshake_port", "6301", "must be int"),
-        ("tp_size", 2, "tp_size 2"),
+        ("tp_size", -1, "tp_size -1 must be >= 1"),  # any size >= 1 is carried; the consumer compares it
     ]:
         with pytest.raises(KVTransferParamsError, match=match) as err:
             KVTransferParams.from_dict({**raw, key: value})
@@ -973,3 +973,23 @@ def test_agent_lanes_keep_every_batch_within_mooncakes_queue() -> None:
         agent.close()
     with pytest.raises(ValueError, match="lanes"):
         MooncakeAgent("127.0.0.1", lanes=0)
+
+
+async def test_unequal_tensor_parallel_sizes_are_refused_by_name(prefill: Side, decode: Side) -> None:
+    """A TP=2 producer's regions are two ranks' KV heads; a TP=1 consumer cannot pair them rank to rank."""
+    producer = KVProducer(prefill.agent, prefill.regions, host="127.0.0.1", handshake_port=0,
+                          bind_host="127.0.0.1", tp_size=2)  # fmt: skip
+    await producer.start()
+    try:
+        releases = Releases()
+        params = producer.offer([1, 2], 7, releases.callback("t")).to_dict()
+        assert params["tp_size"] == 2
+        with pytest.raises(KVTransferParamsError, match="prefill engine runs tensor-parallel size 2, this decode "
+                                                        "engine 1; unequal tensor parallelism") as err:  # fmt: skip
+            await KVConsumer(decode.agent, decode.regions).pull(params, [3, 4])
+        assert err.value.reason == "tp_mismatch"
+        # Equal sizes pair: the same offer pulled by a TP=2 consumer (regions here are one rank's, as a test)
+        await KVConsumer(decode.agent, decode.regions, tp_size=2).pull(params, [3, 4])
+        _assert_copied(prefill, decode, [1, 2], [3, 4])
+    finally:
+        await producer.close()
