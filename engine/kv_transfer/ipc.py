@@ -41,6 +41,7 @@ import torch
 
 from engine.kv_transfer import wire
 from engine.kv_transfer.errors import KVTransferError
+from engine.kv_transfer.layout import block_runs
 from engine.kv_transfer.wire import MessageType
 
 log = logging.getLogger(__name__)
@@ -235,32 +236,53 @@ def _open_segment(seg: dict[str, Any], device: torch.device, device_uuid: str) -
     return flat.set_(storage, 0, (storage.nbytes(),), (1,))
 
 
+def _wide(view: torch.Tensor) -> torch.Tensor:
+    """A ``[num_blocks, unit_bytes]`` uint8 view as the widest integer rows that fit (indexed copies run ~4x faster)."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if view.shape[1] % dtype.itemsize == 0:
+            return view.view(dtype)
+    return view
+
+
 def copy_blocks(
     src_views: Sequence[torch.Tensor], dst_views: Sequence[torch.Tensor], src_ids: Sequence[int], dst_ids: Sequence[int]
 ) -> None:
     """Copy block ``src_ids[i]`` of every source region into block ``dst_ids[i]`` of its destination; blocking.
 
-    One gather and one scatter per region, on the device. On CUDA they run on a side stream that
-    first waits for the work already queued on this device, and the call returns once they finished
-    (the caller runs it in a thread): the engine's next step, on any stream, sees the blocks. A
-    source on another GPU is gathered there and moved over peer-to-peer.
+    Per region, one slice copy per run of ids consecutive on both sides when the ids are mostly such
+    runs, else one gather and one scatter, on the device. On CUDA they run on a side stream that first
+    waits for the work already queued on this device, and the call returns once they finished (the
+    caller runs it in a thread): the engine's next step, on any stream, sees the blocks. A source on
+    another GPU is gathered there and moved over peer-to-peer.
     """
     if not src_ids:
         return
     dst_device = dst_views[0].device
-    src_device = src_views[0].device
-    src_idx = torch.tensor(list(src_ids), dtype=torch.long).to(src_device, non_blocking=False)
-    dst_idx = torch.tensor(list(dst_ids), dtype=torch.long).to(dst_device, non_blocking=False)
     if dst_device.type != "cuda":
-        for src, dst in zip(src_views, dst_views, strict=True):
-            dst.index_copy_(0, dst_idx, src.index_select(0, src_idx))
+        _copy_regions(src_views, dst_views, src_ids, dst_ids)
         return
     stream = torch.cuda.Stream(dst_device)  # type: ignore[no-untyped-call]
     stream.wait_stream(torch.cuda.current_stream(dst_device))
     with torch.cuda.stream(stream):
-        for src, dst in zip(src_views, dst_views, strict=True):
-            dst.index_copy_(0, dst_idx, src.index_select(0, src_idx).to(dst_device, non_blocking=True))
+        _copy_regions(src_views, dst_views, src_ids, dst_ids)
     stream.synchronize()
+
+
+def _copy_regions(
+    src_views: Sequence[torch.Tensor], dst_views: Sequence[torch.Tensor], src_ids: Sequence[int], dst_ids: Sequence[int]
+) -> None:
+    runs = block_runs(src_ids, dst_ids)
+    if len(runs) * 4 <= len(src_ids):  # mostly consecutive (a fresh pool): a few large copies
+        for src, dst in zip(src_views, dst_views, strict=True):
+            for s, d, n in runs:
+                dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
+        return
+    dst_device, src_device = dst_views[0].device, src_views[0].device
+    src_idx = torch.tensor(list(src_ids), dtype=torch.long).to(src_device)
+    dst_idx = torch.tensor(list(dst_ids), dtype=torch.long).to(dst_device)
+    for src, dst in zip(src_views, dst_views, strict=True):
+        rows = _wide(src).index_select(0, src_idx).to(dst_device, non_blocking=True)
+        _wide(dst).index_copy_(0, dst_idx, rows)  # same unit_bytes on both sides: the same rows
 
 
 class IpcPeers:
@@ -344,6 +366,9 @@ class IpcPeers:
 
     async def copy(self, pools: PeerPools, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
         """Copy the blocks in a thread; if cancelled meanwhile, wait for it (it writes our blocks)."""
+        if [v.shape[1] for v in pools.views] != [v.shape[1] for v in self.views]:
+            raise KVTransferError("ipc copy: the producer's regions differ from this engine's",
+                                  reason="region_mismatch")
         for side, views, ids in (("source", pools.views, src_ids), ("destination", self.views, dst_ids)):
             limit = min(v.shape[0] for v in views)
             if any(not 0 <= b < limit for b in ids):
