@@ -115,7 +115,9 @@ def _assert_copied(pair: Pair, src: list[int], dst: list[int]) -> None:
     (list(range(8)), list(range(8))),  # contiguous: slice copies
     ([3, 9, 1, 40, 22, 63, 0, 17], [5, 60, 2, 33, 8, 11, 47, 30]),  # scattered: gather / scatter
 ])  # fmt: skip
-async def test_an_ipc_pull_copies_kv_and_indexer_blocks_byte_for_byte(pair: Pair, ids: tuple[list[int], list[int]]) -> None:
+async def test_an_ipc_pull_copies_kv_and_indexer_blocks_byte_for_byte(
+    pair: Pair, ids: tuple[list[int], list[int]]
+) -> None:
     src, dst = ids
     releases = Releases()
     params = pair.producer.offer(src, 42, releases.callback("t"))
@@ -161,7 +163,7 @@ async def test_forced_ipc_refuses_a_producer_on_another_host_and_auto_falls_back
         releases = Releases()
         params = producer.offer([4, 5], 1, releases.callback("t"))
         forced = KVConsumer(d_agent, d_regions, ipc=IpcPeers(d_views, IpcMode.FORCED))
-        with pytest.raises(KVTransferError, match="protocol 'ipc'.*'elsewhere'") as err:
+        with pytest.raises(KVTransferError, match=r"protocol 'ipc'.*'elsewhere'") as err:
             await forced.pull(params, [6, 7])
         assert err.value.reason == "ipc_unavailable" and not err.value.dst_may_be_written
         assert releases.calls == [] and producer.pending_count == 1  # refused before it was consumed
@@ -291,7 +293,7 @@ async def test_a_producer_killed_while_its_pools_are_mapped_fails_pulls_cleanly(
         proc.kill()
         proc.join(10)
         start = time.monotonic()
-        with pytest.raises(KVTransferError, match="unreachable|dropped"):
+        with pytest.raises(KVTransferError, match=r"unreachable|dropped"):
             await consumer.pull(params, [3])
         assert time.monotonic() - start < 2.0 and consumer.in_flight == 0
         assert peers.peers() == {}  # the dead producer's pools are unmapped
