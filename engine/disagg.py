@@ -186,6 +186,11 @@ class Disaggregation:
                                 f"--kv-transfer-config handshake_port): {reason}") from exc
         else:
             self.peers = IpcPeers(views, self.ipc) if self.ipc is not IpcMode.OFF else None
+            log.info("kv_transfer_ipc mode=%s reason=%r", self.ipc.value, {
+                IpcMode.AUTO: "producers on this host whose pools open are copied from, others pulled through Mooncake",
+                IpcMode.FORCED: "asked for (protocol ipc): every producer must share this host",
+                IpcMode.OFF: f"protocol {self.config.protocol} asked for: every pull goes through Mooncake",
+            }[self.ipc])  # fmt: skip
             self.consumer = KVConsumer(self.agent, regions, staging=self.staging, slot_grace_s=WRITE_GRACE_SECS,
                                        max_inflight=inflight, ipc=self.peers)  # fmt: skip
         staging = ""
