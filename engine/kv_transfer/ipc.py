@@ -155,7 +155,9 @@ class PoolExport:
             else:
                 st.share_memory_()
                 fd, size = st._share_fd_cpu_()
-                segments.append({"path": f"/proc/{os.getpid()}/fd/{fd}", "nbytes": int(size)})
+                stat = os.fstat(fd)  # lets the consumer check it opened this very file (same PID namespace)
+                segments.append({"path": f"/proc/{os.getpid()}/fd/{fd}", "nbytes": int(size),
+                                 "file": [stat.st_dev, stat.st_ino]})  # fmt: skip
         regions = []
         for v, seg in zip(views, which, strict=True):
             offset = v.data_ptr() - storages[seg].data_ptr()
@@ -229,6 +231,9 @@ def _open_segment(seg: dict[str, Any], device: torch.device, device_uuid: str) -
     else:
         fd = os.open(seg["path"], os.O_RDWR)  # the producer's descriptor, reopened through /proc
         try:
+            stat = os.fstat(fd)
+            if [stat.st_dev, stat.st_ino] != list(seg["file"]) or stat.st_size < nbytes:
+                raise IpcUnavailable(f"{seg['path']} here is not the producer's shared memory (another PID namespace?)")
             storage = torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # type: ignore[attr-defined]
         finally:
             os.close(fd)  # the mapping keeps the memory

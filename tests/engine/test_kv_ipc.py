@@ -23,7 +23,15 @@ os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")
 pytest.importorskip("mooncake.engine")
 
 from engine.kv_transfer import KVConsumer, KVProducer, KVTransferError, MooncakeAgent, ReleaseReason, wire
-from engine.kv_transfer.ipc import HostIdentity, IpcMode, IpcPeers, IpcUnavailable, PoolExport, _check_shm_room
+from engine.kv_transfer.ipc import (
+    HostIdentity,
+    IpcMode,
+    IpcPeers,
+    IpcUnavailable,
+    PeerPools,
+    PoolExport,
+    _check_shm_room,
+)
 from engine.kv_transfer.layout import region_views, view_region
 from engine.kv_transfer.wire import MessageType
 
@@ -302,3 +310,19 @@ async def test_a_producer_killed_while_its_pools_are_mapped_fails_pulls_cleanly(
         if proc.is_alive():
             proc.kill()
         proc.join(10)
+
+
+def test_pools_that_are_not_the_producers_do_not_open() -> None:
+    """Another host, another device kind, or a descriptor path that names another file here (a process of
+    another PID namespace with the same pid): each refused, saying why, before anything is mapped."""
+    export = PoolExport(_caches(fill=True).views)
+    here = export.host
+    desc = export.describe()
+    assert len(PeerPools.open(desc, torch.device("cpu"), here).views) == 2 * LAYERS + LAYERS
+    with pytest.raises(IpcUnavailable, match="elsewhere"):
+        PeerPools.open(desc, torch.device("cpu"), HostIdentity(here.boot_id, "elsewhere"))
+    with pytest.raises(IpcUnavailable, match="on cpu, this engine's on meta"):
+        PeerPools.open(desc, torch.device("meta"), here)
+    other = [{**seg, "file": [0, 0]} for seg in desc["segments"]]
+    with pytest.raises(IpcUnavailable, match="not the producer's shared memory"):
+        PeerPools.open({**desc, "segments": other}, torch.device("cpu"), here)
