@@ -270,23 +270,24 @@ def test_shared_memory_too_small_is_refused_before_anything_moves() -> None:
         _check_shm_room(1 << 62)
 
 
-async def test_a_producer_killed_while_its_pools_are_mapped_fails_pulls_cleanly() -> None:
-    """The producer in its own process (SmolLM2-shaped caches, one shared-memory segment); decode maps it,
-    pulls, then the producer is killed: the next pull fails fast (no crash) and the mapping is dropped."""
+async def test_a_producer_killed_while_its_pools_are_mapped_fails_pulls_cleanly(engine_device: str) -> None:
+    """The producer in its own process (SmolLM2-shaped caches, one shared segment: shared memory on CPU, a
+    CUDA IPC handle with ENGINE_TEST_DEVICE=cuda); decode maps it, pulls, then the producer is killed: the
+    next pull fails fast (no crash) and the mapping is dropped."""
     from engine.kv_transfer import bench
 
     num_blocks = 8
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=bench._producer_main, daemon=True,
-                       args=(child, num_blocks, "fp32", "engine", "direct", 16, "cpu", 2, "ipc"))  # fmt: skip
+                       args=(child, num_blocks, "fp32", "engine", "staged", 16, engine_device, 2, "ipc"))  # fmt: skip
     proc.start()
     loop = asyncio.get_running_loop()
     agent = MooncakeAgent("127.0.0.1")
     try:
         assert await asyncio.wait_for(loop.run_in_executor(None, parent.poll, 60), 61), "producer did not start"
         parent.recv()
-        local = bench.make_caches(num_blocks, torch.float32)
+        local = bench.make_caches(num_blocks, torch.float32, device=engine_device)
         peers = IpcPeers(local.views, IpcMode.FORCED)
         consumer = KVConsumer(agent, local.regions, timeout_s=20, ipc=peers)
         parent.send(("offer", [1, 2, 6]))
@@ -295,7 +296,7 @@ async def test_a_producer_killed_while_its_pools_are_mapped_fails_pulls_cleanly(
         bench.fill(expected)
         for r in range(len(local.views)):
             for s, d in ((1, 0), (2, 1), (6, 7)):
-                assert torch.equal(local.views[r][d], expected.views[r][s]), f"region {r} block {s}"
+                assert torch.equal(local.views[r][d].cpu(), expected.views[r][s]), f"region {r} block {s}"
         parent.send(("offer", [3]))
         params = parent.recv()
         proc.kill()
