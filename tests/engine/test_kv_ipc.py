@@ -327,3 +327,28 @@ def test_pools_that_are_not_the_producers_do_not_open() -> None:
     other = [{**seg, "file": [0, 0]} for seg in desc["segments"]]
     with pytest.raises(IpcUnavailable, match="not the producer's shared memory"):
         PeerPools.open({**desc, "segments": other}, torch.device("cpu"), here)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_copy_blocks_per_region_and_in_layer_groups_copy_the_same(grouped: bool) -> None:
+    """The grouped copy (the default on CUDA: K and V of a layer, or all layers of one buffer, in one copy)
+    and the per-region one (CPU) move exactly the named blocks, for the engine's per-layer tensors and for
+    caches cut from one buffer."""
+    from engine.kv_transfer import bench
+    from engine.kv_transfer.ipc import _layer_groups, copy_blocks
+
+    one_buffer = bench.make_caches(NUM_BLOCKS, torch.float32), bench.make_caches(NUM_BLOCKS, torch.float32)
+    bench.fill(one_buffer[0])
+    layouts = {"per-layer": (_caches(fill=True).views, _caches(fill=False).views),
+               "one-buffer": (one_buffer[0].views, one_buffer[1].views)}  # fmt: skip
+    # per layer: K and V together, then each indexer region alone; one buffer: all KV, then all indexer keys
+    assert [len(_layer_groups(*v)) for v in layouts.values()] == [LAYERS + LAYERS, 2]
+    for src_views, dst_views in layouts.values():
+        for src, dst in ((list(range(5, 13)), list(range(20, 28))), ([3, 9, 1, 40, 22, 63], [5, 60, 2, 33, 8, 11])):
+            for v in dst_views:
+                v.zero_()
+            copy_blocks(src_views, dst_views, src, dst, grouped=grouped)
+            for r, (s_view, d_view) in enumerate(zip(src_views, dst_views, strict=True)):
+                assert torch.equal(d_view[dst], s_view[src]), f"region {r}"
+                untouched = sorted(set(range(NUM_BLOCKS)) - set(dst))
+                assert not d_view[untouched].any(), f"region {r}: a block outside the destination was written"
