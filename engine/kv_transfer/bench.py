@@ -260,7 +260,7 @@ async def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     raws.append(await ask("raw", side.agent.rpc_address, side.raw.data_ptr(), total))
                     src, dst = _block_ids(n, num_blocks, layout, rng)
                     if peers is not None:
-                        writes = len(caches.views)  # one gather + scatter per region
+                        writes = len(caches.views)  # regions copied (in layer groups on CUDA)
                     elif side.staging is None:
                         writes = len(plan_writes(caches.regions, caches.regions, src, dst))
                     else:
