@@ -44,7 +44,8 @@ KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 _KV_CONFIG_KEYS = {"kv_connector", "kv_role", "handshake_port", "proxy_ip", "http_port", "protocol",
                    "memory_backend", "staging_buffer_mb", "max_inflight_pulls", "write_lanes"}  # fmt: skip
 MEMORY_BACKENDS = ("auto", "direct", "staged")
-KV_PROTOCOLS = ("tcp", "rdma", "nvlink_intra", "nvlink")  # engine.kv_transfer.transport.Transport
+# engine.kv_transfer.transport.Transport, plus "ipc" (engine.kv_transfer.ipc: pools mapped between engines of a host)
+KV_PROTOCOLS = ("ipc", "tcp", "rdma", "nvlink_intra", "nvlink")
 DEFAULT_HANDSHAKE_PORT = 6301
 
 

@@ -27,7 +27,8 @@ with ``--json``), never asserted.
 
 On a GPU: ``--device cuda`` (both engines on the same GPU, each with ``--num-kvcache-blocks``
 blocks; bfloat16 caches unless ``--dtype``), ``--memory-backend`` chooses how the KV moves (auto:
-pinned host staging with the CPU-only Mooncake wheel). ``engine.bench_pd_gpu`` runs this and the
+pinned host staging with the CPU-only Mooncake wheel) and ``--protocol`` which transport (left out:
+``ipc``, the two engines share this host). ``engine.bench_pd_gpu`` runs this and the
 transfer benchmark as one batch.
 """
 
@@ -227,6 +228,8 @@ def run_mode(mode: str, engine_args: list[str], prompts: dict[int, list[list[int
              raw: RawPeer, a: argparse.Namespace, log_dir: str) -> list[Row]:  # fmt: skip
     sparse = ["--sparse-attention", "on", "--sparse-topk-blocks", str(a.topk)] if mode == "sparse" else []
     kv_config = {"memory_backend": a.memory_backend, "staging_buffer_mb": a.staging_mb}
+    if a.protocol:
+        kv_config["protocol"] = a.protocol
     prefill = Engine("kv_producer", engine_args + sparse, log_dir, kv_config)
     decode = Engine("kv_consumer", engine_args + sparse, log_dir, kv_config)
     layers, unit, idx_unit = layer_bytes
@@ -296,6 +299,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="KV blocks per engine (on CUDA, two engines share the GPU: set it)")
     p.add_argument("--memory-backend", choices=["auto", "direct", "staged"], default="auto")
     p.add_argument("--staging-mb", type=int, default=128, help="staging_buffer_mb of both engines")
+    p.add_argument("--protocol", choices=["ipc", "tcp", "rdma"], default=None,
+                   help="both engines' protocol (default: chosen: ipc, the engines sharing this host)")
     p.add_argument("--json", default="", help="also write the rows to this JSON file")
     a = p.parse_args(argv)
 

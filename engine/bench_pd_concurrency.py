@@ -41,7 +41,10 @@ def relay(prefill: Engine, decode: Engine, ids: list[int]) -> float:
 
 
 def run_setting(a: argparse.Namespace, inflight: int, log_dir: str) -> dict[str, Any]:
-    kv = {"memory_backend": a.memory_backend, "staging_buffer_mb": a.staging_mb, "max_inflight_pulls": inflight}
+    kv: dict[str, Any] = {"memory_backend": a.memory_backend, "staging_buffer_mb": a.staging_mb,
+                          "max_inflight_pulls": inflight}  # fmt: skip
+    if a.protocol:
+        kv["protocol"] = a.protocol
     dtype = ["--dtype", "bfloat16"] if a.device == "cuda" else ["--torch-threads", "1"]
     extra = ["--model", a.model, "--served-model-name", "m", "--device", a.device, *dtype,
              "--max-model-len", str(a.tokens + 64), "--num-kvcache-blocks", str((a.tokens // 16 + 8) * (a.n + 2))]
@@ -82,6 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--memory-backend", choices=["auto", "direct", "staged"], default="staged")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="both engines' device (one GPU: shared)")
     p.add_argument("--staging-mb", type=int, default=128)
+    p.add_argument("--protocol", choices=["ipc", "tcp", "rdma"], default=None,
+                   help="both engines' protocol (default: chosen: ipc, the engines sharing this host)")
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     rows = []

@@ -34,6 +34,7 @@ from engine.kv_transfer import (
     ReleaseReason,
 )
 from engine.kv_transfer.backend import MemoryBackend, choose_backend, installed_wheel, parse_backend
+from engine.kv_transfer.ipc import IpcMode, IpcPeers, IpcUnavailable, PoolExport
 from engine.kv_transfer.layout import region_views, view_region
 from engine.kv_transfer.staging import SLOTS_PER_TRANSFER, StagingBuffer
 from engine.kv_transfer.transport import HostFacts, TransportChoice, choose_transport
@@ -80,11 +81,22 @@ def transfer_backend(engine: LLMEngine, config: KVTransferConfig) -> tuple[Memor
         raise ValueError(f"--kv-transfer-config: {exc}") from None
 
 
+def ipc_mode(config: KVTransferConfig) -> IpcMode:
+    """Whether pulls from producers on this host copy from their mapped pools (``protocol`` ipc, or left out)."""
+    if config.protocol == "ipc":
+        return IpcMode.FORCED
+    return IpcMode.AUTO if config.protocol is None else IpcMode.OFF
+
+
 def transfer_transport(engine: LLMEngine, config: KVTransferConfig, backend: MemoryBackend) -> TransportChoice:
-    """The Mooncake transport this engine's relay uses and why; raises ValueError when it cannot work."""
+    """The Mooncake transport this engine's relay uses and why; raises ValueError when it cannot work.
+
+    With ``protocol`` ipc Mooncake is chosen as when it is left out: it carries nothing but the agent.
+    """
     gpu_direct = engine.device.type == "cuda" and backend is MemoryBackend.DIRECT
+    protocol = None if config.protocol == "ipc" else config.protocol
     try:
-        return choose_transport(config.protocol, HostFacts.probe(gpu_direct=gpu_direct))
+        return choose_transport(protocol, HostFacts.probe(gpu_direct=gpu_direct))
     except ValueError as exc:
         raise ValueError(f"--kv-transfer-config: {exc}") from None
 
@@ -128,6 +140,17 @@ class Disaggregation:
         self.backend: MemoryBackend | None = None
         self.producer: KVProducer | None = None
         self.consumer: KVConsumer | None = None
+        self.ipc = ipc_mode(config)
+        self._ipc_off_why = f"protocol {config.protocol} asked for"
+        if engine.args.tensor_parallel_size > 1 and self.ipc is not IpcMode.OFF:
+            # Rank 0 holds the other ranks' caches mapped from their processes; mapped memory is not exported again.
+            if self.ipc is IpcMode.FORCED:
+                raise ValueError("--kv-transfer-config protocol ipc with --tensor-parallel-size > 1 is not supported "
+                                 "(the ranks' caches are mapped into rank 0, which cannot export them again); leave "
+                                 "protocol out or name tcp / rdma")  # fmt: skip
+            self.ipc = IpcMode.OFF
+            self._ipc_off_why = "tensor parallel: rank 0 cannot export the caches it maps from the other ranks"
+        self.peers: IpcPeers | None = None  # decode: producers mapped over ipc, or pulled through Mooncake
         # Reservations held back after a failed pull, until the producer can no longer write into them.
         self._grace: dict[asyncio.TimerHandle, Sequence] = {}
         # Told once when the KV agent stops working (the server marks the engine dead); see _watch_agent.
@@ -143,7 +166,8 @@ class Disaggregation:
         # Every tensor-parallel rank's caches, rank after rank (rank 0 maps them all): the peer's rank r pairs
         # with ours.
         views = region_views(*self.engine.transfer_caches(), num_blocks=self.engine.num_blocks)
-        regions = [view_region(v) for v in views]
+        export = self._export_pools(views) if self.role == PRODUCER else None
+        regions = [view_region(v) for v in views]  # after the export: on CPU it moved the caches into shared memory
         transport = transfer_transport(self.engine, self.config, self.backend)
         inflight = self.config.max_inflight_pulls
         if self.backend is MemoryBackend.STAGED:  # two slots per transfer in flight: a pipeline two chunks deep
@@ -163,7 +187,8 @@ class Disaggregation:
             self.producer = KVProducer(self.agent, regions, host=self.host,
                                        handshake_port=self.config.handshake_port or 0, bind_host=self.bind_host,
                                        timeout_s=self.transfer_timeout, staging=self.staging,
-                                       tp_size=self.engine.args.tensor_parallel_size)
+                                       tp_size=self.engine.args.tensor_parallel_size, ipc=export,
+                                       ipc_only=self.ipc is IpcMode.FORCED)
             try:
                 await self.producer.start()
             except OSError as exc:
@@ -171,8 +196,14 @@ class Disaggregation:
                 raise BindError(f"cannot listen on {self.bind_host}:{self.config.handshake_port} (KV handshake, "
                                 f"--kv-transfer-config handshake_port): {reason}") from exc
         else:
+            self.peers = IpcPeers(views, self.ipc) if self.ipc is not IpcMode.OFF else None
+            log.info("kv_transfer_ipc mode=%s reason=%r", self.ipc.value, {
+                IpcMode.AUTO: "producers on this host whose pools open are copied from, others pulled through Mooncake",
+                IpcMode.FORCED: "asked for (protocol ipc): every producer must share this host",
+                IpcMode.OFF: f"{self._ipc_off_why}: every pull goes through Mooncake",
+            }[self.ipc])  # fmt: skip
             self.consumer = KVConsumer(self.agent, regions, staging=self.staging, slot_grace_s=WRITE_GRACE_SECS,
-                                       max_inflight=inflight,
+                                       max_inflight=inflight, ipc=self.peers,
                                        tp_size=self.engine.args.tensor_parallel_size)  # fmt: skip
         staging = ""
         if self.staging:
@@ -183,6 +214,23 @@ class Disaggregation:
         log.info("kv_transfer_ready role=%s engine=%s regions=%d max_inflight_pulls=%d write_lanes=%d", self.role,
                  self.agent.rpc_address, len(regions), inflight, self.config.write_lanes)
         self._watchdog = asyncio.create_task(self._watch_agent(), name="kv-agent-watchdog")
+
+    def _export_pools(self, views: list[Any]) -> PoolExport | None:
+        """Share this producer's KV pools with decode engines of its host (unless a Mooncake protocol is forced)."""
+        if self.ipc is IpcMode.OFF:
+            log.info("kv_transfer_ipc mode=off reason=%r", self._ipc_off_why)
+            return None
+        try:
+            export = PoolExport(views)
+        except IpcUnavailable as exc:
+            if self.ipc is IpcMode.FORCED:
+                raise RelayConfigError(f"--kv-transfer-config: protocol 'ipc': {exc}") from None
+            log.warning("kv_transfer_ipc mode=auto exported=false reason=%r: decode engines pull through Mooncake",
+                        str(exc))  # fmt: skip
+            return None
+        log.info("kv_transfer_ipc mode=%s exported=true host=%s: decode engines on this host copy from its pools",
+                 self.ipc.value, export.host.hostname)  # fmt: skip
+        return export
 
     async def _watch_agent(self) -> None:
         """Probe the KV agent (a write to itself) every ``probe_secs``; after AGENT_PROBE_FAILURES failures in
@@ -234,6 +282,7 @@ class Disaggregation:
                 "engine_id": self.agent.rpc_address if self.agent else None,
                 "memory_backend": self.backend.value if self.backend else None,
                 "protocol": self.agent.protocol if self.agent else None,
+                "ipc": self.ipc.value, "ipc_peers": self.peers.peers() if self.peers else {},
                 "max_inflight_pulls": self.config.max_inflight_pulls,
                 "pulls_in_flight": self.consumer.in_flight if self.consumer else 0,
                 "pulls_waiting": self.consumer.waiting if self.consumer else 0}

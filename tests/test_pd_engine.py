@@ -39,11 +39,14 @@ PROMPTS = [
 class Engine(EngineProcess):
     """One engine process on free loopback ports, a P/D role's KV transfer config when given one."""
 
-    def __init__(self, name: str, role: str | None, *extra: str, backend: str = "staged") -> None:
+    def __init__(self, name: str, role: str | None, *extra: str, backend: str = "staged",
+                 protocol: str | None = "tcp") -> None:
         args = [*ENGINE, *extra]
         if role is not None:
-            cfg = {"kv_role": role, "kv_connector": "mooncake", "handshake_port": free_port(),
-                   "memory_backend": backend, "staging_buffer_mb": 1}  # the smallest: 4 slots of 256 KiB
+            cfg: dict[str, Any] = {"kv_role": role, "kv_connector": "mooncake", "handshake_port": free_port(),
+                                   "memory_backend": backend, "staging_buffer_mb": 1}  # 4 slots of 256 KiB
+            if protocol is not None:  # tcp here: engines of one host would copy over ipc (tests/test_pd_ipc.py)
+                cfg["protocol"] = protocol
             args += ["--kv-transfer-config", json.dumps(cfg)]
         super().__init__(name, args, env={**os.environ, "MC_TRANSFER_TIMEOUT": "5"})
 

@@ -10,8 +10,10 @@
 #   EXP=concurrency bash bench/device/pd_h200.sh  # 32 P/D requests at once: max_inflight_pulls 1 vs 32
 #   EXP=serving SHAPE=smollm2-135m ISLS=1024/256 bash bench/device/pd_h200.sh   # P/D vs colocated, c = 1..64
 #
-# PROTOCOL forces the transport (tcp, rdma, nvlink_intra with a source build of Mooncake); unset, the engines
-# choose and log it. BACKEND (direct) is the memory backend; INFLIGHT the max_inflight_pulls of both engines.
+# PROTOCOL forces the transport (ipc: decode maps the prefill engine's pools through CUDA IPC; tcp, rdma,
+# nvlink_intra with a source build of Mooncake); unset, the engines choose and log it (ipc: both share this host).
+#   EXP=transfer PROTOCOL=ipc bash bench/device/pd_h200.sh   # the IPC pull against the same copy limits
+# BACKEND (direct) is the memory backend; INFLIGHT the max_inflight_pulls of both engines.
 # Everything lands under $OUT (JSON; bench/pd_report.py turns the serving runs into the chart and
 # docs/results/pd-one-gpu.json rows).
 source bench/device/setup.sh
@@ -34,24 +36,27 @@ shape_dir() {  # SHAPE -> a random-weight checkpoint of that shape (bf16), token
 
 case "$EXP" in
   transfer)
-    for layout_backend in "$BACKEND" staged; do
+    backends=("$BACKEND" staged)
+    if [ "${PROTOCOL:-}" = ipc ]; then backends=("$BACKEND"); fi  # ipc copies from the caches whatever the backend
+    for layout_backend in "${backends[@]}"; do
       timeout 180 python3 -m engine.kv_transfer.bench --device cuda --dtype bf16 --backend "$layout_backend" \
         --tokens 1024,4096,8192 --layouts contiguous,scattered --repeats 3 "${PROTO_ARG[@]}" \
-        --json "$OUT/pd-transfer-$layout_backend.json" | tee "$OUT/pd-transfer-$layout_backend.txt"
+        --json "$OUT/pd-transfer-$layout_backend${PROTOCOL:+-$PROTOCOL}.json" \
+        | tee "$OUT/pd-transfer-$layout_backend${PROTOCOL:+-$PROTOCOL}.txt"
     done
     timeout 200 python3 -m engine.kv_transfer.bench_concurrency --device cuda --tokens 4096 --concurrency 1,8,32 \
-      --backend "$BACKEND" --json "$OUT/pd-transfer-concurrency-$BACKEND.json" | tee "$OUT/pd-transfer-concurrency.txt"
+      --backend "$BACKEND" "${PROTO_ARG[@]}" --json "$OUT/pd-transfer-concurrency-$BACKEND.json" | tee "$OUT/pd-transfer-concurrency.txt"
     ;;
   share)
     for shape in ${SHAPES:-smollm2-135m llama31-8b}; do  # SHAPES=one of them when both do not fit 10 minutes
       dir=$(shape_dir "$shape")
       timeout 270 python3 -m engine.bench_pd --model "$dir" --device cuda --dtype bfloat16 --lengths 4096 \
-        --modes dense --repeats 3 --num-kvcache-blocks 2048 --memory-backend "$BACKEND" --json "$OUT/pd-share-$shape.json" | tee "$OUT/pd-share-$shape.txt"
+        --modes dense --repeats 3 --num-kvcache-blocks 2048 --memory-backend "$BACKEND" "${PROTO_ARG[@]}" --json "$OUT/pd-share-$shape.json" | tee "$OUT/pd-share-$shape.txt"
     done
     ;;
   concurrency)  # 32 P/D requests at once through one engine pair: max_inflight_pulls 1 against 32
     timeout 500 python3 -m engine.bench_pd_concurrency --model "$(shape_dir smollm2-135m)" --device cuda \
-      --tokens 4096 --n 32 --repeats 2 --memory-backend "$BACKEND" --json "$OUT/pd-concurrency-cuda.json"
+      --tokens 4096 --n 32 --repeats 2 --memory-backend "$BACKEND" "${PROTO_ARG[@]}" --json "$OUT/pd-concurrency-cuda.json"
     ;;
   serving)
     SHAPE=${SHAPE:-smollm2-135m}

@@ -3,6 +3,7 @@
     python -m engine.kv_transfer.bench [--tokens 1024,4096,8192] [--dtype fp32|bf16] [--repeats 5]
                                        [--backend staged|direct] [--staging-mb 128] [--device cpu|cuda]
                                        [--cache-layout engine|merged-indexer|block-major] [--json PATH]
+                                       [--protocol ipc|tcp|rdma]
 
 Two processes on loopback, as in a P/D pair: this one is decode (KVConsumer), a spawned child is
 prefill (KVProducer). Caches have SmolLM2-135M's shape: 30 layers, 3 KV heads, head_dim 64, block
@@ -13,7 +14,10 @@ of the same byte count between the same two processes: from the flat cache buffe
 pinned host buffers on CUDA (what the CPU-only wheel can move). On CUDA each row also carries the copy
 limits measured in the same run: a device-to-device copy of the same bytes in this process, and a copy
 from the producer's caches into a tensor of this process opened in the producer through CUDA IPC
-(``d2d_gb_s``, ``ipc_gb_s``). Each request is timed from decode's
+(``d2d_gb_s``, ``ipc_gb_s``); on CPU the limit is a copy of the same bytes within this process
+(``d2d_gb_s``). With ``--protocol ipc`` decode maps the producer's pools (``ipc``: CUDA IPC handles,
+or shared memory on CPU) and each pull is a gather copy of the blocks; the raw Mooncake write stays
+the peer it is printed against. Each request is timed from decode's
 side (handshake + gather + writes + scatter + reply); the raw write is timed inside the producer
 (the write alone), right before each request; ``ratio`` is the median over those back-to-back
 pairs of raw time / request time, which tolerates a noisy shared machine better than a ratio of
@@ -46,6 +50,7 @@ import torch
 
 from engine.kv_transfer.backend import MemoryBackend, choose_backend, installed_wheel
 from engine.kv_transfer.connector import KVConsumer, KVProducer, ReleaseReason
+from engine.kv_transfer.ipc import IpcMode, IpcPeers, PoolExport
 from engine.kv_transfer.layout import Region, WriteOp, plan_writes, region_views, view_region
 from engine.kv_transfer.mooncake import MooncakeAgent
 from engine.kv_transfer.staging import DEFAULT_STAGING_MB, SLOTS_PER_TRANSFER, StagingBuffer, plan_chunks
@@ -117,8 +122,10 @@ class Side:
 def open_side(caches: Caches, backend: str, staging_mb: int, inflight: int = 2, protocol: str | None = None) -> Side:
     """An agent with what ``backend`` needs registered, plus a host buffer for raw writes.
 
-    ``inflight``: transfers the staging buffer serves at once (two slots each), as ``max_inflight_pulls``."""
+    ``inflight``: transfers the staging buffer serves at once (two slots each), as ``max_inflight_pulls``.
+    ``protocol`` ipc: Mooncake runs with the transport it would choose (it moves only the raw peer)."""
     device = caches.flat.device
+    protocol = None if protocol == "ipc" else protocol
     choose_backend(MemoryBackend(backend), device.type, installed_wheel())  # refuses direct GPU memory without it
     raw = caches.flat if device.type == "cpu" else torch.empty(caches.flat.numel(), dtype=torch.uint8, pin_memory=True)
     staging = (StagingBuffer(caches.views, staging_mb << 20, slots=SLOTS_PER_TRANSFER * inflight)
@@ -142,10 +149,14 @@ def _producer_main(
 
 async def _producer(conn: Connection, caches: Caches, backend: str, staging_mb: int, inflight: int = 2,
                     protocol: str | None = None) -> None:  # fmt: skip
+    export = None
+    if protocol == "ipc":  # before any address is taken: on CPU the caches move into shared memory
+        export = PoolExport(caches.views)
+        caches.regions = [view_region(v) for v in caches.views]
     fill(caches)
     side = open_side(caches, backend, staging_mb, inflight, protocol)
     producer = KVProducer(side.agent, caches.regions, host="127.0.0.1", handshake_port=0, bind_host="127.0.0.1",
-                          staging=side.staging)  # fmt: skip
+                          staging=side.staging, ipc=export, ipc_only=export is not None)  # fmt: skip
     await producer.start()
     loop = asyncio.get_running_loop()
     released: list[ReleaseReason] = []
@@ -174,11 +185,14 @@ async def _producer(conn: Connection, caches: Caches, backend: str, staging_mb: 
 def _timed_copy(dst: torch.Tensor, src: torch.Tensor, nbytes: int, repeats: int) -> float:
     """Median seconds of one device copy of ``nbytes`` from ``src`` into ``dst`` (the copy limit)."""
     times = []
+    cuda = dst.device.type == "cuda"
     for _ in range(repeats + 1):  # the first is a warm-up (IPC mapping, clocks)
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         dst[:nbytes].copy_(src.view(torch.uint8)[:nbytes])
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 
@@ -208,7 +222,8 @@ async def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
     dtype = DTYPES[args.dtype]
     caches = make_caches(num_blocks, dtype, args.cache_layout, args.device)
     side = open_side(caches, args.backend, args.staging_mb, protocol=args.protocol)
-    consumer = KVConsumer(side.agent, caches.regions, timeout_s=120, staging=side.staging)
+    peers = IpcPeers(caches.views, IpcMode.FORCED) if args.protocol == "ipc" else None
+    consumer = KVConsumer(side.agent, caches.regions, timeout_s=120, staging=side.staging, ipc=peers)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_producer_main, daemon=True, args=(
@@ -230,7 +245,8 @@ async def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
         print(f"SmolLM2 shape: {LAYERS} layers x (K, V) {KV_HEADS}x{HEAD_DIM} {args.dtype}, block {BLOCK_SIZE}; "
               f"indexer 1x{HEAD_DIM} per block per layer; units {unit_kv} B (KV), {unit_idx} B (indexer); "
               f"{args.cache_layout} layout, {len(caches.regions)} region(s); {args.device}; "
-              f"backend {args.backend}{staging}; median of {args.repeats}")  # fmt: skip
+              f"backend {args.backend}{staging}; protocol {args.protocol or side.agent.protocol}; "
+              f"median of {args.repeats}")  # fmt: skip
         print(f"{'tokens':>6} {'layout':>10} {'KV MiB':>7} {'idx KiB':>7} {'writes':>6} "
               f"{'ms':>7} {'GB/s':>6} {'raw ms':>7} {'raw GB/s':>8} {'ratio':>6}")  # fmt: skip
         rng = random.Random(0)
@@ -243,7 +259,9 @@ async def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for _ in range(args.repeats):
                     raws.append(await ask("raw", side.agent.rpc_address, side.raw.data_ptr(), total))
                     src, dst = _block_ids(n, num_blocks, layout, rng)
-                    if side.staging is None:
+                    if peers is not None:
+                        writes = len(caches.views)  # regions copied (in layer groups on CUDA)
+                    elif side.staging is None:
                         writes = len(plan_writes(caches.regions, caches.regions, src, dst))
                     else:
                         writes = len(plan_chunks(side.staging.unit_bytes, n, side.staging.slot_bytes))
@@ -252,7 +270,7 @@ async def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     await consumer.pull(params, dst)
                     pulls.append(time.perf_counter() - start)
                 pull, raw = statistics.median(pulls), statistics.median(raws)
-                limits = await _copy_limits(args, caches, total, ask) if args.device == "cuda" else {}
+                limits = await _copy_limits(args, caches, total, ask)
                 ratio = statistics.median(r / p for r, p in zip(raws, pulls, strict=True))  # back-to-back pairs
                 print(f"{t:>6} {layout:>10} {kv_bytes / 2**20:>7.1f} {idx_bytes / 2**10:>7.1f} {writes:>6} "
                       f"{pull * 1e3:>7.1f} {total / pull / 1e9:>6.2f} {raw * 1e3:>7.1f} {total / raw / 1e9:>8.2f} "
@@ -262,12 +280,16 @@ async def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "gb_s": total / pull / 1e9, "raw_ms": raw * 1e3, "raw_gb_s": total / raw / 1e9, "ratio": ratio,
                     "backend": args.backend, "device": args.device, "dtype": args.dtype,
                     "staging_mb": args.staging_mb if side.staging else None,
-                    "protocol": side.agent.protocol, **limits,
+                    "protocol": "ipc" if peers is not None else side.agent.protocol, **limits,
                 })  # fmt: skip
-                if limits:
+                if "ipc_gb_s" in limits:
                     print(f"{'':>6} {'':>10} copy limits: device-to-device {limits['d2d_gb_s']:.1f} GB/s, "
                           f"IPC between the processes {limits['ipc_gb_s']:.1f} GB/s; the pull is "
                           f"{total / pull / 1e9 / limits['ipc_gb_s']:.1%} of the IPC copy", flush=True)  # fmt: skip
+                else:
+                    print(f"{'':>6} {'':>10} copy limit: one copy of the bytes in this process "
+                          f"{limits['d2d_gb_s']:.2f} GB/s; the pull is {total / pull / 1e9 / limits['d2d_gb_s']:.1%} "
+                          "of it", flush=True)  # fmt: skip
         released = await ask("released")
         print(f"producer releases: {len(released)}, all written: {set(released) == {'written'}}")
     finally:
@@ -278,10 +300,13 @@ async def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 async def _copy_limits(args: argparse.Namespace, caches: Caches, nbytes: int, ask: Any) -> dict[str, float]:
-    """CUDA: what a plain copy of ``nbytes`` takes, in this process (device to device) and from the producer's
-    caches into a tensor of this process opened there through CUDA IPC (the limit of any GPU-to-GPU transport)."""
+    """What a plain copy of ``nbytes`` takes in this process (device to device, or memory to memory on CPU)
+    and, on CUDA, from the producer's caches into a tensor of this process opened there through CUDA IPC
+    (the limit of any GPU-to-GPU transport)."""
     dst = torch.empty(nbytes, dtype=torch.uint8, device=caches.flat.device)
     d2d = _timed_copy(dst, caches.flat, nbytes, args.repeats)
+    if args.device != "cuda":
+        return {"d2d_gb_s": nbytes / d2d / 1e9}
     ipc = float(await ask("ipc_copy", dst, nbytes, args.repeats))
     return {"d2d_gb_s": nbytes / d2d / 1e9, "ipc_gb_s": nbytes / ipc / 1e9}
 
@@ -296,7 +321,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--backend", choices=["staged", "direct"], default="staged", help="KV memory backend")
     p.add_argument("--staging-mb", type=int, default=DEFAULT_STAGING_MB, help="staging buffer per side (staged)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the caches live")
-    p.add_argument("--protocol", default=None, help="Mooncake transport (default: chosen, see transport)")
+    p.add_argument("--protocol", choices=["ipc", "tcp", "rdma"], default=None,
+                   help="ipc: decode maps the producer's pools (engine.kv_transfer.ipc); tcp / rdma: Mooncake's "
+                        "transport (default: chosen, see transport)")
     p.add_argument("--json", default="", help="also write the rows to this JSON file")
     args = p.parse_args(argv)
     torch.set_num_threads(1)

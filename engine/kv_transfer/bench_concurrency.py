@@ -3,7 +3,8 @@
 Two processes on loopback as in a P/D pair (this one decode, a spawned child prefill, SmolLM2-135M's
 cache shape, see ``engine.kv_transfer.bench``), the staged memory backend by default. For each
 concurrency N, N transfers of ``--tokens`` tokens each (scattered block ids, distinct for every
-request) are offered, then pulled all at once through one KVConsumer:
+request) are offered, then pulled all at once through one KVConsumer (``--protocol ipc``: copied
+from the producer's mapped pools, see ``engine.kv_transfer.ipc``):
 
 - *serial*: ``max_inflight`` 1 (one pull after another, what a single staging lease per pull gave);
 - *concurrent*: ``max_inflight`` N (every pull in flight; the staging buffers and the agents' lanes
@@ -29,6 +30,7 @@ import torch
 
 from engine.kv_transfer.bench import BLOCK_SIZE, DTYPES, _producer_main, make_caches, open_side
 from engine.kv_transfer.connector import KVConsumer
+from engine.kv_transfer.ipc import IpcMode, IpcPeers
 from engine.kv_transfer.layout import Region
 
 
@@ -43,7 +45,9 @@ async def _mode(args: argparse.Namespace, n: int, inflight: int) -> dict[str, An
     num_blocks = blocks_per * n + 16
     caches = make_caches(num_blocks, DTYPES[args.dtype], "engine", args.device)
     side = open_side(caches, args.backend, args.staging_mb, inflight, args.protocol)
-    consumer = KVConsumer(side.agent, caches.regions, timeout_s=300, staging=side.staging, max_inflight=inflight)
+    peers = IpcPeers(caches.views, IpcMode.FORCED) if args.protocol == "ipc" else None
+    consumer = KVConsumer(side.agent, caches.regions, timeout_s=300, staging=side.staging, max_inflight=inflight,
+                          ipc=peers)  # fmt: skip
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_producer_main, daemon=True, args=(
@@ -106,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--backend", choices=["staged", "direct"], default="staged")
     p.add_argument("--staging-mb", type=int, default=128, help="staging buffer per side (staging_buffer_mb)")
-    p.add_argument("--protocol", default=None)
+    p.add_argument("--protocol", choices=["ipc", "tcp", "rdma"], default=None,
+                   help="ipc: decode maps the producer's pools; tcp / rdma: Mooncake's transport (default: chosen)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both sides' caches live")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default="")

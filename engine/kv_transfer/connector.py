@@ -24,6 +24,12 @@ producer, the consumer lets ``max_inflight`` pulls talk to producers at once (mo
 within their timeout), the agent has several lanes per peer, a direct write keeps
 ``pipeline_depth`` batches in flight and a staged one gathers, writes and scatters its chunks in a
 pipeline two slots deep.
+
+Between engines of one host the KV need not cross a network transport (``ipc``): a producer
+given a ``PoolExport`` answers ``ipc_open`` with its mapped-once pools, and a consumer given
+``IpcPeers`` pulls from a producer it could map by asking with ``ipc_pool``: the producer pins the
+blocks (``ipc_read``), the consumer copies them itself and says ``ipc_done``; the rest (states,
+release reasons, refusals) is the push handshake's.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from typing import Any
 from engine.kv_transfer import wire
 from engine.kv_transfer.agent import TransferAgent
 from engine.kv_transfer.errors import KVTransferBusyError, KVTransferError
+from engine.kv_transfer.ipc import IpcPeers, PeerPools, PoolExport
 from engine.kv_transfer.layout import SKIP, Region, WriteOp, batches, check_compatible, pair_blocks, plan_writes, spans
 from engine.kv_transfer.params import KVTransferParams, KVTransferParamsError
 from engine.kv_transfer.staging import SLOTS_PER_TRANSFER, StagingBuffer, check_chunk, plan_chunks
@@ -145,12 +152,16 @@ class KVProducer:
         staging: StagingBuffer | None = None,
         pipeline_depth: int = 2,
         tp_size: int = 1,
+        ipc: PoolExport | None = None,
+        ipc_only: bool = False,
     ) -> None:
         if pipeline_depth < 1:
             raise ValueError("pipeline_depth must be >= 1")
         self.tp_size = tp_size  # told to the consumer in the params: its regions are this many ranks' slices
         self._agent = agent
         self._staging = staging
+        self._ipc = ipc
+        self._ipc_only = ipc_only  # protocol ipc: refuse pulls that would go through Mooncake
         self.pipeline_depth = pipeline_depth
         self._regions = tuple(regions)
         self._host = host
@@ -289,6 +300,11 @@ class KVProducer:
             return refuse(
                 RefusalCode.BAD_VERSION, f"wire version {msg.get('v')!r} (this producer speaks {wire.VERSION})"
             )
+        if msg.get("type") == MessageType.IPC_OPEN:
+            if self._ipc is None:
+                return refuse(RefusalCode.IPC_UNAVAILABLE,
+                              "this prefill engine shares no KV pools (its protocol is forced to a Mooncake one)")
+            return MessageType.IPC_POOLS, self._ipc.describe()
         if msg.get("type") != MessageType.WRITE_REQUEST:
             return refuse(RefusalCode.BAD_REQUEST, f"expected write_request, got {msg.get('type')!r}")
         try:
@@ -298,6 +314,9 @@ class KVProducer:
             if not isinstance(tid, str) or not isinstance(rpc, str) or not isinstance(nonce, str):
                 raise TypeError("transfer_id, rpc and nonce must be strings")
             remote_slots = _slots_from_wire(msg["staging"]) if msg.get("staging") is not None else None
+            ipc_pool = msg.get("ipc_pool")
+            if ipc_pool is not None and not isinstance(ipc_pool, str):
+                raise TypeError("ipc_pool must be a string")
         except (KeyError, TypeError, ValueError) as exc:
             return refuse(RefusalCode.BAD_REQUEST, f"malformed write_request: {exc!r}")
         pending = self._pending.get(tid)
@@ -307,8 +326,16 @@ class KVProducer:
             return refuse(RefusalCode.UNKNOWN_TRANSFER, f"unknown transfer {tid}")
         if pending.state is not TransferState.PENDING:
             return refuse(RefusalCode.TRANSFER_CONSUMED, f"transfer {tid} is already being written")
+        if ipc_pool is not None and (self._ipc is None or ipc_pool != self._ipc.pool_id):
+            # Not consumed: the consumer maps the pools again (the producer restarted) and asks again.
+            return refuse(RefusalCode.IPC_STALE, f"ipc pool {ipc_pool} is not this producer's: map its pools again")
         # From here the request names a live transfer: whatever happens consumes it.
-        if (remote_slots is None) != (self._staging is None):
+        if ipc_pool is None and self._ipc_only:
+            self._finish(pending, ReleaseReason.REFUSED)
+            return refuse(RefusalCode.IPC_UNAVAILABLE,
+                          "this prefill engine's protocol is 'ipc': only decode engines on its host, mapping its "
+                          "KV pools, can pull from it")  # fmt: skip
+        if ipc_pool is None and (remote_slots is None) != (self._staging is None):
             self._finish(pending, ReleaseReason.REFUSED)
             theirs = "direct" if remote_slots is None else "staged"
             return refuse(RefusalCode.BACKEND_MISMATCH,
@@ -320,7 +347,7 @@ class KVProducer:
             return refuse(RefusalCode.REGION_MISMATCH, why)
         try:
             src, dst = pair_blocks(self._regions, dst_regions, pending.block_ids, dst_ids)
-            ops = plan_writes(self._regions, dst_regions, src, dst) if remote_slots is None else []
+            ops = plan_writes(self._regions, dst_regions, src, dst) if remote_slots is None and ipc_pool is None else []
         except ValueError as exc:
             self._finish(pending, ReleaseReason.REFUSED)
             return refuse(RefusalCode.BLOCK_MISMATCH, str(exc))
@@ -330,7 +357,9 @@ class KVProducer:
         nbytes = len(src) * sum(r.unit_bytes for r in self._regions)
         reason = ReleaseReason.WRITE_FAILED
         try:
-            if remote_slots is None:
+            if ipc_pool is not None:
+                await self._lend(tid, channel)
+            elif remote_slots is None:
                 await self._write(rpc, dst_regions, ops, channel.wanted)
             else:
                 await self._write_staged(tid, rpc, remote_slots, src, channel)
@@ -354,6 +383,17 @@ class KVProducer:
             }
         finally:
             self._finish(pending, reason)
+
+    async def _lend(self, tid: str, channel: _Channel) -> None:
+        """Keep the blocks pinned while the consumer copies them out of our mapped pools (``ipc``)."""
+        await channel.send(MessageType.IPC_READ, transfer_id=tid)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                msg = await wire.recv(channel.reader)
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, wire.WireError) as exc:
+            raise KVTransferError(f"the consumer hung up before it copied: {exc!r}", reason="abandoned") from exc
+        if msg.get("type") != MessageType.IPC_DONE or msg.get("transfer_id") != tid:
+            raise KVTransferError(f"expected ipc_done for {tid}, got {msg!r:.200}", reason="bad_reply")
 
     async def _write(
         self, peer: str, dst_regions: Sequence[Region], ops: Sequence[WriteOp], wanted: Callable[[], bool]
@@ -512,6 +552,7 @@ class KVConsumer:
         slot_grace_s: float = 30.0,
         max_inflight: int = 8,
         tp_size: int = 1,
+        ipc: IpcPeers | None = None,
     ) -> None:
         self.tp_size = tp_size  # this engine's tensor-parallel size; a producer's must equal it
         if max_inflight < 1:
@@ -523,6 +564,7 @@ class KVConsumer:
         self._regions = tuple(regions)
         self.timeout_s = timeout_s
         self._staging = staging
+        self._ipc = ipc
         self.slot_grace_s = slot_grace_s
         self.max_inflight = max_inflight
         self._gate = asyncio.Semaphore(max_inflight)
@@ -566,6 +608,8 @@ class KVConsumer:
                 f"{len(dst_block_ids)} destination blocks for {len(p.remote_block_ids)} remote blocks",
                 reason="block_mismatch",
             )
+        if self._ipc is not None and await self._pull_ipc(p, dst_block_ids):
+            return
         staged = self._staging is not None
         nonce = secrets.token_hex(16)
         sent = False
@@ -616,6 +660,66 @@ class KVConsumer:
             if self._staging is not None and slots:
                 self._staging.pool.release(slots, self.slot_grace_s if sent and late_writes else 0.0)
         _check_reply(reply, p.transfer_id, nonce, where, dst_may_be_written=not staged)
+
+    async def _pull_ipc(self, p: KVTransferParams, dst_block_ids: Sequence[int]) -> bool:
+        """Pull by copying from the producer's mapped pools; False when this producer needs Mooncake.
+
+        The copy has finished whenever this returns or raises (a cancelled pull waits for it), so a
+        failure never leaves a late write in ``dst_block_ids``.
+        """
+        ipc = self._ipc
+        assert ipc is not None
+        where = f"{p.remote_host}:{p.remote_handshake_port}"
+        for attempt in range(2):  # a second time only when the producer restarted under the same address
+            nonce = secrets.token_hex(16)
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    pools = await ipc.pools_for(p.remote_host, p.remote_handshake_port)
+                    if pools is None:
+                        return False
+                    async with self._place():
+                        reply = await self._ipc_exchange(p, pools, dst_block_ids, nonce)
+            except TimeoutError as exc:
+                raise KVTransferError(f"KV transfer {p.transfer_id} from {where} timed out after {self.timeout_s:g} s",
+                                      reason="timeout") from exc  # fmt: skip
+            except (OSError, asyncio.IncompleteReadError, wire.WireError) as exc:
+                ipc.forget(p.remote_host, p.remote_handshake_port)  # it may be gone: drop the mapping
+                if isinstance(exc, ConnectionRefusedError):
+                    raise KVTransferError(f"KV producer {where} unreachable: {exc}", reason="unreachable") from exc
+                raise KVTransferError(f"KV producer {where} dropped transfer {p.transfer_id}: {exc!r}",
+                                      reason="connection_lost") from exc  # fmt: skip
+            if reply.get("type") == MessageType.ERROR and reply.get("code") == RefusalCode.IPC_STALE and attempt == 0:
+                ipc.forget(p.remote_host, p.remote_handshake_port)
+                continue
+            _check_reply(reply, p.transfer_id, nonce, where, dst_may_be_written=False)
+            return True
+        raise AssertionError("unreachable: the second attempt returns or raises")
+
+    async def _ipc_exchange(
+        self, p: KVTransferParams, pools: PeerPools, dst_block_ids: Sequence[int], nonce: str
+    ) -> dict[str, Any]:
+        """One ipc write request: the producer pins the blocks, we copy them, it answers write_done."""
+        ipc = self._ipc
+        assert ipc is not None
+        reader, writer = await asyncio.open_connection(p.remote_host, p.remote_handshake_port)
+        try:
+            await wire.send(writer, MessageType.WRITE_REQUEST, transfer_id=p.transfer_id, rpc=self._agent.rpc_address,
+                            block_ids=[int(b) for b in dst_block_ids], regions=[r.to_wire() for r in self._regions],
+                            nonce=nonce, ipc_pool=pools.pool_id)  # fmt: skip
+            reply = await wire.recv(reader)
+            if reply.get("type") != MessageType.IPC_READ:
+                return reply  # refused: _check_reply says why
+            if reply.get("transfer_id") != p.transfer_id:
+                raise KVTransferError(f"ipc_read for {reply.get('transfer_id')!r}, asked {p.transfer_id}",
+                                      reason="bad_reply")  # fmt: skip
+            pairs = [(s, d) for s, d in zip(p.remote_block_ids, dst_block_ids, strict=True) if d != SKIP]
+            await ipc.copy(pools, [s for s, _ in pairs], [int(d) for _, d in pairs])
+            await wire.send(writer, MessageType.IPC_DONE, transfer_id=p.transfer_id)
+            return await wire.recv(reader)
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
 
     @contextlib.asynccontextmanager
     async def _place(self) -> AsyncIterator[None]:

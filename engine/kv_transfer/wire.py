@@ -12,6 +12,14 @@ Every frame is a 4-byte big-endian length then a msgpack map carrying ``v`` (the
     chunk_ack:     (staged, consumer -> producer) seq: scattered, the slot may take the next chunk
     write_done:    transfer_id, nonce (echoed), status ("ok" | "error"), message, bytes
     error:         transfer_id, code (a RefusalCode value), message
+
+The intra-host path (``ipc``, see ``engine.kv_transfer.ipc``) adds:
+
+    ipc_open:      (consumer -> producer, once per producer) host ({boot_id, hostname}), device
+    ipc_pools:     pool_id, host, device, device_uuid, segments, regions: how to map the producer's pools
+    write_request: ... with ipc_pool (the pool_id the consumer mapped): the consumer copies the blocks itself
+    ipc_read:      (producer) transfer_id: the blocks are pinned, copy them
+    ipc_done:      (consumer) transfer_id: copied; the producer releases the blocks and answers write_done
 """
 
 from __future__ import annotations
@@ -34,6 +42,10 @@ class MessageType(StrEnum):
     ERROR = "error"
     CHUNK = "chunk"
     CHUNK_ACK = "chunk_ack"
+    IPC_OPEN = "ipc_open"
+    IPC_POOLS = "ipc_pools"
+    IPC_READ = "ipc_read"
+    IPC_DONE = "ipc_done"
 
 
 class RefusalCode(StrEnum):
@@ -46,6 +58,8 @@ class RefusalCode(StrEnum):
     REGION_MISMATCH = "region_mismatch"
     BLOCK_MISMATCH = "block_mismatch"
     BACKEND_MISMATCH = "backend_mismatch"
+    IPC_UNAVAILABLE = "ipc_unavailable"  # this producer exports no pools, or only ipc and the request is not
+    IPC_STALE = "ipc_stale"  # the request names a pool this producer no longer is (it restarted): reopen
 
 
 class WireError(Exception):

@@ -104,7 +104,7 @@ def test_the_transport_is_chosen_from_the_host_and_protocol_forces_one(tmp_path)
     from engine.kv_transfer.backend import MooncakeWheel
     from engine.kv_transfer.transport import PROTOCOLS, HostFacts, Transport, choose_transport
 
-    assert KV_PROTOCOLS == PROTOCOLS  # the flag accepts exactly what the chooser knows
+    assert KV_PROTOCOLS == ("ipc", *PROTOCOLS)  # the flag accepts what the chooser knows, and ipc
     wheel = MooncakeWheel.CUDA
     tcp_host = HostFacts(rdma_device=False, force_tcp=False, wheel=wheel, gpu_direct=True)
     hca_host = HostFacts(rdma_device=True, force_tcp=False, wheel=wheel, gpu_direct=True)
@@ -130,6 +130,12 @@ def test_the_transport_is_chosen_from_the_host_and_protocol_forces_one(tmp_path)
     with pytest.raises(ValueError, match=r"protocol 'ib' must be one of \['tcp', 'rdma', 'nvlink_intra', 'nvlink'\]"):
         choose_transport("ib", tcp_host)
     assert parse_kv_transfer_config('{"protocol": "nvlink_intra"}').protocol == "nvlink_intra"
+    from engine.disagg import ipc_mode
+    from engine.kv_transfer.ipc import IpcMode
+
+    modes = {p: ipc_mode(parse_kv_transfer_config(f'{{"protocol": "{p}"}}')) for p in ("ipc", "tcp", "rdma")}
+    assert modes == {"ipc": IpcMode.FORCED, "tcp": IpcMode.OFF, "rdma": IpcMode.OFF}
+    assert ipc_mode(parse_kv_transfer_config("{}")) is IpcMode.AUTO  # left out: ipc for producers on this host
     (tmp_path / "mlx5_0").mkdir()
     assert HostFacts.probe(devices=tmp_path).rdma_device and not HostFacts.probe(devices=tmp_path / "none").rdma_device
 

@@ -1,0 +1,434 @@
+"""KV moved between engines of one host by mapping the producer's pools (protocol ``ipc``).
+
+When prefill and decode share a host, the KV does not need a network transport: the prefill engine
+exports its cache tensors once at start (:class:`PoolExport`) and a decode engine maps them on
+first contact (:class:`PeerPools`); a pull then is a copy of the request's blocks from the mapped
+pools into decode's own blocks (:func:`copy_blocks`: per layer group on CUDA, per region on CPU), on
+the device, with no host round trip on CUDA.
+
+How a pool is exported, per device kind:
+
+- CUDA: each cache tensor's storage gives a CUDA IPC handle (``UntypedStorage._share_cuda_``, as
+  ``torch.multiprocessing`` shares tensors); decode opens it with ``_new_shared_cuda`` on the GPU
+  with the same UUID (device indices differ between processes with different
+  ``CUDA_VISIBLE_DEVICES``).
+- CPU: each storage moves into POSIX shared memory (``share_memory_``, torch's file-descriptor
+  strategy) and decode opens the descriptor by name, ``/proc/<pid>/fd/<fd>`` of the producer, then
+  maps it (``_new_shared_fd_cpu``). The same transport, handshake and copy therefore run in the
+  CPU tests with real engines.
+
+The handshake (``connector``) adds two steps to the push handshake: ``ipc_open`` (decode asks
+once per producer; the answer describes the pools and the host) and, within a write request that
+names the opened ``ipc_pool``, ``ipc_read`` / ``ipc_done`` (the producer keeps the blocks pinned
+while decode copies, then releases them). Whether a producer is usable this way is decided by
+decode on first contact: same boot id and hostname, same device kind, and the handles open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.kv_transfer import wire
+from engine.kv_transfer.errors import KVTransferError
+from engine.kv_transfer.layout import block_runs
+from engine.kv_transfer.wire import MessageType
+
+log = logging.getLogger(__name__)
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+SHM = Path("/dev/shm")  # where torch's shared CPU storages live (shm_open)
+
+
+class IpcMode(StrEnum):
+    """How a decode engine uses the intra-host path: never, when a producer allows it, or always."""
+
+    OFF = "off"  # protocol tcp / rdma / nvlink*: every pull goes through Mooncake
+    AUTO = "auto"  # protocol left out: ipc for producers on this host whose pools open, Mooncake otherwise
+    FORCED = "forced"  # protocol ipc: a producer that cannot be mapped fails the pull, naming why
+
+
+class IpcUnavailable(Exception):
+    """A producer's pools cannot be mapped here; the message says why (another host, device, handle)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HostIdentity:
+    """What says two processes run on one host (and one kernel): the boot id and the hostname."""
+
+    boot_id: str
+    hostname: str
+
+    @classmethod
+    def here(cls) -> HostIdentity:
+        try:
+            boot_id = BOOT_ID.read_text().strip()
+        except OSError:
+            boot_id = ""
+        return cls(boot_id, socket.gethostname())
+
+    def to_wire(self) -> dict[str, str]:
+        return {"boot_id": self.boot_id, "hostname": self.hostname}
+
+    @classmethod
+    def from_wire(cls, raw: object) -> HostIdentity:
+        if not (isinstance(raw, dict) and isinstance(raw.get("boot_id"), str) and isinstance(raw.get("hostname"), str)):
+            raise ValueError(f"a host is {{boot_id, hostname}}, got {raw!r:.200}")
+        return cls(raw["boot_id"], raw["hostname"])
+
+    def differs(self, other: HostIdentity) -> str | None:
+        """Why ``other`` is not this host, or None when it is."""
+        if not self.boot_id or self.boot_id != other.boot_id or self.hostname != other.hostname:
+            return (f"the producer runs on host {other.hostname!r} (boot id {other.boot_id or '?'}), "
+                    f"this engine on {self.hostname!r} (boot id {self.boot_id or '?'})")  # fmt: skip
+        return None
+
+
+def _device_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def _storages(views: Sequence[torch.Tensor]) -> tuple[list[torch.UntypedStorage], list[int]]:
+    """The distinct storages under ``views`` and, per view, the index of its storage."""
+    storages: list[torch.UntypedStorage] = []
+    index: dict[int, int] = {}
+    which = []
+    for v in views:
+        st = v.untyped_storage()
+        key = st.data_ptr()
+        if key not in index:
+            index[key] = len(storages)
+            storages.append(st)
+        which.append(index[key])
+    return storages, which
+
+
+def _check_shm_room(nbytes: int, shm: Path = SHM) -> None:
+    """Refuse to move ``nbytes`` into shared memory that cannot hold them (past its size, pages fault: SIGBUS)."""
+    try:
+        st = os.statvfs(shm)
+    except OSError as exc:
+        raise IpcUnavailable(f"{shm} is not usable for shared KV pools: {exc}") from exc
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise IpcUnavailable(f"the KV pools need {nbytes / 2**20:.0f} MiB of {shm}, which has {free / 2**20:.0f} MiB "
+                             "free (a container's default is 64 MiB: raise --shm-size)")
+
+
+class PoolExport:
+    """The producer's KV pools, shared once at start so engines on this host can map them.
+
+    ``views`` are the engine's regions as ``[num_blocks, unit_bytes]`` uint8 views (``layout.region_views``).
+    On CPU their storages move into shared memory here (the data is copied once and every tensor on
+    those storages follows): compute region addresses only after this. Raises IpcUnavailable when
+    ``/dev/shm`` cannot hold them.
+    """
+
+    def __init__(self, views: Sequence[torch.Tensor], host: HostIdentity | None = None) -> None:
+        if not views:
+            raise ValueError("no KV regions to export")
+        self.device = views[0].device
+        if any(v.device != self.device for v in views):
+            raise ValueError("the KV regions span several devices")
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"protocol ipc supports cpu and cuda caches, not {self.device.type}")
+        self.host = host or HostIdentity.here()
+        self.pool_id = secrets.token_hex(8)  # a restarted producer on the same port is a new pool
+        storages, which = _storages(views)
+        if self.device.type == "cpu":
+            _check_shm_room(sum(st.nbytes() for st in storages if not st.is_shared()))
+        segments: list[dict[str, Any]] = []
+        for st in storages:
+            if self.device.type == "cuda":
+                share = list(st._share_cuda_())  # type: ignore[no-untyped-call]
+                segments.append({"cuda": share, "nbytes": st.nbytes()})
+            else:
+                st.share_memory_()
+                fd, size = st._share_fd_cpu_()
+                stat = os.fstat(fd)  # lets the consumer check it opened this very file (same PID namespace)
+                segments.append({"path": f"/proc/{os.getpid()}/fd/{fd}", "nbytes": int(size),
+                                 "file": [stat.st_dev, stat.st_ino]})  # fmt: skip
+        regions = []
+        for v, seg in zip(views, which, strict=True):
+            offset = v.data_ptr() - storages[seg].data_ptr()
+            regions.append([seg, offset, v.shape[1], v.shape[0]])
+        self._storages = storages  # keep them (and so their handles) alive as long as the export
+        self._wire: dict[str, Any] = {
+            "pool_id": self.pool_id,
+            "host": self.host.to_wire(),
+            "device": self.device.type,
+            "device_uuid": _device_uuid(self.device) if self.device.type == "cuda" else "",
+            "segments": segments,
+            "regions": regions,
+        }
+        log.info("kv_ipc_pools_exported device=%s segments=%d regions=%d pool=%s", self.device, len(segments),
+                 len(regions), self.pool_id)  # fmt: skip
+
+    def describe(self) -> dict[str, Any]:
+        """The ``ipc_pools`` answer: where the pools are and how to open them."""
+        return self._wire
+
+
+class PeerPools:
+    """A producer's pools mapped into this process: one ``[num_blocks, unit_bytes]`` uint8 view per region."""
+
+    def __init__(self, pool_id: str, views: list[torch.Tensor]) -> None:
+        self.pool_id = pool_id
+        self.views = views
+
+    @classmethod
+    def open(cls, desc: dict[str, Any], device: torch.device, host: HostIdentity) -> PeerPools:
+        """Map the pools ``desc`` (an ``ipc_pools`` answer) describes; raises IpcUnavailable saying why not."""
+        try:
+            theirs = HostIdentity.from_wire(desc.get("host"))
+            pool_id, kind = desc["pool_id"], desc["device"]
+            segments, regions = desc["segments"], desc["regions"]
+        except (KeyError, ValueError, AttributeError) as exc:
+            raise IpcUnavailable(f"malformed ipc_pools answer: {exc!r}") from exc
+        why = host.differs(theirs)
+        if why:
+            raise IpcUnavailable(why)
+        if kind != device.type:
+            raise IpcUnavailable(f"the producer's KV is on {kind}, this engine's on {device.type}")
+        try:
+            opened = [_open_segment(seg, device, desc.get("device_uuid", "")) for seg in segments]
+            views = []
+            for seg, offset, unit, nblocks in regions:
+                flat = opened[seg]
+                if offset < 0 or offset + unit * nblocks > flat.numel():
+                    raise IpcUnavailable(f"a region [{offset}, +{unit * nblocks}) overruns its segment")
+                views.append(flat[offset : offset + unit * nblocks].view(nblocks, unit))
+        except IpcUnavailable:
+            raise
+        except (OSError, RuntimeError, ValueError, TypeError, KeyError) as exc:
+            raise IpcUnavailable(f"the producer's pools do not open here: {exc}") from exc
+        return cls(str(pool_id), views)
+
+
+def _open_segment(seg: dict[str, Any], device: torch.device, device_uuid: str) -> torch.Tensor:
+    """One exported storage, mapped here, as a flat uint8 tensor."""
+    nbytes = int(seg["nbytes"])
+    if "cuda" in seg:
+        if device.type != "cuda":
+            raise IpcUnavailable("a CUDA pool cannot be mapped by a CPU engine")
+        local = next((i for i in range(torch.cuda.device_count())
+                      if _device_uuid(torch.device("cuda", i)) == device_uuid), None)  # fmt: skip
+        if local is None:
+            raise IpcUnavailable(f"the producer's GPU {device_uuid} is not visible to this engine")
+        share = list(seg["cuda"])
+        share[0] = local  # the producer's index of that GPU may differ from ours
+        storage = torch.UntypedStorage._new_shared_cuda(*share)
+    else:
+        fd = os.open(seg["path"], os.O_RDWR)  # the producer's descriptor, reopened through /proc
+        try:
+            stat = os.fstat(fd)
+            if [stat.st_dev, stat.st_ino] != list(seg["file"]) or stat.st_size < nbytes:
+                raise IpcUnavailable(f"{seg['path']} here is not the producer's shared memory (another PID namespace?)")
+            storage = torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # type: ignore[attr-defined]
+        finally:
+            os.close(fd)  # the mapping keeps the memory
+    flat = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    return flat.set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """A ``[..., num_blocks, unit_bytes]`` uint8 tensor as the widest integer rows that fit (indexed copies
+    run ~4x faster than on bytes)."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        k = dtype.itemsize
+        if t.shape[-1] % k == 0 and t.storage_offset() % k == 0 and all(st % k == 0 for st in t.stride()[:-1]):
+            return t.view(dtype)
+    return t
+
+
+def _layer_groups(
+    src_views: Sequence[torch.Tensor], dst_views: Sequence[torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The regions as ``[regions, num_blocks, unit_bytes]`` tensors, consecutive regions evenly spaced in one
+    storage on both sides taken together (K and V of a layer; every layer when the caches are one buffer).
+
+    One copy per group then moves a block of all its regions at once.
+    """
+    groups: list[tuple[torch.Tensor, torch.Tensor]] = []
+    i = 0
+    while i < len(src_views):
+        j = i + 1
+        while j < len(src_views) and _continues(src_views, i, j) and _continues(dst_views, i, j):
+            j += 1
+        groups.append((_stacked(src_views[i:j]), _stacked(dst_views[i:j])))
+        i = j
+    return groups
+
+
+def _continues(views: Sequence[torch.Tensor], first: int, j: int) -> bool:
+    """Whether region ``j`` extends the run ``first..j-1`` (same shape and storage, the same step in memory)."""
+    a, b = views[j - 1], views[j]
+    step = views[first + 1].data_ptr() - views[first].data_ptr() if j > first + 1 else b.data_ptr() - a.data_ptr()
+    return (b.shape == a.shape and b.stride() == a.stride() == (a.shape[1], 1) and step > 0
+            and b.data_ptr() - a.data_ptr() == step
+            and b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr())  # fmt: skip
+
+
+def _stacked(views: Sequence[torch.Tensor]) -> torch.Tensor:
+    first = views[0]
+    step = views[1].data_ptr() - first.data_ptr() if len(views) > 1 else first.numel()
+    return first.as_strided((len(views), *first.shape), (step, *first.stride()))
+
+
+def copy_blocks(
+    src_views: Sequence[torch.Tensor], dst_views: Sequence[torch.Tensor], src_ids: Sequence[int],
+    dst_ids: Sequence[int], grouped: bool | None = None,
+) -> None:  # fmt: skip
+    """Copy block ``src_ids[i]`` of every source region into block ``dst_ids[i]`` of its destination; blocking.
+
+    ``grouped`` (default: on CUDA) copies regions in layer groups (``_layer_groups``: a few launches
+    instead of two per region, what a GPU wants; on CPU a gather over a group's middle dimension ran
+    at half the speed of one per region). Per group or region, one slice copy per run of ids
+    consecutive on both sides when the ids are mostly such runs, else one gather and one scatter, on
+    the device. On CUDA they run on a side stream that first waits for the work already queued on
+    this device, and the call returns once they finished (the caller runs it in a thread): the
+    engine's next step, on any stream, sees the blocks. A source on another GPU is gathered there and
+    moved over peer-to-peer.
+    """
+    if not src_ids:
+        return
+    dst_device = dst_views[0].device
+    if grouped is None:
+        grouped = dst_device.type == "cuda"
+    if grouped:
+        groups = _layer_groups(src_views, dst_views)
+    else:
+        groups = [(s.unsqueeze(0), d.unsqueeze(0)) for s, d in zip(src_views, dst_views, strict=True)]
+    if dst_device.type != "cuda":
+        _copy_groups(groups, src_ids, dst_ids)
+        return
+    stream = torch.cuda.Stream(dst_device)  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream(dst_device))
+    with torch.cuda.stream(stream):
+        _copy_groups(groups, src_ids, dst_ids)
+    stream.synchronize()
+
+
+def _copy_groups(groups: Sequence[tuple[torch.Tensor, torch.Tensor]], src_ids: Sequence[int],
+                 dst_ids: Sequence[int]) -> None:  # fmt: skip
+    runs = block_runs(src_ids, dst_ids)
+    if len(runs) * 4 <= len(src_ids):  # mostly consecutive (a fresh pool): a few large copies
+        for src, dst in groups:
+            for s, d, n in runs:
+                dst[:, d : d + n].copy_(src[:, s : s + n], non_blocking=True)
+        return
+    src_device, dst_device = groups[0][0].device, groups[0][1].device
+    src_idx = torch.tensor(list(src_ids), dtype=torch.long).to(src_device)
+    dst_idx = torch.tensor(list(dst_ids), dtype=torch.long).to(dst_device)
+    for src, dst in groups:
+        rows = _wide(src).index_select(1, src_idx).to(dst_device, non_blocking=True)
+        _wide(dst).index_copy_(1, dst_idx, rows.view(_wide(dst).dtype))  # same unit_bytes: the same row width
+
+
+class IpcPeers:
+    """Decode side: the producers whose pools are mapped here, and those that need Mooncake instead.
+
+    On first contact with a producer (``host:handshake_port``) it asks for its pools (``ipc_open``)
+    and maps them; the outcome is kept per producer. In mode AUTO a producer that cannot be mapped
+    (another host, another device kind, a handle that does not open, a producer forced to tcp) is
+    pulled through Mooncake from then on; in mode FORCED that fails the pull, naming why.
+    """
+
+    def __init__(self, views: Sequence[torch.Tensor], mode: IpcMode, host: HostIdentity | None = None) -> None:
+        if mode is IpcMode.OFF:
+            raise ValueError("IpcPeers needs mode auto or forced")
+        self.views = list(views)
+        self.device = self.views[0].device
+        self.mode = mode
+        self.host = host or HostIdentity.here()
+        self._pools: dict[tuple[str, int], PeerPools] = {}
+        self._mooncake: set[tuple[str, int]] = set()  # producers pulled through Mooncake (mode auto)
+        self._locks: dict[tuple[str, int], asyncio.Lock] = {}
+
+    def peers(self) -> dict[str, str]:
+        """Each producer contacted so far and its transport (for /kv_transfer_info)."""
+        out = {f"{h}:{p}": "ipc" for h, p in self._pools}
+        out |= {f"{h}:{p}": "mooncake" for h, p in self._mooncake}
+        return out
+
+    def forget(self, host: str, port: int) -> None:
+        """Unmap a producer's pools (it went away or restarted); the next pull asks again."""
+        self._pools.pop((host, port), None)
+
+    async def pools_for(self, host: str, port: int) -> PeerPools | None:
+        """The producer's mapped pools, or None to pull through Mooncake; raises KVTransferError.
+
+        Raises when the producer is unreachable, and in mode FORCED when its pools cannot be mapped.
+        """
+        key = (host, port)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:  # concurrent first pulls from one producer map it once
+            if key in self._pools:
+                return self._pools[key]
+            if key in self._mooncake:
+                return None
+            try:
+                pools: PeerPools | None = await self._open(host, port)
+            except IpcUnavailable as exc:
+                if self.mode is IpcMode.FORCED:
+                    raise KVTransferError(f"protocol 'ipc': cannot map the KV pools of the producer at "
+                                          f"{host}:{port}: {exc}", reason="ipc_unavailable") from exc  # fmt: skip
+                log.info("kv_transfer_peer peer=%s:%d transport=mooncake reason=%r", host, port, str(exc))
+                self._mooncake.add(key)
+                return None
+            assert pools is not None
+            log.info("kv_transfer_peer peer=%s:%d transport=ipc pool=%s regions=%d", host, port, pools.pool_id,
+                     len(pools.views))  # fmt: skip
+            self._pools[key] = pools
+            return pools
+
+    async def _open(self, host: str, port: int) -> PeerPools:
+        where = f"{host}:{port}"
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+        except OSError as exc:
+            raise KVTransferError(f"KV producer {where} unreachable: {exc}", reason="unreachable") from exc
+        try:
+            await wire.send(writer, MessageType.IPC_OPEN, host=self.host.to_wire(), device=self.device.type)
+            reply = await wire.recv(reader)
+        except (asyncio.IncompleteReadError, ConnectionError, wire.WireError) as exc:
+            raise KVTransferError(f"KV producer {where} dropped the ipc_open: {exc!r}",
+                                  reason="connection_lost") from exc  # fmt: skip
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+        if reply.get("type") == MessageType.ERROR:
+            raise IpcUnavailable(f"the producer refused: {reply.get('code')}: {reply.get('message', '')}")
+        if reply.get("type") != MessageType.IPC_POOLS:
+            raise IpcUnavailable(f"the producer answered ipc_open with {reply.get('type')!r}")
+        return await asyncio.to_thread(PeerPools.open, reply, self.device, self.host)
+
+    async def copy(self, pools: PeerPools, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        """Copy the blocks in a thread; if cancelled meanwhile, wait for it (it writes our blocks)."""
+        if [v.shape[1] for v in pools.views] != [v.shape[1] for v in self.views]:
+            raise KVTransferError("ipc copy: the producer's regions differ from this engine's",
+                                  reason="region_mismatch")
+        for side, views, ids in (("source", pools.views, src_ids), ("destination", self.views, dst_ids)):
+            limit = min(v.shape[0] for v in views)
+            if any(not 0 <= b < limit for b in ids):
+                raise KVTransferError(f"ipc copy: {side} block ids out of range [0, {limit})", reason="block_mismatch")
+        fut = asyncio.get_running_loop().run_in_executor(None, copy_blocks, pools.views, self.views, src_ids, dst_ids)
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await asyncio.wait([fut])
+            raise
+        except (RuntimeError, ValueError) as exc:
+            raise KVTransferError(f"ipc copy failed: {exc}", reason="write_failed") from exc
