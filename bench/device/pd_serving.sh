@@ -5,11 +5,13 @@
 # give the TTFT split (prefill, KV pull). `bash bench/device/pd_serving.sh`; everything under $OUT as one archive.
 # DEVICE=cpu MODEL=tiny-random ISLS="64/16" CONCS="1 2" runs the same plumbing on a CPU.
 source bench/device/setup.sh
-if [ -d .deb ]; then
+DEVICE=${DEVICE:-cuda}
+if [ "$DEVICE" = cuda ] && [ -f .gpu/mooncake-cuda.tar.xz ]; then
+  source bench/device/mooncake_cuda.sh || exit 1  # the CUDA build (setup.sh reset PYTHONPATH; it also unpacks .deb)
+elif [ -d .deb ]; then
   mkdir -p /tmp/ibv && for f in .deb/*.deb; do dpkg -x "$f" /tmp/ibv; done
   export LD_LIBRARY_PATH=/tmp/ibv/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 fi
-DEVICE=${DEVICE:-cuda}
 MODEL=${MODEL_OVERRIDE:-$MODEL}
 ISLS=${ISLS:-"1024/256 4096/512"}
 CONCS=${CONCS:-"1 4 16 64"}
