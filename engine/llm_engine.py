@@ -25,6 +25,7 @@ from engine.errors import (
 )
 from engine.kernels import interpret_mode, triton_importable
 from engine.kv_events import EventRecorder
+from engine.kv_transfer.layout import region_views
 from engine.model_runner import ModelRunner, StepInput, kv_cache_dtype
 from engine.models.loader import LoadedModel, load_model
 from engine.models.quant import parse_quantization
@@ -211,6 +212,11 @@ class LLMEngine:
         if blocks < 1:
             raise ValueError("no memory is left for the KV cache: raise the memory setting")
         return blocks
+
+    def kv_views(self) -> list[torch.Tensor]:
+        """The KV cache as the relay registers it: one ``[num_blocks, bytes]`` view per region (each layer's
+        K and V, then the indexer caches). Ids are the pool's: a trailing scratch block is left out."""
+        return region_views(self.runner.kv_caches, self.runner.indexer_caches, num_blocks=self.num_blocks)
 
     # -- admission ---------------------------------------------------------------------------------
 

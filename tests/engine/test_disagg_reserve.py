@@ -17,20 +17,49 @@ async def test_reservation_waits_for_blocks_then_gets_them(make_engine) -> None:
     engine = make_engine(num_kvcache_blocks=8, block_size=16)
     async_engine = AsyncLLMEngine(engine)
     await async_engine.start()
+    tries: list[int] = []
+    real_reserve = engine.reserve
+
+    def counted(prompt_ids: list[int], params: SamplingParams) -> object:
+        tries.append(len(prompt_ids))
+        return real_reserve(prompt_ids, params)
+
+    engine.reserve = counted
     try:
         prompt = list(range(1, 97))  # 6 blocks of the 8
-        first = await async_engine.reserve(prompt, PARAMS, True)
-        waiting = asyncio.ensure_future(async_engine.reserve(list(range(2, 98)), PARAMS, True, wait_secs=10))
-        await asyncio.sleep(0.2)
+        first = await async_engine.reserve(async_engine.check(prompt, PARAMS, True))
+        other = async_engine.check(list(range(2, 98)), PARAMS, True)
+        waiting = asyncio.ensure_future(async_engine.reserve(other, wait_secs=10))
+        await asyncio.sleep(0.3)
         assert not waiting.done()  # no room yet: it waits instead of answering 503
-        engine.release(first)
+        assert len(tries) == 2, "a waiting reservation tries again when blocks come back, not on a timer"
+        async_engine.release(first)
         second = await asyncio.wait_for(waiting, 5)
-        assert len(second.block_table) == 6
-        engine.release(second)
+        assert len(second.seq.block_table) == 6 and len(tries) == 3
+        async_engine.release(second)
         with pytest.raises(OverloadedError):  # still bounded: a pool that stays full is refused
-            held = await async_engine.reserve(prompt, PARAMS, True)
-            await async_engine.reserve(list(range(2, 98)), PARAMS, True, wait_secs=0.2)
-        engine.release(held)
+            held = await async_engine.reserve(async_engine.check(prompt, PARAMS, True))
+            await async_engine.reserve(other, wait_secs=0.2)
+        async_engine.release(held)
+        assert engine.block_manager.num_free_blocks == engine.num_blocks and not engine.held
+    finally:
+        await async_engine.stop()
+
+
+async def test_a_reservation_waiting_for_blocks_gets_those_a_finished_request_frees(make_engine, wait_for) -> None:  # type: ignore[no-untyped-def]
+    """Blocks freed by a running request that finishes (not only by a released transfer) wake the reservation."""
+    engine = make_engine(num_kvcache_blocks=8, block_size=16)
+    async_engine = AsyncLLMEngine(engine)
+    await async_engine.start()
+    try:
+        running = async_engine.submit(list(range(1, 90)), SamplingParams(temperature=0.0, max_tokens=20,
+                                                                         ignore_eos=True), True)  # fmt: skip
+        await wait_for(lambda: engine.block_manager.num_free_blocks < engine.num_blocks, 10, "the request's blocks")
+        reserved = asyncio.ensure_future(async_engine.reserve(async_engine.check(list(range(2, 98)), PARAMS, True)))
+        outputs = [out async for out in async_engine.stream(running)]
+        assert outputs[-1].finished
+        transfer = await asyncio.wait_for(reserved, 10)
+        async_engine.release(transfer)
         assert engine.block_manager.num_free_blocks == engine.num_blocks
     finally:
         await async_engine.stop()
@@ -159,11 +188,12 @@ async def test_the_running_batch_keeps_decoding_while_pulls_are_pending_then_adm
     try:
         running = async_engine.submit(list(range(1, 40)), SamplingParams(temperature=0.0, max_tokens=24,
                                                                          ignore_eos=True), True)  # fmt: skip
-        pending = [await async_engine.reserve(list(range(100 + i, 140 + i)), PARAMS, True) for i in range(3)]
+        pending = [await async_engine.reserve(async_engine.check(list(range(100 + i, 140 + i)), PARAMS, True))
+                   for i in range(3)]  # fmt: skip
         outputs = [out async for out in async_engine.stream(running)]
         assert outputs[-1].finished and outputs[-1].completion_tokens == 24  # never waited for the pulls
-        assert all(seq.seq_id in engine.held for seq in pending)
-        handles = [async_engine.submit_prefilled(seq, 7) for seq in pending]  # their KV has landed
+        assert all(t.seq.seq_id in engine.held for t in pending)
+        handles = [async_engine.commit(t, 7) for t in pending]  # their KV has landed
         for h in handles:
             last = [out async for out in async_engine.stream(h)][-1]
             assert last.finished and last.completion_tokens == PARAMS.max_tokens
