@@ -95,7 +95,7 @@ class BlockManager:
         self.events: EventRecorder | None = None
         # Blocks reported as stored when a step was scheduled to write them (`announce`), not yet indexed:
         # block id -> the hash reported; how many pending blocks report each hash; hashes reported
-        # removed (evicted elsewhere) while still pending here, which `_register` reports again.
+        # removed (evicted elsewhere) while still pending here, which `mark_computed` reports again.
         self._announced: dict[int, int] = {}
         self._pending: Counter[int] = Counter()
         self._voided: set[int] = set()
@@ -192,8 +192,8 @@ class BlockManager:
             if self.events is not None and block.hash is not None:
                 self.events.stored(block.hash, parent, block.token_ids)  # a reuse: subscribers see it is hot
                 parent = block.hash
-        take = self._take_free
-        seq.block_table += [take().block_id for _ in range(len(hits), seq.num_blocks)]
+        for _ in range(len(hits), seq.num_blocks):
+            seq.block_table.append(self._take_free().block_id)
         seq.num_cached_tokens = len(hits) * self.block_size
         self._prefix_queries += len(seq)
         self._prefix_hits += seq.num_cached_tokens
@@ -208,10 +208,17 @@ class BlockManager:
         if first > 0 and blocks[table[first - 1]].hash is None:
             return  # the chain is broken (e.g. an index entry was evicted): nothing later can hit
         hashes, tokens = self._hashes(seq, end), seq.token_ids
-        for i in range(first, end):  # each block registered leaves the chain whole for the next
+        index, events = self._hash_to_block, self.events
+        for i in range(first, end):  # each block indexed leaves the chain whole for the next
             block = blocks[table[i]]
-            if block.hash is None:  # else a prefix-cache hit: already indexed
-                self._register(block, tokens[i * bs : (i + 1) * bs], hashes[i - 1] if i > 0 else None, hashes[i])
+            if block.hash is not None:
+                continue  # a prefix-cache hit: already indexed
+            h = block.hash = hashes[i]
+            block.token_ids = tuple(tokens[i * bs : (i + 1) * bs])
+            index[h] = block.block_id
+            if events is not None and (not self._announced or self._settle(block) != h):
+                events.stored(h, hashes[i - 1] if i > 0 else None, block.token_ids)  # not reported when scheduled
+        self._index_version += 1
 
     def announce(self, seq: Sequence, num_tokens: int) -> None:
         """Report as stored the full blocks that the step about to run writes for ``seq`` (up to
@@ -344,16 +351,6 @@ class BlockManager:
             self._evicted += 1  # a reusable prefix lost: the pool ran short
         block.ref_count = 1
         return block
-
-    def _register(self, block: Block, tokens: list[int], prefix: int | None, h: int) -> int:
-        """Index ``block`` (now holding ``tokens``' KV) under its chain hash ``h``."""
-        block.hash = h
-        block.token_ids = tuple(tokens)
-        self._hash_to_block[h] = block.block_id
-        self._index_version += 1
-        if self.events is not None and (not self._announced or self._settle(block) != h):
-            self.events.stored(h, prefix, block.token_ids)  # not reported when its step was scheduled
-        return h
 
     def _forget(self, block: Block) -> bool:
         """Drop ``block``'s prefix hash; whether the hash index lost an entry (the block was findable)."""
