@@ -192,8 +192,7 @@ class BlockManager:
             if self.events is not None and block.hash is not None:
                 self.events.stored(block.hash, parent, block.token_ids)  # a reuse: subscribers see it is hot
                 parent = block.hash
-        for _ in range(len(hits), seq.num_blocks):
-            seq.block_table.append(self._take_free().block_id)
+        seq.block_table += self._take_free_blocks(seq.num_blocks - len(hits))
         seq.num_cached_tokens = len(hits) * self.block_size
         self._prefix_queries += len(seq)
         self._prefix_hits += seq.num_cached_tokens
@@ -341,6 +340,21 @@ class BlockManager:
                 self._free.move_to_end(block_id, last=False)
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _take_free_blocks(self, count: int) -> list[int]:
+        """``count`` blocks off the cold end of the free list (as ``_take_free``, in one loop)."""
+        if count > len(self._free):
+            raise RuntimeError("KV block pool exhausted")
+        free, blocks, forget = self._free, self.blocks, self._forget
+        taken: list[int] = []
+        for _ in range(count):
+            block_id, _ = free.popitem(last=False)
+            block = blocks[block_id]
+            if block.hash is not None and forget(block):
+                self._evicted += 1  # a reusable prefix lost: the pool ran short
+            block.ref_count = 1
+            taken.append(block_id)
+        return taken
 
     def _take_free(self) -> Block:
         if not self._free:

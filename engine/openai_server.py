@@ -114,9 +114,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body: CompletionBody = parse_body(await request.read(), CompletionBody)
     _check_model(state, body.model)
-    if body.echo and body.kv_role_needed == "kv_producer":
-        raise InvalidRequestError("echo: a prefill for remote decode answers nothing but kv_transfer_params; the "
-                                  "decode engine echoes the prompt")
     return await _generate(request, state, body, _prompt_ids(state, body), None)
 
 
