@@ -105,6 +105,7 @@ class Phase(enum.Enum):
     OFFERED = "offered"  # prefill side: blocks pinned until the decode engine pulled them (or never will)
     RESERVED = "reserved"  # decode side: blocks allocated, the KV not here yet
     PULLING = "pulling"
+    LANDED = "landed"  # decode side: the KV is in its blocks, the first token not yet committed
     GRACE = "grace"  # decode side: a failed pull; blocks kept out of use while a late write may land
     COMMITTED = "committed"  # decode side: the KV landed, the sequence decodes like any other
     RELEASED = "released"  # its blocks went back (or, committed, became the sequence's)
@@ -114,7 +115,8 @@ _PHASES = {
     Phase.PREFILLING: {Phase.OFFERED, Phase.RELEASED},
     Phase.OFFERED: {Phase.RELEASED},
     Phase.RESERVED: {Phase.PULLING, Phase.COMMITTED, Phase.RELEASED},
-    Phase.PULLING: {Phase.RESERVED, Phase.GRACE, Phase.RELEASED},
+    Phase.PULLING: {Phase.LANDED, Phase.GRACE, Phase.RELEASED},
+    Phase.LANDED: {Phase.COMMITTED, Phase.RELEASED},
     Phase.GRACE: {Phase.RELEASED},
     Phase.COMMITTED: set(),
     Phase.RELEASED: set(),
@@ -386,7 +388,7 @@ class AsyncLLMEngine:
                                                                 and exc.dst_may_be_written)  # fmt: skip
             self.release(transfer, WRITE_GRACE_SECS if late else 0.0)
             raise
-        transfer.move(Phase.RESERVED)  # the KV is in its blocks
+        transfer.move(Phase.LANDED)
         pulled_at = time.monotonic()
         # n > 1 (or best_of): the other samples fork from the transferred prompt KV before the first
         # continues (it may finish at once and free it); each samples its own first token.

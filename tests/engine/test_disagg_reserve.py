@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
 from engine.async_engine import AsyncLLMEngine
-from engine.errors import OverloadedError
+from engine.errors import InvalidRequestError, OverloadedError
 from engine.sequence import SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -200,3 +201,56 @@ async def test_the_running_batch_keeps_decoding_while_pulls_are_pending_then_adm
         assert not engine.held and engine.block_manager.num_free_blocks == engine.num_blocks
     finally:
         await async_engine.stop()
+
+
+async def test_the_pd_verbs_own_reserve_pull_commit_and_release(make_engine, free_port) -> None:  # type: ignore[no-untyped-def]
+    """Through the engines' facades only (real Mooncake on loopback): a prefill for a remote decode hands its
+    KV over, the decode from remote KV continues it exactly as a colocated engine would; a second pull of the
+    same transfer is refused, an unreachable producer fails the pull, and every block comes back on both sides."""
+    from engine.args import parse_kv_transfer_config
+    from engine.async_engine import Role
+    from engine.disagg import Disaggregation
+    from engine.kv_transfer import KVTransferError
+
+    def relay(engine, role: str) -> Disaggregation:  # type: ignore[no-untyped-def]
+        config = parse_kv_transfer_config(f'{{"kv_role": "{role}", "handshake_port": {free_port()}, '
+                                          '"memory_backend": "staged", "staging_buffer_mb": 1}')  # fmt: skip
+        return Disaggregation(engine, config, "127.0.0.1", transfer_timeout=10.0)
+
+    single, prefill_core, decode_core = (make_engine(block_size=16) for _ in range(3))
+    prompt = list(range(1, 60))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = single.generate([prompt], params)[0]
+    prefill = AsyncLLMEngine(prefill_core, relay(prefill_core, "kv_producer"))
+    decode = AsyncLLMEngine(decode_core, relay(decode_core, "kv_consumer"))
+    await prefill.start()
+    await decode.start()
+    try:
+        leg = prefill.check(prompt, replace(params, max_tokens=1), True, {"do_remote_decode": True})
+        assert leg.role is Role.PREFILL_FOR_REMOTE_DECODE
+        gen = await prefill.open(leg)
+        first = [out async for out in prefill.stream(gen.handles[0])]
+        kv = gen.hand_over()
+        gen.close()
+        assert kv is not None and kv["first_token_id"] == first[-1].token_ids[0] == expected[0]
+        assert prefill_core.held  # pinned for the pull
+
+        admitted = decode.check(prompt, params, True, {**kv, "do_remote_prefill": True})
+        assert admitted.role is Role.DECODE_FROM_REMOTE_KV
+        gen = await decode.open(admitted)
+        outs = [out async for out in decode.stream(gen.handles[0])]
+        gen.close()
+        assert [t for o in outs for t in o.token_ids] == expected and gen.pulled_at is not None
+        assert not prefill_core.held and prefill_core.block_manager.num_free_blocks == prefill_core.num_blocks
+
+        with pytest.raises(KVTransferError, match="transfer_consumed"):
+            await decode.open(decode.check(prompt, params, True, {**kv, "do_remote_prefill": True}))
+        with pytest.raises(KVTransferError, match="unreachable"):
+            await decode.open(decode.check(prompt, params, True, {**kv, "do_remote_prefill": True,
+                                                                  "remote_handshake_port": free_port()}))  # fmt: skip
+        assert not decode_core.held and decode_core.block_manager.num_free_blocks == decode_core.num_blocks
+        with pytest.raises(InvalidRequestError, match="need a kv_producer engine; this one's kv_role is kv_consumer"):
+            decode.check(prompt, params, True, {"do_remote_decode": True})
+    finally:
+        await decode.stop()
+        await prefill.stop()
