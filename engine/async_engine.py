@@ -4,20 +4,31 @@
 event loop, the model step in one worker thread (torch releases the GIL while it computes) so the
 loop stays responsive, and one queue per request through which text and token deltas stream back.
 Detokenisation and stop strings are applied here, as each step's tokens are delivered.
+
+It is also the engine's whole face for prefill/decode disaggregation: ``check`` reads a request's
+``kv_transfer_params`` once, and ``open`` runs it as what it is, colocated, a prefill for a remote
+decode (``prefill_for_remote_decode``) or a decode from remote KV (``decode_from_remote_kv``). Those
+verbs own the reserve, pull, commit and release of the request's blocks; each request's transfer
+lives in one ``Transfer`` here (its phase, its blocks, its grace timer), and the relay
+(``engine.disagg``) only moves block ids.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from engine.errors import EngineDeadError, EngineError, EngineFailedError, OverloadedError
+from engine.disagg import CONSUMER, PRODUCER, WRITE_GRACE_SECS, Disaggregation
+from engine.errors import EngineDeadError, EngineError, EngineFailedError, InvalidRequestError, OverloadedError
+from engine.kv_transfer import SKIP, KVTransferError, KVTransferParams
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.scheduler import ScheduledBatch
 from engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus, TokenLogprob
@@ -41,6 +52,7 @@ class RequestOutput:
     logprobs: tuple[TokenLogprob, ...] = ()  # of ``token_ids``, when the request asked for them
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # on the first output, when the request asked for them
+    admitted_at: float | None = None  # time.monotonic() when it was first given blocks (None: its KV came over)
 
 
 @dataclass(slots=True)
@@ -58,13 +70,98 @@ class RequestState:
     done: bool = False
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class RequestHandle:
-    """Returned by submit; pass it to AsyncLLMEngine.stream to read the outputs."""
+    """One sequence of a request (an opaque ticket): pass it to AsyncLLMEngine.stream to read its outputs."""
 
     seq_id: int
     prompt_tokens: int
+
+
+class Role(enum.Enum):
+    """What a request asks of this engine in prefill/decode disaggregation (its ``kv_transfer_params``)."""
+
+    COLOCATED = None
+    PREFILL_FOR_REMOTE_DECODE = PRODUCER  # the engine role it needs, as --kv-transfer-config names it
+    DECODE_FROM_REMOTE_KV = CONSUMER
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A request this engine checked, once, and will serve: final params and what P/D brought along."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    role: Role
+    kv: KVTransferParams | None = None  # decode from remote KV: where the prompt's KV is
+    first_logprob: TokenLogprob | None = None  # ... and the prefill engine's scores, reported as ours
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+
+
+class Phase(enum.Enum):
+    """Where one request's KV transfer is, seen from this engine."""
+
+    PREFILLING = "prefilling"  # prefill side: computing the prompt whose KV it will offer
+    OFFERED = "offered"  # prefill side: blocks pinned until the decode engine pulled them (or never will)
+    RESERVED = "reserved"  # decode side: blocks allocated, the KV not here yet
+    PULLING = "pulling"
+    LANDED = "landed"  # decode side: the KV is in its blocks, the first token not yet committed
+    GRACE = "grace"  # decode side: a failed pull; blocks kept out of use while a late write may land
+    COMMITTED = "committed"  # decode side: the KV landed, the sequence decodes like any other
+    RELEASED = "released"  # its blocks went back (or, committed, became the sequence's)
+
+
+_PHASES = {
+    Phase.PREFILLING: {Phase.OFFERED, Phase.RELEASED},
+    Phase.OFFERED: {Phase.RELEASED},
+    Phase.RESERVED: {Phase.PULLING, Phase.COMMITTED, Phase.RELEASED},
+    Phase.PULLING: {Phase.LANDED, Phase.GRACE, Phase.RELEASED},
+    Phase.LANDED: {Phase.COMMITTED, Phase.RELEASED},
+    Phase.GRACE: {Phase.RELEASED},
+    Phase.COMMITTED: set(),
+    Phase.RELEASED: set(),
+}
+
+
+@dataclass(slots=True)
+class Transfer:
+    """One request's KV transfer on this engine: the only place its state lives."""
+
     seq: Sequence
+    phase: Phase
+    grace: asyncio.TimerHandle | None = None  # GRACE: when the blocks go back
+
+    def move(self, new: Phase) -> None:
+        """The one place a transfer's phase changes; refuses a move its life cycle does not allow."""
+        if new not in _PHASES[self.phase]:
+            raise RuntimeError(f"KV transfer of sequence {self.seq.seq_id}: {self.phase.value} -> {new.value}")
+        self.phase = new
+
+
+class Generation:
+    """The sequences of one request on this engine (``handles``), and what it hands on when it ends."""
+
+    def __init__(self, engine: AsyncLLMEngine, handles: list[RequestHandle], transfer: Transfer | None = None,
+                 pulled_at: float | None = None) -> None:  # fmt: skip
+        self._engine = engine
+        self.handles = tuple(handles)
+        self._transfer = transfer
+        self.pulled_at = pulled_at  # decode from remote KV: when the prompt's KV had landed
+
+    def hand_over(self) -> dict[str, Any] | None:
+        """Once its outputs are read: a prefill for a remote decode offers its prompt's KV and returns the
+        ``kv_transfer_params`` for the answer; anything else hands nothing on (None)."""
+        transfer = self._transfer
+        if transfer is None or transfer.phase is not Phase.PREFILLING:
+            return None
+        return self._engine._offer(transfer)
+
+    def close(self) -> None:
+        """Whatever ended the request (done, client gone, error): its blocks go now, except those offered."""
+        for h in self.handles:
+            self._engine.abort(h.seq_id)
+        if self._transfer is not None and self._transfer.phase is Phase.PREFILLING:
+            self._engine.release(self._transfer)  # held blocks nobody will pull
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +177,6 @@ class EngineInfo:
     dtype: str  # "float32", "bfloat16", ...
     kv_cache_dtype: str
 
-
-RESERVE_POLL_SECS = 0.02
 
 # Messages of errors after which the device (and so the engine) cannot be trusted: a CUDA fault
 # poisons the context, so every later step would fail too (vLLM's core treats them as fatal).
@@ -118,15 +213,22 @@ class _Fatal(Exception):
 class AsyncLLMEngine:
     """Drives an LLMEngine from asyncio: one loop task, one model thread, one queue per request."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, relay: Disaggregation | None = None) -> None:
         self.engine = engine
+        self.relay = relay  # this engine's side of the KV relay (--kv-transfer-config), started and stopped here
         self._states: dict[int, RequestState] = {}
+        self._transfers: dict[int, Transfer] = {}  # by sequence id, until released or committed
+        # Broadcast to reservations waiting for room: replaced (after being set) each time blocks come back.
+        self._freed = asyncio.Event()
+        self._reservations_waiting = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._dead: EngineDeadError | None = None
         self._death_callbacks: list[Callable[[EngineDeadError], None]] = []
-        engine.on_blocks_freed = self._wake_up
+        engine.on_blocks_freed = self._blocks_freed
+        if relay is not None:
+            relay.on_agent_dead = lambda exc: self.die("kv_agent", exc)
         self.info = EngineInfo(
             model_id=engine.model_id,
             max_model_len=engine.max_model_len,
@@ -148,14 +250,6 @@ class AsyncLLMEngine:
         """Counters and gauges for /metrics."""
         return self.engine.stats()
 
-    def check_request(self, num_prompt_tokens: int, params: SamplingParams, max_tokens_given: bool) -> SamplingParams:
-        """Refuse (EngineError) a request this engine could not serve, before anything is scheduled."""
-        return self.engine.check_request(num_prompt_tokens, params, max_tokens_given)
-
-    def release(self, seq: Sequence) -> None:
-        """Free the KV blocks a finished prefill held for a transfer."""
-        self.engine.release(seq)
-
     def flush_prefix_cache(self) -> int:
         """Forget the prefix cache's free blocks (blocks in use keep theirs); returns how many."""
         flushed = self.engine.block_manager.flush()
@@ -168,11 +262,18 @@ class AsyncLLMEngine:
         if sink is not None:
             self.engine.flush_kv_events()  # AllBlocksCleared: this engine starts empty
 
-    def _wake_up(self) -> None:
+    def _blocks_freed(self) -> None:
+        """Blocks came back: the loop may schedule what waits for them, reservations may try again."""
         if self._wake is not None:
             self._wake.set()
+        if self._reservations_waiting:
+            freed, self._freed = self._freed, asyncio.Event()
+            freed.set()
 
     async def start(self) -> None:
+        """Start the KV relay (if any: a router reads /kv_transfer_info at registration), then the loop."""
+        if self.relay is not None:
+            await self.relay.start()
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._run(), name="engine-loop")
 
@@ -186,63 +287,159 @@ class AsyncLLMEngine:
             self._task = None
         for seq_id in list(self._states):
             self.abort(seq_id)
+        if self.relay is not None:
+            await self.relay.stop()  # pending offers end: their blocks come back through release
+        for transfer in list(self._transfers.values()):
+            self.release(transfer)  # nothing writes into them once the relay is gone
         self._executor.shutdown(wait=True)
 
-    def submit(
-        self, prompt_ids: list[int], params: SamplingParams, max_tokens_given: bool, hold_kv: bool = False,
-        grammar: Any = None, stream_index: int = 0,
-    ) -> RequestHandle:  # fmt: skip
-        """Validate and queue a request; raises an EngineError the HTTP layer renders.
+    # -- requests ------------------------------------------------------------------------------------
 
-        ``grammar``: its structured-output matcher; ``stream_index``: which of a request's n samples
-        it is (a seeded request's samples draw from different random streams)."""
+    def check(self, prompt_ids: list[int], params: SamplingParams, max_tokens_given: bool,
+              kv_transfer_params: dict[str, Any] | None = None) -> Admission:  # fmt: skip
+        """Refuse (EngineError) a request this engine could not serve, before anything runs; the one check.
+
+        ``kv_transfer_params`` with ``do_remote_decode`` make it a prefill for a remote decode (this engine
+        must be a kv_producer), with ``do_remote_prefill`` a decode from remote KV (a kv_consumer)."""
         self._check_alive()
-        params = self.engine.check_request(len(prompt_ids), params, max_tokens_given)
-        seq = self.engine.add_request(prompt_ids, params, hold_kv, grammar=grammar, stream_index=stream_index)
-        self._states[seq.seq_id] = RequestState(seq, IncrementalDetokenizer(self.engine.tokenizer))
-        assert self._wake is not None, "AsyncLLMEngine.start() was not awaited"
-        self._wake.set()
-        return RequestHandle(seq.seq_id, len(prompt_ids), seq)
+        raw = kv_transfer_params or {}
+        role = (Role.PREFILL_FOR_REMOTE_DECODE if raw.get("do_remote_decode")
+                else Role.DECODE_FROM_REMOTE_KV if raw.get("do_remote_prefill") else Role.COLOCATED)  # fmt: skip
+        if role is not Role.COLOCATED and (self.relay is None or self.relay.role != role.value):
+            have = self.relay.role if self.relay is not None else "none"
+            raise InvalidRequestError(
+                f"kv_transfer_params need a {role.value} engine; this one's kv_role is {have} (--kv-transfer-config)")
+        n = len(prompt_ids)
+        if role is Role.PREFILL_FOR_REMOTE_DECODE:
+            # The gateway sends the prefill leg max_tokens 1: min_tokens only bans EOS for that first token here.
+            params = replace(params, min_tokens=min(params.min_tokens, 1))
+            decode_limit = raw.get("decode_max_tokens")
+            if isinstance(decode_limit, int) and not isinstance(decode_limit, bool):  # what the decode leg will ask
+                self.engine.check_request(n, replace(params, max_tokens=decode_limit), True)
+        params = self.engine.check_request(n, params, max_tokens_given)
+        if role is not Role.DECODE_FROM_REMOTE_KV:
+            return Admission(prompt_ids, params, role)
+        assert self.relay is not None
+        return Admission(prompt_ids, params, role, self.relay.parse(raw), _first_logprob(raw, params),
+                         tuple(_prompt_logprobs(raw, params)))  # fmt: skip
 
-    def submit_fork(self, parent: RequestHandle, stream_index: int, grammar: Any = None) -> RequestHandle:
-        """Another sample of ``parent``'s request (n > 1) that shares its prompt's KV blocks."""
-        seq = self.engine.add_fork(parent.seq, stream_index, grammar)
-        self._states[seq.seq_id] = RequestState(seq, IncrementalDetokenizer(self.engine.tokenizer))
-        return RequestHandle(seq.seq_id, parent.prompt_tokens, seq)
+    async def open(self, request: Admission, n: int = 1,
+                   matcher: Callable[[], Any] | None = None) -> Generation:  # fmt: skip
+        """Run a checked request as what it is: colocated, a prefill for a remote decode, or a decode from
+        remote KV; ``n`` samples, each with its own structured-output matcher from ``matcher``."""
+        if request.role is Role.PREFILL_FOR_REMOTE_DECODE:
+            return self.prefill_for_remote_decode(request, matcher)
+        if request.role is Role.DECODE_FROM_REMOTE_KV:
+            return await self.decode_from_remote_kv(request, n, matcher)
+        return self.generate(request, n, matcher)
 
-    async def reserve(
-        self, prompt_ids: list[int], params: SamplingParams, max_tokens_given: bool, wait_secs: float = 30.0
-    ) -> Sequence:
-        """Validate a request whose prompt KV comes from another engine and reserve its blocks.
+    def generate(self, request: Admission, n: int = 1, matcher: Callable[[], Any] | None = None) -> Generation:
+        """Queue a request's ``n`` samples (the others share the first one's prompt KV once computed)."""
+        handles: list[RequestHandle] = []
+        try:
+            for i in range(n):
+                grammar = matcher() if matcher is not None else None
+                if i == 0:
+                    handles.append(self._submit(request.prompt_ids, request.params, grammar=grammar))
+                else:
+                    handles.append(self._fork(handles[0], i, grammar))
+        except BaseException:
+            for h in handles:
+                self.abort(h.seq_id)
+            raise
+        return Generation(self, handles)
 
-        A pool that is full now frees blocks as running sequences finish: wait for room, at most
-        ``wait_secs``, before answering 503 (check_request already refused what could never fit).
-        """
-        self._check_alive()
-        params = self.engine.check_request(len(prompt_ids), params, max_tokens_given)
+    def prefill_for_remote_decode(self, request: Admission, matcher: Callable[[], Any] | None = None) -> Generation:
+        """Compute the prompt (and its first token), keeping its KV blocks for a decode engine to pull:
+        ``Generation.hand_over`` offers them once the outputs are read; ``close`` frees them if never offered."""
+        grammar = matcher() if matcher is not None else None
+        handle = self._submit(request.prompt_ids, request.params, hold_kv=True, grammar=grammar)
+        transfer = Transfer(self._states[handle.seq_id].seq, Phase.PREFILLING)
+        self._transfers[handle.seq_id] = transfer
+        return Generation(self, [handle], transfer)
+
+    async def decode_from_remote_kv(self, request: Admission, n: int = 1, matcher: Callable[[], Any] | None = None,
+                                    wait_secs: float = 30.0) -> Generation:  # fmt: skip
+        """Reserve blocks for the prompt (waiting for room, at most ``wait_secs``), pull its KV from the
+        prefill engine, and continue from the first token it sampled; ``n`` samples fork from that KV.
+
+        Raises before any output (so before any byte is sent): OverloadedError when no room came,
+        KVTransferError when the pull failed (the blocks go back, after a grace period when a late write
+        may still land in them)."""
+        assert self.relay is not None and request.kv is not None, "decode_from_remote_kv needs a checked request"
+        kv = request.kv
+        transfer = await self.reserve(request, wait_secs)
+        seq = transfer.seq
+        seq.prompt_logprobs = list(request.prompt_logprobs)  # the prefill engine scored the prompt; forks copy them
+        seq.grammar = matcher() if matcher is not None else None
+        bs = seq.block_size
+        needed = (seq.num_prompt_tokens + bs - 1) // bs
+        if len(kv.remote_block_ids) != needed:
+            self.release(transfer)
+            raise InvalidRequestError(
+                f"kv_transfer_params carry {len(kv.remote_block_ids)} blocks but this prompt needs {needed} "
+                "here: prefill and decode must run the same model and tokenizer")
+        have = seq.num_cached_tokens // bs  # leading blocks the local prefix cache already holds
+        transfer.move(Phase.PULLING)
+        try:
+            await self.relay.pull(kv, [SKIP if i < have else seq.block_table[i] for i in range(needed)])
+        except BaseException as exc:
+            late = isinstance(exc, asyncio.CancelledError) or (isinstance(exc, KVTransferError)
+                                                                and exc.dst_may_be_written)  # fmt: skip
+            self.release(transfer, WRITE_GRACE_SECS if late else 0.0)
+            raise
+        transfer.move(Phase.LANDED)
+        pulled_at = time.monotonic()
+        # n > 1 (or best_of): the other samples fork from the transferred prompt KV before the first
+        # continues (it may finish at once and free it); each samples its own first token.
+        forks: list[RequestHandle] = []
+        try:
+            for i in range(1, n):
+                forks.append(self._fork_prefilled(seq, i, matcher() if matcher is not None else None))
+            first = self.commit(transfer, kv.first_token_id, request.first_logprob)
+        except BaseException:
+            for h in forks:
+                self.abort(h.seq_id)
+            self.release(transfer)  # a no-op once committed: the sequence's own blocks went with it
+            raise
+        return Generation(self, [first, *forks], pulled_at=pulled_at)
+
+    async def reserve(self, request: Admission, wait_secs: float = 30.0) -> Transfer:
+        """Reserve blocks for a prompt whose KV comes from another engine.
+
+        A pool that is full now frees blocks as running sequences finish: wait for that (woken when blocks
+        come back, never polling), at most ``wait_secs``, before refusing with OverloadedError (``check``
+        already refused what could never fit)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_secs
         while True:
-            try:
-                seq = self.engine.reserve(prompt_ids, params)
-                self.engine.flush_kv_events()
-                return seq
-            except OverloadedError:
-                if loop.time() >= deadline:
-                    raise
-            await asyncio.sleep(RESERVE_POLL_SECS)
             self._check_alive()
+            freed = self._freed
+            try:
+                seq = self.engine.reserve(request.prompt_ids, request.params)
+            except OverloadedError:
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise
+                self._reservations_waiting += 1
+                try:
+                    await asyncio.wait_for(freed.wait(), left)
+                except TimeoutError:
+                    pass  # one last try, then the refusal
+                finally:
+                    self._reservations_waiting -= 1
+                continue
+            self.engine.flush_kv_events()
+            transfer = Transfer(seq, Phase.RESERVED)
+            self._transfers[seq.seq_id] = transfer
+            return transfer
 
-    def fork_prefilled(self, seq: Sequence, stream_index: int, grammar: Any = None) -> RequestHandle:
-        """Another sample (n > 1) of a reserved sequence whose prompt KV arrived; call before
-        ``submit_prefilled(seq, ...)``, which starts them all."""
-        child = self.engine.add_fork_prefilled(seq, stream_index, grammar)
-        self._states[child.seq_id] = RequestState(child, IncrementalDetokenizer(self.engine.tokenizer))
-        return RequestHandle(child.seq_id, seq.num_prompt_tokens, child)
-
-    def submit_prefilled(self, seq: Sequence, first_token: int, logprob: TokenLogprob | None = None) -> RequestHandle:
+    def commit(self, transfer: Transfer, first_token: int, logprob: TokenLogprob | None = None) -> RequestHandle:
         """Continue a reserved sequence whose KV arrived, from ``first_token`` (already an output)."""
         self._check_alive()
+        seq = transfer.seq
+        transfer.move(Phase.COMMITTED)
+        del self._transfers[seq.seq_id]
         self.engine.commit_prefilled(seq, first_token, logprob)
         self.engine.flush_kv_events()  # the KV that arrived over the relay is now cached here
         state = RequestState(seq, IncrementalDetokenizer(self.engine.tokenizer))
@@ -250,7 +447,65 @@ class AsyncLLMEngine:
         self._deliver(state)  # the first token goes out now, before any decode step
         assert self._wake is not None, "AsyncLLMEngine.start() was not awaited"
         self._wake.set()
-        return RequestHandle(seq.seq_id, seq.num_prompt_tokens, seq)
+        return RequestHandle(seq.seq_id, seq.num_prompt_tokens)
+
+    def _offer(self, transfer: Transfer) -> dict[str, Any]:
+        """A finished prefill's prompt blocks, offered to the decode engine: its ``kv_transfer_params``."""
+        assert self.relay is not None
+        seq = transfer.seq
+        if not seq.completion_ids:
+            raise EngineFailedError("the prefill produced no token to hand over")
+        blocks = seq.block_table[: (seq.num_prompt_tokens + seq.block_size - 1) // seq.block_size]
+        params = self.relay.offer(blocks, seq.completion_ids[0], seq.prefix_hit_tokens, lambda: self.release(transfer))
+        transfer.move(Phase.OFFERED)
+        if seq.logprobs:
+            params["first_token_logprob"] = _logprob_dict(seq.logprobs[0])
+        if seq.params.prompt_logprobs is not None:  # the decode engine reports them as its own
+            params["prompt_logprobs"] = [_logprob_dict(lp) for lp in seq.prompt_logprobs]
+        return params
+
+    def release(self, transfer: Transfer, after: float = 0.0) -> None:
+        """Give a transfer's blocks back, now or ``after`` seconds (GRACE: a late write may land in them)."""
+        if transfer.phase in (Phase.RELEASED, Phase.COMMITTED):
+            return
+        if after > 0 and transfer.phase is not Phase.GRACE:
+            transfer.move(Phase.GRACE)
+            transfer.grace = asyncio.get_running_loop().call_later(after, self.release, transfer)
+            return
+        if transfer.grace is not None:
+            transfer.grace.cancel()
+        transfer.move(Phase.RELEASED)
+        self._transfers.pop(transfer.seq.seq_id, None)
+        self.engine.release(transfer.seq)  # tells _blocks_freed
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, max_tokens_given: bool) -> RequestHandle:
+        """Check and queue a plain request of one sequence (the server's /health_generate; tests)."""
+        return self.generate(self.check(prompt_ids, params, max_tokens_given)).handles[0]
+
+    def _submit(self, prompt_ids: list[int], params: SamplingParams, hold_kv: bool = False, grammar: Any = None,
+                stream_index: int = 0) -> RequestHandle:  # fmt: skip
+        """Queue a checked request; raises OverloadedError when the queue is full.
+
+        ``grammar``: its structured-output matcher; ``stream_index``: which of a request's n samples
+        it is (a seeded request's samples draw from different random streams)."""
+        self._check_alive()
+        seq = self.engine.add_request(prompt_ids, params, hold_kv, grammar=grammar, stream_index=stream_index)
+        self._states[seq.seq_id] = RequestState(seq, IncrementalDetokenizer(self.engine.tokenizer))
+        assert self._wake is not None, "AsyncLLMEngine.start() was not awaited"
+        self._wake.set()
+        return RequestHandle(seq.seq_id, len(prompt_ids))
+
+    def _fork(self, parent: RequestHandle, stream_index: int, grammar: Any = None) -> RequestHandle:
+        """Another sample of ``parent``'s request (n > 1) that shares its prompt's KV blocks."""
+        seq = self.engine.add_fork(self._states[parent.seq_id].seq, stream_index, grammar)
+        self._states[seq.seq_id] = RequestState(seq, IncrementalDetokenizer(self.engine.tokenizer))
+        return RequestHandle(seq.seq_id, parent.prompt_tokens)
+
+    def _fork_prefilled(self, seq: Sequence, stream_index: int, grammar: Any = None) -> RequestHandle:
+        """Another sample (n > 1) of a reserved sequence whose prompt KV arrived; before ``commit``."""
+        child = self.engine.add_fork_prefilled(seq, stream_index, grammar)
+        self._states[child.seq_id] = RequestState(child, IncrementalDetokenizer(self.engine.tokenizer))
+        return RequestHandle(child.seq_id, seq.num_prompt_tokens)
 
     async def stream(self, handle: RequestHandle) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until the last; leaving early (client gone) aborts it."""
@@ -271,6 +526,7 @@ class AsyncLLMEngine:
         state = self._states.pop(seq_id, None)
         if state is not None:
             self.engine.finish(state.seq, FinishReason.ABORT)
+            self._blocks_freed()
 
     async def _run(self) -> None:
         """The supervised loop: a failed step fails its own requests and the loop goes on; a fatal
@@ -282,7 +538,11 @@ class AsyncLLMEngine:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                if not await self._step():
+                free = self.engine.block_manager.num_free_blocks
+                stepped = await self._step()
+                if self.engine.block_manager.num_free_blocks > free:
+                    self._blocks_freed()  # sequences finished: waiting reservations may fit now
+                if not stepped:
                     if self.engine.held:
                         # Blocks pinned by KV transfers come back soon (or expire): wait, don't fail.
                         self._wake.clear()
@@ -349,6 +609,8 @@ class AsyncLLMEngine:
                      exc_info=(type(cause), cause, cause.__traceback__))  # fmt: skip
         for seq_id in list(self._states):
             self._fail(seq_id, self._dead)
+        freed, self._freed = self._freed, asyncio.Event()
+        freed.set()  # waiting reservations see the engine is dead
         for callback in self._death_callbacks:
             callback(self._dead)
 
@@ -427,6 +689,7 @@ class AsyncLLMEngine:
                 logprobs=new_logprobs,
                 stop_reason=seq.stop_reason if finished else None,
                 prompt_logprobs=prompt_logprobs,
+                admitted_at=seq.admitted_at,
             )
         )
 
@@ -440,3 +703,38 @@ def _partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
                 best = n
                 break
     return best
+
+
+def _logprob_dict(lp: TokenLogprob) -> dict[str, Any]:
+    return {"token_id": lp.token_id, "logprob": lp.logprob, "rank": lp.rank, "top": [list(t) for t in lp.top]}
+
+
+def _prompt_logprobs(kv: dict[str, Any], params: SamplingParams) -> list[TokenLogprob]:
+    """The prompt's scores the prefill engine computed (prompt_logprobs, or echo with logprobs, in P/D)."""
+    if params.prompt_logprobs is None:
+        return []
+    raw = kv.get("prompt_logprobs")
+    if not isinstance(raw, list):
+        raise InvalidRequestError("prompt_logprobs in P/D need kv_transfer_params.prompt_logprobs from the prefill "
+                                  "engine (was its request sent with prompt_logprobs?)")
+    try:
+        return [TokenLogprob(int(r["token_id"]), float(r["logprob"]), int(r["rank"]),
+                             tuple((int(t), float(v)) for t, v in r["top"])[: params.prompt_logprobs])
+                for r in raw]  # fmt: skip
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"kv_transfer_params.prompt_logprobs: {exc}") from exc
+
+
+def _first_logprob(kv: dict[str, Any], params: SamplingParams) -> TokenLogprob | None:
+    """The prefill engine's logprob of the first token, which the decode side reports as its own."""
+    if params.logprobs is None:
+        return None
+    raw = kv.get("first_token_logprob")
+    if not isinstance(raw, dict):
+        raise InvalidRequestError("logprobs in P/D need kv_transfer_params.first_token_logprob from the prefill "
+                                  "engine (was its request sent with logprobs?)")
+    try:
+        top = tuple((int(t), float(v)) for t, v in raw["top"])[: params.logprobs]
+        return TokenLogprob(int(raw["token_id"]), float(raw["logprob"]), int(raw["rank"]), top)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"kv_transfer_params.first_token_logprob: {exc}") from exc

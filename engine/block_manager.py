@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
-import numpy as np
 import xxhash
 
 from engine.kv_events import EventRecorder
@@ -18,11 +18,22 @@ def block_hash(token_ids: list[int], prefix_hash: int | None) -> int:
     Two blocks share a hash only when their whole prefixes match, so one dict lookup per block
     finds the longest cached prefix.
     """
-    h = xxhash.xxh64()
-    if prefix_hash is not None:
-        h.update(prefix_hash.to_bytes(8, "little"))
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return h.intdigest()
+    return chain_hashes(token_ids, len(token_ids), 0, 1, prefix_hash)[0]
+
+
+def chain_hashes(token_ids: list[int], block_size: int, first: int, end: int, prefix_hash: int | None) -> list[int]:
+    """``block_hash`` of blocks ``first`` .. ``end - 1`` of ``token_ids``, chained from ``prefix_hash`` (the
+    hash of block ``first - 1``): the tokens are packed once for all the blocks, not once per block."""
+    width = 8 * block_size  # int64 tokens, as the hash has always been defined
+    packed = array("q", token_ids[first * block_size : end * block_size]).tobytes()
+    digest = xxhash.xxh64_intdigest
+    out: list[int] = []
+    prev = prefix_hash
+    for offset in range(0, (end - first) * width, width):
+        chunk = packed[offset : offset + width]
+        prev = digest(chunk if prev is None else prev.to_bytes(8, "little") + chunk)
+        out.append(prev)
+    return out
 
 
 class Block:
@@ -84,10 +95,14 @@ class BlockManager:
         self.events: EventRecorder | None = None
         # Blocks reported as stored when a step was scheduled to write them (`announce`), not yet indexed:
         # block id -> the hash reported; how many pending blocks report each hash; hashes reported
-        # removed (evicted elsewhere) while still pending here, which `_register` reports again.
+        # removed (evicted elsewhere) while still pending here, which `mark_computed` reports again.
         self._announced: dict[int, int] = {}
         self._pending: Counter[int] = Counter()
         self._voided: set[int] = set()
+        # The last prefix lookup, (sequence, index version, hits): the scheduler asks whether a sequence
+        # fits and then allocates it, and the answer holds until the hash index changes.
+        self._index_version = 0
+        self._lookup: tuple[Sequence, int, int, list[int]] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -109,6 +124,15 @@ class BlockManager:
 
     # -- prefix lookup ---------------------------------------------------------------------------
 
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The hashes of ``seq``'s first ``num_blocks`` full blocks, each computed once per sequence."""
+        known = seq.block_hashes
+        if len(known) < num_blocks:
+            if num_blocks * self.block_size > len(seq):
+                raise RuntimeError(f"sequence {seq.seq_id} has no {num_blocks} full blocks to hash")
+            known += chain_hashes(seq.token_ids, self.block_size, len(known), num_blocks, known[-1] if known else None)
+        return known
+
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of ``seq``.
 
@@ -116,16 +140,18 @@ class BlockManager:
         """
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []  # prompt_logprobs need the logits of every prompt token: computed, not cached
+        last = self._lookup
+        if last is not None and last[0] is seq and last[1] == len(seq) and last[2] == self._index_version:
+            return last[3]
         hits: list[int] = []
-        prefix: int | None = None
-        for i in range((len(seq) - 1) // self.block_size):
-            tokens = seq.block_tokens(i)
-            prefix = block_hash(tokens, prefix)
-            block_id = self._hash_to_block.get(prefix)
+        bs, tokens, index, blocks = self.block_size, seq.token_ids, self._hash_to_block, self.blocks
+        for i, h in enumerate(self._hashes(seq, (len(seq) - 1) // bs)):
+            block_id = index.get(h)
             # Compare tokens too: a hash collision must never serve another prompt's KV.
-            if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
+            if block_id is None or blocks[block_id].token_ids != tuple(tokens[i * bs : (i + 1) * bs]):
                 break
             hits.append(block_id)
+        self._lookup = (seq, len(seq), self._index_version, hits)
         return hits
 
     def cached_prefix_len(self, seq: Sequence) -> int:
@@ -136,9 +162,10 @@ class BlockManager:
 
     def blocks_needed(self, seq: Sequence) -> int:
         """Free blocks that allocating ``seq`` now would consume (cache hits in use cost nothing)."""
-        hits = self._cached_prefix(seq)
-        in_use = sum(1 for b in hits if self.blocks[b].ref_count > 0)
-        return seq.num_blocks - in_use
+        return self._blocks_needed(seq, self._cached_prefix(seq))
+
+    def _blocks_needed(self, seq: Sequence, hits: list[int]) -> int:
+        return seq.num_blocks - sum(1 for b in hits if self.blocks[b].ref_count > 0)
 
     def can_allocate(self, seq: Sequence) -> bool:
         return self.blocks_needed(seq) <= len(self._free)
@@ -152,9 +179,9 @@ class BlockManager:
         """
         if seq.block_table:
             raise RuntimeError(f"sequence {seq.seq_id} already has blocks")
-        if not self.can_allocate(seq):
-            raise RuntimeError(f"not enough free KV blocks for sequence {seq.seq_id}")
         hits = self._cached_prefix(seq)
+        if self._blocks_needed(seq, hits) > len(self._free):
+            raise RuntimeError(f"not enough free KV blocks for sequence {seq.seq_id}")
         parent: int | None = None
         for block_id in hits:
             block = self.blocks[block_id]
@@ -165,26 +192,32 @@ class BlockManager:
             if self.events is not None and block.hash is not None:
                 self.events.stored(block.hash, parent, block.token_ids)  # a reuse: subscribers see it is hot
                 parent = block.hash
-        for _ in range(len(hits), seq.num_blocks):
-            seq.block_table.append(self._take_free().block_id)
+        seq.block_table += self._take_free_blocks(seq.num_blocks - len(hits))
         seq.num_cached_tokens = len(hits) * self.block_size
         self._prefix_queries += len(seq)
         self._prefix_hits += seq.num_cached_tokens
 
     def mark_computed(self, seq: Sequence, num_tokens: int) -> None:
         """Record that the KV of ``seq``'s first ``num_tokens`` tokens is written; index full blocks."""
-        first = seq.num_cached_tokens // self.block_size
+        first, end = seq.num_cached_tokens // self.block_size, num_tokens // self.block_size
         seq.num_cached_tokens = num_tokens
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or first >= end:
             return
-        for i in range(first, num_tokens // self.block_size):
-            block = self.blocks[seq.block_table[i]]
+        blocks, table, bs = self.blocks, seq.block_table, self.block_size
+        if first > 0 and blocks[table[first - 1]].hash is None:
+            return  # the chain is broken (e.g. an index entry was evicted): nothing later can hit
+        hashes, tokens = self._hashes(seq, end), seq.token_ids
+        index, events = self._hash_to_block, self.events
+        for i in range(first, end):  # each block indexed leaves the chain whole for the next
+            block = blocks[table[i]]
             if block.hash is not None:
                 continue  # a prefix-cache hit: already indexed
-            prev = self.blocks[seq.block_table[i - 1]].hash if i > 0 else None
-            if i > 0 and prev is None:
-                return  # the chain is broken (e.g. an index entry was evicted): nothing later can hit
-            self._register(block, seq.block_tokens(i), prev)
+            h = block.hash = hashes[i]
+            block.token_ids = tuple(tokens[i * bs : (i + 1) * bs])
+            index[h] = block.block_id
+            if events is not None and (not self._announced or self._settle(block) != h):
+                events.stored(h, hashes[i - 1] if i > 0 else None, block.token_ids)  # not reported when scheduled
+        self._index_version += 1
 
     def announce(self, seq: Sequence, num_tokens: int) -> None:
         """Report as stored the full blocks that the step about to run writes for ``seq`` (up to
@@ -206,15 +239,15 @@ class BlockManager:
             prev = before.hash if before.hash is not None else self._announced.get(before.block_id)
             if prev is None:
                 return  # the chain is broken: nothing after it can be found
+        hashes = self._hashes(seq, end)
         for i in range(first, end):
             block = self.blocks[seq.block_table[i]]
             known = block.hash if block.hash is not None else self._announced.get(block.block_id)
             if known is None:
-                tokens = seq.block_tokens(i)
-                known = block_hash(tokens, prev)
+                known = hashes[i]
                 self._announced[block.block_id] = known
                 self._pending[known] += 1
-                self.events.stored(known, prev, tokens)
+                self.events.stored(known, prev, seq.block_tokens(i))
             prev = known
 
     def _settle(self, block: Block) -> int | None:
@@ -237,6 +270,8 @@ class BlockManager:
         for block_id in parent.block_table[:num_blocks]:
             self.blocks[block_id].ref_count += 1
             child.block_table.append(block_id)
+        if not child.block_hashes:  # the same tokens: the same hashes
+            child.block_hashes = parent.block_hashes[:num_blocks]
         child.num_cached_tokens = num_blocks * self.block_size
 
     def deallocate(self, seq: Sequence) -> None:
@@ -306,24 +341,30 @@ class BlockManager:
 
     # -- internals -------------------------------------------------------------------------------
 
+    def _take_free_blocks(self, count: int) -> list[int]:
+        """``count`` blocks off the cold end of the free list (as ``_take_free``, in one loop)."""
+        if count > len(self._free):
+            raise RuntimeError("KV block pool exhausted")
+        free, blocks, forget = self._free, self.blocks, self._forget
+        taken: list[int] = []
+        for _ in range(count):
+            block_id, _ = free.popitem(last=False)
+            block = blocks[block_id]
+            if block.hash is not None and forget(block):
+                self._evicted += 1  # a reusable prefix lost: the pool ran short
+            block.ref_count = 1
+            taken.append(block_id)
+        return taken
+
     def _take_free(self) -> Block:
         if not self._free:
             raise RuntimeError("KV block pool exhausted")
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
-        if self._forget(block):
+        if block.hash is not None and self._forget(block):
             self._evicted += 1  # a reusable prefix lost: the pool ran short
         block.ref_count = 1
         return block
-
-    def _register(self, block: Block, tokens: list[int], prefix: int | None) -> int:
-        h = block_hash(tokens, prefix)
-        block.hash = h
-        block.token_ids = tuple(tokens)
-        self._hash_to_block[h] = block.block_id
-        if self.events is not None and (not self._announced or self._settle(block) != h):
-            self.events.stored(h, prefix, block.token_ids)  # not reported when its step was scheduled
-        return h
 
     def _forget(self, block: Block) -> bool:
         """Drop ``block``'s prefix hash; whether the hash index lost an entry (the block was findable)."""
@@ -331,6 +372,7 @@ class BlockManager:
         if block.hash is not None and self._hash_to_block.get(block.hash) == block.block_id:
             dropped = True
             del self._hash_to_block[block.hash]
+            self._index_version += 1
             if self.events is not None:
                 self.events.removed(block.hash)
                 if block.hash in self._pending:

@@ -7,8 +7,10 @@ asks, over the handshake port, for the blocks to be written into blocks it reser
 Mooncake, then continues from the first token as if it had prefilled the prompt itself.
 
 This module owns the Mooncake agent, the memory backend (direct, or a staging buffer) and the
-producer / consumer for the server; the transfer mechanics live in `engine.kv_transfer`, the
-bookkeeping of blocks in the LLMEngine.
+producer / consumer; the transfer mechanics live in `engine.kv_transfer`. It moves block ids and
+never touches a sequence: the engine's facade (`engine.async_engine`) owns each request's transfer,
+its blocks and their release, and calls `offer` / `pull` here. What it needs of the engine's KV
+memory comes through the narrow `KVMemory` interface.
 """
 
 from __future__ import annotations
@@ -18,14 +20,15 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+import torch
 
 from engine.args import KVTransferConfig
-from engine.errors import BindError, InvalidRequestError
+from engine.errors import BindError
 from engine.kv_transfer import (
-    SKIP,
     KVConsumer,
     KVProducer,
     KVTransferError,
@@ -35,11 +38,9 @@ from engine.kv_transfer import (
 )
 from engine.kv_transfer.backend import MemoryBackend, choose_backend, installed_wheel, parse_backend
 from engine.kv_transfer.ipc import IpcMode, IpcPeers, IpcUnavailable, PoolExport
-from engine.kv_transfer.layout import region_views, view_region
+from engine.kv_transfer.layout import view_region
 from engine.kv_transfer.staging import SLOTS_PER_TRANSFER, StagingBuffer
 from engine.kv_transfer.transport import HostFacts, TransportChoice, choose_transport
-from engine.llm_engine import LLMEngine
-from engine.sequence import Sequence
 
 log = logging.getLogger("engine.disagg")
 
@@ -51,6 +52,28 @@ WRITE_GRACE_SECS = 30.0
 AGENT_PROBE_SECS = 10.0
 AGENT_PROBE_TIMEOUT_SECS = 10.0
 AGENT_PROBE_FAILURES = 2
+
+
+class KVMemory(Protocol):
+    """What the relay needs of an engine's KV memory: its device, and the cache regions it registers."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel ranks whose caches ``kv_views`` holds, rank after rank (1 without parallelism)."""
+        ...
+
+    def kv_views(self) -> list[torch.Tensor]:
+        """One view per region (each layer's K and V, then the indexer caches), blocks first, over the
+        blocks the engine hands out (``engine.kv_transfer.layout.region_views``)."""
+        ...
+
+
+class HasDevice(Protocol):
+    @property
+    def device(self) -> torch.device: ...
 
 
 class RelayConfigError(ValueError):
@@ -67,7 +90,7 @@ def advertised_host(bind_host: str) -> str:
         return "127.0.0.1"
 
 
-def transfer_backend(engine: LLMEngine, config: KVTransferConfig) -> tuple[MemoryBackend, str] | None:
+def transfer_backend(engine: HasDevice, config: KVTransferConfig) -> tuple[MemoryBackend, str] | None:
     """The memory backend this engine's KV relay uses and why (None without a relay).
 
     Raises ValueError, before serving, for a backend this installation cannot do (``direct`` on
@@ -88,7 +111,7 @@ def ipc_mode(config: KVTransferConfig) -> IpcMode:
     return IpcMode.AUTO if config.protocol is None else IpcMode.OFF
 
 
-def transfer_transport(engine: LLMEngine, config: KVTransferConfig, backend: MemoryBackend) -> TransportChoice:
+def transfer_transport(engine: HasDevice, config: KVTransferConfig, backend: MemoryBackend) -> TransportChoice:
     """The Mooncake transport this engine's relay uses and why; raises ValueError when it cannot work.
 
     With ``protocol`` ipc Mooncake is chosen as when it is left out: it carries nothing but the agent.
@@ -101,7 +124,7 @@ def transfer_transport(engine: LLMEngine, config: KVTransferConfig, backend: Mem
         raise ValueError(f"--kv-transfer-config: {exc}") from None
 
 
-def check_transfer_support(engine: LLMEngine, config: KVTransferConfig) -> None:
+def check_transfer_support(engine: HasDevice, config: KVTransferConfig) -> None:
     """Refuse, before serving, a KV relay this installation cannot do (raises ValueError)."""
     chosen = transfer_backend(engine, config)
     if chosen is not None:
@@ -124,11 +147,11 @@ class TransferStats:
 class Disaggregation:
     """Owns the Mooncake agent and this engine's role in the KV relay."""
 
-    def __init__(self, engine: LLMEngine, config: KVTransferConfig, bind_host: str,
+    def __init__(self, memory: KVMemory, config: KVTransferConfig, bind_host: str,
                  transfer_timeout: float = 30.0) -> None:
         if config.kv_role not in (PRODUCER, CONSUMER):
             raise ValueError(f"kv_role {config.kv_role!r}: this engine is either kv_producer or kv_consumer")
-        self.engine = engine
+        self.memory = memory
         self.config = config
         self.role = config.kv_role
         self.bind_host = bind_host  # the handshake server listens here (the engine's --host), nowhere else
@@ -142,7 +165,7 @@ class Disaggregation:
         self.consumer: KVConsumer | None = None
         self.ipc = ipc_mode(config)
         self._ipc_off_why = f"protocol {config.protocol} asked for"
-        if engine.args.tensor_parallel_size > 1 and self.ipc is not IpcMode.OFF:
+        if memory.tp_size > 1 and self.ipc is not IpcMode.OFF:
             # Rank 0 holds the other ranks' caches mapped from their processes; mapped memory is not exported again.
             if self.ipc is IpcMode.FORCED:
                 raise ValueError("--kv-transfer-config protocol ipc with --tensor-parallel-size > 1 is not supported "
@@ -151,24 +174,19 @@ class Disaggregation:
             self.ipc = IpcMode.OFF
             self._ipc_off_why = "tensor parallel: rank 0 cannot export the caches it maps from the other ranks"
         self.peers: IpcPeers | None = None  # decode: producers mapped over ipc, or pulled through Mooncake
-        # Reservations held back after a failed pull, until the producer can no longer write into them.
-        self._grace: dict[asyncio.TimerHandle, Sequence] = {}
         # Told once when the KV agent stops working (the server marks the engine dead); see _watch_agent.
         self.on_agent_dead: Callable[[BaseException], None] | None = None
         self.probe_secs = AGENT_PROBE_SECS
         self._watchdog: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        chosen = transfer_backend(self.engine, self.config)
+        chosen = transfer_backend(self.memory, self.config)
         assert chosen is not None
         self.backend, why = chosen
-        # Ids come from the engine's pool: the cache tensors may hold more blocks (scratch) than it hands out.
-        # Every tensor-parallel rank's caches, rank after rank (rank 0 maps them all): the peer's rank r pairs
-        # with ours.
-        views = region_views(*self.engine.transfer_caches(), num_blocks=self.engine.num_blocks)
+        views = self.memory.kv_views()
         export = self._export_pools(views) if self.role == PRODUCER else None
         regions = [view_region(v) for v in views]  # after the export: on CPU it moved the caches into shared memory
-        transport = transfer_transport(self.engine, self.config, self.backend)
+        transport = transfer_transport(self.memory, self.config, self.backend)
         inflight = self.config.max_inflight_pulls
         if self.backend is MemoryBackend.STAGED:  # two slots per transfer in flight: a pipeline two chunks deep
             try:
@@ -187,7 +205,7 @@ class Disaggregation:
             self.producer = KVProducer(self.agent, regions, host=self.host,
                                        handshake_port=self.config.handshake_port or 0, bind_host=self.bind_host,
                                        timeout_s=self.transfer_timeout, staging=self.staging,
-                                       tp_size=self.engine.args.tensor_parallel_size, ipc=export,
+                                       tp_size=self.memory.tp_size, ipc=export,
                                        ipc_only=self.ipc is IpcMode.FORCED)
             try:
                 await self.producer.start()
@@ -204,7 +222,7 @@ class Disaggregation:
             }[self.ipc])  # fmt: skip
             self.consumer = KVConsumer(self.agent, regions, staging=self.staging, slot_grace_s=WRITE_GRACE_SECS,
                                        max_inflight=inflight, ipc=self.peers,
-                                       tp_size=self.engine.args.tensor_parallel_size)  # fmt: skip
+                                       tp_size=self.memory.tp_size)  # fmt: skip
         staging = ""
         if self.staging:
             host = "pinned" if self.staging.host.is_pinned() else "plain"
@@ -261,11 +279,7 @@ class Disaggregation:
             await asyncio.gather(self._watchdog, return_exceptions=True)
             self._watchdog = None
         if self.producer is not None:
-            await self.producer.close()  # releases whatever is still pending
-        for handle, seq in list(self._grace.items()):
-            handle.cancel()
-            self.engine.release(seq)  # nothing writes into them once we are gone
-        self._grace.clear()
+            await self.producer.close()  # every pending offer ends (CLOSED): its owner frees the blocks
         if self.agent is not None:
             self.agent.close()
         if self.staging is not None:
@@ -289,67 +303,38 @@ class Disaggregation:
 
     # -- prefill side --------------------------------------------------------------------------------
 
-    def offer(self, seq: Sequence, release: Callable[[], None]) -> dict[str, Any]:
-        """Pin a finished prefill's prompt blocks for decode to pull; returns its kv_transfer_params."""
-        if self.producer is None:
-            raise InvalidRequestError("this engine is not a kv_producer; it cannot serve do_remote_decode requests")
-        blocks = seq.block_table[: (seq.num_prompt_tokens + seq.block_size - 1) // seq.block_size]
+    def offer(self, block_ids: Sequence[int], first_token_id: int, prefix_hit_tokens: int,
+              on_release: Callable[[], None]) -> dict[str, Any]:  # fmt: skip
+        """Pin a finished prefill's prompt blocks for decode to pull; returns its kv_transfer_params.
 
-        def on_release(reason: ReleaseReason) -> None:
+        ``on_release`` is called once, on the event loop, when the blocks may be freed (pulled, refused,
+        expired, or the relay stopped)."""
+        assert self.producer is not None, "offer on a relay that is not a kv_producer"
+
+        def released(reason: ReleaseReason) -> None:
             self.stats.released[reason.value] = self.stats.released.get(reason.value, 0) + 1
-            release()
+            on_release()
 
-        params = self.producer.offer(blocks, seq.completion_ids[0], on_release,
-                                     prefix_cache_hit_tokens=seq.prefix_hit_tokens)
+        params = self.producer.offer(block_ids, first_token_id, released, prefix_cache_hit_tokens=prefix_hit_tokens)
         self.stats.offered += 1
         return params.to_dict()
 
     # -- decode side ---------------------------------------------------------------------------------
 
     def parse(self, raw: dict[str, Any]) -> KVTransferParams:
-        if self.consumer is None:
-            raise InvalidRequestError("this engine is not a kv_consumer; it cannot serve do_remote_prefill requests")
         return KVTransferParams.from_dict(raw)
 
-    async def pull(self, seq: Sequence, params: KVTransferParams) -> None:
-        """Fill `seq`'s reserved blocks with the prompt's KV from the producer; raises KVTransferError.
+    async def pull(self, params: KVTransferParams, dst_block_ids: Sequence[int]) -> None:
+        """Have the producer write ``params``' blocks into ``dst_block_ids`` (``SKIP``: held here already).
 
-        On failure the reservation is given back (after a grace period when the producer may still
-        be writing into it).
-        """
-        assert self.consumer is not None
-        bs = seq.block_size
-        needed = (seq.num_prompt_tokens + bs - 1) // bs
-        if len(params.remote_block_ids) != needed:
-            self.engine.release(seq)
-            raise InvalidRequestError(
-                f"kv_transfer_params carry {len(params.remote_block_ids)} blocks but this prompt needs {needed} "
-                "here: prefill and decode must run the same model and tokenizer")
-        have = seq.num_cached_tokens // bs  # leading blocks the local prefix cache already holds
-        dst = [SKIP if i < have else seq.block_table[i] for i in range(needed)]
+        Raises KVTransferError (``dst_may_be_written`` says whether a late write may still land in the
+        destination blocks), or CancelledError, in which case a late write may land too."""
+        assert self.consumer is not None, "pull on a relay that is not a kv_consumer"
         started = time.monotonic()
         try:
-            await self.consumer.pull(params, dst)
-        except BaseException as exc:
-            may_be_written = isinstance(exc, asyncio.CancelledError) or (
-                isinstance(exc, KVTransferError) and exc.dst_may_be_written)
-            if isinstance(exc, KVTransferError):
-                self.stats.pull_failures[exc.reason] = self.stats.pull_failures.get(exc.reason, 0) + 1
-            self._release_later(seq, WRITE_GRACE_SECS if may_be_written else 0.0)
+            await self.consumer.pull(params, dst_block_ids)
+        except KVTransferError as exc:
+            self.stats.pull_failures[exc.reason] = self.stats.pull_failures.get(exc.reason, 0) + 1
             raise
         self.stats.pulled += 1
         self.stats.pull_seconds += time.monotonic() - started
-
-    def _release_later(self, seq: Sequence, delay: float) -> None:
-        if delay <= 0:
-            self.engine.release(seq)
-            return
-        loop = asyncio.get_running_loop()
-        handle: asyncio.TimerHandle
-
-        def release() -> None:
-            self._grace.pop(handle, None)
-            self.engine.release(seq)
-
-        handle = loop.call_later(delay, release)
-        self._grace[handle] = seq

@@ -26,6 +26,7 @@ from engine.errors import (
 )
 from engine.kernels import interpret_mode, triton_importable
 from engine.kv_events import EventRecorder
+from engine.kv_transfer.layout import region_views
 from engine.model_runner import ModelRunner, StepInput, kv_cache_dtype
 from engine.models.eagle3 import load_eagle3
 from engine.models.loader import LoadedModel, load_model
@@ -287,6 +288,17 @@ class LLMEngine:
         if spec.method == "eagle3" and self.drafter is not None:
             return EagleProposer(self.drafter, spec.num_speculative_tokens)
         raise ValueError(f"speculative method {spec.method!r} is not implemented")
+
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel ranks of this engine (``--tensor-parallel-size``)."""
+        return self.args.tensor_parallel_size
+
+    def kv_views(self) -> list[torch.Tensor]:
+        """The KV cache as the relay registers it: one ``[num_blocks, bytes]`` view per region (each layer's
+        K and V, then the indexer caches), every tensor-parallel rank's, rank after rank (rank 0 maps them all;
+        the peer's rank r pairs with ours). Ids are the pool's: a trailing scratch block is left out."""
+        return region_views(*self.transfer_caches(), num_blocks=self.num_blocks)
 
     # -- admission ---------------------------------------------------------------------------------
 

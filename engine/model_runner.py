@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -30,31 +30,74 @@ GRAPH_AND_SLACK_BYTES = 2 << 30
 
 
 @dataclass(frozen=True, slots=True)
-class StepInput:
-    """A batch turned into model inputs; built on the event-loop thread, consumed on the model thread.
+class DecodeGraphStep:
+    """A decode-only step that a captured decode graph serves: its inputs are staged in ``graph``'s buffers."""
 
-    Holding only tensors and values (no live Sequence objects) lets a request be aborted while the
-    step runs without the step seeing its sequence change. A decode step that a captured CUDA graph
-    serves has its inputs staged in that graph family's buffers instead (``graph``).
-    """
-
-    input_ids: torch.Tensor | None
-    positions: torch.Tensor | None
-    meta: AttentionMetadata | None
-    logits_indices: torch.Tensor | None  # which hidden rows produce a next token (one per sequence)
-    rows: tuple[SampleRow, ...]  # how to sample each of those rows
-    graph: DecodeGraphs | MixedGraphs | None = None  # the graphs whose buffers hold the staged inputs
+    graph: DecodeGraphs
+    rows: tuple[SampleRow, ...]  # how to sample each sequence's next token
     bitmask: torch.Tensor | None = None  # structured-output token masks of ``bitmask_rows``
+    bitmask_rows: tuple[int, ...] = ()
+    drafts: tuple[tuple[int, ...], ...] = ()  # never any: verify rows are not decodes
+
+
+@dataclass(frozen=True, slots=True)
+class MixedGraphStep:
+    """A step with prompt tokens (or verify rows) that a captured mixed-step graph serves, staged in ``graph``."""
+
+    graph: MixedGraphs
+    rows: tuple[SampleRow, ...]
+    bitmask: torch.Tensor | None = None
+    bitmask_rows: tuple[int, ...] = ()
+    # Speculative decoding: each sampled row's drafts, when any row has some. A verify row has
+    # ``1 + len(drafts)`` logits rows (its last token's and each draft's), in order.
+    drafts: tuple[tuple[int, ...], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EagerStep:
+    """A step run eagerly: the model's input tensors, its attention metadata and what to sample."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # which hidden rows produce a next token (one per sampled row, 1 + k per verify row)
+    rows: tuple[SampleRow, ...]
+    bitmask: torch.Tensor | None = None
     bitmask_rows: tuple[int, ...] = ()
     # prompt_logprobs: the hidden rows that score prompt tokens, those tokens, and per sequence
     # (seq_id, how many of the rows, top k)
     prompt_rows: torch.Tensor | None = None
     prompt_targets: torch.Tensor | None = None
     prompt_seqs: tuple[tuple[int, int, int], ...] = ()
-    # Speculative decoding: each row's drafts, when any row has some. A verify row has ``1 + len(drafts)``
-    # logits rows (its last token's and each draft's), in ``logits_indices`` order.
     drafts: tuple[tuple[int, ...], ...] = ()
     eagle: EagleRows | None = None  # an EAGLE-3 head drafts for (and learns from) this step's sequences
+
+
+# One step's inputs, built on the event-loop thread, consumed on the model thread. Holding only tensors and
+# values (no live Sequence objects) lets a request be aborted while the step runs without the step seeing
+# its sequence change.
+StepInput = DecodeGraphStep | MixedGraphStep | EagerStep
+
+
+@dataclass(slots=True)
+class _FlatBatch:
+    """The scheduled sequences laid end to end: every new token's id, position and cache slot, and which
+    hidden rows are sampled (what both a mixed-step graph and an eager step are made from)."""
+
+    ids: list[int]
+    positions: np.ndarray
+    slots: np.ndarray
+    query_lens: list[int]
+    cached_lens: list[int]
+    context_lens: list[int]
+    sampled: list[Sequence]
+    logits_rows: list[int]
+    prompt_rows: list[int]  # hidden rows whose logits score the next prompt token (prompt_logprobs)
+    prompt_targets: list[int]
+    prompt_seqs: list[tuple[int, int, int]]  # (seq_id, rows, top k)
+    drafts: tuple[tuple[int, ...], ...]  # per sampled sequence, when any has drafts (verify rows); else ()
+    sampled_at: list[int] = field(default_factory=list)  # per sequence: its sampled row, -1 for none (EAGLE-3)
+    next_token: list[int] = field(default_factory=list)  # per sequence: the token after its chunk, -1 past its end
 
 
 def sample_rows(seqs: Seq[Sequence], vocab_size: int) -> tuple[tuple[SampleRow, ...], torch.Tensor | None,
@@ -260,75 +303,81 @@ class ModelRunner:
     # -- one step -----------------------------------------------------------------------------------
 
     def prepare(self, seqs: Seq[Sequence], num_new_tokens: Seq[int], num_decodes: int) -> StepInput:
-        """Turn the scheduled sequences into the inputs of one step.
+        """Turn the scheduled sequences into the inputs of one step, of the kind that serves it.
 
         The first ``num_decodes`` sequences decode one token; the others compute ``num_new_tokens``
-        prompt tokens from their first uncached one, and only those that reach their last token get
-        a logits row (and a sampled token).
+        prompt tokens (or a verify row's drafts) from their first uncached one, and only those that reach
+        their last token get a logits row (and a sampled token).
         """
         # An EAGLE-3 step reads the target's hidden states, which the captured graphs do not hand out: eager.
         eagle = self.drafter is not None and any(can_speculate(s) for s in seqs)
         graphs = None if eagle else self.graphs
         if graphs is not None and num_decodes == len(seqs) and graphs.fits(len(seqs)) and (
                 not self.indexer_caches or self.sparse_topk == graphs.sparse_topk):  # fmt: skip
-            graphs.stage(seqs)
-            rows, mask, masked = sample_rows(seqs, self.config.vocab_size)
-            return StepInput(None, None, None, None, rows, graph=graphs, bitmask=mask, bitmask_rows=masked)
+            return self._decode_graph_step(graphs, seqs)
+        flat = self._flatten(seqs, num_new_tokens)
+        mixed = None if eagle else self.mixed_graphs
+        # Verify rows replay the graphs of steps with prompt tokens too: their 1 + k logits rows each fit in the
+        # graph's logits rows (one per seat) as long as there are no more of them than seats.
+        if (mixed is not None and not self.indexer_caches and not flat.prompt_rows
+                and mixed.fits(len(flat.ids), len(seqs)) and len(flat.logits_rows) <= mixed.max_seqs):  # fmt: skip
+            return self._mixed_graph_step(mixed, seqs, flat)
+        return self._eager_step(seqs, flat, num_decodes, eagle)
+
+    def _decode_graph_step(self, graphs: DecodeGraphs, seqs: Seq[Sequence]) -> DecodeGraphStep:
+        graphs.stage(seqs)
+        rows, mask, masked = sample_rows(seqs, self.config.vocab_size)
+        return DecodeGraphStep(graphs, rows, mask, masked)
+
+    def _flatten(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> _FlatBatch:
         bs = self.block_size
-        ids: list[int] = []
+        flat = _FlatBatch([], np.empty(0, np.int64), np.empty(0, np.int64), [], [], [], [], [], [], [], [], ())
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
-        query_lens: list[int] = []
-        cached_lens: list[int] = []
-        context_lens: list[int] = []
-        sampled: list[Sequence] = []
-        logits_rows: list[int] = []
-        prompt_rows: list[int] = []  # hidden rows whose logits score the next prompt token (prompt_logprobs)
-        prompt_targets: list[int] = []
-        prompt_seqs: list[tuple[int, int, int]] = []  # (seq_id, rows, top k)
-        drafts: list[tuple[int, ...]] = []  # per sampled sequence (verify rows: its drafts)
-        sampled_at: list[int] = []  # per sequence: its sampled row, -1 for none
-        next_token: list[int] = []  # per sequence: the token after its chunk, -1 past its end
+        drafts: list[tuple[int, ...]] = []
+        total = 0  # hidden rows so far
         for seq, n in zip(seqs, num_new_tokens, strict=True):
             start = seq.num_cached_tokens
             end = start + n
             extra = seq.draft_tokens[: max(end - len(seq), 0)]  # a verify row: the drafts after its last token
             table = np.asarray(seq.block_table, dtype=np.int64)
             pos = np.arange(start, end, dtype=np.int64)
-            ids.extend(seq.token_ids[start:end])
-            ids.extend(extra)
+            flat.ids.extend(seq.token_ids[start:end])
+            flat.ids.extend(extra)
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
-            query_lens.append(n)
-            cached_lens.append(start)
-            context_lens.append(end)
+            flat.query_lens.append(n)
+            flat.cached_lens.append(start)
+            flat.context_lens.append(end)
             k = seq.params.prompt_logprobs
             if k is not None:
                 # Positions p score token p + 1; those already scored (a preempted prompt) are skipped.
                 first, last = max(start, len(seq.prompt_logprobs)), min(end, seq.num_prompt_tokens - 1)
                 if last > first:
-                    base = sum(query_lens) - n - start
-                    prompt_rows += range(base + first, base + last)
-                    prompt_targets += seq.token_ids[first + 1 : last + 1]
-                    prompt_seqs.append((seq.seq_id, last - first, k))
-            next_token.append(seq.token_ids[end] if end < len(seq) else -1)
-            sampled_at.append(len(sampled) if end == len(seq) + len(extra) else -1)
+                    base = total - start
+                    flat.prompt_rows += range(base + first, base + last)
+                    flat.prompt_targets += seq.token_ids[first + 1 : last + 1]
+                    flat.prompt_seqs.append((seq.seq_id, last - first, k))
+            total += n
+            flat.next_token.append(seq.token_ids[end] if end < len(seq) else -1)
+            flat.sampled_at.append(len(flat.sampled) if end == len(seq) + len(extra) else -1)
             if end == len(seq) + len(extra):
-                sampled.append(seq)
-                total = sum(query_lens)
-                logits_rows.extend(range(total - 1 - len(extra), total))
+                flat.sampled.append(seq)
+                flat.logits_rows.extend(range(total - 1 - len(extra), total))
                 drafts.append(tuple(extra))
-        verify = any(drafts)
-        mixed = None if eagle else self.mixed_graphs
-        # Verify rows replay the graphs of steps with prompt tokens too: their 1 + k logits rows each fit in the
-        # graph's logits rows (one per seat) as long as there are no more of them than seats.
-        if (mixed is not None and not self.indexer_caches and not prompt_rows and mixed.fits(len(ids), len(seqs))
-                and len(logits_rows) <= mixed.max_seqs):  # fmt: skip
-            mixed.stage(np.asarray(ids, dtype=np.int32), np.concatenate(positions), np.concatenate(slots), query_lens,
-                        context_lens, [s.block_table for s in seqs], logits_rows)  # fmt: skip
-            rows, mask, masked = sample_rows(sampled, self.config.vocab_size)
-            return StepInput(None, None, None, None, rows, graph=mixed, bitmask=mask, bitmask_rows=masked,
-                             drafts=tuple(drafts) if verify else ())  # fmt: skip
+        flat.positions, flat.slots = np.concatenate(positions), np.concatenate(slots)
+        flat.drafts = tuple(drafts) if any(drafts) else ()
+        return flat
+
+    def _mixed_graph_step(self, mixed: MixedGraphs, seqs: Seq[Sequence], flat: _FlatBatch) -> MixedGraphStep:
+        mixed.stage(np.asarray(flat.ids, dtype=np.int32), flat.positions, flat.slots, flat.query_lens,
+                    flat.context_lens, [s.block_table for s in seqs], flat.logits_rows)  # fmt: skip
+        rows, mask, masked = sample_rows(flat.sampled, self.config.vocab_size)
+        return MixedGraphStep(mixed, rows, mask, masked, flat.drafts)
+
+    def _eager_step(self, seqs: Seq[Sequence], flat: _FlatBatch, num_decodes: int, eagle: bool) -> EagerStep:
+        bs = self.block_size
+        query_lens, context_lens = flat.query_lens, flat.context_lens
         max_blocks = max(len(s.block_table) for s in seqs)
         tables = np.zeros((len(seqs), max_blocks), dtype=np.int64)
         for i, seq in enumerate(seqs):
@@ -340,11 +389,11 @@ class ModelRunner:
         decode_width = max((len(s.block_table) for s in seqs[:num_decodes]), default=0)
         meta = AttentionMetadata(
             num_decodes=num_decodes,
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device=dev, dtype=idx),
+            slot_mapping=torch.from_numpy(flat.slots).to(device=dev, dtype=idx),
             block_tables=torch.from_numpy(tables).to(device=dev, dtype=idx),
             context_lens=context,
             query_lens=query_lens,
-            cached_lens=cached_lens,
+            cached_lens=flat.cached_lens,
             max_query_len=max(query_lens),
             max_context=max(context_lens),
             sparse_topk=self.sparse_topk,
@@ -356,47 +405,47 @@ class ModelRunner:
             if num_decodes == len(seqs):
                 meta.num_splits = decode_splits(len(seqs), self.kv_heads, meta.max_context, dev)
         else:
-            meta.prefill_groups, meta.cached_seqs = plan_prefill(query_lens, cached_lens, dev, first=num_decodes)
+            meta.prefill_groups, meta.cached_seqs = plan_prefill(query_lens, flat.cached_lens, dev, first=num_decodes)
             meta.decode_width = decode_width
             if num_decodes:
                 meta.decode_mask = decode_mask(context[:num_decodes], decode_width * bs)
-        rows, mask, masked = sample_rows(sampled, self.config.vocab_size)
+        rows, mask, masked = sample_rows(flat.sampled, self.config.vocab_size)
+        prompt = bool(flat.prompt_rows)
         eagle_rows = None
         if eagle:
             starts = np.zeros(len(seqs), dtype=np.int64)
             np.cumsum(query_lens[:-1], out=starts[1:])
             eagle_rows = EagleRows(
                 seq_ids=tuple(s.seq_id for s in seqs), starts=tuple(starts.tolist()), lens=tuple(query_lens),
-                ids=np.asarray(ids, dtype=np.int64), positions=np.concatenate(positions), slots=np.concatenate(slots),
+                ids=np.asarray(flat.ids, dtype=np.int64), positions=flat.positions, slots=flat.slots,
                 tables=tuple(list(s.block_table) for s in seqs), speculate=tuple(can_speculate(s) for s in seqs),
-                sampled=tuple(sampled_at), next_token=tuple(next_token),
+                sampled=tuple(flat.sampled_at), next_token=tuple(flat.next_token),
                 num_drafts=tuple(len(s.draft_tokens) for s in seqs),
             )  # fmt: skip
-        return StepInput(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.from_numpy(np.concatenate(positions)).to(device=dev, dtype=idx),
+        return EagerStep(
+            input_ids=torch.tensor(flat.ids, dtype=torch.int64, device=dev),
+            positions=torch.from_numpy(flat.positions).to(device=dev, dtype=idx),
             meta=meta,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+            logits_indices=torch.tensor(flat.logits_rows, dtype=torch.int64, device=dev),
             rows=rows,
             bitmask=mask,
             bitmask_rows=masked,
-            prompt_rows=torch.tensor(prompt_rows, dtype=torch.int64, device=dev) if prompt_rows else None,
-            prompt_targets=torch.tensor(prompt_targets, dtype=torch.int64, device=dev) if prompt_rows else None,
-            prompt_seqs=tuple(prompt_seqs),
-            drafts=tuple(drafts) if verify else (),
+            prompt_rows=torch.tensor(flat.prompt_rows, dtype=torch.int64, device=dev) if prompt else None,
+            prompt_targets=torch.tensor(flat.prompt_targets, dtype=torch.int64, device=dev) if prompt else None,
+            prompt_seqs=tuple(flat.prompt_seqs),
+            drafts=flat.drafts,
             eagle=eagle_rows,
         )
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> SampleOutput:
         """Run the forward pass and sample one token per sequence that reached its end."""
-        if step.graph is not None:
+        if not isinstance(step, EagerStep):  # a captured graph's staged inputs
             if step.drafts:  # a verify step: every logits row of its verify rows
                 logits, _ = step.graph.replay(sum(1 + len(d) for d in step.drafts))
                 return self._verify(logits, step, {})
             logits, greedy = step.graph.replay(len(step.rows))
             return self.sampler.sample(logits, step.rows, greedy, step.bitmask, step.bitmask_rows)
-        assert step.input_ids is not None and step.positions is not None and step.meta is not None
         aux: dict[int, torch.Tensor] | None = None
         if step.eagle is not None:
             step = self._draft(step)
@@ -425,10 +474,10 @@ class ModelRunner:
             self.drafter.catch_up(step.eagle, fused, produced)
         return out
 
-    def _draft(self, step: StepInput) -> StepInput:
+    def _draft(self, step: EagerStep) -> EagerStep:
         """An EAGLE-3 step: the head proposes the drafts the scheduler made room for; they replace the
         placeholders in the step's inputs."""
-        assert self.drafter is not None and step.eagle is not None and step.input_ids is not None
+        assert self.drafter is not None and step.eagle is not None
         rows = step.eagle
         drafted = self.drafter.draft(rows)
         at = [rows.starts[i] + 1 + j for i, d in enumerate(drafted) for j in range(len(d))]

@@ -44,8 +44,7 @@ from engine.protocol import (
     validated,
 )
 from engine.responses import ChatExtras, Choice, Head
-from engine.sequence import SamplingParams, TokenLogprob
-from engine.sequence import Sequence as EngineSequence
+from engine.sequence import SamplingParams
 from engine.structured import GrammarCompiler
 from engine.tools import ForcedParser, ToolParser, hermes_system_prompt, make_parser, tools_for_template
 from engine.tracing import EngineTracing
@@ -66,7 +65,7 @@ class ServerState:
     args: EngineArgs
     served_model_name: str
     metrics: ServerMetrics
-    disagg: Disaggregation | None = None
+    disagg: Disaggregation | None = None  # read for /kv_transfer_info and /metrics; the engine drives it
     tracing: EngineTracing | None = None  # --otlp-traces-endpoint
     _grammars: list[GrammarCompiler] = field(default_factory=list)  # built on first use (holds one)
 
@@ -76,14 +75,6 @@ class ServerState:
             info = self.engine.info
             self._grammars.append(GrammarCompiler(self.engine.tokenizer, info.vocab_size, info.eos_token_ids))
         return self._grammars[0]
-
-    def disagg_for(self, role: str) -> Disaggregation:
-        """This engine's KV relay, if it plays `role`; else a 400 naming what it is."""
-        if self.disagg is None or self.disagg.role != role:
-            have = self.disagg.role if self.disagg else "none"
-            raise InvalidRequestError(
-                f"kv_transfer_params need a {role} engine; this one's kv_role is {have} (--kv-transfer-config)")
-        return self.disagg
 
 
 STATE = web.AppKey("state", ServerState)
@@ -123,9 +114,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body: CompletionBody = parse_body(await request.read(), CompletionBody)
     _check_model(state, body.model)
-    if body.echo and body.kv_role_needed == "kv_producer":
-        raise InvalidRequestError("echo: a prefill for remote decode answers nothing but kv_transfer_params; the "
-                                  "decode engine echoes the prompt")
     return await _generate(request, state, body, _prompt_ids(state, body), None)
 
 
@@ -198,67 +186,34 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _generate(request: web.Request, state: ServerState, body: SamplingBody, ids: list[int],
                     chat: ChatExtras | None, native: bool = False) -> web.StreamResponse:  # fmt: skip
-    """Validate everything against this model, then run the request's sequences and answer."""
+    """Check everything against this model, then run the request (the engine decides how: colocated, or
+    either side of P/D) and answer."""
     arrived = time.monotonic()
     engine = state.engine
-    role = body.kv_role_needed
-    disagg = state.disagg_for(role) if role is not None else None
     limit = body.token_limit()
     params = body.sampling_params(limit or 1)
     if params.priority and state.args.scheduling_policy != "priority":
         raise InvalidRequestError(f"priority {params.priority}: this engine schedules first come, first served; "
                                   "start it with --scheduling-policy priority (as vLLM)")
-    if role == "kv_producer":
-        # The gateway sends the prefill leg max_tokens 1: min_tokens only bans EOS for that first token here.
-        params = replace(params, min_tokens=min(params.min_tokens, 1))
-        decode_limit = (body.kv_transfer_params or {}).get("decode_max_tokens")
-        if isinstance(decode_limit, int) and not isinstance(decode_limit, bool):
-            engine.check_request(len(ids), replace(params, max_tokens=decode_limit), True)  # refuse before prefill
-    params = engine.check_request(len(ids), params, limit is not None)  # context length, ids: before anything runs
-    show_logprobs = params.logprobs is not None
     echo = isinstance(body, CompletionBody) and bool(body.echo)
     if echo and params.logprobs is not None:  # echo with logprobs scores the prompt's tokens too (OpenAI)
         params = replace(params, prompt_logprobs=max(params.prompt_logprobs or 0, params.logprobs))
     if _best_of(body) is not None and params.logprobs is None:
         params = replace(params, logprobs=0)  # best_of ranks its sequences by cumulative logprob
+    # Context length, token ids, the KV role: checked once, before anything runs.
+    admission = engine.check(ids, params, limit is not None, body.kv_transfer_params)
+    params = admission.params
+    show_logprobs = params.logprobs is not None
     spec = body.grammar()
-    grammar: Any = None
+    matcher: Callable[[], Any] | None = None
     if spec is not None:  # compiled off the event loop (and cached): other requests keep streaming
         compiler = state.grammar_compiler()
         grammar = await asyncio.get_running_loop().run_in_executor(None, compiler.compile, spec)
+        matcher = lambda: compiler.state_of(grammar)  # noqa: E731  (one matcher per sample)
     n = body.num_sequences
-    if role == "kv_consumer":
-        assert disagg is not None
-        kv = disagg.parse(body.kv_transfer_params or {})
-        first_logprob = _first_logprob(body.kv_transfer_params or {}, params)
-        scored = _prompt_logprobs(body.kv_transfer_params or {}, params)
-        seq = await state.engine.reserve(ids, params, True)  # raises before any byte is sent
-        seq.prompt_logprobs = scored  # the prefill engine scored the prompt; forks copy them
-        if grammar is not None:
-            seq.grammar = state.grammar_compiler().state_of(grammar)
-        await disagg.pull(seq, kv)  # gives the blocks back itself if the transfer fails
-        pulled = time.monotonic()
-        state.metrics.kv_pull.observe(pulled - arrived)
-        # n > 1 (or best_of): the other samples fork from the transferred prompt KV before the first
-        # sequence continues (it may finish at once and free it); each samples its own first token.
-        forks = [state.engine.fork_prefilled(
-            seq, i, state.grammar_compiler().state_of(grammar) if grammar is not None else None)
-            for i in range(1, n)]  # fmt: skip
-        handles = [state.engine.submit_prefilled(seq, kv.first_token_id, first_logprob), *forks]
-    else:
-        handles = []
-        try:
-            for i in range(n):
-                matcher = state.grammar_compiler().state_of(grammar) if grammar is not None else None
-                if i == 0:
-                    handles.append(state.engine.submit(ids, params, True, hold_kv=role == "kv_producer",
-                                                       grammar=matcher))  # fmt: skip
-                else:  # the other samples share its prompt's KV blocks once computed
-                    handles.append(state.engine.submit_fork(handles[0], i, matcher))
-        except BaseException:
-            for h in handles:
-                state.engine.abort(h.seq_id)
-            raise
+    generation = await engine.open(admission, n, matcher)  # raises before any byte is sent
+    if generation.pulled_at is not None:
+        state.metrics.kv_pull.observe(generation.pulled_at - arrived)
     request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     tokenizer = engine.tokenizer
@@ -270,11 +225,9 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
             c.echo(ids)
         if body.prompt_logprobs is not None:
             c.want_prompt_logprobs(ids)
-    offered = False
-    first_at: list[float] = []  # when the first token went out (tracing)
+    times = _Times(arrived)
     try:
-        outputs = _merged([_timed(state.engine.stream(h), state.metrics, arrived, h.seq, first_at)
-                           for h in handles])
+        outputs = _merged([_timed(engine.stream(h), state.metrics, times) for h in generation.handles])
         head = Head(request_id, created, state.served_model_name, chat is not None)
         if native and body.stream:
             return await _stream_native(request, outputs, request_id)
@@ -285,27 +238,16 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
             answer = await _collect_native(outputs, request_id)
         else:
             answer = await _collect(head, outputs, choices, _best_of(body))
-        if role == "kv_producer":
-            assert disagg is not None
-            seq = handles[0].seq
-            kv_params = disagg.offer(seq, lambda: state.engine.release(seq))
-            if seq.logprobs:
-                kv_params["first_token_logprob"] = _logprob_dict(seq.logprobs[0])
-            if params.prompt_logprobs is not None:  # the decode engine reports them as its own
-                kv_params["prompt_logprobs"] = [_logprob_dict(lp) for lp in seq.prompt_logprobs]
+        kv_params = generation.hand_over()  # a prefill for a remote decode: where its KV waits
+        if kv_params is not None:
             answer["kv_transfer_params"] = kv_params
-            offered = True
         return _json(answer)
     finally:
         # Whatever ended the handler (done, client gone, write error), the request's blocks go now,
         # not when the generators above are garbage-collected.
-        for h in handles:
-            state.engine.abort(h.seq_id)
-        if role == "kv_producer" and not offered:
-            state.engine.release(handles[0].seq)  # held blocks nobody will pull
+        generation.close()
         if state.tracing is not None:
-            _trace(state.tracing, request, handles[0].seq, role, arrived, pulled if role == "kv_consumer" else None,
-                   first_at[0] if first_at else None, len(ids), n)
+            _trace(state.tracing, request, admission.role.value, times, generation.pulled_at, len(ids), n)
 
 
 def _meta_info(request_id: str, out: RequestOutput) -> dict[str, Any]:
@@ -356,41 +298,6 @@ def _best_of(body: SamplingBody) -> int | None:
     return None
 
 
-def _logprob_dict(lp: TokenLogprob) -> dict[str, Any]:
-    return {"token_id": lp.token_id, "logprob": lp.logprob, "rank": lp.rank, "top": [list(t) for t in lp.top]}
-
-
-def _prompt_logprobs(kv: dict[str, Any], params: SamplingParams) -> list[TokenLogprob]:
-    """The prompt's scores the prefill engine computed (prompt_logprobs, or echo with logprobs, in P/D)."""
-    if params.prompt_logprobs is None:
-        return []
-    raw = kv.get("prompt_logprobs")
-    if not isinstance(raw, list):
-        raise InvalidRequestError("prompt_logprobs in P/D need kv_transfer_params.prompt_logprobs from the prefill "
-                                  "engine (was its request sent with prompt_logprobs?)")
-    try:
-        return [TokenLogprob(int(r["token_id"]), float(r["logprob"]), int(r["rank"]),
-                             tuple((int(t), float(v)) for t, v in r["top"])[: params.prompt_logprobs])
-                for r in raw]  # fmt: skip
-    except (KeyError, TypeError, ValueError) as exc:
-        raise InvalidRequestError(f"kv_transfer_params.prompt_logprobs: {exc}") from exc
-
-
-def _first_logprob(kv: dict[str, Any], params: SamplingParams) -> TokenLogprob | None:
-    """The prefill engine's logprob of the first token, which the decode side reports as its own."""
-    if params.logprobs is None:
-        return None
-    raw = kv.get("first_token_logprob")
-    if not isinstance(raw, dict):
-        raise InvalidRequestError("logprobs in P/D need kv_transfer_params.first_token_logprob from the prefill "
-                                  "engine (was its request sent with logprobs?)")
-    try:
-        top = tuple((int(t), float(v)) for t, v in raw["top"])[: params.logprobs]
-        return TokenLogprob(int(raw["token_id"]), float(raw["logprob"]), int(raw["rank"]), top)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise InvalidRequestError(f"kv_transfer_params.first_token_logprob: {exc}") from exc
-
-
 async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """The outputs of several sequences as they come, each tagged with its choice index."""
     if len(streams) == 1:
@@ -439,17 +346,27 @@ async def _collect(head: Head, outputs: AsyncIterator[tuple[int, RequestOutput]]
     return answer
 
 
-def _trace(tracing: EngineTracing, request: web.Request, seq: EngineSequence, role: str | None, arrived: float,
-           pulled: float | None, first: float | None, prompt_tokens: int, n: int) -> None:
+@dataclass(slots=True)
+class _Times:
+    """When things happened to one request (time.monotonic()), noted as its outputs go out."""
+
+    arrived: float
+    admitted: float | None = None  # first given blocks (None: its KV came from a prefill engine)
+    first: float | None = None  # its first token went out
+
+
+def _trace(tracing: EngineTracing, request: web.Request, role: str | None, times: _Times, pulled: float | None,
+           prompt_tokens: int, n: int) -> None:  # fmt: skip
     """The request's spans, from the times noted along the way."""
     end = time.monotonic()
+    arrived, first = times.arrived, times.first
     phases: list[tuple[str, float, float]] = []
     if pulled is not None:
         phases.append(("kv_transfer", arrived, pulled))
-    elif seq.admitted_at is not None:
-        phases.append(("queue", arrived, seq.admitted_at))
+    elif times.admitted is not None:
+        phases.append(("queue", arrived, times.admitted))
         if first is not None:
-            phases.append(("prefill", seq.admitted_at, first))
+            phases.append(("prefill", times.admitted, first))
     if role != "kv_producer":
         start = pulled if pulled is not None else first
         if start is not None:
@@ -459,22 +376,21 @@ def _trace(tracing: EngineTracing, request: web.Request, seq: EngineSequence, ro
         "http.route": request.path})
 
 
-async def _timed(
-    outputs: AsyncIterator[RequestOutput], metrics: ServerMetrics, arrived: float, seq: EngineSequence,
-    first_at: list[float] | None = None,
-) -> AsyncIterator[RequestOutput]:
+async def _timed(outputs: AsyncIterator[RequestOutput], metrics: ServerMetrics,
+                 times: _Times) -> AsyncIterator[RequestOutput]:  # fmt: skip
     first = True
     async for out in outputs:
         if first:
-            if first_at is not None and not first_at:
-                first_at.append(time.monotonic())
-            metrics.ttft.observe(time.monotonic() - arrived)
+            now = time.monotonic()
+            if times.first is None:
+                times.first, times.admitted = now, out.admitted_at
+            metrics.ttft.observe(now - times.arrived)
             # A sequence whose KV came from a transfer is never admitted for prefill: no queue time.
-            if seq.admitted_at is not None:
-                metrics.queue.observe(max(seq.admitted_at - arrived, 0.0))
+            if out.admitted_at is not None:
+                metrics.queue.observe(max(out.admitted_at - times.arrived, 0.0))
             first = False
         if out.finished and out.error is None:
-            metrics.e2e.observe(time.monotonic() - arrived)
+            metrics.e2e.observe(time.monotonic() - times.arrived)
         yield out
 
 
@@ -629,14 +545,13 @@ def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
     # The embedded model answers to its real name, the one `atomesh up` and the docs send; `--model smollm2`
     # is only how it is asked for (requests naming --model are still served).
     served = args.served_model_name or (engine.model_id if args.model in SMOLLM2_NAMES else args.model)
-    async_engine = AsyncLLMEngine(engine)
-    app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024 * 1024)
     disagg = (Disaggregation(engine, args.kv_transfer, args.host, args.kv_transfer_timeout)
               if args.kv_transfer.kv_role else None)
+    async_engine = AsyncLLMEngine(engine, disagg)
+    app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024 * 1024)
     server_metrics = ServerMetrics(async_engine.stats, served)
     if disagg is not None:
         server_metrics.watch_transfers(disagg.snapshot)
-        disagg.on_agent_dead = lambda exc: async_engine.die("kv_agent", exc)
     tracing = (EngineTracing(args.otlp_traces_endpoint, f"atomesh-engine-{args.kv_transfer.kv_role or 'colocated'}")
                if args.otlp_traces_endpoint else None)
     app[STATE] = ServerState(async_engine, args, served, server_metrics, disagg, tracing)
@@ -647,9 +562,8 @@ def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
         app.on_cleanup.append(flush_spans)
 
     async def engine_loop(app: web.Application) -> AsyncIterator[None]:
-        # The KV relay is up before the port opens: a router reads /kv_transfer_info at registration.
-        if disagg is not None:
-            await disagg.start()
+        # The engine (and its KV relay) is up before the port opens: a router reads /kv_transfer_info at
+        # registration.
         publisher = ZmqEventPublisher(args.kv_events, args.host) if args.kv_events.enabled else None
         if publisher is not None:
             async_engine.publish_kv_events(publisher.publish)
@@ -659,8 +573,6 @@ def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
         if publisher is not None:
             async_engine.publish_kv_events(None)
             publisher.close()
-        if disagg is not None:
-            await disagg.stop()
 
     app.cleanup_ctx.append(engine_loop)
     app.router.add_post("/v1/completions", completions)

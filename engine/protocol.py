@@ -228,16 +228,6 @@ class SamplingBody(SamplingKnobs):
         """How many sequences the request generates (n, or best_of where larger)."""
         return self.n or 1
 
-    @property
-    def kv_role_needed(self) -> str | None:
-        """The KV role this request needs of the engine: a remote-decode prefill or a remote-prefill decode."""
-        kv = self.kv_transfer_params or {}
-        if kv.get("do_remote_decode"):
-            return "kv_producer"
-        if kv.get("do_remote_prefill"):
-            return "kv_consumer"
-        return None
-
     def token_limit(self) -> int | None:
         return self.max_tokens
 
@@ -349,6 +339,9 @@ class CompletionBody(SamplingBody):
             raise InvalidRequestError(f"best_of ({self.best_of}) must be at least n ({self.n or 1})")
         if self.best_of is not None and self.best_of > (self.n or 1) and self.stream:
             raise InvalidRequestError("best_of > n cannot be streamed (the best are known only at the end)")
+        if self.echo and (self.kv_transfer_params or {}).get("do_remote_decode"):
+            raise InvalidRequestError("echo: a prefill for remote decode answers nothing but kv_transfer_params; the "
+                                      "decode engine echoes the prompt")
 
     @property
     def num_sequences(self) -> int:

@@ -106,6 +106,7 @@ class Sequence:
 
     __slots__ = (
         "admitted_at",
+        "block_hashes",
         "block_size",
         "block_table",
         "cumulative_logprob",
@@ -138,6 +139,9 @@ class Sequence:
         self.admitted_at: float | None = None  # time.monotonic() when the scheduler first gave it blocks
         self.block_table: list[int] = []
         self.block_size = block_size
+        # The prefix-cache hashes of its full blocks so far, in order: computed once (by the block
+        # manager, as they are first needed), since the tokens of a full block never change.
+        self.block_hashes: list[int] = []
         self.params = params
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None

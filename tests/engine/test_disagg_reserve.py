@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
 from engine.async_engine import AsyncLLMEngine
-from engine.errors import OverloadedError
+from engine.errors import InvalidRequestError, OverloadedError
 from engine.sequence import SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -17,20 +18,49 @@ async def test_reservation_waits_for_blocks_then_gets_them(make_engine) -> None:
     engine = make_engine(num_kvcache_blocks=8, block_size=16)
     async_engine = AsyncLLMEngine(engine)
     await async_engine.start()
+    tries: list[int] = []
+    real_reserve = engine.reserve
+
+    def counted(prompt_ids: list[int], params: SamplingParams) -> object:
+        tries.append(len(prompt_ids))
+        return real_reserve(prompt_ids, params)
+
+    engine.reserve = counted
     try:
         prompt = list(range(1, 97))  # 6 blocks of the 8
-        first = await async_engine.reserve(prompt, PARAMS, True)
-        waiting = asyncio.ensure_future(async_engine.reserve(list(range(2, 98)), PARAMS, True, wait_secs=10))
-        await asyncio.sleep(0.2)
+        first = await async_engine.reserve(async_engine.check(prompt, PARAMS, True))
+        other = async_engine.check(list(range(2, 98)), PARAMS, True)
+        waiting = asyncio.ensure_future(async_engine.reserve(other, wait_secs=10))
+        await asyncio.sleep(0.3)
         assert not waiting.done()  # no room yet: it waits instead of answering 503
-        engine.release(first)
+        assert len(tries) == 2, "a waiting reservation tries again when blocks come back, not on a timer"
+        async_engine.release(first)
         second = await asyncio.wait_for(waiting, 5)
-        assert len(second.block_table) == 6
-        engine.release(second)
+        assert len(second.seq.block_table) == 6 and len(tries) == 3
+        async_engine.release(second)
         with pytest.raises(OverloadedError):  # still bounded: a pool that stays full is refused
-            held = await async_engine.reserve(prompt, PARAMS, True)
-            await async_engine.reserve(list(range(2, 98)), PARAMS, True, wait_secs=0.2)
-        engine.release(held)
+            held = await async_engine.reserve(async_engine.check(prompt, PARAMS, True))
+            await async_engine.reserve(other, wait_secs=0.2)
+        async_engine.release(held)
+        assert engine.block_manager.num_free_blocks == engine.num_blocks and not engine.held
+    finally:
+        await async_engine.stop()
+
+
+async def test_a_reservation_waiting_for_blocks_gets_those_a_finished_request_frees(make_engine, wait_for) -> None:  # type: ignore[no-untyped-def]
+    """Blocks freed by a running request that finishes (not only by a released transfer) wake the reservation."""
+    engine = make_engine(num_kvcache_blocks=8, block_size=16)
+    async_engine = AsyncLLMEngine(engine)
+    await async_engine.start()
+    try:
+        running = async_engine.submit(list(range(1, 90)), SamplingParams(temperature=0.0, max_tokens=20,
+                                                                         ignore_eos=True), True)  # fmt: skip
+        await wait_for(lambda: engine.block_manager.num_free_blocks < engine.num_blocks, 10, "the request's blocks")
+        reserved = asyncio.ensure_future(async_engine.reserve(async_engine.check(list(range(2, 98)), PARAMS, True)))
+        outputs = [out async for out in async_engine.stream(running)]
+        assert outputs[-1].finished
+        transfer = await asyncio.wait_for(reserved, 10)
+        async_engine.release(transfer)
         assert engine.block_manager.num_free_blocks == engine.num_blocks
     finally:
         await async_engine.stop()
@@ -165,14 +195,68 @@ async def test_the_running_batch_keeps_decoding_while_pulls_are_pending_then_adm
     try:
         running = async_engine.submit(list(range(1, 40)), SamplingParams(temperature=0.0, max_tokens=24,
                                                                          ignore_eos=True), True)  # fmt: skip
-        pending = [await async_engine.reserve(list(range(100 + i, 140 + i)), PARAMS, True) for i in range(3)]
+        pending = [await async_engine.reserve(async_engine.check(list(range(100 + i, 140 + i)), PARAMS, True))
+                   for i in range(3)]  # fmt: skip
         outputs = [out async for out in async_engine.stream(running)]
         assert outputs[-1].finished and outputs[-1].completion_tokens == 24  # never waited for the pulls
-        assert all(seq.seq_id in engine.held for seq in pending)
-        handles = [async_engine.submit_prefilled(seq, 7) for seq in pending]  # their KV has landed
+        assert all(t.seq.seq_id in engine.held for t in pending)
+        handles = [async_engine.commit(t, 7) for t in pending]  # their KV has landed
         for h in handles:
             last = [out async for out in async_engine.stream(h)][-1]
             assert last.finished and last.completion_tokens == PARAMS.max_tokens
         assert not engine.held and engine.block_manager.num_free_blocks == engine.num_blocks
     finally:
         await async_engine.stop()
+
+
+async def test_the_pd_verbs_own_reserve_pull_commit_and_release(make_engine, free_port) -> None:  # type: ignore[no-untyped-def]
+    """Through the engines' facades only (real Mooncake on loopback): a prefill for a remote decode hands its
+    KV over, the decode from remote KV continues it exactly as a colocated engine would; a second pull of the
+    same transfer is refused, an unreachable producer fails the pull, and every block comes back on both sides."""
+    from engine.args import parse_kv_transfer_config
+    from engine.async_engine import Role
+    from engine.disagg import Disaggregation
+    from engine.kv_transfer import KVTransferError
+
+    def relay(engine, role: str) -> Disaggregation:  # type: ignore[no-untyped-def]
+        config = parse_kv_transfer_config(f'{{"kv_role": "{role}", "handshake_port": {free_port()}, '
+                                          '"memory_backend": "staged", "staging_buffer_mb": 1}')  # fmt: skip
+        return Disaggregation(engine, config, "127.0.0.1", transfer_timeout=10.0)
+
+    single, prefill_core, decode_core = (make_engine(block_size=16) for _ in range(3))
+    prompt = list(range(1, 60))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = single.generate([prompt], params)[0]
+    prefill = AsyncLLMEngine(prefill_core, relay(prefill_core, "kv_producer"))
+    decode = AsyncLLMEngine(decode_core, relay(decode_core, "kv_consumer"))
+    await prefill.start()
+    await decode.start()
+    try:
+        leg = prefill.check(prompt, replace(params, max_tokens=1), True, {"do_remote_decode": True})
+        assert leg.role is Role.PREFILL_FOR_REMOTE_DECODE
+        gen = await prefill.open(leg)
+        first = [out async for out in prefill.stream(gen.handles[0])]
+        kv = gen.hand_over()
+        gen.close()
+        assert kv is not None and kv["first_token_id"] == first[-1].token_ids[0] == expected[0]
+        assert prefill_core.held  # pinned for the pull
+
+        admitted = decode.check(prompt, params, True, {**kv, "do_remote_prefill": True})
+        assert admitted.role is Role.DECODE_FROM_REMOTE_KV
+        gen = await decode.open(admitted)
+        outs = [out async for out in decode.stream(gen.handles[0])]
+        gen.close()
+        assert [t for o in outs for t in o.token_ids] == expected and gen.pulled_at is not None
+        assert not prefill_core.held and prefill_core.block_manager.num_free_blocks == prefill_core.num_blocks
+
+        with pytest.raises(KVTransferError, match="transfer_consumed"):
+            await decode.open(decode.check(prompt, params, True, {**kv, "do_remote_prefill": True}))
+        with pytest.raises(KVTransferError, match="unreachable"):
+            await decode.open(decode.check(prompt, params, True, {**kv, "do_remote_prefill": True,
+                                                                  "remote_handshake_port": free_port()}))  # fmt: skip
+        assert not decode_core.held and decode_core.block_manager.num_free_blocks == decode_core.num_blocks
+        with pytest.raises(InvalidRequestError, match="need a kv_producer engine; this one's kv_role is kv_consumer"):
+            decode.check(prompt, params, True, {"do_remote_decode": True})
+    finally:
+        await decode.stop()
+        await prefill.stop()

@@ -178,3 +178,32 @@ def test_blocks_are_indexed_only_once_computed() -> None:
     assert bm.cached_prefix_len(probe) == 4
     bm.mark_computed(a, 13)
     assert bm.cached_prefix_len(probe) == 12
+
+
+def test_a_prompt_is_hashed_once_per_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Admission asks whether a prompt fits, allocates it, indexes it as its KV is written, and finds it
+    again for a second request: each sequence's full blocks are hashed once, whatever asks for them."""
+    import engine.block_manager as module
+
+    hashed: list[int] = []
+    real = module.chain_hashes
+
+    def counting(token_ids: list[int], block_size: int, first: int, end: int, prefix: int | None) -> list[int]:
+        hashed.append(end - first)
+        return real(token_ids, block_size, first, end, prefix)
+
+    monkeypatch.setattr(module, "chain_hashes", counting)
+    bm = BlockManager(64, BS)
+    prompt = list(range(4 * 30 + 2))  # 30 full blocks and a partial one
+    for seq_id in (1, 2):
+        s = seq(seq_id, prompt)
+        assert bm.cached_prefix_len(s) == (0 if seq_id == 1 else 30 * BS)
+        assert bm.can_allocate(s)
+        prefill(bm, s)
+        assert sum(hashed) == 30 * seq_id, "each full block of each sequence hashed exactly once"
+        bm.deallocate(s)
+    # The chain is the one ``block_hash`` defines, block after block.
+    expect: list[int] = []
+    for i in range(30):
+        expect.append(block_hash(prompt[i * BS : (i + 1) * BS], expect[-1] if expect else None))
+    assert s.block_hashes == expect
