@@ -99,7 +99,7 @@ def stream_times(port: int, body: dict[str, Any]) -> tuple[float, float, list[st
             if "error" in event:
                 raise RuntimeError(f"decode leg failed: {event['error']}")
             for choice in event.get("choices", []):
-                if choice.get("text") or choice.get("finish_reason"):
+                if choice.get("text") or choice.get("finish_reason") or choice.get("logprobs"):
                     stamps.append(time.perf_counter() - start)
                     texts.append(choice.get("text", ""))
     finally:
@@ -263,7 +263,9 @@ def run_mode(mode: str, engine_args: list[str], prompts: dict[int, list[list[int
 
 
 def one_request(prefill: int, decode: int, ids: list[int], nbytes: int, raw: RawPeer, raw_repeats: int) -> Row:
-    body: dict[str, Any] = {"prompt": ids, "temperature": 0, "ignore_eos": True}
+    # logprobs: every token is an event, also one whose text is held back (random-weight shapes whose vocabulary
+    # outgrows the borrowed tokenizer draw tokens that decode to nothing).
+    body: dict[str, Any] = {"prompt": ids, "temperature": 0, "ignore_eos": True, "logprobs": 0}
     start = time.perf_counter()
     status, answer = request(prefill, "POST", "/v1/completions", {
         **body, "max_tokens": 1, "stream": False,
