@@ -69,6 +69,21 @@ def test_meter_prefers_engine_usage() -> None:
     assert value(text, "mesh_router_tokens_total", token_type="input") == 7
 
 
+def test_meter_takes_usage_split_across_chunks_and_followed_by_done() -> None:
+    m = Metrics([1.0])
+    meter = m.meter("/v1/completions", "m", streaming=True)
+    for i in range(3):
+        meter(b'data: {"choices":[{"text":"t"}],"usage":{"prompt_tokens":7,"completion_tokens":%d}}\n\n' % (i + 1))
+    meter(b'data: {"choices":[],"usage":{"prompt_tokens":7,"compl')  # the final usage, in two pieces
+    meter(b'etion_tokens":40,"total_tokens":47}}\n\n')
+    meter(b'data: [DONE]\n\n')
+    meter.finish()
+    assert meter.events == 4  # three tokens and the usage event; [DONE] is not one
+    text = generate_latest(m.registry).decode()
+    assert value(text, "mesh_router_tokens_total", token_type="output") == 40
+    assert value(text, "mesh_router_tokens_total", token_type="input") == 7
+
+
 def test_pd_and_cache_aware_recorders() -> None:
     m = Metrics([0.01, 1.0])
     m.observe_pd("atom", "mock-model", prefill_secs=0.2, handoff_secs=0.001, decode_secs=0.5)
