@@ -118,7 +118,8 @@ class Router:
     async def serve(self, exchange: Exchange, view: RequestView) -> None:
         m = self.metrics
         stream = view.stream
-        meter = exchange.on_chunk = m.meter(view.route, view.model, stream)
+        meter = m.meter(view.route, view.model, stream)
+        exchange.on_chunk = meter.feed
         duration = m.routed(meter.endpoint, meter.model, "true" if stream else "false", self._backend_type)
         try:
             await self._attempts(exchange, view)
