@@ -335,12 +335,13 @@ class FrontConnection(FlowControl):
             raise Refused(414, f"request target is longer than {MAX_LINE} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if len(name) > MAX_FIELD or len(value) > MAX_FIELD:
+        n, v = len(name), len(value)
+        if n > MAX_FIELD or v > MAX_FIELD:
             raise Refused(431, f"a request header is longer than {MAX_FIELD} bytes")
         headers = self.headers
         if len(headers) >= MAX_HEADERS:
             raise Refused(431, f"a request carries more than {MAX_HEADERS} headers")
-        self.head_size += len(name) + len(value) + 4
+        self.head_size += n + v + 4
         if self.head_size > MAX_HEAD:
             raise Refused(431, f"request head is larger than {MAX_HEAD} bytes")
         key = name.decode("latin-1").lower()

@@ -35,12 +35,13 @@ class WorkerLost(UpstreamError):
 class _Attempt:
     """One placement of a request while it runs: what `fail_over` needs to take it off its worker."""
 
-    __slots__ = ("exchange", "lost", "plan", "reason", "task", "tracker")
+    __slots__ = ("exchange", "lost", "plan", "reason", "task", "tracker", "workers")
 
     def __init__(self, task: asyncio.Task[Any], exchange: Exchange, plan: Plan, tracker: StreamTracker | None) -> None:
         self.task = task
         self.exchange = exchange
         self.plan = plan
+        self.workers = plan.workers  # read once: a plan makes the tuple on each read
         self.tracker = tracker
         self.lost: Worker | None = None  # the worker it was taken off
         self.reason = ""
@@ -83,7 +84,7 @@ class Router:
             if ex.committed:
                 tracker = run.tracker
                 # Only the worker streaming the answer matters to a stream (in P/D, the decode worker).
-                if tracker is None or worker is not run.plan.workers[-1]:
+                if tracker is None or worker is not run.workers[-1]:
                     continue
                 starting = tracker.migrations > 0 and tracker.attempt_tokens == 0  # a continuation, no token yet
                 if not tracker.probing and not starting and (
@@ -99,7 +100,7 @@ class Router:
         return moved
 
     def _track(self, run: _Attempt) -> None:
-        for w in run.plan.workers:
+        for w in run.workers:
             runs = self._running.get(w)
             if runs is None:
                 self._running[w] = {run}
@@ -107,7 +108,7 @@ class Router:
                 runs.add(run)
 
     def _untrack(self, run: _Attempt) -> None:
-        for w in run.plan.workers:
+        for w in run.workers:
             runs = self._running.get(w)
             if runs is not None:
                 runs.discard(run)
@@ -151,9 +152,10 @@ class Router:
             if broken is not None:
                 self._migration("migrated", exchange, broken, plan.workers[-1], tracker)
                 broken = None
-            exchange.workers = tuple(w.url for w in plan.workers)
-            self.counts.placed(plan)
             run = _Attempt(task, exchange, plan, tracker)
+            workers = run.workers
+            exchange.workers = (workers[0].url,) if len(workers) == 1 else tuple([w.url for w in workers])
+            self.counts.placed(workers)
             if tracker is not None:
                 tracker.start_attempt()
             self._track(run)
@@ -166,8 +168,8 @@ class Router:
                             else "retry"
                         with self.tracing.span("attempt", {
                                 "atomesh.attempt": attempt, "atomesh.attempt.kind": kind,
-                                "atomesh.placement.policy": [str(self._policy_names[w.role]) for w in plan.workers],
-                                "atomesh.placement.workers": [w.url for w in plan.workers]}):
+                                "atomesh.placement.policy": [str(self._policy_names[w.role]) for w in workers],
+                                "atomesh.placement.workers": list(exchange.workers)}):
                             await self.backend.forward(exchange, current, plan)
                 except asyncio.CancelledError:
                     if run.lost is None or task.uncancel() > 0:
@@ -177,17 +179,17 @@ class Router:
                     raise err from None
             except UpstreamError as e:
                 self._untrack(run)
-                self._record_failure(e, plan)
+                self._record_failure(e, workers)
                 # Avoid the worker at fault next time (both legs when the fault is unknown).
-                at_fault = [e.worker] if isinstance(e.worker, Worker) else list(plan.workers)
+                at_fault = [e.worker] if isinstance(e.worker, Worker) else list(workers)
                 if exchange.committed:
                     # The client already has part of the answer: continue it elsewhere, or end it in-band.
                     moved = await self._after_break(exchange, view, e, tracker, refused, attempt,
-                                                    plan.workers[-1])
+                                                    workers[-1])
                     if moved is None:
                         return
                     if moved == "migrate":
-                        broken = plan.workers[-1]
+                        broken = workers[-1]
                     assert tracker is not None
                     current = tracker.usage_probe() if moved == "usage" else tracker.continuation()
                     if moved == "retry":
@@ -195,7 +197,7 @@ class Router:
                 else:
                     if not e.retryable or attempt >= self.max_retries:
                         if e.retryable and self.max_retries:
-                            self.counts.retries_exhausted(plan, view)
+                            self.counts.retries_exhausted(workers, view)
                         raise
                     attempt += 1
                     moved = "retry"
@@ -203,16 +205,16 @@ class Router:
                 tried.extend(w for w in at_fault if w not in tried)
                 log.debug("retrying", request_id=exchange.request_id, attempt=attempt, how=moved, error=e.message)
             else:
-                for w in plan.workers:
+                for w in workers:
                     w.breaker.record(True)
-                self.counts.answered(plan, exchange.status)
+                self.counts.answered(workers, exchange.status)
                 return
             finally:
                 self._untrack(run)
                 self.placement.release(plan)
             if moved != "retry":
                 continue  # a migration goes on at once: the client is waiting mid-answer
-            self.counts.retried(plan, view)
+            self.counts.retried(workers, view)
             if not wait:
                 continue
             if delays is None:
@@ -285,16 +287,16 @@ class Router:
             log.warning("stream_not_migrated", request_id=exchange.request_id, outcome=outcome,
                         from_worker=source.url, tokens_so_far=tokens, reason=why)
 
-    def _record_failure(self, e: UpstreamError, plan: Plan) -> None:
+    def _record_failure(self, e: UpstreamError, workers: tuple[Worker, ...]) -> None:
         """Charge the failure to the worker at fault (a 4xx answer is the client's fault, not the worker's)."""
         at_fault = e.worker if isinstance(e.worker, Worker) else None
         if isinstance(e, WorkerLost):
             return  # already out of rotation; the failure that took it out was counted where it happened
         if isinstance(e, UpstreamUnreachable) and at_fault is not None and self.on_unreachable is not None:
             self.on_unreachable(at_fault)
-        if not self.counts.failed(e, plan, at_fault):
+        if not self.counts.failed(e, workers, at_fault):
             return
-        for w in plan.workers:
+        for w in workers:
             if at_fault is None or w is at_fault:
                 w.breaker.record(False)
 
@@ -316,41 +318,40 @@ class AttemptMetrics:
         meter = m.meter(view.route, view.model, view.stream)
         return meter, m.routed(meter.endpoint, meter.model, "true" if view.stream else "false", self._backend)
 
-    def placed(self, plan: Plan) -> None:
+    def placed(self, workers: tuple[Worker, ...]) -> None:
         """An attempt was placed (`mesh_worker_selection_total` per worker of the plan)."""
         m = self._metrics
-        for w in plan.workers:
+        for w in workers:
             m.picked(w.url, w.role, self._policies[w.role])
 
-    def answered(self, plan: Plan, status: int | None) -> None:
+    def answered(self, workers: tuple[Worker, ...], status: int | None) -> None:
         """The plan's last worker answered the client; the others (a P/D prefill) count a breaker success."""
         m = self._metrics
-        workers = plan.workers
         last = workers[-1]  # the worker whose answer the client got (decode in P/D)
         if workers[0] is not last:
             for w in workers[:-1]:
                 m.cb_outcomes.labels(w.url, "success").inc()
         m.worker_served(last.url, last.role, status)
 
-    def failed(self, e: UpstreamError, plan: Plan, at_fault: Worker | None) -> bool:
+    def failed(self, e: UpstreamError, workers: tuple[Worker, ...], at_fault: Worker | None) -> bool:
         """An attempt failed; True when it is the workers' fault (their breakers then count a failure)."""
         m = self._metrics
         if isinstance(e, UpstreamStatus):
-            answered = at_fault or plan.workers[-1]
+            answered = at_fault or workers[-1]
             m.upstream_responses.labels(answered.url, answered.role.value, str(e.status)).inc()
             if e.status < 500:
                 return False
-        for w in plan.workers:
+        for w in workers:
             if at_fault is None or w is at_fault:
                 m.cb_outcomes.labels(w.url, "failure").inc()
                 m.worker_errors.labels(w.url, w.role.value, e.code).inc()
         return True
 
-    def retried(self, plan: Plan, view: RequestView) -> None:
-        self._metrics.retries.labels(plan.workers[-1].role.value, ENDPOINTS.get(view.route, view.route)).inc()
+    def retried(self, workers: tuple[Worker, ...], view: RequestView) -> None:
+        self._metrics.retries.labels(workers[-1].role.value, ENDPOINTS.get(view.route, view.route)).inc()
 
-    def retries_exhausted(self, plan: Plan, view: RequestView) -> None:
-        self._metrics.retries_exhausted.labels(plan.workers[-1].role.value,
+    def retries_exhausted(self, workers: tuple[Worker, ...], view: RequestView) -> None:
+        self._metrics.retries_exhausted.labels(workers[-1].role.value,
                                                ENDPOINTS.get(view.route, view.route)).inc()
 
     def failed_in_band(self, view: RequestView, code: str) -> None:
