@@ -40,6 +40,8 @@ _SEPARATE_BODY = 64 * 1024  # a larger request body is written on its own, not j
 _Key = tuple[str, str, int]  # (scheme, host, port): one idle list per key
 # Takes one piece of a piped body; False when its consumer can take no more for now (see Response.pipe).
 Sink = Callable[[bytes], bool]
+# Sees each piece of a piped body before its sink takes it (a meter reading the stream on its way).
+Tap = Callable[[bytes], None]
 
 
 class HTTPClientError(Exception):
@@ -71,7 +73,7 @@ class _Conn(FlowControl):
 
     __slots__ = ("_loop", "_parser", "_pool", "_waiter", "body_done", "buffered", "busy", "closed", "error",
                  "got_data", "head_done", "headers", "idle_since", "interim", "is_head", "keep_alive", "key",
-                 "pieces", "pooled", "sink", "sink_error", "status")
+                 "pieces", "pooled", "sink", "sink_error", "status", "tap")
 
     def __init__(self, pool: ClientPool, key: _Key) -> None:
         super().__init__()
@@ -93,6 +95,7 @@ class _Conn(FlowControl):
         self.pieces: list[bytes] = []
         self.buffered = 0
         self.sink: Sink | None = None  # set while Response.pipe waits: body pieces go there, not to `pieces`
+        self.tap: Tap | None = None  # sees each piece before the sink (Response.pipe's `tap`)
         self.sink_error: Exception | None = None  # what the sink raised, for the coroutine to raise
 
     # --- driven by the pool and the response ---
@@ -216,6 +219,9 @@ class _Conn(FlowControl):
         sink = self.sink
         if sink is not None:
             try:
+                tap = self.tap
+                if tap is not None:
+                    tap(body)
                 if sink(body):
                     return  # handed on; the waiting coroutine sleeps on
             except Exception as e:  # the consumer's failure: raised by the coroutine that set the sink
@@ -310,9 +316,10 @@ class Response:
             raise
         self.release()
 
-    async def pipe(self, sink: Sink, writable: Callable[[], Awaitable[None]]) -> None:
+    async def pipe(self, sink: Sink, writable: Callable[[], Awaitable[None]], tap: Tap | None = None) -> None:
         """Hand the body to `sink` piece by piece, from the connection's own parser callback; return when it
-        has all been handed on (the connection then goes back to the pool) or raise the failure.
+        has all been handed on (the connection then goes back to the pool) or raise the failure. `tap`, if
+        given, sees each piece just before `sink` (one call from the parser instead of a wrapper around both).
 
         `sink` returns False when its consumer can take no more for now: `writable()` is awaited before the
         next piece, which waits in the connection's buffer meanwhile (reading pauses past the high-water
@@ -328,18 +335,21 @@ class Response:
                     ready = True
                 if conn.pieces:
                     pieces = conn.take()
-                    ready = sink(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+                    piece = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+                    if tap is not None:
+                        tap(piece)
+                    ready = sink(piece)
                     continue
                 if conn.body_done:
                     break
                 if conn.error is not None:
                     raise conn.error
-                conn.sink = sink
+                conn.sink, conn.tap = sink, tap
                 try:
                     await conn.wait()
                 finally:
                     ready = conn.sink is not None  # detached by on_body: the consumer paused or failed
-                    conn.sink = None
+                    conn.sink = conn.tap = None
                 err = conn.sink_error
                 if err is not None:
                     conn.sink_error = None

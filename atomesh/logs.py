@@ -231,7 +231,18 @@ class AccessLog:
         record = self._record
         record.rendered = text
         for handler in logging.getLogger().handlers:  # where a record of atomesh.access goes (it has none of its own)
-            handler.handle(record)
+            if type(handler) is logging.StreamHandler:
+                # What its handle() does for this record (no filters; the formatter passes `rendered` on),
+                # without the round trip through logging's Python layers that cost as much as the lines.
+                handler.acquire()
+                try:
+                    stream = handler.stream
+                    stream.write(text + handler.terminator)
+                    stream.flush()
+                finally:
+                    handler.release()
+            else:
+                handler.handle(record)
 
     def close(self) -> None:
         self.flush()

@@ -463,7 +463,7 @@ class Metrics:
 
     # ------------------------------------------------------------------ recording helpers
     def meter(self, route: str, model: str | None, streaming: bool) -> RequestMeter:
-        """A per-request token meter; pass it as the relay's on_chunk hook, then `finish()` it."""
+        """A per-request token meter; pass its `feed` as the relay's on_chunk hook, then `finish()` it."""
         return RequestMeter(self, ENDPOINTS.get(route, route), self.model_label(model), streaming)
 
     def request_failed(self, route: str, model: str | None, code: str) -> None:
@@ -508,19 +508,25 @@ class Metrics:
 _CONTENT = re.compile(rb'"(?:content|text)"\s*:\s*"(?!")')
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-_EVENT = b"data: "
-_DONE = b"data: [DONE]"
+# A streamed event that is a JSON object: a token, usage or error event (not `data: [DONE]`, nor a comment).
+_EVENT = b"data: {"
+_LF = 10  # b"\n"[0]
+_KEEP = 64 * 1024  # bytes of the stream's end kept for its usage (what follows the last event's start)
+_now = time.perf_counter
 
 
 class RequestMeter:
     """Token timing of one response, read from the relayed bytes without decoding JSON.
 
-    Called with each SSE chunk (the relay's ChunkHook): counts `data: ` events, stamps the first one
-    with non-empty content (TTFT) and the last one, and takes `usage` token counts when the engine
-    sends them. `finish()` records everything once, when the request ends.
+    `feed` takes each SSE chunk (the relay's ChunkHook: pass the bound method, cheaper to call than the
+    object): counts `data: {` events, stamps the first one
+    with non-empty content (TTFT) and the last one, and keeps the stream's end from its last event on;
+    `finish()` takes the engine's `usage` token counts from it (the last count wins: engines send usage
+    at the end, or cumulatively with every event) and records everything once, when the request ends.
+    Per event that is one clock read and one count: this runs for every event of every stream.
     """
 
-    __slots__ = ("_done", "_m", "_tail", "endpoint", "events", "first_at", "last_at", "model", "started",
+    __slots__ = ("_done", "_end", "_m", "_tail", "endpoint", "events", "first_at", "last_at", "model", "started",
                  "streaming", "usage_in", "usage_out")
 
     def __init__(self, metrics: Metrics, endpoint: str, model: str, streaming: bool) -> None:
@@ -528,34 +534,43 @@ class RequestMeter:
         self.endpoint = endpoint
         self.model = model
         self.streaming = streaming
-        self.started = time.perf_counter()
+        self.started = _now()
         self.first_at: float | None = None
         self.last_at = 0.0
         self.events = 0  # content-bearing events from the first token on
         self.usage_out: int | None = None
         self.usage_in: int | None = None
-        self._tail = b""  # end of the previous chunk, so an event marker split across chunks still counts
+        # The previous chunk's end when it ended inside a line: an event marker may be split across the two.
+        self._tail = b""
+        self._end = b""  # the stream from the start of its last event on (at most _KEEP bytes)
         self._done = False
 
-    def __call__(self, chunk: bytes) -> None:
-        now = time.perf_counter()
-        # A marker split across chunks needs the previous chunk's end; a chunk that starts with one (an
-        # event per chunk, the usual case) cannot continue a split one.
-        data = self._tail + chunk if self._tail and not chunk.startswith(_EVENT) else chunk
-        self._tail = chunk[-(len(_EVENT) - 1):]
-        start = 0
+    def feed(self, chunk: bytes) -> None:
+        if not chunk:
+            return
+        if self._tail:
+            chunk = self._tail + chunk
+        # A chunk that ends a line (an event per chunk, the usual case) leaves no marker half-sent.
+        self._tail = b"" if chunk[-1] == _LF else chunk[1 - len(_EVENT):]
         if self.first_at is None:
-            found = _CONTENT.search(data)
-            if found is None:
-                return
-            self.first_at = now
-            start = max(0, data.rfind(_EVENT, 0, found.start()))
-        n = data.count(_EVENT, start) - data.count(_DONE, start)
-        if n > 0:
+            self._first(chunk)
+            return
+        n = chunk.count(_EVENT)
+        if n:
             self.events += n
-            self.last_at = now
-        if b"_tokens" in data:
-            self._read_usage(data)
+            self.last_at = _now()
+            self._end = chunk
+        elif len(self._end) < _KEEP:
+            self._end += chunk  # the rest of the last event, or `data: [DONE]`
+
+    def _first(self, chunk: bytes) -> None:
+        """Until the first event with content: look for it (TTFT); events before it do not count."""
+        found = _CONTENT.search(chunk)
+        if found is None:
+            return
+        self.first_at = self.last_at = _now()
+        self._end = chunk
+        self.events = chunk.count(_EVENT, max(0, chunk.rfind(_EVENT, 0, found.start())))
 
     def _read_usage(self, data: bytes) -> None:
         # The last count in the chunk wins: engines that stream usage send it cumulatively or at the end.
@@ -577,6 +592,7 @@ class RequestMeter:
             if body is not None and status is not None and status < 300:
                 self._read_usage(body)
         elif self.first_at is not None:
+            self._read_usage(self._end)
             m.ttft.labels(*labels).observe(self.first_at - self.started)
             m.generation_duration.labels(*labels).observe(self.last_at - self.first_at)
         out = self.usage_out if self.usage_out is not None else (self.events if self.streaming else None)

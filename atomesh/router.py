@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import structlog
@@ -12,13 +12,13 @@ import structlog
 from atomesh.backends import Backend
 from atomesh.config import GatewayConfig
 from atomesh.errors import GatewayError, UpstreamError, UpstreamStatus, UpstreamUnreachable
-from atomesh.metrics import ENDPOINTS, Metrics
+from atomesh.metrics import ENDPOINTS, HistogramValue, Metrics, RequestMeter
 from atomesh.migration import MigrationRefused, StreamTracker, refusal
 from atomesh.placement import Placement, Plan
 from atomesh.request import RequestView
 from atomesh.tracing import Tracing
 from atomesh.transport import Exchange, backoff_delays, write_sse_error
-from atomesh.workers.worker import Worker
+from atomesh.workers.worker import Worker, WorkerRole
 
 log = structlog.get_logger("atomesh.router")
 
@@ -35,12 +35,13 @@ class WorkerLost(UpstreamError):
 class _Attempt:
     """One placement of a request while it runs: what `fail_over` needs to take it off its worker."""
 
-    __slots__ = ("exchange", "lost", "plan", "reason", "task", "tracker")
+    __slots__ = ("exchange", "lost", "plan", "reason", "task", "tracker", "workers")
 
     def __init__(self, task: asyncio.Task[Any], exchange: Exchange, plan: Plan, tracker: StreamTracker | None) -> None:
         self.task = task
         self.exchange = exchange
         self.plan = plan
+        self.workers = plan.workers  # read once: a plan makes the tuple on each read
         self.tracker = tracker
         self.lost: Worker | None = None  # the worker it was taken off
         self.reason = ""
@@ -54,12 +55,11 @@ class Router:
         self.placement = placement
         self.tracing = tracing if tracing is not None and tracing.on else None  # --enable-trace: a span per attempt
         self.backend = backend
-        self.metrics = metrics
         self.max_retries = 0 if config.disable_retries else config.retry_max_retries
         self._backoff = (config.retry_initial_backoff_ms, config.retry_max_backoff_ms,
                          config.retry_backoff_multiplier, config.retry_jitter_factor)
         self._policy_names = {role: config.policy_for(role.value) for role in placement.policies}
-        self._backend_type = "pd" if placement.pd else "regular"
+        self.counts = AttemptMetrics(metrics, self._policy_names, "pd" if placement.pd else "regular")
         self.migration_limit = config.migration_limit
         self.on_unreachable: UnreachableHook | None = None
         # The attempts running on each worker, for fail_over (a worker is in here only while it has some).
@@ -84,7 +84,7 @@ class Router:
             if ex.committed:
                 tracker = run.tracker
                 # Only the worker streaming the answer matters to a stream (in P/D, the decode worker).
-                if tracker is None or worker is not run.plan.workers[-1]:
+                if tracker is None or worker is not run.workers[-1]:
                     continue
                 starting = tracker.migrations > 0 and tracker.attempt_tokens == 0  # a continuation, no token yet
                 if not tracker.probing and not starting and (
@@ -100,7 +100,7 @@ class Router:
         return moved
 
     def _track(self, run: _Attempt) -> None:
-        for w in run.plan.workers:
+        for w in run.workers:
             runs = self._running.get(w)
             if runs is None:
                 self._running[w] = {run}
@@ -108,7 +108,7 @@ class Router:
                 runs.add(run)
 
     def _untrack(self, run: _Attempt) -> None:
-        for w in run.plan.workers:
+        for w in run.workers:
             runs = self._running.get(w)
             if runs is not None:
                 runs.discard(run)
@@ -116,10 +116,8 @@ class Router:
                     del self._running[w]
 
     async def serve(self, exchange: Exchange, view: RequestView) -> None:
-        m = self.metrics
-        stream = view.stream
-        meter = exchange.on_chunk = m.meter(view.route, view.model, stream)
-        duration = m.routed(meter.endpoint, meter.model, "true" if stream else "false", self._backend_type)
+        meter, duration = self.counts.started(view)
+        exchange.on_chunk = meter.feed
         try:
             await self._attempts(exchange, view)
         finally:
@@ -148,15 +146,16 @@ class Router:
                     raise
                 if broken is not None:
                     self._migration("no_worker", exchange, broken, None, tracker, e.message)
-                self.metrics.request_failed(view.route, view.model, e.code)
+                self.counts.failed_in_band(view, e.code)
                 await write_sse_error(exchange, e)  # a stream to continue, and nowhere to continue it
                 return
             if broken is not None:
                 self._migration("migrated", exchange, broken, plan.workers[-1], tracker)
                 broken = None
-            exchange.workers = tuple(w.url for w in plan.workers)
-            self._count_selection(plan)
             run = _Attempt(task, exchange, plan, tracker)
+            workers = run.workers
+            exchange.workers = (workers[0].url,) if len(workers) == 1 else tuple([w.url for w in workers])
+            self.counts.placed(workers)
             if tracker is not None:
                 tracker.start_attempt()
             self._track(run)
@@ -169,8 +168,8 @@ class Router:
                             else "retry"
                         with self.tracing.span("attempt", {
                                 "atomesh.attempt": attempt, "atomesh.attempt.kind": kind,
-                                "atomesh.placement.policy": [str(self._policy_names[w.role]) for w in plan.workers],
-                                "atomesh.placement.workers": [w.url for w in plan.workers]}):
+                                "atomesh.placement.policy": [str(self._policy_names[w.role]) for w in workers],
+                                "atomesh.placement.workers": list(exchange.workers)}):
                             await self.backend.forward(exchange, current, plan)
                 except asyncio.CancelledError:
                     if run.lost is None or task.uncancel() > 0:
@@ -180,18 +179,17 @@ class Router:
                     raise err from None
             except UpstreamError as e:
                 self._untrack(run)
-                self._record_failure(e, plan)
-                endpoint = ENDPOINTS.get(view.route, view.route)
+                self._record_failure(e, workers)
                 # Avoid the worker at fault next time (both legs when the fault is unknown).
-                at_fault = [e.worker] if isinstance(e.worker, Worker) else list(plan.workers)
+                at_fault = [e.worker] if isinstance(e.worker, Worker) else list(workers)
                 if exchange.committed:
                     # The client already has part of the answer: continue it elsewhere, or end it in-band.
                     moved = await self._after_break(exchange, view, e, tracker, refused, attempt,
-                                                    plan.workers[-1])
+                                                    workers[-1])
                     if moved is None:
                         return
                     if moved == "migrate":
-                        broken = plan.workers[-1]
+                        broken = workers[-1]
                     assert tracker is not None
                     current = tracker.usage_probe() if moved == "usage" else tracker.continuation()
                     if moved == "retry":
@@ -199,7 +197,7 @@ class Router:
                 else:
                     if not e.retryable or attempt >= self.max_retries:
                         if e.retryable and self.max_retries:
-                            self.metrics.retries_exhausted.labels(plan.workers[-1].role.value, endpoint).inc()
+                            self.counts.retries_exhausted(workers, view)
                         raise
                     attempt += 1
                     moved = "retry"
@@ -207,21 +205,16 @@ class Router:
                 tried.extend(w for w in at_fault if w not in tried)
                 log.debug("retrying", request_id=exchange.request_id, attempt=attempt, how=moved, error=e.message)
             else:
-                m = self.metrics
-                workers = plan.workers
-                last = workers[-1]  # the worker whose answer the client got (decode in P/D)
                 for w in workers:
                     w.breaker.record(True)
-                    if w is not last:
-                        m.cb_outcomes.labels(w.url, "success").inc()
-                m.worker_served(last.url, last.role, exchange.status)
+                self.counts.answered(workers, exchange.status)
                 return
             finally:
                 self._untrack(run)
                 self.placement.release(plan)
             if moved != "retry":
                 continue  # a migration goes on at once: the client is waiting mid-answer
-            self.metrics.retries.labels(plan.workers[-1].role.value, endpoint).inc()
+            self.counts.retried(workers, view)
             if not wait:
                 continue
             if delays is None:
@@ -237,7 +230,7 @@ class Router:
 
         async def fail(err: GatewayError) -> None:
             # Ended in-band: the request failed all the same (serve_inference counts only those raised).
-            self.metrics.request_failed(view.route, view.model, err.code)
+            self.counts.failed_in_band(view, err.code)
             await write_sse_error(exchange, err)
 
         if tracker is None:
@@ -284,7 +277,7 @@ class Router:
     def _migration(self, outcome: str, exchange: Exchange, source: Worker, target: Worker | None,
                    tracker: StreamTracker | None, why: str = "") -> None:
         """Count what became of a broken stream and say so in the log: one line per break."""
-        self.metrics.migrations.labels(outcome).inc()
+        self.counts.migration(outcome)
         tokens = tracker.tokens if tracker is not None else None
         if outcome == "migrated":
             assert target is not None and tracker is not None
@@ -294,28 +287,80 @@ class Router:
             log.warning("stream_not_migrated", request_id=exchange.request_id, outcome=outcome,
                         from_worker=source.url, tokens_so_far=tokens, reason=why)
 
-    def _count_selection(self, plan: Plan) -> None:
-        m = self.metrics
-        for w in plan.workers:
-            m.picked(w.url, w.role, self._policy_names[w.role])
-
-    def _record_failure(self, e: UpstreamError, plan: Plan) -> None:
+    def _record_failure(self, e: UpstreamError, workers: tuple[Worker, ...]) -> None:
         """Charge the failure to the worker at fault (a 4xx answer is the client's fault, not the worker's)."""
         at_fault = e.worker if isinstance(e.worker, Worker) else None
         if isinstance(e, WorkerLost):
             return  # already out of rotation; the failure that took it out was counted where it happened
         if isinstance(e, UpstreamUnreachable) and at_fault is not None and self.on_unreachable is not None:
             self.on_unreachable(at_fault)
-        if isinstance(e, UpstreamStatus):
-            answered = at_fault or plan.workers[-1]
-            self.metrics.upstream_responses.labels(answered.url, answered.role.value, str(e.status)).inc()
-            if e.status < 500:
-                return
-        for w in plan.workers:
+        if not self.counts.failed(e, workers, at_fault):
+            return
+        for w in workers:
             if at_fault is None or w is at_fault:
                 w.breaker.record(False)
-                self.metrics.cb_outcomes.labels(w.url, "failure").inc()
-                self.metrics.worker_errors.labels(w.url, w.role.value, e.code).inc()
+
+
+class AttemptMetrics:
+    """What the router counts about a request and its attempts, one call per event, so that the retry loop
+    reads as placing, forwarding and retrying; every metric family the router feeds is named here."""
+
+    __slots__ = ("_backend", "_metrics", "_policies")
+
+    def __init__(self, metrics: Metrics, policies: Mapping[WorkerRole, str], backend: str) -> None:
+        self._metrics = metrics
+        self._policies = policies  # each role's policy name (the selection counter's label)
+        self._backend = backend  # "regular" or "pd"
+
+    def started(self, view: RequestView) -> tuple[RequestMeter, HistogramValue]:
+        """A request is routed (`mesh_router_requests_total`): its token meter and its duration histogram."""
+        m = self._metrics
+        meter = m.meter(view.route, view.model, view.stream)
+        return meter, m.routed(meter.endpoint, meter.model, "true" if view.stream else "false", self._backend)
+
+    def placed(self, workers: tuple[Worker, ...]) -> None:
+        """An attempt was placed (`mesh_worker_selection_total` per worker of the plan)."""
+        m = self._metrics
+        for w in workers:
+            m.picked(w.url, w.role, self._policies[w.role])
+
+    def answered(self, workers: tuple[Worker, ...], status: int | None) -> None:
+        """The plan's last worker answered the client; the others (a P/D prefill) count a breaker success."""
+        m = self._metrics
+        last = workers[-1]  # the worker whose answer the client got (decode in P/D)
+        if workers[0] is not last:
+            for w in workers[:-1]:
+                m.cb_outcomes.labels(w.url, "success").inc()
+        m.worker_served(last.url, last.role, status)
+
+    def failed(self, e: UpstreamError, workers: tuple[Worker, ...], at_fault: Worker | None) -> bool:
+        """An attempt failed; True when it is the workers' fault (their breakers then count a failure)."""
+        m = self._metrics
+        if isinstance(e, UpstreamStatus):
+            answered = at_fault or workers[-1]
+            m.upstream_responses.labels(answered.url, answered.role.value, str(e.status)).inc()
+            if e.status < 500:
+                return False
+        for w in workers:
+            if at_fault is None or w is at_fault:
+                m.cb_outcomes.labels(w.url, "failure").inc()
+                m.worker_errors.labels(w.url, w.role.value, e.code).inc()
+        return True
+
+    def retried(self, workers: tuple[Worker, ...], view: RequestView) -> None:
+        self._metrics.retries.labels(workers[-1].role.value, ENDPOINTS.get(view.route, view.route)).inc()
+
+    def retries_exhausted(self, workers: tuple[Worker, ...], view: RequestView) -> None:
+        self._metrics.retries_exhausted.labels(workers[-1].role.value,
+                                               ENDPOINTS.get(view.route, view.route)).inc()
+
+    def failed_in_band(self, view: RequestView, code: str) -> None:
+        """A started stream ended with an error event (serve_inference counts only the errors raised)."""
+        self._metrics.request_failed(view.route, view.model, code)
+
+    def migration(self, outcome: str) -> None:
+        """What became of a broken stream (`mesh_migrations_total`)."""
+        self._metrics.migrations.labels(outcome).inc()
 
 
 async def _end_stream(exchange: Exchange, tail: bytes) -> None:

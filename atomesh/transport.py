@@ -288,7 +288,10 @@ async def relay(exchange: Exchange, resp: Response, on_chunk: ChunkHook | None =
         await exchange.start_stream(resp.status, headers)
     try:
         if exchange.direct:
-            await resp.pipe(_sink(exchange, filt, on_chunk), exchange.writable)
+            if filt is None:
+                await resp.pipe(exchange.push, exchange.writable, on_chunk)
+            else:
+                await resp.pipe(_filtered(exchange, filt, on_chunk), exchange.writable)
         else:
             async for chunk in resp.chunks():
                 if filt is not None:
@@ -308,18 +311,16 @@ async def relay(exchange: Exchange, resp: Response, on_chunk: ChunkHook | None =
     await exchange.end()
 
 
-def _sink(exchange: Exchange, filt: StreamFilter | None, on_chunk: ChunkHook | None) -> Callable[[bytes], bool]:
-    """What a worker's stream goes through on its way to a direct exchange, called from the worker
-    connection's parser callback: the filter, the meter, the client's socket."""
+def _filtered(exchange: Exchange, filt: StreamFilter, on_chunk: ChunkHook | None) -> Callable[[bytes], bool]:
+    """What a worker's stream goes through on its way to a direct exchange when a filter reads it (a stream
+    that may migrate), called from the worker connection's parser callback: the filter, the meter, the
+    client's socket."""
     push = exchange.push
-    if filt is None and on_chunk is None:
-        return push
 
     def sink(chunk: bytes) -> bool:
-        if filt is not None:
-            chunk = filt.feed(chunk)
-            if not chunk:
-                return True
+        chunk = filt.feed(chunk)
+        if not chunk:
+            return True
         if on_chunk is not None:
             on_chunk(chunk)
         return push(chunk)

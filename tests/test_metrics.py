@@ -44,11 +44,11 @@ def test_meter_reads_ttft_and_tokens_from_sse_bytes() -> None:
     m = Metrics([0.1, 1.0])
     m.set_served_models(["m"])
     meter = m.meter("/v1/chat/completions", "m", streaming=True)
-    meter(b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n')  # no content yet
+    meter.feed(b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n')  # no content yet
     assert meter.first_at is None
-    meter(b'data: {"choices":[{"delta":{"content":"Hel"}}]}\n\nda')  # first token; next marker split
-    meter(b'ta: {"choices":[{"delta":{"content":"lo"}}]}\n\n')
-    meter(b'data: {"choices": [{"delta": {"content": "!"}}]}\n\ndata: [DONE]\n\n')
+    meter.feed(b'data: {"choices":[{"delta":{"content":"Hel"}}]}\n\nda')  # first token; next marker split
+    meter.feed(b'ta: {"choices":[{"delta":{"content":"lo"}}]}\n\n')
+    meter.feed(b'data: {"choices": [{"delta": {"content": "!"}}]}\n\ndata: [DONE]\n\n')
     meter.finish()
     text = generate_latest(m.registry).decode()
     assert meter.events == 3
@@ -60,12 +60,27 @@ def test_meter_reads_ttft_and_tokens_from_sse_bytes() -> None:
 def test_meter_prefers_engine_usage() -> None:
     m = Metrics([1.0])
     meter = m.meter("/v1/completions", "m", streaming=True)
-    meter(b'data: {"choices":[{"text":"a"}]}\n\n')
-    meter(b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":12,"total_tokens":19}}\n\n')
+    meter.feed(b'data: {"choices":[{"text":"a"}]}\n\n')
+    meter.feed(b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":12,"total_tokens":19}}\n\n')
     meter.finish()
     meter.finish()  # idempotent
     text = generate_latest(m.registry).decode()
     assert value(text, "mesh_router_tokens_total", token_type="output") == 12
+    assert value(text, "mesh_router_tokens_total", token_type="input") == 7
+
+
+def test_meter_takes_usage_split_across_chunks_and_followed_by_done() -> None:
+    m = Metrics([1.0])
+    meter = m.meter("/v1/completions", "m", streaming=True)
+    for i in range(3):
+        meter.feed(b'data: {"choices":[{"text":"t"}],"usage":{"prompt_tokens":7,"completion_tokens":%d}}\n\n' % (i + 1))
+    meter.feed(b'data: {"choices":[],"usage":{"prompt_tokens":7,"compl')  # the final usage, in two pieces
+    meter.feed(b'etion_tokens":40,"total_tokens":47}}\n\n')
+    meter.feed(b'data: [DONE]\n\n')
+    meter.finish()
+    assert meter.events == 4  # three tokens and the usage event; [DONE] is not one
+    text = generate_latest(m.registry).decode()
+    assert value(text, "mesh_router_tokens_total", token_type="output") == 40
     assert value(text, "mesh_router_tokens_total", token_type="input") == 7
 
 
