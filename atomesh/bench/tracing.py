@@ -1,9 +1,11 @@
 """The gateway's CPU per request with `--enable-trace` against without it: `atomesh bench tracing`.
 
-One mock worker; a gateway process run twice over the same load (`--requests` completions,
-`--concurrency` at a time): without tracing, then with `--enable-trace` exporting to an OTLP/gRPC
-receiver in this process. The gateway's CPU time (user + system, from /proc) per request is compared;
-the target is at most 10% more with tracing. It prints (and writes `--json`); it never asserts.
+One mock worker and two gateway processes beside each other, one without tracing and one with
+`--enable-trace` exporting to an OTLP/gRPC receiver in this process. Each of `--rounds` rounds sends
+`--requests` completions (`--concurrency` at a time) to one gateway, then to the other, so that what
+else the machine runs weighs on both alike. Each gateway's CPU time (user + system of all its threads,
+from /proc) per request is compared; the target is at most 10% more with tracing. It prints (and
+writes `--json`); it never asserts.
 """
 
 from __future__ import annotations
@@ -79,43 +81,54 @@ async def ready(url: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="atomesh bench tracing", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=3000)
+    p.add_argument("--requests", type=int, default=3000, help="completions per gateway and round")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="rounds, each loading one gateway then the other (the machine's other load shared out)")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     server, endpoint, spans = receiver()
-    results: dict[str, float] = {}
+    cpu = {"off": 0.0, "on": 0.0}
+    ratios: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         mport = free_port()
         mock = start([sys.executable, "-m", "atomesh.testing.mock_worker", "--port", str(mport)], Path(tmp) / "m.log")
+        gateways: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
         try:
             asyncio.run(ready(f"http://127.0.0.1:{mport}/health"))
             for name, extra in (("off", []), ("on", ["--enable-trace", "--otlp-traces-endpoint", endpoint])):
                 port = free_port()
-                gw: subprocess.Popen[bytes] = start(
+                gateways[name] = (start(
                     [sys.executable, "-m", "atomesh", "launch", "--host", "127.0.0.1", "--port", str(port),
                      "--prometheus-port", str(free_port()), "--worker-urls", f"http://127.0.0.1:{mport}",
                      "--policy", "round_robin", "--log-level", "warn", "--access-log-sample-rate", "0", *extra],
-                    Path(tmp) / f"{name}.log")
-                try:
-                    url = f"http://127.0.0.1:{port}"
-                    asyncio.run(ready(url + "/readiness"))
-                    asyncio.run(load(url + "/v1/completions", 200, args.concurrency))  # warm up
+                    Path(tmp) / f"{name}.log"), f"http://127.0.0.1:{port}")
+            for _, url in gateways.values():
+                asyncio.run(ready(url + "/readiness"))
+                asyncio.run(load(url + "/v1/completions", 500, args.concurrency))  # warm up
+            for _ in range(args.rounds):
+                took = {}
+                for name, (gw, url) in gateways.items():
                     before = cpu_seconds(gw.pid)
                     asyncio.run(load(url + "/v1/completions", args.requests, args.concurrency))
-                    results[name] = (cpu_seconds(gw.pid) - before) / args.requests
-                finally:
-                    stop(gw)
+                    took[name] = cpu_seconds(gw.pid) - before
+                    cpu[name] += took[name]
+                ratios.append(took["on"] / took["off"])
         finally:
+            for gw, _ in gateways.values():
+                stop(gw)
             stop(mock)
             time.sleep(0.5)
             server.stop(0)
-    ratio = results["on"] / results["off"]
-    print(f"gateway CPU per request: tracing off {results['off'] * 1e6:.0f} us, on {results['on'] * 1e6:.0f} us "
-          f"({ratio:.2f}x; target <= 1.10x); spans received: {spans[0]}")
+    n = args.requests * args.rounds
+    per = {k: v / n for k, v in cpu.items()}
+    ratio = per["on"] / per["off"]
+    print(f"gateway CPU per request over {args.rounds} rounds of {args.requests}: tracing off {per['off'] * 1e6:.0f} "
+          f"us, on {per['on'] * 1e6:.0f} us ({ratio:.2f}x; target <= 1.10x; rounds "
+          f"{', '.join(f'{r:.2f}' for r in ratios)}); spans received: {spans[0]}")
     if args.json is not None:
-        args.json.write_text(json.dumps({**{f"cpu_us_{k}": v * 1e6 for k, v in results.items()}, "ratio": ratio,
-                                         "spans": spans[0]}, indent=2))
+        args.json.write_text(json.dumps({**{f"cpu_us_{k}": v * 1e6 for k, v in per.items()}, "ratio": ratio,
+                                         "round_ratios": ratios, "spans": spans[0]}, indent=2))
 
 
 if __name__ == "__main__":

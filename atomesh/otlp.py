@@ -1,0 +1,300 @@
+"""OTLP/gRPC trace export written by hand: spans encoded straight into protobuf bytes, sent in batches.
+
+The wire format is opentelemetry-proto's `ExportTraceServiceRequest` (trace/v1/trace.proto), the
+collector's own; the fields written are the ones the gateway's spans have (ids, name, kind, times,
+attributes, an error status). An attribute's encoding is cached by key and value: most repeat from
+request to request (route, model, worker, status), so a span costs a few byte joins.
+
+The SDK's environment applies as it reads it: `OTEL_BSP_SCHEDULE_DELAY`, `OTEL_BSP_MAX_QUEUE_SIZE`,
+`OTEL_BSP_MAX_EXPORT_BATCH_SIZE`, `OTEL_EXPORTER_OTLP[_TRACES]_HEADERS`, `_COMPRESSION` (gzip) and
+`_TIMEOUT` (seconds), `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`; any other
+`OTEL_EXPORTER_OTLP_*` variable stops start-up by name.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+import urllib.parse
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+import atomesh
+
+if TYPE_CHECKING:
+    from atomesh.tracing import Span
+
+log = structlog.get_logger("atomesh.tracing")
+
+KIND_INTERNAL, KIND_SERVER, KIND_CLIENT = 1, 2, 3  # opentelemetry-proto's Span.SpanKind
+_EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+_SMALL = [bytes((n,)) for n in range(0x80)]
+_TIMES = struct.Struct("<BQBQ")  # start_time_unix_nano (7) and end_time_unix_nano (8), both fixed64
+_DOUBLE = struct.Struct("<Bd")
+_KINDS = [b"\x30" + bytes((k,)) for k in range(4)]  # kind (6)
+_SMALL_FIELD2 = [b"\x12" + bytes((n,)) for n in range(0x80)]
+_STATUS_ERROR = b"\x7a\x02\x18\x02"  # status (15) { code (3): STATUS_CODE_ERROR }
+_CACHE_ENTRIES = 4096
+
+
+def varint(n: int) -> bytes:
+    """A protobuf varint (a negative int64 as its 64-bit two's complement)."""
+    if 0 <= n < 0x80:
+        return _SMALL[n]
+    n &= 0xFFFF_FFFF_FFFF_FFFF
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def field(tag: int, payload: bytes) -> bytes:
+    """A length-delimited field: its tag byte (field number << 3 | 2), length, payload."""
+    return _SMALL[tag] + varint(len(payload)) + payload
+
+
+def any_value(v: Any) -> bytes:
+    """An AnyValue: string (1), bool (2), int (3), double (4) or an array (5) of those."""
+    if isinstance(v, str):
+        return field(0x0A, v.encode())
+    if isinstance(v, bool):
+        return b"\x10\x01" if v else b"\x10\x00"
+    if isinstance(v, int):
+        return b"\x18" + varint(v)
+    if isinstance(v, float):
+        return _DOUBLE.pack(0x21, v)
+    if isinstance(v, (list, tuple)):
+        return field(0x2A, b"".join(field(0x0A, any_value(x)) for x in v))
+    return field(0x0A, str(v).encode())
+
+
+def key_value(key: str, value: Any) -> bytes:
+    """A KeyValue message's bytes: key (1), value (2)."""
+    return field(0x0A, key.encode()) + field(0x12, any_value(value))
+
+
+class SpanEncoder:
+    """Writes finished spans as the bytes of `ScopeSpans.spans` entries (field 2, length-prefixed)."""
+
+    def __init__(self) -> None:
+        self._attributes: dict[tuple[Any, ...], bytes] = {}
+        self._names: dict[str, bytes] = {}
+
+    def span(self, s: Span, end_ns: int) -> bytes:
+        name = self._names.get(s.name)
+        if name is None:
+            name = self._names[s.name] = field(0x2A, s.name.encode())
+        if s.parent_id:
+            parts = [b"\x0a\x10", s.trace_id, b"\x12\x08", s.span_id, b"\x22\x08", s.parent_id, name, _KINDS[s.kind],
+                     _TIMES.pack(0x39, s.start_ns, 0x41, end_ns)]
+        else:
+            parts = [b"\x0a\x10", s.trace_id, b"\x12\x08", s.span_id, name, _KINDS[s.kind],
+                     _TIMES.pack(0x39, s.start_ns, 0x41, end_ns)]
+        cache = self._attributes
+        for k, v in s.attributes.items():
+            cls = v.__class__
+            # The class is part of the key where equal values differ in type (True == 1).
+            key = (k, v) if cls is str else (k, tuple(v)) if cls is list else (k, v, cls)
+            encoded = cache.get(key)
+            if encoded is None:
+                if len(cache) >= _CACHE_ENTRIES:  # per-request values (the request id) come and go
+                    cache.clear()
+                encoded = cache[key] = field(0x4A, key_value(k, v))
+            parts.append(encoded)
+        if s.kind == KIND_SERVER:
+            status = s.attributes.get("http.response.status_code")
+            if status.__class__ is int and status >= 500:
+                parts.append(_STATUS_ERROR)
+        body = b"".join(parts)
+        n = len(body)
+        if n < 0x4000:  # ScopeSpans.spans (2), its length in two bytes at most
+            return (_SMALL_FIELD2[n] if n < 0x80 else bytes((0x12, n & 0x7F | 0x80, n >> 7))) + body
+        return field(0x12, body)
+
+
+@dataclass(frozen=True, slots=True)
+class ExporterSettings:
+    """Where and how spans are sent (from `--otlp-traces-endpoint` and the SDK's environment)."""
+
+    target: str  # HOST:PORT
+    secure: bool  # https:// endpoints: TLS with the system's roots
+    headers: tuple[tuple[str, str], ...]
+    gzip: bool
+    timeout_s: float
+    schedule_delay_s: float
+    max_queue: int
+    max_batch: int
+    resource: tuple[tuple[str, str], ...]
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise RuntimeError(f"{name}={raw!r} is not an integer") from None
+    if value <= 0:
+        raise RuntimeError(f"{name}={raw!r} must be positive")
+    return value
+
+
+def _exporter_env(name: str) -> str | None:
+    """`OTEL_EXPORTER_OTLP_TRACES_<name>`, else `OTEL_EXPORTER_OTLP_<name>` (the SDK's order)."""
+    return os.environ.get(f"OTEL_EXPORTER_OTLP_TRACES_{name}", os.environ.get(f"OTEL_EXPORTER_OTLP_{name}"))
+
+
+def _pairs(raw: str, what: str) -> tuple[tuple[str, str], ...]:
+    """`k=v,k2=v2` with URL-encoded values (the SDK's headers and resource attributes)."""
+    out = []
+    for item in raw.split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise RuntimeError(f"{what}: {item!r} is not key=value")
+        out.append((key.strip().lower() if what.endswith("HEADERS") else key.strip(),
+                    urllib.parse.unquote(value.strip())))
+    return tuple(out)
+
+
+def exporter_settings(endpoint: str, service: str = "atomesh-gateway") -> ExporterSettings:
+    """The settings for `endpoint` and the environment; a setting not honoured stops start-up by name."""
+    for name in os.environ:
+        if name.startswith("OTEL_EXPORTER_OTLP_"):
+            setting = name.removeprefix("OTEL_EXPORTER_OTLP_").removeprefix("TRACES_")
+            if setting not in ("HEADERS", "COMPRESSION", "TIMEOUT", "PROTOCOL"):
+                raise RuntimeError(f"{name} is not honoured by the gateway's OTLP exporter (it honours _HEADERS, "
+                                   "_COMPRESSION, _TIMEOUT and _PROTOCOL grpc; the endpoint is "
+                                   "--otlp-traces-endpoint)")
+    protocol = _exporter_env("PROTOCOL")
+    if protocol not in (None, "grpc"):
+        raise RuntimeError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol}: the gateway exports over OTLP/gRPC only")
+    compression = (_exporter_env("COMPRESSION") or "none").lower()
+    if compression not in ("none", "gzip"):
+        raise RuntimeError(f"OTEL_EXPORTER_OTLP_COMPRESSION={compression}: gzip or none")
+    timeout = _exporter_env("TIMEOUT")
+    try:
+        timeout_s = float(timeout) if timeout is not None else 10.0
+    except ValueError:
+        raise RuntimeError(f"OTEL_EXPORTER_OTLP_TIMEOUT={timeout!r} is not a number of seconds") from None
+    secure = endpoint.startswith("https://")
+    target = endpoint.removeprefix("https://").removeprefix("http://").removeprefix("grpc://").rstrip("/")
+    resource = dict(_pairs(os.environ.get("OTEL_RESOURCE_ATTRIBUTES", ""), "OTEL_RESOURCE_ATTRIBUTES"))
+    resource["service.name"] = os.environ.get("OTEL_SERVICE_NAME") or service
+    resource.setdefault("telemetry.sdk.language", "python")
+    resource.setdefault("telemetry.sdk.name", "atomesh")
+    resource.setdefault("telemetry.sdk.version", atomesh.__version__)
+    max_queue = _env_int("OTEL_BSP_MAX_QUEUE_SIZE", 2048)
+    return ExporterSettings(
+        target=target, secure=secure, gzip=compression == "gzip", timeout_s=timeout_s,
+        headers=_pairs(_exporter_env("HEADERS") or "", "OTEL_EXPORTER_OTLP_HEADERS"),
+        schedule_delay_s=_env_int("OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000,
+        max_queue=max_queue, max_batch=min(max_queue, _env_int("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512)),
+        resource=tuple(resource.items()))
+
+
+class SpanExporter:
+    """A bounded queue of encoded spans and the thread that sends them, a batch per OTLP/gRPC call.
+
+    A batch goes when `max_batch` spans wait or every `schedule_delay_s`; with `max_queue` spans
+    waiting (the collector slow or away), new ones are dropped and counted. Export failures the
+    collector may get over (unavailable, overloaded) are retried with backoff until the timeout."""
+
+    def __init__(self, settings: ExporterSettings) -> None:
+        try:
+            import grpc
+        except ImportError as e:
+            raise RuntimeError(f"--enable-trace needs grpcio (pip install 'atomesh[tracing]'): {e}") from None
+        self._grpc = grpc
+        self.settings = settings
+        if settings.secure:
+            self._channel = grpc.secure_channel(settings.target, grpc.ssl_channel_credentials())
+        else:
+            self._channel = grpc.insecure_channel(settings.target)
+        # Bytes in, bytes out: the request is already encoded and the (empty) answer is not read.
+        self._call = self._channel.unary_unary(_EXPORT_METHOD, request_serializer=None, response_deserializer=None)
+        resource = field(0x0A, b"".join(field(0x0A, key_value(k, v)) for k, v in settings.resource))
+        self._resource = resource  # ResourceSpans.resource (1)
+        self._scope = field(0x0A, field(0x0A, b"atomesh") + field(0x12, atomesh.__version__.encode()))
+        self._queue: deque[bytes] = deque()
+        self.dropped = 0  # spans not sent: the queue was full, or their batch failed
+        self.sent = 0
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="atomesh-otlp-export", daemon=True)
+        self._thread.start()
+
+    def add(self, span: bytes) -> None:
+        """Queue one encoded span (from the event loop: an append, and a wake-up per full batch)."""
+        queue = self._queue
+        n = len(queue)
+        if n >= self.settings.max_queue:
+            self.dropped += 1
+            return
+        queue.append(span)
+        if n + 1 == self.settings.max_batch:
+            self._wake.set()
+
+    def request_bytes(self, spans: list[bytes]) -> bytes:
+        """An ExportTraceServiceRequest holding `spans` (ScopeSpans.spans entries, as SpanEncoder writes)."""
+        scope_spans = field(0x12, self._scope + b"".join(spans))
+        return field(0x0A, self._resource + scope_spans)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self.settings.schedule_delay_s)
+            self._wake.clear()
+            stopping = self._stopping
+            self._drain()
+            if stopping:
+                return
+
+    def _drain(self) -> None:
+        queue = self._queue
+        while queue:
+            batch = [queue.popleft() for _ in range(min(len(queue), self.settings.max_batch))]
+            if self._send(self.request_bytes(batch)):
+                self.sent += len(batch)
+            else:
+                self.dropped += len(batch)
+
+    def _send(self, data: bytes) -> bool:
+        grpc = self._grpc
+        retryable = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED,
+                     grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.CANCELLED,
+                     grpc.StatusCode.DATA_LOSS)
+        deadline = time.monotonic() + self.settings.timeout_s
+        backoff = 0.5
+        while True:
+            try:
+                self._call(data, timeout=max(0.01, deadline - time.monotonic()),
+                           metadata=self.settings.headers or None,
+                           compression=grpc.Compression.Gzip if self.settings.gzip else None)
+                return True
+            except grpc.RpcError as e:
+                code = e.code() if hasattr(e, "code") else None
+                if code in retryable and not self._stopping and time.monotonic() + backoff < deadline:
+                    time.sleep(backoff)
+                    backoff *= 2
+                    continue
+                log.warning("otlp_export_failed", endpoint=self.settings.target, code=str(code),
+                            detail=e.details() if hasattr(e, "details") else str(e))
+                return False
+
+    def shutdown(self) -> None:
+        """Send what is queued (within the export timeout) and stop the thread."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(self.settings.timeout_s + 1)
+        self._channel.close()
+        if self.dropped:
+            log.warning("otlp_spans_dropped", spans=self.dropped, sent=self.sent)
