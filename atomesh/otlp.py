@@ -27,7 +27,7 @@ import structlog
 import atomesh
 
 if TYPE_CHECKING:
-    from atomesh.tracing import Span
+    from atomesh.tracing import RequestSpan
 
 log = structlog.get_logger("atomesh.tracing")
 
@@ -40,6 +40,8 @@ _KINDS = [b"\x30" + bytes((k,)) for k in range(4)]  # kind (6)
 _SMALL_FIELD2 = [b"\x12" + bytes((n,)) for n in range(0x80)]
 _STATUS_ERROR = b"\x7a\x02\x18\x02"  # status (15) { code (3): STATUS_CODE_ERROR }
 _CACHE_ENTRIES = 4096
+REQUEST_ID = "atomesh.request_id"  # the request span's attribute that differs with every request
+_REQUEST_ID_KEY = b"\x0a" + bytes((len(REQUEST_ID),)) + REQUEST_ID.encode() + b"\x12"  # key, then value's tag
 
 
 def varint(n: int) -> bytes:
@@ -81,24 +83,70 @@ def key_value(key: str, value: Any) -> bytes:
 
 
 class SpanEncoder:
-    """Writes finished spans as the bytes of `ScopeSpans.spans` entries (field 2, length-prefixed)."""
+    """Writes a finished request's spans as `ScopeSpans.spans` entries (field 2, each length-prefixed).
+
+    Encodings are cached: a span's name, kind and attributes whole, by their values (the same call site
+    with the same values writes the same bytes), else each attribute's by key and value."""
 
     def __init__(self) -> None:
         self._attributes: dict[tuple[Any, ...], bytes] = {}
-        self._names: dict[str, bytes] = {}
+        self._blocks: dict[tuple[Any, ...], bytes] = {}
 
-    def span(self, s: Span, end_ns: int) -> bytes:
-        name = self._names.get(s.name)
-        if name is None:
-            name = self._names[s.name] = field(0x2A, s.name.encode())
-        if s.parent_id:
-            parts = [b"\x0a\x10", s.trace_id, b"\x12\x08", s.span_id, b"\x22\x08", s.parent_id, name, _KINDS[s.kind],
-                     _TIMES.pack(0x39, s.start_ns, 0x41, end_ns)]
-        else:
-            parts = [b"\x0a\x10", s.trace_id, b"\x12\x08", s.span_id, name, _KINDS[s.kind],
-                     _TIMES.pack(0x39, s.start_ns, 0x41, end_ns)]
+    def request(self, root: RequestSpan) -> bytes:
+        ids = b"\x0a\x10" + root.trace_id + b"\x12\x08"  # trace_id (1), then span_id's tag (2)
+        attrs = root.attributes
+        # The request id is the one attribute new with every request: kept out of the cached block.
+        request_id = attrs.pop(REQUEST_ID, None)
+        status = attrs.get("http.response.status_code")
+        tail = self._tail(root.name, root.kind, attrs)
+        if request_id is not None:
+            value = str(request_id).encode()
+            n = len(value)
+            if n < 100:  # KeyValue {key, value {string_value}}, every length in one byte
+                tail += b"".join((b"\x4a", _SMALL[n + len(_REQUEST_ID_KEY) + 3], _REQUEST_ID_KEY, _SMALL[n + 2],
+                                  b"\x0a", _SMALL[n], value))
+            else:
+                tail += field(0x4A, key_value(REQUEST_ID, request_id))
+        if status.__class__ is int and status >= 500:
+            tail += _STATUS_ERROR
+        pack = _TIMES.pack
+        out = [self._framed((ids, root.span_id.to_bytes(8, "big"), b"\x22\x08" + root.parent_id if root.parent_id
+                             else b"", pack(0x39, root.start_ns, 0x41, root.end_ns), tail))]
+        for s in root.children:
+            parent = (s.parent or root).span_id
+            out.append(self._framed((ids, s.span_id.to_bytes(8, "big"), b"\x22\x08", parent.to_bytes(8, "big"),
+                                     pack(0x39, s.start_ns, 0x41, s.end_ns), self._tail(s.name, s.kind, s.attributes))))
+        return b"".join(out)
+
+    def _tail(self, name: str, kind: int, attributes: dict[str, Any]) -> bytes:
+        """A span's name (5), kind (6) and attributes (9), cached whole by their values where they are hashable."""
+        key: tuple[Any, ...] | None = (name, kind, *attributes.items())
+        blocks = self._blocks
+        try:
+            tail = blocks.get(key)  # type: ignore[arg-type]
+        except TypeError:  # a list among the values
+            key, tail = None, None
+        if tail is None:
+            tail = field(0x2A, name.encode()) + _KINDS[kind] + self._attribute_block(attributes)
+            if key is not None:
+                if len(blocks) >= _CACHE_ENTRIES:
+                    blocks.clear()
+                blocks[key] = tail
+        return tail
+
+    @staticmethod
+    def _framed(parts: tuple[bytes, ...]) -> bytes:
+        body = b"".join(parts)
+        n = len(body)
+        if n < 0x4000:  # ScopeSpans.spans (2), its length in two bytes at most
+            return (_SMALL_FIELD2[n] if n < 0x80 else bytes((0x12, n & 0x7F | 0x80, n >> 7))) + body
+        return field(0x12, body)
+
+    def _attribute_block(self, attributes: dict[str, Any]) -> bytes:
+        """Span.attributes (9), each attribute's encoding cached by key and value."""
         cache = self._attributes
-        for k, v in s.attributes.items():
+        parts = []
+        for k, v in attributes.items():
             cls = v.__class__
             # The class is part of the key where equal values differ in type (True == 1).
             key = (k, v) if cls is str else (k, tuple(v)) if cls is list else (k, v, cls)
@@ -108,15 +156,7 @@ class SpanEncoder:
                     cache.clear()
                 encoded = cache[key] = field(0x4A, key_value(k, v))
             parts.append(encoded)
-        if s.kind == KIND_SERVER:
-            status = s.attributes.get("http.response.status_code")
-            if status.__class__ is int and status >= 500:
-                parts.append(_STATUS_ERROR)
-        body = b"".join(parts)
-        n = len(body)
-        if n < 0x4000:  # ScopeSpans.spans (2), its length in two bytes at most
-            return (_SMALL_FIELD2[n] if n < 0x80 else bytes((0x12, n & 0x7F | 0x80, n >> 7))) + body
-        return field(0x12, body)
+        return b"".join(parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +265,9 @@ class SpanExporter:
         resource = field(0x0A, b"".join(field(0x0A, key_value(k, v)) for k, v in settings.resource))
         self._resource = resource  # ResourceSpans.resource (1)
         self._scope = field(0x0A, field(0x0A, b"atomesh") + field(0x12, atomesh.__version__.encode()))
-        self._queue: deque[bytes] = deque()
+        self._queue: deque[tuple[bytes, int]] = deque()
+        # Spans queued so far and taken out so far, each counter written by one thread only.
+        self._added = self._taken = 0
         self.dropped = 0  # spans not sent: the queue was full, or their batch failed
         self.sent = 0
         self._wake = threading.Event()
@@ -233,15 +275,16 @@ class SpanExporter:
         self._thread = threading.Thread(target=self._run, name="atomesh-otlp-export", daemon=True)
         self._thread.start()
 
-    def add(self, span: bytes) -> None:
-        """Queue one encoded span (from the event loop: an append, and a wake-up per full batch)."""
-        queue = self._queue
-        n = len(queue)
-        if n >= self.settings.max_queue:
-            self.dropped += 1
+    def add(self, spans: bytes, count: int) -> None:
+        """Queue one request's `count` encoded spans (from the event loop: an append, and a wake-up once a
+        batch is full)."""
+        queued = self._added - self._taken + count
+        if queued > self.settings.max_queue:
+            self.dropped += count
             return
-        queue.append(span)
-        if n + 1 == self.settings.max_batch:
+        self._queue.append((spans, count))
+        self._added += count
+        if queued >= self.settings.max_batch and not self._wake.is_set():
             self._wake.set()
 
     def request_bytes(self, spans: list[bytes]) -> bytes:
@@ -261,11 +304,17 @@ class SpanExporter:
     def _drain(self) -> None:
         queue = self._queue
         while queue:
-            batch = [queue.popleft() for _ in range(min(len(queue), self.settings.max_batch))]
+            batch: list[bytes] = []
+            count = 0
+            while queue and count < self.settings.max_batch:
+                spans, n = queue.popleft()
+                batch.append(spans)
+                count += n
+            self._taken += count
             if self._send(self.request_bytes(batch)):
-                self.sent += len(batch)
+                self.sent += count
             else:
-                self.dropped += len(batch)
+                self.dropped += count
 
     def _send(self, data: bytes) -> bool:
         grpc = self._grpc

@@ -32,38 +32,74 @@ _HEX = frozenset("0123456789abcdef")
 
 
 class Span:
-    """One span of a sampled trace (or the root of any trace), current inside its `with` block."""
+    """One child span of a sampled request, the innermost open span of its request inside its `with` block."""
 
-    __slots__ = ("_token", "_tracing", "attributes", "kind", "name", "parent_id", "sampled", "span_id", "start_ns",
-                 "trace_id")
+    __slots__ = ("attributes", "end_ns", "kind", "name", "parent", "root", "span_id", "start_ns")
 
-    def __init__(self, tracing: Tracing, trace_id: bytes, parent_id: bytes, sampled: bool, name: str, kind: int,
-                 attributes: dict[str, Any]) -> None:
-        self._tracing = tracing
-        self.trace_id = trace_id
-        self.span_id = (tracing._rng.getrandbits(64) or 1).to_bytes(8, "big")
-        self.parent_id = parent_id  # b"" for none
-        self.sampled = sampled
+    def __init__(self, root: RequestSpan, name: str, kind: int, attributes: dict[str, Any]) -> None:
+        self.root = root
         self.name = name
         self.kind = kind
         self.attributes = attributes
-        self.start_ns = 0
-        self._token: Any = None
+        self.span_id = root.rng()
+        self.parent: Span | RequestSpan | None = None  # None: the request span
+        self.start_ns = self.end_ns = 0
 
     def set_attribute(self, key: str, value: Any) -> None:
         self.attributes[key] = value
 
     def __enter__(self) -> Span:
-        self._token = self._tracing._current.set(self)
+        root = self.root
+        self.parent = root.open
+        root.open = self
         self.start_ns = time.time_ns()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        end = time.time_ns()
+        self.end_ns = time.time_ns()
+        root = self.root
+        root.open = self.parent
+        root.children.append(self)
+
+
+class RequestSpan:
+    """The server span of one request: current (one context variable) for the request's duration; its
+    children nest through `open` (the innermost open span), as the request path runs one step at a time."""
+
+    __slots__ = ("_token", "_tracing", "attributes", "children", "end_ns", "kind", "name", "open", "parent_id", "rng",
+                 "sampled", "span_id", "start_ns", "trace_id")
+
+    def __init__(self, tracing: Tracing, trace_id: bytes, parent_id: bytes, sampled: bool, name: str,
+                 attributes: dict[str, Any]) -> None:
+        self._tracing = tracing
+        self.rng = tracing.span_id
+        self.trace_id = trace_id
+        self.parent_id = parent_id  # the client's span, b"" for none
+        self.sampled = sampled
+        self.name = name
+        self.kind = KIND_SERVER
+        self.attributes = attributes
+        self.span_id = self.rng()
+        self.open: Span | RequestSpan | None = None  # None: the request span itself (no reference cycle)
+        self.children: list[Span] = []
+        self.start_ns = self.end_ns = 0
+        self._token: Any = None
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        self.attributes[key] = value
+
+    def __enter__(self) -> RequestSpan:
+        self._token = self._tracing.current_request.set(self)
+        self.start_ns = time.time_ns()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end_ns = time.time_ns()
         tracing = self._tracing
-        tracing._current.reset(self._token)
+        tracing.current_request.reset(self._token)
         if self.sampled:
-            tracing.exporter.add(tracing.encoder.span(self, end))
+            tracing.exporter.add(tracing.encoder.request(self), 1 + len(self.children))
+            self.children = []  # no cycle through the children's `root`: freed by reference counting
 
 
 def parse_traceparent(value: str | None) -> tuple[bytes, bytes, bool] | None:
@@ -102,43 +138,49 @@ class Tracing:
 
     def __init__(self, endpoint: str | None, service: str = "atomesh-gateway") -> None:
         self.on = endpoint is not None
-        self._current: ContextVar[Span | None] = ContextVar("atomesh_span", default=None)
-        self._rng = random.Random()
+        self.current_request: ContextVar[RequestSpan | None] = ContextVar("atomesh_request_span", default=None)
+        rng = random.Random()
+        self._bits = rng.getrandbits
+        self._random = rng.random
         if endpoint is None:
             return
         self.ratio = ratio_from_env()
         self.encoder = SpanEncoder()
         self.exporter = SpanExporter(exporter_settings(endpoint, service))  # starts its thread; `shutdown` stops it
 
+    def span_id(self) -> int:
+        return self._bits(64) or 1
+
     # ------------------------------------------------------------------ the request path
-    def request(self, name: str, headers: Mapping[str, str], attributes: dict[str, Any]) -> Span:
+    def request(self, name: str, headers: Mapping[str, str], attributes: dict[str, Any]) -> RequestSpan:
         """`with tracing.request(...) as root:` the server span of one request, current for its duration,
         under the client's traceparent (`root` takes the attributes known at the end)."""
         parent = parse_traceparent(headers.get(TRACEPARENT))
         if parent is not None:
             trace_id, remote, sampled = parent
         else:
-            trace_id, remote = (self._rng.getrandbits(128) or 1).to_bytes(16, "big"), b""
-            sampled = self.ratio >= 1.0 or self._rng.random() < self.ratio
-        return Span(self, trace_id, remote, sampled, name, KIND_SERVER, attributes)
+            trace_id, remote = (self._bits(128) or 1).to_bytes(16, "big"), b""
+            sampled = self.ratio >= 1.0 or self._random() < self.ratio
+        return RequestSpan(self, trace_id, remote, sampled, name, attributes)
 
     def span(self, name: str, attributes: dict[str, Any] | None = None, client: bool = False) -> Span | _Unsampled:
         """`with tracing.span(...):` a child of the current span, current for its duration; nothing (and
         next to no cost) outside a request or in a trace that is not sampled."""
-        parent = self._current.get()
-        if parent is None or not parent.sampled:
+        root = self.current_request.get()
+        if root is None or not root.sampled:
             return _UNSAMPLED
-        return Span(self, parent.trace_id, parent.span_id, True, name, KIND_CLIENT if client else KIND_INTERNAL,
-                    attributes if attributes is not None else {})
+        return Span(root, name, KIND_CLIENT if client else KIND_INTERNAL, attributes if attributes is not None else {})
 
-    def current(self) -> Span | None:
-        return self._current.get()
+    def current(self) -> Span | RequestSpan | None:
+        root = self.current_request.get()
+        return None if root is None else root.open or root
 
     def inject(self, headers: MutableMapping[str, str]) -> None:
         """Put the current span's `traceparent` in an upstream request's headers."""
-        span = self._current.get()
-        if span is not None:
-            headers[TRACEPARENT] = f"00-{span.trace_id.hex()}-{span.span_id.hex()}-{'01' if span.sampled else '00'}"
+        root = self.current_request.get()
+        if root is not None:
+            span = root.open or root
+            headers[TRACEPARENT] = f"00-{root.trace_id.hex()}-{span.span_id:016x}-{'01' if root.sampled else '00'}"
 
     def shutdown(self) -> None:
         """Send what is queued and stop (at gateway stop)."""

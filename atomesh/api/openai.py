@@ -38,7 +38,7 @@ async def serve_inference(gw: Gateway, route: Route, raw: bytes | bytearray, exc
         finally:
             span.set_attribute("http.response.status_code", status)
             if exchange.workers:
-                span.set_attribute("atomesh.workers", list(exchange.workers))
+                span.set_attribute("atomesh.workers", tuple(exchange.workers))
 
 
 async def _serve(gw: Gateway, route: Route, raw: bytes | bytearray, exchange: Exchange) -> None:
