@@ -1,4 +1,5 @@
-"""OTLP/gRPC trace export written by hand: spans encoded straight into protobuf bytes, sent in batches.
+"""OTLP/gRPC trace export written by hand: spans encoded straight into protobuf bytes, sent in batches
+by a sender process (`atomesh.otlp_sender`).
 
 The wire format is opentelemetry-proto's `ExportTraceServiceRequest` (trace/v1/trace.proto), the
 collector's own; the fields written are the ones the gateway's spans have (ids, name, kind, times,
@@ -13,10 +14,13 @@ The SDK's environment applies as it reads it: `OTEL_BSP_SCHEDULE_DELAY`, `OTEL_B
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import struct
+import subprocess
+import sys
 import threading
-import time
 import urllib.parse
 from collections import deque
 from dataclasses import dataclass
@@ -32,7 +36,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger("atomesh.tracing")
 
 KIND_INTERNAL, KIND_SERVER, KIND_CLIENT = 1, 2, 3  # opentelemetry-proto's Span.SpanKind
-_EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 _SMALL = [bytes((n,)) for n in range(0x80)]
 _TIMES = struct.Struct("<BQBQ")  # start_time_unix_nano (7) and end_time_unix_nano (8), both fixed64
 _DOUBLE = struct.Struct("<Bd")
@@ -243,35 +246,31 @@ def exporter_settings(endpoint: str, service: str = "atomesh-gateway") -> Export
 
 
 class SpanExporter:
-    """A bounded queue of encoded spans and the thread that sends them, a batch per OTLP/gRPC call.
+    """A bounded queue of encoded spans, the thread that hands them over in batches, and the sender process.
 
-    A batch goes when `max_batch` spans wait or every `schedule_delay_s`; with `max_queue` spans
-    waiting (the collector slow or away), new ones are dropped and counted. Export failures the
-    collector may get over (unavailable, overloaded) are retried with backoff until the timeout."""
+    A batch goes when `max_batch` spans wait or every `schedule_delay_s`, as one encoded
+    ExportTraceServiceRequest written to the sender's stdin (`atomesh.otlp_sender`: the gRPC client and
+    its retries run there). With `max_queue` spans waiting (the collector slow or away and the pipe
+    full), new ones are dropped and counted."""
 
     def __init__(self, settings: ExporterSettings) -> None:
-        try:
-            import grpc
-        except ImportError as e:
-            raise RuntimeError(f"--enable-trace needs grpcio (pip install 'atomesh[tracing]'): {e}") from None
-        self._grpc = grpc
+        if importlib.util.find_spec("grpc") is None:
+            raise RuntimeError("--enable-trace needs grpcio (pip install 'atomesh[tracing]')")
         self.settings = settings
-        if settings.secure:
-            self._channel = grpc.secure_channel(settings.target, grpc.ssl_channel_credentials())
-        else:
-            self._channel = grpc.insecure_channel(settings.target)
-        # Bytes in, bytes out: the request is already encoded and the (empty) answer is not read.
-        self._call = self._channel.unary_unary(_EXPORT_METHOD, request_serializer=None, response_deserializer=None)
         resource = field(0x0A, b"".join(field(0x0A, key_value(k, v)) for k, v in settings.resource))
         self._resource = resource  # ResourceSpans.resource (1)
         self._scope = field(0x0A, field(0x0A, b"atomesh") + field(0x12, atomesh.__version__.encode()))
         self._queue: deque[tuple[bytes, int]] = deque()
         # Spans queued so far and taken out so far, each counter written by one thread only.
         self._added = self._taken = 0
-        self.dropped = 0  # spans not sent: the queue was full, or their batch failed
-        self.sent = 0
+        self.dropped = 0  # spans not handed over: the queue was full, or the sender had gone
+        self.handed = 0  # spans handed to the sender
         self._wake = threading.Event()
         self._stopping = False
+        config = {"target": settings.target, "secure": settings.secure, "headers": settings.headers,
+                  "gzip": settings.gzip, "timeout_s": settings.timeout_s}
+        self._sender = subprocess.Popen([sys.executable, "-m", "atomesh.otlp_sender", json.dumps(config)],
+                                        stdin=subprocess.PIPE)
         self._thread = threading.Thread(target=self._run, name="atomesh-otlp-export", daemon=True)
         self._thread.start()
 
@@ -310,40 +309,31 @@ class SpanExporter:
                 spans, n = queue.popleft()
                 batch.append(spans)
                 count += n
-            self._taken += count
-            if self._send(self.request_bytes(batch)):
-                self.sent += count
-            else:
-                self.dropped += count
-
-    def _send(self, data: bytes) -> bool:
-        grpc = self._grpc
-        retryable = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED,
-                     grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.CANCELLED,
-                     grpc.StatusCode.DATA_LOSS)
-        deadline = time.monotonic() + self.settings.timeout_s
-        backoff = 0.5
-        while True:
+            data = self.request_bytes(batch)
             try:
-                self._call(data, timeout=max(0.01, deadline - time.monotonic()),
-                           metadata=self.settings.headers or None,
-                           compression=grpc.Compression.Gzip if self.settings.gzip else None)
-                return True
-            except grpc.RpcError as e:
-                code = e.code() if hasattr(e, "code") else None
-                if code in retryable and not self._stopping and time.monotonic() + backoff < deadline:
-                    time.sleep(backoff)
-                    backoff *= 2
-                    continue
-                log.warning("otlp_export_failed", endpoint=self.settings.target, code=str(code),
-                            detail=e.details() if hasattr(e, "details") else str(e))
-                return False
+                assert self._sender.stdin is not None
+                self._sender.stdin.write(len(data).to_bytes(4, "big") + data)  # blocks while the pipe is full
+                self._sender.stdin.flush()
+                self.handed += count
+            except (BrokenPipeError, ValueError):
+                self.dropped += count
+                log.warning("otlp_sender_gone", returncode=self._sender.poll())
+            self._taken += count
 
     def shutdown(self) -> None:
-        """Send what is queued (within the export timeout) and stop the thread."""
+        """Hand over what is queued, then let the sender send it (within the export timeout) and exit."""
         self._stopping = True
         self._wake.set()
         self._thread.join(self.settings.timeout_s + 1)
-        self._channel.close()
+        if self._sender.stdin is not None:
+            try:
+                self._sender.stdin.close()
+            except BrokenPipeError:
+                pass
+        try:
+            self._sender.wait(self.settings.timeout_s + 2)
+        except subprocess.TimeoutExpired:
+            self._sender.kill()
+            self._sender.wait()
         if self.dropped:
-            log.warning("otlp_spans_dropped", spans=self.dropped, sent=self.sent)
+            log.warning("otlp_spans_dropped", spans=self.dropped, handed=self.handed)

@@ -224,7 +224,7 @@ async def test_spans_reach_a_receiver_and_a_full_queue_drops_and_counts(
         assert time.monotonic() < deadline, r.spans
         await asyncio.sleep(0.05)
     tracing.shutdown()
-    assert tracing.exporter.sent == 4 and tracing.exporter.dropped == 0
+    assert tracing.exporter.handed == 4 and tracing.exporter.dropped == 0
     # With its sender stopped (as a collector that never answers holds it), the queue fills up to its bound.
     for _ in range(10):
         with tracing.request("POST /v1/completions", {}, {}):
