@@ -222,7 +222,7 @@ PEER_FLAGS: tuple[PeerFlag, ...] = (
     _same("--prometheus-host", note="default: --host's address (not every interface when --host is loopback)"),
     _same("--prometheus-duration-buckets"),
     _same("--enable-trace", SMG, "spans per request, admission, attempt and upstream leg; W3C traceparent in "
-                                 "and out (the `tracing` extra: opentelemetry-sdk, its OTLP/gRPC exporter)"),
+                                 "and out (the `tracing` extra: grpcio; atomesh writes the OTLP protobuf itself)"),
     _same("--otlp-traces-endpoint", SMG, "OTLP/gRPC HOST:PORT, default localhost:4317"),
     _refused("--log-mm-timing", SMG, _NO_MEDIA),
     # --- admission

@@ -13,7 +13,7 @@ class Route(StrEnum):
     COMPLETIONS = "/v1/completions"
     CHAT = "/v1/chat/completions"
     GENERATE = "/generate"
-    RESPONSES = "/v1/responses"  # OpenAI's Responses API: relayed in regular mode to workers that serve it
+    RESPONSES = "/v1/responses"  # OpenAI's Responses API: relayed to workers that serve it (P/D: atom's engine)
     # Relayed in regular mode to a worker serving the model, as the worker answers them (SMG's set).
     MESSAGES = "/v1/messages"  # Anthropic's Messages API
     EMBEDDINGS = "/v1/embeddings"
@@ -29,12 +29,28 @@ class Route(StrEnum):
 _NOT_SPLIT = ("a request that generates nothing has no decode phase to split off: run such models as regular "
               "workers behind a gateway of their own")
 REGULAR_ONLY: dict[Route, str] = {
-    Route.RESPONSES: "a Responses API request cannot be split into prefill and decode legs",
     Route.MESSAGES: "an Anthropic Messages request is not split into prefill and decode legs (send it to "
                     "/v1/chat/completions)",
     **{r: _NOT_SPLIT for r in (Route.EMBEDDINGS, Route.RERANK, Route.RERANK_SGLANG, Route.SCORE, Route.CLASSIFY,
                                Route.TOKENIZE, Route.DETOKENIZE)},
 }
+
+
+# Routes split into prefill and decode legs only by `--backend atom`: its engine takes kv_transfer_params
+# on them (vLLM's and SGLang's Responses routes take no P/D fields).
+ATOM_PD_ONLY: dict[Route, str] = {
+    Route.RESPONSES: "with --backend atom only (its engine takes kv_transfer_params on /v1/responses; vLLM's and "
+                     "SGLang's do not): send /v1/chat/completions, or use --backend atom",
+}
+
+
+def pd_refusal(route: Route, backend: str) -> str | None:
+    """Why a P/D gateway with `backend` answers `route` 501, or None when it relays it."""
+    if route in REGULAR_ONLY:
+        return f"POST {route.value} is relayed in regular mode only: {REGULAR_ONLY[route]}"
+    if route in ATOM_PD_ONLY and backend != "atom":
+        return f"POST {route.value} is split into prefill and decode legs {ATOM_PD_ONLY[route]}"
+    return None
 
 
 # Headers that carry a sticky routing key (sessions, users), first match wins (SMG's first).

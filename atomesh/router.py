@@ -168,8 +168,8 @@ class Router:
                             else "retry"
                         with self.tracing.span("attempt", {
                                 "atomesh.attempt": attempt, "atomesh.attempt.kind": kind,
-                                "atomesh.placement.policy": [str(self._policy_names[w.role]) for w in workers],
-                                "atomesh.placement.workers": list(exchange.workers)}):
+                                "atomesh.placement.policy": tuple(str(self._policy_names[w.role]) for w in workers),
+                                "atomesh.placement.workers": tuple(exchange.workers)}):
                             await self.backend.forward(exchange, current, plan)
                 except asyncio.CancelledError:
                     if run.lost is None or task.uncancel() > 0:

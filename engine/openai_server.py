@@ -1,6 +1,6 @@
 """``python -m engine.openai_server``: the ATOM-compatible OpenAI HTTP server of the engine.
 
-Endpoints: POST /v1/completions, /v1/chat/completions, /generate (SSE when ``stream``), /flush_cache;
+Endpoints: POST /v1/completions, /v1/chat/completions, /v1/responses, /generate (SSE when ``stream``), /flush_cache;
 GET /v1/models, /health, /health_generate, /get_model_info, /metrics, /server_info, /kv_transfer_info,
 /tokenizer_info.
 Errors are OpenAI-shaped, rendered in one middleware from the engine's error hierarchy.
@@ -43,7 +43,7 @@ from engine.protocol import (
     parse_body,
     validated,
 )
-from engine.responses import ChatExtras, Choice, Head
+from engine.responses import ChatExtras, Choice, Head, ResponsesBody, ResponseShape
 from engine.sequence import SamplingParams
 from engine.structured import GrammarCompiler
 from engine.tools import ForcedParser, ToolParser, hermes_system_prompt, make_parser, tools_for_template
@@ -147,6 +147,24 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body: ChatBody = parse_body(await request.read(), ChatBody)
     _check_model(state, body.model)
+    ids, extras = _chat_prompt(state, body)
+    return await _generate(request, state, body, ids, extras)
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """POST /v1/responses: OpenAI's Responses API, stateless (engine/responses.py), run as a chat completion."""
+    state = request.app[STATE]
+    native = validated(ResponsesBody, json_object(await request.read()))
+    body = native.as_chat()
+    _check_model(state, body.model)
+    ids, extras = _chat_prompt(state, body)
+    shape = ResponseShape(native, "resp_" + uuid.uuid4().hex, state.served_model_name)
+    return await _generate(request, state, body, ids, extras, shape=shape)
+
+
+def _chat_prompt(state: ServerState, body: ChatBody) -> tuple[list[int], ChatExtras]:
+    """A chat request's prompt token ids (its messages through the chat template, tools described) and how
+    its output is read."""
     tokenizer = state.engine.tokenizer
     messages = [m.for_template() for m in body.messages]
     tools = body.tools_active()
@@ -181,13 +199,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     else:
         parsers = None
     named = isinstance(body.tool_choice, NamedToolChoice) and body.tools_forced()
-    return await _generate(request, state, body, ids, ChatExtras(parsers, named))
+    return ids, ChatExtras(parsers, named)
 
 
 async def _generate(request: web.Request, state: ServerState, body: SamplingBody, ids: list[int],
-                    chat: ChatExtras | None, native: bool = False) -> web.StreamResponse:  # fmt: skip
+                    chat: ChatExtras | None, native: bool = False,
+                    shape: ResponseShape | None = None) -> web.StreamResponse:  # fmt: skip
     """Check everything against this model, then run the request (the engine decides how: colocated, or
-    either side of P/D) and answer."""
+    either side of P/D) and answer (in the Responses API's shape with ``shape``)."""
     arrived = time.monotonic()
     engine = state.engine
     limit = body.token_limit()
@@ -214,7 +233,7 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
     generation = await engine.open(admission, n, matcher)  # raises before any byte is sent
     if generation.pulled_at is not None:
         state.metrics.kv_pull.observe(generation.pulled_at - arrived)
-    request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    request_id = shape.id if shape is not None else ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     tokenizer = engine.tokenizer
     choices = [Choice(i, tokenizer, chat is not None, show_logprobs,
@@ -231,11 +250,15 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
         head = Head(request_id, created, state.served_model_name, chat is not None)
         if native and body.stream:
             return await _stream_native(request, outputs, request_id)
+        if shape is not None and body.stream:
+            return await _stream_response(request, shape, outputs, choices[0])
         if body.stream:
             include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
             return await _stream(request, head, outputs, choices, include_usage)
         if native:
             answer = await _collect_native(outputs, request_id)
+        elif shape is not None:
+            answer = shape.from_chat(await _collect(head, outputs, choices, None))
         else:
             answer = await _collect(head, outputs, choices, _best_of(body))
         kv_params = generation.hand_over()  # a prefill for a remote decode: where its KV waits
@@ -287,6 +310,18 @@ async def _stream_native(
         text += out.text
         await resp.write(b"data: " + orjson.dumps({"text": text, "meta_info": _meta_info(request_id, out)}) + b"\n\n")
     await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def _stream_response(request: web.Request, shape: ResponseShape,
+                           outputs: AsyncIterator[tuple[int, RequestOutput]], choice: Choice) -> web.StreamResponse:
+    """A Responses API stream: its named events (engine/responses.py), no [DONE]."""
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": shape.id}
+    )
+    await resp.prepare(request)
+    await shape.stream(resp, outputs, choice)
     await resp.write_eof()
     return resp
 
@@ -577,6 +612,7 @@ def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
     app.cleanup_ctx.append(engine_loop)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_post("/generate", generate)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)

@@ -30,7 +30,7 @@ PACKAGES = ("atomesh", "engine")
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("vocabulary", ("atomesh", "atomesh.errors", "atomesh.request", "atomesh.tasks")),
     ("settings", ("atomesh.config", "atomesh.compat", "atomesh.cors", "atomesh.tenancy")),
-    ("observability", ("atomesh.logs", "atomesh.metrics", "atomesh.tracing")),
+    ("observability", ("atomesh.logs", "atomesh.metrics", "atomesh.tracing", "atomesh.otlp", "atomesh.otlp_sender")),
     ("transport", ("atomesh.flow", "atomesh.httpclient", "atomesh.transport")),
     ("workers", ("atomesh.workers",)),
     ("kv", ("atomesh.kv",)),

@@ -518,3 +518,52 @@ def _scores(answer: dict[str, Any]) -> tuple[list[str], list[float]]:
         walk(c.get("prompt_logprobs"))
     walk(answer.get("prompt_logprobs"))
     return texts, numbers
+
+
+async def _respond(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A /v1/responses answer; streamed, the response its last event carries, with the events' types and the
+    text of their deltas."""
+    async with session.post(url + "/v1/responses", json=body) as r:
+        assert r.status == 200, await r.text()
+        if not body.get("stream"):
+            return dict(await r.json())
+        events: list[dict[str, Any]] = []
+        async for line in r.content:
+            if line.startswith(b"data: "):
+                events.append(json.loads(line[6:]))
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    final = events[-1]["response"]
+    final["event_types"] = [e["type"] for e in events]
+    final["deltas"] = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    return dict(final)
+
+
+@pytest.mark.timeout(180)
+async def test_responses_api_works_in_pd_as_colocated(engines: dict[str, Engine], gateway: MakeGateway) -> None:
+    """/v1/responses through the atom relay, whole and streamed: prefill computes the first token (one output
+    token), decode pulls the KV and continues; the answer equals a colocated engine's."""
+    p, d, single = engines["prefill"], engines["decode"], engines["single"]
+    gw = await gateway(pd_disaggregation=True, backend="atom", prefill=[{"url": p.url}], decode=[d.url],
+                       request_timeout_secs=60)
+    body = {"model": "tiny-random", "instructions": "Answer briefly.", "temperature": 0, "max_output_tokens": 12,
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": PROMPTS[1]}]}]}
+    pulled = d.metric("atom:kv_transfer_pulled_total")
+    async with aiohttp.ClientSession() as s:
+        for stream in (False, True):
+            want, got = [await _respond(s, url, {**body, "stream": stream}) for url in (single.url, base_url(gw))]
+            text = got["output"][0]["content"][0]["text"]
+            assert text == want["output"][0]["content"][0]["text"] and text, (stream, got)
+            assert got["object"] == "response" and got["id"].startswith("resp_") and got["store"] is False
+            assert got["usage"]["output_tokens"] == want["usage"]["output_tokens"] > 1
+            assert got["usage"]["input_tokens"] == want["usage"]["input_tokens"]
+            assert got["status"] == want["status"] and got["instructions"] == "Answer briefly."
+            if stream:
+                assert got["deltas"] == text
+                assert got["event_types"][:4] == ["response.created", "response.in_progress",
+                                                  "response.output_item.added", "response.content_part.added"]
+                assert got["event_types"][-1] == f"response.{got['status']}"
+        # What a stateless engine cannot do is refused by name, through the gateway as directly.
+        async with s.post(base_url(gw) + "/v1/responses", json={**body, "previous_response_id": "resp_1"}) as r:
+            assert r.status == 400 and "previous_response_id" in (await r.json())["error"]["message"]
+    assert d.metric("atom:kv_transfer_pulled_total") - pulled == 2  # one pull per request
+    wait_until(lambda: p.blocks_used() == 0 and d.blocks_used() == 0, what="both block pools to be idle")

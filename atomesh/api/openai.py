@@ -11,7 +11,7 @@ from aiohttp import web
 from atomesh.api.middleware import LOOP_MESSAGE, REQUEST_ID
 from atomesh.errors import GatewayError, LoopDetected, NotServed, NoWorkerAvailable, ShuttingDown, UpstreamStatus
 from atomesh.gateway import GATEWAY, Gateway
-from atomesh.request import REGULAR_ONLY, RequestView, Route
+from atomesh.request import RequestView, Route, pd_refusal
 from atomesh.tenancy import PRIORITY_HEADER, PriorityClass, estimated_tokens
 from atomesh.transport import HOP_HEADER, Exchange
 from atomesh.validation import parse_request
@@ -38,7 +38,7 @@ async def serve_inference(gw: Gateway, route: Route, raw: bytes | bytearray, exc
         finally:
             span.set_attribute("http.response.status_code", status)
             if exchange.workers:
-                span.set_attribute("atomesh.workers", list(exchange.workers))
+                span.set_attribute("atomesh.workers", tuple(exchange.workers))
 
 
 async def _serve(gw: Gateway, route: Route, raw: bytes | bytearray, exchange: Exchange) -> None:
@@ -52,8 +52,8 @@ async def _serve(gw: Gateway, route: Route, raw: bytes | bytearray, exchange: Ex
             gw.keys.check_inference(headers)
         if gw.shutting_down:
             raise ShuttingDown("the gateway is shutting down")
-        if gw.config.pd_disaggregation and route in REGULAR_ONLY:
-            raise NotServed(f"POST {route.value} is relayed in regular mode only: {REGULAR_ONLY[route]}")
+        if gw.config.pd_disaggregation and (refusal := pd_refusal(route, gw.config.backend)) is not None:
+            raise NotServed(refusal)
         body = parse_request(route, raw)
         raw = gw.models.resolve(route, body, raw)
         key = None

@@ -20,7 +20,7 @@ def prefill_params(body: dict[str, Any]) -> dict[str, Any]:
     """The prefill leg's kv_transfer_params; they carry the client's own token limit as
     ``decode_max_tokens`` (the leg itself runs for one token), so that the prefill engine refuses a
     request that cannot fit its context before it computes or pins anything."""
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    limit = body.get("max_completion_tokens", body.get("max_tokens", body.get("max_output_tokens")))
     if isinstance(limit, int) and not isinstance(limit, bool):
         return {**PREFILL_PARAMS, "decode_max_tokens": limit}
     return dict(PREFILL_PARAMS)

@@ -11,7 +11,7 @@ import orjson
 from atomesh.errors import UpstreamError, UpstreamStatus
 from atomesh.metrics import Metrics
 from atomesh.placement import Pair, Plan
-from atomesh.request import RequestView
+from atomesh.request import RequestView, Route
 from atomesh.transport import ChunkHook, Exchange, Upstream, relay
 from atomesh.workers.worker import Worker
 
@@ -21,12 +21,15 @@ DecodeParams = Callable[[dict[str, Any], Worker], dict[str, Any]]
 PrefillParams = Callable[[dict[str, Any]], dict[str, Any]]
 
 
-def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> bytes:
+def prefill_body(body: dict[str, Any], kv_params: dict[str, Any], route: Route) -> bytes:
     """The client's request turned into a prefill-only request: one token, no streaming."""
     out = dict(body)
     out["kv_transfer_params"] = kv_params
     out["stream"] = False
-    out["max_tokens"] = 1
+    if route is Route.RESPONSES:  # the Responses API's one limit
+        out["max_output_tokens"] = 1
+    else:
+        out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     sampling = out.get("sampling_params")
@@ -111,9 +114,9 @@ class TwoStepBackend:
     async def _prefill(self, exchange: Exchange, view: RequestView, worker: Worker) -> dict[str, Any]:
         """Run the prefill leg; return the kv_transfer_params it answered with."""
         try:
+            data = prefill_body(view.body, self.prefill_params(view.body), view.route)
             status, raw, ctype = await self.upstream.call(
-                "POST", worker.url + view.route, data=prefill_body(view.body, self.prefill_params(view.body)),
-                headers=self.upstream.headers_for(exchange, worker))
+                "POST", worker.url + view.route, data=data, headers=self.upstream.headers_for(exchange, worker))
             if status >= 400:
                 raise UpstreamStatus(status, raw, ctype)
             try:

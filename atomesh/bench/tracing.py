@@ -1,9 +1,14 @@
 """The gateway's CPU per request with `--enable-trace` against without it: `atomesh bench tracing`.
 
-One mock worker; a gateway process run twice over the same load (`--requests` completions,
-`--concurrency` at a time): without tracing, then with `--enable-trace` exporting to an OTLP/gRPC
-receiver in this process. The gateway's CPU time (user + system, from /proc) per request is compared;
-the target is at most 10% more with tracing. It prints (and writes `--json`); it never asserts.
+One mock worker and two gateway processes beside each other, one without tracing and one with
+`--enable-trace` exporting to an OTLP/gRPC receiver in this process. Each of `--rounds` rounds sends
+`--requests` completions (`--concurrency` at a time) to one gateway, then to the other, so that what
+else the machine runs weighs on both alike. Each gateway's CPU time per request (user + system of all
+its threads and of its OTLP sender process, from /proc; and of the gateway process alone) is
+compared; the target is at most 10% more with tracing. It prints (and writes `--json`); it never
+asserts. `--instructions N` first counts each gateway's instructions per request under callgrind (the
+gateway process's threads; its sender process is not counted there), which the machine's other load
+does not move: the steadier measure on a shared box.
 """
 
 from __future__ import annotations
@@ -22,7 +27,12 @@ from typing import Any
 
 import aiohttp
 
+from atomesh.bench.gateway import tree_cpu
 from atomesh.bench.procs import free_port, start, stop
+
+# A batch of spans leaves on the exporter's schedule (OTEL_BSP_SCHEDULE_DELAY, 5 s by default) when it
+# is not full: the instruction counts wait that long so that each phase's export is counted in it.
+EXPORT_WAIT_SECS = 6.0
 
 
 def cpu_seconds(pid: int) -> float:
@@ -76,46 +86,101 @@ async def ready(url: str) -> None:
     raise RuntimeError(f"{url} did not become ready")
 
 
+def instructions(endpoint: str, requests: int) -> dict[str, float]:
+    """Instructions per request of each gateway (every thread), counted by callgrind (load-independent)."""
+    from atomesh.bench.instructions import _dump, _small, _totals, wait_serving
+
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        mport = free_port()
+        mock = start([sys.executable, "-m", "atomesh.testing.fast_mock", "--port", str(mport)], Path(tmp) / "m.log")
+        try:
+            for name, extra in (("off", []), ("on", ["--enable-trace", "--otlp-traces-endpoint", endpoint])):
+                port, prefix = free_port(), Path(tmp) / f"cg-{name}"
+                gw = start(["valgrind", "--tool=callgrind", f"--callgrind-out-file={prefix}", sys.executable, "-m",
+                            "atomesh", "launch", "--host", "127.0.0.1", "--port", str(port), "--prometheus-port",
+                            str(free_port()), "--worker-urls", f"http://127.0.0.1:{mport}", "--policy", "round_robin",
+                            "--log-level", "warn", "--access-log-sample-rate", "0", *extra],
+                           Path(tmp) / f"{name}-callgrind.log", {**os.environ, "PYTHONHASHSEED": "0"})
+                try:
+                    wait_serving(port, gw, 300)
+                    _small(port, 300, 16)  # warm up
+                    time.sleep(EXPORT_WAIT_SECS)
+                    _dump(gw.pid)
+                    _small(port, requests, 16)
+                    time.sleep(EXPORT_WAIT_SECS)
+                    _dump(gw.pid)
+                finally:
+                    stop(gw, grace=30)
+                out[name] = _totals(str(prefix))[1] / requests
+        finally:
+            stop(mock)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="atomesh bench tracing", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=3000)
+    p.add_argument("--requests", type=int, default=3000, help="completions per gateway and round")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="rounds, each loading one gateway then the other (the machine's other load shared out)")
     p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--instructions", type=int, default=0, metavar="N",
+                   help="also count instructions per request under callgrind over N requests (needs valgrind)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     server, endpoint, spans = receiver()
-    results: dict[str, float] = {}
+    counted: dict[str, float] = {}
+    if args.instructions:
+        counted = instructions(endpoint, args.instructions)
+        print(f"gateway instructions per request (callgrind, {args.instructions} requests): tracing off "
+              f"{counted['off']:,.0f}, on {counted['on']:,.0f} ({counted['on'] / counted['off']:.2f}x)")
+    cpu = {"off": 0.0, "on": 0.0}  # the gateway's process tree: with tracing, its OTLP sender too
+    own = {"off": 0.0, "on": 0.0}  # the gateway process alone
+    ratios: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         mport = free_port()
         mock = start([sys.executable, "-m", "atomesh.testing.mock_worker", "--port", str(mport)], Path(tmp) / "m.log")
+        gateways: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
         try:
             asyncio.run(ready(f"http://127.0.0.1:{mport}/health"))
             for name, extra in (("off", []), ("on", ["--enable-trace", "--otlp-traces-endpoint", endpoint])):
                 port = free_port()
-                gw: subprocess.Popen[bytes] = start(
+                gateways[name] = (start(
                     [sys.executable, "-m", "atomesh", "launch", "--host", "127.0.0.1", "--port", str(port),
                      "--prometheus-port", str(free_port()), "--worker-urls", f"http://127.0.0.1:{mport}",
                      "--policy", "round_robin", "--log-level", "warn", "--access-log-sample-rate", "0", *extra],
-                    Path(tmp) / f"{name}.log")
-                try:
-                    url = f"http://127.0.0.1:{port}"
-                    asyncio.run(ready(url + "/readiness"))
-                    asyncio.run(load(url + "/v1/completions", 200, args.concurrency))  # warm up
-                    before = cpu_seconds(gw.pid)
+                    Path(tmp) / f"{name}.log"), f"http://127.0.0.1:{port}")
+            for _, url in gateways.values():
+                asyncio.run(ready(url + "/readiness"))
+                asyncio.run(load(url + "/v1/completions", 500, args.concurrency))  # warm up
+            for _ in range(args.rounds):
+                took = {}
+                for name, (gw, url) in gateways.items():
+                    before, own_before = tree_cpu(gw.pid), cpu_seconds(gw.pid)
                     asyncio.run(load(url + "/v1/completions", args.requests, args.concurrency))
-                    results[name] = (cpu_seconds(gw.pid) - before) / args.requests
-                finally:
-                    stop(gw)
+                    took[name] = tree_cpu(gw.pid) - before
+                    cpu[name] += took[name]
+                    own[name] += cpu_seconds(gw.pid) - own_before
+                ratios.append(took["on"] / took["off"])
         finally:
+            for gw, _ in gateways.values():
+                stop(gw)
             stop(mock)
             time.sleep(0.5)
             server.stop(0)
-    ratio = results["on"] / results["off"]
-    print(f"gateway CPU per request: tracing off {results['off'] * 1e6:.0f} us, on {results['on'] * 1e6:.0f} us "
-          f"({ratio:.2f}x; target <= 1.10x); spans received: {spans[0]}")
+    n = args.requests * args.rounds
+    per = {k: v / n for k, v in cpu.items()}
+    ratio = per["on"] / per["off"]
+    print(f"gateway CPU per request over {args.rounds} rounds of {args.requests}, its OTLP sender process included: "
+          f"tracing off {per['off'] * 1e6:.0f} us, on {per['on'] * 1e6:.0f} us ({ratio:.2f}x; target <= 1.10x; "
+          f"rounds {', '.join(f'{r:.2f}' for r in ratios)}); the gateway process alone: {own['on'] / n * 1e6:.0f} us "
+          f"({own['on'] / own['off']:.2f}x); spans received: {spans[0]}")
     if args.json is not None:
-        args.json.write_text(json.dumps({**{f"cpu_us_{k}": v * 1e6 for k, v in results.items()}, "ratio": ratio,
-                                         "spans": spans[0]}, indent=2))
+        args.json.write_text(json.dumps({**{f"cpu_us_{k}": v * 1e6 for k, v in per.items()}, "ratio": ratio,
+                                         "gateway_process_ratio": own["on"] / own["off"],
+                                         "round_ratios": ratios, "spans": spans[0],
+                                         **{f"instructions_{k}": v for k, v in counted.items()}}, indent=2))
 
 
 if __name__ == "__main__":

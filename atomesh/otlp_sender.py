@@ -1,0 +1,74 @@
+"""The gateway's OTLP/gRPC sender: a child process that sends encoded trace batches to the collector.
+
+`python -m atomesh.otlp_sender SETTINGS_JSON`, started and stopped by `atomesh.otlp.SpanExporter`. It
+reads frames from stdin (a 4-byte big-endian length, then an `ExportTraceServiceRequest` already
+encoded) and sends each with one gRPC call, retrying what the collector may get over (unavailable,
+overloaded) with backoff until the export timeout; at the end of stdin it exits. The gRPC client
+runs here, not in the gateway: its threads and calls would otherwise contend with the gateway's
+event loop for the interpreter lock, which cost the gateway several times the calls' own CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from typing import Any, BinaryIO
+
+import structlog
+
+log = structlog.get_logger("atomesh.tracing")
+_EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+
+
+def _read(stream: BinaryIO, n: int) -> bytes | None:
+    data = stream.read(n)
+    return data if data is not None and len(data) == n else None
+
+
+def serve(settings: dict[str, Any], stream: BinaryIO) -> None:
+    import grpc
+
+    if settings["secure"]:
+        channel = grpc.secure_channel(settings["target"], grpc.ssl_channel_credentials())
+    else:
+        channel = grpc.insecure_channel(settings["target"])
+    # Bytes in, bytes out: the request is already encoded and the (empty) answer is not read.
+    call = channel.unary_unary(_EXPORT_METHOD, request_serializer=None, response_deserializer=None)
+    metadata = [tuple(h) for h in settings["headers"]] or None
+    compression = grpc.Compression.Gzip if settings["gzip"] else None
+    retryable = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED,
+                 grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.CANCELLED,
+                 grpc.StatusCode.DATA_LOSS}
+    failed = 0
+    while (head := _read(stream, 4)) is not None:
+        data = _read(stream, int.from_bytes(head, "big"))
+        if data is None:
+            break
+        deadline = time.monotonic() + settings["timeout_s"]
+        backoff = 0.5
+        while True:
+            try:
+                call(data, timeout=max(0.01, deadline - time.monotonic()), metadata=metadata,
+                     compression=compression)
+                break
+            except grpc.RpcError as e:
+                code = e.code() if hasattr(e, "code") else None
+                if code in retryable and time.monotonic() + backoff < deadline:
+                    time.sleep(backoff)
+                    backoff *= 2
+                    continue
+                failed += 1
+                log.warning("otlp_export_failed", endpoint=settings["target"], code=str(code), batches_failed=failed,
+                            detail=e.details() if hasattr(e, "details") else str(e))
+                break
+    channel.close()
+
+
+if __name__ == "__main__":
+    # The gateway ends it by closing stdin, after handing over its last spans: a signal to the whole
+    # process group (Ctrl-C, a supervisor's SIGTERM) must not drop them first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    serve(json.loads(sys.argv[1]), sys.stdin.buffer)
