@@ -61,6 +61,7 @@ test: install sysdeps lint
 
 lint: install
 	$(VENV)/bin/ruff check atomesh engine tests bench
+	$(VENV)/bin/ruff format --check atomesh engine tests bench
 	$(VENV)/bin/mypy atomesh
 	$(VENV)/bin/mypy engine
 

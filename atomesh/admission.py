@@ -75,8 +75,7 @@ class FifoQueue:
     def push(self, fut: asyncio.Future[None], cls: PriorityClass, priority: int) -> float:
         """Queue a waiter; returns how long it may wait. Raises TooManyRequests when full."""
         if len(self._waiters) >= self.size:
-            raise TooManyRequests("the gateway is at capacity and its queue is full; retry later",
-                                  code="queue_full")
+            raise TooManyRequests("the gateway is at capacity and its queue is full; retry later", code="queue_full")
         self._waiters.append(fut)
         return self.timeout
 
@@ -113,8 +112,10 @@ class PriorityQueue:
         self._seq = 0
         self.queued = dict.fromkeys(PriorityClass, 0)
         # Slots each class may fill: all but those the classes above it reserve, leaving it one at least.
-        self._usable = {c: max(1, (limit or 0) - sum(classes[k].reserved(limit or 0) for k in PriorityClass if k > c))
-                        for c in PriorityClass}
+        self._usable = {
+            c: max(1, (limit or 0) - sum(classes[k].reserved(limit or 0) for k in PriorityClass if k > c))
+            for c in PriorityClass
+        }
 
     def usable(self, cls: PriorityClass, limit: int, aged: bool = False) -> int:
         """How many running requests still let a `cls` request in (an aged one: every slot)."""
@@ -124,8 +125,9 @@ class PriorityQueue:
         if not self._tickets:
             return None
         now = time.monotonic()
-        return min(self._tickets, key=lambda t: (0, t.seq, 0, 0) if now >= t.starve_at
-                   else (1, -t.cls, t.priority, t.seq))
+        return min(
+            self._tickets, key=lambda t: (0, t.seq, 0, 0) if now >= t.starve_at else (1, -t.cls, t.priority, t.seq)
+        )
 
     def __len__(self) -> int:
         return len(self._tickets)
@@ -133,11 +135,14 @@ class PriorityQueue:
     def push(self, fut: asyncio.Future[None], cls: PriorityClass, priority: int) -> float:
         settings = self.classes[cls]
         if self.queued[cls] >= settings.queue_size:
-            raise TooManyRequests(f"the gateway is at capacity and the {cls.name.lower()} class's queue is full; "
-                                  "retry later", code="queue_full")
+            raise TooManyRequests(
+                f"the gateway is at capacity and the {cls.name.lower()} class's queue is full; retry later",
+                code="queue_full",
+            )
         self._seq += 1
-        self._tickets.append(_Ticket(fut, cls, priority, self._seq,
-                                     time.monotonic() + settings.starvation_threshold_secs))
+        self._tickets.append(
+            _Ticket(fut, cls, priority, self._seq, time.monotonic() + settings.starvation_threshold_secs)
+        )
         self.queued[cls] += 1
         return settings.queue_timeout_secs
 
@@ -162,9 +167,15 @@ class PriorityQueue:
 class Admission:
     """Concurrency limit + a bounded wait queue (FIFO, or by priority class) + optional token bucket."""
 
-    def __init__(self, max_concurrent: int, queue_size: int, queue_timeout: float,
-                 rate: float | None, burst: float | None = None,
-                 classes: Mapping[PriorityClass, ClassSettings] | None = None) -> None:
+    def __init__(
+        self,
+        max_concurrent: int,
+        queue_size: int,
+        queue_timeout: float,
+        rate: float | None,
+        burst: float | None = None,
+        classes: Mapping[PriorityClass, ClassSettings] | None = None,
+    ) -> None:
         self.limit = max_concurrent if max_concurrent > 0 else None
         self.queue_size = queue_size
         self.queue_timeout = queue_timeout
@@ -174,7 +185,8 @@ class Admission:
         self.running = 0
         self.running_by_class = [0] * len(PriorityClass)  # reservations count the classes at or below
         self._queue: FifoQueue | PriorityQueue = (
-            FifoQueue(queue_size, queue_timeout) if classes is None else PriorityQueue(classes, self.limit))
+            FifoQueue(queue_size, queue_timeout) if classes is None else PriorityQueue(classes, self.limit)
+        )
 
     @property
     def waiting(self) -> int:
@@ -228,8 +240,9 @@ class Admission:
 
     def _free_now(self, cls: PriorityClass = PriorityClass.DEFAULT, aged: bool = False) -> bool:
         limit = self.limit
-        if limit is not None and (self.running >= limit or (
-                sum(self.running_by_class[: cls + 1]) >= self._queue.usable(cls, limit, aged))):
+        if limit is not None and (
+            self.running >= limit or (sum(self.running_by_class[: cls + 1]) >= self._queue.usable(cls, limit, aged))
+        ):
             return False
         return self.bucket is None or self.bucket.take()
 
@@ -265,6 +278,7 @@ class Permit:
             return
         await a._acquire(self._cls, self._priority)
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self._admission._release(self._cls)

@@ -39,18 +39,27 @@ class GatewayServer:
         self.gateway = Gateway(config)
         self.cluster = Cluster(config, self.gateway) if config.processes > 1 else None
         accounting = self.accounting = HttpAccounting(
-            config.request_id_headers, self.gateway.metrics, config.max_payload_size, self.gateway.instance_id,
-            config.access_log_sample_rate, AccessLog())
-        self._runner = web.AppRunner(build_app(self.gateway, accounting), handler_cancellation=True,
-                                     access_log=None, shutdown_timeout=1.0)
+            config.request_id_headers,
+            self.gateway.metrics,
+            config.max_payload_size,
+            self.gateway.instance_id,
+            config.access_log_sample_rate,
+            AccessLog(),
+        )
+        self._runner = web.AppRunner(
+            build_app(self.gateway, accounting), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+        )
         self.door = FrontDoor(self.gateway, accounting)
         remote = self.cluster.metrics if self.cluster is not None else None
         self._metrics_runner = web.AppRunner(build_metrics_app(self.gateway, remote), access_log=None)
         self.metrics_door = FrontDoor(self.gateway, accounting, hot=False)
         # --health-check-port: the probes on a port of their own, so a load balancer's checks never queue
         # behind client connections on the service port.
-        self._probe_runner = (web.AppRunner(build_probe_app(self.gateway, accounting), access_log=None)
-                              if config.health_check_port is not None else None)
+        self._probe_runner = (
+            web.AppRunner(build_probe_app(self.gateway, accounting), access_log=None)
+            if config.health_check_port is not None
+            else None
+        )
         self.probe_door = FrontDoor(self.gateway, accounting, hot=False) if self._probe_runner else None
         self._private_port = 0
 
@@ -65,20 +74,37 @@ class GatewayServer:
             await self._probe_runner.setup()
         self._private_port = await private_site(self._runner)
         self.door.relay = Relay(gw.upstream, self._private_port, cfg.request_timeout_secs)
-        self.metrics_door.relay = Relay(gw.upstream, await private_site(self._metrics_runner),
-                                        cfg.request_timeout_secs)
-        await _listen(self.door.start(cfg.host, cfg.port, ssl_context(cfg), reuse_port=self.cluster is not None),
-                      cfg.host, cfg.port, "--host/--port")
-        await _listen(self.metrics_door.start(cfg.metrics_host, cfg.prometheus_port, None),
-                      cfg.metrics_host, cfg.prometheus_port, "--prometheus-host/--prometheus-port")
+        self.metrics_door.relay = Relay(gw.upstream, await private_site(self._metrics_runner), cfg.request_timeout_secs)
+        await _listen(
+            self.door.start(cfg.host, cfg.port, ssl_context(cfg), reuse_port=self.cluster is not None),
+            cfg.host,
+            cfg.port,
+            "--host/--port",
+        )
+        await _listen(
+            self.metrics_door.start(cfg.metrics_host, cfg.prometheus_port, None),
+            cfg.metrics_host,
+            cfg.prometheus_port,
+            "--prometheus-host/--prometheus-port",
+        )
         if self._probe_runner is not None and self.probe_door is not None and cfg.health_check_port is not None:
-            self.probe_door.relay = Relay(gw.upstream, await private_site(self._probe_runner),
-                                          cfg.request_timeout_secs)
-            await _listen(self.probe_door.start(cfg.host, cfg.health_check_port, None),
-                          cfg.host, cfg.health_check_port, "--health-check-port")
-        log.info("gateway_listening", host=cfg.host, port=cfg.port, metrics_port=cfg.prometheus_port,
-                 mode="pd" if cfg.pd_disaggregation else "regular", backend=cfg.backend.value,
-                 policy=cfg.policy, processes=cfg.processes)
+            self.probe_door.relay = Relay(gw.upstream, await private_site(self._probe_runner), cfg.request_timeout_secs)
+            await _listen(
+                self.probe_door.start(cfg.host, cfg.health_check_port, None),
+                cfg.host,
+                cfg.health_check_port,
+                "--health-check-port",
+            )
+        log.info(
+            "gateway_listening",
+            host=cfg.host,
+            port=cfg.port,
+            metrics_port=cfg.prometheus_port,
+            mode="pd" if cfg.pd_disaggregation else "regular",
+            backend=cfg.backend.value,
+            policy=cfg.policy,
+            processes=cfg.processes,
+        )
 
     async def start(self) -> None:
         await self.listen()

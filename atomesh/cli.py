@@ -37,8 +37,13 @@ from atomesh.config import (
 # as wide as the terminal allows up to HELP_WIDTH. `bench placement` / `bench gateway` (argparse) match it.
 HELP_WIDTH = 110
 _HELP = {"max_content_width": HELP_WIDTH, "help_option_names": ["-h", "--help"]}
-app = typer.Typer(help="atomesh: an LLM inference gateway with P/D disaggregation.", no_args_is_help=True,
-                  add_completion=False, rich_markup_mode=None, context_settings=_HELP)
+app = typer.Typer(
+    help="atomesh: an LLM inference gateway with P/D disaggregation.",
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode=None,
+    context_settings=_HELP,
+)
 
 
 @app.command()
@@ -84,8 +89,9 @@ def reference_markdown() -> str:
 # ---------------------------------------------------------------------------- up
 @app.command("up")
 def up(
-    model: str = typer.Option("smollm2", help="Engine model: smollm2 (embedded), a GGUF file, a safetensors "
-                                              "folder, or tiny-random[:SEED]."),
+    model: str = typer.Option(
+        "smollm2", help="Engine model: smollm2 (embedded), a GGUF file, a safetensors folder, or tiny-random[:SEED]."
+    ),
     device: str = typer.Option("cpu", help="Engine device: cpu, cuda or auto."),
     prefill: int = typer.Option(1, min=1, help="Prefill engines (P/D mode)."),
     decode: int = typer.Option(1, min=1, help="Decode engines (P/D mode)."),
@@ -96,8 +102,10 @@ def up(
     metrics_port: int = typer.Option(29000, help="Gateway metrics port."),
     engine_port: int = typer.Option(8010, help="First engine HTTP port (one per engine from here)."),
     handshake_port: int = typer.Option(6301, help="First KV handshake port (one per P/D engine)."),
-    kv_events_port: int = typer.Option(5557, help="With --policy kv_aware: first port of the engines' KV event "
-                                                  "publishers (two per engine: events, replay)."),
+    kv_events_port: int = typer.Option(
+        5557,
+        help="With --policy kv_aware: first port of the engines' KV event publishers (two per engine: events, replay).",
+    ),
     policy: PolicyName = typer.Option(PolicyName.CACHE_AWARE, help="Gateway placement policy."),
     kv_cache_memory_gb: float = typer.Option(1.0, help="KV cache per engine (GiB, CPU)."),
     max_model_len: int = typer.Option(2048, help="Engine context limit."),
@@ -109,17 +117,35 @@ def up(
 
     if device not in ("cpu", "cuda", "auto"):
         raise typer.BadParameter("choose cpu, cuda or auto", param_hint="--device")
-    settings = UpSettings(model=model, device=device, prefill=prefill, decode=decode, workers=workers,
-                          pd=not no_pd, host=host, port=port, metrics_port=metrics_port, engine_port=engine_port,
-                          handshake_port=handshake_port, kv_events_port=kv_events_port, policy=policy,
-                          kv_cache_memory_gb=kv_cache_memory_gb, max_model_len=max_model_len, log_dir=log_dir,
-                          startup_timeout=startup_timeout)
+    settings = UpSettings(
+        model=model,
+        device=device,
+        prefill=prefill,
+        decode=decode,
+        workers=workers,
+        pd=not no_pd,
+        host=host,
+        port=port,
+        metrics_port=metrics_port,
+        engine_port=engine_port,
+        handshake_port=handshake_port,
+        kv_events_port=kv_events_port,
+        policy=policy,
+        kv_cache_memory_gb=kv_cache_memory_gb,
+        max_model_len=max_model_len,
+        log_dir=log_dir,
+        startup_timeout=startup_timeout,
+    )
     raise typer.Exit(run_up(settings, say=lambda line: typer.echo(line)))
 
 
 # ---------------------------------------------------------------------------- bench
-bench_app = typer.Typer(help="Benchmarks: serving load, placement quality, gateway overhead.", no_args_is_help=True,
-                        rich_markup_mode=None, context_settings=_HELP)
+bench_app = typer.Typer(
+    help="Benchmarks: serving load, placement quality, gateway overhead.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    context_settings=_HELP,
+)
 app.add_typer(bench_app, name="bench")
 
 
@@ -169,9 +195,25 @@ def bench_serving(
         raise typer.BadParameter("expected numbers", param_hint="--metric-percentiles") from None
     concurrencies = _csv_ints(sweep_concurrency) if sweep_concurrency else [max_concurrency]
     try:
-        serving.run(base_url, model, dataset_name, random_input_len, random_output_len, random_range_ratio,
-                    num_prompts, concurrencies, request_rate, ignore_eos, metrics, percentiles, num_workers, seed,
-                    save_result, plot, prompts_per_concurrency)
+        serving.run(
+            base_url,
+            model,
+            dataset_name,
+            random_input_len,
+            random_output_len,
+            random_range_ratio,
+            num_prompts,
+            concurrencies,
+            request_rate,
+            ignore_eos,
+            metrics,
+            percentiles,
+            num_workers,
+            seed,
+            save_result,
+            plot,
+            prompts_per_concurrency,
+        )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
 
@@ -180,17 +222,25 @@ def bench_serving(
 # atomesh.bench.MODULE.main (its `--help` lists them). name -> (module, one-line description).
 _PASSTHROUGH_BENCHES = {
     "placement": ("placement", "Placement: decision time, cache index memory, shared-prefix trace vs smg."),
-    "kv-placement": ("kv_placement",
-                     "kv_aware vs cache_aware, prefix_hash, round_robin on real engines under eviction."),
+    "kv-placement": (
+        "kv_placement",
+        "kv_aware vs cache_aware, prefix_hash, round_robin on real engines under eviction.",
+    ),
     "gateway": ("gateway", "Gateway overhead side by side with smg: req/s, latency, CPU, streaming."),
     "priority": ("priority", "Priority classes under 2x overload (vs FIFO) and tenant rate-limit shares."),
     "tracing": ("tracing", "The gateway's CPU per request with --enable-trace against without."),
-    "chaos": ("chaos", "Workers killed and frozen under load, side by side with smg: lost requests, latency, "
-                       "detection."),
-    "dropped-streams": ("dropped_streams", "Gateway memory as clients drop their streams, side by side with smg: "
-                                           "RSS every 10,000 drops, CPU."),
-    "probes": ("probes", "Operator and attacker probes side by side with smg: upgrades, CONNECT, floods, clients "
-                         "leaving."),
+    "chaos": (
+        "chaos",
+        "Workers killed and frozen under load, side by side with smg: lost requests, latency, detection.",
+    ),
+    "dropped-streams": (
+        "dropped_streams",
+        "Gateway memory as clients drop their streams, side by side with smg: RSS every 10,000 drops, CPU.",
+    ),
+    "probes": (
+        "probes",
+        "Operator and attacker probes side by side with smg: upgrades, CONNECT, floods, clients leaving.",
+    ),
 }
 
 
@@ -293,8 +343,15 @@ def _launch_options() -> list[click.Option]:
         if annotation is bool:
             options.append(click.Option(decls, is_flag=True, default=False, help=help_text))
         else:
-            options.append(click.Option(decls, multiple=_is_list(annotation), default=None,
-                                        metavar=_metavar(field.annotation), help=help_text))
+            options.append(
+                click.Option(
+                    decls,
+                    multiple=_is_list(annotation),
+                    default=None,
+                    metavar=_metavar(field.annotation),
+                    help=help_text,
+                )
+            )
     return options
 
 
@@ -330,14 +387,17 @@ def start_gateway(config: GatewayConfig) -> None:
 
 
 launch_command = click.Command(
-    "launch", callback=_launch, params=list(_launch_options()),
+    "launch",
+    callback=_launch,
+    params=list(_launch_options()),
     help="Start the gateway (flags as SMG / ATOMesh; see docs/configuration.md).",
     context_settings=_HELP,
 )
 
 
 @app.command(
-    "launch", add_help_option=False,
+    "launch",
+    add_help_option=False,
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
 )
 def launch(ctx: typer.Context) -> None:

@@ -85,12 +85,14 @@ _POLICY_VALUES = tuple(p.value for p in PolicyName)
 # Policies of SMG / ATOMesh that atomesh does not build, and why (named in the start-up error).
 REFUSED_POLICIES = {
     "bucket": "SMG's bucket policy (prefill workers split into prompt-length ranges whose boundaries move with "
-              "the load) is not built; cache_aware or least_load place prefill legs by cache and load",
+    "the load) is not built; cache_aware or least_load place prefill legs by cache and load",
 }
 # SMG's `--assignment-mode delegate` (route by the underlying policy, then pin the key) belongs to its
 # routing-key override, which is not built.
-REFUSED_ASSIGNMENT = {"delegate": "the manual policy pins new keys by random, min_load or min_group; "
-                                  "--routing-key-override pins a key to whatever any other policy chose"}
+REFUSED_ASSIGNMENT = {
+    "delegate": "the manual policy pins new keys by random, min_load or min_group; "
+    "--routing-key-override pins a key to whatever any other policy chose"
+}
 REFUSED_BACKENDS = {
     "openai": "proxying to OpenAI's API is not built; workers are inference engines (sglang, vllm, atom)",
     "anthropic": "proxying to Anthropic's API is not built; workers are inference engines (sglang, vllm, atom)",
@@ -166,9 +168,11 @@ def check_worker_url(url: str) -> str:
     if not parts.hostname:
         raise ValueError(f"worker URL {shown!r} has no host")
     if parts.username is not None or parts.password is not None:
-        raise ValueError(f"worker URL {shown!r} must not carry credentials (user:password@); give the worker a "
-                         "key of its own with api_key (POST /workers), or let it take the client's Authorization")
-    if any(c.isspace() or ord(c) < 0x21 or ord(c) == 0x7f for c in url):
+        raise ValueError(
+            f"worker URL {shown!r} must not carry credentials (user:password@); give the worker a "
+            "key of its own with api_key (POST /workers), or let it take the client's Authorization"
+        )
+    if any(c.isspace() or ord(c) < 0x21 or ord(c) == 0x7F for c in url):
         raise ValueError(f"worker URL {shown!r} must not contain spaces or control characters")
     try:
         parts.port  # noqa: B018 - raises on a malformed port
@@ -234,7 +238,22 @@ Port = Annotated[int, Field(ge=1, le=65535)]
 
 DEFAULT_REQUEST_ID_HEADERS = ("x-request-id", "x-correlation-id", "x-trace-id", "request-id")
 DEFAULT_DURATION_BUCKETS = (
-    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
 )
 
 
@@ -250,28 +269,38 @@ class GatewayConfig(BaseModel):
     max_payload_size: int = Field(512 * 1024 * 1024, gt=0, description="Largest request body in bytes (413 above).")
     request_timeout_secs: PositiveFloat = Field(1800, description="Upper bound on one upstream request.")
     http_head_timeout_secs: NonNegFloat = Field(
-        10, description="A client connection must deliver each request head (the first from connecting, the "
-                        "next from its first byte) within this; 408 and close after; 0: no limit.")
+        10,
+        description="A client connection must deliver each request head (the first from connecting, the "
+        "next from its first byte) within this; 408 and close after; 0: no limit.",
+    )
     http_body_timeout_secs: NonNegFloat = Field(
-        30, description="Longest wait for the next piece of a request body; 408 and close after; 0: no limit.")
+        30, description="Longest wait for the next piece of a request body; 408 and close after; 0: no limit."
+    )
     http_keepalive_timeout_secs: NonNegFloat = Field(
-        75, description="An idle keep-alive client connection is closed after this; 0: kept until the client "
-                        "closes it.")
+        75, description="An idle keep-alive client connection is closed after this; 0: kept until the client closes it."
+    )
     upstream_pool_idle_timeout_secs: NonNegFloat = Field(
-        60, description="An idle pooled connection to a worker is closed after this (keep it under the "
-                        "workers' keep-alive timeout; a request that meets a connection the worker closed is "
-                        "resent once); 0: kept until the worker closes it.")
+        60,
+        description="An idle pooled connection to a worker is closed after this (keep it under the "
+        "workers' keep-alive timeout; a request that meets a connection the worker closed is "
+        "resent once); 0: kept until the worker closes it.",
+    )
     shutdown_grace_period_secs: NonNegFloat = Field(
         180, description="On SIGTERM/SIGINT, how long in-flight requests may run before exit."
     )
     api_key: str | None = Field(
-        None, description="Bearer key every inference and admin route requires (as SMG); health, liveness, "
-                          "readiness and /v1/models stay open (docs/security.md).")
+        None,
+        description="Bearer key every inference and admin route requires (as SMG); health, liveness, "
+        "readiness and /v1/models stay open (docs/security.md).",
+    )
     admin_api_key: str | None = Field(
-        None, description="Bearer key of the admin routes only (workers, loads, server info, engine metrics, "
-                          "cache flush); when set, --api-key no longer opens them.")
-    backend: BackendKind = Field(BackendKind.SGLANG,
-                                 description="Engine family: sglang, vllm or atom (alias --runtime).")
+        None,
+        description="Bearer key of the admin routes only (workers, loads, server info, engine metrics, "
+        "cache flush); when set, --api-key no longer opens them.",
+    )
+    backend: BackendKind = Field(
+        BackendKind.SGLANG, description="Engine family: sglang, vllm or atom (alias --runtime)."
+    )
     config: Path | None = Field(None, description="YAML file with these settings (flags win over the file).")
 
     # --- policy
@@ -279,8 +308,11 @@ class GatewayConfig(BaseModel):
     prefill_policy: PolicyName | None = Field(None, description="Policy for the prefill pool (default: --policy).")
     decode_policy: PolicyName | None = Field(None, description="Policy for the decode pool (default: --policy).")
     cache_threshold: float = Field(
-        0.3, ge=0, le=1, description="cache_aware: minimum prefix match ratio to follow the cache; kv_aware: "
-        "a prompt whose cached share differs by less than this between workers is new (placed by KV traffic)."
+        0.3,
+        ge=0,
+        le=1,
+        description="cache_aware: minimum prefix match ratio to follow the cache; kv_aware: "
+        "a prompt whose cached share differs by less than this between workers is new (placed by KV traffic).",
     )
     balance_abs_threshold: int = Field(
         64, ge=0, description="cache_aware: load gap (max - min) above which balancing wins."
@@ -290,69 +322,102 @@ class GatewayConfig(BaseModel):
     )
     eviction_interval_secs: PositiveFloat = Field(120, description="cache_aware: how often the index is pruned.")
     max_tree_size: int = Field(
-        2**26, gt=0, description="cache_aware: prompt characters the prefix index may remember per pool (it "
-                                 "keeps them as chunks; the hard bound of its memory).")
+        2**26,
+        gt=0,
+        description="cache_aware: prompt characters the prefix index may remember per pool (it "
+        "keeps them as chunks; the hard bound of its memory).",
+    )
     prefix_token_count: int = Field(256, gt=0, description="prefix_hash: tokens of the prompt hashed.")
     prefix_hash_load_factor: float = Field(
-        1.25, ge=1, description="prefix_hash: a worker above this multiple of the mean load (and 10 requests over "
-                                "it) is passed over for the next one on the ring.")
+        1.25,
+        ge=1,
+        description="prefix_hash: a worker above this multiple of the mean load (and 10 requests over "
+        "it) is passed over for the next one on the ring.",
+    )
     prefix_hash_balance_abs_threshold: int = Field(
-        10, ge=0, description="prefix_hash: the requests over the mean load a worker must also exceed before it "
-                              "counts as overloaded.")
+        10,
+        ge=0,
+        description="prefix_hash: the requests over the mean load a worker must also exceed before it "
+        "counts as overloaded.",
+    )
     max_idle_secs: PositiveFloat = Field(
-        14400, description="manual: a routing key unused this long is forgotten (checked every "
-                           "--eviction-interval-secs).")
+        14400,
+        description="manual: a routing key unused this long is forgotten (checked every --eviction-interval-secs).",
+    )
     assignment_mode: AssignmentMode = Field(
-        AssignmentMode.RANDOM, description="manual: where a new routing key goes: random, min_load (fewest "
-                                           "requests) or min_group (fewest routing keys).")
+        AssignmentMode.RANDOM,
+        description="manual: where a new routing key goes: random, min_load (fewest "
+        "requests) or min_group (fewest routing keys).",
+    )
     routing_key_override: bool = Field(
-        False, description="Sticky sessions on any policy: a routing key goes back to the worker it was placed on "
-                           "while that is routable; else the policy decides and the key is pinned to its choice "
-                           "(alias --sticky-sessions; keys idle --max-idle-secs are forgotten).")
+        False,
+        description="Sticky sessions on any policy: a routing key goes back to the worker it was placed on "
+        "while that is routable; else the policy decides and the key is pinned to its choice "
+        "(alias --sticky-sessions; keys idle --max-idle-secs are forgotten).",
+    )
     routing_key_headers: list[str] = Field(
         default_factory=lambda: list(ROUTING_KEY_HEADERS),
         description="Headers a request's routing key (session, user) is read from, first present wins; "
-                    "consistent_hashing, manual, dp_sticky and prefix_hash read the key.")
+        "consistent_hashing, manual, dp_sticky and prefix_hash read the key.",
+    )
     model_alias: list[str] = Field(
-        default_factory=list, description="`ALIAS=CANONICAL`, repeatable: clients may name a served model ALIAS "
-                                          "too; the request goes on naming CANONICAL (case-sensitive, as SMG).")
+        default_factory=list,
+        description="`ALIAS=CANONICAL`, repeatable: clients may name a served model ALIAS "
+        "too; the request goes on naming CANONICAL (case-sensitive, as SMG).",
+    )
     atom_pd_rank_mapping_policy: str | None = Field(
-        None, description="ATOMesh: how P/D data-parallel ranks map; only `none` (the engines pick their own "
-                          "ranks) is built.")
+        None,
+        description="ATOMesh: how P/D data-parallel ranks map; only `none` (the engines pick their own "
+        "ranks) is built.",
+    )
     dp_aware: bool = Field(
-        False, description="Regular mode: also choose a data-parallel rank of the chosen worker (the least busy "
-                           "one) and send it as `data_parallel_rank`; every worker must report `dp_size` in its "
-                           "server info (docs/workers.md).")
+        False,
+        description="Regular mode: also choose a data-parallel rank of the chosen worker (the least busy "
+        "one) and send it as `data_parallel_rank`; every worker must report `dp_size` in its "
+        "server info (docs/workers.md).",
+    )
 
     # --- kv_aware (docs/placement.md)
     kv_events_endpoints: list[str] = Field(
-        default_factory=list, description="kv_aware: WORKER_URL=tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT] for a worker "
-        "whose KV events are not advertised in its /server_info.")
+        default_factory=list,
+        description="kv_aware: WORKER_URL=tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT] for a worker "
+        "whose KV events are not advertised in its /server_info.",
+    )
     kv_overlap_weight: float = Field(1.0, ge=0, description="kv_aware: weight of blocks to prefill against KV load.")
     kv_temperature: float = Field(0.0, ge=0, description="kv_aware: 0 = lowest cost wins; above 0 = soft choice.")
     kv_sync_bind: str | None = Field(
-        None, description="kv_aware: ZMQ address (tcp://HOST:PORT) where this gateway publishes its in-flight "
-        "placements to its replicas (docs/placement.md).")
+        None,
+        description="kv_aware: ZMQ address (tcp://HOST:PORT) where this gateway publishes its in-flight "
+        "placements to its replicas (docs/placement.md).",
+    )
     kv_sync_peers: list[str] = Field(
-        default_factory=list, description="kv_aware: the other gateway replicas' --kv-sync-bind addresses "
-        "(tcp://HOST:PORT ...), whose in-flight placements count as load here.")
+        default_factory=list,
+        description="kv_aware: the other gateway replicas' --kv-sync-bind addresses "
+        "(tcp://HOST:PORT ...), whose in-flight placements count as load here.",
+    )
 
     # --- tokenizer (ATOMesh / SMG)
     model_path: str | None = Field(
-        None, description="Folder (or file) of the served model whose tokenizer the gateway loads at start "
-                          "(tokenizer.json, or the folder holding it); a Hugging Face model id is refused: "
-                          "nothing is downloaded.")
+        None,
+        description="Folder (or file) of the served model whose tokenizer the gateway loads at start "
+        "(tokenizer.json, or the folder holding it); a Hugging Face model id is refused: "
+        "nothing is downloaded.",
+    )
     tokenizer_path: str | None = Field(
-        None, description="tokenizer.json file or folder holding one; wins over --model-path.")
+        None, description="tokenizer.json file or folder holding one; wins over --model-path."
+    )
     chat_template: Path | None = Field(
-        None, description="Jinja chat template file, checked at start (with --model-path or --tokenizer-path).")
+        None, description="Jinja chat template file, checked at start (with --model-path or --tokenizer-path)."
+    )
 
     # --- TLS to workers
     ca_cert_paths: list[Path] = Field(
-        default_factory=list, description="CA certificates (PEM) that https:// workers are verified against "
-                                          "(default: the system's).")
+        default_factory=list,
+        description="CA certificates (PEM) that https:// workers are verified against (default: the system's).",
+    )
     client_cert_path: Path | None = Field(
-        None, description="Client certificate (PEM) presented to https:// workers (mTLS; with --client-key-path).")
+        None, description="Client certificate (PEM) presented to https:// workers (mTLS; with --client-key-path)."
+    )
     client_key_path: Path | None = Field(None, description="Private key of --client-cert-path.")
 
     # --- P/D
@@ -366,37 +431,48 @@ class GatewayConfig(BaseModel):
     )
     worker_startup_check_interval: PositiveFloat = Field(30, description="Seconds between start-up probes.")
     worker_startup_delay: NonNegFloat = Field(
-        0, description="Seconds before the first start-up probe of a worker given at start or added later.")
+        0, description="Seconds before the first start-up probe of a worker given at start or added later."
+    )
     load_monitor_interval: PositiveFloat | None = Field(
-        None, description="Seconds between polls of the workers' engine load (only for policies that compare "
-                          "loads); default 1, 0.1 with kv_aware.")
+        None,
+        description="Seconds between polls of the workers' engine load (only for policies that compare "
+        "loads); default 1, 0.1 with kv_aware.",
+    )
 
     # --- logging
     log_level: LogLevel = Field(LogLevel.INFO, description="debug, info, warn or error.")
     log_dir: Path | None = Field(None, description="Also write logs to a rotating file in this folder.")
     json_log: bool = Field(False, description="One JSON object per log line.")
     access_log_sample_rate: float = Field(
-        1.0, ge=0, le=1,
+        1.0,
+        ge=0,
+        le=1,
         description="Share of successful requests written to the access log (one `request` event at info each: "
-                    "request id, method, path, status, worker, latency_ms, bytes); 4xx/5xx are always written; "
-                    "0 turns the access log off.")
+        "request id, method, path, status, worker, latency_ms, bytes); 4xx/5xx are always written; "
+        "0 turns the access log off.",
+    )
 
     # --- tracing
     enable_trace: bool = Field(
-        False, description="OpenTelemetry spans of each request (admission, attempts, upstream legs) sent over "
-                           "OTLP/gRPC; the client's traceparent is their parent, workers get the leg's "
-                           "(docs/deployment.md#tracing; needs the `tracing` extra).")
-    otlp_traces_endpoint: str = Field("localhost:4317", description="OTLP/gRPC collector HOST:PORT "
-                                                                    "(--enable-trace).")
+        False,
+        description="OpenTelemetry spans of each request (admission, attempts, upstream legs) sent over "
+        "OTLP/gRPC; the client's traceparent is their parent, workers get the leg's "
+        "(docs/deployment.md#tracing; needs the `tracing` extra).",
+    )
+    otlp_traces_endpoint: str = Field("localhost:4317", description="OTLP/gRPC collector HOST:PORT (--enable-trace).")
 
     # --- prometheus
     prometheus_port: Port = Field(29000, description="Port of the /metrics server.")
     health_check_port: Port | None = Field(
-        None, description="Also serve /liveness, /readiness, /health and /health_generate on this port (for "
-                          "probes; same address as --host, plain HTTP).")
+        None,
+        description="Also serve /liveness, /readiness, /health and /health_generate on this port (for "
+        "probes; same address as --host, plain HTTP).",
+    )
     prometheus_host: str | None = Field(
-        None, description="Address of the /metrics server (default: the address of --host, so a gateway on "
-                          "127.0.0.1 does not expose its metrics on every interface).")
+        None,
+        description="Address of the /metrics server (default: the address of --host, so a gateway on "
+        "127.0.0.1 does not expose its metrics on every interface).",
+    )
     prometheus_duration_buckets: list[PositiveFloat] = Field(
         default_factory=lambda: list(DEFAULT_DURATION_BUCKETS), description="Latency histogram buckets (seconds)."
     )
@@ -408,49 +484,68 @@ class GatewayConfig(BaseModel):
     )
 
     cors_allowed_origins: list[str] = Field(
-        default_factory=list, description="Origins whose browsers may call the gateway (`*`: any): their answers "
-                                          "get CORS headers and their preflights a 204 (as SMG).")
+        default_factory=list,
+        description="Origins whose browsers may call the gateway (`*`: any): their answers "
+        "get CORS headers and their preflights a 204 (as SMG).",
+    )
 
     # --- processes
     processes: int = Field(
-        1, ge=1, le=64,
+        1,
+        ge=1,
+        le=64,
         description="Gateway processes sharing the service port (SO_REUSEPORT): one leader, the rest "
-                    "followers; admission limits are split between them (docs/performance.md).",
+        "followers; admission limits are split between them (docs/performance.md).",
     )
 
     # --- admission
     max_concurrent_requests: int = Field(
-        -1, ge=-1, description="Requests served at once: -1 derives a limit from the host (a third of the open-"
-                               "file limit, raised to its hard limit, less 256: each request holds a client and "
-                               "one or two worker connections), 0 is no limit (as SMG).")
+        -1,
+        ge=-1,
+        description="Requests served at once: -1 derives a limit from the host (a third of the open-"
+        "file limit, raised to its hard limit, less 256: each request holds a client and "
+        "one or two worker connections), 0 is no limit (as SMG).",
+    )
     queue_size: int = Field(100, ge=0, description="Requests that may wait for a slot (429 beyond).")
     queue_timeout_secs: PositiveFloat = Field(60, description="Longest wait for a slot (503 after).")
     rate_limit_tokens_per_second: NonNegFloat | None = Field(
-        None, description="Token-bucket refill rate for admitted requests (burst = max-concurrent-requests); "
-                          "unset or 0: no token bucket.")
+        None,
+        description="Token-bucket refill rate for admitted requests (burst = max-concurrent-requests); "
+        "unset or 0: no token bucket.",
+    )
 
     # --- priority and tenants (SMG's flags, docs/configuration.md)
     priority_scheduler_enabled: bool = Field(
-        False, description="Admission serves waiting requests by class (X-SMG-Priority: system, interactive, "
-                           "default, bulk; clamped to the tenant's max class), then by the body's `priority` "
-                           "(lower first), then arrival; a waiter past its class's starvation threshold goes first.")
+        False,
+        description="Admission serves waiting requests by class (X-SMG-Priority: system, interactive, "
+        "default, bulk; clamped to the tenant's max class), then by the body's `priority` "
+        "(lower first), then arrival; a waiter past its class's starvation threshold goes first.",
+    )
     priority_scheduler_default_max_class: str = Field(
-        "default", description="Highest class of a tenant that --priority-scheduler-config does not list.")
+        "default", description="Highest class of a tenant that --priority-scheduler-config does not list."
+    )
     priority_scheduler_config: Path | None = Field(
-        None, description="YAML: `classes` (queue_size, queue_timeout_secs, starvation_threshold_secs, "
-                          "reserved_floor, reserved_per_slot per class) and `tenant_policies` (TENANT_KEY: "
-                          "{max_class}), as SMG's.")
+        None,
+        description="YAML: `classes` (queue_size, queue_timeout_secs, starvation_threshold_secs, "
+        "reserved_floor, reserved_per_slot per class) and `tenant_policies` (TENANT_KEY: "
+        "{max_class}), as SMG's.",
+    )
     tenant_rate_limit_enabled: bool = Field(
-        False, description="Per-tenant requests and tokens per minute (--tenant-rate-limit-config); 429 beyond.")
+        False, description="Per-tenant requests and tokens per minute (--tenant-rate-limit-config); 429 beyond."
+    )
     tenant_rate_limit_config: Path | None = Field(
-        None, description="YAML: `default_policy` and `tenants` ({tenant_key, tokens_per_minute, "
-                          "requests_per_minute}), as SMG's; tokens are estimated at admission.")
+        None,
+        description="YAML: `default_policy` and `tenants` ({tenant_key, tokens_per_minute, "
+        "requests_per_minute}), as SMG's; tokens are estimated at admission.",
+    )
     tenant_api_key: list[str] = Field(
-        default_factory=list, description="`TENANT_ID:KEY`, repeatable: a key that also opens inference, as tenant "
-                                          "`auth:TENANT_ID`.")
+        default_factory=list,
+        description="`TENANT_ID:KEY`, repeatable: a key that also opens inference, as tenant `auth:TENANT_ID`.",
+    )
     trust_tenant_header: bool = Field(
-        False, description="Take a request's tenant from --tenant-header-name (`header:VALUE`) when it has no "
-                           "tenant key.")
+        False,
+        description="Take a request's tenant from --tenant-header-name (`header:VALUE`) when it has no tenant key.",
+    )
     tenant_header_name: str = Field("x-smg-tenant-id", description="The tenant header (--trust-tenant-header).")
 
     # --- retries
@@ -461,10 +556,13 @@ class GatewayConfig(BaseModel):
     retry_jitter_factor: float = Field(0.2, ge=0, le=1, description="Random spread of each backoff (+-).")
     disable_retries: bool = Field(False, description="Never retry.")
     migration_limit: int = Field(
-        0, ge=0, le=100,
+        0,
+        ge=0,
+        le=100,
         description="Times a stream that already sent tokens may move to another worker when its worker dies "
-                    "(as Dynamo's; 0: never). The new worker continues from the prompt plus the text sent "
-                    "(docs/workers.md#mid-stream-migration).")
+        "(as Dynamo's; 0: never). The new worker continues from the prompt plus the text sent "
+        "(docs/workers.md#mid-stream-migration).",
+    )
 
     # --- circuit breaker
     cb_failure_threshold: int = Field(10, ge=1, description="Consecutive failures that open the breaker.")
@@ -487,23 +585,31 @@ class GatewayConfig(BaseModel):
 
     # --- Kubernetes discovery
     service_discovery: bool = Field(
-        False, description="Discover workers from Kubernetes pods (Running, Ready, with an IP) by their labels.")
+        False, description="Discover workers from Kubernetes pods (Running, Ready, with an IP) by their labels."
+    )
     discovery_provider: DiscoveryProvider | None = Field(
-        None, description="Where discovery finds workers: kubernetes, the only provider "
-                          "(naming it turns discovery on, like --service-discovery).")
+        None,
+        description="Where discovery finds workers: kubernetes, the only provider "
+        "(naming it turns discovery on, like --service-discovery).",
+    )
     selector: list[str] = Field(
-        default_factory=list, description="`key=value` pod labels of regular workers (all must match; "
-                                          "repeat or comma-separate).")
+        default_factory=list,
+        description="`key=value` pod labels of regular workers (all must match; repeat or comma-separate).",
+    )
     prefill_selector: list[str] = Field(default_factory=list, description="`key=value` pod labels of prefill workers.")
     decode_selector: list[str] = Field(default_factory=list, description="`key=value` pod labels of decode workers.")
     service_discovery_port: Port = Field(80, description="Port of the engine on each discovered pod.")
     service_discovery_namespace: str | None = Field(
-        None, description="Namespace whose pods are watched (default: every namespace, which needs a ClusterRole).")
+        None, description="Namespace whose pods are watched (default: every namespace, which needs a ClusterRole)."
+    )
     bootstrap_port_annotation: str = Field(
-        "sglang.ai/bootstrap-port", description="Pod annotation holding a prefill pod's bootstrap port (P/D).")
+        "sglang.ai/bootstrap-port", description="Pod annotation holding a prefill pod's bootstrap port (P/D)."
+    )
     model_id_from: str | None = Field(
-        None, description="Serve each discovered worker also under a model id from its pod: `namespace`, "
-                          "`label:KEY` or `annotation:KEY`.")
+        None,
+        description="Serve each discovered worker also under a model id from its pod: `namespace`, "
+        "`label:KEY` or `annotation:KEY`.",
+    )
 
     # ------------------------------------------------------------------ validation
     @field_validator("worker_urls", "decode")
@@ -522,8 +628,9 @@ class GatewayConfig(BaseModel):
         for address in [value] if isinstance(value, str) else value or []:
             host, _, port = address.removeprefix("tcp://").rpartition(":")
             if not address.startswith("tcp://") or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"{flag_name(info.field_name or '')} {address!r} must be a ZMQ address "
-                                 "tcp://HOST:PORT")
+                raise ValueError(
+                    f"{flag_name(info.field_name or '')} {address!r} must be a ZMQ address tcp://HOST:PORT"
+                )
         return value
 
     @field_validator("kv_events_endpoints")
@@ -559,13 +666,19 @@ class GatewayConfig(BaseModel):
     @classmethod
     def _provider(cls, provider: Any) -> Any:
         if provider == "file":
-            raise ValueError("the file provider is refused: discovery from a JSON manifest (SMG's "
-                             "--discovery-file) is not built; list the workers with --worker-urls / --prefill / "
-                             "--decode, or add them with POST /workers")
+            raise ValueError(
+                "the file provider is refused: discovery from a JSON manifest (SMG's "
+                "--discovery-file) is not built; list the workers with --worker-urls / --prefill / "
+                "--decode, or add them with POST /workers"
+            )
         return provider
 
-    @field_validator("http_head_timeout_secs", "http_body_timeout_secs", "http_keepalive_timeout_secs",
-                     "upstream_pool_idle_timeout_secs")
+    @field_validator(
+        "http_head_timeout_secs",
+        "http_body_timeout_secs",
+        "http_keepalive_timeout_secs",
+        "upstream_pool_idle_timeout_secs",
+    )
     @classmethod
     def _zero_is_no_limit(cls, secs: float) -> float:
         return NO_LIMIT if secs == 0 else secs
@@ -585,8 +698,10 @@ class GatewayConfig(BaseModel):
     @classmethod
     def _rank_mapping(cls, policy: str | None) -> str | None:
         if policy == "idx2idx":
-            raise ValueError("idx2idx is refused: the gateway chooses no data-parallel ranks in P/D mode (each "
-                             "engine picks its own), so there is no prefill-to-decode rank mapping; use none")
+            raise ValueError(
+                "idx2idx is refused: the gateway chooses no data-parallel ranks in P/D mode (each "
+                "engine picks its own), so there is no prefill-to-decode rank mapping; use none"
+            )
         if policy not in (None, "none"):
             raise ValueError(f"unknown rank mapping policy {policy!r}; ATOMesh's are none and idx2idx")
         return policy
@@ -610,8 +725,9 @@ class GatewayConfig(BaseModel):
                 raise ValueError("--tenant-rate-limit-enabled needs --tenant-rate-limit-config")
             load_rate_limits(self.tenant_rate_limit_config)
         if self.priority_scheduler_enabled:
-            load_scheduler(self.priority_scheduler_config,
-                           PriorityClass.named(self.priority_scheduler_default_max_class))
+            load_scheduler(
+                self.priority_scheduler_config, PriorityClass.named(self.priority_scheduler_default_max_class)
+            )
         return self
 
     @field_validator("health_check_endpoint")
@@ -668,23 +784,35 @@ class GatewayConfig(BaseModel):
         if self.discovery_provider is not None:
             self.service_discovery = True
         if not self.service_discovery:
-            for name in ("selector", "prefill_selector", "decode_selector", "service_discovery_namespace",
-                         "model_id_from", "service_discovery_port", "bootstrap_port_annotation"):
+            for name in (
+                "selector",
+                "prefill_selector",
+                "decode_selector",
+                "service_discovery_namespace",
+                "model_id_from",
+                "service_discovery_port",
+                "bootstrap_port_annotation",
+            ):
                 if getattr(self, name) != GatewayConfig.model_fields[name].get_default(call_default_factory=True):
                     raise ValueError(f"{flag_name(name)} needs --service-discovery")
             return self
         if self.pd_disaggregation:
             if self.selector:
-                raise ValueError("--selector is for regular mode; use --prefill-selector and --decode-selector "
-                                 "with --pd-disaggregation")
+                raise ValueError(
+                    "--selector is for regular mode; use --prefill-selector and --decode-selector "
+                    "with --pd-disaggregation"
+                )
             if not (self.prefill_selector or self.decode_selector):
-                raise ValueError("--service-discovery with --pd-disaggregation needs --prefill-selector "
-                                 "and/or --decode-selector")
+                raise ValueError(
+                    "--service-discovery with --pd-disaggregation needs --prefill-selector and/or --decode-selector"
+                )
             if set(self.prefill_selector) == set(self.decode_selector):
                 raise ValueError("--prefill-selector and --decode-selector must differ")
         else:
-            for flag, value in (("--prefill-selector", self.prefill_selector),
-                                ("--decode-selector", self.decode_selector)):
+            for flag, value in (
+                ("--prefill-selector", self.prefill_selector),
+                ("--decode-selector", self.decode_selector),
+            ):
                 if value:
                     raise ValueError(f"{flag} needs --pd-disaggregation")
             if not self.selector:
@@ -694,9 +822,12 @@ class GatewayConfig(BaseModel):
     @model_validator(mode="after")
     def _modes(self) -> GatewayConfig:
         if not self.pd_disaggregation:
-            for flag, value in (("--prefill", self.prefill), ("--decode", self.decode),
-                                ("--prefill-policy", self.prefill_policy),
-                                ("--decode-policy", self.decode_policy)):
+            for flag, value in (
+                ("--prefill", self.prefill),
+                ("--decode", self.decode),
+                ("--prefill-policy", self.prefill_policy),
+                ("--decode-policy", self.decode_policy),
+            ):
                 if value:
                     raise ValueError(f"{flag} needs --pd-disaggregation")
         elif self.worker_urls:
@@ -709,19 +840,25 @@ class GatewayConfig(BaseModel):
             raise ValueError("--client-cert-path and --client-key-path go together")
         dp = self.dp_aware or PolicyName.DP_STICKY in (self.policy, self.prefill_policy, self.decode_policy)
         if dp and self.pd_disaggregation:
-            raise ValueError("--dp-aware / --policy dp_sticky: data-parallel ranks are chosen in regular mode only; "
-                             "with --pd-disaggregation the prefill and decode engines pick their own ranks")
+            raise ValueError(
+                "--dp-aware / --policy dp_sticky: data-parallel ranks are chosen in regular mode only; "
+                "with --pd-disaggregation the prefill and decode engines pick their own ranks"
+            )
         if self.chat_template is not None and self.model_path is None and self.tokenizer_path is None:
             raise ValueError("--chat-template needs --model-path or --tokenizer-path")
         if self.kv_sync_bind is not None or self.kv_sync_peers:
             kv_pool = (self.policy_for("prefill") if self.pd_disaggregation else self.policy) == PolicyName.KV_AWARE
             if not kv_pool:
-                raise ValueError("--kv-sync-bind / --kv-sync-peers share kv_aware's placements: they need --policy "
-                                 "kv_aware (or --prefill-policy kv_aware with --pd-disaggregation)")
+                raise ValueError(
+                    "--kv-sync-bind / --kv-sync-peers share kv_aware's placements: they need --policy "
+                    "kv_aware (or --prefill-policy kv_aware with --pd-disaggregation)"
+                )
             if self.processes > 1:
-                raise ValueError("--kv-sync-bind / --kv-sync-peers work with one gateway process (every process "
-                                 "would bind the same address); with --processes the processes share their "
-                                 "kv_aware placements with each other, not with other replicas")
+                raise ValueError(
+                    "--kv-sync-bind / --kv-sync-peers work with one gateway process (every process "
+                    "would bind the same address); with --processes the processes share their "
+                    "kv_aware placements with each other, not with other replicas"
+                )
         return self
 
     # ------------------------------------------------------------------ helpers
@@ -762,8 +899,7 @@ FLAG_ALIASES: dict[str, tuple[str, ...]] = {
     "http_body_timeout_secs": ("--stream-body-stall-timeout-secs",),
     "http_keepalive_timeout_secs": ("--idle-connection-timeout-secs",),
 }
-_ALIAS_KEYS = {a.removeprefix("--").replace("-", "_"): name for name, aliases in FLAG_ALIASES.items()
-               for a in aliases}
+_ALIAS_KEYS = {a.removeprefix("--").replace("-", "_"): name for name, aliases in FLAG_ALIASES.items() for a in aliases}
 
 
 def flag_name(field: str) -> str:

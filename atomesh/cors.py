@@ -23,8 +23,14 @@ def check_origin(origin: str) -> str:
     if origin == "*":
         return origin
     parts = urlsplit(origin)
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") \
-            or parts.query or parts.fragment or parts.username is not None:
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+        or parts.username is not None
+    ):
         raise ValueError(f"CORS origin {origin!r} must be '*' or scheme://host[:port]")
     return origin.rstrip("/")
 
@@ -49,8 +55,11 @@ class Cors:
         allowed = self.allow(request.get("origin"))
         if allowed is None:
             return {}
-        return {"access-control-allow-origin": allowed, "access-control-expose-headers": "x-request-id",
-                "vary": "Origin"}
+        return {
+            "access-control-allow-origin": allowed,
+            "access-control-expose-headers": "x-request-id",
+            "vary": "Origin",
+        }
 
     def preflight(self, method: bytes, request: Mapping[str, str]) -> dict[str, str] | None:
         """The headers of a 204 answering a preflight, or None when the request is no (allowed) preflight."""
@@ -60,9 +69,11 @@ class Cors:
         if not headers:
             return None
         asked = request.get("access-control-request-headers", "")
-        headers.update({
-            "access-control-allow-methods": ALLOWED_METHODS,
-            "access-control-allow-headers": asked[:MAX_REQUESTED_HEADERS] if asked else DEFAULT_ALLOWED_HEADERS,
-            "access-control-max-age": PREFLIGHT_MAX_AGE,
-        })
+        headers.update(
+            {
+                "access-control-allow-methods": ALLOWED_METHODS,
+                "access-control-allow-headers": asked[:MAX_REQUESTED_HEADERS] if asked else DEFAULT_ALLOWED_HEADERS,
+                "access-control-max-age": PREFLIGHT_MAX_AGE,
+            }
+        )
         return headers

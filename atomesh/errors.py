@@ -107,8 +107,9 @@ class UpstreamError(GatewayError):
     type = "upstream_error"
     code = "upstream_unreachable"
 
-    def __init__(self, message: str, *, code: str | None = None, status: int | None = None,
-                 retryable: bool = True) -> None:
+    def __init__(
+        self, message: str, *, code: str | None = None, status: int | None = None, retryable: bool = True
+    ) -> None:
         super().__init__(message, code=code, status=status)
         self.retryable = retryable
         # The worker at fault, set by the backend that called it (for breakers and retries).

@@ -74,16 +74,35 @@ ACCEPT_BATCH = 64  # connections accepted per readiness event of a listening soc
 ACCEPT_BACKOFF = (0.05, 1.0)  # first and longest pause of accepting when out of file descriptors
 
 # Response headers of one hop, never relayed from the aiohttp application.
-_HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server",
-                         "te", "trailer", "upgrade", "proxy-connection", "expect", "host"})
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "content-length",
+        "date",
+        "server",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-connection",
+        "expect",
+        "host",
+    }
+)
 _STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n" for s in HTTPStatus}
 _JSON = "application/json"
 PREFLIGHT = "cors_preflight"  # the route label of CORS preflights the door answers itself
 # The size line of a chunk of n bytes, for the usual sizes of a streamed event (cheaper than formatting it).
 _TABLED_CHUNK = 4096  # chunks shorter than this take their size line from the table
 _CHUNK_HEADS = tuple(b"%x\r\n" % n for n in range(_TABLED_CHUNK))
-_ERROR_TYPES = {408: "timeout_error", 413: "invalid_request_error", 414: "invalid_request_error",
-                417: "invalid_request_error", 431: "invalid_request_error"}
+_ERROR_TYPES = {
+    408: "timeout_error",
+    413: "invalid_request_error",
+    414: "invalid_request_error",
+    417: "invalid_request_error",
+    431: "invalid_request_error",
+}
 
 
 class _Clock:
@@ -100,8 +119,9 @@ class _Clock:
         return cls.value
 
 
-def response_head(status: int, headers: Mapping[str, str], length: int | None, keep_alive: bool,
-                  chunked: bool = True) -> bytes:
+def response_head(
+    status: int, headers: Mapping[str, str], length: int | None, keep_alive: bool, chunked: bool = True
+) -> bytes:
     """Status line and headers; `length` None means a streamed body (chunked unless told otherwise: then
     it ends with the connection)."""
     parts = [_STATUS_LINES.get(status) or f"HTTP/1.1 {status} Unknown\r\n"]
@@ -209,8 +229,15 @@ class _Request:
 
     __slots__ = ("body", "headers", "http10", "keep_alive", "method", "refusal", "target")
 
-    def __init__(self, method: bytes, target: bytes, headers: dict[str, str], body: bytes | bytearray,
-                 keep_alive: bool, http10: bool) -> None:
+    def __init__(
+        self,
+        method: bytes,
+        target: bytes,
+        headers: dict[str, str],
+        body: bytes | bytearray,
+        keep_alive: bool,
+        http10: bool,
+    ) -> None:
         self.method = method
         self.target = target
         self.headers = headers
@@ -223,8 +250,25 @@ class _Request:
 class FrontConnection(FlowControl):
     """One client connection: its parser, its phase and deadline, the requests read and the one served."""
 
-    __slots__ = ("body", "cut", "deadline", "door", "head_bytes", "head_size", "headers", "keep_alive",
-                 "lingering", "parser", "phase", "queue", "queued_bytes", "task", "url", "url_open", "url_piece")
+    __slots__ = (
+        "body",
+        "cut",
+        "deadline",
+        "door",
+        "head_bytes",
+        "head_size",
+        "headers",
+        "keep_alive",
+        "lingering",
+        "parser",
+        "phase",
+        "queue",
+        "queued_bytes",
+        "task",
+        "url",
+        "url_open",
+        "url_piece",
+    )
 
     def __init__(self, door: FrontDoor) -> None:
         super().__init__()
@@ -274,10 +318,13 @@ class FrontConnection(FlowControl):
             if self.queue:
                 req = self.queue[-1]
                 req.keep_alive = False
-                req.refusal = (Refused(501, "CONNECT is not supported: the gateway is not a proxy")
-                               if req.method == b"CONNECT" else
-                               Refused(400, "protocol upgrades (Upgrade: "
-                                            f"{req.headers.get('upgrade', '')[:64]}) are not supported"))
+                req.refusal = (
+                    Refused(501, "CONNECT is not supported: the gateway is not a proxy")
+                    if req.method == b"CONNECT"
+                    else Refused(
+                        400, f"protocol upgrades (Upgrade: {req.headers.get('upgrade', '')[:64]}) are not supported"
+                    )
+                )
                 if self.task is None:
                     self._next()
             else:
@@ -388,8 +435,14 @@ class FrontConnection(FlowControl):
 
     def on_message_complete(self) -> None:
         parser = self.parser
-        req = _Request(parser.get_method(), self.url, self.headers, self.body, parser.should_keep_alive(),
-                       parser.get_http_version() == "1.0")
+        req = _Request(
+            parser.get_method(),
+            self.url,
+            self.headers,
+            self.body,
+            parser.should_keep_alive(),
+            parser.get_http_version() == "1.0",
+        )
         self.queue.append(req)
         self.queued_bytes += len(req.body)
         self.phase = Phase.IDLE
@@ -416,7 +469,7 @@ class FrontConnection(FlowControl):
         if piece:
             end = data.rfind(piece) + len(piece)
             self.url_open = end == len(data)
-            return data[end:end + 1] in (b"\r", b"\n")
+            return data[end : end + 1] in (b"\r", b"\n")
         ended = self.url_open and data[:1] in (b"\r", b"\n")
         self.url_open = False
         return ended
@@ -498,8 +551,9 @@ class FrontConnection(FlowControl):
             except Exception:
                 # A bug, not a user error: log it with its traceback (and request id), answer a plain 500.
                 log.exception("request_crashed", method="POST", path=path)
-                self._answer_error(exchange, 500, error_body("internal gateway error", "internal_error",
-                                                             "internal_error"))
+                self._answer_error(
+                    exchange, 500, error_body("internal gateway error", "internal_error", "internal_error")
+                )
             acc.end("POST", path, exchange.status or 500, started, admission, rid, exchange.workers, exchange.sent)
         finally:
             self._done()
@@ -515,8 +569,15 @@ class FrontConnection(FlowControl):
                     acc = self.door.accounting
                     started = acc.begin("OPTIONS", PREFLIGHT)
                     self.send(response_head(204, allowed, 0, self.keep_alive))
-                    acc.end("OPTIONS", PREFLIGHT, 204, started, None, acc.request_id(req.headers),
-                            target=req.target.decode("latin-1").partition("?")[0][:512])
+                    acc.end(
+                        "OPTIONS",
+                        PREFLIGHT,
+                        204,
+                        started,
+                        None,
+                        acc.request_id(req.headers),
+                        target=req.target.decode("latin-1").partition("?")[0][:512],
+                    )
                     return
             try:
                 status, headers, body = await self.door.relay_request(req)
@@ -526,8 +587,7 @@ class FrontConnection(FlowControl):
             if cors is not None:
                 headers.update(cors.headers(req.headers))
             if req.method == b"HEAD":
-                self.send(response_head(status, headers, int(headers.pop("content-length", 0) or 0),
-                                        self.keep_alive))
+                self.send(response_head(status, headers, int(headers.pop("content-length", 0) or 0), self.keep_alive))
             else:
                 headers.pop("content-length", None)
                 self.send(response_head(status, headers, len(body), self.keep_alive) + body)
@@ -556,8 +616,13 @@ class FrontConnection(FlowControl):
         loop = self.door.loop
         # The deadline of the phase the parser is in starts now (it was on hold while serving).
         door = self.door
-        self.deadline = loop.time() + (door.keepalive_timeout if self.phase is Phase.IDLE
-                                       else door.head_timeout if self.phase is Phase.HEAD else door.body_timeout)
+        self.deadline = loop.time() + (
+            door.keepalive_timeout
+            if self.phase is Phase.IDLE
+            else door.head_timeout
+            if self.phase is Phase.HEAD
+            else door.body_timeout
+        )
         self.release_reading()
 
     def expire(self, now: float) -> None:
@@ -593,8 +658,9 @@ class Relay:
             target = (parts.path or b"/") + (b"?" + parts.query if parts.query else b"")
         headers = {k: v for k, v in req.headers.items() if k not in _HOP_BY_HOP}
         body = req.body if req.body or req.method in (b"POST", b"PUT", b"PATCH") else None
-        async with self.upstream.open(req.method.decode(), self.base + target.decode("latin-1"),
-                                      data=body, headers=headers, timeout=self.timeout) as resp:
+        async with self.upstream.open(
+            req.method.decode(), self.base + target.decode("latin-1"), data=body, headers=headers, timeout=self.timeout
+        ) as resp:
             data = await resp.read()
             out = {k: v for k, v in resp.headers.items() if k not in _HOP_BY_HOP or k == "content-length"}
             return resp.status, out, data
@@ -646,8 +712,9 @@ class _Listener:
         """Out of descriptors: leave new connections in the backlog until some are freed."""
         loop = self.door.loop
         loop.remove_reader(self.sock.fileno())
-        log.warning("accept_paused", reason=err.strerror, connections=len(self.door.connections),
-                    retry_in_secs=self.delay)
+        log.warning(
+            "accept_paused", reason=err.strerror, connections=len(self.door.connections), retry_in_secs=self.delay
+        )
         self.paused = loop.call_later(self.delay, self.start)
         self.delay = min(self.delay * 2, ACCEPT_BACKOFF[1])
 
@@ -697,13 +764,16 @@ class FrontDoor:
         self.loop = asyncio.get_event_loop()
         self._listeners: list[_Listener] = []
         self._sweeper = PeriodicTask(
-            "frontdoor-sweep", min(1.0, self.head_timeout / 4, self.body_timeout / 4, self.keepalive_timeout / 4),
-            self._sweep)
+            "frontdoor-sweep",
+            min(1.0, self.head_timeout / 4, self.body_timeout / 4, self.keepalive_timeout / 4),
+            self._sweep,
+        )
         self._handshakes: set[asyncio.Task[None]] = set()
         self.port = 0
 
-    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None, *,
-                    reuse_port: bool = False) -> None:
+    async def start(
+        self, host: str, port: int, ssl_context: ssl.SSLContext | None, *, reuse_port: bool = False
+    ) -> None:
         """Listen; `reuse_port` lets other gateway processes listen on the same port (atomesh.cluster)."""
         self.loop = asyncio.get_running_loop()
         for sock in _bind(host, port, reuse_port):
@@ -724,8 +794,9 @@ class FrontDoor:
             if ssl_context is None:
                 await self.loop.connect_accepted_socket(lambda: FrontConnection(self), conn)
             else:
-                await self.loop.connect_accepted_socket(lambda: FrontConnection(self), conn, ssl=ssl_context,
-                                                        ssl_handshake_timeout=self.head_timeout)
+                await self.loop.connect_accepted_socket(
+                    lambda: FrontConnection(self), conn, ssl=ssl_context, ssl_handshake_timeout=self.head_timeout
+                )
         except (OSError, ssl.SSLError, TimeoutError, ConnectionError):
             conn.close()
 

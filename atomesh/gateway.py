@@ -68,27 +68,42 @@ class Gateway:
             self.tracing = Tracing(config.otlp_traces_endpoint if config.enable_trace else None)
         except RuntimeError as e:  # the SDK is not installed
             raise StartupError(str(e)) from None
-        self.upstream = Upstream(config.request_timeout_secs, hop=self.instance_id,
-                                 ssl_context=worker_ssl_context(config),
-                                 pool_idle_timeout_secs=config.upstream_pool_idle_timeout_secs, tracing=self.tracing)
+        self.upstream = Upstream(
+            config.request_timeout_secs,
+            hop=self.instance_id,
+            ssl_context=worker_ssl_context(config),
+            pool_idle_timeout_secs=config.upstream_pool_idle_timeout_secs,
+            tracing=self.tracing,
+        )
         roles = (WorkerRole.PREFILL, WorkerRole.DECODE) if config.pd_disaggregation else (WorkerRole.REGULAR,)
         self.tokens = _prompt_tokens(config)
-        policies: dict[WorkerRole, Policy] = {r: make_policy(_pool_policy(config, r), config, self.tokens)
-                                              for r in roles}
+        policies: dict[WorkerRole, Policy] = {
+            r: make_policy(_pool_policy(config, r), config, self.tokens) for r in roles
+        }
         for role, policy in policies.items():  # each gets what it declared it needs
             needs = policy.needs
-            hub = (KvEventHub(KvIndex(), self.registry, (role,), parse_endpoint_flags(config.kv_events_endpoints))
-                   if needs.kv_events else None)
+            hub = (
+                KvEventHub(KvIndex(), self.registry, (role,), parse_endpoint_flags(config.kv_events_endpoints))
+                if needs.kv_events
+                else None
+            )
             policy.attach(Given(role, self.registry, hub, self.upstream if needs.upstream else None))
         sticky = StickyKeys(config.max_idle_secs) if config.routing_key_override else None
-        self.placement = Placement(self.registry, policies, pd=config.pd_disaggregation, dp_ranks=config.dp_ranks,
-                                   sticky=sticky)
+        self.placement = Placement(
+            self.registry, policies, pd=config.pd_disaggregation, dp_ranks=config.dp_ranks, sticky=sticky
+        )
         # Engine-reported load only matters to policies that read it, polled as often as the most eager wants.
         wanted = [p.needs.loads.value for p in policies.values() if p.needs.loads is not Loads.UNUSED]
-        self.load_poller = (LoadPoller(self.registry, self.upstream,
-                                       interval=config.load_monitor_interval or min(wanted),
-                                       elsewhere=lambda w: policies[w.role].elsewhere(w) if w.role in policies else 0)
-                            if wanted else None)
+        self.load_poller = (
+            LoadPoller(
+                self.registry,
+                self.upstream,
+                interval=config.load_monitor_interval or min(wanted),
+                elsewhere=lambda w: policies[w.role].elsewhere(w) if w.role in policies else 0,
+            )
+            if wanted
+            else None
+        )
         self.models = ModelNames(self.registry, roles[-1], parse_model_aliases(config.model_alias))
         self.backend = self._make_backend()
         self.router = Router(config, self.placement, self.backend, self.metrics, self.tracing)
@@ -100,22 +115,40 @@ class Gateway:
         per_process = host_concurrency_limit() if limit == -1 else -(-limit // n) if limit > 0 else -1
         # The bucket's burst is a limit the user set; a derived one is no burst to allow (one second's worth).
         burst = float(per_process) if limit > 0 else (rate / n if rate else None)
-        self.scheduler = (load_scheduler(config.priority_scheduler_config,
-                                         PriorityClass.named(config.priority_scheduler_default_max_class))
-                          if config.priority_scheduler_enabled else None)
-        self.admission = Admission(per_process, -(-config.queue_size // n), config.queue_timeout_secs,
-                                   rate / n if rate else None, burst,
-                                   classes=self.scheduler.classes if self.scheduler is not None else None)
-        self.tenants = Tenants(parse_tenant_api_keys(config.tenant_api_key), config.trust_tenant_header,
-                               config.tenant_header_name)
-        self.rate_limits = (TenantRateLimits(load_rate_limits(config.tenant_rate_limit_config), share=1 / n)
-                            if config.tenant_rate_limit_enabled and config.tenant_rate_limit_config else None)
+        self.scheduler = (
+            load_scheduler(
+                config.priority_scheduler_config, PriorityClass.named(config.priority_scheduler_default_max_class)
+            )
+            if config.priority_scheduler_enabled
+            else None
+        )
+        self.admission = Admission(
+            per_process,
+            -(-config.queue_size // n),
+            config.queue_timeout_secs,
+            rate / n if rate else None,
+            burst,
+            classes=self.scheduler.classes if self.scheduler is not None else None,
+        )
+        self.tenants = Tenants(
+            parse_tenant_api_keys(config.tenant_api_key), config.trust_tenant_header, config.tenant_header_name
+        )
+        self.rate_limits = (
+            TenantRateLimits(load_rate_limits(config.tenant_rate_limit_config), share=1 / n)
+            if config.tenant_rate_limit_enabled and config.tenant_rate_limit_config
+            else None
+        )
         self.lifecycle = Lifecycle(
-            self.registry, self.upstream, backend=config.backend,
+            self.registry,
+            self.upstream,
+            backend=config.backend,
             breaker=BreakerSettings(
-                failure_threshold=config.cb_failure_threshold, success_threshold=config.cb_success_threshold,
-                timeout_secs=config.cb_timeout_duration_secs, window_secs=config.cb_window_duration_secs,
-                enabled=not config.disable_circuit_breaker),
+                failure_threshold=config.cb_failure_threshold,
+                success_threshold=config.cb_success_threshold,
+                timeout_secs=config.cb_timeout_duration_secs,
+                window_secs=config.cb_window_duration_secs,
+                enabled=not config.disable_circuit_breaker,
+            ),
             startup_timeout=config.worker_startup_timeout_secs,
             check_interval=config.worker_startup_check_interval,
             startup_delay=config.worker_startup_delay,
@@ -125,15 +158,22 @@ class Gateway:
             dp_aware=config.dp_ranks,
         )
         self.health = HealthChecker(
-            self.registry, self.lifecycle.probe, interval=config.health_check_interval_secs,
-            failure_threshold=config.health_failure_threshold, success_threshold=config.health_success_threshold,
+            self.registry,
+            self.lifecycle.probe,
+            interval=config.health_check_interval_secs,
+            failure_threshold=config.health_failure_threshold,
+            success_threshold=config.health_success_threshold,
             on_result=lambda w, ok: self.metrics.health_checks.labels(
-                w.url, w.role.value, "success" if ok else "failure").inc(),
+                w.url, w.role.value, "success" if ok else "failure"
+            ).inc(),
         )
         self.registry.subscribe(self._on_worker_state)
         self.router.on_unreachable = self.mark_unreachable
-        self.discovery = (KubernetesDiscovery(DiscoverySettings.from_config(config), self.lifecycle, self.registry)
-                          if config.service_discovery else None)
+        self.discovery = (
+            KubernetesDiscovery(DiscoverySettings.from_config(config), self.lifecycle, self.registry)
+            if config.service_discovery
+            else None
+        )
         self.shutting_down = False
         self.active_requests = 0
         self._idle = asyncio.Event()
@@ -297,8 +337,12 @@ def _prompt_tokens(config: GatewayConfig) -> PromptTokenizer | None:
         tokens = PromptTokenizer.from_files(config.model_path, config.tokenizer_path, config.chat_template)
     except TokenizerError as e:
         raise StartupError(str(e)) from None
-    log.info("tokenizer_loaded", path=config.tokenizer_path or config.model_path, vocab_size=tokens.vocab_size,
-             chat_template=config.chat_template is not None or tokens.template_found)
+    log.info(
+        "tokenizer_loaded",
+        path=config.tokenizer_path or config.model_path,
+        vocab_size=tokens.vocab_size,
+        chat_template=config.chat_template is not None or tokens.template_found,
+    )
     return tokens
 
 

@@ -26,8 +26,15 @@ from httptools import HttpParserError, HttpParserUpgrade, HttpResponseParser
 from atomesh.flow import FlowControl
 from atomesh.tasks import PeriodicTask
 
-__all__ = ["ClientPool", "ConnectFailed", "DeadlineExceeded", "Disconnected", "HTTPClientError",
-           "ProtocolViolation", "Response"]
+__all__ = [
+    "ClientPool",
+    "ConnectFailed",
+    "DeadlineExceeded",
+    "Disconnected",
+    "HTTPClientError",
+    "ProtocolViolation",
+    "Response",
+]
 
 # Buffered unread body above which the socket stops being read (the worker then waits on TCP).
 _HIGH_WATER = 1 << 20
@@ -71,9 +78,31 @@ class DeadlineExceeded(HTTPClientError):
 class _Conn(FlowControl):
     """One connection, and the state of the exchange running on it (reset by `start`)."""
 
-    __slots__ = ("_loop", "_parser", "_pool", "_waiter", "body_done", "buffered", "busy", "closed", "error",
-                 "got_data", "head_done", "headers", "idle_since", "interim", "is_head", "keep_alive", "key",
-                 "pieces", "pooled", "sink", "sink_error", "status", "tap")
+    __slots__ = (
+        "_loop",
+        "_parser",
+        "_pool",
+        "_waiter",
+        "body_done",
+        "buffered",
+        "busy",
+        "closed",
+        "error",
+        "got_data",
+        "head_done",
+        "headers",
+        "idle_since",
+        "interim",
+        "is_head",
+        "keep_alive",
+        "key",
+        "pieces",
+        "pooled",
+        "sink",
+        "sink_error",
+        "status",
+        "tap",
+    )
 
     def __init__(self, pool: ClientPool, key: _Key) -> None:
         super().__init__()
@@ -380,8 +409,14 @@ class Response:
 class ClientPool:
     """Keep-alive connections per (scheme, host, port), reused most-recent first."""
 
-    def __init__(self, *, connect_timeout: float = 10.0, keepalive_timeout: float = 60.0,
-                 max_idle_per_host: int = 256, ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        connect_timeout: float = 10.0,
+        keepalive_timeout: float = 60.0,
+        max_idle_per_host: int = 256,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         self._connect_timeout = connect_timeout
         self._keepalive = keepalive_timeout
         self._max_idle = max_idle_per_host
@@ -394,8 +429,15 @@ class ClientPool:
         self._sweeping = False
         self._closed = False
 
-    async def request(self, method: str, url: str, *, headers: Mapping[str, str] | None = None,
-                      body: bytes | bytearray | None = None, timeout: float) -> Response:
+    async def request(
+        self,
+        method: str,
+        url: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        body: bytes | bytearray | None = None,
+        timeout: float,
+    ) -> Response:
         """Send a request; return once the status line and headers are in.
 
         `timeout` bounds the whole exchange, until the response is released or closed. A request that
@@ -487,8 +529,9 @@ class ClientPool:
             ctx = self._ssl = self._ssl or ssl.create_default_context()
         conn = _Conn(self, key)
         try:
-            await asyncio.wait_for(loop.create_connection(lambda: conn, host, port, ssl=ctx),
-                                   min(self._connect_timeout, left))
+            await asyncio.wait_for(
+                loop.create_connection(lambda: conn, host, port, ssl=ctx), min(self._connect_timeout, left)
+            )
         except TimeoutError:
             conn.abort()
             if left <= self._connect_timeout:
@@ -547,8 +590,9 @@ class ClientPool:
             del idle[:stale]
 
 
-def _encode(method: str, target: str, host: str, headers: Mapping[str, str] | None,
-            body: bytes | bytearray | None) -> tuple[bytes, bytes | bytearray | None]:
+def _encode(
+    method: str, target: str, host: str, headers: Mapping[str, str] | None, body: bytes | bytearray | None
+) -> tuple[bytes, bytes | bytearray | None]:
     """The request as sent: head and body in one buffer, for a single write; a body over
     `_SEPARATE_BODY` bytes apart (the second item), never copied."""
     lines = [method, " ", target, " HTTP/1.1\r\nHost: ", host, "\r\n"]

@@ -25,15 +25,21 @@ from typing import Any
 import orjson
 import structlog
 
-_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING, "warning": logging.WARNING,
-           "error": logging.ERROR}
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warn": logging.WARNING,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
 LOG_FILE = "atomesh.log"
 _ROTATE_BYTES = 50 * 1024 * 1024
 _ROTATE_KEEP = 5
 
 
-def setup_logging(level: str = "info", json: bool = False, log_dir: Path | None = None,
-                  log_file: str = LOG_FILE) -> None:
+def setup_logging(
+    level: str = "info", json: bool = False, log_dir: Path | None = None, log_file: str = LOG_FILE
+) -> None:
     """Route structlog and stdlib logging through one renderer to stderr (and `log_dir`/`log_file`)."""
     lvl = _LEVELS[level]
     shared: list[structlog.types.Processor] = [
@@ -45,7 +51,8 @@ def setup_logging(level: str = "info", json: bool = False, log_dir: Path | None 
     # Tracebacks are rendered plainly: never with the frames' local variables, which hold headers,
     # request bodies and keys.
     renderer: structlog.types.Processor = (
-        structlog.processors.JSONRenderer(serializer=_json_dumps) if json
+        structlog.processors.JSONRenderer(serializer=_json_dumps)
+        if json
         else structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback)
     )
     formatter = _Formatter(
@@ -61,8 +68,11 @@ def setup_logging(level: str = "info", json: bool = False, log_dir: Path | None 
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.handlers.RotatingFileHandler(
-            log_dir / log_file, maxBytes=_ROTATE_BYTES, backupCount=_ROTATE_KEEP, encoding="utf-8"))
+        handlers.append(
+            logging.handlers.RotatingFileHandler(
+                log_dir / log_file, maxBytes=_ROTATE_BYTES, backupCount=_ROTATE_KEEP, encoding="utf-8"
+            )
+        )
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
@@ -88,7 +98,8 @@ def setup_logging(level: str = "info", json: bool = False, log_dir: Path | None 
 # bearer or basic credential, the password of a URL.
 _SECRET_FIELD = re.compile(
     r"(?i)((?:proxy-)?authorization|set-cookie|cookie|x-api-key|api[_-]?key)(\\?['\"]?\s*[:=]\s*(?-i:b)?\\?['\"]?)"
-    r"([^'\"\r\n\\]+)")
+    r"([^'\"\r\n\\]+)"
+)
 _CREDENTIAL = re.compile(r"(?i)\b(bearer|basic)(\s+)[A-Za-z0-9._~+/=-]+")
 _URL_PASSWORD = re.compile(r"(://[^/@:\s'\"]*:)[^/@\s'\"]+@")
 
@@ -183,12 +194,15 @@ class AccessLog:
             renderer = formatters[0].renderer  # type: ignore[union-attr]
             self._json = isinstance(renderer, structlog.processors.JSONRenderer)
             if not self._json:
-                head = renderer(None, "info", {"timestamp": "\0", "level": "info", "event": "request",
-                                               "logger": ACCESS_LOGGER})
+                head = renderer(
+                    None, "info", {"timestamp": "\0", "level": "info", "event": "request", "logger": ACCESS_LOGGER}
+                )
                 self._head = head.partition("\0")[2] + " "
         # A console line of the usual fields, ready for %: time, bytes, latency, method, path, id, status, worker.
-        self._line = ("%s" + self._head.replace("%", "%%") + "bytes=%r latency_ms=%r method=%s path=%s request_id=%s "
-                      "status=%r worker=%s")
+        self._line = (
+            "%s" + self._head.replace("%", "%%") + "bytes=%r latency_ms=%r method=%s path=%s request_id=%s "
+            "status=%r worker=%s"
+        )
         self.fast = fast
         self._pending: list[_Line] = []
         self._timer: asyncio.TimerHandle | None = None
@@ -197,12 +211,28 @@ class AccessLog:
         # than a line to render); they write `rendered` as it is.
         self._record = logging.LogRecord(ACCESS_LOGGER, logging.INFO, __file__, 0, "request", None, None)
 
-    def write(self, request_id: str | None, method: str | None, path: str | None, status: int,
-              worker: str | None, latency_ms: float | None, sent: int) -> None:
+    def write(
+        self,
+        request_id: str | None,
+        method: str | None,
+        path: str | None,
+        status: int,
+        worker: str | None,
+        latency_ms: float | None,
+        sent: int,
+    ) -> None:
         """One request's line (an info event `request` with these fields)."""
         if not self.fast:
-            self._log.info("request", request_id=request_id, method=method, path=path, status=status, worker=worker,
-                           latency_ms=latency_ms, bytes=sent)
+            self._log.info(
+                "request",
+                request_id=request_id,
+                method=method,
+                path=path,
+                status=status,
+                worker=worker,
+                latency_ms=latency_ms,
+                bytes=sent,
+            )
             return
         if not self.enabled:
             return
@@ -226,8 +256,9 @@ class AccessLog:
             return
         context = structlog.contextvars.get_contextvars()
         context.pop("request_id", None)
-        text = redact("\n".join(self._json_lines(lines, context) if self._json
-                                else self._console_lines(lines, context)))
+        text = redact(
+            "\n".join(self._json_lines(lines, context) if self._json else self._console_lines(lines, context))
+        )
         record = self._record
         record.rendered = text
         for handler in logging.getLogger().handlers:  # where a record of atomesh.access goes (it has none of its own)
@@ -258,8 +289,19 @@ class AccessLog:
                 if quoted(f"{rid}{method}{path}{worker}") is None:
                     out.append(line % (stamp_of(t), sent, latency, method, path, rid, status, worker))
                 else:
-                    out.append(line % (stamp_of(t), sent, latency, _console_value(method), _console_value(path),
-                                       _console_value(rid), status, _console_value(worker)))
+                    out.append(
+                        line
+                        % (
+                            stamp_of(t),
+                            sent,
+                            latency,
+                            _console_value(method),
+                            _console_value(path),
+                            _console_value(rid),
+                            status,
+                            _console_value(worker),
+                        )
+                    )
             return out
         head = self._head
         for t, *values in lines:

@@ -28,10 +28,20 @@ NO_MODEL = "none"  # the `model` label of a request that names no model (an empt
 MAX_MODEL_LABEL = 256  # characters; a longer advertised name is labelled `unknown`
 
 # Route path -> `endpoint` label, as SMG names its endpoints.
-ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/generate": "generate",
-             "/v1/responses": "responses", "/v1/messages": "messages", "/v1/embeddings": "embeddings",
-             "/v1/rerank": "rerank", "/rerank": "rerank", "/v1/score": "score", "/v1/classify": "classify",
-             "/v1/tokenize": "tokenize", "/v1/detokenize": "detokenize"}
+ENDPOINTS = {
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat",
+    "/generate": "generate",
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",
+    "/v1/embeddings": "embeddings",
+    "/v1/rerank": "rerank",
+    "/rerank": "rerank",
+    "/v1/score": "score",
+    "/v1/classify": "classify",
+    "/v1/tokenize": "tokenize",
+    "/v1/detokenize": "detokenize",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,10 +228,17 @@ Export = dict[str, dict[tuple[str, ...], Any]]
 
 # Series that describe the worker registry, which the leader process owns: other processes mirror
 # the registry, and their copies of these are not added in.
-LEADER_ONLY = frozenset({
-    "mesh_worker_pool_size", "mesh_worker_health", "mesh_worker_health_checks_total", "mesh_worker_cb_state",
-    "mesh_worker_cb_transitions_total", "mesh_cache_aware_index_entries", "mesh_engine_metrics_scrape_errors_total",
-})
+LEADER_ONLY = frozenset(
+    {
+        "mesh_worker_pool_size",
+        "mesh_worker_health",
+        "mesh_worker_health_checks_total",
+        "mesh_worker_cb_state",
+        "mesh_worker_cb_transitions_total",
+        "mesh_cache_aware_index_entries",
+        "mesh_engine_metrics_scrape_errors_total",
+    }
+)
 
 
 class _Collector:
@@ -249,98 +266,172 @@ class Metrics:
         b = tuple(buckets)
         c, g, h = self._counter, self._gauge, self._histogram
         # --- HTTP layer (every route of the service port)
-        self.http_requests = c("mesh_http_requests_total", "HTTP requests received, by method and route.",
-                               ("method", "path"))
-        self.http_responses = c("mesh_http_responses_total", "HTTP responses sent, by route and status code.",
-                                ("path", "status_code"))
-        self.http_duration = h("mesh_http_request_duration_seconds",
-                               "Time from request received to handler returned (for streams: to the last byte).",
-                               ("method", "path"), b)
+        self.http_requests = c(
+            "mesh_http_requests_total", "HTTP requests received, by method and route.", ("method", "path")
+        )
+        self.http_responses = c(
+            "mesh_http_responses_total", "HTTP responses sent, by route and status code.", ("path", "status_code")
+        )
+        self.http_duration = h(
+            "mesh_http_request_duration_seconds",
+            "Time from request received to handler returned (for streams: to the last byte).",
+            ("method", "path"),
+            b,
+        )
         self.http_active = g("mesh_http_connections_active", "Requests being served now.", ())
-        self.rate_limit = c("mesh_http_rate_limit_total",
-                            "Admission decisions for inference requests: allowed, rejected (queue full) or "
-                            "timeout (waited too long in the queue).", ("result",))
+        self.rate_limit = c(
+            "mesh_http_rate_limit_total",
+            "Admission decisions for inference requests: allowed, rejected (queue full) or "
+            "timeout (waited too long in the queue).",
+            ("result",),
+        )
         # --- router (inference requests)
-        self.router_requests = c("mesh_router_requests_total", "Inference requests routed.",
-                                 ("endpoint", "model", "streaming", "backend_type"))
-        self.router_duration = h("mesh_router_request_duration_seconds",
-                                 "Inference request duration, placement to last byte, retries included.",
-                                 ("endpoint", "model", "streaming"), b)
-        self.router_errors = c("mesh_router_request_errors_total",
-                               "Inference requests that failed, by error code: the gateway's own refusals (invalid "
-                               "body 400, key 401, admission 429/503, no worker 503, unknown model 404) as well "
-                               "as worker errors and streams broken after their first byte.",
-                               ("endpoint", "model", "error_type"))
-        self.upstream_responses = c("mesh_router_upstream_responses_total",
-                                    "HTTP answers received from workers, by status code.",
-                                    ("worker", "worker_type", "status_code"))
-        self.ttft = h("mesh_router_ttft_seconds",
-                      "Time to first token of streamed responses: request routed to the first event with "
-                      "non-empty content, measured at the gateway.", ("endpoint", "model"), b)
-        self.tpot = h("mesh_router_tpot_seconds",
-                      "Time per output token (mean inter-token latency) of one streamed response, after the "
-                      "first token.", ("endpoint", "model"), b)
-        self.generation_duration = h("mesh_router_generation_duration_seconds",
-                                     "Streamed responses: first content token to last event.",
-                                     ("endpoint", "model"), b)
-        self.tokens = c("mesh_router_tokens_total",
-                        "Tokens in answered requests: output from the engine's usage when given, else one per "
-                        "streamed content event; input from usage only.", ("endpoint", "model", "token_type"))
+        self.router_requests = c(
+            "mesh_router_requests_total",
+            "Inference requests routed.",
+            ("endpoint", "model", "streaming", "backend_type"),
+        )
+        self.router_duration = h(
+            "mesh_router_request_duration_seconds",
+            "Inference request duration, placement to last byte, retries included.",
+            ("endpoint", "model", "streaming"),
+            b,
+        )
+        self.router_errors = c(
+            "mesh_router_request_errors_total",
+            "Inference requests that failed, by error code: the gateway's own refusals (invalid "
+            "body 400, key 401, admission 429/503, no worker 503, unknown model 404) as well "
+            "as worker errors and streams broken after their first byte.",
+            ("endpoint", "model", "error_type"),
+        )
+        self.upstream_responses = c(
+            "mesh_router_upstream_responses_total",
+            "HTTP answers received from workers, by status code.",
+            ("worker", "worker_type", "status_code"),
+        )
+        self.ttft = h(
+            "mesh_router_ttft_seconds",
+            "Time to first token of streamed responses: request routed to the first event with "
+            "non-empty content, measured at the gateway.",
+            ("endpoint", "model"),
+            b,
+        )
+        self.tpot = h(
+            "mesh_router_tpot_seconds",
+            "Time per output token (mean inter-token latency) of one streamed response, after the first token.",
+            ("endpoint", "model"),
+            b,
+        )
+        self.generation_duration = h(
+            "mesh_router_generation_duration_seconds",
+            "Streamed responses: first content token to last event.",
+            ("endpoint", "model"),
+            b,
+        )
+        self.tokens = c(
+            "mesh_router_tokens_total",
+            "Tokens in answered requests: output from the engine's usage when given, else one per "
+            "streamed content event; input from usage only.",
+            ("endpoint", "model", "token_type"),
+        )
         # --- workers
-        self.pool_size = g("mesh_worker_pool_size", "Workers per role and lifecycle state.",
-                           ("worker_type", "state"))
-        self.worker_active = g("mesh_worker_requests_active",
-                               "Requests placed on the worker whose last byte is not sent yet.",
-                               ("worker", "worker_type"))
-        self.worker_health = g("mesh_worker_health", "1 if the worker is ready (healthy), else 0.",
-                               ("worker", "worker_type"))
-        self.health_checks = c("mesh_worker_health_checks_total", "Health checks, by result (success, failure).",
-                               ("worker", "worker_type", "result"))
-        self.selections = c("mesh_worker_selection_total", "Times the policy placed a request on the worker.",
-                            ("worker", "worker_type", "policy"))
-        self.worker_errors = c("mesh_worker_errors_total",
-                               "Failed calls charged to the worker (transport errors and 5xx answers).",
-                               ("worker", "worker_type", "error_type"))
-        self.retries = c("mesh_worker_retries_total", "Attempts retried on another placement.",
-                         ("worker_type", "endpoint"))
-        self.retries_exhausted = c("mesh_worker_retries_exhausted_total",
-                                   "Requests that failed after using every allowed retry.",
-                                   ("worker_type", "endpoint"))
-        self.migrations = c("mesh_migrations_total",
-                            "Streams broken after their first byte, by what became of them (--migration-limit): "
-                            "migrated (continued on another worker), refused (the request cannot be continued), "
-                            "limit_reached, no_worker (nowhere to continue), failed (the continuation failed).",
-                            ("outcome",))
-        self.cb_state = g("mesh_worker_cb_state", "Circuit breaker state: 0 closed, 1 open, 2 half-open.",
-                          ("worker",))
-        self.cb_transitions = c("mesh_worker_cb_transitions_total", "Circuit breaker state changes.",
-                                ("worker", "from", "to"))
-        self.cb_outcomes = c("mesh_worker_cb_outcomes_total",
-                             "Request outcomes the circuit breaker recorded (success, failure).",
-                             ("worker", "outcome"))
+        self.pool_size = g("mesh_worker_pool_size", "Workers per role and lifecycle state.", ("worker_type", "state"))
+        self.worker_active = g(
+            "mesh_worker_requests_active",
+            "Requests placed on the worker whose last byte is not sent yet.",
+            ("worker", "worker_type"),
+        )
+        self.worker_health = g(
+            "mesh_worker_health", "1 if the worker is ready (healthy), else 0.", ("worker", "worker_type")
+        )
+        self.health_checks = c(
+            "mesh_worker_health_checks_total",
+            "Health checks, by result (success, failure).",
+            ("worker", "worker_type", "result"),
+        )
+        self.selections = c(
+            "mesh_worker_selection_total",
+            "Times the policy placed a request on the worker.",
+            ("worker", "worker_type", "policy"),
+        )
+        self.worker_errors = c(
+            "mesh_worker_errors_total",
+            "Failed calls charged to the worker (transport errors and 5xx answers).",
+            ("worker", "worker_type", "error_type"),
+        )
+        self.retries = c(
+            "mesh_worker_retries_total", "Attempts retried on another placement.", ("worker_type", "endpoint")
+        )
+        self.retries_exhausted = c(
+            "mesh_worker_retries_exhausted_total",
+            "Requests that failed after using every allowed retry.",
+            ("worker_type", "endpoint"),
+        )
+        self.migrations = c(
+            "mesh_migrations_total",
+            "Streams broken after their first byte, by what became of them (--migration-limit): "
+            "migrated (continued on another worker), refused (the request cannot be continued), "
+            "limit_reached, no_worker (nowhere to continue), failed (the continuation failed).",
+            ("outcome",),
+        )
+        self.cb_state = g("mesh_worker_cb_state", "Circuit breaker state: 0 closed, 1 open, 2 half-open.", ("worker",))
+        self.cb_transitions = c(
+            "mesh_worker_cb_transitions_total", "Circuit breaker state changes.", ("worker", "from", "to")
+        )
+        self.cb_outcomes = c(
+            "mesh_worker_cb_outcomes_total",
+            "Request outcomes the circuit breaker recorded (success, failure).",
+            ("worker", "outcome"),
+        )
         # --- prefill / decode disaggregation (recorded by the P/D backends through observe_pd)
-        self.pd_prefill = h("mesh_pd_prefill_duration_seconds",
-                            "P/D: prefill leg, request sent to prefill answered.", ("runtime", "model"), b)
-        self.pd_handoff = h("mesh_pd_handoff_seconds",
-                            "P/D, streamed requests of the atom and vllm backends only: prefill answered to the "
-                            "decode leg's response head (KV pulled, first step run); a whole answer would include "
-                            "the decode, and sglang sends both legs at once.", ("runtime", "model"), b)
-        self.pd_decode = h("mesh_pd_decode_duration_seconds",
-                           "P/D: decode leg, decode request sent to its last byte relayed.", ("runtime", "model"), b)
-        self.pd_kv_failures = c("mesh_pd_kv_transfer_failures_total",
-                                "P/D: KV transfers that failed, as the engines reported them (or prefill answers "
-                                "without kv_transfer_params).", ("runtime", "reason"))
+        self.pd_prefill = h(
+            "mesh_pd_prefill_duration_seconds",
+            "P/D: prefill leg, request sent to prefill answered.",
+            ("runtime", "model"),
+            b,
+        )
+        self.pd_handoff = h(
+            "mesh_pd_handoff_seconds",
+            "P/D, streamed requests of the atom and vllm backends only: prefill answered to the "
+            "decode leg's response head (KV pulled, first step run); a whole answer would include "
+            "the decode, and sglang sends both legs at once.",
+            ("runtime", "model"),
+            b,
+        )
+        self.pd_decode = h(
+            "mesh_pd_decode_duration_seconds",
+            "P/D: decode leg, decode request sent to its last byte relayed.",
+            ("runtime", "model"),
+            b,
+        )
+        self.pd_kv_failures = c(
+            "mesh_pd_kv_transfer_failures_total",
+            "P/D: KV transfers that failed, as the engines reported them (or prefill answers "
+            "without kv_transfer_params).",
+            ("runtime", "reason"),
+        )
         # --- cache-aware placement (recorded by the cache-aware policy)
-        self.cache_hits = c("mesh_cache_aware_hits_total",
-                            "Cache-aware placements that matched a prefix above the threshold.", ("worker_type",))
-        self.cache_misses = c("mesh_cache_aware_misses_total",
-                              "Cache-aware placements that fell back to load balancing.", ("worker_type",))
-        self.cache_index_entries = g("mesh_cache_aware_index_entries",
-                                     "Entries in the approximate prefix index of each pool (bounded by its budget).",
-                                     ("worker_type",))
+        self.cache_hits = c(
+            "mesh_cache_aware_hits_total",
+            "Cache-aware placements that matched a prefix above the threshold.",
+            ("worker_type",),
+        )
+        self.cache_misses = c(
+            "mesh_cache_aware_misses_total",
+            "Cache-aware placements that fell back to load balancing.",
+            ("worker_type",),
+        )
+        self.cache_index_entries = g(
+            "mesh_cache_aware_index_entries",
+            "Entries in the approximate prefix index of each pool (bounded by its budget).",
+            ("worker_type",),
+        )
         # --- engine metrics proxy (GET /engine_metrics)
-        self.engine_scrape_errors = c("mesh_engine_metrics_scrape_errors_total",
-                                      "Workers whose /metrics could not be read for /engine_metrics.", ("worker",))
+        self.engine_scrape_errors = c(
+            "mesh_engine_metrics_scrape_errors_total",
+            "Workers whose /metrics could not be read for /engine_metrics.",
+            ("worker",),
+        )
         self._collector = _Collector(self.families)
         self.registry.register(self._collector)
         # The values one request updates, looked up once per distinct label set (all bounded, see the
@@ -348,8 +439,9 @@ class Metrics:
         # ones are dropped with the worker's series (forget_worker).
         self._active = self.http_active.labels()
         self._received: dict[tuple[str, str], CounterValue] = {}
-        self._answered: dict[tuple[str, str, int, str | None],
-                             tuple[CounterValue, HistogramValue, CounterValue | None]] = {}
+        self._answered: dict[
+            tuple[str, str, int, str | None], tuple[CounterValue, HistogramValue, CounterValue | None]
+        ] = {}
         self._routed: dict[tuple[str, str, str, str], tuple[CounterValue, HistogramValue]] = {}
         self._picked: dict[tuple[str, str, str], CounterValue] = {}
         self._served: dict[tuple[str, str, int | None], tuple[CounterValue, CounterValue]] = {}
@@ -366,8 +458,7 @@ class Metrics:
     def _gauge(self, name: str, help_: str, labels: tuple[str, ...]) -> GaugeFamily:
         return self._declare(GaugeFamily(MetricSpec(name, "gauge", labels, help_)))
 
-    def _histogram(self, name: str, help_: str, labels: tuple[str, ...],
-                   buckets: tuple[float, ...]) -> HistogramFamily:
+    def _histogram(self, name: str, help_: str, labels: tuple[str, ...], buckets: tuple[float, ...]) -> HistogramFamily:
         return self._declare(HistogramFamily(MetricSpec(name, "histogram", labels, help_), buckets))
 
     def series_names(self) -> set[str]:
@@ -403,9 +494,18 @@ class Metrics:
         """Drop every series of a removed worker so label sets do not grow with churn."""
         self._picked.clear()
         self._served.clear()
-        for family in (self.worker_active, self.worker_health, self.health_checks, self.selections,
-                       self.worker_errors, self.upstream_responses, self.cb_state, self.cb_transitions,
-                       self.cb_outcomes, self.engine_scrape_errors):
+        for family in (
+            self.worker_active,
+            self.worker_health,
+            self.health_checks,
+            self.selections,
+            self.worker_errors,
+            self.upstream_responses,
+            self.cb_state,
+            self.cb_transitions,
+            self.cb_outcomes,
+            self.engine_scrape_errors,
+        ):
             for labels in [k for k in family.children if k and k[0] == url]:  # the worker label is first
                 family.remove(*labels)
 
@@ -424,8 +524,10 @@ class Metrics:
         values = self._answered.get(key)
         if values is None:
             values = self._answered[key] = (
-                self.http_responses.labels(path, str(status)), self.http_duration.labels(method, path),
-                None if admission is None else self.rate_limit.labels(admission))
+                self.http_responses.labels(path, str(status)),
+                self.http_duration.labels(method, path),
+                None if admission is None else self.rate_limit.labels(admission),
+            )
         responses, duration, admitted = values
         responses.value += 1
         duration.observe(seconds)
@@ -438,8 +540,10 @@ class Metrics:
         key = (endpoint, model, streaming, backend)
         values = self._routed.get(key)
         if values is None:
-            values = self._routed[key] = (self.router_requests.labels(*key),
-                                          self.router_duration.labels(endpoint, model, streaming))
+            values = self._routed[key] = (
+                self.router_requests.labels(*key),
+                self.router_duration.labels(endpoint, model, streaming),
+            )
         values[0].value += 1
         return values[1]
 
@@ -456,8 +560,10 @@ class Metrics:
         key = (worker, role, status)
         values = self._served.get(key)
         if values is None:
-            values = self._served[key] = (self.upstream_responses.labels(worker, role, str(status)),
-                                          self.cb_outcomes.labels(worker, "success"))
+            values = self._served[key] = (
+                self.upstream_responses.labels(worker, role, str(status)),
+                self.cb_outcomes.labels(worker, "success"),
+            )
         values[0].value += 1
         values[1].value += 1
 
@@ -470,8 +576,15 @@ class Metrics:
         """Count one failed inference request (`code`: a gateway error code, from a fixed set)."""
         self.router_errors.labels(ENDPOINTS.get(route, route), self.model_label(model), code).inc()
 
-    def observe_pd(self, runtime: str, model: str | None, *, prefill_secs: float | None = None,
-                   handoff_secs: float | None = None, decode_secs: float | None = None) -> None:
+    def observe_pd(
+        self,
+        runtime: str,
+        model: str | None,
+        *,
+        prefill_secs: float | None = None,
+        handoff_secs: float | None = None,
+        decode_secs: float | None = None,
+    ) -> None:
         """Record the stages of one P/D request (any subset; call once per stage or once at the end)."""
         label = self.model_label(model)
         if prefill_secs is not None:
@@ -526,8 +639,21 @@ class RequestMeter:
     Per event that is one clock read and one count: this runs for every event of every stream.
     """
 
-    __slots__ = ("_done", "_end", "_m", "_tail", "endpoint", "events", "first_at", "last_at", "model", "started",
-                 "streaming", "usage_in", "usage_out")
+    __slots__ = (
+        "_done",
+        "_end",
+        "_m",
+        "_tail",
+        "endpoint",
+        "events",
+        "first_at",
+        "last_at",
+        "model",
+        "started",
+        "streaming",
+        "usage_in",
+        "usage_out",
+    )
 
     def __init__(self, metrics: Metrics, endpoint: str, model: str, streaming: bool) -> None:
         self._m = metrics
@@ -551,7 +677,7 @@ class RequestMeter:
         if self._tail:
             chunk = self._tail + chunk
         # A chunk that ends a line (an event per chunk, the usual case) leaves no marker half-sent.
-        self._tail = b"" if chunk[-1] == _LF else chunk[1 - len(_EVENT):]
+        self._tail = b"" if chunk[-1] == _LF else chunk[1 - len(_EVENT) :]
         if self.first_at is None:
             self._first(chunk)
             return

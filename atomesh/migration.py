@@ -22,8 +22,16 @@ from atomesh.request import RequestView, Route
 
 # Fields of guided / structured decoding (OpenAI, vLLM, SGLang): the grammar's state would restart at the
 # continuation's first token, so the whole answer would no longer follow it.
-_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "regex", "ebnf",
-           "json_schema")
+_GUIDED = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "regex",
+    "ebnf",
+    "json_schema",
+)
 
 
 def refusal(view: RequestView) -> str | None:
@@ -77,8 +85,21 @@ class StreamTracker:
     events so that they read as the first worker's.
     """
 
-    __slots__ = ("_buf", "_ident", "attempt_tokens", "done", "errored", "finished", "migrations", "parts",
-                 "probing", "tokens", "tokens_before", "usage_sent", "view")
+    __slots__ = (
+        "_buf",
+        "_ident",
+        "attempt_tokens",
+        "done",
+        "errored",
+        "finished",
+        "migrations",
+        "parts",
+        "probing",
+        "tokens",
+        "tokens_before",
+        "usage_sent",
+        "view",
+    )
 
     def __init__(self, view: RequestView) -> None:
         self.view = view  # the client's request, as it came
@@ -132,8 +153,8 @@ class StreamTracker:
                 sep = 2
             else:
                 break
-            event = bytes(buf[:end + sep])
-            del buf[:end + sep]
+            event = bytes(buf[: end + sep])
+            del buf[: end + sep]
             sent = self._event(event)
             if sent:
                 out.append(sent)
@@ -188,8 +209,12 @@ class StreamTracker:
             return b""
         prompt = max(0, prompt - self.tokens_before)
         self.usage_sent = True
-        counted = {**usage, "prompt_tokens": prompt, "completion_tokens": self.tokens,
-                   "total_tokens": prompt + self.tokens}
+        counted = {
+            **usage,
+            "prompt_tokens": prompt,
+            "completion_tokens": self.tokens,
+            "total_tokens": prompt + self.tokens,
+        }
         return b"data: " + orjson.dumps({**obj, **self._ident, "usage": counted}) + b"\n\n"
 
     def _track(self, obj: dict[str, Any]) -> bool:
@@ -261,8 +286,13 @@ class StreamTracker:
             limit = body.get(key)
             if isinstance(limit, int) and not isinstance(limit, bool):
                 body[key] = max(0 if key == "min_tokens" else 1, limit - self.tokens)
-        return RequestView(route=view.route, body=body, raw=orjson.dumps(body), request_id=view.request_id,
-                           routing_key=view.routing_key)
+        return RequestView(
+            route=view.route,
+            body=body,
+            raw=orjson.dumps(body),
+            request_id=view.request_id,
+            routing_key=view.routing_key,
+        )
 
     def usage_probe(self) -> RequestView:
         """The request that recovers the usage of an answer completed just before its worker died: the
@@ -274,8 +304,13 @@ class StreamTracker:
             body.pop(key, None)
         body.pop("min_tokens", None)
         body["max_tokens"] = 1
-        return RequestView(route=view.route, body=body, raw=orjson.dumps(body), request_id=view.request_id,
-                           routing_key=view.routing_key)
+        return RequestView(
+            route=view.route,
+            body=body,
+            raw=orjson.dumps(body),
+            request_id=view.request_id,
+            routing_key=view.routing_key,
+        )
 
     def closing_events(self) -> bytes:
         """The end of a stream whose token limit was reached just as its worker died."""

@@ -106,19 +106,47 @@ class SpanEncoder:
             value = str(request_id).encode()
             n = len(value)
             if n < 100:  # KeyValue {key, value {string_value}}, every length in one byte
-                tail += b"".join((b"\x4a", _SMALL[n + len(_REQUEST_ID_KEY) + 3], _REQUEST_ID_KEY, _SMALL[n + 2],
-                                  b"\x0a", _SMALL[n], value))
+                tail += b"".join(
+                    (
+                        b"\x4a",
+                        _SMALL[n + len(_REQUEST_ID_KEY) + 3],
+                        _REQUEST_ID_KEY,
+                        _SMALL[n + 2],
+                        b"\x0a",
+                        _SMALL[n],
+                        value,
+                    )
+                )
             else:
                 tail += field(0x4A, key_value(REQUEST_ID, request_id))
         if status.__class__ is int and status >= 500:
             tail += _STATUS_ERROR
         pack = _TIMES.pack
-        out = [self._framed((ids, root.span_id.to_bytes(8, "big"), b"\x22\x08" + root.parent_id if root.parent_id
-                             else b"", pack(0x39, root.start_ns, 0x41, root.end_ns), tail))]
+        out = [
+            self._framed(
+                (
+                    ids,
+                    root.span_id.to_bytes(8, "big"),
+                    b"\x22\x08" + root.parent_id if root.parent_id else b"",
+                    pack(0x39, root.start_ns, 0x41, root.end_ns),
+                    tail,
+                )
+            )
+        ]
         for s in root.children:
             parent = (s.parent or root).span_id
-            out.append(self._framed((ids, s.span_id.to_bytes(8, "big"), b"\x22\x08", parent.to_bytes(8, "big"),
-                                     pack(0x39, s.start_ns, 0x41, s.end_ns), self._tail(s.name, s.kind, s.attributes))))
+            out.append(
+                self._framed(
+                    (
+                        ids,
+                        s.span_id.to_bytes(8, "big"),
+                        b"\x22\x08",
+                        parent.to_bytes(8, "big"),
+                        pack(0x39, s.start_ns, 0x41, s.end_ns),
+                        self._tail(s.name, s.kind, s.attributes),
+                    )
+                )
+            )
         return b"".join(out)
 
     def _tail(self, name: str, kind: int, attributes: dict[str, Any]) -> bytes:
@@ -204,8 +232,9 @@ def _pairs(raw: str, what: str) -> tuple[tuple[str, str], ...]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise RuntimeError(f"{what}: {item!r} is not key=value")
-        out.append((key.strip().lower() if what.endswith("HEADERS") else key.strip(),
-                    urllib.parse.unquote(value.strip())))
+        out.append(
+            (key.strip().lower() if what.endswith("HEADERS") else key.strip(), urllib.parse.unquote(value.strip()))
+        )
     return tuple(out)
 
 
@@ -215,9 +244,11 @@ def exporter_settings(endpoint: str, service: str = "atomesh-gateway") -> Export
         if name.startswith("OTEL_EXPORTER_OTLP_"):
             setting = name.removeprefix("OTEL_EXPORTER_OTLP_").removeprefix("TRACES_")
             if setting not in ("HEADERS", "COMPRESSION", "TIMEOUT", "PROTOCOL"):
-                raise RuntimeError(f"{name} is not honoured by the gateway's OTLP exporter (it honours _HEADERS, "
-                                   "_COMPRESSION, _TIMEOUT and _PROTOCOL grpc; the endpoint is "
-                                   "--otlp-traces-endpoint)")
+                raise RuntimeError(
+                    f"{name} is not honoured by the gateway's OTLP exporter (it honours _HEADERS, "
+                    "_COMPRESSION, _TIMEOUT and _PROTOCOL grpc; the endpoint is "
+                    "--otlp-traces-endpoint)"
+                )
     protocol = _exporter_env("PROTOCOL")
     if protocol not in (None, "grpc"):
         raise RuntimeError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol}: the gateway exports over OTLP/gRPC only")
@@ -238,11 +269,16 @@ def exporter_settings(endpoint: str, service: str = "atomesh-gateway") -> Export
     resource.setdefault("telemetry.sdk.version", atomesh.__version__)
     max_queue = _env_int("OTEL_BSP_MAX_QUEUE_SIZE", 2048)
     return ExporterSettings(
-        target=target, secure=secure, gzip=compression == "gzip", timeout_s=timeout_s,
+        target=target,
+        secure=secure,
+        gzip=compression == "gzip",
+        timeout_s=timeout_s,
         headers=_pairs(_exporter_env("HEADERS") or "", "OTEL_EXPORTER_OTLP_HEADERS"),
         schedule_delay_s=_env_int("OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000,
-        max_queue=max_queue, max_batch=min(max_queue, _env_int("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512)),
-        resource=tuple(resource.items()))
+        max_queue=max_queue,
+        max_batch=min(max_queue, _env_int("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512)),
+        resource=tuple(resource.items()),
+    )
 
 
 class SpanExporter:
@@ -267,10 +303,16 @@ class SpanExporter:
         self.handed = 0  # spans handed to the sender
         self._wake = threading.Event()
         self._stopping = False
-        config = {"target": settings.target, "secure": settings.secure, "headers": settings.headers,
-                  "gzip": settings.gzip, "timeout_s": settings.timeout_s}
-        self._sender = subprocess.Popen([sys.executable, "-m", "atomesh.otlp_sender", json.dumps(config)],
-                                        stdin=subprocess.PIPE)
+        config = {
+            "target": settings.target,
+            "secure": settings.secure,
+            "headers": settings.headers,
+            "gzip": settings.gzip,
+            "timeout_s": settings.timeout_s,
+        }
+        self._sender = subprocess.Popen(
+            [sys.executable, "-m", "atomesh.otlp_sender", json.dumps(config)], stdin=subprocess.PIPE
+        )
         self._thread = threading.Thread(target=self._run, name="atomesh-otlp-export", daemon=True)
         self._thread.start()
 

@@ -38,9 +38,15 @@ def serve(settings: dict[str, Any], stream: BinaryIO) -> None:
     call = channel.unary_unary(_EXPORT_METHOD, request_serializer=None, response_deserializer=None)
     metadata = [tuple(h) for h in settings["headers"]] or None
     compression = grpc.Compression.Gzip if settings["gzip"] else None
-    retryable = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED,
-                 grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.CANCELLED,
-                 grpc.StatusCode.DATA_LOSS}
+    retryable = {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.DATA_LOSS,
+    }
     failed = 0
     while (head := _read(stream, 4)) is not None:
         data = _read(stream, int.from_bytes(head, "big"))
@@ -50,8 +56,7 @@ def serve(settings: dict[str, Any], stream: BinaryIO) -> None:
         backoff = 0.5
         while True:
             try:
-                call(data, timeout=max(0.01, deadline - time.monotonic()), metadata=metadata,
-                     compression=compression)
+                call(data, timeout=max(0.01, deadline - time.monotonic()), metadata=metadata, compression=compression)
                 break
             except grpc.RpcError as e:
                 code = e.code() if hasattr(e, "code") else None
@@ -60,8 +65,13 @@ def serve(settings: dict[str, Any], stream: BinaryIO) -> None:
                     backoff *= 2
                     continue
                 failed += 1
-                log.warning("otlp_export_failed", endpoint=settings["target"], code=str(code), batches_failed=failed,
-                            detail=e.details() if hasattr(e, "details") else str(e))
+                log.warning(
+                    "otlp_export_failed",
+                    endpoint=settings["target"],
+                    code=str(code),
+                    batches_failed=failed,
+                    detail=e.details() if hasattr(e, "details") else str(e),
+                )
                 break
     channel.close()
 

@@ -102,8 +102,15 @@ class StickyKeys:
 class Placement:
     """Chooses workers for requests; owns the per-pool policies and the in-flight load counts."""
 
-    def __init__(self, registry: WorkerRegistry, policies: dict[WorkerRole, Policy], *, pd: bool,
-                 dp_ranks: bool = False, sticky: StickyKeys | None = None) -> None:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        policies: dict[WorkerRole, Policy],
+        *,
+        pd: bool,
+        dp_ranks: bool = False,
+        sticky: StickyKeys | None = None,
+    ) -> None:
         self.registry = registry
         self.sticky = sticky  # --routing-key-override
         self.policies = policies
@@ -132,8 +139,14 @@ class Placement:
                 self.sticky.pin(prefill_role, view.routing_key, prefill.worker)
                 self.sticky.pin(decode_role, view.routing_key, decode.worker)
             if self._log_decisions:
-                log.debug("placed", request_id=view.request_id, prefill=prefill.worker.url,
-                          prefill_reason=prefill.reason, decode=decode.worker.url, decode_reason=decode.reason)
+                log.debug(
+                    "placed",
+                    request_id=view.request_id,
+                    prefill=prefill.worker.url,
+                    prefill_reason=prefill.reason,
+                    decode=decode.worker.url,
+                    decode_reason=decode.reason,
+                )
             prefill.worker.in_flight += 1
             decode.worker.in_flight += 1
             return Pair(prefill.worker, decode.worker)
@@ -200,8 +213,9 @@ class Placement:
             ready = self.registry.ready(role)
             if ready and view.model is not None and not any(w.serves(view.model) for w in ready):
                 served = sorted({m for w in ready for m in w.models})
-                raise NotFound(f"the model {view.model!r} does not exist; served: {', '.join(served)}",
-                               code="model_not_found")
+                raise NotFound(
+                    f"the model {view.model!r} does not exist; served: {', '.join(served)}", code="model_not_found"
+                )
             raise NoWorkerAvailable(_no_worker_message(role, view, ready))
         if self.sticky is not None and view.routing_key is not None:
             pinned = self.sticky.find(role, view.routing_key, pool)

@@ -26,13 +26,25 @@ class Route(StrEnum):
 
 
 # Routes relayed in regular mode only, and why P/D mode answers them 501.
-_NOT_SPLIT = ("a request that generates nothing has no decode phase to split off: run such models as regular "
-              "workers behind a gateway of their own")
+_NOT_SPLIT = (
+    "a request that generates nothing has no decode phase to split off: run such models as regular "
+    "workers behind a gateway of their own"
+)
 REGULAR_ONLY: dict[Route, str] = {
     Route.MESSAGES: "an Anthropic Messages request is not split into prefill and decode legs (send it to "
-                    "/v1/chat/completions)",
-    **{r: _NOT_SPLIT for r in (Route.EMBEDDINGS, Route.RERANK, Route.RERANK_SGLANG, Route.SCORE, Route.CLASSIFY,
-                               Route.TOKENIZE, Route.DETOKENIZE)},
+    "/v1/chat/completions)",
+    **{
+        r: _NOT_SPLIT
+        for r in (
+            Route.EMBEDDINGS,
+            Route.RERANK,
+            Route.RERANK_SGLANG,
+            Route.SCORE,
+            Route.CLASSIFY,
+            Route.TOKENIZE,
+            Route.DETOKENIZE,
+        )
+    },
 }
 
 
@@ -40,7 +52,7 @@ REGULAR_ONLY: dict[Route, str] = {
 # on them (vLLM's and SGLang's Responses routes take no P/D fields).
 ATOM_PD_ONLY: dict[Route, str] = {
     Route.RESPONSES: "with --backend atom only (its engine takes kv_transfer_params on /v1/responses; vLLM's and "
-                     "SGLang's do not): send /v1/chat/completions, or use --backend atom",
+    "SGLang's do not): send /v1/chat/completions, or use --backend atom",
 }
 
 

@@ -50,14 +50,24 @@ class _Attempt:
 class Router:
     """Drives a RequestView through placement and a backend, with bounded retries."""
 
-    def __init__(self, config: GatewayConfig, placement: Placement, backend: Backend, metrics: Metrics,
-                 tracing: Tracing | None = None) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        placement: Placement,
+        backend: Backend,
+        metrics: Metrics,
+        tracing: Tracing | None = None,
+    ) -> None:
         self.placement = placement
         self.tracing = tracing if tracing is not None and tracing.on else None  # --enable-trace: a span per attempt
         self.backend = backend
         self.max_retries = 0 if config.disable_retries else config.retry_max_retries
-        self._backoff = (config.retry_initial_backoff_ms, config.retry_max_backoff_ms,
-                         config.retry_backoff_multiplier, config.retry_jitter_factor)
+        self._backoff = (
+            config.retry_initial_backoff_ms,
+            config.retry_max_backoff_ms,
+            config.retry_backoff_multiplier,
+            config.retry_jitter_factor,
+        )
         self._policy_names = {role: config.policy_for(role.value) for role in placement.policies}
         self.counts = AttemptMetrics(metrics, self._policy_names, "pd" if placement.pd else "regular")
         self.migration_limit = config.migration_limit
@@ -87,8 +97,11 @@ class Router:
                 if tracker is None or worker is not run.workers[-1]:
                     continue
                 starting = tracker.migrations > 0 and tracker.attempt_tokens == 0  # a continuation, no token yet
-                if not tracker.probing and not starting and (
-                        tracker.ended or tracker.migrations >= self.migration_limit):
+                if (
+                    not tracker.probing
+                    and not starting
+                    and (tracker.ended or tracker.migrations >= self.migration_limit)
+                ):
                     continue
             elif ex.status is not None:
                 continue  # a whole answer is already on its way
@@ -164,12 +177,18 @@ class Router:
                     if self.tracing is None:
                         await self.backend.forward(exchange, current, plan)
                     else:
-                        kind = "first" if not tried and current is view else "migration" if exchange.committed \
-                            else "retry"
-                        with self.tracing.span("attempt", {
-                                "atomesh.attempt": attempt, "atomesh.attempt.kind": kind,
+                        kind = (
+                            "first" if not tried and current is view else "migration" if exchange.committed else "retry"
+                        )
+                        with self.tracing.span(
+                            "attempt",
+                            {
+                                "atomesh.attempt": attempt,
+                                "atomesh.attempt.kind": kind,
                                 "atomesh.placement.policy": tuple(str(self._policy_names[w.role]) for w in workers),
-                                "atomesh.placement.workers": tuple(exchange.workers)}):
+                                "atomesh.placement.workers": tuple(exchange.workers),
+                            },
+                        ):
                             await self.backend.forward(exchange, current, plan)
                 except asyncio.CancelledError:
                     if run.lost is None or task.uncancel() > 0:
@@ -184,8 +203,7 @@ class Router:
                 at_fault = [e.worker] if isinstance(e.worker, Worker) else list(workers)
                 if exchange.committed:
                     # The client already has part of the answer: continue it elsewhere, or end it in-band.
-                    moved = await self._after_break(exchange, view, e, tracker, refused, attempt,
-                                                    workers[-1])
+                    moved = await self._after_break(exchange, view, e, tracker, refused, attempt, workers[-1])
                     if moved is None:
                         return
                     if moved == "migrate":
@@ -221,9 +239,16 @@ class Router:
                 delays = backoff_delays(*self._backoff)
             await asyncio.sleep(next(delays))
 
-    async def _after_break(self, exchange: Exchange, view: RequestView, e: UpstreamError,
-                           tracker: StreamTracker | None, refused: str | None, attempt: int,
-                           worker: Worker) -> str | None:
+    async def _after_break(
+        self,
+        exchange: Exchange,
+        view: RequestView,
+        e: UpstreamError,
+        tracker: StreamTracker | None,
+        refused: str | None,
+        attempt: int,
+        worker: Worker,
+    ) -> str | None:
         """A started stream broke on `worker`: "migrate", "retry" (a continuation that failed before sending
         anything) or "usage" (the answer is whole, its usage was lost) to go on elsewhere, or None once the
         client's stream has been ended."""
@@ -265,27 +290,54 @@ class Router:
             return None
         if tracker.migrations >= self.migration_limit:
             self._migration("limit_reached", exchange, worker, None, tracker, e.message)
-            await fail(MigrationRefused(
-                f"{e.message}; the stream was not migrated: --migration-limit {self.migration_limit} reached",
-                code="migration_limit_reached"))
+            await fail(
+                MigrationRefused(
+                    f"{e.message}; the stream was not migrated: --migration-limit {self.migration_limit} reached",
+                    code="migration_limit_reached",
+                )
+            )
             return None
         tracker.migrations += 1
-        log.debug("stream_migrating", request_id=exchange.request_id, migration=tracker.migrations,
-                  tokens=tracker.tokens, error=e.message)
+        log.debug(
+            "stream_migrating",
+            request_id=exchange.request_id,
+            migration=tracker.migrations,
+            tokens=tracker.tokens,
+            error=e.message,
+        )
         return "migrate"
 
-    def _migration(self, outcome: str, exchange: Exchange, source: Worker, target: Worker | None,
-                   tracker: StreamTracker | None, why: str = "") -> None:
+    def _migration(
+        self,
+        outcome: str,
+        exchange: Exchange,
+        source: Worker,
+        target: Worker | None,
+        tracker: StreamTracker | None,
+        why: str = "",
+    ) -> None:
         """Count what became of a broken stream and say so in the log: one line per break."""
         self.counts.migration(outcome)
         tokens = tracker.tokens if tracker is not None else None
         if outcome == "migrated":
             assert target is not None and tracker is not None
-            log.info("stream_migrated", request_id=exchange.request_id, from_worker=source.url,
-                     to_worker=target.url, tokens_so_far=tokens, migration=tracker.migrations)
+            log.info(
+                "stream_migrated",
+                request_id=exchange.request_id,
+                from_worker=source.url,
+                to_worker=target.url,
+                tokens_so_far=tokens,
+                migration=tracker.migrations,
+            )
         else:
-            log.warning("stream_not_migrated", request_id=exchange.request_id, outcome=outcome,
-                        from_worker=source.url, tokens_so_far=tokens, reason=why)
+            log.warning(
+                "stream_not_migrated",
+                request_id=exchange.request_id,
+                outcome=outcome,
+                from_worker=source.url,
+                tokens_so_far=tokens,
+                reason=why,
+            )
 
     def _record_failure(self, e: UpstreamError, workers: tuple[Worker, ...]) -> None:
         """Charge the failure to the worker at fault (a 4xx answer is the client's fault, not the worker's)."""
@@ -351,8 +403,7 @@ class AttemptMetrics:
         self._metrics.retries.labels(workers[-1].role.value, ENDPOINTS.get(view.route, view.route)).inc()
 
     def retries_exhausted(self, workers: tuple[Worker, ...], view: RequestView) -> None:
-        self._metrics.retries_exhausted.labels(workers[-1].role.value,
-                                               ENDPOINTS.get(view.route, view.route)).inc()
+        self._metrics.retries_exhausted.labels(workers[-1].role.value, ENDPOINTS.get(view.route, view.route)).inc()
 
     def failed_in_band(self, view: RequestView, code: str) -> None:
         """A started stream ended with an error event (serve_inference counts only the errors raised)."""

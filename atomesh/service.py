@@ -25,8 +25,7 @@ RemoteMetrics = Callable[[], Awaitable[Sequence[Export]]]
 def build_app(gateway: Gateway, accounting: HttpAccounting) -> web.Application:
     """The OpenAI-compatible service app (the metrics app is separate): every route, for the
     connections the front door hands over."""
-    app = web.Application(client_max_size=gateway.config.max_payload_size,
-                          middlewares=[make_middleware(accounting)])
+    app = web.Application(client_max_size=gateway.config.max_payload_size, middlewares=[make_middleware(accounting)])
     app[GATEWAY] = gateway
     openai.setup(app)
     health.setup(app)
@@ -45,6 +44,7 @@ def build_probe_app(gateway: Gateway, accounting: HttpAccounting) -> web.Applica
 
 def build_metrics_app(gateway: Gateway, remote: RemoteMetrics | None) -> web.Application:
     """The metrics port's app: this process's values, plus `remote()`'s when there are other processes."""
+
     async def metrics(_: web.Request) -> web.Response:
         gateway.sync_metrics()
         return gateway.metrics.render(await remote() if remote is not None else ())

@@ -31,8 +31,9 @@ class PeriodicTask:
 
     __slots__ = ("_task", "failures", "first_delay", "interval", "max_backoff", "name", "round")
 
-    def __init__(self, name: str, interval: float, round_: Round, *, first_delay: float | None = None,
-                 max_backoff: float = 30.0) -> None:
+    def __init__(
+        self, name: str, interval: float, round_: Round, *, first_delay: float | None = None, max_backoff: float = 30.0
+    ) -> None:
         if interval <= 0:
             raise ValueError(f"{name}: the interval must be positive, not {interval!r}")
         self.name = name
@@ -84,8 +85,9 @@ class PeriodicTask:
             except Exception:
                 self.failures += 1
                 delay = self.delay_after_failure()
-                log.exception("periodic_round_failed", task=self.name, failures=self.failures,
-                              retry_in_secs=round(delay, 3))
+                log.exception(
+                    "periodic_round_failed", task=self.name, failures=self.failures, retry_in_secs=round(delay, 3)
+                )
                 next_at = loop.time() + delay
                 continue
             self.failures = 0

@@ -104,8 +104,12 @@ def _yaml_mapping(path: Path, flag: str) -> dict[str, Any]:
 
 
 def _number(value: Any, what: str, *, positive: bool = True) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or (
-            value <= 0 if positive else value < 0):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or (value <= 0 if positive else value < 0)
+    ):
         raise ValueError(f"{what} must be a {'positive' if positive else 'non-negative'} number, not {value!r}")
     return float(value)
 
@@ -125,20 +129,30 @@ def load_scheduler(path: Path | None, default_max_class: PriorityClass) -> Sched
         if not isinstance(spec, dict):
             raise ValueError(f"{flag}: classes.{name} must be a mapping")
         if "can_preempt" in spec:
-            raise ValueError(f"{flag}: classes.{name}: can_preempt refused: preemption is not built (a request "
-                             "admitted runs to its end)")
-        unknown = set(spec) - {"queue_size", "queue_timeout_secs", "starvation_threshold_secs", "reserved_floor",
-                               "reserved_per_slot"}
+            raise ValueError(
+                f"{flag}: classes.{name}: can_preempt refused: preemption is not built (a request "
+                "admitted runs to its end)"
+            )
+        unknown = set(spec) - {
+            "queue_size",
+            "queue_timeout_secs",
+            "starvation_threshold_secs",
+            "reserved_floor",
+            "reserved_per_slot",
+        }
         if unknown:
             raise ValueError(f"{flag}: classes.{name}: unknown keys {sorted(unknown)}")
         base = classes[cls]
         classes[cls] = ClassSettings(
             int(_number(spec.get("queue_size", base.queue_size), f"classes.{name}.queue_size", positive=False)),
             _number(spec.get("queue_timeout_secs", base.queue_timeout_secs), f"classes.{name}.queue_timeout_secs"),
-            _number(spec.get("starvation_threshold_secs", base.starvation_threshold_secs),
-                    f"classes.{name}.starvation_threshold_secs"),
+            _number(
+                spec.get("starvation_threshold_secs", base.starvation_threshold_secs),
+                f"classes.{name}.starvation_threshold_secs",
+            ),
             int(_number(spec.get("reserved_floor", 0), f"classes.{name}.reserved_floor", positive=False)),
-            _number(spec.get("reserved_per_slot", 0.0), f"classes.{name}.reserved_per_slot", positive=False))
+            _number(spec.get("reserved_per_slot", 0.0), f"classes.{name}.reserved_per_slot", positive=False),
+        )
     tenants: dict[str, PriorityClass] = {}
     for key, spec in (raw.get("tenant_policies") or {}).items():
         if not isinstance(spec, dict) or set(spec) != {"max_class"}:
@@ -172,12 +186,16 @@ def _rate_policy(spec: Any, what: str, keyed: bool) -> tuple[str | None, RatePol
     if keyed != (key is not None):
         raise ValueError(f"{flag}: {what} {'needs' if keyed else 'must not set'} tenant_key")
     if key is not None and str(key).startswith("ip:"):
-        raise ValueError(f"{flag}: tenant_key {key!r}: tenants by client address are not built (auth:<id>, "
-                         "header:<value> or anonymous)")
+        raise ValueError(
+            f"{flag}: tenant_key {key!r}: tenants by client address are not built (auth:<id>, "
+            "header:<value> or anonymous)"
+        )
     if key is not None and not (key == ANONYMOUS or str(key).startswith(("auth:", "header:"))):
         raise ValueError(f"{flag}: tenant_key {key!r} is not a tenant key (auth:<id>, header:<value> or anonymous)")
-    return key, RatePolicy(_number(spec.get("tokens_per_minute"), f"{what}.tokens_per_minute"),
-                           _number(spec.get("requests_per_minute"), f"{what}.requests_per_minute"))
+    return key, RatePolicy(
+        _number(spec.get("tokens_per_minute"), f"{what}.tokens_per_minute"),
+        _number(spec.get("requests_per_minute"), f"{what}.requests_per_minute"),
+    )
 
 
 def load_rate_limits(path: Path) -> RateLimitSettings:
@@ -258,8 +276,10 @@ class TenantRateLimits:
         pair = self._buckets.get(tenant)
         if pair is None:
             policy = self.settings.tenants.get(tenant, self.settings.default)
-            pair = self._buckets[tenant] = (_Bucket(policy.requests_per_minute * self.share),
-                                            _Bucket(policy.tokens_per_minute * self.share))
+            pair = self._buckets[tenant] = (
+                _Bucket(policy.requests_per_minute * self.share),
+                _Bucket(policy.tokens_per_minute * self.share),
+            )
         requests, budget = pair
         now = time.monotonic()
         requests.refill(now)
@@ -270,13 +290,21 @@ class TenantRateLimits:
             budget.tokens -= tokens
             return
         wait = max((1 - requests.tokens) / requests.rate, (tokens - budget.tokens) / budget.rate, 0.0)
-        raise TooManyRequests(f"tenant {tenant!r} is over its rate limit (--tenant-rate-limit-config); retry in "
-                              f"{wait:.1f}s", code="tenant_rate_limited")
+        raise TooManyRequests(
+            f"tenant {tenant!r} is over its rate limit (--tenant-rate-limit-config); retry in {wait:.1f}s",
+            code="tenant_rate_limited",
+        )
 
 
 def estimated_tokens(body: Mapping[str, Any], text_length: int) -> float:
     """A request's tokens as the rate limit counts them at admission: prompt characters / 4 plus the
     output limit it asked for (max_tokens, max_completion_tokens, max_output_tokens; 256 when none)."""
-    limit = next((body[k] for k in ("max_completion_tokens", "max_tokens", "max_output_tokens")
-                  if isinstance(body.get(k), int) and not isinstance(body.get(k), bool)), 256)
+    limit = next(
+        (
+            body[k]
+            for k in ("max_completion_tokens", "max_tokens", "max_output_tokens")
+            if isinstance(body.get(k), int) and not isinstance(body.get(k), bool)
+        ),
+        256,
+    )
     return text_length / 4 + limit

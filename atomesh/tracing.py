@@ -66,11 +66,26 @@ class RequestSpan:
     """The server span of one request: current (one context variable) for the request's duration; its
     children nest through `open` (the innermost open span), as the request path runs one step at a time."""
 
-    __slots__ = ("_token", "_tracing", "attributes", "children", "end_ns", "kind", "name", "open", "parent_id", "rng",
-                 "sampled", "span_id", "start_ns", "trace_id")
+    __slots__ = (
+        "_token",
+        "_tracing",
+        "attributes",
+        "children",
+        "end_ns",
+        "kind",
+        "name",
+        "open",
+        "parent_id",
+        "rng",
+        "sampled",
+        "span_id",
+        "start_ns",
+        "trace_id",
+    )
 
-    def __init__(self, tracing: Tracing, trace_id: bytes, parent_id: bytes, sampled: bool, name: str,
-                 attributes: dict[str, Any]) -> None:
+    def __init__(
+        self, tracing: Tracing, trace_id: bytes, parent_id: bytes, sampled: bool, name: str, attributes: dict[str, Any]
+    ) -> None:
         self._tracing = tracing
         self.rng = tracing.span_id
         self.trace_id = trace_id
@@ -107,8 +122,15 @@ def parse_traceparent(value: str | None) -> tuple[bytes, bytes, bool] | None:
     if not value:
         return None
     parts = value.strip().lower().split("-")
-    if len(parts) < 4 or len(parts[0]) != 2 or parts[0] == "ff" or len(parts[1]) != 32 or len(parts[2]) != 16 \
-            or len(parts[3]) != 2 or not _HEX.issuperset(parts[0] + parts[1] + parts[2] + parts[3]):
+    if (
+        len(parts) < 4
+        or len(parts[0]) != 2
+        or parts[0] == "ff"
+        or len(parts[1]) != 32
+        or len(parts[2]) != 16
+        or len(parts[3]) != 2
+        or not _HEX.issuperset(parts[0] + parts[1] + parts[2] + parts[3])
+    ):
         return None
     trace_id, span_id = bytes.fromhex(parts[1]), bytes.fromhex(parts[2])
     if not any(trace_id) or not any(span_id):
@@ -124,13 +146,16 @@ def ratio_from_env() -> float:
     if sampler in ("always_off", "parentbased_always_off"):
         return 0.0
     if sampler not in ("traceidratio", "parentbased_traceidratio"):
-        raise RuntimeError(f"OTEL_TRACES_SAMPLER={sampler}: the gateway samples always_on, always_off, traceidratio "
-                           "or their parentbased_ forms (a client's sampled flag is always followed)")
+        raise RuntimeError(
+            f"OTEL_TRACES_SAMPLER={sampler}: the gateway samples always_on, always_off, traceidratio "
+            "or their parentbased_ forms (a client's sampled flag is always followed)"
+        )
     try:
         return min(1.0, max(0.0, float(os.environ.get("OTEL_TRACES_SAMPLER_ARG", "1"))))
     except ValueError:
-        raise RuntimeError(f"OTEL_TRACES_SAMPLER_ARG={os.environ['OTEL_TRACES_SAMPLER_ARG']!r} is not a number "
-                           "in [0, 1]") from None
+        raise RuntimeError(
+            f"OTEL_TRACES_SAMPLER_ARG={os.environ['OTEL_TRACES_SAMPLER_ARG']!r} is not a number in [0, 1]"
+        ) from None
 
 
 class Tracing:

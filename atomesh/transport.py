@@ -65,9 +65,15 @@ class Credentialed(Protocol):
 class Upstream:
     """The pooled keep-alive client shared by every route, backend and background task."""
 
-    def __init__(self, request_timeout_secs: float, connect_timeout_secs: float = 10.0, hop: str = "",
-                 ssl_context: ssl.SSLContext | None = None, pool_idle_timeout_secs: float = 60.0,
-                 tracing: Tracing | None = None) -> None:
+    def __init__(
+        self,
+        request_timeout_secs: float,
+        connect_timeout_secs: float = 10.0,
+        hop: str = "",
+        ssl_context: ssl.SSLContext | None = None,
+        pool_idle_timeout_secs: float = 60.0,
+        tracing: Tracing | None = None,
+    ) -> None:
         self.tracing = tracing if tracing is not None and tracing.on else None  # --enable-trace
         self.ssl_context = ssl_context  # for https:// workers (--ca-cert-paths, --client-cert-path)
         self.pool_idle_timeout = pool_idle_timeout_secs  # --upstream-pool-idle-timeout-secs
@@ -99,40 +105,65 @@ class Upstream:
 
     async def start(self) -> None:
         # Admission control bounds concurrency; the pool only bounds what it keeps idle.
-        self._pool = ClientPool(connect_timeout=self.connect_timeout, keepalive_timeout=self.pool_idle_timeout,
-                                ssl_context=self.ssl_context)
+        self._pool = ClientPool(
+            connect_timeout=self.connect_timeout, keepalive_timeout=self.pool_idle_timeout, ssl_context=self.ssl_context
+        )
 
     async def stop(self) -> None:
         if self._pool is not None:
             await self._pool.close()
             self._pool = None
 
-    async def request(self, method: str, url: str, *, data: bytes | bytearray | None = None,
-                      headers: Mapping[str, str] | None = None) -> Response:
+    async def request(
+        self, method: str, url: str, *, data: bytes | bytearray | None = None, headers: Mapping[str, str] | None = None
+    ) -> Response:
         """Send a request (the request timeout bounds it whole); the caller must `release()` or `close()`
         the response, and map HTTPClientError raised while reading it with `upstream_error`. The request
         path's way to a worker: no context manager to enter and leave."""
         if self._pool is None:
             raise RuntimeError("Upstream used before start()")
         try:
-            return await self._pool.request(method, url, headers=self._hop_headers if headers is None else headers,
-                                            body=data, timeout=self.request_timeout)
+            return await self._pool.request(
+                method,
+                url,
+                headers=self._hop_headers if headers is None else headers,
+                body=data,
+                timeout=self.request_timeout,
+            )
         except HTTPClientError as e:
             raise upstream_error(e, url) from None
 
-    def open(self, method: str, url: str, *, data: bytes | bytearray | None = None,
-             headers: Mapping[str, str] | None = None, timeout: float | None = None) -> Opened:
+    def open(
+        self,
+        method: str,
+        url: str,
+        *,
+        data: bytes | bytearray | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Opened:
         """`async with upstream.open(...) as resp:` sends a request and yields the response with its
         headers read; failures, inside the block too, become UpstreamError. The connection goes back
         to the pool if the block read the whole body, and is closed otherwise."""
         if self._pool is None:
             raise RuntimeError("Upstream used before start()")
-        return Opened(self._pool, method, url, data, self._hop_headers if headers is None else headers,
-                      self.request_timeout if timeout is None else timeout)
+        return Opened(
+            self._pool,
+            method,
+            url,
+            data,
+            self._hop_headers if headers is None else headers,
+            self.request_timeout if timeout is None else timeout,
+        )
 
     async def call(
-        self, method: str, url: str, *, data: bytes | bytearray | None = None,
-        headers: Mapping[str, str] | None = None, timeout: float | None = None,
+        self,
+        method: str,
+        url: str,
+        *,
+        data: bytes | bytearray | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
     ) -> tuple[int, bytes, str]:
         """A complete request: (status, body, content type)."""
         async with self.open(method, url, data=data, headers=headers, timeout=timeout) as resp:
@@ -154,8 +185,15 @@ class Opened:
 
     __slots__ = ("_data", "_headers", "_method", "_pool", "_resp", "_timeout", "url")
 
-    def __init__(self, pool: ClientPool, method: str, url: str, data: bytes | bytearray | None,
-                 headers: Mapping[str, str] | None, timeout: float) -> None:
+    def __init__(
+        self,
+        pool: ClientPool,
+        method: str,
+        url: str,
+        data: bytes | bytearray | None,
+        headers: Mapping[str, str] | None,
+        timeout: float,
+    ) -> None:
         self._pool = pool
         self._method = method
         self.url = url
@@ -166,14 +204,16 @@ class Opened:
 
     async def __aenter__(self) -> Response:
         try:
-            self._resp = await self._pool.request(self._method, self.url, headers=self._headers,
-                                                  body=self._data, timeout=self._timeout)
+            self._resp = await self._pool.request(
+                self._method, self.url, headers=self._headers, body=self._data, timeout=self._timeout
+            )
         except HTTPClientError as e:
             raise upstream_error(e, self.url) from None
         return self._resp
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self._resp is not None:
             self._resp.release()  # back to the pool only if its body was read to the end
         if isinstance(exc, HTTPClientError):
@@ -203,8 +243,7 @@ class Exchange(ABC):
     `end`. Once a stream has started (`committed`), nothing may be retried.
     """
 
-    __slots__ = ("body", "committed", "headers", "on_chunk", "request_id", "sent", "status", "stream_filter",
-                 "workers")
+    __slots__ = ("body", "committed", "headers", "on_chunk", "request_id", "sent", "status", "stream_filter", "workers")
 
     # Whether `push` and `writable` are implemented: a stream is then relayed from the worker connection's
     # callbacks (no coroutine resumed per event), else through `write`.
@@ -257,8 +296,20 @@ class Exchange(ABC):
 
 
 # Response headers that describe one hop, not the response (RFC 9110 §7.6.1), or that the server sets.
-_NOT_RELAYED = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server",
-                          "proxy-authenticate", "trailer", "upgrade", "x-request-id"})
+_NOT_RELAYED = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "content-length",
+        "date",
+        "server",
+        "proxy-authenticate",
+        "trailer",
+        "upgrade",
+        "x-request-id",
+    }
+)
 
 
 async def relay(exchange: Exchange, resp: Response, on_chunk: ChunkHook | None = None) -> None:
@@ -273,8 +324,11 @@ async def relay(exchange: Exchange, resp: Response, on_chunk: ChunkHook | None =
         raise UpstreamStatus(resp.status, await resp.read(), resp.content_type)
     if resp.content_type != "text/event-stream":
         if exchange.committed:
-            raise UpstreamError("the worker answered a continued stream with a whole answer",
-                                code="upstream_protocol_error", retryable=False)
+            raise UpstreamError(
+                "the worker answered a continued stream with a whole answer",
+                code="upstream_protocol_error",
+                retryable=False,
+            )
         body = resp.read_now()
         if body is None:
             body = await resp.read()
@@ -336,8 +390,9 @@ async def write_sse_error(exchange: Exchange, err: GatewayError) -> None:
         pass  # the client is gone too
 
 
-def backoff_delays(initial_ms: int, max_ms: int, multiplier: float, jitter: float,
-                   rng: random.Random | None = None) -> Iterator[float]:
+def backoff_delays(
+    initial_ms: int, max_ms: int, multiplier: float, jitter: float, rng: random.Random | None = None
+) -> Iterator[float]:
     """Exponential backoff with +-`jitter` spread, in seconds, forever (the caller bounds it)."""
     rng = rng or random.Random()
     delay = float(initial_ms)

@@ -56,8 +56,15 @@ class Part:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")
         self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
         log.close()
 
     def alive(self) -> bool:
@@ -183,12 +190,28 @@ def plan_parts(s: UpSettings) -> list[Part]:
     for n, role in enumerate(roles):
         i = counts[role] = counts.get(role, -1) + 1
         device = placed[n][0] if placed else s.device
-        argv = [py, "-m", "engine.openai_server", "--model", s.model, "--served-model-name", served_name(s.model),
-                "--host", s.host,
-                "--server-port", str(engine_port), "--device", device,
-                "--max-model-len", str(s.max_model_len), "--kv-cache-memory-gb", str(s.kv_cache_memory_gb),
-                # A dead engine (a CUDA fault) ends its process, so that `up` shows it and stops the rest.
-                "--exit-on-engine-error", *s.engine_args]
+        argv = [
+            py,
+            "-m",
+            "engine.openai_server",
+            "--model",
+            s.model,
+            "--served-model-name",
+            served_name(s.model),
+            "--host",
+            s.host,
+            "--server-port",
+            str(engine_port),
+            "--device",
+            device,
+            "--max-model-len",
+            str(s.max_model_len),
+            "--kv-cache-memory-gb",
+            str(s.kv_cache_memory_gb),
+            # A dead engine (a CUDA fault) ends its process, so that `up` shows it and stops the rest.
+            "--exit-on-engine-error",
+            *s.engine_args,
+        ]
         if placed:
             # Each engine its share of its GPU (the KV pool is what the share leaves).
             argv += ["--gpu-memory-utilization", f"{placed[n][1]:.3f}"]
@@ -199,31 +222,73 @@ def plan_parts(s: UpSettings) -> list[Part]:
             # kv_aware places by the engines' own KV events, which an engine publishes only when told to;
             # the gateway finds the addresses in its /server_info (`*`: the worker's host).
             pub = s.kv_events_port + 2 * len(parts)
-            argv += ["--kv-events-config", json.dumps({
-                "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
-                "replay_endpoint": f"tcp://*:{pub + 1}"})]
+            argv += [
+                "--kv-events-config",
+                json.dumps(
+                    {
+                        "enable_kv_cache_events": True,
+                        "publisher": "zmq",
+                        "endpoint": f"tcp://*:{pub}",
+                        "replay_endpoint": f"tcp://*:{pub + 1}",
+                    }
+                ),
+            ]
             extra += [pub, pub + 1]
         if role != "worker":
             kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
-            argv += ["--kv-transfer-config", json.dumps({"kv_role": kv_role, "kv_connector": "mooncake",
-                                                         "handshake_port": handshake})]
+            argv += [
+                "--kv-transfer-config",
+                json.dumps({"kv_role": kv_role, "kv_connector": "mooncake", "handshake_port": handshake}),
+            ]
             extra.append(handshake)
             handshake += 1
-        parts.append(Part(f"{role}-{i}", argv, engine_port, f"http://{s.host}:{engine_port}/health",
-                          s.log_dir / f"{role}-{i}.log", extra_ports=extra, device=device))
+        parts.append(
+            Part(
+                f"{role}-{i}",
+                argv,
+                engine_port,
+                f"http://{s.host}:{engine_port}/health",
+                s.log_dir / f"{role}-{i}.log",
+                extra_ports=extra,
+                device=device,
+            )
+        )
         engine_port += 1
     urls = {p.name: f"http://{s.host}:{p.port}" for p in parts}
-    gw = [py, "-m", "atomesh", "launch", "--host", s.host, "--port", str(s.port),
-          "--prometheus-host", s.host, "--prometheus-port", str(s.metrics_port),
-          "--policy", s.policy, "--worker-startup-check-interval", "1"]
+    gw = [
+        py,
+        "-m",
+        "atomesh",
+        "launch",
+        "--host",
+        s.host,
+        "--port",
+        str(s.port),
+        "--prometheus-host",
+        s.host,
+        "--prometheus-port",
+        str(s.metrics_port),
+        "--policy",
+        s.policy,
+        "--worker-startup-check-interval",
+        "1",
+    ]
     if s.pd:
         gw += ["--pd-disaggregation", "--backend", "atom"]
         for name, url in urls.items():
             gw += ["--prefill", url, "none"] if name.startswith("prefill") else ["--decode", url]
     else:
         gw += ["--worker-urls", *urls.values()]
-    parts.append(Part("gateway", gw, s.port, f"http://{s.host}:{s.port}/readiness", s.log_dir / "gateway.log",
-                      extra_ports=[s.metrics_port]))
+    parts.append(
+        Part(
+            "gateway",
+            gw,
+            s.port,
+            f"http://{s.host}:{s.port}/readiness",
+            s.log_dir / "gateway.log",
+            extra_ports=[s.metrics_port],
+        )
+    )
     return parts
 
 
@@ -240,11 +305,18 @@ class System:
         self.stop_requested = False
 
     def check_ports(self) -> None:
-        busy = [f"{p.name} needs {port}" for p in self.parts for port in (p.port, *p.extra_ports)
-                if port_in_use(self.settings.host, port)]
+        busy = [
+            f"{p.name} needs {port}"
+            for p in self.parts
+            for port in (p.port, *p.extra_ports)
+            if port_in_use(self.settings.host, port)
+        ]
         if busy:
-            raise UpError("ports already in use: " + "; ".join(busy) +
-                          " (stop what holds them, or choose others with --port / --engine-port / --metrics-port)")
+            raise UpError(
+                "ports already in use: "
+                + "; ".join(busy)
+                + " (stop what holds them, or choose others with --port / --engine-port / --metrics-port)"
+            )
 
     def start(self) -> None:
         self.check_ports()
@@ -268,15 +340,17 @@ class System:
             for p in list(pending):
                 if not p.alive():
                     code = p.proc.returncode if p.proc else None
-                    raise UpError(f"{p.name} exited with code {code} while starting; its log {p.log_path} ends:\n"
-                                  f"{p.tail()}")
+                    raise UpError(
+                        f"{p.name} exited with code {code} while starting; its log {p.log_path} ends:\n{p.tail()}"
+                    )
                 if p.healthy():
                     pending.remove(p)
                     self.say(f"  ready    {p.name:<10} in {time.monotonic() - p.started_at:5.1f} s")
             if pending and time.monotonic() > deadline:
                 names = ", ".join(p.name for p in pending)
-                raise UpError(f"{names} not ready after {self.settings.startup_timeout:g} s; "
-                              f"see {self.settings.log_dir}")
+                raise UpError(
+                    f"{names} not ready after {self.settings.startup_timeout:g} s; see {self.settings.log_dir}"
+                )
             time.sleep(0.25)
 
     def watch(self, stop: Callable[[], bool]) -> None:
@@ -307,8 +381,11 @@ def usage_text(s: UpSettings) -> str:
     base = f"http://{s.host}:{s.port}"
     python, atomesh = venv_command("python"), venv_command("atomesh")
     model = served_name(s.model)
-    mode = f"P/D: {s.prefill} prefill + {s.decode} decode (atom backend, KV over Mooncake)" if s.pd \
+    mode = (
+        f"P/D: {s.prefill} prefill + {s.decode} decode (atom backend, KV over Mooncake)"
+        if s.pd
         else f"{s.workers} regular workers"
+    )
     return f"""
 atomesh is up: {mode}
 

@@ -211,8 +211,9 @@ def _bad_request(e: ValidationError) -> BadRequest:
     for part in loc:
         if isinstance(part, str) and (part in _MEMBER_NAMES or "[" in part):
             field = next((p for p in reversed(path) if not p.isdigit()), "body")
-            return BadRequest(f"{'.'.join(path)}: must be {_SHAPES_OF.get(field, 'of another type')}",
-                              code="invalid_value")
+            return BadRequest(
+                f"{'.'.join(path)}: must be {_SHAPES_OF.get(field, 'of another type')}", code="invalid_value"
+            )
         path.append(str(part))
     return BadRequest(f"{'.'.join(path)}: {msg}", code="invalid_value")
 

@@ -20,8 +20,17 @@ import random
 import sys
 from collections import deque
 
-PHASES = ("random", "round_robin", "power_of_two", "least_load", "prefix_hash", "cache_aware",
-          "pd cache_aware/least_load", "pd cache_aware/cache_aware", "pd round_robin/round_robin")
+PHASES = (
+    "random",
+    "round_robin",
+    "power_of_two",
+    "least_load",
+    "prefix_hash",
+    "cache_aware",
+    "pd cache_aware/least_load",
+    "pd cache_aware/cache_aware",
+    "pd round_robin/round_robin",
+)
 
 
 def report(prefix: str, n: int) -> None:

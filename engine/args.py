@@ -148,11 +148,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--max-waiting-requests", type=int, default=1024, help="bound of the waiting queue; beyond it: 503")
-    p.add_argument("--otlp-traces-endpoint", default=None,
-                   help="OTLP/gRPC collector HOST:PORT: each request's spans (queue, prefill, KV transfer, decode) "
-                        "under the traceparent it came with (as vLLM)")
-    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
-                   help="waiting prompts in arrival order, or by the request's `priority` (lower first), as vLLM")
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="OTLP/gRPC collector HOST:PORT: each request's spans (queue, prefill, KV transfer, decode) "
+        "under the traceparent it came with (as vLLM)",
+    )
+    p.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="waiting prompts in arrival order, or by the request's `priority` (lower first), as vLLM",
+    )
     p.add_argument(
         "--enable_chunked_prefill",
         "--enable-chunked-prefill",
@@ -192,8 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-events-config",
         default="{}",
-        help="KV cache events as vLLM publishes them, JSON: {\"enable_kv_cache_events\": true, \"publisher\": "
-        "\"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv-events\"}",
+        help='KV cache events as vLLM publishes them, JSON: {"enable_kv_cache_events": true, "publisher": '
+        '"zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv-events"}',
     )
     p.add_argument(
         "--sparse-attention",
@@ -202,16 +209,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="MSA-style block-sparse decode: each step attends to the top-k blocks (by indexer key) "
         "plus the first and the most recent",
     )
+    p.add_argument("--sparse-topk-blocks", type=int, default=16, help="blocks chosen by the indexer per decode step")
     p.add_argument(
-        "--sparse-topk-blocks", type=int, default=16, help="blocks chosen by the indexer per decode step"
+        "--device",
+        type=parse_device,
+        default="auto",
+        metavar="{auto,cpu,cuda,cuda:N}",
+        help="cuda:N runs on GPU N (one engine per GPU: N engines on N GPUs); cuda is cuda:0",
     )
-    p.add_argument("--device", type=parse_device, default="auto", metavar="{auto,cpu,cuda,cuda:N}",
-                   help="cuda:N runs on GPU N (one engine per GPU: N engines on N GPUs); cuda is cuda:0")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     p.add_argument("--seed", type=int, default=0, help="seed of requests that bring none")
     p.add_argument("--torch-threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     p.add_argument(
-        "--exit-on-engine-error", action="store_true",
+        "--exit-on-engine-error",
+        action="store_true",
         help="exit with status 1 when the engine dies (a CUDA fault); without it the server stays up, "
         "/health answers 503 and requests get 503 engine_dead",
     )
@@ -232,15 +243,29 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="the model's ops: fused Triton kernels (auto on CUDA) or plain torch (the exact reference; auto on CPU)",
     )
-    p.add_argument("--quantization", "-q", choices=["fp8"], default=None,
-                   help="fp8: quantize the linear weights of a bf16/fp16 checkpoint to FP8 e4m3 at load (one scale per "
-                   "output channel; activations per token at run time: ATOM's online PTPC-FP8). FP8 checkpoints "
-                   "(quantization_config fp8 / compressed-tensors) load as FP8 without it")
-    p.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default="auto",
-                   help="dummy: random weights in the shape of the model's config.json, drawn on the device "
-                   "(as vLLM's --load-format dummy; speed runs without the checkpoint, the text is noise)")
-    p.add_argument("--load_dummy", dest="load_format", action="store_const", const="dummy",
-                   help="ATOM's spelling of --load-format dummy")
+    p.add_argument(
+        "--quantization",
+        "-q",
+        choices=["fp8"],
+        default=None,
+        help="fp8: quantize the linear weights of a bf16/fp16 checkpoint to FP8 e4m3 at load (one scale per "
+        "output channel; activations per token at run time: ATOM's online PTPC-FP8). FP8 checkpoints "
+        "(quantization_config fp8 / compressed-tensors) load as FP8 without it",
+    )
+    p.add_argument(
+        "--load-format",
+        choices=["auto", "safetensors", "dummy"],
+        default="auto",
+        help="dummy: random weights in the shape of the model's config.json, drawn on the device "
+        "(as vLLM's --load-format dummy; speed runs without the checkpoint, the text is noise)",
+    )
+    p.add_argument(
+        "--load_dummy",
+        dest="load_format",
+        action="store_const",
+        const="dummy",
+        help="ATOM's spelling of --load-format dummy",
+    )
     p.add_argument("--speculative-config", default="{}",
                    help='speculative decoding as vLLM configures it, JSON: {"method": "ngram", '
                    '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} (prompt lookup '

@@ -180,8 +180,15 @@ class EngineInfo:
 
 # Messages of errors after which the device (and so the engine) cannot be trusted: a CUDA fault
 # poisons the context, so every later step would fail too (vLLM's core treats them as fatal).
-_FATAL_MARKERS = ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "device-side assert", "NCCL error",
-                  "HIP error", "illegal memory access")
+_FATAL_MARKERS = (
+    "CUDA error",
+    "CUBLAS_STATUS",
+    "CUDNN_STATUS",
+    "device-side assert",
+    "NCCL error",
+    "HIP error",
+    "illegal memory access",
+)
 
 
 def is_fatal(exc: BaseException) -> bool:
@@ -308,7 +315,8 @@ class AsyncLLMEngine:
         if role is not Role.COLOCATED and (self.relay is None or self.relay.role != role.value):
             have = self.relay.role if self.relay is not None else "none"
             raise InvalidRequestError(
-                f"kv_transfer_params need a {role.value} engine; this one's kv_role is {have} (--kv-transfer-config)")
+                f"kv_transfer_params need a {role.value} engine; this one's kv_role is {have} (--kv-transfer-config)"
+            )
         n = len(prompt_ids)
         if role is Role.PREFILL_FOR_REMOTE_DECODE:
             # The gateway sends the prefill leg max_tokens 1: min_tokens only bans EOS for that first token here.
@@ -378,7 +386,8 @@ class AsyncLLMEngine:
             self.release(transfer)
             raise InvalidRequestError(
                 f"kv_transfer_params carry {len(kv.remote_block_ids)} blocks but this prompt needs {needed} "
-                "here: prefill and decode must run the same model and tokenizer")
+                "here: prefill and decode must run the same model and tokenizer"
+            )
         have = seq.num_cached_tokens // bs  # leading blocks the local prefix cache already holds
         transfer.move(Phase.PULLING)
         try:
@@ -715,8 +724,10 @@ def _prompt_logprobs(kv: dict[str, Any], params: SamplingParams) -> list[TokenLo
         return []
     raw = kv.get("prompt_logprobs")
     if not isinstance(raw, list):
-        raise InvalidRequestError("prompt_logprobs in P/D need kv_transfer_params.prompt_logprobs from the prefill "
-                                  "engine (was its request sent with prompt_logprobs?)")
+        raise InvalidRequestError(
+            "prompt_logprobs in P/D need kv_transfer_params.prompt_logprobs from the prefill "
+            "engine (was its request sent with prompt_logprobs?)"
+        )
     try:
         return [TokenLogprob(int(r["token_id"]), float(r["logprob"]), int(r["rank"]),
                              tuple((int(t), float(v)) for t, v in r["top"])[: params.prompt_logprobs])
@@ -731,8 +742,10 @@ def _first_logprob(kv: dict[str, Any], params: SamplingParams) -> TokenLogprob |
         return None
     raw = kv.get("first_token_logprob")
     if not isinstance(raw, dict):
-        raise InvalidRequestError("logprobs in P/D need kv_transfer_params.first_token_logprob from the prefill "
-                                  "engine (was its request sent with logprobs?)")
+        raise InvalidRequestError(
+            "logprobs in P/D need kv_transfer_params.first_token_logprob from the prefill "
+            "engine (was its request sent with logprobs?)"
+        )
     try:
         top = tuple((int(t), float(v)) for t, v in raw["top"])[: params.logprobs]
         return TokenLogprob(int(raw["token_id"]), float(raw["logprob"]), int(raw["rank"]), top)

@@ -159,8 +159,10 @@ def hf_reference(loaded: LoadedModel, device: torch.device, dtype: torch.dtype, 
     result = model.load_state_dict(dict(loaded.weights()), strict=False)
     # Only the tied head may be absent from the checkpoint; anything else means the weights do not fit.
     if not set(result.missing_keys) <= {"lm_head.weight"} or result.unexpected_keys:
-        raise ValueError(f"weights do not fit transformers' Llama: missing {result.missing_keys}, "
-                         f"unexpected {result.unexpected_keys}")
+        raise ValueError(
+            f"weights do not fit transformers' Llama: missing {result.missing_keys}, "
+            f"unexpected {result.unexpected_keys}"
+        )
     model.tie_weights()  # type: ignore[operator]
     return model.to(device=device, dtype=dtype).eval()
 
@@ -186,7 +188,7 @@ def step_weight_bytes(engine: LLMEngine, batch: int) -> float:
         size: float = p.numel() * p.element_size()
         if name.endswith(("experts.w13", "experts.w2")) and c.num_experts:
             e, k = c.num_experts, c.num_experts_per_tok
-            size *= (1 - (1 - k / e) ** batch)
+            size *= 1 - (1 - k / e) ** batch
         total += size
     return total
 
@@ -316,16 +318,29 @@ def main() -> None:
     p.add_argument("--compile-modes", nargs="+", default=list(COMPILE_MODES), help="torch.compile modes to try")
     p.add_argument("--enforce-eager", action="store_true", help="our engine without CUDA graphs")
     p.add_argument("--kernels", choices=["auto", "triton", "torch"], default="auto")
-    p.add_argument("--prefix-row", type=int, default=0, metavar="TOKENS",
-                   help="also time the prefill of one TOKENS-long prompt with and without prefix-cache hits")
+    p.add_argument(
+        "--prefix-row",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="also time the prefill of one TOKENS-long prompt with and without prefix-cache hits",
+    )
     p.add_argument("--profile", action="store_true", help="split a batch-1 decode step into host and GPU time")
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
-    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
-                   help="dummy: random weights of the folder's config.json (the engine's and transformers' own init)")
+    p.add_argument(
+        "--load-format",
+        choices=["auto", "dummy"],
+        default="auto",
+        help="dummy: random weights of the folder's config.json (the engine's and transformers' own init)",
+    )
     p.add_argument("--quantization", choices=["fp8"], default=None, help="the engine's --quantization")
     p.add_argument("--kv-cache-dtype", default="auto", help="the engine's --kv-cache-dtype")
-    p.add_argument("--max-num-batched-tokens", type=int, default=0,
-                   help="the engine's step budget (default: every prompt of the largest batch in one step)")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=0,
+        help="the engine's step budget (default: every prompt of the largest batch in one step)",
+    )
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="our engine on this many ranks (GPUs); above 1 the same engine on one rank is timed too, as "
                    "the peer of the ratio column")  # fmt: skip
@@ -367,7 +382,8 @@ def main() -> None:
     print(
         f"model={engine.model_id} device={name} dtype={str(dtype).removeprefix('torch.')} kernels={engine.kernels} "
         f"({graphs}) prompt={a.prompt_len} new_tokens={a.new_tokens} runs={a.runs} (median) tp={tp}"
-        f"{' ep' if a.enable_expert_parallel else ''}", flush=True
+        f"{' ep' if a.enable_expert_parallel else ''}",
+        flush=True,
     )
     vocab = loaded.config.vocab_size
     ours: dict[int, Result] = {}

@@ -295,14 +295,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-model-len", default="8192")
     p.add_argument("--engine-arg", action="append", default=[], help="extra flag for both engines (repeatable)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="the engines' device")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="the engines' dtype (auto: float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--num-kvcache-blocks", type=int, default=None,
-                   help="KV blocks per engine (on CUDA, two engines share the GPU: set it)")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="the engines' dtype (auto: float32 on CPU, bfloat16 on CUDA)",
+    )
+    p.add_argument(
+        "--num-kvcache-blocks",
+        type=int,
+        default=None,
+        help="KV blocks per engine (on CUDA, two engines share the GPU: set it)",
+    )
     p.add_argument("--memory-backend", choices=["auto", "direct", "staged"], default="auto")
     p.add_argument("--staging-mb", type=int, default=128, help="staging_buffer_mb of both engines")
-    p.add_argument("--protocol", choices=["ipc", "tcp", "rdma"], default=None,
-                   help="both engines' protocol (default: chosen: ipc, the engines sharing this host)")
+    p.add_argument(
+        "--protocol",
+        choices=["ipc", "tcp", "rdma"],
+        default=None,
+        help="both engines' protocol (default: chosen: ipc, the engines sharing this host)",
+    )
     p.add_argument("--json", default="", help="also write the rows to this JSON file")
     a = p.parse_args(argv)
 

@@ -28,15 +28,31 @@ from engine.bench_pd import Engine, metric, request, stream_times
 def relay(prefill: Engine, decode: Engine, ids: list[int]) -> float:
     """One P/D request as the gateway runs it; returns its TTFT in seconds."""
     start = time.perf_counter()
-    body: dict[str, Any] = {"model": "m", "prompt": ids, "max_tokens": 1, "temperature": 0, "stream": False,
-                            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+    body: dict[str, Any] = {
+        "model": "m",
+        "prompt": ids,
+        "max_tokens": 1,
+        "temperature": 0,
+        "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+    }
     status, raw = request(prefill.port, "POST", "/v1/completions", body)
     if status != 200:
         raise RuntimeError(f"prefill leg: HTTP {status}: {raw[:300]!r}")
     params = {**json.loads(raw)["kv_transfer_params"], "remote_dp_size": 1, "remote_tp_size": 1, "remote_dp_rank": 0}
     prefill_s = time.perf_counter() - start
-    first, _, _ = stream_times(decode.port, {"model": "m", "prompt": ids, "max_tokens": 2, "temperature": 0,
-                                             "ignore_eos": True, "stream": True, "kv_transfer_params": params})
+    first, _, _ = stream_times(
+        decode.port,
+        {
+            "model": "m",
+            "prompt": ids,
+            "max_tokens": 2,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "kv_transfer_params": params,
+        },
+    )
     return prefill_s + first
 
 
@@ -46,8 +62,19 @@ def run_setting(a: argparse.Namespace, inflight: int, log_dir: str) -> dict[str,
     if a.protocol:
         kv["protocol"] = a.protocol
     dtype = ["--dtype", "bfloat16"] if a.device == "cuda" else ["--torch-threads", "1"]
-    extra = ["--model", a.model, "--served-model-name", "m", "--device", a.device, *dtype,
-             "--max-model-len", str(a.tokens + 64), "--num-kvcache-blocks", str((a.tokens // 16 + 8) * (a.n + 2))]
+    extra = [
+        "--model",
+        a.model,
+        "--served-model-name",
+        "m",
+        "--device",
+        a.device,
+        *dtype,
+        "--max-model-len",
+        str(a.tokens + 64),
+        "--num-kvcache-blocks",
+        str((a.tokens // 16 + 8) * (a.n + 2)),
+    ]
     prefill, decode = Engine("kv_producer", extra, log_dir, kv), Engine("kv_consumer", extra, log_dir, kv)
     try:
         prefill.wait_ready()
@@ -71,13 +98,20 @@ def run_setting(a: argparse.Namespace, inflight: int, log_dir: str) -> dict[str,
     finally:
         prefill.stop()
         decode.stop()
-    return {"max_inflight_pulls": inflight, "n": a.n, "tokens": a.tokens, "wall_ms": statistics.median(walls) * 1e3,
-            "mean_ttft_ms": statistics.median(ttfts) * 1e3, "mean_pull_ms": statistics.median(pulls) * 1e3}
+    return {
+        "max_inflight_pulls": inflight,
+        "n": a.n,
+        "tokens": a.tokens,
+        "wall_ms": statistics.median(walls) * 1e3,
+        "mean_ttft_ms": statistics.median(ttfts) * 1e3,
+        "mean_pull_ms": statistics.median(pulls) * 1e3,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m engine.bench_pd_concurrency",
-                                description=(__doc__ or "").split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m engine.bench_pd_concurrency", description=(__doc__ or "").split("\n")[0]
+    )
     p.add_argument("--model", default="smollm2")
     p.add_argument("--tokens", type=int, default=512, help="prompt tokens per request")
     p.add_argument("--n", type=int, default=8, help="requests started at once")
@@ -85,14 +119,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--memory-backend", choices=["auto", "direct", "staged"], default="staged")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="both engines' device (one GPU: shared)")
     p.add_argument("--staging-mb", type=int, default=128)
-    p.add_argument("--protocol", choices=["ipc", "tcp", "rdma"], default=None,
-                   help="both engines' protocol (default: chosen: ipc, the engines sharing this host)")
+    p.add_argument(
+        "--protocol",
+        choices=["ipc", "tcp", "rdma"],
+        default=None,
+        help="both engines' protocol (default: chosen: ipc, the engines sharing this host)",
+    )
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as log_dir:
-        print(f"{a.n} P/D requests at once, {a.tokens} prompt tokens each, {a.model} on {a.device}, "
-              f"{a.memory_backend}, median of {a.repeats}")
+        print(
+            f"{a.n} P/D requests at once, {a.tokens} prompt tokens each, {a.model} on {a.device}, "
+            f"{a.memory_backend}, median of {a.repeats}"
+        )
         print(f"{'max_inflight_pulls':>18} {'wall ms':>8} {'mean TTFT ms':>12} {'mean pull ms':>12}")
         for inflight in (1, a.n):
             row = run_setting(a, inflight, log_dir)
@@ -100,8 +140,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{inflight:>18} {row['wall_ms']:>8.0f} {row['mean_ttft_ms']:>12.0f} {row['mean_pull_ms']:>12.1f}",
                   flush=True)  # fmt: skip
     serial, concurrent = rows
-    print(f"serial / concurrent: wall {serial['wall_ms'] / concurrent['wall_ms']:.2f}x, "
-          f"mean TTFT {serial['mean_ttft_ms'] / concurrent['mean_ttft_ms']:.2f}x")
+    print(
+        f"serial / concurrent: wall {serial['wall_ms'] / concurrent['wall_ms']:.2f}x, "
+        f"mean TTFT {serial['mean_ttft_ms'] / concurrent['mean_ttft_ms']:.2f}x"
+    )
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"command": "python -m engine.bench_pd_concurrency", "args": vars(a),

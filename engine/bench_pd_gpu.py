@@ -111,8 +111,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3, help="end-to-end requests per length and mode")
     p.add_argument("--num-kvcache-blocks", type=int, default=4096, help="per engine")
     p.add_argument("--staging-mb", type=int, default=128)
-    p.add_argument("--memory-backend", choices=["auto", "direct", "staged"], default="auto",
-                   help="the engines' backend (the transfer benchmark always measures staged)")
+    p.add_argument(
+        "--memory-backend",
+        choices=["auto", "direct", "staged"],
+        default="auto",
+        help="the engines' backend (the transfer benchmark always measures staged)",
+    )
     a = p.parse_args(argv)
     out, model = Path(a.out), Path(a.model)
     out.mkdir(parents=True, exist_ok=True)

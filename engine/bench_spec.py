@@ -55,7 +55,7 @@ PASSAGE = (
     "sequence's logical blocks to physical ones, so sequences of any length share one pool without "
     "fragmentation, and blocks holding a common prefix are shared between requests by reference."
 )
-CODE = '''def total_price(items, tax_rate):
+CODE = """def total_price(items, tax_rate):
     total = 0
     for item in items:
         total = total + item.price * item.quantity
@@ -69,7 +69,7 @@ def cheapest(items):
         if best is None or item.price < best.price:
             best = item
     return best
-'''
+"""
 TASKS = {
     # (SmolLM2-135M asked to quote and summarise writes a one-line summary; asked to copy, it quotes and
     # paraphrases at length: the task this stands for.)
@@ -257,15 +257,33 @@ def main() -> None:
         eagle_rows = eagle_cost(a)
         if a.json:
             with open(a.json, "w") as f:
-                json.dump({"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                           "model": a.model, "device": a.device, "args": vars(a), "eagle3": eagle_rows}, f, indent=1)
+                json.dump(
+                    {
+                        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                        "model": a.model,
+                        "device": a.device,
+                        "args": vars(a),
+                        "eagle3": eagle_rows,
+                    },
+                    f,
+                    indent=1,
+                )
         return
     if a.verify_cost:
         cost = verify_cost(a)
         if a.json:
             with open(a.json, "w") as f:
-                json.dump({"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                           "model": a.model, "device": a.device, "args": vars(a), "verify_cost": cost}, f, indent=1)
+                json.dump(
+                    {
+                        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                        "model": a.model,
+                        "device": a.device,
+                        "args": vars(a),
+                        "verify_cost": cost,
+                    },
+                    f,
+                    indent=1,
+                )
         return
     loaded = load_model(a.model)
     base = EngineArgs(model=a.model, device="cpu", max_model_len=2048, num_kvcache_blocks=512)
@@ -315,8 +333,10 @@ def main() -> None:
         }  # fmt: skip
         if a.ceiling:
             row |= {"verify_cost": ratios, "draft_length_ceiling": ceiling}
-            print(f"{name:22s} verify cost of k = 0..{a.num_speculative_tokens} drafts (plain steps): "
-                  f"{', '.join(f'{c:.2f}' for c in ratios)}; best any draft-length policy could do: x{ceiling:.2f}")
+            print(
+                f"{name:22s} verify cost of k = 0..{a.num_speculative_tokens} drafts (plain steps): "
+                f"{', '.join(f'{c:.2f}' for c in ratios)}; best any draft-length policy could do: x{ceiling:.2f}"
+            )
         results.append(row)
         print(f"{name:22s} prompt {len(prompt):4d} tok, {tokens:4d} generated: plain {row['plain_tok_s']:6.1f} tok/s, "
               f"ngram k={a.num_speculative_tokens} {row['ngram_tok_s']:6.1f} tok/s, x{row['speedup']:.2f}, "

@@ -190,8 +190,12 @@ class DecodeGraphs(_GraphSet):
             max_query_len=1,
             max_context=self.max_model_len,
             query_start=self._d_query_start[: batch + 1],
-            num_splits=decode_splits(batch, self.model.config.num_key_value_heads // self.model.tp.size,
-                                     self.max_model_len, self.buf.dev.device),  # this rank's KV heads
+            num_splits=decode_splits(
+                batch,
+                self.model.config.num_key_value_heads // self.model.tp.size,
+                self.max_model_len,
+                self.buf.dev.device,
+            ),  # this rank's KV heads
             sparse_topk=self.sparse_topk,
         )
         hidden = self.model(d["ids"][:batch], d["pos"][:batch], self.kv_caches, meta, self.indexer_caches or None)

@@ -147,8 +147,9 @@ class TransferStats:
 class Disaggregation:
     """Owns the Mooncake agent and this engine's role in the KV relay."""
 
-    def __init__(self, memory: KVMemory, config: KVTransferConfig, bind_host: str,
-                 transfer_timeout: float = 30.0) -> None:
+    def __init__(
+        self, memory: KVMemory, config: KVTransferConfig, bind_host: str, transfer_timeout: float = 30.0
+    ) -> None:
         if config.kv_role not in (PRODUCER, CONSUMER):
             raise ValueError(f"kv_role {config.kv_role!r}: this engine is either kv_producer or kv_consumer")
         self.memory = memory
@@ -202,17 +203,26 @@ class Disaggregation:
         self.agent = MooncakeAgent(self.host, protocol=transport.protocol.value, lanes=self.config.write_lanes)
         self.agent.register(regions if self.staging is None else [self.staging.region])
         if self.role == PRODUCER:
-            self.producer = KVProducer(self.agent, regions, host=self.host,
-                                       handshake_port=self.config.handshake_port or 0, bind_host=self.bind_host,
-                                       timeout_s=self.transfer_timeout, staging=self.staging,
-                                       tp_size=self.memory.tp_size, ipc=export,
-                                       ipc_only=self.ipc is IpcMode.FORCED)
+            self.producer = KVProducer(
+                self.agent,
+                regions,
+                host=self.host,
+                handshake_port=self.config.handshake_port or 0,
+                bind_host=self.bind_host,
+                timeout_s=self.transfer_timeout,
+                staging=self.staging,
+                tp_size=self.memory.tp_size,
+                ipc=export,
+                ipc_only=self.ipc is IpcMode.FORCED,
+            )
             try:
                 await self.producer.start()
             except OSError as exc:
                 reason = os.strerror(exc.errno) if exc.errno else str(exc)
-                raise BindError(f"cannot listen on {self.bind_host}:{self.config.handshake_port} (KV handshake, "
-                                f"--kv-transfer-config handshake_port): {reason}") from exc
+                raise BindError(
+                    f"cannot listen on {self.bind_host}:{self.config.handshake_port} (KV handshake, "
+                    f"--kv-transfer-config handshake_port): {reason}"
+                ) from exc
         else:
             self.peers = IpcPeers(views, self.ipc) if self.ipc is not IpcMode.OFF else None
             log.info("kv_transfer_ipc mode=%s reason=%r", self.ipc.value, {
@@ -229,8 +239,14 @@ class Disaggregation:
             staging = (f" staging_mib={self.staging.nbytes / 2**20:g} slots={self.staging.slots}"
                        f" slot_mib={self.staging.slot_bytes / 2**20:g} host={host}")  # fmt: skip
         log.info("kv_transfer_memory_backend backend=%s%s reason=%r", self.backend.value, staging, why)
-        log.info("kv_transfer_ready role=%s engine=%s regions=%d max_inflight_pulls=%d write_lanes=%d", self.role,
-                 self.agent.rpc_address, len(regions), inflight, self.config.write_lanes)
+        log.info(
+            "kv_transfer_ready role=%s engine=%s regions=%d max_inflight_pulls=%d write_lanes=%d",
+            self.role,
+            self.agent.rpc_address,
+            len(regions),
+            inflight,
+            self.config.write_lanes,
+        )
         self._watchdog = asyncio.create_task(self._watch_agent(), name="kv-agent-watchdog")
 
     def _export_pools(self, views: list[Any]) -> PoolExport | None:
@@ -292,14 +308,18 @@ class Disaggregation:
         return self.stats
 
     def info(self) -> dict[str, Any]:
-        return {"kv_role": self.role, "handshake_port": self.producer.port if self.producer else None,
-                "engine_id": self.agent.rpc_address if self.agent else None,
-                "memory_backend": self.backend.value if self.backend else None,
-                "protocol": self.agent.protocol if self.agent else None,
-                "ipc": self.ipc.value, "ipc_peers": self.peers.peers() if self.peers else {},
-                "max_inflight_pulls": self.config.max_inflight_pulls,
-                "pulls_in_flight": self.consumer.in_flight if self.consumer else 0,
-                "pulls_waiting": self.consumer.waiting if self.consumer else 0}
+        return {
+            "kv_role": self.role,
+            "handshake_port": self.producer.port if self.producer else None,
+            "engine_id": self.agent.rpc_address if self.agent else None,
+            "memory_backend": self.backend.value if self.backend else None,
+            "protocol": self.agent.protocol if self.agent else None,
+            "ipc": self.ipc.value,
+            "ipc_peers": self.peers.peers() if self.peers else {},
+            "max_inflight_pulls": self.config.max_inflight_pulls,
+            "pulls_in_flight": self.consumer.in_flight if self.consumer else 0,
+            "pulls_waiting": self.consumer.waiting if self.consumer else 0,
+        }
 
     # -- prefill side --------------------------------------------------------------------------------
 

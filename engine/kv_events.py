@@ -98,8 +98,9 @@ def parse_kv_events_config(text: str) -> KVEventsConfig:
 # -- events (plain tuples in vLLM's field order) ----------------------------------------------------
 
 
-def block_stored(hashes: Sequence[int], parent: int | None, token_ids: Sequence[int], block_size: int,
-                 medium: str | None) -> list[Any]:
+def block_stored(
+    hashes: Sequence[int], parent: int | None, token_ids: Sequence[int], block_size: int, medium: str | None
+) -> list[Any]:
     """vLLM's ``BlockStored``: consecutive blocks of one chain, ``parent`` the block before the first."""
     return ["BlockStored", list(hashes), parent, list(token_ids), block_size, None, medium]
 
@@ -252,8 +253,9 @@ def _bind(sock: Any, address: str, what: str) -> None:
     try:
         sock.bind(address)
     except zmq.ZMQError as exc:
-        raise BindError(f"cannot listen on {address.removeprefix('tcp://')} ({what}, --kv-events-config): "
-                        f"{exc.strerror}") from exc
+        raise BindError(
+            f"cannot listen on {address.removeprefix('tcp://')} ({what}, --kv-events-config): {exc.strerror}"
+        ) from exc
 
 
 def bind_address(endpoint: str, host: str) -> str:

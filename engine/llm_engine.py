@@ -74,8 +74,10 @@ def resolve_device(name: str) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda" and device.index is not None:
         if device.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {name}: torch sees {torch.cuda.device_count()} GPU(s) "
-                             "(CUDA_VISIBLE_DEVICES renumbers them from 0)")
+            raise ValueError(
+                f"--device {name}: torch sees {torch.cuda.device_count()} GPU(s) "
+                "(CUDA_VISIBLE_DEVICES renumbers them from 0)"
+            )
         # Kernels, graphs and streams made without a device go to the current one: make it this one.
         torch.cuda.set_device(device)
     return device
@@ -154,8 +156,10 @@ def attach_eagle3(args: EngineArgs, loaded: LoadedModel, runner: ModelRunner, dt
     spec = args.speculative
     assert spec is not None and spec.model is not None
     if args.kv_transfer.kv_role == "kv_consumer":
-        raise ValueError("EAGLE-3 drafts on a kv_consumer are not supported: the head needs the target's hidden "
-                         "states over the prompt, which stay on the prefill engine (method 'ngram' works there)")
+        raise ValueError(
+            "EAGLE-3 drafts on a kv_consumer are not supported: the head needs the target's hidden "
+            "states over the prompt, which stay on the prefill engine (method 'ngram' works there)"
+        )
     if tp.size > 1:
         raise ValueError("EAGLE-3 drafts with --tensor-parallel-size > 1 are not supported: the head is not split "
                          "between ranks (method 'ngram' works there)")  # fmt: skip

@@ -129,8 +129,9 @@ class TransferCollector(Collector):
         )
         for reason, n in sorted(s.released.items()):
             released.add_metric([reason], float(n))
-        in_flight = GaugeMetricFamily("atom:kv_transfer_pulls_in_flight",
-                                      "KV pulls talking to a producer now (at most max_inflight_pulls)")
+        in_flight = GaugeMetricFamily(
+            "atom:kv_transfer_pulls_in_flight", "KV pulls talking to a producer now (at most max_inflight_pulls)"
+        )
         in_flight.add_metric([], float(s.pulls_in_flight))
         waiting = GaugeMetricFamily("atom:kv_transfer_pulls_waiting", "KV pulls waiting for a max_inflight_pulls place")
         waiting.add_metric([], float(s.pulls_waiting))

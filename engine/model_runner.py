@@ -292,12 +292,27 @@ class ModelRunner:
         interpreter, in tests) the same staged inputs run eagerly."""
         if self.kernels != "triton":
             raise ValueError("CUDA graphs need the Triton kernels")
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.indexer_caches, sorted(set(sizes)),
-                                   self.block_size, self.num_blocks, self.max_model_len, self.sparse_topk)
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            self.indexer_caches,
+            sorted(set(sizes)),
+            self.block_size,
+            self.num_blocks,
+            self.max_model_len,
+            self.sparse_topk,
+        )
         self.graphs.capture_all()
         if token_sizes:
-            self.mixed_graphs = MixedGraphs(self.model, self.kv_caches, sorted(set(token_sizes)), max_num_seqs,
-                                            self.block_size, self.num_blocks, self.max_model_len)
+            self.mixed_graphs = MixedGraphs(
+                self.model,
+                self.kv_caches,
+                sorted(set(token_sizes)),
+                max_num_seqs,
+                self.block_size,
+                self.num_blocks,
+                self.max_model_len,
+            )
             self.mixed_graphs.capture_all()
 
     # -- one step -----------------------------------------------------------------------------------

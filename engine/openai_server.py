@@ -180,8 +180,12 @@ def _chat_prompt(state: ServerState, body: ChatBody) -> tuple[list[int], ChatExt
                 messages.insert(0, {"role": "system", "content": system})
     add_generation_prompt, continue_final_message = body.template_switches()
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message, **kwargs)
+        text = tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **kwargs,
+        )
     except (ValueError, TypeError) as exc:
         raise InvalidRequestError(str(exc)) from exc
     ids = tokenizer.encode(text)
@@ -191,9 +195,11 @@ def _chat_prompt(state: ServerState, body: ChatBody) -> tuple[list[int], ChatExt
     elif tools:
         parser_name = state.args.tool_call_parser
         if parser_name is None or not state.args.enable_auto_tool_choice:
-            raise InvalidRequestError('tool_choice "auto" needs the engine started with --enable-auto-tool-choice '
-                                      "and --tool-call-parser (as vLLM); or send tool_choice required, a named "
-                                      "function, or none")
+            raise InvalidRequestError(
+                'tool_choice "auto" needs the engine started with --enable-auto-tool-choice '
+                "and --tool-call-parser (as vLLM); or send tool_choice required, a named "
+                "function, or none"
+            )
         parallel = body.parallel_tool_calls is not False
         parsers = lambda: make_parser(parser_name, parallel)  # noqa: E731
     else:
@@ -212,8 +218,10 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
     limit = body.token_limit()
     params = body.sampling_params(limit or 1)
     if params.priority and state.args.scheduling_policy != "priority":
-        raise InvalidRequestError(f"priority {params.priority}: this engine schedules first come, first served; "
-                                  "start it with --scheduling-policy priority (as vLLM)")
+        raise InvalidRequestError(
+            f"priority {params.priority}: this engine schedules first come, first served; "
+            "start it with --scheduling-policy priority (as vLLM)"
+        )
     echo = isinstance(body, CompletionBody) and bool(body.echo)
     if echo and params.logprobs is not None:  # echo with logprobs scores the prompt's tokens too (OpenAI)
         params = replace(params, prompt_logprobs=max(params.prompt_logprobs or 0, params.logprobs))
@@ -275,9 +283,13 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
 
 def _meta_info(request_id: str, out: RequestOutput) -> dict[str, Any]:
     """SGLang's `meta_info` of a /generate answer."""
-    return {"id": request_id, "finish_reason": {"type": out.finish_reason} if out.finish_reason else None,
-            "prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "cached_tokens": out.cached_tokens}
+    return {
+        "id": request_id,
+        "finish_reason": {"type": out.finish_reason} if out.finish_reason else None,
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "cached_tokens": out.cached_tokens,
+    }
 
 
 async def _collect_native(outputs: AsyncIterator[tuple[int, RequestOutput]], request_id: str) -> dict[str, Any]:
@@ -314,8 +326,9 @@ async def _stream_native(
     return resp
 
 
-async def _stream_response(request: web.Request, shape: ResponseShape,
-                           outputs: AsyncIterator[tuple[int, RequestOutput]], choice: Choice) -> web.StreamResponse:
+async def _stream_response(
+    request: web.Request, shape: ResponseShape, outputs: AsyncIterator[tuple[int, RequestOutput]], choice: Choice
+) -> web.StreamResponse:
     """A Responses API stream: its named events (engine/responses.py), no [DONE]."""
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": shape.id}
@@ -406,9 +419,18 @@ def _trace(tracing: EngineTracing, request: web.Request, role: str | None, times
         start = pulled if pulled is not None else first
         if start is not None:
             phases.append(("decode", start, end))
-    tracing.emit(request.headers, arrived, end, phases, {
-        "atomesh.kv_role": role or "colocated", "gen_ai.usage.input_tokens": prompt_tokens, "atomesh.n": n,
-        "http.route": request.path})
+    tracing.emit(
+        request.headers,
+        arrived,
+        end,
+        phases,
+        {
+            "atomesh.kv_role": role or "colocated",
+            "gen_ai.usage.input_tokens": prompt_tokens,
+            "atomesh.n": n,
+            "http.route": request.path,
+        },
+    )
 
 
 async def _timed(outputs: AsyncIterator[RequestOutput], metrics: ServerMetrics,
@@ -469,6 +491,7 @@ async def _stream(request: web.Request, head: Head, outputs: AsyncIterator[tuple
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
+
 
 async def models(request: web.Request) -> web.Response:
     """GET /v1/models."""
@@ -545,15 +568,23 @@ async def health_generate(request: web.Request) -> web.Response:
 async def get_model_info(request: web.Request) -> web.Response:
     """GET /get_model_info: SGLang's shape."""
     state = request.app[STATE]
-    return _json({"model_path": state.args.model, "tokenizer_path": state.args.model,
-                  "served_model_name": state.served_model_name, "is_generation": True,
-                  "max_model_len": state.engine.info.max_model_len})
+    return _json(
+        {
+            "model_path": state.args.model,
+            "tokenizer_path": state.args.model,
+            "served_model_name": state.served_model_name,
+            "is_generation": True,
+            "max_model_len": state.engine.info.max_model_len,
+        }
+    )
 
 
 async def flush_cache(request: web.Request) -> web.Response:
     """POST /flush_cache: forget the prefix cache's free blocks (blocks in use keep theirs)."""
     flushed = request.app[STATE].engine.flush_prefix_cache()
     return _json({"status": "ok", "flushed_blocks": flushed})
+
+
 async def tokenizer_info(request: web.Request) -> web.Response:
     """GET /tokenizer_info: the tokenizer and chat template, so a router can tokenize prompts exactly as here."""
     return _json(request.app[STATE].engine.tokenizer.describe())
@@ -580,17 +611,24 @@ def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
     # The embedded model answers to its real name, the one `atomesh up` and the docs send; `--model smollm2`
     # is only how it is asked for (requests naming --model are still served).
     served = args.served_model_name or (engine.model_id if args.model in SMOLLM2_NAMES else args.model)
-    disagg = (Disaggregation(engine, args.kv_transfer, args.host, args.kv_transfer_timeout)
-              if args.kv_transfer.kv_role else None)
+    disagg = (
+        Disaggregation(engine, args.kv_transfer, args.host, args.kv_transfer_timeout)
+        if args.kv_transfer.kv_role
+        else None
+    )
     async_engine = AsyncLLMEngine(engine, disagg)
     app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024 * 1024)
     server_metrics = ServerMetrics(async_engine.stats, served)
     if disagg is not None:
         server_metrics.watch_transfers(disagg.snapshot)
-    tracing = (EngineTracing(args.otlp_traces_endpoint, f"atomesh-engine-{args.kv_transfer.kv_role or 'colocated'}")
-               if args.otlp_traces_endpoint else None)
+    tracing = (
+        EngineTracing(args.otlp_traces_endpoint, f"atomesh-engine-{args.kv_transfer.kv_role or 'colocated'}")
+        if args.otlp_traces_endpoint
+        else None
+    )
     app[STATE] = ServerState(async_engine, args, served, server_metrics, disagg, tracing)
     if tracing is not None:
+
         async def flush_spans(app: web.Application) -> None:
             tracing.shutdown()  # the spans still batched go out before exit
 
@@ -623,8 +661,7 @@ def create_app(engine: LLMEngine, args: EngineArgs) -> web.Application:
     app.router.add_get("/server_info", server_info)
     app.router.add_get("/kv_transfer_info", kv_transfer_info)
     app.router.add_get("/tokenizer_info", tokenizer_info)
-    tokenize_api.add_routes(app, engine.tokenizer, engine.max_model_len,
-                            lambda name: _check_model(app[STATE], name))
+    tokenize_api.add_routes(app, engine.tokenizer, engine.max_model_len, lambda name: _check_model(app[STATE], name))
     return app
 
 
@@ -648,8 +685,9 @@ async def serve(args: EngineArgs, engine: LLMEngine) -> None:
     except OSError as exc:
         await runner.cleanup()
         reason = os.strerror(exc.errno) if exc.errno else str(exc)
-        raise BindError(f"cannot listen on {args.host}:{args.server_port} (HTTP, --host/--server-port): "
-                        f"{reason}") from exc
+        raise BindError(
+            f"cannot listen on {args.host}:{args.server_port} (HTTP, --host/--server-port): {reason}"
+        ) from exc
     log.info("server_listening model=%s url=http://%s:%d", args.model, args.host, args.server_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -219,8 +219,10 @@ class SamplingBody(SamplingKnobs):
         if kv.get("do_remote_decode") and self.stream:
             raise InvalidRequestError("kv_transfer_params: a prefill for remote decode must have stream=false")
         if kv.get("do_remote_decode") and self.num_sequences > 1:
-            raise InvalidRequestError("kv_transfer_params: a prefill for remote decode computes one sequence (n=1, "
-                                      "no best_of); the decode engine forks the others from the transferred KV")
+            raise InvalidRequestError(
+                "kv_transfer_params: a prefill for remote decode computes one sequence (n=1, "
+                "no best_of); the decode engine forks the others from the transferred KV"
+            )
         self.grammar()  # refuses conflicting or malformed structured-output requests
 
     @property
@@ -266,8 +268,9 @@ class SamplingBody(SamplingKnobs):
             if so.json_object:
                 specs.append(("structured_outputs.json_object", GrammarSpec("json_object", "")))
         if len(specs) > 1:
-            raise InvalidRequestError("only one structured-output constraint per request; got "
-                                      + ", ".join(name for name, _ in specs))
+            raise InvalidRequestError(
+                "only one structured-output constraint per request; got " + ", ".join(name for name, _ in specs)
+            )
         return specs[0][1] if specs else None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
@@ -340,8 +343,10 @@ class CompletionBody(SamplingBody):
         if self.best_of is not None and self.best_of > (self.n or 1) and self.stream:
             raise InvalidRequestError("best_of > n cannot be streamed (the best are known only at the end)")
         if self.echo and (self.kv_transfer_params or {}).get("do_remote_decode"):
-            raise InvalidRequestError("echo: a prefill for remote decode answers nothing but kv_transfer_params; the "
-                                      "decode engine echoes the prompt")
+            raise InvalidRequestError(
+                "echo: a prefill for remote decode answers nothing but kv_transfer_params; the "
+                "decode engine echoes the prompt"
+            )
 
     @property
     def num_sequences(self) -> int:
@@ -438,8 +443,9 @@ class ChatBody(SamplingBody):
         if choice == "required" and not names:
             raise InvalidRequestError("tool_choice: required needs tools")
         if self.tools_forced() and self.grammar_of_body() is not None:
-            raise InvalidRequestError("tool_choice required / a named function cannot be combined with "
-                                      "response_format or guided decoding")
+            raise InvalidRequestError(
+                "tool_choice required / a named function cannot be combined with response_format or guided decoding"
+            )
         super().check()  # last: it builds the grammar, which needs the tools checked
 
     def template_switches(self) -> tuple[bool, bool]:

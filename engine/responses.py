@@ -247,8 +247,9 @@ class InputMessage(BaseModel):
         texts = []
         for part in self.content:
             if part.type not in ("input_text", "output_text", "text"):
-                raise InvalidRequestError(f"input content of type {part.type!r} is not supported by this engine "
-                                          "(text only)")
+                raise InvalidRequestError(
+                    f"input content of type {part.type!r} is not supported by this engine (text only)"
+                )
             texts.append(part.text or "")
         return ChatMessage(role=self.role, content="".join(texts))
 
@@ -296,12 +297,15 @@ class ResponsesBody(BaseModel):
         }
         for name, asked in refused.items():
             if asked:
-                why = "this engine stores no responses" if name in ("previous_response_id", "store", "background") \
+                why = (
+                    "this engine stores no responses"
+                    if name in ("previous_response_id", "store", "background")
                     else "this engine answers text only"
+                )
                 raise InvalidRequestError(f"{name} is not supported by /v1/responses here ({why})")
         fmt = (self.text or {}).get("format")
         if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-            raise InvalidRequestError("text.format: only {\"type\": \"text\"} is supported by this engine")
+            raise InvalidRequestError('text.format: only {"type": "text"} is supported by this engine')
 
     def as_chat(self) -> ChatBody:
         """The same request as a chat completion (one path through the engine)."""
@@ -312,12 +316,22 @@ class ResponsesBody(BaseModel):
         else:
             for i, item in enumerate(self.input):
                 if item.get("type", "message") != "message":
-                    raise InvalidRequestError(f"input[{i}]: items of type {item.get('type')!r} are not supported "
-                                              "by this engine (messages only)")
+                    raise InvalidRequestError(
+                        f"input[{i}]: items of type {item.get('type')!r} are not supported "
+                        "by this engine (messages only)"
+                    )
                 messages.append(validated(InputMessage, item).for_chat())
-        body = ChatBody(model=self.model, messages=messages, max_tokens=self.max_output_tokens,
-                        temperature=self.temperature, top_p=self.top_p, stream=self.stream, user=self.user,
-                        priority=self.priority, kv_transfer_params=self.kv_transfer_params)
+        body = ChatBody(
+            model=self.model,
+            messages=messages,
+            max_tokens=self.max_output_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            stream=self.stream,
+            user=self.user,
+            priority=self.priority,
+            kv_transfer_params=self.kv_transfer_params,
+        )
         body.check()
         return body
 
@@ -333,8 +347,9 @@ class ResponseShape:
         self.request = body
         self._sequence = 0
 
-    def response(self, status: str, text: str | None, usage: dict[str, Any] | None,
-                 finish_reason: str | None = None) -> dict[str, Any]:
+    def response(
+        self, status: str, text: str | None, usage: dict[str, Any] | None, finish_reason: str | None = None
+    ) -> dict[str, Any]:
         """The response object (`text` None: no output yet)."""
         r = self.request
         output = [] if text is None else [self._message(text, "completed")]
@@ -359,8 +374,12 @@ class ResponseShape:
         """The whole response, from the chat completion the engine made of the request."""
         choice = answer["choices"][0]
         finish = choice.get("finish_reason")
-        return self.response("incomplete" if finish == "length" else "completed",
-                             choice["message"]["content"] or "", usage_of(answer["usage"]), finish)
+        return self.response(
+            "incomplete" if finish == "length" else "completed",
+            choice["message"]["content"] or "",
+            usage_of(answer["usage"]),
+            finish,
+        )
 
     def event(self, kind: str, **fields: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self._sequence, **fields}
@@ -372,11 +391,15 @@ class ResponseShape:
         completed (incomplete when the token limit cut it; an error event when the engine failed)."""
         await resp.write(self.event("response.created", response=self.response("in_progress", None, None)))
         await resp.write(self.event("response.in_progress", response=self.response("in_progress", None, None)))
-        await resp.write(self.event("response.output_item.added", output_index=0,
-                                    item=self._message("", "in_progress")))
+        await resp.write(
+            self.event("response.output_item.added", output_index=0, item=self._message("", "in_progress"))
+        )
         part = {"type": "output_text", "text": "", "annotations": []}
-        await resp.write(self.event("response.content_part.added", item_id=self.message_id, output_index=0,
-                                    content_index=0, part=part))
+        await resp.write(
+            self.event(
+                "response.content_part.added", item_id=self.message_id, output_index=0, content_index=0, part=part
+            )
+        )
         last: RequestOutput | None = None
         async for _, out in outputs:
             if out.error is not None:
@@ -387,15 +410,37 @@ class ResponseShape:
             delta = choice.delta(out)
             text = (delta or {}).get("delta", {}).get("content")
             if text:
-                await resp.write(self.event("response.output_text.delta", item_id=self.message_id,
-                                            output_index=0, content_index=0, delta=text, logprobs=[]))
+                await resp.write(
+                    self.event(
+                        "response.output_text.delta",
+                        item_id=self.message_id,
+                        output_index=0,
+                        content_index=0,
+                        delta=text,
+                        logprobs=[],
+                    )
+                )
         text = "".join(choice.text)
-        await resp.write(self.event("response.output_text.done", item_id=self.message_id, output_index=0,
-                                    content_index=0, text=text, logprobs=[]))
-        await resp.write(self.event("response.content_part.done", item_id=self.message_id, output_index=0,
-                                    content_index=0, part={**part, "text": text}))
-        await resp.write(self.event("response.output_item.done", output_index=0,
-                                    item=self._message(text, "completed")))
+        await resp.write(
+            self.event(
+                "response.output_text.done",
+                item_id=self.message_id,
+                output_index=0,
+                content_index=0,
+                text=text,
+                logprobs=[],
+            )
+        )
+        await resp.write(
+            self.event(
+                "response.content_part.done",
+                item_id=self.message_id,
+                output_index=0,
+                content_index=0,
+                part={**part, "text": text},
+            )
+        )
+        await resp.write(self.event("response.output_item.done", output_index=0, item=self._message(text, "completed")))
         finish = last.finish_reason if last is not None else None
         usage = usage_of(_chat_usage(last)) if last is not None else None
         status = "incomplete" if finish == "length" else "completed"
@@ -403,8 +448,11 @@ class ResponseShape:
 
 
 def _chat_usage(out: RequestOutput) -> dict[str, Any]:
-    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+    return {
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
+    }
 
 
 def usage_of(chat: dict[str, Any]) -> dict[str, Any]:

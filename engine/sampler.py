@@ -164,8 +164,12 @@ class Sampler:
             where = (torch.tensor([i for i, _, _ in bias], device=dev),
                      torch.tensor([t for _, t, _ in bias], device=dev))  # fmt: skip
             logits.index_put_(where, torch.tensor([b for _, _, b in bias], device=dev), accumulate=True)
-        banned = [(i, t) for i, r in enumerate(rows) if r.num_output < r.params.min_tokens
-                  for t in (*r.params.stop_token_ids, *(() if r.params.ignore_eos else self.eos_token_ids))]
+        banned = [
+            (i, t)
+            for i, r in enumerate(rows)
+            if r.num_output < r.params.min_tokens
+            for t in (*r.params.stop_token_ids, *(() if r.params.ignore_eos else self.eos_token_ids))
+        ]
         if banned:
             logits[[i for i, _ in banned], [t for _, t in banned]] = float("-inf")
         if bitmask is not None:
@@ -229,7 +233,8 @@ class Sampler:
         noise = torch.empty(len(rows), vocab, device=dev)
         if unseeded:
             noise[unseeded] = torch.empty(len(unseeded), vocab, device=dev).exponential_(
-                1.0, generator=self._generator(dev))
+                1.0, generator=self._generator(dev)
+            )
         for i, r in enumerate(rows):
             if r.seed_key is not None:  # on the CPU: the same draws whatever the device
                 row = torch.empty(vocab).exponential_(1.0, generator=torch.Generator().manual_seed(r.seed_key))

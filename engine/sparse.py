@@ -82,8 +82,13 @@ def _rows(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def select_blocks(
-    q: torch.Tensor, indexer: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-    block_size: int, topk: int, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    q: torch.Tensor,
+    indexer: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    topk: int,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose each sequence's blocks for one decode step.
 
@@ -125,8 +130,13 @@ def select_blocks(
 
 
 def select_blocks_paged(
-    q: torch.Tensor, indexer: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-    block_size: int, topk: int, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    q: torch.Tensor,
+    indexer: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    topk: int,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The blocks each decoding sequence attends to, as a block table a paged kernel reads in place.
 
@@ -150,8 +160,14 @@ def select_blocks_paged(
 
 
 def sparse_decode(
-    q: torch.Tensor, kv_cache: torch.Tensor, indexer: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, scale: float, topk: int, dtype: torch.dtype,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indexer: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    topk: int,
+    dtype: torch.dtype,
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Decode attention over the selected blocks only. q: [seqs, heads, head_dim] -> same shape."""
@@ -173,6 +189,7 @@ def sparse_decode(
     kv = _cooked(_rows(rows, torch.stack([selected, selected + num_blocks])), kv_cache.dtype)
     # kv: [2, seqs, n, block_size, kv_heads, head_dim]
     kv = kv.to(dtype).reshape(2, seqs, n * block_size, kv_heads, head_dim).transpose(2, 3)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0], kv[1], attn_mask=mask[:, None, None, :],
-                                         scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), kv[0], kv[1], attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+    )
     return out.squeeze(2)

@@ -331,8 +331,10 @@ class EagleDrafter:
                 hidden = hidden[keep]
                 active = [active[n] for n in keep]
             pos = np.asarray([int(rows.positions[rows.starts[i]]) + j - 1 for i in active], dtype=np.int64)
-            slots = np.asarray([rows.tables[i][p // bs] * bs + p % bs for i, p in zip(active, pos.tolist(),
-                                                                                         strict=True)], dtype=np.int64)
+            slots = np.asarray(
+                [rows.tables[i][p // bs] * bs + p % bs for i, p in zip(active, pos.tolist(), strict=True)],
+                dtype=np.int64,
+            )
             ids = torch.tensor([out[i][-1] for i in active], dtype=torch.int64, device=self.device)
             normed, hidden = self._run(ids, pos, hidden, [1] * len(active), pos.tolist(), slots,
                                        [rows.tables[i] for i in active])  # fmt: skip

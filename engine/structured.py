@@ -78,8 +78,9 @@ class GrammarCompiler:
             if spec.kind == "grammar":
                 return c.compile_grammar(spec.source)
         except (RuntimeError, ValueError, TypeError) as exc:
-            raise InvalidRequestError(f"the {spec.kind.replace('_', ' ')} constraint cannot be compiled: "
-                                      f"{str(exc).splitlines()[0][:300]}") from exc
+            raise InvalidRequestError(
+                f"the {spec.kind.replace('_', ' ')} constraint cannot be compiled: {str(exc).splitlines()[0][:300]}"
+            ) from exc
         raise InvalidRequestError(f"unknown structured-output kind {spec.kind!r}")
 
     async def state_for(self, spec: GrammarSpec, executor: Executor | None = None) -> GrammarState:

@@ -34,8 +34,9 @@ def _json(body: Any) -> web.Response:
     return web.json_response(body)
 
 
-def add_routes(app: web.Application, tokenizer: Tokenizer, max_model_len: int,
-               check_model: Callable[[str | None], None]) -> None:
+def add_routes(
+    app: web.Application, tokenizer: Tokenizer, max_model_len: int, check_model: Callable[[str | None], None]
+) -> None:
     """Register the routes on `app` (the engine's server)."""
 
     async def tokenize(request: web.Request) -> web.Response:
@@ -72,8 +73,11 @@ def add_routes(app: web.Application, tokenizer: Tokenizer, max_model_len: int,
 
     def refuse(what: str) -> Callable[[web.Request], Any]:
         async def handler(request: web.Request) -> web.Response:
-            raise InvalidRequestError(f"{request.path} is not served: this engine runs a causal language model "
-                                      f"(text generation), not a model for {what}")
+            raise InvalidRequestError(
+                f"{request.path} is not served: this engine runs a causal language model "
+                f"(text generation), not a model for {what}"
+            )
+
         return handler
 
     for prefix in ("", "/v1"):

@@ -40,8 +40,12 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-        continue_final_message: bool = False, **kwargs: Any,
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **kwargs: Any,
     ) -> str: ...
 
     def token_text(self, token_id: int) -> str: ...
@@ -97,9 +101,9 @@ def _open_final_message(rendered: str, messages: list[dict[str, Any]]) -> str:
     if at < 0:
         raise ValueError("continue_final_message: the chat template does not show the final message as given")
     kept = final.lstrip()
-    if rendered[at:at + len(kept)] == kept:
-        return rendered[:at + len(kept)]  # the template kept the message's trailing spaces
-    return rendered[:at + len(final.strip())]
+    if rendered[at : at + len(kept)] == kept:
+        return rendered[: at + len(kept)]  # the template kept the message's trailing spaces
+    return rendered[: at + len(final.strip())]
 
 
 def _raise_template_error(message: str) -> None:
@@ -112,8 +116,12 @@ class _Templated:
     _chat: ChatTemplate
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-        continue_final_message: bool = False, **kwargs: Any,
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **kwargs: Any,
     ) -> str:
         return self._chat.render(messages, add_generation_prompt, continue_final_message, **kwargs)
 

@@ -63,8 +63,11 @@ class ToolCall:
     id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
 
     def to_dict(self, index: int | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": self.id, "type": "function",
-                               "function": {"name": self.name, "arguments": self.arguments}}
+        out: dict[str, Any] = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
         if index is not None:
             out["index"] = index
         return out

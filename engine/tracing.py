@@ -33,8 +33,14 @@ class EngineTracing:
     def _ns(self, t: float) -> int:
         return int(t * 1e9) + self._offset_ns
 
-    def emit(self, headers: Mapping[str, str], start: float, end: float, phases: Sequence[Phase],
-             attributes: Mapping[str, Any]) -> None:
+    def emit(
+        self,
+        headers: Mapping[str, str],
+        start: float,
+        end: float,
+        phases: Sequence[Phase],
+        attributes: Mapping[str, Any],
+    ) -> None:
         """One request's spans, under the `traceparent` in `headers` (a root span without one; none when that
         traceparent is not sampled)."""
         from opentelemetry import trace
@@ -45,8 +51,13 @@ class EngineTracing:
         caller = trace.get_current_span(parent).get_span_context()
         if caller.is_valid and not caller.trace_flags.sampled:
             return  # the caller's trace is not sampled: neither are its engine spans
-        root = self._tracer.start_span("engine.request", context=parent, kind=SpanKind.SERVER,
-                                       attributes=dict(attributes), start_time=self._ns(start))
+        root = self._tracer.start_span(
+            "engine.request",
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes=dict(attributes),
+            start_time=self._ns(start),
+        )
         inside = trace.set_span_in_context(root)
         for name, a, b in phases:
             if b >= a:

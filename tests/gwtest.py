@@ -55,10 +55,16 @@ async def mock_workers() -> AsyncIterator[MakeWorkers]:
 
 def gateway_config(**settings: Any) -> GatewayConfig:
     base: dict[str, Any] = {
-        "host": "127.0.0.1", "port": free_port(), "prometheus_host": "127.0.0.1",
-        "prometheus_port": free_port(), "worker_startup_check_interval": 0.1,
-        "worker_startup_timeout_secs": 10, "policy": "round_robin",
-        "retry_initial_backoff_ms": 5, "retry_max_backoff_ms": 50, "shutdown_grace_period_secs": 5,
+        "host": "127.0.0.1",
+        "port": free_port(),
+        "prometheus_host": "127.0.0.1",
+        "prometheus_port": free_port(),
+        "worker_startup_check_interval": 0.1,
+        "worker_startup_timeout_secs": 10,
+        "policy": "round_robin",
+        "retry_initial_backoff_ms": 5,
+        "retry_max_backoff_ms": 50,
+        "shutdown_grace_period_secs": 5,
     }
     base.update(settings)
     return GatewayConfig.model_validate(base)
@@ -101,7 +107,9 @@ class WorkerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "atomesh.testing.mock_worker", "--port", str(self.port), "--name", name, *args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
     async def wait_up(self, timeout: float = 20) -> WorkerProcess:
         deadline = time.monotonic() + timeout
@@ -148,8 +156,9 @@ class EngineProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(f"/tmp/atomesh-test-{name}-{self.port}.log", "wb")
-        self.proc = subprocess.Popen([*args, "--server-port", str(self.port)], stdout=self.log,
-                                     stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(
+            [*args, "--server-port", str(self.port)], stdout=self.log, stderr=subprocess.STDOUT, env=env
+        )
 
     def wait_up(self, timeout: float = 90) -> Self:
         deadline = time.monotonic() + timeout

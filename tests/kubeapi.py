@@ -37,8 +37,15 @@ class _Watch:
 
 
 def status(code: int, reason: str, message: str) -> Obj:
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
-            "reason": reason, "code": code}
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
 
 
 def flag(value: str | None) -> bool:
@@ -58,7 +65,8 @@ def matches(pod: Obj, namespace: str | None, selector: dict[str, str]) -> bool:
     meta = pod["metadata"]
     labels = meta.get("labels") or {}
     return (namespace is None or meta["namespace"] == namespace) and all(
-        labels.get(k) == v for k, v in selector.items())
+        labels.get(k) == v for k, v in selector.items()
+    )
 
 
 class KubeApiServer:
@@ -122,8 +130,12 @@ class KubeApiServer:
     def bookmark(self) -> None:
         """Send a BOOKMARK with the current version to every watch that asked for bookmarks."""
         for w in (w for w in self._watches if w.bookmarks):
-            w.queue.put_nowait({"type": "BOOKMARK", "object": {"kind": "Pod", "apiVersion": "v1",
-                                                               "metadata": {"resourceVersion": str(self.rv)}}})
+            w.queue.put_nowait(
+                {
+                    "type": "BOOKMARK",
+                    "object": {"kind": "Pod", "apiVersion": "v1", "metadata": {"resourceVersion": str(self.rv)}},
+                }
+            )
 
     def watch_requests(self) -> list[dict[str, str]]:
         return [q for _, q in self.requests if flag(q.get("watch"))]
@@ -132,23 +144,49 @@ class KubeApiServer:
         return [q for _, q in self.requests if not flag(q.get("watch"))]
 
     # ------------------------------------------------------------------ pods
-    def add_pod(self, namespace: str, name: str, ip: str | None, labels: dict[str, str], *,
-                annotations: dict[str, str] | None = None, ready: bool = True, phase: str = "Running") -> Obj:
+    def add_pod(
+        self,
+        namespace: str,
+        name: str,
+        ip: str | None,
+        labels: dict[str, str],
+        *,
+        annotations: dict[str, str] | None = None,
+        ready: bool = True,
+        phase: str = "Running",
+    ) -> Obj:
         pod: Obj = {
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{next(self._uids)}",
-                         "labels": dict(labels), "annotations": dict(annotations or {}),
-                         "managedFields": [{"manager": "kubelet", "operation": "Update"}]},
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": namespace,
+                "uid": f"uid-{next(self._uids)}",
+                "labels": dict(labels),
+                "annotations": dict(annotations or {}),
+                "managedFields": [{"manager": "kubelet", "operation": "Update"}],
+            },
             "spec": {"containers": [{"name": "engine", "image": "atomesh-engine"}]},
-            "status": {"phase": phase, "podIP": ip, "conditions": [
-                {"type": "Ready", "status": "True" if ready else "False"}]},
+            "status": {
+                "phase": phase,
+                "podIP": ip,
+                "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+            },
         }
         self._record("ADDED", pod, None)
         return pod
 
-    def update_pod(self, namespace: str, name: str, *, labels: dict[str, str] | None = None,
-                   annotations: dict[str, str] | None = None, ready: bool | None = None,
-                   ip: str | None = None, deleting: bool = False) -> Obj:
+    def update_pod(
+        self,
+        namespace: str,
+        name: str,
+        *,
+        labels: dict[str, str] | None = None,
+        annotations: dict[str, str] | None = None,
+        ready: bool | None = None,
+        ip: str | None = None,
+        deleting: bool = False,
+    ) -> Obj:
         old = self.pods[(namespace, name)]
         pod = copy.deepcopy(old)
         if labels is not None:
@@ -206,8 +244,15 @@ class KubeApiServer:
         data = self.secrets.get((ns, name))
         if data is None:
             return web.json_response(status(404, "NotFound", f'secrets "{name}" not found'), status=404)
-        return web.json_response({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-                                  "metadata": {"name": name, "namespace": ns}, "data": data})
+        return web.json_response(
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "type": "Opaque",
+                "metadata": {"name": name, "namespace": ns},
+                "data": data,
+            }
+        )
 
     async def _pods(self, request: web.Request) -> web.StreamResponse:
         query = dict(request.query)
@@ -216,8 +261,9 @@ class KubeApiServer:
             return web.json_response(status(401, "Unauthorized", "Unauthorized"), status=401)
         if self.fail_next > 0:
             self.fail_next -= 1
-            return web.json_response(status(self.fail_status, "InternalError", "etcdserver: request timed out"),
-                                     status=self.fail_status)
+            return web.json_response(
+                status(self.fail_status, "InternalError", "etcdserver: request timed out"), status=self.fail_status
+            )
         namespace = request.match_info.get("namespace")
         selector = parse_selector(query.get("labelSelector", ""))
         if flag(query.get("watch")):
@@ -242,8 +288,9 @@ class KubeApiServer:
             self._snapshots[meta["continue"]] = (version, rest)
         return web.json_response({"kind": "PodList", "apiVersion": "v1", "metadata": meta, "items": page})
 
-    async def _watch(self, request: web.Request, namespace: str | None, selector: dict[str, str],
-                     query: dict[str, str]) -> web.StreamResponse:
+    async def _watch(
+        self, request: web.Request, namespace: str | None, selector: dict[str, str], query: dict[str, str]
+    ) -> web.StreamResponse:
         w = _Watch(namespace, selector, request=request, bookmarks=flag(query.get("allowWatchBookmarks")))
         since = query.get("resourceVersion") or "0"
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
@@ -255,11 +302,16 @@ class KubeApiServer:
             await resp.write_eof()
             return resp
         if since in ("", "0"):
-            backlog = [{"type": "ADDED", "object": p} for _, p in sorted(self.pods.items())
-                       if matches(p, namespace, selector)]
+            backlog = [
+                {"type": "ADDED", "object": p} for _, p in sorted(self.pods.items()) if matches(p, namespace, selector)
+            ]
         else:
-            backlog = [e for rv, kind, pod, old in self.history if rv > int(since)
-                       if (e := self._event_for(w, kind, pod, old)) is not None]
+            backlog = [
+                e
+                for rv, kind, pod, old in self.history
+                if rv > int(since)
+                if (e := self._event_for(w, kind, pod, old)) is not None
+            ]
         for event in backlog:
             w.queue.put_nowait(event)
         self._watches.append(w)

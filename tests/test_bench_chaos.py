@@ -14,10 +14,33 @@ import pytest
 def test_bench_chaos_quick_run(tmp_path: Path) -> None:
     saved = tmp_path / "chaos.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "atomesh", "bench", "chaos", "--only", "atomesh", "--workers", "3",
-         "--concurrency", "4", "--duration", "4", "--kill-at", "1", "--freeze-at", "2", "--tokens", "8",
-         "--json", str(saved)],
-        capture_output=True, text=True, timeout=110)
+        [
+            sys.executable,
+            "-m",
+            "atomesh",
+            "bench",
+            "chaos",
+            "--only",
+            "atomesh",
+            "--workers",
+            "3",
+            "--concurrency",
+            "4",
+            "--duration",
+            "4",
+            "--kill-at",
+            "1",
+            "--freeze-at",
+            "2",
+            "--tokens",
+            "8",
+            "--json",
+            str(saved),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "| atomesh |" in out, out
@@ -34,10 +57,16 @@ def test_rows_compare_like_with_like_first() -> None:
     from atomesh.bench.chaos import NO_MIGRATION, SYSTEMS, gateway_command
 
     assert SYSTEMS == (NO_MIGRATION, "smg", "atomesh")
-    args = argparse.Namespace(health_interval_secs=1, health_timeout_secs=1, health_failure_threshold=2,
-                              request_timeout_secs=60, retry_max_retries=5, migration_limit=3)
+    args = argparse.Namespace(
+        health_interval_secs=1,
+        health_timeout_secs=1,
+        health_failure_threshold=2,
+        request_timeout_secs=60,
+        retry_max_retries=5,
+        migration_limit=3,
+    )
     plain = gateway_command(NO_MIGRATION, 1, 2, ["http://w"], args)
     migrating = gateway_command("atomesh", 1, 2, ["http://w"], args)
     assert plain[plain.index("--migration-limit") + 1] == "0"
     assert migrating[migrating.index("--migration-limit") + 1] == "3"
-    assert plain[:plain.index("--migration-limit")] == migrating[:migrating.index("--migration-limit")]
+    assert plain[: plain.index("--migration-limit")] == migrating[: migrating.index("--migration-limit")]

@@ -13,8 +13,9 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def _run(policy: str, hit: float, rnd: int, gw: int = 2) -> RunResult:
-    return RunResult("multi-turn", policy, gw, hit, 0, 0, 500.0 + rnd, 900.0, 1.0 + rnd / 10, [12] * 4, 0, 7.0,
-                     round=rnd)
+    return RunResult(
+        "multi-turn", policy, gw, hit, 0, 0, 500.0 + rnd, 900.0, 1.0 + rnd / 10, [12] * 4, 0, 7.0, round=rnd
+    )
 
 
 def test_summary_takes_medians_and_pairs_rounds(capsys: pytest.CaptureFixture[str]) -> None:
@@ -90,7 +91,7 @@ async def test_multi_turn_replay_resumes_conversations_after_a_restart() -> None
     assert sorted(second) == sorted(first) and second != first  # every conversation, in another order
     for m in seen:
         c = convs[[conv[0]["content"] for conv in convs].index(m[0]["content"])]
-        assert [x["content"] for x in m if x["role"] == "user"] == [u["content"] for u in c[1:len(m) // 2 + 1]]
+        assert [x["content"] for x in m if x["role"] == "user"] == [u["content"] for u in c[1 : len(m) // 2 + 1]]
 
 
 async def test_long_tail_replay_runs_each_conversation_to_its_own_length() -> None:
@@ -122,8 +123,11 @@ def test_summary_keeps_pool_sizes_apart(capsys: pytest.CaptureFixture[str]) -> N
             runs.append(r)
     rows = summarize(runs, ["multi-turn"], [2], ["kv_aware", "cache_aware"])
     assert [(r["kv_blocks"], r["policy"], r["hit_rate"], r["evicted_blocks"]) for r in rows] == [
-        (40, "kv_aware", 0.32, 300), (40, "cache_aware", 0.26, 300),
-        (80, "kv_aware", 0.50, 20), (80, "cache_aware", 0.36, 20)]
+        (40, "kv_aware", 0.32, 300),
+        (40, "cache_aware", 0.26, 300),
+        (80, "kv_aware", 0.50, 20),
+        (80, "cache_aware", 0.36, 20),
+    ]
     assert rows[0]["vs_cache_aware"] == pytest.approx(0.32 / 0.26)
     assert rows[2]["vs_cache_aware"] == pytest.approx(0.5 / 0.36)
     out = capsys.readouterr().out

@@ -15,9 +15,29 @@ import pytest
 def test_bench_dropped_streams_quick_run(tmp_path: Path) -> None:
     saved = tmp_path / "dropped.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "atomesh", "bench", "dropped-streams", "--only", "atomesh", "--streams", "300",
-         "--every", "100", "--concurrency", "8", "--tokens", "50", "--json", str(saved)],
-        capture_output=True, text=True, timeout=110)
+        [
+            sys.executable,
+            "-m",
+            "atomesh",
+            "bench",
+            "dropped-streams",
+            "--only",
+            "atomesh",
+            "--streams",
+            "300",
+            "--every",
+            "100",
+            "--concurrency",
+            "8",
+            "--tokens",
+            "50",
+            "--json",
+            str(saved),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "| atomesh |" in out, out
@@ -29,9 +49,29 @@ def test_bench_dropped_streams_quick_run(tmp_path: Path) -> None:
 def test_bench_probes_quick_run(tmp_path: Path) -> None:
     saved = tmp_path / "probes.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "atomesh", "bench", "probes", "--only", "atomesh", "--flood", "200", "--clients", "4",
-         "--tokens", "1500", "--wait-secs", "3", "--json", str(saved)],
-        capture_output=True, text=True, timeout=110)
+        [
+            sys.executable,
+            "-m",
+            "atomesh",
+            "bench",
+            "probes",
+            "--only",
+            "atomesh",
+            "--flood",
+            "200",
+            "--clients",
+            "4",
+            "--tokens",
+            "1500",
+            "--wait-secs",
+            "3",
+            "--json",
+            str(saved),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     [report] = json.loads(saved.read_text())["reports"]

@@ -20,8 +20,10 @@ def test_random_prompts_respect_the_range() -> None:
 
 
 def test_summary_percentiles() -> None:
-    outcomes = [Outcome(ok=True, prompt_len=10, output_tokens=5, ttft=0.1 * i, e2el=0.1 * i + 0.4, itl=[0.1] * 4)
-                for i in range(1, 11)] + [Outcome(ok=False, error="boom")]
+    outcomes = [
+        Outcome(ok=True, prompt_len=10, output_tokens=5, ttft=0.1 * i, e2el=0.1 * i + 0.4, itl=[0.1] * 4)
+        for i in range(1, 11)
+    ] + [Outcome(ok=False, error="boom")]
     r = summarize(outcomes, duration=2.0, concurrency=4)
     assert (r["completed"], r["failed"], r["errors"]) == (10, 1, ["boom"])
     assert r["median_ttft_ms"] == pytest.approx(550)
@@ -31,17 +33,40 @@ def test_summary_percentiles() -> None:
 
 
 @pytest.mark.timeout(120)
-async def test_bench_serving_sweep_through_the_gateway(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                       tmp_path: Path) -> None:
+async def test_bench_serving_sweep_through_the_gateway(
+    mock_workers: MakeWorkers, gateway: MakeGateway, tmp_path: Path
+) -> None:
     pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the bench extra)")
     workers = await mock_workers(2, stream_chunks=8)
     gw = await gateway(worker_urls=[w.url for w in workers])
     result, plot = tmp_path / "r.json", tmp_path / "sweep.png"
     proc = await __import__("asyncio").create_subprocess_exec(
-        sys.executable, "-m", "atomesh", "bench", "serving", "--base-url", base_url(gw), "--num-prompts", "20",
-        "--random-input-len", "16", "--random-output-len", "8", "--sweep-concurrency", "1,4",
-        "--num-workers", "2", "--save-result", str(result), "--plot", str(plot),
-        "--percentile-metrics", "ttft,tpot,itl,e2el", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        sys.executable,
+        "-m",
+        "atomesh",
+        "bench",
+        "serving",
+        "--base-url",
+        base_url(gw),
+        "--num-prompts",
+        "20",
+        "--random-input-len",
+        "16",
+        "--random-output-len",
+        "8",
+        "--sweep-concurrency",
+        "1,4",
+        "--num-workers",
+        "2",
+        "--save-result",
+        str(result),
+        "--plot",
+        str(plot),
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     out, _ = await proc.communicate()
     text = out.decode()
     assert proc.returncode == 0, text

@@ -24,15 +24,30 @@ from atomesh.workers.worker import Worker, WorkerState
 
 pytestmark = pytest.mark.timeout(30)
 
-INFO = WorkerInfo(url="http://127.0.0.1:1", role="regular", bootstrap_port=None, state="ready", models=("m",),
-                  kv_transfer_info={}, server_info={"a": 1}, engine_load=3)
+INFO = WorkerInfo(
+    url="http://127.0.0.1:1",
+    role="regular",
+    bootstrap_port=None,
+    state="ready",
+    models=("m",),
+    kv_transfer_info={},
+    server_info={"a": 1},
+    engine_load=3,
+)
 
 
-@pytest.mark.parametrize("message", [
-    SyncWorkers((INFO,), 7), MetricsQuery(1), Stop(), Ready(), MetricsReply(1, {"mesh_x": {("a",): 1.0}}),
-    DrainReport({"http://127.0.0.1:1": 2}, 7),
-    IndexBatch((("regular/prefix_index", ("http://127.0.0.1:1", [1, 2])), ("regular/kv_placements", b"\x94"))),
-])
+@pytest.mark.parametrize(
+    "message",
+    [
+        SyncWorkers((INFO,), 7),
+        MetricsQuery(1),
+        Stop(),
+        Ready(),
+        MetricsReply(1, {"mesh_x": {("a",): 1.0}}),
+        DrainReport({"http://127.0.0.1:1": 2}, 7),
+        IndexBatch((("regular/prefix_index", ("http://127.0.0.1:1", [1, 2])), ("regular/kv_placements", b"\x94"))),
+    ],
+)
 def test_messages_survive_the_pipe(message: object) -> None:
     assert pickle.loads(pickle.dumps(message)) == message
 

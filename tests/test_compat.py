@@ -37,7 +37,8 @@ ATOMESH_FLAGS = (
     "--disable-health-check --model-path --tokenizer-path --chat-template --tokenizer-cache-enable-l0 "
     "--tokenizer-cache-l0-max-entries --tokenizer-cache-enable-l1 --tokenizer-cache-l1-max-memory "
     "--reasoning-parser --tool-call-parser --backend --runtime --api-key --atom-pd-rank-mapping-policy "
-    "--tls-cert-path --tls-key-path").split()
+    "--tls-cert-path --tls-key-path"
+).split()
 # The spellings of SMG's Rust CLI that its Python launcher does not show.
 SMG_RUST_FLAGS = ("--log-json", "--cache-match-threshold", "--spill-abs-threshold", "--spill-rel-threshold")
 
@@ -66,11 +67,12 @@ def smg_launch_help() -> str:
     try:
         version = importlib.metadata.version("smg")
     except importlib.metadata.PackageNotFoundError:
-        pytest.fail(f"smg {SMG_VERSION} is not installed (pip install 'smg=={SMG_VERSION}', the bench extra; "
-                    "`make test` installs it): the flag table is checked against its help")
+        pytest.fail(
+            f"smg {SMG_VERSION} is not installed (pip install 'smg=={SMG_VERSION}', the bench extra; "
+            "`make test` installs it): the flag table is checked against its help"
+        )
     assert version == SMG_VERSION, f"smg {version} is installed; the table follows {SMG_VERSION}"
-    proc = subprocess.run([sys.executable, "-m", "smg", "launch", "--help"], capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "smg", "launch", "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout
 
@@ -80,8 +82,11 @@ def smg_flags(help_text: str) -> tuple[set[str], set[str]]:
     usage = help_text.split("\n\n", 1)[0]  # `usage: ... [--host HOST] ...`, each flag once
     flags = set(re.findall(r"\[(--[a-z0-9][a-z0-9-]*)", usage))
     options = help_text.split("\noptions:", 1)[1]
-    spellings = {f for line in re.findall(r"^  (-[^\n]*)$", options, re.M)
-                 for f in re.findall(r"(?:^|, )(--[a-z0-9][a-z0-9-]*)", line)} - {"--help"}
+    spellings = {
+        f
+        for line in re.findall(r"^  (-[^\n]*)$", options, re.M)
+        for f in re.findall(r"(?:^|, )(--[a-z0-9][a-z0-9-]*)", line)
+    } - {"--help"}
     return flags, spellings
 
 
@@ -109,8 +114,21 @@ def test_implemented_flags_parse_and_refused_ones_name_themselves() -> None:
 
 @pytest.mark.timeout(60)
 def test_a_refused_flag_stops_launch_with_its_name() -> None:
-    proc = subprocess.run([sys.executable, "-m", "atomesh", "launch", "--worker-urls", "http://127.0.0.1:1",
-                           "--tool-call-parser", "json"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "atomesh",
+            "launch",
+            "--worker-urls",
+            "http://127.0.0.1:1",
+            "--tool-call-parser",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "--tool-call-parser is refused" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -118,17 +136,41 @@ def test_a_refused_flag_stops_launch_with_its_name() -> None:
 def parsed(*argv: str) -> dict[str, object]:
     """The settings a command line gives, as `atomesh launch` reads them (no process started)."""
     ctx = launch_command.make_context("atomesh launch", normalize_argv(list(argv)))
-    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in ctx.params.items()
-            if ctx.get_parameter_source(k).name == "COMMANDLINE"}
+    return {
+        k: (list(v) if isinstance(v, tuple) else v)
+        for k, v in ctx.params.items()
+        if ctx.get_parameter_source(k).name == "COMMANDLINE"
+    }
 
 
 def test_peer_command_lines_start() -> None:
     urls = ["--worker-urls", "http://127.0.0.1:8001", "http://127.0.0.1:8002"]
-    cfg = load_config(parsed(*urls, "--policy", "consistent_hashing", "--log-json", "--cache-match-threshold", "0.5",
-                             "--spill-abs-threshold", "8", "--spill-rel-threshold", "2", "--eviction-interval", "30",
-                             "--max-concurrent-requests", "-1", "--rate-limit-tokens-per-second", "0"))
+    cfg = load_config(
+        parsed(
+            *urls,
+            "--policy",
+            "consistent_hashing",
+            "--log-json",
+            "--cache-match-threshold",
+            "0.5",
+            "--spill-abs-threshold",
+            "8",
+            "--spill-rel-threshold",
+            "2",
+            "--eviction-interval",
+            "30",
+            "--max-concurrent-requests",
+            "-1",
+            "--rate-limit-tokens-per-second",
+            "0",
+        )
+    )
     assert (cfg.policy, cfg.json_log, cfg.cache_threshold, cfg.balance_abs_threshold) == (
-        "consistent_hashing", True, 0.5, 8)
+        "consistent_hashing",
+        True,
+        0.5,
+        8,
+    )
     assert (cfg.balance_rel_threshold, cfg.eviction_interval_secs) == (2, 30)
     assert cfg.max_concurrent_requests == -1 and cfg.rate_limit_tokens_per_second == 0
     assert load_config(parsed(*urls, "--policy", "dp_sticky")).dp_ranks
@@ -144,8 +186,9 @@ async def test_max_concurrent_requests_minus_one_is_derived_from_the_host() -> N
     assert GatewayServer(gateway_config(rate_limit_tokens_per_second=0)).gateway.admission.bucket is None
 
 
-async def test_consistent_hashing_keeps_keys_and_honours_target(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                                http: aiohttp.ClientSession) -> None:
+async def test_consistent_hashing_keeps_keys_and_honours_target(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     workers = await mock_workers(3)
     gw = await gateway(worker_urls=[w.url for w in workers], policy="consistent_hashing")
     url = base_url(gw) + "/v1/completions"
@@ -167,13 +210,15 @@ async def test_consistent_hashing_keeps_keys_and_honours_target(mock_workers: Ma
     async with http.post(url, json=COMPLETION, headers={"X-SMG-Target-Worker": "9"}) as r:
         assert r.status == 503 and "X-SMG-Target-Worker" in (await r.json())["error"]["message"]
     alone = await gateway(worker_urls=[workers[0].url], policy="consistent_hashing")
-    async with http.post(base_url(alone) + "/v1/completions", json=COMPLETION,
-                         headers={"X-SMG-Target-Worker": workers[1].url}) as r:
+    async with http.post(
+        base_url(alone) + "/v1/completions", json=COMPLETION, headers={"X-SMG-Target-Worker": workers[1].url}
+    ) as r:
         assert r.status == 503  # one routable worker, but not the one asked for
 
 
 async def test_dp_aware_sends_ranks_and_refuses_workers_without_them(
-        mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession) -> None:
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1, dp_size=4)
     gw = await gateway(worker_urls=[w.url], dp_aware=True)
     for _ in range(4):
@@ -185,8 +230,9 @@ async def test_dp_aware_sends_ranks_and_refuses_workers_without_them(
     sticky = await gateway(worker_urls=[w.url], policy="dp_sticky")
     ranks = set()
     for _ in range(3):
-        async with http.post(base_url(sticky) + "/v1/completions", json=COMPLETION,
-                             headers={"X-Session-Id": "conversation-1"}) as r:
+        async with http.post(
+            base_url(sticky) + "/v1/completions", json=COMPLETION, headers={"X-Session-Id": "conversation-1"}
+        ) as r:
             assert r.status == 200
         ranks.add(w.received[-1]["body"]["data_parallel_rank"])
     assert len(ranks) == 1
@@ -206,25 +252,31 @@ def write_tokenizer(folder: Path) -> Path:
     return folder
 
 
-async def test_tokenizer_flags_load_or_stop_start_up(tmp_path: Path, mock_workers: MakeWorkers,
-                                                     gateway: MakeGateway, http: aiohttp.ClientSession) -> None:
+async def test_tokenizer_flags_load_or_stop_start_up(
+    tmp_path: Path, mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     pytest.importorskip("tokenizers")
     pytest.importorskip("jinja2")
     workers = await mock_workers(2)
     model = write_tokenizer(tmp_path / "model")
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
-    gw = await gateway(worker_urls=[w.url for w in workers], policy="prefix_hash", model_path=str(model),
-                       chat_template=template)
+    gw = await gateway(
+        worker_urls=[w.url for w in workers], policy="prefix_hash", model_path=str(model), chat_template=template
+    )
     assert gw.gateway.tokens is not None and gw.gateway.tokens.template_found
     for _ in range(3):
-        async with http.post(base_url(gw) + "/v1/chat/completions", json={
-                "model": "mock-model", "max_tokens": 1, "messages": [{"role": "user", "content": "hello world"}]}) as r:
+        async with http.post(
+            base_url(gw) + "/v1/chat/completions",
+            json={"model": "mock-model", "max_tokens": 1, "messages": [{"role": "user", "content": "hello world"}]},
+        ) as r:
             assert r.status == 200
     assert sorted(len([x for x in w.received if x["path"] != "/health"]) for w in workers) == [0, 3]
-    for settings, needle in (({"model_path": "Qwen/Qwen3-8B"}, "not fetched"),
-                             ({"tokenizer_path": str(tmp_path)}, "holds no tokenizer.json"),
-                             ({"model_path": str(model), "chat_template": tmp_path / "none.jinja"}, "cannot read")):
+    for settings, needle in (
+        ({"model_path": "Qwen/Qwen3-8B"}, "not fetched"),
+        ({"tokenizer_path": str(tmp_path)}, "holds no tokenizer.json"),
+        ({"model_path": str(model), "chat_template": tmp_path / "none.jinja"}, "cannot read"),
+    ):
         with pytest.raises(StartupError, match=needle):
             GatewayServer(gateway_config(worker_urls=[workers[0].url], **settings))
     (tmp_path / "bad").mkdir()
@@ -240,7 +292,8 @@ async def test_worker_tls_settings_are_loaded_or_refused(tmp_path: Path) -> None
 
 
 async def test_passthrough_sends_everything_to_the_first_routable_worker(
-        mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession) -> None:
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     workers = await mock_workers(2)
     gw = await gateway(worker_urls=[w.url for w in workers], policy="passthrough")
     for _ in range(4):
@@ -250,10 +303,15 @@ async def test_passthrough_sends_everything_to_the_first_routable_worker(
 
 
 async def test_manual_pins_each_routing_key_until_its_worker_goes(
-        mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession) -> None:
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     workers = await mock_workers(3)
-    gw = await gateway(worker_urls=[w.url for w in workers[:2]], policy="manual", assignment_mode="min_group",
-                       routing_key_headers=["X-Conversation"])
+    gw = await gateway(
+        worker_urls=[w.url for w in workers[:2]],
+        policy="manual",
+        assignment_mode="min_group",
+        routing_key_headers=["X-Conversation"],
+    )
     url = base_url(gw) + "/v1/completions"
 
     async def served_by(key: str) -> str:
@@ -280,7 +338,8 @@ async def test_manual_pins_each_routing_key_until_its_worker_goes(
 
 
 async def test_model_alias_and_a_request_without_model(
-        mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession) -> None:
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1, models=["served-model"])
     gw = await gateway(worker_urls=[w.url], model_alias=["friendly=served-model"])
     url = base_url(gw) + "/v1/chat/completions"
@@ -291,7 +350,9 @@ async def test_model_alias_and_a_request_without_model(
         assert w.received[-1]["body"]["model"] == "served-model"  # the worker sees its own name
     async with http.get(base_url(gw) + "/v1/models") as r:
         assert [(m["id"], m["root"]) for m in (await r.json())["data"]] == [
-            ("served-model", "served-model"), ("friendly", "served-model")]
+            ("served-model", "served-model"),
+            ("friendly", "served-model"),
+        ]
     async with http.post(url, json={**chat, "model": "other"}) as r:
         assert r.status == 404
     # Two models: a request must name one.
@@ -307,22 +368,49 @@ async def test_model_alias_and_a_request_without_model(
 
 @pytest.mark.timeout(60)
 def test_fixed_switches_are_accepted_and_refused_values_named() -> None:
-    argv = ["--worker-urls", "http://127.0.0.1:8001", "--disable-tokenizer-autoload", "--no-remove-unhealthy-workers",
-            "--disable-load-monitoring", "--model", "/tmp/model", "--sticky-key-idle-secs", "60",
-            "--header-read-timeout-secs", "0", "--worker-startup-delay", "1.5", "--load-monitor-interval", "2",
-            "--upstream-pool-idle-timeout-secs", "3", "--atom-pd-rank-mapping-policy", "none"]
+    argv = [
+        "--worker-urls",
+        "http://127.0.0.1:8001",
+        "--disable-tokenizer-autoload",
+        "--no-remove-unhealthy-workers",
+        "--disable-load-monitoring",
+        "--model",
+        "/tmp/model",
+        "--sticky-key-idle-secs",
+        "60",
+        "--header-read-timeout-secs",
+        "0",
+        "--worker-startup-delay",
+        "1.5",
+        "--load-monitor-interval",
+        "2",
+        "--upstream-pool-idle-timeout-secs",
+        "3",
+        "--atom-pd-rank-mapping-policy",
+        "none",
+    ]
     cfg = load_config(parsed(*drop_fixed_flags(argv)))
     assert (cfg.model_path, cfg.max_idle_secs, cfg.worker_startup_delay, cfg.load_monitor_interval) == (
-        "/tmp/model", 60, 1.5, 2)
+        "/tmp/model",
+        60,
+        1.5,
+        2,
+    )
     assert cfg.http_head_timeout_secs >= 1e9 and cfg.upstream_pool_idle_timeout_secs == 3  # 0: no limit, as SMG
     assert load_config({"disable_tokenizer_autoload": True}).model_path is None  # a YAML key too
-    for settings, needle in (({"backend": "openai"}, "backend 'openai' is refused"),
-                             ({"discovery_provider": "file"}, "the file provider is refused"),
-                             ({"atom_pd_rank_mapping_policy": "idx2idx"}, "idx2idx is refused")):
+    for settings, needle in (
+        ({"backend": "openai"}, "backend 'openai' is refused"),
+        ({"discovery_provider": "file"}, "the file provider is refused"),
+        ({"atom_pd_rank_mapping_policy": "idx2idx"}, "idx2idx is refused"),
+    ):
         with pytest.raises(ConfigError, match=needle):
             load_config(settings)
-    proc = subprocess.run([sys.executable, "-m", "atomesh", "launch", "--worker-urls", "http://127.0.0.1:1",
-                           "--enable-mesh"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "atomesh", "launch", "--worker-urls", "http://127.0.0.1:1", "--enable-mesh"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "--enable-mesh is refused: SMG's HA mesh" in proc.stderr, proc.stderr
 
 
@@ -336,8 +424,9 @@ def test_readme_claims_what_the_table_checks() -> None:
     assert all(f"| `{f.flag}` |" in table for f in PEER_FLAGS)
 
 
-async def test_routing_key_override_keeps_a_key_on_any_policy(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                              http: aiohttp.ClientSession) -> None:
+async def test_routing_key_override_keeps_a_key_on_any_policy(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     workers = await mock_workers(3)
     assert load_config(parsed("--worker-urls", workers[0].url, "--sticky-sessions")).routing_key_override
     gw = await gateway(worker_urls=[w.url for w in workers], policy="round_robin", routing_key_override=True)
@@ -359,8 +448,9 @@ async def test_routing_key_override_keeps_a_key_on_any_policy(mock_workers: Make
     assert moved != owner and await served_by({"X-SMG-Routing-Key": "k9"}) == moved
 
 
-async def test_health_check_port_serves_the_probes(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                   http: aiohttp.ClientSession) -> None:
+async def test_health_check_port_serves_the_probes(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1)
     probe_port = free_port()
     gw = await gateway(worker_urls=[w.url], health_check_port=probe_port)

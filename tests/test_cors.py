@@ -12,14 +12,20 @@ COMPLETION = {"model": "mock-model", "prompt": "hello", "max_tokens": 2}
 APP = "https://app.example.com"
 
 
-async def test_allowed_origins_get_cors_headers_and_preflights(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                               http: aiohttp.ClientSession) -> None:
+async def test_allowed_origins_get_cors_headers_and_preflights(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1)
     gw = await gateway(worker_urls=[w.url], cors_allowed_origins=[APP])
     url = base_url(gw)
-    async with http.options(url + "/v1/chat/completions", headers={
-            "Origin": APP, "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "authorization, content-type"}) as r:
+    async with http.options(
+        url + "/v1/chat/completions",
+        headers={
+            "Origin": APP,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        },
+    ) as r:
         assert r.status == 204
         assert r.headers["Access-Control-Allow-Origin"] == APP
         assert "POST" in r.headers["Access-Control-Allow-Methods"]
@@ -33,8 +39,9 @@ async def test_allowed_origins_get_cors_headers_and_preflights(mock_workers: Mak
     # Another origin: no CORS headers, and its preflight is not answered as one.
     async with http.post(url + "/v1/completions", json=COMPLETION, headers={"Origin": "https://evil.example"}) as r:
         assert r.status == 200 and "Access-Control-Allow-Origin" not in r.headers
-    async with http.options(url + "/v1/completions", headers={
-            "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"}) as r:
+    async with http.options(
+        url + "/v1/completions", headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"}
+    ) as r:
         assert r.status != 204 and "Access-Control-Allow-Origin" not in r.headers
     # Without the flag nothing changes.
     plain = await gateway(worker_urls=[w.url])
@@ -44,6 +51,8 @@ async def test_allowed_origins_get_cors_headers_and_preflights(mock_workers: Mak
 
 def test_origins_are_checked() -> None:
     assert load_config({"cors_allowed_origins": ["*", "http://localhost:3000/"]}).cors_allowed_origins == [
-        "*", "http://localhost:3000"]
+        "*",
+        "http://localhost:3000",
+    ]
     with pytest.raises(ConfigError, match="scheme://host"):
         load_config({"cors_allowed_origins": ["localhost:3000/path"]})

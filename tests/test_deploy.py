@@ -26,16 +26,22 @@ from atomesh.config import load_config, parse_selector
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "deploy" / "docker"
 KUBE = ROOT / "deploy" / "kubernetes"
-OVERLAYS = {"pd": KUBE / "base", "regular": KUBE / "overlays" / "regular",
-            "monitoring": KUBE / "overlays" / "monitoring"}
+OVERLAYS = {
+    "pd": KUBE / "base",
+    "regular": KUBE / "overlays" / "regular",
+    "monitoring": KUBE / "overlays" / "monitoring",
+}
 pytestmark = pytest.mark.timeout(120)
 
 
 # ---------------------------------------------------------------------------- images
 def instructions(dockerfile: Path) -> list[tuple[str, list[str]]]:
     """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments dropped."""
-    text = re.sub(r"\\\n", " ", "\n".join(line for line in dockerfile.read_text().splitlines()
-                                           if not line.lstrip().startswith("#")))
+    text = re.sub(
+        r"\\\n",
+        " ",
+        "\n".join(line for line in dockerfile.read_text().splitlines() if not line.lstrip().startswith("#")),
+    )
     out = []
     for line in text.splitlines():
         if line.strip():
@@ -53,8 +59,9 @@ def copy_sources(dockerfile: Path) -> list[str]:
 
 
 def ignored(path: str) -> bool:
-    patterns = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines()
-                if p.strip() and not p.startswith("#")]
+    patterns = [
+        p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")
+    ]
     return any(path == p or path.startswith(p + "/") for p in patterns)
 
 
@@ -94,8 +101,10 @@ def test_gateway_image_install_works_in_a_plain_venv(tmp_path: Path) -> None:
     context.mkdir()
     for src in copy_sources(DOCKER / "gateway.Dockerfile"):
         (shutil.copytree if (ROOT / src).is_dir() else shutil.copy)(
-            ROOT / src, context / src, **({"ignore": shutil.ignore_patterns("__pycache__")}
-                                          if (ROOT / src).is_dir() else {}))
+            ROOT / src,
+            context / src,
+            **({"ignore": shutil.ignore_patterns("__pycache__")} if (ROOT / src).is_dir() else {}),
+        )
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
@@ -103,11 +112,31 @@ def test_gateway_image_install_works_in_a_plain_venv(tmp_path: Path) -> None:
     # The image's pip builds the wheel with setuptools from its build requirements; here this
     # environment's setuptools builds it (offline), and the venv installs only that wheel.
     pip = [sys.executable, "-m", "pip"]
-    subprocess.run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index", "-w",
-                    str(tmp_path / "dist"), str(context)], check=True, env=clean, timeout=90, cwd=tmp_path)
+    subprocess.run(
+        [
+            *pip,
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            str(tmp_path / "dist"),
+            str(context),
+        ],
+        check=True,
+        env=clean,
+        timeout=90,
+        cwd=tmp_path,
+    )
     [wheel] = (tmp_path / "dist").glob("atomesh-*.whl")
-    subprocess.run([*pip, "--python", str(python), "install", "-q", "--no-deps", "--no-index", str(wheel)],
-                   check=True, env=clean, timeout=90, cwd=tmp_path)
+    subprocess.run(
+        [*pip, "--python", str(python), "install", "-q", "--no-deps", "--no-index", str(wheel)],
+        check=True,
+        env=clean,
+        timeout=90,
+        cwd=tmp_path,
+    )
     # The third-party packages the image would download come from this environment, after this venv's own.
     site = next((env_dir / "lib").glob("python3*/site-packages"))
     ours = next(p for p in map(Path, sys.path) if p.name == "site-packages" and (p / "aiohttp").is_dir())
@@ -119,15 +148,20 @@ def test_gateway_image_install_works_in_a_plain_venv(tmp_path: Path) -> None:
         "assert 'torch' not in sys.modules and 'engine' not in sys.modules\n"
         "print(sorted(md.requires('atomesh')))\n"
     )
-    out = subprocess.run([python, "-c", check], capture_output=True, text=True, env=clean, timeout=60,
-                         cwd=tmp_path)
+    out = subprocess.run([python, "-c", check], capture_output=True, text=True, env=clean, timeout=60, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     requires = ast.literal_eval(out.stdout)
     core = [r for r in requires if "extra ==" not in r]
     assert core and not any(r.startswith("torch") for r in core)
-    assert any(r.startswith("kubernetes_asyncio") and "extra == \"kubernetes\"" in r for r in requires)
-    launched = subprocess.run([env_dir / "bin" / "atomesh", "launch", "--help"], capture_output=True, text=True,
-                              env=clean, timeout=60, cwd=tmp_path)
+    assert any(r.startswith("kubernetes_asyncio") and 'extra == "kubernetes"' in r for r in requires)
+    launched = subprocess.run(
+        [env_dir / "bin" / "atomesh", "launch", "--help"],
+        capture_output=True,
+        text=True,
+        env=clean,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert launched.returncode == 0 and "--service-discovery" in launched.stdout, launched.stderr
     with pytest.raises(subprocess.CalledProcessError):
         subprocess.run([python, "-c", "import engine"], check=True, capture_output=True, env=clean, cwd=tmp_path)
@@ -175,8 +209,11 @@ def gateway_args(docs: list[dict[str, Any]]) -> list[str]:
 def parsed(args: list[str]) -> Any:
     """The gateway config the Deployment's arguments give, parsed as `atomesh launch` parses them."""
     ctx = launch_command.make_context("launch", normalize_argv(args))
-    flags = {k: (list(v) if isinstance(v, tuple) else v) for k, v in ctx.params.items()
-             if ctx.get_parameter_source(k) is ParameterSource.COMMANDLINE}
+    flags = {
+        k: (list(v) if isinstance(v, tuple) else v)
+        for k, v in ctx.params.items()
+        if ctx.get_parameter_source(k) is ParameterSource.COMMANDLINE
+    }
     return load_config(flags)
 
 
@@ -186,8 +223,11 @@ def test_the_gateway_selectors_pick_the_engine_pods(overlay: str) -> None:
     cfg = parsed(gateway_args(docs))
     assert cfg.service_discovery and cfg.service_discovery_namespace == "atomesh"
     engines = [d for d in find(docs, "Deployment") if d["metadata"]["name"] != "atomesh-gateway"]
-    selectors = ({"prefill": cfg.prefill_selector, "decode": cfg.decode_selector} if cfg.pd_disaggregation
-                 else {"regular": cfg.selector})
+    selectors = (
+        {"prefill": cfg.prefill_selector, "decode": cfg.decode_selector}
+        if cfg.pd_disaggregation
+        else {"regular": cfg.selector}
+    )
     assert len(engines) == len(selectors)
     for engine in engines:
         labels = engine["spec"]["template"]["metadata"]["labels"]
@@ -211,7 +251,8 @@ def test_gateway_rbac_probes_service_and_disruption_budget() -> None:
     [account] = find(docs, "ServiceAccount")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert [(s["kind"], s["name"], s["namespace"]) for s in binding["subjects"]] == [
-        ("ServiceAccount", account["metadata"]["name"], account["metadata"]["namespace"])]
+        ("ServiceAccount", account["metadata"]["name"], account["metadata"]["namespace"])
+    ]
     [gw] = find(docs, "Deployment", "atomesh-gateway")
     pod = gw["spec"]["template"]
     assert pod["spec"]["serviceAccountName"] == account["metadata"]["name"]
@@ -245,12 +286,14 @@ def test_monitoring_overlay_and_prometheus_config_name_what_the_manifests_define
     [dashboard] = find(docs, "ConfigMap", "atomesh-grafana-dashboard")
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(dashboard["data"]["grafana-dashboard.json"]) == json.loads(
-        (ROOT / "deploy" / "grafana-dashboard.json").read_text())
+        (ROOT / "deploy" / "grafana-dashboard.json").read_text()
+    )
 
     prom = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
-    keep = {name: next(r["regex"] for r in j["relabel_configs"] if r.get("action") == "keep")
-            for name, j in jobs.items()}
+    keep = {
+        name: next(r["regex"] for r in j["relabel_configs"] if r.get("action") == "keep") for name, j in jobs.items()
+    }
     assert keep["atomesh"] == f"{service['metadata']['name']};metrics"
     assert keep["atomesh-engines"] == f"{engine_pods[0]['metadata']['labels']['app.kubernetes.io/name']};http"
     namespaces = {n for j in jobs.values() for sd in j["kubernetes_sd_configs"] for n in sd["namespaces"]["names"]}
@@ -260,8 +303,12 @@ def test_monitoring_overlay_and_prometheus_config_name_what_the_manifests_define
 def test_prometheus_config_loads_in_promtool(tmp_path: Path) -> None:
     if shutil.which("promtool") is None:
         pytest.skip("promtool is not installed")
-    out = subprocess.run(["promtool", "check", "config", str(ROOT / "deploy" / "prometheus.yml")],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["promtool", "check", "config", str(ROOT / "deploy" / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     if "kubernetes_sd_configs not found" in out.stdout + out.stderr:
         pytest.skip("this promtool is built without Kubernetes service discovery")
     assert out.returncode == 0, out.stdout + out.stderr
@@ -272,7 +319,10 @@ def test_every_container_runs_the_image_tag_the_docs_build(overlay: str) -> None
     from atomesh import __version__
 
     built = set(re.findall(r"-t (atomesh-\w+:[\w.]+) \.", (ROOT / "docs" / "deployment.md").read_text()))
-    images = {c["image"] for d in find(render(OVERLAYS[overlay]), "Deployment")
-              for c in d["spec"]["template"]["spec"]["containers"]}
+    images = {
+        c["image"]
+        for d in find(render(OVERLAYS[overlay]), "Deployment")
+        for c in d["spec"]["template"]["spec"]["containers"]
+    }
     assert images and all(i.endswith(":" + __version__) for i in images), images
     assert images <= built, images - built

@@ -21,8 +21,21 @@ DEVICE = os.environ.get("ENGINE_TEST_DEVICE", "cpu")
 CLIENTS = 20
 
 
-ENGINE = [sys.executable, "-m", "engine.openai_server", "--model", "tiny-random", "--device", DEVICE,
-          "--host", "127.0.0.1", "--num-kvcache-blocks", "2048", "--torch-threads", "1"]
+ENGINE = [
+    sys.executable,
+    "-m",
+    "engine.openai_server",
+    "--model",
+    "tiny-random",
+    "--device",
+    DEVICE,
+    "--host",
+    "127.0.0.1",
+    "--num-kvcache-blocks",
+    "2048",
+    "--torch-threads",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +53,26 @@ def pd_pair() -> Iterator[tuple[EngineProcess, EngineProcess]]:
         pytest.skip("P/D engines relay KV over Mooncake (make install puts it in)")
     # Prefill in small chunks (8 tokens a step), so that long prompts are still being prefilled when
     # their clients leave.
-    pair = [EngineProcess(f"disconnect-{role}", [*ENGINE, *extra, "--kv-transfer-config", json.dumps(
-        {"kv_role": role, "kv_connector": "mooncake", "handshake_port": free_port(), "memory_backend": "staged",
-         "staging_buffer_mb": 1})]) for role, extra in (("kv_producer", ["--max-num-batched-tokens", "8"]),
-                                                         ("kv_consumer", []))]
+    pair = [
+        EngineProcess(
+            f"disconnect-{role}",
+            [
+                *ENGINE,
+                *extra,
+                "--kv-transfer-config",
+                json.dumps(
+                    {
+                        "kv_role": role,
+                        "kv_connector": "mooncake",
+                        "handshake_port": free_port(),
+                        "memory_backend": "staged",
+                        "staging_buffer_mb": 1,
+                    }
+                ),
+            ],
+        )
+        for role, extra in (("kv_producer", ["--max-num-batched-tokens", "8"]), ("kv_consumer", []))
+    ]
     try:
         for proc in pair:
             proc.wait_up()
@@ -55,8 +84,11 @@ def pd_pair() -> Iterator[tuple[EngineProcess, EngineProcess]]:
 
 def held(engine: EngineProcess) -> tuple[float, float, float]:
     """Requests running and waiting on the engine, and KV blocks in use."""
-    return (engine.metric("atom:requests_running"), engine.metric("atom:requests_waiting"),
-            engine.metric("atom:kv_cache_blocks_used"))
+    return (
+        engine.metric("atom:requests_running"),
+        engine.metric("atom:requests_waiting"),
+        engine.metric("atom:kv_cache_blocks_used"),
+    )
 
 
 async def wait_until(pred: object, timeout: float, what: str) -> None:
@@ -68,10 +100,20 @@ async def wait_until(pred: object, timeout: float, what: str) -> None:
 
 async def leave_mid_generation(url: str, engine: EngineProcess, stream: bool) -> None:
     """20 clients start long generations (running on ``engine``), then close their connections."""
-    body = orjson.dumps({"model": "tiny-random", "prompt": "the quick brown fox", "max_tokens": 900,
-                         "ignore_eos": True, "temperature": 0, "stream": stream})
-    request = (b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
-               b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+    body = orjson.dumps(
+        {
+            "model": "tiny-random",
+            "prompt": "the quick brown fox",
+            "max_tokens": 900,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": stream,
+        }
+    )
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+    )
     host, port = url.removeprefix("http://").split(":")
     clients = []
     for _ in range(CLIENTS):
@@ -88,8 +130,9 @@ async def leave_mid_generation(url: str, engine: EngineProcess, stream: bool) ->
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-async def test_clients_that_leave_cancel_their_requests_on_the_engine(engine: EngineProcess, gateway: MakeGateway,
-                                                                       stream: bool) -> None:
+async def test_clients_that_leave_cancel_their_requests_on_the_engine(
+    engine: EngineProcess, gateway: MakeGateway, stream: bool
+) -> None:
     gw = await gateway(worker_urls=[engine.url], request_timeout_secs=120)
     await leave_mid_generation(base_url(gw), engine, stream)
     running, waiting, blocks = held(engine)
@@ -98,11 +141,17 @@ async def test_clients_that_leave_cancel_their_requests_on_the_engine(engine: En
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-async def test_clients_that_leave_cancel_the_decode_leg_of_pd(pd_pair: tuple[EngineProcess, EngineProcess],
-                                                             gateway: MakeGateway, stream: bool) -> None:
+async def test_clients_that_leave_cancel_the_decode_leg_of_pd(
+    pd_pair: tuple[EngineProcess, EngineProcess], gateway: MakeGateway, stream: bool
+) -> None:
     prefill, decode = pd_pair
-    gw = await gateway(pd_disaggregation=True, backend="atom", prefill=[{"url": prefill.url}],
-                       decode=[decode.url], request_timeout_secs=120)
+    gw = await gateway(
+        pd_disaggregation=True,
+        backend="atom",
+        prefill=[{"url": prefill.url}],
+        decode=[decode.url],
+        request_timeout_secs=120,
+    )
     await leave_mid_generation(base_url(gw), decode, stream)
     running, waiting, blocks = held(decode)
     assert (running, waiting) == (0, 0), f"{running:g} of {CLIENTS} still decoding 1 s after their clients left"
@@ -110,14 +159,22 @@ async def test_clients_that_leave_cancel_the_decode_leg_of_pd(pd_pair: tuple[Eng
     await wait_until(lambda: held(prefill) == (0, 0, 0), 5, "the prefill engine to hold nothing")
 
 
-async def test_clients_that_leave_cancel_the_prefill_leg_of_pd(pd_pair: tuple[EngineProcess, EngineProcess],
-                                                              gateway: MakeGateway) -> None:
+async def test_clients_that_leave_cancel_the_prefill_leg_of_pd(
+    pd_pair: tuple[EngineProcess, EngineProcess], gateway: MakeGateway
+) -> None:
     prefill, decode = pd_pair
-    gw = await gateway(pd_disaggregation=True, backend="atom", prefill=[{"url": prefill.url}],
-                       decode=[decode.url], request_timeout_secs=120)
+    gw = await gateway(
+        pd_disaggregation=True,
+        backend="atom",
+        prefill=[{"url": prefill.url}],
+        decode=[decode.url],
+        request_timeout_secs=120,
+    )
     body = orjson.dumps({"model": "tiny-random", "prompt": "a" * 1500, "max_tokens": 4, "temperature": 0})
-    request = (b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
-               b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+    )
     host, port = base_url(gw).removeprefix("http://").split(":")
     writers = []
     for _ in range(CLIENTS):

@@ -72,8 +72,12 @@ async def engines() -> AsyncIterator[Engines]:
 
 
 def discovering(engines: Engines, **settings: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {"service_discovery": True, "selector": ["app=engine"],
-                            "service_discovery_port": engines.port, "service_discovery_namespace": NS}
+    base: dict[str, Any] = {
+        "service_discovery": True,
+        "selector": ["app=engine"],
+        "service_discovery_port": engines.port,
+        "service_discovery_namespace": NS,
+    }
     return {**base, **settings}
 
 
@@ -95,17 +99,23 @@ async def complete(http: aiohttp.ClientSession, gw: GatewayServer) -> str:
 
 # ---------------------------------------------------------------------------- settings and flags
 def pod(labels: dict[str, str], ip: str | None = "10.0.0.5", ready: bool = True, **meta: Any) -> Pod:
-    obj = {"metadata": {"uid": "u1", "name": "p", "namespace": "ns", "labels": labels, **meta},
-           "status": {"phase": "Running", "podIP": ip,
-                      "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+    obj = {
+        "metadata": {"uid": "u1", "name": "p", "namespace": "ns", "labels": labels, **meta},
+        "status": {
+            "phase": "Running",
+            "podIP": ip,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
     p = Pod.from_json(obj)
     assert p is not None
     return p
 
 
 def test_pods_map_to_workers_by_labels_readiness_and_annotations() -> None:
-    regular = DiscoverySettings(selector={"app": "engine"}, prefill_selector={}, decode_selector={}, pd=False,
-                                port=8000)
+    regular = DiscoverySettings(
+        selector={"app": "engine"}, prefill_selector={}, decode_selector={}, pd=False, port=8000
+    )
     assert regular.server_selector() == "app=engine"
     w = wanted_worker(pod({"app": "engine", "x": "y"}), regular)
     assert w is not None and (w.url, w.role, w.pod) == ("http://10.0.0.5:8000", WorkerRole.REGULAR, "ns/p")
@@ -118,12 +128,18 @@ def test_pods_map_to_workers_by_labels_readiness_and_annotations() -> None:
     kv = wanted_worker(pod(ENGINE, annotations={"atomesh.io/kv-events-endpoint": "tcp://*:5557,tcp://*:5558"}), regular)
     assert kv is not None and kv.kv_events == "tcp://*:5557,tcp://*:5558" and w.kv_events is None
 
-    pd = DiscoverySettings(selector={}, prefill_selector={"app": "llm", "role": "prefill"},
-                           decode_selector={"app": "llm", "role": "decode"}, pd=True, port=8010,
-                           model_id_source=("label", "model"))
+    pd = DiscoverySettings(
+        selector={},
+        prefill_selector={"app": "llm", "role": "prefill"},
+        decode_selector={"app": "llm", "role": "decode"},
+        pd=True,
+        port=8010,
+        model_id_source=("label", "model"),
+    )
     assert pd.server_selector() == "app=llm"  # the roles are told apart by the gateway
-    p = wanted_worker(pod({"app": "llm", "role": "prefill", "model": "m1"},
-                          annotations={"sglang.ai/bootstrap-port": "8998"}), pd)
+    p = wanted_worker(
+        pod({"app": "llm", "role": "prefill", "model": "m1"}, annotations={"sglang.ai/bootstrap-port": "8998"}), pd
+    )
     assert p is not None and (p.role, p.bootstrap_port, p.model_id) == (WorkerRole.PREFILL, 8998, "m1")
     d = wanted_worker(pod({"app": "llm", "role": "decode"}, annotations={"sglang.ai/bootstrap-port": "8998"}), pd)
     assert d is not None and (d.role, d.bootstrap_port, d.model_id) == (WorkerRole.DECODE, None, None)
@@ -131,19 +147,22 @@ def test_pods_map_to_workers_by_labels_readiness_and_annotations() -> None:
     assert bad is not None and bad.bootstrap_port is None
 
 
-@pytest.mark.parametrize("flags,message", [
-    ({"selector": ["app=x"]}, "--selector needs --service-discovery"),
-    ({"service_discovery_namespace": "llm"}, "--service-discovery-namespace needs --service-discovery"),
-    ({"service_discovery": True}, "--service-discovery needs --selector"),
-    ({"service_discovery": True, "selector": ["app"]}, "must be key=value"),
-    ({"service_discovery": True, "selector": ["app!=x"]}, "must be key=value"),
-    ({"service_discovery": True, "selector": ["app=x"], "prefill_selector": ["r=p"]}, "needs --pd-disaggregation"),
-    ({"service_discovery": True, "pd_disaggregation": True}, "--prefill-selector and/or --decode-selector"),
-    ({"service_discovery": True, "pd_disaggregation": True, "selector": ["a=b"]}, "--selector is for regular"),
-    ({"service_discovery": True, "selector": ["a=b"], "model_id_from": "pod-name"}, "--model-id-from"),
-    ({"service_discovery": True, "selector": ["a=b"], "service_discovery_namespace": "Bad_NS"}, "namespace"),
-    ({"discovery_provider": "consul", "selector": ["a=b"]}, "--discovery-provider"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        ({"selector": ["app=x"]}, "--selector needs --service-discovery"),
+        ({"service_discovery_namespace": "llm"}, "--service-discovery-namespace needs --service-discovery"),
+        ({"service_discovery": True}, "--service-discovery needs --selector"),
+        ({"service_discovery": True, "selector": ["app"]}, "must be key=value"),
+        ({"service_discovery": True, "selector": ["app!=x"]}, "must be key=value"),
+        ({"service_discovery": True, "selector": ["app=x"], "prefill_selector": ["r=p"]}, "needs --pd-disaggregation"),
+        ({"service_discovery": True, "pd_disaggregation": True}, "--prefill-selector and/or --decode-selector"),
+        ({"service_discovery": True, "pd_disaggregation": True, "selector": ["a=b"]}, "--selector is for regular"),
+        ({"service_discovery": True, "selector": ["a=b"], "model_id_from": "pod-name"}, "--model-id-from"),
+        ({"service_discovery": True, "selector": ["a=b"], "service_discovery_namespace": "Bad_NS"}, "namespace"),
+        ({"discovery_provider": "consul", "selector": ["a=b"]}, "--discovery-provider"),
+    ],
+)
 def test_discovery_flags_are_checked(flags: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError) as e:
         load_config(flags)
@@ -155,15 +174,27 @@ def test_smg_spellings_parse() -> None:
 
     assert any("--discovery-provider" in o.opts for o in _launch_options())
     assert normalize_argv(["--prefill-selector", "app=llm", "role=prefill", "--port", "1"]) == [
-        "--prefill-selector", "app=llm", "--prefill-selector", "role=prefill", "--port", "1"]
-    cfg = load_config({"discovery_provider": "kubernetes", "selector": ["app=engine,tier=gpu", "zone=a"],
-                       "model_id_from": "annotation:example.com/model"})
+        "--prefill-selector",
+        "app=llm",
+        "--prefill-selector",
+        "role=prefill",
+        "--port",
+        "1",
+    ]
+    cfg = load_config(
+        {
+            "discovery_provider": "kubernetes",
+            "selector": ["app=engine,tier=gpu", "zone=a"],
+            "model_id_from": "annotation:example.com/model",
+        }
+    )
     assert cfg.service_discovery and cfg.selector == ["app=engine", "tier=gpu", "zone=a"]
 
 
 # ---------------------------------------------------------------------------- pods and workers
 async def test_ready_pods_become_workers_and_leave_when_not_ready_or_deleted(
-        kube: KubeApiServer, engines: Engines, gateway: MakeGateway, http: aiohttp.ClientSession) -> None:
+    kube: KubeApiServer, engines: Engines, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     for ip in ("127.0.0.11", "127.0.0.12", "127.0.0.13"):
         await engines.start(ip)
     kube.add_pod(NS, "engine-a", "127.0.0.11", ENGINE)
@@ -191,7 +222,8 @@ async def test_ready_pods_become_workers_and_leave_when_not_ready_or_deleted(
 
 
 async def test_in_flight_requests_finish_when_their_pod_goes(
-        kube: KubeApiServer, engines: Engines, gateway: MakeGateway, http: aiohttp.ClientSession) -> None:
+    kube: KubeApiServer, engines: Engines, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     slow = await engines.start("127.0.0.21", latency_secs=0.8)
     kube.add_pod(NS, "slow", "127.0.0.21", ENGINE)
     gw = await gateway(**discovering(engines))
@@ -223,17 +255,26 @@ async def test_relabelled_and_moved_pods(kube: KubeApiServer, engines: Engines, 
     assert len(gw.gateway.registry) == 1
 
 
-async def test_pd_roles_bootstrap_port_and_model_id(kube: KubeApiServer, engines: Engines, gateway: MakeGateway,
-                                                   http: aiohttp.ClientSession) -> None:
+async def test_pd_roles_bootstrap_port_and_model_id(
+    kube: KubeApiServer, engines: Engines, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     await engines.start("127.0.0.41")
     await engines.start("127.0.0.42")
     llm = {"app": "llm", "model": "team-model"}
-    kube.add_pod(NS, "prefill-0", "127.0.0.41", {**llm, "role": "prefill"},
-                 annotations={"sglang.ai/bootstrap-port": "8998"})
+    kube.add_pod(
+        NS, "prefill-0", "127.0.0.41", {**llm, "role": "prefill"}, annotations={"sglang.ai/bootstrap-port": "8998"}
+    )
     kube.add_pod(NS, "decode-0", "127.0.0.42", {**llm, "role": "decode"})
-    gw = await gateway(**discovering(engines, selector=[], pd_disaggregation=True,
-                                     prefill_selector=["app=llm", "role=prefill"],
-                                     decode_selector=["app=llm", "role=decode"], model_id_from="label:model"))
+    gw = await gateway(
+        **discovering(
+            engines,
+            selector=[],
+            pd_disaggregation=True,
+            prefill_selector=["app=llm", "role=prefill"],
+            decode_selector=["app=llm", "role=decode"],
+            model_id_from="label:model",
+        )
+    )
     await wait_for(lambda: len(urls(gw)) == 2, what="prefill and decode registered")
     by_role = {w.role: w for w in gw.gateway.registry}
     assert by_role[WorkerRole.PREFILL].bootstrap_port == 8998
@@ -242,13 +283,16 @@ async def test_pd_roles_bootstrap_port_and_model_id(kube: KubeApiServer, engines
     assert kube.list_requests()[0]["labelSelector"] == "app=llm"
     async with http.get(base_url(gw) + "/v1/models") as r:
         assert {m["id"] for m in (await r.json())["data"]} == {"team-model", "mock-model"}
-    async with http.post(base_url(gw) + "/generate", json={"text": "hi", "model": "team-model",
-                                                           "sampling_params": {"max_new_tokens": 2}}) as r:
+    async with http.post(
+        base_url(gw) + "/generate", json={"text": "hi", "model": "team-model", "sampling_params": {"max_new_tokens": 2}}
+    ) as r:
         assert r.status == 200, await r.text()
 
     kube.update_pod(NS, "decode-0", labels={**llm, "role": "prefill"})  # the same pod changes role
-    await wait_for(lambda: {w.role for w in gw.gateway.registry} == {WorkerRole.PREFILL}
-                   and len(urls(gw)) == 2, what="role change re-registers the pod")
+    await wait_for(
+        lambda: {w.role for w in gw.gateway.registry} == {WorkerRole.PREFILL} and len(urls(gw)) == 2,
+        what="role change re-registers the pod",
+    )
 
 
 async def test_namespace_scoping(kube: KubeApiServer, engines: Engines, gateway: MakeGateway) -> None:
@@ -277,8 +321,9 @@ async def test_all_namespaces_without_a_namespace(kube: KubeApiServer, engines: 
 
 
 # ---------------------------------------------------------------------------- the API server misbehaving
-async def test_watch_resumes_from_the_last_version_and_bookmark(kube: KubeApiServer, engines: Engines,
-                                                                gateway: MakeGateway) -> None:
+async def test_watch_resumes_from_the_last_version_and_bookmark(
+    kube: KubeApiServer, engines: Engines, gateway: MakeGateway
+) -> None:
     for ip in ("127.0.0.61", "127.0.0.62"):
         await engines.start(ip)
     kube.add_pod(NS, "a", "127.0.0.61", ENGINE)
@@ -297,8 +342,9 @@ async def test_watch_resumes_from_the_last_version_and_bookmark(kube: KubeApiSer
     assert d.lists == 1  # resumed, never listed again
 
 
-async def test_410_gone_lists_again_and_keeps_unchanged_workers(kube: KubeApiServer, engines: Engines,
-                                                              gateway: MakeGateway) -> None:
+async def test_410_gone_lists_again_and_keeps_unchanged_workers(
+    kube: KubeApiServer, engines: Engines, gateway: MakeGateway
+) -> None:
     for ip in ("127.0.0.71", "127.0.0.72", "127.0.0.73"):
         await engines.start(ip)
     kube.add_pod(NS, "a", "127.0.0.71", ENGINE)
@@ -314,15 +360,17 @@ async def test_410_gone_lists_again_and_keeps_unchanged_workers(kube: KubeApiSer
     kube.delete_pod(NS, "b")
     kube.add_pod(NS, "c", "127.0.0.73", ENGINE)
     kube.compact()  # the watch cannot resume: 410 Gone
-    await wait_for(lambda: urls(gw) == {engines.url("127.0.0.71"), engines.url("127.0.0.73")},
-                   what="state after the relist")
+    await wait_for(
+        lambda: urls(gw) == {engines.url("127.0.0.71"), engines.url("127.0.0.73")}, what="state after the relist"
+    )
     assert d.lists == 2 and len(d.pods) == 9
     assert [q.get("continue") is not None for q in kube.list_requests()] == [False, False, True, True]
     assert gw.gateway.registry.by_url(engines.url("127.0.0.71")) is a  # not re-registered
 
 
-async def test_api_errors_back_off_and_keep_the_workers(kube: KubeApiServer, engines: Engines,
-                                                        gateway: MakeGateway, http: aiohttp.ClientSession) -> None:
+async def test_api_errors_back_off_and_keep_the_workers(
+    kube: KubeApiServer, engines: Engines, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     await engines.start("127.0.0.81")
     await engines.start("127.0.0.82")
     kube.add_pod(NS, "a", "127.0.0.81", ENGINE)
@@ -342,9 +390,9 @@ async def test_api_errors_back_off_and_keep_the_workers(kube: KubeApiServer, eng
     assert d.errors >= 6 and d.lists == 1  # the 500s, and the cut watch
 
 
-async def test_api_server_restart_mid_watch_loses_no_request(kube: KubeApiServer, engines: Engines,
-                                                             gateway: MakeGateway,
-                                                             http: aiohttp.ClientSession) -> None:
+async def test_api_server_restart_mid_watch_loses_no_request(
+    kube: KubeApiServer, engines: Engines, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     for ip in ("127.0.0.91", "127.0.0.92"):
         await engines.start(ip, latency_secs=0.01)
     kube.add_pod(NS, "a", "127.0.0.91", ENGINE)
@@ -376,8 +424,9 @@ async def test_api_server_restart_mid_watch_loses_no_request(kube: KubeApiServer
 
 
 # ---------------------------------------------------------------------------- coexistence and start-up
-async def test_discovered_and_api_workers_coexist(kube: KubeApiServer, engines: Engines, gateway: MakeGateway,
-                                                  http: aiohttp.ClientSession) -> None:
+async def test_discovered_and_api_workers_coexist(
+    kube: KubeApiServer, engines: Engines, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     for ip in ("127.0.0.101", "127.0.0.102", "127.0.0.103"):
         await engines.start(ip)
     kube.add_pod(NS, "a", "127.0.0.101", ENGINE)
@@ -387,8 +436,11 @@ async def test_discovered_and_api_workers_coexist(kube: KubeApiServer, engines: 
     await wait_for(lambda: len(urls(gw)) == 3, what="three workers")
     async with http.get(base_url(gw) + "/workers") as r:
         sources = {w["url"]: w["source"] for w in (await r.json())["workers"]}
-    assert sources == {engines.url("127.0.0.101"): "kubernetes", engines.url("127.0.0.102"): "api",
-                       engines.url("127.0.0.103"): "command_line"}
+    assert sources == {
+        engines.url("127.0.0.101"): "kubernetes",
+        engines.url("127.0.0.102"): "api",
+        engines.url("127.0.0.103"): "command_line",
+    }
     discovered = gw.gateway.registry.by_url(engines.url("127.0.0.101"))
     assert discovered is not None
     async with http.delete(base_url(gw) + f"/workers/{discovered.id}") as r:
@@ -417,8 +469,9 @@ async def test_missing_credentials_stop_start_up(tmp_path: Path, monkeypatch: py
         await server.close()
 
 
-async def test_wrong_token_is_reported_and_retried(kube: KubeApiServer, engines: Engines, gateway: MakeGateway,
-                                                   tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_wrong_token_is_reported_and_retried(
+    kube: KubeApiServer, engines: Engines, gateway: MakeGateway, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "bad", kube.url, "wrong")))
     gw = await gateway(**discovering(engines))
     await wait_for(lambda: discovery_of(gw).errors >= 1, what="401")

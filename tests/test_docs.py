@@ -71,8 +71,10 @@ def test_the_hand_started_pd_commands_serve_the_documented_request(tmp_path: Pat
     """docs/pd.md's engines, gateway and curl, run as written but for the ports (and this venv's python)."""
     pytest.importorskip("mooncake.engine", reason="P/D engines relay KV over Mooncake (make install puts it in)")
     ports = {str(p): str(free_port()) for p in (8010, 8020, 6301, 6302, 30000, 29000)}
-    commands = [[re.sub(r"(?<!\d)(8010|8020|6301|6302|30000|29000)(?!\d)", lambda m: ports[m.group(1)], a)
-                 for a in argv] for argv in documented_commands(ROOT / "docs" / "pd.md", "### By hand")]
+    commands = [
+        [re.sub(r"(?<!\d)(8010|8020|6301|6302|30000|29000)(?!\d)", lambda m: ports[m.group(1)], a) for a in argv]
+        for argv in documented_commands(ROOT / "docs" / "pd.md", "### By hand")
+    ]
     *servers, curl = commands
     assert [c[0] for c in commands] == [".venv/bin/python", ".venv/bin/python", ".venv/bin/atomesh", "curl"]
     procs = []

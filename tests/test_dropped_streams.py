@@ -62,8 +62,12 @@ uvloop.run(main())
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_dropped_streams_leave_no_reference_cycles(path: str) -> None:
     drops = 200
-    proc = subprocess.run([sys.executable, "-c", SCRIPT % {"tests": str(TESTS), "drops": drops, "path": path}],
-                          capture_output=True, text=True, timeout=80)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT % {"tests": str(TESTS), "drops": drops, "path": path}],
+        capture_output=True,
+        text=True,
+        timeout=80,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     [line] = [x for x in proc.stdout.splitlines() if x.startswith("unreachable ")]
     unreachable = int(line.split()[1])

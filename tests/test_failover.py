@@ -31,8 +31,9 @@ async def _stream_text(c: openai.AsyncOpenAI, chat: bool, **extra: Any) -> tuple
     """The streamed text and every chunk, via the openai client."""
     chunks: list[Any] = []
     if chat:
-        stream = await c.chat.completions.create(model="mock-model", messages=[{"role": "user", "content": "hi"}],
-                                                 stream=True, **extra)
+        stream = await c.chat.completions.create(
+            model="mock-model", messages=[{"role": "user", "content": "hi"}], stream=True, **extra
+        )
     else:
         stream = await c.completions.create(model="mock-model", prompt="hello", stream=True, **extra)
     async for chunk in stream:
@@ -47,18 +48,26 @@ async def _stream_text(c: openai.AsyncOpenAI, chat: bool, **extra: Any) -> tuple
 # ---------------------------------------------------------------------------- failover before the first byte
 @pytest.mark.timeout(60)
 async def test_frozen_worker_requests_go_elsewhere_once_it_is_declared_dead(
-        worker_processes, gateway: MakeGateway) -> None:
+    worker_processes, gateway: MakeGateway
+) -> None:
     frozen, alive = [await worker_processes(f"p{i}") for i in range(2)]
-    gw = await gateway(worker_urls=[frozen.url, alive.url], request_timeout_secs=60, health_check_interval_secs=0.2,
-                       health_check_timeout_secs=0.3, health_failure_threshold=2)
+    gw = await gateway(
+        worker_urls=[frozen.url, alive.url],
+        request_timeout_secs=60,
+        health_check_interval_secs=0.2,
+        health_check_timeout_secs=0.3,
+        health_failure_threshold=2,
+    )
     frozen.proc.send_signal(signal.SIGSTOP)
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+
             async def one(stream: bool) -> tuple[int, str, float]:
                 started = time.monotonic()
                 async with s.post(base_url(gw) + "/v1/completions", json={**COMPLETION, "stream": stream}) as r:
                     await r.read()
                     return r.status, r.headers.get("x-mock-worker", ""), time.monotonic() - started
+
             results = await asyncio.wait_for(asyncio.gather(*(one(i % 2 == 0) for i in range(8))), 30)
         # Round robin put half of them on the frozen worker; none waited for the 60 s request timeout.
         assert [r[0] for r in results] == [200] * 8
@@ -71,10 +80,12 @@ async def test_frozen_worker_requests_go_elsewhere_once_it_is_declared_dead(
 
 
 async def test_breaker_opening_moves_the_requests_waiting_on_that_worker(
-        mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession) -> None:
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     a, b = await mock_workers(2)
-    gw = await gateway(worker_urls=[a.url, b.url], cb_failure_threshold=2, disable_health_check=True,
-                       request_timeout_secs=60)
+    gw = await gateway(
+        worker_urls=[a.url, b.url], cb_failure_threshold=2, disable_health_check=True, request_timeout_secs=60
+    )
     url = base_url(gw) + "/v1/completions"
     a.behaviour.hang = True
 
@@ -97,8 +108,9 @@ async def test_breaker_opening_moves_the_requests_waiting_on_that_worker(
         assert (await r.json())["circuit_breaker"]["state"] == "open"
 
 
-async def test_worker_refusing_connections_is_out_at_once(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                          http: aiohttp.ClientSession) -> None:
+async def test_worker_refusing_connections_is_out_at_once(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     a, b = await mock_workers(2)
     gw = await gateway(worker_urls=[a.url, b.url], health_check_interval_secs=60)
     await a.stop()  # connections to it are refused from now on
@@ -147,35 +159,49 @@ def test_tracker_passes_only_whole_events_and_builds_the_continuation() -> None:
     assert cont.body["max_tokens"] == 9 and body["max_tokens"] == 10  # the client's body is left as it was
     t.migrations = 1
     t.start_attempt()
-    role = (b'data: {"id":"b","created":2,"model":"m",'
-            b'"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n')
+    role = (
+        b'data: {"id":"b","created":2,"model":"m",'
+        b'"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+    )
     assert t.feed(role) == b""  # the client had its role event from the first worker
-    usage = (b'data: {"id":"b","created":2,"model":"m","choices":[],'
-             b'"usage":{"prompt_tokens":9,"completion_tokens":2}}\n\n')
+    usage = (
+        b'data: {"id":"b","created":2,"model":"m","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":2}}\n\n'
+    )
     out = t.feed(usage)
     assert b'"id":"a"' in out and b'"created":1' in out
     assert b'"prompt_tokens":8' in out and b'"completion_tokens":3' in out and b'"total_tokens":11' in out
 
 
 def test_continuations_of_a_client_prefill_and_of_a_completion() -> None:
-    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure: "}],
-            "continue_final_message": True, "add_generation_prompt": False, "max_completion_tokens": 5}
+    chat = {
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure: "}],
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        "max_completion_tokens": 5,
+    }
     t = StreamTracker(RequestView(route=Route.CHAT, body=chat, raw=b"", request_id="r"))
     t.start_attempt()
     t.feed(b'data: {"id":"a","choices":[{"index":0,"delta":{"content":"yes"}}]}\n\n')
     cont = t.continuation().body
     assert cont["messages"][-1]["content"] == "Sure: yes" and len(cont["messages"]) == 2  # appended, not added
     assert cont["max_completion_tokens"] == 4
-    t = StreamTracker(RequestView(route=Route.COMPLETIONS, body={"prompt": ["Once"], "max_tokens": 2, "min_tokens": 2},
-                                  raw=b"", request_id="r"))
+    t = StreamTracker(
+        RequestView(
+            route=Route.COMPLETIONS,
+            body={"prompt": ["Once"], "max_tokens": 2, "min_tokens": 2},
+            raw=b"",
+            request_id="r",
+        )
+    )
     t.start_attempt()
     t.feed(b'data: {"id":"a","choices":[{"index":0,"text":" upon"}]}\n\n')
     assert t.continuation().body == {"prompt": "Once upon", "max_tokens": 1, "min_tokens": 1}
 
 
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
-async def test_stream_migrates_with_text_and_usage_intact(chat: bool, mock_workers: MakeWorkers,
-                                                           gateway: MakeGateway) -> None:
+async def test_stream_migrates_with_text_and_usage_intact(
+    chat: bool, mock_workers: MakeWorkers, gateway: MakeGateway
+) -> None:
     # Every worker dies after 3 tokens: the 8-token answer needs two migrations, whichever worker starts.
     workers = await mock_workers(2, stream_chunks=8, die_after_chunks=3)
     gw = await gateway(worker_urls=[w.url for w in workers], migration_limit=3)
@@ -231,8 +257,7 @@ async def test_migration_limit_is_honoured(limit: int, mock_workers: MakeWorkers
     assert sum(len(w.received) for w in workers) == limit + 1
 
 
-async def test_request_that_cannot_migrate_gets_a_clear_error(mock_workers: MakeWorkers,
-                                                               gateway: MakeGateway) -> None:
+async def test_request_that_cannot_migrate_gets_a_clear_error(mock_workers: MakeWorkers, gateway: MakeGateway) -> None:
     workers = await mock_workers(2, stream_chunks=8, die_after_chunks=3)
     gw = await gateway(worker_urls=[w.url for w in workers], migration_limit=3)
     c = client(gw)
@@ -245,13 +270,21 @@ async def test_request_that_cannot_migrate_gets_a_clear_error(mock_workers: Make
 
 
 async def test_stream_on_a_frozen_worker_migrates_when_it_is_declared_dead(
-        mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession) -> None:
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     a, b = await mock_workers(2, stream_chunks=8, chunk_interval_secs=0.05)
-    gw = await gateway(worker_urls=[a.url, b.url], migration_limit=1, request_timeout_secs=60,
-                       health_check_interval_secs=0.2, health_check_timeout_secs=0.3, health_failure_threshold=2)
-    async with http.post(base_url(gw) + "/v1/chat/completions",
-                         json={"model": "mock-model", "messages": [{"role": "user", "content": "hi"}],
-                               "max_tokens": 8, "stream": True}) as r:
+    gw = await gateway(
+        worker_urls=[a.url, b.url],
+        migration_limit=1,
+        request_timeout_secs=60,
+        health_check_interval_secs=0.2,
+        health_check_timeout_secs=0.3,
+        health_failure_threshold=2,
+    )
+    async with http.post(
+        base_url(gw) + "/v1/chat/completions",
+        json={"model": "mock-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True},
+    ) as r:
         first = r.headers["x-mock-worker"]
         stuck = a if first == "w0" else b
         got = b""
@@ -261,8 +294,7 @@ async def test_stream_on_a_frozen_worker_migrates_when_it_is_declared_dead(
         stuck.behaviour.chunk_interval_secs = 3600
         stuck.behaviour.health_status = 503
         got += await asyncio.wait_for(r.content.read(), 15)
-    text = "".join(e["choices"][0]["delta"].get("content") or ""
-                   for e in _events(got) if e.get("choices"))
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in _events(got) if e.get("choices"))
     assert text == WORDS
     worker = gw.gateway.registry.by_url(stuck.url)
     assert worker is not None and worker.state is WorkerState.UNHEALTHY
@@ -279,13 +311,20 @@ def _events(raw: bytes) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("backend", ["atom", "sglang", "vllm"])
-async def test_pd_stream_migrates_with_a_new_pair(backend: str, mock_workers: MakeWorkers,
-                                                  gateway: MakeGateway) -> None:
+async def test_pd_stream_migrates_with_a_new_pair(
+    backend: str, mock_workers: MakeWorkers, gateway: MakeGateway
+) -> None:
     [p] = await mock_workers(1, pd_backend=backend, pd_role="prefill", kv_role="kv_producer")
-    ds = await mock_workers(2, pd_backend=backend, pd_role="decode", kv_role="kv_consumer", stream_chunks=8,
-                            die_after_chunks=3)
-    gw = await gateway(pd_disaggregation=True, backend=backend, prefill=[{"url": p.url, "bootstrap_port": 8998}],
-                       decode=[d.url for d in ds], migration_limit=3)
+    ds = await mock_workers(
+        2, pd_backend=backend, pd_role="decode", kv_role="kv_consumer", stream_chunks=8, die_after_chunks=3
+    )
+    gw = await gateway(
+        pd_disaggregation=True,
+        backend=backend,
+        prefill=[{"url": p.url, "bootstrap_port": 8998}],
+        decode=[d.url for d in ds],
+        migration_limit=3,
+    )
     c = client(gw)
     try:
         text, _ = await _stream_text(c, True, max_tokens=8)
@@ -298,12 +337,19 @@ async def test_pd_stream_migrates_with_a_new_pair(backend: str, mock_workers: Ma
 
 
 async def test_continuation_stuck_on_a_worker_declared_dead_is_retried(
-        mock_workers: MakeWorkers, gateway: MakeGateway) -> None:
+    mock_workers: MakeWorkers, gateway: MakeGateway
+) -> None:
     first, spare, stuck = await mock_workers(3, stream_chunks=8)
     first.behaviour.die_after_chunks = 3
     stuck.behaviour.hang = True  # round robin sends it the continuation, which then waits
-    gw = await gateway(worker_urls=[first.url, spare.url, stuck.url], migration_limit=1, request_timeout_secs=60,
-                       health_check_interval_secs=0.2, health_check_timeout_secs=0.3, health_failure_threshold=2)
+    gw = await gateway(
+        worker_urls=[first.url, spare.url, stuck.url],
+        migration_limit=1,
+        request_timeout_secs=60,
+        health_check_interval_secs=0.2,
+        health_check_timeout_secs=0.3,
+        health_failure_threshold=2,
+    )
     c = client(gw)
     try:
         reading = asyncio.ensure_future(_stream_text(c, True, max_tokens=8))

@@ -17,8 +17,10 @@ BODY = orjson.dumps({"model": "mock-model", "prompt": "hello", "max_tokens": 3})
 
 
 def post(path: str = "/v1/completions", body: bytes = BODY, extra: str = "", version: str = "HTTP/1.1") -> bytes:
-    return (f"POST {path} {version}\r\nHost: gw\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n{extra}\r\n").encode() + body
+    return (
+        f"POST {path} {version}\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n{extra}\r\n"
+    ).encode() + body
 
 
 async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
@@ -49,8 +51,9 @@ async def connect(gw_url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWrit
 
 
 @pytest.mark.timeout(30)
-async def test_keep_alive_and_pipelined_requests_answered_in_order(mock_workers: MakeWorkers,
-                                                                   gateway: MakeGateway) -> None:
+async def test_keep_alive_and_pipelined_requests_answered_in_order(
+    mock_workers: MakeWorkers, gateway: MakeGateway
+) -> None:
     workers = await mock_workers(2)
     gw = await gateway(worker_urls=[w.url for w in workers])
     reader, writer = await connect(base_url(gw))
@@ -77,7 +80,7 @@ async def test_body_arriving_in_pieces_and_connection_close(mock_workers: MakeWo
     reader, writer = await connect(base_url(gw))
     data = post(extra="Connection: close\r\n")
     for i in range(0, len(data), 7):
-        writer.write(data[i:i + 7])
+        writer.write(data[i : i + 7])
         await writer.drain()
         await asyncio.sleep(0.005)
     status, headers, _body = await read_response(reader)
@@ -87,8 +90,7 @@ async def test_body_arriving_in_pieces_and_connection_close(mock_workers: MakeWo
 
 
 @pytest.mark.timeout(30)
-async def test_other_routes_are_relayed_on_the_same_connection(mock_workers: MakeWorkers,
-                                                               gateway: MakeGateway) -> None:
+async def test_other_routes_are_relayed_on_the_same_connection(mock_workers: MakeWorkers, gateway: MakeGateway) -> None:
     [w] = await mock_workers(1)
     gw = await gateway(worker_urls=[w.url])
     reader, writer = await connect(base_url(gw))
@@ -114,15 +116,20 @@ async def test_other_routes_are_relayed_on_the_same_connection(mock_workers: Mak
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("request_bytes", [
-    # A chunked upload, HTTP/1.0, and Expect: 100-continue.
-    b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n"
-    + b"%x\r\n%b\r\n0\r\n\r\n" % (len(BODY), BODY),
-    post(version="HTTP/1.0"),
-    post(extra="Expect: 100-continue\r\n"),
-], ids=["chunked-upload", "http-1.0", "expect-continue"])
-async def test_uncommon_requests_are_served(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                       request_bytes: bytes) -> None:
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        # A chunked upload, HTTP/1.0, and Expect: 100-continue.
+        b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"%x\r\n%b\r\n0\r\n\r\n" % (len(BODY), BODY),
+        post(version="HTTP/1.0"),
+        post(extra="Expect: 100-continue\r\n"),
+    ],
+    ids=["chunked-upload", "http-1.0", "expect-continue"],
+)
+async def test_uncommon_requests_are_served(
+    mock_workers: MakeWorkers, gateway: MakeGateway, request_bytes: bytes
+) -> None:
     [w] = await mock_workers(1)
     gw = await gateway(worker_urls=[w.url])
     reader, writer = await connect(base_url(gw))
@@ -136,14 +143,19 @@ async def test_uncommon_requests_are_served(mock_workers: MakeWorkers, gateway: 
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("head", [
-    b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nx-request-id: a\nb\r\nContent-Length: 2\r\n\r\n{}",
-    b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length : 2\r\n\r\n{}",
-    b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
-    b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: -2\r\n\r\n{}",
-], ids=["bare-lf", "space-before-colon", "two-lengths", "negative-length"])
-async def test_malformed_heads_are_refused_not_guessed(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                       head: bytes) -> None:
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nx-request-id: a\nb\r\nContent-Length: 2\r\n\r\n{}",
+        b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length : 2\r\n\r\n{}",
+        b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+        b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: -2\r\n\r\n{}",
+    ],
+    ids=["bare-lf", "space-before-colon", "two-lengths", "negative-length"],
+)
+async def test_malformed_heads_are_refused_not_guessed(
+    mock_workers: MakeWorkers, gateway: MakeGateway, head: bytes
+) -> None:
     [w] = await mock_workers(1)
     gw = await gateway(worker_urls=[w.url])
     reader, writer = await connect(base_url(gw))
@@ -155,8 +167,9 @@ async def test_malformed_heads_are_refused_not_guessed(mock_workers: MakeWorkers
 
 
 @pytest.mark.timeout(30)
-async def test_errors_are_openai_shaped_and_too_large_is_413(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                             http: aiohttp.ClientSession) -> None:
+async def test_errors_are_openai_shaped_and_too_large_is_413(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1)
     gw = await gateway(worker_urls=[w.url], max_payload_size=1000)
     reader, writer = await connect(base_url(gw))
@@ -188,8 +201,9 @@ async def test_idle_keep_alive_connections_are_closed(mock_workers: MakeWorkers,
 
 
 @pytest.mark.timeout(30)
-async def test_client_gone_mid_request_cancels_and_frees_everything(mock_workers: MakeWorkers,
-                                                                    gateway: MakeGateway) -> None:
+async def test_client_gone_mid_request_cancels_and_frees_everything(
+    mock_workers: MakeWorkers, gateway: MakeGateway
+) -> None:
     [w] = await mock_workers(1, stream_chunks=50, chunk_interval_secs=0.1)
     gw = await gateway(worker_urls=[w.url])
     reader, writer = await connect(base_url(gw))

@@ -13,8 +13,9 @@ CHAT = {"model": "mock-model", "messages": [{"role": "user", "content": "hi"}], 
 COMPLETION = {"model": "mock-model", "prompt": "hello", "max_tokens": 3}
 
 
-async def test_streamed_answers_carry_each_header_once(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                       http: aiohttp.ClientSession) -> None:
+async def test_streamed_answers_carry_each_header_once(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1)
     gw = await gateway(worker_urls=[w.url])
     [p] = await mock_workers(1, pd_backend="atom", pd_role="prefill", kv_role="kv_producer")
@@ -29,8 +30,9 @@ async def test_streamed_answers_carry_each_header_once(mock_workers: MakeWorkers
             assert r.headers["Content-Type"] == "text/event-stream"
 
 
-async def test_flush_cache_tells_unsupported_from_failed(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                         http: aiohttp.ClientSession) -> None:
+async def test_flush_cache_tells_unsupported_from_failed(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     workers = await mock_workers(2, missing_routes=["/flush_cache"])
     gw = await gateway(worker_urls=[w.url for w in workers])
     async with http.post(base_url(gw) + "/flush_cache") as r:
@@ -46,7 +48,8 @@ async def test_flush_cache_tells_unsupported_from_failed(mock_workers: MakeWorke
 
 
 async def test_responses_api_is_relayed_and_split_in_pd_by_the_atom_backend_only(
-        mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession) -> None:
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1)
     gw = await gateway(worker_urls=[w.url])
     body = {"model": "mock-model", "input": "Say hi", "max_output_tokens": 2}
@@ -71,8 +74,9 @@ async def test_responses_api_is_relayed_and_split_in_pd_by_the_atom_backend_only
         assert r.status == 501 and err["code"] == "route_not_served" and "--backend atom" in err["message"]
 
 
-async def test_gateway_refusals_count_as_request_errors(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                        http: aiohttp.ClientSession) -> None:
+async def test_gateway_refusals_count_as_request_errors(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1, latency_secs=0.3)
     gw = await gateway(worker_urls=[w.url], max_concurrent_requests=1, queue_size=0)
     url = base_url(gw) + "/v1/completions"
@@ -95,7 +99,8 @@ async def test_gateway_refusals_count_as_request_errors(mock_workers: MakeWorker
 
 
 async def test_a_stream_broken_after_its_first_byte_counts_as_an_error(
-        mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession) -> None:
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1, stream_chunks=6, die_after_chunks=2)
     gw = await gateway(worker_urls=[w.url])
     async with http.post(base_url(gw) + "/v1/completions", json={**COMPLETION, "stream": True}) as r:
@@ -105,14 +110,16 @@ async def test_a_stream_broken_after_its_first_byte_counts_as_an_error(
     assert value(text, "mesh_router_request_errors_total", error_type="upstream_stream_broken") == 1
 
 
-async def test_disconnected_streams_are_counted_as_responses(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                             http: aiohttp.ClientSession) -> None:
+async def test_disconnected_streams_are_counted_as_responses(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1, stream_chunks=50, chunk_interval_secs=0.05)
     gw = await gateway(worker_urls=[w.url])
     n = 8
     for _ in range(n):
-        async with http.post(base_url(gw) + "/v1/completions", json={**COMPLETION, "max_tokens": 50,
-                                                                     "stream": True}) as r:
+        async with http.post(
+            base_url(gw) + "/v1/completions", json={**COMPLETION, "max_tokens": 50, "stream": True}
+        ) as r:
             assert r.status == 200
             await r.content.readany()  # then the client goes away mid-stream
     await wait_for(lambda: w.active == 0 and not gw.gateway.active_requests, what="the streams to be cut")
@@ -123,8 +130,9 @@ async def test_disconnected_streams_are_counted_as_responses(mock_workers: MakeW
     assert value(text, "mesh_http_connections_active") == 0
 
 
-async def test_cache_aware_hit_ratio_with_one_worker(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                     http: aiohttp.ClientSession) -> None:
+async def test_cache_aware_hit_ratio_with_one_worker(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1)
     gw = await gateway(worker_urls=[w.url], policy="cache_aware")
     prompt = "a long shared system prompt that the cache-aware index should remember " * 8
@@ -143,14 +151,21 @@ async def test_metrics_port_follows_host_unless_given(mock_workers: MakeWorkers,
     assert listener.sock.getsockname()[0] == "127.0.0.1"
 
 
-RELAYED = {"/v1/embeddings": {"input": "hi"}, "/v1/rerank": {"query": "q", "documents": ["a", "b"]},
-           "/rerank": {"query": "q", "documents": ["a"]}, "/v1/score": {"text_1": "a", "text_2": "b"},
-           "/v1/classify": {"input": ["a"]}, "/v1/tokenize": {"prompt": "hi"}, "/v1/detokenize": {"tokens": [1, 2]},
-           "/v1/messages": {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}}
+RELAYED = {
+    "/v1/embeddings": {"input": "hi"},
+    "/v1/rerank": {"query": "q", "documents": ["a", "b"]},
+    "/rerank": {"query": "q", "documents": ["a"]},
+    "/v1/score": {"text_1": "a", "text_2": "b"},
+    "/v1/classify": {"input": ["a"]},
+    "/v1/tokenize": {"prompt": "hi"},
+    "/v1/detokenize": {"tokens": [1, 2]},
+    "/v1/messages": {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]},
+}
 
 
-async def test_smg_relayed_routes_reach_the_worker_of_their_model(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                                  http: aiohttp.ClientSession) -> None:
+async def test_smg_relayed_routes_reach_the_worker_of_their_model(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     a, b = await mock_workers(1, models=["model-a"]), await mock_workers(1, models=["model-b"])
     gw = await gateway(worker_urls=[a[0].url, b[0].url])
     for path, body in RELAYED.items():
@@ -159,8 +174,9 @@ async def test_smg_relayed_routes_reach_the_worker_of_their_model(mock_workers: 
         assert b[0].received[-1]["path"] == path and b[0].received[-1]["body"] == {**body, "model": "model-b"}
     assert not [x for x in a[0].received if x["path"] in RELAYED]
     # Anthropic's Messages API streamed: its events arrive as the worker sent them.
-    async with http.post(base_url(gw) + "/v1/messages",
-                         json={**RELAYED["/v1/messages"], "model": "model-a", "stream": True}) as r:
+    async with http.post(
+        base_url(gw) + "/v1/messages", json={**RELAYED["/v1/messages"], "model": "model-a", "stream": True}
+    ) as r:
         text = await r.text()
     assert r.status == 200 and text.count("event: ") == 3 and "event: message_stop" in text
     metrics = await scrape(http, gw)

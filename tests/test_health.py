@@ -20,32 +20,47 @@ from atomesh.workers.worker import Worker, WorkerState
 @pytest.mark.timeout(60)
 async def test_frozen_worker_does_not_delay_detecting_another(worker_processes, gateway: MakeGateway) -> None:
     frozen, killed, fine = [await worker_processes(f"p{i}") for i in range(3)]
-    gw = await gateway(worker_urls=[frozen.url, killed.url, fine.url], health_check_interval_secs=0.2,
-                       health_check_timeout_secs=3, health_failure_threshold=2, disable_retries=True)
+    gw = await gateway(
+        worker_urls=[frozen.url, killed.url, fine.url],
+        health_check_interval_secs=0.2,
+        health_check_timeout_secs=3,
+        health_failure_threshold=2,
+        disable_retries=True,
+    )
     reg = gw.gateway.registry
     frozen.proc.send_signal(signal.SIGSTOP)
     try:
         await asyncio.sleep(0.5)  # the frozen worker's probes are now waiting out their 3 s timeout
         killed.kill()
         t0 = time.monotonic()
-        await wait_for(lambda: reg.by_url(killed.url).state is WorkerState.UNHEALTHY, 10,  # type: ignore[union-attr]
-                       "the killed worker to turn unhealthy")
+        await wait_for(
+            lambda: reg.by_url(killed.url).state is WorkerState.UNHEALTHY,
+            10,  # type: ignore[union-attr]
+            "the killed worker to turn unhealthy",
+        )
         detected = time.monotonic() - t0
         # Two failed probes 0.2 s apart (a refused connection fails at once); a round that waited for the
         # slowest probe would take at least the frozen worker's 3 s timeout.
         assert detected < 1.5, detected
         assert reg.by_url(fine.url).state is WorkerState.READY  # type: ignore[union-attr]
-        await wait_for(lambda: reg.by_url(frozen.url).state is WorkerState.UNHEALTHY, 15,  # type: ignore[union-attr]
-                       "the frozen worker to turn unhealthy")
+        await wait_for(
+            lambda: reg.by_url(frozen.url).state is WorkerState.UNHEALTHY,
+            15,  # type: ignore[union-attr]
+            "the frozen worker to turn unhealthy",
+        )
     finally:
         frozen.proc.send_signal(signal.SIGCONT)
-    await wait_for(lambda: reg.by_url(frozen.url).state is WorkerState.READY, 15,  # type: ignore[union-attr]
-                   "the thawed worker to recover")
+    await wait_for(
+        lambda: reg.by_url(frozen.url).state is WorkerState.READY,
+        15,  # type: ignore[union-attr]
+        "the thawed worker to recover",
+    )
 
 
 @pytest.mark.timeout(60)
-async def test_pending_worker_shows_why_and_fails_after_startup_timeout(gateway: MakeGateway,
-                                                                        http: aiohttp.ClientSession) -> None:
+async def test_pending_worker_shows_why_and_fails_after_startup_timeout(
+    gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     gw = await gateway(worker_startup_timeout_secs=1.5, worker_startup_check_interval=0.1)
     url = base_url(gw)
     # One URL that refuses connections, one that accepts and never answers (a probe must time out).

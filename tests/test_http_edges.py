@@ -20,8 +20,10 @@ BODY = orjson.dumps({"model": "mock-model", "prompt": "hello", "max_tokens": 3})
 
 
 def post(extra: str = "", body: bytes = BODY, path: str = "/v1/completions") -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n{extra}\r\n").encode() + body
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n{extra}\r\n"
+    ).encode() + body
 
 
 def get(extra: str = "", path: str = "/health") -> bytes:
@@ -45,8 +47,13 @@ async def exchange(url: str, data: bytes, *, timeout: float = 10) -> tuple[int |
 @pytest.fixture
 async def gw_url(mock_workers: MakeWorkers, gateway: MakeGateway) -> str:
     [w] = await mock_workers(1)
-    gw = await gateway(worker_urls=[w.url], max_payload_size=10_000, http_head_timeout_secs=0.6,
-                       http_body_timeout_secs=0.6, http_keepalive_timeout_secs=0.6)
+    gw = await gateway(
+        worker_urls=[w.url],
+        max_payload_size=10_000,
+        http_head_timeout_secs=0.6,
+        http_body_timeout_secs=0.6,
+        http_keepalive_timeout_secs=0.6,
+    )
     return base_url(gw)
 
 
@@ -55,9 +62,12 @@ async def test_header_limits_are_the_same_on_every_route(gw_url: str, make) -> N
     ok = make(f"X-Big: {'a' * 8190}\r\nConnection: close\r\n")
     status, _, _ = await exchange(gw_url, ok)
     assert status == 200
-    for extra, want in [(f"X-Big: {'a' * 8191}\r\n", 431), (f"X-{'n' * 8190}: v\r\n", 431),
-                        ("".join(f"X-H{i}: v\r\n" for i in range(101)), 431),
-                        ("".join(f"X-H{i}: {'v' * 8000}\r\n" for i in range(9)), 431)]:
+    for extra, want in [
+        (f"X-Big: {'a' * 8191}\r\n", 431),
+        (f"X-{'n' * 8190}: v\r\n", 431),
+        ("".join(f"X-H{i}: v\r\n" for i in range(101)), 431),
+        ("".join(f"X-H{i}: {'v' * 8000}\r\n" for i in range(9)), 431),
+    ]:
         status, got, _ = await exchange(gw_url, make(extra))
         assert status == want, got[:200]
         assert orjson.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["message"]
@@ -66,16 +76,20 @@ async def test_header_limits_are_the_same_on_every_route(gw_url: str, make) -> N
     assert status == 414
 
 
-@pytest.mark.parametrize("data", [
-    bytes(range(256)),  # binary garbage
-    bytes.fromhex("16030100f5010000f10303") + b"\x00" * 64,  # a TLS ClientHello
-    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",  # HTTP/2 prior knowledge
-    b"GET /health\r\n\r\n",  # HTTP/0.9
-    b"GET /health HTTP/1.1\nHost: gw\n\n",  # bare LF
-    b"GET /health HTTP/3.0\r\nHost: gw\r\n\r\n",
-    b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n{}",
-    b"GET /health HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
-], ids=["garbage", "tls", "h2", "http0.9", "bare-lf", "http3", "cl-and-te", "two-hosts"])
+@pytest.mark.parametrize(
+    "data",
+    [
+        bytes(range(256)),  # binary garbage
+        bytes.fromhex("16030100f5010000f10303") + b"\x00" * 64,  # a TLS ClientHello
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",  # HTTP/2 prior knowledge
+        b"GET /health\r\n\r\n",  # HTTP/0.9
+        b"GET /health HTTP/1.1\nHost: gw\n\n",  # bare LF
+        b"GET /health HTTP/3.0\r\nHost: gw\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n{}",
+        b"GET /health HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+    ],
+    ids=["garbage", "tls", "h2", "http0.9", "bare-lf", "http3", "cl-and-te", "two-hosts"],
+)
 async def test_non_http1_gets_400_and_close_at_once(gw_url: str, data: bytes) -> None:
     status, _, took = await exchange(gw_url, data)
     assert status == 400 and took < 0.5
@@ -88,12 +102,16 @@ async def test_oversized_length_is_413_from_the_head(gw_url: str, path: str) -> 
     assert status == 413 and took < 0.5 and b"Connection: close" in got
 
 
-@pytest.mark.parametrize("data,why", [
-    (b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Le", "head"),
-    (b"GET /health HTTP/1.1\r\nHost: gw\r\n", "head"),
-    (b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: 100\r\n\r\n{\"model\"", "body"),
-    (b"POST /workers HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n", "body"),
-], ids=["inference-head", "relayed-head", "short-body", "endless-chunks"])
+@pytest.mark.parametrize(
+    "data,why",
+    [
+        (b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Le", "head"),
+        (b"GET /health HTTP/1.1\r\nHost: gw\r\n", "head"),
+        (b'POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: 100\r\n\r\n{"model"', "body"),
+        (b"POST /workers HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n", "body"),
+    ],
+    ids=["inference-head", "relayed-head", "short-body", "endless-chunks"],
+)
 async def test_slow_heads_and_bodies_get_408(gw_url: str, data: bytes, why: str) -> None:
     status, got, took = await exchange(gw_url, data)
     assert status == 408 and why.encode() in got and 0.5 < took < 3
@@ -126,17 +144,20 @@ async def test_a_client_that_closes_cancels_its_request(mock_workers: MakeWorker
 
 
 async def test_expect_continue_and_chunked_upload(gw_url: str) -> None:
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n"
-            b"Expect: 100-continue\r\nConnection: close\r\n\r\n")
-    body = b"".join(b"%x\r\n%b\r\n" % (len(BODY[i:i + 5]), BODY[i:i + 5]) for i in range(0, len(BODY), 5))
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n"
+        b"Expect: 100-continue\r\nConnection: close\r\n\r\n"
+    )
+    body = b"".join(b"%x\r\n%b\r\n" % (len(BODY[i : i + 5]), BODY[i : i + 5]) for i in range(0, len(BODY), 5))
     status, got, _ = await exchange(gw_url, head + body + b"0\r\n\r\n")
     assert status == 100 and b"HTTP/1.1 200 OK" in got and b"tok0 tok1 tok2" in got
     status, got, _ = await exchange(gw_url, post("Expect: something-else\r\n"))
     assert status == 417
     # A chunked body over --max-payload-size: 413 as soon as it passes the limit.
     big = b"%x\r\n%b\r\n" % (20_000, b"x" * 20_000)
-    status, _, _ = await exchange(gw_url, b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\n"
-                                          b"Transfer-Encoding: chunked\r\n\r\n" + big)
+    status, _, _ = await exchange(
+        gw_url, b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n" + big
+    )
     assert status == 413
 
 
@@ -149,18 +170,22 @@ async def test_http10_stream_ends_with_the_connection(gw_url: str) -> None:
 
 
 UPGRADES = [
-    get("Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
-        "Sec-WebSocket-Version: 13\r\n"),
+    get(
+        "Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        "Sec-WebSocket-Version: 13\r\n"
+    ),
     post("Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA\r\n"),
     b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n",
 ]
 
 
-@pytest.mark.parametrize("data,want", list(zip(UPGRADES, [400, 400, 501], strict=True)),
-                         ids=["websocket", "h2c", "connect"])
+@pytest.mark.parametrize(
+    "data,want", list(zip(UPGRADES, [400, 400, 501], strict=True)), ids=["websocket", "h2c", "connect"]
+)
 @pytest.mark.parametrize("port", ["service", "metrics"])
-async def test_upgrades_and_connect_are_answered_at_once_and_closed(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                                    data: bytes, want: int, port: str) -> None:
+async def test_upgrades_and_connect_are_answered_at_once_and_closed(
+    mock_workers: MakeWorkers, gateway: MakeGateway, data: bytes, want: int, port: str
+) -> None:
     [w] = await mock_workers(1)
     gw = await gateway(worker_urls=[w.url])
     url = base_url(gw) if port == "service" else f"http://127.0.0.1:{gw.config.prometheus_port}"
@@ -180,8 +205,11 @@ async def test_an_upgrade_after_pipelined_requests_is_answered_in_turn(gw_url: s
     assert got.rstrip().endswith(b"}")  # the 400 is the last answer, then the close
 
 
-@pytest.mark.parametrize("pieces", [[b"GET /health\r\n"], [b"GET /health\n"], [b"GET /heal", b"th\r\n"],
-                                    [b"GET /health", b"\r\n"]], ids=["crlf", "lf", "split-target", "split-eol"])
+@pytest.mark.parametrize(
+    "pieces",
+    [[b"GET /health\r\n"], [b"GET /health\n"], [b"GET /heal", b"th\r\n"], [b"GET /health", b"\r\n"]],
+    ids=["crlf", "lf", "split-target", "split-eol"],
+)
 async def test_http09_request_line_gets_400_at_once(gw_url: str, pieces: list[bytes]) -> None:
     """A 0.9 client never sends a blank line: the versionless request line alone is refused."""
     host, port = gw_url.removeprefix("http://").split(":")
@@ -213,8 +241,9 @@ async def test_request_targets_that_look_like_09_are_still_served(gw_url: str) -
     assert got.startswith(b"HTTP/1.1 200 ")
 
 
-async def test_a_client_that_stops_reading_its_stream_is_cut_off(mock_workers: MakeWorkers,
-                                                                  gateway: MakeGateway) -> None:
+async def test_a_client_that_stops_reading_its_stream_is_cut_off(
+    mock_workers: MakeWorkers, gateway: MakeGateway
+) -> None:
     """Writing has a deadline too: a client that takes nothing of its answer for the body timeout is cut
     off, and its request on the worker is cancelled (it no longer holds a generation forever)."""
     [w] = await mock_workers(1, stream_chunks=1_000_000)
@@ -268,8 +297,7 @@ async def test_a_slow_reader_gets_its_whole_stream_in_order(mock_workers: MakeWo
         if size == 0:
             break
         text += rest[:size]
-        chunked = rest[size + 2:]
-    words = [orjson.loads(e[6:])["choices"][0]["text"] for e in bytes(text).split(b"\n\n")
-             if e.startswith(b"data: {")]
+        chunked = rest[size + 2 :]
+    words = [orjson.loads(e[6:])["choices"][0]["text"] for e in bytes(text).split(b"\n\n") if e.startswith(b"data: {")]
     assert words == [f"tok{i} " for i in range(n)]
     assert text.endswith(b"data: [DONE]\n\n")

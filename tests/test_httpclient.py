@@ -31,15 +31,19 @@ from atomesh.httpclient import (
 pytestmark = pytest.mark.timeout(30)
 
 LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
-    "asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+    "asyncio": asyncio.new_event_loop,
+    "uvloop": uvloop.new_event_loop,
+}
 
 
 def on_both_loops(scenario: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[str], None]:
     """Turn an async scenario into a test run once per event loop implementation."""
+
     @pytest.mark.parametrize("loop", list(LOOPS))
     def test(loop: str) -> None:
         with asyncio.Runner(loop_factory=LOOPS[loop]) as runner:
             runner.run(scenario())
+
     test.__name__ = test.__qualname__ = scenario.__name__
     test.__doc__ = scenario.__doc__
     return test
@@ -48,8 +52,9 @@ def on_both_loops(scenario: Callable[[], Coroutine[Any, Any, None]]) -> Callable
 class Req:
     """One request as the server read it, with the means to answer it."""
 
-    def __init__(self, conn: int, nth: int, head: bytes, body: bytes,
-                 reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self, conn: int, nth: int, head: bytes, body: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         self.conn, self.nth, self.head, self.body = conn, nth, head, body
         self.reader, self.writer = reader, writer
 
@@ -105,6 +110,7 @@ def fixed(raw: bytes, keep: bool = True) -> Answer:
     async def answer(req: Req) -> bool:
         req.writer.write(raw)
         return keep
+
     return answer
 
 
@@ -548,9 +554,28 @@ def _self_signed(tmp: Path) -> tuple[Path, Path] | None:
     if shutil.which("openssl") is None:
         return None
     cert, key = tmp / "cert.pem", tmp / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return cert, key
 
 

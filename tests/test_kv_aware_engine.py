@@ -23,15 +23,33 @@ from atomesh.workers.worker import WorkerRole
 
 pytest.importorskip("zmq")
 
-ENGINE = [sys.executable, "-m", "engine.openai_server", "--model", "tiny-random", "--device", "cpu",
-          "--host", "127.0.0.1", "--num-kvcache-blocks", "256", "--torch-threads", "1"]
+ENGINE = [
+    sys.executable,
+    "-m",
+    "engine.openai_server",
+    "--model",
+    "tiny-random",
+    "--device",
+    "cpu",
+    "--host",
+    "127.0.0.1",
+    "--num-kvcache-blocks",
+    "256",
+    "--torch-threads",
+    "1",
+]
 
 CHATS = [
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"}],
-    [{"role": "user", "content": "multi-part"}, {"role": "assistant", "content": [{"type": "text", "text": "a"},
-                                                                                    {"type": "text", "text": "b"}]}],
-    [{"role": "user", "content": "ünïcödé <|im_end|> inside"}, {"role": "assistant", "content": "ok " * 50},
-     {"role": "user", "content": "and again " * 30}],
+    [
+        {"role": "user", "content": "multi-part"},
+        {"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ],
+    [
+        {"role": "user", "content": "ünïcödé <|im_end|> inside"},
+        {"role": "assistant", "content": "ok " * 50},
+        {"role": "user", "content": "and again " * 30},
+    ],
 ]
 
 
@@ -42,8 +60,13 @@ def view(messages: list[dict[str, Any]]) -> RequestView:
 
 def engine_ids(tok: Any, messages: list[dict[str, Any]]) -> list[int]:
     """What the engine's chat handler computes (engine.openai_server.chat_completions)."""
-    norm = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
-             else "".join(p["text"] for p in m["content"])} for m in messages]
+    norm = [
+        {
+            "role": m["role"],
+            "content": m["content"] if isinstance(m["content"], str) else "".join(p["text"] for p in m["content"]),
+        }
+        for m in messages
+    ]
     return list(tok.encode(tok.apply_chat_template(norm)))
 
 
@@ -76,13 +99,17 @@ def test_gateway_tokenizes_chats_exactly_like_smollm2(tmp_path: Any) -> None:
     # The same from files, as --tokenizer-path gives them (tokenizer.json + tokenizer_config.json).
     info = tok.describe()
     (tmp_path / "tokenizer.json").write_text(info["tokenizer_json"])
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": info["chat_template"], "bos_token": info["bos_token"], "eos_token": info["eos_token"]}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"chat_template": info["chat_template"], "bos_token": info["bos_token"], "eos_token": info["eos_token"]}
+        )
+    )
     from atomesh.config import GatewayConfig
     from atomesh.policies import make_policy
 
-    policy = make_policy("kv_aware", GatewayConfig.model_validate({"policy": "kv_aware",
-                                                                   "tokenizer_path": str(tmp_path)}))
+    policy = make_policy(
+        "kv_aware", GatewayConfig.model_validate({"policy": "kv_aware", "tokenizer_path": str(tmp_path)})
+    )
     assert isinstance(policy, KvAwarePolicy) and policy.tokenizer is not None
     for messages in CHATS:
         assert policy.tokenizer.ids(view(messages)).tolist() == engine_ids(tok, messages)  # type: ignore[union-attr]
@@ -93,8 +120,13 @@ class Engine(EngineProcess):
 
     def __init__(self, name: str) -> None:
         self.events, self.replay = free_port(), free_port()
-        cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.events}",
-               "replay_endpoint": f"tcp://*:{self.replay}", "topic": "kv-events"}
+        cfg = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{self.events}",
+            "replay_endpoint": f"tcp://*:{self.replay}",
+            "topic": "kv-events",
+        }
         super().__init__(f"kv-{name}", [*ENGINE, "--kv-events-config", json.dumps(cfg)])
 
     def cached_tokens(self) -> float:
@@ -112,8 +144,9 @@ def engines() -> Iterator[list[Engine]]:
 
 
 async def chat(session: aiohttp.ClientSession, url: str, messages: list[dict[str, str]]) -> None:
-    async with session.post(url + "/v1/chat/completions",
-                            json={"model": "tiny-random", "messages": messages, "max_tokens": 1}) as r:
+    async with session.post(
+        url + "/v1/chat/completions", json={"model": "tiny-random", "messages": messages, "max_tokens": 1}
+    ) as r:
         assert r.status == 200, await r.text()
 
 
@@ -124,8 +157,15 @@ async def test_follow_up_turn_lands_where_its_kv_is(engines: list[Engine], gatew
     assert isinstance(policy, KvAwarePolicy)
     hub = policy.hub
     assert hub is not None
-    await wait_for(lambda: policy.tokenizer is not None and all(
-        s.ready.is_set() for s in hub.streams.values()) and len(hub.streams) == 2, 30, "tokenizer and event streams")
+    await wait_for(
+        lambda: (
+            policy.tokenizer is not None
+            and all(s.ready.is_set() for s in hub.streams.values())
+            and len(hub.streams) == 2
+        ),
+        30,
+        "tokenizer and event streams",
+    )
     gw = base_url(server)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
         for holder in (1, 0, 1):
@@ -133,8 +173,11 @@ async def test_follow_up_turn_lands_where_its_kv_is(engines: list[Engine], gatew
             topic = f"conversation {holder} {time.monotonic()} " + "about paged attention " * 12
             turn = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": topic}]
             await chat(s, engines[holder].url, turn)
-            await wait_for(lambda h=holder: policy.index.blocks_of(engines[h].url) > 0
-                           and hub.streams[engines[h].url].batches > 0, 10, "the first turn's events")
+            await wait_for(
+                lambda h=holder: policy.index.blocks_of(engines[h].url) > 0 and hub.streams[engines[h].url].batches > 0,
+                10,
+                "the first turn's events",
+            )
             await asyncio.sleep(0.2)  # the decode step's events too
             before = [e.cached_tokens() for e in engines]
             follow_up = [*turn, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and then?"}]
@@ -148,8 +191,9 @@ async def test_follow_up_turn_lands_where_its_kv_is(engines: list[Engine], gatew
 
 
 @pytest.mark.timeout(180)
-async def test_follow_ups_land_where_their_kv_is_whichever_process_places_them(engines: list[Engine],
-                                                                              tmp_path: Any) -> None:
+async def test_follow_ups_land_where_their_kv_is_whichever_process_places_them(
+    engines: list[Engine], tmp_path: Any
+) -> None:
     """`--processes 2`: both processes follow the engines' events and fetch the tokenizer themselves
     (a follower from the worker list the leader sends), so a follow-up lands on its KV's holder
     whichever process the kernel gave its connection to."""
@@ -159,13 +203,36 @@ async def test_follow_ups_land_where_their_kv_is_whichever_process_places_them(e
     port, mport = free_port(), free_port()
     log = tmp_path / "gateway.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "atomesh", "launch", "--host", "127.0.0.1", "--port", str(port),
-         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(mport), "--processes", "2",
-         "--worker-startup-check-interval", "0.2", "--policy", "kv_aware", "--worker-urls", *(e.url for e in engines)],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        [
+            sys.executable,
+            "-m",
+            "atomesh",
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(mport),
+            "--processes",
+            "2",
+            "--worker-startup-check-interval",
+            "0.2",
+            "--policy",
+            "kv_aware",
+            "--worker-urls",
+            *(e.url for e in engines),
+        ],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     gw = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+
             async def ready() -> bool:
                 try:
                     async with s.get(gw + "/readiness") as r:
@@ -180,8 +247,9 @@ async def test_follow_ups_land_where_their_kv_is_whichever_process_places_them(e
             await asyncio.sleep(2.0)  # every process's subscriptions caught up, its tokenizer fetched
             served_by: set[str] = set()
             # A fresh connection per request: the kernel spreads them over the processes.
-            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
-                                             timeout=aiohttp.ClientTimeout(total=60)) as fresh:
+            async with aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(force_close=True), timeout=aiohttp.ClientTimeout(total=60)
+            ) as fresh:
                 for i in range(12):  # all 12 on one process: 1 in 2,048
                     holder = i % 2
                     topic = f"conversation {i} {time.monotonic()} " + "about paged attention " * 12
@@ -190,8 +258,10 @@ async def test_follow_ups_land_where_their_kv_is_whichever_process_places_them(e
                     await asyncio.sleep(0.5)  # its events reach both processes
                     before = [e.cached_tokens() for e in engines]
                     follow_up = [*turn, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and?"}]
-                    async with fresh.post(gw + "/v1/chat/completions", json={
-                            "model": "tiny-random", "messages": follow_up, "max_tokens": 1}) as r:
+                    async with fresh.post(
+                        gw + "/v1/chat/completions",
+                        json={"model": "tiny-random", "messages": follow_up, "max_tokens": 1},
+                    ) as r:
                         assert r.status == 200, await r.text()
                         served_by.add(r.headers["x-request-id"][:16])
                     gained = [a - b for a, b in zip([e.cached_tokens() for e in engines], before, strict=True)]

@@ -84,38 +84,64 @@ def test_round_trip_through_vllms_msgspec_structs() -> None:
 def test_map_encoded_events_and_extra_fields_are_read() -> None:
     import msgpack
 
-    payload = msgpack.packb([1.0, [
-        {"type": "BlockStored", "block_hashes": [b"\x01" * 32], "parent_block_hash": None, "token_ids": [1, 2],
-         "block_size": 2, "lora_id": None, "medium": "GPU", "lora_name": None},
-        ["BlockRemoved", [7], "GPU", 0],  # a newer release's trailing group_idx
-    ]])
+    payload = msgpack.packb(
+        [
+            1.0,
+            [
+                {
+                    "type": "BlockStored",
+                    "block_hashes": [b"\x01" * 32],
+                    "parent_block_hash": None,
+                    "token_ids": [1, 2],
+                    "block_size": 2,
+                    "lora_id": None,
+                    "medium": "GPU",
+                    "lora_name": None,
+                },
+                ["BlockRemoved", [7], "GPU", 0],  # a newer release's trailing group_idx
+            ],
+        ]
+    )
     stored, removed = decode_batch(payload).events
     assert isinstance(stored, BlockStored) and stored.block_hashes == [b"\x01" * 32] and stored.block_size == 2
     assert removed == BlockRemoved([7], "GPU")
 
 
-@pytest.mark.parametrize("payload", [b"\xc1", b"\x90", b"\x92\xa1x\x90", b"\x92\x00\x91\x91\xa3Foo",
-                                     b"\x92\x00\x91\x92\xabBlockStored\x90"])
+@pytest.mark.parametrize(
+    "payload", [b"\xc1", b"\x90", b"\x92\xa1x\x90", b"\x92\x00\x91\x91\xa3Foo", b"\x92\x00\x91\x92\xabBlockStored\x90"]
+)
 def test_malformed_payloads_are_refused(payload: bytes) -> None:
     with pytest.raises(EventFormatError):
         decode_batch(payload)
 
 
 def test_engine_config_is_vllms_json() -> None:
-    cfg = parse_kv_events_config('{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557",'
-                                 ' "replay_endpoint": "tcp://*:5558", "topic": "kv-events"}')
+    cfg = parse_kv_events_config(
+        '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557",'
+        ' "replay_endpoint": "tcp://*:5558", "topic": "kv-events"}'
+    )
     assert cfg.enabled and cfg.replay_endpoint == "tcp://*:5558" and cfg.topic == "kv-events"
     assert not parse_kv_events_config("{}").enabled
-    for bad, word in (('{"publisher": "kafka"}', "publisher"), ('{"nope": 1}', "nope"),
-                      ('{"endpoint": "localhost:1"}', "endpoint"), ('{"buffer_steps": 0}', "buffer_steps")):
+    for bad, word in (
+        ('{"publisher": "kafka"}', "publisher"),
+        ('{"nope": 1}', "nope"),
+        ('{"endpoint": "localhost:1"}', "endpoint"),
+        ('{"buffer_steps": 0}', "buffer_steps"),
+    ):
         with pytest.raises(ValueError, match=word):
             parse_kv_events_config(bad)
 
 
 def test_endpoints_from_flag_label_and_server_info() -> None:
     w = Worker(url="http://10.0.0.7:8000")
-    w.server_info = {"kv_events_config": {"publisher": "zmq", "endpoint": "tcp://*:5557",
-                                          "replay_endpoint": "tcp://*:5558", "topic": "kv"}}
+    w.server_info = {
+        "kv_events_config": {
+            "publisher": "zmq",
+            "endpoint": "tcp://*:5557",
+            "replay_endpoint": "tcp://*:5558",
+            "topic": "kv",
+        }
+    }
     ep = endpoint_of(w, {})
     assert ep is not None and (ep.pub, ep.replay, ep.topic) == ("tcp://10.0.0.7:5557", "tcp://10.0.0.7:5558", "kv")
     flags = parse_endpoint_flags(["http://10.0.0.7:8000=tcp://*:6000,tcp://*:6001"])
@@ -199,8 +225,9 @@ def test_block_manager_events_follow_allocation_reuse_and_eviction() -> None:
     assert bm.stats().evicted > 0
     run([1, 2, 3, 4, 5, 6, 7])
     keys = chain_keys(as_tokens([1, 2, 3, 4, 5, 6, 7]), 2)
-    assert idx.overlaps(keys, [idx.bit("e")]) == [len(bm._cached_prefix(Sequence(9, [1, 2, 3, 4, 5, 6, 7],
-                                                                                  SamplingParams(), 2)))]
+    assert idx.overlaps(keys, [idx.bit("e")]) == [
+        len(bm._cached_prefix(Sequence(9, [1, 2, 3, 4, 5, 6, 7], SamplingParams(), 2)))
+    ]
 
 
 def test_blocks_are_reported_when_their_step_is_scheduled_and_withdrawn_if_never_written() -> None:
@@ -290,8 +317,14 @@ class Publisher:
 
     def __init__(self, replay: bool = True, buffer_steps: int = 100) -> None:
         self.pub_port, self.replay_port = free_port(), free_port()
-        self.cfg = KVEventsConfig(True, "zmq", f"tcp://*:{self.pub_port}",
-                                  f"tcp://*:{self.replay_port}" if replay else None, buffer_steps, topic="kv")
+        self.cfg = KVEventsConfig(
+            True,
+            "zmq",
+            f"tcp://*:{self.pub_port}",
+            f"tcp://*:{self.replay_port}" if replay else None,
+            buffer_steps,
+            topic="kv",
+        )
         self.pub = ZmqEventPublisher(self.cfg)
 
     def send(self, events: list[list[Any]]) -> None:
@@ -303,8 +336,12 @@ class Publisher:
         self.pub._buffer.append((seq, encode_batch(time.time(), events)))
 
     def info(self) -> dict[str, Any]:
-        return {"publisher": "zmq", "endpoint": self.cfg.endpoint, "replay_endpoint": self.cfg.replay_endpoint,
-                "topic": "kv"}
+        return {
+            "publisher": "zmq",
+            "endpoint": self.cfg.endpoint,
+            "replay_endpoint": self.cfg.replay_endpoint,
+            "topic": "kv",
+        }
 
     def close(self) -> None:
         self.pub.close()
@@ -614,8 +651,9 @@ def test_kv_aware_flags_are_checked() -> None:
 
     with pytest.raises(PolicyNotAvailable, match="--tokenizer-path"):
         make_policy("kv_aware", GatewayConfig.model_validate({"policy": "kv_aware", "tokenizer_path": "/nonexistent"}))
-    pd = GatewayConfig.model_validate({"policy": "kv_aware", "pd_disaggregation": True,
-                                       "prefill": [{"url": "http://p:1"}], "decode": ["http://d:1"]})
+    pd = GatewayConfig.model_validate(
+        {"policy": "kv_aware", "pd_disaggregation": True, "prefill": [{"url": "http://p:1"}], "decode": ["http://d:1"]}
+    )
     assert _pool_policy(pd, WorkerRole.PREFILL) == "kv_aware" and _pool_policy(pd, WorkerRole.DECODE) == "least_load"
 
 

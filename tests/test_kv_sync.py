@@ -104,13 +104,16 @@ async def test_kv_aware_counts_the_peer_replicas_placements() -> None:
             await p.sync.stop()
 
 
-@pytest.mark.parametrize(("settings", "message"), [
-    ({"kv_sync_peers": ["tcp://10.0.0.9:5600"]}, "need --policy kv_aware"),
-    ({"policy": "kv_aware", "kv_sync_bind": "10.0.0.9:5600"}, "must be a ZMQ address"),
-    ({"policy": "kv_aware", "kv_sync_peers": ["http://10.0.0.9:5600"]}, "must be a ZMQ address"),
-    ({"policy": "kv_aware", "kv_sync_peers": ["tcp://10.0.0.9"]}, "--kv-sync-peers .* must be a ZMQ address"),
-    ({"policy": "kv_aware", "kv_sync_bind": "tcp://*:5600", "processes": 2}, "one gateway process"),
-])
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"kv_sync_peers": ["tcp://10.0.0.9:5600"]}, "need --policy kv_aware"),
+        ({"policy": "kv_aware", "kv_sync_bind": "10.0.0.9:5600"}, "must be a ZMQ address"),
+        ({"policy": "kv_aware", "kv_sync_peers": ["http://10.0.0.9:5600"]}, "must be a ZMQ address"),
+        ({"policy": "kv_aware", "kv_sync_peers": ["tcp://10.0.0.9"]}, "--kv-sync-peers .* must be a ZMQ address"),
+        ({"policy": "kv_aware", "kv_sync_bind": "tcp://*:5600", "processes": 2}, "one gateway process"),
+    ],
+)
 def test_sync_flags_are_checked(settings: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         GatewayConfig.model_validate(settings)

@@ -128,7 +128,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_cycle() -> None:
     found = cycles(import_graph())
     assert not found, "import cycles (straighten the layering, see docs/design.md):\n" + "\n".join(
-        " <-> ".join(c) for c in found)
+        " <-> ".join(c) for c in found
+    )
 
 
 def test_cycles_count_deferred_imports_but_not_type_checking_ones(tmp_path: Path) -> None:
@@ -167,16 +168,20 @@ def test_every_gateway_module_has_a_layer() -> None:
 
 
 def test_imports_point_down_the_layers() -> None:
-    upward = sorted(f"{m} ({LAYERS[layer_of(m)][0]}) -> {t} ({LAYERS[layer_of(t)][0]})"
-                    for m, targets in import_graph(("atomesh",)).items() for t in targets
-                    if layer_of(t) > layer_of(m))
+    upward = sorted(
+        f"{m} ({LAYERS[layer_of(m)][0]}) -> {t} ({LAYERS[layer_of(t)][0]})"
+        for m, targets in import_graph(("atomesh",)).items()
+        for t in targets
+        if layer_of(t) > layer_of(m)
+    )
     assert not upward, "imports from a higher layer (see docs/design.md):\n" + "\n".join(upward)
 
 
 def test_engine_and_gateway_never_import_each_other() -> None:
     graph = import_graph()
-    crossing = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
-                      if m.split(".")[0] != t.split(".")[0])
+    crossing = sorted(
+        f"{m} -> {t}" for m, targets in graph.items() for t in targets if m.split(".")[0] != t.split(".")[0]
+    )
     assert not crossing, crossing
 
 
@@ -190,8 +195,12 @@ def test_nothing_outside_the_policies_asks_which_policy_it_holds() -> None:
     """A policy declares what it needs (`Policy.needs`, `attach`, `replicas`, `export`, `elsewhere`); the
     gateway, the cluster and everything else wire it through those, never by testing its class."""
     folder = ROOT / "atomesh" / "policies"
-    classes = {node.name for f in folder.glob("*.py") for node in ast.walk(ast.parse(f.read_text()))
-               if isinstance(node, ast.ClassDef)}
+    classes = {
+        node.name
+        for f in folder.glob("*.py")
+        for node in ast.walk(ast.parse(f.read_text()))
+        if isinstance(node, ast.ClassDef)
+    }
     found = []
     for path in sorted((ROOT / "atomesh").rglob("*.py")):
         if folder in path.parents:
@@ -199,7 +208,8 @@ def test_nothing_outside_the_policies_asks_which_policy_it_holds() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance":
                 names = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)} | {
-                    n.attr for n in ast.walk(node.args[1]) if isinstance(n, ast.Attribute)}
+                    n.attr for n in ast.walk(node.args[1]) if isinstance(n, ast.Attribute)
+                }
                 if names & classes:
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert classes and not found, "\n".join(found)

@@ -33,8 +33,12 @@ def test_state_machine_refuses_illegal_transitions() -> None:
     check_transition(WorkerState.UNHEALTHY, WorkerState.READY)
     check_transition(WorkerState.READY, WorkerState.DRAINING)
     check_transition(WorkerState.DRAINING, WorkerState.REMOVED)
-    for old, new in [(WorkerState.REMOVED, WorkerState.READY), (WorkerState.DRAINING, WorkerState.READY),
-                     (WorkerState.PENDING, WorkerState.UNHEALTHY), (WorkerState.FAILED, WorkerState.READY)]:
+    for old, new in [
+        (WorkerState.REMOVED, WorkerState.READY),
+        (WorkerState.DRAINING, WorkerState.READY),
+        (WorkerState.PENDING, WorkerState.UNHEALTHY),
+        (WorkerState.FAILED, WorkerState.READY),
+    ]:
         with pytest.raises(IllegalTransition):
             check_transition(old, new)
 
@@ -42,8 +46,11 @@ def test_state_machine_refuses_illegal_transitions() -> None:
 def test_breaker_opens_half_opens_and_closes() -> None:
     now = [0.0]
     seen = []
-    b = CircuitBreaker(BreakerSettings(failure_threshold=3, success_threshold=2, timeout_secs=10, window_secs=100),
-                       on_transition=lambda o, n: seen.append(n), clock=lambda: now[0])
+    b = CircuitBreaker(
+        BreakerSettings(failure_threshold=3, success_threshold=2, timeout_secs=10, window_secs=100),
+        on_transition=lambda o, n: seen.append(n),
+        clock=lambda: now[0],
+    )
     b.record(False)
     b.record(False)
     b.record(True)  # a success resets the consecutive count
@@ -63,8 +70,13 @@ def test_breaker_opens_half_opens_and_closes() -> None:
     b.record(True)
     b.record(True)
     assert b.state is BreakerState.CLOSED
-    assert seen == [BreakerState.OPEN, BreakerState.HALF_OPEN, BreakerState.OPEN, BreakerState.HALF_OPEN,
-                    BreakerState.CLOSED]
+    assert seen == [
+        BreakerState.OPEN,
+        BreakerState.HALF_OPEN,
+        BreakerState.OPEN,
+        BreakerState.HALF_OPEN,
+        BreakerState.CLOSED,
+    ]
 
 
 def test_backoff_grows_with_jitter_and_is_capped() -> None:
@@ -83,8 +95,16 @@ async def test_a_drain_ends_when_its_last_request_does_not_on_a_timer() -> None:
     """The drain job wakes on the release of the worker's last request (and on other processes'
     reports), so the worker is removed within a few event-loop turns, with no polling interval."""
     registry = WorkerRegistry()
-    lifecycle = Lifecycle(registry, Upstream(5.0), backend=BackendKind.SGLANG, breaker=BreakerSettings(),
-                          startup_timeout=1, check_interval=1, probe_timeout=1, health_endpoint="/health")
+    lifecycle = Lifecycle(
+        registry,
+        Upstream(5.0),
+        backend=BackendKind.SGLANG,
+        breaker=BreakerSettings(),
+        startup_timeout=1,
+        check_interval=1,
+        probe_timeout=1,
+        health_endpoint="/health",
+    )
     placement = Placement(registry, {WorkerRole.REGULAR: RoundRobinPolicy()}, pd=False)
     worker = Worker(url="http://127.0.0.1:1")
     registry.add(worker)
@@ -110,8 +130,9 @@ async def test_a_drain_ends_when_its_last_request_does_not_on_a_timer() -> None:
 
 
 # ---------------------------------------------------------------------------- admin API
-async def test_runtime_registration_and_admin_errors(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                     http: aiohttp.ClientSession) -> None:
+async def test_runtime_registration_and_admin_errors(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     a, b = await mock_workers(2)
     gw = await gateway(worker_urls=[a.url], api_key="sekret", worker_startup_timeout_secs=1)
     url = base_url(gw)
@@ -138,8 +159,13 @@ async def test_runtime_registration_and_admin_errors(mock_workers: MakeWorkers, 
             seen[r.headers["x-mock-worker"]] += 1
     assert seen == {"w0": 2, "w1": 2}
 
-    bad = [({"url": "ftp://x"}, 400), ({"url": "not a url"}, 400), ({"url": b.url}, 409),
-           ({"url": "http://127.0.0.1:9", "worker_type": "prefill"}, 400), ({}, 400)]
+    bad = [
+        ({"url": "ftp://x"}, 400),
+        ({"url": "not a url"}, 400),
+        ({"url": b.url}, 409),
+        ({"url": "http://127.0.0.1:9", "worker_type": "prefill"}, 400),
+        ({}, 400),
+    ]
     for body, status in bad:
         async with http.post(url + "/workers", json=body, headers=auth) as r:
             assert r.status == status, body
@@ -163,8 +189,9 @@ async def test_runtime_registration_and_admin_errors(mock_workers: MakeWorkers, 
     assert info["state"] == "failed" and "did not become healthy" in info["error"]
 
 
-async def test_delete_drains_in_flight_streams(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                               http: aiohttp.ClientSession) -> None:
+async def test_delete_drains_in_flight_streams(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     a, b = await mock_workers(2, stream_chunks=10, chunk_interval_secs=0.05)
     gw = await gateway(worker_urls=[a.url, b.url])
     url = base_url(gw)
@@ -185,11 +212,16 @@ async def test_delete_drains_in_flight_streams(mock_workers: MakeWorkers, gatewa
 
 
 # ---------------------------------------------------------------------------- health and breaker
-async def test_health_thresholds_take_a_worker_out_and_back(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                            http: aiohttp.ClientSession) -> None:
+async def test_health_thresholds_take_a_worker_out_and_back(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     a, b = await mock_workers(2)
-    gw = await gateway(worker_urls=[a.url, b.url], health_check_interval_secs=0.05,
-                       health_failure_threshold=3, health_success_threshold=2)
+    gw = await gateway(
+        worker_urls=[a.url, b.url],
+        health_check_interval_secs=0.05,
+        health_failure_threshold=3,
+        health_success_threshold=2,
+    )
     worker_a = gw.gateway.registry.by_url(a.url)
     assert worker_a is not None
     a.behaviour.health_status = 503
@@ -203,19 +235,22 @@ async def test_health_thresholds_take_a_worker_out_and_back(mock_workers: MakeWo
 
 async def test_disable_health_check_keeps_workers(mock_workers: MakeWorkers, gateway: MakeGateway) -> None:
     [a] = await mock_workers(1)
-    gw = await gateway(worker_urls=[a.url], health_check_interval_secs=0.05, health_failure_threshold=1,
-                       disable_health_check=True)
+    gw = await gateway(
+        worker_urls=[a.url], health_check_interval_secs=0.05, health_failure_threshold=1, disable_health_check=True
+    )
     a.behaviour.health_status = 503
     await asyncio.sleep(0.3)
     assert gw.gateway.registry.by_url(a.url).state is WorkerState.READY  # type: ignore[union-attr]
 
 
-async def test_breaker_opens_and_is_visible(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                            http: aiohttp.ClientSession) -> None:
+async def test_breaker_opens_and_is_visible(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     a, b = await mock_workers(2)
     a.behaviour.fail_status = 500
-    gw = await gateway(worker_urls=[a.url, b.url], disable_retries=True, cb_failure_threshold=2,
-                       cb_timeout_duration_secs=60)
+    gw = await gateway(
+        worker_urls=[a.url, b.url], disable_retries=True, cb_failure_threshold=2, cb_timeout_duration_secs=60
+    )
     url = base_url(gw)
     statuses = []
     for _ in range(6):
@@ -229,8 +264,9 @@ async def test_breaker_opens_and_is_visible(mock_workers: MakeWorkers, gateway: 
 
 
 # ---------------------------------------------------------------------------- retries
-async def test_retry_goes_to_another_worker(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                            http: aiohttp.ClientSession) -> None:
+async def test_retry_goes_to_another_worker(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     a, b = await mock_workers(2)
     a.behaviour.fail_status = 503
     gw = await gateway(worker_urls=[a.url, b.url], retry_max_retries=3)
@@ -240,8 +276,9 @@ async def test_retry_goes_to_another_worker(mock_workers: MakeWorkers, gateway: 
             assert r.headers["x-mock-worker"] == "w1"
 
 
-async def test_retries_are_bounded(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                   http: aiohttp.ClientSession) -> None:
+async def test_retries_are_bounded(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [a] = await mock_workers(1, fail_status=502)
     gw = await gateway(worker_urls=[a.url], retry_max_retries=2, cb_failure_threshold=100)
     async with http.post(base_url(gw) + "/v1/completions", json=COMPLETION) as r:
@@ -249,13 +286,13 @@ async def test_retries_are_bounded(mock_workers: MakeWorkers, gateway: MakeGatew
     assert len(a.received) == 3  # the first attempt and two retries
 
 
-async def test_no_retry_after_the_first_byte(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                             http: aiohttp.ClientSession) -> None:
+async def test_no_retry_after_the_first_byte(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     a, b = await mock_workers(2, stream_chunks=5, die_after_chunks=2)
     b.behaviour.die_after_chunks = None
     gw = await gateway(worker_urls=[a.url, b.url], retry_max_retries=3)
-    async with http.post(base_url(gw) + "/v1/completions",
-                         json={**COMPLETION, "stream": True, "max_tokens": 5}) as r:
+    async with http.post(base_url(gw) + "/v1/completions", json={**COMPLETION, "stream": True, "max_tokens": 5}) as r:
         assert r.status == 200 and r.headers["x-mock-worker"] == "w0"
         body = await r.read()
     assert b'"error"' in body and body.rstrip().endswith(b"data: [DONE]")
@@ -264,8 +301,9 @@ async def test_no_retry_after_the_first_byte(mock_workers: MakeWorkers, gateway:
 
 
 # ---------------------------------------------------------------------------- admission
-async def test_admission_queue_full_429_and_timeout_503(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                        http: aiohttp.ClientSession) -> None:
+async def test_admission_queue_full_429_and_timeout_503(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [a] = await mock_workers(1, stream_chunks=6, chunk_interval_secs=0.1)
     gw = await gateway(worker_urls=[a.url], max_concurrent_requests=1, queue_size=1, queue_timeout_secs=0.2)
     url = base_url(gw)
@@ -283,8 +321,9 @@ async def test_admission_queue_full_429_and_timeout_503(mock_workers: MakeWorker
         assert r.status == 200  # the permit came back after the last byte
 
 
-async def test_rate_limit_tokens_per_second(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                            http: aiohttp.ClientSession) -> None:
+async def test_rate_limit_tokens_per_second(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [a] = await mock_workers(1)
     gw = await gateway(worker_urls=[a.url], rate_limit_tokens_per_second=1, queue_size=0)
     statuses = []
@@ -295,8 +334,9 @@ async def test_rate_limit_tokens_per_second(mock_workers: MakeWorkers, gateway: 
 
 
 # ---------------------------------------------------------------------------- shutdown
-async def test_graceful_shutdown_finishes_in_flight(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                    http: aiohttp.ClientSession) -> None:
+async def test_graceful_shutdown_finishes_in_flight(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [a] = await mock_workers(1, stream_chunks=8, chunk_interval_secs=0.05)
     gw = await gateway(worker_urls=[a.url])
     url = base_url(gw)
@@ -312,7 +352,8 @@ async def test_graceful_shutdown_finishes_in_flight(mock_workers: MakeWorkers, g
 
 
 async def test_a_stream_cut_at_the_end_of_the_grace_period_gets_an_error_event(
-        mock_workers: MakeWorkers, gateway: MakeGateway) -> None:
+    mock_workers: MakeWorkers, gateway: MakeGateway
+) -> None:
     [a] = await mock_workers(1, stream_chunks=200, chunk_interval_secs=0.05)
     gw = await gateway(worker_urls=[a.url], shutdown_grace_period_secs=0.3)
     c = openai.AsyncOpenAI(base_url=base_url(gw) + "/v1", api_key="none", max_retries=0, timeout=20)
@@ -333,11 +374,13 @@ async def test_a_stream_cut_at_the_end_of_the_grace_period_gets_an_error_event(
 async def _load(url: str, n: int, concurrency: int, stream: bool = False) -> list[int]:
     sem = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+
         async def one() -> int:
             async with sem:
                 async with s.post(url + "/v1/completions", json={**COMPLETION, "stream": stream}) as r:
                     await r.read()
                     return r.status
+
         return list(await asyncio.gather(*(one() for _ in range(n))))
 
 
@@ -357,8 +400,13 @@ async def test_worker_killed_under_load_fails_no_request(worker_processes, gatew
 @pytest.mark.timeout(90)
 async def test_frozen_worker_is_detected_by_timeouts(worker_processes, gateway: MakeGateway) -> None:
     procs = [await worker_processes(f"p{i}") for i in range(2)]
-    gw = await gateway(worker_urls=[p.url for p in procs], request_timeout_secs=1.0, health_check_interval_secs=0.2,
-                       health_check_timeout_secs=0.3, health_failure_threshold=2)
+    gw = await gateway(
+        worker_urls=[p.url for p in procs],
+        request_timeout_secs=1.0,
+        health_check_interval_secs=0.2,
+        health_check_timeout_secs=0.3,
+        health_failure_threshold=2,
+    )
     procs[0].proc.send_signal(signal.SIGSTOP)
     try:
         statuses = await asyncio.wait_for(_load(base_url(gw), 20, 4), 60)
@@ -370,8 +418,9 @@ async def test_frozen_worker_is_detected_by_timeouts(worker_processes, gateway: 
 
 
 @pytest.mark.timeout(90)
-async def test_add_and_remove_under_load_loses_nothing(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                      http: aiohttp.ClientSession) -> None:
+async def test_add_and_remove_under_load_loses_nothing(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     a, b, c = await mock_workers(3, latency_secs=0.01, stream_chunks=4, chunk_interval_secs=0.01)
     gw = await gateway(worker_urls=[a.url, b.url])
     url = base_url(gw)

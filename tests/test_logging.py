@@ -31,21 +31,57 @@ async def test_json_logs_carry_request_ids_and_lifecycle_events(mock_workers: Ma
     port, metrics_port = free_port(), free_port()
     log_dir = tmp_path / "logs"
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "atomesh", "launch", "--host", "127.0.0.1", "--port", str(port),
-        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-        "--worker-urls", stay.url, flaky.url, leaving.url, "--policy", "round_robin",
-        "--json-log", "--log-dir", str(log_dir), "--log-level", "debug",
-        "--health-check-interval-secs", "0.2", "--health-failure-threshold", "2", "--health-success-threshold", "1",
-        "--cb-failure-threshold", "2", "--cb-success-threshold", "1", "--cb-timeout-duration-secs", "0.3",
-        "--retry-initial-backoff-ms", "1", "--worker-startup-check-interval", "0.1",
-        "--shutdown-grace-period-secs", "2",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "atomesh",
+        "launch",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(metrics_port),
+        "--worker-urls",
+        stay.url,
+        flaky.url,
+        leaving.url,
+        "--policy",
+        "round_robin",
+        "--json-log",
+        "--log-dir",
+        str(log_dir),
+        "--log-level",
+        "debug",
+        "--health-check-interval-secs",
+        "0.2",
+        "--health-failure-threshold",
+        "2",
+        "--health-success-threshold",
+        "1",
+        "--cb-failure-threshold",
+        "2",
+        "--cb-success-threshold",
+        "1",
+        "--cb-timeout-duration-secs",
+        "0.3",
+        "--retry-initial-backoff-ms",
+        "1",
+        "--worker-startup-check-interval",
+        "0.1",
+        "--shutdown-grace-period-secs",
+        "2",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     log_file = log_dir / "atomesh.log"
 
     def names() -> Counter[str]:
         return Counter(e.get("event") for e in read_events(log_file))
 
     try:
+
         async def until(event: str, count: int = 1, timeout: float = 15) -> None:
             await wait_for(lambda: names()[event] >= count or proc.returncode is not None, timeout, event)
             assert proc.returncode is None, f"gateway exited: {(await proc.stderr.read()).decode()[-2000:]}"  # type: ignore[union-attr]
@@ -56,8 +92,9 @@ async def test_json_logs_carry_request_ids_and_lifecycle_events(mock_workers: Ma
             # A request that fails upstream: its warning line carries the request id.
             flaky.behaviour.fail_status = 500
             for i in range(30):
-                async with http.post(base + "/v1/completions", json=COMPLETION,
-                                     headers={"x-request-id": f"req-{i}"}) as r:
+                async with http.post(
+                    base + "/v1/completions", json=COMPLETION, headers={"x-request-id": f"req-{i}"}
+                ) as r:
                     await r.read()
                 if names()["breaker_opened"]:
                     break
@@ -80,8 +117,10 @@ async def test_json_logs_carry_request_ids_and_lifecycle_events(mock_workers: Ma
                 assert r.status == 202, await r.text()
             await until("worker_removed")
             # The access log never carries a credential, wherever the client put it.
-            async with http.get(base + "/v1/models?api_key=sekrit-query",
-                                headers={"Authorization": "Bearer sekrit-header", "x-request-id": "models-1"}) as r:
+            async with http.get(
+                base + "/v1/models?api_key=sekrit-query",
+                headers={"Authorization": "Bearer sekrit-header", "x-request-id": "models-1"},
+            ) as r:
                 assert r.status == 200
         proc.send_signal(signal.SIGTERM)
         await asyncio.wait_for(proc.wait(), 15)
@@ -94,8 +133,16 @@ async def test_json_logs_carry_request_ids_and_lifecycle_events(mock_workers: Ma
     assert events and all(isinstance(e, dict) and "timestamp" in e and "level" in e for e in events)
     counts = Counter(e["event"] for e in events)
     # Each lifecycle event happened once, and is logged exactly once.
-    for event in ("breaker_opened", "worker_unhealthy", "worker_healthy", "breaker_closed", "worker_draining",
-                  "worker_removed", "shutdown_started", "shutdown_complete"):
+    for event in (
+        "breaker_opened",
+        "worker_unhealthy",
+        "worker_healthy",
+        "breaker_closed",
+        "worker_draining",
+        "worker_removed",
+        "shutdown_started",
+        "shutdown_complete",
+    ):
         assert counts[event] == 1, (event, counts)
     assert counts["worker_registered"] == 3
     registered = {e["worker"] for e in events if e["event"] == "worker_registered"}
@@ -106,9 +153,14 @@ async def test_json_logs_carry_request_ids_and_lifecycle_events(mock_workers: Ma
     # One access log line per request, with its id, route, status, worker and timing.
     access = [e for e in events if e["event"] == "request"]
     served = [e for e in access if e["request_id"].startswith("req-")]
-    assert served and all(e["method"] == "POST" and e["path"] == "/v1/completions" and e["latency_ms"] >= 0
-                          and e["worker"] in (stay.url, flaky.url, leaving.url) and e["bytes"] > 0
-                          for e in served), served[:3]
+    assert served and all(
+        e["method"] == "POST"
+        and e["path"] == "/v1/completions"
+        and e["latency_ms"] >= 0
+        and e["worker"] in (stay.url, flaky.url, leaving.url)
+        and e["bytes"] > 0
+        for e in served
+    ), served[:3]
     [models] = [e for e in access if e["request_id"] == "models-1"]
     assert models["path"] == "/v1/models" and models["status"] == 200
     assert "sekrit" not in log_file.read_text()
@@ -132,8 +184,9 @@ def test_setup_logging_renders_every_record_and_filters_by_level(tmp_path: Path)
     )
     for mode in ("json", "console"):
         out = tmp_path / mode
-        run = subprocess.run([sys.executable, "-c", script, "warn", mode, str(out)], capture_output=True,
-                             text=True, timeout=30)
+        run = subprocess.run(
+            [sys.executable, "-c", script, "warn", mode, str(out)], capture_output=True, text=True, timeout=30
+        )
         assert run.returncode == 0, run.stderr
         text = (out / "atomesh.log").read_text()
         assert "hidden_below_level" not in text
@@ -196,14 +249,13 @@ def test_batched_access_lines_read_as_structlog_renders_them(tmp_path: Path) -> 
     )
     for mode in ("json", "console"):
         out = tmp_path / mode
-        run = subprocess.run([sys.executable, "-c", script, mode, str(out)], capture_output=True, text=True,
-                             timeout=30)
+        run = subprocess.run([sys.executable, "-c", script, mode, str(out)], capture_output=True, text=True, timeout=30)
         assert run.returncode == 0, run.stderr
         lines = (out / "atomesh.log").read_text().splitlines()
         assert len(lines) == 16, lines
         assert "sk-secret" not in "".join(lines) and ":pw@" not in "".join(lines)
         for k in (0, 8):
-            slow_lines, fast_lines = lines[k:k + 4], lines[k + 4:k + 8]
+            slow_lines, fast_lines = lines[k : k + 4], lines[k + 4 : k + 8]
             if mode == "json":
                 for s, f in zip(slow_lines, fast_lines, strict=True):
                     sd, fd = json.loads(s), json.loads(f)

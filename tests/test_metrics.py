@@ -76,7 +76,7 @@ def test_meter_takes_usage_split_across_chunks_and_followed_by_done() -> None:
         meter.feed(b'data: {"choices":[{"text":"t"}],"usage":{"prompt_tokens":7,"completion_tokens":%d}}\n\n' % (i + 1))
     meter.feed(b'data: {"choices":[],"usage":{"prompt_tokens":7,"compl')  # the final usage, in two pieces
     meter.feed(b'etion_tokens":40,"total_tokens":47}}\n\n')
-    meter.feed(b'data: [DONE]\n\n')
+    meter.feed(b"data: [DONE]\n\n")
     meter.finish()
     assert meter.events == 4  # three tokens and the usage event; [DONE] is not one
     text = generate_latest(m.registry).decode()
@@ -94,8 +94,11 @@ def test_pd_and_cache_aware_recorders() -> None:
     m.sync_cache_aware("decode", hits=3, misses=1, entries=7)
     m.sync_cache_aware("decode", hits=5, misses=1, entries=9)
     text = generate_latest(m.registry).decode()
-    for name in ("mesh_pd_prefill_duration_seconds_count", "mesh_pd_handoff_seconds_count",
-                 "mesh_pd_decode_duration_seconds_count"):
+    for name in (
+        "mesh_pd_prefill_duration_seconds_count",
+        "mesh_pd_handoff_seconds_count",
+        "mesh_pd_decode_duration_seconds_count",
+    ):
         assert value(text, name) == 1, name
     assert value(text, "mesh_pd_kv_transfer_failures_total", runtime="atom", reason="transfer_timeout") == 1
     assert value(text, "mesh_cache_aware_index_entries", worker_type="prefill") == 42
@@ -107,8 +110,9 @@ def test_pd_and_cache_aware_recorders() -> None:
 
 
 # ---------------------------------------------------------------------------- through a real gateway
-async def test_traffic_shows_up_in_metrics(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                           http: aiohttp.ClientSession) -> None:
+async def test_traffic_shows_up_in_metrics(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     workers = await mock_workers(2, stream_chunks=5, chunk_interval_secs=0.01)
     gw = await gateway(worker_urls=[w.url for w in workers])
     for _ in range(2):
@@ -118,8 +122,9 @@ async def test_traffic_shows_up_in_metrics(mock_workers: MakeWorkers, gateway: M
     for _ in range(2):
         async with http.post(base_url(gw) + "/v1/completions", json=COMPLETION) as r:
             assert r.status == 200
-    async with http.post(base_url(gw) + "/v1/completions", data=b"{not json",
-                         headers={"Content-Type": "application/json"}) as r:
+    async with http.post(
+        base_url(gw) + "/v1/completions", data=b"{not json", headers={"Content-Type": "application/json"}
+    ) as r:
         assert r.status == 400
     text = await scrape(http, gw)
     assert value(text, "mesh_router_requests_total", endpoint="chat", streaming="true", model="mock-model") == 2
@@ -142,8 +147,9 @@ async def test_traffic_shows_up_in_metrics(mock_workers: MakeWorkers, gateway: M
     assert value(text, "mesh_http_connections_active") == 0
 
 
-async def test_worker_failures_are_counted(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                           http: aiohttp.ClientSession) -> None:
+async def test_worker_failures_are_counted(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [bad, good] = await mock_workers(2)
     gw = await gateway(worker_urls=[bad.url, good.url])
     bad.behaviour.fail_status = 503
@@ -157,8 +163,9 @@ async def test_worker_failures_are_counted(mock_workers: MakeWorkers, gateway: M
     assert value(text, "mesh_worker_retries_total", worker_type="regular", endpoint="completions") >= 1
 
 
-async def test_duration_buckets_flag_is_honoured(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                 http: aiohttp.ClientSession) -> None:
+async def test_duration_buckets_flag_is_honoured(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1)
     gw = await gateway(worker_urls=[w.url], prometheus_duration_buckets=[0.25, 7.5])
     async with http.post(base_url(gw) + "/v1/completions", json={**COMPLETION, "stream": True}) as r:
@@ -168,16 +175,20 @@ async def test_duration_buckets_flag_is_honoured(mock_workers: MakeWorkers, gate
     assert les == {"0.25", "7.5", "+Inf"}
 
 
-async def test_label_cardinality_is_bounded(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                            http: aiohttp.ClientSession) -> None:
+async def test_label_cardinality_is_bounded(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1, stream_chunks=2)
     gw = await gateway(worker_urls=[w.url])
 
     async def burst(n: int, start: int) -> None:
         for i in range(start, start + n):
             body = {**COMPLETION, "prompt": f"distinct prompt {i}", "stream": i % 2 == 0, "user": f"u{i}"}
-            async with http.post(base_url(gw) + "/v1/completions", json=body,
-                                 headers={"x-request-id": f"req-{i}", "x-session-id": f"s{i}"}) as r:
+            async with http.post(
+                base_url(gw) + "/v1/completions",
+                json=body,
+                headers={"x-request-id": f"req-{i}", "x-session-id": f"s{i}"},
+            ) as r:
                 assert r.status == 200
                 await r.read()
             # Unknown models (client-controlled) fail, but must not mint a label each.
@@ -197,8 +208,9 @@ async def test_label_cardinality_is_bounded(mock_workers: MakeWorkers, gateway: 
     assert models <= {"mock-model", "unknown"}
 
 
-async def test_removed_worker_series_are_dropped(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                 http: aiohttp.ClientSession) -> None:
+async def test_removed_worker_series_are_dropped(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     workers = await mock_workers(2)
     gw = await gateway(worker_urls=[w.url for w in workers])
     for _ in range(2):
@@ -246,8 +258,13 @@ def test_dashboard_queries_only_exported_metrics() -> None:
         assert not unknown, f"{expr!r} reads metrics the gateway does not export: {unknown}"
         used |= names
     # The dashboard covers the families operators look at first.
-    for family in ("mesh_router_ttft_seconds_bucket", "mesh_worker_health", "mesh_worker_cb_state",
-                   "mesh_router_tokens_total", "mesh_worker_selection_total"):
+    for family in (
+        "mesh_router_ttft_seconds_bucket",
+        "mesh_worker_health",
+        "mesh_worker_cb_state",
+        "mesh_router_tokens_total",
+        "mesh_worker_selection_total",
+    ):
         assert family in used
 
 
@@ -262,8 +279,10 @@ def test_engine_metrics_merge_keeps_families_together() -> None:
     from atomesh.api.observability import EngineMetrics
 
     merged = EngineMetrics()
-    body = ("# HELP atom:requests_running Running.\n# TYPE atom:requests_running gauge\n"
-            'atom:requests_running{dp="0"} {n}\n# TYPE atom:done_total counter\natom:done_total 5\n')
+    body = (
+        "# HELP atom:requests_running Running.\n# TYPE atom:requests_running gauge\n"
+        'atom:requests_running{dp="0"} {n}\n# TYPE atom:done_total counter\natom:done_total 5\n'
+    )
     merged.add("http://a:1", body.replace("{n}", "1"))
     merged.add("http://b:2", body.replace("{n}", "2"))
     merged.fail("http://c:3", "cannot connect\nat all")
@@ -277,11 +296,11 @@ def test_engine_metrics_merge_keeps_families_together() -> None:
     assert text.count("# TYPE atom:requests_running ") == 1
 
 
-async def test_engine_metrics_route(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                    http: aiohttp.ClientSession) -> None:
+async def test_engine_metrics_route(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     workers = await mock_workers(2)
-    gw = await gateway(worker_urls=[w.url for w in workers], disable_health_check=True,
-                       health_check_timeout_secs=2)
+    gw = await gateway(worker_urls=[w.url for w in workers], disable_health_check=True, health_check_timeout_secs=2)
     async with http.post(base_url(gw) + "/v1/completions", json=COMPLETION) as r:
         assert r.status == 200
     await workers[1].stop()  # dead, but still registered
@@ -293,14 +312,14 @@ async def test_engine_metrics_route(mock_workers: MakeWorkers, gateway: MakeGate
     served = value(text, "atom:requests_served_total", worker_addr=workers[0].url)
     assert served == 1
     assert value(text, "mesh_engine_metrics_scrape_errors", worker_addr=workers[1].url) == 1
-    assert not any(dict(ls).get("worker_addr") == workers[1].url and n.startswith("atom:")
-                   for (n, ls) in samples(text))
+    assert not any(dict(ls).get("worker_addr") == workers[1].url and n.startswith("atom:") for (n, ls) in samples(text))
     gw_text = await scrape(http, gw)
     assert value(gw_text, "mesh_engine_metrics_scrape_errors_total", worker=workers[1].url) == 1
 
 
-async def test_cache_aware_policy_counts_show_up(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                 http: aiohttp.ClientSession) -> None:
+async def test_cache_aware_policy_counts_show_up(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     workers = await mock_workers(2)
     gw = await gateway(worker_urls=[w.url for w in workers], policy="cache_aware")
     prompt = "a long shared system prompt that the cache-aware index should remember " * 8
@@ -315,8 +334,9 @@ async def test_cache_aware_policy_counts_show_up(mock_workers: MakeWorkers, gate
     assert value(await scrape(http, gw), "mesh_cache_aware_hits_total") == hits  # a second scrape adds nothing
 
 
-async def test_pd_stream_is_metered_on_the_decode_leg(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                      http: aiohttp.ClientSession) -> None:
+async def test_pd_stream_is_metered_on_the_decode_leg(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [p] = await mock_workers(1, pd_backend="atom", pd_role="prefill", kv_role="kv_producer")
     [d] = await mock_workers(1, pd_backend="atom", pd_role="decode", kv_role="kv_consumer", stream_chunks=4)
     gw = await gateway(pd_disaggregation=True, backend="atom", prefill=[{"url": p.url}], decode=[d.url])

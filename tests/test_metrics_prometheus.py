@@ -29,15 +29,20 @@ class Prometheus:
         (workdir / "prometheus.yml").write_text(
             "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
             "scrape_configs:\n  - job_name: atomesh\n    static_configs:\n"
-            f"      - targets: [{', '.join(repr(t) for t in targets)}]\n")
+            f"      - targets: [{', '.join(repr(t) for t in targets)}]\n"
+        )
         self.proc: asyncio.subprocess.Process | None = None
 
     async def start(self, http: aiohttp.ClientSession, timeout: float = 30) -> None:
         with self.log.open("wb") as log:
             self.proc = await asyncio.create_subprocess_exec(
-                self.binary, f"--config.file={self.workdir / 'prometheus.yml'}",
-                f"--storage.tsdb.path={self.workdir / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}",
-                stdout=log, stderr=log)
+                self.binary,
+                f"--config.file={self.workdir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={self.workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                stdout=log,
+                stderr=log,
+            )
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -66,8 +71,7 @@ class Prometheus:
         result: list[dict[str, Any]] = body["data"]["result"]
         return result
 
-    async def wait_value(self, http: aiohttp.ClientSession, promql: str, expected: float,
-                         timeout: float = 20) -> None:
+    async def wait_value(self, http: aiohttp.ClientSession, promql: str, expected: float, timeout: float = 20) -> None:
         """Poll an instant query until its single value equals `expected`."""
         deadline = time.monotonic() + timeout
         last: object = None
@@ -97,9 +101,14 @@ async def prometheus(prometheus_binary: str, tmp_path: Path) -> AsyncIterator[li
         await p.stop()
 
 
-async def test_prometheus_reads_the_gateway_counters(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                     http: aiohttp.ClientSession, prometheus: list[Prometheus],
-                                                     prometheus_binary: str, tmp_path: Path) -> None:
+async def test_prometheus_reads_the_gateway_counters(
+    mock_workers: MakeWorkers,
+    gateway: MakeGateway,
+    http: aiohttp.ClientSession,
+    prometheus: list[Prometheus],
+    prometheus_binary: str,
+    tmp_path: Path,
+) -> None:
     workers = await mock_workers(2, stream_chunks=4)
     gw = await gateway(worker_urls=[w.url for w in workers])
     prom = Prometheus(prometheus_binary, tmp_path, [f"127.0.0.1:{gw.config.prometheus_port}"])

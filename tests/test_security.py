@@ -25,9 +25,11 @@ async def _statuses(http: aiohttp.ClientSession, url: str, headers: dict[str, st
     out: dict[str, int] = {}
     async with http.post(url + "/v1/completions", json=COMPLETION, headers=headers) as r:
         out["completions"] = r.status
+
     # A chunked upload is served by the other door: the same key applies.
     async def body():  # type: ignore[no-untyped-def]
         yield orjson.dumps(COMPLETION)
+
     chunked = {**headers, "Content-Type": "application/json"}
     async with http.post(url + "/v1/completions", data=body(), headers=chunked) as r:
         out["completions_chunked"] = r.status
@@ -42,14 +44,16 @@ async def _statuses(http: aiohttp.ClientSession, url: str, headers: dict[str, st
     return out
 
 
-async def test_api_key_guards_inference_and_admin(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                  http: aiohttp.ClientSession) -> None:
+async def test_api_key_guards_inference_and_admin(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1)
     gw = await gateway(worker_urls=[w.url], api_key="sekret")
     url = base_url(gw)
     anonymous = await _statuses(http, url, {})
     assert {k: v for k, v in anonymous.items() if k not in OPEN_GETS} == dict.fromkeys(
-        ["completions", "completions_chunked", *ADMIN_GETS, "/get_model_info", "/flush_cache"], 401)
+        ["completions", "completions_chunked", *ADMIN_GETS, "/get_model_info", "/flush_cache"], 401
+    )
     assert all(anonymous[p] == 200 for p in OPEN_GETS)
     wrong = await _statuses(http, url, {"Authorization": "Bearer wrong"})
     assert wrong["completions"] == 401 and wrong["/workers"] == 401
@@ -57,8 +61,9 @@ async def test_api_key_guards_inference_and_admin(mock_workers: MakeWorkers, gat
     assert 401 not in keyed.values() and keyed["completions"] == keyed["/workers"] == 200, keyed
 
 
-async def test_admin_key_closes_admin_and_leaves_inference_open(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                                http: aiohttp.ClientSession) -> None:
+async def test_admin_key_closes_admin_and_leaves_inference_open(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1)
     gw = await gateway(worker_urls=[w.url], admin_api_key="boss")
     url = base_url(gw)
@@ -83,8 +88,11 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "mock-model", "prompt": "x", "max_tokens": -1}, "max_tokens"),
     ("/v1/completions", {"model": "mock-model", "prompt": "x", "max_tokens": 1.5}, "max_tokens"),
     ("/v1/completions", {"model": "mock-model", "prompt": "x", "max_tokens": True}, "max_tokens"),
-    ("/v1/chat/completions", {"model": "mock-model", "messages": [{"role": "user", "content": "x"}],
-                              "max_completion_tokens": -5}, "max_completion_tokens"),
+    (
+        "/v1/chat/completions",
+        {"model": "mock-model", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -5},
+        "max_completion_tokens",
+    ),
     ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
     ("/v1/completions", {"model": "mock-model", "prompt": "x", "temperature": "hot"}, "temperature"),
     ("/v1/completions", {"model": "mock-model", "prompt": "x", "top_p": 1.5}, "top_p"),
@@ -95,18 +103,25 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "mock-model"}, "prompt"),
     ("/v1/chat/completions", {"model": "mock-model", "messages": []}, "messages"),
     ("/v1/chat/completions", {"model": "mock-model", "messages": [{"content": "x"}]}, "messages.0.role"),
-    ("/v1/chat/completions", {"model": "mock-model", "messages": [{"role": "user", "content": 5}]},
-     "messages.0.content"),
+    (
+        "/v1/chat/completions",
+        {"model": "mock-model", "messages": [{"role": "user", "content": 5}]},
+        "messages.0.content",
+    ),
     ("/v1/chat/completions", {"model": "mock-model", "messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
-    ("/v1/chat/completions", {"model": "mock-model", "messages": [{"role": "user", "content": "x"}],
-                              "presence_penalty": 3}, "presence_penalty"),
+    (
+        "/v1/chat/completions",
+        {"model": "mock-model", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 3},
+        "presence_penalty",
+    ),
     ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": "many"}}, "sampling_params.max_new_tokens"),
     ("/generate", {"sampling_params": {}}, "'text' or 'input_ids'"),
 ]
 
 
-async def test_bad_fields_get_400_without_reaching_a_worker(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                            http: aiohttp.ClientSession) -> None:
+async def test_bad_fields_get_400_without_reaching_a_worker(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1)
     gw = await gateway(worker_urls=[w.url], cb_failure_threshold=2)
     url = base_url(gw)
@@ -117,8 +132,14 @@ async def test_bad_fields_get_400_without_reaching_a_worker(mock_workers: MakeWo
             assert err["type"] == "invalid_request_error" and field in err["message"], (field, err)
     assert not [x for x in w.received if x["path"] != "/health"]
     # Unknown fields pass through untouched; valid extensions are accepted.
-    body = {**COMPLETION, "my_extension": {"deep": [1, None]}, "top_k": 20, "stop": ["\n"], "logprobs": 2,
-            "temperature": None}
+    body = {
+        **COMPLETION,
+        "my_extension": {"deep": [1, None]},
+        "top_k": 20,
+        "stop": ["\n"],
+        "logprobs": 2,
+        "temperature": None,
+    }
     async with http.post(url + "/v1/completions", json=body) as r:
         assert r.status == 200
     assert orjson.loads(orjson.dumps(w.received[-1]["body"]))["my_extension"] == {"deep": [1, None]}
@@ -126,8 +147,9 @@ async def test_bad_fields_get_400_without_reaching_a_worker(mock_workers: MakeWo
     assert worker.breaker.state.value == "closed"
 
 
-async def test_worker_4xx_never_opens_a_breaker(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                http: aiohttp.ClientSession) -> None:
+async def test_worker_4xx_never_opens_a_breaker(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1, fail_status=400)
     gw = await gateway(worker_urls=[w.url], cb_failure_threshold=2)
     for status in (400, 404, 422, 429):
@@ -145,8 +167,9 @@ async def test_worker_4xx_never_opens_a_breaker(mock_workers: MakeWorkers, gatew
 
 
 # ---------------------------------------------------------------------------- loops and URLs
-async def test_gateway_refuses_to_register_itself(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                  http: aiohttp.ClientSession) -> None:
+async def test_gateway_refuses_to_register_itself(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1)
     gw = await gateway(worker_urls=[w.url], worker_startup_timeout_secs=30)
     url = base_url(gw)
@@ -181,8 +204,9 @@ async def test_gateway_refuses_to_register_itself(mock_workers: MakeWorkers, gat
     assert w.received[-1]["headers"]["x-atomesh-gateway"] == gw.gateway.instance_id
 
 
-async def test_worker_urls_are_bounded_and_carry_no_credentials(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                                http: aiohttp.ClientSession) -> None:
+async def test_worker_urls_are_bounded_and_carry_no_credentials(
+    mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1)
     gw = await gateway(worker_urls=[w.url])
     url = base_url(gw)
@@ -217,15 +241,41 @@ async def test_no_secret_or_locals_in_logs(mock_workers: MakeWorkers, tmp_path: 
         port, metrics_port = free_port(), free_port()
         log_dir = tmp_path / f"logs-{json_log}"
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "atomesh", "launch", "--host", "127.0.0.1", "--port", str(port),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), "--worker-urls", w.url,
-            "--log-dir", str(log_dir), "--log-level", "debug", "--worker-startup-check-interval", "0.1",
-            "--api-key", "sk-live-key", "--shutdown-grace-period-secs", "1", *(["--json-log"] if json_log else []),
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+            sys.executable,
+            "-m",
+            "atomesh",
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(metrics_port),
+            "--worker-urls",
+            w.url,
+            "--log-dir",
+            str(log_dir),
+            "--log-level",
+            "debug",
+            "--worker-startup-check-interval",
+            "0.1",
+            "--api-key",
+            "sk-live-key",
+            "--shutdown-grace-period-secs",
+            "1",
+            *(["--json-log"] if json_log else []),
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
         log_file = log_dir / "atomesh.log"
         try:
-            await wait_for(lambda f=log_file: f.exists() and "gateway_ready" in f.read_text(), 20,  # type: ignore[misc]
-                           "ready")
+            await wait_for(
+                lambda f=log_file: f.exists() and "gateway_ready" in f.read_text(),
+                20,  # type: ignore[misc]
+                "ready",
+            )
             secret = "Bearer sk-live-key"
             heads = [
                 # Malformed heads carrying credentials, on both doors.
@@ -244,8 +294,9 @@ async def test_no_secret_or_locals_in_logs(mock_workers: MakeWorkers, tmp_path: 
                 writer.close()
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
                 w.behaviour.fail_status = 500
-                async with http.post(f"http://127.0.0.1:{port}/v1/completions", json=COMPLETION,
-                                     headers={"Authorization": secret}) as r:
+                async with http.post(
+                    f"http://127.0.0.1:{port}/v1/completions", json=COMPLETION, headers={"Authorization": secret}
+                ) as r:
                     await r.read()
                 w.behaviour.fail_status = None
         finally:
@@ -259,8 +310,10 @@ async def test_no_secret_or_locals_in_logs(mock_workers: MakeWorkers, tmp_path: 
 def test_console_tracebacks_show_no_locals(tmp_path: Path) -> None:
     setup_logging("info", json=False, log_dir=tmp_path)
     try:
+
         def crash(token: str) -> None:
             raise RuntimeError("boom")
+
         try:
             crash("-".join(("sk", "local", "variable")))  # the value appears in no source line
         except RuntimeError:

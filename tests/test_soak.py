@@ -17,8 +17,10 @@ from gwtest import MakeWorkers, free_port, wait_for
 pytestmark = pytest.mark.timeout(120)
 
 BODY = orjson.dumps({"model": "mock-model", "prompt": "hello", "max_tokens": 2})
-REQUEST = (b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
-           b"Content-Length: %d\r\nConnection: close\r\n\r\n%b" % (len(BODY), BODY))
+REQUEST = (
+    b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\nConnection: close\r\n\r\n%b" % (len(BODY), BODY)
+)
 FD_LIMIT = 160
 
 
@@ -51,6 +53,7 @@ class Gateway:
 def _limit_fds(limit: int = FD_LIMIT) -> Callable[[], None]:
     def limit_fds() -> None:  # in the gateway's process, before it runs: `ulimit -n limit`
         resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
     return limit_fds
 
 
@@ -59,12 +62,40 @@ async def launch(worker_url: str, fd_limit: int, timeout_secs: float) -> Gateway
     port, metrics_port = free_port(), free_port()
     secs = str(timeout_secs)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "atomesh", "launch", "--host", "127.0.0.1", "--port", str(port),
-        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), "--worker-urls", worker_url,
-        "--policy", "round_robin", "--log-level", "warn", "--worker-startup-check-interval", "0.1",
-        "--http-head-timeout-secs", secs, "--http-body-timeout-secs", secs, "--http-keepalive-timeout-secs", secs,
-        "--max-payload-size", str(64 << 20), "--shutdown-grace-period-secs", "1",
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, preexec_fn=_limit_fds(fd_limit))
+        sys.executable,
+        "-m",
+        "atomesh",
+        "launch",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(metrics_port),
+        "--worker-urls",
+        worker_url,
+        "--policy",
+        "round_robin",
+        "--log-level",
+        "warn",
+        "--worker-startup-check-interval",
+        "0.1",
+        "--http-head-timeout-secs",
+        secs,
+        "--http-body-timeout-secs",
+        secs,
+        "--http-keepalive-timeout-secs",
+        secs,
+        "--max-payload-size",
+        str(64 << 20),
+        "--shutdown-grace-period-secs",
+        "1",
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+        preexec_fn=_limit_fds(fd_limit),
+    )
     gateway = Gateway(proc, port, metrics_port)
 
     async def up() -> bool:
@@ -134,8 +165,10 @@ async def test_big_body_is_held_once(gw: Gateway) -> None:
     body = orjson.dumps({"model": "mock-model", "prompt": "x" * size, "max_tokens": 1})
     await wait_for(lambda: gw.memory_mb() > 0, what="process status")
     base = gw.memory_mb("VmHWM")
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body))
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
+    )
     status = await gw.request(head + body, timeout=60)
     assert status in (200, 413)  # the mock worker's own limit may refuse it: the gateway relayed it whole
     grown = gw.memory_mb("VmHWM") - base
@@ -176,8 +209,10 @@ async def test_2000_upgrade_and_connect_requests_under_1024_descriptors(mock_wor
         read = [a for a in answers if a]
         assert len(read) == 1000 and set(read) == {400, 501}
         assert [await gw.request(timeout=10) for _ in range(5)] == [200] * 5
-        assert await gw.request(b"GET /metrics HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n",
-                                port=gw.metrics_port) == 200
+        assert (
+            await gw.request(b"GET /metrics HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n", port=gw.metrics_port)
+            == 200
+        )
         await wait_for(lambda: gw.open_fds() <= base + 10, 5, "the connections' descriptors to be released")
     finally:
         gw.proc.terminate()

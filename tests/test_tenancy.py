@@ -18,14 +18,21 @@ COMPLETION = {"model": "mock-model", "prompt": "hello", "max_tokens": 2}
 
 
 async def test_waiting_requests_are_served_by_class_then_priority_with_aging(
-        tmp_path: Path, mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession) -> None:
+    tmp_path: Path, mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1, latency_secs=0.2)
     config = tmp_path / "scheduler.yaml"
-    config.write_text("classes:\n  bulk: {starvation_threshold_secs: 1.5}\n"
-                      "tenant_policies:\n  'header:free': {max_class: bulk}\n")
-    gw = await gateway(worker_urls=[w.url], max_concurrent_requests=1, priority_scheduler_enabled=True,
-                       priority_scheduler_config=config, priority_scheduler_default_max_class="system",
-                       trust_tenant_header=True)
+    config.write_text(
+        "classes:\n  bulk: {starvation_threshold_secs: 1.5}\ntenant_policies:\n  'header:free': {max_class: bulk}\n"
+    )
+    gw = await gateway(
+        worker_urls=[w.url],
+        max_concurrent_requests=1,
+        priority_scheduler_enabled=True,
+        priority_scheduler_config=config,
+        priority_scheduler_default_max_class="system",
+        trust_tenant_header=True,
+    )
     url = base_url(gw) + "/v1/completions"
     admission = gw.gateway.admission
 
@@ -42,8 +49,13 @@ async def test_waiting_requests_are_served_by_class_then_priority_with_aging(
         return tasks
 
     free = {"X-SMG-Priority": "system", "x-smg-tenant-id": "free"}
-    tasks = await queue(("bulk", {"X-SMG-Priority": "bulk"}, 0), ("default-late", {}, 5), ("default-early", {}, -5),
-                        ("clamped", free, 0), ("interactive", {"X-SMG-Priority": "interactive"}, 0))
+    tasks = await queue(
+        ("bulk", {"X-SMG-Priority": "bulk"}, 0),
+        ("default-late", {}, 5),
+        ("default-early", {}, -5),
+        ("clamped", free, 0),
+        ("interactive", {"X-SMG-Priority": "interactive"}, 0),
+    )
     assert await asyncio.gather(*tasks) == [200] * 6
     order = [x["body"]["prompt"] for x in w.received if x["path"] == "/v1/completions"][-6:]
     # interactive first, then default by the body's priority (lower first), then bulk in arrival order
@@ -61,16 +73,25 @@ async def test_waiting_requests_are_served_by_class_then_priority_with_aging(
     assert order == ["busy", "old-bulk", "new-interactive"], order
 
 
-async def test_tenant_rate_limits_and_tenant_keys(tmp_path: Path, mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                  http: aiohttp.ClientSession) -> None:
+async def test_tenant_rate_limits_and_tenant_keys(
+    tmp_path: Path, mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
+) -> None:
     [w] = await mock_workers(1)
     limits = tmp_path / "limits.yaml"
-    limits.write_text("default_policy: {tokens_per_minute: 1000000, requests_per_minute: 1000}\n"
-                      "tenants:\n"
-                      "  - {tenant_key: 'auth:team-red', tokens_per_minute: 1000000, requests_per_minute: 3}\n"
-                      "  - {tenant_key: 'header:small', tokens_per_minute: 100, requests_per_minute: 1000}\n")
-    gw = await gateway(worker_urls=[w.url], api_key="main-key", tenant_api_key=["team-red:red-key"],
-                       tenant_rate_limit_enabled=True, tenant_rate_limit_config=limits, trust_tenant_header=True)
+    limits.write_text(
+        "default_policy: {tokens_per_minute: 1000000, requests_per_minute: 1000}\n"
+        "tenants:\n"
+        "  - {tenant_key: 'auth:team-red', tokens_per_minute: 1000000, requests_per_minute: 3}\n"
+        "  - {tenant_key: 'header:small', tokens_per_minute: 100, requests_per_minute: 1000}\n"
+    )
+    gw = await gateway(
+        worker_urls=[w.url],
+        api_key="main-key",
+        tenant_api_key=["team-red:red-key"],
+        tenant_rate_limit_enabled=True,
+        tenant_rate_limit_config=limits,
+        trust_tenant_header=True,
+    )
     url = base_url(gw) + "/v1/completions"
 
     async def status(headers: dict[str, str], body: dict[str, object] = COMPLETION) -> tuple[int, str]:
@@ -108,10 +129,11 @@ def test_scheduler_and_rate_limit_files_are_checked_at_start(tmp_path: Path) -> 
     bad = tmp_path / "bad.yaml"
     bad.write_text("classes:\n  interactive: {can_preempt: true}\n")
     for settings, needle in (
-            ({"tenant_rate_limit_enabled": True}, "needs --tenant-rate-limit-config"),
-            ({"priority_scheduler_enabled": True, "priority_scheduler_config": bad}, "preemption is not built"),
-            ({"priority_scheduler_default_max_class": "urgent"}, "not a priority class"),
-            ({"tenant_api_key": ["no-colon"]}, "TENANT_ID:KEY")):
+        ({"tenant_rate_limit_enabled": True}, "needs --tenant-rate-limit-config"),
+        ({"priority_scheduler_enabled": True, "priority_scheduler_config": bad}, "preemption is not built"),
+        ({"priority_scheduler_default_max_class": "urgent"}, "not a priority class"),
+        ({"tenant_api_key": ["no-colon"]}, "TENANT_ID:KEY"),
+    ):
         with pytest.raises(ConfigError, match=needle):
             load_config(settings)
 
@@ -123,9 +145,26 @@ def test_bench_priority_runs_and_reports_both_gateways(tmp_path: Path) -> None:
     import sys
 
     out = tmp_path / "priority.json"
-    proc = subprocess.run([sys.executable, "-m", "atomesh", "bench", "priority", "--seconds", "1",
-                           "--tenant-seconds", "2", "--concurrency", "4", "--json", str(out)],
-                          capture_output=True, text=True, timeout=100)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "atomesh",
+            "bench",
+            "priority",
+            "--seconds",
+            "1",
+            "--tenant-seconds",
+            "2",
+            "--concurrency",
+            "4",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert [c["gateway"] for c in report["classes"]] == ["atomesh-priority", "atomesh-fifo"]

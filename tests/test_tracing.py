@@ -40,9 +40,16 @@ class Receiver(trace_grpc.TraceServiceServicer):  # type: ignore[misc]
                 service = next(a.value.string_value for a in rs.resource.attributes if a.key == "service.name")
                 for ss in rs.scope_spans:
                     for s in ss.spans:
-                        self.spans.append({"service": service, "name": s.name, "trace": s.trace_id.hex(),
-                                           "id": s.span_id.hex(), "parent": s.parent_span_id.hex(),
-                                           "attrs": {a.key: a.value for a in s.attributes}})
+                        self.spans.append(
+                            {
+                                "service": service,
+                                "name": s.name,
+                                "trace": s.trace_id.hex(),
+                                "id": s.span_id.hex(),
+                                "parent": s.parent_span_id.hex(),
+                                "attrs": {a.key: a.value for a in s.attributes},
+                            }
+                        )
         return trace_service.ExportTraceServiceResponse()
 
     def of(self, trace: str) -> list[dict[str, Any]]:
@@ -70,31 +77,66 @@ async def test_tracing_is_off_by_default(mock_workers: MakeWorkers, gateway: Mak
 
 @pytest.mark.timeout(110)
 async def test_one_request_is_one_trace_across_gateway_and_both_pd_engines(
-        receiver: tuple[Receiver, str], gateway: MakeGateway, monkeypatch: pytest.MonkeyPatch) -> None:
+    receiver: tuple[Receiver, str], gateway: MakeGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytest.importorskip("mooncake.engine", reason="P/D engines relay KV over Mooncake (make install puts it in)")
     r, endpoint = receiver
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export batches every 0.1 s (default 5 s)
     env = {**os.environ, "OTEL_BSP_SCHEDULE_DELAY": "100", "MC_TRANSFER_TIMEOUT": "5"}
-    engine = [sys.executable, "-m", "engine.openai_server", "--model", "tiny-random", "--host", "127.0.0.1",
-              "--num-kvcache-blocks", "128", "--torch-threads", "1", "--otlp-traces-endpoint", endpoint]
-    engines = {role: EngineProcess(f"trace-{role}", [*engine, "--kv-transfer-config", json.dumps(
-        {"kv_role": role, "kv_connector": "mooncake", "handshake_port": free_port(), "staging_buffer_mb": 1})], env)
-        for role in ("kv_producer", "kv_consumer")}
+    engine = [
+        sys.executable,
+        "-m",
+        "engine.openai_server",
+        "--model",
+        "tiny-random",
+        "--host",
+        "127.0.0.1",
+        "--num-kvcache-blocks",
+        "128",
+        "--torch-threads",
+        "1",
+        "--otlp-traces-endpoint",
+        endpoint,
+    ]
+    engines = {
+        role: EngineProcess(
+            f"trace-{role}",
+            [
+                *engine,
+                "--kv-transfer-config",
+                json.dumps(
+                    {"kv_role": role, "kv_connector": "mooncake", "handshake_port": free_port(), "staging_buffer_mb": 1}
+                ),
+            ],
+            env,
+        )
+        for role in ("kv_producer", "kv_consumer")
+    }
     try:
         for e in engines.values():
             e.wait_up()
-        gw = await gateway(pd_disaggregation=True, backend="atom", prefill=[{"url": engines["kv_producer"].url}],
-                           decode=[engines["kv_consumer"].url], enable_trace=True, otlp_traces_endpoint=endpoint)
+        gw = await gateway(
+            pd_disaggregation=True,
+            backend="atom",
+            prefill=[{"url": engines["kv_producer"].url}],
+            decode=[engines["kv_consumer"].url],
+            enable_trace=True,
+            otlp_traces_endpoint=endpoint,
+        )
         body = {"model": "tiny-random", "prompt": "hello there", "max_tokens": 4, "stream": True}
-        async with aiohttp.ClientSession() as s, s.post(
-                base_url(gw) + "/v1/completions", json=body,
-                headers={"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"}) as resp:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(
+                base_url(gw) + "/v1/completions", json=body, headers={"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"}
+            ) as resp,
+        ):
             assert resp.status == 200
             await resp.read()
         deadline = time.monotonic() + 30
         want = {"atomesh-gateway", "atomesh-engine-kv_producer", "atomesh-engine-kv_consumer"}
-        while {s["service"] for s in r.of(TRACE_ID) if s["name"] == "engine.request"} | {"atomesh-gateway"} != want \
-                or not any(s["name"] == "POST /v1/completions" for s in r.of(TRACE_ID)):
+        while {s["service"] for s in r.of(TRACE_ID) if s["name"] == "engine.request"} | {
+            "atomesh-gateway"
+        } != want or not any(s["name"] == "POST /v1/completions" for s in r.of(TRACE_ID)):
             assert time.monotonic() < deadline, r.of(TRACE_ID)
             await asyncio.sleep(0.1)
     finally:
@@ -140,10 +182,21 @@ def test_spans_are_written_as_the_collectors_protobuf(monkeypatch: pytest.Monkey
     request_ids = ["req-1", "x" * 99, "y" * 300, "é" * 60, "req-1"]
     headers: list[dict[str, str]] = []
     for i, rid in enumerate(request_ids):
-        with tracing.request("POST /v1/completions", {"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"},
-                             {"http.route": "/v1/completions", "atomesh.request_id": rid}) as root:
-            with tracing.span("attempt", {"atomesh.attempt": i, "flag": i % 2 == 0, "share": 0.5,
-                                          "atomesh.placement.workers": ("http://a", "http://b"), "list": ["l"]}):
+        with tracing.request(
+            "POST /v1/completions",
+            {"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"},
+            {"http.route": "/v1/completions", "atomesh.request_id": rid},
+        ) as root:
+            with tracing.span(
+                "attempt",
+                {
+                    "atomesh.attempt": i,
+                    "flag": i % 2 == 0,
+                    "share": 0.5,
+                    "atomesh.placement.workers": ("http://a", "http://b"),
+                    "list": ["l"],
+                },
+            ):
                 with tracing.span("upstream", {"server.address": "http://a" * (i * 40 + 1)}, client=True):
                     headers.append({})
                     tracing.inject(headers[-1])
@@ -153,9 +206,11 @@ def test_spans_are_written_as_the_collectors_protobuf(monkeypatch: pytest.Monkey
     spans = _parsed(tracing, blobs)
     assert len(spans) == 3 * len(request_ids)
     for i, rid in enumerate(request_ids):
-        root, attempt, upstream = sorted(spans[3 * i:3 * i + 3], key=lambda s: s.kind != 2)[0], \
-            *(s for s in spans[3 * i:3 * i + 3] if s.name == "attempt"), \
-            *(s for s in spans[3 * i:3 * i + 3] if s.name == "upstream")
+        root, attempt, upstream = (
+            sorted(spans[3 * i : 3 * i + 3], key=lambda s: s.kind != 2)[0],
+            *(s for s in spans[3 * i : 3 * i + 3] if s.name == "attempt"),
+            *(s for s in spans[3 * i : 3 * i + 3] if s.name == "upstream"),
+        )
         assert {s.trace_id.hex() for s in (root, attempt, upstream)} == {TRACE_ID}
         assert root.name == "POST /v1/completions" and root.parent_span_id.hex() == CLIENT_SPAN
         assert attempt.parent_span_id == root.span_id and upstream.parent_span_id == attempt.span_id
@@ -170,8 +225,13 @@ def test_spans_are_written_as_the_collectors_protobuf(monkeypatch: pytest.Monkey
         assert a["share"].double_value == 0.5 and a["list"].array_value.values[0].string_value == "l"
         assert [v.string_value for v in a["atomesh.placement.workers"].array_value.values] == ["http://a", "http://b"]
         assert upstream.attributes[0].value.string_value == "http://a" * (i * 40 + 1)
-        assert 0 < root.start_time_unix_nano <= attempt.start_time_unix_nano <= upstream.end_time_unix_nano \
+        assert (
+            0
+            < root.start_time_unix_nano
+            <= attempt.start_time_unix_nano
+            <= upstream.end_time_unix_nano
             <= root.end_time_unix_nano
+        )
     request = trace_service.ExportTraceServiceRequest()
     request.ParseFromString(tracing.exporter.request_bytes(blobs))
     resource = {a.key: a.value.string_value for a in request.resource_spans[0].resource.attributes}
@@ -205,7 +265,8 @@ def test_exporter_settings_not_honoured_stop_start_up(monkeypatch: pytest.Monkey
 
 
 async def test_spans_reach_a_receiver_and_a_full_queue_drops_and_counts(
-        receiver: tuple[Receiver, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    receiver: tuple[Receiver, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Batches go when full and on the schedule; past the queue's bound spans are dropped, counted, not kept."""
     from atomesh.tracing import Tracing
 

@@ -32,11 +32,28 @@ def free_port_pair() -> int:
 
 def _start_up(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], int]:
     port = free_port()
-    args = [sys.executable, "-m", "atomesh", "up", "--model", "tiny-random", "--port", str(port),
-            "--metrics-port", str(free_port()), "--engine-port", str(free_port_pair()),
-            "--log-dir", str(tmp_path / "logs"), "--startup-timeout", "120", *extra]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    args = [
+        sys.executable,
+        "-m",
+        "atomesh",
+        "up",
+        "--model",
+        "tiny-random",
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(free_port()),
+        "--engine-port",
+        str(free_port_pair()),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--startup-timeout",
+        "120",
+        *extra,
+    ]
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     return proc, port
 
 
@@ -75,8 +92,11 @@ def test_up_serves_openai_clients_and_stops_on_ctrl_c(tmp_path: Path, mode: str)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         c = client.completions.create(model="tiny-random", prompt="hello there", max_tokens=4, temperature=0)
         assert c.usage is not None and c.usage.completion_tokens == 4
-        chunks = list(client.chat.completions.create(model="tiny-random", max_tokens=4, stream=True,
-                                                     messages=[{"role": "user", "content": "hi"}]))
+        chunks = list(
+            client.chat.completions.create(
+                model="tiny-random", max_tokens=4, stream=True, messages=[{"role": "user", "content": "hi"}]
+            )
+        )
         assert len([ch for ch in chunks if ch.choices and ch.choices[0].delta.content]) >= 1
         if mode == "pd":  # the answers came through a KV transfer from prefill to decode
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/engine_metrics", timeout=10) as r:
@@ -100,9 +120,24 @@ def test_up_refuses_busy_ports_before_starting_anything(tmp_path: Path) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        proc = subprocess.run([sys.executable, "-m", "atomesh", "up", "--no-pd", "--model", "tiny-random",
-                               "--port", str(port), "--log-dir", str(tmp_path / "logs")],
-                              capture_output=True, text=True, timeout=50)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "atomesh",
+                "up",
+                "--no-pd",
+                "--model",
+                "tiny-random",
+                "--port",
+                str(port),
+                "--log-dir",
+                str(tmp_path / "logs"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=50,
+        )
     assert proc.returncode == 1
     assert f"gateway needs {port}" in proc.stdout and "ports already in use" in proc.stdout
     assert "starting worker" not in proc.stdout
@@ -110,10 +145,30 @@ def test_up_refuses_busy_ports_before_starting_anything(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_up_reports_a_part_that_fails_to_start(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "atomesh", "up", "--no-pd", "--workers", "1",
-                           "--model", "/no/such/model.gguf", "--port", str(free_port()),
-                           "--metrics-port", str(free_port()), "--engine-port", str(free_port()),
-                           "--log-dir", str(tmp_path / "logs")], capture_output=True, text=True, timeout=100)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "atomesh",
+            "up",
+            "--no-pd",
+            "--workers",
+            "1",
+            "--model",
+            "/no/such/model.gguf",
+            "--port",
+            str(free_port()),
+            "--metrics-port",
+            str(free_port()),
+            "--engine-port",
+            str(free_port()),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert proc.returncode == 1
     assert "worker-0 exited" in proc.stdout and "worker-0.log" in proc.stdout
 

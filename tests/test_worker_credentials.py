@@ -23,13 +23,15 @@ WORKER_KEY = "worker-key-2"
 
 
 async def add(http: aiohttp.ClientSession, gw: Any, body: dict[str, Any]) -> tuple[int, Any]:
-    async with http.post(base_url(gw) + "/workers", json=body,
-                         headers={"Authorization": f"Bearer {CLIENT_KEY}"}) as resp:
+    async with http.post(
+        base_url(gw) + "/workers", json=body, headers={"Authorization": f"Bearer {CLIENT_KEY}"}
+    ) as resp:
         return resp.status, await resp.json()
 
 
-async def test_a_worker_with_its_own_key_gets_that_key_on_every_call(mock_workers: MakeWorkers,
-                                                                     gateway: MakeGateway) -> None:
+async def test_a_worker_with_its_own_key_gets_that_key_on_every_call(
+    mock_workers: MakeWorkers, gateway: MakeGateway
+) -> None:
     [w] = await mock_workers(1, api_key=WORKER_KEY)
     gw = await gateway(worker_urls=[], api_key=CLIENT_KEY, health_check_interval_secs=0.2)
     async with aiohttp.ClientSession() as http:
@@ -42,8 +44,9 @@ async def test_a_worker_with_its_own_key_gets_that_key_on_every_call(mock_worker
         try:
             done = await client.completions.create(model="mock-model", prompt="hi", max_tokens=2)
             assert done.choices[0].text
-            stream = await client.chat.completions.create(model="mock-model", stream=True, max_tokens=2,
-                                                          messages=[{"role": "user", "content": "hi"}])
+            stream = await client.chat.completions.create(
+                model="mock-model", stream=True, max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+            )
             assert [c async for c in stream]
         finally:
             await client.close()
@@ -55,14 +58,21 @@ async def test_a_worker_with_its_own_key_gets_that_key_on_every_call(mock_worker
         assert WORKER_KEY not in listed and '"has_api_key":true' in listed.replace(" ", "")
         await wait_for(lambda: sum(1 for p, _ in w.authorizations if p == "/health") >= 3, 10, "health checks")
     paths = {p for p, _ in w.authorizations}
-    assert {"/health", "/v1/models", "/server_info", "/v1/completions", "/v1/chat/completions",
-            "/flush_cache"} <= paths, paths
+    assert {
+        "/health",
+        "/v1/models",
+        "/server_info",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/flush_cache",
+    } <= paths, paths
     # Every call the gateway made carried the worker's key, none the client's.
     assert {a for _, a in w.authorizations} == {f"Bearer {WORKER_KEY}"}, set(w.authorizations)
 
 
-async def test_a_worker_without_a_key_gets_the_clients_authorization(mock_workers: MakeWorkers,
-                                                                     gateway: MakeGateway) -> None:
+async def test_a_worker_without_a_key_gets_the_clients_authorization(
+    mock_workers: MakeWorkers, gateway: MakeGateway
+) -> None:
     [w] = await mock_workers(1)
     gw = await gateway(worker_urls=[w.url], api_key=CLIENT_KEY)
     client = openai.AsyncOpenAI(base_url=base_url(gw) + "/v1", api_key=CLIENT_KEY, max_retries=0)
@@ -73,8 +83,9 @@ async def test_a_worker_without_a_key_gets_the_clients_authorization(mock_worker
     assert w.received[-1]["headers"]["authorization"] == f"Bearer {CLIENT_KEY}"
 
 
-async def test_a_keyed_worker_registered_without_its_key_says_why(mock_workers: MakeWorkers,
-                                                                  gateway: MakeGateway) -> None:
+async def test_a_keyed_worker_registered_without_its_key_says_why(
+    mock_workers: MakeWorkers, gateway: MakeGateway
+) -> None:
     [w] = await mock_workers(1, api_key=WORKER_KEY)
     gw = await gateway(worker_urls=[], api_key=CLIENT_KEY, worker_startup_timeout_secs=30)
     async with aiohttp.ClientSession() as http:
@@ -96,8 +107,9 @@ async def test_bad_worker_keys_are_refused(mock_workers: MakeWorkers, gateway: M
     assert gw.gateway.registry.by_url(w.url) is None
 
 
-async def test_discovered_pods_get_their_key_from_a_secret(mock_workers: MakeWorkers, gateway: MakeGateway,
-                                                           tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_discovered_pods_get_their_key_from_a_secret(
+    mock_workers: MakeWorkers, gateway: MakeGateway, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytest.importorskip("kubernetes_asyncio")
     from kubeapi import KubeApiServer, write_kubeconfig
 
@@ -113,15 +125,31 @@ async def test_discovered_pods_get_their_key_from_a_secret(mock_workers: MakeWor
         kube.secrets[("llm", "engine-keys")] = {"key": base64.b64encode(WORKER_KEY.encode()).decode()}
         annotation = {"atomesh.io/api-key-secret": "engine-keys/key"}
         kube.add_pod("llm", "keyed", "127.0.0.31", {"app": "engine"}, annotations=annotation)
-        kube.add_pod("llm", "missing", "127.0.0.32", {"app": "engine"},
-                     annotations={"atomesh.io/api-key-secret": "no-such-secret/key"})
+        kube.add_pod(
+            "llm",
+            "missing",
+            "127.0.0.32",
+            {"app": "engine"},
+            annotations={"atomesh.io/api-key-secret": "no-such-secret/key"},
+        )
         with structlog.testing.capture_logs() as logs:
-            gw = await gateway(service_discovery=True, selector=["app=engine"], service_discovery_port=port,
-                               service_discovery_namespace="llm", api_key=CLIENT_KEY)
-            await wait_for(lambda: {w.url for w in gw.gateway.registry if w.is_healthy} == {keyed.url}, 10,
-                           "the keyed pod to be served")
-            await wait_for(lambda: any(e["event"] == "discovery_secret_unreadable" for e in logs), 10,
-                           "the unreadable secret in the log")
+            gw = await gateway(
+                service_discovery=True,
+                selector=["app=engine"],
+                service_discovery_port=port,
+                service_discovery_namespace="llm",
+                api_key=CLIENT_KEY,
+            )
+            await wait_for(
+                lambda: {w.url for w in gw.gateway.registry if w.is_healthy} == {keyed.url},
+                10,
+                "the keyed pod to be served",
+            )
+            await wait_for(
+                lambda: any(e["event"] == "discovery_secret_unreadable" for e in logs),
+                10,
+                "the unreadable secret in the log",
+            )
         client = openai.AsyncOpenAI(base_url=base_url(gw) + "/v1", api_key=CLIENT_KEY, max_retries=0)
         try:
             await client.completions.create(model="mock-model", prompt="hi", max_tokens=2)

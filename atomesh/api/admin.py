@@ -75,28 +75,37 @@ async def add_worker(request: web.Request) -> web.Response:
     allowed = gw.roles
     if spec.worker_type not in allowed:
         mode = "P/D" if gw.config.pd_disaggregation else "regular"
-        raise BadRequest(f"worker_type {spec.worker_type.value!r} is not served in {mode} mode; "
-                         f"use {' or '.join(r.value for r in allowed)}", code="invalid_worker_type")
+        raise BadRequest(
+            f"worker_type {spec.worker_type.value!r} is not served in {mode} mode; "
+            f"use {' or '.join(r.value for r in allowed)}",
+            code="invalid_worker_type",
+        )
     if gw.shutting_down:
         raise BadRequest("the gateway is shutting down", code="shutting_down")
     try:
-        worker = gw.lifecycle.add(spec.url, spec.worker_type, spec.bootstrap_port, spec.labels,
-                                  api_key=spec.api_key)
+        worker = gw.lifecycle.add(spec.url, spec.worker_type, spec.bootstrap_port, spec.labels, api_key=spec.api_key)
     except ValueError as e:
         if "already registered" in str(e):
             raise Conflict(str(e), code="worker_exists") from None
         raise BadRequest(str(e), code="invalid_worker_url") from None
-    return json_response({"status": "accepted", "worker_id": worker.id, "url": worker.url,
-                          "message": "registration started; GET /workers/" + worker.id + " shows its progress"},
-                         status=202)
+    return json_response(
+        {
+            "status": "accepted",
+            "worker_id": worker.id,
+            "url": worker.url,
+            "message": "registration started; GET /workers/" + worker.id + " shows its progress",
+        },
+        status=202,
+    )
 
 
 @_protected
 async def list_workers(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     workers = [w.describe() for w in gw.registry]
-    return json_response({"workers": workers, "total": len(workers),
-                          "stats": {"healthy": sum(1 for w in workers if w["is_healthy"])}})
+    return json_response(
+        {"workers": workers, "total": len(workers), "stats": {"healthy": sum(1 for w in workers if w["is_healthy"])}}
+    )
 
 
 @_protected
@@ -121,19 +130,34 @@ async def delete_worker(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     worker = _find(gw, request)
     if worker.source is WorkerSource.KUBERNETES and worker.state is not WorkerState.FAILED:
-        raise Conflict(f"worker {worker.id} is pod {worker.pod}, managed by Kubernetes discovery: scale, "
-                       "relabel or delete the pod instead", code="worker_discovered")
+        raise Conflict(
+            f"worker {worker.id} is pod {worker.pod}, managed by Kubernetes discovery: scale, "
+            "relabel or delete the pod instead",
+            code="worker_discovered",
+        )
     gw.lifecycle.remove(worker)
-    return json_response({"status": "accepted", "worker_id": worker.id, "url": worker.url,
-                          "message": "draining; the worker is removed when its in-flight requests finish"},
-                         status=202)
+    return json_response(
+        {
+            "status": "accepted",
+            "worker_id": worker.id,
+            "url": worker.url,
+            "message": "draining; the worker is removed when its in-flight requests finish",
+        },
+        status=202,
+    )
 
 
 @_protected
 async def get_loads(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    return json_response({"workers": [{"worker": w.url, "worker_type": w.role.value, "load": w.load,
-                                       "in_flight": w.in_flight} for w in gw.registry]})
+    return json_response(
+        {
+            "workers": [
+                {"worker": w.url, "worker_type": w.role.value, "load": w.load, "in_flight": w.in_flight}
+                for w in gw.registry
+            ]
+        }
+    )
 
 
 @_protected
@@ -144,9 +168,12 @@ async def flush_cache(request: web.Request) -> web.Response:
 
     async def one(w: Worker) -> dict[str, Any]:
         try:
-            status, _, _ = await gw.upstream.call("POST", w.url + "/flush_cache",
-                                                  headers=gw.upstream.worker_headers(w),
-                                                  timeout=gw.config.health_check_timeout_secs)
+            status, _, _ = await gw.upstream.call(
+                "POST",
+                w.url + "/flush_cache",
+                headers=gw.upstream.worker_headers(w),
+                timeout=gw.config.health_check_timeout_secs,
+            )
             return {"worker": w.url, "status": status}
         except GatewayError as e:
             return {"worker": w.url, "error": e.message}

@@ -29,8 +29,9 @@ async def readiness(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     counts = {role.value: gw.registry.healthy_count(role) for role in gw.roles}
     ready = not gw.shutting_down and all(counts.values())
-    return json_response({"status": "ready" if ready else "not_ready", "healthy_workers": counts},
-                         status=200 if ready else 503)
+    return json_response(
+        {"status": "ready" if ready else "not_ready", "healthy_workers": counts}, status=200 if ready else 503
+    )
 
 
 async def health_generate(request: web.Request) -> web.Response:
@@ -42,9 +43,14 @@ async def health_generate(request: web.Request) -> web.Response:
         if not ready:
             what = "worker" if role is WorkerRole.REGULAR else f"{role.value} worker"
             raise NoWorkerAvailable(f"no healthy {what} is available")
-        checks.append(gw.upstream.call("GET", ready[0].url + "/health_generate",
-                                       headers=gw.upstream.worker_headers(ready[0]),
-                                       timeout=gw.config.health_check_timeout_secs))
+        checks.append(
+            gw.upstream.call(
+                "GET",
+                ready[0].url + "/health_generate",
+                headers=gw.upstream.worker_headers(ready[0]),
+                timeout=gw.config.health_check_timeout_secs,
+            )
+        )
     results = await asyncio.gather(*checks)
     for status, body, ctype in results:
         if status >= 400:

@@ -43,8 +43,11 @@ def request_ids() -> Callable[[], str]:
 
 
 def json_error(status: int, message: str, type_: str, code: str | int, request_id: str) -> web.Response:
-    return web.Response(body=error_body(message, type_, code), status=status,
-                        headers={"Content-Type": "application/json", "x-request-id": request_id})
+    return web.Response(
+        body=error_body(message, type_, code),
+        status=status,
+        headers={"Content-Type": "application/json", "x-request-id": request_id},
+    )
 
 
 def error_answer(err: GatewayError) -> tuple[int, bytes]:
@@ -61,8 +64,9 @@ def error_answer(err: GatewayError) -> tuple[int, bytes]:
 
 def render(err: GatewayError, request_id: str) -> web.Response:
     status, body = error_answer(err)
-    return web.Response(body=body, status=status,
-                        headers={"Content-Type": "application/json", "x-request-id": request_id})
+    return web.Response(
+        body=body, status=status, headers={"Content-Type": "application/json", "x-request-id": request_id}
+    )
 
 
 # Admission refusals, by error code -> `mesh_http_rate_limit_total{result}`.
@@ -74,9 +78,15 @@ class HttpAccounting:
     """What every request does to the books, whichever server took it (aiohttp or the front door):
     its request id, the `mesh_http_*` metrics, the error-to-response mapping and the failure log."""
 
-    def __init__(self, request_id_headers: Sequence[str], metrics: Metrics, max_payload: int,
-                 instance_id: str = "", access_log_sample_rate: float = 1.0,
-                 access_log: AccessLog | None = None) -> None:
+    def __init__(
+        self,
+        request_id_headers: Sequence[str],
+        metrics: Metrics,
+        max_payload: int,
+        instance_id: str = "",
+        access_log_sample_rate: float = 1.0,
+        access_log: AccessLog | None = None,
+    ) -> None:
         self.instance_id = instance_id  # the gateway's hop mark (atomesh.transport.HOP_HEADER)
         # Share of successful requests logged (errors always are, unless the access log is off: 0).
         self.sample_rate = access_log_sample_rate
@@ -99,23 +109,35 @@ class HttpAccounting:
         self.metrics.http_received(method if method in _METHODS else "OTHER", path)
         return time.perf_counter()
 
-    def end(self, method: str, path: str, status: int, started: float, admission: str | None,
-            request_id: str = "", workers: Sequence[str] = (), sent: int = 0, target: str | None = None) -> None:
+    def end(
+        self,
+        method: str,
+        path: str,
+        status: int,
+        started: float,
+        admission: str | None,
+        request_id: str = "",
+        workers: Sequence[str] = (),
+        sent: int = 0,
+        target: str | None = None,
+    ) -> None:
         """One request answered (or abandoned by its client: `status` 499, or that of the stream it cut):
         the metrics and the access log line. `admission` is the admission result of an inference
         request (None for other routes); `target` the raw path, when it is not the route's own."""
         elapsed = time.perf_counter() - started
         self.metrics.http_answered(method if method in _METHODS else "OTHER", path, status, admission, elapsed)
         if self.sample_rate > 0 and (status >= 400 or self.sample_rate >= 1 or random.random() < self.sample_rate):
-            self.access_log.write(request_id, method, target or path, status, ",".join(workers) or None,
-                                  round(elapsed * 1000, 3), sent)
+            self.access_log.write(
+                request_id, method, target or path, status, ",".join(workers) or None, round(elapsed * 1000, 3), sent
+            )
 
     def refused(self, status: int, request_id: str | None = None, target: bytes = b"", sent: int = 0) -> None:
         """A request the front door answered itself, its head or body at fault (no route is known)."""
         self.metrics.http_responses.labels("unmatched", str(status)).inc()
         if self.sample_rate > 0:
-            self.access_log.write(request_id, None, _bare_path(target.decode("latin-1")) or None, status, None, None,
-                                  sent)
+            self.access_log.write(
+                request_id, None, _bare_path(target.decode("latin-1")) or None, status, None, None, sent
+            )
 
     def close(self) -> None:
         """Write the access log lines still waiting."""

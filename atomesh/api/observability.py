@@ -87,8 +87,9 @@ def _one_line(text: str) -> str:
 
 
 async def _scrape(gw: Gateway, worker: Worker, timeout: float) -> str:
-    status, body, ctype = await gw.upstream.call("GET", worker.url + "/metrics", timeout=timeout,
-                                                 headers=gw.upstream.worker_headers(worker))
+    status, body, ctype = await gw.upstream.call(
+        "GET", worker.url + "/metrics", timeout=timeout, headers=gw.upstream.worker_headers(worker)
+    )
     if status != 200:
         raise UpstreamStatus(status, body, ctype)
     return body.decode("utf-8", "replace")
@@ -114,8 +115,9 @@ async def engine_metrics(request: web.Request) -> web.Response:
         except ValueError as e:
             merged.fail(worker.url, f"unparsable /metrics: {e}")
             gw.metrics.engine_scrape_errors.labels(worker.url).inc()
-    return web.Response(body=merged.render().encode(),
-                        headers={"Content-Type": CONTENT_TYPE_LATEST, "Cache-Control": "no-cache"})
+    return web.Response(
+        body=merged.render().encode(), headers={"Content-Type": CONTENT_TYPE_LATEST, "Cache-Control": "no-cache"}
+    )
 
 
 def setup(app: web.Application) -> None:

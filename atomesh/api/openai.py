@@ -25,8 +25,9 @@ async def serve_inference(gw: Gateway, route: Route, raw: bytes | bytearray, exc
     if not gw.tracing.on:
         await _serve(gw, route, raw, exchange)
         return
-    with gw.tracing.request(f"POST {route.value}", exchange.headers,
-                            {"http.route": route.value, "atomesh.request_id": exchange.request_id}) as span:
+    with gw.tracing.request(
+        f"POST {route.value}", exchange.headers, {"http.route": route.value, "atomesh.request_id": exchange.request_id}
+    ) as span:
         status = 0
         try:
             await _serve(gw, route, raw, exchange)
@@ -60,8 +61,9 @@ async def _serve(gw: Gateway, route: Route, raw: bytes | bytearray, exchange: Ex
         for h in gw.config.routing_key_headers:
             if key := headers.get(h):
                 break
-        view = RequestView(route=route, body=body, raw=raw, request_id=exchange.request_id, routing_key=key or None,
-                           headers=headers)
+        view = RequestView(
+            route=route, body=body, raw=raw, request_id=exchange.request_id, routing_key=key or None, headers=headers
+        )
         if gw.rate_limits is not None:
             gw.rate_limits.take(tenant, estimated_tokens(body, len(view.locality_text)))
         cls, priority = PriorityClass.DEFAULT, 0
@@ -153,8 +155,9 @@ async def _from_any_worker(request: web.Request, path: str) -> web.Response:
     if not ready:
         raise NoWorkerAvailable("no healthy worker is available")
     timeout = gw.config.health_check_timeout_secs
-    status, body, ctype = await gw.upstream.call("GET", ready[0].url + path, timeout=timeout,
-                                                 headers=gw.upstream.worker_headers(ready[0]))
+    status, body, ctype = await gw.upstream.call(
+        "GET", ready[0].url + path, timeout=timeout, headers=gw.upstream.worker_headers(ready[0])
+    )
     if status >= 400:
         raise UpstreamStatus(status, body, ctype)
     return web.Response(body=body, status=status, content_type=ctype or "application/json")
@@ -170,14 +173,16 @@ async def server_info(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     gw.keys.check_admin(request.headers)
     cfg = gw.config
-    return json_response({
-        "gateway": "atomesh",
-        "mode": "pd" if cfg.pd_disaggregation else "regular",
-        "backend": cfg.backend.value,
-        "policy": {r.value: cfg.policy_for(r.value) for r in gw.roles},
-        "active_requests": gw.active_requests,
-        "workers": [{**w.describe(), "server_info": w.server_info} for w in gw.registry],
-    })
+    return json_response(
+        {
+            "gateway": "atomesh",
+            "mode": "pd" if cfg.pd_disaggregation else "regular",
+            "backend": cfg.backend.value,
+            "policy": {r.value: cfg.policy_for(r.value) for r in gw.roles},
+            "active_requests": gw.active_requests,
+            "workers": [{**w.describe(), "server_info": w.server_info} for w in gw.registry],
+        }
+    )
 
 
 def setup(app: web.Application) -> None:

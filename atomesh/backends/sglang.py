@@ -45,8 +45,9 @@ def new_room(rng: random.Random) -> int:
 class SglangBackend:
     """Sends both legs concurrently and cancels the survivor when one of them fails."""
 
-    def __init__(self, upstream: Upstream, metrics: Metrics, on_chunk: ChunkHook | None = None,
-                 rng: random.Random | None = None) -> None:
+    def __init__(
+        self, upstream: Upstream, metrics: Metrics, on_chunk: ChunkHook | None = None, rng: random.Random | None = None
+    ) -> None:
         self.upstream = upstream
         self.metrics = metrics
         self.on_chunk = on_chunk
@@ -59,17 +60,22 @@ class SglangBackend:
         if n is None:
             body.update(bootstrap_host=host, bootstrap_port=port, bootstrap_room=new_room(self.rng))
         else:
-            body.update(bootstrap_host=[host] * n, bootstrap_port=[port] * n,
-                        bootstrap_room=[new_room(self.rng) for _ in range(n)])
+            body.update(
+                bootstrap_host=[host] * n,
+                bootstrap_port=[port] * n,
+                bootstrap_room=[new_room(self.rng) for _ in range(n)],
+            )
         return orjson.dumps(body)
 
     async def forward(self, exchange: Exchange, view: RequestView, plan: Plan) -> None:
         assert isinstance(plan, Pair), "P/D mode places prefill/decode pairs"
         data = self.bootstrap_body(view, plan)
-        prefill = asyncio.ensure_future(self._prefill(plan, view, data,
-                                                      self.upstream.headers_for(exchange, plan.prefill)))
-        decode = asyncio.ensure_future(self._decode(exchange, plan, view, data,
-                                                    self.upstream.headers_for(exchange, plan.decode)))
+        prefill = asyncio.ensure_future(
+            self._prefill(plan, view, data, self.upstream.headers_for(exchange, plan.prefill))
+        )
+        decode = asyncio.ensure_future(
+            self._decode(exchange, plan, view, data, self.upstream.headers_for(exchange, plan.decode))
+        )
         try:
             done, _ = await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
             if prefill in done and prefill.exception() is not None:
@@ -90,8 +96,7 @@ class SglangBackend:
     async def _prefill(self, plan: Pair, view: RequestView, data: bytes, headers: dict[str, str]) -> None:
         started = time.monotonic()
         try:
-            async with self.upstream.open("POST", plan.prefill.url + view.route, data=data,
-                                          headers=headers) as resp:
+            async with self.upstream.open("POST", plan.prefill.url + view.route, data=data, headers=headers) as resp:
                 raw = await resp.read()
                 if resp.status >= 400:
                     raise UpstreamStatus(resp.status, raw, resp.content_type)
@@ -100,8 +105,9 @@ class SglangBackend:
             raise
         self.metrics.observe_pd("sglang", view.model, prefill_secs=time.monotonic() - started)
 
-    async def _decode(self, exchange: Exchange, plan: Pair, view: RequestView, data: bytes,
-                      headers: dict[str, str]) -> None:
+    async def _decode(
+        self, exchange: Exchange, plan: Pair, view: RequestView, data: bytes, headers: dict[str, str]
+    ) -> None:
         started = time.monotonic()
         try:
             async with self.upstream.open("POST", plan.decode.url + view.route, data=data, headers=headers) as resp:

@@ -27,8 +27,9 @@ class SingleBackend:
         tracing = self.upstream.tracing
         try:
             if tracing is None:
-                resp = await self.upstream.request("POST", url, data=data,
-                                                   headers=self.upstream.headers_for(exchange, worker))
+                resp = await self.upstream.request(
+                    "POST", url, data=data, headers=self.upstream.headers_for(exchange, worker)
+                )
                 try:
                     await relay(exchange, resp, self.on_chunk)
                 except HTTPClientError as e:
@@ -37,8 +38,9 @@ class SingleBackend:
                     resp.release()  # back to the pool only if its body was read to the end
                 return
             with tracing.span("upstream", {"server.address": worker.url, "atomesh.leg": "single"}, client=True):
-                async with self.upstream.open("POST", url, data=data,
-                                              headers=self.upstream.headers_for(exchange, worker)) as resp:
+                async with self.upstream.open(
+                    "POST", url, data=data, headers=self.upstream.headers_for(exchange, worker)
+                ) as resp:
                     await relay(exchange, resp, self.on_chunk)
         except UpstreamError as e:
             e.worker = worker

@@ -61,8 +61,15 @@ def kv_failure_code(body: bytes) -> str | None:
 class TwoStepBackend:
     """Runs the prefill leg to completion, then the decode leg whose reply goes to the client."""
 
-    def __init__(self, runtime: str, upstream: Upstream, metrics: Metrics, prefill_params: PrefillParams,
-                 decode_params: DecodeParams, on_chunk: ChunkHook | None = None) -> None:
+    def __init__(
+        self,
+        runtime: str,
+        upstream: Upstream,
+        metrics: Metrics,
+        prefill_params: PrefillParams,
+        decode_params: DecodeParams,
+        on_chunk: ChunkHook | None = None,
+    ) -> None:
         self.runtime = runtime
         self.upstream = upstream
         self.metrics = metrics
@@ -91,12 +98,23 @@ class TwoStepBackend:
         with tracing.span("decode", {"server.address": plan.decode.url, "atomesh.leg": "decode"}, client=True):
             await self._decode(exchange, view, plan, body, remaining, prefilled)
 
-    async def _decode(self, exchange: Exchange, view: RequestView, plan: Pair, body: dict[str, Any],
-                      remaining: float, prefilled: float) -> None:
+    async def _decode(
+        self,
+        exchange: Exchange,
+        view: RequestView,
+        plan: Pair,
+        body: dict[str, Any],
+        remaining: float,
+        prefilled: float,
+    ) -> None:
         try:
-            async with self.upstream.open("POST", plan.decode.url + view.route, data=orjson.dumps(body),
-                                          headers=self.upstream.headers_for(exchange, plan.decode),
-                                          timeout=remaining) as resp:
+            async with self.upstream.open(
+                "POST",
+                plan.decode.url + view.route,
+                data=orjson.dumps(body),
+                headers=self.upstream.headers_for(exchange, plan.decode),
+                timeout=remaining,
+            ) as resp:
                 if view.stream:
                     # A streaming decode answers once it pulled the KV and ran its first step:
                     # the time to here is the hand-off (a whole answer would include the decode).
@@ -116,18 +134,23 @@ class TwoStepBackend:
         try:
             data = prefill_body(view.body, self.prefill_params(view.body), view.route)
             status, raw, ctype = await self.upstream.call(
-                "POST", worker.url + view.route, data=data, headers=self.upstream.headers_for(exchange, worker))
+                "POST", worker.url + view.route, data=data, headers=self.upstream.headers_for(exchange, worker)
+            )
             if status >= 400:
                 raise UpstreamStatus(status, raw, ctype)
             try:
                 answer = orjson.loads(raw)
             except orjson.JSONDecodeError:
-                raise UpstreamError(f"prefill worker {worker.url} did not answer with JSON",
-                                    code="prefill_invalid_response") from None
+                raise UpstreamError(
+                    f"prefill worker {worker.url} did not answer with JSON", code="prefill_invalid_response"
+                ) from None
             params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
             if not isinstance(params, dict):
-                raise UpstreamError(f"prefill worker {worker.url} answered without kv_transfer_params",
-                                    code="prefill_missing_kv_transfer_params", retryable=False)
+                raise UpstreamError(
+                    f"prefill worker {worker.url} answered without kv_transfer_params",
+                    code="prefill_missing_kv_transfer_params",
+                    retryable=False,
+                )
             return params
         except UpstreamError as e:
             e.worker = worker

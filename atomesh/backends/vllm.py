@@ -13,8 +13,12 @@ from atomesh.transport import ChunkHook, Upstream
 from atomesh.workers.worker import Worker
 
 PREFILL_PARAMS = {
-    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-    "remote_block_ids": None, "remote_host": None, "remote_port": None,
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
 }
 
 

@@ -77,8 +77,13 @@ def _expected(tokens: int) -> tuple[str, str]:
 
 
 async def _stream(s: aiohttp.ClientSession, url: str, tokens: int, out: Outcome) -> None:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     async with s.post(url + "/v1/chat/completions", json=body) as r:
         raw = await r.read()
         if r.status != 200:
@@ -124,6 +129,7 @@ async def load(url: str, concurrency: int, duration: float, tokens: int, t0: flo
     end = t0 + duration
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=concurrency)) as s:
+
         async def client(i: int) -> None:
             n = i
             while time.monotonic() < end:
@@ -137,6 +143,7 @@ async def load(url: str, concurrency: int, duration: float, tokens: int, t0: flo
                     out.problem = type(e).__name__
                 out.latency = time.monotonic() - started
                 outcomes.append(out)
+
         await asyncio.gather(*(client(i) for i in range(concurrency)))
     return outcomes
 
@@ -158,14 +165,34 @@ async def _out_after(url: str, worker: str, since: float, until: float) -> float
 
 # ---------------------------------------------------------------------------- one gateway
 def gateway_command(system: str, port: int, mport: int, workers: list[str], args: argparse.Namespace) -> list[str]:
-    common = ["--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port",
-              str(mport), "--log-level", "warn", "--policy", "round_robin", "--worker-urls", *workers,
-              "--worker-startup-check-interval", "1",
-              "--health-check-interval-secs", str(args.health_interval_secs),
-              "--health-check-timeout-secs", str(args.health_timeout_secs),
-              "--health-failure-threshold", str(args.health_failure_threshold),
-              "--request-timeout-secs", str(args.request_timeout_secs),
-              "--retry-max-retries", str(args.retry_max_retries)]
+    common = [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(mport),
+        "--log-level",
+        "warn",
+        "--policy",
+        "round_robin",
+        "--worker-urls",
+        *workers,
+        "--worker-startup-check-interval",
+        "1",
+        "--health-check-interval-secs",
+        str(args.health_interval_secs),
+        "--health-check-timeout-secs",
+        str(args.health_timeout_secs),
+        "--health-failure-threshold",
+        str(args.health_failure_threshold),
+        "--request-timeout-secs",
+        str(args.request_timeout_secs),
+        "--retry-max-retries",
+        str(args.retry_max_retries),
+    ]
     if system == "smg":
         smg = _smg()
         assert smg is not None
@@ -179,10 +206,26 @@ def run_system(system: str, args: argparse.Namespace, workdir: Path) -> Report:
     urls = []
     for i in range(args.workers):
         port = free_port()
-        mocks.append(start([sys.executable, "-m", "atomesh.testing.mock_worker", "--port", str(port), "--name",
-                            f"w{i}", "--stream-chunks", str(args.tokens), "--chunk-interval-secs",
-                            str(args.chunk_interval_secs), "--latency-secs", str(args.latency_secs)],
-                           workdir / f"{system}-mock-w{i}.log"))
+        mocks.append(
+            start(
+                [
+                    sys.executable,
+                    "-m",
+                    "atomesh.testing.mock_worker",
+                    "--port",
+                    str(port),
+                    "--name",
+                    f"w{i}",
+                    "--stream-chunks",
+                    str(args.tokens),
+                    "--chunk-interval-secs",
+                    str(args.chunk_interval_secs),
+                    "--latency-secs",
+                    str(args.latency_secs),
+                ],
+                workdir / f"{system}-mock-w{i}.log",
+            )
+        )
         urls.append(f"http://127.0.0.1:{port}")
     gw_port, gw_mport = free_port(), free_port()
     gw_url = f"http://127.0.0.1:{gw_port}"
@@ -203,8 +246,9 @@ def run_system(system: str, args: argparse.Namespace, workdir: Path) -> Report:
     return summarize(system, outcomes, killed_out, frozen_out)
 
 
-async def _chaos(gw_url: str, urls: list[str], mocks: list[subprocess.Popen[bytes]], args: argparse.Namespace
-                 ) -> tuple[list[Outcome], float | None, float | None]:
+async def _chaos(
+    gw_url: str, urls: list[str], mocks: list[subprocess.Popen[bytes]], args: argparse.Namespace
+) -> tuple[list[Outcome], float | None, float | None]:
     t0 = time.monotonic()
     running = asyncio.ensure_future(load(gw_url, args.concurrency, args.duration, args.tokens, t0))
     await asyncio.sleep(args.kill_at)
@@ -243,29 +287,41 @@ def _fmt(v: float | None) -> str:
 
 
 def print_reports(reports: list[Report], args: argparse.Namespace) -> None:
-    print(f"\nchaos: {args.workers} mock workers ({args.tokens} tokens, {args.chunk_interval_secs} s apart), "
-          f"{args.concurrency} clients for {args.duration} s (half streamed chat, half whole completions); "
-          f"worker 0 killed at {args.kill_at} s, worker 1 frozen at {args.freeze_at} s; health checks every "
-          f"{args.health_interval_secs} s, timeout {args.health_timeout_secs} s, {args.health_failure_threshold} "
-          f"failures; request timeout {args.request_timeout_secs} s; {NO_MIGRATION}: --migration-limit 0 (like "
-          f"SMG, which has no migration); atomesh: --migration-limit {args.migration_limit}")
-    print("| gateway | requests | lost | lost by reason | wrong usage | p50 s | p99 s | max s | max streamed s "
-          "| max whole s | killed worker out after s | frozen worker out after s (detection) "
-          "| max <= detection + 1 s |")
+    print(
+        f"\nchaos: {args.workers} mock workers ({args.tokens} tokens, {args.chunk_interval_secs} s apart), "
+        f"{args.concurrency} clients for {args.duration} s (half streamed chat, half whole completions); "
+        f"worker 0 killed at {args.kill_at} s, worker 1 frozen at {args.freeze_at} s; health checks every "
+        f"{args.health_interval_secs} s, timeout {args.health_timeout_secs} s, {args.health_failure_threshold} "
+        f"failures; request timeout {args.request_timeout_secs} s; {NO_MIGRATION}: --migration-limit 0 (like "
+        f"SMG, which has no migration); atomesh: --migration-limit {args.migration_limit}"
+    )
+    print(
+        "| gateway | requests | lost | lost by reason | wrong usage | p50 s | p99 s | max s | max streamed s "
+        "| max whole s | killed worker out after s | frozen worker out after s (detection) "
+        "| max <= detection + 1 s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in reports:
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(r.lost_by_reason.items())) or "-"
         met = "-" if r.target_met is None else ("yes" if r.target_met else "no")
-        print(f"| {r.system} | {r.requests} | {r.lost} | {reasons} | {r.bad_usage} | {r.p50_s:.2f} | {r.p99_s:.2f} "
-              f"| {r.max_s:.2f} | {r.max_streamed_s:.2f} | {r.max_whole_s:.2f} | {_fmt(r.killed_out_after_s)} "
-              f"| {_fmt(r.frozen_out_after_s)} | {met} |")
+        print(
+            f"| {r.system} | {r.requests} | {r.lost} | {reasons} | {r.bad_usage} | {r.p50_s:.2f} | {r.p99_s:.2f} "
+            f"| {r.max_s:.2f} | {r.max_streamed_s:.2f} | {r.max_whole_s:.2f} | {_fmt(r.killed_out_after_s)} "
+            f"| {_fmt(r.frozen_out_after_s)} | {met} |"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="atomesh bench chaos", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", nargs="+", choices=SYSTEMS, default=None,
-                   help=f"gateways to run (default: {', '.join(SYSTEMS)}; smg when installed)")
+    p = argparse.ArgumentParser(
+        prog="atomesh bench chaos", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--only",
+        nargs="+",
+        choices=SYSTEMS,
+        default=None,
+        help=f"gateways to run (default: {', '.join(SYSTEMS)}; smg when installed)",
+    )
     p.add_argument("--workers", type=int, default=4, help="mock workers (>= 3: one killed, one frozen)")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--duration", type=float, default=15.0, help="seconds of load")
@@ -293,8 +349,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{system}: done", flush=True)
     print_reports(reports, args)
     if args.json is not None:
-        args.json.write_text(json.dumps({"settings": vars(args) | {"json": str(args.json)},
-                                         "reports": [asdict(r) for r in reports]}, indent=2, default=str))
+        args.json.write_text(
+            json.dumps(
+                {"settings": vars(args) | {"json": str(args.json)}, "reports": [asdict(r) for r in reports]},
+                indent=2,
+                default=str,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -65,9 +65,24 @@ def cpu_secs(pid: int) -> float:
 
 
 def gateway_command(system: str, port: int, mport: int, worker: str) -> list[str]:
-    common = ["--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port",
-              str(mport), "--log-level", "warn", "--policy", "round_robin", "--worker-urls", worker,
-              "--worker-startup-check-interval", "1"]
+    common = [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(mport),
+        "--log-level",
+        "warn",
+        "--policy",
+        "round_robin",
+        "--worker-urls",
+        worker,
+        "--worker-startup-check-interval",
+        "1",
+    ]
     if system == "smg":
         smg = _smg()
         assert smg is not None
@@ -79,8 +94,10 @@ def gateway_command(system: str, port: int, mport: int, worker: str) -> list[str
 
 async def drop_streams(port: int, pid: int, args: argparse.Namespace, report: Report) -> None:
     body = orjson.dumps({"model": "mock-model", "prompt": "hi", "max_tokens": args.tokens, "stream": True})
-    request = (b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
-               b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+    )
     done = 0
     next_mark = args.every
     lock = asyncio.Lock()
@@ -111,8 +128,7 @@ async def drop_streams(port: int, pid: int, args: argparse.Namespace, report: Re
                 async with lock:
                     if done >= next_mark:
                         report.rss_mb[next_mark] = round(rss_mb(pid), 1)
-                        print(f"  {report.system}: {next_mark} dropped, RSS {report.rss_mb[next_mark]} MB",
-                              flush=True)
+                        print(f"  {report.system}: {next_mark} dropped, RSS {report.rss_mb[next_mark]} MB", flush=True)
                         next_mark += args.every
 
     await asyncio.gather(*(client() for _ in range(args.concurrency)))
@@ -120,15 +136,27 @@ async def drop_streams(port: int, pid: int, args: argparse.Namespace, report: Re
 
 def run_system(system: str, args: argparse.Namespace, workdir: Path) -> Report:
     mock_port, port, mport = free_port(), free_port(), free_port()
-    mock = start([sys.executable, "-m", "atomesh.testing.mock_worker", "--port", str(mock_port), "--stream-chunks",
-                  str(args.tokens), "--chunk-interval-secs", str(args.chunk_interval_secs)],
-                 workdir / f"{system}-mock.log")
+    mock = start(
+        [
+            sys.executable,
+            "-m",
+            "atomesh.testing.mock_worker",
+            "--port",
+            str(mock_port),
+            "--stream-chunks",
+            str(args.tokens),
+            "--chunk-interval-secs",
+            str(args.chunk_interval_secs),
+        ],
+        workdir / f"{system}-mock.log",
+    )
     gw = None
     report = Report(system)
     try:
         wait_serving(f"http://127.0.0.1:{mock_port}", "mock-model", 20)
-        gw = start(gateway_command(system, port, mport, f"http://127.0.0.1:{mock_port}"),
-                   workdir / f"{system}-gateway.log")
+        gw = start(
+            gateway_command(system, port, mport, f"http://127.0.0.1:{mock_port}"), workdir / f"{system}-gateway.log"
+        )
         wait_serving(f"http://127.0.0.1:{port}", "mock-model", 60)
         cpu0, t0 = cpu_secs(gw.pid), time.monotonic()
         asyncio.run(drop_streams(port, gw.pid, args, report))
@@ -146,24 +174,37 @@ def run_system(system: str, args: argparse.Namespace, workdir: Path) -> Report:
 
 
 def print_reports(reports: list[Report], args: argparse.Namespace) -> None:
-    print(f"\ndropped streams: {args.streams} streamed completions ({args.tokens} events, "
-          f"{args.chunk_interval_secs} s apart), each closed by its client at its first event, "
-          f"{args.concurrency} clients at a time; RSS every {args.every}")
+    print(
+        f"\ndropped streams: {args.streams} streamed completions ({args.tokens} events, "
+        f"{args.chunk_interval_secs} s apart), each closed by its client at its first event, "
+        f"{args.concurrency} clients at a time; RSS every {args.every}"
+    )
     marks = sorted({m for r in reports for m in r.rss_mb})
-    print("| gateway | " + " | ".join(f"RSS MB at {m:,}" for m in marks)
-          + " | growth first to last | CPU ms per stream | seconds | errors |")
+    print(
+        "| gateway | "
+        + " | ".join(f"RSS MB at {m:,}" for m in marks)
+        + " | growth first to last | CPU ms per stream | seconds | errors |"
+    )
     print("|---|" + "---|" * (len(marks) + 4))
     for r in reports:
         cells = " | ".join(f"{r.rss_mb[m]:.1f}" if m in r.rss_mb else "-" for m in marks)
-        print(f"| {r.system} | {cells} | {r.growth_pct:+.1f} % | {r.cpu_ms_per_stream:.3f} | {r.seconds:.0f} "
-              f"| {r.errors} |")
+        print(
+            f"| {r.system} | {cells} | {r.growth_pct:+.1f} % | {r.cpu_ms_per_stream:.3f} | {r.seconds:.0f} "
+            f"| {r.errors} |"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="atomesh bench dropped-streams", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", nargs="+", choices=SYSTEMS, default=None,
-                   help=f"gateways to run (default: {', '.join(SYSTEMS)}; smg when installed)")
+    p = argparse.ArgumentParser(
+        prog="atomesh bench dropped-streams", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--only",
+        nargs="+",
+        choices=SYSTEMS,
+        default=None,
+        help=f"gateways to run (default: {', '.join(SYSTEMS)}; smg when installed)",
+    )
     p.add_argument("--streams", type=int, default=100_000, help="streams dropped in all")
     p.add_argument("--every", type=int, default=10_000, help="read RSS after this many drops")
     p.add_argument("--concurrency", type=int, default=64)
@@ -177,8 +218,13 @@ def main(argv: list[str] | None = None) -> None:
     reports = [run_system(s, args, workdir) for s in systems]
     print_reports(reports, args)
     if args.json is not None:
-        args.json.write_text(json.dumps({"settings": vars(args) | {"json": str(args.json)},
-                                         "reports": [asdict(r) for r in reports]}, indent=2, default=str))
+        args.json.write_text(
+            json.dumps(
+                {"settings": vars(args) | {"json": str(args.json)}, "reports": [asdict(r) for r in reports]},
+                indent=2,
+                default=str,
+            )
+        )
 
 
 if __name__ == "__main__":

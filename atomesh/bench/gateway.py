@@ -41,18 +41,38 @@ STREAM_CHUNKS = 256
 TOKENS = 16
 PROMPT = "Say hello in a few words."
 SMALL_BODY = json.dumps({"model": "mock-model", "prompt": PROMPT, "max_tokens": TOKENS}, separators=(",", ":"))
-STREAM_BODY = json.dumps({"model": "mock-model", "prompt": PROMPT, "max_tokens": STREAM_CHUNKS, "stream": True},
-                         separators=(",", ":"))
+STREAM_BODY = json.dumps(
+    {"model": "mock-model", "prompt": PROMPT, "max_tokens": STREAM_CHUNKS, "stream": True}, separators=(",", ":")
+)
 # What a P/D gateway sends each leg, for the direct (no gateway) baseline of the ATOM relay.
-_KV_DECODE = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [0, 1],
-              "remote_engine_id": "x", "remote_host": "127.0.0.1", "remote_port": 1, "remote_handshake_port": 2,
-              "transfer_id": "mock", "first_token_id": 7, "remote_dp_size": 1, "remote_tp_size": 1,
-              "remote_dp_rank": 0}
-PREFILL_BODY = json.dumps({"model": "mock-model", "prompt": PROMPT, "max_tokens": 1, "stream": False,
-                           "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}},
-                          separators=(",", ":"))
-DECODE_BODY = json.dumps({"model": "mock-model", "prompt": PROMPT, "max_tokens": TOKENS,
-                          "kv_transfer_params": _KV_DECODE}, separators=(",", ":"))
+_KV_DECODE = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_block_ids": [0, 1],
+    "remote_engine_id": "x",
+    "remote_host": "127.0.0.1",
+    "remote_port": 1,
+    "remote_handshake_port": 2,
+    "transfer_id": "mock",
+    "first_token_id": 7,
+    "remote_dp_size": 1,
+    "remote_tp_size": 1,
+    "remote_dp_rank": 0,
+}
+PREFILL_BODY = json.dumps(
+    {
+        "model": "mock-model",
+        "prompt": PROMPT,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+    },
+    separators=(",", ":"),
+)
+DECODE_BODY = json.dumps(
+    {"model": "mock-model", "prompt": PROMPT, "max_tokens": TOKENS, "kv_transfer_params": _KV_DECODE},
+    separators=(",", ":"),
+)
 PATH = "/v1/completions"
 
 
@@ -66,8 +86,12 @@ class Phase:
     stream: bool = False
 
 
-PHASES = (Phase("c1", 1, SMALL_BODY), Phase("c32", 32, SMALL_BODY), Phase("c256", 256, SMALL_BODY),
-          Phase("stream32", 32, STREAM_BODY, stream=True))
+PHASES = (
+    Phase("c1", 1, SMALL_BODY),
+    Phase("c32", 32, SMALL_BODY),
+    Phase("c256", 256, SMALL_BODY),
+    Phase("stream32", 32, STREAM_BODY, stream=True),
+)
 
 
 @dataclass(slots=True)
@@ -119,7 +143,7 @@ def tree_cpu(pid: int) -> float:
                 stat = f.read()
         except OSError:
             continue
-        fields = stat[stat.rfind(b")") + 2:].split()
+        fields = stat[stat.rfind(b")") + 2 :].split()
         p = int(entry)
         parents[p] = int(fields[1])
         cpu[p] = (int(fields[11]) + int(fields[12])) / _TICK
@@ -179,8 +203,9 @@ end
 """
 
 
-def run_wrk(url: str, phase: Phase, seconds: int, workdir: Path, watch: list[int], mocks: list[int],
-            body: str | None = None) -> Sample:
+def run_wrk(
+    url: str, phase: Phase, seconds: int, workdir: Path, watch: list[int], mocks: list[int], body: str | None = None
+) -> Sample:
     """One wrk run; CPU of the `watch` pids (the gateway) and of the mocks is read around it."""
     script = workdir / f"{phase.name}-{abs(hash(body or phase.body))}.lua"
     script.write_text(_LUA.format(body=body or phase.body))
@@ -198,9 +223,17 @@ def run_wrk(url: str, phase: Phase, seconds: int, workdir: Path, watch: list[int
     if line is None:
         raise RuntimeError(f"wrk failed ({proc.returncode}): {out.decode(errors='replace')[-500:]}")
     r = json.loads(line.removeprefix("WRKJSON "))
-    return Sample(requests=r["requests"], seconds=r["duration_us"] / 1e6, p50_ms=r["p50"] / 1e3,
-                  p99_ms=r["p99"] / 1e3, mean_ms=r["mean"] / 1e3, errors=r["errors"], gateway_cpu_s=gw1 - gw0,
-                  wrk_cpu_s=usage.ru_utime + usage.ru_stime, mocks_cpu_s=m1 - m0)
+    return Sample(
+        requests=r["requests"],
+        seconds=r["duration_us"] / 1e6,
+        p50_ms=r["p50"] / 1e3,
+        p99_ms=r["p99"] / 1e3,
+        mean_ms=r["mean"] / 1e3,
+        errors=r["errors"],
+        gateway_cpu_s=gw1 - gw0,
+        wrk_cpu_s=usage.ru_utime + usage.ru_stime,
+        mocks_cpu_s=m1 - m0,
+    )
 
 
 # ---------------------------------------------------------------------------- systems
@@ -219,16 +252,36 @@ def _smg() -> list[str] | None:
     return [exe, "launch"] if exe else None
 
 
-def gateway_command(system: str, mode: str, mocks: Mocks, port: int, mport: int, policy: str,
-                    extra: list[str]) -> list[str]:
-    common = ["--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-              "--prometheus-port", str(mport), "--log-level", "warn", "--policy", policy,
-              "--worker-startup-check-interval", "1"]
+def gateway_command(
+    system: str, mode: str, mocks: Mocks, port: int, mport: int, policy: str, extra: list[str]
+) -> list[str]:
+    common = [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(mport),
+        "--log-level",
+        "warn",
+        "--policy",
+        policy,
+        "--worker-startup-check-interval",
+        "1",
+    ]
     if mode == "regular":
         workers = ["--worker-urls", *mocks.regular]
     else:
-        workers = ["--pd-disaggregation", "--prefill", mocks.prefill, str(mocks.bootstrap_port),
-                   "--decode", mocks.decode]
+        workers = [
+            "--pd-disaggregation",
+            "--prefill",
+            mocks.prefill,
+            str(mocks.bootstrap_port),
+            "--decode",
+            mocks.decode,
+        ]
     if system == "smg":
         smg = _smg()
         assert smg is not None
@@ -244,8 +297,21 @@ def start_mocks(workdir: Path) -> tuple[Mocks, list[subprocess.Popen[bytes]]]:
     bootstrap = free_port()
     for name, role in (("r0", "regular"), ("r1", "regular"), ("p0", "prefill"), ("d0", "decode")):
         port = free_port()
-        cmd = [sys.executable, "-m", "atomesh.testing.fast_mock", "--port", str(port), "--name", name,
-               "--role", role, "--tokens", str(TOKENS), "--stream-chunks", str(STREAM_CHUNKS)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "atomesh.testing.fast_mock",
+            "--port",
+            str(port),
+            "--name",
+            name,
+            "--role",
+            role,
+            "--tokens",
+            str(TOKENS),
+            "--stream-chunks",
+            str(STREAM_CHUNKS),
+        ]
         if role == "prefill":
             cmd += ["--bootstrap-port", str(bootstrap)]
         procs.append(start(cmd, workdir / f"mock-{name}.log"))
@@ -269,13 +335,14 @@ def measure_direct(mocks: Mocks, seconds: int, workdir: Path, results: Results) 
     """The floor: the workers called without a gateway, at 1 client (and 32 streams)."""
     c1 = PHASES[0]
     results.add("regular", "direct", "c1", run_wrk(mocks.regular[0], c1, seconds, workdir, [], mocks.pids))
-    results.add("regular", "direct", "stream32",
-                run_wrk(mocks.regular[0], PHASES[3], seconds, workdir, [], mocks.pids))
+    results.add("regular", "direct", "stream32", run_wrk(mocks.regular[0], PHASES[3], seconds, workdir, [], mocks.pids))
     # ATOM relay floor: the prefill leg then the decode leg, each called directly.
-    results.add("pd", "direct-prefill", "c1",
-                run_wrk(mocks.prefill, c1, seconds, workdir, [], mocks.pids, body=PREFILL_BODY))
-    results.add("pd", "direct-decode", "c1",
-                run_wrk(mocks.decode, c1, seconds, workdir, [], mocks.pids, body=DECODE_BODY))
+    results.add(
+        "pd", "direct-prefill", "c1", run_wrk(mocks.prefill, c1, seconds, workdir, [], mocks.pids, body=PREFILL_BODY)
+    )
+    results.add(
+        "pd", "direct-decode", "c1", run_wrk(mocks.decode, c1, seconds, workdir, [], mocks.pids, body=DECODE_BODY)
+    )
 
 
 def run(args: argparse.Namespace) -> Results:
@@ -285,9 +352,12 @@ def run(args: argparse.Namespace) -> Results:
     results = Results()
     phases = [p for p in PHASES if not args.phases or p.name in args.phases]
     mocks, mock_procs = start_mocks(workdir)
-    mocks = replace(mocks, regular=mocks.regular[:args.regular_workers])
-    print(f"mock workers: regular {' '.join(mocks.regular)}, prefill {mocks.prefill} (bootstrap "
-          f"{mocks.bootstrap_port}), decode {mocks.decode}; logs in {workdir}", flush=True)
+    mocks = replace(mocks, regular=mocks.regular[: args.regular_workers])
+    print(
+        f"mock workers: regular {' '.join(mocks.regular)}, prefill {mocks.prefill} (bootstrap "
+        f"{mocks.bootstrap_port}), decode {mocks.decode}; logs in {workdir}",
+        flush=True,
+    )
     try:
         for rnd in range(args.rounds):
             measure_direct(mocks, args.duration, workdir, results)
@@ -306,8 +376,16 @@ def run(args: argparse.Namespace) -> Results:
     return results
 
 
-def run_system(system: str, mode: str, mocks: Mocks, phases: list[Phase], args: argparse.Namespace,
-               workdir: Path, results: Results, rnd: int) -> None:
+def run_system(
+    system: str,
+    mode: str,
+    mocks: Mocks,
+    phases: list[Phase],
+    args: argparse.Namespace,
+    workdir: Path,
+    results: Results,
+    rnd: int,
+) -> None:
     port, mport = free_port(), free_port()
     extra = list(args.atomesh_args.split()) if args.atomesh_args else []
     cmd = gateway_command(system, mode, mocks, port, mport, args.policy, extra if system != "smg" else [])
@@ -323,10 +401,13 @@ def run_system(system: str, mode: str, mocks: Mocks, phases: list[Phase], args: 
         for phase in phases:
             s = run_wrk(url, phase, args.duration, workdir, [proc.pid], mocks.pids)
             results.add(mode, system, phase.name, s)
-            print(f"  round {rnd + 1} {mode:<7} {system:<15} {phase.name:<9} {s.rps:>9.0f} req/s  p50 "
-                  f"{s.p50_ms:7.3f} ms  p99 {s.p99_ms:7.3f} ms  gw cpu {s.gateway_cpu_s / s.seconds:4.0%}  "
-                  f"wrk cpu {s.wrk_cpu_s / s.seconds:4.0%}  mocks cpu {s.mocks_cpu_s / s.seconds:4.0%}"
-                  f"{f'  errors {s.errors}' if s.errors else ''}", flush=True)
+            print(
+                f"  round {rnd + 1} {mode:<7} {system:<15} {phase.name:<9} {s.rps:>9.0f} req/s  p50 "
+                f"{s.p50_ms:7.3f} ms  p99 {s.p99_ms:7.3f} ms  gw cpu {s.gateway_cpu_s / s.seconds:4.0%}  "
+                f"wrk cpu {s.wrk_cpu_s / s.seconds:4.0%}  mocks cpu {s.mocks_cpu_s / s.seconds:4.0%}"
+                f"{f'  errors {s.errors}' if s.errors else ''}",
+                flush=True,
+            )
     except RuntimeError as e:
         print(f"  {system} {mode}: skipped ({e}); log: {workdir / f'{system}-{mode}-{rnd}.log'}", flush=True)
     finally:
@@ -356,29 +437,40 @@ def _ratios(values: dict[str, float], peer: str | None) -> str:
 
 def report(results: Results, args: argparse.Namespace, phases: list[Phase]) -> None:
     names = [p.name for p in phases]
-    print(f"\nmedians of {args.rounds} round(s) x {args.duration}s per phase; load: wrk -t1 (one thread); "
-          f"policy {args.policy}; {args.regular_workers} regular mock(s) / 1 prefill + 1 decode mock; "
-          "ratios are atomesh / smg")
+    print(
+        f"\nmedians of {args.rounds} round(s) x {args.duration}s per phase; load: wrk -t1 (one thread); "
+        f"policy {args.policy}; {args.regular_workers} regular mock(s) / 1 prefill + 1 decode mock; "
+        "ratios are atomesh / smg"
+    )
     for mode in args.modes:
         systems = systems_for(mode, args.only, args.processes)
         peer = "smg" if "smg" in systems else None
-        print("\n== regular mode" if mode == "regular" else
-              "\n== (e) P/D mode (atomesh: ATOM relay, atomesh-sglang: SGLang dual dispatch; "
-              "smg: SGLang dual dispatch)")
+        print(
+            "\n== regular mode"
+            if mode == "regular"
+            else "\n== (e) P/D mode (atomesh: ATOM relay, atomesh-sglang: SGLang dual dispatch; "
+            "smg: SGLang dual dispatch)"
+        )
         small = [p for p in names if p != "stream32"]
         if small:
             print("(a) non-streamed completions (16 tokens): req/s | p50 ms | p99 ms   [ratio of req/s]")
         for ph in small:
             got = {n: results.get(mode, n, ph) for n in systems}
-            cells = [f"{n} {_med(s, 'rps'):7.0f} | {_med(s, 'p50_ms'):6.3f} | {_med(s, 'p99_ms'):7.3f}"
-                     for n, s in got.items()]
+            cells = [
+                f"{n} {_med(s, 'rps'):7.0f} | {_med(s, 'p50_ms'):6.3f} | {_med(s, 'p99_ms'):7.3f}"
+                for n, s in got.items()
+            ]
             print(f"  {ph:<6} " + "   ".join(cells) + _ratios({n: _med(s, "rps") for n, s in got.items()}, peer))
         if "stream32" in names:
             print(f"(b) streamed chunks/s relayed ({STREAM_CHUNKS}-chunk SSE, 32 streams)")
             chunks = {n: _med(results.get(mode, n, "stream32"), "rps") * STREAM_CHUNKS for n in systems}
             direct = _med(results.get("regular", "direct", "stream32"), "rps") * STREAM_CHUNKS
-            print("  " + "   ".join(f"{n} {v:8.0f}" for n, v in chunks.items()) + _ratios(chunks, peer)
-                  + (f"   (worker direct {direct:8.0f})" if mode == "regular" else ""))
+            print(
+                "  "
+                + "   ".join(f"{n} {v:8.0f}" for n, v in chunks.items())
+                + _ratios(chunks, peer)
+                + (f"   (worker direct {direct:8.0f})" if mode == "regular" else "")
+            )
         print("(c) gateway CPU seconds per 10,000 requests (stream32: per 10,000 chunks)")
         for ph in names:
             cpu = {n: _cpu_per_10k(results.get(mode, n, ph), ph == "stream32") for n in systems}
@@ -388,38 +480,63 @@ def report(results: Results, args: argparse.Namespace, phases: list[Phase]) -> N
                 base = _med(results.get("regular", "direct", "c1"), "p50_ms")
                 what = "worker called directly"
             else:
-                base = (_med(results.get("pd", "direct-prefill", "c1"), "p50_ms")
-                        + _med(results.get("pd", "direct-decode", "c1"), "p50_ms"))
+                base = _med(results.get("pd", "direct-prefill", "c1"), "p50_ms") + _med(
+                    results.get("pd", "direct-decode", "c1"), "p50_ms"
+                )
                 what = "prefill leg + decode leg called directly, one after the other"
             print(f"(d) added latency at 1 client: p50 minus the p50 of the {what} ({base:.3f} ms)")
-            print("  " + "   ".join(f"{n} {(_med(results.get(mode, n, 'c1'), 'p50_ms') - base) * 1e3:6.0f} us"
-                                    for n in systems))
+            print(
+                "  "
+                + "   ".join(
+                    f"{n} {(_med(results.get(mode, n, 'c1'), 'p50_ms') - base) * 1e3:6.0f} us" for n in systems
+                )
+            )
         loadgen = [s for n in systems for ph in names for s in results.get(mode, n, ph)]
         if loadgen:
-            print(f"load generator: wrk used at most {max(s.wrk_cpu_s / s.seconds for s in loadgen):.0%} of a core "
-                  f"(median {statistics.median(s.wrk_cpu_s / s.seconds for s in loadgen):.0%}); mocks at most "
-                  f"{max(s.mocks_cpu_s / s.seconds for s in loadgen):.0%} of a core in all (4 processes)")
-    print(f"\nmachine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the end (shared machine: "
-          "figures are noisy; compare ratios from the same run)")
+            print(
+                f"load generator: wrk used at most {max(s.wrk_cpu_s / s.seconds for s in loadgen):.0%} of a core "
+                f"(median {statistics.median(s.wrk_cpu_s / s.seconds for s in loadgen):.0%}); mocks at most "
+                f"{max(s.mocks_cpu_s / s.seconds for s in loadgen):.0%} of a core in all (4 processes)"
+            )
+    print(
+        f"\nmachine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the end (shared machine: "
+        "figures are noisy; compare ratios from the same run)"
+    )
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="atomesh bench gateway", description=__doc__.split("\n")[0],
-                                formatter_class=help_formatter)
+    p = argparse.ArgumentParser(
+        prog="atomesh bench gateway", description=__doc__.split("\n")[0], formatter_class=help_formatter
+    )
     p.add_argument("--rounds", type=int, default=3, help="rounds; each alternates the order of the gateways")
     p.add_argument("--duration", type=int, default=3, help="seconds of load per phase (wrk -d)")
     p.add_argument("--warmup", type=int, default=1, help="seconds of load before measuring each gateway (0: none)")
     p.add_argument("--quick", action="store_true", help="one round of 1 s phases (a smoke run)")
     p.add_argument("--modes", nargs="+", choices=("regular", "pd"), default=["regular", "pd"])
-    p.add_argument("--only", nargs="+", choices=("atomesh", "atomesh-sglang", "smg"), default=None,
-                   help="gateways to measure (default: all; smg when installed)")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        choices=("atomesh", "atomesh-sglang", "smg"),
+        default=None,
+        help="gateways to measure (default: all; smg when installed)",
+    )
     p.add_argument("--phases", nargs="+", choices=[ph.name for ph in PHASES], default=None)
     p.add_argument("--policy", default="round_robin", help="placement policy of every gateway")
-    p.add_argument("--processes", type=int, nargs="+", default=[1, 2],
-                   help="atomesh process counts to measure (`atomesh-xN` runs `--processes N`)")
+    p.add_argument(
+        "--processes",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="atomesh process counts to measure (`atomesh-xN` runs `--processes N`)",
+    )
     p.add_argument("--atomesh-args", default="", help="extra `atomesh launch` flags, one string")
-    p.add_argument("--regular-workers", type=int, choices=(1, 2), default=2,
-                   help="regular mock workers behind each gateway in regular mode")
+    p.add_argument(
+        "--regular-workers",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="regular mock workers behind each gateway in regular mode",
+    )
     p.add_argument("--save", type=Path, default=None, help="write every sample as JSON here")
     return p
 

@@ -51,8 +51,7 @@ from atomesh.bench.procs import free_port, start, stop
 
 PROMPT = "Say hello in a few words."
 SMALL = json.dumps({"model": "mock-model", "prompt": PROMPT, "max_tokens": 16}, separators=(",", ":"))
-STREAM = json.dumps({"model": "mock-model", "prompt": PROMPT, "max_tokens": 32, "stream": True},
-                    separators=(",", ":"))
+STREAM = json.dumps({"model": "mock-model", "prompt": PROMPT, "max_tokens": 32, "stream": True}, separators=(",", ":"))
 EVENTS = 32
 INTERVAL_MS = 5.0
 # Streams in flight. One: a gateway under valgrind runs ~50x slower, and with more streams it would fall
@@ -168,9 +167,24 @@ def wait_serving(port: int, proc: subprocess.Popen[bytes], timeout: float) -> No
 
 
 def gateway_command(system: str, worker: str, port: int, mport: int, level: str) -> list[str]:
-    common = ["--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-              "--prometheus-port", str(mport), "--log-level", level, "--policy", "round_robin",
-              "--worker-startup-check-interval", "1", "--worker-urls", worker]
+    common = [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(mport),
+        "--log-level",
+        level,
+        "--policy",
+        "round_robin",
+        "--worker-startup-check-interval",
+        "1",
+        "--worker-urls",
+        worker,
+    ]
     if system.startswith("smg"):
         smg = _smg()
         if smg is None:
@@ -195,8 +209,7 @@ def _env(system: str) -> dict[str, str]:
 
 
 def _dump(pid: int) -> None:
-    subprocess.run(["callgrind_control", "--dump", str(pid)], check=True, stdout=subprocess.DEVNULL,
-                   timeout=120)
+    subprocess.run(["callgrind_control", "--dump", str(pid)], check=True, stdout=subprocess.DEVNULL, timeout=120)
 
 
 def _totals(prefix: str) -> list[int]:
@@ -209,13 +222,18 @@ def _totals(prefix: str) -> list[int]:
     return out
 
 
-def count(system: str, level: str, loads: list[Load], worker: str, workdir: Path, warmup: int,
-          startup_timeout: float) -> dict[str, float]:
+def count(
+    system: str, level: str, loads: list[Load], worker: str, workdir: Path, warmup: int, startup_timeout: float
+) -> dict[str, float]:
     """Instructions per request of each load, one gateway under callgrind."""
     port, mport = free_port(), free_port()
     out = workdir / f"cg-{system}-{level}"
-    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *gateway_command(
-        system, worker, port, mport, level)]
+    cmd = [
+        "valgrind",
+        "--tool=callgrind",
+        f"--callgrind-out-file={out}",
+        *gateway_command(system, worker, port, mport, level),
+    ]
     env_log = workdir / f"{system}-{level}-callgrind.log"
     proc = start(cmd, env_log, _env(system), _cwd(system))
     try:
@@ -234,12 +252,17 @@ def count(system: str, level: str, loads: list[Load], worker: str, workdir: Path
     return {load.key: totals[i + 1] / load.n for i, load in enumerate(loads)}
 
 
-def native(system: str, level: str, loads: list[Load], worker: str, workdir: Path,
-           scale: int) -> dict[str, dict[str, float]]:
+def native(
+    system: str, level: str, loads: list[Load], worker: str, workdir: Path, scale: int
+) -> dict[str, dict[str, float]]:
     """CPU seconds per request (process tree, /proc) and requests/s of each load, without valgrind."""
     port, mport = free_port(), free_port()
-    proc = start(gateway_command(system, worker, port, mport, level), workdir / f"{system}-{level}-native.log",
-                 _env(system), _cwd(system))
+    proc = start(
+        gateway_command(system, worker, port, mport, level),
+        workdir / f"{system}-{level}-native.log",
+        _env(system),
+        _cwd(system),
+    )
     result: dict[str, dict[str, float]] = {}
     try:
         wait_serving(port, proc, 60)
@@ -252,26 +275,34 @@ def native(system: str, level: str, loads: list[Load], worker: str, workdir: Pat
             t1 = time.perf_counter()
             time.sleep(0.1)
             cpu1 = tree_cpu(proc.pid)
-            result[load.key] = {"cpu_us_per_request": round((cpu1 - cpu0) / n * 1e6, 1),
-                                "requests_per_s": round(n / (t1 - t0), 1)}
+            result[load.key] = {
+                "cpu_us_per_request": round((cpu1 - cpu0) / n * 1e6, 1),
+                "requests_per_s": round(n / (t1 - t0), 1),
+            }
     finally:
         stop(proc)
     return result
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
-    p = argparse.ArgumentParser(prog="python -m atomesh.bench.instructions", description=__doc__,
-                                formatter_class=help_formatter)
+    p = argparse.ArgumentParser(
+        prog="python -m atomesh.bench.instructions", description=__doc__, formatter_class=help_formatter
+    )
     p.add_argument("--requests", type=int, default=800, help="small requests per phase under callgrind")
     p.add_argument("--streams", type=int, default=12, help="spaced streams per phase under callgrind")
-    p.add_argument("--native-scale", type=int, default=10,
-                   help="the native (CPU, req/s) phases run this many times the requests")
+    p.add_argument(
+        "--native-scale", type=int, default=10, help="the native (CPU, req/s) phases run this many times the requests"
+    )
     p.add_argument("--only", nargs="+", choices=SYSTEMS, default=["atomesh", "smg"])
     p.add_argument("--no-native", action="store_true", help="skip the native CPU / req/s pass")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds a gateway under valgrind may take")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
-    p.add_argument("--atomesh-tree", type=Path, default=None,
-                   help="run atomesh from this source tree (e.g. a `git archive` of an older commit): an A/B")
+    p.add_argument(
+        "--atomesh-tree",
+        type=Path,
+        default=None,
+        help="run atomesh from this source tree (e.g. a `git archive` of an older commit): an A/B",
+    )
     args = p.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         raise SystemExit("valgrind (with callgrind_control) is not installed: apt-get install valgrind")
@@ -280,12 +311,29 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         ATOMESH_PATH = str(args.atomesh_tree.resolve())
     workdir = Path(tempfile.mkdtemp(prefix="atomesh-instructions-"))
     mport = free_port()
-    mock = start([sys.executable, "-m", "atomesh.testing.fast_mock", "--port", str(mport), "--stream-chunks",
-                  str(EVENTS), "--event-interval-ms", str(INTERVAL_MS)], workdir / "mock.log")
+    mock = start(
+        [
+            sys.executable,
+            "-m",
+            "atomesh.testing.fast_mock",
+            "--port",
+            str(mport),
+            "--stream-chunks",
+            str(EVENTS),
+            "--event-interval-ms",
+            str(INTERVAL_MS),
+        ],
+        workdir / "mock.log",
+    )
     worker = f"http://127.0.0.1:{mport}"
-    levels = {"warn": [Load("small", False, args.requests), Load("spaced_stream_warn", True, args.streams)],
-              "info": [Load("small_info_log", False, args.requests), Load("small_c1", False, args.requests // 2, 1),
-                       Load("spaced_stream", True, args.streams)]}
+    levels = {
+        "warn": [Load("small", False, args.requests), Load("spaced_stream_warn", True, args.streams)],
+        "info": [
+            Load("small_info_log", False, args.requests),
+            Load("small_c1", False, args.requests // 2, 1),
+            Load("spaced_stream", True, args.streams),
+        ],
+    }
     counts: dict[str, dict[str, float]] = {}
     cpu: dict[str, dict[str, dict[str, float]]] = {}
     try:
@@ -306,22 +354,32 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     order = ("small", "small_info_log", "small_c1", "spaced_stream", "spaced_stream_warn")
     for key in order:
         row = counts.get(key, {})
-        ratio = (f"{row['atomesh'] / row['smg']:>14.2f}x" if "atomesh" in row and row.get("smg") else "")
+        ratio = f"{row['atomesh'] / row['smg']:>14.2f}x" if "atomesh" in row and row.get("smg") else ""
         print(f"{key:<22}" + "".join(f"{row.get(s, 0):>14,.0f}" for s in args.only) + ratio)
     if cpu:
         print("\nnative: CPU us per request (process tree, /proc, 10 ms ticks) and requests/s (noisy)")
         for key in order:
             measured = cpu.get(key, {})
-            print(f"{key:<22}" + "".join(f"  {s}: {v['cpu_us_per_request']:>7.1f} us {v['requests_per_s']:>8.1f}/s"
-                                         for s, v in measured.items()))
+            print(
+                f"{key:<22}"
+                + "".join(
+                    f"  {s}: {v['cpu_us_per_request']:>7.1f} us {v['requests_per_s']:>8.1f}/s"
+                    for s, v in measured.items()
+                )
+            )
     doc: dict[str, object] = {k: counts[k] for k in order if k in counts}
     doc["ratios"] = {k: round(v["atomesh"] / v["smg"], 3) for k, v in counts.items() if "atomesh" in v and v.get("smg")}
     doc["native"] = cpu
-    doc["settings"] = {"requests": args.requests, "small_clients": SMALL_CLIENTS, "streams": args.streams,
-                       "stream_events": EVENTS,
-                       "event_interval_ms": INTERVAL_MS, "stream_clients": STREAM_CLIENTS,
-                       "date": time.strftime("%Y-%m-%d", time.gmtime()),
-                       "command": "python -m atomesh.bench.instructions " + " ".join(argv or sys.argv[1:])}
+    doc["settings"] = {
+        "requests": args.requests,
+        "small_clients": SMALL_CLIENTS,
+        "streams": args.streams,
+        "stream_events": EVENTS,
+        "event_interval_ms": INTERVAL_MS,
+        "stream_clients": STREAM_CLIENTS,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "command": "python -m atomesh.bench.instructions " + " ".join(argv or sys.argv[1:]),
+    }
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=2) + "\n")

@@ -62,8 +62,10 @@ from atomesh.workers.registry import WorkerRegistry
 from atomesh.workers.worker import Worker, WorkerRole, WorkerState
 
 POLICIES = ("kv_aware", "cache_aware", "prefix_hash", "round_robin")
-WORDS = ("the quick brown fox jumps over lazy dogs while engines prefill long prompts and decode tokens "
-         "system user assistant context window cache block prefix router gateway latency").split()
+WORDS = (
+    "the quick brown fox jumps over lazy dogs while engines prefill long prompts and decode tokens "
+    "system user assistant context window cache block prefix router gateway latency"
+).split()
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -96,16 +98,25 @@ def long_tail(salt: str, conversations: int, turns: int, seed: int = 3) -> list[
 
 def _chats(salt: str, turns: list[int], rng: random.Random) -> list[list[dict[str, str]]]:
     """Conversation c: a system message, then ``turns[c]`` user messages."""
-    return [[{"role": "system", "content": f"{salt} You are assistant {c}. Answer briefly."},
-             *({"role": "user", "content": f"question {t} of chat {c}: " + words(rng, 45)} for t in range(n))]
-            for c, n in enumerate(turns)]
+    return [
+        [
+            {"role": "system", "content": f"{salt} You are assistant {c}. Answer briefly."},
+            *({"role": "user", "content": f"question {t} of chat {c}: " + words(rng, 45)} for t in range(n)),
+        ]
+        for c, n in enumerate(turns)
+    ]
 
 
 def shared_prefix(salt: str, systems: int, requests: int, seed: int = 2) -> list[list[dict[str, str]]]:
     rng = random.Random(seed)
     prompts = [f"{salt} system prompt {s}: " + words(rng, 130) for s in range(systems)]
-    return [[{"role": "system", "content": prompts[rng.randrange(systems)]},
-             {"role": "user", "content": f"question {i}: " + words(rng, 25)}] for i in range(requests)]
+    return [
+        [
+            {"role": "system", "content": prompts[rng.randrange(systems)]},
+            {"role": "user", "content": f"question {i}: " + words(rng, 25)},
+        ]
+        for i in range(requests)
+    ]
 
 
 @dataclass(slots=True)
@@ -132,9 +143,15 @@ def _reply(c: int, t: int) -> dict[str, str]:
     return {"role": "assistant", "content": f"Answer {t} for chat {c}: noted, continuing."}
 
 
-async def replay_multi_turn(session: aiohttp.ClientSession, gws: list[str], convs: list[list[dict[str, str]]],
-                            concurrency: int, model: str, first: int = 0,
-                            until: int | None = None) -> tuple[list[float], int]:
+async def replay_multi_turn(
+    session: aiohttp.ClientSession,
+    gws: list[str],
+    convs: list[list[dict[str, str]]],
+    concurrency: int,
+    model: str,
+    first: int = 0,
+    until: int | None = None,
+) -> tuple[list[float], int]:
     """Clients take ready conversations in turn order; a conversation's next turn waits for its last.
     Turns ``first`` to ``until`` (exclusive; each conversation's own number of turns at most) are
     sent; earlier ones are in the conversation already."""
@@ -177,8 +194,9 @@ async def replay_multi_turn(session: aiohttp.ClientSession, gws: list[str], conv
     return ttfts, errors
 
 
-async def replay_independent(session: aiohttp.ClientSession, gws: list[str], reqs: list[list[dict[str, str]]],
-                             concurrency: int, model: str) -> tuple[list[float], int]:
+async def replay_independent(
+    session: aiohttp.ClientSession, gws: list[str], reqs: list[list[dict[str, str]]], concurrency: int, model: str
+) -> tuple[list[float], int]:
     queue = list(reversed(list(enumerate(reqs))))
     ttfts: list[float] = []
     errors = 0
@@ -226,8 +244,12 @@ def _has_content(data: bytes) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- engines
-_COUNTERS = ("atom:prefix_cache_cached_tokens_total", "atom:prefix_cache_wanted_tokens_total",
-             "atom:requests_finished_total", "atom:prefix_cache_evicted_blocks_total")
+_COUNTERS = (
+    "atom:prefix_cache_cached_tokens_total",
+    "atom:prefix_cache_wanted_tokens_total",
+    "atom:requests_finished_total",
+    "atom:prefix_cache_evicted_blocks_total",
+)
 
 
 async def engine_counters(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
@@ -240,8 +262,17 @@ async def engine_counters(session: aiohttp.ClientSession, url: str) -> dict[str,
     return out
 
 
-async def run_one(session: aiohttp.ClientSession, engines: list[str], policy: str, trace: str, replicas: int,
-                  args: argparse.Namespace, model: str, rnd: int = 0, kv_blocks: int = 0) -> RunResult:
+async def run_one(
+    session: aiohttp.ClientSession,
+    engines: list[str],
+    policy: str,
+    trace: str,
+    replicas: int,
+    args: argparse.Namespace,
+    model: str,
+    rnd: int = 0,
+    kv_blocks: int = 0,
+) -> RunResult:
     salt = f"[{trace} {policy} x{replicas} {time.time_ns()}]"
     for e in engines:  # every run starts from empty prefix caches: its evictions are its own
         async with session.post(e + "/flush_cache") as r:
@@ -278,22 +309,53 @@ async def run_one(session: aiohttp.ClientSession, engines: list[str], policy: st
     wanted = sum(a[_COUNTERS[1]] - b[_COUNTERS[1]] for a, b in zip(after, before, strict=True))
     per = [int(a[_COUNTERS[2]] - b[_COUNTERS[2]]) for a, b in zip(after, before, strict=True)]
     evicted = sum(a[_COUNTERS[3]] - b[_COUNTERS[3]] for a, b in zip(after, before, strict=True))
-    return RunResult(trace, policy, replicas, cached / wanted if wanted else 0.0, int(cached), int(wanted),
-                     pct(ttfts, 0.5) * 1e3, pct(ttfts, 0.99) * 1e3, max(per) / max(1, min(per)), per, errors,
-                     seconds, round=rnd, kv_blocks=kv_blocks, evicted_blocks=int(evicted))
+    return RunResult(
+        trace,
+        policy,
+        replicas,
+        cached / wanted if wanted else 0.0,
+        int(cached),
+        int(wanted),
+        pct(ttfts, 0.5) * 1e3,
+        pct(ttfts, 0.99) * 1e3,
+        max(per) / max(1, min(per)),
+        per,
+        errors,
+        seconds,
+        round=rnd,
+        kv_blocks=kv_blocks,
+        evicted_blocks=int(evicted),
+    )
 
 
-def _gateways(engines: list[str], policy: str, trace: str, replicas: int, args: argparse.Namespace, rnd: int,
-              tag: str = "") -> tuple[list[subprocess.Popen[bytes]], list[str]]:
+def _gateways(
+    engines: list[str], policy: str, trace: str, replicas: int, args: argparse.Namespace, rnd: int, tag: str = ""
+) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
     procs = []
     gws = []
     sync = [f"tcp://127.0.0.1:{free_port()}" for _ in range(replicas)]
     for r in range(replicas):
         port, mport = free_port(), free_port()
-        cmd = [sys.executable, "-m", "atomesh", "launch", "--policy", policy, "--host", "127.0.0.1", "--port",
-               str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(mport), "--log-level",
-               args.gateway_log_level,
-               "--worker-urls", *engines]
+        cmd = [
+            sys.executable,
+            "-m",
+            "atomesh",
+            "launch",
+            "--policy",
+            policy,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(mport),
+            "--log-level",
+            args.gateway_log_level,
+            "--worker-urls",
+            *engines,
+        ]
         if policy == "kv_aware":
             cmd += args.kv_args
         if policy == "kv_aware" and replicas > 1 and args.kv_sync:  # the replicas share their placements
@@ -310,24 +372,32 @@ async def _ready(session: aiohttp.ClientSession, gws: list[str], policy: str) ->
         await asyncio.sleep(2.0)  # the tokenizer download and the event subscriptions' catch-up
 
 
-HEADER = (f"{'trace':<14}{'policy':<13}{'gw':>3}{'hit':>8}{'cached':>9}{'prompt':>9}{'p50 ms':>9}{'p99 ms':>9}"
-          f"{'max/min':>8}{'evict':>7}{'err':>5}{'secs':>7}  requests/engine")
+HEADER = (
+    f"{'trace':<14}{'policy':<13}{'gw':>3}{'hit':>8}{'cached':>9}{'prompt':>9}{'p50 ms':>9}{'p99 ms':>9}"
+    f"{'max/min':>8}{'evict':>7}{'err':>5}{'secs':>7}  requests/engine"
+)
 
 
 def print_row(r: RunResult) -> None:
-    print(f"{r.trace:<14}{r.policy:<13}{r.replicas:>3}{r.hit_rate:>8.1%}{r.cached_tokens:>9}{r.prompt_tokens:>9}"
-          f"{r.ttft_p50_ms:>9.0f}{r.ttft_p99_ms:>9.0f}{r.load_ratio:>8.2f}{r.evicted_blocks:>7}{r.errors:>5}"
-          f"{r.seconds:>7.1f}  {r.requests_per_engine}", flush=True)
+    print(
+        f"{r.trace:<14}{r.policy:<13}{r.replicas:>3}{r.hit_rate:>8.1%}{r.cached_tokens:>9}{r.prompt_tokens:>9}"
+        f"{r.ttft_p50_ms:>9.0f}{r.ttft_p99_ms:>9.0f}{r.load_ratio:>8.2f}{r.evicted_blocks:>7}{r.errors:>5}"
+        f"{r.seconds:>7.1f}  {r.requests_per_engine}",
+        flush=True,
+    )
 
 
-def summarize(results: list[RunResult], traces: list[str], replicas: list[int],
-              policies: list[str]) -> list[dict[str, Any]]:
+def summarize(
+    results: list[RunResult], traces: list[str], replicas: list[int], policies: list[str]
+) -> list[dict[str, Any]]:
     """Per KV pool size, trace, gateway count and policy: medians over the rounds; then kv_aware
     against cache_aware."""
     rows: dict[tuple[int, str, int, str], dict[str, Any]] = {}
     pools = sorted({r.kv_blocks for r in results})
-    print(f"\nmedians over the rounds\n{'blocks':>6}  {'trace':<14}{'policy':<13}{'gw':>3}{'hit':>8}{'min':>8}"
-          f"{'max':>8}{'p50 ms':>9}{'p99 ms':>9}{'max/min':>8}{'evict':>7}{'runs':>6}")
+    print(
+        f"\nmedians over the rounds\n{'blocks':>6}  {'trace':<14}{'policy':<13}{'gw':>3}{'hit':>8}{'min':>8}"
+        f"{'max':>8}{'p50 ms':>9}{'p99 ms':>9}{'max/min':>8}{'evict':>7}{'runs':>6}"
+    )
     for key in itertools.product(pools, traces, replicas, policies):
         rs = [r for r in results if (r.kv_blocks, r.trace, r.replicas, r.policy) == key]
         if not rs:
@@ -335,36 +405,53 @@ def summarize(results: list[RunResult], traces: list[str], replicas: list[int],
         pool, trace, gw, policy = key
         hits = [r.hit_rate for r in rs]
         row = rows[key] = {
-            "kv_blocks": pool, "trace": trace, "replicas": gw, "policy": policy, "runs": len(rs),
-            "hit_rate": statistics.median(hits), "hit_min": min(hits), "hit_max": max(hits),
+            "kv_blocks": pool,
+            "trace": trace,
+            "replicas": gw,
+            "policy": policy,
+            "runs": len(rs),
+            "hit_rate": statistics.median(hits),
+            "hit_min": min(hits),
+            "hit_max": max(hits),
             "ttft_p50_ms": statistics.median(r.ttft_p50_ms for r in rs),
             "ttft_p99_ms": statistics.median(r.ttft_p99_ms for r in rs),
             "load_ratio": statistics.median(r.load_ratio for r in rs),
-            "evicted_blocks": statistics.median(r.evicted_blocks for r in rs)}
-        print(f"{pool:>6}  {trace:<14}{policy:<13}{gw:>3}{row['hit_rate']:>8.1%}{row['hit_min']:>8.1%}"
-              f"{row['hit_max']:>8.1%}{row['ttft_p50_ms']:>9.0f}{row['ttft_p99_ms']:>9.0f}"
-              f"{row['load_ratio']:>8.2f}{row['evicted_blocks']:>7.0f}{len(rs):>6}")
+            "evicted_blocks": statistics.median(r.evicted_blocks for r in rs),
+        }
+        print(
+            f"{pool:>6}  {trace:<14}{policy:<13}{gw:>3}{row['hit_rate']:>8.1%}{row['hit_min']:>8.1%}"
+            f"{row['hit_max']:>8.1%}{row['ttft_p50_ms']:>9.0f}{row['ttft_p99_ms']:>9.0f}"
+            f"{row['load_ratio']:>8.2f}{row['evicted_blocks']:>7.0f}{len(rs):>6}"
+        )
     for pool, trace, gw in itertools.product(pools, traces, replicas):
         ka, ca = rows.get((pool, trace, gw, "kv_aware")), rows.get((pool, trace, gw, "cache_aware"))
         if ka and ca:
-            cell = {(r.policy, r.round): r.hit_rate for r in results
-                    if (r.kv_blocks, r.trace, r.replicas) == (pool, trace, gw)}
-            per_round = [cell[("kv_aware", n)] / max(cell[("cache_aware", n)], 1e-9)
-                         for n in sorted({n for _, n in cell})
-                         if ("kv_aware", n) in cell and ("cache_aware", n) in cell]
+            cell = {
+                (r.policy, r.round): r.hit_rate
+                for r in results
+                if (r.kv_blocks, r.trace, r.replicas) == (pool, trace, gw)
+            }
+            per_round = [
+                cell[("kv_aware", n)] / max(cell[("cache_aware", n)], 1e-9)
+                for n in sorted({n for _, n in cell})
+                if ("kv_aware", n) in cell and ("cache_aware", n) in cell
+            ]
             ratio = ka["hit_rate"] / max(ca["hit_rate"], 1e-9)
             ka["vs_cache_aware"] = ratio
             ka["vs_cache_aware_per_round"] = per_round
-            print(f"{pool} blocks, {trace}, {gw} gateway(s): kv_aware hit rate x{ratio:.2f} of cache_aware (medians "
-                  f"{ka['hit_rate']:.1%} vs {ca['hit_rate']:.1%}; per round "
-                  f"{' '.join(f'x{x:.2f}' for x in per_round)}), load max/min {ka['load_ratio']:.2f} vs "
-                  f"{ca['load_ratio']:.2f}, TTFT p50 {ka['ttft_p50_ms']:.0f} vs {ca['ttft_p50_ms']:.0f} ms")
+            print(
+                f"{pool} blocks, {trace}, {gw} gateway(s): kv_aware hit rate x{ratio:.2f} of cache_aware (medians "
+                f"{ka['hit_rate']:.1%} vs {ca['hit_rate']:.1%}; per round "
+                f"{' '.join(f'x{x:.2f}' for x in per_round)}), load max/min {ka['load_ratio']:.2f} vs "
+                f"{ca['load_ratio']:.2f}, TTFT p50 {ka['ttft_p50_ms']:.0f} vs {ca['ttft_p50_ms']:.0f} ms"
+            )
     return list(rows.values())
 
 
 # ---------------------------------------------------------------------------------------------- decision cost
-def bench_decision(tokenizer: PromptTokenizer, requests: int, workers: int = 16, prompt_kb: int = 32,
-                   block_size: int = 16) -> dict[str, float]:
+def bench_decision(
+    tokenizer: PromptTokenizer, requests: int, workers: int = 16, prompt_kb: int = 32, block_size: int = 16
+) -> dict[str, float]:
     """kv_aware's placement decision with 32 requests in flight; tokenization timed on its own."""
     rng = random.Random(0)
     shared = [words(rng, prompt_kb * 1024 * 3 // 4 // 6) for _ in range(64)]
@@ -376,7 +463,7 @@ def bench_decision(tokenizer: PromptTokenizer, requests: int, workers: int = 16,
         t0 = time.perf_counter_ns()
         tokenizer.ids(RequestView(Route.COMPLETIONS, {"prompt": text + f" {i}"}, b"", "r"))
         t_plain.append((time.perf_counter_ns() - t0) / 1000)
-        sys_part, user_part = text[: len(text) * 3 // 4], text[len(text) * 3 // 4:]
+        sys_part, user_part = text[: len(text) * 3 // 4], text[len(text) * 3 // 4 :]
         chat = {"messages": [{"role": "system", "content": sys_part}, {"role": "user", "content": user_part}]}
         t0 = time.perf_counter_ns()
         tokenizer.ids(RequestView(Route.CHAT, chat, b"", "r"))
@@ -412,8 +499,9 @@ def bench_decision(tokenizer: PromptTokenizer, requests: int, workers: int = 16,
             toks = tokenizer.ids(RequestView(Route.COMPLETIONS, {"prompt": shared[(wi * 8 + j) % 64]}, b"", "r"))
             assert toks is not None
             n = len(toks) // block_size
-            policy.index.stored(w.url, [(wi, j, k) for k in range(n)], None, toks[: n * block_size].tolist(),
-                                block_size)
+            policy.index.stored(
+                w.url, [(wi, j, k) for k in range(n)], None, toks[: n * block_size].tolist(), block_size
+            )
     placement = Placement(registry, {WorkerRole.REGULAR: policy}, pd=False)
     inflight: list[Plan] = []
     times: list[float] = []
@@ -432,18 +520,30 @@ def bench_decision(tokenizer: PromptTokenizer, requests: int, workers: int = 16,
             chain_keys(as_tokens(by_view[id(view)]), block_size)
             keys_t.append((time.perf_counter_ns() - t0) / 1000)
     tokens = statistics.fmean(len(a) for a in ids if a is not None)
-    out = {"decision_p50_us": pct(times, 0.5), "decision_p99_us": pct(times, 0.99),
-           "decision_mean_us": statistics.fmean(times), "block_keys_p50_us": pct(keys_t, 0.5),
-           "tokenize_completion_p50_us": pct(t_plain, 0.5), "tokenize_chat_cached_system_p50_us": pct(t_chat, 0.5),
-           "prompt_tokens_mean": tokens, "hit_share": policy.hit_blocks / max(1, policy.prompt_blocks)}
-    print(f"\n(a) kv_aware decision per request: {workers} workers, {prompt_kb} KB prompts (~{tokens:.0f} tokens, "
-          f"{block_size}-token blocks; 64 shared 24 KB prefixes, each worker holding 8), {requests} requests, "
-          "32 in flight")
-    print(f"decision (ids given)   p50 {out['decision_p50_us']:.1f} us  p99 {out['decision_p99_us']:.1f} us  "
-          f"(block keys alone p50 {out['block_keys_p50_us']:.1f} us); placed blocks already held: "
-          f"{out['hit_share']:.0%}")
-    print(f"tokenization           32 KB completion p50 {out['tokenize_completion_p50_us']:.0f} us; "
-          f"32 KB chat with its 24 KB system message cached p50 {out['tokenize_chat_cached_system_p50_us']:.0f} us")
+    out = {
+        "decision_p50_us": pct(times, 0.5),
+        "decision_p99_us": pct(times, 0.99),
+        "decision_mean_us": statistics.fmean(times),
+        "block_keys_p50_us": pct(keys_t, 0.5),
+        "tokenize_completion_p50_us": pct(t_plain, 0.5),
+        "tokenize_chat_cached_system_p50_us": pct(t_chat, 0.5),
+        "prompt_tokens_mean": tokens,
+        "hit_share": policy.hit_blocks / max(1, policy.prompt_blocks),
+    }
+    print(
+        f"\n(a) kv_aware decision per request: {workers} workers, {prompt_kb} KB prompts (~{tokens:.0f} tokens, "
+        f"{block_size}-token blocks; 64 shared 24 KB prefixes, each worker holding 8), {requests} requests, "
+        "32 in flight"
+    )
+    print(
+        f"decision (ids given)   p50 {out['decision_p50_us']:.1f} us  p99 {out['decision_p99_us']:.1f} us  "
+        f"(block keys alone p50 {out['block_keys_p50_us']:.1f} us); placed blocks already held: "
+        f"{out['hit_share']:.0%}"
+    )
+    print(
+        f"tokenization           32 KB completion p50 {out['tokenize_completion_p50_us']:.0f} us; "
+        f"32 KB chat with its 24 KB system message cached p50 {out['tokenize_chat_cached_system_p50_us']:.0f} us"
+    )
     return out
 
 
@@ -453,22 +553,52 @@ def _engines(args: argparse.Namespace, kv_blocks: int) -> tuple[list[subprocess.
     procs = []
     for i, port in enumerate(ports):
         events, replay = free_port(), free_port()
-        cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}",
-               "replay_endpoint": f"tcp://*:{replay}", "topic": "kv-events"}
-        cmd = [sys.executable, "-m", "engine.openai_server", "--model", args.model, "--host", "127.0.0.1",
-               "--server-port", str(port), "--num-kvcache-blocks", str(kv_blocks), "--block-size", "16",
-               "--max-model-len", "2048", "--max-num-seqs", "8", "--torch-threads", "1", "--device", "cpu",
-               "--kv-events-config", json.dumps(cfg)]
+        cfg = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{events}",
+            "replay_endpoint": f"tcp://*:{replay}",
+            "topic": "kv-events",
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "engine.openai_server",
+            "--model",
+            args.model,
+            "--host",
+            "127.0.0.1",
+            "--server-port",
+            str(port),
+            "--num-kvcache-blocks",
+            str(kv_blocks),
+            "--block-size",
+            "16",
+            "--max-model-len",
+            "2048",
+            "--max-num-seqs",
+            "8",
+            "--torch-threads",
+            "1",
+            "--device",
+            "cpu",
+            "--kv-events-config",
+            json.dumps(cfg),
+        ]
         procs.append(start(cmd, Path(f"/tmp/atomesh-bench-kv-engine-{i}.log")))
     return procs, [f"http://127.0.0.1:{p}" for p in ports]
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     results: list[RunResult] = []
-    out: dict[str, Any] = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "argv": sys.argv[1:],
-                           "settings": {k: v for k, v in vars(args).items() if k != "json"}}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
-                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+    out: dict[str, Any] = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "argv": sys.argv[1:],
+        "settings": {k: v for k, v in vars(args).items() if k != "json"},
+    }
+    async with aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=600), connector=aiohttp.TCPConnector(limit=0)
+    ) as session:
         # One set of engines per pool size (--kv-blocks takes several: a sweep of eviction pressure).
         for pool in args.kv_blocks if "trace" in args.only else args.kv_blocks[:1]:
             procs, urls = _engines(args, pool)
@@ -483,9 +613,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     out["decision"] = bench_decision(tokenizer, args.decision_requests)
                 if "trace" not in args.only:
                     continue
-                print(f"\n{args.engines} engines ({args.model}, CPU, {pool} KV blocks of 16 tokens each), "
-                      f"{args.concurrency} clients, max_tokens 1; multi-turn: {args.conversations} chats x "
-                      f"{args.turns} turns; shared: {args.requests} requests over {args.systems} system prompts")
+                print(
+                    f"\n{args.engines} engines ({args.model}, CPU, {pool} KV blocks of 16 tokens each), "
+                    f"{args.concurrency} clients, max_tokens 1; multi-turn: {args.conversations} chats x "
+                    f"{args.turns} turns; shared: {args.requests} requests over {args.systems} system prompts"
+                )
                 print(HEADER)
                 # Rounds of every cell, policies in turn within a round: drift on the machine and
                 # run-to-run variation (replicas racing each other) reach every policy alike.
@@ -509,8 +641,13 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="atomesh bench kv-placement", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--engines", type=int, default=4)
-    p.add_argument("--kv-blocks", type=int, nargs="+", default=[40],
-                   help="KV blocks per engine (16 tokens each); several: a sweep, the engines restarted per size")
+    p.add_argument(
+        "--kv-blocks",
+        type=int,
+        nargs="+",
+        default=[40],
+        help="KV blocks per engine (16 tokens each); several: a sweep, the engines restarted per size",
+    )
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--conversations", type=int, default=16)
     p.add_argument("--turns", type=int, default=3)
@@ -518,20 +655,37 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--replicas", type=int, nargs="+", default=[2])
     p.add_argument("--repeat", type=int, default=3, help="rounds of every cell; the summary takes medians")
-    p.add_argument("--kv-sync", action=argparse.BooleanOptionalAction, default=True,
-                   help="kv_aware replicas share their in-flight placements (--kv-sync-bind / --kv-sync-peers)")
-    p.add_argument("--kv-args", nargs="*", default=[], metavar="ARG",
-                   help="more `atomesh launch` flags for the kv_aware gateways (e.g. --kv-args=--kv-overlap-weight=2)")
+    p.add_argument(
+        "--kv-sync",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="kv_aware replicas share their in-flight placements (--kv-sync-bind / --kv-sync-peers)",
+    )
+    p.add_argument(
+        "--kv-args",
+        nargs="*",
+        default=[],
+        metavar="ARG",
+        help="more `atomesh launch` flags for the kv_aware gateways (e.g. --kv-args=--kv-overlap-weight=2)",
+    )
     p.add_argument("--policies", nargs="+", default=list(POLICIES))
-    p.add_argument("--traces", nargs="+", default=["multi-turn", "shared-prefix"],
-                   choices=["multi-turn", "shared-prefix", "restart", "long-tail"],
-                   help="restart: multi-turn with the gateways restarted after every first turn; long-tail: "
-                        "a quarter of the conversations (drawn anew each round) run 4x as many turns")
+    p.add_argument(
+        "--traces",
+        nargs="+",
+        default=["multi-turn", "shared-prefix"],
+        choices=["multi-turn", "shared-prefix", "restart", "long-tail"],
+        help="restart: multi-turn with the gateways restarted after every first turn; long-tail: "
+        "a quarter of the conversations (drawn anew each round) run 4x as many turns",
+    )
     p.add_argument("--only", nargs="+", default=["trace", "decision"], choices=["trace", "decision"])
     p.add_argument("--decision-requests", type=int, default=3000)
-    p.add_argument("--gateway-log-level", default="warn", choices=["debug", "info", "warn", "error"],
-                   help="debug: kv_aware logs each decision (the gateways log to "
-                        "/tmp/atomesh-bench-kv-TRACE-POLICY-xREPLICAS-ROUND-N.log)")
+    p.add_argument(
+        "--gateway-log-level",
+        default="warn",
+        choices=["debug", "info", "warn", "error"],
+        help="debug: kv_aware logs each decision (the gateways log to "
+        "/tmp/atomesh-bench-kv-TRACE-POLICY-xREPLICAS-ROUND-N.log)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     return p
 

@@ -43,10 +43,18 @@ from atomesh.workers.registry import WorkerRegistry
 from atomesh.workers.worker import Worker, WorkerRole, WorkerState
 
 # The load-balancing policies compared here (consistent_hashing and dp_sticky route by session, not load).
-POLICIES = (PolicyName.RANDOM, PolicyName.ROUND_ROBIN, PolicyName.POWER_OF_TWO, PolicyName.LEAST_LOAD,
-            PolicyName.PREFIX_HASH, PolicyName.CACHE_AWARE)
-WORDS = ("the quick brown fox jumps over lazy dogs while engines prefill long prompts and decode tokens "
-         "system user assistant context window cache block prefix router gateway latency").split()
+POLICIES = (
+    PolicyName.RANDOM,
+    PolicyName.ROUND_ROBIN,
+    PolicyName.POWER_OF_TWO,
+    PolicyName.LEAST_LOAD,
+    PolicyName.PREFIX_HASH,
+    PolicyName.CACHE_AWARE,
+)
+WORDS = (
+    "the quick brown fox jumps over lazy dogs while engines prefill long prompts and decode tokens "
+    "system user assistant context window cache block prefix router gateway latency"
+).split()
 
 
 def words(rng: random.Random, chars: int) -> str:
@@ -70,8 +78,10 @@ def bench_decision(requests: int, workers: int = 16, prompt_kb: int = 32) -> Non
     shared = [words(rng, prompt_kb * 1024 * 3 // 4) for _ in range(64)]
     prompts = [rng.choice(shared) + words(rng, prompt_kb * 1024 // 4) for _ in range(min(requests, 512))]
     cfg = GatewayConfig.model_validate({})
-    print(f"\n(a) decision time per request: {workers} workers, {prompt_kb} KB prompts "
-          f"(64 shared {prompt_kb * 3 // 4} KB prefixes + unique tail), {requests} requests, 32 in flight")
+    print(
+        f"\n(a) decision time per request: {workers} workers, {prompt_kb} KB prompts "
+        f"(64 shared {prompt_kb * 3 // 4} KB prefixes + unique tail), {requests} requests, 32 in flight"
+    )
     print(f"{'policy':<14}{'p50 us':>10}{'p99 us':>10}{'mean us':>10}")
     for name in POLICIES:
         registry = WorkerRegistry()
@@ -119,14 +129,19 @@ def bench_index_memory(prompts: int) -> None:
     gc.collect()
     grown = _rss() - base
     idx = policy.index
-    print(f"\n(b) cache-aware index after {prompts:,} distinct ~1 KB prompts, default --max-tree-size "
-          f"{cfg.max_tree_size:,} chars = {idx.max_entries:,} entries of {idx.chunk_chars} chars")
-    print(f"entries {len(idx):,} (max seen {peak:,}, bound {idx.max_entries:,}), evictions {idx.evictions:,}, "
-          f"RSS growth {grown / 2**20:.1f} MiB = {grown / max(1, len(idx)):.0f} B/entry, "
-          f"{dt / prompts * 1e6:.1f} us per 1 KB request")
+    print(
+        f"\n(b) cache-aware index after {prompts:,} distinct ~1 KB prompts, default --max-tree-size "
+        f"{cfg.max_tree_size:,} chars = {idx.max_entries:,} entries of {idx.chunk_chars} chars"
+    )
+    print(
+        f"entries {len(idx):,} (max seen {peak:,}, bound {idx.max_entries:,}), evictions {idx.evictions:,}, "
+        f"RSS growth {grown / 2**20:.1f} MiB = {grown / max(1, len(idx)):.0f} B/entry, "
+        f"{dt / prompts * 1e6:.1f} us per 1 KB request"
+    )
 
 
 # ---------------------------------------------------------------------------- (c) trace
+
 
 @dataclass
 class TraceResult:
@@ -164,10 +179,12 @@ def _conversations(systems: int, users: int, turns: int, system_chars: int, seed
     return convs
 
 
-async def _replay(session: aiohttp.ClientSession, url: str, convs: list[list[str]], turns: int,
-                  concurrency: int) -> tuple[list[float], int]:
+async def _replay(
+    session: aiohttp.ClientSession, url: str, convs: list[list[str]], turns: int, concurrency: int
+) -> tuple[list[float], int]:
     ready: deque[tuple[int, int, list[dict[str, str]]]] = deque(
-        (u, 0, [{"role": "system", "content": c[0]}]) for u, c in enumerate(convs))
+        (u, 0, [{"role": "system", "content": c[0]}]) for u, c in enumerate(convs)
+    )
     ttfts: list[float] = []
     errors = 0
     cond = asyncio.Condition()
@@ -230,25 +247,77 @@ def _external_routers() -> list[tuple[str, list[str]]]:
     return out
 
 
-async def bench_trace(engines: int, systems: int, users: int, turns: int, concurrency: int, cache_blocks: int,
-                      system_chars: int, external: bool, processes: int = 1) -> list[TraceResult]:
+async def bench_trace(
+    engines: int,
+    systems: int,
+    users: int,
+    turns: int,
+    concurrency: int,
+    cache_blocks: int,
+    system_chars: int,
+    external: bool,
+    processes: int = 1,
+) -> list[TraceResult]:
     ports = [free_port() for _ in range(engines)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    engine_proc = start([sys.executable, "-m", "atomesh.testing.mock_engine", "--ports", *map(str, ports),
-                          "--cache-blocks", str(cache_blocks)], _log("engines"))
+    engine_proc = start(
+        [
+            sys.executable,
+            "-m",
+            "atomesh.testing.mock_engine",
+            "--ports",
+            *map(str, ports),
+            "--cache-blocks",
+            str(cache_blocks),
+        ],
+        _log("engines"),
+    )
     cfg = GatewayConfig.model_validate({})
-    ca_flags = ["--cache-threshold", str(cfg.cache_threshold), "--balance-abs-threshold",
-                str(cfg.balance_abs_threshold), "--balance-rel-threshold", str(cfg.balance_rel_threshold),
-                "--eviction-interval-secs", str(int(cfg.eviction_interval_secs)),
-                "--max-tree-size", str(cfg.max_tree_size)]
+    ca_flags = [
+        "--cache-threshold",
+        str(cfg.cache_threshold),
+        "--balance-abs-threshold",
+        str(cfg.balance_abs_threshold),
+        "--balance-rel-threshold",
+        str(cfg.balance_rel_threshold),
+        "--eviction-interval-secs",
+        str(int(cfg.eviction_interval_secs)),
+        "--max-tree-size",
+        str(cfg.max_tree_size),
+    ]
     systems_to_run: list[tuple[str, list[str]]] = []
     for name in POLICIES:
-        systems_to_run.append((f"atomesh {name}", [sys.executable, "-m", "atomesh", "launch", "--policy", name,
-                                                   *(ca_flags if name == "cache_aware" else [])]))
+        systems_to_run.append(
+            (
+                f"atomesh {name}",
+                [
+                    sys.executable,
+                    "-m",
+                    "atomesh",
+                    "launch",
+                    "--policy",
+                    name,
+                    *(ca_flags if name == "cache_aware" else []),
+                ],
+            )
+        )
     if processes > 1:  # the index replicated between gateway processes (atomesh.cluster)
-        systems_to_run.append((f"atomesh cache_aware x{processes}",
-                               [sys.executable, "-m", "atomesh", "launch", "--policy", "cache_aware", *ca_flags,
-                                "--processes", str(processes)]))
+        systems_to_run.append(
+            (
+                f"atomesh cache_aware x{processes}",
+                [
+                    sys.executable,
+                    "-m",
+                    "atomesh",
+                    "launch",
+                    "--policy",
+                    "cache_aware",
+                    *ca_flags,
+                    "--processes",
+                    str(processes),
+                ],
+            )
+        )
     if external:
         systems_to_run += [(n, [*cmd, "--policy", "cache_aware", *ca_flags]) for n, cmd in _external_routers()]
     convs = _conversations(systems, users, turns, system_chars)
@@ -264,12 +333,25 @@ async def bench_trace(engines: int, systems: int, users: int, turns: int, concur
                     async with session.post(u + "/_mock/reset") as r:
                         await r.read()
                 port, mport = free_port(), free_port()
-                proc = start([*cmd, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(mport),
-                               "--log-level", "warn", "--worker-urls", *urls], _log(label.replace(" ", "-")))
+                proc = start(
+                    [
+                        *cmd,
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--prometheus-port",
+                        str(mport),
+                        "--log-level",
+                        "warn",
+                        "--worker-urls",
+                        *urls,
+                    ],
+                    _log(label.replace(" ", "-")),
+                )
                 gw = f"http://127.0.0.1:{port}"
                 try:
-                    await wait_http(session, gw + "/readiness" if label.startswith("atomesh") else gw + "/health",
-                                     60)
+                    await wait_http(session, gw + "/readiness" if label.startswith("atomesh") else gw + "/health", 60)
                     for u in urls:  # startup probes must not count
                         async with session.post(u + "/_mock/reset") as r:
                             await r.read()
@@ -288,38 +370,70 @@ async def bench_trace(engines: int, systems: int, users: int, turns: int, concur
                 prompt = sum(s["prompt_tokens"] for s in stats)
                 cached = sum(s["cached_tokens"] for s in stats)
                 per = [s["requests"] for s in stats]
-                res = TraceResult(label, cached / prompt if prompt else 0.0, statistics.fmean(ttfts) if ttfts else 0,
-                                  pct(ttfts, 0.99), max(per) / max(1, min(per)), per, errors, seconds)
+                res = TraceResult(
+                    label,
+                    cached / prompt if prompt else 0.0,
+                    statistics.fmean(ttfts) if ttfts else 0,
+                    pct(ttfts, 0.99),
+                    max(per) / max(1, min(per)),
+                    per,
+                    errors,
+                    seconds,
+                )
                 results.append(res)
-                print(f"{res.system:<28}{res.hit_rate:>8.1%}{res.ttft_mean * 1e3:>10.1f}{res.ttft_p99 * 1e3:>10.1f}"
-                      f"{res.load_ratio:>8.2f}{res.errors:>7}{res.seconds:>7.1f}  {per}", flush=True)
+                print(
+                    f"{res.system:<28}{res.hit_rate:>8.1%}{res.ttft_mean * 1e3:>10.1f}{res.ttft_p99 * 1e3:>10.1f}"
+                    f"{res.load_ratio:>8.2f}{res.errors:>7}{res.seconds:>7.1f}  {per}",
+                    flush=True,
+                )
     finally:
         stop(engine_proc)
     return results
 
 
 def run_trace(args: argparse.Namespace) -> None:
-    print(f"\n(c) multi-turn shared-prefix trace: {args.systems} system prompts of {args.system_chars} chars x "
-          f"{args.users} users x {args.turns} turns = {args.users * args.turns} streamed chat requests, "
-          f"{args.concurrency} concurrent clients, {args.engines} mock engines of {args.cache_blocks} blocks "
-          "(16 tokens each) prefix cache")
-    print(f"{'system':<28}{'hit':>8}{'TTFT ms':>10}{'p99 ms':>10}{'max/min':>8}{'errors':>7}{'secs':>7}"
-          "  requests/engine")
-    results = asyncio.run(bench_trace(args.engines, args.systems, args.users, args.turns, args.concurrency,
-                                      args.cache_blocks, args.system_chars, not args.no_external, args.processes))
+    print(
+        f"\n(c) multi-turn shared-prefix trace: {args.systems} system prompts of {args.system_chars} chars x "
+        f"{args.users} users x {args.turns} turns = {args.users * args.turns} streamed chat requests, "
+        f"{args.concurrency} concurrent clients, {args.engines} mock engines of {args.cache_blocks} blocks "
+        "(16 tokens each) prefix cache"
+    )
+    print(
+        f"{'system':<28}{'hit':>8}{'TTFT ms':>10}{'p99 ms':>10}{'max/min':>8}{'errors':>7}{'secs':>7}  requests/engine"
+    )
+    results = asyncio.run(
+        bench_trace(
+            args.engines,
+            args.systems,
+            args.users,
+            args.turns,
+            args.concurrency,
+            args.cache_blocks,
+            args.system_chars,
+            not args.no_external,
+            args.processes,
+        )
+    )
     ours = next((r for r in results if r.system == "atomesh cache_aware"), None)
     for peer in results:
         if ours is not None and not peer.system.startswith("atomesh"):
-            print(f"atomesh cache_aware vs {peer.system}: hit rate {ours.hit_rate:.1%} vs {peer.hit_rate:.1%}, "
-                  f"mean TTFT x{ours.ttft_mean / peer.ttft_mean:.2f}, load ratio {ours.load_ratio:.2f} vs "
-                  f"{peer.load_ratio:.2f}")
+            print(
+                f"atomesh cache_aware vs {peer.system}: hit rate {ours.hit_rate:.1%} vs {peer.hit_rate:.1%}, "
+                f"mean TTFT x{ours.ttft_mean / peer.ttft_mean:.2f}, load ratio {ours.load_ratio:.2f} vs "
+                f"{peer.load_ratio:.2f}"
+            )
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="atomesh bench placement", description=__doc__.split("\n")[0],
-                                formatter_class=help_formatter)
-    p.add_argument("--only", choices=("decision", "memory", "trace"), action="append",
-                   help="run only these parts (repeatable; default: all)")
+    p = argparse.ArgumentParser(
+        prog="atomesh bench placement", description=__doc__.split("\n")[0], formatter_class=help_formatter
+    )
+    p.add_argument(
+        "--only",
+        choices=("decision", "memory", "trace"),
+        action="append",
+        help="run only these parts (repeatable; default: all)",
+    )
     p.add_argument("--decision-requests", type=int, default=3000)
     p.add_argument("--index-prompts", type=int, default=1_000_000)
     p.add_argument("--engines", type=int, default=8)
@@ -330,8 +444,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-blocks", type=int, default=512)
     p.add_argument("--system-chars", type=int, default=2048)
     p.add_argument("--no-external", action="store_true", help="skip smg / sglang-router")
-    p.add_argument("--processes", type=int, default=1,
-                   help="also run atomesh cache_aware with --processes N (trace only)")
+    p.add_argument(
+        "--processes", type=int, default=1, help="also run atomesh cache_aware with --processes N (trace only)"
+    )
     return p
 
 

@@ -74,8 +74,15 @@ async def _ready(url: str, deadline: float) -> None:
     raise RuntimeError(f"{url} did not become ready")
 
 
-async def _poisson(session: aiohttp.ClientSession, url: str, rate: float, seconds: float,
-                   headers: dict[str, str], out: list[tuple[int, float]], rng: random.Random | None) -> None:
+async def _poisson(
+    session: aiohttp.ClientSession,
+    url: str,
+    rate: float,
+    seconds: float,
+    headers: dict[str, str],
+    out: list[tuple[int, float]],
+    rng: random.Random | None,
+) -> None:
     """Send at `rate` a second for `seconds` (Poisson arrivals with `rng`, else evenly spaced); record
     (status, latency) of each."""
     tasks: list[asyncio.Task[None]] = []
@@ -83,8 +90,7 @@ async def _poisson(session: aiohttp.ClientSession, url: str, rate: float, second
     async def one() -> None:
         t0 = time.perf_counter()
         try:
-            async with session.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
-                                    headers=headers) as r:
+            async with session.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 1}, headers=headers) as r:
                 await r.read()
                 out.append((r.status, time.perf_counter() - t0))
         except aiohttp.ClientError:
@@ -104,31 +110,77 @@ async def _post(session: aiohttp.ClientSession, url: str, headers: dict[str, str
 
 
 def _gateway(port: int, mock: str, extra: list[str], log: Path) -> subprocess.Popen[bytes]:
-    return start([sys.executable, "-m", "atomesh", "launch", "--host", "127.0.0.1", "--port", str(port),
-                  "--prometheus-port", str(free_port()), "--worker-urls", mock, "--policy", "round_robin",
-                  "--log-level", "warn", "--access-log-sample-rate", "0", *extra], log)
+    return start(
+        [
+            sys.executable,
+            "-m",
+            "atomesh",
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-port",
+            str(free_port()),
+            "--worker-urls",
+            mock,
+            "--policy",
+            "round_robin",
+            "--log-level",
+            "warn",
+            "--access-log-sample-rate",
+            "0",
+            *extra,
+        ],
+        log,
+    )
 
 
 async def run(args: argparse.Namespace, tmp: Path) -> tuple[list[ClassRun], list[TenantRun]]:
     capacity = args.concurrency / args.latency_secs
     mock_port = free_port()
-    mock = start([sys.executable, "-m", "atomesh.testing.mock_worker", "--port", str(mock_port),
-                  "--latency-secs", str(args.latency_secs)], tmp / "mock.log")
+    mock = start(
+        [
+            sys.executable,
+            "-m",
+            "atomesh.testing.mock_worker",
+            "--port",
+            str(mock_port),
+            "--latency-secs",
+            str(args.latency_secs),
+        ],
+        tmp / "mock.log",
+    )
     procs: list[subprocess.Popen[bytes]] = [mock]
     mock_url = f"http://127.0.0.1:{mock_port}"
     try:
         await _ready(mock_url + "/health", time.monotonic() + 30)
         limits = tmp / "limits.yaml"
-        limits.write_text("default_policy: {tokens_per_minute: 100000000, "
-                          f"requests_per_minute: {args.tenant_rpm}}}\n")
-        base = ["--max-concurrent-requests", str(args.concurrency), "--queue-size", "100000",
-                "--queue-timeout-secs", "60"]
+        limits.write_text(f"default_policy: {{tokens_per_minute: 100000000, requests_per_minute: {args.tenant_rpm}}}\n")
+        base = [
+            "--max-concurrent-requests",
+            str(args.concurrency),
+            "--queue-size",
+            "100000",
+            "--queue-timeout-secs",
+            "60",
+        ]
         scheduler = tmp / "scheduler.yaml"  # SMG's interactive share of the slots (its floor suits big fleets)
-        scheduler.write_text(f"classes:\n  interactive: {{reserved_per_slot: {args.interactive_reserved}}}\n"
-                             "  bulk: {queue_size: 100000}\n")
-        systems = {"atomesh-priority": [*base, "--priority-scheduler-enabled", "--priority-scheduler-config",
-                                        str(scheduler), "--priority-scheduler-default-max-class", "system"],
-                   "atomesh-fifo": base}
+        scheduler.write_text(
+            f"classes:\n  interactive: {{reserved_per_slot: {args.interactive_reserved}}}\n"
+            "  bulk: {queue_size: 100000}\n"
+        )
+        systems = {
+            "atomesh-priority": [
+                *base,
+                "--priority-scheduler-enabled",
+                "--priority-scheduler-config",
+                str(scheduler),
+                "--priority-scheduler-default-max-class",
+                "system",
+            ],
+            "atomesh-fifo": base,
+        }
         classes = []
         rng = random.Random(args.seed)
         for name, extra in systems.items():
@@ -145,15 +197,38 @@ async def run(args: argparse.Namespace, tmp: Path) -> tuple[list[ClassRun], list
                 bulk: list[tuple[int, float]] = []
                 await asyncio.gather(
                     _poisson(s, url, capacity * args.high_share, args.seconds, high, loaded, rng),
-                    _poisson(s, url, capacity * args.overload, args.seconds, {"X-SMG-Priority": "bulk"}, bulk, rng))
+                    _poisson(s, url, capacity * args.overload, args.seconds, {"X-SMG-Priority": "bulk"}, bulk, rng),
+                )
             a = p99([t for st, t in alone if st == 200])
             b = p99([t for st, t in loaded if st == 200])
-            classes.append(ClassRun(name, a, b, b / a, len(loaded), sum(st != 200 for st, _ in loaded),
-                                    sum(st == 200 for st, _ in bulk), sum(st != 200 for st, _ in bulk)))
+            classes.append(
+                ClassRun(
+                    name,
+                    a,
+                    b,
+                    b / a,
+                    len(loaded),
+                    sum(st != 200 for st, _ in loaded),
+                    sum(st == 200 for st, _ in bulk),
+                    sum(st != 200 for st, _ in bulk),
+                )
+            )
         # Tenants: shares of a rate limit under 10:1 demand.
         port = free_port()
-        procs.append(_gateway(port, mock_url, [*base, "--trust-tenant-header", "--tenant-rate-limit-enabled",
-                                               "--tenant-rate-limit-config", str(limits)], tmp / "tenants.log"))
+        procs.append(
+            _gateway(
+                port,
+                mock_url,
+                [
+                    *base,
+                    "--trust-tenant-header",
+                    "--tenant-rate-limit-enabled",
+                    "--tenant-rate-limit-config",
+                    str(limits),
+                ],
+                tmp / "tenants.log",
+            )
+        )
         await _ready(f"http://127.0.0.1:{port}/readiness", time.monotonic() + 60)
         url = f"http://127.0.0.1:{port}/v1/completions"
         share = args.tenant_rpm / 60
@@ -174,8 +249,12 @@ async def run(args: argparse.Namespace, tmp: Path) -> tuple[list[ClassRun], list
 
             await asyncio.gather(*(spend(t) for t in results))
             started = time.monotonic()
-            await asyncio.gather(*(_poisson(s, url, demand[t], args.tenant_seconds, {"x-smg-tenant-id": t},
-                                            results[t], None) for t in results))
+            await asyncio.gather(
+                *(
+                    _poisson(s, url, demand[t], args.tenant_seconds, {"x-smg-tenant-id": t}, results[t], None)
+                    for t in results
+                )
+            )
             ended = time.monotonic()
         tenants = []
         for t, outs in results.items():
@@ -183,8 +262,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> tuple[list[ClassRun], list
             elapsed = ended - (emptied[t] if demand[t] > share else started)
             admitted = sum(st == 200 for st, _ in outs) / elapsed
             expected = min(demand[t], share)
-            tenants.append(TenantRun(t, demand[t], share, admitted,
-                                     abs(admitted - expected) <= 0.1 * expected))
+            tenants.append(TenantRun(t, demand[t], share, admitted, abs(admitted - expected) <= 0.1 * expected))
         return classes, tenants
     finally:
         for p in procs:
@@ -192,15 +270,20 @@ async def run(args: argparse.Namespace, tmp: Path) -> tuple[list[ClassRun], list
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="atomesh bench priority", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="atomesh bench priority", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--concurrency", type=int, default=8, help="requests the gateway admits at once")
     p.add_argument("--latency-secs", type=float, default=0.1, help="mock worker time per request")
     p.add_argument("--high-share", type=float, default=0.3, help="interactive load, share of capacity")
     p.add_argument("--overload", type=float, default=2.0, help="bulk load on top, multiple of capacity")
     p.add_argument("--seconds", type=float, default=10.0, help="seconds of each class phase")
-    p.add_argument("--interactive-reserved", type=float, default=0.25,
-                   help="share of the slots bulk may not take (the priority gateway's reserved_per_slot)")
+    p.add_argument(
+        "--interactive-reserved",
+        type=float,
+        default=0.25,
+        help="share of the slots bulk may not take (the priority gateway's reserved_per_slot)",
+    )
     p.add_argument("--tenant-rpm", type=int, default=300, help="requests a minute each tenant is configured")
     p.add_argument("--tenant-demand", type=float, default=20.0, help="the heavy tenant's requests a second")
     p.add_argument("--tenant-seconds", type=float, default=20.0)
@@ -209,20 +292,29 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         classes, tenants = asyncio.run(run(args, Path(tmp)))
-    print(f"capacity {args.concurrency / args.latency_secs:.0f} req/s; interactive at {args.high_share:.0%}, "
-          f"bulk at {args.overload:g}x on top")
-    print(f"{'gateway':<18} {'p99 alone':>10} {'p99 loaded':>11} {'ratio':>6} {'hi failed':>9} {'bulk ok':>8} "
-          f"{'bulk refused':>12}")
+    print(
+        f"capacity {args.concurrency / args.latency_secs:.0f} req/s; interactive at {args.high_share:.0%}, "
+        f"bulk at {args.overload:g}x on top"
+    )
+    print(
+        f"{'gateway':<18} {'p99 alone':>10} {'p99 loaded':>11} {'ratio':>6} {'hi failed':>9} {'bulk ok':>8} "
+        f"{'bulk refused':>12}"
+    )
     for c in classes:
-        print(f"{c.gateway:<18} {c.unloaded_p99_s * 1000:>8.1f}ms {c.overloaded_p99_s * 1000:>9.1f}ms "
-              f"{c.ratio:>6.2f} {c.high_failed:>9} {c.bulk_ok:>8} {c.bulk_refused:>12}")
+        print(
+            f"{c.gateway:<18} {c.unloaded_p99_s * 1000:>8.1f}ms {c.overloaded_p99_s * 1000:>9.1f}ms "
+            f"{c.ratio:>6.2f} {c.high_failed:>9} {c.bulk_ok:>8} {c.bulk_refused:>12}"
+        )
     print("tenants (10:1 demand, equal configured shares):")
     for t in tenants:
-        print(f"  {t.tenant:<6} demand {t.demand_per_s:6.1f}/s  share {t.share_per_s:5.1f}/s  "
-              f"admitted {t.admitted_per_s:6.2f}/s  within 10%: {t.within_10pct}")
+        print(
+            f"  {t.tenant:<6} demand {t.demand_per_s:6.1f}/s  share {t.share_per_s:5.1f}/s  "
+            f"admitted {t.admitted_per_s:6.2f}/s  within 10%: {t.within_10pct}"
+        )
     if args.json is not None:
-        args.json.write_text(json.dumps({"classes": [asdict(c) for c in classes],
-                                         "tenants": [asdict(t) for t in tenants]}, indent=2))
+        args.json.write_text(
+            json.dumps({"classes": [asdict(c) for c in classes], "tenants": [asdict(t) for t in tenants]}, indent=2)
+        )
 
 
 if __name__ == "__main__":

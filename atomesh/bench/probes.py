@@ -112,8 +112,10 @@ async def _flood(port: int, n: int) -> None:
 
 async def _complete(port: int, timeout: float) -> int:
     body = orjson.dumps({"model": "tiny-random", "prompt": "hi", "max_tokens": 2})
-    request = (b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
-               b"Content-Length: %d\r\nConnection: close\r\n\r\n%b" % (len(body), body))
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n%b" % (len(body), body)
+    )
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout)
         writer.write(request)
@@ -125,10 +127,19 @@ async def _complete(port: int, timeout: float) -> int:
 
 
 async def _left(port: int, engine_url: str, clients: int, tokens: int) -> str:
-    body = orjson.dumps({"model": "tiny-random", "prompt": "the quick brown fox", "max_tokens": tokens,
-                         "ignore_eos": True, "temperature": 0})
-    request = (b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
-               b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+    body = orjson.dumps(
+        {
+            "model": "tiny-random",
+            "prompt": "the quick brown fox",
+            "max_tokens": tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+    )
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+    )
     writers = []
     for _ in range(clients):
         _, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -150,9 +161,26 @@ async def _left(port: int, engine_url: str, clients: int, tokens: int) -> str:
 
 def run_system(system: str, args: argparse.Namespace, workdir: Path, engine_url: str) -> Report:
     port, mport = free_port(), free_port()
-    common = ["--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port",
-              str(mport), "--log-level", "warn", "--policy", "round_robin", "--worker-urls", engine_url,
-              "--worker-startup-check-interval", "1", "--request-timeout-secs", "600"]
+    common = [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(mport),
+        "--log-level",
+        "warn",
+        "--policy",
+        "round_robin",
+        "--worker-urls",
+        engine_url,
+        "--worker-startup-check-interval",
+        "1",
+        "--request-timeout-secs",
+        "600",
+    ]
     smg = _smg()
     cmd = [*smg, *common] if system == "smg" and smg else [sys.executable, "-m", "atomesh", "launch", *common]
     limit = args.fd_limit
@@ -161,8 +189,7 @@ def run_system(system: str, args: argparse.Namespace, workdir: Path, engine_url:
         resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
 
     with open(workdir / f"{system}-gateway.log", "wb") as log:  # the child keeps its own copy
-        gw = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                              preexec_fn=limit_fds)
+        gw = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=limit_fds)
     report = Report(system)
     try:
         deadline = time.monotonic() + 60
@@ -184,20 +211,27 @@ def run_system(system: str, args: argparse.Namespace, workdir: Path, engine_url:
 
 
 def print_reports(reports: list[Report], args: argparse.Namespace) -> None:
-    print(f"\nprobes: gateways under ulimit -n {args.fd_limit} in front of one tiny engine; flood of {args.flood} "
-          f"upgrade/CONNECT connections; {args.clients} whole completions of {args.tokens} tokens left by their "
-          "clients")
-    print("| gateway | Upgrade: websocket | CONNECT | HTTP/0.9 line | serves after the flood | descriptors after "
-          "| still running 1 s after the clients left |")
+    print(
+        f"\nprobes: gateways under ulimit -n {args.fd_limit} in front of one tiny engine; flood of {args.flood} "
+        f"upgrade/CONNECT connections; {args.clients} whole completions of {args.tokens} tokens left by their "
+        "clients"
+    )
+    print(
+        "| gateway | Upgrade: websocket | CONNECT | HTTP/0.9 line | serves after the flood | descriptors after "
+        "| still running 1 s after the clients left |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in reports:
-        print(f"| {r.system} | {r.upgrade} | {r.connect} | {r.http09} | {'yes' if r.flood_then_served else 'no'} "
-              f"| {r.flood_fds_after} | {r.left_running_after_1s} |")
+        print(
+            f"| {r.system} | {r.upgrade} | {r.connect} | {r.http09} | {'yes' if r.flood_then_served else 'no'} "
+            f"| {r.flood_fds_after} | {r.left_running_after_1s} |"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="atomesh bench probes", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="atomesh bench probes", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--only", nargs="+", choices=SYSTEMS, default=None)
     p.add_argument("--fd-limit", type=int, default=1024)
     p.add_argument("--flood", type=int, default=2000)
@@ -210,9 +244,26 @@ def main(argv: list[str] | None = None) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="atomesh-bench-probes-"))
     print(f"logs in {workdir}", flush=True)
     engine_port = free_port()
-    engine = start([sys.executable, "-m", "engine.openai_server", "--model", "tiny-random", "--device", "cpu",
-                    "--host", "127.0.0.1", "--server-port", str(engine_port), "--num-kvcache-blocks", "4096",
-                    "--torch-threads", "1"], workdir / "engine.log")
+    engine = start(
+        [
+            sys.executable,
+            "-m",
+            "engine.openai_server",
+            "--model",
+            "tiny-random",
+            "--device",
+            "cpu",
+            "--host",
+            "127.0.0.1",
+            "--server-port",
+            str(engine_port),
+            "--num-kvcache-blocks",
+            "4096",
+            "--torch-threads",
+            "1",
+        ],
+        workdir / "engine.log",
+    )
     engine_url = f"http://127.0.0.1:{engine_port}"
     reports: list[Report] = []
     try:
@@ -232,8 +283,10 @@ def main(argv: list[str] | None = None) -> None:
         stop(engine)
     print_reports(reports, args)
     if args.json is not None:
-        out: dict[str, Any] = {"settings": vars(args) | {"json": str(args.json)},
-                               "reports": [asdict(r) for r in reports]}
+        out: dict[str, Any] = {
+            "settings": vars(args) | {"json": str(args.json)},
+            "reports": [asdict(r) for r in reports],
+        }
         args.json.write_text(json.dumps(out, indent=2, default=str))
 
 

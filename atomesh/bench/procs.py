@@ -42,12 +42,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(cmd: list[str], log: Path, env: dict[str, str] | None = None,
-          cwd: Path | None = None) -> subprocess.Popen[bytes]:
+def start(
+    cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.Popen[bytes]:
     """Start `cmd` in its own process group, stdout and stderr to `log` (with `env` and in `cwd`, else ours)."""
     with open(log, "wb") as out:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env,
-                                cwd=cwd)
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=cwd)
 
 
 def stop(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
@@ -67,8 +67,9 @@ def wait_serving(url: str, model: str, seconds: float) -> None:
     body = json.dumps({"model": model, "prompt": "hi", "max_tokens": 1}).encode()
     while time.monotonic() < deadline:
         try:
-            req = urllib.request.Request(url + "/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
+            req = urllib.request.Request(
+                url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+            )
             with urllib.request.urlopen(req, timeout=2) as r:
                 if r.status == 200:
                     return

@@ -61,10 +61,16 @@ def random_prompts(n: int, input_len: int, output_len: int, range_ratio: float, 
     return out
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, model: str | None, p: Prompt,
-                      ignore_eos: bool) -> Outcome:
-    body: dict[str, Any] = {"prompt": p.text, "max_tokens": p.output_len, "stream": True, "temperature": 0.0,
-                            "stream_options": {"include_usage": True}}
+async def one_request(
+    session: aiohttp.ClientSession, url: str, model: str | None, p: Prompt, ignore_eos: bool
+) -> Outcome:
+    body: dict[str, Any] = {
+        "prompt": p.text,
+        "max_tokens": p.output_len,
+        "stream": True,
+        "temperature": 0.0,
+        "stream_options": {"include_usage": True},
+    }
     if model:
         body["model"] = model
     if ignore_eos:
@@ -113,8 +119,16 @@ async def one_request(session: aiohttp.ClientSession, url: str, model: str | Non
     return out
 
 
-async def run_pass(base_url: str, model: str | None, prompts: list[Prompt], max_concurrency: int,
-                   request_rate: float, ignore_eos: bool, seed: int, progress: bool = True) -> dict[str, Any]:
+async def run_pass(
+    base_url: str,
+    model: str | None,
+    prompts: list[Prompt],
+    max_concurrency: int,
+    request_rate: float,
+    ignore_eos: bool,
+    seed: int,
+    progress: bool = True,
+) -> dict[str, Any]:
     """One benchmark pass; returns its summary."""
     url = base_url.rstrip("/") + "/v1/completions"
     sem = asyncio.Semaphore(max_concurrency)
@@ -127,6 +141,7 @@ async def run_pass(base_url: str, model: str | None, prompts: list[Prompt], max_
     timeout = aiohttp.ClientTimeout(total=3600)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+
         async def limited(p: Prompt) -> Outcome:
             async with sem:
                 o = await one_request(session, url, model, p, ignore_eos)
@@ -156,8 +171,9 @@ def _pct(values: list[float], q: float) -> float:
     return s[f] + (s[c] - s[f]) * (k - f)
 
 
-def summarize(outcomes: list[Outcome], duration: float, concurrency: int,
-              percentiles: tuple[float, ...] = (50, 90, 99)) -> dict[str, Any]:
+def summarize(
+    outcomes: list[Outcome], duration: float, concurrency: int, percentiles: tuple[float, ...] = (50, 90, 99)
+) -> dict[str, Any]:
     ok = [o for o in outcomes if o.ok]
     out_tokens = sum(o.output_tokens for o in ok)
     in_tokens = sum(o.prompt_len for o in ok)
@@ -207,8 +223,12 @@ def print_summary(r: dict[str, Any], metrics: list[str], percentiles: list[float
     ]
     for k, v in rows:
         print(f"{k:<40}{v:>16}")
-    names = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-             "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+    names = {
+        "ttft": "Time to First Token",
+        "tpot": "Time per Output Token (excl. 1st token)",
+        "itl": "Inter-token Latency",
+        "e2el": "End-to-end Latency",
+    }
     for m in metrics:
         print(f"{names[m]:-^56}")
         print(f"{'Mean ' + m.upper() + ' (ms)':<40}{r[f'mean_{m}_ms']:>16.2f}")
@@ -241,10 +261,25 @@ def plot_sweep(results: list[dict[str, Any]], num_workers: int, path: Path, titl
     plt.close(fig)
 
 
-def run(base_url: str, model: str | None, dataset_name: str, input_len: int, output_len: int, range_ratio: float,
-        num_prompts: int, concurrencies: list[int], request_rate: float, ignore_eos: bool, metrics: list[str],
-        percentiles: list[float], num_workers: int, seed: int, save_result: Path | None, plot: Path | None,
-        prompts_per_concurrency: int = 0) -> None:
+def run(
+    base_url: str,
+    model: str | None,
+    dataset_name: str,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    num_prompts: int,
+    concurrencies: list[int],
+    request_rate: float,
+    ignore_eos: bool,
+    metrics: list[str],
+    percentiles: list[float],
+    num_workers: int,
+    seed: int,
+    save_result: Path | None,
+    plot: Path | None,
+    prompts_per_concurrency: int = 0,
+) -> None:
     """Entry point of `atomesh bench serving` (the CLI parses and checks the flags)."""
     if dataset_name != "random":
         raise ValueError(f"--dataset-name {dataset_name!r} is not supported yet; use 'random'")
@@ -253,8 +288,15 @@ def run(base_url: str, model: str | None, dataset_name: str, input_len: int, out
         n = max(num_prompts, prompts_per_concurrency * c) if prompts_per_concurrency else num_prompts
         prompts = random_prompts(n, input_len, output_len, range_ratio, seed)
         r = asyncio.run(run_pass(base_url, model, prompts, c, request_rate, ignore_eos, seed))
-        r.update(base_url=base_url, model=model, random_input_len=input_len, random_output_len=output_len,
-                 num_prompts=n, request_rate=request_rate, num_workers=num_workers)
+        r.update(
+            base_url=base_url,
+            model=model,
+            random_input_len=input_len,
+            random_output_len=output_len,
+            num_prompts=n,
+            request_rate=request_rate,
+            num_workers=num_workers,
+        )
         print_summary(r, metrics, percentiles, num_workers)
         results.append(r)
     if save_result is not None:

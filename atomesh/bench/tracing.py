@@ -97,11 +97,34 @@ def instructions(endpoint: str, requests: int) -> dict[str, float]:
         try:
             for name, extra in (("off", []), ("on", ["--enable-trace", "--otlp-traces-endpoint", endpoint])):
                 port, prefix = free_port(), Path(tmp) / f"cg-{name}"
-                gw = start(["valgrind", "--tool=callgrind", f"--callgrind-out-file={prefix}", sys.executable, "-m",
-                            "atomesh", "launch", "--host", "127.0.0.1", "--port", str(port), "--prometheus-port",
-                            str(free_port()), "--worker-urls", f"http://127.0.0.1:{mport}", "--policy", "round_robin",
-                            "--log-level", "warn", "--access-log-sample-rate", "0", *extra],
-                           Path(tmp) / f"{name}-callgrind.log", {**os.environ, "PYTHONHASHSEED": "0"})
+                gw = start(
+                    [
+                        "valgrind",
+                        "--tool=callgrind",
+                        f"--callgrind-out-file={prefix}",
+                        sys.executable,
+                        "-m",
+                        "atomesh",
+                        "launch",
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--prometheus-port",
+                        str(free_port()),
+                        "--worker-urls",
+                        f"http://127.0.0.1:{mport}",
+                        "--policy",
+                        "round_robin",
+                        "--log-level",
+                        "warn",
+                        "--access-log-sample-rate",
+                        "0",
+                        *extra,
+                    ],
+                    Path(tmp) / f"{name}-callgrind.log",
+                    {**os.environ, "PYTHONHASHSEED": "0"},
+                )
                 try:
                     wait_serving(port, gw, 300)
                     _small(port, 300, 16)  # warm up
@@ -119,22 +142,34 @@ def instructions(endpoint: str, requests: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="atomesh bench tracing", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="atomesh bench tracing", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--requests", type=int, default=3000, help="completions per gateway and round")
-    p.add_argument("--rounds", type=int, default=4,
-                   help="rounds, each loading one gateway then the other (the machine's other load shared out)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=4,
+        help="rounds, each loading one gateway then the other (the machine's other load shared out)",
+    )
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--instructions", type=int, default=0, metavar="N",
-                   help="also count instructions per request under callgrind over N requests (needs valgrind)")
+    p.add_argument(
+        "--instructions",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also count instructions per request under callgrind over N requests (needs valgrind)",
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     server, endpoint, spans = receiver()
     counted: dict[str, float] = {}
     if args.instructions:
         counted = instructions(endpoint, args.instructions)
-        print(f"gateway instructions per request (callgrind, {args.instructions} requests): tracing off "
-              f"{counted['off']:,.0f}, on {counted['on']:,.0f} ({counted['on'] / counted['off']:.2f}x)")
+        print(
+            f"gateway instructions per request (callgrind, {args.instructions} requests): tracing off "
+            f"{counted['off']:,.0f}, on {counted['on']:,.0f} ({counted['on'] / counted['off']:.2f}x)"
+        )
     cpu = {"off": 0.0, "on": 0.0}  # the gateway's process tree: with tracing, its OTLP sender too
     own = {"off": 0.0, "on": 0.0}  # the gateway process alone
     ratios: list[float] = []
@@ -146,11 +181,33 @@ def main(argv: list[str] | None = None) -> None:
             asyncio.run(ready(f"http://127.0.0.1:{mport}/health"))
             for name, extra in (("off", []), ("on", ["--enable-trace", "--otlp-traces-endpoint", endpoint])):
                 port = free_port()
-                gateways[name] = (start(
-                    [sys.executable, "-m", "atomesh", "launch", "--host", "127.0.0.1", "--port", str(port),
-                     "--prometheus-port", str(free_port()), "--worker-urls", f"http://127.0.0.1:{mport}",
-                     "--policy", "round_robin", "--log-level", "warn", "--access-log-sample-rate", "0", *extra],
-                    Path(tmp) / f"{name}.log"), f"http://127.0.0.1:{port}")
+                gateways[name] = (
+                    start(
+                        [
+                            sys.executable,
+                            "-m",
+                            "atomesh",
+                            "launch",
+                            "--host",
+                            "127.0.0.1",
+                            "--port",
+                            str(port),
+                            "--prometheus-port",
+                            str(free_port()),
+                            "--worker-urls",
+                            f"http://127.0.0.1:{mport}",
+                            "--policy",
+                            "round_robin",
+                            "--log-level",
+                            "warn",
+                            "--access-log-sample-rate",
+                            "0",
+                            *extra,
+                        ],
+                        Path(tmp) / f"{name}.log",
+                    ),
+                    f"http://127.0.0.1:{port}",
+                )
             for _, url in gateways.values():
                 asyncio.run(ready(url + "/readiness"))
                 asyncio.run(load(url + "/v1/completions", 500, args.concurrency))  # warm up
@@ -172,15 +229,26 @@ def main(argv: list[str] | None = None) -> None:
     n = args.requests * args.rounds
     per = {k: v / n for k, v in cpu.items()}
     ratio = per["on"] / per["off"]
-    print(f"gateway CPU per request over {args.rounds} rounds of {args.requests}, its OTLP sender process included: "
-          f"tracing off {per['off'] * 1e6:.0f} us, on {per['on'] * 1e6:.0f} us ({ratio:.2f}x; target <= 1.10x; "
-          f"rounds {', '.join(f'{r:.2f}' for r in ratios)}); the gateway process alone: {own['on'] / n * 1e6:.0f} us "
-          f"({own['on'] / own['off']:.2f}x); spans received: {spans[0]}")
+    print(
+        f"gateway CPU per request over {args.rounds} rounds of {args.requests}, its OTLP sender process included: "
+        f"tracing off {per['off'] * 1e6:.0f} us, on {per['on'] * 1e6:.0f} us ({ratio:.2f}x; target <= 1.10x; "
+        f"rounds {', '.join(f'{r:.2f}' for r in ratios)}); the gateway process alone: {own['on'] / n * 1e6:.0f} us "
+        f"({own['on'] / own['off']:.2f}x); spans received: {spans[0]}"
+    )
     if args.json is not None:
-        args.json.write_text(json.dumps({**{f"cpu_us_{k}": v * 1e6 for k, v in per.items()}, "ratio": ratio,
-                                         "gateway_process_ratio": own["on"] / own["off"],
-                                         "round_ratios": ratios, "spans": spans[0],
-                                         **{f"instructions_{k}": v for k, v in counted.items()}}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    **{f"cpu_us_{k}": v * 1e6 for k, v in per.items()},
+                    "ratio": ratio,
+                    "gateway_process_ratio": own["on"] / own["off"],
+                    "round_ratios": ratios,
+                    "spans": spans[0],
+                    **{f"instructions_{k}": v for k, v in counted.items()},
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

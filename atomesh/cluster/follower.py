@@ -44,8 +44,13 @@ class FollowerServer:
         self.config = config
         self.gateway = Gateway(config, instance_id)
         accounting = self.accounting = HttpAccounting(
-            config.request_id_headers, self.gateway.metrics, config.max_payload_size, self.gateway.instance_id,
-            config.access_log_sample_rate, AccessLog())
+            config.request_id_headers,
+            self.gateway.metrics,
+            config.max_payload_size,
+            self.gateway.instance_id,
+            config.access_log_sample_rate,
+            AccessLog(),
+        )
         self.door = FrontDoor(self.gateway, accounting)
         self.leader_port = leader_port
 
@@ -151,8 +156,7 @@ class Follower:
         self.channel.close()
 
 
-def follower_main(config_data: dict[str, Any], index: int, private_port: int, conn: Conn,
-                  instance_id: str) -> None:
+def follower_main(config_data: dict[str, Any], index: int, private_port: int, conn: Conn, instance_id: str) -> None:
     """Entry point of a follower process."""
     import uvloop
 

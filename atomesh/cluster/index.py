@@ -35,6 +35,7 @@ class IndexSync:
             if not self.outbox:
                 asyncio.get_running_loop().call_soon(self.flush)
             self.outbox.append((key, record))
+
         return publish
 
     def flush(self) -> None:

@@ -97,9 +97,12 @@ class Cluster:
     def _spawn(self, f: _Follower) -> None:
         ours, theirs = self._ctx.Pipe()
         f.ready.clear()
-        f.process = self._ctx.Process(target=follower_main, name=f"atomesh-{f.index}", daemon=True,
-                                      args=(self.config.model_dump(mode="json"), f.index, self.private_port, theirs,
-                                            self.gateway.instance_id))
+        f.process = self._ctx.Process(
+            target=follower_main,
+            name=f"atomesh-{f.index}",
+            daemon=True,
+            args=(self.config.model_dump(mode="json"), f.index, self.private_port, theirs, self.gateway.instance_id),
+        )
         f.process.start()
         theirs.close()
         f.channel = Channel(ours, lambda m: self._on_message(f, m), lambda: self._on_exit(f))

@@ -11,9 +11,19 @@ MIRRORED = (WorkerState.READY, WorkerState.UNHEALTHY, WorkerState.DRAINING)
 
 
 def describe(w: Worker) -> WorkerInfo:
-    return WorkerInfo(url=w.url, role=w.role.value, bootstrap_port=w.bootstrap_port, state=w.state.value,
-                      models=w.models, kv_transfer_info=w.kv_transfer_info, server_info=w.server_info,
-                      engine_load=w.engine_load, foreign_load=w.foreign_load, dp_size=w.dp_size, api_key=w.api_key)
+    return WorkerInfo(
+        url=w.url,
+        role=w.role.value,
+        bootstrap_port=w.bootstrap_port,
+        state=w.state.value,
+        models=w.models,
+        kv_transfer_info=w.kv_transfer_info,
+        server_info=w.server_info,
+        engine_load=w.engine_load,
+        foreign_load=w.foreign_load,
+        dp_size=w.dp_size,
+        api_key=w.api_key,
+    )
 
 
 def mirrored_workers(gw: Gateway) -> tuple[WorkerInfo, ...]:

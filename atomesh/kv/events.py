@@ -98,8 +98,14 @@ def _event(raw: Any) -> KvEvent:
             hashes, parent, tokens, size = fields[0], fields[1], fields[2], fields[3]
             if not isinstance(hashes, list) or not isinstance(tokens, list) or not isinstance(size, int) or size < 1:
                 raise EventFormatError("BlockStored: block_hashes and token_ids must be arrays, block_size > 0")
-            return BlockStored([_hashable(h) for h in hashes], _hashable(parent), tokens, size,
-                               fields[4] if len(fields) > 4 else None, fields[5] if len(fields) > 5 else None)
+            return BlockStored(
+                [_hashable(h) for h in hashes],
+                _hashable(parent),
+                tokens,
+                size,
+                fields[4] if len(fields) > 4 else None,
+                fields[5] if len(fields) > 5 else None,
+            )
         if kind == "BlockRemoved":
             hashes = fields[0]
             if not isinstance(hashes, list):
@@ -145,7 +151,7 @@ def _localize(address: str, host: str) -> str:
     for wildcard in ("tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:", "tcp://:::"):
         if address.startswith(wildcard):
             h = f"[{host}]" if ":" in host else host
-            return f"tcp://{h}:{address[len(wildcard):]}"
+            return f"tcp://{h}:{address[len(wildcard) :]}"
     return address
 
 
@@ -173,8 +179,11 @@ def endpoint_of(worker: Worker, configured: Mapping[str, str]) -> Endpoint | Non
         pub = advertised.get("endpoint")
         replay = advertised.get("replay_endpoint")
         if isinstance(pub, str) and pub:
-            return Endpoint(_localize(pub, worker.host),
-                            _localize(replay, worker.host) if isinstance(replay, str) and replay else None, topic)
+            return Endpoint(
+                _localize(pub, worker.host),
+                _localize(replay, worker.host) if isinstance(replay, str) and replay else None,
+                topic,
+            )
     return None
 
 
@@ -201,8 +210,14 @@ class FollowStats:
 class KvEventHub:
     """Owns one subscription per publishing worker and applies their events to the index."""
 
-    def __init__(self, index: KvIndex, registry: WorkerRegistry, roles: tuple[WorkerRole, ...],
-                 configured: Mapping[str, str] | None = None, replay_timeout: float = 1.0) -> None:
+    def __init__(
+        self,
+        index: KvIndex,
+        registry: WorkerRegistry,
+        roles: tuple[WorkerRole, ...],
+        configured: Mapping[str, str] | None = None,
+        replay_timeout: float = 1.0,
+    ) -> None:
         self.index = index
         self.registry = registry
         self.roles = roles
@@ -268,7 +283,8 @@ class KvEventHub:
         self.index.add_worker(worker.url, size if isinstance(size, int) and size > 0 else 16)
         stats = self.streams[worker.url] = FollowStats()
         self._tasks[worker.url] = asyncio.get_running_loop().create_task(
-            self._run(worker.url, ep, stats), name=f"kv-events {worker.url}")
+            self._run(worker.url, ep, stats), name=f"kv-events {worker.url}"
+        )
         log.info("kv_events_following", worker=worker.url, endpoint=ep.pub, replay=ep.replay)
 
     # ------------------------------------------------------------------ one stream
@@ -303,8 +319,9 @@ class KvEventHub:
             stats.ready.set()
             sub.close(linger=0)
 
-    def _on_message(self, url: str, ep: Endpoint, stats: FollowStats, seq: int, payload: bytes,
-                    live: bool = True) -> None:
+    def _on_message(
+        self, url: str, ep: Endpoint, stats: FollowStats, seq: int, payload: bytes, live: bool = True
+    ) -> None:
         """Apply an in-order message; leave gaps (seq > last + 1) to the caller. ``live``: it came on the
         stream, not from the replay socket (replayed batches rebuild the index but are no news of
         current traffic)."""

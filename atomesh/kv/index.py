@@ -192,8 +192,15 @@ class KvIndex:
         return len(self.holders)
 
     # ------------------------------------------------------------------ events
-    def stored(self, worker: str, block_hashes: list[object], parent: object | None, token_ids: list[int],
-               block_size: int, live: bool = True) -> None:
+    def stored(
+        self,
+        worker: str,
+        block_hashes: list[object],
+        parent: object | None,
+        token_ids: list[int],
+        block_size: int,
+        live: bool = True,
+    ) -> None:
         """A BlockStored event: ``block_hashes`` extend the chain after ``parent`` (None: a first block).
         ``live``: it arrived as it happened (counts for ``demand``), not from a replay buffer."""
         wb = self._workers.get(worker)
@@ -303,12 +310,15 @@ class KvIndex:
             self._expire(time.monotonic() if now is None else now)
         holders, predicted = self.holders, self._predicted
         if predicted:
+
             def mask(i: int) -> int:
                 k = keys[i]
                 return holders.get(k, 0) | predicted.get(k, 0)
         else:
+
             def mask(i: int) -> int:
                 return holders.get(keys[i], 0)
+
         first = mask(0)
         n = len(keys)
         last = mask(n - 1)

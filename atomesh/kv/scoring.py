@@ -29,8 +29,14 @@ RELIEF = 0.5  # a thrashed prompt moves to workers evicting at most this share o
 DEFAULT_BLOCK = 16  # a followed worker whose first event has not said its block size yet
 
 
-def overlaps(index: KvIndex, followed: Sequence[Worker], ids: Tokens, keys_by_size: dict[int, list[int]],
-             overlap: dict[str, int], total: dict[str, int]) -> None:
+def overlaps(
+    index: KvIndex,
+    followed: Sequence[Worker],
+    ids: Tokens,
+    keys_by_size: dict[int, list[int]],
+    overlap: dict[str, int],
+    total: dict[str, int],
+) -> None:
     """The prefix scorer: fills `keys_by_size` (the prompt's block keys, per block size in use) and, per
     followed worker, `overlap` (leading blocks it holds) and `total` (the prompt's blocks there)."""
     by_size: dict[int, list[Worker]] = {}
@@ -96,8 +102,13 @@ class LoadEstimate:
         self._recent.pop(w.url, None)
 
 
-def relief(index: KvIndex, followed: Sequence[Worker], overlap: dict[str, int], total: dict[str, int],
-           keys_by_size: dict[int, list[int]]) -> list[Worker] | None:
+def relief(
+    index: KvIndex,
+    followed: Sequence[Worker],
+    overlap: dict[str, int],
+    total: dict[str, int],
+    keys_by_size: dict[int, list[int]],
+) -> list[Worker] | None:
     """The relief rule: the workers to move the prompt to when its holder (the longest overlap) is
     thrashing it: the holder removed the block after what it still holds lately, has evicted at least
     the prompt's blocks lately, and some candidates evict at most RELIEF times as fast. None otherwise.

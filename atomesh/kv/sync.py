@@ -49,8 +49,7 @@ class KvPeerSync:
     """One replica's side of the exchange: a PUB socket bound on ``bind``, a SUB socket to each peer, and
     the gateway's other processes once `connect`ed. With none of these it sends and counts nothing."""
 
-    def __init__(self, bind: str | None, peers: list[str], *, interval: float = 0.05,
-                 stale_after: float = 1.0) -> None:
+    def __init__(self, bind: str | None, peers: list[str], *, interval: float = 0.05, stale_after: float = 1.0) -> None:
         self.bind = bind
         self.peers = list(peers)
         self.stale_after = stale_after
@@ -142,8 +141,9 @@ class KvPeerSync:
         self.poll()
         self._send(None, [], periodic=True)
 
-    def _send(self, worker: str | None, keys: list[int], load: tuple[int, float] | None = None,
-              periodic: bool = False) -> None:
+    def _send(
+        self, worker: str | None, keys: list[int], load: tuple[int, float] | None = None, periodic: bool = False
+    ) -> None:
         if self._pub is None and self._local is None:
             return
         state = {url: [n, blocks] for url, (n, blocks) in self._snapshot().items()}

@@ -60,8 +60,15 @@ class TokenizerError(ValueError):
 class PromptTokenizer:
     """Request -> the engine's prompt token ids (a uint64 array), or None when it cannot say."""
 
-    def __init__(self, encode: Callable[[list[str]], list[list[int]]], specials: list[str], template: str,
-                 bos_token: str = "", eos_token: str = "", vocab_size: int | None = None) -> None:
+    def __init__(
+        self,
+        encode: Callable[[list[str]], list[list[int]]],
+        specials: list[str],
+        template: str,
+        bos_token: str = "",
+        eos_token: str = "",
+        vocab_size: int | None = None,
+    ) -> None:
         import jinja2
         import jinja2.sandbox
 
@@ -98,7 +105,7 @@ class PromptTokenizer:
                 out = []
                 for p in pieces:
                     head = next((s for s in specials if p.startswith(s)), None)
-                    rest = p[len(head):] if head else p
+                    rest = p[len(head) :] if head else p
                     out.append(([ids[head]] if head else []) + list(rest.encode()))
                 return out
 
@@ -106,8 +113,9 @@ class PromptTokenizer:
         raise TokenizerError(f"unknown tokenizer kind {kind!r} in /tokenizer_info")
 
     @classmethod
-    def from_files(cls, model_path: str | None, tokenizer_path: str | None,
-                   chat_template: Path | None = None) -> PromptTokenizer:
+    def from_files(
+        cls, model_path: str | None, tokenizer_path: str | None, chat_template: Path | None = None
+    ) -> PromptTokenizer:
         """From `--tokenizer-path` (else `--model-path`) and `--chat-template`; TokenizerError names the flag."""
         file = tokenizer_file(model_path, tokenizer_path)
         config: dict[str, Any] = {}
@@ -158,8 +166,11 @@ class PromptTokenizer:
         import jinja2
 
         try:
-            return str(self._template.render(messages=messages, add_generation_prompt=True, bos_token=self._bos,
-                                             eos_token=self._eos))
+            return str(
+                self._template.render(
+                    messages=messages, add_generation_prompt=True, bos_token=self._bos, eos_token=self._eos
+                )
+            )
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from exc
 
@@ -219,7 +230,6 @@ class PromptTokenizer:
             return np.asarray(prompt, dtype=np.uint64)
         return None
 
-
     def first(self, view: RequestView, n: int) -> list[int]:
         """The first `n` prompt tokens (prefix_hash's key): given ids as they are, else the head of the
         rendered prompt (at most MAX_PREFIX_CHARS of it is encoded)."""
@@ -242,8 +252,14 @@ class TokenizerFetch:
     configured) and hands the result to `loaded`; one request at a time, the next ready worker after a
     failure. Owns that one task."""
 
-    def __init__(self, upstream: Upstream, registry: WorkerRegistry, roles: tuple[WorkerRole, ...],
-                 loaded: Callable[[PromptTokenizer], None], wanted: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        upstream: Upstream,
+        registry: WorkerRegistry,
+        roles: tuple[WorkerRole, ...],
+        loaded: Callable[[PromptTokenizer], None],
+        wanted: Callable[[], bool],
+    ) -> None:
         self.upstream = upstream
         self.registry = registry
         self.roles = roles
@@ -266,15 +282,20 @@ class TokenizerFetch:
                 await task
 
     def _on_state(self, worker: Worker, old: WorkerState | None, new: WorkerState) -> None:
-        if (new is WorkerState.READY and worker.role in self.roles and self._wanted()
-                and (self._task is None or self._task.done())):
+        if (
+            new is WorkerState.READY
+            and worker.role in self.roles
+            and self._wanted()
+            and (self._task is None or self._task.done())
+        ):
             with contextlib.suppress(RuntimeError):  # no running loop: start() asks later
                 self._task = asyncio.get_running_loop().create_task(self._fetch(worker), name="tokenizer-fetch")
 
     async def _fetch(self, worker: Worker) -> None:
         try:
-            info = await self.upstream.get_json(worker.url + "/tokenizer_info", 10.0,
-                                                self.upstream.worker_headers(worker))
+            info = await self.upstream.get_json(
+                worker.url + "/tokenizer_info", 10.0, self.upstream.worker_headers(worker)
+            )
             if isinstance(info, dict) and self._wanted():
                 tokenizer = await asyncio.to_thread(PromptTokenizer.from_info, info)
                 if self._wanted():
@@ -291,8 +312,10 @@ def tokenizer_file(model_path: str | None, tokenizer_path: str | None) -> Path:
         raise TokenizerError("--model-path or --tokenizer-path is needed to load a tokenizer")
     path = Path(given).expanduser()
     if not path.exists():
-        raise TokenizerError(f"{flag} {given!r}: no such file or folder (a Hugging Face model id is not fetched: "
-                             f"download the model and give its folder)")
+        raise TokenizerError(
+            f"{flag} {given!r}: no such file or folder (a Hugging Face model id is not fetched: "
+            f"download the model and give its folder)"
+        )
     if path.is_dir():
         path = path / TOKENIZER_FILE
         if not path.is_file():
@@ -312,8 +335,9 @@ def _core_from_str(text: str, where: str = "/tokenizer_info") -> Any:
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise TokenizerError("tokenizing in the gateway needs the `tokenizers` package "
-                             "(pip install tokenizers, or atomesh[engine])") from None
+        raise TokenizerError(
+            "tokenizing in the gateway needs the `tokenizers` package (pip install tokenizers, or atomesh[engine])"
+        ) from None
     try:
         return Tokenizer.from_str(text)
     except Exception as e:  # the library raises plain Exceptions for unreadable files

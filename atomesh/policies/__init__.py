@@ -31,9 +31,12 @@ PolicyFactory = Callable[[GatewayConfig, PromptTokenizer | None], Policy]
 
 def _cache_aware(cfg: GatewayConfig) -> CacheAwarePolicy:
     return CacheAwarePolicy(
-        cache_threshold=cfg.cache_threshold, balance_abs_threshold=cfg.balance_abs_threshold,
-        balance_rel_threshold=cfg.balance_rel_threshold, eviction_interval_secs=cfg.eviction_interval_secs,
-        max_tree_size=cfg.max_tree_size)
+        cache_threshold=cfg.cache_threshold,
+        balance_abs_threshold=cfg.balance_abs_threshold,
+        balance_rel_threshold=cfg.balance_rel_threshold,
+        eviction_interval_secs=cfg.eviction_interval_secs,
+        max_tree_size=cfg.max_tree_size,
+    )
 
 
 def _tokens(cfg: GatewayConfig, tokens: PromptTokenizer | None) -> PromptTokenizer | None:
@@ -51,8 +54,14 @@ def make_kv_aware(cfg: GatewayConfig, tokens: PromptTokenizer | None = None) -> 
     """kv_aware from the config, typed as itself (benchmarks read its parts). Without a tokenizer
     (given, or named by --tokenizer-path / --model-path) it asks a worker for its /tokenizer_info."""
     sync = KvPeerSync(cfg.kv_sync_bind, cfg.kv_sync_peers) if cfg.kv_sync_bind or cfg.kv_sync_peers else None
-    return KvAwarePolicy(_cache_aware(cfg), overlap_weight=cfg.kv_overlap_weight, temperature=cfg.kv_temperature,
-                         new_threshold=cfg.cache_threshold, tokenizer=_tokens(cfg, tokens), sync=sync)
+    return KvAwarePolicy(
+        _cache_aware(cfg),
+        overlap_weight=cfg.kv_overlap_weight,
+        temperature=cfg.kv_temperature,
+        new_threshold=cfg.cache_threshold,
+        tokenizer=_tokens(cfg, tokens),
+        sync=sync,
+    )
 
 
 FACTORIES: dict[PolicyName, PolicyFactory] = {
@@ -63,13 +72,17 @@ FACTORIES: dict[PolicyName, PolicyFactory] = {
     PolicyName.CACHE_AWARE: lambda cfg, tok: _cache_aware(cfg),
     PolicyName.KV_AWARE: make_kv_aware,
     PolicyName.PREFIX_HASH: lambda cfg, tok: PrefixHashPolicy(
-        prefix_token_count=cfg.prefix_token_count, load_factor=cfg.prefix_hash_load_factor,
-        abs_slack=cfg.prefix_hash_balance_abs_threshold, tokens=_tokens(cfg, tok)),
+        prefix_token_count=cfg.prefix_token_count,
+        load_factor=cfg.prefix_hash_load_factor,
+        abs_slack=cfg.prefix_hash_balance_abs_threshold,
+        tokens=_tokens(cfg, tok),
+    ),
     PolicyName.CONSISTENT_HASHING: lambda cfg, tok: ConsistentHashingPolicy(),
     PolicyName.DP_STICKY: lambda cfg, tok: DpStickyPolicy(),
     PolicyName.PASSTHROUGH: lambda cfg, tok: PassthroughPolicy(),
-    PolicyName.MANUAL: lambda cfg, tok: ManualPolicy(cfg.assignment_mode, cfg.max_idle_secs,
-                                                     cfg.eviction_interval_secs),
+    PolicyName.MANUAL: lambda cfg, tok: ManualPolicy(
+        cfg.assignment_mode, cfg.max_idle_secs, cfg.eviction_interval_secs
+    ),
 }
 
 
@@ -81,10 +94,24 @@ def make_policy(name: PolicyName, config: GatewayConfig, tokens: PromptTokenizer
     try:
         factory = FACTORIES[name]
     except KeyError:
-        raise PolicyNotAvailable(f"--policy {name} is not implemented yet; available: "
-                                 f"{', '.join(sorted(FACTORIES))}") from None
+        raise PolicyNotAvailable(
+            f"--policy {name} is not implemented yet; available: {', '.join(sorted(FACTORIES))}"
+        ) from None
     return factory(config, tokens)
 
 
-__all__ = ["FACTORIES", "CacheStats", "Decision", "Given", "Loads", "Needs", "Policy", "PolicyName",
-           "PolicyNotAvailable", "Replica", "least_loaded", "make_kv_aware", "make_policy"]
+__all__ = [
+    "FACTORIES",
+    "CacheStats",
+    "Decision",
+    "Given",
+    "Loads",
+    "Needs",
+    "Policy",
+    "PolicyName",
+    "PolicyNotAvailable",
+    "Replica",
+    "least_loaded",
+    "make_kv_aware",
+    "make_policy",
+]

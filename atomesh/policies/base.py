@@ -182,8 +182,9 @@ class Stateless:
 _load = operator.attrgetter("load")
 
 
-def least_loaded(candidates: Sequence[Worker], start: int = 0,
-                 tiebreak: Callable[[Worker], int] | None = None) -> Worker:
+def least_loaded(
+    candidates: Sequence[Worker], start: int = 0, tiebreak: Callable[[Worker], int] | None = None
+) -> Worker:
     """The worker with the lowest `load`, scanning from `candidates[start]` round to `start - 1`.
 
     Ties go to `tiebreak`'s lowest value when given, then to the first in scan order: a policy

@@ -70,7 +70,7 @@ def chunk_hashes(text: str, chunk: int) -> tuple[list[int], int]:
     full, tail = divmod(n, chunk)
     pieces: list[bytes] = list(_splitter(chunk, full).unpack_from(data)) if full else []
     if tail:
-        pieces.append(data[full * chunk:])
+        pieces.append(data[full * chunk :])
     return list(accumulate(map(_xxh, pieces, range(len(pieces))), operator.xor)), n
 
 
@@ -83,8 +83,9 @@ def _splitter(chunk: int, count: int) -> struct.Struct:
 class PrefixIndex:
     """Which workers were sent which prompt prefixes: chained chunk hashes -> holders, LRU, hard budget."""
 
-    def __init__(self, max_entries: int, chunk_chars: int = DEFAULT_CHUNK_CHARS,
-                 max_holders: int = MAX_HOLDERS) -> None:
+    def __init__(
+        self, max_entries: int, chunk_chars: int = DEFAULT_CHUNK_CHARS, max_holders: int = MAX_HOLDERS
+    ) -> None:
         if max_entries < 1 or chunk_chars < 1 or max_holders < 1:
             raise ValueError("max_entries, chunk_chars and max_holders must be positive")
         self.max_entries = max_entries
@@ -228,9 +229,15 @@ class CacheAwarePolicy:
     select_single = False
     needs = Needs()
 
-    def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
-                 balance_rel_threshold: float = 1.5, eviction_interval_secs: float = 120,
-                 max_tree_size: int = 2**26, chunk_chars: int = DEFAULT_CHUNK_CHARS) -> None:
+    def __init__(
+        self,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: int = 64,
+        balance_rel_threshold: float = 1.5,
+        eviction_interval_secs: float = 120,
+        max_tree_size: int = 2**26,
+        chunk_chars: int = DEFAULT_CHUNK_CHARS,
+    ) -> None:
         self.cache_threshold = cache_threshold
         self.abs_threshold = balance_abs_threshold
         self.rel_threshold = balance_rel_threshold

@@ -48,8 +48,9 @@ class ConsistentHashingPolicy(Stateless):
             return Decision(_target(candidates, target.strip()), "target_header")
         key = view.routing_key
         if key is not None:
-            return Decision(self.rings.ring(candidates).owner(xxhash.xxh3_64_intdigest(b"key:" + key.encode())),
-                            "routing_key")
+            return Decision(
+                self.rings.ring(candidates).owner(xxhash.xxh3_64_intdigest(b"key:" + key.encode())), "routing_key"
+            )
         for name in IMPLICIT_KEY_HEADERS:
             value = headers.get(name)
             if value:

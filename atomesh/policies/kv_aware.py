@@ -88,10 +88,18 @@ class KvAwarePolicy:
     select_single = True  # a lone candidate too: `record` predicts its blocks from the decision's keys
     needs = Needs(loads=Loads.FRESH, kv_events=True, upstream=True)
 
-    def __init__(self, fallback: CacheAwarePolicy, *, overlap_weight: float = 1.0, temperature: float = 0.0,
-                 new_threshold: float = 0.3,
-                 tokenizer: PromptTokenizer | None = None, index: KvIndex | None = None,
-                 seed: int | None = None, sync: KvPeerSync | None = None) -> None:
+    def __init__(
+        self,
+        fallback: CacheAwarePolicy,
+        *,
+        overlap_weight: float = 1.0,
+        temperature: float = 0.0,
+        new_threshold: float = 0.3,
+        tokenizer: PromptTokenizer | None = None,
+        index: KvIndex | None = None,
+        seed: int | None = None,
+        sync: KvPeerSync | None = None,
+    ) -> None:
         self.fallback = fallback
         self.overlap_weight = overlap_weight
         self.new_threshold = new_threshold
@@ -118,8 +126,9 @@ class KvAwarePolicy:
             self.hub = given.hub
             self.index = self.picker.index = given.hub.index
         if given.hub is not None and given.upstream is not None:
-            self.fetch = TokenizerFetch(given.upstream, given.registry, given.hub.roles, self._tokenizer_fetched,
-                                        lambda: self.tokenizer is None)
+            self.fetch = TokenizerFetch(
+                given.upstream, given.registry, given.hub.roles, self._tokenizer_fetched, lambda: self.tokenizer is None
+            )
 
     def _tokenizer_fetched(self, tokenizer: PromptTokenizer) -> None:
         self.tokenizer = tokenizer
@@ -179,22 +188,31 @@ class KvAwarePolicy:
         moved = relief(index, followed, overlap, total, keys_by_size)
         worker = self._choose(candidates, overlap, total, moved)
         if _stdlog.isEnabledFor(logging.DEBUG):
-            log.debug("kv_aware_decision", chosen=worker.url, blocks=total[worker.url],
-                      relief=[w.url for w in moved] if moved else None,
-                      evictions={w.url: round(self.index.evictions(w.url)) for w in followed},
-                      overlap={w.url: overlap[w.url] for w in candidates},
-                      active={w.url: self.load.active(w) for w in candidates},
-                      in_flight={w.url: w.in_flight for w in candidates},
-                      foreign={w.url: w.foreign_load for w in candidates},
-                      peers={w.url: self.sync.peer_load(w.url)[0] for w in candidates} if self.sync.active else None)
+            log.debug(
+                "kv_aware_decision",
+                chosen=worker.url,
+                blocks=total[worker.url],
+                relief=[w.url for w in moved] if moved else None,
+                evictions={w.url: round(self.index.evictions(w.url)) for w in followed},
+                overlap={w.url: overlap[w.url] for w in candidates},
+                active={w.url: self.load.active(w) for w in candidates},
+                in_flight={w.url: w.in_flight for w in candidates},
+                foreign={w.url: w.foreign_load for w in candidates},
+                peers={w.url: self.sync.peer_load(w.url)[0] for w in candidates} if self.sync.active else None,
+            )
         new = {w.url: total[w.url] - overlap[w.url] for w in candidates}
         self.decisions += 1
         self.hit_blocks += overlap[worker.url]
         self.prompt_blocks += total[worker.url]
         return KvDecision(worker, "kv_overlap" if overlap[worker.url] else "kv_cost", keys_by_size, new)
 
-    def _choose(self, candidates: Sequence[Worker], overlap: dict[str, int], total: dict[str, int],
-                moved: list[Worker] | None = None) -> Worker:
+    def _choose(
+        self,
+        candidates: Sequence[Worker],
+        overlap: dict[str, int],
+        total: dict[str, int],
+        moved: list[Worker] | None = None,
+    ) -> Worker:
         """Dynamo's cost per candidate, then the picker: a soft choice, the relief or new-prompt rule, or
         the cheapest."""
         ow = self.overlap_weight
@@ -231,7 +249,7 @@ class KvAwarePolicy:
         if size is not None and size in keys_by_size:
             keys = keys_by_size[size]
             # Only what it does not hold yet: the held prefix is in the index already.
-            fresh = keys[len(keys) - new.get(worker.url, len(keys)):]
+            fresh = keys[len(keys) - new.get(worker.url, len(keys)) :]
             self.index.predict(worker.url, fresh)
         else:  # a worker without events: keep cache_aware's index, which scores it, up to date
             self.fallback.record(Decision(worker, "kv_no_events"), view)
@@ -239,8 +257,11 @@ class KvAwarePolicy:
         self.load.placed(worker, len(keys_by_size[next(iter(keys_by_size))]), blocks)
         if self.sync.active and size is not None and size in keys_by_size:
             keys = keys_by_size[size]
-            self.sync.placed(worker.url, keys[len(keys) - blocks:] if blocks else [],
-                             (worker.in_flight + 1, self.load.own(worker, placing=1)))
+            self.sync.placed(
+                worker.url,
+                keys[len(keys) - blocks :] if blocks else [],
+                (worker.in_flight + 1, self.load.own(worker, placing=1)),
+            )
 
     def _snapshot(self) -> Snapshot:
         return self.load.snapshot(list(self.hub.registry)) if self.hub is not None else {}

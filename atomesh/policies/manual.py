@@ -48,9 +48,14 @@ class ManualPolicy:
     name = PolicyName.MANUAL
     select_single = True  # a lone worker still gets the key pinned, so it keeps it when others join
 
-    def __init__(self, assignment: AssignmentMode = AssignmentMode.RANDOM, max_idle_secs: float = 14400,
-                 eviction_interval_secs: float = 60, rng: random.Random | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        assignment: AssignmentMode = AssignmentMode.RANDOM,
+        max_idle_secs: float = 14400,
+        eviction_interval_secs: float = 60,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.assignment = assignment
         self.max_idle_secs = max_idle_secs
         self._rng = rng or random.Random()

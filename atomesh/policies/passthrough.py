@@ -28,6 +28,9 @@ class PassthroughPolicy(Stateless):
     def select(self, candidates: Sequence[Worker], view: RequestView) -> Decision:
         if not self._warned:
             self._warned = True
-            log.warning("passthrough_several_workers", workers=len(candidates),
-                        detail="passthrough is meant for one worker; only the first routable one gets traffic")
+            log.warning(
+                "passthrough_several_workers",
+                workers=len(candidates),
+                detail="passthrough is meant for one worker; only the first routable one gets traffic",
+            )
         return Decision(candidates[0], "first_routable")

@@ -79,8 +79,14 @@ class RingCache:
 class PrefixHashPolicy(Stateless):
     name = PolicyName.PREFIX_HASH
 
-    def __init__(self, prefix_token_count: int = 256, load_factor: float = 1.25, abs_slack: int = 10,
-                 vnodes: int = VNODES, tokens: PromptTokenizer | None = None) -> None:
+    def __init__(
+        self,
+        prefix_token_count: int = 256,
+        load_factor: float = 1.25,
+        abs_slack: int = 10,
+        vnodes: int = VNODES,
+        tokens: PromptTokenizer | None = None,
+    ) -> None:
         self.prefix_tokens = prefix_token_count
         self.prefix_chars = prefix_token_count * CHARS_PER_TOKEN
         self.tokens = tokens  # with --model-path / --tokenizer-path: real tokens instead of characters

@@ -32,8 +32,16 @@ _MAX_HEAD = 64 * 1024
 
 
 def _response(status: str, body: bytes, ctype: bytes = b"application/json") -> bytes:
-    return (b"HTTP/1.1 " + status.encode() + b"\r\nContent-Type: " + ctype + b"\r\nContent-Length: "
-            + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return (
+        b"HTTP/1.1 "
+        + status.encode()
+        + b"\r\nContent-Type: "
+        + ctype
+        + b"\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
 
 
 def _json(status: str, doc: object) -> bytes:
@@ -50,58 +58,128 @@ class Canned:
     def __init__(self, name: str, role: str, tokens: int, stream_chunks: int, bootstrap_port: int | None) -> None:
         text = " ".join(f"tok{i}" for i in range(tokens))
         usage = {"prompt_tokens": 8, "completion_tokens": tokens, "total_tokens": 8 + tokens}
-        self.completion = _json("200 OK", {
-            "id": f"cmpl-{name}", "object": "text_completion", "created": 0, "model": MODEL,
-            "choices": [{"index": 0, "text": text, "finish_reason": "length"}], "usage": usage})
-        self.chat = _json("200 OK", {
-            "id": f"chat-{name}", "object": "chat.completion", "created": 0, "model": MODEL,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}],
-            "usage": usage})
-        kv = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [0, 1],
-              "remote_engine_id": f"{name}:1", "remote_host": "127.0.0.1", "remote_port": 1,
-              "remote_handshake_port": 2, "tp_size": 1, "dp_rank": 0, "transfer_id": "mock",
-              "first_token_id": 7, "prefix_cache_hit_tokens": 0}
-        self.prefill = _json("200 OK", {
-            "id": f"cmpl-{name}", "object": "text_completion", "created": 0, "model": MODEL,
-            "choices": [{"index": 0, "text": "tok0", "finish_reason": "length"}],
-            "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9}, "kv_transfer_params": kv})
-        self.stream_head = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
-                            b"Transfer-Encoding: chunked\r\n\r\n")
+        self.completion = _json(
+            "200 OK",
+            {
+                "id": f"cmpl-{name}",
+                "object": "text_completion",
+                "created": 0,
+                "model": MODEL,
+                "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+                "usage": usage,
+            },
+        )
+        self.chat = _json(
+            "200 OK",
+            {
+                "id": f"chat-{name}",
+                "object": "chat.completion",
+                "created": 0,
+                "model": MODEL,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}],
+                "usage": usage,
+            },
+        )
+        kv = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [0, 1],
+            "remote_engine_id": f"{name}:1",
+            "remote_host": "127.0.0.1",
+            "remote_port": 1,
+            "remote_handshake_port": 2,
+            "tp_size": 1,
+            "dp_rank": 0,
+            "transfer_id": "mock",
+            "first_token_id": 7,
+            "prefix_cache_hit_tokens": 0,
+        }
+        self.prefill = _json(
+            "200 OK",
+            {
+                "id": f"cmpl-{name}",
+                "object": "text_completion",
+                "created": 0,
+                "model": MODEL,
+                "choices": [{"index": 0, "text": "tok0", "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
+                "kv_transfer_params": kv,
+            },
+        )
+        self.stream_head = (
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
         events = []
         for i in range(stream_chunks):
             last = i == stream_chunks - 1
             event: dict[str, object] = {
-                "id": f"cmpl-{name}", "object": "text_completion", "model": MODEL,
-                "choices": [{"index": 0, "text": f"tok{i} ", "finish_reason": "length" if last else None}]}
+                "id": f"cmpl-{name}",
+                "object": "text_completion",
+                "model": MODEL,
+                "choices": [{"index": 0, "text": f"tok{i} ", "finish_reason": "length" if last else None}],
+            }
             if last:
-                event["usage"] = {"prompt_tokens": 8, "completion_tokens": stream_chunks,
-                                  "total_tokens": 8 + stream_chunks}
+                event["usage"] = {
+                    "prompt_tokens": 8,
+                    "completion_tokens": stream_chunks,
+                    "total_tokens": 8 + stream_chunks,
+                }
             events.append(_chunk(b"data: " + orjson.dumps(event) + b"\n\n"))
         self.events = events
         self.stream_tail = _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
         self.health = _json("200 OK", {"status": "ok"})
-        self.models = _json("200 OK", {"object": "list", "data": [
-            {"id": MODEL, "object": "model", "owned_by": "mock", "root": MODEL}]})
+        self.models = _json(
+            "200 OK", {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "mock", "root": MODEL}]}
+        )
         mode = {"prefill": "prefill", "decode": "decode"}.get(role, "null")
-        self.server_info = _json("200 OK", {
-            "model_path": MODEL, "tokenizer_path": MODEL, "served_model_name": MODEL, "model_id": MODEL,
-            "tp_size": 1, "dp_size": 1, "disaggregation_mode": mode, "version": "mock", "mock": name,
-            **({"disaggregation_bootstrap_port": bootstrap_port} if bootstrap_port else {})})
-        self.model_info = _json("200 OK", {"model_path": MODEL, "tokenizer_path": MODEL, "is_generation": True,
-                                           "model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+        self.server_info = _json(
+            "200 OK",
+            {
+                "model_path": MODEL,
+                "tokenizer_path": MODEL,
+                "served_model_name": MODEL,
+                "model_id": MODEL,
+                "tp_size": 1,
+                "dp_size": 1,
+                "disaggregation_mode": mode,
+                "version": "mock",
+                "mock": name,
+                **({"disaggregation_bootstrap_port": bootstrap_port} if bootstrap_port else {}),
+            },
+        )
+        self.model_info = _json(
+            "200 OK",
+            {
+                "model_path": MODEL,
+                "tokenizer_path": MODEL,
+                "is_generation": True,
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+            },
+        )
         kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}.get(role)
-        self.kv_info = _json("200 OK", {"tp_size": 1, "dp_size": 1, "kv_role": kv_role,
-                                        "handshake_port": 6301})
+        self.kv_info = _json("200 OK", {"tp_size": 1, "dp_size": 1, "kv_role": kv_role, "handshake_port": 6301})
         self.load = _json("200 OK", [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}])
-        self.metrics = _response("200 OK", b"# TYPE atom:requests_running gauge\natom:requests_running 0\n",
-                                 b"text/plain")
-        self.not_found = _json("404 Not Found", {"error": {"message": "not found", "type": "not_found",
-                                                           "code": 404}})
-        self.gets = {b"/health": self.health, b"/health_generate": self.health, b"/readiness": self.health,
-                     b"/liveness": self.health, b"/v1/models": self.models, b"/server_info": self.server_info,
-                     b"/get_server_info": self.server_info, b"/get_model_info": self.model_info,
-                     b"/model_info": self.model_info, b"/kv_transfer_info": self.kv_info,
-                     b"/get_load": self.load, b"/metrics": self.metrics, b"/flush_cache": self.health}
+        self.metrics = _response(
+            "200 OK", b"# TYPE atom:requests_running gauge\natom:requests_running 0\n", b"text/plain"
+        )
+        self.not_found = _json("404 Not Found", {"error": {"message": "not found", "type": "not_found", "code": 404}})
+        self.gets = {
+            b"/health": self.health,
+            b"/health_generate": self.health,
+            b"/readiness": self.health,
+            b"/liveness": self.health,
+            b"/v1/models": self.models,
+            b"/server_info": self.server_info,
+            b"/get_server_info": self.server_info,
+            b"/get_model_info": self.model_info,
+            b"/model_info": self.model_info,
+            b"/kv_transfer_info": self.kv_info,
+            b"/get_load": self.load,
+            b"/metrics": self.metrics,
+            b"/flush_cache": self.health,
+        }
 
 
 def _bad(message: str) -> bytes:
@@ -164,11 +242,11 @@ class MockProtocol(FlowControl):
             at = lower.find(b"\r\ncontent-length:")
             if at >= 0:
                 stop = lower.find(b"\r\n", at + 2)
-                length = int(lower[at + 17: stop if stop >= 0 else len(lower)])
+                length = int(lower[at + 17 : stop if stop >= 0 else len(lower)])
             if len(buf) < end + 4 + length:
                 return
-            body = buf[end + 4: end + 4 + length]
-            self._buf = buf[end + 4 + length:]
+            body = buf[end + 4 : end + 4 + length]
+            self._buf = buf[end + 4 + length :]
             path = target.split(b"?", 1)[0]
             if method == b"POST" and path in INFERENCE:
                 self._inference(path, body)
@@ -229,8 +307,9 @@ class MockProtocol(FlowControl):
 
 async def serve(host: str, port: int, canned: Canned, role: str, interval: float = 0.0) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: MockProtocol(canned, role, interval), host, port, reuse_address=True,
-                                      backlog=4096)
+    server = await loop.create_server(
+        lambda: MockProtocol(canned, role, interval), host, port, reuse_address=True, backlog=4096
+    )
     print(f"fast mock {role} on http://{host}:{port} (pid {os.getpid()})", flush=True)
     async with server:
         await server.serve_forever()
@@ -245,8 +324,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=16, help="tokens in a non-streamed answer")
     p.add_argument("--stream-chunks", type=int, default=256, help="SSE events in a streamed answer")
     p.add_argument("--bootstrap-port", type=int, default=None)
-    p.add_argument("--event-interval-ms", type=float, default=0.0,
-                   help="ms between a stream's events (default 0: one event per event-loop turn)")
+    p.add_argument(
+        "--event-interval-ms",
+        type=float,
+        default=0.0,
+        help="ms between a stream's events (default 0: one event per event-loop turn)",
+    )
     args = p.parse_args(argv)
     canned = Canned(args.name, args.role, args.tokens, args.stream_chunks, args.bootstrap_port)
     import uvloop

@@ -96,7 +96,7 @@ class PrefixCache:
         data = text.encode()
         out, h = [], 0
         for i in range(0, len(data) - self.block_chars + 1, self.block_chars):  # full blocks only
-            h = xxhash.xxh3_64_intdigest(data[i:i + self.block_chars], h)
+            h = xxhash.xxh3_64_intdigest(data[i : i + self.block_chars], h)
             out.append(h)
         return out
 
@@ -111,7 +111,7 @@ class PrefixCache:
         return n
 
     def store(self, hashes: list[int]) -> None:
-        for h in hashes[-self.capacity:] if self.capacity else ():
+        for h in hashes[-self.capacity :] if self.capacity else ():
             self._blocks[h] = None
             self._blocks.move_to_end(h)
             while len(self._blocks) > self.capacity:
@@ -124,8 +124,9 @@ class PrefixCache:
 class MockEngine(ServedApp):
     """One mock engine server on a loopback port."""
 
-    def __init__(self, name: str = "engine", host: str = "127.0.0.1", port: int = 0,
-                 settings: EngineSettings | None = None) -> None:
+    def __init__(
+        self, name: str = "engine", host: str = "127.0.0.1", port: int = 0, settings: EngineSettings | None = None
+    ) -> None:
         super().__init__(host, port)
         self.name = name
         self.settings = settings or EngineSettings()
@@ -163,9 +164,13 @@ class MockEngine(ServedApp):
 
     def describe(self) -> dict[str, Any]:
         st = asdict(self.stats)
-        st.update(name=self.name, url=self.url, cache_blocks_used=len(self.cache),
-                  hit_rate=self.stats.cached_tokens / self.stats.prompt_tokens if self.stats.prompt_tokens else 0.0,
-                  unknown_paths=dict(self.unknown_paths))
+        st.update(
+            name=self.name,
+            url=self.url,
+            cache_blocks_used=len(self.cache),
+            hit_rate=self.stats.cached_tokens / self.stats.prompt_tokens if self.stats.prompt_tokens else 0.0,
+            unknown_paths=dict(self.unknown_paths),
+        )
         return st
 
     # ------------------------------------------------------------------ the engine model
@@ -214,8 +219,9 @@ class MockEngine(ServedApp):
         try:
             body = orjson.loads(await request.read())
         except orjson.JSONDecodeError:
-            return web.json_response({"error": {"message": "bad json", "type": "invalid_request_error",
-                                                "code": 400}}, status=400)
+            return web.json_response(
+                {"error": {"message": "bad json", "type": "invalid_request_error", "code": 400}}, status=400
+            )
         path = request.path
         stats = self.stats
         prompt_tokens, cached = await self._prefill(prompt_text(path, body))
@@ -227,30 +233,58 @@ class MockEngine(ServedApp):
                 return await self._stream(request, body, n, prompt_tokens, cached, headers)
             for _ in range(n - 1):
                 await self._decode_step()
-            return web.Response(body=orjson.dumps(self._answer(path, body, n, prompt_tokens, cached)),
-                                content_type="application/json", headers=headers)
+            return web.Response(
+                body=orjson.dumps(self._answer(path, body, n, prompt_tokens, cached)),
+                content_type="application/json",
+                headers=headers,
+            )
         finally:
             stats.running -= 1
             self._decoding -= 1
 
     def _answer(self, path: str, body: dict[str, Any], n: int, prompt_tokens: int, cached: int) -> dict[str, Any]:
         text = " ".join(f"t{i}" for i in range(n))
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n,
-                 "prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": n,
+            "total_tokens": prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
         if path == "/generate":
-            return {"text": text, "meta_info": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
-                                                "cached_tokens": cached, "finish_reason": {"type": "length"},
-                                                "id": self.name}}
+            return {
+                "text": text,
+                "meta_info": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": n,
+                    "cached_tokens": cached,
+                    "finish_reason": {"type": "length"},
+                    "id": self.name,
+                },
+            }
         chat = path.endswith("chat/completions")
-        choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text},
-                                   "finish_reason": "length"} if chat
-                                  else {"index": 0, "text": text, "finish_reason": "length"})
-        return {"id": f"cmpl-{self.name}", "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": body.get("model", self.settings.model),
-                "choices": [choice], "usage": usage}
+        choice: dict[str, Any] = (
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+            if chat
+            else {"index": 0, "text": text, "finish_reason": "length"}
+        )
+        return {
+            "id": f"cmpl-{self.name}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model", self.settings.model),
+            "choices": [choice],
+            "usage": usage,
+        }
 
-    async def _stream(self, request: web.Request, body: dict[str, Any], n: int, prompt_tokens: int, cached: int,
-                      headers: dict[str, str]) -> web.StreamResponse:
+    async def _stream(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        n: int,
+        prompt_tokens: int,
+        cached: int,
+        headers: dict[str, str],
+    ) -> web.StreamResponse:
         path = request.path
         chat = path.endswith("chat/completions")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **headers})
@@ -261,22 +295,38 @@ class MockEngine(ServedApp):
             last = i == n - 1
             event: dict[str, Any]
             if path == "/generate":
-                event = {"text": " ".join(f"t{k}" for k in range(i + 1)),
-                         "meta_info": {"prompt_tokens": prompt_tokens, "completion_tokens": i + 1,
-                                       "cached_tokens": cached,
-                                       "finish_reason": {"type": "length"} if last else None}}
+                event = {
+                    "text": " ".join(f"t{k}" for k in range(i + 1)),
+                    "meta_info": {
+                        "prompt_tokens": prompt_tokens,
+                        "completion_tokens": i + 1,
+                        "cached_tokens": cached,
+                        "finish_reason": {"type": "length"} if last else None,
+                    },
+                }
             elif chat:
-                event = {"id": f"cmpl-{self.name}", "object": "chat.completion.chunk",
-                         "model": body.get("model", self.settings.model),
-                         "choices": [{"index": 0, "delta": {"content": f"t{i} "},
-                                      "finish_reason": "length" if last else None}]}
+                event = {
+                    "id": f"cmpl-{self.name}",
+                    "object": "chat.completion.chunk",
+                    "model": body.get("model", self.settings.model),
+                    "choices": [
+                        {"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": "length" if last else None}
+                    ],
+                }
             else:
-                event = {"id": f"cmpl-{self.name}", "object": "text_completion",
-                         "model": body.get("model", self.settings.model),
-                         "choices": [{"index": 0, "text": f"t{i} ", "finish_reason": "length" if last else None}]}
+                event = {
+                    "id": f"cmpl-{self.name}",
+                    "object": "text_completion",
+                    "model": body.get("model", self.settings.model),
+                    "choices": [{"index": 0, "text": f"t{i} ", "finish_reason": "length" if last else None}],
+                }
             if last and path != "/generate":
-                event["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": n,
-                                  "total_tokens": prompt_tokens + n, "prompt_tokens_details": {"cached_tokens": cached}}
+                event["usage"] = {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": n,
+                    "total_tokens": prompt_tokens + n,
+                    "prompt_tokens_details": {"cached_tokens": cached},
+                }
             await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -286,34 +336,73 @@ class MockEngine(ServedApp):
         return web.json_response({"status": "ok"})
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.settings.model, "object": "model", "owned_by": "mock", "root": self.settings.model}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {"id": self.settings.model, "object": "model", "owned_by": "mock", "root": self.settings.model}
+                ],
+            }
+        )
 
     async def _server_info(self, request: web.Request) -> web.Response:
         m = self.settings.model
-        return web.json_response({"model_path": m, "tokenizer_path": m, "served_model_name": m, "model_id": m,
-                                  "tp_size": 1, "dp_size": 1, "page_size": self.settings.block_tokens,
-                                  "max_total_num_tokens": self.settings.cache_blocks * self.settings.block_tokens,
-                                  "disaggregation_mode": "null", "version": "mock", "mock": self.name})
+        return web.json_response(
+            {
+                "model_path": m,
+                "tokenizer_path": m,
+                "served_model_name": m,
+                "model_id": m,
+                "tp_size": 1,
+                "dp_size": 1,
+                "page_size": self.settings.block_tokens,
+                "max_total_num_tokens": self.settings.cache_blocks * self.settings.block_tokens,
+                "disaggregation_mode": "null",
+                "version": "mock",
+                "mock": self.name,
+            }
+        )
 
     async def _model_info(self, request: web.Request) -> web.Response:
         m = self.settings.model
-        return web.json_response({"model_path": m, "tokenizer_path": m, "is_generation": True,
-                                  "model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+        return web.json_response(
+            {
+                "model_path": m,
+                "tokenizer_path": m,
+                "is_generation": True,
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+            }
+        )
 
     async def _get_load(self, request: web.Request) -> web.Response:
         st = self.stats
-        return web.json_response([{"dp_rank": 0, "num_reqs": st.running + st.waiting, "num_waiting_reqs": st.waiting,
-                                   "num_tokens": len(self.cache) * self.settings.block_tokens}])
+        return web.json_response(
+            [
+                {
+                    "dp_rank": 0,
+                    "num_reqs": st.running + st.waiting,
+                    "num_waiting_reqs": st.waiting,
+                    "num_tokens": len(self.cache) * self.settings.block_tokens,
+                }
+            ]
+        )
 
     async def _metrics(self, request: web.Request) -> web.Response:
         st = self.stats
         lines = []
-        for name, value in (("atom:requests_running", st.running), ("atom:requests_waiting", st.waiting),
-                            ("sglang:num_running_reqs", st.running), ("sglang:num_queue_reqs", st.waiting)):
+        for name, value in (
+            ("atom:requests_running", st.running),
+            ("atom:requests_waiting", st.waiting),
+            ("sglang:num_running_reqs", st.running),
+            ("sglang:num_queue_reqs", st.waiting),
+        ):
             lines += [f"# TYPE {name} gauge", f"{name} {value}"]
-        for name, value in (("mock:prompt_tokens_total", st.prompt_tokens),
-                            ("mock:cached_tokens_total", st.cached_tokens), ("mock:requests_total", st.requests)):
+        for name, value in (
+            ("mock:prompt_tokens_total", st.prompt_tokens),
+            ("mock:cached_tokens_total", st.cached_tokens),
+            ("mock:requests_total", st.requests),
+        ):
             lines += [f"# TYPE {name} counter", f"{name} {value}"]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
@@ -330,8 +419,10 @@ class MockEngine(ServedApp):
 
     async def _unknown(self, request: web.Request) -> web.Response:
         self.unknown_paths[f"{request.method} {request.path}"] += 1
-        return web.json_response({"error": {"message": f"mock engine does not serve {request.path}",
-                                            "type": "not_found", "code": 404}}, status=404)
+        return web.json_response(
+            {"error": {"message": f"mock engine does not serve {request.path}", "type": "not_found", "code": 404}},
+            status=404,
+        )
 
 
 def main() -> None:
@@ -339,18 +430,35 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--ports", type=int, nargs="+", required=True)
     defaults = EngineSettings()
-    for name in ("cache_blocks", "block_tokens", "prefill_secs_base", "prefill_secs_per_token",
-                 "decode_secs_base", "decode_secs_per_seq", "max_tokens_default"):
+    for name in (
+        "cache_blocks",
+        "block_tokens",
+        "prefill_secs_base",
+        "prefill_secs_per_token",
+        "decode_secs_base",
+        "decode_secs_per_seq",
+        "max_tokens_default",
+    ):
         value = getattr(defaults, name)
         parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
     args = parser.parse_args()
-    settings = {k: getattr(args, k) for k in ("cache_blocks", "block_tokens", "prefill_secs_base",
-                                              "prefill_secs_per_token", "decode_secs_base",
-                                              "decode_secs_per_seq", "max_tokens_default")}
+    settings = {
+        k: getattr(args, k)
+        for k in (
+            "cache_blocks",
+            "block_tokens",
+            "prefill_secs_base",
+            "prefill_secs_per_token",
+            "decode_secs_base",
+            "decode_secs_per_seq",
+            "max_tokens_default",
+        )
+    }
 
     async def run() -> None:
-        engines = [MockEngine(f"e{i}", args.host, port, EngineSettings(**settings))
-                   for i, port in enumerate(args.ports)]
+        engines = [
+            MockEngine(f"e{i}", args.host, port, EngineSettings(**settings)) for i, port in enumerate(args.ports)
+        ]
         for e in engines:
             await e.start()
         print("mock engines on " + " ".join(e.url for e in engines), flush=True)

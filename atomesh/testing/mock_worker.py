@@ -82,8 +82,9 @@ class ServedApp:
 class MockWorker(ServedApp):
     """One mock worker server on a loopback port."""
 
-    def __init__(self, name: str = "mock", host: str = "127.0.0.1", port: int = 0,
-                 behaviour: MockBehaviour | None = None) -> None:
+    def __init__(
+        self, name: str = "mock", host: str = "127.0.0.1", port: int = 0, behaviour: MockBehaviour | None = None
+    ) -> None:
         super().__init__(host, port)
         self.name = name
         self.behaviour = behaviour or MockBehaviour()
@@ -100,19 +101,33 @@ class MockWorker(ServedApp):
             if key is not None and not request.path.startswith("/_mock/"):
                 self.authorizations.append((request.path, request.headers.get("Authorization")))
                 if request.headers.get("Authorization") != "Bearer " + key:
-                    return web.json_response({"error": {"message": "bad key", "type": "authentication_error",
-                                                        "code": 401}}, status=401, headers=self._headers())
+                    return web.json_response(
+                        {"error": {"message": "bad key", "type": "authentication_error", "code": 401}},
+                        status=401,
+                        headers=self._headers(),
+                    )
             if request.path in self.behaviour.missing_routes:
-                return web.json_response({"error": {"message": "not found", "type": "not_found_error", "code": 404}},
-                                         status=404, headers=self._headers())
+                return web.json_response(
+                    {"error": {"message": "not found", "type": "not_found_error", "code": 404}},
+                    status=404,
+                    headers=self._headers(),
+                )
             resp: web.StreamResponse = await handler(request)
             return resp
 
         app = web.Application(middlewares=[missing])
         for path in ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/responses"):
             app.router.add_post(path, self._inference)
-        for path in ("/v1/messages", "/v1/embeddings", "/v1/rerank", "/rerank", "/v1/score", "/v1/classify",
-                     "/v1/tokenize", "/v1/detokenize"):
+        for path in (
+            "/v1/messages",
+            "/v1/embeddings",
+            "/v1/rerank",
+            "/rerank",
+            "/v1/score",
+            "/v1/classify",
+            "/v1/tokenize",
+            "/v1/detokenize",
+        ):
             app.router.add_post(path, self._relayed)
         app.router.add_get("/health", self._health)
         app.router.add_get("/health_generate", self._health)
@@ -134,15 +149,21 @@ class MockWorker(ServedApp):
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:
-            return web.json_response({"error": {"message": "bad json", "type": "invalid_request_error",
-                                                "code": 400}}, status=400, headers=self._headers())
+            return web.json_response(
+                {"error": {"message": "bad json", "type": "invalid_request_error", "code": 400}},
+                status=400,
+                headers=self._headers(),
+            )
         headers = {k.lower(): v for k, v in request.headers.items()}
         self.received.append({"path": request.path, "body": body, "headers": headers, "at": time.time()})
         b = self.behaviour
         problem = pd_protocol_problem(b.pd_backend, b.pd_role, body) if b.pd_backend else None
         if problem is not None:
-            return web.json_response({"error": {"message": problem, "type": "invalid_request_error", "code": 400}},
-                                     status=400, headers=self._headers())
+            return web.json_response(
+                {"error": {"message": problem, "type": "invalid_request_error", "code": 400}},
+                status=400,
+                headers=self._headers(),
+            )
         self.active += 1
         finished = False
         try:
@@ -160,8 +181,16 @@ class MockWorker(ServedApp):
                     b.fail_times -= 1
                 finished = True
                 return web.json_response(
-                    {"error": {"message": f"mock failure from {self.name}", "type": "server_error",
-                               "code": b.fail_code or b.fail_status}}, status=b.fail_status, headers=self._headers())
+                    {
+                        "error": {
+                            "message": f"mock failure from {self.name}",
+                            "type": "server_error",
+                            "code": b.fail_code or b.fail_status,
+                        }
+                    },
+                    status=b.fail_status,
+                    headers=self._headers(),
+                )
             resp = await (self._stream(request, body) if body.get("stream") else self._whole(request, body))
             finished = True
             self.served += 1
@@ -199,10 +228,20 @@ class MockWorker(ServedApp):
         params = body.get("kv_transfer_params")
         if not isinstance(params, dict) or not params.get("do_remote_decode") or self.behaviour.omit_kv_params:
             return None
-        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [0, 1],
-                "remote_engine_id": f"{self.host}:1", "remote_host": self.host, "remote_port": 1,
-                "remote_handshake_port": 2, "tp_size": 1, "dp_rank": 0, "transfer_id": "mock",
-                "first_token_id": 7, "prefix_cache_hit_tokens": 0}
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [0, 1],
+            "remote_engine_id": f"{self.host}:1",
+            "remote_host": self.host,
+            "remote_port": 1,
+            "remote_handshake_port": 2,
+            "tp_size": 1,
+            "dp_rank": 0,
+            "transfer_id": "mock",
+            "first_token_id": 7,
+            "prefix_cache_hit_tokens": 0,
+        }
 
     async def _whole(self, request: web.Request, body: dict[str, Any]) -> web.Response:
         words = self._words(request, body)
@@ -210,11 +249,15 @@ class MockWorker(ServedApp):
         chat = request.path.endswith("chat/completions")
         choice: dict[str, Any] = (
             {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
-            if chat else {"index": 0, "text": text, "finish_reason": "length"}
+            if chat
+            else {"index": 0, "text": text, "finish_reason": "length"}
         )
         out: dict[str, Any] = {
-            "id": f"cmpl-{self.name}", "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": body.get("model", "mock-model"), "choices": [choice],
+            "id": f"cmpl-{self.name}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model", "mock-model"),
+            "choices": [choice],
             "usage": _usage(words),
         }
         kv = self._kv_params(body)
@@ -228,11 +271,17 @@ class MockWorker(ServedApp):
         chat = request.path.endswith("chat/completions")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **self._headers()})
         await resp.prepare(request)
-        ident = {"id": f"cmpl-{self.name}", "object": "chat.completion.chunk" if chat else "text_completion",
-                 "created": int(time.time()), "model": body.get("model", "mock-model")}
+        ident = {
+            "id": f"cmpl-{self.name}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model", "mock-model"),
+        }
         if chat:  # the role event engines send first
-            role = {**ident, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                          "finish_reason": None}]}
+            role = {
+                **ident,
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+            }
             await resp.write(b"data: " + orjson.dumps(role) + b"\n\n")
         for sent, i in enumerate(words):
             if b.die_after_chunks is not None and sent >= b.die_after_chunks:
@@ -240,8 +289,11 @@ class MockWorker(ServedApp):
                 request.transport.close()
                 return resp
             delta: dict[str, Any] = {"content": f"tok{i} "} if chat else {}
-            choice: dict[str, Any] = ({"index": 0, "delta": delta, "finish_reason": None} if chat
-                                      else {"index": 0, "text": f"tok{i} ", "finish_reason": None})
+            choice: dict[str, Any] = (
+                {"index": 0, "delta": delta, "finish_reason": None}
+                if chat
+                else {"index": 0, "text": f"tok{i} ", "finish_reason": None}
+            )
             if i == words[-1]:
                 choice["finish_reason"] = "length"
             await resp.write(b"data: " + orjson.dumps({**ident, "choices": [choice]}) + b"\n\n")
@@ -262,8 +314,11 @@ class MockWorker(ServedApp):
         return resp
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok" if self.behaviour.health_status == 200 else "bad"},
-                                 status=self.behaviour.health_status, headers=self._headers())
+        return web.json_response(
+            {"status": "ok" if self.behaviour.health_status == 200 else "bad"},
+            status=self.behaviour.health_status,
+            headers=self._headers(),
+        )
 
     async def _relayed(self, request: web.Request) -> web.StreamResponse:
         """The routes a gateway relays as they are: what was asked, echoed (Anthropic's events when streamed)."""
@@ -275,33 +330,45 @@ class MockWorker(ServedApp):
             return web.json_response(echo, headers=self._headers())
         resp = web.StreamResponse(headers={**self._headers(), "Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for event, data in (("message_start", {"type": "message_start", "message": echo}),
-                            ("content_block_delta", {"type": "content_block_delta",
-                                                     "delta": {"type": "text_delta", "text": "hi"}}),
-                            ("message_stop", {"type": "message_stop"})):
+        for event, data in (
+            ("message_start", {"type": "message_start", "message": echo}),
+            ("content_block_delta", {"type": "content_block_delta", "delta": {"type": "text_delta", "text": "hi"}}),
+            ("message_stop", {"type": "message_stop"}),
+        ):
             await resp.write(b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n")
         await resp.write_eof()
         return resp
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": m, "object": "model", "owned_by": "mock"} for m in self.behaviour.models]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": m, "object": "model", "owned_by": "mock"} for m in self.behaviour.models],
+            }
+        )
 
     async def _server_info(self, request: web.Request) -> web.Response:
-        info = {"model_id": self.behaviour.models[0] if self.behaviour.models else None,
-                "served_model_name": self.behaviour.models, "tp_size": 1, "dp_size": self.behaviour.dp_size,
-                "mock": self.name}
+        info = {
+            "model_id": self.behaviour.models[0] if self.behaviour.models else None,
+            "served_model_name": self.behaviour.models,
+            "tp_size": 1,
+            "dp_size": self.behaviour.dp_size,
+            "mock": self.name,
+        }
         if self.behaviour.dp_size is None:
             del info["dp_size"]
         return web.json_response(info)
 
     async def _kv_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"tp_size": 1, "dp_size": 1, "kv_role": self.behaviour.kv_role,
-                                  "handshake_port": 6301})
+        return web.json_response(
+            {"tp_size": 1, "dp_size": 1, "kv_role": self.behaviour.kv_role, "handshake_port": 6301}
+        )
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        text = (f"# TYPE atom:requests_running gauge\natom:requests_running {self.active}\n"
-                f"# TYPE atom:requests_served_total counter\natom:requests_served_total {self.served}\n")
+        text = (
+            f"# TYPE atom:requests_running gauge\natom:requests_running {self.active}\n"
+            f"# TYPE atom:requests_served_total counter\natom:requests_served_total {self.served}\n"
+        )
         return web.Response(text=text, content_type="text/plain")
 
     async def _flush(self, request: web.Request) -> web.Response:
@@ -337,8 +404,17 @@ def _usage(words: range) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": len(words), "total_tokens": prompt + len(words)}
 
 
-_ATOM_DECODE_FIELDS = ("remote_block_ids", "remote_engine_id", "remote_host", "remote_handshake_port",
-                       "transfer_id", "first_token_id", "remote_dp_size", "remote_tp_size", "remote_dp_rank")
+_ATOM_DECODE_FIELDS = (
+    "remote_block_ids",
+    "remote_engine_id",
+    "remote_host",
+    "remote_handshake_port",
+    "transfer_id",
+    "first_token_id",
+    "remote_dp_size",
+    "remote_tp_size",
+    "remote_dp_rank",
+)
 _VLLM_DECODE_FIELDS = ("remote_block_ids", "remote_engine_id", "remote_host", "remote_port")
 _VLLM_PREFILL_NULLS = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port")
 
@@ -385,9 +461,14 @@ def main() -> None:
     parser.add_argument("--pd-backend", choices=("atom", "sglang", "vllm"), default=None)
     parser.add_argument("--pd-role", choices=("prefill", "decode"), default=None)
     args = parser.parse_args()
-    behaviour = MockBehaviour(latency_secs=args.latency_secs, stream_chunks=args.stream_chunks,
-                              chunk_interval_secs=args.chunk_interval_secs, kv_role=args.kv_role,
-                              pd_backend=args.pd_backend, pd_role=args.pd_role)
+    behaviour = MockBehaviour(
+        latency_secs=args.latency_secs,
+        stream_chunks=args.stream_chunks,
+        chunk_interval_secs=args.chunk_interval_secs,
+        kv_role=args.kv_role,
+        pd_backend=args.pd_backend,
+        pd_role=args.pd_role,
+    )
     worker = MockWorker(args.name, args.host, args.port, behaviour)
 
     async def run() -> None:

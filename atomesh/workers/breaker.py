@@ -48,8 +48,11 @@ class CircuitBreaker:
     @property
     def is_open(self) -> bool:
         """Refusing traffic now: open, and its timeout not over yet. A pure query (changes nothing)."""
-        return (self.settings.enabled and self.state is BreakerState.OPEN
-                and self.clock() - self.opened_at < self.settings.timeout_secs)
+        return (
+            self.settings.enabled
+            and self.state is BreakerState.OPEN
+            and self.clock() - self.opened_at < self.settings.timeout_secs
+        )
 
     def admit(self) -> bool:
         """Whether a request may go to the worker now. Changes state: an open breaker whose timeout is

@@ -71,11 +71,15 @@ class DiscoverySettings:
     @classmethod
     def from_config(cls, cfg: GatewayConfig) -> DiscoverySettings:
         return cls(
-            selector=parse_selector(cfg.selector), prefill_selector=parse_selector(cfg.prefill_selector),
-            decode_selector=parse_selector(cfg.decode_selector), pd=cfg.pd_disaggregation,
-            port=cfg.service_discovery_port, namespace=cfg.service_discovery_namespace,
+            selector=parse_selector(cfg.selector),
+            prefill_selector=parse_selector(cfg.prefill_selector),
+            decode_selector=parse_selector(cfg.decode_selector),
+            pd=cfg.pd_disaggregation,
+            port=cfg.service_discovery_port,
+            namespace=cfg.service_discovery_namespace,
             bootstrap_port_annotation=cfg.bootstrap_port_annotation,
-            model_id_source=parse_model_id_source(cfg.model_id_from) if cfg.model_id_from else None)
+            model_id_source=parse_model_id_source(cfg.model_id_from) if cfg.model_id_from else None,
+        )
 
     def server_selector(self) -> str:
         """The labelSelector sent to the API server: the selector, or in P/D mode the labels both
@@ -89,6 +93,7 @@ class DiscoverySettings:
 
     def role_of(self, labels: Mapping[str, str]) -> WorkerRole | None:
         """The role of a pod with these labels, or None when it is not selected (or matches both roles)."""
+
         def matches(selector: Mapping[str, str]) -> bool:
             return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
 
@@ -122,12 +127,18 @@ class Pod:
         if not isinstance(uid, str) or not uid:
             return None
         conditions = status.get("conditions") or []
-        ready = any(isinstance(c, dict) and c.get("type") == "Ready" and c.get("status") == "True"
-                    for c in conditions)
-        return cls(uid=uid, namespace=str(meta.get("namespace") or ""), name=str(meta.get("name") or ""),
-                   ip=status.get("podIP") or None, phase=str(status.get("phase") or "Unknown"), ready=ready,
-                   deleting=meta.get("deletionTimestamp") is not None,
-                   labels=_str_map(meta.get("labels")), annotations=_str_map(meta.get("annotations")))
+        ready = any(isinstance(c, dict) and c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+        return cls(
+            uid=uid,
+            namespace=str(meta.get("namespace") or ""),
+            name=str(meta.get("name") or ""),
+            ip=status.get("podIP") or None,
+            phase=str(status.get("phase") or "Unknown"),
+            ready=ready,
+            deleting=meta.get("deletionTimestamp") is not None,
+            labels=_str_map(meta.get("labels")),
+            annotations=_str_map(meta.get("annotations")),
+        )
 
     @property
     def serving(self) -> bool:
@@ -178,11 +189,23 @@ def wanted_worker(pod: Pod, settings: DiscoverySettings) -> Wanted | None:
     model_id = None
     if settings.model_id_source is not None:
         kind, key = settings.model_id_source
-        model_id = (pod.namespace if kind == "namespace" else
-                    pod.labels.get(key) if kind == "label" else pod.annotations.get(key)) or None
-    return Wanted(url=f"http://{host}:{settings.port}", role=role, bootstrap_port=bootstrap,
-                  pod=f"{pod.namespace}/{pod.name}", uid=pod.uid, model_id=model_id,
-                  kv_events=pod.annotations.get(KV_EVENTS_ANNOTATION) or None, api_key_secret=secret_ref(pod))
+        model_id = (
+            pod.namespace
+            if kind == "namespace"
+            else pod.labels.get(key)
+            if kind == "label"
+            else pod.annotations.get(key)
+        ) or None
+    return Wanted(
+        url=f"http://{host}:{settings.port}",
+        role=role,
+        bootstrap_port=bootstrap,
+        pod=f"{pod.namespace}/{pod.name}",
+        uid=pod.uid,
+        model_id=model_id,
+        kv_events=pod.annotations.get(KV_EVENTS_ANNOTATION) or None,
+        api_key_secret=secret_ref(pod),
+    )
 
 
 def bootstrap_port(pod: Pod, settings: DiscoverySettings) -> int | None:
@@ -224,11 +247,18 @@ class KubernetesDiscovery:
 
         self._api = CoreV1Api(self._client)
         s = self.settings
-        log.info("discovery_started", namespace=s.namespace or "(all)", selector=s.server_selector() or "(none)",
-                 mode="pd" if s.pd else "regular", port=s.port)
+        log.info(
+            "discovery_started",
+            namespace=s.namespace or "(all)",
+            selector=s.server_selector() or "(none)",
+            mode="pd" if s.pd else "regular",
+            port=s.port,
+        )
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._watch_forever(), name="discovery-watch"),
-                       loop.create_task(self._resync_forever(), name="discovery-resync")]
+        self._tasks = [
+            loop.create_task(self._watch_forever(), name="discovery-watch"),
+            loop.create_task(self._resync_forever(), name="discovery-resync"),
+        ]
 
     async def stop(self) -> None:
         tasks = [*self._tasks, *self._reading.values()]
@@ -278,8 +308,7 @@ class KubernetesDiscovery:
             if self._events:
                 backoff = self.settings.initial_backoff_secs  # the watch worked for a while: a fresh failure
             delay = backoff * random.uniform(0.8, 1.2)
-            log.warning("discovery_api_error", error=error, retry_in_secs=round(delay, 2),
-                        known_pods=len(self.pods))
+            log.warning("discovery_api_error", error=error, retry_in_secs=round(delay, 2), known_pods=len(self.pods))
             await asyncio.sleep(delay)
             backoff = min(backoff * 2, self.settings.max_backoff_secs)
 
@@ -295,8 +324,7 @@ class KubernetesDiscovery:
         token: str | None = None
         selector = self.settings.server_selector()
         while True:
-            kwargs: dict[str, Any] = {"limit": self.settings.list_page_size,
-                                      "_request_timeout": (10, 60)}
+            kwargs: dict[str, Any] = {"limit": self.settings.list_page_size, "_request_timeout": (10, 60)}
             if selector:
                 kwargs["label_selector"] = selector
             if token:
@@ -335,10 +363,13 @@ class KubernetesDiscovery:
         """Follow the pod events from the last resource version until the stream ends; True if it
         carried any event or lasted a while (so it is resumed at once, without backoff)."""
         s = self.settings
-        kwargs: dict[str, Any] = {"watch": True, "allow_watch_bookmarks": True,
-                                  "resource_version": self.resource_version,
-                                  "timeout_seconds": s.watch_timeout_secs,
-                                  "_request_timeout": (10, s.watch_timeout_secs + 30)}
+        kwargs: dict[str, Any] = {
+            "watch": True,
+            "allow_watch_bookmarks": True,
+            "resource_version": self.resource_version,
+            "timeout_seconds": s.watch_timeout_secs,
+            "_request_timeout": (10, s.watch_timeout_secs + 30),
+        }
         if s.server_selector():
             kwargs["label_selector"] = s.server_selector()
         started = time.monotonic()
@@ -395,15 +426,21 @@ class KubernetesDiscovery:
             wanted[w.url] = w
             raw = pod.annotations.get(self.settings.bootstrap_port_annotation)
             if w.role is WorkerRole.PREFILL and raw is not None and w.bootstrap_port is None:
-                self._note(f"bootstrap {pod.uid}", "discovery_bad_bootstrap_port", pod=w.pod, value=raw,
-                           annotation=self.settings.bootstrap_port_annotation)
+                self._note(
+                    f"bootstrap {pod.uid}",
+                    "discovery_bad_bootstrap_port",
+                    pod=w.pod,
+                    value=raw,
+                    annotation=self.settings.bootstrap_port_annotation,
+                )
         for url, (worker, was) in list(self._owned.items()):
             want = wanted.get(url)
             if worker.state is WorkerState.DRAINING:
                 continue
             if want != was:
-                log.info("discovery_worker_gone" if want is None else "discovery_worker_changed",
-                         worker=url, pod=was.pod)
+                log.info(
+                    "discovery_worker_gone" if want is None else "discovery_worker_changed", worker=url, pod=was.pod
+                )
                 self.lifecycle.remove(worker)
             elif worker.state is WorkerState.FAILED and retry_failed:
                 self._add(want)
@@ -429,16 +466,24 @@ class KubernetesDiscovery:
             if ref not in self._keys:
                 if ref not in self._reading:  # read it, then reconcile again
                     self._reading[ref] = asyncio.get_running_loop().create_task(
-                        self._read_secret(ref), name=f"discovery-secret {ref[0]}/{ref[1]}")
+                        self._read_secret(ref), name=f"discovery-secret {ref[0]}/{ref[1]}"
+                    )
                 return
             api_key = self._keys[ref]
             if api_key is None:
                 return  # unreadable: warned once; a worker that wants a key is not added without it
         log.info("discovery_worker_found", worker=want.url, pod=want.pod, role=want.role.value)
         try:
-            worker = self.lifecycle.add(want.url, want.role, want.bootstrap_port, source=WorkerSource.KUBERNETES,
-                                        pod=want.pod, model_id=want.model_id, api_key=api_key,
-                                        labels={KV_EVENTS_LABEL: want.kv_events} if want.kv_events else None)
+            worker = self.lifecycle.add(
+                want.url,
+                want.role,
+                want.bootstrap_port,
+                source=WorkerSource.KUBERNETES,
+                pod=want.pod,
+                model_id=want.model_id,
+                api_key=api_key,
+                labels={KV_EVENTS_LABEL: want.kv_events} if want.kv_events else None,
+            )
         except ValueError as e:
             self._note(f"add {want.url}", "discovery_worker_refused", worker=want.url, pod=want.pod, error=str(e))
             return
@@ -449,8 +494,9 @@ class KubernetesDiscovery:
         namespace, name, key = ref
         value: str | None = None
         try:
-            resp = await self._api.read_namespaced_secret(name, namespace, _preload_content=False,
-                                                          _request_timeout=(10, 30))
+            resp = await self._api.read_namespaced_secret(
+                name, namespace, _preload_content=False, _request_timeout=(10, 30)
+            )
             try:
                 body = await resp.read()
                 if resp.status != 200:
@@ -466,8 +512,13 @@ class KubernetesDiscovery:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # an API error, a malformed secret: said once, retried at the next resync
-            self._note(f"secret {namespace}/{name}/{key}", "discovery_secret_unreadable",
-                       secret=f"{namespace}/{name}", secret_key=key, error=str(e)[:300])
+            self._note(
+                f"secret {namespace}/{name}/{key}",
+                "discovery_secret_unreadable",
+                secret=f"{namespace}/{name}",
+                secret_key=key,
+                error=str(e)[:300],
+            )
         finally:
             self._reading.pop(ref, None)
         self._keys[ref] = value
@@ -510,17 +561,19 @@ async def _api_client() -> Any:
     try:
         from kubernetes_asyncio import client, config
     except ImportError:
-        raise DiscoveryError("--service-discovery needs the Kubernetes client: pip install 'atomesh[kubernetes]'"
-                             ) from None
+        raise DiscoveryError(
+            "--service-discovery needs the Kubernetes client: pip install 'atomesh[kubernetes]'"
+        ) from None
     configuration = client.Configuration()
     try:
         if os.environ.get("KUBERNETES_SERVICE_HOST"):
             config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
         else:
             path = os.environ.get("KUBECONFIG") or str(Path.home() / ".kube" / "config")
-            await config.load_kube_config(config_file=path, client_configuration=configuration,
-                                          persist_config=False)
+            await config.load_kube_config(config_file=path, client_configuration=configuration, persist_config=False)
     except (config.ConfigException, OSError) as e:
-        raise DiscoveryError(f"--service-discovery: no Kubernetes credentials ({e}); in a pod give it a "
-                             "ServiceAccount, elsewhere set KUBECONFIG or write ~/.kube/config") from None
+        raise DiscoveryError(
+            f"--service-discovery: no Kubernetes credentials ({e}); in a pod give it a "
+            "ServiceAccount, elsewhere set KUBECONFIG or write ~/.kube/config"
+        ) from None
     return client.ApiClient(configuration)

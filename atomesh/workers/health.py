@@ -30,9 +30,17 @@ _PROBED = (WorkerState.READY, WorkerState.UNHEALTHY)
 class HealthChecker:
     """Owns one probing task per ready or unhealthy worker, started and stopped with its state."""
 
-    def __init__(self, registry: WorkerRegistry, probe: Probe, *, interval: float, failure_threshold: int,
-                 success_threshold: int, on_result: ResultHook | None = None,
-                 on_unhealthy: UnhealthyHook | None = None) -> None:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        probe: Probe,
+        *,
+        interval: float,
+        failure_threshold: int,
+        success_threshold: int,
+        on_result: ResultHook | None = None,
+        on_unhealthy: UnhealthyHook | None = None,
+    ) -> None:
         self.registry = registry
         self.probe = probe
         self.interval = interval
@@ -77,14 +85,19 @@ class HealthChecker:
 
     def _watch(self, worker: Worker) -> None:
         if worker.id not in self._tasks:
+
             async def probe_once() -> None:
                 if worker.state in _PROBED:
                     ok, reason = await self.probe(worker)
                     self.record(worker, ok, reason)
 
             # Start each worker at a random point of the interval, so probes do not come in waves.
-            task = PeriodicTask(f"health {worker.url}", self.interval, probe_once,
-                                first_delay=self.interval * (0.5 + random.random() / 2))
+            task = PeriodicTask(
+                f"health {worker.url}",
+                self.interval,
+                probe_once,
+                first_delay=self.interval * (0.5 + random.random() / 2),
+            )
             self._tasks[worker.id] = task
             task.start()
 

@@ -38,10 +38,19 @@ class Lifecycle:
     """Adds workers (as jobs that answer at once), drains and removes them."""
 
     def __init__(
-        self, registry: WorkerRegistry, upstream: Upstream, *, backend: BackendKind,
-        breaker: BreakerSettings, startup_timeout: float, check_interval: float, probe_timeout: float,
-        health_endpoint: str, on_breaker: Callable[[Worker, BreakerState, BreakerState], None] | None = None,
-        dp_aware: bool = False, startup_delay: float = 0.0,
+        self,
+        registry: WorkerRegistry,
+        upstream: Upstream,
+        *,
+        backend: BackendKind,
+        breaker: BreakerSettings,
+        startup_timeout: float,
+        check_interval: float,
+        probe_timeout: float,
+        health_endpoint: str,
+        on_breaker: Callable[[Worker, BreakerState, BreakerState], None] | None = None,
+        dp_aware: bool = False,
+        startup_delay: float = 0.0,
     ) -> None:
         self.dp_aware = dp_aware  # every worker must report its data-parallel size
         self.startup_delay = startup_delay  # --worker-startup-delay: before a new worker's first probe
@@ -72,9 +81,18 @@ class Lifecycle:
         await asyncio.gather(*self._jobs, return_exceptions=True)
 
     # ------------------------------------------------------------------ add
-    def add(self, url: str, role: WorkerRole, bootstrap_port: int | None = None,
-            labels: dict[str, str] | None = None, *, source: WorkerSource = WorkerSource.API,
-            pod: str | None = None, model_id: str | None = None, api_key: str | None = None) -> Worker:
+    def add(
+        self,
+        url: str,
+        role: WorkerRole,
+        bootstrap_port: int | None = None,
+        labels: dict[str, str] | None = None,
+        *,
+        source: WorkerSource = WorkerSource.API,
+        pod: str | None = None,
+        model_id: str | None = None,
+        api_key: str | None = None,
+    ) -> Worker:
         """Create a pending worker and start its registration job; raises ValueError on bad input.
 
         `model_id`, when given, is served by the worker besides the models the engine reports; `api_key`
@@ -85,14 +103,22 @@ class Lifecycle:
             if existing.state is not WorkerState.FAILED:
                 raise ValueError(f"worker {url} is already registered as {existing.id}")
             self.registry.set_state(existing, WorkerState.REMOVED)
-        worker = Worker(url=url, role=role, bootstrap_port=bootstrap_port, labels=dict(labels or {}),
-                        source=source, pod=pod, api_key=api_key)
+        worker = Worker(
+            url=url,
+            role=role,
+            bootstrap_port=bootstrap_port,
+            labels=dict(labels or {}),
+            source=source,
+            pod=pod,
+            api_key=api_key,
+        )
         worker.breaker = CircuitBreaker(settings=self.breaker_settings, on_transition=self._breaker_hook(worker))
         self.registry.add(worker)
         self._ready_events[worker.id] = asyncio.Event()
         self._spawn(self._register(worker, model_id), f"register {url}")
-        log.info("worker_added", worker=url, role=role.value, id=worker.id, source=source.value,
-                 own_key=api_key is not None)  # (a field named *api_key would be redacted)
+        log.info(
+            "worker_added", worker=url, role=role.value, id=worker.id, source=source.value, own_key=api_key is not None
+        )  # (a field named *api_key would be redacted)
         return worker
 
     def mirror(self, url: str, role: WorkerRole, bootstrap_port: int | None, api_key: str | None = None) -> Worker:
@@ -104,10 +130,14 @@ class Lifecycle:
 
     def _breaker_hook(self, worker: Worker) -> Callable[[BreakerState, BreakerState], None]:
         def hook(old: BreakerState, new: BreakerState) -> None:
-            log.info("breaker_" + ("opened" if new is BreakerState.OPEN else new.value), worker=worker.url,
-                     previous=old.value)
+            log.info(
+                "breaker_" + ("opened" if new is BreakerState.OPEN else new.value),
+                worker=worker.url,
+                previous=old.value,
+            )
             if self.on_breaker is not None:
                 self.on_breaker(worker, old, new)
+
         return hook
 
     async def wait_ready(self, worker: Worker) -> None:
@@ -150,21 +180,29 @@ class Lifecycle:
                 raise RegistrationFailed(f"{worker.url} is this gateway itself ({SELF_LOOP})")
             worker.error = f"not healthy yet: {last}"  # GET /workers/{id} shows why it is still pending
             if last != logged:
-                log.warning("worker_not_healthy_yet", worker=worker.url, reason=last,
-                            gives_up_in_secs=round(max(deadline - time.monotonic(), 0.0), 1))
+                log.warning(
+                    "worker_not_healthy_yet",
+                    worker=worker.url,
+                    reason=last,
+                    gives_up_in_secs=round(max(deadline - time.monotonic(), 0.0), 1),
+                )
                 logged = last
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RegistrationFailed(
-                    f"{worker.url} did not become healthy within {self.startup_timeout:g}s ({last})")
+                    f"{worker.url} did not become healthy within {self.startup_timeout:g}s ({last})"
+                )
             await asyncio.sleep(min(self.check_interval, remaining))
 
     async def probe(self, worker: Worker, timeout: float | None = None) -> tuple[bool, str]:
         """One health check, bounded by the probe timeout: (healthy, reason)."""
         try:
-            status, _, _ = await self.upstream.call("GET", worker.url + self.health_endpoint,
-                                                    headers=self.upstream.worker_headers(worker),
-                                                    timeout=timeout or self.probe_timeout)
+            status, _, _ = await self.upstream.call(
+                "GET",
+                worker.url + self.health_endpoint,
+                headers=self.upstream.worker_headers(worker),
+                timeout=timeout or self.probe_timeout,
+            )
         except GatewayError as e:
             return False, e.message
         if status == LoopDetected.status:
@@ -195,14 +233,16 @@ class Lifecycle:
 
     async def _check_kv_role(self, worker: Worker, expected: str) -> None:
         try:
-            info = await self.upstream.get_json(worker.url + "/kv_transfer_info", self.probe_timeout,
-                                                self.upstream.worker_headers(worker))
+            info = await self.upstream.get_json(
+                worker.url + "/kv_transfer_info", self.probe_timeout, self.upstream.worker_headers(worker)
+            )
         except GatewayError as e:
             raise RegistrationFailed(f"{worker.url}/kv_transfer_info failed: {e.message}") from None
         role = info.get("kv_role") if isinstance(info, dict) else None
         if role != expected:
             raise RegistrationFailed(
-                f"{worker.url} reports kv_role {role!r}; a {worker.role.value} worker must be {expected!r}")
+                f"{worker.url} reports kv_role {role!r}; a {worker.role.value} worker must be {expected!r}"
+            )
         worker.kv_transfer_info = info
 
     # ------------------------------------------------------------------ drain and remove
@@ -258,8 +298,10 @@ def _dp_size(worker: Worker) -> int:
     info = worker.server_info
     size = info.get("dp_size", info.get("data_parallel_size"))
     if not info or size is None:
-        raise RegistrationFailed(f"{worker.url} reports no dp_size in /server_info or /get_server_info: --dp-aware "
-                                 "needs engines that expose their data-parallel ranks (SGLang, ATOM, atomesh's engine)")
+        raise RegistrationFailed(
+            f"{worker.url} reports no dp_size in /server_info or /get_server_info: --dp-aware "
+            "needs engines that expose their data-parallel ranks (SGLang, ATOM, atomesh's engine)"
+        )
     if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_DP_SIZE:
         raise RegistrationFailed(f"{worker.url} reports dp_size {size!r}; expected an integer in 1..{MAX_DP_SIZE}")
     return size

@@ -46,7 +46,7 @@ def parse_load(text: str, families: tuple[tuple[str, str], ...] = LOAD_GAUGES) -
         name = line[:name_end]
         if name not in wanted:
             continue
-        rest = line[line.rfind("}") + 1:] if line[name_end:name_end + 1] == "{" else line[name_end:]
+        rest = line[line.rfind("}") + 1 :] if line[name_end : name_end + 1] == "{" else line[name_end:]
         try:
             values[name] = values.get(name, 0.0) + float(rest.split()[0])  # `value [timestamp]`
         except (ValueError, IndexError):
@@ -60,8 +60,15 @@ def parse_load(text: str, families: tuple[tuple[str, str], ...] = LOAD_GAUGES) -
 class LoadPoller:
     """Owns one task that polls every ready worker's engine load."""
 
-    def __init__(self, registry: WorkerRegistry, upstream: Upstream, interval: float = 1.0, timeout: float = 0.5,
-                 path: str = "/metrics", elsewhere: Callable[[Worker], int] | None = None) -> None:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        upstream: Upstream,
+        interval: float = 1.0,
+        timeout: float = 0.5,
+        path: str = "/metrics",
+        elsewhere: Callable[[Worker], int] | None = None,
+    ) -> None:
         self.registry = registry
         # Requests on a worker that other gateway replicas or this gateway's other processes said they
         # have in flight (the pool's policy knows: Policy.elsewhere): known exactly, so not "foreign" either.
@@ -87,8 +94,9 @@ class LoadPoller:
         mine = worker.in_flight
         theirs = elsewhere(worker) if elsewhere is not None else 0
         try:
-            status, body, _ = await self.upstream.call("GET", worker.url + self.path, timeout=self.timeout,
-                                                       headers=self.upstream.worker_headers(worker))
+            status, body, _ = await self.upstream.call(
+                "GET", worker.url + self.path, timeout=self.timeout, headers=self.upstream.worker_headers(worker)
+            )
             text = body.decode() if status == 200 else ""
         except (GatewayError, UnicodeDecodeError):
             text = ""

@@ -43,8 +43,11 @@ class ModelNames:
             return raw  # not a string: validation's business, not a name to resolve
         served = self.served()
         if len(served) > 1:
-            raise BadRequest(f"the request names no model and this gateway serves several: {', '.join(served)}; "
-                             "set `model` to one of them", code="model_required")
+            raise BadRequest(
+                f"the request names no model and this gateway serves several: {', '.join(served)}; "
+                "set `model` to one of them",
+                code="model_required",
+            )
         if not served:
             return raw  # the workers advertise no name: they answer for their one model
         body["model"] = served[0]

@@ -118,9 +118,11 @@ def tune_attention(out: dict) -> None:
         best = (math.inf, "")
         for bn, warps, stages in itertools.product((64, 128, 256), (4, 8), (2, 3, 4)):
             try:
+
                 def run(bn=bn, warps=warps, stages=stages, cache=cache):
                     return paged_attention(q, cache, tables, qstart, lens, d**-0.5, 1, ctx, splits, block_n=bn,
                                            num_warps=warps, num_stages=stages)  # fmt: skip
+
                 if name == "fp8":
                     err = (run().float() - ref).abs().max().item()
                     if err > 0.05:

@@ -198,7 +198,12 @@ class TritonOps:
         # Sparse decode: the decode rows attend over their indexer-chosen blocks, read in place.
         block_size = kv_cache.shape[2]
         tables, lens = select_blocks_paged(
-            q[:nd], indexer, meta.block_tables[:nd], meta.context_lens[:nd], block_size, meta.sparse_topk,
+            q[:nd],
+            indexer,
+            meta.block_tables[:nd],
+            meta.context_lens[:nd],
+            block_size,
+            meta.sparse_topk,
             meta.score_reduce,
         )
         width = tables.shape[1] * block_size

@@ -51,9 +51,7 @@ def parse_backend(value: object) -> MemoryBackend:
     try:
         return MemoryBackend(str(value))
     except ValueError:
-        raise ValueError(
-            f"memory_backend {value!r} must be one of {[b.value for b in MemoryBackend]}"
-        ) from None
+        raise ValueError(f"memory_backend {value!r} must be one of {[b.value for b in MemoryBackend]}") from None
 
 
 def choose_backend(requested: MemoryBackend, device_type: str, wheel: MooncakeWheel) -> tuple[MemoryBackend, str]:
@@ -64,7 +62,8 @@ def choose_backend(requested: MemoryBackend, device_type: str, wheel: MooncakeWh
             raise ValueError(
                 "memory_backend 'direct' on CUDA needs the CUDA build of Mooncake (pip install "
                 f"mooncake-transfer-engine); installed: {wheel.value}, which moves host memory only. "
-                "Use memory_backend 'staged' (or 'auto') to move the KV through pinned host memory")
+                "Use memory_backend 'staged' (or 'auto') to move the KV through pinned host memory"
+            )
         return requested, "asked for (memory_backend direct): the caches are registered and written in place"
     if requested is MemoryBackend.STAGED:
         return requested, "asked for (memory_backend staged)"
@@ -72,5 +71,6 @@ def choose_backend(requested: MemoryBackend, device_type: str, wheel: MooncakeWh
         return MemoryBackend.DIRECT, "CUDA with the CUDA build of Mooncake: GPU caches registered and written in place"
     if cuda:
         return MemoryBackend.STAGED, (
-            f"CUDA with {wheel.value}, which moves host memory only: blocks go through pinned host staging")
+            f"CUDA with {wheel.value}, which moves host memory only: blocks go through pinned host staging"
+        )
     return MemoryBackend.STAGED, "CPU: one staging region keeps scattered block ids near Mooncake's raw speed"

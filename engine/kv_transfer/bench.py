@@ -321,9 +321,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--backend", choices=["staged", "direct"], default="staged", help="KV memory backend")
     p.add_argument("--staging-mb", type=int, default=DEFAULT_STAGING_MB, help="staging buffer per side (staged)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the caches live")
-    p.add_argument("--protocol", choices=["ipc", "tcp", "rdma"], default=None,
-                   help="ipc: decode maps the producer's pools (engine.kv_transfer.ipc); tcp / rdma: Mooncake's "
-                        "transport (default: chosen, see transport)")
+    p.add_argument(
+        "--protocol",
+        choices=["ipc", "tcp", "rdma"],
+        default=None,
+        help="ipc: decode maps the producer's pools (engine.kv_transfer.ipc); tcp / rdma: Mooncake's "
+        "transport (default: chosen, see transport)",
+    )
     p.add_argument("--json", default="", help="also write the rows to this JSON file")
     args = p.parse_args(argv)
     torch.set_num_threads(1)

@@ -50,8 +50,21 @@ async def _mode(args: argparse.Namespace, n: int, inflight: int) -> dict[str, An
                           ipc=peers)  # fmt: skip
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_producer_main, daemon=True, args=(
-        child, num_blocks, args.dtype, "engine", args.backend, args.staging_mb, args.device, inflight, args.protocol))
+    proc = ctx.Process(
+        target=_producer_main,
+        daemon=True,
+        args=(
+            child,
+            num_blocks,
+            args.dtype,
+            "engine",
+            args.backend,
+            args.staging_mb,
+            args.device,
+            inflight,
+            args.protocol,
+        ),
+    )
     proc.start()
     loop = asyncio.get_running_loop()
 
@@ -66,7 +79,7 @@ async def _mode(args: argparse.Namespace, n: int, inflight: int) -> dict[str, An
         for _ in range(args.repeats):
             src = rng.sample(range(num_blocks), blocks_per * n)
             dst = rng.sample(range(num_blocks), blocks_per * n)
-            offers = [await ask("offer", src[i * blocks_per:(i + 1) * blocks_per]) for i in range(n)]
+            offers = [await ask("offer", src[i * blocks_per : (i + 1) * blocks_per]) for i in range(n)]
             start = time.perf_counter()
             done = await asyncio.gather(*(_timed_pull(consumer, offers[i], dst[i * blocks_per:(i + 1) * blocks_per],
                                                       start) for i in range(n)))  # fmt: skip
@@ -80,14 +93,22 @@ async def _mode(args: argparse.Namespace, n: int, inflight: int) -> dict[str, An
         side.close()
     total = n * blocks_per * sum(r.unit_bytes for r in caches.regions if isinstance(r, Region))
     wall = statistics.median(walls)
-    return {"concurrency": n, "max_inflight": inflight, "wall_ms": wall * 1e3,
-            "mean_pull_ms": statistics.median(latencies) * 1e3, "gb_s": total / wall / 1e9, "bytes": total}
+    return {
+        "concurrency": n,
+        "max_inflight": inflight,
+        "wall_ms": wall * 1e3,
+        "mean_pull_ms": statistics.median(latencies) * 1e3,
+        "gb_s": total / wall / 1e9,
+        "bytes": total,
+    }
 
 
 async def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    print(f"{args.tokens} tokens per request, SmolLM2 shape {args.dtype} on {args.device}, backend {args.backend}, "
-          f"staging {args.staging_mb} MiB per side, median of {args.repeats}")
+    print(
+        f"{args.tokens} tokens per request, SmolLM2 shape {args.dtype} on {args.device}, backend {args.backend}, "
+        f"staging {args.staging_mb} MiB per side, median of {args.repeats}"
+    )
     print(f"{'N':>3} {'mode':>10} {'wall ms':>8} {'mean pull ms':>12} {'GB/s':>6}")
     for n in [int(c) for c in args.concurrency.split(",")]:
         pair = []
@@ -98,8 +119,11 @@ async def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
             pair.append(row)
             rows.append(row)
         serial, concurrent = pair
-        print(f"{n:>3} {'ratio':>10} {serial['wall_ms'] / concurrent['wall_ms']:>7.2f}x "
-              f"{serial['mean_pull_ms'] / concurrent['mean_pull_ms']:>11.2f}x  (serial / concurrent)", flush=True)
+        print(
+            f"{n:>3} {'ratio':>10} {serial['wall_ms'] / concurrent['wall_ms']:>7.2f}x "
+            f"{serial['mean_pull_ms'] / concurrent['mean_pull_ms']:>11.2f}x  (serial / concurrent)",
+            flush=True,
+        )
     return rows
 
 
@@ -110,8 +134,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--backend", choices=["staged", "direct"], default="staged")
     p.add_argument("--staging-mb", type=int, default=128, help="staging buffer per side (staging_buffer_mb)")
-    p.add_argument("--protocol", choices=["ipc", "tcp", "rdma"], default=None,
-                   help="ipc: decode maps the producer's pools; tcp / rdma: Mooncake's transport (default: chosen)")
+    p.add_argument(
+        "--protocol",
+        choices=["ipc", "tcp", "rdma"],
+        default=None,
+        help="ipc: decode maps the producer's pools; tcp / rdma: Mooncake's transport (default: chosen)",
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both sides' caches live")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default="")

@@ -302,8 +302,10 @@ class KVProducer:
             )
         if msg.get("type") == MessageType.IPC_OPEN:
             if self._ipc is None:
-                return refuse(RefusalCode.IPC_UNAVAILABLE,
-                              "this prefill engine shares no KV pools (its protocol is forced to a Mooncake one)")
+                return refuse(
+                    RefusalCode.IPC_UNAVAILABLE,
+                    "this prefill engine shares no KV pools (its protocol is forced to a Mooncake one)",
+                )
             return MessageType.IPC_POOLS, self._ipc.describe()
         if msg.get("type") != MessageType.WRITE_REQUEST:
             return refuse(RefusalCode.BAD_REQUEST, f"expected write_request, got {msg.get('type')!r}")
@@ -558,8 +560,11 @@ class KVConsumer:
         if max_inflight < 1:
             raise ValueError("max_inflight must be >= 1")
         if staging is not None and staging.slots < SLOTS_PER_TRANSFER * max_inflight:
-            log.warning("kv_consumer_slots_short slots=%d max_inflight=%d: pulls will wait for staging slots",
-                        staging.slots, max_inflight)
+            log.warning(
+                "kv_consumer_slots_short slots=%d max_inflight=%d: pulls will wait for staging slots",
+                staging.slots,
+                max_inflight,
+            )
         self._agent = agent
         self._regions = tuple(regions)
         self.timeout_s = timeout_s
@@ -785,8 +790,10 @@ def _check_reply(reply: dict[str, Any], tid: str, nonce: str, where: str, *, dst
         )
     if kind != MessageType.WRITE_DONE:
         raise KVTransferError(
-            f"KV producer {where} sent {kind!r} for transfer {tid}", reason="bad_reply",
-            dst_may_be_written=dst_may_be_written)
+            f"KV producer {where} sent {kind!r} for transfer {tid}",
+            reason="bad_reply",
+            dst_may_be_written=dst_may_be_written,
+        )
     if reply.get("nonce") != nonce or reply.get("transfer_id") != tid:
         raise KVTransferError(
             f"KV producer {where} answered transfer {tid} with a mismatched nonce or transfer id",

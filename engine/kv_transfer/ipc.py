@@ -122,8 +122,10 @@ def _check_shm_room(nbytes: int, shm: Path = SHM) -> None:
         raise IpcUnavailable(f"{shm} is not usable for shared KV pools: {exc}") from exc
     free = st.f_bavail * st.f_frsize
     if nbytes > free:
-        raise IpcUnavailable(f"the KV pools need {nbytes / 2**20:.0f} MiB of {shm}, which has {free / 2**20:.0f} MiB "
-                             "free (a container's default is 64 MiB: raise --shm-size)")
+        raise IpcUnavailable(
+            f"the KV pools need {nbytes / 2**20:.0f} MiB of {shm}, which has {free / 2**20:.0f} MiB "
+            "free (a container's default is 64 MiB: raise --shm-size)"
+        )
 
 
 class PoolExport:
@@ -418,8 +420,9 @@ class IpcPeers:
     async def copy(self, pools: PeerPools, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
         """Copy the blocks in a thread; if cancelled meanwhile, wait for it (it writes our blocks)."""
         if [v.shape[1] for v in pools.views] != [v.shape[1] for v in self.views]:
-            raise KVTransferError("ipc copy: the producer's regions differ from this engine's",
-                                  reason="region_mismatch")
+            raise KVTransferError(
+                "ipc copy: the producer's regions differ from this engine's", reason="region_mismatch"
+            )
         for side, views, ids in (("source", pools.views, src_ids), ("destination", self.views, dst_ids)):
             limit = min(v.shape[0] for v in views)
             if any(not 0 <= b < limit for b in ids):

@@ -81,8 +81,12 @@ def _transfer_engine_class() -> Any:
 
 # Lines Mooncake writes while it starts that are no fault: its descriptor is looked up before it is
 # published, the topology scan reports the RDMA devices it did not find, the allocator notice.
-_EXPECTED_AT_START = ("Local segment descriptor not found", "No RDMA devices found", "Using default malloc/free",
-                      "Logging before InitGoogleLogging")
+_EXPECTED_AT_START = (
+    "Local segment descriptor not found",
+    "No RDMA devices found",
+    "Using default malloc/free",
+    "Logging before InitGoogleLogging",
+)
 _GLOG_LEVELS = {"I": logging.DEBUG, "W": logging.WARNING, "E": logging.ERROR, "F": logging.CRITICAL}
 
 
@@ -119,8 +123,13 @@ class MooncakeAgent:
     """One Mooncake transfer engine on ``host``: registers regions and writes into peers' memory."""
 
     def __init__(
-        self, host: str = "127.0.0.1", *, protocol: str | None = None, device_name: str = "",
-        max_batch: int = MAX_BATCH, lanes: int = DEFAULT_LANES,
+        self,
+        host: str = "127.0.0.1",
+        *,
+        protocol: str | None = None,
+        device_name: str = "",
+        max_batch: int = MAX_BATCH,
+        lanes: int = DEFAULT_LANES,
     ) -> None:
         if not 0 < max_batch <= QUEUE_ENTRIES:
             raise ValueError(f"max_batch must be in 1..{QUEUE_ENTRIES} (Mooncake's per-peer queue limit)")
@@ -134,8 +143,11 @@ class MooncakeAgent:
         rc = _initialize(self._engine, host, protocol, device_name)
         if rc != 0:
             if protocol in (Transport.NVLINK_INTRA, Transport.NVLINK):
-                raise KVTransferError(f"Mooncake could not start protocol {protocol!r} (rc={rc}): is it built with "
-                                      "that transport, and are the caches on a GPU?", reason="transfer_engine")
+                raise KVTransferError(
+                    f"Mooncake could not start protocol {protocol!r} (rc={rc}): is it built with "
+                    "that transport, and are the caches on a GPU?",
+                    reason="transfer_engine",
+                )
             raise TransferEngineError(f"initialize({host!r}, P2PHANDSHAKE, {protocol!r})", rc)
         self._rpc_address = f"{host}:{self._engine.get_rpc_port()}"
         self._registered: list[int] = []

@@ -180,7 +180,8 @@ class StagingBuffer:
         if slot_bytes < max(self.unit_bytes):
             raise ValueError(
                 f"a staging buffer of {nbytes} bytes gives {slots} slots of {slot_bytes} bytes, smaller than one "
-                f"block unit ({max(self.unit_bytes)} bytes): give it at least {slots * max(self.unit_bytes)} bytes")
+                f"block unit ({max(self.unit_bytes)} bytes): give it at least {slots * max(self.unit_bytes)} bytes"
+            )
         self.slot_bytes = slot_bytes
         self.slots = slots
         cuda = self.device.type == "cuda"
@@ -241,7 +242,8 @@ class StagingBuffer:
             for p in chunk.pieces:
                 nbytes = p.count * self.unit_bytes[p.region]
                 self._rows(self.views[p.region]).index_copy_(
-                    0, ids[p.first : p.first + p.count], self._rows(src[offset : offset + nbytes], p.count))
+                    0, ids[p.first : p.first + p.count], self._rows(src[offset : offset + nbytes], p.count)
+                )
                 offset += nbytes
             if self.stream is not None:
                 self.stream.synchronize()  # the blocks are complete before decode reads them

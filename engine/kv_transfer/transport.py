@@ -91,10 +91,12 @@ def choose_transport(requested: Transport | str | None, facts: HostFacts) -> Tra
             raise ValueError(
                 f"protocol {asked.value!r} needs Mooncake built from source with {_BUILD_FLAG[asked]}; "
                 f"the installed pip wheel ({facts.wheel.value}) is built without it. "
-                "Use protocol 'tcp' or 'rdma' (or leave it out)")
+                "Use protocol 'tcp' or 'rdma' (or leave it out)"
+            )
         if facts.gpu_direct is False:
-            raise ValueError(f"protocol {asked.value!r} moves GPU memory in place: it needs CUDA caches and "
-                             "memory_backend 'direct'")
+            raise ValueError(
+                f"protocol {asked.value!r} moves GPU memory in place: it needs CUDA caches and memory_backend 'direct'"
+            )
         return TransportChoice(asked, f"asked for (protocol {asked.value}): GPU to GPU within this host")
     if facts.force_tcp:
         return TransportChoice(Transport.TCP, "MC_FORCE_TCP is set")

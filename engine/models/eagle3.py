@@ -65,8 +65,10 @@ def parse_eagle3_config(raw: dict[str, Any], target: ModelConfig, where: str) ->
                                     "supported: EAGLE-3 heads of one decoder layer are built")  # fmt: skip
     eagle = raw.get("eagle_config") or {}
     if eagle.get("use_aux_hidden_state") is False:
-        raise UnsupportedModelError(f"{where}: config.json eagle_config.use_aux_hidden_state=False is not supported: "
-                                    "heads over the target's last hidden state only (EAGLE-1/2) are not built")
+        raise UnsupportedModelError(
+            f"{where}: config.json eagle_config.use_aux_hidden_state=False is not supported: "
+            "heads over the target's last hidden state only (EAGLE-1/2) are not built"
+        )
     layer = parse_hf_config({**raw, "architectures": ["LlamaForCausalLM"]}, where)
     target_hidden = int(raw.get("target_hidden_size") or layer.hidden_size)
     if target_hidden != target.hidden_size:

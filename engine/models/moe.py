@@ -54,7 +54,11 @@ def route(
 
 
 def experts_torch(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
     first_expert: int = 0,
 ) -> torch.Tensor:
     """The reference expert computation: ``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``.
@@ -80,9 +84,7 @@ def experts_torch(
     return out
 
 
-def local_pairs(
-    weights: torch.Tensor, ids: torch.Tensor, first: int, count: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def local_pairs(weights: torch.Tensor, ids: torch.Tensor, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing for a block holding experts ``first .. first + count - 1`` only (expert parallel), without a host
     sync (the fused kernel's path, graph-capturable): ids made local, another rank's pairs weighted 0 on local
     expert 0. Their compute is spent and adds exact zeros; the torch path skips them instead."""

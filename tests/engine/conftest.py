@@ -56,7 +56,11 @@ def make_engine(tiny_model: LoadedModel) -> MakeEngine:
 
     def make(loaded: LoadedModel | None = None, **overrides: Any) -> LLMEngine:
         args = EngineArgs(
-            model="tiny-random", device=DEVICE, dtype="float32", num_kvcache_blocks=256, max_model_len=1024,
+            model="tiny-random",
+            device=DEVICE,
+            dtype="float32",
+            num_kvcache_blocks=256,
+            max_model_len=1024,
             # CUDA: the tests' batches are small; capturing every default size would take seconds per engine.
             cudagraph_capture_sizes=(1, 2, 4, 8, 16),
         )

@@ -20,16 +20,22 @@ def test_rendering_matches_transformers(smollm2_model: LoadedModel) -> None:
     ours = smollm2_model.tokenizer
     for partial in ("Red, ", "Red, green", " spaced  "):
         messages = [*MESSAGES, {"role": "assistant", "content": partial}]
-        assert ours.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True) == \
-            reference.apply_chat_template(messages, tokenize=False, continue_final_message=True)
-    assert ours.apply_chat_template(MESSAGES, add_generation_prompt=False) == \
-        reference.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=False)
+        assert ours.apply_chat_template(
+            messages, add_generation_prompt=False, continue_final_message=True
+        ) == reference.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert ours.apply_chat_template(MESSAGES, add_generation_prompt=False) == reference.apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=False
+    )
 
 
 async def test_both_switches_are_refused(start_server: StartServer, http: aiohttp.ClientSession) -> None:
     server = await start_server()
-    body = {"messages": [*MESSAGES, {"role": "assistant", "content": "Red"}], "max_tokens": 2,
-            "continue_final_message": True, "add_generation_prompt": True}
+    body = {
+        "messages": [*MESSAGES, {"role": "assistant", "content": "Red"}],
+        "max_tokens": 2,
+        "continue_final_message": True,
+        "add_generation_prompt": True,
+    }
     async with http.post(server.url + "/v1/chat/completions", json=body) as r:
         assert r.status == 400
         assert "Cannot set both" in (await r.json())["error"]["message"]
@@ -40,7 +46,8 @@ async def test_both_switches_are_refused(start_server: StartServer, http: aiohtt
 
 @pytest.mark.timeout(180)
 async def test_continuing_a_greedy_answer_gives_the_rest_of_it(
-        start_server: StartServer, smollm2_model: LoadedModel, http: aiohttp.ClientSession) -> None:
+    start_server: StartServer, smollm2_model: LoadedModel, http: aiohttp.ClientSession
+) -> None:
     server = await start_server(smollm2_model, model="smollm2", num_kvcache_blocks=64, max_model_len=512)
     url = server.url + "/v1/chat/completions"
     greedy = {"model": "smollm2", "temperature": 0, "ignore_eos": True}
@@ -50,8 +57,13 @@ async def test_continuing_a_greedy_answer_gives_the_rest_of_it(
     async with http.post(url, json={**greedy, "messages": MESSAGES, "max_tokens": 4}) as r:
         head = (await r.json())["choices"][0]["message"]["content"]
     assert text.startswith(head)
-    body = {**greedy, "messages": [*MESSAGES, {"role": "assistant", "content": head}], "max_tokens": 6,
-            "continue_final_message": True, "add_generation_prompt": False}
+    body = {
+        **greedy,
+        "messages": [*MESSAGES, {"role": "assistant", "content": head}],
+        "max_tokens": 6,
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+    }
     async with http.post(url, json=body) as r:
         rest = await r.json()
     assert head + rest["choices"][0]["message"]["content"] == text

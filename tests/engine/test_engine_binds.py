@@ -17,8 +17,21 @@ from gwtest import EngineProcess, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
-ENGINE = [sys.executable, "-m", "engine.openai_server", "--model", "tiny-random", "--device", "cpu",
-          "--host", "127.0.0.1", "--num-kvcache-blocks", "64", "--torch-threads", "1"]
+ENGINE = [
+    sys.executable,
+    "-m",
+    "engine.openai_server",
+    "--model",
+    "tiny-random",
+    "--device",
+    "cpu",
+    "--host",
+    "127.0.0.1",
+    "--num-kvcache-blocks",
+    "64",
+    "--torch-threads",
+    "1",
+]
 WILDCARDS = {"0.0.0.0", "::"}
 
 
@@ -40,7 +53,7 @@ def listening(pid: int) -> dict[int, str]:
                 continue
             addr, port = fields[1].split(":")
             raw = bytes.fromhex(addr)
-            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # little-endian words
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # little-endian words
             out[int(port, 16)] = socket.inet_ntop(family, raw)
     return out
 
@@ -60,9 +73,22 @@ def test_no_wildcard_bind_under_host_127_0_0_1() -> None:
 @pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="needs Mooncake (make install)")
 def test_kv_handshake_binds_the_host_too() -> None:
     handshake = free_port()
-    engine = EngineProcess("binds-pd", [*ENGINE, "--kv-transfer-config", json.dumps(
-        {"kv_role": "kv_producer", "kv_connector": "mooncake", "handshake_port": handshake,
-         "memory_backend": "staged", "staging_buffer_mb": 1})])
+    engine = EngineProcess(
+        "binds-pd",
+        [
+            *ENGINE,
+            "--kv-transfer-config",
+            json.dumps(
+                {
+                    "kv_role": "kv_producer",
+                    "kv_connector": "mooncake",
+                    "handshake_port": handshake,
+                    "memory_backend": "staged",
+                    "staging_buffer_mb": 1,
+                }
+            ),
+        ],
+    )
     try:
         engine.wait_up()
         info = json.loads(urllib.request.urlopen(engine.url + "/kv_transfer_info", timeout=5).read())

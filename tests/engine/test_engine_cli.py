@@ -20,8 +20,10 @@ MODULE = [sys.executable, "-m", "engine.openai_server"]
     ("argv", "message"),
     [
         (["-tp", "0"], "--tensor-parallel-size/-tp 0: must be at least 1"),
-        (["--data-parallel-size", "2"], "--data-parallel-size/-dp 2: data parallelism (ATOM's DP attention) is not "
-                                        "built"),
+        (
+            ["--data-parallel-size", "2"],
+            "--data-parallel-size/-dp 2: data parallelism (ATOM's DP attention) is not built",
+        ),
         (["--enable-expert-parallel"], "--enable-expert-parallel needs --tensor-parallel-size > 1"),
         (["-pp", "2"], "--pipeline-parallel-size/-pp 2: only 1 is supported"),
         (["--method", "eagle3", "--num-speculative-tokens", "3"], "--method: method 'eagle3' needs the draft head's"),
@@ -29,21 +31,41 @@ MODULE = [sys.executable, "-m", "engine.openai_server"]
         (["--method", "ngram"], "num_speculative_tokens None must be an integer"),
         (["--num-speculative-tokens", "2"], "--num-speculative-tokens and --draft-model need --method"),
         (["--draft-model", "x"], "--num-speculative-tokens and --draft-model need --method"),
-        (["--method", "ngram", "--num-speculative-tokens", "2", "--draft-model", "x"],
-         "method 'ngram' drafts from the text itself and takes no draft model"),
-        (["--speculative-config", '{"method": "eagle3", "model": "h", "num_speculative_tokens": 3, '
-          '"prompt_lookup_max": 3}'], "prompt_lookup_min/max are settings of method 'ngram', not of 'eagle3'"),
-        (["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 3}'],
-         "method 'eagle3' needs the draft head's folder"),
-        (["--speculative-config", '{"method": "eagle", "model": "h", "num_speculative_tokens": 3}'],
-         "EAGLE (1/2) draft heads are not implemented"),
+        (
+            ["--method", "ngram", "--num-speculative-tokens", "2", "--draft-model", "x"],
+            "method 'ngram' drafts from the text itself and takes no draft model",
+        ),
+        (
+            [
+                "--speculative-config",
+                '{"method": "eagle3", "model": "h", "num_speculative_tokens": 3, "prompt_lookup_max": 3}',
+            ],
+            "prompt_lookup_min/max are settings of method 'ngram', not of 'eagle3'",
+        ),
+        (
+            ["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 3}'],
+            "method 'eagle3' needs the draft head's folder",
+        ),
+        (
+            ["--speculative-config", '{"method": "eagle", "model": "h", "num_speculative_tokens": 3}'],
+            "EAGLE (1/2) draft heads are not implemented",
+        ),
         (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'], "must be an integer in 1..16"),
-        (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
-          '"prompt_lookup_max": 2}'], "prompt_lookup_min 4 is above prompt_lookup_max 2"),
-        (["--method", "ngram", "--num-speculative-tokens", "2", "--sparse-attention", "on"],
-         "speculative decoding with --sparse-attention on is not supported"),
-        (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "acceptance": 1}'],
-         "unsupported keys ['acceptance']"),
+        (
+            [
+                "--speculative-config",
+                '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
+            ],
+            "prompt_lookup_min 4 is above prompt_lookup_max 2",
+        ),
+        (
+            ["--method", "ngram", "--num-speculative-tokens", "2", "--sparse-attention", "on"],
+            "speculative decoding with --sparse-attention on is not supported",
+        ),
+        (
+            ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "acceptance": 1}'],
+            "unsupported keys ['acceptance']",
+        ),
         (["--port", "8006"], "use --server-port"),
         (["--long-prefill-token-threshold", "-1"], "must be >= 0"),
         (["--kv-transfer-config", '{"kv_role": "kv_both"}'], "not implemented yet"),
@@ -125,10 +147,23 @@ def test_refusals_from_a_real_process() -> None:
         (["-dp", "2"], "DP attention"),
         (["--model", "/no/such/model.gguf"], "cannot load model '/no/such/model.gguf'"),
         # 1 MiB cut into 2 slots for each of 256 pulls in flight: slots smaller than one block.
-        (["--model", "tiny-random", "--device", "cpu", "--num-kvcache-blocks", "16", "--host", "127.0.0.1",
-          "--server-port", "1", "--kv-transfer-config",
-          '{"kv_role": "kv_consumer", "staging_buffer_mb": 1, "max_inflight_pulls": 256}'],
-         "staging_buffer_mb 1 is cut into 2 slots per max_inflight_pulls (256)"),
+        (
+            [
+                "--model",
+                "tiny-random",
+                "--device",
+                "cpu",
+                "--num-kvcache-blocks",
+                "16",
+                "--host",
+                "127.0.0.1",
+                "--server-port",
+                "1",
+                "--kv-transfer-config",
+                '{"kv_role": "kv_consumer", "staging_buffer_mb": 1, "max_inflight_pulls": 256}',
+            ],
+            "staging_buffer_mb 1 is cut into 2 slots per max_inflight_pulls (256)",
+        ),
     ):
         proc = subprocess.run([*MODULE, *argv], capture_output=True, text=True, timeout=50)
         assert proc.returncode != 0

@@ -170,11 +170,14 @@ def test_status_transitions_are_checked() -> None:
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_priority_policy_admits_lower_priority_values_first(policy: str) -> None:
-    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64, max_waiting=100,
-                          priority=policy == "priority")
+    cfg = SchedulerConfig(
+        max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64, max_waiting=100, priority=policy == "priority"
+    )
     s = Scheduler(cfg, BlockManager(64, BS))
-    seqs = [Sequence(i, [i * 1000 + t for t in range(5)], SamplingParams(max_tokens=100, priority=p), BS)
-            for i, p in ((1, 5), (2, 0), (3, -1), (4, 0))]
+    seqs = [
+        Sequence(i, [i * 1000 + t for t in range(5)], SamplingParams(max_tokens=100, priority=p), BS)
+        for i, p in ((1, 5), (2, 0), (3, -1), (4, 0))
+    ]
     for x in seqs:
         s.add(x)
     batch = s.schedule()

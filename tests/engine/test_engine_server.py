@@ -239,8 +239,13 @@ async def test_info_endpoints_and_metrics(start_server: StartServer, http: aioht
     assert info["tp_size"] == 1 and info["dp_size"] == 1 and info["block_size"] == 16
     assert info["max_model_len"] == 1024 and info["num_kvcache_blocks"] == 256
     async with http.get(server.url + "/kv_transfer_info") as resp:
-        assert await resp.json() == {"tp_size": 1, "dp_size": 1, "kv_role": None, "handshake_port": 6301,
-                                     "sparse_attention": False}
+        assert await resp.json() == {
+            "tp_size": 1,
+            "dp_size": 1,
+            "kv_role": None,
+            "handshake_port": 6301,
+            "sparse_attention": False,
+        }
     async with http.get(server.url + "/v1/models") as resp:
         assert (await resp.json())["data"][0]["id"] == "tiny"
     prompt = "a shared prefix that is longer than one block of sixteen tokens, twice over"
@@ -345,8 +350,9 @@ async def test_sglang_routes_generate_health_generate_model_info_flush(
     assert blocks.stats().cached == 0
 
 
-async def test_tokenize_detokenize_and_refused_pooling_routes(start_server: StartServer,
-                                                              http: aiohttp.ClientSession) -> None:
+async def test_tokenize_detokenize_and_refused_pooling_routes(
+    start_server: StartServer, http: aiohttp.ClientSession
+) -> None:
     server = await start_server(served_model_name="tiny")
     status, body = await post(http, server.url + "/tokenize", {"model": "tiny", "prompt": "Hello world"})
     assert status == 200 and body["count"] == len(body["tokens"]) > 0 and body["max_model_len"] == 1024
@@ -361,8 +367,11 @@ async def test_tokenize_detokenize_and_refused_pooling_routes(start_server: Star
     status, body = await post(http, server.url + "/v1/tokenize", chat)
     status2, done = await post(http, server.url + "/v1/chat/completions", {**chat, "max_tokens": 1})
     assert status == status2 == 200 and body["count"] == done["usage"]["prompt_tokens"]
-    for path, body_ in (("/tokenize", {"model": "other", "prompt": "x"}), ("/tokenize", {"prompt": 3}),
-                        ("/detokenize", {"tokens": [10**9]})):
+    for path, body_ in (
+        ("/tokenize", {"model": "other", "prompt": "x"}),
+        ("/tokenize", {"prompt": 3}),
+        ("/detokenize", {"tokens": [10**9]}),
+    ):
         status, err = await post(http, server.url + path, body_)
         assert status in (400, 404) and err["error"]["message"], (path, err)
     for path in ("/v1/embeddings", "/v1/rerank", "/rerank", "/v1/score", "/v1/classify"):
@@ -371,8 +380,9 @@ async def test_tokenize_detokenize_and_refused_pooling_routes(start_server: Star
         assert "causal language model" in err["error"]["message"]
 
 
-async def test_priority_needs_the_priority_scheduling_policy(start_server: StartServer,
-                                                             http: aiohttp.ClientSession) -> None:
+async def test_priority_needs_the_priority_scheduling_policy(
+    start_server: StartServer, http: aiohttp.ClientSession
+) -> None:
     fcfs = await start_server()
     body = {"prompt": "Hello", "max_tokens": 2, "priority": 3}
     status, err = await post(http, fcfs.url + "/v1/completions", body)

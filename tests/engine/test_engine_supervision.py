@@ -53,8 +53,9 @@ def target(engine: LLMEngine, phase: str) -> tuple[Any, str]:
 
 
 @pytest.mark.parametrize("phase", ["schedule", "prepare", "execute", "postprocess", "event_flush"])
-async def test_a_fault_in_any_phase_fails_that_step_only(start_server: StartServer, http: aiohttp.ClientSession,
-                                                          monkeypatch: pytest.MonkeyPatch, phase: str) -> None:
+async def test_a_fault_in_any_phase_fails_that_step_only(
+    start_server: StartServer, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch, phase: str
+) -> None:
     server = await start_server()
     engine: LLMEngine = server.engine
     obj, name = target(engine, phase)
@@ -73,14 +74,15 @@ async def test_a_fault_in_any_phase_fails_that_step_only(start_server: StartServ
     assert engine.scheduler.is_idle()
 
 
-async def test_a_fault_in_one_step_spares_the_other_streams(start_server: StartServer, http: aiohttp.ClientSession,
-                                                             monkeypatch: pytest.MonkeyPatch,
-                                                             wait_for: WaitFor) -> None:
+async def test_a_fault_in_one_step_spares_the_other_streams(
+    start_server: StartServer, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch, wait_for: WaitFor
+) -> None:
     """A prepare fault while another request is mid-generation: both are in the step, both fail; later ones run."""
     server = await start_server()
     engine: LLMEngine = server.engine
-    long = asyncio.ensure_future(post(http, server.url + "/v1/completions",
-                                      {**BODY, "max_tokens": 200, "ignore_eos": True}))
+    long = asyncio.ensure_future(
+        post(http, server.url + "/v1/completions", {**BODY, "max_tokens": 200, "ignore_eos": True})
+    )
     await wait_for(lambda: engine.stats().running == 1, 10, "the long request to run")
     fail_once(engine.runner, "prepare", monkeypatch, RuntimeError("injected prepare fault"))
     status, err = await asyncio.wait_for(long, 20)
@@ -91,7 +93,8 @@ async def test_a_fault_in_one_step_spares_the_other_streams(start_server: StartS
 
 
 async def test_a_schedule_fault_that_recurs_fails_requests_instead_of_spinning(
-        start_server: StartServer, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    start_server: StartServer, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
     server = await start_server()
     engine: LLMEngine = server.engine
 
@@ -99,18 +102,21 @@ async def test_a_schedule_fault_that_recurs_fails_requests_instead_of_spinning(
         raise RuntimeError("scheduler bug")
 
     monkeypatch.setattr(engine.scheduler, "schedule", broken)
-    answers = await asyncio.wait_for(asyncio.gather(*(post(http, server.url + "/v1/completions", BODY)
-                                                      for _ in range(3))), 20)
+    answers = await asyncio.wait_for(
+        asyncio.gather(*(post(http, server.url + "/v1/completions", BODY) for _ in range(3))), 20
+    )
     assert [s for s, _ in answers] == [500, 500, 500]
     assert engine.scheduler.is_idle() and engine.block_manager.num_free_blocks == engine.num_blocks
 
 
-async def test_a_cuda_error_kills_the_engine(start_server: StartServer, http: aiohttp.ClientSession,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_cuda_error_kills_the_engine(
+    start_server: StartServer, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
     server = await start_server()
     engine: LLMEngine = server.engine
-    fail_once(engine.runner, "execute", monkeypatch,
-              RuntimeError("CUDA error: an illegal memory access was encountered"))
+    fail_once(
+        engine.runner, "execute", monkeypatch, RuntimeError("CUDA error: an illegal memory access was encountered")
+    )
     waiting = [asyncio.ensure_future(post(http, server.url + "/v1/completions", BODY)) for _ in range(3)]
     answers = await asyncio.wait_for(asyncio.gather(*waiting), 20)
     for status, err in answers:  # every request the engine held gets an error, none hangs
@@ -122,9 +128,12 @@ async def test_a_cuda_error_kills_the_engine(start_server: StartServer, http: ai
     assert status == 503 and err["error"]["code"] == "engine_dead"
 
 
-async def test_exit_on_engine_error_ends_the_server(make_engine: Callable[..., LLMEngine],
-                                                    free_port: Callable[[], int], http: aiohttp.ClientSession,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_exit_on_engine_error_ends_the_server(
+    make_engine: Callable[..., LLMEngine],
+    free_port: Callable[[], int],
+    http: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     port = free_port()
     engine = make_engine(server_port=port, host="127.0.0.1", exit_on_engine_error=True)
     fail_once(engine.runner, "execute", monkeypatch, RuntimeError("CUDA error: device-side assert triggered"))
@@ -146,8 +155,9 @@ async def test_exit_on_engine_error_ends_the_server(make_engine: Callable[..., L
         server.cancel()
 
 
-async def test_a_dead_kv_agent_kills_the_engine(start_server: StartServer, http: aiohttp.ClientSession,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_dead_kv_agent_kills_the_engine(
+    start_server: StartServer, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The KV agent writes to itself every few seconds; a healthy one keeps the engine serving, one that can no
     longer move data (twice in a row) leaves a P/D engine nothing to serve with: the engine is marked dead."""
     from engine import disagg

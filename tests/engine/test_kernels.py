@@ -181,8 +181,12 @@ def _generate(make_engine: MakeEngine, loaded: LoadedModel | None = None, **kw: 
         {"sparse_attention": True, "sparse_topk_blocks": 2, "block_size": 4},
         # K/V stored as float8_e4m3fn (unit scale) and read back by the kernels. CUDA only: Triton 3.6's
         # interpreter rounds float32 -> float8 wrongly where rounding carries into the exponent (1.96 -> 1.0).
-        pytest.param({"kv_cache_dtype": "fp8"}, marks=pytest.mark.skipif(
-            DEVICE != "cuda", reason="Triton's interpreter converts float32 to float8 wrongly; checked on CUDA")),
+        pytest.param(
+            {"kv_cache_dtype": "fp8"},
+            marks=pytest.mark.skipif(
+                DEVICE != "cuda", reason="Triton's interpreter converts float32 to float8 wrongly; checked on CUDA"
+            ),
+        ),
     ],
     ids=["plain", "chunked", "sparse", "fp8-kv"],
 )
@@ -227,17 +231,28 @@ def _generate_with_features(make_engine: MakeEngine, **kw: object) -> list[tuple
 
     engine = make_engine(None, **{"max_num_seqs": 8, **kw})
     params = [
-        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3, frequency_penalty=0.5, max_tokens=6,
-                       ignore_eos=True, logprobs=2),
-        SamplingParams(temperature=0.0, logit_bias=((65, 5.0),), presence_penalty=1.0, max_tokens=6,
-                       ignore_eos=True, logprobs=0),
+        SamplingParams(
+            temperature=0.8,
+            top_k=20,
+            top_p=0.9,
+            seed=3,
+            frequency_penalty=0.5,
+            max_tokens=6,
+            ignore_eos=True,
+            logprobs=2,
+        ),
+        SamplingParams(
+            temperature=0.0, logit_bias=((65, 5.0),), presence_penalty=1.0, max_tokens=6, ignore_eos=True, logprobs=0
+        ),
         SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=(7,), max_tokens=6, logprobs=1),
         SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1),
     ]
     compiler = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids)
     grammar = compiler.state_of(compiler.compile(GrammarSpec("regex", "[a-c]{4}")))
-    seqs = [engine.add_request(p, engine.check_request(len(p), sp, True), grammar=grammar if i == 3 else None)
-            for i, (p, sp) in enumerate(zip(PROMPTS, params, strict=True))]
+    seqs = [
+        engine.add_request(p, engine.check_request(len(p), sp, True), grammar=grammar if i == 3 else None)
+        for i, (p, sp) in enumerate(zip(PROMPTS, params, strict=True))
+    ]
     while any(s.status.value != "finished" for s in seqs):
         engine.step()
     return [(s.completion_ids, [lp.logprob for lp in s.logprobs]) for s in seqs]

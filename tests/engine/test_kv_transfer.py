@@ -827,8 +827,9 @@ class _CountingAgent:
 async def test_pulls_in_flight_are_bounded_by_max_inflight_and_all_complete() -> None:
     regions = [Region(4096, 64, 64)]
     agent = _CountingAgent(delay=0.1)
-    producer = KVProducer(agent, regions, host="127.0.0.1", handshake_port=0, bind_host="127.0.0.1",
-                          pipeline_depth=1)  # one write per transfer at a time: writes in flight == pulls
+    producer = KVProducer(
+        agent, regions, host="127.0.0.1", handshake_port=0, bind_host="127.0.0.1", pipeline_depth=1
+    )  # one write per transfer at a time: writes in flight == pulls
     await producer.start()
     try:
         releases = Releases()
@@ -886,8 +887,9 @@ async def test_a_direct_write_keeps_pipeline_depth_batches_in_flight_and_answers
         await producer.close()
 
 
-async def test_several_direct_pulls_failing_in_flight_release_each_once(prefill: Side, decode: Side,
-                                                                        producer: KVProducer) -> None:
+async def test_several_direct_pulls_failing_in_flight_release_each_once(
+    prefill: Side, decode: Side, producer: KVProducer
+) -> None:
     """Good pulls and pulls to a dead decode peer, all in flight together: each ends once, none pends."""
     releases = Releases()
     good = KVConsumer(decode.agent, decode.regions, timeout_s=30, max_inflight=4)

@@ -27,9 +27,28 @@ def doomed_engine() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """A SmolLM2 engine process that the test kills."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.openai_server", "--model", "smollm2", "--device", DEVICE, "--host",
-         "127.0.0.1", "--server-port", str(port), "--num-kvcache-blocks", "64", "--max-model-len", "512",
-         "--torch-threads", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "engine.openai_server",
+            "--model",
+            "smollm2",
+            "--device",
+            DEVICE,
+            "--host",
+            "127.0.0.1",
+            "--server-port",
+            str(port),
+            "--num-kvcache-blocks",
+            "64",
+            "--max-model-len",
+            "512",
+            "--torch-threads",
+            "2",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -51,8 +70,11 @@ def doomed_engine() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
 
 @pytest.mark.timeout(300)
 async def test_killed_engine_stream_continues_on_another_engine_unchanged(
-        doomed_engine: tuple[str, subprocess.Popen[bytes]], start_server: StartServer, smollm2_model: LoadedModel,
-        gateway: MakeGateway) -> None:
+    doomed_engine: tuple[str, subprocess.Popen[bytes]],
+    start_server: StartServer,
+    smollm2_model: LoadedModel,
+    gateway: MakeGateway,
+) -> None:
     doomed_url, doomed = doomed_engine
     survivor = await start_server(smollm2_model, model="smollm2", num_kvcache_blocks=64, max_model_len=512)
     greedy = {"model": "smollm2", "temperature": 0, "ignore_eos": True, "max_tokens": MAX_TOKENS}
@@ -69,8 +91,14 @@ async def test_killed_engine_stream_continues_on_another_engine_unchanged(
     try:
         stream = await client.chat.completions.create(
             # The name the engines serve the embedded model under (`--model smollm2` asks for it).
-            model="SmolLM2-135M-Instruct", messages=MESSAGES, stream=True, temperature=0, max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            model="SmolLM2-135M-Instruct",
+            messages=MESSAGES,
+            stream=True,
+            temperature=0,
+            max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 pieces.append(chunk.choices[0].delta.content)
@@ -90,6 +118,9 @@ async def test_killed_engine_stream_continues_on_another_engine_unchanged(
     async with aiohttp.ClientSession() as http:
         async with http.get(f"http://127.0.0.1:{gw.config.prometheus_port}/metrics") as r:
             metrics = await r.text()
-    chosen = [line for line in metrics.splitlines()
-              if line.startswith("mesh_worker_selection_total{") and f'worker="{survivor.url}"' in line]
+    chosen = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("mesh_worker_selection_total{") and f'worker="{survivor.url}"' in line
+    ]
     assert chosen and float(chosen[0].rsplit(" ", 1)[1]) == 1

@@ -34,22 +34,41 @@ MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 # family -> (config class, model class, extra config)
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "llama31-rope-llama3": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=500000.0, rope_scaling=dict(
-        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        original_max_position_embeddings=64))),
+    "llama31-rope-llama3": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
     "llama-rope-linear": ("LlamaConfig", "LlamaForCausalLM", dict(rope_scaling=dict(rope_type="linear", factor=4.0))),
-    "llama-rope-dynamic": ("LlamaConfig", "LlamaForCausalLM", dict(rope_scaling=dict(rope_type="dynamic",
-                                                                                      factor=2.0))),
-    "llama-rope-yarn": ("LlamaConfig", "LlamaForCausalLM", dict(rope_scaling=dict(
-        rope_type="yarn", factor=4.0, original_max_position_embeddings=128))),
+    "llama-rope-dynamic": ("LlamaConfig", "LlamaForCausalLM", dict(rope_scaling=dict(rope_type="dynamic", factor=2.0))),
+    "llama-rope-yarn": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128)),
+    ),
     "llama32-tied-bias": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True, attention_bias=True)),
     "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=7, head_dim=16)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
-    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(head_dim=16, num_experts=6, norm_topk_prob=True,
-                                                                  mlp_only_layers=[1], **MOE)),
-    "qwen3-moe-unnormalised": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(head_dim=16, num_experts=4,
-                                                                               decoder_sparse_step=2, **MOE)),
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(head_dim=16, num_experts=6, norm_topk_prob=True, mlp_only_layers=[1], **MOE),
+    ),
+    "qwen3-moe-unnormalised": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(head_dim=16, num_experts=4, decoder_sparse_step=2, **MOE),
+    ),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
 }
 PROMPTS = [[5, 17, 99, 240, 3, 77, 12, 8, 150, 42, 9, 31, 260, 7, 88, 19, 4],

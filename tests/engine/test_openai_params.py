@@ -131,8 +131,13 @@ def test_logprobs_equal_transformers_log_softmax(smol: ThreadServer, smollm2_mod
         assert list(lp.top_logprobs[i].values()) == pytest.approx(best.values.tolist(), abs=1e-3)
 
     # Streamed, and in chat's shape: the same numbers.
-    streamed = [c.choices[0].logprobs for c in client.completions.create(
-        model="smollm2", prompt=prompt, max_tokens=4, logprobs=3, stream=True, **GREEDY) if c.choices]
+    streamed = [
+        c.choices[0].logprobs
+        for c in client.completions.create(
+            model="smollm2", prompt=prompt, max_tokens=4, logprobs=3, stream=True, **GREEDY
+        )
+        if c.choices
+    ]
     flat = [v for c in streamed if c is not None for v in (c.token_logprobs or [])]
     assert flat == pytest.approx(lp.token_logprobs, abs=1e-5)
 
@@ -228,12 +233,23 @@ def test_streamed_chunks_carry_usage_null_until_the_usage_chunk(tiny: ThreadServ
 # -- structured output ------------------------------------------------------------------------------------
 
 SCHEMAS: list[dict[str, Any]] = [
-    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                      "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
-     "required": ["city", "population"], "additionalProperties": False},
-    {"type": "object", "properties": {"colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
-                                                 "minItems": 1, "maxItems": 3}},
-     "required": ["colors"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "population": {"type": "integer", "minimum": 0, "maximum": 99999999},
+        },
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3}
+        },
+        "required": ["colors"],
+        "additionalProperties": False,
+    },
 ]
 
 
@@ -282,9 +298,19 @@ def test_guided_regex_and_choice(tiny: ThreadServer) -> None:
 
 # -- tools -----------------------------------------------------------------------------------------------
 
-WEATHER: Any = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
-                               "required": ["city"], "additionalProperties": False}}}
+WEATHER: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 16}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
 TIME: Any = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 
 
@@ -293,8 +319,9 @@ def test_tool_calls_named_required_and_auto(smol: ThreadServer) -> None:
     client = smol.client()
     messages: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
     choice: Any = {"type": "function", "function": {"name": "get_weather"}}
-    named = client.chat.completions.create(model="smollm2", messages=messages, tools=[WEATHER, TIME], max_tokens=40,
-                                           temperature=0, tool_choice=choice)
+    named = client.chat.completions.create(
+        model="smollm2", messages=messages, tools=[WEATHER, TIME], max_tokens=40, temperature=0, tool_choice=choice
+    )
     call = named.choices[0].message.tool_calls[0]  # type: ignore[index]
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
@@ -313,7 +340,8 @@ def test_tool_calls_named_required_and_auto(smol: ThreadServer) -> None:
                                                         max_tokens=40, temperature=0, stream=True, extra_body=steer)
               for ch in c.choices for d in (ch.delta.tool_calls or [])]  # fmt: skip
     assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [  # type: ignore[union-attr]
-        (0, "get_weather", '{"city":"Paris"}')]
+        (0, "get_weather", '{"city":"Paris"}')
+    ]
 
 
 def test_hermes_parser_streams_across_split_tags() -> None:
@@ -388,8 +416,15 @@ def test_forked_samples_share_the_prompt_blocks(make_engine: Any) -> None:
 def test_echo_with_logprobs_and_prompt_logprobs(tiny: ThreadServer) -> None:
     client = tiny.client()
     prompt = "score this prompt"
-    out = client.completions.create(model="tiny-random", prompt=prompt, max_tokens=3, echo=True, logprobs=2,
-                                    extra_body={"prompt_logprobs": 1, "ignore_eos": True}, temperature=0)
+    out = client.completions.create(
+        model="tiny-random",
+        prompt=prompt,
+        max_tokens=3,
+        echo=True,
+        logprobs=2,
+        extra_body={"prompt_logprobs": 1, "ignore_eos": True},
+        temperature=0,
+    )
     choice = out.choices[0]
     lp = choice.logprobs
     assert lp is not None and choice.text.startswith(prompt)
@@ -403,8 +438,16 @@ def test_echo_with_logprobs_and_prompt_logprobs(tiny: ThreadServer) -> None:
         own = vllm[i][str(ord(prompt[i]))]
         assert own["logprob"] == pytest.approx((lp.token_logprobs or [])[i]) and own["decoded_token"] == prompt[i]
     # The same numbers without the prefix cache's help (a second identical request) and streamed.
-    again = client.completions.create(model="tiny-random", prompt=prompt, max_tokens=3, echo=True, logprobs=2,
-                                      stream=True, temperature=0, extra_body={"ignore_eos": True})
+    again = client.completions.create(
+        model="tiny-random",
+        prompt=prompt,
+        max_tokens=3,
+        echo=True,
+        logprobs=2,
+        stream=True,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     flat = [v for c in again for ch in c.choices for v in ((ch.logprobs.token_logprobs or []) if ch.logprobs else [])]
     assert flat == pytest.approx(lp.token_logprobs)
 

@@ -19,8 +19,9 @@ def _dense(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lens: torch.
     seqs, width = tables.shape
     g = kv[:, tables].reshape(2, seqs, width * BS, KVH, HD).transpose(2, 3)
     mask = torch.arange(width * BS)[None, :] < lens[:, None]
-    return F.scaled_dot_product_attention(q.unsqueeze(2), g[0], g[1], attn_mask=mask[:, None, None, :],
-                                          scale=HD**-0.5, enable_gqa=True).squeeze(2)
+    return F.scaled_dot_product_attention(
+        q.unsqueeze(2), g[0], g[1], attn_mask=mask[:, None, None, :], scale=HD**-0.5, enable_gqa=True
+    ).squeeze(2)
 
 
 def test_indexer_keys_are_block_means_of_filled_slots() -> None:
