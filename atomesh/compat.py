@@ -175,7 +175,9 @@ PEER_FLAGS: tuple[PeerFlag, ...] = (
     _same(
         "--atom-pd-rank-mapping-policy",
         ATOMESH,
-        "none (the engines pick their ranks); idx2idx is refused: no ranks are chosen in P/D mode",
+        "none (the engines pick their ranks); idx2idx is refused: no ranks are chosen in P/D mode. "
+        "Tensor-parallel engines need no mapping from the gateway: decode rank r pulls from prefill rank r "
+        "inside the engines ([engine.md](engine.md#tensor-and-expert-parallelism))",
     ),
     _refused("--bucket-adjust-interval-secs", SMG, "the bucket policy is not built"),
     _refused(
