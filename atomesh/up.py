@@ -382,7 +382,8 @@ def usage_text(s: UpSettings) -> str:
     python, atomesh = venv_command("python"), venv_command("atomesh")
     model = served_name(s.model)
     mode = (
-        f"P/D: {s.prefill} prefill + {s.decode} decode (atom backend, KV over Mooncake)"
+        f"P/D: {s.prefill} prefill + {s.decode} decode "
+        "(atom backend, KV through the engines' shared pools on this host, else Mooncake)"
         if s.pd
         else f"{s.workers} regular workers"
     )
