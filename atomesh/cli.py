@@ -23,15 +23,7 @@ from click.core import ParameterSource
 
 from atomesh import __version__
 from atomesh.compat import FIXED_FLAGS, peer_table_markdown, refused_flag
-from atomesh.config import (
-    FLAG_ALIASES,
-    NOT_IMPLEMENTED,
-    ConfigError,
-    GatewayConfig,
-    PolicyName,
-    flag_name,
-    load_config,
-)
+from atomesh.config import FLAG_ALIASES, NOT_IMPLEMENTED, ConfigError, GatewayConfig, PolicyName, flag_name, load_config
 
 # One help style for every command: click's plain layout (rich's boxes cut option names at 80 columns),
 # as wide as the terminal allows up to HELP_WIDTH. `bench placement` / `bench gateway` (argparse) match it.
@@ -396,9 +388,7 @@ launch_command = click.Command(
 
 
 @app.command(
-    "launch",
-    add_help_option=False,
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    "launch", add_help_option=False, context_settings={"allow_extra_args": True, "ignore_unknown_options": True}
 )
 def launch(ctx: typer.Context) -> None:
     """Start the gateway (flags as SMG / ATOMesh; `atomesh launch --help` lists them)."""

@@ -14,15 +14,7 @@ from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from atomesh.compat import FIXED_KEYS, REFUSED_FLAGS, REFUSED_KEYS
 from atomesh.cors import check_origin
@@ -85,7 +77,7 @@ _POLICY_VALUES = tuple(p.value for p in PolicyName)
 # Policies of SMG / ATOMesh that atomesh does not build, and why (named in the start-up error).
 REFUSED_POLICIES = {
     "bucket": "SMG's bucket policy (prefill workers split into prompt-length ranges whose boundaries move with "
-    "the load) is not built; cache_aware or least_load place prefill legs by cache and load",
+    "the load) is not built; cache_aware or least_load place prefill legs by cache and load"
 }
 # SMG's `--assignment-mode delegate` (route by the underlying policy, then pin the key) belongs to its
 # routing-key override, which is not built.

@@ -40,13 +40,7 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING
 
 import structlog
-from httptools import (
-    HttpParserCallbackError,
-    HttpParserError,
-    HttpParserUpgrade,
-    HttpRequestParser,
-    parse_url,
-)
+from httptools import HttpParserCallbackError, HttpParserError, HttpParserUpgrade, HttpRequestParser, parse_url
 
 from atomesh.api.middleware import CLIENT_GONE, HttpAccounting, error_answer
 from atomesh.api.openai import serve_inference

@@ -52,7 +52,7 @@ REGULAR_ONLY: dict[Route, str] = {
 # on them (vLLM's and SGLang's Responses routes take no P/D fields).
 ATOM_PD_ONLY: dict[Route, str] = {
     Route.RESPONSES: "with --backend atom only (its engine takes kv_transfer_params on /v1/responses; vLLM's and "
-    "SGLang's do not): send /v1/chat/completions, or use --backend atom",
+    "SGLang's do not): send /v1/chat/completions, or use --backend atom"
 }
 
 

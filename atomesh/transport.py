@@ -16,14 +16,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from atomesh.errors import (
-    GatewayError,
-    UpstreamError,
-    UpstreamStatus,
-    UpstreamTimeout,
-    UpstreamUnreachable,
-    error_body,
-)
+from atomesh.errors import GatewayError, UpstreamError, UpstreamStatus, UpstreamTimeout, UpstreamUnreachable, error_body
 from atomesh.httpclient import (
     ClientPool,
     ConnectFailed,

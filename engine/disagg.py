@@ -28,14 +28,7 @@ import torch
 
 from engine.args import KVTransferConfig
 from engine.errors import BindError
-from engine.kv_transfer import (
-    KVConsumer,
-    KVProducer,
-    KVTransferError,
-    KVTransferParams,
-    MooncakeAgent,
-    ReleaseReason,
-)
+from engine.kv_transfer import KVConsumer, KVProducer, KVTransferError, KVTransferParams, MooncakeAgent, ReleaseReason
 from engine.kv_transfer.backend import MemoryBackend, choose_backend, installed_wheel, parse_backend
 from engine.kv_transfer.ipc import IpcMode, IpcPeers, IpcUnavailable, PoolExport
 from engine.kv_transfer.layout import view_region

@@ -16,11 +16,7 @@ from engine.sequence import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, there was a little robot who",
-]
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a little robot who"]
 NEW_TOKENS = 20
 
 
