@@ -38,7 +38,7 @@ from engine.parallel.ranks import RankWorkers
 from engine.sampler import SampleOutput
 from engine.scheduler import QueueFullError, ScheduledBatch, Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus, TokenLogprob
-from engine.spec_decode import DraftProposer, EagleProposer, NgramProposer, build_drafter
+from engine.spec_decode import DraftProposer, EagleDrafter, EagleProposer, NgramProposer, build_drafter
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +244,6 @@ class LLMEngine:
                 self.ranks.close()
             raise
         self.kernels = self.runner.kernels
-        self.drafter = self.runner.drafter
         log.info("engine_built device=%s dtype=%s kernels=%s cuda_graphs=%s tp=%d", self.device, str(self.dtype)
                  .removeprefix("torch."), self.kernels, f"{sizes[0]}..{sizes[-1]}/{len(sizes)}" if sizes else "off",
                  tp.size)  # fmt: skip
@@ -292,6 +291,11 @@ class LLMEngine:
         if spec.method == "eagle3" and self.drafter is not None:
             return EagleProposer(self.drafter, spec.num_speculative_tokens)
         raise ValueError(f"speculative method {spec.method!r} is not implemented")
+
+    @property
+    def drafter(self) -> EagleDrafter | None:
+        """The runner's EAGLE-3 head (--speculative-config method eagle3), or None."""
+        return self.runner.drafter
 
     @property
     def tp_size(self) -> int:

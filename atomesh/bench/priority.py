@@ -28,7 +28,7 @@ from pathlib import Path
 
 import aiohttp
 
-from atomesh.bench.procs import free_port, start, stop
+from atomesh.bench.procs import free_port, gateway_argv, start, stop
 
 MODEL = "mock-model"
 
@@ -110,30 +110,7 @@ async def _post(session: aiohttp.ClientSession, url: str, headers: dict[str, str
 
 
 def _gateway(port: int, mock: str, extra: list[str], log: Path) -> subprocess.Popen[bytes]:
-    return start(
-        [
-            sys.executable,
-            "-m",
-            "atomesh",
-            "launch",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--prometheus-port",
-            str(free_port()),
-            "--worker-urls",
-            mock,
-            "--policy",
-            "round_robin",
-            "--log-level",
-            "warn",
-            "--access-log-sample-rate",
-            "0",
-            *extra,
-        ],
-        log,
-    )
+    return start(gateway_argv(port, mock, *extra), log)
 
 
 async def run(args: argparse.Namespace, tmp: Path) -> tuple[list[ClassRun], list[TenantRun]]:

@@ -8,6 +8,7 @@ import random
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections import deque
@@ -40,6 +41,14 @@ def free_port() -> int:
     with socket.socket() as s:  # the range is crowded: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def gateway_argv(port: int, worker_url: str, *extra: str) -> list[str]:
+    """``atomesh launch`` on loopback ``port`` in front of one worker, round robin, quiet logs and no access log:
+    the gateway a benchmark compares with itself under ``extra`` flags."""
+    return [sys.executable, "-m", "atomesh", "launch", "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-port", str(free_port()), "--worker-urls", worker_url, "--policy", "round_robin",
+            "--log-level", "warn", "--access-log-sample-rate", "0", *extra]  # fmt: skip
 
 
 def start(

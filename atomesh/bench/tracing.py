@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 
 from atomesh.bench.gateway import tree_cpu
-from atomesh.bench.procs import free_port, start, stop
+from atomesh.bench.procs import free_port, gateway_argv, start, stop
 
 # A batch of spans leaves on the exporter's schedule (OTEL_BSP_SCHEDULE_DELAY, 5 s by default) when it
 # is not full: the instruction counts wait that long so that each phase's export is counted in it.
@@ -102,25 +102,7 @@ def instructions(endpoint: str, requests: int) -> dict[str, float]:
                         "valgrind",
                         "--tool=callgrind",
                         f"--callgrind-out-file={prefix}",
-                        sys.executable,
-                        "-m",
-                        "atomesh",
-                        "launch",
-                        "--host",
-                        "127.0.0.1",
-                        "--port",
-                        str(port),
-                        "--prometheus-port",
-                        str(free_port()),
-                        "--worker-urls",
-                        f"http://127.0.0.1:{mport}",
-                        "--policy",
-                        "round_robin",
-                        "--log-level",
-                        "warn",
-                        "--access-log-sample-rate",
-                        "0",
-                        *extra,
+                        *gateway_argv(port, f"http://127.0.0.1:{mport}", *extra),
                     ],
                     Path(tmp) / f"{name}-callgrind.log",
                     {**os.environ, "PYTHONHASHSEED": "0"},
@@ -182,30 +164,7 @@ def main(argv: list[str] | None = None) -> None:
             for name, extra in (("off", []), ("on", ["--enable-trace", "--otlp-traces-endpoint", endpoint])):
                 port = free_port()
                 gateways[name] = (
-                    start(
-                        [
-                            sys.executable,
-                            "-m",
-                            "atomesh",
-                            "launch",
-                            "--host",
-                            "127.0.0.1",
-                            "--port",
-                            str(port),
-                            "--prometheus-port",
-                            str(free_port()),
-                            "--worker-urls",
-                            f"http://127.0.0.1:{mport}",
-                            "--policy",
-                            "round_robin",
-                            "--log-level",
-                            "warn",
-                            "--access-log-sample-rate",
-                            "0",
-                            *extra,
-                        ],
-                        Path(tmp) / f"{name}.log",
-                    ),
+                    start(gateway_argv(port, f"http://127.0.0.1:{mport}", *extra), Path(tmp) / f"{name}.log"),
                     f"http://127.0.0.1:{port}",
                 )
             for _, url in gateways.values():

@@ -1,22 +1,9 @@
-# GPU run (issue #29, speed, second round): prefetching skinny matmuls and wider FP8 attention splits
-# (kernel_tune.py --only prefetch), then engine.bench with the skinny kernels on: llama31-8b against transformers
+# GPU run (issue #29, speed, second round): engine.bench with the skinny kernels on: llama31-8b against transformers
 # eager (prompt 512 at batch 1/64, 4,096 at batch 1; random weights drawn on the device, --load-format dummy),
 # qwen3-8b bf16 against FP8 weights (batch 1/64) and bf16 against FP8 KV (batch 256, 2K context).
 # `bash bench/device/decode_speed.sh`; carries .whl and .gpu (setup.sh).
 source bench/device/setup.sh
-timeout ${TUNE_S:-150} python3 bench/device/kernel_tune.py --only prefetch --json "$OUT/kernel-prefetch.json" 2>&1 \
-  | grep -v -i warn || true
-config_only() {  # config.json + tokenizer of a model_shapes.py shape, no weights
-  python3 - "$1" "$2" <<'PY'
-import json, os, shutil, sys
-sys.path.insert(0, ".gpu"); import model_shapes as m
-shape, out = sys.argv[1], sys.argv[2]; os.makedirs(out, exist_ok=True)
-json.dump({**m.COMMON, **m.SHAPES[shape]}, open(os.path.join(out, "config.json"), "w"))
-for f in os.listdir(".gpu/smollm2"):
-    if f.startswith("tokenizer") or f.endswith(".jinja"): shutil.copy(os.path.join(".gpu/smollm2", f), out)
-PY
-}
-config_only llama31-8b /tmp/shapes/llama31-8b
+python3 bench/device/shape_config.py llama31-8b /tmp/shapes/llama31-8b
 timeout 150 python3 -m engine.bench --model /tmp/shapes/llama31-8b --load-format dummy --device cuda \
   --prompt-len 512 --new-tokens 64 --batch-sizes 1 64 --runs 2 --json "$OUT/llama31-8b-512.json" 2>&1 \
   | grep -v -i warn | tail -6 || true

@@ -140,56 +140,16 @@ def tune_attention(out: dict) -> None:
     out["attention_b256_ctx2048"] = res
 
 
-def tune_prefetch(out: dict) -> None:
-    """The second round: slices prefetched by hand against the pipeliner, at 1 token; FP8 attention split wider."""
-    dev = torch.device("cuda")
-    for name in ("qkv", "o", "gate_up", "down"):
-        n, k = SHAPES[name]
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-        fp8 = Fp8Linear(k, n).to(dev)
-        fp8.load_rows(0, w)
-        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
-        row: dict = {"cublas_bf16_us": graph_time(partial(F.linear, x, w)) * 1e6,
-                     "scaled_mm_fp8_us": graph_time(partial(fp8, x)) * 1e6}  # fmt: skip
-        for wdt, weight, scale in (("bf16", w, None), ("fp8", fp8.weight, fp8.weight_scale)):
-            for bn, bk, st, pf in itertools.product((32, 64), (512, 1024), (1, 3), (False, True)):
-                cfg = GemvConfig(bn, bk, 4, st, pf)
-                try:
-                    t = graph_time(partial(gemv, x, weight, scale, swiglu=name == "gate_up", config=cfg), 10, 3)
-                except Exception:
-                    continue
-                row[f"{wdt} {bn}x{bk} s{st}{' pf' if pf else ''}"] = round(t * 1e6, 2)
-        best = {wdt: min((v, kk) for kk, v in row.items() if kk.startswith(wdt)) for wdt in ("bf16", "fp8")}
-        print(name, {kk: round(v, 1) for kk, v in row.items() if "_" in kk}, "best", best, flush=True)
-        out.setdefault("prefetch", {})[name] = row
-    seqs, ctx, heads, kvh, d, bs = 256, 2048, 32, 8, 128, 16
-    num_blocks = seqs * ctx // bs + 1
-    tables = torch.randperm(num_blocks - 1, device=dev, dtype=torch.int32).view(seqs, -1)
-    qstart = torch.arange(seqs + 1, device=dev, dtype=torch.int32)
-    lens = torch.full((seqs,), ctx, device=dev, dtype=torch.int32)
-    q = torch.randn(seqs, heads, d, device=dev, dtype=torch.bfloat16)
-    cache = torch.randn(2, num_blocks, bs, kvh, d, device=dev, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
-    res = {}
-    for splits, bn, warps in itertools.product((1, 2, 4, 8), (64, 128), (4, 8)):
-        t = graph_time(partial(paged_attention, q, cache, tables, qstart, lens, d**-0.5, 1, ctx, splits,
-                               block_n=bn, num_warps=warps), 5, 3)  # fmt: skip
-        res[f"splits={splits} block_n={bn} warps={warps}"] = round(t * 1e6, 1)
-    print("attention fp8", sorted(res.items(), key=lambda p: p[1])[:5], flush=True)
-    out["attention_fp8_splits"] = res
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", required=True)
-    ap.add_argument("--only", choices=("gemv", "attention", "prefetch"), default=None)
+    ap.add_argument("--only", choices=("gemv", "attention"), default=None)
     a = ap.parse_args()
     out: dict = {"device": torch.cuda.get_device_name()}
     if a.only in (None, "attention"):
         tune_attention(out)
     if a.only in (None, "gemv"):
         tune_gemv(out)
-    if a.only == "prefetch":
-        tune_prefetch(out)
     with open(a.json, "w") as f:
         json.dump(out, f, indent=1)
 

@@ -5,17 +5,7 @@
 source bench/device/setup.sh
 ENGINE_TEST_DEVICE=cuda timeout 45 python3 -m pytest -q -p no:cacheprovider \
   tests/engine/test_kernels.py -k "fp8" 2>&1 | tee "$OUT/cuda-tests-fp8.txt" | tail -3 || true
-config_only() {  # config.json + tokenizer of a model_shapes.py shape, no weights
-  python3 - "$1" "$2" <<'PY'
-import json, os, shutil, sys
-sys.path.insert(0, ".gpu"); import model_shapes as m
-shape, out = sys.argv[1], sys.argv[2]; os.makedirs(out, exist_ok=True)
-json.dump({**m.COMMON, **m.SHAPES[shape]}, open(os.path.join(out, "config.json"), "w"))
-for f in os.listdir(".gpu/smollm2"):
-    if f.startswith("tokenizer") or f.endswith(".jinja"): shutil.copy(os.path.join(".gpu/smollm2", f), out)
-PY
-}
-config_only qwen3-30b-a3b /tmp/shapes/qwen3-30b-a3b
+python3 bench/device/shape_config.py qwen3-30b-a3b /tmp/shapes/qwen3-30b-a3b
 timeout 140 python3 -m engine.bench --model /tmp/shapes/qwen3-30b-a3b --load-format dummy --device cuda \
   --prompt-len 512 --new-tokens 32 --batch-sizes 1 64 --runs 2 --json "$OUT/qwen3-30b-a3b-512.json" 2>&1 \
   | grep -v -i warn | tail -6 || true
@@ -31,7 +21,7 @@ for kv in auto fp8; do
     --json "$OUT/qwen3-8b-kv$kv.json" 2>&1 | grep -v -i warn | tail -3 || true
 done
 rm -rf /tmp/shapes/qwen3-8b
-config_only mixtral-8x7b /tmp/shapes/mixtral-8x7b
+python3 bench/device/shape_config.py mixtral-8x7b /tmp/shapes/mixtral-8x7b
 timeout 80 python3 -m engine.bench --model /tmp/shapes/mixtral-8x7b --load-format dummy --device cuda \
   --prompt-len 512 --new-tokens 32 --batch-sizes 1 64 --runs 1 --no-reference \
   --json "$OUT/mixtral-8x7b-512.json" 2>&1 | grep -v -i warn | tail -4 || true

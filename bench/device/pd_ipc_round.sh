@@ -10,14 +10,7 @@ source bench/device/mooncake_cuda.sh || exit 1
 [ -n "${SKIP_TRANSFER:-}" ] || timeout ${TRANSFER_S:-70} python3 -m engine.kv_transfer.bench --device cuda --dtype bf16 --backend direct \
   --tokens 1024,4096,8192 --layouts contiguous,scattered --repeats 3 --protocol ipc \
   --json "$OUT/pd-transfer-direct-ipc.json" 2>&1 | grep -v "^I1\|^W1" | tail -14 || true
-python3 - llama31-8b /tmp/shapes/llama31-8b <<'PY'
-import json, os, shutil, sys
-sys.path.insert(0, ".gpu"); import model_shapes as m
-shape, out = sys.argv[1], sys.argv[2]; os.makedirs(out, exist_ok=True)
-json.dump({**m.COMMON, **m.SHAPES[shape]}, open(os.path.join(out, "config.json"), "w"))
-for f in os.listdir(".gpu/smollm2"):
-    if f.startswith("tokenizer") or f.endswith(".jinja"): shutil.copy(os.path.join(".gpu/smollm2", f), out)
-PY
+python3 bench/device/shape_config.py llama31-8b /tmp/shapes/llama31-8b
 timeout ${SHARE_S:-150} python3 -m engine.bench_pd --model /tmp/shapes/llama31-8b --device cuda --dtype bfloat16 \
   --lengths 4096 --modes dense --repeats 3 --num-kvcache-blocks 2048 --memory-backend direct --protocol ipc \
   --engine-arg=--load-format=dummy --json "$OUT/pd-share-llama31-8b-ipc.json" 2>&1 | grep -v "^I1\|^W1" | tail -8 || true

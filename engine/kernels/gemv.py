@@ -34,7 +34,6 @@ class GemvConfig:
     block_k: int
     num_warps: int
     num_stages: int
-    prefetch: bool = False  # load slice k + 1 before using slice k (see the kernel)
 
 
 # Tiles chosen on an H200 inside CUDA graphs (bench/device/kernel_tune.py, docs/engine.md): wide weights (gate/up,
@@ -54,7 +53,7 @@ def config_for(weight: torch.Tensor) -> GemvConfig:
 def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, stride_x, stride_w, stride_out, K: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, FP16_DOT: tl.constexpr,
-    PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -67,42 +66,20 @@ def _gemv_kernel(
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if PREFETCH:
-        # The next slice of the weight is requested before this one is widened and multiplied: two slices in
-        # flight per program where a conversion between load and dot keeps the compiler from pipelining.
-        w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        k_ok = k < K
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if FP16_DOT:
+            x = x.to(tl.float16)
+            w = w.to(tl.float16)
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
         if SWIGLU:
-            u = tl.load(w_rows + N * stride_w + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + rk
-            kn = k + BLOCK_K
-            w_next = tl.load(w_rows + kn[None, :], mask=n_ok[:, None] & (kn < K)[None, :], other=0.0)
-            if SWIGLU:
-                u_next = tl.load(w_rows + N * stride_w + kn[None, :], mask=n_ok[:, None] & (kn < K)[None, :],
-                                 other=0.0)  # fmt: skip
-            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+            u = tl.load(w_rows + N * stride_w + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if FP16_DOT:
-                x = x.to(tl.float16)
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION)
-            w = w_next
-            if SWIGLU:
-                acc_up += tl.dot(x, tl.trans(u.to(x.dtype)), input_precision=PRECISION)
-                u = u_next
-    else:
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + rk
-            k_ok = k < K
-            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            if FP16_DOT:
-                x = x.to(tl.float16)
-                w = w.to(tl.float16)
-            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-            if SWIGLU:
-                u = tl.load(w_rows + N * stride_w + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                if FP16_DOT:
-                    u = u.to(tl.float16)
-                acc_up += tl.dot(x, tl.trans(u), input_precision=PRECISION)
+                u = u.to(tl.float16)
+            acc_up += tl.dot(x, tl.trans(u), input_precision=PRECISION)
     dt = out_ptr.dtype.element_ty
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
@@ -149,7 +126,7 @@ def gemv(
         x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
         m, n, x.stride(0), weight.stride(0), out.stride(0), k,
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, SWIGLU=swiglu, FP16_DOT=fp16_dot,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PREFETCH=cfg.prefetch,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
