@@ -134,6 +134,21 @@ def test_paged_attention_decode_and_prompt_rows_match_dense(splits: int) -> None
                                    atol=2e-5, rtol=1e-4)  # fmt: skip
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_hand_pipelined_attention_equals_the_plain_loop(splits: int) -> None:
+    # Prefetching the next tile's keys and values changes when they are read, not what is computed.
+    cache = torch.randn(2, NB, BS, KVH, D, generator=_g(6)).to(DEV)
+    ctx = [70, 5, 33, 200]
+    tables = _tables(ctx)
+    context = torch.tensor(ctx, dtype=torch.int32, device=DEV)
+    q = torch.randn(4, H, D, generator=_g(8)).to(DEV)
+    starts = torch.arange(5, dtype=torch.int32, device=DEV)
+    args = (q, cache, tables, starts, context, D**-0.5, 1, max(ctx), splits)
+    plain = triton_ops.paged_attention(*args, block_n=16)
+    piped = triton_ops.paged_attention(*args, block_n=16, prefetch=True)
+    torch.testing.assert_close(piped, plain, atol=0, rtol=0)
+
+
 def test_sparse_selection_as_a_block_table_equals_the_gathering_path() -> None:
     cache = torch.randn(2, NB, BS, KVH, D, generator=_g(9)).to(DEV)
     indexer = torch.zeros(NB, KVH, D, device=DEV)
