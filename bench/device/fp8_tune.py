@@ -61,10 +61,11 @@ def graph_time(calls: list[Callable[[], object]], rounds: int = 5) -> float:
 
 def tune_gemv(out: dict, deadline: float) -> None:
     dev = torch.device("cuda")
-    sweep = {"fp8": [GemvConfig(bn, bk, w, st) for bn, bk, w, st in
-                     itertools.product((32, 64, 128), (512, 1024), (4, 8), (3, 4))],
-             "bf16": [GemvConfig(bn, bk, w, st) for bn, bk, w, st in
-                      itertools.product((32, 64), (256, 512), (4,), (3, 4))]}  # fmt: skip
+    sweep = {"fp8": [GemvConfig(bn, bk, 4, st) for bn, bk, st in
+                     itertools.product((16, 32, 64), (128, 256, 512), (3, 4))],
+             "bf16": [GemvConfig(bn, bk, 4, st) for bn, bk, st in
+                      itertools.product((16, 32, 64), (256, 512), (3, 4))]}  # fmt: skip
+    tiles = out.setdefault("tiles", {}).setdefault(torch.cuda.get_device_name(), {})
     for i, (name, (n, k)) in enumerate(SHAPES.items()):
         shape_deadline = time.monotonic() + (deadline - time.monotonic()) / (len(SHAPES) - i)
         copies = max(2, -(-PASS_BYTES // (n * k)))
@@ -106,6 +107,10 @@ def tune_gemv(out: dict, deadline: float) -> None:
             row[wdt] = {"today": ok[0] if ok and ok[0]["cfg"] == str(today) else None, "best": best,
                         "top5": sorted(ok, key=lambda r: r["us"])[:5], "errors": len(results) - len(ok)}  # fmt: skip
             print("gemv", name, wdt, "today", row[wdt]["today"], "best", best, flush=True)
+            if best is not None:
+                cfg = next(c for c in [today, *sweep[wdt]] if str(c) == best["cfg"])
+                key = f"{n}x{k}"
+                tiles.setdefault(wdt, {})[key] = [cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages]
         out.setdefault("gemv", {})[name] = row
         del ws, kinds
         torch.cuda.empty_cache()
@@ -178,6 +183,9 @@ def main() -> None:
     ap.add_argument("--json", required=True)
     ap.add_argument("--only", choices=("gemv", "attention"), default=None)
     ap.add_argument("--seconds", type=float, default=300.0, help="stop sweeping after this long (each part)")
+    ap.add_argument(
+        "--tiles", help="also write the best skinny-matmul tiles here (engine/kernels/gemv_tiles.json form)"
+    )
     a = ap.parse_args()
     out: dict = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
     try:
@@ -188,6 +196,9 @@ def main() -> None:
     finally:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
+        if a.tiles:
+            with open(a.tiles, "w") as f:
+                json.dump(out.get("tiles", {}), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,11 @@ quantizing the activations (the weight-only FP8 path of small batches; large bat
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -36,17 +40,38 @@ class GemvConfig:
     num_stages: int
 
 
-# Tiles chosen on an H200 inside CUDA graphs (bench/device/kernel_tune.py, docs/engine.md): wide weights (gate/up,
-# the LM head) stream best in 64-row tiles, the square and narrow ones of 8B models in 32-row tiles with longer
-# slices; FP8 halves the bytes of a slice, so it takes twice the columns.
+# Tiles measured per GPU model, weight dtype and weight shape (bench/device/fp8_tune.py, with every call reading
+# a different copy of the weight so that it streams from HBM as a model's layers do; docs/engine.md):
+# {"<device name>": {"bf16" | "fp8": {"<N>x<K>": [block_n, block_k, num_warps, num_stages]}}}.
+# ENGINE_GEMV_TILES names another file of that form whose entries take precedence (a tuning run's output).
+TILES_FILE = Path(__file__).with_name("gemv_tiles.json")
+
+
+@functools.cache
+def _tiles(device_index: int) -> dict[str, dict[str, list[int]]]:
+    name = torch.cuda.get_device_name(device_index) if torch.cuda.is_available() else "cpu"
+    table: dict[str, dict[str, list[int]]] = {}
+    for path in (TILES_FILE, os.environ.get("ENGINE_GEMV_TILES")):
+        if path:
+            for kind, shapes in json.loads(Path(path).read_text()).get(name, {}).items():
+                table.setdefault(kind, {}).update(shapes)
+    return table
+
+
 def config_for(weight: torch.Tensor) -> GemvConfig:
-    n = weight.shape[0]
+    """The measured tile for this weight on this GPU, else a rule: wide weights (gate/up, LM heads) stream
+    best in 64-row tiles, square and narrow ones in 32-row tiles with longer slices."""
+    n, k = weight.shape
     fp8 = weight.element_size() == 1
+    if weight.is_cuda:
+        hit = _tiles(weight.device.index or 0).get("fp8" if fp8 else "bf16", {}).get(f"{n}x{k}")
+        if hit:
+            return GemvConfig(*hit)
     if n >= 16384:
         return GemvConfig(64, 256, 4, 3)
     if n > 4096:
-        return GemvConfig(64, 512 if fp8 else 256, 4, 3 if fp8 else 4)
-    return GemvConfig(32, 512, 4, 3)
+        return GemvConfig(64, 256, 4, 3 if fp8 else 4)
+    return GemvConfig(32, 256 if fp8 else 512, 4, 3)
 
 
 @triton.jit
