@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from engine.kernels import decode_splits
 from engine.kernels.gemv import GemvConfig, config_for, gemv
 from engine.kernels.triton_ops import paged_attention
-from engine.models.quant import Fp8Linear
+from engine.models.quant import Fp8Linear, quantize_per_token
 
 HBM = 4.8e12
 PASS_BYTES = 512 << 20
@@ -63,8 +63,10 @@ def tune_gemv(out: dict, deadline: float) -> None:
     dev = torch.device("cuda")
     sweep = {"fp8": [GemvConfig(bn, bk, 4, st) for bn, bk, st in
                      itertools.product((16, 32, 64), (128, 256, 512), (3, 4))],
+             "fp8act": [GemvConfig(bn, bk, w, st, act_fp8=True) for bn, bk, w, st in
+                        itertools.product((32, 64), (256, 512, 1024), (4, 8), (3, 4))],
              "bf16": [GemvConfig(bn, bk, 4, st) for bn, bk, st in
-                      itertools.product((16, 32, 64), (256, 512), (3, 4))]}  # fmt: skip
+                      itertools.product((32, 64), (256, 512), (3, 4))]}  # fmt: skip
     tiles = out.setdefault("tiles", {}).setdefault(torch.cuda.get_device_name(), {})
     for i, (name, (n, k)) in enumerate(SHAPES.items()):
         shape_deadline = time.monotonic() + (deadline - time.monotonic()) / (len(SHAPES) - i)
@@ -82,17 +84,25 @@ def tune_gemv(out: dict, deadline: float) -> None:
                 layer.load_rows(0, ws[c % len(ws)])
                 fp8s.append((layer.weight, layer.weight_scale))
             kinds.append(("fp8", fp8s))
+            kinds.append(("fp8act", fp8s))
         swiglu = name == "gate_up"
         for wdt, weights in kinds:
             esize = weights[0][0].element_size()
-            ref = F.linear(x, ws[0]).float()
+            if wdt == "fp8act":
+                x8, xs = quantize_per_token(x)
+                ref = (x8.float() * xs) @ (weights[0][0].float() * weights[0][1].view(-1, 1)).T
+            else:
+                ref = F.linear(x, ws[0]).float()
+            if swiglu:
+                g, u = ref.chunk(2, dim=-1)
+                ref = F.silu(g) * u
             results = []
             today = config_for(weights[0][0])
             for cfg in [today, *sweep[wdt]]:
                 if time.monotonic() > shape_deadline:
                     break
                 try:
-                    y = gemv(x, weights[0][0], weights[0][1], config=cfg)
+                    y = gemv(x, weights[0][0], weights[0][1], swiglu=swiglu, config=cfg)
                     err = (y.float() - ref).abs().max().item() / ref.abs().max().item()
                     if err > 0.05:
                         raise RuntimeError(f"wrong result (relative error {err:.3f})")
@@ -110,7 +120,11 @@ def tune_gemv(out: dict, deadline: float) -> None:
             if best is not None:
                 cfg = next(c for c in [today, *sweep[wdt]] if str(c) == best["cfg"])
                 key = f"{n}x{k}"
-                tiles.setdefault(wdt, {})[key] = [cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages]
+                entry = [cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, int(cfg.act_fp8)]
+                kind = "fp8" if wdt == "fp8act" else wdt
+                held = row.get("fp8", {}).get("best") if wdt == "fp8act" else None
+                if held is None or best["us"] < held["us"]:
+                    tiles.setdefault(kind, {})[key] = entry if kind == "fp8" else entry[:4]
         out.setdefault("gemv", {})[name] = row
         del ws, kinds
         torch.cuda.empty_cache()

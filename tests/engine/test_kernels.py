@@ -71,6 +71,25 @@ def test_skinny_matmuls_match_linear(tokens: int) -> None:
         gemv(torch.zeros(17, 200, dtype=dt, device=DEV), w)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="Triton's interpreter converts float32 to float8 wrongly; checked on CUDA")
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+def test_skinny_fp8_by_fp8_matmul_equals_per_token_quantization(tokens: int) -> None:
+    from engine.kernels.gemv import GemvConfig, gemv
+    from engine.models.quant import quantize_per_channel, quantize_per_token
+
+    # FP8 weights meeting activations quantized per token in the kernel: the matmul of the same FP8 bytes that
+    # quantize_per_token gives, with the fused SwiGLU too.
+    cfg = GemvConfig(32, 128, 4, 3, act_fp8=True)
+    x = torch.randn(tokens, 200, generator=_g(1)).to(DEV, torch.bfloat16)
+    w = (torch.randn(72, 200, generator=_g(2)) * 0.1).to(DEV, torch.bfloat16)
+    q, scale = quantize_per_channel(w.float())
+    xq, xs = quantize_per_token(x)
+    ref = (xq.float() * xs) @ (q.float() * scale[:, None]).T
+    torch.testing.assert_close(gemv(x, q, scale, config=cfg).float(), ref, rtol=1e-2, atol=1e-2)
+    gate, up = ref.to(torch.bfloat16).chunk(2, dim=-1)
+    torch.testing.assert_close(gemv(x, q, scale, swiglu=True, config=cfg), F.silu(gate) * up, rtol=2e-2, atol=2e-2)
+
+
 def test_rope_and_store_writes_rotated_keys_and_values_to_their_slots() -> None:
     n = 7
     qkv = torch.randn(n, (H + 2 * KVH) * D, generator=_g()).to(DEV)
