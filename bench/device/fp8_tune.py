@@ -59,7 +59,7 @@ def graph_time(calls: list[Callable[[], object]], rounds: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def tune_gemv(out: dict, deadline: float) -> None:
+def tune_gemv(out: dict, deadline: float, kinds_wanted: list[str]) -> None:
     dev = torch.device("cuda")
     sweep = {"fp8": [GemvConfig(bn, bk, 4, st) for bn, bk, st in
                      itertools.product((16, 32, 64), (128, 256, 512), (3, 4))],
@@ -87,6 +87,8 @@ def tune_gemv(out: dict, deadline: float) -> None:
             kinds.append(("fp8act", fp8s))
         swiglu = name == "gate_up"
         for wdt, weights in kinds:
+            if wdt not in kinds_wanted:
+                continue
             esize = weights[0][0].element_size()
             if wdt == "fp8act":
                 x8, xs = quantize_per_token(x)
@@ -121,10 +123,9 @@ def tune_gemv(out: dict, deadline: float) -> None:
                 cfg = next(c for c in [today, *sweep[wdt]] if str(c) == best["cfg"])
                 key = f"{n}x{k}"
                 entry = [cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, int(cfg.act_fp8)]
+                # fp8act's sweep starts with the weight-only tile the engine has: the faster of the two is kept.
                 kind = "fp8" if wdt == "fp8act" else wdt
-                held = row.get("fp8", {}).get("best") if wdt == "fp8act" else None
-                if held is None or best["us"] < held["us"]:
-                    tiles.setdefault(kind, {})[key] = entry if kind == "fp8" else entry[:4]
+                tiles.setdefault(kind, {})[key] = entry if kind == "fp8" else entry[:4]
         out.setdefault("gemv", {})[name] = row
         del ws, kinds
         torch.cuda.empty_cache()
@@ -196,6 +197,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", required=True)
     ap.add_argument("--only", choices=("gemv", "attention"), default=None)
+    ap.add_argument("--kinds", default="bf16,fp8,fp8act", help="skinny-matmul weight kinds to sweep")
     ap.add_argument("--seconds", type=float, default=300.0, help="stop sweeping after this long (each part)")
     ap.add_argument(
         "--tiles", help="also write the best skinny-matmul tiles here (engine/kernels/gemv_tiles.json form)"
@@ -206,7 +208,7 @@ def main() -> None:
         if a.only in (None, "attention"):
             tune_attention(out, time.monotonic() + a.seconds)
         if a.only in (None, "gemv"):
-            tune_gemv(out, time.monotonic() + a.seconds)
+            tune_gemv(out, time.monotonic() + a.seconds, a.kinds.split(","))
     finally:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
