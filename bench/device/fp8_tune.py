@@ -7,7 +7,11 @@ per pass), as the 36 layers of a model do.
 1. Skinny matmul (engine.kernels.gemv) at 1 token on qwen3-8b's linear layers: bf16 and FP8 weights over a sweep of
    tiles, against cuBLAS bf16; the tile the engine picks today (``config_for``) beside the best.
 2. Decode attention at batch 256 / 2K context and batch 16 / 8K (qwen3-8b heads): bf16 cache against an FP8 cache
-   read through fp16 (today), through a native FP8 dot, each with and without the hand-pipelined loop.
+   (read through fp16) over tiles.
+
+Tried on 2026-12-02 and taken out of the kernels since none won (docs/engine.md, "FP8 on the H200"): FP8 x FP8
+skinny matmuls with activations quantized per token in the kernel, and for attention a native FP8 dot and a
+hand-pipelined loop (commits 9fbeeb8, b996925).
 
     python3 bench/device/fp8_tune.py --json $OUT/fp8-tune.json
 """
@@ -27,7 +31,7 @@ import torch.nn.functional as F
 from engine.kernels import decode_splits
 from engine.kernels.gemv import GemvConfig, config_for, gemv
 from engine.kernels.triton_ops import paged_attention
-from engine.models.quant import Fp8Linear, quantize_per_token
+from engine.models.quant import Fp8Linear
 
 HBM = 4.8e12
 PASS_BYTES = 512 << 20
@@ -63,8 +67,6 @@ def tune_gemv(out: dict, deadline: float, kinds_wanted: list[str]) -> None:
     dev = torch.device("cuda")
     sweep = {"fp8": [GemvConfig(bn, bk, 4, st) for bn, bk, st in
                      itertools.product((16, 32, 64), (128, 256, 512), (3, 4))],
-             "fp8act": [GemvConfig(bn, bk, w, st, act_fp8=True) for bn, bk, w, st in
-                        itertools.product((32, 64), (256, 512, 1024), (4, 8), (3, 4))],
              "bf16": [GemvConfig(bn, bk, 4, st) for bn, bk, st in
                       itertools.product((32, 64), (256, 512), (3, 4))]}  # fmt: skip
     tiles = out.setdefault("tiles", {}).setdefault(torch.cuda.get_device_name(), {})
@@ -84,17 +86,12 @@ def tune_gemv(out: dict, deadline: float, kinds_wanted: list[str]) -> None:
                 layer.load_rows(0, ws[c % len(ws)])
                 fp8s.append((layer.weight, layer.weight_scale))
             kinds.append(("fp8", fp8s))
-            kinds.append(("fp8act", fp8s))
         swiglu = name == "gate_up"
         for wdt, weights in kinds:
             if wdt not in kinds_wanted:
                 continue
             esize = weights[0][0].element_size()
-            if wdt == "fp8act":
-                x8, xs = quantize_per_token(x)
-                ref = (x8.float() * xs) @ (weights[0][0].float() * weights[0][1].view(-1, 1)).T
-            else:
-                ref = F.linear(x, ws[0]).float()
+            ref = F.linear(x, ws[0]).float()
             if swiglu:
                 g, u = ref.chunk(2, dim=-1)
                 ref = F.silu(g) * u
@@ -122,10 +119,7 @@ def tune_gemv(out: dict, deadline: float, kinds_wanted: list[str]) -> None:
             if best is not None:
                 cfg = next(c for c in [today, *sweep[wdt]] if str(c) == best["cfg"])
                 key = f"{n}x{k}"
-                entry = [cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, int(cfg.act_fp8)]
-                # fp8act's sweep starts with the weight-only tile the engine has: the faster of the two is kept.
-                kind = "fp8" if wdt == "fp8act" else wdt
-                tiles.setdefault(kind, {})[key] = entry if kind == "fp8" else entry[:4]
+                tiles.setdefault(wdt, {})[key] = [cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages]
         out.setdefault("gemv", {})[name] = row
         del ws, kinds
         torch.cuda.empty_cache()
@@ -148,27 +142,20 @@ def tune_attention(out: dict, deadline: float) -> None:
         kv_elems = seqs * ctx * kvh * d * 2
         ref = paged_attention(q, cache8.to(torch.bfloat16), tables, qstart, lens, d**-0.5, 1, ctx, splits).float()
         res: dict = {"splits": splits, "runs": []}
-        variants = [("bf16", cache16, False, False, bn, w, st, False) for bn, w, st in
-                    itertools.product((64, 128), (4, 8), (2, 3))]  # fmt: skip
-        variants += [("bf16", cache16, False, False, bn, w, 1, True) for bn, w in itertools.product((64, 128), (4, 8))]
-        variants += [("fp8", cache8, dot8, False, bn, w, st, False) for dot8, bn, w, st in
-                     itertools.product((False, True), (64, 128, 256), (4, 8), (2, 3))]  # fmt: skip
-        variants += [("fp8", cache8, dot8, False, bn, w, 1, True) for dot8, bn, w in
-                     itertools.product((False, True), (64, 128, 256), (4, 8))]  # fmt: skip
-        for cname, cache, dot8, _, bn, warps, stages, pre in variants:
-            label = (
-                f"{cname} dot={'fp8' if dot8 else '16-bit'} block_n={bn} warps={warps} stages={stages} prefetch={pre}"
-            )
+        variants = [("bf16", cache16, bn, w, st) for bn, w, st in itertools.product((64, 128), (4, 8), (2, 3))]
+        variants += [("fp8", cache8, bn, w, st) for bn, w, st in itertools.product((64, 128, 256), (4, 8), (2, 3))]
+        for cname, cache, bn, warps, stages in variants:
+            label = f"{cname} block_n={bn} warps={warps} stages={stages}"
             if time.monotonic() > deadline or (top and label not in top):
                 continue
 
             run = partial(
                 paged_attention, q, cache, tables, qstart, lens, d**-0.5, 1, ctx, splits, block_n=bn,
-                num_warps=warps, num_stages=stages, prefetch=pre, fp8_dot=dot8,
+                num_warps=warps, num_stages=stages,
             )  # fmt: skip
             try:
                 err = (run().float() - ref).abs().max().item()
-                if err > (0.1 if dot8 else 0.05):
+                if err > 0.05:
                     raise RuntimeError(f"wrong result ({err:.3f})")
                 t = graph_time([run] * 4, rounds=3)
             except Exception as e:
@@ -197,7 +184,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", required=True)
     ap.add_argument("--only", choices=("gemv", "attention"), default=None)
-    ap.add_argument("--kinds", default="bf16,fp8,fp8act", help="skinny-matmul weight kinds to sweep")
+    ap.add_argument("--kinds", default="bf16,fp8", help="skinny-matmul weight kinds to sweep")
     ap.add_argument("--seconds", type=float, default=300.0, help="stop sweeping after this long (each part)")
     ap.add_argument(
         "--tiles", help="also write the best skinny-matmul tiles here (engine/kernels/gemv_tiles.json form)"

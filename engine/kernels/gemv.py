@@ -38,14 +38,11 @@ class GemvConfig:
     block_k: int
     num_warps: int
     num_stages: int
-    # FP8 weights only: quantize the activations per token in the kernel and multiply FP8 by FP8 (no widening of
-    # the weight bytes), as the large-batch path's ``_scaled_mm`` does; else the weights widen to fp16.
-    act_fp8: bool = False
 
 
 # Tiles measured per GPU model, weight dtype and weight shape (bench/device/fp8_tune.py, with every call reading
 # a different copy of the weight so that it streams from HBM as a model's layers do; docs/engine.md):
-# {"<device name>": {"bf16" | "fp8": {"<N>x<K>": [block_n, block_k, num_warps, num_stages(, act_fp8)]}}}.
+# {"<device name>": {"bf16" | "fp8": {"<N>x<K>": [block_n, block_k, num_warps, num_stages]}}}.
 # ENGINE_GEMV_TILES names another file of that form whose entries take precedence (a tuning run's output).
 TILES_FILE = Path(__file__).with_name("gemv_tiles.json")
 
@@ -69,20 +66,20 @@ def config_for(weight: torch.Tensor) -> GemvConfig:
     if weight.is_cuda:
         hit = _tiles(weight.device.index or 0).get("fp8" if fp8 else "bf16", {}).get(f"{n}x{k}")
         if hit:
-            block_n, block_k, warps, stages = hit[:4]
-            return GemvConfig(block_n, block_k, warps, stages, act_fp8=fp8 and len(hit) > 4 and bool(hit[4]))
+            block_n, block_k, warps, stages = hit
+            return GemvConfig(block_n, block_k, warps, stages)
     if n >= 16384:
         return GemvConfig(64, 256, 4, 3)
     if n > 4096:
-        return GemvConfig(64, 256, 4, 3 if fp8 else 4)
-    return GemvConfig(32, 256 if fp8 else 512, 4, 3)
+        return GemvConfig(64, 512 if fp8 else 256, 4, 3 if fp8 else 4)
+    return GemvConfig(32, 512, 4, 3)
 
 
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, stride_x, stride_w, stride_out, K: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, FP16_DOT: tl.constexpr,
-    ACT_FP8: tl.constexpr, PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -95,36 +92,21 @@ def _gemv_kernel(
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if ACT_FP8:
-        # Each row of x quantized to FP8 per token (as quantize_per_token: amax / 448, clamped), so the tensor
-        # cores take FP8 weights as they are stored, with no widening per weight byte.
-        amax = tl.zeros([BLOCK_M], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + rk
-            xa = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
-            amax = tl.maximum(amax, tl.max(tl.abs(xa.to(tl.float32)), 1))
-        x_scale = tl.maximum(amax, 1e-12) * (1.0 / 448.0)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + rk
         k_ok = k < K
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if ACT_FP8:
-            xq = tl.math.div_rn(x.to(tl.float32), x_scale[:, None])
-            x = tl.clamp(xq, -448.0, 448.0).to(w.dtype)
-        elif FP16_DOT:
+        if FP16_DOT:
             x = x.to(tl.float16)
             w = w.to(tl.float16)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
         if SWIGLU:
             u = tl.load(w_rows + N * stride_w + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            if FP16_DOT and not ACT_FP8:
+            if FP16_DOT:
                 u = u.to(tl.float16)
             acc_up += tl.dot(x, tl.trans(u), input_precision=PRECISION)
     dt = out_ptr.dtype.element_ty
-    if ACT_FP8:
-        acc = acc * x_scale[:, None]
-        acc_up = acc_up * x_scale[:, None]
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
         if SWIGLU:
@@ -150,8 +132,7 @@ def gemv(
     """``x [M, K] @ weight[N, K].T`` (times ``scale [N]`` per channel, plus ``bias``) for ``M <= 16``.
 
     With ``swiglu`` the weight is a fused ``[2N', K]`` gate/up projection and the result ``silu(gate) * up``
-    ``[M, N']``. Output in ``x``'s dtype. The tile (``config``, else ``config_for``) also says whether FP8
-    weights meet FP8 activations (``act_fp8``) or widen to fp16.
+    ``[M, N']``. Output in ``x``'s dtype.
     """
     m, k = x.shape
     if m > MAX_TOKENS:
@@ -167,12 +148,10 @@ def gemv(
     cfg = config or config_for(weight)
     fp8 = weight.element_size() == 1
     fp16_dot = fp8 or x.dtype == torch.float16
-    act_fp8 = fp8 and cfg.act_fp8
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
         m, n, x.stride(0), weight.stride(0), out.stride(0), k,
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, SWIGLU=swiglu, FP16_DOT=fp16_dot,
-        ACT_FP8=act_fp8,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

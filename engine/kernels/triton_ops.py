@@ -183,32 +183,17 @@ def rope_and_store(
 
 
 @triton.jit
-def _load_kv(
-    kv_ptr, table, n0, hi, g, d, v_offset,
+def _attend(
+    q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, scale, v_offset, window,
     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # One tile of BLOCK_N keys and values, read through the block table in the cache's own dtype.
+    # One tile of BLOCK_N keys, read through the block table, folded into the online softmax.
     j = n0 + tl.arange(0, BLOCK_N)
     jm = j < hi
     blk = tl.load(table + j // BS, mask=jm, other=0).to(tl.int64)
     off = blk * (BS * (H // GROUP) * D) + (j % BS) * ((H // GROUP) * D) + g * D
-    k = tl.load(kv_ptr + off[:, None] + d[None, :], mask=jm[:, None], other=0.0)
-    v = tl.load(kv_ptr + v_offset + off[:, None] + d[None, :], mask=jm[:, None], other=0.0)
-    return k, v
-
-
-@triton.jit
-def _fold(
-    q, k, v, n0, hi, qpos, m_i, l_i, acc, scale, window, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    FP8_DOT: tl.constexpr,
-):  # fmt: skip
-    # Folds one tile into the online softmax. FP8_DOT: Q and P are FP8 like the cache (tensor cores read
-    # FP8 natively); otherwise keys and values widen to Q's dtype.
-    j = n0 + tl.arange(0, BLOCK_N)
-    jm = j < hi
-    if not FP8_DOT:
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
+    k = tl.load(kv_ptr + off[:, None] + d[None, :], mask=jm[:, None], other=0.0).to(q.dtype)
     sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
     seen = (j[None, :] <= qpos[:, None]) & jm[None, :]
     if window > 0:
@@ -218,7 +203,8 @@ def _fold(
     p = tl.exp(sc - m_new[:, None])
     alpha = tl.exp(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    v = tl.load(kv_ptr + v_offset + off[:, None] + d[None, :], mask=jm[:, None], other=0.0).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -229,7 +215,7 @@ def _paged_attention_kernel(
     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_Q: tl.constexpr,
     SPLIT: tl.constexpr, TILED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-    FP16_DOT: tl.constexpr, FP8_DOT: tl.constexpr, PREFETCH: tl.constexpr,
+    FP16_DOT: tl.constexpr,
 ):  # fmt: skip
     g = tl.program_id(2)
     ok = True
@@ -269,36 +255,64 @@ def _paged_attention_kernel(
     d = tl.arange(0, D)
     q_rows = (q0 + tq).to(tl.int64) * (H * D) + h * D
     q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    if FP8_DOT:
-        q = q.to(kv_ptr.dtype.element_ty)
-    elif FP16_DOT:
+    if FP16_DOT:
         # An FP8 cache widens to fp16 natively (e4m3 -> bf16 does not): keys, values, Q and P go through fp16.
         q = q.to(tl.float16)
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     table = tables_ptr + s.to(tl.int64) * table_stride
-    # Triton's interpreter cannot run a `for` over a loaded bound, hence the `while` loops (the same loop).
-    if PREFETCH:
-        # Pipelined by hand: the next tile's loads are issued before this tile's arithmetic (a conversion
-        # between load and dot keeps Triton's pipeliner from overlapping them).
-        k, v = _load_kv(kv_ptr, table, lo, hi, g, d, v_offset, H, GROUP, D, BS, BLOCK_N)
+    if INTERPRET:
+        # Triton's interpreter cannot run a `for` over a loaded bound; a `while` is the same loop.
         n0 = lo
         while n0 < hi:
-            k_next, v_next = _load_kv(kv_ptr, table, n0 + BLOCK_N, hi, g, d, v_offset, H, GROUP, D, BS, BLOCK_N)
-            m_i, l_i, acc = _fold(q, k, v, n0, hi, qpos, m_i, l_i, acc, scale, window, BLOCK_N, PRECISION, FP8_DOT)
-            k, v = k_next, v_next
-            n0 += BLOCK_N
-    elif INTERPRET:
-        n0 = lo
-        while n0 < hi:
-            k, v = _load_kv(kv_ptr, table, n0, hi, g, d, v_offset, H, GROUP, D, BS, BLOCK_N)
-            m_i, l_i, acc = _fold(q, k, v, n0, hi, qpos, m_i, l_i, acc, scale, window, BLOCK_N, PRECISION, FP8_DOT)
+            m_i, l_i, acc = _attend(
+                q,
+                kv_ptr,
+                table,
+                n0,
+                hi,
+                qpos,
+                g,
+                d,
+                m_i,
+                l_i,
+                acc,
+                scale,
+                v_offset,
+                window,
+                H,
+                GROUP,
+                D,
+                BS,
+                BLOCK_N,
+                PRECISION,
+            )
             n0 += BLOCK_N
     else:
         for n0 in range(lo, hi, BLOCK_N):
-            k, v = _load_kv(kv_ptr, table, n0, hi, g, d, v_offset, H, GROUP, D, BS, BLOCK_N)
-            m_i, l_i, acc = _fold(q, k, v, n0, hi, qpos, m_i, l_i, acc, scale, window, BLOCK_N, PRECISION, FP8_DOT)
+            m_i, l_i, acc = _attend(
+                q,
+                kv_ptr,
+                table,
+                n0,
+                hi,
+                qpos,
+                g,
+                d,
+                m_i,
+                l_i,
+                acc,
+                scale,
+                v_offset,
+                window,
+                H,
+                GROUP,
+                D,
+                BS,
+                BLOCK_N,
+                PRECISION,
+            )
     if SPLIT:
         part = (s * H + h).to(tl.int64) * num_splits + sp
         tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=valid[:, None])
@@ -334,7 +348,7 @@ def paged_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, query_start: torch.Tensor,
     context_lens: torch.Tensor, scale: float, max_query_len: int, max_context: int, num_splits: int = 1,
     tile_map: tuple[torch.Tensor, torch.Tensor] | None = None, window: int = 0, block_n: int = 0,
-    num_warps: int = 4, num_stages: int = 3, prefetch: bool = False, fp8_dot: bool = False,
+    num_warps: int = 4, num_stages: int = 3,
 ) -> torch.Tensor:  # fmt: skip
     """Causal attention of ``q [tokens, H, D]`` over each sequence's cached context (this step's K/V included).
 
@@ -352,8 +366,6 @@ def paged_attention(
     seqs = block_tables.shape[0]
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     fp16_dot = kv_cache.element_size() == 1 and q.dtype != torch.float32
-    if fp8_dot and not fp16_dot:
-        raise ValueError("fp8_dot needs an FP8 cache and 16-bit queries")
     # An FP8 cache moves half the bytes per key: a decode tile of twice the keys keeps as many bytes in flight.
     block_n = block_n or (2 * DECODE_BLOCK_N if fp16_dot and max_query_len == 1 else DECODE_BLOCK_N)
     v_offset = kv_cache[0].numel()
@@ -368,7 +380,6 @@ def paged_attention(
             scale, v_offset, block_tables.stride(0), split_size, splits, window,
             H=heads, GROUP=group, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=1,
             SPLIT=True, TILED=False, PRECISION=precision, INTERPRET=_INTERPRET, FP16_DOT=fp16_dot,
-            FP8_DOT=fp8_dot, PREFETCH=prefetch,
             num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
         _merge_splits_kernel[(seqs, heads)](
@@ -389,7 +400,7 @@ def paged_attention(
         scale, v_offset, block_tables.stride(0), 0, 1, window,
         H=heads, GROUP=group, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=block_m // group,
         SPLIT=False, TILED=tile_map is not None, PRECISION=precision, INTERPRET=_INTERPRET, FP16_DOT=fp16_dot,
-        FP8_DOT=fp8_dot, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     del tokens
     return out

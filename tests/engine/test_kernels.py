@@ -71,25 +71,6 @@ def test_skinny_matmuls_match_linear(tokens: int) -> None:
         gemv(torch.zeros(17, 200, dtype=dt, device=DEV), w)
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="Triton's interpreter converts float32 to float8 wrongly; checked on CUDA")
-@pytest.mark.parametrize("tokens", [1, 5, 16])
-def test_skinny_fp8_by_fp8_matmul_equals_per_token_quantization(tokens: int) -> None:
-    from engine.kernels.gemv import GemvConfig, gemv
-    from engine.models.quant import quantize_per_channel, quantize_per_token
-
-    # FP8 weights meeting activations quantized per token in the kernel: the matmul of the same FP8 bytes that
-    # quantize_per_token gives, with the fused SwiGLU too.
-    cfg = GemvConfig(32, 128, 4, 3, act_fp8=True)
-    x = torch.randn(tokens, 200, generator=_g(1)).to(DEV, torch.bfloat16)
-    w = (torch.randn(72, 200, generator=_g(2)) * 0.1).to(DEV, torch.bfloat16)
-    q, scale = quantize_per_channel(w.float())
-    xq, xs = quantize_per_token(x)
-    ref = (xq.float() * xs) @ (q.float() * scale[:, None]).T
-    torch.testing.assert_close(gemv(x, q, scale, config=cfg).float(), ref, rtol=1e-2, atol=1e-2)
-    gate, up = ref.to(torch.bfloat16).chunk(2, dim=-1)
-    torch.testing.assert_close(gemv(x, q, scale, swiglu=True, config=cfg), F.silu(gate) * up, rtol=2e-2, atol=2e-2)
-
-
 def test_rope_and_store_writes_rotated_keys_and_values_to_their_slots() -> None:
     n = 7
     qkv = torch.randn(n, (H + 2 * KVH) * D, generator=_g()).to(DEV)
@@ -151,21 +132,6 @@ def test_paged_attention_decode_and_prompt_rows_match_dense(splits: int) -> None
     for i in range(4):
         torch.testing.assert_close(out[i : i + 1], _reference(q[i : i + 1], cache, tables[i], ctx[i]),
                                    atol=2e-5, rtol=1e-4)  # fmt: skip
-
-
-@pytest.mark.parametrize("splits", [1, 3])
-def test_hand_pipelined_attention_equals_the_plain_loop(splits: int) -> None:
-    # Prefetching the next tile's keys and values changes when they are read, not what is computed.
-    cache = torch.randn(2, NB, BS, KVH, D, generator=_g(6)).to(DEV)
-    ctx = [70, 5, 33, 200]
-    tables = _tables(ctx)
-    context = torch.tensor(ctx, dtype=torch.int32, device=DEV)
-    q = torch.randn(4, H, D, generator=_g(8)).to(DEV)
-    starts = torch.arange(5, dtype=torch.int32, device=DEV)
-    args = (q, cache, tables, starts, context, D**-0.5, 1, max(ctx), splits)
-    plain = triton_ops.paged_attention(*args, block_n=16)
-    piped = triton_ops.paged_attention(*args, block_n=16, prefetch=True)
-    torch.testing.assert_close(piped, plain, atol=0, rtol=0)
 
 
 def test_sparse_selection_as_a_block_table_equals_the_gathering_path() -> None:
