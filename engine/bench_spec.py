@@ -37,14 +37,17 @@ import gc
 import json
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
+from engine.model_runner import StepInput
 from engine.models.eagle3 import write_random_head
 from engine.models.loader import load_model
 from engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
@@ -120,6 +123,24 @@ def _step_cost(engine: LLMEngine, prompt: list[int], k: int, steps: int, clock: 
     return elapsed
 
 
+def count_step_kinds(engine: LLMEngine) -> Counter[str]:
+    """Counts, from now on, the steps ``engine`` prepares by kind (``DecodeGraphStep``: a decode graph's replay,
+    ``MixedGraphStep``: a mixed-step graph's, ``EagerStep``: eager), so that a figure says what it timed."""
+    prepare, kinds = engine.runner.prepare, Counter[str]()
+
+    def counted(*args: Any) -> StepInput:
+        step = prepare(*args)
+        kinds[type(step).__name__] += 1
+        return step
+
+    engine.runner.prepare = counted  # type: ignore[method-assign,assignment]
+    return kinds
+
+
+def _kinds(kinds: Counter[str]) -> str:
+    return ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+
+
 def _sync(engine: LLMEngine) -> None:
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
@@ -130,10 +151,11 @@ def verify_cost(a: argparse.Namespace) -> list[dict[str, float]]:
     # Seats for every logits row of the largest verify batch: a mixed-step graph has one logits row per seat, so
     # verify steps replay graphs (unless --enforce-eager) as a serving engine with that many seats would.
     args = EngineArgs(model=a.model, device=a.device, load_format=a.load_format, max_model_len=a.prompt_len + 512,
-                      max_num_seqs=max(a.batch_sizes) * (a.max_k + 1),
+                      max_num_seqs=max(a.batch_sizes) * (a.max_k + 1), cudagraph_capture_sizes=tuple(a.batch_sizes),
                       speculative=SpeculativeConfig("ngram", max(a.max_k, 1), 1, 1),
                       enforce_eager=a.enforce_eager)  # fmt: skip
     engine = LLMEngine(args)
+    kinds = count_step_kinds(engine)
     rows: list[dict[str, float]] = []
     gen = torch.Generator().manual_seed(0)
     for batch in a.batch_sizes:
@@ -149,6 +171,7 @@ def verify_cost(a: argparse.Namespace) -> list[dict[str, float]]:
             for _ in range(2):  # warm-up of this shape
                 engine.step()
             _sync(engine)
+            kinds.clear()
             t0 = time.perf_counter()
             for _ in range(a.steps):
                 engine.step()
@@ -158,17 +181,18 @@ def verify_cost(a: argparse.Namespace) -> list[dict[str, float]]:
                 if s.status is not SequenceStatus.FINISHED:
                     engine.finish(s, FinishReason.ABORT)
             base = base or step_s
-            row = {"batch": batch, "k": k, "step_ms": step_s * 1e3, "ratio": step_s / base}
+            row = {"batch": batch, "k": k, "step_ms": step_s * 1e3, "ratio": step_s / base, "steps": dict(kinds)}
             rows.append(row)
             print(f"batch {batch:3d} k={k}: {row['step_ms']:8.2f} ms/step, x{row['ratio']:.2f} of a plain step: "
                   f"gains when a verify row yields > {row['ratio']:.2f} tokens" if k else
-                  f"batch {batch:3d} plain: {row['step_ms']:8.2f} ms/step")  # fmt: skip
+                  f"batch {batch:3d} plain: {row['step_ms']:8.2f} ms/step", f"({_kinds(kinds)})")  # fmt: skip
     return rows
 
 
-def _decode_steps(engine: LLMEngine, batch: int, a: argparse.Namespace, gen: torch.Generator) -> dict[str, float]:
+def _decode_steps(engine: LLMEngine, batch: int, a: argparse.Namespace,
+                  gen: torch.Generator) -> tuple[dict[str, float], Counter[str]]:  # fmt: skip
     """Mean step time, tokens per sequence per step and tok/s of ``batch`` sequences decoding from ``--prompt-len``
-    random tokens."""
+    random tokens; and the kinds of the steps timed."""
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=(a.steps + 4) * (a.max_k + 1) + 2, ignore_eos=True)
     prompts = torch.randint(vocab // 4, min(vocab, 20000), (batch, a.prompt_len), generator=gen).tolist()
@@ -178,6 +202,7 @@ def _decode_steps(engine: LLMEngine, batch: int, a: argparse.Namespace, gen: tor
     for _ in range(2):
         engine.step()
     _sync(engine)
+    kinds = count_step_kinds(engine)
     before = sum(s.num_completion_tokens for s in seqs)
     t0 = time.perf_counter()
     for _ in range(a.steps):
@@ -188,10 +213,12 @@ def _decode_steps(engine: LLMEngine, batch: int, a: argparse.Namespace, gen: tor
     for s in seqs:
         if s.status is not SequenceStatus.FINISHED:
             engine.finish(s, FinishReason.ABORT)
-    return {"step_ms": step_s * 1e3, "tokens_per_seq_step": tokens / batch, "tok_s": tokens / step_s}
+    del engine.runner.prepare  # the count's wrapper
+    figures = {"step_ms": step_s * 1e3, "tokens_per_seq_step": tokens / batch, "tok_s": tokens / step_s}
+    return figures, kinds
 
 
-def eagle_cost(a: argparse.Namespace) -> list[dict[str, float | str]]:
+def eagle_cost(a: argparse.Namespace) -> list[dict[str, float | str | dict[str, int]]]:
     """Plain decode steps against EAGLE-3 steps with k = 1 .. max_k drafts, per batch size."""
     head = a.eagle
     scratch = None
@@ -200,24 +227,26 @@ def eagle_cost(a: argparse.Namespace) -> list[dict[str, float | str]]:
         target = load_model(a.model).config
         dtype = torch.float32 if a.device == "cpu" else torch.bfloat16
         head = str(write_random_head(Path(scratch.name), target, min(a.draft_vocab, target.vocab_size), dtype=dtype))
+    # Seats for every logits row of the largest verify batch, so that its steps replay the mixed-step graphs.
     base = EngineArgs(model=a.model, device=a.device, load_format=a.load_format, max_model_len=a.prompt_len + 1024,
-                      max_num_seqs=max(a.batch_sizes), enforce_eager=a.enforce_eager,
-                      gpu_memory_utilization=a.gpu_memory_utilization)  # fmt: skip
-    rows: list[dict[str, float | str]] = []
+                      max_num_seqs=max(a.batch_sizes) * (a.max_k + 1), cudagraph_capture_sizes=tuple(a.batch_sizes),
+                      enforce_eager=a.enforce_eager, gpu_memory_utilization=a.gpu_memory_utilization)  # fmt: skip
+    rows: list[dict[str, float | str | dict[str, int]]] = []
     plain: dict[int, float] = {}
     gen = torch.Generator().manual_seed(0)
     for k in range(a.max_k + 1):
         spec = SpeculativeConfig("eagle3", k, model=head) if k else None
         engine = LLMEngine(replace(base, speculative=spec))
         for batch in a.batch_sizes:
-            r = _decode_steps(engine, batch, a, gen)
+            r, kinds = _decode_steps(engine, batch, a, gen)
             plain.setdefault(batch, r["step_ms"])
             ratio = r["step_ms"] / plain[batch]
-            rows.append({"method": "eagle3" if k else "plain", "k": k, "batch": batch, **r, "ratio": ratio})
+            rows.append({"method": "eagle3" if k else "plain", "k": k, "batch": batch, **r, "ratio": ratio,
+                         "steps": dict(kinds)})  # fmt: skip
             print(f"batch {batch:3d} {'eagle3 k=' + str(k) if k else 'plain':10s}: {r['step_ms']:8.2f} ms/step, "
                   f"{r['tokens_per_seq_step']:.2f} tokens per sequence and step, {r['tok_s']:8.1f} tok/s"
                   + (f", x{ratio:.2f} of a plain step: gains when a step yields > {ratio:.2f} tokens per sequence"
-                     if k else ""))  # fmt: skip
+                     if k else "") + f" ({_kinds(kinds)})")  # fmt: skip
         del engine
         gc.collect()
         if a.device.startswith("cuda"):
