@@ -35,6 +35,7 @@ import argparse
 import datetime
 import gc
 import json
+import statistics
 import tempfile
 import time
 from collections import Counter
@@ -46,6 +47,7 @@ from typing import Any
 import torch
 
 from engine.args import EngineArgs
+from engine.kernels.ops import TorchOps
 from engine.llm_engine import LLMEngine
 from engine.model_runner import StepInput
 from engine.models.eagle3 import write_random_head
@@ -279,6 +281,8 @@ def main() -> None:
     p.add_argument("--eagle", default=None, help="time EAGLE-3 steps with this head folder ('random': a random head)")
     p.add_argument("--draft-vocab", type=int, default=32000, help="draft vocabulary of a random head")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--unpacked-peer", action="store_true",
+                   help="also an n-gram engine with unpacked linears (before engine.cpu_packed)")  # fmt: skip
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -319,26 +323,32 @@ def main() -> None:
     spec_cfg = SpeculativeConfig("ngram", a.num_speculative_tokens, a.prompt_lookup_min, a.prompt_lookup_max)
     plain = LLMEngine(base, loaded=loaded)
     spec = LLMEngine(replace(base, speculative=spec_cfg), loaded=loaded)
+    engines = {"plain": plain, "ngram": spec}
+    if a.unpacked_peer:
+        # The speculating engine as it was before its linears were packed (engine.cpu_packed): the torch ops.
+        unpacked = LLMEngine(replace(base, speculative=spec_cfg), loaded=loaded)
+        unpacked.runner.model.ops = TorchOps()
+        engines["ngram-unpacked"] = unpacked
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens)
     results = []
     clock = time.process_time if a.clock == "cpu" else time.perf_counter
     for name, text in TASKS.items():
         prompt = plain.tokenizer.encode(plain.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
-        best = {"plain": float("inf"), "ngram": float("inf")}
-        prefill = {"plain": float("inf"), "ngram": float("inf")}
+        totals: dict[str, list[float]] = {label: [] for label in engines}
+        prefills: dict[str, list[float]] = {label: [] for label in engines}
         outs: dict[str, list[int]] = {}
-        before = spec.stats()
+        before = {label: e.stats() for label, e in engines.items()}
         for _ in range(a.repeats):
-            for label, engine in (("plain", plain), ("ngram", spec)):
+            for label, engine in engines.items():  # interleaved: the shared machine's load moves
                 engine.block_manager.flush()  # every run prefills its prompt: like for like
                 t0 = clock()
                 engine.generate([prompt], replace(params, max_tokens=1))
-                prefill[label] = min(prefill[label], clock() - t0)
+                prefills[label].append(clock() - t0)
                 engine.block_manager.flush()
                 t0 = clock()
                 outs[label] = engine.generate([prompt], params)[0]
-                best[label] = min(best[label], clock() - t0)
-        after = spec.stats()
+                totals[label].append(clock() - t0)
+        after = {label: e.stats() for label, e in engines.items()}
         if a.ceiling:
             proposer = spec.scheduler.proposer
             # Interleaved, twice, best of each: the shared machine's load moves between measurements.
@@ -347,19 +357,29 @@ def main() -> None:
             spec.scheduler.proposer = proposer
             ratios = [t / times[0] for t in times]
             ceiling = draft_length_ceiling(prompt, outs["plain"], ratios, a.prompt_lookup_min, a.prompt_lookup_max)
-        rows = after.spec_drafts - before.spec_drafts
-        accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+        # Medians of the interleaved runs; decode = the tokens after the first over the time after the prefill.
+        total = {label: statistics.median(v) for label, v in totals.items()}
+        prefill = {label: statistics.median(v) for label, v in prefills.items()}
+        tok_s = {label: len(outs[label]) / total[label] for label in engines}
+        decode = {label: (len(outs[label]) - 1) / (total[label] - prefill[label]) for label in engines}
         tokens = len(outs["plain"])
-        decode = {label: (len(outs[label]) - 1) / (best[label] - prefill[label]) for label in best}
-        row = {
-            "task": name, "prompt_tokens": len(prompt), "generated_tokens": tokens,
-            "plain_tok_s": tokens / best["plain"], "ngram_tok_s": len(outs["ngram"]) / best["ngram"],
-            "speedup": (len(outs["ngram"]) / best["ngram"]) / (tokens / best["plain"]),
-            # Decode only: the tokens after the first over the time after the prefill (its best time).
-            "plain_decode_tok_s": decode["plain"], "ngram_decode_tok_s": decode["ngram"],
-            "acceptance_length": 1 + accepted / rows if rows else 0.0,
-            "identical": outs["plain"] == outs["ngram"],
-        }  # fmt: skip
+        row: dict[str, object] = {"task": name, "prompt_tokens": len(prompt), "generated_tokens": tokens,
+                                  "runs_s": totals, "prefill_runs_s": prefills}  # fmt: skip
+        for label in engines:
+            key = label.replace("-", "_")
+            row |= {f"{key}_tok_s": tok_s[label], f"{key}_decode_tok_s": decode[label]}
+            if label == "plain":
+                continue
+            rows = after[label].spec_drafts - before[label].spec_drafts
+            accepted = after[label].spec_accepted_tokens - before[label].spec_accepted_tokens
+            row |= {
+                f"{key}_speedup": tok_s[label] / tok_s["plain"],
+                f"{key}_decode_speedup": decode[label] / decode["plain"],
+                f"{key}_acceptance_length": 1 + accepted / rows if rows else 0.0,
+                f"{key}_identical": outs[label] == outs["plain"],
+            }
+        row["speedup"], row["identical"] = row["ngram_speedup"], row["ngram_identical"]  # the figures of old runs
+        row["acceptance_length"] = row["ngram_acceptance_length"]
         if a.ceiling:
             row |= {"verify_cost": ratios, "draft_length_ceiling": ceiling}
             print(
@@ -367,11 +387,15 @@ def main() -> None:
                 f"{', '.join(f'{c:.2f}' for c in ratios)}; best any draft-length policy could do: x{ceiling:.2f}"
             )
         results.append(row)
-        print(f"{name:22s} prompt {len(prompt):4d} tok, {tokens:4d} generated: plain {row['plain_tok_s']:6.1f} tok/s, "
-              f"ngram k={a.num_speculative_tokens} {row['ngram_tok_s']:6.1f} tok/s, x{row['speedup']:.2f}, "
-              f"acceptance length {row['acceptance_length']:.2f}, identical {row['identical']}; decode only: "
-              f"plain {decode['plain']:.1f}, ngram {decode['ngram']:.1f} tok/s, "
-              f"x{decode['ngram'] / decode['plain']:.2f}")  # fmt: skip
+        print(f"{name:22s} prompt {len(prompt):4d} tok, {tokens:4d} generated, medians of {a.repeats}: plain "
+              f"{tok_s['plain']:6.1f} tok/s (decode {decode['plain']:.1f})")  # fmt: skip
+        for label in engines:
+            if label != "plain":
+                key = label.replace("-", "_")
+                print(f"  {label:15s} k={a.num_speculative_tokens}: {tok_s[label]:6.1f} tok/s "
+                      f"x{row[f'{key}_speedup']:.2f}; "
+                      f"decode {decode[label]:6.1f} tok/s x{row[f'{key}_decode_speedup']:.2f}; acceptance length "
+                      f"{row[f'{key}_acceptance_length']:.2f}; identical {row[f'{key}_identical']}")  # fmt: skip
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

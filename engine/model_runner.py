@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, decode_mask, plan_prefill
+from engine.cpu_packed import PackedCpuOps
 from engine.cuda_graph import DecodeGraphs, MixedGraphs, forward_target
 from engine.kernels import decode_splits
 from engine.kernels.ops import TritonOps
@@ -215,6 +216,17 @@ class ModelRunner:
         states at the layers the head reads, in eager steps and from the mixed-step graphs."""
         self.drafter = drafter
         self.model.aux_layers = frozenset(drafter.head.config.aux_layer_ids)
+
+    def pack_linears(self) -> None:
+        """Speculating on the CPU with the torch ops: linears over several rows (verify rows) read weights packed
+        once by oneDNN instead of having MKL repack them every call (``engine.cpu_packed``); nothing elsewhere."""
+        if self.device.type != "cpu" or self.kernels != "torch":
+            return
+        ops = PackedCpuOps(self.model)
+        self.model.ops = ops
+        if self.drafter is not None:
+            self.drafter.head.ops = PackedCpuOps(self.drafter.head)
+        log.info("cpu_linears_packed count=%d", ops.num_packed)
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
