@@ -241,20 +241,15 @@ def _prefill(
             starts.append(starts[-1] + q_len)
         for i in meta.cached_seqs:
             q_len, cached, start = meta.query_lens[i], meta.cached_lens[i], starts[i]
+            if q_len * SHORT_QUERY_RATIO <= cached:
+                # A few queries over a long context (a speculative verify row, a short chunk).
+                out[start : start + q_len] = _short_queries(q[start : start + q_len], kv_cache, meta.block_tables[i],
+                                                            cached, scale, window)  # fmt: skip
+                continue
             # Only the cached part is read back from the cache; this step's own keys are at hand.
             kp, vp = gather_kv(kv_cache, meta.block_tables[i], cached, q.dtype)
             kc = torch.cat([kp, k[start : start + q_len]])
             vc = torch.cat([vp, v[start : start + q_len]])
-            if q_len * SHORT_QUERY_RATIO <= cached:
-                # A few queries over a long context (a speculative verify row, a short chunk): an explicit mask
-                # on the math kernel costs q_len x context, far less than padding the queries to the context.
-                short = causal_window_mask(q_len, cached + q_len, window or cached + q_len + 1, q.device)
-                oi = F.scaled_dot_product_attention(
-                    q[start : start + q_len].transpose(0, 1)[None], kc.transpose(0, 1)[None],
-                    vc.transpose(0, 1)[None], attn_mask=short, scale=scale, enable_gqa=True,
-                )[0]  # fmt: skip
-                out[start : start + q_len] = oi.transpose(0, 1)
-                continue
             # Query j sits at absolute position cached + j. Padding the queries with `cached` zero
             # rows in front makes that plain causal attention, which runs on the fused kernels; an
             # explicit mask would fall to the slow math kernel. The padding rows are dropped.
@@ -269,6 +264,25 @@ def _prefill(
             )[0]  # fmt: skip
             out[start : start + q_len] = oi[:, cached:].transpose(0, 1)
     return out
+
+
+def _short_queries(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cached: int, scale: float,
+                   window: int) -> torch.Tensor:  # fmt: skip
+    """Attention of a few queries ``[q_len, heads, head_dim]`` at positions ``cached ..`` of one sequence: its whole
+    context, this step's keys included (stored before), read from the cache in whole blocks as a decode reads
+    it, with an explicit mask on the kernel, which costs q_len x context, far less than padding the queries to the
+    context; no copy of the cached keys joined to this step's."""
+    _, _, block_size, kv_heads, head_dim = kv_cache.shape
+    q_len = q.shape[0]
+    blocks = -(-(cached + q_len) // block_size)
+    kv = _raw(kv_cache)[:, block_table[:blocks]]  # [2, blocks, block_size, kv_heads, head_dim]
+    kv = _cooked(kv, kv_cache.dtype, q.dtype).reshape(2, 1, blocks * block_size, kv_heads, head_dim).transpose(2, 3)
+    pos = torch.arange(cached, cached + q_len, device=q.device)[:, None]
+    slot = torch.arange(blocks * block_size, device=q.device)[None, :]
+    mask = (slot <= pos) & (slot > pos - window) if window else slot <= pos
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kv[0], kv[1], attn_mask=mask, scale=scale,
+                                         enable_gqa=True)  # fmt: skip
+    return out[0].transpose(0, 1)
 
 
 def _decode(

@@ -35,16 +35,21 @@ import argparse
 import datetime
 import gc
 import json
+import statistics
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from engine.args import EngineArgs
+from engine.kernels.ops import TorchOps
 from engine.llm_engine import LLMEngine
+from engine.model_runner import StepInput
 from engine.models.eagle3 import write_random_head
 from engine.models.loader import load_model
 from engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
@@ -120,6 +125,24 @@ def _step_cost(engine: LLMEngine, prompt: list[int], k: int, steps: int, clock: 
     return elapsed
 
 
+def count_step_kinds(engine: LLMEngine) -> Counter[str]:
+    """Counts, from now on, the steps ``engine`` prepares by kind (``DecodeGraphStep``: a decode graph's replay,
+    ``MixedGraphStep``: a mixed-step graph's, ``EagerStep``: eager), so that a figure says what it timed."""
+    prepare, kinds = engine.runner.prepare, Counter[str]()
+
+    def counted(*args: Any) -> StepInput:
+        step = prepare(*args)
+        kinds[type(step).__name__] += 1
+        return step
+
+    engine.runner.prepare = counted  # type: ignore[method-assign,assignment]
+    return kinds
+
+
+def _kinds(kinds: Counter[str]) -> str:
+    return ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+
+
 def _sync(engine: LLMEngine) -> None:
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
@@ -130,10 +153,11 @@ def verify_cost(a: argparse.Namespace) -> list[dict[str, float]]:
     # Seats for every logits row of the largest verify batch: a mixed-step graph has one logits row per seat, so
     # verify steps replay graphs (unless --enforce-eager) as a serving engine with that many seats would.
     args = EngineArgs(model=a.model, device=a.device, load_format=a.load_format, max_model_len=a.prompt_len + 512,
-                      max_num_seqs=max(a.batch_sizes) * (a.max_k + 1),
+                      max_num_seqs=max(a.batch_sizes) * (a.max_k + 1), cudagraph_capture_sizes=tuple(a.batch_sizes),
                       speculative=SpeculativeConfig("ngram", max(a.max_k, 1), 1, 1),
                       enforce_eager=a.enforce_eager)  # fmt: skip
     engine = LLMEngine(args)
+    kinds = count_step_kinds(engine)
     rows: list[dict[str, float]] = []
     gen = torch.Generator().manual_seed(0)
     for batch in a.batch_sizes:
@@ -149,6 +173,7 @@ def verify_cost(a: argparse.Namespace) -> list[dict[str, float]]:
             for _ in range(2):  # warm-up of this shape
                 engine.step()
             _sync(engine)
+            kinds.clear()
             t0 = time.perf_counter()
             for _ in range(a.steps):
                 engine.step()
@@ -158,17 +183,18 @@ def verify_cost(a: argparse.Namespace) -> list[dict[str, float]]:
                 if s.status is not SequenceStatus.FINISHED:
                     engine.finish(s, FinishReason.ABORT)
             base = base or step_s
-            row = {"batch": batch, "k": k, "step_ms": step_s * 1e3, "ratio": step_s / base}
+            row = {"batch": batch, "k": k, "step_ms": step_s * 1e3, "ratio": step_s / base, "steps": dict(kinds)}
             rows.append(row)
             print(f"batch {batch:3d} k={k}: {row['step_ms']:8.2f} ms/step, x{row['ratio']:.2f} of a plain step: "
                   f"gains when a verify row yields > {row['ratio']:.2f} tokens" if k else
-                  f"batch {batch:3d} plain: {row['step_ms']:8.2f} ms/step")  # fmt: skip
+                  f"batch {batch:3d} plain: {row['step_ms']:8.2f} ms/step", f"({_kinds(kinds)})")  # fmt: skip
     return rows
 
 
-def _decode_steps(engine: LLMEngine, batch: int, a: argparse.Namespace, gen: torch.Generator) -> dict[str, float]:
+def _decode_steps(engine: LLMEngine, batch: int, a: argparse.Namespace,
+                  gen: torch.Generator) -> tuple[dict[str, float], Counter[str]]:  # fmt: skip
     """Mean step time, tokens per sequence per step and tok/s of ``batch`` sequences decoding from ``--prompt-len``
-    random tokens."""
+    random tokens; and the kinds of the steps timed."""
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=(a.steps + 4) * (a.max_k + 1) + 2, ignore_eos=True)
     prompts = torch.randint(vocab // 4, min(vocab, 20000), (batch, a.prompt_len), generator=gen).tolist()
@@ -178,6 +204,7 @@ def _decode_steps(engine: LLMEngine, batch: int, a: argparse.Namespace, gen: tor
     for _ in range(2):
         engine.step()
     _sync(engine)
+    kinds = count_step_kinds(engine)
     before = sum(s.num_completion_tokens for s in seqs)
     t0 = time.perf_counter()
     for _ in range(a.steps):
@@ -188,10 +215,12 @@ def _decode_steps(engine: LLMEngine, batch: int, a: argparse.Namespace, gen: tor
     for s in seqs:
         if s.status is not SequenceStatus.FINISHED:
             engine.finish(s, FinishReason.ABORT)
-    return {"step_ms": step_s * 1e3, "tokens_per_seq_step": tokens / batch, "tok_s": tokens / step_s}
+    del engine.runner.prepare  # the count's wrapper
+    figures = {"step_ms": step_s * 1e3, "tokens_per_seq_step": tokens / batch, "tok_s": tokens / step_s}
+    return figures, kinds
 
 
-def eagle_cost(a: argparse.Namespace) -> list[dict[str, float | str]]:
+def eagle_cost(a: argparse.Namespace) -> list[dict[str, float | str | dict[str, int]]]:
     """Plain decode steps against EAGLE-3 steps with k = 1 .. max_k drafts, per batch size."""
     head = a.eagle
     scratch = None
@@ -200,24 +229,26 @@ def eagle_cost(a: argparse.Namespace) -> list[dict[str, float | str]]:
         target = load_model(a.model).config
         dtype = torch.float32 if a.device == "cpu" else torch.bfloat16
         head = str(write_random_head(Path(scratch.name), target, min(a.draft_vocab, target.vocab_size), dtype=dtype))
+    # Seats for every logits row of the largest verify batch, so that its steps replay the mixed-step graphs.
     base = EngineArgs(model=a.model, device=a.device, load_format=a.load_format, max_model_len=a.prompt_len + 1024,
-                      max_num_seqs=max(a.batch_sizes), enforce_eager=a.enforce_eager,
-                      gpu_memory_utilization=a.gpu_memory_utilization)  # fmt: skip
-    rows: list[dict[str, float | str]] = []
+                      max_num_seqs=max(a.batch_sizes) * (a.max_k + 1), cudagraph_capture_sizes=tuple(a.batch_sizes),
+                      enforce_eager=a.enforce_eager, gpu_memory_utilization=a.gpu_memory_utilization)  # fmt: skip
+    rows: list[dict[str, float | str | dict[str, int]]] = []
     plain: dict[int, float] = {}
     gen = torch.Generator().manual_seed(0)
     for k in range(a.max_k + 1):
         spec = SpeculativeConfig("eagle3", k, model=head) if k else None
         engine = LLMEngine(replace(base, speculative=spec))
         for batch in a.batch_sizes:
-            r = _decode_steps(engine, batch, a, gen)
+            r, kinds = _decode_steps(engine, batch, a, gen)
             plain.setdefault(batch, r["step_ms"])
             ratio = r["step_ms"] / plain[batch]
-            rows.append({"method": "eagle3" if k else "plain", "k": k, "batch": batch, **r, "ratio": ratio})
+            rows.append({"method": "eagle3" if k else "plain", "k": k, "batch": batch, **r, "ratio": ratio,
+                         "steps": dict(kinds)})  # fmt: skip
             print(f"batch {batch:3d} {'eagle3 k=' + str(k) if k else 'plain':10s}: {r['step_ms']:8.2f} ms/step, "
                   f"{r['tokens_per_seq_step']:.2f} tokens per sequence and step, {r['tok_s']:8.1f} tok/s"
                   + (f", x{ratio:.2f} of a plain step: gains when a step yields > {ratio:.2f} tokens per sequence"
-                     if k else ""))  # fmt: skip
+                     if k else "") + f" ({_kinds(kinds)})")  # fmt: skip
         del engine
         gc.collect()
         if a.device.startswith("cuda"):
@@ -250,6 +281,8 @@ def main() -> None:
     p.add_argument("--eagle", default=None, help="time EAGLE-3 steps with this head folder ('random': a random head)")
     p.add_argument("--draft-vocab", type=int, default=32000, help="draft vocabulary of a random head")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--unpacked-peer", action="store_true",
+                   help="also an n-gram engine with unpacked linears (before engine.cpu_packed)")  # fmt: skip
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -290,26 +323,32 @@ def main() -> None:
     spec_cfg = SpeculativeConfig("ngram", a.num_speculative_tokens, a.prompt_lookup_min, a.prompt_lookup_max)
     plain = LLMEngine(base, loaded=loaded)
     spec = LLMEngine(replace(base, speculative=spec_cfg), loaded=loaded)
+    engines = {"plain": plain, "ngram": spec}
+    if a.unpacked_peer:
+        # The speculating engine as it was before its linears were packed (engine.cpu_packed): the torch ops.
+        unpacked = LLMEngine(replace(base, speculative=spec_cfg), loaded=loaded)
+        unpacked.runner.model.ops = TorchOps()
+        engines["ngram-unpacked"] = unpacked
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens)
     results = []
     clock = time.process_time if a.clock == "cpu" else time.perf_counter
     for name, text in TASKS.items():
         prompt = plain.tokenizer.encode(plain.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
-        best = {"plain": float("inf"), "ngram": float("inf")}
-        prefill = {"plain": float("inf"), "ngram": float("inf")}
+        totals: dict[str, list[float]] = {label: [] for label in engines}
+        prefills: dict[str, list[float]] = {label: [] for label in engines}
         outs: dict[str, list[int]] = {}
-        before = spec.stats()
+        before = {label: e.stats() for label, e in engines.items()}
         for _ in range(a.repeats):
-            for label, engine in (("plain", plain), ("ngram", spec)):
+            for label, engine in engines.items():  # interleaved: the shared machine's load moves
                 engine.block_manager.flush()  # every run prefills its prompt: like for like
                 t0 = clock()
                 engine.generate([prompt], replace(params, max_tokens=1))
-                prefill[label] = min(prefill[label], clock() - t0)
+                prefills[label].append(clock() - t0)
                 engine.block_manager.flush()
                 t0 = clock()
                 outs[label] = engine.generate([prompt], params)[0]
-                best[label] = min(best[label], clock() - t0)
-        after = spec.stats()
+                totals[label].append(clock() - t0)
+        after = {label: e.stats() for label, e in engines.items()}
         if a.ceiling:
             proposer = spec.scheduler.proposer
             # Interleaved, twice, best of each: the shared machine's load moves between measurements.
@@ -318,19 +357,29 @@ def main() -> None:
             spec.scheduler.proposer = proposer
             ratios = [t / times[0] for t in times]
             ceiling = draft_length_ceiling(prompt, outs["plain"], ratios, a.prompt_lookup_min, a.prompt_lookup_max)
-        rows = after.spec_drafts - before.spec_drafts
-        accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+        # Medians of the interleaved runs; decode = the tokens after the first over the time after the prefill.
+        total = {label: statistics.median(v) for label, v in totals.items()}
+        prefill = {label: statistics.median(v) for label, v in prefills.items()}
+        tok_s = {label: len(outs[label]) / total[label] for label in engines}
+        decode = {label: (len(outs[label]) - 1) / (total[label] - prefill[label]) for label in engines}
         tokens = len(outs["plain"])
-        decode = {label: (len(outs[label]) - 1) / (best[label] - prefill[label]) for label in best}
-        row = {
-            "task": name, "prompt_tokens": len(prompt), "generated_tokens": tokens,
-            "plain_tok_s": tokens / best["plain"], "ngram_tok_s": len(outs["ngram"]) / best["ngram"],
-            "speedup": (len(outs["ngram"]) / best["ngram"]) / (tokens / best["plain"]),
-            # Decode only: the tokens after the first over the time after the prefill (its best time).
-            "plain_decode_tok_s": decode["plain"], "ngram_decode_tok_s": decode["ngram"],
-            "acceptance_length": 1 + accepted / rows if rows else 0.0,
-            "identical": outs["plain"] == outs["ngram"],
-        }  # fmt: skip
+        row: dict[str, object] = {"task": name, "prompt_tokens": len(prompt), "generated_tokens": tokens,
+                                  "runs_s": totals, "prefill_runs_s": prefills}  # fmt: skip
+        for label in engines:
+            key = label.replace("-", "_")
+            row |= {f"{key}_tok_s": tok_s[label], f"{key}_decode_tok_s": decode[label]}
+            if label == "plain":
+                continue
+            rows = after[label].spec_drafts - before[label].spec_drafts
+            accepted = after[label].spec_accepted_tokens - before[label].spec_accepted_tokens
+            row |= {
+                f"{key}_speedup": tok_s[label] / tok_s["plain"],
+                f"{key}_decode_speedup": decode[label] / decode["plain"],
+                f"{key}_acceptance_length": 1 + accepted / rows if rows else 0.0,
+                f"{key}_identical": outs[label] == outs["plain"],
+            }
+        row["speedup"], row["identical"] = row["ngram_speedup"], row["ngram_identical"]  # the figures of old runs
+        row["acceptance_length"] = row["ngram_acceptance_length"]
         if a.ceiling:
             row |= {"verify_cost": ratios, "draft_length_ceiling": ceiling}
             print(
@@ -338,11 +387,15 @@ def main() -> None:
                 f"{', '.join(f'{c:.2f}' for c in ratios)}; best any draft-length policy could do: x{ceiling:.2f}"
             )
         results.append(row)
-        print(f"{name:22s} prompt {len(prompt):4d} tok, {tokens:4d} generated: plain {row['plain_tok_s']:6.1f} tok/s, "
-              f"ngram k={a.num_speculative_tokens} {row['ngram_tok_s']:6.1f} tok/s, x{row['speedup']:.2f}, "
-              f"acceptance length {row['acceptance_length']:.2f}, identical {row['identical']}; decode only: "
-              f"plain {decode['plain']:.1f}, ngram {decode['ngram']:.1f} tok/s, "
-              f"x{decode['ngram'] / decode['plain']:.2f}")  # fmt: skip
+        print(f"{name:22s} prompt {len(prompt):4d} tok, {tokens:4d} generated, medians of {a.repeats}: plain "
+              f"{tok_s['plain']:6.1f} tok/s (decode {decode['plain']:.1f})")  # fmt: skip
+        for label in engines:
+            if label != "plain":
+                key = label.replace("-", "_")
+                print(f"  {label:15s} k={a.num_speculative_tokens}: {tok_s[label]:6.1f} tok/s "
+                      f"x{row[f'{key}_speedup']:.2f}; "
+                      f"decode {decode[label]:6.1f} tok/s x{row[f'{key}_decode_speedup']:.2f}; acceptance length "
+                      f"{row[f'{key}_acceptance_length']:.2f}; identical {row[f'{key}_identical']}")  # fmt: skip
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -38,7 +38,23 @@ from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
-Outputs = tuple[torch.Tensor, torch.Tensor]  # (logits [rows, vocab] float32, greedy tokens [rows])
+# (logits [rows, vocab] float32, greedy tokens [rows], the target's hidden states an EAGLE-3 head reads: None
+# without a head, else ``[tokens, 3 * hidden]``)
+Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def forward_target(
+    model: DecoderForCausalLM, ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+    meta: AttentionMetadata, indexer_caches: list[torch.Tensor] | None, aux_layers: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """The target's forward, as eager steps run it and the graphs capture it: hidden states after the final norm
+    and, when ``aux_layers`` names some, the residual stream entering each of them side by side (``[tokens,
+    len(aux_layers) * hidden]``, what an EAGLE-3 head's ``fc`` reads; captured, a static output buffer)."""
+    aux: dict[int, torch.Tensor] | None = {} if aux_layers else None
+    hidden = model(ids, positions, kv_caches, meta, indexer_caches or None, aux)
+    if aux is None:
+        return hidden, None
+    return hidden, torch.cat([aux[i] for i in aux_layers], dim=-1)
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -198,9 +214,10 @@ class DecodeGraphs(_GraphSet):
             ),  # this rank's KV heads
             sparse_topk=self.sparse_topk,
         )
-        hidden = self.model(d["ids"][:batch], d["pos"][:batch], self.kv_caches, meta, self.indexer_caches or None)
+        hidden, _ = forward_target(self.model, d["ids"][:batch], d["pos"][:batch], self.kv_caches, meta,
+                                   self.indexer_caches, ())  # fmt: skip
         logits = self.model.compute_logits(hidden)
-        return logits, logits.argmax(dim=-1)
+        return logits, logits.argmax(dim=-1), None
 
     def capture_all(self) -> None:
         self.capture(self._forward, "decode")
@@ -228,16 +245,18 @@ class DecodeGraphs(_GraphSet):
         """Copy the staged inputs over, run the bucket's graph; (logits, greedy tokens) of the real rows."""
         bucket = self._staged
         self.buf.upload(self.buf.offsets["tables"] + bucket * self.width)
-        logits, tokens = self.run(bucket)
-        return logits[:num_seqs], tokens[:num_seqs]
+        logits, tokens, _ = self.run(bucket)
+        return logits[:num_seqs], tokens[:num_seqs], None
 
 
 class MixedGraphs(_GraphSet):
-    """Graphs of steps with prompt tokens, one per token count; attention through a per-step tile map."""
+    """Graphs of steps with prompt tokens or verify rows, one per token count; attention through a per-step tile
+    map. With ``aux_layers`` (an EAGLE-3 head is attached) each graph also writes the target's hidden states at
+    those layers for every token into a static buffer, which the head reads after the replay."""
 
     def __init__(
         self, model: DecoderForCausalLM, kv_caches: list[torch.Tensor], sizes: list[int], max_seqs: int,
-        block_size: int, scratch_block: int, max_model_len: int,
+        block_size: int, scratch_block: int, max_model_len: int, aux_layers: tuple[int, ...] = (),
     ) -> None:  # fmt: skip
         device = kv_caches[0].device
         super().__init__(sizes, capture=device.type == "cuda")
@@ -246,6 +265,7 @@ class MixedGraphs(_GraphSet):
         self.block_size = block_size
         self.scratch_block = scratch_block
         self.max_model_len = max_model_len
+        self.aux_layers = aux_layers
         cfg = model.config
         self.group = cfg.num_attention_heads // cfg.num_key_value_heads
         top = sizes[-1]
@@ -262,6 +282,7 @@ class MixedGraphs(_GraphSet):
         self.buf.upload(self.buf.dev.numel())
         self._staged = 0
         self._seqs = 0
+        self._tokens = 0
 
     def fits(self, num_tokens: int, num_seqs: int) -> bool:
         return num_tokens <= self.sizes[-1] and num_seqs <= self.max_seqs
@@ -285,9 +306,10 @@ class MixedGraphs(_GraphSet):
             query_start=d["qstart"][: seqs + 1],
             tile_map=(d["tile_seq"][:tiles], d["tile_q"][:tiles]),
         )
-        hidden = self.model(d["ids"][:size], d["pos"][:size], self.kv_caches, meta, None)
+        hidden, aux = forward_target(self.model, d["ids"][:size], d["pos"][:size], self.kv_caches, meta, None,
+                                     self.aux_layers)  # fmt: skip
         logits = self.model.compute_logits(hidden[d["rows"][:seqs].long()])
-        return logits, logits.argmax(dim=-1)
+        return logits, logits.argmax(dim=-1), aux
 
     def capture_all(self) -> None:
         self.capture(self._forward, "mixed-step")
@@ -319,9 +341,16 @@ class MixedGraphs(_GraphSet):
             self._tables[i, : len(table)] = table
         self._staged = size
         self._seqs = seqs
+        self._tokens = n
+
+    def write_ids(self, at: Seq[int], ids: Seq[int]) -> None:
+        """Replace staged token ids (an EAGLE-3 head's drafts, proposed after the step was staged, before its
+        replay) at flattened token rows ``at``."""
+        self.buf.np["ids"][np.asarray(at, dtype=np.int64)] = ids
 
     def replay(self, num_rows: int) -> Outputs:
-        """Copy the staged inputs over, run the bucket's graph; (logits, greedy tokens) of the sampled rows."""
+        """Copy the staged inputs over, run the bucket's graph; (logits, greedy tokens) of the sampled rows, and the
+        target's hidden states at the head's layers for the step's tokens (when a head is attached)."""
         self.buf.upload(self.buf.offsets["tables"] + self._seqs * self.width)
-        logits, tokens = self.run(self._staged)
-        return logits[:num_rows], tokens[:num_rows]
+        logits, tokens, aux = self.run(self._staged)
+        return logits[:num_rows], tokens[:num_rows], None if aux is None else aux[: self._tokens]

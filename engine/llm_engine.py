@@ -136,6 +136,8 @@ def build_runner(args: EngineArgs, loaded: LoadedModel, device: torch.device, dt
     spec = args.speculative
     if spec is not None and spec.method == "eagle3":
         attach_eagle3(args, loaded, runner, dtype, max_model_len, tp)
+    if spec is not None:
+        runner.pack_linears()  # verify rows are several rows a step (engine.cpu_packed; CPU only)
     num_blocks = tp.min_int(count_blocks(args, runner), device)
     sizes = capture_sizes(args, runner)
     runner.allocate_kv_cache(num_blocks, scratch=bool(sizes))

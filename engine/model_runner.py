@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, decode_mask, plan_prefill
-from engine.cuda_graph import DecodeGraphs, MixedGraphs
+from engine.cpu_packed import PackedCpuOps
+from engine.cuda_graph import DecodeGraphs, MixedGraphs, forward_target
 from engine.kernels import decode_splits
 from engine.kernels.ops import TritonOps
 from engine.models.config import ModelConfig
@@ -51,6 +52,7 @@ class MixedGraphStep:
     # Speculative decoding: each sampled row's drafts, when any row has some. A verify row has
     # ``1 + len(drafts)`` logits rows (its last token's and each draft's), in order.
     drafts: tuple[tuple[int, ...], ...] = ()
+    eagle: EagleRows | None = None  # an EAGLE-3 head drafts for (and learns from) this step's sequences
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,9 +213,25 @@ class ModelRunner:
 
     def attach_drafter(self, drafter: EagleDrafter) -> None:
         """Speculate with an EAGLE-3 head (before the KV cache is allocated): the target hands it its hidden
-        states at the layers the head reads; steps with sequences that speculate run eagerly."""
+        states at the layers the head reads, in eager steps and from the mixed-step graphs."""
         self.drafter = drafter
         self.model.aux_layers = frozenset(drafter.head.config.aux_layer_ids)
+
+    def pack_linears(self) -> None:
+        """Speculating on the CPU with the torch ops: linears over several rows (verify rows) read weights packed
+        once by oneDNN instead of having MKL repack them every call (``engine.cpu_packed``); nothing elsewhere."""
+        if self.device.type != "cpu" or self.kernels != "torch":
+            return
+        ops = PackedCpuOps(self.model)
+        self.model.ops = ops
+        if self.drafter is not None:
+            self.drafter.head.ops = PackedCpuOps(self.drafter.head)
+        log.info("cpu_linears_packed count=%d", ops.num_packed)
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        """The target layers whose hidden states an attached EAGLE-3 head reads, in its ``fc``'s order."""
+        return self.drafter.head.config.aux_layer_ids if self.drafter is not None else ()
 
     # -- KV cache ----------------------------------------------------------------------------------
 
@@ -312,6 +330,7 @@ class ModelRunner:
                 self.block_size,
                 self.num_blocks,
                 self.max_model_len,
+                self.aux_layers,
             )
             self.mixed_graphs.capture_all()
 
@@ -324,19 +343,20 @@ class ModelRunner:
         prompt tokens (or a verify row's drafts) from their first uncached one, and only those that reach
         their last token get a logits row (and a sampled token).
         """
-        # An EAGLE-3 step reads the target's hidden states, which the captured graphs do not hand out: eager.
+        # An EAGLE-3 step reads the target's hidden states, which the mixed-step graphs hand out (not the decode
+        # graphs: a step where every speculating sequence decodes one token replays a mixed-step graph too).
         eagle = self.drafter is not None and any(can_speculate(s) for s in seqs)
         graphs = None if eagle else self.graphs
         if graphs is not None and num_decodes == len(seqs) and graphs.fits(len(seqs)) and (
                 not self.indexer_caches or self.sparse_topk == graphs.sparse_topk):  # fmt: skip
             return self._decode_graph_step(graphs, seqs)
         flat = self._flatten(seqs, num_new_tokens)
-        mixed = None if eagle else self.mixed_graphs
+        mixed = self.mixed_graphs
         # Verify rows replay the graphs of steps with prompt tokens too: their 1 + k logits rows each fit in the
         # graph's logits rows (one per seat) as long as there are no more of them than seats.
         if (mixed is not None and not self.indexer_caches and not flat.prompt_rows
                 and mixed.fits(len(flat.ids), len(seqs)) and len(flat.logits_rows) <= mixed.max_seqs):  # fmt: skip
-            return self._mixed_graph_step(mixed, seqs, flat)
+            return self._mixed_graph_step(mixed, seqs, flat, eagle)
         return self._eager_step(seqs, flat, num_decodes, eagle)
 
     def _decode_graph_step(self, graphs: DecodeGraphs, seqs: Seq[Sequence]) -> DecodeGraphStep:
@@ -384,11 +404,12 @@ class ModelRunner:
         flat.drafts = tuple(drafts) if any(drafts) else ()
         return flat
 
-    def _mixed_graph_step(self, mixed: MixedGraphs, seqs: Seq[Sequence], flat: _FlatBatch) -> MixedGraphStep:
+    def _mixed_graph_step(self, mixed: MixedGraphs, seqs: Seq[Sequence], flat: _FlatBatch,
+                          eagle: bool) -> MixedGraphStep:  # fmt: skip
         mixed.stage(np.asarray(flat.ids, dtype=np.int32), flat.positions, flat.slots, flat.query_lens,
                     flat.context_lens, [s.block_table for s in seqs], flat.logits_rows)  # fmt: skip
         rows, mask, masked = sample_rows(flat.sampled, self.config.vocab_size)
-        return MixedGraphStep(mixed, rows, mask, masked, flat.drafts)
+        return MixedGraphStep(mixed, rows, mask, masked, flat.drafts, _eagle_rows(seqs, flat) if eagle else None)
 
     def _eager_step(self, seqs: Seq[Sequence], flat: _FlatBatch, num_decodes: int, eagle: bool) -> EagerStep:
         bs = self.block_size
@@ -426,17 +447,6 @@ class ModelRunner:
                 meta.decode_mask = decode_mask(context[:num_decodes], decode_width * bs)
         rows, mask, masked = sample_rows(flat.sampled, self.config.vocab_size)
         prompt = bool(flat.prompt_rows)
-        eagle_rows = None
-        if eagle:
-            starts = np.zeros(len(seqs), dtype=np.int64)
-            np.cumsum(query_lens[:-1], out=starts[1:])
-            eagle_rows = EagleRows(
-                seq_ids=tuple(s.seq_id for s in seqs), starts=tuple(starts.tolist()), lens=tuple(query_lens),
-                ids=np.asarray(flat.ids, dtype=np.int64), positions=flat.positions, slots=flat.slots,
-                tables=tuple(list(s.block_table) for s in seqs), speculate=tuple(can_speculate(s) for s in seqs),
-                sampled=tuple(flat.sampled_at), next_token=tuple(flat.next_token),
-                num_drafts=tuple(len(s.draft_tokens) for s in seqs),
-            )  # fmt: skip
         return EagerStep(
             input_ids=torch.tensor(flat.ids, dtype=torch.int64, device=dev),
             positions=torch.from_numpy(flat.positions).to(device=dev, dtype=idx),
@@ -449,24 +459,35 @@ class ModelRunner:
             prompt_targets=torch.tensor(flat.prompt_targets, dtype=torch.int64, device=dev) if prompt else None,
             prompt_seqs=tuple(flat.prompt_seqs),
             drafts=flat.drafts,
-            eagle=eagle_rows,
+            eagle=_eagle_rows(seqs, flat) if eagle else None,
         )
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> SampleOutput:
-        """Run the forward pass and sample one token per sequence that reached its end."""
-        if not isinstance(step, EagerStep):  # a captured graph's staged inputs
-            if step.drafts:  # a verify step: every logits row of its verify rows
-                logits, _ = step.graph.replay(sum(1 + len(d) for d in step.drafts))
-                return self._verify(logits, step, {})
-            logits, greedy = step.graph.replay(len(step.rows))
-            return self.sampler.sample(logits, step.rows, greedy, step.bitmask, step.bitmask_rows)
-        aux: dict[int, torch.Tensor] | None = None
-        if step.eagle is not None:
-            step = self._draft(step)
-            aux = {}
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, self.indexer_caches or None,
-                            aux)  # fmt: skip
+        """Run the forward pass and sample one token per sequence that reached its end (or the tokens of each
+        verify row); an EAGLE-3 head drafts before the target's pass and catches up after it."""
+        eagle = None
+        if isinstance(step, EagerStep | MixedGraphStep) and step.eagle is not None:
+            eagle = step.eagle
+            step = self._draft(step, eagle)
+        if isinstance(step, EagerStep):
+            out, aux = self._execute_eager(step)
+        elif step.drafts:  # a verify step replayed: every logits row of its verify rows
+            logits, _, aux = step.graph.replay(sum(1 + len(d) for d in step.drafts))
+            out = self._verify(logits, step, {})
+        else:
+            logits, greedy, aux = step.graph.replay(len(step.rows))
+            out = self.sampler.sample(logits, step.rows, greedy, step.bitmask, step.bitmask_rows)
+        if eagle is not None:
+            assert self.drafter is not None and aux is not None
+            self.drafter.catch_up(eagle, aux, out.token_lists if out.token_lists is not None else
+                                  [[t] for t in out.tokens])  # fmt: skip
+        return out
+
+    def _execute_eager(self, step: EagerStep) -> tuple[SampleOutput, torch.Tensor | None]:
+        aux_layers = self.aux_layers if step.eagle is not None else ()
+        hidden, aux = forward_target(self.model, step.input_ids, step.positions, self.kv_caches, step.meta,
+                                     self.indexer_caches, aux_layers)  # fmt: skip
         prompt: dict[int, list[TokenLogprob]] = {}
         if step.prompt_rows is not None and step.prompt_targets is not None:
             scores = token_logprobs(self.model.compute_logits(hidden[step.prompt_rows]).float(), step.prompt_targets,
@@ -476,31 +497,28 @@ class ModelRunner:
                 prompt[seq_id] = scores[at : at + rows]
                 at += rows
         if not step.rows:
-            out = SampleOutput([], [], prompt)
-        elif step.drafts:
-            out = self._verify(self.model.compute_logits(hidden[step.logits_indices]), step, prompt)
-        else:
-            logits = self.model.compute_logits(hidden[step.logits_indices])
-            sampled = self.sampler.sample(logits, step.rows, None, step.bitmask, step.bitmask_rows)
-            out = SampleOutput(sampled.tokens, sampled.logprobs, prompt)
-        if aux is not None and self.drafter is not None and step.eagle is not None:
-            produced = out.token_lists if out.token_lists is not None else [[t] for t in out.tokens]
-            fused = torch.cat([aux[i] for i in self.drafter.head.config.aux_layer_ids], dim=-1)
-            self.drafter.catch_up(step.eagle, fused, produced)
-        return out
+            return SampleOutput([], [], prompt), aux
+        logits = self.model.compute_logits(hidden[step.logits_indices])
+        if step.drafts:
+            return self._verify(logits, step, prompt), aux
+        sampled = self.sampler.sample(logits, step.rows, None, step.bitmask, step.bitmask_rows)
+        return SampleOutput(sampled.tokens, sampled.logprobs, prompt), aux
 
-    def _draft(self, step: EagerStep) -> EagerStep:
+    def _draft(self, step: EagerStep | MixedGraphStep, rows: EagleRows) -> EagerStep | MixedGraphStep:
         """An EAGLE-3 step: the head proposes the drafts the scheduler made room for; they replace the
-        placeholders in the step's inputs."""
-        assert self.drafter is not None and step.eagle is not None
-        rows = step.eagle
+        placeholders in the step's inputs (the eager step's tensor, or the graph's staged ids before the replay)."""
+        assert self.drafter is not None
         drafted = self.drafter.draft(rows)
         at = [rows.starts[i] + 1 + j for i, d in enumerate(drafted) for j in range(len(d))]
         if not at:
             return step
         values = [t for d in drafted for t in d]
-        dev = step.input_ids.device
-        step.input_ids[torch.tensor(at, device=dev)] = torch.tensor(values, dtype=step.input_ids.dtype, device=dev)
+        if isinstance(step, MixedGraphStep):
+            step.graph.write_ids(at, values)
+        else:
+            dev = step.input_ids.device
+            step.input_ids[torch.tensor(at, device=dev)] = torch.tensor(values, dtype=step.input_ids.dtype,
+                                                                        device=dev)  # fmt: skip
         by_row = [tuple(drafted[i]) for i in range(len(drafted)) if rows.sampled[i] >= 0]
         return replace(step, drafts=tuple(by_row))
 
@@ -542,3 +560,16 @@ class ModelRunner:
                                strict=True):  # fmt: skip
                 out[i] = toks
         return SampleOutput([t[0] for t in out], logprobs, prompt, out)
+
+
+def _eagle_rows(seqs: Seq[Sequence], flat: _FlatBatch) -> EagleRows:
+    """Where the step's sequences sit in its flattened tokens, for the EAGLE-3 head."""
+    starts = np.zeros(len(seqs), dtype=np.int64)
+    np.cumsum(flat.query_lens[:-1], out=starts[1:])
+    return EagleRows(
+        seq_ids=tuple(s.seq_id for s in seqs), starts=tuple(starts.tolist()), lens=tuple(flat.query_lens),
+        ids=np.asarray(flat.ids, dtype=np.int64), positions=flat.positions, slots=flat.slots,
+        tables=tuple(list(s.block_table) for s in seqs), speculate=tuple(can_speculate(s) for s in seqs),
+        sampled=tuple(flat.sampled_at), next_token=tuple(flat.next_token),
+        num_drafts=tuple(len(s.draft_tokens) for s in seqs),
+    )  # fmt: skip

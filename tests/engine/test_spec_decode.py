@@ -293,3 +293,25 @@ async def test_a_grammar_request_beside_verify_rows_keeps_its_mask(start_server:
     assert re.fullmatch(r"[0-9]{3}-[a-z]{20}", got[1])
     assert got == await both(plain.url)
     assert any(mixed)  # a step had both a verify row and a masked row
+
+
+def test_a_speculating_cpu_engine_packs_its_linears_and_they_compute_what_torch_does(make_engine: MakeEngine) -> None:
+    """Verify rows are several rows a step: a speculating engine on the CPU packs its linear layers once
+    (engine.cpu_packed); over 1..9 rows they give torch's linear up to rounding; a plain engine packs nothing."""
+    from torch import nn
+
+    from engine.cpu_packed import PackedCpuOps
+
+    spec = make_engine(speculative=SpeculativeConfig("ngram", 3, 1, 2))
+    if spec.device.type != "cpu":
+        assert not isinstance(spec.runner.model.ops, PackedCpuOps)  # GPUs keep their kernels
+        return
+    ops = spec.runner.model.ops
+    assert isinstance(ops, PackedCpuOps) and not isinstance(make_engine().runner.model.ops, PackedCpuOps)
+    layers = [m for m in spec.runner.model.modules() if type(m) is nn.Linear]
+    assert ops.num_packed == len({id(m) for m in layers}) > 0
+    gen = torch.Generator().manual_seed(0)
+    for layer in [*layers[:4], spec.runner.model.lm_head]:
+        for rows in range(1, 10):
+            x = torch.randn(rows, layer.in_features, generator=gen)
+            torch.testing.assert_close(ops.linear(layer, x), layer(x), rtol=1e-5, atol=1e-5)
