@@ -166,7 +166,9 @@ def verify_cost(a: argparse.Namespace) -> list[dict[str, float]]:
             engine.scheduler.proposer = FixedDrafts(k) if k else None
             params = SamplingParams(temperature=0.0, max_tokens=(a.steps + 2) * (k + 1) + 2, ignore_eos=True)
             vocab = engine.model_config.vocab_size
-            prompts = torch.randint(vocab // 4, min(vocab, 20000), (batch, a.prompt_len), generator=gen).tolist()
+            prompts = torch.randint(
+                min(vocab // 4, 5000), min(vocab, 20000), (batch, a.prompt_len), generator=gen
+            ).tolist()
             seqs = [engine.add_request(p, params) for p in prompts]
             while any(s.num_completion_tokens == 0 for s in seqs):  # prefill (and the first token)
                 engine.step()
@@ -197,7 +199,7 @@ def _decode_steps(engine: LLMEngine, batch: int, a: argparse.Namespace,
     random tokens; and the kinds of the steps timed."""
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=(a.steps + 4) * (a.max_k + 1) + 2, ignore_eos=True)
-    prompts = torch.randint(vocab // 4, min(vocab, 20000), (batch, a.prompt_len), generator=gen).tolist()
+    prompts = torch.randint(min(vocab // 4, 5000), min(vocab, 20000), (batch, a.prompt_len), generator=gen).tolist()
     seqs = [engine.add_request(p, params) for p in prompts]
     while any(s.num_completion_tokens == 0 for s in seqs):
         engine.step()

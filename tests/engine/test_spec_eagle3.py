@@ -138,18 +138,19 @@ def reference_first_draft(engine: LLMEngine, tokens: list[int], head: Path) -> t
     n = len(tokens) - 1
     # The target's hidden states entering layers AUX, from one prefill into a scratch cache.
     blocks = -(-n // 4)
-    caches = [torch.zeros(2, blocks, 4, cfg.num_key_value_heads, cfg.head_dim) for _ in range(cfg.num_hidden_layers)]
-    meta = attention_meta([n], [0], np.arange(n), [list(range(blocks))], 4, False, cfg.num_key_value_heads,
-                          torch.device("cpu"))  # fmt: skip
+    dev = model.embed_tokens.weight.device  # the target runs where the engine put it; the rest of this on CPU
+    caches = [torch.zeros(2, blocks, 4, cfg.num_key_value_heads, cfg.head_dim, device=dev)
+              for _ in range(cfg.num_hidden_layers)]  # fmt: skip
+    meta = attention_meta([n], [0], np.arange(n), [list(range(blocks))], 4, False, cfg.num_key_value_heads, dev)
     aux: dict[int, torch.Tensor] = {}
     pos = torch.arange(n)
     with torch.inference_mode():
-        model(torch.tensor(tokens[:-1]), pos, caches, meta, None, aux)
+        model(torch.tensor(tokens[:-1], device=dev), pos.to(dev), caches, meta, None, aux)
     w = load_file(str(head / "model.safetensors"))
     p = "midlayer."
     eps = cfg.rms_norm_eps
-    hidden = torch.cat([aux[i] for i in AUX], dim=-1) @ w["fc.weight"].T
-    embeds = model.embed_tokens.weight.detach()[torch.tensor(tokens[1:])]
+    hidden = torch.cat([aux[i].cpu() for i in AUX], dim=-1) @ w["fc.weight"].T
+    embeds = model.embed_tokens.weight.detach().cpu()[torch.tensor(tokens[1:])]
     x = torch.cat([_rms(embeds, w[p + "input_layernorm.weight"], eps), _rms(hidden, w[p + "hidden_norm.weight"], eps)],
                   dim=-1)  # fmt: skip
     hd, nh, kvh = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
@@ -187,7 +188,7 @@ def test_the_first_draft_is_the_heads_whole_sequence_prediction(make_engine: Mak
             continue
         draft, hidden = reference_first_draft(spec, seq.token_ids, head)
         assert state[0] == draft
-        torch.testing.assert_close(state[1], hidden, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(state[1].cpu(), hidden, rtol=1e-4, atol=1e-4)
         checked += 1
     assert checked >= 5
 
