@@ -16,6 +16,7 @@ lives in one ``Transfer`` here (its phase, its blocks, its grace timer), and the
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
 import logging
 import time
@@ -130,6 +131,9 @@ class Transfer:
     seq: Sequence
     phase: Phase
     grace: asyncio.TimerHandle | None = None  # GRACE: when the blocks go back
+    # RESERVED: the step in flight when the blocks were handed out; an abort during it freed blocks it may
+    # still write, so the pull lands nothing in them before it ended (None: no step was running).
+    after: concurrent.futures.Future[Any] | None = None
 
     def move(self, new: Phase) -> None:
         """The one place a transfer's phase changes; refuses a move its life cycle does not allow."""
@@ -229,6 +233,7 @@ class AsyncLLMEngine:
         self._freed = asyncio.Event()
         self._reservations_waiting = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._executing: concurrent.futures.Future[Any] | None = None  # the model step in flight, if any
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._dead: EngineDeadError | None = None
@@ -391,7 +396,7 @@ class AsyncLLMEngine:
         have = seq.num_cached_tokens // bs  # leading blocks the local prefix cache already holds
         transfer.move(Phase.PULLING)
         try:
-            await self.relay.pull(kv, [SKIP if i < have else seq.block_table[i] for i in range(needed)])
+            await self.relay.pull(kv, [SKIP if i < have else seq.block_table[i] for i in range(needed)], transfer.after)
         except BaseException as exc:
             late = isinstance(exc, asyncio.CancelledError) or (isinstance(exc, KVTransferError)
                                                                 and exc.dst_may_be_written)  # fmt: skip
@@ -439,7 +444,10 @@ class AsyncLLMEngine:
                     self._reservations_waiting -= 1
                 continue
             self.engine.flush_kv_events()
-            transfer = Transfer(seq, Phase.RESERVED)
+            running = self._executing
+            transfer = Transfer(
+                seq, Phase.RESERVED, after=running if running is not None and not running.done() else None
+            )
             self._transfers[seq.seq_id] = transfer
             return transfer
 
@@ -575,7 +583,8 @@ class AsyncLLMEngine:
             phase = "event_flush"
             engine.flush_kv_events()  # the blocks this step writes, reported as it starts (see announce)
             phase = "execute"
-            tokens = await asyncio.get_running_loop().run_in_executor(self._executor, engine.execute, step)
+            self._executing = self._executor.submit(engine.execute, step)
+            tokens = await asyncio.wrap_future(self._executing)
             phase = "postprocess"
             engine.postprocess(batch, tokens)
             for seq in batch.seqs:
