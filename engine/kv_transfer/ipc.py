@@ -452,14 +452,6 @@ class IpcPeers:
         a failure never leaves a late write in ``dst_ids``. Raises KVTransferError, OSError (the desk
         unreachable or gone: ``ConnectionRefusedError`` when nothing listens) or wire.WireError.
         """
-        if [v.shape[1] for v in pools.views] != [v.shape[1] for v in self.views]:
-            raise KVTransferError(
-                "ipc copy: the producer's regions differ from this engine's", reason="region_mismatch"
-            )
-        for side, views, ids in (("source", pools.views, src_ids), ("destination", self.views, dst_ids)):
-            limit = min(v.shape[0] for v in views)
-            if any(not 0 <= b < limit for b in ids):
-                raise KVTransferError(f"ipc copy: {side} block ids out of range [0, {limit})", reason="block_mismatch")
         if not pools.read_port:
             raise KVTransferError("the producer's ipc answer named no read port (an older engine?)", reason="bad_reply")
         fut = asyncio.get_running_loop().run_in_executor(
@@ -470,6 +462,17 @@ class IpcPeers:
         except asyncio.CancelledError:
             await asyncio.wait([fut])
             raise
+
+    def _check(self, pools: PeerPools, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        """Refuse a copy the mapped pools and ours cannot do (the producer checked the same, by its regions)."""
+        if [v.shape[1] for v in pools.views] != [v.shape[1] for v in self.views]:
+            raise KVTransferError(
+                "ipc copy: the producer's regions differ from this engine's", reason="region_mismatch"
+            )
+        for side, views, ids in (("source", pools.views, src_ids), ("destination", self.views, dst_ids)):
+            limit = min(v.shape[0] for v in views)
+            if any(not 0 <= b < limit for b in ids):
+                raise KVTransferError(f"ipc copy: {side} block ids out of range [0, {limit})", reason="block_mismatch")
 
     def _read(
         self, pools: PeerPools, host: str, request: dict[str, Any], src_ids: Sequence[int], dst_ids: Sequence[int],
@@ -496,10 +499,13 @@ class IpcPeers:
                 if not after.done():
                     raise TimeoutError("the engine's step in flight did not end within the pull's time")
             try:
+                self._check(pools, src_ids, dst_ids)
                 copy_blocks(pools.views, self.views, src_ids, dst_ids)
-            except (RuntimeError, ValueError) as exc:
-                with contextlib.suppress(OSError):
+            except (KVTransferError, RuntimeError, ValueError) as exc:
+                with contextlib.suppress(OSError):  # the producer releases its blocks on this
                     wire.send_sync(sock, MessageType.IPC_DONE, transfer_id=tid, status="error", message=str(exc))
+                if isinstance(exc, KVTransferError):
+                    raise
                 raise KVTransferError(f"ipc copy failed: {exc}", reason="write_failed") from exc
             # The producer releases its blocks on this (or on the hang-up): nothing to wait for.
             with contextlib.suppress(OSError):
