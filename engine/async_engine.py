@@ -131,8 +131,8 @@ class Transfer:
     seq: Sequence
     phase: Phase
     grace: asyncio.TimerHandle | None = None  # GRACE: when the blocks go back
-    # RESERVED: the step in flight when the blocks were handed out; an abort during it freed blocks it may
-    # still write, so the pull lands nothing in them before it ended (None: no step was running).
+    # RESERVED: the step in flight when the blocks were handed out, when an abort during it freed some of them
+    # (it may still write them): the pull lands nothing before it ended. None: nothing to wait for.
     after: concurrent.futures.Future[Any] | None = None
 
     def move(self, new: Phase) -> None:
@@ -234,6 +234,8 @@ class AsyncLLMEngine:
         self._reservations_waiting = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._executing: concurrent.futures.Future[Any] | None = None  # the model step in flight, if any
+        # Blocks an abort freed while that step ran: it may still write them, so KV pulled into them waits for it.
+        self._freed_in_step: set[int] = set()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._dead: EngineDeadError | None = None
@@ -445,9 +447,8 @@ class AsyncLLMEngine:
                 continue
             self.engine.flush_kv_events()
             running = self._executing
-            transfer = Transfer(
-                seq, Phase.RESERVED, after=running if running is not None and not running.done() else None
-            )
+            unsafe = running is not None and not running.done() and not self._freed_in_step.isdisjoint(seq.block_table)
+            transfer = Transfer(seq, Phase.RESERVED, after=running if unsafe else None)
             self._transfers[seq.seq_id] = transfer
             return transfer
 
@@ -542,6 +543,8 @@ class AsyncLLMEngine:
         """Forget a request and free its blocks now; a no-op when it already finished."""
         state = self._states.pop(seq_id, None)
         if state is not None:
+            if self._executing is not None and not self._executing.done():
+                self._freed_in_step.update(state.seq.block_table)
             self.engine.finish(state.seq, FinishReason.ABORT)
             self._blocks_freed()
 
@@ -584,7 +587,10 @@ class AsyncLLMEngine:
             engine.flush_kv_events()  # the blocks this step writes, reported as it starts (see announce)
             phase = "execute"
             self._executing = self._executor.submit(engine.execute, step)
-            tokens = await asyncio.wrap_future(self._executing)
+            try:
+                tokens = await asyncio.wrap_future(self._executing)
+            finally:
+                self._freed_in_step.clear()
             phase = "postprocess"
             engine.postprocess(batch, tokens)
             for seq in batch.seqs:
