@@ -90,8 +90,8 @@ def unpack(rev: str, into: Path) -> Path:
     return tree
 
 
-def relay(prefill: Engine, decode: Engine, ids: list[int], decode_tokens: int) -> float:
-    """One P/D request as the gateway runs it; returns its TTFT in seconds."""
+def relay(prefill: Engine, decode: Engine, ids: list[int], decode_tokens: int) -> tuple[float, float]:
+    """One P/D request as the gateway runs it; returns its prefill leg's and its decode leg's first chunk's seconds."""
     start = time.perf_counter()
     # logprobs: every token's chunk carries one, so a token whose text is held back still counts
     body = {"model": "m", "prompt": ids, "max_tokens": 1, "temperature": 0, "stream": False, "logprobs": 1,
@@ -104,21 +104,23 @@ def relay(prefill: Engine, decode: Engine, ids: list[int], decode_tokens: int) -
     decode_body = {"model": "m", "prompt": ids, "max_tokens": decode_tokens, "temperature": 0, "ignore_eos": True,
                    "stream": True, "logprobs": 1, "kv_transfer_params": params}  # fmt: skip
     first, _, _ = stream_times(decode.port, decode_body)
-    return prefill_s + first
+    return prefill_s, first
 
 
 def round_(pair: tuple[Engine, Engine], a: argparse.Namespace, r: int) -> dict[str, float]:
     prefill, decode = pair
-    prompts = [[1000 + (r * 97 + k * 31 + i) % 20000 for i in range(a.tokens)] for k in range(a.n)]
+    prompts = [[3 + (r * 97 + k * 31 + i * 7) % 250 for i in range(a.tokens)] for k in range(a.n)]  # any vocab
     pulled = metric(decode.port, "atom:kv_transfer_pulled_total")
     seconds = metric(decode.port, "atom:kv_transfer_pull_time_seconds_total")
     start = time.perf_counter()
     with ThreadPoolExecutor(a.n) as pool:
-        ttfts = sorted(pool.map(lambda ids: relay(prefill, decode, ids, a.decode_tokens), prompts))
+        legs = list(pool.map(lambda ids: relay(prefill, decode, ids, a.decode_tokens), prompts))
     wall = time.perf_counter() - start
+    ttfts = sorted(p + d for p, d in legs)
     n = metric(decode.port, "atom:kv_transfer_pulled_total") - pulled
     pull = (metric(decode.port, "atom:kv_transfer_pull_time_seconds_total") - seconds) / max(n, 1)
-    return {"pull_ms": pull * 1e3, "ttft_ms": statistics.mean(ttfts) * 1e3,
+    return {"pull_ms": pull * 1e3, "prefill_leg_ms": statistics.mean(p for p, _ in legs) * 1e3,
+            "decode_leg_ms": statistics.mean(d for _, d in legs) * 1e3, "ttft_ms": statistics.mean(ttfts) * 1e3,
             "ttft_p90_ms": ttfts[int(0.9 * (len(ttfts) - 1))] * 1e3, "wall_ms": wall * 1e3}  # fmt: skip
 
 
@@ -147,7 +149,8 @@ def main(argv: list[str] | None = None) -> None:
             for pair in pairs.values():
                 for e in pair:
                     e.wait_ready()
-                relay(*pair, list(range(7, 7 + a.tokens)), 2)  # warm-up: maps the pools
+                relay(*pair, [3 + i % 250 for i in range(a.tokens)], 2)  # warm-up: maps the pools
+                relay(*pair, [4 + i % 250 for i in range(a.tokens)], 2)
             print(f"{a.n} P/D requests at once over ipc, {a.tokens} prompt tokens, {a.decode_tokens} streamed, "
                   f"{a.model} on {a.device}; now = this tree, before = {a.before}; {a.rounds} rounds each")  # fmt: skip
             for r in range(a.rounds):
@@ -162,9 +165,14 @@ def main(argv: list[str] | None = None) -> None:
                 for e in pair:
                     e.stop()
     med = {k: {m: statistics.median(row[m] for row in rows) for m in rows[0]} for k, rows in results.items()}
-    print(f"{'':>8} {'pull ms':>9} {'TTFT ms':>9} {'TTFT p90':>9} {'wall ms':>9}")
+    print(
+        f"{'':>8} {'pull ms':>9} {'prefill leg':>11} {'decode leg':>10} {'TTFT ms':>9} {'TTFT p90':>9} {'wall ms':>9}"
+    )
     for k, m in med.items():
-        print(f"{k:>8} {m['pull_ms']:>9.1f} {m['ttft_ms']:>9.0f} {m['ttft_p90_ms']:>9.0f} {m['wall_ms']:>9.0f}")
+        print(
+            f"{k:>8} {m['pull_ms']:>9.1f} {m['prefill_leg_ms']:>11.0f} {m['decode_leg_ms']:>10.0f} "
+            f"{m['ttft_ms']:>9.0f} {m['ttft_p90_ms']:>9.0f} {m['wall_ms']:>9.0f}"
+        )
     ratio = {m: med["before"][m] / med["now"][m] for m in med["now"]}
     print(f"before / now: pull {ratio['pull_ms']:.2f}x, TTFT {ratio['ttft_ms']:.2f}x, "
           f"TTFT p90 {ratio['ttft_p90_ms']:.2f}x, wall {ratio['wall_ms']:.2f}x")  # fmt: skip
