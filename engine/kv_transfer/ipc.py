@@ -41,13 +41,14 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -55,6 +56,9 @@ from engine.kv_transfer import wire
 from engine.kv_transfer.errors import KVTransferError
 from engine.kv_transfer.layout import block_runs
 from engine.kv_transfer.wire import MessageType
+
+if TYPE_CHECKING:
+    from engine.kv_transfer.block_copy import RegionTable
 
 log = logging.getLogger(__name__)
 
@@ -374,6 +378,8 @@ class IpcPeers:
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
         # One thread per pull in flight (the consumer's max_inflight_pulls): each claims, copies and says done.
         self._readers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kv-ipc-read")
+        self._tables: dict[str, RegionTable | None] = {}  # per mapped pool: its one-launch copy, when it has one
+        self._tables_lock = threading.Lock()
 
     def close(self) -> None:
         """Stop the reader threads once the reads in flight are done (their callers wait for them anyway)."""
@@ -387,7 +393,10 @@ class IpcPeers:
 
     def forget(self, host: str, port: int) -> None:
         """Unmap a producer's pools (it went away or restarted); the next pull asks again."""
-        self._pools.pop((host, port), None)
+        pools = self._pools.pop((host, port), None)
+        if pools is not None:
+            with self._tables_lock:
+                self._tables.pop(pools.pool_id, None)
 
     async def pools_for(self, host: str, port: int) -> PeerPools | None:
         """The producer's mapped pools, or None to pull through Mooncake; raises KVTransferError.
@@ -463,6 +472,34 @@ class IpcPeers:
             await asyncio.wait([fut])
             raise
 
+    def _copy(self, pools: PeerPools, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        """The copy, blocking: on a GPU one kernel launch for every region (``block_copy``), on its own stream."""
+        table = self._table(pools)
+        if table is None:
+            copy_blocks(pools.views, self.views, src_ids, dst_ids)
+            return
+        stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(stream):
+            table.copy(src_ids, dst_ids)
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record(stream)
+        done.synchronize()  # this reader thread waits; the engine's loop and its steps do not
+
+    def _table(self, pools: PeerPools) -> RegionTable | None:
+        """The one-launch copy between ``pools`` and our regions (CUDA, both on one device), built once per pool."""
+        if self.device.type != "cuda" or any(v.device != self.device for v in pools.views):
+            return None
+        with self._tables_lock:
+            if pools.pool_id not in self._tables:
+                from engine.kv_transfer.block_copy import RegionTable
+
+                try:
+                    self._tables[pools.pool_id] = RegionTable(pools.views, self.views)
+                except ValueError as exc:
+                    log.info("kv_ipc_copy per_layer_group pool=%s reason=%r", pools.pool_id, str(exc))
+                    self._tables[pools.pool_id] = None
+            return self._tables[pools.pool_id]
+
     def _check(self, pools: PeerPools, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
         """Refuse a copy the mapped pools and ours cannot do (the producer checked the same, by its regions)."""
         if [v.shape[1] for v in pools.views] != [v.shape[1] for v in self.views]:
@@ -500,7 +537,7 @@ class IpcPeers:
                     raise TimeoutError("the engine's step in flight did not end within the pull's time")
             try:
                 self._check(pools, src_ids, dst_ids)
-                copy_blocks(pools.views, self.views, src_ids, dst_ids)
+                self._copy(pools, src_ids, dst_ids)
             except (KVTransferError, RuntimeError, ValueError) as exc:
                 with contextlib.suppress(OSError):  # the producer releases its blocks on this
                     wire.send_sync(sock, MessageType.IPC_DONE, transfer_id=tid, status="error", message=str(exc))
