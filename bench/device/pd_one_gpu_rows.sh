@@ -8,6 +8,8 @@
 # Writes $OUT/runs (the passes and the engines' /metrics), $OUT/pd-one-gpu-SHAPE-ISL.json (the issue's rows under
 # "rows", `bench/pd_report.py --shape`) and its chart. Merge the rows of the calls into docs/results/pd-one-gpu.json.
 # Carries .whl, .gpu (model_shapes.py, smollm2) and the CUDA Mooncake bundle, as pd_ipc_round.sh.
+# The plumbing on a CPU: PATH=$VENV/bin:$PATH DEVICE=cpu MODEL_OVERRIDE=tiny-random MAXLEN=512 ISLS=64/16 CONCS="1 2"
+#   BLOCKS=2000 OUT=/tmp/rows bash bench/device/pd_one_gpu_rows.sh
 set -euo pipefail
 SHAPE=${SHAPE:-smollm2}
 export ISLS=${ISLS:-1024/256} CONCS=${CONCS:-"1 4 16 32 64"} NO_TAR=1 SKIP_ATOMESH=${SKIP_ATOMESH:-1}
@@ -29,5 +31,5 @@ tag="$SHAPE-${ISLS//\//-}"
 name=$([ "$SHAPE" = smollm2 ] && echo smollm2-135m || echo "$SHAPE")
 python3 bench/pd_report.py "$OUT/runs" --shape "$name" --json "$OUT/pd-one-gpu-$tag.json" --png "$OUT/pd-one-gpu-$tag.png" \
   --title "$name, bf16, one H200: colocated vs 1P1D (KV over ipc)" \
-  --meta "{\"device\": \"H200\", \"date\": \"$(date -u +%F)\", \"command\": \"SHAPE=$SHAPE ISLS=$ISLS bash bench/device/pd_one_gpu_rows.sh\"}" \
+  --meta "{\"device\": \"$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || echo cpu)\", \"date\": \"$(date -u +%F)\", \"command\": \"SHAPE=$SHAPE ISLS=$ISLS bash bench/device/pd_one_gpu_rows.sh\"}" \
   || echo "pd_report failed here (matplotlib?): run it on the runs folder locally with --shape $name"
