@@ -295,6 +295,24 @@ def _assert_copied_some(pair: Pair, src: list[int], dst: list[int]) -> None:
             assert pair.decode.block(r, d) == pair.prefill.block(r, s), f"region {r}: block {s} -> {d} differs"
 
 
+async def test_a_pull_lands_nothing_before_the_step_it_must_follow_ended(pair: Pair) -> None:
+    """``after``: the engine's step in flight when an abort freed some of the destination blocks (it may still
+    write them). The claim goes out at once, the copy waits for that step; without ``after`` nothing waits."""
+    releases = Releases()
+    consumer = pair.consumer()
+    step: concurrent.futures.Future[None] = concurrent.futures.Future()
+    pull = asyncio.ensure_future(consumer.pull(pair.producer.offer([4, 5], 1, releases.callback("t")), [8, 9], step))
+    await asyncio.sleep(0.5)
+    assert not pull.done() and pair.decode.block(0, 8) == bytes(len(pair.decode.block(0, 8)))
+    step.set_result(None)  # the step ended
+    await asyncio.wait_for(pull, 10)
+    _assert_copied_some(pair, [4, 5], [8, 9])
+    await consumer.pull(pair.producer.offer([6], 1, releases.callback("u")), [10], None)
+    _assert_copied_some(pair, [6], [10])
+    await _settled(pair.producer)
+    assert releases.reasons("t") == releases.reasons("u") == [ReleaseReason.WRITTEN]
+
+
 async def test_a_timed_out_ipc_pull_frees_both_sides(pair: Pair) -> None:
     """The producer's read desk is stuck before it claims the transfer: decode times out, its blocks are free at
     once (nothing was copied), and the producer releases when it finds the consumer gone."""
