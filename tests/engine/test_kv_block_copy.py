@@ -1,6 +1,7 @@
-"""The one-launch block copy of the ipc pull on a GPU (``engine.kv_transfer.block_copy``), run on CPU tensors
-through Triton's interpreter (``TRITON_INTERPRET=1``, set before the kernel module is imported): every region's
-named blocks land, nothing else is written, with 8- and 4-byte words, and it equals the torch copy."""
+"""The one-launch block copy of the ipc pull on a GPU (``engine.kv_transfer.block_copy``): every region's named
+blocks land, nothing else is written, with 8- and 4-byte words, and it equals the torch copy. On CPU tensors
+through Triton's interpreter (``TRITON_INTERPRET=1``, set before the kernel module is imported); compiled on
+the GPU with ``ENGINE_TEST_DEVICE=cuda``."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 from engine.kv_transfer.ipc import copy_blocks
 from engine.kv_transfer.layout import region_views
+from tests.engine.conftest import DEVICE
+
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -22,7 +25,7 @@ def _views(fill: bool, dtype: torch.dtype, heads: int, idx_dim: int = 8) -> list
     kv = [(torch.randn(2, 24, 4, heads, 8, generator=g) if fill else torch.zeros(2, 24, 4, heads, 8)).to(dtype)
           for _ in range(3)]  # fmt: skip
     idx = [(torch.randn(24, idx_dim, generator=g) if fill else torch.zeros(24, idx_dim)).to(dtype) for _ in range(3)]
-    return region_views(kv, idx)
+    return region_views([t.to(DEVICE) for t in kv], [t.to(DEVICE) for t in idx])
 
 
 @pytest.mark.parametrize(("dtype", "heads", "idx_dim", "word"), [(torch.float32, 2, 8, 8), (torch.float16, 3, 8, 8),
@@ -30,7 +33,7 @@ def _views(fill: bool, dtype: torch.dtype, heads: int, idx_dim: int = 8) -> list
 def test_one_launch_copies_exactly_the_named_blocks_of_every_region(
     dtype: torch.dtype, heads: int, idx_dim: int, word: int
 ) -> None:
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.fail("TRITON_INTERPRET was set to something else before this module; run it in its own process")
     from engine.kv_transfer.block_copy import RegionTable
 
@@ -52,6 +55,6 @@ def test_regions_that_do_not_pair_are_refused() -> None:
     src = _views(True, torch.float32, 2)
     with pytest.raises(ValueError, match="differ"):
         RegionTable(src, src[:-1])
-    odd = [torch.zeros(4, 6, dtype=torch.uint8)]  # 6-byte rows: no 4- or 8-byte words
+    odd = [torch.zeros(4, 6, dtype=torch.uint8, device=DEVICE)]  # 6-byte rows: no 4- or 8-byte words
     with pytest.raises(ValueError, match="multiple of 4"):
-        RegionTable(odd, [torch.zeros(4, 6, dtype=torch.uint8)])
+        RegionTable(odd, [torch.zeros(4, 6, dtype=torch.uint8, device=DEVICE)])
