@@ -68,6 +68,8 @@ class RegionTable:
         words = [v.shape[1] // self.word for v in src_views]
         self.row_words = torch.tensor(words, dtype=torch.int64, device=device)
         self.chunks = -(-max(words) // BLOCK_WORDS)
+        if device.type == "cuda":  # the tables' uploads done before any stream's kernel reads them
+            torch.cuda.current_stream(device).synchronize()
 
     def copy(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
         """Launch the copy of ``src_ids[i] -> dst_ids[i]`` in every region, on the current stream."""
