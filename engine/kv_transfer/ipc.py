@@ -3,8 +3,9 @@
 When prefill and decode share a host, the KV does not need a network transport: the prefill engine
 exports its cache tensors once at start (:class:`PoolExport`) and a decode engine maps them on
 first contact (:class:`PeerPools`); a pull then is a copy of the request's blocks from the mapped
-pools into decode's own blocks (:func:`copy_blocks`: per layer group on CUDA, per region on CPU), on
-the device, with no host round trip on CUDA.
+pools into decode's own blocks, on the device, with no host round trip on CUDA: there one kernel
+launch for every region (``engine.kv_transfer.block_copy``), else :func:`copy_blocks` (per layer
+group, or per region on CPU).
 
 How a pool is exported, per device kind:
 
