@@ -67,7 +67,8 @@ def collect(runs: Path) -> list[dict[str, Any]]:
             "output_tok_s_per_gpu": r["output_throughput"] / gpus,
             "tok_s_per_user": 1000.0 / r["mean_tpot_ms"] if r.get("mean_tpot_ms") else 0.0,
             "ttft_ms_mean": r["mean_ttft_ms"], "ttft_ms_p50": r["p50_ttft_ms"], "ttft_ms_p99": r["p99_ttft_ms"],
-            "tpot_ms_p99": r["p99_tpot_ms"], "completed": r["completed"], "failed": r["failed"],
+            "tpot_ms_p50": r.get("p50_tpot_ms", 0.0), "tpot_ms_p99": r["p99_tpot_ms"], "completed": r["completed"],
+            "failed": r["failed"],
         })  # fmt: skip
         tag = path.stem
         if (runs / f"{tag}.decode.after.prom").exists():
@@ -84,6 +85,18 @@ def collect(runs: Path) -> list[dict[str, Any]]:
             row["kv_pull_share_of_ttft"] = pull / row["ttft_ms_mean"] if row["ttft_ms_mean"] else 0.0
         rows.append(row)
     return rows
+
+
+MODES = {"colocated": "colocated", "pd-1p1d": "pd"}  # the set-ups the issue's rows compare
+
+
+def issue_rows(points: list[dict[str, Any]], shape: str) -> list[dict[str, Any]]:
+    """The one-GPU points as ``docs/results/pd-one-gpu.json`` lists them: ``{shape, isl, osl, concurrency, mode,
+    output_tok_s, ttft_p50_ms, tpot_p50_ms, kv_share_of_ttft}``, colocated (straight) and P/D."""
+    return [{"shape": shape, "isl": p["isl"], "osl": p["osl"], "concurrency": p["concurrency"],
+             "mode": MODES[p["setup"]], "output_tok_s": p["output_tok_s_per_gpu"], "ttft_p50_ms": p["ttft_ms_p50"],
+             "tpot_p50_ms": p["tpot_ms_p50"], "kv_share_of_ttft": p.get("kv_pull_share_of_ttft", 0.0)}
+            for p in points if p["setup"] in MODES and "attention" not in p]  # fmt: skip
 
 
 def _curve(rows: list[dict[str, Any]], shape: tuple[int, int], setup: str, attention: str | None) -> list[Any]:
@@ -200,6 +213,8 @@ def main() -> None:
     p.add_argument("--png", type=Path, required=True)
     p.add_argument("--title", default=None, help="chart title (default: the one- or two-GPU experiment's)")
     p.add_argument("--meta", default="{}", help="JSON object merged into the report (device, date, command)")
+    p.add_argument("--shape", default=None,
+                   help="one-GPU runs: also list them as the issue's rows under this model_shapes name")  # fmt: skip
     p.add_argument("--target-user-tps", type=float, default=60.0,
                    help="two-GPU runs: 1P1D and colocated are compared at and above this tok/s per user")  # fmt: skip
     a = p.parse_args()
@@ -211,6 +226,8 @@ def main() -> None:
     checks = verdicts(rows, a.target_user_tps) if two else []
     if two:
         report["target"] = checks
+    if a.shape:
+        report["rows"] = issue_rows(rows, a.shape)
     a.json.write_text(json.dumps({**report, "points": rows}, indent=1))
     plot(rows, a.png, a.title or (TITLE_TWO if two else TITLE_ONE), a.target_user_tps if two else None)
     for r in rows:

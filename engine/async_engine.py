@@ -16,6 +16,7 @@ lives in one ``Transfer`` here (its phase, its blocks, its grace timer), and the
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
 import logging
 import time
@@ -130,6 +131,9 @@ class Transfer:
     seq: Sequence
     phase: Phase
     grace: asyncio.TimerHandle | None = None  # GRACE: when the blocks go back
+    # RESERVED: the step in flight when the blocks were handed out, when an abort during it freed some of them
+    # (it may still write them): the pull lands nothing before it ended. None: nothing to wait for.
+    after: concurrent.futures.Future[Any] | None = None
 
     def move(self, new: Phase) -> None:
         """The one place a transfer's phase changes; refuses a move its life cycle does not allow."""
@@ -229,6 +233,9 @@ class AsyncLLMEngine:
         self._freed = asyncio.Event()
         self._reservations_waiting = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._executing: concurrent.futures.Future[Any] | None = None  # the model step in flight, if any
+        # Blocks an abort freed while that step ran: it may still write them, so KV pulled into them waits for it.
+        self._freed_in_step: set[int] = set()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._dead: EngineDeadError | None = None
@@ -391,7 +398,7 @@ class AsyncLLMEngine:
         have = seq.num_cached_tokens // bs  # leading blocks the local prefix cache already holds
         transfer.move(Phase.PULLING)
         try:
-            await self.relay.pull(kv, [SKIP if i < have else seq.block_table[i] for i in range(needed)])
+            await self.relay.pull(kv, [SKIP if i < have else seq.block_table[i] for i in range(needed)], transfer.after)
         except BaseException as exc:
             late = isinstance(exc, asyncio.CancelledError) or (isinstance(exc, KVTransferError)
                                                                 and exc.dst_may_be_written)  # fmt: skip
@@ -439,7 +446,9 @@ class AsyncLLMEngine:
                     self._reservations_waiting -= 1
                 continue
             self.engine.flush_kv_events()
-            transfer = Transfer(seq, Phase.RESERVED)
+            running = self._executing
+            unsafe = running is not None and not running.done() and not self._freed_in_step.isdisjoint(seq.block_table)
+            transfer = Transfer(seq, Phase.RESERVED, after=running if unsafe else None)
             self._transfers[seq.seq_id] = transfer
             return transfer
 
@@ -534,6 +543,8 @@ class AsyncLLMEngine:
         """Forget a request and free its blocks now; a no-op when it already finished."""
         state = self._states.pop(seq_id, None)
         if state is not None:
+            if self._executing is not None and not self._executing.done():
+                self._freed_in_step.update(state.seq.block_table)
             self.engine.finish(state.seq, FinishReason.ABORT)
             self._blocks_freed()
 
@@ -575,7 +586,11 @@ class AsyncLLMEngine:
             phase = "event_flush"
             engine.flush_kv_events()  # the blocks this step writes, reported as it starts (see announce)
             phase = "execute"
-            tokens = await asyncio.get_running_loop().run_in_executor(self._executor, engine.execute, step)
+            self._executing = self._executor.submit(engine.execute, step)
+            try:
+                tokens = await asyncio.wrap_future(self._executing)
+            finally:
+                self._freed_in_step.clear()
             phase = "postprocess"
             engine.postprocess(batch, tokens)
             for seq in batch.seqs:

@@ -16,6 +16,7 @@ memory comes through the narrow `KVMemory` interface.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import socket
@@ -217,7 +218,7 @@ class Disaggregation:
                     f"--kv-transfer-config handshake_port): {reason}"
                 ) from exc
         else:
-            self.peers = IpcPeers(views, self.ipc) if self.ipc is not IpcMode.OFF else None
+            self.peers = IpcPeers(views, self.ipc, workers=inflight) if self.ipc is not IpcMode.OFF else None
             log.info("kv_transfer_ipc mode=%s reason=%r", self.ipc.value, {
                 IpcMode.AUTO: "producers on this host whose pools open are copied from, others pulled through Mooncake",
                 IpcMode.FORCED: "asked for (protocol ipc): every producer must share this host",
@@ -289,6 +290,8 @@ class Disaggregation:
             self._watchdog = None
         if self.producer is not None:
             await self.producer.close()  # every pending offer ends (CLOSED): its owner frees the blocks
+        if self.peers is not None:
+            self.peers.close()
         if self.agent is not None:
             self.agent.close()
         if self.staging is not None:
@@ -337,15 +340,17 @@ class Disaggregation:
     def parse(self, raw: dict[str, Any]) -> KVTransferParams:
         return KVTransferParams.from_dict(raw)
 
-    async def pull(self, params: KVTransferParams, dst_block_ids: Sequence[int]) -> None:
-        """Have the producer write ``params``' blocks into ``dst_block_ids`` (``SKIP``: held here already).
+    async def pull(self, params: KVTransferParams, dst_block_ids: Sequence[int],
+                   after: concurrent.futures.Future[Any] | None = None) -> None:  # fmt: skip
+        """Have the producer write ``params``' blocks into ``dst_block_ids`` (``SKIP``: held here already),
+        nothing landing before ``after`` (the engine's step in flight when they were handed out) ended.
 
         Raises KVTransferError (``dst_may_be_written`` says whether a late write may still land in the
         destination blocks), or CancelledError, in which case a late write may land too."""
         assert self.consumer is not None, "pull on a relay that is not a kv_consumer"
         started = time.monotonic()
         try:
-            await self.consumer.pull(params, dst_block_ids)
+            await self.consumer.pull(params, dst_block_ids, after)
         except KVTransferError as exc:
             self.stats.pull_failures[exc.reason] = self.stats.pull_failures.get(exc.reason, 0) + 1
             raise

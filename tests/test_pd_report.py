@@ -23,6 +23,7 @@ def result(tmp: Path, tag: str, out_tps: float, tpot_ms: float, ttft_ms: float, 
         "p50_ttft_ms": ttft_ms,
         "p99_ttft_ms": ttft_ms,
         "p99_tpot_ms": tpot_ms,
+        "p50_tpot_ms": tpot_ms,
         "completed": 8,
         "failed": 0,
         "num_workers": gpus,
@@ -97,3 +98,21 @@ def test_one_gpu_report_is_unchanged(tmp_path: Path) -> None:
     assert data["device"] == "one" and "target" not in data
     assert [(p["setup"], p["output_tok_s_per_gpu"]) for p in data["points"]] == [("colocated", 700), ("pd-1p1d", 750)]
     assert all("attention" not in p for p in data["points"]) and "target" not in stdout
+
+
+def test_one_gpu_runs_become_the_issue_rows_under_a_shape_name(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    result(runs, "colocated-1024-256-c16", 5000, 2.8, 85.0, 1)
+    result(runs, "colocated-atomesh-1024-256-c16", 4700, 2.9, 90.0, 1)
+    result(runs, "pd-1p1d-1024-256-c16", 4600, 2.7, 120.0, 1)
+    for side, seconds in (("prefill", 0.8), ("decode", 0.3)):
+        prom(runs, "pd-1p1d-1024-256-c16", side, "before", 0, 0.0)
+        prom(runs, "pd-1p1d-1024-256-c16", side, "after", 16, seconds)
+    data, _ = report(runs, tmp_path, "--shape", "llama31-8b")
+    assert data["rows"] == [
+        {"shape": "llama31-8b", "isl": 1024, "osl": 256, "concurrency": 16, "mode": "colocated", "output_tok_s": 5000,
+         "ttft_p50_ms": 85.0, "tpot_p50_ms": 2.8, "kv_share_of_ttft": 0.0},
+        {"shape": "llama31-8b", "isl": 1024, "osl": 256, "concurrency": 16, "mode": "pd", "output_tok_s": 4600,
+         "ttft_p50_ms": 120.0, "tpot_p50_ms": 2.7, "kv_share_of_ttft": pytest.approx(1000 * 0.3 / 16 / 120.0)},
+    ]  # fmt: skip

@@ -6,7 +6,7 @@
 source bench/device/setup.sh
 source bench/device/mooncake_cuda.sh || exit 1
 [ -n "${SKIP_TESTS:-}" ] || ENGINE_TEST_DEVICE=cuda ENGINE_TEST_DTYPE=bfloat16 timeout ${TESTS_S:-130} python3 -m pytest -q -p no:cacheprovider \
-  tests/test_pd_ipc.py tests/test_pd_families.py 2>&1 | tee "$OUT/cuda-tests-pd.txt" | tail -4 || true
+  tests/test_pd_ipc.py tests/test_pd_families.py tests/engine/test_kv_block_copy.py 2>&1 | tee "$OUT/cuda-tests-pd.txt" | tail -4 || true
 [ -n "${SKIP_TRANSFER:-}" ] || timeout ${TRANSFER_S:-70} python3 -m engine.kv_transfer.bench --device cuda --dtype bf16 --backend direct \
   --tokens 1024,4096,8192 --layouts contiguous,scattered --repeats 3 --protocol ipc \
   --json "$OUT/pd-transfer-direct-ipc.json" 2>&1 | grep -v "^I1\|^W1" | tail -14 || true

@@ -4,6 +4,8 @@
 # over Mooncake (staged through pinned host memory: the CPU-only wheel). After each pass the engines' /metrics
 # give the TTFT split (prefill, KV pull). `bash bench/device/pd_serving.sh`; everything under $OUT as one archive.
 # DEVICE=cpu MODEL=tiny-random ISLS="64/16" CONCS="1 2" runs the same plumbing on a CPU.
+# ENGINE_ARGS: more flags for every engine (e.g. --load-format dummy for a model_shapes.py shape); PASS_S: the
+# limit of one pass (60 s); SKIP_ATOMESH=1 leaves set-up (b) out; NO_TAR=1 leaves $OUT as files.
 source bench/device/setup.sh
 DEVICE=${DEVICE:-cuda}
 if [ "$DEVICE" = cuda ] && [ -f .gpu/mooncake-cuda.tar.xz ]; then
@@ -26,7 +28,8 @@ wait_http() { for _ in $(seq "$2"); do curl -sf "$1" >/dev/null && return 0; sle
 engine() {  # NAME PORT EXTRA...
   local name=$1 port=$2; shift 2
   python3 -m engine.openai_server --model "$MODEL" --served-model-name m --device "$DEVICE" --host 127.0.0.1 \
-    --server-port "$port" --max-model-len "${MAXLEN:-5120}" --max-num-seqs 128 --num-kvcache-blocks "$BLOCKS" "$@" \
+    --server-port "$port" --max-model-len "${MAXLEN:-5120}" --max-num-seqs 128 --num-kvcache-blocks "$BLOCKS" \
+    ${ENGINE_ARGS:-} "$@" \
     >"$R/$name.log" 2>&1 &
   PIDS+=($!)
 }
@@ -38,7 +41,7 @@ sweep() {  # SETUP URL [DECODE_METRICS_URL PREFILL_METRICS_URL]
       local tag="$1-$isl-$osl-c$c"
       SEED=$((SEED + 1))
       if [ -n "${3:-}" ]; then curl -s "$3" >"$R/$tag.decode.before.prom"; curl -s "$4" >"$R/$tag.prefill.before.prom"; fi
-      timeout 60 python3 -m atomesh bench serving --base-url "$2" --model m --random-input-len "$isl" \
+      timeout "${PASS_S:-60}" python3 -m atomesh bench serving --base-url "$2" --model m --random-input-len "$isl" \
         --random-output-len "$osl" --ignore-eos --num-prompts 4 --prompts-per-concurrency 2 --sweep-concurrency "$c" \
         --seed "$SEED" --save-result "$R/$tag.json" 2>&1 | grep -E "Output token throughput|Tokens/s per user|Median TTFT" \
         | sed "s/^/$tag: /" || echo "$tag: failed"
@@ -54,7 +57,7 @@ python3 -m atomesh launch --worker-urls http://127.0.0.1:8010 --host 127.0.0.1 -
 PIDS+=($!)
 wait_http http://127.0.0.1:30000/readiness 60
 sweep colocated http://127.0.0.1:8010
-sweep colocated-atomesh http://127.0.0.1:30000
+[ -n "${SKIP_ATOMESH:-}" ] || sweep colocated-atomesh http://127.0.0.1:30000
 stop_all
 # (c): 1P1D through atomesh.
 # KVX: more --kv-transfer-config keys for both engines, e.g. KVX='"memory_backend":"direct","max_inflight_pulls":64'
@@ -68,4 +71,4 @@ wait_http http://127.0.0.1:30001/readiness 60
 sweep pd-1p1d http://127.0.0.1:30001 http://127.0.0.1:8012/metrics http://127.0.0.1:8011/metrics
 grep -h -iE "memory backend|staged|error" "$R"/prefill.log "$R"/decode.log | head -8 || true
 stop_all
-(cd "$OUT" && tar czf /tmp/results.tgz . && rm -rf ./* && mv /tmp/results.tgz .)
+[ -n "${NO_TAR:-}" ] || (cd "$OUT" && tar czf /tmp/results.tgz . && rm -rf ./* && mv /tmp/results.tgz .)

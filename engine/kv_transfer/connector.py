@@ -26,19 +26,25 @@ within their timeout), the agent has several lanes per peer, a direct write keep
 pipeline two slots deep.
 
 Between engines of one host the KV need not cross a network transport (``ipc``): a producer
-given a ``PoolExport`` answers ``ipc_open`` with its mapped-once pools, and a consumer given
-``IpcPeers`` pulls from a producer it could map by asking with ``ipc_pool``: the producer pins the
-blocks (``ipc_read``), the consumer copies them itself and says ``ipc_done``; the rest (states,
-release reasons, refusals) is the push handshake's.
+given a ``PoolExport`` answers ``ipc_open`` with its mapped-once pools and the port of its *read
+desk*, and a consumer given ``IpcPeers`` pulls from a producer it could map by asking the desk with
+``ipc_pool``: the desk claims the transfer (``ipc_read``: the blocks stay pinned, expiry cannot take
+them), the consumer copies them itself and says ``ipc_done`` without waiting for an answer; the
+release reasons and refusals are the push handshake's. The desk is a thread with its own event loop,
+so a pull never waits for the prefill engine's loop (busy with its steps and streams); only the
+release of the blocks goes back to that loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import concurrent.futures
 import contextlib
 import logging
 import secrets
+import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -48,8 +54,9 @@ from typing import Any
 
 from engine.kv_transfer import wire
 from engine.kv_transfer.agent import TransferAgent
+from engine.kv_transfer.desk import Desk
 from engine.kv_transfer.errors import KVTransferBusyError, KVTransferError
-from engine.kv_transfer.ipc import IpcPeers, PeerPools, PoolExport
+from engine.kv_transfer.ipc import IpcPeers, PoolExport
 from engine.kv_transfer.layout import SKIP, Region, WriteOp, batches, check_compatible, pair_blocks, plan_writes, spans
 from engine.kv_transfer.params import KVTransferParams, KVTransferParamsError
 from engine.kv_transfer.staging import SLOTS_PER_TRANSFER, StagingBuffer, check_chunk, plan_chunks
@@ -180,6 +187,10 @@ class KVProducer:
         self._port = handshake_port
         self._released = dict.fromkeys(ReleaseReason, 0)
         self._bytes_written = 0
+        # The transfer table is shared with the ipc read desk's thread: every lookup and state change under it.
+        self._lock = threading.Lock()
+        self._desk: Desk | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def port(self) -> int:
@@ -198,10 +209,25 @@ class KVProducer:
     def stats(self) -> ProducerStats:
         return ProducerStats(len(self._pending), dict(self._released), self._bytes_written)
 
+    @property
+    def read_port(self) -> int:
+        """The ipc read desk's port (0 without exported pools)."""
+        return self._desk.port if self._desk is not None else 0
+
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, self._bind_host, self._handshake_port)
+        self._loop = asyncio.get_running_loop()
+        if self._ipc is not None:
+            self._desk = Desk(self._serve_read, self._bind_host)
+            await asyncio.to_thread(self._desk.start)
+        try:
+            self._server = await asyncio.start_server(self._serve, self._bind_host, self._handshake_port)
+        except OSError:
+            if self._desk is not None:
+                self._desk.close()
+            raise
         self._port = self._server.sockets[0].getsockname()[1]
-        log.info("kv_producer_listening port=%d rpc=%s", self._port, self._agent.rpc_address)
+        log.info("kv_producer_listening port=%d rpc=%s read_port=%d", self._port, self._agent.rpc_address,
+                 self.read_port)  # fmt: skip
 
     def offer(
         self,
@@ -223,7 +249,8 @@ class KVProducer:
         tid = uuid.uuid4().hex
         pending = PendingTransfer(tid, tuple(int(b) for b in block_ids), on_release)
         pending.timer = asyncio.get_running_loop().call_later(self.timeout_s, self._expire, tid)
-        self._pending[tid] = pending
+        with self._lock:
+            self._pending[tid] = pending
         rpc_port = int(self._agent.rpc_address.rsplit(":", 1)[1])
         return KVTransferParams(
             remote_block_ids=pending.block_ids,
@@ -244,6 +271,9 @@ class KVProducer:
         if server is not None:
             server.close()
             await server.wait_closed()
+        desk, self._desk = self._desk, None
+        if desk is not None:
+            await asyncio.to_thread(desk.close)
         for task in list(self._handlers):
             task.cancel()
         await asyncio.gather(*self._handlers, return_exceptions=True)
@@ -253,20 +283,37 @@ class KVProducer:
     # -- internals --------------------------------------------------------------------------
 
     def _expire(self, tid: str) -> None:
-        pending = self._pending.get(tid)
-        if pending is not None and pending.state is TransferState.PENDING:
-            log.warning("kv_transfer_expired transfer_id=%s blocks=%d", tid, len(pending.block_ids))
-            self._finish(pending, ReleaseReason.EXPIRED)
+        with self._lock:  # the read desk may be claiming it right now
+            pending = self._pending.get(tid)
+            if pending is None or pending.state is not TransferState.PENDING:
+                return
+            pending.state = transition(pending.state, TransferState.WRITING)
+        log.warning("kv_transfer_expired transfer_id=%s blocks=%d", tid, len(pending.block_ids))
+        self._finish(pending, ReleaseReason.EXPIRED)
 
-    def _finish(self, pending: PendingTransfer, reason: ReleaseReason) -> None:
-        pending.state = transition(pending.state, TransferState.DONE)
+    def _claim(self, pending: PendingTransfer) -> bool:
+        """PENDING -> WRITING, once: from then on only this claimant ends the transfer (expiry cannot)."""
+        with self._lock:
+            if pending.state is not TransferState.PENDING:
+                return False
+            pending.state = transition(pending.state, TransferState.WRITING)
+            return True
+
+    def _finish(self, pending: PendingTransfer, reason: ReleaseReason, nbytes: int = 0) -> None:
+        """End a transfer (on the engine's loop): its blocks go back through ``on_release``; a no-op once ended
+        (close() may have ended it while the read desk's last word was on its way)."""
+        with self._lock:
+            if pending.state is TransferState.DONE:
+                return
+            pending.state = transition(pending.state, TransferState.DONE)
+            del self._pending[pending.transfer_id]
+            self._consumed[pending.transfer_id] = None
+            while len(self._consumed) > 4 * self.max_pending:
+                self._consumed.popitem(last=False)
         if pending.timer is not None:
             pending.timer.cancel()
-        del self._pending[pending.transfer_id]
-        self._consumed[pending.transfer_id] = None
         self._released[reason] += 1
-        while len(self._consumed) > 4 * self.max_pending:
-            self._consumed.popitem(last=False)
+        self._bytes_written += nbytes
         try:
             pending.on_release(reason)
         except Exception:  # the engine's callback must not break the handshake server
@@ -291,24 +338,15 @@ class KVProducer:
 
     async def _handle(self, msg: dict[str, Any], channel: _Channel) -> tuple[MessageType, dict[str, Any]]:
         tid = msg.get("transfer_id")
-
-        def refuse(code: RefusalCode, message: str) -> tuple[MessageType, dict[str, Any]]:
-            log.warning("kv_transfer_refused transfer_id=%s code=%s reason=%s", tid, code, message)
-            return MessageType.ERROR, {"transfer_id": tid, "code": str(code), "message": message}
-
         if msg.get("v") != wire.VERSION:
-            return refuse(
-                RefusalCode.BAD_VERSION, f"wire version {msg.get('v')!r} (this producer speaks {wire.VERSION})"
-            )
+            return _refuse(tid, RefusalCode.BAD_VERSION, _version_mismatch(msg))
         if msg.get("type") == MessageType.IPC_OPEN:
             if self._ipc is None:
-                return refuse(
-                    RefusalCode.IPC_UNAVAILABLE,
-                    "this prefill engine shares no KV pools (its protocol is forced to a Mooncake one)",
-                )
-            return MessageType.IPC_POOLS, self._ipc.describe()
+                why = "this prefill engine shares no KV pools (its protocol is forced to a Mooncake one)"
+                return _refuse(tid, RefusalCode.IPC_UNAVAILABLE, why)
+            return MessageType.IPC_POOLS, {**self._ipc.describe(), "read_port": self.read_port}
         if msg.get("type") != MessageType.WRITE_REQUEST:
-            return refuse(RefusalCode.BAD_REQUEST, f"expected write_request, got {msg.get('type')!r}")
+            return _refuse(tid, RefusalCode.BAD_REQUEST, f"expected write_request, got {msg.get('type')!r}")
         try:
             rpc, nonce = msg["rpc"], msg["nonce"]
             dst_ids = [int(b) for b in msg["block_ids"]]
@@ -316,86 +354,150 @@ class KVProducer:
             if not isinstance(tid, str) or not isinstance(rpc, str) or not isinstance(nonce, str):
                 raise TypeError("transfer_id, rpc and nonce must be strings")
             remote_slots = _slots_from_wire(msg["staging"]) if msg.get("staging") is not None else None
-            ipc_pool = msg.get("ipc_pool")
-            if ipc_pool is not None and not isinstance(ipc_pool, str):
-                raise TypeError("ipc_pool must be a string")
         except (KeyError, TypeError, ValueError) as exc:
-            return refuse(RefusalCode.BAD_REQUEST, f"malformed write_request: {exc!r}")
-        pending = self._pending.get(tid)
-        if pending is None:
-            if tid in self._consumed:
-                return refuse(RefusalCode.TRANSFER_CONSUMED, f"transfer {tid} was already consumed or expired")
-            return refuse(RefusalCode.UNKNOWN_TRANSFER, f"unknown transfer {tid}")
-        if pending.state is not TransferState.PENDING:
-            return refuse(RefusalCode.TRANSFER_CONSUMED, f"transfer {tid} is already being written")
-        if ipc_pool is not None and (self._ipc is None or ipc_pool != self._ipc.pool_id):
-            # Not consumed: the consumer maps the pools again (the producer restarted) and asks again.
-            return refuse(RefusalCode.IPC_STALE, f"ipc pool {ipc_pool} is not this producer's: map its pools again")
-        # From here the request names a live transfer: whatever happens consumes it.
-        if ipc_pool is None and self._ipc_only:
+            return _refuse(tid, RefusalCode.BAD_REQUEST, f"malformed write_request: {exc!r}")
+        if msg.get("ipc_pool") is not None:
+            why = f"ipc reads go to this producer's read desk (port {self.read_port}), not the handshake port"
+            return _refuse(tid, RefusalCode.BAD_REQUEST, why)
+        try:
+            pending = self._take(tid)
+        except _Refusal as refusal:
+            return refusal.reply
+        # From here the request names a live transfer, claimed: whatever happens consumes it.
+        if self._ipc_only:
             self._finish(pending, ReleaseReason.REFUSED)
-            return refuse(RefusalCode.IPC_UNAVAILABLE,
-                          "this prefill engine's protocol is 'ipc': only decode engines on its host, mapping its "
-                          "KV pools, can pull from it")  # fmt: skip
-        if ipc_pool is None and (remote_slots is None) != (self._staging is None):
+            return _refuse(tid, RefusalCode.IPC_UNAVAILABLE,
+                           "this prefill engine's protocol is 'ipc': only decode engines on its host, mapping its "
+                           "KV pools, can pull from it")  # fmt: skip
+        if (remote_slots is None) != (self._staging is None):
             self._finish(pending, ReleaseReason.REFUSED)
             theirs = "direct" if remote_slots is None else "staged"
-            return refuse(RefusalCode.BACKEND_MISMATCH,
-                          f"this producer's KV memory backend is {self.backend}, the consumer's is {theirs}: "
-                          "give both engines the same memory_backend")  # fmt: skip
-        why = check_compatible(self._regions, dst_regions)
-        if why:
-            self._finish(pending, ReleaseReason.REFUSED)
-            return refuse(RefusalCode.REGION_MISMATCH, why)
+            return _refuse(tid, RefusalCode.BACKEND_MISMATCH,
+                           f"this producer's KV memory backend is {self.backend}, the consumer's is {theirs}: "
+                           "give both engines the same memory_backend")  # fmt: skip
         try:
-            src, dst = pair_blocks(self._regions, dst_regions, pending.block_ids, dst_ids)
-            ops = plan_writes(self._regions, dst_regions, src, dst) if remote_slots is None and ipc_pool is None else []
-        except ValueError as exc:
-            self._finish(pending, ReleaseReason.REFUSED)
-            return refuse(RefusalCode.BLOCK_MISMATCH, str(exc))
-        pending.state = transition(pending.state, TransferState.WRITING)
+            src, dst = self._check_blocks(pending, dst_regions, dst_ids, self._finish)
+        except _Refusal as refusal:
+            return refusal.reply
+        ops = plan_writes(self._regions, dst_regions, src, dst) if remote_slots is None else []
         if pending.timer is not None:
             pending.timer.cancel()
         nbytes = len(src) * sum(r.unit_bytes for r in self._regions)
-        reason = ReleaseReason.WRITE_FAILED
         try:
-            if ipc_pool is not None:
-                await self._lend(tid, channel)
-            elif remote_slots is None:
+            if remote_slots is None:
                 await self._write(rpc, dst_regions, ops, channel.wanted)
             else:
                 await self._write_staged(tid, rpc, remote_slots, src, channel)
-            reason = ReleaseReason.WRITTEN
-            self._bytes_written += nbytes
-            return MessageType.WRITE_DONE, {
-                "transfer_id": tid,
-                "nonce": nonce,
-                "status": "ok",
-                "message": "",
-                "bytes": nbytes,
-            }
         except Exception as exc:  # KVTransferError, or the agent closing under us: answer, never hang
             log.warning("kv_transfer_write_failed transfer_id=%s peer=%s error=%s", tid, rpc, exc)
-            return MessageType.WRITE_DONE, {
-                "transfer_id": tid,
-                "nonce": nonce,
-                "status": "error",
-                "message": str(exc),
-                "bytes": 0,
-            }
-        finally:
-            self._finish(pending, reason)
+            self._finish(pending, ReleaseReason.WRITE_FAILED)
+            return MessageType.WRITE_DONE, {"transfer_id": tid, "nonce": nonce, "status": "error",
+                                            "message": str(exc), "bytes": 0}  # fmt: skip
+        except BaseException:
+            self._finish(pending, ReleaseReason.WRITE_FAILED)
+            raise
+        self._finish(pending, ReleaseReason.WRITTEN, nbytes)
+        return MessageType.WRITE_DONE, {"transfer_id": tid, "nonce": nonce, "status": "ok", "message": "",
+                                        "bytes": nbytes}  # fmt: skip
 
-    async def _lend(self, tid: str, channel: _Channel) -> None:
-        """Keep the blocks pinned while the consumer copies them out of our mapped pools (``ipc``)."""
-        await channel.send(MessageType.IPC_READ, transfer_id=tid)
+    def _take(self, tid: object) -> PendingTransfer:
+        """Claim the transfer a request names (thread-safe); raises _Refusal when it is unknown or taken."""
+        with self._lock:
+            pending = self._pending.get(tid) if isinstance(tid, str) else None
+            consumed = isinstance(tid, str) and tid in self._consumed
+        if pending is None:
+            if consumed:
+                raise _Refusal(tid, RefusalCode.TRANSFER_CONSUMED, f"transfer {tid} was already consumed or expired")
+            raise _Refusal(tid, RefusalCode.UNKNOWN_TRANSFER, f"unknown transfer {tid}")
+        if not self._claim(pending):
+            raise _Refusal(tid, RefusalCode.TRANSFER_CONSUMED, f"transfer {tid} is already being written")
+        return pending
+
+    def _check_blocks(
+        self,
+        pending: PendingTransfer,
+        dst_regions: Sequence[Region],
+        dst_ids: Sequence[int],
+        release: Callable[[PendingTransfer, ReleaseReason], None],
+    ) -> tuple[list[int], list[int]]:
+        """The block pairs of a claimed transfer; raises _Refusal having ended it (``release``, REFUSED)."""
+        why = check_compatible(self._regions, dst_regions)
+        if why:
+            release(pending, ReleaseReason.REFUSED)
+            raise _Refusal(pending.transfer_id, RefusalCode.REGION_MISMATCH, why)
         try:
+            return pair_blocks(self._regions, dst_regions, pending.block_ids, dst_ids)
+        except ValueError as exc:
+            release(pending, ReleaseReason.REFUSED)
+            raise _Refusal(pending.transfer_id, RefusalCode.BLOCK_MISMATCH, str(exc)) from None
+
+    # -- the ipc read desk (its own thread and event loop: never the engine's) --------------------
+
+    async def _serve_read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One ipc read: claim the transfer, say ``ipc_read``, wait for ``ipc_done`` (or the hang-up), release.
+
+        Runs on the desk's thread: the release (and its callback into the engine) goes to the engine's loop.
+        """
+        try:
+            async with asyncio.timeout(self._read_timeout):
+                msg = await wire.recv(reader)
+        except (wire.WireError, asyncio.IncompleteReadError, TimeoutError, ConnectionError) as exc:
+            log.debug("kv_read_dropped error=%r", exc)
+            return
+        try:
+            pending, nbytes = self._claim_read(msg)
+        except _Refusal as refusal:
+            with contextlib.suppress(ConnectionError):
+                await wire.send(writer, refusal.reply[0], **refusal.reply[1])
+            return
+        reason, nbytes_done = ReleaseReason.WRITE_FAILED, 0
+        try:
+            await wire.send(writer, MessageType.IPC_READ, transfer_id=pending.transfer_id, nonce=msg["nonce"])
             async with asyncio.timeout(self.timeout_s):
-                msg = await wire.recv(channel.reader)
-        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, wire.WireError) as exc:
-            raise KVTransferError(f"the consumer hung up before it copied: {exc!r}", reason="abandoned") from exc
-        if msg.get("type") != MessageType.IPC_DONE or msg.get("transfer_id") != tid:
-            raise KVTransferError(f"expected ipc_done for {tid}, got {msg!r:.200}", reason="bad_reply")
+                done = await wire.recv(reader)
+            if (done.get("type") == MessageType.IPC_DONE and done.get("transfer_id") == pending.transfer_id
+                    and done.get("status") == "ok"):  # fmt: skip
+                reason, nbytes_done = ReleaseReason.WRITTEN, nbytes
+            else:
+                log.warning("kv_transfer_write_failed transfer_id=%s reply=%.200r", pending.transfer_id, done)
+        except (wire.WireError, asyncio.IncompleteReadError, TimeoutError, ConnectionError) as exc:
+            log.warning("kv_transfer_write_failed transfer_id=%s error=%r: the consumer hung up before it copied",
+                        pending.transfer_id, exc)  # fmt: skip
+        finally:
+            self._release_from_desk(pending, reason, nbytes_done)
+
+    def _claim_read(self, msg: dict[str, Any]) -> tuple[PendingTransfer, int]:
+        """The transfer an ipc read request names, claimed, and its size; raises _Refusal."""
+        tid = msg.get("transfer_id")
+        if msg.get("v") != wire.VERSION:
+            raise _Refusal(
+                tid, RefusalCode.BAD_VERSION, f"wire version {msg.get('v')!r} (this producer speaks {wire.VERSION})"
+            )
+        try:
+            if msg.get("type") != MessageType.WRITE_REQUEST:
+                raise TypeError(f"expected write_request, got {msg.get('type')!r}")
+            nonce, ipc_pool = msg["nonce"], msg["ipc_pool"]
+            dst_ids = [int(b) for b in msg["block_ids"]]
+            dst_regions = [Region.from_wire(r) for r in msg["regions"]]
+            if not isinstance(tid, str) or not isinstance(nonce, str) or not isinstance(ipc_pool, str):
+                raise TypeError("transfer_id, nonce and ipc_pool must be strings")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise _Refusal(tid, RefusalCode.BAD_REQUEST, f"malformed ipc read: {exc!r}") from None
+        if self._ipc is None or ipc_pool != self._ipc.pool_id:
+            # Not consumed: the consumer maps the pools again (the producer restarted) and asks again.
+            raise _Refusal(
+                tid, RefusalCode.IPC_STALE, f"ipc pool {ipc_pool} is not this producer's: map its pools again"
+            )
+        pending = self._take(tid)
+        src, _ = self._check_blocks(pending, dst_regions, dst_ids, self._release_from_desk)
+        return pending, len(src) * sum(r.unit_bytes for r in self._regions)
+
+    def _release_from_desk(self, pending: PendingTransfer, reason: ReleaseReason, nbytes: int = 0) -> None:
+        """End a transfer the desk claimed: on the engine's loop, where its blocks' owner lives."""
+        loop = self._loop
+        assert loop is not None
+        with contextlib.suppress(RuntimeError):  # the engine's loop is closed: the engine is gone
+            loop.call_soon_threadsafe(self._finish, pending, reason, nbytes)
 
     async def _write(
         self, peer: str, dst_regions: Sequence[Region], ops: Sequence[WriteOp], wanted: Callable[[], bool]
@@ -515,6 +617,23 @@ class KVProducer:
             raise KVTransferError(f"expected chunk_ack {seq} for {tid}, got {msg!r:.200}", reason="bad_reply")
 
 
+def _refuse(tid: object, code: RefusalCode, message: str) -> tuple[MessageType, dict[str, Any]]:
+    log.warning("kv_transfer_refused transfer_id=%s code=%s reason=%s", tid, code, message)
+    return MessageType.ERROR, {"transfer_id": tid, "code": str(code), "message": message}
+
+
+def _version_mismatch(msg: dict[str, Any]) -> str:
+    return f"wire version {msg.get('v')!r} (this producer speaks {wire.VERSION})"
+
+
+class _Refusal(Exception):
+    """A request the producer refuses; ``reply`` is the ``error`` message to answer with."""
+
+    def __init__(self, tid: object, code: RefusalCode, message: str) -> None:
+        super().__init__(message)
+        self.reply = _refuse(tid, code, message)
+
+
 def _reap(done: set[asyncio.Future[None]]) -> None:
     """Raise the first failure among finished writes (every one's outcome retrieved, none left unseen)."""
     errors = [fut.exception() for fut in done if not fut.cancelled()]
@@ -590,11 +709,14 @@ class KVConsumer:
     def backend(self) -> str:
         return "direct" if self._staging is None else "staged"
 
-    async def pull(self, params: KVTransferParams | Mapping[str, Any], dst_block_ids: Sequence[int]) -> None:
+    async def pull(self, params: KVTransferParams | Mapping[str, Any], dst_block_ids: Sequence[int],
+                   after: concurrent.futures.Future[Any] | None = None) -> None:  # fmt: skip
         """Return once the producer wrote ``params.remote_block_ids`` into ``dst_block_ids`` (same order).
 
         A destination id of ``layout.SKIP`` (-1) skips that block (decode already holds it). At most
         ``max_inflight`` pulls run at once; the others wait, and the wait counts against ``timeout_s``.
+        ``after``: the engine's step in flight when ``dst_block_ids`` were handed out (blocks an abort
+        freed during a step may still be written by it); nothing lands in them before it ended.
 
         Raises KVTransferParamsError on bad params, KVTransferError on refusal, unreachable
         producer, timeout, failed write or a reply that does not match the request.
@@ -613,8 +735,13 @@ class KVConsumer:
                 f"{len(dst_block_ids)} destination blocks for {len(p.remote_block_ids)} remote blocks",
                 reason="block_mismatch",
             )
-        if self._ipc is not None and await self._pull_ipc(p, dst_block_ids):
+        if self._ipc is not None and await self._pull_ipc(p, dst_block_ids, after):
             return
+        if after is not None:
+            settled = asyncio.wrap_future(after)
+            await asyncio.wait([settled])
+            if not settled.cancelled():
+                settled.exception()  # the step's own failure is its requests' business, not this pull's
         staged = self._staging is not None
         nonce = secrets.token_hex(16)
         sent = False
@@ -666,7 +793,8 @@ class KVConsumer:
                 self._staging.pool.release(slots, self.slot_grace_s if sent and late_writes else 0.0)
         _check_reply(reply, p.transfer_id, nonce, where, dst_may_be_written=not staged)
 
-    async def _pull_ipc(self, p: KVTransferParams, dst_block_ids: Sequence[int]) -> bool:
+    async def _pull_ipc(self, p: KVTransferParams, dst_block_ids: Sequence[int],
+                        after: concurrent.futures.Future[Any] | None) -> bool:  # fmt: skip
         """Pull by copying from the producer's mapped pools; False when this producer needs Mooncake.
 
         The copy has finished whenever this returns or raises (a cancelled pull waits for it), so a
@@ -675,56 +803,43 @@ class KVConsumer:
         ipc = self._ipc
         assert ipc is not None
         where = f"{p.remote_host}:{p.remote_handshake_port}"
+        pairs = [(s, int(d)) for s, d in zip(p.remote_block_ids, dst_block_ids, strict=True) if d != SKIP]
         for attempt in range(2):  # a second time only when the producer restarted under the same address
             nonce = secrets.token_hex(16)
+            deadline = time.monotonic() + self.timeout_s
             try:
                 async with asyncio.timeout(self.timeout_s):
                     pools = await ipc.pools_for(p.remote_host, p.remote_handshake_port)
                     if pools is None:
                         return False
+                    request = {"transfer_id": p.transfer_id, "rpc": self._agent.rpc_address,
+                               "block_ids": [int(b) for b in dst_block_ids],
+                               "regions": [r.to_wire() for r in self._regions], "nonce": nonce,
+                               "ipc_pool": pools.pool_id}  # fmt: skip
                     async with self._place():
-                        reply = await self._ipc_exchange(p, pools, dst_block_ids, nonce)
+                        reply = await ipc.read(pools, p.remote_host, request, [s for s, _ in pairs],
+                                               [d for _, d in pairs], deadline, after)  # fmt: skip
             except TimeoutError as exc:
                 raise KVTransferError(f"KV transfer {p.transfer_id} from {where} timed out after {self.timeout_s:g} s",
                                       reason="timeout") from exc  # fmt: skip
-            except (OSError, asyncio.IncompleteReadError, wire.WireError) as exc:
+            except ConnectionRefusedError as exc:
+                ipc.forget(p.remote_host, p.remote_handshake_port)  # its read desk is gone: restarted, or dead
+                if attempt == 0:
+                    continue  # ipc_open again: a restarted producer answers, a dead one is unreachable
+                raise KVTransferError(f"KV producer {where} unreachable: {exc}", reason="unreachable") from exc
+            except (OSError, wire.WireError) as exc:
                 ipc.forget(p.remote_host, p.remote_handshake_port)  # it may be gone: drop the mapping
-                if isinstance(exc, ConnectionRefusedError):
-                    raise KVTransferError(f"KV producer {where} unreachable: {exc}", reason="unreachable") from exc
                 raise KVTransferError(f"KV producer {where} dropped transfer {p.transfer_id}: {exc!r}",
                                       reason="connection_lost") from exc  # fmt: skip
             if reply.get("type") == MessageType.ERROR and reply.get("code") == RefusalCode.IPC_STALE and attempt == 0:
                 ipc.forget(p.remote_host, p.remote_handshake_port)
                 continue
-            _check_reply(reply, p.transfer_id, nonce, where, dst_may_be_written=False)
+            if reply.get("type") == MessageType.ERROR:
+                code = str(reply.get("code", "error"))
+                raise KVTransferError(f"KV producer {where} refused transfer {p.transfer_id}: {code}: "
+                                      f"{reply.get('message', '')}", reason=code)  # fmt: skip
             return True
         raise AssertionError("unreachable: the second attempt returns or raises")
-
-    async def _ipc_exchange(
-        self, p: KVTransferParams, pools: PeerPools, dst_block_ids: Sequence[int], nonce: str
-    ) -> dict[str, Any]:
-        """One ipc write request: the producer pins the blocks, we copy them, it answers write_done."""
-        ipc = self._ipc
-        assert ipc is not None
-        reader, writer = await asyncio.open_connection(p.remote_host, p.remote_handshake_port)
-        try:
-            await wire.send(writer, MessageType.WRITE_REQUEST, transfer_id=p.transfer_id, rpc=self._agent.rpc_address,
-                            block_ids=[int(b) for b in dst_block_ids], regions=[r.to_wire() for r in self._regions],
-                            nonce=nonce, ipc_pool=pools.pool_id)  # fmt: skip
-            reply = await wire.recv(reader)
-            if reply.get("type") != MessageType.IPC_READ:
-                return reply  # refused: _check_reply says why
-            if reply.get("transfer_id") != p.transfer_id:
-                raise KVTransferError(f"ipc_read for {reply.get('transfer_id')!r}, asked {p.transfer_id}",
-                                      reason="bad_reply")  # fmt: skip
-            pairs = [(s, d) for s, d in zip(p.remote_block_ids, dst_block_ids, strict=True) if d != SKIP]
-            await ipc.copy(pools, [s for s, _ in pairs], [int(d) for _, d in pairs])
-            await wire.send(writer, MessageType.IPC_DONE, transfer_id=p.transfer_id)
-            return await wire.recv(reader)
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
 
     @contextlib.asynccontextmanager
     async def _place(self) -> AsyncIterator[None]:

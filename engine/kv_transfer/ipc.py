@@ -3,8 +3,9 @@
 When prefill and decode share a host, the KV does not need a network transport: the prefill engine
 exports its cache tensors once at start (:class:`PoolExport`) and a decode engine maps them on
 first contact (:class:`PeerPools`); a pull then is a copy of the request's blocks from the mapped
-pools into decode's own blocks (:func:`copy_blocks`: per layer group on CUDA, per region on CPU), on
-the device, with no host round trip on CUDA.
+pools into decode's own blocks, on the device, with no host round trip on CUDA: there one kernel
+launch for every region (``engine.kv_transfer.block_copy``), else :func:`copy_blocks` (per layer
+group, or per region on CPU).
 
 How a pool is exported, per device kind:
 
@@ -18,25 +19,37 @@ How a pool is exported, per device kind:
   CPU tests with real engines.
 
 The handshake (``connector``) adds two steps to the push handshake: ``ipc_open`` (decode asks
-once per producer; the answer describes the pools and the host) and, within a write request that
-names the opened ``ipc_pool``, ``ipc_read`` / ``ipc_done`` (the producer keeps the blocks pinned
-while decode copies, then releases them). Whether a producer is usable this way is decided by
-decode on first contact: same boot id and hostname, same device kind, and the handles open.
+once per producer; the answer describes the pools, the host and the port of the producer's read
+desk) and, for each pull, a write request that names the opened ``ipc_pool``, sent to the read desk
+(a thread of the producer's own, not its busy event loop): ``ipc_read`` (the blocks are claimed for
+this consumer: they stay pinned), then the consumer copies and says ``ipc_done`` without waiting for
+an answer. Whether a producer is usable this way is decided by decode on first contact: same boot id
+and hostname, same device kind, and the handles open.
+
+A pull (``IpcPeers.read``) runs whole in one worker thread: the claim over a blocking socket, the
+copy on a stream of its own (it does not wait for the engine's step in flight, only, when the
+destination blocks were handed out during a step, for that step: an aborted sequence's blocks are
+freed while its step may still write them), the ``ipc_done``. The engine's event loop sees the pull
+once, when it has landed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
 import secrets
 import socket
+import threading
+import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +57,9 @@ from engine.kv_transfer import wire
 from engine.kv_transfer.errors import KVTransferError
 from engine.kv_transfer.layout import block_runs
 from engine.kv_transfer.wire import MessageType
+
+if TYPE_CHECKING:
+    from engine.kv_transfer.block_copy import RegionTable
 
 log = logging.getLogger(__name__)
 
@@ -185,9 +201,10 @@ class PoolExport:
 class PeerPools:
     """A producer's pools mapped into this process: one ``[num_blocks, unit_bytes]`` uint8 view per region."""
 
-    def __init__(self, pool_id: str, views: list[torch.Tensor]) -> None:
+    def __init__(self, pool_id: str, views: list[torch.Tensor], read_port: int = 0) -> None:
         self.pool_id = pool_id
         self.views = views
+        self.read_port = read_port  # the producer's read desk (0: it serves none, pulls are refused)
 
     @classmethod
     def open(cls, desc: dict[str, Any], device: torch.device, host: HostIdentity) -> PeerPools:
@@ -196,6 +213,7 @@ class PeerPools:
             theirs = HostIdentity.from_wire(desc.get("host"))
             pool_id, kind = desc["pool_id"], desc["device"]
             segments, regions = desc["segments"], desc["regions"]
+            read_port = int(desc.get("read_port", 0))
         except (KeyError, ValueError, AttributeError) as exc:
             raise IpcUnavailable(f"malformed ipc_pools answer: {exc!r}") from exc
         why = host.differs(theirs)
@@ -215,7 +233,7 @@ class PeerPools:
             raise
         except (OSError, RuntimeError, ValueError, TypeError, KeyError) as exc:
             raise IpcUnavailable(f"the producer's pools do not open here: {exc}") from exc
-        return cls(str(pool_id), views)
+        return cls(str(pool_id), views, read_port)
 
 
 def _open_segment(seg: dict[str, Any], device: torch.device, device_uuid: str) -> torch.Tensor:
@@ -298,10 +316,10 @@ def copy_blocks(
     instead of two per region, what a GPU wants; on CPU a gather over a group's middle dimension ran
     at half the speed of one per region). Per group or region, one slice copy per run of ids
     consecutive on both sides when the ids are mostly such runs, else one gather and one scatter, on
-    the device. On CUDA they run on a side stream that first waits for the work already queued on
-    this device, and the call returns once they finished (the caller runs it in a thread): the
-    engine's next step, on any stream, sees the blocks. A source on another GPU is gathered there and
-    moved over peer-to-peer.
+    the device. On CUDA they run on a stream of their own, beside whatever the engine runs (the
+    caller makes sure nothing in flight writes the destination blocks), and the call returns once
+    they finished (the caller runs it in a worker thread): the engine's next step, on any stream,
+    sees the blocks. A source on another GPU is gathered there and moved over peer-to-peer.
     """
     if not src_ids:
         return
@@ -316,10 +334,11 @@ def copy_blocks(
         _copy_groups(groups, src_ids, dst_ids)
         return
     stream = torch.cuda.Stream(dst_device)  # type: ignore[no-untyped-call]
-    stream.wait_stream(torch.cuda.current_stream(dst_device))
     with torch.cuda.stream(stream):
         _copy_groups(groups, src_ids, dst_ids)
-    stream.synchronize()
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record(stream)
+    done.synchronize()  # this worker thread waits; the engine's loop and its steps do not
 
 
 def _copy_groups(groups: Sequence[tuple[torch.Tensor, torch.Tensor]], src_ids: Sequence[int],
@@ -347,7 +366,8 @@ class IpcPeers:
     pulled through Mooncake from then on; in mode FORCED that fails the pull, naming why.
     """
 
-    def __init__(self, views: Sequence[torch.Tensor], mode: IpcMode, host: HostIdentity | None = None) -> None:
+    def __init__(self, views: Sequence[torch.Tensor], mode: IpcMode, host: HostIdentity | None = None,
+                 workers: int = 8) -> None:  # fmt: skip
         if mode is IpcMode.OFF:
             raise ValueError("IpcPeers needs mode auto or forced")
         self.views = list(views)
@@ -357,6 +377,14 @@ class IpcPeers:
         self._pools: dict[tuple[str, int], PeerPools] = {}
         self._mooncake: set[tuple[str, int]] = set()  # producers pulled through Mooncake (mode auto)
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
+        # One thread per pull in flight (the consumer's max_inflight_pulls): each claims, copies and says done.
+        self._readers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kv-ipc-read")
+        self._tables: dict[str, RegionTable | None] = {}  # per mapped pool: its one-launch copy, when it has one
+        self._tables_lock = threading.Lock()
+
+    def close(self) -> None:
+        """Stop the reader threads once the reads in flight are done (their callers wait for them anyway)."""
+        self._readers.shutdown(wait=False)
 
     def peers(self) -> dict[str, str]:
         """Each producer contacted so far and its transport (for /kv_transfer_info)."""
@@ -366,7 +394,10 @@ class IpcPeers:
 
     def forget(self, host: str, port: int) -> None:
         """Unmap a producer's pools (it went away or restarted); the next pull asks again."""
-        self._pools.pop((host, port), None)
+        pools = self._pools.pop((host, port), None)
+        if pools is not None:
+            with self._tables_lock:
+                self._tables.pop(pools.pool_id, None)
 
     async def pools_for(self, host: str, port: int) -> PeerPools | None:
         """The producer's mapped pools, or None to pull through Mooncake; raises KVTransferError.
@@ -417,8 +448,61 @@ class IpcPeers:
             raise IpcUnavailable(f"the producer answered ipc_open with {reply.get('type')!r}")
         return await asyncio.to_thread(PeerPools.open, reply, self.device, self.host)
 
-    async def copy(self, pools: PeerPools, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
-        """Copy the blocks in a thread; if cancelled meanwhile, wait for it (it writes our blocks)."""
+    async def read(
+        self, pools: PeerPools, host: str, request: dict[str, Any], src_ids: Sequence[int], dst_ids: Sequence[int],
+        deadline: float, after: concurrent.futures.Future[Any] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """One pull from a mapped producer, in a reader thread: ask its read desk to claim the transfer
+        (``request``: the write request), copy ``src_ids`` -> ``dst_ids`` once it did, say ``ipc_done``.
+
+        Returns the desk's answer to the claim: ``ipc_read`` (the blocks are copied) or an ``error``
+        (nothing was copied). ``deadline`` (``time.monotonic()``) bounds the socket waits; ``after``, a
+        step in flight when the destination blocks were handed out, is waited for before the copy.
+        The copy has finished whenever this returns or raises (a cancelled caller waits for it), so
+        a failure never leaves a late write in ``dst_ids``. Raises KVTransferError, OSError (the desk
+        unreachable or gone: ``ConnectionRefusedError`` when nothing listens) or wire.WireError.
+        """
+        if not pools.read_port:
+            raise KVTransferError("the producer's ipc answer named no read port (an older engine?)", reason="bad_reply")
+        fut = asyncio.get_running_loop().run_in_executor(
+            self._readers, self._read, pools, host, request, src_ids, dst_ids, deadline, after
+        )
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await asyncio.wait([fut])
+            raise
+
+    def _copy(self, pools: PeerPools, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        """The copy, blocking: on a GPU one kernel launch for every region (``block_copy``), on its own stream."""
+        table = self._table(pools)
+        if table is None:
+            copy_blocks(pools.views, self.views, src_ids, dst_ids)
+            return
+        stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(stream):
+            table.copy(src_ids, dst_ids)
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record(stream)
+        done.synchronize()  # this reader thread waits; the engine's loop and its steps do not
+
+    def _table(self, pools: PeerPools) -> RegionTable | None:
+        """The one-launch copy between ``pools`` and our regions (CUDA, both on one device), built once per pool."""
+        if self.device.type != "cuda" or any(v.device != self.device for v in pools.views):
+            return None
+        with self._tables_lock:
+            if pools.pool_id not in self._tables:
+                from engine.kv_transfer.block_copy import RegionTable
+
+                try:
+                    self._tables[pools.pool_id] = RegionTable(pools.views, self.views)
+                except ValueError as exc:
+                    log.info("kv_ipc_copy per_layer_group pool=%s reason=%r", pools.pool_id, str(exc))
+                    self._tables[pools.pool_id] = None
+            return self._tables[pools.pool_id]
+
+    def _check(self, pools: PeerPools, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        """Refuse a copy the mapped pools and ours cannot do (the producer checked the same, by its regions)."""
         if [v.shape[1] for v in pools.views] != [v.shape[1] for v in self.views]:
             raise KVTransferError(
                 "ipc copy: the producer's regions differ from this engine's", reason="region_mismatch"
@@ -427,11 +511,41 @@ class IpcPeers:
             limit = min(v.shape[0] for v in views)
             if any(not 0 <= b < limit for b in ids):
                 raise KVTransferError(f"ipc copy: {side} block ids out of range [0, {limit})", reason="block_mismatch")
-        fut = asyncio.get_running_loop().run_in_executor(None, copy_blocks, pools.views, self.views, src_ids, dst_ids)
-        try:
-            await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            await asyncio.wait([fut])
-            raise
-        except (RuntimeError, ValueError) as exc:
-            raise KVTransferError(f"ipc copy failed: {exc}", reason="write_failed") from exc
+
+    def _read(
+        self, pools: PeerPools, host: str, request: dict[str, Any], src_ids: Sequence[int], dst_ids: Sequence[int],
+        deadline: float, after: concurrent.futures.Future[Any] | None,
+    ) -> dict[str, Any]:  # fmt: skip
+        def left() -> float:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("the pull's time ran out")
+            return remaining
+
+        tid = request["transfer_id"]
+        with socket.create_connection((host, pools.read_port), timeout=left()) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            wire.send_sync(sock, MessageType.WRITE_REQUEST, **request)
+            sock.settimeout(left())
+            reply = wire.recv_sync(sock)
+            if reply.get("type") != MessageType.IPC_READ:
+                return reply  # refused: nothing was claimed, nothing copied
+            if reply.get("transfer_id") != tid or reply.get("nonce") != request["nonce"]:
+                raise KVTransferError(f"ipc_read for {reply.get('transfer_id')!r}, asked {tid}", reason="bad_reply")
+            if after is not None:
+                concurrent.futures.wait([after], timeout=left())
+                if not after.done():
+                    raise TimeoutError("the engine's step in flight did not end within the pull's time")
+            try:
+                self._check(pools, src_ids, dst_ids)
+                self._copy(pools, src_ids, dst_ids)
+            except (KVTransferError, RuntimeError, ValueError) as exc:
+                with contextlib.suppress(OSError):  # the producer releases its blocks on this
+                    wire.send_sync(sock, MessageType.IPC_DONE, transfer_id=tid, status="error", message=str(exc))
+                if isinstance(exc, KVTransferError):
+                    raise
+                raise KVTransferError(f"ipc copy failed: {exc}", reason="write_failed") from exc
+            # The producer releases its blocks on this (or on the hang-up): nothing to wait for.
+            with contextlib.suppress(OSError):
+                wire.send_sync(sock, MessageType.IPC_DONE, transfer_id=tid, status="ok")
+            return reply

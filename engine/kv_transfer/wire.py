@@ -16,15 +16,19 @@ Every frame is a 4-byte big-endian length then a msgpack map carrying ``v`` (the
 The intra-host path (``ipc``, see ``engine.kv_transfer.ipc``) adds:
 
     ipc_open:      (consumer -> producer, once per producer) host ({boot_id, hostname}), device
-    ipc_pools:     pool_id, host, device, device_uuid, segments, regions: how to map the producer's pools
-    write_request: ... with ipc_pool (the pool_id the consumer mapped): the consumer copies the blocks itself
-    ipc_read:      (producer) transfer_id: the blocks are pinned, copy them
-    ipc_done:      (consumer) transfer_id: copied; the producer releases the blocks and answers write_done
+    ipc_pools:     pool_id, host, device, device_uuid, segments, regions, read_port: how to map the producer's
+                   pools, and the port of its read desk (a thread of its own, not the engine's event loop)
+    write_request: ... with ipc_pool (the pool_id the consumer mapped), sent to the read port: the consumer
+                   copies the blocks itself
+    ipc_read:      (producer) transfer_id, nonce (echoed): the blocks are pinned for this consumer, copy them
+    ipc_done:      (consumer) transfer_id, status ("ok" | "error"): copied (or not); the producer releases the
+                   blocks and answers nothing (the consumer does not wait for it)
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import struct
 from enum import StrEnum
 from typing import Any
@@ -88,3 +92,32 @@ async def recv(reader: asyncio.StreamReader) -> dict[str, Any]:
     if not isinstance(msg, dict) or "type" not in msg or "v" not in msg:
         raise WireError("frame is not a versioned message map")
     return msg
+
+
+def send_sync(sock: socket.socket, msg_type: MessageType, **fields: Any) -> None:
+    """``send`` over a blocking socket (the consumer's ipc reads run in a worker thread)."""
+    sock.sendall(encode(msg_type, **fields))
+
+
+def recv_sync(sock: socket.socket) -> dict[str, Any]:
+    """``recv`` over a blocking socket; raises WireError on a malformed frame, ConnectionError on EOF."""
+    (n,) = _LEN.unpack(_read_exactly(sock, _LEN.size))
+    if n > MAX_FRAME:
+        raise WireError(f"frame of {n} bytes exceeds {MAX_FRAME}")
+    try:
+        msg = msgpack.unpackb(_read_exactly(sock, n))
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise WireError(f"frame is not msgpack: {exc}") from exc
+    if not isinstance(msg, dict) or "type" not in msg or "v" not in msg:
+        raise WireError("frame is not a versioned message map")
+    return msg
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionResetError(f"the peer closed the connection {len(buf)} bytes into a {n}-byte read")
+        buf += chunk
+    return bytes(buf)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import replace
 
 import pytest
@@ -260,3 +261,41 @@ async def test_the_pd_verbs_own_reserve_pull_commit_and_release(make_engine, fre
     finally:
         await decode.stop()
         await prefill.stop()
+
+
+async def test_blocks_an_abort_freed_during_a_step_make_their_pull_wait_for_that_step(make_engine, wait_for) -> None:  # type: ignore[no-untyped-def]
+    """A client's abort frees its blocks while the step it was in still runs (and may still write them): a
+    reservation that gets one of them carries that step (``after``), so its pull lands nothing before the step
+    ended; a reservation of blocks nobody ran on carries nothing and its pull starts at once."""
+    engine = make_engine(num_kvcache_blocks=8, block_size=16)
+    async_engine = AsyncLLMEngine(engine)
+    await async_engine.start()
+    gate, entered = threading.Event(), threading.Event()
+    real_execute = engine.execute
+
+    def held_step(step: object) -> object:
+        entered.set()
+        gate.wait(10)
+        return real_execute(step)
+
+    engine.execute = held_step
+    try:
+        running = async_engine.submit(list(range(1, 90)), replace(PARAMS, max_tokens=20), True)  # 6 of 8 blocks
+        await wait_for(entered.is_set, 10, "a step in flight")
+        its_blocks = set(async_engine._states[running.seq_id].seq.block_table)
+        clean = await async_engine.reserve(async_engine.check(list(range(2, 18)), PARAMS, True))
+        assert clean.after is None and its_blocks.isdisjoint(clean.seq.block_table)
+        async_engine.abort(running.seq_id)  # the step still runs
+        taken = await async_engine.reserve(async_engine.check(list(range(3, 60)), PARAMS, True))
+        assert not its_blocks.isdisjoint(taken.seq.block_table)
+        assert taken.after is not None and not taken.after.done()
+        gate.set()
+        await wait_for(taken.after.done, 10, "the step to end")
+        after_step = await async_engine.reserve(async_engine.check(list(range(4, 20)), PARAMS, True))
+        assert after_step.after is None  # no step runs now
+        for transfer in (clean, taken, after_step):
+            async_engine.release(transfer)
+        assert engine.block_manager.num_free_blocks == engine.num_blocks and not engine.held
+    finally:
+        gate.set()
+        await async_engine.stop()

@@ -10,8 +10,10 @@ mapped. Every test checks the release reasons and that nothing stays pending.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import multiprocessing as mp
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -111,6 +113,14 @@ async def pair() -> AsyncIterator[Pair]:
         d_agent.close()
 
 
+async def _settled(producer: KVProducer) -> None:
+    """Wait until the producer released every transfer (an ipc pull's release follows its last word, ipc_done)."""
+    deadline = time.monotonic() + 5
+    while producer.pending_count:
+        assert time.monotonic() < deadline, f"{producer.pending_count} transfers still pending"
+        await asyncio.sleep(0.01)
+
+
 def _assert_copied(pair: Pair, src: list[int], dst: list[int]) -> None:
     for r in range(len(pair.prefill.views)):
         for s, d in zip(src, dst, strict=True):
@@ -132,6 +142,7 @@ async def test_an_ipc_pull_copies_kv_and_indexer_blocks_byte_for_byte(
     consumer = pair.consumer()
     await consumer.pull(params, dst)
     _assert_copied(pair, src, dst)
+    await _settled(pair.producer)
     assert releases.reasons("t") == [ReleaseReason.WRITTEN] and pair.producer.pending_count == 0
     assert consumer._ipc is not None and consumer._ipc.peers() == {f"127.0.0.1:{pair.producer.port}": "ipc"}
     assert pair.producer.stats().bytes_written == len(src) * sum(v.shape[1] for v in pair.prefill.views)
@@ -145,6 +156,7 @@ async def test_skipped_blocks_and_sixteen_concurrent_pulls(pair: Pair) -> None:
         src, dst = [i * 3, i * 3 + 1, 63 - i], [i * 4, i * 4 + 1, i * 4 + 2]
         jobs.append((src, dst, pair.producer.offer(src, 1, releases.callback(str(i)))))
     await asyncio.gather(*(consumer.pull(p, dst) for _, dst, p in jobs))
+    await _settled(pair.producer)
     for i, (src, dst, _) in enumerate(jobs):
         assert releases.reasons(str(i)) == [ReleaseReason.WRITTEN]
         for r in range(len(pair.prefill.views)):
@@ -216,6 +228,7 @@ async def test_a_restarted_producer_is_mapped_again(pair: Pair) -> None:
     try:
         await consumer.pull(again.offer([2], 1, releases.callback("b")), [3])  # ipc_stale, remapped, pulled
         assert pair.decode.block(0, 3) == fresh.block(0, 2)
+        await _settled(again)
         assert releases.reasons("b") == [ReleaseReason.WRITTEN]
     finally:
         await again.close()
@@ -226,11 +239,12 @@ async def test_a_consumer_hanging_up_after_ipc_read_frees_the_producer_blocks(pa
     releases = Releases()
     params = pair.producer.offer([1, 2], 1, releases.callback("t"))
     pool = pair.producer._ipc.pool_id if pair.producer._ipc else ""
-    reader, writer = await asyncio.open_connection("127.0.0.1", pair.producer.port)
+    reader, writer = await asyncio.open_connection("127.0.0.1", pair.producer.read_port)
     await wire.send(writer, MessageType.WRITE_REQUEST, transfer_id=params.transfer_id, rpc=pair.agent.rpc_address,
                     block_ids=[3, 4], regions=[view_region(v).to_wire() for v in pair.decode.views], nonce="n",
                     ipc_pool=pool)  # fmt: skip
-    assert (await wire.recv(reader))["type"] == MessageType.IPC_READ
+    assert (await wire.recv(reader)) == {"v": wire.VERSION, "type": MessageType.IPC_READ,
+                                         "transfer_id": params.transfer_id, "nonce": "n"}  # fmt: skip
     writer.close()  # gone before ipc_done
     deadline = time.monotonic() + 5
     while not releases.calls:
@@ -239,20 +253,80 @@ async def test_a_consumer_hanging_up_after_ipc_read_frees_the_producer_blocks(pa
     assert releases.reasons("t") == [ReleaseReason.WRITE_FAILED] and pair.producer.pending_count == 0
 
 
+async def test_ipc_reads_are_served_while_the_producer_loop_is_blocked(pair: Pair) -> None:
+    """The read desk is a thread of its own: a pull completes (copied, answered) while the producer's event
+    loop is stuck in a long synchronous stretch (a big step's bookkeeping); only the release of the blocks
+    waits for that loop."""
+    releases = Releases()
+    params = pair.producer.offer([5, 6, 7], 1, releases.callback("t"))
+    consumer = pair.consumer()
+    await consumer.pull(pair.producer.offer([1], 1, releases.callback("warm")), [1])  # maps the pools
+    started = threading.Event()
+    # The pull runs on another loop (a decode engine's); this loop (the producer's) is blocked meanwhile.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pulled = pool.submit(_pull_on_new_loop, consumer, params, [10, 11, 12], started)
+        started.wait(5)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 10 and not pulled.done():  # the producer's loop does not run meanwhile
+            time.sleep(0.005)
+        assert pulled.done(), "the pull needed the producer's event loop"
+        assert pulled.result() < 10 and releases.reasons("t") == []  # landed; the release waits for the loop
+    _assert_copied_some(pair, [5, 6, 7], [10, 11, 12])
+    deadline = time.monotonic() + 5
+    while releases.reasons("t") != [ReleaseReason.WRITTEN]:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    assert pair.producer.pending_count == 0
+
+
+def _pull_on_new_loop(consumer: KVConsumer, params: object, dst: list[int], started: threading.Event) -> float:
+    async def run() -> float:
+        t = time.monotonic()
+        started.set()
+        await consumer.pull(params, dst)  # type: ignore[arg-type]
+        return time.monotonic() - t
+
+    return asyncio.run(run())
+
+
+def _assert_copied_some(pair: Pair, src: list[int], dst: list[int]) -> None:
+    for r in range(len(pair.prefill.views)):
+        for s, d in zip(src, dst, strict=True):
+            assert pair.decode.block(r, d) == pair.prefill.block(r, s), f"region {r}: block {s} -> {d} differs"
+
+
+async def test_a_pull_lands_nothing_before_the_step_it_must_follow_ended(pair: Pair) -> None:
+    """``after``: the engine's step in flight when an abort freed some of the destination blocks (it may still
+    write them). The claim goes out at once, the copy waits for that step; without ``after`` nothing waits."""
+    releases = Releases()
+    consumer = pair.consumer()
+    step: concurrent.futures.Future[None] = concurrent.futures.Future()
+    pull = asyncio.ensure_future(consumer.pull(pair.producer.offer([4, 5], 1, releases.callback("t")), [8, 9], step))
+    await asyncio.sleep(0.5)
+    assert not pull.done() and pair.decode.block(0, 8) == bytes(len(pair.decode.block(0, 8)))
+    step.set_result(None)  # the step ended
+    await asyncio.wait_for(pull, 10)
+    _assert_copied_some(pair, [4, 5], [8, 9])
+    await consumer.pull(pair.producer.offer([6], 1, releases.callback("u")), [10], None)
+    _assert_copied_some(pair, [6], [10])
+    await _settled(pair.producer)
+    assert releases.reasons("t") == releases.reasons("u") == [ReleaseReason.WRITTEN]
+
+
 async def test_a_timed_out_ipc_pull_frees_both_sides(pair: Pair) -> None:
-    """The producer answers ipc_read but never write_done (it is stuck): decode times out, its blocks are
-    free at once (the copy had finished), and the producer releases when the consumer hangs up."""
+    """The producer's read desk is stuck before it claims the transfer: decode times out, its blocks are free at
+    once (nothing was copied), and the producer releases when it finds the consumer gone."""
     releases = Releases()
     params = pair.producer.offer([1], 1, releases.callback("t"))
     consumer = pair.consumer(timeout_s=1.0)
-    gate = asyncio.Event()
-    original = pair.producer._lend
+    gate = threading.Event()
+    original = pair.producer._claim_read
 
-    async def stuck(tid: str, channel: object) -> None:
-        await original(tid, channel)  # type: ignore[arg-type]
-        await gate.wait()
+    def stuck(msg: dict[str, object]) -> object:
+        gate.wait(10)
+        return original(msg)
 
-    pair.producer._lend = stuck  # type: ignore[method-assign]
+    pair.producer._claim_read = stuck  # type: ignore[method-assign,assignment]
     with pytest.raises(KVTransferError, match="timed out") as err:
         await consumer.pull(params, [2])
     assert err.value.reason == "timeout" and not err.value.dst_may_be_written
@@ -262,7 +336,8 @@ async def test_a_timed_out_ipc_pull_frees_both_sides(pair: Pair) -> None:
     while not releases.calls:
         assert time.monotonic() < deadline
         await asyncio.sleep(0.01)
-    assert pair.producer.pending_count == 0
+    assert releases.reasons("t") == [ReleaseReason.WRITE_FAILED] and pair.producer.pending_count == 0
+    assert pair.decode.block(0, 2) == bytes(len(pair.decode.block(0, 2)))
 
 
 def test_shared_memory_too_small_is_refused_before_anything_moves() -> None:
