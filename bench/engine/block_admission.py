@@ -7,7 +7,7 @@ scheduler admits it), ``mark_computed`` (its prefill wrote the KV), then ``deall
 again (every full block found in the prefix cache). The peer is the floor measured in the same run:
 hashing the prompt's blocks once, which any prefix cache keyed by block hashes has to do.
 
-    PYTHONPATH=. python bench/block_admission.py [--tokens 8192] [--rounds 200]
+    python -m bench.engine.block_admission [--tokens 8192] [--rounds 200]
 """
 
 from __future__ import annotations
