@@ -6,7 +6,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
-from itertools import islice, repeat
+from itertools import islice
 from operator import attrgetter
 from typing import cast
 
@@ -209,16 +209,14 @@ class BlockManager:
         hits = self._cached_prefix(seq)
         if self._blocks_needed(seq, hits) > len(self._free):
             raise RuntimeError(f"not enough free KV blocks for sequence {seq.seq_id}")
-        deque(map(self._free.pop, hits, repeat(None)), maxlen=0)  # hits nobody used leave the free list
-        held = list(map(self.blocks.__getitem__, hits))
-        for block in held:
+        free, events, parent = self._free, self.events, None
+        for block in map(self.blocks.__getitem__, hits):
+            if block.ref_count == 0:
+                del free[block.block_id]
             block.ref_count += 1
-        if self.events is not None:
-            parent = None
-            for block in held:
-                if block.hash is not None:
-                    self.events.stored(block.hash, parent, block.token_ids)  # a reuse: subscribers see it is hot
-                    parent = block.hash
+            if events is not None and block.hash is not None:
+                events.stored(block.hash, parent, block.token_ids)  # a reuse: subscribers see it is hot
+                parent = block.hash
         seq.block_table += hits
         seq.block_table += self._take_free_blocks(seq.num_blocks - len(hits))
         seq.num_cached_tokens = len(hits) * self.block_size

@@ -22,7 +22,8 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -68,6 +69,9 @@ def main() -> None:
         manager.mark_computed(seq, len(seq))
         manager.deallocate(seq)
 
+    def miss(manager: Any, prompts: Iterator[list[int]]) -> None:
+        admit(manager, next(prompts))
+
     fresh = [[rng.randrange(49152) for _ in range(n)] for _ in range(args.rounds)]
     same = [rng.randrange(49152) for _ in range(n)]
     for manager in managers.values():
@@ -78,8 +82,8 @@ def main() -> None:
 
     cases: dict[str, Callable[[], None]] = {}
     for name, manager in managers.items():
-        cases[f"miss, {name}"] = lambda m=manager, it=iter(fresh): admit(m, next(it))
-        cases[f"hit, {name}"] = lambda m=manager: admit(m, same)
+        cases[f"miss, {name}"] = partial(miss, manager, iter(fresh))  # every version sees the same prompts
+        cases[f"hit, {name}"] = partial(admit, manager, same)
     cases["hash once (floor)"] = floor
     times: dict[str, list[float]] = {case: [] for case in cases}
     for _ in range(args.rounds):  # one round of every case at a time: a change of load hits them alike
