@@ -312,7 +312,7 @@ async def _copy_limits(args: argparse.Namespace, caches: Caches, nbytes: int, as
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.engine.kv_transfer", description=(__doc__ or "").split("\n")[0])
     p.add_argument("--tokens", default="1024,4096,8192", help="prompt lengths, comma-separated")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     p.add_argument("--layouts", default="contiguous,fragmented,scattered")

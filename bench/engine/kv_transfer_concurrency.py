@@ -128,7 +128,9 @@ async def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.engine.kv_transfer_concurrency", description=(__doc__ or "").split("\n")[0]
+    )
     p.add_argument("--tokens", type=int, default=1024, help="prompt tokens per request")
     p.add_argument("--concurrency", default="1,4,8", help="requests pulled at once, comma-separated")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")

@@ -194,7 +194,7 @@ def _runs_meta(runs: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.engine.pd_report", description=__doc__.split("\n")[0])
     p.add_argument("runs", type=Path)
     p.add_argument("--json", type=Path, required=True)
     p.add_argument("--png", type=Path, required=True)
