@@ -29,7 +29,7 @@ install: $(STAMP)
 
 # Debian packages, installed only when missing (needs root, as on CI): the engine's (Mooncake needs
 # libibverbs) for `make up`; for `make test` also a real Prometheus server (the metrics tests) and wrk
-# (`atomesh bench gateway`).
+# (`python -m bench.gateway.gateway`).
 ENGINE_DEBS := libibverbs1
 TEST_DEBS := prometheus wrk
 
@@ -64,6 +64,7 @@ lint: install
 	$(VENV)/bin/ruff format --check atomesh engine tests bench
 	$(VENV)/bin/mypy atomesh
 	$(VENV)/bin/mypy engine
+	$(VENV)/bin/mypy bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -8,7 +8,6 @@ repeated form by `normalize_argv` before parsing.
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
 import typing
@@ -26,7 +25,7 @@ from atomesh.compat import FIXED_FLAGS, peer_table_markdown, refused_flag
 from atomesh.config import FLAG_ALIASES, NOT_IMPLEMENTED, ConfigError, GatewayConfig, PolicyName, flag_name, load_config
 
 # One help style for every command: click's plain layout (rich's boxes cut option names at 80 columns),
-# as wide as the terminal allows up to HELP_WIDTH. `bench placement` / `bench gateway` (argparse) match it.
+# as wide as the terminal allows up to HELP_WIDTH (the benchmarks' argparse help, `bench.gateway`, matches it).
 HELP_WIDTH = 110
 _HELP = {"max_content_width": HELP_WIDTH, "help_option_names": ["-h", "--help"]}
 app = typer.Typer(
@@ -129,124 +128,6 @@ def up(
         startup_timeout=startup_timeout,
     )
     raise typer.Exit(run_up(settings, say=lambda line: typer.echo(line)))
-
-
-# ---------------------------------------------------------------------------- bench
-bench_app = typer.Typer(
-    help="Benchmarks: serving load, placement quality, gateway overhead.",
-    no_args_is_help=True,
-    rich_markup_mode=None,
-    context_settings=_HELP,
-)
-app.add_typer(bench_app, name="bench")
-
-
-def _csv_ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise typer.BadParameter("concurrencies must be >= 1")
-    return values
-
-
-@bench_app.command("serving")
-def bench_serving(
-    base_url: str = typer.Option("http://127.0.0.1:30000", help="Server to load (atomesh or any OpenAI server)."),
-    model: str | None = typer.Option(None, help="Model name sent with each request."),
-    dataset_name: str = typer.Option("random", help="Prompt source (random)."),
-    random_input_len: int = typer.Option(1024, min=1, help="Prompt length in words (~tokens)."),
-    random_output_len: int = typer.Option(128, min=1, help="Tokens generated per request."),
-    random_range_ratio: float = typer.Option(0.0, min=0.0, max=1.0, help="Lengths vary by +- this ratio."),
-    num_prompts: int = typer.Option(100, min=1, help="Requests per pass."),
-    prompts_per_concurrency: int = typer.Option(
-        0, min=0, help="With a sweep: each pass sends at least this many requests per unit of concurrency."
-    ),
-    max_concurrency: int = typer.Option(16, min=1, help="Requests in flight at most."),
-    sweep_concurrency: str | None = typer.Option(None, help="Comma list of concurrencies: one pass each."),
-    request_rate: float = typer.Option(float("inf"), min=0.0, help="Poisson arrivals per second (inf: at once)."),
-    ignore_eos: bool = typer.Option(False, help="Generate exactly the requested output length."),
-    percentile_metrics: str = typer.Option("ttft,tpot,itl", help="Of ttft,tpot,itl,e2el."),
-    metric_percentiles: str = typer.Option("99", help="Comma list of percentiles to report."),
-    num_workers: int = typer.Option(1, min=1, help="Workers (GPUs) behind the server, for per-worker throughput."),
-    seed: int = typer.Option(0, help="Prompt and arrival seed."),
-    save_result: Path | None = typer.Option(None, help="Write the results as JSON here."),
-    plot: Path | None = typer.Option(None, help="Draw throughput/worker vs tokens/s/user as PNG here."),
-) -> None:
-    """Load a server with random prompts and report throughput and latency percentiles."""
-    from atomesh.bench import serving
-
-    metrics = [m.strip() for m in percentile_metrics.split(",") if m.strip()]
-    unknown = set(metrics) - {"ttft", "tpot", "itl", "e2el"}
-    if unknown:
-        raise typer.BadParameter(f"unknown metrics {sorted(unknown)}", param_hint="--percentile-metrics")
-    try:
-        percentiles = [float(q) for q in metric_percentiles.split(",") if q.strip()]
-    except ValueError:
-        raise typer.BadParameter("expected numbers", param_hint="--metric-percentiles") from None
-    concurrencies = _csv_ints(sweep_concurrency) if sweep_concurrency else [max_concurrency]
-    try:
-        serving.run(
-            base_url,
-            model,
-            dataset_name,
-            random_input_len,
-            random_output_len,
-            random_range_ratio,
-            num_prompts,
-            concurrencies,
-            request_rate,
-            ignore_eos,
-            metrics,
-            percentiles,
-            num_workers,
-            seed,
-            save_result,
-            plot,
-            prompts_per_concurrency,
-        )
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
-
-
-# Benchmarks with their own argparse options: `atomesh bench NAME ...` hands every argument to
-# atomesh.bench.MODULE.main (its `--help` lists them). name -> (module, one-line description).
-_PASSTHROUGH_BENCHES = {
-    "placement": ("placement", "Placement: decision time, cache index memory, shared-prefix trace vs smg."),
-    "kv-placement": (
-        "kv_placement",
-        "kv_aware vs cache_aware, prefix_hash, round_robin on real engines under eviction.",
-    ),
-    "gateway": ("gateway", "Gateway overhead side by side with smg: req/s, latency, CPU, streaming."),
-    "priority": ("priority", "Priority classes under 2x overload (vs FIFO) and tenant rate-limit shares."),
-    "tracing": ("tracing", "The gateway's CPU per request with --enable-trace against without."),
-    "chaos": (
-        "chaos",
-        "Workers killed and frozen under load, side by side with smg: lost requests, latency, detection.",
-    ),
-    "dropped-streams": (
-        "dropped_streams",
-        "Gateway memory as clients drop their streams, side by side with smg: RSS every 10,000 drops, CPU.",
-    ),
-    "probes": (
-        "probes",
-        "Operator and attacker probes side by side with smg: upgrades, CONNECT, floods, clients leaving.",
-    ),
-}
-
-
-def _add_passthrough_bench(name: str, module: str, doc: str) -> None:
-    def run(ctx: typer.Context) -> None:
-        importlib.import_module(f"atomesh.bench.{module}").main(list(ctx.args))
-
-    run.__doc__ = f"{doc} (`--help` lists options)"
-    bench_app.command(name, add_help_option=False,
-                      context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(run)  # fmt: skip
-
-
-for _name, (_module, _doc) in _PASSTHROUGH_BENCHES.items():
-    _add_passthrough_bench(_name, _module, _doc)
 
 
 # ---------------------------------------------------------------------------- launch

@@ -379,7 +379,7 @@ def venv_command(name: str) -> str:
 
 def usage_text(s: UpSettings) -> str:
     base = f"http://{s.host}:{s.port}"
-    python, atomesh = venv_command("python"), venv_command("atomesh")
+    python = venv_command("python")
     model = served_name(s.model)
     mode = (
         f"P/D: {s.prefill} prefill + {s.decode} decode "
@@ -405,7 +405,8 @@ atomesh is up: {mode}
   workers:  curl {base}/workers
   metrics:  http://{s.host}:{s.metrics_port}/metrics   (engines: {base}/engine_metrics)
   logs:     {s.log_dir}/
-  bench:    {atomesh} bench serving --base-url {base} --random-input-len 256 --random-output-len 64
+  bench:    {python} -m bench.gateway.serving --base-url {base} --random-input-len 256 --random-output-len 64
+            (from the root of an atomesh checkout: the benchmarks are not installed)
 
 Ctrl-C stops everything.
 """

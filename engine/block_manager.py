@@ -2,38 +2,50 @@
 
 from __future__ import annotations
 
-from array import array
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable
+from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
-
-import xxhash
+from itertools import islice
+from operator import attrgetter
+from typing import cast
 
 from engine.kv_events import EventRecorder
 from engine.sequence import Sequence
 
+_REF_COUNT = attrgetter("ref_count")
+_TOKENS = attrgetter("token_ids")
+_UINT64 = (1 << 64) - 1
 
-def block_hash(token_ids: list[int], prefix_hash: int | None) -> int:
+
+def block_hash(token_ids: Tokens[int], prefix_hash: int | None) -> int:
     """Hash of a full block that also covers every block before it (through ``prefix_hash``).
 
     Two blocks share a hash only when their whole prefixes match, so one dict lookup per block
     finds the longest cached prefix.
     """
-    return chain_hashes(token_ids, len(token_ids), 0, 1, prefix_hash)[0]
+    return chain_hashes([tuple(token_ids)], prefix_hash)[0]
 
 
-def chain_hashes(token_ids: list[int], block_size: int, first: int, end: int, prefix_hash: int | None) -> list[int]:
-    """``block_hash`` of blocks ``first`` .. ``end - 1`` of ``token_ids``, chained from ``prefix_hash`` (the
-    hash of block ``first - 1``): the tokens are packed once for all the blocks, not once per block."""
-    width = 8 * block_size  # int64 tokens, as the hash has always been defined
-    packed = array("q", token_ids[first * block_size : end * block_size]).tobytes()
-    digest = xxhash.xxh64_intdigest
-    out: list[int] = []
+def chain_hashes(blocks: Iterable[tuple[int, ...]], prefix_hash: int | None) -> list[int]:
+    """``block_hash`` of consecutive full ``blocks``, chained from ``prefix_hash`` (the hash of the block
+    before the first; None before a sequence's first block).
+
+    Python's own hash of the blocks' token tuples: it runs in C over the tuples the prefix cache keeps
+    anyway (one call per block), and ints and tuples of ints hash alike in every process (no
+    PYTHONHASHSEED). Packing the tokens into bytes for xxhash cost as much as hashing them. Not a
+    cryptographic hash: a hit also compares the block's tokens. Kept unsigned 64-bit, as the KV events'
+    consumers read block hashes (vLLM's).
+    """
+    rest = iter(blocks)
+    head: list[int] = []
     prev = prefix_hash
-    for offset in range(0, (end - first) * width, width):
-        chunk = packed[offset : offset + width]
-        prev = digest(chunk if prev is None else prev.to_bytes(8, "little") + chunk)
-        out.append(prev)
-    return out
+    if prev is None:
+        for first in rest:  # a bare tuple: a shape no chained block (a pair) hashes from
+            prev = hash(first) & _UINT64
+            head.append(prev)
+            break
+    return head + [prev := hash((prev, block)) & _UINT64 for block in rest]
 
 
 class Block:
@@ -103,6 +115,8 @@ class BlockManager:
         # fits and then allocates it, and the answer holds until the hash index changes.
         self._index_version = 0
         self._lookup: tuple[Sequence, int, int, list[int]] | None = None
+        # slice(i * block_size, (i + 1) * block_size) for i = 0, 1, ...: the cuts of a run of tokens into blocks.
+        self._cuts: list[slice] = []
 
     @property
     def num_blocks(self) -> int:
@@ -125,12 +139,20 @@ class BlockManager:
     # -- prefix lookup ---------------------------------------------------------------------------
 
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
-        """The hashes of ``seq``'s first ``num_blocks`` full blocks, each computed once per sequence."""
+        """The hashes of ``seq``'s first ``num_blocks`` full blocks, each computed once per sequence (and
+        their token tuples, ``seq.full_blocks``, cut once)."""
         known = seq.block_hashes
         if len(known) < num_blocks:
-            if num_blocks * self.block_size > len(seq):
+            bs, first = self.block_size, len(known)
+            if num_blocks * bs > len(seq):
                 raise RuntimeError(f"sequence {seq.seq_id} has no {num_blocks} full blocks to hash")
-            known += chain_hashes(seq.token_ids, self.block_size, len(known), num_blocks, known[-1] if known else None)
+            count = num_blocks - first
+            if len(self._cuts) < count:
+                self._cuts += [slice(i * bs, (i + 1) * bs) for i in range(len(self._cuts), 2 * count)]
+            tokens = seq.token_ids if first == 0 else seq.token_ids[first * bs :]
+            blocks = list(map(tuple, map(tokens.__getitem__, islice(self._cuts, count))))
+            seq.full_blocks += blocks
+            known += chain_hashes(blocks, known[-1] if known else None)
         return known
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
@@ -143,14 +165,18 @@ class BlockManager:
         last = self._lookup
         if last is not None and last[0] is seq and last[1] == len(seq) and last[2] == self._index_version:
             return last[3]
-        hits: list[int] = []
-        bs, tokens, index, blocks = self.block_size, seq.token_ids, self._hash_to_block, self.blocks
-        for i, h in enumerate(self._hashes(seq, (len(seq) - 1) // bs)):
-            block_id = index.get(h)
-            # Compare tokens too: a hash collision must never serve another prompt's KV.
-            if block_id is None or blocks[block_id].token_ids != tuple(tokens[i * bs : (i + 1) * bs]):
-                break
-            hits.append(block_id)
+        n = (len(seq) - 1) // self.block_size
+        hashes, index = self._hashes(seq, n), self._hash_to_block
+        if n == 0 or hashes[0] not in index:
+            hits: list[int] = []  # a prompt never seen: one lookup
+        else:
+            found = list(map(index.get, islice(hashes, n)))  # one pass, in C
+            cut = found.index(None) if None in found else n
+            hits = cast("list[int]", found[:cut])  # the ids before the first block not cached
+        # Compare tokens too: a hash collision must never serve another prompt's KV.
+        held = list(map(_TOKENS, map(self.blocks.__getitem__, hits)))
+        if held != seq.full_blocks[: len(hits)]:
+            hits = hits[: next(i for i, (a, b) in enumerate(zip(held, seq.full_blocks, strict=False)) if a != b)]
         self._lookup = (seq, len(seq), self._index_version, hits)
         return hits
 
@@ -165,7 +191,8 @@ class BlockManager:
         return self._blocks_needed(seq, self._cached_prefix(seq))
 
     def _blocks_needed(self, seq: Sequence, hits: list[int]) -> int:
-        return seq.num_blocks - sum(1 for b in hits if self.blocks[b].ref_count > 0)
+        in_use = len(hits) - list(map(_REF_COUNT, map(self.blocks.__getitem__, hits))).count(0)
+        return seq.num_blocks - in_use
 
     def can_allocate(self, seq: Sequence) -> bool:
         return self.blocks_needed(seq) <= len(self._free)
@@ -182,16 +209,15 @@ class BlockManager:
         hits = self._cached_prefix(seq)
         if self._blocks_needed(seq, hits) > len(self._free):
             raise RuntimeError(f"not enough free KV blocks for sequence {seq.seq_id}")
-        parent: int | None = None
-        for block_id in hits:
-            block = self.blocks[block_id]
+        free, events, parent = self._free, self.events, None
+        for block in map(self.blocks.__getitem__, hits):
             if block.ref_count == 0:
-                del self._free[block_id]
+                del free[block.block_id]
             block.ref_count += 1
-            seq.block_table.append(block_id)
-            if self.events is not None and block.hash is not None:
-                self.events.stored(block.hash, parent, block.token_ids)  # a reuse: subscribers see it is hot
+            if events is not None and block.hash is not None:
+                events.stored(block.hash, parent, block.token_ids)  # a reuse: subscribers see it is hot
                 parent = block.hash
+        seq.block_table += hits
         seq.block_table += self._take_free_blocks(seq.num_blocks - len(hits))
         seq.num_cached_tokens = len(hits) * self.block_size
         self._prefix_queries += len(seq)
@@ -203,17 +229,17 @@ class BlockManager:
         seq.num_cached_tokens = num_tokens
         if not self.enable_prefix_caching or first >= end:
             return
-        blocks, table, bs = self.blocks, seq.block_table, self.block_size
+        blocks, table = self.blocks, seq.block_table
         if first > 0 and blocks[table[first - 1]].hash is None:
             return  # the chain is broken (e.g. an index entry was evicted): nothing later can hit
-        hashes, tokens = self._hashes(seq, end), seq.token_ids
+        hashes, tokens = self._hashes(seq, end), seq.full_blocks
         index, events = self._hash_to_block, self.events
         for i in range(first, end):  # each block indexed leaves the chain whole for the next
             block = blocks[table[i]]
             if block.hash is not None:
                 continue  # a prefix-cache hit: already indexed
             h = block.hash = hashes[i]
-            block.token_ids = tuple(tokens[i * bs : (i + 1) * bs])
+            block.token_ids = tokens[i]
             index[h] = block.block_id
             if events is not None and (not self._announced or self._settle(block) != h):
                 events.stored(h, hashes[i - 1] if i > 0 else None, block.token_ids)  # not reported when scheduled
@@ -247,7 +273,7 @@ class BlockManager:
                 known = hashes[i]
                 self._announced[block.block_id] = known
                 self._pending[known] += 1
-                self.events.stored(known, prev, seq.block_tokens(i))
+                self.events.stored(known, prev, seq.full_blocks[i])
             prev = known
 
     def _settle(self, block: Block) -> int | None:
@@ -272,6 +298,7 @@ class BlockManager:
             child.block_table.append(block_id)
         if not child.block_hashes:  # the same tokens: the same hashes
             child.block_hashes = parent.block_hashes[:num_blocks]
+            child.full_blocks = parent.full_blocks[:num_blocks]
         child.num_cached_tokens = num_blocks * self.block_size
 
     def deallocate(self, seq: Sequence) -> None:
@@ -291,21 +318,16 @@ class BlockManager:
 
     def invalidate(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and forget their hashes: their KV may never have been written."""
-        for block_id in seq.block_table:
-            self._forget(self.blocks[block_id])
+        self._forget(map(self.blocks.__getitem__, seq.block_table))
         self.deallocate(seq)
 
     def flush(self) -> int:
         """Forget the prefix hashes of every free block (SGLang's /flush_cache); returns how many.
 
         Blocks in use keep theirs: the sequences holding them still read that KV."""
-        flushed = 0
-        for block_id in self._free:
-            block = self.blocks[block_id]
-            if block.hash is not None:
-                self._forget(block)
-                flushed += 1
-        return flushed
+        cached = [block for block in map(self.blocks.__getitem__, self._free) if block.hash is not None]
+        self._forget(cached)
+        return len(cached)
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the next decode step of ``seq`` (writing its last token's KV) has room."""
@@ -342,41 +364,41 @@ class BlockManager:
     # -- internals -------------------------------------------------------------------------------
 
     def _take_free_blocks(self, count: int) -> list[int]:
-        """``count`` blocks off the cold end of the free list (as ``_take_free``, in one loop)."""
-        if count > len(self._free):
+        """``count`` blocks off the cold end of the free list, each with one reference; a block that
+        still held a cached prefix loses it (counted as evicted when the index lost an entry)."""
+        free = self._free
+        if count > len(free):
             raise RuntimeError("KV block pool exhausted")
-        free, blocks, forget = self._free, self.blocks, self._forget
-        taken: list[int] = []
-        for _ in range(count):
-            block_id, _ = free.popitem(last=False)
-            block = blocks[block_id]
-            if block.hash is not None and forget(block):
-                self._evicted += 1  # a reusable prefix lost: the pool ran short
+        taken = list(islice(free, count))
+        deque(map(free.pop, taken), maxlen=0)
+        cached = []
+        for block in map(self.blocks.__getitem__, taken):
             block.ref_count = 1
-            taken.append(block_id)
+            if block.hash is not None:
+                cached.append(block)
+        if cached:
+            self._evicted += self._forget(cached)  # reusable prefixes lost: the pool ran short
         return taken
 
     def _take_free(self) -> Block:
-        if not self._free:
-            raise RuntimeError("KV block pool exhausted")
-        block_id, _ = self._free.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.hash is not None and self._forget(block):
-            self._evicted += 1  # a reusable prefix lost: the pool ran short
-        block.ref_count = 1
-        return block
+        return self.blocks[self._take_free_blocks(1)[0]]
 
-    def _forget(self, block: Block) -> bool:
-        """Drop ``block``'s prefix hash; whether the hash index lost an entry (the block was findable)."""
-        dropped = False
-        if block.hash is not None and self._hash_to_block.get(block.hash) == block.block_id:
-            dropped = True
-            del self._hash_to_block[block.hash]
+    def _forget(self, blocks: Iterable[Block]) -> int:
+        """Drop the prefix hashes of ``blocks``; how many entries the hash index lost (blocks that were findable)."""
+        index, events, dropped = self._hash_to_block, self.events, 0
+        for block in blocks:
+            h = block.hash
+            if h is None:
+                continue
+            if index.get(h) == block.block_id:
+                del index[h]
+                dropped += 1
+                if events is not None:
+                    events.removed(h)
+                    if h in self._pending:
+                        self._voided.add(h)  # a block still being written reports it stored again
+            block.hash = None
+            block.token_ids = ()
+        if dropped:
             self._index_version += 1
-            if self.events is not None:
-                self.events.removed(block.hash)
-                if block.hash in self._pending:
-                    self._voided.add(block.hash)  # a block still being written reports it stored again
-        block.hash = None
-        block.token_ids = ()
         return dropped

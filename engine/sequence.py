@@ -112,6 +112,7 @@ class Sequence:
         "cumulative_logprob",
         "draft_tokens",
         "finish_reason",
+        "full_blocks",
         "grammar",
         "hold_kv",
         "logprobs",
@@ -139,9 +140,11 @@ class Sequence:
         self.admitted_at: float | None = None  # time.monotonic() when the scheduler first gave it blocks
         self.block_table: list[int] = []
         self.block_size = block_size
-        # The prefix-cache hashes of its full blocks so far, in order: computed once (by the block
-        # manager, as they are first needed), since the tokens of a full block never change.
+        # The prefix-cache hashes of its full blocks so far, in order, and those blocks' token ids (the
+        # tuples the hashes cover, which a cached block keeps to be compared): computed once (by the
+        # block manager, as they are first needed), since the tokens of a full block never change.
         self.block_hashes: list[int] = []
+        self.full_blocks: list[tuple[int, ...]] = []
         self.params = params
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None

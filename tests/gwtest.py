@@ -14,11 +14,11 @@ import aiohttp
 import pytest
 
 from atomesh.app import GatewayServer
-from atomesh.bench import procs
 from atomesh.config import GatewayConfig
 from atomesh.testing.mock_worker import MockBehaviour, MockWorker
+from bench.gateway import procs
 
-free_port = procs.free_port  # below the kernel's ephemeral range: see atomesh/bench/procs.py
+free_port = procs.free_port  # below the kernel's ephemeral range: see bench/gateway/procs.py
 
 
 async def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:

@@ -1,4 +1,4 @@
-"""`atomesh bench chaos` end to end in a short form, so it cannot rot (its timings are printed, not judged)."""
+"""`python -m bench.gateway.chaos` end to end in a short form, so it cannot rot (timings are printed, not judged)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,7 @@ def test_bench_chaos_quick_run(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "atomesh",
-            "bench",
-            "chaos",
+            "bench.gateway.chaos",
             "--only",
             "atomesh",
             "--workers",
@@ -54,7 +52,7 @@ def test_rows_compare_like_with_like_first() -> None:
     """atomesh without migration, then SMG (which has none), then atomesh with it: the same flags otherwise."""
     import argparse
 
-    from atomesh.bench.chaos import NO_MIGRATION, SYSTEMS, gateway_command
+    from bench.gateway.chaos import NO_MIGRATION, SYSTEMS, gateway_command
 
     assert SYSTEMS == (NO_MIGRATION, "smg", "atomesh")
     args = argparse.Namespace(

@@ -1,4 +1,4 @@
-"""`atomesh bench gateway` end to end in its quickest form, so it cannot rot (figures are printed, not judged)."""
+"""`python -m bench.gateway.gateway` end to end in its quickest form, so it cannot rot (figures printed, not judged)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,7 @@ def test_bench_gateway_quick_run(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "atomesh",
-            "bench",
-            "gateway",
+            "bench.gateway.gateway",
             "--quick",
             "--warmup",
             "0",

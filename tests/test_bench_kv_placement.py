@@ -1,4 +1,4 @@
-"""`atomesh bench kv-placement`'s summary: medians over rounds, kv_aware against cache_aware per round."""
+"""`python -m bench.gateway.kv_placement`'s summary: medians over rounds, kv_aware against cache_aware per round."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from atomesh.bench.kv_placement import RunResult, parser, summarize
+from bench.gateway.kv_placement import RunResult, parser, summarize
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -38,7 +38,7 @@ def test_repeat_defaults_to_three_rounds() -> None:
 
 def test_free_ports_are_not_handed_out_twice() -> None:
     """A run draws several ports before any of its servers binds one: no two draws may be equal."""
-    from atomesh.bench.procs import free_port
+    from bench.gateway.procs import free_port
 
     ports = [free_port() for _ in range(600)]
     assert len(set(ports)) == len(ports)
@@ -49,7 +49,7 @@ async def _chat_server(seen: list[list[dict[str, str]]]) -> AsyncIterator[str]:
     """A loopback chat endpoint that records each request's messages and streams one token."""
     from aiohttp import web
 
-    from atomesh.bench.procs import free_port
+    from bench.gateway.procs import free_port
 
     async def chat(request: web.Request) -> web.StreamResponse:
         seen.append((await request.json())["messages"])
@@ -75,7 +75,7 @@ async def test_multi_turn_replay_resumes_conversations_after_a_restart() -> None
     each conversation with its earlier turns and replies, in another order than they started."""
     from aiohttp import ClientSession
 
-    from atomesh.bench.kv_placement import multi_turn, replay_multi_turn
+    from bench.gateway.kv_placement import multi_turn, replay_multi_turn
 
     seen: list[list[dict[str, str]]] = []
     convs = multi_turn("salt", 6, 3)
@@ -99,7 +99,7 @@ async def test_long_tail_replay_runs_each_conversation_to_its_own_length() -> No
     to its own end, a later turn only after the one before it."""
     from aiohttp import ClientSession
 
-    from atomesh.bench.kv_placement import long_tail, replay_multi_turn
+    from bench.gateway.kv_placement import long_tail, replay_multi_turn
 
     seen: list[list[dict[str, str]]] = []
     convs = long_tail("salt", 8, 2)

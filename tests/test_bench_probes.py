@@ -1,5 +1,6 @@
-"""`atomesh bench dropped-streams` and `atomesh bench probes` end to end in a short form, so that they cannot
-rot (their figures are printed, not judged; what they find is asserted only where it is a guarantee)."""
+"""`python -m bench.gateway.dropped_streams` and `python -m bench.gateway.probes` end to end in a short form, so
+that they cannot rot (their figures are printed, not judged; what they find is asserted only where it is
+a guarantee)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,7 @@ def test_bench_dropped_streams_quick_run(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "atomesh",
-            "bench",
-            "dropped-streams",
+            "bench.gateway.dropped_streams",
             "--only",
             "atomesh",
             "--streams",
@@ -52,9 +51,7 @@ def test_bench_probes_quick_run(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "atomesh",
-            "bench",
-            "probes",
+            "bench.gateway.probes",
             "--only",
             "atomesh",
             "--flood",

@@ -1,4 +1,4 @@
-"""`atomesh bench serving` against a real gateway and mock workers (figures are printed, not judged)."""
+"""`python -m bench.gateway.serving` against a real gateway and mock workers (figures are printed, not judged)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from gwtest import MakeGateway, MakeWorkers, base_url
 
-from atomesh.bench.serving import Outcome, random_prompts, summarize
+from bench.gateway.serving import Outcome, random_prompts, summarize
 
 
 def test_random_prompts_respect_the_range() -> None:
@@ -43,9 +43,7 @@ async def test_bench_serving_sweep_through_the_gateway(
     proc = await __import__("asyncio").create_subprocess_exec(
         sys.executable,
         "-m",
-        "atomesh",
-        "bench",
-        "serving",
+        "bench.gateway.serving",
         "--base-url",
         base_url(gw),
         "--num-prompts",

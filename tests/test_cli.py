@@ -203,7 +203,6 @@ def test_help_shows_whole_option_names_on_an_80_column_terminal() -> None:
     env = {**os.environ, "COLUMNS": "80"}
     for args, names in (
         (["up"], ["--kv-cache-memory-gb", "--startup-timeout"]),
-        (["bench", "serving"], ["--prompts-per-concurrency", "--percentile-metrics"]),
         (["launch"], ["--health-check-interval-secs", "--access-log-sample-rate"]),
     ):
         out = subprocess.run([*ATOMESH, *args, "--help"], capture_output=True, text=True, timeout=30, env=env).stdout

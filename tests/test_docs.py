@@ -44,7 +44,7 @@ def test_documented_commands_do_not_overwrite_tracked_files() -> None:
 def test_quickstart_commands_run_without_an_activated_venv() -> None:
     text = (ROOT / "docs" / "quickstart.md").read_text()
     assert "$ python " not in text and "\n  python -" not in text
-    assert ".venv/bin/python - <<'EOF'" in text and "$ .venv/bin/atomesh bench serving" in text
+    assert ".venv/bin/python - <<'EOF'" in text and "$ .venv/bin/python -m bench.gateway.serving" in text
     assert re.search(r"^up: .*\n\t\$\(VENV\)/bin/atomesh up \$\(ARGS\)$", (ROOT / "Makefile").read_text(), re.M)
     assert 'make up ARGS="' in (ROOT / "README.md").read_text()
 

@@ -1,7 +1,7 @@
 """The import rule of docs/design.md, enforced: no import cycle among the modules of `atomesh` or `engine`;
 `atomesh`'s modules import only from their own layer or the layers below (`LAYERS`, the picture in
 docs/design.md); `engine` and `atomesh` never import each other; nothing imports `atomesh.app` but
-`atomesh.cli`.
+`atomesh.cli`; the benchmarks (`bench`) import the runtime packages, which neither hold nor import a benchmark.
 
 The graph is read from the source with `ast`, so it sees every import statement wherever it is, inside
 functions too: an import deferred into a function body is still a dependency (it merely runs later),
@@ -22,6 +22,7 @@ pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("atomesh", "engine")
+BENCHMARKS = "bench"
 
 # The gateway's layers, bottom first (docs/design.md draws them). A module belongs to the layer of the
 # longest name below that is the module itself or a package holding it; the root package, "atomesh",
@@ -40,7 +41,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("composition", ("atomesh.gateway",)),
     ("http", ("atomesh.api", "atomesh.frontdoor", "atomesh.service")),
     ("processes", ("atomesh.cluster",)),
-    ("entry points", ("atomesh.app", "atomesh.cli", "atomesh.__main__", "atomesh.up", "atomesh.bench")),
+    ("entry points", ("atomesh.app", "atomesh.cli", "atomesh.__main__", "atomesh.up")),
     ("test doubles", ("atomesh.testing",)),
 )
 ROOT_PACKAGES = frozenset(PACKAGES)
@@ -126,7 +127,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_cycle() -> None:
-    found = cycles(import_graph())
+    found = cycles(import_graph((*PACKAGES, BENCHMARKS)))
     assert not found, "import cycles (straighten the layering, see docs/design.md):\n" + "\n".join(
         " <-> ".join(c) for c in found
     )
@@ -213,3 +214,50 @@ def test_nothing_outside_the_policies_asks_which_policy_it_holds() -> None:
                 if names & classes:
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert classes and not found, "\n".join(found)
+
+
+def benchmark_code_in_runtime(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> list[str]:
+    """What of the runtime `packages` is benchmark code or reaches for it: a module named bench* (the
+    benchmarks live in the top-level `bench` package), an import of `bench`, or a `bench` module loaded by
+    name (`importlib.import_module("bench....")`, `__import__`)."""
+    found = []
+    graph = import_graph((*packages, BENCHMARKS), root)
+    for mod, targets in sorted(graph.items()):
+        if mod.split(".")[0] not in packages:
+            continue
+        found += [f"{mod} is a benchmark" for part in mod.split(".")[1:] if part.startswith("bench")]
+        found += [f"{mod} imports {t}" for t in sorted(targets) if t.split(".")[0] == BENCHMARKS]
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)):
+                    continue
+                name, arg = ast.unparse(node.func), node.args[0].value
+                if name.endswith(("import_module", "__import__")) and isinstance(arg, str):
+                    if arg == BENCHMARKS or arg.startswith(BENCHMARKS + "."):
+                        found.append(f"{module_name(path, root)} loads {arg}")
+    return found
+
+
+def test_the_runtime_packages_hold_and_import_no_benchmark() -> None:
+    found = benchmark_code_in_runtime()
+    assert not found, "benchmarks go under bench/ and import the runtime, never the other way:\n" + "\n".join(found)
+
+
+def test_benchmark_code_in_a_runtime_package_is_found(tmp_path: Path) -> None:
+    """The check above can fail: each way a runtime package can hold or reach a benchmark is caught."""
+    for folder in ("rt", "bench", "bench/gateway"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "bench" / "gateway" / "serving.py").write_text("import rt.core\n")
+    (tmp_path / "rt" / "core.py").write_text("")
+    assert benchmark_code_in_runtime(tmp_path, ("rt",)) == []
+    (tmp_path / "rt" / "bench_speed.py").write_text("")
+    (tmp_path / "rt" / "cli.py").write_text("def f():\n    from bench.gateway import serving\n")
+    (tmp_path / "rt" / "up.py").write_text("import importlib\nimportlib.import_module('bench.gateway.serving')\n")
+    assert benchmark_code_in_runtime(tmp_path, ("rt",)) == [
+        "rt.bench_speed is a benchmark",
+        "rt.cli imports bench.gateway",
+        "rt.cli imports bench.gateway.serving",
+        "rt.up loads bench.gateway.serving",
+    ]

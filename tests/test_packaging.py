@@ -49,14 +49,32 @@ def declared() -> set[str]:
 
 
 def test_every_imported_package_is_declared() -> None:
-    local = {"atomesh", "engine"}
+    """The runtime packages and the benchmarks (bench/device's scripts import what the GPU runs carry)."""
+    local = {"atomesh", "engine", "bench"}
     stdlib = set(sys.stdlib_module_names)
     have = declared()
     missing = []
-    for module in sorted(imported_modules(ROOT / "atomesh") | imported_modules(ROOT / "engine")):
+    for module in sorted(
+        imported_modules(ROOT / "atomesh")
+        | imported_modules(ROOT / "engine")
+        | imported_modules(ROOT / "bench" / "gateway")
+        | imported_modules(ROOT / "bench" / "engine")
+    ):
         if module in local or module in stdlib or module.startswith("_"):
             continue
         dist = DISTRIBUTION.get(module, module).lower().replace("_", "-")
         if dist not in have and dist not in OUTSIDE_EXTRAS:
             missing.append(f"{module} ({dist})")
     assert not missing, f"imported but declared in no extra of pyproject.toml: {missing}"
+
+
+def test_the_wheel_ships_the_runtime_packages_and_no_benchmark() -> None:
+    """setuptools' own package discovery with pyproject.toml's settings: `atomesh` and `engine` with their
+    subpackages; the top-level `bench` (run from a checkout) stays out of the wheel and the images."""
+    from setuptools import find_packages
+
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    shipped = find_packages(str(ROOT), include=find.get("include", ["*"]), exclude=find.get("exclude", ()))
+    assert {"atomesh", "engine", "atomesh.policies", "engine.kv_transfer"} <= set(shipped)
+    assert not [p for p in shipped if p.split(".")[0] not in ("atomesh", "engine")], shipped
+    assert (ROOT / "bench" / "gateway" / "serving.py").is_file()  # it exists, and is left out above

@@ -1,4 +1,4 @@
-"""bench/pd_report.py on small synthetic runs folders: the two-GPU chart, TTFT split and target verdict,
+"""`python -m bench.engine.pd_report` on small synthetic runs folders: the two-GPU chart, TTFT split and target verdict,
 and the one-GPU report as before."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-REPORT = ROOT / "bench" / "pd_report.py"
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -44,7 +43,8 @@ def report(runs: Path, out: Path, *args: str) -> tuple[dict, str]:
     pytest.importorskip("matplotlib", reason="the chart needs matplotlib (the bench extra)")
     png, js = out / "chart.png", out / "report.json"
     proc = subprocess.run(
-        [sys.executable, str(REPORT), str(runs), "--json", str(js), "--png", str(png), *args],
+        [sys.executable, "-m", "bench.engine.pd_report", str(runs), "--json", str(js), "--png", str(png), *args],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=50,

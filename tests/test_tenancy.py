@@ -149,9 +149,7 @@ def test_bench_priority_runs_and_reports_both_gateways(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "atomesh",
-            "bench",
-            "priority",
+            "bench.gateway.priority",
             "--seconds",
             "1",
             "--tenant-seconds",

@@ -7,7 +7,7 @@ ENGINE_TEST_DEVICE=cuda timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cache
   tests/engine/test_kernels.py tests/engine/test_model_families.py 2>&1 | tee "$OUT/cuda-tests.txt" | tail -8 || true
 if [ -n "${TRANSFER_S:-}" ]; then
   source bench/device/mooncake_cuda.sh || true
-  timeout "$TRANSFER_S" python3 -m engine.kv_transfer.bench --device cuda --dtype bf16 --backend direct \
+  timeout "$TRANSFER_S" python3 -m bench.engine.kv_transfer --device cuda --dtype bf16 --backend direct \
     --tokens 1024,4096,8192 --layouts contiguous,scattered --repeats 3 --json "$OUT/pd-transfer-direct.json" 2>&1 \
     | tail -20 || true
 fi

@@ -22,8 +22,9 @@ import argparse
 import itertools
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,13 +40,13 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "dow
           "lm_head": (151936, 4096)}  # fmt: skip
 
 
-def graph_time(calls: list[Callable[[], object]], rounds: int = 5) -> float:
+def graph_time(calls: Sequence[Callable[[], object]], rounds: int = 5) -> float:
     """Seconds per call when ``calls`` run once each in one CUDA graph (median of ``rounds`` replays)."""
     for c in calls[:2]:
         c()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
+    s = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
         for c in calls:
             c()
@@ -53,17 +54,18 @@ def graph_time(calls: list[Callable[[], object]], rounds: int = 5) -> float:
     g.replay()
     times = []
     for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        b = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         a.record()
         g.replay()
         b.record()
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b) / 1e3 / len(calls))
     del g
-    return sorted(times)[len(times) // 2]
+    return float(sorted(times)[len(times) // 2])
 
 
-def tune_gemv(out: dict, deadline: float, kinds_wanted: list[str]) -> None:
+def tune_gemv(out: dict[str, Any], deadline: float, kinds_wanted: list[str]) -> None:
     dev = torch.device("cuda")
     sweep = {"fp8": [GemvConfig(bn, bk, 4, st) for bn, bk, st in
                      itertools.product((16, 32, 64), (128, 256, 512), (3, 4))],
@@ -75,12 +77,12 @@ def tune_gemv(out: dict, deadline: float, kinds_wanted: list[str]) -> None:
         copies = max(2, -(-PASS_BYTES // (n * k)))
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(min(copies, 8))]
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
-        row: dict = {"copies_bf16": len(ws)}
+        row: dict[str, Any] = {"copies_bf16": len(ws)}
         t = graph_time([partial(F.linear, x, w) for w in ws] * 2)
         row["cublas_bf16"] = {"us": t * 1e6, "pct_hbm": 100 * n * k * 2 / t / HBM}
         kinds: list[tuple[str, list[tuple[torch.Tensor, torch.Tensor | None]]]] = [("bf16", [(w, None) for w in ws])]
         if name != "lm_head":
-            fp8s = []
+            fp8s: list[tuple[torch.Tensor, torch.Tensor | None]] = []
             for c in range(min(2 * copies, 16)):
                 layer = Fp8Linear(k, n).to(dev)
                 layer.load_rows(0, ws[c % len(ws)])
@@ -95,7 +97,7 @@ def tune_gemv(out: dict, deadline: float, kinds_wanted: list[str]) -> None:
             if swiglu:
                 g, u = ref.chunk(2, dim=-1)
                 ref = F.silu(g) * u
-            results = []
+            results: list[dict[str, Any]] = []
             today = config_for(weights[0][0])
             for cfg in [today, *sweep[wdt]]:
                 if time.monotonic() > shape_deadline:
@@ -125,7 +127,7 @@ def tune_gemv(out: dict, deadline: float, kinds_wanted: list[str]) -> None:
         torch.cuda.empty_cache()
 
 
-def tune_attention(out: dict, deadline: float) -> None:
+def tune_attention(out: dict[str, Any], deadline: float) -> None:
     dev = torch.device("cuda")
     heads, kvh, d, bs = 32, 8, 128, 16
     top: list[str] = []
@@ -141,7 +143,7 @@ def tune_attention(out: dict, deadline: float) -> None:
         splits = decode_splits(seqs, kvh, ctx, dev)
         kv_elems = seqs * ctx * kvh * d * 2
         ref = paged_attention(q, cache8.to(torch.bfloat16), tables, qstart, lens, d**-0.5, 1, ctx, splits).float()
-        res: dict = {"splits": splits, "runs": []}
+        res: dict[str, Any] = {"splits": splits, "runs": []}
         variants = [("bf16", cache16, bn, w, st) for bn, w, st in itertools.product((64, 128), (4, 8), (2, 3))]
         variants += [("fp8", cache8, bn, w, st) for bn, w, st in itertools.product((64, 128, 256), (4, 8), (2, 3))]
         for cname, cache, bn, warps, stages in variants:
@@ -190,7 +192,7 @@ def main() -> None:
         "--tiles", help="also write the best skinny-matmul tiles here (engine/kernels/gemv_tiles.json form)"
     )
     a = ap.parse_args()
-    out: dict = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
     try:
         if a.only in (None, "attention"):
             tune_attention(out, time.monotonic() + a.seconds)

@@ -22,6 +22,7 @@ import itertools
 import json
 import time
 from functools import partial
+from typing import Any
 
 import torch
 import triton
@@ -104,7 +105,7 @@ def main() -> None:
     a = ap.parse_args()
     dev = torch.device("cuda")
     deadline = time.monotonic() + a.seconds
-    res: dict = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
+    res: dict[str, Any] = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
     for i, (name, (n, k)) in enumerate(SHAPES.items()):
         shape_deadline = time.monotonic() + (deadline - time.monotonic()) / (len(SHAPES) - i)
         copies = min(16, max(2, -(-PASS_BYTES // (n * k))))
@@ -117,9 +118,11 @@ def main() -> None:
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
         ref = gemv(x, *layers[0]).float()
         t = graph_time([partial(gemv, x, w, s) for w, s in layers], rounds=3)
-        row: dict = {"engine": {"cfg": str(config_for(layers[0][0])), "us": t * 1e6, "pct_hbm": 100 * n * k / t / HBM}}
+        row: dict[str, Any] = {
+            "engine": {"cfg": str(config_for(layers[0][0])), "us": t * 1e6, "pct_hbm": 100 * n * k / t / HBM}
+        }
         print(name, "engine", row["engine"], flush=True)
-        runs = []
+        runs: list[dict[str, Any]] = []
         for splits, dual, bn, bk, warps, stages in itertools.product(
             (1, 2, 4), (False, True), (32, 64), (256, 512), (4,), (3, 4)
         ):

@@ -10,7 +10,7 @@ export LD_LIBRARY_PATH=/tmp/ibv/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 nproc
 for cores in 0,1 0-15; do
   for backend in staged direct; do
-    taskset -c "$cores" timeout 140 python3 -m engine.kv_transfer.bench --tokens 1024,4096 --repeats 5 \
+    taskset -c "$cores" timeout 140 python3 -m bench.engine.kv_transfer --tokens 1024,4096 --repeats 5 \
       --backend "$backend" --json "$OUT/relay-cpu-${backend}-cores${cores/,/_}.json" 2>&1 | grep -v -i warn \
       | tee -a "$OUT/relay-cpu.txt" | tail -8 || true
   done

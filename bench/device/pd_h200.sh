@@ -14,7 +14,7 @@
 # nvlink_intra with a source build of Mooncake); unset, the engines choose and log it (ipc: both share this host).
 #   EXP=transfer PROTOCOL=ipc bash bench/device/pd_h200.sh   # the IPC pull against the same copy limits
 # BACKEND (direct) is the memory backend; INFLIGHT the max_inflight_pulls of both engines.
-# Everything lands under $OUT (JSON; bench/pd_report.py turns the serving runs into the chart and
+# Everything lands under $OUT (JSON; bench/engine/pd_report.py turns the serving runs into the chart and
 # docs/results/pd-one-gpu.json rows).
 source bench/device/setup.sh
 source bench/device/mooncake_cuda.sh
@@ -39,23 +39,23 @@ case "$EXP" in
     backends=("$BACKEND" staged)
     if [ "${PROTOCOL:-}" = ipc ]; then backends=("$BACKEND"); fi  # ipc copies from the caches whatever the backend
     for layout_backend in "${backends[@]}"; do
-      timeout 180 python3 -m engine.kv_transfer.bench --device cuda --dtype bf16 --backend "$layout_backend" \
+      timeout 180 python3 -m bench.engine.kv_transfer --device cuda --dtype bf16 --backend "$layout_backend" \
         --tokens 1024,4096,8192 --layouts contiguous,scattered --repeats 3 "${PROTO_ARG[@]}" \
         --json "$OUT/pd-transfer-$layout_backend${PROTOCOL:+-$PROTOCOL}.json" \
         | tee "$OUT/pd-transfer-$layout_backend${PROTOCOL:+-$PROTOCOL}.txt"
     done
-    timeout 200 python3 -m engine.kv_transfer.bench_concurrency --device cuda --tokens 4096 --concurrency 1,8,32 \
+    timeout 200 python3 -m bench.engine.kv_transfer_concurrency --device cuda --tokens 4096 --concurrency 1,8,32 \
       --backend "$BACKEND" "${PROTO_ARG[@]}" --json "$OUT/pd-transfer-concurrency-$BACKEND.json" | tee "$OUT/pd-transfer-concurrency.txt"
     ;;
   share)
     for shape in ${SHAPES:-smollm2-135m llama31-8b}; do  # SHAPES=one of them when both do not fit 10 minutes
       dir=$(shape_dir "$shape")
-      timeout 270 python3 -m engine.bench_pd --model "$dir" --device cuda --dtype bfloat16 --lengths 4096 \
+      timeout 270 python3 -m bench.engine.pd --model "$dir" --device cuda --dtype bfloat16 --lengths 4096 \
         --modes dense --repeats 3 --num-kvcache-blocks 2048 --memory-backend "$BACKEND" "${PROTO_ARG[@]}" --json "$OUT/pd-share-$shape.json" | tee "$OUT/pd-share-$shape.txt"
     done
     ;;
   concurrency)  # 32 P/D requests at once through one engine pair: max_inflight_pulls 1 against 32
-    timeout 500 python3 -m engine.bench_pd_concurrency --model "$(shape_dir smollm2-135m)" --device cuda \
+    timeout 500 python3 -m bench.engine.pd_concurrency --model "$(shape_dir smollm2-135m)" --device cuda \
       --tokens 4096 --n 32 --repeats 2 --memory-backend "$BACKEND" "${PROTO_ARG[@]}" --json "$OUT/pd-concurrency-cuda.json"
     ;;
   serving)

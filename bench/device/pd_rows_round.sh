@@ -9,6 +9,6 @@ ENGINE_TEST_DEVICE=cuda ENGINE_TEST_DTYPE=bfloat16 timeout ${TESTS_S:-90} python
   tests/engine/test_kv_block_copy.py tests/test_pd_ipc.py 2>&1 | tee "$OUT/cuda-tests-pd-desk.txt" | tail -4
 SHAPE=smollm2 ISLS=1024/256 PASS_S=${PASS_S:-40} timeout ${ROWS_S:-330} bash bench/device/pd_one_gpu_rows.sh 2>&1 | tail -30
 python3 bench/device/shape_config.py llama31-8b /tmp/shapes/llama31-8b
-timeout ${VERIFY_S:-100} python3 -m engine.bench_spec --verify-cost --model /tmp/shapes/llama31-8b --load-format dummy \
+timeout ${VERIFY_S:-100} python3 -m bench.engine.spec --verify-cost --model /tmp/shapes/llama31-8b --load-format dummy \
   --device cuda --prompt-len 512 --max-k 5 --batch-sizes 1 --steps 20 --json "$OUT/spec-verify-llama31-8b.json" 2>&1 \
   | grep -v -i warn | tail -12

@@ -1,4 +1,4 @@
-# GPU run: the P/D experiment on one GPU. Three set-ups, each swept with `atomesh bench serving` at ISL/OSL
+# GPU run: the P/D experiment on one GPU. Three set-ups, each swept with `python -m bench.gateway.serving` at ISL/OSL
 # 1024/256 and 4096/512: (a) one colocated engine, straight; (b) the same engine behind atomesh; (c) 1 prefill +
 # 1 decode engine sharing the GPU behind `atomesh launch --pd-disaggregation --backend atom`, KV and indexer keys
 # over Mooncake (staged through pinned host memory: the CPU-only wheel). After each pass the engines' /metrics
@@ -41,7 +41,7 @@ sweep() {  # SETUP URL [DECODE_METRICS_URL PREFILL_METRICS_URL]
       local tag="$1-$isl-$osl-c$c"
       SEED=$((SEED + 1))
       if [ -n "${3:-}" ]; then curl -s "$3" >"$R/$tag.decode.before.prom"; curl -s "$4" >"$R/$tag.prefill.before.prom"; fi
-      timeout "${PASS_S:-60}" python3 -m atomesh bench serving --base-url "$2" --model m --random-input-len "$isl" \
+      timeout "${PASS_S:-60}" python3 -m bench.gateway.serving --base-url "$2" --model m --random-input-len "$isl" \
         --random-output-len "$osl" --ignore-eos --num-prompts 4 --prompts-per-concurrency 2 --sweep-concurrency "$c" \
         --seed "$SEED" --save-result "$R/$tag.json" 2>&1 | grep -E "Output token throughput|Tokens/s per user|Median TTFT" \
         | sed "s/^/$tag: /" || echo "$tag: failed"

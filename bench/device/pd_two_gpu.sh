@@ -1,5 +1,5 @@
 # GPU run: the P/D experiment on TWO GPUs of one host (nvidia-h200-x2). Three set-ups, each swept with
-# `atomesh bench serving` at ISL/OSL 1024/256 and 4096/512, concurrency 1..256:
+# `python -m bench.gateway.serving` at ISL/OSL 1024/256 and 4096/512, concurrency 1..256:
 #   pd-1p1d                 a prefill engine on GPU 0, a decode engine on GPU 1, behind
 #                           `atomesh launch --pd-disaggregation --backend atom`; KV and indexer keys over
 #                           Mooncake (staged through pinned host memory: the CPU-only wheel)
@@ -21,7 +21,7 @@
 # (requests per pass: 2 per stream, 8..256), MAXSEQS (256), MAXLEN (5120), GPU_MEM (0.85) or BLOCKS (KV pool
 # per engine), KV_TIMEOUT (120 s), PASS_TIMEOUT (150 s), BUDGET_S (510 s).
 #
-# After each P/D pass the engines' /metrics before and after give the TTFT split (bench/pd_report.py).
+# After each P/D pass the engines' /metrics before and after give the TTFT split (bench/engine/pd_report.py).
 # Every pass gets its own prompt seed, so no pass finds an earlier pass's prompts in the prefix cache.
 # Everything lands under $OUT as one archive (the device returns at most 8 files).
 #
@@ -108,7 +108,7 @@ sweep() {  # SETUP URL [DECODE_METRICS_URL PREFILL_METRICS_URL]
       if [ -n "${3:-}" ]; then curl -s "$3" >"$R/$tag.decode.before.prom"; curl -s "$4" >"$R/$tag.prefill.before.prom"; fi
       local n=$((PPC * c > MIN_PROMPTS ? PPC * c : MIN_PROMPTS))
       n=$((n < MAX_PROMPTS ? n : MAX_PROMPTS))
-      timeout $((rem < PASS_TIMEOUT ? rem : PASS_TIMEOUT)) python3 -m atomesh bench serving --base-url "$2" \
+      timeout $((rem < PASS_TIMEOUT ? rem : PASS_TIMEOUT)) python3 -m bench.gateway.serving --base-url "$2" \
         --model m --random-input-len "$isl" --random-output-len "$osl" --ignore-eos --num-prompts "$n" \
         --sweep-concurrency "$c" --num-workers 2 --seed "$SEED" --save-result "$R/$tag.json" 2>&1 \
         | grep -E "Output token throughput|Tokens/s per user|Median TTFT" | sed "s/^/$tag: /" || echo "$tag: failed"

@@ -5,6 +5,6 @@ SHAPE=llama31-8b
 bash bench/device/spec_eagle.sh $SHAPE "tests" 2>&1 | tail -12
 source bench/device/setup.sh >/dev/null 2>&1
 python3 .gpu/model_shapes.py $SHAPE /tmp/shapes/$SHAPE --tokenizer .gpu/smollm2 >/dev/null
-timeout 170 python3 -m engine.bench_spec --verify-cost --model /tmp/shapes/$SHAPE --device cuda --prompt-len 512 --max-k 5 \
+timeout 170 python3 -m bench.engine.spec --verify-cost --model /tmp/shapes/$SHAPE --device cuda --prompt-len 512 --max-k 5 \
   --batch-sizes 1 8 --steps 20 --json "$OUT/spec-verify-graphs-$SHAPE.json" 2>&1 | grep -v -i warn | tail -16
 timeout 100 python3 bench/device/gemv_variants.py --seconds 75 --json "$OUT/gemv-variants.json" 2>&1 | grep -v -i warn | tail -8

@@ -23,12 +23,12 @@ if [[ " $STAGES " == *" verify "* || " $STAGES " == *" eagle "* ]]; then
   python3 .gpu/model_shapes.py "$SHAPE" "$dir" --tokenizer .gpu/smollm2 >/dev/null
 fi
 if [[ " $STAGES " == *" verify "* ]]; then
-  timeout 240 python3 -m engine.bench_spec --verify-cost --model "$dir" --device cuda --prompt-len 512 --max-k 5 \
+  timeout 240 python3 -m bench.engine.spec --verify-cost --model "$dir" --device cuda --prompt-len 512 --max-k 5 \
     --batch-sizes 1 8 32 --steps 30 --json "$OUT/spec-verify-graphs-$SHAPE.json" 2>&1 | grep -v -i warn | tail -20 || true
 fi
 if [[ " $STAGES " == *" eagle "* ]]; then
   # Engines are built one after another in one process: each takes under half the GPU, so a freed one never blocks.
-  timeout 420 python3 -m engine.bench_spec --eagle random --model "$dir" --device cuda --prompt-len 512 --max-k 5 \
+  timeout 420 python3 -m bench.engine.spec --eagle random --model "$dir" --device cuda --prompt-len 512 --max-k 5 \
     --batch-sizes 1 8 32 --steps 20 --gpu-memory-utilization 0.45 --json "$OUT/spec-eagle3-$SHAPE.json" 2>&1 \
     | grep -v -i warn | tail -24 || true
 fi

@@ -10,7 +10,7 @@ ENGINE_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider tes
 dir=/tmp/shapes/$SHAPE
 python3 .gpu/model_shapes.py "$SHAPE" "$dir" --tokenizer .gpu/smollm2 >/dev/null
 for eager in "" "--enforce-eager"; do
-  timeout 240 python3 -m engine.bench_spec --verify-cost --model "$dir" --device cuda --prompt-len 512 --max-k 5 \
+  timeout 240 python3 -m bench.engine.spec --verify-cost --model "$dir" --device cuda --prompt-len 512 --max-k 5 \
     --batch-sizes 1 8 32 --steps 30 $eager --json "$OUT/spec-verify-$SHAPE${eager:+-eager}.json" 2>&1 \
     | grep -v -i warn | tail -20 || true
 done

@@ -4,13 +4,13 @@
 #   PART=decode bash bench/device/tp_two_gpu.sh   (the default)
 #     1. the tensor-parallel tests on CUDA (NCCL, Triton kernels, CUDA graphs capturing the all-reduces):
 #        TP=2 and EP=2 equal one rank, colocated (tests/engine/test_tensor_parallel.py);
-#     2. engine.bench on the qwen3-8b shape (random bf16 weights in the Hub layout, model_shapes.py), prompt 512,
+#     2. bench.engine.throughput on the qwen3-8b shape (random bf16 weights in the Hub layout, model_shapes.py), prompt 512,
 #        64 new tokens, batch 1 / 64 / 256: TP=2 on GPUs 0+1 against the same engine on GPU 0 alone (the peer,
 #        timed in the same run; the ratio column is TP=2 / TP=1).
 #   PART=pd bash bench/device/tp_two_gpu.sh
 #     a TP=2 prefill and a TP=2 decode engine sharing GPUs 0+1 (rank r of each on GPU r, 0.42 of each GPU's
 #     memory apiece) behind `atomesh launch --pd-disaggregation --backend atom`, against the TP=1 pair (prefill
-#     on GPU 0, decode on GPU 1) on the same GPUs: `atomesh bench serving` at ISL/OSL 1024/256, concurrency
+#     on GPU 0, decode on GPU 1) on the same GPUs: `python -m bench.gateway.serving` at ISL/OSL 1024/256, concurrency
 #     1, 8, 64. KV over Mooncake, staged through pinned host memory (the CPU-only wheel): decode rank r's KV
 #     heads come from prefill rank r.
 #
@@ -34,7 +34,7 @@ if [ "$PART" = decode ]; then
     2>&1 | tee "$OUT/cuda-tests-tp.txt" | tail -5 || true
   max=$(echo "$BATCHES" | tr ' ' '\n' | sort -n | tail -1)
   # TP=2 first, then (inside the same command) the one-rank peer on GPU 0.
-  timeout 420 python3 -m engine.bench --model "$dir" --device cuda --prompt-len 512 --new-tokens 64 \
+  timeout 420 python3 -m bench.engine.throughput --model "$dir" --device cuda --prompt-len 512 --new-tokens 64 \
     --batch-sizes $BATCHES --runs 2 --no-reference -tp 2 --max-num-batched-tokens $((max * 512)) \
     --json "$OUT/tp2-$SHAPE.json" 2>&1 | grep -v -i warn | tail -12 || true
   exit 0
@@ -72,7 +72,7 @@ pd() {  # SETUP PREFILL_GPUS DECODE_GPUS MEM EXTRA...
   PIDS+=($!)
   wait_http http://127.0.0.1:30001/readiness 60 || return 1
   for c in $CONCS; do
-    timeout 120 python3 -m atomesh bench serving --base-url http://127.0.0.1:30001 --model m \
+    timeout 120 python3 -m bench.gateway.serving --base-url http://127.0.0.1:30001 --model m \
       --random-input-len 1024 --random-output-len 256 --ignore-eos --num-prompts $((c > 4 ? 2 * c : 8)) \
       --sweep-concurrency "$c" --num-workers 2 --seed "$c" --save-result "$R/$setup-c$c.json" 2>&1 \
       | grep -E "Output token throughput|Tokens/s per user|Median TTFT" | sed "s/^/$setup c$c: /" || echo "$setup c$c: failed"

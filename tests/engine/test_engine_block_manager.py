@@ -188,9 +188,9 @@ def test_a_prompt_is_hashed_once_per_sequence(monkeypatch: pytest.MonkeyPatch) -
     hashed: list[int] = []
     real = module.chain_hashes
 
-    def counting(token_ids: list[int], block_size: int, first: int, end: int, prefix: int | None) -> list[int]:
-        hashed.append(end - first)
-        return real(token_ids, block_size, first, end, prefix)
+    def counting(blocks: list[tuple[int, ...]], prefix: int | None) -> list[int]:
+        hashed.append(len(blocks))
+        return real(blocks, prefix)
 
     monkeypatch.setattr(module, "chain_hashes", counting)
     bm = BlockManager(64, BS)

@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from bench.engine.throughput import hf_reference
 from engine.args import EngineArgs
-from engine.bench import hf_reference
 from engine.llm_engine import LLMEngine
 from engine.models.loader import LoadedModel, smollm2_path
 from engine.sequence import SamplingParams

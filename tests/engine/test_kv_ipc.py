@@ -349,7 +349,7 @@ async def test_a_producer_killed_while_its_pools_are_mapped_fails_pulls_cleanly(
     """The producer in its own process (SmolLM2-shaped caches, one shared segment: shared memory on CPU, a
     CUDA IPC handle with ENGINE_TEST_DEVICE=cuda); decode maps it, pulls, then the producer is killed: the
     next pull fails fast (no crash) and the mapping is dropped."""
-    from engine.kv_transfer import bench
+    from bench.engine import kv_transfer as bench
 
     num_blocks = 8
     ctx = mp.get_context("spawn")
@@ -409,7 +409,7 @@ def test_copy_blocks_per_region_and_in_layer_groups_copy_the_same(grouped: bool)
     """The grouped copy (the default on CUDA: K and V of a layer, or all layers of one buffer, in one copy)
     and the per-region one (CPU) move exactly the named blocks, for the engine's per-layer tensors and for
     caches cut from one buffer."""
-    from engine.kv_transfer import bench
+    from bench.engine import kv_transfer as bench
     from engine.kv_transfer.ipc import _layer_groups, copy_blocks
 
     one_buffer = bench.make_caches(NUM_BLOCKS, torch.float32), bench.make_caches(NUM_BLOCKS, torch.float32)

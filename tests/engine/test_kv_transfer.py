@@ -499,7 +499,7 @@ async def test_two_processes_and_prefill_killed_after_answering() -> None:
     """A producer in its own process (SmolLM2-shaped caches); then it dies and decode fails fast."""
     import multiprocessing as mp
 
-    from engine.kv_transfer import bench
+    from bench.engine import kv_transfer as bench
 
     num_blocks = 8
     ctx = mp.get_context("spawn")
@@ -756,7 +756,7 @@ async def test_staged_two_processes_smollm2_shape() -> None:
     """The staged backend between two processes (the benchmark's prefill child), all 90 regions compared."""
     import multiprocessing as mp
 
-    from engine.kv_transfer import bench
+    from bench.engine import kv_transfer as bench
 
     num_blocks = 12
     ctx = mp.get_context("spawn")

@@ -105,7 +105,7 @@ def _chunks(stream: Any) -> list[Any]:
 
 @pytest.mark.timeout(300)
 def test_logprobs_equal_transformers_log_softmax(smol: ThreadServer, smollm2_model: LoadedModel) -> None:
-    from engine.bench import hf_reference
+    from bench.engine.throughput import hf_reference
 
     pytest.importorskip("transformers")
     client = smol.client()

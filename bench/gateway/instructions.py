@@ -1,6 +1,6 @@
 """Instructions per request of the gateway, side by side with SMG, counted by callgrind (load-independent).
 
-`python -m atomesh.bench.instructions [--json docs/results/gateway-instructions.json]`
+`python -m bench.gateway.instructions [--json docs/results/gateway-instructions.json]`
 
 Wall-clock figures on a shared machine move by 10-30 % from run to run; the instructions a gateway
 executes per request do not depend on the load beside it. One run starts one fast mock worker
@@ -45,9 +45,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from atomesh.bench import help_formatter
-from atomesh.bench.gateway import _smg, tree_cpu
-from atomesh.bench.procs import free_port, start, stop
+from bench.gateway import help_formatter
+from bench.gateway.gateway import _smg, tree_cpu
+from bench.gateway.procs import free_port, start, stop
 
 PROMPT = "Say hello in a few words."
 SMALL = json.dumps({"model": "mock-model", "prompt": PROMPT, "max_tokens": 16}, separators=(",", ":"))
@@ -286,7 +286,7 @@ def native(
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
     p = argparse.ArgumentParser(
-        prog="python -m atomesh.bench.instructions", description=__doc__, formatter_class=help_formatter
+        prog="python -m bench.gateway.instructions", description=__doc__, formatter_class=help_formatter
     )
     p.add_argument("--requests", type=int, default=800, help="small requests per phase under callgrind")
     p.add_argument("--streams", type=int, default=12, help="spaced streams per phase under callgrind")
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "event_interval_ms": INTERVAL_MS,
         "stream_clients": STREAM_CLIENTS,
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "command": "python -m atomesh.bench.instructions " + " ".join(argv or sys.argv[1:]),
+        "command": "python -m bench.gateway.instructions " + " ".join(argv or sys.argv[1:]),
     }
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

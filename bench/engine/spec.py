@@ -1,4 +1,4 @@
-"""``python -m engine.bench_spec``: n-gram (prompt-lookup) speculative decoding against plain decoding.
+"""``python -m bench.engine.spec``: n-gram (prompt-lookup) speculative decoding against plain decoding.
 
 Batch 1, greedy, on tasks whose answers repeat their input (quote a passage back, edit code), with the
 embedded SmolLM2 unless ``--model`` says otherwise. Each task runs on a plain engine and on a speculating
@@ -261,7 +261,7 @@ def eagle_cost(a: argparse.Namespace) -> list[dict[str, float | str | dict[str, 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m engine.bench_spec", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.engine.spec", description=__doc__)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--num-speculative-tokens", type=int, default=5)

@@ -6,8 +6,8 @@ counts do not. Each phase runs 32 requests in flight over 16 workers (1 KB promp
 callgrind is told to dump before. Compare two trees by running this once with each on PYTHONPATH:
 
     PYTHONHASHSEED=0 PYTHONPATH=TREE valgrind --tool=callgrind --dump-before=getppid \\
-        --callgrind-out-file=/tmp/cg.out python bench/callgrind_placement.py 2000
-    python bench/callgrind_placement.py --report /tmp/cg.out 2000
+        --callgrind-out-file=/tmp/cg.out python bench/gateway/callgrind_placement.py 2000
+    python bench/gateway/callgrind_placement.py --report /tmp/cg.out 2000
 
 Dump 1 is start-up and warm-up; dumps 2.. are the phases in PHASES order.
 """

@@ -1,4 +1,4 @@
-"""Benchmarks: serving load, placement quality, gateway overhead (`atomesh bench ...`)."""
+"""The gateway's benchmarks: serving load, placement quality, gateway overhead (`python -m bench.gateway.NAME`)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """What an ipc pull costs when the prefill engine's event loop is busy: this tree against an earlier one.
 
-The isolated form of ``bench/pd_pull_latency.py``: no model, just the KV relay of two processes on
+The isolated form of ``bench.engine.pd_pull_latency``: no model, just the KV relay of two processes on
 loopback, as a prefill and a decode engine hold it (SmolLM2's cache shape, 90 regions, fp32, pools in
-shared memory: ``engine.kv_transfer.bench``'s caches), over ``protocol`` ipc. The producer process
+shared memory: ``bench.engine.kv_transfer``'s caches), over ``protocol`` ipc. The producer process
 keeps its event loop busy the way a serving engine's is: a task that runs Python for ``--busy-ms``
 at a time (scheduling, detokenising, streaming hold the loop and the GIL) and then yields. The
 consumer process (decode) pulls ``--n`` requests of ``--tokens`` tokens at once, ``--rounds`` times,
@@ -11,7 +11,7 @@ and reports each pull's latency. Both processes run the code of one tree: this c
 two trees, ``--repeats`` each. Reported: median and p90 pull latency per tree and busy setting, and
 before / now. Printed (and written as JSON with ``--json``), never asserted.
 
-    PYTHONPATH=. python bench/pd_pull_busy_loop.py --before 05e01c4 [--busy-ms 0,20] [--n 8] [--tokens 256]
+    python -m bench.engine.pd_pull_busy_loop --before 05e01c4 [--busy-ms 0,20] [--n 8] [--tokens 256]
 """
 
 from __future__ import annotations
@@ -27,14 +27,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pd_pull_latency import ROOT, unpack
+from bench.engine.pd_pull_latency import ROOT, unpack
 
 PRODUCER = r"""
 import asyncio, json, sys, time
 import torch
 from engine.kv_transfer import KVProducer, MooncakeAgent
-from engine.kv_transfer.bench import fill, make_caches
+from bench.engine.kv_transfer import fill, make_caches
 from engine.kv_transfer.ipc import PoolExport
 from engine.kv_transfer.layout import view_region
 
@@ -71,7 +70,7 @@ CONSUMER = r"""
 import asyncio, inspect, json, subprocess, sys, time
 import torch
 from engine.kv_transfer import KVConsumer, MooncakeAgent
-from engine.kv_transfer.bench import make_caches
+from bench.engine.kv_transfer import make_caches
 from engine.kv_transfer.ipc import IpcMode, IpcPeers
 
 async def main(producer_code, n, tokens, rounds, busy_s):
@@ -114,7 +113,8 @@ asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4
 
 
 def run(tree: Path, a: argparse.Namespace, busy_ms: float) -> list[float]:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    # The tree under test's engine first; the cache helpers of bench.engine.kv_transfer from this checkout.
+    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}
     argv = [sys.executable, "-c", CONSUMER, PRODUCER, str(a.n), str(a.tokens), str(a.rounds), str(busy_ms / 1e3)]
     out = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
@@ -123,7 +123,9 @@ def run(tree: Path, a: argparse.Namespace, busy_ms: float) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="bench/pd_pull_busy_loop.py", description=(__doc__ or "").split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.engine.pd_pull_busy_loop", description=(__doc__ or "").split("\n")[0]
+    )
     p.add_argument("--before", required=True, help="the git revision to measure against (the peer)")
     p.add_argument("--busy-ms", default="0,20", help="how long the producer's loop runs Python between yields")
     p.add_argument("--n", type=int, default=8, help="pulls at once")
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(row)
     if a.json:
         with open(a.json, "w") as f:
-            command = "bench/pd_pull_busy_loop.py " + " ".join(argv or sys.argv[1:])
+            command = "python -m bench.engine.pd_pull_busy_loop " + " ".join(argv or sys.argv[1:])
             date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
             json.dump({"command": command, "args": vars(a), "date": date, "rows": rows}, f, indent=1)
 

@@ -1,8 +1,8 @@
-"""``python -m engine.bench_pd_concurrency``: N P/D requests at once through a prefill and a decode engine,
+"""``python -m bench.engine.pd_concurrency``: N P/D requests at once through a prefill and a decode engine,
 the decode engine's pulls serial (``max_inflight_pulls`` 1) against concurrent (N).
 
 For each setting a fresh ``kv_producer`` / ``kv_consumer`` pair of ``engine.openai_server`` processes on
-loopback (``engine.bench_pd``'s ``Engine``: prefix caching off, so every request moves its whole prompt;
+loopback (``bench.engine.pd``'s ``Engine``: prefix caching off, so every request moves its whole prompt;
 the staged memory backend unless ``--memory-backend``), one warm-up relay, then N relays started at once,
 each as the gateway runs it: the prefill leg (``max_tokens`` 1, ``do_remote_decode``), then the decode leg
 with the returned ``kv_transfer_params`` (``max_tokens`` 2, streamed). Prompts are distinct token ids
@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from engine.bench_pd import Engine, metric, request, stream_times
+from bench.engine.pd import Engine, metric, request, stream_times
 
 
 def relay(prefill: Engine, decode: Engine, ids: list[int]) -> float:
@@ -110,7 +110,7 @@ def run_setting(a: argparse.Namespace, inflight: int, log_dir: str) -> dict[str,
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m engine.bench_pd_concurrency", description=(__doc__ or "").split("\n")[0]
+        prog="python -m bench.engine.pd_concurrency", description=(__doc__ or "").split("\n")[0]
     )
     p.add_argument("--model", default="smollm2")
     p.add_argument("--tokens", type=int, default=512, help="prompt tokens per request")
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"command": "python -m engine.bench_pd_concurrency", "args": vars(a),
+            json.dump({"command": "python -m bench.engine.pd_concurrency", "args": vars(a),
                        "date": time.strftime("%Y-%m-%d"), "rows": rows}, f, indent=1)  # fmt: skip
 
 

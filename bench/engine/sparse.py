@@ -1,4 +1,4 @@
-"""``python -m engine.bench_sparse``: block-sparse (MSA-style) decode against dense, on long prompts.
+"""``python -m bench.engine.sparse``: block-sparse (MSA-style) decode against dense, on long prompts.
 
 For each prompt length, ``--batch`` distinct prompts are built from real English text: the
 Python reference documentation that ships with CPython (``pydoc_data.topics``), each prompt a
@@ -110,7 +110,7 @@ def agreement(sparse: list[int], dense: list[int]) -> tuple[float, int]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m engine.bench_sparse", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.engine.sparse", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")

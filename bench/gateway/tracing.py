@@ -1,4 +1,4 @@
-"""The gateway's CPU per request with `--enable-trace` against without it: `atomesh bench tracing`.
+"""The gateway's CPU per request with `--enable-trace` against without it: `python -m bench.gateway.tracing`.
 
 One mock worker and two gateway processes beside each other, one without tracing and one with
 `--enable-trace` exporting to an OTLP/gRPC receiver in this process. Each of `--rounds` rounds sends
@@ -27,8 +27,8 @@ from typing import Any
 
 import aiohttp
 
-from atomesh.bench.gateway import tree_cpu
-from atomesh.bench.procs import free_port, gateway_argv, start, stop
+from bench.gateway.gateway import tree_cpu
+from bench.gateway.procs import free_port, gateway_argv, start, stop
 
 # A batch of spans leaves on the exporter's schedule (OTEL_BSP_SCHEDULE_DELAY, 5 s by default) when it
 # is not full: the instruction counts wait that long so that each phase's export is counted in it.
@@ -88,7 +88,7 @@ async def ready(url: str) -> None:
 
 def instructions(endpoint: str, requests: int) -> dict[str, float]:
     """Instructions per request of each gateway (every thread), counted by callgrind (load-independent)."""
-    from atomesh.bench.instructions import _dump, _small, _totals, wait_serving
+    from bench.gateway.instructions import _dump, _small, _totals, wait_serving
 
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -125,7 +125,9 @@ def instructions(endpoint: str, requests: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="atomesh bench tracing", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.gateway.tracing",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--requests", type=int, default=3000, help="completions per gateway and round")
     p.add_argument(

@@ -1,7 +1,7 @@
-"""``python -m engine.kv_transfer.bench_concurrency``: N requests' KV pulls at once, serial against concurrent.
+"""``python -m bench.engine.kv_transfer_concurrency``: N requests' KV pulls at once, serial against concurrent.
 
 Two processes on loopback as in a P/D pair (this one decode, a spawned child prefill, SmolLM2-135M's
-cache shape, see ``engine.kv_transfer.bench``), the staged memory backend by default. For each
+cache shape, see ``bench.engine.kv_transfer``), the staged memory backend by default. For each
 concurrency N, N transfers of ``--tokens`` tokens each (scattered block ids, distinct for every
 request) are offered, then pulled all at once through one KVConsumer (``--protocol ipc``: copied
 from the producer's mapped pools, see ``engine.kv_transfer.ipc``):
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from engine.kv_transfer.bench import BLOCK_SIZE, DTYPES, _producer_main, make_caches, open_side
+from bench.engine.kv_transfer import BLOCK_SIZE, DTYPES, _producer_main, make_caches, open_side
 from engine.kv_transfer.connector import KVConsumer
 from engine.kv_transfer.ipc import IpcMode, IpcPeers
 from engine.kv_transfer.layout import Region
@@ -128,7 +128,9 @@ async def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.engine.kv_transfer_concurrency", description=(__doc__ or "").split("\n")[0]
+    )
     p.add_argument("--tokens", type=int, default=1024, help="prompt tokens per request")
     p.add_argument("--concurrency", default="1,4,8", help="requests pulled at once, comma-separated")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = asyncio.run(_run(args))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": "python -m engine.kv_transfer.bench_concurrency", "args": vars(args),
+            json.dump({"command": "python -m bench.engine.kv_transfer_concurrency", "args": vars(args),
                        "date": time.strftime("%Y-%m-%d"), "rows": rows}, f, indent=1)  # fmt: skip
 
 

@@ -1,4 +1,4 @@
-"""``python -m engine.bench``: prefill and decode throughput of the engine next to HF transformers.
+"""``python -m bench.engine.throughput``: prefill and decode throughput of the engine next to HF transformers.
 
 Every implementation runs the same weights in the same process, one after the other, at each batch
 size: our engine (CUDA graphs + Triton kernels on a GPU unless ``--enforce-eager`` /
@@ -304,7 +304,7 @@ def tp_peer(args: EngineArgs, loaded: LoadedModel, a: argparse.Namespace) -> dic
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.engine.throughput", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")

@@ -1,4 +1,4 @@
-"""Priority classes and tenant shares under overload: `atomesh bench priority` (`--help` lists options).
+"""Priority classes and tenant shares under overload: `python -m bench.gateway.priority` (`--help` lists options).
 
 A mock worker (`--latency-secs` per request) sits behind an atomesh gateway admitting
 `--concurrency` requests at once, so its capacity is concurrency / latency requests a second.
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import aiohttp
 
-from atomesh.bench.procs import free_port, gateway_argv, start, stop
+from bench.gateway.procs import free_port, gateway_argv, start, stop
 
 MODEL = "mock-model"
 
@@ -248,7 +248,9 @@ async def run(args: argparse.Namespace, tmp: Path) -> tuple[list[ClassRun], list
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="atomesh bench priority", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.gateway.priority",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--concurrency", type=int, default=8, help="requests the gateway admits at once")
     p.add_argument("--latency-secs", type=float, default=0.1, help="mock worker time per request")

@@ -1,4 +1,4 @@
-"""`atomesh bench serving`: load any OpenAI-compatible server the way ATOM's / vLLM's benchmark_serving does.
+"""`python -m bench.gateway.serving`: load any OpenAI-compatible server the way ATOM's / vLLM's benchmark_serving does.
 
 Random prompts of `--random-input-len` words (+- `--random-range-ratio`), `--random-output-len`
 tokens each, streamed through `/v1/completions`; requests arrive at `--request-rate` (Poisson, or
@@ -10,6 +10,7 @@ InferenceX shows for MiniMax-M3.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -22,6 +23,8 @@ from typing import Any
 
 import aiohttp
 import orjson
+
+from bench.gateway import help_formatter
 
 # Common English words: each is about one token for Llama-family BPE vocabularies.
 _WORDS = (
@@ -280,7 +283,7 @@ def run(
     plot: Path | None,
     prompts_per_concurrency: int = 0,
 ) -> None:
-    """Entry point of `atomesh bench serving` (the CLI parses and checks the flags)."""
+    """Entry point of `python -m bench.gateway.serving` (the CLI parses and checks the flags)."""
     if dataset_name != "random":
         raise ValueError(f"--dataset-name {dataset_name!r} is not supported yet; use 'random'")
     results = []
@@ -308,4 +311,117 @@ def run(
         print(f"saved {plot}")
 
 
-__all__ = ["Prompt", "asdict", "random_prompts", "run", "summarize"]
+def _csv_ints(text: str) -> list[int]:
+    """A comma list of concurrencies (each >= 1), for argparse."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("concurrencies must be >= 1")
+    return values
+
+
+def _csv_floats(text: str) -> list[float]:
+    try:
+        return [float(q) for q in text.split(",") if q.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _metrics(text: str) -> list[str]:
+    metrics = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = set(metrics) - {"ttft", "tpot", "itl", "e2el"}
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown metrics {sorted(unknown)}")
+    return metrics
+
+
+def _at_least(low: float, kind: type[int] | type[float]) -> Any:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}")
+        return value
+
+    return parse
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.gateway.serving", description=__doc__.split("\n")[0], formatter_class=help_formatter
+    )
+    a = p.add_argument
+    a("--base-url", default="http://127.0.0.1:30000", help="Server to load (atomesh or any OpenAI server).")
+    a("--model", default=None, help="Model name sent with each request.")
+    a("--dataset-name", default="random", help="Prompt source (random).")
+    a("--random-input-len", type=_at_least(1, int), default=1024, help="Prompt length in words (~tokens).")
+    a("--random-output-len", type=_at_least(1, int), default=128, help="Tokens generated per request.")
+    a("--random-range-ratio", type=_at_least(0.0, float), default=0.0, help="Lengths vary by +- this ratio (0..1).")
+    a("--num-prompts", type=_at_least(1, int), default=100, help="Requests per pass.")
+    a(
+        "--prompts-per-concurrency",
+        type=_at_least(0, int),
+        default=0,
+        help="With a sweep: each pass sends at least this many requests per unit of concurrency.",
+    )
+    a("--max-concurrency", type=_at_least(1, int), default=16, help="Requests in flight at most.")
+    a("--sweep-concurrency", type=_csv_ints, default=None, help="Comma list of concurrencies: one pass each.")
+    a(
+        "--request-rate",
+        type=_at_least(0.0, float),
+        default=float("inf"),
+        help="Poisson arrivals per second (inf: at once).",
+    )
+    a("--ignore-eos", action="store_true", help="Generate exactly the requested output length.")
+    a("--percentile-metrics", type=_metrics, default=["ttft", "tpot", "itl"], help="Of ttft,tpot,itl,e2el.")
+    a("--metric-percentiles", type=_csv_floats, default=[99.0], help="Comma list of percentiles to report.")
+    a(
+        "--num-workers",
+        type=_at_least(1, int),
+        default=1,
+        help="Workers (GPUs) behind the server, for per-worker throughput.",
+    )
+    a("--seed", type=int, default=0, help="Prompt and arrival seed.")
+    a("--save-result", type=Path, default=None, help="Write the results as JSON here.")
+    a("--plot", type=Path, default=None, help="Draw throughput/worker vs tokens/s/user as PNG here.")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser()
+    args = p.parse_args(argv)
+    if args.random_range_ratio > 1.0:
+        p.error("--random-range-ratio: must be <= 1")
+    try:
+        run(
+            args.base_url,
+            args.model,
+            args.dataset_name,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            args.num_prompts,
+            args.sweep_concurrency or [args.max_concurrency],
+            args.request_rate,
+            args.ignore_eos,
+            args.percentile_metrics,
+            args.metric_percentiles,
+            args.num_workers,
+            args.seed,
+            args.save_result,
+            args.plot,
+            args.prompts_per_concurrency,
+        )
+    except ValueError as e:
+        p.error(str(e))
+
+
+__all__ = ["Prompt", "asdict", "main", "random_prompts", "run", "summarize"]
+
+
+if __name__ == "__main__":
+    main()

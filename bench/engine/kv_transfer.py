@@ -1,6 +1,6 @@
 """KV transfer benchmark: bytes moved per request and GB/s, against Mooncake's raw throughput.
 
-    python -m engine.kv_transfer.bench [--tokens 1024,4096,8192] [--dtype fp32|bf16] [--repeats 5]
+    python -m bench.engine.kv_transfer [--tokens 1024,4096,8192] [--dtype fp32|bf16] [--repeats 5]
                                        [--backend staged|direct] [--staging-mb 128] [--device cpu|cuda]
                                        [--cache-layout engine|merged-indexer|block-major] [--json PATH]
                                        [--protocol ipc|tcp|rdma]
@@ -312,7 +312,7 @@ async def _copy_limits(args: argparse.Namespace, caches: Caches, nbytes: int, as
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.engine.kv_transfer", description=(__doc__ or "").split("\n")[0])
     p.add_argument("--tokens", default="1024,4096,8192", help="prompt lengths, comma-separated")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     p.add_argument("--layouts", default="contiguous,fragmented,scattered")
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
     results = asyncio.run(_run(args))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": "python -m engine.kv_transfer.bench", "args": vars(args), "rows": results}, f,
+            json.dump({"command": "python -m bench.engine.kv_transfer", "args": vars(args), "rows": results}, f,
                       indent=1)  # fmt: skip
 
 

@@ -1,4 +1,4 @@
-"""Memory of a gateway whose clients drop their streams, side by side with SMG: `atomesh bench dropped-streams`.
+"""A gateway's memory as clients drop their streams, side by side with SMG: `python -m bench.gateway.dropped_streams`.
 
 Each gateway in turn is put in front of one fresh mock worker process (`atomesh.testing.mock_worker`,
 `--tokens` events `--chunk-interval-secs` apart, so that every stream is still under way when it is
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import orjson
 
-from atomesh.bench.gateway import _smg
-from atomesh.bench.procs import free_port, start, stop, wait_serving
+from bench.gateway.gateway import _smg
+from bench.gateway.procs import free_port, start, stop, wait_serving
 
 SYSTEMS = ("atomesh", "atomesh-default-gc", "smg")
 # `atomesh launch` with the collector left as Python sets it: tune_gc replaced before the app imports it.
@@ -196,7 +196,9 @@ def print_reports(reports: list[Report], args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="atomesh bench dropped-streams", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.gateway.dropped_streams",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--only",

@@ -1,5 +1,5 @@
 """The probes of issue #31 as an operator and an attacker would run them, side by side with SMG:
-`atomesh bench probes` (`--help` lists options).
+`python -m bench.gateway.probes` (`--help` lists options).
 
 Each gateway in turn runs under `ulimit -n --fd-limit` in front of one engine (`--engine`: a real
 `python -m engine.openai_server` with the tiny random model, so that a request's cancellation is seen
@@ -36,8 +36,8 @@ from typing import Any
 
 import orjson
 
-from atomesh.bench.gateway import _smg
-from atomesh.bench.procs import free_port, start, stop
+from bench.gateway.gateway import _smg
+from bench.gateway.procs import free_port, start, stop
 
 SYSTEMS = ("atomesh", "smg")
 UPGRADE = b"GET /health HTTP/1.1\r\nHost: gw\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
@@ -230,7 +230,7 @@ def print_reports(reports: list[Report], args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="atomesh bench probes", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.gateway.probes", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--only", nargs="+", choices=SYSTEMS, default=None)
     p.add_argument("--fd-limit", type=int, default=1024)

@@ -1,4 +1,4 @@
-"""KV-aware placement on real engines: `python -m atomesh.bench.kv_placement` (or `atomesh bench kv-placement`).
+"""KV-aware placement on real engines: `python -m bench.gateway.kv_placement`.
 
 Starts N engine processes (`engine.openai_server`, SmolLM2 on CPU by default, small KV pools so that
 the prefix caches evict, KV events on) and, per policy, gateway processes in front of them. Traces,
@@ -50,8 +50,6 @@ from typing import Any
 
 import aiohttp
 
-from atomesh.bench.placement import wait_http
-from atomesh.bench.procs import free_port, start, stop
 from atomesh.config import GatewayConfig
 from atomesh.kv.index import as_tokens, chain_keys
 from atomesh.kv.tokens import PromptTokenizer
@@ -60,6 +58,8 @@ from atomesh.policies import make_kv_aware
 from atomesh.request import RequestView, Route
 from atomesh.workers.registry import WorkerRegistry
 from atomesh.workers.worker import Worker, WorkerRole, WorkerState
+from bench.gateway.placement import wait_http
+from bench.gateway.procs import free_port, start, stop
 
 POLICIES = ("kv_aware", "cache_aware", "prefix_hash", "round_robin")
 WORDS = (
@@ -638,7 +638,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="atomesh bench kv-placement", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.gateway.kv_placement", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--engines", type=int, default=4)
     p.add_argument(

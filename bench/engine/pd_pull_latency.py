@@ -15,7 +15,7 @@ Reported per pair (median over rounds): the decode engine's mean pull time
 (prefill leg + the decode leg's first chunk) and the round's wall time; then before / now.
 Printed (and written as JSON with ``--json``), never asserted.
 
-    PYTHONPATH=. python bench/pd_pull_latency.py --before 05e01c4 [--n 8] [--tokens 256] [--rounds 6]
+    python -m bench.engine.pd_pull_latency --before 05e01c4 [--n 8] [--tokens 256] [--rounds 6]
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from engine.bench_pd import HOST, free_port, metric, request, stream_times
+from bench.engine.pd import HOST, free_port, metric, request, stream_times
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Engine:
@@ -125,7 +125,9 @@ def round_(pair: tuple[Engine, Engine], a: argparse.Namespace, r: int) -> dict[s
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="bench/pd_pull_latency.py", description=(__doc__ or "").split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.engine.pd_pull_latency", description=(__doc__ or "").split("\n")[0]
+    )
     p.add_argument("--before", required=True, help="the git revision to measure against (the peer)")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -178,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
           f"TTFT p90 {ratio['ttft_p90_ms']:.2f}x, wall {ratio['wall_ms']:.2f}x")  # fmt: skip
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"command": "bench/pd_pull_latency.py " + " ".join(argv or sys.argv[1:]), "args": vars(a),
+            command = "python -m bench.engine.pd_pull_latency " + " ".join(argv or sys.argv[1:])
+            json.dump({"command": command, "args": vars(a),
                        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "median": med,
                        "ratio_before_over_now": ratio, "rounds": results}, f, indent=1)  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""``python -m engine.bench_pd``: the KV relay end to end, through a prefill and a decode engine.
+"""``python -m bench.engine.pd``: the KV relay end to end, through a prefill and a decode engine.
 
 Starts two ``engine.openai_server`` processes on free loopback ports, a ``kv_producer`` (prefill)
 and a ``kv_consumer`` (decode), both with prefix caching off (every request prefills and moves its
@@ -20,7 +20,7 @@ the second. Bytes moved per request = layers x blocks x (2 x unit bytes (K, V) +
 when sparse), from the model's shape; GB/s = bytes / transfer time.
 
 Raw: Mooncake's own throughput between two processes on the same loopback in the same run (this
-process and a spawned child, through ``engine.kv_transfer.bench``'s helpers): one contiguous write
+process and a spawned child, through ``bench.engine.kv_transfer``'s helpers): one contiguous write
 of the same byte count, timed inside the writer, ``--raw-repeats`` times right before each decode
 leg (median). ``vs raw`` = transfer GB/s / raw GB/s (target >= 70%). Printed (and written as JSON
 with ``--json``), never asserted.
@@ -28,7 +28,7 @@ with ``--json``), never asserted.
 On a GPU: ``--device cuda`` (both engines on the same GPU, each with ``--num-kvcache-blocks``
 blocks; bfloat16 caches unless ``--dtype``), ``--memory-backend`` chooses how the KV moves (auto:
 pinned host staging with the CPU-only Mooncake wheel) and ``--protocol`` which transport (left out:
-``ipc``, the two engines share this host). ``engine.bench_pd_gpu`` runs this and the
+``ipc``, the two engines share this host). ``bench.engine.pd_gpu`` runs this and the
 transfer benchmark as one batch.
 """
 
@@ -51,8 +51,8 @@ from typing import Any
 
 import torch
 
-from engine.bench_sparse import build_prompts, document_ids
-from engine.kv_transfer.bench import _producer_main, make_caches
+from bench.engine.kv_transfer import _producer_main, make_caches
+from bench.engine.sparse import build_prompts, document_ids
 from engine.kv_transfer.mooncake import MooncakeAgent
 from engine.models.loader import load_model
 
@@ -284,7 +284,7 @@ def one_request(prefill: int, decode: int, ids: list[int], nbytes: int, raw: Raw
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m engine.bench_pd", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.engine.pd", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8000], help="prompt tokens")
     p.add_argument("--modes", nargs="+", choices=["dense", "sparse"], default=["dense", "sparse"])
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
         print(row.cells())
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"command": "python -m engine.bench_pd", "args": vars(a), "engine_args": engine_args,
+            json.dump({"command": "python -m bench.engine.pd", "args": vars(a), "engine_args": engine_args,
                        "rows": [r.to_dict() for r in rows]}, f, indent=1)  # fmt: skip
 
 

@@ -1,4 +1,4 @@
-"""Gateway overhead, side by side with SMG: `atomesh bench gateway` (`--help` lists options).
+"""Gateway overhead, side by side with SMG: `python -m bench.gateway.gateway` (`--help` lists options).
 
 One run starts fast mock workers once (`atomesh.testing.fast_mock`, separate processes: two regular
 workers, one prefill and one decode), then puts each gateway in front of them in turn, alternating
@@ -34,8 +34,8 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from atomesh.bench import help_formatter
-from atomesh.bench.procs import free_port, start, stop
+from bench.gateway import help_formatter
+from bench.gateway.procs import free_port, start, stop
 
 STREAM_CHUNKS = 256
 TOKENS = 16
@@ -506,7 +506,7 @@ def report(results: Results, args: argparse.Namespace, phases: list[Phase]) -> N
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="atomesh bench gateway", description=__doc__.split("\n")[0], formatter_class=help_formatter
+        prog="python -m bench.gateway.gateway", description=__doc__.split("\n")[0], formatter_class=help_formatter
     )
     p.add_argument("--rounds", type=int, default=3, help="rounds; each alternates the order of the gateways")
     p.add_argument("--duration", type=int, default=3, help="seconds of load per phase (wrk -d)")

@@ -1,12 +1,12 @@
-"""``python -m engine.bench_pd_gpu --model DIR --out OUT``: the KV relay on one GPU, as one batch.
+"""``python -m bench.engine.pd_gpu --model DIR --out OUT``: the KV relay on one GPU, as one batch.
 
 Runs, each in its own processes, and writes JSON (plus the printed tables) under ``--out``:
 
-1. ``kv_transfer_bench.json``: ``engine.kv_transfer.bench`` with the caches on ``--device``
+1. ``kv_transfer_bench.json``: ``bench.engine.kv_transfer`` with the caches on ``--device``
    (SmolLM2-135M's cache shape, bfloat16 on CUDA), the staged backend, against raw Mooncake
    between the same two processes (pinned host -> pinned host on CUDA): GB/s per request for
    contiguous, fragmented and scattered block ids, and the ratio to raw.
-2. ``bench_pd.json``: ``engine.bench_pd``: a prefill and a decode engine on the same device
+2. ``bench_pd.json``: ``bench.engine.pd``: a prefill and a decode engine on the same device
    (``--num-kvcache-blocks`` each, so that both fit on one GPU), dense and sparse, prompts of
    ``--lengths`` tokens: TTFT split into prefill, KV transfer, decode leg rest and first decode step.
 3. ``summary.json``: the headline figures (staged GB/s vs raw at 4096 tokens with scattered ids,
@@ -102,7 +102,7 @@ def summarize(out: Path, tokens: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m engine.bench_pd_gpu", description=(__doc__ or "").split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.engine.pd_gpu", description=(__doc__ or "").split("\n")[0])
     p.add_argument("--model", required=True, help="SmolLM2-shaped safetensors folder (weights made if missing)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_pd_gpu_out"), help="output folder ($OUT)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -124,10 +124,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"writing random bfloat16 weights into {model}: {write_random_weights(model):,} parameters", flush=True)
     py = sys.executable
     dtype = "bf16" if a.device == "cuda" else "fp32"
-    run([py, "-m", "engine.kv_transfer.bench", "--device", a.device, "--dtype", dtype, "--backend", "staged",
+    run([py, "-m", "bench.engine.kv_transfer", "--device", a.device, "--dtype", dtype, "--backend", "staged",
          "--staging-mb", str(a.staging_mb), "--tokens", a.tokens, "--repeats", "5",
          "--json", str(out / "kv_transfer_bench.json")], out / "kv_transfer_bench.txt", 300)  # fmt: skip
-    run([py, "-m", "engine.bench_pd", "--model", str(model), "--device", a.device, "--lengths", *a.lengths.split(),
+    run([py, "-m", "bench.engine.pd", "--model", str(model), "--device", a.device, "--lengths", *a.lengths.split(),
          "--repeats", str(a.repeats), "--num-kvcache-blocks", str(a.num_kvcache_blocks),
          "--memory-backend", a.memory_backend, "--staging-mb", str(a.staging_mb),
          "--json", str(out / "bench_pd.json")], out / "bench_pd.txt", 600)  # fmt: skip

@@ -1,6 +1,6 @@
 """Placement benchmark: decision cost, index memory, and a shared-prefix trace through real gateways.
 
-`python -m atomesh.bench.placement` (or `atomesh bench placement`) prints three tables:
+`python -m bench.gateway.placement` prints three tables:
 
 (a) decision time per request for each policy, 16 workers, 32 KB prompts (one of 64 shared 24 KB
     prefixes + an 8 KB unique tail), measured around `Placement.place` + `release` with 32 requests
@@ -32,8 +32,6 @@ from pathlib import Path
 
 import aiohttp
 
-from atomesh.bench import help_formatter
-from atomesh.bench.procs import free_port, start, stop
 from atomesh.config import GatewayConfig, PolicyName
 from atomesh.placement import Placement, Plan
 from atomesh.policies import make_policy
@@ -41,6 +39,8 @@ from atomesh.policies.cache_aware import CacheAwarePolicy
 from atomesh.request import RequestView, Route
 from atomesh.workers.registry import WorkerRegistry
 from atomesh.workers.worker import Worker, WorkerRole, WorkerState
+from bench.gateway import help_formatter
+from bench.gateway.procs import free_port, start, stop
 
 # The load-balancing policies compared here (consistent_hashing and dp_sticky route by session, not load).
 POLICIES = (
@@ -426,7 +426,7 @@ def run_trace(args: argparse.Namespace) -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="atomesh bench placement", description=__doc__.split("\n")[0], formatter_class=help_formatter
+        prog="python -m bench.gateway.placement", description=__doc__.split("\n")[0], formatter_class=help_formatter
     )
     p.add_argument(
         "--only",

@@ -1,9 +1,9 @@
 """Turn a P/D experiment's runs into one JSON and one InferenceX-style chart.
 
-    python bench/pd_report.py RUNS_DIR --json docs/results/pd-one-gpu.json --png docs/pd-one-gpu.png
-    python bench/pd_report.py RUNS_DIR --json docs/results/pd-two-gpu.json --png docs/pd-two-gpu.png
+    python -m bench.engine.pd_report RUNS_DIR --json docs/results/pd-one-gpu.json --png docs/pd-one-gpu.png
+    python -m bench.engine.pd_report RUNS_DIR --json docs/results/pd-two-gpu.json --png docs/pd-two-gpu.png
 
-RUNS_DIR holds ``SETUP-ISL-OSL-cN.json`` (``atomesh bench serving`` results) and, for P/D, the engines'
+RUNS_DIR holds ``SETUP-ISL-OSL-cN.json`` (``python -m bench.gateway.serving`` results) and, for P/D, the engines'
 ``/metrics`` before and after each pass, from which the mean TTFT is split into the prefill engine's part
 (its own TTFT: queue and prefill apart where it exports ``atom:request_queue_time_seconds``), the KV pull
 (the decode engine's pull time: waiting for a staging slot and the transfer) and the rest (the decode
@@ -207,7 +207,7 @@ def _runs_meta(runs: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.engine.pd_report", description=__doc__.split("\n")[0])
     p.add_argument("runs", type=Path)
     p.add_argument("--json", type=Path, required=True)
     p.add_argument("--png", type=Path, required=True)

@@ -1,4 +1,4 @@
-"""Workers dying and freezing under load, side by side with SMG: `atomesh bench chaos` (`--help` lists options).
+"""Workers dying and freezing under load, side by side with SMG: `python -m bench.gateway.chaos` (`--help`: options).
 
 Like with like first: atomesh without migration (`--migration-limit 0`, the `atomesh-no-migration` row),
 then SMG (which has no migration), then atomesh with `--migration-limit` (what migration adds). Each in
@@ -32,8 +32,8 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from atomesh.bench.gateway import _smg
-from atomesh.bench.procs import free_port, start, stop, wait_serving
+from bench.gateway.gateway import _smg
+from bench.gateway.procs import free_port, start, stop, wait_serving
 
 MODEL = "mock-model"
 NO_MIGRATION = "atomesh-no-migration"  # atomesh with --migration-limit 0: like for like with SMG
@@ -313,7 +313,7 @@ def print_reports(reports: list[Report], args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="atomesh bench chaos", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.gateway.chaos", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
         "--only",

@@ -1,0 +1,1 @@
+"""The engine worker's benchmarks: `python -m bench.engine.NAME` (`--help` lists the options)."""
