@@ -7,6 +7,7 @@ replays are checked against eager steps too. Skipped when the triton package is 
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -69,6 +70,32 @@ def test_skinny_matmuls_match_linear(tokens: int) -> None:
     torch.testing.assert_close(gemv(x, q, scale, config=cfg).float(), ref, rtol=2e-2, atol=2e-2)
     with pytest.raises(ValueError, match="at most 16 tokens"):
         gemv(torch.zeros(17, 200, dtype=dt, device=DEV), w)
+
+
+def test_skinny_matmul_tiles_come_from_the_measured_table_and_a_tuning_run_overrides_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine.kernels import gemv as g
+
+    packaged = json.loads(g.TILES_FILE.read_text())
+    for device, kinds in packaged.items():
+        for kind, shapes in kinds.items():
+            assert kind in ("bf16", "fp8"), (device, kind)
+            for shape, tile in shapes.items():
+                n, k = map(int, shape.split("x"))
+                assert n > 0 and k > 0 and len(tile) == 4 and all(isinstance(v, int) and v > 0 for v in tile), shape
+    override = tmp_path / "tiles.json"
+    override.write_text(json.dumps({"NVIDIA H200": {"fp8": {"4096x4096": [16, 128, 8, 2]}}}))
+    monkeypatch.setenv("ENGINE_GEMV_TILES", str(override))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
+    g._tiles.cache_clear()
+    try:
+        table = g._tiles(0)
+        assert table["fp8"]["4096x4096"] == [16, 128, 8, 2]  # the tuning run's entry wins
+        assert table["bf16"] == packaged["NVIDIA H200"]["bf16"]  # the rest stays
+    finally:
+        g._tiles.cache_clear()
 
 
 def test_rope_and_store_writes_rotated_keys_and_values_to_their_slots() -> None:
