@@ -29,8 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import socket
 import ssl
+import sys
+import termios
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -620,8 +623,14 @@ class FrontConnection(FlowControl):
         self.release_reading()
 
     def expire(self, now: float) -> None:
-        """The sweep: end the connection if its phase's deadline passed (never while serving)."""
+        """The sweep: end the connection if its phase's deadline passed (never while serving).
+
+        Not while bytes wait unread in its socket: they arrived before this sweep, which may run before the
+        loop polls the sockets (uvloop runs its timers first in each turn, so after a turn that took long,
+        what came meanwhile is not read yet). The next poll reads them and the deadline moves on."""
         if self.task is not None or self.queue or self.transport is None or now < self.deadline:
+            return
+        if _unread(self.transport):
             return
         if self.phase is Phase.IDLE:
             self.transport.close()
@@ -635,6 +644,17 @@ class FrontConnection(FlowControl):
             what = "request head" if self.phase is Phase.HEAD else "request body"
             timeout = self.door.head_timeout if self.phase is Phase.HEAD else self.door.body_timeout
             self.refuse(408, f"the {what} did not arrive within {timeout:g}s")
+
+
+def _unread(transport: asyncio.Transport) -> int:
+    """Bytes received on the transport's socket and not read yet (0 when that cannot be told)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        return int.from_bytes(fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"), sys.byteorder)
+    except (OSError, ValueError):
+        return 0
 
 
 class Relay:
