@@ -52,7 +52,7 @@ from atomesh.errors import GatewayError, error_body
 from atomesh.flow import FlowControl
 from atomesh.request import Route
 from atomesh.tasks import PeriodicTask
-from atomesh.transport import Exchange, Upstream
+from atomesh.transport import NOT_RELAYED, Exchange, Upstream
 
 if TYPE_CHECKING:
     from atomesh.gateway import Gateway
@@ -169,6 +169,22 @@ class FrontExchange(Exchange):
         self.status, self.body = status, body
         self.sent = len(body)
         self.conn.send(response_head(status, headers, len(body), self.conn.keep_alive) + body)
+
+    def respond_relayed(self, status: int, upstream: Mapping[str, str], body: bytes) -> None:
+        if self.cors:
+            self.respond(status, self.response_headers(upstream), body)
+            return
+        # What respond(status, self.response_headers(upstream), body) sends, rendered in one pass.
+        self.status, self.body = status, body
+        self.sent = len(body)
+        conn = self.conn
+        parts = [_STATUS_LINES.get(status) or f"HTTP/1.1 {status} Unknown\r\n"]
+        for k, v in upstream.items():
+            if k not in NOT_RELAYED:
+                parts.append(f"{k}: {v}\r\n")
+        parts.append(f"x-request-id: {self.request_id}\r\nContent-Length: {len(body)}\r\nDate: {_Clock.date()}\r\n")
+        parts.append("\r\n" if conn.keep_alive else "Connection: close\r\n\r\n")
+        conn.send("".join(parts).encode("latin-1", "replace") + body)
 
     async def start_stream(self, status: int, headers: Mapping[str, str]) -> None:
         if self.cors:
