@@ -50,6 +50,7 @@ from atomesh.api.openai import serve_inference
 from atomesh.cors import Cors
 from atomesh.errors import GatewayError, error_body
 from atomesh.flow import FlowControl
+from atomesh.logs import context_setter
 from atomesh.request import Route
 from atomesh.tasks import PeriodicTask
 from atomesh.transport import NOT_RELAYED, Exchange, Upstream
@@ -540,7 +541,7 @@ class FrontConnection(FlowControl):
         acc = door.accounting
         headers = req.headers
         rid = acc.request_id(headers)
-        structlog.contextvars.bind_contextvars(request_id=rid)  # this task's own copy of the context
+        door.bind_request_id(rid)  # into this task's own copy of the context, for every log line it writes
         exchange = FrontExchange(self, rid, headers, not req.http10)
         path: str = route  # a StrEnum: its value
         started = acc.begin("POST", path)
@@ -789,6 +790,7 @@ class FrontDoor:
         self.body_timeout = cfg.http_body_timeout_secs
         self.keepalive_timeout = cfg.http_keepalive_timeout_secs
         self.relay: Relay | None = None  # set before listening
+        self.bind_request_id = context_setter("request_id")
         self.cors = Cors(cfg.cors_allowed_origins) if cfg.cors_allowed_origins and hot else None
         self.connections: set[FrontConnection] = set()
         self.loop = asyncio.get_event_loop()

@@ -14,11 +14,13 @@ structlog and `logging` a line cost about as much as the rest of a small request
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import logging.handlers
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +119,14 @@ def redact(text: str) -> str:
     if "@" in text and "://" in text:
         text = _URL_PASSWORD.sub(r"\1***@", text)
     return text
+
+
+def context_setter(key: str) -> Callable[[Any], contextvars.Token[Any]]:
+    """What `structlog.contextvars.bind_contextvars(**{key: value})` does, as one call of the context
+    variable's own `set` (for the request path, which binds its request id once a request)."""
+    token = structlog.contextvars.bind_contextvars(**{key: None})[key]
+    token.var.reset(token)  # found through structlog, so that its merge_contextvars reads the same one
+    return token.var.set
 
 
 def _redact_line(logger: object, name: str, line: Any) -> Any:
