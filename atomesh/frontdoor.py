@@ -192,7 +192,10 @@ class FrontExchange(Exchange):
             headers = {**headers, **self.cors}
         self.status = status
         self.committed = True
-        self.sse = any(k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in headers.items())
+        ctype = headers.get("content-type")  # as relay() names it
+        if ctype is None:
+            ctype = next((v for k, v in headers.items() if k.lower() == "content-type"), "")
+        self.sse = ctype.startswith("text/event-stream")
         if not self.framed:
             self.conn.keep_alive = False  # the end of the body is the end of the connection
         self.conn.send(response_head(status, headers, None, self.conn.keep_alive, self.framed))

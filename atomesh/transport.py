@@ -302,6 +302,18 @@ NOT_RELAYED = frozenset(
 )
 
 
+def relay_now(exchange: Exchange, resp: Response) -> bool:
+    """Answer with a whole (not streamed) answer whose body is all in already, as `relay` would, without a
+    coroutine to run (a small answer usually arrives with its head); False: `relay` it."""
+    if resp.status >= 400 or exchange.committed or resp.content_type == "text/event-stream":
+        return False
+    body = resp.read_now()
+    if body is None:
+        return False
+    exchange.respond_relayed(resp.status, resp.headers, body)
+    return True
+
+
 async def relay(exchange: Exchange, resp: Response, on_chunk: ChunkHook | None = None) -> None:
     """Pass an upstream response to the client: whole if JSON, chunk by chunk if SSE.
 

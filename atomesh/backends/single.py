@@ -8,7 +8,7 @@ from atomesh.errors import UpstreamError
 from atomesh.httpclient import HTTPClientError
 from atomesh.placement import Plan, Single
 from atomesh.request import RequestView
-from atomesh.transport import ChunkHook, Exchange, Upstream, relay, upstream_error
+from atomesh.transport import ChunkHook, Exchange, Upstream, relay, relay_now, upstream_error
 
 
 class SingleBackend:
@@ -32,7 +32,8 @@ class SingleBackend:
                         "POST", url, data=data, headers=self.upstream.headers_for(exchange, worker)
                     )
                     try:
-                        await relay(exchange, resp, self.on_chunk)
+                        if not relay_now(exchange, resp):
+                            await relay(exchange, resp, self.on_chunk)
                     finally:
                         resp.release()  # back to the pool only if its body was read to the end
                 except HTTPClientError as e:
