@@ -271,12 +271,25 @@ class Permit:
         self._cls = cls
         self._priority = priority
 
-    async def __aenter__(self) -> None:
+    def take_now(self) -> bool:
+        """Hold the slot at once if one is free and nobody waits (then `release()` it); False: await
+        `__aenter__`. The request path's way in: no coroutine to run when there is no wait."""
         a = self._admission
         if a.limit is None and a.bucket is None:
             a._take(self._cls)  # unlimited: nothing to wait for
-            return
-        await a._acquire(self._cls, self._priority)
+            return True
+        if not len(a._queue) and a._free_now(self._cls):
+            a._take(self._cls)
+            return True
+        return False
+
+    def release(self) -> None:
+        """Give the slot back (a permit taken with `take_now` or entered)."""
+        self._admission._release(self._cls)
+
+    async def __aenter__(self) -> None:
+        if not self.take_now():
+            await self._admission._acquire(self._cls, self._priority)
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

@@ -29,8 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import socket
 import ssl
+import sys
+import termios
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -47,9 +50,10 @@ from atomesh.api.openai import serve_inference
 from atomesh.cors import Cors
 from atomesh.errors import GatewayError, error_body
 from atomesh.flow import FlowControl
+from atomesh.logs import context_setter
 from atomesh.request import Route
 from atomesh.tasks import PeriodicTask
-from atomesh.transport import Exchange, Upstream
+from atomesh.transport import NOT_RELAYED, Exchange, Upstream
 
 if TYPE_CHECKING:
     from atomesh.gateway import Gateway
@@ -167,12 +171,31 @@ class FrontExchange(Exchange):
         self.sent = len(body)
         self.conn.send(response_head(status, headers, len(body), self.conn.keep_alive) + body)
 
+    def respond_relayed(self, status: int, upstream: Mapping[str, str], body: bytes) -> None:
+        if self.cors:
+            self.respond(status, self.response_headers(upstream), body)
+            return
+        # What respond(status, self.response_headers(upstream), body) sends, rendered in one pass.
+        self.status, self.body = status, body
+        self.sent = len(body)
+        conn = self.conn
+        parts = [_STATUS_LINES.get(status) or f"HTTP/1.1 {status} Unknown\r\n"]
+        for k, v in upstream.items():
+            if k not in NOT_RELAYED:
+                parts.append(f"{k}: {v}\r\n")
+        parts.append(f"x-request-id: {self.request_id}\r\nContent-Length: {len(body)}\r\nDate: {_Clock.date()}\r\n")
+        parts.append("\r\n" if conn.keep_alive else "Connection: close\r\n\r\n")
+        conn.send("".join(parts).encode("latin-1", "replace") + body)
+
     async def start_stream(self, status: int, headers: Mapping[str, str]) -> None:
         if self.cors:
             headers = {**headers, **self.cors}
         self.status = status
         self.committed = True
-        self.sse = any(k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in headers.items())
+        ctype = headers.get("content-type")  # as relay() names it
+        if ctype is None:
+            ctype = next((v for k, v in headers.items() if k.lower() == "content-type"), "")
+        self.sse = ctype.startswith("text/event-stream")
         if not self.framed:
             self.conn.keep_alive = False  # the end of the body is the end of the connection
         self.conn.send(response_head(status, headers, None, self.conn.keep_alive, self.framed))
@@ -521,7 +544,7 @@ class FrontConnection(FlowControl):
         acc = door.accounting
         headers = req.headers
         rid = acc.request_id(headers)
-        structlog.contextvars.bind_contextvars(request_id=rid)  # this task's own copy of the context
+        door.bind_request_id(rid)  # into this task's own copy of the context, for every log line it writes
         exchange = FrontExchange(self, rid, headers, not req.http10)
         path: str = route  # a StrEnum: its value
         started = acc.begin("POST", path)
@@ -620,8 +643,14 @@ class FrontConnection(FlowControl):
         self.release_reading()
 
     def expire(self, now: float) -> None:
-        """The sweep: end the connection if its phase's deadline passed (never while serving)."""
+        """The sweep: end the connection if its phase's deadline passed (never while serving).
+
+        Not while bytes wait unread in its socket: they arrived before this sweep, which may run before the
+        loop polls the sockets (uvloop runs its timers first in each turn, so after a turn that took long,
+        what came meanwhile is not read yet). The next poll reads them and the deadline moves on."""
         if self.task is not None or self.queue or self.transport is None or now < self.deadline:
+            return
+        if _unread(self.transport):
             return
         if self.phase is Phase.IDLE:
             self.transport.close()
@@ -635,6 +664,17 @@ class FrontConnection(FlowControl):
             what = "request head" if self.phase is Phase.HEAD else "request body"
             timeout = self.door.head_timeout if self.phase is Phase.HEAD else self.door.body_timeout
             self.refuse(408, f"the {what} did not arrive within {timeout:g}s")
+
+
+def _unread(transport: asyncio.Transport) -> int:
+    """Bytes received on the transport's socket and not read yet (0 when that cannot be told)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        return int.from_bytes(fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"), sys.byteorder)
+    except (OSError, ValueError):
+        return 0
 
 
 class Relay:
@@ -753,6 +793,7 @@ class FrontDoor:
         self.body_timeout = cfg.http_body_timeout_secs
         self.keepalive_timeout = cfg.http_keepalive_timeout_secs
         self.relay: Relay | None = None  # set before listening
+        self.bind_request_id = context_setter("request_id")
         self.cors = Cors(cfg.cors_allowed_origins) if cfg.cors_allowed_origins and hot else None
         self.connections: set[FrontConnection] = set()
         self.loop = asyncio.get_event_loop()

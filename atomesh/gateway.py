@@ -205,7 +205,8 @@ class Gateway:
     # ------------------------------------------------------------------ request accounting
     def request_started(self) -> None:
         self.active_requests += 1
-        self._idle.clear()
+        if self.active_requests == 1:
+            self._idle.clear()
 
     def request_finished(self) -> None:
         self.active_requests -= 1

@@ -428,6 +428,7 @@ class ClientPool:
         self._sweeper = PeriodicTask("client-pool-sweep", min(keepalive_timeout / 2, 5.0), self._sweep)
         self._sweeping = False
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the first request (one loop uses a pool)
 
     async def request(
         self,
@@ -446,7 +447,9 @@ class ClientPool:
         """
         if self._closed:
             raise HTTPClientError("client closed")
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None:  # looked up once: asyncio.get_running_loop() makes a getpid() system call each time
+            loop = self._loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         key, target, host = self._route(url)
         data, tail = _encode(method, target, host, headers, body)

@@ -14,11 +14,13 @@ structlog and `logging` a line cost about as much as the rest of a small request
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import logging.handlers
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +106,19 @@ _CREDENTIAL = re.compile(r"(?i)\b(bearer|basic)(\s+)[A-Za-z0-9._~+/=-]+")
 _URL_PASSWORD = re.compile(r"(://[^/@:\s'\"]*:)[^/@\s'\"]+@")
 
 
+def may_hold_secret(text: str) -> bool:
+    """Whether `redact` could change `text` (False: it holds none of the words its patterns start from)."""
+    low = text.lower()
+    return (
+        "authorization" in low
+        or "cookie" in low
+        or ("api" in low and "key" in low)
+        or "bearer" in low
+        or "basic" in low
+        or ("@" in text and "://" in text)
+    )
+
+
 def redact(text: str) -> str:
     """`text` with every credential it carries replaced by `***`.
 
@@ -117,6 +132,14 @@ def redact(text: str) -> str:
     if "@" in text and "://" in text:
         text = _URL_PASSWORD.sub(r"\1***@", text)
     return text
+
+
+def context_setter(key: str) -> Callable[[Any], contextvars.Token[Any]]:
+    """What `structlog.contextvars.bind_contextvars(**{key: value})` does, as one call of the context
+    variable's own `set` (for the request path, which binds its request id once a request)."""
+    token = structlog.contextvars.bind_contextvars(**{key: None})[key]
+    token.var.reset(token)  # found through structlog, so that its merge_contextvars reads the same one
+    return token.var.set
 
 
 def _redact_line(logger: object, name: str, line: Any) -> Any:
@@ -143,6 +166,7 @@ _FLUSH_LINES = 512  # written at once past this many waiting lines
 _FIELDS = ("request_id", "method", "path", "status", "worker", "latency_ms", "bytes")
 # A console value holding one of these is printed as repr() (a regex scans faster than a set of them).
 _QUOTED = re.compile("[ \t=\r\n\"']")
+_PLAIN_KEPT = 256  # (method, path, worker) verdicts kept by an access log (paths of refused requests vary)
 _Line = tuple[int, str | None, str | None, str | None, int, str | None, float | None, int]  # time in ns first
 
 
@@ -162,6 +186,11 @@ class _Stamps:
             self.second = second
             self.prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
         return f"{self.prefix}.{micro:06d}Z" if micro else self.prefix + "Z"  # as isoformat: no zero fraction
+
+
+def _plain(text: str) -> bool:
+    """Whether a console field prints as it is (nothing to quote) and needs no redaction."""
+    return _QUOTED.search(text) is None and not may_hold_secret(text)
 
 
 def _console_value(v: object) -> str:
@@ -204,6 +233,8 @@ class AccessLog:
             "status=%r worker=%s"
         )
         self.fast = fast
+        # (method, path, worker) -> whether they print as they are and hold no secret (see _console_text).
+        self._plain: dict[tuple[str | None, str | None, str | None], bool] = {}
         self._pending: list[_Line] = []
         self._timer: asyncio.TimerHandle | None = None
         self._stamp = _Stamps()
@@ -256,9 +287,12 @@ class AccessLog:
             return
         context = structlog.contextvars.get_contextvars()
         context.pop("request_id", None)
-        text = redact(
-            "\n".join(self._json_lines(lines, context) if self._json else self._console_lines(lines, context))
-        )
+        if self._json:
+            text = redact("\n".join(self._json_lines(lines, context)))
+        elif context:
+            text = redact("\n".join(self._context_lines(lines, context)))
+        else:
+            text = self._console_text(lines)  # redacted line by line, where a field may hold a secret
         record = self._record
         record.rendered = text
         for handler in logging.getLogger().handlers:  # where a record of atomesh.access goes (it has none of its own)
@@ -278,18 +312,28 @@ class AccessLog:
     def close(self) -> None:
         self.flush()
 
-    def _console_lines(self, lines: list[_Line], context: dict[str, Any]) -> list[str]:
+    def _console_text(self, lines: list[_Line]) -> str:
+        """Console lines of the usual fields, in sorted order, known in advance (no context variables bound)."""
         stamp_of = self._stamp
+        line = self._line
+        plain_fields = self._plain
         out = []
-        if not context:  # the usual case: the fields in sorted order, known in advance
-            line = self._line
-            quoted = _QUOTED.search
-            for t, rid, method, path, status, worker, latency, sent in lines:
+        for t, rid, method, path, status, worker, latency, sent in lines:
+            # A line needs neither quoting nor redaction when none of its text fields does: the method,
+            # path and worker repeat from line to line (their verdict is kept), the request id is new.
+            key = (method, path, worker)
+            plain = plain_fields.get(key)
+            if plain is None:
+                plain = _plain(f"{method}{path}{worker}")
+                if len(plain_fields) >= _PLAIN_KEPT:
+                    plain_fields.clear()
+                plain_fields[key] = plain
+            if plain and (rid is None or _plain(rid)):
                 # None and strings without a character to quote read the same through %s as structlog's.
-                if quoted(f"{rid}{method}{path}{worker}") is None:
-                    out.append(line % (stamp_of(t), sent, latency, method, path, rid, status, worker))
-                else:
-                    out.append(
+                out.append(line % (stamp_of(t), sent, latency, method, path, rid, status, worker))
+            else:
+                out.append(
+                    redact(
                         line
                         % (
                             stamp_of(t),
@@ -302,8 +346,13 @@ class AccessLog:
                             _console_value(worker),
                         )
                     )
-            return out
+                )
+        return "\n".join(out)
+
+    def _context_lines(self, lines: list[_Line], context: dict[str, Any]) -> list[str]:
+        stamp_of = self._stamp
         head = self._head
+        out = []
         for t, *values in lines:
             stamp = stamp_of(t)
             fields = {**context, **dict(zip(_FIELDS, values, strict=True))}

@@ -445,6 +445,7 @@ class Metrics:
         self._routed: dict[tuple[str, str, str, str], tuple[CounterValue, HistogramValue]] = {}
         self._picked: dict[tuple[str, str, str], CounterValue] = {}
         self._served: dict[tuple[str, str, int | None], tuple[CounterValue, CounterValue]] = {}
+        self._tokens: dict[tuple[str, str, str], CounterValue] = {}
 
     # ------------------------------------------------------------------ declaration
     def _declare(self, family: F) -> F:
@@ -566,6 +567,14 @@ class Metrics:
             )
         values[0].value += 1
         values[1].value += 1
+
+    def token_counter(self, endpoint: str, model: str, kind: str) -> CounterValue:
+        """`mesh_router_tokens_total` of an endpoint, model and kind (`input` or `output`)."""
+        key = (endpoint, model, kind)
+        counter = self._tokens.get(key)
+        if counter is None:
+            counter = self._tokens[key] = self.tokens.labels(*key)
+        return counter
 
     # ------------------------------------------------------------------ recording helpers
     def meter(self, route: str, model: str | None, streaming: bool) -> RequestMeter:
@@ -725,9 +734,9 @@ class RequestMeter:
         if self.streaming and self.first_at is not None and out is not None and out > 1:
             m.tpot.labels(*labels).observe((self.last_at - self.first_at) / (out - 1))
         if out:
-            m.tokens.labels(self.endpoint, self.model, "output").inc(out)
+            m.token_counter(self.endpoint, self.model, "output").value += out
         if self.usage_in:
-            m.tokens.labels(self.endpoint, self.model, "input").inc(self.usage_in)
+            m.token_counter(self.endpoint, self.model, "input").value += self.usage_in
 
 
 def metrics_markdown(metrics: Metrics | None = None) -> str:

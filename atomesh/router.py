@@ -74,6 +74,7 @@ class Router:
         self.on_unreachable: UnreachableHook | None = None
         # The attempts running on each worker, for fail_over (a worker is in here only while it has some).
         self._running: dict[Worker, set[_Attempt]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop serving requests (one: the gateway's)
 
     def fail_over(self, worker: Worker, reason: str) -> int:
         """Take the requests running on a worker declared dead off it, to be placed again at once.
@@ -141,7 +142,10 @@ class Router:
         tried: list[Worker] = []
         delays: Iterator[float] | None = None  # made on the first retry: a fresh Random() seeds from urandom
         attempt = 0
-        task = asyncio.current_task()
+        loop = self._loop
+        if loop is None:  # looked up once: asyncio.get_running_loop() makes a getpid() system call each time
+            loop = self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task(loop)
         assert task is not None
         tracker: StreamTracker | None = None
         refused: str | None = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import ssl
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -107,24 +107,17 @@ class Upstream:
             await self._pool.close()
             self._pool = None
 
-    async def request(
+    def request(
         self, method: str, url: str, *, data: bytes | bytearray | None = None, headers: Mapping[str, str] | None = None
-    ) -> Response:
-        """Send a request (the request timeout bounds it whole); the caller must `release()` or `close()`
-        the response, and map HTTPClientError raised while reading it with `upstream_error`. The request
-        path's way to a worker: no context manager to enter and leave."""
+    ) -> Awaitable[Response]:
+        """Send a request (the request timeout bounds it whole); await it for the response, whose head is
+        in. The caller must `release()` or `close()` the response, and map the HTTPClientError raised by
+        the await or while reading with `upstream_error`. The request path's way to a worker: no context
+        manager to enter and leave, and no coroutine of its own around the pool's."""
         if self._pool is None:
             raise RuntimeError("Upstream used before start()")
-        try:
-            return await self._pool.request(
-                method,
-                url,
-                headers=self._hop_headers if headers is None else headers,
-                body=data,
-                timeout=self.request_timeout,
-            )
-        except HTTPClientError as e:
-            raise upstream_error(e, url) from None
+        headers = self._hop_headers if headers is None else headers
+        return self._pool.request(method, url, headers=headers, body=data, timeout=self.request_timeout)
 
     def open(
         self,
@@ -280,16 +273,20 @@ class Exchange(ABC):
         """Return once the client takes more of the stream (exchanges with `direct` set)."""
         raise NotImplementedError(f"{type(self).__name__} is not direct: relay() writes to it with write()")
 
+    def respond_relayed(self, status: int, upstream: Mapping[str, str], body: bytes) -> None:
+        """`respond` with a worker's answer: its headers as `response_headers` makes them."""
+        self.respond(status, self.response_headers(upstream), body)
+
     def response_headers(self, upstream: Mapping[str, str]) -> dict[str, str]:
         """The worker's response headers (names lower-case, as the client gives them), less hop-by-hop
         ones, with our request id."""
-        headers = {k: v for k, v in upstream.items() if k not in _NOT_RELAYED}
+        headers = {k: v for k, v in upstream.items() if k not in NOT_RELAYED}
         headers["x-request-id"] = self.request_id
         return headers
 
 
 # Response headers that describe one hop, not the response (RFC 9110 §7.6.1), or that the server sets.
-_NOT_RELAYED = frozenset(
+NOT_RELAYED = frozenset(
     {
         "connection",
         "keep-alive",
@@ -303,6 +300,18 @@ _NOT_RELAYED = frozenset(
         "x-request-id",
     }
 )
+
+
+def relay_now(exchange: Exchange, resp: Response) -> bool:
+    """Answer with a whole (not streamed) answer whose body is all in already, as `relay` would, without a
+    coroutine to run (a small answer usually arrives with its head); False: `relay` it."""
+    if resp.status >= 400 or exchange.committed or resp.content_type == "text/event-stream":
+        return False
+    body = resp.read_now()
+    if body is None:
+        return False
+    exchange.respond_relayed(resp.status, resp.headers, body)
+    return True
 
 
 async def relay(exchange: Exchange, resp: Response, on_chunk: ChunkHook | None = None) -> None:
@@ -325,7 +334,7 @@ async def relay(exchange: Exchange, resp: Response, on_chunk: ChunkHook | None =
         body = resp.read_now()
         if body is None:
             body = await resp.read()
-        exchange.respond(resp.status, exchange.response_headers(resp.headers), body)
+        exchange.respond_relayed(resp.status, resp.headers, body)
         return
     on_chunk = on_chunk or exchange.on_chunk
     filt = exchange.stream_filter

@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 import os
 import resource
+import socket
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
 import orjson
 import pytest
-from gwtest import MakeWorkers, free_port, wait_for
+from gwtest import MakeWorkers, free_port, gateway_config, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,13 +43,27 @@ class Gateway:
         raise AssertionError(field)
 
     async def request(self, data: bytes = REQUEST, timeout: float = 10, port: int | None = None) -> int:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port or self.port)
+        reader, writer = await connect_and_send(port or self.port, data)
         try:
-            writer.write(data)
             got = await asyncio.wait_for(reader.read(), timeout)
         finally:
             writer.close()
         return int(got.split(b" ", 2)[1]) if got.startswith(b"HTTP/1.1 ") else 0
+
+
+async def connect_and_send(port: int, data: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection whose first bytes are sent as it opens, as a client's are.
+
+    The gateway closes a connection that sends nothing within the head timeout (1 s here). Connecting
+    with asyncio and writing at the coroutine's next turn leaves a window of event-loop turns, shared with
+    60 other clients of this process, in which a pause of this process (a full collection of the test
+    session's heap, a starved CPU) can pass that second: the gateway then rightly closes a connection that
+    sent nothing and the request is lost (status 0, seen once in a full run). A blocking connect on
+    loopback followed at once by the send leaves no such window."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(data)
+    sock.setblocking(False)
+    return await asyncio.open_connection(sock=sock)
 
 
 def _limit_fds(limit: int = FD_LIMIT) -> Callable[[], None]:
@@ -122,14 +138,15 @@ async def gw(mock_workers: MakeWorkers) -> AsyncIterator[Gateway]:
 
 async def test_slowloris_is_timed_out_while_others_are_served(gw: Gateway) -> None:
     async def loris() -> bytes:
-        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nX-Slow: " + b"a" * 100
+        reader, writer = await connect_and_send(gw.port, head[:1])
         answer = asyncio.ensure_future(reader.read())
         try:
-            for byte in b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nX-Slow: " + b"a" * 100:
-                writer.write(bytes([byte]))
+            for byte in head[1:]:
                 await asyncio.wait([answer], timeout=0.2)
                 if answer.done():
                     break
+                writer.write(bytes([byte]))
         except ConnectionError:
             pass
         got = await asyncio.wait_for(answer, 10)
@@ -217,3 +234,56 @@ async def test_2000_upgrade_and_connect_requests_under_1024_descriptors(mock_wor
     finally:
         gw.proc.terminate()
         await asyncio.wait_for(gw.proc.wait(), 15)
+
+
+def test_a_request_that_arrived_in_time_survives_a_stalled_event_loop() -> None:
+    """The gateway's event loop stalls past the head timeout (a starved CPU, a long callback) while a request
+    that arrived in time sits unread in its socket: the request is answered, not dropped unanswered.
+
+    uvloop, as `atomesh launch` runs: after a stall in its I/O phase, the next turn runs the timers (the
+    connection sweep) before it polls the sockets again. The stall here is a callback of another connection
+    of the same loop that blocks for 1.6 s; the request is sent from a thread meanwhile."""
+    import uvloop
+
+    from atomesh.app import GatewayServer
+    from atomesh.testing.mock_worker import MockWorker
+
+    class Stall(asyncio.Protocol):
+        """A client whose first answer byte blocks the loop (as a loop that fell behind would be)."""
+
+        def __init__(self) -> None:
+            self.stalled = False
+
+        def data_received(self, data: bytes) -> None:
+            if not self.stalled:
+                self.stalled = True
+                time.sleep(1.6)
+
+    async def scenario() -> bytes:
+        worker = MockWorker(name="w0")
+        await worker.start()
+        server = GatewayServer(gateway_config(worker_urls=[worker.url], http_head_timeout_secs=1.0))
+        await server.start()
+        port = server.config.port
+        try:
+            late = socket.create_connection(("127.0.0.1", port))  # accepted now, its request sent during the stall
+            await wait_for(lambda: len(server.door.connections) == 1, what="the connection to be accepted")
+            loop = asyncio.get_running_loop()
+            stall, _ = await loop.create_connection(Stall, "127.0.0.1", port)
+            sender = threading.Timer(0.3, late.sendall, (REQUEST,))
+            sender.start()
+            stall.write(REQUEST)  # its answer arrives in the I/O phase and stalls it
+            await asyncio.sleep(2.0)
+            sender.join()
+            late.setblocking(False)
+            reader, writer = await asyncio.open_connection(sock=late)
+            got = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            stall.close()
+            return got
+        finally:
+            await server.close()
+            await worker.stop()
+
+    got = uvloop.run(scenario())
+    assert got.startswith(b"HTTP/1.1 200 "), got[:200]

@@ -96,6 +96,8 @@ class HttpAccounting:
         self.next_id = request_ids()
         # Batched (written off the request path) where the server passes one; else each line at once.
         self.access_log = access_log if access_log is not None else AccessLog(batched=False)
+        # Whether a line is written at all (at --log-level warn a batched access log writes none).
+        self.logging = self.sample_rate > 0 and (not self.access_log.fast or self.access_log.enabled)
 
     def request_id(self, headers: Mapping[str, str]) -> str:
         """The caller's id from the configured headers (looked up lower-case), or a new one."""
@@ -126,7 +128,7 @@ class HttpAccounting:
         request (None for other routes); `target` the raw path, when it is not the route's own."""
         elapsed = time.perf_counter() - started
         self.metrics.http_answered(method if method in _METHODS else "OTHER", path, status, admission, elapsed)
-        if self.sample_rate > 0 and (status >= 400 or self.sample_rate >= 1 or random.random() < self.sample_rate):
+        if self.logging and (status >= 400 or self.sample_rate >= 1 or random.random() < self.sample_rate):
             self.access_log.write(
                 request_id, method, target or path, status, ",".join(workers) or None, round(elapsed * 1000, 3), sent
             )
@@ -134,7 +136,7 @@ class HttpAccounting:
     def refused(self, status: int, request_id: str | None = None, target: bytes = b"", sent: int = 0) -> None:
         """A request the front door answered itself, its head or body at fault (no route is known)."""
         self.metrics.http_responses.labels("unmatched", str(status)).inc()
-        if self.sample_rate > 0:
+        if self.logging:
             self.access_log.write(
                 request_id, None, _bare_path(target.decode("latin-1")) or None, status, None, None, sent
             )

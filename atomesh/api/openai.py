@@ -17,14 +17,18 @@ from atomesh.transport import HOP_HEADER, Exchange
 from atomesh.validation import parse_request
 
 
-async def serve_inference(gw: Gateway, route: Route, raw: bytes | bytearray, exchange: Exchange) -> None:
-    """One inference request, whichever server took it: parse, validate, admit, route.
+def serve_inference(gw: Gateway, route: Route, raw: bytes | bytearray, exchange: Exchange) -> Awaitable[None]:
+    """One inference request, whichever server took it: parse, validate, admit, route (await it).
 
     Every failure raised here, the gateway's own refusals included, counts in
-    `mesh_router_request_errors_total`. With --enable-trace, it runs in the request's server span."""
+    `mesh_router_request_errors_total`. With --enable-trace, it runs in the request's server span.
+    Without, the request's coroutine is returned as it is: no coroutine of its own around it."""
     if not gw.tracing.on:
-        await _serve(gw, route, raw, exchange)
-        return
+        return _serve(gw, route, raw, exchange)
+    return _traced(gw, route, raw, exchange)
+
+
+async def _traced(gw: Gateway, route: Route, raw: bytes | bytearray, exchange: Exchange) -> None:
     with gw.tracing.request(
         f"POST {route.value}", exchange.headers, {"http.route": route.value, "atomesh.request_id": exchange.request_id}
     ) as span:
@@ -80,12 +84,12 @@ async def _serve(gw: Gateway, route: Route, raw: bytes | bytearray, exchange: Ex
                     root.set_attribute("gen_ai.request.model", view.model or "")
                 with gw.tracing.span("admission", {"atomesh.class": cls.name.lower(), "atomesh.tenant": tenant}):
                     await permit.__aenter__()
-            else:
-                await permit.__aenter__()
+            elif not permit.take_now():
+                await permit.__aenter__()  # waits in the admission queue
             try:
                 await gw.router.serve(exchange, view)
             finally:
-                await permit.__aexit__(None, None, None)
+                permit.release()
         finally:
             gw.request_finished()
     except GatewayError as e:

@@ -8,7 +8,7 @@ from atomesh.errors import UpstreamError
 from atomesh.httpclient import HTTPClientError
 from atomesh.placement import Plan, Single
 from atomesh.request import RequestView
-from atomesh.transport import ChunkHook, Exchange, Upstream, relay, upstream_error
+from atomesh.transport import ChunkHook, Exchange, Upstream, relay, relay_now, upstream_error
 
 
 class SingleBackend:
@@ -27,15 +27,17 @@ class SingleBackend:
         tracing = self.upstream.tracing
         try:
             if tracing is None:
-                resp = await self.upstream.request(
-                    "POST", url, data=data, headers=self.upstream.headers_for(exchange, worker)
-                )
                 try:
-                    await relay(exchange, resp, self.on_chunk)
+                    resp = await self.upstream.request(
+                        "POST", url, data=data, headers=self.upstream.headers_for(exchange, worker)
+                    )
+                    try:
+                        if not relay_now(exchange, resp):
+                            await relay(exchange, resp, self.on_chunk)
+                    finally:
+                        resp.release()  # back to the pool only if its body was read to the end
                 except HTTPClientError as e:
                     raise upstream_error(e, url) from None
-                finally:
-                    resp.release()  # back to the pool only if its body was read to the end
                 return
             with tracing.span("upstream", {"server.address": worker.url, "atomesh.leg": "single"}, client=True):
                 async with self.upstream.open(
