@@ -281,6 +281,7 @@ def main() -> None:
     p.add_argument("--eagle", default=None, help="time EAGLE-3 steps with this head folder ('random': a random head)")
     p.add_argument("--draft-vocab", type=int, default=32000, help="draft vocabulary of a random head")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
     p.add_argument("--unpacked-peer", action="store_true",
                    help="also an n-gram engine with unpacked linears (before engine.cpu_packed)")  # fmt: skip
     a = p.parse_args()
@@ -332,7 +333,8 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens)
     results = []
     clock = time.process_time if a.clock == "cpu" else time.perf_counter
-    for name, text in TASKS.items():
+    for name in a.tasks:
+        text = TASKS[name]
         prompt = plain.tokenizer.encode(plain.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
         totals: dict[str, list[float]] = {label: [] for label in engines}
         prefills: dict[str, list[float]] = {label: [] for label in engines}
