@@ -2,7 +2,8 @@
 
 Batch 1, greedy, on tasks whose answers repeat their input (quote a passage back, edit code), with the
 embedded SmolLM2 unless ``--model`` says otherwise. Each task runs on a plain engine and on a speculating
-one, alternately, ``--repeats`` times; the best wall time of each counts (the machine is shared). Reported:
+one (and with ``--unpacked-peer`` on a speculating one whose linears are not packed: engine.cpu_packed),
+alternately, ``--repeats`` times; the median time of each counts (the machine is shared). Reported:
 generated tokens / second of the whole request (prefill included, the same prompt for both), the speed-up,
 the acceptance length (tokens per verify row) and whether the two outputs are the same token for token
 (they must be, under greedy). Printed, never asserted.
