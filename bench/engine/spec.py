@@ -2,7 +2,8 @@
 
 Batch 1, greedy, on tasks whose answers repeat their input (quote a passage back, edit code), with the
 embedded SmolLM2 unless ``--model`` says otherwise. Each task runs on a plain engine and on a speculating
-one, alternately, ``--repeats`` times; the best wall time of each counts (the machine is shared). Reported:
+one (and with ``--unpacked-peer`` on a speculating one whose linears are not packed: engine.cpu_packed),
+alternately, ``--repeats`` times; the median time of each counts (the machine is shared). Reported:
 generated tokens / second of the whole request (prefill included, the same prompt for both), the speed-up,
 the acceptance length (tokens per verify row) and whether the two outputs are the same token for token
 (they must be, under greedy). Printed, never asserted.
@@ -283,6 +284,7 @@ def main() -> None:
     p.add_argument("--eagle", default=None, help="time EAGLE-3 steps with this head folder ('random': a random head)")
     p.add_argument("--draft-vocab", type=int, default=32000, help="draft vocabulary of a random head")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
     p.add_argument("--unpacked-peer", action="store_true",
                    help="also an n-gram engine with unpacked linears (before engine.cpu_packed)")  # fmt: skip
     a = p.parse_args()
@@ -334,7 +336,8 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens)
     results = []
     clock = time.process_time if a.clock == "cpu" else time.perf_counter
-    for name, text in TASKS.items():
+    for name in a.tasks:
+        text = TASKS[name]
         prompt = plain.tokenizer.encode(plain.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
         totals: dict[str, list[float]] = {label: [] for label in engines}
         prefills: dict[str, list[float]] = {label: [] for label in engines}
