@@ -1,141 +1,116 @@
 """OpenTelemetry tracing of the gateway (SMG's `--enable-trace`, `--otlp-traces-endpoint`).
 
-Off (the default), `Tracing.on` is false and nothing below runs: each hook is one attribute test.
-On, every inference request gets a server span (route, model, status, workers) under the client's
-W3C `traceparent` when it sent one, with children for admission (class, tenant), each attempt
-(placement: policy and workers; first try, retry or migration) and each upstream leg (prefill,
-decode, or the single worker); the current span goes on to the worker as `traceparent`, so an engine
-that traces puts its own spans under it.
+Off (the default), `Tracing.on` is false and no request has a `Trace`: each hook is one attribute
+test. On, every sampled inference request gets a server span (route, model, status, workers) under the
+client's W3C `traceparent` when it sent one, with children for admission (class, tenant), each attempt
+(placement: policy and workers; first try, retry or migration) and each upstream leg (prefill, decode,
+or the single worker); the current span goes on to the worker as `traceparent`, so an engine that
+traces puts its own spans under it.
 
-What it costs is what the request path does, so that path does little: a span is a small object made
-current through one context variable; when it ends it is written straight into OTLP protobuf bytes
-(`otlp.py`: attribute encodings cached, ids kept as bytes) and queued; the `SpanExporter` thread
-sends queued spans in batches over OTLP/gRPC. The OpenTelemetry SDK's span objects, processor and
-encoder cost more than the gateway's whole request path, so none of them is used here. Sampling
-follows the parent's flag, else `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG` as the SDK reads
-them, else every trace; a trace that is not sampled records nothing.
+What it costs is what the request path does, so that path does little. Whether a request is sampled
+is decided once, as it arrives: the client's flag, else `OTEL_TRACES_SAMPLER` /
+`OTEL_TRACES_SAMPLER_ARG` as the SDK reads them, else every trace. A request not sampled gets no
+`Trace`; all tracing does for it is the `traceparent` it passes on (flagged not sampled, so the
+engines record nothing either). A sampled request's `Trace` records its spans as tuples and ints in a
+list (monotonic nanoseconds, the few values each kind of span has, span ids counted from one random
+base): no span objects, no attribute dicts. When the request ends the record is queued; a thread ships
+queued records in batches to a sender process, which writes the OTLP protobuf and sends it (`otlp.py`,
+`otlp_sender.py`). The OpenTelemetry SDK's span objects, processor and encoder cost more than the
+gateway's whole request path, so none of them is used here.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import time
 from collections.abc import Mapping, MutableMapping
-from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from atomesh.otlp import KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, SpanEncoder, SpanExporter, exporter_settings
+from atomesh.otlp import ADMISSION, ATTEMPT, DECODE, PREFILL, UPSTREAM, SpanExporter, exporter_settings
+from atomesh.tenancy import PriorityClass
+
+if TYPE_CHECKING:
+    from atomesh.transport import Exchange
+
+__all__ = ["ADMISSION", "ATTEMPT", "DECODE", "PREFILL", "UPSTREAM", "Trace", "Tracing"]
 
 TRACEPARENT = "traceparent"
-_HEX = frozenset("0123456789abcdef")
+_TRACEPARENT = re.compile(r"\s*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:-\S*)?\s*", re.IGNORECASE)
+_CLASSES = {c: c.name.lower() for c in PriorityClass}
+_now = time.monotonic_ns
 
 
-class Span:
-    """One child span of a sampled request, the innermost open span of its request inside its `with` block."""
+class Trace:
+    """The spans of one sampled request, as it runs (the record `atomesh.otlp` describes).
 
-    __slots__ = ("attributes", "end_ns", "kind", "name", "parent", "root", "span_id", "start_ns")
+    A child span is `with trace.admission(...)`, `trace.attempt(...)` or `trace.leg(...)` (or the call,
+    then `trace.end()` in a `finally`): its begin event goes in `events` and it becomes the innermost
+    open span (`current`), whose id a call to a worker sends on; its end writes the end event and
+    reopens the enclosing span."""
 
-    def __init__(self, root: RequestSpan, name: str, kind: int, attributes: dict[str, Any]) -> None:
-        self.root = root
-        self.name = name
-        self.kind = kind
-        self.attributes = attributes
-        self.span_id = root.rng()
-        self.parent: Span | RequestSpan | None = None  # None: the request span
-        self.start_ns = self.end_ns = 0
+    __slots__ = ("base", "current", "events", "model", "parent", "request_id", "route", "start", "trace_id")
 
-    def set_attribute(self, key: str, value: Any) -> None:
-        self.attributes[key] = value
+    def __init__(self, trace_id: str, parent: str, base: int, route: str, request_id: str) -> None:
+        self.trace_id = trace_id  # 32 hex digits
+        self.parent = parent  # the client's span (16 hex digits), or ""
+        self.base = base  # the request span's id; a child's is base + 1 + the index of its begin event
+        self.route = route
+        self.request_id = request_id
+        self.model = ""
+        self.events: list[tuple[Any, ...] | int] = []
+        self.current = -1  # the innermost open span: its begin event's index, -1 for the request span
+        self.start = _now()
 
-    def __enter__(self) -> Span:
-        root = self.root
-        self.parent = root.open
-        root.open = self
-        self.start_ns = time.time_ns()
+    def admission(self, model: str | None, cls: PriorityClass, tenant: str) -> Trace:
+        """`with trace.admission(...):` waiting for admission; the model goes on the request span."""
+        self.model = model or ""
+        events = self.events
+        events.append((_now(), self.current, ADMISSION, _CLASSES[cls], tenant))
+        self.current = len(events) - 1
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.end_ns = time.time_ns()
-        root = self.root
-        root.open = self.parent
-        root.children.append(self)
-
-
-class RequestSpan:
-    """The server span of one request: current (one context variable) for the request's duration; its
-    children nest through `open` (the innermost open span), as the request path runs one step at a time."""
-
-    __slots__ = (
-        "_token",
-        "_tracing",
-        "attributes",
-        "children",
-        "end_ns",
-        "kind",
-        "name",
-        "open",
-        "parent_id",
-        "rng",
-        "sampled",
-        "span_id",
-        "start_ns",
-        "trace_id",
-    )
-
-    def __init__(
-        self, tracing: Tracing, trace_id: bytes, parent_id: bytes, sampled: bool, name: str, attributes: dict[str, Any]
-    ) -> None:
-        self._tracing = tracing
-        self.rng = tracing.span_id
-        self.trace_id = trace_id
-        self.parent_id = parent_id  # the client's span, b"" for none
-        self.sampled = sampled
-        self.name = name
-        self.kind = KIND_SERVER
-        self.attributes = attributes
-        self.span_id = self.rng()
-        self.open: Span | RequestSpan | None = None  # None: the request span itself (no reference cycle)
-        self.children: list[Span] = []
-        self.start_ns = self.end_ns = 0
-        self._token: Any = None
-
-    def set_attribute(self, key: str, value: Any) -> None:
-        self.attributes[key] = value
-
-    def __enter__(self) -> RequestSpan:
-        self._token = self._tracing.current_request.set(self)
-        self.start_ns = time.time_ns()
+    def attempt(self, number: int, kind: str, policies: tuple[str, ...], workers: tuple[str, ...]) -> Trace:
+        """`with trace.attempt(...):` one placement and its run (kind: first, retry or migration)."""
+        events = self.events
+        events.append((_now(), self.current, ATTEMPT, number, kind, policies, workers))
+        self.current = len(events) - 1
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.end_ns = time.time_ns()
-        tracing = self._tracing
-        tracing.current_request.reset(self._token)
-        if self.sampled:
-            tracing.exporter.add(tracing.encoder.request(self), 1 + len(self.children))
-            self.children = []  # no cycle through the children's `root`: freed by reference counting
+    def leg(self, leg: int, url: str) -> Trace:
+        """`with trace.leg(PREFILL | DECODE | UPSTREAM, url):` a call to one worker."""
+        events = self.events
+        events.append((_now(), self.current, leg, url))
+        self.current = len(events) - 1
+        return self
+
+    def __enter__(self) -> None:
+        return None
+
+    def end(self, *exc: object) -> None:
+        """End the innermost open span (what leaving its `with` block does)."""
+        events = self.events
+        events.append(_now())
+        begin = events[self.current]
+        assert not isinstance(begin, int)
+        self.current = begin[1]
+
+    __exit__ = end
 
 
-def parse_traceparent(value: str | None) -> tuple[bytes, bytes, bool] | None:
-    """(trace id, parent span id, sampled) of a W3C traceparent, or None when absent or invalid."""
+def parse_traceparent(value: str | None) -> tuple[str, str, bool] | None:
+    """(trace id, parent span id, sampled) of a W3C traceparent, in lower-case hex, or None when absent or
+    invalid."""
     if not value:
         return None
-    parts = value.strip().lower().split("-")
-    if (
-        len(parts) < 4
-        or len(parts[0]) != 2
-        or parts[0] == "ff"
-        or len(parts[1]) != 32
-        or len(parts[2]) != 16
-        or len(parts[3]) != 2
-        or not _HEX.issuperset(parts[0] + parts[1] + parts[2] + parts[3])
-    ):
+    m = _TRACEPARENT.fullmatch(value)
+    if m is None:
         return None
-    trace_id, span_id = bytes.fromhex(parts[1]), bytes.fromhex(parts[2])
-    if not any(trace_id) or not any(span_id):
+    version, trace_id, span_id, flags = m.groups()
+    if version in ("ff", "FF") or trace_id == "0" * 32 or span_id == "0" * 16:
         return None
-    return trace_id, span_id, bool(int(parts[3], 16) & 1)
+    return trace_id.lower(), span_id.lower(), flags[1] in "13579bdfBDF"
 
 
 def ratio_from_env() -> float:
@@ -163,66 +138,79 @@ class Tracing:
 
     def __init__(self, endpoint: str | None, service: str = "atomesh-gateway") -> None:
         self.on = endpoint is not None
-        self.current_request: ContextVar[RequestSpan | None] = ContextVar("atomesh_request_span", default=None)
-        rng = random.Random()
-        self._bits = rng.getrandbits
-        self._random = rng.random
         if endpoint is None:
             return
         self.ratio = ratio_from_env()
-        self.encoder = SpanEncoder()
+        self._random = random.Random().random
         self.exporter = SpanExporter(exporter_settings(endpoint, service))  # starts its thread; `shutdown` stops it
 
-    def span_id(self) -> int:
-        return self._bits(64) or 1
-
     # ------------------------------------------------------------------ the request path
-    def request(self, name: str, headers: Mapping[str, str], attributes: dict[str, Any]) -> RequestSpan:
-        """`with tracing.request(...) as root:` the server span of one request, current for its duration,
-        under the client's traceparent (`root` takes the attributes known at the end)."""
-        parent = parse_traceparent(headers.get(TRACEPARENT))
-        if parent is not None:
-            trace_id, remote, sampled = parent
+    def start(self, route: str, exchange: Exchange) -> Trace | None:
+        """The trace of a request that is sampled, also set as `exchange.trace`; None for one that is not."""
+        value = exchange.headers.get(TRACEPARENT)
+        if value is None:
+            if self.ratio < 1.0 and self._random() >= self.ratio:
+                return None
+            ids = os.urandom(24)  # the trace's id, and the request span's
+            trace_id, parent = ids[:16].hex(), ""
         else:
-            trace_id, remote = (self._bits(128) or 1).to_bytes(16, "big"), b""
-            sampled = self.ratio >= 1.0 or self._random() < self.ratio
-        return RequestSpan(self, trace_id, remote, sampled, name, attributes)
+            client = parse_traceparent(value)
+            if client is None:
+                if self.ratio < 1.0 and self._random() >= self.ratio:
+                    return None
+                ids = os.urandom(24)
+                trace_id, parent = ids[:16].hex(), ""
+            else:
+                trace_id, parent, sampled = client
+                if not sampled:
+                    return None
+                ids = os.urandom(24)
+        # 62 random bits, odd: never zero, and the request's child span ids (counted up from it) stay in 64 bits.
+        trace = exchange.trace = Trace(
+            trace_id, parent, int.from_bytes(ids[16:], "little") >> 2 | 1, route, exchange.request_id
+        )
+        return trace
 
-    def span(self, name: str, attributes: dict[str, Any] | None = None, client: bool = False) -> Span | _Unsampled:
-        """`with tracing.span(...):` a child of the current span, current for its duration; nothing (and
-        next to no cost) outside a request or in a trace that is not sampled."""
-        root = self.current_request.get()
-        if root is None or not root.sampled:
-            return _UNSAMPLED
-        return Span(root, name, KIND_CLIENT if client else KIND_INTERNAL, attributes if attributes is not None else {})
+    def finish(self, trace: Trace, status: int, error: str | None, workers: tuple[str, ...]) -> None:
+        """End the request span and queue the request's record."""
+        events = trace.events
+        self.exporter.add(
+            (
+                trace.trace_id,
+                trace.parent,
+                trace.base,
+                trace.start,
+                _now(),
+                trace.route,
+                trace.request_id,
+                trace.model,
+                status,
+                error,
+                workers,
+                events,
+            ),
+            1 + len(events) // 2,
+        )
 
-    def current(self) -> Span | RequestSpan | None:
-        root = self.current_request.get()
-        return None if root is None else root.open or root
+    def inject(self, headers: MutableMapping[str, str], exchange: Exchange) -> None:
+        """Put the request's current span in the `traceparent` of a call to a worker (with the not-sampled
+        flag when the request is not traced, so the engine records nothing either)."""
+        trace = exchange.trace
+        if trace is not None:
+            span = (trace.base + 1 + trace.current).to_bytes(8, "little").hex()
+            headers[TRACEPARENT] = f"00-{trace.trace_id}-{span}-01"
+        else:
+            headers[TRACEPARENT] = self._not_sampled(exchange.headers)
 
-    def inject(self, headers: MutableMapping[str, str]) -> None:
-        """Put the current span's `traceparent` in an upstream request's headers."""
-        root = self.current_request.get()
-        if root is not None:
-            span = root.open or root
-            headers[TRACEPARENT] = f"00-{root.trace_id.hex()}-{span.span_id:016x}-{'01' if root.sampled else '00'}"
+    @staticmethod
+    def _not_sampled(headers: Mapping[str, str]) -> str:
+        client = parse_traceparent(headers.get(TRACEPARENT))
+        if client is not None:
+            return f"00-{client[0]}-{client[1]}-00"  # the client's trace, passed through
+        ids = os.urandom(24).hex()
+        return f"00-{ids[:32]}-{ids[32:]}-00"
 
     def shutdown(self) -> None:
         """Send what is queued and stop (at gateway stop)."""
         if self.on:
             self.exporter.shutdown()
-
-
-class _Unsampled:
-    """The span of a trace that is not exported: nothing to record."""
-
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_UNSAMPLED = _Unsampled()

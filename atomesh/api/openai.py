@@ -22,24 +22,19 @@ async def serve_inference(gw: Gateway, route: Route, raw: bytes | bytearray, exc
 
     Every failure raised here, the gateway's own refusals included, counts in
     `mesh_router_request_errors_total`. With --enable-trace, it runs in the request's server span."""
-    if not gw.tracing.on:
+    trace = gw.tracing.start(route.value, exchange) if gw.tracing.on else None
+    if trace is None:
         await _serve(gw, route, raw, exchange)
         return
-    with gw.tracing.request(
-        f"POST {route.value}", exchange.headers, {"http.route": route.value, "atomesh.request_id": exchange.request_id}
-    ) as span:
-        status = 0
-        try:
-            await _serve(gw, route, raw, exchange)
-            status = exchange.status or 0
-        except GatewayError as e:
-            status = e.status
-            span.set_attribute("error.type", e.code)
-            raise
-        finally:
-            span.set_attribute("http.response.status_code", status)
-            if exchange.workers:
-                span.set_attribute("atomesh.workers", tuple(exchange.workers))
+    status, error = 0, None
+    try:
+        await _serve(gw, route, raw, exchange)
+        status = exchange.status or 0
+    except GatewayError as e:
+        status, error = e.status, e.code
+        raise
+    finally:
+        gw.tracing.finish(trace, status, error, exchange.workers)
 
 
 async def _serve(gw: Gateway, route: Route, raw: bytes | bytearray, exchange: Exchange) -> None:
@@ -74,14 +69,12 @@ async def _serve(gw: Gateway, route: Route, raw: bytes | bytearray, exchange: Ex
         gw.request_started()
         try:
             permit = gw.admission.permit(cls, priority)
-            if gw.tracing.on:
-                root = gw.tracing.current()
-                if root is not None:
-                    root.set_attribute("gen_ai.request.model", view.model or "")
-                with gw.tracing.span("admission", {"atomesh.class": cls.name.lower(), "atomesh.tenant": tenant}):
-                    await permit.__aenter__()
-            else:
+            trace = exchange.trace
+            if trace is None:
                 await permit.__aenter__()
+            else:
+                with trace.admission(view.model, cls, tenant):
+                    await permit.__aenter__()
             try:
                 await gw.router.serve(exchange, view)
             finally:
