@@ -19,6 +19,7 @@ The SDK's environment applies as it reads it: `OTEL_BSP_SCHEDULE_DELAY`, `OTEL_B
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import marshal
@@ -41,18 +42,20 @@ log = structlog.get_logger("atomesh.tracing")
 
 KIND_INTERNAL, KIND_SERVER, KIND_CLIENT = 1, 2, 3  # opentelemetry-proto's Span.SpanKind
 
-# What a request's record holds, as `atomesh.tracing` queues it and `SpanEncoder` reads it: (trace id
-# in 32 hex digits, the client's span in 16 hex digits or "", the request span's id, its start and end
-# (monotonic nanoseconds), route, request id, model, HTTP status, error code or None, workers (URLs),
-# events). Events are the child spans as they happened: a span's begin `(start, parent, kind,
-# *values)`, where parent is the index of the enclosing span's begin event (-1: the request span), and
-# its end, an int (the end time); spans nest, each end closing the innermost open span. A child
-# span's id is the request span's + 1 + the index of its begin event; an id's bytes are the int's 8
-# little-endian bytes (as the traceparent sent upstream writes them in hex).
+# What a request's record holds, as `atomesh.tracing` makes it and `SpanEncoder` reads it: (trace id
+# (16 bytes), the client's span (8 bytes, or b""), the request span's id, its start and end, route,
+# request id, HTTP status, error code or None, workers (URLs), events). Times are `time.monotonic()`
+# floats (a nanosecond's resolution for 97 days of uptime; they cost less than ints of nanoseconds
+# to make and to marshal). Events are the child spans as they happened: a span's begin `(start,
+# parent, kind, *values)`, where parent is the index of the enclosing span's begin event (-1: the
+# request span), and its end, a float (the end time); spans nest, each end closing the innermost open
+# span. The request's model is the admission span's (it is known from there on). A child span's id is
+# the request span's + 1 + the index of its begin event; an id's bytes are the int's 8 little-endian
+# bytes (as the traceparent sent upstream writes them in hex).
 ADMISSION, ATTEMPT, PREFILL, DECODE, UPSTREAM = range(5)
 # Each kind of child span: its name, OTLP kind, the keys of its begin event's values, constant attributes.
 SPANS: tuple[tuple[str, int, tuple[str, ...], tuple[tuple[str, str], ...]], ...] = (
-    ("admission", KIND_INTERNAL, ("atomesh.class", "atomesh.tenant"), ()),
+    ("admission", KIND_INTERNAL, ("atomesh.class", "atomesh.tenant", "gen_ai.request.model"), ()),
     (
         "attempt",
         KIND_INTERNAL,
@@ -134,7 +137,7 @@ class SpanEncoder:
 
     def export_request(self, offset_ns: int, records: list[tuple[Any, ...]]) -> bytes:
         """One ExportTraceServiceRequest holding the spans of `records` (`offset_ns`: unix time less
-        monotonic time, when the batch left the gateway)."""
+        monotonic time in nanoseconds, when the batch left the gateway)."""
         out = [self._scope]
         for record in records:
             self._spans(record, offset_ns, out)
@@ -143,8 +146,9 @@ class SpanEncoder:
 
     def _spans(self, record: tuple[Any, ...], offset: int, out: list[bytes]) -> None:
         """Append a request's spans to `out`, each a ScopeSpans.spans (2) entry."""
-        trace_id, parent, base, start, end, route, request_id, model, status, error, workers, events = record
-        ids = b"\x0a\x10" + bytes.fromhex(trace_id) + b"\x12\x08"  # trace_id (1), then span_id's tag (2)
+        trace_id, parent, base, start, end, route, request_id, status, error, workers, events = record
+        ids = b"\x0a\x10" + trace_id + b"\x12\x08"  # trace_id (1), then span_id's tag (2)
+        model = events[0][5] if events and events[0][2] == ADMISSION else ""
         tail = self._roots.get((route, model, status, workers, error))
         if tail is None:
             tail = self._root_tail(route, model, status, workers, error)
@@ -166,8 +170,8 @@ class SpanEncoder:
             rid = field(0x4A, key_value(REQUEST_ID, request_id))
         body = b"".join(
             (
-                _ROOT.pack(ids, base, 0x39, start + offset, 0x41, end + offset),
-                b"\x22\x08" + bytes.fromhex(parent) if parent else b"",
+                _ROOT.pack(ids, base, 0x39, int(start * 1e9) + offset, 0x41, int(end * 1e9) + offset),
+                b"\x22\x08" + parent if parent else b"",
                 tail,
                 rid,
             )
@@ -177,7 +181,7 @@ class SpanEncoder:
         pack = _CHILD.pack
         begun: list[int] = []  # the open spans' begin events, innermost last
         for i, event in enumerate(events):
-            if event.__class__ is not int:
+            if event.__class__ is not float:
                 begun.append(i)
                 continue
             j = begun.pop()
@@ -189,7 +193,14 @@ class SpanEncoder:
             out += (
                 cached[0],
                 pack(
-                    ids, base + 1 + j, b"\x22\x08", base + 1 + begin[1], 0x39, begin[0] + offset, 0x41, event + offset
+                    ids,
+                    base + 1 + j,
+                    b"\x22\x08",
+                    base + 1 + begin[1],
+                    0x39,
+                    int(begin[0] * 1e9) + offset,
+                    0x41,
+                    int(event * 1e9) + offset,
                 ),
                 cached[1],
             )
@@ -198,7 +209,16 @@ class SpanEncoder:
             cached = self._child_tail(begin[2:])
             out += (
                 cached[0],
-                pack(ids, base + 1 + j, b"\x22\x08", base + 1 + begin[1], 0x39, begin[0] + offset, 0x41, end + offset),
+                pack(
+                    ids,
+                    base + 1 + j,
+                    b"\x22\x08",
+                    base + 1 + begin[1],
+                    0x39,
+                    int(begin[0] * 1e9) + offset,
+                    0x41,
+                    int(end * 1e9) + offset,
+                ),
                 cached[1],
             )
 
@@ -328,23 +348,26 @@ def exporter_settings(endpoint: str, service: str = "atomesh-gateway") -> Export
 
 
 class SpanExporter:
-    """The gateway's side of export: a bounded queue of requests' records, the thread that hands them
-    over in batches, and the sender process.
+    """The gateway's side of export: requests' records gathered into batches on the event loop, the
+    thread that writes them to the sender process, and that process.
 
-    A batch goes when `max_batch` spans wait or every `schedule_delay_s`, as one `marshal` frame (a
-    4-byte big-endian length, then `(unix time less monotonic time, [record, ...])`) written to the
-    sender's stdin (`atomesh.otlp_sender`: the encoding, the gRPC client and its retries run there).
-    With `max_queue` spans waiting (the collector slow or away and the pipe full), new ones are
-    dropped and counted."""
+    A batch goes when `max_batch` spans are in it or `schedule_delay_s` after its first record, as one
+    `marshal` frame (a 4-byte big-endian length, then `(unix time less monotonic time, [record, ...])`)
+    written to the sender's stdin (`atomesh.otlp_sender`: the encoding, the gRPC client and its retries
+    run there). The writes, which block while the pipe is full, run on a thread; with `max_queue` spans
+    waiting (the collector slow or away), new ones are dropped and counted."""
 
     def __init__(self, settings: ExporterSettings) -> None:
         if importlib.util.find_spec("grpc") is None:
             raise RuntimeError("--enable-trace needs grpcio (pip install 'atomesh[tracing]')")
         self.settings = settings
         self._max_queue, self._max_batch = settings.max_queue, settings.max_batch
-        self._queue: deque[tuple[Any, ...]] = deque()
-        # Spans queued so far and taken out so far, each counter written by one thread only.
-        self._added = self._taken = 0
+        self._batch: list[tuple[Any, ...]] = []  # the event loop's, until it ships
+        self._batch_spans = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._frames: deque[tuple[bytes, int]] = deque()  # shipped batches for the writer: (frame, spans)
+        # Spans shipped so far and written (or lost) so far, each counter written by one thread only.
+        self._shipped = self._written = 0
         self.dropped = 0  # spans not handed over: the queue was full, or the sender had gone
         self.handed = 0  # spans handed to the sender
         self._wake = threading.Event()
@@ -360,52 +383,63 @@ class SpanExporter:
         self._sender = subprocess.Popen(
             [sys.executable, "-m", "atomesh.otlp_sender", json.dumps(config)], stdin=subprocess.PIPE
         )
-        self._thread = threading.Thread(target=self._run, name="atomesh-otlp-export", daemon=True)
+        self._thread = threading.Thread(target=self._write, name="atomesh-otlp-export", daemon=True)
         self._thread.start()
 
+    @property
+    def waiting(self) -> int:
+        """Spans gathered or shipped, not yet written to the sender."""
+        return self._shipped - self._written + self._batch_spans
+
     def add(self, record: tuple[Any, ...], spans: int) -> None:
-        """Queue one request's record of `spans` spans (from the event loop: an append, and a wake-up once
-        a batch is full)."""
-        queued = self._added - self._taken + spans
-        if queued > self._max_queue:
+        """Put one request's record of `spans` spans in the batch (on the event loop)."""
+        if self._shipped - self._written + self._batch_spans + spans > self._max_queue:
             self.dropped += spans
             return
-        self._queue.append(record)
-        self._added += spans
-        if queued >= self._max_batch and not self._wake.is_set():
-            self._wake.set()
+        batch = self._batch
+        batch.append(record)
+        self._batch_spans += spans
+        if self._batch_spans >= self._max_batch:
+            self.ship()
+        elif len(batch) == 1:
+            self._timer = asyncio.get_running_loop().call_later(self.settings.schedule_delay_s, self.ship)
 
-    def _run(self) -> None:
+    def ship(self) -> None:
+        """Hand the batch to the writer thread (on the event loop)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._batch:
+            return
+        frame = marshal.dumps((time.time_ns() - int(time.monotonic() * 1e9), self._batch), 4)
+        self._frames.append((len(frame).to_bytes(4, "big") + frame, self._batch_spans))
+        self._shipped += self._batch_spans
+        self._batch, self._batch_spans = [], 0
+        self._wake.set()
+
+    def _write(self) -> None:
+        frames = self._frames
         while True:
-            self._wake.wait(self.settings.schedule_delay_s)
+            self._wake.wait()
             self._wake.clear()
             stopping = self._stopping
-            self._drain()
+            while frames:
+                frame, spans = frames.popleft()
+                try:
+                    assert self._sender.stdin is not None
+                    self._sender.stdin.write(frame)  # blocks while the pipe is full
+                    self._sender.stdin.flush()
+                    self.handed += spans
+                except (BrokenPipeError, ValueError):
+                    self.dropped += spans
+                    log.warning("otlp_sender_gone", returncode=self._sender.poll())
+                self._written += spans
             if stopping:
                 return
 
-    def _drain(self) -> None:
-        queue = self._queue
-        while queue:
-            batch: list[tuple[Any, ...]] = []
-            count = 0
-            while queue and count < self._max_batch:
-                record = queue.popleft()
-                batch.append(record)
-                count += 1 + len(record[-1]) // 2  # the request span, and a begin and an end per child
-            data = marshal.dumps((time.time_ns() - time.monotonic_ns(), batch), 4)
-            try:
-                assert self._sender.stdin is not None
-                self._sender.stdin.write(len(data).to_bytes(4, "big") + data)  # blocks while the pipe is full
-                self._sender.stdin.flush()
-                self.handed += count
-            except (BrokenPipeError, ValueError):
-                self.dropped += count
-                log.warning("otlp_sender_gone", returncode=self._sender.poll())
-            self._taken += count
-
     def shutdown(self) -> None:
-        """Hand over what is queued, then let the sender send it (within the export timeout) and exit."""
+        """Hand over what is gathered, then let the sender send it (within the export timeout) and exit."""
+        self.ship()
         self._stopping = True
         self._wake.set()
         self._thread.join(self.settings.timeout_s + 1)

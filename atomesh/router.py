@@ -169,14 +169,16 @@ class Router:
             try:
                 try:
                     trace = exchange.trace
-                    if trace is None:
-                        await self.backend.forward(exchange, current, plan)
-                    else:
+                    if trace is not None:  # the span ends in `finally`
                         kind = (
                             "first" if not tried and current is view else "migration" if exchange.committed else "retry"
                         )
-                        with trace.attempt(attempt, kind, self._span_policies, exchange.workers):
-                            await self.backend.forward(exchange, current, plan)
+                        trace.attempt(attempt, kind, self._span_policies, exchange.workers)
+                    try:
+                        await self.backend.forward(exchange, current, plan)
+                    finally:
+                        if trace is not None:
+                            trace.end()
                 except asyncio.CancelledError:
                     if run.lost is None or task.uncancel() > 0:
                         raise  # the client went away (or the gateway stops): not ours to handle

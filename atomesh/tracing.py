@@ -29,6 +29,7 @@ from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from atomesh.otlp import ADMISSION, ATTEMPT, DECODE, PREFILL, UPSTREAM, SpanExporter, exporter_settings
+from atomesh.request import Route
 from atomesh.tenancy import PriorityClass
 
 if TYPE_CHECKING:
@@ -39,64 +40,54 @@ __all__ = ["ADMISSION", "ATTEMPT", "DECODE", "PREFILL", "UPSTREAM", "Trace", "Tr
 TRACEPARENT = "traceparent"
 _TRACEPARENT = re.compile(r"\s*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:-\S*)?\s*", re.IGNORECASE)
 _CLASSES = {c: c.name.lower() for c in PriorityClass}
-_now = time.monotonic_ns
+_ROUTES = {r: r.value for r in Route}  # plain strings (an Enum's `value` is a property: slow)
+_now = time.monotonic  # floats: see atomesh.otlp on a record's times
 
 
 class Trace:
     """The spans of one sampled request, as it runs (the record `atomesh.otlp` describes).
 
-    A child span is `with trace.admission(...)`, `trace.attempt(...)` or `trace.leg(...)` (or the call,
-    then `trace.end()` in a `finally`): its begin event goes in `events` and it becomes the innermost
-    open span (`current`), whose id a call to a worker sends on; its end writes the end event and
-    reopens the enclosing span."""
+    A child span begins with `trace.admission(...)`, `trace.attempt(...)` or `trace.leg(...)` and ends
+    with `trace.end()` in a `finally` (not a `with` block: calling `__enter__` and `__exit__` costs as
+    much again as the span): its begin event goes in `events` and it becomes the innermost open span
+    (`current`), whose id a call to a worker sends on; its end writes the end event and reopens the
+    enclosing span. Made by `Tracing.start` only (no `__init__`: calling one costs as much as a span)."""
 
-    __slots__ = ("base", "current", "events", "model", "parent", "request_id", "route", "start", "trace_id")
+    __slots__ = ("base", "current", "events", "parent", "start", "trace_id")
 
-    def __init__(self, trace_id: str, parent: str, base: int, route: str, request_id: str) -> None:
-        self.trace_id = trace_id  # 32 hex digits
-        self.parent = parent  # the client's span (16 hex digits), or ""
-        self.base = base  # the request span's id; a child's is base + 1 + the index of its begin event
-        self.route = route
-        self.request_id = request_id
-        self.model = ""
-        self.events: list[tuple[Any, ...] | int] = []
-        self.current = -1  # the innermost open span: its begin event's index, -1 for the request span
-        self.start = _now()
+    trace_id: bytes  # 16 bytes
+    parent: bytes  # the client's span (8 bytes), or b""
+    base: int  # the request span's id; a child's is base + 1 + the index of its begin event
+    events: list[Any]  # begin events (tuples) and end events (ints)
+    current: int  # the innermost open span: its begin event's index, -1 for the request span
+    start: float
 
     def admission(self, model: str | None, cls: PriorityClass, tenant: str) -> Trace:
-        """`with trace.admission(...):` waiting for admission; the model goes on the request span."""
-        self.model = model or ""
+        """Waiting for admission begins (the model, known from here, goes on the request span too)."""
         events = self.events
-        events.append((_now(), self.current, ADMISSION, _CLASSES[cls], tenant))
+        events.append((_now(), self.current, ADMISSION, _CLASSES[cls], tenant, model or ""))
         self.current = len(events) - 1
         return self
 
     def attempt(self, number: int, kind: str, policies: tuple[str, ...], workers: tuple[str, ...]) -> Trace:
-        """`with trace.attempt(...):` one placement and its run (kind: first, retry or migration)."""
+        """One placement and its run begins (kind: first, retry or migration)."""
         events = self.events
         events.append((_now(), self.current, ATTEMPT, number, kind, policies, workers))
         self.current = len(events) - 1
         return self
 
     def leg(self, leg: int, url: str) -> Trace:
-        """`with trace.leg(PREFILL | DECODE | UPSTREAM, url):` a call to one worker."""
+        """A call to one worker begins (leg: PREFILL, DECODE or UPSTREAM)."""
         events = self.events
         events.append((_now(), self.current, leg, url))
         self.current = len(events) - 1
         return self
 
-    def __enter__(self) -> None:
-        return None
-
-    def end(self, *exc: object) -> None:
-        """End the innermost open span (what leaving its `with` block does)."""
+    def end(self) -> None:
+        """End the innermost open span."""
         events = self.events
         events.append(_now())
-        begin = events[self.current]
-        assert not isinstance(begin, int)
-        self.current = begin[1]
-
-    __exit__ = end
+        self.current = events[self.current][1]
 
 
 def parse_traceparent(value: str | None) -> tuple[str, str, bool] | None:
@@ -141,37 +132,34 @@ class Tracing:
         if endpoint is None:
             return
         self.ratio = ratio_from_env()
-        self._random = random.Random().random
+        rng = random.Random()  # seeded from os.urandom
+        self._random, self._bits = rng.random, rng.getrandbits
         self.exporter = SpanExporter(exporter_settings(endpoint, service))  # starts its thread; `shutdown` stops it
 
     # ------------------------------------------------------------------ the request path
-    def start(self, route: str, exchange: Exchange) -> Trace | None:
+    def start(self, exchange: Exchange) -> Trace | None:
         """The trace of a request that is sampled, also set as `exchange.trace`; None for one that is not."""
         value = exchange.headers.get(TRACEPARENT)
-        if value is None:
+        client = None if value is None else parse_traceparent(value)
+        if client is None:
             if self.ratio < 1.0 and self._random() >= self.ratio:
                 return None
-            ids = os.urandom(24)  # the trace's id, and the request span's
-            trace_id, parent = ids[:16].hex(), ""
+            trace_id, parent = os.urandom(16), b""
+        elif client[2]:
+            trace_id, parent = bytes.fromhex(client[0]), bytes.fromhex(client[1])
         else:
-            client = parse_traceparent(value)
-            if client is None:
-                if self.ratio < 1.0 and self._random() >= self.ratio:
-                    return None
-                ids = os.urandom(24)
-                trace_id, parent = ids[:16].hex(), ""
-            else:
-                trace_id, parent, sampled = client
-                if not sampled:
-                    return None
-                ids = os.urandom(24)
+            return None  # the client's trace, not sampled
+        trace = exchange.trace = Trace()
+        trace.trace_id = trace_id
+        trace.parent = parent
         # 62 random bits, odd: never zero, and the request's child span ids (counted up from it) stay in 64 bits.
-        trace = exchange.trace = Trace(
-            trace_id, parent, int.from_bytes(ids[16:], "little") >> 2 | 1, route, exchange.request_id
-        )
+        trace.base = self._bits(62) | 1
+        trace.events = []
+        trace.current = -1
+        trace.start = _now()
         return trace
 
-    def finish(self, trace: Trace, status: int, error: str | None, workers: tuple[str, ...]) -> None:
+    def finish(self, trace: Trace, route: Route, status: int, error: str | None, exchange: Exchange) -> None:
         """End the request span and queue the request's record."""
         events = trace.events
         self.exporter.add(
@@ -181,12 +169,11 @@ class Tracing:
                 trace.base,
                 trace.start,
                 _now(),
-                trace.route,
-                trace.request_id,
-                trace.model,
+                _ROUTES[route],
+                exchange.request_id,
                 status,
                 error,
-                workers,
+                exchange.workers,
                 events,
             ),
             1 + len(events) // 2,
@@ -198,7 +185,7 @@ class Tracing:
         trace = exchange.trace
         if trace is not None:
             span = (trace.base + 1 + trace.current).to_bytes(8, "little").hex()
-            headers[TRACEPARENT] = f"00-{trace.trace_id}-{span}-01"
+            headers[TRACEPARENT] = f"00-{trace.trace_id.hex()}-{span}-01"
         else:
             headers[TRACEPARENT] = self._not_sampled(exchange.headers)
 

@@ -164,8 +164,9 @@ async def test_one_request_is_one_trace_across_gateway_and_both_pd_engines(
 
 
 def _exchange(headers: dict[str, str], request_id: str = "req-1") -> Any:
-    """What the tracer reads of an Exchange: the client's headers, the request id, and its `trace` slot."""
-    return SimpleNamespace(headers=headers, request_id=request_id, trace=None)
+    """What the tracer reads of an Exchange: the client's headers, the request id, its workers and its
+    `trace` slot."""
+    return SimpleNamespace(headers=headers, request_id=request_id, trace=None, workers=("http://a",))
 
 
 def _parsed(records: list[Any]) -> list[Any]:
@@ -188,6 +189,7 @@ def test_spans_are_written_as_the_collectors_protobuf(monkeypatch: pytest.Monkey
     every span and value intact at every length (cached or not), parents linked, the traceparent sent
     upstream naming the leg, a 5xx request span marked as an error."""
     from atomesh.otlp import key_value
+    from atomesh.request import Route
     from atomesh.tenancy import PriorityClass
     from atomesh.tracing import UPSTREAM, Tracing
 
@@ -198,18 +200,17 @@ def test_spans_are_written_as_the_collectors_protobuf(monkeypatch: pytest.Monkey
     headers: list[dict[str, str]] = []
     for i, rid in enumerate(request_ids):
         exchange = _exchange({"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"}, rid)
-        trace = tracing.start("/v1/completions", exchange)
+        trace = tracing.start(exchange)
         assert trace is not None and exchange.trace is trace
-        with trace.admission("m" * i * 70, PriorityClass.INTERACTIVE, "tenant-a"):
-            pass
-        with trace.attempt(i, "retry" if i else "first", ("cache_aware",), ("http://a", "http://b")):
-            trace.leg(UPSTREAM, "http://a" * (i * 40 + 1))
-            try:
-                headers.append({})
-                tracing.inject(headers[-1], exchange)
-            finally:
-                trace.end()
-        tracing.finish(trace, 503 if i == 1 else 200, "upstream_error" if i == 1 else None, ("http://a",))
+        trace.admission("m" * i * 70, PriorityClass.INTERACTIVE, "tenant-a")
+        trace.end()
+        trace.attempt(i, "retry" if i else "first", ("cache_aware",), ("http://a", "http://b"))
+        trace.leg(UPSTREAM, "http://a" * (i * 40 + 1))
+        headers.append({})
+        tracing.inject(headers[-1], exchange)
+        trace.end()
+        trace.end()
+        tracing.finish(trace, Route.COMPLETIONS, 503 if i == 1 else 200, "upstream_error" if i == 1 else None, exchange)
     tracing.shutdown()
     assert [n for _, n in records] == [4] * len(request_ids)
     spans = _parsed([r for r, _ in records])
@@ -284,7 +285,7 @@ def test_a_request_not_sampled_records_nothing_and_passes_the_flag_on(monkeypatc
     try:
         for sent in (f"00-{TRACE_ID}-{CLIENT_SPAN}-00", f"00-{TRACE_ID.upper()}-{CLIENT_SPAN}-00", None, "00-bad"):
             exchange = _exchange({"traceparent": sent} if sent is not None else {})
-            assert tracing.start("/v1/completions", exchange) is None and exchange.trace is None
+            assert tracing.start(exchange) is None and exchange.trace is None
             headers: dict[str, str] = {}
             tracing.inject(headers, exchange)
             version, trace_id, span_id, flags = headers["traceparent"].split("-")
@@ -295,7 +296,7 @@ def test_a_request_not_sampled_records_nothing_and_passes_the_flag_on(monkeypatc
             if sent is None or "bad" in sent:
                 assert trace_id != TRACE_ID and int(trace_id, 16) and int(span_id, 16)
         # A client's sampled flag is followed whatever the sampler says.
-        assert tracing.start("/v1/completions", _exchange({"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"}))
+        assert tracing.start(_exchange({"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"}))
     finally:
         tracing.shutdown()
 
@@ -329,6 +330,7 @@ async def test_spans_reach_a_receiver_and_a_full_queue_drops_and_counts(
     receiver: tuple[Receiver, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Batches go when full and on the schedule; past the queue's bound spans are dropped, counted, not kept."""
+    from atomesh.request import Route
     from atomesh.tenancy import PriorityClass
     from atomesh.tracing import Tracing
 
@@ -339,11 +341,12 @@ async def test_spans_reach_a_receiver_and_a_full_queue_drops_and_counts(
     tracing = Tracing(endpoint)
     trace_ids = [f"{i + 1:032x}" for i in range(2)]
     for t in trace_ids:
-        trace = tracing.start("/v1/chat/completions", _exchange({"traceparent": f"00-{t}-{CLIENT_SPAN}-01"}))
+        exchange = _exchange({"traceparent": f"00-{t}-{CLIENT_SPAN}-01"})
+        trace = tracing.start(exchange)
         assert trace is not None
-        with trace.admission("m", PriorityClass.DEFAULT, "t"):
-            pass
-        tracing.finish(trace, 200, None, ())
+        trace.admission("m", PriorityClass.DEFAULT, "t")
+        trace.end()
+        tracing.finish(trace, Route.CHAT, 200, None, exchange)
     deadline = time.monotonic() + 20
     while sum(len(r.of(t)) for t in trace_ids) < 4:
         assert time.monotonic() < deadline, r.spans
@@ -352,7 +355,8 @@ async def test_spans_reach_a_receiver_and_a_full_queue_drops_and_counts(
     assert tracing.exporter.handed == 4 and tracing.exporter.dropped == 0
     # With its sender stopped (as a collector that never answers holds it), the queue fills up to its bound.
     for _ in range(10):
-        trace = tracing.start("/v1/completions", _exchange({}))
+        exchange = _exchange({})
+        trace = tracing.start(exchange)
         assert trace is not None
-        tracing.finish(trace, 200, None, ())
-    assert tracing.exporter.dropped == 2 and len(tracing.exporter._queue) == 8
+        tracing.finish(trace, Route.COMPLETIONS, 200, None, exchange)
+    assert tracing.exporter.dropped == 2 and tracing.exporter.waiting == 8

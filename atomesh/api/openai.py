@@ -22,7 +22,7 @@ async def serve_inference(gw: Gateway, route: Route, raw: bytes | bytearray, exc
 
     Every failure raised here, the gateway's own refusals included, counts in
     `mesh_router_request_errors_total`. With --enable-trace, it runs in the request's server span."""
-    trace = gw.tracing.start(route.value, exchange) if gw.tracing.on else None
+    trace = gw.tracing.start(exchange) if gw.tracing.on else None
     if trace is None:
         await _serve(gw, route, raw, exchange)
         return
@@ -34,7 +34,7 @@ async def serve_inference(gw: Gateway, route: Route, raw: bytes | bytearray, exc
         status, error = e.status, e.code
         raise
     finally:
-        gw.tracing.finish(trace, status, error, exchange.workers)
+        gw.tracing.finish(trace, route, status, error, exchange)
 
 
 async def _serve(gw: Gateway, route: Route, raw: bytes | bytearray, exchange: Exchange) -> None:
@@ -70,11 +70,13 @@ async def _serve(gw: Gateway, route: Route, raw: bytes | bytearray, exchange: Ex
         try:
             permit = gw.admission.permit(cls, priority)
             trace = exchange.trace
-            if trace is None:
+            if trace is not None:
+                trace.admission(view.model, cls, tenant)  # the span ends in `finally`
+            try:
                 await permit.__aenter__()
-            else:
-                with trace.admission(view.model, cls, tenant):
-                    await permit.__aenter__()
+            finally:
+                if trace is not None:
+                    trace.end()
             try:
                 await gw.router.serve(exchange, view)
             finally:

@@ -83,21 +83,25 @@ class TwoStepBackend:
         started = time.monotonic()
         deadline = started + self.upstream.request_timeout
         trace = exchange.trace
-        if trace is None:
+        if trace is not None:
+            trace.leg(PREFILL, plan.prefill.url)  # the span ends in `finally`
+        try:
             returned = await self._prefill(exchange, view, plan.prefill)
-        else:
-            with trace.leg(PREFILL, plan.prefill.url):
-                returned = await self._prefill(exchange, view, plan.prefill)
+        finally:
+            if trace is not None:
+                trace.end()
         prefilled = time.monotonic()
         self.metrics.observe_pd(self.runtime, view.model, prefill_secs=prefilled - started)
         body = dict(view.body)
         body["kv_transfer_params"] = self.decode_params(returned, plan.prefill)
         remaining = max(0.001, deadline - time.monotonic())
-        if trace is None:
+        if trace is not None:
+            trace.leg(DECODE, plan.decode.url)
+        try:
             await self._decode(exchange, view, plan, body, remaining, prefilled)
-            return
-        with trace.leg(DECODE, plan.decode.url):
-            await self._decode(exchange, view, plan, body, remaining, prefilled)
+        finally:
+            if trace is not None:
+                trace.end()
 
     async def _decode(
         self,
