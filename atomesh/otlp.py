@@ -44,14 +44,14 @@ KIND_INTERNAL, KIND_SERVER, KIND_CLIENT = 1, 2, 3  # opentelemetry-proto's Span.
 
 # What a request's record holds, as `atomesh.tracing` makes it and `SpanEncoder` reads it: (trace id
 # (16 bytes), the client's span (8 bytes, or b""), the request span's id, its start and end, route,
-# request id, HTTP status, error code or None, workers (URLs), events). Times are `time.monotonic()`
-# floats (a nanosecond's resolution for 97 days of uptime; they cost less than ints of nanoseconds
-# to make and to marshal). Events are the child spans as they happened: a span's begin `(start,
-# parent, kind, *values)`, where parent is the index of the enclosing span's begin event (-1: the
-# request span), and its end, a float (the end time); spans nest, each end closing the innermost open
-# span. The request's model is the admission span's (it is known from there on). A child span's id is
-# the request span's + 1 + the index of its begin event; an id's bytes are the int's 8 little-endian
-# bytes (as the traceparent sent upstream writes them in hex).
+# request id, HTTP status, error code or None, events). Times are `time.monotonic()` floats (a
+# nanosecond's resolution for 97 days of uptime; they cost less than ints of nanoseconds to make and
+# to marshal). Events are the child spans as they happened: a span's begin `(start, kind, *values)`
+# and its end, a float (the end time); spans nest, so a begin's parent is the innermost span open
+# then (or the request span) and an end closes the innermost open span. The request span's model is
+# the admission span's (it is known from there on), its workers the last attempt's. A child span's
+# id is the request span's + 1 + the index of its begin event; an id's bytes are the int's 8
+# little-endian bytes (as the traceparent sent upstream writes them in hex).
 ADMISSION, ATTEMPT, PREFILL, DECODE, UPSTREAM = range(5)
 # Each kind of child span: its name, OTLP kind, the keys of its begin event's values, constant attributes.
 SPANS: tuple[tuple[str, int, tuple[str, ...], tuple[tuple[str, str], ...]], ...] = (
@@ -146,9 +146,23 @@ class SpanEncoder:
 
     def _spans(self, record: tuple[Any, ...], offset: int, out: list[bytes]) -> None:
         """Append a request's spans to `out`, each a ScopeSpans.spans (2) entry."""
-        trace_id, parent, base, start, end, route, request_id, status, error, workers, events = record
+        trace_id, parent, base, start, end, route, request_id, status, error, events = record
         ids = b"\x0a\x10" + trace_id + b"\x12\x08"  # trace_id (1), then span_id's tag (2)
-        model = events[0][5] if events and events[0][2] == ADMISSION else ""
+        model, workers = "", ()
+        begun: list[tuple[int, int]] = []  # the open spans, innermost last: (begin event, its parent's)
+        for i, event in enumerate(events):
+            if event.__class__ is not float:
+                begun.append((i, begun[-1][0] if begun else -1))
+                if event[1] == ATTEMPT:
+                    workers = event[5]
+                elif event[1] == ADMISSION:
+                    model = event[4]
+                continue
+            j, up = begun.pop()
+            self._child(ids, base, j, up, events[j], event, offset, out)
+        while begun:  # not ended (the request path always ends its spans): they end with the request
+            j, up = begun.pop()
+            self._child(ids, base, j, up, events[j], end, offset, out)
         tail = self._roots.get((route, model, status, workers, error))
         if tail is None:
             tail = self._root_tail(route, model, status, workers, error)
@@ -177,50 +191,29 @@ class SpanEncoder:
             )
         )
         out.append(field(0x12, body))
-        children = self._children
-        pack = _CHILD.pack
-        begun: list[int] = []  # the open spans' begin events, innermost last
-        for i, event in enumerate(events):
-            if event.__class__ is not float:
-                begun.append(i)
-                continue
-            j = begun.pop()
-            begin = events[j]
-            key = begin[2:]
-            cached = children.get(key)
-            if cached is None:
-                cached = self._child_tail(key)
-            out += (
-                cached[0],
-                pack(
-                    ids,
-                    base + 1 + j,
-                    b"\x22\x08",
-                    base + 1 + begin[1],
-                    0x39,
-                    int(begin[0] * 1e9) + offset,
-                    0x41,
-                    int(event * 1e9) + offset,
-                ),
-                cached[1],
-            )
-        for j in reversed(begun):  # not ended (the request path always ends its spans): they end with the request
-            begin = events[j]
-            cached = self._child_tail(begin[2:])
-            out += (
-                cached[0],
-                pack(
-                    ids,
-                    base + 1 + j,
-                    b"\x22\x08",
-                    base + 1 + begin[1],
-                    0x39,
-                    int(begin[0] * 1e9) + offset,
-                    0x41,
-                    int(end * 1e9) + offset,
-                ),
-                cached[1],
-            )
+
+    def _child(
+        self, ids: bytes, base: int, i: int, up: int, begin: tuple[Any, ...], end: float, offset: int, out: list[bytes]
+    ) -> None:
+        """Append the child span whose begin event is `events[i]` (its parent's `up`, -1 the request span)."""
+        key = begin[1:]
+        cached = self._children.get(key)
+        if cached is None:
+            cached = self._child_tail(key)
+        out += (
+            cached[0],
+            _CHILD.pack(
+                ids,
+                base + 1 + i,
+                b"\x22\x08",
+                base + 1 + up,
+                0x39,
+                int(begin[0] * 1e9) + offset,
+                0x41,
+                int(end * 1e9) + offset,
+            ),
+            cached[1],
+        )
 
     def _root_tail(self, route: str, model: str, status: int, workers: tuple[str, ...], error: str | None) -> bytes:
         """The request span's name (5), kind (6), attributes (9) but its request id, and error status (15)."""

@@ -47,47 +47,48 @@ _now = time.monotonic  # floats: see atomesh.otlp on a record's times
 class Trace:
     """The spans of one sampled request, as it runs (the record `atomesh.otlp` describes).
 
-    A child span begins with `trace.admission(...)`, `trace.attempt(...)` or `trace.leg(...)` and ends
-    with `trace.end()` in a `finally` (not a `with` block: calling `__enter__` and `__exit__` costs as
-    much again as the span): its begin event goes in `events` and it becomes the innermost open span
-    (`current`), whose id a call to a worker sends on; its end writes the end event and reopens the
-    enclosing span. Made by `Tracing.start` only (no `__init__`: calling one costs as much as a span)."""
+    A child span begins with `trace.admission(...)`, `trace.attempt(...)` or `trace.leg(...)`, which
+    write its begin event, and ends with `trace.end()` in a `finally`, which writes its end event and so
+    closes the innermost open span (not a `with` block: calling `__enter__` and `__exit__` costs as
+    much again as the span). Made by `Tracing.start` only (no `__init__`: calling one costs as much as
+    a span)."""
 
-    __slots__ = ("base", "current", "events", "parent", "start", "trace_id")
+    __slots__ = ("base", "events", "parent", "start", "trace_id")
 
     trace_id: bytes  # 16 bytes
     parent: bytes  # the client's span (8 bytes), or b""
     base: int  # the request span's id; a child's is base + 1 + the index of its begin event
-    events: list[Any]  # begin events (tuples) and end events (ints)
-    current: int  # the innermost open span: its begin event's index, -1 for the request span
+    events: list[Any]  # begin events (tuples) and end events (floats)
     start: float
 
-    def admission(self, model: str | None, cls: PriorityClass, tenant: str) -> Trace:
+    def admission(self, model: str | None, cls: PriorityClass, tenant: str) -> None:
         """Waiting for admission begins (the model, known from here, goes on the request span too)."""
-        events = self.events
-        events.append((_now(), self.current, ADMISSION, _CLASSES[cls], tenant, model or ""))
-        self.current = len(events) - 1
-        return self
+        self.events.append((_now(), ADMISSION, _CLASSES[cls], tenant, model or ""))
 
-    def attempt(self, number: int, kind: str, policies: tuple[str, ...], workers: tuple[str, ...]) -> Trace:
+    def attempt(self, number: int, kind: str, policies: tuple[str, ...], workers: tuple[str, ...]) -> None:
         """One placement and its run begins (kind: first, retry or migration)."""
-        events = self.events
-        events.append((_now(), self.current, ATTEMPT, number, kind, policies, workers))
-        self.current = len(events) - 1
-        return self
+        self.events.append((_now(), ATTEMPT, number, kind, policies, workers))
 
-    def leg(self, leg: int, url: str) -> Trace:
+    def leg(self, leg: int, url: str) -> None:
         """A call to one worker begins (leg: PREFILL, DECODE or UPSTREAM)."""
-        events = self.events
-        events.append((_now(), self.current, leg, url))
-        self.current = len(events) - 1
-        return self
+        self.events.append((_now(), leg, url))
 
     def end(self) -> None:
         """End the innermost open span."""
+        self.events.append(_now())
+
+    def current(self) -> int:
+        """The innermost open span's id (a call to a worker begins right after its span: found at once)."""
         events = self.events
-        events.append(_now())
-        self.current = events[self.current][1]
+        ended = 0
+        for i in range(len(events) - 1, -1, -1):
+            if events[i].__class__ is float:
+                ended += 1
+            elif ended:
+                ended -= 1
+            else:
+                return self.base + 1 + i
+        return self.base
 
 
 def parse_traceparent(value: str | None) -> tuple[str, str, bool] | None:
@@ -155,7 +156,6 @@ class Tracing:
         # 62 random bits, odd: never zero, and the request's child span ids (counted up from it) stay in 64 bits.
         trace.base = self._bits(62) | 1
         trace.events = []
-        trace.current = -1
         trace.start = _now()
         return trace
 
@@ -173,7 +173,6 @@ class Tracing:
                 exchange.request_id,
                 status,
                 error,
-                exchange.workers,
                 events,
             ),
             1 + len(events) // 2,
@@ -184,7 +183,7 @@ class Tracing:
         flag when the request is not traced, so the engine records nothing either)."""
         trace = exchange.trace
         if trace is not None:
-            span = (trace.base + 1 + trace.current).to_bytes(8, "little").hex()
+            span = trace.current().to_bytes(8, "little").hex()
             headers[TRACEPARENT] = f"00-{trace.trace_id.hex()}-{span}-01"
         else:
             headers[TRACEPARENT] = self._not_sampled(exchange.headers)

@@ -233,7 +233,7 @@ def test_spans_are_written_as_the_collectors_protobuf(monkeypatch: pytest.Monkey
         attrs = {a.key: a.value for a in root.attributes}
         assert attrs["atomesh.request_id"].string_value == rid and attrs["http.route"].string_value == "/v1/completions"
         assert attrs["http.response.status_code"].int_value == (503 if i == 1 else 200)
-        assert [v.string_value for v in attrs["atomesh.workers"].array_value.values] == ["http://a"]
+        assert [v.string_value for v in attrs["atomesh.workers"].array_value.values] == ["http://a", "http://b"]
         assert ("gen_ai.request.model" in attrs) == (i > 0)
         if i:
             assert attrs["gen_ai.request.model"].string_value == "m" * i * 70
