@@ -2,9 +2,9 @@
 request path (`atomesh.tracing.Trace`), shipped in batches to a sender process that writes them as
 OTLP protobuf and sends them (`atomesh.otlp_sender`).
 
-Gateway side, `SpanExporter`: a request's record is queued when it ends; a thread takes the queue in
-batches of `OTEL_BSP_MAX_EXPORT_BATCH_SIZE` spans (or what waits every `OTEL_BSP_SCHEDULE_DELAY`) and
-writes each batch to the sender's stdin as one `marshal` frame. Sender side, `SpanEncoder`: each
+Gateway side: a request's record joins a batch when it ends (`atomesh.tracing`); a batch of
+`OTEL_BSP_MAX_EXPORT_BATCH_SIZE` spans, or what gathered in `OTEL_BSP_SCHEDULE_DELAY`, is marshalled
+into one frame, which `SpanExporter`'s thread writes to the sender's stdin. Sender side, `SpanEncoder`: each
 batch becomes one opentelemetry-proto `ExportTraceServiceRequest` (trace/v1/trace.proto, the
 collector's own), the fields written being the ones the gateway's spans have (ids, name, kind, times,
 attributes, an error status). A span's name, kind and attributes are encoded once per distinct set of
@@ -19,16 +19,13 @@ The SDK's environment applies as it reads it: `OTEL_BSP_SCHEDULE_DELAY`, `OTEL_B
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import json
-import marshal
 import os
 import struct
 import subprocess
 import sys
 import threading
-import time
 import urllib.parse
 from collections import deque
 from dataclasses import dataclass
@@ -156,7 +153,7 @@ class SpanEncoder:
                 if event[1] == ATTEMPT:
                     workers = event[5]
                 elif event[1] == ADMISSION:
-                    model = event[4]
+                    model = event[4] or ""
                 continue
             j, up = begun.pop()
             self._child(ids, base, j, up, events[j], event, offset, out)
@@ -341,26 +338,21 @@ def exporter_settings(endpoint: str, service: str = "atomesh-gateway") -> Export
 
 
 class SpanExporter:
-    """The gateway's side of export: requests' records gathered into batches on the event loop, the
-    thread that writes them to the sender process, and that process.
+    """The sender process, and the thread that writes batches to it.
 
-    A batch goes when `max_batch` spans are in it or `schedule_delay_s` after its first record, as one
-    `marshal` frame (a 4-byte big-endian length, then `(unix time less monotonic time, [record, ...])`)
-    written to the sender's stdin (`atomesh.otlp_sender`: the encoding, the gRPC client and its retries
-    run there). The writes, which block while the pipe is full, run on a thread; with `max_queue` spans
-    waiting (the collector slow or away), new ones are dropped and counted."""
+    A batch comes as one `marshal` frame (`atomesh.tracing.Tracing.ship`: a 4-byte big-endian length,
+    then `(unix time less monotonic time in nanoseconds, [record, ...])`), written to the sender's
+    stdin (`atomesh.otlp_sender`: the encoding, the gRPC client and its retries run there). The
+    writes block while the pipe is full, so they run on a thread; a batch that would put more than
+    `max_queue` spans in waiting (the collector slow or away) is dropped and counted."""
 
     def __init__(self, settings: ExporterSettings) -> None:
         if importlib.util.find_spec("grpc") is None:
             raise RuntimeError("--enable-trace needs grpcio (pip install 'atomesh[tracing]')")
         self.settings = settings
-        self._max_queue, self._max_batch = settings.max_queue, settings.max_batch
-        self._batch: list[tuple[Any, ...]] = []  # the event loop's, until it ships
-        self._batch_spans = 0
-        self._timer: asyncio.TimerHandle | None = None
-        self._frames: deque[tuple[bytes, int]] = deque()  # shipped batches for the writer: (frame, spans)
-        # Spans shipped so far and written (or lost) so far, each counter written by one thread only.
-        self._shipped = self._written = 0
+        self._frames: deque[tuple[bytes, int]] = deque()  # (frame, spans), for the writer
+        # Spans sent so far (the event loop's count) and written or lost so far (the writer's).
+        self._sent = self._written = 0
         self.dropped = 0  # spans not handed over: the queue was full, or the sender had gone
         self.handed = 0  # spans handed to the sender
         self._wake = threading.Event()
@@ -381,33 +373,16 @@ class SpanExporter:
 
     @property
     def waiting(self) -> int:
-        """Spans gathered or shipped, not yet written to the sender."""
-        return self._shipped - self._written + self._batch_spans
+        """Spans sent, not yet written to the sender."""
+        return self._sent - self._written
 
-    def add(self, record: tuple[Any, ...], spans: int) -> None:
-        """Put one request's record of `spans` spans in the batch (on the event loop)."""
-        if self._shipped - self._written + self._batch_spans + spans > self._max_queue:
+    def send(self, frame: bytes, spans: int) -> None:
+        """Hand one batch of `spans` spans to the writer thread (from the event loop)."""
+        if self._sent - self._written + spans > self.settings.max_queue:
             self.dropped += spans
             return
-        batch = self._batch
-        batch.append(record)
-        self._batch_spans += spans
-        if self._batch_spans >= self._max_batch:
-            self.ship()
-        elif len(batch) == 1:
-            self._timer = asyncio.get_running_loop().call_later(self.settings.schedule_delay_s, self.ship)
-
-    def ship(self) -> None:
-        """Hand the batch to the writer thread (on the event loop)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if not self._batch:
-            return
-        frame = marshal.dumps((time.time_ns() - int(time.monotonic() * 1e9), self._batch), 4)
-        self._frames.append((len(frame).to_bytes(4, "big") + frame, self._batch_spans))
-        self._shipped += self._batch_spans
-        self._batch, self._batch_spans = [], 0
+        self._frames.append((frame, spans))
+        self._sent += spans
         self._wake.set()
 
     def _write(self) -> None:
@@ -431,8 +406,7 @@ class SpanExporter:
                 return
 
     def shutdown(self) -> None:
-        """Hand over what is gathered, then let the sender send it (within the export timeout) and exit."""
-        self.ship()
+        """Write what was sent, then let the sender send it (within the export timeout) and exit."""
         self._stopping = True
         self._wake.set()
         self._thread.join(self.settings.timeout_s + 1)

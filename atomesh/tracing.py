@@ -21,6 +21,8 @@ gateway's whole request path, so none of them is used here.
 
 from __future__ import annotations
 
+import asyncio
+import marshal
 import os
 import random
 import re
@@ -63,7 +65,7 @@ class Trace:
 
     def admission(self, model: str | None, cls: PriorityClass, tenant: str) -> None:
         """Waiting for admission begins (the model, known from here, goes on the request span too)."""
-        self.events.append((_now(), ADMISSION, _CLASSES[cls], tenant, model or ""))
+        self.events.append((_now(), ADMISSION, _CLASSES[cls], tenant, model))
 
     def attempt(self, number: int, kind: str, policies: tuple[str, ...], workers: tuple[str, ...]) -> None:
         """One placement and its run begins (kind: first, retry or migration)."""
@@ -78,10 +80,12 @@ class Trace:
         self.events.append(_now())
 
     def current(self) -> int:
-        """The innermost open span's id (a call to a worker begins right after its span: found at once)."""
+        """The innermost open span's id."""
         events = self.events
+        i = len(events)
         ended = 0
-        for i in range(len(events) - 1, -1, -1):
+        while i:
+            i -= 1
             if events[i].__class__ is float:
                 ended += 1
             elif ended:
@@ -135,7 +139,13 @@ class Tracing:
         self.ratio = ratio_from_env()
         rng = random.Random()  # seeded from os.urandom
         self._random, self._bits = rng.random, rng.getrandbits
-        self.exporter = SpanExporter(exporter_settings(endpoint, service))  # starts its thread; `shutdown` stops it
+        settings = exporter_settings(endpoint, service)
+        self._max_batch, self._delay = settings.max_batch, settings.schedule_delay_s
+        # The records of the requests ended since the last batch left, and their spans.
+        self._batch: list[tuple[Any, ...]] = []
+        self._batch_spans = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self.exporter = SpanExporter(settings)  # starts the sender process and its writer thread; `shutdown` stops them
 
     # ------------------------------------------------------------------ the request path
     def start(self, exchange: Exchange) -> Trace | None:
@@ -160,9 +170,10 @@ class Tracing:
         return trace
 
     def finish(self, trace: Trace, route: Route, status: int, error: str | None, exchange: Exchange) -> None:
-        """End the request span and queue the request's record."""
+        """End the request span and put the request's record in the batch; a full batch leaves."""
         events = trace.events
-        self.exporter.add(
+        batch = self._batch
+        batch.append(
             (
                 trace.trace_id,
                 trace.parent,
@@ -174,17 +185,34 @@ class Tracing:
                 status,
                 error,
                 events,
-            ),
-            1 + len(events) // 2,
+            )
         )
+        self._batch_spans += 1 + len(events) // 2  # the request span, and a begin and an end per child
+        if self._batch_spans >= self._max_batch:
+            self.ship()
+        elif len(batch) == 1:
+            self._timer = asyncio.get_running_loop().call_later(self._delay, self.ship)
+
+    def ship(self) -> None:
+        """Send the batch to the sender process (on the event loop: when full, when due, and at stop)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._batch:
+            frame = marshal.dumps((time.time_ns() - int(time.monotonic() * 1e9), self._batch), 4)
+            self.exporter.send(len(frame).to_bytes(4, "big") + frame, self._batch_spans)
+            self._batch, self._batch_spans = [], 0
 
     def inject(self, headers: MutableMapping[str, str], exchange: Exchange) -> None:
         """Put the request's current span in the `traceparent` of a call to a worker (with the not-sampled
         flag when the request is not traced, so the engine records nothing either)."""
         trace = exchange.trace
         if trace is not None:
-            span = trace.current().to_bytes(8, "little").hex()
-            headers[TRACEPARENT] = f"00-{trace.trace_id.hex()}-{span}-01"
+            events = trace.events
+            # A call to a worker comes right after its span begins: that span is the last event.
+            span = trace.base + len(events) if events[-1].__class__ is tuple else trace.current()
+            # One hex call writes both ids, the dash between them too (after the trace id's 16 bytes).
+            headers[TRACEPARENT] = "00-" + (trace.trace_id + span.to_bytes(8, "little")).hex("-", -16) + "-01"
         else:
             headers[TRACEPARENT] = self._not_sampled(exchange.headers)
 
@@ -199,4 +227,5 @@ class Tracing:
     def shutdown(self) -> None:
         """Send what is queued and stop (at gateway stop)."""
         if self.on:
+            self.ship()
             self.exporter.shutdown()

@@ -169,33 +169,37 @@ def _exchange(headers: dict[str, str], request_id: str = "req-1") -> Any:
     return SimpleNamespace(headers=headers, request_id=request_id, trace=None, workers=("http://a",))
 
 
-def _parsed(records: list[Any]) -> list[Any]:
-    """The spans of `records` as the sender writes them, parsed with opentelemetry-proto's own classes
-    (the records shipped as the exporter ships them: marshalled)."""
+def _parsed(frames: list[bytes]) -> list[Any]:
+    """The spans of the frames the gateway sends its sender process, encoded as the sender encodes
+    them, parsed with opentelemetry-proto's own classes."""
     from atomesh.otlp import SpanEncoder
 
-    offset, shipped = marshal.loads(marshal.dumps((time.time_ns() - time.monotonic_ns(), records), 4))
-    request = trace_service.ExportTraceServiceRequest()
-    request.ParseFromString(SpanEncoder((("service.name", "atomesh-gateway"),)).export_request(offset, shipped))
-    [resource_spans] = request.resource_spans
-    assert resource_spans.resource.attributes[0].value.string_value == "atomesh-gateway"
-    [scope_spans] = resource_spans.scope_spans
-    assert scope_spans.scope.name == "atomesh"
-    return list(scope_spans.spans)
+    encoder = SpanEncoder((("service.name", "atomesh-gateway"),))
+    spans = []
+    for frame in frames:
+        assert int.from_bytes(frame[:4], "big") == len(frame) - 4
+        request = trace_service.ExportTraceServiceRequest()
+        request.ParseFromString(encoder.export_request(*marshal.loads(frame[4:])))
+        [resource_spans] = request.resource_spans
+        assert resource_spans.resource.attributes[0].value.string_value == "atomesh-gateway"
+        [scope_spans] = resource_spans.scope_spans
+        assert scope_spans.scope.name == "atomesh"
+        spans += scope_spans.spans
+    return spans
 
 
-def test_spans_are_written_as_the_collectors_protobuf(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The records the request path makes, encoded by hand, parse with opentelemetry-proto's own classes:
-    every span and value intact at every length (cached or not), parents linked, the traceparent sent
-    upstream naming the leg, a 5xx request span marked as an error."""
+async def test_spans_are_written_as_the_collectors_protobuf(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The records the request path makes, shipped and encoded by hand, parse with opentelemetry-proto's
+    own classes: every span and value intact at every length (cached or not), parents linked, the
+    traceparent sent upstream naming the leg, a 5xx request span marked as an error."""
     from atomesh.otlp import key_value
     from atomesh.request import Route
     from atomesh.tenancy import PriorityClass
     from atomesh.tracing import UPSTREAM, Tracing
 
-    tracing = Tracing("127.0.0.1:9")  # nothing listens: the records are taken before they are sent
-    records: list[Any] = []
-    monkeypatch.setattr(tracing.exporter, "add", lambda record, n: records.append((record, n)))
+    tracing = Tracing("127.0.0.1:9")  # nothing listens: the frames are taken before they are sent
+    frames: list[tuple[bytes, int]] = []
+    monkeypatch.setattr(tracing.exporter, "send", lambda frame, n: frames.append((frame, n)))
     request_ids = ["req-1", "x" * 99, "y" * 300, "é" * 60, "req-1"]
     headers: list[dict[str, str]] = []
     for i, rid in enumerate(request_ids):
@@ -211,9 +215,9 @@ def test_spans_are_written_as_the_collectors_protobuf(monkeypatch: pytest.Monkey
         trace.end()
         trace.end()
         tracing.finish(trace, Route.COMPLETIONS, 503 if i == 1 else 200, "upstream_error" if i == 1 else None, exchange)
-    tracing.shutdown()
-    assert [n for _, n in records] == [4] * len(request_ids)
-    spans = _parsed([r for r, _ in records])
+    tracing.shutdown()  # sends the batch
+    assert [n for _, n in frames] == [4 * len(request_ids)]
+    spans = _parsed([f for f, _ in frames])
     assert len(spans) == 4 * len(request_ids)
     for i, rid in enumerate(request_ids):
         named = {s.name: s for s in spans[4 * i : 4 * i + 4]}
@@ -329,7 +333,7 @@ def test_exporter_settings_not_honoured_stop_start_up(monkeypatch: pytest.Monkey
 async def test_spans_reach_a_receiver_and_a_full_queue_drops_and_counts(
     receiver: tuple[Receiver, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Batches go when full and on the schedule; past the queue's bound spans are dropped, counted, not kept."""
+    """Batches go when full and on the schedule; a batch past the queue's bound is dropped, counted, not kept."""
     from atomesh.request import Route
     from atomesh.tenancy import PriorityClass
     from atomesh.tracing import Tracing
@@ -353,10 +357,11 @@ async def test_spans_reach_a_receiver_and_a_full_queue_drops_and_counts(
         await asyncio.sleep(0.05)
     tracing.shutdown()
     assert tracing.exporter.handed == 4 and tracing.exporter.dropped == 0
-    # With its sender stopped (as a collector that never answers holds it), the queue fills up to its bound.
-    for _ in range(10):
+    # With its sender stopped (as a collector that never answers holds it), the queue fills up to its
+    # bound: the third batch of 4 is dropped.
+    for _ in range(12):
         exchange = _exchange({})
         trace = tracing.start(exchange)
         assert trace is not None
         tracing.finish(trace, Route.COMPLETIONS, 200, None, exchange)
-    assert tracing.exporter.dropped == 2 and tracing.exporter.waiting == 8
+    assert tracing.exporter.dropped == 4 and tracing.exporter.waiting == 8
