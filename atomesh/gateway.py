@@ -106,7 +106,7 @@ class Gateway:
         )
         self.models = ModelNames(self.registry, roles[-1], parse_model_aliases(config.model_alias))
         self.backend = self._make_backend()
-        self.router = Router(config, self.placement, self.backend, self.metrics, self.tracing)
+        self.router = Router(config, self.placement, self.backend, self.metrics)
         # With several processes each admits its share (the kernel spreads connections about evenly).
         n = config.processes
         rate = config.rate_limit_tokens_per_second  # None or 0: no token bucket

@@ -1,10 +1,15 @@
-"""OTLP/gRPC trace export written by hand: spans encoded straight into protobuf bytes, sent in batches
-by a sender process (`atomesh.otlp_sender`).
+"""OTLP/gRPC trace export written by hand: a request's spans, recorded as a few tuples and ints on the
+request path (`atomesh.tracing.Trace`), shipped in batches to a sender process that writes them as
+OTLP protobuf and sends them (`atomesh.otlp_sender`).
 
-The wire format is opentelemetry-proto's `ExportTraceServiceRequest` (trace/v1/trace.proto), the
-collector's own; the fields written are the ones the gateway's spans have (ids, name, kind, times,
-attributes, an error status). An attribute's encoding is cached by key and value: most repeat from
-request to request (route, model, worker, status), so a span costs a few byte joins.
+Gateway side: a request's record joins a batch when it ends (`atomesh.tracing`); a batch of
+`OTEL_BSP_MAX_EXPORT_BATCH_SIZE` spans, or what gathered in `OTEL_BSP_SCHEDULE_DELAY`, is marshalled
+into one frame, which `SpanExporter`'s thread writes to the sender's stdin. Sender side, `SpanEncoder`: each
+batch becomes one opentelemetry-proto `ExportTraceServiceRequest` (trace/v1/trace.proto, the
+collector's own), the fields written being the ones the gateway's spans have (ids, name, kind, times,
+attributes, an error status). A span's name, kind and attributes are encoded once per distinct set of
+values and cached (they repeat from request to request: route, model, worker, status), so a span costs
+one `struct.pack` of its ids and times and a cache lookup.
 
 The SDK's environment applies as it reads it: `OTEL_BSP_SCHEDULE_DELAY`, `OTEL_BSP_MAX_QUEUE_SIZE`,
 `OTEL_BSP_MAX_EXPORT_BATCH_SIZE`, `OTEL_EXPORTER_OTLP[_TRACES]_HEADERS`, `_COMPRESSION` (gzip) and
@@ -24,26 +29,51 @@ import threading
 import urllib.parse
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
 import atomesh
 
-if TYPE_CHECKING:
-    from atomesh.tracing import RequestSpan
-
 log = structlog.get_logger("atomesh.tracing")
 
 KIND_INTERNAL, KIND_SERVER, KIND_CLIENT = 1, 2, 3  # opentelemetry-proto's Span.SpanKind
+
+# What a request's record holds, as `atomesh.tracing` makes it and `SpanEncoder` reads it: (trace id
+# (16 bytes), the client's span (8 bytes, or b""), the request span's id, its start and end, route,
+# request id, HTTP status, error code or None, events). Times are `time.monotonic()` floats (a
+# nanosecond's resolution for 97 days of uptime; they cost less than ints of nanoseconds to make and
+# to marshal). Events are the child spans as they happened: a span's begin `(start, kind, *values)`
+# and its end, a float (the end time); spans nest, so a begin's parent is the innermost span open
+# then (or the request span) and an end closes the innermost open span. The request span's model is
+# the admission span's (it is known from there on), its workers the last attempt's. A child span's
+# id is the request span's + 1 + the index of its begin event; an id's bytes are the int's 8
+# little-endian bytes (as the traceparent sent upstream writes them in hex).
+ADMISSION, ATTEMPT, PREFILL, DECODE, UPSTREAM = range(5)
+# Each kind of child span: its name, OTLP kind, the keys of its begin event's values, constant attributes.
+SPANS: tuple[tuple[str, int, tuple[str, ...], tuple[tuple[str, str], ...]], ...] = (
+    ("admission", KIND_INTERNAL, ("atomesh.class", "atomesh.tenant", "gen_ai.request.model"), ()),
+    (
+        "attempt",
+        KIND_INTERNAL,
+        ("atomesh.attempt", "atomesh.attempt.kind", "atomesh.placement.policy", "atomesh.placement.workers"),
+        (),
+    ),
+    ("prefill", KIND_CLIENT, ("server.address",), (("atomesh.leg", "prefill"),)),
+    ("decode", KIND_CLIENT, ("server.address",), (("atomesh.leg", "decode"),)),
+    ("upstream", KIND_CLIENT, ("server.address",), (("atomesh.leg", "single"),)),
+)
+REQUEST_ID = "atomesh.request_id"  # the request span's attribute that differs with every request
+
 _SMALL = [bytes((n,)) for n in range(0x80)]
-_TIMES = struct.Struct("<BQBQ")  # start_time_unix_nano (7) and end_time_unix_nano (8), both fixed64
 _DOUBLE = struct.Struct("<Bd")
-_KINDS = [b"\x30" + bytes((k,)) for k in range(4)]  # kind (6)
-_SMALL_FIELD2 = [b"\x12" + bytes((n,)) for n in range(0x80)]
+# A child span's ids and times: trace_id (1) with span_id's tag (2), span_id, parent_span_id (4),
+# start_time_unix_nano (7) and end_time_unix_nano (8), both fixed64.
+_CHILD = struct.Struct("<20sQ2sQBQBQ")
+_CHILD_SIZE = _CHILD.size
+_ROOT = struct.Struct("<20sQBQBQ")  # the request span's: its parent goes apart (the client's, if any)
 _STATUS_ERROR = b"\x7a\x02\x18\x02"  # status (15) { code (3): STATUS_CODE_ERROR }
 _CACHE_ENTRIES = 4096
-REQUEST_ID = "atomesh.request_id"  # the request span's attribute that differs with every request
 _REQUEST_ID_KEY = b"\x0a" + bytes((len(REQUEST_ID),)) + REQUEST_ID.encode() + b"\x12"  # key, then value's tag
 
 
@@ -85,109 +115,135 @@ def key_value(key: str, value: Any) -> bytes:
     return field(0x0A, key.encode()) + field(0x12, any_value(value))
 
 
+def attributes(pairs: Any) -> bytes:
+    """Span.attributes (9): one KeyValue each."""
+    return b"".join(field(0x4A, key_value(k, v)) for k, v in pairs)
+
+
 class SpanEncoder:
-    """Writes a finished request's spans as `ScopeSpans.spans` entries (field 2, each length-prefixed).
+    """Writes batches of requests' records (the sender's side) as `ExportTraceServiceRequest`s.
 
-    Encodings are cached: a span's name, kind and attributes whole, by their values (the same call site
-    with the same values writes the same bytes), else each attribute's by key and value."""
+    A span's name, kind and attributes are encoded once per distinct set of values and cached: the
+    same call site with the same values writes the same bytes."""
 
-    def __init__(self) -> None:
-        self._attributes: dict[tuple[Any, ...], bytes] = {}
-        self._blocks: dict[tuple[Any, ...], bytes] = {}
+    def __init__(self, resource: tuple[tuple[str, str], ...]) -> None:
+        self._resource = field(0x0A, b"".join(field(0x0A, key_value(k, v)) for k, v in resource))
+        self._scope = field(0x0A, field(0x0A, b"atomesh") + field(0x12, atomesh.__version__.encode()))
+        self._children: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}  # (kind, *values): (entry head, tail)
+        self._roots: dict[tuple[Any, ...], bytes] = {}  # (route, model, status, workers, error): tail
 
-    def request(self, root: RequestSpan) -> bytes:
-        ids = b"\x0a\x10" + root.trace_id + b"\x12\x08"  # trace_id (1), then span_id's tag (2)
-        attrs = root.attributes
-        # The request id is the one attribute new with every request: kept out of the cached block.
-        request_id = attrs.pop(REQUEST_ID, None)
-        status = attrs.get("http.response.status_code")
-        tail = self._tail(root.name, root.kind, attrs)
-        if request_id is not None:
-            value = str(request_id).encode()
-            n = len(value)
-            if n < 100:  # KeyValue {key, value {string_value}}, every length in one byte
-                tail += b"".join(
-                    (
-                        b"\x4a",
-                        _SMALL[n + len(_REQUEST_ID_KEY) + 3],
-                        _REQUEST_ID_KEY,
-                        _SMALL[n + 2],
-                        b"\x0a",
-                        _SMALL[n],
-                        value,
-                    )
-                )
-            else:
-                tail += field(0x4A, key_value(REQUEST_ID, request_id))
-        if status.__class__ is int and status >= 500:
-            tail += _STATUS_ERROR
-        pack = _TIMES.pack
-        out = [
-            self._framed(
-                (
-                    ids,
-                    root.span_id.to_bytes(8, "big"),
-                    b"\x22\x08" + root.parent_id if root.parent_id else b"",
-                    pack(0x39, root.start_ns, 0x41, root.end_ns),
-                    tail,
-                )
-            )
-        ]
-        for s in root.children:
-            parent = (s.parent or root).span_id
-            out.append(
-                self._framed(
-                    (
-                        ids,
-                        s.span_id.to_bytes(8, "big"),
-                        b"\x22\x08",
-                        parent.to_bytes(8, "big"),
-                        pack(0x39, s.start_ns, 0x41, s.end_ns),
-                        self._tail(s.name, s.kind, s.attributes),
-                    )
-                )
-            )
-        return b"".join(out)
+    def export_request(self, offset_ns: int, records: list[tuple[Any, ...]]) -> bytes:
+        """One ExportTraceServiceRequest holding the spans of `records` (`offset_ns`: unix time less
+        monotonic time in nanoseconds, when the batch left the gateway)."""
+        out = [self._scope]
+        for record in records:
+            self._spans(record, offset_ns, out)
+        scope_spans = field(0x12, b"".join(out))  # ResourceSpans.scope_spans (2)
+        return field(0x0A, self._resource + scope_spans)  # ExportTraceServiceRequest.resource_spans (1)
 
-    def _tail(self, name: str, kind: int, attributes: dict[str, Any]) -> bytes:
-        """A span's name (5), kind (6) and attributes (9), cached whole by their values where they are hashable."""
-        key: tuple[Any, ...] | None = (name, kind, *attributes.items())
-        blocks = self._blocks
-        try:
-            tail = blocks.get(key)  # type: ignore[arg-type]
-        except TypeError:  # a list among the values
-            key, tail = None, None
+    def _spans(self, record: tuple[Any, ...], offset: int, out: list[bytes]) -> None:
+        """Append a request's spans to `out`, each a ScopeSpans.spans (2) entry."""
+        trace_id, parent, base, start, end, route, request_id, status, error, events = record
+        ids = b"\x0a\x10" + trace_id + b"\x12\x08"  # trace_id (1), then span_id's tag (2)
+        model, workers = "", ()
+        begun: list[tuple[int, int]] = []  # the open spans, innermost last: (begin event, its parent's)
+        for i, event in enumerate(events):
+            if event.__class__ is not float:
+                begun.append((i, begun[-1][0] if begun else -1))
+                if event[1] == ATTEMPT:
+                    workers = event[5]
+                elif event[1] == ADMISSION:
+                    model = event[4] or ""
+                continue
+            j, up = begun.pop()
+            self._child(ids, base, j, up, events[j], event, offset, out)
+        while begun:  # not ended (the request path always ends its spans): they end with the request
+            j, up = begun.pop()
+            self._child(ids, base, j, up, events[j], end, offset, out)
+        tail = self._roots.get((route, model, status, workers, error))
         if tail is None:
-            tail = field(0x2A, name.encode()) + _KINDS[kind] + self._attribute_block(attributes)
-            if key is not None:
-                if len(blocks) >= _CACHE_ENTRIES:
-                    blocks.clear()
-                blocks[key] = tail
+            tail = self._root_tail(route, model, status, workers, error)
+        value = request_id.encode()
+        n = len(value)
+        if n < 100:  # KeyValue {key, value {string_value}}, every length in one byte
+            rid = b"".join(
+                (
+                    b"\x4a",
+                    _SMALL[n + len(_REQUEST_ID_KEY) + 3],
+                    _REQUEST_ID_KEY,
+                    _SMALL[n + 2],
+                    b"\x0a",
+                    _SMALL[n],
+                    value,
+                )
+            )
+        else:
+            rid = field(0x4A, key_value(REQUEST_ID, request_id))
+        body = b"".join(
+            (
+                _ROOT.pack(ids, base, 0x39, int(start * 1e9) + offset, 0x41, int(end * 1e9) + offset),
+                b"\x22\x08" + parent if parent else b"",
+                tail,
+                rid,
+            )
+        )
+        out.append(field(0x12, body))
+
+    def _child(
+        self, ids: bytes, base: int, i: int, up: int, begin: tuple[Any, ...], end: float, offset: int, out: list[bytes]
+    ) -> None:
+        """Append the child span whose begin event is `events[i]` (its parent's `up`, -1 the request span)."""
+        key = begin[1:]
+        cached = self._children.get(key)
+        if cached is None:
+            cached = self._child_tail(key)
+        out += (
+            cached[0],
+            _CHILD.pack(
+                ids,
+                base + 1 + i,
+                b"\x22\x08",
+                base + 1 + up,
+                0x39,
+                int(begin[0] * 1e9) + offset,
+                0x41,
+                int(end * 1e9) + offset,
+            ),
+            cached[1],
+        )
+
+    def _root_tail(self, route: str, model: str, status: int, workers: tuple[str, ...], error: str | None) -> bytes:
+        """The request span's name (5), kind (6), attributes (9) but its request id, and error status (15)."""
+        pairs: list[tuple[str, Any]] = [("http.route", route)]
+        if model:
+            pairs.append(("gen_ai.request.model", model))
+        pairs.append(("http.response.status_code", status))
+        if workers:
+            pairs.append(("atomesh.workers", workers))
+        if error is not None:
+            pairs.append(("error.type", error))
+        tail = field(0x2A, f"POST {route}".encode()) + b"\x30" + _SMALL[KIND_SERVER] + attributes(pairs)
+        if status >= 500:
+            tail += _STATUS_ERROR
+        if len(self._roots) >= _CACHE_ENTRIES:
+            self._roots.clear()
+        self._roots[(route, model, status, workers, error)] = tail
         return tail
 
-    @staticmethod
-    def _framed(parts: tuple[bytes, ...]) -> bytes:
-        body = b"".join(parts)
-        n = len(body)
-        if n < 0x4000:  # ScopeSpans.spans (2), its length in two bytes at most
-            return (_SMALL_FIELD2[n] if n < 0x80 else bytes((0x12, n & 0x7F | 0x80, n >> 7))) + body
-        return field(0x12, body)
-
-    def _attribute_block(self, attributes: dict[str, Any]) -> bytes:
-        """Span.attributes (9), each attribute's encoding cached by key and value."""
-        cache = self._attributes
-        parts = []
-        for k, v in attributes.items():
-            cls = v.__class__
-            # The class is part of the key where equal values differ in type (True == 1).
-            key = (k, v) if cls is str else (k, tuple(v)) if cls is list else (k, v, cls)
-            encoded = cache.get(key)
-            if encoded is None:
-                if len(cache) >= _CACHE_ENTRIES:  # per-request values (the request id) come and go
-                    cache.clear()
-                encoded = cache[key] = field(0x4A, key_value(k, v))
-            parts.append(encoded)
-        return b"".join(parts)
+    def _child_tail(self, key: tuple[Any, ...]) -> tuple[bytes, bytes]:
+        """A child span's name (5), kind (6) and attributes (9), with its ScopeSpans.spans entry's tag and length."""
+        name, kind, keys, constant = SPANS[key[0]]
+        tail = (
+            field(0x2A, name.encode())
+            + b"\x30"
+            + _SMALL[kind]
+            + attributes((*zip(keys, key[1:], strict=True), *constant))
+        )
+        cached = (b"\x12" + varint(_CHILD_SIZE + len(tail)), tail)
+        if len(self._children) >= _CACHE_ENTRIES:
+            self._children.clear()
+        self._children[key] = cached
+        return cached
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,23 +338,21 @@ def exporter_settings(endpoint: str, service: str = "atomesh-gateway") -> Export
 
 
 class SpanExporter:
-    """A bounded queue of encoded spans, the thread that hands them over in batches, and the sender process.
+    """The sender process, and the thread that writes batches to it.
 
-    A batch goes when `max_batch` spans wait or every `schedule_delay_s`, as one encoded
-    ExportTraceServiceRequest written to the sender's stdin (`atomesh.otlp_sender`: the gRPC client and
-    its retries run there). With `max_queue` spans waiting (the collector slow or away and the pipe
-    full), new ones are dropped and counted."""
+    A batch comes as one `marshal` frame (`atomesh.tracing.Tracing.ship`: a 4-byte big-endian length,
+    then `(unix time less monotonic time in nanoseconds, [record, ...])`), written to the sender's
+    stdin (`atomesh.otlp_sender`: the encoding, the gRPC client and its retries run there). The
+    writes block while the pipe is full, so they run on a thread; a batch that would put more than
+    `max_queue` spans in waiting (the collector slow or away) is dropped and counted."""
 
     def __init__(self, settings: ExporterSettings) -> None:
         if importlib.util.find_spec("grpc") is None:
             raise RuntimeError("--enable-trace needs grpcio (pip install 'atomesh[tracing]')")
         self.settings = settings
-        resource = field(0x0A, b"".join(field(0x0A, key_value(k, v)) for k, v in settings.resource))
-        self._resource = resource  # ResourceSpans.resource (1)
-        self._scope = field(0x0A, field(0x0A, b"atomesh") + field(0x12, atomesh.__version__.encode()))
-        self._queue: deque[tuple[bytes, int]] = deque()
-        # Spans queued so far and taken out so far, each counter written by one thread only.
-        self._added = self._taken = 0
+        self._frames: deque[tuple[bytes, int]] = deque()  # (frame, spans), for the writer
+        # Spans sent so far (the event loop's count) and written or lost so far (the writer's).
+        self._sent = self._written = 0
         self.dropped = 0  # spans not handed over: the queue was full, or the sender had gone
         self.handed = 0  # spans handed to the sender
         self._wake = threading.Event()
@@ -309,61 +363,50 @@ class SpanExporter:
             "headers": settings.headers,
             "gzip": settings.gzip,
             "timeout_s": settings.timeout_s,
+            "resource": settings.resource,
         }
         self._sender = subprocess.Popen(
             [sys.executable, "-m", "atomesh.otlp_sender", json.dumps(config)], stdin=subprocess.PIPE
         )
-        self._thread = threading.Thread(target=self._run, name="atomesh-otlp-export", daemon=True)
+        self._thread = threading.Thread(target=self._write, name="atomesh-otlp-export", daemon=True)
         self._thread.start()
 
-    def add(self, spans: bytes, count: int) -> None:
-        """Queue one request's `count` encoded spans (from the event loop: an append, and a wake-up once a
-        batch is full)."""
-        queued = self._added - self._taken + count
-        if queued > self.settings.max_queue:
-            self.dropped += count
+    @property
+    def waiting(self) -> int:
+        """Spans sent, not yet written to the sender."""
+        return self._sent - self._written
+
+    def send(self, frame: bytes, spans: int) -> None:
+        """Hand one batch of `spans` spans to the writer thread (from the event loop)."""
+        if self._sent - self._written + spans > self.settings.max_queue:
+            self.dropped += spans
             return
-        self._queue.append((spans, count))
-        self._added += count
-        if queued >= self.settings.max_batch and not self._wake.is_set():
-            self._wake.set()
+        self._frames.append((frame, spans))
+        self._sent += spans
+        self._wake.set()
 
-    def request_bytes(self, spans: list[bytes]) -> bytes:
-        """An ExportTraceServiceRequest holding `spans` (ScopeSpans.spans entries, as SpanEncoder writes)."""
-        scope_spans = field(0x12, self._scope + b"".join(spans))
-        return field(0x0A, self._resource + scope_spans)
-
-    def _run(self) -> None:
+    def _write(self) -> None:
+        frames = self._frames
         while True:
-            self._wake.wait(self.settings.schedule_delay_s)
+            self._wake.wait()
             self._wake.clear()
             stopping = self._stopping
-            self._drain()
+            while frames:
+                frame, spans = frames.popleft()
+                try:
+                    assert self._sender.stdin is not None
+                    self._sender.stdin.write(frame)  # blocks while the pipe is full
+                    self._sender.stdin.flush()
+                    self.handed += spans
+                except (BrokenPipeError, ValueError):
+                    self.dropped += spans
+                    log.warning("otlp_sender_gone", returncode=self._sender.poll())
+                self._written += spans
             if stopping:
                 return
 
-    def _drain(self) -> None:
-        queue = self._queue
-        while queue:
-            batch: list[bytes] = []
-            count = 0
-            while queue and count < self.settings.max_batch:
-                spans, n = queue.popleft()
-                batch.append(spans)
-                count += n
-            data = self.request_bytes(batch)
-            try:
-                assert self._sender.stdin is not None
-                self._sender.stdin.write(len(data).to_bytes(4, "big") + data)  # blocks while the pipe is full
-                self._sender.stdin.flush()
-                self.handed += count
-            except (BrokenPipeError, ValueError):
-                self.dropped += count
-                log.warning("otlp_sender_gone", returncode=self._sender.poll())
-            self._taken += count
-
     def shutdown(self) -> None:
-        """Hand over what is queued, then let the sender send it (within the export timeout) and exit."""
+        """Write what was sent, then let the sender send it (within the export timeout) and exit."""
         self._stopping = True
         self._wake.set()
         self._thread.join(self.settings.timeout_s + 1)

@@ -1,22 +1,26 @@
-"""The gateway's OTLP/gRPC sender: a child process that sends encoded trace batches to the collector.
+"""The gateway's OTLP/gRPC sender: a child process that encodes the gateway's trace batches and sends
+them to the collector.
 
 `python -m atomesh.otlp_sender SETTINGS_JSON`, started and stopped by `atomesh.otlp.SpanExporter`. It
-reads frames from stdin (a 4-byte big-endian length, then an `ExportTraceServiceRequest` already
-encoded) and sends each with one gRPC call, retrying what the collector may get over (unavailable,
-overloaded) with backoff until the export timeout; at the end of stdin it exits. The gRPC client
-runs here, not in the gateway: its threads and calls would otherwise contend with the gateway's
-event loop for the interpreter lock, which cost the gateway several times the calls' own CPU.
+reads frames from stdin (a 4-byte big-endian length, then a `marshal`led batch of requests' records),
+writes each batch as one `ExportTraceServiceRequest` (`atomesh.otlp.SpanEncoder`) and sends it with
+one gRPC call, retrying what the collector may get over (unavailable, overloaded) with backoff until
+the export timeout; at the end of stdin it exits. The encoding and the gRPC client run here, not in
+the gateway: there they would take the event loop's time, or contend with it for the interpreter lock.
 """
 
 from __future__ import annotations
 
 import json
+import marshal
 import signal
 import sys
 import time
 from typing import Any, BinaryIO
 
 import structlog
+
+from atomesh.otlp import SpanEncoder
 
 log = structlog.get_logger("atomesh.tracing")
 _EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
@@ -47,11 +51,14 @@ def serve(settings: dict[str, Any], stream: BinaryIO) -> None:
         grpc.StatusCode.CANCELLED,
         grpc.StatusCode.DATA_LOSS,
     }
+    encoder = SpanEncoder(tuple((k, v) for k, v in settings["resource"]))
     failed = 0
     while (head := _read(stream, 4)) is not None:
-        data = _read(stream, int.from_bytes(head, "big"))
-        if data is None:
+        frame = _read(stream, int.from_bytes(head, "big"))
+        if frame is None:
             break
+        offset_ns, records = marshal.loads(frame)
+        data = encoder.export_request(offset_ns, records)
         deadline = time.monotonic() + settings["timeout_s"]
         backoff = 0.5
         while True:

@@ -16,7 +16,6 @@ from atomesh.metrics import ENDPOINTS, HistogramValue, Metrics, RequestMeter
 from atomesh.migration import MigrationRefused, StreamTracker, refusal
 from atomesh.placement import Placement, Plan
 from atomesh.request import RequestView
-from atomesh.tracing import Tracing
 from atomesh.transport import Exchange, backoff_delays, write_sse_error
 from atomesh.workers.worker import Worker, WorkerRole
 
@@ -50,16 +49,8 @@ class _Attempt:
 class Router:
     """Drives a RequestView through placement and a backend, with bounded retries."""
 
-    def __init__(
-        self,
-        config: GatewayConfig,
-        placement: Placement,
-        backend: Backend,
-        metrics: Metrics,
-        tracing: Tracing | None = None,
-    ) -> None:
+    def __init__(self, config: GatewayConfig, placement: Placement, backend: Backend, metrics: Metrics) -> None:
         self.placement = placement
-        self.tracing = tracing if tracing is not None and tracing.on else None  # --enable-trace: a span per attempt
         self.backend = backend
         self.max_retries = 0 if config.disable_retries else config.retry_max_retries
         self._backoff = (
@@ -69,6 +60,9 @@ class Router:
             config.retry_jitter_factor,
         )
         self._policy_names = {role: config.policy_for(role.value) for role in placement.policies}
+        # An attempt span's policies, in its plan's order of workers (--enable-trace).
+        legs = (WorkerRole.PREFILL, WorkerRole.DECODE) if placement.pd else (WorkerRole.REGULAR,)
+        self._span_policies = tuple(str(self._policy_names[role]) for role in legs)
         self.counts = AttemptMetrics(metrics, self._policy_names, "pd" if placement.pd else "regular")
         self.migration_limit = config.migration_limit
         self.on_unreachable: UnreachableHook | None = None
@@ -178,22 +172,17 @@ class Router:
             self._track(run)
             try:
                 try:
-                    if self.tracing is None:
-                        await self.backend.forward(exchange, current, plan)
-                    else:
+                    trace = exchange.trace
+                    if trace is not None:  # the span ends in `finally`
                         kind = (
                             "first" if not tried and current is view else "migration" if exchange.committed else "retry"
                         )
-                        with self.tracing.span(
-                            "attempt",
-                            {
-                                "atomesh.attempt": attempt,
-                                "atomesh.attempt.kind": kind,
-                                "atomesh.placement.policy": tuple(str(self._policy_names[w.role]) for w in workers),
-                                "atomesh.placement.workers": tuple(exchange.workers),
-                            },
-                        ):
-                            await self.backend.forward(exchange, current, plan)
+                        trace.attempt(attempt, kind, self._span_policies, exchange.workers)
+                    try:
+                        await self.backend.forward(exchange, current, plan)
+                    finally:
+                        if trace is not None:
+                            trace.end()
                 except asyncio.CancelledError:
                     if run.lost is None or task.uncancel() > 0:
                         raise  # the client went away (or the gateway stops): not ours to handle

@@ -1,141 +1,112 @@
 """OpenTelemetry tracing of the gateway (SMG's `--enable-trace`, `--otlp-traces-endpoint`).
 
-Off (the default), `Tracing.on` is false and nothing below runs: each hook is one attribute test.
-On, every inference request gets a server span (route, model, status, workers) under the client's
-W3C `traceparent` when it sent one, with children for admission (class, tenant), each attempt
-(placement: policy and workers; first try, retry or migration) and each upstream leg (prefill,
-decode, or the single worker); the current span goes on to the worker as `traceparent`, so an engine
-that traces puts its own spans under it.
+Off (the default), `Tracing.on` is false and no request has a `Trace`: each hook is one attribute
+test. On, every sampled inference request gets a server span (route, model, status, workers) under the
+client's W3C `traceparent` when it sent one, with children for admission (class, tenant), each attempt
+(placement: policy and workers; first try, retry or migration) and each upstream leg (prefill, decode,
+or the single worker); the current span goes on to the worker as `traceparent`, so an engine that
+traces puts its own spans under it.
 
-What it costs is what the request path does, so that path does little: a span is a small object made
-current through one context variable; when it ends it is written straight into OTLP protobuf bytes
-(`otlp.py`: attribute encodings cached, ids kept as bytes) and queued; the `SpanExporter` thread
-sends queued spans in batches over OTLP/gRPC. The OpenTelemetry SDK's span objects, processor and
-encoder cost more than the gateway's whole request path, so none of them is used here. Sampling
-follows the parent's flag, else `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG` as the SDK reads
-them, else every trace; a trace that is not sampled records nothing.
+What it costs is what the request path does, so that path does little. Whether a request is sampled
+is decided once, as it arrives: the client's flag, else `OTEL_TRACES_SAMPLER` /
+`OTEL_TRACES_SAMPLER_ARG` as the SDK reads them, else every trace. A request not sampled gets no
+`Trace`; all tracing does for it is the `traceparent` it passes on (flagged not sampled, so the
+engines record nothing either). A sampled request's `Trace` records its spans as tuples and ints in a
+list (monotonic nanoseconds, the few values each kind of span has, span ids counted from one random
+base): no span objects, no attribute dicts. When the request ends the record is queued; a thread ships
+queued records in batches to a sender process, which writes the OTLP protobuf and sends it (`otlp.py`,
+`otlp_sender.py`). The OpenTelemetry SDK's span objects, processor and encoder cost more than the
+gateway's whole request path, so none of them is used here.
 """
 
 from __future__ import annotations
 
+import asyncio
+import marshal
 import os
 import random
+import re
 import time
 from collections.abc import Mapping, MutableMapping
-from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from atomesh.otlp import KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, SpanEncoder, SpanExporter, exporter_settings
+from atomesh.otlp import ADMISSION, ATTEMPT, DECODE, PREFILL, UPSTREAM, SpanExporter, exporter_settings
+from atomesh.request import Route
+from atomesh.tenancy import PriorityClass
+
+if TYPE_CHECKING:
+    from atomesh.transport import Exchange
+
+__all__ = ["ADMISSION", "ATTEMPT", "DECODE", "PREFILL", "UPSTREAM", "Trace", "Tracing"]
 
 TRACEPARENT = "traceparent"
-_HEX = frozenset("0123456789abcdef")
+_TRACEPARENT = re.compile(r"\s*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:-\S*)?\s*", re.IGNORECASE)
+_CLASSES = {c: c.name.lower() for c in PriorityClass}
+_ROUTES = {r: r.value for r in Route}  # plain strings (an Enum's `value` is a property: slow)
+_now = time.monotonic  # floats: see atomesh.otlp on a record's times
 
 
-class Span:
-    """One child span of a sampled request, the innermost open span of its request inside its `with` block."""
+class Trace:
+    """The spans of one sampled request, as it runs (the record `atomesh.otlp` describes).
 
-    __slots__ = ("attributes", "end_ns", "kind", "name", "parent", "root", "span_id", "start_ns")
+    A child span begins with `trace.admission(...)`, `trace.attempt(...)` or `trace.leg(...)`, which
+    write its begin event, and ends with `trace.end()` in a `finally`, which writes its end event and so
+    closes the innermost open span (not a `with` block: calling `__enter__` and `__exit__` costs as
+    much again as the span). Made by `Tracing.start` only (no `__init__`: calling one costs as much as
+    a span)."""
 
-    def __init__(self, root: RequestSpan, name: str, kind: int, attributes: dict[str, Any]) -> None:
-        self.root = root
-        self.name = name
-        self.kind = kind
-        self.attributes = attributes
-        self.span_id = root.rng()
-        self.parent: Span | RequestSpan | None = None  # None: the request span
-        self.start_ns = self.end_ns = 0
+    __slots__ = ("base", "events", "parent", "start", "trace_id")
 
-    def set_attribute(self, key: str, value: Any) -> None:
-        self.attributes[key] = value
+    trace_id: bytes  # 16 bytes
+    parent: bytes  # the client's span (8 bytes), or b""
+    base: int  # the request span's id; a child's is base + 1 + the index of its begin event
+    events: list[Any]  # begin events (tuples) and end events (floats)
+    start: float
 
-    def __enter__(self) -> Span:
-        root = self.root
-        self.parent = root.open
-        root.open = self
-        self.start_ns = time.time_ns()
-        return self
+    def admission(self, model: str | None, cls: PriorityClass, tenant: str) -> None:
+        """Waiting for admission begins (the model, known from here, goes on the request span too)."""
+        self.events.append((_now(), ADMISSION, _CLASSES[cls], tenant, model))
 
-    def __exit__(self, *exc: object) -> None:
-        self.end_ns = time.time_ns()
-        root = self.root
-        root.open = self.parent
-        root.children.append(self)
+    def attempt(self, number: int, kind: str, policies: tuple[str, ...], workers: tuple[str, ...]) -> None:
+        """One placement and its run begins (kind: first, retry or migration)."""
+        self.events.append((_now(), ATTEMPT, number, kind, policies, workers))
 
+    def leg(self, leg: int, url: str) -> None:
+        """A call to one worker begins (leg: PREFILL, DECODE or UPSTREAM)."""
+        self.events.append((_now(), leg, url))
 
-class RequestSpan:
-    """The server span of one request: current (one context variable) for the request's duration; its
-    children nest through `open` (the innermost open span), as the request path runs one step at a time."""
+    def end(self) -> None:
+        """End the innermost open span."""
+        self.events.append(_now())
 
-    __slots__ = (
-        "_token",
-        "_tracing",
-        "attributes",
-        "children",
-        "end_ns",
-        "kind",
-        "name",
-        "open",
-        "parent_id",
-        "rng",
-        "sampled",
-        "span_id",
-        "start_ns",
-        "trace_id",
-    )
-
-    def __init__(
-        self, tracing: Tracing, trace_id: bytes, parent_id: bytes, sampled: bool, name: str, attributes: dict[str, Any]
-    ) -> None:
-        self._tracing = tracing
-        self.rng = tracing.span_id
-        self.trace_id = trace_id
-        self.parent_id = parent_id  # the client's span, b"" for none
-        self.sampled = sampled
-        self.name = name
-        self.kind = KIND_SERVER
-        self.attributes = attributes
-        self.span_id = self.rng()
-        self.open: Span | RequestSpan | None = None  # None: the request span itself (no reference cycle)
-        self.children: list[Span] = []
-        self.start_ns = self.end_ns = 0
-        self._token: Any = None
-
-    def set_attribute(self, key: str, value: Any) -> None:
-        self.attributes[key] = value
-
-    def __enter__(self) -> RequestSpan:
-        self._token = self._tracing.current_request.set(self)
-        self.start_ns = time.time_ns()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.end_ns = time.time_ns()
-        tracing = self._tracing
-        tracing.current_request.reset(self._token)
-        if self.sampled:
-            tracing.exporter.add(tracing.encoder.request(self), 1 + len(self.children))
-            self.children = []  # no cycle through the children's `root`: freed by reference counting
+    def current(self) -> int:
+        """The innermost open span's id."""
+        events = self.events
+        i = len(events)
+        ended = 0
+        while i:
+            i -= 1
+            if events[i].__class__ is float:
+                ended += 1
+            elif ended:
+                ended -= 1
+            else:
+                return self.base + 1 + i
+        return self.base
 
 
-def parse_traceparent(value: str | None) -> tuple[bytes, bytes, bool] | None:
-    """(trace id, parent span id, sampled) of a W3C traceparent, or None when absent or invalid."""
+def parse_traceparent(value: str | None) -> tuple[str, str, bool] | None:
+    """(trace id, parent span id, sampled) of a W3C traceparent, in lower-case hex, or None when absent or
+    invalid."""
     if not value:
         return None
-    parts = value.strip().lower().split("-")
-    if (
-        len(parts) < 4
-        or len(parts[0]) != 2
-        or parts[0] == "ff"
-        or len(parts[1]) != 32
-        or len(parts[2]) != 16
-        or len(parts[3]) != 2
-        or not _HEX.issuperset(parts[0] + parts[1] + parts[2] + parts[3])
-    ):
+    m = _TRACEPARENT.fullmatch(value)
+    if m is None:
         return None
-    trace_id, span_id = bytes.fromhex(parts[1]), bytes.fromhex(parts[2])
-    if not any(trace_id) or not any(span_id):
+    version, trace_id, span_id, flags = m.groups()
+    if version in ("ff", "FF") or trace_id == "0" * 32 or span_id == "0" * 16:
         return None
-    return trace_id, span_id, bool(int(parts[3], 16) & 1)
+    return trace_id.lower(), span_id.lower(), flags[1] in "13579bdfBDF"
 
 
 def ratio_from_env() -> float:
@@ -163,66 +134,98 @@ class Tracing:
 
     def __init__(self, endpoint: str | None, service: str = "atomesh-gateway") -> None:
         self.on = endpoint is not None
-        self.current_request: ContextVar[RequestSpan | None] = ContextVar("atomesh_request_span", default=None)
-        rng = random.Random()
-        self._bits = rng.getrandbits
-        self._random = rng.random
         if endpoint is None:
             return
         self.ratio = ratio_from_env()
-        self.encoder = SpanEncoder()
-        self.exporter = SpanExporter(exporter_settings(endpoint, service))  # starts its thread; `shutdown` stops it
-
-    def span_id(self) -> int:
-        return self._bits(64) or 1
+        rng = random.Random()  # seeded from os.urandom
+        self._random, self._bits = rng.random, rng.getrandbits
+        settings = exporter_settings(endpoint, service)
+        self._max_batch, self._delay = settings.max_batch, settings.schedule_delay_s
+        # The records of the requests ended since the last batch left, and their spans.
+        self._batch: list[tuple[Any, ...]] = []
+        self._batch_spans = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self.exporter = SpanExporter(settings)  # starts the sender process and its writer thread; `shutdown` stops them
 
     # ------------------------------------------------------------------ the request path
-    def request(self, name: str, headers: Mapping[str, str], attributes: dict[str, Any]) -> RequestSpan:
-        """`with tracing.request(...) as root:` the server span of one request, current for its duration,
-        under the client's traceparent (`root` takes the attributes known at the end)."""
-        parent = parse_traceparent(headers.get(TRACEPARENT))
-        if parent is not None:
-            trace_id, remote, sampled = parent
+    def start(self, exchange: Exchange) -> Trace | None:
+        """The trace of a request that is sampled, also set as `exchange.trace`; None for one that is not."""
+        value = exchange.headers.get(TRACEPARENT)
+        client = None if value is None else parse_traceparent(value)
+        if client is None:
+            if self.ratio < 1.0 and self._random() >= self.ratio:
+                return None
+            trace_id, parent = os.urandom(16), b""
+        elif client[2]:
+            trace_id, parent = bytes.fromhex(client[0]), bytes.fromhex(client[1])
         else:
-            trace_id, remote = (self._bits(128) or 1).to_bytes(16, "big"), b""
-            sampled = self.ratio >= 1.0 or self._random() < self.ratio
-        return RequestSpan(self, trace_id, remote, sampled, name, attributes)
+            return None  # the client's trace, not sampled
+        trace = exchange.trace = Trace()
+        trace.trace_id = trace_id
+        trace.parent = parent
+        # 62 random bits, odd: never zero, and the request's child span ids (counted up from it) stay in 64 bits.
+        trace.base = self._bits(62) | 1
+        trace.events = []
+        trace.start = _now()
+        return trace
 
-    def span(self, name: str, attributes: dict[str, Any] | None = None, client: bool = False) -> Span | _Unsampled:
-        """`with tracing.span(...):` a child of the current span, current for its duration; nothing (and
-        next to no cost) outside a request or in a trace that is not sampled."""
-        root = self.current_request.get()
-        if root is None or not root.sampled:
-            return _UNSAMPLED
-        return Span(root, name, KIND_CLIENT if client else KIND_INTERNAL, attributes if attributes is not None else {})
+    def finish(self, trace: Trace, route: Route, status: int, error: str | None, exchange: Exchange) -> None:
+        """End the request span and put the request's record in the batch; a full batch leaves."""
+        events = trace.events
+        batch = self._batch
+        batch.append(
+            (
+                trace.trace_id,
+                trace.parent,
+                trace.base,
+                trace.start,
+                _now(),
+                _ROUTES[route],
+                exchange.request_id,
+                status,
+                error,
+                events,
+            )
+        )
+        self._batch_spans += 1 + len(events) // 2  # the request span, and a begin and an end per child
+        if self._batch_spans >= self._max_batch:
+            self.ship()
+        elif len(batch) == 1:
+            self._timer = asyncio.get_running_loop().call_later(self._delay, self.ship)
 
-    def current(self) -> Span | RequestSpan | None:
-        root = self.current_request.get()
-        return None if root is None else root.open or root
+    def ship(self) -> None:
+        """Send the batch to the sender process (on the event loop: when full, when due, and at stop)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._batch:
+            frame = marshal.dumps((time.time_ns() - int(time.monotonic() * 1e9), self._batch), 4)
+            self.exporter.send(len(frame).to_bytes(4, "big") + frame, self._batch_spans)
+            self._batch, self._batch_spans = [], 0
 
-    def inject(self, headers: MutableMapping[str, str]) -> None:
-        """Put the current span's `traceparent` in an upstream request's headers."""
-        root = self.current_request.get()
-        if root is not None:
-            span = root.open or root
-            headers[TRACEPARENT] = f"00-{root.trace_id.hex()}-{span.span_id:016x}-{'01' if root.sampled else '00'}"
+    def inject(self, headers: MutableMapping[str, str], exchange: Exchange) -> None:
+        """Put the request's current span in the `traceparent` of a call to a worker (with the not-sampled
+        flag when the request is not traced, so the engine records nothing either)."""
+        trace = exchange.trace
+        if trace is not None:
+            events = trace.events
+            # A call to a worker comes right after its span begins: that span is the last event.
+            span = trace.base + len(events) if events[-1].__class__ is tuple else trace.current()
+            # One hex call writes both ids, the dash between them too (after the trace id's 16 bytes).
+            headers[TRACEPARENT] = "00-" + (trace.trace_id + span.to_bytes(8, "little")).hex("-", -16) + "-01"
+        else:
+            headers[TRACEPARENT] = self._not_sampled(exchange.headers)
+
+    @staticmethod
+    def _not_sampled(headers: Mapping[str, str]) -> str:
+        client = parse_traceparent(headers.get(TRACEPARENT))
+        if client is not None:
+            return f"00-{client[0]}-{client[1]}-00"  # the client's trace, passed through
+        ids = os.urandom(24).hex()
+        return f"00-{ids[:32]}-{ids[32:]}-00"
 
     def shutdown(self) -> None:
         """Send what is queued and stop (at gateway stop)."""
         if self.on:
+            self.ship()
             self.exporter.shutdown()
-
-
-class _Unsampled:
-    """The span of a trace that is not exported: nothing to record."""
-
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_UNSAMPLED = _Unsampled()

@@ -26,7 +26,7 @@ from atomesh.httpclient import (
     ProtocolViolation,
     Response,
 )
-from atomesh.tracing import Tracing
+from atomesh.tracing import Trace, Tracing
 
 # Lower-case, as the worker's headers are kept: each name is sent once, ours replacing the worker's.
 SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache"}
@@ -87,7 +87,7 @@ class Upstream:
             if auth is not None:
                 headers["Authorization"] = auth
         if self.tracing is not None:
-            self.tracing.inject(headers)  # the current leg's span: the worker's spans go under it
+            self.tracing.inject(headers, exchange)  # the current leg's span: the worker's spans go under it
         return headers
 
     def worker_headers(self, worker: Credentialed) -> Mapping[str, str]:
@@ -229,7 +229,18 @@ class Exchange(ABC):
     `end`. Once a stream has started (`committed`), nothing may be retried.
     """
 
-    __slots__ = ("body", "committed", "headers", "on_chunk", "request_id", "sent", "status", "stream_filter", "workers")
+    __slots__ = (
+        "body",
+        "committed",
+        "headers",
+        "on_chunk",
+        "request_id",
+        "sent",
+        "status",
+        "stream_filter",
+        "trace",
+        "workers",
+    )
 
     # Whether `push` and `writable` are implemented: a stream is then relayed from the worker connection's
     # callbacks (no coroutine resumed per event), else through `write`.
@@ -247,6 +258,7 @@ class Exchange(ABC):
         self.sent = 0  # body bytes given to the client so far
         # Set by the router for a stream that may migrate: the stream then goes through it.
         self.stream_filter: StreamFilter | None = None
+        self.trace: Trace | None = None  # with --enable-trace, a sampled request's spans
 
     @abstractmethod
     def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:

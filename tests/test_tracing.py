@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import marshal
 import os
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -21,6 +23,7 @@ from gwtest import EngineProcess, MakeGateway, MakeWorkers, base_url, free_port
 grpc = pytest.importorskip("grpc")
 trace_service = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
 trace_grpc = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc")
+trace_common = pytest.importorskip("opentelemetry.proto.common.v1.common_pb2")
 pytest.importorskip("opentelemetry.sdk", reason="the tracing extra (make install puts it in)")
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -72,7 +75,7 @@ def receiver() -> Iterator[tuple[Receiver, str]]:
 async def test_tracing_is_off_by_default(mock_workers: MakeWorkers, gateway: MakeGateway) -> None:
     [w] = await mock_workers(1)
     gw = await gateway(worker_urls=[w.url])
-    assert not gw.gateway.tracing.on and gw.gateway.upstream.tracing is None and gw.gateway.router.tracing is None
+    assert not gw.gateway.tracing.on and gw.gateway.upstream.tracing is None
 
 
 @pytest.mark.timeout(110)
@@ -160,83 +163,146 @@ async def test_one_request_is_one_trace_across_gateway_and_both_pd_engines(
     assert {s["name"] for s in spans if s["parent"] == d_req["id"]} == {"kv_transfer", "decode"}
 
 
-def _parsed(tracing: Any, blobs: list[bytes]) -> list[Any]:
-    request = trace_service.ExportTraceServiceRequest()
-    request.ParseFromString(tracing.exporter.request_bytes(blobs))
-    [resource_spans] = request.resource_spans
-    [scope_spans] = resource_spans.scope_spans
-    assert scope_spans.scope.name == "atomesh"
-    return list(scope_spans.spans)
+def _exchange(headers: dict[str, str], request_id: str = "req-1") -> Any:
+    """What the tracer reads of an Exchange: the client's headers, the request id, its workers and its
+    `trace` slot."""
+    return SimpleNamespace(headers=headers, request_id=request_id, trace=None, workers=("http://a",))
 
 
-def test_spans_are_written_as_the_collectors_protobuf(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The hand-written encoding parses with opentelemetry-proto's own classes, every value type and length
-    (cached or not) intact, parents linked, a 5xx request span marked as an error."""
-    from atomesh.tracing import Tracing
+def _parsed(frames: list[bytes]) -> list[Any]:
+    """The spans of the frames the gateway sends its sender process, encoded as the sender encodes
+    them, parsed with opentelemetry-proto's own classes."""
+    from atomesh.otlp import SpanEncoder
 
-    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test,team=a%20b")
-    tracing = Tracing("127.0.0.1:9")  # nothing listens: the spans are taken before they are sent
-    blobs: list[bytes] = []
-    counts: list[int] = []
-    monkeypatch.setattr(tracing.exporter, "add", lambda b, n: (blobs.append(b), counts.append(n)))
+    encoder = SpanEncoder((("service.name", "atomesh-gateway"),))
+    spans = []
+    for frame in frames:
+        assert int.from_bytes(frame[:4], "big") == len(frame) - 4
+        request = trace_service.ExportTraceServiceRequest()
+        request.ParseFromString(encoder.export_request(*marshal.loads(frame[4:])))
+        [resource_spans] = request.resource_spans
+        assert resource_spans.resource.attributes[0].value.string_value == "atomesh-gateway"
+        [scope_spans] = resource_spans.scope_spans
+        assert scope_spans.scope.name == "atomesh"
+        spans += scope_spans.spans
+    return spans
+
+
+async def test_spans_are_written_as_the_collectors_protobuf(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The records the request path makes, shipped and encoded by hand, parse with opentelemetry-proto's
+    own classes: every span and value intact at every length (cached or not), parents linked, the
+    traceparent sent upstream naming the leg, a 5xx request span marked as an error."""
+    from atomesh.otlp import key_value
+    from atomesh.request import Route
+    from atomesh.tenancy import PriorityClass
+    from atomesh.tracing import UPSTREAM, Tracing
+
+    tracing = Tracing("127.0.0.1:9")  # nothing listens: the frames are taken before they are sent
+    frames: list[tuple[bytes, int]] = []
+    monkeypatch.setattr(tracing.exporter, "send", lambda frame, n: frames.append((frame, n)))
     request_ids = ["req-1", "x" * 99, "y" * 300, "é" * 60, "req-1"]
     headers: list[dict[str, str]] = []
     for i, rid in enumerate(request_ids):
-        with tracing.request(
-            "POST /v1/completions",
-            {"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"},
-            {"http.route": "/v1/completions", "atomesh.request_id": rid},
-        ) as root:
-            with tracing.span(
-                "attempt",
-                {
-                    "atomesh.attempt": i,
-                    "flag": i % 2 == 0,
-                    "share": 0.5,
-                    "atomesh.placement.workers": ("http://a", "http://b"),
-                    "list": ["l"],
-                },
-            ):
-                with tracing.span("upstream", {"server.address": "http://a" * (i * 40 + 1)}, client=True):
-                    headers.append({})
-                    tracing.inject(headers[-1])
-            root.set_attribute("http.response.status_code", 503 if i == 1 else 200)
-    tracing.shutdown()
-    assert counts == [3] * len(request_ids)
-    spans = _parsed(tracing, blobs)
-    assert len(spans) == 3 * len(request_ids)
+        exchange = _exchange({"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"}, rid)
+        trace = tracing.start(exchange)
+        assert trace is not None and exchange.trace is trace
+        trace.admission("m" * i * 70, PriorityClass.INTERACTIVE, "tenant-a")
+        trace.end()
+        trace.attempt(i, "retry" if i else "first", ("cache_aware",), ("http://a", "http://b"))
+        trace.leg(UPSTREAM, "http://a" * (i * 40 + 1))
+        headers.append({})
+        tracing.inject(headers[-1], exchange)
+        trace.end()
+        trace.end()
+        tracing.finish(trace, Route.COMPLETIONS, 503 if i == 1 else 200, "upstream_error" if i == 1 else None, exchange)
+    tracing.shutdown()  # sends the batch
+    assert [n for _, n in frames] == [4 * len(request_ids)]
+    spans = _parsed([f for f, _ in frames])
+    assert len(spans) == 4 * len(request_ids)
     for i, rid in enumerate(request_ids):
-        root, attempt, upstream = (
-            sorted(spans[3 * i : 3 * i + 3], key=lambda s: s.kind != 2)[0],
-            *(s for s in spans[3 * i : 3 * i + 3] if s.name == "attempt"),
-            *(s for s in spans[3 * i : 3 * i + 3] if s.name == "upstream"),
+        named = {s.name: s for s in spans[4 * i : 4 * i + 4]}
+        root, admission, attempt, upstream = (
+            named["POST /v1/completions"],
+            named["admission"],
+            named["attempt"],
+            named["upstream"],
         )
-        assert {s.trace_id.hex() for s in (root, attempt, upstream)} == {TRACE_ID}
-        assert root.name == "POST /v1/completions" and root.parent_span_id.hex() == CLIENT_SPAN
-        assert attempt.parent_span_id == root.span_id and upstream.parent_span_id == attempt.span_id
-        assert (root.kind, attempt.kind, upstream.kind) == (2, 1, 3)  # server, internal, client
+        assert {s.trace_id.hex() for s in named.values()} == {TRACE_ID}
+        assert root.parent_span_id.hex() == CLIENT_SPAN
+        assert admission.parent_span_id == attempt.parent_span_id == root.span_id
+        assert upstream.parent_span_id == attempt.span_id
+        assert len({s.span_id for s in spans}) == len(spans)
+        assert (root.kind, admission.kind, attempt.kind, upstream.kind) == (2, 1, 1, 3)  # server, internal, client
         assert headers[i]["traceparent"] == f"00-{TRACE_ID}-{upstream.span_id.hex()}-01"
         attrs = {a.key: a.value for a in root.attributes}
         assert attrs["atomesh.request_id"].string_value == rid and attrs["http.route"].string_value == "/v1/completions"
         assert attrs["http.response.status_code"].int_value == (503 if i == 1 else 200)
+        assert [v.string_value for v in attrs["atomesh.workers"].array_value.values] == ["http://a", "http://b"]
+        assert ("gen_ai.request.model" in attrs) == (i > 0)
+        if i:
+            assert attrs["gen_ai.request.model"].string_value == "m" * i * 70
         assert root.status.code == (2 if i == 1 else 0)  # STATUS_CODE_ERROR for a 5xx
+        assert ("error.type" in attrs) == (i == 1)
+        a = {kv.key: kv.value for kv in admission.attributes}
+        assert a["atomesh.class"].string_value == "interactive" and a["atomesh.tenant"].string_value == "tenant-a"
         a = {kv.key: kv.value for kv in attempt.attributes}
-        assert a["atomesh.attempt"].int_value == i and a["flag"].bool_value == (i % 2 == 0)
-        assert a["share"].double_value == 0.5 and a["list"].array_value.values[0].string_value == "l"
-        assert [v.string_value for v in a["atomesh.placement.workers"].array_value.values] == ["http://a", "http://b"]
-        assert upstream.attributes[0].value.string_value == "http://a" * (i * 40 + 1)
-        assert (
-            0
-            < root.start_time_unix_nano
-            <= attempt.start_time_unix_nano
-            <= upstream.end_time_unix_nano
-            <= root.end_time_unix_nano
+        assert a["atomesh.attempt"].int_value == i and a["atomesh.attempt.kind"].string_value == (
+            "retry" if i else "first"
         )
-    request = trace_service.ExportTraceServiceRequest()
-    request.ParseFromString(tracing.exporter.request_bytes(blobs))
-    resource = {a.key: a.value.string_value for a in request.resource_spans[0].resource.attributes}
-    assert resource["service.name"] == "atomesh-gateway" and resource["team"] == "a b"
-    assert resource["deployment.environment"] == "test"
+        assert [v.string_value for v in a["atomesh.placement.policy"].array_value.values] == ["cache_aware"]
+        assert [v.string_value for v in a["atomesh.placement.workers"].array_value.values] == ["http://a", "http://b"]
+        a = {kv.key: kv.value for kv in upstream.attributes}
+        assert a["server.address"].string_value == "http://a" * (i * 40 + 1)
+        assert a["atomesh.leg"].string_value == "single"
+        assert (
+            time.time_ns() - 60 * 10**9
+            < root.start_time_unix_nano
+            <= admission.start_time_unix_nano
+            <= admission.end_time_unix_nano
+            <= attempt.start_time_unix_nano
+            <= upstream.start_time_unix_nano
+            <= upstream.end_time_unix_nano
+            <= attempt.end_time_unix_nano
+            <= root.end_time_unix_nano
+            <= time.time_ns()
+        )
+    # Every value type an attribute may have (the resource's and the spans' writer).
+    kv = trace_common.KeyValue()
+    for value, read in (
+        (True, lambda v: v.bool_value),
+        (0.5, lambda v: v.double_value),
+        (-3, lambda v: v.int_value),
+        (["l", 2], lambda v: [v.array_value.values[0].string_value, v.array_value.values[1].int_value]),
+        ("s" * 200, lambda v: v.string_value),
+    ):
+        kv.ParseFromString(key_value("k", value))
+        assert kv.key == "k" and read(kv.value) == value
+
+
+def test_a_request_not_sampled_records_nothing_and_passes_the_flag_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client's not-sampled flag is followed, and so is OTEL_TRACES_SAMPLER for a request without one;
+    either way the worker is told not to record (the client's trace passed through when it sent one)."""
+    from atomesh.tracing import Tracing
+
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    tracing = Tracing("127.0.0.1:9")
+    try:
+        for sent in (f"00-{TRACE_ID}-{CLIENT_SPAN}-00", f"00-{TRACE_ID.upper()}-{CLIENT_SPAN}-00", None, "00-bad"):
+            exchange = _exchange({"traceparent": sent} if sent is not None else {})
+            assert tracing.start(exchange) is None and exchange.trace is None
+            headers: dict[str, str] = {}
+            tracing.inject(headers, exchange)
+            version, trace_id, span_id, flags = headers["traceparent"].split("-")
+            assert (version, flags) == ("00", "00") and len(trace_id) == 32 and len(span_id) == 16
+            assert (trace_id, span_id) == (
+                (TRACE_ID, CLIENT_SPAN) if sent and "bad" not in sent else (trace_id, span_id)
+            )
+            if sent is None or "bad" in sent:
+                assert trace_id != TRACE_ID and int(trace_id, 16) and int(span_id, 16)
+        # A client's sampled flag is followed whatever the sampler says.
+        assert tracing.start(_exchange({"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"}))
+    finally:
+        tracing.shutdown()
 
 
 def test_exporter_settings_not_honoured_stop_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -267,7 +333,9 @@ def test_exporter_settings_not_honoured_stop_start_up(monkeypatch: pytest.Monkey
 async def test_spans_reach_a_receiver_and_a_full_queue_drops_and_counts(
     receiver: tuple[Receiver, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Batches go when full and on the schedule; past the queue's bound spans are dropped, counted, not kept."""
+    """Batches go when full and on the schedule; a batch past the queue's bound is dropped, counted, not kept."""
+    from atomesh.request import Route
+    from atomesh.tenancy import PriorityClass
     from atomesh.tracing import Tracing
 
     r, endpoint = receiver
@@ -277,17 +345,23 @@ async def test_spans_reach_a_receiver_and_a_full_queue_drops_and_counts(
     tracing = Tracing(endpoint)
     trace_ids = [f"{i + 1:032x}" for i in range(2)]
     for t in trace_ids:
-        with tracing.request("POST /v1/chat/completions", {"traceparent": f"00-{t}-{CLIENT_SPAN}-01"}, {}):
-            with tracing.span("admission"):
-                pass
+        exchange = _exchange({"traceparent": f"00-{t}-{CLIENT_SPAN}-01"})
+        trace = tracing.start(exchange)
+        assert trace is not None
+        trace.admission("m", PriorityClass.DEFAULT, "t")
+        trace.end()
+        tracing.finish(trace, Route.CHAT, 200, None, exchange)
     deadline = time.monotonic() + 20
     while sum(len(r.of(t)) for t in trace_ids) < 4:
         assert time.monotonic() < deadline, r.spans
         await asyncio.sleep(0.05)
     tracing.shutdown()
     assert tracing.exporter.handed == 4 and tracing.exporter.dropped == 0
-    # With its sender stopped (as a collector that never answers holds it), the queue fills up to its bound.
-    for _ in range(10):
-        with tracing.request("POST /v1/completions", {}, {}):
-            pass
-    assert tracing.exporter.dropped == 2 and len(tracing.exporter._queue) == 8
+    # With its sender stopped (as a collector that never answers holds it), the queue fills up to its
+    # bound: the third batch of 4 is dropped.
+    for _ in range(12):
+        exchange = _exchange({})
+        trace = tracing.start(exchange)
+        assert trace is not None
+        tracing.finish(trace, Route.COMPLETIONS, 200, None, exchange)
+    assert tracing.exporter.dropped == 4 and tracing.exporter.waiting == 8

@@ -29,21 +29,19 @@ def serve_inference(gw: Gateway, route: Route, raw: bytes | bytearray, exchange:
 
 
 async def _traced(gw: Gateway, route: Route, raw: bytes | bytearray, exchange: Exchange) -> None:
-    with gw.tracing.request(
-        f"POST {route.value}", exchange.headers, {"http.route": route.value, "atomesh.request_id": exchange.request_id}
-    ) as span:
-        status = 0
-        try:
-            await _serve(gw, route, raw, exchange)
-            status = exchange.status or 0
-        except GatewayError as e:
-            status = e.status
-            span.set_attribute("error.type", e.code)
-            raise
-        finally:
-            span.set_attribute("http.response.status_code", status)
-            if exchange.workers:
-                span.set_attribute("atomesh.workers", tuple(exchange.workers))
+    trace = gw.tracing.start(exchange)
+    if trace is None:  # not sampled: nothing recorded
+        await _serve(gw, route, raw, exchange)
+        return
+    status, error = 0, None
+    try:
+        await _serve(gw, route, raw, exchange)
+        status = exchange.status or 0
+    except GatewayError as e:
+        status, error = e.status, e.code
+        raise
+    finally:
+        gw.tracing.finish(trace, route, status, error, exchange)
 
 
 async def _serve(gw: Gateway, route: Route, raw: bytes | bytearray, exchange: Exchange) -> None:
@@ -78,12 +76,13 @@ async def _serve(gw: Gateway, route: Route, raw: bytes | bytearray, exchange: Ex
         gw.request_started()
         try:
             permit = gw.admission.permit(cls, priority)
-            if gw.tracing.on:
-                root = gw.tracing.current()
-                if root is not None:
-                    root.set_attribute("gen_ai.request.model", view.model or "")
-                with gw.tracing.span("admission", {"atomesh.class": cls.name.lower(), "atomesh.tenant": tenant}):
+            trace = exchange.trace
+            if trace is not None:
+                trace.admission(view.model, cls, tenant)
+                try:
                     await permit.__aenter__()
+                finally:
+                    trace.end()
             elif not permit.take_now():
                 await permit.__aenter__()  # waits in the admission queue
             try:

@@ -8,6 +8,7 @@ from atomesh.errors import UpstreamError
 from atomesh.httpclient import HTTPClientError
 from atomesh.placement import Plan, Single
 from atomesh.request import RequestView
+from atomesh.tracing import UPSTREAM
 from atomesh.transport import ChunkHook, Exchange, Upstream, relay, relay_now, upstream_error
 
 
@@ -24,26 +25,24 @@ class SingleBackend:
         # --dp-aware: the rank goes in the body (vLLM, SGLang and ATOM read `data_parallel_rank`).
         data = view.raw if plan.dp_rank is None else orjson.dumps({**view.body, "data_parallel_rank": plan.dp_rank})
         url = worker.url + view.route
-        tracing = self.upstream.tracing
+        trace = exchange.trace
+        if trace is not None:
+            trace.leg(UPSTREAM, worker.url)  # the span ends in `finally`
         try:
-            if tracing is None:
-                try:
-                    resp = await self.upstream.request(
-                        "POST", url, data=data, headers=self.upstream.headers_for(exchange, worker)
-                    )
-                    try:
-                        if not relay_now(exchange, resp):
-                            await relay(exchange, resp, self.on_chunk)
-                    finally:
-                        resp.release()  # back to the pool only if its body was read to the end
-                except HTTPClientError as e:
-                    raise upstream_error(e, url) from None
-                return
-            with tracing.span("upstream", {"server.address": worker.url, "atomesh.leg": "single"}, client=True):
-                async with self.upstream.open(
+            try:
+                resp = await self.upstream.request(
                     "POST", url, data=data, headers=self.upstream.headers_for(exchange, worker)
-                ) as resp:
-                    await relay(exchange, resp, self.on_chunk)
+                )
+                try:
+                    if not relay_now(exchange, resp):
+                        await relay(exchange, resp, self.on_chunk)
+                finally:
+                    resp.release()  # back to the pool only if its body was read to the end
+            except HTTPClientError as e:
+                raise upstream_error(e, url) from None
         except UpstreamError as e:
             e.worker = worker
             raise
+        finally:
+            if trace is not None:
+                trace.end()

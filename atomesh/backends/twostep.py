@@ -12,6 +12,7 @@ from atomesh.errors import UpstreamError, UpstreamStatus
 from atomesh.metrics import Metrics
 from atomesh.placement import Pair, Plan
 from atomesh.request import RequestView, Route
+from atomesh.tracing import DECODE, PREFILL
 from atomesh.transport import ChunkHook, Exchange, Upstream, relay
 from atomesh.workers.worker import Worker
 
@@ -81,22 +82,26 @@ class TwoStepBackend:
         assert isinstance(plan, Pair), "P/D mode places prefill/decode pairs"
         started = time.monotonic()
         deadline = started + self.upstream.request_timeout
-        tracing = self.upstream.tracing
-        if tracing is None:
+        trace = exchange.trace
+        if trace is not None:
+            trace.leg(PREFILL, plan.prefill.url)  # the span ends in `finally`
+        try:
             returned = await self._prefill(exchange, view, plan.prefill)
-        else:
-            with tracing.span("prefill", {"server.address": plan.prefill.url, "atomesh.leg": "prefill"}, client=True):
-                returned = await self._prefill(exchange, view, plan.prefill)
+        finally:
+            if trace is not None:
+                trace.end()
         prefilled = time.monotonic()
         self.metrics.observe_pd(self.runtime, view.model, prefill_secs=prefilled - started)
         body = dict(view.body)
         body["kv_transfer_params"] = self.decode_params(returned, plan.prefill)
         remaining = max(0.001, deadline - time.monotonic())
-        if tracing is None:
+        if trace is not None:
+            trace.leg(DECODE, plan.decode.url)
+        try:
             await self._decode(exchange, view, plan, body, remaining, prefilled)
-            return
-        with tracing.span("decode", {"server.address": plan.decode.url, "atomesh.leg": "decode"}, client=True):
-            await self._decode(exchange, view, plan, body, remaining, prefilled)
+        finally:
+            if trace is not None:
+                trace.end()
 
     async def _decode(
         self,
