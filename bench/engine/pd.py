@@ -47,6 +47,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -123,16 +124,22 @@ def metric(port: int, name: str) -> float:
 
 
 class Engine:
-    """One ``engine.openai_server`` child process."""
+    """One ``engine.openai_server`` child process; from the source tree ``tree`` when given (an older revision
+    measured against this one), else from this checkout."""
 
-    def __init__(self, role: str, extra: list[str], log_dir: str, kv_config: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, role: str, extra: list[str], log_dir: str, kv_config: dict[str, Any] | None = None,
+        tree: Path | None = None,
+    ) -> None:  # fmt: skip
         self.port = free_port()
         config = {"kv_role": role, "kv_connector": "mooncake", "handshake_port": free_port(), **(kv_config or {})}
         self.argv = [sys.executable, "-m", "engine.openai_server", "--host", HOST, "--server-port", str(self.port),
                      "--kv-transfer-config", json.dumps(config), "--no-enable_prefix_caching", *extra]  # fmt: skip
-        self.log_path = os.path.join(log_dir, f"{role}-{self.port}.log")
+        prefix = f"{tree.name}-" if tree is not None else ""
+        self.log_path = os.path.join(log_dir, f"{prefix}{role}-{self.port}.log")
         self.log = open(self.log_path, "wb")  # closed in stop()
-        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT)
+        env = {**os.environ, "PYTHONPATH": str(tree)} if tree is not None else None
+        self.proc = subprocess.Popen(self.argv, cwd=tree, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -32,52 +31,10 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
-from bench.engine.pd import HOST, free_port, metric, request, stream_times
+from bench.engine.pd import Engine, metric, request, stream_times
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class Engine:
-    """One ``engine.openai_server`` child process run from the source tree ``tree``."""
-
-    def __init__(self, tree: Path, role: str, extra: list[str], log_dir: str, kv: dict[str, Any]) -> None:
-        self.port = free_port()
-        config = {"kv_role": role, "kv_connector": "mooncake", "handshake_port": free_port(), **kv}
-        argv = [sys.executable, "-m", "engine.openai_server", "--host", HOST, "--server-port", str(self.port),
-                "--kv-transfer-config", json.dumps(config), "--no-enable_prefix_caching", *extra]  # fmt: skip
-        self.log_path = os.path.join(log_dir, f"{tree.name}-{role}-{self.port}.log")
-        self.log = open(self.log_path, "wb")  # closed in stop()
-        env = {**os.environ, "PYTHONPATH": str(tree)}
-        self.proc = subprocess.Popen(argv, cwd=tree, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"engine exited ({self.proc.returncode}): {self.tail()}")
-            try:
-                if request(self.port, "GET", "/health", timeout=5)[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"engine not ready after {timeout}s: {self.tail()}")
-
-    def tail(self) -> str:
-        with open(self.log_path, "rb") as f:
-            return f.read()[-3000:].decode(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 def unpack(rev: str, into: Path) -> Path:
@@ -145,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, list[dict[str, float]]] = {"before": [], "now": []}
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"before": unpack(a.before, Path(tmp)), "now": ROOT}
-        pairs = {k: (Engine(t, "kv_producer", extra, tmp, kv), Engine(t, "kv_consumer", extra, tmp, kv))
+        pairs = {k: (Engine("kv_producer", extra, tmp, kv, tree=t), Engine("kv_consumer", extra, tmp, kv, tree=t))
                  for k, t in trees.items()}  # fmt: skip
         try:
             for pair in pairs.values():
