@@ -65,7 +65,12 @@ class PeriodicTask:
         task, self._task = self._task, None
         if task is None:
             return
-        task.cancel()
+        # Cancelled again until it ends: on Python 3.11 `asyncio.wait_for` swallows a cancellation that
+        # arrives as its inner await completes, and the loop would then go on (a teardown that hung
+        # once under load, with a 0.2 s health loop still turning).
+        while not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=1.0)
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
