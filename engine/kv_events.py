@@ -222,6 +222,16 @@ class ZmqEventPublisher:
     def _serve(self) -> None:
         while True:
             if self._replay is not None and self._replay.poll(0):
+                # Everything published before the request goes out first, so the answer holds it: a
+                # subscriber that just connected may miss it on the PUB socket (ZMQ's slow joiner).
+                while True:
+                    try:
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is None:
+                        return
+                    self._send(item)
                 self._answer_replay()
             try:
                 item = self._queue.get(timeout=0.02)
@@ -229,9 +239,12 @@ class ZmqEventPublisher:
                 continue
             if item is None:
                 return
-            seq, payload = item
-            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
-            self._buffer.append(item)
+            self._send(item)
+
+    def _send(self, item: tuple[int, bytes]) -> None:
+        seq, payload = item
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        self._buffer.append(item)
 
     def _answer_replay(self) -> None:
         frames = self._replay.recv_multipart()
