@@ -32,8 +32,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from bench.gateway.gateway import _smg
-from bench.gateway.procs import free_port, start, stop, wait_serving
+from bench.gateway.procs import free_port, loopback_flags, smg_launch, start, stop, wait_serving
 
 MODEL = "mock-model"
 NO_MIGRATION = "atomesh-no-migration"  # atomesh with --migration-limit 0: like for like with SMG
@@ -166,22 +165,9 @@ async def _out_after(url: str, worker: str, since: float, until: float) -> float
 # ---------------------------------------------------------------------------- one gateway
 def gateway_command(system: str, port: int, mport: int, workers: list[str], args: argparse.Namespace) -> list[str]:
     common = [
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--prometheus-host",
-        "127.0.0.1",
-        "--prometheus-port",
-        str(mport),
-        "--log-level",
-        "warn",
-        "--policy",
-        "round_robin",
+        *loopback_flags(port, mport),
         "--worker-urls",
         *workers,
-        "--worker-startup-check-interval",
-        "1",
         "--health-check-interval-secs",
         str(args.health_interval_secs),
         "--health-check-timeout-secs",
@@ -194,7 +180,7 @@ def gateway_command(system: str, port: int, mport: int, workers: list[str], args
         str(args.retry_max_retries),
     ]
     if system == "smg":
-        smg = _smg()
+        smg = smg_launch()
         assert smg is not None
         return [*smg, *common]
     limit = 0 if system == NO_MIGRATION else args.migration_limit
@@ -340,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.workers < 3:
         p.error("--workers must be at least 3")
-    systems = [s for s in SYSTEMS if (s != "smg" or _smg() is not None) and (not args.only or s in args.only)]
+    systems = [s for s in SYSTEMS if (s != "smg" or smg_launch() is not None) and (not args.only or s in args.only)]
     workdir = Path(tempfile.mkdtemp(prefix="atomesh-bench-chaos-"))
     print(f"logs in {workdir}", flush=True)
     reports = []

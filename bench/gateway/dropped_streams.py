@@ -27,8 +27,7 @@ from pathlib import Path
 
 import orjson
 
-from bench.gateway.gateway import _smg
-from bench.gateway.procs import free_port, start, stop, wait_serving
+from bench.gateway.procs import free_port, loopback_flags, smg_launch, start, stop, wait_serving
 
 SYSTEMS = ("atomesh", "atomesh-default-gc", "smg")
 # `atomesh launch` with the collector left as Python sets it: tune_gc replaced before the app imports it.
@@ -65,26 +64,9 @@ def cpu_secs(pid: int) -> float:
 
 
 def gateway_command(system: str, port: int, mport: int, worker: str) -> list[str]:
-    common = [
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--prometheus-host",
-        "127.0.0.1",
-        "--prometheus-port",
-        str(mport),
-        "--log-level",
-        "warn",
-        "--policy",
-        "round_robin",
-        "--worker-urls",
-        worker,
-        "--worker-startup-check-interval",
-        "1",
-    ]
+    common = [*loopback_flags(port, mport), "--worker-urls", worker]
     if system == "smg":
-        smg = _smg()
+        smg = smg_launch()
         assert smg is not None
         return [*smg, *common]
     if system == "atomesh-default-gc":
@@ -214,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk-interval-secs", type=float, default=0.005)
     p.add_argument("--json", type=Path, default=None, help="also write the reports here")
     args = p.parse_args(argv)
-    systems = [s for s in SYSTEMS if (s != "smg" or _smg() is not None) and (not args.only or s in args.only)]
+    systems = [s for s in SYSTEMS if (s != "smg" or smg_launch() is not None) and (not args.only or s in args.only)]
     workdir = Path(tempfile.mkdtemp(prefix="atomesh-bench-dropped-"))
     print(f"logs in {workdir}", flush=True)
     reports = [run_system(s, args, workdir) for s in systems]

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from bench.gateway import help_formatter
-from bench.gateway.procs import free_port, start, stop
+from bench.gateway.procs import free_port, loopback_flags, smg_launch, start, stop
 
 STREAM_CHUNKS = 256
 TOKENS = 16
@@ -246,31 +246,10 @@ class Mocks:
     pids: list[int]
 
 
-def _smg() -> list[str] | None:
-    bindir = os.path.dirname(sys.executable)
-    exe = shutil.which("smg") or (os.path.join(bindir, "smg") if os.path.exists(os.path.join(bindir, "smg")) else None)
-    return [exe, "launch"] if exe else None
-
-
 def gateway_command(
     system: str, mode: str, mocks: Mocks, port: int, mport: int, policy: str, extra: list[str]
 ) -> list[str]:
-    common = [
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--prometheus-host",
-        "127.0.0.1",
-        "--prometheus-port",
-        str(mport),
-        "--log-level",
-        "warn",
-        "--policy",
-        policy,
-        "--worker-startup-check-interval",
-        "1",
-    ]
+    common = loopback_flags(port, mport, policy)
     if mode == "regular":
         workers = ["--worker-urls", *mocks.regular]
     else:
@@ -283,7 +262,7 @@ def gateway_command(
             mocks.decode,
         ]
     if system == "smg":
-        smg = _smg()
+        smg = smg_launch()
         assert smg is not None
         return [*smg, *common, *workers]
     base, _, processes = system.partition("-x")  # "atomesh-x2": atomesh with --processes 2
@@ -326,7 +305,7 @@ def systems_for(mode: str, only: list[str] | None, processes: list[int]) -> list
     """The gateways measured: atomesh as one process and as `-xN` (`--processes N`), then SMG."""
     bases = ["atomesh"] if mode == "regular" else ["atomesh", "atomesh-sglang"]
     names = [b if n == 1 else f"{b}-x{n}" for b in bases for n in processes]
-    if _smg() is not None:
+    if smg_launch() is not None:
         names.append("smg")
     return [n for n in names if not only or n.partition("-x")[0] in only]
 

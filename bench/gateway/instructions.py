@@ -46,8 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.gateway import help_formatter
-from bench.gateway.gateway import _smg, tree_cpu
-from bench.gateway.procs import free_port, start, stop
+from bench.gateway.gateway import tree_cpu
+from bench.gateway.procs import free_port, smg_launch, start, stop
 
 PROMPT = "Say hello in a few words."
 SMALL = json.dumps({"model": "mock-model", "prompt": PROMPT, "max_tokens": 16}, separators=(",", ":"))
@@ -186,7 +186,7 @@ def gateway_command(system: str, worker: str, port: int, mport: int, level: str)
         worker,
     ]
     if system.startswith("smg"):
-        smg = _smg()
+        smg = smg_launch()
         if smg is None:
             raise SystemExit("smg is not installed (pip install smg): nothing to compare with")
         return [*smg, *common]

@@ -36,8 +36,7 @@ from typing import Any
 
 import orjson
 
-from bench.gateway.gateway import _smg
-from bench.gateway.procs import free_port, start, stop
+from bench.gateway.procs import free_port, loopback_flags, smg_launch, start, stop
 
 SYSTEMS = ("atomesh", "smg")
 UPGRADE = b"GET /health HTTP/1.1\r\nHost: gw\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
@@ -161,27 +160,8 @@ async def _left(port: int, engine_url: str, clients: int, tokens: int) -> str:
 
 def run_system(system: str, args: argparse.Namespace, workdir: Path, engine_url: str) -> Report:
     port, mport = free_port(), free_port()
-    common = [
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--prometheus-host",
-        "127.0.0.1",
-        "--prometheus-port",
-        str(mport),
-        "--log-level",
-        "warn",
-        "--policy",
-        "round_robin",
-        "--worker-urls",
-        engine_url,
-        "--worker-startup-check-interval",
-        "1",
-        "--request-timeout-secs",
-        "600",
-    ]
-    smg = _smg()
+    common = [*loopback_flags(port, mport), "--worker-urls", engine_url, "--request-timeout-secs", "600"]
+    smg = smg_launch()
     cmd = [*smg, *common] if system == "smg" and smg else [sys.executable, "-m", "atomesh", "launch", *common]
     limit = args.fd_limit
 
@@ -240,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--wait-secs", type=float, default=12.0, help="how long a probe waits for an answer and a close")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    systems = [s for s in SYSTEMS if (s != "smg" or _smg() is not None) and (not args.only or s in args.only)]
+    systems = [s for s in SYSTEMS if (s != "smg" or smg_launch() is not None) and (not args.only or s in args.only)]
     workdir = Path(tempfile.mkdtemp(prefix="atomesh-bench-probes-"))
     print(f"logs in {workdir}", flush=True)
     engine_port = free_port()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -41,6 +42,19 @@ def free_port() -> int:
     with socket.socket() as s:  # the range is crowded: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def smg_launch() -> list[str] | None:
+    """``smg launch`` (the pinned SMG on PATH or beside this interpreter), or None when it is not installed."""
+    bindir = os.path.dirname(sys.executable)
+    exe = shutil.which("smg") or (os.path.join(bindir, "smg") if os.path.exists(os.path.join(bindir, "smg")) else None)
+    return [exe, "launch"] if exe else None
+
+
+def loopback_flags(port: int, mport: int, policy: str = "round_robin") -> list[str]:
+    """The flags every benchmark gives either gateway (atomesh or SMG): loopback ports, quiet logs, ``policy``."""
+    return ["--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port",
+            str(mport), "--log-level", "warn", "--policy", policy, "--worker-startup-check-interval", "1"]  # fmt: skip
 
 
 def gateway_argv(port: int, worker_url: str, *extra: str) -> list[str]:

@@ -267,52 +267,16 @@ def _paged_attention_kernel(
         n0 = lo
         while n0 < hi:
             m_i, l_i, acc = _attend(
-                q,
-                kv_ptr,
-                table,
-                n0,
-                hi,
-                qpos,
-                g,
-                d,
-                m_i,
-                l_i,
-                acc,
-                scale,
-                v_offset,
-                window,
-                H,
-                GROUP,
-                D,
-                BS,
-                BLOCK_N,
-                PRECISION,
-            )
+                q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, scale, v_offset, window,
+                H, GROUP, D, BS, BLOCK_N, PRECISION,
+            )  # fmt: skip
             n0 += BLOCK_N
     else:
         for n0 in range(lo, hi, BLOCK_N):
             m_i, l_i, acc = _attend(
-                q,
-                kv_ptr,
-                table,
-                n0,
-                hi,
-                qpos,
-                g,
-                d,
-                m_i,
-                l_i,
-                acc,
-                scale,
-                v_offset,
-                window,
-                H,
-                GROUP,
-                D,
-                BS,
-                BLOCK_N,
-                PRECISION,
-            )
+                q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, scale, v_offset, window,
+                H, GROUP, D, BS, BLOCK_N, PRECISION,
+            )  # fmt: skip
     if SPLIT:
         part = (s * H + h).to(tl.int64) * num_splits + sp
         tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=valid[:, None])
