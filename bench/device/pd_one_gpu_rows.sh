@@ -27,7 +27,7 @@ case "$SHAPE" in
 esac
 bash bench/device/pd_serving.sh 2>&1 | grep -v "^I1\|^W1" | tail -24 || true
 OUT=${OUT:-/tmp/out}
-tag="$SHAPE-${ISLS//\//-}"
+tag="$SHAPE-${ISLS//\//-}"; tag=${tag// /_}
 name=$([ "$SHAPE" = smollm2 ] && echo smollm2-135m || echo "$SHAPE")
 python3 -m bench.engine.pd_report "$OUT/runs" --shape "$name" --json "$OUT/pd-one-gpu-$tag.json" --png "$OUT/pd-one-gpu-$tag.png" \
   --title "$name, bf16, one H200: colocated vs 1P1D (KV over ipc)" \
