@@ -141,7 +141,8 @@ def reference_first_draft(engine: LLMEngine, tokens: list[int], head: Path) -> t
     dev = model.embed_tokens.weight.device  # the target runs where the engine put it; the rest of this on CPU
     caches = [torch.zeros(2, blocks, 4, cfg.num_key_value_heads, cfg.head_dim, device=dev)
               for _ in range(cfg.num_hidden_layers)]  # fmt: skip
-    meta = attention_meta([n], [0], np.arange(n), [list(range(blocks))], 4, False, cfg.num_key_value_heads, dev)
+    triton = engine.drafter is not None and engine.drafter.triton  # the engine's own attention path (CUDA: Triton)
+    meta = attention_meta([n], [0], np.arange(n), [list(range(blocks))], 4, triton, cfg.num_key_value_heads, dev)
     aux: dict[int, torch.Tensor] = {}
     pos = torch.arange(n)
     with torch.inference_mode():
