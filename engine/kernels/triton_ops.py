@@ -123,7 +123,7 @@ def _head_norm(x, xr, w_ptr, d, rot, eps, dt: tl.constexpr, D: tl.constexpr):
 @triton.jit
 def _rope_and_store_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, kv_ptr, slot_ptr, v_offset, qn_ptr, kn_ptr, eps,
-    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, KVHP: tl.constexpr,
+    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, HP: tl.constexpr, KVHP: tl.constexpr,
     QK_NORM: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
@@ -152,7 +152,8 @@ def _rope_and_store_kernel(
         k, kr = _head_norm(k, kr, kn_ptr, d, rot, eps, dt, D)
     v = tl.load(row + (H + KVH) * D + kh[:, None] * D + d[None, :], mask=km, other=0.0)
     cdt: tl.constexpr = kv_ptr.dtype.element_ty
-    dst = kv_ptr + slot * KVH * D + kh[:, None] * D + d[None, :]
+    # Head-major blocks: KV head kh's row for this slot is at [block, kh, offset] of [blocks, KVH, BS, D].
+    dst = kv_ptr + (slot // BS) * (KVH * BS * D) + kh[:, None] * (BS * D) + (slot % BS) * D + d[None, :]
     tl.store(dst, _rope(k, kr, sign, c, s, dt).to(cdt), mask=km)
     tl.store(dst + v_offset, v.to(cdt), mask=km)
 
@@ -164,7 +165,7 @@ def rope_and_store(
     """Rotate Q and K of ``qkv [tokens, (H + 2 * KVH) * D]``; write K and V to their cache slots.
 
     ``qk_norm``: each head's Q and K are RMS-normalised first (Qwen3). Returns the rotated queries
-    ``[tokens, H, D]``. ``kv_cache`` is ``[2, blocks, block_size, KVH, D]``.
+    ``[tokens, H, D]``. ``kv_cache`` is ``[2, blocks, KVH, block_size, D]`` (``engine.attention.kv_cache_shape``).
     """
     n = qkv.shape[0]
     q = torch.empty((n, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
@@ -172,7 +173,7 @@ def rope_and_store(
     qn, kn, eps = (qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps) if qk_norm is not None else (q, q, 0.0)
     _rope_and_store_kernel[(n,)](
         qkv, positions, cos, sin, q, kv_cache, slot_mapping, v_offset, qn, kn, eps,
-        H=num_heads, KVH=num_kv_heads, D=head_dim,
+        H=num_heads, KVH=num_kv_heads, D=head_dim, BS=kv_cache.shape[3],
         HP=triton.next_power_of_2(num_heads), KVHP=triton.next_power_of_2(num_kv_heads),
         QK_NORM=qk_norm is not None,
     )  # fmt: skip
@@ -188,11 +189,12 @@ def _attend(
     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # One tile of BLOCK_N keys, read through the block table, folded into the online softmax.
+    # One tile of BLOCK_N keys, read through the block table, folded into the online softmax. The cache is
+    # head-major, [blocks, KVH, BS, D]: KV head g's keys of one block are one contiguous run of BS * D.
     j = n0 + tl.arange(0, BLOCK_N)
     jm = j < hi
     blk = tl.load(table + j // BS, mask=jm, other=0).to(tl.int64)
-    off = blk * (BS * (H // GROUP) * D) + (j % BS) * ((H // GROUP) * D) + g * D
+    off = (blk * (H // GROUP) + g) * (BS * D) + (j % BS) * D
     k = tl.load(kv_ptr + off[:, None] + d[None, :], mask=jm[:, None], other=0.0).to(q.dtype)
     sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
     seen = (j[None, :] <= qpos[:, None]) & jm[None, :]
@@ -323,7 +325,7 @@ def paged_attention(
     per program, -1 for none, sizes the grid instead of the bounds (see ``engine.kernels.tile_map``):
     a captured graph's grid then fits any batch of up to that many tiles.
     """
-    _, _, bs, kv_heads, d = kv_cache.shape
+    _, _, kv_heads, bs, d = kv_cache.shape
     tokens, heads, _ = q.shape
     group = heads // kv_heads
     out = torch.empty_like(q)
