@@ -160,6 +160,31 @@ def test_paged_attention_decode_and_prompt_rows_match_dense(splits: int) -> None
                                    atol=2e-5, rtol=1e-4)  # fmt: skip
 
 
+@pytest.mark.timeout(60)
+def test_kernels_address_the_cache_through_its_strides() -> None:
+    """The engine's cache is head-major; a slot-major one seen through a permuted view (what the device bench
+    compares it with) is written and read the same, value for value."""
+    n = 5
+    qkv = torch.randn(n, (H + 2 * KVH) * D, generator=_g(12)).to(DEV)
+    pos = torch.tensor([0, 1, 2, 40, 41], device=DEV)
+    cos, sin = torch.randn(64, D, generator=_g(13)).to(DEV), torch.randn(64, D, generator=_g(14)).to(DEV)
+    slots = torch.tensor([16, 17, 18, 100, 101], device=DEV)
+    head_major = torch.randn(2, NB, KVH, BS, D, generator=_g(15)).to(DEV)
+    slot_major = head_major.transpose(2, 3).contiguous()  # [2, NB, BS, KVH, D]
+    view = slot_major.transpose(2, 3)
+    q = triton_ops.rope_and_store(qkv, pos.int(), cos, sin, head_major, slots.int(), H, KVH, D)
+    triton_ops.rope_and_store(qkv, pos.int(), cos, sin, view, slots.int(), H, KVH, D)
+    assert torch.equal(view, head_major)
+    tables = _tables([60, 102])
+    context = torch.tensor([60, 102], dtype=torch.int32, device=DEV)
+    mixed = torch.tensor([0, 1, 3], dtype=torch.int32, device=DEV)  # a decode, then a sequence's two query rows
+    decodes = torch.arange(3, dtype=torch.int32, device=DEV)
+    for rows, starts, q_len, splits in ((3, mixed, 2, 1), (2, decodes, 1, 2)):
+        got = [triton_ops.paged_attention(q[:rows], cache, tables, starts, context, D**-0.5, q_len, 102,
+                                          num_splits=splits) for cache in (head_major, view)]  # fmt: skip
+        assert torch.equal(got[0], got[1])
+
+
 def test_sparse_selection_as_a_block_table_equals_the_gathering_path() -> None:
     cache = torch.randn(2, NB, KVH, BS, D, generator=_g(9)).to(DEV)
     indexer = torch.zeros(NB, KVH, D, device=DEV)
