@@ -63,10 +63,19 @@ class AttentionMetadata:
     # Tensor parallel: sums the block scores of this rank's KV heads with the other ranks' (the model sets it),
     # so that every rank picks the blocks that all heads together choose.
     score_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Torch path: store_rows' answers, computed by a step's first layer for all of them.
+    _store_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     @property
     def decode_only(self) -> bool:
         return self.num_decodes == len(self.query_lens)
+
+    def store_rows(self, kv_heads: int, block_size: int) -> torch.Tensor:
+        """Where ``store_kv`` writes this step's tokens in a cache of ``kv_heads`` and ``block_size``."""
+        key = (kv_heads, block_size)
+        if key not in self._store_rows:
+            self._store_rows[key] = store_rows(self.slot_mapping, kv_heads, block_size)
+        return self._store_rows[key]
 
 
 def decode_mask(context_lens: torch.Tensor, length: int) -> torch.Tensor:
@@ -138,16 +147,21 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype in _FP8 else t
 
 
-def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write this step's keys and values ``[num_tokens, kv_heads, head_dim]`` into their slots."""
-    block_size = kv_cache.shape[3]
+def store_rows(slot_mapping: torch.Tensor, kv_heads: int, block_size: int) -> torch.Tensor:
+    """The rows of a ``[num_blocks * kv_heads * block_size, head_dim]`` view of K (or V) that each token's KV heads
+    go to, token-major: token t's row of head h is ``(block * kv_heads + h) * block_size + offset``."""
     slots = slot_mapping.long()
     blocks = torch.div(slots, block_size, rounding_mode="floor")
-    offsets = slots - blocks * block_size
-    raw = _raw(kv_cache)
-    # Advanced indices around a slice: the indexed view is [num_tokens, kv_heads, head_dim], as k and v are.
-    raw[0, blocks, :, offsets] = _raw(k.to(kv_cache.dtype))
-    raw[1, blocks, :, offsets] = _raw(v.to(kv_cache.dtype))
+    rows = (blocks[:, None] * kv_heads + torch.arange(kv_heads, device=slots.device)) * block_size
+    return (rows + (slots - blocks * block_size)[:, None]).flatten()
+
+
+def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
+    """Write this step's keys and values ``[num_tokens, kv_heads, head_dim]`` to ``rows`` (``store_rows``)."""
+    _, num_blocks, kv_heads, block_size, head_dim = kv_cache.shape
+    flat = _raw(kv_cache).view(2, num_blocks * kv_heads * block_size, head_dim)
+    flat[0].index_copy_(0, rows, _raw(k.to(kv_cache.dtype)).reshape(-1, head_dim))
+    flat[1].index_copy_(0, rows, _raw(v.to(kv_cache.dtype)).reshape(-1, head_dim))
 
 
 def gather_kv(
@@ -176,7 +190,7 @@ def paged_attention(
     query at position i sees keys at positions j with i - window < j <= i (sliding-window attention).
     Returns ``[num_tokens, heads * head_dim]``.
     """
-    store_kv(kv_cache, k, v, meta.slot_mapping)
+    store_kv(kv_cache, k, v, meta.store_rows(kv_cache.shape[2], kv_cache.shape[3]))
     if kv_cache.dtype in _FP8:
         # Attend over this step's keys as the cache holds them, so that a prompt's KV read back from the cache
         # (a prefix-cache hit, a later chunk, the Triton kernels) gives what its first computation gave.

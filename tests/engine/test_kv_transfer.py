@@ -297,7 +297,7 @@ async def test_write_into_unregistered_memory_fails_and_releases(
     src, dst = list(range(0, 80, 2)), list(range(40))  # 40 runs x 9 regions: many batches if unguarded
     params = producer.offer(src, 7, releases.callback("t"))
     # Same layout as decode's caches, but memory the decode agent never registered.
-    stray = [torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM) for _ in range(LAYERS)]
+    stray = [torch.zeros(2, NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, HEAD_DIM) for _ in range(LAYERS)]
     stray_idx = [torch.zeros(NUM_BLOCKS, HEAD_DIM) for _ in range(LAYERS)]
     consumer = KVConsumer(decode.agent, regions_from_kv_caches(stray, stray_idx))
     with pytest.raises(KVTransferError, match="failed") as err:
