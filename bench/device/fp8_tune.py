@@ -136,7 +136,9 @@ def tune_attention(out: dict[str, Any], deadline: float) -> None:
     dev = torch.device("cuda")
     heads, kvh, d, bs = 32, 8, 128, 16
     top: list[str] = []
-    for seqs, ctx in ((256, 2048), (16, 8192)):
+    for first, (seqs, ctx) in enumerate(((256, 2048), (16, 8192))):
+        # The first shape sweeps, the second re-times its leaders: 70% of what is left, then the rest.
+        shape_deadline = time.monotonic() + (deadline - time.monotonic()) * (0.7 if first == 0 else 1.0)
         blocks_per = ctx // bs
         num_blocks = seqs * blocks_per + 1
         tables = torch.randperm(num_blocks - 1, device=dev, dtype=torch.int32)[: seqs * blocks_per].view(seqs, -1)
@@ -155,12 +157,15 @@ def tune_attention(out: dict[str, Any], deadline: float) -> None:
         res: dict[str, Any] = {"splits": splits, "runs": []}
         tiles = {"bf16": list(itertools.product((64, 128), (4, 8), (2, 3))),
                  "fp8": list(itertools.product((64, 128, 256), (4, 8), (2, 3)))}  # fmt: skip
-        # Each tile in both layouts one after the other, so that a deadline cuts both alike.
-        variants = [(c, lay, bn, w, st) for c in tiles for bn, w, st in tiles[c] for lay in ("head", "slot")]
+        # The engine's tiles first, then the sweep with the dtypes alternating and each tile in both layouts one
+        # after the other, so that a deadline cuts all four alike.
+        engine_tile = {c: (DECODE_BLOCK_N * (2 if c == "fp8" else 1), 4, 3) for c in tiles}
+        order = sorted((t != engine_tile[c], i, c, t) for c in tiles for i, t in enumerate(tiles[c]))
+        variants = [(c, lay, *t) for _, _, c, t in order for lay in ("head", "slot")]
         for cname, layout, bn, warps, stages in variants:
             cache = caches[(cname, layout)]
             label = f"{cname} {layout}-major block_n={bn} warps={warps} stages={stages}"
-            if time.monotonic() > deadline or (top and label not in top):
+            if time.monotonic() > shape_deadline or (top and label not in top):
                 continue
 
             run = partial(
@@ -188,7 +193,7 @@ def tune_attention(out: dict[str, Any], deadline: float) -> None:
             if ok:
                 res[f"best_{cname}_{layout}"] = min(ok, key=lambda r: r["us"])
             # What the engine runs (paged_attention's defaults), beside the best of the sweep.
-            engine = f"{kind} block_n={DECODE_BLOCK_N * (2 if cname == 'fp8' else 1)} warps=4 stages=3"
+            engine = "{} block_n={} warps={} stages={}".format(kind, *engine_tile[cname])
             res[f"engine_{cname}_{layout}"] = next((r for r in ok if r["variant"] == engine), None)
             top.append(engine)
         us = {k.removeprefix("best_"): v["us"] for k, v in res.items() if k.startswith("best_")}

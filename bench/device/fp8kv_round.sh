@@ -4,15 +4,15 @@
 # batch 256 with 2,048-token prompts, bf16 against FP8 KV in the engine. About 7 minutes on an H200.
 # `bash bench/device/fp8kv_round.sh`; carries .whl and .gpu (setup.sh). JSON and logs under $OUT.
 source bench/device/setup.sh
-ENGINE_TEST_DEVICE=cuda timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider \
-  tests/engine/test_kernels.py tests/engine/test_engine_attention.py tests/engine/test_sparse.py \
-  tests/engine/test_fp8.py 2>&1 | tee "$OUT/cuda-tests-kv.txt" | tail -4 || true
-timeout ${TUNE_S:-170} python3 bench/device/fp8_tune.py --only attention --seconds ${PART_S:-140} \
+ENGINE_TEST_DEVICE=cuda timeout ${TESTS_S:-130} python3 -m pytest -q -p no:cacheprovider \
+  tests/engine/test_kernels.py tests/engine/test_engine_attention.py tests/engine/test_sparse.py 2>&1 \
+  | tee "$OUT/cuda-tests-kv.txt" | tail -4 || true
+timeout ${TUNE_S:-150} python3 bench/device/fp8_tune.py --only attention --seconds ${PART_S:-125} \
   --json "$OUT/attention-layouts.json" 2>&1 | grep -v -i warn | tee "$OUT/attention-layouts.log" \
   | grep -v "^attention [0-9]" || true
 python3 bench/device/shape_config.py qwen3-8b /tmp/shapes/qwen3-8b
 for kv in auto fp8; do
-  timeout ${ENGINE_S:-70} python3 -m bench.engine.throughput --model /tmp/shapes/qwen3-8b --load-format dummy \
+  timeout ${ENGINE_S:-75} python3 -m bench.engine.throughput --model /tmp/shapes/qwen3-8b --load-format dummy \
     --device cuda --prompt-len 2048 --new-tokens 32 --batch-sizes 256 --runs 1 --no-reference \
     --max-num-batched-tokens 16384 --kv-cache-dtype $kv --json "$OUT/qwen3-8b-kv$kv.json" 2>&1 \
     | grep -v -i warn | tail -3 || true
