@@ -64,7 +64,7 @@ class AttentionMetadata:
     # so that every rank picks the blocks that all heads together choose.
     score_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Torch path: store_rows' answers, computed by a step's first layer for all of them.
-    _store_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    _store_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def decode_only(self) -> bool:
