@@ -1,9 +1,11 @@
 """Paged attention in plain PyTorch: KV stored by slot, read back through per-sequence block tables.
 
-The KV cache of one layer is one tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]``:
-index 0 holds keys, 1 values. Each layer's K (and V) is therefore one contiguous region in which
-block ``b`` occupies ``unit_bytes`` at offset ``b * unit_bytes``; that is the layout a KV transfer
-(Mooncake) registers and addresses per block id.
+The KV cache of one layer is one tensor ``[2, num_blocks, num_kv_heads, block_size, head_dim]``
+(``kv_cache_shape``): index 0 holds keys, 1 values. Each layer's K (and V) is therefore one contiguous
+region in which block ``b`` occupies ``unit_bytes`` at offset ``b * unit_bytes``; that is the layout a KV
+transfer (Mooncake) registers and addresses per block id. Within a block the cache is head-major: one KV
+head's keys of the block are one contiguous run (``block_size * head_dim`` elements), which is what an
+attention program, one KV head of one sequence, reads.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.sparse import MeanKeyIndexer, sparse_decode
+from engine.sparse import MeanKeyIndexer, gather_blocks, sparse_decode
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,10 +63,19 @@ class AttentionMetadata:
     # Tensor parallel: sums the block scores of this rank's KV heads with the other ranks' (the model sets it),
     # so that every rank picks the blocks that all heads together choose.
     score_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Torch path: store_rows' answers, computed by a step's first layer for all of them.
+    _store_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def decode_only(self) -> bool:
         return self.num_decodes == len(self.query_lens)
+
+    def store_rows(self, kv_heads: int, block_size: int) -> torch.Tensor:
+        """Where ``store_kv`` writes this step's tokens in a cache of ``kv_heads`` and ``block_size``."""
+        key = (kv_heads, block_size)
+        if key not in self._store_rows:
+            self._store_rows[key] = store_rows(self.slot_mapping, kv_heads, block_size)
+        return self._store_rows[key]
 
 
 def decode_mask(context_lens: torch.Tensor, length: int) -> torch.Tensor:
@@ -122,6 +133,11 @@ def plan_prefill(
     return groups, cached
 
 
+def kv_cache_shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """The shape of one layer's KV cache (K at index 0, V at 1; head-major within a block)."""
+    return (2, num_blocks, kv_heads, block_size, head_dim)
+
+
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _INDEXER = MeanKeyIndexer()  # stateless: the training-free indexer of dense checkpoints
 
@@ -131,29 +147,31 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype in _FP8 else t
 
 
-def _cooked(t: torch.Tensor, cache_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
-    if cache_dtype in _FP8:
-        t = t.view(cache_dtype)
-    return t.to(dtype)
+def store_rows(slot_mapping: torch.Tensor, kv_heads: int, block_size: int) -> torch.Tensor:
+    """The rows of a ``[num_blocks * kv_heads * block_size, head_dim]`` view of K (or V) that each token's KV heads
+    go to, token-major: token t's row of head h is ``(block * kv_heads + h) * block_size + offset``."""
+    slots = slot_mapping.long()
+    blocks = torch.div(slots, block_size, rounding_mode="floor")
+    rows = (blocks[:, None] * kv_heads + torch.arange(kv_heads, device=slots.device)) * block_size
+    return (rows + (slots - blocks * block_size)[:, None]).flatten()
 
 
-def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write this step's keys and values ``[num_tokens, kv_heads, head_dim]`` into their slots."""
-    _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
-    flat = _raw(kv_cache).view(2, num_blocks * block_size, kv_heads, head_dim)
-    flat[0].index_copy_(0, slot_mapping, _raw(k.to(kv_cache.dtype)))
-    flat[1].index_copy_(0, slot_mapping, _raw(v.to(kv_cache.dtype)))
+def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
+    """Write this step's keys and values ``[num_tokens, kv_heads, head_dim]`` to ``rows`` (``store_rows``)."""
+    _, num_blocks, kv_heads, block_size, head_dim = kv_cache.shape
+    flat = _raw(kv_cache).view(2, num_blocks * kv_heads * block_size, head_dim)
+    flat[0].index_copy_(0, rows, _raw(k.to(kv_cache.dtype)).reshape(-1, head_dim))
+    flat[1].index_copy_(0, rows, _raw(v.to(kv_cache.dtype)).reshape(-1, head_dim))
 
 
 def gather_kv(
     kv_cache: torch.Tensor, block_table: torch.Tensor, length: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read the first ``length`` cached tokens of one sequence as ``[length, kv_heads, head_dim]``."""
-    _, _, block_size, kv_heads, head_dim = kv_cache.shape
+    """Read the first ``length`` cached tokens of one sequence as ``[kv_heads, length, head_dim]``."""
+    block_size = kv_cache.shape[3]
     num_blocks = (length + block_size - 1) // block_size
-    blocks = _raw(kv_cache)[:, block_table[:num_blocks]]  # [2, n, block_size, kv_heads, head_dim]
-    kv = _cooked(blocks, kv_cache.dtype, dtype).reshape(2, num_blocks * block_size, kv_heads, head_dim)
-    return kv[0, :length], kv[1, :length]
+    kv = gather_blocks(kv_cache, block_table[:num_blocks]).to(dtype)  # [2, kv_heads, num_blocks * block_size, dim]
+    return kv[0, :, :length], kv[1, :, :length]
 
 
 def paged_attention(
@@ -172,7 +190,7 @@ def paged_attention(
     query at position i sees keys at positions j with i - window < j <= i (sliding-window attention).
     Returns ``[num_tokens, heads * head_dim]``.
     """
-    store_kv(kv_cache, k, v, meta.slot_mapping)
+    store_kv(kv_cache, k, v, meta.store_rows(kv_cache.shape[2], kv_cache.shape[3]))
     if kv_cache.dtype in _FP8:
         # Attend over this step's keys as the cache holds them, so that a prompt's KV read back from the cache
         # (a prefix-cache hit, a later chunk, the Triton kernels) gives what its first computation gave.
@@ -191,7 +209,7 @@ def paged_attention(
         else:
             mask = meta.decode_mask
             if window:
-                mask = window_decode_mask(context, tables.shape[1] * kv_cache.shape[2], window)
+                mask = window_decode_mask(context, tables.shape[1] * kv_cache.shape[3], window)
             decoded = _decode(q[:nd], kv_cache, tables, context, mask, scale)
         if nd == n:
             return decoded.reshape(n, -1)
@@ -248,8 +266,8 @@ def _prefill(
                 continue
             # Only the cached part is read back from the cache; this step's own keys are at hand.
             kp, vp = gather_kv(kv_cache, meta.block_tables[i], cached, q.dtype)
-            kc = torch.cat([kp, k[start : start + q_len]])
-            vc = torch.cat([vp, v[start : start + q_len]])
+            kc = torch.cat([kp, k[start : start + q_len].transpose(0, 1)], dim=1)  # [kv_heads, context, head_dim]
+            vc = torch.cat([vp, v[start : start + q_len].transpose(0, 1)], dim=1)
             # Query j sits at absolute position cached + j. Padding the queries with `cached` zero
             # rows in front makes that plain causal attention, which runs on the fused kernels; an
             # explicit mask would fall to the slow math kernel. The padding rows are dropped.
@@ -259,7 +277,7 @@ def _prefill(
             windowed = 0 < window < cached + q_len
             mask = causal_window_mask(cached + q_len, cached + q_len, window, q.device) if windowed else None
             oi = F.scaled_dot_product_attention(
-                qp.transpose(0, 1)[None], kc.transpose(0, 1)[None], vc.transpose(0, 1)[None],
+                qp.transpose(0, 1)[None], kc[None], vc[None],
                 attn_mask=mask, is_causal=not windowed, scale=scale, enable_gqa=True,
             )[0]  # fmt: skip
             out[start : start + q_len] = oi[:, cached:].transpose(0, 1)
@@ -272,11 +290,10 @@ def _short_queries(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     context, this step's keys included (stored before), read from the cache in whole blocks as a decode reads
     it, with an explicit mask on the kernel, which costs q_len x context, far less than padding the queries to the
     context; no copy of the cached keys joined to this step's."""
-    _, _, block_size, kv_heads, head_dim = kv_cache.shape
+    block_size = kv_cache.shape[3]
     q_len = q.shape[0]
     blocks = -(-(cached + q_len) // block_size)
-    kv = _raw(kv_cache)[:, block_table[:blocks]]  # [2, blocks, block_size, kv_heads, head_dim]
-    kv = _cooked(kv, kv_cache.dtype, q.dtype).reshape(2, 1, blocks * block_size, kv_heads, head_dim).transpose(2, 3)
+    kv = gather_blocks(kv_cache, block_table[None, :blocks]).to(q.dtype)  # [2, 1, kv_heads, keys, head_dim]
     pos = torch.arange(cached, cached + q_len, device=q.device)[:, None]
     slot = torch.arange(blocks * block_size, device=q.device)[None, :]
     mask = (slot <= pos) & (slot > pos - window) if window else slot <= pos
@@ -290,11 +307,8 @@ def _decode(
     mask: torch.Tensor | None, scale: float,
 ) -> torch.Tensor:  # fmt: skip
     # Batched: gather every sequence's blocks (padded to the longest table), mask the tail.
-    _, _, block_size, kv_heads, head_dim = kv_cache.shape
-    num_seqs, max_blocks = block_tables.shape
-    length = max_blocks * block_size
-    kv = _raw(kv_cache)[:, block_tables]  # [2, seqs, max_blocks, block_size, kv_heads, head_dim]
-    kv = _cooked(kv, kv_cache.dtype, q.dtype).reshape(2, num_seqs, length, kv_heads, head_dim).transpose(2, 3)
+    length = block_tables.shape[1] * kv_cache.shape[3]
+    kv = gather_blocks(kv_cache, block_tables).to(q.dtype)  # [2, seqs, kv_heads, length, head_dim]
     if mask is None:
         mask = decode_mask(context_lens, length)
     out = F.scaled_dot_product_attention(

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata, decode_mask, plan_prefill
+from engine.attention import AttentionMetadata, decode_mask, kv_cache_shape, plan_prefill
 from engine.cpu_packed import PackedCpuOps
 from engine.cuda_graph import DecodeGraphs, MixedGraphs, forward_target
 from engine.kernels import decode_splits
@@ -255,7 +255,8 @@ class ModelRunner:
         return self.kv_heads * self.config.head_dim * elem
 
     def allocate_kv_cache(self, num_blocks: int, scratch: bool = False) -> None:
-        """One ``[2, num_blocks, block_size, kv_heads, head_dim]`` tensor per layer (K at 0, V at 1).
+        """One ``[2, num_blocks, kv_heads, block_size, head_dim]`` tensor per layer (K at 0, V at 1; see
+        ``engine.attention.kv_cache_shape``).
 
         ``scratch``: one more block after the pool (id ``num_blocks``, never handed out), where the
         padding rows of a captured decode graph write.
@@ -263,7 +264,7 @@ class ModelRunner:
         cfg = self.config
         self.num_blocks = num_blocks
         num_blocks += 1 if scratch else 0
-        shape = (2, num_blocks, self.block_size, self.kv_heads, cfg.head_dim)
+        shape = kv_cache_shape(num_blocks, self.block_size, self.kv_heads, cfg.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in range(cfg.num_hidden_layers)
         ]

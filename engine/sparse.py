@@ -30,7 +30,7 @@ class MeanKeyIndexer:
     """Training-free indexer keys: each block's mean key per KV head, over the slots filled so far."""
 
     def update(self, indexer: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        block_size = kv_cache.shape[2]
+        block_size = kv_cache.shape[3]
         slot_mapping = slot_mapping.long()
         blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
         offsets = slot_mapping - blocks * block_size
@@ -38,25 +38,28 @@ class MeanKeyIndexer:
         # Slots of a block fill in order, so the highest offset written says how much of it is valid.
         filled = torch.zeros(touched.shape[0], dtype=torch.long, device=slot_mapping.device)
         filled.scatter_reduce_(0, inverse, offsets + 1, reduce="amax")
-        keys = _raw(kv_cache)[0, touched]  # [n, block_size, kv_heads, head_dim]
-        keys = _cooked(keys, kv_cache.dtype).to(indexer.dtype)
-        valid = (torch.arange(block_size, device=keys.device)[None, :] < filled[:, None]).to(keys.dtype)
-        summed = (keys * valid[:, :, None, None]).sum(dim=1)
-        indexer[touched] = summed / filled[:, None, None].to(keys.dtype)
+        keys = _raw(kv_cache)[0, touched]  # [n, kv_heads, block_size, head_dim]
+        indexer[touched] = _mean_keys(_cooked(keys, kv_cache.dtype).to(indexer.dtype), filled)
 
     def update_decode(self, indexer: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """``update`` for steps whose tokens each touch a different block (decodes): no data-dependent shapes.
 
         Same values as ``update`` there, and capturable in a CUDA graph.
         """
-        block_size = kv_cache.shape[2]
+        block_size = kv_cache.shape[3]
         slots = slot_mapping.long()
         blocks = torch.div(slots, block_size, rounding_mode="floor")
         filled = slots - blocks * block_size + 1
         keys = _cooked(_rows(_raw(kv_cache)[0], blocks), kv_cache.dtype).to(indexer.dtype)
-        valid = (torch.arange(block_size, device=keys.device)[None, :] < filled[:, None]).to(keys.dtype)
-        summed = (keys * valid[:, :, None, None]).sum(dim=1)
-        indexer[blocks] = summed / filled[:, None, None].to(keys.dtype)
+        indexer[blocks] = _mean_keys(keys, filled)
+
+
+def _mean_keys(keys: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
+    """Each block's mean key per KV head over its first ``filled`` slots: ``[n, kv_heads, block_size, head_dim]``
+    -> ``[n, kv_heads, head_dim]``."""
+    valid = (torch.arange(keys.shape[2], device=keys.device)[None, :] < filled[:, None]).to(keys.dtype)
+    summed = (keys * valid[:, None, :, None]).sum(dim=2)
+    return summed / filled[:, None, None].to(keys.dtype)
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -171,7 +174,7 @@ def sparse_decode(
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Decode attention over the selected blocks only. q: [seqs, heads, head_dim] -> same shape."""
-    _, _, block_size, kv_heads, head_dim = kv_cache.shape
+    block_size = kv_cache.shape[3]
     seqs, width = block_tables.shape
     if topk + 2 >= width:
         # Every block would be selected: this is dense attention, computed the dense way (bit-exact).
@@ -182,14 +185,24 @@ def sparse_decode(
         # A slot is visible if its block is kept and it is within that block's valid length.
         offs = torch.arange(block_size, device=q.device)
         mask = (offs[None, None, :] < lens[:, :, None]).reshape(seqs, -1)
-    n = selected.shape[1]
-    num_blocks = kv_cache.shape[1]
-    # K and V of the selected blocks as rows of a [2 * num_blocks, ...] view: V of block b is row num_blocks + b.
-    rows = _raw(kv_cache).view(2 * num_blocks, block_size, kv_heads, head_dim)
-    kv = _cooked(_rows(rows, torch.stack([selected, selected + num_blocks])), kv_cache.dtype)
-    # kv: [2, seqs, n, block_size, kv_heads, head_dim]
-    kv = kv.to(dtype).reshape(2, seqs, n * block_size, kv_heads, head_dim).transpose(2, 3)
+    kv = gather_blocks(kv_cache, selected).to(dtype)  # [2, seqs, kv_heads, n * block_size, head_dim]
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), kv[0], kv[1], attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
     )
     return out.squeeze(2)
+
+
+def gather_blocks(kv_cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Keys and values of the blocks ``table [..., n]`` names, each KV head's run of them joined in table order:
+    ``[2, ..., kv_heads, n * block_size, head_dim]``, contiguous, in the cache's dtype.
+
+    The cache is head-major (``[2, num_blocks, kv_heads, block_size, head_dim]``), so one head's slots of a block
+    are one row of a ``[2 * num_blocks * kv_heads, block_size * head_dim]`` view and the gather comes out in
+    attention's ``[batch, heads, keys, dim]`` order with no copy after it.
+    """
+    _, num_blocks, kv_heads, block_size, head_dim = kv_cache.shape
+    heads = torch.arange(kv_heads, device=table.device)
+    ids = torch.stack([table, table + num_blocks]).long().unsqueeze(-2) * kv_heads + heads[:, None]
+    rows = _rows(_raw(kv_cache).view(2 * num_blocks * kv_heads, block_size, head_dim), ids)
+    n = table.shape[-1]
+    return _cooked(rows, kv_cache.dtype).view(2, *table.shape[:-1], kv_heads, n * block_size, head_dim)

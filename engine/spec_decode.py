@@ -26,7 +26,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata, decode_mask, plan_prefill
+from engine.attention import AttentionMetadata, decode_mask, kv_cache_shape, plan_prefill
 from engine.flags import json_object_flag
 from engine.kernels import decode_splits
 from engine.models.eagle3 import Eagle3Draft, LoadedDraft
@@ -295,7 +295,7 @@ class EagleDrafter:
     def allocate(self, num_blocks: int, cache_dtype: torch.dtype) -> None:
         """The head's KV cache: ``num_blocks`` blocks paged like the target's (with its scratch block, if any)."""
         layer = self.head.config.layer
-        shape = (2, num_blocks, self.block_size, layer.num_key_value_heads, layer.head_dim)
+        shape = kv_cache_shape(num_blocks, self.block_size, layer.num_key_value_heads, layer.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=cache_dtype, device=self.device)
 
     def pick(self, normed: torch.Tensor, seq_ids: list[int], positions: list[int]) -> torch.Tensor:

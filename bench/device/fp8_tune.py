@@ -7,13 +7,17 @@ per pass), as the 36 layers of a model do.
 1. Skinny matmul (engine.kernels.gemv) at 1 token on qwen3-8b's linear layers: bf16 and FP8 weights over a sweep of
    tiles, against cuBLAS bf16; the tile the engine picks today (``config_for``) beside the best.
 2. Decode attention at batch 256 / 2K context and batch 16 / 8K (qwen3-8b heads): bf16 cache against an FP8 cache
-   (read through fp16) over tiles.
+   (read through fp16) over tiles, each in the engine's head-major cache layout (``[2, blocks, kv_heads, block_size,
+   head_dim]``: a KV head's keys of a block contiguous) and in the slot-major one it replaced (``[2, blocks,
+   block_size, kv_heads, head_dim]``, read by the same kernel through a permuted view): the same values, so the
+   same result, and the time each layout's access pattern costs.
 
 Tried on 2026-12-02 and taken out of the kernels since none won (docs/engine.md, "FP8 on the H200"): FP8 x FP8
 skinny matmuls with activations quantized per token in the kernel, and for attention a native FP8 dot and a
 hand-pipelined loop (commits 9fbeeb8, b996925).
 
     python3 bench/device/fp8_tune.py --json $OUT/fp8-tune.json
+    python3 bench/device/fp8_tune.py --only attention --json $OUT/attention.json  # the layouts' round
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import decode_splits
+from engine.attention import kv_cache_shape
+from engine.kernels import DECODE_BLOCK_N, decode_splits
 from engine.kernels.gemv import GemvConfig, config_for, gemv
 from engine.kernels.triton_ops import paged_attention
 from engine.models.quant import Fp8Linear
@@ -131,24 +136,36 @@ def tune_attention(out: dict[str, Any], deadline: float) -> None:
     dev = torch.device("cuda")
     heads, kvh, d, bs = 32, 8, 128, 16
     top: list[str] = []
-    for seqs, ctx in ((256, 2048), (16, 8192)):
+    for first, (seqs, ctx) in enumerate(((256, 2048), (16, 8192))):
+        # The first shape sweeps, the second re-times its leaders: 70% of what is left, then the rest.
+        shape_deadline = time.monotonic() + (deadline - time.monotonic()) * (0.7 if first == 0 else 1.0)
         blocks_per = ctx // bs
         num_blocks = seqs * blocks_per + 1
         tables = torch.randperm(num_blocks - 1, device=dev, dtype=torch.int32)[: seqs * blocks_per].view(seqs, -1)
         qstart = torch.arange(seqs + 1, device=dev, dtype=torch.int32)
         lens = torch.full((seqs,), ctx, device=dev, dtype=torch.int32)
         q = torch.randn(seqs, heads, d, device=dev, dtype=torch.bfloat16)
-        cache16 = torch.randn(2, num_blocks, bs, kvh, d, device=dev, dtype=torch.bfloat16)
+        cache16 = torch.randn(kv_cache_shape(num_blocks, bs, kvh, d), device=dev, dtype=torch.bfloat16)
         cache8 = cache16.to(torch.float8_e4m3fn)
+        # The slot-major layout holds the same values; its permuted view has the engine's shape.
+        caches = {("bf16", "head"): cache16, ("fp8", "head"): cache8,
+                  ("bf16", "slot"): cache16.transpose(2, 3).contiguous().transpose(2, 3),
+                  ("fp8", "slot"): cache8.transpose(2, 3).contiguous().transpose(2, 3)}  # fmt: skip
         splits = decode_splits(seqs, kvh, ctx, dev)
         kv_elems = seqs * ctx * kvh * d * 2
         ref = paged_attention(q, cache8.to(torch.bfloat16), tables, qstart, lens, d**-0.5, 1, ctx, splits).float()
         res: dict[str, Any] = {"splits": splits, "runs": []}
-        variants = [("bf16", cache16, bn, w, st) for bn, w, st in itertools.product((64, 128), (4, 8), (2, 3))]
-        variants += [("fp8", cache8, bn, w, st) for bn, w, st in itertools.product((64, 128, 256), (4, 8), (2, 3))]
-        for cname, cache, bn, warps, stages in variants:
-            label = f"{cname} block_n={bn} warps={warps} stages={stages}"
-            if time.monotonic() > deadline or (top and label not in top):
+        tiles = {"bf16": list(itertools.product((64, 128), (4, 8), (2, 3))),
+                 "fp8": list(itertools.product((64, 128, 256), (4, 8), (2, 3)))}  # fmt: skip
+        # The engine's tiles first, then the sweep with the dtypes alternating and each tile in both layouts one
+        # after the other, so that a deadline cuts all four alike.
+        engine_tile = {c: (DECODE_BLOCK_N * (2 if c == "fp8" else 1), 4, 3) for c in tiles}
+        order = sorted((t != engine_tile[c], i, c, t) for c in tiles for i, t in enumerate(tiles[c]))
+        variants = [(c, lay, *t) for _, _, c, t in order for lay in ("head", "slot")]
+        for cname, layout, bn, warps, stages in variants:
+            cache = caches[(cname, layout)]
+            label = f"{cname} {layout}-major block_n={bn} warps={warps} stages={stages}"
+            if time.monotonic() > shape_deadline or (top and label not in top):
                 continue
 
             run = partial(
@@ -168,17 +185,27 @@ def tune_attention(out: dict[str, Any], deadline: float) -> None:
                  "max_abs_err": err}  # fmt: skip
             res["runs"].append(r)
             print("attention", seqs, ctx, r, flush=True)
-        for cname in ("bf16", "fp8"):
-            ok = [r for r in res["runs"] if "us" in r and r["variant"].startswith(cname)]
-            # The longer context re-times only the leaders of the first.
-            top += [r["variant"] for r in sorted(ok, key=lambda r: r["us"])[:4]]
+        for cname, layout in caches:
+            kind = f"{cname} {layout}-major"
+            ok = [r for r in res["runs"] if "us" in r and r["variant"].startswith(kind + " ")]
+            # The longer context re-times only the leaders of the first (and the engine's tile).
+            top += [r["variant"] for r in sorted(ok, key=lambda r: r["us"])[:3]]
             if ok:
-                res[f"best_{cname}"] = min(ok, key=lambda r: r["us"])
-        if "best_bf16" in res and "best_fp8" in res:
-            res["fp8_speedup"] = res["best_bf16"]["us"] / res["best_fp8"]["us"]
-        print("attention best", seqs, ctx, res.get("best_bf16"), res.get("best_fp8"), res.get("fp8_speedup"))
+                res[f"best_{cname}_{layout}"] = min(ok, key=lambda r: r["us"])
+            # What the engine runs (paged_attention's defaults), beside the best of the sweep.
+            engine = "{} block_n={} warps={} stages={}".format(kind, *engine_tile[cname])
+            res[f"engine_{cname}_{layout}"] = next((r for r in ok if r["variant"] == engine), None)
+            top.append(engine)
+        us = {k.removeprefix("best_"): v["us"] for k, v in res.items() if k.startswith("best_")}
+        ratios = {"fp8_over_bf16_head": ("bf16_head", "fp8_head"), "fp8_over_bf16_slot": ("bf16_slot", "fp8_slot"),
+                  "head_over_slot_bf16": ("bf16_slot", "bf16_head"), "head_over_slot_fp8": ("fp8_slot", "fp8_head"),
+                  "fp8_head_over_bf16_slot": ("bf16_slot", "fp8_head")}  # fmt: skip
+        # Speedups (the first's time over the second's): > 1 means the second is faster.
+        res["speedup"] = {k: us[a] / us[b] for k, (a, b) in ratios.items() if a in us and b in us}
+        print("attention best", seqs, ctx, {k: round(v, 1) for k, v in us.items()},
+              {k: round(v, 3) for k, v in res["speedup"].items()}, flush=True)  # fmt: skip
         out.setdefault("attention", {})[f"b{seqs}_ctx{ctx}"] = res
-        del cache16, cache8
+        del cache16, cache8, caches
         torch.cuda.empty_cache()
 
 

@@ -196,7 +196,7 @@ class TritonOps:
             )  # fmt: skip
             return out.view(n, -1)
         # Sparse decode: the decode rows attend over their indexer-chosen blocks, read in place.
-        block_size = kv_cache.shape[2]
+        block_size = kv_cache.shape[3]  # [2, blocks, kv_heads, block_size, head_dim]
         tables, lens = select_blocks_paged(
             q[:nd],
             indexer,

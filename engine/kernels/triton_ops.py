@@ -99,6 +99,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 # -- rotary positions + KV store ----------------------------------------------------------------
 
 
+def _check_cache(kv_cache: torch.Tensor) -> None:
+    # The kernels address [2, blocks, kv_heads, block_size, head_dim] through its strides; a head's row is dense.
+    if kv_cache.dim() != 5 or kv_cache.stride(-1) != 1:
+        raise ValueError(f"a KV cache is [2, blocks, kv_heads, block_size, head_dim] with dense rows, got shape "
+                         f"{tuple(kv_cache.shape)} strides {kv_cache.stride()}")  # fmt: skip
+
+
 @triton.jit
 def _rope(x, xr, sign, c, s, dt: tl.constexpr):
     # x * cos + rotate_half(x) * sin with torch's three roundings to the model dtype.
@@ -123,8 +130,8 @@ def _head_norm(x, xr, w_ptr, d, rot, eps, dt: tl.constexpr, D: tl.constexpr):
 @triton.jit
 def _rope_and_store_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, kv_ptr, slot_ptr, v_offset, qn_ptr, kn_ptr, eps,
-    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, KVHP: tl.constexpr,
-    QK_NORM: tl.constexpr,
+    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr, SH: tl.constexpr,
+    SS: tl.constexpr, HP: tl.constexpr, KVHP: tl.constexpr, QK_NORM: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -152,7 +159,8 @@ def _rope_and_store_kernel(
         k, kr = _head_norm(k, kr, kn_ptr, d, rot, eps, dt, D)
     v = tl.load(row + (H + KVH) * D + kh[:, None] * D + d[None, :], mask=km, other=0.0)
     cdt: tl.constexpr = kv_ptr.dtype.element_ty
-    dst = kv_ptr + slot * KVH * D + kh[:, None] * D + d[None, :]
+    # KV head kh's row of this slot is [block, kh, offset] of the cache's [blocks, KVH, BS, D] (strides SB, SH, SS).
+    dst = kv_ptr + (slot // BS) * SB + kh[:, None] * SH + (slot % BS) * SS + d[None, :]
     tl.store(dst, _rope(k, kr, sign, c, s, dt).to(cdt), mask=km)
     tl.store(dst + v_offset, v.to(cdt), mask=km)
 
@@ -164,15 +172,16 @@ def rope_and_store(
     """Rotate Q and K of ``qkv [tokens, (H + 2 * KVH) * D]``; write K and V to their cache slots.
 
     ``qk_norm``: each head's Q and K are RMS-normalised first (Qwen3). Returns the rotated queries
-    ``[tokens, H, D]``. ``kv_cache`` is ``[2, blocks, block_size, KVH, D]``.
+    ``[tokens, H, D]``. ``kv_cache`` is ``[2, blocks, KVH, block_size, D]`` (``engine.attention.kv_cache_shape``).
     """
     n = qkv.shape[0]
     q = torch.empty((n, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
-    v_offset = kv_cache[0].numel()
+    _check_cache(kv_cache)
     qn, kn, eps = (qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps) if qk_norm is not None else (q, q, 0.0)
     _rope_and_store_kernel[(n,)](
-        qkv, positions, cos, sin, q, kv_cache, slot_mapping, v_offset, qn, kn, eps,
-        H=num_heads, KVH=num_kv_heads, D=head_dim,
+        qkv, positions, cos, sin, q, kv_cache, slot_mapping, kv_cache.stride(0), qn, kn, eps,
+        H=num_heads, KVH=num_kv_heads, D=head_dim, BS=kv_cache.shape[3],
+        SB=kv_cache.stride(1), SH=kv_cache.stride(2), SS=kv_cache.stride(3),
         HP=triton.next_power_of_2(num_heads), KVHP=triton.next_power_of_2(num_kv_heads),
         QK_NORM=qk_norm is not None,
     )  # fmt: skip
@@ -185,14 +194,16 @@ def rope_and_store(
 @triton.jit
 def _attend(
     q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, scale, v_offset, window,
-    H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr, SH: tl.constexpr,
+    SS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # One tile of BLOCK_N keys, read through the block table, folded into the online softmax.
+    # One tile of BLOCK_N keys, read through the block table, folded into the online softmax. Key j of KV head g
+    # is [block, g, j % BS] of the cache's [blocks, KVH, BS, D] (strides SB, SH, SS): in the engine's head-major
+    # cache, a head's keys of a block are one contiguous run of BS * D.
     j = n0 + tl.arange(0, BLOCK_N)
     jm = j < hi
     blk = tl.load(table + j // BS, mask=jm, other=0).to(tl.int64)
-    off = blk * (BS * (H // GROUP) * D) + (j % BS) * ((H // GROUP) * D) + g * D
+    off = blk * SB + g * SH + (j % BS) * SS
     k = tl.load(kv_ptr + off[:, None] + d[None, :], mask=jm[:, None], other=0.0).to(q.dtype)
     sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
     seen = (j[None, :] <= qpos[:, None]) & jm[None, :]
@@ -212,8 +223,8 @@ def _attend(
 def _paged_attention_kernel(
     q_ptr, kv_ptr, out_ptr, tables_ptr, qstart_ptr, ctx_ptr, part_acc_ptr, part_ml_ptr, tile_seq_ptr, tile_q_ptr,
     scale, v_offset, table_stride, split_size, num_splits, window,
-    H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_Q: tl.constexpr,
+    H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr, SH: tl.constexpr,
+    SS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_Q: tl.constexpr,
     SPLIT: tl.constexpr, TILED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     FP16_DOT: tl.constexpr,
 ):  # fmt: skip
@@ -268,14 +279,14 @@ def _paged_attention_kernel(
         while n0 < hi:
             m_i, l_i, acc = _attend(
                 q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, scale, v_offset, window,
-                H, GROUP, D, BS, BLOCK_N, PRECISION,
+                H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
         for n0 in range(lo, hi, BLOCK_N):
             m_i, l_i, acc = _attend(
                 q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, scale, v_offset, window,
-                H, GROUP, D, BS, BLOCK_N, PRECISION,
+                H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION,
             )  # fmt: skip
     if SPLIT:
         part = (s * H + h).to(tl.int64) * num_splits + sp
@@ -321,9 +332,11 @@ def paged_attention(
     (host values: they size the grid; in a captured graph, the capture's bounds). ``num_splits`` > 1
     (decode only) splits each context over that many programs. ``tile_map`` (sequence, query tile)
     per program, -1 for none, sizes the grid instead of the bounds (see ``engine.kernels.tile_map``):
-    a captured graph's grid then fits any batch of up to that many tiles.
+    a captured graph's grid then fits any batch of up to that many tiles. ``kv_cache`` is
+    ``[2, blocks, kv_heads, block_size, head_dim]``, addressed through its strides: the engine's is contiguous
+    (head-major), and a permuted view of a slot-major cache reads the same (``bench/device/fp8_tune.py`` times both).
     """
-    _, _, bs, kv_heads, d = kv_cache.shape
+    _, _, kv_heads, bs, d = kv_cache.shape
     tokens, heads, _ = q.shape
     group = heads // kv_heads
     out = torch.empty_like(q)
@@ -332,7 +345,9 @@ def paged_attention(
     fp16_dot = kv_cache.element_size() == 1 and q.dtype != torch.float32
     # An FP8 cache moves half the bytes per key: a decode tile of twice the keys keeps as many bytes in flight.
     block_n = block_n or (2 * DECODE_BLOCK_N if fp16_dot and max_query_len == 1 else DECODE_BLOCK_N)
-    v_offset = kv_cache[0].numel()
+    _check_cache(kv_cache)
+    v_offset = kv_cache.stride(0)
+    strides = {"SB": kv_cache.stride(1), "SH": kv_cache.stride(2), "SS": kv_cache.stride(3)}
     if max_query_len == 1 and num_splits > 1:
         block_m = max(16, triton.next_power_of_2(group))
         split_size = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
@@ -342,7 +357,7 @@ def paged_attention(
         _paged_attention_kernel[(splits, seqs, kv_heads)](
             q, kv_cache, out, block_tables, query_start, context_lens, part_acc, part_ml, out, out,
             scale, v_offset, block_tables.stride(0), split_size, splits, window,
-            H=heads, GROUP=group, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=1,
+            H=heads, GROUP=group, D=d, BS=bs, **strides, BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=1,
             SPLIT=True, TILED=False, PRECISION=precision, INTERPRET=_INTERPRET, FP16_DOT=fp16_dot,
             num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
@@ -362,7 +377,7 @@ def paged_attention(
     _paged_attention_kernel[grid](
         q, kv_cache, out, block_tables, query_start, context_lens, out, out, tile_seq, tile_idx,
         scale, v_offset, block_tables.stride(0), 0, 1, window,
-        H=heads, GROUP=group, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=block_m // group,
+        H=heads, GROUP=group, D=d, BS=bs, **strides, BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=block_m // group,
         SPLIT=False, TILED=tile_map is not None, PRECISION=precision, INTERPRET=_INTERPRET, FP16_DOT=fp16_dot,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

@@ -49,7 +49,7 @@ def test_prefill_groups_cached_prefix_and_decode_match_dense() -> None:
              torch.randn(n, KVH, D, generator=gen)) for n in lens]  # fmt: skip
     expected = [dense(q, k, v) for q, k, v in full]
     tables = [[3, 0], [5, 1, 7], [2, 6]]
-    cache = torch.zeros(2, 8, BS, KVH, D)
+    cache = torch.zeros(2, 8, KVH, BS, D)
 
     # Prefill: sequence 1 has its first 4 tokens cached already (written by an earlier step).
     pre = meta_for([4], [0], [tables[1]], prefill=True)
@@ -85,7 +85,7 @@ def test_a_mixed_step_attends_decodes_and_prompt_chunks_together() -> None:
              torch.randn(n, KVH, D, generator=gen)) for n in lens]  # fmt: skip
     expected = [dense(q, k, v) for q, k, v in full]
     tables = [[3, 0], [5, 1, 7], [2]]
-    cache = torch.zeros(2, 8, BS, KVH, D)
+    cache = torch.zeros(2, 8, KVH, BS, D)
     # Earlier steps wrote sequence 0's first 6 tokens and sequence 1's first 4.
     for i, n in ((0, 6), (1, 4)):
         paged_attention(*(t[:n] for t in full[i]), cache, meta_for([n], [0], [tables[i]], prefill=True), D**-0.5)

@@ -105,15 +105,15 @@ def test_rope_and_store_writes_rotated_keys_and_values_to_their_slots() -> None:
     inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
     emb = torch.arange(200).float()[:, None] * inv[None]
     cos, sin = torch.cat((emb, emb), -1).cos().to(DEV), torch.cat((emb, emb), -1).sin().to(DEV)
-    cache = torch.zeros(2, NB, BS, KVH, D, device=DEV)
+    cache = torch.zeros(2, NB, KVH, BS, D, device=DEV)
     slots = torch.tensor([3, 50, 77, 100, 130, 131, 639], device=DEV)
     q = triton_ops.rope_and_store(qkv, pos.int(), cos, sin, cache, slots.int(), H, KVH, D)
     qq, kk, vv = qkv.split([H * D, KVH * D, KVH * D], -1)
     c, s = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
-    flat = cache.view(2, -1, KVH, D)
+    written = cache[:, slots // BS, :, slots % BS]  # [n, 2, KVH, D]: slot i's K and V rows of every KV head
     torch.testing.assert_close(q, qq.view(n, H, D) * c + ops.rotate_half(qq.view(n, H, D)) * s)
-    torch.testing.assert_close(flat[0][slots], kk.view(n, KVH, D) * c + ops.rotate_half(kk.view(n, KVH, D)) * s)
-    torch.testing.assert_close(flat[1][slots], vv.view(n, KVH, D))
+    torch.testing.assert_close(written[:, 0], kk.view(n, KVH, D) * c + ops.rotate_half(kk.view(n, KVH, D)) * s)
+    torch.testing.assert_close(written[:, 1], vv.view(n, KVH, D))
 
 
 def _reference(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, ctx: int) -> torch.Tensor:
@@ -121,8 +121,7 @@ def _reference(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, ctx: i
     kpos = torch.arange(ctx, device=q.device)
     qpos = torch.arange(ctx - q.shape[0], ctx, device=q.device)
     mask = kpos[None] <= qpos[:, None]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-                                         enable_gqa=True)  # fmt: skip
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, enable_gqa=True)
     return out.transpose(0, 1)
 
 
@@ -140,7 +139,7 @@ def _tables(ctx: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("splits", [1, 3, 8])
 def test_paged_attention_decode_and_prompt_rows_match_dense(splits: int) -> None:
-    cache = torch.randn(2, NB, BS, KVH, D, generator=_g(6)).to(DEV)
+    cache = torch.randn(2, NB, KVH, BS, D, generator=_g(6)).to(DEV)
     ctx = [70, 5, 33, 200]
     tables = _tables(ctx)
     context = torch.tensor(ctx, dtype=torch.int32, device=DEV)
@@ -161,8 +160,33 @@ def test_paged_attention_decode_and_prompt_rows_match_dense(splits: int) -> None
                                    atol=2e-5, rtol=1e-4)  # fmt: skip
 
 
+@pytest.mark.timeout(60)
+def test_kernels_address_the_cache_through_its_strides() -> None:
+    """The engine's cache is head-major; a slot-major one seen through a permuted view (what the device bench
+    compares it with) is written and read the same, value for value."""
+    n = 5
+    qkv = torch.randn(n, (H + 2 * KVH) * D, generator=_g(12)).to(DEV)
+    pos = torch.tensor([0, 1, 2, 40, 41], device=DEV)
+    cos, sin = torch.randn(64, D, generator=_g(13)).to(DEV), torch.randn(64, D, generator=_g(14)).to(DEV)
+    slots = torch.tensor([16, 17, 18, 100, 101], device=DEV)
+    head_major = torch.randn(2, NB, KVH, BS, D, generator=_g(15)).to(DEV)
+    slot_major = head_major.transpose(2, 3).contiguous()  # [2, NB, BS, KVH, D]
+    view = slot_major.transpose(2, 3)
+    q = triton_ops.rope_and_store(qkv, pos.int(), cos, sin, head_major, slots.int(), H, KVH, D)
+    triton_ops.rope_and_store(qkv, pos.int(), cos, sin, view, slots.int(), H, KVH, D)
+    assert torch.equal(view, head_major)
+    tables = _tables([60, 102])
+    context = torch.tensor([60, 102], dtype=torch.int32, device=DEV)
+    mixed = torch.tensor([0, 1, 3], dtype=torch.int32, device=DEV)  # a decode, then a sequence's two query rows
+    decodes = torch.arange(3, dtype=torch.int32, device=DEV)
+    for rows, starts, q_len, splits in ((3, mixed, 2, 1), (2, decodes, 1, 2)):
+        got = [triton_ops.paged_attention(q[:rows], cache, tables, starts, context, D**-0.5, q_len, 102,
+                                          num_splits=splits) for cache in (head_major, view)]  # fmt: skip
+        assert torch.equal(got[0], got[1])
+
+
 def test_sparse_selection_as_a_block_table_equals_the_gathering_path() -> None:
-    cache = torch.randn(2, NB, BS, KVH, D, generator=_g(9)).to(DEV)
+    cache = torch.randn(2, NB, KVH, BS, D, generator=_g(9)).to(DEV)
     indexer = torch.zeros(NB, KVH, D, device=DEV)
     MeanKeyIndexer().update(indexer, cache, torch.arange(NB * BS, device=DEV))
     ctx = [300, 40, 161]  # 19 blocks, 3 blocks (short: all kept), 11 blocks
@@ -179,7 +203,7 @@ def test_sparse_selection_as_a_block_table_equals_the_gathering_path() -> None:
 
 
 def test_indexer_decode_update_equals_the_general_one() -> None:
-    cache = torch.randn(2, NB, BS, KVH, D, generator=_g(11)).to(DEV)
+    cache = torch.randn(2, NB, KVH, BS, D, generator=_g(11)).to(DEV)
     a = torch.zeros(NB, KVH, D, device=DEV)
     b = torch.zeros(NB, KVH, D, device=DEV)
     slots = torch.tensor([5, 16 * 3 + 15, 16 * 9], device=DEV)  # one token in each of three blocks

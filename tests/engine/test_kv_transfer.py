@@ -1,7 +1,7 @@
 """KV transfer: real Mooncake writes between two agents on loopback, the push handshake, and its faults.
 
 Both agents live in this process (two TransferEngine instances work side by side); the caches are
-CPU tensors shaped like the engine's: per layer ``[2, num_blocks, block_size, kv_heads, head_dim]``
+CPU tensors shaped like the engine's: per layer ``[2, num_blocks, kv_heads, block_size, head_dim]``
 plus one ``[num_blocks, head_dim]`` indexer-key cache per layer. Every fault test checks that the
 release callback ran exactly once and that nothing stays pending.
 """
@@ -65,7 +65,7 @@ class Side:
 
 def _make_side(fill: bool, max_batch: int = MAX_BATCH) -> Side:
     g = torch.Generator().manual_seed(1234)
-    shape = (2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    shape = (2, NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, HEAD_DIM)
     kv = [torch.randn(shape, generator=g) if fill else torch.zeros(shape) for _ in range(LAYERS)]
     indexer = [torch.randn(NUM_BLOCKS, HEAD_DIM, generator=g) if fill else torch.zeros(NUM_BLOCKS, HEAD_DIM)]
     indexer += [torch.randn(NUM_BLOCKS, HEAD_DIM, generator=g) if fill else torch.zeros(NUM_BLOCKS, HEAD_DIM)
@@ -297,7 +297,7 @@ async def test_write_into_unregistered_memory_fails_and_releases(
     src, dst = list(range(0, 80, 2)), list(range(40))  # 40 runs x 9 regions: many batches if unguarded
     params = producer.offer(src, 7, releases.callback("t"))
     # Same layout as decode's caches, but memory the decode agent never registered.
-    stray = [torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM) for _ in range(LAYERS)]
+    stray = [torch.zeros(2, NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, HEAD_DIM) for _ in range(LAYERS)]
     stray_idx = [torch.zeros(NUM_BLOCKS, HEAD_DIM) for _ in range(LAYERS)]
     consumer = KVConsumer(decode.agent, regions_from_kv_caches(stray, stray_idx))
     with pytest.raises(KVTransferError, match="failed") as err:
@@ -566,7 +566,7 @@ class StagedSide:
 
 def _make_staged(device: str, fill: bool, staging_bytes: int = STAGING_BYTES, slots: int = 4) -> StagedSide:
     g = torch.Generator().manual_seed(99)
-    shape = (2, NUM_BLOCKS + 1, BLOCK_SIZE, KV_HEADS, HEAD_DIM)  # + a trailing scratch block outside the pool
+    shape = (2, NUM_BLOCKS + 1, KV_HEADS, BLOCK_SIZE, HEAD_DIM)  # + a trailing scratch block outside the pool
 
     def make(*s: int) -> torch.Tensor:
         return (torch.randn(*s, generator=g) if fill else torch.zeros(*s)).to(device)

@@ -12,12 +12,12 @@ BS, KVH, HD, HEADS = 4, 2, 8, 4
 
 def _cache(num_blocks: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(2, num_blocks, BS, KVH, HD, generator=g)
+    return torch.randn(2, num_blocks, KVH, BS, HD, generator=g)  # head-major blocks, as the engine's
 
 
 def _dense(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     seqs, width = tables.shape
-    g = kv[:, tables].reshape(2, seqs, width * BS, KVH, HD).transpose(2, 3)
+    g = kv[:, tables].transpose(2, 3).reshape(2, seqs, KVH, width * BS, HD)
     mask = torch.arange(width * BS)[None, :] < lens[:, None]
     return F.scaled_dot_product_attention(
         q.unsqueeze(2), g[0], g[1], attn_mask=mask[:, None, None, :], scale=HD**-0.5, enable_gqa=True
@@ -30,8 +30,8 @@ def test_indexer_keys_are_block_means_of_filled_slots() -> None:
     # Block 2 fully written, block 5 written up to offset 1 (two slots).
     slots = torch.tensor([8, 9, 10, 11, 20, 21])
     MeanKeyIndexer().update(idx, kv, slots)
-    torch.testing.assert_close(idx[2], kv[0, 2].mean(dim=0))
-    torch.testing.assert_close(idx[5], kv[0, 5, :2].mean(dim=0))
+    torch.testing.assert_close(idx[2], kv[0, 2].mean(dim=1))
+    torch.testing.assert_close(idx[5], kv[0, 5, :, :2].mean(dim=1))
     assert idx[0].abs().sum() == 0  # untouched blocks unchanged
 
 

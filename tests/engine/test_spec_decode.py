@@ -246,12 +246,12 @@ def test_short_queries_over_a_long_cached_context_attend_as_one_prompt(window: i
     table = torch.arange(total // bs + 1).flip(0)  # blocks out of order
 
     def attend(start: int) -> torch.Tensor:
-        cache = torch.zeros(2, len(table), bs, kv_heads, dim)
+        cache = torch.zeros(2, len(table), kv_heads, bs, dim)
         pos = torch.arange(total)
         slots = table[pos // bs] * bs + pos % bs
         if start:  # the context is in the cache already
-            cache[0].view(-1, kv_heads, dim)[slots[:start]] = k[:start]
-            cache[1].view(-1, kv_heads, dim)[slots[:start]] = v[:start]
+            cache[0, table[pos[:start] // bs], :, pos[:start] % bs] = k[:start]
+            cache[1, table[pos[:start] // bs], :, pos[:start] % bs] = v[:start]
         n = total - start
         meta = AttentionMetadata(num_decodes=0, slot_mapping=slots[start:], block_tables=table[None],
                                  context_lens=torch.tensor([total]), query_lens=[n], cached_lens=[start],

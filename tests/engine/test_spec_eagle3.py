@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from engine.attention import kv_cache_shape
 from engine.llm_engine import LLMEngine
 from engine.models.config import ModelConfig, UnsupportedModelError
 from engine.models.eagle3 import default_aux_layers, load_eagle3, parse_eagle3_config, write_random_head
@@ -139,8 +140,8 @@ def reference_first_draft(engine: LLMEngine, tokens: list[int], head: Path) -> t
     # The target's hidden states entering layers AUX, from one prefill into a scratch cache.
     blocks = -(-n // 4)
     dev = model.embed_tokens.weight.device  # the target runs where the engine put it; the rest of this on CPU
-    caches = [torch.zeros(2, blocks, 4, cfg.num_key_value_heads, cfg.head_dim, device=dev)
-              for _ in range(cfg.num_hidden_layers)]  # fmt: skip
+    shape = kv_cache_shape(blocks, 4, cfg.num_key_value_heads, cfg.head_dim)
+    caches = [torch.zeros(shape, device=dev) for _ in range(cfg.num_hidden_layers)]
     triton = engine.drafter is not None and engine.drafter.triton  # the engine's own attention path (CUDA: Triton)
     meta = attention_meta([n], [0], np.arange(n), [list(range(blocks))], 4, triton, cfg.num_key_value_heads, dev)
     aux: dict[int, torch.Tensor] = {}
