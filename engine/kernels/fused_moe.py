@@ -135,6 +135,16 @@ def _align_one_program_kernel(
     ids_ptr, sorted_ptr, expert_ids_ptr, used_ptr, offset_ptr, num_pairs, num_experts, capacity, num_blocks,
     BLOCK_M: tl.constexpr, EP: tl.constexpr, B: tl.constexpr, BB: tl.constexpr,
 ):  # fmt: skip
+    _align_pairs(ids_ptr, sorted_ptr, expert_ids_ptr, used_ptr, offset_ptr, num_pairs, num_experts, capacity,
+                 num_blocks, BLOCK_M, EP, B, BB)  # fmt: skip
+
+
+@triton.jit
+def _align_pairs(
+    ids_ptr, sorted_ptr, expert_ids_ptr, used_ptr, offset_ptr, num_pairs, num_experts, capacity, num_blocks,
+    BLOCK_M: tl.constexpr, EP: tl.constexpr, B: tl.constexpr, BB: tl.constexpr,
+):  # fmt: skip
+    # The one-program alignment of up to B pairs (see the module docstring).
     i = tl.arange(0, B)
     e = tl.load(ids_ptr + i, mask=i < num_pairs, other=num_experts).to(tl.int32)  # padding: expert E
     x = tl.arange(0, EP)
@@ -172,6 +182,16 @@ class Alignment:
     used: torch.Tensor  # [1] int32: rows in use (a multiple of block_m)
 
 
+def _align_buffers(num_pairs: int, num_experts: int, block_m: int, dev: torch.device) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, int]:  # fmt: skip
+    """The one-program alignment's outputs: sorted pairs, block experts, used rows; and its capacity."""
+    capacity = padded_capacity(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(capacity // block_m, dtype=torch.int32, device=dev)
+    used = torch.empty(1, dtype=torch.int32, device=dev)
+    return sorted_pairs, expert_ids, used, capacity
+
+
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     """Sort the flattened ``topk_ids [tokens, top_k]`` pairs by expert, each run padded to ``block_m``."""
     ids = topk_ids.reshape(-1)
@@ -183,7 +203,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     used = torch.empty(1, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     if num_pairs <= ONE_PROGRAM_PAIRS:
-        sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=dev)
+        sorted_pairs, expert_ids, used, _ = _align_buffers(num_pairs, num_experts, block_m, dev)
         _align_one_program_kernel[(1,)](
             ids, sorted_pairs, expert_ids, used, cursor, num_pairs, num_experts, capacity, num_blocks,
             BLOCK_M=block_m, EP=triton.next_power_of_2(num_experts + 1), B=max(16, triton.next_power_of_2(num_pairs)),
@@ -325,6 +345,89 @@ def route(
     return weights, ids
 
 
+@triton.jit
+def _route_align_kernel(
+    logits_ptr, weights_ptr, ids_ptr, sorted_ptr, expert_ids_ptr, used_ptr, offset_ptr, tokens, capacity,
+    num_blocks, E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+    TP: tl.constexpr, BLOCK_M: tl.constexpr, EP: tl.constexpr, B: tl.constexpr, BB: tl.constexpr,
+):  # fmt: skip
+    # _route_kernel for all TP (padded) tokens of a small step at once, one token per row, then the one-program
+    # alignment of the pairs it just wrote.
+    t = tl.arange(0, TP)
+    tm = t < tokens
+    e = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + t[:, None] * E + e[None, :], mask=tm[:, None] & (e < E)[None, :],
+                     other=float("-inf")).to(tl.float32)  # fmt: skip
+    logits = tl.where(tm[:, None], logits, 0.0)  # padding rows: finite, never stored
+    p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    p = tl.where((e < E)[None, :], p / tl.sum(p, axis=1)[:, None], -1.0)
+    total = tl.zeros([TP], tl.float32)
+    taken = p
+    for _ in tl.static_range(TOP_K):
+        best = tl.max(taken, axis=1)
+        idx = tl.min(tl.where(taken == best[:, None], e[None, :], BLOCK_E), axis=1)
+        taken = tl.where(e[None, :] == idx[:, None], -1.0, taken)
+        total += best
+    taken = p
+    for j in tl.static_range(TOP_K):
+        best = tl.max(taken, axis=1)
+        idx = tl.min(tl.where(taken == best[:, None], e[None, :], BLOCK_E), axis=1)
+        taken = tl.where(e[None, :] == idx[:, None], -1.0, taken)
+        if RENORMALIZE:
+            best = best / total
+        tl.store(ids_ptr + t * TOP_K + j, idx.to(tl.int64), mask=tm)
+        tl.store(weights_ptr + t * TOP_K + j, best.to(weights_ptr.dtype.element_ty), mask=tm)
+    tl.debug_barrier()  # the ids, written by other threads, are in place
+    _align_pairs(ids_ptr, sorted_ptr, expert_ids_ptr, used_ptr, offset_ptr, tokens * TOP_K, E, capacity,
+                 num_blocks, BLOCK_M, EP, B, BB)  # fmt: skip
+
+
+# Steps of at most this many tokens route and align in one launch (decode, short verify steps).
+ROUTE_ALIGN_TOKENS = 16
+
+
+def route_align(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int, keep_float32: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, Alignment]:
+    """``route`` then ``align`` in one launch for ``tokens <= ROUTE_ALIGN_TOKENS``: ``(weights, ids, alignment)``,
+    each equal to what the two separate launches give."""
+    tokens, experts = router_logits.shape
+    num_pairs = tokens * top_k
+    if not 0 < tokens <= ROUTE_ALIGN_TOKENS or num_pairs > ONE_PROGRAM_PAIRS:
+        raise ValueError(f"route_align takes 1..{ROUTE_ALIGN_TOKENS} tokens of at most {ONE_PROGRAM_PAIRS} "
+                         f"pairs, got {tokens} x top-{top_k}")  # fmt: skip
+    dev = router_logits.device
+    weights = torch.empty((tokens, top_k), dtype=torch.float32 if keep_float32 else router_logits.dtype, device=dev)
+    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=dev)
+    sorted_pairs, expert_ids, used, capacity = _align_buffers(num_pairs, experts, block_m, dev)
+    offsets = torch.empty(experts, dtype=torch.int32, device=dev)
+    _route_align_kernel[(1,)](
+        router_logits.contiguous(), weights, ids, sorted_pairs, expert_ids, used, offsets, tokens, capacity,
+        expert_ids.shape[0], E=experts, TOP_K=top_k, RENORMALIZE=renormalize,
+        BLOCK_E=triton.next_power_of_2(experts), TP=max(2, triton.next_power_of_2(tokens)), BLOCK_M=block_m,
+        EP=triton.next_power_of_2(experts + 1), B=max(16, triton.next_power_of_2(num_pairs)), BB=64,
+    )  # fmt: skip
+    return weights, ids, Alignment(sorted_pairs, expert_ids, used)
+
+
+def routed_moe(
+    x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+    renormalize: bool, keep_float32: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """``fused_moe`` of ``route``'s choice from ``router_logits``; a small step (``fused_decode()``, at most
+    ``ROUTE_ALIGN_TOKENS`` tokens) routes and aligns in one launch."""
+    from engine.kernels import fused_decode
+
+    tokens = x.shape[0]
+    num_experts = w13.shape[0]
+    if fused_decode() and 0 < tokens <= ROUTE_ALIGN_TOKENS and tokens * top_k <= ONE_PROGRAM_PAIRS:
+        tiles = moe_tiles(tokens * top_k, num_experts)
+        weights, _, al = route_align(router_logits, top_k, renormalize, tiles.block_m, keep_float32)
+        return _experts(x, w13, w2, weights, al, tiles)
+    weights, ids = route(router_logits, top_k, renormalize, keep_float32)
+    return fused_moe(x, w13, w2, weights, ids)
+
+
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:
@@ -334,19 +437,25 @@ def fused_moe(
     ``w2 @ (silu(gate @ x) * (up @ x))``. ``topk_weights`` may be float32 or the model dtype (the
     weighting is done in its dtype, as torch does).
     """
-    tokens, hidden = x.shape
-    num_experts, two_i, _ = w13.shape
-    top_k = topk_ids.shape[1]
-    num_pairs = tokens * top_k
-    if tokens == 0:
+    if x.shape[0] == 0:
         return torch.zeros_like(x)
+    tiles = moe_tiles(topk_ids.numel(), w13.shape[0])
+    al = align(topk_ids.contiguous(), w13.shape[0], tiles.block_m)
+    return _experts(x, w13, w2, topk_weights, al, tiles)
+
+
+def _experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, al: Alignment, tiles: MoeTiles
+) -> torch.Tensor:
+    """The two grouped GEMMs over aligned pairs and the sum over each token's experts."""
+    tokens, hidden = x.shape
+    top_k = topk_weights.shape[1]
+    num_pairs = tokens * top_k
     x = x.contiguous()
     w13 = w13.contiguous()
     w2 = w2.contiguous()
     route_w = topk_weights.contiguous()
-    tiles = moe_tiles(num_pairs, num_experts)
-    al = align(topk_ids.contiguous(), num_experts, tiles.block_m)
-    h = torch.empty((num_pairs, two_i // 2), dtype=x.dtype, device=x.device)
+    h = torch.empty((num_pairs, w13.shape[1] // 2), dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, h, al, route_w, top_k, True, False, tiles)
     y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     _grouped_gemm(h, w2, y, al, route_w, 1, False, True, tiles)
