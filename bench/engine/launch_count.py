@@ -20,15 +20,15 @@ from typing import Any
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine.args import EngineArgs  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.models.config import parse_hf_config  # noqa: E402
-from engine.models.loader import LoadedModel, in_memory  # noqa: E402
-from engine.sequence import SamplingParams  # noqa: E402
-from engine.tokenizer import ByteTokenizer  # noqa: E402
+from engine.args import EngineArgs
+from engine.llm_engine import LLMEngine
+from engine.models.config import parse_hf_config
+from engine.models.loader import LoadedModel, in_memory
+from engine.sequence import SamplingParams
+from engine.tokenizer import ByteTokenizer
 
 _TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
          "head_dim": 16, "vocab_size": 300, "rms_norm_eps": 1e-6, "max_position_embeddings": 1024,
@@ -36,8 +36,14 @@ _TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, 
 # The served shapes' family and depth (bench/device model_shapes.py); widths as _TINY.
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-8b": {"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 36},
-    "qwen3-30b-a3b": {"architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 48, "num_experts": 128,
-                      "num_experts_per_tok": 8, "moe_intermediate_size": 32, "norm_topk_prob": True},  # fmt: skip
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "num_hidden_layers": 48,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+    },
 }
 # Ops that launch nothing on a GPU: allocations and metadata.
 _NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "detach",
@@ -100,10 +106,25 @@ def _counting(model: torch.nn.Module) -> Iterator[tuple[Counter[str], _TorchLaun
         model.compute_logits = logits  # type: ignore[attr-defined]
 
 
-def count(shape: str, fused: bool) -> dict[str, Any]:
-    """Launches of one batch-1 decode step of ``shape`` on the Triton kernels (eager: what a graph replays)."""
+def count(shape: str, fused: bool, layers: int | None = None) -> dict[str, Any]:
+    """Launches of one batch-1 decode step of ``shape`` (``layers`` deep, else as served) on the Triton kernels
+    (eager: what a graph replays)."""
+    before = os.environ.get("ENGINE_FUSED_DECODE")
     os.environ["ENGINE_FUSED_DECODE"] = "1" if fused else "0"
-    cfg = parse_hf_config({**_TINY, **SHAPES[shape]}, shape)
+    try:
+        return _count(shape, layers)
+    finally:
+        if before is None:
+            del os.environ["ENGINE_FUSED_DECODE"]
+        else:
+            os.environ["ENGINE_FUSED_DECODE"] = before
+
+
+def _count(shape: str, layers: int | None) -> dict[str, Any]:
+    raw = {**_TINY, **SHAPES[shape]}
+    if layers is not None:
+        raw["num_hidden_layers"] = layers
+    cfg = parse_hf_config(raw, shape)
     loaded = LoadedModel(shape, cfg, in_memory({}), ByteTokenizer())
     args = EngineArgs(model=shape, device="cpu", dtype="float32", kernels="triton", enforce_eager=True,
                       load_format="dummy", num_kvcache_blocks=16, max_model_len=256)  # fmt: skip
@@ -132,8 +153,9 @@ def main() -> None:
         off, on = count(shape, False), count(shape, True)
         layers = on["layers"]
         report[shape] = {"unfused": off, "fused": on}
+        fewer = (off["total"] - on["total"]) / layers
         print(f"{shape} ({layers} layers): {off['total']} launches per batch-1 decode step unfused, {on['total']} "
-              f"fused ({(off['total'] - on['total']) / layers:.1f} fewer per layer, {on['total'] / off['total']:.2f}x)")  # fmt: skip
+              f"fused ({fewer:.1f} fewer per layer, {on['total'] / off['total']:.2f}x)")  # fmt: skip
         for name, r in (("unfused", off), ("fused", on)):
             print(f"  {name}: triton {r['triton']}; torch {r['torch']}")
     if a.json:
