@@ -25,6 +25,10 @@ so it never synchronises with the host and runs inside a captured CUDA graph.
    epilogue, one output row per pair; then a sum over each token's ``top_k`` rows (float32).
    Programs whose block lies past the used length (read from the device) exit at once.
 
+Small steps (``routed_moe``, at most ``ROUTE_ALIGN_TOKENS`` tokens) route and align in one launch
+(``route_align``), and their down projection does the sum itself: the last program to finish each
+column tile (a counter per tile) adds the tile's rows of each token in slot order.
+
 ``route`` does the router's softmax, top-k and renormalisation in one launch (torch takes five).
 
 Roundings follow the torch reference: each projection is rounded to the model dtype before the
