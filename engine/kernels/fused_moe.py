@@ -455,16 +455,14 @@ def route_align(
 
 def routed_moe(
     x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-    renormalize: bool, keep_float32: bool = False,
+    renormalize: bool, keep_float32: bool = False, fused: bool = True,
 ) -> torch.Tensor:  # fmt: skip
-    """``fused_moe`` of ``route``'s choice from ``router_logits``; a small step (``fused_decode()``, at most
+    """``fused_moe`` of ``route``'s choice from ``router_logits``; with ``fused``, a small step (at most
     ``ROUTE_ALIGN_TOKENS`` tokens) routes and aligns in one launch, and its down projection sums each token's
     experts in its epilogue (no launch for the sum)."""
-    from engine.kernels import fused_decode
-
     tokens, hidden = x.shape
     num_experts = w13.shape[0]
-    if fused_decode() and 0 < tokens <= ROUTE_ALIGN_TOKENS and tokens * top_k <= ONE_PROGRAM_PAIRS:
+    if fused and 0 < tokens <= ROUTE_ALIGN_TOKENS and tokens * top_k <= ONE_PROGRAM_PAIRS:
         tiles = moe_tiles(tokens * top_k, num_experts)
         counters = triton.cdiv(hidden, _column_tile(hidden, tiles))
         weights, _, al = route_align(router_logits, top_k, renormalize, tiles.block_m, keep_float32, counters)

@@ -145,6 +145,11 @@ class SparseMoE(nn.Module):
         if value not in KERNELS:
             raise ValueError(f"unknown MoE kernels {value!r}: expected one of {KERNELS}")
         self._kernels = value
+        self._fused = False
+        if value == "triton":
+            from engine.kernels import fused_decode
+
+            self._fused = fused_decode()  # the ENGINE_FUSED_DECODE switch, read once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [tokens, hidden]`` -> ``[tokens, hidden]``."""
@@ -157,7 +162,7 @@ class SparseMoE(nn.Module):
 
             if self.num_experts == self.total_experts:
                 return k.routed_moe(x, router_logits, self.w13, self.w2, self.top_k, self.renormalize,
-                                    self.float32_routing)  # fmt: skip
+                                    self.float32_routing, fused=self._fused)  # fmt: skip
             weights, ids = k.route(router_logits, self.top_k, self.renormalize, self.float32_routing)
             weights, ids = local_pairs(weights, ids, self.first_expert, self.num_experts)
             return k.fused_moe(x, self.w13, self.w2, weights, ids)

@@ -20,7 +20,7 @@ if DEVICE == "cpu":
 
 from engine.kernels import fused_decode, fused_moe, ops
 from engine.kernels.gemv import GemvConfig, NormIn, gemv, norm_gemv
-from engine.models.moe import route
+from engine.models.moe import SparseMoE, route
 from engine.models.quant import quantize_per_channel
 
 pytestmark = pytest.mark.timeout(60)
@@ -82,6 +82,12 @@ def test_the_switch_reads_zero_or_one_and_refuses_anything_else(monkeypatch: pyt
     assert fused_decode()
     monkeypatch.setenv("ENGINE_FUSED_DECODE", "0")
     assert not fused_decode() and not ops.TritonOps().fused
+    moe = SparseMoE(32, 16, 8, 2, True)
+    moe.kernels = "triton"  # the switch is read when the MoE block is put on the kernels
+    assert not moe._fused
+    monkeypatch.setenv("ENGINE_FUSED_DECODE", "1")
+    moe.kernels = "triton"
+    assert moe._fused
     monkeypatch.setenv("ENGINE_FUSED_DECODE", "off")
     with pytest.raises(ValueError, match="ENGINE_FUSED_DECODE must be 0 or 1"):
         fused_decode()
@@ -108,11 +114,10 @@ def test_route_and_align_in_one_launch_equal_the_two_launches(
         fused_moe.route_align(torch.zeros(17, experts, device=DEV), top_k, renormalize, 16)
 
 
-@pytest.mark.parametrize("fused", ["1", "0"])
-def test_routed_moe_equals_the_torch_experts(fused: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fused", [True, False])
+def test_routed_moe_equals_the_torch_experts(fused: bool) -> None:
     from engine.models.moe import experts_torch
 
-    monkeypatch.setenv("ENGINE_FUSED_DECODE", fused)
     e, hidden, inter, k = 8, 32, 24, 2
     w13 = (torch.randn(e, 2 * inter, hidden, generator=_g(1)) * 0.3).to(DEV)
     w2 = (torch.randn(e, hidden, inter, generator=_g(2)) * 0.3).to(DEV)
@@ -120,7 +125,7 @@ def test_routed_moe_equals_the_torch_experts(fused: str, monkeypatch: pytest.Mon
         x = torch.randn(tokens, hidden, generator=_g(3)).to(DEV)
         logits = torch.randn(tokens, e, generator=_g(4)).to(DEV)
         weights, ids = route(logits, k, True)
-        got = fused_moe.routed_moe(x, logits, w13, w2, k, True)
+        got = fused_moe.routed_moe(x, logits, w13, w2, k, True, fused=fused)
         torch.testing.assert_close(got, experts_torch(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
 
 
