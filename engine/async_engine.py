@@ -146,11 +146,12 @@ class Generation:
     """The sequences of one request on this engine (``handles``), and what it hands on when it ends."""
 
     def __init__(self, engine: AsyncLLMEngine, handles: list[RequestHandle], transfer: Transfer | None = None,
-                 pulled_at: float | None = None) -> None:  # fmt: skip
+                 pulled_at: float | None = None, reserved_at: float | None = None) -> None:  # fmt: skip
         self._engine = engine
         self.handles = tuple(handles)
         self._transfer = transfer
         self.pulled_at = pulled_at  # decode from remote KV: when the prompt's KV had landed
+        self.reserved_at = reserved_at  # ... and when blocks for it had been reserved
 
     def hand_over(self) -> dict[str, Any] | None:
         """Once its outputs are read: a prefill for a remote decode offers its prompt's KV and returns the
@@ -384,6 +385,7 @@ class AsyncLLMEngine:
         assert self.relay is not None and request.kv is not None, "decode_from_remote_kv needs a checked request"
         kv = request.kv
         transfer = await self.reserve(request, wait_secs)
+        reserved_at = time.monotonic()
         seq = transfer.seq
         seq.prompt_logprobs = list(request.prompt_logprobs)  # the prefill engine scored the prompt; forks copy them
         seq.grammar = matcher() if matcher is not None else None
@@ -418,7 +420,7 @@ class AsyncLLMEngine:
                 self.abort(h.seq_id)
             self.release(transfer)  # a no-op once committed: the sequence's own blocks went with it
             raise
-        return Generation(self, [first, *forks], pulled_at=pulled_at)
+        return Generation(self, [first, *forks], pulled_at=pulled_at, reserved_at=reserved_at)
 
     async def reserve(self, request: Admission, wait_secs: float = 30.0) -> Transfer:
         """Reserve blocks for a prompt whose KV comes from another engine.

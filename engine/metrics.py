@@ -102,6 +102,20 @@ class ServerMetrics:
             registry=self.registry,
         )
 
+        self.pd_reserve = Histogram(
+            "atom:pd_decode_reserve_seconds",
+            "Decode side: from request arrival until blocks for the prompt's KV were reserved (waiting for room)",
+            buckets=buckets,
+            registry=self.registry,
+        )
+        self.pd_first_step = Histogram(
+            "atom:pd_decode_first_step_seconds",
+            "Decode side: from request arrival until its sequence was admitted to a step (its first decode step; "
+            "its first token went out before, when the KV landed)",
+            buckets=buckets,
+            registry=self.registry,
+        )
+
     def watch_transfers(self, stats: Callable[[], TransferStats]) -> None:
         """Export the KV relay's counters (read at scrape time)."""
         self.registry.register(TransferCollector(stats))

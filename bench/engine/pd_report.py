@@ -83,8 +83,43 @@ def collect(runs: Path) -> list[dict[str, Any]]:
                 queue = 1000 * _delta(runs, tag, "prefill", "atom:request_queue_time_seconds_sum") / queued
                 row["ttft_split_ms"].update(queue=queue, prefill=max(prefill - queue, 0.0))
             row["kv_pull_share_of_ttft"] = pull / row["ttft_ms_mean"] if row["ttft_ms_mean"] else 0.0
+            row.update(_rest_split(runs, tag))
         rows.append(row)
     return rows
+
+
+def _mean_ms(runs: Path, tag: str, side: str, name: str) -> float | None:
+    """The mean of histogram ``name`` over a pass, in ms (None when the side or the metric is missing)."""
+    if not (runs / f"{tag}.{side}.after.prom").exists():
+        return None
+    n = _delta(runs, tag, side, name + "_count")
+    return 1000 * _delta(runs, tag, side, name + "_sum") / n if n else None
+
+
+def _rest_split(runs: Path, tag: str) -> dict[str, Any]:
+    """What the TTFT's "rest" is made of, as far as the engines and the gateway export it (means, ms):
+    on the decode engine, from a request's arrival until its blocks were reserved, its KV landed, its first
+    token went out and it was admitted to its first step; on the gateway, the prefill leg (sent to answered)
+    and the hand-off (prefill answered to the decode leg's response head)."""
+    decode = {
+        key: _mean_ms(runs, tag, "decode", name)
+        for key, name in (
+            ("reserved", "atom:pd_decode_reserve_seconds"),
+            ("kv_landed", "atom:kv_transfer_pull_seconds"),
+            ("first_token", "atom:time_to_first_token_seconds"),
+            ("first_step", "atom:pd_decode_first_step_seconds"),
+        )
+    }
+    gateway = {
+        key: _mean_ms(runs, tag, "gateway", name)
+        for key, name in (("prefill_leg", "mesh_pd_prefill_duration_seconds"), ("handoff", "mesh_pd_handoff_seconds"))
+    }
+    out: dict[str, Any] = {}
+    if any(v is not None for v in decode.values()):
+        out["decode_since_arrival_ms"] = {k: v for k, v in decode.items() if v is not None}
+    if any(v is not None for v in gateway.values()):
+        out["gateway_legs_ms"] = {k: v for k, v in gateway.items() if v is not None}
+    return out
 
 
 MODES = {"colocated": "colocated", "pd-1p1d": "pd"}  # the set-ups the issue's rows compare
@@ -93,9 +128,11 @@ MODES = {"colocated": "colocated", "pd-1p1d": "pd"}  # the set-ups the issue's r
 def issue_rows(points: list[dict[str, Any]], shape: str) -> list[dict[str, Any]]:
     """The one-GPU points as ``docs/results/pd-one-gpu.json`` lists them: ``{shape, isl, osl, concurrency, mode,
     output_tok_s, ttft_p50_ms, tpot_p50_ms, kv_share_of_ttft}``, colocated (straight) and P/D."""
+    extra = ("ttft_split_ms", "decode_since_arrival_ms", "gateway_legs_ms")  # P/D rows: where the TTFT goes
     return [{"shape": shape, "isl": p["isl"], "osl": p["osl"], "concurrency": p["concurrency"],
              "mode": MODES[p["setup"]], "output_tok_s": p["output_tok_s_per_gpu"], "ttft_p50_ms": p["ttft_ms_p50"],
-             "tpot_p50_ms": p["tpot_ms_p50"], "kv_share_of_ttft": p.get("kv_pull_share_of_ttft", 0.0)}
+             "tpot_p50_ms": p["tpot_ms_p50"], "kv_share_of_ttft": p.get("kv_pull_share_of_ttft", 0.0),
+             **{k: p[k] for k in extra if k in p}}
             for p in points if p["setup"] in MODES and "attention" not in p]  # fmt: skip
 
 
@@ -237,6 +274,9 @@ def main() -> None:
             head = (f"queue {split['queue']:.1f} + prefill {split['prefill']:.1f}" if "queue" in split
                     else f"prefill {split['prefill_engine']:.1f}")  # fmt: skip
             extra = f"  split: {head} + kv pull {split['kv_pull']:.1f} + rest {split['rest']:.1f} ms"
+        for key, label in (("decode_since_arrival_ms", "decode since arrival"), ("gateway_legs_ms", "gateway")):
+            if parts := r.get(key):
+                extra += f"; {label}: " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()) + " ms"
         setup = r["setup"] + (f"-{r['attention']}" if "attention" in r else "")
         print(
             f"{setup:>28} {r['isl']:>5}/{r['osl']:<4} c{r['concurrency']:<3} "
