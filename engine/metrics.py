@@ -149,4 +149,9 @@ class TransferCollector(Collector):
         in_flight.add_metric([], float(s.pulls_in_flight))
         waiting = GaugeMetricFamily("atom:kv_transfer_pulls_waiting", "KV pulls waiting for a max_inflight_pulls place")
         waiting.add_metric([], float(s.pulls_waiting))
-        yield from (offered, pulled, seconds, failures, released, in_flight, waiting)
+        rounds = CounterMetricFamily(
+            "atom:kv_transfer_early_rounds",
+            "Decode side: rounds of KV blocks copied from early offers while their prefill still ran",
+        )
+        rounds.add_metric([], float(s.early_rounds))
+        yield from (offered, pulled, seconds, failures, released, in_flight, waiting, rounds)

@@ -45,6 +45,7 @@ from engine.protocol import (
 )
 from engine.responses import ChatExtras, Choice, Head, ResponsesBody, ResponseShape
 from engine.sequence import SamplingParams
+from engine.sequence import Sequence as EngineSequence
 from engine.structured import GrammarCompiler
 from engine.tools import ForcedParser, ToolParser, hermes_system_prompt, make_parser, tools_for_template
 from engine.tracing import EngineTracing
@@ -239,6 +240,11 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
         matcher = lambda: compiler.state_of(grammar)  # noqa: E731  (one matcher per sample)
     n = body.num_sequences
     generation = await engine.open(admission, n, matcher)  # raises before any byte is sent
+    if generation.early_params is not None:  # a prefill offered before it runs: the decode engine reads it
+        generation.on_prefilled(lambda seq: _prefilled(state.metrics, arrived, seq))
+        return _json({"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
+                      "model": state.served_model_name, "choices": [],
+                      "kv_transfer_params": generation.early_params})  # fmt: skip
     if generation.pulled_at is not None:
         state.metrics.kv_pull.observe(generation.pulled_at - arrived)
     if generation.reserved_at is not None:
@@ -435,6 +441,13 @@ def _trace(tracing: EngineTracing, request: web.Request, role: str | None, times
             "http.route": request.path,
         },
     )
+
+
+def _prefilled(metrics: ServerMetrics, arrived: float, seq: EngineSequence) -> None:
+    """An early offer's prefill produced its first token: its TTFT and queue time, as a streamed one's."""
+    metrics.ttft.observe(time.monotonic() - arrived)
+    if seq.admitted_at is not None:
+        metrics.queue.observe(max(seq.admitted_at - arrived, 0.0))
 
 
 async def _timed(outputs: AsyncIterator[RequestOutput], metrics: ServerMetrics,
