@@ -5,6 +5,12 @@
 #   SHAPE=smollm2 ISLS=4096/512 bash bench/device/pd_one_gpu_rows.sh
 #   SHAPE=llama31-8b ISLS=1024/256 bash bench/device/pd_one_gpu_rows.sh
 #   SHAPE=llama31-8b ISLS=4096/512 bash bench/device/pd_one_gpu_rows.sh
+# EARLY_AB=1 (issue #30, transfer overlapping prefill): P/D twice in the same call, early offers off (pd-1p1d)
+# and on (pd-1p1d-early); PREFILL_ARGS="--max-num-batched-tokens 1024" makes the prefill engine chunk the prompts
+# the decode engine then reads chunk by chunk. Within a call's 10 minutes at 1024/256: CONCS="1 16 64".
+#   EARLY_AB=1 CONCS="1 16 64" SHAPE=smollm2 ISLS=1024/256 bash bench/device/pd_one_gpu_rows.sh
+#   EARLY_AB=1 CONCS="1 16 64" PREFILL_ARGS="--max-num-batched-tokens 1024" SHAPE=smollm2 ISLS=4096/512 \
+#     bash bench/device/pd_one_gpu_rows.sh
 # Writes $OUT/runs (the passes and the engines' /metrics), $OUT/pd-one-gpu-SHAPE-ISL.json (the issue's rows under
 # "rows", `python -m bench.engine.pd_report --shape`) and its chart. Merge the rows of the calls into docs/results/pd-one-gpu.json.
 # Carries .whl, .gpu (model_shapes.py, smollm2) and the CUDA Mooncake bundle, as pd_ipc_round.sh.
@@ -31,5 +37,5 @@ tag="$SHAPE-${ISLS//\//-}"
 name=$([ "$SHAPE" = smollm2 ] && echo smollm2-135m || echo "$SHAPE")
 python3 -m bench.engine.pd_report "$OUT/runs" --shape "$name" --json "$OUT/pd-one-gpu-$tag.json" --png "$OUT/pd-one-gpu-$tag.png" \
   --title "$name, bf16, one H200: colocated vs 1P1D (KV over ipc)" \
-  --meta "{\"device\": \"$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || echo cpu)\", \"date\": \"$(date -u +%F)\", \"command\": \"SHAPE=$SHAPE ISLS=$ISLS bash bench/device/pd_one_gpu_rows.sh\"}" \
+  --meta "{\"device\": \"$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || echo cpu)\", \"date\": \"$(date -u +%F)\", \"command\": \"${EARLY_AB:+EARLY_AB=1 }${PREFILL_ARGS:+PREFILL_ARGS='$PREFILL_ARGS' }CONCS='$CONCS' SHAPE=$SHAPE ISLS=$ISLS bash bench/device/pd_one_gpu_rows.sh\"}" \
   || echo "pd_report failed here (matplotlib?): run it on the runs folder locally with --shape $name"

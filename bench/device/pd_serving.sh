@@ -63,15 +63,28 @@ sweep colocated http://127.0.0.1:8010
 stop_all
 # (c): 1P1D through atomesh.
 # KVX: more --kv-transfer-config keys for both engines, e.g. KVX='"memory_backend":"direct","max_inflight_pulls":64'
-engine prefill 8011 --kv-transfer-config "{\"kv_role\":\"kv_producer\",\"kv_connector\":\"mooncake\",\"handshake_port\":6301${KVX:+,$KVX}}"
-engine decode 8012 --kv-transfer-config "{\"kv_role\":\"kv_consumer\",\"kv_connector\":\"mooncake\",\"handshake_port\":6302${KVX:+,$KVX}}"
-wait_http http://127.0.0.1:8011/health 240 && wait_http http://127.0.0.1:8012/health 240
-python3 -m atomesh launch --pd-disaggregation --backend atom --prefill http://127.0.0.1:8011 none \
-  --decode http://127.0.0.1:8012 --host 127.0.0.1 --port 30001 --prometheus-port 29001 >"$R/gateway-pd.log" 2>&1 &
-PIDS+=($!)
-wait_http http://127.0.0.1:30001/readiness 60
-sweep pd-1p1d http://127.0.0.1:30001 http://127.0.0.1:8012/metrics http://127.0.0.1:8011/metrics \
-  http://127.0.0.1:29001/metrics
-grep -h -iE "memory backend|staged|error" "$R"/prefill.log "$R"/decode.log | head -8 || true
-stop_all
+# PREFILL_ARGS: more flags for the prefill engine only (e.g. --max-num-batched-tokens 1024: prompts prefilled in
+# chunks, which the decode engine reads as they become final). EARLY_AB=1 sweeps P/D twice: pd-1p1d with
+# early_offer off (the prefill leg answered after its prefill) and pd-1p1d-early with it on (the default).
+pd_pair() {  # SETUP EXTRA_KV
+  local kv="${KVX:+,$KVX}$2"
+  engine "$1-prefill" 8011 ${PREFILL_ARGS:-} \
+    --kv-transfer-config "{\"kv_role\":\"kv_producer\",\"kv_connector\":\"mooncake\",\"handshake_port\":6301$kv}"
+  engine "$1-decode" 8012 --kv-transfer-config "{\"kv_role\":\"kv_consumer\",\"kv_connector\":\"mooncake\",\"handshake_port\":6302$kv}"
+  wait_http http://127.0.0.1:8011/health 240 && wait_http http://127.0.0.1:8012/health 240
+  python3 -m atomesh launch --pd-disaggregation --backend atom --prefill http://127.0.0.1:8011 none \
+    --decode http://127.0.0.1:8012 --host 127.0.0.1 --port 30001 --prometheus-port 29001 >"$R/gateway-$1.log" 2>&1 &
+  PIDS+=($!)
+  wait_http http://127.0.0.1:30001/readiness 60
+  sweep "$1" http://127.0.0.1:30001 http://127.0.0.1:8012/metrics http://127.0.0.1:8011/metrics \
+    http://127.0.0.1:29001/metrics
+  grep -h -iE "memory backend|staged|error" "$R/$1-prefill.log" "$R/$1-decode.log" | head -8 || true
+  stop_all
+}
+if [ -n "${EARLY_AB:-}" ]; then
+  pd_pair pd-1p1d ',"early_offer":false'
+  pd_pair pd-1p1d-early ''
+else
+  pd_pair pd-1p1d ''
+fi
 [ -n "${NO_TAR:-}" ] || (cd "$OUT" && tar czf /tmp/results.tgz . && rm -rf ./* && mv /tmp/results.tgz .)

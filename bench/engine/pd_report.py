@@ -28,7 +28,8 @@ from typing import Any
 NAME = re.compile(r"^(?P<setup>.+)-(?P<isl>\d+)-(?P<osl>\d+)-c(?P<c>\d+)\.json$")
 ATTENTION = re.compile(r"^(?P<setup>.+)-(?P<attention>dense|sparse)$")
 LABELS = {"colocated": "1 engine (colocated), straight", "colocated-atomesh": "1 engine behind atomesh",
-          "pd-1p1d": "1 prefill + 1 decode (P/D) behind atomesh"}  # fmt: skip
+          "pd-1p1d": "1 prefill + 1 decode (P/D) behind atomesh",
+          "pd-1p1d-early": "P/D, early offers (transfer overlapping prefill)"}  # fmt: skip
 LABELS_TWO = {"pd-1p1d": "1P1D (prefill GPU 0, decode GPU 1)",
               "colocated-cache_aware": "2 colocated, cache_aware",
               "colocated-round_robin": "2 colocated, round_robin"}  # fmt: skip
@@ -122,7 +123,9 @@ def _rest_split(runs: Path, tag: str) -> dict[str, Any]:
     return out
 
 
-MODES = {"colocated": "colocated", "pd-1p1d": "pd"}  # the set-ups the issue's rows compare
+# The set-ups the issue's rows compare. pd-1p1d-early (EARLY_AB=1 in bench/device/pd_serving.sh): its decode
+# engine's "KV pull" runs from the decode leg's arrival, before the prefill ends, so it overlaps the prefill.
+MODES = {"colocated": "colocated", "pd-1p1d": "pd", "pd-1p1d-early": "pd"}
 
 
 def issue_rows(points: list[dict[str, Any]], shape: str) -> list[dict[str, Any]]:
@@ -132,7 +135,7 @@ def issue_rows(points: list[dict[str, Any]], shape: str) -> list[dict[str, Any]]
     return [{"shape": shape, "isl": p["isl"], "osl": p["osl"], "concurrency": p["concurrency"],
              "mode": MODES[p["setup"]], "output_tok_s": p["output_tok_s_per_gpu"], "ttft_p50_ms": p["ttft_ms_p50"],
              "tpot_p50_ms": p["tpot_ms_p50"], "kv_share_of_ttft": p.get("kv_pull_share_of_ttft", 0.0),
-             **{k: p[k] for k in extra if k in p}}
+             "setup": p["setup"], **{k: p[k] for k in extra if k in p}}
             for p in points if p["setup"] in MODES and "attention" not in p]  # fmt: skip
 
 
