@@ -566,8 +566,8 @@ class KVProducer:
         reason, nbytes_done = ReleaseReason.WRITE_FAILED, 0
         answer: asyncio.Future[dict[str, Any]] | None = None
         try:
-            await wire.send(writer, MessageType.IPC_READ, transfer_id=pending.transfer_id, nonce=msg["nonce"],
-                            early=pending.early)  # fmt: skip
+            early = {"early": True} if pending.early else {}  # an early offer's rounds follow
+            await wire.send(writer, MessageType.IPC_READ, transfer_id=pending.transfer_id, nonce=msg["nonce"], **early)
             async with asyncio.timeout(self.timeout_s):
                 answer = asyncio.ensure_future(wire.recv(reader))  # the consumer's last word (or its hang-up)
                 if pending.early:
