@@ -6,8 +6,10 @@
 RUNS_DIR holds ``SETUP-ISL-OSL-cN.json`` (``python -m bench.gateway.serving`` results) and, for P/D, the engines'
 ``/metrics`` before and after each pass, from which the mean TTFT is split into the prefill engine's part
 (its own TTFT: queue and prefill apart where it exports ``atom:request_queue_time_seconds``), the KV pull
-(the decode engine's pull time: waiting for a staging slot and the transfer) and the rest (the decode
-leg's first step, the relay through the gateway, HTTP).
+(the decode engine's pull time: waiting for a staging slot and the transfer; for ``pd-1p1d-early``, early
+offers, only the part past the prefill engine's TTFT) and the rest (the decode leg's first step, the relay
+through the gateway, HTTP). Where the engines and the gateway export them, P/D points also list the decode
+engine's stages since the decode leg's arrival and the gateway's two legs (``_rest_split``).
 Output tok/s per GPU is the pass's output tok/s over the GPUs behind the server (``num_workers``).
 
 ``bench/device/pd_serving.sh`` (one GPU) names set-ups ``colocated``, ``colocated-atomesh``, ``pd-1p1d``;
@@ -77,6 +79,11 @@ def collect(runs: Path) -> list[dict[str, Any]]:
             pulls = _delta(runs, tag, "decode", "atom:kv_transfer_pull_seconds_count")
             prefill = 1000 * _delta(runs, tag, "prefill", "atom:time_to_first_token_seconds_sum") / max(n, 1)
             pull = 1000 * _delta(runs, tag, "decode", "atom:kv_transfer_pull_seconds_sum") / max(pulls, 1)
+            if row["setup"].endswith("-early"):
+                # Early offers: the decode engine's pull starts as the prefill is queued, so only what it takes
+                # past the prefill engine's own TTFT adds to the client's (the rest of it overlapped the prefill).
+                row["kv_pull_since_decode_arrival_ms"] = pull
+                pull = max(pull - prefill, 0.0)
             row["ttft_split_ms"] = {"prefill_engine": prefill, "kv_pull": pull,
                                     "rest": max(row["ttft_ms_mean"] - prefill - pull, 0.0)}  # fmt: skip
             # Engines that export the queue time split the prefill engine's part into queue and prefill.
@@ -131,7 +138,8 @@ MODES = {"colocated": "colocated", "pd-1p1d": "pd", "pd-1p1d-early": "pd"}
 def issue_rows(points: list[dict[str, Any]], shape: str) -> list[dict[str, Any]]:
     """The one-GPU points as ``docs/results/pd-one-gpu.json`` lists them: ``{shape, isl, osl, concurrency, mode,
     output_tok_s, ttft_p50_ms, tpot_p50_ms, kv_share_of_ttft}``, colocated (straight) and P/D."""
-    extra = ("ttft_split_ms", "decode_since_arrival_ms", "gateway_legs_ms")  # P/D rows: where the TTFT goes
+    # P/D rows: where the TTFT goes
+    extra = ("ttft_split_ms", "decode_since_arrival_ms", "gateway_legs_ms", "kv_pull_since_decode_arrival_ms")
     return [{"shape": shape, "isl": p["isl"], "osl": p["osl"], "concurrency": p["concurrency"],
              "mode": MODES[p["setup"]], "output_tok_s": p["output_tok_s_per_gpu"], "ttft_p50_ms": p["ttft_ms_p50"],
              "tpot_p50_ms": p["tpot_ms_p50"], "kv_share_of_ttft": p.get("kv_pull_share_of_ttft", 0.0),
