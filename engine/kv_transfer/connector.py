@@ -33,6 +33,12 @@ them), the consumer copies them itself and says ``ipc_done`` without waiting for
 release reasons and refusals are the push handshake's. The desk is a thread with its own event loop,
 so a pull never waits for the prefill engine's loop (busy with its steps and streams); only the
 release of the blocks goes back to that loop.
+
+An *early offer* (``offer_early``) is made before its prefill runs: the engine then tells the producer
+after each step which blocks are final (``progress``) and at the end the first token or the failure
+(``conclude``). An ipc read of it is a series of rounds from the desk (``ipc_ready``), each naming the
+blocks that became final, the last one carrying the first token; a Mooncake pull of it waits for the
+end and is written whole, ``write_done`` carrying the first token. ``pull`` returns that token.
 """
 
 from __future__ import annotations
