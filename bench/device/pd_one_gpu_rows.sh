@@ -8,7 +8,8 @@
 # EARLY_AB=1 (issue #30, transfer overlapping prefill): P/D twice in the same call, early offers off (pd-1p1d)
 # and on (pd-1p1d-early); PREFILL_ARGS="--max-num-batched-tokens 1024" makes the prefill engine chunk the prompts
 # the decode engine then reads chunk by chunk. Within a call's 10 minutes at 1024/256: CONCS="1 16 64".
-#   EARLY_AB=1 CONCS="1 16 64" SHAPE=smollm2 ISLS=1024/256 bash bench/device/pd_one_gpu_rows.sh
+#   OVERLAP_TESTS=1 EARLY_AB=1 CONCS="1 16 64" SHAPE=smollm2 ISLS=1024/256 bash bench/device/pd_one_gpu_rows.sh
+# (OVERLAP_TESTS=1: first tests/test_pd_overlap.py on CUDA, into $OUT/cuda-tests-pd-overlap.txt)
 #   EARLY_AB=1 CONCS="1 16 64" PREFILL_ARGS="--max-num-batched-tokens 1024" SHAPE=smollm2 ISLS=4096/512 \
 #     bash bench/device/pd_one_gpu_rows.sh
 # Writes $OUT/runs (the passes and the engines' /metrics), $OUT/pd-one-gpu-SHAPE-ISL.json (the issue's rows under
@@ -31,6 +32,11 @@ case "$SHAPE" in
     export PASS_S=${PASS_S:-120} ;;
   *) echo "SHAPE must be smollm2 or llama31-8b, not $SHAPE" >&2; exit 2 ;;
 esac
+if [ -n "${OVERLAP_TESTS:-}" ]; then  # the CUDA tests of early offers first (P/D == colocated, aborts leak nothing)
+  (set +eu; source bench/device/setup.sh; source bench/device/mooncake_cuda.sh \
+    && ENGINE_TEST_DEVICE=cuda ENGINE_TEST_DTYPE=bfloat16 timeout "${TESTS_S:-150}" python3 -m pytest -q \
+      -p no:cacheprovider -x tests/test_pd_overlap.py 2>&1 | tee "${OUT:-/tmp/out}/cuda-tests-pd-overlap.txt" | tail -4) || true
+fi
 bash bench/device/pd_serving.sh 2>&1 | grep -v "^I1\|^W1" | tail -24 || true
 OUT=${OUT:-/tmp/out}
 tag="$SHAPE-${ISLS//\//-}"
