@@ -42,7 +42,8 @@ _PARALLEL_FLAGS = (
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 _KV_CONFIG_KEYS = {"kv_connector", "kv_role", "handshake_port", "proxy_ip", "http_port", "protocol",
-                   "memory_backend", "staging_buffer_mb", "max_inflight_pulls", "write_lanes"}  # fmt: skip
+                   "memory_backend", "staging_buffer_mb", "max_inflight_pulls", "write_lanes",
+                   "early_offer"}  # fmt: skip
 MEMORY_BACKENDS = ("auto", "direct", "staged")
 # engine.kv_transfer.transport.Transport, plus "ipc" (engine.kv_transfer.ipc: pools mapped between engines of a host)
 KV_PROTOCOLS = ("ipc", "tcp", "rdma", "nvlink_intra", "nvlink")
@@ -64,6 +65,9 @@ class KVTransferConfig:
     # Transfers in flight at once: decode's pulls (each holds two staging slots), prefill's staged writes.
     max_inflight_pulls: int = 8
     write_lanes: int = 2  # Mooncake writes in flight per peer (threads that busy-wait: not more than cores)
+    # A producer answers a prefill leg that asks ``early_offer`` at once, its KV read as its prefill runs
+    # (docs/pd.md); False: every prefill leg is answered once its prefill ended.
+    early_offer: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -445,6 +449,9 @@ def parse_kv_transfer_config(text: str) -> KVTransferConfig:
         raise ValueError(f"--kv-transfer-config: staging_buffer_mb {staging_mb!r} must be an integer in 1..65536 (MiB)")
     inflight = _int_in(raw, "max_inflight_pulls", 8, 1, 256)
     lanes = _int_in(raw, "write_lanes", 2, 1, 64)
+    early = raw.get("early_offer", True)
+    if not isinstance(early, bool):
+        raise ValueError(f"--kv-transfer-config: early_offer {early!r} must be true or false")
     return KVTransferConfig(
         kv_role=role,
         kv_connector=connector,
@@ -455,6 +462,7 @@ def parse_kv_transfer_config(text: str) -> KVTransferConfig:
         staging_buffer_mb=staging_mb,
         max_inflight_pulls=inflight,
         write_lanes=lanes,
+        early_offer=early,
     )
 
 

@@ -97,6 +97,9 @@ class Admission:
     kv: KVTransferParams | None = None  # decode from remote KV: where the prompt's KV is
     first_logprob: TokenLogprob | None = None  # ... and the prefill engine's scores, reported as ours
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    # Prefill for a remote decode, offered before it runs (the gateway asked ``early_offer`` and nothing the
+    # decode engine needs comes from the prefill but its first token and KV): answered at once.
+    early_offer: bool = False
 
 
 class Phase(enum.Enum):
@@ -134,6 +137,8 @@ class Transfer:
     # RESERVED: the step in flight when the blocks were handed out, when an abort during it freed some of them
     # (it may still write them): the pull lands nothing before it ended. None: nothing to wait for.
     after: concurrent.futures.Future[Any] | None = None
+    # An early offer: told (on the event loop) when its prefill has produced the first token.
+    on_prefilled: Callable[[Sequence], None] | None = None
 
     def move(self, new: Phase) -> None:
         """The one place a transfer's phase changes; refuses a move its life cycle does not allow."""
@@ -146,11 +151,15 @@ class Generation:
     """The sequences of one request on this engine (``handles``), and what it hands on when it ends."""
 
     def __init__(self, engine: AsyncLLMEngine, handles: list[RequestHandle], transfer: Transfer | None = None,
-                 pulled_at: float | None = None) -> None:  # fmt: skip
+                 pulled_at: float | None = None, reserved_at: float | None = None,
+                 early_params: dict[str, Any] | None = None) -> None:  # fmt: skip
         self._engine = engine
         self.handles = tuple(handles)
         self._transfer = transfer
         self.pulled_at = pulled_at  # decode from remote KV: when the prompt's KV had landed
+        self.reserved_at = reserved_at  # ... and when blocks for it had been reserved
+        # An early offer's kv_transfer_params: the answer, at once; the prefill runs on, owned by its transfer.
+        self.early_params = early_params
 
     def hand_over(self) -> dict[str, Any] | None:
         """Once its outputs are read: a prefill for a remote decode offers its prompt's KV and returns the
@@ -159,6 +168,11 @@ class Generation:
         if transfer is None or transfer.phase is not Phase.PREFILLING:
             return None
         return self._engine._offer(transfer)
+
+    def on_prefilled(self, callback: Callable[[Sequence], None]) -> None:
+        """An early offer: call ``callback`` once its prefill produced the first token (for the server's metrics)."""
+        assert self._transfer is not None and self.early_params is not None, "only an early offer is prefilled later"
+        self._transfer.on_prefilled = callback
 
     def close(self) -> None:
         """Whatever ended the request (done, client gone, error): its blocks go now, except those offered."""
@@ -229,6 +243,7 @@ class AsyncLLMEngine:
         self.relay = relay  # this engine's side of the KV relay (--kv-transfer-config), started and stopped here
         self._states: dict[int, RequestState] = {}
         self._transfers: dict[int, Transfer] = {}  # by sequence id, until released or committed
+        self._early: dict[int, tuple[Transfer, str]] = {}  # early offers whose prefill runs: (transfer, its id)
         # Broadcast to reservations waiting for room: replaced (after being set) each time blocks come back.
         self._freed = asyncio.Event()
         self._reservations_waiting = 0
@@ -333,7 +348,10 @@ class AsyncLLMEngine:
                 self.engine.check_request(n, replace(params, max_tokens=decode_limit), True)
         params = self.engine.check_request(n, params, max_tokens_given)
         if role is not Role.DECODE_FROM_REMOTE_KV:
-            return Admission(prompt_ids, params, role)
+            early = (role is Role.PREFILL_FOR_REMOTE_DECODE and raw.get("early_offer") is True
+                     and self.relay is not None and self.relay.config.early_offer
+                     and params.logprobs is None and params.prompt_logprobs is None)  # fmt: skip
+            return Admission(prompt_ids, params, role, early_offer=early)
         assert self.relay is not None
         return Admission(prompt_ids, params, role, self.relay.parse(raw), _first_logprob(raw, params),
                          tuple(_prompt_logprobs(raw, params)))  # fmt: skip
@@ -371,7 +389,58 @@ class AsyncLLMEngine:
         handle = self._submit(request.prompt_ids, request.params, hold_kv=True, grammar=grammar)
         transfer = Transfer(self._states[handle.seq_id].seq, Phase.PREFILLING)
         self._transfers[handle.seq_id] = transfer
+        if request.early_offer:
+            return Generation(self, [], transfer, early_params=self._offer_early(transfer))
         return Generation(self, [handle], transfer)
+
+    def _offer_early(self, transfer: Transfer) -> dict[str, Any]:
+        """Offer a queued prefill's KV now: the decode engine reads its blocks as they become final
+        (``_advance_early`` after each step), the first token when it ends. Nobody streams its outputs."""
+        assert self.relay is not None
+        seq = transfer.seq
+        del self._states[seq.seq_id]
+        bs = seq.block_size
+        try:
+            params = self.relay.offer_early((seq.num_prompt_tokens + bs - 1) // bs, lambda: self.release(transfer))
+        except BaseException:
+            self._stop_prefill(seq)
+            self.release(transfer)
+            raise
+        transfer.move(Phase.OFFERED)
+        self._early[seq.seq_id] = (transfer, params["transfer_id"])
+        return params
+
+    def _advance_early(self, seq: Sequence) -> None:
+        """After a step of an early offer's prefill: tell the relay which blocks are final, or how it ended."""
+        transfer, tid = self._early[seq.seq_id]
+        assert self.relay is not None
+        bs = seq.block_size
+        blocks = seq.block_table[: (seq.num_prompt_tokens + bs - 1) // bs]
+        if seq.status is not SequenceStatus.FINISHED:
+            self.relay.progress(tid, blocks, min(seq.num_cached_tokens, seq.num_prompt_tokens) // bs)
+            return
+        del self._early[seq.seq_id]
+        if seq.finish_reason is FinishReason.ABORT or not seq.completion_ids:
+            self.relay.conclude(tid, error="the prefill was aborted")
+        else:
+            self.relay.conclude(tid, blocks, seq.completion_ids[0])
+            if transfer.on_prefilled is not None:
+                transfer.on_prefilled(seq)
+
+    def _end_early(self, seq_id: int, why: str) -> None:
+        """An early offer's prefill failed (its step, or the engine): the decode engine is told so."""
+        entry = self._early.pop(seq_id, None)
+        if entry is not None and self.relay is not None:
+            self.relay.conclude(entry[1], error=why)
+
+    def _stop_prefill(self, seq: Sequence) -> None:
+        """Abort a prefill still running (its early offer ended: pulled, refused, expired, or closed)."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if self._executing is not None and not self._executing.done():
+            self._freed_in_step.update(seq.block_table)
+        self.engine.finish(seq, FinishReason.ABORT)
+        self._blocks_freed()
 
     async def decode_from_remote_kv(self, request: Admission, n: int = 1, matcher: Callable[[], Any] | None = None,
                                     wait_secs: float = 30.0) -> Generation:  # fmt: skip
@@ -384,21 +453,23 @@ class AsyncLLMEngine:
         assert self.relay is not None and request.kv is not None, "decode_from_remote_kv needs a checked request"
         kv = request.kv
         transfer = await self.reserve(request, wait_secs)
+        reserved_at = time.monotonic()
         seq = transfer.seq
         seq.prompt_logprobs = list(request.prompt_logprobs)  # the prefill engine scored the prompt; forks copy them
         seq.grammar = matcher() if matcher is not None else None
         bs = seq.block_size
         needed = (seq.num_prompt_tokens + bs - 1) // bs
-        if len(kv.remote_block_ids) != needed:
+        if kv.blocks != needed:
             self.release(transfer)
             raise InvalidRequestError(
-                f"kv_transfer_params carry {len(kv.remote_block_ids)} blocks but this prompt needs {needed} "
+                f"kv_transfer_params carry {kv.blocks} blocks but this prompt needs {needed} "
                 "here: prefill and decode must run the same model and tokenizer"
             )
         have = seq.num_cached_tokens // bs  # leading blocks the local prefix cache already holds
         transfer.move(Phase.PULLING)
         try:
-            await self.relay.pull(kv, [SKIP if i < have else seq.block_table[i] for i in range(needed)], transfer.after)
+            sent = await self.relay.pull(kv, [SKIP if i < have else seq.block_table[i] for i in range(needed)],
+                                         transfer.after)  # fmt: skip
         except BaseException as exc:
             late = isinstance(exc, asyncio.CancelledError) or (isinstance(exc, KVTransferError)
                                                                 and exc.dst_may_be_written)  # fmt: skip
@@ -412,13 +483,15 @@ class AsyncLLMEngine:
         try:
             for i in range(1, n):
                 forks.append(self._fork_prefilled(seq, i, matcher() if matcher is not None else None))
-            first = self.commit(transfer, kv.first_token_id, request.first_logprob)
+            first_token = kv.first_token_id if kv.first_token_id is not None else sent
+            assert first_token is not None, "an early offer's pull returns its first token"
+            first = self.commit(transfer, first_token, request.first_logprob)
         except BaseException:
             for h in forks:
                 self.abort(h.seq_id)
             self.release(transfer)  # a no-op once committed: the sequence's own blocks went with it
             raise
-        return Generation(self, [first, *forks], pulled_at=pulled_at)
+        return Generation(self, [first, *forks], pulled_at=pulled_at, reserved_at=reserved_at)
 
     async def reserve(self, request: Admission, wait_secs: float = 30.0) -> Transfer:
         """Reserve blocks for a prompt whose KV comes from another engine.
@@ -494,6 +567,8 @@ class AsyncLLMEngine:
             transfer.grace.cancel()
         transfer.move(Phase.RELEASED)
         self._transfers.pop(transfer.seq.seq_id, None)
+        if self._early.pop(transfer.seq.seq_id, None) is not None:
+            self._stop_prefill(transfer.seq)  # an early offer that ended before its prefill did
         self.engine.release(transfer.seq)  # tells _blocks_freed
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, max_tokens_given: bool) -> RequestHandle:
@@ -597,6 +672,8 @@ class AsyncLLMEngine:
                 state = self._states.get(seq.seq_id)
                 if state is not None:
                     self._deliver(state)
+                elif seq.seq_id in self._early:
+                    self._advance_early(seq)
             phase = "event_flush"
             engine.flush_kv_events()
         except Exception as exc:
@@ -608,6 +685,7 @@ class AsyncLLMEngine:
             engine.fail(list(seqs))
             for seq in seqs:
                 self._fail(seq.seq_id, EngineFailedError(f"model step failed ({phase}): {exc}"))
+                self._end_early(seq.seq_id, f"model step failed ({phase}): {exc}")
         return True
 
     @property
@@ -633,6 +711,8 @@ class AsyncLLMEngine:
                      exc_info=(type(cause), cause, cause.__traceback__))  # fmt: skip
         for seq_id in list(self._states):
             self._fail(seq_id, self._dead)
+        for seq_id in list(self._early):
+            self._end_early(seq_id, str(self._dead))
         freed, self._freed = self._freed, asyncio.Event()
         freed.set()  # waiting reservations see the engine is dead
         for callback in self._death_callbacks:

@@ -136,6 +136,7 @@ class TransferStats:
     released: dict[str, int] = field(default_factory=dict)
     pulls_in_flight: int = 0  # gauges, refreshed by Disaggregation.snapshot
     pulls_waiting: int = 0
+    early_rounds: int = 0  # decode: rounds copied from early offers before their prefill ended (snapshot)
 
 
 class Disaggregation:
@@ -301,6 +302,8 @@ class Disaggregation:
         """The counters with the pull gauges as they are now (for /metrics)."""
         if self.consumer is not None:
             self.stats.pulls_in_flight, self.stats.pulls_waiting = self.consumer.in_flight, self.consumer.waiting
+        if self.peers is not None:
+            self.stats.early_rounds = self.peers.early_rounds
         return self.stats
 
     def info(self) -> dict[str, Any]:
@@ -335,24 +338,51 @@ class Disaggregation:
         self.stats.offered += 1
         return params.to_dict()
 
+    def offer_early(self, num_blocks: int, on_release: Callable[[], None]) -> dict[str, Any]:
+        """Offer the KV of a prefill still to run (``num_blocks`` blocks); returns its kv_transfer_params.
+
+        Follow with ``progress`` after its steps and ``conclude`` when it ends; ``on_release`` as for ``offer``."""
+        assert self.producer is not None, "offer_early on a relay that is not a kv_producer"
+
+        def released(reason: ReleaseReason) -> None:
+            self.stats.released[reason.value] = self.stats.released.get(reason.value, 0) + 1
+            on_release()
+
+        params = self.producer.offer_early(num_blocks, released)
+        self.stats.offered += 1
+        return params.to_dict()
+
+    def progress(self, transfer_id: str, block_ids: Sequence[int], ready: int) -> None:
+        """An early offer's prefill ran a step: ``ready`` leading blocks of ``block_ids`` are final."""
+        assert self.producer is not None
+        self.producer.progress(transfer_id, block_ids, ready)
+
+    def conclude(self, transfer_id: str, block_ids: Sequence[int] = (), first_token_id: int | None = None,
+                 error: str | None = None) -> None:  # fmt: skip
+        """An early offer's prefill ended, with its first token or an error."""
+        assert self.producer is not None
+        self.producer.conclude(transfer_id, block_ids, first_token_id, error)
+
     # -- decode side ---------------------------------------------------------------------------------
 
     def parse(self, raw: dict[str, Any]) -> KVTransferParams:
         return KVTransferParams.from_dict(raw)
 
     async def pull(self, params: KVTransferParams, dst_block_ids: Sequence[int],
-                   after: concurrent.futures.Future[Any] | None = None) -> None:  # fmt: skip
+                   after: concurrent.futures.Future[Any] | None = None) -> int | None:  # fmt: skip
         """Have the producer write ``params``' blocks into ``dst_block_ids`` (``SKIP``: held here already),
         nothing landing before ``after`` (the engine's step in flight when they were handed out) ended.
+        Returns the first token when the producer sent it with the KV (an early offer), else None.
 
         Raises KVTransferError (``dst_may_be_written`` says whether a late write may still land in the
         destination blocks), or CancelledError, in which case a late write may land too."""
         assert self.consumer is not None, "pull on a relay that is not a kv_consumer"
         started = time.monotonic()
         try:
-            await self.consumer.pull(params, dst_block_ids, after)
+            first = await self.consumer.pull(params, dst_block_ids, after)
         except KVTransferError as exc:
             self.stats.pull_failures[exc.reason] = self.stats.pull_failures.get(exc.reason, 0) + 1
             raise
         self.stats.pulled += 1
         self.stats.pull_seconds += time.monotonic() - started
+        return first

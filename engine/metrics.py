@@ -102,6 +102,20 @@ class ServerMetrics:
             registry=self.registry,
         )
 
+        self.pd_reserve = Histogram(
+            "atom:pd_decode_reserve_seconds",
+            "Decode side: from request arrival until blocks for the prompt's KV were reserved (waiting for room)",
+            buckets=buckets,
+            registry=self.registry,
+        )
+        self.pd_first_step = Histogram(
+            "atom:pd_decode_first_step_seconds",
+            "Decode side: from request arrival until its sequence was admitted to a step (its first decode step; "
+            "its first token went out before, when the KV landed)",
+            buckets=buckets,
+            registry=self.registry,
+        )
+
     def watch_transfers(self, stats: Callable[[], TransferStats]) -> None:
         """Export the KV relay's counters (read at scrape time)."""
         self.registry.register(TransferCollector(stats))
@@ -135,4 +149,9 @@ class TransferCollector(Collector):
         in_flight.add_metric([], float(s.pulls_in_flight))
         waiting = GaugeMetricFamily("atom:kv_transfer_pulls_waiting", "KV pulls waiting for a max_inflight_pulls place")
         waiting.add_metric([], float(s.pulls_waiting))
-        yield from (offered, pulled, seconds, failures, released, in_flight, waiting)
+        rounds = CounterMetricFamily(
+            "atom:kv_transfer_early_rounds",
+            "Decode side: rounds of KV blocks copied from early offers while their prefill still ran",
+        )
+        rounds.add_metric([], float(s.early_rounds))
+        yield from (offered, pulled, seconds, failures, released, in_flight, waiting, rounds)

@@ -45,6 +45,7 @@ from engine.protocol import (
 )
 from engine.responses import ChatExtras, Choice, Head, ResponsesBody, ResponseShape
 from engine.sequence import SamplingParams
+from engine.sequence import Sequence as EngineSequence
 from engine.structured import GrammarCompiler
 from engine.tools import ForcedParser, ToolParser, hermes_system_prompt, make_parser, tools_for_template
 from engine.tracing import EngineTracing
@@ -239,8 +240,15 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
         matcher = lambda: compiler.state_of(grammar)  # noqa: E731  (one matcher per sample)
     n = body.num_sequences
     generation = await engine.open(admission, n, matcher)  # raises before any byte is sent
+    if generation.early_params is not None:  # a prefill offered before it runs: the decode engine reads it
+        generation.on_prefilled(lambda seq: _prefilled(state.metrics, arrived, seq))
+        return _json({"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
+                      "model": state.served_model_name, "choices": [],
+                      "kv_transfer_params": generation.early_params})  # fmt: skip
     if generation.pulled_at is not None:
         state.metrics.kv_pull.observe(generation.pulled_at - arrived)
+    if generation.reserved_at is not None:
+        state.metrics.pd_reserve.observe(generation.reserved_at - arrived)
     request_id = shape.id if shape is not None else ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     tokenizer = engine.tokenizer
@@ -252,7 +260,7 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
             c.echo(ids)
         if body.prompt_logprobs is not None:
             c.want_prompt_logprobs(ids)
-    times = _Times(arrived)
+    times = _Times(arrived, remote_kv=generation.pulled_at is not None)
     try:
         outputs = _merged([_timed(engine.stream(h), state.metrics, times) for h in generation.handles])
         head = Head(request_id, created, state.served_model_name, chat is not None)
@@ -401,6 +409,8 @@ class _Times:
     arrived: float
     admitted: float | None = None  # first given blocks (None: its KV came from a prefill engine)
     first: float | None = None  # its first token went out
+    remote_kv: bool = False  # a decode from remote KV: its first token goes out before its first step
+    stepped: float | None = None  # ... and this is when it was admitted to that step
 
 
 def _trace(tracing: EngineTracing, request: web.Request, role: str | None, times: _Times, pulled: float | None,
@@ -433,6 +443,13 @@ def _trace(tracing: EngineTracing, request: web.Request, role: str | None, times
     )
 
 
+def _prefilled(metrics: ServerMetrics, arrived: float, seq: EngineSequence) -> None:
+    """An early offer's prefill produced its first token: its TTFT and queue time, as a streamed one's."""
+    metrics.ttft.observe(time.monotonic() - arrived)
+    if seq.admitted_at is not None:
+        metrics.queue.observe(max(seq.admitted_at - arrived, 0.0))
+
+
 async def _timed(outputs: AsyncIterator[RequestOutput], metrics: ServerMetrics,
                  times: _Times) -> AsyncIterator[RequestOutput]:  # fmt: skip
     first = True
@@ -446,6 +463,9 @@ async def _timed(outputs: AsyncIterator[RequestOutput], metrics: ServerMetrics,
             if out.admitted_at is not None:
                 metrics.queue.observe(max(out.admitted_at - times.arrived, 0.0))
             first = False
+        elif times.remote_kv and times.stepped is None and out.admitted_at is not None:
+            times.stepped = out.admitted_at
+            metrics.pd_first_step.observe(max(out.admitted_at - times.arrived, 0.0))
         if out.finished and out.error is None:
             metrics.e2e.observe(time.monotonic() - times.arrived)
         yield out

@@ -110,6 +110,8 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 return
             if len(seq) - seq.num_cached_tokens == 1:
+                if seq.admitted_at is None:  # admitted to a step (a P/D decode: its first step, for the TTFT split)
+                    seq.admitted_at = time.monotonic()
                 self.waiting.remove(seq)
                 seq.set_status(SequenceStatus.RUNNING)
                 self.running.append(seq)

@@ -137,7 +137,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0
         self.prefix_hit_tokens = 0  # prompt tokens served by the prefix cache at first admission
-        self.admitted_at: float | None = None  # time.monotonic() when the scheduler first gave it blocks
+        self.admitted_at: float | None = None  # time.monotonic() when the scheduler first gave it blocks or a step
         self.block_table: list[int] = []
         self.block_size = block_size
         # The prefix-cache hashes of its full blocks so far, in order, and those blocks' token ids (the

@@ -78,7 +78,12 @@ async def test_atom_decode_gets_what_prefill_returned(
     async with http.post(base_url(gw) + "/v1/completions", json={**COMPLETION, "stream": True}) as r:
         await r.read()
     sent = p.received[-1]["body"]
-    assert sent["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False, "decode_max_tokens": 3}
+    assert sent["kv_transfer_params"] == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "early_offer": True,
+        "decode_max_tokens": 3,
+    }
     assert (sent["max_tokens"], sent["stream"]) == (1, False)
     got = d.received[-1]["body"]
     assert got["stream"] is True and got["max_tokens"] == 3  # the client's own request

@@ -110,9 +110,70 @@ def test_one_gpu_runs_become_the_issue_rows_under_a_shape_name(tmp_path: Path) -
         prom(runs, "pd-1p1d-1024-256-c16", side, "before", 0, 0.0)
         prom(runs, "pd-1p1d-1024-256-c16", side, "after", 16, seconds)
     data, _ = report(runs, tmp_path, "--shape", "llama31-8b")
-    assert data["rows"] == [
+    keys = (
+        "shape",
+        "isl",
+        "osl",
+        "concurrency",
+        "mode",
+        "output_tok_s",
+        "ttft_p50_ms",
+        "tpot_p50_ms",
+        "kv_share_of_ttft",
+    )  # the issue's; P/D rows add where their TTFT goes
+    assert "ttft_split_ms" in data["rows"][1]
+    assert [{k: r[k] for k in keys} for r in data["rows"]] == [
         {"shape": "llama31-8b", "isl": 1024, "osl": 256, "concurrency": 16, "mode": "colocated", "output_tok_s": 5000,
          "ttft_p50_ms": 85.0, "tpot_p50_ms": 2.8, "kv_share_of_ttft": 0.0},
         {"shape": "llama31-8b", "isl": 1024, "osl": 256, "concurrency": 16, "mode": "pd", "output_tok_s": 4600,
          "ttft_p50_ms": 120.0, "tpot_p50_ms": 2.7, "kv_share_of_ttft": pytest.approx(1000 * 0.3 / 16 / 120.0)},
     ]  # fmt: skip
+
+
+def test_rest_of_ttft_split_per_row(tmp_path: Path) -> None:
+    """The decode engine's and the gateway's histograms, when scraped, split the TTFT's rest in each P/D row."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    tag = "pd-1p1d-1024-256-c64"
+    result(runs, tag, 8000.0, 6.0, 500.0, 1)
+    result(runs, "colocated-1024-256-c64", 10000.0, 5.5, 200.0, 1)
+    for when, k in (("before", 0), ("after", 1)):
+        prom(runs, tag, "prefill", when, 10 * k, 1.0 * k)
+        decode = ""
+        for name, secs in (
+            ("atom:kv_transfer_pull_seconds", 2.0),
+            ("atom:pd_decode_reserve_seconds", 0.5),
+            ("atom:time_to_first_token_seconds", 2.5),
+            ("atom:pd_decode_first_step_seconds", 3.0),
+        ):
+            decode += f'{name}_count{{model_name="m"}} {10 * k}\n{name}_sum{{model_name="m"}} {secs * k}\n'
+        (runs / f"{tag}.decode.{when}.prom").write_text(decode)
+        gateway = ""
+        for name, secs in (("mesh_pd_prefill_duration_seconds", 1.5), ("mesh_pd_handoff_seconds", 3.5)):
+            for model in ("a", "b"):  # summed over label sets
+                gateway += f'{name}_count{{runtime="atom",model="{model}"}} {5 * k}\n'
+                gateway += f'{name}_sum{{runtime="atom",model="{model}"}} {secs / 2 * k}\n'
+        (runs / f"{tag}.gateway.{when}.prom").write_text(gateway)
+    out = tmp_path / "r.json"
+    done = subprocess.run([sys.executable, "-m", "bench.engine.pd_report", str(runs), "--json", str(out),
+                           "--png", str(tmp_path / "r.png"), "--shape", "smollm2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    (row,) = [r for r in report["rows"] if r["mode"] == "pd"]
+    assert row["decode_since_arrival_ms"] == pytest.approx(
+        {"reserved": 50.0, "kv_landed": 200.0, "first_token": 250.0, "first_step": 300.0}
+    )
+    assert row["gateway_legs_ms"] == pytest.approx({"prefill_leg": 150.0, "handoff": 350.0})
+    assert {
+        "shape",
+        "isl",
+        "osl",
+        "concurrency",
+        "mode",
+        "output_tok_s",
+        "ttft_p50_ms",
+        "tpot_p50_ms",
+        "kv_share_of_ttft",
+    } <= row.keys()
+    assert "decode since arrival: reserved 50.0, kv_landed 200.0" in done.stdout

@@ -13,7 +13,9 @@ from atomesh.metrics import Metrics
 from atomesh.transport import ChunkHook, Upstream
 from atomesh.workers.worker import Worker
 
-PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
+# early_offer: an engine that can answers at once, before its prefill runs, so the decode leg (and its
+# KV reads) overlap the prefill (docs/pd.md); one that cannot, or will not, answers after it as before.
+PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "early_offer": True}
 
 
 def prefill_params(body: dict[str, Any]) -> dict[str, Any]:

@@ -5,6 +5,13 @@
 #   SHAPE=smollm2 ISLS=4096/512 bash bench/device/pd_one_gpu_rows.sh
 #   SHAPE=llama31-8b ISLS=1024/256 bash bench/device/pd_one_gpu_rows.sh
 #   SHAPE=llama31-8b ISLS=4096/512 bash bench/device/pd_one_gpu_rows.sh
+# EARLY_AB=1 (issue #30, transfer overlapping prefill): P/D twice in the same call, early offers off (pd-1p1d)
+# and on (pd-1p1d-early); PREFILL_ARGS="--max-num-batched-tokens 1024" makes the prefill engine chunk the prompts
+# the decode engine then reads chunk by chunk. Within a call's 10 minutes at 1024/256: CONCS="1 16 64".
+#   OVERLAP_TESTS=1 EARLY_AB=1 CONCS="1 16 64" SHAPE=smollm2 ISLS=1024/256 bash bench/device/pd_one_gpu_rows.sh
+# (OVERLAP_TESTS=1: first tests/test_pd_overlap.py on CUDA, into $OUT/cuda-tests-pd-overlap.txt)
+#   EARLY_AB=1 CONCS="1 16 64" PREFILL_ARGS="--max-num-batched-tokens 1024" SHAPE=smollm2 ISLS=4096/512 \
+#     bash bench/device/pd_one_gpu_rows.sh
 # Writes $OUT/runs (the passes and the engines' /metrics), $OUT/pd-one-gpu-SHAPE-ISL.json (the issue's rows under
 # "rows", `python -m bench.engine.pd_report --shape`) and its chart. Merge the rows of the calls into docs/results/pd-one-gpu.json.
 # Carries .whl, .gpu (model_shapes.py, smollm2) and the CUDA Mooncake bundle, as pd_ipc_round.sh.
@@ -25,11 +32,16 @@ case "$SHAPE" in
     export PASS_S=${PASS_S:-120} ;;
   *) echo "SHAPE must be smollm2 or llama31-8b, not $SHAPE" >&2; exit 2 ;;
 esac
+if [ -n "${OVERLAP_TESTS:-}" ]; then  # the CUDA tests of early offers first (P/D == colocated, aborts leak nothing)
+  (set +eu; source bench/device/setup.sh; source bench/device/mooncake_cuda.sh \
+    && ENGINE_TEST_DEVICE=cuda ENGINE_TEST_DTYPE=bfloat16 timeout "${TESTS_S:-150}" python3 -m pytest -q \
+      -p no:cacheprovider -x tests/test_pd_overlap.py 2>&1 | tee "${OUT:-/tmp/out}/cuda-tests-pd-overlap.txt" | tail -4) || true
+fi
 bash bench/device/pd_serving.sh 2>&1 | grep -v "^I1\|^W1" | tail -24 || true
 OUT=${OUT:-/tmp/out}
 tag="$SHAPE-${ISLS//\//-}"; tag=${tag// /_}
 name=$([ "$SHAPE" = smollm2 ] && echo smollm2-135m || echo "$SHAPE")
 python3 -m bench.engine.pd_report "$OUT/runs" --shape "$name" --json "$OUT/pd-one-gpu-$tag.json" --png "$OUT/pd-one-gpu-$tag.png" \
   --title "$name, bf16, one H200: colocated vs 1P1D (KV over ipc)" \
-  --meta "{\"device\": \"$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || echo cpu)\", \"date\": \"$(date -u +%F)\", \"command\": \"SHAPE=$SHAPE ISLS=$ISLS bash bench/device/pd_one_gpu_rows.sh\"}" \
+  --meta "{\"device\": \"$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || echo cpu)\", \"date\": \"$(date -u +%F)\", \"command\": \"${EARLY_AB:+EARLY_AB=1 }${PREFILL_ARGS:+PREFILL_ARGS='$PREFILL_ARGS' }CONCS='$CONCS' SHAPE=$SHAPE ISLS=$ISLS bash bench/device/pd_one_gpu_rows.sh\"}" \
   || echo "pd_report failed here (matplotlib?): run it on the runs folder locally with --shape $name"

@@ -34,18 +34,20 @@ engine() {  # NAME PORT EXTRA...
   PIDS+=($!)
 }
 stop_all() { kill "${PIDS[@]}" 2>/dev/null || true; wait "${PIDS[@]}" 2>/dev/null || true; PIDS=(); }
-sweep() {  # SETUP URL [DECODE_METRICS_URL PREFILL_METRICS_URL]
+sweep() {  # SETUP URL [DECODE_METRICS_URL PREFILL_METRICS_URL [GATEWAY_METRICS_URL]]
   for isl_osl in $ISLS; do
     local isl=${isl_osl%/*} osl=${isl_osl#*/}
     for c in $CONCS; do
       local tag="$1-$isl-$osl-c$c"
       SEED=$((SEED + 1))
       if [ -n "${3:-}" ]; then curl -s "$3" >"$R/$tag.decode.before.prom"; curl -s "$4" >"$R/$tag.prefill.before.prom"; fi
+      if [ -n "${5:-}" ]; then curl -s "$5" >"$R/$tag.gateway.before.prom"; fi
       timeout "${PASS_S:-60}" python3 -m bench.gateway.serving --base-url "$2" --model m --random-input-len "$isl" \
         --random-output-len "$osl" --ignore-eos --num-prompts 4 --prompts-per-concurrency 2 --sweep-concurrency "$c" \
         --seed "$SEED" --save-result "$R/$tag.json" 2>&1 | grep -E "Output token throughput|Tokens/s per user|Median TTFT" \
         | sed "s/^/$tag: /" || echo "$tag: failed"
       if [ -n "${3:-}" ]; then curl -s "$3" >"$R/$tag.decode.after.prom"; curl -s "$4" >"$R/$tag.prefill.after.prom"; fi
+      if [ -n "${5:-}" ]; then curl -s "$5" >"$R/$tag.gateway.after.prom"; fi
     done
   done
 }
@@ -61,14 +63,28 @@ sweep colocated http://127.0.0.1:8010
 stop_all
 # (c): 1P1D through atomesh.
 # KVX: more --kv-transfer-config keys for both engines, e.g. KVX='"memory_backend":"direct","max_inflight_pulls":64'
-engine prefill 8011 --kv-transfer-config "{\"kv_role\":\"kv_producer\",\"kv_connector\":\"mooncake\",\"handshake_port\":6301${KVX:+,$KVX}}"
-engine decode 8012 --kv-transfer-config "{\"kv_role\":\"kv_consumer\",\"kv_connector\":\"mooncake\",\"handshake_port\":6302${KVX:+,$KVX}}"
-wait_http http://127.0.0.1:8011/health 240 && wait_http http://127.0.0.1:8012/health 240
-python3 -m atomesh launch --pd-disaggregation --backend atom --prefill http://127.0.0.1:8011 none \
-  --decode http://127.0.0.1:8012 --host 127.0.0.1 --port 30001 --prometheus-port 29001 >"$R/gateway-pd.log" 2>&1 &
-PIDS+=($!)
-wait_http http://127.0.0.1:30001/readiness 60
-sweep pd-1p1d http://127.0.0.1:30001 http://127.0.0.1:8012/metrics http://127.0.0.1:8011/metrics
-grep -h -iE "memory backend|staged|error" "$R"/prefill.log "$R"/decode.log | head -8 || true
-stop_all
+# PREFILL_ARGS: more flags for the prefill engine only (e.g. --max-num-batched-tokens 1024: prompts prefilled in
+# chunks, which the decode engine reads as they become final). EARLY_AB=1 sweeps P/D twice: pd-1p1d with
+# early_offer off (the prefill leg answered after its prefill) and pd-1p1d-early with it on (the default).
+pd_pair() {  # SETUP EXTRA_KV
+  local kv="${KVX:+,$KVX}$2"
+  engine "$1-prefill" 8011 ${PREFILL_ARGS:-} \
+    --kv-transfer-config "{\"kv_role\":\"kv_producer\",\"kv_connector\":\"mooncake\",\"handshake_port\":6301$kv}"
+  engine "$1-decode" 8012 --kv-transfer-config "{\"kv_role\":\"kv_consumer\",\"kv_connector\":\"mooncake\",\"handshake_port\":6302$kv}"
+  wait_http http://127.0.0.1:8011/health 240 && wait_http http://127.0.0.1:8012/health 240
+  python3 -m atomesh launch --pd-disaggregation --backend atom --prefill http://127.0.0.1:8011 none \
+    --decode http://127.0.0.1:8012 --host 127.0.0.1 --port 30001 --prometheus-port 29001 >"$R/gateway-$1.log" 2>&1 &
+  PIDS+=($!)
+  wait_http http://127.0.0.1:30001/readiness 60
+  sweep "$1" http://127.0.0.1:30001 http://127.0.0.1:8012/metrics http://127.0.0.1:8011/metrics \
+    http://127.0.0.1:29001/metrics
+  grep -h -iE "memory backend|staged|error" "$R/$1-prefill.log" "$R/$1-decode.log" | head -8 || true
+  stop_all
+}
+if [ -n "${EARLY_AB:-}" ]; then
+  pd_pair pd-1p1d ',"early_offer":false'
+  pd_pair pd-1p1d-early ''
+else
+  pd_pair pd-1p1d ''
+fi
 [ -n "${NO_TAR:-}" ] || (cd "$OUT" && tar czf /tmp/results.tgz . && rm -rf ./* && mv /tmp/results.tgz .)

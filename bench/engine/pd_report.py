@@ -6,8 +6,10 @@
 RUNS_DIR holds ``SETUP-ISL-OSL-cN.json`` (``python -m bench.gateway.serving`` results) and, for P/D, the engines'
 ``/metrics`` before and after each pass, from which the mean TTFT is split into the prefill engine's part
 (its own TTFT: queue and prefill apart where it exports ``atom:request_queue_time_seconds``), the KV pull
-(the decode engine's pull time: waiting for a staging slot and the transfer) and the rest (the decode
-leg's first step, the relay through the gateway, HTTP).
+(the decode engine's pull time: waiting for a staging slot and the transfer; for ``pd-1p1d-early``, early
+offers, only the part past the prefill engine's TTFT) and the rest (the decode leg's first step, the relay
+through the gateway, HTTP). Where the engines and the gateway export them, P/D points also list the decode
+engine's stages since the decode leg's arrival and the gateway's two legs (``_rest_split``).
 Output tok/s per GPU is the pass's output tok/s over the GPUs behind the server (``num_workers``).
 
 ``bench/device/pd_serving.sh`` (one GPU) names set-ups ``colocated``, ``colocated-atomesh``, ``pd-1p1d``;
@@ -28,7 +30,8 @@ from typing import Any
 NAME = re.compile(r"^(?P<setup>.+)-(?P<isl>\d+)-(?P<osl>\d+)-c(?P<c>\d+)\.json$")
 ATTENTION = re.compile(r"^(?P<setup>.+)-(?P<attention>dense|sparse)$")
 LABELS = {"colocated": "1 engine (colocated), straight", "colocated-atomesh": "1 engine behind atomesh",
-          "pd-1p1d": "1 prefill + 1 decode (P/D) behind atomesh"}  # fmt: skip
+          "pd-1p1d": "1 prefill + 1 decode (P/D) behind atomesh",
+          "pd-1p1d-early": "P/D, early offers (transfer overlapping prefill)"}  # fmt: skip
 LABELS_TWO = {"pd-1p1d": "1P1D (prefill GPU 0, decode GPU 1)",
               "colocated-cache_aware": "2 colocated, cache_aware",
               "colocated-round_robin": "2 colocated, round_robin"}  # fmt: skip
@@ -76,6 +79,11 @@ def collect(runs: Path) -> list[dict[str, Any]]:
             pulls = _delta(runs, tag, "decode", "atom:kv_transfer_pull_seconds_count")
             prefill = 1000 * _delta(runs, tag, "prefill", "atom:time_to_first_token_seconds_sum") / max(n, 1)
             pull = 1000 * _delta(runs, tag, "decode", "atom:kv_transfer_pull_seconds_sum") / max(pulls, 1)
+            if row["setup"].endswith("-early"):
+                # Early offers: the decode engine's pull starts as the prefill is queued, so only what it takes
+                # past the prefill engine's own TTFT adds to the client's (the rest of it overlapped the prefill).
+                row["kv_pull_since_decode_arrival_ms"] = pull
+                pull = max(pull - prefill, 0.0)
             row["ttft_split_ms"] = {"prefill_engine": prefill, "kv_pull": pull,
                                     "rest": max(row["ttft_ms_mean"] - prefill - pull, 0.0)}  # fmt: skip
             # Engines that export the queue time split the prefill engine's part into queue and prefill.
@@ -83,19 +91,59 @@ def collect(runs: Path) -> list[dict[str, Any]]:
                 queue = 1000 * _delta(runs, tag, "prefill", "atom:request_queue_time_seconds_sum") / queued
                 row["ttft_split_ms"].update(queue=queue, prefill=max(prefill - queue, 0.0))
             row["kv_pull_share_of_ttft"] = pull / row["ttft_ms_mean"] if row["ttft_ms_mean"] else 0.0
+            row.update(_rest_split(runs, tag))
         rows.append(row)
     return rows
 
 
-MODES = {"colocated": "colocated", "pd-1p1d": "pd"}  # the set-ups the issue's rows compare
+def _mean_ms(runs: Path, tag: str, side: str, name: str) -> float | None:
+    """The mean of histogram ``name`` over a pass, in ms (None when the side or the metric is missing)."""
+    if not (runs / f"{tag}.{side}.after.prom").exists():
+        return None
+    n = _delta(runs, tag, side, name + "_count")
+    return 1000 * _delta(runs, tag, side, name + "_sum") / n if n else None
+
+
+def _rest_split(runs: Path, tag: str) -> dict[str, Any]:
+    """What the TTFT's "rest" is made of, as far as the engines and the gateway export it (means, ms):
+    on the decode engine, from a request's arrival until its blocks were reserved, its KV landed, its first
+    token went out and it was admitted to its first step; on the gateway, the prefill leg (sent to answered)
+    and the hand-off (prefill answered to the decode leg's response head)."""
+    decode = {
+        key: _mean_ms(runs, tag, "decode", name)
+        for key, name in (
+            ("reserved", "atom:pd_decode_reserve_seconds"),
+            ("kv_landed", "atom:kv_transfer_pull_seconds"),
+            ("first_token", "atom:time_to_first_token_seconds"),
+            ("first_step", "atom:pd_decode_first_step_seconds"),
+        )
+    }
+    gateway = {
+        key: _mean_ms(runs, tag, "gateway", name)
+        for key, name in (("prefill_leg", "mesh_pd_prefill_duration_seconds"), ("handoff", "mesh_pd_handoff_seconds"))
+    }
+    out: dict[str, Any] = {}
+    if any(v is not None for v in decode.values()):
+        out["decode_since_arrival_ms"] = {k: v for k, v in decode.items() if v is not None}
+    if any(v is not None for v in gateway.values()):
+        out["gateway_legs_ms"] = {k: v for k, v in gateway.items() if v is not None}
+    return out
+
+
+# The set-ups the issue's rows compare. pd-1p1d-early (EARLY_AB=1 in bench/device/pd_serving.sh): its decode
+# engine's "KV pull" runs from the decode leg's arrival, before the prefill ends, so it overlaps the prefill.
+MODES = {"colocated": "colocated", "pd-1p1d": "pd", "pd-1p1d-early": "pd"}
 
 
 def issue_rows(points: list[dict[str, Any]], shape: str) -> list[dict[str, Any]]:
     """The one-GPU points as ``docs/results/pd-one-gpu.json`` lists them: ``{shape, isl, osl, concurrency, mode,
     output_tok_s, ttft_p50_ms, tpot_p50_ms, kv_share_of_ttft}``, colocated (straight) and P/D."""
+    # P/D rows: where the TTFT goes
+    extra = ("ttft_split_ms", "decode_since_arrival_ms", "gateway_legs_ms", "kv_pull_since_decode_arrival_ms")
     return [{"shape": shape, "isl": p["isl"], "osl": p["osl"], "concurrency": p["concurrency"],
              "mode": MODES[p["setup"]], "output_tok_s": p["output_tok_s_per_gpu"], "ttft_p50_ms": p["ttft_ms_p50"],
-             "tpot_p50_ms": p["tpot_ms_p50"], "kv_share_of_ttft": p.get("kv_pull_share_of_ttft", 0.0)}
+             "tpot_p50_ms": p["tpot_ms_p50"], "kv_share_of_ttft": p.get("kv_pull_share_of_ttft", 0.0),
+             "setup": p["setup"], **{k: p[k] for k in extra if k in p}}
             for p in points if p["setup"] in MODES and "attention" not in p]  # fmt: skip
 
 
@@ -237,6 +285,9 @@ def main() -> None:
             head = (f"queue {split['queue']:.1f} + prefill {split['prefill']:.1f}" if "queue" in split
                     else f"prefill {split['prefill_engine']:.1f}")  # fmt: skip
             extra = f"  split: {head} + kv pull {split['kv_pull']:.1f} + rest {split['rest']:.1f} ms"
+        for key, label in (("decode_since_arrival_ms", "decode since arrival"), ("gateway_legs_ms", "gateway")):
+            if parts := r.get(key):
+                extra += f"; {label}: " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()) + " ms"
         setup = r["setup"] + (f"-{r['attention']}" if "attention" in r else "")
         print(
             f"{setup:>28} {r['isl']:>5}/{r['osl']:<4} c{r['concurrency']:<3} "

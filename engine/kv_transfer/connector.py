@@ -33,6 +33,12 @@ them), the consumer copies them itself and says ``ipc_done`` without waiting for
 release reasons and refusals are the push handshake's. The desk is a thread with its own event loop,
 so a pull never waits for the prefill engine's loop (busy with its steps and streams); only the
 release of the blocks goes back to that loop.
+
+An *early offer* (``offer_early``) is made before its prefill runs: the engine then tells the producer
+after each step which blocks are final (``progress``) and at the end the first token or the failure
+(``conclude``). An ipc read of it is a series of rounds from the desk (``ipc_ready``), each naming the
+blocks that became final, the last one carrying the first token; a Mooncake pull of it waits for the
+end and is written whole, ``write_done`` carrying the first token. ``pull`` returns that token.
 """
 
 from __future__ import annotations
@@ -113,6 +119,14 @@ class PendingTransfer:
     on_release: Callable[[ReleaseReason], None]
     timer: asyncio.TimerHandle | None = None
     state: TransferState = field(default=TransferState.PENDING)
+    # An early offer (``offer_early``): its prefill runs while the consumer reads. ``block_ids`` are known
+    # once it was admitted, ``ready`` leading ones are final, and ``final`` is set when it ends:
+    # {"first_token_id": ...} or {"error": ...}. Every change wakes ``watchers`` (thread-safe callables).
+    early: bool = False
+    num_blocks: int = 0
+    ready: int = 0
+    final: dict[str, Any] | None = None
+    watchers: list[Callable[[], None]] = field(default_factory=list)
 
 
 class _Channel:
@@ -180,7 +194,8 @@ class KVProducer:
         self._read_timeout = request_read_timeout_s
         self._dp_rank = dp_rank
         self._pending: dict[str, PendingTransfer] = {}
-        self._consumed: OrderedDict[str, None] = OrderedDict()  # recent ids, for a clear refusal
+        # Recent ids (and why an early offer's prefill failed), for a clear refusal.
+        self._consumed: OrderedDict[str, str] = OrderedDict()
         self._verified: OrderedDict[tuple[str, int, int], None] = OrderedDict()  # (peer, span) written once
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task[None]] = set()
@@ -265,6 +280,74 @@ class KVProducer:
             dp_rank=self._dp_rank,
         )
 
+    def offer_early(self, num_blocks: int, on_release: Callable[[ReleaseReason], None]) -> KVTransferParams:
+        """Offer the KV of a prefill that has not run yet (``num_blocks`` blocks); returns its params.
+
+        The engine then tells its progress (``progress``) and its end (``conclude``); a consumer reading
+        over ipc copies each block once it is final, one pulling through Mooncake is written to once the
+        prefill ended. ``on_release`` as for ``offer`` (the engine stops a prefill still running then).
+        """
+        if self._server is None:
+            raise KVTransferError("the KV producer is not running", reason="closed")
+        if len(self._pending) >= self.max_pending:
+            raise KVTransferBusyError(f"{len(self._pending)} KV transfers already pending", reason="busy")
+        tid = uuid.uuid4().hex
+        pending = PendingTransfer(tid, (), on_release, early=True, num_blocks=int(num_blocks))
+        pending.timer = asyncio.get_running_loop().call_later(self.timeout_s, self._expire, tid)
+        with self._lock:
+            self._pending[tid] = pending
+        rpc_port = int(self._agent.rpc_address.rsplit(":", 1)[1])
+        return KVTransferParams(
+            remote_block_ids=(),
+            remote_engine_id=self._agent.rpc_address,
+            remote_host=self._host,
+            remote_port=rpc_port,
+            remote_handshake_port=self._port,
+            transfer_id=tid,
+            first_token_id=None,
+            tp_size=self.tp_size,
+            dp_rank=self._dp_rank,
+            early=True,
+            num_blocks=int(num_blocks),
+        )
+
+    def progress(self, tid: str, block_ids: Sequence[int], ready: int) -> None:
+        """An early offer's prefill ran a step: its blocks, of which the first ``ready`` are final."""
+        self._advance(tid, tuple(int(b) for b in block_ids), ready, None)
+
+    def conclude(self, tid: str, block_ids: Sequence[int] = (), first_token_id: int | None = None,
+                 error: str | None = None) -> None:  # fmt: skip
+        """An early offer's prefill ended: with its first token (every block final), or with ``error``.
+
+        A failed one that no consumer claimed yet ends now (its blocks go back); a claimed one ends when
+        its consumer heard of the failure."""
+        final: dict[str, Any] = {"error": error} if error is not None else {"first_token_id": int(first_token_id or 0)}
+        ids = tuple(int(b) for b in block_ids) if error is None else None
+        pending = self._advance(tid, ids, len(ids) if ids is not None else None, final)
+        if pending is not None and error is not None:
+            with self._lock:
+                unclaimed = pending.state is TransferState.PENDING
+                if unclaimed:
+                    pending.state = transition(pending.state, TransferState.WRITING)
+            if unclaimed:
+                self._finish(pending, ReleaseReason.WRITE_FAILED, why=f"its prefill failed: {error}")
+
+    def _advance(self, tid: str, block_ids: tuple[int, ...] | None, ready: int | None,
+                 final: dict[str, Any] | None) -> PendingTransfer | None:  # fmt: skip
+        with self._lock:
+            pending = self._pending.get(tid)
+            if pending is None or pending.final is not None:
+                return None
+            if block_ids is not None:
+                pending.block_ids = block_ids
+            if ready is not None:
+                pending.ready = max(pending.ready, ready)
+            pending.final = final
+            watchers = list(pending.watchers)
+        for wake in watchers:
+            wake()
+        return pending
+
     async def close(self) -> None:
         """Stop serving, cancel requests in flight, and release every pending transfer (CLOSED)."""
         server, self._server = self._server, None  # offer() refuses from now on
@@ -299,7 +382,7 @@ class KVProducer:
             pending.state = transition(pending.state, TransferState.WRITING)
             return True
 
-    def _finish(self, pending: PendingTransfer, reason: ReleaseReason, nbytes: int = 0) -> None:
+    def _finish(self, pending: PendingTransfer, reason: ReleaseReason, nbytes: int = 0, why: str = "") -> None:
         """End a transfer (on the engine's loop): its blocks go back through ``on_release``; a no-op once ended
         (close() may have ended it while the read desk's last word was on its way)."""
         with self._lock:
@@ -307,7 +390,7 @@ class KVProducer:
                 return
             pending.state = transition(pending.state, TransferState.DONE)
             del self._pending[pending.transfer_id]
-            self._consumed[pending.transfer_id] = None
+            self._consumed[pending.transfer_id] = why
             while len(self._consumed) > 4 * self.max_pending:
                 self._consumed.popitem(last=False)
         if pending.timer is not None:
@@ -375,6 +458,14 @@ class KVProducer:
             return _refuse(tid, RefusalCode.BACKEND_MISMATCH,
                            f"this producer's KV memory backend is {self.backend}, the consumer's is {theirs}: "
                            "give both engines the same memory_backend")  # fmt: skip
+        first_token: dict[str, Any] = {}
+        if pending.early:  # written whole, once its prefill ended (chunk by chunk only over ipc: docs/pd.md)
+            final = await self._until_final(pending)
+            if final is None or "error" in final:
+                why = "its prefill did not end in time" if final is None else f"its prefill failed: {final['error']}"
+                self._finish(pending, ReleaseReason.WRITE_FAILED)
+                return _refuse(tid, RefusalCode.PREFILL_FAILED, f"transfer {tid}: {why}")
+            first_token = {"first_token_id": final["first_token_id"]}
         try:
             src, dst = self._check_blocks(pending, dst_regions, dst_ids, self._finish)
         except _Refusal as refusal:
@@ -398,7 +489,32 @@ class KVProducer:
             raise
         self._finish(pending, ReleaseReason.WRITTEN, nbytes)
         return MessageType.WRITE_DONE, {"transfer_id": tid, "nonce": nonce, "status": "ok", "message": "",
-                                        "bytes": nbytes}  # fmt: skip
+                                        "bytes": nbytes, **first_token}  # fmt: skip
+
+    async def _until_final(self, pending: PendingTransfer) -> dict[str, Any] | None:
+        """An early offer's end (waiting for its prefill, at most ``timeout_s``); None when it did not come."""
+        moved = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(moved.set)
+
+        with self._lock:
+            pending.watchers.append(wake)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                while True:
+                    with self._lock:
+                        moved.clear()
+                        final = pending.final
+                    if final is not None:
+                        return final
+                    await moved.wait()
+        except TimeoutError:
+            return None
+        finally:
+            with self._lock:
+                pending.watchers.remove(wake)
 
     def _take(self, tid: object) -> PendingTransfer:
         """Claim the transfer a request names (thread-safe); raises _Refusal when it is unknown or taken."""
@@ -406,6 +522,9 @@ class KVProducer:
             pending = self._pending.get(tid) if isinstance(tid, str) else None
             consumed = isinstance(tid, str) and tid in self._consumed
         if pending is None:
+            why = self._consumed.get(tid, "") if consumed and isinstance(tid, str) else ""
+            if why:
+                raise _Refusal(tid, RefusalCode.PREFILL_FAILED, f"transfer {tid}: {why}")
             if consumed:
                 raise _Refusal(tid, RefusalCode.TRANSFER_CONSUMED, f"transfer {tid} was already consumed or expired")
             raise _Refusal(tid, RefusalCode.UNKNOWN_TRANSFER, f"unknown transfer {tid}")
@@ -451,12 +570,18 @@ class KVProducer:
                 await wire.send(writer, refusal.reply[0], **refusal.reply[1])
             return
         reason, nbytes_done = ReleaseReason.WRITE_FAILED, 0
+        answer: asyncio.Future[dict[str, Any]] | None = None
         try:
-            await wire.send(writer, MessageType.IPC_READ, transfer_id=pending.transfer_id, nonce=msg["nonce"])
+            early = {"early": True} if pending.early else {}  # an early offer's rounds follow
+            await wire.send(writer, MessageType.IPC_READ, transfer_id=pending.transfer_id, nonce=msg["nonce"], **early)
             async with asyncio.timeout(self.timeout_s):
-                done = await wire.recv(reader)
+                answer = asyncio.ensure_future(wire.recv(reader))  # the consumer's last word (or its hang-up)
+                if pending.early:
+                    await self._feed(pending, writer, answer)
+                    nbytes = len(pending.block_ids) * sum(r.unit_bytes for r in self._regions)
+                done = await answer
             if (done.get("type") == MessageType.IPC_DONE and done.get("transfer_id") == pending.transfer_id
-                    and done.get("status") == "ok"):  # fmt: skip
+                    and done.get("status") == "ok" and (pending.final or {}).get("error") is None):  # fmt: skip
                 reason, nbytes_done = ReleaseReason.WRITTEN, nbytes
             else:
                 log.warning("kv_transfer_write_failed transfer_id=%s reply=%.200r", pending.transfer_id, done)
@@ -464,7 +589,46 @@ class KVProducer:
             log.warning("kv_transfer_write_failed transfer_id=%s error=%r: the consumer hung up before it copied",
                         pending.transfer_id, exc)  # fmt: skip
         finally:
+            if answer is not None and not answer.done():
+                answer.cancel()
+            elif answer is not None and not answer.cancelled():
+                answer.exception()  # retrieved: a hang-up before the end was handled above
             self._release_from_desk(pending, reason, nbytes_done)
+
+    async def _feed(self, pending: PendingTransfer, writer: asyncio.StreamWriter,
+                    answer: asyncio.Future[dict[str, Any]]) -> None:  # fmt: skip
+        """An early offer's rounds: each time more of its blocks are final, say which (``ipc_ready``); the last
+        round carries the prefill's end. Returns after it; raises ConnectionError when the consumer hung up
+        (or spoke) before (the caller releases the transfer, and the engine stops its prefill)."""
+        moved = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(moved.set)
+
+        with self._lock:
+            pending.watchers.append(wake)
+        sent = 0
+        try:
+            while True:
+                with self._lock:
+                    moved.clear()
+                    ids, ready, final = pending.block_ids, pending.ready, pending.final
+                if final is not None or ready > sent:
+                    upto = sent if final is not None and "error" in final else len(ids) if final is not None else ready
+                    await wire.send(writer, MessageType.IPC_READY, transfer_id=pending.transfer_id, start=sent,
+                                    block_ids=list(ids[sent:upto]), final=final)  # fmt: skip
+                    sent = upto
+                    if final is not None:
+                        return
+                waiter: asyncio.Future[Any] = asyncio.ensure_future(moved.wait())
+                await asyncio.wait([waiter, answer], return_when=asyncio.FIRST_COMPLETED)
+                if answer.done():
+                    waiter.cancel()
+                    raise ConnectionResetError("the consumer hung up (or gave up) while the prefill ran")
+        finally:
+            with self._lock:
+                pending.watchers.remove(wake)
 
     def _claim_read(self, msg: dict[str, Any]) -> tuple[PendingTransfer, int]:
         """The transfer an ipc read request names, claimed, and its size; raises _Refusal."""
@@ -489,6 +653,13 @@ class KVProducer:
                 tid, RefusalCode.IPC_STALE, f"ipc pool {ipc_pool} is not this producer's: map its pools again"
             )
         pending = self._take(tid)
+        if pending.early:  # its blocks are paired round by round, as they become final
+            why = check_compatible(self._regions, dst_regions)
+            if why or len(dst_ids) != pending.num_blocks:
+                self._release_from_desk(pending, ReleaseReason.REFUSED)
+                code = RefusalCode.REGION_MISMATCH if why else RefusalCode.BLOCK_MISMATCH
+                raise _Refusal(tid, code, why or f"{len(dst_ids)} destination blocks for {pending.num_blocks}")
+            return pending, 0
         src, _ = self._check_blocks(pending, dst_regions, dst_ids, self._release_from_desk)
         return pending, len(src) * sum(r.unit_bytes for r in self._regions)
 
@@ -710,8 +881,10 @@ class KVConsumer:
         return "direct" if self._staging is None else "staged"
 
     async def pull(self, params: KVTransferParams | Mapping[str, Any], dst_block_ids: Sequence[int],
-                   after: concurrent.futures.Future[Any] | None = None) -> None:  # fmt: skip
+                   after: concurrent.futures.Future[Any] | None = None) -> int | None:  # fmt: skip
         """Return once the producer wrote ``params.remote_block_ids`` into ``dst_block_ids`` (same order).
+
+        Returns the first token the producer sent with the KV (an early offer's, whose params had none), else None.
 
         A destination id of ``layout.SKIP`` (-1) skips that block (decode already holds it). At most
         ``max_inflight`` pulls run at once; the others wait, and the wait counts against ``timeout_s``.
@@ -730,13 +903,15 @@ class KVConsumer:
                 "decode rank takes its KV heads from the prefill rank of the same index)",
                 reason="tp_mismatch",
             )
-        if len(dst_block_ids) != len(p.remote_block_ids):
+        if len(dst_block_ids) != p.blocks:
             raise KVTransferError(
-                f"{len(dst_block_ids)} destination blocks for {len(p.remote_block_ids)} remote blocks",
-                reason="block_mismatch",
+                f"{len(dst_block_ids)} destination blocks for {p.blocks} remote blocks", reason="block_mismatch"
             )
-        if self._ipc is not None and await self._pull_ipc(p, dst_block_ids, after):
-            return
+        if self._ipc is not None:
+            final = await self._pull_ipc(p, dst_block_ids, after)
+            if final is not None:
+                token = final.get("first_token_id")
+                return token if isinstance(token, int) and p.early else None
         if after is not None:
             settled = asyncio.wrap_future(after)
             await asyncio.wait([settled])
@@ -792,10 +967,18 @@ class KVConsumer:
             if self._staging is not None and slots:
                 self._staging.pool.release(slots, self.slot_grace_s if sent and late_writes else 0.0)
         _check_reply(reply, p.transfer_id, nonce, where, dst_may_be_written=not staged)
+        if not p.early:
+            return None
+        token = reply.get("first_token_id")
+        if not isinstance(token, int):
+            raise KVTransferError(f"KV producer {where} ended early offer {p.transfer_id} without its first token",
+                                  reason="bad_reply")  # fmt: skip
+        return token
 
     async def _pull_ipc(self, p: KVTransferParams, dst_block_ids: Sequence[int],
-                        after: concurrent.futures.Future[Any] | None) -> bool:  # fmt: skip
-        """Pull by copying from the producer's mapped pools; False when this producer needs Mooncake.
+                        after: concurrent.futures.Future[Any] | None) -> dict[str, Any] | None:  # fmt: skip
+        """Pull by copying from the producer's mapped pools; returns the producer's last word (an early
+        offer's carries its first token), or None when this producer needs Mooncake.
 
         The copy has finished whenever this returns or raises (a cancelled pull waits for it), so a
         failure never leaves a late write in ``dst_block_ids``.
@@ -803,7 +986,8 @@ class KVConsumer:
         ipc = self._ipc
         assert ipc is not None
         where = f"{p.remote_host}:{p.remote_handshake_port}"
-        pairs = [(s, int(d)) for s, d in zip(p.remote_block_ids, dst_block_ids, strict=True) if d != SKIP]
+        pairs = [] if p.early else [(s, int(d)) for s, d in zip(p.remote_block_ids, dst_block_ids, strict=True)
+                                    if d != SKIP]  # fmt: skip
         for attempt in range(2):  # a second time only when the producer restarted under the same address
             nonce = secrets.token_hex(16)
             deadline = time.monotonic() + self.timeout_s
@@ -811,14 +995,18 @@ class KVConsumer:
                 async with asyncio.timeout(self.timeout_s):
                     pools = await ipc.pools_for(p.remote_host, p.remote_handshake_port)
                     if pools is None:
-                        return False
+                        return None
                     request = {"transfer_id": p.transfer_id, "rpc": self._agent.rpc_address,
                                "block_ids": [int(b) for b in dst_block_ids],
                                "regions": [r.to_wire() for r in self._regions], "nonce": nonce,
                                "ipc_pool": pools.pool_id}  # fmt: skip
                     async with self._place():
-                        reply = await ipc.read(pools, p.remote_host, request, [s for s, _ in pairs],
-                                               [d for _, d in pairs], deadline, after)  # fmt: skip
+                        if p.early:  # paired round by round, as the producer's blocks become final
+                            reply = await ipc.read(pools, p.remote_host, request, None,
+                                                   [int(d) for d in dst_block_ids], deadline, after)  # fmt: skip
+                        else:
+                            reply = await ipc.read(pools, p.remote_host, request, [s for s, _ in pairs],
+                                                   [d for _, d in pairs], deadline, after)  # fmt: skip
             except TimeoutError as exc:
                 raise KVTransferError(f"KV transfer {p.transfer_id} from {where} timed out after {self.timeout_s:g} s",
                                       reason="timeout") from exc  # fmt: skip
@@ -838,7 +1026,7 @@ class KVConsumer:
                 code = str(reply.get("code", "error"))
                 raise KVTransferError(f"KV producer {where} refused transfer {p.transfer_id}: {code}: "
                                       f"{reply.get('message', '')}", reason=code)  # fmt: skip
-            return True
+            return reply
         raise AssertionError("unreachable: the second attempt returns or raises")
 
     @contextlib.asynccontextmanager

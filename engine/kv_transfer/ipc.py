@@ -41,10 +41,11 @@ import contextlib
 import logging
 import os
 import secrets
+import select
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import StrEnum
@@ -55,7 +56,7 @@ import torch
 
 from engine.kv_transfer import wire
 from engine.kv_transfer.errors import KVTransferError
-from engine.kv_transfer.layout import block_runs
+from engine.kv_transfer.layout import SKIP, block_runs
 from engine.kv_transfer.wire import MessageType
 
 if TYPE_CHECKING:
@@ -381,12 +382,13 @@ class IpcPeers:
         self._readers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kv-ipc-read")
         self._tables: dict[str, RegionTable | None] = {}  # per mapped pool: its one-launch copy, when it has one
         self._tables_lock = threading.Lock()
+        self.early_rounds = 0  # rounds of blocks copied from early offers while their prefill ran (for /metrics)
         self._warm_copy()
 
     def _warm_copy(self) -> None:
         """Compile the one-launch copy now, not in the first pull's TTFT: block 0 onto itself, a no-op.
 
-        On the H200 the first pull of a fresh engine took ~180 ms (the kernel's compile); the rest take ~1 ms.
+        On the H200 the first pull of a fresh engine once took ~180 ms, the rest a few ms.
         """
         if self.device.type != "cuda":
             return
@@ -468,14 +470,17 @@ class IpcPeers:
         return await asyncio.to_thread(PeerPools.open, reply, self.device, self.host)
 
     async def read(
-        self, pools: PeerPools, host: str, request: dict[str, Any], src_ids: Sequence[int], dst_ids: Sequence[int],
-        deadline: float, after: concurrent.futures.Future[Any] | None = None,
+        self, pools: PeerPools, host: str, request: dict[str, Any], src_ids: Sequence[int] | None,
+        dst_ids: Sequence[int], deadline: float, after: concurrent.futures.Future[Any] | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         """One pull from a mapped producer, in a reader thread: ask its read desk to claim the transfer
         (``request``: the write request), copy ``src_ids`` -> ``dst_ids`` once it did, say ``ipc_done``.
 
         Returns the desk's answer to the claim: ``ipc_read`` (the blocks are copied) or an ``error``
-        (nothing was copied). ``deadline`` (``time.monotonic()``) bounds the socket waits; ``after``, a
+        (nothing was copied). An early offer (``src_ids`` None; ``dst_ids`` then has one entry per
+        source block, ``SKIP`` for those held here) is copied in rounds as its blocks become final;
+        its answer is the final round's (``first_token_id``), or an ``error`` when its prefill
+        failed. ``deadline`` (``time.monotonic()``) bounds the socket waits; ``after``, a
         step in flight when the destination blocks were handed out, is waited for before the copy.
         The copy has finished whenever this returns or raises (a cancelled caller waits for it), so
         a failure never leaves a late write in ``dst_ids``. Raises KVTransferError, OSError (the desk
@@ -483,13 +488,17 @@ class IpcPeers:
         """
         if not pools.read_port:
             raise KVTransferError("the producer's ipc answer named no read port (an older engine?)", reason="bad_reply")
+        cancelled = threading.Event()  # an early offer's rounds stop waiting on it
         fut = asyncio.get_running_loop().run_in_executor(
-            self._readers, self._read, pools, host, request, src_ids, dst_ids, deadline, after
+            self._readers, self._read, pools, host, request, src_ids, dst_ids, deadline, after, cancelled
         )
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
+            cancelled.set()
             await asyncio.wait([fut])
+            if not fut.cancelled():
+                fut.exception()  # retrieved: the cancellation is what the caller sees
             raise
 
     def _copy(self, pools: PeerPools, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
@@ -532,8 +541,9 @@ class IpcPeers:
                 raise KVTransferError(f"ipc copy: {side} block ids out of range [0, {limit})", reason="block_mismatch")
 
     def _read(
-        self, pools: PeerPools, host: str, request: dict[str, Any], src_ids: Sequence[int], dst_ids: Sequence[int],
-        deadline: float, after: concurrent.futures.Future[Any] | None,
+        self, pools: PeerPools, host: str, request: dict[str, Any], src_ids: Sequence[int] | None,
+        dst_ids: Sequence[int], deadline: float, after: concurrent.futures.Future[Any] | None,
+        cancelled: threading.Event,
     ) -> dict[str, Any]:  # fmt: skip
         def left() -> float:
             remaining = deadline - time.monotonic()
@@ -551,6 +561,10 @@ class IpcPeers:
                 return reply  # refused: nothing was claimed, nothing copied
             if reply.get("transfer_id") != tid or reply.get("nonce") != request["nonce"]:
                 raise KVTransferError(f"ipc_read for {reply.get('transfer_id')!r}, asked {tid}", reason="bad_reply")
+            if src_ids is None:
+                if not reply.get("early"):
+                    raise KVTransferError(f"the producer read {tid} as a finished offer", reason="bad_reply")
+                return self._rounds(sock, pools, tid, dst_ids, left, after, cancelled)
             if after is not None:
                 concurrent.futures.wait([after], timeout=left())
                 if not after.done():
@@ -568,3 +582,60 @@ class IpcPeers:
             with contextlib.suppress(OSError):
                 wire.send_sync(sock, MessageType.IPC_DONE, transfer_id=tid, status="ok")
             return reply
+
+    def _rounds(
+        self, sock: socket.socket, pools: PeerPools, tid: str, dst_ids: Sequence[int], left: Callable[[], float],
+        after: concurrent.futures.Future[Any] | None, cancelled: threading.Event,
+    ) -> dict[str, Any]:  # fmt: skip
+        """An early offer, claimed: copy each round's final blocks as the desk names them, until the last round.
+
+        Each block is copied once, after the producer said it is final; the copies of a round finish
+        before the next round is read, so whenever this returns or raises no copy is running."""
+        done = 0  # source blocks 0..done-1 handled (copied, or held here already)
+        while True:
+            msg = _recv_watching(sock, left, cancelled)
+            start, src, final = msg.get("start"), msg.get("block_ids"), msg.get("final")
+            if (msg.get("type") != MessageType.IPC_READY or msg.get("transfer_id") != tid or start != done
+                    or not isinstance(src, list) or done + len(src) > len(dst_ids)):  # fmt: skip
+                raise KVTransferError(f"a bad ipc_ready for {tid}: {msg!r:.200}", reason="bad_reply")
+            if isinstance(final, dict) and "error" in final:
+                with contextlib.suppress(OSError):
+                    wire.send_sync(sock, MessageType.IPC_DONE, transfer_id=tid, status="error", message="no prefill")
+                return {"type": MessageType.ERROR, "code": "prefill_failed", "transfer_id": tid,
+                        "message": f"its prefill failed: {final['error']}"}  # fmt: skip
+            pairs = [(int(s), dst_ids[done + i]) for i, s in enumerate(src) if dst_ids[done + i] != SKIP]
+            done += len(src)
+            if pairs and final is None:
+                self.early_rounds += 1  # one reader thread per pull; a lost increment would only undercount
+            if pairs:
+                if after is not None:
+                    concurrent.futures.wait([after], timeout=left())
+                    if not after.done():
+                        raise TimeoutError("the engine's step in flight did not end within the pull's time")
+                    after = None
+                try:
+                    self._check(pools, [s for s, _ in pairs], [d for _, d in pairs])
+                    self._copy(pools, [s for s, _ in pairs], [d for _, d in pairs])
+                except (KVTransferError, RuntimeError, ValueError) as exc:
+                    with contextlib.suppress(OSError):
+                        wire.send_sync(sock, MessageType.IPC_DONE, transfer_id=tid, status="error", message=str(exc))
+                    if isinstance(exc, KVTransferError):
+                        raise
+                    raise KVTransferError(f"ipc copy failed: {exc}", reason="write_failed") from exc
+            if final is None:
+                continue
+            if done != len(dst_ids) or not isinstance(final.get("first_token_id"), int):
+                raise KVTransferError(f"early offer {tid} ended with {done} of {len(dst_ids)} blocks: {final!r:.200}",
+                                      reason="bad_reply")  # fmt: skip
+            with contextlib.suppress(OSError):
+                wire.send_sync(sock, MessageType.IPC_DONE, transfer_id=tid, status="ok")
+            return {"type": MessageType.IPC_READ, "transfer_id": tid, **final}
+
+
+def _recv_watching(sock: socket.socket, left: Callable[[], float], cancelled: threading.Event) -> dict[str, Any]:
+    """The next message, waiting in short slices so a cancelled pull stops waiting for a prefill still running."""
+    while not select.select([sock], [], [], min(0.05, left()))[0]:
+        if cancelled.is_set():
+            raise KVTransferError("the pull was cancelled while the prefill ran", reason="cancelled")
+    sock.settimeout(left())
+    return wire.recv_sync(sock)

@@ -23,6 +23,15 @@ The intra-host path (``ipc``, see ``engine.kv_transfer.ipc``) adds:
     ipc_read:      (producer) transfer_id, nonce (echoed): the blocks are pinned for this consumer, copy them
     ipc_done:      (consumer) transfer_id, status ("ok" | "error"): copied (or not); the producer releases the
                    blocks and answers nothing (the consumer does not wait for it)
+
+An early offer (made when its prefill was queued) is read in rounds: ``ipc_read`` says ``early``, then
+
+    ipc_ready:     (producer, as its prefill proceeds) transfer_id, start, block_ids (source blocks start..,
+                   each final: nothing writes it any more), final (None while the prefill runs; at its end
+                   {first_token_id} or {error}); the consumer copies each round's blocks, and after the
+                   final one says ipc_done
+    write_done:    ... for an early offer pulled through Mooncake (written once its prefill ended) adds
+                   first_token_id
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ class MessageType(StrEnum):
     IPC_POOLS = "ipc_pools"
     IPC_READ = "ipc_read"
     IPC_DONE = "ipc_done"
+    IPC_READY = "ipc_ready"
 
 
 class RefusalCode(StrEnum):
@@ -64,6 +74,7 @@ class RefusalCode(StrEnum):
     BACKEND_MISMATCH = "backend_mismatch"
     IPC_UNAVAILABLE = "ipc_unavailable"  # this producer exports no pools, or only ipc and the request is not
     IPC_STALE = "ipc_stale"  # the request names a pool this producer no longer is (it restarted): reopen
+    PREFILL_FAILED = "prefill_failed"  # an early offer whose prefill failed or was aborted
 
 
 class WireError(Exception):

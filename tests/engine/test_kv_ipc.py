@@ -427,3 +427,60 @@ def test_copy_blocks_per_region_and_in_layer_groups_copy_the_same(grouped: bool)
                 assert torch.equal(d_view[dst], s_view[src]), f"region {r}"
                 untouched = sorted(set(range(NUM_BLOCKS)) - set(dst))
                 assert not d_view[untouched].any(), f"region {r}: a block outside the destination was written"
+
+
+async def _rounds_seen(peers: IpcPeers, before: int, at_least: int) -> None:
+    deadline = time.monotonic() + 5
+    while peers.early_rounds < before + at_least:
+        assert time.monotonic() < deadline, f"{peers.early_rounds - before} rounds copied, waited for {at_least}"
+        await asyncio.sleep(0.01)
+
+
+async def test_an_early_offer_is_copied_round_by_round_as_its_blocks_become_final(pair: Pair) -> None:
+    """Offered before its prefill ran: each block is copied once it is final, the first token comes with the last
+    round; the decode side's held block (SKIP) is left alone."""
+    src, dst = [3, 9, 1, 40, 22, 63], [-1, 60, 2, 33, 8, 11]
+    releases = Releases()
+    params = pair.producer.offer_early(len(src), releases.callback("t"))
+    assert params.early and params.remote_block_ids == () and params.first_token_id is None
+    consumer = pair.consumer()
+    peers = consumer._ipc
+    assert peers is not None
+    pull = asyncio.ensure_future(consumer.pull(params, dst))
+    await asyncio.sleep(0.1)
+    assert not pull.done()  # nothing is final yet: the pull waits for the prefill
+    pair.producer.progress(params.transfer_id, src, 2)  # the first chunk's step: two blocks final
+    await _rounds_seen(peers, 0, 1)
+    assert pair.decode.block(0, 60) == pair.prefill.block(0, 9) and not pull.done()
+    assert pair.decode.block(0, 2) == bytes(len(pair.decode.block(0, 2)))  # not final yet: not copied
+    pair.producer.progress(params.transfer_id, src, 5)
+    await _rounds_seen(peers, 1, 1)
+    pair.producer.conclude(params.transfer_id, src, first_token_id=42)
+    assert await pull == 42
+    _assert_copied(pair, src[1:], dst[1:])
+    await _settled(pair.producer)
+    assert releases.reasons("t") == [ReleaseReason.WRITTEN]
+    assert pair.producer.stats().bytes_written == len(src) * sum(v.shape[1] for v in pair.prefill.views)
+
+
+async def test_an_early_offer_whose_prefill_fails_is_refused_on_both_sides(pair: Pair) -> None:
+    """Mid-read: the reader gets the failure with the last round and the transfer ends once; unread: ended at once,
+    and a later pull is refused naming the failure."""
+    releases = Releases()
+    consumer = pair.consumer()
+    params = pair.producer.offer_early(4, releases.callback("read"))
+    pull = asyncio.ensure_future(consumer.pull(params, [10, 11, 12, 13]))
+    pair.producer.progress(params.transfer_id, [1, 2, 3, 4], 2)
+    await asyncio.sleep(0.1)
+    pair.producer.conclude(params.transfer_id, error="model step failed")
+    with pytest.raises(KVTransferError, match="model step failed") as err:
+        await pull
+    assert err.value.reason == "prefill_failed" and not err.value.dst_may_be_written
+    unread = pair.producer.offer_early(2, releases.callback("unread"))
+    pair.producer.conclude(unread.transfer_id, error="aborted")
+    assert releases.reasons("unread") == [ReleaseReason.WRITE_FAILED]  # at once: nobody holds it
+    with pytest.raises(KVTransferError, match="aborted") as err:
+        await consumer.pull(unread, [20, 21])
+    assert err.value.reason == "prefill_failed"
+    await _settled(pair.producer)
+    assert releases.reasons("read") == [ReleaseReason.WRITE_FAILED] and consumer.in_flight == 0
