@@ -25,15 +25,6 @@ def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
-def fused_decode() -> bool:
-    """Whether steps of at most 16 tokens run the fused decode kernels (norms in the skinny matmuls' prologue,
-    MoE routing and alignment in one launch); ``ENGINE_FUSED_DECODE=0`` turns them off to measure against."""
-    value = os.environ.get("ENGINE_FUSED_DECODE", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"ENGINE_FUSED_DECODE must be 0 or 1, not {value!r}")
-    return value == "1"
-
-
 # Keys per tile of the decode attention kernel; a split covers a multiple of it.
 DECODE_BLOCK_N = 64
 

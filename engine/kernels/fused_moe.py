@@ -25,10 +25,6 @@ so it never synchronises with the host and runs inside a captured CUDA graph.
    epilogue, one output row per pair; then a sum over each token's ``top_k`` rows (float32).
    Programs whose block lies past the used length (read from the device) exit at once.
 
-Small steps (``routed_moe``, at most ``ROUTE_ALIGN_TOKENS`` tokens) route and align in one launch
-(``route_align``), and their down projection does the sum itself: the last program to finish each
-column tile (a counter per tile) adds the tile's rows of each token in slot order.
-
 ``route`` does the router's softmax, top-k and renormalisation in one launch (torch takes five).
 
 Roundings follow the torch reference: each projection is rounded to the model dtype before the
@@ -139,16 +135,6 @@ def _align_one_program_kernel(
     ids_ptr, sorted_ptr, expert_ids_ptr, used_ptr, offset_ptr, num_pairs, num_experts, capacity, num_blocks,
     BLOCK_M: tl.constexpr, EP: tl.constexpr, B: tl.constexpr, BB: tl.constexpr,
 ):  # fmt: skip
-    _align_pairs(ids_ptr, sorted_ptr, expert_ids_ptr, used_ptr, offset_ptr, num_pairs, num_experts, capacity,
-                 num_blocks, BLOCK_M, EP, B, BB)  # fmt: skip
-
-
-@triton.jit
-def _align_pairs(
-    ids_ptr, sorted_ptr, expert_ids_ptr, used_ptr, offset_ptr, num_pairs, num_experts, capacity, num_blocks,
-    BLOCK_M: tl.constexpr, EP: tl.constexpr, B: tl.constexpr, BB: tl.constexpr,
-):  # fmt: skip
-    # The one-program alignment of up to B pairs (see the module docstring).
     i = tl.arange(0, B)
     e = tl.load(ids_ptr + i, mask=i < num_pairs, other=num_experts).to(tl.int32)  # padding: expert E
     x = tl.arange(0, EP)
@@ -184,18 +170,6 @@ class Alignment:
     sorted_pairs: torch.Tensor  # [capacity] int32: pair index t * top_k + k, or num_pairs for padding
     expert_ids: torch.Tensor  # [capacity // block_m] int32: the expert of each block of rows
     used: torch.Tensor  # [1] int32: rows in use (a multiple of block_m)
-    # route_align's: zeroed int32s, one per column tile of the down projection that sums each token's rows.
-    tile_counters: torch.Tensor | None = None
-
-
-def _align_buffers(num_pairs: int, num_experts: int, block_m: int, dev: torch.device) -> tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor, int]:  # fmt: skip
-    """The one-program alignment's outputs: sorted pairs, block experts, used rows; and its capacity."""
-    capacity = padded_capacity(num_pairs, num_experts, block_m)
-    sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=dev)
-    expert_ids = torch.empty(capacity // block_m, dtype=torch.int32, device=dev)
-    used = torch.empty(1, dtype=torch.int32, device=dev)
-    return sorted_pairs, expert_ids, used, capacity
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
@@ -209,7 +183,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     used = torch.empty(1, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     if num_pairs <= ONE_PROGRAM_PAIRS:
-        sorted_pairs, expert_ids, used, _ = _align_buffers(num_pairs, num_experts, block_m, dev)
+        sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=dev)
         _align_one_program_kernel[(1,)](
             ids, sorted_pairs, expert_ids, used, cursor, num_pairs, num_experts, capacity, num_blocks,
             BLOCK_M=block_m, EP=triton.next_power_of_2(num_experts + 1), B=max(16, triton.next_power_of_2(num_pairs)),
@@ -238,7 +212,6 @@ def _grouped_gemm_kernel(
     num_pairs, w_stride_e, num_n_blocks, N: tl.constexpr, K: tl.constexpr,
     A_DIV: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    sum_ptr, counters_ptr, SUM_TOP_K: tl.constexpr, TOKENS_P: tl.constexpr,
 ):  # fmt: skip
     # out[pair, n] = sum_k a[pair // A_DIV, k] * w[e, n, k] for the rows of one block of one expert.
     # GATED: w holds gate rows [0, N) then up rows [N, 2N); out = silu(gate) * up.
@@ -282,52 +255,25 @@ def _grouped_gemm_kernel(
         y = (y.to(tl.float32) * rw.to(tl.float32)[:, None]).to(rw.dtype).to(dt)
     out = out_ptr + pairs.to(tl.int64)[:, None] * N + n[None, :]
     tl.store(out, y, mask=valid[:, None] & nm[None, :])
-    if SUM_TOP_K > 0:
-        # The sum over each token's SUM_TOP_K rows, done by the last program of this column tile to finish (a counter
-        # per tile, zeroed by route_align): it reads the other programs' rows back from L2 and adds them in slot
-        # order, so the result does not depend on which program finished last. The barrier puts every thread's rows
-        # before the counter's release; the loads skip L1, which may hold lines from before.
-        tl.debug_barrier()
-        done = tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel")
-        if done == tl.load(used_ptr) // BLOCK_M - 1:
-            t = tl.arange(0, TOKENS_P)
-            tm = (t < num_pairs // SUM_TOP_K)[:, None] & nm[None, :]
-            total = tl.zeros([TOKENS_P, BLOCK_N], tl.float32)
-            for j in tl.static_range(SUM_TOP_K):
-                row = out_ptr + (t * SUM_TOP_K + j).to(tl.int64)[:, None] * N + n[None, :]
-                total += tl.load(row, mask=tm, other=0.0, cache_modifier=".cg").to(tl.float32)
-            tl.store(sum_ptr + t.to(tl.int64)[:, None] * N + n[None, :], total.to(dt), mask=tm)
-            tl.store(counters_ptr + pid_n, 0)  # ready for the next call (a replayed graph)
-
-
-def _column_tile(n: int, tiles: MoeTiles) -> int:
-    """The grouped GEMM's ``BLOCK_N`` for ``n`` output columns."""
-    return min(tiles.block_n, max(16, int(triton.next_power_of_2(n))))
 
 
 def _grouped_gemm(
     a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, al: Alignment, route_w: torch.Tensor,
     a_div: int, gated: bool, routed: bool, tiles: MoeTiles,
-    summed: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> None:  # fmt: skip
-    """One grouped GEMM; ``summed = (out_sum [tokens, N], counters, top_k)`` adds each token's ``top_k`` rows into
-    ``out_sum`` in the epilogue (``counters``: one zeroed int32 per column tile)."""
     n = out.shape[1]
     k = a.shape[1]
     num_pairs = out.shape[0]
-    bn = _column_tile(n, tiles)
+    bn = min(tiles.block_n, max(16, triton.next_power_of_2(n)))
     bk = min(tiles.block_k, max(16, triton.next_power_of_2(k)))
     num_n = triton.cdiv(n, bn)
     grid = (al.expert_ids.shape[0] * num_n,)
-    sum_out, counters, sum_top_k = summed if summed is not None else (out, al.used, 0)
     _grouped_gemm_kernel[grid](
         a, w, out, al.sorted_pairs, al.expert_ids, al.used, route_w,
         num_pairs, w.stride(0), num_n, N=n, K=k,
         A_DIV=a_div, GATED=gated, ROUTED=routed,
         BLOCK_M=tiles.block_m, BLOCK_N=bn, BLOCK_K=bk,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        sum_ptr=sum_out, counters_ptr=counters, SUM_TOP_K=sum_top_k,
-        TOKENS_P=max(16, triton.next_power_of_2(num_pairs // sum_top_k)) if sum_top_k else 16,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
 
@@ -379,98 +325,6 @@ def route(
     return weights, ids
 
 
-@triton.jit
-def _route_align_kernel(
-    logits_ptr, weights_ptr, ids_ptr, sorted_ptr, expert_ids_ptr, used_ptr, offset_ptr, counters_ptr, tokens,
-    capacity, num_blocks, num_counters,
-    E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-    TP: tl.constexpr, BLOCK_M: tl.constexpr, EP: tl.constexpr, B: tl.constexpr, BB: tl.constexpr,
-):  # fmt: skip
-    # _route_kernel for all TP (padded) tokens of a small step at once, one token per row, then the one-program
-    # alignment of the pairs it just wrote; the down projection's tile counters zeroed on the way.
-    c0 = 0
-    while c0 < num_counters:
-        c = c0 + tl.arange(0, 64)
-        tl.store(counters_ptr + c, tl.zeros([64], tl.int32), mask=c < num_counters)
-        c0 += 64
-    t = tl.arange(0, TP)
-    tm = t < tokens
-    e = tl.arange(0, BLOCK_E)
-    logits = tl.load(logits_ptr + t[:, None] * E + e[None, :], mask=tm[:, None] & (e < E)[None, :],
-                     other=float("-inf")).to(tl.float32)  # fmt: skip
-    logits = tl.where(tm[:, None], logits, 0.0)  # padding rows: finite, never stored
-    p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    p = tl.where((e < E)[None, :], p / tl.sum(p, axis=1)[:, None], -1.0)
-    total = tl.zeros([TP], tl.float32)
-    taken = p
-    for _ in tl.static_range(TOP_K):
-        best = tl.max(taken, axis=1)
-        idx = tl.min(tl.where(taken == best[:, None], e[None, :], BLOCK_E), axis=1)
-        taken = tl.where(e[None, :] == idx[:, None], -1.0, taken)
-        total += best
-    taken = p
-    for j in tl.static_range(TOP_K):
-        best = tl.max(taken, axis=1)
-        idx = tl.min(tl.where(taken == best[:, None], e[None, :], BLOCK_E), axis=1)
-        taken = tl.where(e[None, :] == idx[:, None], -1.0, taken)
-        if RENORMALIZE:
-            best = best / total
-        tl.store(ids_ptr + t * TOP_K + j, idx.to(tl.int64), mask=tm)
-        tl.store(weights_ptr + t * TOP_K + j, best.to(weights_ptr.dtype.element_ty), mask=tm)
-    tl.debug_barrier()  # the ids, written by other threads, are in place
-    _align_pairs(ids_ptr, sorted_ptr, expert_ids_ptr, used_ptr, offset_ptr, tokens * TOP_K, E, capacity,
-                 num_blocks, BLOCK_M, EP, B, BB)  # fmt: skip
-
-
-# Steps of at most this many tokens route and align in one launch (decode, short verify steps).
-ROUTE_ALIGN_TOKENS = 16
-
-
-def route_align(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int, keep_float32: bool = False,
-    counters: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, Alignment]:  # fmt: skip
-    """``route`` then ``align`` in one launch for ``tokens <= ROUTE_ALIGN_TOKENS``: ``(weights, ids, alignment)``,
-    each equal to what the two separate launches give; the alignment carries ``counters`` zeroed tile counters
-    (for a down projection that sums each token's experts in its epilogue)."""
-    tokens, experts = router_logits.shape
-    num_pairs = tokens * top_k
-    if not 0 < tokens <= ROUTE_ALIGN_TOKENS or num_pairs > ONE_PROGRAM_PAIRS:
-        raise ValueError(f"route_align takes 1..{ROUTE_ALIGN_TOKENS} tokens of at most {ONE_PROGRAM_PAIRS} "
-                         f"pairs, got {tokens} x top-{top_k}")  # fmt: skip
-    dev = router_logits.device
-    weights = torch.empty((tokens, top_k), dtype=torch.float32 if keep_float32 else router_logits.dtype, device=dev)
-    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=dev)
-    sorted_pairs, expert_ids, used, capacity = _align_buffers(num_pairs, experts, block_m, dev)
-    offsets = torch.empty(experts, dtype=torch.int32, device=dev)
-    tile_counters = torch.empty(max(counters, 1), dtype=torch.int32, device=dev)
-    _route_align_kernel[(1,)](
-        router_logits.contiguous(), weights, ids, sorted_pairs, expert_ids, used, offsets, tile_counters, tokens,
-        capacity, expert_ids.shape[0], counters, E=experts, TOP_K=top_k, RENORMALIZE=renormalize,
-        BLOCK_E=triton.next_power_of_2(experts), TP=max(2, triton.next_power_of_2(tokens)), BLOCK_M=block_m,
-        EP=triton.next_power_of_2(experts + 1), B=max(16, triton.next_power_of_2(num_pairs)), BB=64,
-    )  # fmt: skip
-    return weights, ids, Alignment(sorted_pairs, expert_ids, used, tile_counters if counters else None)
-
-
-def routed_moe(
-    x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-    renormalize: bool, keep_float32: bool = False, fused: bool = True,
-) -> torch.Tensor:  # fmt: skip
-    """``fused_moe`` of ``route``'s choice from ``router_logits``; with ``fused``, a small step (at most
-    ``ROUTE_ALIGN_TOKENS`` tokens) routes and aligns in one launch, and its down projection sums each token's
-    experts in its epilogue (no launch for the sum)."""
-    tokens, hidden = x.shape
-    num_experts = w13.shape[0]
-    if fused and 0 < tokens <= ROUTE_ALIGN_TOKENS and tokens * top_k <= ONE_PROGRAM_PAIRS:
-        tiles = moe_tiles(tokens * top_k, num_experts)
-        counters = triton.cdiv(hidden, _column_tile(hidden, tiles))
-        weights, _, al = route_align(router_logits, top_k, renormalize, tiles.block_m, keep_float32, counters)
-        return _experts(x, w13, w2, weights, al, tiles)
-    weights, ids = route(router_logits, top_k, renormalize, keep_float32)
-    return fused_moe(x, w13, w2, weights, ids)
-
-
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:
@@ -480,31 +334,21 @@ def fused_moe(
     ``w2 @ (silu(gate @ x) * (up @ x))``. ``topk_weights`` may be float32 or the model dtype (the
     weighting is done in its dtype, as torch does).
     """
-    if x.shape[0] == 0:
-        return torch.zeros_like(x)
-    tiles = moe_tiles(topk_ids.numel(), w13.shape[0])
-    al = align(topk_ids.contiguous(), w13.shape[0], tiles.block_m)
-    return _experts(x, w13, w2, topk_weights, al, tiles)
-
-
-def _experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, al: Alignment, tiles: MoeTiles
-) -> torch.Tensor:
-    """The two grouped GEMMs over aligned pairs and the sum over each token's experts."""
     tokens, hidden = x.shape
-    top_k = topk_weights.shape[1]
+    num_experts, two_i, _ = w13.shape
+    top_k = topk_ids.shape[1]
     num_pairs = tokens * top_k
+    if tokens == 0:
+        return torch.zeros_like(x)
     x = x.contiguous()
     w13 = w13.contiguous()
     w2 = w2.contiguous()
     route_w = topk_weights.contiguous()
-    h = torch.empty((num_pairs, w13.shape[1] // 2), dtype=x.dtype, device=x.device)
+    tiles = moe_tiles(num_pairs, num_experts)
+    al = align(topk_ids.contiguous(), num_experts, tiles.block_m)
+    h = torch.empty((num_pairs, two_i // 2), dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, h, al, route_w, top_k, True, False, tiles)
     y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
-    if top_k > 1 and al.tile_counters is not None:  # route_align's: the sum in the down projection's epilogue
-        out = torch.empty_like(x)
-        _grouped_gemm(h, w2, y, al, route_w, 1, False, True, tiles, (out, al.tile_counters, top_k))
-        return out
     _grouped_gemm(h, w2, y, al, route_w, 1, False, True, tiles)
     if top_k == 1:
         return y

@@ -11,9 +11,6 @@ quantizing the activations (the weight-only FP8 path of small batches; large bat
 ``SWIGLU`` fuses the gated activation of a fused gate/up projection: the program reads the gate rows
 ``n`` and the up rows ``n + N`` and writes ``silu(gate) * up`` with the roundings of the unfused ops
 (each matmul output, and the activation, rounded to the model dtype as torch does).
-
-``norm_gemv`` puts the RMSNorm (with its residual add) that precedes a projection into the kernel's
-prologue, which saves the norm's launch and the normalised rows' round trip: see its docstring.
 """
 
 # Triton kernels take pointers and constexprs, which have no Python types; the host code is typed.
@@ -79,21 +76,10 @@ def config_for(weight: torch.Tensor) -> GemvConfig:
 
 
 @triton.jit
-def _residual_sum(x_rows, res_rows, k, mask, HAS_RES: tl.constexpr):
-    # residual + x rounded to the residual's dtype, as torch's add (add_rms_norm); x alone without a residual.
-    x = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
-    if HAS_RES:
-        r = tl.load(res_rows + k[None, :], mask=mask, other=0.0)
-        x = (r.to(tl.float32) + x.to(tl.float32)).to(r.dtype)
-    return x
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, stride_x, stride_w, stride_out, K: tl.constexpr,
-    res_ptr, norm_w_ptr, res_out_ptr, normed_ptr, eps,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, FP16_DOT: tl.constexpr,
-    NORM: tl.constexpr, HAS_RES: tl.constexpr, KEEP_NORMED: tl.constexpr, PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -104,39 +90,12 @@ def _gemv_kernel(
     n_ok = rn < N
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
-    dt = out_ptr.dtype.element_ty
-    if NORM:
-        # Prologue: the inverse RMS of each row of residual + x (rows are K wide, contiguous), in float32.
-        res_rows = res_ptr + rm[:, None].to(tl.int64) * K
-        sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + rk
-            mk = m_ok[:, None] & (k < K)[None, :]
-            h = _residual_sum(x_rows, res_rows, k, mk, HAS_RES)
-            hf = h.to(tl.float32)
-            sq += hf * hf
-        inv_rms = tl.rsqrt(tl.sum(sq, 1) / K + eps)
-        # Program 0 writes the new residual (and the normalised rows when asked) as it walks them anyway.
-        first = pid == 0
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + rk
         k_ok = k < K
-        if NORM:
-            mk = m_ok[:, None] & k_ok[None, :]
-            h = _residual_sum(x_rows, res_rows, k, mk, HAS_RES)
-            out_at = rm[:, None].to(tl.int64) * K + k[None, :]
-            if HAS_RES:
-                tl.store(res_out_ptr + out_at, h, mask=mk & first)
-            # torch_rms_norm's roundings: the normalised row in the model dtype, then times the weight.
-            y = (h.to(tl.float32) * inv_rms[:, None]).to(dt)
-            nw = tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            x = (nw[None, :] * y.to(tl.float32)).to(dt)
-            if KEEP_NORMED:
-                tl.store(normed_ptr + out_at, x, mask=mk & first)
-        else:
-            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if FP16_DOT:
             x = x.to(tl.float16)
@@ -147,6 +106,7 @@ def _gemv_kernel(
             if FP16_DOT:
                 u = u.to(tl.float16)
             acc_up += tl.dot(x, tl.trans(u), input_precision=PRECISION)
+    dt = out_ptr.dtype.element_ty
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
         if SWIGLU:
@@ -174,78 +134,25 @@ def gemv(
     With ``swiglu`` the weight is a fused ``[2N', K]`` gate/up projection and the result ``silu(gate) * up``
     ``[M, N']``. Output in ``x``'s dtype.
     """
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    out, _, _ = _launch(x, weight, scale, bias, swiglu, config, None)
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class NormIn:
-    """The RMSNorm in front of a skinny matmul: ``norm(residual + x)`` (``norm(x)`` without a residual)."""
-
-    residual: torch.Tensor | None
-    weight: torch.Tensor
-    eps: float
-    keep_normed: bool = False  # also write the normalised rows (a consumer besides the matmul needs them)
-
-
-def norm_gemv(
-    x: torch.Tensor,
-    norm: NormIn,
-    weight: torch.Tensor,
-    scale: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    swiglu: bool = False,
-    config: GemvConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``gemv(rms_norm(residual + x))`` in one launch: ``(out, residual + x, normalised rows or None)``.
-
-    Every program computes its rows' inverse RMS itself (a pass over ``M <= 16`` rows of ``K``, served from
-    L2) instead of waiting for a norm kernel; program 0 writes the new residual (and the normalised rows with
-    ``keep_normed``) while it streams them for its own tile, into fresh tensors, so no program reads what
-    another writes. Without a residual the residual stream is ``x`` itself. Roundings as ``add_rms_norm``.
-    """
-    x = x.contiguous()
-    return _launch(x, weight, scale, bias, swiglu, config, norm)
-
-
-def _launch(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    swiglu: bool,
-    config: GemvConfig | None,
-    norm: NormIn | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     m, k = x.shape
     if m > MAX_TOKENS:
         raise ValueError(f"gemv takes at most {MAX_TOKENS} tokens, got {m}")
     if weight.shape[1] != k:
         raise ValueError(f"gemv: x has {k} columns, the weight {weight.shape[1]}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    residual: torch.Tensor = x
-    res_in = res_out = normed = x  # placeholders the kernel never touches when their flag is off
-    if norm is not None and norm.residual is not None:
-        res_in = norm.residual.contiguous()
-        res_out = residual = torch.empty_like(res_in)
-    if norm is not None and norm.keep_normed:
-        normed = torch.empty_like(x)
     if m == 0:
-        return out, residual, normed if norm is not None and norm.keep_normed else None
+        return out
     cfg = config or config_for(weight)
     fp8 = weight.element_size() == 1
     fp16_dot = fp8 or x.dtype == torch.float16
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
         m, n, x.stride(0), weight.stride(0), out.stride(0), k,
-        res_in, norm.weight if norm is not None else x, res_out, normed, norm.eps if norm is not None else 0.0,
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, SWIGLU=swiglu, FP16_DOT=fp16_dot,
-        NORM=norm is not None, HAS_RES=norm is not None and norm.residual is not None,
-        KEEP_NORMED=norm is not None and norm.keep_normed,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return out, residual, normed if norm is not None and norm.keep_normed else None
+    return out

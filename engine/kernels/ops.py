@@ -47,15 +47,6 @@ class ModelOps(Protocol):
         """``(norm(residual + x), residual + x)``."""
         ...
 
-    def norm_linear(
-        self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-        swiglu: bool = False, keep_normed: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """The pre-norm in front of a projection: ``h = norm(residual + x)`` (``norm(x)`` when ``residual`` is
-        None, the residual stream then being ``x``) and ``layer(h)`` (``silu(gate) * up`` with ``swiglu``).
-        Returns ``(layer's output, the residual stream, h)``; ``h`` may be None unless ``keep_normed``."""
-        ...
-
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -90,18 +81,6 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * x32.to(dtype)
 
 
-def norm_then_linear(
-    ops: ModelOps, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-    swiglu: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``ModelOps.norm_linear`` as two of ``ops``' calls: the norm, then the projection."""
-    if residual is None:
-        residual, h = x, ops.rms_norm(x, weight, eps)
-    else:
-        h, residual = ops.add_rms_norm(x, residual, weight, eps)
-    return (ops.swiglu_linear(layer, h) if swiglu else ops.linear(layer, h)), residual, h
-
-
 class TorchOps:
     """The reference: plain torch, exact against transformers on CPU."""
 
@@ -117,12 +96,6 @@ class TorchOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         residual = residual + x
         return torch_rms_norm(residual, weight, eps), residual
-
-    def norm_linear(
-        self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-        swiglu: bool = False, keep_normed: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        return norm_then_linear(self, layer, x, residual, weight, eps, swiglu)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
@@ -160,19 +133,14 @@ def _weights(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch
 
 
 class TritonOps:
-    """Fused Triton kernels: one launch per op, graph-capturable.
+    """Fused Triton kernels: one launch per op, graph-capturable."""
 
-    ``fused`` (default: ``engine.kernels.fused_decode()``, the ``ENGINE_FUSED_DECODE`` switch) puts the
-    pre-norms of steps of at most 16 tokens into the prologue of the skinny matmul that follows them.
-    """
-
-    def __init__(self, fused: bool | None = None) -> None:
-        from engine.kernels import fused_decode, gemv, triton_ops  # imported only where Triton is wanted
+    def __init__(self) -> None:
+        from engine.kernels import gemv, triton_ops  # imported only where Triton is wanted
 
         self._k = triton_ops
         self._gemv = gemv
         self._skinny_types: tuple[type[nn.Module], ...] = (nn.Linear, Fp8Linear)
-        self.fused = fused_decode() if fused is None else fused
 
     def rope(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> Any:
         return cos, sin, positions  # the kernel reads the float32 tables at each token's position
@@ -184,16 +152,6 @@ class TritonOps:
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._k.add_rms_norm(x, residual, weight, eps)
-
-    def norm_linear(
-        self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-        swiglu: bool = False, keep_normed: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        if self.fused and self._skinny(layer, x) and not (swiglu and layer.bias is not None):
-            w, scale, bias = _weights(layer)
-            norm = self._gemv.NormIn(residual, weight, eps, keep_normed)
-            return self._gemv.norm_gemv(x, norm, w, scale, bias, swiglu)
-        return norm_then_linear(self, layer, x, residual, weight, eps, swiglu)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self._k.silu_and_mul(x)

@@ -136,24 +136,12 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         indexer: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.attend(ops, ops.linear(self.qkv_proj, x), rope, kv_cache, meta, indexer)
-
-    def attend(
-        self,
-        ops: ModelOps,
-        qkv: torch.Tensor,
-        rope: Any,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        indexer: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The block after the Q/K/V projection ``qkv``: (normalise,) rotate, store, attend, project out."""
         qk_norm = None
         if self.q_norm is not None and self.k_norm is not None:
             qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         out = ops.attention(
-            qkv, rope, kv_cache, meta, indexer, self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
-            self.window, qk_norm,
+            ops.linear(self.qkv_proj, x), rope, kv_cache, meta, indexer, self.num_heads, self.num_kv_heads,
+            self.head_dim, self.scale, self.window, qk_norm,
         )  # fmt: skip
         return self.tp.all_reduce(ops.linear(self.o_proj, out))
 
@@ -184,13 +172,6 @@ class MLP(nn.Module):
 
     def forward(self, ops: ModelOps, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(ops.linear(self.down_proj, ops.swiglu_linear(self.gate_up_proj, x)))
-
-    def forward_normed(
-        self, ops: ModelOps, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(forward(norm(residual + x)), residual + x)``, the norm handed to the gate/up projection."""
-        act, residual, _ = ops.norm_linear(self.gate_up_proj, x, residual, norm.weight, norm.eps, swiglu=True)
-        return self.tp.all_reduce(ops.linear(self.down_proj, act)), residual
 
     def loaders(self, p: str) -> dict[str, Loader]:
         parts = [(p + "gate_proj", 0), (p + "up_proj", self.intermediate_size)]
@@ -224,16 +205,6 @@ class MoEMLP(nn.Module):
 
     def forward(self, ops: ModelOps, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.experts(x))
-
-    def forward_normed(
-        self, ops: ModelOps, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(forward(norm(residual + x)), residual + x)``, the norm handed to the router's projection (which also
-        writes the normalised rows, the experts' input)."""
-        moe = self.experts
-        logits, residual, h = ops.norm_linear(moe.gate, x, residual, norm.weight, norm.eps, keep_normed=True)
-        assert h is not None, "norm_linear(keep_normed=True) returns the normalised rows"
-        return self.tp.all_reduce(moe.run_experts(h, logits)), residual
 
     def loaders(self, p: str) -> dict[str, Loader]:
         moe = self.experts
@@ -277,12 +248,16 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         indexer: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(mlp output, residual stream before it)``: the next layer adds them. Each pre-norm goes to the
-        ops with the projection after it (one kernel for both on small CUDA steps)."""
+        """``(mlp output, residual stream before it)``: the next layer adds them."""
         norm = self.input_layernorm
-        qkv, residual, _ = ops.norm_linear(self.self_attn.qkv_proj, x, residual, norm.weight, norm.eps)
-        h = self.self_attn.attend(ops, qkv, rope, kv_cache, meta, indexer)
-        return self.mlp.forward_normed(ops, h, residual, self.post_attention_layernorm)
+        if residual is None:
+            residual, h = x, ops.rms_norm(x, norm.weight, norm.eps)
+        else:
+            h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        h = self.self_attn(ops, h, rope, kv_cache, meta, indexer)
+        norm = self.post_attention_layernorm
+        h, residual = ops.add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp(ops, h), residual
 
     def loaders(self, p: str) -> dict[str, Loader]:
         out = self.self_attn.loaders(p + "self_attn.") | self.mlp.loaders(p + self.mlp_prefix)

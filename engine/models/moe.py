@@ -145,28 +145,17 @@ class SparseMoE(nn.Module):
         if value not in KERNELS:
             raise ValueError(f"unknown MoE kernels {value!r}: expected one of {KERNELS}")
         self._kernels = value
-        self._fused = False
-        if value == "triton":
-            from engine.kernels import fused_decode
-
-            self._fused = fused_decode()  # the ENGINE_FUSED_DECODE switch, read once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [tokens, hidden]`` -> ``[tokens, hidden]``."""
-        return self.run_experts(x, self.gate(x))
-
-    def run_experts(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """The block's output for ``x`` given the router's logits for it (``gate(x)``, computed by the caller)."""
         if self._kernels == "triton":
             from engine.kernels import fused_moe as k  # imported only where Triton is wanted
 
-            if self.num_experts == self.total_experts:
-                return k.routed_moe(x, router_logits, self.w13, self.w2, self.top_k, self.renormalize,
-                                    self.float32_routing, fused=self._fused)  # fmt: skip
-            weights, ids = k.route(router_logits, self.top_k, self.renormalize, self.float32_routing)
-            weights, ids = local_pairs(weights, ids, self.first_expert, self.num_experts)
+            weights, ids = k.route(self.gate(x), self.top_k, self.renormalize, self.float32_routing)
+            if self.num_experts != self.total_experts:
+                weights, ids = local_pairs(weights, ids, self.first_expert, self.num_experts)
             return k.fused_moe(x, self.w13, self.w2, weights, ids)
-        weights, ids = route(router_logits, self.top_k, self.renormalize, self.float32_routing)
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.float32_routing)
         return experts_torch(x, self.w13, self.w2, weights, ids, self.first_expert)
 
     def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> None:
