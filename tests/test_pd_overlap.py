@@ -136,8 +136,12 @@ async def test_a_decode_leg_gone_while_the_prefill_runs_stops_it_and_leaks_nothi
     status, body = post(d.url + "/v1/completions", _greedy(VERY_LONG, kv_transfer_params=refused))
     assert status == 400 and "blocks" in body["error"]["message"], body  # another prompt: refused before pulling
     assert never_read["transfer_id"] != refused["transfer_id"]
+    released = {r: p.metric("atom:kv_transfer_released_total", f'reason="{r}"')
+                for r in ("written", "write_failed", "refused", "expired", "closed")}  # fmt: skip
     wait_until(lambda: p.metric("atom:kv_transfer_released_total", 'reason="write_failed"') >= failed + 1,
-               what="an abandoned read to be released")  # fmt: skip
+               what=f"an abandoned read to be released (released by reason when it began: {released}, "
+                    f"write_failed before the legs: {failed}; decode early rounds: "
+                    f"{d.metric('atom:kv_transfer_early_rounds_total')})")  # fmt: skip
     wait_until(lambda: p.metric("atom:kv_transfer_released_total", 'reason="expired"') >= expired + 2, timeout=60,
                what="the unread offers to expire")  # fmt: skip
     wait_until(lambda: p.blocks_used() == 0 and d.blocks_used() == 0, timeout=60, what="both block pools to be idle")
