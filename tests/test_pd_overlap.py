@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -115,10 +116,12 @@ async def test_a_decode_leg_gone_while_the_prefill_runs_stops_it_and_leaks_nothi
     failed = p.metric("atom:kv_transfer_released_total", 'reason="write_failed"')
     expired = p.metric("atom:kv_transfer_released_total", 'reason="expired"')
     prompts = [f"abandoned {i}: " + VERY_LONG for i in range(5)]
-    # All five queued at once: ~460 one-block prefill steps, far more than the decode legs wait for (the
-    # first may still finish in time on a fast machine: at least the last one is read mid-prefill).
+    # All five queued at once: ~470 one-block prefill steps, far more than the decode legs wait for (the first may
+    # still finish in time on a fast machine: at least the last one is read mid-prefill). On an H200 all five
+    # prefills ended within 0.3 s, so there the legs give up after 30 ms.
+    on_gpu = os.environ.get("ENGINE_TEST_DEVICE", "cpu").startswith("cuda")
     offers = [_early_prefill(p, q) for q in prompts]
-    timeout = aiohttp.ClientTimeout(total=0.3)
+    timeout = aiohttp.ClientTimeout(total=0.03 if on_gpu else 0.3)
     async with aiohttp.ClientSession(timeout=timeout) as s:
 
         async def give_up(q: str, params: dict[str, Any]) -> bool:
