@@ -52,7 +52,6 @@ from atomesh.errors import GatewayError, error_body
 from atomesh.flow import FlowControl
 from atomesh.logs import context_setter
 from atomesh.request import Route
-from atomesh.tasks import PeriodicTask
 from atomesh.transport import NOT_RELAYED, Exchange, Upstream
 
 if TYPE_CHECKING:
@@ -798,11 +797,10 @@ class FrontDoor:
         self.connections: set[FrontConnection] = set()
         self.loop = asyncio.get_event_loop()
         self._listeners: list[_Listener] = []
-        self._sweeper = PeriodicTask(
-            "frontdoor-sweep",
-            min(1.0, self.head_timeout / 4, self.body_timeout / 4, self.keepalive_timeout / 4),
-            self._sweep,
-        )
+        # The sweep is a timer callback, not a task: one call a round, no coroutine to resume (it runs every
+        # second on every door, while the gateway serves).
+        self._sweep_every = min(1.0, self.head_timeout / 4, self.body_timeout / 4, self.keepalive_timeout / 4)
+        self._sweep_timer: asyncio.TimerHandle | None = None
         self._handshakes: set[asyncio.Task[None]] = set()
         self.port = 0
 
@@ -816,7 +814,8 @@ class FrontDoor:
             self._listeners.append(listener)
             listener.start()
         self.port = self._listeners[0].sock.getsockname()[1]
-        self._sweeper.start()
+        if self._sweep_every > 0:
+            self._sweep_timer = self.loop.call_at(self.loop.time() + self._sweep_every, self._sweep)
 
     def adopt(self, conn: socket.socket, ssl_context: ssl.SSLContext | None) -> None:
         """Serve an accepted socket (the TLS handshake, when any, is bounded by the head timeout)."""
@@ -841,7 +840,8 @@ class FrontDoor:
 
     def _sweep(self) -> None:
         now = self.loop.time()
-        for conn in list(self.connections):
+        self._sweep_timer = self.loop.call_at(now + self._sweep_every, self._sweep)  # first: a failing round
+        for conn in list(self.connections):  # does not end the sweeps (the loop's handler logs its error)
             conn.expire(now)
 
     async def close(self) -> None:
@@ -849,7 +849,9 @@ class FrontDoor:
         for listener in self._listeners:
             listener.close()
         self._listeners.clear()
-        await self._sweeper.stop()
+        if self._sweep_timer is not None:
+            self._sweep_timer.cancel()
+            self._sweep_timer = None
         for task in list(self._handshakes):
             task.cancel()
         cut = []

@@ -632,7 +632,6 @@ _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 # A streamed event that is a JSON object: a token, usage or error event (not `data: [DONE]`, nor a comment).
 _EVENT = b"data: {"
-_LF = 10  # b"\n"[0]
 _KEEP = 64 * 1024  # bytes of the stream's end kept for its usage (what follows the last event's start)
 _now = time.perf_counter
 
@@ -681,12 +680,11 @@ class RequestMeter:
         self._done = False
 
     def feed(self, chunk: bytes) -> None:
-        if not chunk:
-            return
-        if self._tail:
-            chunk = self._tail + chunk
         # A chunk that ends a line (an event per chunk, the usual case) leaves no marker half-sent.
-        self._tail = b"" if chunk[-1] == _LF else chunk[1 - len(_EVENT) :]
+        if self._tail or chunk[-1:] != b"\n":
+            chunk = self._join(chunk)
+            if not chunk:
+                return
         if self.first_at is None:
             self._first(chunk)
             return
@@ -697,6 +695,14 @@ class RequestMeter:
             self._end = chunk
         elif len(self._end) < _KEEP:
             self._end += chunk  # the rest of the last event, or `data: [DONE]`
+
+    def _join(self, chunk: bytes) -> bytes:
+        """`chunk` after what the previous one left of a line (an event marker may be split across the two);
+        keeps this one's end when it ends inside a line."""
+        if self._tail:
+            chunk = self._tail + chunk
+        self._tail = b"" if chunk[-1:] == b"\n" else chunk[1 - len(_EVENT) :]
+        return chunk
 
     def _first(self, chunk: bytes) -> None:
         """Until the first event with content: look for it (TTFT); events before it do not count."""
