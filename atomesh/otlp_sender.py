@@ -57,8 +57,7 @@ def serve(settings: dict[str, Any], stream: BinaryIO) -> None:
         frame = _read(stream, int.from_bytes(head, "big"))
         if frame is None:
             break
-        offset_ns, records = marshal.loads(frame)
-        data = encoder.export_request(offset_ns, records)
+        data = encoder.export_request(marshal.loads(frame))
         deadline = time.monotonic() + settings["timeout_s"]
         backoff = 0.5
         while True:

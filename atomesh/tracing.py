@@ -12,7 +12,7 @@ is decided once, as it arrives: the client's flag, else `OTEL_TRACES_SAMPLER` /
 `OTEL_TRACES_SAMPLER_ARG` as the SDK reads them, else every trace. A request not sampled gets no
 `Trace`; all tracing does for it is the `traceparent` it passes on (flagged not sampled, so the
 engines record nothing either). A sampled request's `Trace` records its spans as tuples and ints in a
-list (monotonic nanoseconds, the few values each kind of span has, span ids counted from one random
+list (`time.time_ns()` times, the few values each kind of span has, span ids counted from one random
 base): no span objects, no attribute dicts. When the request ends the record is queued; a thread ships
 queued records in batches to a sender process, which writes the OTLP protobuf and sends it (`otlp.py`,
 `otlp_sender.py`). The OpenTelemetry SDK's span objects, processor and encoder cost more than the
@@ -43,7 +43,7 @@ TRACEPARENT = "traceparent"
 _TRACEPARENT = re.compile(r"\s*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:-\S*)?\s*", re.IGNORECASE)
 _CLASSES = {c: c.name.lower() for c in PriorityClass}
 _ROUTES = {r: r.value for r in Route}  # plain strings (an Enum's `value` is a property: slow)
-_now = time.monotonic  # floats: see atomesh.otlp on a record's times
+_now = time.time_ns  # see atomesh.otlp on a record's times
 
 
 class Trace:
@@ -55,13 +55,15 @@ class Trace:
     much again as the span). Made by `Tracing.start` only (no `__init__`: calling one costs as much as
     a span)."""
 
-    __slots__ = ("base", "events", "parent", "start", "trace_id")
+    __slots__ = ("base", "error", "events", "parent", "start", "status", "trace_id")
 
     trace_id: bytes  # 16 bytes
     parent: bytes  # the client's span (8 bytes), or b""
     base: int  # the request span's id; a child's is base + 1 + the index of its begin event
-    events: list[Any]  # begin events (tuples) and end events (floats)
-    start: float
+    events: list[Any]  # begin events (tuples) and end events (ints)
+    start: int
+    status: int  # the refusal's HTTP status, when `error` is set
+    error: str | None  # the gateway's error code when it refused or failed the request, else None
 
     def admission(self, model: str | None, cls: PriorityClass, tenant: str) -> None:
         """Waiting for admission begins (the model, known from here, goes on the request span too)."""
@@ -75,6 +77,10 @@ class Trace:
         """A call to one worker begins (leg: PREFILL, DECODE or UPSTREAM)."""
         self.events.append((_now(), leg, url))
 
+    def failed(self, status: int, code: str) -> None:
+        """The request ends with the gateway's error (the request span's status and `error.type`)."""
+        self.status, self.error = status, code
+
     def end(self) -> None:
         """End the innermost open span."""
         self.events.append(_now())
@@ -86,7 +92,7 @@ class Trace:
         ended = 0
         while i:
             i -= 1
-            if events[i].__class__ is float:
+            if events[i].__class__ is int:
                 ended += 1
             elif ended:
                 ended -= 1
@@ -155,7 +161,8 @@ class Tracing:
         if client is None:
             if self.ratio < 1.0 and self._random() >= self.ratio:
                 return None
-            trace_id, parent = os.urandom(16), b""
+            # Random bits as the SDK's id generator takes them (Python's `random`): no system call.
+            trace_id, parent = (self._bits(128) | 1).to_bytes(16, "little"), b""
         elif client[2]:
             trace_id, parent = bytes.fromhex(client[0]), bytes.fromhex(client[1])
         else:
@@ -166,13 +173,15 @@ class Tracing:
         # 62 random bits, odd: never zero, and the request's child span ids (counted up from it) stay in 64 bits.
         trace.base = self._bits(62) | 1
         trace.events = []
+        trace.error = None
         trace.start = _now()
         return trace
 
-    def finish(self, trace: Trace, route: Route, status: int, error: str | None, exchange: Exchange) -> None:
+    def finish(self, trace: Trace, route: Route, exchange: Exchange) -> None:
         """End the request span and put the request's record in the batch; a full batch leaves."""
         events = trace.events
         batch = self._batch
+        error = trace.error
         batch.append(
             (
                 trace.trace_id,
@@ -182,7 +191,7 @@ class Tracing:
                 _now(),
                 _ROUTES[route],
                 exchange.request_id,
-                status,
+                trace.status if error is not None else exchange.status or 0,
                 error,
                 events,
             )
@@ -199,7 +208,7 @@ class Tracing:
             self._timer.cancel()
             self._timer = None
         if self._batch:
-            frame = marshal.dumps((time.time_ns() - int(time.monotonic() * 1e9), self._batch), 4)
+            frame = marshal.dumps(self._batch, 4)
             self.exporter.send(len(frame).to_bytes(4, "big") + frame, self._batch_spans)
             self._batch, self._batch_spans = [], 0
 

@@ -166,7 +166,7 @@ async def test_one_request_is_one_trace_across_gateway_and_both_pd_engines(
 def _exchange(headers: dict[str, str], request_id: str = "req-1") -> Any:
     """What the tracer reads of an Exchange: the client's headers, the request id, its workers and its
     `trace` slot."""
-    return SimpleNamespace(headers=headers, request_id=request_id, trace=None, workers=("http://a",))
+    return SimpleNamespace(headers=headers, request_id=request_id, trace=None, workers=("http://a",), status=200)
 
 
 def _parsed(frames: list[bytes]) -> list[Any]:
@@ -179,7 +179,7 @@ def _parsed(frames: list[bytes]) -> list[Any]:
     for frame in frames:
         assert int.from_bytes(frame[:4], "big") == len(frame) - 4
         request = trace_service.ExportTraceServiceRequest()
-        request.ParseFromString(encoder.export_request(*marshal.loads(frame[4:])))
+        request.ParseFromString(encoder.export_request(marshal.loads(frame[4:])))
         [resource_spans] = request.resource_spans
         assert resource_spans.resource.attributes[0].value.string_value == "atomesh-gateway"
         [scope_spans] = resource_spans.scope_spans
@@ -214,7 +214,9 @@ async def test_spans_are_written_as_the_collectors_protobuf(monkeypatch: pytest.
         tracing.inject(headers[-1], exchange)
         trace.end()
         trace.end()
-        tracing.finish(trace, Route.COMPLETIONS, 503 if i == 1 else 200, "upstream_error" if i == 1 else None, exchange)
+        if i == 1:
+            trace.failed(503, "upstream_error")
+        tracing.finish(trace, Route.COMPLETIONS, exchange)
     tracing.shutdown()  # sends the batch
     assert [n for _, n in frames] == [4 * len(request_ids)]
     spans = _parsed([f for f, _ in frames])
@@ -350,7 +352,7 @@ async def test_spans_reach_a_receiver_and_a_full_queue_drops_and_counts(
         assert trace is not None
         trace.admission("m", PriorityClass.DEFAULT, "t")
         trace.end()
-        tracing.finish(trace, Route.CHAT, 200, None, exchange)
+        tracing.finish(trace, Route.CHAT, exchange)
     deadline = time.monotonic() + 20
     while sum(len(r.of(t)) for t in trace_ids) < 4:
         assert time.monotonic() < deadline, r.spans
@@ -363,5 +365,5 @@ async def test_spans_reach_a_receiver_and_a_full_queue_drops_and_counts(
         exchange = _exchange({})
         trace = tracing.start(exchange)
         assert trace is not None
-        tracing.finish(trace, Route.COMPLETIONS, 200, None, exchange)
+        tracing.finish(trace, Route.COMPLETIONS, exchange)
     assert tracing.exporter.dropped == 4 and tracing.exporter.waiting == 8
