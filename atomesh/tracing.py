@@ -61,21 +61,21 @@ class Trace:
     parent: bytes  # the client's span (8 bytes), or b""
     base: int  # the request span's id; a child's is base + 1 + the index of its begin event
     events: list[Any]  # begin events (tuples) and end events (ints)
-    start: int
+    start: int  # time.time_ns(); the events' times are nanoseconds since it
     status: int  # the refusal's HTTP status, when `error` is set
     error: str | None  # the gateway's error code when it refused or failed the request, else None
 
     def admission(self, model: str | None, cls: PriorityClass, tenant: str) -> None:
         """Waiting for admission begins (the model, known from here, goes on the request span too)."""
-        self.events.append((_now(), ADMISSION, _CLASSES[cls], tenant, model))
+        self.events.append((_now() - self.start, ADMISSION, _CLASSES[cls], tenant, model))
 
     def attempt(self, number: int, kind: str, policies: tuple[str, ...], workers: tuple[str, ...]) -> None:
         """One placement and its run begins (kind: first, retry or migration)."""
-        self.events.append((_now(), ATTEMPT, number, kind, policies, workers))
+        self.events.append((_now() - self.start, ATTEMPT, number, kind, policies, workers))
 
     def leg(self, leg: int, url: str) -> None:
         """A call to one worker begins (leg: PREFILL, DECODE or UPSTREAM)."""
-        self.events.append((_now(), leg, url))
+        self.events.append((_now() - self.start, leg, url))
 
     def failed(self, status: int, code: str) -> None:
         """The request ends with the gateway's error (the request span's status and `error.type`)."""
@@ -83,7 +83,7 @@ class Trace:
 
     def end(self) -> None:
         """End the innermost open span."""
-        self.events.append(_now())
+        self.events.append(_now() - self.start)
 
     def current(self) -> int:
         """The innermost open span's id."""
@@ -188,7 +188,7 @@ class Tracing:
                 trace.parent,
                 trace.base,
                 trace.start,
-                _now(),
+                _now() - trace.start,
                 _ROUTES[route],
                 exchange.request_id,
                 trace.status if error is not None else exchange.status or 0,
