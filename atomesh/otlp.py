@@ -132,6 +132,7 @@ class SpanEncoder:
         self._scope = field(0x0A, field(0x0A, b"atomesh") + field(0x12, atomesh.__version__.encode()))
         self._children: dict[tuple[Any, ...], bytes] = {}  # (kind, *values): the entry up to its ids
         self._roots: dict[tuple[Any, ...], bytes] = {}  # (route, model, status, workers, error): tail
+        self._varints = [varint(n) for n in range(0x4000)]  # a request span's length: 2 bytes at most
 
     def export_request(self, records: list[tuple[Any, ...]]) -> bytes:
         """One ExportTraceServiceRequest holding the spans of `records`.
@@ -144,7 +145,7 @@ class SpanEncoder:
         children, roots = self._children, self._roots
         child_head, root_tail = self._child_head, self._root_tail
         pack_child, pack_root = _CHILD.pack, _ROOT.pack
-        small, rid_key, rid_size = _SMALL, _REQUEST_ID_KEY, len(_REQUEST_ID_KEY) + 3
+        small, varints, rid_key, rid_size = _SMALL, self._varints, _REQUEST_ID_KEY, len(_REQUEST_ID_KEY) + 3
         for trace_id, parent, base, start, end, route, request_id, status, error, events in records:
             end += start
             ids = b"\x0a\x10" + trace_id + b"\x12\x08"  # trace_id (1), then span_id's tag (2)
@@ -185,7 +186,7 @@ class SpanEncoder:
                     b"".join(
                         (
                             b"\x12",
-                            small[size] if size < 0x80 else varint(size),
+                            varints[size] if size < 0x4000 else varint(size),
                             head,
                             tail,
                             b"\x4a",

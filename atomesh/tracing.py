@@ -225,13 +225,11 @@ class Tracing:
         else:
             headers[TRACEPARENT] = self._not_sampled(exchange.headers)
 
-    @staticmethod
-    def _not_sampled(headers: Mapping[str, str]) -> str:
+    def _not_sampled(self, headers: Mapping[str, str]) -> str:
         client = parse_traceparent(headers.get(TRACEPARENT))
         if client is not None:
             return f"00-{client[0]}-{client[1]}-00"  # the client's trace, passed through
-        ids = os.urandom(24).hex()
-        return f"00-{ids[:32]}-{ids[32:]}-00"
+        return f"00-{self._bits(128) | 1:032x}-{self._bits(64) | 1:016x}-00"  # random bits: no system call
 
     def shutdown(self) -> None:
         """Send what is queued and stop (at gateway stop)."""
