@@ -2,14 +2,16 @@
 request path (`atomesh.tracing.Trace`), shipped in batches to a sender process that writes them as
 OTLP protobuf and sends them (`atomesh.otlp_sender`).
 
-Gateway side: a request's record joins a batch when it ends (`atomesh.tracing`); a batch of
-`OTEL_BSP_MAX_EXPORT_BATCH_SIZE` spans, or what gathered in `OTEL_BSP_SCHEDULE_DELAY`, is marshalled
-into one frame, which `SpanExporter`'s thread writes to the sender's stdin. Sender side, `SpanEncoder`: each
-batch becomes one opentelemetry-proto `ExportTraceServiceRequest` (trace/v1/trace.proto, the
-collector's own), the fields written being the ones the gateway's spans have (ids, name, kind, times,
-attributes, an error status). A span's name, kind and attributes are encoded once per distinct set of
-values and cached (they repeat from request to request: route, model, worker, status), so a span costs
-one `struct.pack` of its ids and times and a cache lookup.
+Gateway side: a request's record joins a batch when it ends (`atomesh.tracing`); half of
+`OTEL_BSP_MAX_QUEUE_SIZE` spans (at least `OTEL_BSP_MAX_EXPORT_BATCH_SIZE`), or what gathered in
+`OTEL_BSP_SCHEDULE_DELAY`, is marshalled into one frame, which `SpanExporter`'s thread writes to the
+sender's stdin. Sender side: each frame is cut into export batches of at most
+`OTEL_BSP_MAX_EXPORT_BATCH_SIZE` spans and `SpanEncoder` writes each as one opentelemetry-proto
+`ExportTraceServiceRequest` (trace/v1/trace.proto, the collector's own), the fields written being the
+ones the gateway's spans have (ids, name, kind, times, attributes, an error status). A span's name,
+kind and attributes are encoded once per distinct set of values and cached (they repeat from request
+to request: route, model, worker, status), so a span costs one `struct.pack` of its ids and times and
+a cache lookup.
 
 The SDK's environment applies as it reads it: `OTEL_BSP_SCHEDULE_DELAY`, `OTEL_BSP_MAX_QUEUE_SIZE`,
 `OTEL_BSP_MAX_EXPORT_BATCH_SIZE`, `OTEL_EXPORTER_OTLP[_TRACES]_HEADERS`, `_COMPRESSION` (gzip) and
@@ -356,6 +358,7 @@ class SpanExporter:
             "headers": settings.headers,
             "gzip": settings.gzip,
             "timeout_s": settings.timeout_s,
+            "max_batch": settings.max_batch,
             "resource": settings.resource,
         }
         self._sender = subprocess.Popen(

@@ -35,10 +35,12 @@ class Receiver(trace_grpc.TraceServiceServicer):  # type: ignore[misc]
 
     def __init__(self) -> None:
         self.spans: list[dict[str, Any]] = []
+        self.calls: list[int] = []  # spans in each Export call
         self.lock = threading.Lock()
 
     def Export(self, request: Any, context: Any) -> Any:  # the gRPC method's name
         with self.lock:
+            self.calls.append(sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans))
             for rs in request.resource_spans:
                 service = next(a.value.string_value for a in rs.resource.attributes if a.key == "service.name")
                 for ss in rs.scope_spans:
@@ -305,6 +307,38 @@ def test_a_request_not_sampled_records_nothing_and_passes_the_flag_on(monkeypatc
         assert tracing.start(_exchange({"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"}))
     finally:
         tracing.shutdown()
+
+
+async def test_a_frame_of_several_export_batches_goes_in_calls_of_at_most_the_batch_size(
+    receiver: tuple[Receiver, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gateway hands its sender half the queue's bound at a time; the sender sends it in export
+    calls of at most OTEL_BSP_MAX_EXPORT_BATCH_SIZE spans, a request's spans together in one."""
+    from atomesh.request import Route
+    from atomesh.tenancy import PriorityClass
+    from atomesh.tracing import Tracing
+
+    r, endpoint = receiver
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "24")
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "5")
+    tracing = Tracing(endpoint)
+    try:
+        for _ in range(6):  # 2 spans each: one frame of 12 spans
+            exchange = _exchange({})
+            trace = tracing.start(exchange)
+            assert trace is not None
+            trace.admission("m", PriorityClass.DEFAULT, "t")
+            trace.end()
+            tracing.finish(trace, Route.CHAT, exchange)
+        assert tracing.exporter.handed + tracing.exporter.waiting == 12
+        deadline = time.monotonic() + 20
+        while len(r.spans) < 12:
+            assert time.monotonic() < deadline, r.calls
+            await asyncio.sleep(0.05)
+    finally:
+        tracing.shutdown()
+    assert r.calls == [4, 4, 4]
+    assert all(sum(s["name"] == "admission" for s in r.of(t)) == 1 for t in {s["trace"] for s in r.spans})
 
 
 def test_exporter_settings_not_honoured_stop_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
