@@ -2,14 +2,16 @@
 request path (`atomesh.tracing.Trace`), shipped in batches to a sender process that writes them as
 OTLP protobuf and sends them (`atomesh.otlp_sender`).
 
-Gateway side: a request's record joins a batch when it ends (`atomesh.tracing`); a batch of
-`OTEL_BSP_MAX_EXPORT_BATCH_SIZE` spans, or what gathered in `OTEL_BSP_SCHEDULE_DELAY`, is marshalled
-into one frame, which `SpanExporter`'s thread writes to the sender's stdin. Sender side, `SpanEncoder`: each
-batch becomes one opentelemetry-proto `ExportTraceServiceRequest` (trace/v1/trace.proto, the
-collector's own), the fields written being the ones the gateway's spans have (ids, name, kind, times,
-attributes, an error status). A span's name, kind and attributes are encoded once per distinct set of
-values and cached (they repeat from request to request: route, model, worker, status), so a span costs
-one `struct.pack` of its ids and times and a cache lookup.
+Gateway side: a request's record joins a batch when it ends (`atomesh.tracing`); half of
+`OTEL_BSP_MAX_QUEUE_SIZE` spans (at least `OTEL_BSP_MAX_EXPORT_BATCH_SIZE`), or what gathered in
+`OTEL_BSP_SCHEDULE_DELAY`, is marshalled into one frame, which `SpanExporter`'s thread writes to the
+sender's stdin. Sender side: each frame is cut into export batches of at most
+`OTEL_BSP_MAX_EXPORT_BATCH_SIZE` spans and `SpanEncoder` writes each as one opentelemetry-proto
+`ExportTraceServiceRequest` (trace/v1/trace.proto, the collector's own), the fields written being the
+ones the gateway's spans have (ids, name, kind, times, attributes, an error status). A span's name,
+kind and attributes are encoded once per distinct set of values and cached (they repeat from request
+to request: route, model, worker, status), so a span costs one `struct.pack` of its ids and times and
+a cache lookup.
 
 The SDK's environment applies as it reads it: `OTEL_BSP_SCHEDULE_DELAY`, `OTEL_BSP_MAX_QUEUE_SIZE`,
 `OTEL_BSP_MAX_EXPORT_BATCH_SIZE`, `OTEL_EXPORTER_OTLP[_TRACES]_HEADERS`, `_COMPRESSION` (gzip) and
@@ -41,14 +43,15 @@ KIND_INTERNAL, KIND_SERVER, KIND_CLIENT = 1, 2, 3  # opentelemetry-proto's Span.
 
 # What a request's record holds, as `atomesh.tracing` makes it and `SpanEncoder` reads it: (trace id
 # (16 bytes), the client's span (8 bytes, or b""), the request span's id, its start and end, route,
-# request id, HTTP status, error code or None, events). Times are `time.monotonic()` floats (a
-# nanosecond's resolution for 97 days of uptime; they cost less than ints of nanoseconds to make and
-# to marshal). Events are the child spans as they happened: a span's begin `(start, kind, *values)`
-# and its end, a float (the end time); spans nest, so a begin's parent is the innermost span open
-# then (or the request span) and an end closes the innermost open span. The request span's model is
-# the admission span's (it is known from there on), its workers the last attempt's. A child span's
-# id is the request span's + 1 + the index of its begin event; an id's bytes are the int's 8
-# little-endian bytes (as the traceparent sent upstream writes them in hex).
+# request id, HTTP status, error code or None, events). The start is `time.time_ns()`, as the SDK
+# takes it; every other time is nanoseconds since the start (`marshal` writes an int that fits in 32
+# bits, up to 2 s, in 5 bytes and cheaply: a larger one costs about 6 times as much). Events are the
+# child spans as they happened: a span's begin `(start, kind, *values)` and its end, an int (the end
+# time); spans nest, so a begin's parent is the innermost span open then (or the request span) and
+# an end closes the innermost open span. The request span's model is the admission span's (it is
+# known from there on), its workers the last attempt's. A child span's id is the request span's + 1
+# + the index of its begin event; an id's bytes are the int's 8 little-endian bytes (as the
+# traceparent sent upstream writes them in hex).
 ADMISSION, ATTEMPT, PREFILL, DECODE, UPSTREAM = range(5)
 # Each kind of child span: its name, OTLP kind, the keys of its begin event's values, constant attributes.
 SPANS: tuple[tuple[str, int, tuple[str, ...], tuple[tuple[str, str], ...]], ...] = (
@@ -67,8 +70,8 @@ REQUEST_ID = "atomesh.request_id"  # the request span's attribute that differs w
 
 _SMALL = [bytes((n,)) for n in range(0x80)]
 _DOUBLE = struct.Struct("<Bd")
-# A child span's ids and times: trace_id (1) with span_id's tag (2), span_id, parent_span_id (4),
-# start_time_unix_nano (7) and end_time_unix_nano (8), both fixed64.
+# A child span's ids and times, after its name, kind and attributes: trace_id (1) with span_id's tag
+# (2), span_id, parent_span_id (4), start_time_unix_nano (7) and end_time_unix_nano (8), both fixed64.
 _CHILD = struct.Struct("<20sQ2sQBQBQ")
 _CHILD_SIZE = _CHILD.size
 _ROOT = struct.Struct("<20sQBQBQ")  # the request span's: its parent goes apart (the client's, if any)
@@ -129,88 +132,79 @@ class SpanEncoder:
     def __init__(self, resource: tuple[tuple[str, str], ...]) -> None:
         self._resource = field(0x0A, b"".join(field(0x0A, key_value(k, v)) for k, v in resource))
         self._scope = field(0x0A, field(0x0A, b"atomesh") + field(0x12, atomesh.__version__.encode()))
-        self._children: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}  # (kind, *values): (entry head, tail)
+        self._children: dict[tuple[Any, ...], bytes] = {}  # (kind, *values): the entry up to its ids
         self._roots: dict[tuple[Any, ...], bytes] = {}  # (route, model, status, workers, error): tail
+        self._varints = [varint(n) for n in range(0x4000)]  # a request span's length: 2 bytes at most
 
-    def export_request(self, offset_ns: int, records: list[tuple[Any, ...]]) -> bytes:
-        """One ExportTraceServiceRequest holding the spans of `records` (`offset_ns`: unix time less
-        monotonic time in nanoseconds, when the batch left the gateway)."""
+    def export_request(self, records: list[tuple[Any, ...]]) -> bytes:
+        """One ExportTraceServiceRequest holding the spans of `records`.
+
+        One loop over the whole batch, its names bound once: a child span costs a cache lookup of
+        its values (which gives its entry's tag, length, name, kind and attributes in one bytes
+        object), one `struct.pack` of its ids and times, and two list appends."""
         out = [self._scope]
-        for record in records:
-            self._spans(record, offset_ns, out)
+        append = out.append
+        children, roots = self._children, self._roots
+        child_head, root_tail = self._child_head, self._root_tail
+        pack_child, pack_root = _CHILD.pack, _ROOT.pack
+        small, varints, rid_key, rid_size = _SMALL, self._varints, _REQUEST_ID_KEY, len(_REQUEST_ID_KEY) + 3
+        for trace_id, parent, base, start, end, route, request_id, status, error, events in records:
+            end += start
+            ids = b"\x0a\x10" + trace_id + b"\x12\x08"  # trace_id (1), then span_id's tag (2)
+            first = base + 1  # a child's id is first + the index of its begin event
+            model, workers = "", ()
+            begun: list[tuple[int, int]] = []  # the open spans, innermost last: (begin event, parent's id)
+            up = base  # the innermost open span's id
+            for i, event in enumerate(events):
+                if event.__class__ is int:
+                    j, up = begun.pop()
+                    begin = events[j]
+                    key = begin[1:]
+                    append(children.get(key) or child_head(key))
+                    append(pack_child(ids, first + j, b"\x22\x08", up, 0x39, start + begin[0], 0x41, start + event))
+                    continue
+                kind = event[1]
+                if kind == ATTEMPT:
+                    workers = event[5]
+                elif kind == ADMISSION:
+                    model = event[4] or ""
+                begun.append((i, up))
+                up = first + i
+            while begun:  # not ended (the request path always ends its spans): they end with the request
+                j, up = begun.pop()
+                begin = events[j]
+                key = begin[1:]
+                append(children.get(key) or child_head(key))
+                append(pack_child(ids, first + j, b"\x22\x08", up, 0x39, start + begin[0], 0x41, end))
+            tail = roots.get((route, model, status, workers, error)) or root_tail(route, model, status, workers, error)
+            value = request_id.encode()
+            n = len(value)
+            head = pack_root(ids, base, 0x39, start, 0x41, end)
+            if parent:
+                head += b"\x22\x08" + parent
+            if n < 100:  # KeyValue {key, value {string_value}}, every length in one byte
+                size = len(head) + len(tail) + n + rid_size + 2
+                append(
+                    b"".join(
+                        (
+                            b"\x12",
+                            varints[size] if size < 0x4000 else varint(size),
+                            head,
+                            tail,
+                            b"\x4a",
+                            small[n + rid_size],
+                            rid_key,
+                            small[n + 2],
+                            b"\x0a",
+                            small[n],
+                            value,
+                        )
+                    )
+                )
+            else:
+                append(field(0x12, head + tail + field(0x4A, key_value(REQUEST_ID, request_id))))
         scope_spans = field(0x12, b"".join(out))  # ResourceSpans.scope_spans (2)
         return field(0x0A, self._resource + scope_spans)  # ExportTraceServiceRequest.resource_spans (1)
-
-    def _spans(self, record: tuple[Any, ...], offset: int, out: list[bytes]) -> None:
-        """Append a request's spans to `out`, each a ScopeSpans.spans (2) entry."""
-        trace_id, parent, base, start, end, route, request_id, status, error, events = record
-        ids = b"\x0a\x10" + trace_id + b"\x12\x08"  # trace_id (1), then span_id's tag (2)
-        model, workers = "", ()
-        begun: list[tuple[int, int]] = []  # the open spans, innermost last: (begin event, its parent's)
-        for i, event in enumerate(events):
-            if event.__class__ is not float:
-                begun.append((i, begun[-1][0] if begun else -1))
-                if event[1] == ATTEMPT:
-                    workers = event[5]
-                elif event[1] == ADMISSION:
-                    model = event[4] or ""
-                continue
-            j, up = begun.pop()
-            self._child(ids, base, j, up, events[j], event, offset, out)
-        while begun:  # not ended (the request path always ends its spans): they end with the request
-            j, up = begun.pop()
-            self._child(ids, base, j, up, events[j], end, offset, out)
-        tail = self._roots.get((route, model, status, workers, error))
-        if tail is None:
-            tail = self._root_tail(route, model, status, workers, error)
-        value = request_id.encode()
-        n = len(value)
-        if n < 100:  # KeyValue {key, value {string_value}}, every length in one byte
-            rid = b"".join(
-                (
-                    b"\x4a",
-                    _SMALL[n + len(_REQUEST_ID_KEY) + 3],
-                    _REQUEST_ID_KEY,
-                    _SMALL[n + 2],
-                    b"\x0a",
-                    _SMALL[n],
-                    value,
-                )
-            )
-        else:
-            rid = field(0x4A, key_value(REQUEST_ID, request_id))
-        body = b"".join(
-            (
-                _ROOT.pack(ids, base, 0x39, int(start * 1e9) + offset, 0x41, int(end * 1e9) + offset),
-                b"\x22\x08" + parent if parent else b"",
-                tail,
-                rid,
-            )
-        )
-        out.append(field(0x12, body))
-
-    def _child(
-        self, ids: bytes, base: int, i: int, up: int, begin: tuple[Any, ...], end: float, offset: int, out: list[bytes]
-    ) -> None:
-        """Append the child span whose begin event is `events[i]` (its parent's `up`, -1 the request span)."""
-        key = begin[1:]
-        cached = self._children.get(key)
-        if cached is None:
-            cached = self._child_tail(key)
-        out += (
-            cached[0],
-            _CHILD.pack(
-                ids,
-                base + 1 + i,
-                b"\x22\x08",
-                base + 1 + up,
-                0x39,
-                int(begin[0] * 1e9) + offset,
-                0x41,
-                int(end * 1e9) + offset,
-            ),
-            cached[1],
-        )
 
     def _root_tail(self, route: str, model: str, status: int, workers: tuple[str, ...], error: str | None) -> bytes:
         """The request span's name (5), kind (6), attributes (9) but its request id, and error status (15)."""
@@ -230,8 +224,9 @@ class SpanEncoder:
         self._roots[(route, model, status, workers, error)] = tail
         return tail
 
-    def _child_tail(self, key: tuple[Any, ...]) -> tuple[bytes, bytes]:
-        """A child span's name (5), kind (6) and attributes (9), with its ScopeSpans.spans entry's tag and length."""
+    def _child_head(self, key: tuple[Any, ...]) -> bytes:
+        """A child span's ScopeSpans.spans entry up to its ids and times: the entry's tag and length,
+        the span's name (5), kind (6) and attributes (9) (a message's fields may come in any order)."""
         name, kind, keys, constant = SPANS[key[0]]
         tail = (
             field(0x2A, name.encode())
@@ -239,11 +234,11 @@ class SpanEncoder:
             + _SMALL[kind]
             + attributes((*zip(keys, key[1:], strict=True), *constant))
         )
-        cached = (b"\x12" + varint(_CHILD_SIZE + len(tail)), tail)
+        head = b"\x12" + varint(_CHILD_SIZE + len(tail)) + tail
         if len(self._children) >= _CACHE_ENTRIES:
             self._children.clear()
-        self._children[key] = cached
-        return cached
+        self._children[key] = head
+        return head
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,7 +336,7 @@ class SpanExporter:
     """The sender process, and the thread that writes batches to it.
 
     A batch comes as one `marshal` frame (`atomesh.tracing.Tracing.ship`: a 4-byte big-endian length,
-    then `(unix time less monotonic time in nanoseconds, [record, ...])`), written to the sender's
+    then `[record, ...]`), written to the sender's
     stdin (`atomesh.otlp_sender`: the encoding, the gRPC client and its retries run there). The
     writes block while the pipe is full, so they run on a thread; a batch that would put more than
     `max_queue` spans in waiting (the collector slow or away) is dropped and counted."""
@@ -363,6 +358,7 @@ class SpanExporter:
             "headers": settings.headers,
             "gzip": settings.gzip,
             "timeout_s": settings.timeout_s,
+            "max_batch": settings.max_batch,
             "resource": settings.resource,
         }
         self._sender = subprocess.Popen(

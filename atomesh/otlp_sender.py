@@ -2,11 +2,12 @@
 them to the collector.
 
 `python -m atomesh.otlp_sender SETTINGS_JSON`, started and stopped by `atomesh.otlp.SpanExporter`. It
-reads frames from stdin (a 4-byte big-endian length, then a `marshal`led batch of requests' records),
-writes each batch as one `ExportTraceServiceRequest` (`atomesh.otlp.SpanEncoder`) and sends it with
-one gRPC call, retrying what the collector may get over (unavailable, overloaded) with backoff until
-the export timeout; at the end of stdin it exits. The encoding and the gRPC client run here, not in
-the gateway: there they would take the event loop's time, or contend with it for the interpreter lock.
+reads frames from stdin (a 4-byte big-endian length, then a `marshal`led list of requests' records),
+cuts each into export batches of at most `OTEL_BSP_MAX_EXPORT_BATCH_SIZE` spans, writes each as one
+`ExportTraceServiceRequest` (`atomesh.otlp.SpanEncoder`) and sends it with one gRPC call, retrying
+what the collector may get over (unavailable, overloaded) with backoff until the export timeout; at
+the end of stdin it exits. The encoding and the gRPC client run here, not in the gateway: there they
+would take the event loop's time, or contend with it for the interpreter lock.
 """
 
 from __future__ import annotations
@@ -57,30 +58,52 @@ def serve(settings: dict[str, Any], stream: BinaryIO) -> None:
         frame = _read(stream, int.from_bytes(head, "big"))
         if frame is None:
             break
-        offset_ns, records = marshal.loads(frame)
-        data = encoder.export_request(offset_ns, records)
-        deadline = time.monotonic() + settings["timeout_s"]
-        backoff = 0.5
-        while True:
-            try:
-                call(data, timeout=max(0.01, deadline - time.monotonic()), metadata=metadata, compression=compression)
-                break
-            except grpc.RpcError as e:
-                code = e.code() if hasattr(e, "code") else None
-                if code in retryable and time.monotonic() + backoff < deadline:
-                    time.sleep(backoff)
-                    backoff *= 2
-                    continue
-                failed += 1
-                log.warning(
-                    "otlp_export_failed",
-                    endpoint=settings["target"],
-                    code=str(code),
-                    batches_failed=failed,
-                    detail=e.details() if hasattr(e, "details") else str(e),
-                )
-                break
+        for records in _export_batches(marshal.loads(frame), settings["max_batch"]):
+            failed += _export(call, encoder.export_request(records), settings, metadata, compression, retryable, failed)
     channel.close()
+
+
+def _export_batches(records: list[Any], max_spans: int) -> list[list[Any]]:
+    """The frame's records in export batches of at most `max_spans` spans (a request's spans stay together)."""
+    batches: list[list[Any]] = [[]]
+    spans = 0
+    for record in records:
+        n = 1 + len(record[-1]) // 2  # the request span, and a begin and an end per child
+        if spans + n > max_spans and batches[-1]:
+            batches.append([])
+            spans = 0
+        batches[-1].append(record)
+        spans += n
+    return batches
+
+
+def _export(
+    call: Any, data: bytes, settings: dict[str, Any], metadata: Any, compression: Any, retryable: set[Any], failed: int
+) -> int:
+    """Send one ExportTraceServiceRequest, retrying what the collector may get over (with backoff, until
+    the export timeout); 1 if it failed, else 0."""
+    import grpc
+
+    deadline = time.monotonic() + settings["timeout_s"]
+    backoff = 0.5
+    while True:
+        try:
+            call(data, timeout=max(0.01, deadline - time.monotonic()), metadata=metadata, compression=compression)
+            return 0
+        except grpc.RpcError as e:
+            code = e.code() if hasattr(e, "code") else None
+            if code in retryable and time.monotonic() + backoff < deadline:
+                time.sleep(backoff)
+                backoff *= 2
+                continue
+            log.warning(
+                "otlp_export_failed",
+                endpoint=settings["target"],
+                code=str(code),
+                batches_failed=failed + 1,
+                detail=e.details() if hasattr(e, "details") else str(e),
+            )
+            return 1
 
 
 if __name__ == "__main__":

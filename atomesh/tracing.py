@@ -12,7 +12,7 @@ is decided once, as it arrives: the client's flag, else `OTEL_TRACES_SAMPLER` /
 `OTEL_TRACES_SAMPLER_ARG` as the SDK reads them, else every trace. A request not sampled gets no
 `Trace`; all tracing does for it is the `traceparent` it passes on (flagged not sampled, so the
 engines record nothing either). A sampled request's `Trace` records its spans as tuples and ints in a
-list (monotonic nanoseconds, the few values each kind of span has, span ids counted from one random
+list (`time.time_ns()` times, the few values each kind of span has, span ids counted from one random
 base): no span objects, no attribute dicts. When the request ends the record is queued; a thread ships
 queued records in batches to a sender process, which writes the OTLP protobuf and sends it (`otlp.py`,
 `otlp_sender.py`). The OpenTelemetry SDK's span objects, processor and encoder cost more than the
@@ -43,7 +43,7 @@ TRACEPARENT = "traceparent"
 _TRACEPARENT = re.compile(r"\s*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:-\S*)?\s*", re.IGNORECASE)
 _CLASSES = {c: c.name.lower() for c in PriorityClass}
 _ROUTES = {r: r.value for r in Route}  # plain strings (an Enum's `value` is a property: slow)
-_now = time.monotonic  # floats: see atomesh.otlp on a record's times
+_now = time.time_ns  # see atomesh.otlp on a record's times
 
 
 class Trace:
@@ -55,29 +55,35 @@ class Trace:
     much again as the span). Made by `Tracing.start` only (no `__init__`: calling one costs as much as
     a span)."""
 
-    __slots__ = ("base", "events", "parent", "start", "trace_id")
+    __slots__ = ("base", "error", "events", "parent", "start", "status", "trace_id")
 
     trace_id: bytes  # 16 bytes
     parent: bytes  # the client's span (8 bytes), or b""
     base: int  # the request span's id; a child's is base + 1 + the index of its begin event
-    events: list[Any]  # begin events (tuples) and end events (floats)
-    start: float
+    events: list[Any]  # begin events (tuples) and end events (ints)
+    start: int  # time.time_ns(); the events' times are nanoseconds since it
+    status: int  # the refusal's HTTP status, when `error` is set
+    error: str | None  # the gateway's error code when it refused or failed the request, else None
 
     def admission(self, model: str | None, cls: PriorityClass, tenant: str) -> None:
         """Waiting for admission begins (the model, known from here, goes on the request span too)."""
-        self.events.append((_now(), ADMISSION, _CLASSES[cls], tenant, model))
+        self.events.append((_now() - self.start, ADMISSION, _CLASSES[cls], tenant, model))
 
     def attempt(self, number: int, kind: str, policies: tuple[str, ...], workers: tuple[str, ...]) -> None:
         """One placement and its run begins (kind: first, retry or migration)."""
-        self.events.append((_now(), ATTEMPT, number, kind, policies, workers))
+        self.events.append((_now() - self.start, ATTEMPT, number, kind, policies, workers))
 
     def leg(self, leg: int, url: str) -> None:
         """A call to one worker begins (leg: PREFILL, DECODE or UPSTREAM)."""
-        self.events.append((_now(), leg, url))
+        self.events.append((_now() - self.start, leg, url))
+
+    def failed(self, status: int, code: str) -> None:
+        """The request ends with the gateway's error (the request span's status and `error.type`)."""
+        self.status, self.error = status, code
 
     def end(self) -> None:
         """End the innermost open span."""
-        self.events.append(_now())
+        self.events.append(_now() - self.start)
 
     def current(self) -> int:
         """The innermost open span's id."""
@@ -86,7 +92,7 @@ class Trace:
         ended = 0
         while i:
             i -= 1
-            if events[i].__class__ is float:
+            if events[i].__class__ is int:
                 ended += 1
             elif ended:
                 ended -= 1
@@ -140,7 +146,11 @@ class Tracing:
         rng = random.Random()  # seeded from os.urandom
         self._random, self._bits = rng.random, rng.getrandbits
         settings = exporter_settings(endpoint, service)
-        self._max_batch, self._delay = settings.max_batch, settings.schedule_delay_s
+        # Records go to the sender in frames of up to half the queue's bound (and at least one export
+        # batch), which it sends in export batches: the sender wakes once for several batches (about a
+        # third of its CPU a request at 128 requests a frame was waking up cold).
+        self._hand_over = max(settings.max_batch, settings.max_queue // 2)
+        self._delay = settings.schedule_delay_s
         # The records of the requests ended since the last batch left, and their spans.
         self._batch: list[tuple[Any, ...]] = []
         self._batch_spans = 0
@@ -155,7 +165,8 @@ class Tracing:
         if client is None:
             if self.ratio < 1.0 and self._random() >= self.ratio:
                 return None
-            trace_id, parent = os.urandom(16), b""
+            # Random bits as the SDK's id generator takes them (Python's `random`): no system call.
+            trace_id, parent = (self._bits(128) | 1).to_bytes(16, "little"), b""
         elif client[2]:
             trace_id, parent = bytes.fromhex(client[0]), bytes.fromhex(client[1])
         else:
@@ -166,29 +177,31 @@ class Tracing:
         # 62 random bits, odd: never zero, and the request's child span ids (counted up from it) stay in 64 bits.
         trace.base = self._bits(62) | 1
         trace.events = []
+        trace.error = None
         trace.start = _now()
         return trace
 
-    def finish(self, trace: Trace, route: Route, status: int, error: str | None, exchange: Exchange) -> None:
+    def finish(self, trace: Trace, route: Route, exchange: Exchange) -> None:
         """End the request span and put the request's record in the batch; a full batch leaves."""
         events = trace.events
         batch = self._batch
+        error = trace.error
         batch.append(
             (
                 trace.trace_id,
                 trace.parent,
                 trace.base,
                 trace.start,
-                _now(),
+                _now() - trace.start,
                 _ROUTES[route],
                 exchange.request_id,
-                status,
+                trace.status if error is not None else exchange.status or 0,
                 error,
                 events,
             )
         )
         self._batch_spans += 1 + len(events) // 2  # the request span, and a begin and an end per child
-        if self._batch_spans >= self._max_batch:
+        if self._batch_spans >= self._hand_over:
             self.ship()
         elif len(batch) == 1:
             self._timer = asyncio.get_running_loop().call_later(self._delay, self.ship)
@@ -199,7 +212,7 @@ class Tracing:
             self._timer.cancel()
             self._timer = None
         if self._batch:
-            frame = marshal.dumps((time.time_ns() - int(time.monotonic() * 1e9), self._batch), 4)
+            frame = marshal.dumps(self._batch, 4)
             self.exporter.send(len(frame).to_bytes(4, "big") + frame, self._batch_spans)
             self._batch, self._batch_spans = [], 0
 
@@ -216,13 +229,11 @@ class Tracing:
         else:
             headers[TRACEPARENT] = self._not_sampled(exchange.headers)
 
-    @staticmethod
-    def _not_sampled(headers: Mapping[str, str]) -> str:
+    def _not_sampled(self, headers: Mapping[str, str]) -> str:
         client = parse_traceparent(headers.get(TRACEPARENT))
         if client is not None:
             return f"00-{client[0]}-{client[1]}-00"  # the client's trace, passed through
-        ids = os.urandom(24).hex()
-        return f"00-{ids[:32]}-{ids[32:]}-00"
+        return f"00-{self._bits(128) | 1:032x}-{self._bits(64) | 1:016x}-00"  # random bits: no system call
 
     def shutdown(self) -> None:
         """Send what is queued and stop (at gateway stop)."""

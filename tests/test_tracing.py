@@ -35,10 +35,12 @@ class Receiver(trace_grpc.TraceServiceServicer):  # type: ignore[misc]
 
     def __init__(self) -> None:
         self.spans: list[dict[str, Any]] = []
+        self.calls: list[int] = []  # spans in each Export call
         self.lock = threading.Lock()
 
     def Export(self, request: Any, context: Any) -> Any:  # the gRPC method's name
         with self.lock:
+            self.calls.append(sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans))
             for rs in request.resource_spans:
                 service = next(a.value.string_value for a in rs.resource.attributes if a.key == "service.name")
                 for ss in rs.scope_spans:
@@ -166,7 +168,7 @@ async def test_one_request_is_one_trace_across_gateway_and_both_pd_engines(
 def _exchange(headers: dict[str, str], request_id: str = "req-1") -> Any:
     """What the tracer reads of an Exchange: the client's headers, the request id, its workers and its
     `trace` slot."""
-    return SimpleNamespace(headers=headers, request_id=request_id, trace=None, workers=("http://a",))
+    return SimpleNamespace(headers=headers, request_id=request_id, trace=None, workers=("http://a",), status=200)
 
 
 def _parsed(frames: list[bytes]) -> list[Any]:
@@ -179,7 +181,7 @@ def _parsed(frames: list[bytes]) -> list[Any]:
     for frame in frames:
         assert int.from_bytes(frame[:4], "big") == len(frame) - 4
         request = trace_service.ExportTraceServiceRequest()
-        request.ParseFromString(encoder.export_request(*marshal.loads(frame[4:])))
+        request.ParseFromString(encoder.export_request(marshal.loads(frame[4:])))
         [resource_spans] = request.resource_spans
         assert resource_spans.resource.attributes[0].value.string_value == "atomesh-gateway"
         [scope_spans] = resource_spans.scope_spans
@@ -214,7 +216,9 @@ async def test_spans_are_written_as_the_collectors_protobuf(monkeypatch: pytest.
         tracing.inject(headers[-1], exchange)
         trace.end()
         trace.end()
-        tracing.finish(trace, Route.COMPLETIONS, 503 if i == 1 else 200, "upstream_error" if i == 1 else None, exchange)
+        if i == 1:
+            trace.failed(503, "upstream_error")
+        tracing.finish(trace, Route.COMPLETIONS, exchange)
     tracing.shutdown()  # sends the batch
     assert [n for _, n in frames] == [4 * len(request_ids)]
     spans = _parsed([f for f, _ in frames])
@@ -305,6 +309,38 @@ def test_a_request_not_sampled_records_nothing_and_passes_the_flag_on(monkeypatc
         tracing.shutdown()
 
 
+async def test_a_frame_of_several_export_batches_goes_in_calls_of_at_most_the_batch_size(
+    receiver: tuple[Receiver, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gateway hands its sender half the queue's bound at a time; the sender sends it in export
+    calls of at most OTEL_BSP_MAX_EXPORT_BATCH_SIZE spans, a request's spans together in one."""
+    from atomesh.request import Route
+    from atomesh.tenancy import PriorityClass
+    from atomesh.tracing import Tracing
+
+    r, endpoint = receiver
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "24")
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "5")
+    tracing = Tracing(endpoint)
+    try:
+        for _ in range(6):  # 2 spans each: one frame of 12 spans
+            exchange = _exchange({})
+            trace = tracing.start(exchange)
+            assert trace is not None
+            trace.admission("m", PriorityClass.DEFAULT, "t")
+            trace.end()
+            tracing.finish(trace, Route.CHAT, exchange)
+        assert tracing.exporter.handed + tracing.exporter.waiting == 12
+        deadline = time.monotonic() + 20
+        while len(r.spans) < 12:
+            assert time.monotonic() < deadline, r.calls
+            await asyncio.sleep(0.05)
+    finally:
+        tracing.shutdown()
+    assert r.calls == [4, 4, 4]
+    assert all(sum(s["name"] == "admission" for s in r.of(t)) == 1 for t in {s["trace"] for s in r.spans})
+
+
 def test_exporter_settings_not_honoured_stop_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
     from atomesh.otlp import exporter_settings
     from atomesh.tracing import ratio_from_env
@@ -350,7 +386,7 @@ async def test_spans_reach_a_receiver_and_a_full_queue_drops_and_counts(
         assert trace is not None
         trace.admission("m", PriorityClass.DEFAULT, "t")
         trace.end()
-        tracing.finish(trace, Route.CHAT, 200, None, exchange)
+        tracing.finish(trace, Route.CHAT, exchange)
     deadline = time.monotonic() + 20
     while sum(len(r.of(t)) for t in trace_ids) < 4:
         assert time.monotonic() < deadline, r.spans
@@ -363,5 +399,5 @@ async def test_spans_reach_a_receiver_and_a_full_queue_drops_and_counts(
         exchange = _exchange({})
         trace = tracing.start(exchange)
         assert trace is not None
-        tracing.finish(trace, Route.COMPLETIONS, 200, None, exchange)
+        tracing.finish(trace, Route.COMPLETIONS, exchange)
     assert tracing.exporter.dropped == 4 and tracing.exporter.waiting == 8

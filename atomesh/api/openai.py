@@ -21,31 +21,13 @@ def serve_inference(gw: Gateway, route: Route, raw: bytes | bytearray, exchange:
     """One inference request, whichever server took it: parse, validate, admit, route (await it).
 
     Every failure raised here, the gateway's own refusals included, counts in
-    `mesh_router_request_errors_total`. With --enable-trace, it runs in the request's server span.
-    Without, the request's coroutine is returned as it is: no coroutine of its own around it."""
-    if not gw.tracing.on:
-        return _serve(gw, route, raw, exchange)
-    return _traced(gw, route, raw, exchange)
-
-
-async def _traced(gw: Gateway, route: Route, raw: bytes | bytearray, exchange: Exchange) -> None:
-    trace = gw.tracing.start(exchange)
-    if trace is None:  # not sampled: nothing recorded
-        await _serve(gw, route, raw, exchange)
-        return
-    status, error = 0, None
-    try:
-        await _serve(gw, route, raw, exchange)
-        status = exchange.status or 0
-    except GatewayError as e:
-        status, error = e.status, e.code
-        raise
-    finally:
-        gw.tracing.finish(trace, route, status, error, exchange)
+    `mesh_router_request_errors_total`. With --enable-trace, a sampled request runs in its server span."""
+    return _serve(gw, route, raw, exchange)
 
 
 async def _serve(gw: Gateway, route: Route, raw: bytes | bytearray, exchange: Exchange) -> None:
     body: dict[str, Any] | None = None
+    trace = gw.tracing.start(exchange) if gw.tracing.on else None  # None: not traced (or not sampled)
     try:
         headers = exchange.headers
         if headers.get(HOP_HEADER) == gw.instance_id:
@@ -78,11 +60,10 @@ async def _serve(gw: Gateway, route: Route, raw: bytes | bytearray, exchange: Ex
             permit = gw.admission.permit(cls, priority)
             trace = exchange.trace
             if trace is not None:
-                trace.admission(view.model, cls, tenant)
-                try:
+                trace.admission(view.model, cls, tenant)  # ended with the request if the wait is cut
+                if not permit.take_now():
                     await permit.__aenter__()
-                finally:
-                    trace.end()
+                trace.end()
             elif not permit.take_now():
                 await permit.__aenter__()  # waits in the admission queue
             try:
@@ -94,7 +75,12 @@ async def _serve(gw: Gateway, route: Route, raw: bytes | bytearray, exchange: Ex
     except GatewayError as e:
         model = body.get("model") if body is not None else None
         gw.metrics.request_failed(route, model if isinstance(model, str) else None, e.code)
+        if trace is not None:
+            trace.failed(e.status, e.code)
         raise
+    finally:
+        if trace is not None:
+            gw.tracing.finish(trace, route, exchange)
 
 
 class AiohttpExchange(Exchange):
