@@ -108,12 +108,18 @@ def build_cpu_gemm(cache_dir: Path | None = None) -> GemmBuild:
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") if cache_dir is None else cache_dir
     library = (base / "atomesh" if cache_dir is None else base) / f"cpu_gemm-{digest}.so"
     if not library.exists():
-        library.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
+        try:
+            library.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
+        except OSError as e:
+            return GemmBuild(None, f"cannot write the kernel's library under {library.parent}: {e}")
         os.close(fd)
         try:
-            done = subprocess.run([compiler, *_FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True,
-                                  timeout=120, check=False)  # fmt: skip
+            try:
+                done = subprocess.run([compiler, *_FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True,
+                                      timeout=120, check=False)  # fmt: skip
+            except (OSError, subprocess.TimeoutExpired) as e:
+                return GemmBuild(None, f"{compiler} did not run: {e}")
             if done.returncode != 0:
                 return GemmBuild(None, f"{compiler} failed: {done.stderr.strip()[-500:]}")
             os.replace(tmp, library)  # atomic: engines starting together share one build

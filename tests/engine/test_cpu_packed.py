@@ -65,6 +65,9 @@ def test_a_kernel_that_cannot_be_built_says_why_and_the_engine_packs_for_onednn(
     build = build_cpu_gemm(tmp_path)
     assert build.gemm is None and build.why_not.startswith("false failed")
     assert list(tmp_path.iterdir()) == []  # nothing half-built is left to load
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert build_cpu_gemm(tmp_path).why_not.startswith(f"{tmp_path / 'no-such-cc'} did not run")
+    monkeypatch.setenv("CC", "false")
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     before = torch.get_num_threads()
