@@ -9,8 +9,8 @@ SmolLM2-135M: 0.5 GB, about 14 GB/s on one core of the Xeon this was measured on
 - a weight packed once by oneDNN reads it once, but its small-row kernels stream it at 60-70% of the GEMV's
   rate (6 rows 1.4x one row);
 - ``engine/cpu_gemm.c`` (this module builds it with the C compiler on first use, AVX-512, one thread) keeps
-  every row's accumulators in registers while the weight streams past once: 6 rows cost about 1.05x one
-  row, 9 rows 1.1x (SmolLM2's linears, one thread, 2026-12-02).
+  every row's accumulators in registers while the weight streams past once: 6 and 9 rows cost about 1.1x
+  one row (SmolLM2's linears, one thread, 2026-12-02; ``python -m bench.engine.cpu_linears``).
 
 ``PackedCpuOps`` packs every float32 ``nn.Linear`` once at start: for that kernel when the engine runs torch on one
 thread and the CPU has AVX-512 and a C compiler builds it (rows 2 .. ``MAX_NATIVE_ROWS``; more rows, a prefill
