@@ -80,8 +80,9 @@ class CpuGemm:
         """``x [M, K] @ weight.T (+ bias)`` from the packed weight (``n``: the weight's rows)."""
         x = x.contiguous()
         out = torch.empty(x.shape[0], n, dtype=torch.float32)
-        b = None if bias is None else bias.detach().contiguous().data_ptr()
-        self._lib.atomesh_gemm(packed.data_ptr(), x.data_ptr(), b, out.data_ptr(), x.shape[0], n, x.shape[1])
+        b = None if bias is None else bias.detach().contiguous()  # held: the kernel reads it
+        self._lib.atomesh_gemm(packed.data_ptr(), x.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(),
+                               x.shape[0], n, x.shape[1])  # fmt: skip
         return out
 
 
@@ -105,8 +106,8 @@ def build_cpu_gemm(cache_dir: Path | None = None) -> GemmBuild:
         return GemmBuild(None, "no C compiler (set CC or install cc)")
     source = _SOURCE.read_bytes()
     digest = hashlib.sha256(source + " ".join((compiler, *_FLAGS)).encode()).hexdigest()[:16]
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") if cache_dir is None else cache_dir
-    library = (base / "atomesh" if cache_dir is None else base) / f"cpu_gemm-{digest}.so"
+    folder = cache_dir or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "atomesh"
+    library = folder / f"cpu_gemm-{digest}.so"
     if not library.exists():
         try:
             library.parent.mkdir(parents=True, exist_ok=True)
@@ -160,17 +161,15 @@ class PackedCpuOps(TorchOps):
 
     def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         packed = self._packed.get(id(layer))
-        if packed is None or x.dim() != 2 or x.dtype != torch.float32:
-            return layer(x)  # type: ignore[no-any-return]
+        if (packed is None or not isinstance(layer, nn.Linear) or x.dim() != 2 or x.dtype != torch.float32
+                or x.shape[1] != layer.in_features):  # fmt: skip
+            return layer(x)  # type: ignore[no-any-return]  # (and torch's error for a wrong width)
         rows = x.shape[0]
-        if self.gemm is not None:
-            if 2 <= rows <= MAX_NATIVE_ROWS:
-                assert isinstance(layer, nn.Linear)
-                return self.gemm.linear(packed, x, layer.bias, layer.out_features)
-            return layer(x)  # type: ignore[no-any-return]
-        if rows < MIN_PACKED_ROWS:
-            return layer(x)  # type: ignore[no-any-return]
-        return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")  # type: ignore[no-any-return]
+        if self.gemm is not None and 2 <= rows <= MAX_NATIVE_ROWS:
+            return self.gemm.linear(packed, x, layer.bias, layer.out_features)
+        if self.gemm is None and rows >= MIN_PACKED_ROWS:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")  # type: ignore[no-any-return]
+        return layer(x)  # type: ignore[no-any-return]
 
     def swiglu_linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return self.silu_and_mul(self.linear(layer, x))

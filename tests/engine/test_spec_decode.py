@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 import torch
+from conftest import OnThreads
 
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams, Sequence, SequenceStatus
@@ -58,21 +59,10 @@ def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> 
     return [s.completion_ids for s in seqs]
 
 
-def on_threads(threads: int, make: Callable[[], LLMEngine]) -> LLMEngine:
-    """An engine built while torch runs ``threads`` threads: a speculating CPU engine packs its linears for the
-    native kernel on one thread, for oneDNN on more (engine.cpu_packed), and keeps that choice."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return make()
-    finally:
-        torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("blocks", [256, 40], ids=["roomy", "preempting"])
 @pytest.mark.parametrize("threads", [1, 2], ids=["native-linears", "onednn-linears"])
-def test_drafts_forced_to_the_target_argmax_give_plain_decoding(make_engine: MakeEngine, blocks: int,
-                                                                threads: int) -> None:  # fmt: skip
+def test_drafts_forced_to_the_target_argmax_give_plain_decoding(make_engine: MakeEngine, on_threads: OnThreads,
+                                                                blocks: int, threads: int) -> None:  # fmt: skip
     plain = make_engine(block_size=4)
     prompts = [plain.tokenizer.encode(t) for t in TEXTS]
     expected = plain.generate(prompts, GREEDY)
@@ -103,7 +93,8 @@ def test_drafts_forced_to_the_target_argmax_give_plain_decoding(make_engine: Mak
 
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "prefill-first"])
 @pytest.mark.parametrize("threads", [1, 2], ids=["native-linears", "onednn-linears"])
-def test_ngram_drafts_under_greedy_change_no_token(make_engine: MakeEngine, chunked: bool, threads: int) -> None:
+def test_ngram_drafts_under_greedy_change_no_token(make_engine: MakeEngine, on_threads: OnThreads, chunked: bool,
+                                                   threads: int) -> None:  # fmt: skip
     kw = {"block_size": 4, "enable_chunked_prefill": chunked, "max_num_batched_tokens": 1024}
     plain = make_engine(**kw)
     spec = on_threads(threads, lambda: make_engine(**kw, speculative=NGRAM))
@@ -311,7 +302,7 @@ async def test_a_grammar_request_beside_verify_rows_keeps_its_mask(start_server:
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_speculating_cpu_engine_packs_its_linears_and_they_compute_what_torch_does(
-    make_engine: MakeEngine, threads: int
+    make_engine: MakeEngine, on_threads: OnThreads, threads: int
 ) -> None:
     """Verify rows are several rows a step: a speculating engine on the CPU packs its linear layers once
     (engine.cpu_packed: for the native kernel on one thread, for oneDNN on more); over 1..9 rows they give
