@@ -5,12 +5,12 @@ row takes torch's GEMV path, which streams each weight once at about the core's 
 SmolLM2-135M: 0.5 GB, about 14 GB/s on one core of the Xeon this was measured on). More rows go to GEMM:
 
 - torch's ``linear`` from 4 rows on calls MKL's GEMM, which repacks the whole weight on every call: a step
-  whose weights do not fit in the cache reads them about twice (4 rows cost 1.6x one row, 9 rows 2.7x);
+  whose weights do not fit in the cache reads them about twice (4 rows cost 2.2x one row, 9 rows 2.7x);
 - a weight packed once by oneDNN reads it once, but its small-row kernels stream it at 60-70% of the GEMV's
-  rate (6 rows 1.4x one row);
+  rate;
 - ``engine/cpu_gemm.c`` (this module builds it with the C compiler on first use, AVX-512, one thread) keeps
-  every row's accumulators in registers while the weight streams past once: 6 and 9 rows cost about 1.1x
-  one row (SmolLM2's linears, one thread, 2026-12-02; ``python -m bench.engine.cpu_linears``).
+  every row's accumulators in registers while the weight streams past once: 4 to 9 rows cost 1.1-1.2x one
+  row, oneDNN's 1.6-1.7x (SmolLM2's linears, one thread, 2026-12-02; ``python -m bench.engine.cpu_linears``).
 
 ``PackedCpuOps`` packs every float32 ``nn.Linear`` once at start: for that kernel when the engine runs torch on one
 thread and the CPU has AVX-512 and a C compiler builds it (rows 2 .. ``MAX_NATIVE_ROWS``; more rows, a prefill
