@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, decode_mask, kv_cache_shape, plan_prefill
-from engine.cpu_packed import PackedCpuOps
+from engine.cpu_packed import PackedCpuOps, build_cpu_gemm
 from engine.cuda_graph import DecodeGraphs, MixedGraphs, forward_target
 from engine.kernels import decode_splits
 from engine.kernels.ops import TritonOps
@@ -219,14 +219,21 @@ class ModelRunner:
 
     def pack_linears(self) -> None:
         """Speculating on the CPU with the torch ops: linears over several rows (verify rows) read weights packed
-        once by oneDNN instead of having MKL repack them every call (``engine.cpu_packed``); nothing elsewhere."""
+        once (``engine.cpu_packed``): for its native kernel when torch runs on one thread and the kernel builds,
+        else for oneDNN; nothing elsewhere."""
         if self.device.type != "cpu" or self.kernels != "torch":
             return
-        ops = PackedCpuOps(self.model)
+        gemm = None
+        if torch.get_num_threads() == 1:  # the native kernel runs on one thread; oneDNN uses torch's threads
+            build = build_cpu_gemm()
+            gemm = build.gemm
+            if gemm is None:
+                log.warning("cpu_gemm_unavailable packing=onednn reason=%s", build.why_not)
+        ops = PackedCpuOps(self.model, gemm)
         self.model.ops = ops
         if self.drafter is not None:
-            self.drafter.head.ops = PackedCpuOps(self.drafter.head)
-        log.info("cpu_linears_packed count=%d", ops.num_packed)
+            self.drafter.head.ops = PackedCpuOps(self.drafter.head, gemm)
+        log.info("cpu_linears_packed count=%d kind=%s", ops.num_packed, ops.kind)
 
     @property
     def aux_layers(self) -> tuple[int, ...]:

@@ -2,9 +2,11 @@
 
 Batch 1, greedy, on tasks whose answers repeat their input (quote a passage back, edit code), with the
 embedded SmolLM2 unless ``--model`` says otherwise. Each task runs on a plain engine and on a speculating
-one (and with ``--unpacked-peer`` on a speculating one whose linears are not packed: engine.cpu_packed),
-alternately, ``--repeats`` times; the median time of each counts (the machine is shared). Reported:
-generated tokens / second of the whole request (prefill included, the same prompt for both), the speed-up,
+one (and with ``--unpacked-peer`` on a speculating one whose linears are not packed, with ``--onednn-peer`` on
+one whose linears are packed for oneDNN instead of the native kernel: engine.cpu_packed),
+alternately, ``--repeats`` times; the median time of each counts (the machine is shared), and so does the median
+of the ratios of each run to the plain run just before it ("paired": the load's drift between runs cancels).
+Reported: generated tokens / second of the whole request (prefill included, the same prompt for both), the speed-up,
 the acceptance length (tokens per verify row) and whether the two outputs are the same token for token
 (they must be, under greedy). Printed, never asserted.
 
@@ -48,6 +50,7 @@ from typing import Any
 import torch
 
 from engine.args import EngineArgs
+from engine.cpu_packed import PackedCpuOps
 from engine.kernels.ops import TorchOps
 from engine.llm_engine import LLMEngine
 from engine.model_runner import StepInput
@@ -287,6 +290,8 @@ def main() -> None:
     p.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
     p.add_argument("--unpacked-peer", action="store_true",
                    help="also an n-gram engine with unpacked linears (before engine.cpu_packed)")  # fmt: skip
+    p.add_argument("--onednn-peer", action="store_true",
+                   help="also an n-gram engine with its linears packed for oneDNN, not the native kernel")  # fmt: skip
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -333,6 +338,11 @@ def main() -> None:
         unpacked = LLMEngine(replace(base, speculative=spec_cfg), loaded=loaded)
         unpacked.runner.model.ops = TorchOps()
         engines["ngram-unpacked"] = unpacked
+    if a.onednn_peer:
+        # The speculating engine with its linears packed for oneDNN instead of engine/cpu_gemm.c.
+        onednn = LLMEngine(replace(base, speculative=spec_cfg), loaded=loaded)
+        onednn.runner.model.ops = PackedCpuOps(onednn.runner.model)
+        engines["ngram-onednn"] = onednn
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens)
     results = []
     clock = time.process_time if a.clock == "cpu" else time.perf_counter
@@ -377,9 +387,16 @@ def main() -> None:
                 continue
             rows = after[label].spec_drafts - before[label].spec_drafts
             accepted = after[label].spec_accepted_tokens - before[label].spec_accepted_tokens
+            # Each run's ratio to the plain run just before it: the load's drift between runs cancels.
+            paired = [p / t for p, t in zip(totals["plain"], totals[label], strict=True)]
+            runs = zip(totals["plain"], prefills["plain"], totals[label], prefills[label], strict=True)
+            paired_decode = [(p - pp) / (t - tp) for p, pp, t, tp in runs]
             row |= {
                 f"{key}_speedup": tok_s[label] / tok_s["plain"],
                 f"{key}_decode_speedup": decode[label] / decode["plain"],
+                f"{key}_speedup_paired": statistics.median(paired),
+                f"{key}_decode_speedup_paired": statistics.median(paired_decode),
+                f"{key}_decode_speedup_runs": paired_decode,
                 f"{key}_acceptance_length": 1 + accepted / rows if rows else 0.0,
                 f"{key}_identical": outs[label] == outs["plain"],
             }
@@ -399,7 +416,9 @@ def main() -> None:
                 key = label.replace("-", "_")
                 print(f"  {label:15s} k={a.num_speculative_tokens}: {tok_s[label]:6.1f} tok/s "
                       f"x{row[f'{key}_speedup']:.2f}; "
-                      f"decode {decode[label]:6.1f} tok/s x{row[f'{key}_decode_speedup']:.2f}; acceptance length "
+                      f"decode {decode[label]:6.1f} tok/s x{row[f'{key}_decode_speedup']:.2f} (paired runs: "
+                      f"x{row[f'{key}_speedup_paired']:.2f}, decode x{row[f'{key}_decode_speedup_paired']:.2f}); "
+                      f"acceptance length "
                       f"{row[f'{key}_acceptance_length']:.2f}; identical {row[f'{key}_identical']}")  # fmt: skip
     if a.json:
         with open(a.json, "w") as f:

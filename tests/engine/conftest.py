@@ -70,6 +70,26 @@ def make_engine(tiny_model: LoadedModel) -> MakeEngine:
     return make
 
 
+OnThreads = Callable[[int, Callable[[], LLMEngine]], LLMEngine]
+
+
+def _on_threads(threads: int, make: Callable[[], LLMEngine]) -> LLMEngine:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return make()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture
+def on_threads() -> OnThreads:
+    """``on_threads(n, make)``: an engine built while torch runs ``n`` threads (then back to the tests' count). A
+    speculating CPU engine packs its linears for its native kernel when built on one thread, for oneDNN on more
+    (engine.cpu_packed), and keeps that choice."""
+    return _on_threads
+
+
 class ServerHandle:
     """A running in-process engine server and its base URL."""
 

@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 import torch
+from conftest import OnThreads
 
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams, Sequence, SequenceStatus
@@ -59,14 +60,16 @@ def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> 
 
 
 @pytest.mark.parametrize("blocks", [256, 40], ids=["roomy", "preempting"])
-def test_drafts_forced_to_the_target_argmax_give_plain_decoding(make_engine: MakeEngine, blocks: int) -> None:
+@pytest.mark.parametrize("threads", [1, 2], ids=["native-linears", "onednn-linears"])
+def test_drafts_forced_to_the_target_argmax_give_plain_decoding(make_engine: MakeEngine, on_threads: OnThreads,
+                                                                blocks: int, threads: int) -> None:  # fmt: skip
     plain = make_engine(block_size=4)
     prompts = [plain.tokenizer.encode(t) for t in TEXTS]
     expected = plain.generate(prompts, GREEDY)
     reference = {tuple(p): [*p, *c] for p, c in zip(prompts, expected, strict=True)}
 
     # Block size 4: drafts cross block boundaries; 40 blocks for 4 sequences of up to ~75 tokens: preemptions.
-    spec = make_engine(block_size=4, num_kvcache_blocks=blocks, speculative=NGRAM)
+    spec = on_threads(threads, lambda: make_engine(block_size=4, num_kvcache_blocks=blocks, speculative=NGRAM))
     spec.scheduler.proposer = OracleProposer(reference, 5, spec.model_config.vocab_size)
     assert run(spec, prompts, GREEDY) == expected
     s = spec.stats()
@@ -89,10 +92,12 @@ def test_drafts_forced_to_the_target_argmax_give_plain_decoding(make_engine: Mak
 
 
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "prefill-first"])
-def test_ngram_drafts_under_greedy_change_no_token(make_engine: MakeEngine, chunked: bool) -> None:
+@pytest.mark.parametrize("threads", [1, 2], ids=["native-linears", "onednn-linears"])
+def test_ngram_drafts_under_greedy_change_no_token(make_engine: MakeEngine, on_threads: OnThreads, chunked: bool,
+                                                   threads: int) -> None:  # fmt: skip
     kw = {"block_size": 4, "enable_chunked_prefill": chunked, "max_num_batched_tokens": 1024}
     plain = make_engine(**kw)
-    spec = make_engine(**kw, speculative=NGRAM)
+    spec = on_threads(threads, lambda: make_engine(**kw, speculative=NGRAM))
     prompts = [plain.tokenizer.encode(t) for t in TEXTS]
     assert run(spec, prompts, GREEDY) == plain.generate(prompts, GREEDY)
     s = spec.stats()
@@ -295,19 +300,24 @@ async def test_a_grammar_request_beside_verify_rows_keeps_its_mask(start_server:
     assert any(mixed)  # a step had both a verify row and a masked row
 
 
-def test_a_speculating_cpu_engine_packs_its_linears_and_they_compute_what_torch_does(make_engine: MakeEngine) -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_speculating_cpu_engine_packs_its_linears_and_they_compute_what_torch_does(
+    make_engine: MakeEngine, on_threads: OnThreads, threads: int
+) -> None:
     """Verify rows are several rows a step: a speculating engine on the CPU packs its linear layers once
-    (engine.cpu_packed); over 1..9 rows they give torch's linear up to rounding; a plain engine packs nothing."""
+    (engine.cpu_packed: for the native kernel on one thread, for oneDNN on more); over 1..9 rows they give
+    torch's linear up to rounding; a plain engine packs nothing."""
     from torch import nn
 
     from engine.cpu_packed import PackedCpuOps
 
-    spec = make_engine(speculative=SpeculativeConfig("ngram", 3, 1, 2))
+    spec = on_threads(threads, lambda: make_engine(speculative=SpeculativeConfig("ngram", 3, 1, 2)))
     if spec.device.type != "cpu":
         assert not isinstance(spec.runner.model.ops, PackedCpuOps)  # GPUs keep their kernels
         return
     ops = spec.runner.model.ops
     assert isinstance(ops, PackedCpuOps) and not isinstance(make_engine().runner.model.ops, PackedCpuOps)
+    assert ops.kind == ("native" if threads == 1 else "onednn")
     layers = [m for m in spec.runner.model.modules() if type(m) is nn.Linear]
     assert ops.num_packed == len({id(m) for m in layers}) > 0
     gen = torch.Generator().manual_seed(0)

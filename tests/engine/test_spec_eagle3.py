@@ -66,10 +66,13 @@ def run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams
 
 
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "prefill-first"])
-def test_a_random_head_under_greedy_changes_no_token(make_engine: MakeEngine, head: Path, chunked: bool) -> None:
+@pytest.mark.parametrize("threads", [1, 2], ids=["native-linears", "onednn-linears"])
+def test_a_random_head_under_greedy_changes_no_token(make_engine: MakeEngine, on_threads: Callable[..., LLMEngine],
+                                                     head: Path, chunked: bool, threads: int) -> None:  # fmt: skip
     kw = {"block_size": 4, "enable_chunked_prefill": chunked, "max_num_batched_tokens": 1024 if not chunked else 24}
     plain = make_engine(**kw)
-    spec = make_engine(**kw, speculative=eagle(head))
+    # Built on one thread, a CPU engine packs the target's and the head's linears for the native kernel.
+    spec = on_threads(threads, lambda: make_engine(**kw, speculative=eagle(head)))
     prompts = [plain.tokenizer.encode(t) for t in TEXTS]
     # Beside the speculating requests: ones whose sampling depends on the tokens so far or that want logprobs
     # decode one token a step (and the head skips them).
