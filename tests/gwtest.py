@@ -53,6 +53,17 @@ async def mock_workers() -> AsyncIterator[MakeWorkers]:
         await w.stop()
 
 
+def require(module: str, why: str) -> None:
+    """A tool `make install` puts in: a test that needs it fails when it is missing, it never skips (a skip
+    would hide a broken promise)."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        pytest.fail(f"{module} is missing ({exc}): {why}; `make install` puts it in", pytrace=False)
+
+
 def gateway_config(**settings: Any) -> GatewayConfig:
     base: dict[str, Any] = {
         "host": "127.0.0.1",

@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from gwtest import free_port
+from gwtest import free_port, require
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -69,7 +69,7 @@ def documented_commands(doc: Path, heading: str) -> list[list[str]]:
 @pytest.mark.timeout(110)
 def test_the_hand_started_pd_commands_serve_the_documented_request(tmp_path: Path) -> None:
     """docs/pd.md's engines, gateway and curl, run as written but for the ports (and this venv's python)."""
-    pytest.importorskip("mooncake.engine", reason="P/D engines relay KV over Mooncake (make install puts it in)")
+    require("mooncake.engine", "P/D engines relay KV over Mooncake")
     ports = {str(p): str(free_port()) for p in (8010, 8020, 6301, 6302, 30000, 29000)}
     commands = [
         [re.sub(r"(?<!\d)(8010|8020|6301|6302|30000|29000)(?!\d)", lambda m: ports[m.group(1)], a) for a in argv]

@@ -20,9 +20,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gwtest import EngineProcess, MakeGateway, base_url, free_port
+from gwtest import EngineProcess, MakeGateway, base_url, free_port, require
 
-pytest.importorskip("mooncake.engine", reason="P/D engines relay KV over Mooncake (make install puts it in)")
+require("mooncake.engine", "P/D engines relay KV over Mooncake")
 
 DEVICE = os.environ.get("ENGINE_TEST_DEVICE", "cpu")
 ENGINE = [

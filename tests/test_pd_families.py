@@ -14,12 +14,12 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gwtest import EngineProcess, MakeGateway, base_url, free_port
-
-pytest.importorskip("mooncake.engine", reason="P/D engines relay KV over Mooncake (make install puts it in)")
+from gwtest import EngineProcess, MakeGateway, base_url, free_port, require
 
 from tests.engine.test_model_families import checkpoint
 from tests.test_pd_engine import _complete as complete  # (text, completion tokens), streamed or not
+
+require("mooncake.engine", "P/D engines relay KV over Mooncake")
 
 DEVICE = os.environ.get("ENGINE_TEST_DEVICE", "cpu")
 PROMPTS = [" ".join(f"t{(7 * i + 3) % 300}" for i in range(n)) for n in (3, 37)]  # one block, then several

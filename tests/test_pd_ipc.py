@@ -19,11 +19,11 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gwtest import MakeGateway, base_url
-
-pytest.importorskip("mooncake.engine", reason="P/D engines start a Mooncake agent (make install puts it in)")
+from gwtest import MakeGateway, base_url, require
 
 from tests.test_pd_engine import PROMPTS, Engine, _complete, _greedy, post, wait_until
+
+require("mooncake.engine", "P/D engines start a Mooncake agent")
 
 SPARSE = ("--sparse-attention", "on", "--sparse-topk-blocks", "2")
 

@@ -17,11 +17,11 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gwtest import MakeGateway, base_url
-
-pytest.importorskip("mooncake.engine", reason="P/D engines start a Mooncake agent (make install puts it in)")
+from gwtest import MakeGateway, base_url, require
 
 from tests.test_pd_engine import PROMPTS, Engine, _complete, _greedy, post, wait_until
+
+require("mooncake.engine", "P/D engines start a Mooncake agent")
 
 CHUNKED = ("--max-num-batched-tokens", "16")  # one 16-token block per prefill step
 LONG = "the quick brown fox jumps over the lazy dog " * 6  # PROMPTS[1]: several chunks

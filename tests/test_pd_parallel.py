@@ -15,11 +15,11 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gwtest import EngineProcess, MakeGateway, base_url, free_port
-
-pytest.importorskip("mooncake.engine", reason="P/D engines relay KV over Mooncake (make install puts it in)")
+from gwtest import EngineProcess, MakeGateway, base_url, free_port, require
 
 from tests.engine.test_model_families import checkpoint
+
+require("mooncake.engine", "P/D engines relay KV over Mooncake")
 
 PROMPTS = [" ".join(f"t{(7 * i + 3) % 300}" for i in range(n)) for n in (3, 37)]  # one block, then several
 TOLERANCE = 1e-4

@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gwtest import EngineProcess, MakeGateway, MakeWorkers, base_url, free_port
+from gwtest import EngineProcess, MakeGateway, MakeWorkers, base_url, free_port, require
 
 grpc = pytest.importorskip("grpc")
 trace_service = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
@@ -84,7 +84,7 @@ async def test_tracing_is_off_by_default(mock_workers: MakeWorkers, gateway: Mak
 async def test_one_request_is_one_trace_across_gateway_and_both_pd_engines(
     receiver: tuple[Receiver, str], gateway: MakeGateway, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pytest.importorskip("mooncake.engine", reason="P/D engines relay KV over Mooncake (make install puts it in)")
+    require("mooncake.engine", "P/D engines relay KV over Mooncake")
     r, endpoint = receiver
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export batches every 0.1 s (default 5 s)
     env = {**os.environ, "OTEL_BSP_SCHEDULE_DELAY": "100", "MC_TRANSFER_TIMEOUT": "5"}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from gwtest import free_port
+from gwtest import free_port, require
 
 
 def free_port_pair() -> int:
@@ -80,7 +80,7 @@ def _children_of(pid: int) -> list[int]:
 @pytest.mark.parametrize("mode", ["pd", "plain"])
 def test_up_serves_openai_clients_and_stops_on_ctrl_c(tmp_path: Path, mode: str) -> None:
     if mode == "pd":
-        pytest.importorskip("mooncake.engine", reason="P/D engines relay KV over Mooncake (make install puts it in)")
+        require("mooncake.engine", "P/D engines relay KV over Mooncake")
     extra = ["--handshake-port", str(free_port_pair())] if mode == "pd" else ["--no-pd", "--workers", "2"]
     proc, port = _start_up(tmp_path, *extra)
     try:

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from gwtest import require
 
 os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")
-pytest.importorskip("mooncake.engine")
 
 from engine.kv_transfer import KVConsumer, KVProducer, KVTransferError, MooncakeAgent, ReleaseReason, wire
 from engine.kv_transfer.ipc import (
@@ -36,6 +36,8 @@ from engine.kv_transfer.ipc import (
 )
 from engine.kv_transfer.layout import region_views, view_region
 from engine.kv_transfer.wire import MessageType
+
+require("mooncake.engine", "the KV transfer tests run real Mooncake agents")
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -19,12 +19,10 @@ from typing import Any
 import msgpack
 import pytest
 import torch
-from gwtest import free_port
+from gwtest import free_port, require
 
 # A dead Mooncake peer must fail fast (default 30 s; 5 s is Mooncake's minimum). Set before any agent starts.
 os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")
-
-pytest.importorskip("mooncake.engine")
 
 from engine.kv_transfer import (
     KVConsumer,
@@ -43,6 +41,8 @@ from engine.kv_transfer import (
 )
 from engine.kv_transfer.layout import batches, block_runs, merge_adjacent, region_views, view_region
 from engine.kv_transfer.staging import StagingBuffer, check_chunk, plan_chunks
+
+require("mooncake.engine", "the KV transfer tests run real Mooncake agents")
 
 LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 3, 4, 2, 8
 NUM_BLOCKS = 96
