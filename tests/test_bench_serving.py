@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from gwtest import MakeGateway, MakeWorkers, base_url
+from gwtest import MakeGateway, MakeWorkers, base_url, require
 
 from bench.gateway.serving import Outcome, random_prompts, summarize
 
@@ -36,7 +36,7 @@ def test_summary_percentiles() -> None:
 async def test_bench_serving_sweep_through_the_gateway(
     mock_workers: MakeWorkers, gateway: MakeGateway, tmp_path: Path
 ) -> None:
-    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the bench extra)")
+    require("matplotlib", "--plot needs matplotlib (the bench extra)")
     workers = await mock_workers(2, stream_chunks=8)
     gw = await gateway(worker_urls=[w.url for w in workers])
     result, plot = tmp_path / "r.json", tmp_path / "sweep.png"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from gwtest import MakeGateway, MakeWorkers, base_url, free_port, gateway_config, wait_for
+from gwtest import MakeGateway, MakeWorkers, base_url, free_port, gateway_config, require, wait_for
 
 from atomesh.app import GatewayServer
 from atomesh.cli import drop_fixed_flags, launch_command, normalize_argv
@@ -255,8 +255,8 @@ def write_tokenizer(folder: Path) -> Path:
 async def test_tokenizer_flags_load_or_stop_start_up(
     tmp_path: Path, mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
 ) -> None:
-    pytest.importorskip("tokenizers")
-    pytest.importorskip("jinja2")
+    require("tokenizers", "make install puts it in")
+    require("jinja2", "make install puts it in")
     workers = await mock_workers(2)
     model = write_tokenizer(tmp_path / "model")
     template = tmp_path / "chat.jinja"

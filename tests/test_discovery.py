@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gwtest import MakeGateway, base_url, free_port, gateway_config, wait_for
+from gwtest import MakeGateway, base_url, free_port, gateway_config, require, wait_for
 from kubeapi import KubeApiServer, flag, write_kubeconfig
 
 from atomesh.app import GatewayServer
@@ -26,7 +26,7 @@ from atomesh.testing.mock_worker import MockBehaviour, MockWorker
 from atomesh.workers.discovery import DiscoverySettings, KubernetesDiscovery, Pod, wanted_worker
 from atomesh.workers.worker import WorkerRole, WorkerState
 
-pytest.importorskip("kubernetes_asyncio")
+require("kubernetes_asyncio", "make install puts it in")
 pytestmark = pytest.mark.timeout(30)
 
 COMPLETION = {"model": "mock-model", "prompt": "hello", "max_tokens": 3}

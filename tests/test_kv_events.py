@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from gwtest import free_port, wait_for
+from gwtest import free_port, require, wait_for
 
 from atomesh.kv.events import (
     AllBlocksCleared,
@@ -39,7 +39,7 @@ from engine.kv_events import (
 )
 from engine.sequence import SamplingParams, Sequence
 
-pytest.importorskip("zmq")
+require("zmq", "make install puts it in")
 
 FIXTURES = Path(__file__).parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))
@@ -73,7 +73,7 @@ def test_gateway_decodes_vllms_field_order() -> None:
 
 
 def test_round_trip_through_vllms_msgspec_structs() -> None:
-    msgspec = pytest.importorskip("msgspec")
+    import msgspec
     import vllm_kv_events as vllm
 
     ours = encode_batch(1764590000.25, fixture_events(), 0)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from gwtest import require
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(60)
@@ -40,7 +41,7 @@ def prom(tmp: Path, tag: str, side: str, when: str, count: int, seconds: float, 
 
 
 def report(runs: Path, out: Path, *args: str) -> tuple[dict, str]:
-    pytest.importorskip("matplotlib", reason="the chart needs matplotlib (the bench extra)")
+    require("matplotlib", "the chart needs matplotlib (the bench extra)")
     png, js = out / "chart.png", out / "report.json"
     proc = subprocess.run(
         [sys.executable, "-m", "bench.engine.pd_report", str(runs), "--json", str(js), "--png", str(png), *args],

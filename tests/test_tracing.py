@@ -17,14 +17,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
+import grpc
 import pytest
 from gwtest import EngineProcess, MakeGateway, MakeWorkers, base_url, free_port, require
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as trace_service
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as trace_grpc
+from opentelemetry.proto.common.v1 import common_pb2 as trace_common
 
-grpc = pytest.importorskip("grpc")
-trace_service = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
-trace_grpc = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc")
-trace_common = pytest.importorskip("opentelemetry.proto.common.v1.common_pb2")
-pytest.importorskip("opentelemetry.sdk", reason="the tracing extra (make install puts it in)")
+require("opentelemetry.sdk", "the tracing extra")
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"

@@ -12,7 +12,7 @@ import aiohttp
 import openai
 import pytest
 import structlog
-from gwtest import MakeGateway, MakeWorkers, base_url, free_port, wait_for
+from gwtest import MakeGateway, MakeWorkers, base_url, free_port, require, wait_for
 
 from atomesh.testing.mock_worker import MockBehaviour, MockWorker
 
@@ -110,7 +110,7 @@ async def test_bad_worker_keys_are_refused(mock_workers: MakeWorkers, gateway: M
 async def test_discovered_pods_get_their_key_from_a_secret(
     mock_workers: MakeWorkers, gateway: MakeGateway, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pytest.importorskip("kubernetes_asyncio")
+    require("kubernetes_asyncio", "make install puts it in")
     from kubeapi import KubeApiServer, write_kubeconfig
 
     kube = await KubeApiServer().start()

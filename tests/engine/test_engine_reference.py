@@ -7,14 +7,13 @@ from dataclasses import replace
 
 import pytest
 import torch
+import transformers
 
 from bench.engine.throughput import hf_reference
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.models.loader import LoadedModel, smollm2_path
 from engine.sequence import SamplingParams
-
-transformers = pytest.importorskip("transformers")
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a little robot who"]
 NEW_TOKENS = 20

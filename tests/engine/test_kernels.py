@@ -14,18 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from gwtest import require
 
 from tests.engine.conftest import DEVICE, MakeEngine
 
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
 
 from engine.attention import gather_kv
 from engine.kernels import ops, triton_ops
 from engine.models.loader import LoadedModel, load_model
 from engine.sequence import SamplingParams
 from engine.sparse import MeanKeyIndexer, select_blocks_paged, sparse_decode
+
+require("triton", "make install puts it in")
 
 pytestmark = pytest.mark.timeout(300)
 DEV = torch.device(DEVICE)
@@ -310,7 +312,7 @@ def _generate_with_features(make_engine: MakeEngine, **kw: object) -> list[tuple
 
 
 def test_sampler_features_on_the_kernels_and_graphs(make_engine: MakeEngine) -> None:
-    pytest.importorskip("xgrammar")
+    require("xgrammar", "make install puts it in")
     expected = _generate_with_features(make_engine, kernels="torch")
     assert set(expected[3][0][:4]) <= set(b"abc") and all(t in (256, 258) for t in expected[3][0][4:])  # then EOS
     for extra in ({"enforce_eager": True}, {}):  # eagerly, then through the graphs' staged inputs

@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tokenizers
 import torch
+import transformers
 
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
@@ -20,9 +22,6 @@ from engine.models.config import UnsupportedModelError, parse_hf_config
 from engine.models.loader import load_model
 from engine.sequence import SamplingParams, SequenceStatus
 from tests.engine.conftest import DEVICE
-
-transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
 
 VOCAB = 320
 COMMON: dict[str, Any] = dict(

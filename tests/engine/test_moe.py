@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from gwtest import require
 
 from engine.models.moe import HUB_EXPERT_PARTS, SparseMoE, experts_torch, route
 from tests.engine.conftest import DEVICE
@@ -44,7 +45,8 @@ FAMILIES = {
 
 
 def _hf_model(family: str) -> Any:  # a transformers PreTrainedModel
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     if family == "mixtral":
         cfg = transformers.MixtralConfig(intermediate_size=INTER, num_local_experts=E, num_experts_per_tok=K, **TINY)
         model = transformers.MixtralForCausalLM(cfg)
@@ -150,7 +152,7 @@ def _routing(tokens: int, num_experts: int, top_k: int, favour: int | None = Non
 )
 def test_fused_moe_equals_torch(tokens: int, num_experts: int, top_k: int, favour: int | None,
                                 float32_routing: bool) -> None:  # fmt: skip
-    pytest.importorskip("triton")
+    require("triton", "make install puts it in")
     from engine.kernels.fused_moe import fused_moe
 
     w13, w2 = _weights(num_experts, H, INTER, torch.float32)
@@ -165,7 +167,7 @@ def test_fused_moe_equals_torch(tokens: int, num_experts: int, top_k: int, favou
 @pytest.mark.parametrize(("experts", "top_k", "renormalize", "keep_float32"),
                          [(128, 8, True, False), (60, 6, False, False), (8, 2, True, True)])  # fmt: skip
 def test_route_kernel_equals_torch_route(experts: int, top_k: int, renormalize: bool, keep_float32: bool) -> None:
-    pytest.importorskip("triton")
+    require("triton", "make install puts it in")
     from engine.kernels import fused_moe
 
     logits = torch.randn(7, experts, generator=_g(11)).to(DEV)
@@ -176,7 +178,7 @@ def test_route_kernel_equals_torch_route(experts: int, top_k: int, renormalize: 
 
 
 def test_sparse_moe_on_triton_kernels_equals_torch() -> None:
-    pytest.importorskip("triton")
+    require("triton", "make install puts it in")
     moe = SparseMoE(H, 24, E, K, True).to(DEV)  # intermediate 24: not a power of two (masked tiles)
     with torch.no_grad():
         for p in moe.parameters():
@@ -194,7 +196,7 @@ def test_sparse_moe_on_triton_kernels_equals_torch() -> None:
 def test_align_puts_each_pair_once_in_its_experts_padded_run(
     one_program: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pytest.importorskip("triton")
+    require("triton", "make install puts it in")
     from engine.kernels import fused_moe
 
     if not one_program:
@@ -220,7 +222,7 @@ def test_align_puts_each_pair_once_in_its_experts_padded_run(
 def test_fused_moe_large_batch_path_with_prefill_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     # What thousands of tokens take on a GPU (atomics-based align, 64-row blocks), at a size the
     # interpreter runs in a second; expert 0's run spans several blocks.
-    pytest.importorskip("triton")
+    require("triton", "make install puts it in")
     from engine.kernels import fused_moe
 
     monkeypatch.setattr(fused_moe, "ONE_PROGRAM_PAIRS", 0)

@@ -15,11 +15,12 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import jsonschema
 import openai
 import pytest
 import torch
 from aiohttp import web
-from gwtest import free_port
+from gwtest import free_port, require
 
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
@@ -30,9 +31,7 @@ from engine.tools import HermesParser
 
 DEVICE = os.environ.get("ENGINE_TEST_DEVICE", "cpu")
 
-
-jsonschema = pytest.importorskip("jsonschema")
-pytest.importorskip("xgrammar")
+require("xgrammar", "make install puts it in")
 
 
 class ThreadServer:
@@ -107,7 +106,7 @@ def _chunks(stream: Any) -> list[Any]:
 def test_logprobs_equal_transformers_log_softmax(smol: ThreadServer, smollm2_model: LoadedModel) -> None:
     from bench.engine.throughput import hf_reference
 
-    pytest.importorskip("transformers")
+    require("transformers", "make install puts it in")
     client = smol.client()
     prompt = "The capital of France is"
     done = client.completions.create(model="smollm2", prompt=prompt, max_tokens=4, logprobs=3, **GREEDY)

@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 
 import pytest
+from gwtest import require
 
 from tests.engine.conftest import DEVICE, MakeEngine
 
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
 
 from typing import Any
 
@@ -27,6 +27,8 @@ from engine.llm_engine import LLMEngine
 from engine.model_runner import MixedGraphStep, StepInput
 from engine.sequence import SamplingParams, SequenceStatus
 from engine.spec_decode import SpeculativeConfig
+
+require("triton", "make install puts it in")
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -14,14 +14,13 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams, Sequence
 from tests.engine.conftest import DEVICE
 from tests.engine.test_model_families import COMMON, FAMILIES, PROMPTS, checkpoint, write_tokenizer
-
-transformers = pytest.importorskip("transformers")
 
 TOLERANCE = 1e-4
 NEW_TOKENS = 12
