@@ -4,7 +4,6 @@ must hold none of 20 requests (and none of their KV blocks) 1 s after their clie
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import sys
@@ -13,7 +12,7 @@ from collections.abc import Iterator
 
 import orjson
 import pytest
-from gwtest import EngineProcess, MakeGateway, base_url, free_port
+from gwtest import EngineProcess, MakeGateway, base_url, free_port, require
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,8 +48,7 @@ def engine() -> Iterator[EngineProcess]:
 
 @pytest.fixture(scope="module")
 def pd_pair() -> Iterator[tuple[EngineProcess, EngineProcess]]:
-    if importlib.util.find_spec("mooncake") is None:
-        pytest.skip("P/D engines relay KV over Mooncake (make install puts it in)")
+    require("mooncake.engine", "P/D engines relay KV over Mooncake")
     # Prefill in small chunks (8 tokens a step), so that long prompts are still being prefilled when
     # their clients leave.
     pair = [

@@ -4,7 +4,6 @@ sockets; and a port that is taken is named in the error."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import socket
@@ -13,7 +12,7 @@ import sys
 import urllib.request
 
 import pytest
-from gwtest import EngineProcess, free_port
+from gwtest import EngineProcess, free_port, require
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -70,8 +69,8 @@ def test_no_wildcard_bind_under_host_127_0_0_1() -> None:
         engine.stop()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="needs Mooncake (make install)")
 def test_kv_handshake_binds_the_host_too() -> None:
+    require("mooncake.engine", "the KV handshake starts a Mooncake agent")
     handshake = free_port()
     engine = EngineProcess(
         "binds-pd",
