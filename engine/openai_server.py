@@ -241,7 +241,15 @@ async def _generate(request: web.Request, state: ServerState, body: SamplingBody
     n = body.num_sequences
     generation = await engine.open(admission, n, matcher)  # raises before any byte is sent
     if generation.early_params is not None:  # a prefill offered before it runs: the decode engine reads it
-        generation.on_prefilled(lambda seq: _prefilled(state.metrics, arrived, seq))
+        role = admission.role.value
+
+        def prefilled(seq: EngineSequence) -> None:
+            _prefilled(state.metrics, arrived, seq)
+            if state.tracing is not None:  # its span ends with the prefill, as a producer's answered late does
+                times = _Times(arrived, admitted=seq.admitted_at, first=time.monotonic())
+                _trace(state.tracing, request, role, times, None, len(ids), n)
+
+        generation.on_prefilled(prefilled)
         return _json({"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
                       "model": state.served_model_name, "choices": [],
                       "kv_transfer_params": generation.early_params})  # fmt: skip
