@@ -77,43 +77,28 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(stats, model_name))
         buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-        self.ttft = Histogram(
-            "atom:time_to_first_token_seconds",
-            "Time from request arrival to its first token",
-            buckets=buckets,
-            registry=self.registry,
-        )
-        self.queue = Histogram(
+
+        def seconds(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, buckets=buckets, registry=self.registry)
+
+        self.ttft = seconds("atom:time_to_first_token_seconds", "Time from request arrival to its first token")
+        self.queue = seconds(
             "atom:request_queue_time_seconds",
             "Time from request arrival until the scheduler first admitted its prompt (prefilling engines)",
-            buckets=buckets,
-            registry=self.registry,
         )
-        self.e2e = Histogram(
-            "atom:e2e_request_latency_seconds",
-            "Time from request arrival to its last token",
-            buckets=buckets,
-            registry=self.registry,
-        )
-        self.kv_pull = Histogram(
+        self.e2e = seconds("atom:e2e_request_latency_seconds", "Time from request arrival to its last token")
+        self.kv_pull = seconds(
             "atom:kv_transfer_pull_seconds",
             "Decode side: from request arrival until the prompt's KV had arrived from prefill",
-            buckets=buckets,
-            registry=self.registry,
         )
-
-        self.pd_reserve = Histogram(
+        self.pd_reserve = seconds(
             "atom:pd_decode_reserve_seconds",
             "Decode side: from request arrival until blocks for the prompt's KV were reserved (waiting for room)",
-            buckets=buckets,
-            registry=self.registry,
         )
-        self.pd_first_step = Histogram(
+        self.pd_first_step = seconds(
             "atom:pd_decode_first_step_seconds",
             "Decode side: from request arrival until its sequence was admitted to a step (its first decode step; "
             "its first token went out before, when the KV landed)",
-            buckets=buckets,
-            registry=self.registry,
         )
 
     def watch_transfers(self, stats: Callable[[], TransferStats]) -> None:

@@ -127,6 +127,15 @@ def _greedy(prompt: str, **extra: Any) -> dict[str, Any]:
     return {"model": "tiny-random", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True, **extra}
 
 
+async def same_as_colocated(s: aiohttp.ClientSession, single_url: str, url: str, prompts: list[str]) -> None:
+    """Each prompt, greedy, streamed (with usage) and not, gives at ``url`` what the colocated engine gives."""
+    for prompt in prompts:
+        for stream in (False, True):
+            extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+            want = await _complete(s, single_url, _greedy(prompt, **extra))
+            assert await _complete(s, url, _greedy(prompt, **extra)) == want, (prompt[:20], stream)
+
+
 async def _complete(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[str, int]:
     """(text, completion tokens) of a completion, streamed or not."""
     async with session.post(url + "/v1/completions", json=body) as r:

@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 from gwtest import MakeGateway, base_url, require
 
-from tests.test_pd_engine import PROMPTS, Engine, _complete, _greedy, post, wait_until
+from tests.test_pd_engine import PROMPTS, Engine, _complete, _greedy, post, same_as_colocated, wait_until
 
 require("mooncake.engine", "P/D engines start a Mooncake agent")
 
@@ -75,11 +75,7 @@ async def test_ipc_pd_generations_equal_a_colocated_engine(kind: str, engines: d
     gw = await gateway(pd_disaggregation=True, backend="atom", prefill=[{"url": p.url}], decode=[d.url],
                        request_timeout_secs=60)  # fmt: skip
     async with aiohttp.ClientSession() as s:
-        for prompt in PROMPTS:
-            for stream in (False, True):
-                extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
-                want = await _complete(s, single.url, _greedy(prompt, **extra))
-                assert await _complete(s, base_url(gw), _greedy(prompt, **extra)) == want, (prompt[:20], stream)
+        await same_as_colocated(s, single.url, base_url(gw), PROMPTS)
     info = _info(d)
     assert info["ipc"] == ("forced" if kind == "dense" else "auto")
     assert list(info["ipc_peers"].values()) == ["ipc"], info  # the one producer, mapped

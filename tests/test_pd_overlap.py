@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 from gwtest import MakeGateway, base_url, require
 
-from tests.test_pd_engine import PROMPTS, Engine, _complete, _greedy, post, wait_until
+from tests.test_pd_engine import PROMPTS, Engine, _complete, _greedy, post, same_as_colocated, wait_until
 
 require("mooncake.engine", "P/D engines start a Mooncake agent")
 
@@ -68,11 +68,7 @@ async def test_chunked_prefill_read_as_it_runs_equals_a_colocated_engine(
                        request_timeout_secs=60)  # fmt: skip
     prompts = [*PROMPTS, VERY_LONG]
     async with aiohttp.ClientSession() as s:
-        for prompt in prompts:
-            for stream in (False, True):
-                extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
-                want = await _complete(s, single.url, _greedy(prompt, **extra))
-                assert await _complete(s, base_url(gw), _greedy(prompt, **extra)) == want, (prompt[:20], stream)
+        await same_as_colocated(s, single.url, base_url(gw), prompts)
         # Several at once: the decode engine reads them while the prefill engine interleaves their chunks.
         many = [f"request {i}: " + VERY_LONG[: 120 * (i + 1)] for i in range(4)]
         want_many = [await _complete(s, single.url, _greedy(q)) for q in many]

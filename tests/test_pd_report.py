@@ -12,6 +12,18 @@ import pytest
 from gwtest import require
 
 ROOT = Path(__file__).resolve().parent.parent
+# The keys every row of docs/results/pd-one-gpu.json carries (more may follow them).
+ROW_KEYS = (
+    "shape",
+    "isl",
+    "osl",
+    "concurrency",
+    "mode",
+    "output_tok_s",
+    "ttft_p50_ms",
+    "tpot_p50_ms",
+    "kv_share_of_ttft",
+)
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -111,19 +123,8 @@ def test_one_gpu_runs_become_the_issue_rows_under_a_shape_name(tmp_path: Path) -
         prom(runs, "pd-1p1d-1024-256-c16", side, "before", 0, 0.0)
         prom(runs, "pd-1p1d-1024-256-c16", side, "after", 16, seconds)
     data, _ = report(runs, tmp_path, "--shape", "llama31-8b")
-    keys = (
-        "shape",
-        "isl",
-        "osl",
-        "concurrency",
-        "mode",
-        "output_tok_s",
-        "ttft_p50_ms",
-        "tpot_p50_ms",
-        "kv_share_of_ttft",
-    )  # the issue's; P/D rows add where their TTFT goes
-    assert "ttft_split_ms" in data["rows"][1]
-    assert [{k: r[k] for k in keys} for r in data["rows"]] == [
+    assert "ttft_split_ms" in data["rows"][1]  # P/D rows add where their TTFT goes
+    assert [{k: r[k] for k in ROW_KEYS} for r in data["rows"]] == [
         {"shape": "llama31-8b", "isl": 1024, "osl": 256, "concurrency": 16, "mode": "colocated", "output_tok_s": 5000,
          "ttft_p50_ms": 85.0, "tpot_p50_ms": 2.8, "kv_share_of_ttft": 0.0},
         {"shape": "llama31-8b", "isl": 1024, "osl": 256, "concurrency": 16, "mode": "pd", "output_tok_s": 4600,
@@ -166,15 +167,5 @@ def test_rest_of_ttft_split_per_row(tmp_path: Path) -> None:
         {"reserved": 50.0, "kv_landed": 200.0, "first_token": 250.0, "first_step": 300.0}
     )
     assert row["gateway_legs_ms"] == pytest.approx({"prefill_leg": 150.0, "handoff": 350.0})
-    assert {
-        "shape",
-        "isl",
-        "osl",
-        "concurrency",
-        "mode",
-        "output_tok_s",
-        "ttft_p50_ms",
-        "tpot_p50_ms",
-        "kv_share_of_ttft",
-    } <= row.keys()
+    assert set(ROW_KEYS) <= row.keys()
     assert "decode since arrival: reserved 50.0, kv_landed 200.0" in done.stdout

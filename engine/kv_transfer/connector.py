@@ -53,7 +53,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from typing import Any
@@ -491,8 +491,9 @@ class KVProducer:
         return MessageType.WRITE_DONE, {"transfer_id": tid, "nonce": nonce, "status": "ok", "message": "",
                                         "bytes": nbytes, **first_token}  # fmt: skip
 
-    async def _until_final(self, pending: PendingTransfer) -> dict[str, Any] | None:
-        """An early offer's end (waiting for its prefill, at most ``timeout_s``); None when it did not come."""
+    @contextlib.contextmanager
+    def _watch(self, pending: PendingTransfer) -> Iterator[asyncio.Event]:
+        """An event set (from whichever thread moves it) each time ``pending`` moves; unregistered on exit."""
         moved = asyncio.Event()
         loop = asyncio.get_running_loop()
 
@@ -502,19 +503,25 @@ class KVProducer:
         with self._lock:
             pending.watchers.append(wake)
         try:
-            async with asyncio.timeout(self.timeout_s):
-                while True:
-                    with self._lock:
-                        moved.clear()
-                        final = pending.final
-                    if final is not None:
-                        return final
-                    await moved.wait()
-        except TimeoutError:
-            return None
+            yield moved
         finally:
             with self._lock:
                 pending.watchers.remove(wake)
+
+    async def _until_final(self, pending: PendingTransfer) -> dict[str, Any] | None:
+        """An early offer's end (waiting for its prefill, at most ``timeout_s``); None when it did not come."""
+        with self._watch(pending) as moved:
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    while True:
+                        with self._lock:
+                            moved.clear()
+                            final = pending.final
+                        if final is not None:
+                            return final
+                        await moved.wait()
+            except TimeoutError:
+                return None
 
     def _take(self, tid: object) -> PendingTransfer:
         """Claim the transfer a request names (thread-safe); raises _Refusal when it is unknown or taken."""
@@ -600,22 +607,19 @@ class KVProducer:
         """An early offer's rounds: each time more of its blocks are final, say which (``ipc_ready``); the last
         round carries the prefill's end. Returns after it; raises ConnectionError when the consumer hung up
         (or spoke) before (the caller releases the transfer, and the engine stops its prefill)."""
-        moved = asyncio.Event()
-        loop = asyncio.get_running_loop()
-
-        def wake() -> None:
-            loop.call_soon_threadsafe(moved.set)
-
-        with self._lock:
-            pending.watchers.append(wake)
         sent = 0
-        try:
+        with self._watch(pending) as moved:
             while True:
                 with self._lock:
                     moved.clear()
                     ids, ready, final = pending.block_ids, pending.ready, pending.final
                 if final is not None or ready > sent:
-                    upto = sent if final is not None and "error" in final else len(ids) if final is not None else ready
+                    if final is None:
+                        upto = ready  # the blocks final so far
+                    elif "error" in final:
+                        upto = sent  # a failed prefill: nothing more to copy
+                    else:
+                        upto = len(ids)  # the prefill ended: the rest, the last partial block included
                     await wire.send(writer, MessageType.IPC_READY, transfer_id=pending.transfer_id, start=sent,
                                     block_ids=list(ids[sent:upto]), final=final)  # fmt: skip
                     sent = upto
@@ -626,9 +630,6 @@ class KVProducer:
                 if answer.done():
                     waiter.cancel()
                     raise ConnectionResetError("the consumer hung up (or gave up) while the prefill ran")
-        finally:
-            with self._lock:
-                pending.watchers.remove(wake)
 
     def _claim_read(self, msg: dict[str, Any]) -> tuple[PendingTransfer, int]:
         """The transfer an ipc read request names, claimed, and its size; raises _Refusal."""

@@ -565,23 +565,31 @@ class IpcPeers:
                 if not reply.get("early"):
                     raise KVTransferError(f"the producer read {tid} as a finished offer", reason="bad_reply")
                 return self._rounds(sock, pools, tid, dst_ids, left, after, cancelled)
-            if after is not None:
-                concurrent.futures.wait([after], timeout=left())
-                if not after.done():
-                    raise TimeoutError("the engine's step in flight did not end within the pull's time")
-            try:
-                self._check(pools, src_ids, dst_ids)
-                self._copy(pools, src_ids, dst_ids)
-            except (KVTransferError, RuntimeError, ValueError) as exc:
-                with contextlib.suppress(OSError):  # the producer releases its blocks on this
-                    wire.send_sync(sock, MessageType.IPC_DONE, transfer_id=tid, status="error", message=str(exc))
-                if isinstance(exc, KVTransferError):
-                    raise
-                raise KVTransferError(f"ipc copy failed: {exc}", reason="write_failed") from exc
+            self._copy_claimed(sock, pools, tid, src_ids, dst_ids, after, left)
             # The producer releases its blocks on this (or on the hang-up): nothing to wait for.
             with contextlib.suppress(OSError):
                 wire.send_sync(sock, MessageType.IPC_DONE, transfer_id=tid, status="ok")
             return reply
+
+    def _copy_claimed(
+        self, sock: socket.socket, pools: PeerPools, tid: str, src_ids: Sequence[int], dst_ids: Sequence[int],
+        after: concurrent.futures.Future[Any] | None, left: Callable[[], float],
+    ) -> None:  # fmt: skip
+        """Copy blocks of a claimed transfer, once ``after`` (the step in flight an abort freed them during) ended;
+        a failed copy tells the producer (which releases its blocks on it) and raises KVTransferError."""
+        if after is not None:
+            concurrent.futures.wait([after], timeout=left())
+            if not after.done():
+                raise TimeoutError("the engine's step in flight did not end within the pull's time")
+        try:
+            self._check(pools, src_ids, dst_ids)
+            self._copy(pools, src_ids, dst_ids)
+        except (KVTransferError, RuntimeError, ValueError) as exc:
+            with contextlib.suppress(OSError):
+                wire.send_sync(sock, MessageType.IPC_DONE, transfer_id=tid, status="error", message=str(exc))
+            if isinstance(exc, KVTransferError):
+                raise
+            raise KVTransferError(f"ipc copy failed: {exc}", reason="write_failed") from exc
 
     def _rounds(
         self, sock: socket.socket, pools: PeerPools, tid: str, dst_ids: Sequence[int], left: Callable[[], float],
@@ -608,20 +616,8 @@ class IpcPeers:
             if pairs and final is None:
                 self.early_rounds += 1  # one reader thread per pull; a lost increment would only undercount
             if pairs:
-                if after is not None:
-                    concurrent.futures.wait([after], timeout=left())
-                    if not after.done():
-                        raise TimeoutError("the engine's step in flight did not end within the pull's time")
-                    after = None
-                try:
-                    self._check(pools, [s for s, _ in pairs], [d for _, d in pairs])
-                    self._copy(pools, [s for s, _ in pairs], [d for _, d in pairs])
-                except (KVTransferError, RuntimeError, ValueError) as exc:
-                    with contextlib.suppress(OSError):
-                        wire.send_sync(sock, MessageType.IPC_DONE, transfer_id=tid, status="error", message=str(exc))
-                    if isinstance(exc, KVTransferError):
-                        raise
-                    raise KVTransferError(f"ipc copy failed: {exc}", reason="write_failed") from exc
+                self._copy_claimed(sock, pools, tid, [s for s, _ in pairs], [d for _, d in pairs], after, left)
+                after = None  # waited for once
             if final is None:
                 continue
             if done != len(dst_ids) or not isinstance(final.get("first_token_id"), int):
