@@ -5,7 +5,10 @@
 # give the TTFT split (prefill, KV pull). `bash bench/device/pd_serving.sh`; everything under $OUT as one archive.
 # DEVICE=cpu MODEL=tiny-random ISLS="64/16" CONCS="1 2" runs the same plumbing on a CPU.
 # ENGINE_ARGS: more flags for every engine (e.g. --load-format dummy for a model_shapes.py shape); PASS_S: the
-# limit of one pass (60 s); SKIP_ATOMESH=1 leaves set-up (b) out; NO_TAR=1 leaves $OUT as files.
+# limit of one pass (60 s); SKIP_ATOMESH=1 leaves set-up (b) out; NO_TAR=1 leaves $OUT as files; PPC: requests per
+# unit of concurrency in a pass (2). PD_MPS=1 (issue #30): the two P/D engines share the GPU through NVIDIA's MPS
+# (a control daemon started after the colocated sweep, which runs without it, and stopped at the end), so that
+# their kernels run side by side instead of in time slices.
 source bench/device/setup.sh
 DEVICE=${DEVICE:-cuda}
 if [ "$DEVICE" = cuda ] && [ -f .gpu/mooncake-cuda.tar.xz ]; then
@@ -43,7 +46,7 @@ sweep() {  # SETUP URL [DECODE_METRICS_URL PREFILL_METRICS_URL [GATEWAY_METRICS_
       if [ -n "${3:-}" ]; then curl -s "$3" >"$R/$tag.decode.before.prom"; curl -s "$4" >"$R/$tag.prefill.before.prom"; fi
       if [ -n "${5:-}" ]; then curl -s "$5" >"$R/$tag.gateway.before.prom"; fi
       timeout "${PASS_S:-60}" python3 -m bench.gateway.serving --base-url "$2" --model m --random-input-len "$isl" \
-        --random-output-len "$osl" --ignore-eos --num-prompts 4 --prompts-per-concurrency 2 --sweep-concurrency "$c" \
+        --random-output-len "$osl" --ignore-eos --num-prompts 4 --prompts-per-concurrency "${PPC:-2}" --sweep-concurrency "$c" \
         --seed "$SEED" --save-result "$R/$tag.json" 2>&1 | grep -E "Output token throughput|Tokens/s per user|Median TTFT" \
         | sed "s/^/$tag: /" || echo "$tag: failed"
       if [ -n "${3:-}" ]; then curl -s "$3" >"$R/$tag.decode.after.prom"; curl -s "$4" >"$R/$tag.prefill.after.prom"; fi
@@ -68,6 +71,8 @@ stop_all
 # early_offer off (the prefill leg answered after its prefill) and pd-1p1d-early with it on (the default).
 pd_pair() {  # SETUP EXTRA_KV
   local kv="${KVX:+,$KVX}$2"
+  # pd_report reads the early offers' TTFT split (the pull overlapping the prefill) from this marker.
+  case "$2" in *'"early_offer":false'*) ;; *) touch "$R/$1.early" ;; esac
   engine "$1-prefill" 8011 ${PREFILL_ARGS:-} \
     --kv-transfer-config "{\"kv_role\":\"kv_producer\",\"kv_connector\":\"mooncake\",\"handshake_port\":6301$kv}"
   engine "$1-decode" 8012 --kv-transfer-config "{\"kv_role\":\"kv_consumer\",\"kv_connector\":\"mooncake\",\"handshake_port\":6302$kv}"
@@ -81,10 +86,22 @@ pd_pair() {  # SETUP EXTRA_KV
   grep -h -iE "memory backend|staged|error" "$R/$1-prefill.log" "$R/$1-decode.log" | head -8 || true
   stop_all
 }
+if [ -n "${PD_MPS:-}" ]; then
+  # MPS: one server process runs both engines' kernels concurrently on the GPU (without it the driver time-slices
+  # the two contexts). The daemon's pipe and log folders are this run's own; it is told to quit at the end.
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/atomesh-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/atomesh-mps/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d || { echo "PD_MPS=1: nvidia-cuda-mps-control -d failed"; exit 1; }
+  trap 'echo quit | nvidia-cuda-mps-control >/dev/null 2>&1 || true' EXIT
+  echo "P/D engines under MPS (pipe $CUDA_MPS_PIPE_DIRECTORY)" | tee "$R/mps.txt"
+fi
 if [ -n "${EARLY_AB:-}" ]; then
   pd_pair pd-1p1d ',"early_offer":false'
   pd_pair pd-1p1d-early ''
 else
   pd_pair pd-1p1d ''
+fi
+if [ -n "${PD_MPS:-}" ]; then
+  grep -c "NEW CLIENT" "$CUDA_MPS_LOG_DIRECTORY/control.log" | sed 's/^/MPS clients: /' | tee -a "$R/mps.txt" || true
 fi
 [ -n "${NO_TAR:-}" ] || (cd "$OUT" && tar czf /tmp/results.tgz . && rm -rf ./* && mv /tmp/results.tgz .)

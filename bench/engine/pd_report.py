@@ -79,7 +79,7 @@ def collect(runs: Path) -> list[dict[str, Any]]:
             pulls = _delta(runs, tag, "decode", "atom:kv_transfer_pull_seconds_count")
             prefill = 1000 * _delta(runs, tag, "prefill", "atom:time_to_first_token_seconds_sum") / max(n, 1)
             pull = 1000 * _delta(runs, tag, "decode", "atom:kv_transfer_pull_seconds_sum") / max(pulls, 1)
-            if row["setup"].endswith("-early"):
+            if row["setup"].endswith("-early") or (runs / f"{m['setup']}.early").exists():
                 # Early offers: the decode engine's pull starts as the prefill is queued, so only what it takes
                 # past the prefill engine's own TTFT adds to the client's (the rest of it overlapped the prefill).
                 row["kv_pull_since_decode_arrival_ms"] = pull
