@@ -215,6 +215,22 @@ def test_engines_go_one_per_gpu_prefill_and_decode_apart(monkeypatch: pytest.Mon
     assert visible_gpus() == 0
 
 
+@pytest.mark.timeout(10)
+def test_engines_sharing_a_gpu_without_mps_get_a_note(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from atomesh.up import UpSettings, mps_running, plan_parts, sharing_note
+
+    one_gpu = plan_parts(UpSettings(device="cuda", gpus=1))[:-1]
+    note = sharing_note(one_gpu, mps=False)
+    assert note is not None and "prefill-0, decode-0 on cuda" in note and "nvidia-cuda-mps-control -d" in note
+    assert sharing_note(one_gpu, mps=True) is None
+    assert sharing_note(plan_parts(UpSettings(device="cuda", gpus=2))[:-1], mps=False) is None  # one GPU each
+    assert sharing_note(plan_parts(UpSettings())[:-1], mps=False) is None  # CPU engines
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert not mps_running()
+    (tmp_path / "control").touch()
+    assert mps_running()
+
+
 def test_up_with_kv_aware_starts_engines_that_publish_kv_events() -> None:
     import json
 
