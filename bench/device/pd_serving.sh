@@ -8,7 +8,8 @@
 # limit of one pass (60 s); SKIP_ATOMESH=1 leaves set-up (b) out; NO_TAR=1 leaves $OUT as files; PPC: requests per
 # unit of concurrency in a pass (2). PD_MPS=1 (issue #30): the two P/D engines share the GPU through NVIDIA's MPS
 # (a control daemon started after the colocated sweep, which runs without it, and stopped at the end), so that
-# their kernels run side by side instead of in time slices.
+# their kernels run side by side instead of in time slices. PREFILL_MPS_PCT=N (with PD_MPS=1): the prefill engine
+# may use at most N% of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its environment), leaving the rest to decode.
 source bench/device/setup.sh
 DEVICE=${DEVICE:-cuda}
 if [ "$DEVICE" = cuda ] && [ -f .gpu/mooncake-cuda.tar.xz ]; then
@@ -30,7 +31,7 @@ PIDS=()
 wait_http() { for _ in $(seq "$2"); do curl -sf "$1" >/dev/null && return 0; sleep 1; done; echo "timeout $1"; return 1; }
 engine() {  # NAME PORT EXTRA...
   local name=$1 port=$2; shift 2
-  python3 -m engine.openai_server --model "$MODEL" --served-model-name m --device "$DEVICE" --host 127.0.0.1 \
+  env ${ENGINE_ENV:-} python3 -m engine.openai_server --model "$MODEL" --served-model-name m --device "$DEVICE" --host 127.0.0.1 \
     --server-port "$port" --max-model-len "${MAXLEN:-5120}" --max-num-seqs 128 --num-kvcache-blocks "$BLOCKS" \
     ${ENGINE_ARGS:-} "$@" \
     >"$R/$name.log" 2>&1 &
@@ -73,7 +74,7 @@ pd_pair() {  # SETUP EXTRA_KV
   local kv="${KVX:+,$KVX}$2"
   # pd_report reads the early offers' TTFT split (the pull overlapping the prefill) from this marker.
   case "$2" in *'"early_offer":false'*) ;; *) touch "$R/$1.early" ;; esac
-  engine "$1-prefill" 8011 ${PREFILL_ARGS:-} \
+  ENGINE_ENV=${PREFILL_MPS_PCT:+CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$PREFILL_MPS_PCT} engine "$1-prefill" 8011 ${PREFILL_ARGS:-} \
     --kv-transfer-config "{\"kv_role\":\"kv_producer\",\"kv_connector\":\"mooncake\",\"handshake_port\":6301$kv}"
   engine "$1-decode" 8012 --kv-transfer-config "{\"kv_role\":\"kv_consumer\",\"kv_connector\":\"mooncake\",\"handshake_port\":6302$kv}"
   wait_http http://127.0.0.1:8011/health 240 && wait_http http://127.0.0.1:8012/health 240
