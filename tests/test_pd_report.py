@@ -169,3 +169,22 @@ def test_rest_of_ttft_split_per_row(tmp_path: Path) -> None:
     assert row["gateway_legs_ms"] == pytest.approx({"prefill_leg": 150.0, "handoff": 350.0})
     assert set(ROW_KEYS) <= row.keys()
     assert "decode since arrival: reserved 50.0, kv_landed 200.0" in done.stdout
+
+
+def test_several_runs_give_medians_and_pd_paired_with_colocated_within_each_run(tmp_path: Path) -> None:
+    """REPEAT=N in pd_one_gpu_rows.sh: each number the median over the runs; P/D over colocated is taken per run."""
+    from bench.engine.pd_report import collect, issue_rows, median_of_reps
+
+    dirs = []
+    for k, (col, pd) in enumerate(((10000.0, 7300.0), (12000.0, 11800.0), (9000.0, 8900.0))):
+        runs = tmp_path / f"runs-{k + 1}"
+        runs.mkdir()
+        result(runs, "colocated-1024-256-c64", col, 5.0, 150.0, 1)
+        result(runs, "pd-1p1d-1024-256-c64", pd, 5.0 + k, 250.0, 1)
+        dirs.append(runs)
+    rows = issue_rows(median_of_reps([collect(d) for d in dirs]), "smollm2-135m")
+    col, pd = rows
+    assert (col["mode"], col["output_tok_s"], col["reps"]) == ("colocated", 10000.0, 3)
+    assert (pd["mode"], pd["output_tok_s"], pd["tpot_p50_ms"], pd["isl"]) == ("pd", 8900.0, 6.0, 1024)
+    assert pd["pd_over_colocated_reps"] == pytest.approx([0.73, 11800 / 12000, 8900 / 9000])
+    assert pd["pd_over_colocated"] == pytest.approx(11800 / 12000)  # not 8900 / 10000, the ratio of the medians

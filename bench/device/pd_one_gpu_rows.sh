@@ -12,6 +12,9 @@
 # (OVERLAP_TESTS=1: first tests/test_pd_overlap.py on CUDA, into $OUT/cuda-tests-pd-overlap.txt)
 #   EARLY_AB=1 CONCS="1 16 64" PREFILL_ARGS="--max-num-batched-tokens 1024" SHAPE=smollm2 ISLS=4096/512 \
 #     bash bench/device/pd_one_gpu_rows.sh
+# REPEAT=N runs the sweep N times and reports medians, P/D paired with colocated within each run (the SmolLM2 shape's
+# rows moved by up to 0.3x between single runs):
+#   REPEAT=3 PD_MPS=1 PPC=3 SHAPE=smollm2 ISLS="1024/256 4096/512" bash bench/device/pd_one_gpu_rows.sh
 # Writes $OUT/runs (the passes and the engines' /metrics), $OUT/pd-one-gpu-SHAPE-ISL.json (the issue's rows under
 # "rows", `python -m bench.engine.pd_report --shape`) and its chart. Merge the rows of the calls into docs/results/pd-one-gpu.json.
 # Carries .whl, .gpu (model_shapes.py, smollm2) and the CUDA Mooncake bundle, as pd_ipc_round.sh.
@@ -37,11 +40,22 @@ if [ -n "${OVERLAP_TESTS:-}" ]; then  # the CUDA tests of early offers first (P/
     && ENGINE_TEST_DEVICE=cuda ENGINE_TEST_DTYPE=bfloat16 timeout "${TESTS_S:-150}" python3 -m pytest -q \
       -p no:cacheprovider -x tests/test_pd_overlap.py 2>&1 | tee "${OUT:-/tmp/out}/cuda-tests-pd-overlap.txt" | tail -4) || true
 fi
-bash bench/device/pd_serving.sh 2>&1 | grep -v "^I1\|^W1" | tail -24 || true
 OUT=${OUT:-/tmp/out}
+# REPEAT=N: the whole sweep N times (engines started afresh each time) into runs-1 .. runs-N; the report takes each
+# number's median and pairs P/D with colocated within each run (bench.engine.pd_report's median_of_reps).
+if [ "${REPEAT:-1}" -gt 1 ]; then
+  dirs=()
+  for k in $(seq "$REPEAT"); do
+    bash bench/device/pd_serving.sh 2>&1 | grep -v "^I1\|^W1" | tail -8 || true
+    rm -rf "$OUT/runs-$k" && mv "$OUT/runs" "$OUT/runs-$k" && dirs+=("$OUT/runs-$k")
+  done
+else
+  bash bench/device/pd_serving.sh 2>&1 | grep -v "^I1\|^W1" | tail -24 || true
+  dirs=("$OUT/runs")
+fi
 tag="$SHAPE-${ISLS//\//-}"; tag=${tag// /_}
 name=$([ "$SHAPE" = smollm2 ] && echo smollm2-135m || echo "$SHAPE")
-python3 -m bench.engine.pd_report "$OUT/runs" --shape "$name" --json "$OUT/pd-one-gpu-$tag.json" --png "$OUT/pd-one-gpu-$tag.png" \
+python3 -m bench.engine.pd_report "${dirs[@]}" --shape "$name" --json "$OUT/pd-one-gpu-$tag.json" --png "$OUT/pd-one-gpu-$tag.png" \
   --title "$name, bf16, one H200: colocated vs 1P1D (KV over ipc)" \
-  --meta "{\"device\": \"$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || echo cpu)\", \"date\": \"$(date -u +%F)\", \"command\": \"${PD_MPS:+PD_MPS=1 }${PREFILL_MPS_PCT:+PREFILL_MPS_PCT=$PREFILL_MPS_PCT }${PPC:+PPC=$PPC }${EARLY_AB:+EARLY_AB=1 }${PREFILL_ARGS:+PREFILL_ARGS='$PREFILL_ARGS' }CONCS='$CONCS' SHAPE=$SHAPE ISLS=$ISLS bash bench/device/pd_one_gpu_rows.sh\"}" \
+  --meta "{\"device\": \"$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || echo cpu)\", \"date\": \"$(date -u +%F)\", \"command\": \"${REPEAT:+REPEAT=$REPEAT }${PD_MPS:+PD_MPS=1 }${PREFILL_MPS_PCT:+PREFILL_MPS_PCT=$PREFILL_MPS_PCT }${PPC:+PPC=$PPC }${EARLY_AB:+EARLY_AB=1 }${PREFILL_ARGS:+PREFILL_ARGS='$PREFILL_ARGS' }CONCS='$CONCS' SHAPE=$SHAPE ISLS=$ISLS bash bench/device/pd_one_gpu_rows.sh\"}" \
   || echo "pd_report failed here (matplotlib?): run it on the runs folder locally with --shape $name"

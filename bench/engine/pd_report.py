@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +140,8 @@ def issue_rows(points: list[dict[str, Any]], shape: str) -> list[dict[str, Any]]
     """The one-GPU points as ``docs/results/pd-one-gpu.json`` lists them: ``{shape, isl, osl, concurrency, mode,
     output_tok_s, ttft_p50_ms, tpot_p50_ms, kv_share_of_ttft}``, colocated (straight) and P/D."""
     # P/D rows: where the TTFT goes
-    extra = ("ttft_split_ms", "decode_since_arrival_ms", "gateway_legs_ms", "kv_pull_since_decode_arrival_ms")
+    extra = ("ttft_split_ms", "decode_since_arrival_ms", "gateway_legs_ms", "kv_pull_since_decode_arrival_ms",
+             "reps", "output_tok_s_per_gpu_reps", "pd_over_colocated", "pd_over_colocated_reps")  # fmt: skip
     return [{"shape": shape, "isl": p["isl"], "osl": p["osl"], "concurrency": p["concurrency"],
              "mode": MODES[p["setup"]], "output_tok_s": p["output_tok_s_per_gpu"], "ttft_p50_ms": p["ttft_ms_p50"],
              "tpot_p50_ms": p["tpot_ms_p50"], "kv_share_of_ttft": p.get("kv_pull_share_of_ttft", 0.0),
@@ -254,9 +256,46 @@ def _runs_meta(runs: Path) -> dict[str, Any]:
     return meta
 
 
+def median_of_reps(reps: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Points of several runs of one sweep (each a ``collect``), one per set-up and shape: each number the median
+    over the runs that have it. A P/D point also gets each run's P/D over colocated tok/s, paired within the run
+    (``pd_over_colocated_reps``) and their median (``pd_over_colocated``): the two passes of a pair ran minutes
+    apart, the runs further apart, so a paired ratio moves less than a ratio of medians."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for rows in reps:
+        for r in rows:
+            groups.setdefault((r["setup"], r.get("attention"), r["isl"], r["osl"], r["concurrency"]), []).append(r)
+    out = []
+    for rows in groups.values():
+        merged: dict[str, Any] = dict(rows[0])
+        for name, value in rows[0].items():
+            if isinstance(value, (int, float)) and name not in ("isl", "osl", "concurrency", "gpus"):
+                merged[name] = statistics.median(float(r[name]) for r in rows if name in r)
+            elif isinstance(value, dict):
+                merged[name] = {k: statistics.median(float(r[name][k]) for r in rows if k in r.get(name, {}))
+                                for k in value}  # fmt: skip
+        merged["reps"] = len(rows)
+        merged["output_tok_s_per_gpu_reps"] = [r["output_tok_s_per_gpu"] for r in rows]
+        out.append(merged)
+    by_key = {(r["setup"], r.get("attention"), r["isl"], r["osl"], r["concurrency"]): r for r in out}
+    for r in out:
+        if MODES.get(r["setup"]) != "pd":
+            continue
+        ratios = []
+        for rows in reps:
+            here = {(x["setup"], x["isl"], x["osl"], x["concurrency"]): x for x in rows}
+            pd, col = (here.get((s, r["isl"], r["osl"], r["concurrency"])) for s in (r["setup"], "colocated"))
+            if pd and col and col["output_tok_s_per_gpu"]:
+                ratios.append(pd["output_tok_s_per_gpu"] / col["output_tok_s_per_gpu"])
+        if ratios and (r["setup"], None, r["isl"], r["osl"], r["concurrency"]) in by_key:
+            r["pd_over_colocated_reps"] = ratios
+            r["pd_over_colocated"] = statistics.median(ratios)
+    return sorted(out, key=lambda r: (r["setup"], r.get("attention") or "", r["isl"], r["concurrency"]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.engine.pd_report", description=__doc__.split("\n")[0])
-    p.add_argument("runs", type=Path)
+    p.add_argument("runs", type=Path, nargs="+", help="a runs folder; several: one sweep's runs, medians of each")
     p.add_argument("--json", type=Path, required=True)
     p.add_argument("--png", type=Path, required=True)
     p.add_argument("--title", default=None, help="chart title (default: the one- or two-GPU experiment's)")
@@ -266,11 +305,14 @@ def main() -> None:
     p.add_argument("--target-user-tps", type=float, default=60.0,
                    help="two-GPU runs: 1P1D and colocated are compared at and above this tok/s per user")  # fmt: skip
     a = p.parse_args()
-    rows = collect(a.runs)
-    if not rows:
-        p.error(f"no SETUP-ISL-OSL-cN.json results in {a.runs}")
+    reps = [collect(runs) for runs in a.runs]
+    if not all(reps):
+        p.error(f"no SETUP-ISL-OSL-cN.json results in {a.runs[[bool(r) for r in reps].index(False)]}")
+    rows = reps[0] if len(reps) == 1 else median_of_reps(reps)
     two = any("attention" in r for r in rows)
-    report: dict[str, Any] = {**json.loads(a.meta), **_runs_meta(a.runs)}
+    report: dict[str, Any] = {**json.loads(a.meta), **_runs_meta(a.runs[0])}
+    if len(reps) > 1:
+        report["reps"] = [str(runs) for runs in a.runs]
     checks = verdicts(rows, a.target_user_tps) if two else []
     if two:
         report["target"] = checks
@@ -288,6 +330,9 @@ def main() -> None:
         for key, label in (("decode_since_arrival_ms", "decode since arrival"), ("gateway_legs_ms", "gateway")):
             if parts := r.get(key):
                 extra += f"; {label}: " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()) + " ms"
+        if "pd_over_colocated" in r:
+            extra += "; P/D / colocated per run " + ", ".join(f"{x:.2f}" for x in r["pd_over_colocated_reps"])
+            extra += f" (median {r['pd_over_colocated']:.2f})"
         setup = r["setup"] + (f"-{r['attention']}" if "attention" in r else "")
         print(
             f"{setup:>28} {r['isl']:>5}/{r['osl']:<4} c{r['concurrency']:<3} "
