@@ -452,6 +452,9 @@ def parse_kv_transfer_config(text: str) -> KVTransferConfig:
     early = raw.get("early_offer", True)
     if not isinstance(early, bool):
         raise ValueError(f"--kv-transfer-config: early_offer {early!r} must be true or false")
+    if "early_offer" in raw and role == "kv_consumer":
+        raise ValueError("--kv-transfer-config: early_offer is the prefill engine's setting (kv_producer or kv_both);"
+                         " a kv_consumer follows what its producer offers")  # fmt: skip
     return KVTransferConfig(
         kv_role=role,
         kv_connector=connector,

@@ -71,11 +71,11 @@ stop_all
 # chunks, which the decode engine reads as they become final). EARLY_AB=1 sweeps P/D twice: pd-1p1d with
 # early_offer off (the prefill leg answered after its prefill) and pd-1p1d-early with it on (the default).
 pd_pair() {  # SETUP EXTRA_KV
-  local kv="${KVX:+,$KVX}$2"
+  local kv="${KVX:+,$KVX}"  # both engines; EXTRA_KV ($2) is the prefill engine's alone
   # pd_report reads the early offers' TTFT split (the pull overlapping the prefill) from this marker.
   case "$2" in *'"early_offer":false'*) ;; *) touch "$R/$1.early" ;; esac
   ENGINE_ENV=${PREFILL_MPS_PCT:+CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$PREFILL_MPS_PCT} engine "$1-prefill" 8011 ${PREFILL_ARGS:-} \
-    --kv-transfer-config "{\"kv_role\":\"kv_producer\",\"kv_connector\":\"mooncake\",\"handshake_port\":6301$kv}"
+    --kv-transfer-config "{\"kv_role\":\"kv_producer\",\"kv_connector\":\"mooncake\",\"handshake_port\":6301$kv$2}"
   engine "$1-decode" 8012 --kv-transfer-config "{\"kv_role\":\"kv_consumer\",\"kv_connector\":\"mooncake\",\"handshake_port\":6302$kv}"
   wait_http http://127.0.0.1:8011/health 240 && wait_http http://127.0.0.1:8012/health 240
   python3 -m atomesh launch --pd-disaggregation --backend atom --prefill http://127.0.0.1:8011 none \

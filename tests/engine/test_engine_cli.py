@@ -232,3 +232,15 @@ def test_kv_transfer_protocol_is_what_the_host_can_do(tmp_path, monkeypatch) -> 
     with pytest.raises(ValueError, match="protocol 'ib' must be one of"):
         parse_kv_transfer_config('{"kv_role": "kv_producer", "protocol": "ib"}')
     assert parse_kv_transfer_config('{"kv_role": "kv_producer", "protocol": "tcp"}').protocol == "tcp"
+
+
+def test_early_offer_is_the_producers_setting() -> None:
+    """``early_offer`` changes what a prefill engine answers; a decode engine would ignore it, so it refuses it."""
+    from engine.args import parse_kv_transfer_config
+
+    assert parse_kv_transfer_config('{"kv_role": "kv_producer", "early_offer": false}').early_offer is False
+    assert parse_kv_transfer_config('{"kv_role": "kv_consumer"}').early_offer is True  # the default, not asked for
+    with pytest.raises(ValueError, match="early_offer is the prefill engine's setting"):
+        parse_kv_transfer_config('{"kv_role": "kv_consumer", "early_offer": false}')
+    with pytest.raises(ValueError, match="must be true or false"):
+        parse_kv_transfer_config('{"kv_role": "kv_producer", "early_offer": "yes"}')
