@@ -134,6 +134,9 @@ def test_fp8_linear_matches_a_float32_linear_within_4_5_percent() -> None:
 def test_to_dtype_casts_the_bias_but_keeps_fp8_weights_and_float32_scales() -> None:
     dense, fp8 = nn.Linear(32, 32), Fp8Linear(32, 48, bias=True)
     fp8.load_rows(0, torch.randn(48, 32, generator=_g(7)))
+    assert fp8.bias is not None
+    with torch.no_grad():  # the layer's bias is torch.empty until a checkpoint fills it (left empty, it failed once)
+        fp8.bias.copy_(torch.randn(48, generator=_g(9)))
     weight, scale = _bits(fp8.weight).clone(), fp8.weight_scale.clone()
     model = nn.Sequential(dense, fp8).to(torch.bfloat16)
     assert dense.weight.dtype == torch.bfloat16
