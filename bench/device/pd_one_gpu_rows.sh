@@ -57,5 +57,5 @@ tag="$SHAPE-${ISLS//\//-}"; tag=${tag// /_}
 name=$([ "$SHAPE" = smollm2 ] && echo smollm2-135m || echo "$SHAPE")
 python3 -m bench.engine.pd_report "${dirs[@]}" --shape "$name" --json "$OUT/pd-one-gpu-$tag.json" --png "$OUT/pd-one-gpu-$tag.png" \
   --title "$name, bf16, one H200: colocated vs 1P1D (KV over ipc)" \
-  --meta "{\"device\": \"$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || echo cpu)\", \"date\": \"$(date -u +%F)\", \"command\": \"${REPEAT:+REPEAT=$REPEAT }${PD_MPS:+PD_MPS=1 }${PREFILL_MPS_PCT:+PREFILL_MPS_PCT=$PREFILL_MPS_PCT }${PPC:+PPC=$PPC }${EARLY_AB:+EARLY_AB=1 }${PREFILL_ARGS:+PREFILL_ARGS='$PREFILL_ARGS' }CONCS='$CONCS' SHAPE=$SHAPE ISLS=$ISLS bash bench/device/pd_one_gpu_rows.sh\"}" \
+  --meta "{\"device\": \"$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || echo cpu)\", \"date\": \"$(date -u +%F)\", \"command\": \"${REPEAT:+REPEAT=$REPEAT }${PD_MPS:+PD_MPS=1 }${PREFILL_MPS_PCT:+PREFILL_MPS_PCT=$PREFILL_MPS_PCT }${PREFILL_MPS_PRIORITY:+PREFILL_MPS_PRIORITY=$PREFILL_MPS_PRIORITY }${PPC:+PPC=$PPC }${EARLY_AB:+EARLY_AB=1 }${PREFILL_ARGS:+PREFILL_ARGS='$PREFILL_ARGS' }CONCS='$CONCS' SHAPE=$SHAPE ISLS=$ISLS bash bench/device/pd_one_gpu_rows.sh\"}" \
   || echo "pd_report failed here (matplotlib?): run it on the runs folder locally with --shape $name"

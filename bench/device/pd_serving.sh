@@ -9,7 +9,9 @@
 # unit of concurrency in a pass (2). PD_MPS=1 (issue #30): the two P/D engines share the GPU through NVIDIA's MPS
 # (a control daemon started after the colocated sweep, which runs without it, and stopped at the end), so that
 # their kernels run side by side instead of in time slices. PREFILL_MPS_PCT=N (with PD_MPS=1): the prefill engine
-# may use at most N% of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its environment), leaving the rest to decode.
+# may use at most N% of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its environment), leaving the rest to decode;
+# PREFILL_MPS_PRIORITY=1: its kernels are scheduled below the decode engine's (CUDA_MPS_CLIENT_PRIORITY, 1 = below
+# normal).
 source bench/device/setup.sh
 DEVICE=${DEVICE:-cuda}
 if [ "$DEVICE" = cuda ] && [ -f .gpu/mooncake-cuda.tar.xz ]; then
@@ -74,7 +76,8 @@ pd_pair() {  # SETUP EXTRA_KV
   local kv="${KVX:+,$KVX}"  # both engines; EXTRA_KV ($2) is the prefill engine's alone
   # pd_report reads the early offers' TTFT split (the pull overlapping the prefill) from this marker.
   case "$2" in *'"early_offer":false'*) ;; *) touch "$R/$1.early" ;; esac
-  ENGINE_ENV=${PREFILL_MPS_PCT:+CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$PREFILL_MPS_PCT} engine "$1-prefill" 8011 ${PREFILL_ARGS:-} \
+  ENGINE_ENV="${PREFILL_MPS_PCT:+CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$PREFILL_MPS_PCT} ${PREFILL_MPS_PRIORITY:+CUDA_MPS_CLIENT_PRIORITY=$PREFILL_MPS_PRIORITY}" \
+    engine "$1-prefill" 8011 ${PREFILL_ARGS:-} \
     --kv-transfer-config "{\"kv_role\":\"kv_producer\",\"kv_connector\":\"mooncake\",\"handshake_port\":6301$kv$2}"
   engine "$1-decode" 8012 --kv-transfer-config "{\"kv_role\":\"kv_consumer\",\"kv_connector\":\"mooncake\",\"handshake_port\":6302$kv}"
   wait_http http://127.0.0.1:8011/health 240 && wait_http http://127.0.0.1:8012/health 240
