@@ -1,45 +1,67 @@
-/* A few rows times a float32 weight on one CPU core with AVX-512, reading the weight once (engine/cpu_packed.py).
+/* A few rows times a float32 weight on one CPU core with AVX-512 or AVX2, reading the weight once
+ * (engine/cpu_packed.py builds it with the flags of the CPU it runs on).
  *
  * A speculative verify row is 2 .. ~17 rows of activations. Torch's GEMM paths (MKL, oneDNN) stream the weight
  * at 60-70% of what one core's GEMV reaches for such row counts; this kernel keeps every row's accumulators in
- * registers while the weight streams past once, so up to ~10 rows cost about what one row does.
+ * registers while the weight streams past once, so up to MAX_GROUP rows cost about what one row does.
  *
  * Layout: the weight [N, K] is packed once into panels of PANEL outputs, panel p holding [K][PANEL] (the PANEL
  * weights of input k side by side), so a panel is one contiguous stream; the last panel is padded with zeros.
- * Each float of the output is a sum over k in order, one FMA per term. */
+ * Each float of the output is a sum over k in order, one FMA per term. A panel is two vectors wide: 32 floats with
+ * AVX-512 (32 registers), 16 with AVX2 (16 registers). */
 #include <immintrin.h>
 
-#define PANEL 32
+#if defined(__AVX512F__)
+#define VEC __m512
+#define VW 16
+#define VZERO _mm512_setzero_ps
+#define VLOAD _mm512_loadu_ps
+#define VSTORE _mm512_storeu_ps
+#define VSET1 _mm512_set1_ps
+#define VFMA _mm512_fmadd_ps
 #define MAX_GROUP 10 /* rows per pass over a panel: 2 accumulators a row + 2 weights + 1 broadcast <= 32 */
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VEC __m256
+#define VW 8
+#define VZERO _mm256_setzero_ps
+#define VLOAD _mm256_loadu_ps
+#define VSTORE _mm256_storeu_ps
+#define VSET1 _mm256_set1_ps
+#define VFMA _mm256_fmadd_ps
+#define MAX_GROUP 6 /* 2 accumulators a row + 2 weights + 1 broadcast <= 16 */
+#else
+#error "cpu_gemm.c needs AVX-512 (-mavx512f) or AVX2 with FMA (-mavx2 -mfma)"
+#endif
+#define PANEL (2 * VW)
 
 #define PANEL_KERNEL(MR)                                                                                     \
     static void panel_##MR(const float *restrict w, const float *restrict x, float *restrict out, long k_len, \
                            long ldo, long valid) {                                                          \
-        __m512 lo[MR], hi[MR];                                                                               \
+        VEC lo[MR], hi[MR];                                                                                  \
         _Pragma("GCC unroll 16") for (int m = 0; m < MR; m++) {                                              \
-            lo[m] = _mm512_setzero_ps();                                                                     \
-            hi[m] = _mm512_setzero_ps();                                                                     \
+            lo[m] = VZERO();                                                                                 \
+            hi[m] = VZERO();                                                                                 \
         }                                                                                                    \
         for (long k = 0; k < k_len; k++) {                                                                   \
             _mm_prefetch((const char *)(w + (k + 32) * PANEL), _MM_HINT_T0);                                 \
-            _mm_prefetch((const char *)(w + (k + 32) * PANEL + 16), _MM_HINT_T0);                            \
-            __m512 w_lo = _mm512_loadu_ps(w + k * PANEL);                                                    \
-            __m512 w_hi = _mm512_loadu_ps(w + k * PANEL + 16);                                               \
+            _mm_prefetch((const char *)(w + (k + 32) * PANEL + VW), _MM_HINT_T0);                            \
+            VEC w_lo = VLOAD(w + k * PANEL);                                                                 \
+            VEC w_hi = VLOAD(w + k * PANEL + VW);                                                            \
             _Pragma("GCC unroll 16") for (int m = 0; m < MR; m++) {                                          \
-                __m512 xv = _mm512_set1_ps(x[m * k_len + k]);                                                \
-                lo[m] = _mm512_fmadd_ps(xv, w_lo, lo[m]);                                                    \
-                hi[m] = _mm512_fmadd_ps(xv, w_hi, hi[m]);                                                    \
+                VEC xv = VSET1(x[m * k_len + k]);                                                            \
+                lo[m] = VFMA(xv, w_lo, lo[m]);                                                               \
+                hi[m] = VFMA(xv, w_hi, hi[m]);                                                               \
             }                                                                                                \
         }                                                                                                    \
         _Pragma("GCC unroll 16") for (int m = 0; m < MR; m++) {                                              \
             float *o = out + m * ldo;                                                                        \
             if (valid == PANEL) {                                                                            \
-                _mm512_storeu_ps(o, lo[m]);                                                                  \
-                _mm512_storeu_ps(o + 16, hi[m]);                                                             \
+                VSTORE(o, lo[m]);                                                                            \
+                VSTORE(o + VW, hi[m]);                                                                       \
             } else {                                                                                         \
                 float t[PANEL];                                                                              \
-                _mm512_storeu_ps(t, lo[m]);                                                                  \
-                _mm512_storeu_ps(t + 16, hi[m]);                                                             \
+                VSTORE(t, lo[m]);                                                                            \
+                VSTORE(t + VW, hi[m]);                                                                       \
                 for (long j = 0; j < valid; j++) o[j] = t[j];                                                \
             }                                                                                                \
         }                                                                                                    \
@@ -51,14 +73,19 @@ PANEL_KERNEL(3)
 PANEL_KERNEL(4)
 PANEL_KERNEL(5)
 PANEL_KERNEL(6)
+#if MAX_GROUP >= 10
 PANEL_KERNEL(7)
 PANEL_KERNEL(8)
 PANEL_KERNEL(9)
 PANEL_KERNEL(10)
+#endif
 
 typedef void (*panel_fn)(const float *, const float *, float *, long, long, long);
-static const panel_fn PANELS[MAX_GROUP + 1] = {0,       panel_1, panel_2, panel_3, panel_4, panel_5,
-                                               panel_6, panel_7, panel_8, panel_9, panel_10};
+static const panel_fn PANELS[MAX_GROUP + 1] = {0, panel_1, panel_2, panel_3, panel_4, panel_5, panel_6,
+#if MAX_GROUP >= 10
+                                               panel_7, panel_8, panel_9, panel_10
+#endif
+};
 
 long atomesh_panel_width(void) { return PANEL; }
 

@@ -8,12 +8,12 @@ SmolLM2-135M: 0.5 GB, about 14 GB/s on one core of the Xeon this was measured on
   whose weights do not fit in the cache reads them about twice (4 rows cost 2.2x one row, 9 rows 2.7x);
 - a weight packed once by oneDNN reads it once, but its small-row kernels stream it at 60-70% of the GEMV's
   rate;
-- ``engine/cpu_gemm.c`` (this module builds it with the C compiler on first use, AVX-512, one thread) keeps
+- ``engine/cpu_gemm.c`` (this module builds it with the C compiler on first use, AVX-512 or AVX2, one thread) keeps
   every row's accumulators in registers while the weight streams past once: 4 to 9 rows cost 1.1-1.2x one
   row, oneDNN's 1.6-1.7x (SmolLM2's linears, one thread, 2026-12-02; ``python -m bench.engine.cpu_linears``).
 
 ``PackedCpuOps`` packs every float32 ``nn.Linear`` once at start: for that kernel when the engine runs torch on one
-thread and the CPU has AVX-512 and a C compiler builds it (rows 2 .. ``MAX_NATIVE_ROWS``; more rows, a prefill
+thread and the CPU has AVX-512 or AVX2 and a C compiler builds it (rows 2 .. ``MAX_NATIVE_ROWS``; more rows, a prefill
 chunk, go to torch's GEMM, whose repacking is small beside so many rows), else for oneDNN (rows from
 ``MIN_PACKED_ROWS``; oneDNN uses the threads torch has). One row keeps torch's GEMV either way, so a
 speculating engine's plain steps compute what a plain engine's do. The packed copy doubles the memory of the
@@ -45,7 +45,9 @@ MIN_PACKED_ROWS = 4
 # The native kernel: rows 2 .. this; beyond, a prefill chunk's worth of rows, torch's GEMM.
 MAX_NATIVE_ROWS = 32
 _SOURCE = Path(__file__).with_name("cpu_gemm.c")
-_FLAGS = ("-O3", "-mavx512f", "-mfma", "-shared", "-fPIC")
+_FLAGS = ("-O3", "-shared", "-fPIC")
+# The vector instructions the kernel is built for, as torch sees the CPU (its best: AVX-512 where both are there).
+_ISA_FLAGS = {"AVX512": ("-mavx512f", "-mfma"), "AVX2": ("-mavx2", "-mfma")}
 
 
 def can_pack(module: nn.Module) -> bool:
@@ -96,16 +98,17 @@ class GemmBuild:
 
 def build_cpu_gemm(cache_dir: Path | None = None) -> GemmBuild:
     """Compile ``engine/cpu_gemm.c`` (once per source and compiler; kept under ``cache_dir``, by default
-    ``$XDG_CACHE_HOME/atomesh`` or ``~/.cache/atomesh``) and load it. Needs AVX-512 (as torch sees the CPU)
-    and a C compiler (``$CC``, else ``cc``)."""
+    ``$XDG_CACHE_HOME/atomesh`` or ``~/.cache/atomesh``) and load it. Needs AVX-512 or AVX2 with FMA (as torch
+    sees the CPU) and a C compiler (``$CC``, else ``cc``)."""
     capability = torch.backends.cpu.get_cpu_capability()
-    if capability != "AVX512":
-        return GemmBuild(None, f"the CPU's vector capability is {capability}, the kernel needs AVX512")
+    if capability not in _ISA_FLAGS:
+        return GemmBuild(None, f"the CPU's vector capability is {capability}, the kernel needs AVX512 or AVX2")
+    flags = (*_FLAGS, *_ISA_FLAGS[capability])
     compiler = os.environ.get("CC") or shutil.which("cc")
     if not compiler:
         return GemmBuild(None, "no C compiler (set CC or install cc)")
     source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join((compiler, *_FLAGS)).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
     folder = cache_dir or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "atomesh"
     library = folder / f"cpu_gemm-{digest}.so"
     if not library.exists():
@@ -117,7 +120,7 @@ def build_cpu_gemm(cache_dir: Path | None = None) -> GemmBuild:
         os.close(fd)
         try:
             try:
-                done = subprocess.run([compiler, *_FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True,
+                done = subprocess.run([compiler, *flags, "-o", tmp, str(_SOURCE)], capture_output=True, text=True,
                                       timeout=120, check=False)  # fmt: skip
             except (OSError, subprocess.TimeoutExpired) as e:
                 return GemmBuild(None, f"{compiler} did not run: {e}")

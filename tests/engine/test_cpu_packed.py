@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def test_the_native_kernel_computes_torchs_linear_for_every_shape(tmp_path: Path) -> None:
     build = build_cpu_gemm(tmp_path)
-    assert build.gemm is not None, build.why_not  # AVX-512 and a C compiler: what the CPU packing is built for
+    assert build.gemm is not None, build.why_not  # AVX-512 or AVX2 and a C compiler: what the CPU packing is built for
     gemm = build.gemm
     gen = torch.Generator().manual_seed(0)
     # Widths that fill whole panels and widths that pad the last one; odd inner sizes; with and without bias.
