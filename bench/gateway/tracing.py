@@ -9,6 +9,11 @@ compared; the target is at most 10% more with tracing. It prints (and writes `--
 asserts. `--instructions N` first counts each gateway's instructions per request under callgrind (the
 gateway process's threads; its sender process is not counted there), which the machine's other load
 does not move: the steadier measure on a shared box.
+
+`--sender N` measures the sender process alone: N requests' records (as `Tracing` makes them for this
+benchmark's requests) in the frames the gateway would hand it, replayed at the rate the gateway makes
+them, its compiled encoder's rounds alternating with Python's (the sender falls back to Python when it
+finds no C compiler: the replay gives it none); with `--instructions`, also counted under callgrind.
 """
 
 from __future__ import annotations
@@ -154,10 +159,14 @@ async def frames(requests: int, per_frame: int) -> list[bytes]:
     return out
 
 
-def replay(endpoint: str, spans: list[int], sent: list[bytes], every_s: float, native: bool) -> float:
-    """The sender process's CPU seconds for `sent`, one frame every `every_s` (its start-up not counted).
+def replay(
+    endpoint: str, spans: list[int], sent: list[bytes], every_s: float, native: bool, callgrind: Path | None = None
+) -> float:
+    """The sender process's CPU seconds for `sent`, one frame every `every_s` (its start-up not counted), or
+    with `callgrind` (an output file prefix) its instructions, counted by callgrind (every thread).
     `native` false: its compiler made unavailable, so it encodes in Python (its fallback)."""
     from atomesh.otlp import exporter_settings
+    from bench.gateway.instructions import _dump, _totals
 
     settings = exporter_settings(endpoint)
     config = {
@@ -173,9 +182,10 @@ def replay(endpoint: str, spans: list[int], sent: list[bytes], every_s: float, n
     with tempfile.TemporaryDirectory() as cache:
         if not native:
             env.update(CC="/nonexistent/cc", XDG_CACHE_HOME=cache)
-        sender = subprocess.Popen(
-            [sys.executable, "-m", "atomesh.otlp_sender", json.dumps(config)], stdin=subprocess.PIPE, env=env
-        )
+        argv = [sys.executable, "-m", "atomesh.otlp_sender", json.dumps(config)]
+        if callgrind is not None:
+            argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={callgrind}", *argv]
+        sender = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env, stderr=subprocess.DEVNULL)
         assert sender.stdin is not None
         per_frame = 4 * (len(marshal_records(sent[0])))
         want = spans[0] + per_frame
@@ -183,6 +193,8 @@ def replay(endpoint: str, spans: list[int], sent: list[bytes], every_s: float, n
         sender.stdin.flush()
         while spans[0] < want:
             time.sleep(0.01)
+        if callgrind is not None:
+            _dump(sender.pid)
         before = cpu_seconds(sender.pid)
         for frame in sent:
             sender.stdin.write(frame)
@@ -193,8 +205,12 @@ def replay(endpoint: str, spans: list[int], sent: list[bytes], every_s: float, n
         while spans[0] < want and time.monotonic() < deadline:
             time.sleep(0.01)
         took = cpu_seconds(sender.pid) - before
+        if callgrind is not None:
+            _dump(sender.pid)
         sender.stdin.close()
-        sender.wait(30)
+        sender.wait(60)
+    if callgrind is not None:
+        return float(_totals(str(callgrind))[1])
     return took
 
 
@@ -230,7 +246,8 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=0,
         metavar="N",
-        help="only replay N requests' frames into the sender process, compiled encoder and Python's alternating",
+        help="only replay N requests' frames into the sender process, compiled encoder and Python's alternating "
+        "(with --instructions, also counted under callgrind)",
     )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -323,6 +340,16 @@ def sender_only(args: argparse.Namespace, endpoint: str, spans: list[int]) -> No
         for name in took:
             took[name].append(replay(endpoint, spans, sent, every_s, name == "native") / args.sender * 1e6)
     med = {k: statistics.median(v) for k, v in took.items()}
+    counted: dict[str, float] = {}
+    if args.instructions:
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in took:
+                prefix = Path(tmp) / f"sender-{name}"
+                counted[name] = replay(endpoint, spans, sent, every_s, name == "native", prefix) / args.sender
+        print(
+            f"sender instructions per request (callgrind, every thread): compiled encoder {counted['native']:,.0f}, "
+            f"Python encoder {counted['python']:,.0f} ({counted['native'] / counted['python']:.2f}x)"
+        )
     print(
         f"sender CPU per request ({args.sender} requests in frames of {per_frame}, export calls of at most "
         f"{settings.max_batch} spans, {args.rounds} alternating rounds): compiled encoder {med['native']:.1f} us, "
@@ -330,7 +357,12 @@ def sender_only(args: argparse.Namespace, endpoint: str, spans: list[int]) -> No
         + "; ".join(f"{k} {', '.join(f'{x:.1f}' for x in v)}" for k, v in took.items())
     )
     if args.json is not None:
-        args.json.write_text(json.dumps({"per_frame": per_frame, "max_batch": settings.max_batch, **took}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {"per_frame": per_frame, "max_batch": settings.max_batch, "cpu_us": took, "instructions": counted},
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":
