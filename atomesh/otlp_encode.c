@@ -354,6 +354,42 @@ static const struct {
 enum { ADMISSION, ATTEMPT, NKINDS = 5 };
 enum { CHILD_IDS = 56, ROOT_IDS = 46 }; /* ids and times: trace, span, parent (a child's), start, end */
 
+static int is_int(const Val *v) { return v->type == V_INT; }
+
+/* Whether two values are equal (as Python's == for the types a record holds, but an int never equals a bool). */
+static int same(const Reader *r, const Val *a, const Val *b) {
+    if (a == b)
+        return 1; /* one object, written once in the frame and referred to after */
+    if (a->type != b->type || a->n != b->n)
+        return 0;
+    switch (a->type) {
+    case V_NONE:
+        return 1;
+    case V_BOOL:
+    case V_INT:
+        return a->i == b->i;
+    case V_FLOAT:
+        return memcmp(a->s, b->s, 8) == 0;
+    case V_SEQ:
+        for (uint32_t k = 0; k < a->n; k++)
+            if (!same(r, item(r, a, k), item(r, b, k)))
+                return 0;
+        return 1;
+    default:
+        return memcmp(a->s, b->s, a->n) == 0;
+    }
+}
+
+/* The last span of each kind (and the last request span) written, with what came before its ids: its
+   values repeat from request to request (route, model, worker, status), so a span whose values equal the
+   last one's copies those bytes instead of writing them again. Kept for one frame (values point into it). */
+enum { HEAD_MAX = 480 };
+typedef struct {
+    const Val *values[NKINDS + 1][5]; /* a child's begin event's values; a request span's (route, model, status, workers, error) */
+    uint8_t heads[NKINDS + 1][HEAD_MAX];
+    size_t lengths[NKINDS + 1]; /* 0: nothing kept */
+} Heads;
+
 /* The ids' head: trace_id (1) and span_id's tag (2). */
 static void put_ids(Out *o, const uint8_t *trace_id, uint64_t span_id) {
     put_byte(o, 0x0A);
@@ -366,26 +402,42 @@ static void put_ids(Out *o, const uint8_t *trace_id, uint64_t span_id) {
 
 /* One child span's ScopeSpans.spans entry: name, kind, attributes, then ids and times (atomesh.otlp's
    order: a message's fields may come in any order, and the Python encoder caches the first part). */
-static void put_child(Out *o, const Reader *r, const Val *begin, const uint8_t *trace_id, uint64_t id,
+static void put_child(Out *o, const Reader *r, Heads *h, const Val *begin, const uint8_t *trace_id, uint64_t id,
                       uint64_t parent, uint64_t start, uint64_t end) {
-    uint32_t kind = (uint32_t)item(r, begin, 1)->i;
-    size_t name_len = strlen(SPANS[kind].name), size = str_size(name_len) + 2 + CHILD_IDS;
-    for (uint32_t k = 0; k < SPANS[kind].nkeys; k++)
-        size += attr_size(r, strlen(SPANS[kind].keys[k]), item(r, begin, 2 + k));
-    Val leg = {V_STR, 0, 0, (const uint8_t *)SPANS[kind].leg};
-    if (SPANS[kind].leg != NULL) {
-        leg.n = (uint32_t)strlen(SPANS[kind].leg);
-        size += attr_size(r, sizeof("atomesh.leg") - 1, &leg);
+    uint32_t kind = (uint32_t)item(r, begin, 1)->i, nkeys = SPANS[kind].nkeys;
+    int hit = h->lengths[kind] != 0;
+    for (uint32_t k = 0; hit && k < nkeys; k++)
+        hit = same(r, h->values[kind][k], item(r, begin, 2 + k));
+    if (hit) {
+        put(o, h->heads[kind], h->lengths[kind]);
+    } else {
+        uint8_t *at = o->p;
+        size_t name_len = strlen(SPANS[kind].name), size = str_size(name_len) + 2 + CHILD_IDS;
+        for (uint32_t k = 0; k < nkeys; k++)
+            size += attr_size(r, strlen(SPANS[kind].keys[k]), item(r, begin, 2 + k));
+        Val leg = {V_STR, 0, 0, (const uint8_t *)SPANS[kind].leg};
+        if (SPANS[kind].leg != NULL) {
+            leg.n = (uint32_t)strlen(SPANS[kind].leg);
+            size += attr_size(r, sizeof("atomesh.leg") - 1, &leg);
+        }
+        put_byte(o, 0x12);
+        put_varint(o, size);
+        put_field(o, 0x2A, SPANS[kind].name, name_len);
+        put_byte(o, 0x30);
+        put_byte(o, SPANS[kind].kind);
+        for (uint32_t k = 0; k < nkeys; k++)
+            put_attr(o, r, SPANS[kind].keys[k], strlen(SPANS[kind].keys[k]), item(r, begin, 2 + k));
+        if (SPANS[kind].leg != NULL)
+            PUT_ATTR(o, r, "atomesh.leg", &leg);
+        size_t n = (size_t)(o->p - at);
+        h->lengths[kind] = 0;
+        if (!o->full && n <= HEAD_MAX) {
+            memcpy(h->heads[kind], at, n);
+            h->lengths[kind] = n;
+            for (uint32_t k = 0; k < nkeys; k++)
+                h->values[kind][k] = item(r, begin, 2 + k);
+        }
     }
-    put_byte(o, 0x12);
-    put_varint(o, size);
-    put_field(o, 0x2A, SPANS[kind].name, name_len);
-    put_byte(o, 0x30);
-    put_byte(o, SPANS[kind].kind);
-    for (uint32_t k = 0; k < SPANS[kind].nkeys; k++)
-        put_attr(o, r, SPANS[kind].keys[k], strlen(SPANS[kind].keys[k]), item(r, begin, 2 + k));
-    if (SPANS[kind].leg != NULL)
-        PUT_ATTR(o, r, "atomesh.leg", &leg);
     put_ids(o, trace_id, id);
     put_byte(o, 0x22);
     put_byte(o, 0x08);
@@ -396,7 +448,6 @@ static void put_child(Out *o, const Reader *r, const Val *begin, const uint8_t *
     put_u64(o, end);
 }
 
-static int is_int(const Val *v) { return v->type == V_INT; }
 
 /* Checks a record's shape, so that writing it needs no more checks: 1 if it is one. */
 static int record_ok(const Reader *r, const Val *rec) {
@@ -442,7 +493,7 @@ static int record_ok(const Reader *r, const Val *rec) {
 
 /* A request's spans: its children in the order they ended (those left open end with the request), then
    the request span. */
-static void put_record(Out *o, const Reader *r, const Val *rec, uint32_t *stack) {
+static void put_record(Out *o, const Reader *r, Heads *h, const Val *rec, uint32_t *stack) {
     const uint8_t *trace_id = item(r, rec, 0)->s;
     const Val *parent = item(r, rec, 1), *route = item(r, rec, 5), *request_id = item(r, rec, 6);
     const Val *error = item(r, rec, 8), *events = item(r, rec, 9);
@@ -457,7 +508,7 @@ static void put_record(Out *o, const Reader *r, const Val *rec, uint32_t *stack)
             uint32_t j = stack[--depth];
             const Val *begin = item(r, events, j);
             uint64_t up = depth ? base + 1 + stack[depth - 1] : base;
-            put_child(o, r, begin, trace_id, base + 1 + j, up, start + (uint64_t)item(r, begin, 0)->i,
+            put_child(o, r, h, begin, trace_id, base + 1 + j, up, start + (uint64_t)item(r, begin, 0)->i,
                       start + (uint64_t)e->i);
             continue;
         }
@@ -472,21 +523,28 @@ static void put_record(Out *o, const Reader *r, const Val *rec, uint32_t *stack)
         uint32_t j = stack[--depth];
         const Val *begin = item(r, events, j);
         uint64_t up = depth ? base + 1 + stack[depth - 1] : base;
-        put_child(o, r, begin, trace_id, base + 1 + j, up, start + (uint64_t)item(r, begin, 0)->i, end);
+        put_child(o, r, h, begin, trace_id, base + 1 + j, up, start + (uint64_t)item(r, begin, 0)->i, end);
     }
-    const Val *status_code = item(r, rec, 7);
+    const Val *status_code = item(r, rec, 7), none = {V_NONE, 0, 0, NULL};
     int has_model = model != NULL && model->type == V_STR && model->n, has_workers = workers != NULL && workers->n;
-    size_t size = ROOT_IDS + (parent->n ? 10 : 0) + str_size(5 + route->n) + 2 + (status >= 500 ? 4 : 0);
-    size += ATTR_SIZE(r, "http.route", route) + ATTR_SIZE(r, "http.response.status_code", status_code);
-    size += ATTR_SIZE(r, "atomesh.request_id", request_id);
-    if (has_model)
-        size += ATTR_SIZE(r, "gen_ai.request.model", model);
-    if (has_workers)
-        size += ATTR_SIZE(r, "atomesh.workers", workers);
-    if (error->type == V_STR)
-        size += ATTR_SIZE(r, "error.type", error);
+    /* The request span's tail, kept as a child's head is: what follows its ids, up to its request id. */
+    const Val *key[5] = {route, has_model ? model : &none, status_code, has_workers ? workers : &none, error};
+    int hit = h->lengths[NKINDS] != 0;
+    for (int k = 0; hit && k < 5; k++)
+        hit = same(r, h->values[NKINDS][k], key[k]);
+    size_t tail = h->lengths[NKINDS];
+    if (!hit) {
+        tail = str_size(5 + route->n) + 2 + (status >= 500 ? 4 : 0);
+        tail += ATTR_SIZE(r, "http.route", route) + ATTR_SIZE(r, "http.response.status_code", status_code);
+        if (has_model)
+            tail += ATTR_SIZE(r, "gen_ai.request.model", model);
+        if (has_workers)
+            tail += ATTR_SIZE(r, "atomesh.workers", workers);
+        if (error->type == V_STR)
+            tail += ATTR_SIZE(r, "error.type", error);
+    }
     put_byte(o, 0x12);
-    put_varint(o, size);
+    put_varint(o, ROOT_IDS + (parent->n ? 10 : 0) + tail + ATTR_SIZE(r, "atomesh.request_id", request_id));
     put_ids(o, trace_id, base);
     put_byte(o, 0x39);
     put_u64(o, start);
@@ -497,22 +555,34 @@ static void put_record(Out *o, const Reader *r, const Val *rec, uint32_t *stack)
         put_byte(o, 0x08);
         put(o, parent->s, 8);
     }
-    put_byte(o, 0x2A);
-    put_varint(o, 5 + route->n);
-    put(o, "POST ", 5);
-    put(o, route->s, route->n);
-    put_byte(o, 0x30);
-    put_byte(o, 2); /* SPAN_KIND_SERVER */
-    PUT_ATTR(o, r, "http.route", route);
-    if (has_model)
-        PUT_ATTR(o, r, "gen_ai.request.model", model);
-    PUT_ATTR(o, r, "http.response.status_code", status_code);
-    if (has_workers)
-        PUT_ATTR(o, r, "atomesh.workers", workers);
-    if (error->type == V_STR)
-        PUT_ATTR(o, r, "error.type", error);
-    if (status >= 500)
-        put(o, "\x7a\x02\x18\x02", 4); /* status (15) { code (3): STATUS_CODE_ERROR } */
+    if (hit) {
+        put(o, h->heads[NKINDS], tail);
+    } else {
+        uint8_t *at = o->p;
+        put_byte(o, 0x2A);
+        put_varint(o, 5 + route->n);
+        put(o, "POST ", 5);
+        put(o, route->s, route->n);
+        put_byte(o, 0x30);
+        put_byte(o, 2); /* SPAN_KIND_SERVER */
+        PUT_ATTR(o, r, "http.route", route);
+        if (has_model)
+            PUT_ATTR(o, r, "gen_ai.request.model", model);
+        PUT_ATTR(o, r, "http.response.status_code", status_code);
+        if (has_workers)
+            PUT_ATTR(o, r, "atomesh.workers", workers);
+        if (error->type == V_STR)
+            PUT_ATTR(o, r, "error.type", error);
+        if (status >= 500)
+            put(o, "\x7a\x02\x18\x02", 4); /* status (15) { code (3): STATUS_CODE_ERROR } */
+        h->lengths[NKINDS] = 0;
+        if (!o->full && tail <= HEAD_MAX) {
+            memcpy(h->heads[NKINDS], at, tail);
+            h->lengths[NKINDS] = tail;
+            for (int k = 0; k < 5; k++)
+                h->values[NKINDS][k] = key[k];
+        }
+    }
     PUT_ATTR(o, r, "atomesh.request_id", request_id);
 }
 
@@ -555,6 +625,8 @@ long atomesh_otlp_encode(const uint8_t *frame, long frame_len, const uint8_t *re
         if (!record_ok(&r, item(&r, records, k)))
             goto done;
     Out o = {out, out + out_len, 0};
+    static Heads heads; /* about 3 KB: kept static, not on the stack; reset for each frame */
+    memset(heads.lengths, 0, sizeof(heads.lengths));
     batches = 0;
     uint32_t k = 0;
     while (k < records->n) {
@@ -570,7 +642,7 @@ long atomesh_otlp_encode(const uint8_t *frame, long frame_len, const uint8_t *re
         do {
             const Val *rec = item(&r, records, k);
             spans += 1 + item(&r, rec, 9)->n / 2;
-            put_record(&o, &r, rec, stack);
+            put_record(&o, &r, &heads, rec, stack);
             k++;
         } while (k < records->n && spans + 1 + item(&r, item(&r, records, k), 9)->n / 2 <= max_spans);
         close_field(&o, scope_spans);
