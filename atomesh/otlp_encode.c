@@ -209,32 +209,6 @@ static int varint_size(uint64_t n) {
     return k;
 }
 
-/* A length-delimited field is written as its tag, room for a 5-byte length, then the payload; `close`
-   writes the length and moves the payload back to it. */
-static uint8_t *open_field(Out *o, uint8_t tag) {
-    put_byte(o, tag);
-    uint8_t *at = o->p;
-    static const uint8_t room[5] = {0};
-    put(o, room, 5);
-    return at;
-}
-
-static void close_field(Out *o, uint8_t *at) {
-    if (o->full)
-        return;
-    size_t n = (size_t)(o->p - (at + 5));
-    int k = varint_size(n);
-    uint8_t *q = at;
-    uint64_t x = n;
-    while (x >= 0x80) {
-        *q++ = (uint8_t)(x | 0x80);
-        x >>= 7;
-    }
-    *q++ = (uint8_t)x;
-    memmove(at + k, at + 5, n);
-    o->p = at + k + n;
-}
-
 static void put_field(Out *o, uint8_t tag, const void *s, size_t n) {
     put_byte(o, tag);
     put_varint(o, n);
@@ -634,10 +608,14 @@ long atomesh_otlp_encode(const uint8_t *frame, long frame_len, const uint8_t *re
             batches = -3;
             goto done;
         }
-        uint8_t *request = open_field(&o, 0x0A);
-        put(&o, resource, (size_t)resource_len);
-        uint8_t *scope_spans = open_field(&o, 0x12);
-        put(&o, scope, (size_t)scope_len);
+        /* The spans first, after room for what goes before them (a batch's bytes must not move: it
+           is about 400 KB); then that, written back from the first span. */
+        size_t room = 12 + (size_t)resource_len + (size_t)scope_len;
+        if ((size_t)(o.end - o.p) < room) {
+            batches = -1;
+            goto done;
+        }
+        uint8_t *first = o.p += room;
         long spans = 0;
         do {
             const Val *rec = item(&r, records, k);
@@ -645,13 +623,22 @@ long atomesh_otlp_encode(const uint8_t *frame, long frame_len, const uint8_t *re
             put_record(&o, &r, &heads, rec, stack);
             k++;
         } while (k < records->n && spans + 1 + item(&r, item(&r, records, k), 9)->n / 2 <= max_spans);
-        close_field(&o, scope_spans);
-        close_field(&o, request);
         if (o.full) {
             batches = -1;
             goto done;
         }
-        starts[batches] = request - 1 - out;
+        size_t scope_spans = (size_t)scope_len + (size_t)(o.p - first);
+        size_t request = (size_t)resource_len + 1 + (size_t)varint_size(scope_spans) + scope_spans;
+        uint8_t *head = first - (1 + (size_t)varint_size(request) + (size_t)resource_len + 1 +
+                                 (size_t)varint_size(scope_spans) + (size_t)scope_len);
+        Out h = {head, first, 0};
+        put_byte(&h, 0x0A); /* ExportTraceServiceRequest.resource_spans (1) */
+        put_varint(&h, request);
+        put(&h, resource, (size_t)resource_len);
+        put_byte(&h, 0x12); /* ResourceSpans.scope_spans (2) */
+        put_varint(&h, scope_spans);
+        put(&h, scope, (size_t)scope_len);
+        starts[batches] = head - out;
         ends[batches] = o.p - out;
         batches++;
     }

@@ -47,7 +47,8 @@ class NativeEncoder:
             del buffer  # the bytearray may be resized only once no ctypes array holds it
             if n >= 0:
                 starts, ends = self._starts, self._ends
-                return [bytes(out[starts[k] : ends[k]]) for k in range(n)]
+                view = memoryview(out)  # one copy of each request (a bytearray's slice would be a second)
+                return [bytes(view[starts[k] : ends[k]]) for k in range(n)]
             if n == -2:
                 return None
             if n == -3:
