@@ -31,7 +31,7 @@ install: $(STAMP)
 # libibverbs) for `make up`; for `make test` also a real Prometheus server (the metrics tests) and wrk
 # (`python -m bench.gateway.gateway`).
 ENGINE_DEBS := libibverbs1
-TEST_DEBS := prometheus wrk gcc  # gcc: the CPU verify-row kernel (engine/cpu_gemm.c) its tests build
+TEST_DEBS := prometheus wrk gcc  # gcc: the CPU verify-row kernel (engine/cpu_gemm.c) and the OTLP encoder (atomesh/otlp_encode.c) their tests build
 
 engine-sysdeps:
 	@$(MAKE) -s _debs DEBS="$(ENGINE_DEBS)"

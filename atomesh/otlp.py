@@ -6,23 +6,27 @@ Gateway side: a request's record joins a batch when it ends (`atomesh.tracing`);
 `OTEL_BSP_MAX_QUEUE_SIZE` spans (at least `OTEL_BSP_MAX_EXPORT_BATCH_SIZE`), or what gathered in
 `OTEL_BSP_SCHEDULE_DELAY`, is marshalled into one frame, which `SpanExporter`'s thread writes to the
 sender's stdin. Sender side: each frame is cut into export batches of at most
-`OTEL_BSP_MAX_EXPORT_BATCH_SIZE` spans and `SpanEncoder` writes each as one opentelemetry-proto
+`OTEL_BSP_MAX_EXPORT_BATCH_SIZE` spans and each is written as one opentelemetry-proto
 `ExportTraceServiceRequest` (trace/v1/trace.proto, the collector's own), the fields written being the
-ones the gateway's spans have (ids, name, kind, times, attributes, an error status). A span's name,
-kind and attributes are encoded once per distinct set of values and cached (they repeat from request
-to request: route, model, worker, status), so a span costs one `struct.pack` of its ids and times and
-a cache lookup.
+ones the gateway's spans have (ids, name, kind, times, attributes, an error status), by the compiled
+encoder (`atomesh/otlp_encode.c`, `atomesh.otlp_native`) or, without a C compiler, by `SpanEncoder`
+here, which writes the same bytes (and is the reference the compiled one is tested against). In
+`SpanEncoder` a span's name, kind and attributes are encoded once per distinct set of values and cached
+(they repeat from request to request: route, model, worker, status), so a span costs one `struct.pack`
+of its ids and times and a cache lookup.
 
 The SDK's environment applies as it reads it: `OTEL_BSP_SCHEDULE_DELAY`, `OTEL_BSP_MAX_QUEUE_SIZE`,
 `OTEL_BSP_MAX_EXPORT_BATCH_SIZE`, `OTEL_EXPORTER_OTLP[_TRACES]_HEADERS`, `_COMPRESSION` (gzip) and
 `_TIMEOUT` (seconds), `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`; any other
-`OTEL_EXPORTER_OTLP_*` variable stops start-up by name.
+`OTEL_EXPORTER_OTLP_*` variable stops start-up by name. The two batch sizes' defaults are 4 times the
+SDK's (`MAX_EXPORT_BATCH`, `MAX_QUEUE`: why there).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import marshal
 import os
 import struct
 import subprocess
@@ -136,6 +140,21 @@ class SpanEncoder:
         self._roots: dict[tuple[Any, ...], bytes] = {}  # (route, model, status, workers, error): tail
         self._varints = [varint(n) for n in range(0x4000)]  # a request span's length: 2 bytes at most
 
+    @property
+    def resource(self) -> bytes:
+        """ResourceSpans.resource (1), written."""
+        return self._resource
+
+    @property
+    def scope(self) -> bytes:
+        """ScopeSpans.scope (1), written."""
+        return self._scope
+
+    def export_requests(self, frame: bytes, max_spans: int) -> list[bytes]:
+        """A frame's records (a `marshal`led list) as ExportTraceServiceRequests of at most `max_spans`
+        spans each (a request's spans together in one)."""
+        return [self.export_request(records) for records in export_batches(marshal.loads(frame), max_spans)]
+
     def export_request(self, records: list[tuple[Any, ...]]) -> bytes:
         """One ExportTraceServiceRequest holding the spans of `records`.
 
@@ -241,6 +260,28 @@ class SpanEncoder:
         return head
 
 
+def export_batches(records: list[Any], max_spans: int) -> list[list[Any]]:
+    """The records in export batches of at most `max_spans` spans (a request's spans stay together)."""
+    batches: list[list[Any]] = [[]]
+    spans = 0
+    for record in records:
+        n = 1 + len(record[-1]) // 2  # the request span, and a begin and an end per child
+        if spans + n > max_spans and batches[-1]:
+            batches.append([])
+            spans = 0
+        batches[-1].append(record)
+        spans += n
+    return batches
+
+
+# The defaults of OTEL_BSP_MAX_EXPORT_BATCH_SIZE and OTEL_BSP_MAX_QUEUE_SIZE: 4 times the SDK's (512 and
+# 2048). An export call costs the sender about 1.4 ms of CPU whatever it carries (gRPC's client, woken
+# from idle), the spans' compiled encoding about 1 us a request: at 512 spans a call (128 requests) the calls
+# were most of the sender's CPU a request. 2048 spans (512 of the gateway's requests, about 400 KB)
+# stay well under gRPC's and the collector's 4 MiB message limit; the queue keeps its 4:1 ratio.
+MAX_EXPORT_BATCH, MAX_QUEUE = 2048, 8192
+
+
 @dataclass(frozen=True, slots=True)
 class ExporterSettings:
     """Where and how spans are sent (from `--otlp-traces-endpoint` and the SDK's environment)."""
@@ -318,7 +359,7 @@ def exporter_settings(endpoint: str, service: str = "atomesh-gateway") -> Export
     resource.setdefault("telemetry.sdk.language", "python")
     resource.setdefault("telemetry.sdk.name", "atomesh")
     resource.setdefault("telemetry.sdk.version", atomesh.__version__)
-    max_queue = _env_int("OTEL_BSP_MAX_QUEUE_SIZE", 2048)
+    max_queue = _env_int("OTEL_BSP_MAX_QUEUE_SIZE", MAX_QUEUE)
     return ExporterSettings(
         target=target,
         secure=secure,
@@ -327,7 +368,7 @@ def exporter_settings(endpoint: str, service: str = "atomesh-gateway") -> Export
         headers=_pairs(_exporter_env("HEADERS") or "", "OTEL_EXPORTER_OTLP_HEADERS"),
         schedule_delay_s=_env_int("OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000,
         max_queue=max_queue,
-        max_batch=min(max_queue, _env_int("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512)),
+        max_batch=min(max_queue, _env_int("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", MAX_EXPORT_BATCH)),
         resource=tuple(resource.items()),
     )
 

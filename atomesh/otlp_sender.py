@@ -4,7 +4,9 @@ them to the collector.
 `python -m atomesh.otlp_sender SETTINGS_JSON`, started and stopped by `atomesh.otlp.SpanExporter`. It
 reads frames from stdin (a 4-byte big-endian length, then a `marshal`led list of requests' records),
 cuts each into export batches of at most `OTEL_BSP_MAX_EXPORT_BATCH_SIZE` spans, writes each as one
-`ExportTraceServiceRequest` (`atomesh.otlp.SpanEncoder`) and sends it with one gRPC call, retrying
+`ExportTraceServiceRequest` (with the compiled encoder, `atomesh.otlp_native`, built on first use; without
+a C compiler with `atomesh.otlp.SpanEncoder`, which writes the same bytes, and a warning saying why) and
+sends it with one gRPC call, retrying
 what the collector may get over (unavailable, overloaded) with backoff until the export timeout; at
 the end of stdin it exits. The encoding and the gRPC client run here, not in the gateway: there they
 would take the event loop's time, or contend with it for the interpreter lock.
@@ -13,7 +15,6 @@ would take the event loop's time, or contend with it for the interpreter lock.
 from __future__ import annotations
 
 import json
-import marshal
 import signal
 import sys
 import time
@@ -22,6 +23,7 @@ from typing import Any, BinaryIO
 import structlog
 
 from atomesh.otlp import SpanEncoder
+from atomesh.otlp_native import NativeEncoder, build_encoder
 
 log = structlog.get_logger("atomesh.tracing")
 _EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
@@ -53,28 +55,24 @@ def serve(settings: dict[str, Any], stream: BinaryIO) -> None:
         grpc.StatusCode.DATA_LOSS,
     }
     encoder = SpanEncoder(tuple((k, v) for k, v in settings["resource"]))
+    native = None
+    build = build_encoder()
+    if build.library is not None:
+        native = NativeEncoder(build.library, encoder.resource, encoder.scope)
+    else:
+        log.warning("otlp_encoder_in_python", reason=build.why_not)
     failed = 0
+    max_spans = settings["max_batch"]
     while (head := _read(stream, 4)) is not None:
         frame = _read(stream, int.from_bytes(head, "big"))
         if frame is None:
             break
-        for records in _export_batches(marshal.loads(frame), settings["max_batch"]):
-            failed += _export(call, encoder.export_request(records), settings, metadata, compression, retryable, failed)
+        requests = native.export_requests(frame, max_spans) if native is not None else None
+        if requests is None:  # no compiler, or a frame the compiled encoder does not read: Python's says why
+            requests = encoder.export_requests(frame, max_spans)
+        for data in requests:
+            failed += _export(call, data, settings, metadata, compression, retryable, failed)
     channel.close()
-
-
-def _export_batches(records: list[Any], max_spans: int) -> list[list[Any]]:
-    """The frame's records in export batches of at most `max_spans` spans (a request's spans stay together)."""
-    batches: list[list[Any]] = [[]]
-    spans = 0
-    for record in records:
-        n = 1 + len(record[-1]) // 2  # the request span, and a begin and an end per child
-        if spans + n > max_spans and batches[-1]:
-            batches.append([])
-            spans = 0
-        batches[-1].append(record)
-        spans += n
-    return batches
 
 
 def _export(

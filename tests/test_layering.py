@@ -31,7 +31,17 @@ BENCHMARKS = "bench"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("vocabulary", ("atomesh", "atomesh.errors", "atomesh.request", "atomesh.tasks")),
     ("settings", ("atomesh.config", "atomesh.compat", "atomesh.cors", "atomesh.tenancy")),
-    ("observability", ("atomesh.logs", "atomesh.metrics", "atomesh.tracing", "atomesh.otlp", "atomesh.otlp_sender")),
+    (
+        "observability",
+        (
+            "atomesh.logs",
+            "atomesh.metrics",
+            "atomesh.tracing",
+            "atomesh.otlp",
+            "atomesh.otlp_native",
+            "atomesh.otlp_sender",
+        ),
+    ),
     ("transport", ("atomesh.flow", "atomesh.httpclient", "atomesh.transport")),
     ("workers", ("atomesh.workers",)),
     ("kv", ("atomesh.kv",)),

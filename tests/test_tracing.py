@@ -8,6 +8,7 @@ import asyncio
 import json
 import marshal
 import os
+import random
 import sys
 import threading
 import time
@@ -171,17 +172,29 @@ def _exchange(headers: dict[str, str], request_id: str = "req-1") -> Any:
     return SimpleNamespace(headers=headers, request_id=request_id, trace=None, workers=("http://a",), status=200)
 
 
-def _parsed(frames: list[bytes]) -> list[Any]:
-    """The spans of the frames the gateway sends its sender process, encoded as the sender encodes
-    them, parsed with opentelemetry-proto's own classes."""
+def _encoders() -> tuple[Any, Any]:
+    """The sender's two encoders: Python's and the compiled one (built here: the tests need a C compiler)."""
     from atomesh.otlp import SpanEncoder
+    from atomesh.otlp_native import NativeEncoder, build_encoder
 
     encoder = SpanEncoder((("service.name", "atomesh-gateway"),))
+    build = build_encoder()
+    assert build.library is not None, build.why_not
+    return encoder, NativeEncoder(build.library, encoder.resource, encoder.scope)
+
+
+def _parsed(frames: list[bytes]) -> list[Any]:
+    """The spans of the frames the gateway sends its sender process, encoded as the sender encodes
+    them (the compiled encoder and Python's write the same bytes), parsed with opentelemetry-proto's
+    own classes."""
+    encoder, native = _encoders()
     spans = []
     for frame in frames:
         assert int.from_bytes(frame[:4], "big") == len(frame) - 4
+        [data] = encoder.export_requests(frame[4:], 1 << 20)
+        assert native.export_requests(frame[4:], 1 << 20) == [data]
         request = trace_service.ExportTraceServiceRequest()
-        request.ParseFromString(encoder.export_request(marshal.loads(frame[4:])))
+        request.ParseFromString(data)
         [resource_spans] = request.resource_spans
         assert resource_spans.resource.attributes[0].value.string_value == "atomesh-gateway"
         [scope_spans] = resource_spans.scope_spans
@@ -283,6 +296,44 @@ async def test_spans_are_written_as_the_collectors_protobuf(monkeypatch: pytest.
         assert kv.key == "k" and read(kv.value) == value
 
 
+def test_the_compiled_encoder_writes_what_pythons_writes() -> None:
+    """Records of every shape the request path makes (spans left open, no model, a client's parent or
+    none, long and non-ASCII values, errors) in export batches of any size: the same bytes from both
+    encoders; a frame that is not a list of records is refused (the sender then uses Python's)."""
+    encoder, native = _encoders()
+    rng = random.Random(7)
+    for _ in range(40):
+        records = []
+        for i in range(rng.randrange(1, 40)):
+            events: list[Any] = [
+                (10, 0, "interactive", f"tenant-{i % 3}", rng.choice(["m" * rng.randrange(300), None]))
+            ]
+            events.append(20)
+            workers = tuple(f"http://w{j}" for j in range(rng.randrange(3)))
+            events.append((30, 1, i, "retry", ("cache_aware",) * rng.randrange(3), workers))
+            events.append((40, rng.randrange(2, 5), "http://é" * rng.randrange(1, 40)))
+            events += [50, 60][: rng.randrange(3)]  # the leg and the attempt ended, or left open
+            records.append(
+                (
+                    rng.getrandbits(128).to_bytes(16, "little"),
+                    rng.choice([b"", rng.getrandbits(64).to_bytes(8, "big")]),
+                    rng.getrandbits(62) | 1,
+                    time.time_ns(),
+                    rng.choice([70, 2**40]),
+                    "/v1/completions",
+                    rng.choice(["req-1", "x" * 150, "é" * 70]),
+                    rng.choice([200, 503]),
+                    rng.choice([None, "upstream_error"]),
+                    events,
+                )
+            )
+        frame = marshal.dumps(records, 4)
+        max_spans = rng.choice([1, 5, 100, 2048])
+        assert native.export_requests(frame, max_spans) == encoder.export_requests(frame, max_spans)
+    assert native.export_requests(b"junk", 10) is None
+    assert native.export_requests(marshal.dumps([(1, 2)], 4), 10) is None
+
+
 def test_a_request_not_sampled_records_nothing_and_passes_the_flag_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """A client's not-sampled flag is followed, and so is OTEL_TRACES_SAMPLER for a request without one;
     either way the worker is told not to record (the client's trace passed through when it sent one)."""
@@ -350,7 +401,7 @@ def test_exporter_settings_not_honoured_stop_start_up(monkeypatch: pytest.Monkey
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")
     s = exporter_settings("https://collector:4317")
     assert s.schedule_delay_s == 0.25 and s.headers == (("authorization", "Bearer k"),) and s.gzip and s.secure
-    assert s.target == "collector:4317" and s.max_batch == 512 and s.max_queue == 2048
+    assert s.target == "collector:4317" and s.max_batch == 2048 and s.max_queue == 8192
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_CERTIFICATE", "/ca.pem")
     with pytest.raises(RuntimeError, match="OTEL_EXPORTER_OTLP_CERTIFICATE"):
         exporter_settings("collector:4317")

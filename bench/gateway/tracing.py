@@ -9,6 +9,11 @@ compared; the target is at most 10% more with tracing. It prints (and writes `--
 asserts. `--instructions N` first counts each gateway's instructions per request under callgrind (the
 gateway process's threads; its sender process is not counted there), which the machine's other load
 does not move: the steadier measure on a shared box.
+
+`--sender N` measures the sender process alone: N requests' records (as `Tracing` makes them for this
+benchmark's requests) in the frames the gateway would hand it, replayed at the rate the gateway makes
+them, its compiled encoder's rounds alternating with Python's (the sender falls back to Python when it
+finds no C compiler: the replay gives it none); with `--instructions`, also counted under callgrind.
 """
 
 from __future__ import annotations
@@ -124,6 +129,97 @@ def instructions(endpoint: str, requests: int) -> dict[str, float]:
     return out
 
 
+async def frames(requests: int, per_frame: int) -> list[bytes]:
+    """Frames of `per_frame` requests' records as the gateway hands them to its sender: each request as the
+    benchmark's (admission, an attempt, its upstream leg), recorded through `Tracing` itself."""
+    from types import SimpleNamespace
+
+    from atomesh.request import Route
+    from atomesh.tenancy import PriorityClass
+    from atomesh.tracing import UPSTREAM, Tracing
+
+    tracing = Tracing("127.0.0.1:9")  # nothing listens: its frames are taken before they reach its sender
+    out: list[bytes] = []
+    tracing.exporter.send = lambda frame, spans: out.append(frame)  # type: ignore[method-assign]
+    worker = "http://127.0.0.1:8000"
+    for i in range(requests):
+        exchange = SimpleNamespace(headers={}, request_id=f"{i:08x}", trace=None, status=200)
+        trace = tracing.start(exchange)  # type: ignore[arg-type]
+        assert trace is not None
+        trace.admission("mock-model", PriorityClass.DEFAULT, "anonymous")
+        trace.end()
+        trace.attempt(0, "first", ("round_robin",), (worker,))
+        trace.leg(UPSTREAM, worker)
+        trace.end()
+        trace.end()
+        tracing.finish(trace, Route.COMPLETIONS, exchange)  # type: ignore[arg-type]
+        if (i + 1) % per_frame == 0:
+            tracing.ship()
+    tracing.shutdown()
+    return out
+
+
+def replay(
+    endpoint: str, spans: list[int], sent: list[bytes], every_s: float, native: bool, callgrind: Path | None = None
+) -> float:
+    """The sender process's CPU seconds for `sent`, one frame every `every_s` (its start-up not counted), or
+    with `callgrind` (an output file prefix) its instructions, counted by callgrind (every thread).
+    `native` false: its compiler made unavailable, so it encodes in Python (its fallback)."""
+    from atomesh.otlp import exporter_settings
+    from bench.gateway.instructions import _dump, _totals
+
+    settings = exporter_settings(endpoint)
+    config = {
+        "target": settings.target,
+        "secure": False,
+        "headers": [],
+        "gzip": False,
+        "timeout_s": settings.timeout_s,
+        "max_batch": settings.max_batch,
+        "resource": settings.resource,
+    }
+    env = dict(os.environ)
+    with tempfile.TemporaryDirectory() as cache:
+        if not native:
+            env.update(CC="/nonexistent/cc", XDG_CACHE_HOME=cache)
+        argv = [sys.executable, "-m", "atomesh.otlp_sender", json.dumps(config)]
+        if callgrind is not None:
+            argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={callgrind}", *argv]
+        sender = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env, stderr=subprocess.DEVNULL)
+        assert sender.stdin is not None
+        per_frame = 4 * (len(marshal_records(sent[0])))
+        want = spans[0] + per_frame
+        sender.stdin.write(sent[0])  # warm up: start-up and the first frame not counted
+        sender.stdin.flush()
+        while spans[0] < want:
+            time.sleep(0.01)
+        if callgrind is not None:
+            _dump(sender.pid)
+        before = cpu_seconds(sender.pid)
+        for frame in sent:
+            sender.stdin.write(frame)
+            sender.stdin.flush()
+            want += per_frame
+            time.sleep(every_s)
+        deadline = time.monotonic() + 60
+        while spans[0] < want and time.monotonic() < deadline:
+            time.sleep(0.01)
+        took = cpu_seconds(sender.pid) - before
+        if callgrind is not None:
+            _dump(sender.pid)
+        sender.stdin.close()
+        sender.wait(60)
+    if callgrind is not None:
+        return float(_totals(str(callgrind))[1])
+    return took
+
+
+def marshal_records(frame: bytes) -> list[Any]:
+    import marshal
+
+    return marshal.loads(frame[4:])  # type: ignore[no-any-return]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         prog="python -m bench.gateway.tracing",
@@ -145,9 +241,21 @@ def main(argv: list[str] | None = None) -> None:
         metavar="N",
         help="also count instructions per request under callgrind over N requests (needs valgrind)",
     )
+    p.add_argument(
+        "--sender",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only replay N requests' frames into the sender process, compiled encoder and Python's alternating "
+        "(with --instructions, also counted under callgrind)",
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     server, endpoint, spans = receiver()
+    if args.sender:
+        sender_only(args, endpoint, spans)
+        server.stop(0)
+        return
     counted: dict[str, float] = {}
     if args.instructions:
         counted = instructions(endpoint, args.instructions)
@@ -213,6 +321,45 @@ def main(argv: list[str] | None = None) -> None:
                     "spans": spans[0],
                     **{f"instructions_{k}": v for k, v in counted.items()},
                 },
+                indent=2,
+            )
+        )
+
+
+def sender_only(args: argparse.Namespace, endpoint: str, spans: list[int]) -> None:
+    """The sender's CPU per request for the same frames, the compiled encoder's rounds alternating with
+    Python's, one frame each `per_frame` requests at the rate the gateway's load makes them."""
+    from atomesh.otlp import exporter_settings
+
+    settings = exporter_settings(endpoint)
+    per_frame = max(settings.max_batch, settings.max_queue // 2) // 4  # Tracing's hand-over: 4 spans a request
+    sent = asyncio.run(frames(args.sender, per_frame))
+    every_s = per_frame * 130e-6  # a frame per per_frame requests at 130 us of gateway CPU each
+    took: dict[str, list[float]] = {"native": [], "python": []}
+    for _ in range(args.rounds):
+        for name in took:
+            took[name].append(replay(endpoint, spans, sent, every_s, name == "native") / args.sender * 1e6)
+    med = {k: statistics.median(v) for k, v in took.items()}
+    counted: dict[str, float] = {}
+    if args.instructions:
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in took:
+                prefix = Path(tmp) / f"sender-{name}"
+                counted[name] = replay(endpoint, spans, sent, every_s, name == "native", prefix) / args.sender
+        print(
+            f"sender instructions per request (callgrind, every thread): compiled encoder {counted['native']:,.0f}, "
+            f"Python encoder {counted['python']:,.0f} ({counted['native'] / counted['python']:.2f}x)"
+        )
+    print(
+        f"sender CPU per request ({args.sender} requests in frames of {per_frame}, export calls of at most "
+        f"{settings.max_batch} spans, {args.rounds} alternating rounds): compiled encoder {med['native']:.1f} us, "
+        f"Python encoder {med['python']:.1f} us ({med['native'] / med['python']:.2f}x); rounds "
+        + "; ".join(f"{k} {', '.join(f'{x:.1f}' for x in v)}" for k, v in took.items())
+    )
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps(
+                {"per_frame": per_frame, "max_batch": settings.max_batch, "cpu_us": took, "instructions": counted},
                 indent=2,
             )
         )
