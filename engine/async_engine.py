@@ -452,7 +452,11 @@ class AsyncLLMEngine:
         may still land in them)."""
         assert self.relay is not None and request.kv is not None, "decode_from_remote_kv needs a checked request"
         kv = request.kv
-        transfer = await self.reserve(request, wait_secs)
+        try:
+            transfer = await self.reserve(request, wait_secs)
+        except BaseException:  # no room, or the client left while waiting for it: an early offer's prefill stops
+            self.relay.abandon(kv)
+            raise
         reserved_at = time.monotonic()
         seq = transfer.seq
         seq.prompt_logprobs = list(request.prompt_logprobs)  # the prefill engine scored the prompt; forks copy them
@@ -461,6 +465,7 @@ class AsyncLLMEngine:
         needed = (seq.num_prompt_tokens + bs - 1) // bs
         if kv.blocks != needed:
             self.release(transfer)
+            self.relay.abandon(kv)
             raise InvalidRequestError(
                 f"kv_transfer_params carry {kv.blocks} blocks but this prompt needs {needed} "
                 "here: prefill and decode must run the same model and tokenizer"

@@ -368,6 +368,12 @@ class Disaggregation:
     def parse(self, raw: dict[str, Any]) -> KVTransferParams:
         return KVTransferParams.from_dict(raw)
 
+    def abandon(self, params: KVTransferParams) -> None:
+        """An early offer given up before its pull (the request failed or was cancelled first): the producer is
+        told, so that it stops the prefill."""
+        assert self.consumer is not None, "abandon on a relay that is not a kv_consumer"
+        self.consumer.abandon(params)
+
     async def pull(self, params: KVTransferParams, dst_block_ids: Sequence[int],
                    after: concurrent.futures.Future[Any] | None = None) -> int | None:  # fmt: skip
         """Have the producer write ``params``' blocks into ``dst_block_ids`` (``SKIP``: held here already),

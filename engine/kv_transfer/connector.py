@@ -69,6 +69,9 @@ from engine.kv_transfer.staging import SLOTS_PER_TRANSFER, StagingBuffer, check_
 from engine.kv_transfer.wire import MessageType, RefusalCode
 
 log = logging.getLogger(__name__)
+# A staged early offer waits for its prefill to end: this often it also looks whether the consumer hung up.
+HANGUP_POLL_S = 0.05
+ABANDON_TIMEOUT_S = 2.0  # a consumer's `abandon` of an early offer it gave up, sent and answered within this
 
 
 class ReleaseReason(StrEnum):
@@ -428,6 +431,8 @@ class KVProducer:
                 why = "this prefill engine shares no KV pools (its protocol is forced to a Mooncake one)"
                 return _refuse(tid, RefusalCode.IPC_UNAVAILABLE, why)
             return MessageType.IPC_POOLS, {**self._ipc.describe(), "read_port": self.read_port}
+        if msg.get("type") == MessageType.ABANDON:
+            return self._abandon(tid)
         if msg.get("type") != MessageType.WRITE_REQUEST:
             return _refuse(tid, RefusalCode.BAD_REQUEST, f"expected write_request, got {msg.get('type')!r}")
         try:
@@ -460,7 +465,13 @@ class KVProducer:
                            "give both engines the same memory_backend")  # fmt: skip
         first_token: dict[str, Any] = {}
         if pending.early:  # written whole, once its prefill ended (chunk by chunk only over ipc: docs/pd.md)
-            final = await self._until_final(pending)
+            final = await self._until_final(pending, channel.wanted)
+            if final is None and not channel.wanted():
+                # The consumer gave up (its request was cancelled) while the prefill ran: release the offer now,
+                # so that the engine stops the prefill (the answer goes nowhere).
+                self._finish(pending, ReleaseReason.WRITE_FAILED)
+                return _refuse(tid, RefusalCode.PREFILL_FAILED, f"transfer {tid}: the consumer hung up while its "
+                               "prefill ran")  # fmt: skip
             if final is None or "error" in final:
                 why = "its prefill did not end in time" if final is None else f"its prefill failed: {final['error']}"
                 self._finish(pending, ReleaseReason.WRITE_FAILED)
@@ -508,8 +519,9 @@ class KVProducer:
             with self._lock:
                 pending.watchers.remove(wake)
 
-    async def _until_final(self, pending: PendingTransfer) -> dict[str, Any] | None:
-        """An early offer's end (waiting for its prefill, at most ``timeout_s``); None when it did not come."""
+    async def _until_final(self, pending: PendingTransfer, wanted: Callable[[], bool]) -> dict[str, Any] | None:
+        """An early offer's end (waiting for its prefill, at most ``timeout_s``); None when it did not come, or
+        when the consumer hung up meanwhile (``wanted()`` false: looked at every ``HANGUP_POLL_S``)."""
         with self._watch(pending) as moved:
             try:
                 async with asyncio.timeout(self.timeout_s):
@@ -519,9 +531,23 @@ class KVProducer:
                             final = pending.final
                         if final is not None:
                             return final
-                        await moved.wait()
+                        if not wanted():
+                            return None
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(moved.wait(), HANGUP_POLL_S)
             except TimeoutError:
                 return None
+
+    def _abandon(self, tid: object) -> tuple[MessageType, dict[str, Any]]:
+        """The consumer gave up an early offer before reading it: release it (REFUSED), so that the engine stops
+        its prefill. An offer already claimed by a read is left to that read (it sees the hang-up itself)."""
+        with self._lock:
+            pending = self._pending.get(tid) if isinstance(tid, str) else None
+        if pending is not None and pending.early and self._claim(pending):
+            log.info("kv_transfer_abandoned transfer_id=%s: the consumer gave it up before reading", tid)
+            self._finish(pending, ReleaseReason.REFUSED)
+            return MessageType.ABANDONED, {"transfer_id": tid, "released": True}
+        return MessageType.ABANDONED, {"transfer_id": tid, "released": False}
 
     def _take(self, tid: object) -> PendingTransfer:
         """Claim the transfer a request names (thread-safe); raises _Refusal when it is unknown or taken."""
@@ -866,6 +892,7 @@ class KVConsumer:
         self._gate = asyncio.Semaphore(max_inflight)
         self._in_flight = 0
         self._waiting = 0
+        self._abandons: set[asyncio.Task[None]] = set()  # `abandon` messages on their way (a cancelled pull's)
 
     @property
     def in_flight(self) -> int:
@@ -896,6 +923,39 @@ class KVConsumer:
         producer, timeout, failed write or a reply that does not match the request.
         """
         p = params if isinstance(params, KVTransferParams) else KVTransferParams.from_dict(params)
+        try:
+            return await self._pull(p, dst_block_ids, after)
+        except asyncio.CancelledError:
+            self.abandon(p)  # the producer may never have heard of us (the pull waited its turn)
+            raise
+
+    def abandon(self, p: KVTransferParams) -> None:
+        """Tell the producer of an early offer this engine gives up before reading it (cancelled, or refused
+        before its pull), so that it stops the prefill rather than run it to the end and let it expire. Best
+        effort, in the background; nothing for an offer that is not early."""
+        if p.early:
+            task = asyncio.get_running_loop().create_task(self._abandon_offer(p))
+            self._abandons.add(task)
+            task.add_done_callback(self._abandons.discard)
+
+    async def _abandon_offer(self, p: KVTransferParams) -> None:
+        """Say ``abandon`` for an early offer this engine gave up (best effort, within ABANDON_TIMEOUT_S)."""
+        try:
+            async with asyncio.timeout(ABANDON_TIMEOUT_S):
+                reader, writer = await asyncio.open_connection(p.remote_host, p.remote_handshake_port)
+                try:
+                    await wire.send(writer, MessageType.ABANDON, transfer_id=p.transfer_id)
+                    await wire.recv(reader)
+                finally:
+                    writer.close()
+                    with contextlib.suppress(Exception):
+                        await writer.wait_closed()
+        except (OSError, TimeoutError, wire.WireError, asyncio.IncompleteReadError) as exc:
+            log.info("kv_transfer_abandon_unsent transfer_id=%s error=%r (the offer expires on its own)",
+                     p.transfer_id, exc)  # fmt: skip
+
+    async def _pull(self, p: KVTransferParams, dst_block_ids: Sequence[int],
+                    after: concurrent.futures.Future[Any] | None) -> int | None:  # fmt: skip
         if p.tp_size != self.tp_size:
             # Rank r's regions hold KV heads [r * H / tp, (r + 1) * H / tp): only equal sizes pair rank to rank.
             raise KVTransferParamsError(

@@ -60,6 +60,10 @@ class MessageType(StrEnum):
     IPC_READ = "ipc_read"
     IPC_DONE = "ipc_done"
     IPC_READY = "ipc_ready"
+    # The consumer gave up an early offer it never started to read (its request was cancelled while the pull
+    # waited its turn): the producer releases it, so the engine stops its prefill. Answered with ``abandoned``.
+    ABANDON = "abandon"
+    ABANDONED = "abandoned"
 
 
 class RefusalCode(StrEnum):
