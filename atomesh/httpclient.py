@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import socket
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from httptools import HttpParserError, HttpParserUpgrade, HttpResponseParser
 
+from atomesh import splice
 from atomesh.flow import FlowControl
 from atomesh.tasks import PeriodicTask
 
@@ -84,6 +87,7 @@ class _Conn(FlowControl):
         "_pool",
         "_waiter",
         "body_done",
+        "body_start",
         "buffered",
         "busy",
         "closed",
@@ -126,6 +130,9 @@ class _Conn(FlowControl):
         self.sink: Sink | None = None  # set while Response.pipe waits: body pieces go there, not to `pieces`
         self.tap: Tap | None = None  # sees each piece before the sink (Response.pipe's `tap`)
         self.sink_error: Exception | None = None  # what the sink raised, for the coroutine to raise
+        # The raw bytes after the head when the head came whole in one read and no read came after it
+        # (what a native relay starts from: the parser's place in a chunked body is not readable), else None.
+        self.body_start: bytes | None = None
 
     # --- driven by the pool and the response ---
 
@@ -198,7 +205,13 @@ class _Conn(FlowControl):
             return
         self.got_data = True
         try:
-            self._parser.feed_data(data)
+            if self.head_done:
+                self.body_start = None
+                self._parser.feed_data(data)
+            else:
+                self._parser.feed_data(data)
+                if self.head_done:
+                    self.body_start = _after_head(data)
         except (HttpParserError, HttpParserUpgrade) as e:
             if not self.body_done:
                 self.fail(ProtocolViolation(f"invalid HTTP response: {e}"))
@@ -273,6 +286,46 @@ class _Conn(FlowControl):
         self.body_done = True
         self.keep_alive = self._parser.should_keep_alive()
         self._wake()
+
+
+def _after_head(data: bytes) -> bytes | None:
+    """What follows the response head in `data`, the read that completed it, when the head began in that
+    read too and no interim (1xx) answer came before it; else None (where the body began is not known)."""
+    if not data.startswith(b"HTTP/1.") or data[9:10] == b"1":
+        return None
+    end = data.find(b"\r\n\r\n")
+    return None if end < 0 else data[end + 4 :]
+
+
+class SpliceClient(Protocol):
+    """The client side of a spliced stream (`Response.splice`)."""
+
+    sent: int  # body bytes given to the client (the splice adds its own)
+
+    def spill(self, data: bytes) -> bool:
+        """Send framed bytes through the client's transport (it was slow to take them); False: it is
+        write-paused, `writable()` is awaited before more."""
+        ...
+
+    async def writable(self) -> None:
+        """Return once the client takes more."""
+        ...
+
+    def client_gone(self) -> None:
+        """Sending failed: close the client's connection (the request is then cancelled)."""
+        ...
+
+
+class SpliceMeter(Protocol):
+    """A token meter a spliced stream feeds: in Python until the first token, then with counts from C."""
+
+    def first_token(self, chunk: bytes) -> bytes | None:
+        """Feed one piece; once the first token is seen, the stream's end the meter keeps, else None."""
+        ...
+
+    def counted(self, events: int, last_at: float, end: bytes, tail: bytes) -> None:
+        """Take what the native relay counted after the first token (as `feed` would have)."""
+        ...
 
 
 class Response:
@@ -388,6 +441,108 @@ class Response:
             raise
         self.release()
 
+    def can_splice(self) -> bool:
+        """Whether `splice` can take this body: a chunked body over plain TCP not read into yet, with the
+        native relay built."""
+        conn = self._conn
+        return (
+            conn is not None
+            and conn.body_start is not None
+            and not conn.body_done
+            and conn.error is None
+            and self._pool.splice is not None
+            and conn.key[0] == "http"
+            and conn.transport is not None
+            and self.headers.get("transfer-encoding") == "chunked"
+            and "content-length" not in self.headers
+        )
+
+    async def splice(self, client_fd: int, client: SpliceClient, meter: SpliceMeter | None) -> None:
+        """Relay the chunked body to the client's socket (`client_fd`, written directly: its transport must
+        have nothing buffered) in C, one call per read of the worker's socket, each piece framed as its own
+        chunk; return when the body has all been relayed (the connection then goes back to the pool) or raise
+        the failure, as `pipe` does. Check `can_splice()` first."""
+        conn = self._open()
+        transport = conn.transport
+        kind = self._pool.splice
+        assert transport is not None and kind is not None and conn.body_start is not None
+        loop = conn._loop
+        keep_alive = conn._parser.should_keep_alive()
+        wfd = os.dup(transport.get_extra_info("socket").fileno())
+        try:
+            cfd = os.dup(client_fd)
+        except OSError:
+            os.close(wfd)
+            raise
+        conn.hold_reading()  # the worker's socket is read through `wfd` meanwhile
+        raw, conn.pieces, conn.buffered = conn.body_start, [], 0  # the pieces parsed from `raw`: relayed anew
+
+        def stopped() -> None:
+            loop.remove_reader(wfd)
+            conn._wake()
+
+        relay = kind(wfd, cfd, None if meter is None else meter.first_token, stopped, client.spill)
+        reading = False
+        try:
+            try:
+                if raw:
+                    relay.feed(raw)
+                while True:
+                    state = relay.state
+                    if state == splice.RUNNING:
+                        if conn.error is not None:
+                            raise conn.error  # the deadline, or the connection aborted
+                        if not reading:
+                            loop.add_reader(wfd, relay.step)
+                            reading = True
+                        await conn.wait()
+                    elif state == splice.PAUSED:
+                        reading = False
+                        await client.writable()
+                        relay.resume()
+                    elif state == splice.CLIENT_ERROR:
+                        # As when the client's transport fails a write: its connection closes, and its
+                        # loss cancels this request; until then (or the deadline) nothing more is relayed.
+                        reading = False
+                        client.client_gone()
+                        while conn.error is None:
+                            await conn.wait()
+                        raise conn.error
+                    else:
+                        reading = False
+                        break
+            finally:
+                if reading and relay.state == splice.RUNNING:
+                    loop.remove_reader(wfd)
+                relay.close()
+                client.sent += relay.sent
+                if meter is not None:
+                    counts = relay.counts()
+                    if counts is not None:
+                        meter.counted(*counts)
+            if state != splice.DONE:
+                raise self._splice_failure(relay)
+        except BaseException:
+            self.close()
+            raise
+        conn.body_done = True
+        conn.keep_alive = keep_alive and not relay.extra
+        conn._parser = HttpResponseParser(conn)  # the old one stopped inside this body
+        conn.release_reading()
+        self.release()
+
+    def _splice_failure(self, relay: Any) -> BaseException:
+        """What a splice that did not reach the body's end raises (as `pipe` would have, for the same cause)."""
+        state = relay.state
+        if state == splice.EOF:
+            return Disconnected("connection closed by peer")
+        if state == splice.READ_ERROR:
+            return Disconnected(f"connection lost: {OSError(relay.err, os.strerror(relay.err))}")
+        if state == splice.PROTOCOL_ERROR:
+            return ProtocolViolation(f"invalid HTTP response: {relay.why}")
+        error = relay.take_error()
+        return error if error is not None else HTTPClientError(f"the native relay stopped in state {state}")
+
     def release(self) -> None:
         """Done with the response: pool the connection if the body is complete, else close it."""
         conn = self._conn
@@ -416,11 +571,13 @@ class ClientPool:
         keepalive_timeout: float = 60.0,
         max_idle_per_host: int = 256,
         ssl_context: ssl.SSLContext | None = None,
+        splice: Any = None,
     ) -> None:
         self._connect_timeout = connect_timeout
         self._keepalive = keepalive_timeout
         self._max_idle = max_idle_per_host
         self._ssl = ssl_context
+        self.splice = splice  # the native relay's type (atomesh.splice.load()), or None: `Response.splice` is off
         self._idle: dict[_Key, list[_Conn]] = {}
         self._conns: set[_Conn] = set()  # every open connection, idle or busy, for close()
         self._origins: dict[str, tuple[_Key, str]] = {}  # "http://host:port" -> (key, Host header)

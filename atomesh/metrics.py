@@ -696,6 +696,20 @@ class RequestMeter:
         elif len(self._end) < _KEEP:
             self._end += chunk  # the rest of the last event, or `data: [DONE]`
 
+    def first_token(self, chunk: bytes) -> bytes | None:
+        """`feed`, for a native relay until the first token: then the stream's end kept so far (the relay
+        counts the rest by `feed`'s rules and hands them back with `counted`), else None."""
+        self.feed(chunk)
+        return None if self.first_at is None else self._end
+
+    def counted(self, events: int, last_at: float, end: bytes, tail: bytes) -> None:
+        """What a native relay counted after the first token, as `feed` would have left it."""
+        if events:
+            self.events += events
+            self.last_at = last_at
+        self._end = end
+        self._tail = tail
+
     def _join(self, chunk: bytes) -> bytes:
         """`chunk` after what the previous one left of a line (an event marker may be split across the two);
         keeps this one's end when it ends inside a line."""

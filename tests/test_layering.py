@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("vocabulary", ("atomesh", "atomesh.errors", "atomesh.request", "atomesh.tasks")),
     ("settings", ("atomesh.config", "atomesh.compat", "atomesh.cors", "atomesh.tenancy")),
     ("observability", ("atomesh.logs", "atomesh.metrics", "atomesh.tracing", "atomesh.otlp", "atomesh.otlp_sender")),
-    ("transport", ("atomesh.flow", "atomesh.httpclient", "atomesh.transport")),
+    ("transport", ("atomesh.flow", "atomesh.httpclient", "atomesh.splice", "atomesh.transport")),
     ("workers", ("atomesh.workers",)),
     ("kv", ("atomesh.kv",)),
     ("placement", ("atomesh.policies", "atomesh.placement")),

@@ -1,0 +1,436 @@
+/* A streamed response relayed from a worker's socket to a client's without the interpreter per event.
+
+   atomesh/splice.py compiles this on first use (a CPython extension module, cached per source and
+   compiler) and atomesh/httpclient.py (`Response.splice`) drives it. A `Splice` owns two duplicated
+   descriptors: the worker connection (its asyncio transport paused meanwhile) and the client's. The event
+   loop calls `step()` when the worker's socket is readable; each call reads once, decodes the chunked body,
+   counts what the token meter counts (events, the last event's time, the stream's end), frames each piece
+   as its own chunk for the client (as `FrontExchange.push` does) and writes them with one send. It calls
+   its Python `stop` callback once, when it stops for any reason (`state` says which); the caller then
+   finishes in Python as the parsed relay would.
+
+   Until the meter has seen the first token, each piece also goes to the Python `first` callback (the
+   meter's own TTFT rules); from then on the meter's per-event work is done here, by the same rules as
+   `RequestMeter.feed` (atomesh/metrics.py), and handed back with `counts()`.
+
+   A client that stops taking bytes (a short send) switches the splice to `spill` mode: from then on each
+   read's framed output goes to the Python `spill` callback (the client's transport buffers it), which
+   returns False when the client is to be waited for (state PAUSED). */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#define READ_SIZE 65536
+#define MARKER "data: {"
+#define MARKER_LEN 7
+#define TAIL_MAX (MARKER_LEN - 1)
+#define KEEP (64 * 1024) /* metrics._KEEP */
+
+enum { RUNNING, DONE, EOF_, READ_ERROR, PROTOCOL_ERROR, CLIENT_ERROR, PAUSED, CALLBACK_ERROR };
+
+enum { S_SIZE0, S_SIZE, S_EXT, S_SIZE_LF, S_DATA, S_DATA_CR, S_DATA_LF, S_TRAILER0, S_TRAILER, S_TRAILER_LF, S_END_LF, S_DONE };
+
+typedef struct {
+    PyObject_HEAD
+    int wfd, cfd;
+    int state, err, chunk_state, spilled, extra;
+    const char *why;        /* a protocol error's reason */
+    unsigned long long size; /* the chunk being read: its size, then what is left of it */
+    int size_digits;
+    PyObject *first;        /* the meter's first-token callback, until it has seen the first token */
+    PyObject *stop;         /* called once when the splice stops */
+    PyObject *spill;        /* takes the framed output once the client is slow */
+    PyObject *error;        /* what a callback raised */
+    int counting;           /* counting events here (the meter's first token is seen) */
+    long long events;
+    double last_at;
+    long long sent;         /* body bytes given to the client */
+    char tail[TAIL_MAX];
+    int tail_len;
+    char *end; Py_ssize_t end_len, end_cap;  /* the stream from its last event on, as the meter keeps it */
+    char *out; Py_ssize_t out_len, out_cap;  /* framed output not sent yet */
+    char buf[READ_SIZE];
+} Splice;
+
+/* The error being raised, as an exception object (Python 3.11 has no PyErr_GetRaisedException). */
+static PyObject *fetch_error(void) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb && value) PyException_SetTraceback(value, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value;
+}
+
+static int grow(char **p, Py_ssize_t *cap, Py_ssize_t need) {
+    if (need <= *cap) return 0;
+    Py_ssize_t cap2 = *cap ? *cap : 4096;
+    while (cap2 < need) cap2 *= 2;
+    char *q = PyMem_Realloc(*p, cap2);
+    if (!q) { PyErr_NoMemory(); return -1; }
+    *p = q; *cap = cap2;
+    return 0;
+}
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts); /* time.perf_counter's clock on Linux */
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static Py_ssize_t count_marker(const char *p, Py_ssize_t n) {
+    Py_ssize_t c = 0;
+    const char *e = p + n;
+    while (e - p >= MARKER_LEN) {
+        const char *f = memmem(p, (size_t)(e - p), MARKER, MARKER_LEN);
+        if (!f) break;
+        c++;
+        p = f + MARKER_LEN;
+    }
+    return c;
+}
+
+/* The meter's bookkeeping for one piece (RequestMeter.feed and _join, once the first token is seen). */
+static int meter(Splice *s, const char *p, Py_ssize_t n) {
+    Py_ssize_t found = 0;
+    if (s->tail_len) {
+        char edge[2 * TAIL_MAX];
+        Py_ssize_t head = n < TAIL_MAX ? n : TAIL_MAX;
+        memcpy(edge, s->tail, s->tail_len);
+        memcpy(edge + s->tail_len, p, head);
+        for (Py_ssize_t i = 0; i < s->tail_len && i + MARKER_LEN <= s->tail_len + head; i++)
+            if (memcmp(edge + i, MARKER, MARKER_LEN) == 0) found++;
+    }
+    found += count_marker(p, n);
+    Py_ssize_t joined = s->tail_len + n;
+    if (found) {
+        s->events += found;
+        s->last_at = now();
+        s->end_len = 0;
+    }
+    if (found || s->end_len < KEEP) {
+        if (grow(&s->end, &s->end_cap, s->end_len + joined) < 0) return -1;
+        memcpy(s->end + s->end_len, s->tail, s->tail_len);
+        memcpy(s->end + s->end_len + s->tail_len, p, n);
+        s->end_len += joined;
+    }
+    return 0;
+}
+
+/* The tail the meter keeps after a piece: the joined piece's last bytes, unless it ends a line. */
+static void keep_tail(Splice *s, const char *p, Py_ssize_t n) {
+    if (n && p[n - 1] == '\n') { s->tail_len = 0; return; }
+    char joined[2 * TAIL_MAX];
+    Py_ssize_t take = n < TAIL_MAX ? n : TAIL_MAX;
+    Py_ssize_t have = s->tail_len;
+    memcpy(joined, s->tail, have);
+    memcpy(joined + have, p + n - take, take);
+    Py_ssize_t total = have + take;
+    Py_ssize_t keep = total < TAIL_MAX ? total : TAIL_MAX;
+    memmove(s->tail, joined + total - keep, keep);
+    s->tail_len = (int)keep;
+}
+
+static int piece(Splice *s, const char *p, Py_ssize_t n) {
+    if (n <= 0) return 0;
+    if (s->first != NULL) {
+        PyObject *chunk = PyBytes_FromStringAndSize(p, n);
+        if (!chunk) return -1;
+        PyObject *got = PyObject_CallOneArg(s->first, chunk);
+        Py_DECREF(chunk);
+        if (!got) return -1;
+        if (got != Py_None) { /* the meter saw the first token: its stream end so far, then count here */
+            if (!PyBytes_Check(got)) { Py_DECREF(got); PyErr_SetString(PyExc_TypeError, "first() must return bytes or None"); return -1; }
+            Py_ssize_t m = PyBytes_GET_SIZE(got);
+            if (grow(&s->end, &s->end_cap, m) < 0) { Py_DECREF(got); return -1; }
+            memcpy(s->end, PyBytes_AS_STRING(got), m);
+            s->end_len = m;
+            Py_CLEAR(s->first);
+            s->counting = 1;
+        }
+        Py_DECREF(got);
+    } else if (s->counting) {
+        if (meter(s, p, n) < 0) return -1;
+    }
+    keep_tail(s, p, n);
+    s->sent += n;
+    char line[24];
+    int ln = snprintf(line, sizeof line, "%zx\r\n", (size_t)n);
+    if (grow(&s->out, &s->out_cap, s->out_len + ln + n + 2) < 0) return -1;
+    memcpy(s->out + s->out_len, line, ln);
+    memcpy(s->out + s->out_len + ln, p, n);
+    memcpy(s->out + s->out_len + ln + n, "\r\n", 2);
+    s->out_len += ln + n + 2;
+    return 0;
+}
+
+static int hexval(char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+/* Decode `n` bytes of the chunked body; 0, or -1 with a Python error set (a callback's), or -2: invalid. */
+static int decode(Splice *s, const char *p, Py_ssize_t n) {
+    Py_ssize_t i = 0;
+    while (i < n) {
+        char c = p[i];
+        switch (s->chunk_state) {
+        case S_SIZE0:
+        case S_SIZE: {
+            int v = hexval(c);
+            if (v >= 0) {
+                if (++s->size_digits > 15) { s->why = "chunk size too large"; return -2; }
+                s->size = s->size * 16 + (unsigned)v;
+                s->chunk_state = S_SIZE;
+            } else if (s->chunk_state == S_SIZE0) {
+                s->why = "invalid character in chunk size"; return -2;
+            } else if (c == '\r') {
+                s->chunk_state = S_SIZE_LF;
+            } else if (c == ';' || c == ' ' || c == '\t') {
+                s->chunk_state = S_EXT;
+            } else {
+                s->why = "invalid character in chunk size"; return -2;
+            }
+            i++;
+            break;
+        }
+        case S_EXT:
+            if (c == '\r') s->chunk_state = S_SIZE_LF;
+            else if (c == '\n') { s->why = "invalid chunk extension"; return -2; }
+            i++;
+            break;
+        case S_SIZE_LF:
+            if (c != '\n') { s->why = "expected LF after chunk size"; return -2; }
+            i++;
+            s->size_digits = 0;
+            s->chunk_state = s->size ? S_DATA : S_TRAILER0;
+            break;
+        case S_DATA: {
+            Py_ssize_t take = n - i;
+            if ((unsigned long long)take > s->size) take = (Py_ssize_t)s->size;
+            if (piece(s, p + i, take) < 0) return -1;
+            s->size -= (unsigned long long)take;
+            i += take;
+            if (!s->size) s->chunk_state = S_DATA_CR;
+            break;
+        }
+        case S_DATA_CR:
+            if (c != '\r') { s->why = "expected CRLF after chunk data"; return -2; }
+            s->chunk_state = S_DATA_LF; i++;
+            break;
+        case S_DATA_LF:
+            if (c != '\n') { s->why = "expected CRLF after chunk data"; return -2; }
+            s->chunk_state = S_SIZE0; i++;
+            break;
+        case S_TRAILER0:
+            s->chunk_state = c == '\r' ? S_END_LF : S_TRAILER;
+            i++;
+            break;
+        case S_TRAILER:
+            if (c == '\r') s->chunk_state = S_TRAILER_LF;
+            i++;
+            break;
+        case S_TRAILER_LF:
+            if (c != '\n') { s->why = "expected LF after a trailer"; return -2; }
+            s->chunk_state = S_TRAILER0; i++;
+            break;
+        case S_END_LF:
+            if (c != '\n') { s->why = "expected LF after the last chunk"; return -2; }
+            s->chunk_state = S_DONE; i++;
+            break;
+        case S_DONE:
+            s->extra = 1; /* bytes after the response: the connection cannot be reused */
+            return 0;
+        }
+    }
+    return 0;
+}
+
+static void stop(Splice *s, int state) {
+    if (s->state != RUNNING) return;
+    s->state = state;
+    PyObject *cb = s->stop;
+    if (cb) {
+        PyObject *r = PyObject_CallNoArgs(cb);
+        if (r) Py_DECREF(r);
+        else if (!s->error) s->error = fetch_error();
+        else PyErr_Clear();
+    }
+}
+
+/* Send the framed output: to the client's socket, or to `spill` once the client has been slow. */
+static void flush(Splice *s) {
+    if (!s->out_len) return;
+    if (!s->spilled) {
+        ssize_t w = send(s->cfd, s->out, (size_t)s->out_len, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (w == s->out_len) { s->out_len = 0; return; }
+        if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+            s->err = errno;
+            stop(s, CLIENT_ERROR);
+            return;
+        }
+        if (w > 0) {
+            memmove(s->out, s->out + w, s->out_len - w);
+            s->out_len -= w;
+        }
+        s->spilled = 1;
+    }
+    if (!s->spill) { stop(s, PAUSED); return; }
+    PyObject *data = PyBytes_FromStringAndSize(s->out, s->out_len);
+    if (!data) { s->error = fetch_error(); stop(s, CALLBACK_ERROR); return; }
+    s->out_len = 0;
+    PyObject *r = PyObject_CallOneArg(s->spill, data);
+    Py_DECREF(data);
+    if (!r) { s->error = fetch_error(); stop(s, CALLBACK_ERROR); return; }
+    int more = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    if (!more) stop(s, PAUSED);
+}
+
+static void consume(Splice *s, const char *p, Py_ssize_t n) {
+    int r = decode(s, p, n);
+    if (r == -1) {
+        s->error = fetch_error();
+        stop(s, CALLBACK_ERROR);
+        return;
+    }
+    flush(s);
+    if (s->state != RUNNING) return;
+    if (r == -2) stop(s, PROTOCOL_ERROR);
+    else if (s->chunk_state == S_DONE) stop(s, DONE);
+}
+
+static PyObject *Splice_step(Splice *s, PyObject *Py_UNUSED(ignored)) {
+    if (s->state != RUNNING) Py_RETURN_NONE; /* a readiness reported before the reader was removed */
+    ssize_t n = read(s->wfd, s->buf, READ_SIZE);
+    if (n > 0) consume(s, s->buf, n);
+    else if (n == 0) stop(s, EOF_);
+    else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) { s->err = errno; stop(s, READ_ERROR); }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Splice_feed(Splice *s, PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    if (s->state == RUNNING) consume(s, view.buf, view.len);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Splice_resume(Splice *s, PyObject *Py_UNUSED(ignored)) {
+    if (s->state == PAUSED) s->state = RUNNING;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Splice_take_error(Splice *s, PyObject *Py_UNUSED(ignored)) {
+    PyObject *e = s->error;
+    s->error = NULL;
+    if (!e) Py_RETURN_NONE;
+    return e;
+}
+
+static PyObject *Splice_counts(Splice *s, PyObject *Py_UNUSED(ignored)) {
+    if (!s->counting) Py_RETURN_NONE;
+    return Py_BuildValue("(Ldy#y#)", s->events, s->last_at, s->end, s->end_len, s->tail, (Py_ssize_t)s->tail_len);
+}
+
+static void close_fds(Splice *s) {
+    if (s->wfd >= 0) { close(s->wfd); s->wfd = -1; }
+    if (s->cfd >= 0) { close(s->cfd); s->cfd = -1; }
+}
+
+static PyObject *Splice_close(Splice *s, PyObject *Py_UNUSED(ignored)) {
+    close_fds(s);
+    Py_CLEAR(s->first);
+    Py_CLEAR(s->stop);
+    Py_CLEAR(s->spill);
+    Py_RETURN_NONE;
+}
+
+static int Splice_init(Splice *s, PyObject *args, PyObject *kw) {
+    static char *names[] = {"worker_fd", "client_fd", "first", "stop", "spill", NULL};
+    int wfd, cfd;
+    PyObject *first, *stopcb, *spill;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiOOO", names, &wfd, &cfd, &first, &stopcb, &spill)) return -1;
+    s->wfd = wfd;
+    s->cfd = cfd;
+    s->first = first == Py_None ? NULL : Py_NewRef(first);
+    s->stop = Py_NewRef(stopcb);
+    s->spill = Py_NewRef(spill);
+    return 0;
+}
+
+static PyObject *Splice_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    Splice *s = (Splice *)type->tp_alloc(type, 0);
+    if (s) { s->wfd = s->cfd = -1; s->state = RUNNING; s->chunk_state = S_SIZE0; }
+    return (PyObject *)s;
+}
+
+static void Splice_dealloc(Splice *s) {
+    close_fds(s);
+    Py_CLEAR(s->first);
+    Py_CLEAR(s->stop);
+    Py_CLEAR(s->spill);
+    Py_CLEAR(s->error);
+    PyMem_Free(s->end);
+    PyMem_Free(s->out);
+    Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+static PyObject *get_state(Splice *s, void *c) { return PyLong_FromLong(s->state); }
+static PyObject *get_err(Splice *s, void *c) { return PyLong_FromLong(s->err); }
+static PyObject *get_sent(Splice *s, void *c) { return PyLong_FromLongLong(s->sent); }
+static PyObject *get_extra(Splice *s, void *c) { return PyBool_FromLong(s->extra); }
+static PyObject *get_why(Splice *s, void *c) { return PyUnicode_FromString(s->why ? s->why : ""); }
+static PyObject *get_pending(Splice *s, void *c) { return PyBytes_FromStringAndSize(s->out, s->out_len); }
+
+static PyGetSetDef Splice_getset[] = {
+    {"state", (getter)get_state, NULL, "RUNNING, DONE, EOF, READ_ERROR, PROTOCOL_ERROR, CLIENT_ERROR, PAUSED or CALLBACK_ERROR", NULL},
+    {"err", (getter)get_err, NULL, "errno of a failed read or send", NULL},
+    {"sent", (getter)get_sent, NULL, "body bytes given to the client", NULL},
+    {"extra", (getter)get_extra, NULL, "bytes followed the response", NULL},
+    {"why", (getter)get_why, NULL, "why the body is invalid", NULL},
+    {"pending", (getter)get_pending, NULL, "framed output not sent (the client was slow)", NULL},
+    {NULL},
+};
+
+static PyMethodDef Splice_methods[] = {
+    {"step", (PyCFunction)Splice_step, METH_NOARGS, "read the worker's socket once and relay what came"},
+    {"feed", (PyCFunction)Splice_feed, METH_O, "relay body bytes read before the splice began"},
+    {"resume", (PyCFunction)Splice_resume, METH_NOARGS, "run again after PAUSED"},
+    {"take_error", (PyCFunction)Splice_take_error, METH_NOARGS, "what a callback raised, once"},
+    {"counts", (PyCFunction)Splice_counts, METH_NOARGS, "(events, last_at, end, tail) once counting here, else None"},
+    {"close", (PyCFunction)Splice_close, METH_NOARGS, "close both descriptors"},
+    {NULL},
+};
+
+static PyTypeObject SpliceType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "_atomesh_splice.Splice",
+    .tp_basicsize = sizeof(Splice),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "one streamed response relayed between two sockets",
+    .tp_new = Splice_new,
+    .tp_init = (initproc)Splice_init,
+    .tp_dealloc = (destructor)Splice_dealloc,
+    .tp_methods = Splice_methods,
+    .tp_getset = Splice_getset,
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_atomesh_splice", NULL, -1, NULL};
+
+PyMODINIT_FUNC PyInit__atomesh_splice(void) {
+    if (PyType_Ready(&SpliceType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    if (PyModule_AddObjectRef(m, "Splice", (PyObject *)&SpliceType) < 0) { Py_DECREF(m); return NULL; }
+    return m;
+}

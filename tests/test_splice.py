@@ -1,0 +1,193 @@
+"""The native stream relay (atomesh/splice.c): what the client gets and what the token meter counts are what
+the Python relay gives for the same bytes, however the worker's writes are cut; and a gateway stream goes
+through it, answering and counting as the Python relay does."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+from typing import Any
+
+import aiohttp
+import pytest
+
+from atomesh import splice
+from atomesh.metrics import Metrics, RequestMeter
+from tests.gwtest import MakeGateway, MakeWorkers, base_url
+
+pytestmark = pytest.mark.timeout(60)
+
+SPLICE = splice.load()
+EVENTS = (
+    [b'data: {"choices":[{"text":""}]}\n\n']
+    + [b'data: {"choices":[{"text":"t%d"}]}\n\n' % i for i in range(20)]
+    + [b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":20}}\n\n', b"data: [DONE]\n\n"]
+)
+
+
+def chunked(events: list[bytes]) -> bytes:
+    return b"".join(b"%x;ext=1\r\n%b\r\n" % (len(e), e) for e in events) + b"0\r\nx-trailer: 1\r\n\r\n"
+
+
+def framed(pieces: list[bytes]) -> bytes:
+    return b"".join(b"%x\r\n%b\r\n" % (len(p), p) for p in pieces)
+
+
+class Client:
+    def __init__(self) -> None:
+        self.sent = 0
+        self.spilled: list[bytes] = []
+
+    def spill(self, data: bytes) -> bool:
+        self.spilled.append(data)
+        return True
+
+
+def run_splice(raw: bytes, cuts: list[int], meter: RequestMeter | None) -> tuple[Any, bytes]:
+    """Feed `raw` to a Splice through a socket pair, cut at `cuts`; what the client's socket received."""
+    assert SPLICE is not None, "the native relay did not build (cc and Python.h are needed)"
+    worker_in, worker_out = socket.socketpair()
+    client_in, client_out = socket.socketpair()
+    for s in (worker_in, worker_out, client_in, client_out):
+        s.setblocking(False)
+    stops: list[int] = []
+    relay = SPLICE(
+        os.dup(worker_out.fileno()),
+        os.dup(client_in.fileno()),
+        None if meter is None else meter.first_token,
+        lambda: stops.append(1),
+        Client().spill,
+    )
+    got = b""
+    try:
+        start = 0
+        for end in [*cuts, len(raw)]:
+            worker_in.send(raw[start:end])
+            start = end
+            relay.step()
+            try:
+                got += client_out.recv(1 << 20)
+            except BlockingIOError:
+                pass  # a read that ended inside a chunk's size line: nothing to relay yet
+        assert stops == [1]
+    finally:
+        relay.close()
+        for s in (worker_in, worker_out, client_in, client_out):
+            s.close()
+    if meter is not None and (counts := relay.counts()) is not None:
+        meter.counted(*counts)
+    return relay, got
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_spliced_stream_reads_and_counts_as_the_python_relay(seed: int) -> None:
+    rng = random.Random(seed)
+    raw = chunked(EVENTS)
+    cuts = sorted(rng.sample(range(1, len(raw)), 12))
+    spliced = RequestMeter(Metrics([1.0]), "completions", "m", True)
+    relay, got = run_splice(raw, cuts, spliced)
+    assert relay.state == splice.DONE and not relay.extra
+
+    # The Python relay hands on each read's body pieces (the parser's on_body), framed one by one.
+    pieces: list[bytes] = []
+    start = 0
+    for end in [*cuts, len(raw)]:
+        pieces += _decoded_pieces(raw, start, end)
+        start = end
+    assert got == framed(pieces)
+    assert relay.sent == sum(len(e) for e in EVENTS)
+    python = RequestMeter(Metrics([1.0]), "completions", "m", True)
+    for p in pieces:
+        python.feed(p)
+    for m in (spliced, python):
+        m.finish()
+    assert (spliced.events, spliced.usage_out, spliced.usage_in) == (python.events, python.usage_out, python.usage_in)
+    assert spliced._end == python._end and spliced._tail == python._tail
+    assert spliced.first_at is not None and spliced.last_at >= spliced.first_at
+
+
+def _decoded_pieces(raw: bytes, start: int, end: int) -> list[bytes]:
+    """The chunk data of raw[start:end], one piece per chunk it touches (what llhttp's on_body gives)."""
+    out: list[bytes] = []
+    at = 0
+    while True:
+        line_end = raw.index(b"\r\n", at)
+        size = int(raw[at:line_end].split(b";")[0], 16)
+        if size == 0:
+            return out
+        data_at = line_end + 2
+        lo, hi = max(start, data_at), min(end, data_at + size)
+        if lo < hi:
+            out.append(raw[lo:hi])
+        at = data_at + size + 2
+
+
+@pytest.mark.parametrize(
+    ("raw", "state"),
+    [
+        (b"5\r\nhello\r\n", splice.EOF),
+        (b"zz\r\n", splice.PROTOCOL_ERROR),
+        (b"5\r\nhelloXX", splice.PROTOCOL_ERROR),
+        (b"0\r\n\r\nHTTP/1.1", splice.DONE),
+    ],
+)
+def test_splice_stops_on_a_broken_body(raw: bytes, state: int) -> None:
+    assert SPLICE is not None
+    worker_in, worker_out = socket.socketpair()
+    client_in, client_out = socket.socketpair()
+    relay = SPLICE(os.dup(worker_out.fileno()), os.dup(client_in.fileno()), None, lambda: None, Client().spill)
+    try:
+        worker_in.send(raw)
+        if state == splice.EOF:
+            worker_in.shutdown(socket.SHUT_WR)
+        relay.step()
+        if relay.state == splice.RUNNING:
+            relay.step()  # the end of the stream, read on its own
+        assert relay.state == state
+        if state == splice.DONE:
+            assert relay.extra  # bytes after the response: the connection is not reused
+    finally:
+        relay.close()
+        for s in (worker_in, worker_out, client_in, client_out):
+            s.close()
+
+
+async def test_gateway_streams_through_the_native_relay_as_through_python(
+    mock_workers: MakeWorkers, gateway: MakeGateway
+) -> None:
+    [w] = await mock_workers(1, stream_chunks=6, chunk_interval_secs=0.02)
+    gw = await gateway(worker_urls=[w.url])
+    pool = gw.gateway.upstream._pool
+    assert pool is not None and pool.splice is not None
+    bodies, tokens = [], [0.0]
+    async with aiohttp.ClientSession() as http:
+        for native in (True, False):
+            pool.splice = SPLICE if native else None
+            async with http.post(
+                base_url(gw) + "/v1/completions",
+                json={"model": "mock-model", "prompt": "hi", "max_tokens": 6, "stream": True},
+            ) as r:
+                assert r.status == 200
+                bodies.append(await r.read())
+            async with http.get(f"http://127.0.0.1:{gw.config.prometheus_port}/metrics") as r:
+                lines = (await r.text()).splitlines()
+            out = [x for x in lines if x.startswith("mesh_router_tokens_total") and 'token_type="output"' in x]
+            tokens.append(float(out[0].rsplit(" ", 1)[1]))
+    assert [_events(b) for b in bodies] == [_events(bodies[1])] * 2 and bodies[0].endswith(b"data: [DONE]\n\n")
+    assert tokens[1] - tokens[0] == tokens[2] - tokens[1] > 0
+
+
+def _events(body: bytes) -> list[object]:
+    """The stream's events, less what differs between two answers (their id and time)."""
+    out: list[object] = []
+    for line in body.split(b"\n\n"):
+        if line.startswith(b"data: {"):
+            event = json.loads(line[6:])
+            event.pop("id", None)
+            event.pop("created", None)
+            out.append(event)
+        elif line:
+            out.append(line)
+    return out
