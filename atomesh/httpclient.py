@@ -87,13 +87,13 @@ class _Conn(FlowControl):
         "_pool",
         "_waiter",
         "body_done",
-        "body_start",
         "buffered",
         "busy",
         "closed",
         "error",
         "got_data",
         "head_done",
+        "head_read",
         "headers",
         "idle_since",
         "interim",
@@ -130,9 +130,9 @@ class _Conn(FlowControl):
         self.sink: Sink | None = None  # set while Response.pipe waits: body pieces go there, not to `pieces`
         self.tap: Tap | None = None  # sees each piece before the sink (Response.pipe's `tap`)
         self.sink_error: Exception | None = None  # what the sink raised, for the coroutine to raise
-        # The raw bytes after the head when the head came whole in one read and no read came after it
-        # (what a native relay starts from: the parser's place in a chunked body is not readable), else None.
-        self.body_start: bytes | None = None
+        # The read that completed the head, while no read came after it (a native relay starts from what
+        # follows the head in it: the parser's place in a chunked body is not readable), else None.
+        self.head_read: bytes | None = None
 
     # --- driven by the pool and the response ---
 
@@ -206,12 +206,12 @@ class _Conn(FlowControl):
         self.got_data = True
         try:
             if self.head_done:
-                self.body_start = None
+                self.head_read = None
                 self._parser.feed_data(data)
             else:
                 self._parser.feed_data(data)
                 if self.head_done:
-                    self.body_start = _after_head(data)
+                    self.head_read = data
         except (HttpParserError, HttpParserUpgrade) as e:
             if not self.body_done:
                 self.fail(ProtocolViolation(f"invalid HTTP response: {e}"))
@@ -317,14 +317,10 @@ class SpliceClient(Protocol):
 
 
 class SpliceMeter(Protocol):
-    """A token meter a spliced stream feeds: in Python until the first token, then with counts from C."""
+    """A token meter a spliced stream reports to once, at its end, instead of feeding it every piece."""
 
-    def first_token(self, chunk: bytes) -> bytes | None:
-        """Feed one piece; once the first token is seen, the stream's end the meter keeps, else None."""
-        ...
-
-    def counted(self, events: int, last_at: float, end: bytes, tail: bytes) -> None:
-        """Take what the native relay counted after the first token (as `feed` would have)."""
+    def counted(self, first_at: float | None, events: int, last_at: float, end: bytes, tail: bytes) -> None:
+        """Take what the native relay read of the stream by the meter's own rules."""
         ...
 
 
@@ -447,7 +443,7 @@ class Response:
         conn = self._conn
         return (
             conn is not None
-            and conn.body_start is not None
+            and conn.head_read is not None
             and not conn.body_done
             and conn.error is None
             and self._pool.splice is not None
@@ -455,6 +451,7 @@ class Response:
             and conn.transport is not None
             and self.headers.get("transfer-encoding") == "chunked"
             and "content-length" not in self.headers
+            and _after_head(conn.head_read) is not None
         )
 
     async def splice(self, client_fd: int, client: SpliceClient, meter: SpliceMeter | None) -> None:
@@ -465,7 +462,8 @@ class Response:
         conn = self._open()
         transport = conn.transport
         kind = self._pool.splice
-        assert transport is not None and kind is not None and conn.body_start is not None
+        raw = None if conn.head_read is None else _after_head(conn.head_read)
+        assert transport is not None and kind is not None and raw is not None
         loop = conn._loop
         keep_alive = conn._parser.should_keep_alive()
         wfd = os.dup(transport.get_extra_info("socket").fileno())
@@ -475,13 +473,13 @@ class Response:
             os.close(wfd)
             raise
         conn.hold_reading()  # the worker's socket is read through `wfd` meanwhile
-        raw, conn.pieces, conn.buffered = conn.body_start, [], 0  # the pieces parsed from `raw`: relayed anew
+        conn.pieces, conn.buffered = [], 0  # the pieces parsed from `raw`: relayed anew
 
         def stopped() -> None:
             loop.remove_reader(wfd)
             conn._wake()
 
-        relay = kind(wfd, cfd, None if meter is None else meter.first_token, stopped, client.spill)
+        relay = kind(wfd, cfd, meter is not None, stopped, client.spill)
         reading = False
         try:
             try:

@@ -696,18 +696,15 @@ class RequestMeter:
         elif len(self._end) < _KEEP:
             self._end += chunk  # the rest of the last event, or `data: [DONE]`
 
-    def first_token(self, chunk: bytes) -> bytes | None:
-        """`feed`, for a native relay until the first token: then the stream's end kept so far (the relay
-        counts the rest by `feed`'s rules and hands them back with `counted`), else None."""
-        self.feed(chunk)
-        return None if self.first_at is None else self._end
-
-    def counted(self, events: int, last_at: float, end: bytes, tail: bytes) -> None:
-        """What a native relay counted after the first token, as `feed` would have left it."""
-        if events:
-            self.events += events
+    def counted(self, first_at: float | None, events: int, last_at: float, end: bytes, tail: bytes) -> None:
+        """Take what a native relay (atomesh/splice.c) read of the whole stream by `feed`'s rules, in place of
+        `feed` itself: the first token's time (None: not seen), the events from it on, the last one's time,
+        the stream's end and the part line left over."""
+        if first_at is not None:
+            self.first_at = first_at
+            self.events = events
             self.last_at = last_at
-        self._end = end
+            self._end = end
         self._tail = tail
 
     def _join(self, chunk: bytes) -> bytes:

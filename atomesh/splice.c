@@ -9,9 +9,9 @@
    its Python `stop` callback once, when it stops for any reason (`state` says which); the caller then
    finishes in Python as the parsed relay would.
 
-   Until the meter has seen the first token, each piece also goes to the Python `first` callback (the
-   meter's own TTFT rules); from then on the meter's per-event work is done here, by the same rules as
-   `RequestMeter.feed` (atomesh/metrics.py), and handed back with `counts()`.
+   The meter's per-event work (RequestMeter.feed in atomesh/metrics.py: the first event with content, the
+   events counted, the last one's time, the stream's end kept for its usage counts) is done here by the
+   same rules, and handed back with `counts()`.
 
    A client that stops taking bytes (a short send) switches the splice to `spill` mode: from then on each
    read's framed output goes to the Python `spill` callback (the client's transport buffers it), which
@@ -42,19 +42,19 @@ typedef struct {
     const char *why;        /* a protocol error's reason */
     unsigned long long size; /* the chunk being read: its size, then what is left of it */
     int size_digits;
-    PyObject *first;        /* the meter's first-token callback, until it has seen the first token */
     PyObject *stop;         /* called once when the splice stops */
     PyObject *spill;        /* takes the framed output once the client is slow */
     PyObject *error;        /* what a callback raised */
-    int counting;           /* counting events here (the meter's first token is seen) */
-    long long events;
-    double last_at;
+    int counting;           /* metering the stream (a meter was given) */
+    int seen_first;         /* the first event with content (TTFT) */
+    long long events;       /* content-bearing events from the first token on */
+    double first_at, last_at;
     long long sent;         /* body bytes given to the client */
     char tail[TAIL_MAX];
     int tail_len;
     char *end; Py_ssize_t end_len, end_cap;  /* the stream from its last event on, as the meter keeps it */
     char *out; Py_ssize_t out_len, out_cap;  /* framed output not sent yet */
-    char buf[READ_SIZE];
+    char *scratch; Py_ssize_t scratch_cap;   /* a piece joined to the tail, until the first token */
 } Splice;
 
 /* The error being raised, as an exception object (Python 3.11 has no PyErr_GetRaisedException). */
@@ -84,20 +84,66 @@ static double now(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* Occurrences of MARKER in p[0:n] (memchr for its first byte: cheaper than memmem's setup per call). */
 static Py_ssize_t count_marker(const char *p, Py_ssize_t n) {
     Py_ssize_t c = 0;
-    const char *e = p + n;
-    while (e - p >= MARKER_LEN) {
-        const char *f = memmem(p, (size_t)(e - p), MARKER, MARKER_LEN);
+    const char *e = p + n - (MARKER_LEN - 1);
+    while (p < e) {
+        const char *f = memchr(p, 'd', (size_t)(e - p));
         if (!f) break;
-        c++;
-        p = f + MARKER_LEN;
+        if (memcmp(f, MARKER, MARKER_LEN) == 0) { c++; p = f + MARKER_LEN; }
+        else p = f + 1;
     }
     return c;
 }
 
-/* The meter's bookkeeping for one piece (RequestMeter.feed and _join, once the first token is seen). */
+static int is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
+
+/* Where metrics._CONTENT first matches in p[0:n] (`"content"` or `"text"`, a colon, then a string that is
+   not empty), else -1. */
+static Py_ssize_t find_content(const char *p, Py_ssize_t n) {
+    for (const char *q = memchr(p, '"', (size_t)n); q; q = memchr(q + 1, '"', (size_t)(p + n - q - 1))) {
+        Py_ssize_t at = q - p, j;
+        if (n - at >= 9 && memcmp(q, "\"content\"", 9) == 0) j = at + 9;
+        else if (n - at >= 6 && memcmp(q, "\"text\"", 6) == 0) j = at + 6;
+        else continue;
+        while (j < n && is_space(p[j])) j++;
+        if (j >= n || p[j] != ':') continue;
+        j++;
+        while (j < n && is_space(p[j])) j++;
+        if (j >= n || p[j] != '"') continue;
+        if (j + 1 < n && p[j + 1] == '"') continue;
+        return at;
+    }
+    return -1;
+}
+
+/* The last MARKER wholly inside p[0:end], else -1 (bytes.rfind(MARKER, 0, end)). */
+static Py_ssize_t rfind_marker(const char *p, Py_ssize_t end) {
+    for (Py_ssize_t i = end - MARKER_LEN; i >= 0; i--)
+        if (p[i] == 'd' && memcmp(p + i, MARKER, MARKER_LEN) == 0) return i;
+    return -1;
+}
+
+/* The meter's bookkeeping for one piece: RequestMeter.feed, _join and _first (atomesh/metrics.py). */
 static int meter(Splice *s, const char *p, Py_ssize_t n) {
+    Py_ssize_t joined = s->tail_len + n;
+    if (!s->seen_first) {
+        /* The joined chunk, whole: the first event with content, and the events from the one holding it. */
+        if (grow(&s->scratch, &s->scratch_cap, joined) < 0) return -1;
+        memcpy(s->scratch, s->tail, s->tail_len);
+        memcpy(s->scratch + s->tail_len, p, n);
+        Py_ssize_t found = find_content(s->scratch, joined);
+        if (found < 0) return 0;
+        Py_ssize_t from = rfind_marker(s->scratch, found);
+        s->seen_first = 1;
+        s->first_at = s->last_at = now();
+        s->events = count_marker(s->scratch + (from < 0 ? 0 : from), joined - (from < 0 ? 0 : from));
+        if (grow(&s->end, &s->end_cap, joined) < 0) return -1;
+        memcpy(s->end, s->scratch, joined);
+        s->end_len = joined;
+        return 0;
+    }
     Py_ssize_t found = 0;
     if (s->tail_len) {
         char edge[2 * TAIL_MAX];
@@ -108,7 +154,6 @@ static int meter(Splice *s, const char *p, Py_ssize_t n) {
             if (memcmp(edge + i, MARKER, MARKER_LEN) == 0) found++;
     }
     found += count_marker(p, n);
-    Py_ssize_t joined = s->tail_len + n;
     if (found) {
         s->events += found;
         s->last_at = now();
@@ -139,29 +184,17 @@ static void keep_tail(Splice *s, const char *p, Py_ssize_t n) {
 
 static int piece(Splice *s, const char *p, Py_ssize_t n) {
     if (n <= 0) return 0;
-    if (s->first != NULL) {
-        PyObject *chunk = PyBytes_FromStringAndSize(p, n);
-        if (!chunk) return -1;
-        PyObject *got = PyObject_CallOneArg(s->first, chunk);
-        Py_DECREF(chunk);
-        if (!got) return -1;
-        if (got != Py_None) { /* the meter saw the first token: its stream end so far, then count here */
-            if (!PyBytes_Check(got)) { Py_DECREF(got); PyErr_SetString(PyExc_TypeError, "first() must return bytes or None"); return -1; }
-            Py_ssize_t m = PyBytes_GET_SIZE(got);
-            if (grow(&s->end, &s->end_cap, m) < 0) { Py_DECREF(got); return -1; }
-            memcpy(s->end, PyBytes_AS_STRING(got), m);
-            s->end_len = m;
-            Py_CLEAR(s->first);
-            s->counting = 1;
-        }
-        Py_DECREF(got);
-    } else if (s->counting) {
-        if (meter(s, p, n) < 0) return -1;
-    }
+    if (s->counting && meter(s, p, n) < 0) return -1;
     keep_tail(s, p, n);
     s->sent += n;
-    char line[24];
-    int ln = snprintf(line, sizeof line, "%zx\r\n", (size_t)n);
+    char line[24]; /* the chunk's size line, in hex (snprintf costs ~1k instructions a call) */
+    int ln = 0;
+    for (int shift = 60; shift >= 0; shift -= 4) {
+        unsigned d = (unsigned)(((size_t)n >> shift) & 15);
+        if (d || ln || shift == 0) line[ln++] = "0123456789abcdef"[d];
+    }
+    line[ln++] = '\r';
+    line[ln++] = '\n';
     if (grow(&s->out, &s->out_cap, s->out_len + ln + n + 2) < 0) return -1;
     memcpy(s->out + s->out_len, line, ln);
     memcpy(s->out + s->out_len + ln, p, n);
@@ -310,8 +343,9 @@ static void consume(Splice *s, const char *p, Py_ssize_t n) {
 
 static PyObject *Splice_step(Splice *s, PyObject *Py_UNUSED(ignored)) {
     if (s->state != RUNNING) Py_RETURN_NONE; /* a readiness reported before the reader was removed */
-    ssize_t n = read(s->wfd, s->buf, READ_SIZE);
-    if (n > 0) consume(s, s->buf, n);
+    char buf[READ_SIZE]; /* on the stack: a buffer in the object would be zeroed for every stream */
+    ssize_t n = read(s->wfd, buf, READ_SIZE);
+    if (n > 0) consume(s, buf, n);
     else if (n == 0) stop(s, EOF_);
     else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) { s->err = errno; stop(s, READ_ERROR); }
     Py_RETURN_NONE;
@@ -339,7 +373,10 @@ static PyObject *Splice_take_error(Splice *s, PyObject *Py_UNUSED(ignored)) {
 
 static PyObject *Splice_counts(Splice *s, PyObject *Py_UNUSED(ignored)) {
     if (!s->counting) Py_RETURN_NONE;
-    return Py_BuildValue("(Ldy#y#)", s->events, s->last_at, s->end, s->end_len, s->tail, (Py_ssize_t)s->tail_len);
+    if (!s->seen_first)
+        return Py_BuildValue("(OLdy#y#)", Py_None, 0LL, 0.0, "", (Py_ssize_t)0, s->tail, (Py_ssize_t)s->tail_len);
+    return Py_BuildValue("(dLdy#y#)", s->first_at, s->events, s->last_at, s->end, s->end_len, s->tail,
+                         (Py_ssize_t)s->tail_len);
 }
 
 static void close_fds(Splice *s) {
@@ -349,20 +386,19 @@ static void close_fds(Splice *s) {
 
 static PyObject *Splice_close(Splice *s, PyObject *Py_UNUSED(ignored)) {
     close_fds(s);
-    Py_CLEAR(s->first);
     Py_CLEAR(s->stop);
     Py_CLEAR(s->spill);
     Py_RETURN_NONE;
 }
 
 static int Splice_init(Splice *s, PyObject *args, PyObject *kw) {
-    static char *names[] = {"worker_fd", "client_fd", "first", "stop", "spill", NULL};
-    int wfd, cfd;
-    PyObject *first, *stopcb, *spill;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiOOO", names, &wfd, &cfd, &first, &stopcb, &spill)) return -1;
+    static char *names[] = {"worker_fd", "client_fd", "metered", "stop", "spill", NULL};
+    int wfd, cfd, metered;
+    PyObject *stopcb, *spill;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iipOO", names, &wfd, &cfd, &metered, &stopcb, &spill)) return -1;
     s->wfd = wfd;
     s->cfd = cfd;
-    s->first = first == Py_None ? NULL : Py_NewRef(first);
+    s->counting = metered;
     s->stop = Py_NewRef(stopcb);
     s->spill = Py_NewRef(spill);
     return 0;
@@ -376,12 +412,12 @@ static PyObject *Splice_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 
 static void Splice_dealloc(Splice *s) {
     close_fds(s);
-    Py_CLEAR(s->first);
     Py_CLEAR(s->stop);
     Py_CLEAR(s->spill);
     Py_CLEAR(s->error);
     PyMem_Free(s->end);
     PyMem_Free(s->out);
+    PyMem_Free(s->scratch);
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
@@ -407,7 +443,7 @@ static PyMethodDef Splice_methods[] = {
     {"feed", (PyCFunction)Splice_feed, METH_O, "relay body bytes read before the splice began"},
     {"resume", (PyCFunction)Splice_resume, METH_NOARGS, "run again after PAUSED"},
     {"take_error", (PyCFunction)Splice_take_error, METH_NOARGS, "what a callback raised, once"},
-    {"counts", (PyCFunction)Splice_counts, METH_NOARGS, "(events, last_at, end, tail) once counting here, else None"},
+    {"counts", (PyCFunction)Splice_counts, METH_NOARGS, "(first_at, events, last_at, end, tail) when metered, else None"},
     {"close", (PyCFunction)Splice_close, METH_NOARGS, "close both descriptors"},
     {NULL},
 };

@@ -27,6 +27,17 @@ EVENTS = (
 )
 
 
+CHAT = (
+    [
+        b'data: {"choices":[{"delta":{"role":"assistant"}}]}\n\n',
+        b'data: {"choices":[{"delta":{"content":""}}]}\n\n',
+        b'data: {"choices":[{"delta":{"content" : "a"}}]}\n\ndata: {"choices":[{"delta":{"content":"b"}}]}\n\n',
+    ]
+    + [b'data: {"choices":[{"delta":{"content":"c%d"}}]}\n\n' % i for i in range(12)]
+    + [b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":14}}\n\ndata: [DONE]\n\n']
+)
+
+
 def chunked(events: list[bytes]) -> bytes:
     return b"".join(b"%x;ext=1\r\n%b\r\n" % (len(e), e) for e in events) + b"0\r\nx-trailer: 1\r\n\r\n"
 
@@ -56,7 +67,7 @@ def run_splice(raw: bytes, cuts: list[int], meter: RequestMeter | None) -> tuple
     relay = SPLICE(
         os.dup(worker_out.fileno()),
         os.dup(client_in.fileno()),
-        None if meter is None else meter.first_token,
+        meter is not None,
         lambda: stops.append(1),
         Client().spill,
     )
@@ -81,10 +92,11 @@ def run_splice(raw: bytes, cuts: list[int], meter: RequestMeter | None) -> tuple
     return relay, got
 
 
+@pytest.mark.parametrize("events", [EVENTS, CHAT], ids=["completions", "chat"])
 @pytest.mark.parametrize("seed", range(6))
-def test_spliced_stream_reads_and_counts_as_the_python_relay(seed: int) -> None:
+def test_spliced_stream_reads_and_counts_as_the_python_relay(seed: int, events: list[bytes]) -> None:
     rng = random.Random(seed)
-    raw = chunked(EVENTS)
+    raw = chunked(events)
     cuts = sorted(rng.sample(range(1, len(raw)), 12))
     spliced = RequestMeter(Metrics([1.0]), "completions", "m", True)
     relay, got = run_splice(raw, cuts, spliced)
@@ -97,7 +109,7 @@ def test_spliced_stream_reads_and_counts_as_the_python_relay(seed: int) -> None:
         pieces += _decoded_pieces(raw, start, end)
         start = end
     assert got == framed(pieces)
-    assert relay.sent == sum(len(e) for e in EVENTS)
+    assert relay.sent == sum(len(e) for e in events)
     python = RequestMeter(Metrics([1.0]), "completions", "m", True)
     for p in pieces:
         python.feed(p)
@@ -137,7 +149,7 @@ def test_splice_stops_on_a_broken_body(raw: bytes, state: int) -> None:
     assert SPLICE is not None
     worker_in, worker_out = socket.socketpair()
     client_in, client_out = socket.socketpair()
-    relay = SPLICE(os.dup(worker_out.fileno()), os.dup(client_in.fileno()), None, lambda: None, Client().spill)
+    relay = SPLICE(os.dup(worker_out.fileno()), os.dup(client_in.fileno()), False, lambda: None, Client().spill)
     try:
         worker_in.send(raw)
         if state == splice.EOF:
