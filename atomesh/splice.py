@@ -43,23 +43,24 @@ class SpliceBuild:
 
 
 def build(cache_dir: Path | None = None) -> SpliceBuild:
-    """Compile `splice.c` (once per source, compiler and Python; kept under `cache_dir`, by default
-    `$XDG_CACHE_HOME/atomesh` or `~/.cache/atomesh`) and import it. Needs Linux, a C compiler (`$CC`,
-    else `cc`) and the interpreter's headers."""
+    """Compile `splice.c` (once per source and Python; kept under `cache_dir`, by default
+    `$XDG_CACHE_HOME/atomesh` or `~/.cache/atomesh`) and import it. Needs Linux and, to build it, a C
+    compiler (`$CC`, else `cc`) and the interpreter's headers."""
     if not sys.platform.startswith("linux"):
         return SpliceBuild(None, f"the native relay is built for Linux only (this is {sys.platform})")
-    compiler = os.environ.get("CC") or shutil.which("cc")
-    if not compiler:
-        return SpliceBuild(None, "no C compiler (set CC or install cc)")
     include = sysconfig.get_paths().get("include", "")
-    if not include or not Path(include, "Python.h").exists():
-        return SpliceBuild(None, f"no Python.h under {include!r} (install the interpreter's headers)")
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    command = (compiler, *_FLAGS, f"-I{include}")
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join((*command, sys.version)).encode()).hexdigest()[:16]
+    # Named by source, flags and interpreter, not compiler: a build made beforehand (an image's build
+    # stage) serves a machine without one.
+    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join((*_FLAGS, sys.version)).encode()).hexdigest()[:16]
     folder = cache_dir or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "atomesh"
     library = folder / f"splice-{digest}{suffix}"
     if not library.exists():
+        compiler = os.environ.get("CC") or shutil.which("cc")
+        if not compiler:
+            return SpliceBuild(None, "no C compiler (set CC or install cc)")
+        if not include or not Path(include, "Python.h").exists():
+            return SpliceBuild(None, f"no Python.h under {include!r} (install the interpreter's headers)")
         try:
             library.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=suffix, dir=library.parent)
@@ -69,7 +70,11 @@ def build(cache_dir: Path | None = None) -> SpliceBuild:
         try:
             try:
                 done = subprocess.run(
-                    [*command, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, timeout=120, check=False
+                    [compiler, *_FLAGS, f"-I{include}", "-o", tmp, str(_SOURCE)],
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                    check=False,
                 )
             except (OSError, subprocess.TimeoutExpired) as e:
                 return SpliceBuild(None, f"{compiler} did not run: {e}")
@@ -92,10 +97,8 @@ def build(cache_dir: Path | None = None) -> SpliceBuild:
     return SpliceBuild(module)
 
 
-def load(enabled: bool = True) -> Any:
-    """The `Splice` type, or None (then logged once, with the reason): streams are relayed in Python."""
-    if not enabled:
-        return None
+def load() -> Any:
+    """The `Splice` type, or None (then logged, with the reason): streams are relayed in Python."""
     got = build()
     if got.module is None:
         log.warning("native_relay_unavailable", reason=got.why_not)

@@ -69,9 +69,7 @@ class Upstream:
         ssl_context: ssl.SSLContext | None = None,
         pool_idle_timeout_secs: float = 60.0,
         tracing: Tracing | None = None,
-        native_relay: bool = True,
     ) -> None:
-        self.native_relay = native_relay  # streams relayed by atomesh/splice.c where it builds
         self.tracing = tracing if tracing is not None and tracing.on else None  # --enable-trace
         self.ssl_context = ssl_context  # for https:// workers (--ca-cert-paths, --client-cert-path)
         self.pool_idle_timeout = pool_idle_timeout_secs  # --upstream-pool-idle-timeout-secs
@@ -107,7 +105,7 @@ class Upstream:
             connect_timeout=self.connect_timeout,
             keepalive_timeout=self.pool_idle_timeout,
             ssl_context=self.ssl_context,
-            splice=splice.load(self.native_relay),
+            splice=splice.load(),  # streams relayed by atomesh/splice.c where it builds
         )
 
     async def stop(self) -> None:

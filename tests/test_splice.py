@@ -8,6 +8,7 @@ import json
 import os
 import random
 import socket
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -203,3 +204,15 @@ def _events(body: bytes) -> list[object]:
         elif line:
             out.append(line)
     return out
+
+
+def test_without_a_compiler_the_reason_is_given_and_a_cached_build_still_serves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built = splice.build(tmp_path)
+    assert built.module is not None, built.why_not
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", "")
+    assert splice.build(tmp_path).module is not None  # built before: no compiler needed
+    missing = splice.build(tmp_path / "empty")
+    assert missing.module is None and "no C compiler" in missing.why_not
