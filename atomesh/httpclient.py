@@ -479,25 +479,32 @@ class Response:
             loop.remove_reader(wfd)
             conn._wake()
 
-        relay = kind(wfd, cfd, meter is not None, stopped, client.spill)
-        reading = False
+        relay = kind.Splice(wfd, cfd, meter is not None, stopped, client.spill)
+        reading = threaded = False
         try:
             try:
                 if raw:
                     relay.feed(raw)
+                if relay.state == splice.RUNNING:
+                    self._pool.relayer().add(relay)  # the relay thread reads the worker's socket from now on
+                    threaded = True
                 while True:
                     state = relay.state
                     if state == splice.RUNNING:
                         if conn.error is not None:
                             raise conn.error  # the deadline, or the connection aborted
-                        if not reading:
+                        if not threaded and not reading:
                             loop.add_reader(wfd, relay.step)
                             reading = True
                         await conn.wait()
                     elif state == splice.PAUSED:
-                        reading = False
-                        await client.writable()
-                        relay.resume()
+                        # The client is slow: what the thread could not send goes through its transport,
+                        # and the rest of the stream is relayed from the event loop (`spill`), drained.
+                        reading = threaded = False
+                        pending = relay.take_pending()
+                        if not pending or not client.spill(pending):
+                            await client.writable()
+                        relay.to_loop()
                     elif state == splice.CLIENT_ERROR:
                         # As when the client's transport fails a write: its connection closes, and its
                         # loss cancels this request; until then (or the deadline) nothing more is relayed.
@@ -510,7 +517,9 @@ class Response:
                         reading = False
                         break
             finally:
-                if reading and relay.state == splice.RUNNING:
+                if threaded and relay.threaded:
+                    relay.cancel()  # still the thread's (cancelled, or the deadline): taken back first
+                elif reading and relay.state == splice.RUNNING:
                     loop.remove_reader(wfd)
                 relay.close()
                 client.sent += relay.sent
@@ -575,7 +584,8 @@ class ClientPool:
         self._keepalive = keepalive_timeout
         self._max_idle = max_idle_per_host
         self._ssl = ssl_context
-        self.splice = splice  # the native relay's type (atomesh.splice.load()), or None: `Response.splice` is off
+        self.splice = splice  # the native relay's module (atomesh.splice.load()), or None: `Response.splice` is off
+        self._relayer: Any = None  # its relay thread, started with the first spliced stream
         self._idle: dict[_Key, list[_Conn]] = {}
         self._conns: set[_Conn] = set()  # every open connection, idle or busy, for close()
         self._origins: dict[str, tuple[_Key, str]] = {}  # "http://host:port" -> (key, Host header)
@@ -634,10 +644,23 @@ class ClientPool:
                 raise
             return Response(self, conn, timer)
 
+    def relayer(self) -> Any:
+        """The native relay's thread (one per pool), started on first use."""
+        relayer = self._relayer
+        if relayer is None:
+            assert self.splice is not None and self._loop is not None
+            relayer = self._relayer = self.splice.Relayer()
+            self._loop.add_reader(relayer.notify_fd, relayer.collect)
+        return relayer
+
     async def close(self) -> None:
         """Close every connection; requests still running fail, later ones are refused."""
         self._closed = True
         await self._sweeper.stop()
+        relayer, self._relayer = self._relayer, None
+        if relayer is not None and self._loop is not None:
+            self._loop.remove_reader(relayer.notify_fd)
+            relayer.close()
         self._idle.clear()
         for conn in list(self._conns):
             conn.pooled = False

@@ -20,7 +20,12 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdint.h>
 #include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -35,7 +40,7 @@ enum { RUNNING, DONE, EOF_, READ_ERROR, PROTOCOL_ERROR, CLIENT_ERROR, PAUSED, CA
 
 enum { S_SIZE0, S_SIZE, S_EXT, S_SIZE_LF, S_DATA, S_DATA_CR, S_DATA_LF, S_TRAILER0, S_TRAILER, S_TRAILER_LF, S_END_LF, S_DONE };
 
-typedef struct {
+typedef struct Splice {
     PyObject_HEAD
     int wfd, cfd;
     int state, err, chunk_state, spilled, extra;
@@ -55,7 +60,23 @@ typedef struct {
     char *end; Py_ssize_t end_len, end_cap;  /* the stream from its last event on, as the meter keeps it */
     char *out; Py_ssize_t out_len, out_cap;  /* framed output not sent yet */
     char *scratch; Py_ssize_t scratch_cap;   /* a piece joined to the tail, until the first token */
+    struct Relayer *owner;  /* the relay thread running this splice, or NULL: driven by the event loop */
+    int retired;            /* taken back from the relay thread (cancelled): it no longer touches it */
+    struct Splice *next;    /* in the relay thread's list of splices to report */
 } Splice;
+
+/* The relay thread: one per gateway process, its own epoll, relaying every spliced stream handed to it
+   without the interpreter (it never takes the GIL). A splice it stops (end, failure, a slow client) is
+   queued and reported to the event loop through an eventfd; `collect()` then wakes each one's coroutine. */
+typedef struct Relayer {
+    PyObject_HEAD
+    int ep, wake, notify;
+    int started, stopping;
+    pthread_t thread;
+    pthread_mutex_t mu;
+    Splice *done;           /* stopped or retired splices, to report (each holds a reference) */
+    Splice *retire;         /* retired by the loop: moved to `done` by the thread after its current batch */
+} Relayer;
 
 /* The error being raised, as an exception object (Python 3.11 has no PyErr_GetRaisedException). */
 static PyObject *fetch_error(void) {
@@ -68,12 +89,15 @@ static PyObject *fetch_error(void) {
     return value;
 }
 
+static PyTypeObject SpliceType;
+
+/* Grows a buffer (the raw allocator: this may run on the relay thread, without the GIL). */
 static int grow(char **p, Py_ssize_t *cap, Py_ssize_t need) {
     if (need <= *cap) return 0;
     Py_ssize_t cap2 = *cap ? *cap : 4096;
     while (cap2 < need) cap2 *= 2;
-    char *q = PyMem_Realloc(*p, cap2);
-    if (!q) { PyErr_NoMemory(); return -1; }
+    char *q = PyMem_RawRealloc(*p, cap2);
+    if (!q) return -1;
     *p = q; *cap = cap2;
     return 0;
 }
@@ -290,6 +314,7 @@ static int decode(Splice *s, const char *p, Py_ssize_t n) {
 static void stop(Splice *s, int state) {
     if (s->state != RUNNING) return;
     s->state = state;
+    if (s->owner) return; /* the relay thread reports it */
     PyObject *cb = s->stop;
     if (cb) {
         PyObject *r = PyObject_CallNoArgs(cb);
@@ -314,6 +339,7 @@ static void flush(Splice *s) {
             memmove(s->out, s->out + w, s->out_len - w);
             s->out_len -= w;
         }
+        if (s->owner) { stop(s, PAUSED); return; } /* the loop spills `pending` and drives the rest */
         s->spilled = 1;
     }
     if (!s->spill) { stop(s, PAUSED); return; }
@@ -330,8 +356,7 @@ static void flush(Splice *s) {
 
 static void consume(Splice *s, const char *p, Py_ssize_t n) {
     int r = decode(s, p, n);
-    if (r == -1) {
-        s->error = fetch_error();
+    if (r == -1) { /* out of memory: the loop raises MemoryError */
         stop(s, CALLBACK_ERROR);
         return;
     }
@@ -364,11 +389,51 @@ static PyObject *Splice_resume(Splice *s, PyObject *Py_UNUSED(ignored)) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Splice_take_pending(Splice *s, PyObject *Py_UNUSED(ignored)) {
+    PyObject *b = PyBytes_FromStringAndSize(s->out, s->out_len);
+    if (b) s->out_len = 0;
+    return b;
+}
+
+/* Taken back from the relay thread: the loop drives it from now on (a paused splice; the client was slow). */
+static PyObject *Splice_to_loop(Splice *s, PyObject *Py_UNUSED(ignored)) {
+    if (s->owner) { PyErr_SetString(PyExc_RuntimeError, "the relay thread still runs this splice"); return NULL; }
+    s->spilled = 1;
+    if (s->state == PAUSED) s->state = RUNNING;
+    Py_RETURN_NONE;
+}
+
+static void wake_thread(Relayer *r) {
+    uint64_t one = 1;
+    ssize_t w = write(r->wake, &one, sizeof one);
+    (void)w;
+}
+
+/* Taken back from the relay thread before its end (the request was cancelled or timed out): the thread
+   stops reading its socket now and never touches it again; the loop's `collect()` drops it later. */
+static PyObject *Splice_cancel(Splice *s, PyObject *Py_UNUSED(ignored)) {
+    Relayer *r = s->owner;
+    if (!r) Py_RETURN_NONE;
+    pthread_mutex_lock(&r->mu);
+    if (!s->retired) {
+        s->retired = 1;
+        if (s->state == RUNNING) {
+            epoll_ctl(r->ep, EPOLL_CTL_DEL, s->wfd, NULL);
+            s->next = r->retire; /* not queued yet: the thread queues it for collect() */
+            r->retire = s;
+        }
+    }
+    pthread_mutex_unlock(&r->mu);
+    wake_thread(r);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Splice_take_error(Splice *s, PyObject *Py_UNUSED(ignored)) {
     PyObject *e = s->error;
     s->error = NULL;
-    if (!e) Py_RETURN_NONE;
-    return e;
+    if (e) return e;
+    if (s->state == CALLBACK_ERROR) return PyObject_CallNoArgs(PyExc_MemoryError);
+    Py_RETURN_NONE;
 }
 
 static PyObject *Splice_counts(Splice *s, PyObject *Py_UNUSED(ignored)) {
@@ -400,7 +465,7 @@ static int Splice_init(Splice *s, PyObject *args, PyObject *kw) {
     s->cfd = cfd;
     s->counting = metered;
     s->stop = Py_NewRef(stopcb);
-    s->spill = Py_NewRef(spill);
+    s->spill = spill == Py_None ? NULL : Py_NewRef(spill);
     return 0;
 }
 
@@ -421,7 +486,15 @@ static void Splice_dealloc(Splice *s) {
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
-static PyObject *get_state(Splice *s, void *c) { return PyLong_FromLong(s->state); }
+static PyObject *get_state(Splice *s, void *c) {
+    Relayer *r = s->owner;
+    if (!r) return PyLong_FromLong(s->state);
+    pthread_mutex_lock(&r->mu);
+    int state = s->state;
+    pthread_mutex_unlock(&r->mu);
+    return PyLong_FromLong(state);
+}
+static PyObject *get_threaded(Splice *s, void *c) { return PyBool_FromLong(s->owner != NULL); }
 static PyObject *get_err(Splice *s, void *c) { return PyLong_FromLong(s->err); }
 static PyObject *get_sent(Splice *s, void *c) { return PyLong_FromLongLong(s->sent); }
 static PyObject *get_extra(Splice *s, void *c) { return PyBool_FromLong(s->extra); }
@@ -435,6 +508,7 @@ static PyGetSetDef Splice_getset[] = {
     {"extra", (getter)get_extra, NULL, "bytes followed the response", NULL},
     {"why", (getter)get_why, NULL, "why the body is invalid", NULL},
     {"pending", (getter)get_pending, NULL, "framed output not sent (the client was slow)", NULL},
+    {"threaded", (getter)get_threaded, NULL, "run by the relay thread", NULL},
     {NULL},
 };
 
@@ -443,6 +517,9 @@ static PyMethodDef Splice_methods[] = {
     {"feed", (PyCFunction)Splice_feed, METH_O, "relay body bytes read before the splice began"},
     {"resume", (PyCFunction)Splice_resume, METH_NOARGS, "run again after PAUSED"},
     {"take_error", (PyCFunction)Splice_take_error, METH_NOARGS, "what a callback raised, once"},
+    {"take_pending", (PyCFunction)Splice_take_pending, METH_NOARGS, "the framed output not sent, once"},
+    {"to_loop", (PyCFunction)Splice_to_loop, METH_NOARGS, "run from the event loop from now on (after PAUSED)"},
+    {"cancel", (PyCFunction)Splice_cancel, METH_NOARGS, "take it back from the relay thread"},
     {"counts", (PyCFunction)Splice_counts, METH_NOARGS, "(first_at, events, last_at, end, tail) when metered, else None"},
     {"close", (PyCFunction)Splice_close, METH_NOARGS, "close both descriptors"},
     {NULL},
@@ -461,12 +538,188 @@ static PyTypeObject SpliceType = {
     .tp_getset = Splice_getset,
 };
 
+/* ------------------------------------------------------------------ the relay thread */
+
+static void *relay_main(void *arg) {
+    Relayer *r = arg;
+    struct epoll_event ev[64];
+    char buf[READ_SIZE];
+    for (;;) {
+        int n = epoll_wait(r->ep, ev, 64, -1);
+        if (n < 0 && errno != EINTR) break;
+        int report = 0;
+        pthread_mutex_lock(&r->mu);
+        if (r->stopping) { pthread_mutex_unlock(&r->mu); break; }
+        for (int i = 0; i < n; i++) {
+            Splice *s = ev[i].data.ptr;
+            if (!s) { /* the loop's wake-up: retired splices to queue, or stopping */
+                uint64_t v;
+                ssize_t got = read(r->wake, &v, sizeof v);
+                (void)got;
+                continue;
+            }
+            if (s->retired || s->state != RUNNING) continue;
+            ssize_t m = read(s->wfd, buf, READ_SIZE);
+            if (m > 0) consume(s, buf, m);
+            else if (m == 0) stop(s, EOF_);
+            else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) { s->err = errno; stop(s, READ_ERROR); }
+            if (s->state != RUNNING) {
+                epoll_ctl(r->ep, EPOLL_CTL_DEL, s->wfd, NULL);
+                s->next = r->done;
+                r->done = s;
+                report = 1;
+            }
+        }
+        while (r->retire) { /* after the batch: no event of this round still names them */
+            Splice *s = r->retire;
+            r->retire = s->next;
+            s->next = r->done;
+            r->done = s;
+            report = 1;
+        }
+        pthread_mutex_unlock(&r->mu);
+        if (report) {
+            uint64_t one = 1;
+            ssize_t w = write(r->notify, &one, sizeof one);
+            (void)w;
+        }
+    }
+    return NULL;
+}
+
+static PyObject *Relayer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    Relayer *r = (Relayer *)type->tp_alloc(type, 0);
+    if (!r) return NULL;
+    r->ep = r->wake = r->notify = -1;
+    pthread_mutex_init(&r->mu, NULL);
+    r->ep = epoll_create1(EPOLL_CLOEXEC);
+    r->wake = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    r->notify = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (r->ep < 0 || r->wake < 0 || r->notify < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        Py_DECREF(r);
+        return NULL;
+    }
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = NULL};
+    int e = pthread_create(&r->thread, NULL, relay_main, r);
+    if (epoll_ctl(r->ep, EPOLL_CTL_ADD, r->wake, &ev) < 0 || e != 0) {
+        if (e == 0) { r->stopping = 1; wake_thread(r); pthread_join(r->thread, NULL); }
+        errno = e ? e : errno;
+        PyErr_SetFromErrno(PyExc_OSError);
+        Py_DECREF(r);
+        return NULL;
+    }
+    r->started = 1;
+    return (PyObject *)r;
+}
+
+/* Hand a splice (not run yet) to the thread: it reads the worker's socket from now on. */
+static PyObject *Relayer_add(Relayer *r, PyObject *arg) {
+    if (!PyObject_TypeCheck(arg, &SpliceType)) { PyErr_SetString(PyExc_TypeError, "a Splice"); return NULL; }
+    Splice *s = (Splice *)arg;
+    if (s->owner || s->state != RUNNING || !r->started || r->stopping) {
+        PyErr_SetString(PyExc_RuntimeError, "the splice cannot be handed to the relay thread");
+        return NULL;
+    }
+    Py_INCREF(s); /* held until collect() reports it */
+    pthread_mutex_lock(&r->mu);
+    s->owner = r;
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = s};
+    int rc = epoll_ctl(r->ep, EPOLL_CTL_ADD, s->wfd, &ev);
+    if (rc < 0) s->owner = NULL;
+    pthread_mutex_unlock(&r->mu);
+    if (rc < 0) { Py_DECREF(s); return PyErr_SetFromErrno(PyExc_OSError); }
+    Py_RETURN_NONE;
+}
+
+/* The loop's reader of the thread's eventfd: each splice stopped or retired since is released from the
+   thread and its `stop` callback called (a retired one's coroutine is gone: not called). */
+static PyObject *Relayer_collect(Relayer *r, PyObject *Py_UNUSED(ignored)) {
+    uint64_t v;
+    ssize_t got = read(r->notify, &v, sizeof v);
+    (void)got;
+    pthread_mutex_lock(&r->mu);
+    Splice *s = r->done;
+    r->done = NULL;
+    for (Splice *t = s; t; t = t->next) t->owner = NULL;
+    pthread_mutex_unlock(&r->mu);
+    while (s) {
+        Splice *next = s->next;
+        s->next = NULL;
+        if (!s->retired && s->stop) {
+            PyObject *res = PyObject_CallNoArgs(s->stop);
+            if (res) Py_DECREF(res);
+            else PyErr_WriteUnraisable(s->stop);
+        }
+        Py_DECREF(s);
+        s = next;
+    }
+    Py_RETURN_NONE;
+}
+
+static void relayer_stop(Relayer *r) {
+    if (r->started && !r->stopping) {
+        pthread_mutex_lock(&r->mu);
+        r->stopping = 1;
+        pthread_mutex_unlock(&r->mu);
+        wake_thread(r);
+        Py_BEGIN_ALLOW_THREADS
+        pthread_join(r->thread, NULL);
+        Py_END_ALLOW_THREADS
+    }
+}
+
+static PyObject *Relayer_close(Relayer *r, PyObject *Py_UNUSED(ignored)) {
+    relayer_stop(r);
+    Py_RETURN_NONE;
+}
+
+static void Relayer_dealloc(Relayer *r) {
+    relayer_stop(r);
+    if (r->started) { /* what the thread held: released (their coroutines are gone with the loop) */
+        for (Splice *s = r->done; s;) { Splice *n = s->next; s->owner = NULL; Py_DECREF(s); s = n; }
+        for (Splice *s = r->retire; s;) { Splice *n = s->next; s->owner = NULL; Py_DECREF(s); s = n; }
+    }
+    if (r->ep >= 0) close(r->ep);
+    if (r->wake >= 0) close(r->wake);
+    if (r->notify >= 0) close(r->notify);
+    pthread_mutex_destroy(&r->mu);
+    Py_TYPE(r)->tp_free((PyObject *)r);
+}
+
+static PyObject *get_notify(Relayer *r, void *c) { return PyLong_FromLong(r->notify); }
+
+static PyGetSetDef Relayer_getset[] = {
+    {"notify_fd", (getter)get_notify, NULL, "readable when splices stopped: call collect()", NULL},
+    {NULL},
+};
+
+static PyMethodDef Relayer_methods[] = {
+    {"add", (PyCFunction)Relayer_add, METH_O, "hand a splice to the relay thread"},
+    {"collect", (PyCFunction)Relayer_collect, METH_NOARGS, "report the splices the thread stopped"},
+    {"close", (PyCFunction)Relayer_close, METH_NOARGS, "stop the thread (every splice taken back first)"},
+    {NULL},
+};
+
+static PyTypeObject RelayerType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "_atomesh_splice.Relayer",
+    .tp_basicsize = sizeof(Relayer),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "the relay thread of a gateway process",
+    .tp_new = Relayer_new,
+    .tp_dealloc = (destructor)Relayer_dealloc,
+    .tp_methods = Relayer_methods,
+    .tp_getset = Relayer_getset,
+};
+
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_atomesh_splice", NULL, -1, NULL};
 
 PyMODINIT_FUNC PyInit__atomesh_splice(void) {
-    if (PyType_Ready(&SpliceType) < 0) return NULL;
+    if (PyType_Ready(&SpliceType) < 0 || PyType_Ready(&RelayerType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
-    if (PyModule_AddObjectRef(m, "Splice", (PyObject *)&SpliceType) < 0) { Py_DECREF(m); return NULL; }
+    if (PyModule_AddObjectRef(m, "Splice", (PyObject *)&SpliceType) < 0 ||
+        PyModule_AddObjectRef(m, "Relayer", (PyObject *)&RelayerType) < 0) { Py_DECREF(m); return NULL; }
     return m;
 }

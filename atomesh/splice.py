@@ -98,9 +98,9 @@ def build(cache_dir: Path | None = None) -> SpliceBuild:
 
 
 def load() -> Any:
-    """The `Splice` type, or None (then logged, with the reason): streams are relayed in Python."""
+    """The native relay's module (`Splice`, `Relayer`), or None (then logged, with the reason): streams are
+    relayed in Python."""
     got = build()
     if got.module is None:
         log.warning("native_relay_unavailable", reason=got.why_not)
-        return None
-    return got.module.Splice
+    return got.module

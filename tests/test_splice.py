@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import os
 import random
+import select
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +67,7 @@ def run_splice(raw: bytes, cuts: list[int], meter: RequestMeter | None) -> tuple
     for s in (worker_in, worker_out, client_in, client_out):
         s.setblocking(False)
     stops: list[int] = []
-    relay = SPLICE(
+    relay = SPLICE.Splice(
         os.dup(worker_out.fileno()),
         os.dup(client_in.fileno()),
         meter is not None,
@@ -150,7 +152,7 @@ def test_splice_stops_on_a_broken_body(raw: bytes, state: int) -> None:
     assert SPLICE is not None
     worker_in, worker_out = socket.socketpair()
     client_in, client_out = socket.socketpair()
-    relay = SPLICE(os.dup(worker_out.fileno()), os.dup(client_in.fileno()), False, lambda: None, Client().spill)
+    relay = SPLICE.Splice(os.dup(worker_out.fileno()), os.dup(client_in.fileno()), False, lambda: None, Client().spill)
     try:
         worker_in.send(raw)
         if state == splice.EOF:
@@ -216,3 +218,125 @@ def test_without_a_compiler_the_reason_is_given_and_a_cached_build_still_serves(
     assert splice.build(tmp_path).module is not None  # built before: no compiler needed
     missing = splice.build(tmp_path / "empty")
     assert missing.module is None and "no C compiler" in missing.why_not
+
+
+def test_the_relay_thread_relays_counts_and_reports_the_end() -> None:
+    assert SPLICE is not None
+    raw = chunked(CHAT)
+    worker_in, worker_out = socket.socketpair()
+    client_in, client_out = socket.socketpair()
+    for s in (worker_out, client_in):
+        s.setblocking(False)
+    relayer = SPLICE.Relayer()
+    stops: list[int] = []
+    relay = SPLICE.Splice(os.dup(worker_out.fileno()), os.dup(client_in.fileno()), True, lambda: stops.append(1), None)
+    try:
+        relayer.add(relay)
+        assert relay.threaded
+        got = b""
+        for i in range(0, len(raw), 97):  # the thread reads as the bytes come
+            worker_in.send(raw[i : i + 97])
+        client_out.settimeout(10)
+        while not got.endswith(b"data: [DONE]\n\n\r\n"):
+            got += client_out.recv(1 << 16)
+        deadline = time.monotonic() + 10
+        while not stops and time.monotonic() < deadline:
+            select.select([relayer.notify_fd], [], [], 1)
+            relayer.collect()
+        assert stops == [1] and relay.state == splice.DONE and not relay.threaded
+        assert b"".join(_decoded_body(got)) == b"".join(CHAT)
+        meter = RequestMeter(Metrics([1.0]), "chat", "m", True)
+        meter.counted(*relay.counts())
+        meter.finish()
+        assert (meter.events, meter.usage_out) == (15, 14)  # the usage event is a JSON event too
+    finally:
+        relay.cancel()
+        relay.close()
+        relayer.close()
+        for s in (worker_in, worker_out, client_in, client_out):
+            s.close()
+
+
+def test_a_splice_taken_back_from_the_thread_is_not_reported() -> None:
+    assert SPLICE is not None
+    worker_in, worker_out = socket.socketpair()
+    client_in, client_out = socket.socketpair()
+    relayer = SPLICE.Relayer()
+    stops: list[int] = []
+    relay = SPLICE.Splice(os.dup(worker_out.fileno()), os.dup(client_in.fileno()), False, lambda: stops.append(1), None)
+    try:
+        relayer.add(relay)
+        relay.cancel()  # as a cancelled request's coroutine does
+        relay.close()
+        worker_in.send(b"5\r\nhello\r\n")
+        select.select([relayer.notify_fd], [], [], 5)
+        relayer.collect()
+        assert stops == [] and not relay.threaded
+    finally:
+        relayer.close()
+        for s in (worker_in, worker_out, client_in, client_out):
+            s.close()
+
+
+def _decoded_body(framed_bytes: bytes) -> list[bytes]:
+    out, at = [], 0
+    while at < len(framed_bytes):
+        end = framed_bytes.index(b"\r\n", at)
+        size = int(framed_bytes[at:end], 16)
+        out.append(framed_bytes[end + 2 : end + 2 + size])
+        at = end + 2 + size + 2
+    return out
+
+
+def test_a_slow_client_moves_the_rest_of_the_stream_through_its_transport() -> None:
+    assert SPLICE is not None
+    worker_in, worker_out = socket.socketpair()
+    client_in, client_out = socket.socketpair()
+    client_in.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    for s in (worker_in, worker_out, client_in):
+        s.setblocking(False)
+    relayer = SPLICE.Relayer()
+    spilled: list[bytes] = []
+    relay = SPLICE.Splice(
+        os.dup(worker_out.fileno()),
+        os.dup(client_in.fileno()),
+        False,
+        lambda: None,
+        lambda d: spilled.append(d) is None,
+    )
+    body = [bytes([65 + i]) * 30000 for i in range(4)]
+    raw = chunked(body)
+    try:
+        relayer.add(relay)
+        worker_in.send(raw[:40000])  # more than the client's socket takes while it does not read
+        deadline = time.monotonic() + 10
+        while relay.threaded and time.monotonic() < deadline:
+            select.select([relayer.notify_fd], [], [], 1)
+            relayer.collect()
+        assert relay.state == splice.PAUSED
+        pending = relay.take_pending()  # the loop sends it through the client's transport
+        relay.to_loop()
+        sent_rest = 40000
+        while relay.state == splice.RUNNING and sent_rest < len(raw):
+            try:
+                sent_rest += worker_in.send(raw[sent_rest : sent_rest + 65536])
+            except BlockingIOError:
+                pass
+            relay.step()
+        while relay.state == splice.RUNNING:
+            relay.step()
+        assert relay.state == splice.DONE
+        direct = b""
+        client_out.setblocking(False)
+        while True:
+            try:
+                direct += client_out.recv(1 << 20)
+            except BlockingIOError:
+                break
+        assert b"".join(_decoded_body(direct + pending + b"".join(spilled))) == b"".join(body)
+    finally:
+        relay.cancel()
+        relay.close()
+        relayer.close()
+        for s in (worker_in, worker_out, client_in, client_out):
+            s.close()
