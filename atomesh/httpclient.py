@@ -489,10 +489,13 @@ class Response:
                     self._pool.relayer().add(relay)  # the relay thread reads the worker's socket from now on
                     threaded = True
                 while True:
+                    if conn.error is not None:
+                        raise conn.error  # the deadline, or the connection aborted
+                    if threaded and relay.threaded:
+                        await conn.wait()  # the thread runs it until collect() reports its stop
+                        continue
                     state = relay.state
                     if state == splice.RUNNING:
-                        if conn.error is not None:
-                            raise conn.error  # the deadline, or the connection aborted
                         if not threaded and not reading:
                             loop.add_reader(wfd, relay.step)
                             reading = True
