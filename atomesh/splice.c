@@ -1,19 +1,19 @@
 /* A streamed response relayed from a worker's socket to a client's without the interpreter per event.
 
    atomesh/splice.py compiles this on first use (a CPython extension module, cached per source and
-   compiler) and atomesh/httpclient.py (`Response.splice`) drives it. A `Splice` owns two duplicated
-   descriptors: the worker connection (its asyncio transport paused meanwhile) and the client's. The event
-   loop calls `step()` when the worker's socket is readable; each call reads once, decodes the chunked body,
-   counts what the token meter counts (events, the last event's time, the stream's end), frames each piece
-   as its own chunk for the client (as `FrontExchange.push` does) and writes them with one send. It calls
-   its Python `stop` callback once, when it stops for any reason (`state` says which); the caller then
-   finishes in Python as the parsed relay would.
+   Python) and atomesh/httpclient.py (`Response.splice`) drives it. A `Splice` owns two duplicated
+   descriptors: the worker connection (its asyncio transport paused meanwhile) and the client's. For each
+   read of the worker's socket it decodes the chunked body, does the token meter's per-event work by the
+   rules of `RequestMeter.feed` (atomesh/metrics.py; handed back with `counts()`), frames each piece as its
+   own chunk for the client (as `FrontExchange.push` does) and sends them with one send. `state` says why
+   it stopped; the caller then finishes in Python as the parsed relay would.
 
-   The meter's per-event work (RequestMeter.feed in atomesh/metrics.py: the first event with content, the
-   events counted, the last one's time, the stream's end kept for its usage counts) is done here by the
-   same rules, and handed back with `counts()`.
-
-   A client that stops taking bytes (a short send) switches the splice to `spill` mode: from then on each
+   Two ways to run one. Normally the `Relayer`, the process's relay thread, runs it: its own epoll, no
+   GIL (so nothing here that it runs calls Python or allocates with Python's object allocator); a splice
+   it stops is queued and the event loop hears of it through an eventfd (`collect()`, which calls the
+   splice's `stop` callback). Otherwise the event loop calls `step()` when the worker's socket is
+   readable, and `stop` is called at once. A client that stops taking bytes (a short send) pauses a splice
+   the thread runs (its unsent bytes kept in `pending`); the loop then drives it in `spill` mode: each
    read's framed output goes to the Python `spill` callback (the client's transport buffers it), which
    returns False when the client is to be waited for (state PAUSED). */
 
