@@ -415,6 +415,16 @@ static PyObject *Splice_cancel(Splice *s, PyObject *Py_UNUSED(ignored)) {
     Relayer *r = s->owner;
     if (!r) Py_RETURN_NONE;
     pthread_mutex_lock(&r->mu);
+    if (r->stopping && !s->retired && s->state == RUNNING) {
+        /* The thread is gone (the pool closed) and this splice is on no list: released here. */
+        s->retired = 1;
+        epoll_ctl(r->ep, EPOLL_CTL_DEL, s->wfd, NULL);
+        s->owner = NULL;
+        pthread_mutex_unlock(&r->mu);
+        Py_DECREF(s);
+        Py_DECREF(r);
+        Py_RETURN_NONE;
+    }
     if (!s->retired) {
         s->retired = 1;
         if (s->state == RUNNING) {
@@ -601,10 +611,14 @@ static PyObject *Relayer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         return NULL;
     }
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = NULL};
+    if (epoll_ctl(r->ep, EPOLL_CTL_ADD, r->wake, &ev) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        Py_DECREF(r);
+        return NULL;
+    }
     int e = pthread_create(&r->thread, NULL, relay_main, r);
-    if (epoll_ctl(r->ep, EPOLL_CTL_ADD, r->wake, &ev) < 0 || e != 0) {
-        if (e == 0) { r->stopping = 1; wake_thread(r); pthread_join(r->thread, NULL); }
-        errno = e ? e : errno;
+    if (e != 0) {
+        errno = e;
         PyErr_SetFromErrno(PyExc_OSError);
         Py_DECREF(r);
         return NULL;
@@ -629,6 +643,7 @@ static PyObject *Relayer_add(Relayer *r, PyObject *arg) {
     if (rc < 0) s->owner = NULL;
     pthread_mutex_unlock(&r->mu);
     if (rc < 0) { Py_DECREF(s); return PyErr_SetFromErrno(PyExc_OSError); }
+    Py_INCREF(r); /* the splice names it (`owner`) until released */
     Py_RETURN_NONE;
 }
 
@@ -652,6 +667,7 @@ static PyObject *Relayer_collect(Relayer *r, PyObject *Py_UNUSED(ignored)) {
             else PyErr_WriteUnraisable(s->stop);
         }
         Py_DECREF(s);
+        Py_DECREF(r);
         s = next;
     }
     Py_RETURN_NONE;
@@ -671,15 +687,27 @@ static void relayer_stop(Relayer *r) {
 
 static PyObject *Relayer_close(Relayer *r, PyObject *Py_UNUSED(ignored)) {
     relayer_stop(r);
+    /* Splices the thread stopped or took back and nobody collected: released (their coroutines are woken
+       by their connections' failure when the pool closes). Running ones are released by `cancel()`. */
+    Py_INCREF(r);
+    for (int pass = 0; pass < 2; pass++) {
+        Splice *s = pass ? r->retire : r->done;
+        if (pass) r->retire = NULL; else r->done = NULL;
+        while (s) {
+            Splice *n = s->next;
+            s->next = NULL;
+            s->owner = NULL;
+            Py_DECREF(s);
+            Py_DECREF(r);
+            s = n;
+        }
+    }
+    Py_DECREF(r);
     Py_RETURN_NONE;
 }
 
 static void Relayer_dealloc(Relayer *r) {
-    relayer_stop(r);
-    if (r->started) { /* what the thread held: released (their coroutines are gone with the loop) */
-        for (Splice *s = r->done; s;) { Splice *n = s->next; s->owner = NULL; Py_DECREF(s); s = n; }
-        for (Splice *s = r->retire; s;) { Splice *n = s->next; s->owner = NULL; Py_DECREF(s); s = n; }
-    }
+    relayer_stop(r); /* no splice names it now: each holds a reference while it does */
     if (r->ep >= 0) close(r->ep);
     if (r->wake >= 0) close(r->wake);
     if (r->notify >= 0) close(r->notify);

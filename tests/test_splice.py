@@ -340,3 +340,21 @@ def test_a_slow_client_moves_the_rest_of_the_stream_through_its_transport() -> N
         relayer.close()
         for s in (worker_in, worker_out, client_in, client_out):
             s.close()
+
+
+def test_a_stream_still_running_when_the_relay_thread_stops_is_released_by_its_request() -> None:
+    assert SPLICE is not None
+    worker_in, worker_out = socket.socketpair()
+    client_in, client_out = socket.socketpair()
+    relayer = SPLICE.Relayer()
+    relay = SPLICE.Splice(os.dup(worker_out.fileno()), os.dup(client_in.fileno()), False, lambda: None, None)
+    try:
+        relayer.add(relay)
+        relayer.close()  # the pool closed with the stream in flight
+        assert relay.threaded and relay.state == splice.RUNNING
+        relay.cancel()  # its request's coroutine, cancelled in turn
+        assert not relay.threaded
+    finally:
+        relay.close()
+        for s in (worker_in, worker_out, client_in, client_out):
+            s.close()
