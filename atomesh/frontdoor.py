@@ -230,6 +230,26 @@ class FrontExchange(Exchange):
         if conn.write_paused:
             await conn.drain_within(conn.door.body_timeout)
 
+    def splice_fd(self) -> int:
+        conn = self.conn
+        transport = conn.transport
+        if not self.framed or self.trace is not None or transport is None or conn.write_paused:
+            return -1
+        if transport.get_write_buffer_size() or transport.get_extra_info("ssl_object") is not None:
+            return -1
+        sock = transport.get_extra_info("socket")
+        return -1 if sock is None else int(sock.fileno())
+
+    def spill(self, data: bytes) -> bool:
+        conn = self.conn
+        conn.send(data)
+        return not conn.write_paused
+
+    def client_gone(self) -> None:
+        transport = self.conn.transport
+        if transport is not None:
+            transport.abort()  # connection_lost follows: the request is cancelled
+
     async def end(self) -> None:
         if self.framed:
             self.conn.send(b"0\r\n\r\n")

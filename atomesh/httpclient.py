@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import socket
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from httptools import HttpParserError, HttpParserUpgrade, HttpResponseParser
 
+from atomesh import splice
 from atomesh.flow import FlowControl
 from atomesh.tasks import PeriodicTask
 
@@ -90,6 +93,7 @@ class _Conn(FlowControl):
         "error",
         "got_data",
         "head_done",
+        "head_read",
         "headers",
         "idle_since",
         "interim",
@@ -126,6 +130,9 @@ class _Conn(FlowControl):
         self.sink: Sink | None = None  # set while Response.pipe waits: body pieces go there, not to `pieces`
         self.tap: Tap | None = None  # sees each piece before the sink (Response.pipe's `tap`)
         self.sink_error: Exception | None = None  # what the sink raised, for the coroutine to raise
+        # The read that completed the head, while no read came after it (a native relay starts from what
+        # follows the head in it: the parser's place in a chunked body is not readable), else None.
+        self.head_read: bytes | None = None
 
     # --- driven by the pool and the response ---
 
@@ -198,7 +205,13 @@ class _Conn(FlowControl):
             return
         self.got_data = True
         try:
-            self._parser.feed_data(data)
+            if self.head_done:
+                self.head_read = None
+                self._parser.feed_data(data)
+            else:
+                self._parser.feed_data(data)
+                if self.head_done:
+                    self.head_read = data
         except (HttpParserError, HttpParserUpgrade) as e:
             if not self.body_done:
                 self.fail(ProtocolViolation(f"invalid HTTP response: {e}"))
@@ -273,6 +286,42 @@ class _Conn(FlowControl):
         self.body_done = True
         self.keep_alive = self._parser.should_keep_alive()
         self._wake()
+
+
+def _after_head(data: bytes) -> bytes | None:
+    """What follows the response head in `data`, the read that completed it, when the head began in that
+    read too and no interim (1xx) answer came before it; else None (where the body began is not known)."""
+    if not data.startswith(b"HTTP/1.") or data[9:10] == b"1":
+        return None
+    end = data.find(b"\r\n\r\n")
+    return None if end < 0 else data[end + 4 :]
+
+
+class SpliceClient(Protocol):
+    """The client side of a spliced stream (`Response.splice`)."""
+
+    sent: int  # body bytes given to the client (the splice adds its own)
+
+    def spill(self, data: bytes) -> bool:
+        """Send framed bytes through the client's transport (it was slow to take them); False: it is
+        write-paused, `writable()` is awaited before more."""
+        ...
+
+    async def writable(self) -> None:
+        """Return once the client takes more."""
+        ...
+
+    def client_gone(self) -> None:
+        """Sending failed: close the client's connection (the request is then cancelled)."""
+        ...
+
+
+class SpliceMeter(Protocol):
+    """A token meter a spliced stream reports to once, at its end, instead of feeding it every piece."""
+
+    def counted(self, first_at: float | None, events: int, last_at: float, end: bytes, tail: bytes) -> None:
+        """Take what the native relay read of the stream by the meter's own rules."""
+        ...
 
 
 class Response:
@@ -388,6 +437,122 @@ class Response:
             raise
         self.release()
 
+    def can_splice(self) -> bool:
+        """Whether `splice` can take this body: a chunked body over plain TCP not read into yet, with the
+        native relay built."""
+        conn = self._conn
+        return (
+            conn is not None
+            and conn.head_read is not None
+            and not conn.body_done
+            and conn.error is None
+            and self._pool.splice is not None
+            and conn.key[0] == "http"
+            and conn.transport is not None
+            and self.headers.get("transfer-encoding") == "chunked"
+            and "content-length" not in self.headers
+            and _after_head(conn.head_read) is not None
+        )
+
+    async def splice(self, client_fd: int, client: SpliceClient, meter: SpliceMeter | None) -> None:
+        """Relay the chunked body to the client's socket (`client_fd`, written directly: its transport must
+        have nothing buffered) in C, one call per read of the worker's socket, each piece framed as its own
+        chunk; return when the body has all been relayed (the connection then goes back to the pool) or raise
+        the failure, as `pipe` does. Check `can_splice()` first."""
+        conn = self._open()
+        transport = conn.transport
+        kind = self._pool.splice
+        raw = None if conn.head_read is None else _after_head(conn.head_read)
+        assert transport is not None and kind is not None and raw is not None
+        loop = conn._loop
+        keep_alive = conn._parser.should_keep_alive()
+        wfd = os.dup(transport.get_extra_info("socket").fileno())
+        try:
+            cfd = os.dup(client_fd)
+        except OSError:
+            os.close(wfd)
+            raise
+        conn.hold_reading()  # the worker's socket is read through `wfd` meanwhile
+        conn.pieces, conn.buffered = [], 0  # the pieces parsed from `raw`: relayed anew
+
+        def stopped() -> None:
+            loop.remove_reader(wfd)
+            conn._wake()
+
+        relay = kind.Splice(wfd, cfd, meter is not None, stopped, client.spill)
+        reading = threaded = False
+        try:
+            try:
+                if raw:
+                    relay.feed(raw)
+                if relay.state == splice.RUNNING:
+                    self._pool.relayer().add(relay)  # the relay thread reads the worker's socket from now on
+                    threaded = True
+                while True:
+                    if conn.error is not None:
+                        raise conn.error  # the deadline, or the connection aborted
+                    if threaded and relay.threaded:
+                        await conn.wait()  # the thread runs it until collect() reports its stop
+                        continue
+                    state = relay.state
+                    if state == splice.RUNNING:
+                        if not threaded and not reading:
+                            loop.add_reader(wfd, relay.step)
+                            reading = True
+                        await conn.wait()
+                    elif state == splice.PAUSED:
+                        # The client is slow: what the thread could not send goes through its transport,
+                        # and the rest of the stream is relayed from the event loop (`spill`), drained.
+                        reading = threaded = False
+                        pending = relay.take_pending()
+                        if not pending or not client.spill(pending):
+                            await client.writable()
+                        relay.to_loop()
+                    elif state == splice.CLIENT_ERROR:
+                        # As when the client's transport fails a write: its connection closes, and its
+                        # loss cancels this request; until then (or the deadline) nothing more is relayed.
+                        reading = False
+                        client.client_gone()
+                        while conn.error is None:
+                            await conn.wait()
+                        raise conn.error
+                    else:
+                        reading = False
+                        break
+            finally:
+                if threaded and relay.threaded:
+                    relay.cancel()  # still the thread's (cancelled, or the deadline): taken back first
+                elif reading and relay.state == splice.RUNNING:
+                    loop.remove_reader(wfd)
+                relay.close()
+                client.sent += relay.sent
+                if meter is not None:
+                    counts = relay.counts()
+                    if counts is not None:
+                        meter.counted(*counts)
+            if state != splice.DONE:
+                raise self._splice_failure(relay)
+        except BaseException:
+            self.close()
+            raise
+        conn.body_done = True
+        conn.keep_alive = keep_alive and not relay.extra
+        conn._parser = HttpResponseParser(conn)  # the old one stopped inside this body
+        conn.release_reading()
+        self.release()
+
+    def _splice_failure(self, relay: Any) -> BaseException:
+        """What a splice that did not reach the body's end raises (as `pipe` would have, for the same cause)."""
+        state = relay.state
+        if state == splice.EOF:
+            return Disconnected("connection closed by peer")
+        if state == splice.READ_ERROR:
+            return Disconnected(f"connection lost: {OSError(relay.err, os.strerror(relay.err))}")
+        if state == splice.PROTOCOL_ERROR:
+            return ProtocolViolation(f"invalid HTTP response: {relay.why}")
+        error = relay.take_error()
+        return error if error is not None else HTTPClientError(f"the native relay stopped in state {state}")
+
     def release(self) -> None:
         """Done with the response: pool the connection if the body is complete, else close it."""
         conn = self._conn
@@ -416,11 +581,14 @@ class ClientPool:
         keepalive_timeout: float = 60.0,
         max_idle_per_host: int = 256,
         ssl_context: ssl.SSLContext | None = None,
+        splice: Any = None,
     ) -> None:
         self._connect_timeout = connect_timeout
         self._keepalive = keepalive_timeout
         self._max_idle = max_idle_per_host
         self._ssl = ssl_context
+        self.splice = splice  # the native relay's module (atomesh.splice.load()), or None: `Response.splice` is off
+        self._relayer: Any = None  # its relay thread, started with the first spliced stream
         self._idle: dict[_Key, list[_Conn]] = {}
         self._conns: set[_Conn] = set()  # every open connection, idle or busy, for close()
         self._origins: dict[str, tuple[_Key, str]] = {}  # "http://host:port" -> (key, Host header)
@@ -479,10 +647,23 @@ class ClientPool:
                 raise
             return Response(self, conn, timer)
 
+    def relayer(self) -> Any:
+        """The native relay's thread (one per pool), started on first use."""
+        relayer = self._relayer
+        if relayer is None:
+            assert self.splice is not None and self._loop is not None
+            relayer = self._relayer = self.splice.Relayer()
+            self._loop.add_reader(relayer.notify_fd, relayer.collect)
+        return relayer
+
     async def close(self) -> None:
         """Close every connection; requests still running fail, later ones are refused."""
         self._closed = True
         await self._sweeper.stop()
+        relayer, self._relayer = self._relayer, None
+        if relayer is not None and self._loop is not None:
+            self._loop.remove_reader(relayer.notify_fd)
+            relayer.close()
         self._idle.clear()
         for conn in list(self._conns):
             conn.pooled = False

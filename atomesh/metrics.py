@@ -696,6 +696,17 @@ class RequestMeter:
         elif len(self._end) < _KEEP:
             self._end += chunk  # the rest of the last event, or `data: [DONE]`
 
+    def counted(self, first_at: float | None, events: int, last_at: float, end: bytes, tail: bytes) -> None:
+        """Take what a native relay (atomesh/splice.c) read of the whole stream by `feed`'s rules, in place of
+        `feed` itself: the first token's time (None: not seen), the events from it on, the last one's time,
+        the stream's end and the part line left over."""
+        if first_at is not None:
+            self.first_at = first_at
+            self.events = events
+            self.last_at = last_at
+            self._end = end
+        self._tail = tail
+
     def _join(self, chunk: bytes) -> bytes:
         """`chunk` after what the previous one left of a line (an event marker may be split across the two);
         keeps this one's end when it ends inside a line."""

@@ -126,6 +126,7 @@ class Router:
     async def serve(self, exchange: Exchange, view: RequestView) -> None:
         meter, duration = self.counts.started(view)
         exchange.on_chunk = meter.feed
+        exchange.meter = meter
         try:
             await self._attempts(exchange, view)
         finally:

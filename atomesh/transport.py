@@ -12,10 +12,11 @@ import ssl
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import orjson
 
+from atomesh import splice
 from atomesh.errors import GatewayError, UpstreamError, UpstreamStatus, UpstreamTimeout, UpstreamUnreachable, error_body
 from atomesh.httpclient import (
     ClientPool,
@@ -25,6 +26,8 @@ from atomesh.httpclient import (
     HTTPClientError,
     ProtocolViolation,
     Response,
+    SpliceClient,
+    SpliceMeter,
 )
 from atomesh.tracing import Trace, Tracing
 
@@ -99,7 +102,10 @@ class Upstream:
     async def start(self) -> None:
         # Admission control bounds concurrency; the pool only bounds what it keeps idle.
         self._pool = ClientPool(
-            connect_timeout=self.connect_timeout, keepalive_timeout=self.pool_idle_timeout, ssl_context=self.ssl_context
+            connect_timeout=self.connect_timeout,
+            keepalive_timeout=self.pool_idle_timeout,
+            ssl_context=self.ssl_context,
+            splice=splice.load(),  # streams relayed by atomesh/splice.c where it builds
         )
 
     async def stop(self) -> None:
@@ -233,6 +239,7 @@ class Exchange(ABC):
         "body",
         "committed",
         "headers",
+        "meter",
         "on_chunk",
         "request_id",
         "sent",
@@ -251,6 +258,8 @@ class Exchange(ABC):
         self.headers = headers  # the client's request headers (look up with lower-case names)
         # Sees every chunk relayed to this client (the router's token meter) unless relay() is given another.
         self.on_chunk: ChunkHook | None = None
+        # The meter whose `feed` is `on_chunk`, when it is one (a stream may then be relayed natively).
+        self.meter: SpliceMeter | None = None
         self.status: int | None = None
         self.body: bytes | None = None  # a whole (non-streamed) answer, kept for the token meter
         self.committed = False
@@ -284,6 +293,11 @@ class Exchange(ABC):
     async def writable(self) -> None:
         """Return once the client takes more of the stream (exchanges with `direct` set)."""
         raise NotImplementedError(f"{type(self).__name__} is not direct: relay() writes to it with write()")
+
+    def splice_fd(self) -> int:
+        """The client's socket when a stream may be written to it directly now (`Response.splice`: a chunked
+        HTTP/1.1 stream, nothing buffered, no trace), else -1. Such exchanges are a `SpliceClient` too."""
+        return -1
 
     def respond_relayed(self, status: int, upstream: Mapping[str, str], body: bytes) -> None:
         """`respond` with a worker's answer: its headers as `response_headers` makes them."""
@@ -357,7 +371,12 @@ async def relay(exchange: Exchange, resp: Response, on_chunk: ChunkHook | None =
     try:
         if exchange.direct:
             if filt is None:
-                await resp.pipe(exchange.push, exchange.writable, on_chunk)
+                meter = exchange.meter
+                fd = -1 if on_chunk is not exchange.on_chunk or (on_chunk and meter is None) else exchange.splice_fd()
+                if fd >= 0 and resp.can_splice():
+                    await resp.splice(fd, cast(SpliceClient, exchange), meter if on_chunk is not None else None)
+                else:
+                    await resp.pipe(exchange.push, exchange.writable, on_chunk)
             else:
                 await resp.pipe(_filtered(exchange, filt, on_chunk), exchange.writable)
         else:

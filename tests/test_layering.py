@@ -42,7 +42,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "atomesh.otlp_sender",
         ),
     ),
-    ("transport", ("atomesh.flow", "atomesh.httpclient", "atomesh.transport")),
+    ("transport", ("atomesh.flow", "atomesh.httpclient", "atomesh.splice", "atomesh.transport")),
     ("workers", ("atomesh.workers",)),
     ("kv", ("atomesh.kv",)),
     ("placement", ("atomesh.policies", "atomesh.placement")),

@@ -1,0 +1,106 @@
+"""The native stream relay (`atomesh/splice.c`): built with the C compiler on first use, cached, loaded once.
+
+A streamed answer relayed through the interpreter costs one pass of Python callbacks per event (the worker
+connection's `data_received`, the parser's `on_body`, the token meter, the client's write: ~15k instructions
+on CPython 3.11). `splice.c` does that work in C, once per read of the worker's socket, driven by the event
+loop (`Response.splice` in atomesh/httpclient.py). Where it cannot be built (no compiler, no Python headers,
+not Linux) the gateway logs why once and relays in Python as before: the answers are the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+_SOURCE = Path(__file__).with_name("splice.c")
+_FLAGS = ("-O2", "-shared", "-fPIC", "-fvisibility=hidden")
+_NAME = "_atomesh_splice"
+
+# Splice.state values (splice.c's enum, in order).
+RUNNING, DONE, EOF, READ_ERROR, PROTOCOL_ERROR, CLIENT_ERROR, PAUSED, CALLBACK_ERROR = range(8)
+
+
+@dataclass(frozen=True, slots=True)
+class SpliceBuild:
+    """The native relay's module, or why this process cannot have it."""
+
+    module: Any
+    why_not: str = ""
+
+
+def build(cache_dir: Path | None = None) -> SpliceBuild:
+    """Compile `splice.c` (once per source and Python; kept under `cache_dir`, by default
+    `$XDG_CACHE_HOME/atomesh` or `~/.cache/atomesh`) and import it. Needs Linux and, to build it, a C
+    compiler (`$CC`, else `cc`) and the interpreter's headers."""
+    if not sys.platform.startswith("linux"):
+        return SpliceBuild(None, f"the native relay is built for Linux only (this is {sys.platform})")
+    include = sysconfig.get_paths().get("include", "")
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    # Named by source, flags and interpreter, not compiler: a build made beforehand (an image's build
+    # stage) serves a machine without one.
+    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join((*_FLAGS, sys.version)).encode()).hexdigest()[:16]
+    folder = cache_dir or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "atomesh"
+    library = folder / f"splice-{digest}{suffix}"
+    if not library.exists():
+        compiler = os.environ.get("CC") or shutil.which("cc")
+        if not compiler:
+            return SpliceBuild(None, "no C compiler (set CC or install cc)")
+        if not include or not Path(include, "Python.h").exists():
+            return SpliceBuild(None, f"no Python.h under {include!r} (install the interpreter's headers)")
+        try:
+            library.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=suffix, dir=library.parent)
+        except OSError as e:
+            return SpliceBuild(None, f"cannot write the native relay under {library.parent}: {e}")
+        os.close(fd)
+        try:
+            try:
+                done = subprocess.run(
+                    [compiler, *_FLAGS, f"-I{include}", "-o", tmp, str(_SOURCE)],
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                    check=False,
+                )
+            except (OSError, subprocess.TimeoutExpired) as e:
+                return SpliceBuild(None, f"{compiler} did not run: {e}")
+            if done.returncode != 0:
+                return SpliceBuild(None, f"{compiler} failed: {done.stderr.strip()[-500:]}")
+            os.replace(tmp, library)  # atomic: gateways starting together share one build
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    spec = importlib.util.spec_from_file_location(
+        _NAME, library, loader=importlib.machinery.ExtensionFileLoader(_NAME, str(library))
+    )
+    if spec is None or spec.loader is None:
+        return SpliceBuild(None, f"cannot load {library}")
+    try:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError as e:
+        return SpliceBuild(None, f"cannot load {library}: {e}")
+    return SpliceBuild(module)
+
+
+def load() -> Any:
+    """The native relay's module (`Splice`, `Relayer`), or None (then logged, with the reason): streams are
+    relayed in Python."""
+    got = build()
+    if got.module is None:
+        log.warning("native_relay_unavailable", reason=got.why_not)
+    return got.module
