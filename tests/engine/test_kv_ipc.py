@@ -486,3 +486,33 @@ async def test_an_early_offer_whose_prefill_fails_is_refused_on_both_sides(pair:
     assert err.value.reason == "prefill_failed"
     await _settled(pair.producer)
     assert releases.reasons("read") == [ReleaseReason.WRITE_FAILED] and consumer.in_flight == 0
+
+
+async def test_an_early_offer_given_up_before_its_pull_is_abandoned_and_its_prefill_released(pair: Pair) -> None:
+    """A decode engine that gives up an early offer it never read (cancelled while waiting for blocks or for its
+    turn) says `abandon`: the producer releases the offer at once (the engine then stops its prefill), and a
+    later pull is refused; an offer a read already claimed is left to that read."""
+    releases = Releases()
+    consumer = pair.consumer()
+    params = pair.producer.offer_early(2, releases.callback("given up"))
+    consumer.abandon(params)
+    deadline = time.monotonic() + 5
+    while not releases.reasons("given up"):
+        assert time.monotonic() < deadline, "the abandoned offer was not released"
+        await asyncio.sleep(0.01)
+    assert releases.reasons("given up") == [ReleaseReason.REFUSED]
+    with pytest.raises(KVTransferError) as err:
+        await consumer.pull(params, [10, 11])
+    assert err.value.reason in ("transfer_consumed", "prefill_failed")
+    # A pull in progress (claimed, reading rounds): an abandon for it changes nothing; the pull ends it.
+    read = pair.producer.offer_early(2, releases.callback("read"))
+    pull = asyncio.ensure_future(consumer.pull(read, [12, 13]))
+    pair.producer.progress(read.transfer_id, [1, 2], 1)
+    await asyncio.sleep(0.2)
+    consumer.abandon(read)
+    await asyncio.sleep(0.2)
+    assert releases.reasons("read") == []
+    pair.producer.conclude(read.transfer_id, [1, 2], first_token_id=7)
+    assert await pull == 7
+    await _settled(pair.producer)
+    assert releases.reasons("read") == [ReleaseReason.WRITTEN]
