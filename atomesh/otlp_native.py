@@ -2,7 +2,7 @@
 
 `atomesh.otlp.SpanEncoder` writes a frame's spans in Python at about 1 us a span; the same encoder in C
 takes a few tens of nanoseconds, which is most of what the sender process costs a request. The library is
-compiled once per source and compiler (`$CC`, else `cc`) and kept under `$XDG_CACHE_HOME/atomesh` (else
+compiled once per source (with `$CC`, else `cc`) and kept under `$XDG_CACHE_HOME/atomesh` (else
 `~/.cache/atomesh`); without a compiler, or when the build fails, `build_encoder` says why and the sender
 keeps the Python encoder (it logs the reason once). Both write the same bytes for the same frame.
 """
@@ -67,20 +67,21 @@ class EncoderBuild:
 
 
 def build_encoder(cache_dir: Path | None = None) -> EncoderBuild:
-    """Compile `atomesh/otlp_encode.c` (once per source, compiler and flags; kept under `cache_dir`, by
-    default `$XDG_CACHE_HOME/atomesh` or `~/.cache/atomesh`)."""
-    compiler = os.environ.get("CC") or shutil.which("cc")
-    if not compiler:
-        return EncoderBuild(None, "no C compiler (set CC or install cc)")
+    """Compile `atomesh/otlp_encode.c` (once per source and flags; kept under `cache_dir`, by default
+    `$XDG_CACHE_HOME/atomesh` or `~/.cache/atomesh`). Named by source and flags, not compiler: a build made
+    beforehand (an image's build stage) serves a machine without one."""
     try:
         source = _SOURCE.read_bytes()
     except OSError as e:
         return EncoderBuild(None, f"cannot read {_SOURCE}: {e}")
-    digest = hashlib.sha256(source + " ".join((compiler, *_FLAGS)).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
     folder = cache_dir or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "atomesh"
     library = folder / f"otlp_encode-{digest}.so"
     if library.exists():
         return EncoderBuild(library)
+    compiler = os.environ.get("CC") or shutil.which("cc")
+    if not compiler:
+        return EncoderBuild(None, "no C compiler (set CC or install cc)")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
