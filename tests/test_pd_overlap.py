@@ -107,7 +107,8 @@ def test_an_early_offer_names_no_blocks_and_no_first_token(engines: dict[str, En
 async def test_a_decode_leg_gone_while_the_prefill_runs_stops_it_and_leaks_nothing(engines: dict[str, Engine]) -> None:
     """Decode legs that give up (client gone) while their early offers' prefills still run: the decode engine
     stops reading, the prefill engine stops those prefills, and both pools go back to idle; an offer nobody
-    reads expires; a refused one (another prompt) too. Both engines keep serving."""
+    reads expires; one the decode engine refuses before pulling (another prompt) is abandoned at once. Both
+    engines keep serving."""
     p, d, single = engines["prefill"], engines["decode"], engines["single"]
     failed = p.metric("atom:kv_transfer_released_total", 'reason="write_failed"')
     expired = p.metric("atom:kv_transfer_released_total", 'reason="expired"')
@@ -139,13 +140,17 @@ async def test_a_decode_leg_gone_while_the_prefill_runs_stops_it_and_leaks_nothi
     # The abandoned legs' blocks back on the decode engine before the next check (on the H200 it came
     # while they were still held, and was answered 503 for want of blocks, not 400 for the mismatch).
     wait_until(lambda: d.blocks_used() == 0, timeout=60, what="the decode pool to be idle")
+    refusals = p.metric("atom:kv_transfer_released_total", 'reason="refused"')
     never_read = _early_prefill(p, LONG)  # nobody comes: it expires (--kv-transfer-timeout 20)
     refused = _early_prefill(p, LONG)
     status, body = post(d.url + "/v1/completions", _greedy(VERY_LONG, kv_transfer_params=refused))
     assert status == 400 and "blocks" in body["error"]["message"], body  # another prompt: refused before pulling
     assert never_read["transfer_id"] != refused["transfer_id"]
-    wait_until(lambda: p.metric("atom:kv_transfer_released_total", 'reason="expired"') >= expired + 2, timeout=60,
-               what="the unread offers to expire")  # fmt: skip
+    # The refused one: the decode engine says `abandon`, and the producer releases it at once (REFUSED).
+    wait_until(lambda: p.metric("atom:kv_transfer_released_total", 'reason="refused"') >= refusals + 1, timeout=10,
+               what="the refused offer to be abandoned")  # fmt: skip
+    wait_until(lambda: p.metric("atom:kv_transfer_released_total", 'reason="expired"') >= expired + 1, timeout=60,
+               what="the unread offer to expire")  # fmt: skip
     wait_until(lambda: p.blocks_used() == 0 and d.blocks_used() == 0, timeout=60, what="both block pools to be idle")
     async with aiohttp.ClientSession() as s:  # and both keep serving
         want = await _complete(s, single.url, _greedy(LONG))
