@@ -10,13 +10,10 @@ keeps the Python encoder (it logs the reason once). Both write the same bytes fo
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from atomesh.native import build_library
 
 _SOURCE = Path(__file__).with_name("otlp_encode.c")
 _FLAGS = ("-O2", "-shared", "-fPIC")
@@ -67,38 +64,7 @@ class EncoderBuild:
 
 
 def build_encoder(cache_dir: Path | None = None) -> EncoderBuild:
-    """Compile `atomesh/otlp_encode.c` (once per source and flags; kept under `cache_dir`, by default
-    `$XDG_CACHE_HOME/atomesh` or `~/.cache/atomesh`). Named by source and flags, not compiler: a build made
-    beforehand (an image's build stage) serves a machine without one."""
-    try:
-        source = _SOURCE.read_bytes()
-    except OSError as e:
-        return EncoderBuild(None, f"cannot read {_SOURCE}: {e}")
-    digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    folder = cache_dir or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "atomesh"
-    library = folder / f"otlp_encode-{digest}.so"
-    if library.exists():
-        return EncoderBuild(library)
-    compiler = os.environ.get("CC") or shutil.which("cc")
-    if not compiler:
-        return EncoderBuild(None, "no C compiler (set CC or install cc)")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-    except OSError as e:
-        return EncoderBuild(None, f"cannot write the encoder's library under {folder}: {e}")
-    os.close(fd)
-    try:
-        try:
-            done = subprocess.run(
-                [compiler, *_FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, timeout=120, check=False
-            )
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return EncoderBuild(None, f"{compiler} did not run: {e}")
-        if done.returncode != 0:
-            return EncoderBuild(None, f"{compiler} failed: {done.stderr.strip()[-500:]}")
-        os.replace(tmp, library)  # atomic: senders starting together share one build
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return EncoderBuild(library)
+    """Compile `atomesh/otlp_encode.c` (once per source and flags, `atomesh.native`; kept under `cache_dir`,
+    by default `$XDG_CACHE_HOME/atomesh` or `~/.cache/atomesh`)."""
+    library, why_not = build_library(_SOURCE, _FLAGS, cache_dir=cache_dir, what="encoder's library")
+    return EncoderBuild(library, why_not)

@@ -9,20 +9,17 @@ not Linux) the gateway logs why once and relays in Python as before: the answers
 
 from __future__ import annotations
 
-import hashlib
 import importlib.machinery
 import importlib.util
-import os
-import shutil
-import subprocess
 import sys
 import sysconfig
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import structlog
+
+from atomesh.native import build_library
 
 log = structlog.get_logger(__name__)
 
@@ -52,38 +49,12 @@ def build(cache_dir: Path | None = None) -> SpliceBuild:
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     # Named by source, flags and interpreter, not compiler: a build made beforehand (an image's build
     # stage) serves a machine without one.
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join((*_FLAGS, sys.version)).encode()).hexdigest()[:16]
-    folder = cache_dir or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "atomesh"
-    library = folder / f"splice-{digest}{suffix}"
-    if not library.exists():
-        compiler = os.environ.get("CC") or shutil.which("cc")
-        if not compiler:
-            return SpliceBuild(None, "no C compiler (set CC or install cc)")
+    library, why_not = build_library(_SOURCE, _FLAGS, suffix=suffix, key=sys.version, cache_dir=cache_dir,
+                                     include=(f"-I{include}",) if include else (), what="native relay")  # fmt: skip
+    if library is None:
         if not include or not Path(include, "Python.h").exists():
-            return SpliceBuild(None, f"no Python.h under {include!r} (install the interpreter's headers)")
-        try:
-            library.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=suffix, dir=library.parent)
-        except OSError as e:
-            return SpliceBuild(None, f"cannot write the native relay under {library.parent}: {e}")
-        os.close(fd)
-        try:
-            try:
-                done = subprocess.run(
-                    [compiler, *_FLAGS, f"-I{include}", "-o", tmp, str(_SOURCE)],
-                    capture_output=True,
-                    text=True,
-                    timeout=120,
-                    check=False,
-                )
-            except (OSError, subprocess.TimeoutExpired) as e:
-                return SpliceBuild(None, f"{compiler} did not run: {e}")
-            if done.returncode != 0:
-                return SpliceBuild(None, f"{compiler} failed: {done.stderr.strip()[-500:]}")
-            os.replace(tmp, library)  # atomic: gateways starting together share one build
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            why_not = f"no Python.h under {include!r} (install the interpreter's headers); {why_not}"
+        return SpliceBuild(None, why_not)
     spec = importlib.util.spec_from_file_location(
         _NAME, library, loader=importlib.machinery.ExtensionFileLoader(_NAME, str(library))
     )
