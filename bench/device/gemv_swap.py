@@ -193,7 +193,7 @@ def engine_like(x, w, scale, out, cfg: GemvConfig, pdl: bool):
 
 def weights(n: int, k: int, fp8: bool, copies: int, dev: torch.device) -> list[tuple[torch.Tensor, Any]]:
     """``copies`` random weights (FP8: e4m3 bytes of a normal draw and per-channel scales)."""
-    out = []
+    out: list[tuple[torch.Tensor, Any]] = []
     for _ in range(copies):
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
         if fp8:
