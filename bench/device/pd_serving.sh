@@ -11,7 +11,9 @@
 # their kernels run side by side instead of in time slices. PREFILL_MPS_PCT=N (with PD_MPS=1): the prefill engine
 # may use at most N% of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its environment), leaving the rest to decode;
 # PREFILL_MPS_PRIORITY=1: its kernels are scheduled below the decode engine's (CUDA_MPS_CLIENT_PRIORITY, 1 = below
-# normal).
+# normal). PIN=1: each process on its own CPU cores (taskset; a SmolLM2-shape step is mostly host work, and the
+# processes' scheduling moved its rows by up to 0.3x between runs): the colocated engine and the prefill engine
+# cores 0-3, the decode engine 4-7, the gateways 8-11, the load generator 12-15 (on 16 cores or more).
 source bench/device/setup.sh
 DEVICE=${DEVICE:-cuda}
 if [ "$DEVICE" = cuda ] && [ -f .gpu/mooncake-cuda.tar.xz ]; then
@@ -30,10 +32,14 @@ R="$OUT/runs"; mkdir -p "$R"
 # engine was served from its cache).
 SEED=${SEED:-1000}
 PIDS=()
+pin() {  # CORES: a taskset prefix with PIN=1 (and taskset present), else nothing
+  if [ -n "${PIN:-}" ] && command -v taskset >/dev/null && [ "$(nproc)" -ge 16 ]; then echo "taskset -c $1"; fi
+}
 wait_http() { for _ in $(seq "$2"); do curl -sf "$1" >/dev/null && return 0; sleep 1; done; echo "timeout $1"; return 1; }
 engine() {  # NAME PORT EXTRA...
-  local name=$1 port=$2; shift 2
-  env ${ENGINE_ENV:-} python3 -m engine.openai_server --model "$MODEL" --served-model-name m --device "$DEVICE" --host 127.0.0.1 \
+  local name=$1 port=$2 cores=0-3; shift 2
+  case "$name" in *decode) cores=4-7 ;; esac
+  env ${ENGINE_ENV:-} $(pin $cores) python3 -m engine.openai_server --model "$MODEL" --served-model-name m --device "$DEVICE" --host 127.0.0.1 \
     --server-port "$port" --max-model-len "${MAXLEN:-5120}" --max-num-seqs 128 --num-kvcache-blocks "$BLOCKS" \
     ${ENGINE_ARGS:-} "$@" \
     >"$R/$name.log" 2>&1 &
@@ -48,7 +54,7 @@ sweep() {  # SETUP URL [DECODE_METRICS_URL PREFILL_METRICS_URL [GATEWAY_METRICS_
       SEED=$((SEED + 1))
       if [ -n "${3:-}" ]; then curl -s "$3" >"$R/$tag.decode.before.prom"; curl -s "$4" >"$R/$tag.prefill.before.prom"; fi
       if [ -n "${5:-}" ]; then curl -s "$5" >"$R/$tag.gateway.before.prom"; fi
-      timeout "${PASS_S:-60}" python3 -m bench.gateway.serving --base-url "$2" --model m --random-input-len "$isl" \
+      timeout "${PASS_S:-60}" $(pin 12-15) python3 -m bench.gateway.serving --base-url "$2" --model m --random-input-len "$isl" \
         --random-output-len "$osl" --ignore-eos --num-prompts 4 --prompts-per-concurrency "${PPC:-2}" --sweep-concurrency "$c" \
         --seed "$SEED" --save-result "$R/$tag.json" 2>&1 | grep -E "Output token throughput|Tokens/s per user|Median TTFT" \
         | sed "s/^/$tag: /" || echo "$tag: failed"
@@ -60,7 +66,7 @@ sweep() {  # SETUP URL [DECODE_METRICS_URL PREFILL_METRICS_URL [GATEWAY_METRICS_
 # (a) + (b): one colocated engine, straight and behind atomesh.
 engine colocated 8010
 wait_http http://127.0.0.1:8010/health 240
-python3 -m atomesh launch --worker-urls http://127.0.0.1:8010 --host 127.0.0.1 --port 30000 \
+$(pin 8-11) python3 -m atomesh launch --worker-urls http://127.0.0.1:8010 --host 127.0.0.1 --port 30000 \
   --prometheus-port 29000 >"$R/gateway-colocated.log" 2>&1 &
 PIDS+=($!)
 wait_http http://127.0.0.1:30000/readiness 60
@@ -81,7 +87,7 @@ pd_pair() {  # SETUP EXTRA_KV
     --kv-transfer-config "{\"kv_role\":\"kv_producer\",\"kv_connector\":\"mooncake\",\"handshake_port\":6301$kv$2}"
   engine "$1-decode" 8012 --kv-transfer-config "{\"kv_role\":\"kv_consumer\",\"kv_connector\":\"mooncake\",\"handshake_port\":6302$kv}"
   wait_http http://127.0.0.1:8011/health 240 && wait_http http://127.0.0.1:8012/health 240
-  python3 -m atomesh launch --pd-disaggregation --backend atom --prefill http://127.0.0.1:8011 none \
+  $(pin 8-11) python3 -m atomesh launch --pd-disaggregation --backend atom --prefill http://127.0.0.1:8011 none \
     --decode http://127.0.0.1:8012 --host 127.0.0.1 --port 30001 --prometheus-port 29001 >"$R/gateway-$1.log" 2>&1 &
   PIDS+=($!)
   wait_http http://127.0.0.1:30001/readiness 60
