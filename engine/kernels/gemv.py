@@ -8,6 +8,12 @@ conversion on Hopper) and the activations stay in 16 bits, so an FP8 layer strea
 quantizing the activations (the weight-only FP8 path of small batches; large batches keep the FP8 x FP8
 ``_scaled_mm``).
 
+At one token an FP8 weight takes another kernel (``_gemv_token_kernel``): no tensor cores, each program multiplies a
+``[BLOCK_N, BLOCK_K]`` tile of the widened weight by ``x`` on the CUDA cores in float32 and reduces along K once at
+the end, optionally split along K over several programs whose float32 partials a second launch sums. Streamed from
+HBM on an H200 it moves qkv / o / down at 51 / 46 / 55% of bandwidth where the tensor-core kernel moves 47 / 33 / 45%
+(bench/device/gemv_swap.py, docs/engine.md); bf16 weights gain nothing from it and keep the tensor cores.
+
 ``SWIGLU`` fuses the gated activation of a fused gate/up projection: the program reads the gate rows
 ``n`` and the up rows ``n + N`` and writes ``silu(gate) * up`` with the roundings of the unfused ops
 (each matmul output, and the activation, rounded to the model dtype as torch does).
@@ -56,6 +62,28 @@ def _tiles(device_index: int) -> dict[str, dict[str, list[int]]]:
             for kind, shapes in json.loads(Path(path).read_text()).get(name, {}).items():
                 table.setdefault(kind, {}).update(shapes)
     return table
+
+
+@dataclass(frozen=True, slots=True)
+class TokenConfig:
+    """Tile of the one-token FP8 kernel: ``splits`` programs share each row tile along K."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    splits: int
+
+
+def token_config_for(weight: torch.Tensor) -> TokenConfig:
+    """The measured one-token tile for this FP8 weight on this GPU (kind ``fp8_token`` of the table), else a rule:
+    8-row tiles of 1,024 columns, split in four along a long K."""
+    n, k = weight.shape
+    if weight.is_cuda:
+        hit = _tiles(weight.device.index or 0).get("fp8_token", {}).get(f"{n}x{k}")
+        if hit:
+            return TokenConfig(*hit)
+    return TokenConfig(8, 1024 if k >= 4096 else 256, 4, 2, 4 if k >= 8192 else 1)
 
 
 def config_for(weight: torch.Tensor) -> GemvConfig:
@@ -121,18 +149,87 @@ def _gemv_kernel(
     tl.store(out, acc.to(dt), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _gemv_token_kernel(
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, N, stride_w, K: tl.constexpr, K_SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    s = tl.program_id(1)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K_SPLIT, BLOCK_K):
+        k = s * K_SPLIT + k0 + rk
+        k_ok = k < K
+        x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += w * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if SPLIT:
+        tl.store(part_ptr + s * N + rn, y, mask=n_ok)
+    else:
+        if HAS_SCALE:
+            y = y * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _sum_splits_kernel(
+    part_ptr, scale_ptr, bias_ptr, out_ptr, N, S: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    rn = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = rn < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(S):
+        acc += tl.load(part_ptr + s * N + rn, mask=ok, other=0.0)
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + rn, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _gemv_token(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, out: torch.Tensor,
+    cfg: TokenConfig,
+) -> torch.Tensor:  # fmt: skip
+    n, k = weight.shape
+    k_split = triton.cdiv(triton.cdiv(k, cfg.splits), cfg.block_k) * cfg.block_k
+    splits = triton.cdiv(k, k_split)
+    part = torch.empty(splits, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+    dummy = scale if scale is not None else out
+    _gemv_token_kernel[(triton.cdiv(n, cfg.block_n), splits)](
+        x, weight, dummy, bias if bias is not None else dummy, out, part, n, weight.stride(0), k, k_split,
+        SPLIT=splits > 1, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if splits > 1:
+        _sum_splits_kernel[(triton.cdiv(n, 1024),)](
+            part, dummy, bias if bias is not None else dummy, out, n, splits,
+            HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, BLOCK=1024,
+        )  # fmt: skip
+    return out
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
     scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     swiglu: bool = False,
-    config: GemvConfig | None = None,
+    config: GemvConfig | TokenConfig | None = None,
 ) -> torch.Tensor:
     """``x [M, K] @ weight[N, K].T`` (times ``scale [N]`` per channel, plus ``bias``) for ``M <= 16``.
 
     With ``swiglu`` the weight is a fused ``[2N', K]`` gate/up projection and the result ``silu(gate) * up``
-    ``[M, N']``. Output in ``x``'s dtype.
+    ``[M, N']``. Output in ``x``'s dtype. One token on an FP8 weight (no SwiGLU) takes the CUDA-core kernel,
+    ``config`` then a ``TokenConfig``.
     """
     m, k = x.shape
     if m > MAX_TOKENS:
@@ -145,8 +242,12 @@ def gemv(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg = config or config_for(weight)
     fp8 = weight.element_size() == 1
+    if m == 1 and fp8 and not swiglu and not isinstance(config, GemvConfig):
+        return _gemv_token(x, weight, scale, bias, out, config or token_config_for(weight))
+    if isinstance(config, TokenConfig):
+        raise ValueError("a TokenConfig is for one token on an FP8 weight without SwiGLU")
+    cfg = config or config_for(weight)
     fp16_dot = fp8 or x.dtype == torch.float16
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, scale if scale is not None else x, bias if bias is not None else x, out,

@@ -74,6 +74,30 @@ def test_skinny_matmuls_match_linear(tokens: int) -> None:
         gemv(torch.zeros(17, 200, dtype=dt, device=DEV), w)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_one_token_fp8_matmul_on_the_cuda_cores_matches_the_dequantized_weight(splits: int) -> None:
+    from engine.kernels.gemv import GemvConfig, TokenConfig, gemv
+    from engine.models.quant import quantize_per_channel
+
+    # One token on an FP8 weight takes the CUDA-core kernel (split along K or not); K = 200 is no multiple of the
+    # slice and N = 72 none of the rows: masked edges. Bias added after the scale, as Fp8Linear does.
+    dt = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    x = torch.randn(1, 200, generator=_g(1)).to(DEV, dt)
+    w = (torch.randn(72, 200, generator=_g(2)) * 0.1).to(DEV, dt)
+    b = torch.randn(72, generator=_g(3)).to(DEV, dt)
+    q, scale = quantize_per_channel(w.float())
+    ref = F.linear(x.float(), q.float() * scale[:, None], b.float())
+    cfg = TokenConfig(8, 64, 4, 2, splits)
+    torch.testing.assert_close(gemv(x, q, scale, bias=b, config=cfg).float(), ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(gemv(x, q, scale).float(), F.linear(x.float(), q.float() * scale[:, None]), rtol=2e-2,
+                               atol=2e-2)  # fmt: skip
+    with pytest.raises(ValueError, match="TokenConfig is for one token"):
+        gemv(x.expand(2, 200).contiguous(), q, scale, config=cfg)
+    # A GemvConfig keeps one token on the tensor-core kernel (what the tile sweep compares against).
+    torch.testing.assert_close(gemv(x, q, scale, config=GemvConfig(16, 64, 4, 2)).float(), ref - b.float(),
+                               rtol=2e-2, atol=2e-2)  # fmt: skip
+
+
 def test_skinny_matmul_tiles_come_from_the_measured_table_and_a_tuning_run_overrides_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -82,10 +106,15 @@ def test_skinny_matmul_tiles_come_from_the_measured_table_and_a_tuning_run_overr
     packaged = json.loads(g.TILES_FILE.read_text())
     for device, kinds in packaged.items():
         for kind, shapes in kinds.items():
-            assert kind in ("bf16", "fp8"), (device, kind)
+            assert kind in ("bf16", "fp8", "fp8_token"), (device, kind)
             for shape, tile in shapes.items():
                 n, k = map(int, shape.split("x"))
-                assert n > 0 and k > 0 and len(tile) == 4 and all(isinstance(v, int) and v > 0 for v in tile), shape
+                assert (
+                    n > 0
+                    and k > 0
+                    and len(tile) == (5 if kind == "fp8_token" else 4)
+                    and all(isinstance(v, int) and v > 0 for v in tile)
+                ), shape
     override = tmp_path / "tiles.json"
     override.write_text(json.dumps({"NVIDIA H200": {"fp8": {"4096x4096": [16, 128, 8, 2]}}}))
     monkeypatch.setenv("ENGINE_GEMV_TILES", str(override))
