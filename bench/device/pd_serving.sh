@@ -11,7 +11,7 @@
 # their kernels run side by side instead of in time slices. PREFILL_MPS_PCT=N (with PD_MPS=1): the prefill engine
 # may use at most N% of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its environment), leaving the rest to decode;
 # PREFILL_MPS_PRIORITY=1: its kernels are scheduled below the decode engine's (CUDA_MPS_CLIENT_PRIORITY, 1 = below
-# normal). PIN=1: each process on its own CPU cores (taskset; a SmolLM2-shape step is mostly host work, and the
+# normal); COLOC_MPS=1: the colocated engine under MPS as well. PIN=1: each process on its own CPU cores (taskset; a SmolLM2-shape step is mostly host work, and the
 # processes' scheduling moved its rows by up to 0.3x between runs): the colocated engine and the prefill engine
 # cores 0-3, the decode engine 4-7, the gateways 8-11, the load generator 12-15 (on 16 cores or more).
 source bench/device/setup.sh
@@ -63,6 +63,17 @@ sweep() {  # SETUP URL [DECODE_METRICS_URL PREFILL_METRICS_URL [GATEWAY_METRICS_
     done
   done
 }
+start_mps() {
+  # MPS: one server process runs both engines' kernels concurrently on the GPU (without it the driver time-slices
+  # the two contexts). The daemon's pipe and log folders are this run's own; it is told to quit at the end.
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/atomesh-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/atomesh-mps/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d || { echo "MPS: nvidia-cuda-mps-control -d failed"; exit 1; }
+  trap 'echo quit | nvidia-cuda-mps-control >/dev/null 2>&1 || true' EXIT
+  echo "engines under MPS from $1 on (pipe $CUDA_MPS_PIPE_DIRECTORY)" | tee -a "$R/mps.txt"
+}
+# COLOC_MPS=1 (with PD_MPS=1): the colocated engine runs under MPS too (is an MPS client's step slower by itself?).
+[ -z "${COLOC_MPS:-}" ] || start_mps "the colocated engine"
 # (a) + (b): one colocated engine, straight and behind atomesh.
 engine colocated 8010
 wait_http http://127.0.0.1:8010/health 240
@@ -96,15 +107,7 @@ pd_pair() {  # SETUP EXTRA_KV
   grep -h -iE "memory backend|staged|error" "$R/$1-prefill.log" "$R/$1-decode.log" | head -8 || true
   stop_all
 }
-if [ -n "${PD_MPS:-}" ]; then
-  # MPS: one server process runs both engines' kernels concurrently on the GPU (without it the driver time-slices
-  # the two contexts). The daemon's pipe and log folders are this run's own; it is told to quit at the end.
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/atomesh-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/atomesh-mps/log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  nvidia-cuda-mps-control -d || { echo "PD_MPS=1: nvidia-cuda-mps-control -d failed"; exit 1; }
-  trap 'echo quit | nvidia-cuda-mps-control >/dev/null 2>&1 || true' EXIT
-  echo "P/D engines under MPS (pipe $CUDA_MPS_PIPE_DIRECTORY)" | tee "$R/mps.txt"
-fi
+[ -z "${PD_MPS:-}" ] || [ -n "${COLOC_MPS:-}" ] || start_mps "the P/D pair"
 if [ -n "${EARLY_AB:-}" ]; then
   pd_pair pd-1p1d ',"early_offer":false'
   pd_pair pd-1p1d-early ''
