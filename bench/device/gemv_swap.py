@@ -281,12 +281,66 @@ def chain(kind: str, best: dict[str, tuple[str, dict[str, Any]]], dev: torch.dev
     return out
 
 
+def token_sweep(json_path: str, tiles_path: str, seconds: float) -> None:
+    """The engine's one-token FP8 kernel over a wider space of tiles (random order, cut at the deadline) for qkv, o
+    and down; each shape's winner goes into the tiles file when it beats the packaged tile in the same run."""
+    import random
+
+    from engine.kernels.gemv import TokenConfig, token_config_for
+
+    dev = torch.device("cuda")
+    end = time.monotonic() + seconds
+    res: dict[str, Any] = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "shapes": {}}
+    tiles: dict[str, list[int]] = {}
+    names = ["qkv", "o", "down"]
+    space = [TokenConfig(bn, bk, w, st, sp) for bn, bk, w, st, sp in
+             itertools.product((4, 8, 16), (512, 1024, 2048), (2, 4, 8), (2, 3), (1, 2, 4)) if bn * bk <= 16384]  # fmt: skip
+    random.Random(0).shuffle(space)
+    for i, name in enumerate(names):
+        n, k = SHAPES[name]
+        deadline = time.monotonic() + (end - time.monotonic()) / (len(names) - i)
+        ws = weights(n, k, True, min(16, max(2, -(-PASS_BYTES // (n * k)))), dev)
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        ref = (x.float() @ ws[0][0].float().T) * ws[0][1][None, :]
+        today = token_config_for(ws[0][0])
+        rows = []
+        for cfg in [today, *space]:
+            if time.monotonic() > deadline:
+                break
+            try:
+                y = gemv(x, ws[0][0], ws[0][1], config=cfg).float()
+                if ((y - ref).abs().max() / ref.abs().max()).item() > 0.02:
+                    raise RuntimeError("wrong result")
+                t = graph_time([partial(gemv, x, w, s, config=cfg) for w, s in ws], rounds=3)
+            except Exception as e:
+                rows.append({"cfg": str(cfg), "error": f"{type(e).__name__}: {str(e)[:80]}"})
+                continue
+            rows.append({"cfg": str(cfg), "tile": [cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
+                         cfg.splits], "us": t * 1e6, "pct_hbm": 100 * n * k / t / HBM})  # fmt: skip
+        ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+        res["shapes"][name] = {"today": rows[0], "top5": ok[:5], "tried": len(rows)}
+        print("token", name, "today", rows[0], "best", ok[:1], flush=True)
+        if ok and "us" in rows[0] and ok[0]["us"] < rows[0]["us"]:
+            tiles[f"{n}x{k}"] = ok[0]["tile"]
+        del ws
+        torch.cuda.empty_cache()
+    with open(json_path, "w") as f:
+        json.dump(res, f, indent=1)
+    with open(tiles_path, "w") as f:
+        json.dump({torch.cuda.get_device_name(): {"fp8_token": tiles}}, f)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", required=True)
     ap.add_argument("--seconds", type=float, default=240.0)
     ap.add_argument("--kinds", default="fp8,bf16")
+    ap.add_argument("--token-tiles", help="sweep only the one-token FP8 kernel of the engine, wider, and write the "
+                    "tiles that beat the table's into this file (ENGINE_GEMV_TILES form)")  # fmt: skip
     a = ap.parse_args()
+    if a.token_tiles:
+        token_sweep(a.json, a.token_tiles, a.seconds)
+        return
     dev = torch.device("cuda")
     start = time.monotonic()
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "shapes": {}}
