@@ -293,8 +293,8 @@ def token_sweep(json_path: str, tiles_path: str, seconds: float) -> None:
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "shapes": {}}
     tiles: dict[str, list[int]] = {}
     names = ["qkv", "o", "down"]
-    space = [TokenConfig(bn, bk, w, st, sp) for bn, bk, w, st, sp in
-             itertools.product((4, 8, 16), (512, 1024, 2048), (2, 4, 8), (2, 3), (1, 2, 4)) if bn * bk <= 16384]  # fmt: skip
+    grid = itertools.product((4, 8, 16), (512, 1024, 2048), (2, 4, 8), (2, 3), (1, 2, 4))
+    space = [TokenConfig(bn, bk, w, st, sp) for bn, bk, w, st, sp in grid if bn * bk <= 16384]
     random.Random(0).shuffle(space)
     for i, name in enumerate(names):
         n, k = SHAPES[name]
