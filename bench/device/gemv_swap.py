@@ -303,7 +303,7 @@ def token_sweep(json_path: str, tiles_path: str, seconds: float) -> None:
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
         ref = (x.float() @ ws[0][0].float().T) * ws[0][1][None, :]
         today = token_config_for(ws[0][0])
-        rows = []
+        rows: list[dict[str, Any]] = []
         for cfg in [today, *space]:
             if time.monotonic() > deadline:
                 break
