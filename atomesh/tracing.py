@@ -11,12 +11,14 @@ What it costs is what the request path does, so that path does little. Whether a
 is decided once, as it arrives: the client's flag, else `OTEL_TRACES_SAMPLER` /
 `OTEL_TRACES_SAMPLER_ARG` as the SDK reads them, else every trace. A request not sampled gets no
 `Trace`; all tracing does for it is the `traceparent` it passes on (flagged not sampled, so the
-engines record nothing either). A sampled request's `Trace` records its spans as tuples and ints in a
-list (`time.time_ns()` times, the few values each kind of span has, span ids counted from one random
-base): no span objects, no attribute dicts. When the request ends the record is queued; a thread ships
-queued records in batches to a sender process, which writes the OTLP protobuf and sends it (`otlp.py`,
-`otlp_sender.py`). The OpenTelemetry SDK's span objects, processor and encoder cost more than the
-gateway's whole request path, so none of them is used here.
+engines record nothing either), taken ready-made from a pool. A sampled request's `Trace` records its
+spans as one flat list of strings, ints and floats (the record `atomesh.otlp` describes): its ids as
+the hex its `traceparent`s start with, taken from a pool of random ids made 256 at a time; its times
+from the monotonic clock, as floats (the sender turns them into wall-clock nanoseconds); no span
+objects, no attribute dicts, no tuple per span. When the request ends its record joins the batch, one
+flat list; a batch goes to a sender process as one `marshal` frame, and the sender writes the OTLP
+protobuf and sends it (`otlp.py`, `otlp_sender.py`). The OpenTelemetry SDK's span objects, processor
+and encoder cost more than the gateway's whole request path, so none of them is used here.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import time
 from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
-from atomesh.otlp import ADMISSION, ATTEMPT, DECODE, PREFILL, UPSTREAM, SpanExporter, exporter_settings
+from atomesh.otlp import ADMISSION, ATTEMPT, DECODE, PREFILL, SPANS, UPSTREAM, SpanExporter, exporter_settings
 from atomesh.request import Route
 from atomesh.tenancy import PriorityClass
 
@@ -43,39 +45,45 @@ TRACEPARENT = "traceparent"
 _TRACEPARENT = re.compile(r"\s*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:-\S*)?\s*", re.IGNORECASE)
 _CLASSES = {c: c.name.lower() for c in PriorityClass}
 _ROUTES = {r: r.value for r in Route}  # plain strings (an Enum's `value` is a property: slow)
-_now = time.time_ns  # see atomesh.otlp on a record's times
+_clock = time.monotonic  # a record's times; see atomesh.otlp
+_VALUES = tuple(len(keys) for _, _, keys, _ in SPANS)  # the values of each kind of span's begin
+# What follows a record's prefix in the traceparent of the span whose begin is item i (i < 256): the
+# span id's last byte, and the sampled flag.
+_SAMPLED = tuple(f"{i:02x}-01" for i in range(256))
+_POOL = 256  # ids made at a time
+_U64 = (1 << 64) - 1
 
 
 class Trace:
-    """The spans of one sampled request, as it runs (the record `atomesh.otlp` describes).
+    """The spans of one sampled request, as it runs: `items`, its record (`atomesh.otlp` describes it).
 
     A child span begins with `trace.admission(...)`, `trace.attempt(...)` or `trace.leg(...)`, which
-    write its begin event, and ends with `trace.end()` in a `finally`, which writes its end event and so
-    closes the innermost open span (not a `with` block: calling `__enter__` and `__exit__` costs as
-    much again as the span). Made by `Tracing.start` only (no `__init__`: calling one costs as much as
-    a span)."""
+    add its begin (kind, time, values) to the record, and ends with `trace.end()` in a `finally`, which
+    adds its end time and so closes the innermost open span (not a `with` block: calling `__enter__`
+    and `__exit__` costs as much again as the span). Made by `Tracing.start` only (no `__init__`:
+    calling one costs as much as a span)."""
 
-    __slots__ = ("base", "error", "events", "parent", "start", "status", "trace_id")
+    __slots__ = ("error", "items", "spans", "status")
 
-    trace_id: bytes  # 16 bytes
-    parent: bytes  # the client's span (8 bytes), or b""
-    base: int  # the request span's id; a child's is base + 1 + the index of its begin event
-    events: list[Any]  # begin events (tuples) and end events (ints)
-    start: int  # time.time_ns(); the events' times are nanoseconds since it
+    items: list[Any]  # the record so far: prefix, parent, start, then begins and ends
+    spans: int  # the request span and the children begun
     status: int  # the refusal's HTTP status, when `error` is set
     error: str | None  # the gateway's error code when it refused or failed the request, else None
 
     def admission(self, model: str | None, cls: PriorityClass, tenant: str) -> None:
         """Waiting for admission begins (the model, known from here, goes on the request span too)."""
-        self.events.append((_now() - self.start, ADMISSION, _CLASSES[cls], tenant, model))
+        self.items += (ADMISSION, _clock(), _CLASSES[cls], tenant, model)
+        self.spans += 1
 
     def attempt(self, number: int, kind: str, policies: tuple[str, ...], workers: tuple[str, ...]) -> None:
         """One placement and its run begins (kind: first, retry or migration)."""
-        self.events.append((_now() - self.start, ATTEMPT, number, kind, policies, workers))
+        self.items += (ATTEMPT, _clock(), number, kind, policies, workers)
+        self.spans += 1
 
     def leg(self, leg: int, url: str) -> None:
         """A call to one worker begins (leg: PREFILL, DECODE or UPSTREAM)."""
-        self.events.append((_now() - self.start, leg, url))
+        self.items += (leg, _clock(), url)
+        self.spans += 1
 
     def failed(self, status: int, code: str) -> None:
         """The request ends with the gateway's error (the request span's status and `error.type`)."""
@@ -83,22 +91,44 @@ class Trace:
 
     def end(self) -> None:
         """End the innermost open span."""
-        self.events.append(_now() - self.start)
+        self.items.append(_clock())
 
     def current(self) -> int:
-        """The innermost open span's id."""
-        events = self.events
-        i = len(events)
-        ended = 0
-        while i:
-            i -= 1
-            if events[i].__class__ is int:
-                ended += 1
-            elif ended:
-                ended -= 1
+        """The innermost open span, as the index of its begin in `items` (0: the request span)."""
+        items = self.items
+        begun = [0]
+        i, n = 3, len(items)
+        while i < n:
+            item = items[i]
+            if item.__class__ is float:
+                if len(begun) > 1:
+                    begun.pop()
+                i += 1
             else:
-                return self.base + 1 + i
-        return self.base
+                begun.append(i)
+                i += 2 + _VALUES[item]
+        return begun[-1]
+
+    def traceparent(self, span: int) -> str:
+        """The sampled `traceparent` naming the span whose begin is item `span` (0: the request span)."""
+        prefix: str = self.items[0]
+        if span < 256:
+            return prefix + _SAMPLED[span]
+        return f"{prefix[:36]}{((int(prefix[36:], 16) << 8) + span) & _U64:016x}-01"
+
+
+def random_ids(template: str, span_bytes: int, n: int = _POOL) -> list[str]:
+    """`n` strings `template % (trace id, span id)` (`template` ending in a space), the ids random (16 and
+    `span_bytes` bytes, in lower-case hex) and none all zeros (W3C: invalid)."""
+    while True:
+        data = os.urandom((16 + span_bytes) * n)
+        traces = data[: 16 * n].hex(" ", 16).split()
+        spans = data[16 * n :].hex(" ", span_bytes).split()
+        if "0" * 32 not in traces and "0" * (2 * span_bytes) not in spans:
+            break
+    ids: list[str] = [""] * (2 * n)
+    ids[::2], ids[1::2] = traces, spans
+    return (template * n % tuple(ids)).split()
 
 
 def parse_traceparent(value: str | None) -> tuple[str, str, bool] | None:
@@ -143,16 +173,19 @@ class Tracing:
         if endpoint is None:
             return
         self.ratio = ratio_from_env()
-        rng = random.Random()  # seeded from os.urandom
-        self._random, self._bits = rng.random, rng.getrandbits
+        self._random = random.Random().random  # seeded from os.urandom
+        # Ids made _POOL at a time (one system call, a few C-level passes), taken one a request; filled on
+        # first use, so that processes forked from this one draw their own.
+        self._prefixes: list[str] = []  # "00-<trace id>-<the request span id's first 7 bytes>"
+        self._unsampled: list[str] = []  # whole traceparents, flagged not sampled
         settings = exporter_settings(endpoint, service)
         # Records go to the sender in frames of up to half the queue's bound (and at least one export
         # batch), which it sends in export batches: the sender wakes once for several batches (about a
         # third of its CPU a request at 128 requests a frame was waking up cold).
         self._hand_over = max(settings.max_batch, settings.max_queue // 2)
         self._delay = settings.schedule_delay_s
-        # The records of the requests ended since the last batch left, and their spans.
-        self._batch: list[tuple[Any, ...]] = []
+        # The records of the requests ended since the last batch left (one flat list), and their spans.
+        self._batch: list[Any] = []
         self._batch_spans = 0
         self._timer: asyncio.TimerHandle | None = None
         self.exporter = SpanExporter(settings)  # starts the sender process and its writer thread; `shutdown` stops them
@@ -165,45 +198,40 @@ class Tracing:
         if client is None:
             if self.ratio < 1.0 and self._random() >= self.ratio:
                 return None
-            # Random bits as the SDK's id generator takes them (Python's `random`): no system call.
-            trace_id, parent = (self._bits(128) | 1).to_bytes(16, "little"), b""
+            pool = self._prefixes
+            prefix = pool.pop() if pool else self._new_prefix()
+            parent = ""
         elif client[2]:
-            trace_id, parent = bytes.fromhex(client[0]), bytes.fromhex(client[1])
+            prefix = "00-" + client[0] + (self._prefixes.pop() if self._prefixes else self._new_prefix())[35:]
+            parent = client[1]
         else:
             return None  # the client's trace, not sampled
         trace = exchange.trace = Trace()
-        trace.trace_id = trace_id
-        trace.parent = parent
-        # 62 random bits, odd: never zero, and the request's child span ids (counted up from it) stay in 64 bits.
-        trace.base = self._bits(62) | 1
-        trace.events = []
+        trace.items = [prefix, parent, _clock()]
+        trace.spans = 1
         trace.error = None
-        trace.start = _now()
         return trace
+
+    def _new_prefix(self) -> str:
+        self._prefixes = random_ids("00-%s-%s ", 7)
+        return self._prefixes.pop()
 
     def finish(self, trace: Trace, route: Route, exchange: Exchange) -> None:
         """End the request span and put the request's record in the batch; a full batch leaves."""
-        events = trace.events
-        batch = self._batch
         error = trace.error
-        batch.append(
-            (
-                trace.trace_id,
-                trace.parent,
-                trace.base,
-                trace.start,
-                _now() - trace.start,
-                _ROUTES[route],
-                exchange.request_id,
-                trace.status if error is not None else exchange.status or 0,
-                error,
-                events,
-            )
+        batch = self._batch
+        batch += trace.items
+        batch += (
+            _ROUTES[route],
+            exchange.request_id,
+            trace.status if error is not None else exchange.status or 0,
+            error,
+            _clock(),
         )
-        self._batch_spans += 1 + len(events) // 2  # the request span, and a begin and an end per child
+        self._batch_spans += trace.spans
         if self._batch_spans >= self._hand_over:
             self.ship()
-        elif len(batch) == 1:
+        elif self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self._delay, self.ship)
 
     def ship(self) -> None:
@@ -212,7 +240,8 @@ class Tracing:
             self._timer.cancel()
             self._timer = None
         if self._batch:
-            frame = marshal.dumps(self._batch, 4)
+            # The clocks' anchor: the sender turns the records' monotonic times into wall-clock times by it.
+            frame = marshal.dumps((time.time_ns(), _clock(), self._batch), 4)
             self.exporter.send(len(frame).to_bytes(4, "big") + frame, self._batch_spans)
             self._batch, self._batch_spans = [], 0
 
@@ -221,19 +250,26 @@ class Tracing:
         flag when the request is not traced, so the engine records nothing either)."""
         trace = exchange.trace
         if trace is not None:
-            events = trace.events
-            # A call to a worker comes right after its span begins: that span is the last event.
-            span = trace.base + len(events) if events[-1].__class__ is tuple else trace.current()
-            # One hex call writes both ids, the dash between them too (after the trace id's 16 bytes).
-            headers[TRACEPARENT] = "00-" + (trace.trace_id + span.to_bytes(8, "little")).hex("-", -16) + "-01"
+            items = trace.items
+            # A call to a worker comes right after its leg begins: the leg's kind (the only int three
+            # items from the end of a record), time and address are the last items.
+            span = len(items) - 3
+            if items[span].__class__ is not int:
+                span = trace.current()
+            headers[TRACEPARENT] = items[0] + _SAMPLED[span] if span < 256 else trace.traceparent(span)
         else:
             headers[TRACEPARENT] = self._not_sampled(exchange.headers)
 
     def _not_sampled(self, headers: Mapping[str, str]) -> str:
-        client = parse_traceparent(headers.get(TRACEPARENT))
-        if client is not None:
-            return f"00-{client[0]}-{client[1]}-00"  # the client's trace, passed through
-        return f"00-{self._bits(128) | 1:032x}-{self._bits(64) | 1:016x}-00"  # random bits: no system call
+        value = headers.get(TRACEPARENT)
+        if value is not None:
+            client = parse_traceparent(value)
+            if client is not None:
+                return f"00-{client[0]}-{client[1]}-00"  # the client's trace, passed through
+        pool = self._unsampled
+        if not pool:
+            pool = self._unsampled = random_ids("00-%s-%s-00 ", 8)
+        return pool.pop()
 
     def shutdown(self) -> None:
         """Send what is queued and stop (at gateway stop)."""

@@ -296,42 +296,53 @@ async def test_spans_are_written_as_the_collectors_protobuf(monkeypatch: pytest.
         assert kv.key == "k" and read(kv.value) == value
 
 
+def _record(rng: random.Random, i: int, now: float) -> list[Any]:
+    """One request's record as `atomesh.otlp` describes it, of any shape the request path makes: spans left
+    open, no model, a client's parent or none, long and non-ASCII values, errors, begins past item 255."""
+    prefix = "00-" + rng.getrandbits(128).to_bytes(16, "big").hex() + "-" + rng.getrandbits(56).to_bytes(7, "big").hex()
+    record: list[Any] = [prefix, rng.choice(["", rng.getrandbits(64).to_bytes(8, "big").hex()]), now]
+    record += (0, now + 1e-5, "interactive", f"tenant-{i % 3}", rng.choice(["m" * rng.randrange(300), None]))
+    record.append(now + 2e-5)
+    for attempt in range(rng.choice([1, 1, 2, 60])):  # 60 attempts: begins past item 255
+        workers = tuple(f"http://w{j}" for j in range(rng.randrange(3)))
+        record += (1, now + 3e-5, attempt, "retry", ("cache_aware",) * rng.randrange(3), workers)
+        record += (rng.randrange(2, 5), now + 4e-5, "http://é" * rng.randrange(1, 40))
+        record += [now + 5e-5, now + 6e-5][: rng.randrange(3) if attempt else 2]  # a leg, an attempt left open, or not
+    record += (
+        "/v1/completions",
+        rng.choice(["req-1", "x" * 150, "é" * 70]),
+        rng.choice([200, 503]),
+        rng.choice([None, "upstream_error"]),
+        now + rng.choice([7e-5, 3e3]),
+    )
+    return record
+
+
 def test_the_compiled_encoder_writes_what_pythons_writes() -> None:
-    """Records of every shape the request path makes (spans left open, no model, a client's parent or
-    none, long and non-ASCII values, errors) in export batches of any size: the same bytes from both
-    encoders; a frame that is not a list of records is refused (the sender then uses Python's)."""
+    """Records of every shape the request path makes in export batches of any size: the same bytes from
+    both encoders; a frame that is not one of records is refused (the sender then uses Python's)."""
     encoder, native = _encoders()
     rng = random.Random(7)
     for _ in range(40):
-        records = []
+        now = time.monotonic()
+        batch: list[Any] = []
         for i in range(rng.randrange(1, 40)):
-            events: list[Any] = [
-                (10, 0, "interactive", f"tenant-{i % 3}", rng.choice(["m" * rng.randrange(300), None]))
-            ]
-            events.append(20)
-            workers = tuple(f"http://w{j}" for j in range(rng.randrange(3)))
-            events.append((30, 1, i, "retry", ("cache_aware",) * rng.randrange(3), workers))
-            events.append((40, rng.randrange(2, 5), "http://é" * rng.randrange(1, 40)))
-            events += [50, 60][: rng.randrange(3)]  # the leg and the attempt ended, or left open
-            records.append(
-                (
-                    rng.getrandbits(128).to_bytes(16, "little"),
-                    rng.choice([b"", rng.getrandbits(64).to_bytes(8, "big")]),
-                    rng.getrandbits(62) | 1,
-                    time.time_ns(),
-                    rng.choice([70, 2**40]),
-                    "/v1/completions",
-                    rng.choice(["req-1", "x" * 150, "é" * 70]),
-                    rng.choice([200, 503]),
-                    rng.choice([None, "upstream_error"]),
-                    events,
-                )
-            )
-        frame = marshal.dumps(records, 4)
+            batch += _record(rng, i, now)
+        frame = marshal.dumps((time.time_ns(), now + rng.random(), batch), 4)
         max_spans = rng.choice([1, 5, 100, 2048])
         assert native.export_requests(frame, max_spans) == encoder.export_requests(frame, max_spans)
-    assert native.export_requests(b"junk", 10) is None
-    assert native.export_requests(marshal.dumps([(1, 2)], 4), 10) is None
+    good = _record(rng, 0, 1.0)
+    assert native.export_requests(marshal.dumps((1, 1.0, good), 4), 10) is not None
+    for bad in (
+        b"junk",
+        marshal.dumps([(1, 2)], 4),
+        marshal.dumps((1, 1.0, good[:-1]), 4),  # the record cut short
+        marshal.dumps((1, 1.0, ["00-" + "g" * 32 + good[0][35:], *good[1:]]), 4),  # an id not in hex
+        marshal.dumps((1, 1.0, [*good[:2], float("nan"), *good[3:]]), 4),  # a time that is no time
+        marshal.dumps((1, 1.0, [*good[:3], 9, *good[4:]]), 4),  # a kind of span there is not
+        marshal.dumps((1, 1.0, [*good[:3], 1.5, *good[3:]]), 4),  # an end with no span open
+    ):
+        assert native.export_requests(bad, 10) is None, bad
 
 
 def test_a_request_not_sampled_records_nothing_and_passes_the_flag_on(monkeypatch: pytest.MonkeyPatch) -> None:
