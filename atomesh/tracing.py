@@ -11,14 +11,18 @@ What it costs is what the request path does, so that path does little. Whether a
 is decided once, as it arrives: the client's flag, else `OTEL_TRACES_SAMPLER` /
 `OTEL_TRACES_SAMPLER_ARG` as the SDK reads them, else every trace. A request not sampled gets no
 `Trace`; all tracing does for it is the `traceparent` it passes on (flagged not sampled, so the
-engines record nothing either), taken ready-made from a pool. A sampled request's `Trace` records its
-spans as one flat list of strings, ints and floats (the record `atomesh.otlp` describes): its ids as
-the hex its `traceparent`s start with, taken from a pool of random ids made 256 at a time; its times
-from the monotonic clock, as floats (the sender turns them into wall-clock nanoseconds); no span
-objects, no attribute dicts, no tuple per span. When the request ends its record joins the batch, one
-flat list; a batch goes to a sender process as one `marshal` frame, and the sender writes the OTLP
-protobuf and sends it (`otlp.py`, `otlp_sender.py`). The OpenTelemetry SDK's span objects, processor
-and encoder cost more than the gateway's whole request path, so none of them is used here.
+engines record nothing either). A sampled request's `Trace` records its spans as a record: one flat
+run of strings, ints and floats (`atomesh.otlp` describes it), its ids as the hex its `traceparent`s
+start with, its times from the monotonic clock; no span objects, no attribute dicts, no container per
+span. When the request ends its record joins the batch; a batch goes to a sender process as one
+`marshal` frame, and the sender writes the OTLP protobuf and sends it (`otlp.py`, `otlp_sender.py`).
+
+The recorder (`Recorder`: the traces, the batch, the ids) is compiled (`atomesh/trace_record.c`, built on
+first use and cached as the native relay is), which writes each record straight into the frame's
+bytes: a hook is one call into C. Where it cannot be built it is `PyRecorder` here, which makes the
+same records as Python objects and `marshal`s the batch (a hook then costs about ten times as much;
+the gateway logs why once). The OpenTelemetry SDK's span objects, processor and encoder cost more than
+the gateway's whole request path, so none of them is used here.
 """
 
 from __future__ import annotations
@@ -30,8 +34,12 @@ import random
 import re
 import time
 from collections.abc import Mapping, MutableMapping
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
+import structlog
+
+from atomesh.native import build_extension
 from atomesh.otlp import ADMISSION, ATTEMPT, DECODE, PREFILL, SPANS, UPSTREAM, SpanExporter, exporter_settings
 from atomesh.request import Route
 from atomesh.tenancy import PriorityClass
@@ -39,59 +47,119 @@ from atomesh.tenancy import PriorityClass
 if TYPE_CHECKING:
     from atomesh.transport import Exchange
 
-__all__ = ["ADMISSION", "ATTEMPT", "DECODE", "PREFILL", "UPSTREAM", "Trace", "Tracing"]
+__all__ = ["ADMISSION", "ATTEMPT", "DECODE", "PREFILL", "UPSTREAM", "Recorder", "Trace", "Tracing"]
+
+log = structlog.get_logger("atomesh.tracing")
 
 TRACEPARENT = "traceparent"
 _TRACEPARENT = re.compile(r"\s*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:-\S*)?\s*", re.IGNORECASE)
-_CLASSES = {c: c.name.lower() for c in PriorityClass}
+_CLASSES = tuple(c.name.lower() for c in sorted(PriorityClass))  # by value: 0, 1, ...
 _ROUTES = {r: r.value for r in Route}  # plain strings (an Enum's `value` is a property: slow)
 _clock = time.monotonic  # a record's times; see atomesh.otlp
 _VALUES = tuple(len(keys) for _, _, keys, _ in SPANS)  # the values of each kind of span's begin
 # What follows a record's prefix in the traceparent of the span whose begin is item i (i < 256): the
 # span id's last byte, and the sampled flag.
 _SAMPLED = tuple(f"{i:02x}-01" for i in range(256))
-_POOL = 256  # ids made at a time
+_NONZERO = 1 | 1 << 128  # ids of random bytes (little-endian): a set bit in the trace id and in the span id
 _U64 = (1 << 64) - 1
+_SOURCE = Path(__file__).with_name("trace_record.c")
+_FLAGS = ("-O2", "-shared", "-fPIC", "-fvisibility=hidden")
 
 
-class Trace:
-    """The spans of one sampled request, as it runs: `items`, its record (`atomesh.otlp` describes it).
+class Trace(Protocol):
+    """The spans of one sampled request, as it runs (a `Recorder` makes it; the record `atomesh.otlp`
+    describes).
 
-    A child span begins with `trace.admission(...)`, `trace.attempt(...)` or `trace.leg(...)`, which
-    add its begin (kind, time, values) to the record, and ends with `trace.end()` in a `finally`, which
-    adds its end time and so closes the innermost open span (not a `with` block: calling `__enter__`
-    and `__exit__` costs as much again as the span). Made by `Tracing.start` only (no `__init__`:
-    calling one costs as much as a span)."""
+    A child span begins with `trace.admission(...)`, `trace.attempt(...)` or `trace.leg(...)` and ends
+    with `trace.end()` in a `finally`, which closes the innermost open span (not a `with` block: calling
+    `__enter__` and `__exit__` costs as much again as the span)."""
+
+    @property
+    def spans(self) -> int:
+        """The request span and the children begun."""
+
+    def admission(self, model: str | None, cls: PriorityClass, tenant: str) -> None:
+        """Waiting for admission begins (the model, known from here, goes on the request span too)."""
+
+    def attempt(self, number: int, kind: str, policies: tuple[str, ...], workers: tuple[str, ...]) -> None:
+        """One placement and its run begins (kind: first, retry or migration)."""
+
+    def leg(self, leg: int, url: str) -> None:
+        """A call to one worker begins (leg: PREFILL, DECODE or UPSTREAM)."""
+
+    def end(self) -> None:
+        """End the innermost open span."""
+
+    def failed(self, status: int, code: str) -> None:
+        """The request ends with the gateway's error (the request span's status and `error.type`)."""
+
+    def traceparent(self) -> str:
+        """The sampled `traceparent` naming the innermost open span (for a call to a worker)."""
+
+
+class Recorder(Protocol):
+    """The traces of one gateway process and their batch: `atomesh/trace_record.c`'s, or `PyRecorder`."""
+
+    @property
+    def spans(self) -> int:
+        """The spans in the batch."""
+
+    def trace(self, trace_id: str | None, parent: str) -> Trace:
+        """A new request's trace, its span started now: in the client's trace (32 hex digits, its span
+        `parent` in 16) or, with None and "", a new one."""
+
+    def unsampled(self) -> str:
+        """A `traceparent` of new random ids, flagged not sampled."""
+
+    def add(self, trace: Trace, route: str, request_id: str, status: int) -> int:
+        """The request ends: its record joins the batch, with its route, request id, status (`status`, or the
+        refusal's when it failed) and end. Returns the batch's spans."""
+
+    def frame(self, anchor_ns: int, anchor: float) -> bytes:
+        """The batch as its sender reads it (a 4-byte big-endian length, then the `marshal`led frame, with the
+        clocks' anchor: `time.time_ns()` and `time.monotonic()` read together), and empty it."""
+
+
+class PyTrace:
+    """`Trace` in Python: `items` is its record so far (prefix, parent, start, then begins and ends). Made by
+    `PyRecorder.trace` only (no `__init__`: calling one costs as much as a span)."""
 
     __slots__ = ("error", "items", "spans", "status")
 
-    items: list[Any]  # the record so far: prefix, parent, start, then begins and ends
-    spans: int  # the request span and the children begun
+    items: list[Any]
+    spans: int
     status: int  # the refusal's HTTP status, when `error` is set
     error: str | None  # the gateway's error code when it refused or failed the request, else None
 
     def admission(self, model: str | None, cls: PriorityClass, tenant: str) -> None:
-        """Waiting for admission begins (the model, known from here, goes on the request span too)."""
         self.items += (ADMISSION, _clock(), _CLASSES[cls], tenant, model)
         self.spans += 1
 
     def attempt(self, number: int, kind: str, policies: tuple[str, ...], workers: tuple[str, ...]) -> None:
-        """One placement and its run begins (kind: first, retry or migration)."""
         self.items += (ATTEMPT, _clock(), number, kind, policies, workers)
         self.spans += 1
 
     def leg(self, leg: int, url: str) -> None:
-        """A call to one worker begins (leg: PREFILL, DECODE or UPSTREAM)."""
         self.items += (leg, _clock(), url)
         self.spans += 1
 
+    def end(self) -> None:
+        self.items.append(_clock())
+
     def failed(self, status: int, code: str) -> None:
-        """The request ends with the gateway's error (the request span's status and `error.type`)."""
         self.status, self.error = status, code
 
-    def end(self) -> None:
-        """End the innermost open span."""
-        self.items.append(_clock())
+    def traceparent(self) -> str:
+        items = self.items
+        # A call to a worker comes right after its leg begins: the leg's kind (the only int three items from
+        # the end of a record), time and address are the last items.
+        span = len(items) - 3
+        if items[span].__class__ is not int:
+            span = self.current()
+        prefix: str = items[0]
+        if span < 256:
+            return prefix + _SAMPLED[span]
+        return f"{prefix[:36]}{((int(prefix[36:], 16) << 8) + span) & _U64:016x}-01"
 
     def current(self) -> int:
         """The innermost open span, as the index of its begin in `items` (0: the request span)."""
@@ -109,26 +177,52 @@ class Trace:
                 i += 2 + _VALUES[item]
         return begun[-1]
 
-    def traceparent(self, span: int) -> str:
-        """The sampled `traceparent` naming the span whose begin is item `span` (0: the request span)."""
-        prefix: str = self.items[0]
-        if span < 256:
-            return prefix + _SAMPLED[span]
-        return f"{prefix[:36]}{((int(prefix[36:], 16) << 8) + span) & _U64:016x}-01"
+
+class PyRecorder:
+    """`Recorder` in Python (where `atomesh/trace_record.c` cannot be built): the batch is a list of the
+    records' items, `marshal`led when it leaves; ids are random bits from Python's `random` (no system
+    call)."""
+
+    def __init__(self) -> None:
+        self._bits = random.Random().getrandbits  # seeded from os.urandom
+        self._items: list[Any] = []
+        self.spans = 0
+
+    def trace(self, trace_id: str | None, parent: str) -> PyTrace:
+        # One hex call writes the trace id, a dash, and the request span id's first 7 bytes.
+        ids = (self._bits(184) | _NONZERO).to_bytes(23, "little").hex("-", -16)
+        trace = PyTrace()
+        trace.items = ["00-" + ids if trace_id is None else "00-" + trace_id + ids[32:], parent, _clock()]
+        trace.spans = 1
+        trace.error = None
+        return trace
+
+    def unsampled(self) -> str:
+        return "00-" + (self._bits(192) | _NONZERO).to_bytes(24, "little").hex("-", -16) + "-00"
+
+    def add(self, trace: Trace, route: str, request_id: str, status: int) -> int:
+        assert isinstance(trace, PyTrace)
+        error = trace.error
+        items = self._items
+        items += trace.items
+        items += (route, request_id, trace.status if error is not None else status, error, _clock())
+        self.spans += trace.spans
+        return self.spans
+
+    def frame(self, anchor_ns: int, anchor: float) -> bytes:
+        frame = marshal.dumps((anchor_ns, anchor, self._items), 4)
+        self._items, self.spans = [], 0
+        return len(frame).to_bytes(4, "big") + frame
 
 
-def random_ids(template: str, span_bytes: int, n: int = _POOL) -> list[str]:
-    """`n` strings `template % (trace id, span id)` (`template` ending in a space), the ids random (16 and
-    `span_bytes` bytes, in lower-case hex) and none all zeros (W3C: invalid)."""
-    while True:
-        data = os.urandom((16 + span_bytes) * n)
-        traces = data[: 16 * n].hex(" ", 16).split()
-        spans = data[16 * n :].hex(" ", span_bytes).split()
-        if "0" * 32 not in traces and "0" * (2 * span_bytes) not in spans:
-            break
-    ids: list[str] = [""] * (2 * n)
-    ids[::2], ids[1::2] = traces, spans
-    return (template * n % tuple(ids)).split()
+def native_recorder(cache_dir: Path | None = None) -> tuple[Recorder | None, str]:
+    """`atomesh/trace_record.c`'s recorder (compiled once per source and Python, kept under `cache_dir`, by
+    default `$XDG_CACHE_HOME/atomesh` or `~/.cache/atomesh`), or None and why not."""
+    module, why_not = build_extension(_SOURCE, "_atomesh_trace", _FLAGS, what="trace recorder", cache_dir=cache_dir)
+    if module is None:
+        return None, why_not
+    recorder: Recorder = module.Recorder(_CLASSES)
+    return recorder, ""
 
 
 def parse_traceparent(value: str | None) -> tuple[str, str, bool] | None:
@@ -168,26 +262,28 @@ def ratio_from_env() -> float:
 class Tracing:
     """The gateway's tracer, or nothing (`on` false)."""
 
-    def __init__(self, endpoint: str | None, service: str = "atomesh-gateway") -> None:
+    def __init__(
+        self, endpoint: str | None, service: str = "atomesh-gateway", recorder: Recorder | None = None
+    ) -> None:
+        """`recorder`: the compiled one by default, else `PyRecorder` (the reason logged)."""
         self.on = endpoint is not None
         if endpoint is None:
             return
         self.ratio = ratio_from_env()
         self._random = random.Random().random  # seeded from os.urandom
-        # Ids made _POOL at a time (one system call, a few C-level passes), taken one a request; filled on
-        # first use, so that processes forked from this one draw their own.
-        self._prefixes: list[str] = []  # "00-<trace id>-<the request span id's first 7 bytes>"
-        self._unsampled: list[str] = []  # whole traceparents, flagged not sampled
+        if recorder is None:
+            recorder, why_not = native_recorder()
+            if recorder is None:
+                log.warning("trace_recorder_in_python", reason=why_not)
+                recorder = PyRecorder()
+        self.recorder = recorder
         settings = exporter_settings(endpoint, service)
         # Records go to the sender in frames of up to half the queue's bound (and at least one export
         # batch), which it sends in export batches: the sender wakes once for several batches (about a
         # third of its CPU a request at 128 requests a frame was waking up cold).
         self._hand_over = max(settings.max_batch, settings.max_queue // 2)
         self._delay = settings.schedule_delay_s
-        # The records of the requests ended since the last batch left (one flat list), and their spans.
-        self._batch: list[Any] = []
-        self._batch_spans = 0
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None  # the batch's schedule, while it has records
         self.exporter = SpanExporter(settings)  # starts the sender process and its writer thread; `shutdown` stops them
 
     # ------------------------------------------------------------------ the request path
@@ -198,38 +294,16 @@ class Tracing:
         if client is None:
             if self.ratio < 1.0 and self._random() >= self.ratio:
                 return None
-            pool = self._prefixes
-            prefix = pool.pop() if pool else self._new_prefix()
-            parent = ""
+            trace = exchange.trace = self.recorder.trace(None, "")
         elif client[2]:
-            prefix = "00-" + client[0] + (self._prefixes.pop() if self._prefixes else self._new_prefix())[35:]
-            parent = client[1]
+            trace = exchange.trace = self.recorder.trace(client[0], client[1])
         else:
             return None  # the client's trace, not sampled
-        trace = exchange.trace = Trace()
-        trace.items = [prefix, parent, _clock()]
-        trace.spans = 1
-        trace.error = None
         return trace
-
-    def _new_prefix(self) -> str:
-        self._prefixes = random_ids("00-%s-%s ", 7)
-        return self._prefixes.pop()
 
     def finish(self, trace: Trace, route: Route, exchange: Exchange) -> None:
         """End the request span and put the request's record in the batch; a full batch leaves."""
-        error = trace.error
-        batch = self._batch
-        batch += trace.items
-        batch += (
-            _ROUTES[route],
-            exchange.request_id,
-            trace.status if error is not None else exchange.status or 0,
-            error,
-            _clock(),
-        )
-        self._batch_spans += trace.spans
-        if self._batch_spans >= self._hand_over:
+        if self.recorder.add(trace, _ROUTES[route], exchange.request_id, exchange.status or 0) >= self._hand_over:
             self.ship()
         elif self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self._delay, self.ship)
@@ -239,26 +313,16 @@ class Tracing:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._batch:
+        spans = self.recorder.spans
+        if spans:
             # The clocks' anchor: the sender turns the records' monotonic times into wall-clock times by it.
-            frame = marshal.dumps((time.time_ns(), _clock(), self._batch), 4)
-            self.exporter.send(len(frame).to_bytes(4, "big") + frame, self._batch_spans)
-            self._batch, self._batch_spans = [], 0
+            self.exporter.send(self.recorder.frame(time.time_ns(), _clock()), spans)
 
     def inject(self, headers: MutableMapping[str, str], exchange: Exchange) -> None:
         """Put the request's current span in the `traceparent` of a call to a worker (with the not-sampled
         flag when the request is not traced, so the engine records nothing either)."""
         trace = exchange.trace
-        if trace is not None:
-            items = trace.items
-            # A call to a worker comes right after its leg begins: the leg's kind (the only int three
-            # items from the end of a record), time and address are the last items.
-            span = len(items) - 3
-            if items[span].__class__ is not int:
-                span = trace.current()
-            headers[TRACEPARENT] = items[0] + _SAMPLED[span] if span < 256 else trace.traceparent(span)
-        else:
-            headers[TRACEPARENT] = self._not_sampled(exchange.headers)
+        headers[TRACEPARENT] = trace.traceparent() if trace is not None else self._not_sampled(exchange.headers)
 
     def _not_sampled(self, headers: Mapping[str, str]) -> str:
         value = headers.get(TRACEPARENT)
@@ -266,10 +330,7 @@ class Tracing:
             client = parse_traceparent(value)
             if client is not None:
                 return f"00-{client[0]}-{client[1]}-00"  # the client's trace, passed through
-        pool = self._unsampled
-        if not pool:
-            pool = self._unsampled = random_ids("00-%s-%s-00 ", 8)
-        return pool.pop()
+        return self.recorder.unsampled()
 
     def shutdown(self) -> None:
         """Send what is queued and stop (at gateway stop)."""
