@@ -404,23 +404,29 @@ static int time_ok(const Anchor *a, const Val *v) {
     return d > -1e8 && d < 1e8;
 }
 
-static int hex_digit(uint8_t c) { return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1; }
+/* A lower-case hex digit's value, else -1. */
+static const int8_t HEX_DIGIT[256] = {
+    ['0'] = 1, ['1'] = 2, ['2'] = 3, ['3'] = 4, ['4'] = 5, ['5'] = 6, ['6'] = 7, ['7'] = 8, ['8'] = 9, ['9'] = 10,
+    ['a'] = 11, ['b'] = 12, ['c'] = 13, ['d'] = 14, ['e'] = 15, ['f'] = 16,
+}; /* the value + 1 (0: not a digit), so that the other 240 entries need not be written */
 
 /* Lower-case hex to bytes: 1 if all `n` bytes' digits are. */
 static int unhex(const uint8_t *s, size_t n, uint8_t *out) {
+    int bad = 0;
     for (size_t k = 0; k < n; k++) {
-        int hi = hex_digit(s[2 * k]), lo = hex_digit(s[2 * k + 1]);
-        if (hi < 0 || lo < 0)
-            return 0;
-        out[k] = (uint8_t)(hi << 4 | lo);
+        int hi = HEX_DIGIT[s[2 * k]], lo = HEX_DIGIT[s[2 * k + 1]];
+        bad |= !hi | !lo;
+        out[k] = (uint8_t)((hi - 1) << 4 | (lo - 1));
     }
-    return 1;
+    return !bad;
 }
 
 /* A record's ids: its trace id, and its request span's id (the 7 bytes after the trace id, then a zero). */
 typedef struct {
     uint8_t trace_id[16];
     uint64_t base;
+    uint8_t parent[8]; /* the client's span, when `has_parent` */
+    int has_parent;
 } Ids;
 
 static int prefix_ids(const Val *prefix, Ids *ids) {
@@ -489,21 +495,23 @@ static void put_child(Out *o, const Reader *r, Heads *h, const Val *list, uint32
    its spans. */
 typedef struct {
     uint32_t first, tail, spans;
+    Ids ids; /* decoded once, when the record is checked */
 } Rec;
 
-enum { TAIL = 5 }; /* route, request id, status, error, end */
+enum { TAIL = 5 };          /* route, request id, status, error, end */
+enum { PREFIX_BYTES = 52 }; /* a record's prefix in the frame: 'z', its length, its 50 characters */
 
 /* The record that starts at item `at` of `list`, checked so that writing it needs no more checks: 1 and
    where it is in `rec` if it is one as atomesh/otlp.py describes, else 0. */
 static int record_at(const Reader *r, const Val *list, uint32_t at, const Anchor *a, Rec *rec) {
     uint32_t n = list->n;
-    Ids ids;
-    if (n - at < 3 + TAIL || !prefix_ids(item(r, list, at), &ids))
+    Ids *ids = &rec->ids;
+    if (n - at < 3 + TAIL || !prefix_ids(item(r, list, at), ids))
         return 0;
     const Val *parent = item(r, list, at + 1);
-    uint8_t parent_id[8];
-    if (parent->type != V_STR || (parent->n != 0 && (parent->n != 16 || !unhex(parent->s, 8, parent_id))))
+    if (parent->type != V_STR || (parent->n != 0 && (parent->n != 16 || !unhex(parent->s, 8, ids->parent))))
         return 0;
+    ids->has_parent = parent->n != 0;
     if (!time_ok(a, item(r, list, at + 2)))
         return 0;
     uint32_t k = at + 3, open = 0, spans = 1;
@@ -549,10 +557,8 @@ static int record_at(const Reader *r, const Val *list, uint32_t at, const Anchor
    the request span. */
 static void put_record(Out *o, const Reader *r, Heads *h, const Val *list, const Rec *rec, const Anchor *a,
                        uint32_t *stack) {
-    Ids ids;
-    prefix_ids(item(r, list, rec->first), &ids);
-    uint64_t base = ids.base;
-    const Val *parent = item(r, list, rec->first + 1);
+    const Ids *ids = &rec->ids;
+    uint64_t base = ids->base;
     const Val *route = item(r, list, rec->tail), *request_id = item(r, list, rec->tail + 1);
     const Val *status_code = item(r, list, rec->tail + 2), *error = item(r, list, rec->tail + 3);
     uint64_t start = wall_ns(a, item(r, list, rec->first + 2)), end = wall_ns(a, item(r, list, rec->tail + 4));
@@ -564,7 +570,7 @@ static void put_record(Out *o, const Reader *r, Heads *h, const Val *list, const
         if (e->type == V_FLOAT) {
             uint32_t j = stack[--depth];
             uint64_t up = depth ? base + (stack[depth - 1] - rec->first) : base;
-            put_child(o, r, h, list, j, &ids, base + (j - rec->first), up, wall_ns(a, item(r, list, j + 1)),
+            put_child(o, r, h, list, j, ids, base + (j - rec->first), up, wall_ns(a, item(r, list, j + 1)),
                       wall_ns(a, e));
             k++;
             continue;
@@ -580,7 +586,7 @@ static void put_record(Out *o, const Reader *r, Heads *h, const Val *list, const
     while (depth) {
         uint32_t j = stack[--depth];
         uint64_t up = depth ? base + (stack[depth - 1] - rec->first) : base;
-        put_child(o, r, h, list, j, &ids, base + (j - rec->first), up, wall_ns(a, item(r, list, j + 1)), end);
+        put_child(o, r, h, list, j, ids, base + (j - rec->first), up, wall_ns(a, item(r, list, j + 1)), end);
     }
     const Val none = {V_NONE, 0, 0, NULL};
     int has_model = model != NULL && model->type == V_STR && model->n, has_workers = workers != NULL && workers->n;
@@ -601,18 +607,16 @@ static void put_record(Out *o, const Reader *r, Heads *h, const Val *list, const
             tail += ATTR_SIZE(r, "error.type", error);
     }
     put_byte(o, 0x12);
-    put_varint(o, ROOT_IDS + (parent->n ? 10 : 0) + tail + ATTR_SIZE(r, "atomesh.request_id", request_id));
-    put_ids(o, ids.trace_id, base);
+    put_varint(o, ROOT_IDS + (ids->has_parent ? 10 : 0) + tail + ATTR_SIZE(r, "atomesh.request_id", request_id));
+    put_ids(o, ids->trace_id, base);
     put_byte(o, 0x39);
     put_u64(o, start);
     put_byte(o, 0x41);
     put_u64(o, end);
-    if (parent->n) {
-        uint8_t parent_id[8];
-        unhex(parent->s, 8, parent_id);
+    if (ids->has_parent) {
         put_byte(o, 0x22);
         put_byte(o, 0x08);
-        put(o, parent_id, 8);
+        put(o, ids->parent, 8);
     }
     if (hit) {
         put(o, h->heads[NKINDS], tail);
@@ -653,9 +657,9 @@ static void put_record(Out *o, const Reader *r, Heads *h, const Val *list, const
 long atomesh_otlp_encode(const uint8_t *frame, long frame_len, const uint8_t *resource, long resource_len,
                          const uint8_t *scope, long scope_len, long max_spans, uint8_t *out, long out_len,
                          long *starts, long *ends, long max_batches) {
-    /* Every value takes at least one byte of the frame, and so does every record. The arrays are kept from
-       call to call (fresh ones for each frame would cost page faults as large as the encoding): one caller
-       at a time. */
+    /* Every value takes at least one byte of the frame, and a record more than PREFIX_BYTES (its prefix).
+       The arrays are kept from call to call (fresh ones for each frame would cost page faults as large as
+       the encoding): one caller at a time. */
     static Val *vals;
     static uint32_t *items, *refs, *stack, cap;
     static Rec *recs;
@@ -673,7 +677,7 @@ long atomesh_otlp_encode(const uint8_t *frame, long frame_len, const uint8_t *re
         items = malloc(sizeof(uint32_t) * cap);
         refs = malloc(sizeof(uint32_t) * cap);
         stack = malloc(sizeof(uint32_t) * cap);
-        recs = malloc(sizeof(Rec) * cap);
+        recs = malloc(sizeof(Rec) * (cap / PREFIX_BYTES + 1));
         if (vals == NULL || items == NULL || refs == NULL || stack == NULL || recs == NULL) {
             cap = 0;
             return batches;
@@ -690,8 +694,8 @@ long atomesh_otlp_encode(const uint8_t *frame, long frame_len, const uint8_t *re
     Anchor a = {anchor_ns->i, float_of(anchor)};
     uint32_t nrecs = 0;
     for (uint32_t at = 0; at < list->n; at = recs[nrecs++].tail + TAIL)
-        if (!record_at(&r, list, at, &a, &recs[nrecs]))
-            goto done;
+        if (nrecs == cap / PREFIX_BYTES + 1 || !record_at(&r, list, at, &a, &recs[nrecs]))
+            goto done; /* (more records than prefixes fit: some were back-references, which the gateway never writes) */
     Out o = {out, out + out_len, 0};
     static Heads heads; /* about 3 KB: kept static, not on the stack; reset for each frame */
     memset(heads.lengths, 0, sizeof(heads.lengths));
