@@ -22,7 +22,8 @@
 enum { ADMISSION, ATTEMPT, PREFILL, DECODE, UPSTREAM, NKINDS }; /* atomesh.otlp's kinds of child span */
 enum { RANDOM_BYTES = 4096 };
 
-/* Forks seen: a child's pool starts empty, so that it draws ids of its own (the only state of the module). */
+/* Forks seen: a child's pool starts empty, so that it draws ids of its own (the module's only state besides
+   HEX_PAIRS, a table written once at import). */
 static unsigned long forks;
 static void after_fork_in_child(void) { forks++; }
 
@@ -35,10 +36,8 @@ typedef struct {
     Py_ssize_t n, cap;
 } Buf;
 
-static int reserve(Buf *b, Py_ssize_t more) {
-    if (b->n + more <= b->cap)
-        return 0;
-    Py_ssize_t cap = b->cap ? b->cap : 256;
+static int grow(Buf *b, Py_ssize_t more) {
+    Py_ssize_t cap = b->cap ? b->cap : 512;
     while (cap < b->n + more)
         cap *= 2;
     char *p = PyMem_Realloc(b->p, (size_t)cap);
@@ -51,13 +50,15 @@ static int reserve(Buf *b, Py_ssize_t more) {
     return 0;
 }
 
+static inline int reserve(Buf *b, Py_ssize_t more) { return b->n + more <= b->cap ? 0 : grow(b, more); }
+
 static void put_i32(char *at, int32_t v) { memcpy(at, &v, 4); } /* marshal's ints: little-endian */
 
 #if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "marshal's ints and floats are written as the host's bytes: a little-endian host only"
 #endif
 
-static int w_float(Buf *b, double t) {
+static inline int w_float(Buf *b, double t) {
     if (reserve(b, 9) < 0)
         return -1;
     b->p[b->n] = 'g'; /* TYPE_BINARY_FLOAT */
@@ -67,7 +68,7 @@ static int w_float(Buf *b, double t) {
 }
 
 /* An int: 'i' (32 bits) when it fits, else 'l' (its 15-bit digits, least significant first). */
-static int w_long(Buf *b, long long v) {
+static inline int w_long(Buf *b, long long v) {
     if (v >= INT32_MIN && v <= INT32_MAX) {
         if (reserve(b, 5) < 0)
             return -1;
@@ -104,7 +105,7 @@ static int w_int(Buf *b, PyObject *v, const char *what) {
     return w_long(b, x);
 }
 
-static int w_bytes(Buf *b, char code, const char *s, Py_ssize_t n) {
+static inline int w_bytes(Buf *b, char code, const char *s, Py_ssize_t n) {
     if (n > INT32_MAX) {
         PyErr_SetString(PyExc_ValueError, "a string of a trace is too long");
         return -1;
@@ -126,7 +127,7 @@ static int w_bytes(Buf *b, char code, const char *s, Py_ssize_t n) {
 }
 
 /* A str as marshal writes it: ASCII as 'z' (short) or 'a', else 'u' and its UTF-8 (surrogates passed). */
-static int w_str(Buf *b, PyObject *v, const char *what) {
+static inline int w_str(Buf *b, PyObject *v, const char *what) {
     if (!PyUnicode_CheckExact(v)) {
         PyErr_Format(PyExc_TypeError, "%s must be a str, not %.80s", what, Py_TYPE(v)->tp_name);
         return -1;
@@ -217,19 +218,22 @@ static int take_random(Recorder *rec, uint8_t *out, Py_ssize_t n) {
         }
         const uint8_t *p = rec->random + rec->used;
         rec->used += n;
+        uint8_t any = 0;
         for (Py_ssize_t k = 0; k < n; k++)
-            if (p[k]) {
-                memcpy(out, p, (size_t)n);
-                return 0;
-            }
+            any |= p[k];
+        if (any) {
+            memcpy(out, p, (size_t)n);
+            return 0;
+        }
     }
 }
 
+/* Each byte's two hex digits. */
+static char HEX_PAIRS[256][2];
+
 static void hex(char *out, const uint8_t *s, Py_ssize_t n) {
-    for (Py_ssize_t k = 0; k < n; k++) {
-        out[2 * k] = HEX[s[k] >> 4];
-        out[2 * k + 1] = HEX[s[k] & 15];
-    }
+    for (Py_ssize_t k = 0; k < n; k++)
+        memcpy(out + 2 * k, HEX_PAIRS[s[k]], 2);
 }
 
 static int is_hex(PyObject *v, Py_ssize_t n) {
@@ -393,8 +397,8 @@ static PyObject *Trace_traceparent(Trace *t, PyObject *unused) {
         return NULL;
     char *p = (char *)PyUnicode_DATA(s);
     memcpy(p, t->prefix, 36);
-    for (int k = 0; k < 16; k++)
-        p[36 + k] = HEX[(id >> (60 - 4 * k)) & 15];
+    uint64_t be = __builtin_bswap64(id);
+    hex(p + 36, (const uint8_t *)&be, 8);
     memcpy(p + 52, "-01", 3);
     return s;
 }
@@ -634,6 +638,10 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_atomesh_trace", NUL
 PyMODINIT_FUNC PyInit__atomesh_trace(void) {
     if (PyType_Ready(&TraceType) < 0 || PyType_Ready(&RecorderType) < 0)
         return NULL;
+    for (int k = 0; k < 256; k++) {
+        HEX_PAIRS[k][0] = HEX[k >> 4];
+        HEX_PAIRS[k][1] = HEX[k & 15];
+    }
     static int registered;
     if (!registered) {
         if (pthread_atfork(NULL, NULL, after_fork_in_child) != 0) {

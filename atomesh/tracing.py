@@ -33,7 +33,7 @@ import os
 import random
 import re
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -322,14 +322,17 @@ class Tracing:
         """Put the request's current span in the `traceparent` of a call to a worker (with the not-sampled
         flag when the request is not traced, so the engine records nothing either)."""
         trace = exchange.trace
-        headers[TRACEPARENT] = trace.traceparent() if trace is not None else self._not_sampled(exchange.headers)
+        if trace is not None:
+            headers[TRACEPARENT] = trace.traceparent()
+        elif (value := exchange.headers.get(TRACEPARENT)) is None:
+            headers[TRACEPARENT] = self.recorder.unsampled()
+        else:
+            headers[TRACEPARENT] = self._not_sampled(value)
 
-    def _not_sampled(self, headers: Mapping[str, str]) -> str:
-        value = headers.get(TRACEPARENT)
-        if value is not None:
-            client = parse_traceparent(value)
-            if client is not None:
-                return f"00-{client[0]}-{client[1]}-00"  # the client's trace, passed through
+    def _not_sampled(self, value: str) -> str:
+        client = parse_traceparent(value)
+        if client is not None:
+            return f"00-{client[0]}-{client[1]}-00"  # the client's trace, passed through
         return self.recorder.unsampled()
 
     def shutdown(self) -> None:
