@@ -1,11 +1,11 @@
-"""OTLP/gRPC trace export written by hand: a request's spans, recorded as a few tuples and ints on the
-request path (`atomesh.tracing.Trace`), shipped in batches to a sender process that writes them as
-OTLP protobuf and sends them (`atomesh.otlp_sender`).
+"""OTLP/gRPC trace export written by hand: a request's spans, recorded as one flat record on the request
+path (`atomesh.tracing`; the record is described below), shipped in batches to a sender process that
+writes them as OTLP protobuf and sends them (`atomesh.otlp_sender`).
 
-Gateway side: a request's record joins a batch when it ends (`atomesh.tracing`); half of
+Gateway side: a request's record joins the batch when it ends (`atomesh.tracing`); half of
 `OTEL_BSP_MAX_QUEUE_SIZE` spans (at least `OTEL_BSP_MAX_EXPORT_BATCH_SIZE`), or what gathered in
-`OTEL_BSP_SCHEDULE_DELAY`, is marshalled into one frame, which `SpanExporter`'s thread writes to the
-sender's stdin. Sender side: each frame is cut into export batches of at most
+`OTEL_BSP_SCHEDULE_DELAY`, goes as one frame in `marshal`'s format, which `SpanExporter`'s thread writes
+to the sender's stdin. Sender side: each frame is cut into export batches of at most
 `OTEL_BSP_MAX_EXPORT_BATCH_SIZE` spans and each is written as one opentelemetry-proto
 `ExportTraceServiceRequest` (trace/v1/trace.proto, the collector's own), the fields written being the
 ones the gateway's spans have (ids, name, kind, times, attributes, an error status), by the compiled
@@ -425,9 +425,9 @@ def exporter_settings(endpoint: str, service: str = "atomesh-gateway") -> Export
 class SpanExporter:
     """The sender process, and the thread that writes batches to it.
 
-    A batch comes as one `marshal` frame (`atomesh.tracing.Tracing.ship`: a 4-byte big-endian length,
-    then `[record, ...]`), written to the sender's
-    stdin (`atomesh.otlp_sender`: the encoding, the gRPC client and its retries run there). The
+    A batch comes as one `marshal` frame (`atomesh.tracing.Recorder.frame`: a 4-byte big-endian length,
+    then `(anchor_ns, anchor, [records' items...])`), written to the sender's stdin
+    (`atomesh.otlp_sender`: the encoding, the gRPC client and its retries run there). The
     writes block while the pipe is full, so they run on a thread; a batch that would put more than
     `max_queue` spans in waiting (the collector slow or away) is dropped and counted."""
 

@@ -20,8 +20,8 @@ span. When the request ends its record joins the batch; a batch goes to a sender
 The recorder (`Recorder`: the traces, the batch, the ids) is compiled (`atomesh/trace_record.c`, built on
 first use and cached as the native relay is), which writes each record straight into the frame's
 bytes: a hook is one call into C. Where it cannot be built it is `PyRecorder` here, which makes the
-same records as Python objects and `marshal`s the batch (a hook then costs about ten times as much;
-the gateway logs why once). The OpenTelemetry SDK's span objects, processor and encoder cost more than
+same records as Python objects and `marshal`s the batch (tracing then adds about 3 times the
+instructions to a request; the gateway logs why once). The OpenTelemetry SDK's span objects, processor and encoder cost more than
 the gateway's whole request path, so none of them is used here.
 """
 

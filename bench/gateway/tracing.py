@@ -193,8 +193,7 @@ def replay(
             argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={callgrind}", *argv]
         sender = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env, stderr=subprocess.DEVNULL)
         assert sender.stdin is not None
-        per_frame = 4 * (len(marshal_records(sent[0])))
-        want = spans[0] + per_frame
+        want = spans[0] + frame_spans(sent[0])
         sender.stdin.write(sent[0])  # warm up: start-up and the first frame not counted
         sender.stdin.flush()
         while spans[0] < want:
@@ -205,7 +204,7 @@ def replay(
         for frame in sent:
             sender.stdin.write(frame)
             sender.stdin.flush()
-            want += per_frame
+            want += frame_spans(frame)
             time.sleep(every_s)
         deadline = time.monotonic() + 60
         while spans[0] < want and time.monotonic() < deadline:
@@ -220,10 +219,14 @@ def replay(
     return took
 
 
-def marshal_records(frame: bytes) -> list[Any]:
+def frame_spans(frame: bytes) -> int:
+    """The spans of a frame the gateway hands its sender."""
     import marshal
 
-    return marshal.loads(frame[4:])  # type: ignore[no-any-return]
+    from atomesh.otlp import records
+
+    _, _, items = marshal.loads(frame[4:])
+    return sum(spans for _, _, spans in records(items))
 
 
 HOOKS = ("off", "not_sampled", "compiled", "python")
