@@ -21,8 +21,8 @@ The recorder (`Recorder`: the traces, the batch, the ids) is compiled (`atomesh/
 first use and cached as the native relay is), which writes each record straight into the frame's
 bytes: a hook is one call into C. Where it cannot be built it is `PyRecorder` here, which makes the
 same records as Python objects and `marshal`s the batch (tracing then adds about 3 times the
-instructions to a request; the gateway logs why once). The OpenTelemetry SDK's span objects, processor and encoder cost more than
-the gateway's whole request path, so none of them is used here.
+instructions to a request; the gateway logs why once). The OpenTelemetry SDK's span objects, processor
+and encoder cost more than the gateway's whole request path, so none of them is used here.
 """
 
 from __future__ import annotations
