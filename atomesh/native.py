@@ -1,4 +1,4 @@
-"""C sources atomesh compiles on first use (the OTLP encoder, the stream relay) and keeps built.
+"""C sources atomesh compiles on first use (the OTLP encoder, the stream relay, the trace recorder) and keeps built.
 
 A library is named by its source and flags (and whatever else the caller says it depends on, such as the
 interpreter), not by the compiler: a build made beforehand (an image's build stage) serves a machine
@@ -10,11 +10,16 @@ no code.
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
+import importlib.util
 import os
 import shutil
 import subprocess
+import sys
+import sysconfig
 import tempfile
 from pathlib import Path
+from typing import Any
 
 
 def cache_folder(cache_dir: Path | None = None) -> Path:
@@ -57,3 +62,33 @@ def build_library(source: Path, flags: tuple[str, ...], *, suffix: str = ".so", 
         if os.path.exists(tmp):
             os.unlink(tmp)
     return library, ""
+
+
+def build_extension(source: Path, name: str, flags: tuple[str, ...], *, what: str,
+                    cache_dir: Path | None = None) -> tuple[Any, str]:  # fmt: skip
+    """`source`, a CPython extension module called `name`, compiled with `flags` (once per source, flags and
+    interpreter, by `build_library`) and imported; or None and why not. Needs Linux and, to build it, a C
+    compiler and the interpreter's headers."""
+    if not sys.platform.startswith("linux"):
+        return None, f"the {what} is built for Linux only (this is {sys.platform})"
+    include = sysconfig.get_paths().get("include", "")
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    # Named by source, flags and interpreter, not compiler: a build made beforehand (an image's build
+    # stage) serves a machine without one.
+    library, why_not = build_library(source, flags, suffix=suffix, key=sys.version, cache_dir=cache_dir,
+                                     include=(f"-I{include}",) if include else (), what=what)  # fmt: skip
+    if library is None:
+        if not include or not Path(include, "Python.h").exists():
+            why_not = f"no Python.h under {include!r} (install the interpreter's headers); {why_not}"
+        return None, why_not
+    spec = importlib.util.spec_from_file_location(
+        name, library, loader=importlib.machinery.ExtensionFileLoader(name, str(library))
+    )
+    if spec is None or spec.loader is None:
+        return None, f"cannot load {library}"
+    try:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError as e:
+        return None, f"cannot load {library}: {e}"
+    return module, ""

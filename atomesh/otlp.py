@@ -1,11 +1,11 @@
-"""OTLP/gRPC trace export written by hand: a request's spans, recorded as a few tuples and ints on the
-request path (`atomesh.tracing.Trace`), shipped in batches to a sender process that writes them as
-OTLP protobuf and sends them (`atomesh.otlp_sender`).
+"""OTLP/gRPC trace export written by hand: a request's spans, recorded as one flat record on the request
+path (`atomesh.tracing`; the record is described below), shipped in batches to a sender process that
+writes them as OTLP protobuf and sends them (`atomesh.otlp_sender`).
 
-Gateway side: a request's record joins a batch when it ends (`atomesh.tracing`); half of
+Gateway side: a request's record joins the batch when it ends (`atomesh.tracing`); half of
 `OTEL_BSP_MAX_QUEUE_SIZE` spans (at least `OTEL_BSP_MAX_EXPORT_BATCH_SIZE`), or what gathered in
-`OTEL_BSP_SCHEDULE_DELAY`, is marshalled into one frame, which `SpanExporter`'s thread writes to the
-sender's stdin. Sender side: each frame is cut into export batches of at most
+`OTEL_BSP_SCHEDULE_DELAY`, goes as one frame in `marshal`'s format, which `SpanExporter`'s thread writes
+to the sender's stdin. Sender side: each frame is cut into export batches of at most
 `OTEL_BSP_MAX_EXPORT_BATCH_SIZE` spans and each is written as one opentelemetry-proto
 `ExportTraceServiceRequest` (trace/v1/trace.proto, the collector's own), the fields written being the
 ones the gateway's spans have (ids, name, kind, times, attributes, an error status), by the compiled
@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import marshal
+import math
 import os
 import struct
 import subprocess
@@ -45,17 +46,25 @@ log = structlog.get_logger("atomesh.tracing")
 
 KIND_INTERNAL, KIND_SERVER, KIND_CLIENT = 1, 2, 3  # opentelemetry-proto's Span.SpanKind
 
-# What a request's record holds, as `atomesh.tracing` makes it and `SpanEncoder` reads it: (trace id
-# (16 bytes), the client's span (8 bytes, or b""), the request span's id, its start and end, route,
-# request id, HTTP status, error code or None, events). The start is `time.time_ns()`, as the SDK
-# takes it; every other time is nanoseconds since the start (`marshal` writes an int that fits in 32
-# bits, up to 2 s, in 5 bytes and cheaply: a larger one costs about 6 times as much). Events are the
-# child spans as they happened: a span's begin `(start, kind, *values)` and its end, an int (the end
-# time); spans nest, so a begin's parent is the innermost span open then (or the request span) and
-# an end closes the innermost open span. The request span's model is the admission span's (it is
-# known from there on), its workers the last attempt's. A child span's id is the request span's + 1
-# + the index of its begin event; an id's bytes are the int's 8 little-endian bytes (as the
-# traceparent sent upstream writes them in hex).
+# A frame is `marshal.dumps((anchor_ns, anchor, batch), 4)`: `time.time_ns()` and `time.monotonic()`
+# read together as the batch leaves, and the batch, its requests' records one after the other in one
+# flat list of strings, ints, floats, None and tuples (`marshal`'s cost is per object, so a record has
+# no container of its own and a span no tuple). A record, as `atomesh.tracing.Trace` makes it:
+#
+#   prefix, parent, start, events..., route, request id, HTTP status, error code or None, end
+#
+# `prefix` is "00-<trace id>-<the request span id's first 7 bytes>" in lower-case hex (what its
+# traceparents start with); the request span's id is those 7 bytes and a zero byte, and a child
+# span's id is the request span's plus the index of its begin in the record (so a child whose begin
+# is item i < 256 sends `prefix + f"{i:02x}-01"` upstream). An id's bytes are the 8 big-endian bytes
+# of the int. `parent` is the client's span id in hex, or "". Times are `time.monotonic()` floats,
+# which are cheap to read and to marshal; the sender makes them wall-clock nanoseconds,
+# `anchor_ns + floor((t - anchor) * 1e9 + 0.5)`. Events are the child spans as they happened: a
+# span's begin, its kind (an int) followed by its time and values (as many as `SPANS` names for the
+# kind), and its end, a float (the end time); spans nest, so a begin's parent is the innermost span
+# open then (or the request span), and an end closes the innermost open span. The route, a string,
+# ends the events. The request span's model is the admission span's (it is known from there on), its
+# workers the last attempt's; spans left open end with the request.
 ADMISSION, ATTEMPT, PREFILL, DECODE, UPSTREAM = range(5)
 # Each kind of child span: its name, OTLP kind, the keys of its begin event's values, constant attributes.
 SPANS: tuple[tuple[str, int, tuple[str, ...], tuple[tuple[str, str], ...]], ...] = (
@@ -76,9 +85,12 @@ _SMALL = [bytes((n,)) for n in range(0x80)]
 _DOUBLE = struct.Struct("<Bd")
 # A child span's ids and times, after its name, kind and attributes: trace_id (1) with span_id's tag
 # (2), span_id, parent_span_id (4), start_time_unix_nano (7) and end_time_unix_nano (8), both fixed64.
-_CHILD = struct.Struct("<20sQ2sQBQBQ")
+_CHILD = struct.Struct("<20s8s2s8sBQBQ")
 _CHILD_SIZE = _CHILD.size
-_ROOT = struct.Struct("<20sQBQBQ")  # the request span's: its parent goes apart (the client's, if any)
+_ROOT = struct.Struct("<20s8sBQBQ")  # the request span's: its parent goes apart (the client's, if any)
+_ID = struct.Struct(">Q")
+_U64 = (1 << 64) - 1
+_VALUES = tuple(len(keys) for _, _, keys, _ in SPANS)  # the values of each kind of span's begin
 _STATUS_ERROR = b"\x7a\x02\x18\x02"  # status (15) { code (3): STATUS_CODE_ERROR }
 _CACHE_ENTRIES = 4096
 _REQUEST_ID_KEY = b"\x0a" + bytes((len(REQUEST_ID),)) + REQUEST_ID.encode() + b"\x12"  # key, then value's tag
@@ -151,12 +163,18 @@ class SpanEncoder:
         return self._scope
 
     def export_requests(self, frame: bytes, max_spans: int) -> list[bytes]:
-        """A frame's records (a `marshal`led list) as ExportTraceServiceRequests of at most `max_spans`
-        spans each (a request's spans together in one)."""
-        return [self.export_request(records) for records in export_batches(marshal.loads(frame), max_spans)]
+        """A frame's records (see above) as ExportTraceServiceRequests of at most `max_spans` spans each (a
+        request's spans together in one)."""
+        anchor_ns, anchor, items = marshal.loads(frame)
+        return [
+            self.export_request(items, batch, anchor_ns, anchor) for batch in export_batches(records(items), max_spans)
+        ]
 
-    def export_request(self, records: list[tuple[Any, ...]]) -> bytes:
-        """One ExportTraceServiceRequest holding the spans of `records`.
+    def export_request(
+        self, items: list[Any], batch: list[tuple[int, int, int]], anchor_ns: int, anchor: float
+    ) -> bytes:
+        """One ExportTraceServiceRequest holding the spans of the records `batch` finds in `items` (as
+        `records` gives them; times turned into nanoseconds by the frame's anchor).
 
         One loop over the whole batch, its names bound once: a child span costs a cache lookup of
         its values (which gives its entry's tag, length, name, kind and attributes in one bytes
@@ -165,51 +183,61 @@ class SpanEncoder:
         append = out.append
         children, roots = self._children, self._roots
         child_head, root_tail = self._child_head, self._root_tail
-        pack_child, pack_root = _CHILD.pack, _ROOT.pack
+        pack_child, pack_root, pack_id = _CHILD.pack, _ROOT.pack, _ID.pack
         small, varints, rid_key, rid_size = _SMALL, self._varints, _REQUEST_ID_KEY, len(_REQUEST_ID_KEY) + 3
-        for trace_id, parent, base, start, end, route, request_id, status, error, events in records:
-            end += start
-            ids = b"\x0a\x10" + trace_id + b"\x12\x08"  # trace_id (1), then span_id's tag (2)
-            first = base + 1  # a child's id is first + the index of its begin event
+        values, floor = _VALUES, math.floor
+        for first, tail, _ in batch:
+            prefix = items[first]
+            ids = b"\x0a\x10" + bytes.fromhex(prefix[3:35]) + b"\x12\x08"  # trace_id (1), then span_id's tag (2)
+            base = int(prefix[36:50], 16) << 8  # a child's id is base + the index of its begin in the record
+            parent = items[first + 1]
+            start = anchor_ns + floor((items[first + 2] - anchor) * 1e9 + 0.5)
+            route, request_id, status, error, end = items[tail : tail + 5]
+            end = anchor_ns + floor((end - anchor) * 1e9 + 0.5)
             model, workers = "", ()
-            begun: list[tuple[int, int]] = []  # the open spans, innermost last: (begin event, parent's id)
+            begun: list[tuple[int, int]] = []  # the open spans, innermost last: (begin's index, parent's id)
             up = base  # the innermost open span's id
-            for i, event in enumerate(events):
-                if event.__class__ is int:
-                    j, up = begun.pop()
-                    begin = events[j]
-                    key = begin[1:]
-                    append(children.get(key) or child_head(key))
-                    append(pack_child(ids, first + j, b"\x22\x08", up, 0x39, start + begin[0], 0x41, start + event))
-                    continue
-                kind = event[1]
-                if kind == ATTEMPT:
-                    workers = event[5]
-                elif kind == ADMISSION:
-                    model = event[4] or ""
-                begun.append((i, up))
-                up = first + i
-            while begun:  # not ended (the request path always ends its spans): they end with the request
-                j, up = begun.pop()
-                begin = events[j]
-                key = begin[1:]
+            i = first + 3
+            while i < tail or begun:
+                if i < tail:
+                    item = items[i]
+                    if item.__class__ is not float:  # a begin
+                        if item == ATTEMPT:
+                            workers = items[i + 5]
+                        elif item == ADMISSION:
+                            model = items[i + 4] or ""
+                        begun.append((i, up))
+                        up = (base + i - first) & _U64
+                        i += 2 + values[item]
+                        continue
+                    ended = anchor_ns + floor((item - anchor) * 1e9 + 0.5)
+                    i += 1
+                else:  # not ended (the request path always ends its spans): they end with the request
+                    ended = end
+                j, parent_id = begun.pop()
+                kind = items[j]
+                key = (kind, *items[j + 2 : j + 2 + values[kind]])
                 append(children.get(key) or child_head(key))
-                append(pack_child(ids, first + j, b"\x22\x08", up, 0x39, start + begin[0], 0x41, end))
-            tail = roots.get((route, model, status, workers, error)) or root_tail(route, model, status, workers, error)
+                begin = anchor_ns + floor((items[j + 1] - anchor) * 1e9 + 0.5)
+                append(pack_child(ids, pack_id(up), b"\x22\x08", pack_id(parent_id), 0x39, begin, 0x41, ended))
+                up = parent_id
+            tail_bytes = roots.get((route, model, status, workers, error)) or root_tail(
+                route, model, status, workers, error
+            )
             value = request_id.encode()
             n = len(value)
-            head = pack_root(ids, base, 0x39, start, 0x41, end)
+            head = pack_root(ids, pack_id(base), 0x39, start, 0x41, end)
             if parent:
-                head += b"\x22\x08" + parent
+                head += b"\x22\x08" + bytes.fromhex(parent)
             if n < 100:  # KeyValue {key, value {string_value}}, every length in one byte
-                size = len(head) + len(tail) + n + rid_size + 2
+                size = len(head) + len(tail_bytes) + n + rid_size + 2
                 append(
                     b"".join(
                         (
                             b"\x12",
                             varints[size] if size < 0x4000 else varint(size),
                             head,
-                            tail,
+                            tail_bytes,
                             b"\x4a",
                             small[n + rid_size],
                             rid_key,
@@ -221,7 +249,7 @@ class SpanEncoder:
                     )
                 )
             else:
-                append(field(0x12, head + tail + field(0x4A, key_value(REQUEST_ID, request_id))))
+                append(field(0x12, head + tail_bytes + field(0x4A, key_value(REQUEST_ID, request_id))))
         scope_spans = field(0x12, b"".join(out))  # ResourceSpans.scope_spans (2)
         return field(0x0A, self._resource + scope_spans)  # ExportTraceServiceRequest.resource_spans (1)
 
@@ -260,12 +288,33 @@ class SpanEncoder:
         return head
 
 
-def export_batches(records: list[Any], max_spans: int) -> list[list[Any]]:
-    """The records in export batches of at most `max_spans` spans (a request's spans stay together)."""
-    batches: list[list[Any]] = [[]]
+def records(items: list[Any]) -> list[tuple[int, int, int]]:
+    """Where a batch's records are in it: (the record's first item, its route's (the first after its
+    events), its spans) each."""
+    out = []
+    i, n = 0, len(items)
+    while i < n:
+        first = i
+        i += 3
+        spans = 1
+        while (item := items[i]).__class__ is not str:
+            if item.__class__ is float:
+                i += 1
+            else:
+                i += 2 + _VALUES[item]
+                spans += 1
+        out.append((first, i, spans))
+        i += 5
+    return out
+
+
+def export_batches(found: list[tuple[int, int, int]], max_spans: int) -> list[list[tuple[int, int, int]]]:
+    """The records (as `records` finds them) in export batches of at most `max_spans` spans (a request's
+    spans stay together)."""
+    batches: list[list[tuple[int, int, int]]] = [[]]
     spans = 0
-    for record in records:
-        n = 1 + len(record[-1]) // 2  # the request span, and a begin and an end per child
+    for record in found:
+        n = record[2]
         if spans + n > max_spans and batches[-1]:
             batches.append([])
             spans = 0
@@ -376,9 +425,9 @@ def exporter_settings(endpoint: str, service: str = "atomesh-gateway") -> Export
 class SpanExporter:
     """The sender process, and the thread that writes batches to it.
 
-    A batch comes as one `marshal` frame (`atomesh.tracing.Tracing.ship`: a 4-byte big-endian length,
-    then `[record, ...]`), written to the sender's
-    stdin (`atomesh.otlp_sender`: the encoding, the gRPC client and its retries run there). The
+    A batch comes as one `marshal` frame (`atomesh.tracing.Recorder.frame`: a 4-byte big-endian length,
+    then `(anchor_ns, anchor, [records' items...])`), written to the sender's stdin
+    (`atomesh.otlp_sender`: the encoding, the gRPC client and its retries run there). The
     writes block while the pipe is full, so they run on a thread; a batch that would put more than
     `max_queue` spans in waiting (the collector slow or away) is dropped and counted."""
 

@@ -251,7 +251,7 @@ static size_t any_size(const Reader *r, const Val *v) {
 static void put_any(Out *o, const Reader *r, const Val *v) {
     switch (v->type) {
     case V_STR:
-    case V_BYTES: /* not in a record's values (`record_ok` refuses them) */
+    case V_BYTES: /* not in a record's values (`record_at` refuses them) */
         put_field(o, 0x0A, v->s, v->n);
         break;
     case V_BOOL:
@@ -364,31 +364,100 @@ typedef struct {
     size_t lengths[NKINDS + 1]; /* 0: nothing kept */
 } Heads;
 
-/* The ids' head: trace_id (1) and span_id's tag (2). */
+/* The ids' head: trace_id (1) and span_id's tag (2), then span_id (an id's bytes are the int's big-endian 8). */
 static void put_ids(Out *o, const uint8_t *trace_id, uint64_t span_id) {
     put_byte(o, 0x0A);
     put_byte(o, 0x10);
     put(o, trace_id, 16);
     put_byte(o, 0x12);
     put_byte(o, 0x08);
-    put_u64(o, span_id);
+    put_u64(o, __builtin_bswap64(span_id));
+}
+
+/* A record's times: monotonic seconds (floats), written as wall-clock nanoseconds by the frame's anchor,
+   anchor_ns + floor((t - anchor) * 1e9 + 0.5), as atomesh/otlp.py computes it (built with
+   -ffp-contract=off, so that the product and the sum round as Python's do). */
+typedef struct {
+    int64_t ns;
+    double mono;
+} Anchor;
+
+static double float_of(const Val *v) {
+    double t;
+    memcpy(&t, v->s, 8);
+    return t;
+}
+
+static uint64_t wall_ns(const Anchor *a, const Val *v) {
+    double y = (float_of(v) - a->mono) * 1e9 + 0.5;
+    int64_t k = (int64_t)y; /* toward zero; then down to the floor */
+    if ((double)k > y)
+        k--;
+    return (uint64_t)(a->ns + k);
+}
+
+/* A time that converts: a float within about 3 years of the anchor (not NaN, not infinite). */
+static int time_ok(const Anchor *a, const Val *v) {
+    if (v->type != V_FLOAT)
+        return 0;
+    double d = float_of(v) - a->mono;
+    return d > -1e8 && d < 1e8;
+}
+
+/* A lower-case hex digit's value, else -1. */
+static const int8_t HEX_DIGIT[256] = {
+    ['0'] = 1, ['1'] = 2, ['2'] = 3, ['3'] = 4, ['4'] = 5, ['5'] = 6, ['6'] = 7, ['7'] = 8, ['8'] = 9, ['9'] = 10,
+    ['a'] = 11, ['b'] = 12, ['c'] = 13, ['d'] = 14, ['e'] = 15, ['f'] = 16,
+}; /* the value + 1 (0: not a digit), so that the other 240 entries need not be written */
+
+/* Lower-case hex to bytes: 1 if all `n` bytes' digits are. */
+static int unhex(const uint8_t *s, size_t n, uint8_t *out) {
+    int bad = 0;
+    for (size_t k = 0; k < n; k++) {
+        int hi = HEX_DIGIT[s[2 * k]], lo = HEX_DIGIT[s[2 * k + 1]];
+        bad |= !hi | !lo;
+        out[k] = (uint8_t)((hi - 1) << 4 | (lo - 1));
+    }
+    return !bad;
+}
+
+/* A record's ids: its trace id, and its request span's id (the 7 bytes after the trace id, then a zero). */
+typedef struct {
+    uint8_t trace_id[16];
+    uint64_t base;
+    uint8_t parent[8]; /* the client's span, when `has_parent` */
+    int has_parent;
+} Ids;
+
+static int prefix_ids(const Val *prefix, Ids *ids) {
+    uint8_t b[8] = {0};
+    if (prefix->type != V_STR || prefix->n != 50 || memcmp(prefix->s, "00-", 3) != 0 || prefix->s[35] != '-')
+        return 0;
+    if (!unhex(prefix->s + 3, 16, ids->trace_id) || !unhex(prefix->s + 36, 7, b))
+        return 0;
+    uint64_t base = 0;
+    for (int k = 0; k < 8; k++)
+        base = base << 8 | b[k];
+    ids->base = base;
+    return 1;
 }
 
 /* One child span's ScopeSpans.spans entry: name, kind, attributes, then ids and times (atomesh.otlp's
-   order: a message's fields may come in any order, and the Python encoder caches the first part). */
-static void put_child(Out *o, const Reader *r, Heads *h, const Val *begin, const uint8_t *trace_id, uint64_t id,
+   order: a message's fields may come in any order, and the Python encoder caches the first part). `begin`
+   is the index of its begin (kind, time, values) in `list`. */
+static void put_child(Out *o, const Reader *r, Heads *h, const Val *list, uint32_t begin, const Ids *ids, uint64_t id,
                       uint64_t parent, uint64_t start, uint64_t end) {
-    uint32_t kind = (uint32_t)item(r, begin, 1)->i, nkeys = SPANS[kind].nkeys;
+    uint32_t kind = (uint32_t)item(r, list, begin)->i, nkeys = SPANS[kind].nkeys;
     int hit = h->lengths[kind] != 0;
     for (uint32_t k = 0; hit && k < nkeys; k++)
-        hit = same(r, h->values[kind][k], item(r, begin, 2 + k));
+        hit = same(r, h->values[kind][k], item(r, list, begin + 2 + k));
     if (hit) {
         put(o, h->heads[kind], h->lengths[kind]);
     } else {
         uint8_t *at = o->p;
         size_t name_len = strlen(SPANS[kind].name), size = str_size(name_len) + 2 + CHILD_IDS;
         for (uint32_t k = 0; k < nkeys; k++)
-            size += attr_size(r, strlen(SPANS[kind].keys[k]), item(r, begin, 2 + k));
+            size += attr_size(r, strlen(SPANS[kind].keys[k]), item(r, list, begin + 2 + k));
         Val leg = {V_STR, 0, 0, (const uint8_t *)SPANS[kind].leg};
         if (SPANS[kind].leg != NULL) {
             leg.n = (uint32_t)strlen(SPANS[kind].leg);
@@ -400,7 +469,7 @@ static void put_child(Out *o, const Reader *r, Heads *h, const Val *begin, const
         put_byte(o, 0x30);
         put_byte(o, SPANS[kind].kind);
         for (uint32_t k = 0; k < nkeys; k++)
-            put_attr(o, r, SPANS[kind].keys[k], strlen(SPANS[kind].keys[k]), item(r, begin, 2 + k));
+            put_attr(o, r, SPANS[kind].keys[k], strlen(SPANS[kind].keys[k]), item(r, list, begin + 2 + k));
         if (SPANS[kind].leg != NULL)
             PUT_ATTR(o, r, "atomesh.leg", &leg);
         size_t n = (size_t)(o->p - at);
@@ -409,97 +478,117 @@ static void put_child(Out *o, const Reader *r, Heads *h, const Val *begin, const
             memcpy(h->heads[kind], at, n);
             h->lengths[kind] = n;
             for (uint32_t k = 0; k < nkeys; k++)
-                h->values[kind][k] = item(r, begin, 2 + k);
+                h->values[kind][k] = item(r, list, begin + 2 + k);
         }
     }
-    put_ids(o, trace_id, id);
+    put_ids(o, ids->trace_id, id);
     put_byte(o, 0x22);
     put_byte(o, 0x08);
-    put_u64(o, parent);
+    put_u64(o, __builtin_bswap64(parent));
     put_byte(o, 0x39);
     put_u64(o, start);
     put_byte(o, 0x41);
     put_u64(o, end);
 }
 
+/* Where a record is in the batch (a flat list): its first item, its route (the first item after its events),
+   its spans. */
+typedef struct {
+    uint32_t first, tail, spans;
+    Ids ids; /* decoded once, when the record is checked */
+} Rec;
 
-/* Checks a record's shape, so that writing it needs no more checks: 1 if it is one. */
-static int record_ok(const Reader *r, const Val *rec) {
-    if (rec->type != V_SEQ || rec->n != 10)
+enum { TAIL = 5 };          /* route, request id, status, error, end */
+enum { PREFIX_BYTES = 52 }; /* a record's prefix in the frame: 'z', its length, its 50 characters */
+
+/* The record that starts at item `at` of `list`, checked so that writing it needs no more checks: 1 and
+   where it is in `rec` if it is one as atomesh/otlp.py describes, else 0. */
+static int record_at(const Reader *r, const Val *list, uint32_t at, const Anchor *a, Rec *rec) {
+    uint32_t n = list->n;
+    Ids *ids = &rec->ids;
+    if (n - at < 3 + TAIL || !prefix_ids(item(r, list, at), ids))
         return 0;
-    const Val *trace_id = item(r, rec, 0), *parent = item(r, rec, 1), *events = item(r, rec, 9);
-    if (trace_id->type != V_BYTES || trace_id->n != 16 || parent->type != V_BYTES || (parent->n != 0 && parent->n != 8))
+    const Val *parent = item(r, list, at + 1);
+    if (parent->type != V_STR || (parent->n != 0 && (parent->n != 16 || !unhex(parent->s, 8, ids->parent))))
         return 0;
-    if (!is_int(item(r, rec, 2)) || !is_int(item(r, rec, 3)) || !is_int(item(r, rec, 4)) || !is_int(item(r, rec, 7)))
+    ids->has_parent = parent->n != 0;
+    if (!time_ok(a, item(r, list, at + 2)))
         return 0;
-    if (item(r, rec, 5)->type != V_STR || item(r, rec, 6)->type != V_STR)
-        return 0;
-    const Val *error = item(r, rec, 8);
-    if (error->type != V_NONE && error->type != V_STR)
-        return 0;
-    if (events->type != V_SEQ)
-        return 0;
-    uint32_t open = 0;
-    for (uint32_t k = 0; k < events->n; k++) {
-        const Val *e = item(r, events, k);
-        if (is_int(e)) {
-            if (open == 0)
+    uint32_t k = at + 3, open = 0, spans = 1;
+    for (;;) {
+        if (n - k < TAIL)
+            return 0;
+        const Val *e = item(r, list, k);
+        if (e->type == V_FLOAT) {
+            if (open == 0 || !time_ok(a, e))
                 return 0;
             open--;
+            k++;
             continue;
         }
-        if (e->type != V_SEQ || e->n < 2 || !is_int(item(r, e, 0)) || !is_int(item(r, e, 1)))
+        if (e->type != V_INT)
+            break; /* the route: the events are over */
+        int64_t kind = e->i;
+        if (kind < 0 || kind >= NKINDS || n - k < 2 + SPANS[kind].nkeys + TAIL || !time_ok(a, item(r, list, k + 1)))
             return 0;
-        int64_t kind = item(r, e, 1)->i;
-        if (kind < 0 || kind >= NKINDS || e->n != 2 + SPANS[kind].nkeys)
-            return 0;
-        for (uint32_t j = 2; j < e->n; j++)
-            if (!any_ok(r, item(r, e, j), 0))
+        for (uint32_t j = 0; j < SPANS[kind].nkeys; j++)
+            if (!any_ok(r, item(r, list, k + 2 + j), 0))
                 return 0;
-        if (kind == ATTEMPT && item(r, e, 5)->type != V_SEQ)
+        if (kind == ATTEMPT && item(r, list, k + 5)->type != V_SEQ)
             return 0;
-        if (kind == ADMISSION && item(r, e, 4)->type != V_STR && item(r, e, 4)->type != V_NONE)
+        if (kind == ADMISSION && item(r, list, k + 4)->type != V_STR && item(r, list, k + 4)->type != V_NONE)
             return 0;
         open++;
+        spans++;
+        k += 2 + SPANS[kind].nkeys;
     }
+    const Val *error = item(r, list, k + 3);
+    if (item(r, list, k)->type != V_STR || item(r, list, k + 1)->type != V_STR || !is_int(item(r, list, k + 2)))
+        return 0;
+    if ((error->type != V_NONE && error->type != V_STR) || !time_ok(a, item(r, list, k + 4)))
+        return 0;
+    rec->first = at;
+    rec->tail = k;
+    rec->spans = spans;
     return 1;
 }
 
 /* A request's spans: its children in the order they ended (those left open end with the request), then
    the request span. */
-static void put_record(Out *o, const Reader *r, Heads *h, const Val *rec, uint32_t *stack) {
-    const uint8_t *trace_id = item(r, rec, 0)->s;
-    const Val *parent = item(r, rec, 1), *route = item(r, rec, 5), *request_id = item(r, rec, 6);
-    const Val *error = item(r, rec, 8), *events = item(r, rec, 9);
-    uint64_t base = (uint64_t)item(r, rec, 2)->i, start = (uint64_t)item(r, rec, 3)->i;
-    uint64_t end = start + (uint64_t)item(r, rec, 4)->i;
-    int64_t status = item(r, rec, 7)->i;
+static void put_record(Out *o, const Reader *r, Heads *h, const Val *list, const Rec *rec, const Anchor *a,
+                       uint32_t *stack) {
+    const Ids *ids = &rec->ids;
+    uint64_t base = ids->base;
+    const Val *route = item(r, list, rec->tail), *request_id = item(r, list, rec->tail + 1);
+    const Val *status_code = item(r, list, rec->tail + 2), *error = item(r, list, rec->tail + 3);
+    uint64_t start = wall_ns(a, item(r, list, rec->first + 2)), end = wall_ns(a, item(r, list, rec->tail + 4));
+    int64_t status = status_code->i;
     const Val *model = NULL, *workers = NULL;
-    uint32_t depth = 0; /* the open spans: their begin events' indices, innermost last */
-    for (uint32_t k = 0; k < events->n; k++) {
-        const Val *e = item(r, events, k);
-        if (is_int(e)) {
+    uint32_t depth = 0; /* the open spans: their begins' indices, innermost last */
+    for (uint32_t k = rec->first + 3; k < rec->tail;) {
+        const Val *e = item(r, list, k);
+        if (e->type == V_FLOAT) {
             uint32_t j = stack[--depth];
-            const Val *begin = item(r, events, j);
-            uint64_t up = depth ? base + 1 + stack[depth - 1] : base;
-            put_child(o, r, h, begin, trace_id, base + 1 + j, up, start + (uint64_t)item(r, begin, 0)->i,
-                      start + (uint64_t)e->i);
+            uint64_t up = depth ? base + (stack[depth - 1] - rec->first) : base;
+            put_child(o, r, h, list, j, ids, base + (j - rec->first), up, wall_ns(a, item(r, list, j + 1)),
+                      wall_ns(a, e));
+            k++;
             continue;
         }
-        int64_t kind = item(r, e, 1)->i;
+        int64_t kind = e->i;
         if (kind == ATTEMPT)
-            workers = item(r, e, 5);
+            workers = item(r, list, k + 5);
         else if (kind == ADMISSION)
-            model = item(r, e, 4);
+            model = item(r, list, k + 4);
         stack[depth++] = k;
+        k += 2 + SPANS[kind].nkeys;
     }
     while (depth) {
         uint32_t j = stack[--depth];
-        const Val *begin = item(r, events, j);
-        uint64_t up = depth ? base + 1 + stack[depth - 1] : base;
-        put_child(o, r, h, begin, trace_id, base + 1 + j, up, start + (uint64_t)item(r, begin, 0)->i, end);
+        uint64_t up = depth ? base + (stack[depth - 1] - rec->first) : base;
+        put_child(o, r, h, list, j, ids, base + (j - rec->first), up, wall_ns(a, item(r, list, j + 1)), end);
     }
-    const Val *status_code = item(r, rec, 7), none = {V_NONE, 0, 0, NULL};
+    const Val none = {V_NONE, 0, 0, NULL};
     int has_model = model != NULL && model->type == V_STR && model->n, has_workers = workers != NULL && workers->n;
     /* The request span's tail, kept as a child's head is: what follows its ids, up to its request id. */
     const Val *key[5] = {route, has_model ? model : &none, status_code, has_workers ? workers : &none, error};
@@ -518,16 +607,16 @@ static void put_record(Out *o, const Reader *r, Heads *h, const Val *rec, uint32
             tail += ATTR_SIZE(r, "error.type", error);
     }
     put_byte(o, 0x12);
-    put_varint(o, ROOT_IDS + (parent->n ? 10 : 0) + tail + ATTR_SIZE(r, "atomesh.request_id", request_id));
-    put_ids(o, trace_id, base);
+    put_varint(o, ROOT_IDS + (ids->has_parent ? 10 : 0) + tail + ATTR_SIZE(r, "atomesh.request_id", request_id));
+    put_ids(o, ids->trace_id, base);
     put_byte(o, 0x39);
     put_u64(o, start);
     put_byte(o, 0x41);
     put_u64(o, end);
-    if (parent->n) {
+    if (ids->has_parent) {
         put_byte(o, 0x22);
         put_byte(o, 0x08);
-        put(o, parent->s, 8);
+        put(o, ids->parent, 8);
     }
     if (hit) {
         put(o, h->heads[NKINDS], tail);
@@ -560,18 +649,20 @@ static void put_record(Out *o, const Reader *r, Heads *h, const Val *rec, uint32
     PUT_ATTR(o, r, "atomesh.request_id", request_id);
 }
 
-/* Encodes a frame's records (a marshalled list) in export batches of at most `max_spans` spans (a
-   request's spans together), each an ExportTraceServiceRequest: resource_spans (1) { resource, scope_spans
-   (2) { scope, spans } }, `resource` and `scope` being those fields already written. Batch k is
-   out[starts[k] : ends[k]]. Returns the number of batches; -1 when `out` is too small, -3 when there are more
-   than `max_batches` (call again with more room), -2 when the frame is not a list of records. */
+/* Encodes a frame (a marshalled (anchor_ns, anchor, batch), atomesh/otlp.py) in export batches of at most
+   `max_spans` spans (a request's spans together), each an ExportTraceServiceRequest: resource_spans (1) {
+   resource, scope_spans (2) { scope, spans } }, `resource` and `scope` being those fields already written.
+   Batch k is out[starts[k] : ends[k]]. Returns the number of batches; -1 when `out` is too small, -3 when
+   there are more than `max_batches` (call again with more room), -2 when the frame is not one of records. */
 long atomesh_otlp_encode(const uint8_t *frame, long frame_len, const uint8_t *resource, long resource_len,
                          const uint8_t *scope, long scope_len, long max_spans, uint8_t *out, long out_len,
                          long *starts, long *ends, long max_batches) {
-    /* Every value takes at least one byte of the frame. The arrays are kept from call to call (fresh
-       ones for each frame would cost page faults as large as the encoding): one caller at a time. */
+    /* Every value takes at least one byte of the frame, and a record more than PREFIX_BYTES (its prefix).
+       The arrays are kept from call to call (fresh ones for each frame would cost page faults as large as
+       the encoding): one caller at a time. */
     static Val *vals;
     static uint32_t *items, *refs, *stack, cap;
+    static Rec *recs;
     long batches = -2;
     if ((uint64_t)frame_len + 1 > UINT32_MAX - 1)
         return batches;
@@ -580,30 +671,37 @@ long atomesh_otlp_encode(const uint8_t *frame, long frame_len, const uint8_t *re
         free(items);
         free(refs);
         free(stack);
+        free(recs);
         cap = (uint32_t)frame_len + 1;
         vals = malloc(sizeof(Val) * cap);
         items = malloc(sizeof(uint32_t) * cap);
         refs = malloc(sizeof(uint32_t) * cap);
         stack = malloc(sizeof(uint32_t) * cap);
-        if (vals == NULL || items == NULL || refs == NULL || stack == NULL) {
+        recs = malloc(sizeof(Rec) * (cap / PREFIX_BYTES + 1));
+        if (vals == NULL || items == NULL || refs == NULL || stack == NULL || recs == NULL) {
             cap = 0;
             return batches;
         }
     }
     Reader r = {frame, frame + frame_len, vals, 0, cap, items, 0, cap, refs, 0, cap};
     uint32_t top = read_val(&r, 0);
-    if (top == BAD || r.p != r.end || r.vals[top].type != V_SEQ)
+    if (top == BAD || r.p != r.end || r.vals[top].type != V_SEQ || r.vals[top].n != 3)
         goto done;
-    const Val *records = &r.vals[top];
-    for (uint32_t k = 0; k < records->n; k++)
-        if (!record_ok(&r, item(&r, records, k)))
-            goto done;
+    const Val *anchor_ns = item(&r, &r.vals[top], 0), *anchor = item(&r, &r.vals[top], 1);
+    const Val *list = item(&r, &r.vals[top], 2);
+    if (!is_int(anchor_ns) || anchor->type != V_FLOAT || list->type != V_SEQ)
+        goto done;
+    Anchor a = {anchor_ns->i, float_of(anchor)};
+    uint32_t nrecs = 0;
+    for (uint32_t at = 0; at < list->n; at = recs[nrecs++].tail + TAIL)
+        if (nrecs == cap / PREFIX_BYTES + 1 || !record_at(&r, list, at, &a, &recs[nrecs]))
+            goto done; /* (more records than prefixes fit: some were back-references, which the gateway never writes) */
     Out o = {out, out + out_len, 0};
     static Heads heads; /* about 3 KB: kept static, not on the stack; reset for each frame */
     memset(heads.lengths, 0, sizeof(heads.lengths));
     batches = 0;
     uint32_t k = 0;
-    while (k < records->n) {
+    while (k < nrecs) {
         if (batches == max_batches) {
             batches = -3;
             goto done;
@@ -618,11 +716,10 @@ long atomesh_otlp_encode(const uint8_t *frame, long frame_len, const uint8_t *re
         uint8_t *first = o.p += room;
         long spans = 0;
         do {
-            const Val *rec = item(&r, records, k);
-            spans += 1 + item(&r, rec, 9)->n / 2;
-            put_record(&o, &r, &heads, rec, stack);
+            spans += recs[k].spans;
+            put_record(&o, &r, &heads, list, &recs[k], &a, stack);
             k++;
-        } while (k < records->n && spans + 1 + item(&r, item(&r, records, k), 9)->n / 2 <= max_spans);
+        } while (k < nrecs && spans + recs[k].spans <= max_spans);
         if (o.full) {
             batches = -1;
             goto done;

@@ -9,17 +9,13 @@ not Linux) the gateway logs why once and relays in Python as before: the answers
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
-import sys
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-from atomesh.native import build_library
+from atomesh.native import build_extension
 
 log = structlog.get_logger(__name__)
 
@@ -43,29 +39,8 @@ def build(cache_dir: Path | None = None) -> SpliceBuild:
     """Compile `splice.c` (once per source and Python; kept under `cache_dir`, by default
     `$XDG_CACHE_HOME/atomesh` or `~/.cache/atomesh`) and import it. Needs Linux and, to build it, a C
     compiler (`$CC`, else `cc`) and the interpreter's headers."""
-    if not sys.platform.startswith("linux"):
-        return SpliceBuild(None, f"the native relay is built for Linux only (this is {sys.platform})")
-    include = sysconfig.get_paths().get("include", "")
-    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    # Named by source, flags and interpreter, not compiler: a build made beforehand (an image's build
-    # stage) serves a machine without one.
-    library, why_not = build_library(_SOURCE, _FLAGS, suffix=suffix, key=sys.version, cache_dir=cache_dir,
-                                     include=(f"-I{include}",) if include else (), what="native relay")  # fmt: skip
-    if library is None:
-        if not include or not Path(include, "Python.h").exists():
-            why_not = f"no Python.h under {include!r} (install the interpreter's headers); {why_not}"
-        return SpliceBuild(None, why_not)
-    spec = importlib.util.spec_from_file_location(
-        _NAME, library, loader=importlib.machinery.ExtensionFileLoader(_NAME, str(library))
-    )
-    if spec is None or spec.loader is None:
-        return SpliceBuild(None, f"cannot load {library}")
-    try:
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    except ImportError as e:
-        return SpliceBuild(None, f"cannot load {library}: {e}")
-    return SpliceBuild(module)
+    module, why_not = build_extension(_SOURCE, _NAME, _FLAGS, what="native relay", cache_dir=cache_dir)
+    return SpliceBuild(module, why_not)
 
 
 def load() -> Any:

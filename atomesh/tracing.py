@@ -11,12 +11,18 @@ What it costs is what the request path does, so that path does little. Whether a
 is decided once, as it arrives: the client's flag, else `OTEL_TRACES_SAMPLER` /
 `OTEL_TRACES_SAMPLER_ARG` as the SDK reads them, else every trace. A request not sampled gets no
 `Trace`; all tracing does for it is the `traceparent` it passes on (flagged not sampled, so the
-engines record nothing either). A sampled request's `Trace` records its spans as tuples and ints in a
-list (`time.time_ns()` times, the few values each kind of span has, span ids counted from one random
-base): no span objects, no attribute dicts. When the request ends the record is queued; a thread ships
-queued records in batches to a sender process, which writes the OTLP protobuf and sends it (`otlp.py`,
-`otlp_sender.py`). The OpenTelemetry SDK's span objects, processor and encoder cost more than the
-gateway's whole request path, so none of them is used here.
+engines record nothing either). A sampled request's `Trace` records its spans as a record: one flat
+run of strings, ints and floats (`atomesh.otlp` describes it), its ids as the hex its `traceparent`s
+start with, its times from the monotonic clock; no span objects, no attribute dicts, no container per
+span. When the request ends its record joins the batch; a batch goes to a sender process as one
+`marshal` frame, and the sender writes the OTLP protobuf and sends it (`otlp.py`, `otlp_sender.py`).
+
+The recorder (`Recorder`: the traces, the batch, the ids) is compiled (`atomesh/trace_record.c`, built on
+first use and cached as the native relay is), which writes each record straight into the frame's
+bytes: a hook is one call into C. Where it cannot be built it is `PyRecorder` here, which makes the
+same records as Python objects and `marshal`s the batch (tracing then adds about 3 times the
+instructions to a request; the gateway logs why once). The OpenTelemetry SDK's span objects, processor
+and encoder cost more than the gateway's whole request path, so none of them is used here.
 """
 
 from __future__ import annotations
@@ -27,78 +33,196 @@ import os
 import random
 import re
 import time
-from collections.abc import Mapping, MutableMapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import MutableMapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
-from atomesh.otlp import ADMISSION, ATTEMPT, DECODE, PREFILL, UPSTREAM, SpanExporter, exporter_settings
+import structlog
+
+from atomesh.native import build_extension
+from atomesh.otlp import ADMISSION, ATTEMPT, DECODE, PREFILL, SPANS, UPSTREAM, SpanExporter, exporter_settings
 from atomesh.request import Route
 from atomesh.tenancy import PriorityClass
 
 if TYPE_CHECKING:
     from atomesh.transport import Exchange
 
-__all__ = ["ADMISSION", "ATTEMPT", "DECODE", "PREFILL", "UPSTREAM", "Trace", "Tracing"]
+__all__ = ["ADMISSION", "ATTEMPT", "DECODE", "PREFILL", "UPSTREAM", "Recorder", "Trace", "Tracing"]
+
+log = structlog.get_logger("atomesh.tracing")
 
 TRACEPARENT = "traceparent"
 _TRACEPARENT = re.compile(r"\s*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:-\S*)?\s*", re.IGNORECASE)
-_CLASSES = {c: c.name.lower() for c in PriorityClass}
+_CLASSES = tuple(c.name.lower() for c in sorted(PriorityClass))  # by value: 0, 1, ...
 _ROUTES = {r: r.value for r in Route}  # plain strings (an Enum's `value` is a property: slow)
-_now = time.time_ns  # see atomesh.otlp on a record's times
+_clock = time.monotonic  # a record's times; see atomesh.otlp
+_VALUES = tuple(len(keys) for _, _, keys, _ in SPANS)  # the values of each kind of span's begin
+# What follows a record's prefix in the traceparent of the span whose begin is item i (i < 256): the
+# span id's last byte, and the sampled flag.
+_SAMPLED = tuple(f"{i:02x}-01" for i in range(256))
+_NONZERO = 1 | 1 << 128  # ids of random bytes (little-endian): a set bit in the trace id and in the span id
+_U64 = (1 << 64) - 1
+_SOURCE = Path(__file__).with_name("trace_record.c")
+_FLAGS = ("-O2", "-shared", "-fPIC", "-fvisibility=hidden")
 
 
-class Trace:
-    """The spans of one sampled request, as it runs (the record `atomesh.otlp` describes).
+class Trace(Protocol):
+    """The spans of one sampled request, as it runs (a `Recorder` makes it; the record `atomesh.otlp`
+    describes).
 
-    A child span begins with `trace.admission(...)`, `trace.attempt(...)` or `trace.leg(...)`, which
-    write its begin event, and ends with `trace.end()` in a `finally`, which writes its end event and so
-    closes the innermost open span (not a `with` block: calling `__enter__` and `__exit__` costs as
-    much again as the span). Made by `Tracing.start` only (no `__init__`: calling one costs as much as
-    a span)."""
+    A child span begins with `trace.admission(...)`, `trace.attempt(...)` or `trace.leg(...)` and ends
+    with `trace.end()` in a `finally`, which closes the innermost open span (not a `with` block: calling
+    `__enter__` and `__exit__` costs as much again as the span)."""
 
-    __slots__ = ("base", "error", "events", "parent", "start", "status", "trace_id")
+    @property
+    def spans(self) -> int:
+        """The request span and the children begun."""
 
-    trace_id: bytes  # 16 bytes
-    parent: bytes  # the client's span (8 bytes), or b""
-    base: int  # the request span's id; a child's is base + 1 + the index of its begin event
-    events: list[Any]  # begin events (tuples) and end events (ints)
-    start: int  # time.time_ns(); the events' times are nanoseconds since it
+    def admission(self, model: str | None, cls: PriorityClass, tenant: str) -> None:
+        """Waiting for admission begins (the model, known from here, goes on the request span too)."""
+
+    def attempt(self, number: int, kind: str, policies: tuple[str, ...], workers: tuple[str, ...]) -> None:
+        """One placement and its run begins (kind: first, retry or migration)."""
+
+    def leg(self, leg: int, url: str) -> None:
+        """A call to one worker begins (leg: PREFILL, DECODE or UPSTREAM)."""
+
+    def end(self) -> None:
+        """End the innermost open span."""
+
+    def failed(self, status: int, code: str) -> None:
+        """The request ends with the gateway's error (the request span's status and `error.type`)."""
+
+    def traceparent(self) -> str:
+        """The sampled `traceparent` naming the innermost open span (for a call to a worker)."""
+
+
+class Recorder(Protocol):
+    """The traces of one gateway process and their batch: `atomesh/trace_record.c`'s, or `PyRecorder`."""
+
+    @property
+    def spans(self) -> int:
+        """The spans in the batch."""
+
+    def trace(self, trace_id: str | None, parent: str) -> Trace:
+        """A new request's trace, its span started now: in the client's trace (32 hex digits, its span
+        `parent` in 16) or, with None and "", a new one."""
+
+    def unsampled(self) -> str:
+        """A `traceparent` of new random ids, flagged not sampled."""
+
+    def add(self, trace: Trace, route: str, request_id: str, status: int) -> int:
+        """The request ends: its record joins the batch, with its route, request id, status (`status`, or the
+        refusal's when it failed) and end. Returns the batch's spans."""
+
+    def frame(self, anchor_ns: int, anchor: float) -> bytes:
+        """The batch as its sender reads it (a 4-byte big-endian length, then the `marshal`led frame, with the
+        clocks' anchor: `time.time_ns()` and `time.monotonic()` read together), and empty it."""
+
+
+class PyTrace:
+    """`Trace` in Python: `items` is its record so far (prefix, parent, start, then begins and ends). Made by
+    `PyRecorder.trace` only (no `__init__`: calling one costs as much as a span)."""
+
+    __slots__ = ("error", "items", "spans", "status")
+
+    items: list[Any]
+    spans: int
     status: int  # the refusal's HTTP status, when `error` is set
     error: str | None  # the gateway's error code when it refused or failed the request, else None
 
     def admission(self, model: str | None, cls: PriorityClass, tenant: str) -> None:
-        """Waiting for admission begins (the model, known from here, goes on the request span too)."""
-        self.events.append((_now() - self.start, ADMISSION, _CLASSES[cls], tenant, model))
+        self.items += (ADMISSION, _clock(), _CLASSES[cls], tenant, model)
+        self.spans += 1
 
     def attempt(self, number: int, kind: str, policies: tuple[str, ...], workers: tuple[str, ...]) -> None:
-        """One placement and its run begins (kind: first, retry or migration)."""
-        self.events.append((_now() - self.start, ATTEMPT, number, kind, policies, workers))
+        self.items += (ATTEMPT, _clock(), number, kind, policies, workers)
+        self.spans += 1
 
     def leg(self, leg: int, url: str) -> None:
-        """A call to one worker begins (leg: PREFILL, DECODE or UPSTREAM)."""
-        self.events.append((_now() - self.start, leg, url))
-
-    def failed(self, status: int, code: str) -> None:
-        """The request ends with the gateway's error (the request span's status and `error.type`)."""
-        self.status, self.error = status, code
+        self.items += (leg, _clock(), url)
+        self.spans += 1
 
     def end(self) -> None:
-        """End the innermost open span."""
-        self.events.append(_now() - self.start)
+        self.items.append(_clock())
+
+    def failed(self, status: int, code: str) -> None:
+        self.status, self.error = status, code
+
+    def traceparent(self) -> str:
+        items = self.items
+        # A call to a worker comes right after its leg begins: the leg's kind (the only int three items from
+        # the end of a record), time and address are the last items.
+        span = len(items) - 3
+        if items[span].__class__ is not int:
+            span = self.current()
+        prefix: str = items[0]
+        if span < 256:
+            return prefix + _SAMPLED[span]
+        return f"{prefix[:36]}{((int(prefix[36:], 16) << 8) + span) & _U64:016x}-01"
 
     def current(self) -> int:
-        """The innermost open span's id."""
-        events = self.events
-        i = len(events)
-        ended = 0
-        while i:
-            i -= 1
-            if events[i].__class__ is int:
-                ended += 1
-            elif ended:
-                ended -= 1
+        """The innermost open span, as the index of its begin in `items` (0: the request span)."""
+        items = self.items
+        begun = [0]
+        i, n = 3, len(items)
+        while i < n:
+            item = items[i]
+            if item.__class__ is float:
+                if len(begun) > 1:
+                    begun.pop()
+                i += 1
             else:
-                return self.base + 1 + i
-        return self.base
+                begun.append(i)
+                i += 2 + _VALUES[item]
+        return begun[-1]
+
+
+class PyRecorder:
+    """`Recorder` in Python (where `atomesh/trace_record.c` cannot be built): the batch is a list of the
+    records' items, `marshal`led when it leaves; ids are random bits from Python's `random` (no system
+    call)."""
+
+    def __init__(self) -> None:
+        self._bits = random.Random().getrandbits  # seeded from os.urandom
+        self._items: list[Any] = []
+        self.spans = 0
+
+    def trace(self, trace_id: str | None, parent: str) -> PyTrace:
+        # One hex call writes the trace id, a dash, and the request span id's first 7 bytes.
+        ids = (self._bits(184) | _NONZERO).to_bytes(23, "little").hex("-", -16)
+        trace = PyTrace()
+        trace.items = ["00-" + ids if trace_id is None else "00-" + trace_id + ids[32:], parent, _clock()]
+        trace.spans = 1
+        trace.error = None
+        return trace
+
+    def unsampled(self) -> str:
+        return "00-" + (self._bits(192) | _NONZERO).to_bytes(24, "little").hex("-", -16) + "-00"
+
+    def add(self, trace: Trace, route: str, request_id: str, status: int) -> int:
+        assert isinstance(trace, PyTrace)
+        error = trace.error
+        items = self._items
+        items += trace.items
+        items += (route, request_id, trace.status if error is not None else status, error, _clock())
+        self.spans += trace.spans
+        return self.spans
+
+    def frame(self, anchor_ns: int, anchor: float) -> bytes:
+        frame = marshal.dumps((anchor_ns, anchor, self._items), 4)
+        self._items, self.spans = [], 0
+        return len(frame).to_bytes(4, "big") + frame
+
+
+def native_recorder(cache_dir: Path | None = None) -> tuple[Recorder | None, str]:
+    """`atomesh/trace_record.c`'s recorder (compiled once per source and Python, kept under `cache_dir`, by
+    default `$XDG_CACHE_HOME/atomesh` or `~/.cache/atomesh`), or None and why not."""
+    module, why_not = build_extension(_SOURCE, "_atomesh_trace", _FLAGS, what="trace recorder", cache_dir=cache_dir)
+    if module is None:
+        return None, why_not
+    recorder: Recorder = module.Recorder(_CLASSES)
+    return recorder, ""
 
 
 def parse_traceparent(value: str | None) -> tuple[str, str, bool] | None:
@@ -138,23 +262,28 @@ def ratio_from_env() -> float:
 class Tracing:
     """The gateway's tracer, or nothing (`on` false)."""
 
-    def __init__(self, endpoint: str | None, service: str = "atomesh-gateway") -> None:
+    def __init__(
+        self, endpoint: str | None, service: str = "atomesh-gateway", recorder: Recorder | None = None
+    ) -> None:
+        """`recorder`: the compiled one by default, else `PyRecorder` (the reason logged)."""
         self.on = endpoint is not None
         if endpoint is None:
             return
         self.ratio = ratio_from_env()
-        rng = random.Random()  # seeded from os.urandom
-        self._random, self._bits = rng.random, rng.getrandbits
+        self._random = random.Random().random  # seeded from os.urandom
+        if recorder is None:
+            recorder, why_not = native_recorder()
+            if recorder is None:
+                log.warning("trace_recorder_in_python", reason=why_not)
+                recorder = PyRecorder()
+        self.recorder = recorder
         settings = exporter_settings(endpoint, service)
         # Records go to the sender in frames of up to half the queue's bound (and at least one export
         # batch), which it sends in export batches: the sender wakes once for several batches (about a
         # third of its CPU a request at 128 requests a frame was waking up cold).
         self._hand_over = max(settings.max_batch, settings.max_queue // 2)
         self._delay = settings.schedule_delay_s
-        # The records of the requests ended since the last batch left, and their spans.
-        self._batch: list[tuple[Any, ...]] = []
-        self._batch_spans = 0
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None  # the batch's schedule, while it has records
         self.exporter = SpanExporter(settings)  # starts the sender process and its writer thread; `shutdown` stops them
 
     # ------------------------------------------------------------------ the request path
@@ -165,45 +294,18 @@ class Tracing:
         if client is None:
             if self.ratio < 1.0 and self._random() >= self.ratio:
                 return None
-            # Random bits as the SDK's id generator takes them (Python's `random`): no system call.
-            trace_id, parent = (self._bits(128) | 1).to_bytes(16, "little"), b""
+            trace = exchange.trace = self.recorder.trace(None, "")
         elif client[2]:
-            trace_id, parent = bytes.fromhex(client[0]), bytes.fromhex(client[1])
+            trace = exchange.trace = self.recorder.trace(client[0], client[1])
         else:
             return None  # the client's trace, not sampled
-        trace = exchange.trace = Trace()
-        trace.trace_id = trace_id
-        trace.parent = parent
-        # 62 random bits, odd: never zero, and the request's child span ids (counted up from it) stay in 64 bits.
-        trace.base = self._bits(62) | 1
-        trace.events = []
-        trace.error = None
-        trace.start = _now()
         return trace
 
     def finish(self, trace: Trace, route: Route, exchange: Exchange) -> None:
         """End the request span and put the request's record in the batch; a full batch leaves."""
-        events = trace.events
-        batch = self._batch
-        error = trace.error
-        batch.append(
-            (
-                trace.trace_id,
-                trace.parent,
-                trace.base,
-                trace.start,
-                _now() - trace.start,
-                _ROUTES[route],
-                exchange.request_id,
-                trace.status if error is not None else exchange.status or 0,
-                error,
-                events,
-            )
-        )
-        self._batch_spans += 1 + len(events) // 2  # the request span, and a begin and an end per child
-        if self._batch_spans >= self._hand_over:
+        if self.recorder.add(trace, _ROUTES[route], exchange.request_id, exchange.status or 0) >= self._hand_over:
             self.ship()
-        elif len(batch) == 1:
+        elif self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self._delay, self.ship)
 
     def ship(self) -> None:
@@ -211,29 +313,27 @@ class Tracing:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._batch:
-            frame = marshal.dumps(self._batch, 4)
-            self.exporter.send(len(frame).to_bytes(4, "big") + frame, self._batch_spans)
-            self._batch, self._batch_spans = [], 0
+        spans = self.recorder.spans
+        if spans:
+            # The clocks' anchor: the sender turns the records' monotonic times into wall-clock times by it.
+            self.exporter.send(self.recorder.frame(time.time_ns(), _clock()), spans)
 
     def inject(self, headers: MutableMapping[str, str], exchange: Exchange) -> None:
         """Put the request's current span in the `traceparent` of a call to a worker (with the not-sampled
         flag when the request is not traced, so the engine records nothing either)."""
         trace = exchange.trace
         if trace is not None:
-            events = trace.events
-            # A call to a worker comes right after its span begins: that span is the last event.
-            span = trace.base + len(events) if events[-1].__class__ is tuple else trace.current()
-            # One hex call writes both ids, the dash between them too (after the trace id's 16 bytes).
-            headers[TRACEPARENT] = "00-" + (trace.trace_id + span.to_bytes(8, "little")).hex("-", -16) + "-01"
+            headers[TRACEPARENT] = trace.traceparent()
+        elif (value := exchange.headers.get(TRACEPARENT)) is None:
+            headers[TRACEPARENT] = self.recorder.unsampled()
         else:
-            headers[TRACEPARENT] = self._not_sampled(exchange.headers)
+            headers[TRACEPARENT] = self._not_sampled(value)
 
-    def _not_sampled(self, headers: Mapping[str, str]) -> str:
-        client = parse_traceparent(headers.get(TRACEPARENT))
+    def _not_sampled(self, value: str) -> str:
+        client = parse_traceparent(value)
         if client is not None:
             return f"00-{client[0]}-{client[1]}-00"  # the client's trace, passed through
-        return f"00-{self._bits(128) | 1:032x}-{self._bits(64) | 1:016x}-00"  # random bits: no system call
+        return self.recorder.unsampled()
 
     def shutdown(self) -> None:
         """Send what is queued and stop (at gateway stop)."""

@@ -9,6 +9,7 @@ import json
 import marshal
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -172,6 +173,21 @@ def _exchange(headers: dict[str, str], request_id: str = "req-1") -> Any:
     return SimpleNamespace(headers=headers, request_id=request_id, trace=None, workers=("http://a",), status=200)
 
 
+RECORDERS = pytest.mark.parametrize("kind", ["compiled", "python"])
+
+
+def _recorder(kind: str) -> Any:
+    """The gateway's trace recorder: the compiled one (built here: the tests need a C compiler and Python's
+    headers) or Python's."""
+    from atomesh.tracing import PyRecorder, native_recorder
+
+    if kind == "python":
+        return PyRecorder()
+    recorder, why_not = native_recorder()
+    assert recorder is not None, why_not
+    return recorder
+
+
 def _encoders() -> tuple[Any, Any]:
     """The sender's two encoders: Python's and the compiled one (built here: the tests need a C compiler)."""
     from atomesh.otlp import SpanEncoder
@@ -203,16 +219,18 @@ def _parsed(frames: list[bytes]) -> list[Any]:
     return spans
 
 
-async def test_spans_are_written_as_the_collectors_protobuf(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The records the request path makes, shipped and encoded by hand, parse with opentelemetry-proto's
-    own classes: every span and value intact at every length (cached or not), parents linked, the
-    traceparent sent upstream naming the leg, a 5xx request span marked as an error."""
+@RECORDERS
+async def test_spans_are_written_as_the_collectors_protobuf(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The records the request path makes (with either recorder), shipped and encoded by hand, parse with
+    opentelemetry-proto's own classes: every span and value intact at every length (cached or not), parents
+    linked, the traceparent sent upstream naming the leg, a 5xx request span marked as an error."""
     from atomesh.otlp import key_value
     from atomesh.request import Route
     from atomesh.tenancy import PriorityClass
     from atomesh.tracing import UPSTREAM, Tracing
 
-    tracing = Tracing("127.0.0.1:9")  # nothing listens: the frames are taken before they are sent
+    # Nothing listens: the frames are taken before they are sent.
+    tracing = Tracing("127.0.0.1:9", recorder=_recorder(kind))
     frames: list[tuple[bytes, int]] = []
     monkeypatch.setattr(tracing.exporter, "send", lambda frame, n: frames.append((frame, n)))
     request_ids = ["req-1", "x" * 99, "y" * 300, "é" * 60, "req-1"]
@@ -296,51 +314,219 @@ async def test_spans_are_written_as_the_collectors_protobuf(monkeypatch: pytest.
         assert kv.key == "k" and read(kv.value) == value
 
 
+def _record(rng: random.Random, i: int, now: float) -> list[Any]:
+    """One request's record as `atomesh.otlp` describes it, of any shape the request path makes: spans left
+    open, no model, a client's parent or none, long and non-ASCII values, errors, begins past item 255."""
+    prefix = "00-" + rng.getrandbits(128).to_bytes(16, "big").hex() + "-" + rng.getrandbits(56).to_bytes(7, "big").hex()
+    record: list[Any] = [prefix, rng.choice(["", rng.getrandbits(64).to_bytes(8, "big").hex()]), now]
+    record += (0, now + 1e-5, "interactive", f"tenant-{i % 3}", rng.choice(["m" * rng.randrange(300), None]))
+    record.append(now + 2e-5)
+    for attempt in range(rng.choice([1, 1, 2, 60])):  # 60 attempts: begins past item 255
+        workers = tuple(f"http://w{j}" for j in range(rng.randrange(3)))
+        record += (1, now + 3e-5, attempt, "retry", ("cache_aware",) * rng.randrange(3), workers)
+        record += (rng.randrange(2, 5), now + 4e-5, "http://é" * rng.randrange(1, 40))
+        record += [now + 5e-5, now + 6e-5][: rng.randrange(3) if attempt else 2]  # a leg, an attempt left open, or not
+    record += (
+        "/v1/completions",
+        rng.choice(["req-1", "x" * 150, "é" * 70]),
+        rng.choice([200, 503]),
+        rng.choice([None, "upstream_error"]),
+        now + rng.choice([7e-5, 3e3]),
+    )
+    return record
+
+
 def test_the_compiled_encoder_writes_what_pythons_writes() -> None:
-    """Records of every shape the request path makes (spans left open, no model, a client's parent or
-    none, long and non-ASCII values, errors) in export batches of any size: the same bytes from both
-    encoders; a frame that is not a list of records is refused (the sender then uses Python's)."""
+    """Records of every shape the request path makes in export batches of any size: the same bytes from
+    both encoders; a frame that is not one of records is refused (the sender then uses Python's)."""
     encoder, native = _encoders()
     rng = random.Random(7)
     for _ in range(40):
-        records = []
+        now = time.monotonic()
+        batch: list[Any] = []
         for i in range(rng.randrange(1, 40)):
-            events: list[Any] = [
-                (10, 0, "interactive", f"tenant-{i % 3}", rng.choice(["m" * rng.randrange(300), None]))
-            ]
-            events.append(20)
-            workers = tuple(f"http://w{j}" for j in range(rng.randrange(3)))
-            events.append((30, 1, i, "retry", ("cache_aware",) * rng.randrange(3), workers))
-            events.append((40, rng.randrange(2, 5), "http://é" * rng.randrange(1, 40)))
-            events += [50, 60][: rng.randrange(3)]  # the leg and the attempt ended, or left open
-            records.append(
-                (
-                    rng.getrandbits(128).to_bytes(16, "little"),
-                    rng.choice([b"", rng.getrandbits(64).to_bytes(8, "big")]),
-                    rng.getrandbits(62) | 1,
-                    time.time_ns(),
-                    rng.choice([70, 2**40]),
-                    "/v1/completions",
-                    rng.choice(["req-1", "x" * 150, "é" * 70]),
-                    rng.choice([200, 503]),
-                    rng.choice([None, "upstream_error"]),
-                    events,
-                )
-            )
-        frame = marshal.dumps(records, 4)
+            batch += _record(rng, i, now)
+        frame = marshal.dumps((time.time_ns(), now + rng.random(), batch), 4)
         max_spans = rng.choice([1, 5, 100, 2048])
         assert native.export_requests(frame, max_spans) == encoder.export_requests(frame, max_spans)
-    assert native.export_requests(b"junk", 10) is None
-    assert native.export_requests(marshal.dumps([(1, 2)], 4), 10) is None
+    good = _record(rng, 0, 1.0)
+    assert native.export_requests(marshal.dumps((1, 1.0, good), 4), 10) is not None
+    for bad in (
+        b"junk",
+        marshal.dumps([(1, 2)], 4),
+        marshal.dumps((1, 1.0, good[:-1]), 4),  # the record cut short
+        marshal.dumps((1, 1.0, ["00-" + "g" * 32 + good[0][35:], *good[1:]]), 4),  # an id not in hex
+        marshal.dumps((1, 1.0, [*good[:2], float("nan"), *good[3:]]), 4),  # a time that is no time
+        marshal.dumps((1, 1.0, [*good[:3], 9, *good[4:]]), 4),  # a kind of span there is not
+        marshal.dumps((1, 1.0, [*good[:3], 1.5, *good[3:]]), 4),  # an end with no span open
+    ):
+        assert native.export_requests(bad, 10) is None, bad
 
 
-def test_a_request_not_sampled_records_nothing_and_passes_the_flag_on(monkeypatch: pytest.MonkeyPatch) -> None:
+def _requests(recorder: Any) -> tuple[list[str], bytes, int]:
+    """Requests of every shape the request path makes, recorded by `recorder`: the traceparents they send
+    upstream, the frame of their batch, its spans."""
+    from atomesh.tenancy import PriorityClass
+    from atomesh.tracing import DECODE, PREFILL, UPSTREAM
+
+    sent = []
+    # A new trace: admitted, one attempt and its upstream leg.
+    t = recorder.trace(None, "")
+    t.admission("m", PriorityClass.DEFAULT, "anonymous")
+    t.end()
+    t.attempt(0, "first", ("round_robin",), ("http://a",))
+    t.leg(UPSTREAM, "http://a")
+    sent.append(t.traceparent())
+    t.end()
+    t.end()
+    assert recorder.add(t, "/v1/completions", "r1", 200) == 4
+    # The client's trace; P/D legs; refused; non-ASCII and long values; no model.
+    t = recorder.trace(TRACE_ID, CLIENT_SPAN)
+    t.admission(None, PriorityClass.INTERACTIVE, "é" * 300)
+    t.end()
+    t.attempt(1, "retry", ("cache_aware", "round_robin"), ("http://p", "http://d"))
+    t.leg(PREFILL, "http://p")
+    sent.append(t.traceparent())
+    t.end()
+    t.leg(DECODE, "http://d" * 40)
+    sent.append(t.traceparent())
+    t.end()
+    t.end()
+    t.failed(503, "upstream_error")
+    recorder.add(t, "/v1/chat/completions", "x" * 300, 0)
+    # SGLang's P/D: both calls under the attempt (no leg span); an admission wait cut (left open).
+    t = recorder.trace(None, "")
+    t.attempt(0, "first", ("a",), ("http://p", "http://d"))
+    sent += (t.traceparent(), t.traceparent())
+    t.end()
+    t.admission("m", PriorityClass.BULK, "t")
+    recorder.add(t, "/generate", "r3", 499)
+    # 60 attempts: begins past item 255 (their ids written out in full in the traceparent).
+    t = recorder.trace(None, "")
+    for i in range(60):
+        t.attempt(i, "migration", (), ())
+        t.leg(UPSTREAM, "u")
+        sent.append(t.traceparent())
+        t.end()
+        t.end()
+    spans = recorder.add(t, "/v1/completions", "r4", 200)
+    assert recorder.spans == spans == 4 + 5 + 3 + 121
+    return sent, recorder.frame(time.time_ns(), time.monotonic()), spans
+
+
+def test_both_recorders_make_the_same_records() -> None:
+    """The compiled recorder writes the records Python's makes (its frame is `marshal`'s, read by both
+    encoders alike), ids and times aside; the traceparents sent upstream name the spans the sender
+    exports."""
+    from atomesh.otlp import records
+
+    def mask(item: Any) -> Any:
+        if isinstance(item, float):
+            return "time"
+        if isinstance(item, str) and item.startswith("00-"):  # a prefix: the client's trace id, if any
+            return item[:36] if item[3:35] == TRACE_ID else "new"
+        return item
+
+    made = {}
+    for kind in ("compiled", "python"):
+        sent, frame, spans = _requests(_recorder(kind))
+        assert int.from_bytes(frame[:4], "big") == len(frame) - 4
+        _, _, items = marshal.loads(frame[4:])
+        found = records(items)
+        assert sum(n for _, _, n in found) == spans
+        # The traceparents: the trace's ids, each naming the span whose begin is at its offset from the base.
+        offsets = []
+        for tp in sent:
+            prefix = next(items[first] for first, _, _ in found if items[first][3:35] == tp[3:35])
+            assert tp.startswith(prefix[:36]) and tp.endswith("-01")
+            offsets.append(int(tp[36:52], 16) - (int(prefix[36:50], 16) << 8))
+        # The records, their random ids and times masked.
+        shape = [mask(x) for x in items]
+        exported = {s.span_id.hex(): s.name for s in _parsed([frame])}
+        assert len(exported) == spans
+        assert [exported[tp[36:52]] for tp in sent] == ["upstream", "prefill", "decode", "attempt", "attempt"] + [
+            "upstream"
+        ] * 60
+        made[kind] = (offsets, shape)
+    assert made["compiled"] == made["python"]
+    assert made["python"][0][:5] == [15, 15, 19, 3, 3]
+
+
+def test_the_compiled_recorder_refuses_values_of_the_wrong_type() -> None:
+    """A value the record cannot hold is refused with the reason, and the record is left as it was."""
+    from atomesh.tenancy import PriorityClass
+    from atomesh.tracing import UPSTREAM
+
+    recorder = _recorder("compiled")
+    t = recorder.trace(None, "")
+    with pytest.raises(TypeError, match="tenant must be a str"):
+        t.admission("m", PriorityClass.DEFAULT, 3)
+    with pytest.raises(TypeError, match="workers must be a tuple of str"):
+        t.attempt(0, "first", ("a",), ["http://a"])
+    with pytest.raises(ValueError, match="not a leg"):
+        t.leg(0, "http://a")
+    with pytest.raises(ValueError, match="trace_id must be 32 lower-case hex digits"):
+        recorder.trace("ABC", "")
+    t.attempt(0, "first", ("a",), ("http://a",))
+    t.leg(UPSTREAM, "http://a")
+    assert t.traceparent().endswith("09-01")  # the leg's begin is the record's item 9: nothing refused was kept
+    t.end()
+    t.end()
+    assert t.spans == 3 and recorder.add(t, "/v1/completions", "r", 200) == 3
+    [data] = _encoders()[1].export_requests(recorder.frame(time.time_ns(), time.monotonic())[4:], 100)
+    assert data
+
+
+def test_a_forked_child_draws_ids_of_its_own() -> None:
+    """The compiled recorder's pool of random bytes is emptied in a child after fork: parent and child do
+    not hand out the same ids."""
+    recorder = _recorder("compiled")
+    recorder.unsampled()  # the pool filled
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        os.write(write, recorder.unsampled().encode())
+        os._exit(0)
+    os.close(write)
+    try:
+        child = os.read(read, 100).decode()
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+    assert len(child) == 55 and child != recorder.unsampled()
+
+
+def test_without_a_compiler_the_recorder_says_why_and_a_cached_build_still_serves(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from atomesh.tracing import PyRecorder, Tracing, native_recorder
+
+    recorder, why_not = native_recorder(tmp_path)
+    assert recorder is not None, why_not
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", "")
+    assert native_recorder(tmp_path)[0] is not None  # built before: no compiler needed
+    missing, why_not = native_recorder(tmp_path / "empty")
+    assert missing is None and "no C compiler" in why_not
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty"))
+    tracing = Tracing("127.0.0.1:9")  # the gateway then records in Python
+    try:
+        assert isinstance(tracing.recorder, PyRecorder)
+    finally:
+        tracing.shutdown()
+
+
+@RECORDERS
+def test_a_request_not_sampled_records_nothing_and_passes_the_flag_on(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A client's not-sampled flag is followed, and so is OTEL_TRACES_SAMPLER for a request without one;
-    either way the worker is told not to record (the client's trace passed through when it sent one)."""
+    either way the worker is told not to record (the client's trace passed through when it sent one, else
+    new ids each time)."""
     from atomesh.tracing import Tracing
 
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
-    tracing = Tracing("127.0.0.1:9")
+    tracing = Tracing("127.0.0.1:9", recorder=_recorder(kind))
     try:
         for sent in (f"00-{TRACE_ID}-{CLIENT_SPAN}-00", f"00-{TRACE_ID.upper()}-{CLIENT_SPAN}-00", None, "00-bad"):
             exchange = _exchange({"traceparent": sent} if sent is not None else {})
@@ -354,6 +540,8 @@ def test_a_request_not_sampled_records_nothing_and_passes_the_flag_on(monkeypatc
             )
             if sent is None or "bad" in sent:
                 assert trace_id != TRACE_ID and int(trace_id, 16) and int(span_id, 16)
+                assert re.fullmatch("[0-9a-f]{32}-[0-9a-f]{16}", f"{trace_id}-{span_id}")
+        assert len({tracing.recorder.unsampled() for _ in range(1000)}) == 1000
         # A client's sampled flag is followed whatever the sampler says.
         assert tracing.start(_exchange({"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"}))
     finally:

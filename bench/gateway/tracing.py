@@ -10,6 +10,12 @@ asserts. `--instructions N` first counts each gateway's instructions per request
 gateway process's threads; its sender process is not counted there), which the machine's other load
 does not move: the steadier measure on a shared box.
 
+`--hooks N` counts, under callgrind, only what tracing adds to a request in the gateway process: the
+request path's tracing calls (start, the admission, attempt and upstream spans, the traceparent put in
+the worker's request and that request's head written, the record added to the batch, the batch
+shipped) as the gateway makes them for this benchmark's requests, N times, without HTTP around them:
+tracing off, on but the request not sampled, sampled with the compiled recorder and with Python's.
+
 `--sender N` measures the sender process alone: N requests' records (as `Tracing` makes them for this
 benchmark's requests) in the frames the gateway would hand it, replayed at the rate the gateway makes
 them, its compiled encoder's rounds alternating with Python's (the sender falls back to Python when it
@@ -187,8 +193,7 @@ def replay(
             argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={callgrind}", *argv]
         sender = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env, stderr=subprocess.DEVNULL)
         assert sender.stdin is not None
-        per_frame = 4 * (len(marshal_records(sent[0])))
-        want = spans[0] + per_frame
+        want = spans[0] + frame_spans(sent[0])
         sender.stdin.write(sent[0])  # warm up: start-up and the first frame not counted
         sender.stdin.flush()
         while spans[0] < want:
@@ -199,7 +204,7 @@ def replay(
         for frame in sent:
             sender.stdin.write(frame)
             sender.stdin.flush()
-            want += per_frame
+            want += frame_spans(frame)
             time.sleep(every_s)
         deadline = time.monotonic() + 60
         while spans[0] < want and time.monotonic() < deadline:
@@ -214,10 +219,122 @@ def replay(
     return took
 
 
-def marshal_records(frame: bytes) -> list[Any]:
+def frame_spans(frame: bytes) -> int:
+    """The spans of a frame the gateway hands its sender."""
     import marshal
 
-    return marshal.loads(frame[4:])  # type: ignore[no-any-return]
+    from atomesh.otlp import records
+
+    _, _, items = marshal.loads(frame[4:])
+    return sum(spans for _, _, spans in records(items))
+
+
+HOOKS = ("off", "not_sampled", "compiled", "python")
+
+
+def hooks_phase() -> None:
+    """The child of `--hooks` (argv: mode, requests, warm-up requests): the request path's tracing calls for
+    `requests` requests after `warm-up` ones, a line on stdout and one read from stdin around them (the
+    parent dumps callgrind's counts then)."""
+    mode, n, warm = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    if mode == "not_sampled":
+        os.environ["OTEL_TRACES_SAMPLER"] = "always_off"
+    from collections.abc import Mapping
+    from dataclasses import dataclass
+
+    from atomesh.httpclient import _encode
+    from atomesh.request import Route
+    from atomesh.tenancy import PriorityClass
+    from atomesh.tracing import UPSTREAM, PyRecorder, Tracing
+    from atomesh.transport import Exchange, Upstream
+
+    class Client(Exchange):
+        def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
+            pass
+
+        async def start_stream(self, status: int, headers: Mapping[str, str]) -> None:
+            pass
+
+        async def write(self, data: bytes) -> None:
+            pass
+
+        async def end(self) -> None:
+            pass
+
+    @dataclass(frozen=True, slots=True)
+    class Worker:
+        url: str
+        api_key: str | None = None
+
+    tracing = Tracing(None if mode == "off" else "127.0.0.1:9", recorder=PyRecorder() if mode == "python" else None)
+    if tracing.on:
+        tracing.exporter.send = lambda frame, spans: None  # type: ignore[method-assign]
+    upstream = Upstream(10.0, hop="bench", tracing=tracing)
+    worker = Worker("http://127.0.0.1:8000")
+    policies, body = ("round_robin",), b'{"model":"mock-model","prompt":"hello","max_tokens":4}'
+
+    async def requests(count: int) -> None:
+        # What the request path has at hand anyway (an Enum's class attribute is slow to look up).
+        cls, route = PriorityClass.DEFAULT, Route.COMPLETIONS
+        for i in range(count):
+            exchange = Client(f"{i:08x}", {"host": "127.0.0.1", "content-type": "application/json"})
+            # openai._serve, router.serve and SingleBackend.forward, as they call the tracer.
+            trace = tracing.start(exchange) if tracing.on else None
+            if trace is not None:
+                trace.admission("mock-model", cls, "anonymous")
+                trace.end()
+            exchange.workers = (worker.url,)
+            trace = exchange.trace
+            if trace is not None:
+                trace.attempt(0, "first", policies, exchange.workers)
+                trace.leg(UPSTREAM, worker.url)
+            _encode("POST", "/v1/completions", "127.0.0.1:8000", upstream.headers_for(exchange, worker), body)
+            if trace is not None:
+                trace.end()
+                trace.end()
+            exchange.status = 200
+            if trace is not None:
+                tracing.finish(trace, route, exchange)
+        if tracing.on:
+            tracing.ship()
+
+    async def phases() -> None:
+        await requests(warm)
+        print("ready", flush=True)
+        sys.stdin.readline()
+        await requests(n)
+        print("ready", flush=True)
+        sys.stdin.readline()
+
+    asyncio.run(phases())
+    tracing.shutdown()
+
+
+def hooks(n: int) -> dict[str, float]:
+    """Instructions per request of `hooks_phase` in each mode of HOOKS, counted by callgrind."""
+    from bench.gateway.instructions import _dump, _totals
+
+    out: dict[str, float] = {}
+    code = "from bench.gateway.tracing import hooks_phase; hooks_phase()"
+    for mode in HOOKS:
+        with tempfile.TemporaryDirectory() as tmp:
+            prefix = f"{tmp}/cg"
+            child = subprocess.Popen(
+                ["valgrind", "--tool=callgrind", f"--callgrind-out-file={prefix}", sys.executable, "-c", code, mode,
+                 str(n), str(max(n // 2, 1024))],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                env={**os.environ, "PYTHONHASHSEED": "0"},
+            )  # fmt: skip
+            assert child.stdin is not None and child.stdout is not None
+            for _ in range(2):
+                if child.stdout.readline().strip() != "ready":
+                    raise RuntimeError(f"--hooks {mode}: the child stopped (exit {child.wait()})")
+                _dump(child.pid)
+                child.stdin.write("\n")
+                child.stdin.flush()
+            child.wait(120)
+            out[mode] = _totals(prefix)[1] / n
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -249,8 +366,27 @@ def main(argv: list[str] | None = None) -> None:
         help="only replay N requests' frames into the sender process, compiled encoder and Python's alternating "
         "(with --instructions, also counted under callgrind)",
     )
+    p.add_argument(
+        "--hooks",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only count, under callgrind, the request path's tracing calls for N requests: off, not sampled, "
+        "sampled with the compiled recorder and with Python's (needs valgrind)",
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.hooks:
+        calls = hooks(args.hooks)
+        print(
+            f"tracing's calls on the request path, instructions per request (callgrind, {args.hooks} requests): "
+            + ", ".join(f"{mode} {v:,.0f}" for mode, v in calls.items())
+            + "; added to a request: "
+            + ", ".join(f"{mode} +{calls[mode] - calls['off']:,.0f}" for mode in HOOKS[1:])
+        )
+        if args.json is not None:
+            args.json.write_text(json.dumps(calls, indent=2))
+        return
     server, endpoint, spans = receiver()
     if args.sender:
         sender_only(args, endpoint, spans)

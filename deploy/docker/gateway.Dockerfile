@@ -11,13 +11,14 @@ RUN python -m venv /opt/atomesh \
  && /opt/atomesh/bin/pip install --no-cache-dir --upgrade pip \
  && /opt/atomesh/bin/pip install --no-cache-dir ".[kubernetes]" \
  && ! /opt/atomesh/bin/python -c "import torch" 2>/dev/null
-# The native stream relay (splice.c) and OTLP encoder (otlp_encode.c), built here with a compiler the final image
-# does not carry, into the cache the final image reads (they are named by source, flags and Python, not compiler).
+# The native stream relay (splice.c), OTLP encoder (otlp_encode.c) and trace recorder (trace_record.c), built here
+# with a compiler the final image does not carry, into the cache the final image reads (they are named by source,
+# flags and Python, not compiler).
 ENV XDG_CACHE_HOME=/opt/atomesh/cache
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/* \
- && /opt/atomesh/bin/python -c "from atomesh import otlp_native, splice; \
-b, e = splice.build(), otlp_native.build_encoder(); \
-assert b.module is not None, b.why_not; assert e.library is not None, e.why_not"
+ && /opt/atomesh/bin/python -c "from atomesh import otlp_native, splice, tracing; \
+b, e, (r, why) = splice.build(), otlp_native.build_encoder(), tracing.native_recorder(); \
+assert b.module is not None, b.why_not; assert e.library is not None, e.why_not; assert r is not None, why"
 
 FROM ${PYTHON_IMAGE}
 RUN useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin atomesh
