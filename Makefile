@@ -55,9 +55,10 @@ _debs:
 up: install engine-sysdeps
 	$(VENV)/bin/atomesh up $(ARGS)
 
-# The suite starts with the lint: style and both strict type checks must pass before any test runs.
+# The suite starts with the lint: style and both strict type checks must pass before any test runs. It ends with
+# the 25 slowest tests and their times (--durations), so that CI shows where the time goes.
 test: install sysdeps lint
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check atomesh engine tests bench

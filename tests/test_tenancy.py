@@ -156,6 +156,14 @@ def test_bench_priority_runs_and_reports_both_gateways(tmp_path: Path) -> None:
             "2",
             "--concurrency",
             "4",
+            # A faster mock worker and a smaller rate limit: the bursts that empty the tenants' buckets and the
+            # overload's queue drain in a few seconds rather than twenty (same phases, same report).
+            "--latency-secs",
+            "0.025",
+            "--tenant-rpm",
+            "120",
+            "--tenant-demand",
+            "10",
             "--json",
             str(out),
         ],

@@ -6,7 +6,7 @@ import asyncio
 import importlib.util
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -18,11 +18,16 @@ from gwtest import free_port as _free_port  # below the ephemeral range: no outg
 
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
-from engine.models.loader import LoadedModel, load_model
+from engine.models.loader import LoadedModel, load_model, smollm2_path
 from engine.openai_server import create_app
 
-# Two cores: more threads than that only slows every test down.
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Torch runs on one thread in these tests. The models are tiny: on two threads every op is a parallel region whose
+# other thread must be woken, and while the engines a test starts (or other jobs on the machine) want the second
+# core, each op waits for it to be scheduled (on a 2-core machine the engine tests took 2-3x as long that way).
+# Engines are still built as on the machine's threads, up to two (a speculating CPU engine chooses how to pack its
+# linears then: see `on_threads`), unless a test chooses their threads through `on_threads`.
+ENGINE_BUILD_THREADS = min(2, torch.get_num_threads())
+torch.set_num_threads(1)
 
 # ENGINE_TEST_DEVICE=cuda runs the same tests on a GPU (float32 there too, so that batched vs
 # one-at-a-time and reference comparisons stay exact).
@@ -47,11 +52,51 @@ def smollm2_model() -> LoadedModel:
     return load_model("smollm2")
 
 
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer() -> Any:
+    """transformers' tokenizer read from the embedded GGUF (the reference of our tokenizer and chat template): read
+    once, it takes seconds to parse; the tests only encode and render with it."""
+    import transformers
+
+    path = smollm2_path()
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_model: LoadedModel) -> torch.nn.Module:
+    """transformers' Llama with SmolLM2's weights, float32 on the tests' device (the engine's reference): built once,
+    it takes seconds; the tests only run it under inference_mode."""
+    from bench.engine.throughput import hf_reference
+
+    return hf_reference(smollm2_model, torch.device(DEVICE), torch.float32)
+
+
 MakeEngine = Callable[..., LLMEngine]
 
 
+class TorchThreads:
+    """The threads a test's engines are built on: ``ENGINE_BUILD_THREADS`` unless the test chose (``on_threads``)."""
+
+    def __init__(self) -> None:
+        self.chosen: int | None = None
+
+    def build(self, make: Callable[[], LLMEngine]) -> LLMEngine:
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.chosen or ENGINE_BUILD_THREADS)
+        try:
+            return make()
+        finally:
+            torch.set_num_threads(before)
+
+
 @pytest.fixture
-def make_engine(tiny_model: LoadedModel) -> MakeEngine:
+def torch_threads() -> Iterator[TorchThreads]:
+    yield TorchThreads()
+    torch.set_num_threads(1)  # back to the tests' one thread after a test that chose its own
+
+
+@pytest.fixture
+def make_engine(tiny_model: LoadedModel, torch_threads: TorchThreads) -> MakeEngine:
     """Factory: ``make_engine(num_kvcache_blocks=64, ...)`` builds a tiny engine on the CPU."""
 
     def make(loaded: LoadedModel | None = None, **overrides: Any) -> LLMEngine:
@@ -65,7 +110,7 @@ def make_engine(tiny_model: LoadedModel) -> MakeEngine:
             cudagraph_capture_sizes=(1, 2, 4, 8, 16),
         )
         args = replace(args, **overrides)
-        return LLMEngine(args, loaded=loaded or tiny_model)
+        return torch_threads.build(lambda: LLMEngine(args, loaded=loaded or tiny_model))
 
     return make
 
@@ -73,21 +118,21 @@ def make_engine(tiny_model: LoadedModel) -> MakeEngine:
 OnThreads = Callable[[int, Callable[[], LLMEngine]], LLMEngine]
 
 
-def _on_threads(threads: int, make: Callable[[], LLMEngine]) -> LLMEngine:
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return make()
-    finally:
-        torch.set_num_threads(before)
-
-
 @pytest.fixture
-def on_threads() -> OnThreads:
-    """``on_threads(n, make)``: an engine built while torch runs ``n`` threads (then back to the tests' count). A
-    speculating CPU engine packs its linears for its native kernel when built on one thread, for oneDNN on more
-    (engine.cpu_packed), and keeps that choice."""
-    return _on_threads
+def on_threads(torch_threads: TorchThreads) -> OnThreads:
+    """``on_threads(n, make)``: an engine built while torch runs ``n`` threads; torch keeps ``n`` threads for the
+    rest of the test (the engine runs as it would on them). A speculating CPU engine packs its linears for its
+    native kernel when built on one thread, for oneDNN on more (engine.cpu_packed), and keeps that choice."""
+
+    def on(threads: int, make: Callable[[], LLMEngine]) -> LLMEngine:
+        torch.set_num_threads(threads)
+        torch_threads.chosen = threads
+        try:
+            return make()
+        finally:
+            torch_threads.chosen = None
+
+    return on
 
 
 class ServerHandle:

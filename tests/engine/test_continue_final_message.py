@@ -3,20 +3,20 @@ message is left open and the model continues it; a gateway resuming a stream els
 
 from __future__ import annotations
 
+from typing import Any
+
 import aiohttp
 import pytest
-import transformers
 from conftest import StartServer
 
-from engine.models.loader import LoadedModel, smollm2_path
+from engine.models.loader import LoadedModel
 
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
 
 
 @pytest.mark.timeout(120)
-def test_rendering_matches_transformers(smollm2_model: LoadedModel) -> None:
-    path = smollm2_path()
-    reference = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+def test_rendering_matches_transformers(smollm2_model: LoadedModel, smollm2_hf_tokenizer: Any) -> None:
+    reference = smollm2_hf_tokenizer
     ours = smollm2_model.tokenizer
     for partial in ("Red, ", "Red, green", " spaced  "):
         messages = [*MESSAGES, {"role": "assistant", "content": partial}]

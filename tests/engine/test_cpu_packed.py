@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.cpu_packed import MAX_NATIVE_ROWS, MIN_PACKED_ROWS, PackedCpuOps, build_cpu_gemm
 from engine.spec_decode import SpeculativeConfig
+from tests.engine.conftest import MakeEngine, OnThreads
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -59,7 +60,11 @@ def test_rows_2_to_the_limit_take_the_kernel_and_others_torch(monkeypatch: pytes
 
 
 def test_a_kernel_that_cannot_be_built_says_why_and_the_engine_packs_for_onednn(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, make_engine: object, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    make_engine: MakeEngine,
+    on_threads: OnThreads,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setenv("CC", "false")  # a compiler that fails
     build = build_cpu_gemm(tmp_path)
@@ -70,12 +75,7 @@ def test_a_kernel_that_cannot_be_built_says_why_and_the_engine_packs_for_onednn(
     monkeypatch.setenv("CC", "false")
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with caplog.at_level(logging.WARNING, logger="engine.model_runner"):
-            spec = make_engine(speculative=SpeculativeConfig("ngram", 3, 1, 2))  # type: ignore[operator]
-    finally:
-        torch.set_num_threads(before)
+    with caplog.at_level(logging.WARNING, logger="engine.model_runner"):  # built on one thread: the native kernel's
+        spec = on_threads(1, lambda: make_engine(speculative=SpeculativeConfig("ngram", 3, 1, 2)))
     assert isinstance(spec.runner.model.ops, PackedCpuOps) and spec.runner.model.ops.kind == "onednn"
     assert any("cpu_gemm_unavailable" in r.getMessage() and "false failed" in r.getMessage() for r in caplog.records)

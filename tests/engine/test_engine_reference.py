@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import gc
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
-import transformers
 
-from bench.engine.throughput import hf_reference
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
-from engine.models.loader import LoadedModel, smollm2_path
+from engine.models.loader import LoadedModel
 from engine.sequence import SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a little robot who"]
@@ -20,17 +19,19 @@ NEW_TOKENS = 20
 
 
 @pytest.mark.timeout(300)
-def test_greedy_matches_transformers_token_for_token(smollm2_model: LoadedModel, engine_device: str) -> None:
+def test_greedy_matches_transformers_token_for_token(
+    smollm2_model: LoadedModel, smollm2_reference: torch.nn.Module, engine_device: str
+) -> None:
     tok = smollm2_model.tokenizer
     chat = tok.apply_chat_template([{"role": "user", "content": "Name three colors."}])
     prompts = [tok.encode(p) for p in [*PROMPTS, chat]]
 
-    # Raises unless the weights load with only the tied head absent.
-    reference = hf_reference(smollm2_model, torch.device(engine_device), torch.float32)
+    # smollm2_reference (bench.engine.throughput.hf_reference) raises unless the weights load with only the tied
+    # head absent.
     expected = []
     with torch.inference_mode():
         for ids in prompts:
-            out = reference.generate(
+            out = smollm2_reference.generate(  # type: ignore[operator]
                 torch.tensor([ids], device=engine_device),
                 max_new_tokens=NEW_TOKENS,
                 do_sample=False,
@@ -38,7 +39,6 @@ def test_greedy_matches_transformers_token_for_token(smollm2_model: LoadedModel,
                 pad_token_id=0,
             )
             expected.append(out[0, len(ids) :].tolist())
-    del reference
 
     args = EngineArgs(model="smollm2", device=engine_device, dtype="float32", num_kvcache_blocks=64, max_model_len=512)
     engine = LLMEngine(args, loaded=smollm2_model)
@@ -55,9 +55,8 @@ def test_greedy_matches_transformers_token_for_token(smollm2_model: LoadedModel,
 
 
 @pytest.mark.timeout(120)
-def test_tokenizer_and_chat_template_match_transformers(smollm2_model: LoadedModel) -> None:
-    path = smollm2_path()
-    reference = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+def test_tokenizer_and_chat_template_match_transformers(smollm2_model: LoadedModel, smollm2_hf_tokenizer: Any) -> None:
+    reference = smollm2_hf_tokenizer
     ours = smollm2_model.tokenizer
     for text in [
         "Hello world",

@@ -103,9 +103,9 @@ def _chunks(stream: Any) -> list[Any]:
 
 
 @pytest.mark.timeout(300)
-def test_logprobs_equal_transformers_log_softmax(smol: ThreadServer, smollm2_model: LoadedModel) -> None:
-    from bench.engine.throughput import hf_reference
-
+def test_logprobs_equal_transformers_log_softmax(
+    smol: ThreadServer, smollm2_model: LoadedModel, smollm2_reference: torch.nn.Module
+) -> None:
     require("transformers", "make install puts it in")
     client = smol.client()
     prompt = "The capital of France is"
@@ -119,11 +119,9 @@ def test_logprobs_equal_transformers_log_softmax(smol: ThreadServer, smollm2_mod
     tok = smollm2_model.tokenizer
     ids = tok.encode(prompt)
     completion = [tok.encode(t)[0] for t in lp.tokens or []]  # each token's own text is that one token
-    reference = hf_reference(smollm2_model, torch.device(DEVICE), torch.float32)
     with torch.inference_mode():
-        logits = reference(torch.tensor([ids + completion], device=DEVICE)).logits[0].float()
+        logits = smollm2_reference(torch.tensor([ids + completion], device=DEVICE)).logits[0].float()
     want = logits.log_softmax(-1)[len(ids) - 1 : len(ids) + len(completion) - 1]
-    del reference
     for i, token in enumerate(completion):
         assert lp.token_logprobs[i] == pytest.approx(want[i, token].item(), abs=1e-3)
         best = want[i].topk(3)
