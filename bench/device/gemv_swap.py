@@ -3,14 +3,15 @@
 The engine's kernel (``engine.kernels.gemv``) computes ``x[16, K] @ W[N, K].T`` with the weight as the *second*
 operand of ``tl.dot``; below 64 rows Triton feeds that to the tensor cores through ``mma.sync``, and an FP8 weight
 is widened on its way there. At one token it streams FP8 qkv / o / down at 35-46% of HBM bandwidth where bf16
-reaches 60-78% (bench/device/fp8_tune.py, 2026-12-02). Candidates, bench-local until one wins:
+reaches 60-78% (bench/device/fp8_tune.py, 2026-12-02). Candidates:
 
 - ``swap``: ``W[BLOCK_N, K] @ x[16, K].T``, the weight the first operand (64-128 rows: Hopper's warp-group MMA,
   which takes its first operand from registers, where the FP8 bytes are widened), as CUTLASS and vLLM do for
   small batches ("swap AB");
 - ``core``: no tensor cores (one token): each program multiplies a ``[BLOCK_N, BLOCK_K]`` tile by ``x`` on the
   CUDA cores in float32 and sums along K once at the end; optionally split along K over ``S`` programs whose
-  float32 partials a second kernel sums;
+  float32 partials a second kernel sums. It won for FP8 and is now the engine's (``TokenConfig``), which this bench
+  calls (the 2026-12-02 figures came from the bench's own copy, the same arithmetic without edge masks);
 - ``pdl``: the engine's kernel launched with programmatic dependent launch (Hopper): each program lets the next
   kernel launch at once and waits for the previous one before reading ``x``, so launches overlap tails.
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import random
 import time
 from collections.abc import Callable
 from functools import partial
@@ -38,16 +40,20 @@ import triton
 import triton.language as tl
 
 from bench.device.fp8_tune import HBM, PASS_BYTES, graph_time
-from engine.kernels.gemv import GemvConfig, config_for, gemv
+from engine.kernels.gemv import GemvConfig, TokenConfig, config_for, gemv, token_config_for
+from engine.models.quant import quantize_per_channel
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 LAYERS = 36
 
 
+# The tensor-core shapes: the engine's (``x @ W.T``, the weight the second operand) or swapped (``W @ x.T``), either
+# with the PDL prologue; the bench's own kernel (the engine's has neither flag). The CUDA-core family is the engine's
+# own one-token kernel (``TokenConfig``), which this bench found.
 @triton.jit
-def _swap_kernel(
+def _tc_kernel(
     x_ptr, w_ptr, scale_ptr, out_ptr, M, N, stride_x, stride_w, stride_out, K: tl.constexpr,
-    HAS_SCALE: tl.constexpr, FP16_DOT: tl.constexpr, PDL: tl.constexpr,
+    HAS_SCALE: tl.constexpr, FP16_DOT: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -61,109 +67,8 @@ def _swap_kernel(
     n_ok = rn < N
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + rk
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
-        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
-        if FP16_DOT:
-            w = w.to(tl.float16)
-            x = x.to(tl.float16)
-        acc += tl.dot(w, tl.trans(x))
-    if HAS_SCALE:
-        acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[:, None]
-    out = out_ptr + rm[None, :].to(tl.int64) * stride_out + rn[:, None]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
-
-
-@triton.jit
-def _core_kernel(
-    x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, N, stride_w, K: tl.constexpr, K_SPLIT: tl.constexpr,
-    HAS_SCALE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0)
-    s = tl.program_id(1)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    n_ok = rn < N
-    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K_SPLIT, BLOCK_K):
-        k = s * K_SPLIT + k0 + rk
-        x = tl.load(x_ptr + k).to(tl.float32)
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
-        acc += w * x[None, :]
-    y = tl.sum(acc, axis=1)
-    if SPLIT:
-        tl.store(part_ptr + s * N + rn, y, mask=n_ok)
-    else:
-        if HAS_SCALE:
-            y = y * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)
-        tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
-def _sum_kernel(part_ptr, scale_ptr, out_ptr, N, S: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
-    rn = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = rn < N
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(S):
-        acc += tl.load(part_ptr + s * N + rn, mask=ok, other=0.0)
-    if HAS_SCALE:
-        acc = acc * tl.load(scale_ptr + rn, mask=ok, other=0.0)
-    tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-def swap(x, w, scale, out, bn: int, bk: int, warps: int, stages: int, pdl: bool = False):
-    m, k = x.shape
-    n = w.shape[0]
-    extra = {"launch_pdl": True} if pdl else {}
-    _swap_kernel[(triton.cdiv(n, bn),)](
-        x, w, scale if scale is not None else x, out, m, n, x.stride(0), w.stride(0), out.stride(0), k,
-        HAS_SCALE=scale is not None, FP16_DOT=w.element_size() == 1 or x.dtype == torch.float16, PDL=pdl,
-        BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **extra,
-    )  # fmt: skip
-    return out
-
-
-def core(x, w, scale, out, part, bn: int, bk: int, warps: int, stages: int, splits: int, pdl: bool = False):
-    n, k = w.shape
-    if k % (splits * bk):
-        raise ValueError("K must split evenly into the slices")
-    extra = {"launch_pdl": True} if pdl else {}
-    _core_kernel[(triton.cdiv(n, bn), splits)](
-        x, w, scale if scale is not None else x, out, part, n, w.stride(0), k, k // splits,
-        HAS_SCALE=scale is not None, SPLIT=splits > 1, PDL=pdl, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, num_stages=stages, **extra,
-    )  # fmt: skip
-    if splits > 1:
-        _sum_kernel[(triton.cdiv(n, 1024),)](part, scale if scale is not None else x, out, n, splits,
-                                             HAS_SCALE=scale is not None, BLOCK=1024)  # fmt: skip
-    return out
-
-
-# The engine's kernel body with the PDL prologue: the bench's own copy (the engine's has no PDL flag).
-@triton.jit
-def _engine_like_kernel(
-    x_ptr, w_ptr, scale_ptr, out_ptr, M, N, stride_x, stride_w, stride_out, K: tl.constexpr,
-    HAS_SCALE: tl.constexpr, FP16_DOT: tl.constexpr, PDL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    rm = tl.arange(0, BLOCK_M)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < M
-    n_ok = rn < N
-    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x
-    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # acc[i, j] is output (row m, channel n) = (j, i) swapped, (i, j) not.
+    acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP else [BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + rk
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
@@ -171,20 +76,25 @@ def _engine_like_kernel(
         if FP16_DOT:
             x = x.to(tl.float16)
             w = w.to(tl.float16)
-        acc += tl.dot(x, tl.trans(w))
+        if SWAP:
+            acc += tl.dot(w, tl.trans(x))
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    if SWAP:
+        acc = tl.trans(acc)
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
     out = out_ptr + rm[:, None].to(tl.int64) * stride_out + rn[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def engine_like(x, w, scale, out, cfg: GemvConfig, pdl: bool):
+def tensor_cores(x, w, scale, out, cfg: GemvConfig, swap: bool, pdl: bool):
     m, k = x.shape
     n = w.shape[0]
     extra = {"launch_pdl": True} if pdl else {}
-    _engine_like_kernel[(triton.cdiv(n, cfg.block_n),)](
+    _tc_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, w, scale if scale is not None else x, out, m, n, x.stride(0), w.stride(0), out.stride(0), k,
-        HAS_SCALE=scale is not None, FP16_DOT=w.element_size() == 1 or x.dtype == torch.float16, PDL=pdl,
+        HAS_SCALE=scale is not None, FP16_DOT=w.element_size() == 1 or x.dtype == torch.float16, SWAP=swap, PDL=pdl,
         BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **extra,
     )  # fmt: skip
@@ -192,89 +102,81 @@ def engine_like(x, w, scale, out, cfg: GemvConfig, pdl: bool):
 
 
 def weights(n: int, k: int, fp8: bool, copies: int, dev: torch.device) -> list[tuple[torch.Tensor, Any]]:
-    """``copies`` random weights (FP8: e4m3 bytes of a normal draw and per-channel scales)."""
+    """``copies`` random weights (FP8: quantized per channel as the engine loads them)."""
     out: list[tuple[torch.Tensor, Any]] = []
     for _ in range(copies):
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-        if fp8:
-            amax = w.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12)
-            s = amax / 448.0
-            out.append(((w.float() / s).to(torch.float8_e4m3fn), s.squeeze(1).contiguous()))
-        else:
-            out.append((w, None))
+        out.append(quantize_per_channel(w.float()) if fp8 else (w, None))
     return out
 
 
-Variant = Callable[..., Any]
+Config = GemvConfig | TokenConfig
+# "name:family" -> (family, tile, microseconds) of the best tile of a family for a shape
+Best = dict[str, tuple[str, Config, float]]
 
 
-def candidates(kind: str, n: int, k: int) -> list[tuple[str, dict[str, Any]]]:
-    """(family, params) pairs to time for one shape."""
-    c: list[tuple[str, dict[str, Any]]] = []
+def candidates(n: int, k: int) -> list[tuple[str, Config]]:
+    """(family, tile) pairs to time for one shape: swap on the tensor cores, core the engine's one-token kernel."""
+    c: list[tuple[str, Config]] = []
     for bn, bk, warps, stages in itertools.product((64, 128), (128, 256, 512), (4, 8), (3, 4, 5)):
-        if bn == 128 and warps == 4 and bk == 512:
-            continue
-        c.append(("swap", {"bn": bn, "bk": bk, "warps": warps, "stages": stages}))
+        if not (bn == 128 and warps == 4 and bk == 512):
+            c.append(("swap", GemvConfig(bn, bk, warps, stages)))
     for bn, bk, warps, stages, splits in itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (2, 3), (1, 2, 4)):
-        if bn * bk > 16384 or k % (splits * bk):
-            continue
-        c.append(("core", {"bn": bn, "bk": bk, "warps": warps, "stages": stages, "splits": splits}))
+        if bn * bk <= 16384 and k % (splits * bk) == 0:
+            c.append(("core", TokenConfig(bn, bk, warps, stages, splits)))
     return c
 
 
-def call_of(family: str, p: dict[str, Any], x, w, s, out, part, pdl: bool = False) -> Callable[[], Any]:
-    if family == "engine":
+def call_of(family: str, cfg: Config, x, w, s, out, pdl: bool = False) -> Callable[[], Any]:
+    """One call of a family's kernel; PDL is the tensor-core kernels' (the engine's shape or swapped)."""
+    if family == "core":
         if pdl:
-            return partial(engine_like, x, w, s, out, p["cfg"], True)
-        return partial(gemv, x, w, s, config=p["cfg"])
-    if family == "swap":
-        return partial(swap, x, w, s, out, p["bn"], p["bk"], p["warps"], p["stages"], pdl)
-    return partial(core, x, w, s, out, part, p["bn"], p["bk"], p["warps"], p["stages"], p["splits"], pdl)
+            raise ValueError("the one-token kernel has no PDL prologue")
+        return partial(gemv, x, w, s, config=cfg)
+    assert isinstance(cfg, GemvConfig)
+    if family == "engine" and not pdl:
+        return partial(gemv, x, w, s, config=cfg)
+    return partial(tensor_cores, x, w, s, out, cfg, family == "swap", pdl)
 
 
-def chain(kind: str, best: dict[str, tuple[str, dict[str, Any]]], dev: torch.device, deadline: float) -> dict[str, Any]:
+def chain(kind: str, best: Best, dev: torch.device, deadline: float) -> dict[str, Any]:
     """Seconds of 36 layers' four projections in one graph, per plan: the engine's kernel (with and without PDL),
-    the swap family at its best tiles, and per shape whichever family won (with and without PDL)."""
+    the swap family at its best tiles (with and without PDL), and per shape whichever of swap and core won."""
     fp8 = kind == "fp8"
     esize = 1 if fp8 else 2
     layers = {name: weights(*SHAPES[name], fp8, LAYERS, dev) for name in SHAPES}
     total = sum(n * k * esize for n, k in SHAPES.values()) * LAYERS
     xs = {name: torch.randn(1, k, device=dev, dtype=torch.bfloat16) for name, (n, k) in SHAPES.items()}
     outs = {name: torch.empty(1, n, device=dev, dtype=torch.bfloat16) for name, (n, k) in SHAPES.items()}
-    parts = {name: torch.empty(4, n, device=dev, dtype=torch.float32) for name, (n, k) in SHAPES.items()}
 
-    def pick(family: str, name: str) -> tuple[str, dict[str, Any]]:
+    def pick(family: str, name: str) -> tuple[str, Config]:
         if family == "engine":
-            return "engine", {"cfg": config_for(layers[name][0][0])}
+            return "engine", config_for(layers[name][0][0])
         if family == "mixed":  # per shape, whichever family won that shape
-            fam, p = min((best[f"{name}:{f}"] for f in ("swap", "core") if f"{name}:{f}" in best),
-                         key=lambda b: b[1]["_us"])  # fmt: skip
-        else:
-            fam, p = best[f"{name}:{family}"]
-        return fam, {key: v for key, v in p.items() if key != "_us"}
+            fam, cfg, _ = min((best[f"{name}:{f}"] for f in ("swap", "core") if f"{name}:{f}" in best),
+                              key=lambda b: b[2])  # fmt: skip
+            return fam, cfg
+        return best[f"{name}:{family}"][:2]
 
     plans = [("engine", "engine", False), ("engine_pdl", "engine", True)]
     if all(f"{nm}:swap" in best for nm in SHAPES):
         plans += [("swap", "swap", False), ("swap_pdl", "swap", True)]
     if all(f"{nm}:swap" in best or f"{nm}:core" in best for nm in SHAPES):
-        plans += [("mixed", "mixed", False), ("mixed_pdl", "mixed", True)]
+        plans.append(("mixed", "mixed", False))
     out: dict[str, Any] = {"bytes": total}
     for label, family, pdl in plans:
         if time.monotonic() > deadline:
             break
         try:
             picks = {name: pick(family, name) for name in SHAPES}
-            calls = [call_of(*picks[name], xs[name], layers[name][i][0], layers[name][i][1], outs[name], parts[name],
-                             pdl) for i in range(LAYERS) for name in SHAPES]  # fmt: skip
+            calls = [call_of(*picks[name], xs[name], *layers[name][i], outs[name], pdl)
+                     for i in range(LAYERS) for name in SHAPES]  # fmt: skip
             t = graph_time(calls, rounds=5) * len(calls)
         except Exception as e:
             out[label] = {"error": f"{type(e).__name__}: {str(e)[:100]}"}
             continue
-        out[label] = {
-            "us": t * 1e6,
-            "pct_hbm": 100 * total / t / HBM,
-            "picks": {n: [f, str(p)] for n, (f, p) in picks.items()},
-        }
+        picked = {n: [f, str(cfg)] for n, (f, cfg) in picks.items()}
+        out[label] = {"us": t * 1e6, "pct_hbm": 100 * total / t / HBM, "picks": picked}
         print("chain", kind, label, round(t * 1e6, 1), "us", round(100 * total / t / HBM, 1), "%", flush=True)
     layers.clear()
     torch.cuda.empty_cache()
@@ -284,10 +186,6 @@ def chain(kind: str, best: dict[str, tuple[str, dict[str, Any]]], dev: torch.dev
 def token_sweep(json_path: str, tiles_path: str, seconds: float) -> None:
     """The engine's one-token FP8 kernel over a wider space of tiles (random order, cut at the deadline) for qkv, o
     and down; each shape's winner goes into the tiles file when it beats the packaged tile in the same run."""
-    import random
-
-    from engine.kernels.gemv import TokenConfig, token_config_for
-
     dev = torch.device("cuda")
     end = time.monotonic() + seconds
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "shapes": {}}
@@ -345,7 +243,7 @@ def main() -> None:
     start = time.monotonic()
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "shapes": {}}
     kinds = a.kinds.split(",")
-    best: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {kind: {} for kind in kinds}
+    best: dict[str, Best] = {kind: {} for kind in kinds}
     sweep_s = 0.6 * a.seconds
     jobs = [(kind, name) for kind in kinds for name in SHAPES]
     for j, (kind, name) in enumerate(jobs):
@@ -353,47 +251,47 @@ def main() -> None:
         deadline = time.monotonic() + (start + sweep_s - time.monotonic()) / (len(jobs) - j)
         fp8 = kind == "fp8"
         esize = 1 if fp8 else 2
-        copies = min(16, max(2, -(-PASS_BYTES // (n * k * esize))))
-        ws = weights(n, k, fp8, copies, dev)
+        ws = weights(n, k, fp8, min(16, max(2, -(-PASS_BYTES // (n * k * esize)))), dev)
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
         out = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
-        part = torch.empty(4, n, device=dev, dtype=torch.float32)
         ref = (x.float() @ ws[0][0].float().T) * (ws[0][1][None, :] if fp8 else 1)
+        eng = config_for(ws[0][0])
+        todo = [("engine", eng, False), ("engine_pdl", eng, True), *((f, c, False) for f, c in candidates(n, k))]
         rows: list[dict[str, Any]] = []
-        eng = ("engine", {"cfg": config_for(ws[0][0])})
-        todo = [eng, ("engine_pdl", eng[1]), *candidates(kind, n, k)]
-        for family, p in todo:
-            if time.monotonic() > deadline and family not in ("engine", "engine_pdl"):
+        for label, cfg, pdl in todo:
+            if time.monotonic() > deadline and label not in ("engine", "engine_pdl"):
                 break
-            fam = "engine" if family == "engine_pdl" else family
-            pdl = family == "engine_pdl"
-            label = f"{family} " + " ".join(f"{key}={v}" for key, v in p.items())
+            family = "engine" if pdl else label
             try:
-                y = call_of(fam, p, x, ws[0][0], ws[0][1], out, part, pdl)()
+                y = call_of(family, cfg, x, *ws[0], out, pdl)()
                 err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
                 if err > 0.02:
                     raise RuntimeError(f"wrong result ({err:.3f})")
-                t = graph_time([call_of(fam, p, x, w, s, out, part, pdl) for w, s in ws], rounds=3)
+                t = graph_time([call_of(family, cfg, x, w, s, out, pdl) for w, s in ws], rounds=3)
             except Exception as e:  # a tile that does not compile (registers, shared memory) is left out
-                rows.append({"variant": label, "error": f"{type(e).__name__}: {str(e)[:100]}"})
+                rows.append({"variant": f"{label} {cfg}", "error": f"{type(e).__name__}: {str(e)[:100]}"})
                 continue
-            rows.append({"variant": label, "family": family, "us": t * 1e6, "pct_hbm": 100 * n * k * esize / t / HBM})
-            if family not in ("engine", "engine_pdl"):
-                fam_best = best[kind].get(f"{name}:{family}")
-                if fam_best is None or t * 1e6 < fam_best[1]["_us"]:
-                    best[kind][f"{name}:{family}"] = (family, {**p, "_us": t * 1e6})
+            us = t * 1e6
+            rows.append(
+                {"variant": f"{label} {cfg}", "family": label, "us": us, "pct_hbm": 100 * n * k * esize / t / HBM}
+            )
+            key = f"{name}:{label}"
+            if label in ("swap", "core") and (key not in best[kind] or us < best[kind][key][2]):
+                best[kind][key] = (label, cfg, us)
         ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
-        families = ("engine", "engine_pdl", "swap", "core")
-        by_family = {f: next((r for r in ok if r["family"] == f), None) for f in families}
+        by_family = {
+            f: next((r for r in ok if r["family"] == f), None) for f in ("engine", "engine_pdl", "swap", "core")
+        }
         res["shapes"][f"{kind}:{name}"] = {"by_family": by_family, "top5": ok[:5], "tried": len(rows),
                                            "errors": [r for r in rows if "error" in r][:3]}  # fmt: skip
         print(kind, name, {f: (r["variant"], round(r["us"], 1), round(r["pct_hbm"], 1)) if r else None
                            for f, r in by_family.items()}, flush=True)  # fmt: skip
         del ws
         torch.cuda.empty_cache()
-    # The chain: a step's projections, 36 layers, each variant family at its best tile per shape (PDL as given).
+    # The chain: a step's projections, 36 layers, each family at its best tile per shape.
     res["chain"] = {kind: chain(kind, best[kind], dev, start + a.seconds) for kind in kinds}
-    res["best"] = {kd: {key: v[1] | {"family": v[0]} for key, v in b.items()} for kd, b in best.items()}
+    res["best"] = {kd: {key: {"family": f, "cfg": str(cfg), "us": us} for key, (f, cfg, us) in b.items()}
+                   for kd, b in best.items()}  # fmt: skip
     with open(a.json, "w") as f:
         json.dump(res, f, indent=1)
 

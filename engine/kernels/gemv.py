@@ -228,8 +228,8 @@ def gemv(
     """``x [M, K] @ weight[N, K].T`` (times ``scale [N]`` per channel, plus ``bias``) for ``M <= 16``.
 
     With ``swiglu`` the weight is a fused ``[2N', K]`` gate/up projection and the result ``silu(gate) * up``
-    ``[M, N']``. Output in ``x``'s dtype. One token on an FP8 weight (no SwiGLU) takes the CUDA-core kernel,
-    ``config`` then a ``TokenConfig``.
+    ``[M, N']``. Output in ``x``'s dtype. One token without SwiGLU takes the CUDA-core kernel when ``config`` is
+    a ``TokenConfig``, and on an FP8 weight when no ``config`` is given (its measured tile then).
     """
     m, k = x.shape
     if m > MAX_TOKENS:
@@ -243,10 +243,10 @@ def gemv(
     if m == 0:
         return out
     fp8 = weight.element_size() == 1
-    if m == 1 and fp8 and not swiglu and not isinstance(config, GemvConfig):
+    if isinstance(config, TokenConfig) or (config is None and fp8 and m == 1 and not swiglu):
+        if m != 1 or swiglu:
+            raise ValueError("a TokenConfig is for one token without SwiGLU")
         return _gemv_token(x, weight, scale, bias, out, config or token_config_for(weight))
-    if isinstance(config, TokenConfig):
-        raise ValueError("a TokenConfig is for one token on an FP8 weight without SwiGLU")
     cfg = config or config_for(weight)
     fp16_dot = fp8 or x.dtype == torch.float16
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](

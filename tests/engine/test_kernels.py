@@ -93,6 +93,10 @@ def test_one_token_fp8_matmul_on_the_cuda_cores_matches_the_dequantized_weight(s
                                atol=2e-2)  # fmt: skip
     with pytest.raises(ValueError, match="TokenConfig is for one token"):
         gemv(x.expand(2, 200).contiguous(), q, scale, config=cfg)
+    with pytest.raises(ValueError, match="TokenConfig is for one token"):
+        gemv(x, q, scale, swiglu=True, config=cfg)
+    # Asked for by its tile, the kernel takes a 16-bit weight too (the tile sweeps compare it against the tensor cores).
+    torch.testing.assert_close(gemv(x, w, bias=b, config=cfg), F.linear(x, w, b), rtol=2e-2, atol=2e-2)
     # A GemvConfig keeps one token on the tensor-core kernel (what the tile sweep compares against).
     torch.testing.assert_close(gemv(x, q, scale, config=GemvConfig(16, 64, 4, 2)).float(), ref - b.float(),
                                rtol=2e-2, atol=2e-2)  # fmt: skip
