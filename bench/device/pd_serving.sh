@@ -11,10 +11,15 @@
 # their kernels run side by side instead of in time slices. PREFILL_MPS_PCT=N (with PD_MPS=1): the prefill engine
 # may use at most N% of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its environment), leaving the rest to decode;
 # PREFILL_MPS_PRIORITY=1: its kernels are scheduled below the decode engine's (CUDA_MPS_CLIENT_PRIORITY, 1 = below
-# normal); COLOC_MPS=1: the colocated engine under MPS as well. PIN=1: each process on its own CPU cores (taskset; a SmolLM2-shape step is mostly host work, and the
-# processes' scheduling moved its rows by up to 0.3x between runs): the colocated engine and the prefill engine
-# cores 0-3, the decode engine 4-7, the gateways 8-11, the load generator 12-15 (on 16 cores or more).
+# normal); COLOC_MPS=1 (with PD_MPS=1): the colocated engine under MPS as well. PIN=1: each process on its own CPU
+# cores (taskset; a SmolLM2-shape step is mostly host work, and the processes' scheduling moved its rows by up to
+# 0.3x between runs): the colocated and the prefill engine cores 0-3, the decode engine 4-7, the gateways 8-11, the
+# load generator 12-15 (on 16 cores or more).
 source bench/device/setup.sh
+if [ -n "${COLOC_MPS:-}" ] && [ -z "${PD_MPS:-}" ]; then
+  echo "COLOC_MPS=1 needs PD_MPS=1 (the daemon, once started for the colocated engine, serves the P/D pair too)" >&2
+  exit 2
+fi
 DEVICE=${DEVICE:-cuda}
 if [ "$DEVICE" = cuda ] && [ -f .gpu/mooncake-cuda.tar.xz ]; then
   source bench/device/mooncake_cuda.sh || exit 1  # the CUDA build (setup.sh reset PYTHONPATH; it also unpacks .deb)
