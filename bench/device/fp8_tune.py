@@ -132,7 +132,7 @@ def tune_gemv(out: dict[str, Any], deadline: float, kinds_wanted: list[str]) -> 
         torch.cuda.empty_cache()
 
 
-def tune_attention(out: dict[str, Any], deadline: float) -> None:
+def tune_attention(out: dict[str, Any], deadline: float, layouts: Sequence[str] = ("head", "slot")) -> None:
     dev = torch.device("cuda")
     heads, kvh, d, bs = 32, 8, 128, 16
     top: list[str] = []
@@ -148,20 +148,22 @@ def tune_attention(out: dict[str, Any], deadline: float) -> None:
         cache16 = torch.randn(kv_cache_shape(num_blocks, bs, kvh, d), device=dev, dtype=torch.bfloat16)
         cache8 = cache16.to(torch.float8_e4m3fn)
         # The slot-major layout holds the same values; its permuted view has the engine's shape.
-        caches = {("bf16", "head"): cache16, ("fp8", "head"): cache8,
-                  ("bf16", "slot"): cache16.transpose(2, 3).contiguous().transpose(2, 3),
-                  ("fp8", "slot"): cache8.transpose(2, 3).contiguous().transpose(2, 3)}  # fmt: skip
+        # "fp8" is the engine's kernel (V widened in registers); "fp8-triton" leaves V's widening to Triton.
+        by_dtype = {"bf16": cache16, "fp8": cache8, "fp8-triton": cache8}
+        caches = {(c, lay): (t if lay == "head" else t.transpose(2, 3).contiguous().transpose(2, 3))
+                  for c, t in by_dtype.items() for lay in layouts}  # fmt: skip
         splits = decode_splits(seqs, kvh, ctx, dev)
         kv_elems = seqs * ctx * kvh * d * 2
         ref = paged_attention(q, cache8.to(torch.bfloat16), tables, qstart, lens, d**-0.5, 1, ctx, splits).float()
         res: dict[str, Any] = {"splits": splits, "runs": []}
         tiles = {"bf16": list(itertools.product((64, 128), (4, 8), (2, 3))),
-                 "fp8": list(itertools.product((64, 128, 256), (4, 8), (2, 3)))}  # fmt: skip
+                 "fp8": list(itertools.product((64, 128, 256), (4, 8), (2, 3, 4)))}  # fmt: skip
+        tiles["fp8-triton"] = tiles["fp8"]
         # The engine's tiles first, then the sweep with the dtypes alternating and each tile in both layouts one
         # after the other, so that a deadline cuts all four alike.
-        engine_tile = {c: (DECODE_BLOCK_N * (2 if c == "fp8" else 1), 4, 3) for c in tiles}
+        engine_tile = {c: (DECODE_BLOCK_N * (1 if c == "bf16" else 2), 4, 3) for c in tiles}
         order = sorted((t != engine_tile[c], i, c, t) for c in tiles for i, t in enumerate(tiles[c]))
-        variants = [(c, lay, *t) for _, _, c, t in order for lay in ("head", "slot")]
+        variants = [(c, lay, *t) for _, _, c, t in order for lay in layouts]
         for cname, layout, bn, warps, stages in variants:
             cache = caches[(cname, layout)]
             label = f"{cname} {layout}-major block_n={bn} warps={warps} stages={stages}"
@@ -170,7 +172,7 @@ def tune_attention(out: dict[str, Any], deadline: float) -> None:
 
             run = partial(
                 paged_attention, q, cache, tables, qstart, lens, d**-0.5, 1, ctx, splits, block_n=bn,
-                num_warps=warps, num_stages=stages,
+                num_warps=warps, num_stages=stages, v_regs=False if cname == "fp8-triton" else None,
             )  # fmt: skip
             try:
                 err = (run().float() - ref).abs().max().item()
@@ -199,7 +201,8 @@ def tune_attention(out: dict[str, Any], deadline: float) -> None:
         us = {k.removeprefix("best_"): v["us"] for k, v in res.items() if k.startswith("best_")}
         ratios = {"fp8_over_bf16_head": ("bf16_head", "fp8_head"), "fp8_over_bf16_slot": ("bf16_slot", "fp8_slot"),
                   "head_over_slot_bf16": ("bf16_slot", "bf16_head"), "head_over_slot_fp8": ("fp8_slot", "fp8_head"),
-                  "fp8_head_over_bf16_slot": ("bf16_slot", "fp8_head")}  # fmt: skip
+                  "fp8_head_over_bf16_slot": ("bf16_slot", "fp8_head"),
+                  "fp8_regs_over_triton_head": ("fp8-triton_head", "fp8_head")}  # fmt: skip
         # Speedups (the first's time over the second's): > 1 means the second is faster.
         res["speedup"] = {k: us[a] / us[b] for k, (a, b) in ratios.items() if a in us and b in us}
         print("attention best", seqs, ctx, {k: round(v, 1) for k, v in us.items()},
@@ -213,6 +216,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", required=True)
     ap.add_argument("--only", choices=("gemv", "attention"), default=None)
+    ap.add_argument("--layouts", default="head,slot", help="attention: cache layouts to time (head, slot)")
     ap.add_argument("--kinds", default="bf16,fp8", help="skinny-matmul weight kinds to sweep")
     ap.add_argument("--seconds", type=float, default=300.0, help="stop sweeping after this long (each part)")
     ap.add_argument(
@@ -222,7 +226,7 @@ def main() -> None:
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
     try:
         if a.only in (None, "attention"):
-            tune_attention(out, time.monotonic() + a.seconds)
+            tune_attention(out, time.monotonic() + a.seconds, a.layouts.split(","))
         if a.only in (None, "gemv"):
             tune_gemv(out, time.monotonic() + a.seconds, a.kinds.split(","))
     finally:

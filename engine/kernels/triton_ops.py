@@ -192,10 +192,32 @@ def rope_and_store(
 
 
 @triton.jit
+def _e4m3x4_to_f16(w, INTERPRET: tl.constexpr):
+    # The four float8_e4m3fn bytes of each int32 of w, low byte first, as fp16 (exact: fp16 holds every e4m3 value).
+    if INTERPRET:
+        # Triton's interpreter runs no PTX: the same values by bit arithmetic (e4m3's sign, exponent and mantissa
+        # placed in fp16's fields, then times 2^8 for the exponent biases' difference; e4m3's NaN is not kept).
+        out = []
+        for i in tl.static_range(4):
+            b = (w >> (8 * i)) & 0xFF
+            h = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.int16)
+            out.append((h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0).to(tl.float16))
+        return out[0], out[1], out[2], out[3]
+    else:
+        return tl.inline_asm_elementwise(
+            asm="{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 a, lo; "
+                "cvt.rn.f16x2.e4m3x2 b, hi; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
+            constraints="=h,=h,=h,=h,r", args=[w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
 def _attend(
     q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, scale, v_offset, window,
     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr, SH: tl.constexpr,
-    SS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    SS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, V_REGS: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     # One tile of BLOCK_N keys, read through the block table, folded into the online softmax. Key j of KV head g
     # is [block, g, j % BS] of the cache's [blocks, KVH, BS, D] (strides SB, SH, SS): in the engine's head-major
@@ -214,7 +236,17 @@ def _attend(
     p = tl.exp(sc - m_new[:, None])
     alpha = tl.exp(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(kv_ptr + v_offset + off[:, None] + d[None, :], mask=jm[:, None], other=0.0).to(q.dtype)
+    if V_REGS:
+        # An FP8 V tile widened in registers, four values per 32-bit word, before the dot: left to Triton, the FP8
+        # tile goes to shared memory as it is and the dot reads each byte back by itself (V is the dot's
+        # second operand along keys, across its rows), which bounded the FP8 kernel at bf16's speed.
+        w = tl.load((kv_ptr + v_offset + off).to(tl.pointer_type(tl.int32))[:, None] + tl.arange(0, D // 4)[None, :],
+                    mask=jm[:, None], other=0)  # fmt: skip
+        e0, e1, e2, e3 = _e4m3x4_to_f16(w, INTERPRET)
+        # Word c holds columns 4c..4c+3 (little-endian): interleave the four back into rows of D.
+        v = tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), (BLOCK_N, D))
+    else:
+        v = tl.load(kv_ptr + v_offset + off[:, None] + d[None, :], mask=jm[:, None], other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
@@ -226,7 +258,7 @@ def _paged_attention_kernel(
     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr, SH: tl.constexpr,
     SS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_Q: tl.constexpr,
     SPLIT: tl.constexpr, TILED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-    FP16_DOT: tl.constexpr,
+    FP16_DOT: tl.constexpr, V_REGS: tl.constexpr,
 ):  # fmt: skip
     g = tl.program_id(2)
     ok = True
@@ -279,14 +311,14 @@ def _paged_attention_kernel(
         while n0 < hi:
             m_i, l_i, acc = _attend(
                 q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, scale, v_offset, window,
-                H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION,
+                H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
         for n0 in range(lo, hi, BLOCK_N):
             m_i, l_i, acc = _attend(
                 q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, scale, v_offset, window,
-                H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION,
+                H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET,
             )  # fmt: skip
     if SPLIT:
         part = (s * H + h).to(tl.int64) * num_splits + sp
@@ -323,7 +355,7 @@ def paged_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, query_start: torch.Tensor,
     context_lens: torch.Tensor, scale: float, max_query_len: int, max_context: int, num_splits: int = 1,
     tile_map: tuple[torch.Tensor, torch.Tensor] | None = None, window: int = 0, block_n: int = 0,
-    num_warps: int = 4, num_stages: int = 3,
+    num_warps: int = 4, num_stages: int = 3, v_regs: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Causal attention of ``q [tokens, H, D]`` over each sequence's cached context (this step's K/V included).
 
@@ -335,6 +367,8 @@ def paged_attention(
     a captured graph's grid then fits any batch of up to that many tiles. ``kv_cache`` is
     ``[2, blocks, kv_heads, block_size, head_dim]``, addressed through its strides: the engine's is contiguous
     (head-major), and a permuted view of a slot-major cache reads the same (``bench/device/fp8_tune.py`` times both).
+    ``v_regs``: an e4m3 cache's V tiles are widened to fp16 in registers before the dot (the default for such a
+    cache); False leaves the widening to Triton (``fp8_tune.py`` times both).
     """
     _, _, kv_heads, bs, d = kv_cache.shape
     tokens, heads, _ = q.shape
@@ -343,6 +377,11 @@ def paged_attention(
     seqs = block_tables.shape[0]
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     fp16_dot = kv_cache.element_size() == 1 and q.dtype != torch.float32
+    e4m3 = fp16_dot and kv_cache.dtype == torch.float8_e4m3fn and d % 4 == 0
+    if v_regs and not e4m3:
+        raise ValueError(f"v_regs widens an e4m3 cache with a head size divisible by 4 and 16-bit queries, got a "
+                         f"{kv_cache.dtype} cache, head size {d}, {q.dtype} queries")  # fmt: skip
+    v_regs = e4m3 if v_regs is None else v_regs
     # An FP8 cache moves half the bytes per key: a decode tile of twice the keys keeps as many bytes in flight.
     block_n = block_n or (2 * DECODE_BLOCK_N if fp16_dot and max_query_len == 1 else DECODE_BLOCK_N)
     _check_cache(kv_cache)
@@ -359,7 +398,7 @@ def paged_attention(
             scale, v_offset, block_tables.stride(0), split_size, splits, window,
             H=heads, GROUP=group, D=d, BS=bs, **strides, BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=1,
             SPLIT=True, TILED=False, PRECISION=precision, INTERPRET=_INTERPRET, FP16_DOT=fp16_dot,
-            num_warps=num_warps, num_stages=num_stages,
+            V_REGS=v_regs, num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
         _merge_splits_kernel[(seqs, heads)](
             part_acc, part_ml, out, context_lens, split_size, splits,
@@ -379,7 +418,7 @@ def paged_attention(
         scale, v_offset, block_tables.stride(0), 0, 1, window,
         H=heads, GROUP=group, D=d, BS=bs, **strides, BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=block_m // group,
         SPLIT=False, TILED=tile_map is not None, PRECISION=precision, INTERPRET=_INTERPRET, FP16_DOT=fp16_dot,
-        num_warps=num_warps, num_stages=num_stages,
+        V_REGS=v_regs, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     del tokens
     return out

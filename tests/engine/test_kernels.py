@@ -195,6 +195,35 @@ def test_paged_attention_decode_and_prompt_rows_match_dense(splits: int) -> None
                                    atol=2e-5, rtol=1e-4)  # fmt: skip
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_an_fp8_cache_widened_in_registers_reads_every_e4m3_value_exactly(splits: int) -> None:
+    """V tiles of an e4m3 cache widened to fp16 four bytes a word (``v_regs``, the default on such a cache) give
+    what Triton's own widening gives, bit for bit, with every finite e4m3 byte among the values; both agree with
+    attention over the dequantized cache. (Under Triton's interpreter the widening is bit arithmetic, the same
+    values the PTX conversion gives on a GPU.)"""
+    g = _g(20)
+    byte_values = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # no NaN
+    v_bytes = byte_values[torch.randint(len(byte_values), (NB * KVH * BS * D,), generator=g)]
+    cache = torch.empty(2, NB, KVH, BS, D, dtype=torch.float8_e4m3fn)
+    cache[0] = (torch.randn(NB, KVH, BS, D, generator=g) * 2).to(torch.float8_e4m3fn)
+    cache[1] = v_bytes.view(torch.float8_e4m3fn).view(NB, KVH, BS, D)
+    cache = cache.to(DEV)
+    ctx = [70, 5, 33, 200]
+    tables, context = _tables(ctx), torch.tensor(ctx, dtype=torch.int32, device=DEV)
+    dtype = torch.float16 if DEVICE == "cpu" else torch.bfloat16  # the interpreter has no bf16 dot
+    q = torch.randn(4, H, D, generator=_g(21)).to(DEV, dtype)
+    starts = torch.arange(5, dtype=torch.int32, device=DEV)
+    got = [triton_ops.paged_attention(q, cache, tables, starts, context, D**-0.5, 1, max(ctx), num_splits=splits,
+                                      v_regs=v_regs) for v_regs in (True, False)]  # fmt: skip
+    assert torch.equal(got[0], got[1])
+    wide = cache.float()
+    for i in range(4):
+        ref = _reference(q[i : i + 1].float(), wide, tables[i], ctx[i])
+        torch.testing.assert_close(got[0][i : i + 1].float(), ref, atol=0.5, rtol=2e-2)
+    with pytest.raises(ValueError, match="v_regs widens an e4m3 cache"):
+        triton_ops.paged_attention(q, wide.to(dtype), tables, starts, context, D**-0.5, 1, max(ctx), v_regs=True)
+
+
 @pytest.mark.timeout(60)
 def test_kernels_address_the_cache_through_its_strides() -> None:
     """The engine's cache is head-major; a slot-major one seen through a permuted view (what the device bench

@@ -1,0 +1,34 @@
+# GPU run (issue #29, FP8 KV, sixth round): an e4m3 cache's V tiles widened to fp16 in registers before the dot
+# (`v_regs`, engine.kernels.triton_ops), against Triton's own widening, which reads the FP8 tile back from shared
+# memory a byte at a time. The CUDA kernel and attention tests, then decode attention alone (fp8_tune.py, head-major
+# cache: bf16, FP8 widened in registers, FP8 left to Triton, over tiles), then qwen3-8b (random weights,
+# --load-format dummy) at batch 256 with 2,048-token prompts, bf16 against FP8 KV in the engine. About 9 minutes.
+# `bash bench/device/fp8kv_regs_round.sh`; carries .whl and .gpu (setup.sh). JSON and logs under $OUT.
+source bench/device/setup.sh
+ENGINE_TEST_DEVICE=cuda timeout ${TESTS_S:-120} python3 -m pytest -q -p no:cacheprovider -x \
+  tests/engine/test_kernels.py -k "attention or fp8 or kernels_generates or cache" 2>&1 \
+  | tee "$OUT/cuda-tests-kv.txt" | tail -4 || true
+timeout ${TUNE_S:-200} python3 bench/device/fp8_tune.py --only attention --layouts head --seconds ${PART_S:-180} \
+  --json "$OUT/attention-vregs.json" 2>&1 | grep -v -i warn | tee "$OUT/attention-vregs.log" \
+  | grep -v "^attention [0-9]" || true
+python3 bench/device/shape_config.py qwen3-8b /tmp/shapes/qwen3-8b
+for kv in auto fp8; do
+  timeout ${ENGINE_S:-80} python3 -m bench.engine.throughput --model /tmp/shapes/qwen3-8b --load-format dummy \
+    --device cuda --prompt-len 2048 --new-tokens 32 --batch-sizes 256 --runs 1 --no-reference \
+    --max-num-batched-tokens 16384 --kv-cache-dtype $kv --json "$OUT/qwen3-8b-kv$kv.json" 2>&1 \
+    | grep -v -i warn | tail -3 || true
+done
+python3 - "$OUT" <<'PY'
+import json, sys
+out = sys.argv[1]
+runs = {}
+for kv in ("auto", "fp8"):
+    try:
+        with open(f"{out}/qwen3-8b-kv{kv}.json") as f:
+            runs[kv] = json.load(f)["batches"]["256"]["engine"]["decode_tok_s"]
+    except (OSError, KeyError) as e:
+        print("qwen3-8b", kv, "missing:", e)
+if len(runs) == 2:
+    print(f"qwen3-8b batch 256, 2K prompts: decode {runs['fp8']:.0f} tok/s FP8 KV against {runs['auto']:.0f} bf16 KV, "
+          f"{runs['fp8'] / runs['auto']:.2f}x (target 1.3x)")
+PY
