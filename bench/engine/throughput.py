@@ -9,8 +9,9 @@ Prefill tok/s = prompt tokens / time until every sequence has its first token; d
 generated tokens / time of the decode steps. On CUDA the decode rate is also given as a share of
 the HBM roofline (weights + the KV read per step at the datasheet's bandwidth). ``--prefix-row``
 adds the prefill time of one prompt with no prefix cache against a hit of one block (what every
-chat sharing a system prompt gets) and of half the prompt. ``--profile`` splits one batch-1 decode
-step into its host and GPU parts. ``--json`` writes every figure. Printed, never asserted.
+chat sharing a system prompt gets) and of half the prompt. ``--profile`` splits one decode step (of
+``--profile-batch`` sequences) into its host and GPU parts, and on CUDA by kernel. ``--json`` writes
+every figure. Printed, never asserted.
 """
 
 from __future__ import annotations
@@ -240,13 +241,14 @@ def prefix_row(loaded: LoadedModel, args: EngineArgs, length: int, runs: int = 3
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def profile_step(engine: LLMEngine, prompt_len: int, steps: int = 200) -> dict[str, float]:
-    """Mean microseconds per batch-1 decode step: scheduling + input staging, the model, bookkeeping."""
+def profile_step(engine: LLMEngine, prompt_len: int, batch: int = 1, steps: int = 200) -> dict[str, Any]:
+    """Mean microseconds per decode step of ``batch`` sequences: scheduling + input staging, the model,
+    bookkeeping; on CUDA also the GPU time of the step's 25 costliest kernels."""
     vocab = engine.model_config.vocab_size
     steps = max(1, min(steps, engine.max_model_len - prompt_len - 14))
     params = SamplingParams(temperature=0.0, max_tokens=steps + 12, ignore_eos=True)  # 10 more for the trace
-    seq = engine.add_request(_prompts(1, prompt_len, vocab, 99)[0], params)
-    while seq.num_completion_tokens == 0:
+    seqs = [engine.add_request(p, params) for p in _prompts(batch, prompt_len, vocab, 99)]
+    while any(s.num_completion_tokens == 0 for s in seqs):
         engine.step()
     host = model = post = gpu = 0.0
     cuda = engine.device.type == "cuda"
@@ -254,7 +256,7 @@ def profile_step(engine: LLMEngine, prompt_len: int, steps: int = 200) -> dict[s
         t0 = time.perf_counter()
         scheduled = engine.schedule()
         assert scheduled is not None
-        batch, step = scheduled
+        scheduled_batch, step = scheduled
         t1 = time.perf_counter()
         if cuda:
             start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
@@ -266,7 +268,7 @@ def profile_step(engine: LLMEngine, prompt_len: int, steps: int = 200) -> dict[s
             end.synchronize()
             gpu += start.elapsed_time(end) * 1e3
         t2 = time.perf_counter()
-        engine.postprocess(batch, tokens)
+        engine.postprocess(scheduled_batch, tokens)
         t3 = time.perf_counter()
         host, model, post = host + (t1 - t0) * 1e6, model + (t2 - t1) * 1e6, post + (t3 - t2) * 1e6
     kernels: list[tuple[str, float]] = []
@@ -280,12 +282,14 @@ def profile_step(engine: LLMEngine, prompt_len: int, steps: int = 200) -> dict[s
                 assert scheduled is not None
                 engine.postprocess(scheduled[0], engine.execute(scheduled[1]))
         kernels = sorted(((e.key, e.device_time_total / 10) for e in prof.key_averages()), key=lambda kv: -kv[1])
-        print("GPU time per batch-1 decode step by kernel (us):")
+        print(f"GPU time per batch-{batch} decode step by kernel (us):")
         for key, us in kernels[:25]:
             print(f"  {us:9.1f}  {key[:110]}")
-    engine.finish(seq, FinishReason.ABORT)
-    return {"schedule_and_stage_us": host / steps, "execute_us": model / steps,
-            "execute_gpu_us": gpu / steps if cuda else 0.0, "postprocess_us": post / steps}  # fmt: skip
+    for seq in seqs:
+        engine.finish(seq, FinishReason.ABORT)
+    return {"batch": batch, "schedule_and_stage_us": host / steps, "execute_us": model / steps,
+            "execute_gpu_us": gpu / steps if cuda else 0.0, "postprocess_us": post / steps,
+            "kernels_us": {key[:160]: us for key, us in kernels[:25]}}  # fmt: skip
 
 
 def tp_peer(args: EngineArgs, loaded: LoadedModel, a: argparse.Namespace) -> dict[int, Result]:
@@ -325,7 +329,8 @@ def main() -> None:
         metavar="TOKENS",
         help="also time the prefill of one TOKENS-long prompt with and without prefix-cache hits",
     )
-    p.add_argument("--profile", action="store_true", help="split a batch-1 decode step into host and GPU time")
+    p.add_argument("--profile", action="store_true", help="split a decode step into host and GPU time, by kernel")
+    p.add_argument("--profile-batch", type=int, default=1, help="sequences in the profiled decode step")
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
     p.add_argument(
         "--load-format",
@@ -391,7 +396,7 @@ def main() -> None:
         prompts = _prompts(b, a.prompt_len, vocab, b)
         ours[b] = median_of(a.runs, partial(bench_engine, engine, prompts, a.new_tokens))
         print(f"  engine batch {b}: {ours[b]}", flush=True)
-    profile = profile_step(engine, a.prompt_len) if a.profile else None
+    profile = profile_step(engine, a.prompt_len, a.profile_batch) if a.profile else None
     context = a.prompt_len + a.new_tokens // 2  # the mean context of the decode steps
     roof = {b: roofline_tok_s(engine, b, context, name) for b in a.batch_sizes}
     engine.close()
@@ -456,7 +461,10 @@ def main() -> None:
     if prefix:
         print(f"prefill of one {a.prefix_row}-token prompt: " + ", ".join(f"{k} {v:.3f} s" for k, v in prefix.items()))
     if profile:
-        print("batch-1 decode step: " + ", ".join(f"{k} {v:.0f}" for k, v in profile.items()))
+        print(
+            f"batch-{profile['batch']} decode step: "
+            + ", ".join(f"{k} {v:.0f}" for k, v in profile.items() if k.endswith("_us") and k != "kernels_us")
+        )
     if a.json:
         report = {
             "date": datetime.date.today().isoformat(),
@@ -485,7 +493,7 @@ def main() -> None:
             "expert_parallel": a.enable_expert_parallel,
             "tp1_peer": {str(b): asdict(r) for b, r in one_rank.items()},
             "prefix_cache_prefill_s": prefix,
-            "batch1_step_profile_us": profile,
+            "step_profile_us": profile,
         }
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)
