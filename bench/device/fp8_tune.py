@@ -132,7 +132,10 @@ def tune_gemv(out: dict[str, Any], deadline: float, kinds_wanted: list[str]) -> 
         torch.cuda.empty_cache()
 
 
-def tune_attention(out: dict[str, Any], deadline: float, layouts: Sequence[str] = ("head", "slot")) -> None:
+def tune_attention(
+    out: dict[str, Any], deadline: float, layouts: Sequence[str] = ("head", "slot"),
+    fp8_modes: Sequence[str] = ("fp8", "fp8-triton"), fp8_tiles: Sequence[tuple[int, int, int]] = (),
+) -> None:  # fmt: skip
     dev = torch.device("cuda")
     heads, kvh, d, bs = 32, 8, 128, 16
     top: list[str] = []
@@ -149,16 +152,17 @@ def tune_attention(out: dict[str, Any], deadline: float, layouts: Sequence[str] 
         cache8 = cache16.to(torch.float8_e4m3fn)
         # The slot-major layout holds the same values; its permuted view has the engine's shape.
         # "fp8" is the engine's kernel (V widened in registers); "fp8-triton" leaves V's widening to Triton.
-        by_dtype = {"bf16": cache16, "fp8": cache8, "fp8-triton": cache8}
+        by_dtype = {"bf16": cache16, **{m: cache8 for m in fp8_modes}}
         caches = {(c, lay): (t if lay == "head" else t.transpose(2, 3).contiguous().transpose(2, 3))
                   for c, t in by_dtype.items() for lay in layouts}  # fmt: skip
         splits = decode_splits(seqs, kvh, ctx, dev)
         kv_elems = seqs * ctx * kvh * d * 2
         ref = paged_attention(q, cache8.to(torch.bfloat16), tables, qstart, lens, d**-0.5, 1, ctx, splits).float()
         res: dict[str, Any] = {"splits": splits, "runs": []}
-        tiles = {"bf16": list(itertools.product((64, 128), (4, 8), (2, 3))),
-                 "fp8": list(itertools.product((64, 128, 256), (4, 8), (2, 3, 4)))}  # fmt: skip
+        tiles = {"bf16": list(itertools.product((64, 128), (2, 4, 8), (2, 3))),
+                 "fp8": list(fp8_tiles or itertools.product((64, 128, 256), (4, 8), (2, 3, 4)))}  # fmt: skip
         tiles["fp8-triton"] = tiles["fp8"]
+        tiles = {c: t for c, t in tiles.items() if c in by_dtype}
         # The engine's tiles first, then the sweep with the dtypes alternating and each tile in both layouts one
         # after the other, so that a deadline cuts all four alike.
         engine_tile = {c: (DECODE_BLOCK_N * (1 if c == "bf16" else 2), 4, 3) for c in tiles}
@@ -217,6 +221,12 @@ def main() -> None:
     ap.add_argument("--json", required=True)
     ap.add_argument("--only", choices=("gemv", "attention"), default=None)
     ap.add_argument("--layouts", default="head,slot", help="attention: cache layouts to time (head, slot)")
+    ap.add_argument(
+        "--fp8-modes",
+        default="fp8,fp8-triton",
+        help="attention: FP8 kernels to time (fp8: V widened in registers; fp8-triton: by Triton)",
+    )
+    ap.add_argument("--fp8-tiles", default="", help="attention: FP8 tiles, block_n:warps:stages,...")
     ap.add_argument("--kinds", default="bf16,fp8", help="skinny-matmul weight kinds to sweep")
     ap.add_argument("--seconds", type=float, default=300.0, help="stop sweeping after this long (each part)")
     ap.add_argument(
@@ -226,7 +236,9 @@ def main() -> None:
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
     try:
         if a.only in (None, "attention"):
-            tune_attention(out, time.monotonic() + a.seconds, a.layouts.split(","))
+            fp8_tiles = [tuple(int(v) for v in t.split(":")) for t in a.fp8_tiles.split(",") if t]
+            tune_attention(out, time.monotonic() + a.seconds, a.layouts.split(","), a.fp8_modes.split(","),
+                           fp8_tiles)  # type: ignore[arg-type]  # fmt: skip
         if a.only in (None, "gemv"):
             tune_gemv(out, time.monotonic() + a.seconds, a.kinds.split(","))
     finally:
