@@ -216,10 +216,57 @@ def tune_attention(
         torch.cuda.empty_cache()
 
 
+def tune_splits(out: dict[str, Any], deadline: float) -> None:
+    """Decode attention by split count (programs per sequence), per cache dtype and tile: batch 256 at 2K context, 64
+    at 544 (the engine benchmark's batch-64 step), 16 at 8K and 1 at 4K, qwen3-8b heads, head-major cache."""
+    dev = torch.device("cuda")
+    heads, kvh, d, bs = 32, 8, 128, 16
+    tiles = {"bf16": [(64, 4, 2), (64, 4, 3), (32, 1, 3), (64, 2, 2)], "fp8": [(32, 1, 3), (128, 4, 3), (64, 2, 3)]}
+    res: dict[str, Any] = {}
+    for seqs, ctx in ((256, 2048), (64, 544), (16, 8192), (1, 4096)):
+        blocks_per = -(-ctx // bs)
+        num_blocks = seqs * blocks_per + 1
+        tables = torch.randperm(num_blocks - 1, device=dev, dtype=torch.int32)[: seqs * blocks_per].view(seqs, -1)
+        qstart = torch.arange(seqs + 1, device=dev, dtype=torch.int32)
+        lens = torch.full((seqs,), ctx, device=dev, dtype=torch.int32)
+        q = torch.randn(seqs, heads, d, device=dev, dtype=torch.bfloat16)
+        cache16 = torch.randn(kv_cache_shape(num_blocks, bs, kvh, d), device=dev, dtype=torch.bfloat16)
+        caches = {"bf16": cache16, "fp8": cache16.to(torch.float8_e4m3fn)}
+        kv_elems = seqs * ctx * kvh * d * 2
+        ref = paged_attention(q, caches["fp8"].to(torch.bfloat16), tables, qstart, lens, d**-0.5, 1, ctx).float()
+        runs = []
+        for cname, cache in caches.items():
+            for bn, warps, stages in tiles[cname]:
+                for splits in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
+                    if splits > -(-ctx // bn) or time.monotonic() > deadline:
+                        continue
+                    run = partial(paged_attention, q, cache, tables, qstart, lens, d**-0.5, 1, ctx, splits,
+                                  block_n=bn, num_warps=warps, num_stages=stages)  # fmt: skip
+                    label = f"{cname} block_n={bn} warps={warps} stages={stages} splits={splits}"
+                    try:
+                        err = (run().float() - ref).abs().max().item()
+                        if err > 0.05:
+                            raise RuntimeError(f"wrong result ({err:.3f})")
+                        t = graph_time([run] * 4, rounds=3)
+                    except Exception as e:
+                        runs.append({"variant": label, "error": f"{type(e).__name__}: {str(e)[:100]}"})
+                        continue
+                    pct = 100 * kv_elems * cache.element_size() / t / HBM
+                    runs.append({"variant": label, "dtype": cname, "tile": [bn, warps, stages], "splits": splits,
+                                 "us": t * 1e6, "pct_hbm": pct})  # fmt: skip
+        best = {c: min((r for r in runs if r.get("dtype") == c), key=lambda r: r["us"], default=None) for c in caches}
+        res[f"b{seqs}_ctx{ctx}"] = {"runs": runs, "best": best}
+        print("splits", seqs, ctx, {c: (b["variant"], round(b["us"], 1), round(b["pct_hbm"], 1)) for c, b in
+                                    best.items() if b}, flush=True)  # fmt: skip
+        del caches, cache16
+        torch.cuda.empty_cache()
+    out["splits"] = res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", required=True)
-    ap.add_argument("--only", choices=("gemv", "attention"), default=None)
+    ap.add_argument("--only", choices=("gemv", "attention", "splits"), default=None)
     ap.add_argument("--layouts", default="head,slot", help="attention: cache layouts to time (head, slot)")
     ap.add_argument(
         "--fp8-modes",
@@ -239,6 +286,8 @@ def main() -> None:
             fp8_tiles = [tuple(int(v) for v in t.split(":")) for t in a.fp8_tiles.split(",") if t]
             tune_attention(out, time.monotonic() + a.seconds, a.layouts.split(","), a.fp8_modes.split(","),
                            fp8_tiles)  # type: ignore[arg-type]  # fmt: skip
+        if a.only == "splits":
+            tune_splits(out, time.monotonic() + a.seconds)
         if a.only in (None, "gemv"):
             tune_gemv(out, time.monotonic() + a.seconds, a.kinds.split(","))
     finally:

@@ -254,7 +254,7 @@ def _attend(
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, kv_ptr, out_ptr, tables_ptr, qstart_ptr, ctx_ptr, part_acc_ptr, part_ml_ptr, tile_seq_ptr, tile_q_ptr,
-    scale, v_offset, table_stride, split_size, num_splits, window,
+    scale, v_offset, table_stride, num_splits, window,
     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr, SH: tl.constexpr,
     SS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_Q: tl.constexpr,
     SPLIT: tl.constexpr, TILED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
@@ -287,7 +287,13 @@ def _paged_attention_kernel(
     qpos = ctx - qlen + tq  # absolute position: the cached context comes first
     kv_end = tl.minimum(ctx, ctx - qlen + (mt + 1) * TILE_Q)
     if SPLIT:
-        lo = sp * split_size
+        # The keys this sequence's query sees, in num_splits runs of whole tiles sized from its own context: a graph
+        # captured for the longest context splits a short one as finely.
+        start = 0
+        if window > 0:
+            start = tl.maximum(kv_end - window, 0)
+        split_size = tl.cdiv(tl.cdiv(kv_end - start, num_splits), BLOCK_N) * BLOCK_N
+        lo = start + sp * split_size
         hi = tl.minimum(kv_end, lo + split_size)
     else:
         lo = 0
@@ -332,14 +338,14 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_acc_ptr, part_ml_ptr, out_ptr, ctx_ptr, split_size, num_splits,
+    part_acc_ptr, part_ml_ptr, out_ptr, num_splits,
     H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
+    # Every split wrote its partials; one that saw no key wrote m = -1e30, l = 0, which weigh nothing here.
     s = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.arange(0, SPLITS)
-    ctx = tl.load(ctx_ptr + s)
-    used = (i < num_splits) & (i * split_size < ctx)
+    used = i < num_splits
     part = (s * H + h).to(tl.int64) * num_splits + i
     m = tl.load(part_ml_ptr + part * 2, mask=used, other=-1e30)
     l_ = tl.load(part_ml_ptr + part * 2 + 1, mask=used, other=0.0)
@@ -387,21 +393,20 @@ def paged_attention(
     _check_cache(kv_cache)
     v_offset = kv_cache.stride(0)
     strides = {"SB": kv_cache.stride(1), "SH": kv_cache.stride(2), "SS": kv_cache.stride(3)}
-    if max_query_len == 1 and num_splits > 1:
+    splits = min(num_splits, triton.cdiv(max_context, block_n))
+    if max_query_len == 1 and splits > 1:
         block_m = max(16, triton.next_power_of_2(group))
-        split_size = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
-        splits = triton.cdiv(max_context, split_size)
         part_acc = torch.empty((seqs, heads, splits, d), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((seqs, heads, splits, 2), dtype=torch.float32, device=q.device)
         _paged_attention_kernel[(splits, seqs, kv_heads)](
             q, kv_cache, out, block_tables, query_start, context_lens, part_acc, part_ml, out, out,
-            scale, v_offset, block_tables.stride(0), split_size, splits, window,
+            scale, v_offset, block_tables.stride(0), splits, window,
             H=heads, GROUP=group, D=d, BS=bs, **strides, BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=1,
             SPLIT=True, TILED=False, PRECISION=precision, INTERPRET=_INTERPRET, FP16_DOT=fp16_dot,
             V_REGS=v_regs, num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
         _merge_splits_kernel[(seqs, heads)](
-            part_acc, part_ml, out, context_lens, split_size, splits,
+            part_acc, part_ml, out, splits,
             H=heads, D=d, SPLITS=triton.next_power_of_2(splits),
         )  # fmt: skip
         return out
@@ -415,7 +420,7 @@ def paged_attention(
         grid = (triton.cdiv(max_query_len, block_m // group), seqs, kv_heads)
     _paged_attention_kernel[grid](
         q, kv_cache, out, block_tables, query_start, context_lens, out, out, tile_seq, tile_idx,
-        scale, v_offset, block_tables.stride(0), 0, 1, window,
+        scale, v_offset, block_tables.stride(0), 1, window,
         H=heads, GROUP=group, D=d, BS=bs, **strides, BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=block_m // group,
         SPLIT=False, TILED=tile_map is not None, PRECISION=precision, INTERPRET=_INTERPRET, FP16_DOT=fp16_dot,
         V_REGS=v_regs, num_warps=num_warps, num_stages=num_stages,

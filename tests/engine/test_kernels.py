@@ -195,6 +195,29 @@ def test_paged_attention_decode_and_prompt_rows_match_dense(splits: int) -> None
                                    atol=2e-5, rtol=1e-4)  # fmt: skip
 
 
+def test_decode_splits_are_sized_from_each_sequences_own_context() -> None:
+    """Split decode divides each sequence's keys (its window's, with a sliding window) among the splits, whatever
+    bound sized the launch (a graph's is the longest context): the same output as one program per sequence."""
+    cache = torch.randn(2, NB, KVH, BS, D, generator=_g(16)).to(DEV)
+    ctx = [70, 5, 33, 200]
+    tables, context = _tables(ctx), torch.tensor(ctx, dtype=torch.int32, device=DEV)
+    q = torch.randn(4, H, D, generator=_g(17)).to(DEV)
+    starts = torch.arange(5, dtype=torch.int32, device=DEV)
+    for window in (0, 40):
+        whole = triton_ops.paged_attention(q, cache, tables, starts, context, D**-0.5, 1, 640, window=window)
+        for splits in (2, 5, 10):
+            got = triton_ops.paged_attention(q, cache, tables, starts, context, D**-0.5, 1, 640, num_splits=splits,
+                                             window=window)  # fmt: skip
+            torch.testing.assert_close(got, whole, atol=2e-5, rtol=1e-4)
+        if window:
+            # Against attention over the window's keys alone.
+            for i, c in enumerate(ctx):
+                lo = max(0, c - window)
+                k, v = gather_kv(cache, tables[i].long(), c, q.dtype)
+                ref = F.scaled_dot_product_attention(q[i : i + 1].transpose(0, 1), k[:, lo:], v[:, lo:], enable_gqa=True)
+                torch.testing.assert_close(whole[i : i + 1], ref.transpose(0, 1), atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_an_fp8_cache_widened_in_registers_reads_every_e4m3_value_exactly(splits: int) -> None:
     """V tiles of an e4m3 cache widened to fp16 four bytes a word (``v_regs``, the default on such a cache) give
