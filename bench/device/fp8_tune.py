@@ -234,7 +234,7 @@ def tune_splits(out: dict[str, Any], deadline: float) -> None:
         caches = {"bf16": cache16, "fp8": cache16.to(torch.float8_e4m3fn)}
         kv_elems = seqs * ctx * kvh * d * 2
         ref = paged_attention(q, caches["fp8"].to(torch.bfloat16), tables, qstart, lens, d**-0.5, 1, ctx).float()
-        runs = []
+        runs: list[dict[str, Any]] = []
         for cname, cache in caches.items():
             for bn, warps, stages in tiles[cname]:
                 for splits in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):

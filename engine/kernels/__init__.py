@@ -30,15 +30,24 @@ DECODE_BLOCK_N = 64
 
 
 @functools.cache
-def _sm_count(device_index: int) -> int:
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device."""
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
+# Decode attention programs wanted per SM: a program walks one KV head of one sequence (or of a split of it), and the
+# small programs of an FP8 cache (one warp each) fit about 11 to an SM.
+DECODE_PROGRAMS_PER_SM = 8
+
+
 def decode_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """How many programs share one sequence's context in a decode step: enough for two waves of the GPU."""
-    sms = _sm_count(device.index or 0) if device.type == "cuda" else 4
-    want = -(-2 * sms // max(num_seqs * num_kv_heads, 1))
-    return max(1, min(want, -(-max_context // DECODE_BLOCK_N)))
+    """How many programs share one sequence's context in a decode step: enough for ``DECODE_PROGRAMS_PER_SM`` programs
+    an SM, at most one per tile of the longest context. Each program's share is sized from its sequence's own
+    context in the kernel, so a CUDA graph captured with the longest context splits short ones as finely."""
+    # On CPU (Triton's interpreter, in tests) a few programs: each costs the interpreter time.
+    programs = DECODE_PROGRAMS_PER_SM * sm_count(device.index or 0) if device.type == "cuda" else 8
+    want = -(-programs // max(num_seqs * num_kv_heads, 1))
+    return max(1, min(want, -(-max_context // (DECODE_BLOCK_N // 2))))
 
 
 def prefill_block_m(group: int) -> int:

@@ -237,7 +237,7 @@ def test_an_fp8_cache_widened_in_registers_reads_every_e4m3_value_exactly(splits
     q = torch.randn(4, H, D, generator=_g(21)).to(DEV, dtype)
     starts = torch.arange(5, dtype=torch.int32, device=DEV)
     got = [triton_ops.paged_attention(q, cache, tables, starts, context, D**-0.5, 1, max(ctx), num_splits=splits,
-                                      v_regs=v_regs) for v_regs in (True, False)]  # fmt: skip
+                                      block_n=32, num_warps=1, v_regs=v_regs) for v_regs in (True, False)]  # fmt: skip
     assert torch.equal(got[0], got[1])
     wide = cache.float()
     for i in range(4):
