@@ -211,6 +211,7 @@ class DecodeGraphs(_GraphSet):
                 self.model.config.num_key_value_heads // self.model.tp.size,
                 self.max_model_len,
                 self.buf.dev.device,
+                self.kv_caches[0].element_size() == 1,
             ),  # this rank's KV heads
             sparse_topk=self.sparse_topk,
         )

@@ -447,7 +447,9 @@ class ModelRunner:
             np.cumsum(query_lens, out=starts[1:])
             meta.query_start = torch.from_numpy(starts).to(dev)
             if num_decodes == len(seqs):
-                meta.num_splits = decode_splits(len(seqs), self.kv_heads, meta.max_context, dev)
+                meta.num_splits = decode_splits(
+                    len(seqs), self.kv_heads, meta.max_context, dev, self.cache_dtype.itemsize == 1
+                )
         else:
             meta.prefill_groups, meta.cached_seqs = plan_prefill(query_lens, flat.cached_lens, dev, first=num_decodes)
             meta.decode_width = decode_width

@@ -233,9 +233,9 @@ class EagleRows:
 
 def attention_meta(query_lens: list[int], cached_lens: list[int], slots: np.ndarray, tables: Seq[list[int]],
                    block_size: int, triton: bool, kv_heads: int,
-                   device: torch.device) -> AttentionMetadata:  # fmt: skip
+                   device: torch.device, fp8: bool = False) -> AttentionMetadata:  # fmt: skip
     """Metadata of a step that reads and writes the paged cache: every sequence decodes (one query each) or
-    every one computes a chunk after its cached context."""
+    every one computes a chunk after its cached context. ``fp8``: the cache is float8 (its decode split differs)."""
     n = len(query_lens)
     decodes = n if all(q == 1 for q in query_lens) else 0
     width = max(len(t) for t in tables)
@@ -260,7 +260,7 @@ def attention_meta(query_lens: list[int], cached_lens: list[int], slots: np.ndar
         np.cumsum(query_lens, out=starts[1:])
         meta.query_start = torch.from_numpy(starts).to(device)
         if decodes:
-            meta.num_splits = decode_splits(n, kv_heads, meta.max_context, device)
+            meta.num_splits = decode_splits(n, kv_heads, meta.max_context, device, fp8)
     else:
         meta.prefill_groups, meta.cached_seqs = plan_prefill(query_lens, cached_lens, device, first=decodes)
         if decodes:
@@ -308,7 +308,7 @@ class EagleDrafter:
         assert self.kv_cache is not None, "the head's KV cache is not allocated"
         layer = self.head.config.layer
         meta = attention_meta(query_lens, cached_lens, slots, tables, self.block_size, self.triton,
-                              layer.num_key_value_heads, self.device)  # fmt: skip
+                              layer.num_key_value_heads, self.device, self.kv_cache.element_size() == 1)  # fmt: skip
         idx = torch.int32 if self.triton else torch.int64
         pos = torch.from_numpy(positions).to(device=self.device, dtype=idx)
         return self.head(ids, pos, hidden, self.kv_cache, meta)  # type: ignore[no-any-return]

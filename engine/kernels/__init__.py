@@ -35,19 +35,22 @@ def sm_count(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
-# Decode attention programs wanted per SM: a program walks one KV head of one sequence (or of a split of it), and the
-# small programs of an FP8 cache (one warp each) fit about 11 to an SM.
-DECODE_PROGRAMS_PER_SM = 8
+# Decode attention programs an SM runs at once, by the measured decode tiles (triton_ops.decode_tile): four-warp
+# programs of a 16-bit cache, one-warp programs of an FP8 one. A decode step splits contexts until its programs
+# fill one such wave: a second, partial wave costs more than the split saves (bench/device/fp8_tune.py --only splits).
+DECODE_PROGRAMS_PER_SM = {False: 4, True: 8}
+MAX_DECODE_SPLITS = 64
 
 
-def decode_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """How many programs share one sequence's context in a decode step: enough for ``DECODE_PROGRAMS_PER_SM`` programs
-    an SM, at most one per tile of the longest context. Each program's share is sized from its sequence's own
-    context in the kernel, so a CUDA graph captured with the longest context splits short ones as finely."""
+def decode_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device, fp8: bool = False) -> int:
+    """How many programs share one sequence's context in a decode step: as many as fill one wave of the GPU (see
+    ``DECODE_PROGRAMS_PER_SM``), at most one per 32 keys of the longest context and ``MAX_DECODE_SPLITS``. Each
+    program's share is sized from its sequence's own context in the kernel, so a CUDA graph captured with the
+    longest context splits short ones as finely. ``fp8``: the cache is float8 (its decode programs are smaller)."""
     # On CPU (Triton's interpreter, in tests) a few programs: each costs the interpreter time.
-    programs = DECODE_PROGRAMS_PER_SM * sm_count(device.index or 0) if device.type == "cuda" else 8
-    want = -(-programs // max(num_seqs * num_kv_heads, 1))
-    return max(1, min(want, -(-max_context // (DECODE_BLOCK_N // 2))))
+    programs = DECODE_PROGRAMS_PER_SM[fp8] * sm_count(device.index or 0) if device.type == "cuda" else 8
+    fit = programs // max(num_seqs * num_kv_heads, 1)
+    return max(1, min(fit, MAX_DECODE_SPLITS, -(-max_context // (DECODE_BLOCK_N // 2))))
 
 
 def prefill_block_m(group: int) -> int:

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import DECODE_BLOCK_N, DECODE_PROGRAMS_PER_SM, interpret_mode, prefill_block_m, sm_count
+from engine.kernels import DECODE_BLOCK_N, interpret_mode, prefill_block_m
 
 if TYPE_CHECKING:
     from engine.kernels.ops import QKNorm
@@ -357,15 +357,11 @@ def _merge_splits_kernel(
     tl.store(out_ptr + (s.to(tl.int64) * H + h) * D + d, out.to(out_ptr.dtype.element_ty))
 
 
-def _decode_tile(fp8: bool, programs: int, device: torch.device) -> tuple[int, int, int]:
-    """Keys per tile, warps and pipeline stages of a decode step's programs (measured on an H200, docs/engine.md):
-    a 16-bit cache streams best from 4-warp programs over 64 keys; an FP8 one (V widened in registers) from 1-warp
-    programs over 32 keys, of which about 11 fit on an SM, when there are enough of them, else from 4-warp ones
-    over 128 keys."""
-    if not fp8:
-        return DECODE_BLOCK_N, 4, 2
-    sms = sm_count(device.index or 0) if device.type == "cuda" else 4
-    return (DECODE_BLOCK_N // 2, 1, 3) if programs >= DECODE_PROGRAMS_PER_SM * sms else (2 * DECODE_BLOCK_N, 4, 3)
+def decode_tile(fp8: bool) -> tuple[int, int, int]:
+    """Keys per tile, warps and pipeline stages of a decode step's programs, measured on an H200 (docs/engine.md):
+    a 16-bit cache streams best from 4-warp programs over 64 keys, an FP8 one (V widened in registers) from 1-warp
+    programs over 32 keys, about 11 of which fit on an SM."""
+    return (DECODE_BLOCK_N // 2, 1, 3) if fp8 else (DECODE_BLOCK_N, 4, 2)
 
 
 def paged_attention(
@@ -384,12 +380,12 @@ def paged_attention(
     a captured graph's grid then fits any batch of up to that many tiles. ``kv_cache`` is
     ``[2, blocks, kv_heads, block_size, head_dim]``, addressed through its strides: the engine's is contiguous
     (head-major), and a permuted view of a slot-major cache reads the same (``bench/device/fp8_tune.py`` times both).
-    ``block_n``, ``num_warps``, ``num_stages``: the tile (0: the measured one, ``_decode_tile`` for decode steps).
+    ``block_n``, ``num_warps``, ``num_stages``: the tile (0: the measured one, ``decode_tile`` for decode steps).
     ``v_regs``: an e4m3 cache's V tiles are widened to fp16 in registers before the dot (the default for such a
     cache); False leaves the widening to Triton (``fp8_tune.py`` times both).
     """
     _, _, kv_heads, bs, d = kv_cache.shape
-    tokens, heads, _ = q.shape
+    heads = q.shape[1]
     group = heads // kv_heads
     out = torch.empty_like(q)
     seqs = block_tables.shape[0]
@@ -400,13 +396,12 @@ def paged_attention(
         raise ValueError(f"v_regs widens an e4m3 cache with a head size divisible by 4 and 16-bit queries, got a "
                          f"{kv_cache.dtype} cache, head size {d}, {q.dtype} queries")  # fmt: skip
     v_regs = e4m3 if v_regs is None else v_regs
-    splits = min(num_splits, triton.cdiv(max_context, block_n or DECODE_BLOCK_N // 2))
-    tile = _decode_tile(v_regs, tokens * kv_heads * splits, q.device) if max_query_len == 1 else (DECODE_BLOCK_N, 4, 3)
+    tile = decode_tile(v_regs) if max_query_len == 1 else (DECODE_BLOCK_N, 4, 3)
     block_n, num_warps, num_stages = block_n or tile[0], num_warps or tile[1], num_stages or tile[2]
     _check_cache(kv_cache)
     v_offset = kv_cache.stride(0)
     strides = {"SB": kv_cache.stride(1), "SH": kv_cache.stride(2), "SS": kv_cache.stride(3)}
-    splits = min(splits, triton.cdiv(max_context, block_n))
+    splits = min(num_splits, triton.cdiv(max_context, block_n))
     if max_query_len == 1 and splits > 1:
         block_m = max(16, triton.next_power_of_2(group))
         part_acc = torch.empty((seqs, heads, splits, d), dtype=torch.float32, device=q.device)
