@@ -355,14 +355,17 @@ def main() -> None:
     torch.set_num_threads(a.threads)
 
     loaded = load_model(a.model)
-    max_batch = max(a.batch_sizes)
-    need = max_batch * (a.prompt_len + a.new_tokens)
+    max_batch = max(a.batch_sizes, default=1)
+    # A profiled step's sequences decode more tokens (profile_step's steps), and as many of them at once.
+    max_model_len = a.prompt_len + a.new_tokens + 16 + (40 if a.profile else 0)
+    max_batch = max(max_batch, a.profile_batch if a.profile else 0)
+    need = max_batch * max_model_len
     args = EngineArgs(
         model=a.model,
         device=a.device,
         dtype=a.dtype,
         num_kvcache_blocks=(need + 15) // 16 + 8,
-        max_model_len=a.prompt_len + a.new_tokens + 16,
+        max_model_len=max_model_len,
         max_num_seqs=max_batch,
         # Every batch's prompts in one prefill step, as the reference's static batch does.
         max_num_batched_tokens=a.max_num_batched_tokens or max(16384, max_batch * a.prompt_len),
