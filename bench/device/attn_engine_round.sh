@@ -2,7 +2,7 @@
 # one wave: engine.kernels.decode_splits; tiles: triton_ops.decode_tile). qwen3-8b (random weights, --load-format
 # dummy): the GPU time of one decode step of 256 sequences at 2K context (--profile --profile-batch 256), bf16
 # against FP8 KV; then prompt 512 at batch 1 and 64 (bf16). `bash bench/device/attn_engine_round.sh`; carries .whl
-# and .gpu. About 5 minutes. JSON and logs under $OUT.
+# and .gpu. About 5 minutes (SKIP_B64=1: the batch-256 pair alone). JSON and logs under $OUT.
 source bench/device/setup.sh
 python3 bench/device/shape_config.py qwen3-8b /tmp/shapes/qwen3-8b
 bench() {  # name, then bench.engine.throughput's arguments
@@ -15,7 +15,7 @@ for kv in auto fp8; do
   bench qwen3-8b-b256-kv$kv --prompt-len 2048 --new-tokens 8 --batch-sizes 256 --max-num-batched-tokens 16384 \
     --kv-cache-dtype $kv --profile --profile-batch 256
 done
-bench qwen3-8b-b1-b64 --prompt-len 512 --new-tokens 32 --batch-sizes 1 64
+[ -n "${SKIP_B64:-}" ] || bench qwen3-8b-b1-b64 --prompt-len 512 --new-tokens 32 --batch-sizes 1 64
 python3 - "$OUT" <<'PY'
 import json, sys
 out = sys.argv[1]
