@@ -48,7 +48,7 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: to
     program's share is sized from its sequence's own context in the kernel, so a CUDA graph captured with the
     longest context splits short ones as finely. ``fp8``: the cache is float8 (its decode programs are smaller)."""
     # On CPU (Triton's interpreter, in tests) a few programs: each costs the interpreter time.
-    programs = DECODE_PROGRAMS_PER_SM[fp8] * sm_count(device.index or 0) if device.type == "cuda" else 8
+    programs = DECODE_PROGRAMS_PER_SM[fp8] * sm_count(device.index or 0) if device.type == "cuda" else 12
     fit = programs // max(num_seqs * num_kv_heads, 1)
     return max(1, min(fit, MAX_DECODE_SPLITS, -(-max_context // (DECODE_BLOCK_N // 2))))
 
