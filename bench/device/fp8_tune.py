@@ -10,7 +10,11 @@ per pass), as the 36 layers of a model do.
    (read through fp16) over tiles, each in the engine's head-major cache layout (``[2, blocks, kv_heads, block_size,
    head_dim]``: a KV head's keys of a block contiguous) and in the slot-major one it replaced (``[2, blocks,
    block_size, kv_heads, head_dim]``, read by the same kernel through a permuted view): the same values, so the
-   same result, and the time each layout's access pattern costs.
+   same result, and the time each layout's access pattern costs. FP8 runs as the engine does (``fp8``: V tiles
+   widened in registers) and, with ``--fp8-modes``, with Triton's own widening (``fp8-triton``).
+3. ``--only splits``: decode attention by split count (programs per sequence) for a few tiles of each cache dtype,
+   at batch 256 / 2K, 64 / 544, 16 / 8K and 1 / 4K: what ``engine.kernels.decode_splits`` and
+   ``triton_ops.decode_tile`` were chosen from.
 
 Tried on 2026-12-02 and taken out of the kernels since none won (docs/engine.md, "FP8 on the H200"): FP8 x FP8
 skinny matmuls with activations quantized per token in the kernel, and for attention a native FP8 dot and a
@@ -18,6 +22,7 @@ hand-pipelined loop (commits 9fbeeb8, b996925).
 
     python3 bench/device/fp8_tune.py --json $OUT/fp8-tune.json
     python3 bench/device/fp8_tune.py --only attention --json $OUT/attention.json  # the layouts' round
+    python3 bench/device/fp8_tune.py --only splits --json $OUT/splits.json
 """
 
 from __future__ import annotations
