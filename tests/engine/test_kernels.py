@@ -214,7 +214,9 @@ def test_decode_splits_are_sized_from_each_sequences_own_context() -> None:
             for i, c in enumerate(ctx):
                 lo = max(0, c - window)
                 k, v = gather_kv(cache, tables[i].long(), c, q.dtype)
-                ref = F.scaled_dot_product_attention(q[i : i + 1].transpose(0, 1), k[:, lo:], v[:, lo:], enable_gqa=True)
+                ref = F.scaled_dot_product_attention(
+                    q[i : i + 1].transpose(0, 1), k[:, lo:], v[:, lo:], enable_gqa=True
+                )
                 torch.testing.assert_close(whole[i : i + 1], ref.transpose(0, 1), atol=2e-5, rtol=1e-4)
 
 
