@@ -195,6 +195,23 @@ def test_paged_attention_decode_and_prompt_rows_match_dense(splits: int) -> None
                                    atol=2e-5, rtol=1e-4)  # fmt: skip
 
 
+def test_decode_splits_fill_one_wave_of_the_measured_tiles_programs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an H200 (132 SMs): a decode step splits its contexts until its programs fill one wave (4 four-warp
+    programs an SM for a 16-bit cache, 8 one-warp ones for FP8), never into more splits than 32-key runs of the
+    longest context or MAX_DECODE_SPLITS; the split counts and tiles bench/device/fp8_tune.py chose them from."""
+    import engine.kernels as kernels
+
+    monkeypatch.setattr(kernels, "sm_count", lambda index: 132)
+    gpu = torch.device("cuda", 0)
+    fp8 = {(256, 2048): 1, (64, 544): 2, (16, 8192): 8, (1, 4096): kernels.MAX_DECODE_SPLITS, (1, 100): 4}
+    bf16 = {(256, 2048): 1, (64, 544): 1, (16, 8192): 4, (1, 4096): 64, (2, 2048): 33}
+    for (seqs, ctx), want in fp8.items():
+        assert kernels.decode_splits(seqs, 8, ctx, gpu, fp8=True) == want, (seqs, ctx)
+    for (seqs, ctx), want in bf16.items():
+        assert kernels.decode_splits(seqs, 8, ctx, gpu) == want, (seqs, ctx)
+    assert triton_ops.decode_tile(True) == (32, 1, 3) and triton_ops.decode_tile(False) == (64, 4, 2)
+
+
 def test_decode_splits_are_sized_from_each_sequences_own_context() -> None:
     """Split decode divides each sequence's keys (its window's, with a sliding window) among the splits, whatever
     bound sized the launch (a graph's is the longest context): the same output as one program per sequence."""
