@@ -39,9 +39,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import kv_cache_shape
-from engine.kernels import DECODE_BLOCK_N, decode_splits
+from engine.kernels import decode_splits
 from engine.kernels.gemv import GemvConfig, config_for, gemv
-from engine.kernels.triton_ops import paged_attention
+from engine.kernels.triton_ops import decode_tile, paged_attention
 from engine.models.quant import Fp8Linear
 
 HBM = 4.8e12
@@ -137,40 +137,53 @@ def tune_gemv(out: dict[str, Any], deadline: float, kinds_wanted: list[str]) -> 
         torch.cuda.empty_cache()
 
 
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16  # qwen3-8b's attention, the engine's block size
+
+
+def _decode_case(seqs: int, ctx: int) -> tuple[torch.Tensor, ...]:
+    """A decode step of ``seqs`` sequences of ``ctx`` keys each, their blocks scattered over a random bf16 cache
+    (head-major): block tables, query starts, context lengths, queries, cache."""
+    dev = torch.device("cuda")
+    blocks_per = -(-ctx // BLOCK_SIZE)
+    num_blocks = seqs * blocks_per + 1
+    tables = torch.randperm(num_blocks - 1, device=dev, dtype=torch.int32)[: seqs * blocks_per].view(seqs, -1)
+    qstart = torch.arange(seqs + 1, device=dev, dtype=torch.int32)
+    lens = torch.full((seqs,), ctx, device=dev, dtype=torch.int32)
+    q = torch.randn(seqs, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    cache = torch.randn(kv_cache_shape(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM), device=dev, dtype=torch.bfloat16)
+    return tables, qstart, lens, q, cache
+
+
 def tune_attention(
     out: dict[str, Any], deadline: float, layouts: Sequence[str] = ("head", "slot"),
     fp8_modes: Sequence[str] = ("fp8", "fp8-triton"), fp8_tiles: Sequence[tuple[int, int, int]] = (),
 ) -> None:  # fmt: skip
     dev = torch.device("cuda")
-    heads, kvh, d, bs = 32, 8, 128, 16
+    kvh, d = KV_HEADS, HEAD_DIM
     top: list[str] = []
     for first, (seqs, ctx) in enumerate(((256, 2048), (16, 8192))):
         # The first shape sweeps, the second re-times its leaders: 70% of what is left, then the rest.
         shape_deadline = time.monotonic() + (deadline - time.monotonic()) * (0.7 if first == 0 else 1.0)
-        blocks_per = ctx // bs
-        num_blocks = seqs * blocks_per + 1
-        tables = torch.randperm(num_blocks - 1, device=dev, dtype=torch.int32)[: seqs * blocks_per].view(seqs, -1)
-        qstart = torch.arange(seqs + 1, device=dev, dtype=torch.int32)
-        lens = torch.full((seqs,), ctx, device=dev, dtype=torch.int32)
-        q = torch.randn(seqs, heads, d, device=dev, dtype=torch.bfloat16)
-        cache16 = torch.randn(kv_cache_shape(num_blocks, bs, kvh, d), device=dev, dtype=torch.bfloat16)
+        tables, qstart, lens, q, cache16 = _decode_case(seqs, ctx)
         cache8 = cache16.to(torch.float8_e4m3fn)
         # The slot-major layout holds the same values; its permuted view has the engine's shape.
         # "fp8" is the engine's kernel (V widened in registers); "fp8-triton" leaves V's widening to Triton.
         by_dtype = {"bf16": cache16, **{m: cache8 for m in fp8_modes}}
         caches = {(c, lay): (t if lay == "head" else t.transpose(2, 3).contiguous().transpose(2, 3))
                   for c, t in by_dtype.items() for lay in layouts}  # fmt: skip
-        splits = decode_splits(seqs, kvh, ctx, dev)
+        # The engine's split count for each cache dtype ("fp8-triton" too, to compare it with "fp8" alike).
+        splits = {c: decode_splits(seqs, kvh, ctx, dev, fp8=c != "bf16") for c in by_dtype}
         kv_elems = seqs * ctx * kvh * d * 2
-        ref = paged_attention(q, cache8.to(torch.bfloat16), tables, qstart, lens, d**-0.5, 1, ctx, splits).float()
+        ref = paged_attention(q, cache8.to(torch.bfloat16), tables, qstart, lens, d**-0.5, 1, ctx).float()
         res: dict[str, Any] = {"splits": splits, "runs": []}
         tiles = {"bf16": list(itertools.product((64, 128), (2, 4, 8), (2, 3))),
                  "fp8": list(fp8_tiles or itertools.product((64, 128, 256), (4, 8), (2, 3, 4)))}  # fmt: skip
         tiles["fp8-triton"] = tiles["fp8"]
-        tiles = {c: t for c, t in tiles.items() if c in by_dtype}
+        # What the engine runs (paged_attention's defaults: decode_tile, by whether V is widened in registers).
+        engine_tile = {c: decode_tile(c == "fp8") for c in by_dtype}
+        tiles = {c: [engine_tile[c], *(t for t in tiles[c] if t != engine_tile[c])] for c in by_dtype}
         # The engine's tiles first, then the sweep with the dtypes alternating and each tile in both layouts one
         # after the other, so that a deadline cuts all four alike.
-        engine_tile = {c: (DECODE_BLOCK_N * (1 if c == "bf16" else 2), 4, 3) for c in tiles}
         order = sorted((t != engine_tile[c], i, c, t) for c in tiles for i, t in enumerate(tiles[c]))
         variants = [(c, lay, *t) for _, _, c, t in order for lay in layouts]
         for cname, layout, bn, warps, stages in variants:
@@ -180,7 +193,7 @@ def tune_attention(
                 continue
 
             run = partial(
-                paged_attention, q, cache, tables, qstart, lens, d**-0.5, 1, ctx, splits, block_n=bn,
+                paged_attention, q, cache, tables, qstart, lens, d**-0.5, 1, ctx, splits[cname], block_n=bn,
                 num_warps=warps, num_stages=stages, v_regs=False if cname == "fp8-triton" else None,
             )  # fmt: skip
             try:
@@ -224,18 +237,11 @@ def tune_attention(
 def tune_splits(out: dict[str, Any], deadline: float) -> None:
     """Decode attention by split count (programs per sequence), per cache dtype and tile: batch 256 at 2K context, 64
     at 544 (the engine benchmark's batch-64 step), 16 at 8K and 1 at 4K, qwen3-8b heads, head-major cache."""
-    dev = torch.device("cuda")
-    heads, kvh, d, bs = 32, 8, 128, 16
+    kvh, d = KV_HEADS, HEAD_DIM
     tiles = {"bf16": [(64, 4, 2), (64, 4, 3), (32, 1, 3), (64, 2, 2)], "fp8": [(32, 1, 3), (128, 4, 3), (64, 2, 3)]}
     res: dict[str, Any] = {}
     for seqs, ctx in ((256, 2048), (64, 544), (16, 8192), (1, 4096)):
-        blocks_per = -(-ctx // bs)
-        num_blocks = seqs * blocks_per + 1
-        tables = torch.randperm(num_blocks - 1, device=dev, dtype=torch.int32)[: seqs * blocks_per].view(seqs, -1)
-        qstart = torch.arange(seqs + 1, device=dev, dtype=torch.int32)
-        lens = torch.full((seqs,), ctx, device=dev, dtype=torch.int32)
-        q = torch.randn(seqs, heads, d, device=dev, dtype=torch.bfloat16)
-        cache16 = torch.randn(kv_cache_shape(num_blocks, bs, kvh, d), device=dev, dtype=torch.bfloat16)
+        tables, qstart, lens, q, cache16 = _decode_case(seqs, ctx)
         caches = {"bf16": cache16, "fp8": cache16.to(torch.float8_e4m3fn)}
         kv_elems = seqs * ctx * kvh * d * 2
         ref = paged_attention(q, caches["fp8"].to(torch.bfloat16), tables, qstart, lens, d**-0.5, 1, ctx).float()

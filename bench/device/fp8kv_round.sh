@@ -10,24 +10,4 @@ ENGINE_TEST_DEVICE=cuda timeout ${TESTS_S:-130} python3 -m pytest -q -p no:cache
 timeout ${TUNE_S:-150} python3 bench/device/fp8_tune.py --only attention --seconds ${PART_S:-125} \
   --json "$OUT/attention-layouts.json" 2>&1 | grep -v -i warn | tee "$OUT/attention-layouts.log" \
   | grep -v "^attention [0-9]" || true
-python3 bench/device/shape_config.py qwen3-8b /tmp/shapes/qwen3-8b
-for kv in auto fp8; do
-  timeout ${ENGINE_S:-75} python3 -m bench.engine.throughput --model /tmp/shapes/qwen3-8b --load-format dummy \
-    --device cuda --prompt-len 2048 --new-tokens 32 --batch-sizes 256 --runs 1 --no-reference \
-    --max-num-batched-tokens 16384 --kv-cache-dtype $kv --json "$OUT/qwen3-8b-kv$kv.json" 2>&1 \
-    | grep -v -i warn | tail -3 || true
-done
-python3 - "$OUT" <<'EOF'
-import json, sys
-out = sys.argv[1]
-runs = {}
-for kv in ("auto", "fp8"):
-    try:
-        with open(f"{out}/qwen3-8b-kv{kv}.json") as f:
-            runs[kv] = json.load(f)["batches"]["256"]["engine"]["decode_tok_s"]
-    except (OSError, KeyError) as e:
-        print("qwen3-8b", kv, "missing:", e)
-if len(runs) == 2:
-    print(f"qwen3-8b batch 256, 2K prompts: decode {runs['fp8']:.0f} tok/s FP8 KV against {runs['auto']:.0f} bf16 KV, "
-          f"{runs['fp8'] / runs['auto']:.2f}x (target 1.3x)")
-EOF
+ENGINE_S=${ENGINE_S:-75} MEASURE=throughput source bench/device/kv_dtype_ab.sh

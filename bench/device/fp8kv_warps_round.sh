@@ -8,11 +8,7 @@ timeout ${TUNE_S:-190} python3 bench/device/fp8_tune.py --only attention --layou
   --seconds ${PART_S:-170} --json "$OUT/attention-warps.json" 2>&1 | grep -v -i warn | tee "$OUT/attention-warps.log" \
   | grep -v "^attention [0-9]" || true
 python3 bench/device/shape_config.py qwen3-8b /tmp/shapes/qwen3-8b
-run() {  # name, then bench.engine.throughput's arguments
-  local name=$1; shift
-  timeout ${BENCH_S:-100} python3 -m bench.engine.throughput --model /tmp/shapes/qwen3-8b --load-format dummy \
-    --device cuda --prompt-len 512 --new-tokens 32 --runs 1 --no-reference --profile --json "$OUT/$name.json" "$@" \
-    2>&1 | grep -v -i warn | tail -32 || true
-}
-run qwen3-8b-b64-profile --batch-sizes 64 --profile-batch 64
-run qwen3-8b-fp8-b1-profile --batch-sizes 1 --quantization fp8
+engine_bench qwen3-8b-b64-profile /tmp/shapes/qwen3-8b --prompt-len 512 --new-tokens 32 --profile \
+  --batch-sizes 64 --profile-batch 64
+engine_bench qwen3-8b-fp8-b1-profile /tmp/shapes/qwen3-8b --prompt-len 512 --new-tokens 32 --profile \
+  --batch-sizes 1 --quantization fp8

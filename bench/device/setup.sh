@@ -21,3 +21,14 @@ fi
 MODEL=$PWD/.gpu/smollm2
 if command -v nvidia-smi >/dev/null; then nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; fi
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+
+# engine_bench NAME MODEL_DIR ARGS...: bench.engine.throughput on the GPU with random weights of MODEL_DIR's shape
+# (--load-format dummy), one run, no transformers reference, within ${ENGINE_S:-110} s. JSON in $OUT/NAME.json, the
+# whole log in $OUT/NAME.log; its figures (table rows, decode-step profile) are printed.
+engine_bench() {
+  local name=$1 model=$2
+  shift 2
+  timeout "${ENGINE_S:-110}" python3 -m bench.engine.throughput --model "$model" --load-format dummy --device cuda \
+    --runs 1 --no-reference --json "$OUT/$name.json" "$@" 2>&1 | grep -v -i warn | tee "$OUT/$name.log" \
+    | grep -E "^ +[0-9]+ \||engine batch|decode step|^ +[0-9.]+  " | head -40 || true
+}
