@@ -15,6 +15,9 @@ per pass), as the 36 layers of a model do.
 3. ``--only splits``: decode attention by split count (programs per sequence) for a few tiles of each cache dtype,
    at batch 256 / 2K, 64 / 544, 16 / 8K and 1 / 4K: what ``engine.kernels.decode_splits`` and
    ``triton_ops.decode_tile`` were chosen from.
+4. ``--only loops``: decode attention by loop at those shapes: every tile masked and rescaled (the loop before),
+   full tiles without masks (``unmasked``), the running maximum moved lazily (``lazy_rescale``), and both (the
+   engine's default), each cache dtype at the engine's split count and tile, and the two ends on tiles around it.
 
 Tried on 2026-12-02 and taken out of the kernels since none won (docs/engine.md, "FP8 on the H200"): FP8 x FP8
 skinny matmuls with activations quantized per token in the kernel, and for attention a native FP8 dot and a
@@ -23,6 +26,7 @@ hand-pipelined loop (commits 9fbeeb8, b996925).
     python3 bench/device/fp8_tune.py --json $OUT/fp8-tune.json
     python3 bench/device/fp8_tune.py --only attention --json $OUT/attention.json  # the layouts' round
     python3 bench/device/fp8_tune.py --only splits --json $OUT/splits.json
+    python3 bench/device/fp8_tune.py --only loops --json $OUT/loops.json
 """
 
 from __future__ import annotations
@@ -274,10 +278,60 @@ def tune_splits(out: dict[str, Any], deadline: float) -> None:
     out["splits"] = res
 
 
+def tune_loops(out: dict[str, Any], deadline: float) -> None:
+    """Decode attention by loop: every tile masked and rescaled (the loop before), full tiles without masks, the
+    running maximum moved lazily, and both (the engine's default); each cache dtype at the engine's split count and a
+    few tiles around the engine's, qwen3-8b heads, head-major cache, the shapes of ``tune_splits``."""
+    kvh, d = KV_HEADS, HEAD_DIM
+    dev = torch.device("cuda")
+    loops = {"masked-eager": (False, False), "unmasked": (True, False), "lazy": (False, True), "both": (True, True)}
+    tiles = {"bf16": [decode_tile(False), (64, 4, 3), (128, 4, 2), (32, 1, 3), (64, 2, 2)],
+             "fp8": [decode_tile(True), (64, 1, 3), (32, 1, 2), (64, 2, 3), (128, 4, 3)]}  # fmt: skip
+    res: dict[str, Any] = {}
+    for seqs, ctx in ((256, 2048), (64, 544), (16, 8192), (1, 4096)):
+        tables, qstart, lens, q, cache16 = _decode_case(seqs, ctx)
+        caches = {"bf16": cache16, "fp8": cache16.to(torch.float8_e4m3fn)}
+        kv_elems = seqs * ctx * kvh * d * 2
+        ref = paged_attention(q, caches["fp8"].to(torch.bfloat16), tables, qstart, lens, d**-0.5, 1, ctx,
+                              unmasked=False, lazy_rescale=False).float()  # fmt: skip
+        runs: list[dict[str, Any]] = []
+        for cname, cache in caches.items():
+            splits = decode_splits(seqs, kvh, ctx, dev, fp8=cname == "fp8")
+            for i, (bn, warps, stages) in enumerate(tiles[cname]):
+                for loop, (unmasked, lazy) in loops.items():
+                    if time.monotonic() > deadline or (i and loop not in ("masked-eager", "both")):
+                        continue
+                    run = partial(paged_attention, q, cache, tables, qstart, lens, d**-0.5, 1, ctx, splits,
+                                  block_n=bn, num_warps=warps, num_stages=stages, unmasked=unmasked,
+                                  lazy_rescale=lazy)  # fmt: skip
+                    label = f"{cname} {loop} block_n={bn} warps={warps} stages={stages} splits={splits}"
+                    try:
+                        err = (run().float() - ref).abs().max().item()
+                        if err > 0.05:
+                            raise RuntimeError(f"wrong result ({err:.3f})")
+                        t = graph_time([run] * 4, rounds=3)
+                    except Exception as e:
+                        runs.append({"variant": label, "error": f"{type(e).__name__}: {str(e)[:100]}"})
+                        print("loops", seqs, ctx, label, type(e).__name__, str(e)[:100], flush=True)
+                        continue
+                    pct = 100 * kv_elems * cache.element_size() / t / HBM
+                    runs.append({"variant": label, "dtype": cname, "loop": loop, "tile": [bn, warps, stages],
+                                 "splits": splits, "us": t * 1e6, "pct_hbm": pct, "max_abs_err": err})  # fmt: skip
+                    print("loops", seqs, ctx, label, f"{t * 1e6:.1f} us {pct:.1f}%", flush=True)
+        best = {f"{c} {lp}": min((r for r in runs if r.get("dtype") == c and r.get("loop") == lp),
+                                 key=lambda r: r["us"], default=None) for c in caches for lp in loops}  # fmt: skip
+        res[f"b{seqs}_ctx{ctx}"] = {"runs": runs, "best": best}
+        print("loops best", seqs, ctx, {k: (b["variant"], round(b["us"], 1)) for k, b in best.items() if b},
+              flush=True)  # fmt: skip
+        del caches, cache16
+        torch.cuda.empty_cache()
+    out["loops"] = res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", required=True)
-    ap.add_argument("--only", choices=("gemv", "attention", "splits"), default=None)
+    ap.add_argument("--only", choices=("gemv", "attention", "splits", "loops"), default=None)
     ap.add_argument("--layouts", default="head,slot", help="attention: cache layouts to time (head, slot)")
     ap.add_argument(
         "--fp8-modes",
@@ -299,6 +353,8 @@ def main() -> None:
                            fp8_tiles)  # type: ignore[arg-type]  # fmt: skip
         if a.only == "splits":
             tune_splits(out, time.monotonic() + a.seconds)
+        if a.only == "loops":
+            tune_loops(out, time.monotonic() + a.seconds)
         if a.only in (None, "gemv"):
             tune_gemv(out, time.monotonic() + a.seconds, a.kinds.split(","))
     finally:

@@ -214,40 +214,69 @@ def _e4m3x4_to_f16(w, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _attend(
-    q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, scale, v_offset, window,
+    q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, qk_scale, v_offset, window,
     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr, SH: tl.constexpr,
     SS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, V_REGS: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, MASK: tl.constexpr, LAZY: tl.constexpr,
 ):  # fmt: skip
     # One tile of BLOCK_N keys, read through the block table, folded into the online softmax. Key j of KV head g
     # is [block, g, j % BS] of the cache's [blocks, KVH, BS, D] (strides SB, SH, SS): in the engine's head-major
     # cache, a head's keys of a block are one contiguous run of BS * D.
     j = n0 + tl.arange(0, BLOCK_N)
-    jm = j < hi
-    blk = tl.load(table + j // BS, mask=jm, other=0).to(tl.int64)
+    if MASK:
+        jm = j < hi
+        blk = tl.load(table + j // BS, mask=jm, other=0).to(tl.int64)
+    else:
+        # A tile every query of the program sees whole (the caller's bound): no mask on loads or scores.
+        jm = None
+        blk = tl.load(table + j // BS).to(tl.int64)
     off = blk * SB + g * SH + (j % BS) * SS
-    k = tl.load(kv_ptr + off[:, None] + d[None, :], mask=jm[:, None], other=0.0).to(q.dtype)
-    sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-    seen = (j[None, :] <= qpos[:, None]) & jm[None, :]
-    if window > 0:
-        seen = seen & (j[None, :] > qpos[:, None] - window)
-    sc = tl.where(seen, sc, float("-inf"))
+    if MASK:
+        k = tl.load(kv_ptr + off[:, None] + d[None, :], mask=jm[:, None], other=0.0).to(q.dtype)
+    else:
+        k = tl.load(kv_ptr + off[:, None] + d[None, :]).to(q.dtype)
+    # Scores in log2 units (qk_scale holds log2(e)): exp2 is the hardware's exponential.
+    sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if MASK:
+        seen = (j[None, :] <= qpos[:, None]) & jm[None, :]
+        if window > 0:
+            seen = seen & (j[None, :] > qpos[:, None] - window)
+        sc = tl.where(seen, sc, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(sc, 1))
-    p = tl.exp(sc - m_new[:, None])
-    alpha = tl.exp(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    if LAZY:
+        # The running maximum (and with it the output and sum) is moved only when some row's grew by more than
+        # 2^8: after the first tiles that is rare, and the rescale is a multiply per output element. A stale
+        # maximum leaves each probability at most 2^8, which fp16 holds as exactly as one below 1.
+        if tl.max(m_new - m_i, 0) > 8.0:
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+            m_i = m_new
+        p = tl.exp2(sc - m_i[:, None])
+        l_i = l_i + tl.sum(p, 1)
+        m_new = m_i
+    else:
+        p = tl.exp2(sc - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
     if V_REGS:
         # An FP8 V tile widened in registers, four values per 32-bit word, before the dot: left to Triton, the FP8
         # tile goes to shared memory as it is and the dot reads each byte back by itself (V is the dot's
         # second operand along keys, across its rows), which bounded the FP8 kernel at bf16's speed.
-        w = tl.load((kv_ptr + v_offset + off).to(tl.pointer_type(tl.int32))[:, None] + tl.arange(0, D // 4)[None, :],
-                    mask=jm[:, None], other=0)  # fmt: skip
+        vw = (kv_ptr + v_offset + off).to(tl.pointer_type(tl.int32))[:, None] + tl.arange(0, D // 4)[None, :]
+        if MASK:
+            w = tl.load(vw, mask=jm[:, None], other=0)
+        else:
+            w = tl.load(vw)
         e0, e1, e2, e3 = _e4m3x4_to_f16(w, INTERPRET)
         # Word c holds columns 4c..4c+3 (little-endian): interleave the four back into rows of D.
         v = tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), (BLOCK_N, D))
-    else:
+    elif MASK:
         v = tl.load(kv_ptr + v_offset + off[:, None] + d[None, :], mask=jm[:, None], other=0.0).to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+    else:
+        v = tl.load(kv_ptr + v_offset + off[:, None] + d[None, :]).to(q.dtype)
+    acc += tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -258,7 +287,7 @@ def _paged_attention_kernel(
     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr, SH: tl.constexpr,
     SS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_Q: tl.constexpr,
     SPLIT: tl.constexpr, TILED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-    FP16_DOT: tl.constexpr, V_REGS: tl.constexpr,
+    FP16_DOT: tl.constexpr, V_REGS: tl.constexpr, UNMASKED: tl.constexpr, LAZY: tl.constexpr,
 ):  # fmt: skip
     g = tl.program_id(2)
     ok = True
@@ -311,20 +340,41 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     table = tables_ptr + s.to(tl.int64) * table_stride
+    qk_scale = scale * 1.4426950408889634  # log2(e): the softmax runs in base 2
+    # Tiles every query of the program sees whole run without masks; the rest (the causal diagonal, a context's
+    # last partial tile, a sliding window's rows) with them. A decode query sees every key of [lo, hi).
+    mid = lo
+    if UNMASKED:
+        if TILE_Q == 1:
+            mid = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+        elif window == 0:
+            seen_by_all = tl.minimum(hi, ctx - qlen + mt * TILE_Q + 1)  # keys up to the tile's first query
+            mid = lo + tl.maximum(seen_by_all - lo, 0) // BLOCK_N * BLOCK_N
     if INTERPRET:
         # Triton's interpreter cannot run a `for` over a loaded bound; a `while` is the same loop.
         n0 = lo
         while n0 < hi:
-            m_i, l_i, acc = _attend(
-                q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, scale, v_offset, window,
-                H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET,
-            )  # fmt: skip
+            if n0 < mid:
+                m_i, l_i, acc = _attend(
+                    q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, qk_scale, v_offset, window,
+                    H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET, False, LAZY,
+                )  # fmt: skip
+            else:
+                m_i, l_i, acc = _attend(
+                    q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, qk_scale, v_offset, window,
+                    H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET, True, LAZY,
+                )  # fmt: skip
             n0 += BLOCK_N
     else:
-        for n0 in range(lo, hi, BLOCK_N):
+        for n0 in range(lo, mid, BLOCK_N):
             m_i, l_i, acc = _attend(
-                q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, scale, v_offset, window,
-                H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET,
+                q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, qk_scale, v_offset, window,
+                H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET, False, LAZY,
+            )  # fmt: skip
+        for n0 in range(mid, hi, BLOCK_N):
+            m_i, l_i, acc = _attend(
+                q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, qk_scale, v_offset, window,
+                H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET, True, LAZY,
             )  # fmt: skip
     if SPLIT:
         part = (s * H + h).to(tl.int64) * num_splits + sp
@@ -350,7 +400,7 @@ def _merge_splits_kernel(
     m = tl.load(part_ml_ptr + part * 2, mask=used, other=-1e30)
     l_ = tl.load(part_ml_ptr + part * 2 + 1, mask=used, other=0.0)
     top = tl.max(m, 0)
-    w = tl.where(used, tl.exp(m - top), 0.0)
+    w = tl.where(used, tl.exp2(m - top), 0.0)  # the partials' maxima are in log2 units
     d = tl.arange(0, D)
     acc = tl.load(part_acc_ptr + part[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l_ * w, 0)
@@ -368,7 +418,8 @@ def paged_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, query_start: torch.Tensor,
     context_lens: torch.Tensor, scale: float, max_query_len: int, max_context: int, num_splits: int = 1,
     tile_map: tuple[torch.Tensor, torch.Tensor] | None = None, window: int = 0, block_n: int = 0,
-    num_warps: int = 0, num_stages: int = 0, v_regs: bool | None = None,
+    num_warps: int = 0, num_stages: int = 0, v_regs: bool | None = None, unmasked: bool = True,
+    lazy_rescale: bool = True,
 ) -> torch.Tensor:  # fmt: skip
     """Causal attention of ``q [tokens, H, D]`` over each sequence's cached context (this step's K/V included).
 
@@ -382,7 +433,9 @@ def paged_attention(
     (head-major), and a permuted view of a slot-major cache reads the same (``bench/device/fp8_tune.py`` times both).
     ``block_n``, ``num_warps``, ``num_stages``: the tile (0: the measured one, ``decode_tile`` for decode steps).
     ``v_regs``: an e4m3 cache's V tiles are widened to fp16 in registers before the dot (the default for such a
-    cache); False leaves the widening to Triton (``fp8_tune.py`` times both).
+    cache); False leaves the widening to Triton (``fp8_tune.py`` times both). ``unmasked``: tiles every query sees
+    whole skip the masks; ``lazy_rescale``: the running output is rescaled only in tiles where a row's maximum grew
+    (both the default; False is the earlier loop, for ``fp8_tune.py`` to time against).
     """
     _, _, kv_heads, bs, d = kv_cache.shape
     heads = q.shape[1]
@@ -398,6 +451,8 @@ def paged_attention(
     v_regs = e4m3 if v_regs is None else v_regs
     tile = decode_tile(v_regs) if max_query_len == 1 else (DECODE_BLOCK_N, 4, 3)
     block_n, num_warps, num_stages = block_n or tile[0], num_warps or tile[1], num_stages or tile[2]
+    # Decode programs only: a prompt tile's rows span warps, whose check of the maxima would cost a barrier a tile.
+    lazy = lazy_rescale and max_query_len == 1
     _check_cache(kv_cache)
     v_offset = kv_cache.stride(0)
     strides = {"SB": kv_cache.stride(1), "SH": kv_cache.stride(2), "SS": kv_cache.stride(3)}
@@ -411,7 +466,7 @@ def paged_attention(
             scale, v_offset, block_tables.stride(0), splits, window,
             H=heads, GROUP=group, D=d, BS=bs, **strides, BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=1,
             SPLIT=True, TILED=False, PRECISION=precision, INTERPRET=_INTERPRET, FP16_DOT=fp16_dot,
-            V_REGS=v_regs, num_warps=num_warps, num_stages=num_stages,
+            V_REGS=v_regs, UNMASKED=unmasked, LAZY=lazy, num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
         _merge_splits_kernel[(seqs, heads)](
             part_acc, part_ml, out, splits,
@@ -431,6 +486,6 @@ def paged_attention(
         scale, v_offset, block_tables.stride(0), 1, window,
         H=heads, GROUP=group, D=d, BS=bs, **strides, BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=block_m // group,
         SPLIT=False, TILED=tile_map is not None, PRECISION=precision, INTERPRET=_INTERPRET, FP16_DOT=fp16_dot,
-        V_REGS=v_regs, num_warps=num_warps, num_stages=num_stages,
+        V_REGS=v_regs, UNMASKED=unmasked, LAZY=lazy, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

@@ -195,6 +195,37 @@ def test_paged_attention_decode_and_prompt_rows_match_dense(splits: int) -> None
                                    atol=2e-5, rtol=1e-4)  # fmt: skip
 
 
+@pytest.mark.parametrize("window", [0, 24])
+def test_unmasked_tiles_and_a_lazy_rescale_equal_the_masked_eager_loop(window: int) -> None:
+    """Tiles every query of a program sees whole skip the masks, and a decode program moves its running maximum
+    only when a row's grew by more than 2^8: the same attention as masking every tile and rescaling every tile.
+    Keys grow with their position, so the maxima grow by far more than 2^8 along the contexts."""
+    cache = torch.randn(2, NB, KVH, BS, D, generator=_g(22)).to(DEV)
+    ctx = [70, 5, 33, 200]
+    tables = _tables(ctx)
+    for i, c in enumerate(ctx):
+        for pos in range(c):
+            cache[0, tables[i, pos // BS], :, pos % BS] *= 1 + pos / 10
+    context = torch.tensor(ctx, dtype=torch.int32, device=DEV)
+    cases = [
+        (torch.tensor([0, 1, 6, 16, 46], dtype=torch.int32, device=DEV), 30, 1),  # a decode and three prompts
+        (torch.arange(5, dtype=torch.int32, device=DEV), 1, 1),
+        (torch.arange(5, dtype=torch.int32, device=DEV), 1, 3),
+    ]
+    for starts, q_len, splits in cases:
+        q = torch.randn(int(starts[-1]), H, D, generator=_g(23)).to(DEV)
+        args = (q, cache, tables, starts, context, D**-0.5, q_len, max(ctx))
+        got = triton_ops.paged_attention(*args, num_splits=splits, window=window)
+        want = triton_ops.paged_attention(*args, num_splits=splits, window=window, unmasked=False,
+                                          lazy_rescale=False)  # fmt: skip
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+        if window == 0:
+            for i in range(4):
+                rows = slice(int(starts[i]), int(starts[i + 1]))
+                torch.testing.assert_close(got[rows], _reference(q[rows], cache, tables[i], ctx[i]), atol=2e-5,
+                                           rtol=1e-4)  # fmt: skip
+
+
 def test_decode_splits_fill_one_wave_of_the_measured_tiles_programs(monkeypatch: pytest.MonkeyPatch) -> None:
     """On an H200 (132 SMs): a decode step splits its contexts until its programs fill one wave (4 four-warp
     programs an SM for a 16-bit cache, 8 one-warp ones for FP8), never into more splits than 32-key runs of the
