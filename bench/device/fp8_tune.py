@@ -16,8 +16,8 @@ per pass), as the 36 layers of a model do.
    at batch 256 / 2K, 64 / 544, 16 / 8K and 1 / 4K: what ``engine.kernels.decode_splits`` and
    ``triton_ops.decode_tile`` were chosen from.
 4. ``--only loops``: decode attention by loop at those shapes: every tile masked and rescaled (the loop before),
-   full tiles without masks (``unmasked``), the running maximum moved lazily (``lazy_rescale``), and both (the
-   engine's default), each cache dtype at the engine's split count and tile, and the two ends on tiles around it.
+   full tiles without masks (``unmasked``), the running maximum moved lazily (``lazy_rescale``), and both, each
+   cache dtype at the engine's split count, and FP8's 1-warp programs under register caps (``max_registers``).
 
 Tried on 2026-12-02 and taken out of the kernels since none won (docs/engine.md, "FP8 on the H200"): FP8 x FP8
 skinny matmuls with activations quantized per token in the kernel, and for attention a native FP8 dot and a
@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from engine.attention import kv_cache_shape
 from engine.kernels import decode_splits
 from engine.kernels.gemv import GemvConfig, config_for, gemv
-from engine.kernels.triton_ops import decode_tile, paged_attention
+from engine.kernels.triton_ops import DecodeTile, decode_tile, paged_attention
 from engine.models.quant import Fp8Linear
 
 HBM = 4.8e12
@@ -184,7 +184,7 @@ def tune_attention(
                  "fp8": list(fp8_tiles or itertools.product((64, 128, 256), (4, 8), (2, 3, 4)))}  # fmt: skip
         tiles["fp8-triton"] = tiles["fp8"]
         # What the engine runs (paged_attention's defaults: decode_tile, by whether V is widened in registers).
-        engine_tile = {c: decode_tile(c == "fp8") for c in by_dtype}
+        engine_tile = {c: _tile3(decode_tile(c == "fp8")) for c in by_dtype}
         tiles = {c: [engine_tile[c], *(t for t in tiles[c] if t != engine_tile[c])] for c in by_dtype}
         # The engine's tiles first, then the sweep with the dtypes alternating and each tile in both layouts one
         # after the other, so that a deadline cuts all four alike.
@@ -278,15 +278,26 @@ def tune_splits(out: dict[str, Any], deadline: float) -> None:
     out["splits"] = res
 
 
+def _tile3(t: DecodeTile) -> tuple[int, int, int]:
+    return t.block_n, t.warps, t.stages
+
+
 def tune_loops(out: dict[str, Any], deadline: float) -> None:
-    """Decode attention by loop: every tile masked and rescaled (the loop before), full tiles without masks, the
-    running maximum moved lazily, and both (the engine's default); each cache dtype at the engine's split count and a
-    few tiles around the engine's, qwen3-8b heads, head-major cache, the shapes of ``tune_splits``."""
+    """Decode attention by loop form and register cap, at the engine's split count, qwen3-8b heads, head-major cache,
+    the shapes of ``tune_splits``: every tile masked and rescaled (the loop before round seven), full tiles without
+    masks (``unmasked``), the running maximum moved lazily (``lazy``), both, and FP8's 1-warp programs capped at
+    fewer registers (more of them on an SM, with spills)."""
     kvh, d = KV_HEADS, HEAD_DIM
     dev = torch.device("cuda")
-    loops = {"masked-eager": (False, False), "unmasked": (True, False), "lazy": (False, True), "both": (True, True)}
-    tiles = {"bf16": [decode_tile(False), (64, 4, 3), (128, 4, 2), (32, 1, 3), (64, 2, 2)],
-             "fp8": [decode_tile(True), (64, 1, 3), (32, 1, 2), (64, 2, 3), (128, 4, 3)]}  # fmt: skip
+    # (tile, unmasked, lazy, register cap) per cache dtype; the engine's own (decode_tile) first.
+    variants: dict[str, list[tuple[tuple[int, int, int], bool, bool, int]]] = {"bf16": [], "fp8": []}
+    for cname in variants:
+        eng = decode_tile(cname == "fp8")
+        variants[cname].append((_tile3(eng), eng.unmasked, eng.lazy_rescale, eng.max_registers))
+    for um, lz in ((False, False), (True, False), (False, True), (True, True)):
+        variants["bf16"] += [((64, 4, 2), um, lz, 0), ((32, 1, 3), um, lz, 0)]
+        variants["fp8"] += [((32, 1, 3), um, lz, r) for r in (0, 168, 128)] + [((64, 1, 3), um, lz, 128)]
+    variants = {c: list(dict.fromkeys(v)) for c, v in variants.items()}
     res: dict[str, Any] = {}
     for seqs, ctx in ((256, 2048), (64, 544), (16, 8192), (1, 4096)):
         tables, qstart, lens, q, cache16 = _decode_case(seqs, ctx)
@@ -297,32 +308,33 @@ def tune_loops(out: dict[str, Any], deadline: float) -> None:
         runs: list[dict[str, Any]] = []
         for cname, cache in caches.items():
             splits = decode_splits(seqs, kvh, ctx, dev, fp8=cname == "fp8")
-            for i, (bn, warps, stages) in enumerate(tiles[cname]):
-                for loop, (unmasked, lazy) in loops.items():
-                    if time.monotonic() > deadline or (i and loop not in ("masked-eager", "both")):
-                        continue
-                    run = partial(paged_attention, q, cache, tables, qstart, lens, d**-0.5, 1, ctx, splits,
-                                  block_n=bn, num_warps=warps, num_stages=stages, unmasked=unmasked,
-                                  lazy_rescale=lazy)  # fmt: skip
-                    label = f"{cname} {loop} block_n={bn} warps={warps} stages={stages} splits={splits}"
-                    try:
-                        err = (run().float() - ref).abs().max().item()
-                        if err > 0.05:
-                            raise RuntimeError(f"wrong result ({err:.3f})")
-                        t = graph_time([run] * 4, rounds=3)
-                    except Exception as e:
-                        runs.append({"variant": label, "error": f"{type(e).__name__}: {str(e)[:100]}"})
-                        print("loops", seqs, ctx, label, type(e).__name__, str(e)[:100], flush=True)
-                        continue
-                    pct = 100 * kv_elems * cache.element_size() / t / HBM
-                    runs.append({"variant": label, "dtype": cname, "loop": loop, "tile": [bn, warps, stages],
-                                 "splits": splits, "us": t * 1e6, "pct_hbm": pct, "max_abs_err": err})  # fmt: skip
-                    print("loops", seqs, ctx, label, f"{t * 1e6:.1f} us {pct:.1f}%", flush=True)
-        best = {f"{c} {lp}": min((r for r in runs if r.get("dtype") == c and r.get("loop") == lp),
-                                 key=lambda r: r["us"], default=None) for c in caches for lp in loops}  # fmt: skip
-        res[f"b{seqs}_ctx{ctx}"] = {"runs": runs, "best": best}
-        print("loops best", seqs, ctx, {k: (b["variant"], round(b["us"], 1)) for k, b in best.items() if b},
-              flush=True)  # fmt: skip
+            for i, ((bn, warps, stages), unmasked, lazy, regs) in enumerate(variants[cname]):
+                if time.monotonic() > deadline:
+                    continue
+                run = partial(paged_attention, q, cache, tables, qstart, lens, d**-0.5, 1, ctx, splits,
+                              block_n=bn, num_warps=warps, num_stages=stages, unmasked=unmasked,
+                              lazy_rescale=lazy, max_registers=regs)  # fmt: skip
+                loop = "engine" if i == 0 else f"{'unmasked' if unmasked else 'masked'}-{'lazy' if lazy else 'eager'}"
+                label = f"{cname} {loop} block_n={bn} warps={warps} stages={stages} regs={regs} splits={splits}"
+                try:
+                    err = (run().float() - ref).abs().max().item()
+                    if err > 0.05:
+                        raise RuntimeError(f"wrong result ({err:.3f})")
+                    t = graph_time([run] * 4, rounds=3)
+                except Exception as e:
+                    runs.append({"variant": label, "error": f"{type(e).__name__}: {str(e)[:100]}"})
+                    print("loops", seqs, ctx, label, type(e).__name__, str(e)[:100], flush=True)
+                    continue
+                pct = 100 * kv_elems * cache.element_size() / t / HBM
+                runs.append({"variant": label, "dtype": cname, "unmasked": unmasked, "lazy": lazy,
+                             "tile": [bn, warps, stages], "max_registers": regs, "splits": splits, "us": t * 1e6,
+                             "pct_hbm": pct, "max_abs_err": err})  # fmt: skip
+                print("loops", seqs, ctx, label, f"{t * 1e6:.1f} us {pct:.1f}%", flush=True)
+        best = {c: min((r for r in runs if r.get("dtype") == c), key=lambda r: r["us"], default=None) for c in caches}
+        engine = {c: next((r for r in runs if r["variant"].startswith(f"{c} engine ")), None) for c in caches}
+        res[f"b{seqs}_ctx{ctx}"] = {"runs": runs, "best": best, "engine": engine}
+        print("loops best", seqs, ctx, {c: (b["variant"], round(b["us"], 1)) for c, b in best.items() if b},
+              "engine", {c: round(e["us"], 1) for c, e in engine.items() if e and "us" in e}, flush=True)  # fmt: skip
         del caches, cache16
         torch.cuda.empty_cache()
     out["loops"] = res

@@ -18,6 +18,10 @@ programs (flash-decoding) and merges their partial results in a second kernel.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -407,19 +411,59 @@ def _merge_splits_kernel(
     tl.store(out_ptr + (s.to(tl.int64) * H + h) * D + d, out.to(out_ptr.dtype.element_ty))
 
 
-def decode_tile(fp8: bool) -> tuple[int, int, int]:
-    """Keys per tile, warps and pipeline stages of a decode step's programs, measured on an H200 (docs/engine.md):
-    a 16-bit cache streams best from 4-warp programs over 64 keys, an FP8 one (V widened in registers) from 1-warp
-    programs over 32 keys, about 11 of which fit on an SM."""
-    return (DECODE_BLOCK_N // 2, 1, 3) if fp8 else (DECODE_BLOCK_N, 4, 2)
+@dataclasses.dataclass(frozen=True)
+class DecodeTile:
+    """How a decode step's attention programs run: keys per tile, warps, pipeline stages, a register cap (0: the
+    compiler's choice; fewer registers fit more programs on an SM, at the price of spills), and the loop's form:
+    ``unmasked`` runs tiles every query sees whole without masks, ``lazy_rescale`` moves the running maximum (and
+    rescales the output) only when a row's grew by more than 2^8."""
+
+    block_n: int
+    warps: int
+    stages: int
+    max_registers: int = 0
+    unmasked: bool = False
+    lazy_rescale: bool = False
+
+
+# Measured on an H200 (docs/engine.md, decode attention rounds six and seven): a 16-bit cache streams best from
+# 4-warp programs over 64 keys, with the lazy rescale and masks kept (two loops cost those programs their pipeline's
+# fill twice); an FP8 one (V widened in registers) from 1-warp programs over 32 keys without masks on whole tiles.
+DECODE_TILES = {False: DecodeTile(DECODE_BLOCK_N, 4, 2, lazy_rescale=True),
+                True: DecodeTile(DECODE_BLOCK_N // 2, 1, 3, unmasked=True)}  # fmt: skip
+
+
+@functools.cache
+def _decode_tile_override(text: str) -> dict[str, dict[str, object]]:
+    fields = {f.name for f in dataclasses.fields(DecodeTile)}
+    try:
+        override = json.loads(text)
+        if not isinstance(override, dict) or any(
+            k not in ("bf16", "fp8") or not isinstance(v, dict) or set(v) - fields for k, v in override.items()
+        ):
+            raise ValueError("not of that form")
+    except ValueError as e:
+        example = '{"fp8": {"max_registers": 128}}'
+        raise ValueError(f"ENGINE_DECODE_TILES must be a JSON object of 'bf16' and/or 'fp8' to DecodeTile fields "
+                         f"({', '.join(sorted(fields))}), e.g. {example}: {e}") from e  # fmt: skip
+    return override
+
+
+def decode_tile(fp8: bool) -> DecodeTile:
+    """The measured decode tile for a 16-bit or an FP8 cache (``DECODE_TILES``). ``ENGINE_DECODE_TILES`` (a tuning
+    run's choice, JSON: ``{"fp8": {"max_registers": 128}}``) overrides fields of either."""
+    tile = DECODE_TILES[fp8]
+    text = os.environ.get("ENGINE_DECODE_TILES", "")
+    fields = _decode_tile_override(text).get("fp8" if fp8 else "bf16", {}) if text else {}
+    return dataclasses.replace(tile, **fields) if fields else tile  # type: ignore[arg-type]
 
 
 def paged_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, query_start: torch.Tensor,
     context_lens: torch.Tensor, scale: float, max_query_len: int, max_context: int, num_splits: int = 1,
     tile_map: tuple[torch.Tensor, torch.Tensor] | None = None, window: int = 0, block_n: int = 0,
-    num_warps: int = 0, num_stages: int = 0, v_regs: bool | None = None, unmasked: bool = True,
-    lazy_rescale: bool = True,
+    num_warps: int = 0, num_stages: int = 0, v_regs: bool | None = None, unmasked: bool | None = None,
+    lazy_rescale: bool | None = None, max_registers: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Causal attention of ``q [tokens, H, D]`` over each sequence's cached context (this step's K/V included).
 
@@ -433,9 +477,9 @@ def paged_attention(
     (head-major), and a permuted view of a slot-major cache reads the same (``bench/device/fp8_tune.py`` times both).
     ``block_n``, ``num_warps``, ``num_stages``: the tile (0: the measured one, ``decode_tile`` for decode steps).
     ``v_regs``: an e4m3 cache's V tiles are widened to fp16 in registers before the dot (the default for such a
-    cache); False leaves the widening to Triton (``fp8_tune.py`` times both). ``unmasked``: tiles every query sees
-    whole skip the masks; ``lazy_rescale``: the running output is rescaled only in tiles where a row's maximum grew
-    (both the default; False is the earlier loop, for ``fp8_tune.py`` to time against).
+    cache); False leaves the widening to Triton (``fp8_tune.py`` times both). ``unmasked``, ``lazy_rescale``,
+    ``max_registers``: the loop's form and register cap (``DecodeTile``; None: the measured tile's for decode steps,
+    masked, eager and uncapped for prompts). The lazy rescale applies to decode steps only.
     """
     _, _, kv_heads, bs, d = kv_cache.shape
     heads = q.shape[1]
@@ -449,10 +493,13 @@ def paged_attention(
         raise ValueError(f"v_regs widens an e4m3 cache with a head size divisible by 4 and 16-bit queries, got a "
                          f"{kv_cache.dtype} cache, head size {d}, {q.dtype} queries")  # fmt: skip
     v_regs = e4m3 if v_regs is None else v_regs
-    tile = decode_tile(v_regs) if max_query_len == 1 else (DECODE_BLOCK_N, 4, 3)
-    block_n, num_warps, num_stages = block_n or tile[0], num_warps or tile[1], num_stages or tile[2]
+    tile = decode_tile(v_regs) if max_query_len == 1 else DecodeTile(DECODE_BLOCK_N, 4, 3)
+    block_n, num_warps, num_stages = block_n or tile.block_n, num_warps or tile.warps, num_stages or tile.stages
+    unmasked = tile.unmasked if unmasked is None else unmasked
     # Decode programs only: a prompt tile's rows span warps, whose check of the maxima would cost a barrier a tile.
-    lazy = lazy_rescale and max_query_len == 1
+    lazy = (tile.lazy_rescale if lazy_rescale is None else lazy_rescale) and max_query_len == 1
+    regs = tile.max_registers if max_registers is None else max_registers
+    launch = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": regs} if regs else {})}
     _check_cache(kv_cache)
     v_offset = kv_cache.stride(0)
     strides = {"SB": kv_cache.stride(1), "SH": kv_cache.stride(2), "SS": kv_cache.stride(3)}
@@ -466,7 +513,7 @@ def paged_attention(
             scale, v_offset, block_tables.stride(0), splits, window,
             H=heads, GROUP=group, D=d, BS=bs, **strides, BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=1,
             SPLIT=True, TILED=False, PRECISION=precision, INTERPRET=_INTERPRET, FP16_DOT=fp16_dot,
-            V_REGS=v_regs, UNMASKED=unmasked, LAZY=lazy, num_warps=num_warps, num_stages=num_stages,
+            V_REGS=v_regs, UNMASKED=unmasked, LAZY=lazy, **launch,
         )  # fmt: skip
         _merge_splits_kernel[(seqs, heads)](
             part_acc, part_ml, out, splits,
@@ -486,6 +533,6 @@ def paged_attention(
         scale, v_offset, block_tables.stride(0), 1, window,
         H=heads, GROUP=group, D=d, BS=bs, **strides, BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=block_m // group,
         SPLIT=False, TILED=tile_map is not None, PRECISION=precision, INTERPRET=_INTERPRET, FP16_DOT=fp16_dot,
-        V_REGS=v_regs, UNMASKED=unmasked, LAZY=lazy, num_warps=num_warps, num_stages=num_stages,
+        V_REGS=v_regs, UNMASKED=unmasked, LAZY=lazy, **launch,
     )  # fmt: skip
     return out

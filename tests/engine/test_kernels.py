@@ -240,7 +240,28 @@ def test_decode_splits_fill_one_wave_of_the_measured_tiles_programs(monkeypatch:
         assert kernels.decode_splits(seqs, 8, ctx, gpu, fp8=True) == want, (seqs, ctx)
     for (seqs, ctx), want in bf16.items():
         assert kernels.decode_splits(seqs, 8, ctx, gpu) == want, (seqs, ctx)
-    assert triton_ops.decode_tile(True) == (32, 1, 3) and triton_ops.decode_tile(False) == (64, 4, 2)
+    assert triton_ops.decode_tile(True) == triton_ops.DecodeTile(32, 1, 3, unmasked=True)
+    assert triton_ops.decode_tile(False) == triton_ops.DecodeTile(64, 4, 2, lazy_rescale=True)
+
+
+def test_a_tuning_runs_decode_tiles_override_the_measured_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENGINE_DECODE_TILES (JSON) replaces fields of the measured decode tiles; anything else is refused by name, and
+    a register cap reaches the launch (the same attention)."""
+    monkeypatch.setenv("ENGINE_DECODE_TILES", '{"fp8": {"max_registers": 128, "unmasked": false}}')
+    assert triton_ops.decode_tile(True) == triton_ops.DecodeTile(32, 1, 3, max_registers=128)
+    assert triton_ops.decode_tile(False) == triton_ops.DECODE_TILES[False]
+    for bad in ('{"fp8": {"regs": 128}}', '{"int8": {}}', "[1]", "fp8=128"):
+        monkeypatch.setenv("ENGINE_DECODE_TILES", bad)
+        with pytest.raises(ValueError, match="ENGINE_DECODE_TILES must be a JSON object"):
+            triton_ops.decode_tile(True)
+    monkeypatch.delenv("ENGINE_DECODE_TILES")
+    cache = torch.randn(2, NB, KVH, BS, D, generator=_g(24)).to(DEV)
+    ctx = [70, 5, 33, 200]
+    tables, context = _tables(ctx), torch.tensor(ctx, dtype=torch.int32, device=DEV)
+    q = torch.randn(4, H, D, generator=_g(25)).to(DEV)
+    args = (q, cache, tables, torch.arange(5, dtype=torch.int32, device=DEV), context, D**-0.5, 1, max(ctx))
+    capped = triton_ops.paged_attention(*args, num_splits=2, max_registers=128)
+    torch.testing.assert_close(capped, triton_ops.paged_attention(*args, num_splits=2), atol=2e-5, rtol=1e-4)
 
 
 def test_decode_splits_are_sized_from_each_sequences_own_context() -> None:
@@ -287,7 +308,8 @@ def test_an_fp8_cache_widened_in_registers_reads_every_e4m3_value_exactly(splits
     q = torch.randn(4, H, D, generator=_g(21)).to(DEV, dtype)
     starts = torch.arange(5, dtype=torch.int32, device=DEV)
     got = [triton_ops.paged_attention(q, cache, tables, starts, context, D**-0.5, 1, max(ctx), num_splits=splits,
-                                      block_n=32, num_warps=1, v_regs=v_regs) for v_regs in (True, False)]  # fmt: skip
+                                      block_n=32, num_warps=1, v_regs=v_regs, unmasked=True, lazy_rescale=False)
+           for v_regs in (True, False)]  # fmt: skip
     assert torch.equal(got[0], got[1])
     wide = cache.float()
     for i in range(4):
