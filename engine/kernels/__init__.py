@@ -35,10 +35,10 @@ def sm_count(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
-# Decode attention programs an SM runs at once, by the measured decode tiles (triton_ops.decode_tile): four-warp
-# programs of a 16-bit cache, one-warp programs of an FP8 one. A decode step splits contexts until its programs
-# fill one such wave: a second, partial wave costs more than the split saves (bench/device/fp8_tune.py --only splits).
-DECODE_PROGRAMS_PER_SM = {False: 4, True: 8}
+# Decode attention programs an SM runs at once, by the measured decode tiles (triton_ops.decode_tile): one-warp
+# programs, for a 16-bit cache as for an FP8 one. A decode step splits contexts until its programs fill one such
+# wave: a second, partial wave costs more than the split saves (bench/device/fp8_tune.py --only splits).
+DECODE_PROGRAMS_PER_SM = {False: 8, True: 8}
 MAX_DECODE_SPLITS = 64
 
 

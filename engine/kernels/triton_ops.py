@@ -426,10 +426,11 @@ class DecodeTile:
     lazy_rescale: bool = False
 
 
-# Measured on an H200 (docs/engine.md, decode attention rounds six and seven): a 16-bit cache streams best from
-# 4-warp programs over 64 keys, with the lazy rescale and masks kept (two loops cost those programs their pipeline's
-# fill twice); an FP8 one (V widened in registers) from 1-warp programs over 32 keys without masks on whole tiles.
-DECODE_TILES = {False: DecodeTile(DECODE_BLOCK_N, 4, 2, lazy_rescale=True),
+# Measured on an H200 (docs/engine.md, decode attention rounds six and seven): both cache dtypes stream best from
+# 1-warp programs over 32 keys, about 11 of which fit on an SM; a 16-bit cache with the lazy rescale and masks kept,
+# an FP8 one (V widened in registers) without masks on whole tiles and with the eager rescale. A register cap spills
+# and loses; 4-warp programs lose their pipeline's fill twice over two loops.
+DECODE_TILES = {False: DecodeTile(DECODE_BLOCK_N // 2, 1, 3, lazy_rescale=True),
                 True: DecodeTile(DECODE_BLOCK_N // 2, 1, 3, unmasked=True)}  # fmt: skip
 
 

@@ -227,21 +227,21 @@ def test_unmasked_tiles_and_a_lazy_rescale_equal_the_masked_eager_loop(window: i
 
 
 def test_decode_splits_fill_one_wave_of_the_measured_tiles_programs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On an H200 (132 SMs): a decode step splits its contexts until its programs fill one wave (4 four-warp
-    programs an SM for a 16-bit cache, 8 one-warp ones for FP8), never into more splits than 32-key runs of the
-    longest context or MAX_DECODE_SPLITS; the split counts and tiles bench/device/fp8_tune.py chose them from."""
+    """On an H200 (132 SMs): a decode step splits its contexts until its programs fill one wave (8 one-warp
+    programs an SM, for either cache dtype), never into more splits than 32-key runs of the longest context or
+    MAX_DECODE_SPLITS; the split counts and tiles bench/device/fp8_tune.py chose them from."""
     import engine.kernels as kernels
 
     monkeypatch.setattr(kernels, "sm_count", lambda index: 132)
     gpu = torch.device("cuda", 0)
     fp8 = {(256, 2048): 1, (64, 544): 2, (16, 8192): 8, (1, 4096): kernels.MAX_DECODE_SPLITS, (1, 100): 4}
-    bf16 = {(256, 2048): 1, (64, 544): 1, (16, 8192): 4, (1, 4096): 64, (2, 2048): 33}
+    bf16 = {(256, 2048): 1, (64, 544): 2, (16, 8192): 8, (1, 4096): 64, (2, 2048): 64, (4, 2048): 33}
     for (seqs, ctx), want in fp8.items():
         assert kernels.decode_splits(seqs, 8, ctx, gpu, fp8=True) == want, (seqs, ctx)
     for (seqs, ctx), want in bf16.items():
         assert kernels.decode_splits(seqs, 8, ctx, gpu) == want, (seqs, ctx)
     assert triton_ops.decode_tile(True) == triton_ops.DecodeTile(32, 1, 3, unmasked=True)
-    assert triton_ops.decode_tile(False) == triton_ops.DecodeTile(64, 4, 2, lazy_rescale=True)
+    assert triton_ops.decode_tile(False) == triton_ops.DecodeTile(32, 1, 3, lazy_rescale=True)
 
 
 def test_a_tuning_runs_decode_tiles_override_the_measured_ones(monkeypatch: pytest.MonkeyPatch) -> None:
