@@ -15,3 +15,5 @@ ENGINE_S=${ENGINE_S:-100} engine_bench qwen3-8b-b1-b64 /tmp/shapes/qwen3-8b --pr
 ENGINE_DECODE_TILES='{"bf16": {"block_n": 64, "warps": 4, "stages": 2}}' ENGINE_S=${ENGINE_S:-100} engine_bench \
   qwen3-8b-b64-tile64 /tmp/shapes/qwen3-8b --prompt-len 512 --new-tokens 32 --batch-sizes 64 --profile \
   --profile-batch 64
+# At most 8 files come back from the machine: the logs go back as one archive.
+(cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)
