@@ -18,6 +18,7 @@ per pass), as the 36 layers of a model do.
 4. ``--only loops``: decode attention by loop at those shapes: every tile masked and rescaled (the loop before),
    full tiles without masks (``unmasked``), the running maximum moved lazily (``lazy_rescale``), and both, each
    cache dtype at the engine's split count, and FP8's 1-warp programs under register caps (``max_registers``).
+5. ``--only gemv64``: the skinny-matmul kernel on 64-token tiles against cuBLAS at 64 tokens (bf16).
 
 Tried on 2026-12-02 and taken out of the kernels since none won (docs/engine.md, "FP8 on the H200"): FP8 x FP8
 skinny matmuls with activations quantized per token in the kernel, and for attention a native FP8 dot and a
@@ -27,6 +28,7 @@ hand-pipelined loop (commits 9fbeeb8, b996925).
     python3 bench/device/fp8_tune.py --only attention --json $OUT/attention.json  # the layouts' round
     python3 bench/device/fp8_tune.py --only splits --json $OUT/splits.json
     python3 bench/device/fp8_tune.py --only loops --json $OUT/loops.json
+    python3 bench/device/fp8_tune.py --only gemv64 --json $OUT/gemv64.json
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from engine.attention import kv_cache_shape
 from engine.kernels import decode_splits
@@ -278,6 +281,75 @@ def tune_splits(out: dict[str, Any], deadline: float) -> None:
     out["splits"] = res
 
 
+def _cublas64(x: torch.Tensor, w: torch.Tensor, swiglu: bool) -> torch.Tensor:
+    from engine.kernels.triton_ops import silu_and_mul
+
+    y = F.linear(x, w)
+    return silu_and_mul(y) if swiglu else y
+
+
+def _gemv64(x: torch.Tensor, w: torch.Tensor, swiglu: bool, tile: tuple[int, int, int, int]) -> torch.Tensor:
+    from engine.kernels.gemv import _gemv_kernel
+
+    (m, k), n = x.shape, w.shape[0] // 2 if swiglu else w.shape[0]
+    bn, bk, warps, stages = tile
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, bn),)](
+        x, w, x, x, y, m, n, x.stride(0), w.stride(0), y.stride(0), k,
+        HAS_SCALE=False, HAS_BIAS=False, SWIGLU=swiglu, FP16_DOT=False, PRECISION="tf32",
+        BLOCK_M=triton.next_power_of_2(max(m, 16)), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return y
+
+
+def tune_gemv64(out: dict[str, Any], deadline: float) -> None:
+    """The skinny-matmul kernel (engine.kernels.gemv's ``_gemv_kernel``, 64-row tiles of tokens) at 64 tokens, bf16,
+    against cuBLAS on qwen3-8b's layers, weights streamed from HBM: whether a batch-64 decode step (cuBLAS today;
+    the kernel serves at most 16 tokens) would gain from it. gate/up is timed with its SwiGLU epilogue against cuBLAS
+    plus the engine's SwiGLU kernel."""
+    from engine.kernels.triton_ops import silu_and_mul
+
+    dev = torch.device("cuda")
+    m = 64
+    sweep = list(itertools.product((32, 64, 128), (64, 128), (4,), (3, 4)))
+    res: dict[str, Any] = {}
+    for i, (name, (n, k)) in enumerate(SHAPES.items()):
+        shape_deadline = time.monotonic() + (deadline - time.monotonic()) / (len(SHAPES) - i)
+        copies = max(2, -(-PASS_BYTES // (n * k * 2)))
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(min(copies, 8))]
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        swiglu = name == "gate_up"
+        ref = F.linear(x, ws[0])
+        if swiglu:
+            ref = silu_and_mul(ref)
+        ref = ref.float()
+
+        t = graph_time([partial(_cublas64, x, w, swiglu) for w in ws] * 2)
+        row: dict[str, Any] = {"cublas": {"us": t * 1e6, "pct_hbm": 100 * n * k * 2 / t / HBM}, "runs": []}
+        for bn, bk, warps, stages in sweep:
+            if time.monotonic() > shape_deadline:
+                break
+            ours = partial(_gemv64, x, swiglu=swiglu, tile=(bn, bk, warps, stages))
+            label = f"block_n={bn} block_k={bk} warps={warps} stages={stages}"
+            try:
+                err = (ours(ws[0]).float() - ref).abs().max().item() / ref.abs().max().item()
+                if err > 0.05:
+                    raise RuntimeError(f"wrong result (relative error {err:.3f})")
+                t = graph_time([partial(ours, w) for w in ws] * 2, rounds=3)
+            except Exception as e:
+                row["runs"].append({"cfg": label, "error": f"{type(e).__name__}: {str(e)[:80]}"})
+                continue
+            row["runs"].append({"cfg": label, "us": t * 1e6, "pct_hbm": 100 * n * k * 2 / t / HBM})
+        ok = [r for r in row["runs"] if "us" in r]
+        row["best"] = min(ok, key=lambda r: r["us"]) if ok else None
+        print("gemv64", name, "cublas", {k_: round(v, 1) for k_, v in row["cublas"].items()}, "best", row["best"],
+              flush=True)  # fmt: skip
+        res[name] = row
+        del ws
+        torch.cuda.empty_cache()
+    out["gemv64"] = res
+
+
 def _tile3(t: DecodeTile) -> tuple[int, int, int]:
     return t.block_n, t.warps, t.stages
 
@@ -343,7 +415,7 @@ def tune_loops(out: dict[str, Any], deadline: float) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", required=True)
-    ap.add_argument("--only", choices=("gemv", "attention", "splits", "loops"), default=None)
+    ap.add_argument("--only", choices=("gemv", "attention", "splits", "loops", "gemv64"), default=None)
     ap.add_argument("--layouts", default="head,slot", help="attention: cache layouts to time (head, slot)")
     ap.add_argument(
         "--fp8-modes",
@@ -367,6 +439,8 @@ def main() -> None:
             tune_splits(out, time.monotonic() + a.seconds)
         if a.only == "loops":
             tune_loops(out, time.monotonic() + a.seconds)
+        if a.only == "gemv64":
+            tune_gemv64(out, time.monotonic() + a.seconds)
         if a.only in (None, "gemv"):
             tune_gemv(out, time.monotonic() + a.seconds, a.kinds.split(","))
     finally:
