@@ -46,9 +46,9 @@ import torch.nn.functional as F
 import triton
 
 from engine.attention import kv_cache_shape
-from engine.kernels import decode_splits
+from engine.kernels import DecodeTile, decode_splits, decode_tile
 from engine.kernels.gemv import GemvConfig, config_for, gemv
-from engine.kernels.triton_ops import DecodeTile, decode_tile, paged_attention
+from engine.kernels.triton_ops import paged_attention
 from engine.models.quant import Fp8Linear
 
 HBM = 4.8e12

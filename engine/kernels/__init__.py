@@ -8,8 +8,10 @@ in tests.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
+import json
 import os
 
 import torch
@@ -35,22 +37,71 @@ def sm_count(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
-# Decode attention programs an SM runs at once, by the measured decode tiles (triton_ops.decode_tile): one-warp
-# programs, for a 16-bit cache as for an FP8 one. A decode step splits contexts until its programs fill one such
-# wave: a second, partial wave costs more than the split saves (bench/device/fp8_tune.py --only splits).
-DECODE_PROGRAMS_PER_SM = {False: 8, True: 8}
+@dataclasses.dataclass(frozen=True)
+class DecodeTile:
+    """How a decode step's attention programs (``triton_ops.paged_attention``) run: keys per tile, warps, pipeline
+    stages, a register cap (0: the compiler's choice; fewer registers fit more programs on an SM, at the price of
+    spills), the loop's form (``unmasked`` runs tiles every query sees whole without masks, ``lazy_rescale`` moves
+    the running maximum, and rescales the output, only when a row's grew by more than 2^8) and how many of them an
+    SM holds, which sizes a step's splits (``decode_splits``)."""
+
+    block_n: int
+    warps: int
+    stages: int
+    max_registers: int = 0
+    unmasked: bool = False
+    lazy_rescale: bool = False
+    # Programs an SM runs at once: a decode step splits contexts until its programs fill one such wave (a second,
+    # partial wave costs more than the split saves: bench/device/fp8_tune.py --only splits).
+    programs_per_sm: int = 8
+
+
+# Measured on an H200 (docs/engine.md, decode attention rounds six and seven): both cache dtypes stream best from
+# 1-warp programs over 32 keys, about 11 of which fit on an SM; a 16-bit cache with the lazy rescale and masks kept,
+# an FP8 one (V widened in registers) without masks on whole tiles and with the eager rescale. A register cap spills
+# and loses; 4-warp programs lose their pipeline's fill twice over two loops.
+DECODE_TILES = {False: DecodeTile(DECODE_BLOCK_N // 2, 1, 3, lazy_rescale=True),
+                True: DecodeTile(DECODE_BLOCK_N // 2, 1, 3, unmasked=True)}  # fmt: skip
+
+
+@functools.cache
+def _decode_tile_override(text: str) -> dict[str, dict[str, object]]:
+    fields = {f.name for f in dataclasses.fields(DecodeTile)}
+    try:
+        override = json.loads(text)
+        if not isinstance(override, dict) or any(
+            k not in ("bf16", "fp8") or not isinstance(v, dict) or set(v) - fields for k, v in override.items()
+        ):
+            raise ValueError("not of that form")
+    except ValueError as e:
+        example = '{"fp8": {"max_registers": 128}}'
+        raise ValueError(f"ENGINE_DECODE_TILES must be a JSON object of 'bf16' and/or 'fp8' to DecodeTile fields "
+                         f"({', '.join(sorted(fields))}), e.g. {example}: {e}") from e  # fmt: skip
+    return override
+
+
+def decode_tile(fp8: bool) -> DecodeTile:
+    """The measured decode tile for a 16-bit or an FP8 cache (``DECODE_TILES``). ``ENGINE_DECODE_TILES`` (a tuning
+    run's choice, JSON: ``{"fp8": {"max_registers": 128}}``) overrides fields of either."""
+    tile = DECODE_TILES[fp8]
+    text = os.environ.get("ENGINE_DECODE_TILES", "")
+    fields = _decode_tile_override(text).get("fp8" if fp8 else "bf16", {}) if text else {}
+    return dataclasses.replace(tile, **fields) if fields else tile  # type: ignore[arg-type]
+
+
 MAX_DECODE_SPLITS = 64
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device, fp8: bool = False) -> int:
-    """How many programs share one sequence's context in a decode step: as many as fill one wave of the GPU (see
-    ``DECODE_PROGRAMS_PER_SM``), at most one per 32 keys of the longest context and ``MAX_DECODE_SPLITS``. Each
+    """How many programs share one sequence's context in a decode step: as many as fill one wave of the GPU (the
+    decode tile's ``programs_per_sm``), at most one per tile of the longest context and ``MAX_DECODE_SPLITS``. Each
     program's share is sized from its sequence's own context in the kernel, so a CUDA graph captured with the
-    longest context splits short ones as finely. ``fp8``: the cache is float8 (its decode programs are smaller)."""
+    longest context splits short ones as finely. ``fp8``: the cache is float8 (its own measured tile)."""
     # On CPU (Triton's interpreter, in tests) a few programs: each costs the interpreter time.
-    programs = DECODE_PROGRAMS_PER_SM[fp8] * sm_count(device.index or 0) if device.type == "cuda" else 12
+    tile = decode_tile(fp8)
+    programs = tile.programs_per_sm * sm_count(device.index or 0) if device.type == "cuda" else 12
     fit = programs // max(num_seqs * num_kv_heads, 1)
-    return max(1, min(fit, MAX_DECODE_SPLITS, -(-max_context // (DECODE_BLOCK_N // 2))))
+    return max(1, min(fit, MAX_DECODE_SPLITS, -(-max_context // tile.block_n)))
 
 
 def prefill_block_m(group: int) -> int:

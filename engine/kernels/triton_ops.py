@@ -18,17 +18,13 @@ programs (flash-decoding) and merges their partial results in a second kernel.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import json
-import os
 from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import DECODE_BLOCK_N, interpret_mode, prefill_block_m
+from engine.kernels import DECODE_BLOCK_N, DecodeTile, decode_tile, interpret_mode, prefill_block_m
 
 if TYPE_CHECKING:
     from engine.kernels.ops import QKNorm
@@ -409,54 +405,6 @@ def _merge_splits_kernel(
     acc = tl.load(part_acc_ptr + part[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l_ * w, 0)
     tl.store(out_ptr + (s.to(tl.int64) * H + h) * D + d, out.to(out_ptr.dtype.element_ty))
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeTile:
-    """How a decode step's attention programs run: keys per tile, warps, pipeline stages, a register cap (0: the
-    compiler's choice; fewer registers fit more programs on an SM, at the price of spills), and the loop's form:
-    ``unmasked`` runs tiles every query sees whole without masks, ``lazy_rescale`` moves the running maximum (and
-    rescales the output) only when a row's grew by more than 2^8."""
-
-    block_n: int
-    warps: int
-    stages: int
-    max_registers: int = 0
-    unmasked: bool = False
-    lazy_rescale: bool = False
-
-
-# Measured on an H200 (docs/engine.md, decode attention rounds six and seven): both cache dtypes stream best from
-# 1-warp programs over 32 keys, about 11 of which fit on an SM; a 16-bit cache with the lazy rescale and masks kept,
-# an FP8 one (V widened in registers) without masks on whole tiles and with the eager rescale. A register cap spills
-# and loses; 4-warp programs lose their pipeline's fill twice over two loops.
-DECODE_TILES = {False: DecodeTile(DECODE_BLOCK_N // 2, 1, 3, lazy_rescale=True),
-                True: DecodeTile(DECODE_BLOCK_N // 2, 1, 3, unmasked=True)}  # fmt: skip
-
-
-@functools.cache
-def _decode_tile_override(text: str) -> dict[str, dict[str, object]]:
-    fields = {f.name for f in dataclasses.fields(DecodeTile)}
-    try:
-        override = json.loads(text)
-        if not isinstance(override, dict) or any(
-            k not in ("bf16", "fp8") or not isinstance(v, dict) or set(v) - fields for k, v in override.items()
-        ):
-            raise ValueError("not of that form")
-    except ValueError as e:
-        example = '{"fp8": {"max_registers": 128}}'
-        raise ValueError(f"ENGINE_DECODE_TILES must be a JSON object of 'bf16' and/or 'fp8' to DecodeTile fields "
-                         f"({', '.join(sorted(fields))}), e.g. {example}: {e}") from e  # fmt: skip
-    return override
-
-
-def decode_tile(fp8: bool) -> DecodeTile:
-    """The measured decode tile for a 16-bit or an FP8 cache (``DECODE_TILES``). ``ENGINE_DECODE_TILES`` (a tuning
-    run's choice, JSON: ``{"fp8": {"max_registers": 128}}``) overrides fields of either."""
-    tile = DECODE_TILES[fp8]
-    text = os.environ.get("ENGINE_DECODE_TILES", "")
-    fields = _decode_tile_override(text).get("fp8" if fp8 else "bf16", {}) if text else {}
-    return dataclasses.replace(tile, **fields) if fields else tile  # type: ignore[arg-type]
 
 
 def paged_attention(

@@ -21,6 +21,7 @@ from tests.engine.conftest import DEVICE, MakeEngine
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from engine import kernels
 from engine.attention import gather_kv
 from engine.kernels import ops, triton_ops
 from engine.models.loader import LoadedModel, load_model
@@ -230,8 +231,6 @@ def test_decode_splits_fill_one_wave_of_the_measured_tiles_programs(monkeypatch:
     """On an H200 (132 SMs): a decode step splits its contexts until its programs fill one wave (8 one-warp
     programs an SM, for either cache dtype), never into more splits than 32-key runs of the longest context or
     MAX_DECODE_SPLITS; the split counts and tiles bench/device/fp8_tune.py chose them from."""
-    import engine.kernels as kernels
-
     monkeypatch.setattr(kernels, "sm_count", lambda index: 132)
     gpu = torch.device("cuda", 0)
     fp8 = {(256, 2048): 1, (64, 544): 2, (16, 8192): 8, (1, 4096): kernels.MAX_DECODE_SPLITS, (1, 100): 4}
@@ -240,20 +239,25 @@ def test_decode_splits_fill_one_wave_of_the_measured_tiles_programs(monkeypatch:
         assert kernels.decode_splits(seqs, 8, ctx, gpu, fp8=True) == want, (seqs, ctx)
     for (seqs, ctx), want in bf16.items():
         assert kernels.decode_splits(seqs, 8, ctx, gpu) == want, (seqs, ctx)
-    assert triton_ops.decode_tile(True) == triton_ops.DecodeTile(32, 1, 3, unmasked=True)
-    assert triton_ops.decode_tile(False) == triton_ops.DecodeTile(32, 1, 3, lazy_rescale=True)
+    assert kernels.decode_tile(True) == kernels.DecodeTile(32, 1, 3, unmasked=True)
+    assert kernels.decode_tile(False) == kernels.DecodeTile(32, 1, 3, lazy_rescale=True)
 
 
 def test_a_tuning_runs_decode_tiles_override_the_measured_ones(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ENGINE_DECODE_TILES (JSON) replaces fields of the measured decode tiles; anything else is refused by name, and
-    a register cap reaches the launch (the same attention)."""
+    """ENGINE_DECODE_TILES (JSON) replaces fields of the measured decode tiles (the programs an SM holds, and with
+    them a step's splits, included); anything else is refused by name, and a register cap reaches the launch (the
+    same attention)."""
     monkeypatch.setenv("ENGINE_DECODE_TILES", '{"fp8": {"max_registers": 128, "unmasked": false}}')
-    assert triton_ops.decode_tile(True) == triton_ops.DecodeTile(32, 1, 3, max_registers=128)
-    assert triton_ops.decode_tile(False) == triton_ops.DECODE_TILES[False]
+    assert kernels.decode_tile(True) == kernels.DecodeTile(32, 1, 3, max_registers=128)
+    assert kernels.decode_tile(False) == kernels.DECODE_TILES[False]
+    monkeypatch.setattr(kernels, "sm_count", lambda index: 132)
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setenv("ENGINE_DECODE_TILES", '{"bf16": {"programs_per_sm": 4}}')
+    assert kernels.decode_splits(64, 8, 544, gpu) == 1 and kernels.decode_splits(64, 8, 544, gpu, fp8=True) == 2
     for bad in ('{"fp8": {"regs": 128}}', '{"int8": {}}', "[1]", "fp8=128"):
         monkeypatch.setenv("ENGINE_DECODE_TILES", bad)
         with pytest.raises(ValueError, match="ENGINE_DECODE_TILES must be a JSON object"):
-            triton_ops.decode_tile(True)
+            kernels.decode_tile(True)
     monkeypatch.delenv("ENGINE_DECODE_TILES")
     cache = torch.randn(2, NB, KVH, BS, D, generator=_g(24)).to(DEV)
     ctx = [70, 5, 33, 200]
