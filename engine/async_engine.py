@@ -449,7 +449,7 @@ class AsyncLLMEngine:
 
         Raises before any output (so before any byte is sent): OverloadedError when no room came,
         KVTransferError when the pull failed (the blocks go back, after a grace period when a late write
-        may still land in them)."""
+        may still land in them; likewise when the pull is cancelled)."""
         assert self.relay is not None and request.kv is not None, "decode_from_remote_kv needs a checked request"
         kv = request.kv
         try:
@@ -476,8 +476,12 @@ class AsyncLLMEngine:
             sent = await self.relay.pull(kv, [SKIP if i < have else seq.block_table[i] for i in range(needed)],
                                          transfer.after)  # fmt: skip
         except BaseException as exc:
-            late = isinstance(exc, asyncio.CancelledError) or (isinstance(exc, KVTransferError)
-                                                                and exc.dst_may_be_written)  # fmt: skip
+            # The blocks go back at once unless the producer may still write into them (a direct Mooncake write
+            # in flight): then only after WRITE_GRACE_SECS. A cancelled ipc copy or staged scatter has ended by now.
+            if isinstance(exc, asyncio.CancelledError):
+                late = self.relay.dst_may_be_written_if_cancelled(kv)
+            else:
+                late = isinstance(exc, KVTransferError) and exc.dst_may_be_written
             self.release(transfer, WRITE_GRACE_SECS if late else 0.0)
             raise
         transfer.move(Phase.LANDED)

@@ -374,6 +374,13 @@ class Disaggregation:
         assert self.consumer is not None, "abandon on a relay that is not a kv_consumer"
         self.consumer.abandon(params)
 
+    def dst_may_be_written_if_cancelled(self, params: KVTransferParams) -> bool:
+        """Whether a cancelled pull of ``params`` may still see a late write land in its destination blocks
+        (direct Mooncake writes), or left nothing to land (ipc copies and staged scatters, which a cancelled pull
+        waits for): see ``KVConsumer.dst_may_be_written_if_cancelled``."""
+        assert self.consumer is not None, "a pull on a relay that is not a kv_consumer"
+        return self.consumer.dst_may_be_written_if_cancelled(params)
+
     async def pull(self, params: KVTransferParams, dst_block_ids: Sequence[int],
                    after: concurrent.futures.Future[Any] | None = None) -> int | None:  # fmt: skip
         """Have the producer write ``params``' blocks into ``dst_block_ids`` (``SKIP``: held here already),
@@ -381,7 +388,7 @@ class Disaggregation:
         Returns the first token when the producer sent it with the KV (an early offer), else None.
 
         Raises KVTransferError (``dst_may_be_written`` says whether a late write may still land in the
-        destination blocks), or CancelledError, in which case a late write may land too."""
+        destination blocks), or CancelledError (``dst_may_be_written_if_cancelled`` says the same for it)."""
         assert self.consumer is not None, "pull on a relay that is not a kv_consumer"
         started = time.monotonic()
         try:

@@ -137,10 +137,10 @@ async def test_a_decode_leg_gone_while_the_prefill_runs_stops_it_and_leaks_nothi
                what=f"an abandoned read to be released (released by reason when it began: {released}, "
                     f"write_failed before the legs: {failed}; decode early rounds: "
                     f"{d.metric('atom:kv_transfer_early_rounds_total')})")  # fmt: skip
-    # The abandoned legs' blocks stay out of use on the decode engine for its write grace (30 s) and come back
-    # after it (checked at the end, while the unread offer below expires meanwhile). The refused prompt is short:
-    # it finds room beside them (one as long as theirs was answered 503 for want of blocks while they were held,
-    # not 400 for the mismatch).
+    # The abandoned legs' blocks come back on the decode engine without a write grace: a cancelled ipc read has
+    # waited for its copies, so nothing lands in them later (checked at the end, while the unread offer below
+    # expires meanwhile). The refused prompt is short: it finds room whatever is still held, and is refused (400)
+    # for the mismatch, not 503 for want of blocks.
     refusals = p.metric("atom:kv_transfer_released_total", 'reason="refused"')
     never_read = _early_prefill(p, LONG)  # nobody comes: it expires (--kv-transfer-timeout 20)
     refused = _early_prefill(p, LONG)

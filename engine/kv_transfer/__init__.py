@@ -28,6 +28,8 @@ Decode (kv_consumer)::
         await consumer.pull(params, dst_ids)
     except KVTransferError as err:                    # fail the request with err (502, OpenAI-shaped)
         free dst_ids, after a grace period if err.dst_may_be_written (prefill may still be writing)
+    except asyncio.CancelledError:                    # the client left: re-raise after freeing dst_ids,
+        after a grace period if consumer.dst_may_be_written_if_cancelled(params) (a direct write may still land)
     ...then decode from params.first_token_id
 
 Shutdown: ``await producer.close()`` (releases what is pending), then ``agent.close()``.

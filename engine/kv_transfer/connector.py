@@ -62,7 +62,7 @@ from engine.kv_transfer import wire
 from engine.kv_transfer.agent import TransferAgent
 from engine.kv_transfer.desk import Desk
 from engine.kv_transfer.errors import KVTransferBusyError, KVTransferError
-from engine.kv_transfer.ipc import IpcPeers, PoolExport
+from engine.kv_transfer.ipc import IpcPeers, PoolExport, outlast
 from engine.kv_transfer.layout import SKIP, Region, WriteOp, batches, check_compatible, pair_blocks, plan_writes, spans
 from engine.kv_transfer.params import KVTransferParams, KVTransferParamsError
 from engine.kv_transfer.staging import SLOTS_PER_TRANSFER, StagingBuffer, check_chunk, plan_chunks
@@ -920,7 +920,8 @@ class KVConsumer:
         freed during a step may still be written by it); nothing lands in them before it ended.
 
         Raises KVTransferParamsError on bad params, KVTransferError on refusal, unreachable
-        producer, timeout, failed write or a reply that does not match the request.
+        producer, timeout, failed write or a reply that does not match the request; a CancelledError
+        is re-raised as it came (``dst_may_be_written_if_cancelled`` says whether a late write may follow).
         """
         p = params if isinstance(params, KVTransferParams) else KVTransferParams.from_dict(params)
         try:
@@ -928,6 +929,25 @@ class KVConsumer:
         except asyncio.CancelledError:
             self.abandon(p)  # the producer may never have heard of us (the pull waited its turn)
             raise
+
+    def dst_may_be_written_if_cancelled(self, p: KVTransferParams) -> bool:
+        """Whether a pull of ``p`` that was cancelled may still see the producer write into its destination
+        blocks after the CancelledError reached the caller (who should then hold them back until the producer's
+        write deadline passed, as for a KVTransferError's ``dst_may_be_written``), rather than leave nothing to
+        land (they can be reused at once). Per path:
+
+        - staged: no. The producer writes only into the two staging slots the pull announced (``_pull`` holds
+          them back itself); the blocks are written by this side's scatter from a slot, which a cancelled pull
+          waits for (``_copy``).
+        - ipc: no. This side copies from the producer's mapped pools in a reader thread, which a cancelled pull
+          waits for (``IpcPeers.read``); the producer writes nothing.
+        - direct Mooncake: yes. The producer writes straight into the blocks, and a cancelled pull can neither
+          stop nor wait for that write. Conservatively also before the write request went out, and for a
+          producer not yet known to be on the ipc path (cancelled while first contacting it).
+        """
+        if self._staging is not None:
+            return False
+        return self._ipc is None or not self._ipc.copies_from(p.remote_host, p.remote_handshake_port)
 
     def abandon(self, p: KVTransferParams) -> None:
         """Tell the producer of an early offer this engine gives up before reading it (cancelled, or refused
@@ -1141,7 +1161,7 @@ async def _copy(staging: StagingBuffer, fn: Callable[..., Any], *args: Any) -> A
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
-        await asyncio.wait([fut])
+        await outlast(fut)
         raise
 
 

@@ -413,6 +413,13 @@ class IpcPeers:
         out |= {f"{h}:{p}": "mooncake" for h, p in self._mooncake}
         return out
 
+    def copies_from(self, host: str, port: int) -> bool:
+        """Whether pulls from this producer are copies from its mapped pools, never Mooncake writes: always in mode
+        FORCED (a producer that cannot be mapped fails the pull); in mode AUTO when its pools are mapped now, which
+        also means that no pull from it went through Mooncake before (a producer found to need Mooncake is pulled
+        through it from then on, never mapped)."""
+        return self.mode is IpcMode.FORCED or (host, port) in self._pools
+
     def forget(self, host: str, port: int) -> None:
         """Unmap a producer's pools (it went away or restarted); the next pull asks again."""
         pools = self._pools.pop((host, port), None)
@@ -496,7 +503,7 @@ class IpcPeers:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
             cancelled.set()
-            await asyncio.wait([fut])
+            await outlast(fut)
             if not fut.cancelled():
                 fut.exception()  # retrieved: the cancellation is what the caller sees
             raise
@@ -626,6 +633,16 @@ class IpcPeers:
             with contextlib.suppress(OSError):
                 wire.send_sync(sock, MessageType.IPC_DONE, transfer_id=tid, status="ok")
             return {"type": MessageType.IPC_READ, "transfer_id": tid, **final}
+
+
+async def outlast(fut: asyncio.Future[Any]) -> None:
+    """Wait until ``fut`` (a copy into this engine's blocks) is done, however often the waiting task is cancelled
+    meanwhile (the caller re-raises its own CancelledError after): a cancelled pull must not return while its
+    copy may still write the blocks its caller then frees, not even when a second cancellation (the pull's
+    ``asyncio.timeout`` firing after the client left, or the reverse) comes during the wait."""
+    while not fut.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait([fut])
 
 
 def _recv_watching(sock: socket.socket, left: Callable[[], float], cancelled: threading.Event) -> dict[str, Any]:

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import threading
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
-from engine.async_engine import AsyncLLMEngine
+import engine.async_engine
+from engine.async_engine import AsyncLLMEngine, Phase
 from engine.errors import InvalidRequestError, OverloadedError
+from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -299,3 +305,126 @@ async def test_blocks_an_abort_freed_during_a_step_make_their_pull_wait_for_that
     finally:
         gate.set()
         await async_engine.stop()
+
+
+@contextlib.asynccontextmanager
+async def _pd_pair(
+    make_engine: Callable[..., LLMEngine], free_port: Callable[[], int], **config: object
+) -> AsyncIterator[tuple[AsyncLLMEngine, AsyncLLMEngine]]:
+    """A prefill and a decode engine (tiny, on this process's device) whose relays take ``config``."""
+    from engine.args import parse_kv_transfer_config
+    from engine.disagg import Disaggregation
+
+    def relay(core: LLMEngine, role: str) -> Disaggregation:
+        text = json.dumps({"kv_role": role, "handshake_port": free_port(), **config})
+        return Disaggregation(core, parse_kv_transfer_config(text), "127.0.0.1", transfer_timeout=10.0)
+
+    prefill_core, decode_core = make_engine(block_size=16), make_engine(block_size=16)
+    prefill = AsyncLLMEngine(prefill_core, relay(prefill_core, "kv_producer"))
+    decode = AsyncLLMEngine(decode_core, relay(decode_core, "kv_consumer"))
+    await prefill.start()
+    try:
+        await decode.start()
+        try:
+            yield prefill, decode
+        finally:
+            await decode.stop()
+    finally:
+        await prefill.stop()
+
+
+PD_PROMPT = list(range(1, 60))  # 4 blocks of 16
+
+
+async def _offer(prefill: AsyncLLMEngine) -> dict[str, Any]:
+    """A finished prefill's kv_transfer_params, its blocks pinned for the pull."""
+    gen = await prefill.open(prefill.check(PD_PROMPT, replace(PARAMS, max_tokens=1), True, {"do_remote_decode": True}))
+    [out async for out in prefill.stream(gen.handles[0])]
+    kv = gen.hand_over()
+    gen.close()
+    assert kv is not None
+    return kv
+
+
+def _idle(core: LLMEngine) -> bool:
+    return not core.held and core.block_manager.num_free_blocks == core.num_blocks
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path", ["ipc", "staged"])
+async def test_a_pull_cancelled_mid_copy_waits_for_the_copy_then_frees_its_blocks_at_once(  # type: ignore[no-untyped-def]
+    path: str, make_engine, free_port, wait_for, monkeypatch
+) -> None:
+    """The client leaves while the decode engine itself copies its KV into the reserved blocks: from the producer's
+    mapped pools (ipc, here over the direct memory backend, whose Mooncake writes alone would need the grace) or
+    from a staging slot (staged). The cancelled pull ends only once that copy did (a second cancellation does not
+    cut the wait short), so nothing can land in the blocks afterwards: they are free at once, not after the write
+    grace (30 s); the staged path's slots, which the producer may still be writing, are what waits it out."""
+    config: dict[str, object] = {"protocol": "ipc", "memory_backend": "direct"} if path == "ipc" else {
+        "protocol": "tcp", "memory_backend": "staged", "staging_buffer_mb": 1}  # fmt: skip
+    async with _pd_pair(make_engine, free_port, **config) as (prefill, decode):
+        assert decode.relay is not None
+        copier = decode.relay.peers if path == "ipc" else decode.relay.staging
+        name = "_copy" if path == "ipc" else "scatter"
+        real_copy = getattr(copier, name)
+        copying, gate = threading.Event(), threading.Event()
+
+        def held_copy(*args: object) -> object:
+            copying.set()
+            gate.wait(10)
+            return real_copy(*args)
+
+        monkeypatch.setattr(copier, name, held_copy)
+        kv = await _offer(prefill)
+        pull = asyncio.ensure_future(decode.open(decode.check(PD_PROMPT, PARAMS, True,
+                                                              {**kv, "do_remote_prefill": True})))  # fmt: skip
+        try:
+            await wait_for(copying.is_set, 10, "the copy into the decode engine's blocks")
+            assert not _idle(decode.engine)
+            pull.cancel()  # the client left
+            await asyncio.sleep(0.2)
+            pull.cancel()  # and the pull's own timeout fired, say
+            await asyncio.sleep(0.2)
+            assert not pull.done(), "a cancelled pull returned while its copy still wrote the blocks"
+        finally:
+            gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await pull
+        assert _idle(decode.engine) and not decode._transfers  # at once: no grace
+        assert list(decode.relay.info()["ipc_peers"].values()) == (["ipc"] if path == "ipc" else [])
+        if path == "staged":
+            assert decode.relay.staging is not None and decode.relay.staging.pool.held_back == 2
+        await wait_for(lambda: _idle(prefill.engine), 10, "the prefill engine to release the abandoned offer")
+
+
+@pytest.mark.timeout(60)
+async def test_a_pull_cancelled_while_the_producer_writes_directly_holds_its_blocks_for_the_grace(  # type: ignore[no-untyped-def]
+    make_engine, free_port, wait_for, monkeypatch
+) -> None:
+    """Direct Mooncake: the producer writes straight into the decode engine's blocks, and a cancelled pull can
+    neither stop nor wait for that write: the blocks stay out of use for the write grace (shortened here), the
+    late write lands in blocks nobody else has, and they come back after the grace."""
+    monkeypatch.setattr(engine.async_engine, "WRITE_GRACE_SECS", 1.0)
+    async with _pd_pair(make_engine, free_port, protocol="tcp", memory_backend="direct") as (prefill, decode):
+        assert prefill.relay is not None and prefill.relay.agent is not None
+        agent = prefill.relay.agent
+        real_write = agent.write
+        writing, gate = asyncio.Event(), asyncio.Event()
+
+        async def held_write(peer: str, ops: Any) -> None:
+            writing.set()
+            await gate.wait()
+            await real_write(peer, ops)
+
+        monkeypatch.setattr(agent, "write", held_write)
+        kv = await _offer(prefill)
+        pull = asyncio.ensure_future(decode.open(decode.check(PD_PROMPT, PARAMS, True,
+                                                              {**kv, "do_remote_prefill": True})))  # fmt: skip
+        await asyncio.wait_for(writing.wait(), 10)
+        pull.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pull
+        assert [t.phase for t in decode._transfers.values()] == [Phase.GRACE] and not _idle(decode.engine)
+        gate.set()  # the producer's write goes on into the held blocks
+        await wait_for(lambda: _idle(decode.engine), 10, "the blocks to come back after the grace")
+        await wait_for(lambda: _idle(prefill.engine), 10, "the prefill engine to release the abandoned offer")

@@ -142,7 +142,9 @@ async def test_an_ipc_pull_copies_kv_and_indexer_blocks_byte_for_byte(
     releases = Releases()
     params = pair.producer.offer(src, 42, releases.callback("t"))
     consumer = pair.consumer()
+    assert consumer.dst_may_be_written_if_cancelled(params)  # not yet known to be mapped: a Mooncake write could be
     await consumer.pull(params, dst)
+    assert not consumer.dst_may_be_written_if_cancelled(params)  # mapped: a cancelled pull waits for its own copy
     _assert_copied(pair, src, dst)
     await _settled(pair.producer)
     assert releases.reasons("t") == [ReleaseReason.WRITTEN] and pair.producer.pending_count == 0
@@ -188,10 +190,13 @@ async def test_forced_ipc_refuses_a_producer_on_another_host_and_auto_falls_back
         with pytest.raises(KVTransferError, match=r"protocol 'ipc'.*'elsewhere'") as err:
             await forced.pull(params, [6, 7])
         assert err.value.reason == "ipc_unavailable" and not err.value.dst_may_be_written
+        assert not forced.dst_may_be_written_if_cancelled(params)  # every pull it makes is its own ipc copy
         assert releases.calls == [] and producer.pending_count == 1  # refused before it was consumed
         auto = IpcPeers(d_views, IpcMode.AUTO)
-        await KVConsumer(d_agent, d_regions, ipc=auto).pull(params, [6, 7])  # through Mooncake
+        fallback = KVConsumer(d_agent, d_regions, ipc=auto)
+        await fallback.pull(params, [6, 7])  # through Mooncake
         assert auto.peers() == {f"127.0.0.1:{producer.port}": "mooncake"}
+        assert fallback.dst_may_be_written_if_cancelled(params)  # the producer writes the blocks directly
         assert releases.reasons("t") == [ReleaseReason.WRITTEN]
         assert decode.block(3, 7) == prefill.block(3, 5)
     finally:
