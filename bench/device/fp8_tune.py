@@ -82,6 +82,15 @@ def graph_time(calls: Sequence[Callable[[], object]], rounds: int = 5) -> float:
     return float(sorted(times)[len(times) // 2])
 
 
+def _checked_time(run: Callable[[], torch.Tensor], ref: torch.Tensor) -> tuple[float, float]:
+    """(largest absolute error against ``ref``, seconds per call in a graph of four) of an attention variant;
+    raises on a wrong result (error above 0.05), which the sweeps record as that variant's error."""
+    err = (run().float() - ref).abs().max().item()
+    if err > 0.05:
+        raise RuntimeError(f"wrong result ({err:.3f})")
+    return err, graph_time([run] * 4, rounds=3)
+
+
 def tune_gemv(out: dict[str, Any], deadline: float, kinds_wanted: list[str]) -> None:
     dev = torch.device("cuda")
     sweep = {"fp8": [GemvConfig(bn, bk, 4, st) for bn, bk, st in
@@ -204,10 +213,7 @@ def tune_attention(
                 num_warps=warps, num_stages=stages, v_regs=False if cname == "fp8-triton" else None,
             )  # fmt: skip
             try:
-                err = (run().float() - ref).abs().max().item()
-                if err > 0.05:
-                    raise RuntimeError(f"wrong result ({err:.3f})")
-                t = graph_time([run] * 4, rounds=3)
+                err, t = _checked_time(run, ref)
             except Exception as e:
                 res["runs"].append({"variant": label, "error": f"{type(e).__name__}: {str(e)[:100]}"})
                 print("attention", seqs, ctx, label, type(e).__name__, str(e)[:100], flush=True)
@@ -262,16 +268,13 @@ def tune_splits(out: dict[str, Any], deadline: float) -> None:
                                   block_n=bn, num_warps=warps, num_stages=stages)  # fmt: skip
                     label = f"{cname} block_n={bn} warps={warps} stages={stages} splits={splits}"
                     try:
-                        err = (run().float() - ref).abs().max().item()
-                        if err > 0.05:
-                            raise RuntimeError(f"wrong result ({err:.3f})")
-                        t = graph_time([run] * 4, rounds=3)
+                        err, t = _checked_time(run, ref)
                     except Exception as e:
                         runs.append({"variant": label, "error": f"{type(e).__name__}: {str(e)[:100]}"})
                         continue
                     pct = 100 * kv_elems * cache.element_size() / t / HBM
                     runs.append({"variant": label, "dtype": cname, "tile": [bn, warps, stages], "splits": splits,
-                                 "us": t * 1e6, "pct_hbm": pct})  # fmt: skip
+                                 "us": t * 1e6, "pct_hbm": pct, "max_abs_err": err})  # fmt: skip
         best = {c: min((r for r in runs if r.get("dtype") == c), key=lambda r: r["us"], default=None) for c in caches}
         res[f"b{seqs}_ctx{ctx}"] = {"runs": runs, "best": best}
         print("splits", seqs, ctx, {c: (b["variant"], round(b["us"], 1), round(b["pct_hbm"], 1)) for c, b in
@@ -389,10 +392,7 @@ def tune_loops(out: dict[str, Any], deadline: float) -> None:
                 loop = "engine" if i == 0 else f"{'unmasked' if unmasked else 'masked'}-{'lazy' if lazy else 'eager'}"
                 label = f"{cname} {loop} block_n={bn} warps={warps} stages={stages} regs={regs} splits={splits}"
                 try:
-                    err = (run().float() - ref).abs().max().item()
-                    if err > 0.05:
-                        raise RuntimeError(f"wrong result ({err:.3f})")
-                    t = graph_time([run] * 4, rounds=3)
+                    err, t = _checked_time(run, ref)
                 except Exception as e:
                     runs.append({"variant": label, "error": f"{type(e).__name__}: {str(e)[:100]}"})
                     print("loops", seqs, ctx, label, type(e).__name__, str(e)[:100], flush=True)
