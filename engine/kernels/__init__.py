@@ -64,7 +64,6 @@ DECODE_TILES = {False: DecodeTile(DECODE_BLOCK_N // 2, 1, 3, lazy_rescale=True),
                 True: DecodeTile(DECODE_BLOCK_N // 2, 1, 3, unmasked=True)}  # fmt: skip
 
 
-@functools.cache
 def _decode_tile_override(text: str) -> dict[str, dict[str, object]]:
     fields = {f.name for f in dataclasses.fields(DecodeTile)}
     try:
@@ -83,10 +82,14 @@ def _decode_tile_override(text: str) -> dict[str, dict[str, object]]:
 def decode_tile(fp8: bool) -> DecodeTile:
     """The measured decode tile for a 16-bit or an FP8 cache (``DECODE_TILES``). ``ENGINE_DECODE_TILES`` (a tuning
     run's choice, JSON: ``{"fp8": {"max_registers": 128}}``) overrides fields of either."""
-    tile = DECODE_TILES[fp8]
-    text = os.environ.get("ENGINE_DECODE_TILES", "")
-    fields = _decode_tile_override(text).get("fp8" if fp8 else "bf16", {}) if text else {}
-    return dataclasses.replace(tile, **fields) if fields else tile  # type: ignore[arg-type]
+    return _decode_tile(fp8, os.environ.get("ENGINE_DECODE_TILES", ""))
+
+
+@functools.cache
+def _decode_tile(fp8: bool, override: str) -> DecodeTile:
+    # Every attention launch of an eager step asks: the override is parsed and applied once per value.
+    fields = _decode_tile_override(override).get("fp8" if fp8 else "bf16", {}) if override else {}
+    return dataclasses.replace(DECODE_TILES[fp8], **fields)  # type: ignore[arg-type]
 
 
 MAX_DECODE_SPLITS = 64

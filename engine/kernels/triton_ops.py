@@ -222,19 +222,14 @@ def _attend(
     # One tile of BLOCK_N keys, read through the block table, folded into the online softmax. Key j of KV head g
     # is [block, g, j % BS] of the cache's [blocks, KVH, BS, D] (strides SB, SH, SS): in the engine's head-major
     # cache, a head's keys of a block are one contiguous run of BS * D.
+    # Without MASK the tile is one every query of the program sees whole (the caller's bound): no mask on the
+    # loads or the scores.
     j = n0 + tl.arange(0, BLOCK_N)
-    if MASK:
-        jm = j < hi
-        blk = tl.load(table + j // BS, mask=jm, other=0).to(tl.int64)
-    else:
-        # A tile every query of the program sees whole (the caller's bound): no mask on loads or scores.
-        jm = None
-        blk = tl.load(table + j // BS).to(tl.int64)
+    jm = j < hi
+    rows = jm[:, None] if MASK else None
+    blk = tl.load(table + j // BS, mask=jm if MASK else None, other=0 if MASK else None).to(tl.int64)
     off = blk * SB + g * SH + (j % BS) * SS
-    if MASK:
-        k = tl.load(kv_ptr + off[:, None] + d[None, :], mask=jm[:, None], other=0.0).to(q.dtype)
-    else:
-        k = tl.load(kv_ptr + off[:, None] + d[None, :]).to(q.dtype)
+    k = tl.load(kv_ptr + off[:, None] + d[None, :], mask=rows, other=0.0 if MASK else None).to(q.dtype)
     # Scores in log2 units (qk_scale holds log2(e)): exp2 is the hardware's exponential.
     sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     if MASK:
@@ -265,17 +260,13 @@ def _attend(
         # tile goes to shared memory as it is and the dot reads each byte back by itself (V is the dot's
         # second operand along keys, across its rows), which bounded the FP8 kernel at bf16's speed.
         vw = (kv_ptr + v_offset + off).to(tl.pointer_type(tl.int32))[:, None] + tl.arange(0, D // 4)[None, :]
-        if MASK:
-            w = tl.load(vw, mask=jm[:, None], other=0)
-        else:
-            w = tl.load(vw)
+        w = tl.load(vw, mask=rows, other=0 if MASK else None)
         e0, e1, e2, e3 = _e4m3x4_to_f16(w, INTERPRET)
         # Word c holds columns 4c..4c+3 (little-endian): interleave the four back into rows of D.
         v = tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), (BLOCK_N, D))
-    elif MASK:
-        v = tl.load(kv_ptr + v_offset + off[:, None] + d[None, :], mask=jm[:, None], other=0.0).to(q.dtype)
     else:
-        v = tl.load(kv_ptr + v_offset + off[:, None] + d[None, :]).to(q.dtype)
+        v = tl.load(kv_ptr + v_offset + off[:, None] + d[None, :], mask=rows, other=0.0 if MASK else None)
+        v = v.to(q.dtype)
     acc += tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
@@ -407,6 +398,10 @@ def _merge_splits_kernel(
     tl.store(out_ptr + (s.to(tl.int64) * H + h) * D + d, out.to(out_ptr.dtype.element_ty))
 
 
+# Programs over prompt rows: masked, eager, uncapped.
+PREFILL_TILE = DecodeTile(DECODE_BLOCK_N, 4, 3)
+
+
 def paged_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, query_start: torch.Tensor,
     context_lens: torch.Tensor, scale: float, max_query_len: int, max_context: int, num_splits: int = 1,
@@ -442,7 +437,7 @@ def paged_attention(
         raise ValueError(f"v_regs widens an e4m3 cache with a head size divisible by 4 and 16-bit queries, got a "
                          f"{kv_cache.dtype} cache, head size {d}, {q.dtype} queries")  # fmt: skip
     v_regs = e4m3 if v_regs is None else v_regs
-    tile = decode_tile(v_regs) if max_query_len == 1 else DecodeTile(DECODE_BLOCK_N, 4, 3)
+    tile = decode_tile(v_regs) if max_query_len == 1 else PREFILL_TILE
     block_n, num_warps, num_stages = block_n or tile.block_n, num_warps or tile.warps, num_stages or tile.stages
     unmasked = tile.unmasked if unmasked is None else unmasked
     # Decode programs only: a prompt tile's rows span warps, whose check of the maxima would cost a barrier a tile.
