@@ -18,8 +18,7 @@ per pass), as the 36 layers of a model do.
 4. ``--only loops``: decode attention by loop at those shapes: every tile masked and rescaled (the loop before),
    full tiles without masks (``unmasked``), the running maximum moved lazily (``lazy_rescale``), and both, each
    cache dtype at the engine's split count, and FP8's 1-warp programs under register caps (``max_registers``).
-5. ``--only gemv64``: the skinny-matmul kernel at 64 tokens (``--tokens``), split along K or not, against cuBLAS
-   (bf16) and the FP8 layer's ``_scaled_mm`` forward; ``--tiles`` writes the winners' table.
+5. ``--only gemv64``: the skinny-matmul kernel on 64-token tiles against cuBLAS at 64 tokens (bf16).
 
 Tried on 2026-12-02 and taken out of the kernels since none won (docs/engine.md, "FP8 on the H200"): FP8 x FP8
 skinny matmuls with activations quantized per token in the kernel, and for attention a native FP8 dot and a
@@ -44,6 +43,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from engine.attention import kv_cache_shape
 from engine.kernels import DecodeTile, decode_splits, decode_tile
@@ -291,91 +291,66 @@ def _cublas64(x: torch.Tensor, w: torch.Tensor, swiglu: bool) -> torch.Tensor:
     return silu_and_mul(y) if swiglu else y
 
 
-def _layer64(x: torch.Tensor, layer: torch.nn.Module, swiglu: bool) -> torch.Tensor:
+def _gemv64(x: torch.Tensor, w: torch.Tensor, swiglu: bool, tile: tuple[int, int, int, int]) -> torch.Tensor:
+    from engine.kernels.gemv import _gemv_kernel
+
+    (m, k), n = x.shape, w.shape[0] // 2 if swiglu else w.shape[0]
+    bn, bk, warps, stages = tile
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, bn),)](
+        x, w, x, x, y, m, n, x.stride(0), w.stride(0), y.stride(0), k,
+        HAS_SCALE=False, HAS_BIAS=False, SWIGLU=swiglu, FP16_DOT=False, PRECISION="tf32",
+        BLOCK_M=triton.next_power_of_2(max(m, 16)), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return y
+
+
+def tune_gemv64(out: dict[str, Any], deadline: float) -> None:
+    """The skinny-matmul kernel (engine.kernels.gemv's ``_gemv_kernel``, 64-row tiles of tokens) at 64 tokens, bf16,
+    against cuBLAS on qwen3-8b's layers, weights streamed from HBM: whether a batch-64 decode step (cuBLAS today;
+    the kernel serves at most 16 tokens) would gain from it. gate/up is timed with its SwiGLU epilogue against cuBLAS
+    plus the engine's SwiGLU kernel."""
     from engine.kernels.triton_ops import silu_and_mul
 
-    y = layer(x)
-    return silu_and_mul(y) if swiglu else y
-
-
-# (block_n, block_k, warps, stages, splits), likeliest first: a narrow weight (qkv, o, down) has too few row tiles to
-# fill the SMs unsplit; a wide one (gate/up, LM head) has enough.
-GEMV64_SPLIT_SWEEP = [
-    (128, 128, 4, 4, 4), (64, 128, 4, 4, 2), (64, 128, 4, 4, 4), (128, 64, 4, 4, 4), (128, 128, 8, 4, 4),
-    (128, 64, 4, 6, 4), (64, 256, 4, 3, 2), (128, 128, 4, 3, 2), (128, 128, 4, 4, 8), (64, 128, 4, 5, 4),
-    (32, 256, 4, 4, 2), (64, 64, 4, 6, 4), (128, 128, 4, 4, 1), (64, 128, 4, 4, 1), (128, 64, 8, 5, 4),
-    (64, 128, 4, 3, 8),
-]  # fmt: skip
-GEMV64_WIDE_SWEEP = [
-    (64, 128, 4, 4, 1), (32, 128, 4, 4, 1), (64, 128, 4, 3, 1), (32, 256, 4, 3, 1), (128, 64, 4, 4, 1),
-    (64, 64, 4, 6, 1), (128, 128, 4, 3, 1), (128, 128, 8, 4, 1), (32, 256, 4, 4, 1),
-]  # fmt: skip
-
-
-def tune_gemv64(out: dict[str, Any], deadline: float, tokens: int = 64, kinds: Sequence[str] = ("bf16", "fp8")) -> None:
-    """The skinny-matmul kernel (``engine.kernels.gemv``) at ``tokens`` tokens on qwen3-8b's layers, split along K or
-    not, against what a step of that size runs without it: cuBLAS for bf16 weights (plus the engine's SwiGLU kernel
-    for gate/up), the FP8 layer's own forward (per-token activation scales, ``_scaled_mm``) for FP8 weights; weights
-    streamed from HBM. ``out["tiles_t64"]`` gets, per kind, the best tile of each layer that beat the reference by
-    at least 3% (``engine/kernels/gemv_tiles.json``'s ``bf16_t64`` / ``fp8_t64`` kinds)."""
     dev = torch.device("cuda")
+    m = 64
+    sweep = list(itertools.product((32, 64, 128), (64, 128), (4,), (3, 4)))
     res: dict[str, Any] = {}
-    tiles: dict[str, dict[str, list[int]]] = {}
-    jobs = [(name, kind) for name in SHAPES for kind in kinds if not (kind == "fp8" and name == "lm_head")]
-    for i, (name, kind) in enumerate(jobs):
-        n, k = SHAPES[name]
-        job_deadline = time.monotonic() + (deadline - time.monotonic()) / (len(jobs) - i)
-        copies = max(2, -(-PASS_BYTES // (n * k * (1 if kind == "fp8" else 2))))
+    for i, (name, (n, k)) in enumerate(SHAPES.items()):
+        shape_deadline = time.monotonic() + (deadline - time.monotonic()) / (len(SHAPES) - i)
+        copies = max(2, -(-PASS_BYTES // (n * k * 2)))
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(min(copies, 8))]
-        x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         swiglu = name == "gate_up"
-        refs: list[Callable[[], torch.Tensor]]
-        weights: list[tuple[torch.Tensor, torch.Tensor | None]]
-        if kind == "fp8":
-            layers = []
-            for c in range(min(copies, 16)):
-                layer = Fp8Linear(k, n).to(dev)
-                layer.load_rows(0, ws[c % len(ws)])
-                layers.append(layer)
-            weights = [(layer.weight, layer.weight_scale) for layer in layers]
-            refs = [partial(_layer64, x, layer, swiglu) for layer in layers]
-            esize = 1
-        else:
-            weights = [(w, None) for w in ws]
-            refs = [partial(_cublas64, x, w, swiglu) for w in ws]
-            esize = 2
-        want = refs[0]().float()
-        t = graph_time(refs * 2)
-        row: dict[str, Any] = {"reference": {"us": t * 1e6, "pct_hbm": 100 * n * k * esize / t / HBM}, "runs": []}
-        for bn, bk, warps, stages, splits in GEMV64_WIDE_SWEEP if n >= 16384 else GEMV64_SPLIT_SWEEP:
-            if time.monotonic() > job_deadline:
+        ref = F.linear(x, ws[0])
+        if swiglu:
+            ref = silu_and_mul(ref)
+        ref = ref.float()
+
+        t = graph_time([partial(_cublas64, x, w, swiglu) for w in ws] * 2)
+        row: dict[str, Any] = {"cublas": {"us": t * 1e6, "pct_hbm": 100 * n * k * 2 / t / HBM}, "runs": []}
+        for bn, bk, warps, stages in sweep:
+            if time.monotonic() > shape_deadline:
                 break
-            cfg = GemvConfig(bn, bk, warps, stages, splits)
-            label = f"block_n={bn} block_k={bk} warps={warps} stages={stages} splits={splits}"
+            ours = partial(_gemv64, x, swiglu=swiglu, tile=(bn, bk, warps, stages))
+            label = f"block_n={bn} block_k={bk} warps={warps} stages={stages}"
             try:
-                got = gemv(x, *weights[0], swiglu=swiglu, config=cfg).float()
-                err = (got - want).abs().max().item() / want.abs().max().item()
+                err = (ours(ws[0]).float() - ref).abs().max().item() / ref.abs().max().item()
                 if err > 0.05:
                     raise RuntimeError(f"wrong result (relative error {err:.3f})")
-                calls = [partial(gemv, x, w, sc, swiglu=swiglu, config=cfg) for w, sc in weights]
-                t = graph_time(calls * 2, rounds=3)
+                t = graph_time([partial(ours, w) for w in ws] * 2, rounds=3)
             except Exception as e:
                 row["runs"].append({"cfg": label, "error": f"{type(e).__name__}: {str(e)[:80]}"})
                 continue
-            row["runs"].append({"cfg": label, "tile": [bn, bk, warps, stages, splits], "us": t * 1e6,
-                                "pct_hbm": 100 * n * k * esize / t / HBM})  # fmt: skip
+            row["runs"].append({"cfg": label, "us": t * 1e6, "pct_hbm": 100 * n * k * 2 / t / HBM})
         ok = [r for r in row["runs"] if "us" in r]
         row["best"] = min(ok, key=lambda r: r["us"]) if ok else None
-        if row["best"] and row["best"]["us"] < 0.97 * row["reference"]["us"]:
-            tiles.setdefault(f"{kind}_t64", {})[f"{n}x{k}"] = row["best"]["tile"]
-        ref_us, best = row["reference"]["us"], row["best"]
-        shown = best and (best["cfg"], round(best["us"], 1), f"{ref_us / best['us']:.2f}x")
-        print("gemv64", name, kind, "reference", round(ref_us, 1), "best", shown, flush=True)
-        res[f"{name}/{kind}"] = row
-        del ws, weights, refs
+        print("gemv64", name, "cublas", {k_: round(v, 1) for k_, v in row["cublas"].items()}, "best", row["best"],
+              flush=True)  # fmt: skip
+        res[name] = row
+        del ws
         torch.cuda.empty_cache()
     out["gemv64"] = res
-    out["tiles_t64"] = {torch.cuda.get_device_name(0): tiles}
 
 
 def _tile3(t: DecodeTile) -> tuple[int, int, int]:
@@ -449,7 +424,6 @@ def main() -> None:
     )
     ap.add_argument("--fp8-tiles", default="", help="attention: FP8 tiles, block_n:warps:stages,...")
     ap.add_argument("--kinds", default="bf16,fp8", help="skinny-matmul weight kinds to sweep")
-    ap.add_argument("--tokens", type=int, default=64, help="gemv64: tokens of the step")
     ap.add_argument("--seconds", type=float, default=300.0, help="stop sweeping after this long (each part)")
     ap.add_argument(
         "--tiles", help="also write the best skinny-matmul tiles here (engine/kernels/gemv_tiles.json form)"
@@ -466,10 +440,7 @@ def main() -> None:
         if a.only == "loops":
             tune_loops(out, time.monotonic() + a.seconds)
         if a.only == "gemv64":
-            tune_gemv64(out, time.monotonic() + a.seconds, a.tokens, a.kinds.split(","))
-            if a.tiles:
-                with open(a.tiles, "w") as f:
-                    json.dump(out["tiles_t64"], f, indent=1)
+            tune_gemv64(out, time.monotonic() + a.seconds)
         if a.only in (None, "gemv"):
             tune_gemv(out, time.monotonic() + a.seconds, a.kinds.split(","))
     finally:

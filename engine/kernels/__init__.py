@@ -37,36 +37,6 @@ def sm_count(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
-# Arrival counters of kernels whose last program to finish a unit of work reduces the others' partials (split-K
-# matmuls, split decode attention). Each such program zeroes its counter again, so a kernel leaves them all zero for
-# the next one: kernels given the same counters must not run at once (on two streams). A model's ops own theirs
-# (``engine.kernels.ops.TritonOps``), and a model runs its steps one after another.
-ARRIVAL_COUNTERS = 1 << 16
-_DEFAULT_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def new_arrival_counters(device: torch.device) -> torch.Tensor:
-    """A zeroed set of arrival counters on ``device`` (not inside a CUDA graph's capture: its memory would be the
-    graph's)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("arrival counters are allocated outside a CUDA graph's capture: run the step once first")
-    return torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
-
-
-def arrival_counters(device: torch.device, needed: int, counters: torch.Tensor | None = None) -> torch.Tensor:
-    """``counters``, or the device's default set (for callers that run on one stream: tests, benches), checked to
-    hold the ``needed`` of a launch."""
-    if needed > ARRIVAL_COUNTERS:
-        raise ValueError(f"a launch needs {needed} arrival counters, more than the {ARRIVAL_COUNTERS} of a set")
-    if counters is None:
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        counters = _DEFAULT_COUNTERS.get(device)
-        if counters is None:
-            counters = _DEFAULT_COUNTERS[device] = new_arrival_counters(device)
-    return counters
-
-
 @dataclasses.dataclass(frozen=True)
 class DecodeTile:
     """How a decode step's attention programs (``triton_ops.paged_attention``) run: keys per tile, warps, pipeline

@@ -34,26 +34,16 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import arrival_counters
-
 # Tokens up to which a linear layer takes this path (decode steps; verify steps of short drafts).
 MAX_TOKENS = 16
-# Steps of up to this many tokens take it too, for the weights whose measured table has a tile at that size (kinds
-# ``bf16_t64`` / ``fp8_t64``: where the kernel beat cuBLAS at 64 tokens); the others keep cuBLAS / ``_scaled_mm``.
-MAX_TILED_TOKENS = 64
 
 
 @dataclass(frozen=True, slots=True)
 class GemvConfig:
-    """Tile of the skinny kernel. ``splits`` > 1 cuts K in that many runs, one program each; the last of a row tile's
-    programs to finish (counted by an atomic) sums their float32 partials in split order, so the sum does not depend
-    on which finished last."""
-
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
-    splits: int = 1
 
 
 # Tiles measured per GPU model, weight dtype and weight shape (bench/device/fp8_tune.py, with every call reading
@@ -96,20 +86,6 @@ def token_config_for(weight: torch.Tensor) -> TokenConfig:
     return TokenConfig(8, 1024 if k >= 4096 else 256, 4, 2, 4 if k >= 8192 else 1)
 
 
-def tiled_config(weight: torch.Tensor, tokens: int) -> GemvConfig | None:
-    """The measured tile for a step of 17 to ``MAX_TILED_TOKENS`` tokens on this weight, or None (cuBLAS then)."""
-    if not weight.is_cuda or not MAX_TOKENS < tokens <= MAX_TILED_TOKENS:
-        return None
-    kind = "fp8_t64" if weight.element_size() == 1 else "bf16_t64"
-    hit = _tiles(weight.device.index or 0).get(kind, {}).get("{}x{}".format(*weight.shape))
-    return GemvConfig(*hit) if hit else None
-
-
-def takes(weight: torch.Tensor, tokens: int) -> bool:
-    """Whether a step of ``tokens`` tokens on ``weight`` runs on this kernel (else the layer's own forward)."""
-    return 0 < tokens <= MAX_TOKENS or tiled_config(weight, tokens) is not None
-
-
 def config_for(weight: torch.Tensor) -> GemvConfig:
     """The measured tile for this weight on this GPU, else a rule: wide weights (gate/up, LM heads) stream
     best in 64-row tiles, square and narrow ones in 32-row tiles with longer slices."""
@@ -128,10 +104,36 @@ def config_for(weight: torch.Tensor) -> GemvConfig:
 
 
 @triton.jit
-def _gemv_epilogue(
-    acc, acc_up, rm, rn, m_ok, n_ok, scale_ptr, bias_ptr, out_ptr, N, stride_out,
-    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
+def _gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, stride_x, stride_w, stride_out, K: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, FP16_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    pid = tl.program_id(0)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        k_ok = k < K
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if FP16_DOT:
+            x = x.to(tl.float16)
+            w = w.to(tl.float16)
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        if SWIGLU:
+            u = tl.load(w_rows + N * stride_w + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if FP16_DOT:
+                u = u.to(tl.float16)
+            acc_up += tl.dot(x, tl.trans(u), input_precision=PRECISION)
     dt = out_ptr.dtype.element_ty
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
@@ -145,58 +147,6 @@ def _gemv_epilogue(
         acc = act * acc_up.to(dt).to(tl.float32)
     out = out_ptr + rm[:, None].to(tl.int64) * stride_out + rn[None, :]
     tl.store(out, acc.to(dt), mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _gemv_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, stride_x, stride_w, stride_out,
-    K: tl.constexpr, K_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
-    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, FP16_DOT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0)
-    s = tl.program_id(1)
-    rm = tl.arange(0, BLOCK_M)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < M
-    n_ok = rn < N
-    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x
-    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K_SPLIT, BLOCK_K):
-        k = s * K_SPLIT + k0 + rk
-        k_ok = k < K
-        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if FP16_DOT:
-            x = x.to(tl.float16)
-            w = w.to(tl.float16)
-        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-        if SWIGLU:
-            u = tl.load(w_rows + N * stride_w + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            if FP16_DOT:
-                u = u.to(tl.float16)
-            acc_up += tl.dot(x, tl.trans(u), input_precision=PRECISION)
-    if SPLITS == 1:
-        _gemv_epilogue(acc, acc_up, rm, rn, m_ok, n_ok, scale_ptr, bias_ptr, out_ptr, N, stride_out,
-                       HAS_SCALE, HAS_BIAS, SWIGLU)  # fmt: skip
-    else:
-        # Partials [SPLITS, M, N]; every thread's store is issued before the barrier, and the arrival counted
-        # after it with release semantics, so the last program's acquire sees them all (read past L1: .cg).
-        part = part_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
-        ok = m_ok[:, None] & n_ok[None, :]
-        tl.store(part + s * M * N, acc, mask=ok)
-        tl.debug_barrier()
-        if tl.atomic_add(count_ptr + pid, 1, sem="acq_rel") == SPLITS - 1:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for i in range(SPLITS):
-                acc += tl.load(part + i * M * N, mask=ok, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(count_ptr + pid, 0)  # zero again for the next launch (or graph replay)
-            _gemv_epilogue(acc, acc_up, rm, rn, m_ok, n_ok, scale_ptr, bias_ptr, out_ptr, N, stride_out,
-                           HAS_SCALE, HAS_BIAS, SWIGLU)  # fmt: skip
 
 
 @triton.jit
@@ -274,22 +224,16 @@ def gemv(
     bias: torch.Tensor | None = None,
     swiglu: bool = False,
     config: GemvConfig | TokenConfig | None = None,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x [M, K] @ weight[N, K].T`` (times ``scale [N]`` per channel, plus ``bias``) for ``M <= 16``, or up to
-    ``MAX_TILED_TOKENS`` with a ``config`` or a measured tile for that size (``tiled_config``).
+    """``x [M, K] @ weight[N, K].T`` (times ``scale [N]`` per channel, plus ``bias``) for ``M <= 16``.
 
     With ``swiglu`` the weight is a fused ``[2N', K]`` gate/up projection and the result ``silu(gate) * up``
     ``[M, N']``. Output in ``x``'s dtype. One token without SwiGLU takes the CUDA-core kernel when ``config`` is
-    a ``TokenConfig``, and on an FP8 weight when no ``config`` is given (its measured tile then). ``counters``: the
-    arrival counters of a tile split along K (``engine.kernels.arrival_counters``; default: the device's).
+    a ``TokenConfig``, and on an FP8 weight when no ``config`` is given (its measured tile then).
     """
     m, k = x.shape
     if m > MAX_TOKENS:
-        config = config or tiled_config(weight, m)
-        if config is None or m > MAX_TILED_TOKENS:
-            raise ValueError(f"gemv takes at most {MAX_TOKENS} tokens, or {MAX_TILED_TOKENS} with a tile measured for "
-                             f"that size, got {m}")  # fmt: skip
+        raise ValueError(f"gemv takes at most {MAX_TOKENS} tokens, got {m}")
     if weight.shape[1] != k:
         raise ValueError(f"gemv: x has {k} columns, the weight {weight.shape[1]}")
     if x.stride(1) != 1:
@@ -305,18 +249,11 @@ def gemv(
         return _gemv_token(x, weight, scale, bias, out, config or token_config_for(weight))
     cfg = config or config_for(weight)
     fp16_dot = fp8 or x.dtype == torch.float16
-    k_split = triton.cdiv(triton.cdiv(k, cfg.splits), cfg.block_k) * cfg.block_k
-    splits = triton.cdiv(k, k_split)
-    if splits > 1 and swiglu:
-        raise ValueError("a split along K is for a plain projection, not a fused gate/up with SwiGLU")
-    tiles = triton.cdiv(n, cfg.block_n)
-    part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
-    counters = arrival_counters(x.device, tiles, counters) if splits > 1 else out
-    _gemv_kernel[(tiles, splits)](
-        x, weight, scale if scale is not None else x, bias if bias is not None else x, out, part, counters,
-        m, n, x.stride(0), weight.stride(0), out.stride(0), k, k_split, splits,
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
+        m, n, x.stride(0), weight.stride(0), out.stride(0), k,
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, SWIGLU=swiglu, FP16_DOT=fp16_dot,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=max(16, triton.next_power_of_2(m)),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

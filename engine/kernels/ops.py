@@ -141,17 +141,6 @@ class TritonOps:
         self._k = triton_ops
         self._gemv = gemv
         self._skinny_types: tuple[type[nn.Module], ...] = (nn.Linear, Fp8Linear)
-        # This model's arrival counters per device (split matmuls and attention), so that two models stepping at
-        # once on one GPU (engines of one process) never count into the same ones.
-        self._counters: dict[torch.device, torch.Tensor] = {}
-
-    def _arrivals(self, x: torch.Tensor) -> torch.Tensor:
-        counters = self._counters.get(x.device)
-        if counters is None:
-            from engine.kernels import new_arrival_counters
-
-            counters = self._counters[x.device] = new_arrival_counters(x.device)
-        return counters
 
     def rope(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> Any:
         return cos, sin, positions  # the kernel reads the float32 tables at each token's position
@@ -168,20 +157,19 @@ class TritonOps:
         return self._k.silu_and_mul(x)
 
     def _skinny(self, layer: nn.Module, x: torch.Tensor) -> bool:
-        # Plain and FP8 layers of a few tokens (up to 64 where a tile was measured for that) take the skinny kernel;
-        # parallel layers (subclasses with their own collectives) and bigger batches their own forward (cuBLAS /
-        # _scaled_mm).
-        return type(layer) in self._skinny_types and x.dim() == 2 and self._gemv.takes(_weights(layer)[0], x.shape[0])
+        # Plain and FP8 layers of a few tokens take the skinny kernel; parallel layers (subclasses with their own
+        # collectives) and bigger batches their own forward (cuBLAS / _scaled_mm).
+        return type(layer) in self._skinny_types and 0 < x.shape[0] <= self._gemv.MAX_TOKENS and x.dim() == 2
 
     def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self._skinny(layer, x):
-            return self._gemv.gemv(x, *_weights(layer), counters=self._arrivals(x))
+            return self._gemv.gemv(x, *_weights(layer))
         return layer(x)  # type: ignore[no-any-return]
 
     def swiglu_linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self._skinny(layer, x) and layer.bias is None:
             weight, scale, _ = _weights(layer)
-            return self._gemv.gemv(x, weight, scale, swiglu=True, counters=self._arrivals(x))
+            return self._gemv.gemv(x, weight, scale, swiglu=True)
         return self._k.silu_and_mul(layer(x))
 
     def attention(
@@ -205,7 +193,6 @@ class TritonOps:
             out = self._k.paged_attention(
                 q, kv_cache, meta.block_tables, meta.query_start, meta.context_lens, scale,
                 meta.max_query_len, meta.max_context, meta.num_splits, meta.tile_map, window,
-                counters=self._arrivals(q),
             )  # fmt: skip
             return out.view(n, -1)
         # Sparse decode: the decode rows attend over their indexer-chosen blocks, read in place.
@@ -222,7 +209,7 @@ class TritonOps:
         width = tables.shape[1] * block_size
         decoded = self._k.paged_attention(
             q[:nd], kv_cache, tables, meta.query_start[: nd + 1], lens, scale, 1, min(width, meta.max_context),
-            meta.num_splits, counters=self._arrivals(q),
+            meta.num_splits,
         )  # fmt: skip
         if nd == n:
             return decoded.view(n, -1)

@@ -10,8 +10,7 @@ Paged attention is one kernel for every step kind: each program takes one sequen
 and a tile of query rows (query tokens x the query heads sharing that KV head), and walks the
 sequence's KV through its block table with an online softmax, causal with the cached context as
 offset. A decode batch too small to fill the GPU splits each sequence's context over several
-programs (flash-decoding); the last of a sequence's programs to finish (counted by an atomic) merges their
-partial results.
+programs (flash-decoding) and merges their partial results in a second kernel.
 """
 
 # Triton kernels take pointers and constexprs, which have no Python types; the host code is typed.
@@ -25,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import DECODE_BLOCK_N, DecodeTile, arrival_counters, decode_tile, interpret_mode, prefill_block_m
+from engine.kernels import DECODE_BLOCK_N, DecodeTile, decode_tile, interpret_mode, prefill_block_m
 
 if TYPE_CHECKING:
     from engine.kernels.ops import QKNorm
@@ -274,13 +273,12 @@ def _attend(
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, kv_ptr, out_ptr, tables_ptr, qstart_ptr, ctx_ptr, part_acc_ptr, part_ml_ptr, count_ptr, tile_seq_ptr,
-    tile_q_ptr, scale, v_offset, table_stride, num_splits, window,
+    q_ptr, kv_ptr, out_ptr, tables_ptr, qstart_ptr, ctx_ptr, part_acc_ptr, part_ml_ptr, tile_seq_ptr, tile_q_ptr,
+    scale, v_offset, table_stride, num_splits, window,
     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr, SH: tl.constexpr,
     SS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_Q: tl.constexpr,
     SPLIT: tl.constexpr, TILED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     FP16_DOT: tl.constexpr, V_REGS: tl.constexpr, UNMASKED: tl.constexpr, LAZY: tl.constexpr,
-    GROUP_M: tl.constexpr,
 ):  # fmt: skip
     g = tl.program_id(2)
     ok = True
@@ -370,44 +368,34 @@ def _paged_attention_kernel(
                 H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET, True, LAZY,
             )  # fmt: skip
     if SPLIT:
-        # Each split writes its partials; the last of a (sequence, KV head)'s splits to finish, counted by an atomic,
-        # merges them in split order. Every thread's stores are issued before the barrier and the arrival is counted
-        # after it with release semantics, so the last program's acquire sees them all (read past L1: .cg).
-        base = (s * H + h).to(tl.int64) * num_splits
-        tl.store(part_acc_ptr + (base + sp)[:, None] * D + d[None, :], acc, mask=valid[:, None])
-        tl.store(part_ml_ptr + (base + sp) * 2, m_i, mask=valid)
-        tl.store(part_ml_ptr + (base + sp) * 2 + 1, l_i, mask=valid)
-        tl.debug_barrier()
-        counter = count_ptr + s * (H // GROUP) + g
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-            # The merge reads only the group's rows (GROUP_M, a power of two), which keeps its registers below the
-            # loop's. A split that saw no key wrote m = -1e30, l = 0, which weigh nothing; maxima are in log2 units.
-            # (`while` loops: Triton's interpreter cannot run a `for` over an argument's bound.)
-            rg = tl.arange(0, GROUP_M)
-            ok_g = rg < GROUP
-            part_g = (s * H + g * GROUP + rg).to(tl.int64) * num_splits
-            top = tl.full([GROUP_M], -1e30, tl.float32)
-            i = 0
-            while i < num_splits:
-                top = tl.maximum(top, tl.load(part_ml_ptr + (part_g + i) * 2, mask=ok_g, other=-1e30,
-                                              cache_modifier=".cg"))  # fmt: skip
-                i += 1
-            merged = tl.zeros([GROUP_M, D], tl.float32)
-            total = tl.zeros([GROUP_M], tl.float32)
-            i = 0
-            while i < num_splits:
-                w = tl.exp2(tl.load(part_ml_ptr + (part_g + i) * 2, mask=ok_g, other=-1e30, cache_modifier=".cg") - top)
-                total += w * tl.load(part_ml_ptr + (part_g + i) * 2 + 1, mask=ok_g, other=0.0, cache_modifier=".cg")
-                merged += w[:, None] * tl.load(part_acc_ptr + (part_g + i)[:, None] * D + d[None, :],
-                                               mask=ok_g[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
-                i += 1
-            tl.atomic_xchg(counter, 0)  # zero again for the next launch (or graph replay)
-            rows = q0.to(tl.int64) * (H * D) + (g * GROUP + rg) * D
-            tl.store(out_ptr + rows[:, None] + d[None, :], (merged / total[:, None]).to(out_ptr.dtype.element_ty),
-                     mask=ok_g[:, None])  # fmt: skip
+        part = (s * H + h).to(tl.int64) * num_splits + sp
+        tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=valid[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=valid)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=valid)
     else:
         out = acc / l_i[:, None]
         tl.store(out_ptr + q_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_acc_ptr, part_ml_ptr, out_ptr, num_splits,
+    H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    # Every split wrote its partials; one that saw no key wrote m = -1e30, l = 0, which weigh nothing here.
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.arange(0, SPLITS)
+    used = i < num_splits
+    part = (s * H + h).to(tl.int64) * num_splits + i
+    m = tl.load(part_ml_ptr + part * 2, mask=used, other=-1e30)
+    l_ = tl.load(part_ml_ptr + part * 2 + 1, mask=used, other=0.0)
+    top = tl.max(m, 0)
+    w = tl.where(used, tl.exp2(m - top), 0.0)  # the partials' maxima are in log2 units
+    d = tl.arange(0, D)
+    acc = tl.load(part_acc_ptr + part[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_ * w, 0)
+    tl.store(out_ptr + (s.to(tl.int64) * H + h) * D + d, out.to(out_ptr.dtype.element_ty))
 
 
 # Programs over prompt rows: masked, eager, uncapped.
@@ -419,7 +407,7 @@ def paged_attention(
     context_lens: torch.Tensor, scale: float, max_query_len: int, max_context: int, num_splits: int = 1,
     tile_map: tuple[torch.Tensor, torch.Tensor] | None = None, window: int = 0, block_n: int = 0,
     num_warps: int = 0, num_stages: int = 0, v_regs: bool | None = None, unmasked: bool | None = None,
-    lazy_rescale: bool | None = None, max_registers: int | None = None, counters: torch.Tensor | None = None,
+    lazy_rescale: bool | None = None, max_registers: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Causal attention of ``q [tokens, H, D]`` over each sequence's cached context (this step's K/V included).
 
@@ -435,8 +423,7 @@ def paged_attention(
     ``v_regs``: an e4m3 cache's V tiles are widened to fp16 in registers before the dot (the default for such a
     cache); False leaves the widening to Triton (``fp8_tune.py`` times both). ``unmasked``, ``lazy_rescale``,
     ``max_registers``: the loop's form and register cap (``DecodeTile``; None: the measured tile's for decode steps,
-    masked, eager and uncapped for prompts). The lazy rescale applies to decode steps only. ``counters``: the arrival
-    counters of split decode programs (``engine.kernels.arrival_counters``; default: the device's).
+    masked, eager and uncapped for prompts). The lazy rescale applies to decode steps only.
     """
     _, _, kv_heads, bs, d = kv_cache.shape
     heads = q.shape[1]
@@ -465,13 +452,16 @@ def paged_attention(
         block_m = max(16, triton.next_power_of_2(group))
         part_acc = torch.empty((seqs, heads, splits, d), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((seqs, heads, splits, 2), dtype=torch.float32, device=q.device)
-        counters = arrival_counters(q.device, seqs * kv_heads, counters)
         _paged_attention_kernel[(splits, seqs, kv_heads)](
-            q, kv_cache, out, block_tables, query_start, context_lens, part_acc, part_ml, counters, out, out,
+            q, kv_cache, out, block_tables, query_start, context_lens, part_acc, part_ml, out, out,
             scale, v_offset, block_tables.stride(0), splits, window,
             H=heads, GROUP=group, D=d, BS=bs, **strides, BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=1,
             SPLIT=True, TILED=False, PRECISION=precision, INTERPRET=_INTERPRET, FP16_DOT=fp16_dot,
-            V_REGS=v_regs, UNMASKED=unmasked, LAZY=lazy, GROUP_M=triton.next_power_of_2(group), **launch,
+            V_REGS=v_regs, UNMASKED=unmasked, LAZY=lazy, **launch,
+        )  # fmt: skip
+        _merge_splits_kernel[(seqs, heads)](
+            part_acc, part_ml, out, splits,
+            H=heads, D=d, SPLITS=triton.next_power_of_2(splits),
         )  # fmt: skip
         return out
     if tile_map is not None:
@@ -483,10 +473,10 @@ def paged_attention(
         tile_seq = tile_idx = out
         grid = (triton.cdiv(max_query_len, block_m // group), seqs, kv_heads)
     _paged_attention_kernel[grid](
-        q, kv_cache, out, block_tables, query_start, context_lens, out, out, out, tile_seq, tile_idx,
+        q, kv_cache, out, block_tables, query_start, context_lens, out, out, tile_seq, tile_idx,
         scale, v_offset, block_tables.stride(0), 1, window,
         H=heads, GROUP=group, D=d, BS=bs, **strides, BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=block_m // group,
         SPLIT=False, TILED=tile_map is not None, PRECISION=precision, INTERPRET=_INTERPRET, FP16_DOT=fp16_dot,
-        V_REGS=v_regs, UNMASKED=unmasked, LAZY=lazy, GROUP_M=triton.next_power_of_2(group), **launch,
+        V_REGS=v_regs, UNMASKED=unmasked, LAZY=lazy, **launch,
     )  # fmt: skip
     return out
