@@ -314,6 +314,7 @@ class BlockManager:
                     self.events.removed(h)  # reported early, never written, and no other block holds it
                 self._free[block_id] = None
         seq.block_table.clear()
+        seq.table_epoch += 1
         seq.num_cached_tokens = 0
 
     def invalidate(self, seq: Sequence) -> None:
@@ -353,6 +354,8 @@ class BlockManager:
 
         They were taken fresh for this step and never indexed, so they go to the front of the free list:
         nothing worth keeping is in them."""
+        if len(seq.block_table) > seq.num_blocks:
+            seq.table_epoch += 1
         while len(seq.block_table) > seq.num_blocks:
             block_id = seq.block_table.pop()
             block = self.blocks[block_id]

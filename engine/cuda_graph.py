@@ -178,6 +178,10 @@ class DecodeGraphs(_GraphSet):
         self._tables = self.buf.np["tables"].reshape(top, self.width)
         self._d_tables = self.buf.d["tables"].view(top, self.width)
         self._d_query_start = torch.arange(top + 1, dtype=torch.int32, device=device)
+        # What each row of the host tables holds: (the block table list it copies, that sequence's table epoch, how
+        # many entries). A row whose sequence comes back with the same list and epoch only grew: the next step
+        # writes just its new entries (copying every table afresh was most of a large batch's staging).
+        self._rows: list[tuple[list[int], int, int] | None] = [None] * top
         self._pad(0, top)
         self.buf.upload(self.buf.dev.numel())
         self._staged = 0
@@ -193,6 +197,7 @@ class DecodeGraphs(_GraphSet):
         b["slots"][start:end] = self.scratch_block * self.block_size
         b["ctx"][start:end] = 1
         self._tables[start:end, 0] = self.scratch_block
+        self._rows[start:end] = [None] * (end - start)
 
     def _forward(self, batch: int) -> Outputs:
         d = self.buf.d
@@ -230,15 +235,22 @@ class DecodeGraphs(_GraphSet):
         bucket = self.bucket(n)
         bs = self.block_size
         b = self.buf.np
-        ids, pos_, slots, ctx = b["ids"], b["pos"], b["slots"], b["ctx"]
+        # Whole columns at once (a numpy element written one by one costs more than the list it comes from).
+        positions = [len(seq.token_ids) - 1 for seq in seqs]
+        b["ids"][:n] = [seq.token_ids[-1] for seq in seqs]
+        b["pos"][:n] = positions
+        b["ctx"][:n] = b["pos"][:n] + 1
+        b["slots"][:n] = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions, strict=True)]
+        tables, rows = self._tables, self._rows
         for i, seq in enumerate(seqs):
-            pos = len(seq) - 1
             table = seq.block_table
-            ids[i] = seq.token_ids[pos]
-            pos_[i] = pos
-            slots[i] = table[pos // bs] * bs + pos % bs
-            ctx[i] = pos + 1
-            self._tables[i, : len(table)] = table
+            row, epoch, end = rows[i] or (None, 0, 0)
+            start = end if row is table and epoch == seq.table_epoch and end <= len(table) else 0
+            if start < len(table):
+                tables[i, start : len(table)] = table[start:]
+                rows[i] = (table, seq.table_epoch, len(table))
+            elif start == 0:
+                rows[i] = (table, seq.table_epoch, 0)
         self._pad(n, bucket)
         self._staged = bucket
 

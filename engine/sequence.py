@@ -126,6 +126,7 @@ class Sequence:
         "status",
         "stop_reason",
         "stream_index",
+        "table_epoch",
         "token_ids",
     )
 
@@ -139,6 +140,9 @@ class Sequence:
         self.prefix_hit_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.admitted_at: float | None = None  # time.monotonic() when the scheduler first gave it blocks or a step
         self.block_table: list[int] = []
+        # Bumped whenever the block table loses entries (freed, trimmed): between two equal epochs the table only
+        # grew, which is what a copy of its prefix (a decode graph's staged row) relies on.
+        self.table_epoch = 0
         self.block_size = block_size
         # The prefix-cache hashes of its full blocks so far, in order, and those blocks' token ids (the
         # tuples the hashes cover, which a cached block keeps to be compared): computed once (by the

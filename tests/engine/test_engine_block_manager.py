@@ -207,3 +207,47 @@ def test_a_prompt_is_hashed_once_per_sequence(monkeypatch: pytest.MonkeyPatch) -
     for i in range(30):
         expect.append(block_hash(prompt[i * BS : (i + 1) * BS], expect[-1] if expect else None))
     assert s.block_hashes == expect
+
+
+def test_a_decode_graphs_staged_tables_follow_growth_trims_frees_and_reordering() -> None:
+    """A decode graph's host tables keep each row between steps and write only what a row's sequence appended; a
+    trim, a free (preemption) or another sequence in the row makes it copy the whole table again. After every kind
+    of change, each staged row holds exactly its sequence's table."""
+    import torch
+
+    from engine.cuda_graph import DecodeGraphs
+
+    bm = BlockManager(64, BS)
+    graphs = DecodeGraphs(None, [torch.zeros(1)], [], [4], BS, 63, 64, 0)  # type: ignore[arg-type]
+    a, b, c = seq(1, list(range(9))), seq(2, list(range(5))), seq(3, list(range(2)))
+    for s in (a, b, c):
+        prefill(bm, s)
+
+    def decode(*seqs: Sequence) -> None:
+        graphs.stage(seqs)
+        for i, s in enumerate(seqs):
+            assert graphs._tables[i, : len(s.block_table)].tolist() == s.block_table, (i, s.seq_id)
+            assert graphs.buf.np["slots"][i] == s.block_table[(len(s) - 1) // BS] * BS + (len(s) - 1) % BS
+        for s in seqs:  # the step's token, and a block at each boundary
+            s.append_token(0)
+            bm.may_append(s)
+
+    for _ in range(6):  # rows grow in place
+        decode(a, b, c)
+    decode(a, b)  # fewer rows: the third is padding (its first entry the scratch block)
+    decode(a, b, c)  # and the same sequence comes back to it
+    decode(c, a)  # reordered
+    decode(b, c, a)
+    a.append_token(0)  # speculative drafts' blocks, then a trim back (epoch bumped), then growth again
+    bm.reserve(a, len(a) + 9)
+    decode(a, b)
+    del a.token_ids[-1]
+    bm.trim(a)
+    decode(a, b)
+    epoch = b.table_epoch
+    bm.deallocate(b)  # preempted and re-admitted: the same list, new blocks
+    assert b.table_epoch == epoch + 1
+    bm.allocate(b)
+    decode(a, b, c)
+    b.block_table = list(b.block_table)  # a new list (as ranks' copies make): copied whole
+    decode(a, b, c)
