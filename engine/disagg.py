@@ -64,6 +64,11 @@ class KVMemory(Protocol):
         blocks the engine hands out (``engine.kv_transfer.layout.region_views``)."""
         ...
 
+    def kv_formats(self) -> list[str]:
+        """What a block of each of those regions holds, its element type and shape
+        (``engine.kv_transfer.layout.region_formats``): a peer whose blocks differ in it is refused."""
+        ...
+
 
 class HasDevice(Protocol):
     @property
@@ -181,7 +186,8 @@ class Disaggregation:
         self.backend, why = chosen
         views = self.memory.kv_views()
         export = self._export_pools(views) if self.role == PRODUCER else None
-        regions = [view_region(v) for v in views]  # after the export: on CPU it moved the caches into shared memory
+        # After the export: on CPU it moved the caches into shared memory.
+        regions = [view_region(v, f) for v, f in zip(views, self.memory.kv_formats(), strict=True)]
         transport = transfer_transport(self.memory, self.config, self.backend)
         inflight = self.config.max_inflight_pulls
         if self.backend is MemoryBackend.STAGED:  # two slots per transfer in flight: a pipeline two chunks deep

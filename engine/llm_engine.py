@@ -26,7 +26,7 @@ from engine.errors import (
 )
 from engine.kernels import interpret_mode, triton_importable
 from engine.kv_events import EventRecorder
-from engine.kv_transfer.layout import region_views
+from engine.kv_transfer.layout import region_formats, region_views
 from engine.model_runner import ModelRunner, StepInput, kv_cache_dtype
 from engine.models.eagle3 import load_eagle3
 from engine.models.loader import LoadedModel, load_model
@@ -309,6 +309,11 @@ class LLMEngine:
         K and V, then the indexer caches), every tensor-parallel rank's, rank after rank (rank 0 maps them all;
         the peer's rank r pairs with ours). Ids are the pool's: a trailing scratch block is left out."""
         return region_views(*self.transfer_caches(), num_blocks=self.num_blocks)
+
+    def kv_formats(self) -> list[str]:
+        """What a block of each ``kv_views`` region holds: its element type and shape (a peer engine whose blocks
+        differ, in float16 against bfloat16 or in another block size, is refused rather than read as garbage)."""
+        return region_formats(*self.transfer_caches())
 
     # -- admission ---------------------------------------------------------------------------------
 

@@ -20,29 +20,42 @@ import torch
 SKIP = -1  # a destination block id meaning "do not send this block"
 
 
+MAX_FORMAT_CHARS = 96
+
+
 @dataclass(frozen=True, slots=True)
 class Region:
-    """One registered buffer of ``num_blocks`` units of ``unit_bytes``, block ``b`` at ``base + b * unit_bytes``."""
+    """One registered buffer of ``num_blocks`` units of ``unit_bytes``, block ``b`` at ``base + b * unit_bytes``.
+
+    ``fmt`` says what a unit holds, its element type and shape (``region_formats``), where the region is a cache's
+    (empty for staging buffers and peers that do not say): units of equal size but another format are not the same
+    KV."""
 
     base: int
     unit_bytes: int
     num_blocks: int
+    fmt: str = ""
 
     @property
     def nbytes(self) -> int:
         return self.unit_bytes * self.num_blocks
 
-    def to_wire(self) -> list[int]:
-        return [self.base, self.unit_bytes, self.num_blocks]
+    def to_wire(self) -> list[int | str]:
+        return [self.base, self.unit_bytes, self.num_blocks, *([self.fmt] if self.fmt else [])]
 
     @classmethod
     def from_wire(cls, raw: object) -> Region:
-        if not (isinstance(raw, list | tuple) and len(raw) == 3 and all(isinstance(x, int) for x in raw)):
-            raise ValueError(f"a region is [base, unit_bytes, num_blocks], got {raw!r}")
-        base, unit, n = raw
+        if not (
+            isinstance(raw, list | tuple)
+            and len(raw) in (3, 4)
+            and all(isinstance(x, int) for x in raw[:3])
+            and (len(raw) == 3 or (isinstance(raw[3], str) and 0 < len(raw[3]) <= MAX_FORMAT_CHARS))
+        ):
+            raise ValueError(f"a region is [base, unit_bytes, num_blocks] and a format string, got {raw!r}"[:200])
+        base, unit, n = raw[:3]
         if base <= 0 or unit <= 0 or n <= 0:
             raise ValueError(f"region fields must be positive, got {raw!r}")
-        return cls(base, unit, n)
+        return cls(base, unit, n, raw[3] if len(raw) == 4 else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,16 +101,27 @@ def region_views(
     return views
 
 
-def view_region(view: torch.Tensor) -> Region:
-    """The region of a ``[num_blocks, unit_bytes]`` uint8 view."""
-    return Region(view.data_ptr(), view.shape[1], view.shape[0])
+def view_region(view: torch.Tensor, fmt: str = "") -> Region:
+    """The region of a ``[num_blocks, unit_bytes]`` uint8 view (``fmt``: what a unit holds, see ``Region``)."""
+    return Region(view.data_ptr(), view.shape[1], view.shape[0], fmt)
+
+
+def region_formats(kv_caches: Sequence[torch.Tensor], indexer_caches: Sequence[torch.Tensor] = ()) -> list[str]:
+    """What a unit of each region holds, in ``region_views``' order: its element type and shape, e.g.
+    ``bfloat16[8,16,128]`` for a head-major block of 8 KV heads, 16 slots and 128 dims. Two engines whose caches
+    differ in it (one in float16, the other in bfloat16; another block size or head layout of the same bytes)
+    cannot exchange blocks, though their units are the same size."""
+    tensors = [half for t in kv_caches for half in (t[0], t[1])] + list(indexer_caches)
+    return [f"{str(t.dtype).removeprefix('torch.')}[{','.join(map(str, t.shape[1:]))}]" for t in tensors]
 
 
 def regions_from_kv_caches(
     kv_caches: Sequence[torch.Tensor], indexer_caches: Sequence[torch.Tensor] = (), num_blocks: int | None = None
 ) -> list[Region]:
-    """Regions of the engine's caches: per layer K then V, then indexer caches (see ``region_views``)."""
-    return [view_region(v) for v in region_views(kv_caches, indexer_caches, num_blocks)]
+    """Regions of the engine's caches: per layer K then V, then indexer caches (see ``region_views``), each with its
+    format (``region_formats``)."""
+    views = region_views(kv_caches, indexer_caches, num_blocks)
+    return [view_region(v, f) for v, f in zip(views, region_formats(kv_caches, indexer_caches), strict=True)]
 
 
 def spans(regions: Sequence[Region]) -> list[tuple[int, int]]:
@@ -117,12 +141,15 @@ def spans(regions: Sequence[Region]) -> list[tuple[int, int]]:
 
 
 def check_compatible(local: Sequence[Region], remote: Sequence[Region]) -> str | None:
-    """Why two region lists cannot exchange blocks (count or unit sizes differ), or None when they can."""
+    """Why two region lists cannot exchange blocks (count, unit sizes or, where both say, formats differ), or None
+    when they can."""
     if len(local) != len(remote):
         return f"region count differs: producer has {len(local)}, consumer {len(remote)}"
     for i, (a, b) in enumerate(zip(local, remote, strict=True)):
         if a.unit_bytes != b.unit_bytes:
             return f"region {i}: unit_bytes differ (producer {a.unit_bytes}, consumer {b.unit_bytes})"
+        if a.fmt and b.fmt and a.fmt != b.fmt:
+            return f"region {i}: KV formats differ (producer {a.fmt}, consumer {b.fmt})"
     return None
 
 

@@ -5,7 +5,7 @@ Every frame is a 4-byte big-endian length then a msgpack map carrying ``v`` (the
 (the write ran: ``status`` "ok" or "error") or one ``error`` (refused before writing), then closes.
 
     write_request: transfer_id, rpc ("ip:port" of the consumer's agent), block_ids (destination),
-                   regions ([[base, unit_bytes, num_blocks], ...]), nonce; staged consumers add
+                   regions ([[base, unit_bytes, num_blocks, format], ...]), nonce; staged consumers add
                    staging ([[address, bytes], [address, bytes]]: the two slots it leased)
     chunk:         (staged) seq, slot (0 or 1: which of the consumer's slots), pieces
                    ([[region, first, count], ...]: pairs first..first+count of each region, end to end)

@@ -269,6 +269,44 @@ async def test_the_pd_verbs_own_reserve_pull_commit_and_release(make_engine, fre
         await prefill.stop()
 
 
+async def test_engines_whose_kv_blocks_hold_other_formats_refuse_to_exchange_them(make_engine, free_port) -> None:  # type: ignore[no-untyped-def]
+    """A prefill engine in float16 and a decode engine in bfloat16 have KV blocks of the same size, which a copy
+    would read as other numbers: the pull is refused, naming both formats, and both pools come back whole."""
+    from engine.args import parse_kv_transfer_config
+    from engine.disagg import Disaggregation
+    from engine.kv_transfer import KVTransferError
+
+    def relay(engine, role: str) -> Disaggregation:  # type: ignore[no-untyped-def]
+        config = parse_kv_transfer_config(f'{{"kv_role": "{role}", "handshake_port": {free_port()}, '
+                                          '"memory_backend": "staged", "staging_buffer_mb": 1}')  # fmt: skip
+        return Disaggregation(engine, config, "127.0.0.1", transfer_timeout=10.0)
+
+    prefill_core, decode_core = make_engine(dtype="float16"), make_engine(dtype="bfloat16")
+    assert prefill_core.kv_formats()[0].startswith("float16[") and decode_core.kv_formats()[0].startswith("bfloat16[")
+    prompt = list(range(1, 40))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prefill = AsyncLLMEngine(prefill_core, relay(prefill_core, "kv_producer"))
+    decode = AsyncLLMEngine(decode_core, relay(decode_core, "kv_consumer"))
+    await prefill.start()
+    await decode.start()
+    try:
+        gen = await prefill.open(prefill.check(prompt, replace(params, max_tokens=1), True, {"do_remote_decode": True}))
+        _ = [out async for out in prefill.stream(gen.handles[0])]
+        kv = gen.hand_over()
+        gen.close()
+        assert kv is not None
+        with pytest.raises(
+            KVTransferError, match=r"KV formats differ \(producer float16\[.*consumer bfloat16\["
+        ) as err:
+            await decode.open(decode.check(prompt, params, True, {**kv, "do_remote_prefill": True}))
+        assert err.value.reason == "region_mismatch"
+        assert not prefill_core.held and prefill_core.block_manager.num_free_blocks == prefill_core.num_blocks
+        assert not decode_core.held and decode_core.block_manager.num_free_blocks == decode_core.num_blocks
+    finally:
+        await decode.stop()
+        await prefill.stop()
+
+
 async def test_blocks_an_abort_freed_during_a_step_make_their_pull_wait_for_that_step(make_engine, wait_for) -> None:  # type: ignore[no-untyped-def]
     """A client's abort frees its blocks while the step it was in still runs (and may still write them): a
     reservation that gets one of them carries that step (``after``), so its pull lands nothing before the step

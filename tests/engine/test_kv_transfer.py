@@ -13,7 +13,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgpack
@@ -172,10 +172,18 @@ def test_plan_writes_one_op_per_run_per_region_and_merges_neighbours() -> None:
 def test_regions_follow_the_engine_cache_layout(prefill: Side) -> None:
     layer0 = prefill.kv[0]
     unit = BLOCK_SIZE * KV_HEADS * HEAD_DIM * 4
-    assert prefill.regions[0] == Region(layer0.data_ptr(), unit, NUM_BLOCKS)
-    assert prefill.regions[1] == Region(layer0[1].data_ptr(), unit, NUM_BLOCKS)
-    assert prefill.regions[2 * LAYERS] == Region(prefill.indexer[0].data_ptr(), HEAD_DIM * 4, NUM_BLOCKS)
+    block = f"float32[{KV_HEADS},{BLOCK_SIZE},{HEAD_DIM}]"  # what a unit holds: a head-major block
+    assert prefill.regions[0] == Region(layer0.data_ptr(), unit, NUM_BLOCKS, block)
+    assert prefill.regions[1] == Region(layer0[1].data_ptr(), unit, NUM_BLOCKS, block)
+    indexer = Region(prefill.indexer[0].data_ptr(), HEAD_DIM * 4, NUM_BLOCKS, f"float32[{HEAD_DIM}]")
+    assert prefill.regions[2 * LAYERS] == indexer
     assert len(prefill.regions) == 3 * LAYERS
+    # On the wire a region carries its format; a peer that sends none (three fields) is checked by size alone.
+    assert Region.from_wire(prefill.regions[0].to_wire()) == prefill.regions[0]
+    assert Region.from_wire([1, 2, 3]) == Region(1, 2, 3)
+    for bad in ([1, 2, 3, 4], [1, 2, 3, ""], [1, 2, 3, "x" * 97], [1, 2], [1, 2, 3, "a", "b"]):
+        with pytest.raises(ValueError, match="a region is"):
+            Region.from_wire(bad)
 
 
 # -- real transfers --------------------------------------------------------------------------
@@ -382,8 +390,15 @@ async def test_region_mismatch_refused_clearly(decode: Side, producer: KVProduce
     with pytest.raises(KVTransferError, match="out of range") as err:
         await KVConsumer(decode.agent, decode.regions).pull(params, [NUM_BLOCKS])
     assert err.value.reason == "block_mismatch"
-    assert [r for _, r in releases.calls] == [ReleaseReason.REFUSED] * 3 and producer.pending_count == 0
-    assert producer.stats().released[ReleaseReason.REFUSED] == 3 and producer.stats().bytes_written == 0
+    # Units of the same size holding another format (a float16 cache against a bfloat16 one, another block size):
+    # the same bytes would be read as other values, so the producer refuses, naming both.
+    params = producer.offer([1], 7, releases.callback("w"))
+    other_format = [replace(r, fmt=r.fmt.replace("float32", "int32")) for r in decode.regions]
+    with pytest.raises(KVTransferError, match=r"region 0: KV formats differ \(producer float32\[") as err:
+        await KVConsumer(decode.agent, other_format).pull(params, [1])
+    assert err.value.reason == "region_mismatch"
+    assert [r for _, r in releases.calls] == [ReleaseReason.REFUSED] * 4 and producer.pending_count == 0
+    assert producer.stats().released[ReleaseReason.REFUSED] == 4 and producer.stats().bytes_written == 0
 
 
 async def test_nonce_mismatch_rejected() -> None:
