@@ -156,6 +156,36 @@ class _GraphSet:
         return self._outputs[size]
 
 
+class _TableRows:
+    """A graph's host block tables (one row per sequence seat), kept between steps: a row whose sequence comes back
+    with the same list and table epoch (``Sequence.table_epoch``: bumped when a table shrinks or is freed) has only
+    grown, so a step writes just its new entries. Another sequence in the row, a new list, a shrunk table or a row
+    overwritten in between (``forget``) makes it copy the whole table. Copying every table afresh was most of a
+    large batch's staging."""
+
+    def __init__(self, tables: np.ndarray) -> None:
+        self.tables = tables
+        # Per row: (the block table list it copies, that sequence's table epoch, how many entries).
+        self._rows: list[tuple[list[int], int, int] | None] = [None] * tables.shape[0]
+
+    def write(self, seqs: Seq[Sequence]) -> None:
+        """Rows ``0..len(seqs)`` hold ``seqs``' block tables (entries past a table's end are left as they were)."""
+        tables, rows = self.tables, self._rows
+        for i, seq in enumerate(seqs):
+            table = seq.block_table
+            row, epoch, end = rows[i] or (None, 0, 0)
+            start = end if row is table and epoch == seq.table_epoch and end <= len(table) else 0
+            if start < len(table):
+                tables[i, start : len(table)] = table[start:]
+                rows[i] = (table, seq.table_epoch, len(table))
+            elif start == 0:
+                rows[i] = (table, seq.table_epoch, 0)
+
+    def forget(self, start: int, end: int) -> None:
+        """Rows ``start..end`` were written by other means (padding): the next ``write`` copies them whole."""
+        self._rows[start:end] = [None] * (end - start)
+
+
 class DecodeGraphs(_GraphSet):
     """The decode-step graphs of one model runner (every sequence computes one token)."""
 
@@ -178,10 +208,7 @@ class DecodeGraphs(_GraphSet):
         self._tables = self.buf.np["tables"].reshape(top, self.width)
         self._d_tables = self.buf.d["tables"].view(top, self.width)
         self._d_query_start = torch.arange(top + 1, dtype=torch.int32, device=device)
-        # What each row of the host tables holds: (the block table list it copies, that sequence's table epoch, how
-        # many entries). A row whose sequence comes back with the same list and epoch only grew: the next step
-        # writes just its new entries (copying every table afresh was most of a large batch's staging).
-        self._rows: list[tuple[list[int], int, int] | None] = [None] * top
+        self._table_rows = _TableRows(self._tables)
         self._pad(0, top)
         self.buf.upload(self.buf.dev.numel())
         self._staged = 0
@@ -197,7 +224,7 @@ class DecodeGraphs(_GraphSet):
         b["slots"][start:end] = self.scratch_block * self.block_size
         b["ctx"][start:end] = 1
         self._tables[start:end, 0] = self.scratch_block
-        self._rows[start:end] = [None] * (end - start)
+        self._table_rows.forget(start, end)
 
     def _forward(self, batch: int) -> Outputs:
         d = self.buf.d
@@ -241,16 +268,7 @@ class DecodeGraphs(_GraphSet):
         b["pos"][:n] = positions
         b["ctx"][:n] = b["pos"][:n] + 1
         b["slots"][:n] = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions, strict=True)]
-        tables, rows = self._tables, self._rows
-        for i, seq in enumerate(seqs):
-            table = seq.block_table
-            row, epoch, end = rows[i] or (None, 0, 0)
-            start = end if row is table and epoch == seq.table_epoch and end <= len(table) else 0
-            if start < len(table):
-                tables[i, start : len(table)] = table[start:]
-                rows[i] = (table, seq.table_epoch, len(table))
-            elif start == 0:
-                rows[i] = (table, seq.table_epoch, 0)
+        self._table_rows.write(seqs)
         self._pad(n, bucket)
         self._staged = bucket
 
@@ -289,6 +307,7 @@ class MixedGraphs(_GraphSet):
                              "tile_q": tiles, "rows": s, "tables": s * self.width}, device)  # fmt: skip
         self._tables = self.buf.np["tables"].reshape(s, self.width)
         self._d_tables = self.buf.d["tables"].view(s, self.width)
+        self._table_rows = _TableRows(self._tables)
         self.buf.np["slots"][:] = scratch_block * block_size
         self.buf.np["ctx"][:] = 1
         self.buf.np["tile_seq"][:] = -1
@@ -328,8 +347,9 @@ class MixedGraphs(_GraphSet):
         self.capture(self._forward, "mixed-step")
 
     def stage(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, query_lens: list[int],
-              context_lens: list[int], tables: list[list[int]], rows: list[int]) -> None:  # fmt: skip
-        """Write one step's inputs (at most the largest token count) into the host buffer."""
+              context_lens: list[int], sequences: Seq[Sequence], rows: list[int]) -> None:  # fmt: skip
+        """Write one step's inputs (at most the largest token count) into the host buffer; ``sequences`` give the
+        block tables."""
         self.buf.writable()
         n, seqs = len(ids), len(query_lens)
         size = self.bucket(n)
@@ -350,8 +370,7 @@ class MixedGraphs(_GraphSet):
         b["tile_q"][:tiles] = tile_q
         b["rows"][: len(rows)] = rows
         b["rows"][len(rows) : bucket_seqs] = 0
-        for i, table in enumerate(tables):
-            self._tables[i, : len(table)] = table
+        self._table_rows.write(sequences)
         self._staged = size
         self._seqs = seqs
         self._tokens = n

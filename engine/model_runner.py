@@ -374,21 +374,25 @@ class ModelRunner:
 
     def _flatten(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> _FlatBatch:
         bs = self.block_size
-        flat = _FlatBatch([], np.empty(0, np.int64), np.empty(0, np.int64), [], [], [], [], [], [], [], [], ())
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
+        rows = sum(num_new_tokens)
+        positions, slots = np.empty(rows, np.int64), np.empty(rows, np.int64)
+        flat = _FlatBatch([], positions, slots, [], [], [], [], [], [], [], [], ())
         drafts: list[tuple[int, ...]] = []
         total = 0  # hidden rows so far
         for seq, n in zip(seqs, num_new_tokens, strict=True):
             start = seq.num_cached_tokens
             end = start + n
             extra = seq.draft_tokens[: max(end - len(seq), 0)]  # a verify row: the drafts after its last token
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            pos = np.arange(start, end, dtype=np.int64)
-            flat.ids.extend(seq.token_ids[start:end])
+            if n == 1 and not extra:  # a decode row: its one slot, without turning its block table into an array
+                positions[total] = start
+                slots[total] = seq.block_table[start // bs] * bs + start % bs
+                flat.ids.append(seq.token_ids[start])
+            else:
+                pos = np.arange(start, end, dtype=np.int64)
+                positions[total : total + n] = pos
+                slots[total : total + n] = np.asarray(seq.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs
+                flat.ids.extend(seq.token_ids[start:end])
             flat.ids.extend(extra)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
             flat.query_lens.append(n)
             flat.cached_lens.append(start)
             flat.context_lens.append(end)
@@ -408,14 +412,13 @@ class ModelRunner:
                 flat.sampled.append(seq)
                 flat.logits_rows.extend(range(total - 1 - len(extra), total))
                 drafts.append(tuple(extra))
-        flat.positions, flat.slots = np.concatenate(positions), np.concatenate(slots)
         flat.drafts = tuple(drafts) if any(drafts) else ()
         return flat
 
     def _mixed_graph_step(self, mixed: MixedGraphs, seqs: Seq[Sequence], flat: _FlatBatch,
                           eagle: bool) -> MixedGraphStep:  # fmt: skip
         mixed.stage(np.asarray(flat.ids, dtype=np.int32), flat.positions, flat.slots, flat.query_lens,
-                    flat.context_lens, [s.block_table for s in seqs], flat.logits_rows)  # fmt: skip
+                    flat.context_lens, seqs, flat.logits_rows)  # fmt: skip
         rows, mask, masked = sample_rows(flat.sampled, self.config.vocab_size)
         return MixedGraphStep(mixed, rows, mask, masked, flat.drafts, _eagle_rows(seqs, flat) if eagle else None)
 
