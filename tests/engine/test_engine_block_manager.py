@@ -209,13 +209,24 @@ def test_a_prompt_is_hashed_once_per_sequence(monkeypatch: pytest.MonkeyPatch) -
     assert s.block_hashes == expect
 
 
-def test_a_decode_graphs_staged_tables_follow_growth_trims_frees_and_reordering() -> None:
-    """A decode graph's host tables keep each row between steps and write only what a row's sequence appended; a
-    trim, a free (preemption) or another sequence in the row makes it copy the whole table again. After every kind
-    of change, each staged row holds exactly its sequence's table."""
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_a_graphs_staged_tables_follow_growth_trims_frees_and_reordering(kind: str) -> None:
+    """A decode or mixed-step graph's host tables keep each row between steps and write only what a row's sequence
+    appended; a trim, a free (preemption) or another sequence in the row makes it copy the whole table again. After
+    every kind of change, each staged row holds exactly its sequence's table."""
+    from types import SimpleNamespace
+
+    import numpy as np
     import torch
 
-    from engine.cuda_graph import DecodeGraphs
+    from engine.cuda_graph import DecodeGraphs, MixedGraphs
+
+    graphs: DecodeGraphs | MixedGraphs
+    if kind == "decode":
+        graphs = DecodeGraphs(None, [torch.zeros(1)], [], [4], BS, 63, 64, 0)  # type: ignore[arg-type]
+    else:
+        model = SimpleNamespace(config=SimpleNamespace(num_attention_heads=4, num_key_value_heads=2))
+        graphs = MixedGraphs(model, [torch.zeros(1)], [8], 4, BS, 63, 64)  # type: ignore[arg-type]
 
     bm = BlockManager(64, BS)
     graphs = DecodeGraphs(None, [torch.zeros(1)], [], [4], BS, 63, 64, 0)  # type: ignore[arg-type]
@@ -224,10 +235,17 @@ def test_a_decode_graphs_staged_tables_follow_growth_trims_frees_and_reordering(
         prefill(bm, s)
 
     def decode(*seqs: Sequence) -> None:
-        graphs.stage(seqs)
+        if isinstance(graphs, DecodeGraphs):
+            graphs.stage(seqs)
+            for i, s in enumerate(seqs):
+                assert graphs.buf.np["slots"][i] == s.block_table[(len(s) - 1) // BS] * BS + (len(s) - 1) % BS
+        else:
+            n, last = len(seqs), [len(s) - 1 for s in seqs]
+            slots = [s.block_table[p // BS] * BS + p % BS for s, p in zip(seqs, last, strict=True)]
+            graphs.stage(np.zeros(n, np.int32), np.array(last), np.array(slots), [1] * n, [p + 1 for p in last],
+                         seqs, list(range(n)))  # fmt: skip
         for i, s in enumerate(seqs):
             assert graphs._tables[i, : len(s.block_table)].tolist() == s.block_table, (i, s.seq_id)
-            assert graphs.buf.np["slots"][i] == s.block_table[(len(s) - 1) // BS] * BS + (len(s) - 1) % BS
         for s in seqs:  # the step's token, and a block at each boundary
             s.append_token(0)
             bm.may_append(s)
