@@ -17,6 +17,7 @@ from engine.async_engine import AsyncLLMEngine, Phase
 from engine.errors import InvalidRequestError, OverloadedError
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
+from tests.engine.conftest import DEVICE
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
@@ -388,8 +389,16 @@ def _idle(core: LLMEngine) -> bool:
     return not core.held and core.block_manager.num_free_blocks == core.num_blocks
 
 
+# Both engines of this test live in one process, and CUDA IPC does not map a pool that the same process exported
+# (on the H200 this case's copy never started and the offer expired). So on a GPU the ipc path is covered across
+# processes (test_kv_ipc.py, test_pd_overlap.py); the ipc case runs here on CPU, where shared memory maps in-process.
+IN_PROCESS_IPC = pytest.param(
+    "ipc", marks=pytest.mark.skipif(DEVICE == "cuda", reason="CUDA IPC does not map an export of the same process")
+)
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("path", ["ipc", "staged"])
+@pytest.mark.parametrize("path", [IN_PROCESS_IPC, "staged"])
 async def test_a_pull_cancelled_mid_copy_waits_for_the_copy_then_frees_its_blocks_at_once(  # type: ignore[no-untyped-def]
     path: str, make_engine, free_port, wait_for, monkeypatch
 ) -> None:
