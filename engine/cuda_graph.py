@@ -175,11 +175,10 @@ class _TableRows:
             table = seq.block_table
             row, epoch, end = rows[i] or (None, 0, 0)
             start = end if row is table and epoch == seq.table_epoch and end <= len(table) else 0
-            if start < len(table):
-                tables[i, start : len(table)] = table[start:]
-                rows[i] = (table, seq.table_epoch, len(table))
-            elif start == 0:
-                rows[i] = (table, seq.table_epoch, 0)
+            if 0 < start == len(table):
+                continue  # the same table, not grown since the last step
+            tables[i, start : len(table)] = table[start:]
+            rows[i] = (table, seq.table_epoch, len(table))
 
     def forget(self, start: int, end: int) -> None:
         """Rows ``start..end`` were written by other means (padding): the next ``write`` copies them whole."""

@@ -141,7 +141,7 @@ class Sequence:
         self.admitted_at: float | None = None  # time.monotonic() when the scheduler first gave it blocks or a step
         self.block_table: list[int] = []
         # Bumped whenever the block table loses entries (freed, trimmed): between two equal epochs the table only
-        # grew, which is what a copy of its prefix (a decode graph's staged row) relies on.
+        # grew, which is what a copy of its prefix (a CUDA graph's staged row) relies on.
         self.table_epoch = 0
         self.block_size = block_size
         # The prefix-cache hashes of its full blocks so far, in order, and those blocks' token ids (the

@@ -74,6 +74,17 @@ def block_region(t: torch.Tensor) -> Region:
     return Region(t.data_ptr(), t[0].numel() * t.element_size(), t.shape[0])
 
 
+def _region_tensors(kv_caches: Sequence[torch.Tensor], indexer_caches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each region's tensor, in order: per layer K then V of a ``[2, num_blocks, ...]`` cache, then the indexer
+    caches."""
+    tensors: list[torch.Tensor] = []
+    for t in kv_caches:
+        if not t.is_contiguous() or t.dim() < 2 or t.shape[0] != 2:
+            raise ValueError(f"a KV cache must be a contiguous [2, num_blocks, ...] tensor, got {tuple(t.shape)}")
+        tensors += [t[0], t[1]]
+    return tensors + list(indexer_caches)
+
+
 def region_views(
     kv_caches: Sequence[torch.Tensor], indexer_caches: Sequence[torch.Tensor] = (), num_blocks: int | None = None
 ) -> list[torch.Tensor]:
@@ -84,14 +95,8 @@ def region_views(
     tensors that hold more blocks (a trailing scratch block is not the pool's). Every tensor must be
     contiguous, since a region is addressed by plain pointer arithmetic.
     """
-    tensors: list[torch.Tensor] = []
-    for t in kv_caches:
-        if not t.is_contiguous() or t.dim() < 2 or t.shape[0] != 2:
-            raise ValueError(f"a KV cache must be a contiguous [2, num_blocks, ...] tensor, got {tuple(t.shape)}")
-        tensors += [t[0], t[1]]
-    tensors += list(indexer_caches)
     views: list[torch.Tensor] = []
-    for t in tensors:
+    for t in _region_tensors(kv_caches, indexer_caches):
         if not t.is_contiguous() or t.dim() < 1 or t.shape[0] == 0:
             raise ValueError(f"a block region must be a contiguous [num_blocks, ...] tensor, got {tuple(t.shape)}")
         if num_blocks is not None and not 0 < num_blocks <= t.shape[0]:
@@ -111,8 +116,8 @@ def region_formats(kv_caches: Sequence[torch.Tensor], indexer_caches: Sequence[t
     ``bfloat16[8,16,128]`` for a head-major block of 8 KV heads, 16 slots and 128 dims. Two engines whose caches
     differ in it (one in float16, the other in bfloat16; another block size or head layout of the same bytes)
     cannot exchange blocks, though their units are the same size."""
-    tensors = [half for t in kv_caches for half in (t[0], t[1])] + list(indexer_caches)
-    return [f"{str(t.dtype).removeprefix('torch.')}[{','.join(map(str, t.shape[1:]))}]" for t in tensors]
+    return [f"{str(t.dtype).removeprefix('torch.')}[{','.join(map(str, t.shape[1:]))}]"
+            for t in _region_tensors(kv_caches, indexer_caches)]  # fmt: skip
 
 
 def regions_from_kv_caches(
