@@ -229,7 +229,6 @@ def test_a_graphs_staged_tables_follow_growth_trims_frees_and_reordering(kind: s
         graphs = MixedGraphs(model, [torch.zeros(1)], [8], 4, BS, 63, 64)  # type: ignore[arg-type]
 
     bm = BlockManager(64, BS)
-    graphs = DecodeGraphs(None, [torch.zeros(1)], [], [4], BS, 63, 64, 0)  # type: ignore[arg-type]
     a, b, c = seq(1, list(range(9))), seq(2, list(range(5))), seq(3, list(range(2)))
     for s in (a, b, c):
         prefill(bm, s)
