@@ -104,6 +104,7 @@ class EngineArgs:
     dtype: str = "auto"
     seed: int = 0
     enforce_eager: bool = False
+    async_scheduling: bool = True  # schedule a decode step while the one before runs (LLMEngine.can_run_ahead)
     cudagraph_capture_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, 16, ... up to max_num_seqs
     kernels: str = "auto"
     quantization: str | None = None  # "fp8": linear weights to FP8 at load (per channel), activations per token
@@ -232,6 +233,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--enforce-eager", action="store_true", help="CUDA: no CUDA graphs (decode steps launch kernel by kernel)"
+    )
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="schedule and launch the next decode step while the one before still runs, its input tokens read on "
+        "the device (CUDA graphs; steps that need the tokens on the host first, such as penalties, logprobs or "
+        "grammars, are not run ahead)",
     )
     p.add_argument(
         "--cudagraph-capture-sizes",
@@ -391,6 +400,7 @@ def validate(ns: argparse.Namespace) -> EngineArgs:
         dtype=ns.dtype,
         seed=ns.seed,
         enforce_eager=ns.enforce_eager,
+        async_scheduling=ns.async_scheduling,
         exit_on_engine_error=ns.exit_on_engine_error,
         speculative=speculative,
         cudagraph_capture_sizes=sizes,

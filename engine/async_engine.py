@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import enum
 import logging
 import time
@@ -30,7 +31,9 @@ import torch
 from engine.disagg import CONSUMER, PRODUCER, WRITE_GRACE_SECS, Disaggregation
 from engine.errors import EngineDeadError, EngineError, EngineFailedError, InvalidRequestError, OverloadedError
 from engine.kv_transfer import SKIP, KVTransferError, KVTransferParams
-from engine.llm_engine import EngineStats, LLMEngine
+from engine.llm_engine import EngineStats, InFlight, LLMEngine
+from engine.model_runner import StepInput
+from engine.sampler import SampleOutput
 from engine.scheduler import ScheduledBatch
 from engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus, TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -248,7 +251,9 @@ class AsyncLLMEngine:
         self._freed = asyncio.Event()
         self._reservations_waiting = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
-        self._executing: concurrent.futures.Future[Any] | None = None  # the model step in flight, if any
+        # Done once the device work of the newest step launched has ended (see _launch); None before the first
+        self._executing: concurrent.futures.Future[Any] | None = None
+        self._inflight: InFlight | None = None  # a step scheduled ahead (--async-scheduling), its output not taken
         # Blocks an abort freed while that step ran: it may still write them, so KV pulled into them waits for it.
         self._freed_in_step: set[int] = set()
         self._wake: asyncio.Event | None = None
@@ -314,6 +319,7 @@ class AsyncLLMEngine:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        self._inflight = None  # a step scheduled ahead: its sequences end below, its output is not wanted
         for seq_id in list(self._states):
             self.abort(seq_id)
         if self.relay is not None:
@@ -638,7 +644,7 @@ class AsyncLLMEngine:
         assert self._wake is not None
         try:
             while self._dead is None:
-                if self.engine.scheduler.is_idle():
+                if self._inflight is None and self.engine.scheduler.is_idle():
                     self._wake.clear()
                     await self._wake.wait()
                     continue
@@ -657,27 +663,44 @@ class AsyncLLMEngine:
             self._die(fatal.phase, fatal.cause)
 
     async def _step(self) -> bool:
-        """One step, phase by phase; False when nothing could be scheduled. Raises only _Fatal."""
+        """One step, phase by phase; False when nothing could be scheduled. Raises only _Fatal.
+
+        With --async-scheduling the step after it may be launched before its output is taken
+        (``LLMEngine.can_run_ahead``): that one stays on the device, and the next call takes its output."""
         engine = self.engine
         phase = "schedule"
-        batch: ScheduledBatch | None = None
+        current, self._inflight = self._inflight, None
+        launched: list[tuple[InFlight, concurrent.futures.Future[Any]]] = []
+        if current is not None:
+            assert self._executing is not None
+            launched.append((current, self._executing))
+        batch: ScheduledBatch | None = current.batch if current is not None else None
         try:
-            batch = engine.schedule_batch()
-            if batch is None:
-                return False
-            phase = "prepare"
-            step = engine.prepare(batch)
-            phase = "event_flush"
-            engine.flush_kv_events()  # the blocks this step writes, reported as it starts (see announce)
+            if current is None:
+                batch = engine.schedule_batch()
+                if batch is None:
+                    return False
+                phase = "prepare"
+                step = engine.prepare(batch)
+                phase = "event_flush"
+                engine.flush_kv_events()  # the blocks this step writes, reported as it starts (see announce)
+                phase = "execute"
+                current = await self._launch(batch, step, launched)
+            ahead: InFlight | None = None
+            if engine.can_run_ahead(current):
+                phase = "schedule"
+                ahead_batch, ahead_step = engine.schedule_ahead(current)
+                phase = "event_flush"
+                engine.flush_kv_events()
+                phase = "execute"
+                ahead = await self._launch(ahead_batch, ahead_step, launched)
             phase = "execute"
-            self._executing = self._executor.submit(engine.execute, step)
-            try:
-                tokens = await asyncio.wrap_future(self._executing)
-            finally:
-                self._freed_in_step.clear()
+            tokens = await self._result(launched[0])
+            if ahead is None:
+                self._freed_in_step.clear()  # nothing on the device may write them any more
             phase = "postprocess"
-            engine.postprocess(batch, tokens)
-            for seq in batch.seqs:
+            engine.postprocess(current.batch, tokens)
+            for seq in current.batch.seqs:
                 state = self._states.get(seq.seq_id)
                 if state is not None:
                     self._deliver(state)
@@ -685,10 +708,20 @@ class AsyncLLMEngine:
                     self._advance_early(seq)
             phase = "event_flush"
             engine.flush_kv_events()
+            self._inflight = ahead
         except Exception as exc:
             if is_fatal(exc):
+                for _, done in launched:  # nothing more runs: transfers waiting for these steps go on (and fail)
+                    if not done.done():
+                        done.set_result(None)
                 raise _Fatal(phase, exc) from exc
-            # The step's requests fail; the loop, and every other request, carries on.
+            # The step's requests fail (with a step scheduled ahead of it, the same sequences), once nothing on
+            # the device writes their blocks any more; the loop, and every other request, carries on.
+            for pair in launched:
+                if not pair[1].done():
+                    with contextlib.suppress(Exception):
+                        await self._result(pair)
+            self._freed_in_step.clear()
             seqs = batch.seqs if batch is not None else engine.scheduled_seqs()
             log.exception("engine_step_failed phase=%s requests=%d", phase, len(seqs))
             engine.fail(list(seqs))
@@ -696,6 +729,29 @@ class AsyncLLMEngine:
                 self._fail(seq.seq_id, EngineFailedError(f"model step failed ({phase}): {exc}"))
                 self._end_early(seq.seq_id, f"model step failed ({phase}): {exc}")
         return True
+
+    async def _launch(self, batch: ScheduledBatch, step: StepInput,
+                      launched: list[tuple[InFlight, concurrent.futures.Future[Any]]]) -> InFlight:  # fmt: skip
+        """Hand ``step`` to the device (on the model thread). Until its output is taken, ``_executing`` is the
+        future that says its device work has ended: blocks freed meanwhile may still be written by it."""
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._executing = done
+        try:
+            inflight = InFlight(batch, await asyncio.wrap_future(self._executor.submit(self.engine.launch, step)))
+        except BaseException:
+            done.set_result(None)  # it ran to its end (or never ran): a failure of the step
+            raise
+        launched.append((inflight, done))
+        return inflight
+
+    async def _result(self, pair: tuple[InFlight, concurrent.futures.Future[Any]]) -> SampleOutput:
+        """A launched step's output, once the device has produced it (waited for on the model thread)."""
+        inflight, done = pair
+        try:
+            return await asyncio.wrap_future(self._executor.submit(inflight.launched.result))
+        finally:
+            if not done.done():
+                done.set_result(None)
 
     @property
     def dead(self) -> EngineDeadError | None:

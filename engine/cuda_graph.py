@@ -203,7 +203,9 @@ class DecodeGraphs(_GraphSet):
         self.sparse_topk = sparse_topk if indexer_caches else 0
         top = sizes[-1]
         self.width = -(-max_model_len // block_size)  # block-table columns: room for the longest context
-        self.buf = _Buffers({"ids": top, "pos": top, "slots": top, "ctx": top, "tables": top * self.width}, device)
+        # feed: for a step scheduled ahead, the row of the step before whose sampled token is each row's input id
+        self.buf = _Buffers({"ids": top, "pos": top, "slots": top, "ctx": top, "feed": top,
+                             "tables": top * self.width}, device)  # fmt: skip
         self._tables = self.buf.np["tables"].reshape(top, self.width)
         self._d_tables = self.buf.d["tables"].view(top, self.width)
         self._d_query_start = torch.arange(top + 1, dtype=torch.int32, device=device)
@@ -254,8 +256,9 @@ class DecodeGraphs(_GraphSet):
     def capture_all(self) -> None:
         self.capture(self._forward, "decode")
 
-    def stage(self, seqs: Seq[Sequence]) -> None:
-        """Write the decode inputs of ``seqs`` (at most the largest bucket) into the host buffer."""
+    def stage(self, seqs: Seq[Sequence], feed: Seq[int] = ()) -> None:
+        """Write the decode inputs of ``seqs`` (at most the largest bucket) into the host buffer. ``feed``: each
+        sequence's row in the step before, whose token (still on the device) is its input id (``replay``)."""
         self.buf.writable()
         n = len(seqs)
         bucket = self.bucket(n)
@@ -267,14 +270,20 @@ class DecodeGraphs(_GraphSet):
         b["pos"][:n] = positions
         b["ctx"][:n] = b["pos"][:n] + 1
         b["slots"][:n] = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions, strict=True)]
+        if feed:
+            b["feed"][:n] = feed
         self._table_rows.write(seqs)
         self._pad(n, bucket)
         self._staged = bucket
 
-    def replay(self, num_seqs: int) -> Outputs:
-        """Copy the staged inputs over, run the bucket's graph; (logits, greedy tokens) of the real rows."""
+    def replay(self, num_seqs: int, fed: torch.Tensor | None = None) -> Outputs:
+        """Copy the staged inputs over, run the bucket's graph; (logits, greedy tokens) of the real rows.
+        ``fed``: the step before's sampled tokens on the device; row i's input id becomes ``fed[feed[i]]``."""
         bucket = self._staged
         self.buf.upload(self.buf.offsets["tables"] + bucket * self.width)
+        if fed is not None:
+            d = self.buf.d
+            d["ids"][:num_seqs].copy_(fed.index_select(0, d["feed"][:num_seqs]))
         logits, tokens, _ = self.run(bucket)
         return logits[:num_seqs], tokens[:num_seqs], None
 

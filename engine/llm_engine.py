@@ -27,7 +27,7 @@ from engine.errors import (
 from engine.kernels import interpret_mode, triton_importable
 from engine.kv_events import EventRecorder
 from engine.kv_transfer.layout import region_formats, region_views
-from engine.model_runner import ModelRunner, StepInput, kv_cache_dtype
+from engine.model_runner import Launched, ModelRunner, StepInput, kv_cache_dtype
 from engine.models.eagle3 import load_eagle3
 from engine.models.loader import LoadedModel, load_model
 from engine.models.quant import parse_quantization
@@ -41,6 +41,14 @@ from engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStat
 from engine.spec_decode import DraftProposer, EagleDrafter, EagleProposer, NgramProposer, build_drafter
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A step handed to the device whose output the host has not taken yet."""
+
+    batch: ScheduledBatch
+    launched: Launched
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,6 +290,10 @@ class LLMEngine:
         self._spec_drafts = 0
         self._spec_draft_tokens = 0
         self._spec_accepted_tokens = 0
+        # --async-scheduling: the step `step` has handed to the device and not finished yet
+        self.async_scheduling = args.async_scheduling
+        self._inflight: InFlight | None = None
+        self.steps_ahead = 0  # steps scheduled before the output of the one before was on the host
 
     def _proposer(self) -> DraftProposer | None:
         """The draft proposer of --speculative-config (None: no speculation)."""
@@ -462,6 +474,7 @@ class LLMEngine:
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End ``seq`` now (stop string, client gone): its blocks are freed at once."""
+        seq.drop_pending()  # ended while a step scheduled ahead of its last token's was on the device
         for child in self._forks.pop(seq.seq_id, []) if reason is FinishReason.ABORT else []:
             self.finish(child, reason)  # siblings that never started go with their parent
         if seq.seq_id in self._unstarted:  # a sibling still waiting for its parent's prefill
@@ -516,6 +529,57 @@ class LLMEngine:
         next_up = next((s for s in waiting if not s.block_table), None)
         return [*self.scheduler.running, *holding, *([next_up] if next_up is not None else [])]
 
+    def launch(self, step: StepInput) -> Launched:
+        """Hand a step to the device: a decode step's tokens may stay there (``Launched.result`` waits for them)."""
+        if self.ranks is None:
+            return self.runner.launch(step)
+        return Launched(self.execute(step))
+
+    def can_run_ahead(self, inflight: InFlight) -> bool:
+        """Whether the next step can be scheduled and launched before ``inflight``'s tokens reach the host
+        (--async-scheduling). It can when nothing the next step does depends on those tokens' values: it is a
+        decode step of the same sequences (nothing waits to be admitted, no sequence is preempted for lack of a
+        block), served by a decode graph that reads each input id on the device, and no row's sampling looks at
+        the tokens so far (penalties), grammar or logprobs. Not when every sequence is known to end with that
+        step (its last token by max_tokens or the context limit): the step ahead would be wasted."""
+        if not self.async_scheduling or inflight.launched.tokens is None or self.scheduler.waiting:
+            return False
+        running = self.scheduler.running
+        if not running or not self.runner.serves_ahead(len(running)):
+            return False
+        rows = {s.seq_id for s in inflight.batch.seqs}
+        bs = self.block_manager.block_size
+        new_blocks = 0
+        last = True
+        for seq in running:
+            p = seq.params
+            if seq.seq_id not in rows or seq.ahead or p.penalized or p.logprobs is not None or seq.grammar is not None:
+                return False
+            if len(seq.block_table) * bs <= len(seq):
+                new_blocks += 1  # the pending token's step writes the first slot of a new block
+            last = last and (seq.num_completion_tokens + 1 >= p.max_tokens or len(seq) + 1 >= self.max_model_len)
+        return not last and new_blocks <= self.block_manager.num_free_blocks
+
+    def schedule_ahead(self, inflight: InFlight) -> tuple[ScheduledBatch, StepInput]:
+        """The step after ``inflight`` (``can_run_ahead`` said it may be), before its tokens are known: each running
+        sequence counts its pending token, and the step reads that token from ``inflight``'s tokens on the device."""
+        running = list(self.scheduler.running)
+        for seq in running:
+            seq.append_pending()
+        try:
+            batch = self.schedule_batch()
+            if batch is None or batch.num_decodes != len(batch.seqs) or batch.seqs != running:
+                raise RuntimeError("a step scheduled ahead is not a decode step of the running sequences")
+            rows = {s.seq_id: i for i, s in enumerate(inflight.batch.seqs)}
+            assert inflight.launched.tokens is not None
+            step = self.runner.prepare_ahead(batch.seqs, inflight.launched.tokens, [rows[s.seq_id] for s in running])
+        except BaseException:
+            for seq in running:
+                seq.drop_pending()
+            raise
+        self.steps_ahead += 1
+        return batch, step
+
     def execute(self, step: StepInput) -> SampleOutput:
         """The model forward and sampling; the only part that may run off the event-loop thread."""
         if self.ranks is None:
@@ -554,11 +618,10 @@ class LLMEngine:
         sampled = iter(zip(out.tokens, out.logprobs, strict=True))
         lists = iter(out.token_lists) if out.token_lists is not None else None
         prompt_logprobs = out.prompt_logprobs
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        for seq, n, done in zip(batch.seqs, batch.num_new_tokens, batch.samples, strict=True):
             if prompt_logprobs:
                 seq.prompt_logprobs += prompt_logprobs.get(seq.seq_id, ())
             drafts, seq.draft_tokens = seq.draft_tokens, []
-            done = seq.num_cached_tokens + n == len(seq) + len(drafts)
             token, logprob = next(sampled) if done else (None, None)
             tokens = next(lists) if done and lists is not None else None
             if seq.status is SequenceStatus.FINISHED:
@@ -593,7 +656,7 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> FinishReason | None:
         """Add a sampled token to ``seq`` (its logprob, its grammar's state); why it ends there, if it does."""
-        seq.append_token(token)
+        seq.fill(token)
         if seq.num_completion_tokens == 1 and seq.seq_id in self._forks:
             self._start_forks(seq)  # its prompt is computed: the siblings share it now
         if logprob is not None:
@@ -609,13 +672,27 @@ class LLMEngine:
             self.finish(seq, FinishReason.ABORT)
 
     def step(self) -> list[Sequence]:
-        """Run one scheduled step synchronously; returns the sequences it advanced."""
-        scheduled = self.schedule()
-        if scheduled is None:
-            return []
-        batch, step = scheduled
-        self.postprocess(batch, self.execute(step))
-        return batch.seqs
+        """Run one step and take its output; returns the sequences it advanced. With --async-scheduling the next
+        step may be launched before this one's tokens are read (``can_run_ahead``): it stays on the device, and
+        the next call takes its output."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            scheduled = self.schedule()
+            if scheduled is None:
+                return []
+            batch, step = scheduled
+            inflight = InFlight(batch, self.launch(step))
+        if self.can_run_ahead(inflight):
+            batch, step = self.schedule_ahead(inflight)
+            self._inflight = InFlight(batch, self.launch(step))
+        self.postprocess(inflight.batch, inflight.launched.result())
+        return inflight.batch.seqs
+
+    def drain(self) -> None:
+        """Take the output of a step still on the device (``step`` ran one ahead), so that none is."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            self.postprocess(inflight.batch, inflight.launched.result())
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Generate for every prompt with continuous batching; returns completion token ids in order."""
@@ -623,6 +700,7 @@ class LLMEngine:
         while any(s.status is not SequenceStatus.FINISHED for s in seqs):
             if not self.step():
                 raise RuntimeError("the scheduler can make no progress")
+        self.drain()
         return [s.completion_ids for s in seqs]
 
     def stats(self) -> EngineStats:

@@ -39,6 +39,9 @@ class DecodeGraphStep:
     bitmask: torch.Tensor | None = None  # structured-output token masks of ``bitmask_rows``
     bitmask_rows: tuple[int, ...] = ()
     drafts: tuple[tuple[int, ...], ...] = ()  # never any: verify rows are not decodes
+    # Scheduled ahead: the step before's sampled tokens, still on the device, that its input ids are taken from
+    # (the rows staged in the graph's ``feed``)
+    fed: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +82,37 @@ class EagerStep:
 # values (no live Sequence objects) lets a request be aborted while the step runs without the step seeing
 # its sequence change.
 StepInput = DecodeGraphStep | MixedGraphStep | EagerStep
+
+
+class Launched:
+    """A step handed to the device: its output, or (a decode step whose tokens a step scheduled ahead reads) its
+    tokens on the device and their copy to the host under way, waited for by ``result``."""
+
+    __slots__ = ("_event", "_host", "_out", "tokens")
+
+    def __init__(self, out: SampleOutput | None = None, tokens: torch.Tensor | None = None) -> None:
+        self._out = out
+        self.tokens = tokens  # None: the step's output is on the host already (nothing can be scheduled ahead of it)
+        self._host: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+        if tokens is not None:
+            if tokens.is_cuda:
+                self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+                self._host.copy_(tokens, non_blocking=True)
+                self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                self._event.record()
+            else:
+                self._host = tokens
+
+    def result(self) -> SampleOutput:
+        """The step's output, once the device has produced it (blocks until then)."""
+        if self._out is None:
+            assert self._host is not None
+            if self._event is not None:
+                self._event.synchronize()
+            tokens: list[int] = self._host.tolist()
+            self._out = SampleOutput(tokens, [None] * len(tokens))
+        return self._out
 
 
 @dataclass(slots=True)
@@ -367,6 +401,32 @@ class ModelRunner:
             return self._mixed_graph_step(mixed, seqs, flat, eagle)
         return self._eager_step(seqs, flat, num_decodes, eagle)
 
+    def serves_ahead(self, num_seqs: int) -> bool:
+        """Whether a decode step of ``num_seqs`` sequences can be scheduled ahead: a decode graph serves it (the
+        input ids are then read on the device from the step before's tokens)."""
+        graphs = self.graphs
+        return graphs is not None and self.drafter is None and graphs.fits(num_seqs) and (
+            not self.indexer_caches or self.sparse_topk == graphs.sparse_topk)  # fmt: skip
+
+    def prepare_ahead(self, seqs: Seq[Sequence], fed: torch.Tensor, feed: Seq[int]) -> DecodeGraphStep:
+        """A decode step of ``seqs`` whose last tokens are pending: sequence i's input id is ``fed[feed[i]]``, a token
+        the step before (still on the device) samples."""
+        graphs = self.graphs
+        assert graphs is not None and self.serves_ahead(len(seqs))
+        graphs.stage(seqs, feed)
+        rows, mask, masked = sample_rows(seqs, self.config.vocab_size)
+        return DecodeGraphStep(graphs, rows, mask, masked, fed=fed)
+
+    def launch(self, step: StepInput) -> Launched:
+        """Hand ``step`` to the device. A decode step of rows that need no logprobs or grammar returns as soon as
+        its work is queued, its tokens left on the device for a step scheduled ahead; any other step runs to its
+        end (``execute``)."""
+        if (isinstance(step, DecodeGraphStep) and step.bitmask is None
+                and all(r.params.logprobs is None for r in step.rows)):  # fmt: skip
+            logits, greedy, _ = step.graph.replay(len(step.rows), step.fed)
+            return Launched(tokens=self.sampler.tokens(logits, step.rows, greedy))
+        return Launched(self.execute(step))
+
     def _decode_graph_step(self, graphs: DecodeGraphs, seqs: Seq[Sequence]) -> DecodeGraphStep:
         graphs.stage(seqs)
         rows, mask, masked = sample_rows(seqs, self.config.vocab_size)
@@ -489,7 +549,10 @@ class ModelRunner:
             logits, _, aux = step.graph.replay(sum(1 + len(d) for d in step.drafts))
             out = self._verify(logits, step, {})
         else:
-            logits, greedy, aux = step.graph.replay(len(step.rows))
+            if isinstance(step, DecodeGraphStep):
+                logits, greedy, aux = step.graph.replay(len(step.rows), step.fed)
+            else:
+                logits, greedy, aux = step.graph.replay(len(step.rows))
             out = self.sampler.sample(logits, step.rows, greedy, step.bitmask, step.bitmask_rows)
         if eagle is not None:
             assert self.drafter is not None and aux is not None

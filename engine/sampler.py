@@ -103,9 +103,32 @@ class Sampler:
         ``bitmask``: structured-output token masks (xgrammar's layout) for ``bitmask_rows``."""
         if bitmask is None and all(r.params.plain for r in rows):
             return SampleOutput((logits.argmax(dim=-1) if greedy is None else greedy).tolist(), [None] * len(rows))
+        tokens, scaled = self._sample(logits, rows, greedy, bitmask, bitmask_rows)
+        token_list: list[int] = tokens.tolist()
+        logprobs: list[TokenLogprob | None] = [None] * len(rows)
+        params = [r.params for r in rows]
+        if any(p.logprobs is not None for p in params):
+            wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+            logprobs_of = token_logprobs(scaled[wanted], tokens[wanted], [params[i].logprobs or 0 for i in wanted])
+            for i, lp in zip(wanted, logprobs_of, strict=True):
+                logprobs[i] = lp
+        return SampleOutput(token_list, logprobs)
+
+    @torch.inference_mode()
+    def tokens(self, logits: torch.Tensor, rows: Seq[SampleRow], greedy: torch.Tensor | None = None) -> torch.Tensor:
+        """The tokens ``sample`` would draw, left on the device in a tensor of their own (no wait for the step, which
+        may still run; no logprobs, no grammar masks): what a step scheduled ahead reads its input ids from."""
+        if all(r.params.plain for r in rows):
+            return (logits.argmax(dim=-1) if greedy is None else greedy).clone()
+        return self._sample(logits, rows, greedy, None, ())[0]  # a new tensor (greedy is cloned there)
+
+    def _sample(
+        self, logits: torch.Tensor, rows: Seq[SampleRow], greedy: torch.Tensor | None, bitmask: torch.Tensor | None,
+        bitmask_rows: Seq[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The drawn tokens of ``rows`` on the device, and the logits they were drawn from (scaled, shaped)."""
         params = [r.params for r in rows]
         shaped = bitmask is not None or any(p.shapes_logits for p in params)
-        want_logprobs = any(p.logprobs is not None for p in params)
         all_greedy = all(p.greedy for p in params)
         logits = logits.float()
         if shaped:
@@ -123,14 +146,7 @@ class Sampler:
             tokens = scaled.argmax(dim=-1) if shaped or greedy is None else greedy.clone()
             if sampled:
                 tokens[sampled] = self._draw(scaled[sampled], [rows[i] for i in sampled])
-        token_list: list[int] = tokens.tolist()
-        logprobs: list[TokenLogprob | None] = [None] * len(rows)
-        if want_logprobs:
-            wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
-            logprobs_of = token_logprobs(scaled[wanted], tokens[wanted], [params[i].logprobs or 0 for i in wanted])
-            for i, lp in zip(wanted, logprobs_of, strict=True):
-                logprobs[i] = lp
-        return SampleOutput(token_list, logprobs)
+        return tokens, scaled
 
     def _shape(self, logits: torch.Tensor, rows: Seq[SampleRow], bitmask: torch.Tensor | None,
                bitmask_rows: Seq[int]) -> None:  # fmt: skip

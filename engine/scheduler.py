@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -38,6 +38,15 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]
     num_decodes: int
+    # Which sequences reach their end in this step and so sample a token, fixed when it is scheduled: a sequence
+    # that ends while its step runs (an abort) loses its blocks and its count of computed tokens, and the step's
+    # output still holds its row. A pending token (a step scheduled ahead counted it) is not one this step computes.
+    samples: tuple[bool, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        samples = tuple(s.num_cached_tokens + n == len(s) - s.ahead + len(s.draft_tokens)
+                        for s, n in zip(self.seqs, self.num_new_tokens, strict=True))  # fmt: skip
+        object.__setattr__(self, "samples", samples)
 
     @property
     def num_tokens(self) -> int:

@@ -40,6 +40,10 @@ def check_transition(old: SequenceStatus, new: SequenceStatus) -> None:
 # temperature that small overflows them to inf and softmax to NaN.
 GREEDY_TEMPERATURE = 1e-5
 
+# Stands for a token a step still on the device is sampling (Sequence.append_pending): never a real id, so a
+# step that read it from the host instead of the device would fail at the embedding.
+PENDING_TOKEN = -1
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -106,6 +110,7 @@ class Sequence:
 
     __slots__ = (
         "admitted_at",
+        "ahead",
         "block_hashes",
         "block_size",
         "block_table",
@@ -167,6 +172,9 @@ class Sequence:
         # Speculative decoding: the tokens proposed to follow this sequence, verified in the step being run
         # (set when it is scheduled, cleared once the step's output is in).
         self.draft_tokens: list[int] = []
+        # Scheduling a step ahead: the last of ``token_ids`` is PENDING_TOKEN, the token a step still on the
+        # device samples (the next step reads it there); the step's output replaces it (``fill``).
+        self.ahead = False
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -198,3 +206,23 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def append_pending(self) -> None:
+        """Count the token a step in flight is sampling, before it is known (see ``ahead``)."""
+        assert not self.ahead
+        self.token_ids.append(PENDING_TOKEN)
+        self.ahead = True
+
+    def fill(self, token_id: int) -> None:
+        """The pending token, now known: it takes its place (``append_token`` when none is pending)."""
+        if self.ahead:
+            self.token_ids[-1] = token_id
+            self.ahead = False
+        else:
+            self.token_ids.append(token_id)
+
+    def drop_pending(self) -> None:
+        """Forget the pending token (the sequence ended before its step's output came in)."""
+        if self.ahead:
+            self.token_ids.pop()
+            self.ahead = False

@@ -316,14 +316,14 @@ async def test_blocks_an_abort_freed_during_a_step_make_their_pull_wait_for_that
     async_engine = AsyncLLMEngine(engine)
     await async_engine.start()
     gate, entered = threading.Event(), threading.Event()
-    real_execute = engine.execute
+    real_launch = engine.launch
 
     def held_step(step: object) -> object:
         entered.set()
         gate.wait(10)
-        return real_execute(step)
+        return real_launch(step)
 
-    engine.execute = held_step
+    engine.launch = held_step
     try:
         running = async_engine.submit(list(range(1, 90)), replace(PARAMS, max_tokens=20), True)  # 6 of 8 blocks
         await wait_for(entered.is_set, 10, "a step in flight")
