@@ -241,6 +241,31 @@ def prefix_row(loaded: LoadedModel, args: EngineArgs, length: int, runs: int = 3
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def async_ab(engine: LLMEngine, batches: list[int], prompt_len: int, new_tokens: int,
+             runs: int) -> dict[int, dict[str, float]]:  # fmt: skip
+    """Decode tok/s of each batch with --async-scheduling off and on, runs alternating on the same engine (the same
+    weights, graphs and prompts); medians, and on / off."""
+    vocab = engine.model_config.vocab_size
+    keep = engine.async_scheduling
+    out: dict[int, dict[str, float]] = {}
+    try:
+        for b in batches:
+            prompts = _prompts(b, prompt_len, vocab, b)
+            times: dict[str, list[float]] = {"off": [], "on": []}
+            for _ in range(max(runs, 3)):
+                for mode in ("off", "on"):
+                    engine.async_scheduling = mode == "on"
+                    times[mode].append(bench_engine(engine, prompts, new_tokens).decode_tok_s)
+                    engine.drain()
+            off, on = statistics.median(times["off"]), statistics.median(times["on"])
+            out[b] = {"off": off, "on": on, "on_over_off": on / off}
+            print(f"  async scheduling batch {b}: decode {off:.1f} tok/s off, {on:.1f} on ({on / off:.3f}x)",
+                  flush=True)  # fmt: skip
+    finally:
+        engine.async_scheduling = keep
+    return out
+
+
 def profile_step(engine: LLMEngine, prompt_len: int, batch: int = 1, steps: int = 200) -> dict[str, Any]:
     """Mean microseconds per decode step of ``batch`` sequences: scheduling + input staging, the model,
     bookkeeping; on CUDA also the GPU time of the step's 25 costliest kernels."""
@@ -250,6 +275,7 @@ def profile_step(engine: LLMEngine, prompt_len: int, batch: int = 1, steps: int 
     seqs = [engine.add_request(p, params) for p in _prompts(batch, prompt_len, vocab, 99)]
     while any(s.num_completion_tokens == 0 for s in seqs):
         engine.step()
+    engine.drain()  # one step at a time below: the host's part of each is timed alone
     host = model = post = gpu = 0.0
     cuda = engine.device.type == "cuda"
     for _ in range(steps):
@@ -329,6 +355,12 @@ def main() -> None:
         metavar="TOKENS",
         help="also time the prefill of one TOKENS-long prompt with and without prefix-cache hits",
     )
+    p.add_argument("--no-async-scheduling", action="store_true", help="the engine's --no-async-scheduling")
+    p.add_argument(
+        "--async-ab",
+        action="store_true",
+        help="also time each batch with --async-scheduling off and on, alternating, on the same engine",
+    )
     p.add_argument("--profile", action="store_true", help="split a decode step into host and GPU time, by kernel")
     p.add_argument("--profile-batch", type=int, default=1, help="sequences in the profiled decode step")
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
@@ -377,6 +409,7 @@ def main() -> None:
         quantization=a.quantization,
         tensor_parallel_size=tp,
         enable_expert_parallel=a.enable_expert_parallel,
+        async_scheduling=not a.no_async_scheduling,
     )
     started = time.perf_counter()
     engine = LLMEngine(args, loaded=loaded if tp == 1 else None)  # every rank loads --model itself
@@ -399,6 +432,7 @@ def main() -> None:
         prompts = _prompts(b, a.prompt_len, vocab, b)
         ours[b] = median_of(a.runs, partial(bench_engine, engine, prompts, a.new_tokens))
         print(f"  engine batch {b}: {ours[b]}", flush=True)
+    ab = async_ab(engine, a.batch_sizes, a.prompt_len, a.new_tokens, a.runs) if a.async_ab else {}
     profile = profile_step(engine, a.prompt_len, a.profile_batch) if a.profile else None
     context = a.prompt_len + a.new_tokens // 2  # the mean context of the decode steps
     roof = {b: roofline_tok_s(engine, b, context, name) for b in a.batch_sizes}
@@ -497,6 +531,8 @@ def main() -> None:
             "tp1_peer": {str(b): asdict(r) for b, r in one_rank.items()},
             "prefix_cache_prefill_s": prefix,
             "step_profile_us": profile,
+            "async_scheduling": not a.no_async_scheduling,
+            "async_ab_decode_tok_s": {str(b): {**v, "roofline_tok_s": roof[b]} for b, v in ab.items()},
         }
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)
