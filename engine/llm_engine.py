@@ -542,9 +542,10 @@ class LLMEngine:
         block), served by a decode graph that reads each input id on the device, and no row's sampling looks at
         the tokens so far (penalties), grammar or logprobs. Not when every sequence is known to end with that
         step (its last token by max_tokens or the context limit): the step ahead would be wasted."""
-        if not self.async_scheduling or inflight.launched.tokens is None or self.scheduler.waiting:
-            return False
-        running = self.scheduler.running
+        sched = self.scheduler
+        if not self.async_scheduling or inflight.launched.tokens is None or sched.waiting or sched.proposer is not None:
+            return False  # (a proposer drafts from the tokens so far: speculative decoding runs one step at a time)
+        running = sched.running
         if not running or not self.runner.serves_ahead(len(running)):
             return False
         rows = {s.seq_id for s in inflight.batch.seqs}
