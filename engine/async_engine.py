@@ -687,6 +687,7 @@ class AsyncLLMEngine:
                 phase = "execute"
                 current = await self._launch(batch, step, launched)
             ahead: InFlight | None = None
+            freed_before = set(self._freed_in_step)  # their sequences ended: no step scheduled from now has them
             if engine.can_run_ahead(current):
                 phase = "schedule"
                 ahead_batch, ahead_step = engine.schedule_ahead(current)
@@ -696,8 +697,9 @@ class AsyncLLMEngine:
                 ahead = await self._launch(ahead_batch, ahead_step, launched)
             phase = "execute"
             tokens = await self._result(launched[0])
-            if ahead is None:
-                self._freed_in_step.clear()  # nothing on the device may write them any more
+            # Nothing on the device writes them any more, but the step ahead may write blocks freed since it was
+            # scheduled (an abort while it was being handed over).
+            self._freed_in_step = self._freed_in_step - freed_before if ahead is not None else set()
             phase = "postprocess"
             engine.postprocess(current.batch, tokens)
             for seq in current.batch.seqs:
