@@ -26,6 +26,14 @@ from engine.sequence import SamplingParams, Sequence, TokenLogprob
 MASKED_LOGPROB = -9999.0
 
 
+def _to(values: Seq[int] | Seq[float], dev: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small tensor of ``values`` on ``dev`` without waiting for the device: on CUDA it crosses from pinned memory
+    behind the work already queued (a tensor made on the device from a list waits for that work to finish, which
+    would stall a step scheduled ahead)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=dev.type == "cuda")
+    return host.to(dev, non_blocking=True)
+
+
 @dataclass(frozen=True, slots=True)
 class SampleRow:
     """What sampling one row needs besides its logits; built from the sequence before the step."""
@@ -134,10 +142,11 @@ class Sampler:
         if shaped:
             logits = logits.clone()  # a graph's logits live in its static output buffer
             self._shape(logits, rows, bitmask, bitmask_rows)
+        dev = logits.device
         if all_greedy:
             scaled = logits
         else:
-            temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
+            temps = _to([1.0 if p.greedy else p.temperature for p in params], dev, torch.float32)
             scaled = logits / temps.unsqueeze(1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if len(sampled) == len(rows):
@@ -145,7 +154,8 @@ class Sampler:
         else:
             tokens = scaled.argmax(dim=-1) if shaped or greedy is None else greedy.clone()
             if sampled:
-                tokens[sampled] = self._draw(scaled[sampled], [rows[i] for i in sampled])
+                at = _to(sampled, dev, torch.int64)
+                tokens.index_copy_(0, at, self._draw(scaled.index_select(0, at), [rows[i] for i in sampled]))
         return tokens, scaled
 
     def _shape(self, logits: torch.Tensor, rows: Seq[SampleRow], bitmask: torch.Tensor | None,
@@ -177,9 +187,8 @@ class Sampler:
                 logits.copy_(torch.where(seen, penalized, logits))
         bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
         if bias:
-            where = (torch.tensor([i for i, _, _ in bias], device=dev),
-                     torch.tensor([t for _, t, _ in bias], device=dev))  # fmt: skip
-            logits.index_put_(where, torch.tensor([b for _, _, b in bias], device=dev), accumulate=True)
+            where = (_to([i for i, _, _ in bias], dev, torch.int64), _to([t for _, t, _ in bias], dev, torch.int64))
+            logits.index_put_(where, _to([b for _, _, b in bias], dev, torch.float32), accumulate=True)
         banned = [
             (i, t)
             for i, r in enumerate(rows)
@@ -187,7 +196,8 @@ class Sampler:
             for t in (*r.params.stop_token_ids, *(() if r.params.ignore_eos else self.eos_token_ids))
         ]
         if banned:
-            logits[[i for i, _ in banned], [t for _, t in banned]] = float("-inf")
+            where = (_to([i for i, _ in banned], dev, torch.int64), _to([t for _, t in banned], dev, torch.int64))
+            logits.index_put_(where, torch.full((len(banned),), float("-inf"), device=dev))
         if bitmask is not None:
             from engine.structured import apply_bitmask
 
@@ -221,7 +231,7 @@ class Sampler:
         params = [r.params for r in rows]
         vocab = scaled.shape[-1]
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-        top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
+        top_p = _to([p.top_p for p in params], dev, torch.float32).unsqueeze(1)
         ids: torch.Tensor | None = None  # the vocabulary ids of the columns kept (top-k), else all
         if max(top_k) < vocab:
             # Every row has a top-k: work on the best max(k) columns only (a full sort costs 20x more).
@@ -230,14 +240,14 @@ class Sampler:
             scaled, ids = torch.sort(scaled, dim=-1, descending=True)
         if ids is not None:  # columns sorted by logit: top-k and top-p are masks over ranks
             ranks = torch.arange(scaled.shape[-1], device=dev).unsqueeze(0)
-            drop = ranks >= torch.tensor(top_k, device=dev).unsqueeze(1)
+            drop = ranks >= _to(top_k, dev, torch.int64).unsqueeze(1)
             probs = scaled.masked_fill(drop, float("-inf")).softmax(-1)
             # Drop a token when the tokens ranked above it already cover top_p.
             drop |= probs.cumsum(-1) - probs > top_p
             scaled = scaled.masked_fill(drop, float("-inf"))
         probs = scaled.softmax(-1)
         if any(p.min_p > 0 for p in params):
-            floor = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1) * probs.amax(-1, keepdim=True)
+            floor = _to([p.min_p for p in params], dev, torch.float32).unsqueeze(1) * probs.amax(-1, keepdim=True)
             probs = probs.masked_fill(probs < floor, 0.0)
         return probs, ids
 
@@ -248,13 +258,13 @@ class Sampler:
             return torch.empty(len(rows), vocab, device=dev).exponential_(1.0, generator=self._generator(dev))
         noise = torch.empty(len(rows), vocab, device=dev)
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), vocab, device=dev).exponential_(
-                1.0, generator=self._generator(dev)
-            )
+            drawn = torch.empty(len(unseeded), vocab, device=dev).exponential_(1.0, generator=self._generator(dev))
+            noise.index_copy_(0, _to(unseeded, dev, torch.int64), drawn)
         for i, r in enumerate(rows):
             if r.seed_key is not None:  # on the CPU: the same draws whatever the device
-                row = torch.empty(vocab).exponential_(1.0, generator=torch.Generator().manual_seed(r.seed_key))
-                noise[i] = row.to(dev)
+                row = torch.empty(vocab, pin_memory=dev.type == "cuda")
+                row.exponential_(1.0, generator=torch.Generator().manual_seed(r.seed_key))
+                noise[i].copy_(row, non_blocking=True)
         return noise
 
 

@@ -188,3 +188,45 @@ async def test_the_server_loop_runs_steps_ahead_and_aborts_mid_stream(make_engin
         assert _idle(engine) and async_engine._inflight is None
     finally:
         await async_engine.stop()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="what waits for the GPU is a CUDA question")
+def test_a_step_scheduled_ahead_is_launched_without_waiting_for_the_device(make_engine: MakeEngine) -> None:
+    import torch
+
+    from engine.llm_engine import InFlight
+
+    # Sampled rows of every kind a step ahead allows: any host-device synchronization while it is scheduled, staged
+    # and launched (a tensor made on the device from a list, a copy from pageable memory, .item()) would make the
+    # host wait for the step before, and CUDA's sync debug mode raises on it.
+    params = [
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=11, max_tokens=8, ignore_eos=True, logit_bias=((65, 3.0),)),
+        SamplingParams(temperature=0.0, min_tokens=4, max_tokens=8, stop_token_ids=(9,)),
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+    ]
+    engine = make_engine(**GRAPHS)
+    seqs = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params, strict=True)]
+    for _ in range(4):  # the prompts, then the first decode step, which runs the next one ahead
+        if engine._inflight is None:
+            engine.step()
+    inflight, engine._inflight = engine._inflight, None
+    assert inflight is not None
+    assert engine.can_run_ahead(inflight)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        batch, step = engine.schedule_ahead(inflight)
+        launched = engine.launch(step)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    engine.postprocess(inflight.batch, inflight.launched.result())
+    engine._inflight = InFlight(batch, launched)
+    while any(s.status is not SequenceStatus.FINISHED for s in seqs):
+        engine.step()
+    engine.drain()
+    alone = make_engine(**GRAPHS, async_scheduling=False)
+    expected = [alone.add_request(p, sp) for p, sp in zip(PROMPTS, params, strict=True)]
+    while any(s.status is not SequenceStatus.FINISHED for s in expected):
+        alone.step()
+    assert [s.completion_ids for s in seqs] == [s.completion_ids for s in expected]
+    assert _idle(engine)
