@@ -64,6 +64,7 @@ class EngineStats:
     preemptions: int
     # Speculative decoding (vLLM's spec_decode counters): verify rows, drafts they carried, drafts accepted.
     spec_drafts: int = 0
+    steps_ahead: int = 0  # --async-scheduling: steps launched before the output of the one before was on the host
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
 
@@ -714,6 +715,7 @@ class LLMEngine:
             generation_tokens=self._generation_tokens,
             preemptions=self.scheduler.num_preemptions,
             spec_drafts=self._spec_drafts,
+            steps_ahead=self.steps_ahead,
             spec_draft_tokens=self._spec_draft_tokens,
             spec_accepted_tokens=self._spec_accepted_tokens,
         )

@@ -49,6 +49,11 @@ class EngineCollector(Collector):
             ("atom:prompt_tokens", "Prompt tokens admitted", s.prompt_tokens),
             ("atom:generation_tokens", "Tokens generated", s.generation_tokens),
             ("atom:preemptions", "Sequences preempted for lack of KV blocks", s.preemptions),
+            (
+                "atom:steps_scheduled_ahead",
+                "Decode steps launched while the step before still ran (--async-scheduling)",
+                s.steps_ahead,
+            ),
             ("atom:prefix_cache_wanted_tokens", "Prompt tokens looked up in the prefix cache", b.prefix_queries),
             ("atom:prefix_cache_cached_tokens", "Prompt tokens found in the prefix cache", b.prefix_hits),
             ("atom:prefix_cache_evicted_blocks", "Cached KV blocks dropped to reuse their memory", b.evicted),

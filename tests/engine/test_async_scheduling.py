@@ -187,7 +187,7 @@ async def test_the_server_loop_runs_steps_ahead_and_aborts_mid_stream(make_engin
         results = await asyncio.wait_for(asyncio.gather(*streams), 120)
         for i in (1, 2, 3):
             assert "".join(results[i]) == engine.tokenizer.decode(expected[i].completion_ids)
-        assert engine.steps_ahead > 0
+        assert engine.steps_ahead > 0 and async_engine.stats().steps_ahead == engine.steps_ahead
         for _ in range(100):
             if _idle(engine) and async_engine._inflight is None:
                 break
