@@ -4,7 +4,8 @@
 # `bash bench/device/async_tests_round.sh`; carries .whl, .gpu and .deb. About 4 minutes.
 source bench/device/setup.sh
 source bench/device/mooncake_cuda.sh || true
+# ONLY=1: the async-scheduling tests alone (about 80 s).
 ENGINE_TEST_DEVICE=cuda ENGINE_TEST_DTYPE=bfloat16 timeout ${TESTS_S:-240} python3 -m pytest -q -p no:cacheprovider \
-  tests/engine/test_async_scheduling.py tests/engine/test_disagg_reserve.py tests/test_pd_overlap.py \
-  tests/engine/test_kv_ipc.py 2>&1 \
+  tests/engine/test_async_scheduling.py $([ -z "${ONLY:-}" ] && echo tests/engine/test_disagg_reserve.py \
+  tests/test_pd_overlap.py tests/engine/test_kv_ipc.py) 2>&1 \
   | tee "$OUT/cuda-tests-async-final.txt" | tail -15 || true
