@@ -555,7 +555,7 @@ class LLMEngine:
         last = True
         for seq in running:
             p = seq.params
-            if seq.seq_id not in rows or seq.ahead or p.penalized or p.logprobs is not None or seq.grammar is not None:
+            if seq.seq_id not in rows or p.penalized or p.logprobs is not None or seq.grammar is not None:
                 return False
             if len(seq.block_table) * bs <= len(seq):
                 new_blocks += 1  # the pending token's step writes the first slot of a new block

@@ -215,11 +215,11 @@ class Sequence:
 
     def fill(self, token_id: int) -> None:
         """The pending token, now known: it takes its place (``append_token`` when none is pending)."""
-        if self.ahead:
-            self.token_ids[-1] = token_id
-            self.ahead = False
-        else:
-            self.token_ids.append(token_id)
+        if not self.ahead:
+            self.append_token(token_id)
+            return
+        self.token_ids[-1] = token_id
+        self.ahead = False
 
     def drop_pending(self) -> None:
         """Forget the pending token (the sequence ended before its step's output came in)."""
