@@ -98,7 +98,8 @@ def sweep(seconds: float) -> tuple[dict[str, Any], dict[str, tuple[Config, bool,
             "tried": len(rows),
             "errors": [r for r in rows if "error" in r][:3],
         }
-        print(name, [(r["variant"], round(r["us"], 2), round(r["pct_hbm"], 1)) for r in rows[:3]], "best",
+        print(name, [(r["variant"], round(r["us"], 2), round(r["pct_hbm"], 1)) if "us" in r else r for r in rows[:3]],
+              "best",
               [(r["variant"], round(r["us"], 2), round(r["pct_hbm"], 1)) for r in ok[:1]], flush=True)  # fmt: skip
         del ws
         torch.cuda.empty_cache()

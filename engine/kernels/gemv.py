@@ -182,7 +182,7 @@ def _gemv_kernel(
         k = k0 + rk
         k_ok = k < K
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if WIDEN:
             w = _widen_e4m3(w, x.dtype == tl.bfloat16, INTERPRET)
         elif FP16_DOT:
@@ -190,7 +190,7 @@ def _gemv_kernel(
             w = w.to(tl.float16)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
         if SWIGLU:
-            u = tl.load(w_rows + N * stride_w + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+            u = tl.load(w_rows + N * stride_w + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if WIDEN:
                 u = _widen_e4m3(u, x.dtype == tl.bfloat16, INTERPRET)
             elif FP16_DOT:

@@ -57,7 +57,7 @@ def test_norms_and_swiglu_match_torch() -> None:
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 16])
-def test_skinny_matmuls_match_linear(tokens: int) -> None:
+def test_skinny_matmuls_match_linear(tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
     from engine.kernels.gemv import GemvConfig, gemv
     from engine.models.quant import quantize_per_channel
 
@@ -71,13 +71,16 @@ def test_skinny_matmuls_match_linear(tokens: int) -> None:
     torch.testing.assert_close(gemv(x, w, bias=b, config=cfg), F.linear(x, w, b), rtol=2e-2, atol=2e-2)
     gate, up = F.linear(x, w).chunk(2, dim=-1)
     torch.testing.assert_close(gemv(x, w, swiglu=True, config=cfg), F.silu(gate) * up, rtol=2e-2, atol=2e-2)
-    # FP8 weights with per-channel scales: equal to the dequantized weight's matmul (activations unquantized).
+    # FP8 weights with per-channel scales: equal to the dequantized weight's matmul (activations unquantized),
+    # widened by moving bits (the default) or by the conversion instruction.
     q, scale = quantize_per_channel(w.float())
     ref = F.linear(x.float(), q.float() * scale[:, None])
-    torch.testing.assert_close(gemv(x, q, scale, config=cfg).float(), ref, rtol=2e-2, atol=2e-2)
     gate, up = ref.chunk(2, dim=-1)
-    torch.testing.assert_close(gemv(x, q, scale, swiglu=True, config=cfg).float(), F.silu(gate) * up, rtol=2e-2,
-                               atol=2e-2)  # fmt: skip
+    for bits in (True, False):
+        monkeypatch.setattr(gemv_kernels, "WIDEN_BITS", bits)
+        torch.testing.assert_close(gemv(x, q, scale, config=cfg).float(), ref, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(gemv(x, q, scale, swiglu=True, config=cfg).float(), F.silu(gate) * up,
+                                   rtol=2e-2, atol=2e-2)  # fmt: skip
     with pytest.raises(ValueError, match="at most 16 tokens"):
         gemv(torch.zeros(17, 200, dtype=dt, device=DEV), w)
 
