@@ -38,7 +38,11 @@ model dtype (equal in float32 up to addition order).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import json
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import triton
@@ -74,6 +78,29 @@ def moe_tiles(num_pairs: int, num_experts: int) -> MoeTiles:
     if per_expert <= 192:
         return MoeTiles(block_m=64, block_n=64, block_k=64, num_warps=4)
     return MoeTiles(block_m=128, block_n=128, block_k=64, num_warps=8)
+
+
+@functools.cache
+def _measured_decode_tiles(device_index: int) -> dict[str, list[int]]:
+    """Decode tiles of a tuning run for this GPU (``ENGINE_MOE_TILES`` names a file
+    ``{"<device name>": {"up" | "down": [block_n, block_k, num_warps, num_stages]}}``, as
+    bench/device/moe_tiles.py writes it), else none."""
+    path = os.environ.get("ENGINE_MOE_TILES")
+    if not path or not torch.cuda.is_available():
+        return {}
+    table: dict[str, dict[str, list[int]]] = json.loads(Path(path).read_text())
+    return table.get(torch.cuda.get_device_name(device_index), {})
+
+
+def gemm_tiles(num_pairs: int, num_experts: int, device: torch.device) -> tuple[MoeTiles, MoeTiles]:
+    """The up and the down projection's tiles: ``moe_tiles``, or a tuning run's for decode batches (same rows)."""
+    tiles = moe_tiles(num_pairs, num_experts)
+    measured = _measured_decode_tiles(device.index or 0) if device.type == "cuda" and tiles.block_m == 16 else {}
+    up, down = (
+        replace(tiles, block_n=t[0], block_k=t[1], num_warps=t[2], num_stages=t[3]) if t else tiles
+        for t in (measured.get("up"), measured.get("down"))
+    )
+    return up, down
 
 
 def padded_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -344,12 +371,12 @@ def fused_moe(
     w13 = w13.contiguous()
     w2 = w2.contiguous()
     route_w = topk_weights.contiguous()
-    tiles = moe_tiles(num_pairs, num_experts)
-    al = align(topk_ids.contiguous(), num_experts, tiles.block_m)
+    up, down = gemm_tiles(num_pairs, num_experts, x.device)
+    al = align(topk_ids.contiguous(), num_experts, up.block_m)
     h = torch.empty((num_pairs, two_i // 2), dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, h, al, route_w, top_k, True, False, tiles)
+    _grouped_gemm(x, w13, h, al, route_w, top_k, True, False, up)
     y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
-    _grouped_gemm(h, w2, y, al, route_w, 1, False, True, tiles)
+    _grouped_gemm(h, w2, y, al, route_w, 1, False, True, down)
     if top_k == 1:
         return y
     return y.view(tokens, top_k, hidden).sum(dim=1)
