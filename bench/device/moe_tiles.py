@@ -108,7 +108,7 @@ def main() -> None:
         bytes_ = sum(touched_bytes(ids) for ids, _ in routes) / COPIES
         outs = []
         for label, path in (("default", None), ("best", a.tiles)):
-            fm._measured_decode_tiles.cache_clear()
+            fm.measured_decode_tiles.cache_clear()
             if path:
                 os.environ["ENGINE_MOE_TILES"] = path
             else:

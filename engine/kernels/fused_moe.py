@@ -81,21 +81,29 @@ def moe_tiles(num_pairs: int, num_experts: int) -> MoeTiles:
 
 
 @functools.cache
-def _measured_decode_tiles(device_index: int) -> dict[str, list[int]]:
-    """Decode tiles of a tuning run for this GPU (``ENGINE_MOE_TILES`` names a file
+def measured_decode_tiles(device_name: str) -> dict[str, list[int]]:
+    """Decode tiles of a tuning run for this GPU model (``ENGINE_MOE_TILES`` names a file
     ``{"<device name>": {"up" | "down": [block_n, block_k, num_warps, num_stages]}}``, as
     bench/device/moe_tiles.py writes it), else none."""
     path = os.environ.get("ENGINE_MOE_TILES")
-    if not path or not torch.cuda.is_available():
+    if not path:
         return {}
     table: dict[str, dict[str, list[int]]] = json.loads(Path(path).read_text())
-    return table.get(torch.cuda.get_device_name(device_index), {})
+    tiles = table.get(device_name, {})
+    for gemm, tile in tiles.items():
+        if gemm not in ("up", "down") or len(tile) != 4 or not all(isinstance(v, int) and v > 0 for v in tile):
+            raise ValueError(
+                f"ENGINE_MOE_TILES ({path}): {gemm!r}: {tile!r}; expected 'up' or 'down' with "
+                "[block_n, block_k, num_warps, num_stages]"
+            )
+    return tiles
 
 
 def gemm_tiles(num_pairs: int, num_experts: int, device: torch.device) -> tuple[MoeTiles, MoeTiles]:
     """The up and the down projection's tiles: ``moe_tiles``, or a tuning run's for decode batches (same rows)."""
     tiles = moe_tiles(num_pairs, num_experts)
-    measured = _measured_decode_tiles(device.index or 0) if device.type == "cuda" and tiles.block_m == 16 else {}
+    decode = device.type == "cuda" and tiles.block_m == 16
+    measured = measured_decode_tiles(torch.cuda.get_device_name(device.index or 0)) if decode else {}
     up, down = (
         replace(tiles, block_n=t[0], block_k=t[1], num_warps=t[2], num_stages=t[3]) if t else tiles
         for t in (measured.get("up"), measured.get("down"))

@@ -38,8 +38,12 @@ from engine.kernels import interpret_mode
 
 _INTERPRET = interpret_mode()
 
-# FP8 weights widened by moving bits on the integer units (below) rather than by the GPU's conversion instruction.
-WIDEN_BITS = os.environ.get("ENGINE_FP8_WIDEN", "bits") == "bits"
+# FP8 weights widened by moving bits on the integer units (``bits``, below) or by the GPU's conversion instruction
+# into an fp16 dot (``cvt``, the way before; kept for comparison runs).
+_WIDEN = os.environ.get("ENGINE_FP8_WIDEN", "bits")
+if _WIDEN not in ("bits", "cvt"):
+    raise ValueError(f"ENGINE_FP8_WIDEN={_WIDEN!r}: expected 'bits' or 'cvt'")
+WIDEN_BITS = _WIDEN == "bits"
 
 # Tokens up to which a linear layer takes this path (decode steps; verify steps of short drafts).
 MAX_TOKENS = 16

@@ -234,6 +234,27 @@ def test_fused_moe_large_batch_path_with_prefill_tiles(monkeypatch: pytest.Monke
     torch.testing.assert_close(got, experts_torch(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
 
 
+def test_a_tuning_runs_moe_tiles_are_read_for_their_gpu_and_refused_when_malformed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    require("triton", "make install puts it in")
+    from engine.kernels import fused_moe
+
+    path = tmp_path / "moe.json"
+    monkeypatch.setenv("ENGINE_MOE_TILES", str(path))
+    path.write_text('{"NVIDIA H200": {"up": [32, 256, 4, 3], "down": [16, 512, 4, 4]}}')
+    fused_moe.measured_decode_tiles.cache_clear()
+    assert fused_moe.measured_decode_tiles("NVIDIA H200") == {"up": [32, 256, 4, 3], "down": [16, 512, 4, 4]}
+    assert fused_moe.measured_decode_tiles("another GPU") == {}
+    # Off CUDA the defaults hold whatever the file says.
+    assert fused_moe.gemm_tiles(8, 128, torch.device("cpu")) == (fused_moe.moe_tiles(8, 128),) * 2
+    path.write_text('{"NVIDIA H200": {"gate": [32, 256, 4, 3]}}')
+    fused_moe.measured_decode_tiles.cache_clear()
+    with pytest.raises(ValueError, match=r"ENGINE_MOE_TILES.*'gate'"):
+        fused_moe.measured_decode_tiles("NVIDIA H200")
+    fused_moe.measured_decode_tiles.cache_clear()
+
+
 # -- CUDA: bfloat16 and graphs ------------------------------------------------------------------
 
 cuda_only = pytest.mark.skipif(DEVICE != "cuda", reason="compiled kernels and CUDA graphs need a GPU")
