@@ -61,8 +61,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_engine(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> Result:
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+def bench_engine(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0) -> Result:  # fmt: skip
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=new_tokens, ignore_eos=True)
     seqs = [engine.add_request(p, params) for p in prompts]
     _sync(engine.device)
     t0 = time.perf_counter()
@@ -241,10 +242,11 @@ def prefix_row(loaded: LoadedModel, args: EngineArgs, length: int, runs: int = 3
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def async_ab(engine: LLMEngine, batches: list[int], prompt_len: int, new_tokens: int,
-             runs: int) -> dict[int, dict[str, float]]:  # fmt: skip
+def async_ab(engine: LLMEngine, batches: list[int], prompt_len: int, new_tokens: int, runs: int,
+             temperature: float = 0.0, top_p: float = 1.0) -> dict[int, dict[str, float]]:  # fmt: skip
     """Decode tok/s of each batch with --async-scheduling off and on, runs alternating on the same engine (the same
-    weights, graphs and prompts); medians, and on / off."""
+    weights, graphs and prompts); medians, and on / off. Greedy unless ``temperature`` (with ``top_p``) asks for
+    sampling."""
     vocab = engine.model_config.vocab_size
     keep = engine.async_scheduling
     out: dict[int, dict[str, float]] = {}
@@ -255,7 +257,7 @@ def async_ab(engine: LLMEngine, batches: list[int], prompt_len: int, new_tokens:
             for _ in range(max(runs, 3)):
                 for mode in ("off", "on"):
                     engine.async_scheduling = mode == "on"
-                    times[mode].append(bench_engine(engine, prompts, new_tokens).decode_tok_s)
+                    times[mode].append(bench_engine(engine, prompts, new_tokens, temperature, top_p).decode_tok_s)
                     engine.drain()
             off, on = statistics.median(times["off"]), statistics.median(times["on"])
             out[b] = {"off": off, "on": on, "on_over_off": on / off}
@@ -361,6 +363,10 @@ def main() -> None:
         action="store_true",
         help="also time each batch with --async-scheduling off and on, alternating, on the same engine",
     )
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature of --async-ab's runs (greedy: 0)"
+    )
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p of --async-ab's runs")
     p.add_argument("--profile", action="store_true", help="split a decode step into host and GPU time, by kernel")
     p.add_argument("--profile-batch", type=int, default=1, help="sequences in the profiled decode step")
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
@@ -432,7 +438,11 @@ def main() -> None:
         prompts = _prompts(b, a.prompt_len, vocab, b)
         ours[b] = median_of(a.runs, partial(bench_engine, engine, prompts, a.new_tokens))
         print(f"  engine batch {b}: {ours[b]}", flush=True)
-    ab = async_ab(engine, a.batch_sizes, a.prompt_len, a.new_tokens, a.runs) if a.async_ab else {}
+    ab = (
+        async_ab(engine, a.batch_sizes, a.prompt_len, a.new_tokens, a.runs, a.temperature, a.top_p)
+        if a.async_ab
+        else {}
+    )
     profile = profile_step(engine, a.prompt_len, a.profile_batch) if a.profile else None
     context = a.prompt_len + a.new_tokens // 2  # the mean context of the decode steps
     roof = {b: roofline_tok_s(engine, b, context, name) for b in a.batch_sizes}
@@ -533,6 +543,7 @@ def main() -> None:
             "step_profile_us": profile,
             "async_scheduling": not a.no_async_scheduling,
             "async_ab_decode_tok_s": {str(b): {**v, "roofline_tok_s": roof[b]} for b, v in ab.items()},
+            "async_ab_sampling": {"temperature": a.temperature, "top_p": a.top_p},
         }
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)
