@@ -201,8 +201,6 @@ def token_sweep(json_path: str, tiles_path: str, seconds: float) -> None:
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
         ref = (x.float() @ ws[0][0].float().T) * ws[0][1][None, :]
         today = token_config_for(ws[0][0])
-        if not isinstance(today, TokenConfig):  # a measured tensor-core tile (fp8_m1): start from the rule's
-            today = TokenConfig(8, 1024, 4, 2, 4 if k >= 8192 else 1)
         rows: list[dict[str, Any]] = []
         for cfg in [today, *space]:
             if time.monotonic() > deadline:

@@ -34,17 +34,6 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import interpret_mode
-
-_INTERPRET = interpret_mode()
-
-# FP8 weights widened by moving bits on the integer units (``bits``, below) or by the GPU's conversion instruction
-# into an fp16 dot (``cvt``, the way before; kept for comparison runs).
-_WIDEN = os.environ.get("ENGINE_FP8_WIDEN", "bits")
-if _WIDEN not in ("bits", "cvt"):
-    raise ValueError(f"ENGINE_FP8_WIDEN={_WIDEN!r}: expected 'bits' or 'cvt'")
-WIDEN_BITS = _WIDEN == "bits"
-
 # Tokens up to which a linear layer takes this path (decode steps; verify steps of short drafts).
 MAX_TOKENS = 16
 
@@ -86,17 +75,12 @@ class TokenConfig:
     splits: int
 
 
-def token_config_for(weight: torch.Tensor) -> TokenConfig | GemvConfig:
-    """The kernel and tile for one token on this FP8 weight on this GPU: a measured tensor-core tile (kind
-    ``fp8_m1`` of the table), else the CUDA-core kernel's measured tile (``fp8_token``), else its rule: 8-row tiles
-    of 1,024 columns, split in four along a long K."""
+def token_config_for(weight: torch.Tensor) -> TokenConfig:
+    """The measured one-token tile for this FP8 weight on this GPU (kind ``fp8_token`` of the table), else a rule:
+    8-row tiles of 1,024 columns, split in four along a long K."""
     n, k = weight.shape
     if weight.is_cuda:
-        table = _tiles(weight.device.index or 0)
-        hit = table.get("fp8_m1", {}).get(f"{n}x{k}")
-        if hit:
-            return GemvConfig(*hit)
-        hit = table.get("fp8_token", {}).get(f"{n}x{k}")
+        hit = _tiles(weight.device.index or 0).get("fp8_token", {}).get(f"{n}x{k}")
         if hit:
             return TokenConfig(*hit)
     return TokenConfig(8, 1024 if k >= 4096 else 256, 4, 2, 4 if k >= 8192 else 1)
@@ -120,56 +104,10 @@ def config_for(weight: torch.Tensor) -> GemvConfig:
 
 
 @triton.jit
-def _widen_e4m3(w, BF16: tl.constexpr, INTERPRET: tl.constexpr):
-    # FP8 e4m3 bytes (as uint8) to bf16 or fp16 by moving their fields on the integer units, four bytes a 32-bit
-    # word: each byte goes to the top of its 16-bit half (a byte permute), its sign stays at bit 15 and the rest
-    # shifts down so that e4m3's exponent and mantissa end at the bottom of the wider type's. The value comes out
-    # times 2^-120 (bf16) or 2^-8 (fp16), the difference of the exponent biases, e4m3's subnormals included and
-    # exactly (both types hold every e4m3 value); _widen_factor undoes that on the float32 result. Hopper's
-    # conversion instruction widens two bytes per issue at a quarter of the integer units' rate.
-    if INTERPRET:
-        u = w.to(tl.uint16)
-        if BF16:
-            return (((u & 0x80) << 8) | ((u & 0x7F) << 4)).to(tl.bfloat16, bitcast=True)
-        else:
-            return (((u & 0x80) << 8) | ((u & 0x7F) << 7)).to(tl.float16, bitcast=True)
-    else:
-        # Bytes 0 and 1 of the word to the top of the first register's halves, 2 and 3 the second's; then the
-        # sign kept, the rest shifted down by the difference of the exponent fields' widths.
-        if BF16:
-            return tl.inline_asm_elementwise(
-                asm="{ .reg .b32 t, u; prmt.b32 t, $2, 0, 0x1404; and.b32 u, t, 0x7F007F00; shr.b32 u, u, 4; "
-                    "lop3.b32 $0, t, 0x80008000, u, 0xEA; prmt.b32 t, $2, 0, 0x3424; and.b32 u, t, 0x7F007F00; "
-                    "shr.b32 u, u, 4; lop3.b32 $1, t, 0x80008000, u, 0xEA; }",
-                constraints="=r,=r,r", args=[w], dtype=tl.bfloat16, is_pure=True, pack=4,
-            )  # fmt: skip
-        else:
-            return tl.inline_asm_elementwise(
-                asm="{ .reg .b32 t, u; prmt.b32 t, $2, 0, 0x1404; and.b32 u, t, 0x7F007F00; shr.b32 u, u, 1; "
-                    "lop3.b32 $0, t, 0x80008000, u, 0xEA; prmt.b32 t, $2, 0, 0x3424; and.b32 u, t, 0x7F007F00; "
-                    "shr.b32 u, u, 1; lop3.b32 $1, t, 0x80008000, u, 0xEA; }",
-                constraints="=r,=r,r", args=[w], dtype=tl.float16, is_pure=True, pack=4,
-            )  # fmt: skip
-
-
-@triton.jit
-def _widen_factor(BF16: tl.constexpr):
-    if BF16:
-        return 1.329227995784916e36  # 2^120
-    else:
-        return 256.0
-
-
-def widen_factor(dtype: torch.dtype) -> float:
-    """What ``_widen_e4m3``'s results are multiplied by to be the e4m3 values, for a bf16 or fp16 dot."""
-    return 2.0**120 if dtype == torch.bfloat16 else 2.0**8
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, stride_x, stride_w, stride_out, K: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, FP16_DOT: tl.constexpr,
-    WIDEN: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -187,24 +125,16 @@ def _gemv_kernel(
         k_ok = k < K
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if WIDEN:
-            w = _widen_e4m3(w, x.dtype == tl.bfloat16, INTERPRET)
-        elif FP16_DOT:
+        if FP16_DOT:
             x = x.to(tl.float16)
             w = w.to(tl.float16)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
         if SWIGLU:
             u = tl.load(w_rows + N * stride_w + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            if WIDEN:
-                u = _widen_e4m3(u, x.dtype == tl.bfloat16, INTERPRET)
-            elif FP16_DOT:
+            if FP16_DOT:
                 u = u.to(tl.float16)
             acc_up += tl.dot(x, tl.trans(u), input_precision=PRECISION)
     dt = out_ptr.dtype.element_ty
-    if WIDEN:
-        acc = acc * _widen_factor(x_ptr.dtype.element_ty == tl.bfloat16)
-        if SWIGLU:
-            acc_up = acc_up * _widen_factor(x_ptr.dtype.element_ty == tl.bfloat16)
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
         if SWIGLU:
@@ -313,21 +243,16 @@ def gemv(
     if m == 0:
         return out
     fp8 = weight.element_size() == 1
-    if config is None and fp8 and m == 1 and not swiglu:
-        config = token_config_for(weight)
-    if isinstance(config, TokenConfig):
+    if isinstance(config, TokenConfig) or (config is None and fp8 and m == 1 and not swiglu):
         if m != 1 or swiglu:
             raise ValueError("a TokenConfig is for one token without SwiGLU")
-        return _gemv_token(x, weight, scale, bias, out, config)
+        return _gemv_token(x, weight, scale, bias, out, config or token_config_for(weight))
     cfg = config or config_for(weight)
     fp16_dot = fp8 or x.dtype == torch.float16
-    widen = fp8 and x.dtype in (torch.bfloat16, torch.float16) and WIDEN_BITS
-    w = weight.view(torch.uint8) if widen else weight
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, w, scale if scale is not None else x, bias if bias is not None else x, out,
+        x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
         m, n, x.stride(0), weight.stride(0), out.stride(0), k,
-        HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, SWIGLU=swiglu, FP16_DOT=fp16_dot, WIDEN=widen,
-        INTERPRET=_INTERPRET,
+        HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, SWIGLU=swiglu, FP16_DOT=fp16_dot,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
