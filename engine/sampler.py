@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
+from engine.kernels import triton_importable
 from engine.sequence import SamplingParams, Sequence, TokenLogprob
 
 # What a -inf logprob (a token masked out) is reported as: JSON has no infinity; OpenAI and vLLM send this.
@@ -233,19 +234,29 @@ class Sampler:
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         top_p = _to([p.top_p for p in params], dev, torch.float32).unsqueeze(1)
         ids: torch.Tensor | None = None  # the vocabulary ids of the columns kept (top-k), else all
+        probs: torch.Tensor | None = None
         if max(top_k) < vocab:
             # Every row has a top-k: work on the best max(k) columns only (a full sort costs 20x more).
             scaled, ids = scaled.topk(max(top_k), dim=-1)
-        elif any(p.top_p < 1.0 for p in params):
-            scaled, ids = torch.sort(scaled, dim=-1, descending=True)
-        if ids is not None:  # columns sorted by logit: top-k and top-p are masks over ranks
             ranks = torch.arange(scaled.shape[-1], device=dev).unsqueeze(0)
             drop = ranks >= _to(top_k, dev, torch.int64).unsqueeze(1)
-            probs = scaled.masked_fill(drop, float("-inf")).softmax(-1)
+            ranked = scaled.masked_fill(drop, float("-inf")).softmax(-1)
             # Drop a token when the tokens ranked above it already cover top_p.
-            drop |= probs.cumsum(-1) - probs > top_p
+            drop |= ranked.cumsum(-1) - ranked > top_p
             scaled = scaled.masked_fill(drop, float("-inf"))
-        probs = scaled.softmax(-1)
+        elif any(p.top_p < 1.0 for p in params):
+            # Some row has no top-k: cut each row at one probability, in vocabulary order (no sort on CUDA).
+            probs = scaled.softmax(-1)
+            floor = torch.zeros_like(top_p)
+            cut_k = [k for k in top_k if k < vocab]
+            if cut_k:  # a top-k row's floor: its k-th largest probability
+                best = probs.topk(max(cut_k), dim=-1).values
+                k = _to([min(k, max(cut_k)) for k in top_k], dev, torch.int64).unsqueeze(1)
+                has_k = _to([k < vocab for k in top_k], dev, torch.bool).unsqueeze(1)
+                floor = torch.where(has_k, best.gather(1, k - 1), floor)
+            probs = probs.masked_fill(probs < top_p_threshold(probs, floor, top_p), 0.0)
+        if probs is None:
+            probs = scaled.softmax(-1)
         if any(p.min_p > 0 for p in params):
             floor = _to([p.min_p for p in params], dev, torch.float32).unsqueeze(1) * probs.amax(-1, keepdim=True)
             probs = probs.masked_fill(probs < floor, 0.0)
@@ -266,6 +277,23 @@ class Sampler:
                 row.exponential_(1.0, generator=torch.Generator().manual_seed(r.seed_key))
                 noise[i].copy_(row, non_blocking=True)
         return noise
+
+
+def top_p_threshold(probs: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row of ``probs [rows, vocab]``, the least probability top-p keeps (``top_p [rows, 1]``) of what top-k
+    kept (``floor [rows, 1]``: the k-th largest probability, 0 without top-k), at least ``floor``: ``[rows, 1]``.
+    Top-p keeps a token when the tokens above it hold at most ``top_p`` of the kept mass. On CUDA a Triton
+    kernel bisects the cut without sorting (engine/kernels/sampling.py); elsewhere the rows are sorted."""
+    if probs.is_cuda and triton_importable():
+        from engine.kernels.sampling import top_p_threshold as on_gpu
+
+        return on_gpu(probs, floor, top_p)
+    ordered = torch.sort(probs, dim=-1, descending=True).values
+    ordered = ordered.masked_fill(ordered < floor, 0.0)
+    above = ordered.cumsum(-1) - ordered  # the mass ranked above each
+    kept = (above <= top_p * ordered.sum(-1, keepdim=True)) & (ordered > 0)
+    last = (kept.sum(-1, keepdim=True) - 1).clamp(min=0)
+    return torch.maximum(ordered.gather(1, last), floor)
 
 
 def token_logprobs(scaled: torch.Tensor, tokens: torch.Tensor, top: Seq[int]) -> list[TokenLogprob]:

@@ -78,6 +78,34 @@ def test_skinny_matmuls_match_linear(tokens: int) -> None:
         gemv(torch.zeros(17, 200, dtype=dt, device=DEV), w)
 
 
+def test_the_top_p_cut_without_a_sort_keeps_what_the_sorted_rows_keep() -> None:
+    from engine.kernels.sampling import top_p_threshold as bisected
+    from engine.sampler import top_p_threshold
+
+    # Peaked and flat rows, tokens masked out (-inf), top-p from 0.3 to 1, two rows with a top-k cut too.
+    vocab = 3000
+    logits = torch.randn(8, vocab, generator=_g(5)) * torch.tensor([[8.0], [3.0], [1.0], [0.2], [3.0], [1.0],
+                                                                    [0.05], [2.0]])  # fmt: skip
+    logits[1, :40] = float("-inf")
+    probs = logits.softmax(-1)
+    top_p = torch.tensor([[0.9], [0.5], [0.95], [0.99], [0.8], [1.0], [0.3], [0.7]])
+    top_k = [vocab, vocab, vocab, vocab, 50, 7, vocab, 1]
+    # The rule on sorted rows, as the sampler applied it before: the top k ranks, renormalised, and a token dropped
+    # when the ones ranked above it already hold top_p.
+    ordered, ids = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    ranked = ordered.masked_fill(ranks >= torch.tensor(top_k).unsqueeze(1), 0.0)
+    ranked = ranked / ranked.sum(-1, keepdim=True)
+    keep_sorted = (ranked.cumsum(-1) - ranked <= top_p) & (ranked > 0)
+    want = torch.zeros_like(probs, dtype=torch.bool).scatter(1, ids, keep_sorted)
+    floor = torch.tensor([[0.0] if k == vocab else [float(ordered[i, k - 1])] for i, k in enumerate(top_k)])
+    cut = top_p_threshold(probs.to(DEV), floor.to(DEV), top_p.to(DEV)).cpu()
+    assert torch.equal((probs >= cut) & (probs > 0), want)
+    cut = bisected(probs.to(DEV), floor.to(DEV), top_p.to(DEV)).cpu()
+    assert torch.equal((probs >= cut) & (probs > 0), want)
+    assert want.sum(-1).tolist()[5:] == [7, want[6].sum().item(), 1]  # top-p 1: the top-k cut alone
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_one_token_fp8_matmul_on_the_cuda_cores_matches_the_dequantized_weight(splits: int) -> None:
     from engine.kernels.gemv import GemvConfig, TokenConfig, gemv
