@@ -8,8 +8,9 @@ ENGINE_TEST_DEVICE=cuda ENGINE_TEST_DTYPE=bfloat16 timeout 100 python3 -m pytest
 timeout 60 python3 -m bench.engine.sampler_speed --batches 1 64 256 --json "$OUT/sampler-speed.json" 2>&1 \
   | grep -v -i warn || true
 ENGINE_S=${ENGINE_S:-60} engine_bench smollm2-sampled-cut "$MODEL" --prompt-len 512 --new-tokens 128 \
-  --batch-sizes 64 256 --async-ab --runs 3 --temperature 0.8 --top-p 0.95 | grep "async sched" || true
+  --batch-sizes 64 256 --async-ab --runs 3 --temperature 0.8 --top-p 0.95 >/dev/null || true
 python3 bench/device/shape_config.py qwen3-8b /tmp/shapes/qwen3-8b
 ENGINE_S=${ENGINE_S:-90} engine_bench qwen3-8b-sampled-cut /tmp/shapes/qwen3-8b --prompt-len 512 --new-tokens 64 \
-  --batch-sizes 64 --async-ab --runs 3 --temperature 0.8 --top-p 0.95 | grep "async sched" || true
+  --batch-sizes 64 --async-ab --runs 3 --temperature 0.8 --top-p 0.95 >/dev/null || true
+grep -h "async scheduling" "$OUT"/*.log || true
 (cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)
