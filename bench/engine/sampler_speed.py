@@ -1,8 +1,10 @@
 """Time the sampler's draw of one step on the GPU: top-p cut without a sort against the sort it replaced.
 
 ``Sampler.tokens`` on random logits ``[batch, vocab]`` (temperature 0.8, top-p 0.95; and with one row of the batch
-also asking top-k 50, which puts every row through the same cut), by CUDA events, median of ``--rounds``; then the
-same draw with the rows sorted (``torch.sort``, a cumulative sum, as the sampler did before) in the same process.
+also asking top-k 50, which puts every row through the same cut), by CUDA events, median of ``--rounds``, with the
+cut bisected at every batch size (``cut``, the sampler's ``BISECT_MIN_ROWS`` set to 1; the sampler itself sorts below
+that many rows); then the same draw with the rows sorted (``torch.sort``, a cumulative sum, as the sampler did before)
+in the same process.
 
     python -m bench.engine.sampler_speed [--vocab 151936] [--batches 1 16 64 256] [--json out.json]
 """
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch
 
+from engine import sampler as sampler_module
 from engine.sampler import Sampler, SampleRow
 from engine.sequence import SamplingParams
 
@@ -61,6 +64,7 @@ def main() -> None:
     a = ap.parse_args()
     dev = torch.device("cuda")
     sampler = Sampler(frozenset({0}), 0)
+    sampler_module.BISECT_MIN_ROWS = 1
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "vocab": a.vocab}
     for mixed in (False, True):
         for b in a.batches:
