@@ -299,7 +299,8 @@ def top_p_threshold(probs: torch.Tensor, floor: torch.Tensor, top_p: torch.Tenso
     above = ordered.cumsum(-1) - ordered  # the mass ranked above each
     kept = (above <= top_p * ordered.sum(-1, keepdim=True)) & (ordered > 0)
     last = (kept.sum(-1, keepdim=True) - 1).clamp(min=0)
-    return torch.maximum(ordered.gather(1, last), floor)
+    cut = torch.where(top_p < 1.0, ordered.gather(1, last), 0.0)  # top-p 1: no cut (not one left to rounding)
+    return torch.maximum(cut, floor)
 
 
 def token_logprobs(scaled: torch.Tensor, tokens: torch.Tensor, top: Seq[int]) -> list[TokenLogprob]:
