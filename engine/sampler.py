@@ -231,37 +231,32 @@ class Sampler:
         return ids.gather(1, choice).squeeze(1)
 
     def _probs(self, scaled: torch.Tensor, rows: Seq[SampleRow]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Each row's probabilities after top-k / top-p / min-p, and the vocabulary ids of the columns they
-        cover when top-k or top-p kept only some (sorted by logit); None: every column, in vocabulary order."""
+        """Each row's probabilities after top-k / top-p / min-p (not renormalised), and the vocabulary ids of the
+        columns they cover when every row has a top-k (its best ``max(k)``, sorted by logit); None: every column, in
+        vocabulary order."""
         dev = scaled.device
         params = [r.params for r in rows]
         vocab = scaled.shape[-1]
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         top_p = _to([p.top_p for p in params], dev, torch.float32).unsqueeze(1)
         ids: torch.Tensor | None = None  # the vocabulary ids of the columns kept (top-k), else all
-        probs: torch.Tensor | None = None
         if max(top_k) < vocab:
             # Every row has a top-k: work on the best max(k) columns only (a full sort costs 20x more).
             scaled, ids = scaled.topk(max(top_k), dim=-1)
-            ranks = torch.arange(scaled.shape[-1], device=dev).unsqueeze(0)
-            drop = ranks >= _to(top_k, dev, torch.int64).unsqueeze(1)
-            ranked = scaled.masked_fill(drop, float("-inf")).softmax(-1)
-            # Drop a token when the tokens ranked above it already cover top_p.
-            drop |= ranked.cumsum(-1) - ranked > top_p
-            scaled = scaled.masked_fill(drop, float("-inf"))
-        elif any(p.top_p < 1.0 for p in params):
-            # Some row has no top-k: cut each row at one probability, in vocabulary order (no sort on CUDA).
-            probs = scaled.softmax(-1)
+        probs = scaled.softmax(-1)
+        cut_k = [k for k in top_k if k < vocab]
+        if cut_k or any(p.top_p < 1.0 for p in params):
+            # Top-k and top-p cut each row at one probability: its k-th largest (the floor; 0 without top-k), then
+            # the least one top-p keeps of what is left.
             floor = torch.zeros_like(top_p)
-            cut_k = [k for k in top_k if k < vocab]
-            if cut_k:  # a top-k row's floor: its k-th largest probability
-                best = probs.topk(max(cut_k), dim=-1).values
-                k = _to([min(k, max(cut_k)) for k in top_k], dev, torch.int64).unsqueeze(1)
+            if cut_k:
+                most = max(cut_k)
+                best = probs if ids is not None else probs.topk(most, dim=-1).values
+                kth = _to([min(k, most) - 1 for k in top_k], dev, torch.int64).unsqueeze(1)
                 has_k = _to([k < vocab for k in top_k], dev, torch.bool).unsqueeze(1)
-                floor = torch.where(has_k, best.gather(1, k - 1), floor)
-            probs = probs.masked_fill(probs < top_p_threshold(probs, floor, top_p), 0.0)
-        if probs is None:
-            probs = scaled.softmax(-1)
+                floor = torch.where(has_k, best.gather(1, kth), floor)
+            cut = cut_sorted(probs, floor, top_p) if ids is not None else top_p_threshold(probs, floor, top_p)
+            probs = probs.masked_fill(probs < cut, 0.0)
         if any(p.min_p > 0 for p in params):
             floor = _to([p.min_p for p in params], dev, torch.float32).unsqueeze(1) * probs.amax(-1, keepdim=True)
             probs = probs.masked_fill(probs < floor, 0.0)
@@ -294,7 +289,11 @@ def top_p_threshold(probs: torch.Tensor, floor: torch.Tensor, top_p: torch.Tenso
         from engine.kernels.sampling import top_p_threshold as on_gpu
 
         return on_gpu(probs, floor, top_p)
-    ordered = torch.sort(probs, dim=-1, descending=True).values
+    return cut_sorted(torch.sort(probs, dim=-1, descending=True).values, floor, top_p)
+
+
+def cut_sorted(ordered: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """``top_p_threshold`` of rows already sorted in descending order."""
     ordered = ordered.masked_fill(ordered < floor, 0.0)
     above = ordered.cumsum(-1) - ordered  # the mass ranked above each
     kept = (above <= top_p * ordered.sum(-1, keepdim=True)) & (ordered > 0)

@@ -99,11 +99,16 @@ def measured_decode_tiles(device_name: str) -> dict[str, list[int]]:
     return tiles
 
 
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)  # asked once, not on every MoE layer of every step
+
+
 def gemm_tiles(num_pairs: int, num_experts: int, device: torch.device) -> tuple[MoeTiles, MoeTiles]:
     """The up and the down projection's tiles: ``moe_tiles``, or a tuning run's for decode batches (same rows)."""
     tiles = moe_tiles(num_pairs, num_experts)
     decode = device.type == "cuda" and tiles.block_m == 16
-    measured = measured_decode_tiles(torch.cuda.get_device_name(device.index or 0)) if decode else {}
+    measured = measured_decode_tiles(_device_name(device.index or 0)) if decode else {}
     up, down = (
         replace(tiles, block_n=t[0], block_k=t[1], num_warps=t[2], num_stages=t[3]) if t else tiles
         for t in (measured.get("up"), measured.get("down"))

@@ -505,9 +505,13 @@ def test_a_seeded_draw_does_not_depend_on_the_batch_path() -> None:
     # Batched with a row without top-k, the same rows go through a full sort: the same draws.
     other = SampleRow(SamplingParams(temperature=0.7, top_p=0.5, seed=3), seed_key(3, 0, 0))
     assert sampler.sample(logits, [*rows, other]).tokens[:2] == alone
-    # top_k 1 is the argmax, whatever the temperature.
+    # top_k 1 is the argmax, whatever the temperature, and whatever the other rows ask: batched with a plain sampled
+    # row (no top-k, no top-p) too, which once left every row uncut.
     one = [SampleRow(SamplingParams(temperature=5.0, top_k=1, seed=s), seed_key(s, 0, 0)) for s in (1, 2)]
     assert sampler.sample(logits[:2], one).tokens == logits[:2].argmax(-1).tolist()
+    for s in range(8):
+        plain = SampleRow(SamplingParams(temperature=1.0, seed=s), seed_key(s, 0, 0))
+        assert sampler.sample(logits, [*one, plain]).tokens[:2] == logits[:2].argmax(-1).tolist()
 
 
 def test_generate_route_takes_the_same_sampling_features(tiny: ThreadServer) -> None:
