@@ -91,10 +91,11 @@ def measured_decode_tiles(device_name: str) -> dict[str, list[int]]:
     table: dict[str, dict[str, list[int]]] = json.loads(Path(path).read_text())
     tiles = table.get(device_name, {})
     for gemm, tile in tiles.items():
-        if gemm not in ("up", "down") or len(tile) != 4 or not all(isinstance(v, int) and v > 0 for v in tile):
+        ints = len(tile) == 4 and all(isinstance(v, int) and v > 0 for v in tile)
+        if gemm not in ("up", "down") or not ints or any(v & (v - 1) for v in tile[:3]):
             raise ValueError(
                 f"ENGINE_MOE_TILES ({path}): {gemm!r}: {tile!r}; expected 'up' or 'down' with "
-                "[block_n, block_k, num_warps, num_stages]"
+                "[block_n, block_k, num_warps, num_stages], the first three powers of two"
             )
     return tiles
 

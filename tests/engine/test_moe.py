@@ -252,6 +252,10 @@ def test_a_tuning_runs_moe_tiles_are_read_for_their_gpu_and_refused_when_malform
     fused_moe.measured_decode_tiles.cache_clear()
     with pytest.raises(ValueError, match=r"ENGINE_MOE_TILES.*'gate'"):
         fused_moe.measured_decode_tiles("NVIDIA H200")
+    path.write_text('{"NVIDIA H200": {"up": [48, 256, 4, 3]}}')  # a Triton block is a power of two
+    fused_moe.measured_decode_tiles.cache_clear()
+    with pytest.raises(ValueError, match=r"ENGINE_MOE_TILES.*powers of two"):
+        fused_moe.measured_decode_tiles("NVIDIA H200")
     fused_moe.measured_decode_tiles.cache_clear()
 
 
