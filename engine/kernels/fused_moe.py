@@ -48,6 +48,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import pdl_launch
+from engine.kernels.pdl import enter
+
 
 @dataclass(frozen=True, slots=True)
 class MoeTiles:
@@ -140,7 +143,8 @@ def _store_block_experts(expert_ids_ptr, ends, valid, num_blocks, BLOCK_M: tl.co
 
 
 @triton.jit
-def _count_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
+def _count_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < num_pairs
     e = tl.load(ids_ptr + i, mask=mask, other=0)
@@ -150,8 +154,9 @@ def _count_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
 @triton.jit
 def _layout_kernel(
     counts_ptr, cursor_ptr, expert_ids_ptr, used_ptr, num_experts, num_blocks,
-    BLOCK_M: tl.constexpr, EP: tl.constexpr, BB: tl.constexpr,
+    BLOCK_M: tl.constexpr, EP: tl.constexpr, BB: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    enter(PDL)
     e = tl.arange(0, EP)
     em = e < num_experts
     c = tl.load(counts_ptr + e, mask=em, other=0)
@@ -163,7 +168,8 @@ def _layout_kernel(
 
 
 @triton.jit
-def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_pairs, BLOCK: tl.constexpr):
+def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_pairs, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < num_pairs
     e = tl.load(ids_ptr + i, mask=mask, other=0)
@@ -174,8 +180,9 @@ def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_pairs, BLOCK: tl.conste
 @triton.jit
 def _align_one_program_kernel(
     ids_ptr, sorted_ptr, expert_ids_ptr, used_ptr, offset_ptr, num_pairs, num_experts, capacity, num_blocks,
-    BLOCK_M: tl.constexpr, EP: tl.constexpr, B: tl.constexpr, BB: tl.constexpr,
+    BLOCK_M: tl.constexpr, EP: tl.constexpr, B: tl.constexpr, BB: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    enter(PDL)
     i = tl.arange(0, B)
     e = tl.load(ids_ptr + i, mask=i < num_pairs, other=num_experts).to(tl.int32)  # padding: expert E
     x = tl.arange(0, EP)
@@ -220,6 +227,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     capacity = padded_capacity(num_pairs, num_experts, block_m)
     num_blocks = capacity // block_m
     dev = ids.device
+    pdl = pdl_launch(dev)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
     used = torch.empty(1, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
@@ -228,19 +236,19 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
         _align_one_program_kernel[(1,)](
             ids, sorted_pairs, expert_ids, used, cursor, num_pairs, num_experts, capacity, num_blocks,
             BLOCK_M=block_m, EP=triton.next_power_of_2(num_experts + 1), B=max(16, triton.next_power_of_2(num_pairs)),
-            BB=64,
+            BB=64, **pdl,
         )  # fmt: skip
         return Alignment(sorted_pairs, expert_ids, used)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
     sorted_pairs = torch.full((capacity,), num_pairs, dtype=torch.int32, device=dev)
     block = 1024
     grid = (triton.cdiv(num_pairs, block),)
-    _count_kernel[grid](ids, counts, num_pairs, BLOCK=block)
+    _count_kernel[grid](ids, counts, num_pairs, BLOCK=block, **pdl)
     _layout_kernel[(1,)](
         counts, cursor, expert_ids, used, num_experts, num_blocks,
-        BLOCK_M=block_m, EP=triton.next_power_of_2(num_experts), BB=64,
+        BLOCK_M=block_m, EP=triton.next_power_of_2(num_experts), BB=64, **pdl,
     )  # fmt: skip
-    _scatter_kernel[grid](ids, cursor, sorted_pairs, num_pairs, BLOCK=block)
+    _scatter_kernel[grid](ids, cursor, sorted_pairs, num_pairs, BLOCK=block, **pdl)
     return Alignment(sorted_pairs, expert_ids, used)
 
 
@@ -252,8 +260,9 @@ def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, used_ptr, route_w_ptr,
     num_pairs, w_stride_e, num_n_blocks, N: tl.constexpr, K: tl.constexpr,
     A_DIV: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    enter(PDL)  # before the early exit: every program waits
     # out[pair, n] = sum_k a[pair // A_DIV, k] * w[e, n, k] for the rows of one block of one expert.
     # GATED: w holds gate rows [0, N) then up rows [N, 2N); out = silu(gate) * up.
     # ROUTED: out is scaled by the pair's routing weight.
@@ -315,15 +324,16 @@ def _grouped_gemm(
         A_DIV=a_div, GATED=gated, ROUTED=routed,
         BLOCK_M=tiles.block_m, BLOCK_N=bn, BLOCK_K=bk,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(a.device),
     )  # fmt: skip
 
 
 @triton.jit
 def _route_kernel(
     logits_ptr, weights_ptr, ids_ptr, E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-    BLOCK_E: tl.constexpr,
+    BLOCK_E: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    enter(PDL)
     # One token: softmax over E experts in float32, the TOP_K largest (ties to the lower id), optionally divided by
     # their sum. Two passes over the selection: the first sums the chosen weights, the second stores them.
     t = tl.program_id(0).to(tl.int64)
@@ -361,7 +371,7 @@ def route(
     if tokens:
         _route_kernel[(tokens,)](
             router_logits.contiguous(), weights, ids, E=experts, TOP_K=top_k, RENORMALIZE=renormalize,
-            BLOCK_E=triton.next_power_of_2(experts),
+            BLOCK_E=triton.next_power_of_2(experts), **pdl_launch(router_logits.device),
         )  # fmt: skip
     return weights, ids
 

@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import DECODE_BLOCK_N, DecodeTile, decode_tile, interpret_mode, prefill_block_m
+from engine.kernels import DECODE_BLOCK_N, DecodeTile, decode_tile, interpret_mode, pdl_launch, prefill_block_m
+from engine.kernels.pdl import enter
 
 if TYPE_CHECKING:
     from engine.kernels.ops import QKNorm
@@ -37,8 +38,9 @@ _INTERPRET = interpret_mode()
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -60,7 +62,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * rmsnorm(x)`` over the last axis of a contiguous ``[rows, hidden]`` tensor."""
     out = torch.empty_like(x)
     n = x.shape[-1]
-    _rms_norm_kernel[(x.shape[0],)](x, x, weight, out, out, n, eps, HAS_RES=False, BLOCK=triton.next_power_of_2(n))
+    _rms_norm_kernel[(x.shape[0],)](
+        x, x, weight, out, out, n, eps, HAS_RES=False, BLOCK=triton.next_power_of_2(n), **pdl_launch(x.device)
+    )
     return out
 
 
@@ -71,13 +75,15 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     res_out = torch.empty_like(x)
     n = x.shape[-1]
     _rms_norm_kernel[(x.shape[0],)](
-        x.contiguous(), residual, weight, out, res_out, n, eps, HAS_RES=True, BLOCK=triton.next_power_of_2(n)
-    )
+        x.contiguous(), residual, weight, out, res_out, n, eps, HAS_RES=True, BLOCK=triton.next_power_of_2(n),
+        **pdl_launch(x.device),
+    )  # fmt: skip
     return out, res_out
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
@@ -92,7 +98,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows, n = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(n))
-    _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](x, out, n, BLOCK=block)
+    _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](x, out, n, BLOCK=block, **pdl_launch(x.device))
     return out
 
 
@@ -131,8 +137,9 @@ def _head_norm(x, xr, w_ptr, d, rot, eps, dt: tl.constexpr, D: tl.constexpr):
 def _rope_and_store_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, kv_ptr, slot_ptr, v_offset, qn_ptr, kn_ptr, eps,
     H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr, SH: tl.constexpr,
-    SS: tl.constexpr, HP: tl.constexpr, KVHP: tl.constexpr, QK_NORM: tl.constexpr,
+    SS: tl.constexpr, HP: tl.constexpr, KVHP: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -183,7 +190,7 @@ def rope_and_store(
         H=num_heads, KVH=num_kv_heads, D=head_dim, BS=kv_cache.shape[3],
         SB=kv_cache.stride(1), SH=kv_cache.stride(2), SS=kv_cache.stride(3),
         HP=triton.next_power_of_2(num_heads), KVHP=triton.next_power_of_2(num_kv_heads),
-        QK_NORM=qk_norm is not None,
+        QK_NORM=qk_norm is not None, **pdl_launch(qkv.device),
     )  # fmt: skip
     return q
 
@@ -278,8 +285,9 @@ def _paged_attention_kernel(
     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr, SH: tl.constexpr,
     SS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_Q: tl.constexpr,
     SPLIT: tl.constexpr, TILED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-    FP16_DOT: tl.constexpr, V_REGS: tl.constexpr, UNMASKED: tl.constexpr, LAZY: tl.constexpr,
+    FP16_DOT: tl.constexpr, V_REGS: tl.constexpr, UNMASKED: tl.constexpr, LAZY: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    enter(PDL)
     g = tl.program_id(2)
     ok = True
     if SPLIT:
@@ -380,8 +388,9 @@ def _paged_attention_kernel(
 @triton.jit
 def _merge_splits_kernel(
     part_acc_ptr, part_ml_ptr, out_ptr, num_splits,
-    H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    enter(PDL)
     # Every split wrote its partials; one that saw no key wrote m = -1e30, l = 0, which weigh nothing here.
     s = tl.program_id(0)
     h = tl.program_id(1)
@@ -443,7 +452,8 @@ def paged_attention(
     # Decode programs only: a prompt tile's rows span warps, whose check of the maxima would cost a barrier a tile.
     lazy = (tile.lazy_rescale if lazy_rescale is None else lazy_rescale) and max_query_len == 1
     regs = tile.max_registers if max_registers is None else max_registers
-    launch = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": regs} if regs else {})}
+    launch = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": regs} if regs else {}),
+              **pdl_launch(q.device)}  # fmt: skip
     _check_cache(kv_cache)
     v_offset = kv_cache.stride(0)
     strides = {"SB": kv_cache.stride(1), "SH": kv_cache.stride(2), "SS": kv_cache.stride(3)}
@@ -461,7 +471,7 @@ def paged_attention(
         )  # fmt: skip
         _merge_splits_kernel[(seqs, heads)](
             part_acc, part_ml, out, splits,
-            H=heads, D=d, SPLITS=triton.next_power_of_2(splits),
+            H=heads, D=d, SPLITS=triton.next_power_of_2(splits), **pdl_launch(q.device),
         )  # fmt: skip
         return out
     if tile_map is not None:
