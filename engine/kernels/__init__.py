@@ -27,47 +27,36 @@ def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
-# Programmatic dependent launch (``engine.kernels.pdl``): ENGINE_PDL=1 turns it on (Hopper and later), and
-# ENGINE_PDL_PREFETCH sets how many columns of its weight rows a skinny matmul asks L2 for before its input is ready.
-_PDL_OFF: dict[str, object] = {"PDL": False}
-_PDL_ON: dict[str, object] = {"PDL": True, "launch_pdl": True}
-PDL_PREFETCH_DEFAULT = 1024
+# Programmatic dependent launch (``engine.kernels.pdl``): ENGINE_PDL=1 turns it on (Hopper and later).
+# ENGINE_PDL_TRIGGER (early | loop): when a kernel with a main loop lets the next one launch.
+_PDL_OFF: dict[str, object] = {"PDL": 0}
+_PDL_TRIGGERS = {"early": 1, "loop": 2}
 
 
 @functools.cache
-def _pdl(device_index: int, setting: str) -> bool:
+def _pdl(device_index: int, setting: str, trigger: str) -> int:
     if setting in ("", "0"):
-        return False
+        return 0
     if setting != "1":
         raise ValueError(f"ENGINE_PDL must be 0 or 1, got {setting!r}")
+    if trigger not in _PDL_TRIGGERS:
+        raise ValueError(f"ENGINE_PDL_TRIGGER must be one of {', '.join(_PDL_TRIGGERS)}, got {trigger!r}")
     if interpret_mode():
-        return False  # Triton's interpreter runs no PTX; the kernels are the same with PDL off
+        return 0  # Triton's interpreter runs no PTX; the kernels are the same with PDL off
     major, minor = torch.cuda.get_device_capability(device_index)
     if major < 9:
         raise ValueError(f"ENGINE_PDL=1 needs programmatic dependent launch (compute capability 9.0 or later); "
                          f"{torch.cuda.get_device_name(device_index)} is {major}.{minor}")  # fmt: skip
-    return True
+    return _PDL_TRIGGERS[trigger]
 
 
 def pdl_launch(device: torch.device) -> dict[str, object]:
     """Keyword arguments of a kernel launch that takes part in programmatic dependent launch: its ``PDL``
-    constexpr, and ``launch_pdl`` when ``ENGINE_PDL=1`` on a CUDA device that has it."""
-    on = device.type == "cuda" and _pdl(device.index or 0, os.environ.get("ENGINE_PDL", ""))
-    return _PDL_ON if on else _PDL_OFF
-
-
-def pdl_prefetch() -> int:
-    """``ENGINE_PDL_PREFETCH``: columns of its weight rows a skinny matmul prefetches while it waits (0: none)."""
-    return _pdl_prefetch(os.environ.get("ENGINE_PDL_PREFETCH", ""))
-
-
-@functools.cache
-def _pdl_prefetch(text: str) -> int:
-    if not text:
-        return PDL_PREFETCH_DEFAULT
-    if not text.isdigit():
-        raise ValueError(f"ENGINE_PDL_PREFETCH must be a number of columns (0 or more), got {text!r}")
-    return int(text)
+    constexpr (0: off), and ``launch_pdl`` when ``ENGINE_PDL=1`` on a CUDA device that has it."""
+    if device.type != "cuda":
+        return _PDL_OFF
+    mode = _pdl(device.index or 0, os.environ.get("ENGINE_PDL", ""), os.environ.get("ENGINE_PDL_TRIGGER", "loop"))
+    return {"PDL": mode, "launch_pdl": True} if mode else _PDL_OFF
 
 
 # Keys per tile of the decode attention kernel; a split covers a multiple of it.

@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import pdl_launch
-from engine.kernels.pdl import enter
+from engine.kernels.pdl import enter, enter_loop, leave_loop
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,7 +262,7 @@ def _grouped_gemm_kernel(
     A_DIV: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    enter(PDL)  # before the early exit: every program waits
+    enter_loop(PDL)  # before the early exit: every program waits
     # out[pair, n] = sum_k a[pair // A_DIV, k] * w[e, n, k] for the rows of one block of one expert.
     # GATED: w holds gate rows [0, N) then up rows [N, 2N); out = silu(gate) * up.
     # ROUTED: out is scaled by the pair's routing weight.
@@ -292,6 +292,7 @@ def _grouped_gemm_kernel(
         if GATED:
             wu = tl.load(w_cols + N * K + k[:, None], mask=km[:, None] & nm[None, :], other=0.0)
             acc_up = tl.dot(a, wu, acc_up, input_precision=PRECISION)
+    leave_loop(PDL)
     if GATED:
         # torch rounds each projection, the activation and the product to the model dtype.
         g = acc.to(dt).to(tl.float32)

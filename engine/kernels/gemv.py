@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import pdl_launch, pdl_prefetch
-from engine.kernels.pdl import enter, prefetch_cols, prefetch_rows
+from engine.kernels import pdl_launch
+from engine.kernels.pdl import enter, enter_loop, leave_loop
 
 # Tokens up to which a linear layer takes this path (decode steps; verify steps of short drafts).
 MAX_TOKENS = 16
@@ -111,7 +111,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, stride_x, stride_w, stride_out, K: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, FP16_DOT: tl.constexpr,
     PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
@@ -121,13 +121,7 @@ def _gemv_kernel(
     n_ok = rn < N
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
-    if PDL and PREFETCH > 0:
-        # The weight is constant: its first slices can stream into L2 while the kernel before finishes.
-        w_first = w_ptr + tl.minimum(rn, N - 1)[:, None].to(tl.int64) * stride_w
-        prefetch_rows(w_first, PREFETCH)
-        if SWIGLU:
-            prefetch_rows(w_first + N * stride_w, PREFETCH)
-    enter(PDL)
+    enter_loop(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -144,6 +138,7 @@ def _gemv_kernel(
             if FP16_DOT:
                 u = u.to(tl.float16)
             acc_up += tl.dot(x, tl.trans(u), input_precision=PRECISION)
+    leave_loop(PDL)
     dt = out_ptr.dtype.element_ty
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
@@ -163,7 +158,7 @@ def _gemv_kernel(
 def _gemv_token_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, N, stride_w, K: tl.constexpr, K_SPLIT: tl.constexpr,
     SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     s = tl.program_id(1)
@@ -171,9 +166,7 @@ def _gemv_token_kernel(
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
-    if PDL and PREFETCH > 0:
-        prefetch_rows(w_ptr + tl.minimum(rn, N - 1)[:, None].to(tl.int64) * stride_w + s * K_SPLIT, PREFETCH)
-    enter(PDL)
+    enter_loop(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K_SPLIT, BLOCK_K):
         k = s * K_SPLIT + k0 + rk
@@ -181,6 +174,7 @@ def _gemv_token_kernel(
         x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         acc += w * x[None, :]
+    leave_loop(PDL)
     y = tl.sum(acc, axis=1)
     if SPLIT:
         tl.store(part_ptr + s * N + rn, y, mask=n_ok)
@@ -210,11 +204,6 @@ def _sum_splits_kernel(
     tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _prefetch(pdl: dict[str, object], cols: int, weight: torch.Tensor) -> int:
-    # Columns of each weight row a PDL launch prefetches (the shortest K slice bounds them); none without PDL.
-    return prefetch_cols(cols, weight.element_size(), pdl_prefetch()) if pdl["PDL"] else 0
-
-
 def _gemv_token(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, out: torch.Tensor,
     cfg: TokenConfig,
@@ -229,7 +218,7 @@ def _gemv_token(
         x, weight, dummy, bias if bias is not None else dummy, out, part, n, weight.stride(0), k, k_split,
         SPLIT=splits > 1, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        PREFETCH=_prefetch(pdl, k - (splits - 1) * k_split, weight), **pdl,
+        **pdl,
     )  # fmt: skip
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(n, 1024),)](
@@ -278,6 +267,6 @@ def gemv(
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, SWIGLU=swiglu, FP16_DOT=fp16_dot,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        PREFETCH=_prefetch(pdl, k, weight), **pdl,
+        **pdl,
     )  # fmt: skip
     return out

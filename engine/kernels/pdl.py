@@ -5,11 +5,11 @@ every launch pays the drain of the last kernel's slowest programs, then the ramp
 token a dense 8B step is ~290 such kernels of a few to ~30 us each, so those edges are a large part of the step.
 
 With ``ENGINE_PDL=1`` the engine's Triton kernels of a decode step are launched with CUDA's programmatic stream
-serialisation, and each one, first thing, (1) lets the next kernel launch (``griddepcontrol.launch_dependents``),
-and (2) waits for the kernel before it to complete with its memory visible (``griddepcontrol.wait``) before it
-reads anything that kernel may have written or writes anything at all. Between the two, a skinny matmul asks L2
-for the first slices of its own weight rows (constant data, nothing a prior kernel writes), so its weight stream
-is already under way when its input arrives.
+serialisation, and each one, first thing, waits for the kernel before it to complete with its memory visible
+(``griddepcontrol.wait``) before it reads anything that kernel may have written or writes anything at all; it lets
+the next kernel launch (``griddepcontrol.launch_dependents``) first thing too, or, in a kernel with a main loop
+(matmuls, attention), when its programs leave the loop. The next kernel's launch and placement then overlap this
+one's last programs instead of following them.
 
 Why it is safe: the wait of kernel ``k`` returns only when kernel ``k-1`` has completed, and ``k-1`` completed only
 after its own wait returned, so every kernel before ``k`` is complete. Every program of a PDL kernel runs the wait
@@ -26,35 +26,30 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-# Bytes of one L2 prefetch (a cache line).
-LINE = tl.constexpr(128)
 
-
+# The kernel's ``PDL`` constexpr: 0 off; 1 the next kernel may launch as soon as this one starts; 2 (kernels with a
+# main loop) once its programs have left the loop, so that the next kernel's programs are placed on a GPU that is
+# nearly free rather than squeezed beside this one's.
 @triton.jit
 def enter(PDL: tl.constexpr):
-    """First thing in a PDL kernel: let the next kernel launch, then wait for the one before to complete."""
+    """First thing in a PDL kernel without a main loop: let the next kernel launch, then wait for the one before."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
 
 
 @triton.jit
-def prefetch_rows(rows_ptr, COLS: tl.constexpr):
-    """Ask L2 for the first ``COLS`` elements of each row of ``rows_ptr`` (a ``[R, 1]`` tensor of row pointers that
-    are all in bounds), one request per 128-byte line. Nothing is loaded into registers."""
-    step: tl.constexpr = LINE * 8 // rows_ptr.dtype.element_ty.primitive_bitwidth
-    cols = tl.arange(0, COLS // step) * step
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [rows_ptr + cols[None, :]], dtype=tl.int32,
-        is_pure=False, pack=1,
-    )  # fmt: skip
+def enter_loop(PDL: tl.constexpr):
+    """First thing in a PDL kernel with a main loop: wait for the kernel before (and with ``PDL == 1`` let the next
+    one launch first)."""
+    if PDL == 1:
+        gdc_launch_dependents()
+    if PDL:
+        gdc_wait()
 
 
-def prefetch_cols(k: int, elem_bytes: int, want: int) -> int:
-    """The columns a program prefetches of a ``k``-column weight: ``want`` rounded down to a power of two of whole
-    lines, at most ``k`` (0: none)."""
-    step = LINE.value // elem_bytes
-    cols = min(want, k)
-    if cols < step:
-        return 0
-    return int(triton.next_power_of_2(cols + 1) // 2) if cols & (cols - 1) else cols
+@triton.jit
+def leave_loop(PDL: tl.constexpr):
+    """After the main loop: with ``PDL == 2``, let the next kernel launch."""
+    if PDL == 2:
+        gdc_launch_dependents()

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import DECODE_BLOCK_N, DecodeTile, decode_tile, interpret_mode, pdl_launch, prefill_block_m
-from engine.kernels.pdl import enter
+from engine.kernels.pdl import enter, enter_loop, leave_loop
 
 if TYPE_CHECKING:
     from engine.kernels.ops import QKNorm
@@ -287,7 +287,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr, TILED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     FP16_DOT: tl.constexpr, V_REGS: tl.constexpr, UNMASKED: tl.constexpr, LAZY: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    enter(PDL)
+    enter_loop(PDL)
     g = tl.program_id(2)
     ok = True
     if SPLIT:
@@ -375,6 +375,7 @@ def _paged_attention_kernel(
                 q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, qk_scale, v_offset, window,
                 H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET, True, LAZY,
             )  # fmt: skip
+    leave_loop(PDL)
     if SPLIT:
         part = (s * H + h).to(tl.int64) * num_splits + sp
         tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=valid[:, None])
