@@ -27,36 +27,36 @@ def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
-# Programmatic dependent launch (``engine.kernels.pdl``): ENGINE_PDL=1 turns it on (Hopper and later).
-# ENGINE_PDL_TRIGGER (early | loop): when a kernel with a main loop lets the next one launch.
-_PDL_OFF: dict[str, object] = {"PDL": 0}
-_PDL_TRIGGERS = {"early": 1, "loop": 2}
+# Programmatic dependent launch (``engine.kernels.pdl``): a kernel's ``PDL`` constexpr. OFF: a plain launch. EARLY:
+# the next kernel may launch as soon as this one has started. LOOP: once this one's programs have left their main
+# loop. Which kernel takes which was measured (docs/engine.md, "Tenth round").
+PDL_OFF, PDL_EARLY, PDL_LOOP = 0, 1, 2
+_PLAIN: dict[str, object] = {"PDL": PDL_OFF}
 
 
 @functools.cache
-def _pdl(device_index: int, setting: str, trigger: str) -> int:
-    if setting in ("", "0"):
-        return 0
-    if setting != "1":
+def pdl_enabled(device_index: int, setting: str) -> bool:
+    """``ENGINE_PDL``: unset, on wherever the GPU has programmatic dependent launch (compute capability 9.0 and
+    later); ``0`` off; ``1`` on, and an error on a GPU without it."""
+    if setting not in ("", "0", "1"):
         raise ValueError(f"ENGINE_PDL must be 0 or 1, got {setting!r}")
-    if trigger not in _PDL_TRIGGERS:
-        raise ValueError(f"ENGINE_PDL_TRIGGER must be one of {', '.join(_PDL_TRIGGERS)}, got {trigger!r}")
-    if interpret_mode():
-        return 0  # Triton's interpreter runs no PTX; the kernels are the same with PDL off
+    if setting == "0" or interpret_mode():
+        return False  # Triton's interpreter runs no PTX; the kernels compute the same with PDL off
     major, minor = torch.cuda.get_device_capability(device_index)
-    if major < 9:
+    if major < 9 and setting == "1":
         raise ValueError(f"ENGINE_PDL=1 needs programmatic dependent launch (compute capability 9.0 or later); "
                          f"{torch.cuda.get_device_name(device_index)} is {major}.{minor}")  # fmt: skip
-    return _PDL_TRIGGERS[trigger]
+    return major >= 9
 
 
-def pdl_launch(device: torch.device) -> dict[str, object]:
-    """Keyword arguments of a kernel launch that takes part in programmatic dependent launch: its ``PDL``
-    constexpr (0: off), and ``launch_pdl`` when ``ENGINE_PDL=1`` on a CUDA device that has it."""
-    if device.type != "cuda":
-        return _PDL_OFF
-    mode = _pdl(device.index or 0, os.environ.get("ENGINE_PDL", ""), os.environ.get("ENGINE_PDL_TRIGGER", "loop"))
-    return {"PDL": mode, "launch_pdl": True} if mode else _PDL_OFF
+def pdl_launch(device: torch.device, trigger: int = PDL_EARLY) -> dict[str, object]:
+    """Keyword arguments of a kernel launch: its ``PDL`` constexpr (``trigger``, or ``PDL_OFF``) and, when it takes
+    part in programmatic dependent launch, ``launch_pdl``."""
+    if trigger == PDL_OFF or device.type != "cuda":
+        return _PLAIN
+    if not pdl_enabled(device.index or 0, os.environ.get("ENGINE_PDL", "")):
+        return _PLAIN
+    return {"PDL": trigger, "launch_pdl": True}
 
 
 # Keys per tile of the decode attention kernel; a split covers a multiple of it.

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import pdl_launch
+from engine.kernels import PDL_EARLY, PDL_LOOP, PDL_OFF, pdl_launch
 from engine.kernels.pdl import enter, enter_loop, leave_loop
 
 # Tokens up to which a linear layer takes this path (decode steps; verify steps of short drafts).
@@ -213,7 +213,7 @@ def _gemv_token(
     splits = triton.cdiv(k, k_split)
     part = torch.empty(splits, n, dtype=torch.float32, device=x.device) if splits > 1 else out
     dummy = scale if scale is not None else out
-    pdl = pdl_launch(x.device)
+    pdl = pdl_launch(x.device, PDL_LOOP)  # measured: FP8 at one token streams best with the next kernel held back
     _gemv_token_kernel[(triton.cdiv(n, cfg.block_n), splits)](
         x, weight, dummy, bias if bias is not None else dummy, out, part, n, weight.stride(0), k, k_split,
         SPLIT=splits > 1, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
@@ -223,7 +223,7 @@ def _gemv_token(
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(n, 1024),)](
             part, dummy, bias if bias is not None else dummy, out, n, splits,
-            HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, BLOCK=1024, **pdl,
+            HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, BLOCK=1024, **pdl_launch(x.device),
         )  # fmt: skip
     return out
 
@@ -260,7 +260,10 @@ def gemv(
         return _gemv_token(x, weight, scale, bias, out, config or token_config_for(weight))
     cfg = config or config_for(weight)
     fp16_dot = fp8 or x.dtype == torch.float16
-    pdl = pdl_launch(x.device)
+    # Measured: 16-bit weights stream best with the next kernel let in early; FP8 ones on the tensor cores lose under
+    # PDL whichever way (their loop widens every weight: the next kernel's programs beside them slow it), so they
+    # launch plainly.
+    pdl = pdl_launch(x.device, PDL_OFF if fp8 else PDL_EARLY)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
         m, n, x.stride(0), weight.stride(0), out.stride(0), k,

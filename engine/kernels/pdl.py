@@ -1,20 +1,20 @@
 """Programmatic dependent launch (PDL, Hopper and later): a decode step's kernels overlap at their edges.
 
 In a CUDA graph a kernel normally starts only when the one before it has finished and its writes are visible:
-every launch pays the drain of the last kernel's slowest programs, then the ramp of its own first loads. At one
-token a dense 8B step is ~290 such kernels of a few to ~30 us each, so those edges are a large part of the step.
+every launch pays the drain of the last kernel's slowest programs, then the placement and ramp of its own. At one
+token a dense 8B step is ~290 such kernels of a few to ~30 us each, so those edges are a real part of the step.
 
-With ``ENGINE_PDL=1`` the engine's Triton kernels of a decode step are launched with CUDA's programmatic stream
-serialisation, and each one, first thing, waits for the kernel before it to complete with its memory visible
-(``griddepcontrol.wait``) before it reads anything that kernel may have written or writes anything at all; it lets
-the next kernel launch (``griddepcontrol.launch_dependents``) first thing too, or, in a kernel with a main loop
-(matmuls, attention), when its programs leave the loop. The next kernel's launch and placement then overlap this
-one's last programs instead of following them.
+Where the GPU has it (``engine.kernels.pdl_enabled``; ``ENGINE_PDL=0`` turns it off), the engine's Triton kernels of a
+decode step are launched with CUDA's programmatic stream serialisation. Each one, first thing, waits for the kernel
+before it to complete with its memory visible (``griddepcontrol.wait``), before it reads anything that kernel may have
+written or writes anything at all. It lets the next kernel launch (``griddepcontrol.launch_dependents``) first thing
+too (``PDL_EARLY``), or when its programs leave their main loop (``PDL_LOOP``). The next kernel's launch and placement
+then overlap this one's last programs instead of following them.
 
 Why it is safe: the wait of kernel ``k`` returns only when kernel ``k-1`` has completed, and ``k-1`` completed only
 after its own wait returned, so every kernel before ``k`` is complete. Every program of a PDL kernel runs the wait
 (``enter`` comes before any early exit), and a kernel launched the usual way waits for everything before it, as
-always. Without ``launch_pdl`` the two instructions do nothing, so the same compiled kernel serves both launches.
+always. Without ``launch_pdl`` the two instructions do nothing.
 """
 
 # Triton kernels take pointers and constexprs, which have no Python types; the host code is typed.
@@ -27,9 +27,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
-# The kernel's ``PDL`` constexpr: 0 off; 1 the next kernel may launch as soon as this one starts; 2 (kernels with a
-# main loop) once its programs have left the loop, so that the next kernel's programs are placed on a GPU that is
-# nearly free rather than squeezed beside this one's.
+# ``PDL`` is the kernel's constexpr: engine.kernels.PDL_OFF (0), PDL_EARLY (1) or PDL_LOOP (2).
 @triton.jit
 def enter(PDL: tl.constexpr):
     """First thing in a PDL kernel without a main loop: let the next kernel launch, then wait for the one before."""
