@@ -260,10 +260,10 @@ def gemv(
         return _gemv_token(x, weight, scale, bias, out, config or token_config_for(weight))
     cfg = config or config_for(weight)
     fp16_dot = fp8 or x.dtype == torch.float16
-    # Measured: 16-bit weights stream best with the next kernel let in early; FP8 ones on the tensor cores lose under
-    # PDL whichever way (their loop widens every weight: the next kernel's programs beside them slow it), so they
-    # launch plainly.
-    pdl = pdl_launch(x.device, PDL_OFF if fp8 else PDL_EARLY)
+    # Measured (docs/engine.md, tenth round): 16-bit weights stream best with the next kernel let in early; FP8 ones
+    # at one token (the SwiGLU projection) with it held back until their loop ends, and at more tokens they lose
+    # under PDL either way, so they launch plainly.
+    pdl = pdl_launch(x.device, (PDL_LOOP if m == 1 else PDL_OFF) if fp8 else PDL_EARLY)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
         m, n, x.stride(0), weight.stride(0), out.stride(0), k,
