@@ -31,6 +31,10 @@ def interpret_mode() -> bool:
 # the next kernel may launch as soon as this one has started. LOOP: once this one's programs have left their main
 # loop. Which kernel takes which was measured (docs/engine.md, "Tenth round").
 PDL_OFF, PDL_EARLY, PDL_LOOP = 0, 1, 2
+# Steps of at most this many tokens take PDL: those whose linear layers run on the skinny-matmul kernel
+# (engine.kernels.gemv), so that nearly every kernel of the step is one of ours. In larger steps cuBLAS's kernels sit
+# between ours, and PDL measured slower there (SmolLM2 at batch 64).
+PDL_MAX_TOKENS = 16
 _PLAIN: dict[str, object] = {"PDL": PDL_OFF}
 
 
@@ -49,10 +53,10 @@ def pdl_enabled(device_index: int, setting: str) -> bool:
     return major >= 9
 
 
-def pdl_launch(device: torch.device, trigger: int = PDL_EARLY) -> dict[str, object]:
-    """Keyword arguments of a kernel launch: its ``PDL`` constexpr (``trigger``, or ``PDL_OFF``) and, when it takes
-    part in programmatic dependent launch, ``launch_pdl``."""
-    if trigger == PDL_OFF or device.type != "cuda":
+def pdl_launch(device: torch.device, tokens: int, trigger: int = PDL_EARLY) -> dict[str, object]:
+    """Keyword arguments of a kernel launch in a step of ``tokens`` tokens: its ``PDL`` constexpr (``trigger``, or
+    ``PDL_OFF``) and, when it takes part in programmatic dependent launch, ``launch_pdl``."""
+    if trigger == PDL_OFF or device.type != "cuda" or tokens > PDL_MAX_TOKENS:
         return _PLAIN
     if not pdl_enabled(device.index or 0, os.environ.get("ENGINE_PDL", "")):
         return _PLAIN

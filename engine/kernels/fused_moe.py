@@ -227,7 +227,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     capacity = padded_capacity(num_pairs, num_experts, block_m)
     num_blocks = capacity // block_m
     dev = ids.device
-    pdl = pdl_launch(dev)
+    pdl = pdl_launch(dev, topk_ids.shape[0])
     cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
     used = torch.empty(1, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
@@ -315,6 +315,7 @@ def _grouped_gemm(
     n = out.shape[1]
     k = a.shape[1]
     num_pairs = out.shape[0]
+    tokens = route_w.shape[0]
     bn = min(tiles.block_n, max(16, triton.next_power_of_2(n)))
     bk = min(tiles.block_k, max(16, triton.next_power_of_2(k)))
     num_n = triton.cdiv(n, bn)
@@ -325,7 +326,7 @@ def _grouped_gemm(
         A_DIV=a_div, GATED=gated, ROUTED=routed,
         BLOCK_M=tiles.block_m, BLOCK_N=bn, BLOCK_K=bk,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(a.device),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(a.device, tokens),
     )  # fmt: skip
 
 
@@ -372,7 +373,7 @@ def route(
     if tokens:
         _route_kernel[(tokens,)](
             router_logits.contiguous(), weights, ids, E=experts, TOP_K=top_k, RENORMALIZE=renormalize,
-            BLOCK_E=triton.next_power_of_2(experts), **pdl_launch(router_logits.device),
+            BLOCK_E=triton.next_power_of_2(experts), **pdl_launch(router_logits.device, tokens),
         )  # fmt: skip
     return weights, ids
 

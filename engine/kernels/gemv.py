@@ -213,7 +213,7 @@ def _gemv_token(
     splits = triton.cdiv(k, k_split)
     part = torch.empty(splits, n, dtype=torch.float32, device=x.device) if splits > 1 else out
     dummy = scale if scale is not None else out
-    pdl = pdl_launch(x.device, PDL_LOOP)  # measured: FP8 at one token streams best with the next kernel held back
+    pdl = pdl_launch(x.device, 1, PDL_LOOP)  # measured: FP8 at one token streams best with the next kernel held back
     _gemv_token_kernel[(triton.cdiv(n, cfg.block_n), splits)](
         x, weight, dummy, bias if bias is not None else dummy, out, part, n, weight.stride(0), k, k_split,
         SPLIT=splits > 1, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
@@ -223,7 +223,7 @@ def _gemv_token(
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(n, 1024),)](
             part, dummy, bias if bias is not None else dummy, out, n, splits,
-            HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, BLOCK=1024, **pdl_launch(x.device),
+            HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, BLOCK=1024, **pdl_launch(x.device, 1),
         )  # fmt: skip
     return out
 
@@ -263,7 +263,7 @@ def gemv(
     # Measured (docs/engine.md, tenth round): 16-bit weights stream best with the next kernel let in early; FP8 ones
     # at one token (the SwiGLU projection) with it held back until their loop ends, and at more tokens they lose
     # under PDL either way, so they launch plainly.
-    pdl = pdl_launch(x.device, (PDL_LOOP if m == 1 else PDL_OFF) if fp8 else PDL_EARLY)
+    pdl = pdl_launch(x.device, m, (PDL_LOOP if m == 1 else PDL_OFF) if fp8 else PDL_EARLY)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
         m, n, x.stride(0), weight.stride(0), out.stride(0), k,

@@ -24,7 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import DECODE_BLOCK_N, DecodeTile, decode_tile, interpret_mode, pdl_launch, prefill_block_m
+from engine.kernels import (
+    DECODE_BLOCK_N,
+    PDL_LOOP,
+    DecodeTile,
+    decode_tile,
+    interpret_mode,
+    pdl_launch,
+    prefill_block_m,
+)  # fmt: skip
 from engine.kernels.pdl import enter, enter_loop, leave_loop
 
 if TYPE_CHECKING:
@@ -63,8 +71,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     n = x.shape[-1]
     _rms_norm_kernel[(x.shape[0],)](
-        x, x, weight, out, out, n, eps, HAS_RES=False, BLOCK=triton.next_power_of_2(n), **pdl_launch(x.device)
-    )
+        x, x, weight, out, out, n, eps, HAS_RES=False, BLOCK=triton.next_power_of_2(n),
+        **pdl_launch(x.device, x.shape[0]),
+    )  # fmt: skip
     return out
 
 
@@ -76,7 +85,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     n = x.shape[-1]
     _rms_norm_kernel[(x.shape[0],)](
         x.contiguous(), residual, weight, out, res_out, n, eps, HAS_RES=True, BLOCK=triton.next_power_of_2(n),
-        **pdl_launch(x.device),
+        **pdl_launch(x.device, x.shape[0]),
     )  # fmt: skip
     return out, res_out
 
@@ -98,7 +107,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows, n = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(n))
-    _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](x, out, n, BLOCK=block, **pdl_launch(x.device))
+    _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](x, out, n, BLOCK=block, **pdl_launch(x.device, rows))
     return out
 
 
@@ -190,7 +199,7 @@ def rope_and_store(
         H=num_heads, KVH=num_kv_heads, D=head_dim, BS=kv_cache.shape[3],
         SB=kv_cache.stride(1), SH=kv_cache.stride(2), SS=kv_cache.stride(3),
         HP=triton.next_power_of_2(num_heads), KVHP=triton.next_power_of_2(num_kv_heads),
-        QK_NORM=qk_norm is not None, **pdl_launch(qkv.device),
+        QK_NORM=qk_norm is not None, **pdl_launch(qkv.device, n),
     )  # fmt: skip
     return q
 
@@ -454,7 +463,7 @@ def paged_attention(
     lazy = (tile.lazy_rescale if lazy_rescale is None else lazy_rescale) and max_query_len == 1
     regs = tile.max_registers if max_registers is None else max_registers
     launch = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": regs} if regs else {}),
-              **pdl_launch(q.device)}  # fmt: skip
+              **pdl_launch(q.device, q.shape[0], PDL_LOOP)}  # fmt: skip
     _check_cache(kv_cache)
     v_offset = kv_cache.stride(0)
     strides = {"SB": kv_cache.stride(1), "SH": kv_cache.stride(2), "SS": kv_cache.stride(3)}
@@ -472,7 +481,7 @@ def paged_attention(
         )  # fmt: skip
         _merge_splits_kernel[(seqs, heads)](
             part_acc, part_ml, out, splits,
-            H=heads, D=d, SPLITS=triton.next_power_of_2(splits), **pdl_launch(q.device),
+            H=heads, D=d, SPLITS=triton.next_power_of_2(splits), **pdl_launch(q.device, q.shape[0]),
         )  # fmt: skip
         return out
     if tile_map is not None:
