@@ -449,10 +449,12 @@ async def test_producer_dying_mid_transfer_is_a_clear_error() -> None:
     params = KVTransferParams((1,), "x:1", "127.0.0.1", 1, server.sockets[0].getsockname()[1], "t1", 7)
     try:
         start = time.monotonic()
+        consumer = KVConsumer(_StubAgent("127.0.0.1:2"), [Region(1, 1, 4)], timeout_s=30.0)  # type: ignore[arg-type]
         with pytest.raises(KVTransferError, match="dropped transfer t1") as err:
-            await KVConsumer(_StubAgent("127.0.0.1:2"), [Region(1, 1, 4)]).pull(params, [0])  # type: ignore[arg-type]
+            await consumer.pull(params, [0])
         assert err.value.reason == "connection_lost" and err.value.dst_may_be_written
-        assert time.monotonic() - start < 2.0
+        # Told at once, not after the pull's timeout (a loaded 2-core CI machine took 2.8 s once: the bound is loose).
+        assert time.monotonic() - start < 10.0
     finally:
         server.close()
         await server.wait_closed()

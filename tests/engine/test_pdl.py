@@ -1,0 +1,101 @@
+"""Programmatic dependent launch (``engine.kernels.pdl``): which launches take part, and what the kernels compile to.
+
+The GPU figures are in docs/engine.md (tenth round); on CPU the kernels are compiled for Hopper (sm_90) with
+Triton's own ptxas, without running them, to check where the two grid-dependency instructions land: the wait before
+anything is read, the next kernel let in first thing or after the main loop, and nothing at all with PDL off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from gwtest import require
+
+require("triton", "make install puts it in")
+
+from engine import kernels  # noqa: E402
+from engine.kernels import gemv  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+# Compiled in a child process: Triton's interpreter, which other test modules turn on for the whole process,
+# replaces every kernel by an interpreted one that cannot be compiled.
+_COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from engine import kernels
+from engine.kernels import gemv, triton_ops
+
+
+def ptx(fn, names, types, cx):
+    sig = dict(zip(names, types)) | dict.fromkeys(cx, "constexpr")
+    out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 4, "num_stages": 2})
+    return out.asm["ptx"]
+
+
+gemv_names = ["x_ptr", "w_ptr", "scale_ptr", "bias_ptr", "out_ptr", "M", "N", "stride_x", "stride_w", "stride_out"]
+gemv_types = ["*bf16"] * 2 + ["*fp32", "*bf16", "*bf16"] + ["i32"] * 5
+gemv_cx = {"K": 1024, "HAS_SCALE": False, "HAS_BIAS": False, "SWIGLU": False, "FP16_DOT": False,
+           "PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256}
+out = {f"gemv{p}": ptx(gemv._gemv_kernel, gemv_names, gemv_types, gemv_cx | {"PDL": p})
+       for p in (kernels.PDL_OFF, kernels.PDL_EARLY, kernels.PDL_LOOP)}
+out["norm"] = ptx(triton_ops._rms_norm_kernel, ["x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr", "n_cols", "eps"],
+                  ["*bf16"] * 5 + ["i32", "fp32"], {"HAS_RES": True, "BLOCK": 1024, "PDL": kernels.PDL_EARLY})
+json.dump(out, sys.stdout)
+"""
+
+
+@pytest.fixture(scope="module")
+def ptx() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=240,
+                          cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(json.loads(done.stdout))
+
+
+def _lines(ptx: str, pattern: str) -> list[int]:
+    return [i for i, line in enumerate(ptx.splitlines()) if re.search(pattern, line)]
+
+
+def test_a_loop_kernel_waits_first_and_lets_the_next_one_in_where_it_was_told(ptx: dict[str, str]) -> None:
+    off, early, loop = (ptx[f"gemv{p}"] for p in (kernels.PDL_OFF, kernels.PDL_EARLY, kernels.PDL_LOOP))
+    assert "griddepcontrol" not in off
+    for code in (early, loop):
+        (wait,) = _lines(code, r"griddepcontrol\.wait")
+        (let_in,) = _lines(code, r"griddepcontrol\.launch_dependents")
+        loads, mmas = _lines(code, r"ld\.global"), _lines(code, r"\bmma\.")
+        assert loads and mmas and wait < min(loads), "the wait must come before the first load"
+        if code is early:
+            assert let_in < min(loads)
+        else:
+            assert let_in > max(mmas), "PDL_LOOP lets the next kernel in after the main loop"
+
+
+def test_a_small_kernel_waits_before_it_reads(ptx: dict[str, str]) -> None:
+    norm = ptx["norm"]
+    (wait,) = _lines(norm, r"griddepcontrol\.wait")
+    assert wait < min(_lines(norm, r"ld\.global"))
+    assert _lines(norm, r"griddepcontrol\.launch_dependents")
+
+
+def test_which_launches_take_part() -> None:
+    # Off the GPU, and in steps larger than the skinny matmul's, a launch is a plain one.
+    assert kernels.pdl_launch(torch.device("cpu"), 1) == {"PDL": kernels.PDL_OFF}
+    assert kernels.pdl_launch(torch.device("cuda"), kernels.PDL_MAX_TOKENS + 1) == {"PDL": kernels.PDL_OFF}
+    assert kernels.pdl_launch(torch.device("cuda"), 1, kernels.PDL_OFF) == {"PDL": kernels.PDL_OFF}
+    assert kernels.PDL_MAX_TOKENS == gemv.MAX_TOKENS  # PDL covers exactly the steps whose matmuls are ours
+    assert kernels.pdl_enabled(0, "0") is False
+    with pytest.raises(ValueError, match="ENGINE_PDL must be 0 or 1, got 'yes'"):
+        kernels.pdl_enabled(0, "yes")
