@@ -21,11 +21,5 @@ run qwen3-8b-b1-on qwen3-8b "" --batch-sizes 1
 run qwen3-8b-b1-fp8-on qwen3-8b "" --batch-sizes 1 --quantization fp8
 run qwen3-8b-b1-off qwen3-8b 0 --batch-sizes 1
 run qwen3-30b-a3b-b1-on qwen3-30b-a3b "" --batch-sizes 1
-python3 - "$OUT" <<'PY'
-import glob, json, sys
-for f in sorted(glob.glob(f"{sys.argv[1]}/qwen3-*.json")):
-    d = json.load(open(f))
-    for b, r in d["batches"].items():
-        print(f.rsplit("/", 1)[1], b, round(r["engine"]["decode_tok_s"], 1))
-PY
+decode_figures
 (cd "$OUT" && tar czf logs.tgz ./*.log ./qwen3-*.json && rm -f ./*.log ./qwen3-*.json)

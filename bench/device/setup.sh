@@ -32,3 +32,13 @@ engine_bench() {
     --runs 1 --no-reference --json "$OUT/$name.json" "$@" 2>&1 | grep -v -i warn | tee "$OUT/$name.log" \
     | grep -E "^ +[0-9]+ \||engine batch|decode step|^ +[0-9.]+  " | head -40 || true
 }
+
+# decode_figures: each $OUT/qwen3-*.json's decode tok/s per batch size, one line each.
+decode_figures() {
+  python3 - "$OUT" <<'PY'
+import glob, json, sys
+for f in sorted(glob.glob(f"{sys.argv[1]}/qwen3-*.json")):
+    for b, r in json.load(open(f))["batches"].items():
+        print(f.rsplit("/", 1)[1], b, round(r["engine"]["decode_tok_s"], 1))
+PY
+}
