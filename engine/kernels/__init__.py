@@ -40,12 +40,16 @@ _PLAIN: dict[str, object] = {"PDL": PDL_OFF}
 
 @functools.cache
 def pdl_enabled(device_index: int, setting: str) -> bool:
-    """``ENGINE_PDL``: unset, on wherever the GPU has programmatic dependent launch (compute capability 9.0 and
-    later); ``0`` off; ``1`` on, and an error on a GPU without it."""
+    """``ENGINE_PDL``: unset, on wherever the GPU has programmatic dependent launch (NVIDIA, compute capability 9.0
+    and later); ``0`` off; ``1`` on, and an error on a GPU without it."""
     if setting not in ("", "0", "1"):
         raise ValueError(f"ENGINE_PDL must be 0 or 1, got {setting!r}")
     if setting == "0" or interpret_mode():
         return False  # Triton's interpreter runs no PTX; the kernels compute the same with PDL off
+    if torch.version.hip is not None:  # ROCm reports its GPUs as "cuda" devices, with capabilities of its own
+        if setting == "1":
+            raise ValueError("ENGINE_PDL=1 needs an NVIDIA GPU (programmatic dependent launch is CUDA's, sm_90 on)")
+        return False
     major, minor = torch.cuda.get_device_capability(device_index)
     if major < 9 and setting == "1":
         raise ValueError(f"ENGINE_PDL=1 needs programmatic dependent launch (compute capability 9.0 or later); "

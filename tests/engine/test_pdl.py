@@ -99,3 +99,16 @@ def test_which_launches_take_part() -> None:
     assert kernels.pdl_enabled(0, "0") is False
     with pytest.raises(ValueError, match="ENGINE_PDL must be 0 or 1, got 'yes'"):
         kernels.pdl_enabled(0, "yes")
+
+
+def test_rocm_gpus_are_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ROCm builds of torch call their GPUs "cuda" and report capabilities such as 9.4 (MI300): no PDL there.
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    kernels.pdl_enabled.cache_clear()
+    try:
+        assert kernels.pdl_enabled(0, "") is False
+        with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
+            kernels.pdl_enabled(0, "1")
+    finally:
+        kernels.pdl_enabled.cache_clear()
