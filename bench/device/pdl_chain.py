@@ -12,17 +12,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 
 import torch
 
+from bench.device.fp8_tune import graph_time
 from engine.kernels import gemv as g
 from engine.kernels import triton_ops as k
 
 HIDDEN, QKV, INTER, LAYERS = 4096, 6144, 12288, 36
+Layers = list[dict[str, torch.Tensor | None]]
 
 
-def make_layers(fp8: bool) -> list[dict[str, torch.Tensor | None]]:
+def make_layers(fp8: bool) -> Layers:
     layers = []
     for _ in range(LAYERS):
         layer: dict[str, torch.Tensor | None] = {}
@@ -42,7 +43,7 @@ def make_layers(fp8: bool) -> list[dict[str, torch.Tensor | None]]:
     return layers
 
 
-def chain(x: torch.Tensor, layers: list[dict[str, torch.Tensor | None]]) -> torch.Tensor:
+def chain(x: torch.Tensor, layers: Layers) -> torch.Tensor:
     res = x
     h = x
     for layer in layers:
@@ -55,27 +56,15 @@ def chain(x: torch.Tensor, layers: list[dict[str, torch.Tensor | None]]) -> torc
     return h
 
 
-Layers = list[dict[str, torch.Tensor | None]]
+def time_graph(x: torch.Tensor, layers: Layers) -> tuple[float, torch.Tensor]:
+    """Microseconds per replay of the chain in one CUDA graph, and what the graph computed."""
+    result: dict[str, torch.Tensor] = {}
 
+    def run() -> None:
+        result["out"] = chain(x, layers)  # captured: the graph's own output buffer, which its replays fill
 
-def time_graph(x: torch.Tensor, layers: Layers, reps: int = 20) -> tuple[float, torch.Tensor]:
-    out = chain(x, layers)  # compiles
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain(x, layers)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        b = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000)
-    return statistics.median(times), out.clone()
+    seconds = graph_time([run], rounds=20)
+    return seconds * 1e6, result["out"].clone()
 
 
 def main() -> None:

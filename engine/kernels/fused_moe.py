@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import pdl_launch
-from engine.kernels.pdl import enter, enter_loop, leave_loop
+from engine.kernels.pdl import enter, leave_loop
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,7 +262,7 @@ def _grouped_gemm_kernel(
     A_DIV: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    enter_loop(PDL)  # before the early exit: every program waits
+    enter(PDL)  # before the early exit: every program waits
     # out[pair, n] = sum_k a[pair // A_DIV, k] * w[e, n, k] for the rows of one block of one expert.
     # GATED: w holds gate rows [0, N) then up rows [N, 2N); out = silu(gate) * up.
     # ROUTED: out is scaled by the pair's routing weight.

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import PDL_EARLY, PDL_LOOP, PDL_OFF, pdl_launch
-from engine.kernels.pdl import enter, enter_loop, leave_loop
+from engine.kernels.pdl import enter, leave_loop
 
 # Tokens up to which a linear layer takes this path (decode steps; verify steps of short drafts).
 MAX_TOKENS = 16
@@ -121,7 +121,7 @@ def _gemv_kernel(
     n_ok = rn < N
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
-    enter_loop(PDL)
+    enter(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -166,7 +166,7 @@ def _gemv_token_kernel(
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
-    enter_loop(PDL)
+    enter(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K_SPLIT, BLOCK_K):
         k = s * K_SPLIT + k0 + rk

@@ -30,16 +30,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 # ``PDL`` is the kernel's constexpr: engine.kernels.PDL_OFF (0), PDL_EARLY (1) or PDL_LOOP (2).
 @triton.jit
 def enter(PDL: tl.constexpr):
-    """First thing in a PDL kernel without a main loop: let the next kernel launch, then wait for the one before."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-
-
-@triton.jit
-def enter_loop(PDL: tl.constexpr):
-    """First thing in a PDL kernel with a main loop: wait for the kernel before (and with ``PDL == 1`` let the next
-    one launch first)."""
+    """First thing in a kernel: with ``PDL_EARLY`` let the next kernel launch; with either, wait for the one before."""
     if PDL == 1:
         gdc_launch_dependents()
     if PDL:
@@ -48,6 +39,6 @@ def enter_loop(PDL: tl.constexpr):
 
 @triton.jit
 def leave_loop(PDL: tl.constexpr):
-    """After the main loop: with ``PDL == 2``, let the next kernel launch."""
+    """After a kernel's main loop: with ``PDL_LOOP``, let the next kernel launch."""
     if PDL == 2:
         gdc_launch_dependents()

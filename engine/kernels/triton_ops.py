@@ -33,7 +33,7 @@ from engine.kernels import (
     pdl_launch,
     prefill_block_m,
 )  # fmt: skip
-from engine.kernels.pdl import enter, enter_loop, leave_loop
+from engine.kernels.pdl import enter, leave_loop
 
 if TYPE_CHECKING:
     from engine.kernels.ops import QKNorm
@@ -296,7 +296,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr, TILED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     FP16_DOT: tl.constexpr, V_REGS: tl.constexpr, UNMASKED: tl.constexpr, LAZY: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    enter_loop(PDL)
+    enter(PDL)
     g = tl.program_id(2)
     ok = True
     if SPLIT:
