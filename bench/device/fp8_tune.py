@@ -55,6 +55,8 @@ HBM = 4.8e12
 PASS_BYTES = 512 << 20
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}  # fmt: skip
+# --shapes qwen3-30b-a3b: that model's dense layers (the experts run on the fused MoE kernel), the router included.
+MOE_SHAPES = {"qkv": (5120, 2048), "o": (2048, 4096), "router": (128, 2048), "lm_head": (151936, 2048)}
 
 
 def graph_time(calls: Sequence[Callable[[], object]], rounds: int = 5) -> float:
@@ -91,17 +93,22 @@ def _checked_time(run: Callable[[], torch.Tensor], ref: torch.Tensor) -> tuple[f
     return err, graph_time([run] * 4, rounds=3)
 
 
-def tune_gemv(out: dict[str, Any], deadline: float, kinds_wanted: list[str]) -> None:
+def tune_gemv(
+    out: dict[str, Any], deadline: float, kinds_wanted: list[str], shapes: dict[str, tuple[int, int]]
+) -> None:
     dev = torch.device("cuda")
+    narrow = min(n for n, _ in shapes.values()) < 1024  # a router: 16-row tiles too
     sweep = {"fp8": [GemvConfig(bn, bk, 4, st) for bn, bk, st in
                      itertools.product((16, 32, 64), (128, 256, 512), (3, 4))],
              "bf16": [GemvConfig(bn, bk, 4, st) for bn, bk, st in
-                      itertools.product((32, 64), (256, 512), (3, 4))]}  # fmt: skip
+                      itertools.product((16, 32, 64) if narrow else (32, 64), (256, 512), (3, 4))]}  # fmt: skip
     tiles = out.setdefault("tiles", {}).setdefault(torch.cuda.get_device_name(), {})
-    for i, (name, (n, k)) in enumerate(SHAPES.items()):
-        shape_deadline = time.monotonic() + (deadline - time.monotonic()) / (len(SHAPES) - i)
+    for i, (name, (n, k)) in enumerate(shapes.items()):
+        shape_deadline = time.monotonic() + (deadline - time.monotonic()) / (len(shapes) - i)
         copies = max(2, -(-PASS_BYTES // (n * k)))
-        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(min(copies, 8))]
+        # At most 8 copies of a big weight (memory); small ones (a router) need many to leave the 50 MB L2.
+        held = min(copies, max(8, copies // 4))
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(held)]
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
         row: dict[str, Any] = {"copies_bf16": len(ws)}
         t = graph_time([partial(F.linear, x, w) for w in ws] * 2)
@@ -424,6 +431,8 @@ def main() -> None:
     )
     ap.add_argument("--fp8-tiles", default="", help="attention: FP8 tiles, block_n:warps:stages,...")
     ap.add_argument("--kinds", default="bf16,fp8", help="skinny-matmul weight kinds to sweep")
+    ap.add_argument("--shapes", choices=("qwen3-8b", "qwen3-30b-a3b"), default="qwen3-8b",
+                    help="skinny matmuls: which model's linear layers")  # fmt: skip
     ap.add_argument("--seconds", type=float, default=300.0, help="stop sweeping after this long (each part)")
     ap.add_argument(
         "--tiles", help="also write the best skinny-matmul tiles here (engine/kernels/gemv_tiles.json form)"
@@ -442,7 +451,8 @@ def main() -> None:
         if a.only == "gemv64":
             tune_gemv64(out, time.monotonic() + a.seconds)
         if a.only in (None, "gemv"):
-            tune_gemv(out, time.monotonic() + a.seconds, a.kinds.split(","))
+            tune_gemv(out, time.monotonic() + a.seconds, a.kinds.split(","),
+                      MOE_SHAPES if a.shapes == "qwen3-30b-a3b" else SHAPES)  # fmt: skip
     finally:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -183,6 +183,15 @@ def _align_one_program_kernel(
     BLOCK_M: tl.constexpr, EP: tl.constexpr, B: tl.constexpr, BB: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     enter(PDL)
+    _align_one_program(ids_ptr, sorted_ptr, expert_ids_ptr, used_ptr, offset_ptr, num_pairs, num_experts, capacity,
+                       num_blocks, BLOCK_M, EP, B, BB)  # fmt: skip
+
+
+@triton.jit
+def _align_one_program(
+    ids_ptr, sorted_ptr, expert_ids_ptr, used_ptr, offset_ptr, num_pairs, num_experts, capacity, num_blocks,
+    BLOCK_M: tl.constexpr, EP: tl.constexpr, B: tl.constexpr, BB: tl.constexpr,
+):  # fmt: skip
     i = tl.arange(0, B)
     e = tl.load(ids_ptr + i, mask=i < num_pairs, other=num_experts).to(tl.int32)  # padding: expert E
     x = tl.arange(0, EP)
@@ -331,34 +340,62 @@ def _grouped_gemm(
 
 
 @triton.jit
-def _route_kernel(
-    logits_ptr, weights_ptr, ids_ptr, E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-    BLOCK_E: tl.constexpr, PDL: tl.constexpr,
+def _route_tokens(
+    logits_ptr, weights_ptr, ids_ptr, t0, tokens, E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
-    enter(PDL)
-    # One token: softmax over E experts in float32, the TOP_K largest (ties to the lower id), optionally divided by
-    # their sum. Two passes over the selection: the first sums the chosen weights, the second stores them.
-    t = tl.program_id(0).to(tl.int64)
+    # Tokens t0 .. t0 + BLOCK_T - 1 (those below ``tokens``): softmax over E experts in float32, the TOP_K largest
+    # (ties to the lower id), optionally divided by their sum. Two passes over the selection: the first sums the
+    # chosen weights, the second stores them.
+    t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+    tm = t < tokens
     e = tl.arange(0, BLOCK_E)
-    logits = tl.load(logits_ptr + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
-    p = tl.exp(logits - tl.max(logits, axis=0))
-    p = tl.where(e < E, p / tl.sum(p, axis=0), -1.0)
-    total = 0.0
+    em = e < E
+    logits = tl.load(logits_ptr + t[:, None] * E + e[None, :], mask=tm[:, None] & em[None, :], other=float("-inf"))
+    logits = logits.to(tl.float32)
+    logits = tl.where(tm[:, None], logits, 0.0)  # rows past the batch: finite, never stored
+    p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    p = tl.where(em[None, :], p / tl.sum(p, axis=1)[:, None], -1.0)
+    total = tl.zeros([BLOCK_T], tl.float32)
     taken = p
     for _ in tl.static_range(TOP_K):
-        best = tl.max(taken, axis=0)
-        idx = tl.min(tl.where(taken == best, e, BLOCK_E), axis=0)
-        taken = tl.where(e == idx, -1.0, taken)
+        best = tl.max(taken, axis=1)
+        idx = tl.min(tl.where(taken == best[:, None], e[None, :], BLOCK_E), axis=1)
+        taken = tl.where(e[None, :] == idx[:, None], -1.0, taken)
         total += best
     taken = p
     for j in tl.static_range(TOP_K):
-        best = tl.max(taken, axis=0)
-        idx = tl.min(tl.where(taken == best, e, BLOCK_E), axis=0)
-        taken = tl.where(e == idx, -1.0, taken)
+        best = tl.max(taken, axis=1)
+        idx = tl.min(tl.where(taken == best[:, None], e[None, :], BLOCK_E), axis=1)
+        taken = tl.where(e[None, :] == idx[:, None], -1.0, taken)
         if RENORMALIZE:
             best = best / total
-        tl.store(ids_ptr + t * TOP_K + j, idx.to(tl.int64))
-        tl.store(weights_ptr + t * TOP_K + j, best.to(weights_ptr.dtype.element_ty))
+        tl.store(ids_ptr + t * TOP_K + j, idx.to(tl.int64), mask=tm)
+        tl.store(weights_ptr + t * TOP_K + j, best.to(weights_ptr.dtype.element_ty), mask=tm)
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, weights_ptr, ids_ptr, tokens, E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    enter(PDL)
+    _route_tokens(logits_ptr, weights_ptr, ids_ptr, tl.program_id(0), tokens, E, TOP_K, RENORMALIZE, 1, BLOCK_E)
+
+
+@triton.jit
+def _route_and_align_kernel(
+    logits_ptr, weights_ptr, ids_ptr, sorted_ptr, expert_ids_ptr, used_ptr, offset_ptr, tokens, num_experts, capacity,
+    num_blocks, E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, EP: tl.constexpr, B: tl.constexpr, BB: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    # A decode batch's routing and alignment in one program: the ids go through memory to the alignment.
+    enter(PDL)
+    _route_tokens(logits_ptr, weights_ptr, ids_ptr, 0, tokens, E, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E)
+    tl.debug_barrier()  # every token's ids, stored by other threads, are in place
+    _align_one_program(ids_ptr, sorted_ptr, expert_ids_ptr, used_ptr, offset_ptr, tokens * TOP_K, num_experts,
+                       capacity, num_blocks, BLOCK_M, EP, B, BB)  # fmt: skip
 
 
 def route(
@@ -372,20 +409,57 @@ def route(
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=router_logits.device)
     if tokens:
         _route_kernel[(tokens,)](
-            router_logits.contiguous(), weights, ids, E=experts, TOP_K=top_k, RENORMALIZE=renormalize,
+            router_logits.contiguous(), weights, ids, tokens, E=experts, TOP_K=top_k, RENORMALIZE=renormalize,
             BLOCK_E=triton.next_power_of_2(experts), **pdl_launch(router_logits.device, tokens),
         )  # fmt: skip
     return weights, ids
 
 
+# Batches of at most this many tokens are routed and aligned by one program in one launch (decode steps).
+ROUTE_AND_ALIGN_TOKENS = 16
+
+
+def route_and_align(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, keep_float32: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, Alignment]:
+    """``route``, then ``align`` for the up projection's tiles, in one launch: for at most ``ROUTE_AND_ALIGN_TOKENS``
+    tokens, where each launch is a few microseconds of a step; larger batches take the two. Pass the
+    ``Alignment`` to ``fused_moe``."""
+    tokens, experts = router_logits.shape
+    block_m = gemm_tiles(tokens * top_k, experts, router_logits.device)[0].block_m
+    if not 0 < tokens <= ROUTE_AND_ALIGN_TOKENS:
+        weights, ids = route(router_logits, top_k, renormalize, keep_float32)
+        return weights, ids, align(ids, experts, block_m)
+    dev = router_logits.device
+    weights = torch.empty((tokens, top_k), dtype=torch.float32 if keep_float32 else router_logits.dtype, device=dev)
+    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=dev)
+    num_pairs = tokens * top_k
+    capacity = padded_capacity(num_pairs, experts, block_m)
+    num_blocks = capacity // block_m
+    sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+    used = torch.empty(1, dtype=torch.int32, device=dev)
+    offsets = torch.empty(experts, dtype=torch.int32, device=dev)
+    _route_and_align_kernel[(1,)](
+        router_logits.contiguous(), weights, ids, sorted_pairs, expert_ids, used, offsets, tokens, experts, capacity,
+        num_blocks, E=experts, TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=max(2, triton.next_power_of_2(tokens)),
+        BLOCK_E=triton.next_power_of_2(experts), BLOCK_M=block_m, EP=triton.next_power_of_2(experts + 1),
+        B=max(16, triton.next_power_of_2(num_pairs)), BB=64, **pdl_launch(dev, tokens),
+    )  # fmt: skip
+    return weights, ids, Alignment(sorted_pairs, expert_ids, used)
+
+
 def fused_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-) -> torch.Tensor:
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    alignment: Alignment | None = None, sum_experts: bool = True,
+) -> torch.Tensor:  # fmt: skip
     """``out[t] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])`` for ``x [tokens, H]``.
 
     ``w13 [E, 2 * I, H]`` (gate rows, then up rows), ``w2 [E, H, I]``; an expert is
     ``w2 @ (silu(gate @ x) * (up @ x))``. ``topk_weights`` may be float32 or the model dtype (the
-    weighting is done in its dtype, as torch does).
+    weighting is done in its dtype, as torch does). ``alignment``: ``route_and_align``'s, else aligned here.
+    Without ``sum_experts`` the result is ``[tokens, top_k, H]``, each expert's weighted output, for the
+    caller's next kernel to sum (the decoder's residual add: one launch fewer a layer).
     """
     tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
@@ -398,11 +472,15 @@ def fused_moe(
     w2 = w2.contiguous()
     route_w = topk_weights.contiguous()
     up, down = gemm_tiles(num_pairs, num_experts, x.device)
-    al = align(topk_ids.contiguous(), num_experts, up.block_m)
+    if alignment is not None and alignment.sorted_pairs.shape[0] != padded_capacity(num_pairs, num_experts, up.block_m):
+        raise ValueError("fused_moe: the alignment was made for other tiles or another number of experts")
+    al = alignment or align(topk_ids.contiguous(), num_experts, up.block_m)
     h = torch.empty((num_pairs, two_i // 2), dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, h, al, route_w, top_k, True, False, up)
     y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     _grouped_gemm(h, w2, y, al, route_w, 1, False, True, down)
+    if not sum_experts:
+        return y.view(tokens, top_k, hidden)
     if top_k == 1:
         return y
     return y.view(tokens, top_k, hidden).sum(dim=1)

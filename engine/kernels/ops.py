@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.models.moe import sum_parts
 from engine.models.quant import Fp8Linear
 from engine.sparse import MeanKeyIndexer, select_blocks_paged
 
@@ -44,7 +45,8 @@ class ModelOps(Protocol):
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(residual + x), residual + x)``."""
+        """``(norm(residual + x), residual + x)``. ``x`` may be ``[tokens, parts, hidden]``, a MoE layer's outputs
+        per expert (``engine.models.moe.sum_parts``), summed in float32 and rounded once before the add."""
         ...
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
@@ -94,7 +96,7 @@ class TorchOps:
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = residual + x
+        residual = residual + sum_parts(x)
         return torch_rms_norm(residual, weight, eps), residual
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:

@@ -46,13 +46,20 @@ _INTERPRET = interpret_mode()
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    HAS_RES: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    if PARTS == 1:
+        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    else:
+        # x is [rows, PARTS, n_cols] (a MoE layer's outputs per expert): summed in float32, rounded once.
+        xs = tl.zeros([BLOCK], tl.float32)
+        for j in tl.static_range(PARTS):
+            xs += tl.load(x_ptr + (row * PARTS + j) * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        x = xs.to(x_ptr.dtype.element_ty)
     if HAS_RES:
         # residual + x, rounded to the model dtype as torch's add is.
         r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
@@ -71,7 +78,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     n = x.shape[-1]
     _rms_norm_kernel[(x.shape[0],)](
-        x, x, weight, out, out, n, eps, HAS_RES=False, BLOCK=triton.next_power_of_2(n),
+        x, x, weight, out, out, n, eps, HAS_RES=False, PARTS=1, BLOCK=triton.next_power_of_2(n),
         **pdl_launch(x.device, x.shape[0]),
     )  # fmt: skip
     return out
@@ -79,13 +86,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[
         torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(weight * rmsnorm(residual + x), residual + x)`` in one pass."""
-    out = torch.empty_like(x)
-    res_out = torch.empty_like(x)
+    """``(weight * rmsnorm(residual + x), residual + x)`` in one pass. ``x`` may be ``[rows, parts, hidden]``
+    (a MoE layer's per-expert outputs), summed over ``parts`` in float32 and rounded once before the add."""
+    out = torch.empty_like(residual)
+    res_out = torch.empty_like(residual)
     n = x.shape[-1]
-    _rms_norm_kernel[(x.shape[0],)](
-        x.contiguous(), residual, weight, out, res_out, n, eps, HAS_RES=True, BLOCK=triton.next_power_of_2(n),
-        **pdl_launch(x.device, x.shape[0]),
+    _rms_norm_kernel[(residual.shape[0],)](
+        x.contiguous(), residual, weight, out, res_out, n, eps, HAS_RES=True, PARTS=x.shape[1] if x.dim() == 3 else 1,
+        BLOCK=triton.next_power_of_2(n), **pdl_launch(x.device, residual.shape[0]),
     )  # fmt: skip
     return out, res_out
 

@@ -13,6 +13,7 @@ from torch import nn
 from engine.attention import AttentionMetadata
 from engine.kernels.ops import ModelOps, QKNorm, TorchOps
 from engine.models.config import ModelConfig
+from engine.models.moe import sum_parts
 from engine.models.quant import Fp8Linear, QuantSpec, WeightScheme, is_kv_scale_name
 from engine.models.rope import rope_tables
 from engine.parallel.group import SINGLE, TensorParallel
@@ -204,6 +205,10 @@ class MoEMLP(nn.Module):
                                  total_experts=cfg.num_experts, first_expert=self.first_expert)  # fmt: skip
 
     def forward(self, ops: ModelOps, x: torch.Tensor) -> torch.Tensor:
+        """On one rank the experts' outputs may come back unsummed, ``[tokens, top_k, hidden]``: the next
+        ``add_rms_norm`` sums them (one launch fewer a layer). Ranks sum before their all-reduce."""
+        if self.tp.size == 1:
+            return self.experts(x, sum_experts=False)
         return self.tp.all_reduce(self.experts(x))
 
     def loaders(self, p: str) -> dict[str, Loader]:
@@ -328,7 +333,7 @@ class DecoderForCausalLM(nn.Module):
         residual: torch.Tensor | None = None
         for i, (layer, kv_cache, indexer) in enumerate(zip(self.decoder_layers, kv_caches, indexers, strict=True)):
             if aux is not None and i in self.aux_layers:
-                aux[i] = x if residual is None else x + residual
+                aux[i] = x if residual is None else sum_parts(x) + residual
             x, residual = layer(ops, x, residual, rope, kv_cache, meta, indexer)
         if residual is None:
             return ops.rms_norm(x, self.norm.weight, self.norm.eps)

@@ -84,6 +84,13 @@ def experts_torch(
     return out
 
 
+def sum_parts(x: torch.Tensor) -> torch.Tensor:
+    """A layer's output ``[tokens, hidden]``, or ``[tokens, parts, hidden]`` left unsummed by the fused MoE kernels
+    (``SparseMoE.forward(..., sum_experts=False)``) for the next residual add to sum: then summed in float32 and
+    rounded once, as the kernels sum."""
+    return x.sum(dim=1) if x.dim() == 3 else x
+
+
 def local_pairs(weights: torch.Tensor, ids: torch.Tensor, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing for a block holding experts ``first .. first + count - 1`` only (expert parallel), without a host
     sync (the fused kernel's path, graph-capturable): ids made local, another rank's pairs weighted 0 on local
@@ -146,15 +153,23 @@ class SparseMoE(nn.Module):
             raise ValueError(f"unknown MoE kernels {value!r}: expected one of {KERNELS}")
         self._kernels = value
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [tokens, hidden]`` -> ``[tokens, hidden]``."""
+    def forward(self, x: torch.Tensor, sum_experts: bool = True) -> torch.Tensor:
+        """``x [tokens, hidden]`` -> ``[tokens, hidden]``. Without ``sum_experts`` the fused kernels leave each
+        token's ``top_k`` weighted expert outputs, ``[tokens, top_k, hidden]``, for the caller to sum
+        (``sum_parts``); the torch path always sums (in the model dtype, as transformers does)."""
         if self._kernels == "triton":
             from engine.kernels import fused_moe as k  # imported only where Triton is wanted
+            from engine.kernels import gemv
 
-            weights, ids = k.route(self.gate(x), self.top_k, self.renormalize, self.float32_routing)
+            # Decode-sized batches: the router on the skinny-matmul kernel, routing and alignment in one launch.
+            small = 0 < x.shape[0] <= gemv.MAX_TOKENS
+            logits = gemv.gemv(x, self.gate.weight) if small else self.gate(x)
             if self.num_experts != self.total_experts:
+                weights, ids = k.route(logits, self.top_k, self.renormalize, self.float32_routing)
                 weights, ids = local_pairs(weights, ids, self.first_expert, self.num_experts)
-            return k.fused_moe(x, self.w13, self.w2, weights, ids)
+                return k.fused_moe(x, self.w13, self.w2, weights, ids, sum_experts=sum_experts)
+            weights, ids, alignment = k.route_and_align(logits, self.top_k, self.renormalize, self.float32_routing)
+            return k.fused_moe(x, self.w13, self.w2, weights, ids, alignment, sum_experts)
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.float32_routing)
         return experts_torch(x, self.w13, self.w2, weights, ids, self.first_expert)
 

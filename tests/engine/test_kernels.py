@@ -48,6 +48,13 @@ def test_norms_and_swiglu_match_torch() -> None:
     ref_out, ref_res = ref.add_rms_norm(x, r, w, 1e-5)
     torch.testing.assert_close(res, ref_res, rtol=0, atol=0)
     torch.testing.assert_close(out, ref_out)
+    # A MoE layer's per-expert outputs [rows, top_k, hidden], summed by the residual add (float32, one rounding).
+    parts = torch.randn(5, 8, 64, generator=_g(5)).to(DEV)
+    out, res = triton_ops.add_rms_norm(parts, r, w, 1e-5)
+    ref_out, ref_res = ref.add_rms_norm(parts, r, w, 1e-5)
+    torch.testing.assert_close(res, ref_res, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(res, r + parts.sum(dim=1), rtol=1e-6, atol=1e-6)
     gu = torch.randn(5, 300, generator=_g(4)).to(DEV)  # not a power of two
     torch.testing.assert_close(triton_ops.silu_and_mul(gu), ref.silu_and_mul(gu))
 

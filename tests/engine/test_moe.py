@@ -177,19 +177,60 @@ def test_route_kernel_equals_torch_route(experts: int, top_k: int, renormalize: 
     torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize(("tokens", "experts", "top_k", "renormalize", "keep_float32"),
+                         [(1, 128, 8, True, False), (7, 60, 6, False, False), (16, 8, 2, True, True),
+                          (17, 8, 2, True, False)])  # fmt: skip
+def test_route_and_align_in_one_launch_equals_route_then_align(
+    tokens: int, experts: int, top_k: int, renormalize: bool, keep_float32: bool
+) -> None:
+    # Decode batches (up to 16 tokens) route and align in one program; 17 tokens take the two launches.
+    require("triton", "make install puts it in")
+    from engine.kernels import fused_moe
+
+    logits = torch.randn(tokens, experts, generator=_g(12)).to(DEV)
+    weights, ids, al = fused_moe.route_and_align(logits, top_k, renormalize, keep_float32)
+    want_w, want_ids = route(logits, top_k, renormalize, keep_float32)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-6)
+    want = fused_moe.align(want_ids, experts, fused_moe.moe_tiles(tokens * top_k, experts).block_m)
+    used = int(want.used)
+    assert int(al.used) == used
+    assert torch.equal(al.sorted_pairs[:used], want.sorted_pairs[:used])  # each run in pair order, both ways
+    assert bool((al.sorted_pairs[used:] == tokens * top_k).all())
+    blocks = used // 16
+    assert torch.equal(al.expert_ids[:blocks], want.expert_ids[:blocks])
+
+
+def test_fused_moe_leaves_the_experts_unsummed_for_the_residual_add_and_checks_its_alignment() -> None:
+    require("triton", "make install puts it in")
+    from engine.kernels import fused_moe
+
+    w13, w2 = _weights(E, H, INTER, torch.float32)
+    x = torch.randn(3, H, generator=_g(6)).to(DEV)
+    weights, ids, al = fused_moe.route_and_align(_routing(3, E, K), K, True)
+    parts = fused_moe.fused_moe(x, w13, w2, weights, ids, al, sum_experts=False)
+    assert parts.shape == (3, K, H)
+    torch.testing.assert_close(parts.sum(dim=1), fused_moe.fused_moe(x, w13, w2, weights, ids), rtol=0, atol=0)
+    torch.testing.assert_close(parts.sum(dim=1), experts_torch(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
+    other = fused_moe.align(ids, E, 32)  # made for other tiles
+    with pytest.raises(ValueError, match="alignment was made for other tiles"):
+        fused_moe.fused_moe(x, w13, w2, weights, ids, other)
+
+
 def test_sparse_moe_on_triton_kernels_equals_torch() -> None:
     require("triton", "make install puts it in")
     moe = SparseMoE(H, 24, E, K, True).to(DEV)  # intermediate 24: not a power of two (masked tiles)
     with torch.no_grad():
         for p in moe.parameters():
             p.copy_(torch.randn(p.shape, generator=_g(7)) * 0.3)
-    for tokens in (9, 2):
+    for tokens in (9, 2, 20):  # 20: past the skinny router and the one-launch routing
         x = torch.randn(tokens, H, generator=_g(8)).to(DEV)
         with torch.no_grad():
             moe.kernels = "torch"
             want = moe(x)
             moe.kernels = "triton"
             torch.testing.assert_close(moe(x), want, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(moe(x, sum_experts=False).sum(dim=1), want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("one_program", [True, False], ids=["one-program", "atomics"])
