@@ -341,58 +341,60 @@ def _grouped_gemm(
 
 @triton.jit
 def _route_tokens(
-    logits_ptr, weights_ptr, ids_ptr, t0, tokens, E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    logits_ptr, weights_ptr, ids_ptr, t0, tokens, E: tl.constexpr, TOP_K: tl.constexpr, TOP_KP: tl.constexpr,
+    RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     # Tokens t0 .. t0 + BLOCK_T - 1 (those below ``tokens``): softmax over E experts in float32, the TOP_K largest
-    # (ties to the lower id), optionally divided by their sum. Two passes over the selection: the first sums the
-    # chosen weights, the second stores them.
+    # (ties to the lower id), optionally divided by their sum (added in selection order, as torch does).
     t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
     tm = t < tokens
     e = tl.arange(0, BLOCK_E)
     em = e < E
     logits = tl.load(logits_ptr + t[:, None] * E + e[None, :], mask=tm[:, None] & em[None, :], other=float("-inf"))
-    logits = logits.to(tl.float32)
-    logits = tl.where(tm[:, None], logits, 0.0)  # rows past the batch: finite, never stored
+    logits = tl.where(tm[:, None], logits.to(tl.float32), 0.0)  # rows past the batch: finite, never stored
     p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    p = tl.where(em[None, :], p / tl.sum(p, axis=1)[:, None], -1.0)
+    p = p / tl.sum(p, axis=1)[:, None]
+    # One reduction a pick: a probability (>= 0, so its bits order as it does) above the complement of its id, so
+    # the largest key is the largest probability, ties to the lower id. Lanes past E and taken lanes hold -1.
+    key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - e)[None, :]
+    key = tl.where(em[None, :], key, -1)
+    j = tl.arange(0, TOP_KP)
+    picked = tl.zeros([BLOCK_T, TOP_KP], tl.float32)
     total = tl.zeros([BLOCK_T], tl.float32)
-    taken = p
-    for _ in tl.static_range(TOP_K):
-        best = tl.max(taken, axis=1)
-        idx = tl.min(tl.where(taken == best[:, None], e[None, :], BLOCK_E), axis=1)
-        taken = tl.where(e[None, :] == idx[:, None], -1.0, taken)
-        total += best
-    taken = p
-    for j in tl.static_range(TOP_K):
-        best = tl.max(taken, axis=1)
-        idx = tl.min(tl.where(taken == best[:, None], e[None, :], BLOCK_E), axis=1)
-        taken = tl.where(e[None, :] == idx[:, None], -1.0, taken)
-        if RENORMALIZE:
-            best = best / total
-        tl.store(ids_ptr + t * TOP_K + j, idx.to(tl.int64), mask=tm)
-        tl.store(weights_ptr + t * TOP_K + j, best.to(weights_ptr.dtype.element_ty), mask=tm)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(key, axis=1)
+        idx = BLOCK_E - 1 - (best & 0xFFFFFFFF).to(tl.int32)
+        w = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        key = tl.where(e[None, :] == idx[:, None], -1, key)
+        total += w
+        picked = tl.where(j[None, :] == k, w[:, None], picked)
+        tl.store(ids_ptr + t * TOP_K + k, idx.to(tl.int64), mask=tm)
+    if RENORMALIZE:
+        picked = picked / total[:, None]
+    out = weights_ptr + t[:, None] * TOP_K + j[None, :]
+    tl.store(out, picked.to(weights_ptr.dtype.element_ty), mask=tm[:, None] & (j < TOP_K)[None, :])
 
 
 @triton.jit
 def _route_kernel(
-    logits_ptr, weights_ptr, ids_ptr, tokens, E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-    BLOCK_E: tl.constexpr, PDL: tl.constexpr,
+    logits_ptr, weights_ptr, ids_ptr, tokens, E: tl.constexpr, TOP_K: tl.constexpr, TOP_KP: tl.constexpr,
+    RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     enter(PDL)
-    _route_tokens(logits_ptr, weights_ptr, ids_ptr, tl.program_id(0), tokens, E, TOP_K, RENORMALIZE, 1, BLOCK_E)
+    _route_tokens(logits_ptr, weights_ptr, ids_ptr, tl.program_id(0), tokens, E, TOP_K, TOP_KP, RENORMALIZE, 1, BLOCK_E)
 
 
 @triton.jit
 def _route_and_align_kernel(
     logits_ptr, weights_ptr, ids_ptr, sorted_ptr, expert_ids_ptr, used_ptr, offset_ptr, tokens, num_experts, capacity,
-    num_blocks, E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+    num_blocks, E: tl.constexpr, TOP_K: tl.constexpr, TOP_KP: tl.constexpr, RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, EP: tl.constexpr, B: tl.constexpr, BB: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     # A decode batch's routing and alignment in one program: the ids go through memory to the alignment.
     enter(PDL)
-    _route_tokens(logits_ptr, weights_ptr, ids_ptr, 0, tokens, E, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E)
+    _route_tokens(logits_ptr, weights_ptr, ids_ptr, 0, tokens, E, TOP_K, TOP_KP, RENORMALIZE, BLOCK_T, BLOCK_E)
     tl.debug_barrier()  # every token's ids, stored by other threads, are in place
     _align_one_program(ids_ptr, sorted_ptr, expert_ids_ptr, used_ptr, offset_ptr, tokens * TOP_K, num_experts,
                        capacity, num_blocks, BLOCK_M, EP, B, BB)  # fmt: skip
@@ -409,8 +411,9 @@ def route(
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=router_logits.device)
     if tokens:
         _route_kernel[(tokens,)](
-            router_logits.contiguous(), weights, ids, tokens, E=experts, TOP_K=top_k, RENORMALIZE=renormalize,
-            BLOCK_E=triton.next_power_of_2(experts), **pdl_launch(router_logits.device, tokens),
+            router_logits.contiguous(), weights, ids, tokens, E=experts, TOP_K=top_k,
+            TOP_KP=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(experts),
+            num_warps=1, **pdl_launch(router_logits.device, tokens),
         )  # fmt: skip
     return weights, ids
 
@@ -442,9 +445,10 @@ def route_and_align(
     offsets = torch.empty(experts, dtype=torch.int32, device=dev)
     _route_and_align_kernel[(1,)](
         router_logits.contiguous(), weights, ids, sorted_pairs, expert_ids, used, offsets, tokens, experts, capacity,
-        num_blocks, E=experts, TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=max(2, triton.next_power_of_2(tokens)),
-        BLOCK_E=triton.next_power_of_2(experts), BLOCK_M=block_m, EP=triton.next_power_of_2(experts + 1),
-        B=max(16, triton.next_power_of_2(num_pairs)), BB=64, **pdl_launch(dev, tokens),
+        num_blocks, E=experts, TOP_K=top_k, TOP_KP=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+        BLOCK_T=max(2, triton.next_power_of_2(tokens)), BLOCK_E=triton.next_power_of_2(experts), BLOCK_M=block_m,
+        EP=triton.next_power_of_2(experts + 1), B=max(16, triton.next_power_of_2(num_pairs)), BB=64,
+        num_warps=1, **pdl_launch(dev, tokens),
     )  # fmt: skip
     return weights, ids, Alignment(sorted_pairs, expert_ids, used)
 

@@ -156,8 +156,10 @@ def _rope_and_store_kernel(
     H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr, SH: tl.constexpr,
     SS: tl.constexpr, HP: tl.constexpr, KVHP: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    # One program per token and group of KVH // gridDim.y KV heads (HP query heads, KVHP KV heads in its tile).
     enter(PDL)
     t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     dt: tl.constexpr = q_ptr.dtype.element_ty
@@ -168,15 +170,17 @@ def _rope_and_store_kernel(
     c = tl.load(cos_ptr + pos * D + d).to(dt).to(tl.float32)
     s = tl.load(sin_ptr + pos * D + d).to(dt).to(tl.float32)
     row = qkv_ptr + t * (H + 2 * KVH) * D
-    h = tl.arange(0, HP)
-    hm = (h < H)[:, None]
+    q_per_program = H // tl.num_programs(1)
+    h = g * q_per_program + tl.arange(0, HP)
+    hm = (tl.arange(0, HP) < q_per_program)[:, None]
     q = tl.load(row + h[:, None] * D + d[None, :], mask=hm, other=0.0)
     qr = tl.load(row + h[:, None] * D + rot[None, :], mask=hm, other=0.0)
     if QK_NORM:
         q, qr = _head_norm(q, qr, qn_ptr, d, rot, eps, dt, D)
     tl.store(q_ptr + t * H * D + h[:, None] * D + d[None, :], _rope(q, qr, sign, c, s, dt), mask=hm)
-    kh = tl.arange(0, KVHP)
-    km = (kh < KVH)[:, None]
+    kv_per_program = KVH // tl.num_programs(1)
+    kh = g * kv_per_program + tl.arange(0, KVHP)
+    km = (tl.arange(0, KVHP) < kv_per_program)[:, None]
     k = tl.load(row + H * D + kh[:, None] * D + d[None, :], mask=km, other=0.0)
     kr = tl.load(row + H * D + kh[:, None] * D + rot[None, :], mask=km, other=0.0)
     if QK_NORM:
@@ -202,14 +206,21 @@ def rope_and_store(
     q = torch.empty((n, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     _check_cache(kv_cache)
     qn, kn, eps = (qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps) if qk_norm is not None else (q, q, 0.0)
-    _rope_and_store_kernel[(n,)](
+    # A decode step of a few tokens spreads each token's heads over its KV heads' groups (a program each): one
+    # program doing every head of a token is a serial chain of loads, reductions and stores on one SM.
+    groups = num_kv_heads if n <= ROPE_GROUPS_TOKENS else 1
+    _rope_and_store_kernel[(n, groups)](
         qkv, positions, cos, sin, q, kv_cache, slot_mapping, kv_cache.stride(0), qn, kn, eps,
         H=num_heads, KVH=num_kv_heads, D=head_dim, BS=kv_cache.shape[3],
         SB=kv_cache.stride(1), SH=kv_cache.stride(2), SS=kv_cache.stride(3),
-        HP=triton.next_power_of_2(num_heads), KVHP=triton.next_power_of_2(num_kv_heads),
+        HP=triton.next_power_of_2(num_heads // groups), KVHP=triton.next_power_of_2(num_kv_heads // groups),
         QK_NORM=qk_norm is not None, **pdl_launch(qkv.device, n),
     )  # fmt: skip
     return q
+
+
+# Steps of at most this many tokens rotate and store with a program per (token, KV head).
+ROPE_GROUPS_TOKENS = 16
 
 
 # -- paged attention ----------------------------------------------------------------------------

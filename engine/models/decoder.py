@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -208,7 +208,7 @@ class MoEMLP(nn.Module):
         """On one rank the experts' outputs may come back unsummed, ``[tokens, top_k, hidden]``: the next
         ``add_rms_norm`` sums them (one launch fewer a layer). Ranks sum before their all-reduce."""
         if self.tp.size == 1:
-            return self.experts(x, sum_experts=False)
+            return cast(torch.Tensor, self.experts(x, sum_experts=False))
         return self.tp.all_reduce(self.experts(x))
 
     def loaders(self, p: str) -> dict[str, Loader]:

@@ -172,15 +172,15 @@ def test_skinny_matmul_tiles_come_from_the_measured_table_and_a_tuning_run_overr
         g._tiles.cache_clear()
 
 
-def test_rope_and_store_writes_rotated_keys_and_values_to_their_slots() -> None:
-    n = 7
+@pytest.mark.parametrize("n", [7, 20])  # 7: a program per (token, KV head); 20: one per token
+def test_rope_and_store_writes_rotated_keys_and_values_to_their_slots(n: int) -> None:
     qkv = torch.randn(n, (H + 2 * KVH) * D, generator=_g()).to(DEV)
-    pos = torch.tensor([0, 5, 17, 100, 3, 4, 60], device=DEV)
+    pos = torch.randint(0, 200, (n,), generator=_g(1)).to(DEV)
     inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
     emb = torch.arange(200).float()[:, None] * inv[None]
     cos, sin = torch.cat((emb, emb), -1).cos().to(DEV), torch.cat((emb, emb), -1).sin().to(DEV)
     cache = torch.zeros(2, NB, KVH, BS, D, device=DEV)
-    slots = torch.tensor([3, 50, 77, 100, 130, 131, 639], device=DEV)
+    slots = torch.randperm(NB * BS, generator=_g(2))[:n].to(DEV)
     q = triton_ops.rope_and_store(qkv, pos.int(), cos, sin, cache, slots.int(), H, KVH, D)
     qq, kk, vv = qkv.split([H * D, KVH * D, KVH * D], -1)
     c, s = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)

@@ -199,6 +199,9 @@ def test_route_and_align_in_one_launch_equals_route_then_align(
     assert bool((al.sorted_pairs[used:] == tokens * top_k).all())
     blocks = used // 16
     assert torch.equal(al.expert_ids[:blocks], want.expert_ids[:blocks])
+    # Ties go to the lower id (equal logits: the first top_k experts, in order).
+    _, tied, _ = fused_moe.route_and_align(torch.zeros(tokens, experts, device=DEV), top_k, renormalize, keep_float32)
+    assert tied.tolist() == [list(range(top_k))] * tokens
 
 
 def test_fused_moe_leaves_the_experts_unsummed_for_the_residual_add_and_checks_its_alignment() -> None:

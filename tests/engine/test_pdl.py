@@ -34,7 +34,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from engine import kernels
-from engine.kernels import gemv, triton_ops
+from engine.kernels import fused_moe, gemv, triton_ops
 
 
 def ptx(fn, names, types, cx):
@@ -54,8 +54,18 @@ gemv_cx = {"K": 1024, "HAS_SCALE": False, "HAS_BIAS": False, "SWIGLU": False, "F
            "PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256}
 out = {f"gemv{p}": ptx(gemv._gemv_kernel, gemv_names, gemv_types, gemv_cx | {"PDL": p})
        for p in (kernels.PDL_OFF, kernels.PDL_EARLY, kernels.PDL_LOOP)}
-out["norm"] = ptx(triton_ops._rms_norm_kernel, ["x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr", "n_cols", "eps"],
-                  ["*bf16"] * 5 + ["i32", "fp32"], {"HAS_RES": True, "BLOCK": 1024, "PDL": kernels.PDL_EARLY})
+for name, parts in (("norm", 1), ("norm_parts", 8)):  # 8: summing a MoE layer's experts
+    out[name] = ptx(triton_ops._rms_norm_kernel,
+                    ["x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr", "n_cols", "eps"],
+                    ["*bf16"] * 5 + ["i32", "fp32"],
+                    {"HAS_RES": True, "PARTS": parts, "BLOCK": 1024, "PDL": kernels.PDL_EARLY})
+out["route_align"] = ptx(
+    fused_moe._route_and_align_kernel,
+    ["logits_ptr", "weights_ptr", "ids_ptr", "sorted_ptr", "expert_ids_ptr", "used_ptr", "offset_ptr", "tokens",
+     "num_experts", "capacity", "num_blocks"],
+    ["*bf16", "*bf16", "*i64"] + ["*i32"] * 4 + ["i32"] * 4,
+    {"E": 128, "TOP_K": 8, "TOP_KP": 8, "RENORMALIZE": True, "BLOCK_T": 2, "BLOCK_E": 128, "BLOCK_M": 16, "EP": 256,
+     "B": 16, "BB": 64, "PDL": kernels.PDL_EARLY})
 json.dump(out, sys.stdout)
 """
 
@@ -91,11 +101,12 @@ def test_a_loop_kernel_waits_first_and_lets_the_next_one_in_where_it_was_told(pt
             assert let_in > max(mmas), "PDL_LOOP lets the next kernel in after the main loop"
 
 
-def test_a_small_kernel_waits_before_it_reads(ptx: dict[str, str]) -> None:
-    norm = ptx["norm"]
-    (wait,) = _lines(norm, r"griddepcontrol\.wait")
-    assert wait < min(_lines(norm, LOADS))
-    assert _lines(norm, r"griddepcontrol\.launch_dependents")
+@pytest.mark.parametrize("kernel", ["norm", "norm_parts", "route_align"])
+def test_a_small_kernel_waits_before_it_reads(ptx: dict[str, str], kernel: str) -> None:
+    code = ptx[kernel]
+    (wait,) = _lines(code, r"griddepcontrol\.wait")
+    assert wait < min(_lines(code, LOADS))
+    assert _lines(code, r"griddepcontrol\.launch_dependents")
 
 
 def test_which_launches_take_part() -> None:
