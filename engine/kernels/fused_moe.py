@@ -413,10 +413,13 @@ def route(
         _route_kernel[(tokens,)](
             router_logits.contiguous(), weights, ids, tokens, E=experts, TOP_K=top_k,
             TOP_KP=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(experts),
-            num_warps=1, **pdl_launch(router_logits.device, tokens),
+            num_warps=ROUTE_WARPS, **pdl_launch(router_logits.device, tokens),
         )  # fmt: skip
     return weights, ids
 
+
+# Warps of a routing program: its reductions over the experts are a chain, shuffles within one warp.
+ROUTE_WARPS = 1
 
 # Batches of at most this many tokens are routed and aligned by one program in one launch (decode steps).
 ROUTE_AND_ALIGN_TOKENS = 16
@@ -448,7 +451,7 @@ def route_and_align(
         num_blocks, E=experts, TOP_K=top_k, TOP_KP=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
         BLOCK_T=max(2, triton.next_power_of_2(tokens)), BLOCK_E=triton.next_power_of_2(experts), BLOCK_M=block_m,
         EP=triton.next_power_of_2(experts + 1), B=max(16, triton.next_power_of_2(num_pairs)), BB=64,
-        num_warps=1, **pdl_launch(dev, tokens),
+        num_warps=ROUTE_WARPS, **pdl_launch(dev, tokens),
     )  # fmt: skip
     return weights, ids, Alignment(sorted_pairs, expert_ids, used)
 
