@@ -245,7 +245,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
         _align_one_program_kernel[(1,)](
             ids, sorted_pairs, expert_ids, used, cursor, num_pairs, num_experts, capacity, num_blocks,
             BLOCK_M=block_m, EP=triton.next_power_of_2(num_experts + 1), B=max(16, triton.next_power_of_2(num_pairs)),
-            BB=64, **pdl,
+            BB=min(64, triton.next_power_of_2(num_blocks)), **pdl,
         )  # fmt: skip
         return Alignment(sorted_pairs, expert_ids, used)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
@@ -400,6 +400,10 @@ def _route_and_align_kernel(
                        capacity, num_blocks, BLOCK_M, EP, B, BB)  # fmt: skip
 
 
+# Warps of a routing program (measured on an H200, qwen3-30b-a3b at batch 1: four 2.6% faster than one).
+ROUTE_WARPS = 4
+
+
 def route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, keep_float32: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -417,9 +421,6 @@ def route(
         )  # fmt: skip
     return weights, ids
 
-
-# Warps of a routing program: its reductions over the experts are a chain, shuffles within one warp.
-ROUTE_WARPS = 1
 
 # Batches of at most this many tokens are routed and aligned by one program in one launch (decode steps).
 ROUTE_AND_ALIGN_TOKENS = 16
@@ -450,7 +451,8 @@ def route_and_align(
         router_logits.contiguous(), weights, ids, sorted_pairs, expert_ids, used, offsets, tokens, experts, capacity,
         num_blocks, E=experts, TOP_K=top_k, TOP_KP=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
         BLOCK_T=max(2, triton.next_power_of_2(tokens)), BLOCK_E=triton.next_power_of_2(experts), BLOCK_M=block_m,
-        EP=triton.next_power_of_2(experts + 1), B=max(16, triton.next_power_of_2(num_pairs)), BB=64,
+        EP=triton.next_power_of_2(experts + 1), B=max(16, triton.next_power_of_2(num_pairs)),
+        BB=min(64, triton.next_power_of_2(num_blocks)),
         num_warps=ROUTE_WARPS, **pdl_launch(dev, tokens),
     )  # fmt: skip
     return weights, ids, Alignment(sorted_pairs, expert_ids, used)
