@@ -66,7 +66,7 @@ def documented_commands(doc: Path, heading: str) -> list[list[str]]:
     return [shlex.split(c.replace("\\\n", " ")) for c in commands]
 
 
-@pytest.mark.timeout(240)  # ~30 s on a quiet machine; the margin is for a loaded one (three processes load a model)
+@pytest.mark.timeout(240)  # ~10 s on a quiet machine; the margin is for a loaded one (three processes load a model)
 def test_the_hand_started_pd_commands_serve_the_documented_request(tmp_path: Path) -> None:
     """docs/pd.md's engines, gateway and curl, run as written but for the ports (and this venv's python)."""
     require("mooncake.engine", "P/D engines relay KV over Mooncake")
@@ -78,20 +78,25 @@ def test_the_hand_started_pd_commands_serve_the_documented_request(tmp_path: Pat
     *servers, curl = commands
     assert [c[0] for c in commands] == [".venv/bin/python", ".venv/bin/python", ".venv/bin/atomesh", "curl"]
     procs = []
+    deadline = time.monotonic() + 160
+
+    def wait_answering(*urls: str) -> None:
+        while not all(_answers(url) for url in urls):
+            for p, f in procs:
+                assert p.poll() is None, f"{f.name} exited: {Path(f.name).read_text()[-2000:]}"
+            assert time.monotonic() < deadline, "the documented P/D system did not become ready"
+            time.sleep(0.25)
+
     try:
         for i, argv in enumerate(servers):
             exe = [sys.executable] if argv[0].endswith("python") else [sys.executable, "-m", "atomesh"]
             log = open(tmp_path / f"part-{i}.log", "wb")
             procs.append((subprocess.Popen([*exe, *argv[1:]], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log))
-            if i < 2:
-                continue  # the engines load together; the gateway waits for them itself
-            url = f"http://127.0.0.1:{ports['30000']}/readiness"
-            deadline = time.monotonic() + 160
-            while not _answers(url):
-                for p, f in procs:
-                    assert p.poll() is None, f"{f.name} exited: {Path(f.name).read_text()[-2000:]}"
-                assert time.monotonic() < deadline, "the documented P/D system did not become ready"
-                time.sleep(0.5)
+            if i == 1:
+                # The engines load together; the gateway starts once they answer, as from a third terminal (started
+                # before, it would probe them again only after its 30-s --worker-startup-check-interval).
+                wait_answering(*(f"http://127.0.0.1:{ports[p]}/health" for p in ("8010", "8020")))
+        wait_answering(f"http://127.0.0.1:{ports['30000']}/readiness")
         out = subprocess.run(curl, capture_output=True, text=True, timeout=60)
         answer = json.loads(out.stdout)
         assert answer["model"] == "SmolLM2-135M-Instruct", answer

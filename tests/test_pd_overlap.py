@@ -31,7 +31,8 @@ VERY_LONG = "one two three four five six seven eight nine ten " * 30  # ~1,500 t
 @pytest.fixture(scope="module")
 def engines() -> Iterator[dict[str, Engine]]:
     specs: dict[str, tuple[str | None, str | None, tuple[str, ...]]] = {
-        "prefill": ("kv_producer", None, (*CHUNKED, "--kv-transfer-timeout", "20")),
+        # Offers expire after 10 s: the unread offer below is waited out (each prefill here ends within a second).
+        "prefill": ("kv_producer", None, (*CHUNKED, "--kv-transfer-timeout", "10")),
         "decode": ("kv_consumer", "ipc", ()),
         "staged-prefill": ("kv_producer", "tcp", CHUNKED),
         "staged-decode": ("kv_consumer", "tcp", ()),
@@ -142,7 +143,7 @@ async def test_a_decode_leg_gone_while_the_prefill_runs_stops_it_and_leaks_nothi
     # expires meanwhile). The refused prompt is short: it finds room whatever is still held, and is refused (400)
     # for the mismatch, not 503 for want of blocks.
     refusals = p.metric("atom:kv_transfer_released_total", 'reason="refused"')
-    never_read = _early_prefill(p, LONG)  # nobody comes: it expires (--kv-transfer-timeout 20)
+    never_read = _early_prefill(p, LONG)  # nobody comes: it expires (--kv-transfer-timeout 10)
     refused = _early_prefill(p, LONG)
     status, body = post(d.url + "/v1/completions", _greedy(PROMPTS[0], kv_transfer_params=refused))
     assert status == 400 and "blocks" in body["error"]["message"], body  # another prompt: refused before pulling

@@ -20,6 +20,7 @@ from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.models.loader import LoadedModel, load_model, smollm2_path
 from engine.openai_server import create_app
+from tests.engine import triton_interpreter
 
 # Torch runs on one thread in these tests. The models are tiny: on two threads every op is a parallel region whose
 # other thread must be woken, and while the engines a test starts (or other jobs on the machine) want the second
@@ -32,6 +33,13 @@ torch.set_num_threads(1)
 # ENGINE_TEST_DEVICE=cuda runs the same tests on a GPU (float32 there too, so that batched vs
 # one-at-a-time and reference comparisons stay exact).
 DEVICE = os.environ.get("ENGINE_TEST_DEVICE", "cpu")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _triton_interpreter_patched_once() -> None:
+    """Triton's interpreter (the kernels on CPU) without re-patching triton.language at every helper call: set up
+    after collection, once the modules that interpret the kernels have set TRITON_INTERPRET."""
+    triton_interpreter.speed_up()
 
 
 @pytest.fixture(scope="session")
