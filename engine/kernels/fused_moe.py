@@ -229,25 +229,41 @@ class Alignment:
     used: torch.Tensor  # [1] int32: rows in use (a multiple of block_m)
 
 
+def _one_program_alignment(
+    num_pairs: int, num_experts: int, block_m: int, dev: torch.device
+) -> tuple[Alignment, torch.Tensor, dict[str, int]]:
+    """What a one-program alignment (``_align_one_program``) writes: the ``Alignment``'s buffers, its scratch of
+    per-expert offsets, and its launch's sizes (runtime ``capacity, num_blocks``, then the constexprs)."""
+    capacity = padded_capacity(num_pairs, num_experts, block_m)
+    num_blocks = capacity // block_m
+    al = Alignment(
+        torch.empty(capacity, dtype=torch.int32, device=dev),
+        torch.empty(num_blocks, dtype=torch.int32, device=dev),
+        torch.empty(1, dtype=torch.int32, device=dev),
+    )
+    sizes = {"capacity": capacity, "num_blocks": num_blocks, "BLOCK_M": block_m,
+             "EP": triton.next_power_of_2(num_experts + 1), "B": max(16, triton.next_power_of_2(num_pairs)),
+             "BB": min(64, triton.next_power_of_2(num_blocks))}  # fmt: skip
+    return al, torch.empty(num_experts, dtype=torch.int32, device=dev), sizes
+
+
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     """Sort the flattened ``topk_ids [tokens, top_k]`` pairs by expert, each run padded to ``block_m``."""
     ids = topk_ids.reshape(-1)
     num_pairs = ids.numel()
-    capacity = padded_capacity(num_pairs, num_experts, block_m)
-    num_blocks = capacity // block_m
     dev = ids.device
     pdl = pdl_launch(dev, topk_ids.shape[0])
+    if num_pairs <= ONE_PROGRAM_PAIRS:
+        al, offsets, sizes = _one_program_alignment(num_pairs, num_experts, block_m, dev)
+        _align_one_program_kernel[(1,)](
+            ids, al.sorted_pairs, al.expert_ids, al.used, offsets, num_pairs, num_experts, **sizes, **pdl
+        )
+        return al
+    capacity = padded_capacity(num_pairs, num_experts, block_m)
+    num_blocks = capacity // block_m
     cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
     used = torch.empty(1, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
-    if num_pairs <= ONE_PROGRAM_PAIRS:
-        sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=dev)
-        _align_one_program_kernel[(1,)](
-            ids, sorted_pairs, expert_ids, used, cursor, num_pairs, num_experts, capacity, num_blocks,
-            BLOCK_M=block_m, EP=triton.next_power_of_2(num_experts + 1), B=max(16, triton.next_power_of_2(num_pairs)),
-            BB=min(64, triton.next_power_of_2(num_blocks)), **pdl,
-        )  # fmt: skip
-        return Alignment(sorted_pairs, expert_ids, used)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
     sorted_pairs = torch.full((capacity,), num_pairs, dtype=torch.int32, device=dev)
     block = 1024
@@ -388,9 +404,8 @@ def _route_kernel(
 def _route_and_align_kernel(
     logits_ptr, weights_ptr, ids_ptr, sorted_ptr, expert_ids_ptr, used_ptr, offset_ptr, tokens, num_experts, capacity,
     num_blocks, E: tl.constexpr, TOP_K: tl.constexpr, TOP_KP: tl.constexpr, RENORMALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, EP: tl.constexpr, B: tl.constexpr, BB: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, EP: tl.constexpr, B: tl.constexpr,
+    BB: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # A decode batch's routing and alignment in one program: the ids go through memory to the alignment.
     enter(PDL)
@@ -440,22 +455,14 @@ def route_and_align(
     dev = router_logits.device
     weights = torch.empty((tokens, top_k), dtype=torch.float32 if keep_float32 else router_logits.dtype, device=dev)
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=dev)
-    num_pairs = tokens * top_k
-    capacity = padded_capacity(num_pairs, experts, block_m)
-    num_blocks = capacity // block_m
-    sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=dev)
-    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
-    used = torch.empty(1, dtype=torch.int32, device=dev)
-    offsets = torch.empty(experts, dtype=torch.int32, device=dev)
+    al, offsets, sizes = _one_program_alignment(tokens * top_k, experts, block_m, dev)
     _route_and_align_kernel[(1,)](
-        router_logits.contiguous(), weights, ids, sorted_pairs, expert_ids, used, offsets, tokens, experts, capacity,
-        num_blocks, E=experts, TOP_K=top_k, TOP_KP=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
-        BLOCK_T=max(2, triton.next_power_of_2(tokens)), BLOCK_E=triton.next_power_of_2(experts), BLOCK_M=block_m,
-        EP=triton.next_power_of_2(experts + 1), B=max(16, triton.next_power_of_2(num_pairs)),
-        BB=min(64, triton.next_power_of_2(num_blocks)),
-        num_warps=ROUTE_WARPS, **pdl_launch(dev, tokens),
+        router_logits.contiguous(), weights, ids, al.sorted_pairs, al.expert_ids, al.used, offsets, tokens, experts,
+        E=experts, TOP_K=top_k, TOP_KP=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+        BLOCK_T=max(2, triton.next_power_of_2(tokens)), BLOCK_E=triton.next_power_of_2(experts),
+        num_warps=ROUTE_WARPS, **sizes, **pdl_launch(dev, tokens),
     )  # fmt: skip
-    return weights, ids, Alignment(sorted_pairs, expert_ids, used)
+    return weights, ids, al
 
 
 def fused_moe(

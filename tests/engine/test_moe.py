@@ -192,12 +192,13 @@ def test_route_and_align_in_one_launch_equals_route_then_align(
     want_w, want_ids = route(logits, top_k, renormalize, keep_float32)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-6)
-    want = fused_moe.align(want_ids, experts, fused_moe.moe_tiles(tokens * top_k, experts).block_m)
+    block_m = fused_moe.moe_tiles(tokens * top_k, experts).block_m
+    want = fused_moe.align(want_ids, experts, block_m)
     used = int(want.used)
     assert int(al.used) == used
     assert torch.equal(al.sorted_pairs[:used], want.sorted_pairs[:used])  # each run in pair order, both ways
     assert bool((al.sorted_pairs[used:] == tokens * top_k).all())
-    blocks = used // 16
+    blocks = used // block_m
     assert torch.equal(al.expert_ids[:blocks], want.expert_ids[:blocks])
     # Ties go to the lower id (equal logits: the first top_k experts, in order).
     _, tied, _ = fused_moe.route_and_align(torch.zeros(tokens, experts, device=DEV), top_k, renormalize, keep_float32)
