@@ -1,6 +1,8 @@
-"""bench.engine.throughput with module constants of the engine's kernels set first (an A/B within one GPU call).
+"""bench.engine.throughput, or another module, with module constants of the engine's kernels set first (an A/B
+within one GPU call).
 
 python3 bench/device/launch_ab.py engine.kernels.triton_ops.ROPE_GROUPS_TOKENS=0 -- --model ... (throughput's args)
+python3 bench/device/launch_ab.py engine.kernels.gemv.TOKEN_AHEAD=0 -- -m bench.device.pdl_chain --json ... --fp8
 """
 
 import importlib
@@ -13,5 +15,9 @@ for assignment in sys.argv[1:split]:
     module, name = target.rsplit(".", 1)
     setattr(importlib.import_module(module), name, int(value))
     print(f"set {target} = {value}", flush=True)
-sys.argv = ["bench.engine.throughput", *sys.argv[split + 1 :]]
-runpy.run_module("bench.engine.throughput", run_name="__main__")
+rest = sys.argv[split + 1 :]
+module = "bench.engine.throughput"
+if rest[:1] == ["-m"]:
+    module, rest = rest[1], rest[2:]
+sys.argv = [module, *rest]
+runpy.run_module(module, run_name="__main__")

@@ -40,6 +40,12 @@ from engine.kernels.pdl import enter, leave_loop
 # Tokens up to which a linear layer takes this path (decode steps; verify steps of short drafts).
 MAX_TOKENS = 16
 
+# The one-token kernel reads its weight one slice ahead of use, the first slice before waiting for the kernel before
+# (1), or each slice where it is used (0).
+TOKEN_AHEAD = 1
+# The tensor-core kernel reads its first weight slice before waiting for the kernel before (1), or after (0).
+GEMV_AHEAD = 1
+
 
 @dataclass(frozen=True, slots=True)
 class GemvConfig:
@@ -111,7 +117,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, stride_x, stride_w, stride_out, K: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, FP16_DOT: tl.constexpr,
     PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
@@ -121,10 +127,27 @@ def _gemv_kernel(
     n_ok = rn < N
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
-    enter(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    if AHEAD:
+        # The first slice of the weight, which no kernel writes, is read before waiting for the kernel before.
+        w_ok = n_ok[:, None] & (rk < K)[None, :]
+        w = tl.load(w_rows + rk[None, :], mask=w_ok, other=0.0)
+        if SWIGLU:
+            u = tl.load(w_rows + N * stride_w + rk[None, :], mask=w_ok, other=0.0)
+        enter(PDL)
+        x = tl.load(x_rows + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :], other=0.0)
+        if FP16_DOT:
+            x = x.to(tl.float16)
+            w = w.to(tl.float16)
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        if SWIGLU:
+            if FP16_DOT:
+                u = u.to(tl.float16)
+            acc_up += tl.dot(x, tl.trans(u), input_precision=PRECISION)
+    else:
+        enter(PDL)
+    for k0 in range(BLOCK_K if AHEAD else 0, K, BLOCK_K):
         k = k0 + rk
         k_ok = k < K
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -158,7 +181,7 @@ def _gemv_kernel(
 def _gemv_token_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, N, stride_w, K: tl.constexpr, K_SPLIT: tl.constexpr,
     SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
+    AHEAD: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     s = tl.program_id(1)
@@ -166,14 +189,30 @@ def _gemv_token_kernel(
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
-    enter(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K_SPLIT, BLOCK_K):
-        k = s * K_SPLIT + k0 + rk
-        k_ok = k < K
-        x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc += w * x[None, :]
+    if AHEAD:
+        # The weight does not depend on the kernel before: its first slice is read before waiting for that kernel,
+        # and every slice after is read one iteration ahead of its use, so a program keeps two slices in flight.
+        k = s * K_SPLIT + rk
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+        enter(PDL)
+        for k0 in range(BLOCK_K, K_SPLIT, BLOCK_K):
+            k_next = s * K_SPLIT + k0 + rk
+            w_next = tl.load(w_rows + k_next[None, :], mask=n_ok[:, None] & (k_next < K)[None, :], other=0.0)
+            x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            acc += w.to(tl.float32) * x[None, :]
+            w = w_next
+            k = k_next
+        x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * x[None, :]
+    else:
+        enter(PDL)
+        for k0 in range(0, K_SPLIT, BLOCK_K):
+            k = s * K_SPLIT + k0 + rk
+            k_ok = k < K
+            x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc += w * x[None, :]
     leave_loop(PDL)
     y = tl.sum(acc, axis=1)
     if SPLIT:
@@ -217,8 +256,8 @@ def _gemv_token(
     _gemv_token_kernel[(triton.cdiv(n, cfg.block_n), splits)](
         x, weight, dummy, bias if bias is not None else dummy, out, part, n, weight.stride(0), k, k_split,
         SPLIT=splits > 1, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, AHEAD=bool(TOKEN_AHEAD), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(n, 1024),)](
@@ -269,7 +308,7 @@ def gemv(
         m, n, x.stride(0), weight.stride(0), out.stride(0), k,
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, SWIGLU=swiglu, FP16_DOT=fp16_dot,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl,
+        BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, AHEAD=bool(GEMV_AHEAD), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
     return out

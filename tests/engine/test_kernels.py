@@ -60,14 +60,18 @@ def test_norms_and_swiglu_match_torch() -> None:
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 16])
-def test_skinny_matmuls_match_linear(tokens: int) -> None:
+@pytest.mark.parametrize(("ahead", "block_k"), [(1, 64), (0, 64), (1, 256)])
+def test_skinny_matmuls_match_linear(tokens: int, ahead: int, block_k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.kernels import gemv as gemv_module
     from engine.kernels.gemv import GemvConfig, gemv
     from engine.models.quant import quantize_per_channel
 
     # Compiled on CUDA in bf16 (the interpreter has no bf16 matmul); fp16 under the interpreter. Shapes not
-    # multiples of the tile: masked edges.
+    # multiples of the tile: masked edges. With ``ahead`` the first slice is read before the loop (here the whole
+    # 200 columns when the slice is 256).
+    monkeypatch.setattr(gemv_module, "GEMV_AHEAD", ahead)
     dt = torch.bfloat16 if DEVICE == "cuda" else torch.float16
-    cfg = GemvConfig(16, 64, 4, 2)
+    cfg = GemvConfig(16, block_k, 4, 2)
     x = torch.randn(tokens, 200, generator=_g(1)).to(DEV, dt)
     w = (torch.randn(72, 200, generator=_g(2)) * 0.1).to(DEV, dt)
     b = torch.randn(72, generator=_g(3)).to(DEV, dt)
@@ -114,12 +118,18 @@ def test_the_top_p_cut_without_a_sort_keeps_what_the_sorted_rows_keep() -> None:
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-def test_one_token_fp8_matmul_on_the_cuda_cores_matches_the_dequantized_weight(splits: int) -> None:
+@pytest.mark.parametrize("ahead", [1, 0])
+def test_one_token_fp8_matmul_on_the_cuda_cores_matches_the_dequantized_weight(
+    splits: int, ahead: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine.kernels import gemv as gemv_module
     from engine.kernels.gemv import GemvConfig, TokenConfig, gemv
     from engine.models.quant import quantize_per_channel
 
     # One token on an FP8 weight takes the CUDA-core kernel (split along K or not); K = 200 is no multiple of the
-    # slice and N = 72 none of the rows: masked edges. Bias added after the scale, as Fp8Linear does.
+    # slice and N = 72 none of the rows: masked edges. Bias added after the scale, as Fp8Linear does. With ``ahead``
+    # each slice of the weight is read an iteration before its use.
+    monkeypatch.setattr(gemv_module, "TOKEN_AHEAD", ahead)
     dt = torch.bfloat16 if DEVICE == "cuda" else torch.float16
     x = torch.randn(1, 200, generator=_g(1)).to(DEV, dt)
     w = (torch.randn(72, 200, generator=_g(2)) * 0.1).to(DEV, dt)
