@@ -306,9 +306,8 @@ def _gemv64(x: torch.Tensor, w: torch.Tensor, swiglu: bool, tile: tuple[int, int
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, w, x, x, y, m, n, x.stride(0), w.stride(0), y.stride(0), k,
-        HAS_SCALE=False, HAS_BIAS=False, SWIGLU=swiglu, FP16_DOT=False, PRECISION="tf32",
-        BLOCK_M=triton.next_power_of_2(max(m, 16)), BLOCK_N=bn, BLOCK_K=bk, AHEAD=False, num_warps=warps,
-        num_stages=stages,
+        HAS_SCALE=False, HAS_BIAS=False, SWIGLU=swiglu, FP16_DOT=False, PRECISION="tf32", K_SPLIT=k,
+        BLOCK_M=triton.next_power_of_2(max(m, 16)), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y
 

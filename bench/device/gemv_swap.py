@@ -40,7 +40,6 @@ import triton
 import triton.language as tl
 
 from bench.device.fp8_tune import HBM, PASS_BYTES, graph_time
-from engine.kernels import gemv as g
 from engine.kernels.gemv import GemvConfig, TokenConfig, config_for, gemv, token_config_for
 from engine.models.quant import quantize_per_channel
 
@@ -203,26 +202,22 @@ def token_sweep(json_path: str, tiles_path: str, seconds: float) -> None:
         ref = (x.float() @ ws[0][0].float().T) * ws[0][1][None, :]
         today = token_config_for(ws[0][0])
         rows: list[dict[str, Any]] = []
-        # Today's tile with the weight read where it is used (ahead 0) and a slice ahead (1), then the space ahead.
-        for cfg, ahead in [(today, 0), (today, 1), *((c, 1) for c in space)]:
+        for cfg in [today, *space]:
             if time.monotonic() > deadline:
                 break
-            g.TOKEN_AHEAD = ahead
             try:
                 y = gemv(x, ws[0][0], ws[0][1], config=cfg).float()
                 if ((y - ref).abs().max() / ref.abs().max()).item() > 0.02:
                     raise RuntimeError("wrong result")
                 t = graph_time([partial(gemv, x, w, s, config=cfg) for w, s in ws], rounds=3)
             except Exception as e:
-                rows.append({"cfg": str(cfg), "ahead": ahead, "error": f"{type(e).__name__}: {str(e)[:80]}"})
+                rows.append({"cfg": str(cfg), "error": f"{type(e).__name__}: {str(e)[:80]}"})
                 continue
-            rows.append({"cfg": str(cfg), "ahead": ahead, "tile": [cfg.block_n, cfg.block_k, cfg.num_warps,
-                         cfg.num_stages, cfg.splits], "us": t * 1e6, "pct_hbm": 100 * n * k / t / HBM})  # fmt: skip
-        g.TOKEN_AHEAD = 1
-        ok = sorted((r for r in rows if "us" in r and r["ahead"]), key=lambda r: r["us"])
-        res["shapes"][name] = {"today": rows[0], "today_ahead": rows[1:2], "top5": ok[:5], "tried": len(rows)}
-        print("token", name, "today", rows[:2], "best", ok[:1], flush=True)
-        rows = rows[1:]  # the tiles file compares tiles read ahead
+            rows.append({"cfg": str(cfg), "tile": [cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
+                         cfg.splits], "us": t * 1e6, "pct_hbm": 100 * n * k / t / HBM})  # fmt: skip
+        ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+        res["shapes"][name] = {"today": rows[0], "top5": ok[:5], "tried": len(rows)}
+        print("token", name, "today", rows[0], "best", ok[:1], flush=True)
         if ok and "us" in rows[0] and ok[0]["us"] < rows[0]["us"]:
             tiles[f"{n}x{k}"] = ok[0]["tile"]
         del ws

@@ -40,11 +40,8 @@ from engine.kernels.pdl import enter, leave_loop
 # Tokens up to which a linear layer takes this path (decode steps; verify steps of short drafts).
 MAX_TOKENS = 16
 
-# The one-token kernel reads its weight one slice ahead of use, the first slice before waiting for the kernel before
-# (1), or each slice where it is used (0).
-TOKEN_AHEAD = 1
-# The tensor-core kernel reads its first weight slice before waiting for the kernel before (1), or after (0).
-GEMV_AHEAD = 1
+# At most this many runs of K for a narrow weight whose consumer sums parts (``parts_for``); 1 turns splitting off.
+MAX_PARTS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,10 +113,11 @@ def config_for(weight: torch.Tensor) -> GemvConfig:
 def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, stride_x, stride_w, stride_out, K: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, FP16_DOT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, K_SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
+    part = tl.program_id(1)  # this program's run of K_SPLIT columns of K (one run unless split along K)
     rm = tl.arange(0, BLOCK_M)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -127,28 +125,11 @@ def _gemv_kernel(
     n_ok = rn < N
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
+    enter(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if AHEAD:
-        # The first slice of the weight, which no kernel writes, is read before waiting for the kernel before.
-        w_ok = n_ok[:, None] & (rk < K)[None, :]
-        w = tl.load(w_rows + rk[None, :], mask=w_ok, other=0.0)
-        if SWIGLU:
-            u = tl.load(w_rows + N * stride_w + rk[None, :], mask=w_ok, other=0.0)
-        enter(PDL)
-        x = tl.load(x_rows + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :], other=0.0)
-        if FP16_DOT:
-            x = x.to(tl.float16)
-            w = w.to(tl.float16)
-        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-        if SWIGLU:
-            if FP16_DOT:
-                u = u.to(tl.float16)
-            acc_up += tl.dot(x, tl.trans(u), input_precision=PRECISION)
-    else:
-        enter(PDL)
-    for k0 in range(BLOCK_K if AHEAD else 0, K, BLOCK_K):
-        k = k0 + rk
+    for k0 in range(0, K_SPLIT, BLOCK_K):
+        k = part * K_SPLIT + k0 + rk
         k_ok = k < K
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
@@ -168,12 +149,13 @@ def _gemv_kernel(
         if SWIGLU:
             acc_up = acc_up * tl.load(scale_ptr + N + rn, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        bias = tl.load(bias_ptr + rn, mask=n_ok & (part == 0), other=0.0).to(tl.float32)  # added by one part
+        acc += bias[None, :]
     if SWIGLU:
         gate = acc.to(dt).to(tl.float32)
         act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32)
         acc = act * acc_up.to(dt).to(tl.float32)
-    out = out_ptr + rm[:, None].to(tl.int64) * stride_out + rn[None, :]
+    out = out_ptr + rm[:, None].to(tl.int64) * stride_out + part * N + rn[None, :]
     tl.store(out, acc.to(dt), mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -181,7 +163,7 @@ def _gemv_kernel(
 def _gemv_token_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, N, stride_w, K: tl.constexpr, K_SPLIT: tl.constexpr,
     SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    AHEAD: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     s = tl.program_id(1)
@@ -189,30 +171,14 @@ def _gemv_token_kernel(
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
+    enter(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    if AHEAD:
-        # The weight does not depend on the kernel before: its first slice is read before waiting for that kernel,
-        # and every slice after is read one iteration ahead of its use, so a program keeps two slices in flight.
-        k = s * K_SPLIT + rk
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
-        enter(PDL)
-        for k0 in range(BLOCK_K, K_SPLIT, BLOCK_K):
-            k_next = s * K_SPLIT + k0 + rk
-            w_next = tl.load(w_rows + k_next[None, :], mask=n_ok[:, None] & (k_next < K)[None, :], other=0.0)
-            x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            acc += w.to(tl.float32) * x[None, :]
-            w = w_next
-            k = k_next
-        x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        acc += w.to(tl.float32) * x[None, :]
-    else:
-        enter(PDL)
-        for k0 in range(0, K_SPLIT, BLOCK_K):
-            k = s * K_SPLIT + k0 + rk
-            k_ok = k < K
-            x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            acc += w * x[None, :]
+    for k0 in range(0, K_SPLIT, BLOCK_K):
+        k = s * K_SPLIT + k0 + rk
+        k_ok = k < K
+        x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += w * x[None, :]
     leave_loop(PDL)
     y = tl.sum(acc, axis=1)
     if SPLIT:
@@ -256,8 +222,8 @@ def _gemv_token(
     _gemv_token_kernel[(triton.cdiv(n, cfg.block_n), splits)](
         x, weight, dummy, bias if bias is not None else dummy, out, part, n, weight.stride(0), k, k_split,
         SPLIT=splits > 1, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, AHEAD=bool(TOKEN_AHEAD), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl,
     )  # fmt: skip
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(n, 1024),)](
@@ -267,6 +233,29 @@ def _gemv_token(
     return out
 
 
+def parts_for(weight: torch.Tensor, tokens: int, cfg: GemvConfig | None = None) -> int:
+    """How many runs of K the tensor-core kernel cuts ``weight`` into when its caller takes unsummed parts
+    (``gemv(..., parts=...)``): ``split_rule`` on this GPU's SMs. One (no split) off CUDA and for FP8 at one token
+    (its own kernel)."""
+    if not weight.is_cuda or (weight.element_size() == 1 and tokens == 1):
+        return 1
+    n, k = weight.shape
+    cfg = cfg or config_for(weight)
+    sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
+    return split_rule(triton.cdiv(n, cfg.block_n), sms, k, cfg.block_k)
+
+
+def split_rule(tiles: int, sms: int, k: int, block_k: int) -> int:
+    """Parts along K for ``tiles`` row tiles on ``sms`` SMs: doubled while the programs still fit the SMs once
+    (a decode tile's pipeline fills most of an SM's shared memory, so a second wave would wait) and K still cuts
+    into whole slices, at most ``MAX_PARTS``. A narrow weight is the case: Qwen3-30B-A3B's o projection is 64 tiles
+    of 32 rows, which leave 68 of an H200's 132 SMs idle."""
+    parts = 1
+    while parts < MAX_PARTS and 2 * parts * tiles <= sms and k % (2 * parts * block_k) == 0:
+        parts *= 2
+    return parts
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -274,12 +263,17 @@ def gemv(
     bias: torch.Tensor | None = None,
     swiglu: bool = False,
     config: GemvConfig | TokenConfig | None = None,
+    parts: int = 1,
 ) -> torch.Tensor:
     """``x [M, K] @ weight[N, K].T`` (times ``scale [N]`` per channel, plus ``bias``) for ``M <= 16``.
 
     With ``swiglu`` the weight is a fused ``[2N', K]`` gate/up projection and the result ``silu(gate) * up``
     ``[M, N']``. Output in ``x``'s dtype. One token without SwiGLU takes the CUDA-core kernel when ``config`` is
     a ``TokenConfig``, and on an FP8 weight when no ``config`` is given (its measured tile then).
+
+    With ``parts > 1`` (tensor-core kernel, no SwiGLU) K is cut into that many runs, one program per (row tile,
+    run), and the result is float32 ``[M, parts, N]`` whose sum over the parts is the product (bias in the first
+    part): for a consumer that sums parts (``triton_ops.add_rms_norm``), so that the split costs no launch.
     """
     m, k = x.shape
     if m > MAX_TOKENS:
@@ -289,26 +283,35 @@ def gemv(
     if x.stride(1) != 1:
         x = x.contiguous()
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if parts > 1:
+        if swiglu or isinstance(config, TokenConfig):
+            raise ValueError("gemv: parts are for the tensor-core kernel without SwiGLU")
+        out = torch.empty(m, parts, n, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     fp8 = weight.element_size() == 1
-    if isinstance(config, TokenConfig) or (config is None and fp8 and m == 1 and not swiglu):
+    if parts == 1 and (isinstance(config, TokenConfig) or (config is None and fp8 and m == 1 and not swiglu)):
         if m != 1 or swiglu:
             raise ValueError("a TokenConfig is for one token without SwiGLU")
         return _gemv_token(x, weight, scale, bias, out, config or token_config_for(weight))
     cfg = config or config_for(weight)
+    assert isinstance(cfg, GemvConfig)
+    k_split = triton.cdiv(triton.cdiv(k, parts), cfg.block_k) * cfg.block_k
+    if triton.cdiv(k, k_split) != parts:
+        raise ValueError(f"gemv: {k} columns do not make {parts} runs of whole {cfg.block_k}-column slices")
     fp16_dot = fp8 or x.dtype == torch.float16
     # Measured (docs/engine.md, tenth round): 16-bit weights stream best with the next kernel let in early; FP8 ones
     # at one token (the SwiGLU projection) with it held back until their loop ends, and at more tokens they lose
     # under PDL either way, so they launch plainly.
     pdl = pdl_launch(x.device, m, (PDL_LOOP if m == 1 else PDL_OFF) if fp8 else PDL_EARLY)
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), parts)](
         x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
         m, n, x.stride(0), weight.stride(0), out.stride(0), k,
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, SWIGLU=swiglu, FP16_DOT=fp16_dot,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, AHEAD=bool(GEMV_AHEAD), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", K_SPLIT=k_split,
+        BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl,
     )  # fmt: skip
     return out

@@ -55,6 +55,12 @@ class ModelOps(Protocol):
         """``layer(x)`` for a linear layer of the model (``nn.Linear``, ``Fp8Linear`` or a parallel one)."""
         ...
 
+    def linear_parts(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``layer(x)``, or float32 parts of it ``[tokens, parts, out]`` along K, for a caller whose result goes
+        only to the next ``add_rms_norm`` (which sums them): a narrow weight then fills the GPU without a launch
+        more (``engine.kernels.gemv.parts_for``)."""
+        ...
+
     def swiglu_linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of a fused gate/up projection ``layer``."""
         ...
@@ -96,7 +102,7 @@ class TorchOps:
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = residual + sum_parts(x)
+        residual = residual + sum_parts(x, residual.dtype)
         return torch_rms_norm(residual, weight, eps), residual
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,6 +111,9 @@ class TorchOps:
 
     def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return layer(x)  # type: ignore[no-any-return]
+
+    def linear_parts(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(layer, x)
 
     def swiglu_linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return self.silu_and_mul(layer(x))
@@ -166,6 +175,12 @@ class TritonOps:
     def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self._skinny(layer, x):
             return self._gemv.gemv(x, *_weights(layer))
+        return layer(x)  # type: ignore[no-any-return]
+
+    def linear_parts(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self._skinny(layer, x):
+            weight, scale, bias = _weights(layer)
+            return self._gemv.gemv(x, weight, scale, bias, parts=self._gemv.parts_for(weight, x.shape[0]))
         return layer(x)  # type: ignore[no-any-return]
 
     def swiglu_linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -55,11 +55,12 @@ def _rms_norm_kernel(
     if PARTS == 1:
         x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
     else:
-        # x is [rows, PARTS, n_cols] (a MoE layer's outputs per expert): summed in float32, rounded once.
+        # x is [rows, PARTS, n_cols] (a MoE layer's outputs per expert, or a matmul's float32 parts along K):
+        # summed in float32, rounded once to the residual stream's dtype.
         xs = tl.zeros([BLOCK], tl.float32)
         for j in tl.static_range(PARTS):
             xs += tl.load(x_ptr + (row * PARTS + j) * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        x = xs.to(x_ptr.dtype.element_ty)
+        x = xs.to(res_ptr.dtype.element_ty)
     if HAS_RES:
         # residual + x, rounded to the model dtype as torch's add is.
         r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
@@ -87,7 +88,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[
         torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(weight * rmsnorm(residual + x), residual + x)`` in one pass. ``x`` may be ``[rows, parts, hidden]``
-    (a MoE layer's per-expert outputs), summed over ``parts`` in float32 and rounded once before the add."""
+    (a MoE layer's per-expert outputs, or a skinny matmul's float32 parts along K), summed over ``parts`` in
+    float32 and rounded once to the residual's dtype before the add."""
     out = torch.empty_like(residual)
     res_out = torch.empty_like(residual)
     n = x.shape[-1]

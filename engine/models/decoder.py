@@ -144,6 +144,8 @@ class Attention(nn.Module):
             ops.linear(self.qkv_proj, x), rope, kv_cache, meta, indexer, self.num_heads, self.num_kv_heads,
             self.head_dim, self.scale, self.window, qk_norm,
         )  # fmt: skip
+        if self.tp.size == 1:
+            return ops.linear_parts(self.o_proj, out)  # the next add_rms_norm sums any parts
         return self.tp.all_reduce(ops.linear(self.o_proj, out))
 
     def loaders(self, p: str) -> dict[str, Loader]:
@@ -333,7 +335,7 @@ class DecoderForCausalLM(nn.Module):
         residual: torch.Tensor | None = None
         for i, (layer, kv_cache, indexer) in enumerate(zip(self.decoder_layers, kv_caches, indexers, strict=True)):
             if aux is not None and i in self.aux_layers:
-                aux[i] = x if residual is None else sum_parts(x) + residual
+                aux[i] = x if residual is None else sum_parts(x, residual.dtype) + residual
             x, residual = layer(ops, x, residual, rope, kv_cache, meta, indexer)
         if residual is None:
             return ops.rms_norm(x, self.norm.weight, self.norm.eps)

@@ -84,11 +84,14 @@ def experts_torch(
     return out
 
 
-def sum_parts(x: torch.Tensor) -> torch.Tensor:
-    """A layer's output ``[tokens, hidden]``, or ``[tokens, parts, hidden]`` left unsummed by the fused MoE kernels
-    (``SparseMoE.forward(..., sum_experts=False)``) for the next residual add to sum: then summed in float32 and
-    rounded once, as the kernels sum."""
-    return x.sum(dim=1) if x.dim() == 3 else x
+def sum_parts(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A layer's output ``[tokens, hidden]``, or ``[tokens, parts, hidden]`` left unsummed for the next residual add
+    to sum (by the fused MoE kernels, ``SparseMoE.forward(..., sum_experts=False)``, or a skinny matmul split along
+    K, ``ModelOps.linear_parts``): then summed in float32 and rounded once, as the kernels sum, to ``dtype`` (the
+    residual stream's; the parts' own by default)."""
+    if x.dim() != 3:
+        return x
+    return x.sum(dim=1, dtype=torch.float32).to(dtype or x.dtype)
 
 
 def local_pairs(weights: torch.Tensor, ids: torch.Tensor, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -60,18 +60,14 @@ def test_norms_and_swiglu_match_torch() -> None:
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 16])
-@pytest.mark.parametrize(("ahead", "block_k"), [(1, 64), (0, 64), (1, 256)])
-def test_skinny_matmuls_match_linear(tokens: int, ahead: int, block_k: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.kernels import gemv as gemv_module
+def test_skinny_matmuls_match_linear(tokens: int) -> None:
     from engine.kernels.gemv import GemvConfig, gemv
     from engine.models.quant import quantize_per_channel
 
     # Compiled on CUDA in bf16 (the interpreter has no bf16 matmul); fp16 under the interpreter. Shapes not
-    # multiples of the tile: masked edges. With ``ahead`` the first slice is read before the loop (here the whole
-    # 200 columns when the slice is 256).
-    monkeypatch.setattr(gemv_module, "GEMV_AHEAD", ahead)
+    # multiples of the tile: masked edges.
     dt = torch.bfloat16 if DEVICE == "cuda" else torch.float16
-    cfg = GemvConfig(16, block_k, 4, 2)
+    cfg = GemvConfig(16, 64, 4, 2)
     x = torch.randn(tokens, 200, generator=_g(1)).to(DEV, dt)
     w = (torch.randn(72, 200, generator=_g(2)) * 0.1).to(DEV, dt)
     b = torch.randn(72, generator=_g(3)).to(DEV, dt)
@@ -118,18 +114,12 @@ def test_the_top_p_cut_without_a_sort_keeps_what_the_sorted_rows_keep() -> None:
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("ahead", [1, 0])
-def test_one_token_fp8_matmul_on_the_cuda_cores_matches_the_dequantized_weight(
-    splits: int, ahead: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from engine.kernels import gemv as gemv_module
+def test_one_token_fp8_matmul_on_the_cuda_cores_matches_the_dequantized_weight(splits: int) -> None:
     from engine.kernels.gemv import GemvConfig, TokenConfig, gemv
     from engine.models.quant import quantize_per_channel
 
     # One token on an FP8 weight takes the CUDA-core kernel (split along K or not); K = 200 is no multiple of the
-    # slice and N = 72 none of the rows: masked edges. Bias added after the scale, as Fp8Linear does. With ``ahead``
-    # each slice of the weight is read an iteration before its use.
-    monkeypatch.setattr(gemv_module, "TOKEN_AHEAD", ahead)
+    # slice and N = 72 none of the rows: masked edges. Bias added after the scale, as Fp8Linear does.
     dt = torch.bfloat16 if DEVICE == "cuda" else torch.float16
     x = torch.randn(1, 200, generator=_g(1)).to(DEV, dt)
     w = (torch.randn(72, 200, generator=_g(2)) * 0.1).to(DEV, dt)
@@ -536,3 +526,43 @@ def test_sampler_features_on_the_kernels_and_graphs(make_engine: MakeEngine) -> 
         assert [g[0] for g in got] == [e[0] for e in expected]
         for (_, lps), (_, want) in zip(got, expected, strict=True):
             assert lps == pytest.approx(want, abs=1e-4)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_skinny_matmul_parts_along_k_sum_to_the_product(tokens: int) -> None:
+    from engine.kernels import triton_ops
+    from engine.kernels.gemv import GemvConfig, gemv, split_rule
+    from engine.models.quant import quantize_per_channel
+
+    # A narrow weight cut along K: float32 parts [tokens, parts, N], bias in the first, which the next residual add
+    # + RMSNorm sums in float32 and rounds once, as it sums a MoE layer's experts. N = 72: a masked row tile.
+    dt = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    cfg = GemvConfig(16, 64, 4, 2)
+    x = torch.randn(tokens, 256, generator=_g(1)).to(DEV, dt)
+    w = (torch.randn(72, 256, generator=_g(2)) * 0.1).to(DEV, dt)
+    b = torch.randn(72, generator=_g(3)).to(DEV, dt)
+    ref = F.linear(x.float(), w.float(), b.float())
+    for parts in (2, 4):
+        got = gemv(x, w, bias=b, config=cfg, parts=parts)
+        assert got.shape == (tokens, parts, 72) and got.dtype == torch.float32
+        torch.testing.assert_close(got.sum(dim=1), ref, rtol=1e-3, atol=1e-3)
+    q, scale = quantize_per_channel(w.float())
+    got = gemv(x, q, scale, config=cfg, parts=2)
+    torch.testing.assert_close(got.sum(dim=1), F.linear(x.float(), q.float() * scale[:, None]), rtol=1e-3, atol=1e-3)
+    # The residual add sums the parts and rounds once to the residual's dtype.
+    parts = gemv(x, w, bias=b, config=cfg, parts=2)
+    residual = torch.randn(tokens, 72, generator=_g(4)).to(DEV, dt)
+    norm_w = torch.randn(72, generator=_g(5)).to(DEV, dt)
+    out, res = triton_ops.add_rms_norm(parts, residual, norm_w, 1e-6)
+    want_res = (residual.float() + parts.sum(dim=1).to(dt).float()).to(dt)
+    torch.testing.assert_close(res, want_res, rtol=0, atol=0)
+    assert out.dtype == dt and res.dtype == dt
+    with pytest.raises(ValueError, match="do not make 3 runs"):
+        gemv(x, w, config=cfg, parts=3)  # 256 columns: 4 slices of 64 cannot make 3 runs
+    with pytest.raises(ValueError, match="parts are for the tensor-core kernel"):
+        gemv(x, w, config=cfg, parts=2, swiglu=True)
+    # The rule: split while the programs fit the SMs once and K cuts into whole slices, at most MAX_PARTS.
+    assert split_rule(64, 132, 4096, 512) == 2  # Qwen3-30B-A3B's o projection on an H200
+    assert split_rule(128, 132, 4096, 512) == 1  # Qwen3-8B's: already fills the SMs
+    assert split_rule(16, 132, 4096, 512) == 4  # MAX_PARTS
+    assert split_rule(18, 132, 576, 512) == 1  # K of one slice and a bit: no whole runs
