@@ -42,6 +42,8 @@ MAX_TOKENS = 16
 
 # At most this many runs of K for a narrow weight whose consumer sums parts (``parts_for``); 1 turns splitting off.
 MAX_PARTS = 4
+# Where a kernel split into parts lets the next one in under PDL (engine.kernels PDL_EARLY 1, PDL_LOOP 2).
+PARTS_TRIGGER = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,7 +307,8 @@ def gemv(
     # Measured (docs/engine.md, tenth round): 16-bit weights stream best with the next kernel let in early; FP8 ones
     # at one token (the SwiGLU projection) with it held back until their loop ends, and at more tokens they lose
     # under PDL either way, so they launch plainly.
-    pdl = pdl_launch(x.device, m, (PDL_LOOP if m == 1 else PDL_OFF) if fp8 else PDL_EARLY)
+    trigger = (PDL_LOOP if m == 1 else PDL_OFF) if fp8 else (PARTS_TRIGGER if parts > 1 else PDL_EARLY)
+    pdl = pdl_launch(x.device, m, trigger)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), parts)](
         x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
         m, n, x.stride(0), weight.stride(0), out.stride(0), k,

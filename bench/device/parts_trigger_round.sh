@@ -1,0 +1,28 @@
+# GPU run (issue #29): the parts round's follow-up. parts_round.sh found the o projection in parts faster with PDL
+# off and slower with it on; here, qwen3-30b-a3b at batch 1, PDL on: without parts, parts letting the next kernel in
+# after their loop (PARTS_TRIGGER=2), and both with the o projection's tile on 2 pipeline stages (less shared memory a
+# program) through ENGINE_GEMV_TILES. `bash bench/device/parts_trigger_round.sh`; carries .whl and .gpu. ~4 minutes.
+source bench/device/setup.sh
+set +e
+python3 bench/device/shape_config.py qwen3-30b-a3b /tmp/shapes/qwen3-30b-a3b
+echo '{"NVIDIA H200": {"bf16": {"2048x4096": [32, 512, 4, 2]}}}' > /tmp/o-stages2.json
+run() {  # name max_parts trigger
+  local name=$1 p=$2 t=$3
+  timeout ${ENGINE_S:-80} python3 bench/device/launch_ab.py engine.kernels.gemv.MAX_PARTS=$p \
+    engine.kernels.gemv.PARTS_TRIGGER=$t -- --model /tmp/shapes/qwen3-30b-a3b --load-format dummy --device cuda \
+    --no-reference --prompt-len 512 --json "$OUT/$name.json" --runs 3 --new-tokens 64 --batch-sizes 1 2>&1 \
+    | grep -v -i warn > "$OUT/$name.log"
+  grep -E "^ +[0-9]+ \|" "$OUT/$name.log" | head -1
+}
+run qwen3-30b-a3b-b1-noparts 1 1
+run qwen3-30b-a3b-b1-parts-loop 4 2
+ENGINE_GEMV_TILES=/tmp/o-stages2.json run qwen3-30b-a3b-b1-parts-early-s2 4 1
+ENGINE_GEMV_TILES=/tmp/o-stages2.json run qwen3-30b-a3b-b1-parts-loop-s2 4 2
+ENGINE_GEMV_TILES=/tmp/o-stages2.json run qwen3-30b-a3b-b1-noparts-s2 1 1
+python3 - "$OUT" <<'PY'
+import glob, json, sys
+for f in sorted(glob.glob(f"{sys.argv[1]}/qwen3-*.json")):
+    for b, r in json.load(open(f))["batches"].items():
+        print(f.rsplit("/", 1)[1], b, round(r["engine"]["decode_tok_s"], 1))
+PY
+(cd "$OUT" && tar czf all.tgz ./*.log ./*.json && rm -f ./*.log ./*.json)
