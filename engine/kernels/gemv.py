@@ -42,8 +42,9 @@ MAX_TOKENS = 16
 
 # At most this many runs of K for a narrow weight whose consumer sums parts (``parts_for``); 1 turns splitting off.
 MAX_PARTS = 4
-# Where a kernel split into parts lets the next one in under PDL (engine.kernels PDL_EARLY 1, PDL_LOOP 2).
-PARTS_TRIGGER = 1
+# Where a kernel split into parts lets the next one in under PDL. Measured (docs/engine.md, twelfth round): after its
+# loop; let in first thing, the next kernels' programs take the SMs that the parts now fill, and the step is slower.
+PARTS_TRIGGER = PDL_LOOP
 
 
 @dataclass(frozen=True, slots=True)

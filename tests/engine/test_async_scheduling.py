@@ -85,7 +85,11 @@ def test_a_request_that_needs_its_tokens_on_the_host_stops_steps_running_ahead(m
     engine = make_engine(**GRAPHS)
     got = _run(engine, params)
     assert [s.completion_ids for s in got] == [s.completion_ids for s in expected]
-    assert [lp.logprob for lp in got[2].logprobs] == pytest.approx([lp.logprob for lp in expected[2].logprobs])
+    # On CPU the reference runs torch's kernels and the engine Triton's (interpreted): float32 sums in another order,
+    # a few 1e-6 apart depending on the host's vector units.
+    assert [lp.logprob for lp in got[2].logprobs] == pytest.approx(
+        [lp.logprob for lp in expected[2].logprobs], rel=1e-5, abs=1e-5
+    )
     engine.steps_ahead = 0  # alone, it runs one step at a time
     seq = engine.add_request(PROMPTS[0], replace(params[2], max_tokens=4))
     while seq.status is not SequenceStatus.FINISHED:
