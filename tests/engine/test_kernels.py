@@ -59,18 +59,23 @@ def test_norms_and_swiglu_match_torch() -> None:
     torch.testing.assert_close(triton_ops.silu_and_mul(gu), ref.silu_and_mul(gu))
 
 
+def _skinny_case(tokens: int, k: int) -> tuple[torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dtype, x [tokens, k], weight [72, k], bias [72])`` for the skinny-matmul tests: bf16 on CUDA, fp16 under
+    the interpreter (it has no bf16 matmul)."""
+    dt = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    x = torch.randn(tokens, k, generator=_g(1)).to(DEV, dt)
+    w = (torch.randn(72, k, generator=_g(2)) * 0.1).to(DEV, dt)
+    return dt, x, w, torch.randn(72, generator=_g(3)).to(DEV, dt)
+
+
 @pytest.mark.parametrize("tokens", [1, 5, 16])
 def test_skinny_matmuls_match_linear(tokens: int) -> None:
     from engine.kernels.gemv import GemvConfig, gemv
     from engine.models.quant import quantize_per_channel
 
-    # Compiled on CUDA in bf16 (the interpreter has no bf16 matmul); fp16 under the interpreter. Shapes not
-    # multiples of the tile: masked edges.
-    dt = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    # Shapes not multiples of the tile: masked edges.
+    dt, x, w, b = _skinny_case(tokens, 200)
     cfg = GemvConfig(16, 64, 4, 2)
-    x = torch.randn(tokens, 200, generator=_g(1)).to(DEV, dt)
-    w = (torch.randn(72, 200, generator=_g(2)) * 0.1).to(DEV, dt)
-    b = torch.randn(72, generator=_g(3)).to(DEV, dt)
     torch.testing.assert_close(gemv(x, w, bias=b, config=cfg), F.linear(x, w, b), rtol=2e-2, atol=2e-2)
     gate, up = F.linear(x, w).chunk(2, dim=-1)
     torch.testing.assert_close(gemv(x, w, swiglu=True, config=cfg), F.silu(gate) * up, rtol=2e-2, atol=2e-2)
@@ -536,11 +541,8 @@ def test_skinny_matmul_parts_along_k_sum_to_the_product(tokens: int) -> None:
 
     # A narrow weight cut along K: float32 parts [tokens, parts, N], bias in the first, which the next residual add
     # + RMSNorm sums in float32 and rounds once, as it sums a MoE layer's experts. N = 72: a masked row tile.
-    dt = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    dt, x, w, b = _skinny_case(tokens, 256)
     cfg = GemvConfig(16, 64, 4, 2)
-    x = torch.randn(tokens, 256, generator=_g(1)).to(DEV, dt)
-    w = (torch.randn(72, 256, generator=_g(2)) * 0.1).to(DEV, dt)
-    b = torch.randn(72, generator=_g(3)).to(DEV, dt)
     ref = F.linear(x.float(), w.float(), b.float())
     for parts in (2, 4):
         got = gemv(x, w, bias=b, config=cfg, parts=parts)
