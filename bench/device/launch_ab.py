@@ -2,7 +2,7 @@
 within one GPU call).
 
 python3 bench/device/launch_ab.py engine.kernels.triton_ops.ROPE_GROUPS_TOKENS=0 -- --model ... (throughput's args)
-python3 bench/device/launch_ab.py engine.kernels.gemv.TOKEN_AHEAD=0 -- -m bench.device.pdl_chain --json ... --fp8
+python3 bench/device/launch_ab.py engine.kernels.gemv.MAX_PARTS=1 -- -m bench.device.pdl_chain --json ... --fp8
 """
 
 import importlib

@@ -25,10 +25,5 @@ for p in 4 1; do
   ENGINE_PDL=0 run qwen3-30b-a3b-b1-parts$p-profile $p --runs 1 --new-tokens 32 --batch-sizes 1 --profile
   grep -E "gemv|norm|decode step" "$OUT/qwen3-30b-a3b-b1-parts$p-profile.log" | head -12
 done
-python3 - "$OUT" <<'PY'
-import glob, json, sys
-for f in sorted(glob.glob(f"{sys.argv[1]}/qwen3-*.json")):
-    for b, r in json.load(open(f))["batches"].items():
-        print(f.rsplit("/", 1)[1], b, round(r["engine"]["decode_tok_s"], 1))
-PY
+decode_figures
 (cd "$OUT" && tar czf all.tgz ./*.log ./*.json ./*.txt && rm -f ./*.log ./*.json ./*.txt)

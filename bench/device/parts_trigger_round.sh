@@ -19,10 +19,5 @@ run qwen3-30b-a3b-b1-parts-loop 4 2
 ENGINE_GEMV_TILES=/tmp/o-stages2.json run qwen3-30b-a3b-b1-parts-early-s2 4 1
 ENGINE_GEMV_TILES=/tmp/o-stages2.json run qwen3-30b-a3b-b1-parts-loop-s2 4 2
 ENGINE_GEMV_TILES=/tmp/o-stages2.json run qwen3-30b-a3b-b1-noparts-s2 1 1
-python3 - "$OUT" <<'PY'
-import glob, json, sys
-for f in sorted(glob.glob(f"{sys.argv[1]}/qwen3-*.json")):
-    for b, r in json.load(open(f))["batches"].items():
-        print(f.rsplit("/", 1)[1], b, round(r["engine"]["decode_tok_s"], 1))
-PY
+decode_figures
 (cd "$OUT" && tar czf all.tgz ./*.log ./*.json && rm -f ./*.log ./*.json)

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import PDL_EARLY, PDL_LOOP, PDL_OFF, pdl_launch
+from engine.kernels import PDL_EARLY, PDL_LOOP, PDL_OFF, pdl_launch, sm_count
 from engine.kernels.pdl import enter, leave_loop
 
 # Tokens up to which a linear layer takes this path (decode steps; verify steps of short drafts).
@@ -236,16 +236,15 @@ def _gemv_token(
     return out
 
 
-def parts_for(weight: torch.Tensor, tokens: int, cfg: GemvConfig | None = None) -> int:
+def parts_for(weight: torch.Tensor, tokens: int) -> int:
     """How many runs of K the tensor-core kernel cuts ``weight`` into when its caller takes unsummed parts
-    (``gemv(..., parts=...)``): ``split_rule`` on this GPU's SMs. One (no split) off CUDA and for FP8 at one token
-    (its own kernel)."""
+    (``gemv(..., parts=...)``): ``split_rule`` on this GPU's SMs for the weight's tile. One (no split) off CUDA and
+    for FP8 at one token (its own kernel)."""
     if not weight.is_cuda or (weight.element_size() == 1 and tokens == 1):
         return 1
     n, k = weight.shape
-    cfg = cfg or config_for(weight)
-    sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
-    return split_rule(triton.cdiv(n, cfg.block_n), sms, k, cfg.block_k)
+    cfg = config_for(weight)
+    return split_rule(triton.cdiv(n, cfg.block_n), sm_count(weight.device.index or 0), k, cfg.block_k)
 
 
 def split_rule(tiles: int, sms: int, k: int, block_k: int) -> int:
