@@ -42,6 +42,7 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "dow
 LAYERS = 36
 GROUP = 128
 HBM = 4.8e12
+LABELS = {False: "w8a8", True: "w8a8g", "engine": "engine8"}
 PASS_BYTES = 512 << 20
 
 
@@ -127,28 +128,37 @@ def reference(xq, xs, w, ws, grouped: bool) -> torch.Tensor:
 
 
 def tiles(k: int, parts: int) -> list[tuple[int, int, int, int]]:
-    return [
+    return [  # the likeliest first (4 warps, 64 rows: the first call's winners), since a job stops at its deadline
         (bn, bk, warps, stages)
-        for bn, bk, warps, stages in itertools.product((64, 128), (128, 256, 512), (4, 8), (3, 4, 5, 6))
+        for warps, bn, bk, stages in itertools.product((4, 8), (64, 128), (128, 256, 512), (5, 4, 3, 6))
         if (k // parts) % bk == 0 and bn * bk <= 65536 and not (bn == 128 and warps == 4 and bk == 512)
     ]
 
 
 def main() -> None:
     from bench.device.fp8_tune import graph_time
-    from engine.kernels.gemv import gemv
+    from engine.kernels.gemv import W8A8Config, gemv
     from engine.models.quant import quantize_per_channel
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", required=True)
     ap.add_argument("--seconds", type=float, default=200.0)
+    ap.add_argument(
+        "--variants",
+        default="engine8,w8a8,w8a8g",
+        help="of engine8 (the engine's kernel, quantizing in "
+        "each program), w8a8 (per token, quantized before), w8a8g (per 128 columns, quantized before)",
+    )
     a = ap.parse_args()
     dev = torch.device("cuda")
     start = time.monotonic()
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "shapes": {}}
     best: dict[str, tuple[str, Any, float]] = {}
-    jobs = [(name, grouped, parts) for name in SHAPES for grouped in (False, True) for parts in (1, 2, 4)
-            if not (name == "gate_up" and parts > 1)]  # fmt: skip
+    # grouped: False per token, True per 128 columns (both quantized before the kernel), "engine" the engine's
+    # W8A8 kernel (gemv(..., w8a8=True)), which quantizes per 128 columns in each program from bf16 activations.
+    variants = [v for v in ("engine", False, True) if LABELS[v] in a.variants.split(",")]
+    jobs = [(name, grouped, parts) for name in SHAPES for grouped in variants for parts in (1, 2, 4)
+            if not (name == "gate_up" and parts > 1) and not (grouped is True and parts == 1)]  # fmt: skip
     sweep_end = start + 0.75 * a.seconds
     weights_of: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for j, (name, grouped, parts) in enumerate(jobs):
@@ -162,15 +172,15 @@ def main() -> None:
             weights_of[name] = [quantize_per_channel(torch.randn(n, k, device=dev) * 0.02) for _ in range(copies)]
         ws_ = weights_of[name]
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
-        xq, xs = quantize(x, grouped)
+        xq, xs = quantize(x, grouped is not False)
         nout = n // 2 if swiglu else n
         rows: list[dict[str, Any]] = []
-        if (grouped, parts) == (False, 1):  # the engine's pick for this layer, bf16 activations
+        if (grouped, parts) == ("engine", 1):  # the engine's weight-only pick for this layer, bf16 activations
             t = graph_time([partial(gemv, x, w, s, swiglu=swiglu) for w, s in ws_], rounds=3)
             res["shapes"][f"{name}:engine"] = {"us": t * 1e6, "pct_hbm": 100 * n * k / t / HBM}
             best[f"{name}:engine"] = ("engine", None, t * 1e6)
             print(name, "engine", round(t * 1e6, 2), "us", round(100 * n * k / t / HBM, 1), "%", flush=True)
-        ref = reference(xq, xs, ws_[0][0], ws_[0][1], grouped)
+        ref = reference(xq, xs, ws_[0][0], ws_[0][1], grouped is not False)
         if swiglu:
             g, u = ref[:, :nout], ref[:, nout:]
             g = g.bfloat16().float()
@@ -181,18 +191,24 @@ def main() -> None:
             out = torch.empty(1, parts, nout, device=dev, dtype=torch.float32) if parts > 1 else \
                 torch.empty(1, nout, device=dev, dtype=torch.bfloat16)  # fmt: skip
             try:
-                y = w8a8(xq, xs, ws_[0][0], ws_[0][1], out, tile, grouped, swiglu, parts)
+                if grouped == "engine":
+                    cfg = W8A8Config(*tile)
+                    y = gemv(x, *ws_[0], swiglu=swiglu, config=cfg, parts=parts)
+                    calls = [partial(gemv, x, w, s, swiglu=swiglu, config=cfg, parts=parts) for w, s in ws_]
+                else:
+                    y = w8a8(xq, xs, ws_[0][0], ws_[0][1], out, tile, grouped, swiglu, parts)
+                    calls = [partial(w8a8, xq, xs, w, s, out, tile, grouped, swiglu, parts) for w, s in ws_]
                 y = y.sum(1) if parts > 1 else y
                 err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
                 if err > 0.03:
                     raise RuntimeError(f"wrong result ({err:.4f})")
-                t = graph_time([partial(w8a8, xq, xs, w, s, out, tile, grouped, swiglu, parts) for w, s in ws_], rounds=3)
+                t = graph_time(calls, rounds=3)
             except Exception as e:
                 rows.append({"tile": tile, "error": f"{type(e).__name__}: {str(e)[:100]}"})
                 continue
             rows.append({"tile": tile, "us": t * 1e6, "pct_hbm": 100 * n * k / t / HBM})
         ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
-        label = f"{name}:{'w8a8g' if grouped else 'w8a8'}:p{parts}"
+        label = f"{name}:{LABELS[grouped]}:p{parts}"
         res["shapes"][label] = {"top5": ok[:5], "tried": len(rows), "errors": [r for r in rows if "error" in r][:3]}
         if ok:
             best[label] = ("w8a8", (ok[0]["tile"], grouped, parts), ok[0]["us"])
@@ -224,7 +240,7 @@ def chain(best: dict[str, tuple[str, Any, float]], dev: torch.device, deadline: 
         from engine.kernels.fp8 import per_token_quant
 
         calls = []
-        for nm, (n, k) in SHAPES.items():
+        for nm, (n, _) in SHAPES.items():
             keys = [f"{nm}:{'w8a8g' if grouped else 'w8a8'}:p{p}" for p in (1, 2, 4)]
             tile, _, parts = min((best[key] for key in keys if key in best), key=lambda b: b[2])[1]
             xq, xsc = quantize(xs16[nm], grouped)
@@ -243,8 +259,24 @@ def chain(best: dict[str, tuple[str, Any, float]], dev: torch.device, deadline: 
 
         return [partial(quantized, nm, i) for i in range(LAYERS) for nm in SHAPES]
 
-    plans = [("engine", engine_calls)]
+    def engine8_calls():  # the engine's W8A8 kernel where it will run it: o and down in parts, gate/up
+        from engine.kernels.gemv import W8A8Config
+
+        picks = {}
+        for nm in ("o", "gate_up", "down"):
+            keys = [f"{nm}:engine8:p{p}" for p in (1, 2, 4)]
+            hit = [best[key] for key in keys if key in best]
+            if hit:
+                tile, _, parts = min(hit, key=lambda b: b[2])[1]
+                picks[nm] = {"config": W8A8Config(*tile), "parts": parts}
+        out["engine8_picks"] = {nm: [str(p["config"]), p["parts"]] for nm, p in picks.items()}
+        return [partial(gemv, xs16[nm], *layers[nm][i], swiglu=nm == "gate_up", **picks.get(nm, {}))
+                for i in range(LAYERS) for nm in SHAPES]  # fmt: skip
+
+    plans = [("engine", engine_calls), ("engine8", engine8_calls)]
     for grouped in (False, True):
+        if not any(key.split(":")[1] == LABELS[grouped] for key in best):
+            continue
         for pdl in (0, 2):
             plans.append((f"{'w8a8g' if grouped else 'w8a8'}_pdl{pdl}", partial(w8a8_calls, grouped, pdl)))
     plans.append(("w8a8_pdl2_with_quant_launches", partial(w8a8_calls, False, 2, True)))

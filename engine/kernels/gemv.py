@@ -14,6 +14,13 @@ the end, optionally split along K over several programs whose float32 partials a
 HBM on an H200 it moves qkv / o / down at 51 / 46 / 55% of bandwidth where the tensor-core kernel moves 47 / 33 / 45%
 (bench/device/gemv_swap.py, docs/engine.md); bf16 weights gain nothing from it and keep the tensor cores.
 
+A caller whose FP8 layer may take FP8 activations (``w8a8=True``: the o and down projections, whose float32 parts
+the next residual add + RMSNorm sums, and the fused gate/up) gets FP8 x FP8 on Hopper's warp-group MMA
+(``_w8a8_kernel``): each program quantizes the slice of ``x`` it reads, per token and 128 columns (a float32 scale
+each, finer than per token), and the weight streams into the MMA with no widening at all. Measured on an H200 at one
+token (docs/engine.md, thirteenth round) that moves o / down at 54 / 73% of bandwidth where the weight-only kernels
+move 49 / 57%.
+
 ``SWIGLU`` fuses the gated activation of a fused gate/up projection: the program reads the gate rows
 ``n`` and the up rows ``n + N`` and writes ``silu(gate) * up`` with the roundings of the unfused ops
 (each matmul output, and the activation, rounded to the model dtype as torch does).
@@ -34,8 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import PDL_EARLY, PDL_LOOP, PDL_OFF, pdl_launch, sm_count
+from engine.kernels import PDL_EARLY, PDL_LOOP, PDL_OFF, interpret_mode, pdl_launch, sm_count
 from engine.kernels.pdl import enter, leave_loop
+
+_INTERPRET = interpret_mode()
 
 # Tokens up to which a linear layer takes this path (decode steps; verify steps of short drafts).
 MAX_TOKENS = 16
@@ -71,6 +80,46 @@ def _tiles(device_index: int) -> dict[str, dict[str, list[int]]]:
             for kind, shapes in json.loads(Path(path).read_text()).get(name, {}).items():
                 table.setdefault(kind, {}).update(shapes)
     return table
+
+
+# FP8 layers whose caller allows FP8 activations take the W8A8 kernel in steps of at most this many tokens.
+W8A8_MAX_TOKENS = 16
+# Columns of ``x`` under one activation scale in the W8A8 kernel (a token's row is quantized in runs of this many).
+W8A8_GROUP = 128
+
+
+@dataclass(frozen=True, slots=True)
+class W8A8Config:
+    """Tile of the FP8 x FP8 kernel: ``block_n`` weight rows (the warp-group MMA's M, 64 or 128) by ``block_k``
+    columns a loop step (whole runs of ``W8A8_GROUP``)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def w8a8_config_for(weight: torch.Tensor, swiglu: bool = False) -> W8A8Config:
+    """The measured W8A8 tile for this weight on this GPU (kind ``w8a8`` of the table), else the rule the H200's
+    sweep gave (bench/device/w8a8_token.py): 64 rows; 256 columns over 3 stages for the fused gate/up, 128 over 5
+    for the rest (which run in parts)."""
+    n, k = weight.shape
+    if weight.is_cuda:
+        hit = _tiles(weight.device.index or 0).get("w8a8", {}).get(f"{n}x{k}")
+        if hit:
+            return W8A8Config(*hit)
+    return W8A8Config(64, 256, 4, 3) if swiglu else W8A8Config(64, 128, 4, 5)
+
+
+def w8a8_parts(weight: torch.Tensor, tokens: int) -> int:
+    """Runs of K for the W8A8 kernel: the sweep's best for o and down was four (a 64 x 128 tile over 5 stages
+    takes 50 KB of shared memory, so four programs share an SM); fewer where K does not cut into whole slices."""
+    cfg = w8a8_config_for(weight)
+    k = weight.shape[1]
+    parts = MAX_PARTS
+    while parts > 1 and k % (parts * cfg.block_k):
+        parts //= 2
+    return parts
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +261,86 @@ def _sum_splits_kernel(
     tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _to_e4m3(x, INTERPRET: tl.constexpr):
+    """float32 values within e4m3's range to ``float8e4nv``, rounded to nearest even (Hopper's ``cvt.rn``)."""
+    if INTERPRET:
+        # Triton's interpreter does not round this conversion (it converts exact values right): round first, on the
+        # bits for normal values (3 mantissa bits kept of 23) and to a multiple of 2^-9 below 2^-6 (subnormals).
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+        sub = (x * 512.0 + 12582912.0) - 12582912.0  # 1.5 * 2^23: float32 addition rounds to whole numbers
+        x = tl.where(tl.abs(x) < 0.015625, sub * (1.0 / 512.0), bits.to(tl.float32, bitcast=True))
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _w8a8_kernel(
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, stride_x, stride_w, stride_out, K: tl.constexpr,
+    K_SPLIT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    # acc[i, j]: weight row i of the tile, token j (the weight is the MMA's first operand: 64-128 rows).
+    pid = tl.program_id(0)
+    part = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
+    enter(PDL)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(0, K_SPLIT, BLOCK_K):
+        for g in tl.static_range(BLOCK_K // GROUP):
+            k = part * K_SPLIT + k0 + g * GROUP + tl.arange(0, GROUP)
+            k_ok = k < K
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            # This run of the token's row in FP8: scaled so that its largest magnitude is e4m3's largest, 448.
+            amax = tl.max(tl.abs(x), axis=1)
+            xq = _to_e4m3(x * (448.0 / tl.maximum(amax, 1e-30))[:, None], INTERPRET)
+            xs = amax * (1.0 / 448.0)
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.dot(w, tl.trans(xq)) * xs[None, :]
+            if SWIGLU:
+                u = tl.load(w_rows + N * stride_w + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                acc_up += tl.dot(u, tl.trans(xq)) * xs[None, :]
+    leave_loop(PDL)
+    dt = out_ptr.dtype.element_ty
+    y = tl.trans(acc) * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rn, mask=n_ok & (part == 0), other=0.0).to(tl.float32)[None, :]  # added by one part
+    if SWIGLU:
+        up = tl.trans(acc_up) * tl.load(scale_ptr + N + rn, mask=n_ok, other=0.0)[None, :]
+        gate = y.to(dt).to(tl.float32)
+        y = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up.to(dt).to(tl.float32)
+    out = out_ptr + rm[:, None].to(tl.int64) * stride_out + part * N + rn[None, :]
+    tl.store(out, y.to(dt), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _w8a8(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+    swiglu: bool, parts: int, cfg: W8A8Config,
+) -> torch.Tensor:  # fmt: skip
+    m, k = x.shape
+    n = out.shape[-1]
+    if cfg.block_k % W8A8_GROUP:
+        raise ValueError(f"gemv: a W8A8 tile's block_k must be a multiple of {W8A8_GROUP}, got {cfg.block_k}")
+    k_split = triton.cdiv(triton.cdiv(k, parts), cfg.block_k) * cfg.block_k
+    if triton.cdiv(k, k_split) != parts or (parts > 1 and k % W8A8_GROUP):
+        raise ValueError(f"gemv: {k} columns do not make {parts} runs of whole {cfg.block_k}-column slices")
+    # Measured (thirteenth round): the next kernel let in after the loop, as the other split and FP8 kernels.
+    pdl = pdl_launch(x.device, m, PDL_LOOP)
+    _w8a8_kernel[(triton.cdiv(n, cfg.block_n), parts)](
+        x, weight, scale, bias if bias is not None else scale, out, m, n, x.stride(0), weight.stride(0),
+        out.stride(0), k, K_SPLIT=k_split, GROUP=W8A8_GROUP, HAS_BIAS=bias is not None, SWIGLU=swiglu,
+        BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, INTERPRET=_INTERPRET, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl,
+    )  # fmt: skip
+    return out
+
+
 def _gemv_token(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, out: torch.Tensor,
     cfg: TokenConfig,
@@ -236,11 +365,15 @@ def _gemv_token(
     return out
 
 
-def parts_for(weight: torch.Tensor, tokens: int) -> int:
+def parts_for(weight: torch.Tensor, tokens: int, w8a8: bool = False) -> int:
     """How many runs of K the tensor-core kernel cuts ``weight`` into when its caller takes unsummed parts
-    (``gemv(..., parts=...)``): ``split_rule`` on this GPU's SMs for the weight's tile. One (no split) off CUDA and
-    for FP8 at one token (its own kernel)."""
-    if not weight.is_cuda or (weight.element_size() == 1 and tokens == 1):
+    (``gemv(..., parts=...)``): ``split_rule`` on this GPU's SMs for the weight's tile, or ``w8a8_parts`` for the
+    W8A8 kernel. One (no split) off CUDA and for FP8 at one token on the weight-only kernels (its own kernel)."""
+    if not weight.is_cuda:
+        return 1
+    if w8a8:
+        return w8a8_parts(weight, tokens)
+    if weight.element_size() == 1 and tokens == 1:
         return 1
     n, k = weight.shape
     cfg = config_for(weight)
@@ -264,8 +397,9 @@ def gemv(
     scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     swiglu: bool = False,
-    config: GemvConfig | TokenConfig | None = None,
+    config: GemvConfig | TokenConfig | W8A8Config | None = None,
     parts: int = 1,
+    w8a8: bool = False,
 ) -> torch.Tensor:
     """``x [M, K] @ weight[N, K].T`` (times ``scale [N]`` per channel, plus ``bias``) for ``M <= 16``.
 
@@ -276,6 +410,9 @@ def gemv(
     With ``parts > 1`` (tensor-core kernel, no SwiGLU) K is cut into that many runs, one program per (row tile,
     run), and the result is float32 ``[M, parts, N]`` whose sum over the parts is the product (bias in the first
     part): for a consumer that sums parts (``triton_ops.add_rms_norm``), so that the split costs no launch.
+
+    With ``w8a8`` (an FP8 weight with its scales; or a ``W8A8Config``) the activations are quantized to FP8 too, per
+    token and ``W8A8_GROUP`` columns, and the product runs FP8 x FP8 (``_w8a8_kernel``), in parts or not.
     """
     m, k = x.shape
     if m > MAX_TOKENS:
@@ -285,14 +422,23 @@ def gemv(
     if x.stride(1) != 1:
         x = x.contiguous()
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    w8a8 = w8a8 or isinstance(config, W8A8Config)
+    if w8a8 and (weight.element_size() != 1 or scale is None):
+        raise ValueError("gemv: W8A8 takes an FP8 weight with its per-channel scales")
+    if w8a8 and config is not None and not isinstance(config, W8A8Config):
+        raise ValueError(f"gemv: W8A8 takes a W8A8Config, got {type(config).__name__}")
     if parts > 1:
         if swiglu or isinstance(config, TokenConfig):
-            raise ValueError("gemv: parts are for the tensor-core kernel without SwiGLU")
+            raise ValueError("gemv: parts are for the tensor-core kernels without SwiGLU")
         out = torch.empty(m, parts, n, dtype=torch.float32, device=x.device)
     else:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
+    if w8a8:
+        assert scale is not None
+        cfg8 = config if isinstance(config, W8A8Config) else w8a8_config_for(weight, swiglu)
+        return _w8a8(x, weight, scale, bias, out, swiglu, parts, cfg8)
     fp8 = weight.element_size() == 1
     if parts == 1 and (isinstance(config, TokenConfig) or (config is None and fp8 and m == 1 and not swiglu)):
         if m != 1 or swiglu:

@@ -177,16 +177,23 @@ class TritonOps:
             return self._gemv.gemv(x, *_weights(layer))
         return layer(x)  # type: ignore[no-any-return]
 
+    def _w8a8(self, scale: torch.Tensor | None, x: torch.Tensor) -> bool:
+        # An FP8 layer whose result feeds a sum of parts or carries SwiGLU runs FP8 x FP8 in small steps
+        # (docs/engine.md, thirteenth round); ``gemv.W8A8_MAX_TOKENS`` = 0 keeps every FP8 layer weight-only.
+        return scale is not None and x.shape[0] <= self._gemv.W8A8_MAX_TOKENS
+
     def linear_parts(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self._skinny(layer, x):
             weight, scale, bias = _weights(layer)
-            return self._gemv.gemv(x, weight, scale, bias, parts=self._gemv.parts_for(weight, x.shape[0]))
+            w8a8 = self._w8a8(scale, x)
+            parts = self._gemv.parts_for(weight, x.shape[0], w8a8)
+            return self._gemv.gemv(x, weight, scale, bias, parts=parts, w8a8=w8a8)
         return layer(x)  # type: ignore[no-any-return]
 
     def swiglu_linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self._skinny(layer, x) and layer.bias is None:
             weight, scale, _ = _weights(layer)
-            return self._gemv.gemv(x, weight, scale, swiglu=True)
+            return self._gemv.gemv(x, weight, scale, swiglu=True, w8a8=self._w8a8(scale, x))
         return self._k.silu_and_mul(layer(x))
 
     def attention(

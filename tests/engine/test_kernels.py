@@ -568,3 +568,49 @@ def test_skinny_matmul_parts_along_k_sum_to_the_product(tokens: int) -> None:
     assert split_rule(128, 132, 4096, 512) == 1  # Qwen3-8B's: already fills the SMs
     assert split_rule(16, 132, 4096, 512) == 4  # MAX_PARTS
     assert split_rule(18, 132, 576, 512) == 1  # K of one slice and a bit: no whole runs
+
+
+def _w8a8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x @ (q * scale).T`` in float32 with ``x`` quantized to e4m3 per token and 128 columns, as the kernel does."""
+    xs = []
+    for x0 in range(0, x.shape[1], 128):
+        run = x[:, x0 : x0 + 128].float()
+        amax = run.abs().amax(1, keepdim=True)
+        xs.append((run * (448.0 / amax.clamp(min=1e-30))).to(torch.float8_e4m3fn).float() * (amax / 448.0))
+    return torch.cat(xs, 1) @ (q.float() * scale[:, None]).T
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_fp8_activations_quantized_per_128_columns_in_the_w8a8_kernel(tokens: int) -> None:
+    from engine.kernels.gemv import GemvConfig, W8A8Config, gemv
+    from engine.models.quant import quantize_per_channel
+
+    # The W8A8 kernel quantizes each run of 128 columns of a token's row in every program (K = 200 ends in a partial
+    # run; 512 cuts into 2 or 4 parts of whole runs) and multiplies FP8 by FP8: equal to that quantization done by
+    # torch, to the output's rounding, and within a few percent of the unquantized product.
+    dt, x, w, b = _skinny_case(tokens, 512)
+    q, scale = quantize_per_channel(w.float())
+    cfg = W8A8Config(64, 128, 4, 2)
+    for k, parts in ((200, 1), (512, 1), (512, 2), (512, 4)):
+        xk, qk = x[:, :k].contiguous(), q[:, :k].contiguous()
+        ref = _w8a8_reference(xk, qk, scale)
+        got = gemv(xk, qk, scale, bias=b, config=cfg, parts=parts)
+        if parts > 1:
+            assert got.shape == (tokens, parts, 72) and got.dtype == torch.float32
+            torch.testing.assert_close(got.sum(dim=1), ref + b.float(), rtol=1e-3, atol=1e-3)
+        else:
+            torch.testing.assert_close(got.float(), ref + b.float(), rtol=1e-2, atol=1e-2)
+        plain = F.linear(xk.float(), qk.float() * scale[:, None])
+        assert (ref - plain).abs().max() < 0.05 * plain.abs().max()
+        # The same through the engine's switch (an FP8 weight, no tile given: the rule's tile).
+        torch.testing.assert_close(gemv(xk, qk, scale, w8a8=True).float(), ref, rtol=1e-2, atol=1e-2)
+    # SwiGLU on a fused gate/up weight [2 x 36, 512]: the activation of the two FP8 x FP8 products.
+    got = gemv(x, q, scale, swiglu=True, config=cfg)
+    gate, up = _w8a8_reference(x, q, scale).to(dt).float().chunk(2, dim=-1)
+    torch.testing.assert_close(got.float(), (F.silu(gate).to(dt).float() * up).to(dt).float(), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="FP8 weight with its per-channel scales"):
+        gemv(x, w, config=cfg)
+    with pytest.raises(ValueError, match="W8A8 takes a W8A8Config"):
+        gemv(x, q, scale, config=GemvConfig(16, 64, 4, 2), w8a8=True)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        gemv(x, q, scale, config=W8A8Config(64, 64, 4, 2))
