@@ -1,16 +1,16 @@
-# GPU run (issue #29): FP8 x FP8 at small batches in the engine (gemv(..., w8a8=True): the o and down projections
-# in parts, the fused gate/up; activations quantized per token and 128 columns in each program). CUDA tests of the
-# skinny matmuls, PDL and FP8 models; w8a8_token.py (the engine's kernel beside activations quantized before it);
-# then qwen3-8b at batch 1: FP8 with W8A8 (W8A8_MAX_TOKENS=16) against weight-only FP8 (=0), each its own process,
-# alternating, and bf16 once. `bash bench/device/w8a8_engine_round.sh`; carries .whl. About 9 minutes.
+# GPU run (issue #29): an FP8 MLP's down projection FP8 x FP8 in small steps, its activations quantized by the
+# gate/up kernel's SwiGLU epilogue (gemv.swiglu_fp8 -> Fp8Rows -> the W8A8 kernel in parts). CUDA tests of the skinny
+# matmuls, PDL and FP8 models; w8a8_token.py (the pair's kernels alone and as a 36-layer MLP chain); then qwen3-8b
+# at batch 1: FP8 with W8A8 (W8A8_MAX_TOKENS=16) against weight-only FP8 (=0), each its own process, alternating,
+# and bf16 once. `bash bench/device/w8a8_engine_round.sh`; carries .whl and .gpu. About 9 minutes.
 source bench/device/setup.sh
 set +e
-ENGINE_TEST_DEVICE=cuda ENGINE_TEST_DTYPE=bfloat16 timeout ${TESTS_S:-80} python3 -m pytest -q -p no:cacheprovider \
+ENGINE_TEST_DEVICE=cuda ENGINE_TEST_DTYPE=bfloat16 timeout ${TESTS_S:-70} python3 -m pytest -q -p no:cacheprovider \
   tests/engine/test_kernels.py tests/engine/test_pdl.py tests/engine/test_model_families.py \
-  -k "w8a8 or skinny or one_token or pdl or wait or launch or fp8" \
+  -k "w8a8 or fp8_mlp or swiglu or skinny or one_token or pdl or wait or launch or fp8" \
   2>&1 | tee "$OUT/cuda-tests-w8a8.txt" | tail -3
 timeout ${BENCH_S:-170} python3 bench/device/w8a8_token.py --json "$OUT/w8a8-engine-token.json" \
-  --seconds ${SECONDS_W8A8:-130} --variants engine8,w8a8 2>&1 | grep -v -i warn | tee "$OUT/w8a8-engine-token.log" | grep -E "engine|chain"
+  --seconds ${SECONDS_W8A8:-110} 2>&1 | grep -v -i warn | tee "$OUT/w8a8-engine-token.log" | grep -E "chain|gate_up|down"
 python3 bench/device/shape_config.py qwen3-8b /tmp/shapes/qwen3-8b
 run() {  # name w8a8_max_tokens args...
   local name=$1 t=$2

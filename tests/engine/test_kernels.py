@@ -570,47 +570,78 @@ def test_skinny_matmul_parts_along_k_sum_to_the_product(tokens: int) -> None:
     assert split_rule(18, 132, 576, 512) == 1  # K of one slice and a bit: no whole runs
 
 
-def _w8a8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x @ (q * scale).T`` in float32 with ``x`` quantized to e4m3 per token and 128 columns, as the kernel does."""
-    xs = []
-    for x0 in range(0, x.shape[1], 128):
-        run = x[:, x0 : x0 + 128].float()
-        amax = run.abs().amax(1, keepdim=True)
-        xs.append((run * (448.0 / amax.clamp(min=1e-30))).to(torch.float8_e4m3fn).float() * (amax / 448.0))
-    return torch.cat(xs, 1) @ (q.float() * scale[:, None]).T
+def _quantize_runs(y: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``y`` to e4m3 per token and run of ``group`` columns, as the kernels do: ``(q, scales)``."""
+    m, k = y.shape
+    runs = y.float().view(m, k // group, group)
+    amax = runs.abs().amax(-1, keepdim=True)
+    q = (runs * (448.0 / amax.clamp(min=1e-30))).to(torch.float8_e4m3fn).view(m, k)
+    return q, (amax / 448.0).view(m, -1)
 
 
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_fp8_activations_quantized_per_128_columns_in_the_w8a8_kernel(tokens: int) -> None:
-    from engine.kernels.gemv import GemvConfig, W8A8Config, gemv
+def test_fp8_activations_from_the_swiglu_epilogue_into_the_w8a8_kernel(tokens: int) -> None:
+    from engine.kernels.gemv import Fp8Rows, GemvConfig, W8A8Config, gemv, swiglu_fp8
     from engine.models.quant import quantize_per_channel
 
-    # The W8A8 kernel quantizes each run of 128 columns of a token's row in every program (K = 200 ends in a partial
-    # run; 512 cuts into 2 or 4 parts of whole runs) and multiplies FP8 by FP8: equal to that quantization done by
-    # torch, to the output's rounding, and within a few percent of the unquantized product.
-    dt, x, w, b = _skinny_case(tokens, 512)
-    q, scale = quantize_per_channel(w.float())
-    cfg = W8A8Config(64, 128, 4, 2)
-    for k, parts in ((200, 1), (512, 1), (512, 2), (512, 4)):
-        xk, qk = x[:, :k].contiguous(), q[:, :k].contiguous()
-        ref = _w8a8_reference(xk, qk, scale)
-        got = gemv(xk, qk, scale, bias=b, config=cfg, parts=parts)
+    # The fused gate/up [2 x 128, 320] quantizes its SwiGLU output per token and 32-column run (its tile's rows):
+    # the same bytes and scales as torch's quantization of the unquantized kernel's output.
+    dt, x, _, _ = _skinny_case(tokens, 320)
+    gate_up, gu_scale = quantize_per_channel(torch.randn(256, 320, generator=_g(7)).to(DEV) * 0.1)
+    cfg = GemvConfig(32, 64, 4, 2)
+    h = swiglu_fp8(x, gate_up, gu_scale, config=cfg)
+    assert h.group == 32 and h.dtype == dt and h.q.dtype == torch.float8_e4m3fn and h.scales.shape == (tokens, 4)
+    want_q, want_s = _quantize_runs(gemv(x, gate_up, gu_scale, swiglu=True, config=cfg), 32)
+    torch.testing.assert_close(h.scales, want_s, rtol=0, atol=0)
+    assert torch.equal(h.q.view(torch.uint8), want_q.view(torch.uint8))
+    # The down projection [72, 128] on those: FP8 x FP8, each run's product scaled as it joins the float32 sum, in
+    # parts or not, against the dequantized product.
+    down, d_scale = quantize_per_channel(torch.randn(72, 128, generator=_g(8)).to(DEV) * 0.1)
+    bias = torch.randn(72, generator=_g(9)).to(DEV, dt)
+    ref = h.dequantize() @ (down.float() * d_scale[:, None]).T + bias.float()
+    for parts in (1, 2, 4):
+        got = gemv(h, down, d_scale, bias, config=W8A8Config(64, 32, 4, 2), parts=parts)
         if parts > 1:
             assert got.shape == (tokens, parts, 72) and got.dtype == torch.float32
-            torch.testing.assert_close(got.sum(dim=1), ref + b.float(), rtol=1e-3, atol=1e-3)
+            torch.testing.assert_close(got.sum(dim=1), ref, rtol=1e-3, atol=1e-3)
         else:
-            torch.testing.assert_close(got.float(), ref + b.float(), rtol=1e-2, atol=1e-2)
-        plain = F.linear(xk.float(), qk.float() * scale[:, None])
-        assert (ref - plain).abs().max() < 0.05 * plain.abs().max()
-        # The same through the engine's switch (an FP8 weight, no tile given: the rule's tile).
-        torch.testing.assert_close(gemv(xk, qk, scale, w8a8=True).float(), ref, rtol=1e-2, atol=1e-2)
-    # SwiGLU on a fused gate/up weight [2 x 36, 512]: the activation of the two FP8 x FP8 products.
-    got = gemv(x, q, scale, swiglu=True, config=cfg)
-    gate, up = _w8a8_reference(x, q, scale).to(dt).float().chunk(2, dim=-1)
-    torch.testing.assert_close(got.float(), (F.silu(gate).to(dt).float() * up).to(dt).float(), rtol=2e-2, atol=2e-2)
+            assert got.dtype == dt
+            torch.testing.assert_close(got.float(), ref, rtol=1e-2, atol=1e-2)
+    # Within a few percent of the product on unquantized activations.
+    plain = gemv(x, gate_up, gu_scale, swiglu=True, config=cfg).float() @ (down.float() * d_scale[:, None]).T
+    assert (ref - bias.float() - plain).abs().max() < 0.05 * plain.abs().max()
     with pytest.raises(ValueError, match="FP8 weight with its per-channel scales"):
-        gemv(x, w, config=cfg)
-    with pytest.raises(ValueError, match="W8A8 takes a W8A8Config"):
-        gemv(x, q, scale, config=GemvConfig(16, 64, 4, 2), w8a8=True)
-    with pytest.raises(ValueError, match="multiple of 128"):
-        gemv(x, q, scale, config=W8A8Config(64, 64, 4, 2))
+        gemv(h, down.float())
+    with pytest.raises(ValueError, match="runs of 32 columns or more"):
+        gemv(Fp8Rows(h.q, torch.ones(tokens, 8, device=DEV), 16, dt), down, d_scale, config=W8A8Config(64, 32, 4, 2))
+    with pytest.raises(ValueError, match="an FP8 MMA step takes 32 or more"):
+        swiglu_fp8(x, gate_up, gu_scale, config=GemvConfig(16, 64, 4, 2))
+    with pytest.raises(ValueError, match="a W8A8Config is for activations already in FP8"):
+        gemv(x, gate_up, gu_scale, config=W8A8Config(64, 64, 4, 2))
+
+
+def test_an_fp8_mlp_in_a_small_step_runs_its_down_projection_fp8_by_fp8(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.kernels import gemv as g
+    from engine.models.quant import Fp8Linear
+
+    # TritonOps.mlp on one GPU: the gate/up epilogue quantizes, the down projection takes the W8A8 kernel (its
+    # parts summed here as the next norm would), close to the weight-only path; W8A8_MAX_TOKENS = 0 is that path.
+    def layer(n: int, k: int, seed: int) -> Fp8Linear:
+        with torch.device("meta"):
+            lin = Fp8Linear(k, n, bias=False)
+        lin = lin.to_empty(device=DEV)
+        lin.load_rows(0, torch.randn(n, k, generator=_g(seed)) * 0.1)
+        return lin
+
+    gate_up, down = layer(256, 320, 10), layer(64, 128, 11)
+    dt, x, _, _ = _skinny_case(2, 320)
+    kernels_ops = ops.TritonOps()
+    calls: list[int] = []
+    real = g.swiglu_fp8
+    monkeypatch.setattr(g, "swiglu_fp8", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    got = ops.sum_parts(kernels_ops.mlp(gate_up, down, x, parts=True), dt).float()
+    assert calls == [1]
+    monkeypatch.setattr(g, "W8A8_MAX_TOKENS", 0)
+    weight_only = kernels_ops.mlp(gate_up, down, x, parts=True).float()
+    assert calls == [1]
+    torch.testing.assert_close(got, weight_only, rtol=0.1, atol=0.05 * weight_only.abs().max().item())
