@@ -65,11 +65,6 @@ class ModelOps(Protocol):
         """``silu(gate) * up`` of a fused gate/up projection ``layer``."""
         ...
 
-    def mlp(self, gate_up: nn.Module, down: nn.Module, x: torch.Tensor, parts: bool) -> torch.Tensor:
-        """``down(silu(gate) * up)`` of a gated MLP; with ``parts`` (one GPU: the result goes only to the next
-        ``add_rms_norm``) it may come back as float32 parts ``[tokens, parts, out]``, as from ``linear_parts``."""
-        ...
-
     def attention(
         self, qkv: torch.Tensor, rope: Any, kv_cache: torch.Tensor, meta: AttentionMetadata,
         indexer: torch.Tensor | None, heads: int, kv_heads: int, head_dim: int, scale: float, window: int = 0,
@@ -119,10 +114,6 @@ class TorchOps:
 
     def linear_parts(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return self.linear(layer, x)
-
-    def mlp(self, gate_up: nn.Module, down: nn.Module, x: torch.Tensor, parts: bool) -> torch.Tensor:
-        h = self.swiglu_linear(gate_up, x)
-        return self.linear_parts(down, h) if parts else self.linear(down, h)
 
     def swiglu_linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return self.silu_and_mul(layer(x))
@@ -197,22 +188,6 @@ class TritonOps:
             weight, scale, _ = _weights(layer)
             return self._gemv.gemv(x, weight, scale, swiglu=True)
         return self._k.silu_and_mul(layer(x))
-
-    def mlp(self, gate_up: nn.Module, down: nn.Module, x: torch.Tensor, parts: bool) -> torch.Tensor:
-        # An FP8 down projection in a small step, on one GPU, reads its activations in FP8: the gate/up kernel's
-        # SwiGLU epilogue quantizes them and the down projection runs FP8 x FP8 in parts (docs/engine.md, thirteenth
-        # round); ``gemv.W8A8_MAX_TOKENS`` = 0 keeps it weight-only.
-        g = self._gemv
-        if (parts and isinstance(down, Fp8Linear) and self._skinny(down, x) and self._skinny(gate_up, x)
-                and gate_up.bias is None and x.shape[0] <= g.W8A8_MAX_TOKENS):  # fmt: skip
-            gu_weight, gu_scale, _ = _weights(gate_up)
-            group = g.quantized_swiglu_group(gu_weight)
-            weight, scale, bias = _weights(down)
-            if group and g.w8a8_config_for(weight).block_k % group == 0:
-                h = g.swiglu_fp8(x, gu_weight, gu_scale)
-                return g.gemv(h, weight, scale, bias, parts=g.parts_for(weight, x.shape[0], w8a8=True))
-        h = self.swiglu_linear(gate_up, x)
-        return self.linear_parts(down, h) if parts else self.linear(down, h)
 
     def attention(
         self, qkv: torch.Tensor, rope: Any, kv_cache: torch.Tensor, meta: AttentionMetadata,

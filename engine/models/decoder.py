@@ -174,9 +174,7 @@ class MLP(nn.Module):
         self.down_proj = make_linear(intermediate_size, hidden_size, False, quant, [prefix + "down_proj"])
 
     def forward(self, ops: ModelOps, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:  # the next add_rms_norm sums any parts
-            return ops.mlp(self.gate_up_proj, self.down_proj, x, parts=True)
-        return self.tp.all_reduce(ops.mlp(self.gate_up_proj, self.down_proj, x, parts=False))
+        return self.tp.all_reduce(ops.linear(self.down_proj, ops.swiglu_linear(self.gate_up_proj, x)))
 
     def loaders(self, p: str) -> dict[str, Loader]:
         parts = [(p + "gate_proj", 0), (p + "up_proj", self.intermediate_size)]
