@@ -358,15 +358,25 @@ def _grouped_gemm(
 @triton.jit
 def _route_tokens(
     logits_ptr, weights_ptr, ids_ptr, t0, tokens, E: tl.constexpr, TOP_K: tl.constexpr, TOP_KP: tl.constexpr,
-    RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, PARTS: tl.constexpr,
+    LOGITS_DT: tl.constexpr,
 ):  # fmt: skip
     # Tokens t0 .. t0 + BLOCK_T - 1 (those below ``tokens``): softmax over E experts in float32, the TOP_K largest
-    # (ties to the lower id), optionally divided by their sum (added in selection order, as torch does).
+    # (ties to the lower id), optionally divided by their sum (added in selection order, as torch does). With
+    # PARTS > 1 the logits are the router's float32 parts [tokens, PARTS, E] (a skinny matmul split along K): summed
+    # in float32 and rounded once to LOGITS_DT, the router's output as one launch would have written it.
     t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
     tm = t < tokens
     e = tl.arange(0, BLOCK_E)
     em = e < E
-    logits = tl.load(logits_ptr + t[:, None] * E + e[None, :], mask=tm[:, None] & em[None, :], other=float("-inf"))
+    mask = tm[:, None] & em[None, :]
+    if PARTS > 1:
+        logits = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+        for part in tl.static_range(PARTS):
+            logits += tl.load(logits_ptr + (t[:, None] * PARTS + part) * E + e[None, :], mask=mask, other=0.0)
+        logits = tl.where(mask, logits.to(LOGITS_DT), float("-inf"))
+    else:
+        logits = tl.load(logits_ptr + t[:, None] * E + e[None, :], mask=mask, other=float("-inf"))
     logits = tl.where(tm[:, None], logits.to(tl.float32), 0.0)  # rows past the batch: finite, never stored
     p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     p = p / tl.sum(p, axis=1)[:, None]
@@ -397,7 +407,8 @@ def _route_kernel(
     RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     enter(PDL)
-    _route_tokens(logits_ptr, weights_ptr, ids_ptr, tl.program_id(0), tokens, E, TOP_K, TOP_KP, RENORMALIZE, 1, BLOCK_E)
+    _route_tokens(logits_ptr, weights_ptr, ids_ptr, tl.program_id(0), tokens, E, TOP_K, TOP_KP, RENORMALIZE, 1, BLOCK_E,
+                  1, tl.float32)  # fmt: skip
 
 
 @triton.jit
@@ -405,11 +416,12 @@ def _route_and_align_kernel(
     logits_ptr, weights_ptr, ids_ptr, sorted_ptr, expert_ids_ptr, used_ptr, offset_ptr, tokens, num_experts, capacity,
     num_blocks, E: tl.constexpr, TOP_K: tl.constexpr, TOP_KP: tl.constexpr, RENORMALIZE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, EP: tl.constexpr, B: tl.constexpr,
-    BB: tl.constexpr, PDL: tl.constexpr,
+    BB: tl.constexpr, PDL: tl.constexpr, PARTS: tl.constexpr, LOGITS_DT: tl.constexpr,
 ):  # fmt: skip
     # A decode batch's routing and alignment in one program: the ids go through memory to the alignment.
     enter(PDL)
-    _route_tokens(logits_ptr, weights_ptr, ids_ptr, 0, tokens, E, TOP_K, TOP_KP, RENORMALIZE, BLOCK_T, BLOCK_E)
+    _route_tokens(logits_ptr, weights_ptr, ids_ptr, 0, tokens, E, TOP_K, TOP_KP, RENORMALIZE, BLOCK_T, BLOCK_E,
+                  PARTS, LOGITS_DT)  # fmt: skip
     tl.debug_barrier()  # every token's ids, stored by other threads, are in place
     _align_one_program(ids_ptr, sorted_ptr, expert_ids_ptr, used_ptr, offset_ptr, tokens * TOP_K, num_experts,
                        capacity, num_blocks, BLOCK_M, EP, B, BB)  # fmt: skip
@@ -441,26 +453,42 @@ def route(
 ROUTE_AND_ALIGN_TOKENS = 16
 
 
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
 def route_and_align(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, keep_float32: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, Alignment]:
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, keep_float32: bool = False,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, Alignment]:  # fmt: skip
     """``route``, then ``align`` for the up projection's tiles, in one launch: for at most ``ROUTE_AND_ALIGN_TOKENS``
     tokens, where each launch is a few microseconds of a step; larger batches take the two. Pass the
-    ``Alignment`` to ``fused_moe``."""
-    tokens, experts = router_logits.shape
+    ``Alignment`` to ``fused_moe``.
+
+    ``router_logits`` may be the router's float32 parts ``[tokens, parts, experts]`` (``gemv(..., parts=...)``),
+    with ``dtype`` the router's own: the kernel sums them and rounds once to ``dtype``, so a split router costs no
+    launch (larger batches sum them first)."""
+    if router_logits.dim() == 3:
+        if dtype is None:
+            raise ValueError("route_and_align: the router's parts need the dtype their sum rounds to")
+        parts = router_logits.shape[1]
+        tokens, experts = router_logits.shape[0], router_logits.shape[2]
+    else:
+        parts, dtype = 1, dtype or router_logits.dtype
+        tokens, experts = router_logits.shape
     block_m = gemm_tiles(tokens * top_k, experts, router_logits.device)[0].block_m
     if not 0 < tokens <= ROUTE_AND_ALIGN_TOKENS:
-        weights, ids = route(router_logits, top_k, renormalize, keep_float32)
+        logits = router_logits.sum(dim=1, dtype=torch.float32).to(dtype) if parts > 1 else router_logits
+        weights, ids = route(logits, top_k, renormalize, keep_float32)
         return weights, ids, align(ids, experts, block_m)
     dev = router_logits.device
-    weights = torch.empty((tokens, top_k), dtype=torch.float32 if keep_float32 else router_logits.dtype, device=dev)
+    weights = torch.empty((tokens, top_k), dtype=torch.float32 if keep_float32 else dtype, device=dev)
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=dev)
     al, offsets, sizes = _one_program_alignment(tokens * top_k, experts, block_m, dev)
     _route_and_align_kernel[(1,)](
         router_logits.contiguous(), weights, ids, al.sorted_pairs, al.expert_ids, al.used, offsets, tokens, experts,
         E=experts, TOP_K=top_k, TOP_KP=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
         BLOCK_T=max(2, triton.next_power_of_2(tokens)), BLOCK_E=triton.next_power_of_2(experts),
-        num_warps=ROUTE_WARPS, **sizes, **pdl_launch(dev, tokens),
+        PARTS=parts, LOGITS_DT=_TL_DTYPES[dtype], num_warps=ROUTE_WARPS, **sizes, **pdl_launch(dev, tokens),
     )  # fmt: skip
     return weights, ids, al
 

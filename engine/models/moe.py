@@ -84,6 +84,10 @@ def experts_torch(
     return out
 
 
+# Whether a decode step's router runs in parts along K (``gemv.parts_for``) that the routing program sums.
+ROUTER_PARTS = True
+
+
 def sum_parts(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A layer's output ``[tokens, hidden]``, or ``[tokens, parts, hidden]`` left unsummed for the next residual add
     to sum (by the fused MoE kernels, ``SparseMoE.forward(..., sum_experts=False)``, or a skinny matmul split along
@@ -164,14 +168,21 @@ class SparseMoE(nn.Module):
             from engine.kernels import fused_moe as k  # imported only where Triton is wanted
             from engine.kernels import gemv
 
-            # Decode-sized batches: the router on the skinny-matmul kernel, routing and alignment in one launch.
+            # Decode-sized batches: the router on the skinny-matmul kernel (in float32 parts along K, which the
+            # routing program sums: its few row tiles would leave most SMs idle), routing and alignment in one launch.
             small = 0 < x.shape[0] <= gemv.MAX_TOKENS
-            logits = gemv.gemv(x, self.gate.weight) if small else self.gate(x)
             if self.num_experts != self.total_experts:
+                logits = gemv.gemv(x, self.gate.weight) if small else self.gate(x)
                 weights, ids = k.route(logits, self.top_k, self.renormalize, self.float32_routing)
                 weights, ids = local_pairs(weights, ids, self.first_expert, self.num_experts)
                 return k.fused_moe(x, self.w13, self.w2, weights, ids, sum_experts=sum_experts)
-            weights, ids, alignment = k.route_and_align(logits, self.top_k, self.renormalize, self.float32_routing)
+            if small:
+                parts = gemv.parts_for(self.gate.weight, x.shape[0]) if ROUTER_PARTS else 1
+                logits = gemv.gemv(x, self.gate.weight, parts=parts)
+            else:
+                logits = self.gate(x)
+            weights, ids, alignment = k.route_and_align(logits, self.top_k, self.renormalize, self.float32_routing,
+                                                        dtype=x.dtype)  # fmt: skip
             return k.fused_moe(x, self.w13, self.w2, weights, ids, alignment, sum_experts)
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.float32_routing)
         return experts_torch(x, self.w13, self.w2, weights, ids, self.first_expert)

@@ -205,6 +205,25 @@ def test_route_and_align_in_one_launch_equals_route_then_align(
     assert tied.tolist() == [list(range(top_k))] * tokens
 
 
+@pytest.mark.parametrize(("tokens", "dtype"), [(1, torch.float16), (5, torch.float32), (17, torch.float16)])
+def test_the_router_in_parts_routes_as_its_rounded_sum(tokens: int, dtype: torch.dtype) -> None:
+    # A decode step's router split along K: its float32 parts [tokens, parts, experts], summed in float32 and rounded
+    # once to the router's dtype in the routing program, route as those rounded logits do (17 tokens: summed first).
+    require("triton", "make install puts it in")
+    from engine.kernels import fused_moe
+
+    experts, top_k = 60, 4
+    parts = torch.randn(tokens, 3, experts, generator=_g(13)).to(DEV)
+    logits = parts.sum(dim=1, dtype=torch.float32).to(dtype)
+    weights, ids, al = fused_moe.route_and_align(parts, top_k, True, dtype=dtype)
+    want_w, want_ids, want_al = fused_moe.route_and_align(logits, top_k, True)
+    assert weights.dtype == dtype and torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, atol=0, rtol=0)
+    assert torch.equal(al.sorted_pairs, want_al.sorted_pairs) and torch.equal(al.expert_ids, want_al.expert_ids)
+    with pytest.raises(ValueError, match="need the dtype"):
+        fused_moe.route_and_align(parts, top_k, True)
+
+
 def test_fused_moe_leaves_the_experts_unsummed_for_the_residual_add_and_checks_its_alignment() -> None:
     require("triton", "make install puts it in")
     from engine.kernels import fused_moe

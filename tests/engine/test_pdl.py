@@ -65,7 +65,7 @@ out["route_align"] = ptx(
      "num_experts", "capacity", "num_blocks"],
     ["*bf16", "*bf16", "*i64"] + ["*i32"] * 4 + ["i32"] * 4,
     {"E": 128, "TOP_K": 8, "TOP_KP": 8, "RENORMALIZE": True, "BLOCK_T": 2, "BLOCK_E": 128, "BLOCK_M": 16, "EP": 256,
-     "B": 16, "BB": 64, "PDL": kernels.PDL_EARLY})
+     "B": 16, "BB": 64, "PDL": kernels.PDL_EARLY, "PARTS": 4, "LOGITS_DT": triton.language.bfloat16})
 json.dump(out, sys.stdout)
 """
 
