@@ -10,19 +10,13 @@ ENGINE_TEST_DEVICE=cuda ENGINE_TEST_DTYPE=bfloat16 timeout ${TESTS_S:-150} pytho
   -k "parts or skinny or one_token or norm or rope or moe or route or famil or pdl or wait or launch" \
   2>&1 | tee "$OUT/cuda-tests-parts.txt" | tail -3
 python3 bench/device/shape_config.py qwen3-30b-a3b /tmp/shapes/qwen3-30b-a3b
-run() {  # name max_parts args...
-  local name=$1 p=$2
-  shift 2
-  timeout ${ENGINE_S:-90} python3 bench/device/launch_ab.py engine.kernels.gemv.MAX_PARTS=$p -- \
-    --model /tmp/shapes/qwen3-30b-a3b --load-format dummy --device cuda --no-reference --prompt-len 512 \
-    --json "$OUT/$name.json" "$@" 2>&1 | grep -v -i warn > "$OUT/$name.log"
-  grep -E "^ +[0-9]+ \||decode step" "$OUT/$name.log" | head -3
-}
 for p in 4 1 4 1; do
-  run qwen3-30b-a3b-b1-parts$p-$RANDOM $p --runs 3 --new-tokens 64 --batch-sizes 1
+  ab_bench qwen3-30b-a3b-b1-parts$p-$RANDOM /tmp/shapes/qwen3-30b-a3b engine.kernels.gemv.MAX_PARTS=$p -- \
+    --runs 3 --new-tokens 64 --batch-sizes 1
 done
 for p in 4 1; do
-  ENGINE_PDL=0 run qwen3-30b-a3b-b1-parts$p-profile $p --runs 1 --new-tokens 32 --batch-sizes 1 --profile
+  ENGINE_PDL=0 ab_bench qwen3-30b-a3b-b1-parts$p-profile /tmp/shapes/qwen3-30b-a3b engine.kernels.gemv.MAX_PARTS=$p -- \
+    --runs 1 --new-tokens 32 --batch-sizes 1 --profile
   grep -E "gemv|norm|decode step" "$OUT/qwen3-30b-a3b-b1-parts$p-profile.log" | head -12
 done
 decode_figures

@@ -7,12 +7,8 @@ set +e
 python3 bench/device/shape_config.py qwen3-30b-a3b /tmp/shapes/qwen3-30b-a3b
 echo '{"NVIDIA H200": {"bf16": {"2048x4096": [32, 512, 4, 2]}}}' > /tmp/o-stages2.json
 run() {  # name max_parts trigger
-  local name=$1 p=$2 t=$3
-  timeout ${ENGINE_S:-80} python3 bench/device/launch_ab.py engine.kernels.gemv.MAX_PARTS=$p \
-    engine.kernels.gemv.PARTS_TRIGGER=$t -- --model /tmp/shapes/qwen3-30b-a3b --load-format dummy --device cuda \
-    --no-reference --prompt-len 512 --json "$OUT/$name.json" --runs 3 --new-tokens 64 --batch-sizes 1 2>&1 \
-    | grep -v -i warn > "$OUT/$name.log"
-  grep -E "^ +[0-9]+ \|" "$OUT/$name.log" | head -1
+  ab_bench "$1" /tmp/shapes/qwen3-30b-a3b engine.kernels.gemv.MAX_PARTS=$2 engine.kernels.gemv.PARTS_TRIGGER=$3 -- \
+    --runs 3 --new-tokens 64 --batch-sizes 1
 }
 run qwen3-30b-a3b-b1-noparts 1 1
 run qwen3-30b-a3b-b1-parts-loop 4 2

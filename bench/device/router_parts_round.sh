@@ -8,16 +8,9 @@ ENGINE_TEST_DEVICE=cuda ENGINE_TEST_DTYPE=bfloat16 timeout ${TESTS_S:-90} python
   tests/engine/test_moe.py tests/engine/test_pdl.py tests/engine/test_kernels.py -k "moe or route or pdl or parts" \
   2>&1 | tee "$OUT/cuda-tests-router-parts.txt" | tail -3
 python3 bench/device/shape_config.py qwen3-30b-a3b /tmp/shapes/qwen3-30b-a3b
-run() {  # name router_parts args...
-  local name=$1 p=$2
-  shift 2
-  timeout ${ENGINE_S:-90} python3 bench/device/launch_ab.py engine.models.moe.ROUTER_PARTS=$p -- \
-    --model /tmp/shapes/qwen3-30b-a3b --load-format dummy --device cuda --no-reference --prompt-len 512 \
-    --json "$OUT/$name.json" "$@" 2>&1 | grep -v -i warn > "$OUT/$name.log"
-  grep -E "^ +[0-9]+ \||decode step" "$OUT/$name.log" | head -3
-}
 for p in 1 0 1 0; do
-  run qwen3-30b-a3b-b1-router-parts$p-$RANDOM $p --runs 3 --new-tokens 64 --batch-sizes 1
+  ab_bench qwen3-30b-a3b-b1-router-parts$p-$RANDOM /tmp/shapes/qwen3-30b-a3b engine.models.moe.ROUTER_PARTS=$p -- \
+    --runs 3 --new-tokens 64 --batch-sizes 1
 done
 decode_figures
 (cd "$OUT" && tar czf all.tgz ./*.log ./*.json ./*.txt && rm -f ./*.log ./*.json ./*.txt)

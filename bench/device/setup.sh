@@ -42,3 +42,19 @@ for f in sorted(glob.glob(f"{sys.argv[1]}/qwen3-*.json")):
         print(f.rsplit("/", 1)[1], b, round(r["engine"]["decode_tok_s"], 1))
 PY
 }
+
+# ab_bench NAME MODEL_DIR MODULE.CONSTANT=VALUE... -- ARGS...: bench.engine.throughput with those constants of the
+# engine's modules set first (bench/device/launch_ab.py; an A/B in separate processes), random weights of MODEL_DIR's
+# shape, 512-token prompts, within ${ENGINE_S:-90} s. JSON in $OUT/NAME.json, the log in $OUT/NAME.log; its table
+# rows and decode-step lines are printed.
+ab_bench() {
+  local name=$1 model=$2
+  shift 2
+  local consts=()
+  while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do consts+=("$1"); shift; done
+  shift
+  timeout "${ENGINE_S:-90}" python3 bench/device/launch_ab.py "${consts[@]}" -- --model "$model" --load-format dummy \
+    --device cuda --no-reference --prompt-len 512 --json "$OUT/$name.json" "$@" 2>&1 | grep -v -i warn \
+    > "$OUT/$name.log"
+  grep -E "^ +[0-9]+ \||decode step" "$OUT/$name.log" | head -3
+}
