@@ -473,7 +473,9 @@ def route_and_align(
         parts = router_logits.shape[1]
         tokens, experts = router_logits.shape[0], router_logits.shape[2]
     else:
-        parts, dtype = 1, dtype or router_logits.dtype
+        if dtype not in (None, router_logits.dtype):
+            raise ValueError(f"route_and_align: {router_logits.dtype} logits, not {dtype}: a dtype is for parts")
+        parts, dtype = 1, router_logits.dtype
         tokens, experts = router_logits.shape
     block_m = gemm_tiles(tokens * top_k, experts, router_logits.device)[0].block_m
     if not 0 < tokens <= ROUTE_AND_ALIGN_TOKENS:

@@ -171,18 +171,15 @@ class SparseMoE(nn.Module):
             # Decode-sized batches: the router on the skinny-matmul kernel (in float32 parts along K, which the
             # routing program sums: its few row tiles would leave most SMs idle), routing and alignment in one launch.
             small = 0 < x.shape[0] <= gemv.MAX_TOKENS
-            if self.num_experts != self.total_experts:
-                logits = gemv.gemv(x, self.gate.weight) if small else self.gate(x)
+            whole = self.num_experts == self.total_experts  # expert parallel routes with route(), unsplit
+            parts = gemv.parts_for(self.gate.weight, x.shape[0]) if small and whole and ROUTER_PARTS else 1
+            logits = gemv.gemv(x, self.gate.weight, parts=parts) if small else self.gate(x)
+            if not whole:
                 weights, ids = k.route(logits, self.top_k, self.renormalize, self.float32_routing)
                 weights, ids = local_pairs(weights, ids, self.first_expert, self.num_experts)
                 return k.fused_moe(x, self.w13, self.w2, weights, ids, sum_experts=sum_experts)
-            if small:
-                parts = gemv.parts_for(self.gate.weight, x.shape[0]) if ROUTER_PARTS else 1
-                logits = gemv.gemv(x, self.gate.weight, parts=parts)
-            else:
-                logits = self.gate(x)
             weights, ids, alignment = k.route_and_align(logits, self.top_k, self.renormalize, self.float32_routing,
-                                                        dtype=x.dtype)  # fmt: skip
+                                                        dtype=x.dtype if parts > 1 else None)  # fmt: skip
             return k.fused_moe(x, self.w13, self.w2, weights, ids, alignment, sum_experts)
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.float32_routing)
         return experts_torch(x, self.w13, self.w2, weights, ids, self.first_expert)

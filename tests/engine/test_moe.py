@@ -222,6 +222,8 @@ def test_the_router_in_parts_routes_as_its_rounded_sum(tokens: int, dtype: torch
     assert torch.equal(al.sorted_pairs, want_al.sorted_pairs) and torch.equal(al.expert_ids, want_al.expert_ids)
     with pytest.raises(ValueError, match="need the dtype"):
         fused_moe.route_and_align(parts, top_k, True)
+    with pytest.raises(ValueError, match="a dtype is for parts"):
+        fused_moe.route_and_align(logits, top_k, True, dtype=torch.float64)
 
 
 def test_fused_moe_leaves_the_experts_unsummed_for_the_residual_add_and_checks_its_alignment() -> None:
