@@ -1,0 +1,142 @@
+"""Why decode attention over an FP8 cache runs slower in the engine than alone (issue #29, FP8 KV at 1.3x bf16).
+
+Alone (``fp8_tune.py --only splits``) the FP8 kernel takes about 320-336 us a layer at batch 256 with 2K contexts;
+the engine's batch-256 step implies about 360. This times the engine's decode attention (its tile, one split, as the
+engine launches it at that batch) under each way the engine's step differs from the bench, one at a time, bf16 and
+FP8 alike:
+
+- ``even``: every context exactly 2,048 keys, blocks scattered at random over a pool just large enough (the bench);
+- ``ragged``: contexts of 2,049 to 2,098 keys (the engine's step after its prompts), so each ends in a partial tile;
+- ``in-order``: blocks handed out as the engine's block manager does (a sequence's prompt blocks consecutive, its
+  decode block from after every prompt), in a pool three times larger;
+- ``engine``: ragged and in order;
+- ``masked``: the engine case with FP8's masks on every tile (the loop before round seven);
+- ``after-gemm``: the even case, each call preceded by a batch-256 matmul of the MLP's shape, timed as the
+  difference from the matmuls alone (a warm, power-hungry neighbour, as in the step).
+
+    python3 bench/device/attn_gap.py --json $OUT/attn-gap.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from functools import partial
+from typing import Any
+
+import torch
+
+from bench.device.fp8_tune import HBM, graph_time
+from engine.attention import kv_cache_shape
+from engine.kernels import decode_splits
+from engine.kernels.triton_ops import paged_attention
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16  # qwen3-8b's attention, the engine's block size
+SEQS, CTX = 256, 2048
+
+
+def _tables(ctx: torch.Tensor, in_order: bool, pool: int, gen: torch.Generator) -> torch.Tensor:
+    blocks = (ctx + BLOCK_SIZE - 1) // BLOCK_SIZE
+    width = int(blocks.max())
+    tables = torch.zeros(SEQS, width, dtype=torch.int32)
+    if in_order:
+        prompt = CTX // BLOCK_SIZE
+        tail = SEQS * prompt
+        for s in range(SEQS):
+            tables[s, :prompt] = torch.arange(s * prompt, (s + 1) * prompt, dtype=torch.int32)
+            for j in range(prompt, int(blocks[s])):
+                tables[s, j] = tail
+                tail += 1
+    else:
+        perm = torch.randperm(pool, generator=gen, dtype=torch.int64).to(torch.int32)
+        used = 0
+        for s in range(SEQS):
+            n = int(blocks[s])
+            tables[s, :n] = perm[used : used + n]
+            used += n
+    return tables
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", default="")
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    even = torch.full((SEQS,), CTX, dtype=torch.int32)
+    ragged = torch.randint(CTX + 1, CTX + 51, (SEQS,), generator=gen, dtype=torch.int32)
+    need = SEQS * (CTX // BLOCK_SIZE + 4)
+    cases = {
+        "even": (even, False, need, {}),
+        "ragged": (ragged, False, need, {}),
+        "in-order": (even, True, 3 * need, {}),
+        "engine": (ragged, True, 3 * need, {}),
+        "masked": (ragged, True, 3 * need, {"unmasked": False}),
+        "lazy": (ragged, True, 3 * need, {"lazy_rescale": True}),
+    }
+    q = torch.randn(SEQS, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    qstart = torch.arange(SEQS + 1, device=dev, dtype=torch.int32)
+    out: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "runs": {}}
+    caches: dict[tuple[int, str], torch.Tensor] = {}
+    for name, (ctx, in_order, pool, extra) in cases.items():
+        tables = _tables(ctx, in_order, pool, gen).to(dev)
+        lens = ctx.to(dev)
+        keys = int(ctx.sum())
+        for dtype in ("bf16", "fp8"):
+            if (pool, dtype) not in caches:
+                caches.clear()
+                torch.cuda.empty_cache()
+                c = torch.randn(kv_cache_shape(pool, BLOCK_SIZE, KV_HEADS, HEAD_DIM), device=dev, dtype=torch.bfloat16)
+                caches[(pool, dtype)] = c if dtype == "bf16" else c.to(torch.float8_e4m3fn)
+                del c
+            cache = caches[(pool, dtype)]
+            fp8 = dtype == "fp8"
+            if "unmasked" in extra and not fp8:
+                continue
+            splits = decode_splits(SEQS, KV_HEADS, int(ctx.max()), dev, fp8=fp8)
+            run = partial(paged_attention, q, cache, tables, qstart, lens, HEAD_DIM**-0.5, 1, int(ctx.max()) + 64,
+                          splits, **extra)  # fmt: skip
+            t = min(graph_time([run] * 4, rounds=5) for _ in range(3))
+            nbytes = keys * KV_HEADS * HEAD_DIM * 2 * cache.element_size()
+            r = {"us": t * 1e6, "pct_hbm": 100 * nbytes / t / HBM, "splits": splits}
+            out["runs"][f"{name} {dtype}"] = r
+            print("attention", name, dtype, {k: round(v, 1) for k, v in r.items()}, flush=True)
+    # A power-hungry neighbour: the MLP's gate/up matmul at 256 tokens before each call.
+    x = torch.randn(SEQS, 4096, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(24576, 4096, device=dev, dtype=torch.bfloat16) * 0.02
+    tables = _tables(even, False, need, gen).to(dev)
+    lens = even.to(dev)
+    for dtype in ("bf16", "fp8"):
+        caches.clear()
+        torch.cuda.empty_cache()
+        c = torch.randn(kv_cache_shape(need, BLOCK_SIZE, KV_HEADS, HEAD_DIM), device=dev, dtype=torch.bfloat16)
+        cache = c if dtype == "bf16" else c.to(torch.float8_e4m3fn)
+        del c
+        splits = decode_splits(SEQS, KV_HEADS, CTX, dev, fp8=dtype == "fp8")
+        attn = partial(paged_attention, q, cache, tables, qstart, lens, HEAD_DIM**-0.5, 1, CTX + 64, splits)
+
+        def both() -> None:
+            torch.matmul(x, w.t())
+            attn()
+
+        def gemm() -> None:
+            torch.matmul(x, w.t())
+
+        tb = min(graph_time([both] * 8, rounds=5) for _ in range(3))
+        tg = min(graph_time([gemm] * 8, rounds=5) for _ in range(3))
+        ta = min(graph_time([attn] * 8, rounds=5) for _ in range(3))
+        r = {"us": (tb - tg) * 1e6, "gemm_us": tg * 1e6, "alone_us": ta * 1e6}
+        out["runs"][f"after-gemm {dtype}"] = r
+        print("attention after-gemm", dtype, {k: round(v, 1) for k, v in r.items()}, flush=True)
+    runs = out["runs"]
+    out["fp8_over_bf16"] = {c: runs[f"{c} bf16"]["us"] / runs[f"{c} fp8"]["us"] for c in
+                            ("even", "ragged", "in-order", "engine", "after-gemm")}  # fmt: skip
+    print("bf16 time over FP8 time:", {k: round(v, 3) for k, v in out["fp8_over_bf16"].items()}, flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
