@@ -129,6 +129,25 @@ def main() -> None:
         r = {"us": (tb - tg) * 1e6, "gemm_us": tg * 1e6, "alone_us": ta * 1e6}
         out["runs"][f"after-gemm {dtype}"] = r
         print("attention after-gemm", dtype, {k: round(v, 1) for k, v in r.items()}, flush=True)
+    # Waves: how the time grows with the batch at one split (programs = batch x 8 KV heads; an SM holds about 10 FP8
+    # programs, 8 bf16 ones): a partial last wave costs a whole one if a program's time is its own latency.
+    for seqs in (132, 165, 200, 232, 256, 300, 330):
+        caches.clear()
+        torch.cuda.empty_cache()
+        pool = seqs * (CTX // BLOCK_SIZE)
+        c = torch.randn(kv_cache_shape(pool, BLOCK_SIZE, KV_HEADS, HEAD_DIM), device=dev, dtype=torch.bfloat16)
+        tab = torch.randperm(pool, generator=gen).to(torch.int32).view(seqs, -1).to(dev)
+        lens = torch.full((seqs,), CTX, device=dev, dtype=torch.int32)
+        qs = torch.randn(seqs, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+        qst = torch.arange(seqs + 1, device=dev, dtype=torch.int32)
+        for dtype in ("bf16", "fp8"):
+            cache = c if dtype == "bf16" else c.to(torch.float8_e4m3fn)
+            run = partial(paged_attention, qs, cache, tab, qst, lens, HEAD_DIM**-0.5, 1, CTX, 1)
+            t = min(graph_time([run] * 4, rounds=5) for _ in range(3))
+            r = {"us": t * 1e6, "us_per_256": t * 1e6 * 256 / seqs, "programs": seqs * KV_HEADS}
+            out.setdefault("waves", {})[f"{seqs} {dtype}"] = r
+            print("waves", seqs, dtype, {k: round(v, 1) for k, v in r.items()}, flush=True)
+        del c
     runs = out["runs"]
     out["fp8_over_bf16"] = {c: runs[f"{c} bf16"]["us"] / runs[f"{c} fp8"]["us"] for c in
                             ("even", "ragged", "in-order", "engine", "after-gemm")}  # fmt: skip
