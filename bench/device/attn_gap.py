@@ -116,7 +116,7 @@ def main() -> None:
         splits = decode_splits(SEQS, KV_HEADS, CTX, dev, fp8=dtype == "fp8")
         attn = partial(paged_attention, q, cache, tables, qstart, lens, HEAD_DIM**-0.5, 1, CTX + 64, splits)
 
-        def both() -> None:
+        def both(attn: partial[torch.Tensor] = attn) -> None:
             torch.matmul(x, w.t())
             attn()
 

@@ -30,12 +30,13 @@ from engine.kernels.triton_ops import paged_attention
 LAYERS = 36
 # qwen3-8b's projections at 256 tokens: (out, in) of qkv, o, gate/up, down.
 MATMULS = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))
-VARIANTS = {
-    "bf16": ("bf16", {}),
-    "fp8": ("fp8", {}),
-    "fp8 lazy": ("fp8", {"lazy_rescale": True}),
-    "fp8 masked": ("fp8", {"unmasked": False}),
-    "fp8 masked lazy": ("fp8", {"unmasked": False, "lazy_rescale": True}),
+# name: (cache dtype, paged_attention's tile fields, splits (0: the engine's)). ``--variants`` replaces the FP8 ones.
+VARIANTS: dict[str, tuple[str, dict[str, Any], int]] = {
+    "bf16": ("bf16", {}, 0),
+    "fp8": ("fp8", {}, 0),
+    "fp8 lazy": ("fp8", {"lazy_rescale": True}, 0),
+    "fp8 masked": ("fp8", {"unmasked": False}, 0),
+    "fp8 masked lazy": ("fp8", {"unmasked": False, "lazy_rescale": True}, 0),
 }
 
 
@@ -56,7 +57,17 @@ def main() -> None:
     p.add_argument("--json", default="")
     p.add_argument("--warm-s", type=float, default=2.0)
     p.add_argument("--measure-s", type=float, default=1.5)
+    p.add_argument(
+        "--variants",
+        default="",
+        help='JSON {"name": [tile fields, splits]} of FP8 variants to time '
+        'beside bf16 and the engine\'s FP8 tile, e.g. {"fp8 168 regs, 3 splits": [{"max_registers": 168}, 3]}',
+    )
     a = p.parse_args()
+    variants = dict(VARIANTS)
+    if a.variants:
+        variants = {k: v for k, v in VARIANTS.items() if k in ("bf16", "fp8")}
+        variants |= {k: ("fp8", fields, splits) for k, (fields, splits) in json.loads(a.variants).items()}
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     ragged = torch.randint(CTX + 1, CTX + 51, (SEQS,), generator=gen, dtype=torch.int32)
@@ -70,9 +81,9 @@ def main() -> None:
     weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for n, k in MATMULS]
     xs = [torch.randn(SEQS, k, device=dev, dtype=torch.bfloat16) for _, k in MATMULS]
     out: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "runs": {}}
-    for name, (dtype, extra) in VARIANTS.items():
+    for name, (dtype, extra, forced) in variants.items():
         cache = caches[dtype]
-        splits = decode_splits(SEQS, KV_HEADS, int(ragged.max()), dev, fp8=dtype == "fp8")
+        splits = forced or decode_splits(SEQS, KV_HEADS, int(ragged.max()), dev, fp8=dtype == "fp8")
         attn = partial(paged_attention, q, cache, tables, qstart, lens, HEAD_DIM**-0.5, 1, CTX + 64, splits, **extra)
         attn()
         torch.cuda.synchronize()
@@ -102,8 +113,8 @@ def main() -> None:
             torch.cuda.synchronize()
             times += [ev[2 * i].elapsed_time(ev[2 * i + 1]) * 1e3 for i in range(LAYERS)]
             steps.append(s0.elapsed_time(s1) * 1e3)
-        r = {"alone_us": alone, "in_step_us": statistics.median(times), "step_us": statistics.median(steps),
-             "steps": len(steps)}  # fmt: skip
+        r = {"splits": splits, "alone_us": alone, "in_step_us": statistics.median(times),
+             "step_us": statistics.median(steps), "steps": len(steps)}  # fmt: skip
         out["runs"][name] = r
         print("attention", name, {k: round(v, 1) for k, v in r.items()}, time.strftime("%T"), flush=True)
     runs = out["runs"]
