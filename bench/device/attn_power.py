@@ -113,10 +113,11 @@ def main() -> None:
             torch.cuda.synchronize()
             times += [ev[2 * i].elapsed_time(ev[2 * i + 1]) * 1e3 for i in range(LAYERS)]
             steps.append(s0.elapsed_time(s1) * 1e3)
-        r = {"splits": splits, "alone_us": alone, "in_step_us": statistics.median(times),
-             "step_us": statistics.median(steps), "steps": len(steps)}  # fmt: skip
+        r = {"fields": extra, "splits": splits, "forced": bool(forced), "alone_us": alone,
+             "in_step_us": statistics.median(times), "step_us": statistics.median(steps), "steps": len(steps)}  # fmt: skip
         out["runs"][name] = r
-        print("attention", name, {k: round(v, 1) for k, v in r.items()}, time.strftime("%T"), flush=True)
+        print("attention", name, {k: round(v, 1) if isinstance(v, float) else v for k, v in r.items()},
+              time.strftime("%T"), flush=True)  # fmt: skip
     runs = out["runs"]
     out["bf16_over_fp8"] = {k: {"alone": runs["bf16"]["alone_us"] / v["alone_us"],
                                 "in_step": runs["bf16"]["in_step_us"] / v["in_step_us"],

@@ -8,21 +8,20 @@ source bench/device/setup.sh
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
   --format=csv -lms 100 > "$OUT/clocks.csv" 2>&1 &
 CLOCKS=$!
-timeout 200 python3 bench/device/attn_power.py --json "$OUT/attn-waves.json" --variants '{
-  "fp8, 2 splits": [{}, 2], "fp8, 3 splits": [{}, 3], "fp8 168 regs": [{"max_registers": 168}, 1],
-  "fp8 168 regs, 3 splits": [{"max_registers": 168}, 3], "fp8 168 regs, 5 splits": [{"max_registers": 168}, 5]}' \
-  2>&1 | grep -v -i warn | tee "$OUT/attn-waves.log"
+VARIANTS=${VARIANTS:-'{"fp8, 2 splits": [{}, 2], "fp8, 3 splits": [{}, 3], "fp8 168 regs": [{"max_registers": 168}, 1],
+  "fp8 168 regs, 3 splits": [{"max_registers": 168}, 3], "fp8 168 regs, 5 splits": [{"max_registers": 168}, 5]}'}
+timeout 200 python3 bench/device/attn_power.py --json "$OUT/attn-waves.json" --variants "$VARIANTS" 2>&1 | grep -v -i warn | tee "$OUT/attn-waves.log"
 BEST=$(python3 - "$OUT/attn-waves.json" <<'PY'
 import json, sys
 runs = json.load(open(sys.argv[1]))["runs"]
 name, r = min(((k, v) for k, v in runs.items() if k.startswith("fp8")), key=lambda kv: kv[1]["in_step_us"])
-fields = {"programs_per_sm": (r["splits"] * 2048 + 131) // 132}
-if "168 regs" in name:
-    fields["max_registers"] = 168
+fields = dict(r["fields"])
+if r["forced"]:
+    fields["programs_per_sm"] = (r["splits"] * 2048 + 131) // 132
 print("" if name == "fp8" else json.dumps({"fp8": fields}))
 PY
 )
-echo "best in the synthetic step: ${BEST:-the engine's FP8 tile}"
+echo "best in the synthetic step: ${BEST:-the engine tile}"
 ENGINE_S=${ENGINE_S:-110} source bench/device/kv_dtype_ab.sh
 if [ -n "$BEST" ]; then
   ENGINE_DECODE_TILES="$BEST" ENGINE_S=${ENGINE_S:-110} engine_bench qwen3-8b-kvfp8-best /tmp/shapes/qwen3-8b \
