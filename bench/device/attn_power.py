@@ -114,7 +114,8 @@ def main() -> None:
             times += [ev[2 * i].elapsed_time(ev[2 * i + 1]) * 1e3 for i in range(LAYERS)]
             steps.append(s0.elapsed_time(s1) * 1e3)
         r = {"fields": extra, "splits": splits, "forced": bool(forced), "alone_us": alone,
-             "in_step_us": statistics.median(times), "step_us": statistics.median(steps), "steps": len(steps)}  # fmt: skip
+             "in_step_us": statistics.median(times), "step_us": statistics.median(steps),
+             "steps": len(steps)}  # fmt: skip
         out["runs"][name] = r
         print("attention", name, {k: round(v, 1) if isinstance(v, float) else v for k, v in r.items()},
               time.strftime("%T"), flush=True)  # fmt: skip
