@@ -22,8 +22,8 @@ print("" if name == "fp8" else json.dumps({"fp8": fields}))
 PY
 )
 echo "best in the synthetic step: ${BEST:-the engine tile}"
-ENGINE_S=${ENGINE_S:-110} source bench/device/kv_dtype_ab.sh
 if [ -n "$BEST" ]; then
+  ENGINE_S=${ENGINE_S:-110} source bench/device/kv_dtype_ab.sh
   ENGINE_DECODE_TILES="$BEST" ENGINE_S=${ENGINE_S:-110} engine_bench qwen3-8b-kvfp8-best /tmp/shapes/qwen3-8b \
     --prompt-len 2048 --batch-sizes 256 --max-num-batched-tokens 16384 --kv-cache-dtype fp8 --new-tokens 8 \
     --profile --profile-batch 256
