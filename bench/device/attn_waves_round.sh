@@ -1,8 +1,9 @@
 # GPU run (issue #29): FP8 decode attention's programs at the power cap, by register cap and split count
 # (bench/device/attn_power.py --variants): a 192-register program leaves 8 on an SM (two a scheduler), 168 registers
-# ten (shared memory then bounds it), and the splits decide how whole the last wave is. Then the engine's step of 256
-# sequences at 2K context: bf16 KV, FP8 KV, and FP8 KV on the variant that won in the synthetic step (through
-# ENGINE_DECODE_TILES: its register cap, and programs_per_sm chosen so decode_splits gives its split count).
+# ten (shared memory then bounds it), and the splits decide how whole the last wave is; VARIANTS (JSON, as
+# attn_power.py's --variants) times others. Then, only if an FP8 variant beat the engine's tile in the synthetic step,
+# the engine's step of 256 sequences at 2K context: bf16 KV, FP8 KV, and FP8 KV on that variant (through
+# ENGINE_DECODE_TILES: its fields, and programs_per_sm chosen so decode_splits gives its split count).
 # `bash bench/device/attn_waves_round.sh`; carries .whl and .gpu. About 8 minutes. JSON and logs under $OUT.
 source bench/device/setup.sh
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
