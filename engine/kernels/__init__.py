@@ -91,7 +91,6 @@ class DecodeTile:
     max_registers: int = 0
     unmasked: bool = False
     lazy_rescale: bool = False
-    qk_halves: bool = False
     # Programs an SM runs at once: a decode step splits contexts until its programs fill one such wave (a second,
     # partial wave costs more than the split saves: bench/device/fp8_tune.py --only splits).
     programs_per_sm: int = 8

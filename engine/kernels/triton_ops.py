@@ -254,8 +254,7 @@ def _attend(
     q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, qk_scale, v_offset, window,
     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr, SH: tl.constexpr,
     SS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, V_REGS: tl.constexpr,
-    INTERPRET: tl.constexpr, MASK: tl.constexpr, LAZY: tl.constexpr, QK_HALVES: tl.constexpr = False,
-    q_hi=None,
+    INTERPRET: tl.constexpr, MASK: tl.constexpr, LAZY: tl.constexpr,
 ):  # fmt: skip
     # One tile of BLOCK_N keys, read through the block table, folded into the online softmax. Key j of KV head g
     # is [block, g, j % BS] of the cache's [blocks, KVH, BS, D] (strides SB, SH, SS): in the engine's head-major
@@ -267,18 +266,9 @@ def _attend(
     rows = jm[:, None] if MASK else None
     blk = tl.load(table + j // BS, mask=jm if MASK else None, other=0 if MASK else None).to(tl.int64)
     off = blk * SB + g * SH + (j % BS) * SS
-    if QK_HALVES:
-        # Two dots over the two halves of the head, summed: two independent chains of MMAs a score column.
-        dh = tl.arange(0, D // 2)
-        k_lo = tl.load(kv_ptr + off[:, None] + dh[None, :], mask=rows, other=0.0 if MASK else None).to(q.dtype)
-        k_hi = tl.load(kv_ptr + off[:, None] + D // 2 + dh[None, :], mask=rows, other=0.0 if MASK else None)
-        s_lo = tl.dot(q, tl.trans(k_lo), input_precision=PRECISION)
-        s_hi = tl.dot(q_hi, tl.trans(k_hi.to(q.dtype)), input_precision=PRECISION)
-        sc = s_lo * qk_scale + s_hi * qk_scale
-    else:
-        k = tl.load(kv_ptr + off[:, None] + d[None, :], mask=rows, other=0.0 if MASK else None).to(q.dtype)
-        # Scores in log2 units (qk_scale holds log2(e)): exp2 is the hardware's exponential.
-        sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    k = tl.load(kv_ptr + off[:, None] + d[None, :], mask=rows, other=0.0 if MASK else None).to(q.dtype)
+    # Scores in log2 units (qk_scale holds log2(e)): exp2 is the hardware's exponential.
+    sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     if MASK:
         seen = (j[None, :] <= qpos[:, None]) & jm[None, :]
         if window > 0:
@@ -326,7 +316,6 @@ def _paged_attention_kernel(
     SS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_Q: tl.constexpr,
     SPLIT: tl.constexpr, TILED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     FP16_DOT: tl.constexpr, V_REGS: tl.constexpr, UNMASKED: tl.constexpr, LAZY: tl.constexpr, PDL: tl.constexpr,
-    QK_HALVES: tl.constexpr = False,
 ):  # fmt: skip
     enter(PDL)
     g = tl.program_id(2)
@@ -372,17 +361,10 @@ def _paged_attention_kernel(
         lo = tl.maximum(lo, ctx - qlen + mt * TILE_Q - window + 1)
     d = tl.arange(0, D)
     q_rows = (q0 + tq).to(tl.int64) * (H * D) + h * D
-    if QK_HALVES:
-        dh = tl.arange(0, D // 2)
-        q = tl.load(q_ptr + q_rows[:, None] + dh[None, :], mask=valid[:, None], other=0.0)
-        q_hi = tl.load(q_ptr + q_rows[:, None] + D // 2 + dh[None, :], mask=valid[:, None], other=0.0)
-    else:
-        q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        q_hi = q
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
     if FP16_DOT:
         # An FP8 cache widens to fp16 natively (e4m3 -> bf16 does not): keys, values, Q and P go through fp16.
         q = q.to(tl.float16)
-        q_hi = q_hi.to(tl.float16)
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -404,24 +386,24 @@ def _paged_attention_kernel(
             if n0 < mid:
                 m_i, l_i, acc = _attend(
                     q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, qk_scale, v_offset, window,
-                    H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET, False, LAZY, QK_HALVES, q_hi,
+                    H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET, False, LAZY,
                 )  # fmt: skip
             else:
                 m_i, l_i, acc = _attend(
                     q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, qk_scale, v_offset, window,
-                    H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET, True, LAZY, QK_HALVES, q_hi,
+                    H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET, True, LAZY,
                 )  # fmt: skip
             n0 += BLOCK_N
     else:
         for n0 in range(lo, mid, BLOCK_N):
             m_i, l_i, acc = _attend(
                 q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, qk_scale, v_offset, window,
-                H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET, False, LAZY, QK_HALVES, q_hi,
+                H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET, False, LAZY,
             )  # fmt: skip
         for n0 in range(mid, hi, BLOCK_N):
             m_i, l_i, acc = _attend(
                 q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, qk_scale, v_offset, window,
-                H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET, True, LAZY, QK_HALVES, q_hi,
+                H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET, True, LAZY,
             )  # fmt: skip
     leave_loop(PDL)
     if SPLIT:
@@ -465,7 +447,7 @@ def paged_attention(
     context_lens: torch.Tensor, scale: float, max_query_len: int, max_context: int, num_splits: int = 1,
     tile_map: tuple[torch.Tensor, torch.Tensor] | None = None, window: int = 0, block_n: int = 0,
     num_warps: int = 0, num_stages: int = 0, v_regs: bool | None = None, unmasked: bool | None = None,
-    lazy_rescale: bool | None = None, max_registers: int | None = None, qk_halves: bool | None = None,
+    lazy_rescale: bool | None = None, max_registers: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Causal attention of ``q [tokens, H, D]`` over each sequence's cached context (this step's K/V included).
 
@@ -501,7 +483,6 @@ def paged_attention(
     # Decode programs only: a prompt tile's rows span warps, whose check of the maxima would cost a barrier a tile.
     lazy = (tile.lazy_rescale if lazy_rescale is None else lazy_rescale) and max_query_len == 1
     regs = tile.max_registers if max_registers is None else max_registers
-    halves = (tile.qk_halves if qk_halves is None else qk_halves) and max_query_len == 1
     launch = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": regs} if regs else {}),
               **pdl_launch(q.device, q.shape[0], PDL_LOOP)}  # fmt: skip
     _check_cache(kv_cache)
@@ -517,7 +498,7 @@ def paged_attention(
             scale, v_offset, block_tables.stride(0), splits, window,
             H=heads, GROUP=group, D=d, BS=bs, **strides, BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=1,
             SPLIT=True, TILED=False, PRECISION=precision, INTERPRET=_INTERPRET, FP16_DOT=fp16_dot,
-            V_REGS=v_regs, UNMASKED=unmasked, LAZY=lazy, QK_HALVES=halves, **launch,
+            V_REGS=v_regs, UNMASKED=unmasked, LAZY=lazy, **launch,
         )  # fmt: skip
         _merge_splits_kernel[(seqs, heads)](
             part_acc, part_ml, out, splits,
@@ -537,6 +518,6 @@ def paged_attention(
         scale, v_offset, block_tables.stride(0), 1, window,
         H=heads, GROUP=group, D=d, BS=bs, **strides, BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=block_m // group,
         SPLIT=False, TILED=tile_map is not None, PRECISION=precision, INTERPRET=_INTERPRET, FP16_DOT=fp16_dot,
-        V_REGS=v_regs, UNMASKED=unmasked, LAZY=lazy, QK_HALVES=halves, **launch,
+        V_REGS=v_regs, UNMASKED=unmasked, LAZY=lazy, **launch,
     )  # fmt: skip
     return out
