@@ -67,7 +67,7 @@ def main() -> None:
     even = torch.full((SEQS,), CTX, dtype=torch.int32)
     ragged = torch.randint(CTX + 1, CTX + 51, (SEQS,), generator=gen, dtype=torch.int32)
     need = SEQS * (CTX // BLOCK_SIZE + 4)
-    cases = {
+    cases: dict[str, tuple[torch.Tensor, bool, int, dict[str, Any]]] = {
         "even": (even, False, need, {}),
         "ragged": (ragged, False, need, {}),
         "in-order": (even, True, 3 * need, {}),
