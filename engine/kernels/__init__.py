@@ -96,10 +96,11 @@ class DecodeTile:
     programs_per_sm: int = 8
 
 
-# Measured on an H200 (docs/engine.md, decode attention rounds six and seven): both cache dtypes stream best from
-# 1-warp programs over 32 keys, about 11 of which fit on an SM; a 16-bit cache with the lazy rescale and masks kept,
-# an FP8 one (V widened in registers) without masks on whole tiles and with the eager rescale. A register cap spills
-# and loses; 4-warp programs lose their pipeline's fill twice over two loops.
+# Measured on an H200 (docs/engine.md, decode attention rounds six, seven and fourteen): both cache dtypes stream best
+# from 1-warp programs over 32 keys, eight of which fit on an SM (192-255 registers a thread: two on each scheduler's
+# 16K registers); a 16-bit cache with the lazy rescale and masks kept, an FP8 one (V widened in registers) without
+# masks on whole tiles and with the eager rescale. A register cap spills and loses, alone and at the power cap;
+# 4-warp programs lose their pipeline's fill twice over two loops.
 DECODE_TILES = {False: DecodeTile(DECODE_BLOCK_N // 2, 1, 3, lazy_rescale=True),
                 True: DecodeTile(DECODE_BLOCK_N // 2, 1, 3, unmasked=True)}  # fmt: skip
 
