@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import importlib.metadata
 import json
 import os
 import resource
@@ -518,6 +519,8 @@ def main() -> None:
             "device": name,
             "dtype": str(dtype).removeprefix("torch."),
             "torch": torch.__version__,
+            # The reference's speed depends on its version (recent releases run MoE experts as grouped matmuls).
+            "transformers": None if a.no_reference else importlib.metadata.version("transformers"),
             "kernels": f"{args.kernels} -> {'graphs' if graphs == 'cuda graphs' else 'eager'}",
             "prompt_len": a.prompt_len,
             "engine_build_s": load_s,
