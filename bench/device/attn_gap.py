@@ -10,7 +10,8 @@ FP8 alike:
 - ``in-order``: blocks handed out as the engine's block manager does (a sequence's prompt blocks consecutive, its
   decode block from after every prompt), in a pool three times larger;
 - ``engine``: ragged and in order;
-- ``masked``: the engine case with FP8's masks on every tile (the loop before round seven);
+- ``masked``, ``lazy``: the engine case with FP8's masks on every tile (the loop before round seven), or with the
+  lazy rescale (bf16's own tile has both);
 - ``after-gemm``: the even case, each call preceded by a batch-256 matmul of the MLP's shape, timed as the
   difference from the matmuls alone (a warm, power-hungry neighbour, as in the step).
 
@@ -27,35 +28,43 @@ from typing import Any
 
 import torch
 
-from bench.device.fp8_tune import HBM, graph_time
+from bench.device.fp8_tune import BLOCK_SIZE, HBM, HEAD_DIM, HEADS, KV_HEADS, graph_time
 from engine.attention import kv_cache_shape
 from engine.kernels import decode_splits
 from engine.kernels.triton_ops import paged_attention
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16  # qwen3-8b's attention, the engine's block size
 SEQS, CTX = 256, 2048
 
 
 def _tables(ctx: torch.Tensor, in_order: bool, pool: int, gen: torch.Generator) -> torch.Tensor:
+    """Block tables of sequences with ``ctx`` keys each: in the block manager's order (a sequence's prompt blocks
+    consecutive, the blocks past CTX keys from after every prompt's) or scattered at random over ``pool`` blocks."""
+    seqs = ctx.shape[0]
     blocks = (ctx + BLOCK_SIZE - 1) // BLOCK_SIZE
-    width = int(blocks.max())
-    tables = torch.zeros(SEQS, width, dtype=torch.int32)
+    tables = torch.zeros(seqs, int(blocks.max()), dtype=torch.int32)
     if in_order:
         prompt = CTX // BLOCK_SIZE
-        tail = SEQS * prompt
-        for s in range(SEQS):
+        tail = seqs * prompt
+        for s in range(seqs):
             tables[s, :prompt] = torch.arange(s * prompt, (s + 1) * prompt, dtype=torch.int32)
-            for j in range(prompt, int(blocks[s])):
-                tables[s, j] = tail
-                tail += 1
+            extra = int(blocks[s]) - prompt
+            tables[s, prompt : prompt + extra] = torch.arange(tail, tail + extra, dtype=torch.int32)
+            tail += extra
     else:
         perm = torch.randperm(pool, generator=gen, dtype=torch.int64).to(torch.int32)
         used = 0
-        for s in range(SEQS):
+        for s in range(seqs):
             n = int(blocks[s])
             tables[s, :n] = perm[used : used + n]
             used += n
     return tables
+
+
+def _cache(pool: int, dtype: str) -> torch.Tensor:
+    """A random head-major cache of ``pool`` blocks, bf16 or FP8 (e4m3) on the GPU."""
+    torch.cuda.empty_cache()
+    c = torch.randn(kv_cache_shape(pool, BLOCK_SIZE, KV_HEADS, HEAD_DIM), device="cuda", dtype=torch.bfloat16)
+    return c if dtype == "bf16" else c.to(torch.float8_e4m3fn)
 
 
 def main() -> None:
@@ -78,22 +87,14 @@ def main() -> None:
     q = torch.randn(SEQS, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
     qstart = torch.arange(SEQS + 1, device=dev, dtype=torch.int32)
     out: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "runs": {}}
-    caches: dict[tuple[int, str], torch.Tensor] = {}
     for name, (ctx, in_order, pool, extra) in cases.items():
         tables = _tables(ctx, in_order, pool, gen).to(dev)
         lens = ctx.to(dev)
         keys = int(ctx.sum())
-        for dtype in ("bf16", "fp8"):
-            if (pool, dtype) not in caches:
-                caches.clear()
-                torch.cuda.empty_cache()
-                c = torch.randn(kv_cache_shape(pool, BLOCK_SIZE, KV_HEADS, HEAD_DIM), device=dev, dtype=torch.bfloat16)
-                caches[(pool, dtype)] = c if dtype == "bf16" else c.to(torch.float8_e4m3fn)
-                del c
-            cache = caches[(pool, dtype)]
+        # The loop's variants (masks, rescale) are FP8's: bf16's own tile is masked and lazy.
+        for dtype in ("fp8",) if extra else ("bf16", "fp8"):
+            cache = _cache(pool, dtype)
             fp8 = dtype == "fp8"
-            if "unmasked" in extra and not fp8:
-                continue
             splits = decode_splits(SEQS, KV_HEADS, int(ctx.max()), dev, fp8=fp8)
             run = partial(paged_attention, q, cache, tables, qstart, lens, HEAD_DIM**-0.5, 1, int(ctx.max()) + 64,
                           splits, **extra)  # fmt: skip
@@ -102,17 +103,14 @@ def main() -> None:
             r = {"us": t * 1e6, "pct_hbm": 100 * nbytes / t / HBM, "splits": splits}
             out["runs"][f"{name} {dtype}"] = r
             print("attention", name, dtype, {k: round(v, 1) for k, v in r.items()}, flush=True)
+            del cache, run
     # A power-hungry neighbour: the MLP's gate/up matmul at 256 tokens before each call.
     x = torch.randn(SEQS, 4096, device=dev, dtype=torch.bfloat16)
     w = torch.randn(24576, 4096, device=dev, dtype=torch.bfloat16) * 0.02
     tables = _tables(even, False, need, gen).to(dev)
     lens = even.to(dev)
     for dtype in ("bf16", "fp8"):
-        caches.clear()
-        torch.cuda.empty_cache()
-        c = torch.randn(kv_cache_shape(need, BLOCK_SIZE, KV_HEADS, HEAD_DIM), device=dev, dtype=torch.bfloat16)
-        cache = c if dtype == "bf16" else c.to(torch.float8_e4m3fn)
-        del c
+        cache = _cache(need, dtype)
         splits = decode_splits(SEQS, KV_HEADS, CTX, dev, fp8=dtype == "fp8")
         attn = partial(paged_attention, q, cache, tables, qstart, lens, HEAD_DIM**-0.5, 1, CTX + 64, splits)
 
@@ -129,25 +127,22 @@ def main() -> None:
         r = {"us": (tb - tg) * 1e6, "gemm_us": tg * 1e6, "alone_us": ta * 1e6}
         out["runs"][f"after-gemm {dtype}"] = r
         print("attention after-gemm", dtype, {k: round(v, 1) for k, v in r.items()}, flush=True)
-    # Waves: how the time grows with the batch at one split (programs = batch x 8 KV heads; an SM holds about 10 FP8
-    # programs, 8 bf16 ones): a partial last wave costs a whole one if a program's time is its own latency.
+        del cache, attn, both
+    # Waves: how the time grows with the batch at one split (programs = batch x 8 KV heads; eight of either dtype's
+    # fit on an SM): a partial last wave costs a whole one if a program's time is its own latency.
     for seqs in (132, 165, 200, 232, 256, 300, 330):
-        caches.clear()
-        torch.cuda.empty_cache()
-        pool = seqs * (CTX // BLOCK_SIZE)
-        c = torch.randn(kv_cache_shape(pool, BLOCK_SIZE, KV_HEADS, HEAD_DIM), device=dev, dtype=torch.bfloat16)
-        tab = torch.randperm(pool, generator=gen).to(torch.int32).view(seqs, -1).to(dev)
-        lens = torch.full((seqs,), CTX, device=dev, dtype=torch.int32)
+        lens = torch.full((seqs,), CTX, dtype=torch.int32)
+        tab = _tables(lens, False, seqs * (CTX // BLOCK_SIZE), gen).to(dev)
         qs = torch.randn(seqs, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
         qst = torch.arange(seqs + 1, device=dev, dtype=torch.int32)
         for dtype in ("bf16", "fp8"):
-            cache = c if dtype == "bf16" else c.to(torch.float8_e4m3fn)
-            run = partial(paged_attention, qs, cache, tab, qst, lens, HEAD_DIM**-0.5, 1, CTX, 1)
+            cache = _cache(seqs * (CTX // BLOCK_SIZE), dtype)
+            run = partial(paged_attention, qs, cache, tab, qst, lens.to(dev), HEAD_DIM**-0.5, 1, CTX, 1)
             t = min(graph_time([run] * 4, rounds=5) for _ in range(3))
             r = {"us": t * 1e6, "us_per_256": t * 1e6 * 256 / seqs, "programs": seqs * KV_HEADS}
             out.setdefault("waves", {})[f"{seqs} {dtype}"] = r
             print("waves", seqs, dtype, {k: round(v, 1) for k, v in r.items()}, flush=True)
-        del c
+            del cache, run
     runs = out["runs"]
     out["fp8_over_bf16"] = {c: runs[f"{c} bf16"]["us"] / runs[f"{c} fp8"]["us"] for c in
                             ("even", "ragged", "in-order", "engine", "after-gemm")}  # fmt: skip

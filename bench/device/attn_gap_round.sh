@@ -4,9 +4,7 @@
 # (ENGINE_DECODE_TILES). The SM and memory clocks, power and throttle reasons are logged all along (clocks.csv).
 # `bash bench/device/attn_gap_round.sh`; carries .whl and .gpu. About 8 minutes. JSON and logs under $OUT.
 source bench/device/setup.sh
-nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
-  --format=csv -lms 250 > "$OUT/clocks.csv" 2>&1 &
-CLOCKS=$!
+log_clocks 250
 echo "attention alone $(date +%T)" >> "$OUT/marks.txt"
 timeout 200 python3 bench/device/attn_gap.py --json "$OUT/attn-gap.json" 2>&1 | grep -v -i warn | tee "$OUT/attn-gap.log"
 echo "engine $(date +%T)" >> "$OUT/marks.txt"

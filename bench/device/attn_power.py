@@ -22,14 +22,15 @@ from typing import Any
 
 import torch
 
-from bench.device.attn_gap import BLOCK_SIZE, CTX, HEAD_DIM, HEADS, KV_HEADS, SEQS, _tables
+from bench.device.attn_gap import CTX, SEQS, _tables
+from bench.device.fp8_tune import BLOCK_SIZE, HEAD_DIM, HEADS, KV_HEADS, SHAPES
 from engine.attention import kv_cache_shape
 from engine.kernels import decode_splits
 from engine.kernels.triton_ops import paged_attention
 
 LAYERS = 36
-# qwen3-8b's projections at 256 tokens: (out, in) of qkv, o, gate/up, down.
-MATMULS = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))
+# qwen3-8b's projections, (out, in), in a layer's order: run at 256 tokens.
+MATMULS = tuple(SHAPES[name] for name in ("qkv", "o", "gate_up", "down"))
 # name: (cache dtype, paged_attention's tile fields, splits (0: the engine's)). ``--variants`` replaces the FP8 ones.
 VARIANTS: dict[str, tuple[str, dict[str, Any], int]] = {
     "bf16": ("bf16", {}, 0),

@@ -3,9 +3,7 @@
 # with the lazy rescale (ENGINE_DECODE_TILES). SM clock, power and throttle reasons logged every 100 ms (clocks.csv).
 # `bash bench/device/attn_power_round.sh`; carries .whl and .gpu. About 7 minutes. JSON and logs under $OUT.
 source bench/device/setup.sh
-nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
-  --format=csv -lms 100 > "$OUT/clocks.csv" 2>&1 &
-CLOCKS=$!
+log_clocks 100
 mark() { echo "$1 $(date +%T.%N | cut -c1-12)" >> "$OUT/marks.txt"; }
 mark power
 timeout 150 python3 bench/device/attn_power.py --json "$OUT/attn-power.json" 2>&1 | grep -v -i warn \

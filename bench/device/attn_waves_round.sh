@@ -6,9 +6,7 @@
 # ENGINE_DECODE_TILES: its fields, and programs_per_sm chosen so decode_splits gives its split count).
 # `bash bench/device/attn_waves_round.sh`; carries .whl and .gpu. About 8 minutes. JSON and logs under $OUT.
 source bench/device/setup.sh
-nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
-  --format=csv -lms 100 > "$OUT/clocks.csv" 2>&1 &
-CLOCKS=$!
+log_clocks 100
 VARIANTS=${VARIANTS:-'{"fp8, 2 splits": [{}, 2], "fp8, 3 splits": [{}, 3], "fp8 168 regs": [{"max_registers": 168}, 1],
   "fp8 168 regs, 3 splits": [{"max_registers": 168}, 3], "fp8 168 regs, 5 splits": [{"max_registers": 168}, 5]}'}
 timeout 200 python3 bench/device/attn_power.py --json "$OUT/attn-waves.json" --variants "$VARIANTS" 2>&1 | grep -v -i warn | tee "$OUT/attn-waves.log"

@@ -58,3 +58,11 @@ ab_bench() {
     > "$OUT/$name.log"
   grep -E "^ +[0-9]+ \||decode step" "$OUT/$name.log" | head -3
 }
+
+# log_clocks MS: the SM and memory clocks, power, temperature and throttle reasons every MS milliseconds into
+# $OUT/clocks.csv, in the background until `kill $CLOCKS`.
+log_clocks() {
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv -lms "$1" > "$OUT/clocks.csv" 2>&1 &
+  CLOCKS=$!
+}
