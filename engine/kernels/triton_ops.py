@@ -29,6 +29,7 @@ from engine.kernels import (
     PDL_LOOP,
     DecodeTile,
     decode_tile,
+    fp8_decode,
     interpret_mode,
     pdl_launch,
     prefill_block_m,
@@ -438,6 +439,17 @@ def _merge_splits_kernel(
     tl.store(out_ptr + (s.to(tl.int64) * H + h) * D + d, out.to(out_ptr.dtype.element_ty))
 
 
+def merge_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, out: torch.Tensor, splits: int) -> torch.Tensor:
+    """``out [seqs, H, D]`` from a split decode's partials: ``part_acc [seqs, H, splits, D]`` (unnormalised sums)
+    and ``part_ml [seqs, H, splits, 2]`` (each split's maximum, in log2 units, and sum of weights)."""
+    seqs, heads, _, d = part_acc.shape
+    _merge_splits_kernel[(seqs, heads)](
+        part_acc, part_ml, out, splits,
+        H=heads, D=d, SPLITS=triton.next_power_of_2(splits), **pdl_launch(out.device, out.shape[0]),
+    )  # fmt: skip
+    return out
+
+
 # Programs over prompt rows: masked, eager, uncapped.
 PREFILL_TILE = DecodeTile(DECODE_BLOCK_N, 4, 3)
 
@@ -465,6 +477,15 @@ def paged_attention(
     ``max_registers``: the loop's form and register cap (``DecodeTile``; None: the measured tile's for decode steps,
     masked, eager and uncapped for prompts). The lazy rescale applies to decode steps only.
     """
+    if (
+        max_query_len == 1 and not (block_n or num_warps or num_stages or v_regs is not None or unmasked is not None
+                                    or lazy_rescale is not None or max_registers is not None)
+        and fp8_decode.supports(q, kv_cache, max_query_len, window) and fp8_decode.enabled()
+        and fp8_decode.available(q.device.index or 0)
+    ):  # fmt: skip
+        # Decode over an e4m3 cache: the CUDA kernel (engine.kernels.fp8_decode), unless a Triton tile was asked for.
+        splits = min(num_splits, triton.cdiv(max_context, fp8_decode.KEYS_PER_TILE))
+        return fp8_decode.fp8_decode_attention(q, kv_cache, block_tables, query_start, context_lens, scale, splits)
     _, _, kv_heads, bs, d = kv_cache.shape
     heads = q.shape[1]
     group = heads // kv_heads
@@ -500,11 +521,7 @@ def paged_attention(
             SPLIT=True, TILED=False, PRECISION=precision, INTERPRET=_INTERPRET, FP16_DOT=fp16_dot,
             V_REGS=v_regs, UNMASKED=unmasked, LAZY=lazy, **launch,
         )  # fmt: skip
-        _merge_splits_kernel[(seqs, heads)](
-            part_acc, part_ml, out, splits,
-            H=heads, D=d, SPLITS=triton.next_power_of_2(splits), **pdl_launch(q.device, q.shape[0]),
-        )  # fmt: skip
-        return out
+        return merge_splits(part_acc, part_ml, out, splits)
     if tile_map is not None:
         block_m = prefill_block_m(group)
         tile_seq, tile_idx = tile_map

@@ -275,6 +275,7 @@ def test_decode_splits_fill_one_wave_of_the_measured_tiles_programs(monkeypatch:
     programs an SM, for either cache dtype), never into more splits than 32-key runs of the longest context or
     MAX_DECODE_SPLITS; the split counts and tiles bench/device/fp8_tune.py chose them from."""
     monkeypatch.setattr(kernels, "sm_count", lambda index: 132)
+    monkeypatch.setenv("ENGINE_FP8_ATTENTION", "triton")
     gpu = torch.device("cuda", 0)
     fp8 = {(256, 2048): 1, (64, 544): 2, (16, 8192): 8, (1, 4096): kernels.MAX_DECODE_SPLITS, (1, 100): 4}
     bf16 = {(256, 2048): 1, (64, 544): 2, (16, 8192): 8, (1, 4096): 64, (2, 2048): 64, (4, 2048): 33}
@@ -286,6 +287,89 @@ def test_decode_splits_fill_one_wave_of_the_measured_tiles_programs(monkeypatch:
     assert kernels.decode_tile(False) == kernels.DecodeTile(32, 1, 3, lazy_rescale=True)
 
 
+def test_the_cuda_fp8_decode_kernel_splits_to_shorten_its_last_wave(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With an FP8 cache on CUDA, decode steps split for the CUDA kernel (13 one-warp programs an SM): the power of
+    two whose waves times tiles a program is least. Measured on the H200 alone (bench/device/fp8_mma_attn.py): 2
+    splits beat 1 at batch 256 and 2K context (the last of two waves nearly empty), 2 at 64 x 544, 8 at 16 x 8K.
+    ENGINE_FP8_ATTENTION=triton keeps the Triton kernel and its rule; anything else is refused by name."""
+    from engine.kernels import fp8_decode
+
+    monkeypatch.setattr(kernels, "sm_count", lambda index: 132)
+    gpu = torch.device("cuda", 0)
+    want = {(256, 2048): 4, (64, 544): 2, (16, 8192): 8, (8, 1000): 16, (1, 4096): kernels.MAX_DECODE_SPLITS,
+            (1, 100): 4, (1, 20): 1}  # fmt: skip
+    for (seqs, ctx), n in want.items():
+        assert kernels.decode_splits(seqs, 8, ctx, gpu, fp8=True) == n, (seqs, ctx)
+    assert kernels.decode_splits(256, 8, 2048, gpu) == 1  # a 16-bit cache keeps Triton's rule
+    monkeypatch.setenv("ENGINE_FP8_ATTENTION", "triton")
+    assert kernels.decode_splits(256, 8, 2048, gpu, fp8=True) == 1
+    monkeypatch.setenv("ENGINE_FP8_ATTENTION", "tvm")
+    with pytest.raises(ValueError, match="ENGINE_FP8_ATTENTION must be 'cuda' or 'triton'"):
+        kernels.decode_splits(256, 8, 2048, gpu, fp8=True)
+    # What the kernel takes: decode steps over e4m3, head size 128, at most 8 query heads a KV head, no window.
+    q = torch.zeros(2, 32, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 4, 8, 16, 128, dtype=torch.float8_e4m3fn)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert fp8_decode.supports(q, cache, 1, 0)
+    assert not fp8_decode.supports(q, cache, 2, 0) and not fp8_decode.supports(q, cache, 1, 64)
+    assert not fp8_decode.supports(q, cache.to(torch.bfloat16), 1, 0)
+    assert not fp8_decode.supports(q[:, :, :64].contiguous(), cache[..., :64].contiguous(), 1, 0)
+    assert not fp8_decode.supports(torch.zeros(2, 72, 128, dtype=torch.bfloat16), cache, 1, 0)  # 9 a group
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the FP8 decode kernel is CUDA C++, compiled by NVRTC on the GPU")
+@pytest.mark.parametrize(
+    ("group", "block_size", "dtype"),
+    [(4, 16, torch.bfloat16), (8, 32, torch.float16), (1, 16, torch.bfloat16), (6, 16, torch.bfloat16)],
+)
+def test_the_cuda_fp8_decode_kernel_matches_the_dequantized_reference(group: int, block_size: int,
+                                                                       dtype: torch.dtype) -> None:  # fmt: skip
+    """The CUDA kernel (engine.kernels.fp8_decode) over an e4m3 cache, at 1 to 8 splits and contexts that end in
+    and on tile borders, against float32 attention over the dequantized cache (within Triton's own error there),
+    eagerly and replayed from a CUDA graph; paged_attention runs it for such a decode step."""
+    from engine.kernels import fp8_decode
+
+    kvh, d = 2, 128
+    ctx = [1, 31, 32, 33, 100, 1000, 517, 64]
+    blocks_per = [-(-c // block_size) for c in ctx]
+    nb = sum(blocks_per) + 3
+    g = _g(40)
+    cache = (torch.randn(2, nb, kvh, block_size, d, generator=g) * 2).to(DEV).to(torch.float8_e4m3fn)
+    perm = torch.randperm(nb, generator=g)[: sum(blocks_per)].to(torch.int32)
+    tables = torch.zeros(len(ctx), max(blocks_per), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks_per):
+        tables[i, :n] = perm[used : used + n]
+        used += n
+    tables = tables.to(DEV)
+    q = (torch.randn(len(ctx), kvh * group, d, generator=g) * 0.3).to(DEV).to(dtype)
+    starts = torch.arange(len(ctx) + 1, dtype=torch.int32, device=DEV)
+    lens = torch.tensor(ctx, dtype=torch.int32, device=DEV)
+    ref = torch.empty(q.shape, dtype=torch.float32, device=DEV)
+    for s, n in enumerate(ctx):
+        slots = torch.arange(n, device=DEV)
+        blk = tables[s, slots // block_size].long()
+        k, v = cache[0, blk, :, slots % block_size].float(), cache[1, blk, :, slots % block_size].float()
+        w = torch.softmax(torch.einsum("hgd,nhd->hgn", q[s].float().view(kvh, group, d), k) * d**-0.5, -1)
+        ref[s] = torch.einsum("hgn,nhd->hgd", w, v).reshape(-1, d)
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3  # the output's rounding (values up to about 6)
+    for splits in (1, 3, 8):
+        got = fp8_decode.fp8_decode_attention(q, cache, tables, starts, lens, d**-0.5, splits)
+        torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+    assert fp8_decode.supports(q, cache, 1, 0) and fp8_decode.available(DEV.index or 0)
+    via = triton_ops.paged_attention(q, cache, tables, starts, lens, d**-0.5, 1, max(ctx), num_splits=4)
+    torch.testing.assert_close(via, fp8_decode.fp8_decode_attention(q, cache, tables, starts, lens, d**-0.5, 4))
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        captured = fp8_decode.fp8_decode_attention(q, cache, tables, starts, lens, d**-0.5, 3)
+    q.mul_(-1)  # new queries, read by the replay
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, fp8_decode.fp8_decode_attention(q, cache, tables, starts, lens, d**-0.5, 3))
+
+
 def test_a_tuning_runs_decode_tiles_override_the_measured_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     """ENGINE_DECODE_TILES (JSON) replaces fields of the measured decode tiles (the programs an SM holds, and with
     them a step's splits, included); anything else is refused by name, and a register cap reaches the launch (the
@@ -294,6 +378,7 @@ def test_a_tuning_runs_decode_tiles_override_the_measured_ones(monkeypatch: pyte
     assert kernels.decode_tile(True) == kernels.DecodeTile(32, 1, 3, max_registers=128)
     assert kernels.decode_tile(False) == kernels.DECODE_TILES[False]
     monkeypatch.setattr(kernels, "sm_count", lambda index: 132)
+    monkeypatch.setenv("ENGINE_FP8_ATTENTION", "triton")
     gpu = torch.device("cuda", 0)
     monkeypatch.setenv("ENGINE_DECODE_TILES", '{"bf16": {"programs_per_sm": 4}}')
     assert kernels.decode_splits(64, 8, 544, gpu) == 1 and kernels.decode_splits(64, 8, 544, gpu, fp8=True) == 2

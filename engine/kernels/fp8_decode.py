@@ -1,0 +1,126 @@
+"""Decode attention over an FP8 (e4m3) paged KV cache in CUDA C++ (``fp8_decode.cu``), compiled by NVRTC.
+
+Triton's one-warp dot reads an FP8 key tile through shared memory and rebuilds the query's fragments from it every
+tile; this kernel computes scores transposed (keys in the MMA's rows) with each lane widening its own contiguous
+bytes straight into MMA registers (see the source's header). Same inputs, semantics and split partials as
+``engine.kernels.triton_ops.paged_attention`` for a decode step (one query per sequence, no sliding window), head
+size 128 and at most 8 query heads per KV head; ``supports`` says whether a call qualifies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from engine.kernels import nvrtc
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("fp8_decode.cu")
+HEAD_DIM = 128
+MAX_GROUP = 8
+KEYS_PER_TILE = 32
+# Programs resident on an SM: one warp each at the kernel's 152 registers a thread (sm_90, 64K registers an SM).
+PROGRAMS_PER_SM = 13
+# A program's cost beyond its tiles (the query's fragments, the partials' stores, the merge), in tiles.
+PROGRAM_OVERHEAD_TILES = 4
+
+
+def enabled() -> bool:
+    """``ENGINE_FP8_ATTENTION``: ``cuda`` (unset) runs FP8 decode attention on this kernel, ``triton`` on Triton's."""
+    mode = os.environ.get("ENGINE_FP8_ATTENTION", "cuda")
+    if mode not in ("cuda", "triton"):
+        raise ValueError(f"ENGINE_FP8_ATTENTION must be 'cuda' or 'triton', got {mode!r}")
+    return mode == "cuda"
+
+
+def splits(num_seqs: int, kv_heads: int, max_context: int, sms: int, max_splits: int) -> int:
+    """Programs a sequence for this kernel: the power of two whose waves of programs times a program's tiles (plus
+    its overhead) is least, at most one a tile and ``max_splits``. More splits shorten the last, partial wave."""
+    tiles = -(-max_context // KEYS_PER_TILE)
+    slots = PROGRAMS_PER_SM * sms
+    best, best_cost = 1, float("inf")
+    s = 1
+    while s <= min(max_splits, tiles):
+        waves = -(-num_seqs * kv_heads * s // slots)
+        cost = waves * (-(-tiles // s) + PROGRAM_OVERHEAD_TILES)
+        if cost < best_cost:
+            best, best_cost = s, cost
+        s *= 2
+    return best
+
+
+def supports(q: torch.Tensor, kv_cache: torch.Tensor, max_query_len: int, window: int) -> bool:
+    """Whether ``fp8_decode_attention`` runs this call: a CUDA decode step (one query each, no window) over an e4m3
+    cache of head size 128, 16-bit queries, at most 8 query heads per KV head, blocks of a multiple of 16 slots."""
+    _, _, kv_heads, bs, d = kv_cache.shape
+    return (
+        q.is_cuda and kv_cache.dtype == torch.float8_e4m3fn and q.dtype in (torch.bfloat16, torch.float16)
+        and max_query_len == 1 and window == 0 and d == HEAD_DIM and bs % 16 == 0
+        and q.shape[1] % kv_heads == 0 and q.shape[1] // kv_heads <= MAX_GROUP and q.is_contiguous()
+        and kv_cache.stride(4) == 1 and kv_cache.stride(3) == HEAD_DIM
+    )  # fmt: skip
+
+
+@cache
+def available(device: int) -> bool:
+    """Whether the kernel compiles and loads on ``device`` (NVRTC comes with PyTorch's CUDA wheels); if not, FP8
+    decode attention stays on Triton, with a warning."""
+    try:
+        _kernel(device, 16, 16 * 128, 16 * 128, 128, 0, True, 4, False)
+    except (nvrtc.NvrtcError, RuntimeError, OSError) as e:
+        log.warning("FP8 decode attention runs on Triton: its CUDA kernel is unavailable (%s)", e)
+        return False
+    return True
+
+
+@cache
+def _kernel(device: int, bs: int, sb: int, sh: int, ss: int, v_offset: int, bf16: bool, min_blocks: int,
+            pdl: bool) -> nvrtc.Kernel:  # fmt: skip
+    major, minor = torch.cuda.get_device_capability(device)
+    defines = {"BS": bs, "SB": f"{sb}LL", "SH": f"{sh}LL", "SS": ss, "V_OFFSET": f"{v_offset}LL", "BF16": int(bf16),
+               "MIN_BLOCKS": min_blocks, "PDL": int(pdl)}  # fmt: skip
+    cubin = nvrtc.compile_cubin(_SOURCE.read_text(), _SOURCE.name, f"sm_{major}{minor}",
+                                [f"-D{k}={v}" for k, v in defines.items()])  # fmt: skip
+    with torch.cuda.device(device):
+        return nvrtc.Kernel(cubin, "fp8_decode_attention")
+
+
+def fp8_decode_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, query_start: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, num_splits: int = 1, min_blocks: int = 4,
+) -> torch.Tensor:  # fmt: skip
+    """Attention of each sequence's one query ``q [seqs, H, 128]`` over its cached context (``kv_cache``
+    ``[2, blocks, kv_heads, block_size, 128]`` of e4m3, addressed through its strides), ``num_splits`` programs a
+    sequence whose partials the Triton merge sums. ``min_blocks``: the launch bound's programs per SM (a register
+    cap)."""
+    from engine.kernels.triton_ops import merge_splits
+
+    _, _, kv_heads, bs, _ = kv_cache.shape
+    seqs, heads = block_tables.shape[0], q.shape[1]
+    el = kv_cache.element_size()
+    kernel = _kernel(q.device.index or 0, bs, kv_cache.stride(1) * el, kv_cache.stride(2) * el,
+                     kv_cache.stride(3) * el, kv_cache.stride(0) * el, q.dtype == torch.bfloat16, min_blocks,
+                     False)  # fmt: skip
+    out = torch.empty_like(q)
+    splits = max(1, num_splits)
+    if splits > 1:
+        part_acc = torch.empty((seqs, heads, splits, HEAD_DIM), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((seqs, heads, splits, 2), dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out
+    tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
+    args = [
+        nvrtc.ptr(q), nvrtc.ptr(kv_cache), nvrtc.ptr(out), nvrtc.ptr(tables), nvrtc.ptr(query_start),
+        nvrtc.ptr(context_lens), nvrtc.ptr(part_acc), nvrtc.ptr(part_ml), ctypes.c_float(scale * 1.4426950408889634),
+        ctypes.c_longlong(tables.stride(0)), ctypes.c_int(splits), ctypes.c_int(heads), ctypes.c_int(heads // kv_heads),
+    ]  # fmt: skip
+    kernel((splits, seqs, kv_heads), 32, args)
+    if splits > 1:
+        merge_splits(part_acc, part_ml, out, splits)
+    return out

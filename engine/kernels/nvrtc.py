@@ -1,0 +1,109 @@
+"""CUDA C++ kernels compiled at run time by NVRTC and launched through the driver API (ctypes), outside Triton.
+
+NVRTC ships with PyTorch's CUDA wheels (``nvidia-cuda-nvrtc``), so no compiler or build step is needed: a kernel's
+source is compiled once per process and architecture, to a cubin, on first use. Launches go on PyTorch's current
+stream, so they are captured in CUDA graphs like any other kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+from collections.abc import Sequence
+from functools import cache
+
+import torch
+
+
+class NvrtcError(RuntimeError):
+    pass
+
+
+def _find_nvrtc() -> str:
+    """The path of libnvrtc: the NVIDIA wheels PyTorch installs, else the system's."""
+    names = []
+    for base in sys.path:
+        for pattern in ("nvidia/cuda_nvrtc/lib/libnvrtc.so*", "nvidia/cu*/lib/libnvrtc.so*", "torch/lib/libnvrtc*.so*"):
+            names += [p for p in glob.glob(os.path.join(base, pattern)) if "builtins" not in p and ".alt." not in p]
+    return sorted(names)[-1] if names else "libnvrtc.so"
+
+
+@cache
+def _nvrtc() -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL(_find_nvrtc())
+    except OSError as e:
+        raise NvrtcError(f"NVRTC, which compiles the engine's CUDA kernels, could not be loaded: {e}") from e
+
+
+@cache
+def _cuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _check_driver(status: int, what: str) -> None:
+    if status != 0:
+        msg = ctypes.c_char_p()
+        _cuda().cuGetErrorString(status, ctypes.byref(msg))
+        raise RuntimeError(f"{what}: CUDA error {status} ({(msg.value or b'?').decode()})")
+
+
+def compile_cubin(source: str, name: str, arch: str, options: Sequence[str] = ()) -> bytes:
+    """``source`` compiled by NVRTC for ``arch`` (``sm_90``), as a cubin."""
+    lib = _nvrtc()
+    prog = ctypes.c_void_p()
+    status = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None)
+    if status != 0:
+        raise NvrtcError(f"nvrtcCreateProgram failed ({status})")
+    try:
+        opts = [f"--gpu-architecture={arch}", "-std=c++17", "--use_fast_math", *options]
+        arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        status = lib.nvrtcCompileProgram(prog, len(opts), arr)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        if status != 0:
+            raise NvrtcError(f"{name} did not compile for {arch}:\n{log.value.decode(errors='replace')}")
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        if lib.nvrtcGetCUBIN(prog, cubin) != 0:
+            raise NvrtcError(f"{name}: NVRTC gave no cubin for {arch}")
+        return cubin.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+class Kernel:
+    """One ``extern "C"`` kernel of a cubin, loaded into the current device's context."""
+
+    def __init__(self, cubin: bytes, name: str) -> None:
+        cu = _cuda()
+        torch.cuda.init()  # type: ignore[no-untyped-call]
+        ctx = ctypes.c_void_p()
+        cu.cuCtxGetCurrent(ctypes.byref(ctx))
+        if not ctx.value:  # a thread on which PyTorch has not yet touched the device: its primary context
+            dev = ctypes.c_int()
+            _check_driver(cu.cuDeviceGet(ctypes.byref(dev), torch.cuda.current_device()), "cuDeviceGet")
+            _check_driver(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+            _check_driver(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        self._image = ctypes.create_string_buffer(cubin, len(cubin))
+        self.module = ctypes.c_void_p()
+        _check_driver(cu.cuModuleLoadData(ctypes.byref(self.module), self._image), f"loading {name}")
+        self.func = ctypes.c_void_p()
+        _check_driver(cu.cuModuleGetFunction(ctypes.byref(self.func), self.module, name.encode()), name)
+        self.name = name
+
+    def __call__(self, grid: tuple[int, int, int], block: int, args: Sequence[ctypes._CData],
+                 stream: torch.cuda.Stream | None = None) -> None:  # fmt: skip
+        stream = stream or torch.cuda.current_stream()
+        params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
+        _check_driver(_cuda().cuLaunchKernel(
+            self.func, grid[0], grid[1], grid[2], block, 1, 1, 0, ctypes.c_void_p(stream.cuda_stream), params, None,
+        ), self.name)  # fmt: skip
+
+
+def ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
