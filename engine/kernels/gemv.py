@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import PDL_EARLY, PDL_LOOP, PDL_OFF, pdl_launch, sm_count
+from engine.kernels import PDL_EARLY, PDL_LOOP, PDL_OFF, pdl_launch, sm_count, token_gemv
 from engine.kernels.pdl import enter, leave_loop
 
 # Tokens up to which a linear layer takes this path (decode steps; verify steps of short drafts).
@@ -293,6 +293,11 @@ def gemv(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
+    if (
+        m == 1 and parts == 1 and config is None and token_gemv.supports(x, weight, swiglu) and token_gemv.enabled()
+        and token_gemv.available(x.device.index or 0)
+    ):  # fmt: skip
+        return token_gemv.token_gemv(x, weight, scale, bias, swiglu, out)
     fp8 = weight.element_size() == 1
     if parts == 1 and (isinstance(config, TokenConfig) or (config is None and fp8 and m == 1 and not swiglu)):
         if m != 1 or swiglu:

@@ -50,7 +50,7 @@ def _check_driver(status: int, what: str) -> None:
         raise RuntimeError(f"{what}: CUDA error {status} ({(msg.value or b'?').decode()})")
 
 
-def compile_cubin(source: str, name: str, arch: str, options: Sequence[str] = ()) -> bytes:
+def compile_cubin(source: str, name: str, arch: str, options: Sequence[str] = (), fast_math: bool = True) -> bytes:
     """``source`` compiled by NVRTC for ``arch`` (``sm_90``), as a cubin."""
     lib = _nvrtc()
     prog = ctypes.c_void_p()
@@ -58,7 +58,7 @@ def compile_cubin(source: str, name: str, arch: str, options: Sequence[str] = ()
     if status != 0:
         raise NvrtcError(f"nvrtcCreateProgram failed ({status})")
     try:
-        opts = [f"--gpu-architecture={arch}", "-std=c++17", "--use_fast_math", *options]
+        opts = [f"--gpu-architecture={arch}", "-std=c++17", *(["--use_fast_math"] if fast_math else []), *options]
         arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
         status = lib.nvrtcCompileProgram(prog, len(opts), arr)
         size = ctypes.c_size_t()
@@ -97,12 +97,36 @@ class Kernel:
         self.name = name
 
     def __call__(self, grid: tuple[int, int, int], block: int, args: Sequence[ctypes._CData],
-                 stream: torch.cuda.Stream | None = None) -> None:  # fmt: skip
-        stream = stream or torch.cuda.current_stream()
+                 pdl: bool = False) -> None:  # fmt: skip
+        """Launch on PyTorch's current stream. ``pdl``: as a programmatic dependent launch (the kernel must wait
+        with ``griddepcontrol.wait`` before reading what the kernel before it writes)."""
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
-        _check_driver(_cuda().cuLaunchKernel(
-            self.func, grid[0], grid[1], grid[2], block, 1, 1, 0, ctypes.c_void_p(stream.cuda_stream), params, None,
-        ), self.name)  # fmt: skip
+        if not pdl:
+            _check_driver(_cuda().cuLaunchKernel(
+                self.func, grid[0], grid[1], grid[2], block, 1, 1, 0, stream, params, None,
+            ), self.name)  # fmt: skip
+            return
+        attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+        attr.value[0] = 1  # programmaticStreamSerializationAllowed (an int at the union's start)
+        config = _LaunchConfig(grid[0], grid[1], grid[2], block, 1, 1, 0, stream, ctypes.pointer(attr), 1)
+        _check_driver(_cuda().cuLaunchKernelEx(ctypes.byref(config), self.func, params, None), self.name)
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class _LaunchAttribute(ctypes.Structure):
+    # CUlaunchAttribute: the id, padding to 8 bytes, a 64-byte union of values.
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    # CUlaunchConfig (CUDA 12+).
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]  # fmt: skip
 
 
 def ptr(t: torch.Tensor) -> ctypes.c_void_p:

@@ -317,6 +317,82 @@ def test_the_cuda_fp8_decode_kernel_splits_to_shorten_its_last_wave(monkeypatch:
     assert not fp8_decode.supports(torch.zeros(2, 72, 128, dtype=torch.bfloat16), cache, 1, 0)  # 9 a group
 
 
+def test_one_tokens_cuda_matmul_takes_what_it_divides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA kernel of one token's linear layers (engine.kernels.token_gemv) takes one 16-bit token on CUDA over
+    an e4m3 weight or one of the token's dtype whose rows are whole runs of 32 lanes' 16-byte chunks; its tile keeps
+    8 chunks a row in flight where they divide; ENGINE_TOKEN_GEMV=triton keeps Triton's; anything else is refused."""
+    from engine.kernels import token_gemv
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    x = torch.zeros(1, 4096, dtype=torch.bfloat16)
+    w8 = torch.zeros(6144, 4096, dtype=torch.float8_e4m3fn)
+    assert token_gemv.supports(x, w8, False) and token_gemv.supports(x, torch.zeros(6144, 4096, dtype=torch.bfloat16),
+                                                                     True)  # fmt: skip
+    assert not token_gemv.supports(torch.zeros(2, 4096, dtype=torch.bfloat16), w8, False)  # two tokens
+    assert not token_gemv.supports(x.float(), w8, False)  # float32 activations
+    assert not token_gemv.supports(x, torch.zeros(6144, 4096, dtype=torch.float16), False)  # another 16-bit dtype
+    assert not token_gemv.supports(x[:, :4000], w8[:, :4000], False)  # rows not whole runs of chunks
+    assert token_gemv.tile_for(w8, False) == token_gemv.TokenTile(4, 2, 8)
+    assert token_gemv.tile_for(torch.zeros(4096, 12288, dtype=torch.float8_e4m3fn), False).unroll == 8  # 24 a lane
+    assert token_gemv.tile_for(torch.zeros(128, 2048, dtype=torch.float8_e4m3fn), True) == token_gemv.TokenTile(4, 1, 4)
+    assert token_gemv.enabled()
+    monkeypatch.setenv("ENGINE_TOKEN_GEMV", "triton")
+    assert not token_gemv.enabled()
+    monkeypatch.setenv("ENGINE_TOKEN_GEMV", "cutlass")
+    with pytest.raises(ValueError, match="ENGINE_TOKEN_GEMV must be 'cuda' or 'triton'"):
+        token_gemv.enabled()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="one token's CUDA matmul is CUDA C++, compiled by NVRTC on the GPU")
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
+def test_one_tokens_cuda_matmul_matches_the_float32_product(act: torch.dtype) -> None:
+    """Against float32 F.linear of the (dequantized) weight: 16-bit and e4m3 weights (per-channel scales), a bias,
+    SwiGLU of a fused gate/up weight, every tile of a sweep, through gemv's dispatch, and a chain of two launches in a
+    CUDA graph under PDL where the second reads what the first wrote."""
+    from engine.kernels import token_gemv
+    from engine.kernels.gemv import gemv
+
+    g = _g(50)
+    for n, k, swiglu in ((48, 512, False), (100, 1024, False), (2 * 72, 2048, True), (4096, 12288, False)):
+        w = (torch.randn(n, k, generator=g) * 0.05).to(DEV)
+        x = torch.randn(1, k, generator=g).to(DEV).to(act)
+        bias = None if swiglu else torch.randn(n, generator=g).to(DEV).to(act)
+        scale = w.abs().amax(1) / 448
+        for weight, sc in ((w.to(act), None), ((w / scale[:, None]).to(torch.float8_e4m3fn), scale.float())):
+            deq = weight.float() * (sc[:, None] if sc is not None else 1.0)
+            ref = F.linear(x.float(), deq)
+            if swiglu:
+                gate, up = ref.chunk(2, dim=-1)
+                ref = F.silu(gate) * up
+            elif bias is not None:
+                ref = ref + bias.float()
+            assert token_gemv.supports(x, weight, swiglu)
+            per_lane = k * weight.element_size() // 512
+            tiles = {token_gemv.tile_for(weight, swiglu), token_gemv.TokenTile(8, 1, 4), token_gemv.TokenTile(4, 4, 4)}
+            for tile in (t for t in tiles if per_lane % t.unroll == 0):
+                got = token_gemv.token_gemv(x, weight, sc, bias, swiglu, torch.empty(1, ref.shape[1], device=DEV,
+                                                                                     dtype=act), tile)  # fmt: skip
+                torch.testing.assert_close(got.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=1e-2)
+            via = gemv(x, weight, sc, bias, swiglu=swiglu)
+            torch.testing.assert_close(via, token_gemv.token_gemv(x, weight, sc, bias, swiglu, torch.empty_like(via)))
+    # A chain under PDL: y1 = x W1^T, y2 = y1 W2^T, replayed from a graph with new x.
+    w1 = (torch.randn(1024, 1024, generator=g) * 0.05).to(DEV).to(act)
+    w2 = (torch.randn(512, 1024, generator=g) * 0.05).to(DEV).to(act)
+    x = torch.randn(1, 1024, generator=g).to(DEV).to(act)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(side):
+        gemv(gemv(x, w1), w2)  # compile outside the capture
+        with torch.cuda.graph(graph, stream=side):
+            y = gemv(gemv(x, w1), w2)
+    for _ in range(3):
+        x.copy_(torch.randn(1, 1024, generator=g).to(DEV).to(act))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(y, gemv(gemv(x, w1), w2))
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the FP8 decode kernel is CUDA C++, compiled by NVRTC on the GPU")
 @pytest.mark.parametrize(
     ("group", "block_size", "dtype"),

@@ -1,0 +1,195 @@
+// One token's linear layer, y = x W^T (times a per-channel scale, plus a bias; or SwiGLU of a fused gate/up weight),
+// on the CUDA cores: a decode step at batch 1 reads each weight once, so its speed is the weight's stream from HBM.
+//
+// A block of WARPS warps owns ROWS_PER_WARP * WARPS output channels, each warp ROWS_PER_WARP of them (with SWIGLU,
+// those gate rows and the matching up rows N' further). Lane l reads 16-byte chunks l, l + 32, ... of each of its
+// rows, UNROLL chunks a row at a time in flight. The first chunks are requested before the wait for the kernel
+// before (programmatic dependent launch: no kernel writes a weight), then x, which that kernel wrote, is staged in
+// shared memory. Products and sums are float32; each row's sum is reduced across the warp once.
+//
+// Compile-time: K (columns), WBYTES (1: e4m3, 2: 16-bit of the activations' kind), BF16 (activations and output
+// bfloat16, else float16), WARPS, ROWS_PER_WARP, UNROLL, SWIGLU, HAS_SCALE, HAS_BIAS, PDL.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#define FULL 0xffffffffu
+#define CHUNK_VALUES (16 / WBYTES)
+#define CHUNKS_PER_ROW (K / CHUNK_VALUES)
+#define CHUNKS_PER_LANE (CHUNKS_PER_ROW / 32)
+#define ROWS (SWIGLU ? 2 * ROWS_PER_WARP : ROWS_PER_WARP)
+
+static_assert(K % (32 * CHUNK_VALUES) == 0, "whole 16-byte chunks for every lane");
+static_assert(CHUNKS_PER_LANE % UNROLL == 0, "whole runs of UNROLL chunks");
+
+__device__ __forceinline__ float lo16(u32 w) {  // the low 16-bit value of w (BF16 or fp16) as float
+#if BF16
+  return __int_as_float(w << 16);
+#else
+  float r;
+  asm("{ .reg .b16 a, b; mov.b32 {a, b}, %1; cvt.f32.f16 %0, a; }" : "=f"(r) : "r"(w));
+  return r;
+#endif
+}
+
+__device__ __forceinline__ float hi16(u32 w) {
+#if BF16
+  return __int_as_float(w & 0xffff0000u);
+#else
+  float r;
+  asm("{ .reg .b16 a, b; mov.b32 {a, b}, %1; cvt.f32.f16 %0, b; }" : "=f"(r) : "r"(w));
+  return r;
+#endif
+}
+
+__device__ __forceinline__ u32 e4m3x2_lo(u32 v) {  // the low two e4m3 bytes of v as f16x2
+  u32 r;
+  asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, lo; }" : "=r"(r) : "r"(v));
+  return r;
+}
+
+__device__ __forceinline__ u32 e4m3x2_hi(u32 v) {
+  u32 r;
+  asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, hi; }" : "=r"(r) : "r"(v));
+  return r;
+}
+
+__device__ __forceinline__ void f16x2_to_f32(u32 h, float& a, float& b) {
+  asm("{ .reg .b16 x, y; mov.b32 {x, y}, %2; cvt.f32.f16 %0, x; cvt.f32.f16 %1, y; }" : "=f"(a), "=f"(b) : "r"(h));
+}
+
+__device__ __forceinline__ u16 round16(float x) {  // to the activations' dtype, round to nearest even
+  u16 r;
+#if BF16
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+#else
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
+#endif
+  return r;
+}
+
+__device__ __forceinline__ float rounded(float x) {  // x rounded to the activations' dtype, as float
+  const u32 r = round16(x);
+  return lo16(r);
+}
+
+__device__ __forceinline__ uint4 ld_stream(const unsigned char* p) {  // read once: do not keep in L1
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+// acc += the chunk's 16 / WBYTES weights times x's values at k0.
+__device__ __forceinline__ float dot_chunk(const uint4& w, const u32* __restrict__ xs, int k0) {
+  const uint4* xv = reinterpret_cast<const uint4*>(xs + k0 / 2);  // x in shared memory, 16-bit pairs
+  float acc = 0.f;
+#if WBYTES == 1
+  const u32 ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const uint4 x = xv[i];  // 8 values
+    const u32 xw[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      float a, b, c, d;
+      f16x2_to_f32(e4m3x2_lo(ws[2 * i + j]), a, b);
+      f16x2_to_f32(e4m3x2_hi(ws[2 * i + j]), c, d);
+      acc = fmaf(a, lo16(xw[2 * j]), acc);
+      acc = fmaf(b, hi16(xw[2 * j]), acc);
+      acc = fmaf(c, lo16(xw[2 * j + 1]), acc);
+      acc = fmaf(d, hi16(xw[2 * j + 1]), acc);
+    }
+  }
+#else
+  const uint4 x = xv[0];
+  acc = fmaf(lo16(w.x), lo16(x.x), acc);
+  acc = fmaf(hi16(w.x), hi16(x.x), acc);
+  acc = fmaf(lo16(w.y), lo16(x.y), acc);
+  acc = fmaf(hi16(w.y), hi16(x.y), acc);
+  acc = fmaf(lo16(w.z), lo16(x.z), acc);
+  acc = fmaf(hi16(w.z), hi16(x.z), acc);
+  acc = fmaf(lo16(w.w), lo16(x.w), acc);
+  acc = fmaf(hi16(w.w), hi16(x.w), acc);
+#endif
+  return acc;
+}
+
+// x [K] 16-bit; w [N_total, K] row stride stride_w bytes; out [N]; scale/bias [N_total] (scale float32).
+extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* __restrict__ x,
+                                                                  const unsigned char* __restrict__ w,
+                                                                  const float* __restrict__ scale,
+                                                                  const u16* __restrict__ bias, u16* __restrict__ out,
+                                                                  int n, long long stride_w) {
+  __shared__ __align__(16) u32 xs[K / 2];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row0 = (blockIdx.x * WARPS + warp) * ROWS_PER_WARP;
+  const unsigned char* rows[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    int row = row0 + (r % ROWS_PER_WARP);
+    row = min(row, n - 1);  // a last warp's rows past n read row n - 1 and store nothing
+    if (SWIGLU && r >= ROWS_PER_WARP) row += n;
+    rows[r] = w + row * stride_w + lane * 16;
+  }
+  float acc[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
+  uint4 buf[ROWS][UNROLL];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) buf[r][u] = ld_stream(rows[r] + u * 512);
+#if PDL
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  for (int i = threadIdx.x; i < K / 8; i += 32 * WARPS)
+    reinterpret_cast<uint4*>(xs)[i] = __ldg(reinterpret_cast<const uint4*>(x) + i);
+  __syncthreads();
+#pragma unroll
+  for (int c0 = 0; c0 < CHUNKS_PER_LANE; c0 += UNROLL) {
+    if (c0 > 0) {  // the first run was asked for before the wait
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) buf[r][u] = ld_stream(rows[r] + (c0 + u) * 512);
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) acc[r] += dot_chunk(buf[r][u], xs, ((c0 + u) * 32 + lane) * CHUNK_VALUES);
+  }
+#if PDL
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(FULL, acc[r], o);
+  }
+  if (lane < ROWS_PER_WARP) {
+    // Lane r stores row r (the sums are in every lane; a constant index keeps them in registers).
+    float y = acc[0], up = SWIGLU ? acc[ROWS_PER_WARP] : 0.f;
+#pragma unroll
+    for (int r = 1; r < ROWS_PER_WARP; ++r)
+      if (lane == r) {
+        y = acc[r];
+        if (SWIGLU) up = acc[ROWS_PER_WARP + r];
+      }
+    const int row = row0 + lane;
+    if (row < n) {
+      if (HAS_SCALE) {
+        y *= __ldg(scale + row);
+        if (SWIGLU) up *= __ldg(scale + n + row);
+      }
+      if (HAS_BIAS) y += lo16(__ldg(bias + row));
+      if (SWIGLU) {
+        // The unfused ops' roundings: each matmul's output, then the activation, in the activations' dtype.
+        const float g = rounded(y);
+        y = rounded(g / (1.f + expf(-g))) * rounded(up);
+      }
+      out[row] = round16(y);
+    }
+  }
+}

@@ -1,0 +1,105 @@
+"""One token's linear layer on the CUDA cores in CUDA C++ (``token_gemv.cu``), compiled by NVRTC.
+
+At batch 1 a linear layer streams its weight from HBM once; this kernel keeps UNROLL 16-byte chunks of each of a
+warp's rows in flight per lane and asks for the first ones before it waits for the kernel before (PDL), where the
+Triton kernels (``engine.kernels.gemv``) hold one slice a program. Weights in e4m3 with a float32 scale per output
+channel, or in the activations' 16-bit dtype; optional bias; or SwiGLU of a fused gate/up weight, with the unfused
+ops' roundings. ``supports`` says whether a call qualifies; ``engine.kernels.gemv.gemv`` dispatches to it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from engine.kernels import nvrtc, pdl_launch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("token_gemv.cu")
+CHUNK_BYTES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class TokenTile:
+    warps: int = 4
+    rows_per_warp: int = 2
+    unroll: int = 8
+
+
+def enabled() -> bool:
+    """``ENGINE_TOKEN_GEMV``: ``cuda`` (unset) runs one token's linear layers on this kernel, ``triton`` on Triton's."""
+    mode = os.environ.get("ENGINE_TOKEN_GEMV", "cuda")
+    if mode not in ("cuda", "triton"):
+        raise ValueError(f"ENGINE_TOKEN_GEMV must be 'cuda' or 'triton', got {mode!r}")
+    return mode == "cuda"
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, swiglu: bool) -> bool:
+    """One token on CUDA, 16-bit activations, an e4m3 weight or one of the activations' dtype whose rows are whole
+    runs of 32 lanes' 16-byte chunks, 16-byte aligned."""
+    if not (x.is_cuda and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    if weight.dtype not in (torch.float8_e4m3fn, x.dtype) or weight.stride(1) != 1:
+        return False
+    k, es = weight.shape[1], weight.element_size()
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    return (
+        k * es % (32 * CHUNK_BYTES) == 0 and weight.stride(0) * es % CHUNK_BYTES == 0
+        and weight.data_ptr() % CHUNK_BYTES == 0 and x.data_ptr() % CHUNK_BYTES == 0 and x.stride(1) == 1
+        and n > 0 and k <= 16384
+    )  # fmt: skip
+
+
+def tile_for(weight: torch.Tensor, swiglu: bool) -> TokenTile:
+    """The tile of a weight: at most ``unroll`` chunks a row in flight, whole runs of them per lane."""
+    per_lane = weight.shape[1] * weight.element_size() // (32 * CHUNK_BYTES)
+    unroll = 8 if per_lane % 8 == 0 else 4 if per_lane % 4 == 0 else per_lane
+    return TokenTile(4, 1 if swiglu else 2, min(unroll, per_lane))
+
+
+@cache
+def available(device: int) -> bool:
+    """Whether the kernel compiles and loads on ``device``; if not, linear layers stay on Triton, with a warning."""
+    try:
+        _kernel(device, 4096, 1, True, TokenTile(), False, True, False, False)
+    except (nvrtc.NvrtcError, RuntimeError, OSError) as e:
+        log.warning("one token's linear layers run on Triton: their CUDA kernel is unavailable (%s)", e)
+        return False
+    return True
+
+
+@cache
+def _kernel(device: int, k: int, wbytes: int, bf16: bool, tile: TokenTile, swiglu: bool, has_scale: bool,
+            has_bias: bool, pdl: bool) -> nvrtc.Kernel:  # fmt: skip
+    major, minor = torch.cuda.get_device_capability(device)
+    defines = {"K": k, "WBYTES": wbytes, "BF16": int(bf16), "WARPS": tile.warps, "ROWS_PER_WARP": tile.rows_per_warp,
+               "UNROLL": tile.unroll, "SWIGLU": int(swiglu), "HAS_SCALE": int(has_scale), "HAS_BIAS": int(has_bias),
+               "PDL": int(pdl)}  # fmt: skip
+    cubin = nvrtc.compile_cubin(_SOURCE.read_text(), _SOURCE.name, f"sm_{major}{minor}",
+                                [f"-D{k}={v}" for k, v in defines.items()])  # fmt: skip
+    with torch.cuda.device(device):
+        return nvrtc.Kernel(cubin, "token_gemv")
+
+
+def token_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+               swiglu: bool, out: torch.Tensor, tile: TokenTile | None = None) -> torch.Tensor:  # fmt: skip
+    """``out [1, N] = x [1, K] @ weight.T`` (times ``scale``, plus ``bias``), or SwiGLU of a fused ``[2N, K]``
+    gate/up weight; see the module's docstring."""
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    tile = tile or tile_for(weight, swiglu)
+    pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
+    kernel = _kernel(x.device.index or 0, weight.shape[1], weight.element_size(), x.dtype == torch.bfloat16, tile,
+                     swiglu, scale is not None, bias is not None, pdl)  # fmt: skip
+    rows_per_block = tile.warps * tile.rows_per_warp
+    args = [nvrtc.ptr(x), nvrtc.ptr(weight), nvrtc.ptr(scale if scale is not None else out),
+            nvrtc.ptr(bias if bias is not None else out), nvrtc.ptr(out), ctypes.c_int(n),
+            ctypes.c_longlong(weight.stride(0) * weight.element_size())]  # fmt: skip
+    kernel((-(-n // rows_per_block), 1, 1), 32 * tile.warps, args, pdl=pdl)
+    return out
