@@ -6,7 +6,7 @@ source bench/device/setup.sh
 [ -n "${SKIP_TESTS:-}" ] || ENGINE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider \
   tests/engine/test_kernels.py -k "(cuda_matmul or takes_what_it_divides or token or skinny or gemv) and not sampler" \
   2>&1 | tail -4 | tee "$OUT/cuda-tests.txt" || true
-timeout 200 python3 bench/device/token_gemv_bench.py --json "$OUT/token-gemv.json" 2>&1 | grep -v -i warn | cut -c1-330
+[ -n "${NO_BENCH:-}" ] || timeout 200 python3 bench/device/token_gemv_bench.py --json "$OUT/token-gemv.json" 2>&1 | grep -v -i warn | cut -c1-330
 python3 bench/device/shape_config.py qwen3-8b /tmp/shapes/qwen3-8b >/dev/null
 for q in none fp8; do
   for m in cuda triton; do

@@ -58,10 +58,16 @@ def supports(x: torch.Tensor, weight: torch.Tensor, swiglu: bool) -> bool:
 
 
 def tile_for(weight: torch.Tensor, swiglu: bool) -> TokenTile:
-    """The tile of a weight: at most ``unroll`` chunks a row in flight, whole runs of them per lane."""
+    """The tile of a weight, from a sweep over qwen3-8b's projections on the H200 (docs/engine.md, sixteenth round):
+    16-bit rows one a warp, 8 chunks a row in flight; e4m3 rows (half the bytes a chunk of K) 4 in flight, one a
+    warp of 8 or, for SwiGLU, two gate and two up rows a warp of 4. Fewer where a lane's chunks do not divide."""
     per_lane = weight.shape[1] * weight.element_size() // (32 * CHUNK_BYTES)
-    unroll = 8 if per_lane % 8 == 0 else 4 if per_lane % 4 == 0 else per_lane
-    return TokenTile(4, 1 if swiglu else 2, min(unroll, per_lane))
+    if weight.element_size() == 1:
+        tile = TokenTile(4, 2, 4) if swiglu else TokenTile(8, 1, 4)
+    else:
+        tile = TokenTile(4, 1, 8)
+    unroll = next(u for u in (tile.unroll, 4, 2, 1) if u <= tile.unroll and per_lane % u == 0)
+    return TokenTile(tile.warps, tile.rows_per_warp, unroll)
 
 
 @cache

@@ -319,8 +319,9 @@ def test_the_cuda_fp8_decode_kernel_splits_to_shorten_its_last_wave(monkeypatch:
 
 def test_one_tokens_cuda_matmul_takes_what_it_divides(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA kernel of one token's linear layers (engine.kernels.token_gemv) takes one 16-bit token on CUDA over
-    an e4m3 weight or one of the token's dtype whose rows are whole runs of 32 lanes' 16-byte chunks; its tile keeps
-    8 chunks a row in flight where they divide; ENGINE_TOKEN_GEMV=triton keeps Triton's; anything else is refused."""
+    an e4m3 weight or one of the token's dtype whose rows are whole runs of 32 lanes' 16-byte chunks; its tiles are
+    the sweep's (fewer chunks in flight where a lane's do not divide); ENGINE_TOKEN_GEMV=triton keeps Triton's;
+    anything else is refused."""
     from engine.kernels import token_gemv
 
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
@@ -332,9 +333,11 @@ def test_one_tokens_cuda_matmul_takes_what_it_divides(monkeypatch: pytest.Monkey
     assert not token_gemv.supports(x.float(), w8, False)  # float32 activations
     assert not token_gemv.supports(x, torch.zeros(6144, 4096, dtype=torch.float16), False)  # another 16-bit dtype
     assert not token_gemv.supports(x[:, :4000], w8[:, :4000], False)  # rows not whole runs of chunks
-    assert token_gemv.tile_for(w8, False) == token_gemv.TokenTile(4, 2, 8)
-    assert token_gemv.tile_for(torch.zeros(4096, 12288, dtype=torch.float8_e4m3fn), False).unroll == 8  # 24 a lane
-    assert token_gemv.tile_for(torch.zeros(128, 2048, dtype=torch.float8_e4m3fn), True) == token_gemv.TokenTile(4, 1, 4)
+    assert token_gemv.tile_for(w8, False) == token_gemv.TokenTile(8, 1, 4)
+    assert token_gemv.tile_for(w8, True) == token_gemv.TokenTile(4, 2, 4)
+    assert token_gemv.tile_for(torch.zeros(4096, 4096, dtype=torch.bfloat16), False) == token_gemv.TokenTile(4, 1, 8)
+    assert token_gemv.tile_for(torch.zeros(64, 1536, dtype=torch.bfloat16), False).unroll == 2  # 6 chunks a lane
+    assert token_gemv.tile_for(torch.zeros(64, 512, dtype=torch.float8_e4m3fn), False).unroll == 1
     assert token_gemv.enabled()
     monkeypatch.setenv("ENGINE_TOKEN_GEMV", "triton")
     assert not token_gemv.enabled()
