@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from engine.kernels import nvrtc
+from engine.kernels.merge import merge_splits
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +101,6 @@ def fp8_decode_attention(
     ``[2, blocks, kv_heads, block_size, 128]`` of e4m3, addressed through its strides), ``num_splits`` programs a
     sequence whose partials the Triton merge sums. ``min_blocks``: the launch bound's programs per SM (a register
     cap)."""
-    from engine.kernels.triton_ops import merge_splits
-
     _, _, kv_heads, bs, _ = kv_cache.shape
     seqs, heads = block_tables.shape[0], q.shape[1]
     el = kv_cache.element_size()
