@@ -12,37 +12,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
 import torch
 
 from bench.device.attn_gap import _cache, _tables
-from bench.device.fp8_tune import BLOCK_SIZE, HBM, HEAD_DIM, HEADS, KV_HEADS, graph_time
+from bench.device.fp8_tune import BLOCK_SIZE, HBM, HEAD_DIM, HEADS, KV_HEADS, environ, graph_time
 from engine.kernels import decode_splits
 from engine.kernels.fp8_decode import fp8_decode_attention
 from engine.kernels.triton_ops import paged_attention
 
 CASES = {"8x1000": (8, 1000), "64x544": (64, 544), "1x4K": (1, 4096), "16x8K": (16, 8192), "256x2K": (256, 2048),
          "256x2K ragged": (256, -2048)}  # fmt: skip
-
-
-@contextmanager
-def attention_kernel(mode: str) -> Iterator[None]:
-    """FP8 decode attention on ``cuda`` (the engine's default) or ``triton`` while the block runs."""
-    before = os.environ.get("ENGINE_FP8_ATTENTION")
-    os.environ["ENGINE_FP8_ATTENTION"] = mode
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["ENGINE_FP8_ATTENTION"]
-        else:
-            os.environ["ENGINE_FP8_ATTENTION"] = before
 
 
 def reference(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
@@ -87,7 +70,7 @@ def main() -> None:
             cache = _cache(pool, dtype)
             fp8 = dtype == "fp8"
             nbytes = keys * KV_HEADS * HEAD_DIM * 2 * cache.element_size()
-            with attention_kernel("triton"):
+            with environ("ENGINE_FP8_ATTENTION", "triton"):
                 splits = decode_splits(seqs, KV_HEADS, top, dev, fp8=fp8)
                 triton_run = partial(paged_attention, q, cache, tables, qstart, lens, HEAD_DIM**-0.5, 1, top, splits)
                 t = min(graph_time([triton_run] * 4, rounds=5) for _ in range(3))
@@ -99,7 +82,7 @@ def main() -> None:
                 del cache
                 continue
             # The engine's path: paged_attention dispatching to the CUDA kernel at its own split rule.
-            with attention_kernel("cuda"):
+            with environ("ENGINE_FP8_ATTENTION", "cuda"):
                 esplits = decode_splits(seqs, KV_HEADS, top, dev, fp8=True)
                 engine_run = partial(paged_attention, q, cache, tables, qstart, lens, HEAD_DIM**-0.5, 1, top, esplits)
                 if ref_triton is not None:

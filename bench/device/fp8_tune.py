@@ -36,8 +36,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -57,6 +59,20 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "dow
           "lm_head": (151936, 4096)}  # fmt: skip
 # --shapes qwen3-30b-a3b: that model's dense layers (the experts run on the fused MoE kernel), the router included.
 MOE_SHAPES = {"qkv": (5120, 2048), "o": (2048, 4096), "router": (128, 2048), "lm_head": (151936, 2048)}
+
+
+@contextmanager
+def environ(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name] = value`` while the block runs (a kernel switch the engine reads at each launch)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
 
 
 def graph_time(calls: Sequence[Callable[[], object]], rounds: int = 5) -> float:

@@ -14,36 +14,20 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from bench.device.fp8_tune import HBM, SHAPES, graph_time
+from bench.device.fp8_tune import HBM, SHAPES, environ, graph_time
 from engine.kernels.gemv import gemv
 from engine.kernels.token_gemv import TokenTile, tile_for, token_gemv
 from engine.models.quant import Fp8Linear
 
 LAYERS = 36
 PASS_BYTES = 512 << 20
-
-
-@contextmanager
-def kernel(mode: str) -> Iterator[None]:
-    before = os.environ.get("ENGINE_TOKEN_GEMV")
-    os.environ["ENGINE_TOKEN_GEMV"] = mode
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["ENGINE_TOKEN_GEMV"]
-        else:
-            os.environ["ENGINE_TOKEN_GEMV"] = before
 
 
 def run_all(calls: list[partial[torch.Tensor]]) -> None:
@@ -87,7 +71,7 @@ def main() -> None:
                 ref = F.silu(g) * u
             nbytes = n * k * es
             r: dict[str, Any] = {"copies": copies}
-            with kernel("triton"):
+            with environ("ENGINE_TOKEN_GEMV", "triton"):
                 t = graph_time([partial(gemv, x, w, s, swiglu=swiglu) for w, s in ws], rounds=5)
                 err = float((gemv(x, *ws[0], swiglu=swiglu).float() - ref).abs().max() / ref.abs().max())
             r["triton"] = {"us": t * 1e6, "pct_hbm": 100 * nbytes / t / HBM, "rel_err": err}
@@ -126,7 +110,7 @@ def main() -> None:
                      for nm in ("qkv", "o", "gate_up", "down")]  # fmt: skip
             nbytes = sum(w.numel() * w.element_size() for ws_ in layers.values() for w, _ in ws_)
             for mode in ("triton", "cuda"):
-                with kernel(mode):
+                with environ("ENGINE_TOKEN_GEMV", mode):
                     t = graph_time([partial(run_all, calls)], rounds=5)
                 out.setdefault("chain", {})[f"{dtype} {mode}"] = {"us": t * 1e6, "pct_hbm": 100 * nbytes / t / HBM}
                 print("chain", dtype, mode, round(t * 1e6, 1), "us", round(100 * nbytes / t / HBM, 1), "%", flush=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from functools import cache
 from pathlib import Path
 
@@ -35,10 +34,7 @@ PROGRAM_OVERHEAD_TILES = 8
 
 def enabled() -> bool:
     """``ENGINE_FP8_ATTENTION``: ``cuda`` (unset) runs FP8 decode attention on this kernel, ``triton`` on Triton's."""
-    mode = os.environ.get("ENGINE_FP8_ATTENTION", "cuda")
-    if mode not in ("cuda", "triton"):
-        raise ValueError(f"ENGINE_FP8_ATTENTION must be 'cuda' or 'triton', got {mode!r}")
-    return mode == "cuda"
+    return nvrtc.use_cuda_kernel("ENGINE_FP8_ATTENTION")
 
 
 def splits(num_seqs: int, kv_heads: int, max_context: int, sms: int, max_splits: int) -> int:
@@ -84,13 +80,9 @@ def available(device: int) -> bool:
 @cache
 def _kernel(device: int, bs: int, sb: int, sh: int, ss: int, v_offset: int, bf16: bool, min_blocks: int,
             pdl: bool) -> nvrtc.Kernel:  # fmt: skip
-    major, minor = torch.cuda.get_device_capability(device)
     defines = {"BS": bs, "SB": f"{sb}LL", "SH": f"{sh}LL", "SS": ss, "V_OFFSET": f"{v_offset}LL", "BF16": int(bf16),
                "MIN_BLOCKS": min_blocks, "PDL": int(pdl)}  # fmt: skip
-    cubin = nvrtc.compile_cubin(_SOURCE.read_text(), _SOURCE.name, f"sm_{major}{minor}",
-                                [f"-D{k}={v}" for k, v in defines.items()])  # fmt: skip
-    with torch.cuda.device(device):
-        return nvrtc.Kernel(cubin, "fp8_decode_attention")
+    return nvrtc.build(_SOURCE, "fp8_decode_attention", device, defines)
 
 
 def fp8_decode_attention(

@@ -11,8 +11,9 @@ import ctypes
 import glob
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import cache
+from pathlib import Path
 
 import torch
 
@@ -127,6 +128,23 @@ class _LaunchConfig(ctypes.Structure):
                 ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
                 ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
                 ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]  # fmt: skip
+
+
+def build(source: Path, kernel: str, device: int, defines: Mapping[str, object]) -> Kernel:
+    """``kernel`` of the CUDA C++ file ``source``, compiled for ``device``'s architecture with ``-D`` ``defines``."""
+    major, minor = torch.cuda.get_device_capability(device)
+    cubin = compile_cubin(source.read_text(), source.name, f"sm_{major}{minor}",
+                          [f"-D{k}={v}" for k, v in defines.items()])  # fmt: skip
+    with torch.cuda.device(device):
+        return Kernel(cubin, kernel)
+
+
+def use_cuda_kernel(variable: str) -> bool:
+    """A switch between a CUDA C++ kernel and the Triton one it replaces: ``cuda`` (unset) or ``triton``."""
+    mode = os.environ.get(variable, "cuda")
+    if mode not in ("cuda", "triton"):
+        raise ValueError(f"{variable} must be 'cuda' or 'triton', got {mode!r}")
+    return mode == "cuda"
 
 
 def ptr(t: torch.Tensor) -> ctypes.c_void_p:

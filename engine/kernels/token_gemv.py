@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -35,10 +34,7 @@ class TokenTile:
 
 def enabled() -> bool:
     """``ENGINE_TOKEN_GEMV``: ``cuda`` (unset) runs one token's linear layers on this kernel, ``triton`` on Triton's."""
-    mode = os.environ.get("ENGINE_TOKEN_GEMV", "cuda")
-    if mode not in ("cuda", "triton"):
-        raise ValueError(f"ENGINE_TOKEN_GEMV must be 'cuda' or 'triton', got {mode!r}")
-    return mode == "cuda"
+    return nvrtc.use_cuda_kernel("ENGINE_TOKEN_GEMV")
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, swiglu: bool) -> bool:
@@ -84,14 +80,10 @@ def available(device: int) -> bool:
 @cache
 def _kernel(device: int, k: int, wbytes: int, bf16: bool, tile: TokenTile, swiglu: bool, has_scale: bool,
             has_bias: bool, pdl: bool) -> nvrtc.Kernel:  # fmt: skip
-    major, minor = torch.cuda.get_device_capability(device)
     defines = {"K": k, "WBYTES": wbytes, "BF16": int(bf16), "WARPS": tile.warps, "ROWS_PER_WARP": tile.rows_per_warp,
                "UNROLL": tile.unroll, "SWIGLU": int(swiglu), "HAS_SCALE": int(has_scale), "HAS_BIAS": int(has_bias),
                "PDL": int(pdl)}  # fmt: skip
-    cubin = nvrtc.compile_cubin(_SOURCE.read_text(), _SOURCE.name, f"sm_{major}{minor}",
-                                [f"-D{k}={v}" for k, v in defines.items()])  # fmt: skip
-    with torch.cuda.device(device):
-        return nvrtc.Kernel(cubin, "token_gemv")
+    return nvrtc.build(_SOURCE, "token_gemv", device, defines)
 
 
 def token_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
