@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import pdl_launch
+from engine.kernels import pdl_launch, token_gemv
 from engine.kernels.pdl import enter, leave_loop
 
 
@@ -517,6 +517,14 @@ def fused_moe(
     w13 = w13.contiguous()
     w2 = w2.contiguous()
     route_w = topk_weights.contiguous()
+    if (
+        tokens == 1 and token_gemv.supports_experts(x, w13, w2) and token_gemv.moe_enabled()
+        and token_gemv.available(x.device.index or 0)
+    ):  # fmt: skip
+        # One token: each routed expert's rows streamed by the CUDA kernel, no alignment needed.
+        h1 = token_gemv.token_experts(x, w13, topk_ids, None, gated=True)
+        y1 = token_gemv.token_experts(h1, w2, topk_ids, route_w, gated=False)
+        return y1.view(1, top_k, hidden) if not sum_experts else y1.sum(dim=0, keepdim=True)
     up, down = gemm_tiles(num_pairs, num_experts, x.device)
     if alignment is not None and alignment.sorted_pairs.shape[0] != padded_capacity(num_pairs, num_experts, up.block_m):
         raise ValueError("fused_moe: the alignment was made for other tiles or another number of experts")

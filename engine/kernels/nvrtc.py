@@ -139,9 +139,10 @@ def build(source: Path, kernel: str, device: int, defines: Mapping[str, object])
         return Kernel(cubin, kernel)
 
 
-def use_cuda_kernel(variable: str) -> bool:
-    """A switch between a CUDA C++ kernel and the Triton one it replaces: ``cuda`` (unset) or ``triton``."""
-    mode = os.environ.get(variable, "cuda")
+def use_cuda_kernel(variable: str, default: str = "cuda") -> bool:
+    """A switch between a CUDA C++ kernel and the Triton one it replaces: ``cuda`` or ``triton`` (unset:
+    ``default``)."""
+    mode = os.environ.get(variable, default)
     if mode not in ("cuda", "triton"):
         raise ValueError(f"{variable} must be 'cuda' or 'triton', got {mode!r}")
     return mode == "cuda"

@@ -9,6 +9,21 @@
 //
 // Compile-time: K (columns), WBYTES (1: e4m3, 2: 16-bit of the activations' kind), BF16 (activations and output
 // bfloat16, else float16), WARPS, ROWS_PER_WARP, UNROLL, SWIGLU, HAS_SCALE, HAS_BIAS, PDL.
+//
+// EXPERTS: one token's routed experts of a MoE layer, blockIdx.y the (token, expert) pair: its weight is expert
+// ids[pair] of a stack (expert_stride bytes apart), its x row pair * x_stride, its output row pair. The expert is
+// only known after the wait (the routing kernel wrote it), so nothing is requested before it. ROUTED: the output,
+// rounded to the activations' dtype, times the pair's routing weight (float32 with ROUTE_F32, else 16-bit), rounded
+// once more, as the torch reference does.
+#ifndef EXPERTS
+#define EXPERTS 0
+#endif
+#ifndef ROUTED
+#define ROUTED 0
+#endif
+#ifndef ROUTE_F32
+#define ROUTE_F32 1
+#endif
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -121,9 +136,21 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
                                                                   const unsigned char* __restrict__ w,
                                                                   const float* __restrict__ scale,
                                                                   const u16* __restrict__ bias, u16* __restrict__ out,
-                                                                  int n, long long stride_w) {
+                                                                  int n, long long stride_w,
+                                                                  const long long* __restrict__ ids,
+                                                                  const void* __restrict__ route_w,
+                                                                  long long expert_stride, int x_stride) {
   __shared__ __align__(16) u32 xs[K / 2];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#if EXPERTS
+#if PDL
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  const int pair = blockIdx.y;
+  w += __ldg(ids + pair) * expert_stride;
+  x += (long long)pair * x_stride;
+  out += (long long)pair * n;
+#endif
   const int row0 = (blockIdx.x * WARPS + warp) * ROWS_PER_WARP;
   const unsigned char* rows[ROWS];
 #pragma unroll
@@ -141,7 +168,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
   for (int r = 0; r < ROWS; ++r)
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) buf[r][u] = ld_stream(rows[r] + u * 512);
-#if PDL
+#if PDL && !EXPERTS
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   for (int i = threadIdx.x; i < K / 8; i += 32 * WARPS)
@@ -189,6 +216,14 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
         const float g = rounded(y);
         y = rounded(g / (1.f + expf(-g))) * rounded(up);
       }
+#if ROUTED
+#if ROUTE_F32
+      const float rw = __ldg(static_cast<const float*>(route_w) + pair);
+#else
+      const float rw = lo16(__ldg(static_cast<const u16*>(route_w) + pair));
+#endif
+      y = rounded(y) * rw;
+#endif
       out[row] = round16(y);
     }
   }

@@ -56,13 +56,14 @@ def supports(x: torch.Tensor, weight: torch.Tensor, swiglu: bool) -> bool:
 def tile_for(weight: torch.Tensor, swiglu: bool) -> TokenTile:
     """The tile of a weight, from a sweep over qwen3-8b's projections on the H200 (docs/engine.md, sixteenth round):
     16-bit rows one a warp, 8 chunks a row in flight; e4m3 rows (half the bytes a chunk of K) 4 in flight, one a
-    warp of 8 or, for SwiGLU, two gate and two up rows a warp of 4. Fewer where a lane's chunks do not divide."""
+    warp of 8 or, for SwiGLU, two gate and two up rows a warp of 4. Fewer (the largest divisor) where a lane's chunks
+    do not divide."""
     per_lane = weight.shape[1] * weight.element_size() // (32 * CHUNK_BYTES)
     if weight.element_size() == 1:
         tile = TokenTile(4, 2, 4) if swiglu else TokenTile(8, 1, 4)
     else:
         tile = TokenTile(4, 1, 8)
-    unroll = next(u for u in (tile.unroll, 4, 2, 1) if u <= tile.unroll and per_lane % u == 0)
+    unroll = max(u for u in range(1, tile.unroll + 1) if per_lane % u == 0)
     return TokenTile(tile.warps, tile.rows_per_warp, unroll)
 
 
@@ -79,10 +80,13 @@ def available(device: int) -> bool:
 
 @cache
 def _kernel(device: int, k: int, wbytes: int, bf16: bool, tile: TokenTile, swiglu: bool, has_scale: bool,
-            has_bias: bool, pdl: bool) -> nvrtc.Kernel:  # fmt: skip
+            has_bias: bool, pdl: bool, routed: int = 0) -> nvrtc.Kernel:  # fmt: skip
+    """``routed``: 0 a linear layer; 1 a MoE layer's experts, not weighted; 2 weighted by float32 routing weights, 3 by
+    16-bit ones."""
     defines = {"K": k, "WBYTES": wbytes, "BF16": int(bf16), "WARPS": tile.warps, "ROWS_PER_WARP": tile.rows_per_warp,
                "UNROLL": tile.unroll, "SWIGLU": int(swiglu), "HAS_SCALE": int(has_scale), "HAS_BIAS": int(has_bias),
-               "PDL": int(pdl)}  # fmt: skip
+               "PDL": int(pdl), "EXPERTS": int(routed > 0), "ROUTED": int(routed > 1),
+               "ROUTE_F32": int(routed == 2)}  # fmt: skip
     return nvrtc.build(_SOURCE, "token_gemv", device, defines)
 
 
@@ -98,6 +102,47 @@ def token_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
     rows_per_block = tile.warps * tile.rows_per_warp
     args = [nvrtc.ptr(x), nvrtc.ptr(weight), nvrtc.ptr(scale if scale is not None else out),
             nvrtc.ptr(bias if bias is not None else out), nvrtc.ptr(out), ctypes.c_int(n),
-            ctypes.c_longlong(weight.stride(0) * weight.element_size())]  # fmt: skip
+            ctypes.c_longlong(weight.stride(0) * weight.element_size()), nvrtc.ptr(out), nvrtc.ptr(out),
+            ctypes.c_longlong(0), ctypes.c_int(0)]  # fmt: skip
     kernel((-(-n // rows_per_block), 1, 1), 32 * tile.warps, args, pdl=pdl)
+    return out
+
+
+def moe_enabled() -> bool:
+    """``ENGINE_MOE_TOKEN_GEMV``: ``cuda`` runs one token's MoE experts on this kernel; ``triton`` (unset) keeps the
+    fused MoE's grouped GEMMs. Off by default until measured on a GPU (docs/engine.md, sixteenth round)."""
+    return nvrtc.use_cuda_kernel("ENGINE_MOE_TOKEN_GEMV", default="triton")
+
+
+def supports_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """One token on CUDA whose experts' weights are stacks of the token's 16-bit dtype, with rows of whole runs of 32
+    lanes' 16-byte chunks in both projections."""
+    return (
+        x.is_cuda and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+        and w13.dtype == x.dtype and w2.dtype == x.dtype and w13.is_contiguous() and w2.is_contiguous()
+        and w13.shape[2] * w13.element_size() % (32 * CHUNK_BYTES) == 0
+        and w2.shape[2] * w2.element_size() % (32 * CHUNK_BYTES) == 0 and w2.shape[2] <= 16384
+    )  # fmt: skip
+
+
+def token_experts(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor | None,
+                  gated: bool) -> torch.Tensor:  # fmt: skip
+    """One token's ``top_k`` experts of a stack ``w [E, rows, K]``: with ``gated``, ``silu(gate) * up`` of
+    ``x [1, K]`` through each expert's gate rows and up rows (``[top_k, rows / 2]``); else each pair's own row of
+    ``x [top_k, K]`` through its expert, times ``route_w`` (``[top_k, rows]``). ``ids [1, top_k]`` int64, on the
+    device (the routing kernel's)."""
+    top_k = ids.shape[1]
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    out = torch.empty((top_k, n), dtype=x.dtype, device=x.device)
+    tile = tile_for(w[0], gated)
+    pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
+    routed = 1 if route_w is None else 2 if route_w.dtype == torch.float32 else 3
+    kernel = _kernel(x.device.index or 0, w.shape[2], w.element_size(), x.dtype == torch.bfloat16, tile, gated,
+                     False, False, pdl, routed)  # fmt: skip
+    ids = ids if ids.is_contiguous() else ids.contiguous()
+    args = [nvrtc.ptr(x), nvrtc.ptr(w), nvrtc.ptr(out), nvrtc.ptr(out), nvrtc.ptr(out), ctypes.c_int(n),
+            ctypes.c_longlong(w.stride(1) * w.element_size()), nvrtc.ptr(ids),
+            nvrtc.ptr(route_w if route_w is not None else out), ctypes.c_longlong(w.stride(0) * w.element_size()),
+            ctypes.c_int(0 if gated else x.shape[1])]  # fmt: skip
+    kernel((-(-n // (tile.warps * tile.rows_per_warp)), top_k, 1), 32 * tile.warps, args, pdl=pdl)
     return out

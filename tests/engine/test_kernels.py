@@ -320,8 +320,8 @@ def test_the_cuda_fp8_decode_kernel_splits_to_shorten_its_last_wave(monkeypatch:
 def test_one_tokens_cuda_matmul_takes_what_it_divides(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA kernel of one token's linear layers (engine.kernels.token_gemv) takes one 16-bit token on CUDA over
     an e4m3 weight or one of the token's dtype whose rows are whole runs of 32 lanes' 16-byte chunks; its tiles are
-    the sweep's (fewer chunks in flight where a lane's do not divide); ENGINE_TOKEN_GEMV=triton keeps Triton's;
-    anything else is refused."""
+    the sweep's (the largest divisor of a lane's chunks where they do not divide); ENGINE_TOKEN_GEMV=triton keeps
+    Triton's; anything else is refused."""
     from engine.kernels import token_gemv
 
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
@@ -336,7 +336,7 @@ def test_one_tokens_cuda_matmul_takes_what_it_divides(monkeypatch: pytest.Monkey
     assert token_gemv.tile_for(w8, False) == token_gemv.TokenTile(8, 1, 4)
     assert token_gemv.tile_for(w8, True) == token_gemv.TokenTile(4, 2, 4)
     assert token_gemv.tile_for(torch.zeros(4096, 4096, dtype=torch.bfloat16), False) == token_gemv.TokenTile(4, 1, 8)
-    assert token_gemv.tile_for(torch.zeros(64, 1536, dtype=torch.bfloat16), False).unroll == 2  # 6 chunks a lane
+    assert token_gemv.tile_for(torch.zeros(64, 1536, dtype=torch.bfloat16), False).unroll == 6  # 6 chunks a lane
     assert token_gemv.tile_for(torch.zeros(64, 512, dtype=torch.float8_e4m3fn), False).unroll == 1
     assert token_gemv.enabled()
     monkeypatch.setenv("ENGINE_TOKEN_GEMV", "triton")

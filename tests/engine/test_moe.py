@@ -374,3 +374,55 @@ def test_fused_moe_replays_in_a_cuda_graph(tokens: int) -> None:
         torch.cuda.synchronize()
         # Each output row depends only on its own input rows: the replay equals an eager call exactly.
         assert torch.equal(out, fused_moe(x, w13, w2, weights, ids))
+
+
+def test_one_tokens_cuda_experts_take_what_they_divide_and_stay_off_until_measured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One token's experts on the CUDA kernel (engine.kernels.token_gemv): off unless ENGINE_MOE_TOKEN_GEMV=cuda (not
+    yet measured on a GPU); one 16-bit token over stacks of its dtype whose rows are whole runs of chunks."""
+    from engine.kernels import token_gemv
+
+    assert not token_gemv.moe_enabled()
+    monkeypatch.setenv("ENGINE_MOE_TOKEN_GEMV", "cuda")
+    assert token_gemv.moe_enabled()
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    x = torch.zeros(1, 2048, dtype=torch.bfloat16)
+    w13, w2 = torch.zeros(4, 2 * 768, 2048, dtype=torch.bfloat16), torch.zeros(4, 2048, 768, dtype=torch.bfloat16)
+    assert token_gemv.supports_experts(x, w13, w2)
+    assert not token_gemv.supports_experts(torch.zeros(2, 2048, dtype=torch.bfloat16), w13, w2)
+    assert not token_gemv.supports_experts(x, w13, w2[:, :, :384].contiguous())  # 768-byte rows
+    assert not token_gemv.supports_experts(x.half(), w13, w2)
+
+
+@cuda_only
+@pytest.mark.parametrize("float32_routing", [False, True])
+def test_one_tokens_cuda_experts_equal_the_fused_kernels(monkeypatch: pytest.MonkeyPatch,
+                                                         float32_routing: bool) -> None:  # fmt: skip
+    """With ENGINE_MOE_TOKEN_GEMV=cuda, one token's MoE layer (qwen3-30b-a3b's intermediate size) against the torch
+    reference and the grouped GEMMs, summed and left unsummed, and replayed from a CUDA graph with a new routing."""
+    from engine.kernels.fused_moe import fused_moe
+
+    hidden, inter, experts, top_k = 512, 768, 16, 4
+    w13, w2 = _weights(experts, hidden, inter, torch.bfloat16)
+    x = torch.randn(1, hidden, generator=_g(30)).to(DEV, torch.bfloat16)
+    weights, ids = route(_routing(1, experts, top_k).to(torch.bfloat16), top_k, True, float32_routing)
+    triton_sum = fused_moe(x, w13, w2, weights, ids)
+    triton_parts = fused_moe(x, w13, w2, weights, ids, sum_experts=False)
+    monkeypatch.setenv("ENGINE_MOE_TOKEN_GEMV", "cuda")
+    got = fused_moe(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got.float(), experts_torch(x, w13, w2, weights, ids).float(), atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(got, triton_sum, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, sum_experts=False), triton_parts, atol=2e-2,
+                               rtol=2e-2)  # fmt: skip
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out = fused_moe(x, w13, w2, weights, ids)
+    w_new, ids_new = route(_routing(1, experts, top_k, 3).to(torch.bfloat16), top_k, True, float32_routing)
+    weights.copy_(w_new)
+    ids.copy_(ids_new)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, fused_moe(x, w13, w2, weights, ids))
