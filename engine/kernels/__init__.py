@@ -142,9 +142,9 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: to
     program's share is sized from its sequence's own context in the kernel, so a CUDA graph captured with the
     longest context splits short ones as finely. ``fp8``: the cache is float8 (its own measured tile)."""
     if fp8 and device.type == "cuda":
-        from engine.kernels import fp8_decode  # the CUDA kernel's own rule (its module imports this one)
+        from engine.kernels import fp8_decode, nvrtc  # the CUDA kernel's own rule (its module imports this one)
 
-        if fp8_decode.enabled():
+        if fp8_decode.enabled() and nvrtc.available():
             return fp8_decode.splits(num_seqs, num_kv_heads, max_context, sm_count(device.index or 0),
                                      MAX_DECODE_SPLITS)  # fmt: skip
     # On CPU (Triton's interpreter, in tests) a few programs: each costs the interpreter time.

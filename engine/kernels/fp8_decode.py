@@ -10,7 +10,6 @@ size 128 and at most 8 query heads per KV head; ``supports`` says whether a call
 from __future__ import annotations
 
 import ctypes
-import logging
 from functools import cache
 from pathlib import Path
 
@@ -18,8 +17,6 @@ import torch
 
 from engine.kernels import nvrtc
 from engine.kernels.merge import merge_splits
-
-log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("fp8_decode.cu")
 HEAD_DIM = 128
@@ -66,39 +63,26 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor, max_query_len: int, window
 
 
 @cache
-def available(device: int) -> bool:
-    """Whether the kernel compiles and loads on ``device`` (NVRTC comes with PyTorch's CUDA wheels); if not, FP8
-    decode attention stays on Triton, with a warning."""
-    try:
-        _kernel(device, 16, 16 * 128, 16 * 128, 128, 0, True, 4, False)
-    except (nvrtc.NvrtcError, RuntimeError, OSError) as e:
-        log.warning("FP8 decode attention runs on Triton: its CUDA kernel is unavailable (%s)", e)
-        return False
-    return True
-
-
-@cache
-def _kernel(device: int, bs: int, sb: int, sh: int, ss: int, v_offset: int, bf16: bool, min_blocks: int,
-            pdl: bool) -> nvrtc.Kernel:  # fmt: skip
-    defines = {"BS": bs, "SB": f"{sb}LL", "SH": f"{sh}LL", "SS": ss, "V_OFFSET": f"{v_offset}LL", "BF16": int(bf16),
-               "MIN_BLOCKS": min_blocks, "PDL": int(pdl)}  # fmt: skip
+def _kernel(device: int, bs: int, sb: int, sh: int, ss: int, v_offset: int, bf16: bool) -> nvrtc.Kernel:
+    defines = {"BS": bs, "SB": f"{sb}LL", "SH": f"{sh}LL", "SS": ss, "V_OFFSET": f"{v_offset}LL", "BF16": int(bf16)}
     return nvrtc.build(_SOURCE, "fp8_decode_attention", device, defines)
 
 
 def fp8_decode_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, query_start: torch.Tensor,
-    context_lens: torch.Tensor, scale: float, num_splits: int = 1, min_blocks: int = 4,
+    context_lens: torch.Tensor, scale: float, num_splits: int = 1,
 ) -> torch.Tensor:  # fmt: skip
     """Attention of each sequence's one query ``q [seqs, H, 128]`` over its cached context (``kv_cache``
     ``[2, blocks, kv_heads, block_size, 128]`` of e4m3, addressed through its strides), ``num_splits`` programs a
-    sequence whose partials the Triton merge sums. ``min_blocks``: the launch bound's programs per SM (a register
-    cap)."""
+    sequence whose partials the Triton merge sums. Block tables, query starts and context lengths are int32."""
+    for name, t in (("block_tables", block_tables), ("query_start", query_start), ("context_lens", context_lens)):
+        if t.dtype != torch.int32:
+            raise ValueError(f"fp8_decode_attention: {name} must be int32, got {t.dtype}")
     _, _, kv_heads, bs, _ = kv_cache.shape
     seqs, heads = block_tables.shape[0], q.shape[1]
     el = kv_cache.element_size()
     kernel = _kernel(q.device.index or 0, bs, kv_cache.stride(1) * el, kv_cache.stride(2) * el,
-                     kv_cache.stride(3) * el, kv_cache.stride(0) * el, q.dtype == torch.bfloat16, min_blocks,
-                     False)  # fmt: skip
+                     kv_cache.stride(3) * el, kv_cache.stride(0) * el, q.dtype == torch.bfloat16)  # fmt: skip
     out = torch.empty_like(q)
     splits = max(1, num_splits)
     if splits > 1:
@@ -106,7 +90,7 @@ def fp8_decode_attention(
         part_ml = torch.empty((seqs, heads, splits, 2), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out
-    tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
+    tables = block_tables
     args = [
         nvrtc.ptr(q), nvrtc.ptr(kv_cache), nvrtc.ptr(out), nvrtc.ptr(tables), nvrtc.ptr(query_start),
         nvrtc.ptr(context_lens), nvrtc.ptr(part_acc), nvrtc.ptr(part_ml), ctypes.c_float(scale * 1.4426950408889634),

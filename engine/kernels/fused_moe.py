@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import pdl_launch, token_gemv
+from engine.kernels import nvrtc, pdl_launch, token_gemv
 from engine.kernels.pdl import enter, leave_loop
 
 
@@ -519,7 +519,7 @@ def fused_moe(
     route_w = topk_weights.contiguous()
     if (
         tokens == 1 and token_gemv.supports_experts(x, w13, w2) and token_gemv.moe_enabled()
-        and token_gemv.available(x.device.index or 0)
+        and nvrtc.available()
     ):  # fmt: skip
         # One token: each routed expert's rows streamed by the CUDA kernel, no alignment needed.
         h1 = token_gemv.token_experts(x, w13, topk_ids, None, gated=True)

@@ -8,7 +8,9 @@ conversion on Hopper) and the activations stay in 16 bits, so an FP8 layer strea
 quantizing the activations (the weight-only FP8 path of small batches; large batches keep the FP8 x FP8
 ``_scaled_mm``).
 
-At one token an FP8 weight takes another kernel (``_gemv_token_kernel``): no tensor cores, each program multiplies a
+At one token, on CUDA, a linear layer runs on a CUDA C++ kernel (``engine.kernels.token_gemv``) wherever it
+applies (``ENGINE_TOKEN_GEMV=triton`` keeps the Triton kernels). Otherwise an FP8 weight at one token takes another
+Triton kernel (``_gemv_token_kernel``): no tensor cores, each program multiplies a
 ``[BLOCK_N, BLOCK_K]`` tile of the widened weight by ``x`` on the CUDA cores in float32 and reduces along K once at
 the end, optionally split along K over several programs whose float32 partials a second launch sums. Streamed from
 HBM on an H200 it moves qkv / o / down at 51 / 46 / 55% of bandwidth where the tensor-core kernel moves 47 / 33 / 45%
@@ -34,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import PDL_EARLY, PDL_LOOP, PDL_OFF, pdl_launch, sm_count, token_gemv
+from engine.kernels import PDL_EARLY, PDL_LOOP, PDL_OFF, nvrtc, pdl_launch, sm_count, token_gemv
 from engine.kernels.pdl import enter, leave_loop
 
 # Tokens up to which a linear layer takes this path (decode steps; verify steps of short drafts).
@@ -295,7 +297,7 @@ def gemv(
         return out
     if (
         m == 1 and parts == 1 and config is None and token_gemv.supports(x, weight, swiglu) and token_gemv.enabled()
-        and token_gemv.available(x.device.index or 0)
+        and nvrtc.available()
     ):  # fmt: skip
         return token_gemv.token_gemv(x, weight, scale, bias, swiglu, out)
     fp8 = weight.element_size() == 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -137,6 +138,19 @@ def build(source: Path, kernel: str, device: int, defines: Mapping[str, object])
                           [f"-D{k}={v}" for k, v in defines.items()])  # fmt: skip
     with torch.cuda.device(device):
         return Kernel(cubin, kernel)
+
+
+@cache
+def available() -> bool:
+    """Whether NVRTC and the CUDA driver load (PyTorch's CUDA wheels bring NVRTC). If not, the CUDA C++ kernels'
+    callers stay on Triton, with one warning. A kernel that then fails to compile is an error, not a fallback."""
+    try:
+        _nvrtc()
+        _cuda()
+    except (NvrtcError, OSError) as e:
+        logging.getLogger(__name__).warning("the engine's CUDA C++ kernels are unavailable, Triton's run (%s)", e)
+        return False
+    return True
 
 
 def use_cuda_kernel(variable: str, default: str = "cuda") -> bool:

@@ -10,7 +10,6 @@ ops' roundings. ``supports`` says whether a call qualifies; ``engine.kernels.gem
 from __future__ import annotations
 
 import ctypes
-import logging
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -19,10 +18,10 @@ import torch
 
 from engine.kernels import nvrtc, pdl_launch
 
-log = logging.getLogger(__name__)
-
 _SOURCE = Path(__file__).with_name("token_gemv.cu")
 CHUNK_BYTES = 16
+# Columns at most: the token is staged in shared memory (2 bytes a column, 48 KB a block statically).
+MAX_K = 16384
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +48,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor, swiglu: bool) -> bool:
     return (
         k * es % (32 * CHUNK_BYTES) == 0 and weight.stride(0) * es % CHUNK_BYTES == 0
         and weight.data_ptr() % CHUNK_BYTES == 0 and x.data_ptr() % CHUNK_BYTES == 0 and x.stride(1) == 1
-        and n > 0 and k <= 16384
+        and n > 0 and k <= MAX_K
     )  # fmt: skip
 
 
@@ -65,17 +64,6 @@ def tile_for(weight: torch.Tensor, swiglu: bool) -> TokenTile:
         tile = TokenTile(4, 1, 8)
     unroll = max(u for u in range(1, tile.unroll + 1) if per_lane % u == 0)
     return TokenTile(tile.warps, tile.rows_per_warp, unroll)
-
-
-@cache
-def available(device: int) -> bool:
-    """Whether the kernel compiles and loads on ``device``; if not, linear layers stay on Triton, with a warning."""
-    try:
-        _kernel(device, 4096, 1, True, TokenTile(), False, True, False, False)
-    except (nvrtc.NvrtcError, RuntimeError, OSError) as e:
-        log.warning("one token's linear layers run on Triton: their CUDA kernel is unavailable (%s)", e)
-        return False
-    return True
 
 
 @cache
@@ -121,7 +109,7 @@ def supports_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bo
         x.is_cuda and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
         and w13.dtype == x.dtype and w2.dtype == x.dtype and w13.is_contiguous() and w2.is_contiguous()
         and w13.shape[2] * w13.element_size() % (32 * CHUNK_BYTES) == 0
-        and w2.shape[2] * w2.element_size() % (32 * CHUNK_BYTES) == 0 and w2.shape[2] <= 16384
+        and w2.shape[2] * w2.element_size() % (32 * CHUNK_BYTES) == 0 and max(w13.shape[2], w2.shape[2]) <= MAX_K
     )  # fmt: skip
 
 

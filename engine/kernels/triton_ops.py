@@ -31,6 +31,7 @@ from engine.kernels import (
     decode_tile,
     fp8_decode,
     interpret_mode,
+    nvrtc,
     pdl_launch,
     prefill_block_m,
 )  # fmt: skip
@@ -449,7 +450,7 @@ def paged_attention(
         max_query_len == 1 and not (block_n or num_warps or num_stages or v_regs is not None or unmasked is not None
                                     or lazy_rescale is not None or max_registers is not None)
         and fp8_decode.supports(q, kv_cache, max_query_len, window) and fp8_decode.enabled()
-        and fp8_decode.available(q.device.index or 0)
+        and nvrtc.available()
     ):  # fmt: skip
         # Decode over an e4m3 cache: the CUDA kernel (engine.kernels.fp8_decode), unless a Triton tile was asked for.
         splits = min(num_splits, triton.cdiv(max_context, fp8_decode.KEYS_PER_TILE))

@@ -292,15 +292,19 @@ def test_the_cuda_fp8_decode_kernel_splits_to_shorten_its_last_wave(monkeypatch:
     two whose waves times tiles a program (plus 8 for its overhead) is least. Measured on the H200 alone
     (bench/device/fp8_mma_attn.py): 2 splits beat 1 and 4 at batch 256 and 2K context, 2 at 64 x 544, 8 at 16 x 8K.
     ENGINE_FP8_ATTENTION=triton keeps the Triton kernel and its rule; anything else is refused by name."""
-    from engine.kernels import fp8_decode
+    from engine.kernels import fp8_decode, nvrtc
 
     monkeypatch.setattr(kernels, "sm_count", lambda index: 132)
+    monkeypatch.setattr(nvrtc, "available", lambda: True)  # as on the GPU machine
     gpu = torch.device("cuda", 0)
     want = {(256, 2048): 2, (64, 544): 2, (16, 8192): 8, (8, 1000): 16, (1, 4096): kernels.MAX_DECODE_SPLITS,
             (1, 100): 4, (1, 20): 1}  # fmt: skip
     for (seqs, ctx), n in want.items():
         assert kernels.decode_splits(seqs, 8, ctx, gpu, fp8=True) == n, (seqs, ctx)
     assert kernels.decode_splits(256, 8, 2048, gpu) == 1  # a 16-bit cache keeps Triton's rule
+    monkeypatch.setattr(nvrtc, "available", lambda: False)  # no NVRTC: Triton's kernel, and its rule
+    assert kernels.decode_splits(256, 8, 2048, gpu, fp8=True) == 1
+    monkeypatch.setattr(nvrtc, "available", lambda: True)
     monkeypatch.setenv("ENGINE_FP8_ATTENTION", "triton")
     assert kernels.decode_splits(256, 8, 2048, gpu, fp8=True) == 1
     monkeypatch.setenv("ENGINE_FP8_ATTENTION", "tvm")
@@ -315,6 +319,11 @@ def test_the_cuda_fp8_decode_kernel_splits_to_shorten_its_last_wave(monkeypatch:
     assert not fp8_decode.supports(q, cache.to(torch.bfloat16), 1, 0)
     assert not fp8_decode.supports(q[:, :, :64].contiguous(), cache[..., :64].contiguous(), 1, 0)
     assert not fp8_decode.supports(torch.zeros(2, 72, 128, dtype=torch.bfloat16), cache, 1, 0)  # 9 a group
+    # Its int32 inputs are checked before anything is compiled or launched: an int64 length would be misread.
+    starts = torch.arange(3, dtype=torch.int32)
+    tables = torch.zeros(2, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="context_lens must be int32"):
+        fp8_decode.fp8_decode_attention(q, cache, tables, starts, torch.ones(2, dtype=torch.int64), 0.1)
 
 
 def test_one_tokens_cuda_matmul_takes_what_it_divides(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -406,7 +415,7 @@ def test_the_cuda_fp8_decode_kernel_matches_the_dequantized_reference(group: int
     """The CUDA kernel (engine.kernels.fp8_decode) over an e4m3 cache, at 1 to 8 splits and contexts that end in
     and on tile borders, against float32 attention over the dequantized cache (within Triton's own error there),
     eagerly and replayed from a CUDA graph; paged_attention runs it for such a decode step."""
-    from engine.kernels import fp8_decode
+    from engine.kernels import fp8_decode, nvrtc
 
     kvh, d = 2, 128
     ctx = [1, 31, 32, 33, 100, 1000, 517, 64]
@@ -435,7 +444,7 @@ def test_the_cuda_fp8_decode_kernel_matches_the_dequantized_reference(group: int
     for splits in (1, 3, 8):
         got = fp8_decode.fp8_decode_attention(q, cache, tables, starts, lens, d**-0.5, splits)
         torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
-    assert fp8_decode.supports(q, cache, 1, 0) and fp8_decode.available(DEV.index or 0)
+    assert fp8_decode.supports(q, cache, 1, 0) and nvrtc.available()
     via = triton_ops.paged_attention(q, cache, tables, starts, lens, d**-0.5, 1, max(ctx), num_splits=4)
     torch.testing.assert_close(via, fp8_decode.fp8_decode_attention(q, cache, tables, starts, lens, d**-0.5, 4))
     graph = torch.cuda.CUDAGraph()
