@@ -495,6 +495,15 @@ def route_and_align(
     return weights, ids, al
 
 
+def one_token(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether ``fused_moe`` runs one token's experts on the CUDA one-token kernel (``engine.kernels.token_gemv``),
+    which needs no alignment."""
+    return (
+        x.shape[0] == 1 and token_gemv.supports_experts(x, w13, w2) and token_gemv.moe_enabled()
+        and nvrtc.available()
+    )  # fmt: skip
+
+
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     alignment: Alignment | None = None, sum_experts: bool = True,
@@ -517,10 +526,7 @@ def fused_moe(
     w13 = w13.contiguous()
     w2 = w2.contiguous()
     route_w = topk_weights.contiguous()
-    if (
-        tokens == 1 and token_gemv.supports_experts(x, w13, w2) and token_gemv.moe_enabled()
-        and nvrtc.available()
-    ):  # fmt: skip
+    if one_token(x, w13, w2):
         # One token: each routed expert's rows streamed by the CUDA kernel, no alignment needed.
         h1 = token_gemv.token_experts(x, w13, topk_ids, None, gated=True)
         y1 = token_gemv.token_experts(h1, w2, topk_ids, route_w, gated=False)

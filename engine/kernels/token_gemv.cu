@@ -15,8 +15,20 @@
 // only known after the wait (the routing kernel wrote it), so nothing is requested before it. ROUTED: the output,
 // rounded to the activations' dtype, times the pair's routing weight (float32 with ROUTE_F32, else 16-bit), rounded
 // once more, as the torch reference does.
+//
+// ROUTER (the number of experts a token takes, top_k): a MoE layer's router and its routing in one launch. The
+// n = E logits, each rounded to the activations' dtype as the router's own output would be, go to float32 scratch;
+// the last block to finish (a counter it resets for the next launch) takes the softmax over the E experts in
+// float32, the top_k largest (ties to the lower id), divided by their sum (added in selection order) with RENORM,
+// and stores them (float32 with ROUTE_F32, else the activations' dtype) and their ids (int64).
 #ifndef EXPERTS
 #define EXPERTS 0
+#endif
+#ifndef ROUTER
+#define ROUTER 0
+#endif
+#ifndef RENORM
+#define RENORM 1
 #endif
 #ifndef ROUTED
 #define ROUTED 0
@@ -131,6 +143,82 @@ __device__ __forceinline__ float dot_chunk(const uint4& w, const u32* __restrict
   return acc;
 }
 
+#if ROUTER
+static_assert(ROUTER <= 32 && ROUTER <= ROUTER_E, "a lane a pick");
+// The routing of ROUTER's header, by warp 0 of the grid's last block once every block's logits are stored.
+__device__ __forceinline__ void route_last_block(const float* logits, unsigned int* counter, int n, void* weights_out,
+                                                 long long* ids_out) {
+  __shared__ bool last;
+  __threadfence();  // this block's logits, before its count
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last || threadIdx.x >= 32) return;
+  __threadfence();  // the other blocks' logits, after their counts
+  const int lane = threadIdx.x;
+  if (lane == 0) *counter = 0u;  // every block has counted: ready for the next launch
+  constexpr int PER_LANE = (ROUTER_E + 31) / 32;
+  float p[PER_LANE];
+  float top = __int_as_float(0xff800000);
+#pragma unroll
+  for (int i = 0; i < PER_LANE; ++i) {
+    const int e = i * 32 + lane;
+    p[i] = e < n ? __ldcg(logits + e) : __int_as_float(0xff800000);
+    top = fmaxf(top, p[i]);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(FULL, top, o));
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < PER_LANE; ++i) {
+    p[i] = i * 32 + lane < n ? expf(p[i] - top) : 0.f;
+    sum += p[i];
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL, sum, o);
+  // A key a pick: a probability (>= 0, so its bits order as it does) above the complement of its id, so the largest
+  // key is the largest probability, ties to the lower id; taken experts and lanes past n hold 0 (below every key).
+  unsigned long long key[PER_LANE];
+#pragma unroll
+  for (int i = 0; i < PER_LANE; ++i) {
+    const int e = i * 32 + lane;
+    const unsigned long long bits = __float_as_uint(__fdiv_rn(p[i], sum));
+    key[i] = e < n ? (bits << 32) | (0xffffffffu - (unsigned)e) : 0ull;
+  }
+  float picked = 0.f, total = 0.f;  // lane k keeps pick k
+  int picked_id = 0;
+  for (int k = 0; k < ROUTER; ++k) {
+    unsigned long long best = 0ull;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) best = key[i] > best ? key[i] : best;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const unsigned long long other = __shfl_xor_sync(FULL, best, o);
+      best = other > best ? other : best;
+    }
+    const int id = (int)(0xffffffffu - (unsigned)(best & 0xffffffffull));
+    const float w = __uint_as_float((unsigned)(best >> 32));
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i)
+      if (i * 32 + lane == id) key[i] = 0ull;
+    total += w;
+    if (lane == k) {
+      picked = w;
+      picked_id = id;
+    }
+  }
+  if (lane < ROUTER) {
+    const float w = RENORM ? __fdiv_rn(picked, total) : picked;
+#if ROUTE_F32
+    static_cast<float*>(weights_out)[lane] = w;
+#else
+    static_cast<u16*>(weights_out)[lane] = round16(w);
+#endif
+    ids_out[lane] = picked_id;
+  }
+}
+#endif
+
 // x [K] 16-bit; w [N_total, K] row stride stride_w bytes; out [N]; scale/bias [N_total] (scale float32).
 extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* __restrict__ x,
                                                                   const unsigned char* __restrict__ w,
@@ -139,7 +227,11 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
                                                                   int n, long long stride_w,
                                                                   const long long* __restrict__ ids,
                                                                   const void* __restrict__ route_w,
-                                                                  long long expert_stride, int x_stride) {
+                                                                  long long expert_stride, int x_stride,
+                                                                  float* __restrict__ logits,
+                                                                  unsigned int* __restrict__ counter,
+                                                                  void* __restrict__ weights_out,
+                                                                  long long* __restrict__ ids_out) {
   __shared__ __align__(16) u32 xs[K / 2];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #if EXPERTS
@@ -224,7 +316,14 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
 #endif
       y = rounded(y) * rw;
 #endif
+#if ROUTER
+      logits[row] = rounded(y);
+#else
       out[row] = round16(y);
+#endif
     }
   }
+#if ROUTER
+  route_last_block(logits, counter, n, weights_out, ids_out);
+#endif
 }

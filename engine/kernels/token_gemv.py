@@ -68,14 +68,23 @@ def tile_for(weight: torch.Tensor, swiglu: bool) -> TokenTile:
 
 @cache
 def _kernel(device: int, k: int, wbytes: int, bf16: bool, tile: TokenTile, swiglu: bool, has_scale: bool,
-            has_bias: bool, pdl: bool, routed: int = 0) -> nvrtc.Kernel:  # fmt: skip
+            has_bias: bool, pdl: bool, routed: int = 0, router: tuple[int, int, bool, bool] | None = None,
+            ) -> nvrtc.Kernel:  # fmt: skip
     """``routed``: 0 a linear layer; 1 a MoE layer's experts, not weighted; 2 weighted by float32 routing weights, 3 by
-    16-bit ones."""
+    16-bit ones. ``router``: a MoE router and its routing, ``(top_k, experts, renormalize, float32 weights)``."""
     defines = {"K": k, "WBYTES": wbytes, "BF16": int(bf16), "WARPS": tile.warps, "ROWS_PER_WARP": tile.rows_per_warp,
                "UNROLL": tile.unroll, "SWIGLU": int(swiglu), "HAS_SCALE": int(has_scale), "HAS_BIAS": int(has_bias),
                "PDL": int(pdl), "EXPERTS": int(routed > 0), "ROUTED": int(routed > 1),
                "ROUTE_F32": int(routed == 2)}  # fmt: skip
+    if router is not None:
+        top_k, experts, renormalize, keep_float32 = router
+        defines |= {"ROUTER": top_k, "ROUTER_E": experts, "RENORM": int(renormalize), "ROUTE_F32": int(keep_float32)}
     return nvrtc.build(_SOURCE, "token_gemv", device, defines)
+
+
+def _no_router(out: torch.Tensor) -> list[ctypes.c_void_p]:
+    """The router's four arguments of a launch without one (never read)."""
+    return [nvrtc.ptr(out)] * 4
 
 
 def token_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
@@ -91,15 +100,15 @@ def token_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
     args = [nvrtc.ptr(x), nvrtc.ptr(weight), nvrtc.ptr(scale if scale is not None else out),
             nvrtc.ptr(bias if bias is not None else out), nvrtc.ptr(out), ctypes.c_int(n),
             ctypes.c_longlong(weight.stride(0) * weight.element_size()), nvrtc.ptr(out), nvrtc.ptr(out),
-            ctypes.c_longlong(0), ctypes.c_int(0)]  # fmt: skip
+            ctypes.c_longlong(0), ctypes.c_int(0), *_no_router(out)]  # fmt: skip
     kernel((-(-n // rows_per_block), 1, 1), 32 * tile.warps, args, pdl=pdl)
     return out
 
 
 def moe_enabled() -> bool:
-    """``ENGINE_MOE_TOKEN_GEMV``: ``cuda`` runs one token's MoE experts on this kernel; ``triton`` (unset) keeps the
-    fused MoE's grouped GEMMs. Off by default until measured on a GPU (docs/engine.md, sixteenth round)."""
-    return nvrtc.use_cuda_kernel("ENGINE_MOE_TOKEN_GEMV", default="triton")
+    """``ENGINE_MOE_TOKEN_GEMV``: ``cuda`` (unset) runs one token's MoE router, routing and experts on this kernel;
+    ``triton`` the fused MoE's routing and grouped GEMMs (qwen3-30b-a3b at batch 1: 7% slower, docs/engine.md)."""
+    return nvrtc.use_cuda_kernel("ENGINE_MOE_TOKEN_GEMV")
 
 
 def supports_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -113,6 +122,10 @@ def supports_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bo
     )  # fmt: skip
 
 
+# Rows a warp of the experts' down projection (short rows: qwen3-30b-a3b's are 1,536 bytes, 3 chunks a lane).
+EXPERT_DOWN_ROWS = 1
+
+
 def token_experts(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor | None,
                   gated: bool) -> torch.Tensor:  # fmt: skip
     """One token's ``top_k`` experts of a stack ``w [E, rows, K]``: with ``gated``, ``silu(gate) * up`` of
@@ -123,6 +136,8 @@ def token_experts(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, route_w: 
     n = w.shape[1] // 2 if gated else w.shape[1]
     out = torch.empty((top_k, n), dtype=x.dtype, device=x.device)
     tile = tile_for(w[0], gated)
+    if not gated:
+        tile = TokenTile(tile.warps, EXPERT_DOWN_ROWS, tile.unroll)
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
     routed = 1 if route_w is None else 2 if route_w.dtype == torch.float32 else 3
     kernel = _kernel(x.device.index or 0, w.shape[2], w.element_size(), x.dtype == torch.bfloat16, tile, gated,
@@ -131,6 +146,54 @@ def token_experts(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, route_w: 
     args = [nvrtc.ptr(x), nvrtc.ptr(w), nvrtc.ptr(out), nvrtc.ptr(out), nvrtc.ptr(out), ctypes.c_int(n),
             ctypes.c_longlong(w.stride(1) * w.element_size()), nvrtc.ptr(ids),
             nvrtc.ptr(route_w if route_w is not None else out), ctypes.c_longlong(w.stride(0) * w.element_size()),
-            ctypes.c_int(0 if gated else x.shape[1])]  # fmt: skip
+            ctypes.c_int(0 if gated else x.shape[1]), *_no_router(out)]  # fmt: skip
     kernel((-(-n // (tile.warps * tile.rows_per_warp)), top_k, 1), 32 * tile.warps, args, pdl=pdl)
     return out
+
+
+# Experts a router may have, at most (its last block routes in one warp, ROUTER_E / 32 experts a lane).
+MAX_ROUTER_EXPERTS = 1024
+
+
+def supports_router(x: torch.Tensor, gate: torch.Tensor, top_k: int) -> bool:
+    """One token's router ``gate [E, K]`` qualifies for ``token_route``: a linear layer this kernel takes, up to
+    ``MAX_ROUTER_EXPERTS`` experts and 32 picks."""
+    return (
+        supports(x, gate, False) and gate.dtype == x.dtype and 0 < top_k <= min(32, gate.shape[0])
+        and gate.shape[0] <= MAX_ROUTER_EXPERTS
+    )  # fmt: skip
+
+
+_COUNTERS: dict[int, torch.Tensor] = {}
+
+
+def _counter(device: torch.device) -> torch.Tensor:
+    """A device's count of the router's finished blocks: zero between launches (the last block resets it), and one
+    for all routers, whose launches on the device's stream never overlap (each waits for the kernel before)."""
+    index = device.index or 0
+    if index not in _COUNTERS:
+        if torch.cuda.is_current_stream_capturing():  # it would live in the graph's pool, zeroed at each replay
+            raise RuntimeError("token_route: the first router launch on a device must come before a CUDA graph's "
+                               "capture (a warm-up step)")  # fmt: skip
+        _COUNTERS[index] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _COUNTERS[index]
+
+
+def token_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool,
+                keep_float32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One token's MoE routing from its router weight ``gate [E, K]`` in one launch: ``engine.models.moe.route`` of
+    ``x @ gate.T``, the weights (``[1, top_k]``, float32 with ``keep_float32``, else ``x``'s dtype) and int64 ids."""
+    experts = gate.shape[0]
+    logits = torch.empty(experts, dtype=torch.float32, device=x.device)
+    weights = torch.empty((1, top_k), dtype=torch.float32 if keep_float32 else x.dtype, device=x.device)
+    ids = torch.empty((1, top_k), dtype=torch.int64, device=x.device)
+    tile = tile_for(gate, False)
+    pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
+    kernel = _kernel(x.device.index or 0, gate.shape[1], gate.element_size(), x.dtype == torch.bfloat16, tile, False,
+                     False, False, pdl, router=(top_k, experts, renormalize, keep_float32))  # fmt: skip
+    args = [nvrtc.ptr(x), nvrtc.ptr(gate), nvrtc.ptr(logits), nvrtc.ptr(logits), nvrtc.ptr(weights),
+            ctypes.c_int(experts), ctypes.c_longlong(gate.stride(0) * gate.element_size()), nvrtc.ptr(ids),
+            nvrtc.ptr(weights), ctypes.c_longlong(0), ctypes.c_int(0), nvrtc.ptr(logits),
+            nvrtc.ptr(_counter(x.device)), nvrtc.ptr(weights), nvrtc.ptr(ids)]  # fmt: skip
+    kernel((-(-experts // (tile.warps * tile.rows_per_warp)), 1, 1), 32 * tile.warps, args, pdl=pdl)
+    return weights, ids

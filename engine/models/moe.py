@@ -86,6 +86,8 @@ def experts_torch(
 
 # Whether a decode step's router runs in parts along K (``gemv.parts_for``) that the routing program sums.
 ROUTER_PARTS = True
+# Whether one token's router and routing run in one launch on the CUDA one-token kernel where its experts run on it.
+ROUTER_TOKEN = True
 
 
 def sum_parts(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -166,12 +168,20 @@ class SparseMoE(nn.Module):
         (``sum_parts``); the torch path always sums (in the model dtype, as transformers does)."""
         if self._kernels == "triton":
             from engine.kernels import fused_moe as k  # imported only where Triton is wanted
-            from engine.kernels import gemv
+            from engine.kernels import gemv, token_gemv
 
+            whole = self.num_experts == self.total_experts  # expert parallel routes with route(), unsplit
+            if (
+                ROUTER_TOKEN and whole and k.one_token(x, self.w13, self.w2)
+                and token_gemv.supports_router(x, self.gate.weight, self.top_k)
+            ):  # fmt: skip
+                # One token: router and routing in one launch, then each routed expert's rows (no alignment).
+                weights, ids = token_gemv.token_route(x, self.gate.weight, self.top_k, self.renormalize,
+                                                      self.float32_routing)  # fmt: skip
+                return k.fused_moe(x, self.w13, self.w2, weights, ids, sum_experts=sum_experts)
             # Decode-sized batches: the router on the skinny-matmul kernel (in float32 parts along K, which the
             # routing program sums: its few row tiles would leave most SMs idle), routing and alignment in one launch.
             small = 0 < x.shape[0] <= gemv.MAX_TOKENS
-            whole = self.num_experts == self.total_experts  # expert parallel routes with route(), unsplit
             parts = gemv.parts_for(self.gate.weight, x.shape[0]) if small and whole and ROUTER_PARTS else 1
             logits = gemv.gemv(x, self.gate.weight, parts=parts) if small else self.gate(x)
             if not whole:

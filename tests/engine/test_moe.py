@@ -376,13 +376,15 @@ def test_fused_moe_replays_in_a_cuda_graph(tokens: int) -> None:
         assert torch.equal(out, fused_moe(x, w13, w2, weights, ids))
 
 
-def test_one_tokens_cuda_experts_take_what_they_divide_and_stay_off_until_measured(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """One token's experts on the CUDA kernel (engine.kernels.token_gemv): off unless ENGINE_MOE_TOKEN_GEMV=cuda (not
-    yet measured on a GPU); one 16-bit token over stacks of its dtype whose rows are whole runs of chunks."""
+def test_one_tokens_cuda_experts_and_router_take_what_they_divide(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One token's experts and router on the CUDA kernel (engine.kernels.token_gemv): on unless
+    ENGINE_MOE_TOKEN_GEMV=triton; one 16-bit token over stacks of its dtype whose rows are whole runs of chunks, and a
+    router of at most 1,024 experts and 32 picks."""
     from engine.kernels import token_gemv
 
+    monkeypatch.delenv("ENGINE_MOE_TOKEN_GEMV", raising=False)
+    assert token_gemv.moe_enabled()
+    monkeypatch.setenv("ENGINE_MOE_TOKEN_GEMV", "triton")
     assert not token_gemv.moe_enabled()
     monkeypatch.setenv("ENGINE_MOE_TOKEN_GEMV", "cuda")
     assert token_gemv.moe_enabled()
@@ -393,20 +395,27 @@ def test_one_tokens_cuda_experts_take_what_they_divide_and_stay_off_until_measur
     assert not token_gemv.supports_experts(torch.zeros(2, 2048, dtype=torch.bfloat16), w13, w2)
     assert not token_gemv.supports_experts(x, w13, w2[:, :, :384].contiguous())  # 768-byte rows
     assert not token_gemv.supports_experts(x.half(), w13, w2)
+    gate = torch.zeros(128, 2048, dtype=torch.bfloat16)
+    assert token_gemv.supports_router(x, gate, 8)
+    assert not token_gemv.supports_router(x, gate, 33)  # a lane a pick
+    assert not token_gemv.supports_router(x, torch.zeros(2048, 2048, dtype=torch.bfloat16), 8)  # past 1,024 experts
+    assert not token_gemv.supports_router(x, gate.float(), 8)
 
 
 @cuda_only
 @pytest.mark.parametrize("float32_routing", [False, True])
 def test_one_tokens_cuda_experts_equal_the_fused_kernels(monkeypatch: pytest.MonkeyPatch,
                                                          float32_routing: bool) -> None:  # fmt: skip
-    """With ENGINE_MOE_TOKEN_GEMV=cuda, one token's MoE layer (qwen3-30b-a3b's intermediate size) against the torch
-    reference and the grouped GEMMs, summed and left unsummed, and replayed from a CUDA graph with a new routing."""
+    """On the CUDA one-token kernel (ENGINE_MOE_TOKEN_GEMV=cuda, the default), one token's MoE layer
+    (qwen3-30b-a3b's intermediate size) against the torch reference and the grouped GEMMs, summed and left unsummed,
+    and replayed from a CUDA graph with a new routing."""
     from engine.kernels.fused_moe import fused_moe
 
     hidden, inter, experts, top_k = 512, 768, 16, 4
     w13, w2 = _weights(experts, hidden, inter, torch.bfloat16)
     x = torch.randn(1, hidden, generator=_g(30)).to(DEV, torch.bfloat16)
     weights, ids = route(_routing(1, experts, top_k).to(torch.bfloat16), top_k, True, float32_routing)
+    monkeypatch.setenv("ENGINE_MOE_TOKEN_GEMV", "triton")
     triton_sum = fused_moe(x, w13, w2, weights, ids)
     triton_parts = fused_moe(x, w13, w2, weights, ids, sum_experts=False)
     monkeypatch.setenv("ENGINE_MOE_TOKEN_GEMV", "cuda")
@@ -426,3 +435,52 @@ def test_one_tokens_cuda_experts_equal_the_fused_kernels(monkeypatch: pytest.Mon
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, fused_moe(x, w13, w2, weights, ids))
+
+
+@cuda_only
+@pytest.mark.parametrize(("experts", "top_k", "renormalize", "float32_routing"),
+                         [(128, 8, True, False), (8, 2, True, True), (60, 4, False, False), (1024, 32, True, False)])
+def test_one_tokens_cuda_router_routes_as_torch(experts: int, top_k: int, renormalize: bool,
+                                                float32_routing: bool) -> None:  # fmt: skip
+    """The router and its routing in one launch (token_gemv.token_route) against route() of the router's bf16
+    logits: the same experts in the same order and weights within a bf16 rounding, launch after launch (the last
+    block resets the count of finished blocks) and replayed from a CUDA graph with a new token."""
+    from engine.kernels import token_gemv
+
+    hidden = 2048
+    gate = (torch.randn(experts, hidden, generator=_g(11)) * hidden**-0.5).to(DEV, torch.bfloat16)
+    for seed in range(3):
+        x = torch.randn(1, hidden, generator=_g(20 + seed)).to(DEV, torch.bfloat16)
+        want_w, want_ids = route(x @ gate.T, top_k, renormalize, float32_routing)
+        got_w, got_ids = token_gemv.token_route(x, gate, top_k, renormalize, float32_routing)
+        assert got_w.dtype == want_w.dtype and got_ids.dtype == torch.int64
+        assert torch.equal(got_ids, want_ids)
+        torch.testing.assert_close(got_w.float(), want_w.float(), atol=1e-6, rtol=8e-3)
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out_w, out_ids = token_gemv.token_route(x, gate, top_k, renormalize, float32_routing)
+    for seed in (40, 41):
+        x.copy_(torch.randn(1, hidden, generator=_g(seed)).to(DEV, torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        want_w, want_ids = route(x @ gate.T, top_k, renormalize, float32_routing)
+        assert torch.equal(out_ids, want_ids)
+        torch.testing.assert_close(out_w.float(), want_w.float(), atol=1e-6, rtol=8e-3)
+
+
+@cuda_only
+def test_one_token_sparse_moe_with_the_fused_router_equals_the_triton_routing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SparseMoE at one token (qwen3-30b-a3b's sizes, fewer experts): the router in one launch with its routing
+    (moe.ROUTER_TOKEN) gives the layer the separate router and routing kernels give."""
+    from engine.models import moe as moe_module
+
+    model = SparseMoE(2048, 768, 32, 8, True, kernels="triton").to(DEV, torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=_g(9)) * p.shape[-1] ** -0.5)
+        x = torch.randn(1, 2048, generator=_g(10)).to(DEV, torch.bfloat16)
+        fused = model(x, sum_experts=False)
+        monkeypatch.setattr(moe_module, "ROUTER_TOKEN", False)
+        torch.testing.assert_close(fused, model(x, sum_experts=False), atol=2e-2, rtol=2e-2)
