@@ -438,8 +438,10 @@ def test_one_tokens_cuda_experts_equal_the_fused_kernels(monkeypatch: pytest.Mon
 
 
 @cuda_only
-@pytest.mark.parametrize(("experts", "top_k", "renormalize", "float32_routing"),
-                         [(128, 8, True, False), (8, 2, True, True), (60, 4, False, False), (1024, 32, True, False)])
+@pytest.mark.parametrize(
+    ("experts", "top_k", "renormalize", "float32_routing"),
+    [(128, 8, True, False), (8, 2, True, True), (60, 4, False, False), (1024, 32, True, False)],
+)
 def test_one_tokens_cuda_router_routes_as_torch(experts: int, top_k: int, renormalize: bool,
                                                 float32_routing: bool) -> None:  # fmt: skip
     """The router and its routing in one launch (token_gemv.token_route) against route() of the router's bf16
