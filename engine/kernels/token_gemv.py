@@ -41,14 +41,20 @@ def supports(x: torch.Tensor, weight: torch.Tensor, swiglu: bool) -> bool:
     runs of 32 lanes' 16-byte chunks, 16-byte aligned."""
     if not (x.is_cuda and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)):
         return False
-    if weight.dtype not in (torch.float8_e4m3fn, x.dtype) or weight.stride(1) != 1:
+    if weight.dtype not in (torch.float8_e4m3fn, x.dtype):
         return False
-    k, es = weight.shape[1], weight.element_size()
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    return takes_weight(weight) and x.data_ptr() % CHUNK_BYTES == 0 and x.stride(1) == 1 and n > 0
+
+
+def takes_weight(weight: torch.Tensor) -> bool:
+    """``supports``'s conditions on the weight alone: on CUDA, e4m3 or 16-bit, rows of whole runs of 32 lanes'
+    16-byte chunks, 16-byte aligned, at most ``MAX_K`` columns."""
+    k, es = weight.shape[1], weight.element_size()
     return (
-        k * es % (32 * CHUNK_BYTES) == 0 and weight.stride(0) * es % CHUNK_BYTES == 0
-        and weight.data_ptr() % CHUNK_BYTES == 0 and x.data_ptr() % CHUNK_BYTES == 0 and x.stride(1) == 1
-        and n > 0 and k <= MAX_K
+        weight.is_cuda and weight.dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float16)
+        and weight.stride(1) == 1 and k * es % (32 * CHUNK_BYTES) == 0 and weight.stride(0) * es % CHUNK_BYTES == 0
+        and weight.data_ptr() % CHUNK_BYTES == 0 and k <= MAX_K
     )  # fmt: skip
 
 

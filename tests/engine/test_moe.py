@@ -437,6 +437,14 @@ def test_one_tokens_cuda_experts_equal_the_fused_kernels(monkeypatch: pytest.Mon
     torch.testing.assert_close(out, fused_moe(x, w13, w2, weights, ids))
 
 
+def _same_picks(logits: torch.Tensor, got: torch.Tensor, want: torch.Tensor) -> None:
+    """``got`` ids pick what ``want`` picks, in order: distinct, with the same probabilities (bf16 logits tie often
+    among a thousand experts, and torch.topk breaks ties its own way, the kernel to the lower id)."""
+    probs = torch.softmax(logits.float(), dim=-1)[0]
+    assert got.unique().numel() == got.numel()
+    assert torch.equal(probs[got[0]], probs[want[0]])
+
+
 @cuda_only
 @pytest.mark.parametrize(
     ("experts", "top_k", "renormalize", "float32_routing"),
@@ -456,7 +464,7 @@ def test_one_tokens_cuda_router_routes_as_torch(experts: int, top_k: int, renorm
         want_w, want_ids = route(x @ gate.T, top_k, renormalize, float32_routing)
         got_w, got_ids = token_gemv.token_route(x, gate, top_k, renormalize, float32_routing)
         assert got_w.dtype == want_w.dtype and got_ids.dtype == torch.int64
-        assert torch.equal(got_ids, want_ids)
+        _same_picks(x @ gate.T, got_ids, want_ids)
         torch.testing.assert_close(got_w.float(), want_w.float(), atol=1e-6, rtol=8e-3)
     stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     stream.wait_stream(torch.cuda.current_stream())
@@ -468,7 +476,7 @@ def test_one_tokens_cuda_router_routes_as_torch(experts: int, top_k: int, renorm
         graph.replay()
         torch.cuda.synchronize()
         want_w, want_ids = route(x @ gate.T, top_k, renormalize, float32_routing)
-        assert torch.equal(out_ids, want_ids)
+        _same_picks(x @ gate.T, out_ids, want_ids)
         torch.testing.assert_close(out_w.float(), want_w.float(), atol=1e-6, rtol=8e-3)
 
 
