@@ -3,7 +3,8 @@
 # Expects, carried from the developer's checkout (both git-ignored):
 #   .whl/          wheels of the Python packages the GPU image lacks, made with
 #                  `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux... -d .whl ...`
-#                  (the image also lacks pytest-asyncio, without which the engine's async tests fail: carry it too)
+#                  (the image also lacks pytest-asyncio, without which the engine's async tests fail: carry it too;
+#                  the P/D tests need Mooncake's CUDA build as well, see mooncake_cuda.sh)
 #   .gpu/smollm2/  config + tokenizer of SmolLM2-135M (`python smollm2_shape.py meta .gpu/smollm2`)
 #                  and .gpu/smollm2_shape.py, which writes random bf16 weights of that shape there.
 set -euo pipefail
