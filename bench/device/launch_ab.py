@@ -13,6 +13,8 @@ split = sys.argv.index("--")
 for assignment in sys.argv[1:split]:
     target, value = assignment.split("=", 1)
     module, name = target.rsplit(".", 1)
+    if not hasattr(importlib.import_module(module), name):  # a misspelt or removed knob would time the default
+        sys.exit(f"launch_ab: {module} has no constant {name}")
     setattr(importlib.import_module(module), name, int(value))
     print(f"set {target} = {value}", flush=True)
 rest = sys.argv[split + 1 :]

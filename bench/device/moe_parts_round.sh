@@ -3,9 +3,7 @@
 # SPLIT_ONE_TOKEN). 1. the CUDA tests of the MoE and one-token kernels; 2. qwen3-30b-a3b at batch 1 (prompt 512),
 # each setting in its own process, alternating, twice. `bash bench/device/moe_parts_round.sh`; carries .whl, .gpu.
 source bench/device/setup.sh
-[ -n "${SKIP_TESTS:-}" ] || ENGINE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/engine/test_moe.py \
-  tests/engine/test_kernels.py -k "(cuda or router or fused_moe or takes_what or split or paged or parts) and not sampler" \
-  2>&1 | grep -v -i "warn\|^ *$\|self._warn\|^--" | tail -25 | tee "$OUT/cuda-tests.txt" || true
+cuda_tests "cuda or router or fused_moe or takes_what or split or paged or parts" tests/engine/test_moe.py tests/engine/test_kernels.py
 python3 bench/device/shape_config.py qwen3-30b-a3b /tmp/shapes/qwen3-30b-a3b >/dev/null
 S=engine.kernels.gemv.SPLIT_ONE_TOKEN
 for round in 1 2; do

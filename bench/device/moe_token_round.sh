@@ -3,10 +3,7 @@
 # tests of the one-token kernel and the MoE kernels; 2. qwen3-30b-a3b at batch 1 (prompt 512), each setting in its own
 # process, twice alternating. `bash bench/device/moe_token_round.sh`; carries .whl and .gpu. About 6 minutes.
 source bench/device/setup.sh
-[ -n "${SKIP_TESTS:-}" ] || ENGINE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/engine/test_moe.py \
-  tests/engine/test_kernels.py \
-  -k "(cuda_fp8 or fp8_cache or cuda_matmul or cuda_experts or takes_what or split or paged or fused_moe) and not sampler" \
-  2>&1 | tail -25 | tee "$OUT/cuda-tests.txt" || true
+cuda_tests "cuda_fp8 or fp8_cache or cuda_matmul or cuda_experts or takes_what or split or paged or fused_moe" tests/engine/test_moe.py tests/engine/test_kernels.py
 python3 bench/device/shape_config.py qwen3-30b-a3b /tmp/shapes/qwen3-30b-a3b >/dev/null
 for round in 1 2; do
   for m in triton cuda; do

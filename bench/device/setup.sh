@@ -68,3 +68,13 @@ log_clocks() {
     --format=csv -lms "$1" > "$OUT/clocks.csv" 2>&1 &
   CLOCKS=$!
 }
+
+# cuda_tests EXPR FILE...: the CUDA tests of FILE... whose names match pytest's -k EXPR (never the sampler's: the image
+# lacks xgrammar), within 200 s; the summary in $OUT/cuda-tests.txt. SKIP_TESTS=1 skips them.
+cuda_tests() {
+  local expr=$1
+  shift
+  [ -z "${SKIP_TESTS:-}" ] || return 0
+  ENGINE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider "$@" -k "($expr) and not sampler" 2>&1 \
+    | grep -v -i "warn\|^ *$\|self._warn\|^--" | tail -25 | tee "$OUT/cuda-tests.txt" || true
+}

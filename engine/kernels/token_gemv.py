@@ -128,10 +128,6 @@ def supports_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bo
     )  # fmt: skip
 
 
-# Rows a warp of the experts' down projection (short rows: qwen3-30b-a3b's are 1,536 bytes, 3 chunks a lane).
-EXPERT_DOWN_ROWS = 1
-
-
 def token_experts(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor | None,
                   gated: bool) -> torch.Tensor:  # fmt: skip
     """One token's ``top_k`` experts of a stack ``w [E, rows, K]``: with ``gated``, ``silu(gate) * up`` of
@@ -142,8 +138,6 @@ def token_experts(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, route_w: 
     n = w.shape[1] // 2 if gated else w.shape[1]
     out = torch.empty((top_k, n), dtype=x.dtype, device=x.device)
     tile = tile_for(w[0], gated)
-    if not gated:
-        tile = TokenTile(tile.warps, EXPERT_DOWN_ROWS, tile.unroll)
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
     routed = 1 if route_w is None else 2 if route_w.dtype == torch.float32 else 3
     kernel = _kernel(x.device.index or 0, w.shape[2], w.element_size(), x.dtype == torch.bfloat16, tile, gated,

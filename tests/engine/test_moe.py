@@ -484,6 +484,7 @@ def test_one_tokens_cuda_router_routes_as_torch(experts: int, top_k: int, renorm
 def test_one_token_sparse_moe_with_the_fused_router_equals_the_triton_routing(monkeypatch: pytest.MonkeyPatch) -> None:
     """SparseMoE at one token (qwen3-30b-a3b's sizes, fewer experts): the router in one launch with its routing
     (moe.ROUTER_TOKEN) gives the layer the separate router and routing kernels give."""
+    from engine.kernels import token_gemv
     from engine.models import moe as moe_module
 
     model = SparseMoE(2048, 768, 32, 8, True, kernels="triton").to(DEV, torch.bfloat16)
@@ -491,6 +492,7 @@ def test_one_token_sparse_moe_with_the_fused_router_equals_the_triton_routing(mo
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=_g(9)) * p.shape[-1] ** -0.5)
         x = torch.randn(1, 2048, generator=_g(10)).to(DEV, torch.bfloat16)
+        assert token_gemv.supports_router(x, model.gate.weight, 8)  # else both sides would take the same path
         fused = model(x, sum_experts=False)
         monkeypatch.setattr(moe_module, "ROUTER_TOKEN", False)
         torch.testing.assert_close(fused, model(x, sum_experts=False), atol=2e-2, rtol=2e-2)
