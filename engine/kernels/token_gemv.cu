@@ -21,6 +21,12 @@
 // the last block to finish (a counter it resets for the next launch) takes the softmax over the E experts in
 // float32, the top_k largest (ties to the lower id), divided by their sum (added in selection order) with RENORM,
 // and stores them (float32 with ROUTE_F32, else the activations' dtype) and their ids (int64).
+//
+// NORM (the output's width, the model's hidden size): the residual add and RMSNorm that follow the layer, done by
+// the grid's last block (the same counter) once every output is stored: the gridDim.y rows of the output (one, or a
+// MoE layer's weighted experts) summed in float32 and rounded, plus the residual, rounded (stored to res_out); its
+// RMSNorm in float32, rounded, times the norm's weight, rounded (stored to normed): the Triton add_rms_norm's
+// roundings, which are torch's. One launch fewer, and one kernel boundary fewer, a norm.
 #ifndef EXPERTS
 #define EXPERTS 0
 #endif
@@ -35,6 +41,9 @@
 #endif
 #ifndef ROUTE_F32
 #define ROUTE_F32 1
+#endif
+#ifndef NORM
+#define NORM 0
 #endif
 
 typedef unsigned int u32;
@@ -143,20 +152,27 @@ __device__ __forceinline__ float dot_chunk(const uint4& w, const u32* __restrict
   return acc;
 }
 
+// Whether this block is the grid's last to finish: every block counts itself once its stores are done; the last
+// one's count also orders the other blocks' stores before its loads (which go past L1), and resets the counter.
+__device__ __forceinline__ bool last_block(unsigned int* counter) {
+  __shared__ bool last;
+  __threadfence();  // this block's stores, before its count
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x * gridDim.y - 1;
+  __syncthreads();
+  if (!last) return false;
+  __threadfence();  // the other blocks' stores, after their counts
+  if (threadIdx.x == 0) *counter = 0u;  // every block has counted: ready for the next launch
+  return true;
+}
+
 #if ROUTER
 static_assert(ROUTER <= 32 && ROUTER <= ROUTER_E, "a lane a pick");
 // The routing of ROUTER's header, by warp 0 of the grid's last block once every block's logits are stored.
 __device__ __forceinline__ void route_last_block(const float* logits, unsigned int* counter, int n, void* weights_out,
                                                  long long* ids_out) {
-  __shared__ bool last;
-  __threadfence();  // this block's logits, before its count
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (!last || threadIdx.x >= 32) return;
-  __threadfence();  // the other blocks' logits, after their counts
+  if (!last_block(counter) || threadIdx.x >= 32) return;
   const int lane = threadIdx.x;
-  if (lane == 0) *counter = 0u;  // every block has counted: ready for the next launch
   constexpr int PER_LANE = (ROUTER_E + 31) / 32;
   float p[PER_LANE];
   float top = __int_as_float(0xff800000);
@@ -219,6 +235,49 @@ __device__ __forceinline__ void route_last_block(const float* logits, unsigned i
 }
 #endif
 
+#if NORM
+static_assert(NORM % 2 == 0, "pairs of values");
+// NORM's header, by the grid's last block once every output row is stored: out [gridDim.y, NORM].
+__device__ __forceinline__ void norm_last_block(const u16* __restrict__ out, unsigned int* counter,
+                                                const u16* __restrict__ residual, const u16* __restrict__ norm_w,
+                                                u16* __restrict__ normed, u16* __restrict__ res_out, float eps) {
+  if (!last_block(counter)) return;
+  constexpr int THREADS = 32 * WARPS, PAIRS = NORM / 2;
+  const int parts = gridDim.y;
+  float squares = 0.f;
+#pragma unroll
+  for (int p = threadIdx.x; p < PAIRS; p += THREADS) {
+    float a = 0.f, b = 0.f;
+    for (int j = 0; j < parts; ++j) {
+      const u32 v = __ldcg(reinterpret_cast<const u32*>(out + j * NORM) + p);
+      a += lo16(v);
+      b += hi16(v);
+    }
+    const u32 r = __ldg(reinterpret_cast<const u32*>(residual) + p);
+    a = rounded(lo16(r) + rounded(a));
+    b = rounded(hi16(r) + rounded(b));
+    reinterpret_cast<u32*>(res_out)[p] = ((u32)round16(b) << 16) | round16(a);
+    squares = fmaf(a, a, squares);
+    squares = fmaf(b, b, squares);
+  }
+  __shared__ float warp_sums[WARPS];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) squares += __shfl_xor_sync(FULL, squares, o);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = squares;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) total += warp_sums[w];
+  const float inv = rsqrtf(__fdiv_rn(total, (float)NORM) + eps);
+#pragma unroll
+  for (int p = threadIdx.x; p < PAIRS; p += THREADS) {  // this thread's own sums, read back
+    const u32 r = reinterpret_cast<const u32*>(res_out)[p], w = __ldg(reinterpret_cast<const u32*>(norm_w) + p);
+    const u16 a = round16(lo16(w) * rounded(lo16(r) * inv)), b = round16(hi16(w) * rounded(hi16(r) * inv));
+    reinterpret_cast<u32*>(normed)[p] = ((u32)b << 16) | a;
+  }
+}
+#endif
+
 // x [K] 16-bit; w [N_total, K] row stride stride_w bytes; out [N]; scale/bias [N_total] (scale float32).
 extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* __restrict__ x,
                                                                   const unsigned char* __restrict__ w,
@@ -231,9 +290,16 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
                                                                   float* __restrict__ logits,
                                                                   unsigned int* __restrict__ counter,
                                                                   void* __restrict__ weights_out,
-                                                                  long long* __restrict__ ids_out) {
+                                                                  long long* __restrict__ ids_out,
+                                                                  const u16* __restrict__ residual,
+                                                                  const u16* __restrict__ norm_w,
+                                                                  u16* __restrict__ normed, u16* __restrict__ res_out,
+                                                                  float eps) {
   __shared__ __align__(16) u32 xs[K / 2];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#if NORM
+  const u16* const out_rows = out;  // every (token, expert) pair's row, for the last block's sum
+#endif
 #if EXPERTS
 #if PDL
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -325,5 +391,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
   }
 #if ROUTER
   route_last_block(logits, counter, n, weights_out, ids_out);
+#endif
+#if NORM
+  norm_last_block(out_rows, counter, residual, norm_w, normed, res_out, eps);
 #endif
 }

@@ -405,6 +405,116 @@ def test_one_tokens_cuda_matmul_matches_the_float32_product(act: torch.dtype) ->
         torch.testing.assert_close(y, gemv(gemv(x, w1), w2))
 
 
+def test_one_tokens_residual_add_and_norm_go_to_the_layers_last_block_where_they_can(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The residual add and RMSNorm after one token's linear layer or MoE experts (token_gemv.AddNorm) go to the
+    layer's launch for one token's contiguous residual stream and a norm weight of the activations' dtype, of even
+    width up to MAX_NORM; ENGINE_TOKEN_NORM=triton keeps them in their own launch; anything else is refused. Off
+    CUDA nothing is fused: gemv_add_norm says so, and the ops' linear_add_rms_norm is add_rms_norm of the layer."""
+    from engine.kernels import gemv, token_gemv
+
+    x = torch.zeros(1, 4096, dtype=torch.bfloat16)
+    add = token_gemv.AddNorm(torch.zeros(1, 2048, dtype=torch.bfloat16), torch.ones(2048, dtype=torch.bfloat16), 1e-6)
+    assert token_gemv.supports_norm(x, 2048, add)
+    assert not token_gemv.supports_norm(x, 1024, add)  # another width
+    assert not token_gemv.supports_norm(x.half(), 2048, add)  # another dtype
+    for residual, weight in (
+        (torch.zeros(2, 2048, dtype=torch.bfloat16), add.weight),  # two tokens
+        (torch.zeros(2048, 2, dtype=torch.bfloat16).t()[:1], add.weight),  # not contiguous
+        (add.residual, add.weight.float()),  # a float32 norm weight
+    ):
+        assert not token_gemv.supports_norm(x, 2048, token_gemv.AddNorm(residual, weight, 1e-6))
+    odd = token_gemv.AddNorm(torch.zeros(1, 2047, dtype=torch.bfloat16), torch.ones(2047, dtype=torch.bfloat16), 1e-6)
+    assert not token_gemv.supports_norm(x, 2047, odd)
+    wide = token_gemv.MAX_NORM + 2
+    wide_stream = torch.zeros(1, wide, dtype=torch.bfloat16)
+    assert not token_gemv.supports_norm(x, wide, token_gemv.AddNorm(wide_stream, wide_stream[0], 1e-6))
+    assert token_gemv.norm_enabled()
+    monkeypatch.setenv("ENGINE_TOKEN_NORM", "triton")
+    assert not token_gemv.norm_enabled()
+    monkeypatch.setenv("ENGINE_TOKEN_NORM", "fused")
+    with pytest.raises(ValueError, match="ENGINE_TOKEN_NORM must be 'cuda' or 'triton'"):
+        token_gemv.norm_enabled()
+    monkeypatch.delenv("ENGINE_TOKEN_NORM")
+    w = torch.randn(2048, 4096, generator=_g(7)).to(torch.bfloat16)
+    assert gemv.gemv_add_norm(x, w, None, None, add.residual, add.weight, 1e-6) is None  # on the CPU
+    layer = torch.nn.Linear(64, 32, bias=False)
+    xs, residual, weight = torch.randn(3, 64, generator=_g(8)), torch.randn(3, 32, generator=_g(9)), torch.rand(32)
+    with torch.no_grad():
+        got = ops.TorchOps().linear_add_rms_norm(layer, xs, residual, weight, 1e-6)
+        want = ops.TorchOps().add_rms_norm(layer(xs), residual, weight, 1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def _assert_add_norm_close(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """The residual stream bit for bit (the same roundings, the same order); the normed output within one unit in its
+    last place (the square sum's order differs from Triton's, so a rounding may too)."""
+    assert torch.equal(got[1], want[1])
+    ulp = 2.0**-7 if got[0].dtype == torch.bfloat16 else 2.0**-10
+    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=ulp, atol=1e-6)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="one token's CUDA matmul is CUDA C++, compiled by NVRTC on the GPU")
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
+def test_one_tokens_cuda_matmul_with_the_residual_add_and_norm_matches_the_two_launches(act: torch.dtype) -> None:
+    """token_gemv_add_norm (the layer's last block adds the residual and normalises) against the layer's launch and
+    Triton's add_rms_norm: 16-bit and e4m3 weights, a bias, widths of one to eight thousand; through gemv_add_norm's
+    dispatch; and a chain of three in a CUDA graph, replayed with new inputs, which leaves the counter at zero."""
+    from engine.kernels import gemv, token_gemv
+
+    g = _g(51)
+    for n, k, has_bias in ((4096, 4096, False), (2048, 1536, True), (1000, 1024, False), (8192, 512, False)):
+        w = (torch.randn(n, k, generator=g) * 0.05).to(DEV)
+        x = torch.randn(1, k, generator=g).to(DEV).to(act)
+        bias = torch.randn(n, generator=g).to(DEV).to(act) if has_bias else None
+        residual = torch.randn(1, n, generator=g).to(DEV).to(act)
+        norm_w = (torch.rand(n, generator=g) + 0.5).to(DEV).to(act)
+        scale = w.abs().amax(1) / 448
+        for weight, sc in ((w.to(act), None), ((w / scale[:, None]).to(torch.float8_e4m3fn), scale.float())):
+            add = token_gemv.AddNorm(residual, norm_w, 1e-6)
+            assert token_gemv.supports(x, weight, False) and token_gemv.supports_norm(x, n, add)
+            y = token_gemv.token_gemv(x, weight, sc, bias, False, torch.empty(1, n, device=DEV, dtype=act))
+            want = triton_ops.add_rms_norm(y, residual, norm_w, 1e-6)
+            _assert_add_norm_close(token_gemv.token_gemv_add_norm(x, weight, sc, bias, add), want)
+            via = gemv.gemv_add_norm(x, weight, sc, bias, residual, norm_w, 1e-6)
+            assert via is not None
+            _assert_add_norm_close(via, want)
+    # A layer's chain under PDL: h, r = add_norm(x W1^T, r0); then twice more, each reading the last one's outputs.
+    hidden = 1024
+    ws = [(torch.randn(hidden, hidden, generator=g) * 0.03).to(DEV).to(act) for _ in range(3)]
+    norms = [(torch.rand(hidden, generator=g) + 0.5).to(DEV).to(act) for _ in range(3)]
+    x = torch.randn(1, hidden, generator=g).to(DEV).to(act)
+    r0 = torch.randn(1, hidden, generator=g).to(DEV).to(act)
+
+    def chain(fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        h, r = x, r0
+        for w, nw in zip(ws, norms, strict=True):
+            if fused:
+                h, r = token_gemv.token_gemv_add_norm(h, w, None, None, token_gemv.AddNorm(r, nw, 1e-6))
+            else:
+                y = token_gemv.token_gemv(h, w, None, None, False, torch.empty(1, hidden, device=DEV, dtype=act))
+                h, r = triton_ops.add_rms_norm(y, r, nw, 1e-6)
+        return h, r
+
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(side):
+        chain(True)  # compile, and make the counter, outside the capture
+        with torch.cuda.graph(graph, stream=side):
+            out = chain(True)
+    for _ in range(3):
+        x.copy_(torch.randn(1, hidden, generator=g).to(DEV).to(act))
+        r0.copy_(torch.randn(1, hidden, generator=g).to(DEV).to(act))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = chain(False)
+        torch.testing.assert_close(out[0].float(), want[0].float(), rtol=0.05, atol=0.05)  # three norms' roundings
+        torch.testing.assert_close(out[1].float(), want[1].float(), rtol=0.05, atol=0.05)
+    assert int(token_gemv._counter(DEV).item()) == 0
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the FP8 decode kernel is CUDA C++, compiled by NVRTC on the GPU")
 @pytest.mark.parametrize(
     ("group", "block_size", "dtype"),
