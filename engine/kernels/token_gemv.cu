@@ -23,8 +23,8 @@
 // and stores them (float32 with ROUTE_F32, else the activations' dtype) and their ids (int64).
 //
 // NORM (the output's width, the model's hidden size): the residual add and RMSNorm that follow the layer, done by
-// the grid's last block (the same counter) once every output is stored: the gridDim.y rows of the output (one, or a
-// MoE layer's weighted experts) summed in float32 and rounded, plus the residual, rounded (stored to res_out); its
+// the grid's last block (the same counter) once every output is stored: the NORM_PARTS = gridDim.y rows of the
+// output (one, or a MoE layer's weighted experts) summed in float32 and rounded, plus the residual, rounded (stored to res_out); its
 // RMSNorm in float32, rounded, times the norm's weight, rounded (stored to normed): the Triton add_rms_norm's
 // roundings, which are torch's. One launch fewer, and one kernel boundary fewer, a norm.
 #ifndef EXPERTS
@@ -237,23 +237,31 @@ __device__ __forceinline__ void route_last_block(const float* logits, unsigned i
 
 #if NORM
 static_assert(NORM % 2 == 0, "pairs of values");
-// NORM's header, by the grid's last block once every output row is stored: out [gridDim.y, NORM].
+#ifndef NORM_PARTS
+#define NORM_PARTS 1
+#endif
+// NORM's header, by the grid's last block once every output row is stored: out [NORM_PARTS, NORM] (NORM_PARTS the
+// grid's gridDim.y: one, or a token's routed experts).
 __device__ __forceinline__ void norm_last_block(const u16* __restrict__ out, unsigned int* counter,
                                                 const u16* __restrict__ residual, const u16* __restrict__ norm_w,
                                                 u16* __restrict__ normed, u16* __restrict__ res_out, float eps) {
   if (!last_block(counter)) return;
   constexpr int THREADS = 32 * WARPS, PAIRS = NORM / 2;
-  const int parts = gridDim.y;
   float squares = 0.f;
+  // Every load of the loop is independent of the others (NORM_PARTS and the trip count are constants, so it unrolls):
+  // one L2 round trip for all of them, where a loop over the parts would take one a part.
 #pragma unroll
   for (int p = threadIdx.x; p < PAIRS; p += THREADS) {
-    float a = 0.f, b = 0.f;
-    for (int j = 0; j < parts; ++j) {
-      const u32 v = __ldcg(reinterpret_cast<const u32*>(out + j * NORM) + p);
-      a += lo16(v);
-      b += hi16(v);
-    }
+    u32 v[NORM_PARTS];
+#pragma unroll
+    for (int j = 0; j < NORM_PARTS; ++j) v[j] = __ldcg(reinterpret_cast<const u32*>(out + j * NORM) + p);
     const u32 r = __ldg(reinterpret_cast<const u32*>(residual) + p);
+    float a = 0.f, b = 0.f;
+#pragma unroll
+    for (int j = 0; j < NORM_PARTS; ++j) {
+      a += lo16(v[j]);
+      b += hi16(v[j]);
+    }
     a = rounded(lo16(r) + rounded(a));
     b = rounded(hi16(r) + rounded(b));
     reinterpret_cast<u32*>(res_out)[p] = ((u32)round16(b) << 16) | round16(a);

@@ -88,6 +88,8 @@ def experts_torch(
 ROUTER_PARTS = True
 # Whether one token's router and routing run in one launch on the CUDA one-token kernel where its experts run on it.
 ROUTER_TOKEN = True
+# Whether one token's experts add the residual and normalise in their down projection's last block, where they can.
+EXPERTS_ADD_NORM = True
 
 
 def sum_parts(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -206,7 +208,7 @@ class SparseMoE(nn.Module):
         """One token's layer and the residual add and RMSNorm after it, ``(weight * rmsnorm(residual + out),
         residual + out)``, with the add and the norm in the experts' last launch, where the CUDA one-token kernel
         runs the layer and takes them (``ENGINE_TOKEN_NORM``); else None, for the caller to do them apart."""
-        if not self._one_token(x):
+        if not EXPERTS_ADD_NORM or not self._one_token(x):
             return None
         from engine.kernels import fused_moe, token_gemv
 
