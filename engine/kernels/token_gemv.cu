@@ -152,13 +152,34 @@ __device__ __forceinline__ float dot_chunk(const uint4& w, const u32* __restrict
   return acc;
 }
 
+#ifndef COUNT_GROUPS
+#define COUNT_GROUPS 1
+#endif
+
 // Whether this block is the grid's last to finish: every block counts itself once its stores are done; the last
 // one's count also orders the other blocks' stores before its loads (which go past L1), and resets the counter.
+// COUNT_GROUPS > 1: block b counts first in counter 1 + b % COUNT_GROUPS (128 bytes apart), and the last of each
+// group in counter 0, so that the blocks of a big grid, which finish together, do not queue on one address.
 __device__ __forceinline__ bool last_block(unsigned int* counter) {
   __shared__ bool last;
   __threadfence();  // this block's stores, before its count
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x * gridDim.y - 1;
+  if (threadIdx.x == 0) {
+    const unsigned blocks = gridDim.x * gridDim.y;
+#if COUNT_GROUPS > 1
+    const unsigned b = blockIdx.y * gridDim.x + blockIdx.x, g = b % COUNT_GROUPS;
+    const unsigned members = blocks / COUNT_GROUPS + (g < blocks % COUNT_GROUPS ? 1u : 0u);
+    unsigned* const mine = counter + 32 * (1 + g);
+    last = false;
+    if (atomicAdd(mine, 1u) == members - 1) {
+      *mine = 0u;  // the group has counted
+      __threadfence();  // its blocks' stores, after their counts, before the group's
+      last = atomicAdd(counter, 1u) == min(blocks, (unsigned)COUNT_GROUPS) - 1;
+    }
+#else
+    last = atomicAdd(counter, 1u) == blocks - 1;
+#endif
+  }
   __syncthreads();
   if (!last) return false;
   __threadfence();  // the other blocks' stores, after their counts
@@ -246,27 +267,32 @@ __device__ __forceinline__ void norm_last_block(const u16* __restrict__ out, uns
                                                 const u16* __restrict__ residual, const u16* __restrict__ norm_w,
                                                 u16* __restrict__ normed, u16* __restrict__ res_out, float eps) {
   if (!last_block(counter)) return;
-  constexpr int THREADS = 32 * WARPS, PAIRS = NORM / 2;
+  constexpr int THREADS = 32 * WARPS, PAIRS = NORM / 2, PER_THREAD = (PAIRS + THREADS - 1) / THREADS;
+  // Every load is independent of the others (NORM_PARTS and the trip counts are constants: the loops unroll), so
+  // all of them cost one L2 round trip; the sums stay in registers for the second pass.
+  float lo[PER_THREAD], hi[PER_THREAD];
   float squares = 0.f;
-  // Every load of the loop is independent of the others (NORM_PARTS and the trip count are constants, so it unrolls):
-  // one L2 round trip for all of them, where a loop over the parts would take one a part.
 #pragma unroll
-  for (int p = threadIdx.x; p < PAIRS; p += THREADS) {
-    u32 v[NORM_PARTS];
+  for (int i = 0; i < PER_THREAD; ++i) {
+    const int p = i * THREADS + threadIdx.x;
+    lo[i] = hi[i] = 0.f;
+    if (p < PAIRS) {
+      u32 v[NORM_PARTS];
 #pragma unroll
-    for (int j = 0; j < NORM_PARTS; ++j) v[j] = __ldcg(reinterpret_cast<const u32*>(out + j * NORM) + p);
-    const u32 r = __ldg(reinterpret_cast<const u32*>(residual) + p);
-    float a = 0.f, b = 0.f;
+      for (int j = 0; j < NORM_PARTS; ++j) v[j] = __ldcg(reinterpret_cast<const u32*>(out + j * NORM) + p);
+      const u32 r = __ldg(reinterpret_cast<const u32*>(residual) + p);
+      float a = 0.f, b = 0.f;
 #pragma unroll
-    for (int j = 0; j < NORM_PARTS; ++j) {
-      a += lo16(v[j]);
-      b += hi16(v[j]);
+      for (int j = 0; j < NORM_PARTS; ++j) {
+        a += lo16(v[j]);
+        b += hi16(v[j]);
+      }
+      lo[i] = rounded(lo16(r) + rounded(a));
+      hi[i] = rounded(hi16(r) + rounded(b));
+      reinterpret_cast<u32*>(res_out)[p] = ((u32)round16(hi[i]) << 16) | round16(lo[i]);
+      squares = fmaf(lo[i], lo[i], squares);
+      squares = fmaf(hi[i], hi[i], squares);
     }
-    a = rounded(lo16(r) + rounded(a));
-    b = rounded(hi16(r) + rounded(b));
-    reinterpret_cast<u32*>(res_out)[p] = ((u32)round16(b) << 16) | round16(a);
-    squares = fmaf(a, a, squares);
-    squares = fmaf(b, b, squares);
   }
   __shared__ float warp_sums[WARPS];
 #pragma unroll
@@ -278,10 +304,13 @@ __device__ __forceinline__ void norm_last_block(const u16* __restrict__ out, uns
   for (int w = 0; w < WARPS; ++w) total += warp_sums[w];
   const float inv = rsqrtf(__fdiv_rn(total, (float)NORM) + eps);
 #pragma unroll
-  for (int p = threadIdx.x; p < PAIRS; p += THREADS) {  // this thread's own sums, read back
-    const u32 r = reinterpret_cast<const u32*>(res_out)[p], w = __ldg(reinterpret_cast<const u32*>(norm_w) + p);
-    const u16 a = round16(lo16(w) * rounded(lo16(r) * inv)), b = round16(hi16(w) * rounded(hi16(r) * inv));
-    reinterpret_cast<u32*>(normed)[p] = ((u32)b << 16) | a;
+  for (int i = 0; i < PER_THREAD; ++i) {
+    const int p = i * THREADS + threadIdx.x;
+    if (p < PAIRS) {
+      const u32 w = __ldg(reinterpret_cast<const u32*>(norm_w) + p);
+      const u16 a = round16(lo16(w) * rounded(lo[i] * inv)), b = round16(hi16(w) * rounded(hi[i] * inv));
+      reinterpret_cast<u32*>(normed)[p] = ((u32)b << 16) | a;
+    }
   }
 }
 #endif

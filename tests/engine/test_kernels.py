@@ -512,7 +512,7 @@ def test_one_tokens_cuda_matmul_with_the_residual_add_and_norm_matches_the_two_l
         want = chain(False)
         torch.testing.assert_close(out[0].float(), want[0].float(), rtol=0.05, atol=0.05)  # three norms' roundings
         torch.testing.assert_close(out[1].float(), want[1].float(), rtol=0.05, atol=0.05)
-    assert int(token_gemv._counter(DEV).item()) == 0
+    assert not token_gemv._counter(DEV).any()  # every counter back at zero
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the FP8 decode kernel is CUDA C++, compiled by NVRTC on the GPU")

@@ -523,6 +523,6 @@ def test_one_token_sparse_moe_with_the_residual_add_and_norm_equals_the_two_laun
             want = triton_ops.add_rms_norm(model(x, sum_experts=False), residual, norm_w, 1e-6)
             assert torch.equal(got[1], want[1])
             torch.testing.assert_close(got[0].float(), want[0].float(), rtol=2.0**-7, atol=1e-6)
-        assert int(token_gemv._counter(x.device).item()) == 0
+        assert not token_gemv._counter(x.device).any()  # every counter back at zero
         monkeypatch.setenv("ENGINE_TOKEN_NORM", "triton")
         assert model.forward_add_norm(x, residual, norm_w, 1e-6) is None
