@@ -156,14 +156,22 @@ __device__ __forceinline__ float dot_chunk(const uint4& w, const u32* __restrict
 #define COUNT_GROUPS 1
 #endif
 
-// Whether this block is the grid's last to finish: every block counts itself once its stores are done; the last
-// one's count also orders the other blocks' stores before its loads (which go past L1), and resets the counter.
+// The count before an atomic add of one at p, ordered after what this thread (and, after a barrier, its block) stored
+// and before what it loads next (acquire and release at the GPU's scope): no fence, which costs every block more.
+__device__ __forceinline__ unsigned count_in(unsigned* p) {
+  unsigned old;
+  asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], 1;" : "=r"(old) : "l"(p) : "memory");
+  return old;
+}
+
+// Whether this block is the grid's last to finish: once its stores are done (a barrier), thread 0 counts the block;
+// the last count also orders the other blocks' stores before this block's loads (after a second barrier, past L1),
+// and that block resets the counter for the next launch.
 // COUNT_GROUPS > 1: block b counts first in counter 1 + b % COUNT_GROUPS (128 bytes apart), and the last of each
 // group in counter 0, so that the blocks of a big grid, which finish together, do not queue on one address.
 __device__ __forceinline__ bool last_block(unsigned int* counter) {
   __shared__ bool last;
-  __threadfence();  // this block's stores, before its count
-  __syncthreads();
+  __syncthreads();  // this block's stores, before its count
   if (threadIdx.x == 0) {
     const unsigned blocks = gridDim.x * gridDim.y;
 #if COUNT_GROUPS > 1
@@ -171,20 +179,17 @@ __device__ __forceinline__ bool last_block(unsigned int* counter) {
     const unsigned members = blocks / COUNT_GROUPS + (g < blocks % COUNT_GROUPS ? 1u : 0u);
     unsigned* const mine = counter + 32 * (1 + g);
     last = false;
-    if (atomicAdd(mine, 1u) == members - 1) {
+    if (count_in(mine) == members - 1) {
       *mine = 0u;  // the group has counted
-      __threadfence();  // its blocks' stores, after their counts, before the group's
-      last = atomicAdd(counter, 1u) == min(blocks, (unsigned)COUNT_GROUPS) - 1;
+      last = count_in(counter) == min(blocks, (unsigned)COUNT_GROUPS) - 1;
     }
 #else
-    last = atomicAdd(counter, 1u) == blocks - 1;
+    last = count_in(counter) == blocks - 1;
 #endif
+    if (last) *counter = 0u;  // every block has counted: ready for the next launch
   }
-  __syncthreads();
-  if (!last) return false;
-  __threadfence();  // the other blocks' stores, after their counts
-  if (threadIdx.x == 0) *counter = 0u;  // every block has counted: ready for the next launch
-  return true;
+  __syncthreads();  // the other blocks' stores (thread 0 acquired them), before this block's loads
+  return last;
 }
 
 #if ROUTER
