@@ -74,10 +74,10 @@ def main() -> None:
         out["no norm"] = _time(_chain(lambda i, h, res: (project(i, h, None), res), x, r))
         out["triton norm"] = _time(_chain(lambda i, h, res: triton_ops.add_rms_norm(project(i, h, None), res, nw,
                                                                                     1e-6), x, r))  # fmt: skip
-        for groups in (1, 8, 64):
-            token_gemv.COUNT_GROUPS = groups
+        for groups, late in ((1, False), (64, False), (1, True), (64, True)):
+            token_gemv.COUNT_GROUPS, token_gemv.NORM_LATE = groups, late
             add = lambda i, h, res: project(i, h, token_gemv.AddNorm(res, nw, 1e-6))  # noqa: E731
-            out[f"epilogue, {groups} count groups"] = _time(_chain(add, x, r))
+            out[f"epilogue, {groups} groups{', late' if late else ''}"] = _time(_chain(add, x, r))
         results[name] = out
         for k, v in out.items():
             print(f"{name:8s} {k:28s} {v:8.2f} us a layer", flush=True)

@@ -45,6 +45,9 @@
 #ifndef NORM
 #define NORM 0
 #endif
+#ifndef NORM_LATE
+#define NORM_LATE 0
+#endif
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -387,7 +390,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) acc[r] += dot_chunk(buf[r][u], xs, ((c0 + u) * 32 + lane) * CHUNK_VALUES);
   }
-#if PDL
+#if PDL && !(NORM && NORM_LATE)
   asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
 #pragma unroll

@@ -75,11 +75,12 @@ def tile_for(weight: torch.Tensor, swiglu: bool) -> TokenTile:
 @cache
 def _kernel(device: int, k: int, wbytes: int, bf16: bool, tile: TokenTile, swiglu: bool, has_scale: bool,
             has_bias: bool, pdl: bool, routed: int = 0, router: tuple[int, int, bool, bool] | None = None,
-            norm: tuple[int, int, int] | None = None) -> nvrtc.Kernel:  # fmt: skip
+            norm: tuple[int, int, int, bool] | None = None) -> nvrtc.Kernel:  # fmt: skip
     """``routed``: 0 a linear layer; 1 a MoE layer's experts, not weighted; 2 weighted by float32 routing weights, 3 by
     16-bit ones. ``router``: a MoE router and its routing, ``(top_k, experts, renormalize, float32 weights)``.
-    ``norm``: ``(width, rows, count groups)`` of the residual add and RMSNorm the last block does after the layer,
-    over the sum of the output's rows (one, or a token's routed experts), its blocks counted in that many groups."""
+    ``norm``: ``(width, rows, count groups, late)`` of the residual add and RMSNorm the last block does after the
+    layer, over the sum of the output's rows (one, or a token's routed experts), its blocks counted in that many
+    groups, the next kernel let in as they exit with ``late``."""
     defines = {"K": k, "WBYTES": wbytes, "BF16": int(bf16), "WARPS": tile.warps, "ROWS_PER_WARP": tile.rows_per_warp,
                "UNROLL": tile.unroll, "SWIGLU": int(swiglu), "HAS_SCALE": int(has_scale), "HAS_BIAS": int(has_bias),
                "PDL": int(pdl), "EXPERTS": int(routed > 0), "ROUTED": int(routed > 1),
@@ -87,7 +88,7 @@ def _kernel(device: int, k: int, wbytes: int, bf16: bool, tile: TokenTile, swigl
     if norm is not None:
         if not 1 <= norm[2] <= MAX_COUNT_GROUPS:
             raise ValueError(f"token_gemv: {norm[2]} count groups, where 1..{MAX_COUNT_GROUPS} fit the counters")
-        defines |= {"NORM": norm[0], "NORM_PARTS": norm[1], "COUNT_GROUPS": norm[2]}
+        defines |= {"NORM": norm[0], "NORM_PARTS": norm[1], "COUNT_GROUPS": norm[2], "NORM_LATE": int(norm[3])}
     if router is not None:
         top_k, experts, renormalize, keep_float32 = router
         defines |= {"ROUTER": top_k, "ROUTER_E": experts, "RENORM": int(renormalize), "ROUTE_F32": int(keep_float32)}
@@ -108,6 +109,9 @@ class AddNorm:
 # atomics on one address as the blocks finish together); at most MAX_COUNT_GROUPS.
 COUNT_GROUPS = 64
 MAX_COUNT_GROUPS = 64
+# Whether a norm launch lets the next kernel in (PDL) only as its blocks exit, not as their loops end: the next
+# kernel's early weight loads would otherwise queue the last block's loads behind them.
+NORM_LATE = True
 
 # The widest residual stream the last block normalises (its values stay in registers: 32 pairs a thread of 128).
 MAX_NORM = 8192
@@ -194,8 +198,8 @@ def _launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | No
     tile = tile or tile_for(weight, swiglu)
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
     kernel = _kernel(x.device.index or 0, weight.shape[1], weight.element_size(), x.dtype == torch.bfloat16, tile,
-                     swiglu, scale is not None, bias is not None, pdl, norm=(n, 1, COUNT_GROUPS) if norm else None,
-                     )  # fmt: skip
+                     swiglu, scale is not None, bias is not None, pdl,
+                     norm=(n, 1, COUNT_GROUPS, NORM_LATE) if norm else None)  # fmt: skip
     rows_per_block = tile.warps * tile.rows_per_warp
     args = [nvrtc.ptr(x), nvrtc.ptr(weight), nvrtc.ptr(scale if scale is not None else out),
             nvrtc.ptr(bias if bias is not None else out), nvrtc.ptr(out), ctypes.c_int(n),
@@ -249,7 +253,7 @@ def _launch_experts(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, route_w
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
     routed = 1 if route_w is None else 2 if route_w.dtype == torch.float32 else 3
     kernel = _kernel(x.device.index or 0, w.shape[2], w.element_size(), x.dtype == torch.bfloat16, tile, gated,
-                     False, False, pdl, routed, norm=(n, top_k, COUNT_GROUPS) if norm else None)  # fmt: skip
+                     False, False, pdl, routed, norm=(n, top_k, COUNT_GROUPS, NORM_LATE) if norm else None)  # fmt: skip
     ids = ids if ids.is_contiguous() else ids.contiguous()
     args = [nvrtc.ptr(x), nvrtc.ptr(w), nvrtc.ptr(out), nvrtc.ptr(out), nvrtc.ptr(out), ctypes.c_int(n),
             ctypes.c_longlong(w.stride(1) * w.element_size()), nvrtc.ptr(ids),
