@@ -265,41 +265,66 @@ __device__ __forceinline__ void route_last_block(const float* logits, unsigned i
 #endif
 
 #if NORM
-static_assert(NORM % 2 == 0, "pairs of values");
+static_assert(NORM % 8 == 0, "16-byte runs of values");
 #ifndef NORM_PARTS
 #define NORM_PARTS 1
 #endif
+// v's eight 16-bit values as float.
+__device__ __forceinline__ void unpack8(const uint4& v, float* f) {
+  const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = lo16(w[i]);
+    f[2 * i + 1] = hi16(w[i]);
+  }
+}
+
+__device__ __forceinline__ uint4 pack8(const float* f) {  // eight floats, rounded to the activations' dtype
+  u32 w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = ((u32)round16(f[2 * i + 1]) << 16) | round16(f[2 * i]);
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // NORM's header, by the grid's last block once every output row is stored: out [NORM_PARTS, NORM] (NORM_PARTS the
-// grid's gridDim.y: one, or a token's routed experts).
-__device__ __forceinline__ void norm_last_block(const u16* __restrict__ out, unsigned int* counter,
-                                                const u16* __restrict__ residual, const u16* __restrict__ norm_w,
-                                                u16* __restrict__ normed, u16* __restrict__ res_out, float eps) {
+// grid's gridDim.y: one, or a token's routed experts). Its time is in series after the layer's, so it is a few
+// round trips to L2: every load of a phase is asked for before any is used (16 bytes a load; plain loads, which the
+// count's acquire keeps from stale L1 lines), and the sums stay in registers.
+__device__ __forceinline__ void norm_last_block(const u16* out, unsigned int* counter, const u16* residual,
+                                                const u16* norm_w, u16* normed, u16* res_out, float eps) {
   if (!last_block(counter)) return;
-  constexpr int THREADS = 32 * WARPS, PAIRS = NORM / 2, PER_THREAD = (PAIRS + THREADS - 1) / THREADS;
-  // Every load is independent of the others (NORM_PARTS and the trip counts are constants: the loops unroll), so
-  // all of them cost one L2 round trip; the sums stay in registers for the second pass.
-  float lo[PER_THREAD], hi[PER_THREAD];
+  constexpr int THREADS = 32 * WARPS, RUNS = NORM / 8, PER_THREAD = (RUNS + THREADS - 1) / THREADS;
+  uint4 v[PER_THREAD][NORM_PARTS], r[PER_THREAD];
+#pragma unroll
+  for (int i = 0; i < PER_THREAD; ++i) {
+    const int q = i * THREADS + threadIdx.x;
+    if (q < RUNS) {
+#pragma unroll
+      for (int j = 0; j < NORM_PARTS; ++j) v[i][j] = reinterpret_cast<const uint4*>(out + j * NORM)[q];
+      r[i] = reinterpret_cast<const uint4*>(residual)[q];
+    }
+  }
+  float sums[PER_THREAD][8];
   float squares = 0.f;
 #pragma unroll
   for (int i = 0; i < PER_THREAD; ++i) {
-    const int p = i * THREADS + threadIdx.x;
-    lo[i] = hi[i] = 0.f;
-    if (p < PAIRS) {
-      u32 v[NORM_PARTS];
+    const int q = i * THREADS + threadIdx.x;
+    if (q < RUNS) {
+      float y[8], part[8], res[8];
+      unpack8(v[i][0], y);
 #pragma unroll
-      for (int j = 0; j < NORM_PARTS; ++j) v[j] = __ldcg(reinterpret_cast<const u32*>(out + j * NORM) + p);
-      const u32 r = __ldg(reinterpret_cast<const u32*>(residual) + p);
-      float a = 0.f, b = 0.f;
+      for (int j = 1; j < NORM_PARTS; ++j) {
+        unpack8(v[i][j], part);
 #pragma unroll
-      for (int j = 0; j < NORM_PARTS; ++j) {
-        a += lo16(v[j]);
-        b += hi16(v[j]);
+        for (int e = 0; e < 8; ++e) y[e] += part[e];  // in part order, as the sum over parts is taken
       }
-      lo[i] = rounded(lo16(r) + rounded(a));
-      hi[i] = rounded(hi16(r) + rounded(b));
-      reinterpret_cast<u32*>(res_out)[p] = ((u32)round16(hi[i]) << 16) | round16(lo[i]);
-      squares = fmaf(lo[i], lo[i], squares);
-      squares = fmaf(hi[i], hi[i], squares);
+      unpack8(r[i], res);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        sums[i][e] = rounded(res[e] + rounded(y[e]));
+        squares = fmaf(sums[i][e], sums[i][e], squares);
+      }
+      reinterpret_cast<uint4*>(res_out)[q] = pack8(sums[i]);
     }
   }
   __shared__ float warp_sums[WARPS];
@@ -313,11 +338,18 @@ __device__ __forceinline__ void norm_last_block(const u16* __restrict__ out, uns
   const float inv = rsqrtf(__fdiv_rn(total, (float)NORM) + eps);
 #pragma unroll
   for (int i = 0; i < PER_THREAD; ++i) {
-    const int p = i * THREADS + threadIdx.x;
-    if (p < PAIRS) {
-      const u32 w = __ldg(reinterpret_cast<const u32*>(norm_w) + p);
-      const u16 a = round16(lo16(w) * rounded(lo[i] * inv)), b = round16(hi16(w) * rounded(hi[i] * inv));
-      reinterpret_cast<u32*>(normed)[p] = ((u32)b << 16) | a;
+    const int q = i * THREADS + threadIdx.x;
+    if (q < RUNS) r[i] = __ldg(reinterpret_cast<const uint4*>(norm_w) + q);  // reuses r: the weight's runs
+  }
+#pragma unroll
+  for (int i = 0; i < PER_THREAD; ++i) {
+    const int q = i * THREADS + threadIdx.x;
+    if (q < RUNS) {
+      float w[8], y[8];
+      unpack8(r[i], w);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) y[e] = w[e] * rounded(sums[i][e] * inv);
+      reinterpret_cast<uint4*>(normed)[q] = pack8(y);
     }
   }
 }

@@ -88,7 +88,13 @@ def _kernel(device: int, k: int, wbytes: int, bf16: bool, tile: TokenTile, swigl
     if norm is not None:
         if not 1 <= norm[2] <= MAX_COUNT_GROUPS:
             raise ValueError(f"token_gemv: {norm[2]} count groups, where 1..{MAX_COUNT_GROUPS} fit the counters")
-        defines |= {"NORM": norm[0], "NORM_PARTS": norm[1], "COUNT_GROUPS": norm[2], "NORM_LATE": int(norm[3])}
+        defines |= {
+            "NORM": norm[0],
+            "NORM_PARTS": norm[1],
+            "COUNT_GROUPS": norm[2],
+            "NORM_LATE": int(norm[3]),
+            "NORM_DEBUG": _NORM_DEBUG,
+        }
     if router is not None:
         top_k, experts, renormalize, keep_float32 = router
         defines |= {"ROUTER": top_k, "ROUTER_E": experts, "RENORM": int(renormalize), "ROUTE_F32": int(keep_float32)}
@@ -125,12 +131,13 @@ def norm_enabled() -> bool:
 
 def supports_norm(x: torch.Tensor, n: int, norm: AddNorm) -> bool:
     """An ``AddNorm`` after a layer of ``n`` outputs of ``x``'s dtype that the last block can do: one token's
-    contiguous residual stream and a norm weight of that dtype, an even width up to ``MAX_NORM``."""
+    contiguous residual stream and a norm weight of that dtype, 16-byte aligned, a width of whole 16-byte runs up to
+    ``MAX_NORM``."""
     r, w = norm.residual, norm.weight
     return (
         r.shape == (1, n) and r.dtype == x.dtype and r.is_contiguous() and r.device == x.device
         and w.shape == (n,) and w.dtype == x.dtype and w.is_contiguous() and w.device == x.device
-        and n % 2 == 0 and n <= MAX_NORM and r.data_ptr() % 4 == 0 and w.data_ptr() % 4 == 0
+        and n % 8 == 0 and n <= MAX_NORM and r.data_ptr() % CHUNK_BYTES == 0 and w.data_ptr() % CHUNK_BYTES == 0
     )  # fmt: skip
 
 
