@@ -88,13 +88,7 @@ def _kernel(device: int, k: int, wbytes: int, bf16: bool, tile: TokenTile, swigl
     if norm is not None:
         if not 1 <= norm[2] <= MAX_COUNT_GROUPS:
             raise ValueError(f"token_gemv: {norm[2]} count groups, where 1..{MAX_COUNT_GROUPS} fit the counters")
-        defines |= {
-            "NORM": norm[0],
-            "NORM_PARTS": norm[1],
-            "COUNT_GROUPS": norm[2],
-            "NORM_LATE": int(norm[3]),
-            "NORM_DEBUG": _NORM_DEBUG,
-        }
+        defines |= {"NORM": norm[0], "NORM_PARTS": norm[1], "COUNT_GROUPS": norm[2], "NORM_LATE": int(norm[3])}
     if router is not None:
         top_k, experts, renormalize, keep_float32 = router
         defines |= {"ROUTER": top_k, "ROUTER_E": experts, "RENORM": int(renormalize), "ROUTE_F32": int(keep_float32)}
