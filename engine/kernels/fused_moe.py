@@ -504,15 +504,6 @@ def one_token(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     )  # fmt: skip
 
 
-def one_token_add_norm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                       topk_ids: torch.Tensor,
-                       add: token_gemv.AddNorm) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``fused_moe`` of one token (``one_token``) with the residual add and RMSNorm after it done by the down
-    projection's last block (``token_gemv.supports_norm``): ``(normed, residual + out)``."""
-    h1 = token_gemv.token_experts(x.contiguous(), w13.contiguous(), topk_ids, None, gated=True)
-    return token_gemv.token_experts_add_norm(h1, w2.contiguous(), topk_ids, topk_weights.contiguous(), add)
-
-
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     alignment: Alignment | None = None, sum_experts: bool = True,

@@ -61,15 +61,6 @@ class ModelOps(Protocol):
         more (``engine.kernels.gemv.parts_for``)."""
         ...
 
-    def linear_add_rms_norm(
-        self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-        parts: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """``add_rms_norm(linear(layer, x), residual, weight, eps)`` (``linear_parts`` with ``parts``): a layer
-        whose output goes only to the residual add and the norm after it, which one token's kernel may do in the
-        layer's own launch."""
-        ...
-
     def swiglu_linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of a fused gate/up projection ``layer``."""
         ...
@@ -123,13 +114,6 @@ class TorchOps:
 
     def linear_parts(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return self.linear(layer, x)
-
-    def linear_add_rms_norm(
-        self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-        parts: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        y = self.linear_parts(layer, x) if parts else self.linear(layer, x)
-        return self.add_rms_norm(y, residual, weight, eps)
 
     def swiglu_linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return self.silu_and_mul(layer(x))
@@ -198,17 +182,6 @@ class TritonOps:
             weight, scale, bias = _weights(layer)
             return self._gemv.gemv(x, weight, scale, bias, parts=self._gemv.parts_for(weight, x.shape[0]))
         return layer(x)  # type: ignore[no-any-return]
-
-    def linear_add_rms_norm(
-        self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-        parts: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        if self._skinny(layer, x):  # one token: in the layer's own launch where the CUDA kernel takes both
-            fused = self._gemv.gemv_add_norm(x, *_weights(layer), residual, weight, eps)
-            if fused is not None:
-                return fused
-        y = self.linear_parts(layer, x) if parts else self.linear(layer, x)
-        return self.add_rms_norm(y, residual, weight, eps)
 
     def swiglu_linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self._skinny(layer, x) and layer.bias is None:

@@ -21,12 +21,6 @@
 // the last block to finish (a counter it resets for the next launch) takes the softmax over the E experts in
 // float32, the top_k largest (ties to the lower id), divided by their sum (added in selection order) with RENORM,
 // and stores them (float32 with ROUTE_F32, else the activations' dtype) and their ids (int64).
-//
-// NORM (the output's width, the model's hidden size): the residual add and RMSNorm that follow the layer, done by
-// the grid's last block (the same counter) once every output is stored: the NORM_PARTS = gridDim.y rows of the
-// output (one, or a MoE layer's weighted experts) summed in float32 and rounded, plus the residual, rounded (stored to res_out); its
-// RMSNorm in float32, rounded, times the norm's weight, rounded (stored to normed): the Triton add_rms_norm's
-// roundings, which are torch's. One launch fewer, and one kernel boundary fewer, a norm.
 #ifndef EXPERTS
 #define EXPERTS 0
 #endif
@@ -41,12 +35,6 @@
 #endif
 #ifndef ROUTE_F32
 #define ROUTE_F32 1
-#endif
-#ifndef NORM
-#define NORM 0
-#endif
-#ifndef NORM_LATE
-#define NORM_LATE 0
 #endif
 
 typedef unsigned int u32;
@@ -155,52 +143,29 @@ __device__ __forceinline__ float dot_chunk(const uint4& w, const u32* __restrict
   return acc;
 }
 
-#ifndef COUNT_GROUPS
-#define COUNT_GROUPS 1
-#endif
-
-// The count before an atomic add of one at p, ordered after what this thread (and, after a barrier, its block) stored
-// and before what it loads next (acquire and release at the GPU's scope): no fence, which costs every block more.
+#if ROUTER
+static_assert(ROUTER <= 32 && ROUTER <= ROUTER_E, "a lane a pick");
+// The count before an atomic add of one at p, ordered after what this thread (and, after a barrier, its block)
+// stored and before what it loads next (release and acquire at the GPU's scope): no fence in every thread.
 __device__ __forceinline__ unsigned count_in(unsigned* p) {
   unsigned old;
   asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], 1;" : "=r"(old) : "l"(p) : "memory");
   return old;
 }
 
-// Whether this block is the grid's last to finish: once its stores are done (a barrier), thread 0 counts the block;
-// the last count also orders the other blocks' stores before this block's loads (after a second barrier, past L1),
-// and that block resets the counter for the next launch.
-// COUNT_GROUPS > 1: block b counts first in counter 1 + b % COUNT_GROUPS (128 bytes apart), and the last of each
-// group in counter 0, so that the blocks of a big grid, which finish together, do not queue on one address.
-__device__ __forceinline__ bool last_block(unsigned int* counter) {
-  __shared__ bool last;
-  __syncthreads();  // this block's stores, before its count
-  if (threadIdx.x == 0) {
-    const unsigned blocks = gridDim.x * gridDim.y;
-#if COUNT_GROUPS > 1
-    const unsigned b = blockIdx.y * gridDim.x + blockIdx.x, g = b % COUNT_GROUPS;
-    const unsigned members = blocks / COUNT_GROUPS + (g < blocks % COUNT_GROUPS ? 1u : 0u);
-    unsigned* const mine = counter + 32 * (1 + g);
-    last = false;
-    if (count_in(mine) == members - 1) {
-      *mine = 0u;  // the group has counted
-      last = count_in(counter) == min(blocks, (unsigned)COUNT_GROUPS) - 1;
-    }
-#else
-    last = count_in(counter) == blocks - 1;
-#endif
-    if (last) *counter = 0u;  // every block has counted: ready for the next launch
-  }
-  __syncthreads();  // the other blocks' stores (thread 0 acquired them), before this block's loads
-  return last;
-}
-
-#if ROUTER
-static_assert(ROUTER <= 32 && ROUTER <= ROUTER_E, "a lane a pick");
-// The routing of ROUTER's header, by warp 0 of the grid's last block once every block's logits are stored.
+// The routing of ROUTER's header, by warp 0 of the grid's last block once every block's logits are stored: once a
+// block's stores are done (a barrier), its thread 0 counts it; the last count also orders the other blocks' logits
+// before this block's loads (after a second barrier, past L1), and that block resets the counter for the next launch.
 __device__ __forceinline__ void route_last_block(const float* logits, unsigned int* counter, int n, void* weights_out,
                                                  long long* ids_out) {
-  if (!last_block(counter) || threadIdx.x >= 32) return;
+  __shared__ bool last;
+  __syncthreads();  // this block's logits, before its count
+  if (threadIdx.x == 0) {
+    last = count_in(counter) == gridDim.x - 1;
+    if (last) *counter = 0u;  // every block has counted: ready for the next launch
+  }
+  __syncthreads();  // the other blocks' logits (thread 0 acquired them), before this block's loads
+  if (!last || threadIdx.x >= 32) return;
   const int lane = threadIdx.x;
   constexpr int PER_LANE = (ROUTER_E + 31) / 32;
   float p[PER_LANE];
@@ -264,97 +229,6 @@ __device__ __forceinline__ void route_last_block(const float* logits, unsigned i
 }
 #endif
 
-#if NORM
-static_assert(NORM % 8 == 0, "16-byte runs of values");
-#ifndef NORM_PARTS
-#define NORM_PARTS 1
-#endif
-// v's eight 16-bit values as float.
-__device__ __forceinline__ void unpack8(const uint4& v, float* f) {
-  const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = lo16(w[i]);
-    f[2 * i + 1] = hi16(w[i]);
-  }
-}
-
-__device__ __forceinline__ uint4 pack8(const float* f) {  // eight floats, rounded to the activations' dtype
-  u32 w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = ((u32)round16(f[2 * i + 1]) << 16) | round16(f[2 * i]);
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-// NORM's header, by the grid's last block once every output row is stored: out [NORM_PARTS, NORM] (NORM_PARTS the
-// grid's gridDim.y: one, or a token's routed experts). Its time is in series after the layer's, so it is a few
-// round trips to L2: every load of a phase is asked for before any is used (16 bytes a load; plain loads, which the
-// count's acquire keeps from stale L1 lines), and the sums stay in registers.
-__device__ __forceinline__ void norm_last_block(const u16* out, unsigned int* counter, const u16* residual,
-                                                const u16* norm_w, u16* normed, u16* res_out, float eps) {
-  if (!last_block(counter)) return;
-  constexpr int THREADS = 32 * WARPS, RUNS = NORM / 8, PER_THREAD = (RUNS + THREADS - 1) / THREADS;
-  uint4 v[PER_THREAD][NORM_PARTS], r[PER_THREAD];
-#pragma unroll
-  for (int i = 0; i < PER_THREAD; ++i) {
-    const int q = i * THREADS + threadIdx.x;
-    if (q < RUNS) {
-#pragma unroll
-      for (int j = 0; j < NORM_PARTS; ++j) v[i][j] = reinterpret_cast<const uint4*>(out + j * NORM)[q];
-      r[i] = reinterpret_cast<const uint4*>(residual)[q];
-    }
-  }
-  float sums[PER_THREAD][8];
-  float squares = 0.f;
-#pragma unroll
-  for (int i = 0; i < PER_THREAD; ++i) {
-    const int q = i * THREADS + threadIdx.x;
-    if (q < RUNS) {
-      float y[8], part[8], res[8];
-      unpack8(v[i][0], y);
-#pragma unroll
-      for (int j = 1; j < NORM_PARTS; ++j) {
-        unpack8(v[i][j], part);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) y[e] += part[e];  // in part order, as the sum over parts is taken
-      }
-      unpack8(r[i], res);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        sums[i][e] = rounded(res[e] + rounded(y[e]));
-        squares = fmaf(sums[i][e], sums[i][e], squares);
-      }
-      reinterpret_cast<uint4*>(res_out)[q] = pack8(sums[i]);
-    }
-  }
-  __shared__ float warp_sums[WARPS];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) squares += __shfl_xor_sync(FULL, squares, o);
-  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = squares;
-  __syncthreads();
-  float total = 0.f;
-#pragma unroll
-  for (int w = 0; w < WARPS; ++w) total += warp_sums[w];
-  const float inv = rsqrtf(__fdiv_rn(total, (float)NORM) + eps);
-#pragma unroll
-  for (int i = 0; i < PER_THREAD; ++i) {
-    const int q = i * THREADS + threadIdx.x;
-    if (q < RUNS) r[i] = __ldg(reinterpret_cast<const uint4*>(norm_w) + q);  // reuses r: the weight's runs
-  }
-#pragma unroll
-  for (int i = 0; i < PER_THREAD; ++i) {
-    const int q = i * THREADS + threadIdx.x;
-    if (q < RUNS) {
-      float w[8], y[8];
-      unpack8(r[i], w);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) y[e] = w[e] * rounded(sums[i][e] * inv);
-      reinterpret_cast<uint4*>(normed)[q] = pack8(y);
-    }
-  }
-}
-#endif
-
 // x [K] 16-bit; w [N_total, K] row stride stride_w bytes; out [N]; scale/bias [N_total] (scale float32).
 extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* __restrict__ x,
                                                                   const unsigned char* __restrict__ w,
@@ -367,16 +241,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
                                                                   float* __restrict__ logits,
                                                                   unsigned int* __restrict__ counter,
                                                                   void* __restrict__ weights_out,
-                                                                  long long* __restrict__ ids_out,
-                                                                  const u16* __restrict__ residual,
-                                                                  const u16* __restrict__ norm_w,
-                                                                  u16* __restrict__ normed, u16* __restrict__ res_out,
-                                                                  float eps) {
+                                                                  long long* __restrict__ ids_out) {
   __shared__ __align__(16) u32 xs[K / 2];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-#if NORM
-  const u16* const out_rows = out;  // every (token, expert) pair's row, for the last block's sum
-#endif
 #if EXPERTS
 #if PDL
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -422,7 +289,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) acc[r] += dot_chunk(buf[r][u], xs, ((c0 + u) * 32 + lane) * CHUNK_VALUES);
   }
-#if PDL && !(NORM && NORM_LATE)
+#if PDL
   asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
 #pragma unroll
@@ -468,8 +335,5 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
   }
 #if ROUTER
   route_last_block(logits, counter, n, weights_out, ids_out);
-#endif
-#if NORM
-  norm_last_block(out_rows, counter, residual, norm_w, normed, res_out, eps);
 #endif
 }

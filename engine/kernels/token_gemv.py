@@ -75,138 +75,40 @@ def tile_for(weight: torch.Tensor, swiglu: bool) -> TokenTile:
 @cache
 def _kernel(device: int, k: int, wbytes: int, bf16: bool, tile: TokenTile, swiglu: bool, has_scale: bool,
             has_bias: bool, pdl: bool, routed: int = 0, router: tuple[int, int, bool, bool] | None = None,
-            norm: tuple[int, int, int, bool] | None = None) -> nvrtc.Kernel:  # fmt: skip
+            ) -> nvrtc.Kernel:  # fmt: skip
     """``routed``: 0 a linear layer; 1 a MoE layer's experts, not weighted; 2 weighted by float32 routing weights, 3 by
-    16-bit ones. ``router``: a MoE router and its routing, ``(top_k, experts, renormalize, float32 weights)``.
-    ``norm``: ``(width, rows, count groups, late)`` of the residual add and RMSNorm the last block does after the
-    layer, over the sum of the output's rows (one, or a token's routed experts), its blocks counted in that many
-    groups, the next kernel let in as they exit with ``late``."""
+    16-bit ones. ``router``: a MoE router and its routing, ``(top_k, experts, renormalize, float32 weights)``."""
     defines = {"K": k, "WBYTES": wbytes, "BF16": int(bf16), "WARPS": tile.warps, "ROWS_PER_WARP": tile.rows_per_warp,
                "UNROLL": tile.unroll, "SWIGLU": int(swiglu), "HAS_SCALE": int(has_scale), "HAS_BIAS": int(has_bias),
                "PDL": int(pdl), "EXPERTS": int(routed > 0), "ROUTED": int(routed > 1),
                "ROUTE_F32": int(routed == 2)}  # fmt: skip
-    if norm is not None:
-        if not 1 <= norm[2] <= MAX_COUNT_GROUPS:
-            raise ValueError(f"token_gemv: {norm[2]} count groups, where 1..{MAX_COUNT_GROUPS} fit the counters")
-        defines |= {"NORM": norm[0], "NORM_PARTS": norm[1], "COUNT_GROUPS": norm[2], "NORM_LATE": int(norm[3])}
     if router is not None:
         top_k, experts, renormalize, keep_float32 = router
         defines |= {"ROUTER": top_k, "ROUTER_E": experts, "RENORM": int(renormalize), "ROUTE_F32": int(keep_float32)}
     return nvrtc.build(_SOURCE, "token_gemv", device, defines)
 
 
-@dataclass(frozen=True, slots=True)
-class AddNorm:
-    """The residual add and RMSNorm that follow a layer whose output is ``y``: ``(weight * rmsnorm(residual + y),
-    residual + y)``, as ``engine.kernels.triton_ops.add_rms_norm`` computes them."""
-
-    residual: torch.Tensor  # [1, hidden], the activations' dtype
-    weight: torch.Tensor  # [hidden], the activations' dtype
-    eps: float
-
-
-# The groups a norm launch's blocks count in before the last count (one counter for all would queue thousands of
-# atomics on one address as the blocks finish together); at most MAX_COUNT_GROUPS.
-COUNT_GROUPS = 64
-MAX_COUNT_GROUPS = 64
-# Whether a norm launch lets the next kernel in (PDL) only as its blocks exit, not as their loops end: the next
-# kernel's early weight loads would otherwise queue the last block's loads behind them.
-NORM_LATE = True
-
-# The widest residual stream the last block normalises (its values stay in registers: 32 pairs a thread of 128).
-MAX_NORM = 8192
-
-
-def norm_enabled() -> bool:
-    """``ENGINE_TOKEN_NORM``: ``cuda`` (unset) does one token's residual add and RMSNorm in the last block of the
-    layer before them (``AddNorm``); ``triton`` leaves them to their own launch."""
-    return nvrtc.use_cuda_kernel("ENGINE_TOKEN_NORM")
-
-
-def supports_norm(x: torch.Tensor, n: int, norm: AddNorm) -> bool:
-    """An ``AddNorm`` after a layer of ``n`` outputs of ``x``'s dtype that the last block can do: one token's
-    contiguous residual stream and a norm weight of that dtype, 16-byte aligned, a width of whole 16-byte runs up to
-    ``MAX_NORM``."""
-    r, w = norm.residual, norm.weight
-    return (
-        r.shape == (1, n) and r.dtype == x.dtype and r.is_contiguous() and r.device == x.device
-        and w.shape == (n,) and w.dtype == x.dtype and w.is_contiguous() and w.device == x.device
-        and n % 8 == 0 and n <= MAX_NORM and r.data_ptr() % CHUNK_BYTES == 0 and w.data_ptr() % CHUNK_BYTES == 0
-    )  # fmt: skip
-
-
-_COUNTERS: dict[int, torch.Tensor] = {}
-
-
-def _counter(device: torch.device) -> torch.Tensor:
-    """A device's count of a grid's finished blocks (the router's and the norm's last block): zero between launches
-    (the last block resets it), and one for all of them, whose launches on the device's stream never overlap (each
-    waits for the kernel before)."""
-    index = device.index or 0
-    if index not in _COUNTERS:
-        if torch.cuda.is_current_stream_capturing():  # it would live in the graph's pool, zeroed at each replay
-            raise RuntimeError(
-                "token_gemv: the first launch of a last-block kernel (a MoE router, a residual add "
-                "and norm) on a device must come before a CUDA graph's capture (a warm-up step)"
-            )
-        # Counter 0, then a group's counter every 128 bytes (COUNT_GROUPS).
-        _COUNTERS[index] = torch.zeros(32 * (1 + MAX_COUNT_GROUPS), dtype=torch.int32, device=device)
-    return _COUNTERS[index]
-
-
-def _tail(out: torch.Tensor, router: list[ctypes.c_void_p] | None = None,
-          norm: tuple[AddNorm, torch.Tensor, torch.Tensor] | None = None) -> list[ctypes._CData]:  # fmt: skip
-    """The last arguments of a launch: the router's four (logits, counter, weights, ids), then the norm's residual,
-    weight, normed output, residual output and eps; ``out`` stands in for those a launch does not read."""
-    unused = nvrtc.ptr(out)
-    args: list[ctypes._CData] = list(router) if router is not None else [unused] * 4
-    if norm is None:
-        return [*args, unused, unused, unused, unused, ctypes.c_float(0.0)]
-    add, normed, res_out = norm
-    if router is None:
-        args[1] = nvrtc.ptr(_counter(out.device))
-    return [*args, nvrtc.ptr(add.residual), nvrtc.ptr(add.weight), nvrtc.ptr(normed), nvrtc.ptr(res_out),
-            ctypes.c_float(add.eps)]  # fmt: skip
-
-
-def _norm_outputs(add: AddNorm | None) -> tuple[AddNorm, torch.Tensor, torch.Tensor] | None:
-    return None if add is None else (add, torch.empty_like(add.residual), torch.empty_like(add.residual))
+def _no_router(out: torch.Tensor) -> list[ctypes.c_void_p]:
+    """The router's four arguments of a launch without one (never read)."""
+    return [nvrtc.ptr(out)] * 4
 
 
 def token_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
                swiglu: bool, out: torch.Tensor, tile: TokenTile | None = None) -> torch.Tensor:  # fmt: skip
     """``out [1, N] = x [1, K] @ weight.T`` (times ``scale``, plus ``bias``), or SwiGLU of a fused ``[2N, K]``
     gate/up weight; see the module's docstring."""
-    _launch_gemv(x, weight, scale, bias, swiglu, out, tile, None)
-    return out
-
-
-def token_gemv_add_norm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-                        add: AddNorm, tile: TokenTile | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``x [1, K] @ weight.T`` (times ``scale``, plus ``bias``), then ``add`` in the same launch (``supports_norm``):
-    ``(normed, residual + y)``."""
-    norm = _norm_outputs(add)
-    assert norm is not None
-    out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
-    _launch_gemv(x, weight, scale, bias, False, out, tile, norm)
-    return norm[1], norm[2]
-
-
-def _launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-                 swiglu: bool, out: torch.Tensor, tile: TokenTile | None,
-                 norm: tuple[AddNorm, torch.Tensor, torch.Tensor] | None) -> None:  # fmt: skip
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     tile = tile or tile_for(weight, swiglu)
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
     kernel = _kernel(x.device.index or 0, weight.shape[1], weight.element_size(), x.dtype == torch.bfloat16, tile,
-                     swiglu, scale is not None, bias is not None, pdl,
-                     norm=(n, 1, COUNT_GROUPS, NORM_LATE) if norm else None)  # fmt: skip
+                     swiglu, scale is not None, bias is not None, pdl)  # fmt: skip
     rows_per_block = tile.warps * tile.rows_per_warp
     args = [nvrtc.ptr(x), nvrtc.ptr(weight), nvrtc.ptr(scale if scale is not None else out),
             nvrtc.ptr(bias if bias is not None else out), nvrtc.ptr(out), ctypes.c_int(n),
             ctypes.c_longlong(weight.stride(0) * weight.element_size()), nvrtc.ptr(out), nvrtc.ptr(out),
-            ctypes.c_longlong(0), ctypes.c_int(0), *_tail(out, norm=norm)]  # fmt: skip
+            ctypes.c_longlong(0), ctypes.c_int(0), *_no_router(out)]  # fmt: skip
     kernel((-(-n // rows_per_block), 1, 1), 32 * tile.warps, args, pdl=pdl)
+    return out
 
 
 def moe_enabled() -> bool:
@@ -232,21 +134,6 @@ def token_experts(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, route_w: 
     ``x [1, K]`` through each expert's gate rows and up rows (``[top_k, rows / 2]``); else each pair's own row of
     ``x [top_k, K]`` through its expert, times ``route_w`` (``[top_k, rows]``). ``ids [1, top_k]`` int64, on the
     device (the routing kernel's)."""
-    return _launch_experts(x, w, ids, route_w, gated, None)
-
-
-def token_experts_add_norm(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor,
-                           add: AddNorm) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``token_experts``' down projection (not gated), its ``top_k`` weighted outputs summed and ``add`` done in the
-    same launch (``supports_norm``): ``(normed, residual + sum)``."""
-    norm = _norm_outputs(add)
-    assert norm is not None
-    _launch_experts(x, w, ids, route_w, False, norm)
-    return norm[1], norm[2]
-
-
-def _launch_experts(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor | None, gated: bool,
-                    norm: tuple[AddNorm, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:  # fmt: skip
     top_k = ids.shape[1]
     n = w.shape[1] // 2 if gated else w.shape[1]
     out = torch.empty((top_k, n), dtype=x.dtype, device=x.device)
@@ -254,12 +141,12 @@ def _launch_experts(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, route_w
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
     routed = 1 if route_w is None else 2 if route_w.dtype == torch.float32 else 3
     kernel = _kernel(x.device.index or 0, w.shape[2], w.element_size(), x.dtype == torch.bfloat16, tile, gated,
-                     False, False, pdl, routed, norm=(n, top_k, COUNT_GROUPS, NORM_LATE) if norm else None)  # fmt: skip
+                     False, False, pdl, routed)  # fmt: skip
     ids = ids if ids.is_contiguous() else ids.contiguous()
     args = [nvrtc.ptr(x), nvrtc.ptr(w), nvrtc.ptr(out), nvrtc.ptr(out), nvrtc.ptr(out), ctypes.c_int(n),
             ctypes.c_longlong(w.stride(1) * w.element_size()), nvrtc.ptr(ids),
             nvrtc.ptr(route_w if route_w is not None else out), ctypes.c_longlong(w.stride(0) * w.element_size()),
-            ctypes.c_int(0 if gated else x.shape[1]), *_tail(out, norm=norm)]  # fmt: skip
+            ctypes.c_int(0 if gated else x.shape[1]), *_no_router(out)]  # fmt: skip
     kernel((-(-n // (tile.warps * tile.rows_per_warp)), top_k, 1), 32 * tile.warps, args, pdl=pdl)
     return out
 
@@ -277,6 +164,21 @@ def supports_router(x: torch.Tensor, gate: torch.Tensor, top_k: int) -> bool:
     )  # fmt: skip
 
 
+_COUNTERS: dict[int, torch.Tensor] = {}
+
+
+def _counter(device: torch.device) -> torch.Tensor:
+    """A device's count of the router's finished blocks: zero between launches (the last block resets it), and one
+    for all routers, whose launches on the device's stream never overlap (each waits for the kernel before)."""
+    index = device.index or 0
+    if index not in _COUNTERS:
+        if torch.cuda.is_current_stream_capturing():  # it would live in the graph's pool, zeroed at each replay
+            raise RuntimeError("token_route: the first router launch on a device must come before a CUDA graph's "
+                               "capture (a warm-up step)")  # fmt: skip
+        _COUNTERS[index] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _COUNTERS[index]
+
+
 def token_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool,
                 keep_float32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One token's MoE routing from its router weight ``gate [E, K]`` in one launch: ``engine.models.moe.route`` of
@@ -289,9 +191,9 @@ def token_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bo
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
     kernel = _kernel(x.device.index or 0, gate.shape[1], gate.element_size(), x.dtype == torch.bfloat16, tile, False,
                      False, False, pdl, router=(top_k, experts, renormalize, keep_float32))  # fmt: skip
-    router = [nvrtc.ptr(logits), nvrtc.ptr(_counter(x.device)), nvrtc.ptr(weights), nvrtc.ptr(ids)]
     args = [nvrtc.ptr(x), nvrtc.ptr(gate), nvrtc.ptr(logits), nvrtc.ptr(logits), nvrtc.ptr(weights),
             ctypes.c_int(experts), ctypes.c_longlong(gate.stride(0) * gate.element_size()), nvrtc.ptr(ids),
-            nvrtc.ptr(weights), ctypes.c_longlong(0), ctypes.c_int(0), *_tail(logits, router=router)]  # fmt: skip
+            nvrtc.ptr(weights), ctypes.c_longlong(0), ctypes.c_int(0), nvrtc.ptr(logits),
+            nvrtc.ptr(_counter(x.device)), nvrtc.ptr(weights), nvrtc.ptr(ids)]  # fmt: skip
     kernel((-(-experts // (tile.warps * tile.rows_per_warp)), 1, 1), 32 * tile.warps, args, pdl=pdl)
     return weights, ids

@@ -13,6 +13,7 @@ from torch import nn
 from engine.attention import AttentionMetadata
 from engine.kernels.ops import ModelOps, QKNorm, TorchOps
 from engine.models.config import ModelConfig
+from engine.models.moe import sum_parts
 from engine.models.quant import Fp8Linear, QuantSpec, WeightScheme, is_kv_scale_name
 from engine.models.rope import rope_tables
 from engine.parallel.group import SINGLE, TensorParallel
@@ -136,30 +137,16 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         indexer: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        out = self._attend(ops, x, rope, kv_cache, meta, indexer)
-        if self.tp.size == 1:
-            return ops.linear_parts(self.o_proj, out)  # the next add_rms_norm sums any parts
-        return self.tp.all_reduce(ops.linear(self.o_proj, out))
-
-    def forward_add_norm(self, ops: ModelOps, x: torch.Tensor, rope: Any, kv_cache: torch.Tensor,
-                         meta: AttentionMetadata, indexer: torch.Tensor | None, residual: torch.Tensor,
-                         norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """``forward``, then the residual add and ``norm`` after it: ``(norm(residual + out), residual + out)``
-        (one token: in the output projection's launch, ``ModelOps.linear_add_rms_norm``)."""
-        out = self._attend(ops, x, rope, kv_cache, meta, indexer)
-        if self.tp.size == 1:
-            return ops.linear_add_rms_norm(self.o_proj, out, residual, norm.weight, norm.eps, parts=True)
-        return ops.add_rms_norm(self.tp.all_reduce(ops.linear(self.o_proj, out)), residual, norm.weight, norm.eps)
-
-    def _attend(self, ops: ModelOps, x: torch.Tensor, rope: Any, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                indexer: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
         qk_norm = None
         if self.q_norm is not None and self.k_norm is not None:
             qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        return ops.attention(
+        out = ops.attention(
             ops.linear(self.qkv_proj, x), rope, kv_cache, meta, indexer, self.num_heads, self.num_kv_heads,
             self.head_dim, self.scale, self.window, qk_norm,
         )  # fmt: skip
+        if self.tp.size == 1:
+            return ops.linear_parts(self.o_proj, out)  # the next add_rms_norm sums any parts
+        return self.tp.all_reduce(ops.linear(self.o_proj, out))
 
     def loaders(self, p: str) -> dict[str, Loader]:
         """Hub names (prefix ``p``) -> where they go."""
@@ -188,14 +175,6 @@ class MLP(nn.Module):
 
     def forward(self, ops: ModelOps, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(ops.linear(self.down_proj, ops.swiglu_linear(self.gate_up_proj, x)))
-
-    def forward_add_norm(self, ops: ModelOps, x: torch.Tensor, residual: torch.Tensor,
-                         norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """``forward``, then the residual add and ``norm`` after it (one token: in the down projection's launch)."""
-        h = ops.swiglu_linear(self.gate_up_proj, x)
-        if self.tp.size == 1:
-            return ops.linear_add_rms_norm(self.down_proj, h, residual, norm.weight, norm.eps)
-        return ops.add_rms_norm(self.tp.all_reduce(ops.linear(self.down_proj, h)), residual, norm.weight, norm.eps)
 
     def loaders(self, p: str) -> dict[str, Loader]:
         parts = [(p + "gate_proj", 0), (p + "up_proj", self.intermediate_size)]
@@ -234,16 +213,6 @@ class MoEMLP(nn.Module):
             return cast(torch.Tensor, self.experts(x, sum_experts=False))
         return self.tp.all_reduce(self.experts(x))
 
-    def forward_add_norm(self, ops: ModelOps, x: torch.Tensor, residual: torch.Tensor,
-                         norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """``forward``, then the residual add and ``norm`` after it (one token on the CUDA one-token kernel: in the
-        experts' last launch, ``SparseMoE.forward_add_norm``)."""
-        if self.tp.size == 1:
-            fused = self.experts.forward_add_norm(x, residual, norm.weight, norm.eps)
-            if fused is not None:
-                return fused
-        return ops.add_rms_norm(self.forward(ops, x), residual, norm.weight, norm.eps)
-
     def loaders(self, p: str) -> dict[str, Loader]:
         moe = self.experts
         out: dict[str, Loader] = {p + "gate.weight": rows_of(moe.gate.weight, 0, p + "gate.weight")}
@@ -279,21 +248,23 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         ops: ModelOps,
-        h: torch.Tensor,
-        residual: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
         rope: Any,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-        indexer: torch.Tensor | None,
-        next_norm: RMSNorm,
+        indexer: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``h``: the residual stream entering the layer, ``residual``, through this layer's ``input_layernorm``.
-        Returns the stream after the layer through ``next_norm`` (the next layer's input norm, or the model's final
-        one), and that stream: each residual add is done with the norm after it, which one token's last matmul of
-        attention and of the MLP may do in its own launch."""
-        h, residual = self.self_attn.forward_add_norm(ops, h, rope, kv_cache, meta, indexer, residual,
-                                                      self.post_attention_layernorm)  # fmt: skip
-        return self.mlp.forward_add_norm(ops, h, residual, next_norm)
+        """``(mlp output, residual stream before it)``: the next layer adds them."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual, h = x, ops.rms_norm(x, norm.weight, norm.eps)
+        else:
+            h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        h = self.self_attn(ops, h, rope, kv_cache, meta, indexer)
+        norm = self.post_attention_layernorm
+        h, residual = ops.add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp(ops, h), residual
 
     def loaders(self, p: str) -> dict[str, Loader]:
         out = self.self_attn.loaders(p + "self_attn.") | self.mlp.loaders(p + self.mlp_prefix)
@@ -361,18 +332,14 @@ class DecoderForCausalLM(nn.Module):
         # Rotary context gathered once per step, shared by every layer.
         rope = ops.rope(self.rope_cos, self.rope_sin, positions, x.dtype)
         indexers: list[torch.Tensor | None] = list(indexer_caches) if indexer_caches else [None] * len(kv_caches)
-        # Each layer ends with the next norm (the next layer's input norm; the last layer, the final norm).
-        layers = self.decoder_layers
-        norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm] if layers else []
-        first = layers[0].input_layernorm if layers else self.norm
-        residual, h = x, ops.rms_norm(x, first.weight, first.eps)
-        for i, (layer, kv_cache, indexer, norm) in enumerate(
-            zip(layers, kv_caches, indexers, norms, strict=True)
-        ):  # fmt: skip
+        residual: torch.Tensor | None = None
+        for i, (layer, kv_cache, indexer) in enumerate(zip(self.decoder_layers, kv_caches, indexers, strict=True)):
             if aux is not None and i in self.aux_layers:
-                aux[i] = residual
-            h, residual = layer(ops, h, residual, rope, kv_cache, meta, indexer, norm)
-        return h
+                aux[i] = x if residual is None else sum_parts(x, residual.dtype) + residual
+            x, residual = layer(ops, x, residual, rope, kv_cache, meta, indexer)
+        if residual is None:
+            return ops.rms_norm(x, self.norm.weight, self.norm.eps)
+        return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the given hidden states ``[n, hidden]``."""
