@@ -405,6 +405,117 @@ def test_one_tokens_cuda_matmul_matches_the_float32_product(act: torch.dtype) ->
         torch.testing.assert_close(y, gemv(gemv(x, w1), w2))
 
 
+def test_one_tokens_residual_add_and_norm_go_to_the_next_layers_blocks_where_they_can(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The residual add and RMSNorm before one token's linear layer or MoE router (token_gemv.AddNorm) go to that
+    layer's blocks, which normalise the token as they stage it, for one token's contiguous residual stream and a norm
+    weight of the activations' dtype and the layer's width, up to MAX_NORM_IN; ENGINE_TOKEN_NORM=triton keeps them in
+    their own launch; anything else is refused. Off CUDA nothing is fused: gemv_norm_in says so, and the ops'
+    add_rms_norm_linear is add_rms_norm, then the layer."""
+    from engine.kernels import gemv, token_gemv
+
+    x = torch.zeros(1, 4096, dtype=torch.bfloat16)
+    w = torch.zeros(1024, 4096, dtype=torch.bfloat16)
+    add = token_gemv.AddNorm(torch.zeros(1, 4096, dtype=torch.bfloat16), torch.ones(4096, dtype=torch.bfloat16), 1e-6)
+    assert token_gemv.supports_norm_in(x, w, add)
+    assert not token_gemv.supports_norm_in(x[:, :2048], w[:, :2048], add)  # another width
+    assert not token_gemv.supports_norm_in(x.half(), w.half(), add)  # another dtype
+    for residual, weight in (
+        (torch.zeros(2, 4096, dtype=torch.bfloat16), add.weight),  # two tokens
+        (torch.zeros(4096, 2, dtype=torch.bfloat16).t()[:1], add.weight),  # not contiguous
+        (add.residual, add.weight.float()),  # a float32 norm weight
+    ):
+        assert not token_gemv.supports_norm_in(x, w, token_gemv.AddNorm(residual, weight, 1e-6))
+    wide = token_gemv.MAX_NORM_IN + 512
+    stream = torch.zeros(1, wide, dtype=torch.bfloat16)
+    assert not token_gemv.supports_norm_in(stream, torch.zeros(64, wide, dtype=torch.bfloat16),
+                                           token_gemv.AddNorm(stream, stream[0], 1e-6))  # fmt: skip
+    assert token_gemv.norm_in_enabled()
+    monkeypatch.setenv("ENGINE_TOKEN_NORM", "triton")
+    assert not token_gemv.norm_in_enabled()
+    monkeypatch.setenv("ENGINE_TOKEN_NORM", "fused")
+    with pytest.raises(ValueError, match="ENGINE_TOKEN_NORM must be 'cuda' or 'triton'"):
+        token_gemv.norm_in_enabled()
+    monkeypatch.delenv("ENGINE_TOKEN_NORM")
+    assert gemv.gemv_norm_in(x, add.residual, add.weight, 1e-6, w, None, None) is None  # on the CPU
+    layer = torch.nn.Linear(64, 32, bias=False)
+    xs, residual, weight = torch.randn(3, 64, generator=_g(8)), torch.randn(3, 64, generator=_g(9)), torch.rand(64)
+    torch_ops = ops.TorchOps()
+    with torch.no_grad():
+        got = torch_ops.add_rms_norm_linear(xs, residual, weight, 1e-6, layer)
+        h, want_residual = torch_ops.add_rms_norm(xs, residual, weight, 1e-6)
+        assert torch.equal(got[0], layer(h)) and torch.equal(got[1], want_residual)
+        got = torch_ops.add_rms_norm_linear(xs, residual, weight, 1e-6, layer, swiglu=True)
+        assert torch.equal(got[0], torch_ops.swiglu_linear(layer, h)) and torch.equal(got[1], want_residual)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="one token's CUDA matmul is CUDA C++, compiled by NVRTC on the GPU")
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
+def test_one_tokens_cuda_matmul_with_the_residual_add_and_norm_before_it_matches_the_two_launches(
+    act: torch.dtype,
+) -> None:
+    """token_gemv_norm_in (each block adds the residual and normalises the token it stages) against Triton's
+    add_rms_norm and the layer's own launch: the residual stream bit for bit, the output within the rounding of a
+    normed value (the square sum's order differs from Triton's); 16-bit and e4m3 weights, a bias, SwiGLU; through
+    gemv_norm_in's dispatch; and a chain of three in a CUDA graph under PDL, replayed with new inputs."""
+    from engine.kernels import gemv, token_gemv
+
+    g = _g(52)
+    for k, n, swiglu in ((4096, 1024, False), (2048, 2 * 768, True), (6144, 512, False), (256, 96, False)):
+        x = torch.randn(1, k, generator=g).to(DEV).to(act)
+        residual = torch.randn(1, k, generator=g).to(DEV).to(act)
+        norm_w = (torch.rand(k, generator=g) + 0.5).to(DEV).to(act)
+        w = (torch.randn(n, k, generator=g) * k**-0.5).to(DEV)
+        bias = None if swiglu else torch.randn(n, generator=g).to(DEV).to(act)
+        scale = w.abs().amax(1) / 448
+        h, want_residual = triton_ops.add_rms_norm(x, residual, norm_w, 1e-6)
+        add = token_gemv.AddNorm(residual, norm_w, 1e-6)
+        for weight, sc in ((w.to(act), None), ((w / scale[:, None]).to(torch.float8_e4m3fn), scale.float())):
+            if not token_gemv.supports(x, weight, swiglu):
+                continue  # e4m3 rows of 256 bytes are not whole runs of 32 lanes' chunks
+            assert token_gemv.supports_norm_in(x, weight, add)
+            want = token_gemv.token_gemv(h, weight, sc, bias, swiglu, torch.empty(1, n // (1 + swiglu), device=DEV,
+                                                                                  dtype=act))  # fmt: skip
+            got, got_residual = token_gemv.token_gemv_norm_in(x, weight, sc, bias, swiglu, add)
+            assert torch.equal(got_residual, want_residual)
+            torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02 * want.abs().max().item())
+            via = gemv.gemv_norm_in(x, residual, norm_w, 1e-6, weight, sc, bias, swiglu)
+            assert via is not None and torch.equal(via[0], got) and torch.equal(via[1], got_residual)
+    # A layer's chain under PDL: (y, r) = norm-in matmul of (x, r0), then twice more of (y, r).
+    hidden = 1024
+    ws = [(torch.randn(hidden, hidden, generator=g) * 0.03).to(DEV).to(act) for _ in range(3)]
+    norms = [(torch.rand(hidden, generator=g) + 0.5).to(DEV).to(act) for _ in range(3)]
+    x = torch.randn(1, hidden, generator=g).to(DEV).to(act)
+    r0 = torch.randn(1, hidden, generator=g).to(DEV).to(act)
+
+    def chain(fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        y, r = x, r0
+        for w, nw in zip(ws, norms, strict=True):
+            if fused:
+                y, r = token_gemv.token_gemv_norm_in(y, w, None, None, False, token_gemv.AddNorm(r, nw, 1e-6))
+            else:
+                h, r = triton_ops.add_rms_norm(y, r, nw, 1e-6)
+                y = token_gemv.token_gemv(h, w, None, None, False, torch.empty(1, hidden, device=DEV, dtype=act))
+        return y, r
+
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(side):
+        chain(True)  # compile outside the capture
+        with torch.cuda.graph(graph, stream=side):
+            out = chain(True)
+    for _ in range(3):
+        x.copy_(torch.randn(1, hidden, generator=g).to(DEV).to(act))
+        r0.copy_(torch.randn(1, hidden, generator=g).to(DEV).to(act))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = chain(False)
+        torch.testing.assert_close(out[0].float(), want[0].float(), rtol=0.05, atol=0.05)  # three norms' roundings
+        torch.testing.assert_close(out[1].float(), want[1].float(), rtol=0.05, atol=0.05)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the FP8 decode kernel is CUDA C++, compiled by NVRTC on the GPU")
 @pytest.mark.parametrize(
     ("group", "block_size", "dtype"),
