@@ -261,22 +261,6 @@ def parts_for(weight: torch.Tensor, tokens: int) -> int:
     return split_rule(triton.cdiv(n, cfg.block_n), sm_count(weight.device.index or 0), k, cfg.block_k)
 
 
-def gemv_norm_in(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                 weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-                 swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
-    """One token's residual add and RMSNorm and the linear layer after them in one launch, ``(gemv(norm_weight *
-    rmsnorm(residual + x), weight, ...), residual + x)``, where the CUDA one-token kernel takes both
-    (``token_gemv.supports`` and ``supports_norm_in``; ``ENGINE_TOKEN_GEMV`` and ``ENGINE_TOKEN_NORM`` both
-    ``cuda``); else None, for the caller to launch them apart."""
-    add = token_gemv.AddNorm(residual, norm_weight, eps)
-    if (
-        x.dim() == 2 and x.shape[0] == 1 and token_gemv.supports(x, weight, swiglu) and token_gemv.enabled()
-        and token_gemv.norm_in_enabled() and token_gemv.supports_norm_in(x, weight, add) and nvrtc.available()
-    ):  # fmt: skip
-        return token_gemv.token_gemv_norm_in(x, weight, scale, bias, swiglu, add)
-    return None
-
-
 def split_rule(tiles: int, sms: int, k: int, block_k: int) -> int:
     """Parts along K for ``tiles`` row tiles on ``sms`` SMs: doubled while the programs still fit the SMs once
     (a decode tile's pipeline fills most of an SM's shared memory, so a second wave would wait) and K still cuts

@@ -65,15 +65,6 @@ class ModelOps(Protocol):
         """``silu(gate) * up`` of a fused gate/up projection ``layer``."""
         ...
 
-    def add_rms_norm_linear(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, layer: nn.Module,
-        swiglu: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """``add_rms_norm(x, residual, weight, eps)``, then ``linear`` (``swiglu_linear`` with ``swiglu``) of the
-        normed token: ``(layer's output, residual + x)``, for a norm whose output goes only to that layer, which one
-        token's kernel may do as it stages the token."""
-        ...
-
     def attention(
         self, qkv: torch.Tensor, rope: Any, kv_cache: torch.Tensor, meta: AttentionMetadata,
         indexer: torch.Tensor | None, heads: int, kv_heads: int, head_dim: int, scale: float, window: int = 0,
@@ -126,13 +117,6 @@ class TorchOps:
 
     def swiglu_linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return self.silu_and_mul(layer(x))
-
-    def add_rms_norm_linear(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, layer: nn.Module,
-        swiglu: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        h, residual = self.add_rms_norm(x, residual, weight, eps)
-        return (self.swiglu_linear(layer, h) if swiglu else self.linear(layer, h)), residual
 
     def attention(
         self, qkv: torch.Tensor, rope: Any, kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -204,18 +188,6 @@ class TritonOps:
             weight, scale, _ = _weights(layer)
             return self._gemv.gemv(x, weight, scale, swiglu=True)
         return self._k.silu_and_mul(layer(x))
-
-    def add_rms_norm_linear(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, layer: nn.Module,
-        swiglu: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        if self._skinny(layer, x) and not (swiglu and layer.bias is not None):
-            # One token: the layer's blocks normalise it as they stage it, where the CUDA kernel takes both.
-            fused = self._gemv.gemv_norm_in(x, residual, weight, eps, *_weights(layer), swiglu=swiglu)
-            if fused is not None:
-                return fused
-        h, residual = self.add_rms_norm(x, residual, weight, eps)
-        return (self.swiglu_linear(layer, h) if swiglu else self.linear(layer, h)), residual
 
     def attention(
         self, qkv: torch.Tensor, rope: Any, kv_cache: torch.Tensor, meta: AttentionMetadata,

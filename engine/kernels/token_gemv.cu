@@ -21,22 +21,8 @@
 // the last block to finish (a counter it resets for the next launch) takes the softmax over the E experts in
 // float32, the top_k largest (ties to the lower id), divided by their sum (added in selection order) with RENORM,
 // and stores them (float32 with ROUTE_F32, else the activations' dtype) and their ids (int64).
-//
-// NORM_IN (not with EXPERTS): x is a layer's output before the residual add and RMSNorm that the token goes through
-// first, and every block stages weight * rmsnorm(residual + x) instead of x: residual + x rounded to the activations'
-// dtype, its RMSNorm in float32, rounded, times the norm's weight, rounded (the Triton add_rms_norm's roundings,
-// which are torch's). Block 0 also stores residual + x (res_out) and, with NORM_OUT, the normed token (normed). The
-// norm's weight is copied to shared memory before the wait for the kernel before (no kernel writes it), x and the
-// residual after it, all asynchronously (cp.async: no registers beside the weight rows in flight); the norm costs a
-// block reduction more than staging x did, where its own launch cost a kernel edge.
 #ifndef EXPERTS
 #define EXPERTS 0
-#endif
-#ifndef NORM_IN
-#define NORM_IN 0
-#endif
-#ifndef NORM_OUT
-#define NORM_OUT 0
 #endif
 #ifndef ROUTER
 #define ROUTER 0
@@ -243,30 +229,6 @@ __device__ __forceinline__ void route_last_block(const float* logits, unsigned i
 }
 #endif
 
-#if NORM_IN
-static_assert(!EXPERTS, "the experts stage their own rows");
-__device__ __forceinline__ void copy16(void* smem, const void* gmem) {  // 16 bytes, global to shared, asynchronously
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
-}
-
-__device__ __forceinline__ void unpack8(const uint4& v, float* f) {  // v's eight 16-bit values as float
-  const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = lo16(w[i]);
-    f[2 * i + 1] = hi16(w[i]);
-  }
-}
-
-__device__ __forceinline__ uint4 pack8(const float* f) {  // eight floats, rounded to the activations' dtype
-  u32 w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = ((u32)round16(f[2 * i + 1]) << 16) | round16(f[2 * i]);
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-#endif
-
 // x [K] 16-bit; w [N_total, K] row stride stride_w bytes; out [N]; scale/bias [N_total] (scale float32).
 extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* __restrict__ x,
                                                                   const unsigned char* __restrict__ w,
@@ -279,18 +241,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
                                                                   float* __restrict__ logits,
                                                                   unsigned int* __restrict__ counter,
                                                                   void* __restrict__ weights_out,
-                                                                  long long* __restrict__ ids_out,
-                                                                  const u16* __restrict__ residual,
-                                                                  const u16* __restrict__ norm_w,
-                                                                  u16* __restrict__ res_out,
-                                                                  u16* __restrict__ normed, float eps) {
+                                                                  long long* __restrict__ ids_out) {
   __shared__ __align__(16) u32 xs[K / 2];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-#if NORM_IN
-  __shared__ __align__(16) u32 rs[K / 2], ws[K / 2];  // the residual, the norm's weight
-  for (int i = threadIdx.x; i < K / 8; i += 32 * WARPS) copy16(reinterpret_cast<uint4*>(ws) + i,
-                                                                reinterpret_cast<const uint4*>(norm_w) + i);
-#endif
 #if EXPERTS
 #if PDL
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -320,53 +273,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
 #if PDL && !EXPERTS
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-#if NORM_IN
-  for (int i = threadIdx.x; i < K / 8; i += 32 * WARPS) {
-    copy16(reinterpret_cast<uint4*>(xs) + i, reinterpret_cast<const uint4*>(x) + i);
-    copy16(reinterpret_cast<uint4*>(rs) + i, reinterpret_cast<const uint4*>(residual) + i);
-  }
-  asm volatile("cp.async.wait_all;" ::: "memory");
-  {
-    // Each thread sums and normalises the runs it copied (its own copies: no barrier before), then the block's
-    // square sum; the residual's sum replaces x in shared memory, then the normed token does.
-    float squares = 0.f;
-    for (int i = threadIdx.x; i < K / 8; i += 32 * WARPS) {
-      float a[8], b[8];
-      unpack8(reinterpret_cast<const uint4*>(xs)[i], a);
-      unpack8(reinterpret_cast<const uint4*>(rs)[i], b);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        a[e] = rounded(b[e] + a[e]);
-        squares = fmaf(a[e], a[e], squares);
-      }
-      const uint4 sum = pack8(a);
-      reinterpret_cast<uint4*>(xs)[i] = sum;
-      if (blockIdx.x == 0) reinterpret_cast<uint4*>(res_out)[i] = sum;
-    }
-    __shared__ float warp_sums[WARPS];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) squares += __shfl_xor_sync(FULL, squares, o);
-    if (lane == 0) warp_sums[warp] = squares;
-    __syncthreads();
-    float total = 0.f;
-#pragma unroll
-    for (int i = 0; i < WARPS; ++i) total += warp_sums[i];
-    const float inv = rsqrtf(__fdiv_rn(total, (float)K) + eps);
-    for (int i = threadIdx.x; i < K / 8; i += 32 * WARPS) {
-      float a[8], g[8];
-      unpack8(reinterpret_cast<const uint4*>(xs)[i], a);
-      unpack8(reinterpret_cast<const uint4*>(ws)[i], g);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) a[e] = g[e] * rounded(a[e] * inv);
-      const uint4 y = pack8(a);
-      reinterpret_cast<uint4*>(xs)[i] = y;
-      if (NORM_OUT && blockIdx.x == 0) reinterpret_cast<uint4*>(normed)[i] = y;
-    }
-  }
-#else
   for (int i = threadIdx.x; i < K / 8; i += 32 * WARPS)
     reinterpret_cast<uint4*>(xs)[i] = __ldg(reinterpret_cast<const uint4*>(x) + i);
-#endif
   __syncthreads();
 #pragma unroll
   for (int c0 = 0; c0 < CHUNKS_PER_LANE; c0 += UNROLL) {

@@ -75,103 +75,40 @@ def tile_for(weight: torch.Tensor, swiglu: bool) -> TokenTile:
 @cache
 def _kernel(device: int, k: int, wbytes: int, bf16: bool, tile: TokenTile, swiglu: bool, has_scale: bool,
             has_bias: bool, pdl: bool, routed: int = 0, router: tuple[int, int, bool, bool] | None = None,
-            norm_in: int = 0) -> nvrtc.Kernel:  # fmt: skip
+            ) -> nvrtc.Kernel:  # fmt: skip
     """``routed``: 0 a linear layer; 1 a MoE layer's experts, not weighted; 2 weighted by float32 routing weights, 3 by
-    16-bit ones. ``router``: a MoE router and its routing, ``(top_k, experts, renormalize, float32 weights)``.
-    ``norm_in``: 1 the residual add and RMSNorm before the layer done by each block (``AddNorm``); 2 also storing the
-    normed token."""
+    16-bit ones. ``router``: a MoE router and its routing, ``(top_k, experts, renormalize, float32 weights)``."""
     defines = {"K": k, "WBYTES": wbytes, "BF16": int(bf16), "WARPS": tile.warps, "ROWS_PER_WARP": tile.rows_per_warp,
                "UNROLL": tile.unroll, "SWIGLU": int(swiglu), "HAS_SCALE": int(has_scale), "HAS_BIAS": int(has_bias),
                "PDL": int(pdl), "EXPERTS": int(routed > 0), "ROUTED": int(routed > 1),
-               "ROUTE_F32": int(routed == 2), "NORM_IN": int(norm_in > 0), "NORM_OUT": int(norm_in > 1)}  # fmt: skip
+               "ROUTE_F32": int(routed == 2)}  # fmt: skip
     if router is not None:
         top_k, experts, renormalize, keep_float32 = router
         defines |= {"ROUTER": top_k, "ROUTER_E": experts, "RENORM": int(renormalize), "ROUTE_F32": int(keep_float32)}
     return nvrtc.build(_SOURCE, "token_gemv", device, defines)
 
 
-@dataclass(frozen=True, slots=True)
-class AddNorm:
-    """The residual add and RMSNorm a token goes through before a layer: the layer takes
-    ``weight * rmsnorm(residual + x)`` of its input ``x``, as ``engine.kernels.triton_ops.add_rms_norm`` computes it,
-    and ``residual + x`` is the residual stream after it."""
-
-    residual: torch.Tensor  # [1, hidden], the activations' dtype
-    weight: torch.Tensor  # [hidden], the activations' dtype
-    eps: float
-
-
-# The widest token a layer's blocks normalise as they stage it: the token, its residual and the norm's weight share a
-# block's 48 KB of static shared memory.
-MAX_NORM_IN = 6144
-
-
-def norm_in_enabled() -> bool:
-    """``ENGINE_TOKEN_NORM``: ``cuda`` (unset) has one token's linear layer (or MoE router) do the residual add and
-    RMSNorm before it as its blocks stage the token (``AddNorm``); ``triton`` leaves them to their own launch."""
-    return nvrtc.use_cuda_kernel("ENGINE_TOKEN_NORM")
-
-
-def supports_norm_in(x: torch.Tensor, weight: torch.Tensor, add: AddNorm) -> bool:
-    """An ``AddNorm`` before a layer this kernel takes for ``x`` (``supports``) that its blocks can do: one token's
-    contiguous residual stream and a norm weight of ``x``'s dtype and width, 16-byte aligned, at most
-    ``MAX_NORM_IN`` wide."""
-    r, w, k = add.residual, add.weight, x.shape[-1]
-    return (
-        x.dim() == 2 and x.is_contiguous() and k <= MAX_NORM_IN and weight.shape[1] == k
-        and r.shape == x.shape and r.dtype == x.dtype and r.is_contiguous() and r.device == x.device
-        and w.shape == (k,) and w.dtype == x.dtype and w.is_contiguous() and w.device == x.device
-        and r.data_ptr() % CHUNK_BYTES == 0 and w.data_ptr() % CHUNK_BYTES == 0
-    )  # fmt: skip
-
-
-def _tail(out: torch.Tensor, router: list[ctypes.c_void_p] | None = None,
-          norm: tuple[AddNorm, torch.Tensor, torch.Tensor] | None = None) -> list[ctypes._CData]:  # fmt: skip
-    """The last arguments of a launch: the router's four (logits, counter, weights, ids), then the norm's residual,
-    weight, residual output, normed output and eps; ``out`` stands in for those a launch does not read."""
-    unused = nvrtc.ptr(out)
-    args: list[ctypes._CData] = list(router) if router is not None else [unused] * 4
-    if norm is None:
-        return [*args, unused, unused, unused, unused, ctypes.c_float(0.0)]
-    add, res_out, normed = norm
-    return [*args, nvrtc.ptr(add.residual), nvrtc.ptr(add.weight), nvrtc.ptr(res_out), nvrtc.ptr(normed),
-            ctypes.c_float(add.eps)]  # fmt: skip
+def _no_router(out: torch.Tensor) -> list[ctypes.c_void_p]:
+    """The router's four arguments of a launch without one (never read)."""
+    return [nvrtc.ptr(out)] * 4
 
 
 def token_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
                swiglu: bool, out: torch.Tensor, tile: TokenTile | None = None) -> torch.Tensor:  # fmt: skip
     """``out [1, N] = x [1, K] @ weight.T`` (times ``scale``, plus ``bias``), or SwiGLU of a fused ``[2N, K]``
     gate/up weight; see the module's docstring."""
-    _launch_gemv(x, weight, scale, bias, swiglu, out, tile, None)
-    return out
-
-
-def token_gemv_norm_in(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-                       swiglu: bool, add: AddNorm, tile: TokenTile | None = None,
-                       ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(token_gemv of add_rms_norm(x, add.residual, add.weight, add.eps)[0], residual + x)`` in one launch: the
-    layer's blocks each normalise the token as they stage it (``supports_norm_in``)."""
-    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    res_out = torch.empty_like(add.residual)
-    _launch_gemv(x, weight, scale, bias, swiglu, out, tile, (add, res_out, out))
-    return out, res_out
-
-
-def _launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-                 swiglu: bool, out: torch.Tensor, tile: TokenTile | None,
-                 norm: tuple[AddNorm, torch.Tensor, torch.Tensor] | None) -> None:  # fmt: skip
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     tile = tile or tile_for(weight, swiglu)
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
     kernel = _kernel(x.device.index or 0, weight.shape[1], weight.element_size(), x.dtype == torch.bfloat16, tile,
-                     swiglu, scale is not None, bias is not None, pdl, norm_in=int(norm is not None))  # fmt: skip
+                     swiglu, scale is not None, bias is not None, pdl)  # fmt: skip
     rows_per_block = tile.warps * tile.rows_per_warp
     args = [nvrtc.ptr(x), nvrtc.ptr(weight), nvrtc.ptr(scale if scale is not None else out),
             nvrtc.ptr(bias if bias is not None else out), nvrtc.ptr(out), ctypes.c_int(n),
             ctypes.c_longlong(weight.stride(0) * weight.element_size()), nvrtc.ptr(out), nvrtc.ptr(out),
-            ctypes.c_longlong(0), ctypes.c_int(0), *_tail(out, norm=norm)]  # fmt: skip
+            ctypes.c_longlong(0), ctypes.c_int(0), *_no_router(out)]  # fmt: skip
     kernel((-(-n // rows_per_block), 1, 1), 32 * tile.warps, args, pdl=pdl)
+    return out
 
 
 def moe_enabled() -> bool:
@@ -209,7 +146,7 @@ def token_experts(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, route_w: 
     args = [nvrtc.ptr(x), nvrtc.ptr(w), nvrtc.ptr(out), nvrtc.ptr(out), nvrtc.ptr(out), ctypes.c_int(n),
             ctypes.c_longlong(w.stride(1) * w.element_size()), nvrtc.ptr(ids),
             nvrtc.ptr(route_w if route_w is not None else out), ctypes.c_longlong(w.stride(0) * w.element_size()),
-            ctypes.c_int(0 if gated else x.shape[1]), *_tail(out)]  # fmt: skip
+            ctypes.c_int(0 if gated else x.shape[1]), *_no_router(out)]  # fmt: skip
     kernel((-(-n // (tile.warps * tile.rows_per_warp)), top_k, 1), 32 * tile.warps, args, pdl=pdl)
     return out
 
@@ -242,24 +179,10 @@ def _counter(device: torch.device) -> torch.Tensor:
     return _COUNTERS[index]
 
 
-def token_route_norm_in(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool, keep_float32: bool,
-                        add: AddNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``token_route`` of ``h = add_rms_norm(x, add.residual, ...)[0]`` in one launch (``supports_norm_in``), its
-    blocks each normalising the token as they stage it: ``(weights, ids, h, residual + x)``."""
-    h, res_out = torch.empty_like(x), torch.empty_like(add.residual)
-    weights, ids = _route(x, gate, top_k, renormalize, keep_float32, (add, res_out, h))
-    return weights, ids, h, res_out
-
-
 def token_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool,
                 keep_float32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One token's MoE routing from its router weight ``gate [E, K]`` in one launch: ``engine.models.moe.route`` of
     ``x @ gate.T``, the weights (``[1, top_k]``, float32 with ``keep_float32``, else ``x``'s dtype) and int64 ids."""
-    return _route(x, gate, top_k, renormalize, keep_float32, None)
-
-
-def _route(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool, keep_float32: bool,
-           norm: tuple[AddNorm, torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     experts = gate.shape[0]
     logits = torch.empty(experts, dtype=torch.float32, device=x.device)
     weights = torch.empty((1, top_k), dtype=torch.float32 if keep_float32 else x.dtype, device=x.device)
@@ -267,11 +190,10 @@ def _route(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool, k
     tile = tile_for(gate, False)
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
     kernel = _kernel(x.device.index or 0, gate.shape[1], gate.element_size(), x.dtype == torch.bfloat16, tile, False,
-                     False, False, pdl, router=(top_k, experts, renormalize, keep_float32),
-                     norm_in=2 if norm is not None else 0)  # fmt: skip
-    router = [nvrtc.ptr(logits), nvrtc.ptr(_counter(x.device)), nvrtc.ptr(weights), nvrtc.ptr(ids)]
+                     False, False, pdl, router=(top_k, experts, renormalize, keep_float32))  # fmt: skip
     args = [nvrtc.ptr(x), nvrtc.ptr(gate), nvrtc.ptr(logits), nvrtc.ptr(logits), nvrtc.ptr(weights),
             ctypes.c_int(experts), ctypes.c_longlong(gate.stride(0) * gate.element_size()), nvrtc.ptr(ids),
-            nvrtc.ptr(weights), ctypes.c_longlong(0), ctypes.c_int(0), *_tail(logits, router, norm)]  # fmt: skip
+            nvrtc.ptr(weights), ctypes.c_longlong(0), ctypes.c_int(0), nvrtc.ptr(logits),
+            nvrtc.ptr(_counter(x.device)), nvrtc.ptr(weights), nvrtc.ptr(ids)]  # fmt: skip
     kernel((-(-experts // (tile.warps * tile.rows_per_warp)), 1, 1), 32 * tile.warps, args, pdl=pdl)
     return weights, ids

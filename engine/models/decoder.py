@@ -137,24 +137,12 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         indexer: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self._attend(ops, ops.linear(self.qkv_proj, x), rope, kv_cache, meta, indexer)
-
-    def forward_norm_in(self, ops: ModelOps, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, rope: Any,
-                        kv_cache: torch.Tensor, meta: AttentionMetadata,
-                        indexer: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """``forward`` of ``norm(residual + x)``, and ``residual + x``: the norm's output goes only to the QKV
-        projection, which one token's kernel may do as it stages the token (``ModelOps.add_rms_norm_linear``)."""
-        qkv, residual = ops.add_rms_norm_linear(x, residual, norm.weight, norm.eps, self.qkv_proj)
-        return self._attend(ops, qkv, rope, kv_cache, meta, indexer), residual
-
-    def _attend(self, ops: ModelOps, qkv: torch.Tensor, rope: Any, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                indexer: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
         qk_norm = None
         if self.q_norm is not None and self.k_norm is not None:
             qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         out = ops.attention(
-            qkv, rope, kv_cache, meta, indexer, self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
-            self.window, qk_norm,
+            ops.linear(self.qkv_proj, x), rope, kv_cache, meta, indexer, self.num_heads, self.num_kv_heads,
+            self.head_dim, self.scale, self.window, qk_norm,
         )  # fmt: skip
         if self.tp.size == 1:
             return ops.linear_parts(self.o_proj, out)  # the next add_rms_norm sums any parts
@@ -187,13 +175,6 @@ class MLP(nn.Module):
 
     def forward(self, ops: ModelOps, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(ops.linear(self.down_proj, ops.swiglu_linear(self.gate_up_proj, x)))
-
-    def forward_norm_in(self, ops: ModelOps, x: torch.Tensor, residual: torch.Tensor,
-                        norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """``forward`` of ``norm(residual + x)``, and ``residual + x`` (one token: the norm done by the gate/up
-        projection's blocks as they stage the token)."""
-        h, residual = ops.add_rms_norm_linear(x, residual, norm.weight, norm.eps, self.gate_up_proj, swiglu=True)
-        return self.tp.all_reduce(ops.linear(self.down_proj, h)), residual
 
     def loaders(self, p: str) -> dict[str, Loader]:
         parts = [(p + "gate_proj", 0), (p + "up_proj", self.intermediate_size)]
@@ -231,17 +212,6 @@ class MoEMLP(nn.Module):
         if self.tp.size == 1:
             return cast(torch.Tensor, self.experts(x, sum_experts=False))
         return self.tp.all_reduce(self.experts(x))
-
-    def forward_norm_in(self, ops: ModelOps, x: torch.Tensor, residual: torch.Tensor,
-                        norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """``forward`` of ``norm(residual + x)``, and ``residual + x`` (one token on the CUDA one-token kernel: the
-        norm done by the router's blocks as they stage the token, ``SparseMoE.forward_norm_in``)."""
-        if self.tp.size == 1:
-            fused = self.experts.forward_norm_in(x, residual, norm.weight, norm.eps)
-            if fused is not None:
-                return fused
-        h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
-        return self.forward(ops, h), residual
 
     def loaders(self, p: str) -> dict[str, Loader]:
         moe = self.experts
@@ -285,16 +255,16 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         indexer: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(mlp output, residual stream before it)``: the next layer adds them. Each residual add and norm goes
-        with the projection after it (``ModelOps.add_rms_norm_linear``), which one token's kernel may do as it
-        stages the token."""
+        """``(mlp output, residual stream before it)``: the next layer adds them."""
         norm = self.input_layernorm
         if residual is None:
             residual, h = x, ops.rms_norm(x, norm.weight, norm.eps)
-            h = self.self_attn(ops, h, rope, kv_cache, meta, indexer)
         else:
-            h, residual = self.self_attn.forward_norm_in(ops, x, residual, norm, rope, kv_cache, meta, indexer)
-        return self.mlp.forward_norm_in(ops, h, residual, self.post_attention_layernorm)
+            h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        h = self.self_attn(ops, h, rope, kv_cache, meta, indexer)
+        norm = self.post_attention_layernorm
+        h, residual = ops.add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp(ops, h), residual
 
     def loaders(self, p: str) -> dict[str, Loader]:
         out = self.self_attn.loaders(p + "self_attn.") | self.mlp.loaders(p + self.mlp_prefix)

@@ -171,7 +171,10 @@ class SparseMoE(nn.Module):
             from engine.kernels import gemv, token_gemv
 
             whole = self.num_experts == self.total_experts  # expert parallel routes with route(), unsplit
-            if self._one_token(x):
+            if (
+                ROUTER_TOKEN and whole and k.one_token(x, self.w13, self.w2)
+                and token_gemv.supports_router(x, self.gate.weight, self.top_k)
+            ):  # fmt: skip
                 # One token: router and routing in one launch, then each routed expert's rows (no alignment).
                 weights, ids = token_gemv.token_route(x, self.gate.weight, self.top_k, self.renormalize,
                                                       self.float32_routing)  # fmt: skip
@@ -190,34 +193,6 @@ class SparseMoE(nn.Module):
             return k.fused_moe(x, self.w13, self.w2, weights, ids, alignment, sum_experts)
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.float32_routing)
         return experts_torch(x, self.w13, self.w2, weights, ids, self.first_expert)
-
-    def _one_token(self, x: torch.Tensor) -> bool:
-        """Whether one token's router, routing and experts run on the CUDA one-token kernel (``token_gemv``): the
-        Triton kernels chosen, every expert here (expert parallel routes apart) and a router the kernel takes."""
-        if self._kernels != "triton" or not ROUTER_TOKEN or self.num_experts != self.total_experts:
-            return False
-        from engine.kernels import fused_moe, token_gemv
-
-        return fused_moe.one_token(x, self.w13, self.w2) and token_gemv.supports_router(x, self.gate.weight,
-                                                                                       self.top_k)  # fmt: skip
-
-    def forward_norm_in(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
-        """One token's residual add and RMSNorm, then this layer: ``(forward(weight * rmsnorm(residual + x),
-        sum_experts=False), residual + x)``, the router's blocks each normalising the token as they stage it, where
-        the CUDA one-token kernel runs the layer and takes the norm (``ENGINE_TOKEN_NORM``); else None, for the
-        caller to do them apart."""
-        if not self._one_token(x):
-            return None
-        from engine.kernels import fused_moe, token_gemv
-
-        add = token_gemv.AddNorm(residual, weight, eps)
-        if not (token_gemv.norm_in_enabled() and token_gemv.supports_norm_in(x, self.gate.weight, add)):
-            return None
-        gate = self.gate.weight
-        weights, ids, h, residual = token_gemv.token_route_norm_in(x, gate, self.top_k, self.renormalize,
-                                                                   self.float32_routing, add)  # fmt: skip
-        return fused_moe.fused_moe(h, self.w13, self.w2, weights, ids, sum_experts=False), residual
 
     def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> None:
         """Copy one checkpoint tensor of expert ``expert`` into its slice of ``w13`` / ``w2``.
