@@ -10,6 +10,10 @@
 // Compile-time: K (columns), WBYTES (1: e4m3, 2: 16-bit of the activations' kind), BF16 (activations and output
 // bfloat16, else float16), WARPS, ROWS_PER_WARP, UNROLL, SWIGLU, HAS_SCALE, HAS_BIAS, PDL.
 //
+// AHEAD (with PDL): before the wait, the rest of each row past the first chunks is asked into L2 too, so a block
+// placed while the kernel before still runs (attention, a norm: HBM idle) streams its whole rows then. 1: one bulk
+// prefetch a row (sm_90's TMA), 2: each lane a 128-byte line's prefetch at a time.
+//
 // EXPERTS: one token's routed experts of a MoE layer, blockIdx.y the (token, expert) pair: its weight is expert
 // ids[pair] of a stack (expert_stride bytes apart), its x row pair * x_stride, its output row pair. The expert is
 // only known after the wait (the routing kernel wrote it), so nothing is requested before it. ROUTED: the output,
@@ -35,6 +39,9 @@
 #endif
 #ifndef ROUTE_F32
 #define ROUTE_F32 1
+#endif
+#ifndef AHEAD
+#define AHEAD 0
 #endif
 
 typedef unsigned int u32;
@@ -98,6 +105,21 @@ __device__ __forceinline__ u16 round16(float x) {  // to the activations' dtype,
 __device__ __forceinline__ float rounded(float x) {  // x rounded to the activations' dtype, as float
   const u32 r = round16(x);
   return lo16(r);
+}
+
+// The bytes [FROM, ROW_BYTES) of a row, asked into L2 (AHEAD's header); p is the lane's own chunk, at lane * 16.
+#define ROW_BYTES (K * WBYTES)
+template <int FROM>
+__device__ __forceinline__ void row_to_l2(const unsigned char* p, int lane) {
+  if constexpr (FROM < ROW_BYTES) {
+#if AHEAD == 1 && __CUDA_ARCH__ >= 900
+    if (lane == 0)  // p is the row's start
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + FROM), "n"(ROW_BYTES - FROM) : "memory");
+#else
+    for (int b = FROM + lane * 112; b < ROW_BYTES; b += 32 * 128)  // line FROM / 128 + lane, and on: p - lane * 16 + ..
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(p + b));
+#endif
+  }
 }
 
 __device__ __forceinline__ uint4 ld_stream(const unsigned char* p) {  // read once: do not keep in L1
@@ -271,6 +293,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) buf[r][u] = ld_stream(rows[r] + u * 512);
 #if PDL && !EXPERTS
+#if AHEAD
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) row_to_l2<UNROLL * 512>(rows[r], lane);
+#endif
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   for (int i = threadIdx.x; i < K / 8; i += 32 * WARPS)

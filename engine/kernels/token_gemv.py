@@ -22,6 +22,9 @@ _SOURCE = Path(__file__).with_name("token_gemv.cu")
 CHUNK_BYTES = 16
 # Columns at most: the token is staged in shared memory (2 bytes a column, 48 KB a block statically).
 MAX_K = 16384
+# Under PDL, what a block asks into L2 before its wait besides its first chunks (``token_gemv.cu``'s AHEAD): 0 nothing,
+# 1 the rest of its rows in one bulk prefetch a row, 2 the same a 128-byte line a lane at a time.
+AHEAD = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,13 +78,13 @@ def tile_for(weight: torch.Tensor, swiglu: bool) -> TokenTile:
 @cache
 def _kernel(device: int, k: int, wbytes: int, bf16: bool, tile: TokenTile, swiglu: bool, has_scale: bool,
             has_bias: bool, pdl: bool, routed: int = 0, router: tuple[int, int, bool, bool] | None = None,
-            ) -> nvrtc.Kernel:  # fmt: skip
+            ahead: int = 0) -> nvrtc.Kernel:  # fmt: skip
     """``routed``: 0 a linear layer; 1 a MoE layer's experts, not weighted; 2 weighted by float32 routing weights, 3 by
     16-bit ones. ``router``: a MoE router and its routing, ``(top_k, experts, renormalize, float32 weights)``."""
     defines = {"K": k, "WBYTES": wbytes, "BF16": int(bf16), "WARPS": tile.warps, "ROWS_PER_WARP": tile.rows_per_warp,
                "UNROLL": tile.unroll, "SWIGLU": int(swiglu), "HAS_SCALE": int(has_scale), "HAS_BIAS": int(has_bias),
                "PDL": int(pdl), "EXPERTS": int(routed > 0), "ROUTED": int(routed > 1),
-               "ROUTE_F32": int(routed == 2)}  # fmt: skip
+               "ROUTE_F32": int(routed == 2), "AHEAD": ahead}  # fmt: skip
     if router is not None:
         top_k, experts, renormalize, keep_float32 = router
         defines |= {"ROUTER": top_k, "ROUTER_E": experts, "RENORM": int(renormalize), "ROUTE_F32": int(keep_float32)}
@@ -101,7 +104,7 @@ def token_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
     tile = tile or tile_for(weight, swiglu)
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
     kernel = _kernel(x.device.index or 0, weight.shape[1], weight.element_size(), x.dtype == torch.bfloat16, tile,
-                     swiglu, scale is not None, bias is not None, pdl)  # fmt: skip
+                     swiglu, scale is not None, bias is not None, pdl, ahead=AHEAD)  # fmt: skip
     rows_per_block = tile.warps * tile.rows_per_warp
     args = [nvrtc.ptr(x), nvrtc.ptr(weight), nvrtc.ptr(scale if scale is not None else out),
             nvrtc.ptr(bias if bias is not None else out), nvrtc.ptr(out), ctypes.c_int(n),
@@ -190,7 +193,7 @@ def token_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bo
     tile = tile_for(gate, False)
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
     kernel = _kernel(x.device.index or 0, gate.shape[1], gate.element_size(), x.dtype == torch.bfloat16, tile, False,
-                     False, False, pdl, router=(top_k, experts, renormalize, keep_float32))  # fmt: skip
+                     False, False, pdl, router=(top_k, experts, renormalize, keep_float32), ahead=AHEAD)  # fmt: skip
     args = [nvrtc.ptr(x), nvrtc.ptr(gate), nvrtc.ptr(logits), nvrtc.ptr(logits), nvrtc.ptr(weights),
             ctypes.c_int(experts), ctypes.c_longlong(gate.stride(0) * gate.element_size()), nvrtc.ptr(ids),
             nvrtc.ptr(weights), ctypes.c_longlong(0), ctypes.c_int(0), nvrtc.ptr(logits),
