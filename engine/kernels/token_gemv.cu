@@ -7,12 +7,12 @@
 // before (programmatic dependent launch: no kernel writes a weight), then x, which that kernel wrote, is staged in
 // shared memory. Products and sums are float32; each row's sum is reduced across the warp once.
 //
-// Compile-time: K (columns), WBYTES (1: e4m3, 2: 16-bit of the activations' kind), BF16 (activations and output
-// bfloat16, else float16), WARPS, ROWS_PER_WARP, UNROLL, SWIGLU, HAS_SCALE, HAS_BIAS, PDL.
+// What the kernel before wrote (x, the routing's ids and weights) is read with ld.global.cg after the wait, never
+// through the read-only path (ld.global.nc), whose loads ptxas may move above the wait.
 //
-// AHEAD (with PDL): before the wait, the rest of each row past the first chunks is asked into L2 too, so a block
-// placed while the kernel before still runs (attention, a norm: HBM idle) streams its whole rows then. 1: one bulk
-// prefetch a row (sm_90's TMA), 2: each lane a 128-byte line's prefetch at a time.
+// Compile-time: K (columns), WBYTES (1: e4m3, 2: 16-bit of the activations' kind), BF16 (activations and output
+// bfloat16, else float16), WARPS, ROWS_PER_WARP, UNROLL, SWIGLU, HAS_SCALE, HAS_BIAS, PDL; with PDL, EARLY lets the
+// next kernel launch first thing, else once this block has left its loop.
 //
 // EXPERTS: one token's routed experts of a MoE layer, blockIdx.y the (token, expert) pair: its weight is expert
 // ids[pair] of a stack (expert_stride bytes apart), its x row pair * x_stride, its output row pair. The expert is
@@ -40,8 +40,11 @@
 #ifndef ROUTE_F32
 #define ROUTE_F32 1
 #endif
-#ifndef AHEAD
-#define AHEAD 0
+#ifndef EARLY
+#define EARLY 0
+#endif
+#ifndef PIN
+#define PIN 0
 #endif
 
 typedef unsigned int u32;
@@ -107,19 +110,10 @@ __device__ __forceinline__ float rounded(float x) {  // x rounded to the activat
   return lo16(r);
 }
 
-// The bytes [FROM, ROW_BYTES) of a row, asked into L2 (AHEAD's header); p is the lane's own chunk, at lane * 16.
-#define ROW_BYTES (K * WBYTES)
-template <int FROM>
-__device__ __forceinline__ void row_to_l2(const unsigned char* p, int lane) {
-  if constexpr (FROM < ROW_BYTES) {
-#if AHEAD == 1 && __CUDA_ARCH__ >= 900
-    if (lane == 0)  // p is the row's start
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + FROM), "n"(ROW_BYTES - FROM) : "memory");
-#else
-    for (int b = FROM + lane * 112; b < ROW_BYTES; b += 32 * 128)  // line FROM / 128 + lane, and on: p - lane * 16 + ..
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(p + b));
-#endif
-  }
+__device__ __forceinline__ uint4 ld_coherent(const uint4* p) {  // what the kernel before wrote, after the wait
+  uint4 r;
+  asm("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p) : "memory");
+  return r;
 }
 
 __device__ __forceinline__ uint4 ld_stream(const unsigned char* p) {  // read once: do not keep in L1
@@ -266,12 +260,15 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
                                                                   long long* __restrict__ ids_out) {
   __shared__ __align__(16) u32 xs[K / 2];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#if PDL && EARLY
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
 #if EXPERTS
 #if PDL
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   const int pair = blockIdx.y;
-  w += __ldg(ids + pair) * expert_stride;
+  w += __ldcg(ids + pair) * expert_stride;
   x += (long long)pair * x_stride;
   out += (long long)pair * n;
 #endif
@@ -293,14 +290,17 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) buf[r][u] = ld_stream(rows[r] + u * 512);
 #if PDL && !EXPERTS
-#if AHEAD
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) row_to_l2<UNROLL * 512>(rows[r], lane);
+#if PIN == 1 && __CUDA_ARCH__ >= 900
+  // ptxas moves a bare wait above the loads (it has no inputs); it keeps it after a bulk-async operation, here an L2
+  // prefetch of 16 bytes the lane asks for anyway, so the first chunks are in flight while the kernel before ends.
+  if (lane == 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], 16;" ::"l"(rows[0]) : "memory");
+#elif PIN == 2
+  asm volatile("membar.cta;" ::: "memory");  // the same, kept by a fence
 #endif
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   for (int i = threadIdx.x; i < K / 8; i += 32 * WARPS)
-    reinterpret_cast<uint4*>(xs)[i] = __ldg(reinterpret_cast<const uint4*>(x) + i);
+    reinterpret_cast<uint4*>(xs)[i] = ld_coherent(reinterpret_cast<const uint4*>(x) + i);
   __syncthreads();
 #pragma unroll
   for (int c0 = 0; c0 < CHUNKS_PER_LANE; c0 += UNROLL) {
@@ -315,7 +315,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) acc[r] += dot_chunk(buf[r][u], xs, ((c0 + u) * 32 + lane) * CHUNK_VALUES);
   }
-#if PDL
+#if PDL && !EARLY
   asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
 #pragma unroll
@@ -346,9 +346,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
       }
 #if ROUTED
 #if ROUTE_F32
-      const float rw = __ldg(static_cast<const float*>(route_w) + pair);
+      const float rw = __ldcg(static_cast<const float*>(route_w) + pair);
 #else
-      const float rw = lo16(__ldg(static_cast<const u16*>(route_w) + pair));
+      const float rw = lo16(__ldcg(static_cast<const u16*>(route_w) + pair));
 #endif
       y = rounded(y) * rw;
 #endif

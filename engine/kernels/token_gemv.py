@@ -22,9 +22,12 @@ _SOURCE = Path(__file__).with_name("token_gemv.cu")
 CHUNK_BYTES = 16
 # Columns at most: the token is staged in shared memory (2 bytes a column, 48 KB a block statically).
 MAX_K = 16384
-# Under PDL, what a block asks into L2 before its wait besides its first chunks (``token_gemv.cu``'s AHEAD): 0 nothing,
-# 1 the rest of its rows in one bulk prefetch a row, 2 the same a 128-byte line a lane at a time.
-AHEAD = 0
+# Under PDL, which launches let the next kernel in first thing (the rest: once a block has left its loop). 0 none;
+# 1 linear layers of 16-bit weights (the router included); 2 those and the MoE experts; 3 every launch.
+EARLY = 0
+# The first chunks requested before the PDL wait in the compiled code too (token_gemv.cu's PIN): 0 ptxas's order (the
+# wait first), 1 kept there by a bulk prefetch, 2 by a fence.
+PIN_LOADS = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,13 +81,14 @@ def tile_for(weight: torch.Tensor, swiglu: bool) -> TokenTile:
 @cache
 def _kernel(device: int, k: int, wbytes: int, bf16: bool, tile: TokenTile, swiglu: bool, has_scale: bool,
             has_bias: bool, pdl: bool, routed: int = 0, router: tuple[int, int, bool, bool] | None = None,
-            ahead: int = 0) -> nvrtc.Kernel:  # fmt: skip
+            early: int = 0, pin: int = 0) -> nvrtc.Kernel:  # fmt: skip
     """``routed``: 0 a linear layer; 1 a MoE layer's experts, not weighted; 2 weighted by float32 routing weights, 3 by
     16-bit ones. ``router``: a MoE router and its routing, ``(top_k, experts, renormalize, float32 weights)``."""
+    early = early == 3 or (early >= 1 and wbytes == 2 and (routed == 0 or early == 2))
     defines = {"K": k, "WBYTES": wbytes, "BF16": int(bf16), "WARPS": tile.warps, "ROWS_PER_WARP": tile.rows_per_warp,
                "UNROLL": tile.unroll, "SWIGLU": int(swiglu), "HAS_SCALE": int(has_scale), "HAS_BIAS": int(has_bias),
                "PDL": int(pdl), "EXPERTS": int(routed > 0), "ROUTED": int(routed > 1),
-               "ROUTE_F32": int(routed == 2), "AHEAD": ahead}  # fmt: skip
+               "ROUTE_F32": int(routed == 2), "EARLY": int(early), "PIN": pin}  # fmt: skip
     if router is not None:
         top_k, experts, renormalize, keep_float32 = router
         defines |= {"ROUTER": top_k, "ROUTER_E": experts, "RENORM": int(renormalize), "ROUTE_F32": int(keep_float32)}
@@ -104,7 +108,7 @@ def token_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
     tile = tile or tile_for(weight, swiglu)
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
     kernel = _kernel(x.device.index or 0, weight.shape[1], weight.element_size(), x.dtype == torch.bfloat16, tile,
-                     swiglu, scale is not None, bias is not None, pdl, ahead=AHEAD)  # fmt: skip
+                     swiglu, scale is not None, bias is not None, pdl, early=EARLY, pin=PIN_LOADS)  # fmt: skip
     rows_per_block = tile.warps * tile.rows_per_warp
     args = [nvrtc.ptr(x), nvrtc.ptr(weight), nvrtc.ptr(scale if scale is not None else out),
             nvrtc.ptr(bias if bias is not None else out), nvrtc.ptr(out), ctypes.c_int(n),
@@ -144,7 +148,7 @@ def token_experts(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, route_w: 
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
     routed = 1 if route_w is None else 2 if route_w.dtype == torch.float32 else 3
     kernel = _kernel(x.device.index or 0, w.shape[2], w.element_size(), x.dtype == torch.bfloat16, tile, gated,
-                     False, False, pdl, routed)  # fmt: skip
+                     False, False, pdl, routed, early=EARLY, pin=PIN_LOADS)  # fmt: skip
     ids = ids if ids.is_contiguous() else ids.contiguous()
     args = [nvrtc.ptr(x), nvrtc.ptr(w), nvrtc.ptr(out), nvrtc.ptr(out), nvrtc.ptr(out), ctypes.c_int(n),
             ctypes.c_longlong(w.stride(1) * w.element_size()), nvrtc.ptr(ids),
@@ -193,7 +197,8 @@ def token_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bo
     tile = tile_for(gate, False)
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
     kernel = _kernel(x.device.index or 0, gate.shape[1], gate.element_size(), x.dtype == torch.bfloat16, tile, False,
-                     False, False, pdl, router=(top_k, experts, renormalize, keep_float32), ahead=AHEAD)  # fmt: skip
+                     False, False, pdl, router=(top_k, experts, renormalize, keep_float32), early=EARLY,
+                     pin=PIN_LOADS)  # fmt: skip
     args = [nvrtc.ptr(x), nvrtc.ptr(gate), nvrtc.ptr(logits), nvrtc.ptr(logits), nvrtc.ptr(weights),
             ctypes.c_int(experts), ctypes.c_longlong(gate.stride(0) * gate.element_size()), nvrtc.ptr(ids),
             nvrtc.ptr(weights), ctypes.c_longlong(0), ctypes.c_int(0), nvrtc.ptr(logits),
