@@ -271,6 +271,13 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
   w += __ldcg(ids + pair) * expert_stride;
   x += (long long)pair * x_stride;
   out += (long long)pair * n;
+#if ROUTED  // asked for now: its round trip overlaps the weight's stream, not the stores after it
+#if ROUTE_F32
+  const float rw = __ldcg(static_cast<const float*>(route_w) + pair);
+#else
+  const float rw = lo16(__ldcg(static_cast<const u16*>(route_w) + pair));
+#endif
+#endif
 #endif
   const int row0 = (blockIdx.x * WARPS + warp) * ROWS_PER_WARP;
   const unsigned char* rows[ROWS];
@@ -345,11 +352,6 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
         y = rounded(g / (1.f + expf(-g))) * rounded(up);
       }
 #if ROUTED
-#if ROUTE_F32
-      const float rw = __ldcg(static_cast<const float*>(route_w) + pair);
-#else
-      const float rw = lo16(__ldcg(static_cast<const u16*>(route_w) + pair));
-#endif
       y = rounded(y) * rw;
 #endif
 #if ROUTER

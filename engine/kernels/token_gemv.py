@@ -23,7 +23,7 @@ CHUNK_BYTES = 16
 # Columns at most: the token is staged in shared memory (2 bytes a column, 48 KB a block statically).
 MAX_K = 16384
 # Under PDL, which launches let the next kernel in first thing (the rest: once a block has left its loop). 0 none;
-# 1 linear layers of 16-bit weights (the router included); 2 those and the MoE experts; 3 every launch.
+# 1 linear layers of 16-bit weights (the router included); 2 those and the MoE experts; 3 every launch; 4 e4m3 weights.
 EARLY = 0
 # The first chunks requested before the PDL wait in the compiled code too (token_gemv.cu's PIN): 0 ptxas's order (the
 # wait first), 1 kept there by a bulk prefetch, 2 by a fence.
@@ -84,7 +84,9 @@ def _kernel(device: int, k: int, wbytes: int, bf16: bool, tile: TokenTile, swigl
             early: int = 0, pin: int = 0) -> nvrtc.Kernel:  # fmt: skip
     """``routed``: 0 a linear layer; 1 a MoE layer's experts, not weighted; 2 weighted by float32 routing weights, 3 by
     16-bit ones. ``router``: a MoE router and its routing, ``(top_k, experts, renormalize, float32 weights)``."""
-    early = early == 3 or (early >= 1 and wbytes == 2 and (routed == 0 or early == 2))
+    early = early == 3 or (early == 4 and wbytes == 1) or (
+        early in (1, 2) and wbytes == 2 and (routed == 0 or early == 2)
+    )
     defines = {"K": k, "WBYTES": wbytes, "BF16": int(bf16), "WARPS": tile.warps, "ROWS_PER_WARP": tile.rows_per_warp,
                "UNROLL": tile.unroll, "SWIGLU": int(swiglu), "HAS_SCALE": int(has_scale), "HAS_BIAS": int(has_bias),
                "PDL": int(pdl), "EXPERTS": int(routed > 0), "ROUTED": int(routed > 1),

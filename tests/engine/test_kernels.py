@@ -388,11 +388,13 @@ def test_one_tokens_cuda_matmul_matches_the_float32_product(act: torch.dtype, mo
             via = gemv(x, weight, sc, bias, swiglu=swiglu)
             torch.testing.assert_close(via, token_gemv.token_gemv(x, weight, sc, bias, swiglu, torch.empty_like(via)))
     # A chain under PDL: y1 = x W1^T, y2 = y1 W2^T, replayed from a graph with new x; the second launch let in once
-    # the first's blocks have left their loop, or first thing (EARLY).
+    # the first's blocks have left their loop, or first thing (EARLY), its first chunks asked for before its wait or
+    # after it (PIN_LOADS).
     w1 = (torch.randn(1024, 1024, generator=g) * 0.05).to(DEV).to(act)
     w2 = (torch.randn(512, 1024, generator=g) * 0.05).to(DEV).to(act)
-    for early in (0, 3):
+    for pin, early in ((0, 0), (1, 3), (2, 3)):
         monkeypatch.setattr(token_gemv, "EARLY", early)
+        monkeypatch.setattr(token_gemv, "PIN_LOADS", pin)
         x = torch.randn(1, 1024, generator=g).to(DEV).to(act)
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
