@@ -110,11 +110,37 @@ __device__ __forceinline__ float rounded(float x) {  // x rounded to the activat
   return lo16(r);
 }
 
-__device__ __forceinline__ uint4 ld_coherent(const uint4* p) {  // what the kernel before wrote, after the wait
-  uint4 r;
-  asm("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p) : "memory");
+// What the kernel before wrote, after the wait (LOADS: 0 read-only path, to measure; 1 ld.global.cg; 2 ld.global).
+#ifndef LOADS
+#define LOADS 2
+#endif
+#if LOADS == 2
+__device__ __forceinline__ long long ld_after_wait(const long long* p) {
+  long long r;
+  asm("ld.global.s64 %0, [%1];" : "=l"(r) : "l"(p));
   return r;
 }
+__device__ __forceinline__ float ld_after_wait(const float* p) {
+  float r;
+  asm("ld.global.f32 %0, [%1];" : "=f"(r) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ u16 ld_after_wait(const u16* p) {
+  u16 r;
+  asm("ld.global.u16 %0, [%1];" : "=h"(r) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ uint4 ld_after_wait(const uint4* p) {
+  uint4 r;
+  asm("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+#else
+template <typename T>
+__device__ __forceinline__ T ld_after_wait(const T* p) {
+  return LOADS == 0 ? __ldg(p) : __ldcg(p);
+}
+#endif
 
 __device__ __forceinline__ uint4 ld_stream(const unsigned char* p) {  // read once: do not keep in L1
   uint4 r;
@@ -268,14 +294,14 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   const int pair = blockIdx.y;
-  w += __ldcg(ids + pair) * expert_stride;
+  w += ld_after_wait(ids + pair) * expert_stride;
   x += (long long)pair * x_stride;
   out += (long long)pair * n;
 #if ROUTED  // asked for now: its round trip overlaps the weight's stream, not the stores after it
 #if ROUTE_F32
-  const float rw = __ldcg(static_cast<const float*>(route_w) + pair);
+  const float rw = ld_after_wait(static_cast<const float*>(route_w) + pair);
 #else
-  const float rw = lo16(__ldcg(static_cast<const u16*>(route_w) + pair));
+  const float rw = lo16(ld_after_wait(static_cast<const u16*>(route_w) + pair));
 #endif
 #endif
 #endif
@@ -307,7 +333,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   for (int i = threadIdx.x; i < K / 8; i += 32 * WARPS)
-    reinterpret_cast<uint4*>(xs)[i] = ld_coherent(reinterpret_cast<const uint4*>(x) + i);
+    reinterpret_cast<uint4*>(xs)[i] = ld_after_wait(reinterpret_cast<const uint4*>(x) + i);
   __syncthreads();
 #pragma unroll
   for (int c0 = 0; c0 < CHUNKS_PER_LANE; c0 += UNROLL) {
