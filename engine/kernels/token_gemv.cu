@@ -7,12 +7,15 @@
 // before (programmatic dependent launch: no kernel writes a weight), then x, which that kernel wrote, is staged in
 // shared memory. Products and sums are float32; each row's sum is reduced across the warp once.
 //
-// What the kernel before wrote (x, the routing's ids and weights) is read with ld.global.cg after the wait, never
-// through the read-only path (ld.global.nc), whose loads ptxas may move above the wait.
+// The order around the wait is ptxas's to keep, and it keeps only part of it. A bare griddepcontrol.wait has no
+// inputs, and ptxas schedules it first, above the weight loads; with PIN a CTA-scope fence after those loads holds it
+// behind them. Loads through the read-only path (ld.global.nc, __ldg) may be moved above the wait, so what the kernel
+// before wrote (x, the routing's ids and weights) is read with plain ld.global, which stays after it.
+// tests/engine/test_token_gemv_sass.py checks both in the SASS of every variant.
 //
 // Compile-time: K (columns), WBYTES (1: e4m3, 2: 16-bit of the activations' kind), BF16 (activations and output
-// bfloat16, else float16), WARPS, ROWS_PER_WARP, UNROLL, SWIGLU, HAS_SCALE, HAS_BIAS, PDL; with PDL, EARLY lets the
-// next kernel launch first thing, else once this block has left its loop.
+// bfloat16, else float16), WARPS, ROWS_PER_WARP, UNROLL, SWIGLU, HAS_SCALE, HAS_BIAS, PDL; with PDL, PIN (above) and
+// EARLY, which lets the next kernel launch first thing, else once this block has left its loop.
 //
 // EXPERTS: one token's routed experts of a MoE layer, blockIdx.y the (token, expert) pair: its weight is expert
 // ids[pair] of a stack (expert_stride bytes apart), its x row pair * x_stride, its output row pair. The expert is
@@ -110,11 +113,7 @@ __device__ __forceinline__ float rounded(float x) {  // x rounded to the activat
   return lo16(r);
 }
 
-// What the kernel before wrote, after the wait (LOADS: 0 read-only path, to measure; 1 ld.global.cg; 2 ld.global).
-#ifndef LOADS
-#define LOADS 2
-#endif
-#if LOADS == 2
+// What the kernel before wrote, read after the wait with plain ld.global (the header: never the read-only path).
 __device__ __forceinline__ long long ld_after_wait(const long long* p) {
   long long r;
   asm("ld.global.s64 %0, [%1];" : "=l"(r) : "l"(p));
@@ -135,12 +134,6 @@ __device__ __forceinline__ uint4 ld_after_wait(const uint4* p) {
   asm("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   return r;
 }
-#else
-template <typename T>
-__device__ __forceinline__ T ld_after_wait(const T* p) {
-  return LOADS == 0 ? __ldg(p) : __ldcg(p);
-}
-#endif
 
 __device__ __forceinline__ uint4 ld_stream(const unsigned char* p) {  // read once: do not keep in L1
   uint4 r;
@@ -323,12 +316,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) buf[r][u] = ld_stream(rows[r] + u * 512);
 #if PDL && !EXPERTS
-#if PIN == 1 && __CUDA_ARCH__ >= 900
-  // ptxas moves a bare wait above the loads (it has no inputs); it keeps it after a bulk-async operation, here an L2
-  // prefetch of 16 bytes the lane asks for anyway, so the first chunks are in flight while the kernel before ends.
-  if (lane == 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], 16;" ::"l"(rows[0]) : "memory");
-#elif PIN == 2
-  asm volatile("membar.cta;" ::: "memory");  // the same, kept by a fence
+#if PIN
+  asm volatile("membar.cta;" ::: "memory");  // keeps the wait behind the first chunks (the header)
 #endif
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif

@@ -22,15 +22,11 @@ _SOURCE = Path(__file__).with_name("token_gemv.cu")
 CHUNK_BYTES = 16
 # Columns at most: the token is staged in shared memory (2 bytes a column, 48 KB a block statically).
 MAX_K = 16384
-# Under PDL, which launches let the next kernel in first thing (the rest: once a block has left its loop). 0 none;
-# 1 linear layers of 16-bit weights (the router included); 2 those and the MoE experts; 3 every launch; 4 e4m3 weights.
-EARLY = 4
-# The first chunks requested before the PDL wait in the compiled code too (token_gemv.cu's PIN): 0 ptxas's order (the
-# wait first), 1 kept there by a bulk prefetch, 2 by a fence.
-PIN_LOADS = 2
-# How what the kernel before wrote is read after the wait (token_gemv.cu's LOADS): 2 ld.global, 1 ld.global.cg, 0 the
-# read-only path (which ptxas may move above the wait: to measure only).
-LOADS = 2
+# Under PDL (docs/engine.md, nineteenth round): the first chunks asked for before the wait in the compiled code too,
+# not only in the source (token_gemv.cu's PIN); and which launches let the next kernel in first thing, the others once
+# a block has left its loop: 0 none, 1 those of e4m3 weights, 2 those of 16-bit weights, 3 all.
+PIN_LOADS = 1
+EARLY = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,23 +77,39 @@ def tile_for(weight: torch.Tensor, swiglu: bool) -> TokenTile:
     return TokenTile(tile.warps, tile.rows_per_warp, unroll)
 
 
-@cache
-def _kernel(device: int, k: int, wbytes: int, bf16: bool, tile: TokenTile, swiglu: bool, has_scale: bool,
-            has_bias: bool, pdl: bool, routed: int = 0, router: tuple[int, int, bool, bool] | None = None,
-            early: int = 0, pin: int = 0, loads: int = 2) -> nvrtc.Kernel:  # fmt: skip
-    """``routed``: 0 a linear layer; 1 a MoE layer's experts, not weighted; 2 weighted by float32 routing weights, 3 by
-    16-bit ones. ``router``: a MoE router and its routing, ``(top_k, experts, renormalize, float32 weights)``."""
-    early = (
-        early == 3 or (early == 4 and wbytes == 1) or (early in (1, 2) and wbytes == 2 and (routed == 0 or early == 2))
-    )
-    defines = {"K": k, "WBYTES": wbytes, "BF16": int(bf16), "WARPS": tile.warps, "ROWS_PER_WARP": tile.rows_per_warp,
-               "UNROLL": tile.unroll, "SWIGLU": int(swiglu), "HAS_SCALE": int(has_scale), "HAS_BIAS": int(has_bias),
-               "PDL": int(pdl), "EXPERTS": int(routed > 0), "ROUTED": int(routed > 1),
-               "ROUTE_F32": int(routed == 2), "EARLY": int(early), "PIN": pin, "LOADS": loads}  # fmt: skip
+def defines(
+    k: int,
+    wbytes: int,
+    bf16: bool,
+    tile: TokenTile,
+    swiglu: bool,
+    has_scale: bool,
+    has_bias: bool,
+    pdl: bool,
+    routed: int = 0,
+    router: tuple[int, int, bool, bool] | None = None,
+) -> dict[str, int]:
+    """The compile-time constants of a launch (token_gemv.cu's header). ``routed``: 0 a linear layer; 1 a MoE
+    layer's experts, not weighted; 2 weighted by float32 routing weights, 3 by 16-bit ones. ``router``: a MoE router
+    and its routing, ``(top_k, experts, renormalize, float32 weights)``."""
+    out = {"K": k, "WBYTES": wbytes, "BF16": int(bf16), "WARPS": tile.warps, "ROWS_PER_WARP": tile.rows_per_warp,
+           "UNROLL": tile.unroll, "SWIGLU": int(swiglu), "HAS_SCALE": int(has_scale), "HAS_BIAS": int(has_bias),
+           "PDL": int(pdl), "EXPERTS": int(routed > 0), "ROUTED": int(routed > 1), "ROUTE_F32": int(routed == 2),
+           "PIN": int(bool(PIN_LOADS)), "EARLY": int(bool(EARLY & (1 if wbytes == 1 else 2)))}  # fmt: skip
     if router is not None:
         top_k, experts, renormalize, keep_float32 = router
-        defines |= {"ROUTER": top_k, "ROUTER_E": experts, "RENORM": int(renormalize), "ROUTE_F32": int(keep_float32)}
-    return nvrtc.build(_SOURCE, "token_gemv", device, defines)
+        out |= {"ROUTER": top_k, "ROUTER_E": experts, "RENORM": int(renormalize), "ROUTE_F32": int(keep_float32)}
+    return out
+
+
+@cache
+def _build(device: int, constants: tuple[tuple[str, int], ...]) -> nvrtc.Kernel:
+    return nvrtc.build(_SOURCE, "token_gemv", device, dict(constants))
+
+
+def _kernel(device: int, constants: dict[str, int]) -> nvrtc.Kernel:
+    """The kernel of ``constants`` (``defines``) for ``device``, compiled once a process."""
+    return _build(device, tuple(constants.items()))
 
 
 def _no_router(out: torch.Tensor) -> list[ctypes.c_void_p]:
@@ -112,9 +124,8 @@ def token_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     tile = tile or tile_for(weight, swiglu)
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
-    kernel = _kernel(x.device.index or 0, weight.shape[1], weight.element_size(), x.dtype == torch.bfloat16, tile,
-                     swiglu, scale is not None, bias is not None, pdl, early=EARLY, pin=PIN_LOADS,
-                     loads=LOADS)  # fmt: skip
+    kernel = _kernel(x.device.index or 0, defines(weight.shape[1], weight.element_size(), x.dtype == torch.bfloat16,
+                                                  tile, swiglu, scale is not None, bias is not None, pdl))  # fmt: skip
     rows_per_block = tile.warps * tile.rows_per_warp
     args = [nvrtc.ptr(x), nvrtc.ptr(weight), nvrtc.ptr(scale if scale is not None else out),
             nvrtc.ptr(bias if bias is not None else out), nvrtc.ptr(out), ctypes.c_int(n),
@@ -153,8 +164,8 @@ def token_experts(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, route_w: 
     tile = tile_for(w[0], gated)
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
     routed = 1 if route_w is None else 2 if route_w.dtype == torch.float32 else 3
-    kernel = _kernel(x.device.index or 0, w.shape[2], w.element_size(), x.dtype == torch.bfloat16, tile, gated,
-                     False, False, pdl, routed, early=EARLY, pin=PIN_LOADS, loads=LOADS)  # fmt: skip
+    kernel = _kernel(x.device.index or 0, defines(w.shape[2], w.element_size(), x.dtype == torch.bfloat16, tile, gated,
+                                                  False, False, pdl, routed))  # fmt: skip
     ids = ids if ids.is_contiguous() else ids.contiguous()
     args = [nvrtc.ptr(x), nvrtc.ptr(w), nvrtc.ptr(out), nvrtc.ptr(out), nvrtc.ptr(out), ctypes.c_int(n),
             ctypes.c_longlong(w.stride(1) * w.element_size()), nvrtc.ptr(ids),
@@ -202,9 +213,9 @@ def token_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bo
     ids = torch.empty((1, top_k), dtype=torch.int64, device=x.device)
     tile = tile_for(gate, False)
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
-    kernel = _kernel(x.device.index or 0, gate.shape[1], gate.element_size(), x.dtype == torch.bfloat16, tile, False,
-                     False, False, pdl, router=(top_k, experts, renormalize, keep_float32), early=EARLY,
-                     pin=PIN_LOADS, loads=LOADS)  # fmt: skip
+    kernel = _kernel(x.device.index or 0, defines(gate.shape[1], gate.element_size(), x.dtype == torch.bfloat16, tile,
+                                                  False, False, False, pdl,
+                                                  router=(top_k, experts, renormalize, keep_float32)))  # fmt: skip
     args = [nvrtc.ptr(x), nvrtc.ptr(gate), nvrtc.ptr(logits), nvrtc.ptr(logits), nvrtc.ptr(weights),
             ctypes.c_int(experts), ctypes.c_longlong(gate.stride(0) * gate.element_size()), nvrtc.ptr(ids),
             nvrtc.ptr(weights), ctypes.c_longlong(0), ctypes.c_int(0), nvrtc.ptr(logits),

@@ -1,0 +1,89 @@
+"""One token's CUDA matmul (``engine/kernels/token_gemv.cu``) as ptxas compiles it for Hopper, without a GPU.
+
+Under programmatic dependent launch the kernel may run while the kernel before it still writes its input. The source
+asks for its first weight chunks before ``griddepcontrol.wait`` and reads that input after it, but the order in the
+compiled code is ptxas's: it schedules a bare wait above the weight loads, and it may move loads through the
+read-only path above the wait (docs/engine.md, nineteenth round; an MoE model read stale expert ids that way and
+faulted). Every variant the engine launches is compiled here with NVRTC for sm_90 and disassembled with Triton's
+cuobjdump: only weight chunks are loaded before the wait, the first ones are (``PIN_LOADS``), and the next kernel is
+let in where ``EARLY`` says.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gwtest import require
+
+require("triton", "make install puts it in (its cuobjdump disassembles the kernel)")
+require("nvidia.cuda_nvrtc", "make install puts NVRTC in (nvidia-cuda-nvrtc-cu12), which compiles the kernel")
+
+import triton  # noqa: E402
+
+from engine.kernels import nvrtc, token_gemv  # noqa: E402
+from engine.kernels.token_gemv import TokenTile  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+WEIGHT_CHUNK = "LDG.E.NA.128.CONSTANT"  # ld_stream: a weight's 16-byte chunk, read once, not kept in L1
+
+# name: (K, weight bytes, tile, SwiGLU, scale, bias, routed, router) as the engine launches them for Qwen3 shapes.
+VARIANTS: dict[str, tuple[Any, ...]] = {
+    "bf16": (4096, 2, TokenTile(4, 1, 8), False, False, False, 0, None),
+    "bf16 bias": (2048, 2, TokenTile(4, 1, 8), False, False, True, 0, None),
+    "bf16 swiglu": (4096, 2, TokenTile(4, 1, 8), True, False, False, 0, None),
+    "e4m3": (4096, 1, TokenTile(8, 1, 4), False, True, False, 0, None),
+    "e4m3 swiglu": (4096, 1, TokenTile(4, 2, 4), True, True, False, 0, None),
+    "router": (2048, 2, TokenTile(4, 1, 8), False, False, False, 0, (8, 128, True, False)),
+    "experts gate/up": (2048, 2, TokenTile(4, 1, 8), True, False, False, 1, None),
+    "experts down, float32 weights": (768, 2, TokenTile(4, 1, 3), False, False, False, 2, None),
+    "experts down, 16-bit weights": (768, 2, TokenTile(4, 1, 3), False, False, False, 3, None),
+}
+
+
+def sass(constants: dict[str, int], tmp_path: Path) -> list[str]:
+    source = Path(token_gemv.__file__).with_name("token_gemv.cu").read_text()
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(nvrtc.compile_cubin(source, "token_gemv", "sm_90", [f"-D{k}={v}" for k, v in constants.items()]))
+    out = subprocess.run([str(CUOBJDUMP), "-sass", str(cubin)], capture_output=True, text=True, timeout=60, check=True)
+    return [line.split(";")[0].split("*/", 1)[1].strip() for line in out.stdout.splitlines()
+            if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("pin", "early"), [(1, 1), (0, 0), (1, 3)])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_only_weights_are_read_before_the_wait(variant: str, pin: int, early: int, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    k, wbytes, tile, swiglu, scale, bias, routed, router = VARIANTS[variant]
+    monkeypatch.setattr(token_gemv, "PIN_LOADS", pin)
+    monkeypatch.setattr(token_gemv, "EARLY", early)
+    constants = token_gemv.defines(k, wbytes, True, tile, swiglu, scale, bias, True, routed, router)
+    code = sass(constants, tmp_path)
+    (wait,) = [i for i, ins in enumerate(code) if ins.startswith("ACQBULK")]
+    (let_in,) = [i for i, ins in enumerate(code) if ins.startswith("PREEXIT")]
+    chunks = [i for i, ins in enumerate(code) if ins.startswith(WEIGHT_CHUNK)]
+    before = [ins for ins in code[:wait] if ins.startswith(("LDG", "LD.", "LDS", "ATOM", "RED"))]
+    assert all(ins.startswith(WEIGHT_CHUNK) for ins in before), f"read before the wait: {before}"
+    rows = tile.rows_per_warp * (2 if swiglu else 1)
+    if routed:  # the experts' weights are only known after the wait
+        assert not before
+    elif pin:
+        assert len(before) == rows * tile.unroll, "the first chunks of every row are asked for before the wait"
+    else:
+        assert not before  # ptxas's own order: the wait first
+    assert constants["EARLY"] == int(bool(early & (1 if wbytes == 1 else 2)))
+    if constants["EARLY"]:
+        assert let_in < wait
+    else:
+        assert let_in > max(chunks), "the next kernel is let in once the block has left its loop"
+
+
+def test_without_pdl_there_is_no_grid_dependency(tmp_path: Path) -> None:
+    constants = token_gemv.defines(4096, 2, True, TokenTile(4, 1, 8), False, False, False, False)
+    code = sass(constants, tmp_path)
+    assert not [ins for ins in code if ins.startswith(("ACQBULK", "PREEXIT"))]
