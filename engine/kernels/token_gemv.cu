@@ -113,25 +113,26 @@ __device__ __forceinline__ float rounded(float x) {  // x rounded to the activat
   return lo16(r);
 }
 
-// What the kernel before wrote, read after the wait with plain ld.global (the header: never the read-only path).
+// What the kernel before wrote, read after the wait with plain ld.global (the header: never the read-only path);
+// volatile, so that the compiler keeps them after the wait's asm too (the SASS is the same).
 __device__ __forceinline__ long long ld_after_wait(const long long* p) {
   long long r;
-  asm("ld.global.s64 %0, [%1];" : "=l"(r) : "l"(p));
+  asm volatile("ld.global.s64 %0, [%1];" : "=l"(r) : "l"(p));
   return r;
 }
 __device__ __forceinline__ float ld_after_wait(const float* p) {
   float r;
-  asm("ld.global.f32 %0, [%1];" : "=f"(r) : "l"(p));
+  asm volatile("ld.global.f32 %0, [%1];" : "=f"(r) : "l"(p));
   return r;
 }
 __device__ __forceinline__ u16 ld_after_wait(const u16* p) {
   u16 r;
-  asm("ld.global.u16 %0, [%1];" : "=h"(r) : "l"(p));
+  asm volatile("ld.global.u16 %0, [%1];" : "=h"(r) : "l"(p));
   return r;
 }
 __device__ __forceinline__ uint4 ld_after_wait(const uint4* p) {
   uint4 r;
-  asm("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   return r;
 }
 
