@@ -101,6 +101,13 @@ def test_a_loop_kernel_waits_first_and_lets_the_next_one_in_where_it_was_told(pt
             assert let_in > max(mmas), "PDL_LOOP lets the next kernel in after the main loop"
 
 
+@pytest.mark.parametrize("kernel", ["gemv1", "gemv2", "norm", "norm_parts", "route_align"])
+def test_no_load_takes_the_read_only_path(ptx: dict[str, str], kernel: str) -> None:
+    # ptxas may move a read-only load (ld.global.nc) above griddepcontrol.wait, and under PDL what the kernel before
+    # writes is not read-only while this one runs (docs/engine.md, nineteenth round). Triton emits none in these.
+    assert not _lines(ptx[kernel], r"ld\.global\S*\.nc\b")
+
+
 @pytest.mark.parametrize("kernel", ["norm", "norm_parts", "route_align"])
 def test_a_small_kernel_waits_before_it_reads(ptx: dict[str, str], kernel: str) -> None:
     code = ptx[kernel]
