@@ -13,6 +13,7 @@ import ctypes
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -77,25 +78,17 @@ def tile_for(weight: torch.Tensor, swiglu: bool) -> TokenTile:
     return TokenTile(tile.warps, tile.rows_per_warp, unroll)
 
 
-def defines(
-    k: int,
-    wbytes: int,
-    bf16: bool,
-    tile: TokenTile,
-    swiglu: bool,
-    has_scale: bool,
-    has_bias: bool,
-    pdl: bool,
-    routed: int = 0,
-    router: tuple[int, int, bool, bool] | None = None,
-) -> dict[str, int]:
+def defines(k: int, wbytes: int, bf16: bool, tile: TokenTile, swiglu: bool, has_scale: bool, has_bias: bool,
+            pdl: bool, routed: int = 0, router: tuple[int, int, bool, bool] | None = None, *, pin: int,
+            early: int) -> dict[str, int]:  # fmt: skip
     """The compile-time constants of a launch (token_gemv.cu's header). ``routed``: 0 a linear layer; 1 a MoE
     layer's experts, not weighted; 2 weighted by float32 routing weights, 3 by 16-bit ones. ``router``: a MoE router
-    and its routing, ``(top_k, experts, renormalize, float32 weights)``."""
+    and its routing, ``(top_k, experts, renormalize, float32 weights)``. ``pin``, ``early``: as ``PIN_LOADS`` and
+    ``EARLY``."""
     out = {"K": k, "WBYTES": wbytes, "BF16": int(bf16), "WARPS": tile.warps, "ROWS_PER_WARP": tile.rows_per_warp,
            "UNROLL": tile.unroll, "SWIGLU": int(swiglu), "HAS_SCALE": int(has_scale), "HAS_BIAS": int(has_bias),
            "PDL": int(pdl), "EXPERTS": int(routed > 0), "ROUTED": int(routed > 1), "ROUTE_F32": int(routed == 2),
-           "PIN": int(bool(PIN_LOADS)), "EARLY": int(bool(EARLY & (1 if wbytes == 1 else 2)))}  # fmt: skip
+           "PIN": int(bool(pin)), "EARLY": int(bool(early & (1 if wbytes == 1 else 2)))}  # fmt: skip
     if router is not None:
         top_k, experts, renormalize, keep_float32 = router
         out |= {"ROUTER": top_k, "ROUTER_E": experts, "RENORM": int(renormalize), "ROUTE_F32": int(keep_float32)}
@@ -103,13 +96,10 @@ def defines(
 
 
 @cache
-def _build(device: int, constants: tuple[tuple[str, int], ...]) -> nvrtc.Kernel:
-    return nvrtc.build(_SOURCE, "token_gemv", device, dict(constants))
-
-
-def _kernel(device: int, constants: dict[str, int]) -> nvrtc.Kernel:
-    """The kernel of ``constants`` (``defines``) for ``device``, compiled once a process."""
-    return _build(device, tuple(constants.items()))
+def _kernel(device: int, *args: Any, **kwargs: Any) -> nvrtc.Kernel:
+    """The kernel of ``defines(*args, **kwargs)`` for ``device``, compiled once a process (cached by the arguments:
+    a launch looks it up without building its constants)."""
+    return nvrtc.build(_SOURCE, "token_gemv", device, defines(*args, **kwargs))
 
 
 def _no_router(out: torch.Tensor) -> list[ctypes.c_void_p]:
@@ -124,8 +114,8 @@ def token_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     tile = tile or tile_for(weight, swiglu)
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
-    kernel = _kernel(x.device.index or 0, defines(weight.shape[1], weight.element_size(), x.dtype == torch.bfloat16,
-                                                  tile, swiglu, scale is not None, bias is not None, pdl))  # fmt: skip
+    kernel = _kernel(x.device.index or 0, weight.shape[1], weight.element_size(), x.dtype == torch.bfloat16, tile,
+                     swiglu, scale is not None, bias is not None, pdl, pin=PIN_LOADS, early=EARLY)  # fmt: skip
     rows_per_block = tile.warps * tile.rows_per_warp
     args = [nvrtc.ptr(x), nvrtc.ptr(weight), nvrtc.ptr(scale if scale is not None else out),
             nvrtc.ptr(bias if bias is not None else out), nvrtc.ptr(out), ctypes.c_int(n),
@@ -164,8 +154,8 @@ def token_experts(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, route_w: 
     tile = tile_for(w[0], gated)
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
     routed = 1 if route_w is None else 2 if route_w.dtype == torch.float32 else 3
-    kernel = _kernel(x.device.index or 0, defines(w.shape[2], w.element_size(), x.dtype == torch.bfloat16, tile, gated,
-                                                  False, False, pdl, routed))  # fmt: skip
+    kernel = _kernel(x.device.index or 0, w.shape[2], w.element_size(), x.dtype == torch.bfloat16, tile, gated,
+                     False, False, pdl, routed, pin=PIN_LOADS, early=EARLY)  # fmt: skip
     ids = ids if ids.is_contiguous() else ids.contiguous()
     args = [nvrtc.ptr(x), nvrtc.ptr(w), nvrtc.ptr(out), nvrtc.ptr(out), nvrtc.ptr(out), ctypes.c_int(n),
             ctypes.c_longlong(w.stride(1) * w.element_size()), nvrtc.ptr(ids),
@@ -213,9 +203,9 @@ def token_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bo
     ids = torch.empty((1, top_k), dtype=torch.int64, device=x.device)
     tile = tile_for(gate, False)
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
-    kernel = _kernel(x.device.index or 0, defines(gate.shape[1], gate.element_size(), x.dtype == torch.bfloat16, tile,
-                                                  False, False, False, pdl,
-                                                  router=(top_k, experts, renormalize, keep_float32)))  # fmt: skip
+    kernel = _kernel(x.device.index or 0, gate.shape[1], gate.element_size(), x.dtype == torch.bfloat16, tile, False,
+                     False, False, pdl, router=(top_k, experts, renormalize, keep_float32), pin=PIN_LOADS,
+                     early=EARLY)  # fmt: skip
     args = [nvrtc.ptr(x), nvrtc.ptr(gate), nvrtc.ptr(logits), nvrtc.ptr(logits), nvrtc.ptr(weights),
             ctypes.c_int(experts), ctypes.c_longlong(gate.stride(0) * gate.element_size()), nvrtc.ptr(ids),
             nvrtc.ptr(weights), ctypes.c_longlong(0), ctypes.c_int(0), nvrtc.ptr(logits),
