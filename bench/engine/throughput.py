@@ -24,6 +24,7 @@ import json
 import os
 import resource
 import statistics
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -301,6 +302,7 @@ def profile_step(engine: LLMEngine, prompt_len: int, batch: int = 1, steps: int 
         t3 = time.perf_counter()
         host, model, post = host + (t1 - t0) * 1e6, model + (t2 - t1) * 1e6, post + (t3 - t2) * 1e6
     kernels: list[tuple[str, float]] = []
+    critical: dict[str, float] = {}
     if cuda:
         # Which kernels the step's GPU time goes to (graph replays are traced kernel by kernel).
         from torch.profiler import ProfilerActivity, profile
@@ -314,11 +316,40 @@ def profile_step(engine: LLMEngine, prompt_len: int, batch: int = 1, steps: int 
         print(f"GPU time per batch-{batch} decode step by kernel (us):")
         for key, us in kernels[:25]:
             print(f"  {us:9.1f}  {key[:110]}")
+        with tempfile.TemporaryDirectory() as tmp:
+            prof.export_chrome_trace(f"{tmp}/trace.json")
+            with open(f"{tmp}/trace.json") as f:
+                trace = json.load(f)
+        spans = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace.get("traceEvents", [])
+                 if e.get("cat") == "kernel" and "dur" in e]  # fmt: skip
+        critical = {k: us / 10 for k, us in critical_path(spans).items()}
+        print(f"critical path of a batch-{batch} decode step by kernel (us; kernels overlap under PDL):")
+        for key, us in sorted(critical.items(), key=lambda kv: -kv[1])[:25]:
+            print(f"  {us:9.1f}  {key[:110]}")
     for seq in seqs:
         engine.finish(seq, FinishReason.ABORT)
     return {"batch": batch, "schedule_and_stage_us": host / steps, "execute_us": model / steps,
             "execute_gpu_us": gpu / steps if cuda else 0.0, "postprocess_us": post / steps,
-            "kernels_us": {key[:160]: us for key, us in kernels[:25]}}  # fmt: skip
+            "kernels_us": {key[:160]: us for key, us in kernels[:25]},
+            "critical_us": {key[:160]: us for key, us in sorted(critical.items(), key=lambda kv: -kv[1])[:40]}}  # fmt: skip
+
+
+def critical_path(spans: list[tuple[float, float, str]]) -> dict[str, float]:
+    """Each kernel's share of the GPU's timeline, from (start, end, name) spans: what a kernel's end adds past every
+    earlier kernel's (kernels overlap under PDL, so their own durations count the wait for the kernel before twice);
+    the GPU's idle time between kernels goes to ``(idle)``. The shares sum to the span from the first start to the
+    last end."""
+    out: dict[str, float] = {}
+    last = None
+    for start, end, name in sorted(spans):
+        if last is None:
+            out[name] = out.get(name, 0.0) + end - start
+        else:
+            if start > last:
+                out["(idle)"] = out.get("(idle)", 0.0) + start - last
+            out[name] = out.get(name, 0.0) + max(0.0, end - max(start, last))
+        last = end if last is None else max(last, end)
+    return out
 
 
 def tp_peer(args: EngineArgs, loaded: LoadedModel, a: argparse.Namespace) -> dict[int, Result]:
