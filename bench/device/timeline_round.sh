@@ -13,4 +13,4 @@ for run in ${SHAPES:-qwen3-8b qwen3-8b-fp8 qwen3-30b-a3b}; do
   sed -n '/critical path/,/^[^ ]/p' "$OUT/$run-timeline.log" | head -30 | sed "s/^/$run /"
   grep -E "^ +1 \||decode step" "$OUT/$run-timeline.log" | sed "s/^/$run /"
 done
-(cd "$OUT" && tar rf runs.tar ./*.log ./*.json && rm -f ./*.log ./*.json)
+(cd "$OUT" && tar rf runs.tar ./*.log ./*.json && rm -f ./*.log ./*.json) 2>/dev/null || true

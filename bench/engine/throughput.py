@@ -328,10 +328,15 @@ def profile_step(engine: LLMEngine, prompt_len: int, batch: int = 1, steps: int 
             print(f"  {us:9.1f}  {key[:110]}")
     for seq in seqs:
         engine.finish(seq, FinishReason.ABORT)
-    return {"batch": batch, "schedule_and_stage_us": host / steps, "execute_us": model / steps,
-            "execute_gpu_us": gpu / steps if cuda else 0.0, "postprocess_us": post / steps,
-            "kernels_us": {key[:160]: us for key, us in kernels[:25]},
-            "critical_us": {key[:160]: us for key, us in sorted(critical.items(), key=lambda kv: -kv[1])[:40]}}  # fmt: skip
+    return {
+        "batch": batch,
+        "schedule_and_stage_us": host / steps,
+        "execute_us": model / steps,
+        "execute_gpu_us": gpu / steps if cuda else 0.0,
+        "postprocess_us": post / steps,
+        "kernels_us": {key[:160]: us for key, us in kernels[:25]},
+        "critical_us": dict(sorted(((k[:160], v) for k, v in critical.items()), key=lambda kv: -kv[1])[:40]),
+    }
 
 
 def critical_path(spans: list[tuple[float, float, str]]) -> dict[str, float]:
@@ -542,7 +547,7 @@ def main() -> None:
     if profile:
         print(
             f"batch-{profile['batch']} decode step: "
-            + ", ".join(f"{k} {v:.0f}" for k, v in profile.items() if k.endswith("_us") and k != "kernels_us")
+            + ", ".join(f"{k} {v:.0f}" for k, v in profile.items() if k.endswith("_us") and isinstance(v, float))
         )
     if a.json:
         report = {

@@ -34,6 +34,7 @@ from engine.kernels import (
     nvrtc,
     pdl_launch,
     prefill_block_m,
+    token_norm,
 )  # fmt: skip
 from engine.kernels.merge import merge_splits
 from engine.kernels.pdl import enter, leave_loop
@@ -79,6 +80,8 @@ def _rms_norm_kernel(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * rmsnorm(x)`` over the last axis of a contiguous ``[rows, hidden]`` tensor."""
+    if token_norm.supports(x, None, weight) and token_norm.enabled() and nvrtc.available():
+        return token_norm.token_norm(x, None, weight, eps)[0]
     out = torch.empty_like(x)
     n = x.shape[-1]
     _rms_norm_kernel[(x.shape[0],)](
@@ -93,6 +96,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     """``(weight * rmsnorm(residual + x), residual + x)`` in one pass. ``x`` may be ``[rows, parts, hidden]``
     (a MoE layer's per-expert outputs, or a skinny matmul's float32 parts along K), summed over ``parts`` in
     float32 and rounded once to the residual's dtype before the add."""
+    if token_norm.supports(x, residual, weight) and token_norm.enabled() and nvrtc.available():
+        return token_norm.token_norm(x, residual, weight, eps)
     out = torch.empty_like(residual)
     res_out = torch.empty_like(residual)
     n = x.shape[-1]

@@ -410,6 +410,64 @@ def test_one_tokens_cuda_matmul_matches_the_float32_product(act: torch.dtype, mo
             torch.testing.assert_close(y, gemv(gemv(x, w1), w2))
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the decode step's CUDA norm is CUDA C++, compiled by NVRTC on the GPU")
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
+def test_the_cuda_norm_matches_torch_and_the_triton_kernel(act: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA norm (``token_norm``) against the torch ops and the Triton kernel it replaces: with and without the
+    residual add, a MoE layer's 16-bit parts and a matmul's float32 parts, and under PDL in a CUDA graph between two
+    matmuls, replayed with new tokens."""
+    from engine.kernels import token_norm
+    from engine.kernels.gemv import gemv
+
+    g = _g(60)
+    ref = ops.TorchOps()
+    tol = 2**-7 if act == torch.bfloat16 else 2**-9  # a flipped rounding of y, and of w * y
+    for rows, n in ((1, 4096), (3, 2048), (8, 5120)):
+        x, r = (torch.randn(rows, n, generator=g).to(DEV).to(act) for _ in range(2))
+        w = (1 + 0.1 * torch.randn(n, generator=g)).to(DEV).to(act)
+        assert token_norm.supports(x, None, w) and token_norm.supports(x, r, w)
+        cases = [x, torch.randn(rows, 8, n, generator=g).to(DEV).to(act), torch.randn(rows, 2, n, generator=g).to(DEV)]
+        for xs in cases:
+            assert token_norm.supports(xs, r, w)
+            got = triton_ops.add_rms_norm(xs, r, w, 1e-6)
+            expected = ref.add_rms_norm(xs, r, w, 1e-6)
+            exact = 0 if xs.dim() == 2 else 1e-2
+            torch.testing.assert_close(got[1], expected[1], rtol=exact, atol=exact)
+            torch.testing.assert_close(got[0], expected[0], rtol=tol, atol=tol)
+            monkeypatch.setenv("ENGINE_TOKEN_NORM", "triton")
+            triton_got = triton_ops.add_rms_norm(xs, r, w, 1e-6)
+            monkeypatch.delenv("ENGINE_TOKEN_NORM")
+            torch.testing.assert_close(got[1], triton_got[1], rtol=0, atol=0)
+            torch.testing.assert_close(got[0], triton_got[0], rtol=tol, atol=tol)
+        torch.testing.assert_close(triton_ops.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), rtol=tol, atol=tol)
+    # Under PDL in a graph: the norm reads what the matmul before wrote, the matmul after reads what the norm wrote.
+    w1 = (torch.randn(2048, 1024, generator=g) * 0.05).to(DEV).to(act)
+    w2 = (torch.randn(512, 2048, generator=g) * 0.05).to(DEV).to(act)
+    nw = (1 + 0.1 * torch.randn(2048, generator=g)).to(DEV).to(act)
+    x = torch.randn(1, 1024, generator=g).to(DEV).to(act)
+    res = torch.randn(1, 2048, generator=g).to(DEV).to(act)
+
+    def chain() -> tuple[torch.Tensor, torch.Tensor]:
+        h, r2 = triton_ops.add_rms_norm(gemv(x, w1), res, nw, 1e-6)
+        return gemv(h, w2), r2
+
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(side):
+        chain()  # compile outside the capture
+        with torch.cuda.graph(graph, stream=side):
+            y, r2 = chain()
+    for _ in range(3):
+        x.copy_(torch.randn(1, 1024, generator=g).to(DEV).to(act))
+        res.copy_(torch.randn(1, 2048, generator=g).to(DEV).to(act))
+        graph.replay()
+        torch.cuda.synchronize()
+        y_eager, r2_eager = chain()
+        torch.testing.assert_close(y, y_eager, rtol=0, atol=0)
+        torch.testing.assert_close(r2, r2_eager, rtol=0, atol=0)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the FP8 decode kernel is CUDA C++, compiled by NVRTC on the GPU")
 @pytest.mark.parametrize(
     ("group", "block_size", "dtype"),

@@ -22,7 +22,7 @@ from gwtest import require
 
 require("nvidia.cuda_nvrtc", "make install puts NVRTC in (nvidia-cuda-nvrtc-cu12), which compiles the kernel")
 
-from engine.kernels import nvrtc, token_gemv  # noqa: E402
+from engine.kernels import nvrtc, token_gemv, token_norm  # noqa: E402
 from engine.kernels.token_gemv import TokenTile  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -49,10 +49,10 @@ VARIANTS: dict[str, tuple[Any, ...]] = {
 }
 
 
-def sass(constants: dict[str, int], tmp_path: Path) -> list[str]:
-    source = token_gemv._SOURCE.read_text()
+def sass(constants: dict[str, int], tmp_path: Path, source: Path = token_gemv._SOURCE) -> list[str]:
     cubin = tmp_path / "k.cubin"
-    cubin.write_bytes(nvrtc.compile_cubin(source, "token_gemv", "sm_90", [f"-D{k}={v}" for k, v in constants.items()]))
+    defines = [f"-D{k}={v}" for k, v in constants.items()]
+    cubin.write_bytes(nvrtc.compile_cubin(source.read_text(), source.name, "sm_90", defines))
     out = subprocess.run([str(CUOBJDUMP), "-sass", str(cubin)], capture_output=True, text=True, timeout=60, check=True)
     return [line.split(";")[0].split("*/", 1)[1].strip() for line in out.stdout.splitlines()
             if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]  # fmt: skip
@@ -89,3 +89,32 @@ def test_without_pdl_there_is_no_grid_dependency(tmp_path: Path) -> None:
     constants = token_gemv.defines(4096, 2, True, TokenTile(4, 1, 8), False, False, False, False, pin=1, early=3)
     code = sass(constants, tmp_path)
     assert not [ins for ins in code if ins.startswith(("ACQBULK", "PREEXIT"))]
+
+
+# The decode step's CUDA norm (token_norm.cu), as the engine launches it: (N, residual, parts, float32 parts).
+NORMS: dict[str, tuple[int, bool, int, bool]] = {
+    "norm": (4096, False, 1, False),
+    "add and norm": (4096, True, 1, False),
+    "add a MoE layer's 8 experts and norm": (2048, True, 8, False),
+    "add float32 parts and norm": (4096, True, 2, True),
+    "two chunks a thread": (8192, True, 1, False),
+}
+
+
+@pytest.mark.parametrize("pin", [1, 0])
+@pytest.mark.parametrize("variant", list(NORMS))
+def test_the_norm_reads_only_its_weight_before_the_wait(variant: str, pin: int, tmp_path: Path) -> None:
+    n, has_res, parts, x_f32 = NORMS[variant]
+    constants = token_norm.defines(n, True, has_res, parts, x_f32, True, pin=pin)
+    code = sass(constants, tmp_path, token_norm._SOURCE)
+    (wait,) = [i for i, ins in enumerate(code) if ins.startswith("ACQBULK")]
+    (let_in,) = [i for i, ins in enumerate(code) if ins.startswith("PREEXIT")]
+    loads = [ins for ins in code if ins.startswith(("LDG", "LD."))]
+    before = [ins for ins in code[:wait] if ins.startswith(("LDG", "LD."))]
+    weight = [ins for ins in loads if ins.startswith("LDG.E.128.CONSTANT")]
+    assert len(weight) == constants["VEC"], "the weight through the read-only path, 16 bytes a load"
+    assert before == (weight if pin else []), "only the weight is asked for before the wait, all of it with the pin"
+    after = [ins for ins in code[wait:] if ins.startswith(("LDG", "LD.")) and ins not in weight]
+    assert all(ins.startswith("LDG.E.128 ") for ins in after), f"x and the residual by plain loads: {after}"
+    assert len(after) == constants["VEC"] * (parts * (2 if x_f32 else 1) + has_res)
+    assert let_in < wait, "the next kernel is let in first thing"
