@@ -68,12 +68,10 @@ class ModelOps(Protocol):
     def attention(
         self, qkv: torch.Tensor, rope: Any, kv_cache: torch.Tensor, meta: AttentionMetadata,
         indexer: torch.Tensor | None, heads: int, kv_heads: int, head_dim: int, scale: float, window: int = 0,
-        qk_norm: QKNorm | None = None, prefetch: torch.Tensor | None = None,
+        qk_norm: QKNorm | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Normalise (``qk_norm``) and rotate Q/K of ``qkv``, store K/V, attend (to the last ``window``
-        positions when > 0); returns ``[tokens, heads * head_dim]``. ``prefetch``: the weight the layer reads next,
-        which a GPU's kernels may ask into L2 while the attention leaves HBM idle (only a hint: the torch ops have no
-        use for it)."""
+        positions when > 0); returns ``[tokens, heads * head_dim]``."""
         ...
 
 
@@ -123,7 +121,7 @@ class TorchOps:
     def attention(
         self, qkv: torch.Tensor, rope: Any, kv_cache: torch.Tensor, meta: AttentionMetadata,
         indexer: torch.Tensor | None, heads: int, kv_heads: int, head_dim: int, scale: float, window: int = 0,
-        qk_norm: QKNorm | None = None, prefetch: torch.Tensor | None = None,
+        qk_norm: QKNorm | None = None,
     ) -> torch.Tensor:  # fmt: skip
         n = qkv.shape[0]
         q, k, v = torch.split(qkv, [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
@@ -194,12 +192,12 @@ class TritonOps:
     def attention(
         self, qkv: torch.Tensor, rope: Any, kv_cache: torch.Tensor, meta: AttentionMetadata,
         indexer: torch.Tensor | None, heads: int, kv_heads: int, head_dim: int, scale: float, window: int = 0,
-        qk_norm: QKNorm | None = None, prefetch: torch.Tensor | None = None,
+        qk_norm: QKNorm | None = None,
     ) -> torch.Tensor:  # fmt: skip
         cos, sin, positions = rope
         assert meta.query_start is not None, "Triton attention needs query_start in the metadata"
         q = self._k.rope_and_store(
-            qkv, positions, cos, sin, kv_cache, meta.slot_mapping, heads, kv_heads, head_dim, qk_norm, prefetch
+            qkv, positions, cos, sin, kv_cache, meta.slot_mapping, heads, kv_heads, head_dim, qk_norm
         )
         n = q.shape[0]
         nd = meta.num_decodes

@@ -18,7 +18,6 @@ programs (flash-decoding) and merges their partial results in a second kernel.
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -162,45 +161,15 @@ def _head_norm(x, xr, w_ptr, d, rot, eps, dt: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _l2_prefetch(ptr, size):
-    # Asks for size bytes at ptr (16-byte aligned, a multiple of 16; none when size <= 0) to be read into L2, and does
-    # not wait for them (Hopper's bulk prefetch: no registers, no completion).
-    return tl.inline_asm_elementwise(
-        asm="{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        constraints="=r,l,r", args=[ptr, size], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
 def _rope_and_store_kernel(
-    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, kv_ptr, slot_ptr, v_offset, qn_ptr, kn_ptr, eps, pf_ptr, pf_bytes,
+    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, kv_ptr, slot_ptr, v_offset, qn_ptr, kn_ptr, eps,
     H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr, SH: tl.constexpr,
-    SS: tl.constexpr, HP: tl.constexpr, KVHP: tl.constexpr, QK_NORM: tl.constexpr, GROUPS: tl.constexpr,
-    PF: tl.constexpr, PF_CHUNK: tl.constexpr, PDL: tl.constexpr,
+    SS: tl.constexpr, HP: tl.constexpr, KVHP: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    # One program per token and group of KVH // GROUPS KV heads (HP query heads, KVHP KV heads in its tile). With PF,
-    # PF programs more (token 0's) only ask for the first pf_bytes of pf_ptr (the weight the layer reads next) to be
-    # read into L2, PF_CHUNK bytes a thread, while the attention after this kernel leaves HBM idle.
+    # One program per token and group of KVH // gridDim.y KV heads (HP query heads, KVHP KV heads in its tile).
     enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
-    if g >= GROUPS:
-        if PF > 0 and t == 0:
-            off = ((g - GROUPS) * 128 + tl.arange(0, 128)).to(tl.int64) * PF_CHUNK
-            _l2_prefetch(pf_ptr.to(tl.pointer_type(tl.int8)) + off, tl.minimum(pf_bytes - off, PF_CHUNK).to(tl.int32))
-    else:
-        _rope_and_store_program(
-            qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, kv_ptr, slot_ptr, v_offset, qn_ptr, kn_ptr, eps, t, g,
-            H, KVH, D, BS, SB, SH, SS, HP, KVHP, QK_NORM, GROUPS,
-        )  # fmt: skip
-
-
-@triton.jit
-def _rope_and_store_program(
-    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, kv_ptr, slot_ptr, v_offset, qn_ptr, kn_ptr, eps, t, g,
-    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr, SH: tl.constexpr,
-    SS: tl.constexpr, HP: tl.constexpr, KVHP: tl.constexpr, QK_NORM: tl.constexpr, GROUPS: tl.constexpr,
-):  # fmt: skip
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     dt: tl.constexpr = q_ptr.dtype.element_ty
@@ -211,7 +180,7 @@ def _rope_and_store_program(
     c = tl.load(cos_ptr + pos * D + d).to(dt).to(tl.float32)
     s = tl.load(sin_ptr + pos * D + d).to(dt).to(tl.float32)
     row = qkv_ptr + t * (H + 2 * KVH) * D
-    q_per_program: tl.constexpr = H // GROUPS
+    q_per_program = H // tl.num_programs(1)
     h = g * q_per_program + tl.arange(0, HP)
     hm = (tl.arange(0, HP) < q_per_program)[:, None]
     q = tl.load(row + h[:, None] * D + d[None, :], mask=hm, other=0.0)
@@ -219,7 +188,7 @@ def _rope_and_store_program(
     if QK_NORM:
         q, qr = _head_norm(q, qr, qn_ptr, d, rot, eps, dt, D)
     tl.store(q_ptr + t * H * D + h[:, None] * D + d[None, :], _rope(q, qr, sign, c, s, dt), mask=hm)
-    kv_per_program: tl.constexpr = KVH // GROUPS
+    kv_per_program = KVH // tl.num_programs(1)
     kh = g * kv_per_program + tl.arange(0, KVHP)
     km = (tl.arange(0, KVHP) < kv_per_program)[:, None]
     k = tl.load(row + H * D + kh[:, None] * D + d[None, :], mask=km, other=0.0)
@@ -234,23 +203,14 @@ def _rope_and_store_program(
     tl.store(dst + v_offset, v.to(cdt), mask=km)
 
 
-# Bytes of the next weight that a decode step's rope and store asks into L2 for the attention's time, at most (0:
-# none), and how many a thread asks for at once (docs/engine.md, twentieth round).
-L2_PREFETCH_BYTES = 16 << 20
-L2_PREFETCH_CHUNK = 4096
-
-
 def rope_and_store(
     qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: QKNorm | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Rotate Q and K of ``qkv [tokens, (H + 2 * KVH) * D]``; write K and V to their cache slots.
 
     ``qk_norm``: each head's Q and K are RMS-normalised first (Qwen3). Returns the rotated queries
     ``[tokens, H, D]``. ``kv_cache`` is ``[2, blocks, KVH, block_size, D]`` (``engine.attention.kv_cache_shape``).
-    ``prefetch``: on a Hopper GPU, a decode step of a few tokens also asks for the first ``L2_PREFETCH_BYTES`` of this
-    weight (the layer's output projection) to be read into L2 while the attention runs (HBM is otherwise idle then).
     """
     n = qkv.shape[0]
     q = torch.empty((n, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
@@ -259,30 +219,14 @@ def rope_and_store(
     # A decode step of a few tokens spreads each token's heads over its KV heads' groups (a program each): one
     # program doing every head of a token is a serial chain of loads, reductions and stores on one SM.
     groups = num_kv_heads if n <= ROPE_GROUPS_TOKENS else 1
-    pf_bytes = 0
-    if prefetch is not None and n <= ROPE_GROUPS_TOKENS and _bulk_prefetch(qkv.device):
-        pf_bytes = min(prefetch.numel() * prefetch.element_size(), L2_PREFETCH_BYTES) // 16 * 16
-    pf = -(-pf_bytes // (128 * L2_PREFETCH_CHUNK))
-    _rope_and_store_kernel[(n, groups + pf)](
+    _rope_and_store_kernel[(n, groups)](
         qkv, positions, cos, sin, q, kv_cache, slot_mapping, kv_cache.stride(0), qn, kn, eps,
-        prefetch if pf else q, pf_bytes, H=num_heads, KVH=num_kv_heads, D=head_dim, BS=kv_cache.shape[3],
+        H=num_heads, KVH=num_kv_heads, D=head_dim, BS=kv_cache.shape[3],
         SB=kv_cache.stride(1), SH=kv_cache.stride(2), SS=kv_cache.stride(3),
         HP=triton.next_power_of_2(num_heads // groups), KVHP=triton.next_power_of_2(num_kv_heads // groups),
-        QK_NORM=qk_norm is not None, GROUPS=groups, PF=pf, PF_CHUNK=L2_PREFETCH_CHUNK, num_warps=4,
-        **pdl_launch(qkv.device, n),
+        QK_NORM=qk_norm is not None, **pdl_launch(qkv.device, n),
     )  # fmt: skip
     return q
-
-
-def _bulk_prefetch(device: torch.device) -> bool:
-    """Whether ``device`` has Hopper's bulk L2 prefetch (compute capability 9.0 or later; not Triton's interpreter,
-    which runs no PTX)."""
-    return device.type == "cuda" and not _INTERPRET and _capability(device.index or 0) >= 9
-
-
-@functools.cache
-def _capability(device_index: int) -> int:
-    return torch.cuda.get_device_capability(device_index)[0]
 
 
 # Steps of at most this many tokens rotate and store with a program per (token, KV head).

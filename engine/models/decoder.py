@@ -142,7 +142,7 @@ class Attention(nn.Module):
             qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         out = ops.attention(
             ops.linear(self.qkv_proj, x), rope, kv_cache, meta, indexer, self.num_heads, self.num_kv_heads,
-            self.head_dim, self.scale, self.window, qk_norm, cast(torch.Tensor, self.o_proj.weight),
+            self.head_dim, self.scale, self.window, qk_norm,
         )  # fmt: skip
         if self.tp.size == 1:
             return ops.linear_parts(self.o_proj, out)  # the next add_rms_norm sums any parts

@@ -66,13 +66,6 @@ out["route_align"] = ptx(
     ["*bf16", "*bf16", "*i64"] + ["*i32"] * 4 + ["i32"] * 4,
     {"E": 128, "TOP_K": 8, "TOP_KP": 8, "RENORMALIZE": True, "BLOCK_T": 2, "BLOCK_E": 128, "BLOCK_M": 16, "EP": 256,
      "B": 16, "BB": 64, "PDL": kernels.PDL_EARLY, "PARTS": 4, "LOGITS_DT": triton.language.bfloat16})
-out["rope_prefetch"] = ptx(
-    triton_ops._rope_and_store_kernel,
-    ["qkv_ptr", "pos_ptr", "cos_ptr", "sin_ptr", "q_ptr", "kv_ptr", "slot_ptr", "v_offset", "qn_ptr", "kn_ptr", "eps",
-     "pf_ptr", "pf_bytes"],
-    ["*bf16", "*i64", "*fp32", "*fp32", "*bf16", "*bf16", "*i64", "i64", "*bf16", "*bf16", "fp32", "*bf16", "i32"],
-    {"H": 32, "KVH": 8, "D": 128, "BS": 16, "SB": 8 * 16 * 128, "SH": 16 * 128, "SS": 128, "HP": 4, "KVHP": 1,
-     "QK_NORM": True, "GROUPS": 8, "PF": 4, "PF_CHUNK": 4096, "PDL": kernels.PDL_EARLY})
 json.dump(out, sys.stdout)
 """
 
@@ -108,28 +101,19 @@ def test_a_loop_kernel_waits_first_and_lets_the_next_one_in_where_it_was_told(pt
             assert let_in > max(mmas), "PDL_LOOP lets the next kernel in after the main loop"
 
 
-@pytest.mark.parametrize("kernel", ["gemv1", "gemv2", "norm", "norm_parts", "route_align", "rope_prefetch"])
+@pytest.mark.parametrize("kernel", ["gemv1", "gemv2", "norm", "norm_parts", "route_align"])
 def test_no_load_takes_the_read_only_path(ptx: dict[str, str], kernel: str) -> None:
     # ptxas may move a read-only load (ld.global.nc) above griddepcontrol.wait, and under PDL what the kernel before
     # writes is not read-only while this one runs (docs/engine.md, nineteenth round). Triton emits none in these.
     assert not _lines(ptx[kernel], r"ld\.global\S*\.nc\b")
 
 
-@pytest.mark.parametrize("kernel", ["norm", "norm_parts", "route_align", "rope_prefetch"])
+@pytest.mark.parametrize("kernel", ["norm", "norm_parts", "route_align"])
 def test_a_small_kernel_waits_before_it_reads(ptx: dict[str, str], kernel: str) -> None:
     code = ptx[kernel]
     (wait,) = _lines(code, r"griddepcontrol\.wait")
     assert wait < min(_lines(code, LOADS))
     assert _lines(code, r"griddepcontrol\.launch_dependents")
-
-
-def test_the_rope_kernel_asks_for_the_next_weight_into_l2_after_its_wait(ptx: dict[str, str]) -> None:
-    # Its extra programs ask for the output projection's first bytes while the attention runs: after the wait, so
-    # that they do not compete with the QKV projection's own stream (docs/engine.md, twentieth round).
-    code = ptx["rope_prefetch"]
-    (wait,) = _lines(code, r"griddepcontrol\.wait")
-    (prefetch,) = _lines(code, r"cp\.async\.bulk\.prefetch\.L2\.global")
-    assert wait < prefetch
 
 
 def test_which_launches_take_part() -> None:
