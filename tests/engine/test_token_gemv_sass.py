@@ -35,13 +35,17 @@ if CUOBJDUMP is None or not CUOBJDUMP.exists():
     pytest.fail(f"Triton's cuobjdump is missing ({CUOBJDUMP}); `make install` puts Triton in", pytrace=False)
 WEIGHT_CHUNK = "LDG.E.NA.128.CONSTANT"  # ld_stream: a weight's 16-byte chunk, read once, not kept in L1
 
-# name: (K, weight bytes, tile, SwiGLU, scale, bias, routed, router) as the engine launches them for Qwen3 shapes.
+# name: (K, weight bytes, tile, SwiGLU, scale, bias, routed, router) as the engine launches them for Qwen3 shapes
+# (token_gemv.tile_for, its measured tiles among them).
 VARIANTS: dict[str, tuple[Any, ...]] = {
     "bf16": (4096, 2, TokenTile(4, 1, 8), False, False, False, 0, None),
     "bf16 bias": (2048, 2, TokenTile(4, 1, 8), False, False, True, 0, None),
     "bf16 swiglu": (4096, 2, TokenTile(4, 1, 8), True, False, False, 0, None),
     "e4m3": (4096, 1, TokenTile(8, 1, 4), False, True, False, 0, None),
     "e4m3 swiglu": (4096, 1, TokenTile(4, 2, 4), True, True, False, 0, None),
+    "e4m3 qkv": (4096, 1, TokenTile(4, 4, 4), False, True, False, 0, None),
+    "e4m3 down": (12288, 1, TokenTile(8, 2, 4), False, True, False, 0, None),
+    "bf16 down": (12288, 2, TokenTile(8, 1, 8), False, False, False, 0, None),
     "router": (2048, 2, TokenTile(4, 1, 8), False, False, False, 0, (8, 128, True, False)),
     "experts gate/up": (2048, 2, TokenTile(4, 1, 8), True, False, False, 1, None),
     "experts down, float32 weights": (768, 2, TokenTile(4, 1, 3), False, False, False, 2, None),
