@@ -64,26 +64,25 @@ def takes_weight(weight: torch.Tensor) -> bool:
     )  # fmt: skip
 
 
-# Tiles measured best for a weight's shape, (bytes a value, SwiGLU, rows, columns) -> tile, where they beat the rules
-# of ``tile_for`` by more than the sweep's spread (docs/engine.md, sixteenth round's sweep, twentieth round's engine
-# runs). SHAPE_TILES: which of them are used, 1 e4m3 weights', 2 16-bit ones', 3 both.
+# Tiles measured best for a 16-bit weight's shape, (rows, columns) -> tile, where they beat the rules of ``tile_for``
+# alone (docs/engine.md, sixteenth round's sweep; twentieth round: qwen3-8b at batch 1 gained 0.7% in the engine).
+# The sweep's best e4m3 tiles (QKV 4 rows a warp of 4, down 2 a warp of 8) lost 0.5% in the engine, so e4m3 weights
+# keep the rules. SHAPE_TILES = 0: the rules alone.
 MEASURED_TILES = {
-    (1, False, 6144, 4096): TokenTile(4, 4, 4),  # qwen3-8b's QKV: 8.43 us against 9.07
-    (1, False, 4096, 12288): TokenTile(8, 2, 4),  # its down projection: 14.54 against 14.76
-    (2, False, 4096, 12288): TokenTile(8, 1, 8),  # 25.49 against 26.18
-    (2, False, 151936, 4096): TokenTile(8, 1, 8),  # its LM head: 279.4 against 281.8
+    (4096, 12288): TokenTile(8, 1, 8),  # qwen3-8b's down projection: 25.49 us against 26.18
+    (151936, 4096): TokenTile(8, 1, 8),  # its LM head: 279.4 against 281.8
 }
-SHAPE_TILES = 3
+SHAPE_TILES = 1
 
 
 def tile_for(weight: torch.Tensor, swiglu: bool) -> TokenTile:
-    """The tile of a weight: a measured one (``MEASURED_TILES``), else by the rules from a sweep over qwen3-8b's
+    """The tile of a weight: a measured one (16-bit, ``MEASURED_TILES``), else by the rules from a sweep over qwen3-8b's
     projections on the H200 (docs/engine.md, sixteenth round): 16-bit rows one a warp, 8 chunks a row in flight;
     e4m3 rows (half the bytes a chunk of K) 4 in flight, one a warp of 8 or, for SwiGLU, two gate and two up rows a
     warp of 4. Fewer (the largest divisor) where a lane's chunks do not divide."""
     per_lane = weight.shape[1] * weight.element_size() // (32 * CHUNK_BYTES)
-    measured = MEASURED_TILES.get((weight.element_size(), swiglu, weight.shape[0], weight.shape[1]))
-    if measured is not None and SHAPE_TILES & (1 if weight.element_size() == 1 else 2):
+    measured = MEASURED_TILES.get((weight.shape[0], weight.shape[1]))
+    if measured is not None and SHAPE_TILES and weight.element_size() == 2 and not swiglu:
         return measured
     if weight.element_size() == 1:
         tile = TokenTile(4, 2, 4) if swiglu else TokenTile(8, 1, 4)

@@ -342,11 +342,13 @@ def test_one_tokens_cuda_matmul_takes_what_it_divides(monkeypatch: pytest.Monkey
     assert not token_gemv.supports(x.float(), w8, False)  # float32 activations
     assert not token_gemv.supports(x, torch.zeros(6144, 4096, dtype=torch.float16), False)  # another 16-bit dtype
     assert not token_gemv.supports(x[:, :4000], w8[:, :4000], False)  # rows not whole runs of chunks
-    assert token_gemv.tile_for(w8, False) == token_gemv.TokenTile(4, 4, 4)  # measured for this shape
-    assert token_gemv.tile_for(w8[:4096], False) == token_gemv.TokenTile(8, 1, 4)  # the rules
-    monkeypatch.setattr(token_gemv, "SHAPE_TILES", 2)  # the measured tiles of 16-bit weights only
     assert token_gemv.tile_for(w8, False) == token_gemv.TokenTile(8, 1, 4)
     assert token_gemv.tile_for(w8, True) == token_gemv.TokenTile(4, 2, 4)
+    down = torch.zeros(4096, 12288, dtype=torch.bfloat16)
+    assert token_gemv.tile_for(down, False) == token_gemv.TokenTile(8, 1, 8)  # measured for this shape
+    assert token_gemv.tile_for(down.to(torch.float8_e4m3fn), False) == token_gemv.TokenTile(8, 1, 4)  # the rules
+    monkeypatch.setattr(token_gemv, "SHAPE_TILES", 0)
+    assert token_gemv.tile_for(down, False) == token_gemv.TokenTile(4, 1, 8)
     assert token_gemv.tile_for(torch.zeros(4096, 4096, dtype=torch.bfloat16), False) == token_gemv.TokenTile(4, 1, 8)
     assert token_gemv.tile_for(torch.zeros(64, 1536, dtype=torch.bfloat16), False).unroll == 6  # 6 chunks a lane
     assert token_gemv.tile_for(torch.zeros(64, 512, dtype=torch.float8_e4m3fn), False).unroll == 1

@@ -43,8 +43,6 @@ VARIANTS: dict[str, tuple[Any, ...]] = {
     "bf16 swiglu": (4096, 2, TokenTile(4, 1, 8), True, False, False, 0, None),
     "e4m3": (4096, 1, TokenTile(8, 1, 4), False, True, False, 0, None),
     "e4m3 swiglu": (4096, 1, TokenTile(4, 2, 4), True, True, False, 0, None),
-    "e4m3 qkv": (4096, 1, TokenTile(4, 4, 4), False, True, False, 0, None),
-    "e4m3 down": (12288, 1, TokenTile(8, 2, 4), False, True, False, 0, None),
     "bf16 down": (12288, 2, TokenTile(8, 1, 8), False, False, False, 0, None),
     "router": (2048, 2, TokenTile(4, 1, 8), False, False, False, 0, (8, 128, True, False)),
     "experts gate/up": (2048, 2, TokenTile(4, 1, 8), True, False, False, 1, None),
