@@ -360,6 +360,32 @@ def test_one_tokens_cuda_matmul_takes_what_it_divides(monkeypatch: pytest.Monkey
         token_gemv.enabled()
 
 
+def test_the_cuda_norm_takes_what_it_divides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which norms go to the CUDA kernel (``token_norm.supports``): 16-bit rows of whole warps of 16-byte chunks, up
+    to MAX_ROWS of them, parts only before a residual add; ENGINE_TOKEN_NORM=triton keeps them on Triton."""
+    from engine.kernels import token_norm
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    bf = torch.bfloat16
+    x, w = torch.zeros(1, 4096, dtype=bf), torch.ones(4096, dtype=bf)
+    assert token_norm.supports(x, None, w) and token_norm.supports(x, x, w)
+    assert token_norm.supports(torch.zeros(1, 8, 4096, dtype=bf), x, w)  # a MoE layer's experts
+    assert token_norm.supports(torch.zeros(1, 2, 4096), x, w)  # a matmul's float32 parts
+    assert not token_norm.supports(torch.zeros(1, 8, 4096, dtype=bf), None, w)  # parts need the residual add
+    assert not token_norm.supports(x.float(), None, w.float())  # float32 rows
+    assert not token_norm.supports(x, None, w.half())  # a weight of another dtype
+    assert not token_norm.supports(x[:, :4000], None, w[:4000])  # not whole warps of chunks
+    big = torch.zeros(token_norm.MAX_ROWS + 1, 4096, dtype=bf)
+    assert not token_norm.supports(big, big, w)  # more rows than a decode step's
+    assert [token_norm.vec_for(n) for n in (2048, 4096, 5120, 8192, 4000)] == [1, 1, 2, 2, 0]
+    assert token_norm.enabled()
+    monkeypatch.setenv("ENGINE_TOKEN_NORM", "triton")
+    assert not token_norm.enabled()
+    monkeypatch.setenv("ENGINE_TOKEN_NORM", "yes")
+    with pytest.raises(ValueError, match="ENGINE_TOKEN_NORM must be 'cuda' or 'triton'"):
+        token_norm.enabled()
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="one token's CUDA matmul is CUDA C++, compiled by NVRTC on the GPU")
 @pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
 def test_one_tokens_cuda_matmul_matches_the_float32_product(act: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
