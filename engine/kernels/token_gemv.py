@@ -133,8 +133,7 @@ def token_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
     tile = tile or tile_for(weight, swiglu)
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
     kernel = _kernel(x.device.index or 0, weight.shape[1], weight.element_size(), x.dtype == torch.bfloat16, tile,
-                     swiglu, scale is not None, bias is not None, pdl, pin=PIN_LOADS, early=EARLY,
-                     x_f32=X_F32)  # fmt: skip
+                     swiglu, scale is not None, bias is not None, pdl, pin=PIN_LOADS, early=EARLY, x_f32=X_F32)  # fmt: skip
     rows_per_block = tile.warps * tile.rows_per_warp
     args = [nvrtc.ptr(x), nvrtc.ptr(weight), nvrtc.ptr(scale if scale is not None else out),
             nvrtc.ptr(bias if bias is not None else out), nvrtc.ptr(out), ctypes.c_int(n),
