@@ -15,8 +15,7 @@
 //
 // Compile-time: K (columns), WBYTES (1: e4m3, 2: 16-bit of the activations' kind), BF16 (activations and output
 // bfloat16, else float16), WARPS, ROWS_PER_WARP, UNROLL, SWIGLU, HAS_SCALE, HAS_BIAS, PDL; with PDL, PIN (above) and
-// EARLY, which lets the next kernel launch first thing, else once this block has left its loop. XF32 (e4m3 weights,
-// K * 4 bytes at most 48 KB): x staged in shared memory as float32, so the loop does not unpack it for every row.
+// EARLY, which lets the next kernel launch first thing, else once this block has left its loop.
 //
 // EXPERTS: one token's routed experts of a MoE layer, blockIdx.y the (token, expert) pair: its weight is expert
 // ids[pair] of a stack (expert_stride bytes apart), its x row pair * x_stride, its output row pair. The expert is
@@ -50,9 +49,6 @@
 #ifndef PIN
 #define PIN 0
 #endif
-#ifndef XF32
-#define XF32 0
-#endif
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -65,7 +61,6 @@ typedef unsigned short u16;
 
 static_assert(K % (32 * CHUNK_VALUES) == 0, "whole 16-byte chunks for every lane");
 static_assert(CHUNKS_PER_LANE % UNROLL == 0, "whole runs of UNROLL chunks");
-static_assert(!XF32 || (WBYTES == 1 && K * 4 <= 49152), "float32 x: e4m3 weights, in 48 KB");
 
 __device__ __forceinline__ float lo16(u32 w) {  // the low 16-bit value of w (BF16 or fp16) as float
 #if BF16
@@ -149,33 +144,10 @@ __device__ __forceinline__ uint4 ld_stream(const unsigned char* p) {  // read on
   return r;
 }
 
-#if XF32
-typedef float xs_t;  // x staged in shared memory as float32: no unpacking in the loop
-#define XS_LEN K
-#else
-typedef u32 xs_t;  // x staged as it is, 16-bit pairs
-#define XS_LEN (K / 2)
-#endif
-
 // acc += the chunk's 16 / WBYTES weights times x's values at k0.
-__device__ __forceinline__ float dot_chunk(const uint4& w, const xs_t* __restrict__ xs, int k0) {
-  float acc = 0.f;
-#if XF32
-  const float4* xf = reinterpret_cast<const float4*>(xs + k0);
-  const u32 ws[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float4 x = xf[i];  // 4 values, of weights 4i .. 4i + 3
-    float a, b, c, d;
-    f16x2_to_f32(e4m3x2_lo(ws[i]), a, b);
-    f16x2_to_f32(e4m3x2_hi(ws[i]), c, d);
-    acc = fmaf(a, x.x, acc);
-    acc = fmaf(b, x.y, acc);
-    acc = fmaf(c, x.z, acc);
-    acc = fmaf(d, x.w, acc);
-  }
-#else
+__device__ __forceinline__ float dot_chunk(const uint4& w, const u32* __restrict__ xs, int k0) {
   const uint4* xv = reinterpret_cast<const uint4*>(xs + k0 / 2);  // x in shared memory, 16-bit pairs
+  float acc = 0.f;
 #if WBYTES == 1
   const u32 ws[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
@@ -203,7 +175,6 @@ __device__ __forceinline__ float dot_chunk(const uint4& w, const xs_t* __restric
   acc = fmaf(hi16(w.z), hi16(x.z), acc);
   acc = fmaf(lo16(w.w), lo16(x.w), acc);
   acc = fmaf(hi16(w.w), hi16(x.w), acc);
-#endif
 #endif
   return acc;
 }
@@ -307,7 +278,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
                                                                   unsigned int* __restrict__ counter,
                                                                   void* __restrict__ weights_out,
                                                                   long long* __restrict__ ids_out) {
-  __shared__ __align__(16) xs_t xs[XS_LEN];
+  __shared__ __align__(16) u32 xs[K / 2];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #if PDL && EARLY
   asm volatile("griddepcontrol.launch_dependents;" :::);
@@ -351,15 +322,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
 #endif
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-  for (int i = threadIdx.x; i < K / 8; i += 32 * WARPS) {
-    const uint4 v = ld_after_wait(reinterpret_cast<const uint4*>(x) + i);
-#if XF32
-    reinterpret_cast<float4*>(xs)[2 * i] = make_float4(lo16(v.x), hi16(v.x), lo16(v.y), hi16(v.y));
-    reinterpret_cast<float4*>(xs)[2 * i + 1] = make_float4(lo16(v.z), hi16(v.z), lo16(v.w), hi16(v.w));
-#else
-    reinterpret_cast<uint4*>(xs)[i] = v;
-#endif
-  }
+  for (int i = threadIdx.x; i < K / 8; i += 32 * WARPS)
+    reinterpret_cast<uint4*>(xs)[i] = ld_after_wait(reinterpret_cast<const uint4*>(x) + i);
   __syncthreads();
 #pragma unroll
   for (int c0 = 0; c0 < CHUNKS_PER_LANE; c0 += UNROLL) {

@@ -44,7 +44,6 @@ VARIANTS: dict[str, tuple[Any, ...]] = {
     "e4m3": (4096, 1, TokenTile(8, 1, 4), False, True, False, 0, None),
     "e4m3 swiglu": (4096, 1, TokenTile(4, 2, 4), True, True, False, 0, None),
     "bf16 down": (12288, 2, TokenTile(8, 1, 8), False, False, False, 0, None),
-    "e4m3 down": (12288, 1, TokenTile(8, 1, 4), False, True, False, 0, None),
     "router": (2048, 2, TokenTile(4, 1, 8), False, False, False, 0, (8, 128, True, False)),
     "experts gate/up": (2048, 2, TokenTile(4, 1, 8), True, False, False, 1, None),
     "experts down, float32 weights": (768, 2, TokenTile(4, 1, 3), False, False, False, 2, None),
@@ -66,7 +65,7 @@ def sass(constants: dict[str, int], tmp_path: Path, source: Path = token_gemv._S
 def test_only_weights_are_read_before_the_wait(variant: str, pin: int, early: int, tmp_path: Path) -> None:
     k, wbytes, tile, swiglu, scale, bias, routed, router = VARIANTS[variant]
     constants = token_gemv.defines(k, wbytes, True, tile, swiglu, scale, bias, True, routed, router, pin=pin,
-                                   early=early, x_f32=token_gemv.X_F32)  # fmt: skip
+                                   early=early)  # fmt: skip
     code = sass(constants, tmp_path)
     (wait,) = [i for i, ins in enumerate(code) if ins.startswith("ACQBULK")]
     (let_in,) = [i for i, ins in enumerate(code) if ins.startswith("PREEXIT")]
