@@ -15,7 +15,9 @@
 //
 // Compile-time: K (columns), WBYTES (1: e4m3, 2: 16-bit of the activations' kind), BF16 (activations and output
 // bfloat16, else float16), WARPS, ROWS_PER_WARP, UNROLL, SWIGLU, HAS_SCALE, HAS_BIAS, PDL; with PDL, PIN (above) and
-// EARLY, which lets the next kernel launch first thing, else once this block has left its loop.
+// EARLY, which lets the next kernel launch first thing, else once this block has left its loop. XHALVES (e4m3 weights):
+// x staged with the first and second 16 bytes of each chunk's 32 in two arrays, so that a warp's loads of them are
+// free of bank conflicts.
 //
 // EXPERTS: one token's routed experts of a MoE layer, blockIdx.y the (token, expert) pair: its weight is expert
 // ids[pair] of a stack (expert_stride bytes apart), its x row pair * x_stride, its output row pair. The expert is
@@ -49,6 +51,9 @@
 #ifndef PIN
 #define PIN 0
 #endif
+#ifndef XHALVES
+#define XHALVES 0
+#endif
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -61,6 +66,7 @@ typedef unsigned short u16;
 
 static_assert(K % (32 * CHUNK_VALUES) == 0, "whole 16-byte chunks for every lane");
 static_assert(CHUNKS_PER_LANE % UNROLL == 0, "whole runs of UNROLL chunks");
+static_assert(!XHALVES || WBYTES == 1, "halves of x's 32 bytes a chunk: e4m3 weights");
 
 __device__ __forceinline__ float lo16(u32 w) {  // the low 16-bit value of w (BF16 or fp16) as float
 #if BF16
@@ -152,7 +158,11 @@ __device__ __forceinline__ float dot_chunk(const uint4& w, const u32* __restrict
   const u32 ws[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
+#if XHALVES  // half i of every chunk's x in an array of its own: lanes read 16 bytes apart, no bank conflict
+    const uint4 x = reinterpret_cast<const uint4*>(xs)[i * (K / 16) + k0 / 16];
+#else  // lanes 32 bytes apart: lanes l and l + 4 of a quarter warp share banks
     const uint4 x = xv[i];  // 8 values
+#endif
     const u32 xw[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -322,8 +332,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
 #endif
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-  for (int i = threadIdx.x; i < K / 8; i += 32 * WARPS)
-    reinterpret_cast<uint4*>(xs)[i] = ld_after_wait(reinterpret_cast<const uint4*>(x) + i);
+  for (int i = threadIdx.x; i < K / 8; i += 32 * WARPS)  // with XHALVES, 16 bytes i to half i % 2 of chunk i / 2
+    reinterpret_cast<uint4*>(xs)[XHALVES ? (i & 1) * (K / 16) + (i >> 1) : i] =
+        ld_after_wait(reinterpret_cast<const uint4*>(x) + i);
   __syncthreads();
 #pragma unroll
   for (int c0 = 0; c0 < CHUNKS_PER_LANE; c0 += UNROLL) {

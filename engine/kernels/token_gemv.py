@@ -28,6 +28,10 @@ MAX_K = 16384
 # a block has left its loop: 0 none, 1 those of e4m3 weights, 2 those of 16-bit weights, 3 all.
 PIN_LOADS = 1
 EARLY = 1
+# e4m3 launches stage the token with each chunk's two 16-byte halves of x in separate arrays (token_gemv.cu's
+# XHALVES), which frees the loop's shared-memory loads of bank conflicts (docs/engine.md, twentieth round). Off until
+# measured on a GPU: bench/device/x_halves_round.sh.
+X_HALVES = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,15 +98,16 @@ def tile_for(weight: torch.Tensor, swiglu: bool) -> TokenTile:
 
 def defines(k: int, wbytes: int, bf16: bool, tile: TokenTile, swiglu: bool, has_scale: bool, has_bias: bool,
             pdl: bool, routed: int = 0, router: tuple[int, int, bool, bool] | None = None, *, pin: int,
-            early: int) -> dict[str, int]:  # fmt: skip
+            early: int, halves: int = 0) -> dict[str, int]:  # fmt: skip
     """The compile-time constants of a launch (token_gemv.cu's header). ``routed``: 0 a linear layer; 1 a MoE
     layer's experts, not weighted; 2 weighted by float32 routing weights, 3 by 16-bit ones. ``router``: a MoE router
-    and its routing, ``(top_k, experts, renormalize, float32 weights)``. ``pin``, ``early``: as ``PIN_LOADS`` and
-    ``EARLY``."""
+    and its routing, ``(top_k, experts, renormalize, float32 weights)``. ``pin``, ``early``, ``halves``: as
+    ``PIN_LOADS``, ``EARLY`` and ``X_HALVES``."""
     out = {"K": k, "WBYTES": wbytes, "BF16": int(bf16), "WARPS": tile.warps, "ROWS_PER_WARP": tile.rows_per_warp,
            "UNROLL": tile.unroll, "SWIGLU": int(swiglu), "HAS_SCALE": int(has_scale), "HAS_BIAS": int(has_bias),
            "PDL": int(pdl), "EXPERTS": int(routed > 0), "ROUTED": int(routed > 1), "ROUTE_F32": int(routed == 2),
-           "PIN": int(bool(pin)), "EARLY": int(bool(early & (1 if wbytes == 1 else 2)))}  # fmt: skip
+           "PIN": int(bool(pin)), "EARLY": int(bool(early & (1 if wbytes == 1 else 2))),
+           "XHALVES": int(bool(halves) and wbytes == 1)}  # fmt: skip
     if router is not None:
         top_k, experts, renormalize, keep_float32 = router
         out |= {"ROUTER": top_k, "ROUTER_E": experts, "RENORM": int(renormalize), "ROUTE_F32": int(keep_float32)}
@@ -129,7 +134,8 @@ def token_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
     tile = tile or tile_for(weight, swiglu)
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
     kernel = _kernel(x.device.index or 0, weight.shape[1], weight.element_size(), x.dtype == torch.bfloat16, tile,
-                     swiglu, scale is not None, bias is not None, pdl, pin=PIN_LOADS, early=EARLY)  # fmt: skip
+                     swiglu, scale is not None, bias is not None, pdl, pin=PIN_LOADS, early=EARLY,
+                     halves=X_HALVES)  # fmt: skip
     rows_per_block = tile.warps * tile.rows_per_warp
     args = [nvrtc.ptr(x), nvrtc.ptr(weight), nvrtc.ptr(scale if scale is not None else out),
             nvrtc.ptr(bias if bias is not None else out), nvrtc.ptr(out), ctypes.c_int(n),
@@ -169,7 +175,7 @@ def token_experts(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, route_w: 
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
     routed = 1 if route_w is None else 2 if route_w.dtype == torch.float32 else 3
     kernel = _kernel(x.device.index or 0, w.shape[2], w.element_size(), x.dtype == torch.bfloat16, tile, gated,
-                     False, False, pdl, routed, pin=PIN_LOADS, early=EARLY)  # fmt: skip
+                     False, False, pdl, routed, pin=PIN_LOADS, early=EARLY, halves=X_HALVES)  # fmt: skip
     ids = ids if ids.is_contiguous() else ids.contiguous()
     args = [nvrtc.ptr(x), nvrtc.ptr(w), nvrtc.ptr(out), nvrtc.ptr(out), nvrtc.ptr(out), ctypes.c_int(n),
             ctypes.c_longlong(w.stride(1) * w.element_size()), nvrtc.ptr(ids),

@@ -389,9 +389,9 @@ def test_the_cuda_norm_takes_what_it_divides(monkeypatch: pytest.MonkeyPatch) ->
 @pytest.mark.skipif(DEVICE != "cuda", reason="one token's CUDA matmul is CUDA C++, compiled by NVRTC on the GPU")
 @pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
 def test_one_tokens_cuda_matmul_matches_the_float32_product(act: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Against float32 F.linear of the (dequantized) weight: 16-bit and e4m3 weights (per-channel scales), a bias,
-    SwiGLU of a fused gate/up weight, every tile of a sweep, through gemv's dispatch, and a chain of two launches in a
-    CUDA graph under PDL where the second reads what the first wrote."""
+    """Against float32 F.linear of the (dequantized) weight: 16-bit and e4m3 weights (per-channel scales; x staged as
+    it is and in halves), a bias, SwiGLU of a fused gate/up weight, every tile of a sweep, through gemv's dispatch,
+    and a chain of two launches in a CUDA graph under PDL where the second reads what the first wrote."""
     from engine.kernels import token_gemv
     from engine.kernels.gemv import gemv
 
@@ -412,10 +412,14 @@ def test_one_tokens_cuda_matmul_matches_the_float32_product(act: torch.dtype, mo
             assert token_gemv.supports(x, weight, swiglu)
             per_lane = k * weight.element_size() // 512
             tiles = {token_gemv.tile_for(weight, swiglu), token_gemv.TokenTile(8, 1, 4), token_gemv.TokenTile(4, 4, 4)}
+            default_halves = token_gemv.X_HALVES
             for tile in (t for t in tiles if per_lane % t.unroll == 0):
-                got = token_gemv.token_gemv(x, weight, sc, bias, swiglu, torch.empty(1, ref.shape[1], device=DEV,
-                                                                                     dtype=act), tile)  # fmt: skip
-                torch.testing.assert_close(got.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=1e-2)
+                for halves in (0, 1) if weight.element_size() == 1 else (0,):  # x staged as it is, or in halves
+                    monkeypatch.setattr(token_gemv, "X_HALVES", halves)
+                    got = token_gemv.token_gemv(x, weight, sc, bias, swiglu, torch.empty(1, ref.shape[1], device=DEV,
+                                                                                         dtype=act), tile)  # fmt: skip
+                    torch.testing.assert_close(got.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=1e-2)
+            monkeypatch.setattr(token_gemv, "X_HALVES", default_halves)
             via = gemv(x, weight, sc, bias, swiglu=swiglu)
             torch.testing.assert_close(via, token_gemv.token_gemv(x, weight, sc, bias, swiglu, torch.empty_like(via)))
     # A chain under PDL: y1 = x W1^T, y2 = y1 W2^T, replayed from a graph with new x; the second launch let in once

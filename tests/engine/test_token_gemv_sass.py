@@ -44,6 +44,7 @@ VARIANTS: dict[str, tuple[Any, ...]] = {
     "e4m3": (4096, 1, TokenTile(8, 1, 4), False, True, False, 0, None),
     "e4m3 swiglu": (4096, 1, TokenTile(4, 2, 4), True, True, False, 0, None),
     "bf16 down": (12288, 2, TokenTile(8, 1, 8), False, False, False, 0, None),
+    "e4m3 down": (12288, 1, TokenTile(8, 1, 4), False, True, False, 0, None),
     "router": (2048, 2, TokenTile(4, 1, 8), False, False, False, 0, (8, 128, True, False)),
     "experts gate/up": (2048, 2, TokenTile(4, 1, 8), True, False, False, 1, None),
     "experts down, float32 weights": (768, 2, TokenTile(4, 1, 3), False, False, False, 2, None),
@@ -60,12 +61,19 @@ def sass(constants: dict[str, int], tmp_path: Path, source: Path = token_gemv._S
             if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]  # fmt: skip
 
 
-@pytest.mark.parametrize(("pin", "early"), [(1, 1), (0, 0), (1, 3)])
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_only_weights_are_read_before_the_wait(variant: str, pin: int, early: int, tmp_path: Path) -> None:
+# (variant, pin, early, x in halves): every variant at three settings of the pin and EARLY; e4m3 ones with x staged in
+# halves too (token_gemv.X_HALVES, a layout of e4m3 launches only).
+SETTINGS = [(v, pin, early, 0) for v in VARIANTS for pin, early in ((1, 1), (0, 0), (1, 3))]
+SETTINGS += [(v, 1, 1, 1) for v in VARIANTS if VARIANTS[v][1] == 1]
+
+
+@pytest.mark.parametrize(("variant", "pin", "early", "halves"), SETTINGS)
+def test_only_weights_are_read_before_the_wait(variant: str, pin: int, early: int, halves: int,
+                                               tmp_path: Path) -> None:  # fmt: skip
     k, wbytes, tile, swiglu, scale, bias, routed, router = VARIANTS[variant]
     constants = token_gemv.defines(k, wbytes, True, tile, swiglu, scale, bias, True, routed, router, pin=pin,
-                                   early=early)  # fmt: skip
+                                   early=early, halves=halves)  # fmt: skip
+    assert constants["XHALVES"] == halves
     code = sass(constants, tmp_path)
     (wait,) = [i for i, ins in enumerate(code) if ins.startswith("ACQBULK")]
     (let_in,) = [i for i, ins in enumerate(code) if ins.startswith("PREEXIT")]
