@@ -78,3 +78,15 @@ def test_the_wheel_ships_the_runtime_packages_and_no_benchmark() -> None:
     assert {"atomesh", "engine", "atomesh.policies", "engine.kv_transfer"} <= set(shipped)
     assert not [p for p in shipped if p.split(".")[0] not in ("atomesh", "engine")], shipped
     assert (ROOT / "bench" / "gateway" / "serving.py").is_file()  # it exists, and is left out above
+
+
+def test_the_wheel_ships_the_files_the_engine_reads_beside_its_modules() -> None:
+    """The CUDA C++ sources NVRTC compiles at first use, their shared headers and the measured tile tables: each is
+    matched by pyproject.toml's package data (a wheel without token_gemv.cu could not run a decode step on a GPU)."""
+    import fnmatch
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["engine"]
+    read = [p.relative_to(ROOT / "engine").as_posix() for p in (ROOT / "engine").rglob("*")
+            if p.suffix in (".cu", ".cuh", ".json", ".c")]  # fmt: skip
+    assert {"kernels/token_gemv.cu", "kernels/token_norm.cu", "kernels/token_common.cuh"} <= set(read)
+    assert not [f for f in read if not any(fnmatch.fnmatch(f, pattern) for pattern in data)], data

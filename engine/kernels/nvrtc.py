@@ -53,14 +53,17 @@ def _check_driver(status: int, what: str) -> None:
 
 
 def compile_cubin(source: str, name: str, arch: str, options: Sequence[str] = (), fast_math: bool = True) -> bytes:
-    """``source`` compiled by NVRTC for ``arch`` (``sm_90``), as a cubin."""
+    """``source`` compiled by NVRTC for ``arch`` (``sm_90``), as a cubin; its ``#include "..."`` files are found
+    beside this module."""
     lib = _nvrtc()
     prog = ctypes.c_void_p()
     status = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None)
     if status != 0:
         raise NvrtcError(f"nvrtcCreateProgram failed ({status})")
     try:
-        opts = [f"--gpu-architecture={arch}", "-std=c++17", *(["--use_fast_math"] if fast_math else []), *options]
+        headers = f"--include-path={Path(__file__).parent}"  # the kernels' shared headers (*.cuh)
+        math = ["--use_fast_math"] if fast_math else []
+        opts = [f"--gpu-architecture={arch}", "-std=c++17", *math, headers, *options]
         arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
         status = lib.nvrtcCompileProgram(prog, len(opts), arr)
         size = ctypes.c_size_t()

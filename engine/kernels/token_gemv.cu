@@ -55,10 +55,8 @@
 #define XHALVES 0
 #endif
 
-typedef unsigned int u32;
-typedef unsigned short u16;
+#include "token_common.cuh"
 
-#define FULL 0xffffffffu
 #define CHUNK_VALUES (16 / WBYTES)
 #define CHUNKS_PER_ROW (K / CHUNK_VALUES)
 #define CHUNKS_PER_LANE (CHUNKS_PER_ROW / 32)
@@ -67,26 +65,6 @@ typedef unsigned short u16;
 static_assert(K % (32 * CHUNK_VALUES) == 0, "whole 16-byte chunks for every lane");
 static_assert(CHUNKS_PER_LANE % UNROLL == 0, "whole runs of UNROLL chunks");
 static_assert(!XHALVES || WBYTES == 1, "halves of x's 32 bytes a chunk: e4m3 weights");
-
-__device__ __forceinline__ float lo16(u32 w) {  // the low 16-bit value of w (BF16 or fp16) as float
-#if BF16
-  return __int_as_float(w << 16);
-#else
-  float r;
-  asm("{ .reg .b16 a, b; mov.b32 {a, b}, %1; cvt.f32.f16 %0, a; }" : "=f"(r) : "r"(w));
-  return r;
-#endif
-}
-
-__device__ __forceinline__ float hi16(u32 w) {
-#if BF16
-  return __int_as_float(w & 0xffff0000u);
-#else
-  float r;
-  asm("{ .reg .b16 a, b; mov.b32 {a, b}, %1; cvt.f32.f16 %0, b; }" : "=f"(r) : "r"(w));
-  return r;
-#endif
-}
 
 __device__ __forceinline__ u32 e4m3x2_lo(u32 v) {  // the low two e4m3 bytes of v as f16x2
   u32 r;
@@ -102,44 +80,6 @@ __device__ __forceinline__ u32 e4m3x2_hi(u32 v) {
 
 __device__ __forceinline__ void f16x2_to_f32(u32 h, float& a, float& b) {
   asm("{ .reg .b16 x, y; mov.b32 {x, y}, %2; cvt.f32.f16 %0, x; cvt.f32.f16 %1, y; }" : "=f"(a), "=f"(b) : "r"(h));
-}
-
-__device__ __forceinline__ u16 round16(float x) {  // to the activations' dtype, round to nearest even
-  u16 r;
-#if BF16
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
-#else
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
-#endif
-  return r;
-}
-
-__device__ __forceinline__ float rounded(float x) {  // x rounded to the activations' dtype, as float
-  const u32 r = round16(x);
-  return lo16(r);
-}
-
-// What the kernel before wrote, read after the wait with plain ld.global (the header: never the read-only path);
-// volatile, so that the compiler keeps them after the wait's asm too (the SASS is the same).
-__device__ __forceinline__ long long ld_after_wait(const long long* p) {
-  long long r;
-  asm volatile("ld.global.s64 %0, [%1];" : "=l"(r) : "l"(p));
-  return r;
-}
-__device__ __forceinline__ float ld_after_wait(const float* p) {
-  float r;
-  asm volatile("ld.global.f32 %0, [%1];" : "=f"(r) : "l"(p));
-  return r;
-}
-__device__ __forceinline__ u16 ld_after_wait(const u16* p) {
-  u16 r;
-  asm volatile("ld.global.u16 %0, [%1];" : "=h"(r) : "l"(p));
-  return r;
-}
-__device__ __forceinline__ uint4 ld_after_wait(const uint4* p) {
-  uint4 r;
-  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  return r;
 }
 
 __device__ __forceinline__ uint4 ld_stream(const unsigned char* p) {  // read once: do not keep in L1

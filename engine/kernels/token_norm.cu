@@ -18,10 +18,8 @@
 #define EARLY 0
 #endif
 
-typedef unsigned int u32;
-typedef unsigned short u16;
+#include "token_common.cuh"
 
-#define FULL 0xffffffffu
 #define WARPS (THREADS / 32)
 
 static_assert(N == 8 * VEC * THREADS, "whole 16-byte chunks for every thread");
@@ -29,43 +27,10 @@ static_assert(THREADS % 32 == 0 && THREADS <= 1024, "whole warps");
 static_assert(PARTS == 1 || HAS_RES, "parts are summed only before a residual add");
 static_assert(!X_F32 || PARTS > 1, "float32 x only as parts");
 
-__device__ __forceinline__ float lo16(u32 w) {  // the low 16-bit value of w as float
-#if BF16
-  return __int_as_float(w << 16);
-#else
-  float r;
-  asm("{ .reg .b16 a, b; mov.b32 {a, b}, %1; cvt.f32.f16 %0, a; }" : "=f"(r) : "r"(w));
-  return r;
-#endif
-}
+__device__ __forceinline__ u32 pack(float a, float b) { return (u32)round16(a) | ((u32)round16(b) << 16); }
 
-__device__ __forceinline__ float hi16(u32 w) {
-#if BF16
-  return __int_as_float(w & 0xffff0000u);
-#else
-  float r;
-  asm("{ .reg .b16 a, b; mov.b32 {a, b}, %1; cvt.f32.f16 %0, b; }" : "=f"(r) : "r"(w));
-  return r;
-#endif
-}
-
-__device__ __forceinline__ u32 round16(float x) {  // to the activations' dtype, round to nearest even
-  u16 r;
-#if BF16
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
-#else
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
-#endif
-  return r;
-}
-
-__device__ __forceinline__ u32 pack(float a, float b) { return round16(a) | (round16(b) << 16); }
-
-// What the kernel before wrote, read after the wait with plain ld.global (volatile: kept after the wait's asm).
-__device__ __forceinline__ uint4 ld_after_wait(const void* p) {
-  uint4 r;
-  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  return r;
+__device__ __forceinline__ uint4 ld16(const void* p) {  // 16 bytes the kernel before wrote
+  return ld_after_wait(static_cast<const uint4*>(p));
 }
 
 __device__ __forceinline__ void unpack(const uint4& v, float* f) {  // 8 16-bit values
@@ -103,20 +68,20 @@ extern "C" __global__ void __launch_bounds__(THREADS) token_norm(const void* __r
   for (int v = 0; v < VEC; ++v) {
     const long long c = (long long)(v * THREADS + t) * 8;  // this chunk's first column
 #if PARTS == 1
-    unpack(ld_after_wait(static_cast<const u16*>(x) + row * N + c), xf[v]);
+    unpack(ld16(static_cast<const u16*>(x) + row * N + c), xf[v]);
 #else
     float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < PARTS; ++j) {
 #if X_F32
       const float* p = static_cast<const float*>(x) + (row * PARTS + j) * N + c;
-      const uint4 a = ld_after_wait(p), b = ld_after_wait(p + 4);
+      const uint4 a = ld16(p), b = ld16(p + 4);
       const u32 u[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
       for (int i = 0; i < 8; ++i) s[i] += __uint_as_float(u[i]);
 #else
       float f[8];
-      unpack(ld_after_wait(static_cast<const u16*>(x) + (row * PARTS + j) * N + c), f);
+      unpack(ld16(static_cast<const u16*>(x) + (row * PARTS + j) * N + c), f);
 #pragma unroll
       for (int i = 0; i < 8; ++i) s[i] += f[i];
 #endif
@@ -126,7 +91,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) token_norm(const void* __r
 #endif
 #if HAS_RES
     float r[8];
-    unpack(ld_after_wait(res + row * N + c), r);
+    unpack(ld16(res + row * N + c), r);
 #pragma unroll
     for (int i = 0; i < 8; ++i) xf[v][i] = lo16(round16(r[i] + xf[v][i]));
     *reinterpret_cast<uint4*>(res_out + row * N + c) =
