@@ -345,15 +345,13 @@ def critical_path(spans: list[tuple[float, float, str]]) -> dict[str, float]:
     the GPU's idle time between kernels goes to ``(idle)``. The shares sum to the span from the first start to the
     last end."""
     out: dict[str, float] = {}
-    last = None
-    for start, end, name in sorted(spans):
-        if last is None:
-            out[name] = out.get(name, 0.0) + end - start
-        else:
-            if start > last:
-                out["(idle)"] = out.get("(idle)", 0.0) + start - last
-            out[name] = out.get(name, 0.0) + max(0.0, end - max(start, last))
-        last = end if last is None else max(last, end)
+    spans = sorted(spans)
+    last = spans[0][0] if spans else 0.0  # the end of the timeline so far
+    for start, end, name in spans:
+        if start > last:
+            out["(idle)"] = out.get("(idle)", 0.0) + start - last
+        out[name] = out.get(name, 0.0) + max(0.0, end - max(start, last))
+        last = max(last, end)
     return out
 
 

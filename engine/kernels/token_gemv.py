@@ -84,10 +84,11 @@ def tile_for(weight: torch.Tensor, swiglu: bool) -> TokenTile:
     projections on the H200 (docs/engine.md, sixteenth round): 16-bit rows one a warp, 8 chunks a row in flight;
     e4m3 rows (half the bytes a chunk of K) 4 in flight, one a warp of 8 or, for SwiGLU, two gate and two up rows a
     warp of 4. Fewer (the largest divisor) where a lane's chunks do not divide."""
+    if SHAPE_TILES and weight.element_size() == 2 and not swiglu:
+        measured = MEASURED_TILES.get((weight.shape[0], weight.shape[1]))
+        if measured is not None:
+            return measured
     per_lane = weight.shape[1] * weight.element_size() // (32 * CHUNK_BYTES)
-    measured = MEASURED_TILES.get((weight.shape[0], weight.shape[1]))
-    if measured is not None and SHAPE_TILES and weight.element_size() == 2 and not swiglu:
-        return measured
     if weight.element_size() == 1:
         tile = TokenTile(4, 2, 4) if swiglu else TokenTile(8, 1, 4)
     else:

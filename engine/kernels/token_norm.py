@@ -59,10 +59,14 @@ def supports(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     )  # fmt: skip
 
 
+def threads_for(n: int) -> int:
+    """A block's threads for rows of ``n`` columns (``supports``'s rows)."""
+    return n // (CHUNK_VALUES * vec_for(n))
+
+
 def defines(n: int, bf16: bool, has_res: bool, parts: int, x_f32: bool, pdl: bool, *, pin: int) -> dict[str, int]:
     """The compile-time constants of a launch (token_norm.cu's header); ``pin`` as ``PIN_LOADS``."""
-    vec = vec_for(n)
-    return {"N": n, "VEC": vec, "THREADS": n // (CHUNK_VALUES * vec), "BF16": int(bf16), "HAS_RES": int(has_res),
+    return {"N": n, "VEC": vec_for(n), "THREADS": threads_for(n), "BF16": int(bf16), "HAS_RES": int(has_res),
             "PARTS": parts, "X_F32": int(x_f32), "PDL": int(pdl), "PIN": int(bool(pin)), "EARLY": 1}  # fmt: skip
 
 
@@ -84,5 +88,5 @@ def token_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Ten
     kernel = _kernel(x.device.index or 0, n, ref.dtype == torch.bfloat16, residual is not None, parts,
                      x.dtype == torch.float32, pdl, pin=PIN_LOADS)  # fmt: skip
     args = [nvrtc.ptr(x), nvrtc.ptr(ref), nvrtc.ptr(weight), nvrtc.ptr(out), nvrtc.ptr(res_out), ctypes.c_float(eps)]
-    kernel((rows, 1, 1), n // (CHUNK_VALUES * vec_for(n)), args, pdl=pdl)
+    kernel((rows, 1, 1), threads_for(n), args, pdl=pdl)
     return out, res_out

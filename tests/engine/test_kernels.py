@@ -443,6 +443,8 @@ def test_one_tokens_cuda_matmul_matches_the_float32_product(act: torch.dtype, mo
             graph.replay()
             torch.cuda.synchronize()
             torch.testing.assert_close(y, gemv(gemv(x, w1), w2))
+            y_ref = F.linear(F.linear(x.float(), w1.float()).to(act).float(), w2.float())  # not under PDL at all
+            torch.testing.assert_close(y.float(), y_ref, rtol=0.05, atol=0.05 * y_ref.abs().max().item())
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the decode step's CUDA norm is CUDA C++, compiled by NVRTC on the GPU")
@@ -501,6 +503,12 @@ def test_the_cuda_norm_matches_torch_and_the_triton_kernel(act: torch.dtype, mon
         y_eager, r2_eager = chain()
         torch.testing.assert_close(y, y_eager, rtol=0, atol=0)
         torch.testing.assert_close(r2, r2_eager, rtol=0, atol=0)
+        # Against torch too: a read that overtook its writer (stale values of the replay before) would pass above,
+        # in both the graph and the eager launches, which take part in PDL alike.
+        h_ref, r2_ref = ref.add_rms_norm(F.linear(x, w1), res, nw, 1e-6)
+        torch.testing.assert_close(r2, r2_ref, rtol=0.05, atol=0.05 * r2_ref.abs().max().item())
+        y_ref = F.linear(h_ref, w2)
+        torch.testing.assert_close(y, y_ref, rtol=0.05, atol=0.05 * y_ref.abs().max().item())
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the FP8 decode kernel is CUDA C++, compiled by NVRTC on the GPU")
