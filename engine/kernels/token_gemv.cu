@@ -10,14 +10,21 @@
 // The order around the wait is ptxas's to keep, and it keeps only part of it. A bare griddepcontrol.wait has no
 // inputs, and ptxas schedules it first, above the weight loads; with PIN a CTA-scope fence after those loads holds it
 // behind them. Loads through the read-only path (ld.global.nc, __ldg) may be moved above the wait, so what the kernel
-// before wrote (x, the routing's ids and weights) is read with plain ld.global, which stays after it.
-// tests/engine/test_token_gemv_sass.py checks both in the SASS of every variant.
+// before wrote (x, the routing's ids and weights) is read with plain ld.global, which stays after it. Read-only loads
+// may also be moved below the fence and the wait: with NORM, whose code after the wait is long, ptxas sank every one
+// of them there, so NORM launches ask for their first chunks and the norm's weight with plain loads, which the fence
+// keeps in front of it. tests/engine/test_token_gemv_sass.py checks all of it in the SASS of every variant.
 //
 // Compile-time: K (columns), WBYTES (1: e4m3, 2: 16-bit of the activations' kind), BF16 (activations and output
 // bfloat16, else float16), WARPS, ROWS_PER_WARP, UNROLL, SWIGLU, HAS_SCALE, HAS_BIAS, PDL; with PDL, PIN (above) and
 // EARLY, which lets the next kernel launch first thing, else once this block has left its loop. XHALVES (e4m3 weights):
 // x staged with the first and second 16 bytes of each chunk's 32 in two arrays, so that a warp's loads of them are
 // free of bank conflicts.
+//
+// NORM: x is not the matmul's input but what an RMS norm takes (token_norm.cu's op, folded in: one launch fewer): 1
+// the norm of x; 2 of x plus a residual, which block 0 stores (res_out). x may be NORM_PARTS parts [NORM_PARTS, K]
+// (float32 with NORM_F32), summed and rounded once before the add. Every block computes the norm itself (x and the
+// residual are 2 x K x 2 bytes, from L2) and stages it in x's place; the norm's weight is asked for before the wait.
 //
 // EXPERTS: one token's routed experts of a MoE layer, blockIdx.y the (token, expert) pair: its weight is expert
 // ids[pair] of a stack (expert_stride bytes apart), its x row pair * x_stride, its output row pair. The expert is
@@ -54,6 +61,15 @@
 #ifndef XHALVES
 #define XHALVES 0
 #endif
+#ifndef NORM
+#define NORM 0
+#endif
+#ifndef NORM_PARTS
+#define NORM_PARTS 1
+#endif
+#ifndef NORM_F32
+#define NORM_F32 0
+#endif
 
 #include "token_common.cuh"
 
@@ -65,6 +81,12 @@
 static_assert(K % (32 * CHUNK_VALUES) == 0, "whole 16-byte chunks for every lane");
 static_assert(CHUNKS_PER_LANE % UNROLL == 0, "whole runs of UNROLL chunks");
 static_assert(!XHALVES || WBYTES == 1, "halves of x's 32 bytes a chunk: e4m3 weights");
+static_assert(!NORM || (K / 8) % (32 * WARPS) == 0, "the norm: whole 16-byte chunks for every thread");
+static_assert(!NORM || !(EXPERTS || ROUTER), "the norm before a linear layer's matmul");
+static_assert((NORM_PARTS == 1 && !NORM_F32) || NORM == 2, "parts are summed only before a residual add");
+
+// Where x's 16 bytes i (values 8i..8i+7) are staged, in 16-byte units: with XHALVES, half i % 2 of chunk i / 2.
+__device__ __forceinline__ int x_slot(int i) { return XHALVES ? (i & 1) * (K / 16) + (i >> 1) : i; }
 
 __device__ __forceinline__ u32 e4m3x2_lo(u32 v) {  // the low two e4m3 bytes of v as f16x2
   u32 r;
@@ -80,6 +102,14 @@ __device__ __forceinline__ u32 e4m3x2_hi(u32 v) {
 
 __device__ __forceinline__ void f16x2_to_f32(u32 h, float& a, float& b) {
   asm("{ .reg .b16 x, y; mov.b32 {x, y}, %2; cvt.f32.f16 %0, x; cvt.f32.f16 %1, y; }" : "=f"(a), "=f"(b) : "r"(h));
+}
+
+__device__ __forceinline__ uint4 ld_first(const unsigned char* p) {  // read once; a plain load, which a fence orders
+  uint4 r;
+  asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
 }
 
 __device__ __forceinline__ uint4 ld_stream(const unsigned char* p) {  // read once: do not keep in L1
@@ -215,7 +245,9 @@ __device__ __forceinline__ void route_last_block(const float* logits, unsigned i
 }
 #endif
 
-// x [K] 16-bit; w [N_total, K] row stride stride_w bytes; out [N]; scale/bias [N_total] (scale float32).
+// x [K] 16-bit (with NORM: [NORM_PARTS, K], float32 parts with NORM_F32); w [N_total, K] row stride stride_w bytes;
+// out [N]; scale/bias [N_total] (scale float32); with NORM, the residual res [K], the norm's weight nw [K], res_out [K]
+// (res + x, NORM 2) and eps.
 extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* __restrict__ x,
                                                                   const unsigned char* __restrict__ w,
                                                                   const float* __restrict__ scale,
@@ -227,7 +259,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
                                                                   float* __restrict__ logits,
                                                                   unsigned int* __restrict__ counter,
                                                                   void* __restrict__ weights_out,
-                                                                  long long* __restrict__ ids_out) {
+                                                                  long long* __restrict__ ids_out,
+                                                                  const u16* __restrict__ res,
+                                                                  const u16* __restrict__ nw, u16* __restrict__ res_out,
+                                                                  float eps) {
   __shared__ __align__(16) u32 xs[K / 2];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #if PDL && EARLY
@@ -265,16 +300,52 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
 #pragma unroll
   for (int r = 0; r < ROWS; ++r)
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) buf[r][u] = ld_stream(rows[r] + u * 512);
+    for (int u = 0; u < UNROLL; ++u)  // with NORM plain loads (the header)
+      buf[r][u] = NORM ? ld_first(rows[r] + u * 512) : ld_stream(rows[r] + u * 512);
+#if NORM
+  constexpr int NORM_CHUNKS = K / 8 / (32 * WARPS);  // a thread's 16-byte chunks of the norm
+  uint4 wn[NORM_CHUNKS];
+#pragma unroll
+  for (int j = 0; j < NORM_CHUNKS; ++j)
+    wn[j] = ld_first(reinterpret_cast<const unsigned char*>(nw) + (j * 32 * WARPS + threadIdx.x) * 16);
+#endif
 #if PDL && !EXPERTS
 #if PIN
   asm volatile("membar.cta;" ::: "memory");  // keeps the wait behind the first chunks (the header)
 #endif
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-  for (int i = threadIdx.x; i < K / 8; i += 32 * WARPS)  // with XHALVES, 16 bytes i to half i % 2 of chunk i / 2
-    reinterpret_cast<uint4*>(xs)[XHALVES ? (i & 1) * (K / 16) + (i >> 1) : i] =
-        ld_after_wait(reinterpret_cast<const uint4*>(x) + i);
+#if NORM
+  {  // the stream's values staged (exact: they are 16-bit), then normalised in place, each thread its own chunks
+    __shared__ float partial[WARPS];
+    uint4* const staged = reinterpret_cast<uint4*>(xs);
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < NORM_CHUNKS; ++j) {
+      const int i = j * 32 * WARPS + threadIdx.x;
+      float xf[8];
+      stream_chunk<K, NORM_PARTS, (bool)NORM_F32, NORM == 2>(x, res, 0, i * 8, xf);
+      const uint4 packed = pack8(xf);
+#if NORM == 2
+      if (blockIdx.x == 0) reinterpret_cast<uint4*>(res_out)[i] = packed;
+#endif
+      staged[x_slot(i)] = packed;
+#pragma unroll
+      for (int v = 0; v < 8; ++v) ss = fmaf(xf[v], xf[v], ss);
+    }
+    const float inv = rsqrtf(block_sum<WARPS>(ss, partial) * (1.f / K) + eps);
+#pragma unroll
+    for (int j = 0; j < NORM_CHUNKS; ++j) {
+      const int i = j * 32 * WARPS + threadIdx.x;
+      float xf[8];
+      unpack(staged[x_slot(i)], xf);
+      staged[x_slot(i)] = normed_chunk(wn[j], xf, inv);
+    }
+  }
+#else
+  for (int i = threadIdx.x; i < K / 8; i += 32 * WARPS)
+    reinterpret_cast<uint4*>(xs)[x_slot(i)] = ld_after_wait(reinterpret_cast<const uint4*>(x) + i);
+#endif
   __syncthreads();
 #pragma unroll
   for (int c0 = 0; c0 < CHUNKS_PER_LANE; c0 += UNROLL) {

@@ -5,6 +5,9 @@ warp's rows in flight per lane and asks for the first ones before it waits for t
 Triton kernels (``engine.kernels.gemv``) hold one slice a program. Weights in e4m3 with a float32 scale per output
 channel, or in the activations' 16-bit dtype; optional bias; or SwiGLU of a fused gate/up weight, with the unfused
 ops' roundings. ``supports`` says whether a call qualifies; ``engine.kernels.gemv.gemv`` dispatches to it.
+
+``token_norm_gemv`` folds the RMS norm before a linear layer (and the residual add before the norm) into the layer's
+launch: every block normalises the token itself, and block 0 stores the residual stream (``supports_norm``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 
 import torch
 
-from engine.kernels import nvrtc, pdl_launch
+from engine.kernels import nvrtc, pdl_launch, token_norm
 
 _SOURCE = Path(__file__).with_name("token_gemv.cu")
 CHUNK_BYTES = 16
@@ -32,6 +35,9 @@ EARLY = 1
 # XHALVES), which frees the loop's shared-memory loads of bank conflicts (docs/engine.md, twentieth round). Off until
 # measured on a GPU: bench/device/x_halves_round.sh.
 X_HALVES = 0
+# The RMS norm before a linear layer in the layer's own launch (token_norm_gemv), where it qualifies; 0: a launch of
+# its own (token_norm.cu) before the layer's.
+FUSE_NORM = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,11 +105,12 @@ def tile_for(weight: torch.Tensor, swiglu: bool) -> TokenTile:
 
 def defines(k: int, wbytes: int, bf16: bool, tile: TokenTile, swiglu: bool, has_scale: bool, has_bias: bool,
             pdl: bool, routed: int = 0, router: tuple[int, int, bool, bool] | None = None, *, pin: int,
-            early: int, halves: int = 0) -> dict[str, int]:  # fmt: skip
+            early: int, halves: int = 0, norm: tuple[bool, int, bool] | None = None) -> dict[str, int]:  # fmt: skip
     """The compile-time constants of a launch (token_gemv.cu's header). ``routed``: 0 a linear layer; 1 a MoE
     layer's experts, not weighted; 2 weighted by float32 routing weights, 3 by 16-bit ones. ``router``: a MoE router
     and its routing, ``(top_k, experts, renormalize, float32 weights)``. ``pin``, ``early``, ``halves``: as
-    ``PIN_LOADS``, ``EARLY`` and ``X_HALVES``."""
+    ``PIN_LOADS``, ``EARLY`` and ``X_HALVES``. ``norm``: the RMS norm before the layer, ``(residual add, x's parts,
+    float32 parts)``."""
     out = {"K": k, "WBYTES": wbytes, "BF16": int(bf16), "WARPS": tile.warps, "ROWS_PER_WARP": tile.rows_per_warp,
            "UNROLL": tile.unroll, "SWIGLU": int(swiglu), "HAS_SCALE": int(has_scale), "HAS_BIAS": int(has_bias),
            "PDL": int(pdl), "EXPERTS": int(routed > 0), "ROUTED": int(routed > 1), "ROUTE_F32": int(routed == 2),
@@ -112,6 +119,9 @@ def defines(k: int, wbytes: int, bf16: bool, tile: TokenTile, swiglu: bool, has_
     if router is not None:
         top_k, experts, renormalize, keep_float32 = router
         out |= {"ROUTER": top_k, "ROUTER_E": experts, "RENORM": int(renormalize), "ROUTE_F32": int(keep_float32)}
+    if norm is not None:
+        has_res, parts, x_f32 = norm
+        out |= {"NORM": 2 if has_res else 1, "NORM_PARTS": parts, "NORM_F32": int(x_f32)}
     return out
 
 
@@ -127,23 +137,72 @@ def _no_router(out: torch.Tensor) -> list[ctypes.c_void_p]:
     return [nvrtc.ptr(out)] * 4
 
 
+def _no_norm(out: torch.Tensor) -> list[Any]:
+    """The norm's four arguments of a launch without one (never read)."""
+    return [nvrtc.ptr(out)] * 3 + [ctypes.c_float(0.0)]
+
+
 def token_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
                swiglu: bool, out: torch.Tensor, tile: TokenTile | None = None) -> torch.Tensor:  # fmt: skip
     """``out [1, N] = x [1, K] @ weight.T`` (times ``scale``, plus ``bias``), or SwiGLU of a fused ``[2N, K]``
     gate/up weight; see the module's docstring."""
+    _launch(x, weight, scale, bias, swiglu, out, tile or tile_for(weight, swiglu), None, _no_norm(out))
+    return out
+
+
+def supports_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, weight: torch.Tensor,
+                  swiglu: bool) -> bool:  # fmt: skip
+    """``token_norm_gemv`` takes the call: one token that ``token_norm`` would normalise (``x`` may be parts of the
+    residual's update) and a linear layer ``supports`` takes, whose tile gives each thread whole 16-byte chunks of the
+    norm."""
+    ref = residual if residual is not None else x
+    if not (token_norm.supports(x, residual, norm_weight) and supports(ref, weight, swiglu)):
+        return False
+    k = weight.shape[1]
+    return ref.shape[1] == k and (k // 8) % (32 * tile_for(weight, swiglu).warps) == 0
+
+
+def fuses_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, weight: torch.Tensor,
+               swiglu: bool) -> bool:  # fmt: skip
+    """The norm runs in the linear layer's launch: ``FUSE_NORM``, both CUDA kernels enabled (``ENGINE_TOKEN_GEMV``,
+    ``ENGINE_TOKEN_NORM``), NVRTC present, and ``supports_norm``."""
+    return (
+        bool(FUSE_NORM) and enabled() and token_norm.enabled() and nvrtc.available()
+        and supports_norm(x, residual, norm_weight, weight, swiglu)
+    )  # fmt: skip
+
+
+def token_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+                    swiglu: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(token_gemv of norm_weight * rmsnorm(residual + x), residual + x)``, in one launch; without a residual,
+    of ``rmsnorm(x)``, and ``x`` itself. ``supports_norm`` says which calls qualify."""
+    ref = residual if residual is not None else x
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    tile = tile or tile_for(weight, swiglu)
+    out = torch.empty((1, n), dtype=ref.dtype, device=ref.device)
+    res_out = torch.empty_like(ref) if residual is not None else x
+    parts = x.shape[1] if x.dim() == 3 else 1
+    norm = (residual is not None, parts, x.dtype == torch.float32)
+    args = [nvrtc.ptr(ref), nvrtc.ptr(norm_weight), nvrtc.ptr(res_out), ctypes.c_float(eps)]
+    _launch(x, weight, scale, bias, swiglu, out, tile_for(weight, swiglu), norm, args)
+    return out, res_out
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+            swiglu: bool, out: torch.Tensor, tile: TokenTile, norm: tuple[bool, int, bool] | None,
+            norm_args: list[Any]) -> None:  # fmt: skip
+    """A linear layer's launch (``token_gemv``), with the norm before it (``norm``: ``defines``'s) or without."""
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
-    kernel = _kernel(x.device.index or 0, weight.shape[1], weight.element_size(), x.dtype == torch.bfloat16, tile,
-                     swiglu, scale is not None, bias is not None, pdl, pin=PIN_LOADS, early=EARLY,
-                     halves=X_HALVES)  # fmt: skip
+    kernel = _kernel(x.device.index or 0, weight.shape[1], weight.element_size(), out.dtype == torch.bfloat16, tile,
+                     swiglu, scale is not None, bias is not None, pdl, pin=PIN_LOADS, early=EARLY, halves=X_HALVES,
+                     norm=norm)  # fmt: skip
     rows_per_block = tile.warps * tile.rows_per_warp
     args = [nvrtc.ptr(x), nvrtc.ptr(weight), nvrtc.ptr(scale if scale is not None else out),
             nvrtc.ptr(bias if bias is not None else out), nvrtc.ptr(out), ctypes.c_int(n),
             ctypes.c_longlong(weight.stride(0) * weight.element_size()), nvrtc.ptr(out), nvrtc.ptr(out),
-            ctypes.c_longlong(0), ctypes.c_int(0), *_no_router(out)]  # fmt: skip
+            ctypes.c_longlong(0), ctypes.c_int(0), *_no_router(out), *norm_args]  # fmt: skip
     kernel((-(-n // rows_per_block), 1, 1), 32 * tile.warps, args, pdl=pdl)
-    return out
 
 
 def moe_enabled() -> bool:
@@ -181,7 +240,7 @@ def token_experts(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, route_w: 
     args = [nvrtc.ptr(x), nvrtc.ptr(w), nvrtc.ptr(out), nvrtc.ptr(out), nvrtc.ptr(out), ctypes.c_int(n),
             ctypes.c_longlong(w.stride(1) * w.element_size()), nvrtc.ptr(ids),
             nvrtc.ptr(route_w if route_w is not None else out), ctypes.c_longlong(w.stride(0) * w.element_size()),
-            ctypes.c_int(0 if gated else x.shape[1]), *_no_router(out)]  # fmt: skip
+            ctypes.c_int(0 if gated else x.shape[1]), *_no_router(out), *_no_norm(out)]  # fmt: skip
     kernel((-(-n // (tile.warps * tile.rows_per_warp)), top_k, 1), 32 * tile.warps, args, pdl=pdl)
     return out
 
@@ -230,6 +289,6 @@ def token_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bo
     args = [nvrtc.ptr(x), nvrtc.ptr(gate), nvrtc.ptr(logits), nvrtc.ptr(logits), nvrtc.ptr(weights),
             ctypes.c_int(experts), ctypes.c_longlong(gate.stride(0) * gate.element_size()), nvrtc.ptr(ids),
             nvrtc.ptr(weights), ctypes.c_longlong(0), ctypes.c_int(0), nvrtc.ptr(logits),
-            nvrtc.ptr(_counter(x.device)), nvrtc.ptr(weights), nvrtc.ptr(ids)]  # fmt: skip
+            nvrtc.ptr(_counter(x.device)), nvrtc.ptr(weights), nvrtc.ptr(ids), *_no_norm(logits)]  # fmt: skip
     kernel((-(-experts // (tile.warps * tile.rows_per_warp)), 1, 1), 32 * tile.warps, args, pdl=pdl)
     return weights, ids

@@ -27,21 +27,6 @@ static_assert(THREADS % 32 == 0 && THREADS <= 1024, "whole warps");
 static_assert(PARTS == 1 || HAS_RES, "parts are summed only before a residual add");
 static_assert(!X_F32 || PARTS > 1, "float32 x only as parts");
 
-__device__ __forceinline__ u32 pack(float a, float b) { return (u32)round16(a) | ((u32)round16(b) << 16); }
-
-__device__ __forceinline__ uint4 ld16(const void* p) {  // 16 bytes the kernel before wrote
-  return ld_after_wait(static_cast<const uint4*>(p));
-}
-
-__device__ __forceinline__ void unpack(const uint4& v, float* f) {  // 8 16-bit values
-  const u32 u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = lo16(u[i]);
-    f[2 * i + 1] = hi16(u[i]);
-  }
-}
-
 // x [rows, PARTS, N] (16-bit or float32 parts); res, out, res_out [rows, N] 16-bit; w [N] 16-bit.
 extern "C" __global__ void __launch_bounds__(THREADS) token_norm(const void* __restrict__ x,
                                                                 const u16* __restrict__ res,
@@ -67,56 +52,17 @@ extern "C" __global__ void __launch_bounds__(THREADS) token_norm(const void* __r
 #pragma unroll
   for (int v = 0; v < VEC; ++v) {
     const long long c = (long long)(v * THREADS + t) * 8;  // this chunk's first column
-#if PARTS == 1
-    unpack(ld16(static_cast<const u16*>(x) + row * N + c), xf[v]);
-#else
-    float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int j = 0; j < PARTS; ++j) {
-#if X_F32
-      const float* p = static_cast<const float*>(x) + (row * PARTS + j) * N + c;
-      const uint4 a = ld16(p), b = ld16(p + 4);
-      const u32 u[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-      for (int i = 0; i < 8; ++i) s[i] += __uint_as_float(u[i]);
-#else
-      float f[8];
-      unpack(ld16(static_cast<const u16*>(x) + (row * PARTS + j) * N + c), f);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) s[i] += f[i];
-#endif
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i) xf[v][i] = lo16(round16(s[i]));  // rounded once to the residual's dtype
-#endif
+    stream_chunk<N, PARTS, (bool)X_F32, (bool)HAS_RES>(x, res, row, c, xf[v]);
 #if HAS_RES
-    float r[8];
-    unpack(ld16(res + row * N + c), r);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) xf[v][i] = lo16(round16(r[i] + xf[v][i]));
-    *reinterpret_cast<uint4*>(res_out + row * N + c) =
-        make_uint4(pack(xf[v][0], xf[v][1]), pack(xf[v][2], xf[v][3]), pack(xf[v][4], xf[v][5]),
-                   pack(xf[v][6], xf[v][7]));
+    *reinterpret_cast<uint4*>(res_out + row * N + c) = pack8(xf[v]);
 #endif
 #pragma unroll
     for (int i = 0; i < 8; ++i) ss = fmaf(xf[v][i], xf[v][i], ss);
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL, ss, o);
-  if ((t & 31) == 0) partial[t >> 5] = ss;
-  __syncthreads();
-  float total = 0.f;  // every thread adds the warps' sums in the same order
-#pragma unroll
-  for (int i = 0; i < WARPS; ++i) total += partial[i];
-  const float inv = rsqrtf(total * (1.f / N) + eps);
+  const float inv = rsqrtf(block_sum<WARPS>(ss, partial) * (1.f / N) + eps);
 #pragma unroll
   for (int v = 0; v < VEC; ++v) {
-    float wf[8], y[8];
-    unpack(wv[v], wf);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) y[i] = wf[i] * lo16(round16(xf[v][i] * inv));
     const long long c = (long long)(v * THREADS + t) * 8;
-    *reinterpret_cast<uint4*>(out + row * N + c) =
-        make_uint4(pack(y[0], y[1]), pack(y[2], y[3]), pack(y[4], y[5]), pack(y[6], y[7]));
+    *reinterpret_cast<uint4*>(out + row * N + c) = normed_chunk(wv[v], xf[v], inv);
   }
 }

@@ -128,3 +128,45 @@ def test_the_norm_reads_only_its_weight_before_the_wait(variant: str, pin: int, 
     assert all(ins.startswith("LDG.E.128 ") for ins in after), f"x and the residual by plain loads: {after}"
     assert len(after) == constants["VEC"] * (parts * (2 if x_f32 else 1) + has_res)
     assert let_in < wait, "the next kernel is let in first thing"
+
+
+# One token's matmul with the RMS norm before it in the same launch (token_gemv.cu's NORM), as the engine launches it:
+# (K, weight bytes, tile, SwiGLU, scale, (residual add, x's parts, float32 parts)).
+NORMED: dict[str, tuple[Any, ...]] = {
+    "bf16 QKV after the first norm": (4096, 2, TokenTile(4, 1, 8), False, False, (False, 1, False)),
+    "bf16 QKV, add and norm": (4096, 2, TokenTile(4, 1, 8), False, False, (True, 1, False)),
+    "bf16 swiglu, add and norm": (4096, 2, TokenTile(4, 1, 8), True, False, (True, 1, False)),
+    "bf16 LM head's tile": (4096, 2, TokenTile(8, 1, 8), False, False, (True, 1, False)),
+    "e4m3 QKV, add and norm": (4096, 1, TokenTile(8, 1, 4), False, True, (True, 1, False)),
+    "e4m3 swiglu, add and norm": (4096, 1, TokenTile(4, 2, 4), True, True, (True, 1, False)),
+    "a MoE layer's 8 experts, added": (2048, 2, TokenTile(4, 1, 8), False, False, (True, 8, False)),
+    "float32 parts, added": (4096, 2, TokenTile(4, 1, 8), False, False, (True, 2, True)),
+}
+
+
+# Every variant with x staged as it is; e4m3 ones in halves too.
+NORMED_SETTINGS = [(v, 0) for v in NORMED] + [(v, 1) for v in NORMED if NORMED[v][1] == 1]
+
+
+@pytest.mark.parametrize(("variant", "halves"), NORMED_SETTINGS)
+def test_with_the_norm_only_weights_are_read_before_the_wait(variant: str, halves: int, tmp_path: Path) -> None:
+    """The first chunks of every row and the norm's weight before the wait (plain loads there, which the fence holds:
+    ptxas sank read-only ones below it), x and the residual by plain loads after it, block 0's store of the residual
+    stream after it too."""
+    k, wbytes, tile, swiglu, scale, norm = NORMED[variant]
+    constants = token_gemv.defines(k, wbytes, True, tile, swiglu, scale, False, True, pin=1, early=1, halves=halves,
+                                   norm=norm)  # fmt: skip
+    assert constants["NORM"] == (2 if norm[0] else 1)
+    code = sass(constants, tmp_path)
+    (wait,) = [i for i, ins in enumerate(code) if ins.startswith("ACQBULK")]
+    before = [ins.split()[0] for ins in code[:wait] if ins.startswith(("LDG", "LD.", "LDS", "ATOM", "RED", "ST"))]
+    rows = tile.rows_per_warp * (2 if swiglu else 1)
+    norm_chunks = k // 8 // (32 * tile.warps)
+    assert before == ["LDG.E.NA.128"] * (rows * tile.unroll + norm_chunks), f"before the wait: {before}"
+    assert code[wait - 1] == "MEMBAR.SC.CTA", "the fence holds the wait behind them"
+    has_res, parts, x_f32 = norm
+    after = [ins for ins in code[wait:] if ins.startswith("LDG.E.128 ")]
+    assert len(after) == norm_chunks * (parts * (2 if x_f32 else 1) + has_res), "x and the residual, plain loads"
+    assert not [ins for ins in code[wait:] if ins.startswith("LDG.E.128.CONSTANT")], "nothing it waits for, read-only"
+    stores = [ins for ins in code[wait:] if ins.split()[ins.startswith("@")] == "STG.E.128"]  # (predicated: block 0)
+    assert len(stores) == (norm_chunks if has_res else 0), "block 0 stores the residual stream"
