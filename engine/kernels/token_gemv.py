@@ -36,8 +36,9 @@ EARLY = 1
 # measured on a GPU: bench/device/x_halves_round.sh.
 X_HALVES = 0
 # The RMS norm before a linear layer in the layer's own launch (token_norm_gemv), where it qualifies; 0: a launch of
-# its own (token_norm.cu) before the layer's.
-FUSE_NORM = 1
+# its own (token_norm.cu) before the layer's. Off until measured on a GPU (bench/device/norm_gemv_round.sh;
+# docs/engine.md, twenty-first round).
+FUSE_NORM = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -410,10 +410,10 @@ def test_the_norm_goes_into_one_tokens_cuda_matmul_where_it_divides(monkeypatch:
     assert not token_gemv.supports_norm(small, small, nw[:1024], small_w8, False)  # 8 warps: half a chunk a thread
     assert not token_gemv.supports_norm(x, x, nw, torch.zeros(64, 2048, dtype=bf), False)  # not the norm's width
     assert not token_gemv.supports_norm(x, x, nw.half(), qkv, False)  # the norm's weight in another dtype
-    assert token_gemv.fuses_norm(x, x, nw, qkv, False)
     monkeypatch.setattr(token_gemv, "FUSE_NORM", 0)
     assert not token_gemv.fuses_norm(x, x, nw, qkv, False)
     monkeypatch.setattr(token_gemv, "FUSE_NORM", 1)
+    assert token_gemv.fuses_norm(x, x, nw, qkv, False)
     for flag in ("ENGINE_TOKEN_NORM", "ENGINE_TOKEN_GEMV"):
         monkeypatch.setenv(flag, "triton")
         assert not token_gemv.fuses_norm(x, x, nw, qkv, False)
@@ -601,6 +601,7 @@ def test_the_cuda_matmul_with_its_norm_matches_the_norm_then_the_matmul(
     x, res = (torch.randn(1, 2048, generator=g).to(DEV).to(act) for _ in range(2))
     nw = (1 + 0.1 * torch.randn(2048, generator=g)).to(DEV).to(act)
     triton = ops.TritonOps()
+    monkeypatch.setattr(token_gemv, "FUSE_NORM", 1)
     assert token_gemv.fuses_norm(x, res, nw, layer.weight, False)
     y, r_out = triton.norm_linear(layer, x, res, nw, 1e-6)
     y2, r2 = ops.composed_norm_linear(triton, layer, x, res, nw, 1e-6, False)
