@@ -25,6 +25,7 @@
 // the norm of x; 2 of x plus a residual, which block 0 stores (res_out). x may be NORM_PARTS parts [NORM_PARTS, K]
 // (float32 with NORM_F32), summed and rounded once before the add. Every block computes the norm itself (x and the
 // residual are 2 x K x 2 bytes, from L2) and stages it in x's place; the norm's weight is asked for before the wait.
+// NORM_STORE: block 0 stores the norm too (normed), for the kernels after it: a MoE router's, whose experts read it.
 //
 // EXPERTS: one token's routed experts of a MoE layer, blockIdx.y the (token, expert) pair: its weight is expert
 // ids[pair] of a stack (expert_stride bytes apart), its x row pair * x_stride, its output row pair. The expert is
@@ -70,6 +71,9 @@
 #ifndef NORM_F32
 #define NORM_F32 0
 #endif
+#ifndef NORM_STORE
+#define NORM_STORE 0
+#endif
 
 #include "token_common.cuh"
 
@@ -82,7 +86,8 @@ static_assert(K % (32 * CHUNK_VALUES) == 0, "whole 16-byte chunks for every lane
 static_assert(CHUNKS_PER_LANE % UNROLL == 0, "whole runs of UNROLL chunks");
 static_assert(!XHALVES || WBYTES == 1, "halves of x's 32 bytes a chunk: e4m3 weights");
 static_assert(!NORM || (K / 8) % (32 * WARPS) == 0, "the norm: whole 16-byte chunks for every thread");
-static_assert(!NORM || !(EXPERTS || ROUTER), "the norm before a linear layer's matmul");
+static_assert(!NORM || !EXPERTS, "the norm before a linear layer's matmul or a router's");
+static_assert(!NORM_STORE || NORM, "the norm's output stored");
 static_assert((NORM_PARTS == 1 && !NORM_F32) || NORM == 2, "parts are summed only before a residual add");
 
 // Where x's 16 bytes i (values 8i..8i+7) are staged, in 16-byte units: with XHALVES, half i % 2 of chunk i / 2.
@@ -247,7 +252,7 @@ __device__ __forceinline__ void route_last_block(const float* logits, unsigned i
 
 // x [K] 16-bit (with NORM: [NORM_PARTS, K], float32 parts with NORM_F32); w [N_total, K] row stride stride_w bytes;
 // out [N]; scale/bias [N_total] (scale float32); with NORM, the residual res [K], the norm's weight nw [K], res_out [K]
-// (res + x, NORM 2) and eps.
+// (res + x, NORM 2), eps and with NORM_STORE normed [K].
 extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* __restrict__ x,
                                                                   const unsigned char* __restrict__ w,
                                                                   const float* __restrict__ scale,
@@ -262,7 +267,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
                                                                   long long* __restrict__ ids_out,
                                                                   const u16* __restrict__ res,
                                                                   const u16* __restrict__ nw, u16* __restrict__ res_out,
-                                                                  float eps) {
+                                                                  float eps, u16* __restrict__ normed) {
   __shared__ __align__(16) u32 xs[K / 2];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #if PDL && EARLY
@@ -339,7 +344,11 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
       const int i = j * 32 * WARPS + threadIdx.x;
       float xf[8];
       unpack(staged[x_slot(i)], xf);
-      staged[x_slot(i)] = normed_chunk(wn[j], xf, inv);
+      const uint4 y = normed_chunk(wn[j], xf, inv);
+      staged[x_slot(i)] = y;
+#if NORM_STORE
+      if (blockIdx.x == 0) reinterpret_cast<uint4*>(normed)[i] = y;
+#endif
     }
   }
 #else

@@ -106,12 +106,13 @@ def tile_for(weight: torch.Tensor, swiglu: bool) -> TokenTile:
 
 def defines(k: int, wbytes: int, bf16: bool, tile: TokenTile, swiglu: bool, has_scale: bool, has_bias: bool,
             pdl: bool, routed: int = 0, router: tuple[int, int, bool, bool] | None = None, *, pin: int,
-            early: int, halves: int = 0, norm: tuple[bool, int, bool] | None = None) -> dict[str, int]:  # fmt: skip
+            early: int, halves: int = 0, norm: tuple[bool, int, bool] | None = None,
+            norm_store: bool = False) -> dict[str, int]:  # fmt: skip
     """The compile-time constants of a launch (token_gemv.cu's header). ``routed``: 0 a linear layer; 1 a MoE
     layer's experts, not weighted; 2 weighted by float32 routing weights, 3 by 16-bit ones. ``router``: a MoE router
     and its routing, ``(top_k, experts, renormalize, float32 weights)``. ``pin``, ``early``, ``halves``: as
     ``PIN_LOADS``, ``EARLY`` and ``X_HALVES``. ``norm``: the RMS norm before the layer, ``(residual add, x's parts,
-    float32 parts)``."""
+    float32 parts)``; ``norm_store``: the norm's output stored too."""
     out = {"K": k, "WBYTES": wbytes, "BF16": int(bf16), "WARPS": tile.warps, "ROWS_PER_WARP": tile.rows_per_warp,
            "UNROLL": tile.unroll, "SWIGLU": int(swiglu), "HAS_SCALE": int(has_scale), "HAS_BIAS": int(has_bias),
            "PDL": int(pdl), "EXPERTS": int(routed > 0), "ROUTED": int(routed > 1), "ROUTE_F32": int(routed == 2),
@@ -122,7 +123,7 @@ def defines(k: int, wbytes: int, bf16: bool, tile: TokenTile, swiglu: bool, has_
         out |= {"ROUTER": top_k, "ROUTER_E": experts, "RENORM": int(renormalize), "ROUTE_F32": int(keep_float32)}
     if norm is not None:
         has_res, parts, x_f32 = norm
-        out |= {"NORM": 2 if has_res else 1, "NORM_PARTS": parts, "NORM_F32": int(x_f32)}
+        out |= {"NORM": 2 if has_res else 1, "NORM_PARTS": parts, "NORM_F32": int(x_f32), "NORM_STORE": int(norm_store)}
     return out
 
 
@@ -139,8 +140,8 @@ def _no_router(out: torch.Tensor) -> list[ctypes.c_void_p]:
 
 
 def _no_norm(out: torch.Tensor) -> list[Any]:
-    """The norm's four arguments of a launch without one (never read)."""
-    return [nvrtc.ptr(out)] * 3 + [ctypes.c_float(0.0)]
+    """The norm's five arguments of a launch without one (never read)."""
+    return [nvrtc.ptr(out)] * 3 + [ctypes.c_float(0.0), nvrtc.ptr(out)]
 
 
 def token_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
@@ -184,7 +185,7 @@ def token_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     res_out = torch.empty_like(ref) if residual is not None else x
     parts = x.shape[1] if x.dim() == 3 else 1
     norm = (residual is not None, parts, x.dtype == torch.float32)
-    args = [nvrtc.ptr(ref), nvrtc.ptr(norm_weight), nvrtc.ptr(res_out), ctypes.c_float(eps)]
+    args = [nvrtc.ptr(ref), nvrtc.ptr(norm_weight), nvrtc.ptr(res_out), ctypes.c_float(eps), nvrtc.ptr(out)]
     _launch(x, weight, scale, bias, swiglu, out, tile_for(weight, swiglu), norm, args)
     return out, res_out
 
@@ -278,18 +279,66 @@ def token_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bo
                 keep_float32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One token's MoE routing from its router weight ``gate [E, K]`` in one launch: ``engine.models.moe.route`` of
     ``x @ gate.T``, the weights (``[1, top_k]``, float32 with ``keep_float32``, else ``x``'s dtype) and int64 ids."""
+    weights, ids = _route(x, gate, top_k, renormalize, keep_float32, x.dtype, None, _no_norm(x))
+    return weights, ids
+
+
+def supports_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, gate: torch.Tensor,
+                        top_k: int) -> bool:  # fmt: skip
+    """``token_norm_route`` takes the call: a residual add and norm ``token_norm`` would take, of one token, before a
+    router ``supports_router`` takes, whose tile gives each thread whole 16-byte chunks of the norm."""
+    return (
+        token_norm.supports(x, residual, norm_weight) and supports_router(residual, gate, top_k)
+        and residual.shape[1] == gate.shape[1] and (gate.shape[1] // 8) % (32 * tile_for(gate, False).warps) == 0
+    )  # fmt: skip
+
+
+def fuses_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, gate: torch.Tensor,
+                     top_k: int) -> bool:  # fmt: skip
+    """The residual add and norm before a router run in its launch: ``FUSE_NORM``, the CUDA norm enabled
+    (``ENGINE_TOKEN_NORM``; the router's own switches are its caller's), and ``supports_norm_route``."""
+    return bool(FUSE_NORM) and token_norm.enabled() and supports_norm_route(x, residual, norm_weight, gate, top_k)
+
+
+def token_norm_route(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    keep_float32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``token_route`` of ``h = norm_weight * rmsnorm(residual + x)`` with the add and the norm in the same launch:
+    ``(weights, ids, h, residual + x)`` (block 0 stores ``h``, which the experts read, and the residual stream).
+    ``supports_norm_route`` says which calls qualify."""
+    h = torch.empty_like(residual)
+    res_out = torch.empty_like(residual)
+    parts = x.shape[1] if x.dim() == 3 else 1
+    norm = (True, parts, x.dtype == torch.float32)
+    args = [nvrtc.ptr(residual), nvrtc.ptr(norm_weight), nvrtc.ptr(res_out), ctypes.c_float(eps), nvrtc.ptr(h)]
+    weights, ids = _route(x, gate, top_k, renormalize, keep_float32, residual.dtype, norm, args)
+    return weights, ids, h, res_out
+
+
+def _route(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool, keep_float32: bool,
+           dtype: torch.dtype, norm: tuple[bool, int, bool] | None,
+           norm_args: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A router's launch (``token_route``) of activations in ``dtype``, with the norm before it (``norm``:
+    ``defines``'s, its output stored) or without."""
     experts = gate.shape[0]
     logits = torch.empty(experts, dtype=torch.float32, device=x.device)
-    weights = torch.empty((1, top_k), dtype=torch.float32 if keep_float32 else x.dtype, device=x.device)
+    weights = torch.empty((1, top_k), dtype=torch.float32 if keep_float32 else dtype, device=x.device)
     ids = torch.empty((1, top_k), dtype=torch.int64, device=x.device)
     tile = tile_for(gate, False)
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
-    kernel = _kernel(x.device.index or 0, gate.shape[1], gate.element_size(), x.dtype == torch.bfloat16, tile, False,
+    kernel = _kernel(x.device.index or 0, gate.shape[1], gate.element_size(), dtype == torch.bfloat16, tile, False,
                      False, False, pdl, router=(top_k, experts, renormalize, keep_float32), pin=PIN_LOADS,
-                     early=EARLY)  # fmt: skip
+                     early=EARLY, norm=norm, norm_store=norm is not None)  # fmt: skip
     args = [nvrtc.ptr(x), nvrtc.ptr(gate), nvrtc.ptr(logits), nvrtc.ptr(logits), nvrtc.ptr(weights),
             ctypes.c_int(experts), ctypes.c_longlong(gate.stride(0) * gate.element_size()), nvrtc.ptr(ids),
             nvrtc.ptr(weights), ctypes.c_longlong(0), ctypes.c_int(0), nvrtc.ptr(logits),
-            nvrtc.ptr(_counter(x.device)), nvrtc.ptr(weights), nvrtc.ptr(ids), *_no_norm(logits)]  # fmt: skip
+            nvrtc.ptr(_counter(x.device)), nvrtc.ptr(weights), nvrtc.ptr(ids), *norm_args]  # fmt: skip
     kernel((-(-experts // (tile.warps * tile.rows_per_warp)), 1, 1), 32 * tile.warps, args, pdl=pdl)
     return weights, ids

@@ -229,6 +229,17 @@ class MoEMLP(nn.Module):
             return cast(torch.Tensor, self.experts(x, sum_experts=False))
         return self.tp.all_reduce(self.experts(x))
 
+    def norm_forward(self, ops: ModelOps, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``forward`` of ``ops.add_rms_norm(x, residual, weight, eps)``'s output, and the residual stream: on one
+        rank, one token's router may take the add and the norm into its launch (``SparseMoE.norm_forward``)."""
+        if self.tp.size == 1:
+            fused = self.experts.norm_forward(x, residual, weight, eps)
+            if fused is not None:
+                return fused
+        h, residual = ops.add_rms_norm(x, residual, weight, eps)
+        return self.forward(ops, h), residual
+
     def loaders(self, p: str) -> dict[str, Loader]:
         moe = self.experts
         out: dict[str, Loader] = {p + "gate.weight": rows_of(moe.gate.weight, 0, p + "gate.weight")}
@@ -271,8 +282,8 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         indexer: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(mlp output, residual stream before it)``: the next layer adds them. Each norm goes to ``ops`` with the
-        linear layer after it (``norm_linear``), which may run both in one launch."""
+        """``(mlp output, residual stream before it)``: the next layer adds them. Each norm goes with the layer after
+        it (``ops.norm_linear``; a MoE block's ``norm_forward``), which may run both in one launch."""
         attn, norm = self.self_attn, self.input_layernorm
         qkv, residual = ops.norm_linear(attn.qkv_proj, x, residual, norm.weight, norm.eps)
         h = attn.attend(ops, qkv, rope, kv_cache, meta, indexer)
@@ -282,8 +293,7 @@ class DecoderLayer(nn.Module):
                 self.mlp.gate_up_proj, h, residual, norm.weight, norm.eps, swiglu=True
             )
             return self.mlp.down(ops, activated), residual
-        h, residual = ops.add_rms_norm(h, residual, norm.weight, norm.eps)
-        return self.mlp(ops, h), residual
+        return self.mlp.norm_forward(ops, h, residual, norm.weight, norm.eps)
 
     def loaders(self, p: str) -> dict[str, Loader]:
         out = self.self_attn.loaders(p + "self_attn.") | self.mlp.loaders(p + self.mlp_prefix)

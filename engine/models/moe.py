@@ -194,6 +194,24 @@ class SparseMoE(nn.Module):
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.float32_routing)
         return experts_torch(x, self.w13, self.w2, weights, ids, self.first_expert)
 
+    def norm_forward(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """``forward`` (without ``sum_experts``) of ``weight * rmsnorm(residual + x)``, and ``residual + x``, with the
+        add and the norm in the router's launch (``token_gemv.token_norm_route``): one token on the CUDA one-token
+        kernels. None where that does not apply; the caller then norms and calls ``forward``."""
+        if self._kernels != "triton" or not ROUTER_TOKEN or self.num_experts != self.total_experts:
+            return None
+        from engine.kernels import fused_moe as k  # imported only where Triton is wanted
+        from engine.kernels import token_gemv
+
+        if not (k.one_token(residual, self.w13, self.w2) and token_gemv.supports_router(residual, self.gate.weight,
+                                                                                        self.top_k)
+                and token_gemv.fuses_norm_route(x, residual, weight, self.gate.weight, self.top_k)):  # fmt: skip
+            return None
+        weights, ids, h, residual = token_gemv.token_norm_route(x, residual, weight, eps, self.gate.weight, self.top_k,
+                                                                self.renormalize, self.float32_routing)  # fmt: skip
+        return k.fused_moe(h, self.w13, self.w2, weights, ids, sum_experts=False), residual
+
     def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> None:
         """Copy one checkpoint tensor of expert ``expert`` into its slice of ``w13`` / ``w2``.
 

@@ -496,3 +496,81 @@ def test_one_token_sparse_moe_with_the_fused_router_equals_the_triton_routing(mo
         fused = model(x, sum_experts=False)
         monkeypatch.setattr(moe_module, "ROUTER_TOKEN", False)
         torch.testing.assert_close(fused, model(x, sum_experts=False), atol=2e-2, rtol=2e-2)
+
+
+def test_the_norm_goes_into_one_tokens_cuda_router_where_it_divides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The residual add and norm before a MoE block go into its router's launch (token_gemv.supports_norm_route,
+    fuses_norm_route): one token the CUDA norm takes before a router the one-token kernel takes, of the norm's width,
+    whole 16-byte chunks a thread; FUSE_NORM=0 or ENGINE_TOKEN_NORM=triton keep them apart; the torch kernels never."""
+    from engine.kernels import token_gemv
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    bf = torch.bfloat16
+    x, nw, gate = torch.zeros(1, 2048, dtype=bf), torch.ones(2048, dtype=bf), torch.zeros(128, 2048, dtype=bf)
+    assert token_gemv.supports_norm_route(x, x, nw, gate, 8)
+    assert token_gemv.supports_norm_route(torch.zeros(1, 8, 2048, dtype=bf), x, nw, gate, 8)  # the experts' outputs
+    assert not token_gemv.supports_norm_route(x, x, nw, gate, 33)  # a lane a pick
+    assert not token_gemv.supports_norm_route(x, x, nw, torch.zeros(128, 1024, dtype=bf), 8)  # not the norm's width
+    small = torch.zeros(1, 512, dtype=bf)
+    assert not token_gemv.supports_norm_route(small, small, nw[:512], gate[:, :512], 8)  # 64 chunks, 128 threads
+    monkeypatch.setattr(token_gemv, "FUSE_NORM", 1)
+    assert token_gemv.fuses_norm_route(x, x, nw, gate, 8)
+    monkeypatch.setenv("ENGINE_TOKEN_NORM", "triton")
+    assert not token_gemv.fuses_norm_route(x, x, nw, gate, 8)
+    monkeypatch.delenv("ENGINE_TOKEN_NORM")
+    monkeypatch.setattr(token_gemv, "FUSE_NORM", 0)
+    assert not token_gemv.fuses_norm_route(x, x, nw, gate, 8)
+    monkeypatch.setattr(token_gemv, "FUSE_NORM", 1)
+    assert SparseMoE(2048, 768, 128, 8, True, kernels="torch").norm_forward(x, x, nw, 1e-6) is None
+
+
+@cuda_only
+def test_one_tokens_cuda_router_with_the_norm_in_it_routes_the_norm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``token_norm_route`` against the CUDA norm's launch: the residual stream exactly, the stored norm within a
+    rounding, and the routing of that norm as route() routes it; for an attention output, a MoE layer's 16-bit
+    experts and float32 parts; ``SparseMoE.norm_forward`` against the norm then the layer; and replayed from a CUDA
+    graph with a new token."""
+    from engine.kernels import token_gemv, token_norm
+
+    monkeypatch.setattr(token_gemv, "FUSE_NORM", 1)
+    hidden, top_k = 2048, 8
+    model = SparseMoE(hidden, 768, 32, top_k, True, kernels="triton").to(DEV, torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=_g(12)) * p.shape[-1] ** -0.5)
+    gate = model.gate.weight.detach()
+    res = torch.randn(1, hidden, generator=_g(13)).to(DEV, torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(hidden, generator=_g(14))).to(DEV, torch.bfloat16)
+    inputs = [torch.randn(1, hidden, generator=_g(15)).to(DEV, torch.bfloat16),
+              torch.randn(1, top_k, hidden, generator=_g(16)).to(DEV, torch.bfloat16),
+              torch.randn(1, 2, hidden, generator=_g(17)).to(DEV)]  # fmt: skip
+    for x in inputs:
+        assert token_gemv.fuses_norm_route(x, res, nw, gate, top_k)
+        w, ids, h, r = token_gemv.token_norm_route(x, res, nw, 1e-6, gate, top_k, True)
+        h_ref, r_ref = token_norm.token_norm(x, res, nw, 1e-6)
+        torch.testing.assert_close(r, r_ref, rtol=0, atol=0)
+        torch.testing.assert_close(h, h_ref, rtol=2**-7, atol=2**-7)
+        want_w, want_ids = route(h @ gate.T, top_k, True, False)
+        _same_picks(h @ gate.T, ids, want_ids)
+        torch.testing.assert_close(w.float(), want_w.float(), atol=1e-6, rtol=8e-3)
+        with torch.no_grad():
+            got = model.norm_forward(x, res, nw, 1e-6)
+            assert got is not None
+            out, r2 = got
+            torch.testing.assert_close(r2, r_ref, rtol=0, atol=0)
+            torch.testing.assert_close(out, model(h, sum_experts=False), atol=2e-2, rtol=2e-2)
+    x = inputs[0]
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out_w, out_ids, out_h, out_r = token_gemv.token_norm_route(x, res, nw, 1e-6, gate, top_k, True)
+    for seed in (42, 43):
+        x.copy_(torch.randn(1, hidden, generator=_g(seed)).to(DEV, torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        h_ref, r_ref = token_norm.token_norm(x, res, nw, 1e-6)
+        torch.testing.assert_close(out_r, r_ref, rtol=0, atol=0)
+        torch.testing.assert_close(out_h, h_ref, rtol=2**-7, atol=2**-7)
+        want_w, want_ids = route(out_h @ gate.T, top_k, True, False)
+        _same_picks(out_h @ gate.T, out_ids, want_ids)

@@ -131,8 +131,9 @@ def test_the_norm_reads_only_its_weight_before_the_wait(variant: str, pin: int, 
 
 
 # One token's matmul with the RMS norm before it in the same launch (token_gemv.cu's NORM), as the engine launches it:
-# (K, weight bytes, tile, SwiGLU, scale, (residual add, x's parts, float32 parts)).
+# (K, weight bytes, tile, SwiGLU, scale, (residual add, x's parts, float32 parts)[, router: its output stored too]).
 NORMED: dict[str, tuple[Any, ...]] = {
+    "a MoE router, add and norm": (2048, 2, TokenTile(4, 1, 8), False, False, (True, 1, False), (8, 128, True, False)),
     "bf16 QKV after the first norm": (4096, 2, TokenTile(4, 1, 8), False, False, (False, 1, False)),
     "bf16 QKV, add and norm": (4096, 2, TokenTile(4, 1, 8), False, False, (True, 1, False)),
     "bf16 swiglu, add and norm": (4096, 2, TokenTile(4, 1, 8), True, False, (True, 1, False)),
@@ -153,9 +154,9 @@ def test_with_the_norm_only_weights_are_read_before_the_wait(variant: str, halve
     """The first chunks of every row and the norm's weight before the wait (plain loads there, which the fence holds:
     ptxas sank read-only ones below it), x and the residual by plain loads after it, block 0's store of the residual
     stream after it too."""
-    k, wbytes, tile, swiglu, scale, norm = NORMED[variant]
-    constants = token_gemv.defines(k, wbytes, True, tile, swiglu, scale, False, True, pin=1, early=1, halves=halves,
-                                   norm=norm)  # fmt: skip
+    k, wbytes, tile, swiglu, scale, norm, *router = NORMED[variant]
+    constants = token_gemv.defines(k, wbytes, True, tile, swiglu, scale, False, True, 0, router[0] if router else None,
+                                   pin=1, early=1, halves=halves, norm=norm, norm_store=bool(router))  # fmt: skip
     assert constants["NORM"] == (2 if norm[0] else 1)
     code = sass(constants, tmp_path)
     (wait,) = [i for i, ins in enumerate(code) if ins.startswith("ACQBULK")]
@@ -169,4 +170,5 @@ def test_with_the_norm_only_weights_are_read_before_the_wait(variant: str, halve
     assert len(after) == norm_chunks * (parts * (2 if x_f32 else 1) + has_res), "x and the residual, plain loads"
     assert not [ins for ins in code[wait:] if ins.startswith("LDG.E.128.CONSTANT")], "nothing it waits for, read-only"
     stores = [ins for ins in code[wait:] if ins.split()[ins.startswith("@")] == "STG.E.128"]  # (predicated: block 0)
-    assert len(stores) == (norm_chunks if has_res else 0), "block 0 stores the residual stream"
+    stored = (has_res + bool(router)) * norm_chunks  # a router's norm is stored for the experts after it
+    assert len(stores) == stored, "block 0 stores the residual stream"
