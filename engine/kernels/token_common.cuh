@@ -1,7 +1,7 @@
 // What the one-token kernels (token_gemv.cu, token_norm.cu) share: 16-bit values of the activations' dtype (BF16:
-// bfloat16, else float16) as float and back, plain loads of what the kernel before wrote, and the residual stream's
-// update before an RMS norm. NVRTC finds this file
-// through the include path that engine.kernels.nvrtc.compile_cubin gives it.
+// bfloat16, else float16) as float and back, plain loads of what the kernel before wrote, and the pieces of an RMS norm
+// (the residual stream's update, the block's sum, the output's roundings). NVRTC finds this file through the include
+// path that engine.kernels.nvrtc.compile_cubin gives it.
 #pragma once
 
 typedef unsigned int u32;

@@ -204,11 +204,11 @@ class SparseMoE(nn.Module):
         from engine.kernels import fused_moe as k  # imported only where Triton is wanted
         from engine.kernels import token_gemv
 
-        if not (k.one_token(residual, self.w13, self.w2) and token_gemv.supports_router(residual, self.gate.weight,
-                                                                                        self.top_k)
-                and token_gemv.fuses_norm_route(x, residual, weight, self.gate.weight, self.top_k)):  # fmt: skip
+        gate = self.gate.weight
+        if not (k.one_token(residual, self.w13, self.w2)
+                and token_gemv.fuses_norm_route(x, residual, weight, gate, self.top_k)):  # fmt: skip
             return None
-        weights, ids, h, residual = token_gemv.token_norm_route(x, residual, weight, eps, self.gate.weight, self.top_k,
+        weights, ids, h, residual = token_gemv.token_norm_route(x, residual, weight, eps, gate, self.top_k,
                                                                 self.renormalize, self.float32_routing)  # fmt: skip
         return k.fused_moe(h, self.w13, self.w2, weights, ids, sum_experts=False), residual
 
