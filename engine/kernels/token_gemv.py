@@ -35,9 +35,11 @@ EARLY = 1
 # XHALVES), which frees the loop's shared-memory loads of bank conflicts (docs/engine.md, twentieth round). Off until
 # measured on a GPU: bench/device/x_halves_round.sh.
 X_HALVES = 0
-# The RMS norm before a linear layer in the layer's own launch (token_norm_gemv), where it qualifies; 0: a launch of
-# its own (token_norm.cu) before the layer's. Off until measured on a GPU (bench/device/norm_gemv_round.sh;
-# docs/engine.md, twenty-first round).
+# Which RMS norms run in the launch of the layer after them where they qualify, the others in one of their own
+# (token_norm.cu): the sum of NORM_LINEAR (before a linear layer without SwiGLU: the QKV projection), NORM_SWIGLU
+# (before a gate/up projection with SwiGLU) and NORM_ROUTER (before a MoE router, token_norm_route). 0 until measured
+# on a GPU (bench/device/norm_gemv_round.sh; docs/engine.md, twenty-first round).
+NORM_LINEAR, NORM_SWIGLU, NORM_ROUTER = 1, 2, 4
 FUSE_NORM = 0
 
 
@@ -166,11 +168,11 @@ def supports_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
 
 def fuses_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, weight: torch.Tensor,
                swiglu: bool) -> bool:  # fmt: skip
-    """The norm runs in the linear layer's launch: ``FUSE_NORM``, both CUDA kernels enabled (``ENGINE_TOKEN_GEMV``,
-    ``ENGINE_TOKEN_NORM``), NVRTC present, and ``supports_norm``."""
+    """The norm runs in the linear layer's launch: ``FUSE_NORM`` says so for this kind of layer, both CUDA kernels
+    are enabled (``ENGINE_TOKEN_GEMV``, ``ENGINE_TOKEN_NORM``), NVRTC is present, and ``supports_norm``."""
     return (
-        bool(FUSE_NORM) and enabled() and token_norm.enabled() and nvrtc.available()
-        and supports_norm(x, residual, norm_weight, weight, swiglu)
+        bool(FUSE_NORM & (NORM_SWIGLU if swiglu else NORM_LINEAR)) and enabled() and token_norm.enabled()
+        and nvrtc.available() and supports_norm(x, residual, norm_weight, weight, swiglu)
     )  # fmt: skip
 
 
@@ -295,9 +297,12 @@ def supports_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: to
 
 def fuses_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, gate: torch.Tensor,
                      top_k: int) -> bool:  # fmt: skip
-    """The residual add and norm before a router run in its launch: ``FUSE_NORM``, the CUDA norm enabled
-    (``ENGINE_TOKEN_NORM``; the router's own switches are its caller's), and ``supports_norm_route``."""
-    return bool(FUSE_NORM) and token_norm.enabled() and supports_norm_route(x, residual, norm_weight, gate, top_k)
+    """The residual add and norm before a router run in its launch: ``FUSE_NORM`` has ``NORM_ROUTER``, the CUDA norm
+    is enabled (``ENGINE_TOKEN_NORM``; the router's own switches are its caller's), and ``supports_norm_route``."""
+    return (
+        bool(FUSE_NORM & NORM_ROUTER) and token_norm.enabled()
+        and supports_norm_route(x, residual, norm_weight, gate, top_k)
+    )  # fmt: skip
 
 
 def token_norm_route(

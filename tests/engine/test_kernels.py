@@ -389,7 +389,8 @@ def test_the_cuda_norm_takes_what_it_divides(monkeypatch: pytest.MonkeyPatch) ->
 def test_the_norm_goes_into_one_tokens_cuda_matmul_where_it_divides(monkeypatch: pytest.MonkeyPatch) -> None:
     """Which norms run inside the linear layer after them (``token_gemv.supports_norm``, ``fuses_norm``): one token
     that the CUDA norm takes, a layer the one-token kernel takes, of the norm's width, whose tile gives each thread
-    whole 16-byte chunks; FUSE_NORM=0, ENGINE_TOKEN_NORM=triton or ENGINE_TOKEN_GEMV=triton keep them apart."""
+    whole 16-byte chunks; which layers FUSE_NORM names; ENGINE_TOKEN_NORM=triton or ENGINE_TOKEN_GEMV=triton keep them
+    apart."""
     from engine.kernels import nvrtc, token_gemv
 
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
@@ -410,10 +411,14 @@ def test_the_norm_goes_into_one_tokens_cuda_matmul_where_it_divides(monkeypatch:
     assert not token_gemv.supports_norm(small, small, nw[:1024], small_w8, False)  # 8 warps: half a chunk a thread
     assert not token_gemv.supports_norm(x, x, nw, torch.zeros(64, 2048, dtype=bf), False)  # not the norm's width
     assert not token_gemv.supports_norm(x, x, nw.half(), qkv, False)  # the norm's weight in another dtype
+    gate_up = torch.zeros(2 * 12288, 4096, dtype=bf)
     monkeypatch.setattr(token_gemv, "FUSE_NORM", 0)
     assert not token_gemv.fuses_norm(x, x, nw, qkv, False)
-    monkeypatch.setattr(token_gemv, "FUSE_NORM", 1)
-    assert token_gemv.fuses_norm(x, x, nw, qkv, False)
+    monkeypatch.setattr(token_gemv, "FUSE_NORM", token_gemv.NORM_LINEAR)  # the QKV projection's, not gate/up's
+    assert token_gemv.fuses_norm(x, x, nw, qkv, False) and not token_gemv.fuses_norm(x, x, nw, gate_up, True)
+    monkeypatch.setattr(token_gemv, "FUSE_NORM", token_gemv.NORM_SWIGLU)
+    assert token_gemv.fuses_norm(x, x, nw, gate_up, True) and not token_gemv.fuses_norm(x, x, nw, qkv, False)
+    monkeypatch.setattr(token_gemv, "FUSE_NORM", token_gemv.NORM_LINEAR | token_gemv.NORM_SWIGLU)
     for flag in ("ENGINE_TOKEN_NORM", "ENGINE_TOKEN_GEMV"):
         monkeypatch.setenv(flag, "triton")
         assert not token_gemv.fuses_norm(x, x, nw, qkv, False)
@@ -601,7 +606,7 @@ def test_the_cuda_matmul_with_its_norm_matches_the_norm_then_the_matmul(
     x, res = (torch.randn(1, 2048, generator=g).to(DEV).to(act) for _ in range(2))
     nw = (1 + 0.1 * torch.randn(2048, generator=g)).to(DEV).to(act)
     triton = ops.TritonOps()
-    monkeypatch.setattr(token_gemv, "FUSE_NORM", 1)
+    monkeypatch.setattr(token_gemv, "FUSE_NORM", token_gemv.NORM_LINEAR)
     assert token_gemv.fuses_norm(x, res, nw, layer.weight, False)
     y, r_out = triton.norm_linear(layer, x, res, nw, 1e-6)
     y2, r2 = ops.composed_norm_linear(triton, layer, x, res, nw, 1e-6, False)
