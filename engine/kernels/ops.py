@@ -234,6 +234,17 @@ class TritonOps:
     ) -> torch.Tensor:  # fmt: skip
         cos, sin, positions = rope
         assert meta.query_start is not None, "Triton attention needs query_start in the metadata"
+        if (
+            self._k.ROPE_IN_ATTENTION and indexer is None and meta.max_query_len == 1
+            and meta.num_decodes == qkv.shape[0] and kv_cache.dtype == qkv.dtype
+        ):  # fmt: skip
+            # A decode step over a 16-bit cache: the rotary positions and the K/V store in the attention's launch.
+            fused = self._k.RopeInAttention(positions, cos, sin, meta.slot_mapping, heads, qk_norm)
+            out = self._k.paged_attention(
+                qkv, kv_cache, meta.block_tables, meta.query_start, meta.context_lens, scale, 1, meta.max_context,
+                meta.num_splits, meta.tile_map, window, rope=fused,
+            )  # fmt: skip
+            return out.view(qkv.shape[0], -1)
         q = self._k.rope_and_store(
             qkv, positions, cos, sin, kv_cache, meta.slot_mapping, heads, kv_heads, head_dim, qk_norm
         )

@@ -18,6 +18,7 @@ programs (flash-decoding) and merges their partial results in a second kernel.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -317,14 +318,58 @@ def _attend(
 
 
 @triton.jit
+def _rope_in_place(
+    qkv_ptr, kv_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, qn_ptr, kn_ptr, eps, t, h, g, d, valid,
+    holds_last, v_offset, H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr,
+    SH: tl.constexpr, SS: tl.constexpr, QK_NORM: tl.constexpr,
+):  # fmt: skip
+    # The paged attention kernel's ROPE: its rows' queries (token t, heads h) from qkv, rotated as
+    # _rope_and_store_kernel rotates them; with holds_last, KV head g's key and value of the token stored in the cache,
+    # then a barrier.
+    dt: tl.constexpr = out_ptr.dtype.element_ty
+    t = t.to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    rot = (d + D // 2) % D
+    sign = tl.where(d < D // 2, -1.0, 1.0)
+    c = tl.load(cos_ptr + pos * D + d).to(dt).to(tl.float32)
+    s = tl.load(sin_ptr + pos * D + d).to(dt).to(tl.float32)
+    row = qkv_ptr + t * (H + 2 * (H // GROUP)) * D
+    q = tl.load(row + h[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+    qr = tl.load(row + h[:, None] * D + rot[None, :], mask=valid[:, None], other=0.0)
+    if QK_NORM:
+        q, qr = _head_norm(q, qr, qn_ptr, d, rot, eps, dt, D)
+    # The token's key and value of KV head g, one row, read and stored by the program holding the context's last keys.
+    one = tl.arange(0, 1)[:, None]
+    km = (one == 0) & holds_last
+    k_at = row + H * D + g * D + one * 0
+    k = tl.load(k_at + d[None, :], mask=km, other=0.0)
+    kr = tl.load(k_at + rot[None, :], mask=km, other=0.0)
+    if QK_NORM:
+        k, kr = _head_norm(k, kr, kn_ptr, d, rot, eps, dt, D)
+    v = tl.load(k_at + (H // GROUP) * D + d[None, :], mask=km, other=0.0)
+    cdt: tl.constexpr = kv_ptr.dtype.element_ty
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    dst = kv_ptr + (slot // BS) * SB + g * SH + (slot % BS) * SS + one * 0 + d[None, :]
+    tl.store(dst, _rope(k, kr, sign, c, s, dt).to(cdt), mask=km)
+    tl.store(dst + v_offset, v.to(cdt), mask=km)
+    tl.debug_barrier()  # the stores before any thread of the program loads the tile they are in
+    return _rope(q, qr, sign, c, s, dt)
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, kv_ptr, out_ptr, tables_ptr, qstart_ptr, ctx_ptr, part_acc_ptr, part_ml_ptr, tile_seq_ptr, tile_q_ptr,
-    scale, v_offset, table_stride, num_splits, window,
+    scale, v_offset, table_stride, num_splits, window, pos_ptr, cos_ptr, sin_ptr, slot_ptr, qn_ptr, kn_ptr, eps,
     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr, SH: tl.constexpr,
     SS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_Q: tl.constexpr,
     SPLIT: tl.constexpr, TILED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     FP16_DOT: tl.constexpr, V_REGS: tl.constexpr, UNMASKED: tl.constexpr, LAZY: tl.constexpr, PDL: tl.constexpr,
+    ROPE: tl.constexpr, QK_NORM: tl.constexpr,
 ):  # fmt: skip
+    # ROPE (decode steps, one query token a sequence): q_ptr is the step's fused projection qkv, and the program does
+    # what rope_and_store would have done before it: each query head of its rows normalised (QK_NORM) and rotated;
+    # the program whose keys end the context rotates the token's key and stores it and its value in the cache, then
+    # a barrier makes them visible to its own loads of that tile.
     enter(PDL)
     g = tl.program_id(2)
     ok = True
@@ -369,7 +414,12 @@ def _paged_attention_kernel(
         lo = tl.maximum(lo, ctx - qlen + mt * TILE_Q - window + 1)
     d = tl.arange(0, D)
     q_rows = (q0 + tq).to(tl.int64) * (H * D) + h * D
-    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    if ROPE:
+        q = _rope_in_place(q_ptr, kv_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, qn_ptr, kn_ptr, eps, q0, h, g,
+                           d, valid, (lo < hi) & (hi == ctx) & ok, v_offset, H, GROUP, D, BS, SB, SH, SS,
+                           QK_NORM)  # fmt: skip
+    else:
+        q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
     if FP16_DOT:
         # An FP8 cache widens to fp16 natively (e4m3 -> bf16 does not): keys, values, Q and P go through fp16.
         q = q.to(tl.float16)
@@ -427,13 +477,39 @@ def _paged_attention_kernel(
 # Programs over prompt rows: masked, eager, uncapped.
 PREFILL_TILE = DecodeTile(DECODE_BLOCK_N, 4, 3)
 
+# A decode step's rotary positions and K/V store in its attention kernel (paged_attention's ``rope``), where the
+# caller can (engine.kernels.ops.TritonOps.attention): one launch fewer a layer. Off until measured on a GPU
+# (docs/engine.md, twenty-first round).
+ROPE_IN_ATTENTION = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RopeInAttention:
+    """What ``rope_and_store`` takes beside the projection and the cache: the tokens' positions, the float32 rotary
+    tables, the cache slots, the query heads and the optional per-head norm."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor
+    heads: int
+    qk_norm: QKNorm | None = None
+
+    def args(self, out: torch.Tensor) -> list[object]:
+        """The kernel's arguments ``pos_ptr .. eps`` (``out`` stands in for absent norm weights)."""
+        qn, kn, eps = (
+            (self.qk_norm.q_weight, self.qk_norm.k_weight, self.qk_norm.eps) if self.qk_norm is not None
+            else (out, out, 0.0)
+        )  # fmt: skip
+        return [self.positions, self.cos, self.sin, self.slot_mapping, qn, kn, eps]
+
 
 def paged_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, query_start: torch.Tensor,
     context_lens: torch.Tensor, scale: float, max_query_len: int, max_context: int, num_splits: int = 1,
     tile_map: tuple[torch.Tensor, torch.Tensor] | None = None, window: int = 0, block_n: int = 0,
     num_warps: int = 0, num_stages: int = 0, v_regs: bool | None = None, unmasked: bool | None = None,
-    lazy_rescale: bool | None = None, max_registers: int | None = None,
+    lazy_rescale: bool | None = None, max_registers: int | None = None, rope: RopeInAttention | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Causal attention of ``q [tokens, H, D]`` over each sequence's cached context (this step's K/V included).
 
@@ -450,10 +526,19 @@ def paged_attention(
     cache); False leaves the widening to Triton (``fp8_tune.py`` times both). ``unmasked``, ``lazy_rescale``,
     ``max_registers``: the loop's form and register cap (``DecodeTile``; None: the measured tile's for decode steps,
     masked, eager and uncapped for prompts). The lazy rescale applies to decode steps only.
+
+    ``rope``: a decode step (``max_query_len`` 1) whose rotary positions and K/V store are done here
+    (``RopeInAttention``), ``q`` then being the step's fused projection ``[tokens, (H + 2 * KVH) * D]``; the result is
+    what ``rope_and_store`` then this function give, in one launch.
     """
+    if rope is not None and max_query_len != 1:
+        raise ValueError(
+            f"rope in the attention kernel is for decode steps (one query a sequence), not {max_query_len}"
+        )
     if (
-        max_query_len == 1 and not (block_n or num_warps or num_stages or v_regs is not None or unmasked is not None
-                                    or lazy_rescale is not None or max_registers is not None)
+        rope is None and max_query_len == 1
+        and not (block_n or num_warps or num_stages or v_regs is not None or unmasked is not None
+                 or lazy_rescale is not None or max_registers is not None)
         and fp8_decode.supports(q, kv_cache, max_query_len, window) and fp8_decode.enabled()
         and nvrtc.available()
     ):  # fmt: skip
@@ -461,9 +546,15 @@ def paged_attention(
         splits = min(num_splits, triton.cdiv(max_context, fp8_decode.KEYS_PER_TILE))
         return fp8_decode.fp8_decode_attention(q, kv_cache, block_tables, query_start, context_lens, scale, splits)
     _, _, kv_heads, bs, d = kv_cache.shape
-    heads = q.shape[1]
+    if rope is None:
+        heads = q.shape[1]
+        out = torch.empty_like(q)
+    else:
+        heads = rope.heads
+        out = torch.empty((q.shape[0], heads, d), dtype=q.dtype, device=q.device)
+    rope_args = rope.args(out) if rope is not None else [out] * 6 + [0.0]
+    rope_flags = {"ROPE": rope is not None, "QK_NORM": rope is not None and rope.qk_norm is not None}
     group = heads // kv_heads
-    out = torch.empty_like(q)
     seqs = block_tables.shape[0]
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     fp16_dot = kv_cache.element_size() == 1 and q.dtype != torch.float32
@@ -490,10 +581,10 @@ def paged_attention(
         part_ml = torch.empty((seqs, heads, splits, 2), dtype=torch.float32, device=q.device)
         _paged_attention_kernel[(splits, seqs, kv_heads)](
             q, kv_cache, out, block_tables, query_start, context_lens, part_acc, part_ml, out, out,
-            scale, v_offset, block_tables.stride(0), splits, window,
+            scale, v_offset, block_tables.stride(0), splits, window, *rope_args,
             H=heads, GROUP=group, D=d, BS=bs, **strides, BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=1,
             SPLIT=True, TILED=False, PRECISION=precision, INTERPRET=_INTERPRET, FP16_DOT=fp16_dot,
-            V_REGS=v_regs, UNMASKED=unmasked, LAZY=lazy, **launch,
+            V_REGS=v_regs, UNMASKED=unmasked, LAZY=lazy, **rope_flags, **launch,
         )  # fmt: skip
         return merge_splits(part_acc, part_ml, out, splits)
     if tile_map is not None:
@@ -506,9 +597,9 @@ def paged_attention(
         grid = (triton.cdiv(max_query_len, block_m // group), seqs, kv_heads)
     _paged_attention_kernel[grid](
         q, kv_cache, out, block_tables, query_start, context_lens, out, out, tile_seq, tile_idx,
-        scale, v_offset, block_tables.stride(0), 1, window,
+        scale, v_offset, block_tables.stride(0), 1, window, *rope_args,
         H=heads, GROUP=group, D=d, BS=bs, **strides, BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=block_m // group,
         SPLIT=False, TILED=tile_map is not None, PRECISION=precision, INTERPRET=_INTERPRET, FP16_DOT=fp16_dot,
-        V_REGS=v_regs, UNMASKED=unmasked, LAZY=lazy, **launch,
+        V_REGS=v_regs, UNMASKED=unmasked, LAZY=lazy, **rope_flags, **launch,
     )  # fmt: skip
     return out

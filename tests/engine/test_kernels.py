@@ -216,6 +216,47 @@ def _tables(ctx: list[int]) -> torch.Tensor:
     return tables.to(DEV)
 
 
+@pytest.mark.parametrize(("splits", "qk_norm", "dtype", "window"),
+                         [(1, False, torch.float32, 0), (3, True, torch.float32, 0), (8, True, torch.bfloat16, 0),
+                          (3, False, torch.bfloat16, 40)])  # fmt: skip
+def test_rope_in_the_attention_kernel_equals_rope_and_store_then_attention(
+    splits: int, qk_norm: bool, dtype: torch.dtype, window: int
+) -> None:
+    """A decode step's rotary positions and K/V store done by the attention programs (``rope`` of
+    ``paged_attention``) give what ``rope_and_store`` then ``paged_attention`` give: the same cache and outputs (bit
+    for bit on CPU); unsplit and split (the program holding a sequence's last keys stores them), with Qwen3's per-head
+    norm, in bfloat16, with a sliding window; and it is refused for prompt rows."""
+    ctx = [70, 5, 33, 200]
+    tables = _tables(ctx)
+    context = torch.tensor(ctx, dtype=torch.int32, device=DEV)
+    starts = torch.arange(5, dtype=torch.int32, device=DEV)
+    n = len(ctx)
+    qkv = torch.randn(n, (H + 2 * KVH) * D, generator=_g(40)).to(DEV, dtype)
+    pos = (context - 1).int()  # a decode token's position: its context's last
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    emb = torch.arange(256).float()[:, None] * inv[None]
+    cos, sin = torch.cat((emb, emb), -1).cos().to(DEV), torch.cat((emb, emb), -1).sin().to(DEV)
+    slots = torch.stack([tables[i, (c - 1) // BS] * BS + (c - 1) % BS for i, c in enumerate(ctx)]).int()
+    norm = None
+    if qk_norm:
+        qw, kw = ((1 + 0.1 * torch.randn(D, generator=_g(41 + i))).to(DEV, dtype) for i in range(2))
+        norm = ops.QKNorm(qw, kw, 1e-6)
+    cache = torch.randn(2, NB, KVH, BS, D, generator=_g(6)).to(DEV, dtype)
+    fused_cache = cache.clone()
+    q = triton_ops.rope_and_store(qkv, pos, cos, sin, cache, slots, H, KVH, D, norm)
+    want = triton_ops.paged_attention(q, cache, tables, starts, context, D**-0.5, 1, max(ctx), num_splits=splits,
+                                      window=window)  # fmt: skip
+    rope = triton_ops.RopeInAttention(pos, cos, sin, slots, H, norm)
+    got = triton_ops.paged_attention(qkv, fused_cache, tables, starts, context, D**-0.5, 1, max(ctx),
+                                     num_splits=splits, window=window, rope=rope)  # fmt: skip
+    # Bit for bit under the interpreter; compiled, a head norm's sum may add in another order (a flipped rounding).
+    exact = 0 if DEVICE == "cpu" else 2**-7
+    torch.testing.assert_close(fused_cache, cache, rtol=exact, atol=exact)  # the new keys and values, nothing else
+    torch.testing.assert_close(got, want, rtol=exact, atol=exact)
+    with pytest.raises(ValueError, match="decode steps"):
+        triton_ops.paged_attention(qkv, fused_cache, tables, starts, context, D**-0.5, 2, max(ctx), rope=rope)
+
+
 @pytest.mark.parametrize("splits", [1, 3, 8])
 def test_paged_attention_decode_and_prompt_rows_match_dense(splits: int) -> None:
     cache = torch.randn(2, NB, KVH, BS, D, generator=_g(6)).to(DEV)
@@ -919,6 +960,27 @@ def test_family_variants_on_the_kernels(make_engine: MakeEngine, family: str, tm
     checkpoint(family, tmp_path)
     loaded = load_model(str(tmp_path))
     kw: dict[str, object] = {"block_size": 4, "max_model_len": 256, "prompts": FAMILY_PROMPTS}
+    expected = _generate(make_engine, loaded, kernels="torch", **kw)
+    assert _generate(make_engine, loaded, kernels="triton", enforce_eager=True, **kw) == expected
+    assert _generate(make_engine, loaded, kernels="triton", **kw) == expected
+
+
+@pytest.mark.parametrize("family", ["smollm2", "qwen3"])  # GQA groups of 3 and of 2 with per-head norms
+def test_rope_in_the_attention_kernel_generates_what_the_torch_engine_does(
+    make_engine: MakeEngine, family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a decode step's rotary positions and K/V store in its attention launch (``ROPE_IN_ATTENTION``): the
+    embedded model and Qwen3's per-head norms generate what the torch reference does, eager and through the graphs'
+    staged inputs."""
+    from tests.engine.test_model_families import checkpoint
+
+    monkeypatch.setattr(triton_ops, "ROPE_IN_ATTENTION", 1)
+    loaded = None
+    kw: dict[str, object] = {}
+    if family != "smollm2":
+        checkpoint(family, tmp_path)
+        loaded = load_model(str(tmp_path))
+        kw = {"block_size": 4, "max_model_len": 256, "prompts": FAMILY_PROMPTS}
     expected = _generate(make_engine, loaded, kernels="torch", **kw)
     assert _generate(make_engine, loaded, kernels="triton", enforce_eager=True, **kw) == expected
     assert _generate(make_engine, loaded, kernels="triton", **kw) == expected
