@@ -1,34 +1,34 @@
-# GPU run (issue #29, batch 1): RMS norms folded into the launch of the layer after them (token_gemv.cu's NORM;
+# GPU run (issue #29, batch 1), the twenty-first round's candidates against the defaults, each setting in its own
+# process: RMS norms folded into the launch of the layer after them (token_gemv.cu's NORM;
 # engine.kernels.token_gemv.FUSE_NORM, a sum of 1: before the QKV projection, 2: before gate/up with SwiGLU, 4: before
-# a MoE router) against their own launches (0); and e4m3 launches with x staged in halves (X_HALVES=1). qwen3-8b (bf16:
-# 0, 1, 3; FP8 weights: 0, 3, and 3 in halves) and qwen3-30b-a3b (0, 1, 5) at batch 1 (prompt 512, 128 new tokens),
-# each setting in its own process, ROUNDS times (1); then, with PROFILE=1, one profiled run of qwen3-8b with FUSE_NORM=3
-# (each kernel's share of the step). Run bench/device/norm_gemv_tests.sh first; two calls of this make two rounds.
-# `bash bench/device/norm_gemv_round.sh`; carries .whl, .gpu.
+# a MoE router; 0: their own launches); a decode step's rope and K/V store in its attention launch
+# (engine.kernels.triton_ops.ROPE_IN_ATTENTION=1); e4m3 launches with x staged in halves (token_gemv.X_HALVES=1).
+# qwen3-8b bf16 at FUSE_NORM 0, 1, 3 and 3 with the rope folded; FP8 weights at 0, 3 and 3 in halves; qwen3-30b-a3b at
+# 0, 5 and 5 with the rope folded; batch 1, prompt 512, 128 new tokens, ROUNDS times (1). With PROFILE=1, one
+# profiled run of qwen3-8b with all of them (each kernel's share of the step). Run bench/device/norm_gemv_tests.sh
+# first; two calls of this make two rounds. `bash bench/device/norm_gemv_round.sh`; carries .whl, .gpu.
 source bench/device/setup.sh
 python3 bench/device/shape_config.py qwen3-8b /tmp/shapes/qwen3-8b >/dev/null
 python3 bench/device/shape_config.py qwen3-30b-a3b /tmp/shapes/qwen3-30b-a3b >/dev/null
 B1=(--batch-sizes 1 --new-tokens 128)
 K=engine.kernels.token_gemv
+ROPE=engine.kernels.triton_ops.ROPE_IN_ATTENTION
+run() {  # name, shape, then the constants and the engine's arguments as ab_bench takes them
+  local name=$1 shape=$2
+  shift 2
+  ab_bench "$name-$round" "/tmp/shapes/$shape" "$@" | grep -E "^ +1 \|" | sed "s/^/$name $round /" || true
+}
 for round in $(seq "${ROUNDS:-1}"); do
-  for fuse in 0 1 3; do
-    ab_bench "qwen3-8b-fuse$fuse-$round" /tmp/shapes/qwen3-8b $K.FUSE_NORM=$fuse -- "${B1[@]}" \
-      | grep -E "^ +1 \|" | sed "s/^/qwen3-8b fuse=$fuse $round /" || true
-  done
-  for fuse in 0 3; do
-    ab_bench "qwen3-8b-fp8-fuse$fuse-$round" /tmp/shapes/qwen3-8b $K.FUSE_NORM=$fuse -- "${B1[@]}" --quantization fp8 \
-      | grep -E "^ +1 \|" | sed "s/^/qwen3-8b-fp8 fuse=$fuse $round /" || true
-  done
-  ab_bench "qwen3-8b-fp8-halves-$round" /tmp/shapes/qwen3-8b $K.FUSE_NORM=3 $K.X_HALVES=1 -- "${B1[@]}" \
-    --quantization fp8 | grep -E "^ +1 \|" | sed "s/^/qwen3-8b-fp8 fuse=3 halves=1 $round /" || true
-  for fuse in 0 1 5; do
-    ab_bench "qwen3-30b-a3b-fuse$fuse-$round" /tmp/shapes/qwen3-30b-a3b $K.FUSE_NORM=$fuse -- "${B1[@]}" \
-      | grep -E "^ +1 \|" | sed "s/^/qwen3-30b-a3b fuse=$fuse $round /" || true
-  done
+  for fuse in 0 1 3; do run "qwen3-8b-fuse$fuse" qwen3-8b $K.FUSE_NORM=$fuse -- "${B1[@]}"; done
+  run "qwen3-8b-fuse3-rope" qwen3-8b $K.FUSE_NORM=3 $ROPE=1 -- "${B1[@]}"
+  for fuse in 0 3; do run "qwen3-8b-fp8-fuse$fuse" qwen3-8b $K.FUSE_NORM=$fuse -- "${B1[@]}" --quantization fp8; done
+  run "qwen3-8b-fp8-fuse3-halves" qwen3-8b $K.FUSE_NORM=3 $K.X_HALVES=1 -- "${B1[@]}" --quantization fp8
+  for fuse in 0 5; do run "qwen3-30b-a3b-fuse$fuse" qwen3-30b-a3b $K.FUSE_NORM=$fuse -- "${B1[@]}"; done
+  run "qwen3-30b-a3b-fuse5-rope" qwen3-30b-a3b $K.FUSE_NORM=5 $ROPE=1 -- "${B1[@]}"
 done
 if [ -n "${PROFILE:-}" ]; then
-  ENGINE_S=120 ab_bench "qwen3-8b-fuse3-profile" /tmp/shapes/qwen3-8b $K.FUSE_NORM=3 -- --batch-sizes 1 \
+  ENGINE_S=120 ab_bench "qwen3-8b-all-profile" /tmp/shapes/qwen3-8b $K.FUSE_NORM=3 $ROPE=1 -- --batch-sizes 1 \
     --new-tokens 64 --profile >/dev/null || true
-  sed -n '/critical path/,/^[^ ]/p' "$OUT/qwen3-8b-fuse3-profile.log" | head -30 || true
+  sed -n '/critical path/,/^[^ ]/p' "$OUT/qwen3-8b-all-profile.log" | head -30 || true
 fi
 (cd "$OUT" && tar rf runs.tar ./*.log ./*.json && rm -f ./*.log ./*.json) 2>/dev/null || true
