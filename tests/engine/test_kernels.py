@@ -257,6 +257,38 @@ def test_rope_in_the_attention_kernel_equals_rope_and_store_then_attention(
         triton_ops.paged_attention(qkv, fused_cache, tables, starts, context, D**-0.5, 2, max(ctx), rope=rope)
 
 
+@pytest.mark.parametrize(("splits", "window", "rope"), [(1, 0, False), (3, 0, False), (8, 40, False), (3, 0, True)])
+def test_a_first_tile_read_before_the_wait_changes_nothing(splits: int, window: int, rope: bool) -> None:
+    """Decode programs that read their first tile's keys and values from before the step's own ahead of the PDL wait
+    (``prefetch``) give the same outputs, bit for bit on CPU: unsplit and split, with a window, with the rope in the
+    kernel (whose own new key is read after it is stored); refused for prompt rows."""
+    ctx = [70, 5, 33, 200]
+    tables = _tables(ctx)
+    context = torch.tensor(ctx, dtype=torch.int32, device=DEV)
+    starts = torch.arange(5, dtype=torch.int32, device=DEV)
+    args: list[object] = []
+    kw: dict[str, object] = {}
+    cache = torch.randn(2, NB, KVH, BS, D, generator=_g(6)).to(DEV)
+    if rope:
+        qkv = torch.randn(len(ctx), (H + 2 * KVH) * D, generator=_g(50)).to(DEV)
+        emb = torch.arange(256).float()[:, None] * (1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))[None]
+        cos, sin = torch.cat((emb, emb), -1).cos().to(DEV), torch.cat((emb, emb), -1).sin().to(DEV)
+        slots = torch.stack([tables[i, (c - 1) // BS] * BS + (c - 1) % BS for i, c in enumerate(ctx)]).int()
+        kw["rope"] = triton_ops.RopeInAttention((context - 1).int(), cos, sin, slots, H)
+        q = qkv
+    else:
+        q = torch.randn(len(ctx), H, D, generator=_g(51)).to(DEV)
+    early_cache = cache.clone()
+    args = [tables, starts, context, D**-0.5, 1, max(ctx)]
+    want = triton_ops.paged_attention(q, cache, *args, num_splits=splits, window=window, **kw)
+    got = triton_ops.paged_attention(q, early_cache, *args, num_splits=splits, window=window, prefetch=True, **kw)
+    exact = 0 if DEVICE == "cpu" else 1e-5
+    torch.testing.assert_close(got, want, rtol=exact, atol=exact)
+    assert torch.equal(early_cache, cache)
+    with pytest.raises(ValueError, match="decode steps"):
+        triton_ops.paged_attention(q, cache, tables, starts, context, D**-0.5, 2, max(ctx), prefetch=True)
+
+
 @pytest.mark.parametrize("splits", [1, 3, 8])
 def test_paged_attention_decode_and_prompt_rows_match_dense(splits: int) -> None:
     cache = torch.randn(2, NB, KVH, BS, D, generator=_g(6)).to(DEV)
@@ -965,16 +997,17 @@ def test_family_variants_on_the_kernels(make_engine: MakeEngine, family: str, tm
     assert _generate(make_engine, loaded, kernels="triton", **kw) == expected
 
 
-@pytest.mark.parametrize("family", ["smollm2", "qwen3"])  # GQA groups of 3 and of 2 with per-head norms
-def test_rope_in_the_attention_kernel_generates_what_the_torch_engine_does(
-    make_engine: MakeEngine, family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(("family", "rope", "prefetch"), [("smollm2", 1, 0), ("smollm2", 0, 1), ("qwen3", 1, 1)])
+def test_rope_in_the_attention_kernel_and_its_early_reads_generate_what_the_torch_engine_does(
+    make_engine: MakeEngine, family: str, rope: int, prefetch: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With a decode step's rotary positions and K/V store in its attention launch (``ROPE_IN_ATTENTION``): the
-    embedded model and Qwen3's per-head norms generate what the torch reference does, eager and through the graphs'
-    staged inputs."""
+    """With a decode step's rotary positions and K/V store in its attention launch (``ROPE_IN_ATTENTION``), its first
+    tiles read before the PDL wait (``PREFETCH_KV``), or both: the embedded model (GQA groups of 3) and Qwen3 (per-head
+    norms) generate what the torch reference does, eager and through the graphs' staged inputs."""
     from tests.engine.test_model_families import checkpoint
 
-    monkeypatch.setattr(triton_ops, "ROPE_IN_ATTENTION", 1)
+    monkeypatch.setattr(triton_ops, "ROPE_IN_ATTENTION", rope)
+    monkeypatch.setattr(triton_ops, "PREFETCH_KV", prefetch)
     loaded = None
     kw: dict[str, object] = {}
     if family != "smollm2":

@@ -1,0 +1,98 @@
+"""The decode attention kernel (``triton_ops._paged_attention_kernel``) as Triton and ptxas compile it for Hopper,
+without a GPU: with ``PREFETCH`` its programs read their first tile's keys and values, and the block table, context
+length and query start they address them by, before the PDL wait; nothing else. Left to ptxas the loads went below
+the wait (their values are used only later); a CTA fence keeps them in front of it (docs/engine.md, twenty-first
+round). Compiled in a process of its own: this suite's kernel tests run Triton's interpreter, which replaces the
+kernels at import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gwtest import require
+
+require("triton", "make install puts it in")
+
+pytestmark = pytest.mark.timeout(300)
+ROOT = Path(__file__).resolve().parents[2]
+
+# Compiles each variant for sm_90 (qwen3-8b's heads: 32 query heads over 8 KV heads of 128, blocks of 16; the bf16
+# decode tile: 32 keys, one warp, 3 stages) and prints, per variant, the global memory accesses before ACQBULK (the
+# wait; shared and local memory are the CTA's own) and whether the fence is among the 4 instructions before it.
+PROGRAM = r"""
+import json, re, subprocess, sys
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from engine.kernels import triton_ops as T
+
+cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+out = {}
+for name, (split, rope, prefetch) in json.loads(sys.argv[1]).items():
+    sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "out_ptr": "*bf16", "tables_ptr": "*i32", "qstart_ptr": "*i32",
+           "ctx_ptr": "*i32", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "tile_seq_ptr": "*i32",
+           "tile_q_ptr": "*i32", "scale": "fp32", "v_offset": "i64", "table_stride": "i32", "num_splits": "i32",
+           "window": "i32", "pos_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i32",
+           "qn_ptr": "*bf16", "kn_ptr": "*bf16", "eps": "fp32"}
+    consts = dict(H=32, GROUP=4, D=128, BS=16, SB=8 * 16 * 128, SH=16 * 128, SS=128, BLOCK_M=16, BLOCK_N=32,
+                  TILE_Q=1, SPLIT=split, TILED=False, PRECISION="tf32", INTERPRET=False, FP16_DOT=False,
+                  V_REGS=False, UNMASKED=True, LAZY=True, PDL=2, ROPE=rope, QK_NORM=rope, PREFETCH=prefetch)
+    names = list(sig) + list(consts)
+    sig |= {k: "constexpr" for k in consts}
+    aligned = [n for n, t in sig.items() if t.startswith("*")] + ["v_offset", "table_stride"]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    kernel = triton.compile(ASTSource(T._paged_attention_kernel, sig, consts, attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 3})
+    cubin = Path(sys.argv[2]) / f"{name}.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    code = [line.split(";")[0].split("*/", 1)[1].strip() for line in sass.splitlines()
+            if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
+    ops = [c.split()[1] if c.startswith("@") else c.split()[0] for c in code]
+    wait = ops.index("ACQBULK")
+    out[name] = {"before": [o for o in ops[:wait] if o.startswith(("LDG", "LD.", "STG", "ST.", "ATOM", "RED"))],
+                 "fence": "MEMBAR.SC.CTA" in ops[wait - 4 : wait]}
+print(json.dumps(out))
+"""
+
+VARIANTS = {
+    "split": (True, False, False),
+    "split, first tile early": (True, False, True),
+    "split, rope, first tile early": (True, True, True),
+    "unsplit, first tile early": (False, False, True),
+}
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, object]]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, "-c", PROGRAM, json.dumps(VARIANTS), str(tmp_path_factory.mktemp("sass"))],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_only_the_first_tile_and_its_addresses_are_read_before_the_wait(
+    variant: str, compiled: dict[str, dict[str, object]]
+) -> None:
+    got = compiled[variant]
+    prefetch = VARIANTS[variant][2]
+    if not prefetch:
+        assert got["before"] == [], "without PREFETCH nothing is read before the wait"
+        return
+    before = got["before"]
+    assert isinstance(before, list)
+    # The tile's 32 keys and values of 128 bf16 values: 16 KB, 32 loads of 16 bytes a lane of the one warp; its
+    # block-table entry, the query start, the next one and the context length: 4 loads of 4 bytes. No global store.
+    assert before.count("LDG.E.128") == 32 and before.count("LDG.E") == 4, before
+    assert set(before) == {"LDG.E.128", "LDG.E"}, before
+    assert got["fence"], "the fence (MEMBAR.SC.CTA) holds the wait behind them, a few instructions before it"
