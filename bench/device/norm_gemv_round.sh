@@ -2,11 +2,12 @@
 # process: RMS norms folded into the launch of the layer after them (token_gemv.cu's NORM;
 # engine.kernels.token_gemv.FUSE_NORM, a sum of 1: before the QKV projection, 2: before gate/up with SwiGLU, 4: before
 # a MoE router; 0: their own launches); a decode step's rope and K/V store in its attention launch
-# (engine.kernels.triton_ops.ROPE_IN_ATTENTION=1); e4m3 launches with x staged in halves (token_gemv.X_HALVES=1).
-# qwen3-8b bf16 at FUSE_NORM 0, 1, 3 and 3 with the rope folded; FP8 weights at 0, 3 and 3 in halves; qwen3-30b-a3b at
-# 0, 5 and 5 with the rope folded; batch 1, prompt 512, 128 new tokens, ROUNDS times (1). With PROFILE=1, one
-# profiled run of qwen3-8b with all of them (each kernel's share of the step). Run bench/device/norm_gemv_tests.sh
-# first; two calls of this make two rounds. `bash bench/device/norm_gemv_round.sh`; carries .whl, .gpu.
+# (engine.kernels.triton_ops.ROPE_IN_ATTENTION=1) and its attention's first tiles read before the PDL wait
+# (PREFETCH_KV=1); e4m3 launches with x staged in halves (token_gemv.X_HALVES=1). qwen3-8b bf16 at FUSE_NORM 0, 1, 3,
+# then 3 with the rope, then with the prefetch too; FP8 weights at 0, with all of them, and in halves too; qwen3-30b-a3b
+# at 0, 5 and with all of them; batch 1, prompt 512, 128 new tokens, ROUNDS times (1). With PROFILE=1, one profiled
+# run of qwen3-8b with all of them (each kernel's share of the step). Run bench/device/norm_gemv_tests.sh first; two
+# calls of this make two rounds. `bash bench/device/norm_gemv_round.sh`; carries .whl, .gpu.
 source bench/device/setup.sh
 python3 bench/device/shape_config.py qwen3-8b /tmp/shapes/qwen3-8b >/dev/null
 python3 bench/device/shape_config.py qwen3-30b-a3b /tmp/shapes/qwen3-30b-a3b >/dev/null
@@ -18,16 +19,19 @@ run() {  # name, shape, then the constants and the engine's arguments as ab_benc
   shift 2
   ab_bench "$name-$round" "/tmp/shapes/$shape" "$@" | grep -E "^ +1 \|" | sed "s/^/$name $round /" || true
 }
+A=(engine.kernels.triton_ops.ROPE_IN_ATTENTION=1 engine.kernels.triton_ops.PREFETCH_KV=1)  # the attention's two
 for round in $(seq "${ROUNDS:-1}"); do
   for fuse in 0 1 3; do run "qwen3-8b-fuse$fuse" qwen3-8b $K.FUSE_NORM=$fuse -- "${B1[@]}"; done
   run "qwen3-8b-fuse3-rope" qwen3-8b $K.FUSE_NORM=3 $ROPE=1 -- "${B1[@]}"
-  for fuse in 0 3; do run "qwen3-8b-fp8-fuse$fuse" qwen3-8b $K.FUSE_NORM=$fuse -- "${B1[@]}" --quantization fp8; done
-  run "qwen3-8b-fp8-fuse3-halves" qwen3-8b $K.FUSE_NORM=3 $K.X_HALVES=1 -- "${B1[@]}" --quantization fp8
+  run "qwen3-8b-fuse3-rope-prefetch" qwen3-8b $K.FUSE_NORM=3 "${A[@]}" -- "${B1[@]}"
+  run "qwen3-8b-fp8-fuse0" qwen3-8b $K.FUSE_NORM=0 -- "${B1[@]}" --quantization fp8
+  run "qwen3-8b-fp8-all" qwen3-8b $K.FUSE_NORM=3 "${A[@]}" -- "${B1[@]}" --quantization fp8
+  run "qwen3-8b-fp8-all-halves" qwen3-8b $K.FUSE_NORM=3 "${A[@]}" $K.X_HALVES=1 -- "${B1[@]}" --quantization fp8
   for fuse in 0 5; do run "qwen3-30b-a3b-fuse$fuse" qwen3-30b-a3b $K.FUSE_NORM=$fuse -- "${B1[@]}"; done
-  run "qwen3-30b-a3b-fuse5-rope" qwen3-30b-a3b $K.FUSE_NORM=5 $ROPE=1 -- "${B1[@]}"
+  run "qwen3-30b-a3b-all" qwen3-30b-a3b $K.FUSE_NORM=5 "${A[@]}" -- "${B1[@]}"
 done
 if [ -n "${PROFILE:-}" ]; then
-  ENGINE_S=120 ab_bench "qwen3-8b-all-profile" /tmp/shapes/qwen3-8b $K.FUSE_NORM=3 $ROPE=1 -- --batch-sizes 1 \
+  ENGINE_S=120 ab_bench "qwen3-8b-all-profile" /tmp/shapes/qwen3-8b $K.FUSE_NORM=3 "${A[@]}" -- --batch-sizes 1 \
     --new-tokens 64 --profile >/dev/null || true
   sed -n '/critical path/,/^[^ ]/p' "$OUT/qwen3-8b-all-profile.log" | head -30 || true
 fi
