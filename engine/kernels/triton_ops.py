@@ -337,21 +337,27 @@ def _fence_cta(INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _rope_in_place(
-    qkv_ptr, kv_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, qn_ptr, kn_ptr, eps, t, h, g, d, valid,
-    holds_last, v_offset, H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr,
-    SH: tl.constexpr, SS: tl.constexpr, QK_NORM: tl.constexpr,
-):  # fmt: skip
-    # The paged attention kernel's ROPE: its rows' queries (token t, heads h) from qkv, rotated as
-    # _rope_and_store_kernel rotates them; with holds_last, KV head g's key and value of the token stored in the cache,
-    # then a barrier.
-    dt: tl.constexpr = out_ptr.dtype.element_ty
-    t = t.to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    rot = (d + D // 2) % D
-    sign = tl.where(d < D // 2, -1.0, 1.0)
+def _rope_tables(pos_ptr, cos_ptr, sin_ptr, t, d, dt: tl.constexpr, D: tl.constexpr):
+    # Token t's rotary factors at its position, from the float32 tables, rounded to the model dtype as torch does.
+    pos = tl.load(pos_ptr + t.to(tl.int64)).to(tl.int64)
     c = tl.load(cos_ptr + pos * D + d).to(dt).to(tl.float32)
     s = tl.load(sin_ptr + pos * D + d).to(dt).to(tl.float32)
+    return c, s
+
+
+@triton.jit
+def _rope_in_place(
+    qkv_ptr, kv_ptr, out_ptr, c, s, slot_ptr, qn_ptr, kn_ptr, eps, t, h, g, d, valid, holds_last, v_offset,
+    H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr, SH: tl.constexpr,
+    SS: tl.constexpr, QK_NORM: tl.constexpr,
+):  # fmt: skip
+    # The paged attention kernel's ROPE: its rows' queries (token t, heads h) from qkv, rotated as
+    # _rope_and_store_kernel rotates them (c, s: _rope_tables' of the token's position); with holds_last, KV head g's
+    # key and value of the token stored in the cache, then a barrier.
+    dt: tl.constexpr = out_ptr.dtype.element_ty
+    t = t.to(tl.int64)
+    rot = (d + D // 2) % D
+    sign = tl.where(d < D // 2, -1.0, 1.0)
     row = qkv_ptr + t * (H + 2 * (H // GROUP)) * D
     q = tl.load(row + h[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
     qr = tl.load(row + h[:, None] * D + rot[None, :], mask=valid[:, None], other=0.0)
@@ -391,7 +397,7 @@ def _paged_attention_kernel(
     # a barrier makes them visible to its own loads of that tile.
     # PREFETCH (decode steps whose block tables, context lengths and query starts the host wrote): before the PDL wait,
     # while the kernel before still runs, the program reads those, and its first tile's keys and values from before
-    # the step's own keys, which no kernel of the step writes.
+    # the step's own keys, which no kernel of the step writes; with ROPE also the positions and rotary tables.
     if not PREFETCH:
         enter(PDL)
     g = tl.program_id(2)
@@ -437,6 +443,11 @@ def _paged_attention_kernel(
         lo = tl.maximum(lo, ctx - qlen + mt * TILE_Q - window + 1)
     d = tl.arange(0, D)
     table = tables_ptr + s.to(tl.int64) * table_stride
+    if ROPE:  # the host's positions and the rotary tables: before the wait too with PREFETCH
+        rope_c, rope_s = _rope_tables(pos_ptr, cos_ptr, sin_ptr, q0, d, out_ptr.dtype.element_ty, D)
+    else:  # (not read)
+        rope_c = lo
+        rope_s = lo
     if PREFETCH:
         jp = lo + tl.arange(0, BLOCK_N)
         old = jp < tl.minimum(hi, ctx - qlen)
@@ -453,9 +464,8 @@ def _paged_attention_kernel(
         v_pre = lo
     q_rows = (q0 + tq).to(tl.int64) * (H * D) + h * D
     if ROPE:
-        q = _rope_in_place(q_ptr, kv_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, qn_ptr, kn_ptr, eps, q0, h, g,
-                           d, valid, (lo < hi) & (hi == ctx) & ok, v_offset, H, GROUP, D, BS, SB, SH, SS,
-                           QK_NORM)  # fmt: skip
+        q = _rope_in_place(q_ptr, kv_ptr, out_ptr, rope_c, rope_s, slot_ptr, qn_ptr, kn_ptr, eps, q0, h, g, d, valid,
+                           (lo < hi) & (hi == ctx) & ok, v_offset, H, GROUP, D, BS, SB, SH, SS, QK_NORM)  # fmt: skip
     else:
         q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
     if FP16_DOT:

@@ -92,7 +92,9 @@ def test_only_the_first_tile_and_its_addresses_are_read_before_the_wait(
     before = got["before"]
     assert isinstance(before, list)
     # The tile's 32 keys and values of 128 bf16 values: 16 KB, 32 loads of 16 bytes a lane of the one warp; its
-    # block-table entry, the query start, the next one and the context length: 4 loads of 4 bytes. No global store.
-    assert before.count("LDG.E.128") == 32 and before.count("LDG.E") == 4, before
+    # block-table entry, the query start, the next one and the context length: 4 loads of 4 bytes. With the rope, the
+    # token's position (4 bytes) and its rows of the float32 cos and sin tables (16 bytes a lane each). No global store.
+    rope = VARIANTS[variant][1]
+    assert before.count("LDG.E.128") == 32 + 2 * rope and before.count("LDG.E") == 4 + rope, before
     assert set(before) == {"LDG.E.128", "LDG.E"}, before
     assert got["fence"], "the fence (MEMBAR.SC.CTA) holds the wait behind them, a few instructions before it"
