@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
@@ -32,11 +34,25 @@ require("triton", "make install puts it in")
 
 pytestmark = pytest.mark.timeout(300)
 DEV = torch.device(DEVICE)
+T = TypeVar("T")
 H, KVH, D, BS, NB = 9, 3, 64, 16, 40  # SmolLM2's head layout
 
 
 def _g(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def _captured(step: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """A CUDA graph of ``step`` on a side stream, and what the capture returned (its outputs, which each replay
+    rewrites); ``step`` runs once before, outside the capture, so that its kernels are compiled."""
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(side):
+        step()
+        with torch.cuda.graph(graph, stream=side):
+            out = step()
+    return graph, out
 
 
 def test_norms_and_swiglu_match_torch() -> None:
@@ -544,13 +560,7 @@ def test_one_tokens_cuda_matmul_matches_the_float32_product(act: torch.dtype, mo
         monkeypatch.setattr(token_gemv, "EARLY", early)
         monkeypatch.setattr(token_gemv, "PIN_LOADS", pin)
         x = torch.randn(1, 1024, generator=g).to(DEV).to(act)
-        graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream())  # type: ignore[no-untyped-call]
-        with torch.cuda.stream(side):
-            gemv(gemv(x, w1), w2)  # compile outside the capture
-            with torch.cuda.graph(graph, stream=side):
-                y = gemv(gemv(x, w1), w2)
+        graph, y = _captured(lambda x=x: gemv(gemv(x, w1), w2))
         for _ in range(3):
             x.copy_(torch.randn(1, 1024, generator=g).to(DEV).to(act))
             graph.replay()
@@ -601,13 +611,7 @@ def test_the_cuda_norm_matches_torch_and_the_triton_kernel(act: torch.dtype, mon
         h, r2 = triton_ops.add_rms_norm(gemv(x, w1), res, nw, 1e-6)
         return gemv(h, w2), r2
 
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    side.wait_stream(torch.cuda.current_stream())  # type: ignore[no-untyped-call]
-    with torch.cuda.stream(side):
-        chain()  # compile outside the capture
-        with torch.cuda.graph(graph, stream=side):
-            y, r2 = chain()
+    graph, (y, r2) = _captured(chain)
     for _ in range(3):
         x.copy_(torch.randn(1, 1024, generator=g).to(DEV).to(act))
         res.copy_(torch.randn(1, 2048, generator=g).to(DEV).to(act))
@@ -698,13 +702,7 @@ def test_the_cuda_matmul_with_its_norm_matches_the_norm_then_the_matmul(
         b, r3 = token_gemv.token_norm_gemv(gemv(a, w1), r2, nw, 1e-6, w3, None, None, False)
         return b, r3
 
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    side.wait_stream(torch.cuda.current_stream())  # type: ignore[no-untyped-call]
-    with torch.cuda.stream(side):
-        chain2()  # compile outside the capture
-        with torch.cuda.graph(graph, stream=side):
-            y, r3 = chain2()
+    graph, (y, r3) = _captured(chain2)
     for _ in range(3):
         x.copy_(torch.randn(1, 1024, generator=g).to(DEV).to(act))
         res.copy_(torch.randn(1, 2048, generator=g).to(DEV).to(act))

@@ -544,15 +544,23 @@ def test_one_tokens_cuda_router_with_the_norm_in_it_routes_the_norm(monkeypatch:
     inputs = [torch.randn(1, hidden, generator=_g(15)).to(DEV, torch.bfloat16),
               torch.randn(1, top_k, hidden, generator=_g(16)).to(DEV, torch.bfloat16),
               torch.randn(1, 2, hidden, generator=_g(17)).to(DEV)]  # fmt: skip
-    for x in inputs:
-        assert token_gemv.fuses_norm_route(x, res, nw, gate, top_k)
-        w, ids, h, r = token_gemv.token_norm_route(x, res, nw, 1e-6, gate, top_k, True)
+
+    def check(x: torch.Tensor, routed: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The residual stream exactly, the stored norm within a rounding, the routing of that norm; the stream."""
+        w, ids, h, r = routed
         h_ref, r_ref = token_norm.token_norm(x, res, nw, 1e-6)
         torch.testing.assert_close(r, r_ref, rtol=0, atol=0)
         torch.testing.assert_close(h, h_ref, rtol=2**-7, atol=2**-7)
         want_w, want_ids = route(h @ gate.T, top_k, True, False)
         _same_picks(h @ gate.T, ids, want_ids)
         torch.testing.assert_close(w.float(), want_w.float(), atol=1e-6, rtol=8e-3)
+        return r_ref
+
+    for x in inputs:
+        assert token_gemv.fuses_norm_route(x, res, nw, gate, top_k)
+        routed = token_gemv.token_norm_route(x, res, nw, 1e-6, gate, top_k, True)
+        r_ref = check(x, routed)
+        h = routed[2]
         with torch.no_grad():
             got = model.norm_forward(x, res, nw, 1e-6)
             assert got is not None
@@ -564,14 +572,9 @@ def test_one_tokens_cuda_router_with_the_norm_in_it_routes_the_norm(monkeypatch:
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        out_w, out_ids, out_h, out_r = token_gemv.token_norm_route(x, res, nw, 1e-6, gate, top_k, True)
+        replayed = token_gemv.token_norm_route(x, res, nw, 1e-6, gate, top_k, True)
     for seed in (42, 43):
         x.copy_(torch.randn(1, hidden, generator=_g(seed)).to(DEV, torch.bfloat16))
         graph.replay()
         torch.cuda.synchronize()
-        h_ref, r_ref = token_norm.token_norm(x, res, nw, 1e-6)
-        torch.testing.assert_close(out_r, r_ref, rtol=0, atol=0)
-        torch.testing.assert_close(out_h, h_ref, rtol=2**-7, atol=2**-7)
-        want_w, want_ids = route(out_h @ gate.T, top_k, True, False)
-        _same_picks(out_h @ gate.T, out_ids, want_ids)
-        torch.testing.assert_close(out_w.float(), want_w.float(), atol=1e-6, rtol=8e-3)
+        check(x, replayed)
