@@ -442,13 +442,13 @@ def _paged_attention_kernel(
         # Keys before the window of the tile's first query are never seen: skip them.
         lo = tl.maximum(lo, ctx - qlen + mt * TILE_Q - window + 1)
     d = tl.arange(0, D)
-    table = tables_ptr + s.to(tl.int64) * table_stride
     if ROPE:  # the host's positions and the rotary tables: before the wait too with PREFETCH
         rope_c, rope_s = _rope_tables(pos_ptr, cos_ptr, sin_ptr, q0, d, out_ptr.dtype.element_ty, D)
     else:  # (not read)
         rope_c = lo
         rope_s = lo
     if PREFETCH:
+        table = tables_ptr + s.to(tl.int64) * table_stride
         jp = lo + tl.arange(0, BLOCK_N)
         old = jp < tl.minimum(hi, ctx - qlen)
         blk = tl.load(table + jp // BS, mask=jp < hi, other=0).to(tl.int64)
@@ -474,6 +474,8 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
+    if not PREFETCH:
+        table = tables_ptr + s.to(tl.int64) * table_stride
     qk_scale = scale * 1.4426950408889634  # log2(e): the softmax runs in base 2
     # Tiles every query of the program sees whole run without masks; the rest (the causal diagonal, a context's
     # last partial tile, a sliding window's rows) with them. A decode query sees every key of [lo, hi).
@@ -484,7 +486,8 @@ def _paged_attention_kernel(
         elif window == 0:
             seen_by_all = tl.minimum(hi, ctx - qlen + mt * TILE_Q + 1)  # keys up to the tile's first query
             mid = lo + tl.maximum(seen_by_all - lo, 0) // BLOCK_N * BLOCK_N
-    first = lo
+    first = lo  # the loops' bounds: [first, mid) unmasked, [second, hi) masked
+    second = mid
     if PREFETCH:  # the first tile, read before the wait, as a masked one
         if lo < hi:
             m_i, l_i, acc = _attend(
@@ -492,6 +495,7 @@ def _paged_attention_kernel(
                 off_pre, old, H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET, True, LAZY, True,
             )  # fmt: skip
         first = lo + BLOCK_N
+        second = tl.maximum(mid, first)
     if INTERPRET:
         # Triton's interpreter cannot run a `for` over a loaded bound; a `while` is the same loop.
         n0 = first
@@ -513,7 +517,7 @@ def _paged_attention_kernel(
                 q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, qk_scale, v_offset, window, k_pre, v_pre,
                 off_pre, old, H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET, False, LAZY,
             )  # fmt: skip
-        for n0 in range(tl.maximum(mid, first), hi, BLOCK_N):
+        for n0 in range(second, hi, BLOCK_N):
             m_i, l_i, acc = _attend(
                 q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, qk_scale, v_offset, window, k_pre, v_pre,
                 off_pre, old, H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET, True, LAZY,
