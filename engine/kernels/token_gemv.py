@@ -160,10 +160,17 @@ def supports_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     residual's update) and a linear layer ``supports`` takes, whose tile gives each thread whole 16-byte chunks of the
     norm."""
     ref = residual if residual is not None else x
-    if not (token_norm.supports(x, residual, norm_weight) and supports(ref, weight, swiglu)):
-        return False
+    return (
+        token_norm.supports(x, residual, norm_weight) and supports(ref, weight, swiglu)
+        and _norm_fits(ref.shape[1], weight, swiglu)
+    )  # fmt: skip
+
+
+def _norm_fits(width: int, weight: torch.Tensor, swiglu: bool) -> bool:
+    """A norm of ``width`` columns folds into ``weight``'s launch: it is the layer's input, and the layer's tile gives
+    each thread whole 16-byte chunks of it (token_gemv.cu's NORM)."""
     k = weight.shape[1]
-    return ref.shape[1] == k and (k // 8) % (32 * tile_for(weight, swiglu).warps) == 0
+    return width == k and (k // 8) % (32 * tile_for(weight, swiglu).warps) == 0
 
 
 def fuses_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, weight: torch.Tensor,
@@ -291,7 +298,7 @@ def supports_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: to
     router ``supports_router`` takes, whose tile gives each thread whole 16-byte chunks of the norm."""
     return (
         token_norm.supports(x, residual, norm_weight) and supports_router(residual, gate, top_k)
-        and residual.shape[1] == gate.shape[1] and (gate.shape[1] // 8) % (32 * tile_for(gate, False).warps) == 0
+        and _norm_fits(residual.shape[1], gate, False)
     )  # fmt: skip
 
 

@@ -42,6 +42,19 @@ def _g(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def _cuda_or_triton(monkeypatch: pytest.MonkeyPatch, variable: str, uses_cuda: Callable[[], bool]) -> None:
+    """A switch between a CUDA C++ kernel and Triton's: unset it is CUDA, ``triton`` is Triton, anything else an error
+    naming the variable."""
+    monkeypatch.delenv(variable, raising=False)
+    assert uses_cuda()
+    monkeypatch.setenv(variable, "triton")
+    assert not uses_cuda()
+    monkeypatch.setenv(variable, "cutlass")
+    with pytest.raises(ValueError, match=f"{variable} must be 'cuda' or 'triton'"):
+        uses_cuda()
+    monkeypatch.delenv(variable)
+
+
 def _captured(step: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
     """A CUDA graph of ``step`` on a side stream, and what the capture returned (its outputs, which each replay
     rewrites); ``step`` runs once before, outside the capture, so that its kernels are compiled."""
@@ -441,12 +454,7 @@ def test_one_tokens_cuda_matmul_takes_what_it_divides(monkeypatch: pytest.Monkey
     assert token_gemv.tile_for(torch.zeros(4096, 4096, dtype=torch.bfloat16), False) == token_gemv.TokenTile(4, 1, 8)
     assert token_gemv.tile_for(torch.zeros(64, 1536, dtype=torch.bfloat16), False).unroll == 6  # 6 chunks a lane
     assert token_gemv.tile_for(torch.zeros(64, 512, dtype=torch.float8_e4m3fn), False).unroll == 1
-    assert token_gemv.enabled()
-    monkeypatch.setenv("ENGINE_TOKEN_GEMV", "triton")
-    assert not token_gemv.enabled()
-    monkeypatch.setenv("ENGINE_TOKEN_GEMV", "cutlass")
-    with pytest.raises(ValueError, match="ENGINE_TOKEN_GEMV must be 'cuda' or 'triton'"):
-        token_gemv.enabled()
+    _cuda_or_triton(monkeypatch, "ENGINE_TOKEN_GEMV", token_gemv.enabled)
 
 
 def test_the_cuda_norm_takes_what_it_divides(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -467,12 +475,7 @@ def test_the_cuda_norm_takes_what_it_divides(monkeypatch: pytest.MonkeyPatch) ->
     big = torch.zeros(token_norm.MAX_ROWS + 1, 4096, dtype=bf)
     assert not token_norm.supports(big, big, w)  # more rows than a decode step's
     assert [token_norm.vec_for(n) for n in (2048, 4096, 5120, 8192, 4000)] == [1, 1, 2, 2, 0]
-    assert token_norm.enabled()
-    monkeypatch.setenv("ENGINE_TOKEN_NORM", "triton")
-    assert not token_norm.enabled()
-    monkeypatch.setenv("ENGINE_TOKEN_NORM", "yes")
-    with pytest.raises(ValueError, match="ENGINE_TOKEN_NORM must be 'cuda' or 'triton'"):
-        token_norm.enabled()
+    _cuda_or_triton(monkeypatch, "ENGINE_TOKEN_NORM", token_norm.enabled)
 
 
 def test_the_norm_goes_into_one_tokens_cuda_matmul_where_it_divides(monkeypatch: pytest.MonkeyPatch) -> None:
