@@ -543,6 +543,12 @@ ROPE_IN_ATTENTION = 0
 # A decode step's attention programs read their first tile before the PDL wait (paged_attention's ``prefetch``) where
 # the caller's block tables are the host's (engine.kernels.ops.TritonOps.attention). Off until measured on a GPU.
 PREFETCH_KV = 0
+# Where a step's attention kernel lets the next kernel launch under PDL: PDL_LOOP once its programs leave their loop,
+# PDL_EARLY first thing. The tenth round measured the two within 0.3% on the Qwen3 shapes and chose LOOP (SmolLM2 lost
+# 9% early), before the one-token matmul asked for its first weight chunks before its wait (nineteenth round). Early,
+# the merge's and then the output projection's blocks are placed while the attention runs, and half of that
+# projection's weight streams then (docs/engine.md, twenty-first round). LOOP until a GPU measures EARLY.
+ATTENTION_TRIGGER = PDL_LOOP
 
 
 @dataclass(frozen=True, slots=True)
@@ -638,7 +644,7 @@ def paged_attention(
     lazy = (tile.lazy_rescale if lazy_rescale is None else lazy_rescale) and max_query_len == 1
     regs = tile.max_registers if max_registers is None else max_registers
     launch = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": regs} if regs else {}),
-              **pdl_launch(q.device, q.shape[0], PDL_LOOP)}  # fmt: skip
+              **pdl_launch(q.device, q.shape[0], ATTENTION_TRIGGER)}  # fmt: skip
     _check_cache(kv_cache)
     v_offset = kv_cache.stride(0)
     strides = {"SB": kv_cache.stride(1), "SH": kv_cache.stride(2), "SS": kv_cache.stride(3)}

@@ -318,6 +318,27 @@ def test_a_first_tile_read_before_the_wait_changes_nothing(splits: int, window: 
         triton_ops.paged_attention(q, cache, tables, starts, context, D**-0.5, 2, max(ctx), prefetch=True)
 
 
+def test_the_attention_launch_asks_for_its_trigger(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attention's launch lets the next kernel in where ``ATTENTION_TRIGGER`` says (after the loop, or first thing
+    to measure it; where in the compiled kernel: tests/engine/test_attention_sass.py)."""
+    asked: list[int] = []
+
+    def recording(device: torch.device, tokens: int, trigger: int = kernels.PDL_EARLY) -> dict[str, object]:
+        asked.append(trigger)
+        return kernels.pdl_launch(device, tokens, trigger)
+
+    monkeypatch.setattr(triton_ops, "pdl_launch", recording)
+    ctx = [70, 5]
+    q = torch.randn(len(ctx), H, D, generator=_g(51)).to(DEV)
+    cache = torch.randn(2, NB, KVH, BS, D, generator=_g(6)).to(DEV)
+    context = torch.tensor(ctx, dtype=torch.int32, device=DEV)
+    starts = torch.arange(len(ctx) + 1, dtype=torch.int32, device=DEV)
+    for trigger in (kernels.PDL_LOOP, kernels.PDL_EARLY):
+        monkeypatch.setattr(triton_ops, "ATTENTION_TRIGGER", trigger)
+        triton_ops.paged_attention(q, cache, _tables(ctx), starts, context, D**-0.5, 1, max(ctx))
+        assert asked[-1] == trigger
+
+
 @pytest.mark.parametrize("splits", [1, 3, 8])
 def test_paged_attention_decode_and_prompt_rows_match_dense(splits: int) -> None:
     cache = torch.randn(2, NB, KVH, BS, D, generator=_g(6)).to(DEV)
