@@ -89,6 +89,7 @@ static_assert(!NORM || (K / 8) % (32 * WARPS) == 0, "the norm: whole 16-byte chu
 static_assert(!NORM || !EXPERTS, "the norm before a linear layer's matmul or a router's");
 static_assert(!NORM_STORE || NORM, "the norm's output stored");
 static_assert((NORM_PARTS == 1 && !NORM_F32) || NORM == 2, "parts are summed only before a residual add");
+static_assert(!NORM_F32 || NORM_PARTS > 1, "float32 x only as parts");
 
 // Where x's 16 bytes i (values 8i..8i+7) are staged, in 16-byte units: with XHALVES, half i % 2 of chunk i / 2.
 __device__ __forceinline__ int x_slot(int i) { return XHALVES ? (i & 1) * (K / 16) + (i >> 1) : i; }

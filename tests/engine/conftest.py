@@ -35,6 +35,19 @@ torch.set_num_threads(1)
 DEVICE = os.environ.get("ENGINE_TEST_DEVICE", "cpu")
 
 
+def assert_within_one_rounding(got: torch.Tensor, want: torch.Tensor, share: float = 1e-3) -> None:
+    """16-bit ``got`` equals ``want`` but in at most ``share`` of its values, each then at most two 16-bit steps away:
+    what an RMS norm's sum of squares added in another order may do (the normalised value one rounding off, and the
+    product with the norm's weight rounded once more). A tolerance would also pass a sum that is a little wrong,
+    which moves every value by up to a rounding."""
+    assert got.shape == want.shape and got.dtype == want.dtype and got.element_size() == 2, (got, want)
+    differ = got != want
+    assert differ.float().mean().item() <= share, f"{int(differ.sum())} of {got.numel()} values differ"
+    if differ.any():
+        steps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+        assert int(steps[differ].max()) <= 2, "a value more than a rounding away"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _triton_interpreter_patched_once() -> None:
     """Triton's interpreter (the kernels on CPU) without re-patching triton.language at every helper call: set up

@@ -7,6 +7,7 @@ replays are checked against eager steps too. Skipped when the triton package is 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Callable
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from gwtest import require
 
-from tests.engine.conftest import DEVICE, MakeEngine
+from tests.engine.conftest import DEVICE, MakeEngine, assert_within_one_rounding
 
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -659,8 +660,8 @@ def test_the_cuda_matmul_with_its_norm_matches_the_norm_then_the_matmul(
 ) -> None:
     """``token_norm_gemv`` against the CUDA norm's launch followed by the matmul's, and against torch: the first norm
     (no residual), the residual add of one row, of a MoE layer's 16-bit parts and of float32 parts; 16-bit and e4m3
-    weights (x as it is and in halves), SwiGLU, through ``TritonOps.norm_linear``; and under PDL in a CUDA graph
-    between two matmuls, replayed with new tokens."""
+    weights (x as it is and in halves), SwiGLU; the normed token itself, through an identity weight; through
+    ``TritonOps.norm_linear``; and under PDL in a CUDA graph between two matmuls, replayed with new tokens."""
     from engine.kernels import token_gemv, token_norm
     from engine.kernels.gemv import gemv
 
@@ -701,6 +702,24 @@ def test_the_cuda_matmul_with_its_norm_matches_the_norm_then_the_matmul(
                         gate, up = y_ref.chunk(2, dim=-1)
                         y_ref = F.silu(gate) * up
                     torch.testing.assert_close(y.float(), y_ref, rtol=2e-2, atol=2e-2 * y_ref.abs().max().item())
+    # The normed token itself: through an identity weight every output is one product 1 * h, exact, so y is what the
+    # launch staged. Against the norm's launch: equal but for a rare value one rounding away (the sum of squares is
+    # added in another order). Inputs of RMS ~3 and ~5, so that an inverse RMS a little wrong would show.
+    for k in (2048, 4096):
+        eye = torch.eye(k, device=DEV)
+        res = (5 * torch.randn(1, k, generator=g)).to(DEV).to(act)
+        nw = (1 + 0.1 * torch.randn(k, generator=g)).to(DEV).to(act)
+        for (weight, sc), halves in itertools.product(
+            ((eye.to(act), None), (eye.to(torch.float8_e4m3fn), torch.ones(k, device=DEV))), (0, 1)
+        ):
+            monkeypatch.setattr(token_gemv, "X_HALVES", halves)  # (16-bit weights stage x as it is either way)
+            for x, r in (((3 * torch.randn(1, k, generator=g)).to(DEV).to(act), None),
+                         ((3 * torch.randn(1, k, generator=g)).to(DEV).to(act), res),
+                         ((3 * torch.randn(1, 8, k, generator=g)).to(DEV).to(act), res),
+                         ((3 * torch.randn(1, 2, k, generator=g)).to(DEV), res)):  # fmt: skip
+                assert token_gemv.supports_norm(x, r, nw, weight, False)
+                y, _ = token_gemv.token_norm_gemv(x, r, nw, 1e-6, weight, sc, None, False)
+                assert_within_one_rounding(y, token_norm.token_norm(x, r, nw, 1e-6)[0])
     monkeypatch.setattr(token_gemv, "X_HALVES", 0)
     # Through the ops' dispatch: one launch (no norm launched apart), the composed ops' result.
     layer = torch.nn.Linear(2048, 512, bias=False).to(DEV).to(act)
@@ -713,16 +732,20 @@ def test_the_cuda_matmul_with_its_norm_matches_the_norm_then_the_matmul(
     y2, r2 = ops.composed_norm_linear(triton, layer, x, res, nw, 1e-6, False)
     torch.testing.assert_close(r_out, r2, rtol=0, atol=0)
     torch.testing.assert_close(y, y2, rtol=tol, atol=tol * y2.abs().max().item())
-    # Under PDL in a graph: the fused launch reads the matmul before's output and the residual; the matmul after
-    # reads its output, and a second fused launch reads the residual stream its block 0 stored.
+    # Under PDL in a graph: the fused launch (e4m3, letting the next kernel in first thing) reads the matmul before's
+    # output and the residual; the matmul after reads its output, and a second fused launch (16-bit) reads the
+    # residual stream the first one's block 0 stored.
     w1 = (torch.randn(2048, 1024, generator=g) * 0.05).to(DEV).to(act)
-    w2 = (torch.randn(1024, 2048, generator=g) * 0.05).to(DEV).to(act)
+    w2 = (torch.randn(1024, 2048, generator=g) * 0.05).to(DEV)
+    s2 = w2.abs().amax(1) / 448
+    w2q = (w2 / s2[:, None]).to(torch.float8_e4m3fn)  # e4m3: this launch lets the next one in first thing (EARLY)
+    w2 = (w2q.float() * s2[:, None]).to(act)  # what it computes with, for the reference
     w3 = (torch.randn(256, 2048, generator=g) * 0.05).to(DEV).to(act)
     x = torch.randn(1, 1024, generator=g).to(DEV).to(act)
     res = torch.randn(1, 2048, generator=g).to(DEV).to(act)
 
     def chain2() -> tuple[torch.Tensor, torch.Tensor]:
-        a, r2 = token_gemv.token_norm_gemv(gemv(x, w1), res, nw, 1e-6, w2, None, None, False)  # [1, 1024]
+        a, r2 = token_gemv.token_norm_gemv(gemv(x, w1), res, nw, 1e-6, w2q, s2, None, False)  # [1, 1024]
         b, r3 = token_gemv.token_norm_gemv(gemv(a, w1), r2, nw, 1e-6, w3, None, None, False)
         return b, r3
 
