@@ -4,13 +4,15 @@
 # a MoE router; 0: their own launches); a decode step's rope and K/V store in its attention launch
 # (engine.kernels.triton_ops.ROPE_IN_ATTENTION=1) and its attention's first tiles read before the PDL wait
 # (PREFETCH_KV=1); the attention letting the next kernel in first thing (ATTENTION_TRIGGER=1, PDL_EARLY; 2, after its
-# loop, is the default); e4m3 launches with x staged in halves (token_gemv.X_HALVES=1).
-# PART=1: qwen3-8b bf16 at FUSE_NORM 0, the attention early alone, FUSE_NORM 1, 3, then 3 with the rope, with the
-# prefetch too, and with the attention early too; SmolLM2's shape with the attention after its loop and early.
-# PART=2: FP8 weights at 0, the attention early alone, all of them without it and with it, and in halves too;
-# qwen3-30b-a3b at 0, 5, and with all of them. Unset: both (more than one call's 600 s).
-# Batch 1, prompt 512, 128 new tokens, ROUNDS times (1). With PROFILE=1, one profiled run of qwen3-8b with all of them
-# (each kernel's share of the step). Run bench/device/norm_gemv_tests.sh first.
+# loop, is the default), and with it a second run of every weight row staged in shared memory before the wait
+# (token_gemv.STAGE_RUNS=1); e4m3 launches with x staged in halves (token_gemv.X_HALVES=1).
+# PART=1: qwen3-8b bf16 at FUSE_NORM 0, with the attention early, and staged too; at FUSE_NORM 1, 3, then 3 with the
+# rope, with the prefetch too, with the attention early too, and staged too; SmolLM2's shape with either trigger.
+# PART=2: FP8 weights at 0, with the attention early, and staged too; all but those two, and all of them, and in halves
+# too; qwen3-30b-a3b at 0, 5, and with all of them.
+# Unset: both (more than one call's 600 s). Batch 1, prompt 512, 128 new tokens, ROUNDS times (1). With PROFILE=1,
+# one profiled run of qwen3-8b with all of them (each kernel's share of the step). Run
+# bench/device/norm_gemv_tests.sh first.
 # `PART=1 bash bench/device/norm_gemv_round.sh`, then `PART=2 ...`; carries .whl, .gpu.
 source bench/device/setup.sh
 python3 bench/device/shape_config.py qwen3-8b /tmp/shapes/qwen3-8b >/dev/null
@@ -25,33 +27,38 @@ run() {  # name, shape, then the constants and the engine's arguments as ab_benc
 }
 A=(engine.kernels.triton_ops.ROPE_IN_ATTENTION=1 engine.kernels.triton_ops.PREFETCH_KV=1)  # the attention's two
 EARLY=engine.kernels.triton_ops.ATTENTION_TRIGGER=1
+STAGE=$K.STAGE_RUNS=1
 for round in $(seq "${ROUNDS:-1}"); do
   if [ "${PART:-1}" = 1 ]; then
     run "qwen3-8b-fuse0" qwen3-8b $K.FUSE_NORM=0 -- "${B1[@]}"
     run "qwen3-8b-early" qwen3-8b $K.FUSE_NORM=0 $EARLY -- "${B1[@]}"
+    run "qwen3-8b-early-stage" qwen3-8b $K.FUSE_NORM=0 $EARLY $STAGE -- "${B1[@]}"
     for fuse in 1 3; do run "qwen3-8b-fuse$fuse" qwen3-8b $K.FUSE_NORM=$fuse -- "${B1[@]}"; done
     run "qwen3-8b-fuse3-rope" qwen3-8b $K.FUSE_NORM=3 $ROPE=1 -- "${B1[@]}"
     run "qwen3-8b-fuse3-rope-prefetch" qwen3-8b $K.FUSE_NORM=3 "${A[@]}" -- "${B1[@]}"
     run "qwen3-8b-all-early" qwen3-8b $K.FUSE_NORM=3 "${A[@]}" $EARLY -- "${B1[@]}"
+    run "qwen3-8b-all-early-stage" qwen3-8b $K.FUSE_NORM=3 "${A[@]}" $EARLY $STAGE -- "${B1[@]}"
     for early in 2 1; do  # the embedded model, whose attention lost 9% early in the tenth round
       ab_bench "smollm2-trigger$early-$round" "$MODEL" engine.kernels.triton_ops.ATTENTION_TRIGGER=$early -- \
         "${B1[@]}" | grep -E "^ +1 \|" | sed "s/^/smollm2-trigger$early $round /" || true
     done
   fi
   if [ "${PART:-2}" = 2 ]; then
-    run "qwen3-8b-fp8-fuse0" qwen3-8b $K.FUSE_NORM=0 -- "${B1[@]}" --quantization fp8
-    run "qwen3-8b-fp8-early" qwen3-8b $K.FUSE_NORM=0 $EARLY -- "${B1[@]}" --quantization fp8
-    run "qwen3-8b-fp8-all" qwen3-8b $K.FUSE_NORM=3 "${A[@]}" -- "${B1[@]}" --quantization fp8
-    run "qwen3-8b-fp8-all-early" qwen3-8b $K.FUSE_NORM=3 "${A[@]}" $EARLY -- "${B1[@]}" --quantization fp8
-    run "qwen3-8b-fp8-all-early-halves" qwen3-8b $K.FUSE_NORM=3 "${A[@]}" $EARLY $K.X_HALVES=1 -- "${B1[@]}" \
-      --quantization fp8
+    F8=(--quantization fp8)
+    run "qwen3-8b-fp8-fuse0" qwen3-8b $K.FUSE_NORM=0 -- "${B1[@]}" "${F8[@]}"
+    run "qwen3-8b-fp8-early" qwen3-8b $K.FUSE_NORM=0 $EARLY -- "${B1[@]}" "${F8[@]}"
+    run "qwen3-8b-fp8-early-stage" qwen3-8b $K.FUSE_NORM=0 $EARLY $STAGE -- "${B1[@]}" "${F8[@]}"
+    run "qwen3-8b-fp8-all" qwen3-8b $K.FUSE_NORM=3 "${A[@]}" -- "${B1[@]}" "${F8[@]}"
+    run "qwen3-8b-fp8-all-early-stage" qwen3-8b $K.FUSE_NORM=3 "${A[@]}" $EARLY $STAGE -- "${B1[@]}" "${F8[@]}"
+    run "qwen3-8b-fp8-all-early-stage-halves" qwen3-8b $K.FUSE_NORM=3 "${A[@]}" $EARLY $STAGE $K.X_HALVES=1 -- \
+      "${B1[@]}" "${F8[@]}"
     for fuse in 0 5; do run "qwen3-30b-a3b-fuse$fuse" qwen3-30b-a3b $K.FUSE_NORM=$fuse -- "${B1[@]}"; done
-    run "qwen3-30b-a3b-all-early" qwen3-30b-a3b $K.FUSE_NORM=5 "${A[@]}" $EARLY -- "${B1[@]}"
+    run "qwen3-30b-a3b-all-early-stage" qwen3-30b-a3b $K.FUSE_NORM=5 "${A[@]}" $EARLY $STAGE -- "${B1[@]}"
   fi
 done
 if [ -n "${PROFILE:-}" ]; then
-  ENGINE_S=120 ab_bench "qwen3-8b-all-profile" /tmp/shapes/qwen3-8b $K.FUSE_NORM=3 "${A[@]}" $EARLY -- --batch-sizes 1 \
-    --new-tokens 64 --profile >/dev/null || true
+  ENGINE_S=120 ab_bench "qwen3-8b-all-profile" /tmp/shapes/qwen3-8b $K.FUSE_NORM=3 "${A[@]}" $EARLY $STAGE -- \
+    --batch-sizes 1 --new-tokens 64 --profile >/dev/null || true
   sed -n '/critical path/,/^[^ ]/p' "$OUT/qwen3-8b-all-profile.log" | head -30 || true
 fi
 (cd "$OUT" && tar rf runs.tar ./*.log ./*.json && rm -f ./*.log ./*.json) 2>/dev/null || true

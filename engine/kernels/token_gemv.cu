@@ -13,13 +13,19 @@
 // before wrote (x, the routing's ids and weights) is read with plain ld.global, which stays after it. Read-only loads
 // may also be moved below the fence and the wait: with NORM, whose code after the wait is long, ptxas sank every one
 // of them there, so NORM launches ask for their first chunks and the norm's weight with plain loads, which the fence
-// keeps in front of it. tests/engine/test_token_gemv_sass.py checks all of it in the SASS of every variant.
+// keeps in front of it. So do STAGE launches (ptxas sank their first chunks when x's staging was unrolled). tests/engine/test_token_gemv_sass.py checks all of it in the SASS of every variant.
 //
 // Compile-time: K (columns), WBYTES (1: e4m3, 2: 16-bit of the activations' kind), BF16 (activations and output
 // bfloat16, else float16), WARPS, ROWS_PER_WARP, UNROLL, SWIGLU, HAS_SCALE, HAS_BIAS, PDL; with PDL, PIN (above) and
 // EARLY, which lets the next kernel launch first thing, else once this block has left its loop. XHALVES (e4m3 weights):
 // x staged with the first and second 16 bytes of each chunk's 32 in two arrays, so that a warp's loads of them are
 // free of bank conflicts.
+//
+// STAGE: the next STAGE runs of every row (after the first, which goes to registers) are asked for before the wait as
+// well, into shared memory (cp.async, 16 bytes a copy, one slot a thread, no registers held), and read from there in
+// the loop: under PDL a block placed while the kernel before still runs (an attention that lets the next kernels in
+// first thing) then streams more of its weight in that time. Linear layers only (not experts: their weight is known
+// after the wait; not a router), without SwiGLU (its two rows' first runs already take the registers of a thread).
 //
 // NORM: x is not the matmul's input but what an RMS norm takes (token_norm.cu's op, folded in: one launch fewer): 1
 // the norm of x; 2 of x plus a residual, which block 0 stores (res_out). x may be NORM_PARTS parts [NORM_PARTS, K]
@@ -62,6 +68,9 @@
 #ifndef XHALVES
 #define XHALVES 0
 #endif
+#ifndef STAGE
+#define STAGE 0
+#endif
 #ifndef NORM
 #define NORM 0
 #endif
@@ -90,6 +99,8 @@ static_assert(!NORM || !EXPERTS, "the norm before a linear layer's matmul or a r
 static_assert(!NORM_STORE || NORM, "the norm's output stored");
 static_assert((NORM_PARTS == 1 && !NORM_F32) || NORM == 2, "parts are summed only before a residual add");
 static_assert(!NORM_F32 || NORM_PARTS > 1, "float32 x only as parts");
+static_assert(!STAGE || (!EXPERTS && !ROUTER && !SWIGLU), "runs staged before the wait: a linear layer's weight");
+static_assert((STAGE + 1) * UNROLL <= CHUNKS_PER_LANE, "staged runs within the row");
 
 // Where x's 16 bytes i (values 8i..8i+7) are staged, in 16-byte units: with XHALVES, half i % 2 of chunk i / 2.
 __device__ __forceinline__ int x_slot(int i) { return XHALVES ? (i & 1) * (K / 16) + (i >> 1) : i; }
@@ -124,6 +135,10 @@ __device__ __forceinline__ uint4 ld_stream(const unsigned char* p) {  // read on
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
                : "l"(p));
   return r;
+}
+
+__device__ __forceinline__ void stage16(unsigned dst, const unsigned char* p) {  // 16 bytes to shared memory, async
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(p) : "memory");
 }
 
 // acc += the chunk's 16 / WBYTES weights times x's values at k0.
@@ -254,7 +269,16 @@ __device__ __forceinline__ void route_last_block(const float* logits, unsigned i
 // x [K] 16-bit (with NORM: [NORM_PARTS, K], float32 parts with NORM_F32); w [N_total, K] row stride stride_w bytes;
 // out [N]; scale/bias [N_total] (scale float32); with NORM, the residual res [K], the norm's weight nw [K], res_out [K]
 // (res + x, NORM 2), eps and with NORM_STORE normed [K].
-extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* __restrict__ x,
+// With STAGE, at most 64 registers a thread (32 warps an SM), which the unstaged kernel of a 16-bit linear layer uses
+// (ptxas gives the staged one 70): all of qwen3-8b's o projection's 1,024 blocks then fit the GPU at once, as before.
+// Not with NORM, whose unstaged kernel takes more (84) and whose staged one would spill at 64 (it takes 72).
+#if STAGE && !NORM
+#define BOUNDS __launch_bounds__(32 * WARPS, 1024 / (32 * WARPS))
+#else
+#define BOUNDS __launch_bounds__(32 * WARPS)
+#endif
+
+extern "C" __global__ void BOUNDS token_gemv(const u16* __restrict__ x,
                                                                   const unsigned char* __restrict__ w,
                                                                   const float* __restrict__ scale,
                                                                   const u16* __restrict__ bias, u16* __restrict__ out,
@@ -270,6 +294,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
                                                                   const u16* __restrict__ nw, u16* __restrict__ res_out,
                                                                   float eps, u16* __restrict__ normed) {
   __shared__ __align__(16) u32 xs[K / 2];
+#if STAGE  // run s + 1's chunk u of row r, thread t: [s][r][u][t] (a warp's 16-byte slots in a row: no bank conflict)
+  __shared__ __align__(16) uint4 ahead[STAGE * ROWS * UNROLL * 32 * WARPS];
+#endif
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #if PDL && EARLY
   asm volatile("griddepcontrol.launch_dependents;" :::);
@@ -302,12 +329,25 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
   float acc[ROWS];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
+#if STAGE
+  {  // first, while few registers are live: this thread's first slot's shared-memory address, the others at offsets
+    const unsigned slot0 = static_cast<unsigned>(__cvta_generic_to_shared(&ahead[threadIdx.x]));
+#pragma unroll
+    for (int s = 0; s < STAGE; ++s)
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+          stage16(slot0 + ((s * ROWS + r) * UNROLL + u) * 32 * WARPS * 16, rows[r] + ((s + 1) * UNROLL + u) * 512);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+#endif
   uint4 buf[ROWS][UNROLL];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r)
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u)  // with NORM plain loads (the header)
-      buf[r][u] = NORM ? ld_first(rows[r] + u * 512) : ld_stream(rows[r] + u * 512);
+    for (int u = 0; u < UNROLL; ++u)  // with NORM or STAGE plain loads (the header)
+      buf[r][u] = NORM || STAGE ? ld_first(rows[r] + u * 512) : ld_stream(rows[r] + u * 512);
 #if NORM
   constexpr int NORM_CHUNKS = K / 8 / (32 * WARPS);  // a thread's 16-byte chunks of the norm
   uint4 wn[NORM_CHUNKS];
@@ -352,6 +392,12 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
 #endif
     }
   }
+#elif STAGE && (K / 8) % (32 * WARPS) == 0  // whole chunks a thread: unrolled, in the registers the stage leaves
+#pragma unroll
+  for (int j = 0; j < K / 8 / (32 * WARPS); ++j) {
+    const int i = j * 32 * WARPS + threadIdx.x;
+    reinterpret_cast<uint4*>(xs)[x_slot(i)] = ld_after_wait(reinterpret_cast<const uint4*>(x) + i);
+  }
 #else
   for (int i = threadIdx.x; i < K / 8; i += 32 * WARPS)
     reinterpret_cast<uint4*>(xs)[x_slot(i)] = ld_after_wait(reinterpret_cast<const uint4*>(x) + i);
@@ -359,7 +405,18 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) token_gemv(const u16* _
   __syncthreads();
 #pragma unroll
   for (int c0 = 0; c0 < CHUNKS_PER_LANE; c0 += UNROLL) {
-    if (c0 > 0) {  // the first run was asked for before the wait
+    const int run = c0 / UNROLL;
+#if STAGE
+    if (run > 0 && run <= STAGE) {  // staged before the wait: this thread's own slots, once its copies have landed
+      if (run == 1) asm volatile("cp.async.wait_all;" ::: "memory");
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+          buf[r][u] = ahead[(((run - 1) * ROWS + r) * UNROLL + u) * 32 * WARPS + threadIdx.x];
+    } else
+#endif
+    if (run > 0) {  // the rest (the first run was asked for before the wait)
 #pragma unroll
       for (int r = 0; r < ROWS; ++r)
 #pragma unroll

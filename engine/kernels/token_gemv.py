@@ -41,6 +41,12 @@ X_HALVES = 0
 # on a GPU (bench/device/norm_gemv_round.sh; docs/engine.md, twenty-first round).
 NORM_LINEAR, NORM_SWIGLU, NORM_ROUTER = 1, 2, 4
 FUSE_NORM = 0
+# Runs of each row, after the first, that a linear layer's launch asks for before its wait into shared memory
+# (token_gemv.cu's STAGE), as many as the block's static shared memory holds. Under PDL, a block placed while an
+# attention still runs (triton_ops.ATTENTION_TRIGGER early) then streams more of its weight in that time. 0 until
+# measured on a GPU (bench/device/norm_gemv_round.sh; docs/engine.md, twenty-first round).
+STAGE_RUNS = 0
+STATIC_SHARED = 48 * 1024  # a block's static shared memory at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,20 +112,34 @@ def tile_for(weight: torch.Tensor, swiglu: bool) -> TokenTile:
     return TokenTile(tile.warps, tile.rows_per_warp, unroll)
 
 
+def stage_for(k: int, wbytes: int, tile: TokenTile, swiglu: bool, runs: int) -> int:
+    """How many of ``runs`` runs after the first a linear layer's launch stages before its wait (token_gemv.cu's
+    STAGE): those the row has, and the block's static shared memory holds beside the staged token (with 256 bytes
+    for a norm's partial sums); none with SwiGLU (the kernel's 64 registers a thread would not hold both rows' first
+    runs in flight)."""
+    if swiglu:
+        return 0
+    per_lane = k * wbytes // (32 * CHUNK_BYTES)
+    per_run = tile.rows_per_warp * tile.unroll * CHUNK_BYTES * 32 * tile.warps
+    room = (STATIC_SHARED - 2 * k - 256) // per_run
+    return max(0, min(runs, per_lane // tile.unroll - 1, room))
+
+
 def defines(k: int, wbytes: int, bf16: bool, tile: TokenTile, swiglu: bool, has_scale: bool, has_bias: bool,
             pdl: bool, routed: int = 0, router: tuple[int, int, bool, bool] | None = None, *, pin: int,
             early: int, halves: int = 0, norm: tuple[bool, int, bool] | None = None,
-            norm_store: bool = False) -> dict[str, int]:  # fmt: skip
+            norm_store: bool = False, stage: int = 0) -> dict[str, int]:  # fmt: skip
     """The compile-time constants of a launch (token_gemv.cu's header). ``routed``: 0 a linear layer; 1 a MoE
     layer's experts, not weighted; 2 weighted by float32 routing weights, 3 by 16-bit ones. ``router``: a MoE router
     and its routing, ``(top_k, experts, renormalize, float32 weights)``. ``pin``, ``early``, ``halves``: as
     ``PIN_LOADS``, ``EARLY`` and ``X_HALVES``. ``norm``: the RMS norm before the layer, ``(residual add, x's parts,
-    float32 parts)``; ``norm_store``: the norm's output stored too."""
+    float32 parts)``; ``norm_store``: the norm's output stored too. ``stage``: runs staged before the wait, as
+    ``stage_for`` gives them for a linear layer."""
     out = {"K": k, "WBYTES": wbytes, "BF16": int(bf16), "WARPS": tile.warps, "ROWS_PER_WARP": tile.rows_per_warp,
            "UNROLL": tile.unroll, "SWIGLU": int(swiglu), "HAS_SCALE": int(has_scale), "HAS_BIAS": int(has_bias),
            "PDL": int(pdl), "EXPERTS": int(routed > 0), "ROUTED": int(routed > 1), "ROUTE_F32": int(routed == 2),
            "PIN": int(bool(pin)), "EARLY": int(bool(early & (1 if wbytes == 1 else 2))),
-           "XHALVES": int(bool(halves) and wbytes == 1)}  # fmt: skip
+           "XHALVES": int(bool(halves) and wbytes == 1), "STAGE": stage}  # fmt: skip
     if router is not None:
         top_k, experts, renormalize, keep_float32 = router
         out |= {"ROUTER": top_k, "ROUTER_E": experts, "RENORM": int(renormalize), "ROUTE_F32": int(keep_float32)}
@@ -205,9 +225,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     """A linear layer's launch (``token_gemv``), with the norm before it (``norm``: ``defines``'s) or without."""
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
-    kernel = _kernel(x.device.index or 0, weight.shape[1], weight.element_size(), out.dtype == torch.bfloat16, tile,
-                     swiglu, scale is not None, bias is not None, pdl, pin=PIN_LOADS, early=EARLY, halves=X_HALVES,
-                     norm=norm)  # fmt: skip
+    k, wbytes = weight.shape[1], weight.element_size()
+    kernel = _kernel(x.device.index or 0, k, wbytes, out.dtype == torch.bfloat16, tile, swiglu, scale is not None,
+                     bias is not None, pdl, pin=PIN_LOADS, early=EARLY, halves=X_HALVES, norm=norm,
+                     stage=stage_for(k, wbytes, tile, swiglu, STAGE_RUNS))  # fmt: skip
     rows_per_block = tile.warps * tile.rows_per_warp
     args = [nvrtc.ptr(x), nvrtc.ptr(weight), nvrtc.ptr(scale if scale is not None else out),
             nvrtc.ptr(bias if bias is not None else out), nvrtc.ptr(out), ctypes.c_int(n),

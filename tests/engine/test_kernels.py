@@ -12,7 +12,7 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -760,6 +760,66 @@ def test_the_cuda_matmul_with_its_norm_matches_the_norm_then_the_matmul(
         y_ref = F.linear(h2, w3)
         torch.testing.assert_close(r3.float(), r3_ref.float(), rtol=0.05, atol=0.05 * r3_ref.abs().max().item())
         torch.testing.assert_close(y.float(), y_ref.float(), rtol=0.05, atol=0.05 * y_ref.abs().max().item())
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="one token's CUDA matmul is CUDA C++, compiled by NVRTC on the GPU")
+def test_the_cuda_matmul_with_runs_staged_before_the_wait_computes_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``STAGE_RUNS``: runs of every row staged in shared memory before the wait are the same products summed in the
+    same order, so the outputs equal the launch's without them bit for bit: 16-bit and e4m3 weights, K of 4,096 and
+    12,288, with the norm in the launch (SwiGLU launches stage none); and replayed from a graph under PDL."""
+    from engine.kernels import token_gemv
+
+    g = _g(80)
+    act = torch.bfloat16
+    nw = (1 + 0.1 * torch.randn(4096, generator=g)).to(DEV).to(act)
+
+    stages: list[int] = []  # what each launch compiled its kernel with
+    compiled = token_gemv._kernel
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        stages.append(kwargs["stage"])
+        return compiled(*args, **kwargs)
+
+    monkeypatch.setattr(token_gemv, "_kernel", recording)
+
+    def both(launch: Callable[..., Any], *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """The launch's output without runs staged, and with them (one: as many as the row and the room allow)."""
+        outs = []
+        for runs in (0, 8):
+            monkeypatch.setattr(token_gemv, "STAGE_RUNS", runs)
+            got = launch(*args)
+            outs.append((got[0] if isinstance(got, tuple) else got).clone())
+        assert stages[-2:] == [0, 0 if swiglu else 1]  # (none with SwiGLU)
+        return outs[0], outs[1]
+
+    for k, n, swiglu in ((4096, 96, False), (4096, 2 * 80, True), (12288, 64, False)):
+        x = torch.randn(1, k, generator=g).to(DEV).to(act)
+        w = (torch.randn(n, k, generator=g) * 0.05).to(DEV)
+        scale = w.abs().amax(1) / 448
+        for weight, sc in ((w.to(act), None), ((w / scale[:, None]).to(torch.float8_e4m3fn), scale.float())):
+            out = torch.empty(1, n // 2 if swiglu else n, dtype=act, device=DEV)
+            plain, got = both(token_gemv.token_gemv, x, weight, sc, None, swiglu, out)
+            assert torch.equal(plain, got)
+            if k == 4096:
+                res = torch.randn(1, k, generator=g).to(DEV).to(act)
+                plain, got = both(token_gemv.token_norm_gemv, x, res, nw, 1e-6, weight, sc, None, swiglu)
+                assert torch.equal(plain, got)
+    # In a graph under PDL: a staged launch after a matmul whose output it reads, and before one that reads its own.
+    monkeypatch.setattr(token_gemv, "STAGE_RUNS", 8)
+    w1, w2 = ((torch.randn(4096, 4096, generator=g) * 0.02).to(DEV).to(act) for _ in range(2))
+    x = torch.randn(1, 4096, generator=g).to(DEV).to(act)
+
+    def chain() -> torch.Tensor:
+        a = token_gemv.token_gemv(x, w1, None, None, False, torch.empty(1, 4096, dtype=act, device=DEV))
+        return token_gemv.token_gemv(a, w2, None, None, False, torch.empty(1, 4096, dtype=act, device=DEV))
+
+    graph, y = _captured(chain)
+    for _ in range(3):
+        x.copy_(torch.randn(1, 4096, generator=g).to(DEV).to(act))
+        graph.replay()
+        torch.cuda.synchronize()
+        y_ref = F.linear(F.linear(x.float(), w1.float()).to(act).float(), w2.float())
+        torch.testing.assert_close(y.float(), y_ref, rtol=0.05, atol=0.05 * y_ref.abs().max().item())
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the FP8 decode kernel is CUDA C++, compiled by NVRTC on the GPU")

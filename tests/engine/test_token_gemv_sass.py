@@ -52,6 +52,13 @@ VARIANTS: dict[str, tuple[Any, ...]] = {
 }
 
 
+def _usage(tmp_path: Path) -> str:
+    """The registers and memory of the kernel ``sass`` compiled last (cuobjdump's resource usage)."""
+    out = subprocess.run([str(CUOBJDUMP), "-res-usage", str(tmp_path / "k.cubin")], capture_output=True, text=True,
+                         timeout=60, check=True)  # fmt: skip
+    return out.stdout
+
+
 def sass(constants: dict[str, int], tmp_path: Path, source: Path = token_gemv._SOURCE) -> list[str]:
     cubin = tmp_path / "k.cubin"
     defines = [f"-D{k}={v}" for k, v in constants.items()]
@@ -172,3 +179,50 @@ def test_with_the_norm_only_weights_are_read_before_the_wait(variant: str, halve
     stores = [ins for ins in code[wait:] if ins.split()[ins.startswith("@")] == "STG.E.128"]  # (predicated: block 0)
     stored = (has_res + bool(router)) * norm_chunks  # a router's norm is stored for the experts after it
     assert len(stores) == stored, "block 0 stores the residual stream"
+
+
+# Linear layers with runs staged in shared memory before the wait (token_gemv.cu's STAGE, token_gemv.STAGE_RUNS), as
+# stage_for gives them for Qwen3-8B's shapes: (K, weight bytes, tile, SwiGLU, scale, norm or None, runs staged).
+STAGED: dict[str, tuple[Any, ...]] = {
+    "bf16 o projection": (4096, 2, TokenTile(4, 1, 8), False, False, None, 1),
+    "bf16 LM head's tile": (4096, 2, TokenTile(8, 1, 8), False, False, None, 1),
+    "bf16 swiglu": (4096, 2, TokenTile(4, 1, 8), True, False, None, 0),  # (none with SwiGLU)
+    "e4m3 o projection": (4096, 1, TokenTile(8, 1, 4), False, True, None, 1),
+    "e4m3 swiglu": (4096, 1, TokenTile(4, 2, 4), True, True, None, 0),
+    "bf16 down projection": (12288, 2, TokenTile(8, 1, 8), False, False, None, 0),  # no room beside its token
+    "e4m3 down projection": (12288, 1, TokenTile(8, 1, 4), False, True, None, 1),
+    "bf16 QKV, add and norm": (4096, 2, TokenTile(4, 1, 8), False, False, (True, 1, False), 1),
+}
+
+
+@pytest.mark.parametrize("variant", list(STAGED))
+def test_staged_runs_are_asked_for_before_the_wait_and_read_from_shared_memory(variant: str, tmp_path: Path) -> None:
+    """Every row's first run to registers and the next ``stage`` runs to shared memory (cp.async: LDGSTS) before the
+    fence and the wait, no other read; after it, the loop streams only the runs after those; in no more registers a
+    thread than 64 or the unstaged kernel's, without spilling."""
+    k, wbytes, tile, swiglu, scale, norm, stage = STAGED[variant]
+    assert token_gemv.stage_for(k, wbytes, tile, swiglu, 8) == stage
+    if not stage:
+        return
+    assert token_gemv.stage_for(k, wbytes, tile, swiglu, 0) == 0
+    constants = token_gemv.defines(k, wbytes, True, tile, swiglu, scale, False, True, pin=1, early=1, norm=norm,
+                                   stage=stage)  # fmt: skip
+    code = sass(constants, tmp_path)
+    ops = [ins.split()[1] if ins.startswith("@") else ins.split()[0] for ins in code]
+    (wait,) = [i for i, op in enumerate(ops) if op == "ACQBULK"]
+    rows = tile.rows_per_warp * (2 if swiglu else 1)
+    first = "LDG.E.NA.128"  # plain loads, as with the norm (see above): ptxas sank read-only ones below the wait
+    norm_chunks = k // 8 // (32 * tile.warps) if norm else 0
+    before = [op for op in ops[:wait] if op.startswith(("LDG", "LD.", "ATOM", "RED", "ST"))]
+    assert sorted(before) == sorted([first] * (rows * tile.unroll + norm_chunks) + ["LDGDEPBAR"]
+                                    + ["LDGSTS.E.BYPASS.128"] * (stage * rows * tile.unroll)), before  # fmt: skip
+    assert "MEMBAR.SC.CTA" in ops[wait - 2 : wait], "the fence holds the wait behind them"
+    runs = k * wbytes // (32 * 16) // tile.unroll
+    streamed = [op for op in ops[wait:] if op == WEIGHT_CHUNK]
+    assert len(streamed) == rows * tile.unroll * (runs - 1 - stage), "the loop streams only the runs after them"
+    assert "DEPBAR.LE" in ops[wait:], "and waits for its copies before it reads them"
+    usage = _usage(tmp_path)
+    assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+    sass({**constants, "STAGE": 0}, tmp_path)
+    unstaged = int(re.search(r"REG:(\d+)", _usage(tmp_path)).group(1))
+    assert int(re.search(r"REG:(\d+)", usage).group(1)) <= max(64, unstaged), (usage, unstaged)
