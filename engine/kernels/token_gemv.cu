@@ -13,7 +13,8 @@
 // before wrote (x, the routing's ids and weights) is read with plain ld.global, which stays after it. Read-only loads
 // may also be moved below the fence and the wait: with NORM, whose code after the wait is long, ptxas sank every one
 // of them there, so NORM launches ask for their first chunks and the norm's weight with plain loads, which the fence
-// keeps in front of it. So do STAGE launches (ptxas sank their first chunks when x's staging was unrolled). tests/engine/test_token_gemv_sass.py checks all of it in the SASS of every variant.
+// keeps in front of it. So do STAGE launches (ptxas sank their first chunks when x's staging was unrolled).
+// tests/engine/test_token_gemv_sass.py checks all of it in the SASS of every variant.
 //
 // Compile-time: K (columns), WBYTES (1: e4m3, 2: 16-bit of the activations' kind), BF16 (activations and output
 // bfloat16, else float16), WARPS, ROWS_PER_WARP, UNROLL, SWIGLU, HAS_SCALE, HAS_BIAS, PDL; with PDL, PIN (above) and
@@ -269,30 +270,28 @@ __device__ __forceinline__ void route_last_block(const float* logits, unsigned i
 // x [K] 16-bit (with NORM: [NORM_PARTS, K], float32 parts with NORM_F32); w [N_total, K] row stride stride_w bytes;
 // out [N]; scale/bias [N_total] (scale float32); with NORM, the residual res [K], the norm's weight nw [K], res_out [K]
 // (res + x, NORM 2), eps and with NORM_STORE normed [K].
-// With STAGE, at most 64 registers a thread (32 warps an SM), which the unstaged kernel of a 16-bit linear layer uses
-// (ptxas gives the staged one 70): all of qwen3-8b's o projection's 1,024 blocks then fit the GPU at once, as before.
-// Not with NORM, whose unstaged kernel takes more (84) and whose staged one would spill at 64 (it takes 72).
-#if STAGE && !NORM
-#define BOUNDS __launch_bounds__(32 * WARPS, 1024 / (32 * WARPS))
+// MIN_BLOCKS (STAGE launches the host bounds, else 0: none): blocks an SM must hold at once, which bounds the
+// registers a thread. ptxas gave the staged o projection of qwen3-8b 70 registers where the unstaged one has 64, so
+// that 7 of its 1,024 blocks would fit an SM, not 8 (token_gemv.stage_bounds).
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 0
+#endif
+static_assert(!MIN_BLOCKS || STAGE, "a bound on the registers: staged launches");
+#if MIN_BLOCKS
+#define BOUNDS __launch_bounds__(32 * WARPS, MIN_BLOCKS)
 #else
 #define BOUNDS __launch_bounds__(32 * WARPS)
 #endif
 
-extern "C" __global__ void BOUNDS token_gemv(const u16* __restrict__ x,
-                                                                  const unsigned char* __restrict__ w,
-                                                                  const float* __restrict__ scale,
-                                                                  const u16* __restrict__ bias, u16* __restrict__ out,
-                                                                  int n, long long stride_w,
-                                                                  const long long* __restrict__ ids,
-                                                                  const void* __restrict__ route_w,
-                                                                  long long expert_stride, int x_stride,
-                                                                  float* __restrict__ logits,
-                                                                  unsigned int* __restrict__ counter,
-                                                                  void* __restrict__ weights_out,
-                                                                  long long* __restrict__ ids_out,
-                                                                  const u16* __restrict__ res,
-                                                                  const u16* __restrict__ nw, u16* __restrict__ res_out,
-                                                                  float eps, u16* __restrict__ normed) {
+extern "C" __global__ void BOUNDS token_gemv(const u16* __restrict__ x, const unsigned char* __restrict__ w,
+                                             const float* __restrict__ scale, const u16* __restrict__ bias,
+                                             u16* __restrict__ out, int n, long long stride_w,
+                                             const long long* __restrict__ ids, const void* __restrict__ route_w,
+                                             long long expert_stride, int x_stride, float* __restrict__ logits,
+                                             unsigned int* __restrict__ counter, void* __restrict__ weights_out,
+                                             long long* __restrict__ ids_out, const u16* __restrict__ res,
+                                             const u16* __restrict__ nw, u16* __restrict__ res_out, float eps,
+                                             u16* __restrict__ normed) {
   __shared__ __align__(16) u32 xs[K / 2];
 #if STAGE  // run s + 1's chunk u of row r, thread t: [s][r][u][t] (a warp's 16-byte slots in a row: no bank conflict)
   __shared__ __align__(16) uint4 ahead[STAGE * ROWS * UNROLL * 32 * WARPS];

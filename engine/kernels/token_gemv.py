@@ -41,12 +41,14 @@ X_HALVES = 0
 # on a GPU (bench/device/norm_gemv_round.sh; docs/engine.md, twenty-first round).
 NORM_LINEAR, NORM_SWIGLU, NORM_ROUTER = 1, 2, 4
 FUSE_NORM = 0
-# Runs of each row, after the first, that a linear layer's launch asks for before its wait into shared memory
-# (token_gemv.cu's STAGE), as many as the block's static shared memory holds. Under PDL, a block placed while an
-# attention still runs (triton_ops.ATTENTION_TRIGGER early) then streams more of its weight in that time. 0 until
-# measured on a GPU (bench/device/norm_gemv_round.sh; docs/engine.md, twenty-first round).
+# Runs of each row, after the first, that a linear layer's launch under PDL asks for before its wait into shared
+# memory (token_gemv.cu's STAGE), as many as the block's static shared memory holds. A block placed while an attention
+# still runs (triton_ops.ATTENTION_TRIGGER early) then streams more of its weight in that time. Launches without PDL
+# stage none (nothing runs before them; cp.async also needs sm_80). 0 until measured on a GPU
+# (bench/device/norm_gemv_round.sh; docs/engine.md, twenty-first round).
 STAGE_RUNS = 0
 STATIC_SHARED = 48 * 1024  # a block's static shared memory at most
+SM_SHARED = 228 * 1024  # an H200 SM's shared memory, 1 KB of it reserved a block
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +127,17 @@ def stage_for(k: int, wbytes: int, tile: TokenTile, swiglu: bool, runs: int) -> 
     return max(0, min(runs, per_lane // tile.unroll - 1, room))
 
 
+def stage_bounds(k: int, wbytes: int, tile: TokenTile, stage: int, norm: bool) -> int:
+    """The blocks an SM must hold at once for a staged launch (token_gemv.cu's MIN_BLOCKS; 0: no bound): 32 warps'
+    worth, 64 registers a thread, as the unstaged kernel of a 16-bit row of 4,096 has, where shared memory holds that
+    many; only for tiles of one row a warp, rows of at most 10 KB and no norm, where ptxas keeps that without
+    spilling (wider 16-bit rows spilled 8 to 24 bytes, the normed kernel 8, e4m3 rows two a warp 120)."""
+    if not stage or norm or k * wbytes > 10240 or tile.rows_per_warp > 1:
+        return 0
+    shared = 2 * k + stage * tile.rows_per_warp * tile.unroll * CHUNK_BYTES * 32 * tile.warps
+    return min(1024 // (32 * tile.warps), SM_SHARED // (shared + 1024))
+
+
 def defines(k: int, wbytes: int, bf16: bool, tile: TokenTile, swiglu: bool, has_scale: bool, has_bias: bool,
             pdl: bool, routed: int = 0, router: tuple[int, int, bool, bool] | None = None, *, pin: int,
             early: int, halves: int = 0, norm: tuple[bool, int, bool] | None = None,
@@ -139,7 +152,8 @@ def defines(k: int, wbytes: int, bf16: bool, tile: TokenTile, swiglu: bool, has_
            "UNROLL": tile.unroll, "SWIGLU": int(swiglu), "HAS_SCALE": int(has_scale), "HAS_BIAS": int(has_bias),
            "PDL": int(pdl), "EXPERTS": int(routed > 0), "ROUTED": int(routed > 1), "ROUTE_F32": int(routed == 2),
            "PIN": int(bool(pin)), "EARLY": int(bool(early & (1 if wbytes == 1 else 2))),
-           "XHALVES": int(bool(halves) and wbytes == 1), "STAGE": stage}  # fmt: skip
+           "XHALVES": int(bool(halves) and wbytes == 1), "STAGE": stage,
+           "MIN_BLOCKS": stage_bounds(k, wbytes, tile, stage, norm is not None)}  # fmt: skip
     if router is not None:
         top_k, experts, renormalize, keep_float32 = router
         out |= {"ROUTER": top_k, "ROUTER_E": experts, "RENORM": int(renormalize), "ROUTE_F32": int(keep_float32)}
@@ -228,7 +242,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     k, wbytes = weight.shape[1], weight.element_size()
     kernel = _kernel(x.device.index or 0, k, wbytes, out.dtype == torch.bfloat16, tile, swiglu, scale is not None,
                      bias is not None, pdl, pin=PIN_LOADS, early=EARLY, halves=X_HALVES, norm=norm,
-                     stage=stage_for(k, wbytes, tile, swiglu, STAGE_RUNS))  # fmt: skip
+                     stage=stage_for(k, wbytes, tile, swiglu, STAGE_RUNS) if pdl else 0)  # fmt: skip
     rows_per_block = tile.warps * tile.rows_per_warp
     args = [nvrtc.ptr(x), nvrtc.ptr(weight), nvrtc.ptr(scale if scale is not None else out),
             nvrtc.ptr(bias if bias is not None else out), nvrtc.ptr(out), ctypes.c_int(n),

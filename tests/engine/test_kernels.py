@@ -765,8 +765,9 @@ def test_the_cuda_matmul_with_its_norm_matches_the_norm_then_the_matmul(
 @pytest.mark.skipif(DEVICE != "cuda", reason="one token's CUDA matmul is CUDA C++, compiled by NVRTC on the GPU")
 def test_the_cuda_matmul_with_runs_staged_before_the_wait_computes_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     """``STAGE_RUNS``: runs of every row staged in shared memory before the wait are the same products summed in the
-    same order, so the outputs equal the launch's without them bit for bit: 16-bit and e4m3 weights, K of 4,096 and
-    12,288, with the norm in the launch (SwiGLU launches stage none); and replayed from a graph under PDL."""
+    same order, so the outputs equal the launch's without them bit for bit: 16-bit and e4m3 weights, K of 4,096,
+    5,120 and 12,288, one to three runs, two rows a warp, with the norm in the launch (SwiGLU launches stage none);
+    and replayed from a graph under PDL."""
     from engine.kernels import token_gemv
 
     g = _g(80)
@@ -782,27 +783,35 @@ def test_the_cuda_matmul_with_runs_staged_before_the_wait_computes_the_same(monk
 
     monkeypatch.setattr(token_gemv, "_kernel", recording)
 
-    def both(launch: Callable[..., Any], *args: object) -> tuple[torch.Tensor, torch.Tensor]:
-        """The launch's output without runs staged, and with them (one: as many as the row and the room allow)."""
+    def both(staged: int, launch: Callable[..., Any], *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """The launch's output without runs staged, and with as many as the row and the room allow (``staged``)."""
         outs = []
         for runs in (0, 8):
             monkeypatch.setattr(token_gemv, "STAGE_RUNS", runs)
             got = launch(*args)
             outs.append((got[0] if isinstance(got, tuple) else got).clone())
-        assert stages[-2:] == [0, 0 if swiglu else 1]  # (none with SwiGLU)
+        assert stages[-2:] == [0, staged]
         return outs[0], outs[1]
 
-    for k, n, swiglu in ((4096, 96, False), (4096, 2 * 80, True), (12288, 64, False)):
+    # (K, N, SwiGLU, a tile or the rule's, the runs the 16-bit weight's launch stages): one run of Qwen3-8B's o
+    # projection's rows, three of 5,120 columns (runs of 5 chunks a lane), two with two rows a warp; none with SwiGLU.
+    cases = [(4096, 96, False, None, 1), (4096, 2 * 80, True, None, 0), (12288, 64, False, None, 1),
+             (5120, 64, False, None, 3), (4096, 64, False, token_gemv.TokenTile(4, 2, 4), 2)]  # fmt: skip
+    for k, n, swiglu, tile, runs16 in cases:
         x = torch.randn(1, k, generator=g).to(DEV).to(act)
         w = (torch.randn(n, k, generator=g) * 0.05).to(DEV)
         scale = w.abs().amax(1) / 448
         for weight, sc in ((w.to(act), None), ((w / scale[:, None]).to(torch.float8_e4m3fn), scale.float())):
             out = torch.empty(1, n // 2 if swiglu else n, dtype=act, device=DEV)
-            plain, got = both(token_gemv.token_gemv, x, weight, sc, None, swiglu, out)
+            staged = token_gemv.stage_for(k, weight.element_size(), tile or token_gemv.tile_for(weight, swiglu),
+                                          swiglu, 8)  # fmt: skip
+            assert staged == runs16 or weight.element_size() == 1
+            assert staged > 0 or swiglu
+            plain, got = both(staged, token_gemv.token_gemv, x, weight, sc, None, swiglu, out, tile)
             assert torch.equal(plain, got)
-            if k == 4096:
+            if k == 4096 and tile is None:
                 res = torch.randn(1, k, generator=g).to(DEV).to(act)
-                plain, got = both(token_gemv.token_norm_gemv, x, res, nw, 1e-6, weight, sc, None, swiglu)
+                plain, got = both(staged, token_gemv.token_norm_gemv, x, res, nw, 1e-6, weight, sc, None, swiglu)
                 assert torch.equal(plain, got)
     # In a graph under PDL: a staged launch after a matmul whose output it reads, and before one that reads its own.
     monkeypatch.setattr(token_gemv, "STAGE_RUNS", 8)
