@@ -37,16 +37,17 @@ EARLY = 1
 X_HALVES = 0
 # Which RMS norms run in the launch of the layer after them where they qualify, the others in one of their own
 # (token_norm.cu): the sum of NORM_LINEAR (before a linear layer without SwiGLU: the QKV projection), NORM_SWIGLU
-# (before a gate/up projection with SwiGLU) and NORM_ROUTER (before a MoE router, token_norm_route). 0 until measured
-# on a GPU (bench/device/norm_gemv_round.sh; docs/engine.md, twenty-first round).
+# (before a gate/up projection with SwiGLU) and NORM_ROUTER (before a MoE router, token_norm_route). Measured on the
+# H200 at batch 1 (docs/engine.md, twenty-first round): the router's gained 1.1-1.2% on qwen3-30b-a3b; the QKV
+# projection's lost 0.7% on qwen3-8b, and with gate/up's 3.2%.
 NORM_LINEAR, NORM_SWIGLU, NORM_ROUTER = 1, 2, 4
-FUSE_NORM = 0
-# Runs of each row, after the first, that a linear layer's launch under PDL asks for before its wait into shared
-# memory (token_gemv.cu's STAGE), as many as the block's static shared memory holds. A block placed while an attention
-# still runs (triton_ops.ATTENTION_TRIGGER early) then streams more of its weight in that time. Launches without PDL
-# stage none (nothing runs before them; cp.async also needs sm_80). 0 until measured on a GPU
-# (bench/device/norm_gemv_round.sh; docs/engine.md, twenty-first round).
-STAGE_RUNS = 0
+FUSE_NORM = NORM_ROUTER
+# Runs of each 16-bit row, after the first, that a linear layer's launch under PDL asks for before its wait into
+# shared memory (token_gemv.cu's STAGE), as many as the block's static shared memory holds. A block placed while an
+# attention still runs (triton_ops.ATTENTION_TRIGGER early) then streams more of its weight in that time. Launches
+# without PDL stage none (nothing runs before them; cp.async also needs sm_80), and nor do e4m3 ones: they let the
+# next kernel in first thing, and staging them lost 7% (docs/engine.md, twenty-first round).
+STAGE_RUNS = 1
 STATIC_SHARED = 48 * 1024  # a block's static shared memory at most
 SM_SHARED = 228 * 1024  # an H200 SM's shared memory, 1 KB of it reserved a block
 
@@ -118,8 +119,8 @@ def stage_for(k: int, wbytes: int, tile: TokenTile, swiglu: bool, runs: int) -> 
     """How many of ``runs`` runs after the first a linear layer's launch stages before its wait (token_gemv.cu's
     STAGE): those the row has, and the block's static shared memory holds beside the staged token (with 256 bytes
     for a norm's partial sums); none with SwiGLU (the kernel's 64 registers a thread would not hold both rows' first
-    runs in flight)."""
-    if swiglu:
+    runs in flight), and none of e4m3 weights (measured slower; the kernel takes them, as ``stage`` in ``defines``)."""
+    if swiglu or wbytes == 1:
         return 0
     per_lane = k * wbytes // (32 * CHUNK_BYTES)
     per_run = tile.rows_per_warp * tile.unroll * CHUNK_BYTES * 32 * tile.warps

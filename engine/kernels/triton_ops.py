@@ -27,7 +27,7 @@ import triton.language as tl
 
 from engine.kernels import (
     DECODE_BLOCK_N,
-    PDL_LOOP,
+    PDL_EARLY,
     DecodeTile,
     decode_tile,
     fp8_decode,
@@ -537,18 +537,18 @@ def _paged_attention_kernel(
 PREFILL_TILE = DecodeTile(DECODE_BLOCK_N, 4, 3)
 
 # A decode step's rotary positions and K/V store in its attention kernel (paged_attention's ``rope``), where the
-# caller can (engine.kernels.ops.TritonOps.attention): one launch fewer a layer. Off until measured on a GPU
-# (docs/engine.md, twenty-first round).
-ROPE_IN_ATTENTION = 0
+# caller can (engine.kernels.ops.TritonOps.attention): one launch fewer a layer. Measured on the H200 at batch 1
+# (docs/engine.md, twenty-first round): qwen3-8b +1.2%, FP8 weights +2.4%, qwen3-30b-a3b +3.0%.
+ROPE_IN_ATTENTION = 1
 # A decode step's attention programs read their first tile before the PDL wait (paged_attention's ``prefetch``) where
-# the caller's block tables are the host's (engine.kernels.ops.TritonOps.attention). Off until measured on a GPU.
+# the caller's block tables are the host's (engine.kernels.ops.TritonOps.attention). Off: it lost 2% on qwen3-8b.
 PREFETCH_KV = 0
-# Where a step's attention kernel lets the next kernel launch under PDL: PDL_LOOP once its programs leave their loop,
-# PDL_EARLY first thing. The tenth round measured the two within 0.3% on the Qwen3 shapes and chose LOOP (SmolLM2 lost
-# 9% early), before the one-token matmul asked for its first weight chunks before its wait (nineteenth round). Early,
-# the merge's and then the output projection's blocks are placed while the attention runs, and half of that
-# projection's weight streams then (docs/engine.md, twenty-first round). LOOP until a GPU measures EARLY.
-ATTENTION_TRIGGER = PDL_LOOP
+# Where a step's attention kernel lets the next kernel launch under PDL: PDL_EARLY first thing, PDL_LOOP once its
+# programs leave their loop. Early, the merge's and then the output projection's blocks are placed while the
+# attention runs, and the weight chunks they ask for before their wait stream then. With the rope in the attention
+# and a run of each 16-bit row staged (token_gemv.STAGE_RUNS): qwen3-8b 250.5 -> 254.6 tok/s, qwen3-30b-a3b 402.7 ->
+# 414.6 (docs/engine.md, twenty-first round).
+ATTENTION_TRIGGER = PDL_EARLY
 
 
 @dataclass(frozen=True, slots=True)

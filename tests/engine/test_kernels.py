@@ -805,8 +805,7 @@ def test_the_cuda_matmul_with_runs_staged_before_the_wait_computes_the_same(monk
             out = torch.empty(1, n // 2 if swiglu else n, dtype=act, device=DEV)
             staged = token_gemv.stage_for(k, weight.element_size(), tile or token_gemv.tile_for(weight, swiglu),
                                           swiglu, 8)  # fmt: skip
-            assert staged == runs16 or weight.element_size() == 1
-            assert staged > 0 or swiglu
+            assert staged == (runs16 if weight.element_size() == 2 else 0)  # (e4m3 launches stage none: slower)
             plain, got = both(staged, token_gemv.token_gemv, x, weight, sc, None, swiglu, out, tile)
             assert torch.equal(plain, got)
             if k == 4096 and tile is None:
