@@ -15,29 +15,22 @@
 # bench/device/norm_gemv_tests.sh first.
 # `PART=1 bash bench/device/norm_gemv_round.sh`, then `PART=2 ...`; carries .whl, .gpu.
 source bench/device/setup.sh
-python3 bench/device/shape_config.py qwen3-8b /tmp/shapes/qwen3-8b >/dev/null
-python3 bench/device/shape_config.py qwen3-30b-a3b /tmp/shapes/qwen3-30b-a3b >/dev/null
 B1=(--batch-sizes 1 --new-tokens 128)
 K=engine.kernels.token_gemv
 ROPE=engine.kernels.triton_ops.ROPE_IN_ATTENTION
-run() {  # name, shape, then the constants and the engine's arguments as ab_bench takes them
-  local name=$1 shape=$2
-  shift 2
-  ab_bench "$name-$round" "/tmp/shapes/$shape" "$@" | grep -E "^ +1 \|" | sed "s/^/$name $round /" || true
-}
 A=(engine.kernels.triton_ops.ROPE_IN_ATTENTION=1 engine.kernels.triton_ops.PREFETCH_KV=1)  # the attention's two
 EARLY=engine.kernels.triton_ops.ATTENTION_TRIGGER=1
 STAGE=$K.STAGE_RUNS=1
 for round in $(seq "${ROUNDS:-1}"); do
   if [ "${PART:-1}" = 1 ]; then
-    run "qwen3-8b-fuse0" qwen3-8b $K.FUSE_NORM=0 -- "${B1[@]}"
-    run "qwen3-8b-early" qwen3-8b $K.FUSE_NORM=0 $EARLY -- "${B1[@]}"
-    run "qwen3-8b-early-stage" qwen3-8b $K.FUSE_NORM=0 $EARLY $STAGE -- "${B1[@]}"
-    for fuse in 1 3; do run "qwen3-8b-fuse$fuse" qwen3-8b $K.FUSE_NORM=$fuse -- "${B1[@]}"; done
-    run "qwen3-8b-fuse3-rope" qwen3-8b $K.FUSE_NORM=3 $ROPE=1 -- "${B1[@]}"
-    run "qwen3-8b-fuse3-rope-prefetch" qwen3-8b $K.FUSE_NORM=3 "${A[@]}" -- "${B1[@]}"
-    run "qwen3-8b-all-early" qwen3-8b $K.FUSE_NORM=3 "${A[@]}" $EARLY -- "${B1[@]}"
-    run "qwen3-8b-all-early-stage" qwen3-8b $K.FUSE_NORM=3 "${A[@]}" $EARLY $STAGE -- "${B1[@]}"
+    shape_row "qwen3-8b-fuse0-$round" qwen3-8b $K.FUSE_NORM=0 -- "${B1[@]}"
+    shape_row "qwen3-8b-early-$round" qwen3-8b $K.FUSE_NORM=0 $EARLY -- "${B1[@]}"
+    shape_row "qwen3-8b-early-stage-$round" qwen3-8b $K.FUSE_NORM=0 $EARLY $STAGE -- "${B1[@]}"
+    for fuse in 1 3; do shape_row "qwen3-8b-fuse$fuse-$round" qwen3-8b $K.FUSE_NORM=$fuse -- "${B1[@]}"; done
+    shape_row "qwen3-8b-fuse3-rope-$round" qwen3-8b $K.FUSE_NORM=3 $ROPE=1 -- "${B1[@]}"
+    shape_row "qwen3-8b-fuse3-rope-prefetch-$round" qwen3-8b $K.FUSE_NORM=3 "${A[@]}" -- "${B1[@]}"
+    shape_row "qwen3-8b-all-early-$round" qwen3-8b $K.FUSE_NORM=3 "${A[@]}" $EARLY -- "${B1[@]}"
+    shape_row "qwen3-8b-all-early-stage-$round" qwen3-8b $K.FUSE_NORM=3 "${A[@]}" $EARLY $STAGE -- "${B1[@]}"
     for early in 2 1; do  # the embedded model, whose attention lost 9% early in the tenth round
       ab_bench "smollm2-trigger$early-$round" "$MODEL" engine.kernels.triton_ops.ATTENTION_TRIGGER=$early -- \
         "${B1[@]}" | grep -E "^ +1 \|" | sed "s/^/smollm2-trigger$early $round /" || true
@@ -45,18 +38,20 @@ for round in $(seq "${ROUNDS:-1}"); do
   fi
   if [ "${PART:-2}" = 2 ]; then
     F8=(--quantization fp8)
-    run "qwen3-8b-fp8-fuse0" qwen3-8b $K.FUSE_NORM=0 -- "${B1[@]}" "${F8[@]}"
-    run "qwen3-8b-fp8-early" qwen3-8b $K.FUSE_NORM=0 $EARLY -- "${B1[@]}" "${F8[@]}"
-    run "qwen3-8b-fp8-early-stage" qwen3-8b $K.FUSE_NORM=0 $EARLY $STAGE -- "${B1[@]}" "${F8[@]}"
-    run "qwen3-8b-fp8-all" qwen3-8b $K.FUSE_NORM=3 "${A[@]}" -- "${B1[@]}" "${F8[@]}"
-    run "qwen3-8b-fp8-all-early-stage" qwen3-8b $K.FUSE_NORM=3 "${A[@]}" $EARLY $STAGE -- "${B1[@]}" "${F8[@]}"
-    run "qwen3-8b-fp8-all-early-stage-halves" qwen3-8b $K.FUSE_NORM=3 "${A[@]}" $EARLY $STAGE $K.X_HALVES=1 -- \
-      "${B1[@]}" "${F8[@]}"
-    for fuse in 0 5; do run "qwen3-30b-a3b-fuse$fuse" qwen3-30b-a3b $K.FUSE_NORM=$fuse -- "${B1[@]}"; done
-    run "qwen3-30b-a3b-all-early-stage" qwen3-30b-a3b $K.FUSE_NORM=5 "${A[@]}" $EARLY $STAGE -- "${B1[@]}"
+    shape_row "qwen3-8b-fp8-fuse0-$round" qwen3-8b $K.FUSE_NORM=0 -- "${B1[@]}" "${F8[@]}"
+    shape_row "qwen3-8b-fp8-early-$round" qwen3-8b $K.FUSE_NORM=0 $EARLY -- "${B1[@]}" "${F8[@]}"
+    shape_row "qwen3-8b-fp8-early-stage-$round" qwen3-8b $K.FUSE_NORM=0 $EARLY $STAGE -- "${B1[@]}" "${F8[@]}"
+    shape_row "qwen3-8b-fp8-all-$round" qwen3-8b $K.FUSE_NORM=3 "${A[@]}" -- "${B1[@]}" "${F8[@]}"
+    shape_row "qwen3-8b-fp8-all-early-stage-$round" qwen3-8b $K.FUSE_NORM=3 "${A[@]}" $EARLY $STAGE -- "${B1[@]}" \
+      "${F8[@]}"
+    shape_row "qwen3-8b-fp8-all-early-stage-halves-$round" qwen3-8b $K.FUSE_NORM=3 "${A[@]}" $EARLY $STAGE \
+      $K.X_HALVES=1 -- "${B1[@]}" "${F8[@]}"
+    for fuse in 0 5; do shape_row "qwen3-30b-a3b-fuse$fuse-$round" qwen3-30b-a3b $K.FUSE_NORM=$fuse -- "${B1[@]}"; done
+    shape_row "qwen3-30b-a3b-all-early-stage-$round" qwen3-30b-a3b $K.FUSE_NORM=5 "${A[@]}" $EARLY $STAGE -- "${B1[@]}"
   fi
 done
 if [ -n "${PROFILE:-}" ]; then
+  [ -d /tmp/shapes/qwen3-8b ] || python3 bench/device/shape_config.py qwen3-8b /tmp/shapes/qwen3-8b >/dev/null
   ENGINE_S=120 ab_bench "qwen3-8b-all-profile" /tmp/shapes/qwen3-8b $K.FUSE_NORM=3 "${A[@]}" $EARLY $STAGE -- \
     --batch-sizes 1 --new-tokens 64 --profile >/dev/null || true
   sed -n '/critical path/,/^[^ ]/p' "$OUT/qwen3-8b-all-profile.log" | head -30 || true

@@ -3,29 +3,22 @@
 # (ROPE_IN_ATTENTION=1), on qwen3-8b bf16 and FP8 weights and qwen3-30b-a3b. Batch 1, prompt 512, 128 new tokens, each
 # setting in its own process. `bash bench/device/rope_split_round.sh`; carries .whl, .gpu.
 source bench/device/setup.sh
-python3 bench/device/shape_config.py qwen3-8b /tmp/shapes/qwen3-8b >/dev/null
-python3 bench/device/shape_config.py qwen3-30b-a3b /tmp/shapes/qwen3-30b-a3b >/dev/null
 B1=(--batch-sizes 1 --new-tokens 128)
 K=engine.kernels.token_gemv
 T=engine.kernels.triton_ops
-run() {  # name, shape, then the constants and the engine's arguments as ab_bench takes them
-  local name=$1 shape=$2
-  shift 2
-  ab_bench "$name" "/tmp/shapes/$shape" "$@" | grep -E "^ +1 \|" | sed "s/^/$name /" || true
-}
 ROPE=$T.ROPE_IN_ATTENTION=1
 EARLY=$T.ATTENTION_TRIGGER=1
 STAGE=$K.STAGE_RUNS=1
 F8=(--quantization fp8)
-run "qwen3-8b" qwen3-8b $K.FUSE_NORM=0 -- "${B1[@]}"
-run "qwen3-8b-rope-early" qwen3-8b $ROPE $EARLY -- "${B1[@]}"
-run "qwen3-8b-rope-stage" qwen3-8b $ROPE $STAGE -- "${B1[@]}"
-run "qwen3-8b-rope-early-stage" qwen3-8b $ROPE $EARLY $STAGE -- "${B1[@]}"
-run "qwen3-8b-fp8-rope" qwen3-8b $ROPE -- "${B1[@]}" "${F8[@]}"
-run "qwen3-8b-fp8-rope-early" qwen3-8b $ROPE $EARLY -- "${B1[@]}" "${F8[@]}"
-run "qwen3-8b-fp8-rope-stage" qwen3-8b $ROPE $STAGE -- "${B1[@]}" "${F8[@]}"
-run "qwen3-30b-a3b-rope-early" qwen3-30b-a3b $ROPE $EARLY -- "${B1[@]}"
-run "qwen3-30b-a3b-rope-stage" qwen3-30b-a3b $ROPE $STAGE -- "${B1[@]}"
-run "qwen3-30b-a3b-rope-early-stage" qwen3-30b-a3b $ROPE $EARLY $STAGE -- "${B1[@]}"
-run "qwen3-30b-a3b-rope-early-stage-router-norm" qwen3-30b-a3b $ROPE $EARLY $STAGE $K.FUSE_NORM=4 -- "${B1[@]}"
+shape_row "qwen3-8b" qwen3-8b $K.FUSE_NORM=0 -- "${B1[@]}"
+shape_row "qwen3-8b-rope-early" qwen3-8b $ROPE $EARLY -- "${B1[@]}"
+shape_row "qwen3-8b-rope-stage" qwen3-8b $ROPE $STAGE -- "${B1[@]}"
+shape_row "qwen3-8b-rope-early-stage" qwen3-8b $ROPE $EARLY $STAGE -- "${B1[@]}"
+shape_row "qwen3-8b-fp8-rope" qwen3-8b $ROPE -- "${B1[@]}" "${F8[@]}"
+shape_row "qwen3-8b-fp8-rope-early" qwen3-8b $ROPE $EARLY -- "${B1[@]}" "${F8[@]}"
+shape_row "qwen3-8b-fp8-rope-stage" qwen3-8b $ROPE $STAGE -- "${B1[@]}" "${F8[@]}"
+shape_row "qwen3-30b-a3b-rope-early" qwen3-30b-a3b $ROPE $EARLY -- "${B1[@]}"
+shape_row "qwen3-30b-a3b-rope-stage" qwen3-30b-a3b $ROPE $STAGE -- "${B1[@]}"
+shape_row "qwen3-30b-a3b-rope-early-stage" qwen3-30b-a3b $ROPE $EARLY $STAGE -- "${B1[@]}"
+shape_row "qwen3-30b-a3b-rope-early-stage-router-norm" qwen3-30b-a3b $ROPE $EARLY $STAGE $K.FUSE_NORM=4 -- "${B1[@]}"
 (cd "$OUT" && tar rf runs.tar ./*.log ./*.json && rm -f ./*.log ./*.json) 2>/dev/null || true

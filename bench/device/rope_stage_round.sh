@@ -5,36 +5,30 @@
 # Batch 1, prompt 512, 128 new tokens, each setting in its own process, ROUNDS times (1).
 # `bash bench/device/rope_stage_round.sh`; carries .whl, .gpu.
 source bench/device/setup.sh
-python3 bench/device/shape_config.py qwen3-8b /tmp/shapes/qwen3-8b >/dev/null
-python3 bench/device/shape_config.py qwen3-30b-a3b /tmp/shapes/qwen3-30b-a3b >/dev/null
 B1=(--batch-sizes 1 --new-tokens 128)
 K=engine.kernels.token_gemv
 T=engine.kernels.triton_ops
-run() {  # name, shape, then the constants and the engine's arguments as ab_bench takes them
-  local name=$1 shape=$2
-  shift 2
-  ab_bench "$name-$round" "/tmp/shapes/$shape" "$@" | grep -E "^ +1 \|" | sed "s/^/$name $round /" || true
-}
 ROPE=$T.ROPE_IN_ATTENTION=1
 ES=($T.ATTENTION_TRIGGER=1 $K.STAGE_RUNS=1)  # the attention early, a run staged
 F8=(--quantization fp8)
 for round in $(seq "${ROUNDS:-1}"); do
-  run "qwen3-8b" qwen3-8b $K.FUSE_NORM=0 -- "${B1[@]}"
-  run "qwen3-8b-rope" qwen3-8b $ROPE -- "${B1[@]}"
-  run "qwen3-8b-stage" qwen3-8b $K.STAGE_RUNS=1 -- "${B1[@]}"
-  run "qwen3-8b-early-stage" qwen3-8b "${ES[@]}" -- "${B1[@]}"
-  run "qwen3-8b-rope-early-stage" qwen3-8b $ROPE "${ES[@]}" -- "${B1[@]}"
-  run "qwen3-8b-fp8" qwen3-8b $K.FUSE_NORM=0 -- "${B1[@]}" "${F8[@]}"
-  run "qwen3-8b-fp8-rope" qwen3-8b $ROPE -- "${B1[@]}" "${F8[@]}"
-  run "qwen3-8b-fp8-early-stage" qwen3-8b "${ES[@]}" -- "${B1[@]}" "${F8[@]}"
-  run "qwen3-8b-fp8-rope-early-stage" qwen3-8b $ROPE "${ES[@]}" -- "${B1[@]}" "${F8[@]}"
-  run "qwen3-8b-fp8-halves" qwen3-8b $K.X_HALVES=1 -- "${B1[@]}" "${F8[@]}"
-  run "qwen3-8b-fp8-rope-early-stage-halves" qwen3-8b $ROPE "${ES[@]}" $K.X_HALVES=1 -- "${B1[@]}" "${F8[@]}"
-  run "qwen3-30b-a3b" qwen3-30b-a3b $K.FUSE_NORM=0 -- "${B1[@]}"
-  run "qwen3-30b-a3b-router-norm" qwen3-30b-a3b $K.FUSE_NORM=4 -- "${B1[@]}"
-  run "qwen3-30b-a3b-rope" qwen3-30b-a3b $ROPE -- "${B1[@]}"
-  run "qwen3-30b-a3b-rope-early-stage" qwen3-30b-a3b $ROPE "${ES[@]}" -- "${B1[@]}"
-  run "qwen3-8b-again" qwen3-8b $K.FUSE_NORM=0 -- "${B1[@]}"
-  run "qwen3-8b-rope-again" qwen3-8b $ROPE -- "${B1[@]}"
+  shape_row "qwen3-8b-$round" qwen3-8b $K.FUSE_NORM=0 -- "${B1[@]}"
+  shape_row "qwen3-8b-rope-$round" qwen3-8b $ROPE -- "${B1[@]}"
+  shape_row "qwen3-8b-stage-$round" qwen3-8b $K.STAGE_RUNS=1 -- "${B1[@]}"
+  shape_row "qwen3-8b-early-stage-$round" qwen3-8b "${ES[@]}" -- "${B1[@]}"
+  shape_row "qwen3-8b-rope-early-stage-$round" qwen3-8b $ROPE "${ES[@]}" -- "${B1[@]}"
+  shape_row "qwen3-8b-fp8-$round" qwen3-8b $K.FUSE_NORM=0 -- "${B1[@]}" "${F8[@]}"
+  shape_row "qwen3-8b-fp8-rope-$round" qwen3-8b $ROPE -- "${B1[@]}" "${F8[@]}"
+  shape_row "qwen3-8b-fp8-early-stage-$round" qwen3-8b "${ES[@]}" -- "${B1[@]}" "${F8[@]}"
+  shape_row "qwen3-8b-fp8-rope-early-stage-$round" qwen3-8b $ROPE "${ES[@]}" -- "${B1[@]}" "${F8[@]}"
+  shape_row "qwen3-8b-fp8-halves-$round" qwen3-8b $K.X_HALVES=1 -- "${B1[@]}" "${F8[@]}"
+  shape_row "qwen3-8b-fp8-rope-early-stage-halves-$round" qwen3-8b $ROPE "${ES[@]}" $K.X_HALVES=1 -- "${B1[@]}" \
+    "${F8[@]}"
+  shape_row "qwen3-30b-a3b-$round" qwen3-30b-a3b $K.FUSE_NORM=0 -- "${B1[@]}"
+  shape_row "qwen3-30b-a3b-router-norm-$round" qwen3-30b-a3b $K.FUSE_NORM=4 -- "${B1[@]}"
+  shape_row "qwen3-30b-a3b-rope-$round" qwen3-30b-a3b $ROPE -- "${B1[@]}"
+  shape_row "qwen3-30b-a3b-rope-early-stage-$round" qwen3-30b-a3b $ROPE "${ES[@]}" -- "${B1[@]}"
+  shape_row "qwen3-8b-again-$round" qwen3-8b $K.FUSE_NORM=0 -- "${B1[@]}"
+  shape_row "qwen3-8b-rope-again-$round" qwen3-8b $ROPE -- "${B1[@]}"
 done
 (cd "$OUT" && tar rf runs.tar ./*.log ./*.json && rm -f ./*.log ./*.json) 2>/dev/null || true

@@ -78,3 +78,12 @@ cuda_tests() {
   ENGINE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider "$@" -k "($expr) and not sampler" 2>&1 \
     | grep -v -i "warn\|^ *$\|self._warn\|^--" | tail -25 | tee "$OUT/cuda-tests.txt" || true
 }
+
+# shape_row NAME SHAPE MODULE.CONSTANT=VALUE... -- ARGS...: ab_bench NAME on /tmp/shapes/SHAPE (shape_config.py's
+# output, written first if missing), its table row printed after NAME.
+shape_row() {
+  local name=$1 shape=$2
+  shift 2
+  [ -d "/tmp/shapes/$shape" ] || python3 bench/device/shape_config.py "$shape" "/tmp/shapes/$shape" >/dev/null
+  ab_bench "$name" "/tmp/shapes/$shape" "$@" | grep -E "^ +[0-9]+ \|" | sed "s/^/$name /" || true
+}
