@@ -3,7 +3,8 @@ batch-1 targets: qwen3-8b at 80% of the HBM roofline, FP8 weights at 1.6x bf16).
 
 For each of qwen3-8b's projections, bf16 and FP8 (per-channel scales), weights streamed from HBM (every call of a
 graph reads another copy, as a model's layers do): the engine's Triton pick (``ENGINE_TOKEN_GEMV=triton``) and the
-CUDA kernel at each tile of a small sweep, each checked against float32 ``F.linear``. Then the chain of 36 layers'
+CUDA kernel at each tile of a small sweep, each checked against float32 ``F.linear``; FP8 weights also on the tensor
+cores' kernel (``token_mma``) at each of its tiles. Then the chain of 36 layers'
 four projections in one graph, as a decode step runs them (PDL on where the GPU has it), on either kernel.
 
     python3 bench/device/token_gemv_bench.py --json $OUT/token-gemv.json
@@ -22,8 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from bench.device.fp8_tune import HBM, SHAPES, environ, graph_time
+from engine.kernels import token_gemv as token_gemv_mod
 from engine.kernels.gemv import gemv
-from engine.kernels.token_gemv import TokenTile, tile_for, token_gemv
+from engine.kernels.token_gemv import MmaTile, TokenTile, tile_for, token_gemv, token_mma
 from engine.models.quant import Fp8Linear
 
 LAYERS = 36
@@ -53,13 +55,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default="")
     p.add_argument("--no-chain", action="store_true")
+    p.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     a = p.parse_args()
     dev = torch.device("cuda")
     out: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "layers": {}}
     shapes = {k: v for k, v in SHAPES.items()}
     for name, (n, k) in shapes.items():
         swiglu = name == "gate_up"
-        for dtype in ("bf16", "fp8") if name != "lm_head" else ("bf16",):
+        for dtype in [d for d in a.dtypes if name != "lm_head" or d == "bf16"]:
             es = 2 if dtype == "bf16" else 1
             copies = min(16, max(2, -(-PASS_BYTES // (n * k * es))))
             ws = weights(n, k, dtype, copies)
@@ -93,6 +96,26 @@ def main() -> None:
                 r[str(tile)] = {"us": t * 1e6, "pct_hbm": 100 * nbytes / t / HBM, "rel_err": err}
                 if best is None or t < best[0]:
                     best = (t, str(tile))
+            if dtype == "fp8" and token_gemv_mod.takes_mma(ws[0][0], swiglu):  # the tensor cores' kernel, a sweep
+                steps = k // (64 if swiglu else 128)
+                mma_tiles = [token_gemv_mod.mma_tile_for(k, swiglu)] + [
+                    MmaTile(wp, un)
+                    for wp, un in itertools.product((2, 4, 8), (1, 2, 4))
+                    if steps % wp == 0 and (steps // wp) % un == 0
+                ]
+                for mt in dict.fromkeys(mma_tiles):
+                    y = torch.empty(1, n_out, device=dev, dtype=torch.bfloat16)
+                    got = token_mma(x, ws[0][0], ws[0][1], None, swiglu, y, mt).float()
+                    err = float((got - ref).abs().max() / ref.abs().max())
+                    t = graph_time([partial(token_mma, x, w, s, None, swiglu, torch.empty_like(y), mt) for w, s in ws],
+                                   rounds=5)  # fmt: skip
+                    r[f"mma {mt.warps}x{mt.unroll}"] = {
+                        "us": t * 1e6,
+                        "pct_hbm": 100 * nbytes / t / HBM,
+                        "rel_err": err,
+                    }
+                    print(name, dtype, "mma", mt, round(t * 1e6, 2), "us", round(100 * nbytes / t / HBM, 1), "%",
+                          "err", err, flush=True)  # fmt: skip
             if best is not None:
                 r["cuda_best"] = {"tile": best[1], "us": best[0] * 1e6, "pct_hbm": 100 * nbytes / best[0] / HBM}
                 r["cuda_default"] = r.get(str(tile_for(ws[0][0], swiglu)))
@@ -103,15 +126,19 @@ def main() -> None:
             torch.cuda.empty_cache()
     if not a.no_chain:
         # 36 layers' qkv, o, gate/up (SwiGLU) and down, each layer its own weights, in one graph.
-        for dtype in ("bf16", "fp8"):
+        for dtype in a.dtypes:
             layers = {nm: weights(*SHAPES[nm], dtype, LAYERS) for nm in ("qkv", "o", "gate_up", "down")}
             xs = {nm: torch.randn(1, SHAPES[nm][1], device=dev, dtype=torch.bfloat16) for nm in layers}
             calls = [partial(gemv, xs[nm], *layers[nm][i], swiglu=nm == "gate_up") for i in range(LAYERS)
                      for nm in ("qkv", "o", "gate_up", "down")]  # fmt: skip
             nbytes = sum(w.numel() * w.element_size() for ws_ in layers.values() for w, _ in ws_)
-            for mode in ("triton", "cuda"):
-                with environ("ENGINE_TOKEN_GEMV", mode):
+            for mode in ("triton", "cuda", "cuda-cores") if dtype == "fp8" else ("triton", "cuda"):
+                # cuda-cores: e4m3 weights on token_gemv.cu's kernel, not the tensor cores' (token_gemv.MMA = 0)
+                mma_before = token_gemv_mod.MMA
+                token_gemv_mod.MMA = 0 if mode == "cuda-cores" else mma_before
+                with environ("ENGINE_TOKEN_GEMV", "cuda" if mode == "cuda-cores" else mode):
                     t = graph_time([partial(run_all, calls)], rounds=5)
+                token_gemv_mod.MMA = mma_before
                 out.setdefault("chain", {})[f"{dtype} {mode}"] = {"us": t * 1e6, "pct_hbm": 100 * nbytes / t / HBM}
                 print("chain", dtype, mode, round(t * 1e6, 1), "us", round(100 * nbytes / t / HBM, 1), "%", flush=True)
             del layers
