@@ -242,7 +242,7 @@ class TritonOps:
             fused = self._k.RopeInAttention(positions, cos, sin, meta.slot_mapping, heads, qk_norm)
             out = self._k.paged_attention(
                 qkv, kv_cache, meta.block_tables, meta.query_start, meta.context_lens, scale, 1, meta.max_context,
-                meta.num_splits, meta.tile_map, window, rope=fused, prefetch=bool(self._k.PREFETCH_KV),
+                meta.num_splits, meta.tile_map, window, rope=fused,
             )  # fmt: skip
             return out.view(qkv.shape[0], -1)
         q = self._k.rope_and_store(
@@ -256,11 +256,9 @@ class TritonOps:
             else:
                 _INDEXER.update(indexer, kv_cache, meta.slot_mapping)
         if indexer is None or not meta.sparse_topk or nd == 0:
-            # The step's block tables are the host's: a decode step not over FP8 may read its first tiles early.
-            prefetch = bool(self._k.PREFETCH_KV) and meta.max_query_len == 1 and kv_cache.element_size() != 1
             out = self._k.paged_attention(
                 q, kv_cache, meta.block_tables, meta.query_start, meta.context_lens, scale,
-                meta.max_query_len, meta.max_context, meta.num_splits, meta.tile_map, window, prefetch=prefetch,
+                meta.max_query_len, meta.max_context, meta.num_splits, meta.tile_map, window,
             )  # fmt: skip
             return out.view(n, -1)
         # Sparse decode: the decode rows attend over their indexer-chosen blocks, read in place.

@@ -260,30 +260,22 @@ def _e4m3x4_to_f16(w, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _attend(
-    q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, qk_scale, v_offset, window, k_pre, v_pre, off_pre, old,
+    q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, qk_scale, v_offset, window,
     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr, SH: tl.constexpr,
     SS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, V_REGS: tl.constexpr,
-    INTERPRET: tl.constexpr, MASK: tl.constexpr, LAZY: tl.constexpr, PRE: tl.constexpr = False,
+    INTERPRET: tl.constexpr, MASK: tl.constexpr, LAZY: tl.constexpr,
 ):  # fmt: skip
     # One tile of BLOCK_N keys, read through the block table, folded into the online softmax. Key j of KV head g
     # is [block, g, j % BS] of the cache's [blocks, KVH, BS, D] (strides SB, SH, SS): in the engine's head-major
     # cache, a head's keys of a block are one contiguous run of BS * D.
     # Without MASK the tile is one every query of the program sees whole (the caller's bound): no mask on the
     # loads or the scores.
-    # With PRE (a masked tile, the caller's first): its block-table entries (off_pre) and the keys and values before
-    # the step's own (rows old: k_pre, v_pre) were read before the PDL wait; only the step's own keys are read here.
     j = n0 + tl.arange(0, BLOCK_N)
     jm = j < hi
     rows = jm[:, None] if MASK else None
-    if PRE:
-        off = off_pre
-        fresh = (jm & ~old)[:, None]
-        k = tl.load(kv_ptr + off[:, None] + d[None, :], mask=fresh, other=0.0)
-        k = tl.where(old[:, None], k_pre, k).to(q.dtype)
-    else:
-        blk = tl.load(table + j // BS, mask=jm if MASK else None, other=0 if MASK else None).to(tl.int64)
-        off = blk * SB + g * SH + (j % BS) * SS
-        k = tl.load(kv_ptr + off[:, None] + d[None, :], mask=rows, other=0.0 if MASK else None).to(q.dtype)
+    blk = tl.load(table + j // BS, mask=jm if MASK else None, other=0 if MASK else None).to(tl.int64)
+    off = blk * SB + g * SH + (j % BS) * SS
+    k = tl.load(kv_ptr + off[:, None] + d[None, :], mask=rows, other=0.0 if MASK else None).to(q.dtype)
     # Scores in log2 units (qk_scale holds log2(e)): exp2 is the hardware's exponential.
     sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     if MASK:
@@ -318,9 +310,6 @@ def _attend(
         e0, e1, e2, e3 = _e4m3x4_to_f16(w, INTERPRET)
         # Word c holds columns 4c..4c+3 (little-endian): interleave the four back into rows of D.
         v = tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), (BLOCK_N, D))
-    elif PRE:
-        v = tl.load(kv_ptr + v_offset + off[:, None] + d[None, :], mask=fresh, other=0.0)
-        v = tl.where(old[:, None], v_pre, v).to(q.dtype)
     else:
         v = tl.load(kv_ptr + v_offset + off[:, None] + d[None, :], mask=rows, other=0.0 if MASK else None)
         v = v.to(q.dtype)
@@ -329,35 +318,21 @@ def _attend(
 
 
 @triton.jit
-def _fence_cta(INTERPRET: tl.constexpr):
-    # A CTA-scope fence (membar.cta): the compiled code keeps the loads before it ahead of a PDL wait after it, where
-    # without one ptxas moves them below the wait (token_gemv.cu's header: its PIN).
-    if not INTERPRET:
-        tl.inline_asm_elementwise("membar.cta; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _rope_tables(pos_ptr, cos_ptr, sin_ptr, t, d, dt: tl.constexpr, D: tl.constexpr):
-    # Token t's rotary factors at its position, from the float32 tables, rounded to the model dtype as torch does.
-    pos = tl.load(pos_ptr + t.to(tl.int64)).to(tl.int64)
-    c = tl.load(cos_ptr + pos * D + d).to(dt).to(tl.float32)
-    s = tl.load(sin_ptr + pos * D + d).to(dt).to(tl.float32)
-    return c, s
-
-
-@triton.jit
 def _rope_in_place(
-    qkv_ptr, kv_ptr, out_ptr, c, s, slot_ptr, qn_ptr, kn_ptr, eps, t, h, g, d, valid, holds_last, v_offset,
-    H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr, SH: tl.constexpr,
-    SS: tl.constexpr, QK_NORM: tl.constexpr,
+    qkv_ptr, kv_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, qn_ptr, kn_ptr, eps, t, h, g, d, valid,
+    holds_last, v_offset, H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr,
+    SH: tl.constexpr, SS: tl.constexpr, QK_NORM: tl.constexpr,
 ):  # fmt: skip
     # The paged attention kernel's ROPE: its rows' queries (token t, heads h) from qkv, rotated as
-    # _rope_and_store_kernel rotates them (c, s: _rope_tables' of the token's position); with holds_last, KV head g's
-    # key and value of the token stored in the cache, then a barrier.
+    # _rope_and_store_kernel rotates them; with holds_last, KV head g's key and value of the token stored in the cache,
+    # then a barrier.
     dt: tl.constexpr = out_ptr.dtype.element_ty
     t = t.to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
     rot = (d + D // 2) % D
     sign = tl.where(d < D // 2, -1.0, 1.0)
+    c = tl.load(cos_ptr + pos * D + d).to(dt).to(tl.float32)
+    s = tl.load(sin_ptr + pos * D + d).to(dt).to(tl.float32)
     row = qkv_ptr + t * (H + 2 * (H // GROUP)) * D
     q = tl.load(row + h[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
     qr = tl.load(row + h[:, None] * D + rot[None, :], mask=valid[:, None], other=0.0)
@@ -389,17 +364,13 @@ def _paged_attention_kernel(
     SS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_Q: tl.constexpr,
     SPLIT: tl.constexpr, TILED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     FP16_DOT: tl.constexpr, V_REGS: tl.constexpr, UNMASKED: tl.constexpr, LAZY: tl.constexpr, PDL: tl.constexpr,
-    ROPE: tl.constexpr, QK_NORM: tl.constexpr, PREFETCH: tl.constexpr,
+    ROPE: tl.constexpr, QK_NORM: tl.constexpr,
 ):  # fmt: skip
     # ROPE (decode steps, one query token a sequence): q_ptr is the step's fused projection qkv, and the program does
     # what rope_and_store would have done before it: each query head of its rows normalised (QK_NORM) and rotated;
     # the program whose keys end the context rotates the token's key and stores it and its value in the cache, then
     # a barrier makes them visible to its own loads of that tile.
-    # PREFETCH (decode steps whose block tables, context lengths and query starts the host wrote): before the PDL wait,
-    # while the kernel before still runs, the program reads those, and its first tile's keys and values from before
-    # the step's own keys, which no kernel of the step writes; with ROPE also the positions and rotary tables.
-    if not PREFETCH:
-        enter(PDL)
+    enter(PDL)
     g = tl.program_id(2)
     ok = True
     if SPLIT:
@@ -442,30 +413,11 @@ def _paged_attention_kernel(
         # Keys before the window of the tile's first query are never seen: skip them.
         lo = tl.maximum(lo, ctx - qlen + mt * TILE_Q - window + 1)
     d = tl.arange(0, D)
-    if ROPE:  # the host's positions and the rotary tables: before the wait too with PREFETCH
-        rope_c, rope_s = _rope_tables(pos_ptr, cos_ptr, sin_ptr, q0, d, out_ptr.dtype.element_ty, D)
-    else:  # (not read)
-        rope_c = lo
-        rope_s = lo
-    if PREFETCH:
-        table = tables_ptr + s.to(tl.int64) * table_stride
-        jp = lo + tl.arange(0, BLOCK_N)
-        old = jp < tl.minimum(hi, ctx - qlen)
-        blk = tl.load(table + jp // BS, mask=jp < hi, other=0).to(tl.int64)
-        off_pre = blk * SB + g * SH + (jp % BS) * SS
-        k_pre = tl.load(kv_ptr + off_pre[:, None] + d[None, :], mask=old[:, None], other=0.0)
-        v_pre = tl.load(kv_ptr + v_offset + off_pre[:, None] + d[None, :], mask=old[:, None], other=0.0)
-        _fence_cta(INTERPRET)
-        enter(PDL)
-    else:  # (not read)
-        old = lo
-        off_pre = lo
-        k_pre = lo
-        v_pre = lo
     q_rows = (q0 + tq).to(tl.int64) * (H * D) + h * D
     if ROPE:
-        q = _rope_in_place(q_ptr, kv_ptr, out_ptr, rope_c, rope_s, slot_ptr, qn_ptr, kn_ptr, eps, q0, h, g, d, valid,
-                           (lo < hi) & (hi == ctx) & ok, v_offset, H, GROUP, D, BS, SB, SH, SS, QK_NORM)  # fmt: skip
+        q = _rope_in_place(q_ptr, kv_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, qn_ptr, kn_ptr, eps, q0, h, g,
+                           d, valid, (lo < hi) & (hi == ctx) & ok, v_offset, H, GROUP, D, BS, SB, SH, SS,
+                           QK_NORM)  # fmt: skip
     else:
         q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
     if FP16_DOT:
@@ -474,8 +426,7 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    if not PREFETCH:
-        table = tables_ptr + s.to(tl.int64) * table_stride
+    table = tables_ptr + s.to(tl.int64) * table_stride
     qk_scale = scale * 1.4426950408889634  # log2(e): the softmax runs in base 2
     # Tiles every query of the program sees whole run without masks; the rest (the causal diagonal, a context's
     # last partial tile, a sliding window's rows) with them. A decode query sees every key of [lo, hi).
@@ -486,41 +437,31 @@ def _paged_attention_kernel(
         elif window == 0:
             seen_by_all = tl.minimum(hi, ctx - qlen + mt * TILE_Q + 1)  # keys up to the tile's first query
             mid = lo + tl.maximum(seen_by_all - lo, 0) // BLOCK_N * BLOCK_N
-    first = lo  # the loops' bounds: [first, mid) unmasked, [second, hi) masked
-    second = mid
-    if PREFETCH:  # the first tile, read before the wait, as a masked one
-        if lo < hi:
-            m_i, l_i, acc = _attend(
-                q, kv_ptr, table, lo, hi, qpos, g, d, m_i, l_i, acc, qk_scale, v_offset, window, k_pre, v_pre,
-                off_pre, old, H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET, True, LAZY, True,
-            )  # fmt: skip
-        first = lo + BLOCK_N
-        second = tl.maximum(mid, first)
     if INTERPRET:
         # Triton's interpreter cannot run a `for` over a loaded bound; a `while` is the same loop.
-        n0 = first
+        n0 = lo
         while n0 < hi:
             if n0 < mid:
                 m_i, l_i, acc = _attend(
-                    q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, qk_scale, v_offset, window, k_pre, v_pre,
-                    off_pre, old, H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET, False, LAZY,
+                    q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, qk_scale, v_offset, window,
+                    H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET, False, LAZY,
                 )  # fmt: skip
             else:
                 m_i, l_i, acc = _attend(
-                    q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, qk_scale, v_offset, window, k_pre, v_pre,
-                    off_pre, old, H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET, True, LAZY,
+                    q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, qk_scale, v_offset, window,
+                    H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET, True, LAZY,
                 )  # fmt: skip
             n0 += BLOCK_N
     else:
-        for n0 in range(first, mid, BLOCK_N):
+        for n0 in range(lo, mid, BLOCK_N):
             m_i, l_i, acc = _attend(
-                q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, qk_scale, v_offset, window, k_pre, v_pre,
-                off_pre, old, H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET, False, LAZY,
+                q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, qk_scale, v_offset, window,
+                H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET, False, LAZY,
             )  # fmt: skip
-        for n0 in range(second, hi, BLOCK_N):
+        for n0 in range(mid, hi, BLOCK_N):
             m_i, l_i, acc = _attend(
-                q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, qk_scale, v_offset, window, k_pre, v_pre,
-                off_pre, old, H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET, True, LAZY,
+                q, kv_ptr, table, n0, hi, qpos, g, d, m_i, l_i, acc, qk_scale, v_offset, window,
+                H, GROUP, D, BS, SB, SH, SS, BLOCK_N, PRECISION, V_REGS, INTERPRET, True, LAZY,
             )  # fmt: skip
     leave_loop(PDL)
     if SPLIT:
@@ -540,9 +481,6 @@ PREFILL_TILE = DecodeTile(DECODE_BLOCK_N, 4, 3)
 # caller can (engine.kernels.ops.TritonOps.attention): one launch fewer a layer. Measured on the H200 at batch 1
 # (docs/engine.md, twenty-first round): qwen3-8b +1.2%, FP8 weights +2.4%, qwen3-30b-a3b +3.0%.
 ROPE_IN_ATTENTION = 1
-# A decode step's attention programs read their first tile before the PDL wait (paged_attention's ``prefetch``) where
-# the caller's block tables are the host's (engine.kernels.ops.TritonOps.attention). Off: it lost 2% on qwen3-8b.
-PREFETCH_KV = 0
 # Where a step's attention kernel lets the next kernel launch under PDL: PDL_EARLY first thing, PDL_LOOP once its
 # programs leave their loop. Early, the merge's and then the output projection's blocks are placed while the
 # attention runs, and the weight chunks they ask for before their wait stream then. With the rope in the attention
@@ -578,7 +516,6 @@ def paged_attention(
     tile_map: tuple[torch.Tensor, torch.Tensor] | None = None, window: int = 0, block_n: int = 0,
     num_warps: int = 0, num_stages: int = 0, v_regs: bool | None = None, unmasked: bool | None = None,
     lazy_rescale: bool | None = None, max_registers: int | None = None, rope: RopeInAttention | None = None,
-    prefetch: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """Causal attention of ``q [tokens, H, D]`` over each sequence's cached context (this step's K/V included).
 
@@ -598,9 +535,7 @@ def paged_attention(
 
     ``rope``: a decode step (``max_query_len`` 1) whose rotary positions and K/V store are done here
     (``RopeInAttention``), ``q`` then being the step's fused projection ``[tokens, (H + 2 * KVH) * D]``; the result is
-    what ``rope_and_store`` then this function give, in one launch. ``prefetch``: a decode step's programs read their
-    first tile's keys and values from before the step's own before the PDL wait; only for block tables, context
-    lengths and query starts the host wrote (not a kernel of the step), over a cache that is not FP8.
+    what ``rope_and_store`` then this function give, in one launch.
     """
     if rope is not None and max_query_len != 1:
         raise ValueError(
@@ -624,10 +559,7 @@ def paged_attention(
         heads = rope.heads
         out = torch.empty((q.shape[0], heads, d), dtype=q.dtype, device=q.device)
     rope_args = rope.args(out) if rope is not None else [out] * 6 + [0.0]
-    if prefetch and (max_query_len != 1 or kv_cache.element_size() == 1):
-        raise ValueError("prefetch is for decode steps over a cache that is not FP8")
-    rope_flags = {"ROPE": rope is not None, "QK_NORM": rope is not None and rope.qk_norm is not None,
-                  "PREFETCH": prefetch}  # fmt: skip
+    rope_flags = {"ROPE": rope is not None, "QK_NORM": rope is not None and rope.qk_norm is not None}
     group = heads // kv_heads
     seqs = block_tables.shape[0]
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
