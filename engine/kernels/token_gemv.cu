@@ -18,9 +18,7 @@
 //
 // Compile-time: K (columns), WBYTES (1: e4m3, 2: 16-bit of the activations' kind), BF16 (activations and output
 // bfloat16, else float16), WARPS, ROWS_PER_WARP, UNROLL, SWIGLU, HAS_SCALE, HAS_BIAS, PDL; with PDL, PIN (above) and
-// EARLY, which lets the next kernel launch first thing, else once this block has left its loop. XHALVES (e4m3 weights):
-// x staged with the first and second 16 bytes of each chunk's 32 in two arrays, so that a warp's loads of them are
-// free of bank conflicts.
+// EARLY, which lets the next kernel launch first thing, else once this block has left its loop.
 //
 // STAGE: the next STAGE runs of every row (after the first, which goes to registers) are asked for before the wait as
 // well, into shared memory (cp.async, 16 bytes a copy, one slot a thread, no registers held), and read from there in
@@ -66,9 +64,6 @@
 #ifndef PIN
 #define PIN 0
 #endif
-#ifndef XHALVES
-#define XHALVES 0
-#endif
 #ifndef STAGE
 #define STAGE 0
 #endif
@@ -94,7 +89,6 @@
 
 static_assert(K % (32 * CHUNK_VALUES) == 0, "whole 16-byte chunks for every lane");
 static_assert(CHUNKS_PER_LANE % UNROLL == 0, "whole runs of UNROLL chunks");
-static_assert(!XHALVES || WBYTES == 1, "halves of x's 32 bytes a chunk: e4m3 weights");
 static_assert(!NORM || (K / 8) % (32 * WARPS) == 0, "the norm: whole 16-byte chunks for every thread");
 static_assert(!NORM || !EXPERTS, "the norm before a linear layer's matmul or a router's");
 static_assert(!NORM_STORE || NORM, "the norm's output stored");
@@ -102,9 +96,6 @@ static_assert((NORM_PARTS == 1 && !NORM_F32) || NORM == 2, "parts are summed onl
 static_assert(!NORM_F32 || NORM_PARTS > 1, "float32 x only as parts");
 static_assert(!STAGE || (!EXPERTS && !ROUTER && !SWIGLU), "runs staged before the wait: a linear layer's weight");
 static_assert((STAGE + 1) * UNROLL <= CHUNKS_PER_LANE, "staged runs within the row");
-
-// Where x's 16 bytes i (values 8i..8i+7) are staged, in 16-byte units: with XHALVES, half i % 2 of chunk i / 2.
-__device__ __forceinline__ int x_slot(int i) { return XHALVES ? (i & 1) * (K / 16) + (i >> 1) : i; }
 
 __device__ __forceinline__ u32 e4m3x2_lo(u32 v) {  // the low two e4m3 bytes of v as f16x2
   u32 r;
@@ -150,11 +141,7 @@ __device__ __forceinline__ float dot_chunk(const uint4& w, const u32* __restrict
   const u32 ws[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-#if XHALVES  // half i of every chunk's x in an array of its own: lanes read 16 bytes apart, no bank conflict
-    const uint4 x = reinterpret_cast<const uint4*>(xs)[i * (K / 16) + k0 / 16];
-#else  // lanes 32 bytes apart: lanes l and l + 4 of a quarter warp share banks
-    const uint4 x = xv[i];  // 8 values
-#endif
+    const uint4 x = xv[i];  // 8 values (lanes 32 bytes apart: lanes l and l + 4 of a quarter warp share banks)
     const u32 xw[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -374,7 +361,7 @@ extern "C" __global__ void BOUNDS token_gemv(const u16* __restrict__ x, const un
 #if NORM == 2
       if (blockIdx.x == 0) reinterpret_cast<uint4*>(res_out)[i] = packed;
 #endif
-      staged[x_slot(i)] = packed;
+      staged[i] = packed;
 #pragma unroll
       for (int v = 0; v < 8; ++v) ss = fmaf(xf[v], xf[v], ss);
     }
@@ -383,9 +370,9 @@ extern "C" __global__ void BOUNDS token_gemv(const u16* __restrict__ x, const un
     for (int j = 0; j < NORM_CHUNKS; ++j) {
       const int i = j * 32 * WARPS + threadIdx.x;
       float xf[8];
-      unpack(staged[x_slot(i)], xf);
+      unpack(staged[i], xf);
       const uint4 y = normed_chunk(wn[j], xf, inv);
-      staged[x_slot(i)] = y;
+      staged[i] = y;
 #if NORM_STORE
       if (blockIdx.x == 0) reinterpret_cast<uint4*>(normed)[i] = y;
 #endif
@@ -395,11 +382,11 @@ extern "C" __global__ void BOUNDS token_gemv(const u16* __restrict__ x, const un
 #pragma unroll
   for (int j = 0; j < K / 8 / (32 * WARPS); ++j) {
     const int i = j * 32 * WARPS + threadIdx.x;
-    reinterpret_cast<uint4*>(xs)[x_slot(i)] = ld_after_wait(reinterpret_cast<const uint4*>(x) + i);
+    reinterpret_cast<uint4*>(xs)[i] = ld_after_wait(reinterpret_cast<const uint4*>(x) + i);
   }
 #else
   for (int i = threadIdx.x; i < K / 8; i += 32 * WARPS)
-    reinterpret_cast<uint4*>(xs)[x_slot(i)] = ld_after_wait(reinterpret_cast<const uint4*>(x) + i);
+    reinterpret_cast<uint4*>(xs)[i] = ld_after_wait(reinterpret_cast<const uint4*>(x) + i);
 #endif
   __syncthreads();
 #pragma unroll

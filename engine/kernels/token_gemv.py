@@ -32,10 +32,6 @@ MAX_K = 16384
 # a block has left its loop: 0 none, 1 those of e4m3 weights, 2 those of 16-bit weights, 3 all.
 PIN_LOADS = 1
 EARLY = 1
-# e4m3 launches stage the token with each chunk's two 16-byte halves of x in separate arrays (token_gemv.cu's
-# XHALVES), which frees the loop's shared-memory loads of bank conflicts (docs/engine.md, twentieth round). Off until
-# measured on a GPU: bench/device/x_halves_round.sh.
-X_HALVES = 0
 # Which RMS norms run in the launch of the layer after them where they qualify, the others in one of their own
 # (token_norm.cu): the sum of NORM_LINEAR (before a linear layer without SwiGLU: the QKV projection), NORM_SWIGLU
 # (before a gate/up projection with SwiGLU) and NORM_ROUTER (before a MoE router, token_norm_route). Measured on the
@@ -145,19 +141,18 @@ def stage_bounds(k: int, wbytes: int, tile: TokenTile, stage: int, norm: bool) -
 
 def defines(k: int, wbytes: int, bf16: bool, tile: TokenTile, swiglu: bool, has_scale: bool, has_bias: bool,
             pdl: bool, routed: int = 0, router: tuple[int, int, bool, bool] | None = None, *, pin: int,
-            early: int, halves: int = 0, norm: tuple[bool, int, bool] | None = None,
-            norm_store: bool = False, stage: int = 0) -> dict[str, int]:  # fmt: skip
+            early: int, norm: tuple[bool, int, bool] | None = None, norm_store: bool = False,
+            stage: int = 0) -> dict[str, int]:  # fmt: skip
     """The compile-time constants of a launch (token_gemv.cu's header). ``routed``: 0 a linear layer; 1 a MoE
     layer's experts, not weighted; 2 weighted by float32 routing weights, 3 by 16-bit ones. ``router``: a MoE router
-    and its routing, ``(top_k, experts, renormalize, float32 weights)``. ``pin``, ``early``, ``halves``: as
-    ``PIN_LOADS``, ``EARLY`` and ``X_HALVES``. ``norm``: the RMS norm before the layer, ``(residual add, x's parts,
-    float32 parts)``; ``norm_store``: the norm's output stored too. ``stage``: runs staged before the wait, as
-    ``stage_for`` gives them for a linear layer."""
+    and its routing, ``(top_k, experts, renormalize, float32 weights)``. ``pin``, ``early``: as ``PIN_LOADS`` and
+    ``EARLY``. ``norm``: the RMS norm before the layer, ``(residual add, x's parts, float32 parts)``; ``norm_store``:
+    the norm's output stored too. ``stage``: runs staged before the wait, as ``stage_for`` gives them for a linear
+    layer."""
     out = {"K": k, "WBYTES": wbytes, "BF16": int(bf16), "WARPS": tile.warps, "ROWS_PER_WARP": tile.rows_per_warp,
            "UNROLL": tile.unroll, "SWIGLU": int(swiglu), "HAS_SCALE": int(has_scale), "HAS_BIAS": int(has_bias),
            "PDL": int(pdl), "EXPERTS": int(routed > 0), "ROUTED": int(routed > 1), "ROUTE_F32": int(routed == 2),
-           "PIN": int(bool(pin)), "EARLY": int(bool(early & (1 if wbytes == 1 else 2))),
-           "XHALVES": int(bool(halves) and wbytes == 1), "STAGE": stage,
+           "PIN": int(bool(pin)), "EARLY": int(bool(early & (1 if wbytes == 1 else 2))), "STAGE": stage,
            "MIN_BLOCKS": stage_bounds(k, wbytes, tile, stage, norm is not None)}  # fmt: skip
     if router is not None:
         top_k, experts, renormalize, keep_float32 = router
@@ -309,7 +304,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
     k, wbytes = weight.shape[1], weight.element_size()
     kernel = _kernel(x.device.index or 0, k, wbytes, out.dtype == torch.bfloat16, tile, swiglu, scale is not None,
-                     bias is not None, pdl, pin=PIN_LOADS, early=EARLY, halves=X_HALVES, norm=norm,
+                     bias is not None, pdl, pin=PIN_LOADS, early=EARLY, norm=norm,
                      stage=stage_for(k, wbytes, tile, swiglu, STAGE_RUNS) if pdl else 0)  # fmt: skip
     rows_per_block = tile.warps * tile.rows_per_warp
     args = [nvrtc.ptr(x), nvrtc.ptr(weight), nvrtc.ptr(scale if scale is not None else out),
@@ -349,7 +344,7 @@ def token_experts(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, route_w: 
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
     routed = 1 if route_w is None else 2 if route_w.dtype == torch.float32 else 3
     kernel = _kernel(x.device.index or 0, w.shape[2], w.element_size(), x.dtype == torch.bfloat16, tile, gated,
-                     False, False, pdl, routed, pin=PIN_LOADS, early=EARLY, halves=X_HALVES)  # fmt: skip
+                     False, False, pdl, routed, pin=PIN_LOADS, early=EARLY)  # fmt: skip
     ids = ids if ids.is_contiguous() else ids.contiguous()
     args = [nvrtc.ptr(x), nvrtc.ptr(w), nvrtc.ptr(out), nvrtc.ptr(out), nvrtc.ptr(out), ctypes.c_int(n),
             ctypes.c_longlong(w.stride(1) * w.element_size()), nvrtc.ptr(ids),

@@ -7,7 +7,6 @@ replays are checked against eager steps too. Skipped when the triton package is 
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 from collections.abc import Callable
@@ -530,7 +529,7 @@ def test_the_norm_goes_into_one_tokens_cuda_matmul_where_it_divides(monkeypatch:
 @pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
 def test_one_tokens_cuda_matmul_matches_the_float32_product(act: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """Against float32 F.linear of the (dequantized) weight: 16-bit and e4m3 weights (per-channel scales; x staged as
-    it is and in halves), a bias, SwiGLU of a fused gate/up weight, every tile of a sweep, through gemv's dispatch,
+    it is), a bias, SwiGLU of a fused gate/up weight, every tile of a sweep, through gemv's dispatch,
     and a chain of two launches in a CUDA graph under PDL where the second reads what the first wrote."""
     from engine.kernels import token_gemv
     from engine.kernels.gemv import gemv
@@ -552,14 +551,10 @@ def test_one_tokens_cuda_matmul_matches_the_float32_product(act: torch.dtype, mo
             assert token_gemv.supports(x, weight, swiglu)
             per_lane = k * weight.element_size() // 512
             tiles = {token_gemv.tile_for(weight, swiglu), token_gemv.TokenTile(8, 1, 4), token_gemv.TokenTile(4, 4, 4)}
-            default_halves = token_gemv.X_HALVES
             for tile in (t for t in tiles if per_lane % t.unroll == 0):
-                for halves in (0, 1) if weight.element_size() == 1 else (0,):  # x staged as it is, or in halves
-                    monkeypatch.setattr(token_gemv, "X_HALVES", halves)
-                    got = token_gemv.token_gemv(x, weight, sc, bias, swiglu, torch.empty(1, ref.shape[1], device=DEV,
-                                                                                         dtype=act), tile)  # fmt: skip
-                    torch.testing.assert_close(got.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=1e-2)
-            monkeypatch.setattr(token_gemv, "X_HALVES", default_halves)
+                got = token_gemv.token_gemv(x, weight, sc, bias, swiglu, torch.empty(1, ref.shape[1], device=DEV,
+                                                                                     dtype=act), tile)  # fmt: skip
+                torch.testing.assert_close(got.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=1e-2)
             via = gemv(x, weight, sc, bias, swiglu=swiglu)
             torch.testing.assert_close(via, token_gemv.token_gemv(x, weight, sc, bias, swiglu, torch.empty_like(via)))
     # A chain under PDL: y1 = x W1^T, y2 = y1 W2^T, replayed from a graph with new x; the second launch let in once
@@ -715,7 +710,7 @@ def test_the_cuda_matmul_with_its_norm_matches_the_norm_then_the_matmul(
 ) -> None:
     """``token_norm_gemv`` against the CUDA norm's launch followed by the matmul's, and against torch: the first norm
     (no residual), the residual add of one row, of a MoE layer's 16-bit parts and of float32 parts; 16-bit and e4m3
-    weights (x as it is and in halves), SwiGLU; the normed token itself, through an identity weight; through
+    weights, SwiGLU; the normed token itself, through an identity weight; through
     ``TritonOps.norm_linear``; and under PDL in a CUDA graph between two matmuls, replayed with new tokens."""
     from engine.kernels import token_gemv, token_norm
     from engine.kernels.gemv import gemv
@@ -736,27 +731,25 @@ def test_the_cuda_matmul_with_its_norm_matches_the_norm_then_the_matmul(
             (torch.randn(1, 2, k, generator=g).to(DEV), res),
         ]
         for weight, sc in weights:
-            for halves in (0, 1) if weight.element_size() == 1 else (0,):
-                monkeypatch.setattr(token_gemv, "X_HALVES", halves)
-                for x, r in inputs:
-                    if not token_gemv.supports_norm(x, r, nw, weight, swiglu):
-                        assert weight.element_size() == 1 and k == 1024  # 8 warps of e4m3: half a chunk a thread
-                        continue
-                    y, r_out = token_gemv.token_norm_gemv(x, r, nw, 1e-6, weight, sc, None, swiglu)
-                    if r is None:
-                        h, r_ref = token_norm.token_norm(x, None, nw, 1e-6)
-                    else:
-                        h, r_ref = token_norm.token_norm(x, r, nw, 1e-6)
-                    torch.testing.assert_close(r_out, r_ref, rtol=0, atol=0)  # the residual stream, exactly
-                    unfused = token_gemv.token_gemv(h, weight, sc, None, swiglu, torch.empty_like(y))
-                    torch.testing.assert_close(y, unfused, rtol=tol, atol=tol * unfused.abs().max().item())
-                    deq = weight.float() * (sc[:, None] if sc is not None else 1.0)
-                    h_ref = (ref.rms_norm(x, nw, 1e-6) if r is None else ref.add_rms_norm(x, r, nw, 1e-6)[0]).float()
-                    y_ref = F.linear(h_ref, deq)
-                    if swiglu:
-                        gate, up = y_ref.chunk(2, dim=-1)
-                        y_ref = F.silu(gate) * up
-                    torch.testing.assert_close(y.float(), y_ref, rtol=2e-2, atol=2e-2 * y_ref.abs().max().item())
+            for x, r in inputs:
+                if not token_gemv.supports_norm(x, r, nw, weight, swiglu):
+                    assert weight.element_size() == 1 and k == 1024  # 8 warps of e4m3: half a chunk a thread
+                    continue
+                y, r_out = token_gemv.token_norm_gemv(x, r, nw, 1e-6, weight, sc, None, swiglu)
+                if r is None:
+                    h, r_ref = token_norm.token_norm(x, None, nw, 1e-6)
+                else:
+                    h, r_ref = token_norm.token_norm(x, r, nw, 1e-6)
+                torch.testing.assert_close(r_out, r_ref, rtol=0, atol=0)  # the residual stream, exactly
+                unfused = token_gemv.token_gemv(h, weight, sc, None, swiglu, torch.empty_like(y))
+                torch.testing.assert_close(y, unfused, rtol=tol, atol=tol * unfused.abs().max().item())
+                deq = weight.float() * (sc[:, None] if sc is not None else 1.0)
+                h_ref = (ref.rms_norm(x, nw, 1e-6) if r is None else ref.add_rms_norm(x, r, nw, 1e-6)[0]).float()
+                y_ref = F.linear(h_ref, deq)
+                if swiglu:
+                    gate, up = y_ref.chunk(2, dim=-1)
+                    y_ref = F.silu(gate) * up
+                torch.testing.assert_close(y.float(), y_ref, rtol=2e-2, atol=2e-2 * y_ref.abs().max().item())
     # The normed token itself: through an identity weight every output is one product 1 * h, exact, so y is what the
     # launch staged. Against the norm's launch: equal but for a rare value one rounding away (the sum of squares is
     # added in another order). Inputs of RMS ~3 and ~5, so that an inverse RMS a little wrong would show.
@@ -764,10 +757,7 @@ def test_the_cuda_matmul_with_its_norm_matches_the_norm_then_the_matmul(
         eye = torch.eye(k, device=DEV)
         res = (5 * torch.randn(1, k, generator=g)).to(DEV).to(act)
         nw = (1 + 0.1 * torch.randn(k, generator=g)).to(DEV).to(act)
-        for (weight, sc), halves in itertools.product(
-            ((eye.to(act), None), (eye.to(torch.float8_e4m3fn), torch.ones(k, device=DEV))), (0, 1)
-        ):
-            monkeypatch.setattr(token_gemv, "X_HALVES", halves)  # (16-bit weights stage x as it is either way)
+        for weight, sc in ((eye.to(act), None), (eye.to(torch.float8_e4m3fn), torch.ones(k, device=DEV))):
             for x, r in (((3 * torch.randn(1, k, generator=g)).to(DEV).to(act), None),
                          ((3 * torch.randn(1, k, generator=g)).to(DEV).to(act), res),
                          ((3 * torch.randn(1, 8, k, generator=g)).to(DEV).to(act), res),
@@ -775,7 +765,6 @@ def test_the_cuda_matmul_with_its_norm_matches_the_norm_then_the_matmul(
                 assert token_gemv.supports_norm(x, r, nw, weight, False)
                 y, _ = token_gemv.token_norm_gemv(x, r, nw, 1e-6, weight, sc, None, False)
                 assert_within_one_rounding(y, token_norm.token_norm(x, r, nw, 1e-6)[0])
-    monkeypatch.setattr(token_gemv, "X_HALVES", 0)
     # Through the ops' dispatch: one launch (no norm launched apart), the composed ops' result.
     layer = torch.nn.Linear(2048, 512, bias=False).to(DEV).to(act)
     x, res = (torch.randn(1, 2048, generator=g).to(DEV).to(act) for _ in range(2))

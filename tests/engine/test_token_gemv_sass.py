@@ -68,19 +68,15 @@ def sass(constants: dict[str, int], tmp_path: Path, source: Path = token_gemv._S
             if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]  # fmt: skip
 
 
-# (variant, pin, early, x in halves): every variant at three settings of the pin and EARLY; e4m3 ones with x staged in
-# halves too (token_gemv.X_HALVES, a layout of e4m3 launches only).
-SETTINGS = [(v, pin, early, 0) for v in VARIANTS for pin, early in ((1, 1), (0, 0), (1, 3))]
-SETTINGS += [(v, 1, 1, 1) for v in VARIANTS if VARIANTS[v][1] == 1]
+# (variant, pin, early): every variant at three settings of the pin and EARLY.
+SETTINGS = [(v, pin, early) for v in VARIANTS for pin, early in ((1, 1), (0, 0), (1, 3))]
 
 
-@pytest.mark.parametrize(("variant", "pin", "early", "halves"), SETTINGS)
-def test_only_weights_are_read_before_the_wait(variant: str, pin: int, early: int, halves: int,
-                                               tmp_path: Path) -> None:  # fmt: skip
+@pytest.mark.parametrize(("variant", "pin", "early"), SETTINGS)
+def test_only_weights_are_read_before_the_wait(variant: str, pin: int, early: int, tmp_path: Path) -> None:
     k, wbytes, tile, swiglu, scale, bias, routed, router = VARIANTS[variant]
     constants = token_gemv.defines(k, wbytes, True, tile, swiglu, scale, bias, True, routed, router, pin=pin,
-                                   early=early, halves=halves)  # fmt: skip
-    assert constants["XHALVES"] == halves
+                                   early=early)  # fmt: skip
     code = sass(constants, tmp_path)
     (wait,) = [i for i, ins in enumerate(code) if ins.startswith("ACQBULK")]
     (let_in,) = [i for i, ins in enumerate(code) if ins.startswith("PREEXIT")]
@@ -190,18 +186,14 @@ NORMED: dict[str, tuple[Any, ...]] = {
 }
 
 
-# Every variant with x staged as it is; e4m3 ones in halves too.
-NORMED_SETTINGS = [(v, 0) for v in NORMED] + [(v, 1) for v in NORMED if NORMED[v][1] == 1]
-
-
-@pytest.mark.parametrize(("variant", "halves"), NORMED_SETTINGS)
-def test_with_the_norm_only_weights_are_read_before_the_wait(variant: str, halves: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize("variant", list(NORMED))
+def test_with_the_norm_only_weights_are_read_before_the_wait(variant: str, tmp_path: Path) -> None:
     """The first chunks of every row and the norm's weight before the wait (plain loads there, which the fence holds:
     ptxas sank read-only ones below it), x and the residual by plain loads after it, block 0's store of the residual
     stream after it too."""
     k, wbytes, tile, swiglu, scale, norm, *router = NORMED[variant]
     constants = token_gemv.defines(k, wbytes, True, tile, swiglu, scale, False, True, 0, router[0] if router else None,
-                                   pin=1, early=1, halves=halves, norm=norm, norm_store=bool(router))  # fmt: skip
+                                   pin=1, early=1, norm=norm, norm_store=bool(router))  # fmt: skip
     assert constants["NORM"] == (2 if norm[0] else 1)
     code = sass(constants, tmp_path)
     (wait,) = [i for i, ins in enumerate(code) if ins.startswith("ACQBULK")]
