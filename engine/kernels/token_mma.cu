@@ -19,7 +19,8 @@
 // - SwiGLU: A row g is gate row g, row g + 8 its up row, both against column 0's x: 64 bytes of 8 gate/up pairs.
 // The columns past the first one or two are never read; their lanes load some x all the same (no branch).
 // A block's WARPS warps take a row's steps in turn (warp w steps w, w + WARPS, ...: the block reads 1 KB of a row at
-// a time); each keeps UNROLL steps in flight, the first UNROLL asked for before the PDL wait (no kernel writes a
+// a time); each keeps UNROLL steps in flight (a step's slot asks for the step UNROLL further once its MMAs have
+// taken it), the first UNROLL asked for before the PDL wait (no kernel writes a
 // weight; plain loads, which the fence holds the wait behind: token_gemv.cu's PIN), then the warps' sums meet in
 // shared memory and lanes 0-7 of warp 0 finish the rows with token_gemv.cu's roundings.
 //
@@ -139,18 +140,13 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS)
   __syncthreads();
   float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-  for (int s0 = 0; s0 < STEPS_PER_WARP; s0 += UNROLL) {
-    if (s0 > 0) {  // the rest (the first run was asked for before the wait)
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        buf[u][0] = ld_stream(lo + (s0 + u) * WARPS * STEP);
-        buf[u][1] = ld_stream(hi + (s0 + u) * WARPS * STEP);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const uint4* xv = reinterpret_cast<const uint4*>(xs + xoff + (s0 + u) * WARPS * STEP);
-      step(c, buf[u][0], buf[u][1], xv[0], xv[1]);
+  for (int s = 0; s < STEPS_PER_WARP; ++s) {  // step s from slot s % UNROLL, which then asks for step s + UNROLL
+    const int u = s % UNROLL;
+    const uint4* xv = reinterpret_cast<const uint4*>(xs + xoff + s * WARPS * STEP);
+    step(c, buf[u][0], buf[u][1], xv[0], xv[1]);
+    if (s + UNROLL < STEPS_PER_WARP) {
+      buf[u][0] = ld_stream(lo + (s + UNROLL) * WARPS * STEP);
+      buf[u][1] = ld_stream(hi + (s + UNROLL) * WARPS * STEP);
     }
   }
 #if PDL && !EARLY
