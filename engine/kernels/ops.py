@@ -51,13 +51,6 @@ class ModelOps(Protocol):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
 
-    def norm_linear(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                    eps: float, swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """``(linear(layer, h), residual stream)`` with ``h, residual stream = add_rms_norm(x, residual, ...)``, or
-        ``rms_norm(x)`` and ``x`` when ``residual`` is None; ``swiglu_linear`` in place of ``linear`` with
-        ``swiglu``. The norm and the layer may run in one launch."""
-        ...
-
     def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``layer(x)`` for a linear layer of the model (``nn.Linear``, ``Fp8Linear`` or a parallel one)."""
         ...
@@ -116,10 +109,6 @@ class TorchOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def norm_linear(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                    eps: float, swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        return composed_norm_linear(self, layer, x, residual, weight, eps, swiglu)
-
     def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return layer(x)  # type: ignore[no-any-return]
 
@@ -148,23 +137,6 @@ class TorchOps:
         return paged_attention(q, k, v, kv_cache, meta, scale, indexer, window)
 
 
-def composed_norm_linear(
-    ops: ModelOps,
-    layer: nn.Module,
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    swiglu: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ModelOps.norm_linear`` as its parts: the norm, then the layer."""
-    if residual is None:
-        residual, h = x, ops.rms_norm(x, weight, eps)
-    else:
-        h, residual = ops.add_rms_norm(x, residual, weight, eps)
-    return (ops.swiglu_linear(layer, h) if swiglu else ops.linear(layer, h)), residual
-
-
 def _weights(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """A plain or FP8 linear layer's ``(weight, per-channel scale or None, bias or None)``."""
     scale = layer.weight_scale if isinstance(layer, Fp8Linear) else None
@@ -175,11 +147,10 @@ class TritonOps:
     """Fused Triton kernels: one launch per op, graph-capturable."""
 
     def __init__(self) -> None:
-        from engine.kernels import gemv, token_gemv, triton_ops  # imported only where Triton is wanted
+        from engine.kernels import gemv, triton_ops  # imported only where Triton is wanted
 
         self._k = triton_ops
         self._gemv = gemv
-        self._token = token_gemv
         self._skinny_types: tuple[type[nn.Module], ...] = (nn.Linear, Fp8Linear)
 
     def rope(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> Any:
@@ -195,15 +166,6 @@ class TritonOps:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self._k.silu_and_mul(x)
-
-    def norm_linear(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                    eps: float, swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        # One token on the CUDA one-token kernel: the norm in the layer's launch (token_gemv.token_norm_gemv).
-        if self._skinny(layer, residual if residual is not None else x):
-            w, scale, bias = _weights(layer)
-            if not (swiglu and bias is not None) and self._token.fuses_norm(x, residual, weight, w, swiglu):
-                return self._token.token_norm_gemv(x, residual, weight, eps, w, scale, bias, swiglu)
-        return composed_norm_linear(self, layer, x, residual, weight, eps, swiglu)
 
     def _skinny(self, layer: nn.Module, x: torch.Tensor) -> bool:
         # Plain and FP8 layers of a few tokens take the skinny kernel; parallel layers (subclasses with their own

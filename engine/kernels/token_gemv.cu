@@ -26,11 +26,12 @@
 // first thing) then streams more of its weight in that time. Linear layers only (not experts: their weight is known
 // after the wait; not a router), without SwiGLU (its two rows' first runs already take the registers of a thread).
 //
-// NORM: x is not the matmul's input but what an RMS norm takes (token_norm.cu's op, folded in: one launch fewer): 1
-// the norm of x; 2 of x plus a residual, which block 0 stores (res_out). x may be NORM_PARTS parts [NORM_PARTS, K]
-// (float32 with NORM_F32), summed and rounded once before the add. Every block computes the norm itself (x and the
-// residual are 2 x K x 2 bytes, from L2) and stages it in x's place; the norm's weight is asked for before the wait.
-// NORM_STORE: block 0 stores the norm too (normed), for the kernels after it: a MoE router's, whose experts read it.
+// NORM (with ROUTER only): x is not the router's input but what a residual add and RMS norm take (token_norm.cu's op,
+// folded in: one launch fewer). x may be NORM_PARTS parts [NORM_PARTS, K] (float32 with NORM_F32), summed and rounded
+// once before the add. Every block computes the norm itself (x and the residual are 2 x K x 2 bytes, from L2) and
+// stages it in x's place; the norm's weight is asked for before the wait. Block 0 stores the residual stream
+// (res_out) and the norm (normed), which the MoE layer's experts read. The same fold into a linear layer's launch
+// measured slower and was taken out (docs/engine.md, twenty-first round).
 //
 // EXPERTS: one token's routed experts of a MoE layer, blockIdx.y the (token, expert) pair: its weight is expert
 // ids[pair] of a stack (expert_stride bytes apart), its x row pair * x_stride, its output row pair. The expert is
@@ -76,9 +77,6 @@
 #ifndef NORM_F32
 #define NORM_F32 0
 #endif
-#ifndef NORM_STORE
-#define NORM_STORE 0
-#endif
 
 #include "token_common.cuh"
 
@@ -90,9 +88,8 @@
 static_assert(K % (32 * CHUNK_VALUES) == 0, "whole 16-byte chunks for every lane");
 static_assert(CHUNKS_PER_LANE % UNROLL == 0, "whole runs of UNROLL chunks");
 static_assert(!NORM || (K / 8) % (32 * WARPS) == 0, "the norm: whole 16-byte chunks for every thread");
-static_assert(!NORM || !EXPERTS, "the norm before a linear layer's matmul or a router's");
-static_assert(!NORM_STORE || NORM, "the norm's output stored");
-static_assert((NORM_PARTS == 1 && !NORM_F32) || NORM == 2, "parts are summed only before a residual add");
+static_assert(!NORM || ROUTER, "the norm before a router only");
+static_assert((NORM_PARTS == 1 && !NORM_F32) || NORM, "parts only before the norm");
 static_assert(!NORM_F32 || NORM_PARTS > 1, "float32 x only as parts");
 static_assert(!STAGE || (!EXPERTS && !ROUTER && !SWIGLU), "runs staged before the wait: a linear layer's weight");
 static_assert((STAGE + 1) * UNROLL <= CHUNKS_PER_LANE, "staged runs within the row");
@@ -256,7 +253,7 @@ __device__ __forceinline__ void route_last_block(const float* logits, unsigned i
 
 // x [K] 16-bit (with NORM: [NORM_PARTS, K], float32 parts with NORM_F32); w [N_total, K] row stride stride_w bytes;
 // out [N]; scale/bias [N_total] (scale float32); with NORM, the residual res [K], the norm's weight nw [K], res_out [K]
-// (res + x, NORM 2), eps and with NORM_STORE normed [K].
+// (res + x), eps and normed [K].
 // MIN_BLOCKS (STAGE launches the host bounds, else 0: none): blocks an SM must hold at once, which bounds the
 // registers a thread. ptxas gave the staged o projection of qwen3-8b 70 registers where the unstaged one has 64, so
 // that 7 of its 1,024 blocks would fit an SM, not 8 (token_gemv.stage_bounds).
@@ -356,11 +353,9 @@ extern "C" __global__ void BOUNDS token_gemv(const u16* __restrict__ x, const un
     for (int j = 0; j < NORM_CHUNKS; ++j) {
       const int i = j * 32 * WARPS + threadIdx.x;
       float xf[8];
-      stream_chunk<K, NORM_PARTS, (bool)NORM_F32, NORM == 2>(x, res, 0, i * 8, xf);
+      stream_chunk<K, NORM_PARTS, (bool)NORM_F32, true>(x, res, 0, i * 8, xf);
       const uint4 packed = pack8(xf);
-#if NORM == 2
       if (blockIdx.x == 0) reinterpret_cast<uint4*>(res_out)[i] = packed;
-#endif
       staged[i] = packed;
 #pragma unroll
       for (int v = 0; v < 8; ++v) ss = fmaf(xf[v], xf[v], ss);
@@ -373,9 +368,7 @@ extern "C" __global__ void BOUNDS token_gemv(const u16* __restrict__ x, const un
       unpack(staged[i], xf);
       const uint4 y = normed_chunk(wn[j], xf, inv);
       staged[i] = y;
-#if NORM_STORE
       if (blockIdx.x == 0) reinterpret_cast<uint4*>(normed)[i] = y;
-#endif
     }
   }
 #elif STAGE && (K / 8) % (32 * WARPS) == 0  // whole chunks a thread: unrolled, in the registers the stage leaves

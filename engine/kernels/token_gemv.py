@@ -6,8 +6,8 @@ Triton kernels (``engine.kernels.gemv``) hold one slice a program. Weights in e4
 channel, or in the activations' 16-bit dtype; optional bias; or SwiGLU of a fused gate/up weight, with the unfused
 ops' roundings. ``supports`` says whether a call qualifies; ``engine.kernels.gemv.gemv`` dispatches to it.
 
-``token_norm_gemv`` folds the RMS norm before a linear layer (and the residual add before the norm) into the layer's
-launch: every block normalises the token itself, and block 0 stores the residual stream (``supports_norm``).
+The same kernel runs one token's MoE layer: its router and routing (``token_route``; ``token_norm_route`` with the
+residual add and RMS norm before the router in the same launch) and its experts (``token_experts``).
 """
 
 from __future__ import annotations
@@ -32,21 +32,19 @@ MAX_K = 16384
 # a block has left its loop: 0 none, 1 those of e4m3 weights, 2 those of 16-bit weights, 3 all.
 PIN_LOADS = 1
 EARLY = 1
-# Which RMS norms run in the launch of the layer after them where they qualify, the others in one of their own
-# (token_norm.cu): the sum of NORM_LINEAR (before a linear layer without SwiGLU: the QKV projection), NORM_SWIGLU
-# (before a gate/up projection with SwiGLU) and NORM_ROUTER (before a MoE router, token_norm_route). Measured on the
-# H200 at batch 1 (docs/engine.md, twenty-first round): the router's gained 1.1-1.2% on qwen3-30b-a3b; the QKV
-# projection's lost 0.7% on qwen3-8b, and with gate/up's 3.2%.
-NORM_LINEAR, NORM_SWIGLU, NORM_ROUTER = 1, 2, 4
-FUSE_NORM = NORM_ROUTER
+# The residual add and RMS norm before a MoE router run in the router's launch where they qualify
+# (token_norm_route), else in one of their own (token_norm.cu). Measured on the H200 at batch 1 (docs/engine.md,
+# twenty-first round): qwen3-30b-a3b gained 1.1-1.2%. The same fold into the QKV and gate/up projections lost 0.7% and
+# 3.2% on qwen3-8b, and was taken out (the code as it was at commit cade3aa).
+ROUTER_NORM = 1
 # Runs of each 16-bit row, after the first, that a linear layer's launch under PDL asks for before its wait into
 # shared memory (token_gemv.cu's STAGE), as many as the block's static shared memory holds. A block placed while an
 # attention still runs (triton_ops.ATTENTION_TRIGGER early) then streams more of its weight in that time. Launches
 # without PDL stage none (nothing runs before them; cp.async also needs sm_80), and nor do e4m3 ones: they let the
 # next kernel in first thing, and staging them lost 7% (docs/engine.md, twenty-first round).
 STAGE_RUNS = 1
-# e4m3 linear layers (no norm folded) on the tensor cores (token_mma.cu) rather than the CUDA cores, where their rows
-# take whole steps (``takes_mma``).
+# e4m3 linear layers on the tensor cores (token_mma.cu) rather than the CUDA cores, where their rows take whole steps
+# (``takes_mma``).
 MMA = 1
 STATIC_SHARED = 48 * 1024  # a block's static shared memory at most
 SM_SHARED = 228 * 1024  # an H200 SM's shared memory, 1 KB of it reserved a block
@@ -117,9 +115,11 @@ def tile_for(weight: torch.Tensor, swiglu: bool) -> TokenTile:
 
 def stage_for(k: int, wbytes: int, tile: TokenTile, swiglu: bool, runs: int) -> int:
     """How many of ``runs`` runs after the first a linear layer's launch stages before its wait (token_gemv.cu's
-    STAGE): those the row has, and the block's static shared memory holds beside the staged token (with 256 bytes
-    for a norm's partial sums); none with SwiGLU (the kernel's 64 registers a thread would not hold both rows' first
-    runs in flight), and none of e4m3 weights (measured slower; the kernel takes them, as ``stage`` in ``defines``)."""
+    STAGE): those the row has, and the block's static shared memory holds beside the staged token and 256 bytes (once
+    a norm's partial sums; kept, since without them rows of 8,192 and 16,384 columns would stage one run more and
+    fill all 48 KB, which no GPU has measured); none with SwiGLU (the kernel's 64 registers a thread would not hold
+    both rows' first runs in flight), and none of e4m3 weights (measured slower; the kernel takes them, as ``stage``
+    in ``defines``)."""
     if swiglu or wbytes == 1:
         return 0
     per_lane = k * wbytes // (32 * CHUNK_BYTES)
@@ -128,12 +128,12 @@ def stage_for(k: int, wbytes: int, tile: TokenTile, swiglu: bool, runs: int) -> 
     return max(0, min(runs, per_lane // tile.unroll - 1, room))
 
 
-def stage_bounds(k: int, wbytes: int, tile: TokenTile, stage: int, norm: bool) -> int:
+def stage_bounds(k: int, wbytes: int, tile: TokenTile, stage: int) -> int:
     """The blocks an SM must hold at once for a staged launch (token_gemv.cu's MIN_BLOCKS; 0: no bound): 32 warps'
     worth, 64 registers a thread, as the unstaged kernel of a 16-bit row of 4,096 has, where shared memory holds that
-    many; only for tiles of one row a warp, rows of at most 10 KB and no norm, where ptxas keeps that without
-    spilling (wider 16-bit rows spilled 8 to 24 bytes, the normed kernel 8, e4m3 rows two a warp 120)."""
-    if not stage or norm or k * wbytes > 10240 or tile.rows_per_warp > 1:
+    many; only for tiles of one row a warp and rows of at most 10 KB, where ptxas keeps that without spilling (wider
+    16-bit rows spilled 8 to 24 bytes, e4m3 rows two a warp 120)."""
+    if not stage or k * wbytes > 10240 or tile.rows_per_warp > 1:
         return 0
     shared = 2 * k + stage * tile.rows_per_warp * tile.unroll * CHUNK_BYTES * 32 * tile.warps
     return min(1024 // (32 * tile.warps), SM_SHARED // (shared + 1024))
@@ -141,25 +141,23 @@ def stage_bounds(k: int, wbytes: int, tile: TokenTile, stage: int, norm: bool) -
 
 def defines(k: int, wbytes: int, bf16: bool, tile: TokenTile, swiglu: bool, has_scale: bool, has_bias: bool,
             pdl: bool, routed: int = 0, router: tuple[int, int, bool, bool] | None = None, *, pin: int,
-            early: int, norm: tuple[bool, int, bool] | None = None, norm_store: bool = False,
-            stage: int = 0) -> dict[str, int]:  # fmt: skip
+            early: int, norm: tuple[int, bool] | None = None, stage: int = 0) -> dict[str, int]:  # fmt: skip
     """The compile-time constants of a launch (token_gemv.cu's header). ``routed``: 0 a linear layer; 1 a MoE
     layer's experts, not weighted; 2 weighted by float32 routing weights, 3 by 16-bit ones. ``router``: a MoE router
     and its routing, ``(top_k, experts, renormalize, float32 weights)``. ``pin``, ``early``: as ``PIN_LOADS`` and
-    ``EARLY``. ``norm``: the RMS norm before the layer, ``(residual add, x's parts, float32 parts)``; ``norm_store``:
-    the norm's output stored too. ``stage``: runs staged before the wait, as ``stage_for`` gives them for a linear
-    layer."""
+    ``EARLY``. ``norm``: the residual add and RMS norm before a router, ``(x's parts, float32 parts)``. ``stage``:
+    runs staged before the wait, as ``stage_for`` gives them for a linear layer."""
     out = {"K": k, "WBYTES": wbytes, "BF16": int(bf16), "WARPS": tile.warps, "ROWS_PER_WARP": tile.rows_per_warp,
            "UNROLL": tile.unroll, "SWIGLU": int(swiglu), "HAS_SCALE": int(has_scale), "HAS_BIAS": int(has_bias),
            "PDL": int(pdl), "EXPERTS": int(routed > 0), "ROUTED": int(routed > 1), "ROUTE_F32": int(routed == 2),
            "PIN": int(bool(pin)), "EARLY": int(bool(early & (1 if wbytes == 1 else 2))), "STAGE": stage,
-           "MIN_BLOCKS": stage_bounds(k, wbytes, tile, stage, norm is not None)}  # fmt: skip
+           "MIN_BLOCKS": stage_bounds(k, wbytes, tile, stage)}  # fmt: skip
     if router is not None:
         top_k, experts, renormalize, keep_float32 = router
         out |= {"ROUTER": top_k, "ROUTER_E": experts, "RENORM": int(renormalize), "ROUTE_F32": int(keep_float32)}
     if norm is not None:
-        has_res, parts, x_f32 = norm
-        out |= {"NORM": 2 if has_res else 1, "NORM_PARTS": parts, "NORM_F32": int(x_f32), "NORM_STORE": int(norm_store)}
+        parts, x_f32 = norm
+        out |= {"NORM": 1, "NORM_PARTS": parts, "NORM_F32": int(x_f32)}
     return out
 
 
@@ -187,7 +185,19 @@ def token_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
     says so and ``takes_mma``, unless a ``tile`` of this kernel is asked for."""
     if tile is None and MMA and takes_mma(weight, swiglu):
         return token_mma(x, weight, scale, bias, swiglu, out)
-    _launch(x, weight, scale, bias, swiglu, out, tile or tile_for(weight, swiglu), None, _no_norm(out))
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    tile = tile or tile_for(weight, swiglu)
+    pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
+    k, wbytes = weight.shape[1], weight.element_size()
+    kernel = _kernel(x.device.index or 0, k, wbytes, out.dtype == torch.bfloat16, tile, swiglu, scale is not None,
+                     bias is not None, pdl, pin=PIN_LOADS, early=EARLY,
+                     stage=stage_for(k, wbytes, tile, swiglu, STAGE_RUNS) if pdl else 0)  # fmt: skip
+    rows_per_block = tile.warps * tile.rows_per_warp
+    args = [nvrtc.ptr(x), nvrtc.ptr(weight), nvrtc.ptr(scale if scale is not None else out),
+            nvrtc.ptr(bias if bias is not None else out), nvrtc.ptr(out), ctypes.c_int(n),
+            ctypes.c_longlong(weight.stride(0) * weight.element_size()), nvrtc.ptr(out), nvrtc.ptr(out),
+            ctypes.c_longlong(0), ctypes.c_int(0), *_no_router(out), *_no_norm(out)]  # fmt: skip
+    kernel((-(-n // rows_per_block), 1, 1), 32 * tile.warps, args, pdl=pdl)
     return out
 
 
@@ -249,69 +259,6 @@ def token_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
             ctypes.c_longlong(weight.stride(0) * weight.element_size())]  # fmt: skip
     kernel((-(-n // 8), 1, 1), 32 * tile.warps, args, pdl=pdl)
     return out
-
-
-def supports_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, weight: torch.Tensor,
-                  swiglu: bool) -> bool:  # fmt: skip
-    """``token_norm_gemv`` takes the call: one token that ``token_norm`` would normalise (``x`` may be parts of the
-    residual's update) and a linear layer ``supports`` takes, whose tile gives each thread whole 16-byte chunks of the
-    norm."""
-    ref = residual if residual is not None else x
-    return (
-        token_norm.supports(x, residual, norm_weight) and supports(ref, weight, swiglu)
-        and _norm_fits(ref.shape[1], weight, swiglu)
-    )  # fmt: skip
-
-
-def _norm_fits(width: int, weight: torch.Tensor, swiglu: bool) -> bool:
-    """A norm of ``width`` columns folds into ``weight``'s launch: it is the layer's input, and the layer's tile gives
-    each thread whole 16-byte chunks of it (token_gemv.cu's NORM)."""
-    k = weight.shape[1]
-    return width == k and (k // 8) % (32 * tile_for(weight, swiglu).warps) == 0
-
-
-def fuses_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, weight: torch.Tensor,
-               swiglu: bool) -> bool:  # fmt: skip
-    """The norm runs in the linear layer's launch: ``FUSE_NORM`` says so for this kind of layer, both CUDA kernels
-    are enabled (``ENGINE_TOKEN_GEMV``, ``ENGINE_TOKEN_NORM``), NVRTC is present, and ``supports_norm``."""
-    return (
-        bool(FUSE_NORM & (NORM_SWIGLU if swiglu else NORM_LINEAR)) and enabled() and token_norm.enabled()
-        and nvrtc.available() and supports_norm(x, residual, norm_weight, weight, swiglu)
-    )  # fmt: skip
-
-
-def token_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-                    swiglu: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(token_gemv of norm_weight * rmsnorm(residual + x), residual + x)``, in one launch; without a residual,
-    of ``rmsnorm(x)``, and ``x`` itself. ``supports_norm`` says which calls qualify."""
-    ref = residual if residual is not None else x
-    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    out = torch.empty((1, n), dtype=ref.dtype, device=ref.device)
-    res_out = torch.empty_like(ref) if residual is not None else x
-    parts = x.shape[1] if x.dim() == 3 else 1
-    norm = (residual is not None, parts, x.dtype == torch.float32)
-    args = [nvrtc.ptr(ref), nvrtc.ptr(norm_weight), nvrtc.ptr(res_out), ctypes.c_float(eps), nvrtc.ptr(out)]
-    _launch(x, weight, scale, bias, swiglu, out, tile_for(weight, swiglu), norm, args)
-    return out, res_out
-
-
-def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-            swiglu: bool, out: torch.Tensor, tile: TokenTile, norm: tuple[bool, int, bool] | None,
-            norm_args: list[Any]) -> None:  # fmt: skip
-    """A linear layer's launch (``token_gemv``), with the norm before it (``norm``: ``defines``'s) or without."""
-    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
-    k, wbytes = weight.shape[1], weight.element_size()
-    kernel = _kernel(x.device.index or 0, k, wbytes, out.dtype == torch.bfloat16, tile, swiglu, scale is not None,
-                     bias is not None, pdl, pin=PIN_LOADS, early=EARLY, norm=norm,
-                     stage=stage_for(k, wbytes, tile, swiglu, STAGE_RUNS) if pdl else 0)  # fmt: skip
-    rows_per_block = tile.warps * tile.rows_per_warp
-    args = [nvrtc.ptr(x), nvrtc.ptr(weight), nvrtc.ptr(scale if scale is not None else out),
-            nvrtc.ptr(bias if bias is not None else out), nvrtc.ptr(out), ctypes.c_int(n),
-            ctypes.c_longlong(weight.stride(0) * weight.element_size()), nvrtc.ptr(out), nvrtc.ptr(out),
-            ctypes.c_longlong(0), ctypes.c_int(0), *_no_router(out), *norm_args]  # fmt: skip
-    kernel((-(-n // rows_per_block), 1, 1), 32 * tile.warps, args, pdl=pdl)
 
 
 def moe_enabled() -> bool:
@@ -393,19 +340,21 @@ def token_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bo
 def supports_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, gate: torch.Tensor,
                         top_k: int) -> bool:  # fmt: skip
     """``token_norm_route`` takes the call: a residual add and norm ``token_norm`` would take, of one token, before a
-    router ``supports_router`` takes, whose tile gives each thread whole 16-byte chunks of the norm."""
+    router ``supports_router`` takes, of the norm's width, whose tile gives each thread whole 16-byte chunks of the
+    norm (token_gemv.cu's NORM)."""
+    k = gate.shape[1]
     return (
         token_norm.supports(x, residual, norm_weight) and supports_router(residual, gate, top_k)
-        and _norm_fits(residual.shape[1], gate, False)
+        and residual.shape[1] == k and (k // 8) % (32 * tile_for(gate, False).warps) == 0
     )  # fmt: skip
 
 
 def fuses_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, gate: torch.Tensor,
                      top_k: int) -> bool:  # fmt: skip
-    """The residual add and norm before a router run in its launch: ``FUSE_NORM`` has ``NORM_ROUTER``, the CUDA norm
-    is enabled (``ENGINE_TOKEN_NORM``; the router's own switches are its caller's), and ``supports_norm_route``."""
+    """The residual add and norm before a router run in its launch: ``ROUTER_NORM`` is on, the CUDA norm is enabled
+    (``ENGINE_TOKEN_NORM``; the router's own switches are its caller's), and ``supports_norm_route``."""
     return (
-        bool(FUSE_NORM & NORM_ROUTER) and token_norm.enabled()
+        bool(ROUTER_NORM) and token_norm.enabled()
         and supports_norm_route(x, residual, norm_weight, gate, top_k)
     )  # fmt: skip
 
@@ -425,18 +374,17 @@ def token_norm_route(
     ``supports_norm_route`` says which calls qualify."""
     h = torch.empty_like(residual)
     res_out = torch.empty_like(residual)
-    parts = x.shape[1] if x.dim() == 3 else 1
-    norm = (True, parts, x.dtype == torch.float32)
+    norm = (x.shape[1] if x.dim() == 3 else 1, x.dtype == torch.float32)
     args = [nvrtc.ptr(residual), nvrtc.ptr(norm_weight), nvrtc.ptr(res_out), ctypes.c_float(eps), nvrtc.ptr(h)]
     weights, ids = _route(x, gate, top_k, renormalize, keep_float32, residual.dtype, norm, args)
     return weights, ids, h, res_out
 
 
 def _route(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool, keep_float32: bool,
-           dtype: torch.dtype, norm: tuple[bool, int, bool] | None,
+           dtype: torch.dtype, norm: tuple[int, bool] | None,
            norm_args: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """A router's launch (``token_route``) of activations in ``dtype``, with the norm before it (``norm``:
-    ``defines``'s, its output stored) or without."""
+    """A router's launch (``token_route``) of activations in ``dtype``, with the residual add and norm before it
+    (``norm``: ``defines``'s) or without."""
     experts = gate.shape[0]
     logits = torch.empty(experts, dtype=torch.float32, device=x.device)
     weights = torch.empty((1, top_k), dtype=torch.float32 if keep_float32 else dtype, device=x.device)
@@ -445,7 +393,7 @@ def _route(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool, k
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
     kernel = _kernel(x.device.index or 0, gate.shape[1], gate.element_size(), dtype == torch.bfloat16, tile, False,
                      False, False, pdl, router=(top_k, experts, renormalize, keep_float32), pin=PIN_LOADS,
-                     early=EARLY, norm=norm, norm_store=norm is not None)  # fmt: skip
+                     early=EARLY, norm=norm)  # fmt: skip
     args = [nvrtc.ptr(x), nvrtc.ptr(gate), nvrtc.ptr(logits), nvrtc.ptr(logits), nvrtc.ptr(weights),
             ctypes.c_int(experts), ctypes.c_longlong(gate.stride(0) * gate.element_size()), nvrtc.ptr(ids),
             nvrtc.ptr(weights), ctypes.c_longlong(0), ctypes.c_int(0), nvrtc.ptr(logits),

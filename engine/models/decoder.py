@@ -137,24 +137,12 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         indexer: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.attend(ops, ops.linear(self.qkv_proj, x), rope, kv_cache, meta, indexer)
-
-    def attend(
-        self,
-        ops: ModelOps,
-        qkv: torch.Tensor,
-        rope: Any,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        indexer: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``forward`` after the Q/K/V projection (``qkv``, which a decoder layer computes with its norm)."""
         qk_norm = None
         if self.q_norm is not None and self.k_norm is not None:
             qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         out = ops.attention(
-            qkv, rope, kv_cache, meta, indexer, self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
-            self.window, qk_norm,
+            ops.linear(self.qkv_proj, x), rope, kv_cache, meta, indexer, self.num_heads, self.num_kv_heads,
+            self.head_dim, self.scale, self.window, qk_norm,
         )  # fmt: skip
         if self.tp.size == 1:
             return ops.linear_parts(self.o_proj, out)  # the next add_rms_norm sums any parts
@@ -186,11 +174,7 @@ class MLP(nn.Module):
         self.down_proj = make_linear(intermediate_size, hidden_size, False, quant, [prefix + "down_proj"])
 
     def forward(self, ops: ModelOps, x: torch.Tensor) -> torch.Tensor:
-        return self.down(ops, ops.swiglu_linear(self.gate_up_proj, x))
-
-    def down(self, ops: ModelOps, activated: torch.Tensor) -> torch.Tensor:
-        """``forward`` after SwiGLU (``activated``, which a decoder layer computes with its norm)."""
-        return self.tp.all_reduce(ops.linear(self.down_proj, activated))
+        return self.tp.all_reduce(ops.linear(self.down_proj, ops.swiglu_linear(self.gate_up_proj, x)))
 
     def loaders(self, p: str) -> dict[str, Loader]:
         parts = [(p + "gate_proj", 0), (p + "up_proj", self.intermediate_size)]
@@ -282,18 +266,19 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         indexer: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(mlp output, residual stream before it)``: the next layer adds them. Each norm goes with the layer after
-        it (``ops.norm_linear``; a MoE block's ``norm_forward``), which may run both in one launch."""
-        attn, norm = self.self_attn, self.input_layernorm
-        qkv, residual = ops.norm_linear(attn.qkv_proj, x, residual, norm.weight, norm.eps)
-        h = attn.attend(ops, qkv, rope, kv_cache, meta, indexer)
+        """``(mlp output, residual stream before it)``: the next layer adds them. A MoE block takes the norm before it
+        (``MoEMLP.norm_forward``), which its router may run in its own launch."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual, h = x, ops.rms_norm(x, norm.weight, norm.eps)
+        else:
+            h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        h = self.self_attn(ops, h, rope, kv_cache, meta, indexer)
         norm = self.post_attention_layernorm
-        if isinstance(self.mlp, MLP):
-            activated, residual = ops.norm_linear(
-                self.mlp.gate_up_proj, h, residual, norm.weight, norm.eps, swiglu=True
-            )
-            return self.mlp.down(ops, activated), residual
-        return self.mlp.norm_forward(ops, h, residual, norm.weight, norm.eps)
+        if isinstance(self.mlp, MoEMLP):
+            return self.mlp.norm_forward(ops, h, residual, norm.weight, norm.eps)
+        h, residual = ops.add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp(ops, h), residual
 
     def loaders(self, p: str) -> dict[str, Loader]:
         out = self.self_attn.loaders(p + "self_attn.") | self.mlp.loaders(p + self.mlp_prefix)

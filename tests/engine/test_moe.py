@@ -501,8 +501,8 @@ def test_one_token_sparse_moe_with_the_fused_router_equals_the_triton_routing(mo
 def test_the_norm_goes_into_one_tokens_cuda_router_where_it_divides(monkeypatch: pytest.MonkeyPatch) -> None:
     """The residual add and norm before a MoE block go into its router's launch (token_gemv.supports_norm_route,
     fuses_norm_route): one token the CUDA norm takes before a router the one-token kernel takes, of the norm's width,
-    whole 16-byte chunks a thread; FUSE_NORM without NORM_ROUTER or ENGINE_TOKEN_NORM=triton keep them apart; the
-    torch kernels never."""
+    whole 16-byte chunks a thread; ROUTER_NORM = 0 or ENGINE_TOKEN_NORM=triton keep them apart; the torch kernels
+    never."""
     from engine.kernels import token_gemv
 
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
@@ -514,12 +514,12 @@ def test_the_norm_goes_into_one_tokens_cuda_router_where_it_divides(monkeypatch:
     assert not token_gemv.supports_norm_route(x, x, nw, torch.zeros(128, 1024, dtype=bf), 8)  # not the norm's width
     small = torch.zeros(1, 512, dtype=bf)
     assert not token_gemv.supports_norm_route(small, small, nw[:512], gate[:, :512], 8)  # 64 chunks, 128 threads
-    monkeypatch.setattr(token_gemv, "FUSE_NORM", token_gemv.NORM_ROUTER)
+    monkeypatch.setattr(token_gemv, "ROUTER_NORM", 1)
     assert token_gemv.fuses_norm_route(x, x, nw, gate, 8)
     monkeypatch.setenv("ENGINE_TOKEN_NORM", "triton")
     assert not token_gemv.fuses_norm_route(x, x, nw, gate, 8)
     monkeypatch.delenv("ENGINE_TOKEN_NORM")
-    monkeypatch.setattr(token_gemv, "FUSE_NORM", token_gemv.NORM_LINEAR | token_gemv.NORM_SWIGLU)  # not the router
+    monkeypatch.setattr(token_gemv, "ROUTER_NORM", 0)
     assert not token_gemv.fuses_norm_route(x, x, nw, gate, 8)
     assert SparseMoE(2048, 768, 128, 8, True, kernels="torch").norm_forward(x, x, nw, 1e-6) is None
 
@@ -532,7 +532,7 @@ def test_one_tokens_cuda_router_with_the_norm_in_it_routes_the_norm(monkeypatch:
     replayed from a CUDA graph with a new token."""
     from engine.kernels import token_gemv, token_norm
 
-    monkeypatch.setattr(token_gemv, "FUSE_NORM", token_gemv.NORM_ROUTER)
+    monkeypatch.setattr(token_gemv, "ROUTER_NORM", 1)
     hidden, top_k = 2048, 8
     model = SparseMoE(hidden, 768, 32, top_k, True, kernels="triton").to(DEV, torch.bfloat16)
     with torch.no_grad():

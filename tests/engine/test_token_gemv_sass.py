@@ -171,63 +171,53 @@ def test_the_norm_reads_only_its_weight_before_the_wait(variant: str, pin: int, 
     assert let_in < wait, "the next kernel is let in first thing"
 
 
-# One token's matmul with the RMS norm before it in the same launch (token_gemv.cu's NORM), as the engine launches it:
-# (K, weight bytes, tile, SwiGLU, scale, (residual add, x's parts, float32 parts)[, router: its output stored too]).
-NORMED: dict[str, tuple[Any, ...]] = {
-    "a MoE router, add and norm": (2048, 2, TokenTile(4, 1, 8), False, False, (True, 1, False), (8, 128, True, False)),
-    "bf16 QKV after the first norm": (4096, 2, TokenTile(4, 1, 8), False, False, (False, 1, False)),
-    "bf16 QKV, add and norm": (4096, 2, TokenTile(4, 1, 8), False, False, (True, 1, False)),
-    "bf16 swiglu, add and norm": (4096, 2, TokenTile(4, 1, 8), True, False, (True, 1, False)),
-    "bf16 LM head's tile": (4096, 2, TokenTile(8, 1, 8), False, False, (True, 1, False)),
-    "e4m3 QKV, add and norm": (4096, 1, TokenTile(8, 1, 4), False, True, (True, 1, False)),
-    "e4m3 swiglu, add and norm": (4096, 1, TokenTile(4, 2, 4), True, True, (True, 1, False)),
-    "a MoE layer's 8 experts, added": (2048, 2, TokenTile(4, 1, 8), False, False, (True, 8, False)),
-    "float32 parts, added": (4096, 2, TokenTile(4, 1, 8), False, False, (True, 2, True)),
+# A MoE router with the residual add and RMS norm before it in the same launch (token_gemv.cu's NORM), as the engine
+# launches it for Qwen3-30B-A3B's shape: (K, tile, x's parts, float32 parts). x is the attention's output, whole or in
+# float32 parts of its o projection.
+NORMED: dict[str, tuple[int, TokenTile, int, bool]] = {
+    "add and norm": (2048, TokenTile(4, 1, 8), 1, False),
+    "float32 parts, added": (2048, TokenTile(4, 1, 8), 2, True),
 }
 
 
 @pytest.mark.parametrize("variant", list(NORMED))
-def test_with_the_norm_only_weights_are_read_before_the_wait(variant: str, tmp_path: Path) -> None:
+def test_the_router_with_its_norm_reads_only_weights_before_the_wait(variant: str, tmp_path: Path) -> None:
     """The first chunks of every row and the norm's weight before the wait (plain loads there, which the fence holds:
-    ptxas sank read-only ones below it), x and the residual by plain loads after it, block 0's store of the residual
-    stream after it too."""
-    k, wbytes, tile, swiglu, scale, norm, *router = NORMED[variant]
-    constants = token_gemv.defines(k, wbytes, True, tile, swiglu, scale, False, True, 0, router[0] if router else None,
-                                   pin=1, early=1, norm=norm, norm_store=bool(router))  # fmt: skip
-    assert constants["NORM"] == (2 if norm[0] else 1)
+    ptxas sank read-only ones below it), x and the residual by plain loads after it, block 0's stores of the residual
+    stream and the norm after it too."""
+    k, tile, parts, x_f32 = NORMED[variant]
+    constants = token_gemv.defines(k, 2, True, tile, False, False, False, True, 0, (8, 128, True, False), pin=1,
+                                   early=1, norm=(parts, x_f32))  # fmt: skip
+    assert constants["NORM"] == 1
     code = sass(constants, tmp_path)
     (wait,) = [i for i, ins in enumerate(code) if ins.startswith("ACQBULK")]
     before = [ins.split()[0] for ins in code[:wait] if ins.startswith(("LDG", "LD.", "LDS", "ATOM", "RED", "ST"))]
-    rows = tile.rows_per_warp * (2 if swiglu else 1)
     norm_chunks = k // 8 // (32 * tile.warps)
-    assert before == ["LDG.E.NA.128"] * (rows * tile.unroll + norm_chunks), f"before the wait: {before}"
+    assert before == ["LDG.E.NA.128"] * (tile.rows_per_warp * tile.unroll + norm_chunks), f"before the wait: {before}"
     assert code[wait - 1] == "MEMBAR.SC.CTA", "the fence holds the wait behind them"
-    has_res, parts, x_f32 = norm
     after = [ins for ins in code[wait:] if ins.startswith("LDG.E.128 ")]
-    assert len(after) == norm_chunks * (parts * (2 if x_f32 else 1) + has_res), "x and the residual, plain loads"
+    assert len(after) == norm_chunks * (parts * (2 if x_f32 else 1) + 1), "x and the residual, plain loads"
     assert not [ins for ins in code[wait:] if ins.startswith("LDG.E.128.CONSTANT")], "nothing it waits for, read-only"
     stores = [ins for ins in code[wait:] if ins.split()[ins.startswith("@")] == "STG.E.128"]  # (predicated: block 0)
-    stored = (has_res + bool(router)) * norm_chunks  # a router's norm is stored for the experts after it
-    assert len(stores) == stored, "block 0 stores the residual stream"
+    assert len(stores) == 2 * norm_chunks, "block 0 stores the residual stream and the norm, which the experts read"
 
 
 # Linear layers with runs staged in shared memory before the wait (token_gemv.cu's STAGE, token_gemv.STAGE_RUNS), as
-# stage_for gives them: (K, weight bytes, tile, SwiGLU, scale, norm or None, runs staged, blocks an SM must hold).
+# stage_for gives them: (K, weight bytes, tile, SwiGLU, scale, runs staged, blocks an SM must hold).
 # Qwen3-8B's shapes, then wider rows (Llama's down projections) and tiles with more runs or rows.
 STAGED: dict[str, tuple[Any, ...]] = {
-    "bf16 o projection": (4096, 2, TokenTile(4, 1, 8), False, False, None, 1, 8),
-    "bf16 LM head's tile": (4096, 2, TokenTile(8, 1, 8), False, False, None, 1, 4),
-    "bf16 swiglu": (4096, 2, TokenTile(4, 1, 8), True, False, None, 0, 0),  # (none with SwiGLU)
-    "e4m3 o projection": (4096, 1, TokenTile(8, 1, 4), False, True, None, 0, 0),  # e4m3 rows: none (measured slower)
-    "e4m3 swiglu": (4096, 1, TokenTile(4, 2, 4), True, True, None, 0, 0),
-    "bf16 down projection": (12288, 2, TokenTile(8, 1, 8), False, False, None, 0, 0),  # no room beside its token
-    "e4m3 down projection": (12288, 1, TokenTile(8, 1, 4), False, True, None, 0, 0),
-    "bf16 QKV, add and norm": (4096, 2, TokenTile(4, 1, 8), False, False, (True, 1, False), 1, 0),
-    "bf16, 8,192 columns": (8192, 2, TokenTile(4, 1, 8), False, False, None, 1, 0),
-    "bf16, 7,168 columns": (7168, 2, TokenTile(4, 1, 7), False, False, None, 2, 0),  # rows over 10 KB: no bound
-    "bf16, 5,120 columns: three runs": (5120, 2, TokenTile(4, 1, 5), False, False, None, 3, 5),
-    "bf16, two rows a warp": (4096, 2, TokenTile(4, 2, 4), False, False, None, 2, 0),
-    "e4m3, two rows a warp": (4096, 1, TokenTile(4, 2, 4), False, True, None, 0, 0),
+    "bf16 o projection": (4096, 2, TokenTile(4, 1, 8), False, False, 1, 8),
+    "bf16 LM head's tile": (4096, 2, TokenTile(8, 1, 8), False, False, 1, 4),
+    "bf16 swiglu": (4096, 2, TokenTile(4, 1, 8), True, False, 0, 0),  # (none with SwiGLU)
+    "e4m3 o projection": (4096, 1, TokenTile(8, 1, 4), False, True, 0, 0),  # e4m3 rows: none (measured slower)
+    "e4m3 swiglu": (4096, 1, TokenTile(4, 2, 4), True, True, 0, 0),
+    "bf16 down projection": (12288, 2, TokenTile(8, 1, 8), False, False, 0, 0),  # no room beside its token
+    "e4m3 down projection": (12288, 1, TokenTile(8, 1, 4), False, True, 0, 0),
+    "bf16, 8,192 columns": (8192, 2, TokenTile(4, 1, 8), False, False, 1, 0),
+    "bf16, 7,168 columns": (7168, 2, TokenTile(4, 1, 7), False, False, 2, 0),  # rows over 10 KB: no bound
+    "bf16, 5,120 columns: three runs": (5120, 2, TokenTile(4, 1, 5), False, False, 3, 5),
+    "bf16, two rows a warp": (4096, 2, TokenTile(4, 2, 4), False, False, 2, 0),
+    "e4m3, two rows a warp": (4096, 1, TokenTile(4, 2, 4), False, True, 0, 0),
 }
 
 
@@ -236,21 +226,19 @@ def test_staged_runs_are_asked_for_before_the_wait_and_read_from_shared_memory(v
     """Every row's first run to registers and the next ``stage`` runs to shared memory (cp.async: LDGSTS) before the
     fence and the wait, no other read; after it, the loop streams only the runs after those; without spilling, in
     the registers that let the blocks ``stage_bounds`` asks for share an SM."""
-    k, wbytes, tile, swiglu, scale, norm, stage, bound = STAGED[variant]
+    k, wbytes, tile, swiglu, scale, stage, bound = STAGED[variant]
     assert token_gemv.stage_for(k, wbytes, tile, swiglu, 8) == stage
     if not stage:
         return
     assert token_gemv.stage_for(k, wbytes, tile, swiglu, 0) == 0
-    constants = token_gemv.defines(k, wbytes, True, tile, swiglu, scale, False, True, pin=1, early=1, norm=norm,
-                                   stage=stage)  # fmt: skip
+    constants = token_gemv.defines(k, wbytes, True, tile, swiglu, scale, False, True, pin=1, early=1, stage=stage)
     code = sass(constants, tmp_path)
     ops = [ins.split()[1] if ins.startswith("@") else ins.split()[0] for ins in code]
     (wait,) = [i for i, op in enumerate(ops) if op == "ACQBULK"]
     rows = tile.rows_per_warp * (2 if swiglu else 1)
     first = "LDG.E.NA.128"  # plain loads, as with the norm (see above): ptxas sank read-only ones below the wait
-    norm_chunks = k // 8 // (32 * tile.warps) if norm else 0
     before = [op for op in ops[:wait] if op.startswith(("LDG", "LD.", "ATOM", "RED", "ST"))]
-    assert sorted(before) == sorted([first] * (rows * tile.unroll + norm_chunks) + ["LDGDEPBAR"]
+    assert sorted(before) == sorted([first] * (rows * tile.unroll) + ["LDGDEPBAR"]
                                     + ["LDGSTS.E.BYPASS.128"] * (stage * rows * tile.unroll)), before  # fmt: skip
     assert "MEMBAR.SC.CTA" in ops[wait - 2 : wait], "the fence holds the wait behind them"
     runs = k * wbytes // (32 * 16) // tile.unroll
