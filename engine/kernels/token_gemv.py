@@ -44,8 +44,8 @@ ROUTER_NORM = 1
 # next kernel in first thing, and staging them lost 7% (docs/engine.md, twenty-first round).
 STAGE_RUNS = 1
 # e4m3 linear layers on the tensor cores (token_mma.cu) rather than the CUDA cores, where their rows take whole steps
-# (``takes_mma``).
-MMA = 1
+# (``takes_mma``). Off until a GPU measures it (bench/device/mma_round.sh).
+MMA = 0
 STATIC_SHARED = 48 * 1024  # a block's static shared memory at most
 SM_SHARED = 228 * 1024  # an H200 SM's shared memory, 1 KB of it reserved a block
 
