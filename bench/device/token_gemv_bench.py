@@ -133,9 +133,9 @@ def main() -> None:
                      for nm in ("qkv", "o", "gate_up", "down")]  # fmt: skip
             nbytes = sum(w.numel() * w.element_size() for ws_ in layers.values() for w, _ in ws_)
             for mode in ("triton", "cuda", "cuda-cores") if dtype == "fp8" else ("triton", "cuda"):
-                # cuda: e4m3 weights on the tensor cores' kernel (token_gemv.MMA = 1); cuda-cores: on token_gemv.cu's
+                # cuda: e4m3 weights on the tensor cores' kernel (token_gemv.MMA = 3); cuda-cores: on token_gemv.cu's
                 mma_before = token_gemv_mod.MMA
-                token_gemv_mod.MMA = 0 if mode == "cuda-cores" else 1
+                token_gemv_mod.MMA = 0 if mode == "cuda-cores" else 3
                 with environ("ENGINE_TOKEN_GEMV", "cuda" if mode == "cuda-cores" else mode):
                     t = graph_time([partial(run_all, calls)], rounds=5)
                 token_gemv_mod.MMA = mma_before

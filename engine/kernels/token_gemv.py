@@ -43,8 +43,10 @@ ROUTER_NORM = 1
 # without PDL stage none (nothing runs before them; cp.async also needs sm_80), and nor do e4m3 ones: they let the
 # next kernel in first thing, and staging them lost 7% (docs/engine.md, twenty-first round).
 STAGE_RUNS = 1
-# e4m3 linear layers on the tensor cores (token_mma.cu) rather than the CUDA cores, where their rows take whole steps
-# (``takes_mma``). Off until a GPU measures it (bench/device/mma_round.sh).
+# Which e4m3 linear layers run on the tensor cores (token_mma.cu) rather than the CUDA cores, where their rows take
+# whole steps (``takes_mma``): the sum of MMA_LINEAR (without SwiGLU) and MMA_SWIGLU (a gate/up projection). None
+# until a GPU measures them (bench/device/mma_round.sh).
+MMA_LINEAR, MMA_SWIGLU = 1, 2
 MMA = 0
 STATIC_SHARED = 48 * 1024  # a block's static shared memory at most
 SM_SHARED = 228 * 1024  # an H200 SM's shared memory, 1 KB of it reserved a block
@@ -182,8 +184,8 @@ def token_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
                swiglu: bool, out: torch.Tensor, tile: TokenTile | None = None) -> torch.Tensor:  # fmt: skip
     """``out [1, N] = x [1, K] @ weight.T`` (times ``scale``, plus ``bias``), or SwiGLU of a fused ``[2N, K]``
     gate/up weight; see the module's docstring. An e4m3 weight goes to the tensor cores (``token_mma``) where ``MMA``
-    says so and ``takes_mma``, unless a ``tile`` of this kernel is asked for."""
-    if tile is None and MMA and takes_mma(weight, swiglu):
+    says so for its kind of layer and ``takes_mma``, unless a ``tile`` of this kernel is asked for."""
+    if tile is None and MMA & (MMA_SWIGLU if swiglu else MMA_LINEAR) and takes_mma(weight, swiglu):
         return token_mma(x, weight, scale, bias, swiglu, out)
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     tile = tile or tile_for(weight, swiglu)

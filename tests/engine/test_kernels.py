@@ -580,7 +580,7 @@ def test_one_tokens_tensor_core_matmul_matches_the_float32_product(
             got = token_gemv.token_mma(x, weight, scale, bias, swiglu, out.clone(), tile)
             torch.testing.assert_close(got.float(), ref, atol=1e-2 * ref.abs().max().item(), rtol=1e-2)
             torch.testing.assert_close(got, cores, atol=1e-2 * ref.abs().max().item(), rtol=1e-2)
-        monkeypatch.setattr(token_gemv, "MMA", 1)
+        monkeypatch.setattr(token_gemv, "MMA", token_gemv.MMA_LINEAR | token_gemv.MMA_SWIGLU)
         via = gemv(x, weight, scale, bias, swiglu=swiglu)
         torch.testing.assert_close(via, token_gemv.token_mma(x, weight, scale, bias, swiglu, torch.empty_like(via)),
                                    atol=0, rtol=0)  # fmt: skip
