@@ -2,9 +2,10 @@
 # token_gemv.MMA) against the CUDA cores' kernel (token_gemv.cu). `PART=1 bash bench/device/mma_round.sh`: the CUDA
 # tests of both kernels and the FP8 paths, then qwen3-8b's projections alone and as a 36-layer chain
 # (bench/device/token_gemv_bench.py, FP8 only), then the engine at batch 1 once each: FP8 weights on either kernel,
-# and bf16. `PART=2`: the engine only: the same three alternating, twice each, the tensor cores for the layers
-# without SwiGLU only (MMA=1), the tensor cores' launches letting the next kernel in after their loop (EARLY=0), then llama31-8b (bf16) at batch 1
-# and 64 (64 new tokens), whose figures were from before the one-token kernels. Carries .whl, .gpu.
+# and bf16. `PART=2`: the engine only: the same three alternating, twice each; the tensor cores for the layers
+# without SwiGLU only (MMA=1); the tensor cores' launches letting the next kernel in after their loop (EARLY=0); then
+# llama31-8b (bf16) at batch 1 and 64 (64 new tokens), whose figures were from before the one-token kernels.
+# Carries .whl, .gpu.
 source bench/device/setup.sh
 B1=(--batch-sizes 1 --new-tokens 128)
 K=engine.kernels.token_gemv
