@@ -3,8 +3,7 @@ batch-1 targets: qwen3-8b at 80% of the HBM roofline, FP8 weights at 1.6x bf16).
 
 For each of qwen3-8b's projections, bf16 and FP8 (per-channel scales), weights streamed from HBM (every call of a
 graph reads another copy, as a model's layers do): the engine's Triton pick (``ENGINE_TOKEN_GEMV=triton``) and the
-CUDA kernel at each tile of a small sweep, each checked against float32 ``F.linear``; FP8 weights also on the tensor
-cores' kernel (``token_mma``) at each of its tiles. Then the chain of 36 layers'
+CUDA kernel at each tile of a small sweep, each checked against float32 ``F.linear``. Then the chain of 36 layers'
 four projections in one graph, as a decode step runs them (PDL on where the GPU has it), on either kernel.
 
     python3 bench/device/token_gemv_bench.py --json $OUT/token-gemv.json
@@ -23,9 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.device.fp8_tune import HBM, SHAPES, environ, graph_time
-from engine.kernels import token_gemv as token_gemv_mod
 from engine.kernels.gemv import gemv
-from engine.kernels.token_gemv import MmaTile, TokenTile, tile_for, token_gemv, token_mma
+from engine.kernels.token_gemv import TokenTile, tile_for, token_gemv
 from engine.models.quant import Fp8Linear
 
 LAYERS = 36
@@ -96,26 +94,6 @@ def main() -> None:
                 r[str(tile)] = {"us": t * 1e6, "pct_hbm": 100 * nbytes / t / HBM, "rel_err": err}
                 if best is None or t < best[0]:
                     best = (t, str(tile))
-            if dtype == "fp8" and token_gemv_mod.takes_mma(ws[0][0], swiglu):  # the tensor cores' kernel, a sweep
-                steps = k // (64 if swiglu else 128)
-                mma_tiles = [token_gemv_mod.mma_tile_for(k, swiglu)] + [
-                    MmaTile(wp, un)
-                    for wp, un in itertools.product((2, 4, 8), (1, 2, 4))
-                    if steps % wp == 0 and (steps // wp) % un == 0
-                ]
-                for mt in dict.fromkeys(mma_tiles):
-                    y = torch.empty(1, n_out, device=dev, dtype=torch.bfloat16)
-                    got = token_mma(x, ws[0][0], ws[0][1], None, swiglu, y, mt).float()
-                    err = float((got - ref).abs().max() / ref.abs().max())
-                    t = graph_time([partial(token_mma, x, w, s, None, swiglu, torch.empty_like(y), mt) for w, s in ws],
-                                   rounds=5)  # fmt: skip
-                    r[f"mma {mt.warps}x{mt.unroll}"] = {
-                        "us": t * 1e6,
-                        "pct_hbm": 100 * nbytes / t / HBM,
-                        "rel_err": err,
-                    }
-                    print(name, dtype, "mma", mt, round(t * 1e6, 2), "us", round(100 * nbytes / t / HBM, 1), "%",
-                          "err", err, flush=True)  # fmt: skip
             if best is not None:
                 r["cuda_best"] = {"tile": best[1], "us": best[0] * 1e6, "pct_hbm": 100 * nbytes / best[0] / HBM}
                 r["cuda_default"] = r.get(str(tile_for(ws[0][0], swiglu)))
@@ -132,13 +110,9 @@ def main() -> None:
             calls = [partial(gemv, xs[nm], *layers[nm][i], swiglu=nm == "gate_up") for i in range(LAYERS)
                      for nm in ("qkv", "o", "gate_up", "down")]  # fmt: skip
             nbytes = sum(w.numel() * w.element_size() for ws_ in layers.values() for w, _ in ws_)
-            for mode in ("triton", "cuda", "cuda-cores") if dtype == "fp8" else ("triton", "cuda"):
-                # cuda: e4m3 weights on the tensor cores' kernel (token_gemv.MMA = 3); cuda-cores: on token_gemv.cu's
-                mma_before = token_gemv_mod.MMA
-                token_gemv_mod.MMA = 0 if mode == "cuda-cores" else 3
-                with environ("ENGINE_TOKEN_GEMV", "cuda" if mode == "cuda-cores" else mode):
+            for mode in ("triton", "cuda"):
+                with environ("ENGINE_TOKEN_GEMV", mode):
                     t = graph_time([partial(run_all, calls)], rounds=5)
-                token_gemv_mod.MMA = mma_before
                 out.setdefault("chain", {})[f"{dtype} {mode}"] = {"us": t * 1e6, "pct_hbm": 100 * nbytes / t / HBM}
                 print("chain", dtype, mode, round(t * 1e6, 1), "us", round(100 * nbytes / t / HBM, 1), "%", flush=True)
             del layers

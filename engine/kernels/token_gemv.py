@@ -23,7 +23,6 @@ import torch
 from engine.kernels import nvrtc, pdl_launch, token_norm
 
 _SOURCE = Path(__file__).with_name("token_gemv.cu")
-_MMA_SOURCE = Path(__file__).with_name("token_mma.cu")
 CHUNK_BYTES = 16
 # Columns at most: the token is staged in shared memory (2 bytes a column, 48 KB a block statically).
 MAX_K = 16384
@@ -43,11 +42,6 @@ ROUTER_NORM = 1
 # without PDL stage none (nothing runs before them; cp.async also needs sm_80), and nor do e4m3 ones: they let the
 # next kernel in first thing, and staging them lost 7% (docs/engine.md, twenty-first round).
 STAGE_RUNS = 1
-# Which e4m3 linear layers run on the tensor cores (token_mma.cu) rather than the CUDA cores, where their rows take
-# whole steps (``takes_mma``): the sum of MMA_LINEAR (without SwiGLU) and MMA_SWIGLU (a gate/up projection). None
-# until a GPU measures them (bench/device/mma_round.sh).
-MMA_LINEAR, MMA_SWIGLU = 1, 2
-MMA = 0
 STATIC_SHARED = 48 * 1024  # a block's static shared memory at most
 SM_SHARED = 228 * 1024  # an H200 SM's shared memory, 1 KB of it reserved a block
 
@@ -190,10 +184,7 @@ def _no_norm(out: torch.Tensor) -> list[Any]:
 def token_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
                swiglu: bool, out: torch.Tensor, tile: TokenTile | None = None) -> torch.Tensor:  # fmt: skip
     """``out [1, N] = x [1, K] @ weight.T`` (times ``scale``, plus ``bias``), or SwiGLU of a fused ``[2N, K]``
-    gate/up weight; see the module's docstring. An e4m3 weight goes to the tensor cores (``token_mma``) where ``MMA``
-    says so for its kind of layer and ``takes_mma``, unless a ``tile`` of this kernel is asked for."""
-    if tile is None and MMA & (MMA_SWIGLU if swiglu else MMA_LINEAR) and takes_mma(weight, swiglu):
-        return token_mma(x, weight, scale, bias, swiglu, out)
+    gate/up weight; see the module's docstring."""
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     tile = tile or tile_for(weight, swiglu)
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
@@ -207,66 +198,6 @@ def token_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
             ctypes.c_longlong(weight.stride(0) * weight.element_size()), nvrtc.ptr(out), nvrtc.ptr(out),
             ctypes.c_longlong(0), ctypes.c_int(0), *_no_router(out), *_no_norm(out)]  # fmt: skip
     kernel((-(-n // rows_per_block), 1, 1), 32 * tile.warps, args, pdl=pdl)
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class MmaTile:
-    warps: int = 8
-    unroll: int = 4
-
-
-def takes_mma(weight: torch.Tensor, swiglu: bool) -> bool:
-    """token_mma.cu takes a weight that ``supports`` takes if it is e4m3 and its rows are whole steps of a warp (128
-    bytes, 64 with SwiGLU)."""
-    return weight.dtype == torch.float8_e4m3fn and weight.shape[1] % (64 if swiglu else 128) == 0
-
-
-def mma_tile_for(k: int, swiglu: bool) -> MmaTile:
-    """token_mma.cu's tile for rows of ``k`` e4m3 bytes: the most warps (up to 8) that split a row's steps evenly,
-    and the most steps (up to 4) a warp keeps in flight that divide its own."""
-    steps = k // (64 if swiglu else 128)
-    warps = max(wp for wp in (1, 2, 4, 8) if steps % wp == 0)
-    per_warp = steps // warps
-    return MmaTile(warps, max(u for u in range(1, 5) if per_warp % u == 0))
-
-
-def mma_defines(k: int, bf16: bool, tile: MmaTile, swiglu: bool, has_scale: bool, has_bias: bool, pdl: bool, *,
-                early: int) -> dict[str, int]:  # fmt: skip
-    """token_mma.cu's compile-time constants; ``early`` as ``EARLY`` (its e4m3 bit)."""
-    return {
-        "K": k,
-        "BF16": int(bf16),
-        "WARPS": tile.warps,
-        "UNROLL": tile.unroll,
-        "SWIGLU": int(swiglu),
-        "HAS_SCALE": int(has_scale),
-        "HAS_BIAS": int(has_bias),
-        "PDL": int(pdl),
-        "EARLY": int(bool(early & 1)),
-    }
-
-
-@cache
-def _mma_kernel(device: int, *args: Any, **kwargs: Any) -> nvrtc.Kernel:
-    """The kernel of ``mma_defines(*args, **kwargs)`` for ``device``, compiled once a process."""
-    return nvrtc.build(_MMA_SOURCE, "token_mma", device, mma_defines(*args, **kwargs))
-
-
-def token_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-              swiglu: bool, out: torch.Tensor, tile: MmaTile | None = None) -> torch.Tensor:  # fmt: skip
-    """``token_gemv`` of an e4m3 weight on the tensor cores (token_mma.cu): ``supports`` and ``takes_mma`` say which
-    calls qualify. x is multiplied in f16 (bfloat16 x scaled by 2^-8, exact from 2^-9 to 1.6e7 in magnitude)."""
-    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    k = weight.shape[1]
-    tile = tile or mma_tile_for(k, swiglu)
-    pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
-    kernel = _mma_kernel(x.device.index or 0, k, out.dtype == torch.bfloat16, tile, swiglu, scale is not None,
-                         bias is not None, pdl, early=EARLY)  # fmt: skip
-    args = [nvrtc.ptr(x), nvrtc.ptr(weight), nvrtc.ptr(scale if scale is not None else out),
-            nvrtc.ptr(bias if bias is not None else out), nvrtc.ptr(out), ctypes.c_int(n),
-            ctypes.c_longlong(weight.stride(0) * weight.element_size())]  # fmt: skip
-    kernel((-(-n // 8), 1, 1), 32 * tile.warps, args, pdl=pdl)
     return out
 
 

@@ -104,44 +104,6 @@ def test_without_pdl_there_is_no_grid_dependency(tmp_path: Path) -> None:
     assert not [ins for ins in code if ins.startswith(("ACQBULK", "PREEXIT"))]
 
 
-# One token's e4m3 linear layers on the tensor cores (token_mma.cu), as the engine launches them for Qwen3-8B's
-# shapes and a Qwen2 bias: (K, SwiGLU, bias, bfloat16 x).
-MMA_VARIANTS: dict[str, tuple[int, bool, bool, bool]] = {
-    "QKV": (4096, False, False, True),
-    "QKV with a bias": (4096, False, True, True),
-    "gate/up, SwiGLU": (4096, True, False, True),
-    "down": (12288, False, False, True),
-    "fp16 x": (4096, False, False, False),
-}
-
-
-@pytest.mark.parametrize("early", [1, 0])
-@pytest.mark.parametrize("variant", list(MMA_VARIANTS))
-def test_the_tensor_core_matmul_reads_only_weights_before_the_wait(variant: str, early: int, tmp_path: Path) -> None:
-    """Before the wait only the first run of weight steps, by plain loads, with the fence right before it; x after it
-    by plain loads; one MMA for every 4 bytes a lane of its steps; the next kernel let in first thing or after the
-    loop; no spills."""
-    k, swiglu, bias, bf16 = MMA_VARIANTS[variant]
-    tile = token_gemv.mma_tile_for(k, swiglu)
-    constants = token_gemv.mma_defines(k, bf16, tile, swiglu, True, bias, True, early=early)
-    code = sass(constants, tmp_path, token_gemv._MMA_SOURCE)
-    (wait,) = [i for i, ins in enumerate(code) if ins.startswith("ACQBULK")]
-    (let_in,) = [i for i, ins in enumerate(code) if ins.startswith("PREEXIT")]
-    before = [ins.split()[0] for ins in code[:wait] if ins.startswith(("LDG", "LD.", "LDS", "ATOM", "RED", "ST"))]
-    assert before == ["LDG.E.NA.128"] * (2 * tile.unroll), f"before the wait: {before}"
-    assert code[wait - 1] == "MEMBAR.SC.CTA", "the fence holds the wait behind them"
-    steps = k // (64 if swiglu else 128) // tile.warps
-    streamed = [ins for ins in code[wait:] if ins.startswith(WEIGHT_CHUNK)]
-    assert len(streamed) == 2 * (steps - tile.unroll), "the other steps through the read-only path, after the wait"
-    x_loads = [ins for ins in code[wait:] if ins.startswith("LDG.E.128 ")]
-    assert len(x_loads) == -(-k // 8 // (32 * tile.warps)), "x by plain loads, 16 bytes a thread at a time"
-    assert sum(ins.startswith("HMMA.16816.F32") for ins in code) == 4 * steps
-    assert (let_in < wait) == bool(early)
-    if not early:
-        assert let_in > max(i for i, ins in enumerate(code) if ins.startswith("HMMA")), "after the loop"
-    assert "LOCAL:0" in _usage(tmp_path), "no spills"
-
-
 # The decode step's CUDA norm (token_norm.cu), as the engine launches it: (N, residual, parts, float32 parts).
 NORMS: dict[str, tuple[int, bool, int, bool]] = {
     "norm": (4096, False, 1, False),
