@@ -80,31 +80,24 @@ def takes_weight(weight: torch.Tensor) -> bool:
     )  # fmt: skip
 
 
-# Tiles measured best for a weight's shape, (rows, columns) -> tile, where they beat the rules of ``tile_for`` alone:
-# 16-bit ones (docs/engine.md, sixteenth round's sweep; twentieth round: qwen3-8b at batch 1 gained 0.7% in the
-# engine), and e4m3 ones of the twenty-second round's sweep. SHAPE_TILES says which apply: SHAPE_16BIT, SHAPE_E4M3.
-# The sixteenth round's best e4m3 tiles (QKV 4 rows a warp of 4, down 2 a warp of 8) lost 0.5% in the engine then.
+# Tiles measured best for a 16-bit weight's shape, (rows, columns) -> tile, where they beat the rules of ``tile_for``
+# alone (docs/engine.md, sixteenth round's sweep; twentieth round: qwen3-8b at batch 1 gained 0.7% in the engine).
+# The sweeps' best e4m3 tiles (QKV 4 rows a warp, down 2) were 5-16% faster alone but lost in the engine, 0.5% in the
+# sixteenth round and 1% in the twenty-second, so e4m3 weights keep the rules. SHAPE_TILES = 0: the rules alone.
 MEASURED_TILES = {
     (4096, 12288): TokenTile(8, 1, 8),  # qwen3-8b's down projection: 25.49 us against 26.18
     (151936, 4096): TokenTile(8, 1, 8),  # its LM head: 279.4 against 281.8
 }
-MEASURED_E4M3_TILES = {
-    (6144, 4096): TokenTile(8, 4, 4),  # qwen3-8b's QKV projection: 7.59 us against 9.07
-    (4096, 12288): TokenTile(8, 2, 4),  # its down projection: 13.66 us against 14.33
-}
-SHAPE_16BIT, SHAPE_E4M3 = 1, 2
-SHAPE_TILES = SHAPE_16BIT
+SHAPE_TILES = 1
 
 
 def tile_for(weight: torch.Tensor, swiglu: bool) -> TokenTile:
-    """The tile of a weight: a measured one (``MEASURED_TILES``, ``MEASURED_E4M3_TILES``, as ``SHAPE_TILES`` says),
-    else by the rules from a sweep over qwen3-8b's projections on the H200 (docs/engine.md, sixteenth round): 16-bit
-    rows one a warp, 8 chunks a row in flight; e4m3 rows (half the bytes a chunk of K) 4 in flight, one a warp of 8
-    or, for SwiGLU, two gate and two up rows a warp of 4. Fewer (the largest divisor) where a lane's chunks do not
-    divide."""
-    if not swiglu and SHAPE_TILES & (SHAPE_16BIT if weight.element_size() == 2 else SHAPE_E4M3):
-        table = MEASURED_TILES if weight.element_size() == 2 else MEASURED_E4M3_TILES
-        measured = table.get((weight.shape[0], weight.shape[1]))
+    """The tile of a weight: a measured one (16-bit, ``MEASURED_TILES``), else by the rules from a sweep over qwen3-8b's
+    projections on the H200 (docs/engine.md, sixteenth round): 16-bit rows one a warp, 8 chunks a row in flight;
+    e4m3 rows (half the bytes a chunk of K) 4 in flight, one a warp of 8 or, for SwiGLU, two gate and two up rows a
+    warp of 4. Fewer (the largest divisor) where a lane's chunks do not divide."""
+    if SHAPE_TILES and weight.element_size() == 2 and not swiglu:
+        measured = MEASURED_TILES.get((weight.shape[0], weight.shape[1]))
         if measured is not None:
             return measured
     per_lane = weight.shape[1] * weight.element_size() // (32 * CHUNK_BYTES)
