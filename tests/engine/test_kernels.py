@@ -470,9 +470,9 @@ def test_the_cuda_norm_takes_what_it_divides(monkeypatch: pytest.MonkeyPatch) ->
 @pytest.mark.skipif(DEVICE != "cuda", reason="one token's CUDA matmul is CUDA C++, compiled by NVRTC on the GPU")
 @pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
 def test_one_tokens_cuda_matmul_matches_the_float32_product(act: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Against float32 F.linear of the (dequantized) weight: 16-bit and e4m3 weights (per-channel scales; x staged as
-    it is), a bias, SwiGLU of a fused gate/up weight, every tile of a sweep, through gemv's dispatch,
-    and a chain of two launches in a CUDA graph under PDL where the second reads what the first wrote."""
+    """Against float32 F.linear of the (dequantized) weight: 16-bit and e4m3 weights (per-channel scales), a bias,
+    SwiGLU of a fused gate/up weight, every tile of a sweep, through gemv's dispatch, and a chain of two launches in
+    a CUDA graph under PDL where the second reads what the first wrote."""
     from engine.kernels import token_gemv
     from engine.kernels.gemv import gemv
 
