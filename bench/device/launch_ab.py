@@ -5,6 +5,7 @@ python3 bench/device/launch_ab.py engine.kernels.triton_ops.ROPE_GROUPS_TOKENS=0
 python3 bench/device/launch_ab.py engine.kernels.gemv.MAX_PARTS=1 -- -m bench.device.pdl_chain --json ... --fp8
 """
 
+import ast
 import importlib
 import runpy
 import sys
@@ -15,7 +16,7 @@ for assignment in sys.argv[1:split]:
     module, name = target.rsplit(".", 1)
     if not hasattr(importlib.import_module(module), name):  # a misspelt or removed knob would time the default
         sys.exit(f"launch_ab: {module} has no constant {name}")
-    setattr(importlib.import_module(module), name, int(value))
+    setattr(importlib.import_module(module), name, ast.literal_eval(value))  # an int, or a tuple
     print(f"set {target} = {value}", flush=True)
 rest = sys.argv[split + 1 :]
 module = "bench.engine.throughput"

@@ -26,6 +26,12 @@
 // first thing) then streams more of its weight in that time. Linear layers only (not experts: their weight is known
 // after the wait; not a router), without SwiGLU (its two rows' first runs already take the registers of a thread).
 //
+// XF32 (e4m3 weights; an A/B knob, token_gemv.X_F32): x staged as float32, so the loop does not widen x's 16-bit
+// values for every row, 16 fewer instructions a chunk of 16 weights. A lane's chunk of 16 values is read as four
+// float4s, and x is laid out so that each of those is one 512-byte row across the warp (value k at float4
+// ((k / 512 * 4 + k % 16 / 4) * 32 + k / 16 % 32), lane k / 16 % 32's): no bank conflict. The twentieth round staged
+// float32 x in order, a 16-way conflict, and lost a third. The products and their order are the same as with 16-bit x.
+//
 // NORM (with ROUTER only): x is not the router's input but what a residual add and RMS norm take (token_norm.cu's op,
 // folded in: one launch fewer). x may be NORM_PARTS parts [NORM_PARTS, K] (float32 with NORM_F32), summed and rounded
 // once before the add. Every block computes the norm itself (x and the residual are 2 x K x 2 bytes, from L2) and
@@ -77,6 +83,9 @@
 #ifndef NORM_F32
 #define NORM_F32 0
 #endif
+#ifndef XF32
+#define XF32 0
+#endif
 
 #include "token_common.cuh"
 
@@ -93,6 +102,8 @@ static_assert((NORM_PARTS == 1 && !NORM_F32) || NORM, "parts only before the nor
 static_assert(!NORM_F32 || NORM_PARTS > 1, "float32 x only as parts");
 static_assert(!STAGE || (!EXPERTS && !ROUTER && !SWIGLU), "runs staged before the wait: a linear layer's weight");
 static_assert((STAGE + 1) * UNROLL <= CHUNKS_PER_LANE, "staged runs within the row");
+static_assert(!XF32 || (WBYTES == 1 && !NORM && !STAGE && K * 4 <= 32768), "float32 x: e4m3 rows, in 32 KB");
+#define XS_WORDS (XF32 ? K : K / 2)  // x in shared memory, 32-bit words
 
 __device__ __forceinline__ u32 e4m3x2_lo(u32 v) {  // the low two e4m3 bytes of v as f16x2
   u32 r;
@@ -130,29 +141,58 @@ __device__ __forceinline__ void stage16(unsigned dst, const unsigned char* p) { 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(p) : "memory");
 }
 
-// acc += the chunk's 16 / WBYTES weights times x's values at k0.
-__device__ __forceinline__ float dot_chunk(const uint4& w, const u32* __restrict__ xs, int k0) {
-  const uint4* xv = reinterpret_cast<const uint4*>(xs + k0 / 2);  // x in shared memory, 16-bit pairs
+// x's 16 bytes at chunk i (8 values, 8i ..), as the kernel before wrote them, to shared memory: as they are, or (XF32)
+// widened to float32 at their two float4 slots.
+__device__ __forceinline__ void stage_x(u32* __restrict__ xs, int i, const uint4& v) {
+#if XF32
+  float4* const xf = reinterpret_cast<float4*>(xs);
+  const int at = ((i >> 6) * 4 + (i & 1) * 2) * 32 + ((i >> 1) & 31);  // values 8i .. 8i + 3; 8i + 4 .. one row on
+  xf[at] = make_float4(lo16(v.x), hi16(v.x), lo16(v.y), hi16(v.y));
+  xf[at + 32] = make_float4(lo16(v.z), hi16(v.z), lo16(v.w), hi16(v.w));
+#else
+  reinterpret_cast<uint4*>(xs)[i] = v;
+#endif
+}
+
+// acc += the chunk's 16 / WBYTES weights times x's values: the lane's chunk c of its row, values (32c + lane) * 16 /
+// WBYTES on.
+__device__ __forceinline__ float dot_chunk(const uint4& w, const u32* __restrict__ xs, int c, int lane) {
   float acc = 0.f;
 #if WBYTES == 1
   const u32 ws[4] = {w.x, w.y, w.z, w.w};
+#if XF32
+  const float4* xf = reinterpret_cast<const float4*>(xs) + c * 128 + lane;  // 4 float4s, 32 apart
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float4 x = xf[32 * i];  // values 4i .. 4i + 3 of the chunk
+    float a, b, cc, d;
+    f16x2_to_f32(e4m3x2_lo(ws[i]), a, b);
+    f16x2_to_f32(e4m3x2_hi(ws[i]), cc, d);
+    acc = fmaf(a, x.x, acc);
+    acc = fmaf(b, x.y, acc);
+    acc = fmaf(cc, x.z, acc);
+    acc = fmaf(d, x.w, acc);
+  }
+#else
+  const uint4* xv = reinterpret_cast<const uint4*>(xs) + (c * 32 + lane) * 2;  // x in shared memory, 16-bit pairs
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const uint4 x = xv[i];  // 8 values (lanes 32 bytes apart: lanes l and l + 4 of a quarter warp share banks)
     const u32 xw[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      float a, b, c, d;
+      float a, b, cc, d;
       f16x2_to_f32(e4m3x2_lo(ws[2 * i + j]), a, b);
-      f16x2_to_f32(e4m3x2_hi(ws[2 * i + j]), c, d);
+      f16x2_to_f32(e4m3x2_hi(ws[2 * i + j]), cc, d);
       acc = fmaf(a, lo16(xw[2 * j]), acc);
       acc = fmaf(b, hi16(xw[2 * j]), acc);
-      acc = fmaf(c, lo16(xw[2 * j + 1]), acc);
+      acc = fmaf(cc, lo16(xw[2 * j + 1]), acc);
       acc = fmaf(d, hi16(xw[2 * j + 1]), acc);
     }
   }
+#endif
 #else
-  const uint4 x = xv[0];
+  const uint4 x = reinterpret_cast<const uint4*>(xs)[c * 32 + lane];
   acc = fmaf(lo16(w.x), lo16(x.x), acc);
   acc = fmaf(hi16(w.x), hi16(x.x), acc);
   acc = fmaf(lo16(w.y), lo16(x.y), acc);
@@ -260,7 +300,7 @@ __device__ __forceinline__ void route_last_block(const float* logits, unsigned i
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 0
 #endif
-static_assert(!MIN_BLOCKS || STAGE, "a bound on the registers: staged launches");
+static_assert(!MIN_BLOCKS || STAGE || XF32, "a bound on the registers: staged launches, float32 x");
 #if MIN_BLOCKS
 #define BOUNDS __launch_bounds__(32 * WARPS, MIN_BLOCKS)
 #else
@@ -276,7 +316,7 @@ extern "C" __global__ void BOUNDS token_gemv(const u16* __restrict__ x, const un
                                              long long* __restrict__ ids_out, const u16* __restrict__ res,
                                              const u16* __restrict__ nw, u16* __restrict__ res_out, float eps,
                                              u16* __restrict__ normed) {
-  __shared__ __align__(16) u32 xs[K / 2];
+  __shared__ __align__(16) u32 xs[XS_WORDS];
 #if STAGE  // run s + 1's chunk u of row r, thread t: [s][r][u][t] (a warp's 16-byte slots in a row: no bank conflict)
   __shared__ __align__(16) uint4 ahead[STAGE * ROWS * UNROLL * 32 * WARPS];
 #endif
@@ -375,11 +415,10 @@ extern "C" __global__ void BOUNDS token_gemv(const u16* __restrict__ x, const un
 #pragma unroll
   for (int j = 0; j < K / 8 / (32 * WARPS); ++j) {
     const int i = j * 32 * WARPS + threadIdx.x;
-    reinterpret_cast<uint4*>(xs)[i] = ld_after_wait(reinterpret_cast<const uint4*>(x) + i);
+    stage_x(xs, i, ld_after_wait(reinterpret_cast<const uint4*>(x) + i));
   }
 #else
-  for (int i = threadIdx.x; i < K / 8; i += 32 * WARPS)
-    reinterpret_cast<uint4*>(xs)[i] = ld_after_wait(reinterpret_cast<const uint4*>(x) + i);
+  for (int i = threadIdx.x; i < K / 8; i += 32 * WARPS) stage_x(xs, i, ld_after_wait(reinterpret_cast<const uint4*>(x) + i));
 #endif
   __syncthreads();
 #pragma unroll
@@ -404,7 +443,7 @@ extern "C" __global__ void BOUNDS token_gemv(const u16* __restrict__ x, const un
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) acc[r] += dot_chunk(buf[r][u], xs, ((c0 + u) * 32 + lane) * CHUNK_VALUES);
+      for (int u = 0; u < UNROLL; ++u) acc[r] += dot_chunk(buf[r][u], xs, c0 + u, lane);
   }
 #if PDL && !EARLY
   asm volatile("griddepcontrol.launch_dependents;" :::);

@@ -42,6 +42,20 @@ ROUTER_NORM = 1
 # without PDL stage none (nothing runs before them; cp.async also needs sm_80), and nor do e4m3 ones: they let the
 # next kernel in first thing, and staging them lost 7% (docs/engine.md, twenty-first round).
 STAGE_RUNS = 1
+# e4m3 rows staged as 16-bit ones are (1), or not (0: the default, measured 7% slower with e4m3 launches letting the
+# next kernel in first thing, EARLY 1; an A/B knob for EARLY 0, where the 16-bit launches' staging pays).
+STAGE_E4M3 = 0
+# The rules' e4m3 tiles (warps, rows a warp, chunks a row in flight), without and with SwiGLU: the sixteenth round's
+# sweep chose them. In the engine (twenty-third round) 8 chunks a row in flight lost 9%, 2 lost 2%, 1 lost 3.5%.
+E4M3_TILE = (8, 1, 4)
+E4M3_SWIGLU_TILE = (4, 2, 4)
+# e4m3 launches stage the token as float32, laid out so that the loop reads it without bank conflicts and does not
+# widen it (token_gemv.cu's XF32), where it fits (K * 4 bytes, at most 32 KB) and no run is staged (an A/B knob):
+# 0 off; 1 on; 2 on, the registers bounded so that an SM holds as many blocks as with 16-bit x (X_F32_BLOCKS).
+X_F32 = 0
+# Blocks an SM holds of the rules' e4m3 tiles with 16-bit x, by (warps, rows a warp): ptxas gives them 48 and 124
+# registers for qwen3-8b's rows of 4,096, and float32 x 54 and 161 unbounded (one block an SM fewer).
+X_F32_BLOCKS = {(8, 1): 5, (4, 2): 4}
 STATIC_SHARED = 48 * 1024  # a block's static shared memory at most
 SM_SHARED = 228 * 1024  # an H200 SM's shared memory, 1 KB of it reserved a block
 
@@ -102,7 +116,7 @@ def tile_for(weight: torch.Tensor, swiglu: bool) -> TokenTile:
             return measured
     per_lane = weight.shape[1] * weight.element_size() // (32 * CHUNK_BYTES)
     if weight.element_size() == 1:
-        tile = TokenTile(4, 2, 4) if swiglu else TokenTile(8, 1, 4)
+        tile = TokenTile(*(E4M3_SWIGLU_TILE if swiglu else E4M3_TILE))
     else:
         tile = TokenTile(4, 1, 8)
     unroll = max(u for u in range(1, tile.unroll + 1) if per_lane % u == 0)
@@ -114,9 +128,9 @@ def stage_for(k: int, wbytes: int, tile: TokenTile, swiglu: bool, runs: int) -> 
     STAGE): those the row has, and the block's static shared memory holds beside the staged token and 256 bytes (once
     a norm's partial sums; kept, since without them rows of 8,192 and 16,384 columns would stage one run more and
     fill all 48 KB, which no GPU has measured); none with SwiGLU (the kernel's 64 registers a thread would not hold
-    both rows' first runs in flight), and none of e4m3 weights (measured slower; the kernel takes them, as ``stage``
-    in ``defines``)."""
-    if swiglu or wbytes == 1:
+    both rows' first runs in flight), and none of e4m3 weights unless ``STAGE_E4M3`` (measured slower; the kernel
+    takes them, as ``stage`` in ``defines``)."""
+    if swiglu or (wbytes == 1 and not STAGE_E4M3):
         return 0
     per_lane = k * wbytes // (32 * CHUNK_BYTES)
     per_run = tile.rows_per_warp * tile.unroll * CHUNK_BYTES * 32 * tile.warps
@@ -135,19 +149,29 @@ def stage_bounds(k: int, wbytes: int, tile: TokenTile, stage: int) -> int:
     return min(1024 // (32 * tile.warps), SM_SHARED // (shared + 1024))
 
 
+def x_f32_for(k: int, wbytes: int, stage: int) -> int:
+    """How a linear layer's launch stages its token (``X_F32``'s values; token_gemv.cu's XF32): as float32 where
+    ``X_F32`` says so, the weight is e4m3, stages no run, and K float32 values fit in 32 KB; else 0."""
+    return X_F32 if wbytes == 1 and not stage and k * 4 <= 32768 else 0
+
+
 def defines(k: int, wbytes: int, bf16: bool, tile: TokenTile, swiglu: bool, has_scale: bool, has_bias: bool,
             pdl: bool, routed: int = 0, router: tuple[int, int, bool, bool] | None = None, *, pin: int,
-            early: int, norm: tuple[int, bool] | None = None, stage: int = 0) -> dict[str, int]:  # fmt: skip
+            early: int, norm: tuple[int, bool] | None = None, stage: int = 0,
+            xf32: int = 0) -> dict[str, int]:  # fmt: skip
     """The compile-time constants of a launch (token_gemv.cu's header). ``routed``: 0 a linear layer; 1 a MoE
     layer's experts, not weighted; 2 weighted by float32 routing weights, 3 by 16-bit ones. ``router``: a MoE router
     and its routing, ``(top_k, experts, renormalize, float32 weights)``. ``pin``, ``early``: as ``PIN_LOADS`` and
     ``EARLY``. ``norm``: the residual add and RMS norm before a router, ``(x's parts, float32 parts)``. ``stage``:
-    runs staged before the wait, as ``stage_for`` gives them for a linear layer."""
+    runs staged before the wait, as ``stage_for`` gives them for a linear layer. ``xf32``: the token staged as float32
+    (1; 2 with ``X_F32_BLOCKS``'s bound), as ``x_f32_for`` says."""
     out = {"K": k, "WBYTES": wbytes, "BF16": int(bf16), "WARPS": tile.warps, "ROWS_PER_WARP": tile.rows_per_warp,
            "UNROLL": tile.unroll, "SWIGLU": int(swiglu), "HAS_SCALE": int(has_scale), "HAS_BIAS": int(has_bias),
            "PDL": int(pdl), "EXPERTS": int(routed > 0), "ROUTED": int(routed > 1), "ROUTE_F32": int(routed == 2),
            "PIN": int(bool(pin)), "EARLY": int(bool(early & (1 if wbytes == 1 else 2))), "STAGE": stage,
-           "MIN_BLOCKS": stage_bounds(k, wbytes, tile, stage)}  # fmt: skip
+           "MIN_BLOCKS": stage_bounds(k, wbytes, tile, stage), "XF32": int(bool(xf32))}  # fmt: skip
+    if xf32 == 2:
+        out["MIN_BLOCKS"] = X_F32_BLOCKS.get((tile.warps, tile.rows_per_warp), 0)
     if router is not None:
         top_k, experts, renormalize, keep_float32 = router
         out |= {"ROUTER": top_k, "ROUTER_E": experts, "RENORM": int(renormalize), "ROUTE_F32": int(keep_float32)}
@@ -182,9 +206,10 @@ def token_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
     tile = tile or tile_for(weight, swiglu)
     pdl = bool(pdl_launch(x.device, 1).get("launch_pdl"))
     k, wbytes = weight.shape[1], weight.element_size()
+    stage = stage_for(k, wbytes, tile, swiglu, STAGE_RUNS) if pdl else 0
     kernel = _kernel(x.device.index or 0, k, wbytes, out.dtype == torch.bfloat16, tile, swiglu, scale is not None,
-                     bias is not None, pdl, pin=PIN_LOADS, early=EARLY,
-                     stage=stage_for(k, wbytes, tile, swiglu, STAGE_RUNS) if pdl else 0)  # fmt: skip
+                     bias is not None, pdl, pin=PIN_LOADS, early=EARLY, stage=stage,
+                     xf32=x_f32_for(k, wbytes, stage))  # fmt: skip
     rows_per_block = tile.warps * tile.rows_per_warp
     args = [nvrtc.ptr(x), nvrtc.ptr(weight), nvrtc.ptr(scale if scale is not None else out),
             nvrtc.ptr(bias if bias is not None else out), nvrtc.ptr(out), ctypes.c_int(n),

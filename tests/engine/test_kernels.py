@@ -577,6 +577,65 @@ def test_the_cuda_norm_matches_torch_and_the_triton_kernel(act: torch.dtype, mon
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="one token's CUDA matmul is CUDA C++, compiled by NVRTC on the GPU")
+def test_the_cuda_matmul_with_the_token_staged_as_float32_computes_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``X_F32``: e4m3 launches that stage the token as float32 (widened exactly, laid out for the loop's reads) form
+    the same products in the same order, so the outputs equal the 16-bit token's bit for bit: bfloat16 and float16,
+    K of 1,024 to 8,192 (and 12,288, which keeps 16-bit x), the rules' tiles, SwiGLU, bias, two and four rows a warp,
+    unbounded and bounded registers; and replayed from a graph under PDL."""
+    from engine.kernels import token_gemv
+
+    g = _g(81)
+    seen: list[int] = []
+    compiled = token_gemv._kernel
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs["xf32"])
+        return compiled(*args, **kwargs)
+
+    monkeypatch.setattr(token_gemv, "_kernel", recording)
+    cases = [(4096, 96, False, None, False), (4096, 2 * 80, True, None, False), (1024, 64, False, None, True),
+             (8192, 64, False, None, False), (12288, 64, False, None, False),
+             (4096, 64, False, token_gemv.TokenTile(4, 2, 4), False),
+             (2048, 128, False, token_gemv.TokenTile(2, 4, 2), True)]  # fmt: skip
+    for act in (torch.bfloat16, torch.float16):
+        for k, n, swiglu, tile, with_bias in cases:
+            x = (torch.randn(1, k, generator=g) * 3).to(DEV).to(act)
+            w = (torch.randn(n, k, generator=g) * 0.05).to(DEV)
+            scale = w.abs().amax(1) / 448
+            weight = (w / scale[:, None]).to(torch.float8_e4m3fn)
+            bias = (torch.randn(n, generator=g)).to(DEV).to(act) if with_bias else None
+            outs = []
+            for mode in (0, 1, 2):
+                monkeypatch.setattr(token_gemv, "X_F32", mode)
+                out = torch.empty(1, n // 2 if swiglu else n, dtype=act, device=DEV)
+                outs.append(token_gemv.token_gemv(x, weight, scale.float(), bias, swiglu, out, tile).clone())
+            assert seen[-3:] == ([0, 0, 0] if k > 8192 else [0, 1, 2])
+            assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (act, k, n, swiglu, tile)
+    # In a graph under PDL: a float32-x launch after a matmul whose output it reads, and before one that reads its own.
+    monkeypatch.setattr(token_gemv, "X_F32", 2)
+    act = torch.bfloat16
+    ws = []
+    for _ in range(2):
+        w = (torch.randn(4096, 4096, generator=g) * 0.02).to(DEV)
+        scale = w.abs().amax(1) / 448
+        ws.append(((w / scale[:, None]).to(torch.float8_e4m3fn), scale.float()))
+    x = torch.randn(1, 4096, generator=g).to(DEV).to(act)
+
+    def chain() -> torch.Tensor:
+        a = token_gemv.token_gemv(x, *ws[0], None, False, torch.empty(1, 4096, dtype=act, device=DEV))
+        return token_gemv.token_gemv(a, *ws[1], None, False, torch.empty(1, 4096, dtype=act, device=DEV))
+
+    graph, y = _captured(chain)
+    for _ in range(3):
+        x.copy_(torch.randn(1, 4096, generator=g).to(DEV).to(act))
+        graph.replay()
+        torch.cuda.synchronize()
+        w1, w2 = (w.float() * s[:, None] for w, s in ws)
+        y_ref = F.linear(F.linear(x.float(), w1).to(act).float(), w2)
+        torch.testing.assert_close(y.float(), y_ref, rtol=0.05, atol=0.05 * y_ref.abs().max().item())
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="one token's CUDA matmul is CUDA C++, compiled by NVRTC on the GPU")
 def test_the_cuda_matmul_with_runs_staged_before_the_wait_computes_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     """``STAGE_RUNS``: runs of every row staged in shared memory before the wait are the same products summed in the
     same order, so the outputs equal the launch's without them bit for bit: 16-bit and e4m3 weights, K of 4,096,
