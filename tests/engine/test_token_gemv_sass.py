@@ -211,3 +211,38 @@ def test_staged_runs_are_asked_for_before_the_wait_and_read_from_shared_memory(v
     assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
     regs, blocks = int(re.search(r"REG:(\d+)", usage).group(1)), constants["MIN_BLOCKS"]
     assert blocks == bound and regs * 32 * tile.warps * max(blocks, 1) <= 65536, (usage, blocks)
+
+
+# e4m3 launches with the token staged as float32 (token_gemv.cu's XF32, token_gemv.X_F32): (K, tile, SwiGLU, X_F32,
+# the blocks an SM must hold). Qwen3-8B's QKV/o and gate/up rows, unbounded and bounded.
+XF32: dict[str, tuple[Any, ...]] = {
+    "e4m3 o projection": (4096, TokenTile(8, 1, 4), False, 1, 0),
+    "e4m3 o projection, bounded": (4096, TokenTile(8, 1, 4), False, 2, 5),
+    "e4m3 swiglu": (4096, TokenTile(4, 2, 4), True, 1, 0),
+    "e4m3, 8,192 columns, bounded": (8192, TokenTile(8, 1, 4), False, 2, 5),
+}
+
+
+@pytest.mark.parametrize("variant", list(XF32))
+def test_float32_x_keeps_the_order_around_the_wait(
+    variant: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the first weight chunks before the wait, the token's 16-bit values read after it with plain loads, and
+    each chunk's x read from shared memory as four float4s (LDS.128), once for all of a warp's rows; no local memory,
+    in the registers the bound asks for (a bounded SwiGLU tile spills 8 bytes, so it is not among these)."""
+    k, tile, swiglu, mode, bound = XF32[variant]
+    monkeypatch.setattr(token_gemv, "X_F32", mode)
+    assert token_gemv.x_f32_for(k, 1, 0) == mode and token_gemv.x_f32_for(k, 2, 0) == 0
+    constants = token_gemv.defines(k, 1, True, tile, swiglu, True, False, True, pin=1, early=1, xf32=mode)
+    assert constants["XF32"] == 1 and constants["MIN_BLOCKS"] == bound
+    code = sass(constants, tmp_path)
+    (wait,) = [i for i, ins in enumerate(code) if ins.startswith("ACQBULK")]
+    before = [ins for ins in code[:wait] if ins.startswith(("LDG", "LD.", "LDS", "ATOM", "RED"))]
+    rows = tile.rows_per_warp * (2 if swiglu else 1)
+    assert before == [ins for ins in before if ins.startswith(WEIGHT_CHUNK)] and len(before) == rows * tile.unroll
+    chunks = k // (32 * 16)
+    assert len([ins for ins in code[wait:] if ins.startswith("LDS.128")]) == 4 * chunks, "once for all the rows"
+    assert not [ins for ins in code[wait:] if ins.startswith("LDG.E.128.CONSTANT")], "x by plain loads after the wait"
+    usage = _usage(tmp_path)
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    assert "LOCAL:0 " in usage and regs * 32 * tile.warps * max(bound, 1) <= 65536, usage
