@@ -49,6 +49,9 @@ STAGE_E4M3 = 0
 # sweep chose them. In the engine (twenty-third round) 8 chunks a row in flight lost 9%, 2 lost 2%, 1 lost 3.5%.
 E4M3_TILE = (8, 1, 4)
 E4M3_SWIGLU_TILE = (4, 2, 4)
+# e4m3 tiles for one weight's shape, (rows, columns) -> (warps, rows a warp, chunks a row in flight), over the rules
+# (an A/B knob: none is measured better in the engine).
+E4M3_TILES: dict[tuple[int, int], tuple[int, int, int]] = {}
 # e4m3 launches stage the token as float32, laid out so that the loop reads it without bank conflicts and does not
 # widen it (token_gemv.cu's XF32), where it fits (K * 4 bytes, at most 32 KB) and no run is staged (an A/B knob):
 # 0 off; 1 on; 2 on, the registers bounded so that an SM holds as many blocks as with 16-bit x (X_F32_BLOCKS).
@@ -116,7 +119,8 @@ def tile_for(weight: torch.Tensor, swiglu: bool) -> TokenTile:
             return measured
     per_lane = weight.shape[1] * weight.element_size() // (32 * CHUNK_BYTES)
     if weight.element_size() == 1:
-        tile = TokenTile(*(E4M3_SWIGLU_TILE if swiglu else E4M3_TILE))
+        shaped = E4M3_TILES.get((weight.shape[0], weight.shape[1]))
+        tile = TokenTile(*(shaped or (E4M3_SWIGLU_TILE if swiglu else E4M3_TILE)))
     else:
         tile = TokenTile(4, 1, 8)
     unroll = max(u for u in range(1, tile.unroll + 1) if per_lane % u == 0)
