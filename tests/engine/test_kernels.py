@@ -443,6 +443,17 @@ def test_one_tokens_cuda_matmul_takes_what_it_divides(monkeypatch: pytest.Monkey
     assert token_gemv.tile_for(torch.zeros(4096, 4096, dtype=torch.bfloat16), False) == token_gemv.TokenTile(4, 1, 8)
     assert token_gemv.tile_for(torch.zeros(64, 1536, dtype=torch.bfloat16), False).unroll == 6  # 6 chunks a lane
     assert token_gemv.tile_for(torch.zeros(64, 512, dtype=torch.float8_e4m3fn), False).unroll == 1
+    # The A/B knobs of e4m3 tiles: one shape's own (rows, columns), over the rules' for every other.
+    monkeypatch.setattr(token_gemv, "E4M3_TILES", {(6144, 4096): (4, 2, 4)})
+    assert token_gemv.tile_for(w8, False) == token_gemv.TokenTile(4, 2, 4)
+    assert token_gemv.tile_for(w8[:4096], False) == token_gemv.TokenTile(8, 1, 4)
+    monkeypatch.setattr(token_gemv, "E4M3_TILE", (16, 1, 8))
+    assert token_gemv.tile_for(w8[:4096], False) == token_gemv.TokenTile(16, 1, 8)
+    assert token_gemv.tile_for(torch.zeros(64, 1536, dtype=torch.float8_e4m3fn), False).unroll == 3  # 3 chunks a lane
+    # The token as float32: e4m3 rows of at most 8,192 columns that stage no run.
+    monkeypatch.setattr(token_gemv, "X_F32", 2)
+    assert [token_gemv.x_f32_for(k, 1, 0) for k in (4096, 8192, 12288)] == [2, 2, 0]
+    assert token_gemv.x_f32_for(4096, 2, 0) == 0 and token_gemv.x_f32_for(4096, 1, 1) == 0
     _cuda_or_triton(monkeypatch, "ENGINE_TOKEN_GEMV", token_gemv.enabled)
 
 
