@@ -418,7 +418,8 @@ extern "C" __global__ void BOUNDS token_gemv(const u16* __restrict__ x, const un
     stage_x(xs, i, ld_after_wait(reinterpret_cast<const uint4*>(x) + i));
   }
 #else
-  for (int i = threadIdx.x; i < K / 8; i += 32 * WARPS) stage_x(xs, i, ld_after_wait(reinterpret_cast<const uint4*>(x) + i));
+  for (int i = threadIdx.x; i < K / 8; i += 32 * WARPS)
+    stage_x(xs, i, ld_after_wait(reinterpret_cast<const uint4*>(x) + i));
 #endif
   __syncthreads();
 #pragma unroll
