@@ -28,7 +28,8 @@ CHUNK_BYTES = 16
 MAX_K = 16384
 # Under PDL (docs/engine.md, nineteenth round): the first chunks asked for before the wait in the compiled code too,
 # not only in the source (token_gemv.cu's PIN); and which launches let the next kernel in first thing, the others once
-# a block has left its loop: 0 none, 1 those of e4m3 weights, 2 those of 16-bit weights, 3 all.
+# a block has left its loop: 0 none, 1 those of e4m3 weights, 2 those of 16-bit weights, 3 all. e4m3 launches after
+# their loop (0) lost 3% on qwen3-8b with FP8 weights (twenty-third round).
 PIN_LOADS = 1
 EARLY = 1
 # The residual add and RMS norm before a MoE router run in the router's launch where they qualify
@@ -42,8 +43,9 @@ ROUTER_NORM = 1
 # without PDL stage none (nothing runs before them; cp.async also needs sm_80), and nor do e4m3 ones: they let the
 # next kernel in first thing, and staging them lost 7% (docs/engine.md, twenty-first round).
 STAGE_RUNS = 1
-# e4m3 rows staged as 16-bit ones are (1), or not (0: the default, measured 7% slower with e4m3 launches letting the
-# next kernel in first thing, EARLY 1; an A/B knob for EARLY 0, where the 16-bit launches' staging pays).
+# e4m3 rows staged as 16-bit ones are (1), or not (0, the default; an A/B knob). Measured slower both with e4m3
+# launches letting the next kernel in first thing (7%, twenty-first round) and after their loop, as 16-bit ones do
+# (5.6%, twenty-third round; after the loop alone lost 3%).
 STAGE_E4M3 = 0
 # The rules' e4m3 tiles (warps, rows a warp, chunks a row in flight), without and with SwiGLU: the sixteenth round's
 # sweep chose them. In the engine (twenty-third round) 8 chunks a row in flight lost 9%, 2 lost 2%, 1 lost 3.5%.
