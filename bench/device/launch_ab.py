@@ -16,7 +16,7 @@ for assignment in sys.argv[1:split]:
     module, name = target.rsplit(".", 1)
     if not hasattr(importlib.import_module(module), name):  # a misspelt or removed knob would time the default
         sys.exit(f"launch_ab: {module} has no constant {name}")
-    setattr(importlib.import_module(module), name, ast.literal_eval(value))  # an int, or a tuple
+    setattr(importlib.import_module(module), name, ast.literal_eval(value))  # an int, tuple or dict
     print(f"set {target} = {value}", flush=True)
 rest = sys.argv[split + 1 :]
 module = "bench.engine.throughput"

@@ -2,19 +2,16 @@
 # with each one-token launch told apart by its grid (QKV, o, gate/up and down). 1: e4m3 launches that stage the
 # token as float32, laid out for the loop's reads without bank conflicts (token_gemv.X_F32; 1 unbounded registers, 2
 # bounded to 16-bit x's blocks an SM), its CUDA test first (bit for bit against 16-bit x). 2: one projection's e4m3
-# tile changed at a time in the engine (token_gemv.E4M3_TILES), after call 4 changed all at once: a grid that fills
-# the GPU in one even wave (QKV has 768 blocks of 8 rows where 660 fit at once). qwen3-8b with FP8 weights at batch 1
-# (random weights, prompt 512, 128 new tokens, each setting in its own process), bf16 for the ratio.
+# tile changed at a time in the engine (token_gemv.E4M3_TILES), after call 4 changed all at once (QKV has 768 blocks
+# of 8 rows where 660 fit at once; of these tiles only (8,4,4) fits it in one wave). qwen3-8b with FP8 weights at
+# batch 1 (random weights, prompt 512, 128 new tokens, each setting in its own process), bf16 for the ratio.
 # `bash bench/device/x_f32_layout_round.sh`; carries .whl, .gpu. PART=0, 1 or 2 runs one part.
 source bench/device/setup.sh
 B1=(--batch-sizes 1 --new-tokens 128)
 K=engine.kernels.token_gemv
 F8=(--quantization fp8)
 if [ "${PART:-0}" = 0 ]; then
-  [ -d /tmp/shapes/qwen3-8b ] || python3 bench/device/shape_config.py qwen3-8b /tmp/shapes/qwen3-8b >/dev/null
-  ENGINE_S=120 engine_bench fp8-timeline /tmp/shapes/qwen3-8b --batch-sizes 1 --new-tokens 64 --profile "${F8[@]}" \
-    >/dev/null
-  sed -n '/critical path/,/^[^ ]/p' "$OUT/fp8-timeline.log" | head -30
+  SHAPES=qwen3-8b-fp8 bash bench/device/timeline_round.sh
 fi
 if [ "${PART:-1}" = 1 ]; then
   cuda_tests "float32 or runs_staged" tests/engine/test_kernels.py
