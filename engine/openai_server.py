@@ -52,8 +52,6 @@ from engine.tracing import EngineTracing
 
 log = logging.getLogger("engine.server")
 
-MAX_STOP_STRINGS = 16
-
 
 # -- the app ---------------------------------------------------------------------------------------
 

@@ -552,13 +552,25 @@ def json_object(raw: bytes) -> dict[str, Any]:
 
 
 def validated(model: type[_Model], data: dict[str, Any]) -> _Model:
-    """``data`` as ``model``, or InvalidRequestError naming the first field at fault."""
+    """``data`` as ``model``, or InvalidRequestError naming the first field at fault, with what ``_telling`` picks of
+    that field's errors."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        where = ".".join(str(p) for p in first["loc"] if not _is_member_name(p)) or "body"
-        raise InvalidRequestError(f"{where}: {first['msg']}") from exc
+        errors = exc.errors(include_url=False)
+        field = errors[0]["loc"][:1]
+        error = max((e for e in errors if e["loc"][:1] == field), key=_telling)
+        where = ".".join(str(p) for p in error["loc"] if not _is_member_name(p)) or "body"
+        raise InvalidRequestError(f"{where}: {error['msg']}") from exc
+
+
+def _telling(error: Any) -> tuple[bool, int]:
+    """How much an error says, among a field's (``max`` keeps the first of equals). A field of several types (``stop``:
+    a string or a list of them) has an error for each: one that is not about the value's type (a list too long, a
+    token id below 0) is from the type the value has; else the deepest (an item of a list) is from a type whose
+    container it fits."""
+    about_the_value = not error["type"].endswith("_type")
+    return about_the_value, sum(not _is_member_name(p) for p in error["loc"])
 
 
 def _is_member_name(part: Any) -> bool:

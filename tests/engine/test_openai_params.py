@@ -480,6 +480,9 @@ def test_continue_final_message_and_add_generation_prompt(tiny: ThreadServer) ->
     ({"n": 17}, "n"),
     ({"stream": 1}, "stream"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "image_url"),
+    # A field of several types: the error of the type the value has, not the first type's.
+    ({"stop": ["x"] * 17}, "stop: List should have at most 16 items"),
+    ({"stop": ["a", 3]}, "stop.1: Input should be a valid string"),
 ])  # fmt: skip
 def test_chat_refusals_name_the_field(tiny: ThreadServer, extra: dict[str, Any], names: str) -> None:
     import urllib.error
@@ -493,6 +496,21 @@ def test_chat_refusals_name_the_field(tiny: ThreadServer, extra: dict[str, Any],
     assert err.value.code == 400
     message = json.loads(err.value.read())["error"]["message"]
     assert names in message, message
+
+
+@pytest.mark.parametrize(("prompt", "message"), [
+    ([-1], "prompt.0: Input should be greater than or equal to 0"),
+    ([7, 1.5], "prompt.1: Input should be a valid integer"),
+    ([[1, 2], "mixed"], "prompt.0: Input should be a valid integer"),
+    (None, "prompt: Input should be a valid string"),
+])  # fmt: skip
+def test_a_prompt_of_several_types_is_refused_for_what_is_wrong_with_it(prompt: Any, message: str) -> None:
+    from engine.errors import InvalidRequestError
+    from engine.protocol import CompletionBody, validated
+
+    with pytest.raises(InvalidRequestError) as err:
+        validated(CompletionBody, {"model": "m", "prompt": prompt})
+    assert str(err.value) == message
 
 
 def test_a_seeded_draw_does_not_depend_on_the_batch_path() -> None:
