@@ -247,6 +247,7 @@ class AsyncLLMEngine:
         self._states: dict[int, RequestState] = {}
         self._transfers: dict[int, Transfer] = {}  # by sequence id, until released or committed
         self._early: dict[int, tuple[Transfer, str]] = {}  # early offers whose prefill runs: (transfer, its id)
+        self._admitting: dict[int, asyncio.Future[None]] = {}  # early offers' legs, answered once admitted to a step
         # Broadcast to reservations waiting for room: replaced (after being set) each time blocks come back.
         self._freed = asyncio.Event()
         self._reservations_waiting = 0
@@ -367,7 +368,7 @@ class AsyncLLMEngine:
         """Run a checked request as what it is: colocated, a prefill for a remote decode, or a decode from
         remote KV; ``n`` samples, each with its own structured-output matcher from ``matcher``."""
         if request.role is Role.PREFILL_FOR_REMOTE_DECODE:
-            return self.prefill_for_remote_decode(request, matcher)
+            return await self.prefill_for_remote_decode(request, matcher)
         if request.role is Role.DECODE_FROM_REMOTE_KV:
             return await self.decode_from_remote_kv(request, n, matcher)
         return self.generate(request, n, matcher)
@@ -388,26 +389,46 @@ class AsyncLLMEngine:
             raise
         return Generation(self, handles)
 
-    def prefill_for_remote_decode(self, request: Admission, matcher: Callable[[], Any] | None = None) -> Generation:
+    async def prefill_for_remote_decode(self, request: Admission,
+                                        matcher: Callable[[], Any] | None = None) -> Generation:  # fmt: skip
         """Compute the prompt (and its first token), keeping its KV blocks for a decode engine to pull:
-        ``Generation.hand_over`` offers them once the outputs are read; ``close`` frees them if never offered."""
+        ``Generation.hand_over`` offers them once the outputs are read; ``close`` frees them if never offered.
+
+        An early offer is answered once its prefill is admitted to a step (``_answer_admitted``), not while it
+        queues: the queue is waited out before the answer, as for an offer made after its prefill, so a decode
+        engine's pull places only ever wait for prefills that run; and the offer expires only after its prefill
+        ended. Answered at once, and expiring from the offer, a burst larger than a step failed nearly whole: the
+        offers of prefills still queued or in a long step expired, while the decode engine's pull places were held
+        by pulls waiting for them (docs/pd.md)."""
         grammar = matcher() if matcher is not None else None
         handle = self._submit(request.prompt_ids, request.params, hold_kv=True, grammar=grammar)
         transfer = Transfer(self._states[handle.seq_id].seq, Phase.PREFILLING)
         self._transfers[handle.seq_id] = transfer
-        if request.early_offer:
-            return Generation(self, [], transfer, early_params=self._offer_early(transfer))
-        return Generation(self, [handle], transfer)
+        if not request.early_offer:
+            return Generation(self, [handle], transfer)
+        params = self._offer_early(transfer)
+        admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._admitting[handle.seq_id] = admitted
+        try:
+            await admitted
+        except BaseException:
+            self._admitting.pop(handle.seq_id, None)
+            if self._early.get(handle.seq_id) is not None and self.relay is not None:  # no decode engine will read it
+                self.relay.conclude(params["transfer_id"], error="the prefill leg went before its answer")
+            raise
+        return Generation(self, [], transfer, early_params=params)
 
     def _offer_early(self, transfer: Transfer) -> dict[str, Any]:
-        """Offer a queued prefill's KV now: the decode engine reads its blocks as they become final
-        (``_advance_early`` after each step), the first token when it ends. Nobody streams its outputs."""
+        """Offer a queued prefill's KV now, expiring only after the prefill ended: the decode engine reads its
+        blocks as they become final (``_advance_early`` after each step), the first token when it ends. Nobody
+        streams its outputs."""
         assert self.relay is not None
         seq = transfer.seq
         del self._states[seq.seq_id]
         bs = seq.block_size
         try:
-            params = self.relay.offer_early((seq.num_prompt_tokens + bs - 1) // bs, lambda: self.release(transfer))
+            params = self.relay.offer_early((seq.num_prompt_tokens + bs - 1) // bs, lambda: self.release(transfer),
+                                            clock=False)  # fmt: skip
         except BaseException:
             self._stop_prefill(seq)
             self.release(transfer)
@@ -415,6 +436,13 @@ class AsyncLLMEngine:
         transfer.move(Phase.OFFERED)
         self._early[seq.seq_id] = (transfer, params["transfer_id"])
         return params
+
+    def _answer_admitted(self, batch: ScheduledBatch) -> None:
+        """Answer the legs of the early offers whose prefills ``batch`` admits."""
+        for seq in batch.seqs:
+            admitted = self._admitting.pop(seq.seq_id, None)
+            if admitted is not None and not admitted.done():
+                admitted.set_result(None)
 
     def _advance_early(self, seq: Sequence) -> None:
         """After a step of an early offer's prefill: tell the relay which blocks are final, or how it ended."""
@@ -434,7 +462,11 @@ class AsyncLLMEngine:
                 transfer.on_prefilled(seq)
 
     def _end_early(self, seq_id: int, why: str) -> None:
-        """An early offer's prefill failed (its step, or the engine): the decode engine is told so."""
+        """An early offer's prefill failed (its step, or the engine): the decode engine is told so, or its leg
+        before it was answered."""
+        admitted = self._admitting.pop(seq_id, None)
+        if admitted is not None and not admitted.done():
+            admitted.set_exception(EngineFailedError(why))
         entry = self._early.pop(seq_id, None)
         if entry is not None and self.relay is not None:
             self.relay.conclude(entry[1], error=why)
@@ -584,6 +616,9 @@ class AsyncLLMEngine:
         self._transfers.pop(transfer.seq.seq_id, None)
         if self._early.pop(transfer.seq.seq_id, None) is not None:
             self._stop_prefill(transfer.seq)  # an early offer that ended before its prefill did
+            admitted = self._admitting.pop(transfer.seq.seq_id, None)
+            if admitted is not None and not admitted.done():  # before it was admitted, so before its leg's answer
+                admitted.set_exception(EngineFailedError("the prefill's KV offer ended before the prefill ran"))
         self.engine.release(transfer.seq)  # tells _blocks_freed
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, max_tokens_given: bool) -> RequestHandle:
@@ -680,6 +715,7 @@ class AsyncLLMEngine:
                 batch = engine.schedule_batch()
                 if batch is None:
                     return False
+                self._answer_admitted(batch)
                 phase = "prepare"
                 step = engine.prepare(batch)
                 phase = "event_flush"
@@ -796,6 +832,7 @@ class AsyncLLMEngine:
         log.error("sequence_unschedulable seq_id=%d reason=idle_engine", seq.seq_id)
         self.engine.finish(seq, FinishReason.ABORT)
         self._fail(seq.seq_id, EngineFailedError("the request could not be scheduled"))
+        self._end_early(seq.seq_id, "the request could not be scheduled")
 
     def _fail(self, seq_id: int, error: EngineError) -> None:
         state = self._states.get(seq_id)

@@ -33,6 +33,8 @@ def engines() -> Iterator[dict[str, Engine]]:
     specs: dict[str, tuple[str | None, str | None, tuple[str, ...]]] = {
         # Offers expire after 10 s: the unread offer below is waited out (each prefill here ends within a second).
         "prefill": ("kv_producer", None, (*CHUNKED, "--kv-transfer-timeout", "10")),
+        # Offers expire 1 s after their prefill is admitted: a burst queues far longer than that.
+        "quick-prefill": ("kv_producer", None, (*CHUNKED, "--kv-transfer-timeout", "1")),
         "decode": ("kv_consumer", "ipc", ()),
         "staged-prefill": ("kv_producer", "tcp", CHUNKED),
         "staged-decode": ("kv_consumer", "tcp", ()),
@@ -54,6 +56,15 @@ def _early_prefill(p: Engine, prompt: str, **extra: Any) -> dict[str, Any]:
         "do_remote_decode": True, "do_remote_prefill": False, "early_offer": True}))  # fmt: skip
     assert status == 200, body
     params: dict[str, Any] = body["kv_transfer_params"]
+    return params
+
+
+async def _early_prefill_async(s: aiohttp.ClientSession, p: Engine, prompt: str) -> dict[str, Any]:
+    body = _greedy(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False,
+                                                            "early_offer": True})  # fmt: skip
+    async with s.post(p.url + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        params: dict[str, Any] = (await r.json())["kv_transfer_params"]
     return params
 
 
@@ -114,24 +125,26 @@ async def test_a_decode_leg_gone_while_the_prefill_runs_stops_it_and_leaks_nothi
     failed = p.metric("atom:kv_transfer_released_total", 'reason="write_failed"')
     expired = p.metric("atom:kv_transfer_released_total", 'reason="expired"')
     prompts = [f"abandoned {i}: " + VERY_LONG for i in range(5)]
-    # All five queued at once: ~470 one-block prefill steps, far more than the decode legs wait for (the first may
-    # still finish in time on a fast machine: at least the last one is read mid-prefill). On an H200 all five
-    # prefills ended within 0.3 s, so there the legs give up after 30 ms.
+    # All five queued at once, each prefill leg answered as its prefill is admitted (~94 one-block steps each, the
+    # next admitted when the one before ended: ~0.15 s a prefill on a 2-core CPU), and its decode leg sent then,
+    # which gives up well before those steps end. On an H200 all five prefills ended within 0.3 s, so there the legs
+    # give up after 10 ms.
     on_gpu = os.environ.get("ENGINE_TEST_DEVICE", "cpu").startswith("cuda")
-    offers = [_early_prefill(p, q) for q in prompts]
-    timeout = aiohttp.ClientTimeout(total=0.03 if on_gpu else 0.3)
-    async with aiohttp.ClientSession(timeout=timeout) as s:
+    timeout = aiohttp.ClientTimeout(total=0.01 if on_gpu else 0.03)
+    async with aiohttp.ClientSession() as s:
 
-        async def give_up(q: str, params: dict[str, Any]) -> bool:
+        async def give_up(q: str) -> bool:
+            params = await _early_prefill_async(s, p, q)
             try:
-                async with s.post(d.url + "/v1/completions", json=_greedy(q, kv_transfer_params=params)) as r:
+                async with s.post(d.url + "/v1/completions", json=_greedy(q, kv_transfer_params=params),
+                                  timeout=timeout) as r:  # fmt: skip
                     await r.read()
             except TimeoutError:
                 return True
             return False
 
-        gone = await asyncio.gather(*(give_up(q, o) for q, o in zip(prompts, offers, strict=True)))
-    assert gone[-1], gone
+        gone = await asyncio.gather(*(give_up(q) for q in prompts))
+    assert any(gone), gone
     released = {r: p.metric("atom:kv_transfer_released_total", f'reason="{r}"')
                 for r in ("written", "write_failed", "refused", "expired", "closed")}  # fmt: skip
     wait_until(lambda: p.metric("atom:kv_transfer_released_total", 'reason="write_failed"') >= failed + 1,
@@ -158,3 +171,27 @@ async def test_a_decode_leg_gone_while_the_prefill_runs_stops_it_and_leaks_nothi
         want = await _complete(s, single.url, _greedy(LONG))
         params = _early_prefill(p, LONG)
         assert await _complete(s, d.url, _greedy(LONG, kv_transfer_params=params)) == want
+
+
+@pytest.mark.timeout(180)
+async def test_a_burst_queued_longer_than_the_offer_timeout_is_served_whole(engines: dict[str, Engine]) -> None:
+    """Twelve prefill legs at once on an engine whose offers expire after 1 s, queued ~1.8 s deep (~0.15 s a
+    prefill on a 2-core CPU): each is answered once its prefill is admitted, its decode leg sent then, and every one
+    is served, none of its offers expiring and no decode engine's pull place waiting on a queue. Answered before
+    their prefills ran, the offers of those still queued after 1 s expired and their decode legs failed (502); at
+    128 requests on `make up`'s engines, 127 failed and the gateway then opened the decode engine's breaker."""
+    p, d, single = engines["quick-prefill"], engines["decode"], engines["single"]
+    expired = p.metric("atom:kv_transfer_released_total", 'reason="expired"')
+    prompts = [f"burst {i}: " + VERY_LONG for i in range(12)]
+    async with aiohttp.ClientSession() as s:
+        want = [await _complete(s, single.url, _greedy(q)) for q in prompts[:2]]
+
+        async def both_legs(q: str) -> tuple[str, int]:
+            params = await _early_prefill_async(s, p, q)
+            assert params["early"] is True
+            return await _complete(s, d.url, _greedy(q, kv_transfer_params=params))
+
+        got = await asyncio.gather(*(both_legs(q) for q in prompts))
+    assert list(got[:2]) == want
+    assert p.metric("atom:kv_transfer_released_total", 'reason="expired"') == expired
+    wait_until(lambda: p.blocks_used() == 0 and d.blocks_used() == 0, what="both block pools to be idle")

@@ -283,12 +283,16 @@ class KVProducer:
             dp_rank=self._dp_rank,
         )
 
-    def offer_early(self, num_blocks: int, on_release: Callable[[ReleaseReason], None]) -> KVTransferParams:
+    def offer_early(self, num_blocks: int, on_release: Callable[[ReleaseReason], None], *,
+                    clock: bool = True) -> KVTransferParams:  # fmt: skip
         """Offer the KV of a prefill that has not run yet (``num_blocks`` blocks); returns its params.
 
         The engine then tells its progress (``progress``) and its end (``conclude``); a consumer reading
         over ipc copies each block once it is final, one pulling through Mooncake is written to once the
         prefill ended. ``on_release`` as for ``offer`` (the engine stops a prefill still running then).
+        ``clock`` False: the offer expires ``timeout_s`` after its prefill ended (``conclude``), not after the
+        offer: a queued or long prefill is not a consumer that failed to come. The engine answers the prefill leg
+        once the prefill is admitted to a step, and ends the offer itself should the prefill never end.
         """
         if self._server is None:
             raise KVTransferError("the KV producer is not running", reason="closed")
@@ -296,7 +300,8 @@ class KVProducer:
             raise KVTransferBusyError(f"{len(self._pending)} KV transfers already pending", reason="busy")
         tid = uuid.uuid4().hex
         pending = PendingTransfer(tid, (), on_release, early=True, num_blocks=int(num_blocks))
-        pending.timer = asyncio.get_running_loop().call_later(self.timeout_s, self._expire, tid)
+        if clock:
+            pending.timer = asyncio.get_running_loop().call_later(self.timeout_s, self._expire, tid)
         with self._lock:
             self._pending[tid] = pending
         rpc_port = int(self._agent.rpc_address.rsplit(":", 1)[1])
@@ -327,6 +332,8 @@ class KVProducer:
         final: dict[str, Any] = {"error": error} if error is not None else {"first_token_id": int(first_token_id or 0)}
         ids = tuple(int(b) for b in block_ids) if error is None else None
         pending = self._advance(tid, ids, len(ids) if ids is not None else None, final)
+        if pending is not None and pending.timer is None:  # an offer made without its clock: it starts now
+            pending.timer = asyncio.get_running_loop().call_later(self.timeout_s, self._expire, tid)
         if pending is not None and error is not None:
             with self._lock:
                 unclaimed = pending.state is TransferState.PENDING
@@ -466,16 +473,15 @@ class KVProducer:
         first_token: dict[str, Any] = {}
         if pending.early:  # written whole, once its prefill ended (chunk by chunk only over ipc: docs/pd.md)
             final = await self._until_final(pending, channel.wanted)
-            if final is None and not channel.wanted():
-                # The consumer gave up (its request was cancelled) while the prefill ran: release the offer now,
-                # so that the engine stops the prefill (the answer goes nowhere).
+            if final is None:
+                # The consumer gave up (its request was cancelled or timed out) while the prefill ran: release the
+                # offer now, so that the engine stops the prefill (the answer goes nowhere).
                 self._finish(pending, ReleaseReason.WRITE_FAILED)
                 return _refuse(tid, RefusalCode.PREFILL_FAILED, f"transfer {tid}: the consumer hung up while its "
                                "prefill ran")  # fmt: skip
-            if final is None or "error" in final:
-                why = "its prefill did not end in time" if final is None else f"its prefill failed: {final['error']}"
+            if "error" in final:
                 self._finish(pending, ReleaseReason.WRITE_FAILED)
-                return _refuse(tid, RefusalCode.PREFILL_FAILED, f"transfer {tid}: {why}")
+                return _refuse(tid, RefusalCode.PREFILL_FAILED, f"transfer {tid}: its prefill failed: {final['error']}")
             first_token = {"first_token_id": final["first_token_id"]}
         try:
             src, dst = self._check_blocks(pending, dst_regions, dst_ids, self._finish)
@@ -520,23 +526,20 @@ class KVProducer:
                 pending.watchers.remove(wake)
 
     async def _until_final(self, pending: PendingTransfer, wanted: Callable[[], bool]) -> dict[str, Any] | None:
-        """An early offer's end (waiting for its prefill, at most ``timeout_s``); None when it did not come, or
-        when the consumer hung up meanwhile (``wanted()`` false: looked at every ``HANGUP_POLL_S``)."""
+        """An early offer's end, however long its prefill runs (it always ends: done, failed, stopped, or the
+        engine died); None when the consumer hung up meanwhile (``wanted()`` false: looked at every
+        ``HANGUP_POLL_S``), which bounds its own wait."""
         with self._watch(pending) as moved:
-            try:
-                async with asyncio.timeout(self.timeout_s):
-                    while True:
-                        with self._lock:
-                            moved.clear()
-                            final = pending.final
-                        if final is not None:
-                            return final
-                        if not wanted():
-                            return None
-                        with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(moved.wait(), HANGUP_POLL_S)
-            except TimeoutError:
-                return None
+            while True:
+                with self._lock:
+                    moved.clear()
+                    final = pending.final
+                if final is not None:
+                    return final
+                if not wanted():
+                    return None
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(moved.wait(), HANGUP_POLL_S)
 
     def _abandon(self, tid: object) -> tuple[MessageType, dict[str, Any]]:
         """The consumer gave up an early offer before reading it: release it (REFUSED), so that the engine stops
@@ -607,11 +610,13 @@ class KVProducer:
         try:
             early = {"early": True} if pending.early else {}  # an early offer's rounds follow
             await wire.send(writer, MessageType.IPC_READ, transfer_id=pending.transfer_id, nonce=msg["nonce"], **early)
+            answer = asyncio.ensure_future(wire.recv(reader))  # the consumer's last word (or its hang-up)
+            if pending.early:
+                # Until its prefill ended (it always does: done, failed, stopped, or the engine died) or the consumer
+                # hung up; a prefill's length is not a consumer's silence (the consumer bounds the silence itself).
+                await self._feed(pending, writer, answer)
+                nbytes = len(pending.block_ids) * sum(r.unit_bytes for r in self._regions)
             async with asyncio.timeout(self.timeout_s):
-                answer = asyncio.ensure_future(wire.recv(reader))  # the consumer's last word (or its hang-up)
-                if pending.early:
-                    await self._feed(pending, writer, answer)
-                    nbytes = len(pending.block_ids) * sum(r.unit_bytes for r in self._regions)
                 done = await answer
             if (done.get("type") == MessageType.IPC_DONE and done.get("transfer_id") == pending.transfer_id
                     and done.get("status") == "ok" and (pending.final or {}).get("error") is None):  # fmt: skip
@@ -1073,7 +1078,7 @@ class KVConsumer:
             nonce = secrets.token_hex(16)
             deadline = time.monotonic() + self.timeout_s
             try:
-                async with asyncio.timeout(self.timeout_s):
+                async with asyncio.timeout(self.timeout_s) as within:
                     pools = await ipc.pools_for(p.remote_host, p.remote_handshake_port)
                     if pools is None:
                         return None
@@ -1083,8 +1088,10 @@ class KVConsumer:
                                "ipc_pool": pools.pool_id}  # fmt: skip
                     async with self._place():
                         if p.early:  # paired round by round, as the producer's blocks become final
+                            within.reschedule(None)  # the read renews its deadline on every round
                             reply = await ipc.read(pools, p.remote_host, request, None,
-                                                   [int(d) for d in dst_block_ids], deadline, after)  # fmt: skip
+                                                   [int(d) for d in dst_block_ids], deadline, after,
+                                                   renew_s=self.timeout_s)  # fmt: skip
                         else:
                             reply = await ipc.read(pools, p.remote_host, request, [s for s, _ in pairs],
                                                    [d for _, d in pairs], deadline, after)  # fmt: skip

@@ -479,6 +479,7 @@ class IpcPeers:
     async def read(
         self, pools: PeerPools, host: str, request: dict[str, Any], src_ids: Sequence[int] | None,
         dst_ids: Sequence[int], deadline: float, after: concurrent.futures.Future[Any] | None = None,
+        renew_s: float | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         """One pull from a mapped producer, in a reader thread: ask its read desk to claim the transfer
         (``request``: the write request), copy ``src_ids`` -> ``dst_ids`` once it did, say ``ipc_done``.
@@ -487,7 +488,8 @@ class IpcPeers:
         (nothing was copied). An early offer (``src_ids`` None; ``dst_ids`` then has one entry per
         source block, ``SKIP`` for those held here) is copied in rounds as its blocks become final;
         its answer is the final round's (``first_token_id``), or an ``error`` when its prefill
-        failed. ``deadline`` (``time.monotonic()``) bounds the socket waits; ``after``, a
+        failed. ``deadline`` (``time.monotonic()``) bounds the socket waits; with ``renew_s``, each round of an
+        early offer moves it to at least that far ahead (a prefill that moves may run long); ``after``, a
         step in flight when the destination blocks were handed out, is waited for before the copy.
         The copy has finished whenever this returns or raises (a cancelled caller waits for it), so
         a failure never leaves a late write in ``dst_ids``. Raises KVTransferError, OSError (the desk
@@ -497,7 +499,7 @@ class IpcPeers:
             raise KVTransferError("the producer's ipc answer named no read port (an older engine?)", reason="bad_reply")
         cancelled = threading.Event()  # an early offer's rounds stop waiting on it
         fut = asyncio.get_running_loop().run_in_executor(
-            self._readers, self._read, pools, host, request, src_ids, dst_ids, deadline, after, cancelled
+            self._readers, self._read, pools, host, request, src_ids, dst_ids, deadline, after, cancelled, renew_s
         )
         try:
             return await asyncio.shield(fut)
@@ -550,13 +552,19 @@ class IpcPeers:
     def _read(
         self, pools: PeerPools, host: str, request: dict[str, Any], src_ids: Sequence[int] | None,
         dst_ids: Sequence[int], deadline: float, after: concurrent.futures.Future[Any] | None,
-        cancelled: threading.Event,
+        cancelled: threading.Event, renew_s: float | None = None,
     ) -> dict[str, Any]:  # fmt: skip
+        limit = [deadline]
+
         def left() -> float:
-            remaining = deadline - time.monotonic()
+            remaining = limit[0] - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError("the pull's time ran out")
             return remaining
+
+        def renew() -> None:
+            if renew_s is not None:
+                limit[0] = max(limit[0], time.monotonic() + renew_s)
 
         tid = request["transfer_id"]
         with socket.create_connection((host, pools.read_port), timeout=left()) as sock:
@@ -571,7 +579,7 @@ class IpcPeers:
             if src_ids is None:
                 if not reply.get("early"):
                     raise KVTransferError(f"the producer read {tid} as a finished offer", reason="bad_reply")
-                return self._rounds(sock, pools, tid, dst_ids, left, after, cancelled)
+                return self._rounds(sock, pools, tid, dst_ids, left, renew, after, cancelled)
             self._copy_claimed(sock, pools, tid, src_ids, dst_ids, after, left)
             # The producer releases its blocks on this (or on the hang-up): nothing to wait for.
             with contextlib.suppress(OSError):
@@ -600,15 +608,17 @@ class IpcPeers:
 
     def _rounds(
         self, sock: socket.socket, pools: PeerPools, tid: str, dst_ids: Sequence[int], left: Callable[[], float],
-        after: concurrent.futures.Future[Any] | None, cancelled: threading.Event,
+        renew: Callable[[], None], after: concurrent.futures.Future[Any] | None, cancelled: threading.Event,
     ) -> dict[str, Any]:  # fmt: skip
         """An early offer, claimed: copy each round's final blocks as the desk names them, until the last round.
+        Each round renews the read's deadline (``renew``).
 
         Each block is copied once, after the producer said it is final; the copies of a round finish
         before the next round is read, so whenever this returns or raises no copy is running."""
         done = 0  # source blocks 0..done-1 handled (copied, or held here already)
         while True:
             msg = _recv_watching(sock, left, cancelled)
+            renew()
             start, src, final = msg.get("start"), msg.get("block_ids"), msg.get("final")
             if (msg.get("type") != MessageType.IPC_READY or msg.get("transfer_id") != tid or start != done
                     or not isinstance(src, list) or done + len(src) > len(dst_ids)):  # fmt: skip
@@ -646,9 +656,13 @@ async def outlast(fut: asyncio.Future[Any]) -> None:
 
 
 def _recv_watching(sock: socket.socket, left: Callable[[], float], cancelled: threading.Event) -> dict[str, Any]:
-    """The next message, waiting in short slices so a cancelled pull stops waiting for a prefill still running."""
-    while not select.select([sock], [], [], min(0.05, left()))[0]:
+    """The next message, waiting in short slices so a cancelled pull stops waiting for a prefill still running:
+    looked at before every round too, not only when none came within a slice (rounds a step apart, faster than a
+    slice, once copied a cancelled pull's whole prompt)."""
+    while True:
         if cancelled.is_set():
             raise KVTransferError("the pull was cancelled while the prefill ran", reason="cancelled")
+        if select.select([sock], [], [], min(0.05, left()))[0]:
+            break
     sock.settimeout(left())
     return wire.recv_sync(sock)
