@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import orjson
 import structlog
 
 from atomesh.backends import Backend
@@ -385,7 +386,7 @@ class AttemptMetrics:
         if isinstance(e, UpstreamStatus):
             answered = at_fault or workers[-1]
             m.upstream_responses.labels(answered.url, answered.role.value, str(e.status)).inc()
-            if e.status < 500:
+            if e.status < 500 or _sheds_load(e):
                 return False
         for w in workers:
             if at_fault is None or w is at_fault:
@@ -406,6 +407,24 @@ class AttemptMetrics:
     def migration(self, outcome: str) -> None:
         """What became of a broken stream (`mesh_migrations_total`)."""
         self._metrics.migrations.labels(outcome).inc()
+
+
+# Error codes of a worker that is up and turns a request away for want of room (our engine's OverloadedError:
+# its waiting queue is full, or a P/D decode engine found no blocks in time): retried, not charged to its breaker.
+SHEDDING_CODES = frozenset({"queue_full"})
+
+
+def _sheds_load(e: UpstreamStatus) -> bool:
+    """A 503 whose OpenAI-shaped body says the worker is full, not broken: counting it would turn an overload
+    into an outage (the breaker opens, the requests on the worker are failed over, new ones get 503 for
+    ``--cb-timeout-duration-secs``)."""
+    if e.status != 503 or len(e.upstream_body) > 4096:
+        return False
+    try:
+        error = orjson.loads(e.upstream_body).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") in SHEDDING_CODES
 
 
 async def _end_stream(exchange: Exchange, tail: bytes) -> None:

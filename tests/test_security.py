@@ -147,7 +147,7 @@ async def test_bad_fields_get_400_without_reaching_a_worker(
     assert worker.breaker.state.value == "closed"
 
 
-async def test_worker_4xx_never_opens_a_breaker(
+async def test_worker_4xx_and_load_shedding_never_open_a_breaker(
     mock_workers: MakeWorkers, gateway: MakeGateway, http: aiohttp.ClientSession
 ) -> None:
     [w] = await mock_workers(1, fail_status=400)
@@ -159,6 +159,13 @@ async def test_worker_4xx_never_opens_a_breaker(
                 assert r.status == status
     worker = next(iter(gw.gateway.registry))
     assert worker.breaker.state.value == "closed" and worker.breaker.failures == 0
+    # Nor a 503 whose body says the worker is full (an engine shedding load): it is up, and is retried.
+    w.behaviour.fail_status, w.behaviour.fail_code = 503, "queue_full"
+    for _ in range(4):
+        async with http.post(base_url(gw) + "/v1/completions", json=COMPLETION) as r:
+            assert r.status == 503 and (await r.json())["error"]["code"] == "queue_full"
+    assert worker.breaker.state.value == "closed" and worker.breaker.failures == 0
+    w.behaviour.fail_code = None
     w.behaviour.fail_status = 500
     for _ in range(3):
         async with http.post(base_url(gw) + "/v1/completions", json=COMPLETION) as r:
