@@ -195,3 +195,36 @@ async def test_a_burst_queued_longer_than_the_offer_timeout_is_served_whole(engi
     assert list(got[:2]) == want
     assert p.metric("atom:kv_transfer_released_total", 'reason="expired"') == expired
     wait_until(lambda: p.blocks_used() == 0 and d.blocks_used() == 0, what="both block pools to be idle")
+
+
+@pytest.mark.timeout(180)
+async def test_a_prefill_leg_gone_while_its_prefill_queues_stops_it_and_leaks_nothing(
+    engines: dict[str, Engine],
+) -> None:
+    """Prefill legs whose clients leave while their prefills still queue (behind a long one): nothing was answered,
+    so their offers end there and then, their prefills never run, and the prefill engine's pool goes back to idle."""
+    p, d = engines["prefill"], engines["decode"]
+    failed = p.metric("atom:kv_transfer_released_total", 'reason="write_failed"')
+    body = _greedy(VERY_LONG, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False,
+                                                                "early_offer": True})  # fmt: skip
+    on_gpu = os.environ.get("ENGINE_TEST_DEVICE", "cpu").startswith("cuda")
+    async with aiohttp.ClientSession() as s:
+        ahead = asyncio.ensure_future(_early_prefill_async(s, p, "ahead: " + VERY_LONG))  # admitted first
+        await asyncio.sleep(0.01)
+
+        async def leave(i: int) -> bool:
+            try:
+                async with s.post(p.url + "/v1/completions", json={**body, "prompt": f"queued {i}: " + VERY_LONG},
+                                  timeout=aiohttp.ClientTimeout(total=0.005 if on_gpu else 0.05)) as r:  # fmt: skip
+                    await r.read()
+            except TimeoutError:
+                return True
+            return False
+
+        gone = await asyncio.gather(*(leave(i) for i in range(4)))
+        params = await ahead
+        assert await _complete(s, d.url, _greedy("ahead: " + VERY_LONG, kv_transfer_params=params))
+    assert any(gone), gone
+    wait_until(lambda: p.metric("atom:kv_transfer_released_total", 'reason="write_failed"') >= failed + sum(gone),
+               what="the left legs' offers to end")  # fmt: skip
+    wait_until(lambda: p.blocks_used() == 0 and d.blocks_used() == 0, what="both block pools to be idle")
