@@ -136,5 +136,14 @@ class UpstreamStatus(UpstreamError):
         self.content_type = content_type
 
 
+def upstream_error_code(body: bytes) -> str | None:
+    """The ``error.code`` of a worker's OpenAI-shaped error body, or None (not JSON, not that shape, not a string)."""
+    try:
+        code = orjson.loads(body)["error"]["code"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return None
+    return code if isinstance(code, str) else None
+
+
 # Upstream statuses worth another attempt (as SMG retries them; docs/workers.md).
 RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})

@@ -7,12 +7,11 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import orjson
 import structlog
 
 from atomesh.backends import Backend
 from atomesh.config import GatewayConfig
-from atomesh.errors import GatewayError, UpstreamError, UpstreamStatus, UpstreamUnreachable
+from atomesh.errors import GatewayError, UpstreamError, UpstreamStatus, UpstreamUnreachable, upstream_error_code
 from atomesh.metrics import ENDPOINTS, HistogramValue, Metrics, RequestMeter
 from atomesh.migration import MigrationRefused, StreamTracker, refusal
 from atomesh.placement import Placement, Plan
@@ -418,13 +417,7 @@ def _sheds_load(e: UpstreamStatus) -> bool:
     """A 503 whose OpenAI-shaped body says the worker is full, not broken: counting it would turn an overload
     into an outage (the breaker opens, the requests on the worker are failed over, new ones get 503 for
     ``--cb-timeout-duration-secs``)."""
-    if e.status != 503 or len(e.upstream_body) > 4096:
-        return False
-    try:
-        error = orjson.loads(e.upstream_body).get("error")
-    except (orjson.JSONDecodeError, AttributeError):
-        return False
-    return isinstance(error, dict) and error.get("code") in SHEDDING_CODES
+    return e.status == 503 and upstream_error_code(e.upstream_body) in SHEDDING_CODES
 
 
 async def _end_stream(exchange: Exchange, tail: bytes) -> None:

@@ -427,8 +427,7 @@ class AsyncLLMEngine:
         del self._states[seq.seq_id]
         bs = seq.block_size
         try:
-            params = self.relay.offer_early((seq.num_prompt_tokens + bs - 1) // bs, lambda: self.release(transfer),
-                                            clock=False)  # fmt: skip
+            params = self.relay.offer_early((seq.num_prompt_tokens + bs - 1) // bs, lambda: self.release(transfer))
         except BaseException:
             self._stop_prefill(seq)
             self.release(transfer)
@@ -461,12 +460,16 @@ class AsyncLLMEngine:
             if transfer.on_prefilled is not None:
                 transfer.on_prefilled(seq)
 
-    def _end_early(self, seq_id: int, why: str) -> None:
-        """An early offer's prefill failed (its step, or the engine): the decode engine is told so, or its leg
-        before it was answered."""
+    def _refuse_admission(self, seq_id: int, why: str) -> None:
+        """An early offer's leg still waiting for its prefill's admission gets ``why`` as its error."""
         admitted = self._admitting.pop(seq_id, None)
         if admitted is not None and not admitted.done():
             admitted.set_exception(EngineFailedError(why))
+
+    def _end_early(self, seq_id: int, why: str) -> None:
+        """An early offer's prefill failed (its step, or the engine): the decode engine is told so, or its leg
+        before it was answered."""
+        self._refuse_admission(seq_id, why)
         entry = self._early.pop(seq_id, None)
         if entry is not None and self.relay is not None:
             self.relay.conclude(entry[1], error=why)
@@ -616,9 +619,7 @@ class AsyncLLMEngine:
         self._transfers.pop(transfer.seq.seq_id, None)
         if self._early.pop(transfer.seq.seq_id, None) is not None:
             self._stop_prefill(transfer.seq)  # an early offer that ended before its prefill did
-            admitted = self._admitting.pop(transfer.seq.seq_id, None)
-            if admitted is not None and not admitted.done():  # before it was admitted, so before its leg's answer
-                admitted.set_exception(EngineFailedError("the prefill's KV offer ended before the prefill ran"))
+            self._refuse_admission(transfer.seq.seq_id, "the prefill's KV offer ended before the prefill ran")
         self.engine.release(transfer.seq)  # tells _blocks_freed
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, max_tokens_given: bool) -> RequestHandle:

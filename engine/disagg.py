@@ -344,18 +344,18 @@ class Disaggregation:
         self.stats.offered += 1
         return params.to_dict()
 
-    def offer_early(self, num_blocks: int, on_release: Callable[[], None], *, clock: bool = True) -> dict[str, Any]:
+    def offer_early(self, num_blocks: int, on_release: Callable[[], None]) -> dict[str, Any]:
         """Offer the KV of a prefill still to run (``num_blocks`` blocks); returns its kv_transfer_params.
 
         Follow with ``progress`` after its steps and ``conclude`` when it ends; ``on_release`` as for ``offer``.
-        ``clock`` False: it expires after its prefill ended, not after the offer (``KVProducer.offer_early``)."""
+        Unread, it expires after its prefill ended (``KVProducer.offer_early``)."""
         assert self.producer is not None, "offer_early on a relay that is not a kv_producer"
 
         def released(reason: ReleaseReason) -> None:
             self.stats.released[reason.value] = self.stats.released.get(reason.value, 0) + 1
             on_release()
 
-        params = self.producer.offer_early(num_blocks, released, clock=clock)
+        params = self.producer.offer_early(num_blocks, released)
         self.stats.offered += 1
         return params.to_dict()
 

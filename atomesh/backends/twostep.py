@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from atomesh.errors import UpstreamError, UpstreamStatus
+from atomesh.errors import UpstreamError, UpstreamStatus, upstream_error_code
 from atomesh.metrics import Metrics
 from atomesh.placement import Pair, Plan
 from atomesh.request import RequestView, Route
@@ -52,11 +52,8 @@ def prefill_body(body: dict[str, Any], kv_params: dict[str, Any], route: Route) 
 
 def kv_failure_code(body: bytes) -> str | None:
     """The engine's error code when a decode leg failed because its KV transfer did (codes `kv_transfer_*`)."""
-    try:
-        code = orjson.loads(body)["error"]["code"]
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        return None
-    return code if isinstance(code, str) and code.startswith("kv_transfer") and len(code) <= 64 else None
+    code = upstream_error_code(body)
+    return code if code is not None and code.startswith("kv_transfer") and len(code) <= 64 else None
 
 
 class TwoStepBackend:

@@ -283,25 +283,22 @@ class KVProducer:
             dp_rank=self._dp_rank,
         )
 
-    def offer_early(self, num_blocks: int, on_release: Callable[[ReleaseReason], None], *,
-                    clock: bool = True) -> KVTransferParams:  # fmt: skip
+    def offer_early(self, num_blocks: int, on_release: Callable[[ReleaseReason], None]) -> KVTransferParams:
         """Offer the KV of a prefill that has not run yet (``num_blocks`` blocks); returns its params.
 
         The engine then tells its progress (``progress``) and its end (``conclude``); a consumer reading
         over ipc copies each block once it is final, one pulling through Mooncake is written to once the
         prefill ended. ``on_release`` as for ``offer`` (the engine stops a prefill still running then).
-        ``clock`` False: the offer expires ``timeout_s`` after its prefill ended (``conclude``), not after the
-        offer: a queued or long prefill is not a consumer that failed to come. The engine answers the prefill leg
-        once the prefill is admitted to a step, and ends the offer itself should the prefill never end.
+        Unread, it expires ``timeout_s`` after its prefill ended (``conclude``), not after the offer: a queued or
+        long prefill is not a consumer that failed to come (the engine ends the offer itself should the prefill
+        never end, and answers the prefill leg once the prefill is admitted to a step).
         """
         if self._server is None:
             raise KVTransferError("the KV producer is not running", reason="closed")
         if len(self._pending) >= self.max_pending:
             raise KVTransferBusyError(f"{len(self._pending)} KV transfers already pending", reason="busy")
         tid = uuid.uuid4().hex
-        pending = PendingTransfer(tid, (), on_release, early=True, num_blocks=int(num_blocks))
-        if clock:
-            pending.timer = asyncio.get_running_loop().call_later(self.timeout_s, self._expire, tid)
+        pending = PendingTransfer(tid, (), on_release, early=True, num_blocks=int(num_blocks))  # no clock yet
         with self._lock:
             self._pending[tid] = pending
         rpc_port = int(self._agent.rpc_address.rsplit(":", 1)[1])
@@ -332,7 +329,7 @@ class KVProducer:
         final: dict[str, Any] = {"error": error} if error is not None else {"first_token_id": int(first_token_id or 0)}
         ids = tuple(int(b) for b in block_ids) if error is None else None
         pending = self._advance(tid, ids, len(ids) if ids is not None else None, final)
-        if pending is not None and pending.timer is None:  # an offer made without its clock: it starts now
+        if pending is not None:  # an early offer's clock starts once its prefill ended
             pending.timer = asyncio.get_running_loop().call_later(self.timeout_s, self._expire, tid)
         if pending is not None and error is not None:
             with self._lock:

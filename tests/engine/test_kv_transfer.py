@@ -240,6 +240,23 @@ async def test_sixteen_concurrent_pulls_all_complete(prefill: Side, decode: Side
     assert producer.pending_count == 0
 
 
+async def test_an_unread_early_offer_expires_only_after_its_prefill_ended(prefill: Side) -> None:
+    """A prefill that queues or runs longer than the timeout is not a decode engine that failed to come: an early
+    offer's clock starts at ``conclude``."""
+    producer = KVProducer(prefill.agent, prefill.regions, host="127.0.0.1", handshake_port=0, timeout_s=0.3)
+    await producer.start()
+    try:
+        releases = Releases()
+        params = producer.offer_early(3, releases.callback("t"))
+        await asyncio.sleep(0.9)  # three timeouts while its prefill runs
+        assert releases.calls == [] and producer.pending_count == 1
+        producer.conclude(params.transfer_id, [1, 2, 3], first_token_id=7)
+        await _poll(lambda: bool(releases.calls))
+        assert releases.reasons("t") == [ReleaseReason.EXPIRED] and producer.pending_count == 0
+    finally:
+        await producer.close()
+
+
 # -- faults: each leaves nothing pending and releases exactly once ----------------------------
 
 
